@@ -1,0 +1,135 @@
+"""The gradscope command line: thin commands over the library, and the one error boundary."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import pandas as pd
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from .config import load_config, with_overrides
+from .errors import GradscopeError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Per-example gradient diagnostics for PyTorch models.",
+)
+console = Console()
+
+ConfigArg = Annotated[
+    Path, typer.Argument(help="YAML config naming the model, checkpoint and data.")
+]
+OutOpt = Annotated[
+    Path | None, typer.Option("--out", help="Parquet file to write (default: output.path).")
+]
+DeviceOpt = Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda, cuda:N or mps.")]
+BatchOpt = Annotated[int | None, typer.Option("--batch-size", help="Examples per pass.")]
+LimitOpt = Annotated[int | None, typer.Option("--limit", help="Score only the first N examples.")]
+TopKOpt = Annotated[int | None, typer.Option("--top-k", help="Rows in the outlier table.")]
+TrustOpt = Annotated[
+    bool,
+    typer.Option(
+        "--trust-checkpoint",
+        help="Load a checkpoint that weights_only=True refuses (runs its pickle).",
+    ),
+]
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    )
+
+
+def _report(path: Path, by: str | None, top_k: int) -> None:
+    from .summary import render
+
+    console.print(render(pd.read_parquet(path), by, top_k))
+    console.print(f"wrote {path}")
+
+
+@app.command()
+def norms(
+    config: ConfigArg,
+    out: OutOpt = None,
+    device: DeviceOpt = None,
+    batch_size: BatchOpt = None,
+    limit: LimitOpt = None,
+    per_layer: Annotated[
+        bool, typer.Option("--per-layer", help="Add a grad_norm/<module> column per module.")
+    ] = False,
+    top_k: TopKOpt = None,
+    trust_checkpoint: TrustOpt = False,
+) -> None:
+    """L2 norm of each example's own loss gradient."""
+    from .api import score_dataset
+
+    cfg = with_overrides(
+        load_config(config),
+        out=out,
+        device=device,
+        batch_size=batch_size,
+        limit=limit,
+        per_layer=per_layer,
+        top_k=top_k,
+    )
+    with _progress() as progress:
+        task = progress.add_task("norms", total=None)
+        path = score_dataset(
+            cfg,
+            "norms",
+            trust_checkpoint=trust_checkpoint,
+            on_start=lambda n: progress.update(task, total=n),
+            on_batch=lambda n: progress.advance(task, n),
+        )
+    _report(path, "grad_norm", cfg.summary.top_k)
+
+
+@app.command()
+def summary(
+    scores: Annotated[Path, typer.Argument(help="A Parquet file written by gradscope.")],
+    by: Annotated[
+        str | None,
+        typer.Option("--by", help="Column to rank by (default: influence, else grad_norm)."),
+    ] = None,
+    top_k: Annotated[int, typer.Option("--top-k", help="Rows in the outlier table.")] = 20,
+) -> None:
+    """Print the outlier tables of an existing scores file."""
+    from .errors import DataError
+
+    if not scores.is_file():
+        raise DataError("scores file not found", str(scores))
+    _report(scores, by, top_k)
+
+
+def main() -> None:
+    """Entry point: a user-fixable error is one line on stderr and exit status 2."""
+    try:
+        app(standalone_mode=False)
+    except GradscopeError as e:
+        if os.environ.get("GRADSCOPE_DEBUG"):
+            raise
+        Console(stderr=True).print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except typer.Abort:
+        Console(stderr=True).print("aborted")
+        sys.exit(130)

@@ -1,0 +1,228 @@
+"""YAML config -> frozen, validated dataclasses; every bad value is named by its key path."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+from .errors import ConfigError
+from .losses import NAMES as LOSS_NAMES
+
+DEVICES = ("auto", "cpu", "cuda", "mps")
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    factory: str
+    kwargs: dict = field(default_factory=dict)
+    checkpoint: str | None = None
+    state_dict_key: str | None = None
+    strip_prefix: str | None = None
+    output: str | int | None = None
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str
+    targets: str
+    inputs: list[str] = field(default_factory=lambda: ["x"])
+    ids: str | None = None
+    batch_size: int = 256
+    limit: int | None = None
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    name: str = "cross_entropy"
+    kwargs: dict = field(default_factory=dict)
+    class_dim: int = -1
+    token_reduction: str = "mean"
+
+
+@dataclass(frozen=True)
+class ParamsConfig:
+    include: list[str] = field(default_factory=lambda: ["*"])
+    exclude: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    path: str = "scores.parquet"
+    per_layer: bool = False
+
+
+@dataclass(frozen=True)
+class SummaryConfig:
+    top_k: int = 20
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig
+    data: DataConfig
+    loss: LossConfig = field(default_factory=LossConfig)
+    device: str = "auto"
+    dtype: str | None = None
+    params: ParamsConfig = field(default_factory=ParamsConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    summary: SummaryConfig = field(default_factory=SummaryConfig)
+    source: str = ""  # the config file, for error messages; not a YAML key
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    origin = get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return any(_type_ok(value, h) for h in get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin is list:
+        (item,) = get_args(hint)
+        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint in (int, str, dict, bool):
+        return isinstance(value, hint) and not (hint is int and isinstance(value, bool))
+    return isinstance(value, hint)
+
+
+def _type_name(hint: Any) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true/false",
+             dict: "a mapping", type(None): "null"}  # fmt: skip
+    if get_origin(hint) in (Union, types.UnionType):
+        return " or ".join(_type_name(h) for h in get_args(hint))
+    if get_origin(hint) is list:
+        return f"a list of {_type_name(get_args(hint)[0]).split(' ', 1)[1]}s"
+    return names.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _build(cls: type, raw: Any, path: str, source: str) -> Any:
+    """Build dataclass ``cls`` from a YAML mapping, naming the key path of any bad value."""
+    where = path or "top level"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping, got {type(raw).__name__}", source)
+    hints = get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls) if f.name != "source"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        key = f"{path}.{unknown[0]}" if path else str(unknown[0])
+        raise ConfigError(
+            f"unknown key '{key}'; expected one of {', '.join(sorted(known))}", source
+        )
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name == "source":
+            continue
+        key = f"{path}.{f.name}" if path else f.name
+        if f.name not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"missing required key '{key}'", source)
+            continue
+        value, hint = raw[f.name], hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            values[f.name] = _build(hint, value, key, source)
+            continue
+        if get_origin(hint) is list and isinstance(value, str):
+            value = [value]  # a single name is a list of one
+        if not _type_ok(value, hint):
+            raise ConfigError(f"'{key}' must be {_type_name(hint)}, got {value!r}", source)
+        values[f.name] = value
+    return cls(**values)
+
+
+def _resolve(spec: str | None, base: Path) -> str | None:
+    """Make a path, or the file of a 'file.py:Name' spec, absolute relative to ``base``."""
+    if spec is None:
+        return None
+    if ".py:" in spec:
+        file, name = spec.rsplit(":", 1)
+        return f"{(base / Path(file).expanduser()).resolve()}:{name}"
+    if ":" in spec:
+        return spec  # "package.module:Name" is imported, not read from a path
+    return str((base / Path(spec).expanduser()).resolve())
+
+
+def _validate(cfg: Config) -> None:
+    source = cfg.source
+    if cfg.device.split(":")[0] not in DEVICES:
+        raise ConfigError(
+            f"'device' must be one of {', '.join(DEVICES)} or cuda:N, got {cfg.device!r}", source
+        )
+    if cfg.dtype is not None and cfg.dtype not in DTYPES:
+        raise ConfigError(f"'dtype' must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}", source)
+    if ".py:" not in cfg.loss.name and cfg.loss.name not in LOSS_NAMES:
+        names = ", ".join(LOSS_NAMES)
+        raise ConfigError(
+            f"'loss.name' must be one of {names} or file.py:fn, got {cfg.loss.name!r}", source
+        )
+    if cfg.loss.token_reduction not in ("mean", "sum"):
+        raise ConfigError(
+            f"'loss.token_reduction' must be mean or sum, got {cfg.loss.token_reduction!r}", source
+        )
+    for key, value in (
+        ("data.batch_size", cfg.data.batch_size),
+        ("summary.top_k", cfg.summary.top_k),
+    ):
+        if value < 1:
+            raise ConfigError(f"'{key}' must be at least 1, got {value}", source)
+    if cfg.data.limit is not None and cfg.data.limit < 0:
+        raise ConfigError(f"'data.limit' must be positive, got {cfg.data.limit}", source)
+    if not cfg.data.inputs:
+        raise ConfigError("'data.inputs' must name at least one input", source)
+
+
+def load_config(path: str | Path) -> Config:
+    """Read, validate and resolve a YAML config; relative paths are relative to its folder."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("config file not found", str(path))
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}, line {mark.line + 1}" if mark else str(path)
+        raise ConfigError(f"malformed YAML: {getattr(e, 'problem', e)}", where) from e
+    cfg = _build(Config, raw if raw is not None else {}, "", str(path))
+    base = path.resolve().parent
+    loss_name = cfg.loss.name
+    cfg = dataclasses.replace(
+        cfg,
+        source=str(path),
+        model=dataclasses.replace(
+            cfg.model,
+            factory=_resolve(cfg.model.factory, base),
+            checkpoint=_resolve(cfg.model.checkpoint, base),
+        ),
+        data=dataclasses.replace(cfg.data, path=_resolve(cfg.data.path, base)),
+        loss=dataclasses.replace(
+            cfg.loss, name=_resolve(loss_name, base) if ".py:" in loss_name else loss_name
+        ),
+        output=dataclasses.replace(cfg.output, path=_resolve(cfg.output.path, base)),
+    )
+    _validate(cfg)
+    return cfg
+
+
+def with_overrides(cfg: Config, **overrides: Any) -> Config:
+    """Apply command-line options (None means "not given") on top of the config file."""
+    o = {k: v for k, v in overrides.items() if v is not None}
+    data = dataclasses.replace(cfg.data, **{k: o[k] for k in ("batch_size", "limit") if k in o})
+    output = cfg.output
+    if "out" in o:
+        output = dataclasses.replace(output, path=str(Path(o["out"]).resolve()))
+    if o.get("per_layer"):
+        output = dataclasses.replace(output, per_layer=True)
+    summary = dataclasses.replace(cfg.summary, top_k=o.get("top_k", cfg.summary.top_k))
+    cfg = dataclasses.replace(
+        cfg, data=data, output=output, summary=summary, device=o.get("device", cfg.device)
+    )
+    _validate(cfg)
+    return cfg

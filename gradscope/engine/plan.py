@@ -1,0 +1,104 @@
+"""The plan: for every parameter, which rule serves it, the fallback, or excluded by ``params``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+from ..errors import ConfigError
+from ..rules import find_rule
+
+FALLBACK = "fallback"
+EXCLUDED = "excluded"
+
+
+@dataclass
+class ParamPlan:
+    name: str  # the name model.named_parameters() gives it
+    param: nn.Parameter
+    module: str  # the module it is reported under with --per-layer
+    owners: list[tuple[nn.Module, str]] = field(
+        default_factory=list
+    )  # (module, attribute) per holder
+    rule: str = EXCLUDED  # "linear", "conv+linear" (tied), FALLBACK or EXCLUDED
+
+    @property
+    def included(self) -> bool:
+        return self.rule != EXCLUDED
+
+
+@dataclass
+class Plan:
+    params: list[ParamPlan]
+
+    @property
+    def included(self) -> list[ParamPlan]:
+        return [p for p in self.params if p.included]
+
+    @property
+    def by_rule(self) -> list[ParamPlan]:
+        return [p for p in self.params if p.included and p.rule != FALLBACK]
+
+    @property
+    def fallback(self) -> list[ParamPlan]:
+        return [p for p in self.params if p.rule == FALLBACK]
+
+    @property
+    def hooked_modules(self) -> list[nn.Module]:
+        """Modules whose calls must be captured: every holder of a parameter a rule serves."""
+        seen: dict[int, nn.Module] = {}
+        for p in self.by_rule:
+            for module, _ in p.owners:
+                seen.setdefault(id(module), module)
+        return list(seen.values())
+
+    @property
+    def modules(self) -> list[str]:
+        """The --per-layer columns, in model order."""
+        return list(dict.fromkeys(p.module for p in self.included))
+
+    def describe(self) -> list[dict[str, object]]:
+        return [
+            {"name": p.name, "module": p.module, "shape": list(p.param.shape), "rule": p.rule}
+            for p in self.params
+        ]
+
+
+def _selected(names: Sequence[str], include: Sequence[str], exclude: Sequence[str]) -> bool:
+    def hit(patterns: Sequence[str]) -> bool:
+        return any(fnmatchcase(n, pat) for n in names for pat in patterns)
+
+    return hit(include) and not hit(exclude)
+
+
+def build_plan(
+    model: nn.Module, include: Sequence[str] = ("*",), exclude: Sequence[str] = ()
+) -> Plan:
+    """Decide, before any pass, how each parameter's per-example gradient is obtained."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    plans: dict[int, ParamPlan] = {}
+    for name, p in model.named_parameters():
+        plans[id(p)] = ParamPlan(name=name, param=p, module=name.rpartition(".")[0] or name)
+    held: set[tuple[int, str]] = set()
+    for module in model.modules():  # each module once, even where it sits at two places
+        for attr, p in module.named_parameters(recurse=False):
+            if (id(module), attr) not in held:
+                held.add((id(module), attr))
+                plans[id(p)].owners.append((module, attr))
+    for plan in plans.values():
+        if not _selected(names[id(plan.param)], include, exclude):
+            continue
+        rules = [find_rule(module) for module, _ in plan.owners]
+        if all(rules):
+            plan.rule = "+".join(dict.fromkeys(r.name for r in rules))
+        else:
+            plan.rule = FALLBACK
+    plan = Plan(list(plans.values()))
+    if not plan.included:
+        raise ConfigError("params.include/exclude select no parameter of the model", "params")
+    return plan

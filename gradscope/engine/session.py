@@ -1,0 +1,75 @@
+"""The hook session: captures each call's inputs and output of the hooked modules, then the
+gradient of the summed loss with respect to each output. All state lives here; hooks are always
+removed on exit, even after an exception."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class Call:
+    """One forward call of a module: its tensor inputs and the gradient at its output."""
+
+    inputs: tuple[Tensor, ...]
+    output: Tensor
+    versions: tuple[int, ...]  # of inputs and output when captured: later in-place edits show up
+    grad: Tensor | None = None
+
+
+class HookSession:
+    """Context manager that records every call of ``modules`` during one forward pass.
+
+    Modules in ``copy`` get their captured tensors copied and their output replaced by a clone, for
+    models that later edit those tensors in place (``ReLU(inplace=True)`` after a layer).
+    """
+
+    def __init__(self, modules: Iterable[nn.Module], copy: set[int] | None = None):
+        self.modules = list(modules)
+        self.copy = copy if copy is not None else set()
+        self.calls: dict[int, list[Call]] = {id(m): [] for m in self.modules}
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def __enter__(self) -> HookSession:
+        for module in self.modules:
+            self._handles.append(module.register_forward_hook(self._capture))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _capture(self, module: nn.Module, args: tuple, output: object) -> Tensor | None:
+        if not isinstance(output, Tensor) or not output.requires_grad:
+            return None  # nothing flows back through this call
+        inputs = tuple(a.detach() for a in args if isinstance(a, Tensor))
+        replacement = None
+        if id(module) in self.copy:
+            inputs = tuple(a.clone() for a in inputs)
+            replacement = output.clone()  # downstream edits the clone; ours stays intact
+        versions = tuple(t._version for t in (*inputs, output))
+        self.calls[id(module)].append(Call(inputs, output, versions))
+        return replacement
+
+    def edited_in_place(self) -> set[int]:
+        """Modules whose captured tensors were changed in place after capture."""
+        return {
+            key
+            for key, calls in self.calls.items()
+            for call in calls
+            if tuple(t._version for t in (*call.inputs, call.output)) != call.versions
+        }
+
+    def backward(self, total: Tensor) -> None:
+        """Fill each call's ``grad`` with d total / d output, computing no parameter gradient."""
+        calls = [c for cs in self.calls.values() for c in cs]
+        if not calls:
+            return
+        grads = torch.autograd.grad(total, [c.output for c in calls], allow_unused=True)
+        for call, grad in zip(calls, grads, strict=True):
+            call.grad = grad

@@ -1,0 +1,27 @@
+"""Errors a user can fix: the CLI prints them as one line and exits with status 2."""
+
+from __future__ import annotations
+
+
+class GradscopeError(Exception):
+    """Something wrong with the user's input, named with where it is (a file, key or module)."""
+
+    def __init__(self, what: str, where: str | None = None):
+        super().__init__(what)
+        self.what = what
+        self.where = where
+
+    def __str__(self) -> str:
+        return f"{self.what} ({self.where})" if self.where else self.what
+
+
+class ConfigError(GradscopeError):
+    """A missing, malformed or invalid configuration value."""
+
+
+class DataError(GradscopeError):
+    """A data file that is missing, unreadable or lacks the named columns."""
+
+
+class ModelError(GradscopeError):
+    """A model factory, checkpoint or forward pass that does not fit."""

@@ -1,0 +1,1 @@
+"""Reading models, checkpoints and data; writing scores."""

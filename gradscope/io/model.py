@@ -1,0 +1,175 @@
+"""Model factories and checkpoints: build the user's module and load its weights."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import pickle
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..errors import ConfigError, ModelError
+
+
+def import_object(spec: str, key: str) -> Any:
+    """Import ``Name`` from ``/abs/file.py:Name`` or ``package.module:Name``."""
+    target, sep, name = spec.rpartition(":")
+    if not sep or not name:
+        raise ConfigError(f"expected 'file.py:Name' or 'package.module:Name', got {spec!r}", key)
+    if target.endswith(".py"):
+        file = Path(target)
+        if not file.is_file():
+            raise ConfigError(f"file not found: {file}", key)
+        module_name = f"_gradscope_user_{file.stem}_{abs(hash(str(file)))}"
+        module = sys.modules.get(module_name)
+        if module is None:
+            module_spec = importlib.util.spec_from_file_location(module_name, file)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_name] = module
+            sys.path.insert(0, str(file.parent))  # let the file import its neighbours
+            try:
+                module_spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[module_name]
+                raise
+            finally:
+                sys.path.remove(str(file.parent))
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as e:
+            raise ConfigError(f"cannot import {target!r}: {e}", key) from e
+    if not hasattr(module, name):
+        raise ConfigError(f"{target} has no attribute {name!r}", key)
+    return getattr(module, name)
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def load_state_dict(path: str | Path, trust: bool = False) -> dict[str, Any]:
+    """Load a state dict from .safetensors, or .pt/.pth with ``weights_only=True``.
+
+    An arbitrary pickle is refused without running it unless ``trust`` is set.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ModelError("checkpoint not found", str(path))
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path))
+        except Exception as e:  # safetensors raises its own SafetensorError
+            raise ModelError(f"cannot read safetensors checkpoint: {e}", str(path)) from e
+    try:
+        return torch.load(path, map_location="cpu", weights_only=not trust)
+    except pickle.UnpicklingError as e:
+        raise ModelError(
+            "checkpoint holds objects other than tensors and cannot be loaded with "
+            "weights_only=True; pass --trust-checkpoint only if you trust its author",
+            str(path),
+        ) from e
+    except (RuntimeError, EOFError, OSError) as e:
+        raise ModelError(f"cannot read checkpoint: {e}", str(path)) from e
+
+
+def _extract(state: Any, cfg: ModelConfig, path: str) -> dict[str, torch.Tensor]:
+    if cfg.state_dict_key is not None:
+        if not isinstance(state, dict) or cfg.state_dict_key not in state:
+            keys = ", ".join(list(state)[:8]) if isinstance(state, dict) else type(state).__name__
+            raise ModelError(f"checkpoint has no key {cfg.state_dict_key!r} (it has: {keys})", path)
+        state = state[cfg.state_dict_key]
+    if isinstance(state, nn.Module):  # a trusted pickle of a whole model
+        state = state.state_dict()
+    if not isinstance(state, dict):
+        raise ModelError(f"checkpoint is a {type(state).__name__}, not a state dict", path)
+    if cfg.strip_prefix:
+        state = {k.removeprefix(cfg.strip_prefix): v for k, v in state.items()}
+    return state
+
+
+def build_model(cfg: ModelConfig, trust_checkpoint: bool = False) -> nn.Module:
+    """Call the factory with its kwargs and load the checkpoint strictly (every key, every shape)."""
+    factory = import_object(cfg.factory, "model.factory")
+    try:
+        model = factory(**cfg.kwargs)
+    except TypeError as e:
+        raise ConfigError(
+            f"cannot call the model factory with model.kwargs: {e}", "model.kwargs"
+        ) from e
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"the factory returned a {type(model).__name__}, not an nn.Module", "model.factory"
+        )
+    if cfg.checkpoint is None:
+        return model
+    state = _extract(load_state_dict(cfg.checkpoint, trust_checkpoint), cfg, cfg.checkpoint)
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        if unexpected:
+            parts.append(
+                f"unexpected {', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}"
+            )
+        hint = "; try model.strip_prefix or model.state_dict_key" if unexpected else ""
+        raise ModelError(
+            f"checkpoint does not fit the model: {'; '.join(parts)}{hint}", cfg.checkpoint
+        )
+    for k, v in expected.items():
+        if tuple(state[k].shape) != tuple(v.shape):
+            raise ModelError(
+                f"checkpoint does not fit the model: {k} has shape {tuple(state[k].shape)}, "
+                f"the model expects {tuple(v.shape)}",
+                cfg.checkpoint,
+            )
+    model.load_state_dict(state)
+    return model
+
+
+def select_output(outputs: Any, spec: str | int | None) -> torch.Tensor:
+    """Pick the tensor the loss reads from a tuple, dict or object returned by forward."""
+    if spec is None:
+        selected = outputs
+    elif isinstance(outputs, dict):
+        if spec not in outputs:
+            raise ModelError(
+                f"forward returned a dict without key {spec!r} (keys: {', '.join(map(str, outputs))})",
+                "model.output",
+            )
+        selected = outputs[spec]
+    elif isinstance(outputs, (tuple, list)):
+        try:
+            selected = outputs[int(spec)]
+        except (ValueError, IndexError) as e:
+            raise ModelError(
+                f"forward returned {len(outputs)} items; model.output={spec!r} does not pick one",
+                "model.output",
+            ) from e
+    elif isinstance(spec, str) and hasattr(outputs, spec):
+        selected = getattr(outputs, spec)
+    else:
+        raise ModelError(
+            f"forward returned a {type(outputs).__name__}, which has no {spec!r}", "model.output"
+        )
+    if not isinstance(selected, torch.Tensor):
+        raise ModelError(
+            f"forward returned a {type(selected).__name__}; set model.output to pick a tensor",
+            "model.output",
+        )
+    return selected

@@ -1,0 +1,103 @@
+"""Per-example losses by name: each returns one loss per example, shape (B,)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from .errors import ConfigError, ModelError
+
+LossFn = Callable[[Any, Tensor], Tensor]
+
+NAMES = ("cross_entropy", "nll", "mse", "l1", "bce_with_logits")
+
+
+def _reduce_positions(per_position: Tensor, weight: Tensor | None, how: str) -> Tensor:
+    """Reduce (B, ...) per-position losses to (B,), counting only positions with weight 1."""
+    flat = per_position.flatten(1)
+    if how == "sum":
+        return flat.sum(1)
+    if weight is None:
+        return flat.mean(1)
+    # mean over the positions that count (not ignore_index), as PyTorch's own "mean" does per batch
+    return flat.sum(1) / weight.flatten(1).sum(1).clamp_min(1)
+
+
+def _classification(name: str, kwargs: dict, class_dim: int, token_reduction: str) -> LossFn:
+    fn = F.cross_entropy if name == "cross_entropy" else F.nll_loss
+    ignore_index = kwargs.get("ignore_index", -100)
+
+    def loss(outputs: Tensor, targets: Tensor) -> Tensor:
+        if outputs.dim() <= 2:
+            return fn(outputs, targets, reduction="none", **kwargs)
+        logits = outputs.movedim(class_dim, 1)  # (B, C, ...) as F.cross_entropy wants
+        per_position = fn(logits, targets, reduction="none", **kwargs)  # (B, ...)
+        counts = None if targets.is_floating_point() else (targets != ignore_index)
+        return _reduce_positions(per_position, counts, token_reduction)
+
+    return loss
+
+
+def _elementwise(name: str, kwargs: dict, token_reduction: str) -> LossFn:
+    fn = {
+        "mse": F.mse_loss,
+        "l1": F.l1_loss,
+        "bce_with_logits": F.binary_cross_entropy_with_logits,
+    }[name]
+
+    def loss(outputs: Tensor, targets: Tensor) -> Tensor:
+        if targets.shape != outputs.shape and targets.numel() == outputs.numel():
+            targets = targets.reshape(outputs.shape)  # (B,) targets for (B, 1) outputs
+        per_element = fn(outputs, targets.to(outputs.dtype), reduction="none", **kwargs)
+        if per_element.dim() == 1:
+            return per_element
+        return _reduce_positions(per_element, None, token_reduction)
+
+    return loss
+
+
+def resolve_loss(
+    spec: str | LossFn,
+    kwargs: dict | None = None,
+    class_dim: int = -1,
+    token_reduction: str = "mean",
+) -> LossFn:
+    """Turn a loss name or a callable into ``(outputs, targets) -> Tensor[B]``.
+
+    Names: cross_entropy, nll, mse, l1, bce_with_logits. A callable is used as it is and must
+    return one loss per example.
+    """
+    kwargs = dict(kwargs or {})
+    if callable(spec):
+        fn = spec
+    elif spec in ("cross_entropy", "nll"):
+        fn = _classification(spec, kwargs, class_dim, token_reduction)
+    elif spec in ("mse", "l1", "bce_with_logits"):
+        fn = _elementwise(spec, kwargs, token_reduction)
+    else:
+        raise ConfigError(
+            f"unknown loss {spec!r}; expected one of {', '.join(NAMES)} or file.py:fn"
+        )
+    if token_reduction not in ("mean", "sum"):
+        raise ConfigError(f"token_reduction must be 'mean' or 'sum', not {token_reduction!r}")
+    return _checked(fn)
+
+
+def _checked(fn: LossFn) -> LossFn:
+    def loss(outputs: Any, targets: Tensor) -> Tensor:
+        try:
+            value = fn(outputs, targets)
+        except (RuntimeError, ValueError, IndexError, TypeError) as e:
+            raise ModelError(f"the loss cannot take the model's outputs: {e}", "loss") from e
+        batch = targets.shape[0]
+        if not isinstance(value, Tensor) or value.shape != (batch,):
+            shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise ModelError(
+                f"the loss must return one value per example, shape ({batch},), got {shape}", "loss"
+            )
+        return value
+
+    return loss

@@ -1,0 +1,172 @@
+"""Per-example gradients in factored form, and the registry of layer rules that produce them.
+
+A rule is a pure function ``(module, inputs, grad_output) -> {param_name: Contribution}`` for one
+call of one module. A Contribution holds one parameter's per-example gradient without forming it
+where the layer's structure allows, and answers three questions about it: its squared norm, its
+inner product with reference tensors, and (only when nothing cheaper exists) the gradient itself.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+# Bound on the elements of one temporary (Gram block, materialised chunk): 2**24 floats = 64 MiB.
+CHUNK_ELEMENTS = 1 << 24
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Half precision models accumulate norms and inner products in float32."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _acc(t: Tensor) -> Tensor:
+    return t.to(accumulation_dtype(t.dtype))
+
+
+class Contribution(ABC):
+    """One parameter's per-example gradient, (B, *shape), kept in whatever form is cheapest."""
+
+    shape: torch.Size
+
+    @abstractmethod
+    def norm_sq(self) -> Tensor:
+        """(B,) squared L2 norm of each example's gradient."""
+
+    @abstractmethod
+    def inner(self, refs: Tensor) -> Tensor:
+        """(B, K) inner products of each example's gradient with ``refs`` of shape (K, *shape)."""
+
+    @abstractmethod
+    def materialize(self) -> Tensor:
+        """(B, *shape) the per-example gradients themselves."""
+
+    def merge(self, other: Contribution) -> Contribution:
+        """The contribution of both (a module called twice, a weight shared by two modules)."""
+        return Dense(self.materialize() + other.materialize())
+
+
+class Dense(Contribution):
+    """Per-example gradients formed directly: fine for small parameters (biases, norm scales)."""
+
+    def __init__(self, grads: Tensor):
+        self.grads = _acc(grads)  # (B, *shape)
+        self.shape = grads.shape[1:]
+
+    def norm_sq(self) -> Tensor:
+        return self.grads.flatten(1).pow(2).sum(1)
+
+    def inner(self, refs: Tensor) -> Tensor:
+        return self.grads.flatten(1) @ refs.to(self.grads.dtype).flatten(1).T  # (B, P) @ (P, K)
+
+    def materialize(self) -> Tensor:
+        return self.grads
+
+    def merge(self, other: Contribution) -> Contribution:
+        return Dense(self.grads + other.materialize())
+
+
+class Outer(Contribution):
+    """G_i = sum_t s_it a_it^T for each of ``G`` groups: the weight of Linear and Conv layers.
+
+    ``s`` is (B, G, T, O) output gradients and ``a`` is (B, G, T, I) inputs at T positions; the
+    parameter, of ``shape``, is the (G*O, I) matrix stacked group by group and reshaped.
+    """
+
+    def __init__(self, s: Tensor, a: Tensor, shape: torch.Size):
+        self.s, self.a, self.shape = _acc(s), _acc(a), torch.Size(shape)
+
+    @property
+    def dims(self) -> tuple[int, int, int, int, int]:
+        (b, g, t, o), i = self.s.shape, self.a.shape[-1]
+        return b, g, t, o, i
+
+    def merge(self, other: Contribution) -> Contribution:
+        b, g, _, o, i = self.dims
+        if isinstance(other, Outer) and (b, g, o, i) == tuple(other.dims[k] for k in (0, 1, 3, 4)):
+            # positions of both calls add up: concatenate them, cross terms come out of the Gram
+            return Outer(
+                torch.cat([self.s, other.s], 2), torch.cat([self.a, other.a], 2), self.shape
+            )
+        return super().merge(other)
+
+    def norm_sq(self) -> Tensor:
+        b, g, t, o, i = self.dims
+        if t == 1:  # ||s a^T||^2 = ||s||^2 ||a||^2
+            return (self.s.pow(2).sum(-1) * self.a.pow(2).sum(-1)).sum((1, 2))
+        if t * (i + o) < i * o:  # the (T, T) Gram matrices cost less than forming G
+            return self._gram_norm_sq()
+        return torch.cat([m.flatten(1).pow(2).sum(1) for m in self._materialized_chunks()])
+
+    def _gram_norm_sq(self) -> Tensor:
+        """sum_{t,t'} (a_t . a_t')(s_t . s_t'), in (c, c) blocks so no (T, T) matrix is needed."""
+        b, g, t, _, _ = self.dims
+        c = max(1, min(t, int((CHUNK_ELEMENTS / (b * g)) ** 0.5)))
+        total = self.s.new_zeros(b)
+        for lo in range(0, t, c):
+            a_lo, s_lo = self.a[:, :, lo : lo + c], self.s[:, :, lo : lo + c]
+            for hi in range(lo, t, c):
+                a_hi, s_hi = self.a[:, :, hi : hi + c], self.s[:, :, hi : hi + c]
+                block = (a_lo @ a_hi.transpose(-1, -2)) * (
+                    s_lo @ s_hi.transpose(-1, -2)
+                )  # (B, G, c, c)
+                total += block.sum((1, 2, 3)) * (1 if hi == lo else 2)  # off-diagonal blocks twice
+        return total
+
+    def _materialized_chunks(self):
+        b, g, _, o, i = self.dims
+        step = max(1, CHUNK_ELEMENTS // (g * o * i))
+        for lo in range(0, b, step):
+            # (b, G, O, T) @ (b, G, T, I) -> (b, G, O, I)
+            yield self.s[lo : lo + step].transpose(-1, -2) @ self.a[lo : lo + step]
+
+    def materialize(self) -> Tensor:
+        return torch.cat(list(self._materialized_chunks())).reshape(-1, *self.shape)
+
+    def inner(self, refs: Tensor) -> Tensor:
+        b, g, t, o, i = self.dims
+        r = refs.to(self.s.dtype).reshape(-1, g, o, i)  # (K, G, O, I)
+        # sum_t s_t^T R a_t: project the inputs through R, never forming G
+        if o <= i:
+            ra = torch.einsum("kgoi,bgti->bkgto", r, self.a)  # (B, K, G, T, O)
+            return (ra * self.s.unsqueeze(1)).sum((2, 3, 4))
+        rs = torch.einsum("kgoi,bgto->bkgti", r, self.s)  # (B, K, G, T, I)
+        return (rs * self.a.unsqueeze(1)).sum((2, 3, 4))
+
+
+RuleFn = Callable[[nn.Module, tuple[Tensor, ...], Tensor], dict[str, Contribution]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    fn: RuleFn
+
+
+RULES: dict[type[nn.Module], Rule] = {}
+
+
+def register_rule(*types: type[nn.Module], name: str) -> Callable[[RuleFn], RuleFn]:
+    """Register ``fn`` as the rule for modules of exactly these types."""
+
+    def register(fn: RuleFn) -> RuleFn:
+        for t in types:
+            RULES[t] = Rule(name, fn)
+        return fn
+
+    return register
+
+
+def find_rule(module: nn.Module) -> Rule | None:
+    """The rule for ``module``'s exact type, or a parent's when the subclass keeps its forward."""
+    cls = type(module)
+    if cls in RULES:
+        return RULES[cls]
+    for parent in cls.__mro__[1:]:
+        if parent in RULES and cls.forward is parent.forward:
+            return RULES[parent]
+    return None
