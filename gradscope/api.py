@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from . import __version__
 from .config import Config
-from .engine.core import BatchScores, Engine, prepared
+from .engine.core import Engine, prepared
 from .engine.plan import Plan, build_plan
 from .errors import ConfigError
 from .io.data import Batch, open_dataset
@@ -118,8 +118,9 @@ def _arrow_type(values: np.ndarray | Tensor) -> pa.DataType:
     return pa.string() if dtype.kind in "OUS" else pa.from_numpy_dtype(dtype)
 
 
-def norms_columns(job: Job, batch: Batch, scores: BatchScores) -> dict[str, np.ndarray]:
+def norms_columns(job: Job, batch: Batch) -> dict[str, np.ndarray]:
     """One batch's rows: example_id, id, loss, grad_norm, grad_norm/<module>, target, finite."""
+    scores = job.engine.norms(*job.to_device(batch))
     total = torch.stack(list(scores.norm_sq.values())).double().sum(0)
     columns: dict[str, np.ndarray] = {"example_id": batch.index.numpy()}
     if batch.ids is not None:
@@ -142,12 +143,13 @@ def norms_columns(job: Job, batch: Batch, scores: BatchScores) -> dict[str, np.n
 def score_dataset(
     cfg: Config,
     command: str = "norms",
+    score_batch: Callable[[Job, Batch], dict[str, np.ndarray]] = norms_columns,
     *,
     trust_checkpoint: bool = False,
     on_start: Callable[[int], None] | None = None,
     on_batch: Callable[[int], None] | None = None,
 ) -> Path:
-    """Score every example of ``cfg``'s dataset and write the Parquet file; returns its path.
+    """Score every example of ``cfg``'s dataset with ``score_batch`` and write the Parquet file.
 
     The first batch runs before anything is written, so input the model cannot take leaves no file.
     """
@@ -160,7 +162,7 @@ def score_dataset(
         stack.enter_context(prepared(job.model, job.plan))
         writer = None
         for batch in dataset.batches(cfg.data.batch_size, cfg.data.limit):
-            columns = norms_columns(job, batch, job.engine.norms(*job.to_device(batch)))
+            columns = score_batch(job, batch)
             if writer is None:
                 schema = pa.schema(
                     [(name, _arrow_type(values)) for name, values in columns.items()]

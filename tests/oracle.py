@@ -1,0 +1,83 @@
+"""The reference every engine number is tested against: a float64 per-example backward loop."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from gradscope.engine.core import prepared
+from gradscope.engine.naive import naive_grads
+from gradscope.engine.plan import build_plan
+from gradscope.losses import resolve_loss
+
+
+@dataclass
+class Case:
+    """A test problem as data: a module, inputs and targets for a batch, and a loss."""
+
+    id: str
+    module: Callable[[], nn.Module]
+    inputs: Callable[[int], tuple[Tensor, ...]]  # batch size -> model inputs
+    targets: Callable[[Tensor], Tensor]  # model output -> targets of the right shape
+    loss: str = "mse"
+    loss_kwargs: dict = field(default_factory=dict)
+    batch: int = 5
+    output: str | int | None = None
+
+    def build(self, dtype: torch.dtype = torch.float64, batch: int | None = None, seed: int = 0):
+        torch.manual_seed(seed)
+        model = self.module().to(dtype)
+        inputs = tuple(
+            t.to(dtype) if t.is_floating_point() else t for t in self.inputs(batch or self.batch)
+        )
+        with torch.no_grad():
+            from gradscope.io.model import select_output
+
+            model.eval()
+            targets = self.targets(select_output(model(*inputs), self.output))
+        return model, inputs, targets
+
+    def __repr__(self) -> str:
+        return self.id
+
+
+def reference_norms(
+    model: nn.Module,
+    inputs: tuple[Tensor, ...],
+    targets: Tensor,
+    loss: str = "mse",
+    include: Sequence[str] = ("*",),
+    exclude: Sequence[str] = (),
+    output: str | int | None = None,
+    loss_kwargs: dict | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Per-example (loss, grad norm) from the loop, on a float64 copy of the model."""
+    model = copy.deepcopy(model).double()
+    inputs = tuple(t.double() if t.is_floating_point() else t for t in inputs)
+    targets = targets.double() if targets.is_floating_point() else targets
+    plan = build_plan(model, include, exclude)
+    with prepared(model, plan):
+        losses, grads = naive_grads(
+            model,
+            inputs,
+            targets,
+            resolve_loss(loss, loss_kwargs),
+            [p.name for p in plan.included],
+            output,
+        )
+    norm = torch.stack([g.flatten(1).pow(2).sum(1) for g in grads.values()]).sum(0).sqrt()
+    return losses, norm
+
+
+def assert_rel_close(actual: Tensor, expected: Tensor, rtol: float) -> None:
+    """max |a - e| / max(|e|) below rtol: relative to the scale of the answer, as check reports it."""
+    actual, expected = actual.double(), expected.double()
+    scale = expected.abs().max().clamp_min(1e-30)
+    err = ((actual - expected).abs().max() / scale).item()
+    assert err < rtol, (
+        f"relative error {err:.3g} >= {rtol:g}\nactual   {actual}\nexpected {expected}"
+    )
