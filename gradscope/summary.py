@@ -26,10 +26,11 @@ def default_score(frame: pd.DataFrame) -> str:
 
 
 def top_outliers(frame: pd.DataFrame, score: str, k: int) -> pd.DataFrame:
-    """The k finite rows farthest from the median of ``score`` (largest |robust z|)."""
+    """The k finite rows of largest robust z; by |z| when the score takes both signs (influence)."""
     rows = frame.loc[frame["finite"]] if "finite" in frame.columns else frame
     z = robust_z(rows[score])
-    order = z.abs().sort_values(ascending=False, kind="stable").index[:k]
+    key = z.abs() if (rows[score] < 0).any() else z
+    order = key.sort_values(ascending=False, kind="stable").index[:k]
     return rows.loc[order].assign(robust_z=z.loc[order])
 
 
