@@ -23,8 +23,26 @@ def test_norms_writes_parquet_and_prints_outliers(tmp_path):
     assert "per class (grad_norm)" in result.output
     assert "23 examples; grad_norm: median" in result.output
     schema = pq.read_schema(tmp_path / "scores.parquet")
-    assert schema.names == ["example_id", "id", "loss", "grad_norm", "grad_norm/fc1", "grad_norm/fc2", "target", "finite"]
-    assert [str(t) for t in schema.types] == ["int64", "int64", "double", "double", "double", "double", "int64", "bool"]
+    assert schema.names == [
+        "example_id",
+        "id",
+        "loss",
+        "grad_norm",
+        "grad_norm/fc1",
+        "grad_norm/fc2",
+        "target",
+        "finite",
+    ]
+    assert [str(t) for t in schema.types] == [
+        "int64",
+        "int64",
+        "double",
+        "double",
+        "double",
+        "double",
+        "int64",
+        "bool",
+    ]
     frame = pd.read_parquet(tmp_path / "scores.parquet")
     net, x, y = load_net(tmp_path)
     _, norm = reference_norms(net, (x,), y, "cross_entropy")
@@ -38,7 +56,21 @@ def test_norms_writes_parquet_and_prints_outliers(tmp_path):
 def test_options_override_config(tmp_path):
     config = make_project(tmp_path, n=23)
     out = tmp_path / "sub" / "custom.parquet"
-    result = runner.invoke(app, ["norms", str(config), "--out", str(out), "--limit", "7", "--batch-size", "3", "--device", "cpu"])
+    result = runner.invoke(
+        app,
+        [
+            "norms",
+            str(config),
+            "--out",
+            str(out),
+            "--limit",
+            "7",
+            "--batch-size",
+            "3",
+            "--device",
+            "cpu",
+        ],
+    )
     assert result.exit_code == 0, result.output
     frame = pd.read_parquet(out)
     assert frame["example_id"].tolist() == list(range(7))
@@ -50,7 +82,9 @@ def test_options_override_config(tmp_path):
 def test_summary_of_existing_file(tmp_path):
     config = make_project(tmp_path)
     assert runner.invoke(app, ["norms", str(config)]).exit_code == 0
-    result = runner.invoke(app, ["summary", str(tmp_path / "scores.parquet"), "--top-k", "3", "--by", "loss"])
+    result = runner.invoke(
+        app, ["summary", str(tmp_path / "scores.parquet"), "--top-k", "3", "--by", "loss"]
+    )
     assert result.exit_code == 0, result.output
     assert "top 3 outliers by loss" in result.output
 
@@ -58,7 +92,10 @@ def test_summary_of_existing_file(tmp_path):
 def test_user_errors_exit_2_with_one_line(tmp_path):
     cases = [
         (["norms", str(tmp_path / "missing.yaml")], "error: config file not found"),
-        (["norms", str(make_project(tmp_path, data__targets="label"))], "error: no column 'label' for data.targets"),
+        (
+            ["norms", str(make_project(tmp_path, data__targets="label"))],
+            "error: no column 'label' for data.targets",
+        ),
         (["summary", str(tmp_path / "none.parquet")], "error: scores file not found"),
     ]
     for args, message in cases:
