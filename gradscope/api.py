@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import torch
 from torch import Tensor, nn
 
-from . import __version__
+from . import __version__, distributed
 from .config import Config
 from .engine.core import Engine, prepared
 from .engine.plan import Plan, build_plan
-from .errors import ConfigError
+from .errors import ConfigError, Interrupted
 from .io.data import Batch, open_dataset
 from .io.model import build_model, file_sha256, import_object
-from .io.parquet import ScoreWriter
+from .io.parquet import PartialRun
 from .losses import LossFn, resolve_loss
 
 
@@ -113,11 +113,6 @@ class Job:
         }
 
 
-def _arrow_type(values: np.ndarray | Tensor) -> pa.DataType:
-    dtype = values.numpy().dtype if isinstance(values, Tensor) else values.dtype
-    return pa.string() if dtype.kind in "OUS" else pa.from_numpy_dtype(dtype)
-
-
 def norms_columns(job: Job, batch: Batch) -> dict[str, np.ndarray]:
     """One batch's rows: example_id, id, loss, grad_norm, grad_norm/<module>, target, finite."""
     scores = job.engine.norms(*job.to_device(batch))
@@ -140,37 +135,103 @@ def norms_columns(job: Job, batch: Batch) -> dict[str, np.ndarray]:
     return columns
 
 
+def _fingerprint(cfg: Config, command: str, job: Job) -> dict:
+    """What a partial run must share with the run that resumes it, as JSON reads it back."""
+    config = cfg.to_dict()
+    for key in ("summary", "source", "device"):  # display, file name, placement (ranks differ)
+        config.pop(key)
+    ckpt = cfg.model.checkpoint
+    fingerprint = {
+        "command": command,
+        "config": config,
+        "checkpoint_sha256": file_sha256(ckpt) if ckpt else None,
+    }
+    return json.loads(json.dumps(fingerprint, default=str))
+
+
+def _differences(old: object, new: object, key: str = "") -> list[str]:
+    """The dotted keys at which two JSON values differ."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [
+            d
+            for k in sorted(set(old) | set(new))
+            for d in _differences(old.get(k), new.get(k), f"{key}.{k}" if key else k)
+        ]
+    return [] if old == new else [key]
+
+
 def score_dataset(
     cfg: Config,
     command: str = "norms",
     score_batch: Callable[[Job, Batch], dict[str, np.ndarray]] = norms_columns,
     *,
     trust_checkpoint: bool = False,
-    on_start: Callable[[int], None] | None = None,
+    resume: bool = False,
+    on_start: Callable[[int | None], None] | None = None,
     on_batch: Callable[[int], None] | None = None,
-) -> Path:
+) -> Path | None:
     """Score every example of ``cfg``'s dataset with ``score_batch`` and write the Parquet file.
 
+    Each batch's rows become a part file in the partial folder as soon as they are scored (see
+    ``io/parquet.py``); with ``resume`` the parts of an interrupted run with the same command,
+    config and checkpoint are kept and only the missing batches are scored. Under torchrun, rank r
+    scores batches r, r + K, ... and rank 0 assembles the file; other ranks return None.
     The first batch runs before anything is written, so input the model cannot take leaves no file.
+    ``on_start`` gets the number of rows this process scores, None when unknown before reading.
     """
-    job = Job.from_config(cfg, trust_checkpoint)
-    dataset = open_dataset(cfg.data)
-    total = len(dataset) if cfg.data.limit is None else min(len(dataset), cfg.data.limit)
-    if on_start:
-        on_start(total)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(prepared(job.model, job.plan))
-        writer = None
-        for batch in dataset.batches(cfg.data.batch_size, cfg.data.limit):
-            columns = score_batch(job, batch)
-            if writer is None:
-                schema = pa.schema(
-                    [(name, _arrow_type(values)) for name, values in columns.items()]
-                )
-                writer = stack.enter_context(
-                    ScoreWriter(cfg.output.path, schema, job.metadata(command))
-                )
-            writer.write(columns)
-            if on_batch:
-                on_batch(len(batch.index))
-    return Path(cfg.output.path)
+    with distributed.session() as world:
+        job = Job.from_config(
+            dataclasses.replace(cfg, device=world.device(cfg.device)), trust_checkpoint
+        )
+        dataset = open_dataset(cfg.data)
+        run = PartialRun(cfg.output.path)
+        fingerprint = _fingerprint(cfg, command, job)
+        saved = run.manifest() if resume else None
+        if saved is not None and saved["fingerprint"] != fingerprint:
+            keys = _differences(saved["fingerprint"], fingerprint)
+            raise ConfigError(
+                f"cannot resume: the interrupted run had a different {', '.join(keys)}; "
+                "run without --resume to start over",
+                str(run.dir),
+            )
+        done = run.done() if saved is not None else set()
+        total = dataset.length
+        if total is not None and cfg.data.limit is not None:
+            total = min(total, cfg.data.limit)
+        if on_start:
+            on_start(world.rows(total, cfg.data.batch_size))
+
+        def start() -> None:
+            """Once every rank's first batch has run: begin the partial folder, or keep it."""
+            distributed.barrier()
+            if world.main and saved is None:
+                run.start({"fingerprint": fingerprint, "metadata": job.metadata(command)})
+            distributed.barrier()
+
+        started, rows, number = False, 0, -1
+        with prepared(job.model, job.plan):
+            try:
+                for number, batch in enumerate(
+                    dataset.batches(cfg.data.batch_size, cfg.data.limit)
+                ):
+                    if not world.owns(number):
+                        continue
+                    if number not in done:
+                        columns = score_batch(job, batch)
+                        if not started:
+                            start()
+                            started = True
+                        run.write(number, columns)
+                    rows += len(batch)
+                    if on_batch:
+                        on_batch(len(batch))
+            except KeyboardInterrupt:
+                raise Interrupted(
+                    f"interrupted with {rows} examples saved; run the same command with --resume "
+                    "to continue",
+                    str(run.dir),
+                ) from None
+        if not started:
+            start()
+        distributed.barrier()  # every rank's parts are written
+        return run.assemble(number + 1) if world.main else None

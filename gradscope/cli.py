@@ -33,7 +33,7 @@ class _ErrorBoundary(TyperGroup):
             if os.environ.get("GRADSCOPE_DEBUG"):
                 raise
             Console(stderr=True).print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
+            raise typer.Exit(e.exit_code) from None
 
 
 app = typer.Typer(
@@ -54,6 +54,13 @@ DeviceOpt = Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda
 BatchOpt = Annotated[int | None, typer.Option("--batch-size", help="Examples per pass.")]
 LimitOpt = Annotated[int | None, typer.Option("--limit", help="Score only the first N examples.")]
 TopKOpt = Annotated[int | None, typer.Option("--top-k", help="Rows in the outlier table.")]
+ResumeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--resume",
+        help="Continue an interrupted run with the same config and checkpoint, keeping its rows.",
+    ),
+]
 TrustOpt = Annotated[
     bool,
     typer.Option(
@@ -64,6 +71,10 @@ TrustOpt = Annotated[
 
 
 def _progress() -> Progress:
+    """A bar with a total when the row count is known ahead, a running count otherwise; under
+    torchrun only rank 0 draws one."""
+    from .distributed import world
+
     return Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
@@ -72,6 +83,7 @@ def _progress() -> Progress:
         TimeRemainingColumn(),
         console=console,
         transient=True,
+        disable=not world().main,
     )
 
 
@@ -93,6 +105,7 @@ def norms(
         bool, typer.Option("--per-layer", help="Add a grad_norm/<module> column per module.")
     ] = False,
     top_k: TopKOpt = None,
+    resume: ResumeOpt = False,
     trust_checkpoint: TrustOpt = False,
 ) -> None:
     """L2 norm of each example's own loss gradient."""
@@ -113,10 +126,12 @@ def norms(
             cfg,
             "norms",
             trust_checkpoint=trust_checkpoint,
+            resume=resume,
             on_start=lambda n: progress.update(task, total=n),
             on_batch=lambda n: progress.advance(task, n),
         )
-    _report(path, "grad_norm", cfg.summary.top_k)
+    if path is not None:  # None on the ranks other than 0 under torchrun
+        _report(path, "grad_norm", cfg.summary.top_k)
 
 
 @app.command()
