@@ -44,6 +44,8 @@ def _as_tensor(values: Any, name: str, where: str) -> Tensor:
             raise DataError(f"column {name!r} holds values of different shapes", where) from e
     if array.dtype.kind not in "biuf":
         raise DataError(f"column {name!r} is {array.dtype}, not numbers", where)
+    if not array.flags.writeable:  # Arrow's zero-copy buffers; torch wants memory it may write
+        array = array.copy()
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
@@ -162,6 +164,7 @@ class _Source:
     length: int | None
     read: Callable[[int], Iterator[Columns]]  # rows per run -> runs of rows
     names: list[str] | None = None  # the columns, when known without reading the rows
+    whole: bool = False  # read in one piece (.pt, .npz): its size is known only once read
 
 
 def _file_source(path: str) -> _Source:
@@ -179,14 +182,14 @@ def _file_source(path: str) -> _Source:
                 )
             yield columns
 
-        return _Source(str(file), None, read_pt)
+        return _Source(str(file), None, read_pt, whole=True)
     if suffix == ".npz":
 
         def read_npz(_: int) -> Iterator[Columns]:
             with np.load(file, allow_pickle=False) as npz:
                 yield {k: npz[k] for k in npz.files}
 
-        return _Source(str(file), None, read_npz)
+        return _Source(str(file), None, read_npz, whole=True)
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -329,7 +332,7 @@ def open_dataset(cfg: DataConfig, path: str | Sequence[str] | None = None) -> Da
     sources = []
     for spec in shard_paths(path):
         sources.append(_function_source(spec, columns) if ".py:" in spec else _file_source(spec))
-    if len(sources) == 1 and sources[0].length is None and sources[0].names is None:
+    if len(sources) == 1 and sources[0].whole:
         # a single table read whole anyway: read it now, so its size and columns are known
         only = sources[0]
         (table,) = list(_read(only, 0))
