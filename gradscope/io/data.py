@@ -195,18 +195,21 @@ def _file_source(path: str) -> _Source:
 
         try:
             names = pq.ParquetFile(file).schema_arrow.names
-            rows = pq.ParquetFile(file).metadata.num_rows
+            n_rows = pq.ParquetFile(file).metadata.num_rows
         except Exception as e:  # pyarrow's own error types; all mean "unreadable"
             raise DataError(f"cannot read data file: {e}", str(file)) from e
 
         def read_parquet(rows: int) -> Iterator[Columns]:
-            for record in pq.ParquetFile(file).iter_batches(batch_size=rows):
-                yield {
-                    name: record.column(name).to_numpy(zero_copy_only=False)
-                    for name in record.schema.names
-                }
+            reader = pq.ParquetFile(file)
+            # row group by row group: over a whole file, iter_batches reads ahead all of it
+            for group in range(reader.metadata.num_row_groups):
+                for record in reader.iter_batches(batch_size=rows, row_groups=[group]):
+                    yield {
+                        name: record.column(name).to_numpy(zero_copy_only=False)
+                        for name in record.schema.names
+                    }
 
-        return _Source(str(file), rows, read_parquet, names)
+        return _Source(str(file), n_rows, read_parquet, names)
     if suffix == ".csv":
         from pyarrow import csv
 
