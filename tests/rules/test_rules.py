@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from oracle import Case, assert_rel_close, reference_norms
 from torch import Tensor, nn
 
 import gradscope
@@ -14,7 +15,6 @@ from gradscope.engine.plan import build_plan
 from gradscope.errors import ModelError
 from gradscope.losses import resolve_loss
 from gradscope.rules import RULES, Outer, find_rule
-from tests.oracle import Case, assert_rel_close, reference_norms
 
 
 def randn(*shape: int):
@@ -244,9 +244,7 @@ CASES = [
         randn(3, 4),
         like,
     ),
-    Case(
-        "batchnorm3d", lambda: net(stats(nn.BatchNorm3d(2)), nn.Tanh()), randn(2, 3, 2, 3), like
-    ),
+    Case("batchnorm3d", lambda: net(stats(nn.BatchNorm3d(2)), nn.Tanh()), randn(2, 3, 2, 3), like),
     Case(
         "instancenorm1d",
         lambda: net(stats(nn.InstanceNorm1d(3, affine=True)), nn.Tanh()),
