@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from oracle import Case, assert_rel_close, reference_norms
 from torch import Tensor, nn
 
@@ -15,6 +17,7 @@ from gradscope.engine.plan import build_plan
 from gradscope.errors import ModelError
 from gradscope.losses import resolve_loss
 from gradscope.rules import RULES, Outer, find_rule
+from gradscope.rules.conv import unfold
 
 
 def randn(*shape: int):
@@ -84,12 +87,19 @@ class TwoLookups(nn.Module):
 
 
 class TiedLM(nn.Module):
-    """Input embedding and output head share one (V, D) weight: an Embedding and a Linear."""
+    """Input embedding and output head share one (V, D) weight: an Embedding and a Linear.
 
-    def __init__(self, vocab: int = 9, dim: int = 4):
+    ``head_first`` registers the head first, so the shared weight's first owner is the Linear and
+    the merge starts from an Outer instead of a Rows.
+    """
+
+    def __init__(self, vocab: int = 9, dim: int = 4, head_first: bool = False):
         super().__init__()
+        if head_first:
+            self.head = nn.Linear(dim, vocab, bias=False)
         self.emb, self.mix = nn.Embedding(vocab, dim), nn.Linear(dim, dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
+        if not head_first:
+            self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.emb.weight
 
     def forward(self, x: Tensor) -> Tensor:
@@ -207,6 +217,20 @@ CASES = [
     ),
     Case("embedding-called-twice", TwoLookups, lambda b: (*ids(7, 5)(b), *ids(7, 5)(b)), like),
     Case("embedding-tied-head", TiedLM, ids(9, 6), classes, loss="cross_entropy"),
+    Case(
+        "embedding-tied-head-first",
+        lambda: TiedLM(head_first=True),
+        ids(9, 6),
+        classes,
+        loss="cross_entropy",
+    ),
+    # max_norm renormalises looked-up rows in place, outside autograd: the loop sees the same rows
+    Case(
+        "embedding-max-norm",
+        lambda: net(nn.Embedding(6, 3, max_norm=1.0), nn.Tanh()),
+        ids(6, 4),
+        like,
+    ),
     # Norms, eval mode: affine parameters only, xhat from the module's own functional
     Case(
         "layernorm-seq",
@@ -345,6 +369,41 @@ def test_batchnorm_without_running_stats_is_refused() -> None:
     model = net(nn.Linear(3, 4), nn.BatchNorm1d(4, track_running_stats=False))
     with pytest.raises(ModelError, match="track_running_stats=False"):
         gradscope.per_example_norms(model, torch.randn(5, 3), torch.randn(5, 4), "mse")
+
+
+def test_conv_on_an_unbatched_input_is_refused() -> None:
+    """A Conv2d fed (B, H, W) takes the batch for channels: no example has its own gradient."""
+    model = nn.Conv2d(4, 4, 1)
+    with pytest.raises(ModelError, match="unbatched"):
+        gradscope.per_example_norms(model, torch.randn(4, 3, 3), torch.randn(4, 3, 3), "mse")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dims=st.integers(1, 3),
+    kernel=st.integers(1, 3),
+    stride=st.integers(1, 3),
+    dilation=st.integers(1, 2),
+    padding=st.sampled_from([0, 1, 2, "same", "valid"]),
+    groups=st.sampled_from([1, 2]),
+    mode=st.sampled_from(["zeros", "reflect", "replicate", "circular"]),
+    size=st.integers(5, 7),
+    batch=st.integers(1, 2),
+)
+def test_unfold_reproduces_the_conv_forward(
+    dims, kernel, stride, dilation, padding, groups, mode, size, batch
+) -> None:
+    """patches @ weight^T is the module's own output, bias aside, for any conv configuration."""
+    if padding == "same":
+        stride = 1  # PyTorch refuses "same" with a stride
+    conv = [nn.Conv1d, nn.Conv2d, nn.Conv3d][dims - 1]
+    module = conv(2, 4, kernel, stride, padding, dilation, groups, False, mode).double()
+    x = torch.randn(batch, 2, *[size + d for d in range(dims)], dtype=torch.float64)
+    expected = module(x)  # (B, out, *L)
+    a = unfold(module, x)  # (B, G, T, in/G * prod(k))
+    w = module.weight.reshape(groups, 4 // groups, -1)  # (G, out/G, in/G * prod(k))
+    got = torch.einsum("bgti,goi->bgot", a, w).reshape(expected.shape)  # (B, out, *L)
+    assert_rel_close(got, expected, rtol=1e-12)
 
 
 def test_registry_lists_every_layer_type() -> None:
