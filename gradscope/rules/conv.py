@@ -28,7 +28,8 @@ def unfold(module: _Conv, x: Tensor) -> Tensor:
     ):
         # windows spanning dilation * (k - 1) + 1 inputs, one per output position
         x = x.unfold(2 + d, dilation * (k - 1) + 1, stride)  # (B, C, ..., L_d, ..., span_d)
-    x = x[(..., *(slice(None, None, dilation) for dilation in module.dilation))]
+    # keep every dilation-th input of each window: the ones the kernel touches
+    x = x[(..., *(slice(None, None, dilation) for dilation in module.dilation))]  # (B, C, *L, *k)
     b, c, g = x.shape[0], x.shape[1], module.groups
     x = x.reshape(b, g, c // g, *x.shape[2:])  # (B, G, C/G, *L, *k)
     x = x.permute(0, 1, *range(3, 3 + n), 2, *range(3 + n, 3 + 2 * n))  # (B, G, *L, C/G, *k)
@@ -46,9 +47,8 @@ def conv(module: _Conv, inputs: tuple[Tensor, ...], grad_output: Tensor) -> dict
         )
     b, g = grad_output.shape[0], module.groups
     a = unfold(module, inputs[0])  # (B, G, T, in/G * prod(k))
-    s = grad_output.reshape(b, g, module.out_channels // g, -1).transpose(
-        -1, -2
-    )  # (B, G, T, out/G)
+    s = grad_output.reshape(b, g, module.out_channels // g, -1)  # (B, G, out/G, T)
+    s = s.transpose(-1, -2)  # (B, G, T, out/G)
     out: dict[str, Contribution] = {"weight": Outer(s, a, module.weight.shape)}
     if module.bias is not None:
         out["bias"] = Dense(grad_output.flatten(2).sum(2))  # (B, out)
