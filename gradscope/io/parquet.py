@@ -54,11 +54,13 @@ class PartialRun:
         """What the partial run computes, or None when there is no partial run to continue."""
         try:
             return json.loads((self.dir / MANIFEST).read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+        except (OSError, json.JSONDecodeError):
             return None  # no run, or one killed before its first part: nothing to keep
 
     def start(self, manifest: dict[str, Any]) -> None:
         """Begin afresh: any earlier partial state is removed."""
+        if self.dir.is_file():  # left by the earlier single-file writer
+            self.dir.unlink()
         shutil.rmtree(self.dir, ignore_errors=True)
         self.dir.mkdir(parents=True)
         _replace_atomically(
