@@ -149,6 +149,7 @@ def test_streamed_csv_equals_in_memory(project, tmp_path):
     assert dataset.length is None
     batches = list(dataset.batches(batch_size=5))
     assert [len(b) for b in batches] == [5, 5, 5, 5, 3]
+    assert len(dataset) == 23  # read once more to count
     x = torch.stack([torch.cat(t) for t in zip(*(b.inputs for b in batches), strict=True)], 1)
     torch.testing.assert_close(x.float(), data["x"])  # CSV reads as float64
     assert torch.cat([b.index for b in batches]).tolist() == list(range(23))

@@ -308,8 +308,9 @@ class Dataset:
         self.length = None if None in lengths else sum(lengths)
 
     def __len__(self) -> int:
+        """The number of rows; when not known ahead, found by reading the data once."""
         if self.length is None:
-            raise DataError("the number of rows is not known before reading", self.where)
+            self.length = sum(len(chunk) for chunk in self._chunks(1 << 16))
         return self.length
 
     def _chunks(self, rows: int) -> Iterator[Batch]:
