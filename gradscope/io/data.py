@@ -125,7 +125,13 @@ def _collate(items: list[Any], names: list[str], n_inputs: int, where: str) -> C
     """Items of a torch Dataset -> columns: a dict per item, or a tuple (*inputs, target)."""
     first = items[0]
     if isinstance(first, dict):
-        keys = names
+        missing = [n for n in names if n not in first]
+        if missing:
+            raise DataError(
+                f"dataset items have no key {missing[0]!r} (keys: {', '.join(map(str, first))})",
+                where,
+            )
+        keys: list[Any] = names
     elif isinstance(first, (tuple, list)):
         if len(first) != n_inputs + 1:
             raise DataError(
@@ -139,13 +145,6 @@ def _collate(items: list[Any], names: list[str], n_inputs: int, where: str) -> C
         raise DataError(
             f"dataset items are {type(first).__name__}; expected dicts or tuples of tensors", where
         )
-    if isinstance(first, dict):
-        missing = [n for n in names if n not in first]
-        if missing:
-            raise DataError(
-                f"dataset items have no key {missing[0]!r} (keys: {', '.join(map(str, first))})",
-                where,
-            )
     columns: Columns = {}
     for name, key in zip(names, keys, strict=True):
         values = [item[key] for item in items]
@@ -236,10 +235,9 @@ def _file_source(path: str) -> _Source:
 def _function_source(spec: str, columns: _Columns) -> _Source:
     """``file.py:fn`` returning a dict of columns, a map-style Dataset or an IterableDataset."""
     made = import_object(spec, "data.path")()
-    where = spec
     if isinstance(made, dict):
-        return _Source(where, len(next(iter(made.values()), [])), lambda _: iter([made]))
-    names, n_inputs = columns.names, columns.n_inputs
+        return _Source(spec, len(next(iter(made.values()), [])), lambda _: iter([made]))
+    names, n_inputs, where = columns.names, columns.n_inputs, spec
     if isinstance(made, torch.utils.data.IterableDataset) or (
         hasattr(made, "__iter__") and not hasattr(made, "__getitem__")
     ):
