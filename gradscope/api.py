@@ -135,7 +135,7 @@ def norms_columns(job: Job, batch: Batch) -> dict[str, np.ndarray]:
     return columns
 
 
-def _fingerprint(cfg: Config, command: str, job: Job) -> dict:
+def _fingerprint(cfg: Config, command: str) -> dict:
     """What a partial run must share with the run that resumes it, as JSON reads it back."""
     config = cfg.to_dict()
     for key in ("summary", "source", "device"):  # display, file name, placement (ranks differ)
@@ -185,7 +185,7 @@ def score_dataset(
         )
         dataset = open_dataset(cfg.data)
         run = PartialRun(cfg.output.path)
-        fingerprint = _fingerprint(cfg, command, job)
+        fingerprint = _fingerprint(cfg, command)
         saved = run.manifest() if resume else None
         if saved is not None and saved["fingerprint"] != fingerprint:
             keys = _differences(saved["fingerprint"], fingerprint)
