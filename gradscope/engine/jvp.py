@@ -1,0 +1,46 @@
+"""Forward-mode influence: every example's <grad l_i, r> as one JVP of the per-example losses."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..io.model import select_output
+from .core import Engine
+
+
+class JvpUnsupported(Exception):
+    """The model or loss runs an op without a forward-mode derivative (or one torch.func refuses)."""
+
+
+def jvp_inner(
+    engine: Engine, inputs: tuple[Tensor, ...], targets: Tensor, tangents: dict[str, Tensor]
+) -> tuple[Tensor, Tensor]:
+    """(B,) losses and (B, K) directional derivatives d/de l_i(theta + e r_k), r_k = tangents[.][k].
+
+    ``tangents`` holds (K, *shape) per selected parameter; each direction is one forward pass with
+    dual numbers and no backward. The losses are the primal output of the first pass.
+    """
+    names = [p.name for p in engine.plan.included]
+    primals = tuple(p.param.detach() for p in engine.plan.included)
+
+    def losses(*values: Tensor) -> Tensor:
+        outputs = torch.func.functional_call(
+            engine.model, dict(zip(names, values, strict=True)), inputs
+        )
+        return engine.loss_fn(select_output(outputs, engine.output), targets)
+
+    k = next(iter(tangents.values())).shape[0]
+    primal, columns = None, []
+    try:
+        with torch.no_grad():  # forward mode needs no graph; this keeps autograd from recording one
+            for j in range(k):
+                direction = tuple(
+                    tangents[n][j].to(v.dtype) for n, v in zip(names, primals, strict=True)
+                )
+                out, dot = torch.func.jvp(losses, primals, direction)
+                primal = out if primal is None else primal
+                columns.append(dot)
+    except (RuntimeError, NotImplementedError) as e:
+        raise JvpUnsupported(str(e).splitlines()[0]) from e
+    return primal, torch.stack(columns, 1)  # (B, K)
