@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from oracle import Case
+from oracle import Case, reference_influence
 from torch import Tensor, nn
 
 import gradscope
@@ -17,7 +17,6 @@ from gradscope.engine.influence import (
     influence_errors,
     reference_gradients,
 )
-from gradscope.engine.naive import naive_grads
 from gradscope.engine.plan import build_plan
 from gradscope.errors import GradscopeError
 from gradscope.losses import resolve_loss
@@ -89,32 +88,6 @@ CASES = [
 ]  # fmt: skip
 
 
-def loop_influence(
-    model: nn.Module,
-    inputs: tuple[Tensor, ...],
-    targets: Tensor,
-    refs: tuple[tuple[Tensor, ...], Tensor],
-    loss: str,
-    per_ref: bool = False,
-    exclude: tuple[str, ...] = (),
-    denominators: dict[str, Tensor] | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(B, K) influence, (B,) ||g_i||, (K,) ||r_k||: every gradient formed, one example at a time."""
-    model = copy.deepcopy(model).double()
-    plan = build_plan(model, ("*",), exclude)
-    names = [p.name for p in plan.included]
-    with prepared(model, plan):
-        fn = resolve_loss(loss)
-        _, grads = naive_grads(model, inputs, targets, fn, names)
-        _, ref_grads = naive_grads(model, *refs, fn, names)
-    flat = torch.cat([grads[n].flatten(1) for n in names], 1)  # (B, P)
-    ref = torch.cat(
-        [(ref_grads[n] / (denominators or {}).get(n, 1)).flatten(1) for n in names], 1
-    )  # (N, P)
-    ref = ref if per_ref else ref.mean(0, keepdim=True)  # (K, P)
-    return flat @ ref.T, flat.norm(dim=1), ref.norm(dim=1)
-
-
 def assert_cosine_close(actual: Tensor, expected: Tensor, g_norm: Tensor, r_norm: Tensor) -> None:
     err = (actual.double() - expected).abs() / (g_norm[:, None] * r_norm[None]).reshape(
         expected.shape
@@ -132,7 +105,7 @@ def _refs(case: Case, n: int = 4):
 @pytest.mark.parametrize("case", CASES, ids=repr)
 def test_mean_reference_matches_loop(case: Case, engine: str) -> None:
     model, inputs, targets, refs = _refs(case)
-    expected, g_norm, r_norm = loop_influence(model, inputs, targets, refs, case.loss)
+    expected, g_norm, r_norm = reference_influence(model, inputs, targets, refs, case.loss)
     actual = gradscope.per_example_influence(
         model, inputs, targets, *refs, loss=case.loss, engine=engine
     )
@@ -144,7 +117,9 @@ def test_mean_reference_matches_loop(case: Case, engine: str) -> None:
 @pytest.mark.parametrize("case", CASES[:3], ids=repr)
 def test_per_ref_and_norms_match_loop(case: Case, engine: str) -> None:
     model, inputs, targets, refs = _refs(case, n=3)
-    expected, g_norm, r_norm = loop_influence(model, inputs, targets, refs, case.loss, per_ref=True)
+    expected, g_norm, r_norm = reference_influence(
+        model, inputs, targets, refs, case.loss, per_ref=True
+    )
     plan = build_plan(model)
     core = Engine(model, resolve_loss(case.loss), plan)
     with prepared(model, plan):
@@ -174,7 +149,7 @@ def test_reference_mean_does_not_depend_on_batching() -> None:
 
 def test_excluded_parameters_are_left_out() -> None:
     model, inputs, targets, refs = _refs(CASES[0])
-    expected, g_norm, r_norm = loop_influence(
+    expected, g_norm, r_norm = reference_influence(
         model, inputs, targets, refs, "cross_entropy", exclude=("0.*",)
     )
     actual = gradscope.per_example_influence(model, inputs, targets, *refs, exclude=["0.*"])
@@ -202,7 +177,7 @@ def test_precondition_matches_loop(engine: str, amsgrad: bool) -> None:
     for (name, _), s in zip(model.named_parameters(), state["state"].values(), strict=True):
         # the denominator of Adam's step: sqrt(v / (1 - beta2^t)) + eps
         denominators[name] = (s[moment] / (1 - 0.95 ** s["step"].item())).sqrt() + 1e-3
-    expected, g_norm, r_norm = loop_influence(
+    expected, g_norm, r_norm = reference_influence(
         model, inputs, targets, refs, "cross_entropy", denominators=denominators
     )
     actual = gradscope.per_example_influence(
@@ -234,7 +209,7 @@ def test_jvp_falls_back_to_hooks_when_an_op_lacks_forward_mode() -> None:
         "no-fwd", NoForwardMode, lambda b: (torch.randn(b, 3),), _labels(3), "cross_entropy"
     )
     model, inputs, targets, refs = _refs(case)
-    expected, g_norm, r_norm = loop_influence(model, inputs, targets, refs, case.loss)
+    expected, g_norm, r_norm = reference_influence(model, inputs, targets, refs, case.loss)
     plan = build_plan(model)
     core = Engine(model, resolve_loss(case.loss), plan)
     with prepared(model, plan):
