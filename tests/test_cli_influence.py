@@ -8,58 +8,38 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-import yaml
 from oracle import reference_influence
+from project import load_net, make_project
 from typer.testing import CliRunner
 
 import gradscope.api
 from gradscope.cli import app, main
 from gradscope.io.parquet import read_metadata
 
-MODEL = """
-from torch import nn
-
-
-def make():
-    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
-"""
 N, K = 10, 3  # examples (three batches of 4) and reference examples
-
-
-def _model(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
 
 
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
-    (tmp_path / "model.py").write_text(MODEL)
-    for seed in (0, 1):
-        torch.save(_model(seed).state_dict(), tmp_path / f"ckpt{seed}.pt")
-    torch.manual_seed(2)
-    for name, n in (("data.pt", N), ("ref.pt", K)):
-        torch.save({"x": torch.randn(n, 4), "y": torch.randint(0, 3, (n,))}, tmp_path / name)
+    """make_project's model, net.pt and data, plus a second checkpoint net1.pt and ref.pt."""
+    make_project(tmp_path, n=N)
+    net, _, _ = load_net(tmp_path)
+    torch.manual_seed(1)
+    torch.save({k: v + 0.3 * torch.randn_like(v) for k, v in net.state_dict().items()},
+               tmp_path / "net1.pt")  # fmt: skip
+    torch.save({"x": torch.randn(K, 5), "y": torch.randint(0, 3, (K,))}, tmp_path / "ref.pt")
     return tmp_path
 
 
 def _config(project: Path, **model) -> Path:
-    cfg = {
-        "model": {"factory": "model.py:make", **model},
-        "data": {"path": "data.pt", "inputs": "x", "targets": "y", "batch_size": 4},
-        "device": "cpu",
-        "output": {"path": "scores.parquet"},
-    }
-    path = project / "config.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    return make_project(project, n=N, **{f"model__{k}": v for k, v in model.items()})
 
 
-def _oracle(project: Path, seed: int, per_ref: bool = False):
-    data = torch.load(project / "data.pt")
+def _oracle(project: Path, checkpoint: str = "net.pt", per_ref: bool = False):
+    net, x, y = load_net(project)
+    net.load_state_dict(torch.load(project / checkpoint))
     ref = torch.load(project / "ref.pt")
-    return reference_influence(
-        _model(seed), (data["x"],), data["y"], ((ref["x"],), ref["y"]), "cross_entropy", per_ref
-    )
+    return reference_influence(net, (x,), y, ((ref["x"],), ref["y"]), "cross_entropy", per_ref)
 
 
 def _run(*args: str) -> pd.DataFrame:
@@ -86,14 +66,14 @@ def _close(actual, expected, scale) -> None:
 
 @pytest.mark.parametrize("engine", ["auto", "hooks", "jvp"])
 def test_one_checkpoint(project: Path, engine: str) -> None:
-    cfg = _config(project, checkpoint="ckpt0.pt")
+    cfg = _config(project, checkpoint="net.pt")
     out = project / "out.parquet"
     frame = _run(cfg, "--ref", project / "ref.pt", "--engine", engine, "--out", out)
     assert list(frame.columns) == [
         "example_id", "loss", "grad_norm", "influence", "cosine", "target", "finite",
     ]  # fmt: skip
     assert frame["example_id"].tolist() == list(range(N)) and frame["finite"].all()
-    expected, g_norm, r_norm = _oracle(project, 0)
+    expected, g_norm, r_norm = _oracle(project)
     _close(frame["influence"], expected[:, 0], g_norm * r_norm)
     _close(frame["grad_norm"], g_norm, g_norm)
     _close(frame["cosine"], expected[:, 0] / (g_norm * r_norm), 1.0)
@@ -106,9 +86,9 @@ def test_one_checkpoint(project: Path, engine: str) -> None:
 
 
 def test_checkpoints_are_weighted_and_summed(project: Path) -> None:
-    ckpts = [{"path": "ckpt0.pt", "weight": 0.5}, {"path": "ckpt1.pt", "weight": 2.0}]
+    ckpts = [{"path": "net.pt", "weight": 0.5}, {"path": "net1.pt", "weight": 2.0}]
     frame = _run(
-        _config(project, checkpoints=ckpts),
+        _config(project, checkpoint=None, checkpoints=ckpts),
         "--ref",
         project / "ref.pt",
         "--out",
@@ -120,7 +100,7 @@ def test_checkpoints_are_weighted_and_summed(project: Path) -> None:
         "loss@1",
         "grad_norm@1",
     ]
-    (i0, g0, r0), (i1, g1, r1) = _oracle(project, 0), _oracle(project, 1)
+    (i0, g0, r0), (i1, g1, r1) = _oracle(project), _oracle(project, "net1.pt")
     influence = 0.5 * i0[:, 0] + 2.0 * i1[:, 0]
     scale = (0.5 * g0**2 + 2.0 * g1**2).sqrt() * (0.5 * r0**2 + 2.0 * r1**2).sqrt()
     _close(frame["influence"], influence, scale)
@@ -137,7 +117,7 @@ def test_checkpoints_are_weighted_and_summed(project: Path) -> None:
 def test_per_ref_rows(project: Path) -> None:
     out = project / "pairs.parquet"
     frame = _run(
-        _config(project, checkpoint="ckpt0.pt"),
+        _config(project, checkpoint="net.pt"),
         "--ref",
         project / "ref.pt",
         "--per-ref",
@@ -147,7 +127,7 @@ def test_per_ref_rows(project: Path) -> None:
     assert len(frame) == N * K
     assert frame["example_id"].tolist() == [i for i in range(N) for _ in range(K)]
     assert frame["ref_id"].tolist() == list(range(K)) * N
-    expected, g_norm, r_norm = _oracle(project, 0, per_ref=True)
+    expected, g_norm, r_norm = _oracle(project, per_ref=True)
     scale = (g_norm[:, None] * r_norm[None]).flatten()
     _close(frame["influence"], expected.flatten(), scale)
     _close(frame["cosine"], expected.flatten() / scale, 1.0)
@@ -155,12 +135,12 @@ def test_per_ref_rows(project: Path) -> None:
 
 
 def test_precondition_file(project: Path) -> None:
-    model = _model(0)
+    model, _, _ = load_net(project)
     opt = torch.optim.AdamW(model.parameters())
-    model(torch.randn(5, 4)).sum().backward()
+    model(torch.randn(5, 5)).sum().backward()
     opt.step()
     torch.save(opt.state_dict(), project / "adam.pt")
-    cfg = _config(project, checkpoint="ckpt0.pt")
+    cfg = _config(project, checkpoint="net.pt")
     out = project / "pre.parquet"
     frame = _run(
         cfg, "--ref", project / "ref.pt", "--precondition", project / "adam.pt", "--out", out
@@ -171,7 +151,7 @@ def test_precondition_file(project: Path) -> None:
 
 
 def test_user_errors_exit_2(project: Path, monkeypatch, capsys) -> None:
-    cfg = _config(project, checkpoint="ckpt0.pt")
+    cfg = _config(project, checkpoint="net.pt")
     ref = project / "ref.pt"
     monkeypatch.setattr(gradscope.api, "MAX_PER_REF", 2)
     assert "at most 2 reference examples; REF has 3" in _fails(
@@ -181,13 +161,13 @@ def test_user_errors_exit_2(project: Path, monkeypatch, capsys) -> None:
         monkeypatch, capsys, cfg, "--ref", ref, "--engine", "fast"
     )
     assert "data file not found" in _fails(monkeypatch, capsys, cfg, "--ref", project / "nope.pt")
-    other = torch.nn.Linear(4, 3)
+    other = torch.nn.Linear(5, 3)
     torch.save(torch.optim.Adam(other.parameters()).state_dict(), project / "other.pt")
     err = _fails(monkeypatch, capsys, cfg, "--ref", ref, "--precondition", project / "other.pt")
     assert "optimizer state has 2 parameters, the model has 4" in err
-    both = _config(project, checkpoint="ckpt0.pt", checkpoints=[{"path": "ckpt1.pt"}])
+    both = _config(project, checkpoint="net.pt", checkpoints=[{"path": "net1.pt"}])
     assert "not both" in _fails(monkeypatch, capsys, both, "--ref", ref)
-    negative = _config(project, checkpoints=[{"path": "ckpt1.pt", "weight": -1}])
+    negative = _config(project, checkpoint=None, checkpoints=[{"path": "net1.pt", "weight": -1}])
     assert "weights must be finite, >= 0" in _fails(monkeypatch, capsys, negative, "--ref", ref)
-    missing = _config(project, checkpoints=[{"weight": 1}])
+    missing = _config(project, checkpoint=None, checkpoints=[{"weight": 1}])
     assert "model.checkpoints[0].path" in _fails(monkeypatch, capsys, missing, "--ref", ref)
