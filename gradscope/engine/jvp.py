@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch import Tensor
 
 from ..io.model import select_output
@@ -22,25 +23,24 @@ def jvp_inner(
     dual numbers and no backward. The losses are the primal output of the first pass.
     """
     names = [p.name for p in engine.plan.included]
-    primals = tuple(p.param.detach() for p in engine.plan.included)
-
-    def losses(*values: Tensor) -> Tensor:
-        outputs = torch.func.functional_call(
-            engine.model, dict(zip(names, values, strict=True)), inputs
-        )
-        return engine.loss_fn(select_output(outputs, engine.output), targets)
-
+    primals = [p.param.detach() for p in engine.plan.included]
     k = next(iter(tangents.values())).shape[0]
     primal, columns = None, []
     try:
-        with torch.no_grad():  # forward mode needs no graph; this keeps autograd from recording one
+        # forward_ad's dual tensors, not torch.func.jvp: its functorch wrapping cost 1.7x a plain
+        # forward+backward on the digits MLP where dual tensors cost 1.05x; no_grad: no graph
+        with torch.no_grad(), fwAD.dual_level():
             for j in range(k):
-                direction = tuple(
-                    tangents[n][j].to(v.dtype) for n, v in zip(names, primals, strict=True)
+                duals = {
+                    n: fwAD.make_dual(v, tangents[n][j].to(v.dtype))
+                    for n, v in zip(names, primals, strict=True)
+                }
+                outputs = torch.func.functional_call(engine.model, duals, inputs)
+                out = fwAD.unpack_dual(
+                    engine.loss_fn(select_output(outputs, engine.output), targets)
                 )
-                out, dot = torch.func.jvp(losses, primals, direction)
-                primal = out if primal is None else primal
-                columns.append(dot)
+                primal = out.primal if primal is None else primal
+                columns.append(out.tangent)
     except (RuntimeError, NotImplementedError) as e:
         raise JvpUnsupported(str(e).splitlines()[0]) from e
     return primal, torch.stack(columns, 1)  # (B, K)
