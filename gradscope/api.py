@@ -253,7 +253,9 @@ class InfluenceColumns:
     ):
         if precondition is not None and not Path(precondition).is_file():
             raise ConfigError("optimizer state file not found", str(precondition))
-        self.ref, self.per_ref, self.precondition = str(ref), per_ref, precondition
+        ref = str(ref)  # a path relative to the working directory, or file.py:make_dataset
+        self.ref = ref if ".py:" in ref else str(Path(ref).resolve())
+        self.per_ref, self.precondition = per_ref, precondition
         self.engine, self.trust_checkpoint = check_engine(engine), trust_checkpoint
         self._stack = contextlib.ExitStack()
         self._scorers: list[Influence] = []
@@ -307,7 +309,7 @@ class InfluenceColumns:
         ).cpu()
         job.extra["influence"] = {
             "ref": self.ref,
-            "ref_sha256": file_sha256(self.ref) if Path(self.ref).is_file() else None,
+            "ref_sha256": None if ".py:" in self.ref else file_sha256(self.ref),
             "ref_examples": len(ref_data),
             "per_ref": self.per_ref,
             "precondition": None
