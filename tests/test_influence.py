@@ -58,6 +58,22 @@ class NoForwardMode(nn.Module):
         return self.b(ReluFn.apply(self.a(x)))
 
 
+class Attention(nn.Module):
+    """nn.MultiheadAttention between Linears: its fused inference kernel lacks forward mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.att, self.out = (
+            nn.Linear(4, 8),
+            nn.MultiheadAttention(8, 2, batch_first=True),
+            nn.Linear(8, 3),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inp(x)
+        return self.out(h + self.att(h, h, h, need_weights=False)[0])
+
+
 def _labels(classes: int):
     return lambda out: torch.randint(0, classes, out.shape[:-1])
 
@@ -216,6 +232,23 @@ def test_jvp_falls_back_to_hooks_when_an_op_lacks_forward_mode() -> None:
         scorer = Influence(core, reference_gradients(core, [refs]), "jvp", norms=False)
         scores = scorer(inputs, targets)
     assert scorer.method == "hooks" and "implement the jvp function" in scorer.note
+    assert_cosine_close(scores.inner, expected, g_norm, r_norm)
+
+
+def test_jvp_takes_the_composite_path_of_fused_attention() -> None:
+    # the attention's own parameters are excluded: no rule serves them on this branch's engine
+    case = Case("mha", Attention, lambda b: (torch.randn(b, 5, 4),), _labels(3), "cross_entropy")
+    model, inputs, targets, refs = _refs(case)
+    exclude = ("att.*",)
+    expected, g_norm, r_norm = reference_influence(
+        model, inputs, targets, refs, case.loss, exclude=exclude
+    )
+    plan = build_plan(model, ("*",), exclude)
+    core = Engine(model, resolve_loss(case.loss), plan)
+    with prepared(model, plan):
+        scorer = Influence(core, reference_gradients(core, [refs]), "jvp", norms=False)
+        scores = scorer(inputs, targets)
+    assert scorer.method == "jvp" and "autograd recording" in scorer.note
     assert_cosine_close(scores.inner, expected, g_norm, r_norm)
 
 

@@ -114,7 +114,9 @@ class Influence:
     ``hooks``: the inner products come from the same factored contributions as the norms, in one
     forward+backward. ``jvp``: one forward-mode pass per direction and no backward; the norms, when
     asked for, still need the hook pass. ``auto`` takes jvp only where it saves work: one direction
-    and no norms. When forward mode fails on an op, scoring moves to hooks and ``note`` says why.
+    and no norms. When forward mode fails on an op it is retried once with autograd recording
+    (fused inference kernels step aside then), and if that fails too scoring moves to hooks;
+    ``note`` says which and why.
     """
 
     def __init__(self, engine: Engine, refs: dict[str, Tensor], method: str, norms: bool):
@@ -124,6 +126,7 @@ class Influence:
             method = "jvp" if k == 1 and not norms else "hooks"
         self.engine, self.refs, self.method, self.norms = engine, refs, method, norms
         self.note: str | None = None
+        self._recording = False  # jvp with autograd recording, see jvp_inner
 
     @property
     def ref_norm(self) -> Tensor:
@@ -135,16 +138,19 @@ class Influence:
         )
 
     def __call__(self, inputs: tuple[Tensor, ...], targets: Tensor) -> BatchInfluence:
-        if self.method == "jvp":
+        while self.method == "jvp":
             try:
-                loss, inner = jvp_inner(self.engine, inputs, targets, self.refs)
+                loss, inner = jvp_inner(self.engine, inputs, targets, self.refs, self._recording)
             except JvpUnsupported as e:
-                self.method, self.note = "hooks", f"forward mode failed, used hooks: {e}"
-            else:
-                norm_sq = None
-                if self.norms:
-                    norm_sq = self._total(self.engine.norms(inputs, targets).norm_sq)
-                return BatchInfluence(loss.double(), inner.double(), norm_sq)
+                if self._recording:
+                    self.method, self.note = "hooks", f"forward mode failed, used hooks: {e}"
+                else:  # a fused inference kernel, perhaps: retry on the composite path
+                    self._recording, self.note = True, f"forward mode with autograd recording: {e}"
+                continue
+            norm_sq = None
+            if self.norms:
+                norm_sq = self._total(self.engine.norms(inputs, targets).norm_sq)
+            return BatchInfluence(loss.double(), inner.double(), norm_sq)
         scores = self.engine.norms(inputs, targets, self.refs)
         return BatchInfluence(
             scores.loss.double(), self._total(scores.inner), self._total(scores.norm_sq)
@@ -177,9 +183,9 @@ def influence_errors(
         _, grads = naive_grads(engine.model, inputs, targets, engine.loss_fn, names, engine.output)
         refs = reference_gradients(engine, [(ref_inputs, ref_targets)])
         hooks = engine.norms(inputs, targets, refs).inner
-        try:
-            jvp = jvp_inner(engine, inputs, targets, refs)[1][:, 0].double()
-        except JvpUnsupported:
+        forward = Influence(engine, refs, "jvp", norms=False)
+        jvp = forward(inputs, targets).inner[:, 0]
+        if forward.method != "jvp":
             jvp = None
     g_ref = {n: g.double().mean(0).flatten() for n, g in ref_grads.items()}
     exact = {n: g.double().flatten(1) @ g_ref[n] for n, g in grads.items()}  # (B, P) @ (P,)
