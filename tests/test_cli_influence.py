@@ -42,10 +42,10 @@ def _oracle(project: Path, checkpoint: str = "net.pt", per_ref: bool = False):
     return reference_influence(net, (x,), y, ((ref["x"],), ref["y"]), "cross_entropy", per_ref)
 
 
-def _run(*args: str) -> pd.DataFrame:
+def _run(*args: str, summary: str = f"{N} examples; influence") -> pd.DataFrame:
     result = CliRunner().invoke(app, ["influence", *map(str, args)])
     assert result.exit_code == 0, result.output
-    assert "top" in result.output and "wrote" in result.output
+    assert "top" in result.output and summary in result.output and "wrote" in result.output
     return pd.read_parquet(args[-1])
 
 
@@ -123,6 +123,7 @@ def test_per_ref_rows(project: Path) -> None:
         "--per-ref",
         "--out",
         out,
+        summary=f"{N * K} (example, reference) pairs; influence",
     )
     assert len(frame) == N * K
     assert frame["example_id"].tolist() == [i for i in range(N) for _ in range(K)]
