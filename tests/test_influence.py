@@ -20,7 +20,6 @@ from gradscope.engine.influence import (
 from gradscope.engine.plan import build_plan
 from gradscope.errors import GradscopeError
 from gradscope.losses import resolve_loss
-from gradscope.rules import RULES
 
 TOL = 1e-6  # |delta influence| / (||g_i|| ||g_ref||), in float64
 
@@ -127,6 +126,8 @@ CASES = [
         loss="cross_entropy",
     ),
     Case("shared-linear", Twice, lambda b: (torch.randn(b, 4),), _labels(2), loss="cross_entropy"),
+    Case("conv-norms", ConvNet, lambda b: (torch.randn(b, 2, 4, 4),), _labels(3), "cross_entropy"),
+    Case("tied-lm", TiedLM, lambda b: (torch.randint(0, 11, (b, 5)),), _labels(11), "cross_entropy"),
     Case("batch-1", lambda: nn.Linear(3, 2), lambda b: (torch.randn(b, 3),), _labels(2), "cross_entropy", batch=1),
 ]  # fmt: skip
 
@@ -144,28 +145,8 @@ def _refs(case: Case, n: int = 4):
     return model, inputs, targets, (ref_inputs, ref_targets)
 
 
-def _ruled(*types: type[nn.Module]):
-    """Skip until the layer rules for ``types`` are on this branch (they come from issue 2)."""
-    missing = [t.__name__ for t in types if t not in RULES]
-    return pytest.mark.skipif(bool(missing), reason=f"no rule yet for {', '.join(missing)}")
-
-
-FAMILY_CASES = [
-    pytest.param(
-        Case("conv-norms", ConvNet, lambda b: (torch.randn(b, 2, 4, 4),), _labels(3), "cross_entropy"),
-        marks=_ruled(nn.Conv2d, nn.Conv1d, nn.BatchNorm2d, nn.GroupNorm),
-        id="conv-norms",
-    ),
-    pytest.param(
-        Case("tied-lm", TiedLM, lambda b: (torch.randint(0, 11, (b, 5)),), _labels(11), "cross_entropy"),
-        marks=_ruled(nn.Embedding, nn.LayerNorm),
-        id="tied-lm",
-    ),
-]  # fmt: skip
-
-
 @pytest.mark.parametrize("engine", ["hooks", "jvp"])
-@pytest.mark.parametrize("case", [*CASES, *FAMILY_CASES], ids=repr)
+@pytest.mark.parametrize("case", CASES, ids=repr)
 def test_mean_reference_matches_loop(case: Case, engine: str) -> None:
     model, inputs, targets, refs = _refs(case)
     expected, g_norm, r_norm = reference_influence(model, inputs, targets, refs, case.loss)
@@ -177,7 +158,7 @@ def test_mean_reference_matches_loop(case: Case, engine: str) -> None:
 
 
 @pytest.mark.parametrize("engine", ["hooks", "jvp"])
-@pytest.mark.parametrize("case", CASES[:3], ids=repr)
+@pytest.mark.parametrize("case", CASES, ids=repr)
 def test_per_ref_and_norms_match_loop(case: Case, engine: str) -> None:
     model, inputs, targets, refs = _refs(case, n=3)
     expected, g_norm, r_norm = reference_influence(
