@@ -192,16 +192,23 @@ def norms_columns(job: Job, batch: Batch) -> dict[str, np.ndarray]:
     return columns
 
 
-def _fingerprint(cfg: Config, command: str) -> dict:
+def _file_hash(path: str | Path | None) -> str | None:
+    """sha256 of a file that exists; a missing one is reported by the code that reads it."""
+    return file_sha256(path) if path and Path(path).is_file() else None
+
+
+def _fingerprint(cfg: Config, command: str, resume_key: dict | None) -> dict:
     """What a partial run must share with the run that resumes it, as JSON reads it back."""
     config = cfg.to_dict()
     for key in ("summary", "source", "device"):  # display, file name, placement (ranks differ)
         config.pop(key)
-    ckpt = cfg.model.checkpoint
+    checkpoints = [cfg.model.checkpoint] if cfg.model.checkpoint else []
+    checkpoints += [c.path for c in cfg.model.checkpoints]
     fingerprint = {
         "command": command,
         "config": config,
-        "checkpoint_sha256": file_sha256(ckpt) if ckpt else None,
+        "checkpoint_sha256": [_file_hash(c) for c in checkpoints],
+        **(resume_key or {}),
     }
     return json.loads(json.dumps(fingerprint, default=str))
 
@@ -224,6 +231,7 @@ def score_dataset(
     *,
     trust_checkpoint: bool = False,
     resume: bool = False,
+    resume_key: dict | None = None,
     on_start: Callable[[int | None], None] | None = None,
     on_batch: Callable[[int], None] | None = None,
 ) -> Path | None:
@@ -234,7 +242,10 @@ def score_dataset(
     config and checkpoint are kept and only the missing batches are scored. Under torchrun, rank r
     scores batches r, r + K, ... and rank 0 assembles the file; other ranks return None.
     The first batch runs before anything is written, so input the model cannot take leaves no file.
-    ``on_start`` gets the number of rows this process scores, None when unknown before reading.
+    ``resume_key`` adds what else a resumed run must share (the scorer's inputs, e.g. REF's hash).
+    A scorer with a ``setup(job)`` method has it called once on every rank before the first batch
+    (where ranks may exchange tensors). ``on_start`` gets the number of rows this process scores,
+    None when unknown before reading.
     """
     with distributed.session() as world:
         job = Job.from_config(
@@ -242,7 +253,7 @@ def score_dataset(
         )
         dataset = open_dataset(cfg.data)
         run = PartialRun(cfg.output.path)
-        fingerprint = _fingerprint(cfg, command)
+        fingerprint = _fingerprint(cfg, command, resume_key)
         saved = run.manifest() if resume else None
         if saved is not None and saved["fingerprint"] != fingerprint:
             keys = _differences(saved["fingerprint"], fingerprint)
@@ -267,6 +278,8 @@ def score_dataset(
 
         started, rows, number = False, 0, -1
         with prepared(job.model, job.plan):
+            if hasattr(score_batch, "setup"):
+                score_batch.setup(job)
             try:
                 for number, batch in enumerate(
                     dataset.batches(cfg.data.batch_size, cfg.data.limit)
@@ -329,7 +342,8 @@ class InfluenceColumns:
     def __exit__(self, *exc) -> None:
         self._stack.close()
 
-    def _setup(self, job: Job) -> None:
+    def setup(self, job: Job) -> None:
+        """Read REF and compute the reference gradients (under torchrun: on rank 0, then shared)."""
         cfg = job.cfg
         # REF is read with the same input and target names; its rows need no ids
         ref_data = open_dataset(dataclasses.replace(cfg.data, ids=None, limit=None), self.ref)
@@ -349,7 +363,9 @@ class InfluenceColumns:
         described = []
         for n, (j, w) in enumerate(zip(jobs, weights, strict=True)):
             batches = (j.to_device(b) for b in ref_data.batches(cfg.data.batch_size))
-            refs = reference_gradients(j.engine, batches, self.per_ref)
+            main = distributed.world().main
+            refs = reference_gradients(j.engine, batches, self.per_ref) if main else None
+            refs = distributed.broadcast_tensors(refs, j.device)
             if state is not None:
                 refs = _preconditioned(
                     refs, adam_denominator(state, j.engine, str(self.precondition))
@@ -382,7 +398,7 @@ class InfluenceColumns:
 
     def __call__(self, job: Job, batch: Batch) -> dict[str, np.ndarray]:
         if not self._scorers:
-            self._setup(job)
+            self.setup(job)
         inputs, targets = job.to_device(batch)
         results = [s(inputs, targets) for s in self._scorers]
         job.extra["influence"]["engines_used"] = [s.method for s in self._scorers]
@@ -431,9 +447,10 @@ def influence_dataset(
     precondition: str | Path | None = None,
     engine: str = "auto",
     trust_checkpoint: bool = False,
-    on_start: Callable[[int], None] | None = None,
+    resume: bool = False,
+    on_start: Callable[[int | None], None] | None = None,
     on_batch: Callable[[int], None] | None = None,
-) -> Path:
+) -> Path | None:
     """Score ``cfg``'s dataset against the reference data file ``ref`` and write the Parquet file."""
     scorer = InfluenceColumns(
         ref,
@@ -448,6 +465,13 @@ def influence_dataset(
             "influence",
             scorer,
             trust_checkpoint=trust_checkpoint,
+            resume=resume,
+            resume_key={
+                "ref_sha256": _file_hash(scorer.ref),
+                "per_ref": per_ref,
+                "precondition_sha256": _file_hash(precondition),
+                "engine": scorer.engine,
+            },
             on_start=on_start,
             on_batch=on_batch,
         )

@@ -163,6 +163,7 @@ def influence(
         str,
         typer.Option("--engine", help="auto, hooks (ghost inner products) or jvp (forward mode)."),
     ] = "auto",
+    resume: ResumeOpt = False,
     trust_checkpoint: TrustOpt = False,
 ) -> None:
     """Inner product of each example's loss gradient with the mean-loss gradient over REF."""
@@ -185,10 +186,12 @@ def influence(
             precondition=precondition,
             engine=engine,
             trust_checkpoint=trust_checkpoint,
+            resume=resume,
             on_start=lambda n: progress.update(task, total=n),
             on_batch=lambda n: progress.advance(task, n),
         )
-    _report(path, "influence", cfg.summary.top_k)
+    if path is not None:  # None on the ranks other than 0 under torchrun
+        _report(path, "influence", cfg.summary.top_k)
 
 
 @app.command()

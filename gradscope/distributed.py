@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -76,21 +76,21 @@ def barrier() -> None:
 
 
 def broadcast_tensors(
-    tensors: Sequence[Tensor] | None, device: torch.device | str = "cpu", src: int = 0
-) -> list[Tensor]:
-    """Rank ``src``'s tensors on every rank, e.g. a reference gradient computed once.
+    tensors: dict[str, Tensor] | None, device: torch.device | str = "cpu", src: int = 0
+) -> dict[str, Tensor]:
+    """Rank ``src``'s named tensors on every rank, e.g. a reference gradient computed once.
 
     Rank ``src`` passes its tensors; the others pass None and receive copies on ``device`` (the
     CPU under gloo). In one process the tensors come back as they are.
     """
     if not dist.is_initialized():
-        return list(tensors)
+        return dict(tensors)
     here = dist.get_rank() == src
-    layout = [[(t.shape, t.dtype) for t in tensors] if here else None]
-    dist.broadcast_object_list(layout, src)  # receivers learn the shapes first
-    out = []
-    for n, (shape, dtype) in enumerate(layout[0]):
-        t = tensors[n].contiguous() if here else torch.empty(shape, dtype=dtype, device=device)
+    layout = [[(k, t.shape, t.dtype) for k, t in tensors.items()] if here else None]
+    dist.broadcast_object_list(layout, src)  # receivers learn the names and shapes first
+    out = {}
+    for name, shape, dtype in layout[0]:
+        t = tensors[name].contiguous() if here else torch.empty(shape, dtype=dtype, device=device)
         dist.broadcast(t, src)
-        out.append(t)
+        out[name] = t
     return out

@@ -36,8 +36,7 @@ def test_device_per_rank():
 
 def test_broadcast_in_one_process_is_the_identity():
     t = torch.arange(3.0)
-    (out,) = broadcast_tensors([t])
-    assert out is t
+    assert broadcast_tensors({"w": t})["w"] is t
 
 
 def torchrun(config, *args) -> subprocess.CompletedProcess:
@@ -83,7 +82,7 @@ import torch
 from gradscope import distributed
 
 with distributed.session() as world:
-    mine = [torch.arange(6.0).reshape(2, 3), torch.tensor([7], dtype=torch.int64)]
+    mine = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.tensor([7], dtype=torch.int64)}
     got = distributed.broadcast_tensors(mine if world.main else None)
     torch.save(got, f"{sys.argv[1]}/rank{world.rank}.pt")
 """
@@ -99,6 +98,8 @@ def test_broadcast_tensors_between_two_processes(tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     for rank in (0, 1):
-        a, b = torch.load(tmp_path / f"rank{rank}.pt")
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert list(got) == ["a", "b"]
+        a, b = got["a"], got["b"]
         torch.testing.assert_close(a, torch.arange(6.0).reshape(2, 3))
         assert b.dtype == torch.int64 and b.tolist() == [7]
