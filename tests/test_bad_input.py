@@ -220,3 +220,11 @@ def test_nonfinite_example_is_flagged_and_the_rest_unchanged(tmp_path):
     pd.testing.assert_frame_equal(
         kept[["loss", "grad_norm", "target"]], ok[["loss", "grad_norm", "target"]], rtol=1e-6
     )
+
+
+def test_missing_ref_file(tmp_path):
+    config = make_project(tmp_path)
+    result = runner.invoke(app, ["influence", str(config), "--ref", str(tmp_path / "nope.pt")])
+    assert result.exit_code == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: data file not found") and "nope.pt" in line

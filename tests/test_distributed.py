@@ -11,7 +11,7 @@ import pytest
 import torch
 from project import make_project
 
-from gradscope.api import norms_columns, score_dataset
+from gradscope.api import influence_dataset, norms_columns, score_dataset
 from gradscope.config import load_config
 from gradscope.distributed import World, broadcast_tensors
 from gradscope.errors import Interrupted
@@ -103,3 +103,19 @@ def test_broadcast_tensors_between_two_processes(tmp_path):
         a, b = got["a"], got["b"]
         torch.testing.assert_close(a, torch.arange(6.0).reshape(2, 3))
         assert b.dtype == torch.int64 and b.tolist() == [7]
+
+
+@pytest.mark.slow
+def test_torchrun_influence_equals_one_process(tmp_path):
+    config = make_project(tmp_path, n=23)
+    ref = tmp_path / "ref.pt"
+    torch.save({"x": torch.randn(5, 5), "y": torch.randint(0, 3, (5,))}, ref)
+    one = pd.read_parquet(influence_dataset(load_config(config), ref))
+    out = tmp_path / "two.parquet"
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+         "-m", "gradscope", "influence", str(config), "--ref", str(ref), "--out", str(out)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    pd.testing.assert_frame_equal(pd.read_parquet(out), one)

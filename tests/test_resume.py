@@ -14,7 +14,7 @@ import pytest
 import torch
 from project import make_project
 
-from gradscope.api import norms_columns, score_dataset
+from gradscope.api import influence_dataset, norms_columns, score_dataset
 from gradscope.config import load_config
 from gradscope.errors import ConfigError, Interrupted
 from gradscope.io.parquet import partial_path, read_metadata
@@ -134,3 +134,36 @@ def test_ctrl_c_then_kill_9_then_resume(tmp_path):
         )
     )
     pd.testing.assert_frame_equal(pd.read_parquet(out), pd.read_parquet(whole))
+
+
+def stop_after(batches: int):
+    """An on_batch callback interrupted (as by Ctrl-C) once ``batches`` batches are saved."""
+    seen = []
+
+    def on_batch(n: int) -> None:
+        seen.append(n)
+        if len(seen) == batches:
+            raise KeyboardInterrupt
+
+    return on_batch
+
+
+def test_influence_resume_equals_uninterrupted_and_needs_the_same_ref(tmp_path):
+    config = make_project(tmp_path, n=23)
+    torch.save({"x": torch.randn(3, 5), "y": torch.randint(0, 3, (3,))}, tmp_path / "ref.pt")
+    cfg = load_config(config)
+    ref = tmp_path / "ref.pt"
+    with pytest.raises(Interrupted):
+        influence_dataset(cfg, ref, on_batch=stop_after(2))
+    torch.save({"x": torch.randn(3, 5), "y": torch.randint(0, 3, (3,))}, tmp_path / "ref2.pt")
+    with pytest.raises(ConfigError, match="had a different ref_sha256"):
+        influence_dataset(cfg, tmp_path / "ref2.pt", resume=True)
+    out = influence_dataset(cfg, ref, resume=True)
+    whole = influence_dataset(
+        dataclasses.replace(
+            cfg, output=dataclasses.replace(cfg.output, path=str(tmp_path / "w.parquet"))
+        ),
+        ref,
+    )
+    pd.testing.assert_frame_equal(pd.read_parquet(out), pd.read_parquet(whole), check_exact=True)
+    assert read_metadata(out)["influence"] == read_metadata(whole)["influence"]
