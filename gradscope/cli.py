@@ -20,7 +20,7 @@ from rich.progress import (
 from typer.core import TyperGroup
 
 from .config import load_config, with_overrides
-from .errors import GradscopeError
+from .errors import GradscopeError, Interrupted
 
 
 class _ErrorBoundary(TyperGroup):
@@ -28,7 +28,10 @@ class _ErrorBoundary(TyperGroup):
 
     def invoke(self, ctx: typer.Context):
         try:
-            return super().invoke(ctx)
+            try:
+                return super().invoke(ctx)
+            except KeyboardInterrupt:  # before any example was saved (loading the model, REF)
+                raise Interrupted("interrupted before any example was saved") from None
         except GradscopeError as e:
             if os.environ.get("GRADSCOPE_DEBUG"):
                 raise
