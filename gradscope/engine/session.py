@@ -4,7 +4,7 @@ removed on exit, even after an exception."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -65,11 +65,16 @@ class HookSession:
             if tuple(t._version for t in (*call.inputs, call.output)) != call.versions
         }
 
-    def backward(self, total: Tensor) -> None:
-        """Fill each call's ``grad`` with d total / d output, computing no parameter gradient."""
+    def backward(self, total: Tensor, also: Sequence[Tensor] = ()) -> list[Tensor | None]:
+        """Fill each call's ``grad`` with d total / d output; return d total / d ``also``.
+
+        No other parameter gradient is computed; ``None`` for a tensor of ``also`` that does not
+        reach ``total``.
+        """
         calls = [c for cs in self.calls.values() for c in cs]
-        if not calls:
-            return
-        grads = torch.autograd.grad(total, [c.output for c in calls], allow_unused=True)
-        for call, grad in zip(calls, grads, strict=True):
+        if not calls and not also:
+            return []
+        grads = torch.autograd.grad(total, [*(c.output for c in calls), *also], allow_unused=True)
+        for call, grad in zip(calls, grads, strict=False):
             call.grad = grad
+        return list(grads[len(calls) :])
