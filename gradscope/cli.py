@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -18,14 +17,30 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from typer.core import TyperGroup
 
 from .config import load_config, with_overrides
 from .errors import GradscopeError
 
+
+class _ErrorBoundary(TyperGroup):
+    """The one place errors become exit codes: a user-fixable error is one line and status 2."""
+
+    def invoke(self, ctx: typer.Context):
+        try:
+            return super().invoke(ctx)
+        except GradscopeError as e:
+            if os.environ.get("GRADSCOPE_DEBUG"):
+                raise
+            Console(stderr=True).print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+
 app = typer.Typer(
+    cls=_ErrorBoundary,
     add_completion=False,
     no_args_is_help=True,
-    help="Per-example gradient diagnostics for PyTorch models.",
+    help="Per-example gradient diagnostics for PyTorch models. GRADSCOPE_DEBUG=1 shows tracebacks.",
 )
 console = Console()
 
@@ -122,14 +137,4 @@ def summary(
 
 
 def main() -> None:
-    """Entry point: a user-fixable error is one line on stderr and exit status 2."""
-    try:
-        app(standalone_mode=False)
-    except GradscopeError as e:
-        if os.environ.get("GRADSCOPE_DEBUG"):
-            raise
-        Console(stderr=True).print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
-        sys.exit(2)
-    except typer.Abort:
-        Console(stderr=True).print("aborted")
-        sys.exit(130)
+    app()

@@ -26,10 +26,11 @@ def default_score(frame: pd.DataFrame) -> str:
 
 
 def top_outliers(frame: pd.DataFrame, score: str, k: int) -> pd.DataFrame:
-    """The k finite rows farthest from the median of ``score`` (largest |robust z|)."""
+    """The k finite rows of largest robust z; by |z| when the score takes both signs (influence)."""
     rows = frame.loc[frame["finite"]] if "finite" in frame.columns else frame
     z = robust_z(rows[score])
-    order = z.abs().sort_values(ascending=False, kind="stable").index[:k]
+    key = z.abs() if (rows[score] < 0).any() else z
+    order = key.sort_values(ascending=False, kind="stable").index[:k]
     return rows.loc[order].assign(robust_z=z.loc[order])
 
 
@@ -77,7 +78,8 @@ def render(frame: pd.DataFrame, score: str | None = None, k: int = 20) -> Group:
     if score not in shown:
         shown.append(score)
     table = Table(
-        title=f"top {len(top)} outliers by {score} (robust z = (x - median) / (1.4826 MAD))"
+        title=f"top {len(top)} outliers by {score}",
+        caption="robust_z = (x - median) / (1.4826 MAD)",
     )
     for column in [*shown, "robust_z"]:
         table.add_column(column, justify="right")

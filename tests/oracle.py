@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from gradscope.engine.core import prepared
 from gradscope.engine.naive import naive_grads
 from gradscope.engine.plan import build_plan
+from gradscope.io.model import select_output
 from gradscope.losses import resolve_loss
 
 
@@ -35,8 +36,6 @@ class Case:
             t.to(dtype) if t.is_floating_point() else t for t in self.inputs(batch or self.batch)
         )
         with torch.no_grad():
-            from gradscope.io.model import select_output
-
             model.eval()
             targets = self.targets(select_output(model(*inputs), self.output))
         return model, inputs, targets

@@ -1,0 +1,27 @@
+# The README's two commands: `make example` and `make test`. Both set up .venv on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build; set TORCH="torch==2.13.0 --index-url ..." (or install torch first) for CUDA.
+TORCH ?= torch==2.13.0
+
+.PHONY: example test lint clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+example: $(VENV)/.installed
+	$(VENV)/bin/gradscope norms configs/digits.yaml
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check gradscope tests benchmarks examples
+	$(VENV)/bin/ruff format --check gradscope tests benchmarks examples
+
+test: lint
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) scores.parquet .pytest_cache

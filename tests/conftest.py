@@ -1,0 +1,6 @@
+"""Tests import the shared oracle as a plain module."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))

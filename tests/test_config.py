@@ -1,0 +1,89 @@
+"""Config loading: defaults, path resolution, and every bad value named by its key path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gradscope.config import load_config, with_overrides
+from gradscope.errors import ConfigError
+
+BASE = """
+model: {factory: model.py:Net, checkpoint: ckpt/net.pt}
+data: {path: data.pt, inputs: x, targets: y}
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_and_relative_paths(tmp_path):
+    cfg = load_config(write(tmp_path, BASE))
+    assert cfg.model.factory == f"{tmp_path}/model.py:Net"
+    assert cfg.model.checkpoint == f"{tmp_path}/ckpt/net.pt"
+    assert cfg.data.path == f"{tmp_path}/data.pt"
+    assert cfg.data.inputs == ["x"] and cfg.data.batch_size == 256
+    assert cfg.loss.name == "cross_entropy" and cfg.loss.token_reduction == "mean"
+    assert cfg.params.include == ["*"] and cfg.device == "auto"
+    assert cfg.output.path == f"{tmp_path}/scores.parquet" and cfg.summary.top_k == 20
+
+
+def test_module_specs_are_not_paths(tmp_path):
+    cfg = load_config(write(tmp_path, BASE.replace("model.py:Net", "torch.nn:Linear")))
+    assert cfg.model.factory == "torch.nn:Linear"
+
+
+def test_overrides(tmp_path):
+    cfg = with_overrides(
+        load_config(write(tmp_path, BASE)),
+        batch_size=7,
+        limit=3,
+        per_layer=True,
+        top_k=5,
+        device="cpu",
+    )
+    assert (
+        cfg.data.batch_size,
+        cfg.data.limit,
+        cfg.output.per_layer,
+        cfg.summary.top_k,
+        cfg.device,
+    ) == (7, 3, True, 5, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("model: {factory: m.py:N}\n", "missing required key 'data'"),
+        (BASE + "extra: 1\n", "unknown key 'extra'"),
+        (BASE.replace("inputs: x", "inputs: x, colour: red"), "unknown key 'data.colour'"),
+        (BASE + "loss: {name: hinge}\n", "'loss.name' must be one of"),
+        (
+            BASE.replace("targets: y", "targets: y, batch_size: many"),
+            "'data.batch_size' must be an integer",
+        ),
+        (
+            BASE.replace("targets: y", "targets: y, batch_size: 0"),
+            "'data.batch_size' must be at least 1",
+        ),
+        (BASE + "device: tpu\n", "'device' must be one of"),
+        (BASE + "dtype: float8\n", "'dtype' must be one of"),
+        (BASE + "params: {include: 3}\n", "'params.include' must be a list of strings"),
+        (BASE + "output: [1]\n", "output must be a mapping"),
+        (BASE + "loss: {token_reduction: max}\n", "'loss.token_reduction' must be mean or sum"),
+        ("model: {factory: [\n", "malformed YAML"),
+    ],
+)
+def test_bad_values_name_their_key(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as info:
+        load_config(write(tmp_path, text))
+    assert "c.yaml" in str(info.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")

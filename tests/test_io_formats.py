@@ -1,0 +1,128 @@
+"""Each data format and checkpoint option, end to end through score_dataset, against the loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from oracle import assert_rel_close, reference_norms
+from project import load_net, make_project
+from safetensors.torch import save_file
+
+from gradscope.api import score_dataset
+from gradscope.config import load_config
+from gradscope.errors import ModelError
+from gradscope.io.parquet import read_metadata
+
+
+def run(config) -> pd.DataFrame:
+    return pd.read_parquet(score_dataset(load_config(config)))
+
+
+def check_against_loop(frame: pd.DataFrame, tmp_path, x=None, y=None) -> None:
+    net, x0, y0 = load_net(tmp_path)
+    x = x0 if x is None else x
+    y = y0 if y is None else y
+    loss, norm = reference_norms(net, (x,), y, "cross_entropy")
+    assert frame["example_id"].tolist() == list(range(len(x)))
+    assert_rel_close(torch.tensor(frame["grad_norm"].to_numpy()), norm, 1e-4)
+    assert_rel_close(torch.tensor(frame["loss"].to_numpy()), loss, 1e-5)
+
+
+def test_pt_with_ids_and_uneven_last_batch(tmp_path):
+    frame = run(make_project(tmp_path, n=23, data__ids="name"))  # batches of 4: the last holds 3
+    check_against_loop(frame, tmp_path)
+    assert frame["id"].tolist() == list(range(100, 123))
+    assert pq.ParquetFile(tmp_path / "scores.parquet").metadata.num_row_groups == 6
+
+
+def test_npz(tmp_path):
+    config = make_project(tmp_path, data__path="data.npz")
+    data = torch.load(tmp_path / "data.pt")
+    np.savez(tmp_path / "data.npz", x=data["x"].numpy(), y=data["y"].numpy())
+    check_against_loop(run(config), tmp_path)
+
+
+def test_parquet_with_list_column(tmp_path):
+    config = make_project(tmp_path, data__path="data.parquet")
+    data = torch.load(tmp_path / "data.pt")
+    table = pa.table({"x": [row.tolist() for row in data["x"]], "y": data["y"].numpy()})
+    pq.write_table(table, tmp_path / "data.parquet")
+    check_against_loop(run(config), tmp_path)
+
+
+def test_csv_columns_as_inputs(tmp_path):
+    cols = [f"f{i}" for i in range(5)]
+    config = make_project(
+        tmp_path, data__path="data.csv", data__inputs=cols, model__factory="model.py:Columns"
+    )
+    data = torch.load(tmp_path / "data.pt")
+    frame = pd.DataFrame(data["x"].numpy(), columns=cols).assign(y=data["y"].numpy())
+    frame.to_csv(tmp_path / "data.csv", index=False)
+    check_against_loop(run(config), tmp_path)
+
+
+def test_make_dataset_function(tmp_path):
+    config = make_project(
+        tmp_path, data__path="model.py:make_dataset", data__inputs="features", data__targets="label"
+    )
+    from gradscope.io.model import import_object
+
+    data = import_object(f"{tmp_path}/model.py:make_dataset", "test")()
+    check_against_loop(run(config), tmp_path, data["features"], data["label"])
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_state_dict_key_and_strip_prefix(tmp_path, suffix):
+    config = make_project(
+        tmp_path,
+        model__checkpoint=f"wrapped{suffix}",
+        model__state_dict_key="model",
+        model__strip_prefix="module.",
+    )
+    state = {f"module.{k}": v for k, v in torch.load(tmp_path / "net.pt").items()}
+    if suffix == ".pt":
+        torch.save({"model": state, "epoch": 3}, tmp_path / "wrapped.pt")
+    else:  # safetensors has no nesting: the key is not needed
+        config = make_project(
+            tmp_path, model__checkpoint="wrapped.safetensors", model__strip_prefix="module."
+        )
+        save_file(state, tmp_path / "wrapped.safetensors")
+    check_against_loop(run(config), tmp_path)
+
+
+def test_tuple_output(tmp_path):
+    frame = run(make_project(tmp_path, model__factory="model.py:TupleNet", model__output=0))
+    check_against_loop(frame, tmp_path)
+
+
+def test_per_layer_columns_add_up(tmp_path):
+    frame = run(make_project(tmp_path, output={"path": "s.parquet", "per_layer": True}))
+    squares = frame["grad_norm/fc1"] ** 2 + frame["grad_norm/fc2"] ** 2
+    np.testing.assert_allclose(np.sqrt(squares), frame["grad_norm"], rtol=1e-6)
+
+
+def test_metadata(tmp_path):
+    config = make_project(tmp_path)
+    score_dataset(load_config(config))
+    meta = read_metadata(tmp_path / "scores.parquet")
+    assert meta["command"] == "norms" and meta["device"] == "cpu" and meta["dtype"] == "float32"
+    assert len(meta["checkpoint_sha256"]) == 64
+    assert meta["config"]["data"]["batch_size"] == 4
+    assert {p["name"]: p["rule"] for p in meta["plan"]} == {
+        "fc1.weight": "linear", "fc1.bias": "linear", "fc2.weight": "linear", "fc2.bias": "linear"
+    }  # fmt: skip
+
+
+def test_checkpoint_that_does_not_fit(tmp_path):
+    config = make_project(tmp_path)
+    state = torch.load(tmp_path / "net.pt")
+    state["fc2.weight"] = torch.zeros(4, 8)
+    torch.save(state, tmp_path / "net.pt")
+    with pytest.raises(
+        ModelError, match=r"fc2.weight has shape \(4, 8\), the model expects \(3, 8\)"
+    ):
+        run(config)
