@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from . import __version__
 from .config import Config
+from .engine.check import CheckReport, compare_with_loop
 from .engine.core import Engine, prepared
 from .engine.plan import Plan, build_plan
 from .errors import ConfigError
@@ -174,3 +175,13 @@ def score_dataset(
             if on_batch:
                 on_batch(len(batch.index))
     return Path(cfg.output.path)
+
+
+def check_config(cfg: Config, examples: int = 8, *, trust_checkpoint: bool = False) -> CheckReport:
+    """The configured model on its first ``examples`` examples: fast engine vs per-example loop."""
+    if examples < 1:
+        raise ConfigError(f"--examples must be at least 1, got {examples}", "--examples")
+    job = Job.from_config(cfg, trust_checkpoint)
+    batch = next(open_dataset(cfg.data).batches(examples, examples))
+    with prepared(job.model, job.plan):
+        return compare_with_loop(job.engine, *job.to_device(batch))
