@@ -52,6 +52,7 @@ class Engine:
     ):
         self.model, self.loss_fn, self.plan, self.output = model, loss_fn, plan, output
         self._copy: set[int] = set()  # modules whose outputs the model later edits in place
+        self._probed = False  # whether a batch of B > 1 was probed for calls shared by examples
         self.fallback = Fallback(model, loss_fn, output)
 
     def losses(self, inputs: tuple[Tensor, ...], targets: Tensor) -> Tensor:
@@ -84,6 +85,16 @@ class Engine:
             if not edited:
                 break
             self._copy |= edited  # capture copies from now on, and redo this batch
+        batch = losses.shape[0]
+        probe = None
+        if self.plan.by_rule and not self._probed and batch > 1:
+            self._probed = True  # once: later batches only check the leading dimension
+            probe = losses[-1]
+        shared = session.not_per_example(batch, probe)
+        for p in self.plan.by_rule:
+            if any(id(m) in shared for m, _ in p.owners):
+                p.rule = FALLBACK
+                p.note = "its module runs on a tensor shared by all examples, not one row each"
         uncalled = [
             p for p in self.plan.by_rule if not any(session.calls[id(m)] for m, _ in p.owners)
         ]

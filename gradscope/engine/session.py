@@ -65,6 +65,32 @@ class HookSession:
             if tuple(t._version for t in (*call.inputs, call.output)) != call.versions
         }
 
+    def not_per_example(self, batch: int, probe: Tensor | None = None) -> set[int]:
+        """Modules with a call whose output rows are not the batch's examples.
+
+        A rule reads row i of a call as example i. That fails for a call on a tensor shared by all
+        examples (a positional table looked up with ``arange(T)`` and broadcast over the batch):
+        its leading dimension is not ``batch``, or, when T happens to equal B, ``probe`` (one
+        example's loss, graph retained) has a gradient in the rows of other examples. NaN rows
+        say nothing: a non-finite example gives NaN there without any dependence.
+        """
+        shared = {
+            key
+            for key, calls in self.calls.items()
+            for call in calls
+            if call.output.dim() == 0 or call.output.shape[0] != batch
+        }
+        if probe is None:
+            return shared
+        keyed = [(key, c) for key, calls in self.calls.items() if key not in shared for c in calls]
+        grads = torch.autograd.grad(
+            probe, [c.output for _, c in keyed], allow_unused=True, retain_graph=True
+        )
+        for (key, _), grad in zip(keyed, grads, strict=True):
+            if grad is not None and ((grad[:-1] != 0) & grad[:-1].isfinite()).any():
+                shared.add(key)
+        return shared
+
     def backward(self, total: Tensor, also: Sequence[Tensor] = ()) -> list[Tensor | None]:
         """Fill each call's ``grad`` with d total / d output; return d total / d ``also``.
 

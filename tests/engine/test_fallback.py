@@ -78,6 +78,18 @@ class Positional(nn.Module):
         return self.out(torch.tanh(self.fc(x + self.pos))).mean(1)  # (B, 2)
 
 
+class SharedTable(nn.Module):
+    """A Linear layer run once on a table shared by the batch, its output broadcast over it."""
+
+    def __init__(self, t: int):
+        super().__init__()
+        self.register_buffer("table", torch.randn(t, 4))
+        self.proj, self.out = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(x + self.proj(self.table))).mean(1)  # (B, T, 4) -> (B, 2)
+
+
 class ItemGate(nn.Module):
     """Data-dependent control flow on a Python float: vmap cannot run it, the loop can."""
 
@@ -106,6 +118,9 @@ CASES = [
     Case("raw-parameter", lambda: nn.Sequential(nn.Linear(4, 5), Scale(5), nn.Tanh(), nn.Linear(5, 2)),
          lambda b: (torch.randn(b, 4),), torch.randn_like),
     Case("top-level-parameter", Positional, lambda b: (torch.randn(b, 5, 4),), labels, "cross_entropy"),
+    # T == B: the shapes alone cannot tell the table's rows from the examples
+    Case("shared-call-t-equals-b", lambda: SharedTable(5), lambda b: (torch.randn(b, 5, 4),), labels, "cross_entropy"),
+    Case("shared-call", lambda: SharedTable(3), lambda b: (torch.randn(b, 3, 4),), labels, "cross_entropy"),
     Case("vmap-fails", ItemGate, lambda b: (torch.randn(b, 4),), torch.randn_like),
     Case("mha-batch-1", lambda: Attention(True), padded_tokens, labels, "cross_entropy", batch=1),
     Case("lstm-batch-1", lambda: Recurrent(nn.LSTM), lambda b: (torch.randn(b, 5, 4),), labels, "cross_entropy", batch=1),
@@ -177,6 +192,15 @@ def test_uncalled_module_that_never_reaches_the_loss_stays_on_its_rule():
     _, _, _, plan, scores = _run(case)
     assert all(p.rule == "linear" for p in plan.params)
     assert torch.equal(scores.norm_sq["spare.weight"], torch.zeros(5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("case_id", ["shared-call-t-equals-b", "shared-call"])
+def test_call_shared_by_the_examples_goes_to_the_fallback(case_id: str):
+    *_, plan, _ = _run(BY_ID[case_id])
+    rules = {p.name: p for p in plan.params}
+    assert rules["proj.weight"].rule == FALLBACK
+    assert "shared by all examples" in rules["proj.weight"].note
+    assert rules["out.weight"].rule == "linear"
 
 
 def test_vmap_failure_is_remembered_and_the_loop_runs():
