@@ -121,6 +121,7 @@ class Project:
     targets: Callable[[torch.Generator, int], torch.Tensor]
     loss: dict = field(default_factory=lambda: {"name": "cross_entropy"})
     output: str | None = None
+    fallback: tuple[str, ...] = ()  # the modules no rule can serve
     n: int = 6
 
     def write(self, root: Path) -> tuple[Path, torch.nn.Module, tuple, torch.Tensor]:
@@ -164,15 +165,16 @@ def classes(k: int) -> Callable[[torch.Generator, int], torch.Tensor]:
 
 
 PROJECTS = [
-    pytest.param(Project("TutorialCNN", images(1, 28, 28), classes(10)),
-                 marks=pytest.mark.slow, id="tutorial-cnn"),
+    pytest.param(Project("TutorialCNN", images(1, 28, 28), classes(10)), id="tutorial-cnn"),
     pytest.param(Project("SmallResNet", images(3, 8, 8), classes(5)), id="resnet"),
     pytest.param(
         Project("TinyLM", tokens, lambda g, n: torch.randint(0, 13, (n, 8), generator=g),
-                {"name": "cross_entropy", "class_dim": -1, "token_reduction": "mean"}),
+                {"name": "cross_entropy", "class_dim": -1, "token_reduction": "mean"},
+                # attention weights are used functionally; positions are one table for all
+                fallback=("pos", "layer.self_attn", "layer.self_attn.out_proj")),
         id="tiny-lm",
     ),
-    pytest.param(Project("LSTMClassifier", tokens, classes(3)), id="lstm"),
+    pytest.param(Project("LSTMClassifier", tokens, classes(3), fallback=("lstm",)), id="lstm"),
     pytest.param(
         Project("TwoInputs",
                 lambda g, n: {"image": torch.randn(n, 1, 6, 6, generator=g),
@@ -199,3 +201,4 @@ def test_norms_cli_matches_loop(project: Project, tmp_path: Path):
     plan = read_metadata(tmp_path / "scores.parquet")["plan"]
     assert [p["name"] for p in plan] == [n for n, _ in model.named_parameters()]
     assert all(p["rule"] != "excluded" for p in plan)
+    assert {p["module"] for p in plan if p["rule"].startswith("fallback")} == set(project.fallback)
