@@ -71,7 +71,7 @@ def compare_with_loop(engine: Engine, inputs: tuple[Tensor, ...], targets: Tenso
 def render_plan(plan: Plan) -> Table:
     table = Table(title="plan", title_justify="left")
     for column in ("parameter", "module", "shape", "rule", "note"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")  # names stay whole, wrapped if need be
     for p in plan.params:
         table.add_row(p.name, p.module, str(tuple(p.param.shape)), p.rule, p.note)
     return table

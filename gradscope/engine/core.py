@@ -94,7 +94,7 @@ class Engine:
         for p in self.plan.by_rule:
             if any(id(m) in shared for m, _ in p.owners):
                 p.rule = FALLBACK
-                p.note = "its module runs on a tensor shared by all examples, not one row each"
+                p.note = "its module runs once for all examples"
         uncalled = [
             p for p in self.plan.by_rule if not any(session.calls[id(m)] for m, _ in p.owners)
         ]
@@ -103,7 +103,7 @@ class Engine:
             for p, g in zip(uncalled, reached, strict=True):
                 if g is not None:  # used without calling its module: no rule can see it
                     p.rule = FALLBACK
-                    p.note = "reaches the loss without a call of its module (used functionally)"
+                    p.note = "used without a call of its module"
         parts: dict[tuple[int, int], dict[str, Contribution]] = {}
         result: dict[str, Contribution | None] = {}
         for p in self.plan.by_rule:
@@ -124,7 +124,7 @@ class Engine:
         if self.fallback.vmap_error:
             for p in (p for p in fallback if p.rule != FALLBACK_LOOP):
                 p.rule = FALLBACK_LOOP
-                p.note += f"; vmap cannot run the model: {self.fallback.vmap_error}"
+                p.note += f"; vmap failed: {self.fallback.vmap_error}"
         return losses.detach(), result
 
     def norms(self, inputs: tuple[Tensor, ...], targets: Tensor) -> BatchScores:
