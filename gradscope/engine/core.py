@@ -94,7 +94,7 @@ class Engine:
         for p in self.plan.by_rule:
             if any(id(m) in shared for m, _ in p.owners):
                 p.rule = FALLBACK
-                p.note = "its module runs once for all examples"
+                p.note = "rows of its module's output are not the examples"
         uncalled = [
             p for p in self.plan.by_rule if not any(session.calls[id(m)] for m, _ in p.owners)
         ]

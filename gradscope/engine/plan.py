@@ -1,13 +1,14 @@
 """The plan: for every parameter, which rule serves it, the fallback, or excluded by ``params``.
 
 A parameter goes to the fallback (exact per-example gradients through torch.func, see
-``engine/fallback.py``) when any module holding it has no rule. A rule can only see a parameter
-through its module's calls, so a rule-served parameter whose module is never called in a pass
-while the parameter still reaches the loss is used functionally by some other module
-(``nn.MultiheadAttention`` reads ``out_proj.weight`` without calling ``out_proj``): the engine moves
-it to the fallback then, and the plan says why in ``note``. Rule strings: a rule's name (tied
-parameters join them: "embedding+linear"), ``fallback`` (vmap), ``fallback:loop`` (vmap could not
-run the model, one backward per example), ``excluded``.
+``engine/fallback.py``) when any module holding it has no rule. A rule only sees a parameter
+through its module's calls, reading row i of each call as example i, so during the passes the
+engine also moves to the fallback a rule-served parameter that reaches the loss although its
+module was never called (``nn.MultiheadAttention`` reads ``out_proj.weight`` without calling
+``out_proj``), and one whose module's output rows are not the examples (a table looked up once
+for the whole batch, a sequence-first layer). ``note`` says why. Rule strings: a rule's name
+(tied parameters join them: "embedding+linear"), ``fallback`` (vmap), ``fallback:loop`` (vmap
+could not run the model: one backward per example), ``excluded``.
 """
 
 from __future__ import annotations

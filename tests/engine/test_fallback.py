@@ -90,6 +90,17 @@ class SharedTable(nn.Module):
         return self.out(torch.tanh(x + self.proj(self.table))).mean(1)  # (B, T, 4) -> (B, 2)
 
 
+class SeqFirst(nn.Module):
+    """A Linear layer on (T, B, in), as batch_first=False models run it: rows are positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x.transpose(0, 1)).transpose(0, 1)  # (B, T, 3)
+
+
 class ItemGate(nn.Module):
     """Data-dependent control flow on a Python float: vmap cannot run it, the loop can."""
 
@@ -121,6 +132,7 @@ CASES = [
     # T == B: the shapes alone cannot tell the table's rows from the examples
     Case("shared-call-t-equals-b", lambda: SharedTable(5), lambda b: (torch.randn(b, 5, 4),), labels, "cross_entropy"),
     Case("shared-call", lambda: SharedTable(3), lambda b: (torch.randn(b, 3, 4),), labels, "cross_entropy"),
+    Case("seq-first-t-equals-b", SeqFirst, lambda b: (torch.randn(b, 5, 4),), labels, "cross_entropy"),
     Case("vmap-fails", ItemGate, lambda b: (torch.randn(b, 4),), torch.randn_like),
     Case("mha-batch-1", lambda: Attention(True), padded_tokens, labels, "cross_entropy", batch=1),
     Case("lstm-batch-1", lambda: Recurrent(nn.LSTM), lambda b: (torch.randn(b, 5, 4),), labels, "cross_entropy", batch=1),
@@ -194,13 +206,17 @@ def test_uncalled_module_that_never_reaches_the_loss_stays_on_its_rule():
     assert torch.equal(scores.norm_sq["spare.weight"], torch.zeros(5, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("case_id", ["shared-call-t-equals-b", "shared-call"])
-def test_call_shared_by_the_examples_goes_to_the_fallback(case_id: str):
+@pytest.mark.parametrize(
+    ("case_id", "name"),
+    [("shared-call-t-equals-b", "proj.weight"), ("shared-call", "proj.weight"),
+     ("seq-first-t-equals-b", "fc.weight")],
+)  # fmt: skip
+def test_call_whose_rows_are_not_examples_goes_to_the_fallback(case_id: str, name: str):
     *_, plan, _ = _run(BY_ID[case_id])
     rules = {p.name: p for p in plan.params}
-    assert rules["proj.weight"].rule == FALLBACK
-    assert "runs once for all examples" in rules["proj.weight"].note
-    assert rules["out.weight"].rule == "linear"
+    assert rules[name].rule == FALLBACK
+    assert "output are not the examples" in rules[name].note
+    assert all(p.rule == "linear" for p in plan.params if p.module == "out")
 
 
 def test_vmap_failure_is_remembered_and_the_loop_runs():
