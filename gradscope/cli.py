@@ -120,6 +120,63 @@ def norms(
 
 
 @app.command()
+def influence(
+    config: ConfigArg,
+    ref: Annotated[
+        str,
+        typer.Option(
+            "--ref", help="Reference data file (any format data.path takes); same column names."
+        ),
+    ],
+    out: OutOpt = None,
+    device: DeviceOpt = None,
+    batch_size: BatchOpt = None,
+    limit: LimitOpt = None,
+    top_k: TopKOpt = None,
+    per_ref: Annotated[
+        bool,
+        typer.Option("--per-ref", help="One row per (example, reference example) pair, ref_id."),
+    ] = False,
+    precondition: Annotated[
+        Path | None,
+        typer.Option(
+            "--precondition",
+            help="Adam/AdamW state_dict: score against g_ref / (sqrt(v_hat) + eps).",
+        ),
+    ] = None,
+    engine: Annotated[
+        str,
+        typer.Option("--engine", help="auto, hooks (ghost inner products) or jvp (forward mode)."),
+    ] = "auto",
+    trust_checkpoint: TrustOpt = False,
+) -> None:
+    """Inner product of each example's loss gradient with the mean-loss gradient over REF."""
+    from .api import influence_dataset
+
+    cfg = with_overrides(
+        load_config(config),
+        out=out,
+        device=device,
+        batch_size=batch_size,
+        limit=limit,
+        top_k=top_k,
+    )
+    with _progress() as progress:
+        task = progress.add_task("influence", total=None)
+        path = influence_dataset(
+            cfg,
+            ref,
+            per_ref=per_ref,
+            precondition=precondition,
+            engine=engine,
+            trust_checkpoint=trust_checkpoint,
+            on_start=lambda n: progress.update(task, total=n),
+            on_batch=lambda n: progress.advance(task, n),
+        )
+    _report(path, "influence", cfg.summary.top_k)
+
+
+@app.command()
 def check(
     config: ConfigArg,
     examples: Annotated[

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -24,6 +24,7 @@ class BatchScores:
 
     loss: Tensor  # (B,) each example's own loss
     norm_sq: dict[str, Tensor]  # parameter name -> (B,) squared norm of its per-example gradient
+    inner: dict[str, Tensor] = field(default_factory=dict)  # name -> (B, K) <G_i, refs[name][k]>
 
 
 @contextlib.contextmanager
@@ -127,8 +128,19 @@ class Engine:
                 p.note += f"; vmap failed: {self.fallback.vmap_error}"
         return losses.detach(), result
 
-    def norms(self, inputs: tuple[Tensor, ...], targets: Tensor) -> BatchScores:
+    def norms(
+        self, inputs: tuple[Tensor, ...], targets: Tensor, refs: dict[str, Tensor] | None = None
+    ) -> BatchScores:
+        """Losses and squared norms; with ``refs`` ({name: (K, *shape)}) also the inner products
+        of each example's gradient with them, from the same contributions (one forward+backward)."""
         losses, contributions = self.contributions(inputs, targets)
         zeros = losses.new_zeros(losses.shape[0])
         norm_sq = {name: zeros if c is None else c.norm_sq() for name, c in contributions.items()}
-        return BatchScores(loss=losses, norm_sq=norm_sq)
+        inner: dict[str, Tensor] = {}
+        if refs is not None:
+            for name, c in contributions.items():
+                k = refs[name].shape[0]
+                inner[name] = (
+                    losses.new_zeros(losses.shape[0], k) if c is None else c.inner(refs[name])
+                )
+        return BatchScores(loss=losses, norm_sq=norm_sq, inner=inner)
