@@ -9,6 +9,7 @@ from torch import nn
 
 import gradscope
 from gradscope.engine.core import Engine, prepared
+from gradscope.engine.naive import naive_grads
 from gradscope.engine.plan import FALLBACK, FALLBACK_LOOP, build_plan
 from gradscope.losses import resolve_loss
 
@@ -242,3 +243,22 @@ def test_float32_fallback():
     got = gradscope.per_example_norms(model, inputs, targets, case.loss)
     _, expected = reference_norms(model, inputs, targets, case.loss)
     assert_rel_close(got, expected, 1e-4)
+
+
+@pytest.mark.parametrize("case_id", ["mha-batch-first-True", "vmap-fails"])
+def test_influence_through_the_fallback(case_id: str):
+    """The hooks influence engine takes inner products of the fallback's gradients too."""
+    case = BY_ID[case_id]
+    model, inputs, targets = case.build(torch.float64, batch=6)
+    train, ref = (
+        (tuple(t[:4] for t in inputs), targets[:4]),
+        (tuple(t[4:] for t in inputs), targets[4:]),
+    )
+    got = gradscope.per_example_influence(model, *train, *ref, case.loss, engine="hooks")
+    plan = build_plan(model)
+    names = [p.name for p in plan.included]
+    with prepared(model, plan):
+        _, g = naive_grads(model, *train, resolve_loss(case.loss), names)
+        _, r = naive_grads(model, *ref, resolve_loss(case.loss), names)
+    expected = sum((g[n].flatten(1) * r[n].flatten(1).mean(0)).sum(1) for n in names)
+    assert_rel_close(got, expected, 1e-5)
