@@ -15,12 +15,14 @@ from torch import Tensor, nn
 
 from . import __version__, distributed
 from .config import Config
+from .engine.check import CheckReport, compare_with_loop
 from .engine.core import Engine, prepared
 from .engine.influence import (
     MAX_PER_REF,
     Influence,
     adam_denominator,
     check_engine,
+    influence_errors,
     reference_gradients,
 )
 from .engine.plan import Plan, build_plan
@@ -475,3 +477,24 @@ def influence_dataset(
             on_start=on_start,
             on_batch=on_batch,
         )
+
+
+def check_config(
+    cfg: Config, examples: int = 8, *, ref: str | None = None, trust_checkpoint: bool = False
+) -> CheckReport:
+    """The configured model on its first ``examples`` examples: both engines vs the per-example loop.
+
+    Influence is checked against the mean gradient of the first ``examples`` rows of ``ref``, or
+    of the checked examples themselves when no reference is given.
+    """
+    if examples < 1:
+        raise ConfigError(f"--examples must be at least 1, got {examples}", "--examples")
+    job = Job.from_config(cfg, trust_checkpoint)
+    batch = job.to_device(next(open_dataset(cfg.data).batches(examples, examples)))
+    reference = batch
+    if ref is not None:
+        reference = job.to_device(next(open_dataset(cfg.data, ref).batches(examples, examples)))
+    with prepared(job.model, job.plan):
+        report = compare_with_loop(job.engine, *batch)
+    report.influence = influence_errors(job.engine, *batch, *reference)
+    return report

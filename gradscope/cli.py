@@ -198,6 +198,35 @@ def influence(
 
 
 @app.command()
+def check(
+    config: ConfigArg,
+    examples: Annotated[
+        int, typer.Option("--examples", help="Compare on the first N examples.")
+    ] = 8,
+    ref: Annotated[
+        Path | None,
+        typer.Option(
+            "--ref", help="Reference data for the influence check (default: the examples)."
+        ),
+    ] = None,
+    device: DeviceOpt = None,
+    trust_checkpoint: TrustOpt = False,
+) -> None:
+    """Compare both engines with a per-example backward loop; exit 1 above tolerance."""
+    from .api import check_config
+    from .engine.check import render_plan, render_report
+
+    cfg = with_overrides(load_config(config), device=device)
+    report = check_config(
+        cfg, examples, ref=str(ref) if ref else None, trust_checkpoint=trust_checkpoint
+    )
+    console.print(render_plan(report.plan))
+    console.print(render_report(report))
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
 def summary(
     scores: Annotated[Path, typer.Argument(help="A Parquet file written by gradscope.")],
     by: Annotated[
