@@ -6,7 +6,6 @@ import os
 from pathlib import Path
 from typing import Annotated
 
-import pandas as pd
 import typer
 from rich.console import Console
 from rich.progress import (
@@ -91,9 +90,9 @@ def _progress() -> Progress:
 
 
 def _report(path: Path, by: str | None, top_k: int) -> None:
-    from .summary import render
+    from .summary import read_scores, render
 
-    console.print(render(pd.read_parquet(path), by, top_k))
+    console.print(render(read_scores(path, by), by, top_k))
     console.print(f"wrote {path}")
 
 

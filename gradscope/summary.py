@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
+import pyarrow.parquet as pq
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
+
+from .errors import DataError
 
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 MAX_CLASSES = 100  # above this many distinct targets, the targets are not class labels
@@ -60,21 +65,27 @@ def _fmt(value: object) -> str:
     return str(value)
 
 
+SHOWN = ("example_id", "ref_id", "id", "loss", "grad_norm", "influence", "cosine", "target")
+
+
+def read_scores(path: str | Path, score: str | None = None) -> pd.DataFrame:
+    """Only the columns the tables show: per-layer columns stay on disk however many rows."""
+    names = pq.read_schema(path).names
+    if score is not None and score not in names:
+        raise DataError(f"no column {score!r} to rank by (columns: {', '.join(names)})", "--by")
+    wanted = dict.fromkeys([*SHOWN, "finite", score or default_score(pd.DataFrame(columns=names))])
+    return pd.read_parquet(path, columns=[c for c in wanted if c in names])
+
+
 def render(frame: pd.DataFrame, score: str | None = None, k: int = 20) -> Group:
     """The outlier table, the per-class table and the summary paragraph, ready to print."""
     score = score or default_score(frame)
     if score not in frame.columns:
-        from .errors import DataError
-
         raise DataError(
             f"no column {score!r} to rank by (columns: {', '.join(frame.columns)})", "--by"
         )
     top = top_outliers(frame, score, k)
-    shown = [
-        c
-        for c in ("example_id", "id", "loss", "grad_norm", "influence", "cosine", "target")
-        if c in frame
-    ]
+    shown = [c for c in SHOWN if c in frame]
     if score not in shown:
         shown.append(score)
     table = Table(
