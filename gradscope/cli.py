@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Annotated
 
@@ -89,6 +91,18 @@ def _progress() -> Progress:
     )
 
 
+def _run(command: str, run: Callable[..., Path | None], score: str, top_k: int) -> None:
+    """A scoring run under a progress bar, then its outlier tables (on rank 0 only)."""
+    with _progress() as progress:
+        task = progress.add_task(command, total=None)
+        path = run(
+            on_start=lambda n: progress.update(task, total=n),
+            on_batch=lambda n: progress.advance(task, n),
+        )
+    if path is not None:  # None on the ranks other than 0 under torchrun
+        _report(path, score, top_k)
+
+
 def _report(path: Path, by: str | None, top_k: int) -> None:
     from .summary import read_scores, render
 
@@ -122,18 +136,12 @@ def norms(
         per_layer=per_layer,
         top_k=top_k,
     )
-    with _progress() as progress:
-        task = progress.add_task("norms", total=None)
-        path = score_dataset(
-            cfg,
-            "norms",
-            trust_checkpoint=trust_checkpoint,
-            resume=resume,
-            on_start=lambda n: progress.update(task, total=n),
-            on_batch=lambda n: progress.advance(task, n),
-        )
-    if path is not None:  # None on the ranks other than 0 under torchrun
-        _report(path, "grad_norm", cfg.summary.top_k)
+    _run(
+        "norms",
+        partial(score_dataset, cfg, "norms", trust_checkpoint=trust_checkpoint, resume=resume),
+        "grad_norm",
+        cfg.summary.top_k,
+    )
 
 
 @app.command()
@@ -179,21 +187,17 @@ def influence(
         limit=limit,
         top_k=top_k,
     )
-    with _progress() as progress:
-        task = progress.add_task("influence", total=None)
-        path = influence_dataset(
-            cfg,
-            ref,
-            per_ref=per_ref,
-            precondition=precondition,
-            engine=engine,
-            trust_checkpoint=trust_checkpoint,
-            resume=resume,
-            on_start=lambda n: progress.update(task, total=n),
-            on_batch=lambda n: progress.advance(task, n),
-        )
-    if path is not None:  # None on the ranks other than 0 under torchrun
-        _report(path, "influence", cfg.summary.top_k)
+    run = partial(
+        influence_dataset,
+        cfg,
+        ref,
+        per_ref=per_ref,
+        precondition=precondition,
+        engine=engine,
+        trust_checkpoint=trust_checkpoint,
+        resume=resume,
+    )
+    _run("influence", run, "influence", cfg.summary.top_k)
 
 
 @app.command()
