@@ -104,9 +104,9 @@ def _run(command: str, run: Callable[..., Path | None], score: str, top_k: int) 
 
 
 def _report(path: Path, by: str | None, top_k: int) -> None:
-    from .summary import read_scores, render
+    from .summary import summarize
 
-    console.print(render(read_scores(path, by), by, top_k))
+    console.print(summarize(path, by, top_k))
     console.print(f"wrote {path}")
 
 
