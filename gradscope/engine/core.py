@@ -105,6 +105,10 @@ class Engine:
                 if g is not None:  # used without calling its module: no rule can see it
                     p.rule = FALLBACK
                     p.note = "used without a call of its module"
+            for p in self.plan.by_rule:
+                if any(c.others_reach_loss for m, _ in p.owners for c in session.calls[id(m)]):
+                    p.rule = FALLBACK  # the rule only follows the gradient of the first output
+                    p.note = "a second output of its module (attention weights) reaches the loss"
         parts: dict[tuple[int, int], dict[str, Contribution]] = {}
         result: dict[str, Contribution | None] = {}
         for p in self.plan.by_rule:
@@ -116,7 +120,7 @@ class Engine:
                         continue  # this call does not reach the loss
                     key = (id(module), n)
                     if key not in parts:
-                        parts[key] = rule.fn(module, call.inputs, call.grad)
+                        parts[key] = rule.fn(module, call.inputs, call.grad, **call.kwargs)
                     part = parts[key][attr]
                     total = part if total is None else total.merge(part)
             result[p.name] = total

@@ -1,12 +1,15 @@
 """The plan: for every parameter, which rule serves it, the fallback, or excluded by ``params``.
 
 A parameter goes to the fallback (exact per-example gradients through torch.func, see
-``engine/fallback.py``) when any module holding it has no rule. A rule only sees a parameter
-through its module's calls, reading row i of each call as example i, so during the passes the
-engine also moves to the fallback a rule-served parameter that reaches the loss although its
-module was never called (``nn.MultiheadAttention`` reads ``out_proj.weight`` without calling
-``out_proj``), and one whose module's output rows are not the examples (a table looked up once
-for the whole batch, a sequence-first layer). ``note`` says why. Rule strings: a rule's name
+``engine/fallback.py``) when any module holding it has no rule. A rule may also serve the
+parameters of child modules its module uses functionally (the attention rule and
+``nn.MultiheadAttention.out_proj``): those are held by the parent too, under ``"out_proj.weight"``.
+A rule only sees a parameter through its module's calls, reading the examples along the call
+output's batch dimension, so during the passes the engine also moves to the fallback a
+rule-served parameter that reaches the loss although its module was never called, one whose
+module's output rows are not the examples (a table looked up once for the whole batch, a
+sequence-first Linear, an unbatched call), and one whose module has a second output (attention
+weights) that reaches the loss. ``note`` says why. Rule strings: a rule's name
 (tied parameters join them: "embedding+linear"), ``fallback`` (vmap), ``fallback:loop`` (vmap
 could not run the model: one backward per example), ``excluded``.
 """
@@ -107,18 +110,30 @@ def build_plan(
     plans: dict[int, ParamPlan] = {}
     for name, p in model.named_parameters():
         plans[id(p)] = ParamPlan(name=name, param=p, module=name.rpartition(".")[0] or name)
+    served: dict[int, tuple[nn.Module, str]] = {}  # child -> (parent whose rule serves it, name)
+    for module in model.modules():
+        rule = find_rule(module)
+        for child in rule.submodules if rule else ():
+            served[id(getattr(module, child))] = (module, child)
     held: set[tuple[int, str]] = set()
     for module in model.modules():  # each module once, even where it sits at two places
         for attr, p in module.named_parameters(recurse=False):
-            if (id(module), attr) not in held:
-                held.add((id(module), attr))
-                plans[id(p)].owners.append((module, attr))
+            holders = [(module, attr)]
+            if id(module) in served:  # the parent's calls use it; the child's own calls may too
+                parent, child = served[id(module)]
+                holders.insert(0, (parent, f"{child}.{attr}"))
+            for holder, name in holders:
+                if (id(holder), name) not in held:
+                    held.add((id(holder), name))
+                    plans[id(p)].owners.append((holder, name))
     for plan in plans.values():
         if not _selected(names[id(plan.param)], include, exclude):
             continue
         rules = [find_rule(module) for module, _ in plan.owners]
         if all(rules):
-            plan.rule = "+".join(dict.fromkeys(r.name for r in rules))
+            # a served child's own rule only covers direct calls of it: the parent's rule names it
+            shown = (r for (m, _), r in zip(plan.owners, rules, strict=True) if id(m) not in served)
+            plan.rule = "+".join(dict.fromkeys(r.name for r in shown))
         else:
             plan.rule = FALLBACK
             missing = (

@@ -1,24 +1,40 @@
-"""The hook session: captures each call's inputs and output of the hooked modules, then the
-gradient of the summed loss with respect to each output. All state lives here; hooks are always
+"""The hook session: captures each call's inputs, arguments and output of the hooked modules, then
+the gradient of the summed loss with respect to each output. All state lives here; hooks are always
 removed on exit, even after an exception."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
+from ..rules import find_rule
+
 
 @dataclass
 class Call:
-    """One forward call of a module: its tensor inputs and the gradient at its output."""
+    """One forward call of a module: its inputs and the gradient at its (first) output."""
 
-    inputs: tuple[Tensor, ...]
+    inputs: tuple[Tensor, ...]  # the leading positional tensors
     output: Tensor
     versions: tuple[int, ...]  # of inputs and output when captured: later in-place edits show up
+    kwargs: dict[str, object] = field(default_factory=dict)  # every other argument, by name
+    batch_dim: int | None = 0  # the output's dimension of examples; None: the call is unbatched
+    others: tuple[Tensor, ...] = ()  # further outputs that carry gradient (attention weights)
     grad: Tensor | None = None
+    others_reach_loss: bool = False  # a further output reached the loss: no rule sees that path
+
+
+@functools.cache
+def _positional_names(cls: type[nn.Module]) -> tuple[str, ...]:
+    """The names of ``cls.forward``'s positional parameters, after ``self``."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    return tuple(p.name for p in params if p.kind in kinds)
 
 
 class HookSession:
@@ -36,7 +52,7 @@ class HookSession:
 
     def __enter__(self) -> HookSession:
         for module in self.modules:
-            self._handles.append(module.register_forward_hook(self._capture))
+            self._handles.append(module.register_forward_hook(self._capture, with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -44,16 +60,46 @@ class HookSession:
             handle.remove()
         self._handles.clear()
 
-    def _capture(self, module: nn.Module, args: tuple, output: object) -> Tensor | None:
+    def _capture(
+        self, module: nn.Module, args: tuple, kwargs: dict[str, object], output: object
+    ) -> object:
+        # a module returning (output, extras) (MultiheadAttention's attention weights): the rule
+        # sees the first; the extras are watched for a path to the loss
+        rest: tuple = ()
+        if isinstance(output, tuple) and output and isinstance(output[0], Tensor):
+            output, rest = output[0], output[1:]
         if not isinstance(output, Tensor) or not output.requires_grad:
             return None  # nothing flows back through this call
-        inputs = tuple(a.detach() for a in args if isinstance(a, Tensor))
+        copy = id(module) in self.copy
+        # one detached tensor per distinct argument, so `query is key` still holds for the rule
+        detached: dict[int, Tensor] = {}
+
+        def keep(t: Tensor) -> Tensor:
+            if id(t) not in detached:
+                detached[id(t)] = t.detach().clone() if copy else t.detach()
+            return detached[id(t)]
+
+        n = next((i for i, a in enumerate(args) if not isinstance(a, Tensor)), len(args))
+        inputs = tuple(keep(a) for a in args[:n])
+        # positional arguments after the tensors, by name (the call left the later ones out)
+        names = _positional_names(type(module))[n:]
+        named = {**dict(zip(names, args[n:], strict=False)), **kwargs}
+        named = {k: keep(v) if isinstance(v, Tensor) else v for k, v in named.items()}
         replacement = None
-        if id(module) in self.copy:
-            inputs = tuple(a.clone() for a in inputs)
+        if copy:
             replacement = output.clone()  # downstream edits the clone; ours stays intact
-        versions = tuple(t._version for t in (*inputs, output))
-        self.calls[id(module)].append(Call(inputs, output, versions))
+        rule = find_rule(module)
+        call = Call(
+            inputs,
+            output,
+            tuple(t._version for t in (*inputs, output)),
+            kwargs=named,
+            batch_dim=rule.batch_dim(module, inputs) if rule and rule.batch_dim else 0,
+            others=tuple(t for t in rest if isinstance(t, Tensor) and t.requires_grad),
+        )
+        self.calls[id(module)].append(call)
+        if replacement is not None and rest:
+            return (replacement, *rest)
         return replacement
 
     def edited_in_place(self) -> set[int]:
@@ -78,7 +124,9 @@ class HookSession:
             key
             for key, calls in self.calls.items()
             for call in calls
-            if call.output.dim() == 0 or call.output.shape[0] != batch
+            if call.batch_dim is None
+            or call.output.dim() <= call.batch_dim
+            or call.output.shape[call.batch_dim] != batch
         }
         if probe is None:
             return shared
@@ -86,8 +134,9 @@ class HookSession:
         grads = torch.autograd.grad(
             probe, [c.output for _, c in keyed], allow_unused=True, retain_graph=True
         )
-        for (key, _), grad in zip(keyed, grads, strict=True):
-            if grad is not None and ((grad[:-1] != 0) & grad[:-1].isfinite()).any():
+        for (key, call), grad in zip(keyed, grads, strict=True):
+            others = None if grad is None else grad.movedim(call.batch_dim, 0)[:-1]
+            if others is not None and ((others != 0) & others.isfinite()).any():
                 shared.add(key)
         return shared
 
@@ -98,9 +147,14 @@ class HookSession:
         reach ``total``.
         """
         calls = [c for cs in self.calls.values() for c in cs]
+        others = [(c, t) for c in calls for t in c.others]
         if not calls and not also:
             return []
-        grads = torch.autograd.grad(total, [*(c.output for c in calls), *also], allow_unused=True)
+        grads = torch.autograd.grad(
+            total, [*(c.output for c in calls), *(t for _, t in others), *also], allow_unused=True
+        )
         for call, grad in zip(calls, grads, strict=False):
             call.grad = grad
-        return list(grads[len(calls) :])
+        for (call, _), grad in zip(others, grads[len(calls) :], strict=False):
+            call.others_reach_loss |= grad is not None
+        return list(grads[len(calls) + len(others) :])

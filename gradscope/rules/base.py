@@ -1,8 +1,9 @@
 """Per-example gradients in factored form, and the registry of layer rules that produce them.
 
-A rule is a pure function ``(module, inputs, grad_output) -> {param_name: Contribution}`` for one
-call of one module. A Contribution holds one parameter's per-example gradient without forming it
-where the layer's structure allows, and answers three questions about it: its squared norm, its
+A rule is a pure function ``(module, inputs, grad_output, **kwargs) -> {param_name: Contribution}``
+for one call of one module: ``inputs`` are the call's leading positional tensors, ``kwargs`` its
+other arguments by name. A Contribution holds one parameter's per-example gradient without forming
+it where the layer's structure allows, and answers three questions about it: its squared norm, its
 inner product with reference tensors, and (only when nothing cheaper exists) the gradient itself.
 """
 
@@ -138,24 +139,43 @@ class Outer(Contribution):
         return (rs * self.a.unsqueeze(1)).sum((2, 3, 4))
 
 
-RuleFn = Callable[[nn.Module, tuple[Tensor, ...], Tensor], dict[str, Contribution]]
+# (module, tensor inputs, output grad, **the call's other arguments by name) -> {attr: part}
+RuleFn = Callable[..., dict[str, Contribution]]
+# (module, tensor inputs) -> the dimension of the call's output that indexes examples, or None
+# when no dimension does (an unbatched call)
+BatchDimFn = Callable[[nn.Module, tuple[Tensor, ...]], int | None]
 
 
 @dataclass(frozen=True)
 class Rule:
+    """A rule and what the engine must know to feed it.
+
+    ``submodules`` names child modules whose parameters the rule serves, keyed ``"child.attr"``
+    in its result: the module uses them functionally, so the child's own hook never fires
+    (``nn.MultiheadAttention`` and its ``out_proj``). ``batch_dim`` says where the examples are in
+    a call's output, for layers that also run sequence-first; by default dimension 0.
+    """
+
     name: str
     fn: RuleFn
+    submodules: tuple[str, ...] = ()
+    batch_dim: BatchDimFn | None = None
 
 
 RULES: dict[type[nn.Module], Rule] = {}
 
 
-def register_rule(*types: type[nn.Module], name: str) -> Callable[[RuleFn], RuleFn]:
+def register_rule(
+    *types: type[nn.Module],
+    name: str,
+    submodules: tuple[str, ...] = (),
+    batch_dim: BatchDimFn | None = None,
+) -> Callable[[RuleFn], RuleFn]:
     """Register ``fn`` as the rule for modules of exactly these types."""
 
     def register(fn: RuleFn) -> RuleFn:
         for t in types:
-            RULES[t] = Rule(name, fn)
+            RULES[t] = Rule(name, fn, submodules, batch_dim)
         return fn
 
     return register
