@@ -170,8 +170,8 @@ PROJECTS = [
     pytest.param(
         Project("TinyLM", tokens, lambda g, n: torch.randint(0, 13, (n, 8), generator=g),
                 {"name": "cross_entropy", "class_dim": -1, "token_reduction": "mean"},
-                # attention weights are used functionally; positions are one table for all
-                fallback=("pos", "layer.self_attn", "layer.self_attn.out_proj")),
+                # positions are one table looked up for all examples
+                fallback=("pos",)),
         id="tiny-lm",
     ),
     pytest.param(Project("LSTMClassifier", tokens, classes(3), fallback=("lstm",)), id="lstm"),

@@ -1,6 +1,6 @@
 """Layer rules, one module per family; importing this package registers them all."""
 
-from . import conv, embedding, linear, norm
+from . import attention, conv, embedding, linear, norm
 from .base import RULES, Contribution, Dense, Outer, Rule, find_rule, register_rule
 from .embedding import Rows
 
@@ -13,6 +13,7 @@ __all__ = [
     "Rule",
     "find_rule",
     "register_rule",
+    "attention",
     "conv",
     "embedding",
     "linear",

@@ -423,6 +423,7 @@ def test_registry_lists_every_layer_type() -> None:
         nn.InstanceNorm1d: "instance_norm",
         nn.InstanceNorm2d: "instance_norm",
         nn.InstanceNorm3d: "instance_norm",
+        nn.MultiheadAttention: "attention",
     }
     assert {t: r.name for t, r in RULES.items()} == expected
 
