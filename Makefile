@@ -17,8 +17,8 @@ example: $(VENV)/.installed
 	$(VENV)/bin/gradscope norms configs/digits.yaml
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check gradscope tests benchmarks examples
-	$(VENV)/bin/ruff format --check gradscope tests benchmarks examples
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: lint
 	$(PY) -m pytest

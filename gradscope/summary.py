@@ -78,7 +78,8 @@ def render(frame: pd.DataFrame, score: str | None = None, k: int = 20) -> Group:
     if score not in shown:
         shown.append(score)
     table = Table(
-        title=f"top {len(top)} outliers by {score} (robust z = (x - median) / (1.4826 MAD))"
+        title=f"top {len(top)} outliers by {score}",
+        caption="robust_z = (x - median) / (1.4826 MAD)",
     )
     for column in [*shown, "robust_z"]:
         table.add_column(column, justify="right")

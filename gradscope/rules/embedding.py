@@ -1,0 +1,69 @@
+"""nn.Embedding: rows hit by the same token in one example add up; cost free of vocabulary size."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .base import Contribution, _acc, register_rule
+
+
+def _example_keys(ids: Tensor, num_rows: int) -> Tensor:
+    """(B*T,) one key per (example, row) pair: equal keys are the same row in the same example."""
+    b = ids.shape[0]
+    return (torch.arange(b, device=ids.device).unsqueeze(1) * num_rows + ids).flatten()
+
+
+class Rows(Contribution):
+    """G_i[v] = sum of s_it over the positions t where example i looks up row v.
+
+    ``ids`` is (B, T) row indices and ``s`` (B, T, D) output gradients at those positions; the
+    parameter is the (num_rows, D) table, never formed per example unless asked.
+    """
+
+    def __init__(self, ids: Tensor, s: Tensor, num_rows: int):
+        self.ids, self.s = ids, _acc(s)
+        self.shape = torch.Size((num_rows, s.shape[-1]))
+
+    def norm_sq(self) -> Tensor:
+        b, _, d = self.s.shape
+        keys, inverse = torch.unique(_example_keys(self.ids, self.shape[0]), return_inverse=True)
+        # each distinct (example, row): the sum of its positions' gradients
+        rows = self.s.new_zeros(keys.shape[0], d).index_add_(0, inverse, self.s.reshape(-1, d))
+        return self.s.new_zeros(b).index_add_(0, keys // self.shape[0], rows.pow(2).sum(1))
+
+    def inner(self, refs: Tensor) -> Tensor:
+        picked = refs.to(self.s.dtype)[:, self.ids]  # (K, B, T, D) the reference rows looked up
+        return torch.einsum("kbtd,btd->bk", picked, self.s)  # (B, K)
+
+    def materialize(self) -> Tensor:
+        b, _, d = self.s.shape
+        keys = _example_keys(self.ids, self.shape[0])
+        grads = self.s.new_zeros(b * self.shape[0], d).index_add_(0, keys, self.s.reshape(-1, d))
+        return grads.view(b, *self.shape)  # (B, V, D)
+
+    def merge(self, other: Contribution) -> Contribution:
+        if isinstance(other, Rows) and other.shape == self.shape:
+            # a second lookup into the same table: its positions join the first call's
+            return Rows(
+                torch.cat([self.ids, other.ids], 1), torch.cat([self.s, other.s], 1), self.shape[0]
+            )
+        return super().merge(other)
+
+
+@register_rule(nn.Embedding, name="embedding")
+def embedding(
+    module: nn.Embedding, inputs: tuple[Tensor, ...], grad_output: Tensor
+) -> dict[str, Contribution]:
+    b = grad_output.shape[0]
+    ids = inputs[0].reshape(b, -1)  # (B, T) any index rank flattens to positions
+    s = grad_output.reshape(b, -1, module.embedding_dim)  # (B, T, D)
+    if module.padding_idx is not None:
+        s = s * (ids != module.padding_idx).unsqueeze(-1)  # the padding row gets no gradient
+    if module.scale_grad_by_freq:
+        # the loop sees one example at a time, so a row is scaled by its count in that example
+        _, inverse, counts = torch.unique(
+            _example_keys(ids, module.num_embeddings), return_inverse=True, return_counts=True
+        )
+        s = s / counts[inverse].view(b, -1, 1).to(s.dtype)
+    return {"weight": Rows(ids, s, module.num_embeddings)}

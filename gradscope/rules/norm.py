@@ -1,0 +1,90 @@
+"""LayerNorm, RMSNorm, GroupNorm, BatchNorm and InstanceNorm in eval mode: grads formed directly.
+
+Each rule recomputes xhat from the captured input with the module's own functional and its eps,
+as the module's forward does, then weight grad = sum over positions of s * xhat, bias = sum of s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..errors import ModelError
+from .base import Contribution, Dense, _acc, register_rule
+
+
+def _affine(
+    module: nn.Module, xhat: Tensor, s: Tensor, reduce: Callable[[Tensor], Tensor]
+) -> dict[str, Contribution]:
+    """Dense weight and bias contributions, for whichever of the two the module has."""
+    s = _acc(s)
+    out: dict[str, Contribution] = {}
+    if module.weight is not None:
+        out["weight"] = Dense(reduce(s * _acc(xhat)))
+    if getattr(module, "bias", None) is not None:
+        out["bias"] = Dense(reduce(s))
+    return out
+
+
+def _per_channel(t: Tensor) -> Tensor:
+    """(B, C, *spatial) -> (B, C) for parameters of one value per channel; spatial may be ()."""
+    return t.reshape(*t.shape[:2], -1).sum(2)
+
+
+@register_rule(nn.LayerNorm, name="layer_norm")
+def layer_norm(
+    module: nn.LayerNorm, inputs: tuple[Tensor, ...], grad_output: Tensor
+) -> dict[str, Contribution]:
+    shape, b = module.normalized_shape, grad_output.shape[0]
+    xhat = F.layer_norm(inputs[0], shape, None, None, module.eps)
+    return _affine(module, xhat, grad_output, lambda t: t.reshape(b, -1, *shape).sum(1))
+
+
+@register_rule(nn.RMSNorm, name="rms_norm")
+def rms_norm(
+    module: nn.RMSNorm, inputs: tuple[Tensor, ...], grad_output: Tensor
+) -> dict[str, Contribution]:
+    shape, b = module.normalized_shape, grad_output.shape[0]
+    xhat = F.rms_norm(inputs[0], shape, None, module.eps)
+    return _affine(module, xhat, grad_output, lambda t: t.reshape(b, -1, *shape).sum(1))
+
+
+@register_rule(nn.GroupNorm, name="group_norm")
+def group_norm(
+    module: nn.GroupNorm, inputs: tuple[Tensor, ...], grad_output: Tensor
+) -> dict[str, Contribution]:
+    xhat = F.group_norm(inputs[0], module.num_groups, None, None, module.eps)
+    return _affine(module, xhat, grad_output, _per_channel)
+
+
+@register_rule(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, name="batch_norm")
+def batch_norm(
+    module: nn.modules.batchnorm._BatchNorm, inputs: tuple[Tensor, ...], grad_output: Tensor
+) -> dict[str, Contribution]:
+    if module.training or module.running_mean is None or module.running_var is None:
+        # the forward then normalizes with the batch's own statistics (training mode, or eval
+        # without running stats): each example's output, so its gradient, depends on the others
+        raise ModelError(
+            f"{type(module).__name__} normalizes with batch statistics "
+            + ("(training mode)" if module.training else "(track_running_stats=False)")
+            + ", which couples the examples of a batch: per-example gradients are not defined",
+            "model",
+        )
+    xhat = F.batch_norm(
+        inputs[0], module.running_mean, module.running_var, None, None, False, 0.0, module.eps
+    )
+    return _affine(module, xhat, grad_output, _per_channel)
+
+
+@register_rule(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, name="instance_norm")
+def instance_norm(
+    module: nn.modules.instancenorm._InstanceNorm, inputs: tuple[Tensor, ...], grad_output: Tensor
+) -> dict[str, Contribution]:
+    # each example's own statistics unless eval mode tracks running ones; either way examples stay
+    # independent. Running stats are passed only when used, so nothing here updates them.
+    own_stats = module.training or not module.track_running_stats
+    mean, var = (None, None) if own_stats else (module.running_mean, module.running_var)
+    xhat = F.instance_norm(inputs[0], mean, var, None, None, own_stats, 0.0, module.eps)
+    return _affine(module, xhat, grad_output, _per_channel)

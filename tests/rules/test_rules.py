@@ -1,0 +1,437 @@
+"""Layer rules against the float64 per-example loop: norms, materialised grads, inner products."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from oracle import Case, assert_rel_close, reference_norms
+from torch import Tensor, nn
+
+import gradscope
+import gradscope.rules.base as base
+from gradscope.engine.core import Engine, prepared
+from gradscope.engine.naive import naive_grads
+from gradscope.engine.plan import build_plan
+from gradscope.errors import ModelError
+from gradscope.losses import resolve_loss
+from gradscope.rules import RULES, Outer, find_rule
+from gradscope.rules.conv import unfold
+
+
+def randn(*shape: int):
+    return lambda b: (torch.randn(b, *shape),)
+
+
+def ids(high: int, *shape: int):
+    return lambda b: (torch.randint(0, high, (b, *shape)),)
+
+
+def like(out: Tensor) -> Tensor:
+    return torch.randn_like(out)
+
+
+def classes(out: Tensor) -> Tensor:
+    return torch.randint(0, out.shape[-1], out.shape[:-1])
+
+
+def net(*layers: nn.Module) -> nn.Sequential:
+    return nn.Sequential(*layers)
+
+
+def stats(bn: nn.Module) -> nn.Module:
+    """Random running statistics and affine parameters, so none of them is the trivial 0 or 1."""
+    with torch.no_grad():
+        if getattr(bn, "running_mean", None) is not None:
+            bn.running_mean.normal_()
+            bn.running_var.uniform_(0.5, 2.0)
+        for p in bn.parameters():
+            p.normal_()
+    return bn
+
+
+class SubLinear(nn.Linear):
+    """Keeps nn.Linear's forward, so the Linear rule serves it."""
+
+
+class Twice(nn.Module):
+    """One Linear applied twice: its two calls' contributions add before the norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+class Unused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.used(x)
+
+
+class TwoLookups(nn.Module):
+    """One Embedding looked up for two index tensors: the same rows can be hit by both calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(7, 4), nn.Linear(4, 2)
+
+    def forward(self, a: Tensor, b: Tensor) -> Tensor:
+        return self.out(torch.tanh(self.emb(a) + 2 * self.emb(b)))
+
+
+class TiedLM(nn.Module):
+    """Input embedding and output head share one (V, D) weight: an Embedding and a Linear.
+
+    ``head_first`` registers the head first, so the shared weight's first owner is the Linear and
+    the merge starts from an Outer instead of a Rows.
+    """
+
+    def __init__(self, vocab: int = 9, dim: int = 4, head_first: bool = False):
+        super().__init__()
+        if head_first:
+            self.head = nn.Linear(dim, vocab, bias=False)
+        self.emb, self.mix = nn.Embedding(vocab, dim), nn.Linear(dim, dim)
+        if not head_first:
+            self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.mix(self.emb(x))))
+
+
+def conv_head(conv: nn.Module, *after: nn.Module) -> nn.Sequential:
+    return net(conv, *after, nn.Flatten(), nn.LazyLinear(2))
+
+
+CASES = [
+    # Linear: one position, sequences, rank-4, both branches of Outer.norm_sq
+    Case("linear-2d", lambda: net(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3)), randn(7), like),
+    Case("linear-2d-nobias", lambda: nn.Linear(7, 3, bias=False), randn(7), like),
+    Case("linear-seq-gram", lambda: nn.Linear(16, 16), randn(3, 16), like),
+    Case("linear-seq-materialise", lambda: nn.Linear(3, 2, bias=False), randn(20, 3), like),
+    Case("linear-rank4", lambda: nn.Linear(4, 5), randn(2, 3, 4), like),
+    Case(
+        "linear-subclass",
+        lambda: net(SubLinear(5, 4), nn.Tanh(), nn.Linear(4, 3)),
+        randn(5),
+        classes,
+        loss="cross_entropy",
+    ),
+    Case("linear-called-twice", Twice, randn(3, 6), like),
+    Case("linear-unused-module", Unused, randn(4), like),
+    # Conv: every padding_mode, "same"/"valid", stride, dilation, groups, 1-3 spatial dims
+    Case(
+        "conv1d-reflect-stride-dilation-groups",
+        lambda: nn.Conv1d(
+            4, 6, 3, stride=2, padding=2, dilation=2, groups=2, padding_mode="reflect"
+        ),
+        randn(4, 11),
+        like,
+    ),
+    Case(
+        "conv1d-zeros-stride", lambda: nn.Conv1d(3, 4, 4, stride=3, padding=1), randn(3, 13), like
+    ),
+    Case(
+        "conv2d-circular-same-groups",
+        lambda: nn.Conv2d(
+            3, 6, (3, 2), padding="same", dilation=(1, 2), groups=3, padding_mode="circular"
+        ),
+        randn(3, 7, 8),
+        like,
+    ),
+    Case(
+        "conv2d-zeros-same-even-kernel",
+        lambda: nn.Conv2d(3, 5, 4, padding="same", dilation=2),
+        randn(3, 9, 6),
+        like,
+    ),
+    Case(
+        "conv2d-depthwise-valid-nobias",
+        lambda: nn.Conv2d(4, 4, 3, padding="valid", groups=4, bias=False),
+        randn(4, 5, 5),
+        like,
+    ),
+    Case(
+        "conv2d-batch-1",
+        lambda: nn.Conv2d(2, 3, (2, 3), stride=(2, 1), padding=(1, 0)),
+        randn(2, 5, 7),
+        like,
+        batch=1,
+    ),
+    Case(
+        "conv3d-replicate",
+        lambda: nn.Conv3d(
+            2, 4, (2, 3, 1), stride=(1, 2, 1), padding=(1, 0, 2), padding_mode="replicate"
+        ),
+        randn(2, 5, 6, 4),
+        like,
+    ),
+    Case(
+        "conv3d-reflect-same",
+        lambda: nn.Conv3d(2, 2, 3, padding="same", padding_mode="reflect"),
+        randn(2, 4, 3, 5),
+        like,
+    ),
+    Case(
+        "conv2d-relu-inplace",
+        lambda: conv_head(nn.Conv2d(2, 3, 3), nn.ReLU(inplace=True)),
+        randn(2, 6, 6),
+        like,
+    ),
+    Case(
+        "conv2d-bn-relu-inplace",
+        lambda: conv_head(
+            nn.Conv2d(2, 3, 3, padding=1), stats(nn.BatchNorm2d(3)), nn.ReLU(inplace=True)
+        ),
+        randn(2, 5, 5),
+        classes,
+        loss="cross_entropy",
+    ),
+    # Embedding: repeated tokens, padding_idx, index ranks 1-3, two lookups, tied head
+    Case(
+        "embedding-repeated-tokens",
+        lambda: net(nn.Embedding(11, 4), nn.Tanh(), nn.Linear(4, 2)),
+        ids(4, 9),
+        like,
+    ),
+    Case(
+        "embedding-padding-idx",
+        lambda: net(nn.Embedding(10, 3, padding_idx=0), nn.Tanh()),
+        ids(3, 8),
+        like,
+    ),
+    Case("embedding-3d-index", lambda: net(nn.Embedding(6, 3), nn.Tanh()), ids(6, 2, 3), like),
+    Case("embedding-1d-index", lambda: nn.Embedding(6, 3), ids(6), like),
+    Case(
+        "embedding-scale-grad-by-freq",
+        lambda: net(nn.Embedding(8, 3, scale_grad_by_freq=True, padding_idx=1), nn.Tanh()),
+        ids(4, 10),
+        like,
+    ),
+    Case("embedding-called-twice", TwoLookups, lambda b: (*ids(7, 5)(b), *ids(7, 5)(b)), like),
+    Case("embedding-tied-head", TiedLM, ids(9, 6), classes, loss="cross_entropy"),
+    Case(
+        "embedding-tied-head-first",
+        lambda: TiedLM(head_first=True),
+        ids(9, 6),
+        classes,
+        loss="cross_entropy",
+    ),
+    # max_norm renormalises looked-up rows in place, outside autograd: the loop sees the same rows
+    Case(
+        "embedding-max-norm",
+        lambda: net(nn.Embedding(6, 3, max_norm=1.0), nn.Tanh()),
+        ids(6, 4),
+        like,
+    ),
+    # Norms, eval mode: affine parameters only, xhat from the module's own functional
+    Case(
+        "layernorm-seq",
+        lambda: net(nn.Linear(5, 6), stats(nn.LayerNorm(6)), nn.Tanh()),
+        randn(3, 5),
+        like,
+    ),
+    Case(
+        "layernorm-2d-shape",
+        lambda: net(stats(nn.LayerNorm((3, 4))), nn.Tanh()),
+        randn(2, 3, 4),
+        like,
+    ),
+    Case(
+        "layernorm-nobias",
+        lambda: net(stats(nn.LayerNorm(6, bias=False)), nn.Tanh()),
+        randn(6),
+        like,
+    ),
+    Case(
+        "layernorm-no-affine",
+        lambda: net(nn.Linear(4, 6), nn.LayerNorm(6, elementwise_affine=False), nn.Tanh()),
+        randn(4),
+        like,
+    ),
+    Case("rmsnorm", lambda: net(stats(nn.RMSNorm(6)), nn.Tanh()), randn(3, 6), like),
+    Case(
+        "rmsnorm-eps", lambda: net(stats(nn.RMSNorm((2, 3), eps=0.5)), nn.Tanh()), randn(2, 3), like
+    ),
+    Case("groupnorm", lambda: net(stats(nn.GroupNorm(2, 4)), nn.Tanh()), randn(4, 3, 3), like),
+    Case("batchnorm1d-flat", lambda: net(stats(nn.BatchNorm1d(5)), nn.Tanh()), randn(5), like),
+    Case(
+        "batchnorm1d-seq-momentum-none",
+        lambda: net(stats(nn.BatchNorm1d(3, momentum=None)), nn.Tanh()),
+        randn(3, 4),
+        like,
+    ),
+    Case("batchnorm3d", lambda: net(stats(nn.BatchNorm3d(2)), nn.Tanh()), randn(2, 3, 2, 3), like),
+    Case(
+        "instancenorm1d",
+        lambda: net(stats(nn.InstanceNorm1d(3, affine=True)), nn.Tanh()),
+        randn(3, 5),
+        like,
+    ),
+    Case(
+        "instancenorm2d-running-stats",
+        lambda: net(stats(nn.InstanceNorm2d(2, affine=True, track_running_stats=True)), nn.Tanh()),
+        randn(2, 4, 3),
+        like,
+    ),
+    Case(
+        "instancenorm3d",
+        lambda: net(stats(nn.InstanceNorm3d(2, affine=True)), nn.Tanh()),
+        randn(2, 3, 2, 4),
+        like,
+    ),
+]
+
+FLOAT32 = {
+    "linear-seq-gram",
+    "conv2d-circular-same-groups",
+    "conv2d-bn-relu-inplace",
+    "embedding-repeated-tokens",
+    "embedding-tied-head",
+    "layernorm-seq",
+}
+
+
+def by_id(names: set[str]) -> list[Case]:
+    return [c for c in CASES if c.id in names]
+
+
+def engine_norms(case: Case, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(gradscope's norms, the loop's norms) for the case built in ``dtype``."""
+    model, inputs, targets = case.build(dtype)
+    _, expected = reference_norms(
+        model, inputs, targets, case.loss, output=case.output, loss_kwargs=case.loss_kwargs
+    )
+    loss = resolve_loss(case.loss, case.loss_kwargs)
+    actual = gradscope.per_example_norms(model, inputs, targets, loss, output=case.output)
+    return actual, expected
+
+
+@pytest.mark.parametrize("case", CASES, ids=repr)
+def test_norms_match_loop(case: Case) -> None:
+    assert_rel_close(*engine_norms(case, torch.float64), rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", by_id(FLOAT32), ids=repr)
+def test_norms_match_loop_float32(case: Case) -> None:
+    assert_rel_close(*engine_norms(case, torch.float32), rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", CASES, ids=repr)
+def test_contributions_match_loop(case: Case) -> None:
+    """Each parameter's contribution: materialize() is the loop's gradient, norm_sq() its squared
+    norm, and inner() its inner product with random references."""
+    model, inputs, targets = case.build()
+    loss = resolve_loss(case.loss, case.loss_kwargs)
+    plan = build_plan(model)
+    with prepared(model, plan):
+        _, parts = Engine(model, loss, plan, case.output).contributions(inputs, targets)
+        _, grads = naive_grads(model, inputs, targets, loss, list(parts), case.output)
+    for name, part in parts.items():
+        expected = grads[name]
+        if part is None:  # no call of its module reached the loss
+            assert not expected.any(), name
+            continue
+        refs = torch.randn(3, *part.shape, dtype=torch.float64)
+        assert_rel_close(part.materialize(), expected, rtol=1e-5)
+        assert_rel_close(part.norm_sq(), expected.flatten(1).pow(2).sum(1), rtol=1e-5)
+        assert_rel_close(part.inner(refs), expected.flatten(1) @ refs.flatten(1).T, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("name", "gram"), [("linear-seq-gram", True), ("linear-seq-materialise", False)]
+)
+def test_outer_norm_sq_takes_the_branch_its_shapes_force(name, gram, monkeypatch) -> None:
+    calls = []
+    original = Outer._gram_norm_sq
+    monkeypatch.setattr(Outer, "_gram_norm_sq", lambda self: calls.append(1) or original(self))
+    assert_rel_close(*engine_norms(by_id({name})[0], torch.float64), rtol=1e-5)
+    assert bool(calls) == gram
+
+
+@pytest.mark.parametrize(
+    "case", by_id({"linear-seq-gram", "linear-seq-materialise", "conv1d-zeros-stride"}), ids=repr
+)
+def test_chunked_gram_and_materialise(case: Case, monkeypatch) -> None:
+    """A tiny chunk bound splits the Gram into ragged (c, c) blocks and the batch into chunks."""
+    monkeypatch.setattr(base, "CHUNK_ELEMENTS", 40)
+    assert_rel_close(*engine_norms(case, torch.float64), rtol=1e-5)
+
+
+def test_batchnorm_without_running_stats_is_refused() -> None:
+    model = net(nn.Linear(3, 4), nn.BatchNorm1d(4, track_running_stats=False))
+    with pytest.raises(ModelError, match="track_running_stats=False"):
+        gradscope.per_example_norms(model, torch.randn(5, 3), torch.randn(5, 4), "mse")
+
+
+def test_conv_on_an_unbatched_input_is_refused() -> None:
+    """A Conv2d fed (B, H, W) takes the batch for channels: no example has its own gradient."""
+    model = nn.Conv2d(4, 4, 1)
+    with pytest.raises(ModelError, match="unbatched"):
+        gradscope.per_example_norms(model, torch.randn(4, 3, 3), torch.randn(4, 3, 3), "mse")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dims=st.integers(1, 3),
+    kernel=st.integers(1, 3),
+    stride=st.integers(1, 3),
+    dilation=st.integers(1, 2),
+    padding=st.sampled_from([0, 1, 2, "same", "valid"]),
+    groups=st.sampled_from([1, 2]),
+    mode=st.sampled_from(["zeros", "reflect", "replicate", "circular"]),
+    size=st.integers(5, 7),
+    batch=st.integers(1, 2),
+)
+def test_unfold_reproduces_the_conv_forward(
+    dims, kernel, stride, dilation, padding, groups, mode, size, batch
+) -> None:
+    """patches @ weight^T is the module's own output, bias aside, for any conv configuration."""
+    if padding == "same":
+        stride = 1  # PyTorch refuses "same" with a stride
+    conv = [nn.Conv1d, nn.Conv2d, nn.Conv3d][dims - 1]
+    module = conv(2, 4, kernel, stride, padding, dilation, groups, False, mode).double()
+    x = torch.randn(batch, 2, *[size + d for d in range(dims)], dtype=torch.float64)
+    expected = module(x)  # (B, out, *L)
+    a = unfold(module, x)  # (B, G, T, in/G * prod(k))
+    w = module.weight.reshape(groups, 4 // groups, -1)  # (G, out/G, in/G * prod(k))
+    got = torch.einsum("bgti,goi->bgot", a, w).reshape(expected.shape)  # (B, out, *L)
+    assert_rel_close(got, expected, rtol=1e-12)
+
+
+def test_registry_lists_every_layer_type() -> None:
+    """Fails when a rule module is not imported by gradscope.rules, or a type is added unlisted."""
+    expected = {
+        nn.Linear: "linear",
+        nn.Conv1d: "conv",
+        nn.Conv2d: "conv",
+        nn.Conv3d: "conv",
+        nn.Embedding: "embedding",
+        nn.LayerNorm: "layer_norm",
+        nn.RMSNorm: "rms_norm",
+        nn.GroupNorm: "group_norm",
+        nn.BatchNorm1d: "batch_norm",
+        nn.BatchNorm2d: "batch_norm",
+        nn.BatchNorm3d: "batch_norm",
+        nn.InstanceNorm1d: "instance_norm",
+        nn.InstanceNorm2d: "instance_norm",
+        nn.InstanceNorm3d: "instance_norm",
+    }
+    assert {t: r.name for t, r in RULES.items()} == expected
+
+
+def test_subclass_overriding_forward_and_transposed_conv_have_no_rule() -> None:
+    class Scaled(nn.Linear):
+        def forward(self, x: Tensor) -> Tensor:
+            return 2 * super().forward(x)
+
+    assert find_rule(SubLinear(2, 2)).name == "linear"
+    assert find_rule(Scaled(2, 2)) is None
+    assert find_rule(nn.ConvTranspose2d(2, 2, 3)) is None
