@@ -17,6 +17,7 @@ import argparse
 import copy
 import ctypes
 import gc
+import importlib.metadata
 import inspect
 import json
 import os
@@ -754,12 +755,11 @@ def print_table(results: Sequence[Result]) -> None:
 
 def _environment(args: argparse.Namespace) -> dict[str, object]:
     versions: dict[str, object] = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("opacus", "backpack"):
+    for dist in ("opacus", "backpack-for-pytorch", "gradscope"):
         try:
-            versions[name] = __import__(name).__version__
-        except ImportError:
-            versions[name] = None
-    versions["gradscope"] = gradscope.__version__
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = None
     return {
         **versions,
         "machine": platform.machine(),
