@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -14,11 +15,19 @@ from torch import Tensor, nn
 
 from . import __version__
 from .config import Config
+from .engine.check import CheckReport, compare_with_loop
 from .engine.core import Engine, prepared
+from .engine.influence import (
+    MAX_PER_REF,
+    Influence,
+    adam_denominator,
+    check_engine,
+    reference_gradients,
+)
 from .engine.plan import Plan, build_plan
-from .errors import ConfigError
+from .errors import ConfigError, DataError
 from .io.data import Batch, open_dataset
-from .io.model import build_model, file_sha256, import_object
+from .io.model import build_model, file_sha256, import_object, load_state_dict
 from .io.parquet import ScoreWriter
 from .losses import LossFn, resolve_loss
 
@@ -48,6 +57,42 @@ def per_example_norms(
     with prepared(model, plan):
         scores = engine.norms(_as_tuple(inputs), targets)
     return torch.stack(list(scores.norm_sq.values())).double().sum(0).sqrt()
+
+
+def per_example_influence(
+    model: nn.Module,
+    inputs: Tensor | Sequence[Tensor],
+    targets: Tensor,
+    ref_inputs: Tensor | Sequence[Tensor],
+    ref_targets: Tensor,
+    loss: str | LossFn = "cross_entropy",
+    *,
+    include: Sequence[str] = ("*",),
+    exclude: Sequence[str] = (),
+    output: str | int | None = None,
+    precondition: dict | None = None,
+    engine: str = "auto",
+) -> Tensor:
+    """(B,) float64 ``<grad l_i, g_ref>``, g_ref the gradient of the MEAN loss over the reference.
+
+    Positive: a gradient step on example i lowers the reference loss. ``precondition`` is an
+    ``Adam``/``AdamW`` ``state_dict()`` of this model's optimizer; scores then use
+    ``g_ref / (sqrt(v_hat) + eps)``. ``engine`` is ``hooks``, ``jvp`` (forward mode, no backward)
+    or ``auto`` (jvp, moving to hooks if an op lacks forward mode). ``.grad`` fields, hooks and
+    train/eval mode are left as they were.
+    """
+    plan = build_plan(model, include, exclude)
+    core = Engine(model, resolve_loss(loss), plan, output)
+    with prepared(model, plan):
+        refs = reference_gradients(core, [(_as_tuple(ref_inputs), ref_targets)])
+        if precondition is not None:
+            refs = _preconditioned(refs, adam_denominator(precondition, core, "precondition"))
+        scores = Influence(core, refs, engine, norms=False)(_as_tuple(inputs), targets)
+    return scores.inner[:, 0]
+
+
+def _preconditioned(refs: dict[str, Tensor], denominators: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {name: r / denominators[name] for name, r in refs.items()}  # (K, *shape) / (*shape)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -81,11 +126,16 @@ class Job:
     dtype: torch.dtype
     plan: Plan
     engine: Engine
+    extra: dict = field(default_factory=dict)  # more metadata from the scorer, by command
 
     @classmethod
     def from_config(cls, cfg: Config, trust_checkpoint: bool = False) -> Job:
+        """Build the model at ``model.checkpoint``, or at the last of ``model.checkpoints``."""
         device = resolve_device(cfg.device)
-        model = build_model(cfg.model, trust_checkpoint)
+        model_cfg = cfg.model
+        if model_cfg.checkpoints:
+            model_cfg = dataclasses.replace(model_cfg, checkpoint=model_cfg.checkpoints[-1].path)
+        model = build_model(model_cfg, trust_checkpoint)
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else next(model.parameters()).dtype
         model.to(device=device, dtype=dtype)
         plan = build_plan(model, cfg.params.include, cfg.params.exclude)
@@ -99,8 +149,15 @@ class Job:
 
         return tuple(move(t) for t in batch.inputs), batch.targets.to(self.device)
 
+    def at_checkpoint(self, path: str, trust_checkpoint: bool = False) -> Job:
+        """The same job with the model's weights from ``path``: one step of a TracIn sum."""
+        model = dataclasses.replace(self.cfg.model, checkpoint=path, checkpoints=[])
+        return Job.from_config(dataclasses.replace(self.cfg, model=model), trust_checkpoint)
+
     def metadata(self, command: str) -> dict:
-        ckpt = self.cfg.model.checkpoint
+        ckpt = self.cfg.model.checkpoint or (
+            self.cfg.model.checkpoints[-1].path if self.cfg.model.checkpoints else None
+        )
         return {
             "version": __version__,
             "command": command,
@@ -110,6 +167,7 @@ class Job:
             "dtype": str(self.dtype).removeprefix("torch."),
             "checkpoint_sha256": file_sha256(ckpt) if ckpt else None,
             "plan": self.plan.describe(),
+            **self.extra,
         }
 
 
@@ -174,3 +232,172 @@ def score_dataset(
             if on_batch:
                 on_batch(len(batch.index))
     return Path(cfg.output.path)
+
+
+class InfluenceColumns:
+    """The ``influence`` command's scorer: ``<grad l_i, g_ref>`` at each checkpoint, weighted and
+    summed (TracIn), with loss, grad_norm and cosine; one row per (example, reference example)
+    pair with ``per_ref``.
+
+    Use it as a context manager: the models it builds for earlier checkpoints stay prepared
+    (eval mode, gradients on) until exit. The references are computed at the first batch.
+    """
+
+    def __init__(
+        self,
+        ref: str | Path,
+        *,
+        per_ref: bool = False,
+        precondition: str | Path | None = None,
+        engine: str = "auto",
+        trust_checkpoint: bool = False,
+    ):
+        if precondition is not None and not Path(precondition).is_file():
+            raise ConfigError("optimizer state file not found", str(precondition))
+        ref = str(ref)  # a path relative to the working directory, or file.py:make_dataset
+        self.ref = ref if ".py:" in ref else str(Path(ref).resolve())
+        self.per_ref, self.precondition = per_ref, precondition
+        self.engine, self.trust_checkpoint = check_engine(engine), trust_checkpoint
+        self._stack = contextlib.ExitStack()
+        self._scorers: list[Influence] = []
+        self._weights: Tensor | None = None  # (C,) one per checkpoint
+        self._ref_sq: Tensor | None = None  # (K,) sum_c w_c ||r_ck||^2
+
+    def __enter__(self) -> InfluenceColumns:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def _setup(self, job: Job) -> None:
+        cfg = job.cfg
+        # REF is read with the same input and target names; its rows need no ids
+        ref_data = open_dataset(dataclasses.replace(cfg.data, ids=None, limit=None), self.ref)
+        if self.per_ref and len(ref_data) > MAX_PER_REF:
+            raise DataError(
+                f"--per-ref writes one row per (example, reference) pair and takes at most "
+                f"{MAX_PER_REF} reference examples; REF has {len(ref_data)}",
+                self.ref,
+            )
+        state = load_state_dict(self.precondition) if self.precondition else None
+        checkpoints = cfg.model.checkpoints
+        jobs = [job.at_checkpoint(c.path, self.trust_checkpoint) for c in checkpoints[:-1]]
+        for other in jobs:
+            self._stack.enter_context(prepared(other.model, other.plan))
+        jobs.append(job)  # the job's own model is at the last checkpoint
+        weights = [c.weight for c in checkpoints] or [1.0]
+        described = []
+        for n, (j, w) in enumerate(zip(jobs, weights, strict=True)):
+            batches = (j.to_device(b) for b in ref_data.batches(cfg.data.batch_size))
+            refs = reference_gradients(j.engine, batches, self.per_ref)
+            if state is not None:
+                refs = _preconditioned(
+                    refs, adam_denominator(state, j.engine, str(self.precondition))
+                )
+            scorer = Influence(j.engine, refs, self.engine, norms=True)
+            self._scorers.append(scorer)
+            described.append(
+                {
+                    "index": n,
+                    "path": checkpoints[n].path if checkpoints else cfg.model.checkpoint,
+                    "weight": w,
+                    "ref_grad_norm": None if self.per_ref else scorer.ref_norm.item(),
+                }
+            )
+        self._weights = torch.tensor(weights, dtype=torch.float64)
+        self._ref_sq = sum(
+            w * s.ref_norm.pow(2) for w, s in zip(weights, self._scorers, strict=True)
+        ).cpu()
+        job.extra["influence"] = {
+            "ref": self.ref,
+            "ref_sha256": None if ".py:" in self.ref else file_sha256(self.ref),
+            "ref_examples": len(ref_data),
+            "per_ref": self.per_ref,
+            "precondition": None
+            if state is None
+            else {"path": str(self.precondition), "sha256": file_sha256(self.precondition)},
+            "engine": self.engine,
+            "checkpoints": described,
+        }
+
+    def __call__(self, job: Job, batch: Batch) -> dict[str, np.ndarray]:
+        if not self._scorers:
+            self._setup(job)
+        inputs, targets = job.to_device(batch)
+        results = [s(inputs, targets) for s in self._scorers]
+        job.extra["influence"]["engines_used"] = [s.method for s in self._scorers]
+        job.extra["influence"]["notes"] = [s.note for s in self._scorers if s.note]
+        w = self._weights
+        influence = sum(wc * r.inner.cpu() for wc, r in zip(w, results, strict=True))  # (B, K)
+        norm_sq = sum(wc * r.norm_sq.cpu() for wc, r in zip(w, results, strict=True))  # (B,)
+        # cosine in the space of all checkpoints' gradients each scaled by sqrt(weight)
+        cosine = influence / (norm_sq[:, None] * self._ref_sq[None]).sqrt()
+        b, k = influence.shape
+        last = results[-1]
+        loss, grad_norm = last.loss.cpu(), last.norm_sq.cpu().sqrt()
+
+        def rows(values: Tensor | np.ndarray) -> np.ndarray:  # one per (example, ref) pair
+            array = values.numpy() if isinstance(values, Tensor) else values
+            return np.repeat(array, k, axis=0)
+
+        columns: dict[str, np.ndarray] = {"example_id": rows(batch.index)}
+        if batch.ids is not None:
+            columns["id"] = rows(batch.ids)
+        if self.per_ref:
+            columns["ref_id"] = np.tile(np.arange(k, dtype=np.int64), b)
+        columns["loss"], columns["grad_norm"] = rows(loss), rows(grad_norm)
+        if len(results) > 1:
+            for n, r in enumerate(results):
+                columns[f"loss@{n}"] = rows(r.loss.cpu())
+                columns[f"grad_norm@{n}"] = rows(r.norm_sq.cpu().sqrt())
+        columns["influence"], columns["cosine"] = (
+            influence.flatten().numpy(),
+            cosine.flatten().numpy(),
+        )
+        if batch.targets.dim() == 1:
+            columns["target"] = rows(batch.targets)
+        finite = torch.stack(
+            [torch.isfinite(r.loss.cpu()) & torch.isfinite(r.norm_sq.cpu()) for r in results]
+        ).all(0)
+        columns["finite"] = (finite[:, None] & torch.isfinite(influence)).flatten().numpy()
+        return columns
+
+
+def influence_dataset(
+    cfg: Config,
+    ref: str | Path,
+    *,
+    per_ref: bool = False,
+    precondition: str | Path | None = None,
+    engine: str = "auto",
+    trust_checkpoint: bool = False,
+    on_start: Callable[[int], None] | None = None,
+    on_batch: Callable[[int], None] | None = None,
+) -> Path:
+    """Score ``cfg``'s dataset against the reference data file ``ref`` and write the Parquet file."""
+    scorer = InfluenceColumns(
+        ref,
+        per_ref=per_ref,
+        precondition=precondition,
+        engine=engine,
+        trust_checkpoint=trust_checkpoint,
+    )
+    with scorer:
+        return score_dataset(
+            cfg,
+            "influence",
+            scorer,
+            trust_checkpoint=trust_checkpoint,
+            on_start=on_start,
+            on_batch=on_batch,
+        )
+
+
+def check_config(cfg: Config, examples: int = 8, *, trust_checkpoint: bool = False) -> CheckReport:
+    """The configured model on its first ``examples`` examples: fast engine vs per-example loop."""
+    if examples < 1:
+        raise ConfigError(f"--examples must be at least 1, got {examples}", "--examples")
+    job = Job.from_config(cfg, trust_checkpoint)
+    batch = next(open_dataset(cfg.data).batches(examples, examples))
+    with prepared(job.model, job.plan):
+        return compare_with_loop(job.engine, *job.to_device(batch))

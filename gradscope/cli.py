@@ -120,6 +120,84 @@ def norms(
 
 
 @app.command()
+def influence(
+    config: ConfigArg,
+    ref: Annotated[
+        str,
+        typer.Option(
+            "--ref", help="Reference data file (any format data.path takes); same column names."
+        ),
+    ],
+    out: OutOpt = None,
+    device: DeviceOpt = None,
+    batch_size: BatchOpt = None,
+    limit: LimitOpt = None,
+    top_k: TopKOpt = None,
+    per_ref: Annotated[
+        bool,
+        typer.Option("--per-ref", help="One row per (example, reference example) pair, ref_id."),
+    ] = False,
+    precondition: Annotated[
+        Path | None,
+        typer.Option(
+            "--precondition",
+            help="Adam/AdamW state_dict: score against g_ref / (sqrt(v_hat) + eps).",
+        ),
+    ] = None,
+    engine: Annotated[
+        str,
+        typer.Option("--engine", help="auto, hooks (ghost inner products) or jvp (forward mode)."),
+    ] = "auto",
+    trust_checkpoint: TrustOpt = False,
+) -> None:
+    """Inner product of each example's loss gradient with the mean-loss gradient over REF."""
+    from .api import influence_dataset
+
+    cfg = with_overrides(
+        load_config(config),
+        out=out,
+        device=device,
+        batch_size=batch_size,
+        limit=limit,
+        top_k=top_k,
+    )
+    with _progress() as progress:
+        task = progress.add_task("influence", total=None)
+        path = influence_dataset(
+            cfg,
+            ref,
+            per_ref=per_ref,
+            precondition=precondition,
+            engine=engine,
+            trust_checkpoint=trust_checkpoint,
+            on_start=lambda n: progress.update(task, total=n),
+            on_batch=lambda n: progress.advance(task, n),
+        )
+    _report(path, "influence", cfg.summary.top_k)
+
+
+@app.command()
+def check(
+    config: ConfigArg,
+    examples: Annotated[
+        int, typer.Option("--examples", help="Compare on the first N examples.")
+    ] = 8,
+    device: DeviceOpt = None,
+    trust_checkpoint: TrustOpt = False,
+) -> None:
+    """Compare the fast engine with a per-example backward loop; exit 1 above tolerance."""
+    from .api import check_config
+    from .engine.check import render_plan, render_report
+
+    cfg = with_overrides(load_config(config), device=device)
+    report = check_config(cfg, examples, trust_checkpoint=trust_checkpoint)
+    console.print(render_plan(report.plan))
+    console.print(render_report(report))
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
 def summary(
     scores: Annotated[Path, typer.Argument(help="A Parquet file written by gradscope.")],
     by: Annotated[

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,10 +19,19 @@ DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """One checkpoint of a TracIn sum: its state dict and the weight of its scores."""
+
+    path: str
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     factory: str
     kwargs: dict = field(default_factory=dict)
     checkpoint: str | None = None
+    checkpoints: list[CheckpointConfig] = field(default_factory=list)
     state_dict_key: str | None = None
     strip_prefix: str | None = None
     output: str | int | None = None
@@ -132,6 +142,12 @@ def _build(cls: type, raw: Any, path: str, source: str) -> Any:
             continue
         if get_origin(hint) is list and isinstance(value, str):
             value = [value]  # a single name is a list of one
+        item = get_args(hint)[0] if get_origin(hint) is list else None
+        if dataclasses.is_dataclass(item):
+            if not isinstance(value, list):
+                raise ConfigError(f"'{key}' must be a list of mappings, got {value!r}", source)
+            values[f.name] = [_build(item, v, f"{key}[{n}]", source) for n, v in enumerate(value)]
+            continue
         if not _type_ok(value, hint):
             raise ConfigError(f"'{key}' must be {_type_name(hint)}, got {value!r}", source)
         values[f.name] = value
@@ -175,6 +191,14 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"'{key}' must be at least 1, got {value}", source)
     if cfg.data.limit is not None and cfg.data.limit < 0:
         raise ConfigError(f"'data.limit' must be positive, got {cfg.data.limit}", source)
+    if cfg.model.checkpoints and cfg.model.checkpoint is not None:
+        raise ConfigError("set model.checkpoint or model.checkpoints, not both", source)
+    weights = [c.weight for c in cfg.model.checkpoints]
+    if any(not math.isfinite(w) or w < 0 for w in weights) or (weights and not any(weights)):
+        # cosine over checkpoints is a cosine in the sqrt(weight)-scaled space: weights must be >= 0
+        raise ConfigError(
+            f"'model.checkpoints' weights must be finite, >= 0 and not all 0, got {weights}", source
+        )
     if not cfg.data.inputs:
         raise ConfigError("'data.inputs' must name at least one input", source)
 
@@ -200,6 +224,9 @@ def load_config(path: str | Path) -> Config:
             cfg.model,
             factory=_resolve(cfg.model.factory, base),
             checkpoint=_resolve(cfg.model.checkpoint, base),
+            checkpoints=[
+                dataclasses.replace(c, path=_resolve(c.path, base)) for c in cfg.model.checkpoints
+            ],
         ),
         data=dataclasses.replace(cfg.data, path=_resolve(cfg.data.path, base)),
         loss=dataclasses.replace(

@@ -99,9 +99,10 @@ def render(frame: pd.DataFrame, score: str | None = None, k: int = 20) -> Group:
     median = finite.median()
     mad = (finite - median).abs().median()
     bad = len(frame) - len(finite)
+    unit = "(example, reference) pairs" if "ref_id" in frame else "examples"
     parts.append(
         Text(
-            f"{len(frame)} examples; {score}: median {_fmt(median)}, MAD {_fmt(mad)}, "
+            f"{len(frame)} {unit}; {score}: median {_fmt(median)}, MAD {_fmt(mad)}, "
             f"max {_fmt(finite.max())}; {bad} non-finite."
         )
     )

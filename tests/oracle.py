@@ -80,3 +80,37 @@ def assert_rel_close(actual: Tensor, expected: Tensor, rtol: float) -> None:
     assert err < rtol, (
         f"relative error {err:.3g} >= {rtol:g}\nactual   {actual}\nexpected {expected}"
     )
+
+
+def reference_influence(
+    model: nn.Module,
+    inputs: tuple[Tensor, ...],
+    targets: Tensor,
+    refs: tuple[tuple[Tensor, ...], Tensor],
+    loss: str,
+    per_ref: bool = False,
+    exclude: tuple[str, ...] = (),
+    denominators: dict[str, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(B, K) influence, (B,) ||g_i||, (K,) ||r_k|| on a float64 copy of the model: every
+    gradient formed, one example at a time; the reference is the mean of the reference examples'
+    gradients (or each of them with ``per_ref``), divided by ``denominators`` per parameter."""
+    model = copy.deepcopy(model).double()
+
+    def f64(ts: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        return tuple(t.double() if t.is_floating_point() else t for t in ts)
+
+    inputs, targets = f64(inputs), f64((targets,))[0]
+    refs = (f64(refs[0]), f64((refs[1],))[0])
+    plan = build_plan(model, ("*",), exclude)
+    names = [p.name for p in plan.included]
+    with prepared(model, plan):
+        fn = resolve_loss(loss)
+        _, grads = naive_grads(model, inputs, targets, fn, names)
+        _, ref_grads = naive_grads(model, *refs, fn, names)
+    flat = torch.cat([grads[n].flatten(1) for n in names], 1)  # (B, P)
+    ref = torch.cat(
+        [(ref_grads[n] / (denominators or {}).get(n, 1)).flatten(1) for n in names], 1
+    )  # (N, P)
+    ref = ref if per_ref else ref.mean(0, keepdim=True)  # (K, P)
+    return flat @ ref.T, flat.norm(dim=1), ref.norm(dim=1)

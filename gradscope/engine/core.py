@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -13,7 +13,8 @@ from ..errors import ModelError
 from ..io.model import select_output
 from ..losses import LossFn
 from ..rules import Contribution, find_rule
-from .plan import Plan
+from .fallback import Fallback
+from .plan import FALLBACK, FALLBACK_LOOP, Plan
 from .session import HookSession
 
 
@@ -23,6 +24,7 @@ class BatchScores:
 
     loss: Tensor  # (B,) each example's own loss
     norm_sq: dict[str, Tensor]  # parameter name -> (B,) squared norm of its per-example gradient
+    inner: dict[str, Tensor] = field(default_factory=dict)  # name -> (B, K) <G_i, refs[name][k]>
 
 
 @contextlib.contextmanager
@@ -49,15 +51,10 @@ class Engine:
     def __init__(
         self, model: nn.Module, loss_fn: LossFn, plan: Plan, output: str | int | None = None
     ):
-        if plan.fallback:
-            names = sorted({p.module for p in plan.fallback})
-            raise ModelError(
-                "no rule yet for the parameters of: " + ", ".join(names)
-                + "; exclude them with params.exclude to score the rest",
-                "model",
-            )  # fmt: skip
         self.model, self.loss_fn, self.plan, self.output = model, loss_fn, plan, output
         self._copy: set[int] = set()  # modules whose outputs the model later edits in place
+        self._probed = False  # whether a batch of B > 1 was probed for calls shared by examples
+        self.fallback = Fallback(model, loss_fn, output)
 
     def losses(self, inputs: tuple[Tensor, ...], targets: Tensor) -> Tensor:
         """(B,) per-example losses, with the graph kept for the backward."""
@@ -73,15 +70,41 @@ class Engine:
     def contributions(
         self, inputs: tuple[Tensor, ...], targets: Tensor
     ) -> tuple[Tensor, dict[str, Contribution | None]]:
-        """Per-example losses and, for each parameter a rule serves, its factored gradient."""
+        """Per-example losses and each included parameter's per-example gradient.
+
+        Rule-served parameters come factored from the hooked calls; the rest, and any whose
+        module never ran although the parameter reached the loss, from the fallback.
+        """
         while True:
-            with HookSession(self.plan.hooked_modules, self._copy) as session:
+            # with every parameter on the fallback, this pass only gives the losses: no graph
+            with (
+                torch.set_grad_enabled(bool(self.plan.by_rule)),
+                HookSession(self.plan.hooked_modules, self._copy) as session,
+            ):
                 losses = self.losses(inputs, targets)
             edited = session.edited_in_place() - self._copy
             if not edited:
                 break
             self._copy |= edited  # capture copies from now on, and redo this batch
-        session.backward(losses.sum())
+        batch = losses.shape[0]
+        probe = None
+        if self.plan.by_rule and not self._probed and batch > 1:
+            self._probed = True  # once: later batches only check the leading dimension
+            probe = losses[-1]
+        shared = session.not_per_example(batch, probe)
+        for p in self.plan.by_rule:
+            if any(id(m) in shared for m, _ in p.owners):
+                p.rule = FALLBACK
+                p.note = "rows of its module's output are not the examples"
+        uncalled = [
+            p for p in self.plan.by_rule if not any(session.calls[id(m)] for m, _ in p.owners)
+        ]
+        if self.plan.by_rule:
+            reached = session.backward(losses.sum(), [p.param for p in uncalled])
+            for p, g in zip(uncalled, reached, strict=True):
+                if g is not None:  # used without calling its module: no rule can see it
+                    p.rule = FALLBACK
+                    p.note = "used without a call of its module"
         parts: dict[tuple[int, int], dict[str, Contribution]] = {}
         result: dict[str, Contribution | None] = {}
         for p in self.plan.by_rule:
@@ -97,10 +120,27 @@ class Engine:
                     part = parts[key][attr]
                     total = part if total is None else total.merge(part)
             result[p.name] = total
+        fallback = self.plan.fallback
+        result.update(self.fallback.grads([p.name for p in fallback], inputs, targets))
+        if self.fallback.vmap_error:
+            for p in (p for p in fallback if p.rule != FALLBACK_LOOP):
+                p.rule = FALLBACK_LOOP
+                p.note += f"; vmap failed: {self.fallback.vmap_error}"
         return losses.detach(), result
 
-    def norms(self, inputs: tuple[Tensor, ...], targets: Tensor) -> BatchScores:
+    def norms(
+        self, inputs: tuple[Tensor, ...], targets: Tensor, refs: dict[str, Tensor] | None = None
+    ) -> BatchScores:
+        """Losses and squared norms; with ``refs`` ({name: (K, *shape)}) also the inner products
+        of each example's gradient with them, from the same contributions (one forward+backward)."""
         losses, contributions = self.contributions(inputs, targets)
         zeros = losses.new_zeros(losses.shape[0])
         norm_sq = {name: zeros if c is None else c.norm_sq() for name, c in contributions.items()}
-        return BatchScores(loss=losses, norm_sq=norm_sq)
+        inner: dict[str, Tensor] = {}
+        if refs is not None:
+            for name, c in contributions.items():
+                k = refs[name].shape[0]
+                inner[name] = (
+                    losses.new_zeros(losses.shape[0], k) if c is None else c.inner(refs[name])
+                )
+        return BatchScores(loss=losses, norm_sq=norm_sq, inner=inner)

@@ -1,4 +1,15 @@
-"""The plan: for every parameter, which rule serves it, the fallback, or excluded by ``params``."""
+"""The plan: for every parameter, which rule serves it, the fallback, or excluded by ``params``.
+
+A parameter goes to the fallback (exact per-example gradients through torch.func, see
+``engine/fallback.py``) when any module holding it has no rule. A rule only sees a parameter
+through its module's calls, reading row i of each call as example i, so during the passes the
+engine also moves to the fallback a rule-served parameter that reaches the loss although its
+module was never called (``nn.MultiheadAttention`` reads ``out_proj.weight`` without calling
+``out_proj``), and one whose module's output rows are not the examples (a table looked up once
+for the whole batch, a sequence-first layer). ``note`` says why. Rule strings: a rule's name
+(tied parameters join them: "embedding+linear"), ``fallback`` (vmap), ``fallback:loop`` (vmap
+could not run the model: one backward per example), ``excluded``.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +23,7 @@ from ..errors import ConfigError
 from ..rules import find_rule
 
 FALLBACK = "fallback"
+FALLBACK_LOOP = "fallback:loop"
 EXCLUDED = "excluded"
 
 
@@ -23,11 +35,16 @@ class ParamPlan:
     owners: list[tuple[nn.Module, str]] = field(
         default_factory=list
     )  # (module, attribute) per holder
-    rule: str = EXCLUDED  # "linear", "conv+linear" (tied), FALLBACK or EXCLUDED
+    rule: str = EXCLUDED  # "linear", "conv+linear" (tied), FALLBACK, FALLBACK_LOOP or EXCLUDED
+    note: str = ""  # why the fallback serves it
 
     @property
     def included(self) -> bool:
         return self.rule != EXCLUDED
+
+    @property
+    def is_fallback(self) -> bool:
+        return self.rule in (FALLBACK, FALLBACK_LOOP)
 
 
 @dataclass
@@ -40,11 +57,11 @@ class Plan:
 
     @property
     def by_rule(self) -> list[ParamPlan]:
-        return [p for p in self.params if p.included and p.rule != FALLBACK]
+        return [p for p in self.params if p.included and not p.is_fallback]
 
     @property
     def fallback(self) -> list[ParamPlan]:
-        return [p for p in self.params if p.rule == FALLBACK]
+        return [p for p in self.params if p.is_fallback]
 
     @property
     def hooked_modules(self) -> list[nn.Module]:
@@ -62,7 +79,13 @@ class Plan:
 
     def describe(self) -> list[dict[str, object]]:
         return [
-            {"name": p.name, "module": p.module, "shape": list(p.param.shape), "rule": p.rule}
+            {
+                "name": p.name,
+                "module": p.module,
+                "shape": list(p.param.shape),
+                "rule": p.rule,
+                "note": p.note,
+            }
             for p in self.params
         ]
 
@@ -98,6 +121,10 @@ def build_plan(
             plan.rule = "+".join(dict.fromkeys(r.name for r in rules))
         else:
             plan.rule = FALLBACK
+            missing = (
+                type(m).__name__ for (m, _), r in zip(plan.owners, rules, strict=True) if r is None
+            )
+            plan.note = "no rule for " + ", ".join(dict.fromkeys(missing))
     plan = Plan(list(plans.values()))
     if not plan.included:
         raise ConfigError("params.include/exclude select no parameter of the model", "params")

@@ -4,7 +4,7 @@ removed on exit, even after an exception."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -65,11 +65,42 @@ class HookSession:
             if tuple(t._version for t in (*call.inputs, call.output)) != call.versions
         }
 
-    def backward(self, total: Tensor) -> None:
-        """Fill each call's ``grad`` with d total / d output, computing no parameter gradient."""
+    def not_per_example(self, batch: int, probe: Tensor | None = None) -> set[int]:
+        """Modules with a call whose output rows are not the batch's examples.
+
+        A rule reads row i of a call as example i. That fails for a call on a tensor shared by all
+        examples (a positional table looked up with ``arange(T)`` and broadcast over the batch):
+        its leading dimension is not ``batch``, or, when T happens to equal B, ``probe`` (one
+        example's loss, graph retained) has a gradient in the rows of other examples. NaN rows
+        say nothing: a non-finite example gives NaN there without any dependence.
+        """
+        shared = {
+            key
+            for key, calls in self.calls.items()
+            for call in calls
+            if call.output.dim() == 0 or call.output.shape[0] != batch
+        }
+        if probe is None:
+            return shared
+        keyed = [(key, c) for key, calls in self.calls.items() if key not in shared for c in calls]
+        grads = torch.autograd.grad(
+            probe, [c.output for _, c in keyed], allow_unused=True, retain_graph=True
+        )
+        for (key, _), grad in zip(keyed, grads, strict=True):
+            if grad is not None and ((grad[:-1] != 0) & grad[:-1].isfinite()).any():
+                shared.add(key)
+        return shared
+
+    def backward(self, total: Tensor, also: Sequence[Tensor] = ()) -> list[Tensor | None]:
+        """Fill each call's ``grad`` with d total / d output; return d total / d ``also``.
+
+        No other parameter gradient is computed; ``None`` for a tensor of ``also`` that does not
+        reach ``total``.
+        """
         calls = [c for cs in self.calls.values() for c in cs]
-        if not calls:
-            return
-        grads = torch.autograd.grad(total, [c.output for c in calls], allow_unused=True)
-        for call, grad in zip(calls, grads, strict=True):
+        if not calls and not also:
+            return []
+        grads = torch.autograd.grad(total, [*(c.output for c in calls), *also], allow_unused=True)
+        for call, grad in zip(calls, grads, strict=False):
             call.grad = grad
+        return list(grads[len(calls) :])

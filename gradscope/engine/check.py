@@ -1,0 +1,92 @@
+"""`gradscope check`: the fast engine against the per-example loop on a few examples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from rich.console import Group
+from rich.table import Table
+from torch import Tensor
+
+from .core import Engine
+from .naive import naive_grads
+from .plan import Plan
+
+TOTAL = "(all)"  # the row of the whole gradient's norm
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """The worst relative error a correct engine stays under, given rounding in ``dtype``."""
+    return {torch.float64: 1e-6, torch.float32: 1e-4}.get(dtype, 1e-2)
+
+
+@dataclass
+class CheckReport:
+    plan: Plan
+    errors: dict[str, float]  # module (and TOTAL) -> max|fast - loop| / max|loop| over examples
+    examples: int
+    tolerance: float
+
+    @property
+    def worst(self) -> float:
+        return max(self.errors.values())
+
+    @property
+    def ok(self) -> bool:
+        return self.worst <= self.tolerance
+
+
+def _relative(fast: Tensor, loop: Tensor) -> float:
+    scale = loop.abs().max()
+    diff = (fast - loop).abs().max()
+    if scale == 0:
+        return 0.0 if diff == 0 else float("inf")
+    return (diff / scale).item()
+
+
+def compare_with_loop(engine: Engine, inputs: tuple[Tensor, ...], targets: Tensor) -> CheckReport:
+    """Per-module gradient norms of the engine and of one backward per example, compared.
+
+    The model must be prepared (``engine.core.prepared``). The engine runs first, so the plan the
+    report holds says how each parameter was finally served.
+    """
+    fast = engine.norms(inputs, targets).norm_sq
+    names = [p.name for p in engine.plan.included]
+    _, grads = naive_grads(engine.model, inputs, targets, engine.loss_fn, names, engine.output)
+    loop = {n: g.flatten(1).double().pow(2).sum(1) for n, g in grads.items()}  # (B,) each
+    errors: dict[str, float] = {}
+    for module in engine.plan.modules:
+        params = [p.name for p in engine.plan.included if p.module == module]
+        errors[module] = _relative(
+            sum(fast[n].double() for n in params).sqrt(), sum(loop[n] for n in params).sqrt()
+        )
+    errors[TOTAL] = _relative(
+        sum(f.double() for f in fast.values()).sqrt(), sum(loop.values()).sqrt()
+    )
+    dtype = next(engine.model.parameters()).dtype
+    return CheckReport(engine.plan, errors, targets.shape[0], tolerance(dtype))
+
+
+def render_plan(plan: Plan) -> Table:
+    table = Table(title="plan", title_justify="left")
+    for column in ("parameter", "module", "shape", "rule", "note"):
+        table.add_column(column, overflow="fold")  # names stay whole, wrapped if need be
+    for p in plan.params:
+        table.add_row(p.name, p.module, str(tuple(p.param.shape)), p.rule, p.note)
+    return table
+
+
+def render_report(report: CheckReport) -> Group:
+    table = Table()
+    table.add_column("module")
+    table.add_column("relative error", justify="right")
+    for module, err in report.errors.items():
+        table.add_row(module, f"{err:.2e}", style="" if err <= report.tolerance else "bold red")
+    verdict = "ok" if report.ok else "FAILED"
+    return Group(
+        f"fast engine vs loop, {report.examples} examples: "
+        "max|fast - loop| / max|loop| of the gradient norms",
+        table,
+        f"worst relative error {report.worst:.2e} (tolerance {report.tolerance:g}): {verdict}",
+    )

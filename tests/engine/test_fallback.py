@@ -1,0 +1,264 @@
+"""The fallback (torch.func vmap, else a per-example loop) against the float64 per-example loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import Case, assert_rel_close, reference_norms
+from torch import nn
+
+import gradscope
+from gradscope.engine.core import Engine, prepared
+from gradscope.engine.naive import naive_grads
+from gradscope.engine.plan import FALLBACK, FALLBACK_LOOP, build_plan
+from gradscope.losses import resolve_loss
+
+
+class Attention(nn.Module):
+    """Self-attention with a causal mask and a padding mask read from the tokens (0 = pad)."""
+
+    def __init__(self, batch_first: bool):
+        super().__init__()
+        self.batch_first = batch_first
+        self.embed = nn.Embedding(11, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=batch_first)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)  # (B, T, 8)
+        t = tokens.shape[1]
+        causal = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
+        if not self.batch_first:
+            h = h.transpose(0, 1)  # (T, B, 8)
+        out, _ = self.attn(h, h, h, attn_mask=causal, key_padding_mask=tokens == 0)
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        return self.head(out)  # (B, T, 3)
+
+
+def padded_tokens(b: int) -> tuple[torch.Tensor]:
+    tokens = torch.randint(1, 11, (b, 6))
+    tokens[: b // 2, 4:] = 0  # padding after a causal prefix, so no row is fully masked
+    return (tokens,)
+
+
+class Recurrent(nn.Module):
+    """A classifier on the last output of a batch_first LSTM, GRU or RNN."""
+
+    def __init__(self, cell: type[nn.RNNBase]):
+        super().__init__()
+        self.rnn = cell(4, 6, num_layers=2, batch_first=True)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        out, _ = self.rnn(x)
+        return self.head(out[:, -1])
+
+
+class Scale(nn.Module):
+    """A learned per-feature scale: a raw nn.Parameter no rule knows."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, n))
+
+    def forward(self, x):
+        return x * self.gain
+
+
+class Positional(nn.Module):
+    """A learned positional table held directly by the top-level model, then rule-served layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(5, 4))
+        self.fc = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.fc(x + self.pos))).mean(1)  # (B, 2)
+
+
+class SharedTable(nn.Module):
+    """A Linear layer run once on a table shared by the batch, its output broadcast over it."""
+
+    def __init__(self, t: int):
+        super().__init__()
+        self.register_buffer("table", torch.randn(t, 4))
+        self.proj, self.out = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(x + self.proj(self.table))).mean(1)  # (B, T, 4) -> (B, 2)
+
+
+class SeqFirst(nn.Module):
+    """A Linear layer on (T, B, in), as batch_first=False models run it: rows are positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x.transpose(0, 1)).transpose(0, 1)  # (B, T, 3)
+
+
+class ItemGate(nn.Module):
+    """Data-dependent control flow on a Python float: vmap cannot run it, the loop can."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.scale = nn.Linear(4, 3), Scale(3)
+
+    def forward(self, x):
+        h = self.scale(self.fc(x))
+        return h * 2 if h.sum().item() > 0 else h - 1
+
+
+def labels(out: torch.Tensor) -> torch.Tensor:
+    return torch.randint(0, out.shape[-1], out.shape[:-1])
+
+
+CASES = [
+    *(
+        Case(f"mha-batch-first-{bf}", lambda bf=bf: Attention(bf), padded_tokens, labels, "cross_entropy")
+        for bf in (True, False)
+    ),
+    *(
+        Case(cell.__name__.lower(), lambda c=cell: Recurrent(c), lambda b: (torch.randn(b, 5, 4),), labels, "cross_entropy")
+        for cell in (nn.LSTM, nn.GRU, nn.RNN)
+    ),
+    Case("raw-parameter", lambda: nn.Sequential(nn.Linear(4, 5), Scale(5), nn.Tanh(), nn.Linear(5, 2)),
+         lambda b: (torch.randn(b, 4),), torch.randn_like),
+    Case("top-level-parameter", Positional, lambda b: (torch.randn(b, 5, 4),), labels, "cross_entropy"),
+    # T == B: the shapes alone cannot tell the table's rows from the examples
+    Case("shared-call-t-equals-b", lambda: SharedTable(5), lambda b: (torch.randn(b, 5, 4),), labels, "cross_entropy"),
+    Case("shared-call", lambda: SharedTable(3), lambda b: (torch.randn(b, 3, 4),), labels, "cross_entropy"),
+    Case("seq-first-t-equals-b", SeqFirst, lambda b: (torch.randn(b, 5, 4),), labels, "cross_entropy"),
+    Case("vmap-fails", ItemGate, lambda b: (torch.randn(b, 4),), torch.randn_like),
+    Case("mha-batch-1", lambda: Attention(True), padded_tokens, labels, "cross_entropy", batch=1),
+    Case("lstm-batch-1", lambda: Recurrent(nn.LSTM), lambda b: (torch.randn(b, 5, 4),), labels, "cross_entropy", batch=1),
+]  # fmt: skip
+
+
+BY_ID = {case.id: case for case in CASES}
+
+
+@pytest.mark.parametrize("case", CASES, ids=repr)
+def test_fallback_matches_loop_float64(case: Case):
+    model, inputs, targets = case.build(torch.float64)
+    got = gradscope.per_example_norms(model, inputs, targets, case.loss, output=case.output)
+    _, expected = reference_norms(model, inputs, targets, case.loss, output=case.output)
+    assert got.shape == (targets.shape[0],)
+    assert_rel_close(got, expected, 1e-5)
+
+
+def _run(case: Case, batch: int | None = None):
+    model, inputs, targets = case.build(torch.float64, batch)
+    plan = build_plan(model)
+    engine = Engine(model, resolve_loss(case.loss), plan, case.output)
+    with prepared(model, plan):
+        scores = engine.norms(inputs, targets)
+    return model, inputs, targets, plan, scores
+
+
+def test_per_parameter_norms_add_up():
+    """Rule-served and fallback parameters land in one result; each one is exact on its own."""
+    model, inputs, targets, plan, scores = _run(
+        BY_ID["raw-parameter"]
+    )  # Linear, Scale, Tanh, Linear
+    assert {p.name: p.rule for p in plan.params} == {
+        "0.weight": "linear", "0.bias": "linear", "1.gain": FALLBACK,
+        "3.weight": "linear", "3.bias": "linear",
+    }  # fmt: skip
+    for name, norm_sq in scores.norm_sq.items():
+        _, expected = reference_norms(model, inputs, targets, include=[name])
+        assert_rel_close(norm_sq.sqrt(), expected, 1e-5)
+
+
+def test_out_proj_is_not_served_by_the_linear_rule():
+    """MultiheadAttention reads out_proj's weight without calling out_proj: its hook never fires."""
+    model, inputs, targets, plan, scores = _run(BY_ID["mha-batch-first-True"])
+    rules = {p.name: p for p in plan.params}
+    assert rules["attn.in_proj_weight"].rule == FALLBACK
+    assert "MultiheadAttention" in rules["attn.in_proj_weight"].note
+    for name in ("attn.out_proj.weight", "attn.out_proj.bias"):
+        assert rules[name].rule == FALLBACK
+        assert "used without a call of its module" in rules[name].note
+        _, expected = reference_norms(model, inputs, targets, "cross_entropy", include=[name])
+        assert expected.min() > 0
+        assert_rel_close(scores.norm_sq[name].sqrt(), expected, 1e-5)
+    assert rules["head.weight"].rule == "linear"
+
+
+def test_uncalled_module_that_never_reaches_the_loss_stays_on_its_rule():
+    """An unused head gets zero gradient from its rule; nothing is moved to the fallback."""
+
+    class Unused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.spare = nn.Linear(4, 2), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    case = Case("unused", Unused, lambda b: (torch.randn(b, 4),), torch.randn_like)
+    _, _, _, plan, scores = _run(case)
+    assert all(p.rule == "linear" for p in plan.params)
+    assert torch.equal(scores.norm_sq["spare.weight"], torch.zeros(5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    ("case_id", "name"),
+    [("shared-call-t-equals-b", "proj.weight"), ("shared-call", "proj.weight"),
+     ("seq-first-t-equals-b", "fc.weight")],
+)  # fmt: skip
+def test_call_whose_rows_are_not_examples_goes_to_the_fallback(case_id: str, name: str):
+    *_, plan, _ = _run(BY_ID[case_id])
+    rules = {p.name: p for p in plan.params}
+    assert rules[name].rule == FALLBACK
+    assert "output are not the examples" in rules[name].note
+    assert all(p.rule == "linear" for p in plan.params if p.module == "out")
+
+
+def test_vmap_failure_is_remembered_and_the_loop_runs():
+    *_, plan, _ = _run(BY_ID["vmap-fails"])
+    rules = {p.name: p for p in plan.params}
+    assert rules["scale.gain"].rule == FALLBACK_LOOP
+    assert "vmap failed" in rules["scale.gain"].note
+    assert rules["fc.weight"].rule == "linear"
+
+
+def test_vmap_runs_in_chunks(monkeypatch):
+    """A chunk smaller than the batch gives the same numbers: no example is dropped or repeated."""
+    monkeypatch.setattr("gradscope.engine.fallback.CHUNK_ELEMENTS", 1)
+    model, inputs, targets = BY_ID["raw-parameter"].build(torch.float64, batch=7)
+    got = gradscope.per_example_norms(model, inputs, targets, "mse")
+    _, expected = reference_norms(model, inputs, targets, "mse")
+    assert_rel_close(got, expected, 1e-5)
+
+
+def test_float32_fallback():
+    case = BY_ID["mha-batch-first-True"]
+    model, inputs, targets = case.build(torch.float32)
+    got = gradscope.per_example_norms(model, inputs, targets, case.loss)
+    _, expected = reference_norms(model, inputs, targets, case.loss)
+    assert_rel_close(got, expected, 1e-4)
+
+
+@pytest.mark.parametrize("case_id", ["mha-batch-first-True", "vmap-fails"])
+def test_influence_through_the_fallback(case_id: str):
+    """The hooks influence engine takes inner products of the fallback's gradients too."""
+    case = BY_ID[case_id]
+    model, inputs, targets = case.build(torch.float64, batch=6)
+    train, ref = (
+        (tuple(t[:4] for t in inputs), targets[:4]),
+        (tuple(t[4:] for t in inputs), targets[4:]),
+    )
+    got = gradscope.per_example_influence(model, *train, *ref, case.loss, engine="hooks")
+    plan = build_plan(model)
+    names = [p.name for p in plan.included]
+    with prepared(model, plan):
+        _, g = naive_grads(model, *train, resolve_loss(case.loss), names)
+        _, r = naive_grads(model, *ref, resolve_loss(case.loss), names)
+    expected = sum((g[n].flatten(1) * r[n].flatten(1).mean(0)).sum(1) for n in names)
+    assert_rel_close(got, expected, 1e-5)

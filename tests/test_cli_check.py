@@ -1,0 +1,80 @@
+"""`gradscope check` through typer's runner: the plan, the error table and the exit status."""
+
+from __future__ import annotations
+
+from project import make_project
+from torch import nn
+from typer.testing import CliRunner
+
+from gradscope.cli import app
+from gradscope.rules import RULES, Dense, Rule
+from gradscope.rules.linear import linear
+
+runner = CliRunner()
+
+SCALED_MODEL = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    """A Linear layer (rule) and a raw gain (fallback) in one model."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 8), nn.Linear(8, 3)
+        self.gain = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)) * self.gain)
+'''
+
+
+def _errors(output: str) -> dict[str, float]:
+    """module -> relative error, read from the rows of the error table."""
+    rows = output.split("fast engine vs loop")[1].splitlines()
+    cells = [[c.strip() for c in row.split("│")[1:-1]] for row in rows if row.count("│") == 3]
+    return {module: float(err) for module, err in cells}
+
+
+def test_check_passes_and_prints_errors_per_module(tmp_path):
+    config = make_project(tmp_path, n=11)
+    result = runner.invoke(app, ["check", str(config), "--examples", "5"])
+    assert result.exit_code == 0, result.output
+    assert "fast engine vs loop, 5 examples" in result.output
+    assert "relative error" in result.output
+    errors = _errors(result.output)
+    assert set(errors) == {"fc1", "fc2", "(all)"}
+    assert max(errors.values()) < 1e-4
+    assert "worst relative error" in result.output and ": ok" in result.output
+
+
+def test_check_shows_the_fallback_in_the_plan(tmp_path):
+    # no checkpoint: random initial weights are as good a check as trained ones
+    config = make_project(tmp_path, n=11, model={"factory": "model.py:Net"})
+    (tmp_path / "model.py").write_text(SCALED_MODEL)
+    result = runner.invoke(app, ["check", str(config)])
+    assert result.exit_code == 0, result.output
+    assert "gain" in result.output and "fallback" in result.output
+    assert set(_errors(result.output)) == {"fc1", "fc2", "gain", "(all)"}
+
+
+def test_wrong_rule_fails_with_exit_1(tmp_path, monkeypatch):
+    def doubled_bias(module, inputs, grad_output):
+        parts = linear(module, inputs, grad_output)
+        parts["bias"] = Dense(2 * parts["bias"].materialize())
+        return parts
+
+    monkeypatch.setitem(RULES, nn.Linear, Rule("linear", doubled_bias))
+    config = make_project(tmp_path, n=11)
+    result = runner.invoke(app, ["check", str(config), "--examples", "3"])
+    assert result.exit_code == 1, result.output
+    assert min(_errors(result.output).values()) > 1e-2
+    assert "FAILED" in result.output
+
+
+def test_bad_examples_count_is_a_user_error(tmp_path):
+    config = make_project(tmp_path, n=11)
+    result = runner.invoke(app, ["check", str(config), "--examples", "0"])
+    assert result.exit_code == 2
+    assert "error: --examples must be at least 1" in result.output
