@@ -99,6 +99,11 @@ class CausalLM(nn.Module):
         self.norm = nn.LayerNorm(d)
         self.lm_head = nn.Linear(d, vocab, bias=False)
         self.lm_head.weight = self.tok.weight
+        # GPT-2's 0.02, not Embedding's N(0, 1): tied to the output, N(0, 1) gives logits of
+        # scale sqrt(d), softmax probabilities that underflow to denormals, and matmuls on those
+        # run 50x slower on x86, which would time the CPU's denormal path, not the methods
+        for table in (self.tok, self.pos):
+            nn.init.normal_(table.weight, std=0.02)
 
     def forward(self, ids: Tensor) -> Tensor:
         b, t = ids.shape
