@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 import gradscope
@@ -248,12 +249,30 @@ def _clear_grads(params: Sequence[nn.Parameter]) -> None:
         p.grad = None
 
 
+def _plain_summed_loss(pb: Problem) -> Callable[[Tensor], Tensor]:
+    """The summed loss as a training script computes it: the sum of the per-example losses.
+
+    Token-level cross entropy runs on (B*T, C) logits, as language-model code does: the same
+    number as the per-example mean over T summed over B, but about half the time on W4 of the
+    (B, C, T) layout that per-example losses with ``class_dim`` use.
+    """
+    per_example = resolve_loss(pb.loss)
+
+    def summed(out: Tensor) -> Tensor:
+        if pb.loss == "cross_entropy" and out.dim() == 3:
+            flat = F.cross_entropy(out.flatten(0, 1), pb.targets.flatten(), reduction="sum")
+            return flat / pb.targets.shape[1]
+        return per_example(out, pb.targets).sum()
+
+    return summed
+
+
 def floor(pb: Problem) -> Step:
-    loss_fn, params = resolve_loss(pb.loss), _params(pb.model)
+    loss, params = _plain_summed_loss(pb), _params(pb.model)
 
     def step() -> None:
         _clear_grads(params)  # so the floor's peak memory includes allocating the gradients
-        loss_fn(pb.model(*pb.inputs), pb.targets).sum().backward()
+        loss(pb.model(*pb.inputs)).backward()
 
     return step
 
@@ -375,11 +394,11 @@ def _opacus_model(pb: Problem) -> nn.Module:
 def opacus_hooks(pb: Problem) -> Step:
     grad_sample = _import("opacus.grad_sample")
     gsm = grad_sample.GradSampleModule(_opacus_model(pb), batch_first=True, loss_reduction="sum")
-    loss_fn, params = resolve_loss(pb.loss), _params(gsm)
+    loss, params = _plain_summed_loss(pb), _params(gsm)
 
     def step() -> Tensor:
         gsm.zero_grad(set_to_none=True)
-        loss_fn(gsm(*pb.inputs), pb.targets).sum().backward()
+        loss(gsm(*pb.inputs)).backward()
         if any(p.grad_sample is None for p in params):
             raise Skip("wrong", "some parameters got no grad_sample")
         return torch.stack([p.grad_sample.flatten(1).pow(2).sum(1) for p in params]).sum(0).sqrt()
@@ -392,11 +411,11 @@ def opacus_ghost(pb: Problem) -> Step:
     gsm = grad_sample.GradSampleModuleFastGradientClipping(
         _opacus_model(pb), batch_first=True, loss_reduction="sum", use_ghost_clipping=True
     )
-    loss_fn = resolve_loss(pb.loss)
+    loss = _plain_summed_loss(pb)
 
     def step() -> Tensor:
         gsm.zero_grad(set_to_none=True)
-        loss_fn(gsm(*pb.inputs), pb.targets).sum().backward()
+        loss(gsm(*pb.inputs)).backward()
         return gsm.get_norm_sample()
 
     return step
@@ -406,7 +425,7 @@ def backpack_l2(pb: Problem) -> Step:
     backpack = _import("backpack")
     extensions = _import("backpack.extensions")
     model = backpack.extend(copy.deepcopy(pb.model))
-    loss_fn, params = resolve_loss(pb.loss), _params(model)
+    loss, params = _plain_summed_loss(pb), _params(model)
 
     def step() -> Tensor:
         for p in params:
@@ -414,7 +433,7 @@ def backpack_l2(pb: Problem) -> Step:
             if hasattr(p, "batch_l2"):
                 del p.batch_l2  # so a parameter BackPACK skipped this time cannot look served
         with backpack.backpack(extensions.BatchL2Grad()):
-            loss_fn(model(*pb.inputs), pb.targets).sum().backward()
+            loss(model(*pb.inputs)).backward()
         missing = sum(not hasattr(p, "batch_l2") for p in params)
         if missing:  # BackPACK only warns about modules it cannot handle
             raise Skip("wrong", f"{missing} of {len(params)} parameters got no batch_l2")
