@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import torch
 from torch import Tensor, nn
 
-from . import __version__
+from . import __version__, distributed
 from .config import Config
 from .engine.check import CheckReport, compare_with_loop
 from .engine.core import Engine, prepared
@@ -22,13 +22,14 @@ from .engine.influence import (
     Influence,
     adam_denominator,
     check_engine,
+    influence_errors,
     reference_gradients,
 )
 from .engine.plan import Plan, build_plan
-from .errors import ConfigError, DataError
+from .errors import ConfigError, DataError, Interrupted
 from .io.data import Batch, open_dataset
 from .io.model import build_model, file_sha256, import_object, load_state_dict
-from .io.parquet import ScoreWriter
+from .io.parquet import PartialRun
 from .losses import LossFn, resolve_loss
 
 
@@ -171,11 +172,6 @@ class Job:
         }
 
 
-def _arrow_type(values: np.ndarray | Tensor) -> pa.DataType:
-    dtype = values.numpy().dtype if isinstance(values, Tensor) else values.dtype
-    return pa.string() if dtype.kind in "OUS" else pa.from_numpy_dtype(dtype)
-
-
 def norms_columns(job: Job, batch: Batch) -> dict[str, np.ndarray]:
     """One batch's rows: example_id, id, loss, grad_norm, grad_norm/<module>, target, finite."""
     scores = job.engine.norms(*job.to_device(batch))
@@ -198,40 +194,119 @@ def norms_columns(job: Job, batch: Batch) -> dict[str, np.ndarray]:
     return columns
 
 
+def _file_hash(path: str | Path | None) -> str | None:
+    """sha256 of a file that exists; a missing one is reported by the code that reads it."""
+    return file_sha256(path) if path and Path(path).is_file() else None
+
+
+def _fingerprint(cfg: Config, command: str, resume_key: dict | None) -> dict:
+    """What a partial run must share with the run that resumes it, as JSON reads it back."""
+    config = cfg.to_dict()
+    for key in ("summary", "source", "device"):  # display, file name, placement (ranks differ)
+        config.pop(key)
+    checkpoints = [cfg.model.checkpoint] if cfg.model.checkpoint else []
+    checkpoints += [c.path for c in cfg.model.checkpoints]
+    fingerprint = {
+        "command": command,
+        "config": config,
+        "checkpoint_sha256": [_file_hash(c) for c in checkpoints],
+        **(resume_key or {}),
+    }
+    return json.loads(json.dumps(fingerprint, default=str))
+
+
+def _differences(old: object, new: object, key: str = "") -> list[str]:
+    """The dotted keys at which two JSON values differ."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [
+            d
+            for k in sorted(set(old) | set(new))
+            for d in _differences(old.get(k), new.get(k), f"{key}.{k}" if key else k)
+        ]
+    return [] if old == new else [key]
+
+
 def score_dataset(
     cfg: Config,
     command: str = "norms",
     score_batch: Callable[[Job, Batch], dict[str, np.ndarray]] = norms_columns,
     *,
     trust_checkpoint: bool = False,
-    on_start: Callable[[int], None] | None = None,
+    resume: bool = False,
+    resume_key: dict | None = None,
+    on_start: Callable[[int | None], None] | None = None,
     on_batch: Callable[[int], None] | None = None,
-) -> Path:
+) -> Path | None:
     """Score every example of ``cfg``'s dataset with ``score_batch`` and write the Parquet file.
 
+    Each batch's rows become a part file in the partial folder as soon as they are scored (see
+    ``io/parquet.py``); with ``resume`` the parts of an interrupted run with the same command,
+    config and checkpoint are kept and only the missing batches are scored. Under torchrun, rank r
+    scores batches r, r + K, ... and rank 0 assembles the file; other ranks return None.
     The first batch runs before anything is written, so input the model cannot take leaves no file.
+    ``resume_key`` adds what else a resumed run must share (the scorer's inputs, e.g. REF's hash).
+    A scorer with a ``setup(job)`` method has it called once on every rank before the first batch
+    (where ranks may exchange tensors). ``on_start`` gets the number of rows this process scores,
+    None when unknown before reading.
     """
-    job = Job.from_config(cfg, trust_checkpoint)
-    dataset = open_dataset(cfg.data)
-    total = len(dataset) if cfg.data.limit is None else min(len(dataset), cfg.data.limit)
-    if on_start:
-        on_start(total)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(prepared(job.model, job.plan))
-        writer = None
-        for batch in dataset.batches(cfg.data.batch_size, cfg.data.limit):
-            columns = score_batch(job, batch)
-            if writer is None:
-                schema = pa.schema(
-                    [(name, _arrow_type(values)) for name, values in columns.items()]
-                )
-                writer = stack.enter_context(
-                    ScoreWriter(cfg.output.path, schema, job.metadata(command))
-                )
-            writer.write(columns)
-            if on_batch:
-                on_batch(len(batch.index))
-    return Path(cfg.output.path)
+    with distributed.session() as world:
+        job = Job.from_config(
+            dataclasses.replace(cfg, device=world.device(cfg.device)), trust_checkpoint
+        )
+        dataset = open_dataset(cfg.data)
+        run = PartialRun(cfg.output.path)
+        fingerprint = _fingerprint(cfg, command, resume_key)
+        saved = run.manifest() if resume else None
+        if saved is not None and saved["fingerprint"] != fingerprint:
+            keys = _differences(saved["fingerprint"], fingerprint)
+            raise ConfigError(
+                f"cannot resume: the interrupted run had a different {', '.join(keys)}; "
+                "run without --resume to start over",
+                str(run.dir),
+            )
+        done = run.done() if saved is not None else set()
+        total = dataset.length
+        if total is not None and cfg.data.limit is not None:
+            total = min(total, cfg.data.limit)
+        if on_start:
+            on_start(world.rows(total, cfg.data.batch_size))
+
+        def start() -> None:
+            """Once every rank's first batch has run: begin the partial folder, or keep it."""
+            distributed.barrier()
+            if world.main and saved is None:
+                run.start({"fingerprint": fingerprint, "metadata": job.metadata(command)})
+            distributed.barrier()
+
+        started, rows, number = False, 0, -1
+        with prepared(job.model, job.plan):
+            if hasattr(score_batch, "setup"):
+                score_batch.setup(job)
+            try:
+                for number, batch in enumerate(
+                    dataset.batches(cfg.data.batch_size, cfg.data.limit)
+                ):
+                    if not world.owns(number):
+                        continue
+                    if number not in done:
+                        columns = score_batch(job, batch)
+                        if not started:
+                            start()
+                            started = True
+                        run.write(number, columns)
+                    rows += len(batch)
+                    if on_batch:
+                        on_batch(len(batch))
+            except KeyboardInterrupt:
+                raise Interrupted(
+                    f"interrupted with {rows} examples saved; run the same command with --resume "
+                    "to continue",
+                    str(run.dir),
+                ) from None
+        if not started:
+            start()
+        distributed.barrier()  # every rank's parts are written
+        return run.assemble(number + 1) if world.main else None
 
 
 class InfluenceColumns:
@@ -269,7 +344,8 @@ class InfluenceColumns:
     def __exit__(self, *exc) -> None:
         self._stack.close()
 
-    def _setup(self, job: Job) -> None:
+    def setup(self, job: Job) -> None:
+        """Read REF and compute the reference gradients (under torchrun: on rank 0, then shared)."""
         cfg = job.cfg
         # REF is read with the same input and target names; its rows need no ids
         ref_data = open_dataset(dataclasses.replace(cfg.data, ids=None, limit=None), self.ref)
@@ -289,7 +365,9 @@ class InfluenceColumns:
         described = []
         for n, (j, w) in enumerate(zip(jobs, weights, strict=True)):
             batches = (j.to_device(b) for b in ref_data.batches(cfg.data.batch_size))
-            refs = reference_gradients(j.engine, batches, self.per_ref)
+            main = distributed.world().main
+            refs = reference_gradients(j.engine, batches, self.per_ref) if main else None
+            refs = distributed.broadcast_tensors(refs, j.device)
             if state is not None:
                 refs = _preconditioned(
                     refs, adam_denominator(state, j.engine, str(self.precondition))
@@ -322,7 +400,7 @@ class InfluenceColumns:
 
     def __call__(self, job: Job, batch: Batch) -> dict[str, np.ndarray]:
         if not self._scorers:
-            self._setup(job)
+            self.setup(job)
         inputs, targets = job.to_device(batch)
         results = [s(inputs, targets) for s in self._scorers]
         job.extra["influence"]["engines_used"] = [s.method for s in self._scorers]
@@ -371,9 +449,10 @@ def influence_dataset(
     precondition: str | Path | None = None,
     engine: str = "auto",
     trust_checkpoint: bool = False,
-    on_start: Callable[[int], None] | None = None,
+    resume: bool = False,
+    on_start: Callable[[int | None], None] | None = None,
     on_batch: Callable[[int], None] | None = None,
-) -> Path:
+) -> Path | None:
     """Score ``cfg``'s dataset against the reference data file ``ref`` and write the Parquet file."""
     scorer = InfluenceColumns(
         ref,
@@ -388,16 +467,34 @@ def influence_dataset(
             "influence",
             scorer,
             trust_checkpoint=trust_checkpoint,
+            resume=resume,
+            resume_key={
+                "ref_sha256": _file_hash(scorer.ref),
+                "per_ref": per_ref,
+                "precondition_sha256": _file_hash(precondition),
+                "engine": scorer.engine,
+            },
             on_start=on_start,
             on_batch=on_batch,
         )
 
 
-def check_config(cfg: Config, examples: int = 8, *, trust_checkpoint: bool = False) -> CheckReport:
-    """The configured model on its first ``examples`` examples: fast engine vs per-example loop."""
+def check_config(
+    cfg: Config, examples: int = 8, *, ref: str | None = None, trust_checkpoint: bool = False
+) -> CheckReport:
+    """The configured model on its first ``examples`` examples: both engines vs the per-example loop.
+
+    Influence is checked against the mean gradient of the first ``examples`` rows of ``ref``, or
+    of the checked examples themselves when no reference is given.
+    """
     if examples < 1:
         raise ConfigError(f"--examples must be at least 1, got {examples}", "--examples")
     job = Job.from_config(cfg, trust_checkpoint)
-    batch = next(open_dataset(cfg.data).batches(examples, examples))
+    batch = job.to_device(next(open_dataset(cfg.data).batches(examples, examples)))
+    reference = batch
+    if ref is not None:
+        reference = job.to_device(next(open_dataset(cfg.data, ref).batches(examples, examples)))
     with prepared(job.model, job.plan):
-        return compare_with_loop(job.engine, *job.to_device(batch))
+        report = compare_with_loop(job.engine, *batch)
+    report.influence = influence_errors(job.engine, *batch, *reference)
+    return report

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Annotated
 
-import pandas as pd
 import typer
 from rich.console import Console
 from rich.progress import (
@@ -20,7 +21,7 @@ from rich.progress import (
 from typer.core import TyperGroup
 
 from .config import load_config, with_overrides
-from .errors import GradscopeError
+from .errors import GradscopeError, Interrupted
 
 
 class _ErrorBoundary(TyperGroup):
@@ -28,12 +29,15 @@ class _ErrorBoundary(TyperGroup):
 
     def invoke(self, ctx: typer.Context):
         try:
-            return super().invoke(ctx)
+            try:
+                return super().invoke(ctx)
+            except KeyboardInterrupt:  # before any example was saved (loading the model, REF)
+                raise Interrupted("interrupted before any example was saved") from None
         except GradscopeError as e:
             if os.environ.get("GRADSCOPE_DEBUG"):
                 raise
             Console(stderr=True).print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
+            raise typer.Exit(e.exit_code) from None
 
 
 app = typer.Typer(
@@ -54,6 +58,13 @@ DeviceOpt = Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda
 BatchOpt = Annotated[int | None, typer.Option("--batch-size", help="Examples per pass.")]
 LimitOpt = Annotated[int | None, typer.Option("--limit", help="Score only the first N examples.")]
 TopKOpt = Annotated[int | None, typer.Option("--top-k", help="Rows in the outlier table.")]
+ResumeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--resume",
+        help="Continue an interrupted run with the same config and checkpoint, keeping its rows.",
+    ),
+]
 TrustOpt = Annotated[
     bool,
     typer.Option(
@@ -64,6 +75,10 @@ TrustOpt = Annotated[
 
 
 def _progress() -> Progress:
+    """A bar with a total when the row count is known ahead, a running count otherwise; under
+    torchrun only rank 0 draws one."""
+    from .distributed import world
+
     return Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
@@ -72,13 +87,26 @@ def _progress() -> Progress:
         TimeRemainingColumn(),
         console=console,
         transient=True,
+        disable=not world().main,
     )
 
 
-def _report(path: Path, by: str | None, top_k: int) -> None:
-    from .summary import render
+def _run(command: str, run: Callable[..., Path | None], score: str, top_k: int) -> None:
+    """A scoring run under a progress bar, then its outlier tables (on rank 0 only)."""
+    with _progress() as progress:
+        task = progress.add_task(command, total=None)
+        path = run(
+            on_start=lambda n: progress.update(task, total=n),
+            on_batch=lambda n: progress.advance(task, n),
+        )
+    if path is not None:  # None on the ranks other than 0 under torchrun
+        _report(path, score, top_k)
 
-    console.print(render(pd.read_parquet(path), by, top_k))
+
+def _report(path: Path, by: str | None, top_k: int) -> None:
+    from .summary import summarize
+
+    console.print(summarize(path, by, top_k))
     console.print(f"wrote {path}")
 
 
@@ -93,6 +121,7 @@ def norms(
         bool, typer.Option("--per-layer", help="Add a grad_norm/<module> column per module.")
     ] = False,
     top_k: TopKOpt = None,
+    resume: ResumeOpt = False,
     trust_checkpoint: TrustOpt = False,
 ) -> None:
     """L2 norm of each example's own loss gradient."""
@@ -107,16 +136,12 @@ def norms(
         per_layer=per_layer,
         top_k=top_k,
     )
-    with _progress() as progress:
-        task = progress.add_task("norms", total=None)
-        path = score_dataset(
-            cfg,
-            "norms",
-            trust_checkpoint=trust_checkpoint,
-            on_start=lambda n: progress.update(task, total=n),
-            on_batch=lambda n: progress.advance(task, n),
-        )
-    _report(path, "grad_norm", cfg.summary.top_k)
+    _run(
+        "norms",
+        partial(score_dataset, cfg, "norms", trust_checkpoint=trust_checkpoint, resume=resume),
+        "grad_norm",
+        cfg.summary.top_k,
+    )
 
 
 @app.command()
@@ -148,6 +173,7 @@ def influence(
         str,
         typer.Option("--engine", help="auto, hooks (ghost inner products) or jvp (forward mode)."),
     ] = "auto",
+    resume: ResumeOpt = False,
     trust_checkpoint: TrustOpt = False,
 ) -> None:
     """Inner product of each example's loss gradient with the mean-loss gradient over REF."""
@@ -161,19 +187,17 @@ def influence(
         limit=limit,
         top_k=top_k,
     )
-    with _progress() as progress:
-        task = progress.add_task("influence", total=None)
-        path = influence_dataset(
-            cfg,
-            ref,
-            per_ref=per_ref,
-            precondition=precondition,
-            engine=engine,
-            trust_checkpoint=trust_checkpoint,
-            on_start=lambda n: progress.update(task, total=n),
-            on_batch=lambda n: progress.advance(task, n),
-        )
-    _report(path, "influence", cfg.summary.top_k)
+    run = partial(
+        influence_dataset,
+        cfg,
+        ref,
+        per_ref=per_ref,
+        precondition=precondition,
+        engine=engine,
+        trust_checkpoint=trust_checkpoint,
+        resume=resume,
+    )
+    _run("influence", run, "influence", cfg.summary.top_k)
 
 
 @app.command()
@@ -182,15 +206,23 @@ def check(
     examples: Annotated[
         int, typer.Option("--examples", help="Compare on the first N examples.")
     ] = 8,
+    ref: Annotated[
+        Path | None,
+        typer.Option(
+            "--ref", help="Reference data for the influence check (default: the examples)."
+        ),
+    ] = None,
     device: DeviceOpt = None,
     trust_checkpoint: TrustOpt = False,
 ) -> None:
-    """Compare the fast engine with a per-example backward loop; exit 1 above tolerance."""
+    """Compare both engines with a per-example backward loop; exit 1 above tolerance."""
     from .api import check_config
     from .engine.check import render_plan, render_report
 
     cfg = with_overrides(load_config(config), device=device)
-    report = check_config(cfg, examples, trust_checkpoint=trust_checkpoint)
+    report = check_config(
+        cfg, examples, ref=str(ref) if ref else None, trust_checkpoint=trust_checkpoint
+    )
     console.print(render_plan(report.plan))
     console.print(render_report(report))
     if not report.ok:

@@ -39,7 +39,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    path: str
+    path: str | list[str]  # a file, a glob, or a list of them read in order as shards
     targets: str
     inputs: list[str] = field(default_factory=lambda: ["x"])
     ids: str | None = None
@@ -191,6 +191,8 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"'{key}' must be at least 1, got {value}", source)
     if cfg.data.limit is not None and cfg.data.limit < 0:
         raise ConfigError(f"'data.limit' must be positive, got {cfg.data.limit}", source)
+    if cfg.data.path == []:
+        raise ConfigError("'data.path' must name at least one file", source)
     if cfg.model.checkpoints and cfg.model.checkpoint is not None:
         raise ConfigError("set model.checkpoint or model.checkpoints, not both", source)
     weights = [c.weight for c in cfg.model.checkpoints]
@@ -228,7 +230,12 @@ def load_config(path: str | Path) -> Config:
                 dataclasses.replace(c, path=_resolve(c.path, base)) for c in cfg.model.checkpoints
             ],
         ),
-        data=dataclasses.replace(cfg.data, path=_resolve(cfg.data.path, base)),
+        data=dataclasses.replace(
+            cfg.data,
+            path=_resolve(cfg.data.path, base)
+            if isinstance(cfg.data.path, str)
+            else [_resolve(p, base) for p in cfg.data.path],
+        ),
         loss=dataclasses.replace(
             cfg.loss, name=_resolve(loss_name, base) if ".py:" in loss_name else loss_name
         ),

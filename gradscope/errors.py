@@ -6,6 +6,8 @@ from __future__ import annotations
 class GradscopeError(Exception):
     """Something wrong with the user's input, named with where it is (a file, key or module)."""
 
+    exit_code = 2
+
     def __init__(self, what: str, where: str | None = None):
         super().__init__(what)
         self.what = what
@@ -25,3 +27,9 @@ class DataError(GradscopeError):
 
 class ModelError(GradscopeError):
     """A model factory, checkpoint or forward pass that does not fit."""
+
+
+class Interrupted(GradscopeError):
+    """Ctrl-C during a run: the finished batches are kept for ``--resume``."""
+
+    exit_code = 130

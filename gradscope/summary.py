@@ -1,109 +1,148 @@
-"""Outlier tables from a scores frame: top-k by robust z, a one-paragraph summary, per class."""
+"""Outlier tables from a scores file: top-k by robust z, per class, and a one-paragraph summary.
+
+Only the ranked column, `finite` and `target` are held for every row (about 17 bytes a row); the
+other columns are read for the top-k rows alone, row group by row group.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
+import pyarrow.parquet as pq
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from .errors import DataError
+
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 MAX_CLASSES = 100  # above this many distinct targets, the targets are not class labels
+SHOWN = ("example_id", "ref_id", "id", "loss", "grad_norm", "influence", "cosine", "target")
 
 
-def robust_z(values: pd.Series) -> pd.Series:
-    """(x - median) / (1.4826 * MAD) over the finite values; NaN where x is not finite."""
-    finite = values[np.isfinite(values)]
-    median = finite.median()
-    mad = (finite - median).abs().median()
-    scale = MAD_TO_SIGMA * mad if mad > 0 else finite.std()
-    return (values - median) / (scale if scale and scale > 0 else 1.0)
+@dataclass
+class Spread:
+    """Median and MAD of the finite values of a score, and the robust z they define."""
+
+    median: float
+    mad: float
+
+    @classmethod
+    def of(cls, values: np.ndarray) -> Spread:
+        median = float(np.median(values)) if len(values) else float("nan")
+        return cls(median, float(np.median(np.abs(values - median))) if len(values) else 0.0)
+
+    def z(self, values: np.ndarray) -> np.ndarray:
+        """(x - median) / (1.4826 MAD); with MAD 0 (most values equal), x - median itself."""
+        scale = MAD_TO_SIGMA * self.mad
+        return (values - self.median) / (scale if scale > 0 else 1.0)
 
 
-def default_score(frame: pd.DataFrame) -> str:
-    return "influence" if "influence" in frame.columns else "grad_norm"
+def _column(file: pq.ParquetFile, name: str) -> np.ndarray:
+    """One column as a numpy array, read row group by row group."""
+    parts = [
+        file.read_row_group(i, columns=[name]).column(0).to_numpy()
+        for i in range(file.num_row_groups)
+    ]
+    return np.concatenate(parts) if parts else np.empty(0)
 
 
-def top_outliers(frame: pd.DataFrame, score: str, k: int) -> pd.DataFrame:
-    """The k finite rows of largest robust z; by |z| when the score takes both signs (influence)."""
-    rows = frame.loc[frame["finite"]] if "finite" in frame.columns else frame
-    z = robust_z(rows[score])
-    key = z.abs() if (rows[score] < 0).any() else z
-    order = key.sort_values(ascending=False, kind="stable").index[:k]
-    return rows.loc[order].assign(robust_z=z.loc[order])
-
-
-def _is_labels(frame: pd.DataFrame) -> bool:
-    return (
-        "target" in frame.columns
-        and frame["target"].dtype.kind in "iu"
-        and frame["target"].nunique() <= MAX_CLASSES
-    )
-
-
-def per_class(frame: pd.DataFrame, score: str, top: pd.DataFrame) -> pd.DataFrame | None:
-    """count, median score and share of the top-k per class, when targets are class labels."""
-    if not _is_labels(frame):
-        return None
-    grouped = frame.groupby("target")[score]
-    table = pd.DataFrame({"count": grouped.size(), f"median {score}": grouped.median()})
-    table["share of top-k"] = top["target"].value_counts().reindex(table.index, fill_value=0) / max(
-        len(top), 1
-    )
-    return table
+def _rows(file: pq.ParquetFile, positions: np.ndarray, columns: list[str]) -> pd.DataFrame:
+    """The rows at ``positions`` (in that order), reading only the row groups that hold them."""
+    found, start = {}, 0
+    for i in range(file.num_row_groups):
+        stop = start + file.metadata.row_group(i).num_rows
+        inside = positions[(positions >= start) & (positions < stop)]
+        if len(inside):
+            group = file.read_row_group(i, columns=columns).to_pandas()
+            for p in inside:
+                found[int(p)] = group.iloc[int(p) - start]
+        start = stop
+    return pd.DataFrame([found[int(p)] for p in positions], columns=columns)
 
 
 def _fmt(value: object) -> str:
     if isinstance(value, (float, np.floating)):
         return f"{value:.4g}"
+    if isinstance(value, (np.integer, np.bool_)):
+        return str(value.item())
     return str(value)
 
 
-def render(frame: pd.DataFrame, score: str | None = None, k: int = 20) -> Group:
-    """The outlier table, the per-class table and the summary paragraph, ready to print."""
-    score = score or default_score(frame)
-    if score not in frame.columns:
-        from .errors import DataError
+def _is_labels(target: np.ndarray | None) -> bool:
+    return (
+        target is not None and target.dtype.kind in "iu" and len(np.unique(target)) <= MAX_CLASSES
+    )
 
-        raise DataError(
-            f"no column {score!r} to rank by (columns: {', '.join(frame.columns)})", "--by"
+
+def top_positions(values: np.ndarray, ok: np.ndarray, spread: Spread, k: int) -> np.ndarray:
+    """Row positions of the k largest robust z among ``ok`` rows; by |z| for a signed score."""
+    candidates = np.flatnonzero(ok)
+    z = spread.z(values[candidates])
+    key = np.abs(z) if (values[candidates] < 0).any() else z
+    order = np.argsort(-key, kind="stable")[:k]
+    return candidates[order]
+
+
+def per_class(
+    values: np.ndarray, ok: np.ndarray, target: np.ndarray, top: np.ndarray, score: str
+) -> pd.DataFrame:
+    """count, median score (finite rows) and share of the top-k, per class."""
+    labels = np.unique(target)
+    rows = []
+    for label in labels:  # at most MAX_CLASSES: one boolean mask at a time, no frame of all rows
+        member = target == label
+        scored = values[member & ok]
+        median = float(np.median(scored)) if len(scored) else float("nan")
+        rows.append(
+            (int(member.sum()), median, float((target[top] == label).sum()) / max(len(top), 1))
         )
-    top = top_outliers(frame, score, k)
-    shown = [
-        c
-        for c in ("example_id", "id", "loss", "grad_norm", "influence", "cosine", "target")
-        if c in frame
-    ]
+    return pd.DataFrame(rows, index=labels, columns=["count", f"median {score}", "share of top-k"])
+
+
+def summarize(path: str | Path, score: str | None = None, k: int = 20) -> Group:
+    """The outlier table, the per-class table and the summary paragraph of a scores file."""
+    file = pq.ParquetFile(path)
+    names = file.schema_arrow.names
+    score = score or ("influence" if "influence" in names else "grad_norm")
+    if score not in names:
+        raise DataError(f"no column {score!r} to rank by (columns: {', '.join(names)})", "--by")
+    values = _column(file, score).astype(np.float64)
+    ok = np.isfinite(values) & (_column(file, "finite") if "finite" in names else True)
+    target = _column(file, "target") if "target" in names else None
+    spread = Spread.of(values[ok])
+    top = top_positions(values, ok, spread, k)
+
+    shown = [c for c in SHOWN if c in names]
     if score not in shown:
         shown.append(score)
+    rows = _rows(file, top, shown)
     table = Table(
         title=f"top {len(top)} outliers by {score}",
         caption="robust_z = (x - median) / (1.4826 MAD)",
     )
     for column in [*shown, "robust_z"]:
         table.add_column(column, justify="right")
-    for _, row in top.iterrows():
-        table.add_row(*(_fmt(row[c]) for c in [*shown, "robust_z"]))
+    for (_, row), z in zip(rows.iterrows(), spread.z(values[top]), strict=True):
+        table.add_row(*(_fmt(row[c]) for c in shown), _fmt(z))
     parts: list[object] = [table]
-    classes = per_class(frame, score, top)
-    if classes is not None:
+    if _is_labels(target):
+        classes = per_class(values, ok, target, top, score)
         ct = Table(title=f"per class ({score})")
         for column in ["target", *classes.columns]:
             ct.add_column(column, justify="right")
-        for target, row in classes.iterrows():
-            ct.add_row(str(target), str(int(row["count"])), _fmt(row.iloc[1]), f"{row.iloc[2]:.0%}")
+        for label, row in classes.iterrows():
+            ct.add_row(str(label), str(int(row["count"])), _fmt(row.iloc[1]), f"{row.iloc[2]:.0%}")
         parts.append(ct)
-    values = frame[score]
-    finite = values[np.isfinite(values) & frame.get("finite", True)]
-    median = finite.median()
-    mad = (finite - median).abs().median()
-    bad = len(frame) - len(finite)
-    unit = "(example, reference) pairs" if "ref_id" in frame else "examples"
+    unit = "(example, reference) pairs" if "ref_id" in names else "examples"
+    largest = _fmt(values[ok].max()) if ok.any() else "-"
     parts.append(
         Text(
-            f"{len(frame)} {unit}; {score}: median {_fmt(median)}, MAD {_fmt(mad)}, "
-            f"max {_fmt(finite.max())}; {bad} non-finite."
+            f"{len(values)} {unit}; {score}: median {_fmt(spread.median)}, MAD {_fmt(spread.mad)}, "
+            f"max {largest}; {int((~ok).sum())} non-finite."
         )
     )
     return Group(*parts)

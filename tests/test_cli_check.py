@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from project import make_project
 from torch import nn
 from typer.testing import CliRunner
@@ -30,9 +31,10 @@ class Net(nn.Module):
 '''
 
 
-def _errors(output: str) -> dict[str, float]:
-    """module -> relative error, read from the rows of the error table."""
-    rows = output.split("fast engine vs loop")[1].splitlines()
+def _errors(output: str, table: str = "norms") -> dict[str, float]:
+    """module -> relative error, read from the rows of the norms or the influence table."""
+    norms, influence = output.split("\ninfluence")
+    rows = (norms.split("norms, ")[1] if table == "norms" else influence).splitlines()
     cells = [[c.strip() for c in row.split("│")[1:-1]] for row in rows if row.count("│") == 3]
     return {module: float(err) for module, err in cells}
 
@@ -41,12 +43,23 @@ def test_check_passes_and_prints_errors_per_module(tmp_path):
     config = make_project(tmp_path, n=11)
     result = runner.invoke(app, ["check", str(config), "--examples", "5"])
     assert result.exit_code == 0, result.output
-    assert "fast engine vs loop, 5 examples" in result.output
-    assert "relative error" in result.output
+    assert "norms, 5 examples" in result.output
     errors = _errors(result.output)
     assert set(errors) == {"fc1", "fc2", "(all)"}
     assert max(errors.values()) < 1e-4
-    assert "worst relative error" in result.output and ": ok" in result.output
+    influence = _errors(result.output, "influence")
+    assert set(influence) == {"fc1", "fc2", "hooks", "jvp"}
+    assert max(influence.values()) < 1e-4
+    assert "worst error" in result.output and ": ok" in result.output
+
+
+def test_check_influence_against_a_reference_file(tmp_path):
+    config = make_project(tmp_path, n=11)
+    ref = {"x": torch.randn(6, 5), "y": torch.randint(0, 3, (6,))}
+    torch.save(ref, tmp_path / "ref.pt")
+    result = runner.invoke(app, ["check", str(config), "--ref", str(tmp_path / "ref.pt")])
+    assert result.exit_code == 0, result.output
+    assert max(_errors(result.output, "influence").values()) < 1e-4
 
 
 def test_check_shows_the_fallback_in_the_plan(tmp_path):
@@ -70,6 +83,7 @@ def test_wrong_rule_fails_with_exit_1(tmp_path, monkeypatch):
     result = runner.invoke(app, ["check", str(config), "--examples", "3"])
     assert result.exit_code == 1, result.output
     assert min(_errors(result.output).values()) > 1e-2
+    assert _errors(result.output, "influence")["hooks"] > 1e-2
     assert "FAILED" in result.output
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 from rich.console import Group
@@ -27,10 +28,13 @@ class CheckReport:
     errors: dict[str, float]  # module (and TOTAL) -> max|fast - loop| / max|loop| over examples
     examples: int
     tolerance: float
+    # module, "hooks", "jvp" -> influence error in cosine units (engine/influence.influence_errors)
+    influence: dict[str, float] = field(default_factory=dict)
 
     @property
     def worst(self) -> float:
-        return max(self.errors.values())
+        finite = [e for e in self.influence.values() if not math.isnan(e)]  # NaN: jvp cannot run
+        return max([*self.errors.values(), *finite])
 
     @property
     def ok(self) -> bool:
@@ -77,16 +81,29 @@ def render_plan(plan: Plan) -> Table:
     return table
 
 
-def render_report(report: CheckReport) -> Group:
-    table = Table()
+def _error_table(title: str, errors: dict[str, float], tolerance: float) -> Table:
+    table = Table(title=title, title_justify="left")
     table.add_column("module")
     table.add_column("relative error", justify="right")
-    for module, err in report.errors.items():
-        table.add_row(module, f"{err:.2e}", style="" if err <= report.tolerance else "bold red")
+    for module, err in errors.items():
+        table.add_row(module, f"{err:.2e}", style="" if not err > tolerance else "bold red")
+    return table
+
+
+def render_report(report: CheckReport) -> Group:
+    parts: list[object] = [
+        _error_table(f"norms, {report.examples} examples", report.errors, report.tolerance)
+    ]
+    explain = "norms: max|fast - loop| / max|loop|."
+    if report.influence:
+        parts.append(_error_table("influence", report.influence, report.tolerance))
+        explain += (
+            " influence: max|fast - loop| / (||g_i|| ||g_ref||), per module through the hook"
+            " engine, then each engine overall (nan: forward mode cannot run this model)."
+        )
     verdict = "ok" if report.ok else "FAILED"
-    return Group(
-        f"fast engine vs loop, {report.examples} examples: "
-        "max|fast - loop| / max|loop| of the gradient norms",
-        table,
-        f"worst relative error {report.worst:.2e} (tolerance {report.tolerance:g}): {verdict}",
-    )
+    parts += [
+        explain,
+        f"worst error {report.worst:.2e} (tolerance {report.tolerance:g}): {verdict}",
+    ]
+    return Group(*parts)

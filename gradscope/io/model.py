@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.util
+import os
 import pickle
 import sys
 from pathlib import Path
@@ -51,6 +53,13 @@ def import_object(spec: str, key: str) -> Any:
 
 
 def file_sha256(path: str | Path) -> str:
+    """The file's sha256, hashed once per version of the file (a run asks more than once)."""
+    stat = os.stat(path)
+    return _sha256(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

@@ -1,53 +1,105 @@
-"""Scores to Parquet: schema declared up front, one row group per batch, moved into place at the end."""
+"""Scores to Parquet: one part file per batch in a partial folder, assembled into place at the end.
+
+A run writes ``.NAME.partial/``: ``manifest.json`` (what is being computed, for ``--resume``) and
+``part-<batch>.parquet``, each written under a temporary name and renamed when complete, so a run
+killed at any instant (kill -9 included) leaves only whole parts behind. Assembly copies the parts
+in batch order, one row group each, into ``NAME``; a file at ``NAME`` is always a finished run.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from torch import Tensor
+
+from ..errors import DataError
 
 METADATA_KEY = b"gradscope"
+MANIFEST = "manifest.json"
 
 
 def partial_path(path: str | Path) -> Path:
-    """Where a run writes until it completes; a file at ``path`` is always a finished run."""
+    """Where a run writes until it completes."""
     path = Path(path)
     return path.with_name(f".{path.name}.partial")
 
 
-class ScoreWriter:
-    """Writes batches of scores as row groups to a temporary file, renamed over ``path`` on success.
+def arrow_type(values: np.ndarray | Tensor) -> pa.DataType:
+    dtype = values.numpy().dtype if isinstance(values, Tensor) else values.dtype
+    return pa.string() if dtype.kind in "OUS" else pa.from_numpy_dtype(dtype)
 
-    On an exception the partial file is left where it is, and ``path`` is not touched.
-    """
 
-    def __init__(self, path: str | Path, schema: pa.Schema, metadata: dict[str, Any]):
+def _replace_atomically(path: Path, write: Any) -> None:
+    """``write(tmp)`` then rename over ``path``: readers see the old file or the whole new one."""
+    tmp = path.with_name(f"{path.name}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+class PartialRun:
+    """The partial folder of the run that writes ``path``."""
+
+    def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.tmp = partial_path(self.path)
-        self.schema = schema.with_metadata({METADATA_KEY: json.dumps(metadata, default=str)})
-        self.rows = 0
-        self._writer: pq.ParquetWriter | None = None
+        self.dir = partial_path(self.path)
 
-    def __enter__(self) -> ScoreWriter:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._writer = pq.ParquetWriter(self.tmp, self.schema)
-        return self
+    def manifest(self) -> dict[str, Any] | None:
+        """What the partial run computes, or None when there is no partial run to continue."""
+        try:
+            return json.loads((self.dir / MANIFEST).read_text())
+        except (OSError, json.JSONDecodeError):
+            return None  # no run, or one killed before its first part: nothing to keep
 
-    def write(self, columns: dict[str, Any]) -> None:
-        batch = pa.record_batch(
-            [pa.array(columns[f.name], type=f.type) for f in self.schema], schema=self.schema
+    def start(self, manifest: dict[str, Any]) -> None:
+        """Begin afresh: any earlier partial state is removed."""
+        if self.dir.is_file():  # left by the earlier single-file writer
+            self.dir.unlink()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir.mkdir(parents=True)
+        _replace_atomically(
+            self.dir / MANIFEST, lambda tmp: tmp.write_text(json.dumps(manifest, default=str))
         )
-        self._writer.write_batch(batch)
-        self.rows += batch.num_rows
 
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self._writer.close()
-        if exc_type is None:
-            os.replace(self.tmp, self.path)
+    def done(self) -> set[int]:
+        """The batch numbers whose parts are complete."""
+        return {int(p.name[5:-8]) for p in self.dir.glob("part-*.parquet")}
+
+    def _part(self, number: int) -> Path:
+        return self.dir / f"part-{number:09d}.parquet"
+
+    def write(self, number: int, columns: dict[str, Any]) -> None:
+        """Batch ``number``'s rows as one complete part file."""
+        table = pa.table({name: pa.array(v, type=arrow_type(v)) for name, v in columns.items()})
+        _replace_atomically(self._part(number), lambda tmp: pq.write_table(table, tmp))
+
+    def assemble(self, parts: int) -> Path:
+        """Parts ``0 .. parts-1`` in order, one row group each, into ``path``; the folder goes."""
+        missing = sorted(set(range(parts)) - self.done())
+        if missing:
+            raise DataError(
+                f"the partial run lacks batch {missing[0]}; run again without --resume",
+                str(self.dir),
+            )
+        metadata = json.loads((self.dir / MANIFEST).read_text())["metadata"]
+        first = pq.read_schema(self._part(0))
+        schema = first.with_metadata({METADATA_KEY: json.dumps(metadata, default=str)})
+
+        tmp = self.dir / "assembled.parquet.tmp"
+        with pq.ParquetWriter(tmp, schema) as writer:
+            for number in range(parts):
+                # one part's column may read back as another type (an all-null id column)
+                writer.write_table(pq.read_table(self._part(number)).cast(schema))
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, self.path)
+        shutil.rmtree(self.dir)
+        return self.path
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:

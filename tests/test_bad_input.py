@@ -1,0 +1,230 @@
+"""Every user-fixable mistake ends with exit status 2 and one line naming what is at fault."""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from project import make_project
+from typer.testing import CliRunner
+
+from gradscope.cli import app
+
+runner = CliRunner()
+
+
+def edit_config(root: Path, change: Callable[[dict], None]) -> None:
+    config = root / "config.yaml"
+    raw = yaml.safe_load(config.read_text())
+    change(raw)
+    config.write_text(yaml.safe_dump(raw))
+
+
+def edit_checkpoint(root: Path, change: Callable[[dict], None]) -> None:
+    state = torch.load(root / "net.pt")
+    change(state)
+    torch.save(state, root / "net.pt")
+
+
+def edit_data(root: Path, change: Callable[[dict], None]) -> None:
+    data = torch.load(root / "data.pt")
+    change(data)
+    torch.save(data, root / "data.pt")
+
+
+class Marker:
+    """A pickle that touches a file when loaded: loading must not run it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return pathlib.Path.touch, (self.path,)
+
+
+EMPTY_ITERABLE = """
+
+class Empty(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(())
+
+
+def nothing():
+    return Empty()
+"""
+
+# (id, how to spoil the project, extra arguments, start of the error line, text it must name)
+CASES = [
+    (
+        "missing-config",
+        lambda r: (r / "config.yaml").unlink(),
+        [],
+        "config file not found",
+        "config.yaml",
+    ),
+    (
+        "malformed-yaml",
+        lambda r: (r / "config.yaml").write_text("model: [unclosed\ndata: {}\n"),
+        [],
+        "malformed YAML",
+        "config.yaml, line",
+    ),
+    (
+        "unknown-key",
+        lambda r: edit_config(r, lambda c: c["data"].update(batchsize=3)),
+        [],
+        "unknown key 'data.batchsize'",
+        "config.yaml",
+    ),
+    (
+        "wrong-type",
+        lambda r: edit_config(r, lambda c: c["data"].update(batch_size="big")),
+        [],
+        "'data.batch_size' must be an integer",
+        "config.yaml",
+    ),
+    (
+        "missing-checkpoint",
+        lambda r: (r / "net.pt").unlink(),
+        [],
+        "checkpoint not found",
+        "net.pt",
+    ),
+    ("missing-data", lambda r: (r / "data.pt").unlink(), [], "data file not found", "data.pt"),
+    (
+        "checkpoint-keys",
+        lambda r: edit_checkpoint(r, lambda s: s.update({"fc3.weight": torch.zeros(1)})),
+        [],
+        "checkpoint does not fit the model: unexpected fc3.weight",
+        "net.pt",
+    ),
+    (
+        "checkpoint-shapes",
+        lambda r: edit_checkpoint(r, lambda s: s.update({"fc1.bias": torch.zeros(9)})),
+        [],
+        "checkpoint does not fit the model: fc1.bias has shape (9,), the model expects (8,)",
+        "net.pt",
+    ),
+    (
+        "no-inputs-column",
+        lambda r: edit_config(r, lambda c: c["data"].update(inputs="features")),
+        [],
+        "no column 'features' for data.inputs (columns: x, y, name)",
+        "data.pt",
+    ),
+    (
+        "no-targets-column",
+        lambda r: edit_config(r, lambda c: c["data"].update(targets="label")),
+        [],
+        "no column 'label' for data.targets",
+        "data.pt",
+    ),
+    (
+        "inputs-the-model-cannot-take",
+        lambda r: edit_data(r, lambda d: d.update(x=torch.randn(len(d["y"]), 6))),
+        [],
+        "the model cannot take inputs of shape (4, 6)",
+        "data.inputs",
+    ),
+    (
+        "unknown-loss",
+        lambda r: edit_config(r, lambda c: c.update(loss={"name": "hinge"})),
+        [],
+        "'loss.name' must be one of",
+        "hinge",
+    ),
+    (
+        "empty-dataset",
+        lambda r: edit_data(r, lambda d: d.update({k: v[:0] for k, v in d.items()})),
+        [],
+        "the dataset is empty",
+        "data.pt",
+    ),
+    (
+        "empty-iterable-dataset",  # its emptiness shows only once it has been read
+        lambda r: edit_config(r, lambda c: c["data"].update(path="model.py:nothing")),
+        [],
+        "the dataset is empty",
+        "model.py:nothing",
+    ),
+    (
+        "cuda-without-cuda",
+        lambda r: None,
+        ["--device", "cuda"],
+        "device 'cuda' asked for, but CUDA is not available here",
+        "device",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("spoil", "args", "message", "names"),
+    [pytest.param(*case[1:], id=case[0]) for case in CASES],
+)
+def test_exit_2_with_one_line(tmp_path, spoil, args, message, names):
+    if "--device" in args and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    config = make_project(tmp_path)
+    with (tmp_path / "model.py").open("a") as f:
+        f.write(EMPTY_ITERABLE)
+    spoil(tmp_path)
+    result = runner.invoke(app, ["norms", str(config), *args])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: {message}"), lines[0]
+    assert names in lines[0]
+    assert "Traceback" not in result.output
+    assert not list(tmp_path.glob("*.parquet")) and not list(tmp_path.glob(".*.partial"))
+
+
+def test_pickled_checkpoint_is_refused_without_running_it(tmp_path):
+    config = make_project(tmp_path)
+    marker = tmp_path / "ran"
+    torch.save({"fc1.weight": Marker(marker)}, tmp_path / "net.pt")
+    result = runner.invoke(app, ["norms", str(config)])
+    assert result.exit_code == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "weights_only=True" in line and "--trust-checkpoint" in line and "net.pt" in line
+    assert not marker.exists()
+    # trusted, the pickle runs (and its result, not being a tensor, still does not fit)
+    result = runner.invoke(app, ["norms", str(config), "--trust-checkpoint"])
+    assert result.exit_code == 2
+    assert marker.exists()
+
+
+def test_nonfinite_example_is_flagged_and_the_rest_unchanged(tmp_path):
+    import pandas as pd
+
+    config = make_project(tmp_path, n=10)
+    data = torch.load(tmp_path / "data.pt")
+    clean = {k: torch.cat([v[:5], v[6:]]) for k, v in data.items()}
+    data["x"][5, 2] = float("nan")
+    torch.save(data, tmp_path / "data.pt")
+    assert (
+        runner.invoke(app, ["norms", str(config), "--out", str(tmp_path / "bad.parquet")]).exit_code
+        == 0
+    )
+    torch.save(clean, tmp_path / "data.pt")
+    assert (
+        runner.invoke(app, ["norms", str(config), "--out", str(tmp_path / "ok.parquet")]).exit_code
+        == 0
+    )
+    bad, ok = pd.read_parquet(tmp_path / "bad.parquet"), pd.read_parquet(tmp_path / "ok.parquet")
+    assert bad["finite"].tolist() == [True] * 5 + [False] + [True] * 4
+    kept = bad.drop(index=5).reset_index(drop=True)
+    pd.testing.assert_frame_equal(
+        kept[["loss", "grad_norm", "target"]], ok[["loss", "grad_norm", "target"]], rtol=1e-6
+    )
+
+
+def test_missing_ref_file(tmp_path):
+    config = make_project(tmp_path)
+    result = runner.invoke(app, ["influence", str(config), "--ref", str(tmp_path / "nope.pt")])
+    assert result.exit_code == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: data file not found") and "nope.pt" in line

@@ -1,0 +1,121 @@
+"""torchrun: ranks share the batches without duplicates or padding, and rank 0 writes one file."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+from project import make_project
+
+from gradscope.api import influence_dataset, norms_columns, score_dataset
+from gradscope.config import load_config
+from gradscope.distributed import World, broadcast_tensors
+from gradscope.errors import Interrupted
+
+
+@pytest.mark.parametrize(("total", "size"), [(23, 2), (23, 3), (8, 4), (3, 4), (1, 2)])
+def test_ranks_cover_every_row_once(total, size):
+    batch_size = 4
+    batches = -(-total // batch_size)
+    owners = [[r for r in range(size) if World(r, size).owns(b)] for b in range(batches)]
+    assert all(len(o) == 1 for o in owners)
+    assert sum(World(r, size).rows(total, batch_size) for r in range(size)) == total
+    assert World(1, size).rows(None, batch_size) is None
+
+
+def test_device_per_rank():
+    assert World(1, 2, local_rank=1).device("cpu") == "cpu"
+    assert World(0, 1).device("auto") == "auto"  # one process: the config decides
+    expected = "cuda:1" if torch.cuda.is_available() else "cpu"
+    assert World(1, 2, local_rank=1).device("auto") == expected
+
+
+def test_broadcast_in_one_process_is_the_identity():
+    t = torch.arange(3.0)
+    assert broadcast_tensors({"w": t})["w"] is t
+
+
+def torchrun(config, *args) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+         "-m", "gradscope", "norms", str(config), *args],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_torchrun_two_processes_equal_one(tmp_path):
+    config = make_project(tmp_path, n=23, data__ids="name")
+    one = pd.read_parquet(score_dataset(load_config(config)))
+    out = tmp_path / "two.parquet"
+    run = torchrun(config, "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("wrote ") == 1  # only rank 0 reports
+    pd.testing.assert_frame_equal(pd.read_parquet(out), one)
+
+
+@pytest.mark.slow
+def test_one_process_run_resumed_by_two(tmp_path):
+    config = make_project(tmp_path, n=23)
+    cfg = load_config(config)
+    whole = pd.read_parquet(score_dataset(cfg))
+    (tmp_path / "scores.parquet").unlink()
+
+    def interrupted(job, batch):
+        if int(batch.index[0]) == 12:
+            raise KeyboardInterrupt
+        return norms_columns(job, batch)
+
+    with pytest.raises(Interrupted):
+        score_dataset(cfg, score_batch=interrupted)
+    run = torchrun(config, "--resume")
+    assert run.returncode == 0, run.stderr[-3000:]
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "scores.parquet"), whole)
+
+
+BROADCAST = """
+import sys
+import torch
+from gradscope import distributed
+
+with distributed.session() as world:
+    mine = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.tensor([7], dtype=torch.int64)}
+    got = distributed.broadcast_tensors(mine if world.main else None)
+    torch.save(got, f"{sys.argv[1]}/rank{world.rank}.pt")
+"""
+
+
+@pytest.mark.slow
+def test_broadcast_tensors_between_two_processes(tmp_path):
+    (tmp_path / "bcast.py").write_text(BROADCAST)
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+         str(tmp_path / "bcast.py"), str(tmp_path)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert list(got) == ["a", "b"]
+        a, b = got["a"], got["b"]
+        torch.testing.assert_close(a, torch.arange(6.0).reshape(2, 3))
+        assert b.dtype == torch.int64 and b.tolist() == [7]
+
+
+@pytest.mark.slow
+def test_torchrun_influence_equals_one_process(tmp_path):
+    config = make_project(tmp_path, n=23)
+    ref = tmp_path / "ref.pt"
+    torch.save({"x": torch.randn(5, 5), "y": torch.randint(0, 3, (5,))}, ref)
+    one = pd.read_parquet(influence_dataset(load_config(config), ref))
+    out = tmp_path / "two.parquet"
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+         "-m", "gradscope", "influence", str(config), "--ref", str(ref), "--out", str(out)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    pd.testing.assert_frame_equal(pd.read_parquet(out), one)

@@ -1,0 +1,169 @@
+"""Interrupted runs: Ctrl-C and kill -9 leave whole parts behind, and --resume completes the file."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+import torch
+from project import make_project
+
+from gradscope.api import influence_dataset, norms_columns, score_dataset
+from gradscope.config import load_config
+from gradscope.errors import ConfigError, Interrupted
+from gradscope.io.parquet import partial_path, read_metadata
+
+SLOW_MODEL = """
+import os
+import time
+
+from model import Net
+
+
+class SlowNet(Net):
+    def forward(self, x):
+        time.sleep(float(os.environ.get("SLOW", 0)))
+        return super().forward(x)
+"""
+
+
+def interrupt_at(stop: int):
+    """A scorer that is interrupted (as by Ctrl-C) when it reaches batch ``stop``."""
+    seen = []
+
+    def score(job, batch):
+        if len(seen) == stop:
+            raise KeyboardInterrupt
+        seen.append(int(batch.index[0]))
+        return norms_columns(job, batch)
+
+    return score
+
+
+def finished(config, out):
+    cfg = load_config(config)
+    return score_dataset(
+        dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, path=str(out)))
+    )
+
+
+def test_resume_after_interrupt_equals_uninterrupted(tmp_path):
+    config = make_project(tmp_path, n=23, data__ids="name")
+    cfg = load_config(config)
+    with pytest.raises(Interrupted, match="3 examples saved|12 examples saved"):
+        score_dataset(cfg, score_batch=interrupt_at(3))
+    out = tmp_path / "scores.parquet"
+    assert not out.exists() and len(list(partial_path(out).glob("part-*.parquet"))) == 3
+    (partial_path(out) / "part-000000004.parquet.tmp").write_bytes(b"torn")  # killed mid-write
+    rescored = []
+    score_dataset(
+        cfg, resume=True, score_batch=lambda j, b: rescored.append(1) or norms_columns(j, b)
+    )
+    assert len(rescored) == 3  # batches 3, 4, 5 of 6
+    assert not partial_path(out).exists()
+    expected = finished(config, tmp_path / "whole.parquet")
+    pd.testing.assert_frame_equal(pd.read_parquet(out), pd.read_parquet(expected), check_exact=True)
+    assert read_metadata(out) == read_metadata(expected) | {"config": read_metadata(out)["config"]}
+
+
+@pytest.mark.parametrize("change", ["batch_size", "checkpoint"])
+def test_resume_with_another_config_or_checkpoint_is_refused(tmp_path, change):
+    config = make_project(tmp_path, n=23)
+    cfg = load_config(config)
+    with pytest.raises(Interrupted):
+        score_dataset(cfg, score_batch=interrupt_at(2))
+    if change == "batch_size":
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=5))
+        message = r"had a different config\.data\.batch_size"
+    else:
+        state = torch.load(tmp_path / "net.pt")
+        state["fc1.bias"] += 1
+        torch.save(state, tmp_path / "net.pt")
+        message = "had a different checkpoint_sha256"
+    with pytest.raises(ConfigError, match=message):
+        score_dataset(cfg, resume=True)
+    score_dataset(cfg)  # without --resume: starts over
+    assert len(pd.read_parquet(tmp_path / "scores.parquet")) == 23
+
+
+def launch(config, *args, slow=0.05):
+    """``python -m gradscope norms`` in a subprocess, each forward ``slow`` seconds long."""
+    env = {**os.environ, "SLOW": str(slow), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "gradscope", "norms", str(config), "--batch-size", "2", *args],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def wait_for_parts(out, n: int, proc) -> None:
+    deadline = time.monotonic() + 60
+    while len(list(partial_path(out).glob("part-*.parquet"))) < n:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_ctrl_c_then_kill_9_then_resume(tmp_path):
+    config = make_project(tmp_path, n=40, model__factory="slow.py:SlowNet")
+    (tmp_path / "slow.py").write_text(SLOW_MODEL)
+    out = tmp_path / "scores.parquet"
+    proc = launch(config)
+    wait_for_parts(out, 3, proc)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    (line,) = stderr.strip().splitlines()
+    assert line.startswith("error: interrupted with") and "--resume" in line, stderr
+    proc = launch(config, "--resume")
+    wait_for_parts(out, 8, proc)
+    proc.kill()  # SIGKILL: no clean-up at all
+    proc.wait(timeout=30)
+    assert not out.exists()
+    cfg = load_config(config)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=2))
+    score_dataset(cfg, resume=True)
+    whole = score_dataset(
+        dataclasses.replace(
+            cfg, output=dataclasses.replace(cfg.output, path=str(tmp_path / "whole.parquet"))
+        )
+    )
+    pd.testing.assert_frame_equal(pd.read_parquet(out), pd.read_parquet(whole))
+
+
+def stop_after(batches: int):
+    """An on_batch callback interrupted (as by Ctrl-C) once ``batches`` batches are saved."""
+    seen = []
+
+    def on_batch(n: int) -> None:
+        seen.append(n)
+        if len(seen) == batches:
+            raise KeyboardInterrupt
+
+    return on_batch
+
+
+def test_influence_resume_equals_uninterrupted_and_needs_the_same_ref(tmp_path):
+    config = make_project(tmp_path, n=23)
+    torch.save({"x": torch.randn(3, 5), "y": torch.randint(0, 3, (3,))}, tmp_path / "ref.pt")
+    cfg = load_config(config)
+    ref = tmp_path / "ref.pt"
+    with pytest.raises(Interrupted):
+        influence_dataset(cfg, ref, on_batch=stop_after(2))
+    torch.save({"x": torch.randn(3, 5), "y": torch.randint(0, 3, (3,))}, tmp_path / "ref2.pt")
+    with pytest.raises(ConfigError, match="had a different ref_sha256"):
+        influence_dataset(cfg, tmp_path / "ref2.pt", resume=True)
+    out = influence_dataset(cfg, ref, resume=True)
+    whole = influence_dataset(
+        dataclasses.replace(
+            cfg, output=dataclasses.replace(cfg.output, path=str(tmp_path / "w.parquet"))
+        ),
+        ref,
+    )
+    pd.testing.assert_frame_equal(pd.read_parquet(out), pd.read_parquet(whole), check_exact=True)
+    assert read_metadata(out)["influence"] == read_metadata(whole)["influence"]
