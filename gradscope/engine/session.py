@@ -128,9 +128,9 @@ class HookSession:
             or call.output.dim() <= call.batch_dim
             or call.output.shape[call.batch_dim] != batch
         }
-        if probe is None:
-            return shared
         keyed = [(key, c) for key, calls in self.calls.items() if key not in shared for c in calls]
+        if probe is None or not keyed:  # nothing left for the probe to ask about
+            return shared
         grads = torch.autograd.grad(
             probe, [c.output for _, c in keyed], allow_unused=True, retain_graph=True
         )

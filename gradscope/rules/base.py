@@ -29,6 +29,11 @@ def _acc(t: Tensor) -> Tensor:
     return t.to(accumulation_dtype(t.dtype))
 
 
+def _sq_norm(t: Tensor, dim: int | tuple[int, ...]) -> Tensor:
+    """Squared L2 norm over ``dim``: one fused reduction, no squared copy of ``t`` in memory."""
+    return torch.linalg.vector_norm(t, dim=dim).square()
+
+
 class Contribution(ABC):
     """One parameter's per-example gradient, (B, *shape), kept in whatever form is cheapest."""
 
@@ -59,7 +64,7 @@ class Dense(Contribution):
         self.shape = grads.shape[1:]
 
     def norm_sq(self) -> Tensor:
-        return self.grads.flatten(1).pow(2).sum(1)
+        return _sq_norm(self.grads.flatten(1), 1)
 
     def inner(self, refs: Tensor) -> Tensor:
         return self.grads.flatten(1) @ refs.to(self.grads.dtype).flatten(1).T  # (B, P) @ (P, K)
@@ -98,10 +103,10 @@ class Outer(Contribution):
     def norm_sq(self) -> Tensor:
         b, g, t, o, i = self.dims
         if t == 1:  # ||s a^T||^2 = ||s||^2 ||a||^2
-            return (self.s.pow(2).sum(-1) * self.a.pow(2).sum(-1)).sum((1, 2))
+            return (_sq_norm(self.s, -1) * _sq_norm(self.a, -1)).sum((1, 2))
         if t * (i + o) < i * o:  # the (T, T) Gram matrices cost less than forming G
             return self._gram_norm_sq()
-        return torch.cat([m.flatten(1).pow(2).sum(1) for m in self._materialized_chunks()])
+        return torch.cat([_sq_norm(m.flatten(1), 1) for m in self._materialized_chunks()])
 
     def _gram_norm_sq(self) -> Tensor:
         """sum_{t,t'} (a_t . a_t')(s_t . s_t'), in (c, c) blocks so no (T, T) matrix is needed."""
