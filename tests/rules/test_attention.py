@@ -149,6 +149,9 @@ def classes(out: Tensor) -> Tensor:
 CASES = [
     Case("self-batch-first", attend(self_attn()), lengths_input, like),
     Case("self-seq-first", attend(self_attn(), batch_first=False), lengths_input, like),
+    # L == B: only the probe can tell positions from examples, and it must look along dim 1
+    Case("self-seq-first-l-equals-b", attend(self_attn(), batch_first=False), lengths_input, like,
+         batch=L),
     Case("self-batch-1", attend(self_attn()), lengths_input, like, batch=1),
     Case("causal-float", attend(lambda attn, h, k, v, n: attn(
         h, h, h, attn_mask=causal(L, h.dtype))[0]), lengths_input, like),
