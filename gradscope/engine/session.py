@@ -81,7 +81,7 @@ class HookSession:
 
         n = next((i for i, a in enumerate(args) if not isinstance(a, Tensor)), len(args))
         inputs = tuple(keep(a) for a in args[:n])
-        # positional arguments after the tensors, by name (the call left the later ones out)
+        # positional arguments after the leading tensors, named as the forward names them
         names = _positional_names(type(module))[n:]
         named = {**dict(zip(names, args[n:], strict=False)), **kwargs}
         named = {k: keep(v) if isinstance(v, Tensor) else v for k, v in named.items()}
