@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import ModelError
-from .base import Contribution, Dense, Outer, register_rule
+from .base import Contribution, Dense, Outer, _acc, register_rule
 
 _Conv = nn.Conv1d | nn.Conv2d | nn.Conv3d
 
@@ -36,6 +37,31 @@ def unfold(module: _Conv, x: Tensor) -> Tensor:
     return x.reshape(b, g, math.prod(x.shape[2 : 2 + n]), -1)  # (B, G, T, C/G * prod(k))
 
 
+def per_example_weight_grads(module: _Conv, x: Tensor, grad_output: Tensor) -> Tensor:
+    """(B, *weight.shape): each example's weight gradient, from ONE convolution backward with the
+    examples folded into the groups, so no patch matrix is formed."""
+    b, n = x.shape[0], len(module.kernel_size)
+    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    x = _acc(F.pad(x, module._reversed_padding_repeated_twice, mode=mode))  # padded as forward does
+    x = x.reshape(1, -1, *x.shape[2:])  # (1, B*C, *padded): example i is groups i*G .. i*G+G-1
+    s = _acc(grad_output).reshape(1, -1, *grad_output.shape[2:])  # (1, B*out, *L)
+    # the weight's values only reach the input gradient, which is not asked for: a zero will do
+    _, grads, _ = torch.ops.aten.convolution_backward(
+        s,
+        x,
+        x.new_zeros(()).expand(b * module.out_channels, *module.weight.shape[1:]),
+        None,
+        module.stride,
+        [0] * n,
+        module.dilation,
+        False,
+        [0] * n,
+        b * module.groups,
+        [False, True, False],
+    )
+    return grads.view(b, *module.weight.shape)  # (B*out, in/G, *k) -> (B, out, in/G, *k)
+
+
 @register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d, name="conv")
 def conv(module: _Conv, inputs: tuple[Tensor, ...], grad_output: Tensor) -> dict[str, Contribution]:
     n = len(module.kernel_size)
@@ -46,10 +72,15 @@ def conv(module: _Conv, inputs: tuple[Tensor, ...], grad_output: Tensor) -> dict
             "model",
         )
     b, g = grad_output.shape[0], module.groups
-    a = unfold(module, inputs[0])  # (B, G, T, in/G * prod(k))
-    s = grad_output.reshape(b, g, module.out_channels // g, -1)  # (B, G, out/G, T)
-    s = s.transpose(-1, -2)  # (B, G, T, out/G)
-    out: dict[str, Contribution] = {"weight": Outer(s, a, module.weight.shape)}
+    t = math.prod(grad_output.shape[2:])
+    i, o = module.weight[0].numel(), module.out_channels // g  # in/G * prod(k), out/G
+    out: dict[str, Contribution] = {}
+    if t * (i + o) < i * o:  # few positions: the Gram of the patches, no per-example gradient
+        a = unfold(module, inputs[0])  # (B, G, T, in/G * prod(k))
+        s = grad_output.reshape(b, g, o, t).transpose(-1, -2)  # (B, G, T, out/G)
+        out["weight"] = Outer(s, a, module.weight.shape)
+    else:  # forming the gradients costs less, and the convolution backward does it fastest
+        out["weight"] = Dense(per_example_weight_grads(module, inputs[0], grad_output))
     if module.bias is not None:
         out["bias"] = Dense(grad_output.flatten(2).sum(2))  # (B, out)
     return out
