@@ -264,14 +264,10 @@ def test_jvp_falls_back_to_hooks_when_an_op_lacks_forward_mode() -> None:
 
 
 def test_jvp_takes_the_composite_path_of_fused_attention() -> None:
-    # the attention's own parameters are excluded: no rule serves them on this branch's engine
     case = Case("mha", Attention, lambda b: (torch.randn(b, 5, 4),), _labels(3), "cross_entropy")
     model, inputs, targets, refs = _refs(case)
-    exclude = ("att.*",)
-    expected, g_norm, r_norm = reference_influence(
-        model, inputs, targets, refs, case.loss, exclude=exclude
-    )
-    plan = build_plan(model, ("*",), exclude)
+    expected, g_norm, r_norm = reference_influence(model, inputs, targets, refs, case.loss)
+    plan = build_plan(model)
     core = Engine(model, resolve_loss(case.loss), plan)
     with prepared(model, plan):
         scorer = Influence(core, reference_gradients(core, [refs]), "jvp", norms=False)
