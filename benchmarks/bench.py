@@ -18,7 +18,6 @@ import copy
 import ctypes
 import gc
 import importlib.metadata
-import inspect
 import json
 import os
 import platform
@@ -37,7 +36,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import gradscope
-from gradscope.errors import ModelError
 from gradscope.losses import resolve_loss
 
 # An answer further than this from the loop's (max |a - e| / max |e|) is reported as wrong.
@@ -442,20 +440,9 @@ def backpack_l2(pb: Problem) -> Step:
     return step
 
 
-def _gradscope(fn: Callable[[], Tensor]) -> Tensor:
-    try:
-        return fn()
-    except ModelError as e:
-        if "no rule yet" in str(e):
-            raise Skip("unsupported (yet)", str(e)) from e
-        raise
-
-
 def gradscope_norms(pb: Problem) -> Step:
     def step() -> Tensor:
-        return _gradscope(
-            lambda: gradscope.per_example_norms(pb.model, pb.inputs, pb.targets, loss=pb.loss)
-        )
+        return gradscope.per_example_norms(pb.model, pb.inputs, pb.targets, loss=pb.loss)
 
     return step
 
@@ -464,23 +451,15 @@ def gradscope_influence(engine: str) -> Callable[[Problem], Step]:
     """gradscope's influence with one engine: ``hooks`` (ghost inner products) or ``jvp``."""
 
     def setup(pb: Problem) -> Step:
-        fn = getattr(gradscope, "per_example_influence", None)
-        if fn is None:
-            raise Skip("not available", "gradscope.per_example_influence is not in this version")
-        if "engine" not in inspect.signature(fn).parameters:
-            raise Skip("not available", "per_example_influence takes no engine= yet")
-
         def step() -> Tensor:
-            return _gradscope(
-                lambda: fn(
-                    pb.model,
-                    pb.inputs,
-                    pb.targets,
-                    pb.ref_inputs,
-                    pb.ref_targets,
-                    loss=pb.loss,
-                    engine=engine,
-                )
+            return gradscope.per_example_influence(
+                pb.model,
+                pb.inputs,
+                pb.targets,
+                pb.ref_inputs,
+                pb.ref_targets,
+                loss=pb.loss,
+                engine=engine,
             )
 
         return step
@@ -513,7 +492,7 @@ METHODS = {
 class Result:
     workload: str
     method: str  # a METHODS key
-    status: str = "ok"  # ok | wrong | missing | not available | unsupported (yet) | fails
+    status: str = "ok"  # ok | wrong | missing | fails
     note: str = ""
     time_s: float | None = None
     mem_bytes: int | None = None
