@@ -248,32 +248,31 @@ def test_precondition_mismatch_is_named() -> None:
         adam_denominator(sgd, core, "sgd.pt")
 
 
+def _jvp_scorer(case: Case) -> Influence:
+    """The jvp scorer run once on ``case``, its inner products checked against the loop."""
+    model, inputs, targets, refs = _refs(case)
+    expected, g_norm, r_norm = reference_influence(model, inputs, targets, refs, case.loss)
+    plan = build_plan(model)
+    core = Engine(model, resolve_loss(case.loss), plan)
+    with prepared(model, plan):
+        scorer = Influence(core, reference_gradients(core, [refs]), "jvp", norms=False)
+        scores = scorer(inputs, targets)
+    assert_cosine_close(scores.inner, expected, g_norm, r_norm)
+    return scorer
+
+
 def test_jvp_falls_back_to_hooks_when_an_op_lacks_forward_mode() -> None:
     case = Case(
         "no-fwd", NoForwardMode, lambda b: (torch.randn(b, 3),), _labels(3), "cross_entropy"
     )
-    model, inputs, targets, refs = _refs(case)
-    expected, g_norm, r_norm = reference_influence(model, inputs, targets, refs, case.loss)
-    plan = build_plan(model)
-    core = Engine(model, resolve_loss(case.loss), plan)
-    with prepared(model, plan):
-        scorer = Influence(core, reference_gradients(core, [refs]), "jvp", norms=False)
-        scores = scorer(inputs, targets)
+    scorer = _jvp_scorer(case)
     assert scorer.method == "hooks" and "implement the jvp function" in scorer.note
-    assert_cosine_close(scores.inner, expected, g_norm, r_norm)
 
 
 def test_jvp_takes_the_composite_path_of_fused_attention() -> None:
     case = Case("mha", Attention, lambda b: (torch.randn(b, 5, 4),), _labels(3), "cross_entropy")
-    model, inputs, targets, refs = _refs(case)
-    expected, g_norm, r_norm = reference_influence(model, inputs, targets, refs, case.loss)
-    plan = build_plan(model)
-    core = Engine(model, resolve_loss(case.loss), plan)
-    with prepared(model, plan):
-        scorer = Influence(core, reference_gradients(core, [refs]), "jvp", norms=False)
-        scores = scorer(inputs, targets)
+    scorer = _jvp_scorer(case)
     assert scorer.method == "jvp" and "autograd recording" in scorer.note
-    assert_cosine_close(scores.inner, expected, g_norm, r_norm)
 
 
 def test_api_leaves_model_as_found() -> None:
