@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from . import __version__, distributed
 from .config import Config
 from .engine.check import CheckReport, compare_with_loop
-from .engine.core import Engine, prepared
+from .engine.core import Engine, prepared, total
 from .engine.influence import (
     MAX_PER_REF,
     Influence,
@@ -57,7 +57,7 @@ def per_example_norms(
     engine = Engine(model, resolve_loss(loss), plan, output)
     with prepared(model, plan):
         scores = engine.norms(_as_tuple(inputs), targets)
-    return torch.stack(list(scores.norm_sq.values())).double().sum(0).sqrt()
+    return total(scores.norm_sq).sqrt()
 
 
 def per_example_influence(
@@ -175,13 +175,13 @@ class Job:
 def norms_columns(job: Job, batch: Batch) -> dict[str, np.ndarray]:
     """One batch's rows: example_id, id, loss, grad_norm, grad_norm/<module>, target, finite."""
     scores = job.engine.norms(*job.to_device(batch))
-    total = torch.stack(list(scores.norm_sq.values())).double().sum(0)
+    norm_sq = total(scores.norm_sq)
     columns: dict[str, np.ndarray] = {"example_id": batch.index.numpy()}
     if batch.ids is not None:
         columns["id"] = batch.ids
     loss = scores.loss.double().cpu()
     columns["loss"] = loss.numpy()
-    columns["grad_norm"] = total.sqrt().cpu().numpy()
+    columns["grad_norm"] = norm_sq.sqrt().cpu().numpy()
     if job.cfg.output.per_layer:
         per_module: dict[str, Tensor] = {}
         for p in job.plan.included:
@@ -190,7 +190,7 @@ def norms_columns(job: Job, batch: Batch) -> dict[str, np.ndarray]:
             columns[f"grad_norm/{module}"] = per_module[module].sqrt().cpu().numpy()
     if batch.targets.dim() == 1:
         columns["target"] = batch.targets.numpy()
-    columns["finite"] = (torch.isfinite(loss) & torch.isfinite(total.cpu())).numpy()
+    columns["finite"] = (torch.isfinite(loss) & torch.isfinite(norm_sq.cpu())).numpy()
     return columns
 
 
@@ -265,11 +265,11 @@ def score_dataset(
                 str(run.dir),
             )
         done = run.done() if saved is not None else set()
-        total = dataset.length
-        if total is not None and cfg.data.limit is not None:
-            total = min(total, cfg.data.limit)
+        length = dataset.length
+        if length is not None and cfg.data.limit is not None:
+            length = min(length, cfg.data.limit)
         if on_start:
-            on_start(world.rows(total, cfg.data.batch_size))
+            on_start(world.rows(length, cfg.data.batch_size))
 
         def start() -> None:
             """Once every rank's first batch has run: begin the partial folder, or keep it."""

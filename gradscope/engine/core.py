@@ -35,6 +35,11 @@ class BatchScores:
     inner: dict[str, Tensor] = field(default_factory=dict)  # name -> (B, K) <G_i, refs[name][k]>
 
 
+def total(per_param: dict[str, Tensor]) -> Tensor:
+    """The sum over parameters of per-parameter, per-example quantities, in float64."""
+    return torch.stack([v.double() for v in per_param.values()]).sum(0)
+
+
 @contextlib.contextmanager
 def prepared(model: nn.Module, plan: Plan) -> Iterator[None]:
     """Eval mode and ``requires_grad`` on the selected parameters, restored on exit."""

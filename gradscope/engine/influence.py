@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..errors import ConfigError, ModelError
 from ..rules.base import accumulation_dtype
-from .core import Engine, prepared
+from .core import Engine, prepared, total
 from .jvp import JvpUnsupported, jvp_inner
 from .naive import naive_grads
 
@@ -39,16 +39,16 @@ def reference_gradients(
                     c.materialize() if c is not None else p.new_zeros(targets.shape[0], *p.shape)
                 )
         return {n: torch.cat(r) for n, r in rows.items()}
-    total = [torch.zeros_like(p, dtype=accumulation_dtype(p.dtype)) for p in params]
+    sums = [torch.zeros_like(p, dtype=accumulation_dtype(p.dtype)) for p in params]
     count = 0
     for inputs, targets in batches:
         # the sum of per-batch sum-gradients over N is the mean-loss gradient, batch size aside
         grads = torch.autograd.grad(engine.losses(inputs, targets).sum(), params, allow_unused=True)
-        for t, g in zip(total, grads, strict=True):
+        for t, g in zip(sums, grads, strict=True):
             if g is not None:
                 t += g
         count += targets.shape[0]
-    return {n: (t / count).unsqueeze(0) for n, t in zip(names, total, strict=True)}
+    return {n: (t / count).unsqueeze(0) for n, t in zip(names, sums, strict=True)}
 
 
 def adam_denominator(state: Any, engine: Engine, where: str) -> dict[str, Tensor]:
@@ -149,16 +149,10 @@ class Influence:
                 continue
             norm_sq = None
             if self.norms:
-                norm_sq = self._total(self.engine.norms(inputs, targets).norm_sq)
+                norm_sq = total(self.engine.norms(inputs, targets).norm_sq)
             return BatchInfluence(loss.double(), inner.double(), norm_sq)
         scores = self.engine.norms(inputs, targets, self.refs)
-        return BatchInfluence(
-            scores.loss.double(), self._total(scores.inner), self._total(scores.norm_sq)
-        )
-
-    @staticmethod
-    def _total(per_param: dict[str, Tensor]) -> Tensor:
-        return torch.stack([v.double() for v in per_param.values()]).sum(0)
+        return BatchInfluence(scores.loss.double(), total(scores.inner), total(scores.norm_sq))
 
 
 def influence_errors(
@@ -202,7 +196,7 @@ def influence_errors(
         errors[module] = worst(
             sum(hooks[n][:, 0].double() for n in members), sum(exact[n] for n in members)
         )
-    total = sum(exact.values())
-    errors["hooks"] = worst(sum(hooks[n][:, 0].double() for n in names), total)
-    errors["jvp"] = float("nan") if jvp is None else worst(jvp, total)
+    exact_total = sum(exact.values())
+    errors["hooks"] = worst(sum(hooks[n][:, 0].double() for n in names), exact_total)
+    errors["jvp"] = float("nan") if jvp is None else worst(jvp, exact_total)
     return errors
