@@ -89,6 +89,23 @@ def test_summary_of_existing_file(tmp_path):
     assert "top 3 outliers by loss" in result.output
 
 
+def test_report_command_and_flag(tmp_path):
+    config = make_project(tmp_path)
+    result = runner.invoke(app, ["norms", str(config), "--report", "--top-k", "4"])
+    assert result.exit_code == 0, result.output
+    assert f"wrote {tmp_path / 'scores.html'}" in result.output.replace("\n", "")
+    page = (tmp_path / "scores.html").read_text()
+    assert page.count('<tr class="row">') == 4
+    assert page.count('class="text"') == 4  # the 5 features of each example, as values
+    out = tmp_path / "r.html"
+    args = ["report", str(tmp_path / "scores.parquet"), "--out", str(out), "--by", "loss"]
+    result = runner.invoke(app, [*args, "--top-k", "3"])
+    assert result.exit_code == 0, result.output
+    page = out.read_text()
+    assert page.count('<tr class="row">') == 3 and "top 3 marked" in page
+    assert 'class="text"' not in page and "--config" in page  # no config: no examples
+
+
 def test_user_errors_exit_2_with_one_line(tmp_path):
     cases = [
         (["norms", str(tmp_path / "missing.yaml")], "error: config file not found"),
@@ -97,6 +114,7 @@ def test_user_errors_exit_2_with_one_line(tmp_path):
             "error: no column 'label' for data.targets",
         ),
         (["summary", str(tmp_path / "none.parquet")], "error: scores file not found"),
+        (["report", str(tmp_path / "none.parquet")], "error: scores file not found"),
     ]
     for args, message in cases:
         result = runner.invoke(app, args)

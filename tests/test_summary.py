@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from gradscope.errors import DataError
-from gradscope.summary import Spread, summarize, top_positions
+from gradscope.summary import BARS, SPARK_BINS, Spread, rank, sparkline, summarize, top_positions
 
 
 def text(group) -> str:
@@ -55,3 +55,19 @@ def test_summarize_reads_rows_across_row_groups(tmp_path):
     assert "per class (grad_norm)" in out
     with pytest.raises(DataError, match="no column 'cosine'"):
         summarize(tmp_path / "s.parquet", "cosine")
+
+
+def test_sparkline_draws_the_histogram_and_marks_the_top_bins(tmp_path):
+    values = np.concatenate([np.linspace(0.0, 1.0, 200), [20.0]])  # 41 bins of width 0.5
+    table = pa.table({"example_id": np.arange(len(values)), "grad_norm": values})
+    pq.write_table(table, tmp_path / "s.parquet")
+    line = sparkline(rank(tmp_path / "s.parquet", k=1))
+    counts, _ = np.histogram(values, bins=SPARK_BINS)
+    bars = line.plain.split(" ", 2)[2][:SPARK_BINS]  # after "grad_norm 0 "
+    assert [c != " " for c in bars] == [n > 0 for n in counts]
+    levels = [BARS.index(c) for c, n in zip(bars, counts, strict=True) if n]
+    heights = sorted(zip(counts[counts > 0], levels, strict=True))
+    assert [h for _, h in heights] == sorted(levels) and levels[0] == len(BARS) - 1
+    start = line.plain.index(bars)
+    red = [(s.start, s.end) for s in line.spans if s.style == "red"]
+    assert red == [(start + SPARK_BINS - 1, start + SPARK_BINS)]  # only the bin holding 20.0
