@@ -38,7 +38,7 @@ def _svg(figure: Figure) -> str:
 
 def histogram(found: Outliers) -> str:
     """The score's histogram, with each top-k row marked by a red tick under the bars."""
-    with _figure(7, 2.6) as (figure, (ax,)):
+    with _figure(7, 2.2) as (figure, (ax,)):
         finite = found.values[found.ok]
         ax.hist(finite, bins=BINS, color=REST, log=True)
         top = found.values[found.top]
