@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from . import __version__, distributed
-from .config import Config
+from .config import CheckpointConfig, Config
 from .engine.check import CheckReport, compare_with_loop
 from .engine.core import Engine, total
 from .engine.forward import Forward
@@ -32,6 +32,7 @@ from .io.data import Batch, open_dataset
 from .io.model import build_model, file_sha256, import_object, load_state_dict
 from .io.parquet import PartialRun
 from .losses import LossFn, resolve_loss
+from .predictions import predictions
 
 
 def _as_tuple(inputs: Tensor | Sequence[Tensor]) -> tuple[Tensor, ...]:
@@ -147,6 +148,7 @@ class Job:
             cfg.params.include,
             cfg.params.exclude,
             Forward(output=cfg.model.output),
+            predictions(cfg.loss.name, cfg.loss.kwargs),
         )
         return cls(cfg, model, device, dtype, engine)
 
@@ -182,8 +184,10 @@ class Job:
         }
 
 
-def norms_columns(job: Job, batch: Batch) -> dict[str, np.ndarray]:
-    """One batch's rows: example_id, id, loss, grad_norm, grad_norm/<module>, target, finite."""
+def norms_columns(job: Job, batch: Batch, earlier: Sequence[Job] = ()) -> dict[str, np.ndarray]:
+    """One batch's rows: example_id, id, loss, grad_norm, grad_norm/<module>, with
+    ``model.checkpoints`` loss@k, grad_norm@k and self_influence, then target, pred, prob, margin
+    and finite. ``earlier`` holds the jobs at the checkpoints before the last (``job``'s own)."""
     scores = job.engine.norms(*job.to_device(batch))
     norm_sq = total(scores.norm_sq)
     columns: dict[str, np.ndarray] = {"example_id": batch.index.numpy()}
@@ -194,14 +198,64 @@ def norms_columns(job: Job, batch: Batch) -> dict[str, np.ndarray]:
     columns["grad_norm"] = norm_sq.sqrt().cpu().numpy()
     if job.cfg.output.per_layer:
         per_module: dict[str, Tensor] = {}
-        for p in job.plan.included:
+        for p in job.engine.plan.included:
             per_module[p.module] = per_module.get(p.module, 0) + scores.norm_sq[p.name].double()
-        for module in job.plan.modules:
+        for module in job.engine.plan.modules:
             columns[f"grad_norm/{module}"] = per_module[module].sqrt().cpu().numpy()
+    finite = torch.isfinite(loss) & torch.isfinite(norm_sq.cpu())
+    if job.cfg.model.checkpoints:
+        at = [j.engine.norms(*j.to_device(batch)) for j in earlier]
+        losses = [s.loss.double().cpu() for s in at] + [loss]
+        squares = [total(s.norm_sq).cpu() for s in at] + [norm_sq.cpu()]
+        columns.update(_checkpoint_columns(losses, squares, job.cfg.model.checkpoints))
+        finite &= torch.stack([torch.isfinite(t) for t in losses + squares]).all(0)
     if batch.targets.dim() == 1:
         columns["target"] = batch.targets.numpy()
-    columns["finite"] = (torch.isfinite(loss) & torch.isfinite(norm_sq.cpu())).numpy()
+    columns.update({name: t.cpu().numpy() for name, t in scores.observed.items()})
+    columns["finite"] = finite.numpy()
     return columns
+
+
+def _checkpoint_columns(
+    losses: list[Tensor], squares: list[Tensor], checkpoints: Sequence[CheckpointConfig]
+) -> dict[str, np.ndarray]:
+    """loss@k and grad_norm@k per checkpoint, and self_influence = sum_k w_k grad_norm@k^2
+    (TracIn's self-influence) from (B,) float64 losses and squared norms."""
+    columns = {}
+    for k, (loss, norm_sq) in enumerate(zip(losses, squares, strict=True)):
+        columns[f"loss@{k}"] = loss.numpy()
+        columns[f"grad_norm@{k}"] = norm_sq.sqrt().numpy()
+    weighted = [c.weight * norm_sq for c, norm_sq in zip(checkpoints, squares, strict=True)]
+    columns["self_influence"] = torch.stack(weighted).sum(0).numpy()
+    return columns
+
+
+class NormsColumns:
+    """The ``norms`` command's scorer: ``norms_columns`` at the last checkpoint and, with
+    ``model.checkpoints``, at each earlier one (their models stay prepared until exit)."""
+
+    def __init__(self, trust_checkpoint: bool = False):
+        self.trust_checkpoint = trust_checkpoint
+        self._stack = contextlib.ExitStack()
+        self._earlier: list[Job] | None = None
+
+    def __enter__(self) -> NormsColumns:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def setup(self, job: Job) -> None:
+        """Build the model at each checkpoint before the last."""
+        checkpoints = job.cfg.model.checkpoints[:-1]
+        self._earlier = [job.at_checkpoint(c.path, self.trust_checkpoint) for c in checkpoints]
+        for other in self._earlier:
+            self._stack.enter_context(other.engine)
+
+    def __call__(self, job: Job, batch: Batch) -> dict[str, np.ndarray]:
+        if self._earlier is None:
+            self.setup(job)
+        return norms_columns(job, batch, self._earlier)
 
 
 def _file_hash(path: str | Path | None) -> str | None:
@@ -239,7 +293,7 @@ def _differences(old: object, new: object, key: str = "") -> list[str]:
 def score_dataset(
     cfg: Config,
     command: str = "norms",
-    score_batch: Callable[[Job, Batch], dict[str, np.ndarray]] = norms_columns,
+    score_batch: Callable[[Job, Batch], dict[str, np.ndarray]] | None = None,
     *,
     trust_checkpoint: bool = False,
     resume: bool = False,
@@ -255,10 +309,28 @@ def score_dataset(
     scores batches r, r + K, ... and rank 0 assembles the file; other ranks return None.
     The first batch runs before anything is written, so input the model cannot take leaves no file.
     ``resume_key`` adds what else a resumed run must share (the scorer's inputs, e.g. REF's hash).
+    ``score_batch`` defaults to the norms scorer (``NormsColumns``).
     A scorer with a ``setup(job)`` method has it called once on every rank before the first batch
     (where ranks may exchange tensors). ``on_start`` gets the number of rows this process scores,
     None when unknown before reading.
     """
+    with contextlib.ExitStack() as stack:
+        if score_batch is None:
+            score_batch = stack.enter_context(NormsColumns(trust_checkpoint))
+        return _score(cfg, command, score_batch, trust_checkpoint, resume, resume_key, on_start,
+                      on_batch)  # fmt: skip
+
+
+def _score(
+    cfg: Config,
+    command: str,
+    score_batch: Callable[[Job, Batch], dict[str, np.ndarray]],
+    trust_checkpoint: bool,
+    resume: bool,
+    resume_key: dict | None,
+    on_start: Callable[[int | None], None] | None,
+    on_batch: Callable[[int], None] | None,
+) -> Path | None:
     with distributed.session() as world:
         job = Job.from_config(
             dataclasses.replace(cfg, device=world.device(cfg.device)), trust_checkpoint
@@ -444,6 +516,7 @@ class InfluenceColumns:
         )
         if batch.targets.dim() == 1:
             columns["target"] = rows(batch.targets)
+        columns.update({name: rows(t.cpu()) for name, t in last.observed.items()})
         finite = torch.stack(
             [torch.isfinite(r.loss.cpu()) & torch.isfinite(r.norm_sq.cpu()) for r in results]
         ).all(0)

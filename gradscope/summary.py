@@ -166,6 +166,7 @@ def _outlier_table(found: Outliers) -> Table:
     table = Table(
         title=f"top {len(found.top)} outliers by {found.score}",
         caption="robust_z = (x - median) / (1.4826 MAD)",
+        show_edge=False,  # the prediction columns need the room in an 80-column terminal
     )
     shown = list(found.rows.columns)
     for name in [*shown, "robust_z"]:

@@ -70,7 +70,8 @@ def test_one_checkpoint(project: Path, engine: str) -> None:
     out = project / "out.parquet"
     frame = _run(cfg, "--ref", project / "ref.pt", "--engine", engine, "--out", out)
     assert list(frame.columns) == [
-        "example_id", "loss", "grad_norm", "influence", "cosine", "target", "finite",
+        "example_id", "loss", "grad_norm", "influence", "cosine", "target", "pred", "prob",
+        "margin", "finite",
     ]  # fmt: skip
     assert frame["example_id"].tolist() == list(range(N)) and frame["finite"].all()
     expected, g_norm, r_norm = _oracle(project)

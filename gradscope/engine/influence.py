@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -100,6 +100,7 @@ class BatchInfluence:
     loss: Tensor  # (B,)
     inner: Tensor  # (B, K) <grad l_i, r_k>
     norm_sq: Tensor | None  # (B,) ||grad l_i||^2, when asked for
+    observed: dict[str, Tensor] = field(default_factory=dict)  # the engine's observe, if it ran
 
 
 def check_engine(name: str) -> str:
@@ -147,12 +148,16 @@ class Influence:
                 else:  # a fused inference kernel, perhaps: retry on the composite path
                     self._recording, self.note = True, f"forward mode with autograd recording: {e}"
                 continue
-            norm_sq = None
-            if self.norms:
-                norm_sq = total(self.engine.norms(inputs, targets).norm_sq)
-            return BatchInfluence(loss.double(), inner.double(), norm_sq)
+            if not self.norms:
+                return BatchInfluence(loss.double(), inner.double(), None)
+            scores = self.engine.norms(inputs, targets)
+            return BatchInfluence(
+                loss.double(), inner.double(), total(scores.norm_sq), scores.observed
+            )
         scores = self.engine.norms(inputs, targets, self.refs)
-        return BatchInfluence(scores.loss.double(), total(scores.inner), total(scores.norm_sq))
+        return BatchInfluence(
+            scores.loss.double(), total(scores.inner), total(scores.norm_sq), scores.observed
+        )
 
 
 def influence_errors(
