@@ -115,6 +115,17 @@ def test_checkpoints_are_weighted_and_summed(project: Path) -> None:
     assert meta["checkpoint_sha256"]  # of the last checkpoint, the one the job's model holds
 
 
+def test_report_beside_the_scores(project: Path) -> None:
+    out = project / "infl.parquet"
+    _run(
+        _config(project, checkpoint="net.pt"), "--ref", project / "ref.pt", "--report", "--out", out
+    )
+    page = (project / "infl.html").read_text()
+    assert "influence: histogram" in page and "influence and cosine" in page
+    assert page.count('<tr class="row">') == N  # top-k 20 > N: every example, each shown
+    assert page.count('<td class="example"') == N
+
+
 def test_per_ref_rows(project: Path) -> None:
     out = project / "pairs.parquet"
     frame = _run(

@@ -40,7 +40,7 @@ def histogram(found: Outliers) -> str:
     """The score's histogram, with each top-k row marked by a red tick under the bars."""
     with _figure(7, 2.2) as (figure, (ax,)):
         finite = found.values[found.ok]
-        ax.hist(finite, bins=BINS, color=REST, log=True)
+        ax.hist(finite, bins=BINS, color=REST, log=len(finite) > 0)  # no log axis with no bars
         top = found.values[found.top]
         ax.plot(top, np.zeros_like(top), "|", color=TOP, markersize=14, mew=1.5, clip_on=False,
                 transform=ax.get_xaxis_transform(), label=f"top {len(top)} by robust z")  # fmt: skip
