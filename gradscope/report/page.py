@@ -70,12 +70,12 @@ def _charts(found: Outliers) -> list[tuple[str, str]]:
     views = [(f"{found.score}: histogram, top {len(found.top)} marked", charts.histogram(found))]
     if is_labels(found.target):
         views.append(("per class", charts.classes(found)))
-    if {"influence", "cosine", "grad_norm"} <= set(found.names):
-        values = {n: column(found.file, n).astype(np.float64) for n in ("grad_norm", "cosine")}
+    names = ("grad_norm", "influence", "cosine")
+    if set(names) <= set(found.names):
+        grad_norm, influence, cosine = (column(found.file, n).astype(np.float64) for n in names)
         views.append(
-            ("influence and cosine", charts.influence(values["grad_norm"],
-             column(found.file, "influence").astype(np.float64), values["cosine"], found.top))
-        )  # fmt: skip
+            ("influence and cosine", charts.influence(grad_norm, influence, cosine, found.top))
+        )
     per_module = _module_chart(found)
     if per_module is not None:
         views.append(("per module (--per-layer)", per_module))
@@ -128,6 +128,10 @@ def write_report(
         raise DataError("the report would overwrite the scores file", str(target))
     page = render(scores, cfg, by, top_k)
     temporary = target.with_name(f".{target.name}.tmp")
-    temporary.write_text(page, encoding="utf-8")
-    temporary.replace(target)
+    try:
+        temporary.write_text(page, encoding="utf-8")
+        temporary.replace(target)
+    except OSError as e:  # a missing or read-only folder, a directory at ``out``, a full disk
+        temporary.unlink(missing_ok=True)
+        raise DataError(f"cannot write the report: {e.strerror or e}", str(target)) from e
     return target

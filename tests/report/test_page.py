@@ -76,6 +76,10 @@ def test_report_refuses_to_overwrite_the_scores_and_a_missing_file(tmp_path):
     with pytest.raises(DataError, match="scores file not found"):
         write_report(tmp_path / "none.parquet")
     assert write_report(scores) == tmp_path / "s.html"
+    with pytest.raises(DataError, match="cannot write the report: No such file or directory"):
+        write_report(scores, tmp_path / "missing" / "r.html")
+    with pytest.raises(DataError, match="cannot write the report: Is a directory"):
+        write_report(scores, tmp_path)
 
 
 def _chromium() -> str:
