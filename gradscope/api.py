@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,9 +27,11 @@ from .engine.influence import (
 from .engine.plan import Plan, build_plan
 from .errors import ConfigError, DataError, Interrupted
 from .io.data import Batch, open_dataset
+from .io.lock import OutputLock
 from .io.model import build_model, file_sha256, import_object, load_state_dict
 from .io.parquet import PartialRun
 from .losses import LossFn, resolve_loss
+from .run import Inputs, check_output, data_files, fingerprint, resumable, run_inputs
 
 
 def _as_tuple(inputs: Tensor | Sequence[Tensor]) -> tuple[Tensor, ...]:
@@ -194,38 +195,6 @@ def norms_columns(job: Job, batch: Batch) -> dict[str, np.ndarray]:
     return columns
 
 
-def _file_hash(path: str | Path | None) -> str | None:
-    """sha256 of a file that exists; a missing one is reported by the code that reads it."""
-    return file_sha256(path) if path and Path(path).is_file() else None
-
-
-def _fingerprint(cfg: Config, command: str, resume_key: dict | None) -> dict:
-    """What a partial run must share with the run that resumes it, as JSON reads it back."""
-    config = cfg.to_dict()
-    for key in ("summary", "source", "device"):  # display, file name, placement (ranks differ)
-        config.pop(key)
-    checkpoints = [cfg.model.checkpoint] if cfg.model.checkpoint else []
-    checkpoints += [c.path for c in cfg.model.checkpoints]
-    fingerprint = {
-        "command": command,
-        "config": config,
-        "checkpoint_sha256": [_file_hash(c) for c in checkpoints],
-        **(resume_key or {}),
-    }
-    return json.loads(json.dumps(fingerprint, default=str))
-
-
-def _differences(old: object, new: object, key: str = "") -> list[str]:
-    """The dotted keys at which two JSON values differ."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        return [
-            d
-            for k in sorted(set(old) | set(new))
-            for d in _differences(old.get(k), new.get(k), f"{key}.{k}" if key else k)
-        ]
-    return [] if old == new else [key]
-
-
 def score_dataset(
     cfg: Config,
     command: str = "norms",
@@ -234,6 +203,7 @@ def score_dataset(
     trust_checkpoint: bool = False,
     resume: bool = False,
     resume_key: dict | None = None,
+    reads: Inputs = (),
     on_start: Callable[[int | None], None] | None = None,
     on_batch: Callable[[int], None] | None = None,
 ) -> Path | None:
@@ -244,26 +214,25 @@ def score_dataset(
     config and checkpoint are kept and only the missing batches are scored. Under torchrun, rank r
     scores batches r, r + K, ... and rank 0 assembles the file; other ranks return None.
     The first batch runs before anything is written, so input the model cannot take leaves no file.
-    ``resume_key`` adds what else a resumed run must share (the scorer's inputs, e.g. REF's hash).
+    ``resume_key`` adds what else a resumed run must share (e.g. the scorer's options); ``reads``
+    names the scorer's own input files (REF): the output may not be one, and a resume needs them
+    unchanged. The output is locked for the length of the run.
     A scorer with a ``setup(job)`` method has it called once on every rank before the first batch
     (where ranks may exchange tensors). ``on_start`` gets the number of rows this process scores,
     None when unknown before reading.
     """
-    with distributed.session() as world:
+    inputs = run_inputs(cfg, reads)
+    check_output(cfg.output.path, inputs)
+    with distributed.session() as world, contextlib.ExitStack() as stack:
+        if world.main:
+            stack.enter_context(OutputLock(cfg.output.path))
+        run = PartialRun(cfg.output.path)
+        key = fingerprint(cfg, command, inputs, resume_key)
+        saved = resumable(run, key) if resume else None
         job = Job.from_config(
             dataclasses.replace(cfg, device=world.device(cfg.device)), trust_checkpoint
         )
         dataset = open_dataset(cfg.data)
-        run = PartialRun(cfg.output.path)
-        fingerprint = _fingerprint(cfg, command, resume_key)
-        saved = run.manifest() if resume else None
-        if saved is not None and saved["fingerprint"] != fingerprint:
-            keys = _differences(saved["fingerprint"], fingerprint)
-            raise ConfigError(
-                f"cannot resume: the interrupted run had a different {', '.join(keys)}; "
-                "run without --resume to start over",
-                str(run.dir),
-            )
         done = run.done() if saved is not None else set()
         length = dataset.length
         if length is not None and cfg.data.limit is not None:
@@ -275,7 +244,7 @@ def score_dataset(
             """Once every rank's first batch has run: begin the partial folder, or keep it."""
             distributed.barrier()
             if world.main and saved is None:
-                run.start({"fingerprint": fingerprint, "metadata": job.metadata(command)})
+                run.start({"fingerprint": key, "metadata": job.metadata(command)})
             distributed.barrier()
 
         started, rows, number = False, 0, -1
@@ -468,12 +437,9 @@ def influence_dataset(
             scorer,
             trust_checkpoint=trust_checkpoint,
             resume=resume,
-            resume_key={
-                "ref_sha256": _file_hash(scorer.ref),
-                "per_ref": per_ref,
-                "precondition_sha256": _file_hash(precondition),
-                "engine": scorer.engine,
-            },
+            resume_key={"ref": scorer.ref, "per_ref": per_ref, "engine": scorer.engine},
+            reads=[("--ref", f) for f in data_files(scorer.ref)]
+            + ([("--precondition", str(Path(precondition).resolve()))] if precondition else []),
             on_start=on_start,
             on_batch=on_batch,
         )
