@@ -25,7 +25,7 @@ from .engine.influence import (
     reference_gradients,
 )
 from .engine.plan import Plan, build_plan
-from .errors import ConfigError, DataError, Interrupted
+from .errors import ConfigError, DataError, Interrupted, ModelError
 from .io.data import Batch, open_dataset
 from .io.lock import OutputLock
 from .io.model import build_model, file_sha256, import_object, load_state_dict
@@ -138,7 +138,10 @@ class Job:
         if model_cfg.checkpoints:
             model_cfg = dataclasses.replace(model_cfg, checkpoint=model_cfg.checkpoints[-1].path)
         model = build_model(model_cfg, trust_checkpoint)
-        dtype = getattr(torch, cfg.dtype) if cfg.dtype else next(model.parameters()).dtype
+        first = next(model.parameters(), None)
+        if first is None:
+            raise ModelError("the model has no parameters: no gradient to score", "model.factory")
+        dtype = getattr(torch, cfg.dtype) if cfg.dtype else first.dtype
         model.to(device=device, dtype=dtype)
         plan = build_plan(model, cfg.params.include, cfg.params.exclude)
         return cls(
@@ -324,7 +327,8 @@ class InfluenceColumns:
                 f"{MAX_PER_REF} reference examples; REF has {len(ref_data)}",
                 self.ref,
             )
-        state = load_state_dict(self.precondition) if self.precondition else None
+        hint = "; save optimizer.state_dict() itself, which holds only tensors and numbers"
+        state = load_state_dict(self.precondition, hint=hint) if self.precondition else None
         checkpoints = cfg.model.checkpoints
         jobs = [job.at_checkpoint(c.path, self.trust_checkpoint) for c in checkpoints[:-1]]
         for other in jobs:

@@ -32,7 +32,7 @@ class _ErrorBoundary(TyperGroup):
             try:
                 return super().invoke(ctx)
             except KeyboardInterrupt:  # before any example was saved (loading the model, REF)
-                raise Interrupted("interrupted before any example was saved") from None
+                raise Interrupted(Interrupted.BEFORE_START) from None
         except GradscopeError as e:
             if os.environ.get("GRADSCOPE_DEBUG"):
                 raise
@@ -101,13 +101,13 @@ def _run(command: str, run: Callable[..., Path | None], score: str, top_k: int) 
         )
     if path is not None:  # None on the ranks other than 0 under torchrun
         _report(path, score, top_k)
+        console.print(f"wrote {path}")
 
 
 def _report(path: Path, by: str | None, top_k: int) -> None:
     from .summary import summarize
 
     console.print(summarize(path, by, top_k))
-    console.print(f"wrote {path}")
 
 
 @app.command()
@@ -239,10 +239,12 @@ def summary(
     top_k: Annotated[int, typer.Option("--top-k", help="Rows in the outlier table.")] = 20,
 ) -> None:
     """Print the outlier tables of an existing scores file."""
-    from .errors import DataError
+    from .errors import ConfigError, DataError
 
     if not scores.is_file():
         raise DataError("scores file not found", str(scores))
+    if top_k < 1:
+        raise ConfigError(f"--top-k must be at least 1, got {top_k}", "--top-k")
     _report(scores, by, top_k)
 
 

@@ -3,34 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import signal
-import subprocess
-import sys
-import time
 
 import pandas as pd
 import pytest
 import torch
-from project import make_project
+from project import SLOW_MODEL, launch, make_project, wait_for_parts
 
 from gradscope.api import influence_dataset, norms_columns, score_dataset
 from gradscope.config import load_config
 from gradscope.errors import ConfigError, Interrupted
 from gradscope.io.parquet import partial_path, read_metadata
-
-SLOW_MODEL = """
-import os
-import time
-
-from model import Net
-
-
-class SlowNet(Net):
-    def forward(self, x):
-        time.sleep(float(os.environ.get("SLOW", 0)))
-        return super().forward(x)
-"""
 
 
 def interrupt_at(stop: int):
@@ -90,23 +73,6 @@ def test_resume_with_another_config_or_checkpoint_is_refused(tmp_path, change):
         score_dataset(cfg, resume=True)
     score_dataset(cfg)  # without --resume: starts over
     assert len(pd.read_parquet(tmp_path / "scores.parquet")) == 23
-
-
-def launch(config, *args, slow=0.05):
-    """``python -m gradscope norms`` in a subprocess, each forward ``slow`` seconds long."""
-    env = {**os.environ, "SLOW": str(slow), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "gradscope", "norms", str(config), "--batch-size", "2", *args],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-
-
-def wait_for_parts(out, n: int, proc) -> None:
-    deadline = time.monotonic() + 60
-    while len(list(partial_path(out).glob("part-*.parquet"))) < n:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
 
 
 def test_ctrl_c_then_kill_9_then_resume(tmp_path):
