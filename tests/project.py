@@ -121,9 +121,9 @@ class SlowNet(Net):
 """
 
 
-def launch(config, *args, slow=0.05):
+def launch(config, *args, slow=0.05, env=None):
     """``python -m gradscope norms`` in a subprocess, each forward ``slow`` seconds long."""
-    env = {**os.environ, "SLOW": str(slow), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "SLOW": str(slow), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen(
         [sys.executable, "-m", "gradscope", "norms", str(config), "--batch-size", "2", *args],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

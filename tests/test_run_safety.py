@@ -1,0 +1,267 @@
+"""A run never writes over what it reads, never shares its output, and resumes only itself."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from project import SLOW_MODEL, edit_config, edit_data, launch, make_project, wait_for_parts
+from typer.testing import CliRunner
+
+from gradscope.cli import app
+from gradscope.io.lock import lock_path
+from gradscope.io.parquet import partial_path
+
+runner = CliRunner()
+
+HELD_MODEL = """
+import os
+import time
+
+from model import Net
+
+
+class HeldNet(Net):
+    '''Waits in forward while the file named by $HOLD exists.'''
+
+    def forward(self, x):
+        while os.environ.get("HOLD") and os.path.exists(os.environ["HOLD"]):
+            time.sleep(0.01)
+        return super().forward(x)
+
+
+class StopNet(Net):
+    '''Ctrl-C (KeyboardInterrupt) at its $STOP_AT-th forward.'''
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == int(os.environ.get("STOP_AT", 0)):
+            raise KeyboardInterrupt
+        return super().forward(x)
+"""
+
+CODE = {
+    "losses.py": "def per_example(outputs, targets):\n"
+    "    import torch.nn.functional as F\n"
+    "    return F.cross_entropy(outputs, targets, reduction='none')\n",
+    "rows.py": "import torch\n\n\ndef rows():\n    return torch.load('data.pt')\n",
+}
+
+
+def project(root: Path, n: int = 23, **config) -> Path:
+    config = make_project(root, n=n, **config)
+    (root / "held.py").write_text(HELD_MODEL)
+    for name, text in CODE.items():
+        (root / name).write_text(text)
+    torch.save({"x": torch.randn(3, 5), "y": torch.randint(0, 3, (3,))}, root / "ref.pt")
+    return config
+
+
+def files(root: Path) -> dict[str, bytes]:
+    return {str(p): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def one_error(result) -> str:
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and "Traceback" not in result.output
+    return line
+
+
+def adam_state(root: Path) -> None:
+    torch.save({"state": {}, "param_groups": []}, root / "adam.pt")  # refused before it is read
+
+
+def split_shards(root: Path) -> None:
+    data = torch.load(root / "data.pt")
+    (root / "shards").mkdir()
+    torch.save({k: v[:10] for k, v in data.items()}, root / "shards" / "a.pt")
+    torch.save({k: v[10:] for k, v in data.items()}, root / "shards" / "b.pt")
+    edit_config(root, lambda c: c["data"].update(path="shards/*.pt"))
+
+
+# (id, how to set the project up, the command line, the input it names)
+OVERWRITES = [
+    ("data", None, ["norms", "{c}", "--out", "{r}/data.pt"], "data.path"),
+    ("glob-match", split_shards, ["norms", "{c}", "--out", "{r}/shards/b.pt"], "data.path"),
+    (
+        "symlink-to-data",
+        lambda r: (r / "link.parquet").symlink_to(r / "data.pt"),
+        ["norms", "{c}", "--out", "{r}/link.parquet"],
+        "data.path",
+    ),
+    (
+        "hard-link-to-data",
+        lambda r: os.link(r / "data.pt", r / "same.parquet"),
+        ["norms", "{c}", "--out", "{r}/same.parquet"],
+        "data.path",
+    ),
+    (
+        "output-path-in-config",
+        lambda r: edit_config(r, lambda c: c["output"].update(path="data.pt")),
+        ["norms", "{c}"],
+        "data.path",
+    ),
+    (
+        "data-function-file",
+        lambda r: edit_config(r, lambda c: c["data"].update(path="rows.py:rows")),
+        ["norms", "{c}", "--out", "{r}/rows.py"],
+        "data.path",
+    ),
+    ("checkpoint", None, ["norms", "{c}", "--out", "{r}/net.pt"], "model.checkpoint"),
+    ("factory", None, ["norms", "{c}", "--out", "{r}/model.py"], "model.factory"),
+    ("config", None, ["norms", "{c}", "--out", "{r}/config.yaml"], "config file"),
+    (
+        "loss-file",
+        lambda r: edit_config(r, lambda c: c.update(loss={"name": "losses.py:per_example"})),
+        ["norms", "{c}", "--out", "{r}/losses.py"],
+        "loss.name",
+    ),
+    ("ref", None, ["influence", "{c}", "--ref", "{r}/ref.pt", "--out", "{r}/ref.pt"], "--ref"),
+    (
+        "precondition",
+        adam_state,
+        [
+            "influence",
+            "{c}",
+            "--ref",
+            "{r}/ref.pt",
+            "--precondition",
+            "{r}/adam.pt",
+            "--out",
+            "{r}/adam.pt",
+        ],
+        "--precondition",
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize(
+    ("setup", "args", "key"), [pytest.param(*case[1:], id=case[0]) for case in OVERWRITES]
+)
+def test_output_that_is_an_input_is_refused_before_anything_runs(tmp_path, setup, args, key):
+    config = project(tmp_path)
+    if setup:
+        setup(tmp_path)
+    before = files(tmp_path)
+    result = runner.invoke(app, [a.format(c=config, r=tmp_path) for a in args])
+    line = one_error(result)
+    assert line.startswith(f"error: the output path is the run's {key} ("), line
+    assert files(tmp_path) == before  # nothing written, nothing replaced
+
+
+def test_a_second_run_on_the_same_output_exits_2_naming_the_first(tmp_path):
+    config = project(tmp_path, n=12, model__factory="held.py:HeldNet")
+    hold = tmp_path / "hold"
+    hold.touch()
+    first = launch(config, env={"HOLD": str(hold)})
+    out = tmp_path / "scores.parquet"
+    deadline = time.monotonic() + 60
+    while not (lock_path(out).exists() and lock_path(out).read_text().strip()):
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.02)
+    second = launch(config)
+    _, stderr = second.communicate(timeout=60)
+    assert second.returncode == 2, stderr
+    (line,) = stderr.strip().splitlines()
+    assert f"another gradscope run (pid {first.pid}) is writing this output" in line, line
+    hold.unlink()
+    assert first.wait(timeout=60) == 0, first.communicate()
+    alone = tmp_path / "alone.parquet"
+    assert (
+        runner.invoke(
+            app, ["norms", str(config), "--batch-size", "2", "--out", str(alone)]
+        ).exit_code
+        == 0
+    )
+    pd.testing.assert_frame_equal(pd.read_parquet(out), pd.read_parquet(alone), check_exact=True)
+    assert not lock_path(out).exists()
+
+
+def test_lock_left_by_a_dead_run_is_taken_over(tmp_path):
+    config = project(tmp_path)
+    out = tmp_path / "scores.parquet"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    lock_path(out).write_text(f"{gone.pid}\n")
+    result = runner.invoke(app, ["norms", str(config)])
+    assert result.exit_code == 0, result.output
+    assert len(pd.read_parquet(out)) == 23 and not lock_path(out).exists()
+
+
+def test_kill_9_and_torn_parts_then_resume_rescores_them(tmp_path):
+    config = project(tmp_path, n=40, model__factory="slow.py:SlowNet")
+    (tmp_path / "slow.py").write_text(SLOW_MODEL)
+    out = tmp_path / "scores.parquet"
+    proc = launch(config)
+    wait_for_parts(out, 6, proc)
+    proc.kill()  # SIGKILL: its lock file stays behind, unlocked
+    proc.wait(timeout=30)
+    parts = sorted(partial_path(out).glob("part-*.parquet"))
+    parts[1].write_bytes(b"")  # power loss: a 0-byte part
+    parts[3].write_bytes(parts[3].read_bytes()[:100])  # and one cut short
+    resumed = launch(config, "--resume", slow=0)
+    _, stderr = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, stderr
+    whole = tmp_path / "whole.parquet"
+    args = ["norms", str(config), "--batch-size", "2", "--out", str(whole)]
+    assert runner.invoke(app, args).exit_code == 0
+    pd.testing.assert_frame_equal(pd.read_parquet(out), pd.read_parquet(whole), check_exact=True)
+
+
+def interrupted(config: Path, monkeypatch) -> None:
+    """A norms run stopped by Ctrl-C at its third batch: two batches saved."""
+    monkeypatch.setenv("STOP_AT", "3")
+    result = runner.invoke(app, ["norms", str(config)])
+    assert result.exit_code == 130, result.output
+    monkeypatch.delenv("STOP_AT")
+
+
+def append_row(root: Path) -> None:
+    edit_data(root, lambda d: d.update({k: torch.cat([v[:1], v]) for k, v in d.items()}))
+
+
+def touch_code(root: Path) -> None:
+    with (root / "held.py").open("a") as f:
+        f.write("\n# edited\n")
+
+
+def new_shard(root: Path) -> None:
+    data = torch.load(root / "shards" / "a.pt")
+    torch.save(data, root / "shards" / "c.pt")
+
+
+@pytest.mark.parametrize(
+    ("setup", "change", "named"),
+    [
+        pytest.param(None, append_row, "data.pt", id="data-file"),
+        pytest.param(None, touch_code, "held.py", id="factory-code"),
+        pytest.param(split_shards, new_shard, "shards/c.pt", id="new-glob-match"),
+    ],
+)
+def test_resume_after_data_or_code_changed_is_refused(tmp_path, monkeypatch, setup, change, named):
+    config = project(tmp_path, model__factory="held.py:StopNet")
+    if setup:
+        setup(tmp_path)
+    interrupted(config, monkeypatch)
+    change(tmp_path)
+    line = one_error(runner.invoke(app, ["norms", str(config), "--resume"]))
+    assert "cannot resume: the interrupted run had a different file" in line, line
+    assert named in line.split("file", 1)[1]
+    assert runner.invoke(app, ["norms", str(config)]).exit_code == 0  # starting over works
+
+
+def test_resume_with_nothing_to_resume_says_so(tmp_path):
+    config = project(tmp_path)
+    line = one_error(runner.invoke(app, ["norms", str(config), "--resume"]))
+    assert line.startswith("error: nothing to resume: no interrupted run of this output"), line
+    assert not (tmp_path / "scores.parquet").exists()
