@@ -309,3 +309,80 @@ def test_missing_ref_file(tmp_path):
     assert result.exit_code == 2
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("error: data file not found") and "nope.pt" in line
+
+
+def test_ids_with_a_missing_value_in_a_later_row_group(tmp_path):
+    """Checked as each batch is read, not found at assembly as a column of another type."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    config = make_project(tmp_path, n=16)
+    data = torch.load(tmp_path / "data.pt")
+    names = data["name"].tolist()
+    names[13] = None
+    table = pa.table(
+        {"x": data["x"].tolist(), "y": data["y"].numpy(), "name": pa.array(names, pa.int64())}
+    )
+    pq.write_table(table, tmp_path / "data.parquet", row_group_size=8)
+    edit_config(tmp_path, lambda c: c["data"].update(path="data.parquet", ids="name"))
+    result = runner.invoke(app, ["norms", str(config)])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert (
+        line
+        == f"error: column 'name' for data.ids has no value at row 13 ({tmp_path / 'data.parquet'})"
+    )
+
+
+def not_parquet(path: Path) -> None:
+    path.write_text("example_id,grad_norm\n0,1.5\n")
+
+
+def cut_short(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-20])
+
+
+# (id, how to spoil the scores file, arguments, start of the error line, text it must name)
+SUMMARY_CASES = [
+    ("csv", not_parquet, [], "not a readable Parquet file", "scores.parquet"),
+    ("truncated", cut_short, [], "not a readable Parquet file", "scores.parquet"),
+    (
+        "string-column",
+        None,
+        ["--by", "name"],
+        "column 'name' holds",
+        "not numbers to rank by (--by)",
+    ),
+    ("negative-top-k", None, ["--top-k", "-3"], "--top-k must be at least 1, got -3", "--top-k"),
+]
+
+
+@pytest.mark.parametrize(
+    ("spoil", "args", "message", "names"),
+    [pytest.param(*case[1:], id=case[0]) for case in SUMMARY_CASES],
+)
+def test_summary_exit_2_with_one_line(tmp_path, spoil, args, message, names):
+    import pandas as pd
+
+    scores = tmp_path / "scores.parquet"
+    pd.DataFrame({"grad_norm": [1.0, 2.0], "name": ["a", "b"]}).to_parquet(scores)
+    if spoil:
+        spoil(scores)
+    result = runner.invoke(app, ["summary", str(scores), *args])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: {message}") and names in line, line
+
+
+def test_precondition_pickle_is_refused_without_suggesting_trust_checkpoint(tmp_path):
+    config = make_project(tmp_path)
+    torch.save({"x": torch.randn(3, 5), "y": torch.randint(0, 3, (3,))}, tmp_path / "ref.pt")
+    marker = tmp_path / "ran"
+    torch.save({"state": Marker(marker)}, tmp_path / "adam.pt")
+    args = ["--ref", str(tmp_path / "ref.pt"), "--precondition", str(tmp_path / "adam.pt")]
+    result = runner.invoke(app, ["influence", str(config), *args])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert "weights_only=True" in line and "adam.pt" in line, line
+    assert "--trust-checkpoint" not in line and "optimizer.state_dict()" in line
+    assert not marker.exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ runner = CliRunner()
 
 HELD_MODEL = """
 import os
+import signal
 import time
 
 from model import Net
@@ -265,3 +267,79 @@ def test_resume_with_nothing_to_resume_says_so(tmp_path):
     line = one_error(runner.invoke(app, ["norms", str(config), "--resume"]))
     assert line.startswith("error: nothing to resume: no interrupted run of this output"), line
     assert not (tmp_path / "scores.parquet").exists()
+
+
+@pytest.fixture
+def mount(tmp_path):
+    """Mounts a tmpfs with the given options at a new folder; skips where mounting is not allowed."""
+    mounted = []
+
+    def make(options: str) -> Path:
+        target = tmp_path / f"mnt{len(mounted)}"
+        target.mkdir()
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)], capture_output=True
+        )
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+        mounted.append(target)
+        return target
+
+    yield make
+    for target in mounted:
+        subprocess.run(["umount", str(target)], check=True)
+
+
+def test_read_only_output_folder(tmp_path, mount):
+    config = project(tmp_path)
+    folder = mount("ro,size=1m")
+    line = one_error(runner.invoke(app, ["norms", str(config), "--out", str(folder / "s.parquet")]))
+    assert line.startswith("error: cannot write in the output's folder: Read-only file system")
+    assert str(folder) in line
+
+
+def test_full_disk_is_one_line_and_resumable_once_there_is_room(tmp_path, mount):
+    config = project(tmp_path, n=200)
+    folder = mount("size=48k")  # 12 pages: the lock, the manifest and a few parts
+    out = folder / "scores.parquet"
+    line = one_error(runner.invoke(app, ["norms", str(config), "--out", str(out)]))
+    assert line.startswith("error: cannot write the scores: No space left on device"), line
+    saved = list(partial_path(out).iterdir())
+    assert saved and all(p.name == "manifest.json" or p.name.startswith("part-") for p in saved)
+    subprocess.run(["mount", "-o", "remount,size=4m", str(folder)], check=True)
+    resumed = runner.invoke(app, ["norms", str(config), "--out", str(out), "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    whole = tmp_path / "whole.parquet"
+    assert runner.invoke(app, ["norms", str(config), "--out", str(whole)]).exit_code == 0
+    pd.testing.assert_frame_equal(pd.read_parquet(out), pd.read_parquet(whole), check_exact=True)
+
+
+def test_parts_manifest_file_and_folders_are_fsynced(tmp_path, monkeypatch):
+    config = project(tmp_path, n=10)  # three batches of 4
+    synced, real = [], os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")).name)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    assert runner.invoke(app, ["norms", str(config)]).exit_code == 0
+    written = [f"part-00000000{n}.parquet" for n in range(3)] + ["manifest.json", "scores.parquet"]
+    for name in written:  # each under its temporary name, before the rename
+        assert any(s.startswith(f".{name}.") and s.endswith(".tmp") for s in synced), name
+    assert {".scores.parquet.partial", tmp_path.name} <= set(synced)  # the renames themselves
+
+
+@pytest.mark.parametrize("after", [0.3, 1.5])
+def test_ctrl_c_during_start_up_is_one_line(tmp_path, after):
+    """Ctrl-C while torch loads (0.3 s) or while the model and data are read (later)."""
+    config = project(tmp_path)
+    proc = launch(config)
+    time.sleep(after)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    if proc.returncode == 0:
+        pytest.skip("the run finished before the signal")
+    assert proc.returncode == 130, stderr
+    assert stderr.strip().splitlines() == ["error: interrupted before any example was saved"]
+    assert not lock_path(tmp_path / "scores.parquet").exists()
