@@ -167,17 +167,20 @@ def test_a_second_run_on_the_same_output_exits_2_naming_the_first(tmp_path):
     hold.touch()
     first = launch(config, env={"HOLD": str(hold)})
     out = tmp_path / "scores.parquet"
-    deadline = time.monotonic() + 60
-    while not (lock_path(out).exists() and lock_path(out).read_text().strip()):
-        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
-        time.sleep(0.02)
-    second = launch(config)
-    _, stderr = second.communicate(timeout=60)
-    assert second.returncode == 2, stderr
-    (line,) = stderr.strip().splitlines()
-    assert f"another gradscope run (pid {first.pid}) is writing this output" in line, line
-    hold.unlink()
-    assert first.wait(timeout=60) == 0, first.communicate()
+    try:
+        deadline = time.monotonic() + 60
+        while not (lock_path(out).exists() and lock_path(out).read_text().strip()):
+            assert first.poll() is None and time.monotonic() < deadline, "the first never locked"
+            time.sleep(0.02)
+        second = launch(config)
+        _, stderr = second.communicate(timeout=60)
+        assert second.returncode == 2, stderr
+        (line,) = stderr.strip().splitlines()
+        assert f"another gradscope run (pid {first.pid}) is writing this output" in line, line
+        hold.unlink()
+        assert first.wait(timeout=60) == 0, first.communicate()
+    finally:
+        first.kill()  # a no-op once it has finished
     alone = tmp_path / "alone.parquet"
     assert (
         runner.invoke(
@@ -287,7 +290,7 @@ def mount(tmp_path):
 
     yield make
     for target in mounted:
-        subprocess.run(["umount", str(target)], check=True)
+        subprocess.run(["umount", "-l", str(target)], check=True)  # -l: even with a file left open
 
 
 def test_read_only_output_folder(tmp_path, mount):
