@@ -1,37 +1,26 @@
-"""The run that writes one output: it never writes over what it reads, and resumes only itself."""
+"""The run that writes one output: it never writes over what it reads, holds its output alone,
+and resumes only itself. It owns the partial folder, the lock and the fingerprint."""
 
 from __future__ import annotations
 
-import glob
+import contextlib
+import dataclasses
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
+from . import distributed
 from .config import Config
-from .errors import ConfigError
+from .distributed import World
+from .errors import ConfigError, Interrupted
+from .io.data import Batch, code_file, data_files, open_dataset
+from .io.lock import OutputLock
 from .io.model import file_sha256
 from .io.parquet import PartialRun
-
-Inputs = list[tuple[str, str]]  # (what names it, path) for every file a run reads
-
-
-def code_file(spec: str) -> str | None:
-    """The file of a ``file.py:Name`` spec; None for anything else."""
-    return spec.rsplit(":", 1)[0] if ".py:" in spec else None
-
-
-def data_files(path: str | Iterable[str]) -> list[str]:
-    """The files a data path names: each file, each glob's matches, each ``file.py:fn``'s file."""
-    files = []
-    for spec in [path] if isinstance(path, str) else path:
-        if code_file(spec):
-            files.append(code_file(spec))
-        elif any(c in spec for c in "*?["):
-            files.extend(sorted(glob.glob(spec)))
-        else:
-            files.append(spec)
-    return files
+from .job import Job
+from .scorers import Inputs, NormsScorer, Scorer
 
 
 def run_inputs(cfg: Config, more: Inputs = ()) -> Inputs:
@@ -124,8 +113,8 @@ def _keys(old: object, new: object, key: str = "") -> list[str]:
     return [] if old == new else [key]
 
 
-def resumable(run: PartialRun, key: dict) -> dict:
-    """The manifest of the interrupted run to continue: there must be one, with this fingerprint."""
+def resumed_parts(run: PartialRun, key: dict) -> set[int]:
+    """The parts of the interrupted run to continue: there must be one, with this fingerprint."""
     saved = run.manifest()
     if saved is None:
         raise ConfigError(
@@ -139,4 +128,110 @@ def resumable(run: PartialRun, key: dict) -> dict:
             "run without --resume to start over",
             str(run.dir),
         )
-    return saved
+    return run.done()
+
+
+@dataclass
+class _Parts:
+    """This rank's side of the partial folder, begun (unless resumed) after its first batch."""
+
+    run: PartialRun
+    world: World
+    key: dict
+    done: set[int] | None  # the parts an interrupted run left; None when starting afresh
+    begun: bool = False
+
+    def wanted(self, number: int) -> bool:
+        return self.world.owns(number) and number not in (self.done or ())
+
+    def write(self, number: int, columns: dict) -> None:
+        self.begin()
+        self.run.write(number, columns)
+
+    def begin(self) -> None:
+        """Once every rank's first batch has run: begin the partial folder, or keep it."""
+        if self.begun:
+            return
+        self.begun = True
+        distributed.barrier()
+        if self.world.main and self.done is None:
+            self.run.start({"fingerprint": self.key})
+        distributed.barrier()
+
+
+def score_dataset(
+    cfg: Config,
+    scorer: Scorer | None = None,
+    *,
+    trust_checkpoint: bool = False,
+    resume: bool = False,
+    on_start: Callable[[int | None], None] | None = None,
+    on_batch: Callable[[int], None] | None = None,
+) -> Path | None:
+    """Score every example of ``cfg``'s dataset with ``scorer`` (norms by default) and write the
+    Parquet file at ``output.path``.
+
+    Before anything runs, the output is checked against every input and locked. Each batch's rows
+    become a part file in the partial folder as soon as they are scored (see ``io/parquet.py``);
+    with ``resume`` the parts of an interrupted run with the same fingerprint are kept and only
+    the missing batches are scored. Under torchrun, rank r scores batches r, r + K, ... and rank 0
+    assembles the file with the metadata as it stands after the last batch; other ranks return
+    None. The first batch runs before anything is written, so input the model cannot take leaves
+    no file. ``on_start`` gets the number of rows this process scores, None when unknown.
+    """
+    scorer = scorer or NormsScorer()
+    inputs = run_inputs(cfg, scorer.reads())
+    check_output(cfg.output.path, inputs)
+    with distributed.session() as world, contextlib.ExitStack() as stack:
+        if world.main:
+            stack.enter_context(OutputLock(cfg.output.path))
+        run = PartialRun(cfg.output.path)
+        key = fingerprint(cfg, scorer.command, inputs, scorer.resume_key())
+        parts = _Parts(run, world, key, resumed_parts(run, key) if resume else None)
+        job = Job.from_config(
+            dataclasses.replace(cfg, device=world.device(cfg.device)), trust_checkpoint
+        )
+        dataset = open_dataset(cfg.data)
+        length = dataset.length
+        if length is not None and cfg.data.limit is not None:
+            length = min(length, cfg.data.limit)
+        if on_start:
+            on_start(world.rows(length, cfg.data.batch_size))
+        stack.enter_context(scorer)
+        stack.enter_context(job.engine)
+        scorer.setup(job)
+        count = _score(
+            parts, job, scorer, dataset.batches(cfg.data.batch_size, cfg.data.limit), on_batch
+        )
+        distributed.barrier()  # every rank's parts are written
+        if not world.main:
+            return None
+        return run.assemble(count, job.metadata(scorer.command) | scorer.metadata())
+
+
+def _score(
+    parts: _Parts,
+    job: Job,
+    scorer: Scorer,
+    batches: Iterable[Batch],
+    on_batch: Callable[[int], None] | None,
+) -> int:
+    """Score this rank's batches that no part holds yet; the number of batches in the dataset."""
+    rows, number = 0, -1
+    try:
+        for number, batch in enumerate(batches):
+            if not parts.world.owns(number):
+                continue
+            if parts.wanted(number):
+                parts.write(number, scorer.columns(job, batch))
+            rows += len(batch)
+            if on_batch:
+                on_batch(len(batch))
+    except KeyboardInterrupt:
+        raise Interrupted(
+            f"interrupted with {rows} examples saved; run the same command with --resume "
+            "to continue",
+            str(parts.run.dir),
+        ) from None
+    parts.begin()  # a rank with no batch of its own still meets the others
+    return number + 1

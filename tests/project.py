@@ -14,6 +14,7 @@ import torch
 import yaml
 
 from gradscope.io.parquet import partial_path
+from gradscope.scorers import NormsScorer
 
 MODEL_PY = '''
 import torch
@@ -136,3 +137,18 @@ def wait_for_parts(out, n: int, proc) -> None:
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline
         time.sleep(0.02)
+
+
+class CountingNorms(NormsScorer):
+    """The norms scorer, keeping the first row of each batch it scores; interrupted (as by Ctrl-C)
+    when it reaches its ``stop``-th batch."""
+
+    def __init__(self, stop: int | None = None):
+        super().__init__()
+        self.stop, self.scored = stop, []
+
+    def columns(self, job, batch):
+        if len(self.scored) == self.stop:
+            raise KeyboardInterrupt
+        self.scored.append(int(batch.index[0]))
+        return super().columns(job, batch)

@@ -309,6 +309,16 @@ def shard_paths(path: str | Sequence[str]) -> list[str]:
     return files
 
 
+def code_file(spec: str) -> str | None:
+    """The file of a ``file.py:Name`` spec; None for anything else."""
+    return spec.rsplit(":", 1)[0] if ".py:" in spec else None
+
+
+def data_files(path: str | Sequence[str]) -> list[str]:
+    """The files a data path reads: each file, each glob's matches, each ``file.py:fn``'s file."""
+    return [code_file(spec) or spec for spec in shard_paths(path)]
+
+
 class Dataset:
     """The configured rows, read source by source in runs so that memory stays flat.
 

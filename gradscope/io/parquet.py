@@ -120,15 +120,15 @@ class PartialRun:
         table = pa.table({name: pa.array(v, type=arrow_type(v)) for name, v in columns.items()})
         _replace_atomically(self._part(number), lambda f: pq.write_table(table, f))
 
-    def assemble(self, parts: int) -> Path:
-        """Parts ``0 .. parts-1`` in order, one row group each, into ``path``; the folder goes."""
+    def assemble(self, parts: int, metadata: dict[str, Any]) -> Path:
+        """Parts ``0 .. parts-1`` in order, one row group each, into ``path`` with ``metadata``
+        under the ``gradscope`` key; the folder goes."""
         missing = sorted(set(range(parts)) - self.done())
         if missing:
             raise DataError(
                 f"the partial run lacks batch {missing[0]}; run again without --resume",
                 str(self.dir),
             )
-        metadata = json.loads((self.dir / MANIFEST).read_text())["metadata"]
         first = pq.read_schema(self._part(0))
         schema = first.with_metadata({METADATA_KEY: json.dumps(metadata, default=str)})
 
