@@ -122,6 +122,12 @@ class SlowNet(Net):
 """
 
 
+def slow_project(root: Path, n: int = 40) -> Path:
+    """make_project with SlowNet as the model: each forward sleeps $SLOW seconds."""
+    (root / "slow.py").write_text(SLOW_MODEL)
+    return make_project(root, n=n, model__factory="slow.py:SlowNet")
+
+
 def launch(config, *args, slow=0.05, env=None):
     """``python -m gradscope norms`` in a subprocess, each forward ``slow`` seconds long."""
     env = {**os.environ, "SLOW": str(slow), "OMP_NUM_THREADS": "1", **(env or {})}

@@ -8,7 +8,7 @@ import signal
 import pandas as pd
 import pytest
 import torch
-from project import SLOW_MODEL, CountingNorms, launch, make_project, wait_for_parts
+from project import CountingNorms, launch, make_project, slow_project, wait_for_parts
 
 from gradscope.config import load_config
 from gradscope.errors import ConfigError, Interrupted
@@ -62,8 +62,7 @@ def test_resume_with_another_config_or_checkpoint_is_refused(tmp_path, change):
 
 
 def test_ctrl_c_then_kill_9_then_resume(tmp_path):
-    config = make_project(tmp_path, n=40, model__factory="slow.py:SlowNet")
-    (tmp_path / "slow.py").write_text(SLOW_MODEL)
+    config = slow_project(tmp_path)
     out = tmp_path / "scores.parquet"
     proc = launch(config)
     wait_for_parts(out, 3, proc)

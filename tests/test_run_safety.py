@@ -11,12 +11,21 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from project import SLOW_MODEL, edit_config, edit_data, launch, make_project, wait_for_parts
+from oracle import assert_rel_close, reference_norms
+from project import (
+    edit_config,
+    edit_data,
+    launch,
+    load_net,
+    make_project,
+    slow_project,
+    wait_for_parts,
+)
 from typer.testing import CliRunner
 
 from gradscope.cli import app
 from gradscope.io.lock import lock_path
-from gradscope.io.parquet import partial_path
+from gradscope.io.parquet import partial_path, read_metadata
 
 runner = CliRunner()
 
@@ -204,8 +213,7 @@ def test_lock_left_by_a_dead_run_is_taken_over(tmp_path):
 
 
 def test_kill_9_and_torn_parts_then_resume_rescores_them(tmp_path):
-    config = project(tmp_path, n=40, model__factory="slow.py:SlowNet")
-    (tmp_path / "slow.py").write_text(SLOW_MODEL)
+    config = slow_project(tmp_path)
     out = tmp_path / "scores.parquet"
     proc = launch(config)
     wait_for_parts(out, 6, proc)
@@ -346,3 +354,32 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path, after):
     assert proc.returncode == 130, stderr
     assert stderr.strip().splitlines() == ["error: interrupted before any example was saved"]
     assert not lock_path(tmp_path / "scores.parquet").exists()
+
+
+BRANCHY = """
+import torch
+from model import Net
+
+
+class Branchy(Net):
+    '''On a short batch (the last one), fc2's weight is used without calling fc2.'''
+
+    def forward(self, x):
+        if x.shape[0] == 4:
+            return super().forward(x)
+        return torch.tanh(self.fc1(x)) @ self.fc2.weight.T + self.fc2.bias
+"""
+
+
+def test_plan_change_on_a_later_batch_reaches_the_metadata(tmp_path):
+    config = project(tmp_path, n=23, model__factory="branchy.py:Branchy")  # batches 4 x 5 + 3
+    (tmp_path / "branchy.py").write_text(BRANCHY)
+    result = runner.invoke(app, ["norms", str(config)])
+    assert result.exit_code == 0, result.output
+    plan = {p["name"]: p for p in read_metadata(tmp_path / "scores.parquet")["plan"]}
+    assert plan["fc2.weight"]["note"] == "used without a call of its module"
+    assert plan["fc2.weight"]["rule"] != plan["fc1.weight"]["rule"]
+    net, x, y = load_net(tmp_path)  # the same function as Branchy: the numbers stay exact
+    _, norm = reference_norms(net, (x,), y, "cross_entropy")
+    frame = pd.read_parquet(tmp_path / "scores.parquet")
+    assert_rel_close(torch.tensor(frame["grad_norm"].to_numpy()), norm, 1e-4)
