@@ -336,8 +336,9 @@ def test_parts_manifest_file_and_folders_are_fsynced(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", fsync)
     assert runner.invoke(app, ["norms", str(config)]).exit_code == 0
     written = [f"part-00000000{n}.parquet" for n in range(3)] + ["manifest.json", "scores.parquet"]
-    for name in written:  # each under its temporary name, before the rename
-        assert any(s.startswith(f".{name}.") and s.endswith(".tmp") for s in synced), name
+    for name in written:  # each under a temporary name of this process's own, before the rename
+        mine = f".{name}.{os.getpid()}-"
+        assert any(s.startswith(mine) and s.endswith(".tmp") for s in synced), name
     assert {".scores.parquet.partial", tmp_path.name} <= set(synced)  # the renames themselves
 
 
