@@ -1,5 +1,4 @@
-"""The run that writes one output: it never writes over what it reads, holds its output alone,
-and resumes only itself. It owns the partial folder, the lock and the fingerprint."""
+"""One run: its output locked and kept off its inputs, its partial folder and resume fingerprint."""
 
 from __future__ import annotations
 
