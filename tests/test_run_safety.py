@@ -46,6 +46,16 @@ class HeldNet(Net):
         return super().forward(x)
 
 
+class HeldAtStart(Net):
+    '''Writes the file $BUILDING, then waits while it is being built (start-up never ends).'''
+
+    def __init__(self):
+        super().__init__()
+        open(os.environ["BUILDING"], "w").close()
+        while True:
+            time.sleep(0.01)
+
+
 class StopNet(Net):
     '''Ctrl-C (KeyboardInterrupt) at its $STOP_AT-th forward.'''
 
@@ -342,16 +352,28 @@ def test_parts_manifest_file_and_folders_are_fsynced(tmp_path, monkeypatch):
     assert {".scores.parquet.partial", tmp_path.name} <= set(synced)  # the renames themselves
 
 
-@pytest.mark.parametrize("after", [0.3, 1.5])
-def test_ctrl_c_during_start_up_is_one_line(tmp_path, after):
-    """Ctrl-C while torch loads (0.3 s) or while the model and data are read (later)."""
-    config = project(tmp_path)
-    proc = launch(config)
-    time.sleep(after)
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
-    if proc.returncode == 0:
-        pytest.skip("the run finished before the signal")
+def torch_loading(pid: int) -> bool:
+    """Whether the process has begun loading torch's libraries (its import takes seconds)."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.parametrize("moment", ["importing-torch", "building-the-model"])
+def test_ctrl_c_during_start_up_is_one_line(tmp_path, moment):
+    config = project(tmp_path, model__factory="held.py:HeldAtStart")
+    building = tmp_path / "building"
+    proc = launch(config, env={"BUILDING": str(building)})
+    try:
+        deadline = time.monotonic() + 60
+        ready = (
+            (lambda: torch_loading(proc.pid)) if moment == "importing-torch" else building.exists
+        )
+        while not ready():
+            assert proc.poll() is None and time.monotonic() < deadline, "never got there"
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
     assert proc.returncode == 130, stderr
     assert stderr.strip().splitlines() == ["error: interrupted before any example was saved"]
     assert not lock_path(tmp_path / "scores.parquet").exists()
