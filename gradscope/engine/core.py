@@ -321,10 +321,11 @@ class Engine:
         """(B,) losses and what ``observe`` reads from the same output."""
         try:
             output = self.forward(self.model, inputs)
-        except (RuntimeError, TypeError, ValueError, IndexError) as e:
+        except (RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
             shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
             raise ModelError(
-                f"the model cannot take inputs of shape {shapes}: {e}", "data.inputs"
+                f"the model cannot take inputs of shape {shapes}: {type(e).__name__}: {e}",
+                "data.inputs",
             ) from e
         observed = {}
         if self.observe is not None:
