@@ -32,7 +32,7 @@ class _ErrorBoundary(TyperGroup):
             try:
                 return super().invoke(ctx)
             except KeyboardInterrupt:  # before any example was saved (loading the model, REF)
-                raise Interrupted("interrupted before any example was saved") from None
+                raise Interrupted(Interrupted.BEFORE_START) from None
         except GradscopeError as e:
             if os.environ.get("GRADSCOPE_DEBUG"):
                 raise
@@ -108,6 +108,7 @@ def _run(
     if path is None:  # on the ranks other than 0 under torchrun
         return
     _summary(path, score, cfg.summary.top_k)
+    console.print(f"wrote {path}")
     if report:
         _write_report(path, None, cfg, score, cfg.summary.top_k)
 
@@ -116,7 +117,6 @@ def _summary(path: Path, by: str | None, top_k: int) -> None:
     from .summary import summarize
 
     console.print(summarize(path, by, top_k))
-    console.print(f"wrote {path}")
 
 
 def _write_report(
@@ -143,7 +143,8 @@ def norms(
     report: ReportOpt = False,
 ) -> None:
     """L2 norm of each example's own loss gradient."""
-    from .api import score_dataset
+    from .run import score_dataset
+    from .scorers import NormsScorer
 
     cfg = with_overrides(
         load_config(config),
@@ -156,7 +157,13 @@ def norms(
     )
     _run(
         "norms",
-        partial(score_dataset, cfg, "norms", trust_checkpoint=trust_checkpoint, resume=resume),
+        partial(
+            score_dataset,
+            cfg,
+            NormsScorer(trust_checkpoint),
+            trust_checkpoint=trust_checkpoint,
+            resume=resume,
+        ),
         "grad_norm",
         cfg,
         report,
@@ -197,7 +204,8 @@ def influence(
     report: ReportOpt = False,
 ) -> None:
     """Inner product of each example's loss gradient with the mean-loss gradient over REF."""
-    from .api import influence_dataset
+    from .run import score_dataset
+    from .scorers import InfluenceScorer
 
     cfg = with_overrides(
         load_config(config),
@@ -207,16 +215,14 @@ def influence(
         limit=limit,
         top_k=top_k,
     )
-    run = partial(
-        influence_dataset,
-        cfg,
+    scorer = InfluenceScorer(
         ref,
         per_ref=per_ref,
         precondition=precondition,
         engine=engine,
         trust_checkpoint=trust_checkpoint,
-        resume=resume,
     )
+    run = partial(score_dataset, cfg, scorer, trust_checkpoint=trust_checkpoint, resume=resume)
     _run("influence", run, "influence", cfg, report)
 
 
@@ -236,8 +242,8 @@ def check(
     trust_checkpoint: TrustOpt = False,
 ) -> None:
     """Compare both engines with a per-example backward loop; exit 1 above tolerance."""
-    from .api import check_config
     from .engine.check import render_plan, render_report
+    from .job import check_config
 
     cfg = with_overrides(load_config(config), device=device)
     report = check_config(
@@ -263,6 +269,7 @@ def summary(scores: ScoresArg, by: ByOpt = None, top_k: RowsOpt = 20) -> None:
 
     if not scores.is_file():
         raise DataError("scores file not found", str(scores))
+    _check_top_k(top_k)
     _summary(scores, by, top_k)
 
 
@@ -280,7 +287,15 @@ def report(
     top_k: RowsOpt = 20,
 ) -> None:
     """Write one self-contained HTML page: charts of the scores, the top-k examples shown."""
+    _check_top_k(top_k)
     _write_report(scores, out, load_config(config) if config else None, by, top_k)
+
+
+def _check_top_k(top_k: int) -> None:
+    from .errors import ConfigError
+
+    if top_k < 1:
+        raise ConfigError(f"--top-k must be at least 1, got {top_k}", "--top-k")
 
 
 def main() -> None:
