@@ -155,6 +155,10 @@ def test_report_command_and_flag(tmp_path):
     page = out.read_text()
     assert page.count('<tr class="row">') == 3 and "top 3 marked" in page
     assert 'class="text"' not in page and "--config" in page  # no config: no examples
+    args = ["report", str(tmp_path / "scores.parquet"), "--config", str(config), "--out"]
+    result = runner.invoke(app, [*args, str(tmp_path / "data.pt")])
+    assert result.exit_code == 2 and "the output path is the run's data.path" in result.stderr
+    assert torch.load(tmp_path / "data.pt")["x"].shape == (23, 5)  # untouched
 
 
 def test_user_errors_exit_2_with_one_line(tmp_path):

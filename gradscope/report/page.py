@@ -12,6 +12,7 @@ from .. import __version__
 from ..config import Config
 from ..errors import DataError
 from ..io.parquet import read_metadata
+from ..run import check_output, run_inputs
 from ..summary import Outliers, column, fmt, is_labels, rank
 from . import charts
 from .examples import Shown, show_examples
@@ -124,8 +125,7 @@ def write_report(
     if not scores.is_file():
         raise DataError("scores file not found", str(scores))
     target = Path(out) if out is not None else scores.with_suffix(".html")
-    if target.resolve() == scores.resolve():
-        raise DataError("the report would overwrite the scores file", str(target))
+    check_output(target, [("scores file", str(scores)), *(run_inputs(cfg) if cfg else [])])
     page = render(scores, cfg, by, top_k)
     temporary = target.with_name(f".{target.name}.tmp")
     try:

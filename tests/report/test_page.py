@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gradscope.cli import app
-from gradscope.errors import DataError
+from gradscope.errors import ConfigError, DataError
 from gradscope.report import write_report
 from gradscope.report.page import render
 
@@ -69,16 +69,16 @@ def test_per_layer_and_influence_files_get_their_views(tmp_path):
     assert ">fc1<" in page and ">fc2<" in page  # the module names label the bars
 
 
-def test_report_refuses_to_overwrite_the_scores_and_a_missing_file(tmp_path):
+def test_report_refuses_to_overwrite_its_inputs_and_a_missing_file(tmp_path):
     scores = scores_file(tmp_path / "s.parquet")
-    with pytest.raises(DataError, match="overwrite the scores"):
+    with pytest.raises(ConfigError, match="the output path is the run's scores file"):
         write_report(scores, scores)
     with pytest.raises(DataError, match="scores file not found"):
         write_report(tmp_path / "none.parquet")
     assert write_report(scores) == tmp_path / "s.html"
     with pytest.raises(DataError, match="cannot write the report: No such file or directory"):
         write_report(scores, tmp_path / "missing" / "r.html")
-    with pytest.raises(DataError, match="cannot write the report: Is a directory"):
+    with pytest.raises(ConfigError, match="the output path is a folder"):
         write_report(scores, tmp_path)
 
 
