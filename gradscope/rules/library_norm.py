@@ -3,9 +3,9 @@ timm's ``LayerNorm`` and ``LayerNorm2d``, nanoGPT-style ``LayerNorm``: any class
 ``weight * xhat + bias`` for some normalisation ``xhat`` of its input, recognised by name and
 structure, never imported.
 
-xhat comes from the module's own forward run with weight 1 and bias 0, so it is exactly what
-the class computes (HF's float32 upcast and cast back, T5's half-precision cast, timm's permutes),
-whatever its eps is called. A class that uses its weight otherwise (Gemma's ``(1 + weight)``) is
+xhat comes from the module's own forward run with weight 1 and bias 0, so it is what the class
+computes (HF's float32 upcast and cast back, T5's half-precision cast, timm's permutes), whatever
+its eps is called, bit for bit where the class multiplies by its weight as a separate op. A class that uses its weight otherwise (Gemma's ``(1 + weight)``) is
 recognised wrongly; the engine's first-batch self-check then moves it to the fallback.
 """
 
@@ -44,7 +44,7 @@ def channels_first(module: nn.Module) -> bool:
 
 
 def unit_forward(module: nn.Module, x: Tensor) -> Tensor:
-    """``module``'s own forward on ``x`` with weight 1 and bias 0: its xhat, bit for bit."""
+    """``module``'s own forward on ``x`` with weight 1 and bias 0: its xhat."""
     unit = copy.copy(module)  # a shallow copy: the parameter dict is replaced, not edited
     unit._parameters = dict(module._parameters, weight=torch.ones_like(module.weight))
     if module._parameters.get("bias") is not None:
