@@ -149,36 +149,3 @@ def build_model(cfg: ModelConfig, trust_checkpoint: bool = False) -> nn.Module:
             )
     model.load_state_dict(state)
     return model
-
-
-def select_output(outputs: Any, spec: str | int | None) -> torch.Tensor:
-    """Pick the tensor the loss reads from a tuple, dict or object returned by forward."""
-    if spec is None:
-        selected = outputs
-    elif isinstance(outputs, dict):
-        if spec not in outputs:
-            raise ModelError(
-                f"forward returned a dict without key {spec!r} (keys: {', '.join(map(str, outputs))})",
-                "model.output",
-            )
-        selected = outputs[spec]
-    elif isinstance(outputs, (tuple, list)):
-        try:
-            selected = outputs[int(spec)]
-        except (ValueError, IndexError) as e:
-            raise ModelError(
-                f"forward returned {len(outputs)} items; model.output={spec!r} does not pick one",
-                "model.output",
-            ) from e
-    elif isinstance(spec, str) and hasattr(outputs, spec):
-        selected = getattr(outputs, spec)
-    else:
-        raise ModelError(
-            f"forward returned a {type(outputs).__name__}, which has no {spec!r}", "model.output"
-        )
-    if not isinstance(selected, torch.Tensor):
-        raise ModelError(
-            f"forward returned a {type(selected).__name__}; set model.output to pick a tensor",
-            "model.output",
-        )
-    return selected
