@@ -9,8 +9,11 @@ import families as fam
 import pytest
 import torch
 import torch.nn.functional as F
+from oracle import assert_rel_close, reference_norms
 from torch import Tensor, nn
 
+from gradscope.engine.core import Engine, total
+from gradscope.losses import resolve_loss
 from gradscope.rules import find_rule
 from gradscope.rules.library_norm import unit_forward
 
@@ -129,3 +132,17 @@ def test_unit_forward_leaves_the_module_and_its_hooks_alone() -> None:
     unit_forward(module, torch.randn(2, 4))
     assert not calls and torch.equal(module.weight, weight)
     assert isinstance(module.weight, nn.Parameter) and module.weight.requires_grad
+
+
+def test_a_module_recognised_wrongly_goes_to_the_fallback() -> None:
+    """Gemma's RMSNorm passes for weight * xhat; the first-batch self-check catches it, and the
+    norms stay those of the loop."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), GemmaRMSNorm(6), nn.Tanh(), nn.Linear(6, 2)).double()
+    with torch.no_grad():
+        model[1].weight.normal_()
+    x, y = torch.randn(5, 3, 4, dtype=torch.float64), torch.randn(5, 3, 2, dtype=torch.float64)
+    with Engine(model, resolve_loss("mse")) as engine:
+        norms = total(engine.norms((x,), y).norm_sq).sqrt()
+    assert [p.name for p in engine.plan.fallback] == ["1.weight"]
+    assert_rel_close(norms, reference_norms(model, (x,), y, "mse")[1], rtol=1e-6)
