@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..errors import ConfigError, ModelError
-from ..rules.base import accumulation_dtype
+from ..rules.base import accumulation_dtype, rows
 from .core import Engine, total
 from .jvp import JvpUnsupported, jvp_inner
 from .naive import naive_grads
+from .reduce import Want
 
 ENGINES = ("auto", "hooks", "jvp")
 MAX_PER_REF = 1000  # --per-ref holds one gradient per reference example: (K, P) floats
@@ -93,6 +94,11 @@ def adam_denominator(state: Any, engine: Engine, where: str) -> dict[str, Tensor
     return denominators
 
 
+def preconditioned(refs: dict[str, Tensor], denominators: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The reference directions divided by Adam's ``sqrt(v_hat) + eps``, parameter by parameter."""
+    return {name: r / denominators[name] for name, r in refs.items()}  # (K, *shape) / (*shape)
+
+
 @dataclass
 class BatchInfluence:
     """One batch scored against K reference directions at one checkpoint, in float64."""
@@ -100,6 +106,7 @@ class BatchInfluence:
     loss: Tensor  # (B,)
     inner: Tensor  # (B, K) <grad l_i, r_k>
     norm_sq: Tensor | None  # (B,) ||grad l_i||^2, when asked for
+    observed: dict[str, Tensor] = field(default_factory=dict)  # the engine's ``observe`` columns
 
 
 def check_engine(name: str) -> str:
@@ -132,27 +139,34 @@ class Influence:
     def ref_norm(self) -> Tensor:
         """(K,) the L2 norm of each reference direction over the selected parameters."""
         return (
-            torch.stack([r.double().flatten(1).pow(2).sum(1) for r in self.refs.values()])
-            .sum(0)
-            .sqrt()
+            torch.stack([rows(r).double().pow(2).sum(1) for r in self.refs.values()]).sum(0).sqrt()
         )
 
     def __call__(self, inputs: tuple[Tensor, ...], targets: Tensor) -> BatchInfluence:
         while self.method == "jvp":
             try:
-                loss, inner = jvp_inner(self.engine, inputs, targets, self.refs, self._recording)
+                loss, inner, observed = jvp_inner(
+                    self.engine, inputs, targets, self.refs, self._recording
+                )
             except JvpUnsupported as e:
                 if self._recording:
                     self.method, self.note = "hooks", f"forward mode failed, used hooks: {e}"
                 else:  # a fused inference kernel, perhaps: retry on the composite path
                     self._recording, self.note = True, f"forward mode with autograd recording: {e}"
                 continue
-            norm_sq = None
+            norm_sq, observed = None, {}
             if self.norms:
-                norm_sq = total(self.engine.norms(inputs, targets).norm_sq)
-            return BatchInfluence(loss.double(), inner.double(), norm_sq)
-        scores = self.engine.norms(inputs, targets, self.refs)
-        return BatchInfluence(scores.loss.double(), total(scores.inner), total(scores.norm_sq))
+                scores = self.engine.norms(inputs, targets)
+                norm_sq, observed = total(scores.norm_sq), scores.observed
+            elif self.engine.observe is not None:  # the jvp pass does not read them
+                with torch.no_grad():
+                    observed = self.engine.observe(
+                        self.engine.forward(self.engine.model, inputs), targets
+                    )
+            return BatchInfluence(loss.double(), inner.double(), norm_sq, observed)
+        scores = self.engine.scores(inputs, targets, Want(norms=self.norms, refs=self.refs))
+        norm_sq = total(scores.norm_sq) if self.norms else None
+        return BatchInfluence(scores.loss.double(), total(scores.inner), norm_sq, scores.observed)
 
 
 def influence_errors(
@@ -182,8 +196,8 @@ def influence_errors(
         if forward.method != "jvp":
             jvp = None
     g_ref = {n: g.double().mean(0).flatten() for n, g in ref_grads.items()}
-    exact = {n: g.double().flatten(1) @ g_ref[n] for n, g in grads.items()}  # (B, P) @ (P,)
-    g_norm = torch.stack([g.double().flatten(1).pow(2).sum(1) for g in grads.values()]).sum(0)
+    exact = {n: rows(g).double() @ g_ref[n] for n, g in grads.items()}  # (B, P) @ (P,)
+    g_norm = torch.stack([rows(g).double().pow(2).sum(1) for g in grads.values()]).sum(0)
     ref_norm = torch.stack([r.pow(2).sum() for r in g_ref.values()]).sum()
     scale = (g_norm * ref_norm).sqrt().clamp_min(torch.finfo(torch.float64).tiny)
 

@@ -113,12 +113,28 @@ class _Columns:
         self.check(columns, where)
         k = self.n_inputs
         tensors = [_as_tensor(columns[n], n, where) for n in self.names[: k + 1]]
-        ids = np.asarray(columns[self.names[-1]]) if self.has_ids else None
+        ids = _ids(columns[self.names[-1]], self.names[-1], start, where) if self.has_ids else None
         lengths = {len(t) for t in tensors} | ({len(ids)} if ids is not None else set())
         if len(lengths) != 1:
             raise DataError(f"columns have different numbers of rows: {sorted(lengths)}", where)
         n = lengths.pop()
         return Batch(torch.arange(start, start + n), tuple(tensors[:k]), tensors[k], ids)
+
+
+def _ids(values: Any, name: str, start: int, where: str) -> np.ndarray:
+    """The ids of a run of rows; a missing one (a null, read as NaN or None) is an error here,
+    not a column of another type at assembly."""
+    ids = np.asarray(values)
+    if ids.dtype.kind == "f":
+        missing = np.isnan(ids)
+    elif ids.dtype == object:
+        missing = np.array([v is None for v in ids], dtype=bool)
+    else:
+        return ids
+    if missing.any():
+        row = start + int(np.flatnonzero(missing)[0])
+        raise DataError(f"column {name!r} for data.ids has no value at row {row}", where)
+    return ids
 
 
 def _collate(items: list[Any], names: list[str], n_inputs: int, where: str) -> Columns:
@@ -291,6 +307,16 @@ def shard_paths(path: str | Sequence[str]) -> list[str]:
         else:
             files.append(spec)
     return files
+
+
+def code_file(spec: str) -> str | None:
+    """The file of a ``file.py:Name`` spec; None for anything else."""
+    return spec.rsplit(":", 1)[0] if ".py:" in spec else None
+
+
+def data_files(path: str | Sequence[str]) -> list[str]:
+    """The files a data path reads: each file, each glob's matches, each ``file.py:fn``'s file."""
+    return [code_file(spec) or spec for spec in shard_paths(path)]
 
 
 class Dataset:
