@@ -29,10 +29,6 @@ class Family:
     model: Callable[[], nn.Module]
     batch: Callable[[], tuple[tuple[Tensor, ...], Tensor]]  # (inputs, targets), seeded
     rules: set[str]  # library rules the model must be served by
-    # left to the fallback by the engine for now: raw parameters in broadcast ops (issue 9, point
-    # 3), and BERT's key biases, whose batch gradient is zero up to rounding (softmax ignores a
-    # shift shared by all keys), which the first-batch self-check takes for a wrong rule
-    engine: set[str]
 
     def __repr__(self) -> str:
         return self.id
@@ -73,35 +69,30 @@ FAMILIES = [
         hf(fam.hf_gpt2, vocab=VOCAB, d=32, layers=2, heads=4, seq=16),
         next_tokens,
         {"hf_conv1d"},
-        set(),
     ),
     Family(
         "hf-bert-padded",
         hf(fam.hf_bert, vocab=VOCAB, d=32, layers=2, heads=4, seq=16, attn_implementation="eager"),
         padded,
         set(),
-        {f"model.bert.encoder.layer.{i}.attention.self.key.bias" for i in (0, 1)},
     ),
     Family(
         "hf-llama-gqa",
         hf(fam.hf_llama, vocab=VOCAB, d=32, layers=2, heads=4, kv_heads=2, seq=16),
         next_tokens,
         {"library_norm"},
-        set(),
     ),
     Family(
         "nanogpt",
         lambda: fam.NanoGPT(VOCAB, block_size=16, d=32, heads=4, layers=2),
         nanogpt_batch,
         {"library_norm"},
-        set(),
     ),
     Family(
         "vit",
         lambda: fam.ViT(img=8, patch=4, d=32, layers=2, heads=4, classes=5, init_values=0.1),
         images,
         set(),
-        {"cls_token", "pos_embed"} | {f"blocks.{i}.ls{j}.gamma" for i in (0, 1) for j in (1, 2)},
     ),
 ]
 
@@ -130,24 +121,9 @@ def test_norms_match_loop(family: Family) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=repr)
-def test_library_layers_are_on_rules(family: Family) -> None:
-    """HF Conv1D and the norms of model libraries are served by rules; only what the engine does
-    not serve yet is left to the fallback."""
+def test_every_parameter_is_on_a_rule(family: Family) -> None:
+    """HF Conv1D and the norms of model libraries among them: nothing is left to the fallback
+    (position tables shared by the batch, cls_token, pos_embed and LayerScale gammas included)."""
     plan = served(*build(family))
-    assert {p.name for p in plan.fallback} == family.engine
+    assert [(p.name, p.note) for p in plan.fallback] == []
     assert family.rules <= {rule for p in plan.by_rule for rule in p.rule.split("+")}
-
-
-@pytest.mark.parametrize(
-    "family",
-    [
-        pytest.param(
-            f, marks=pytest.mark.xfail(strict=True, reason="engine: issue 9 points 1 and 3")
-        )
-        for f in FAMILIES
-        if f.engine
-    ],
-    ids=repr,
-)
-def test_no_parameter_on_the_fallback(family: Family) -> None:
-    assert [p.name for p in served(*build(family)).fallback] == []
