@@ -10,7 +10,9 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[test]'
+	# pin the torch just installed, so the test extra (transformers) cannot swap in another build
+	$(PY) -m pip freeze | grep '^torch==' > $(VENV)/torch-pin.txt
+	$(PY) -m pip install -q -c $(VENV)/torch-pin.txt -e '.[test]'
 	touch $@
 
 example: $(VENV)/.installed
