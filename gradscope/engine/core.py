@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..errors import ModelError
+from ..errors import GradscopeError, ModelError
 from ..losses import LossFn
 from ..rules import Contribution, find_rule
 from .broadcast import BroadcastTap, View, per_example
-from .fallback import Fallback
+from .fallback import Fallback, short_reason
 from .first_batch import Findings, agrees, findings_for
 from .forward import Forward
 from .plan import BROADCAST, FALLBACK_LOOP, ParamPlan, Plan, build_plan
@@ -229,8 +229,17 @@ class Engine:
             return reducer
 
         def on_grad(call: Call, grad: Tensor) -> None:
-            parts = find_rule(call.module).fn(call.module, call.inputs, grad, **call.kwargs)
-            call.release()
+            try:
+                parts = find_rule(call.module).fn(call.module, call.inputs, grad, **call.kwargs)
+            except GradscopeError:
+                raise  # a rule's refusal (BatchNorm on batch statistics) is the user's to fix
+            except Exception as e:  # a layer recognised wrongly: its rule declines
+                for (module, _), p in served.items():
+                    if module == id(call.module):
+                        findings.failed[p.name] = f"its rule failed: {short_reason(e)}"
+                return
+            finally:
+                call.release()
             for attr, part in parts.items():
                 p = served.get((id(call.module), attr))
                 if p is not None and not p.is_fallback:
@@ -274,6 +283,9 @@ class Engine:
                 self.plan.to_fallback(
                     p, "a second output of its module (attention weights) reaches the loss"
                 )
+        for p in self.plan.by_rule:
+            if p.name in findings.failed:
+                self.plan.to_fallback(p, findings.failed[p.name])
         present = [g.double().norm() for g in grads if g is not None]
         total = torch.stack(present).norm().item() if verify and present else 0.0
         for p, g in zip(checked, grads, strict=True):

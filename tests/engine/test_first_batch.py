@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from gradscope.engine.core import Engine
 from gradscope.engine.influence import Influence, reference_gradients
 from gradscope.losses import resolve_loss
+from gradscope.rules import RULES, Rule
 
 VOCAB, D, T = 11, 6, 5
 
@@ -171,3 +172,19 @@ def test_influence_only_computes_no_norms():
     assert scores.norm_sq is None
     expected = F.cross_entropy(model(x), y, reduction="none")
     torch.testing.assert_close(scores.loss, expected.detach())
+
+
+def test_rule_that_raises_declines_and_the_fallback_serves(monkeypatch):
+    """A layer recognised wrongly may make its rule fail (a reshape that does not fit): the
+    rule declines, its parameters move to the fallback with the reason, and stay exact."""
+
+    def broken(module, inputs, grad_output):
+        raise RuntimeError("shape '[5, -1, 7]' is invalid for input of size 30")
+
+    monkeypatch.setitem(RULES, nn.Embedding, Rule("embedding", broken))
+    plan = _run(
+        Case("positions", lambda: Positions("arange"), tokens, next_tokens, "cross_entropy")
+    )
+    assert plan["wte.weight"].rule == plan["wpe.weight"].rule == "fallback"
+    assert plan["wte.weight"].note.startswith("its rule failed: RuntimeError: shape")
+    assert plan["head.weight"].rule == "linear"
