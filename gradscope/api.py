@@ -16,7 +16,8 @@ from torch import Tensor, nn
 from . import __version__, distributed
 from .config import Config
 from .engine.check import CheckReport, compare_with_loop
-from .engine.core import Engine, prepared, total
+from .engine.core import Engine, total
+from .engine.forward import Forward
 from .engine.influence import (
     MAX_PER_REF,
     Influence,
@@ -25,7 +26,7 @@ from .engine.influence import (
     influence_errors,
     reference_gradients,
 )
-from .engine.plan import Plan, build_plan
+from .engine.plan import Plan
 from .errors import ConfigError, DataError, Interrupted
 from .io.data import Batch, open_dataset
 from .io.model import build_model, file_sha256, import_object, load_state_dict
@@ -53,9 +54,10 @@ def per_example_norms(
     (cross_entropy, nll, mse, l1, bce_with_logits) or a callable ``(outputs, targets) -> Tensor[B]``.
     The model's ``.grad`` fields, hooks and train/eval mode are left as they were.
     """
-    plan = build_plan(model, include, exclude)
-    engine = Engine(model, resolve_loss(loss), plan, output)
-    with prepared(model, plan):
+    engine = Engine(
+        model, resolve_loss(loss), include, exclude, Forward(output=output, where="output=")
+    )
+    with engine:
         scores = engine.norms(_as_tuple(inputs), targets)
     return total(scores.norm_sq).sqrt()
 
@@ -82,9 +84,10 @@ def per_example_influence(
     or ``auto`` (jvp, moving to hooks if an op lacks forward mode). ``.grad`` fields, hooks and
     train/eval mode are left as they were.
     """
-    plan = build_plan(model, include, exclude)
-    core = Engine(model, resolve_loss(loss), plan, output)
-    with prepared(model, plan):
+    core = Engine(
+        model, resolve_loss(loss), include, exclude, Forward(output=output, where="output=")
+    )
+    with core:
         refs = reference_gradients(core, [(_as_tuple(ref_inputs), ref_targets)])
         if precondition is not None:
             refs = _preconditioned(refs, adam_denominator(precondition, core, "precondition"))
@@ -125,7 +128,6 @@ class Job:
     model: nn.Module
     device: torch.device
     dtype: torch.dtype
-    plan: Plan
     engine: Engine
     extra: dict = field(default_factory=dict)  # more metadata from the scorer, by command
 
@@ -139,10 +141,20 @@ class Job:
         model = build_model(model_cfg, trust_checkpoint)
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else next(model.parameters()).dtype
         model.to(device=device, dtype=dtype)
-        plan = build_plan(model, cfg.params.include, cfg.params.exclude)
-        return cls(
-            cfg, model, device, dtype, plan, Engine(model, config_loss(cfg), plan, cfg.model.output)
+        inputs = cfg.data.inputs  # a mapping {forward_argument: column} is passed by keyword
+        keywords = tuple(inputs) if isinstance(inputs, dict) else ()
+        engine = Engine(
+            model,
+            config_loss(cfg),
+            cfg.params.include,
+            cfg.params.exclude,
+            Forward(keywords=keywords, output=cfg.model.output),
         )
+        return cls(cfg, model, device, dtype, engine)
+
+    @property
+    def plan(self) -> Plan:
+        return self.engine.plan
 
     def to_device(self, batch: Batch) -> tuple[tuple[Tensor, ...], Tensor]:
         def move(t: Tensor) -> Tensor:
@@ -279,7 +291,7 @@ def score_dataset(
             distributed.barrier()
 
         started, rows, number = False, 0, -1
-        with prepared(job.model, job.plan):
+        with job.engine:
             if hasattr(score_batch, "setup"):
                 score_batch.setup(job)
             try:
@@ -359,7 +371,7 @@ class InfluenceColumns:
         checkpoints = cfg.model.checkpoints
         jobs = [job.at_checkpoint(c.path, self.trust_checkpoint) for c in checkpoints[:-1]]
         for other in jobs:
-            self._stack.enter_context(prepared(other.model, other.plan))
+            self._stack.enter_context(other.engine)
         jobs.append(job)  # the job's own model is at the last checkpoint
         weights = [c.weight for c in checkpoints] or [1.0]
         described = []
@@ -494,7 +506,7 @@ def check_config(
     reference = batch
     if ref is not None:
         reference = job.to_device(next(open_dataset(cfg.data, ref).batches(examples, examples)))
-    with prepared(job.model, job.plan):
+    with job.engine:
         report = compare_with_loop(job.engine, *batch)
     report.influence = influence_errors(job.engine, *batch, *reference)
     return report

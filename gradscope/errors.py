@@ -33,3 +33,8 @@ class Interrupted(GradscopeError):
     """Ctrl-C during a run: the finished batches are kept for ``--resume``."""
 
     exit_code = 130
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line (library errors often span several)."""
+    return " ".join(str(e).split())

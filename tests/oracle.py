@@ -9,10 +9,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from gradscope.engine.core import prepared
+from gradscope.engine.core import Engine
+from gradscope.engine.forward import Forward, select_output
 from gradscope.engine.naive import naive_grads
-from gradscope.engine.plan import build_plan
-from gradscope.io.model import select_output
 from gradscope.losses import resolve_loss
 
 
@@ -58,15 +57,15 @@ def reference_norms(
     model = copy.deepcopy(model).double()
     inputs = tuple(t.double() if t.is_floating_point() else t for t in inputs)
     targets = targets.double() if targets.is_floating_point() else targets
-    plan = build_plan(model, include, exclude)
-    with prepared(model, plan):
+    fn = resolve_loss(loss, loss_kwargs)
+    with Engine(model, fn, include, exclude) as engine:
         losses, grads = naive_grads(
             model,
             inputs,
             targets,
-            resolve_loss(loss, loss_kwargs),
-            [p.name for p in plan.included],
-            output,
+            fn,
+            [p.name for p in engine.plan.included],
+            Forward(output=output),
         )
     norm = torch.stack([g.flatten(1).pow(2).sum(1) for g in grads.values()]).sum(0).sqrt()
     return losses, norm
@@ -102,10 +101,9 @@ def reference_influence(
 
     inputs, targets = f64(inputs), f64((targets,))[0]
     refs = (f64(refs[0]), f64((refs[1],))[0])
-    plan = build_plan(model, ("*",), exclude)
-    names = [p.name for p in plan.included]
-    with prepared(model, plan):
-        fn = resolve_loss(loss)
+    fn = resolve_loss(loss)
+    with Engine(model, fn, exclude=exclude) as engine:
+        names = [p.name for p in engine.plan.included]
         _, grads = naive_grads(model, inputs, targets, fn, names)
         _, ref_grads = naive_grads(model, *refs, fn, names)
     flat = torch.cat([grads[n].flatten(1) for n in names], 1)  # (B, P)

@@ -10,14 +10,13 @@ from oracle import Case, reference_influence
 from torch import Tensor, nn
 
 import gradscope
-from gradscope.engine.core import Engine, prepared
+from gradscope.engine.core import Engine
 from gradscope.engine.influence import (
     Influence,
     adam_denominator,
     influence_errors,
     reference_gradients,
 )
-from gradscope.engine.plan import build_plan
 from gradscope.errors import GradscopeError
 from gradscope.losses import resolve_loss
 
@@ -164,9 +163,8 @@ def test_per_ref_and_norms_match_loop(case: Case, engine: str) -> None:
     expected, g_norm, r_norm = reference_influence(
         model, inputs, targets, refs, case.loss, per_ref=True
     )
-    plan = build_plan(model)
-    core = Engine(model, resolve_loss(case.loss), plan)
-    with prepared(model, plan):
+    core = Engine(model, resolve_loss(case.loss))
+    with core:
         scorer = Influence(
             core, reference_gradients(core, [refs], per_ref=True), engine, norms=True
         )
@@ -180,9 +178,8 @@ def test_per_ref_and_norms_match_loop(case: Case, engine: str) -> None:
 
 def test_reference_mean_does_not_depend_on_batching() -> None:
     model, _, _, (ref_inputs, ref_targets) = _refs(CASES[0], n=7)
-    plan = build_plan(model)
-    core = Engine(model, resolve_loss("cross_entropy"), plan)
-    with prepared(model, plan):
+    core = Engine(model, resolve_loss("cross_entropy"))
+    with core:
         whole = reference_gradients(core, [(ref_inputs, ref_targets)])
         parts = reference_gradients(
             core, [((ref_inputs[0][:3],), ref_targets[:3]), ((ref_inputs[0][3:],), ref_targets[3:])]
@@ -232,8 +229,7 @@ def test_precondition_matches_loop(engine: str, amsgrad: bool) -> None:
 
 def test_precondition_mismatch_is_named() -> None:
     model = CASES[0].build()[0]
-    plan = build_plan(model)
-    core = Engine(model, resolve_loss("cross_entropy"), plan)
+    core = Engine(model, resolve_loss("cross_entropy"))
     other = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3), nn.Linear(3, 3)).double()
     with pytest.raises(GradscopeError, match="optimizer state has 6 parameters, the model has 4"):
         adam_denominator(torch.optim.Adam(other.parameters()).state_dict(), core, "adam.pt")
@@ -252,9 +248,8 @@ def _jvp_scorer(case: Case) -> Influence:
     """The jvp scorer run once on ``case``, its inner products checked against the loop."""
     model, inputs, targets, refs = _refs(case)
     expected, g_norm, r_norm = reference_influence(model, inputs, targets, refs, case.loss)
-    plan = build_plan(model)
-    core = Engine(model, resolve_loss(case.loss), plan)
-    with prepared(model, plan):
+    core = Engine(model, resolve_loss(case.loss))
+    with core:
         scorer = Influence(core, reference_gradients(core, [refs]), "jvp", norms=False)
         scores = scorer(inputs, targets)
     assert_cosine_close(scores.inner, expected, g_norm, r_norm)
@@ -294,9 +289,8 @@ def test_api_leaves_model_as_found() -> None:
 @pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=repr)
 def test_influence_errors_for_check(case: Case) -> None:
     model, inputs, targets, (ref_inputs, ref_targets) = _refs(case)
-    plan = build_plan(model)
     errors = influence_errors(
-        Engine(model, resolve_loss(case.loss), plan), inputs, targets, ref_inputs, ref_targets
+        Engine(model, resolve_loss(case.loss)), inputs, targets, ref_inputs, ref_targets
     )
     assert set(errors) == {"0", "2", "hooks", "jvp"}
     assert max(errors.values()) < TOL

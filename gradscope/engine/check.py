@@ -52,12 +52,12 @@ def _relative(fast: Tensor, loop: Tensor) -> float:
 def compare_with_loop(engine: Engine, inputs: tuple[Tensor, ...], targets: Tensor) -> CheckReport:
     """Per-module gradient norms of the engine and of one backward per example, compared.
 
-    The model must be prepared (``engine.core.prepared``). The engine runs first, so the plan the
+    The engine must be entered (``with engine:``). The engine runs first, so the plan the
     report holds says how each parameter was finally served.
     """
     fast = engine.norms(inputs, targets).norm_sq
     names = [p.name for p in engine.plan.included]
-    _, grads = naive_grads(engine.model, inputs, targets, engine.loss_fn, names, engine.output)
+    _, grads = naive_grads(engine.model, inputs, targets, engine.loss_fn, names, engine.forward)
     loop = {n: g.flatten(1).double().pow(2).sum(1) for n, g in grads.items()}  # (B,) each
     errors: dict[str, float] = {}
     for module in engine.plan.modules:

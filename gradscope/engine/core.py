@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
-from ..errors import ModelError
-from ..io.model import select_output
+from ..errors import GradscopeError, ModelError, one_line
 from ..losses import LossFn
 from ..rules import Contribution, find_rule
 from .fallback import Fallback
-from .plan import FALLBACK, FALLBACK_LOOP, Plan
+from .forward import Forward
+from .plan import FALLBACK, FALLBACK_LOOP, Plan, build_plan
 from .session import HookSession
 
 # What the probe for calls shared by examples found, per model and per (input shapes, hooked
@@ -33,6 +33,11 @@ class BatchScores:
     loss: Tensor  # (B,) each example's own loss
     norm_sq: dict[str, Tensor]  # parameter name -> (B,) squared norm of its per-example gradient
     inner: dict[str, Tensor] = field(default_factory=dict)  # name -> (B, K) <G_i, refs[name][k]>
+    observed: dict[str, Tensor] = field(default_factory=dict)  # what ``observe`` read, (B,) each
+
+
+# (selected output, targets) -> {column: (B,) tensor}: read from the scoring forward, no extra pass
+Observe = Callable[[Tensor, Tensor], dict[str, Tensor]]
 
 
 def total(per_param: dict[str, Tensor]) -> Tensor:
@@ -59,26 +64,66 @@ def prepared(model: nn.Module, plan: Plan) -> Iterator[None]:
 
 
 class Engine:
-    """Per-example gradient quantities of ``model`` under ``loss_fn``, served as ``plan`` says."""
+    """Per-example gradient quantities of ``model`` under ``loss_fn``: the one entry point.
+
+    Builds the plan for the parameters ``include``/``exclude`` select; ``forward`` says how the
+    model is called and which output the loss reads; ``observe`` reads more per-example columns
+    from the same output. Use it as a context manager around scoring: ``with engine:`` puts the
+    model in eval mode with the selected parameters requiring grad, and restores both on exit.
+    """
 
     def __init__(
-        self, model: nn.Module, loss_fn: LossFn, plan: Plan, output: str | int | None = None
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        include: Sequence[str] = ("*",),
+        exclude: Sequence[str] = (),
+        forward: Forward | None = None,
+        observe: Observe | None = None,
     ):
-        self.model, self.loss_fn, self.plan, self.output = model, loss_fn, plan, output
+        self.model, self.loss_fn = model, loss_fn
+        self.plan = build_plan(model, include, exclude)
+        self.forward = forward or Forward()
+        self.observe = observe
         self._copy: set[int] = set()  # modules whose outputs the model later edits in place
         self._probed = False  # whether a batch of B > 1 was probed for calls shared by examples
-        self.fallback = Fallback(model, loss_fn, output)
+        self._prepared: list[contextlib.ExitStack] = []
+        self.fallback = Fallback(model, loss_fn, self.forward)
+
+    def __enter__(self) -> Engine:
+        stack = contextlib.ExitStack()
+        stack.enter_context(prepared(self.model, self.plan))
+        self._prepared.append(stack)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._prepared.pop().close()
 
     def losses(self, inputs: tuple[Tensor, ...], targets: Tensor) -> Tensor:
         """(B,) per-example losses, with the graph kept for the backward."""
+        losses, _ = self._losses(inputs, targets)
+        return losses
+
+    def _losses(
+        self, inputs: tuple[Tensor, ...], targets: Tensor
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """(B,) losses and what ``observe`` reads from the same output."""
         try:
-            outputs = self.model(*inputs)
-        except (RuntimeError, TypeError, ValueError, IndexError) as e:
+            output = self.forward(self.model, inputs)
+        except GradscopeError:
+            raise
+        except Exception as e:  # whatever the user's forward raises: one line naming it
             shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
             raise ModelError(
-                f"the model cannot take inputs of shape {shapes}: {e}", "data.inputs"
+                f"the model cannot take inputs of shape {shapes}: {type(self.model).__name__}'s "
+                f"forward raised {type(e).__name__}: {one_line(e)}",
+                "data.inputs",
             ) from e
-        return self.loss_fn(select_output(outputs, self.output), targets)
+        observed = {}
+        if self.observe is not None:
+            with torch.no_grad():
+                observed = self.observe(output.detach(), targets)
+        return self.loss_fn(output, targets), observed
 
     def contributions(
         self, inputs: tuple[Tensor, ...], targets: Tensor
@@ -94,7 +139,7 @@ class Engine:
                 torch.set_grad_enabled(bool(self.plan.by_rule)),
                 HookSession(self.plan.hooked_modules, self._copy) as session,
             ):
-                losses = self.losses(inputs, targets)
+                losses, observed = self._losses(inputs, targets)
             edited = session.edited_in_place() - self._copy
             if not edited:
                 break
@@ -149,6 +194,7 @@ class Engine:
             for p in (p for p in fallback if p.rule != FALLBACK_LOOP):
                 p.rule = FALLBACK_LOOP
                 p.note += f"; vmap failed: {self.fallback.vmap_error}"
+        self._observed = observed
         return losses.detach(), result
 
     def norms(
@@ -166,4 +212,4 @@ class Engine:
                 inner[name] = (
                     losses.new_zeros(losses.shape[0], k) if c is None else c.inner(refs[name])
                 )
-        return BatchScores(loss=losses, norm_sq=norm_sq, inner=inner)
+        return BatchScores(loss=losses, norm_sq=norm_sq, inner=inner, observed=self._observed)

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from ..io.model import select_output
 from ..losses import LossFn
 from ..rules import Dense
 from ..rules.base import CHUNK_ELEMENTS
+from .forward import Forward
 from .naive import naive_grads
 
 
@@ -26,8 +26,8 @@ class Fallback:
     example instead. Both are exact.
     """
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, output: str | int | None = None):
-        self.model, self.loss_fn, self.output = model, loss_fn, output
+    def __init__(self, model: nn.Module, loss_fn: LossFn, forward: Forward):
+        self.model, self.loss_fn, self.forward = model, loss_fn, forward
         self.vmap_error: str | None = None
 
     def grads(
@@ -45,7 +45,7 @@ class Fallback:
                 # genuine error in the model or loss is raised again, readably, by the loop.
                 self.vmap_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if grads is None:
-            _, grads = naive_grads(self.model, inputs, targets, self.loss_fn, names, self.output)
+            _, grads = naive_grads(self.model, inputs, targets, self.loss_fn, names, self.forward)
         return {n: Dense(g) for n, g in grads.items()}
 
     def _vmapped(
@@ -58,8 +58,9 @@ class Fallback:
 
         def one_loss(theta: dict[str, Tensor], x: tuple[Tensor, ...], y: Tensor) -> Tensor:
             # A batch of one inside vmap: the model and loss see the shapes they always see.
-            out = functional_call(self.model, {**fixed, **theta}, tuple(t[None] for t in x))
-            return self.loss_fn(select_output(out, self.output), y[None])[0]
+            args, kwargs = self.forward.split(tuple(t[None] for t in x))
+            out = functional_call(self.model, {**fixed, **theta}, args, kwargs)
+            return self.loss_fn(self.forward.select(out), y[None])[0]
 
         numel = sum(p.numel() for p in chosen.values())
         chunk = max(1, min(targets.shape[0], CHUNK_ELEMENTS // numel))

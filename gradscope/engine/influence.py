@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..errors import ConfigError, ModelError
 from ..rules.base import accumulation_dtype
-from .core import Engine, prepared, total
+from .core import Engine, total
 from .jvp import JvpUnsupported, jvp_inner
 from .naive import naive_grads
 
@@ -170,11 +170,11 @@ def influence_errors(
     fails on the model).
     """
     names = [p.name for p in engine.plan.included]
-    with prepared(engine.model, engine.plan):
+    with engine:
         _, ref_grads = naive_grads(
-            engine.model, ref_inputs, ref_targets, engine.loss_fn, names, engine.output
+            engine.model, ref_inputs, ref_targets, engine.loss_fn, names, engine.forward
         )
-        _, grads = naive_grads(engine.model, inputs, targets, engine.loss_fn, names, engine.output)
+        _, grads = naive_grads(engine.model, inputs, targets, engine.loss_fn, names, engine.forward)
         refs = reference_gradients(engine, [(ref_inputs, ref_targets)])
         hooks = engine.norms(inputs, targets, refs).inner
         forward = Influence(engine, refs, "jvp", norms=False)

@@ -9,7 +9,6 @@ import torch.autograd.forward_ad as fwAD
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..io.model import select_output
 from .core import Engine
 
 
@@ -47,10 +46,9 @@ def jvp_inner(
                     n: fwAD.make_dual(v, tangents[n][j].to(v.dtype))
                     for n, v in zip(names, primals, strict=True)
                 }
-                outputs = torch.func.functional_call(engine.model, duals, inputs)
-                out = fwAD.unpack_dual(
-                    engine.loss_fn(select_output(outputs, engine.output), targets)
-                )
+                args, kwargs = engine.forward.split(inputs)
+                outputs = torch.func.functional_call(engine.model, duals, args, kwargs)
+                out = fwAD.unpack_dual(engine.loss_fn(engine.forward.select(outputs), targets))
                 primal = out.primal.detach() if primal is None else primal
                 columns.append(out.tangent.detach())
     except (RuntimeError, NotImplementedError) as e:

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from ..io.model import select_output
 from ..losses import LossFn
+from .forward import Forward
 
 
 def naive_grads(
@@ -17,7 +17,7 @@ def naive_grads(
     targets: Tensor,
     loss_fn: LossFn,
     names: Sequence[str],
-    output: str | int | None = None,
+    forward: Forward = Forward(),
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-example losses (B,) and per-example gradients {name: (B, *shape)}, one example at a time.
 
@@ -28,9 +28,7 @@ def naive_grads(
     chosen = [params[n] for n in names]
     losses, grads = [], {n: [] for n in names}
     for i in range(targets.shape[0]):
-        loss = loss_fn(
-            select_output(model(*(t[i : i + 1] for t in inputs)), output), targets[i : i + 1]
-        )[0]
+        loss = loss_fn(forward(model, tuple(t[i : i + 1] for t in inputs)), targets[i : i + 1])[0]
         per_param = torch.autograd.grad(loss, chosen, allow_unused=True)
         losses.append(loss.detach())
         for n, p, g in zip(names, chosen, per_param, strict=True):

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..errors import ConfigError, ModelError
+from ..errors import ConfigError, ModelError, one_line
 
 
 def import_object(spec: str, key: str) -> Any:
@@ -109,10 +109,6 @@ def _extract(state: Any, cfg: ModelConfig, path: str) -> dict[str, torch.Tensor]
     return state
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
-
-
 def _from_hf(factory: Any, cfg: ModelConfig) -> nn.Module:
     """A Hugging Face class from model.pretrained (a local folder) or model.config (random init)."""
     key = "model.pretrained" if cfg.pretrained is not None else "model.config"
@@ -129,7 +125,7 @@ def _from_hf(factory: Any, cfg: ModelConfig) -> nn.Module:
             return factory.from_pretrained(cfg.pretrained, local_files_only=True, **cfg.kwargs)
         except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:
             raise ModelError(
-                f"cannot load {factory.__name__} from the folder: {_one_line(e)}", cfg.pretrained
+                f"cannot load {factory.__name__} from the folder: {one_line(e)}", cfg.pretrained
             ) from e
     try:
         if getattr(factory, "config_class", None) is not None:  # a model class: its own config
@@ -144,7 +140,7 @@ def _from_hf(factory: Any, cfg: ModelConfig) -> nn.Module:
         return factory.from_config(AutoConfig.for_model(mapping.pop("model_type"), **mapping))
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise ConfigError(
-            f"cannot build {factory.__name__} from model.config: {_one_line(e)}", key
+            f"cannot build {factory.__name__} from model.config: {one_line(e)}", key
         ) from e
 
 
@@ -159,7 +155,7 @@ def _construct(cfg: ModelConfig) -> nn.Module:
             hint = "; a Hugging Face class needs model.config or model.pretrained"
             hint = hint if hasattr(factory, "from_pretrained") else ""
             raise ConfigError(
-                f"cannot call the model factory with model.kwargs: {_one_line(e)}{hint}",
+                f"cannot call the model factory with model.kwargs: {one_line(e)}{hint}",
                 "model.kwargs",
             ) from e
     if not isinstance(model, nn.Module):
@@ -217,41 +213,3 @@ def build_model(cfg: ModelConfig, trust_checkpoint: bool = False) -> nn.Module:
             )
     model.load_state_dict(state)
     return model
-
-
-def select_output(outputs: Any, spec: str | int | None) -> torch.Tensor:
-    """Pick the tensor the loss reads from a tuple, dict or object returned by forward; with no
-    ``spec``, a result with ``logits`` (a Hugging Face ModelOutput) gives its logits."""
-    if spec is None:
-        selected = outputs
-        if isinstance(outputs, dict) and "logits" in outputs:  # ModelOutput is a dict too
-            selected = outputs["logits"]
-        elif hasattr(outputs, "logits"):
-            selected = outputs.logits
-    elif isinstance(outputs, dict):
-        if spec not in outputs:
-            raise ModelError(
-                f"forward returned a dict without key {spec!r} (keys: {', '.join(map(str, outputs))})",
-                "model.output",
-            )
-        selected = outputs[spec]
-    elif isinstance(outputs, (tuple, list)):
-        try:
-            selected = outputs[int(spec)]
-        except (ValueError, IndexError) as e:
-            raise ModelError(
-                f"forward returned {len(outputs)} items; model.output={spec!r} does not pick one",
-                "model.output",
-            ) from e
-    elif isinstance(spec, str) and hasattr(outputs, spec):
-        selected = getattr(outputs, spec)
-    else:
-        raise ModelError(
-            f"forward returned a {type(outputs).__name__}, which has no {spec!r}", "model.output"
-        )
-    if not isinstance(selected, torch.Tensor):
-        raise ModelError(
-            f"forward returned a {type(selected).__name__}; set model.output to pick a tensor",
-            "model.output",
-        )
-    return selected

@@ -9,9 +9,10 @@ from oracle import Case, assert_rel_close, reference_norms
 from torch import nn
 
 import gradscope
-from gradscope.engine.core import Engine, prepared
+from gradscope.engine.core import Engine
+from gradscope.engine.forward import Forward
 from gradscope.engine.naive import naive_grads
-from gradscope.engine.plan import FALLBACK, FALLBACK_LOOP, build_plan
+from gradscope.engine.plan import FALLBACK, FALLBACK_LOOP
 from gradscope.losses import resolve_loss
 
 
@@ -134,11 +135,10 @@ def test_fallback_matches_loop_float64(case: Case):
 
 def _run(case: Case, batch: int | None = None):
     model, inputs, targets = case.build(torch.float64, batch)
-    plan = build_plan(model)
-    engine = Engine(model, resolve_loss(case.loss), plan, case.output)
-    with prepared(model, plan):
+    engine = Engine(model, resolve_loss(case.loss), forward=Forward(output=case.output))
+    with engine:
         scores = engine.norms(inputs, targets)
-    return model, inputs, targets, plan, scores
+    return model, inputs, targets, engine.plan, scores
 
 
 def test_per_parameter_norms_add_up():
@@ -233,9 +233,8 @@ def test_influence_through_the_fallback(case_id: str):
         (tuple(t[4:] for t in inputs), targets[4:]),
     )
     got = gradscope.per_example_influence(model, *train, *ref, case.loss, engine="hooks")
-    plan = build_plan(model)
-    names = [p.name for p in plan.included]
-    with prepared(model, plan):
+    with Engine(model, resolve_loss(case.loss)) as engine:
+        names = [p.name for p in engine.plan.included]
         _, g = naive_grads(model, *train, resolve_loss(case.loss), names)
         _, r = naive_grads(model, *ref, resolve_loss(case.loss), names)
     expected = sum((g[n].flatten(1) * r[n].flatten(1).mean(0)).sum(1) for n in names)

@@ -10,7 +10,7 @@ from oracle import Case, assert_rel_close, reference_influence, reference_norms
 from torch import Tensor, nn
 
 import gradscope
-from gradscope.engine.core import Engine, prepared
+from gradscope.engine.core import Engine
 from gradscope.engine.plan import FALLBACK, build_plan
 from gradscope.losses import resolve_loss
 
@@ -202,9 +202,9 @@ def _is_mha_param(name: str) -> bool:
 def test_norms_match_loop(case: Case) -> None:
     model, inputs, targets = case.build(torch.float64)
     _, expected = reference_norms(model, inputs, targets, case.loss)
-    plan = build_plan(model)
-    engine = Engine(model, resolve_loss(case.loss), plan)
-    with prepared(model, plan):
+    engine = Engine(model, resolve_loss(case.loss))
+    plan = engine.plan
+    with engine:
         scores = engine.norms(inputs, targets)
     got = torch.stack(list(scores.norm_sq.values())).sum(0).sqrt()
     assert_rel_close(got, expected, 1e-5)
@@ -217,9 +217,9 @@ def test_each_parameter_matches_loop(case_id: str) -> None:
     """Per parameter, so a wrong block of the packed weight cannot hide in the total."""
     case = BY_ID[case_id]
     model, inputs, targets = case.build(torch.float64)
-    plan = build_plan(model)
-    engine = Engine(model, resolve_loss(case.loss), plan)
-    with prepared(model, plan):
+    engine = Engine(model, resolve_loss(case.loss))
+    plan = engine.plan
+    with engine:
         scores = engine.norms(inputs, targets)
     for name in (p.name for p in plan.params if _is_mha_param(p.name)):
         _, expected = reference_norms(model, inputs, targets, case.loss, include=[name])
@@ -280,9 +280,9 @@ class Unbatched(nn.Module):
 def test_paths_the_rule_cannot_see_go_to_the_fallback(module: type[nn.Module], note: str) -> None:
     case = Case(module.__name__, module, lengths_input, like)
     model, inputs, targets = case.build(torch.float64)
-    plan = build_plan(model)
-    engine = Engine(model, resolve_loss("mse"), plan)
-    with prepared(model, plan):
+    engine = Engine(model, resolve_loss("mse"))
+    plan = engine.plan
+    with engine:
         scores = engine.norms(inputs, targets)
     got = torch.stack(list(scores.norm_sq.values())).sum(0).sqrt()
     _, expected = reference_norms(model, inputs, targets)

@@ -11,9 +11,9 @@ from torch import Tensor, nn
 
 import gradscope
 import gradscope.rules.base as base
-from gradscope.engine.core import Engine, prepared
+from gradscope.engine.core import Engine
+from gradscope.engine.forward import Forward
 from gradscope.engine.naive import naive_grads
-from gradscope.engine.plan import build_plan
 from gradscope.errors import ModelError
 from gradscope.losses import resolve_loss
 from gradscope.rules import RULES, Outer, find_rule
@@ -330,10 +330,10 @@ def test_contributions_match_loop(case: Case) -> None:
     norm, and inner() its inner product with random references."""
     model, inputs, targets = case.build()
     loss = resolve_loss(case.loss, case.loss_kwargs)
-    plan = build_plan(model)
-    with prepared(model, plan):
-        _, parts = Engine(model, loss, plan, case.output).contributions(inputs, targets)
-        _, grads = naive_grads(model, inputs, targets, loss, list(parts), case.output)
+    forward = Forward(output=case.output)
+    with Engine(model, loss, forward=forward) as engine:
+        _, parts = engine.contributions(inputs, targets)
+        _, grads = naive_grads(model, inputs, targets, loss, list(parts), forward)
     for name, part in parts.items():
         expected = grads[name]
         if part is None:  # no call of its module reached the loss
