@@ -13,6 +13,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 from gradscope.cli import app
+from gradscope.errors import ModelError
 
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
@@ -186,3 +187,43 @@ def test_csv_shards_and_feature_columns_by_glob(tmp_path):
     )
     assert_rel_close(torch.tensor(scores["loss"].to_numpy()), loss, 1e-9)
     assert_rel_close(torch.tensor(scores["grad_norm"].to_numpy()), norm, 1e-9)
+
+
+def test_an_exception_in_the_forward_is_one_error_line(tmp_path):
+    (tmp_path / "broken.py").write_text(
+        "from torch import nn\n\n\n"
+        "class SchemaError(Exception):\n"
+        "    pass\n\n\n"
+        "class Broken(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = nn.Linear(5, 3)\n\n"
+        "    def forward(self, x):\n"
+        "        raise SchemaError('no such\\nfield')\n"
+    )
+    torch.save({"x": torch.randn(4, 5), "y": torch.tensor([0, 1, 2, 0])}, tmp_path / "d.pt")
+    config = tmp_path / "c.yaml"
+    raw = {"model": {"factory": "broken.py:Broken"}, "data": {"path": "d.pt", "targets": "y"}}
+    config.write_text(yaml.safe_dump(raw))
+    result = runner.invoke(app, ["norms", str(config), "--device", "cpu"])
+    assert result.exit_code == 2
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.output
+    assert result.stderr == (
+        "error: the model cannot take inputs of shape (4, 5): Broken's forward raised "
+        "SchemaError: no such field (data.inputs)\n"
+    )
+
+
+def test_api_takes_logits_by_default_and_names_output_in_errors():
+    import gradscope
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2)).double().eval()
+    ids = torch.randint(0, GPT2["vocab_size"], (3, 5))
+    norms = gradscope.per_example_norms(model, ids, ids, loss="causal_lm")
+    _, expected = reference_norms(Keywords(model, ["input_ids"]), (ids,), ids, "causal_lm")
+    assert_rel_close(norms, expected, 1e-9)
+    with pytest.raises(
+        ModelError, match=r"without key 'scores' \(keys: logits, past_key_values\) \(output=\)"
+    ):
+        gradscope.per_example_norms(model, ids, ids, loss="causal_lm", output="scores")
