@@ -173,3 +173,20 @@ def test_causal_lm_refuses_outputs_that_are_not_sequences():
         Exception, match=r"causal_lm takes \(B, T, V\) logits and \(B, T\) token ids"
     ):
         resolve_loss("causal_lm")(torch.zeros(3, 5), torch.zeros(3, dtype=torch.long))
+
+
+def test_arrow_ipc_file_format_is_read_too(tmp_path):
+    import pyarrow as pa
+
+    table = pa.table({"input_ids": ROWS, "labels": [len(r) for r in ROWS]})
+    with (
+        pa.OSFile(str(tmp_path / "rows.arrow"), "wb") as sink,
+        pa.ipc.new_file(sink, table.schema) as w,
+    ):
+        w.write_table(table, max_chunksize=4)
+    cfg = data_config(tmp_path, path="rows.arrow", inputs="input_ids", pad={"input_ids": -1})
+    dataset = open_dataset(cfg)
+    assert len(dataset) == len(ROWS)
+    (batch,) = dataset.batches(8)
+    assert torch.equal(batch.inputs[0], expected_padded(ROWS, -1))
+    assert batch.targets.tolist() == [len(r) for r in ROWS]

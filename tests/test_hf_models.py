@@ -13,7 +13,9 @@ from torch import nn
 from typer.testing import CliRunner
 
 from gradscope.cli import app
-from gradscope.errors import ModelError
+from gradscope.config import ModelConfig
+from gradscope.errors import ConfigError, ModelError
+from gradscope.io.model import build_model
 
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
@@ -132,6 +134,9 @@ def test_bert_classifier_from_config_on_parquet_ragged_lists_by_keyword(tmp_path
     loss, norm = loop_each_alone(model, inputs, rows, targets, "cross_entropy")
     assert_rel_close(torch.tensor(frame["loss"].to_numpy()), loss, 1e-9)
     assert_rel_close(torch.tensor(frame["grad_norm"].to_numpy()), norm, 1e-9)
+    # check runs both engines and its own loop through the same keyword call: exit 1 on a mismatch
+    result = runner.invoke(app, ["check", str(tmp_path / "config.yaml"), "--examples", "4"])
+    assert result.exit_code == 0, result.output
 
 
 def test_auto_class_from_config_loads_a_save_pretrained_checkpoint_with_tied_weights(tmp_path):
@@ -227,3 +232,33 @@ def test_api_takes_logits_by_default_and_names_output_in_errors():
         ModelError, match=r"without key 'scores' \(keys: logits, past_key_values\) \(output=\)"
     ):
         gradscope.per_example_norms(model, ids, ids, loss="causal_lm", output="scores")
+
+
+@pytest.mark.parametrize(
+    ("model", "error", "message"),
+    [
+        (
+            {"factory": "transformers:AutoModelForCausalLM", "config": {"n_embd": 8}},
+            ConfigError,
+            "model.config for AutoModelForCausalLM needs model_type",
+        ),
+        (
+            {"factory": "torch.nn:Linear", "pretrained": "."},
+            ConfigError,
+            "model.pretrained needs a Hugging Face class as model.factory",
+        ),
+        (
+            {"factory": "transformers:AutoModel", "pretrained": "."},
+            ModelError,
+            "not a save_pretrained folder: it has no config.json",
+        ),
+        (
+            {"factory": "transformers:GPT2LMHeadModel"},
+            ConfigError,
+            "a Hugging Face class needs model.config or model.pretrained",
+        ),
+    ],
+)
+def test_hf_model_keys_that_do_not_fit_are_named(tmp_path, model, error, message):
+    with pytest.raises(error, match=message):
+        build_model(ModelConfig(**model))
