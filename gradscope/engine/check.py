@@ -5,21 +5,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
 from rich.console import Group
 from rich.table import Table
 from torch import Tensor
 
 from .core import Engine
+from .first_batch import tolerance
 from .naive import naive_grads
 from .plan import Plan
 
 TOTAL = "(all)"  # the row of the whole gradient's norm
-
-
-def tolerance(dtype: torch.dtype) -> float:
-    """The worst relative error a correct engine stays under, given rounding in ``dtype``."""
-    return {torch.float64: 1e-6, torch.float32: 1e-4}.get(dtype, 1e-2)
 
 
 @dataclass

@@ -1,9 +1,9 @@
-"""The passes: one forward and one backward that stops at layer outputs, then the rules' math."""
+"""The engine and its pass: capture the forward, decide what the rules cannot serve, reduce inside
+the one backward, then the fallback for the rest."""
 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -14,16 +14,14 @@ from ..errors import GradscopeError, ModelError, one_line
 from ..losses import LossFn
 from ..rules import Contribution, find_rule
 from .fallback import Fallback
+from .first_batch import Findings, agrees, findings_for
 from .forward import Forward
-from .plan import FALLBACK, FALLBACK_LOOP, Plan, build_plan
-from .session import HookSession
+from .plan import FALLBACK_LOOP, ParamPlan, Plan, build_plan
+from .reduce import Reducer, Want
+from .session import Call, HookSession
 
-# What the probe for calls shared by examples found, per model and per (input shapes, hooked
-# modules): per_example_norms builds a new Engine on every call, and the probe is one more
-# backward, as costly as the main one (W1 of the benchmark: 1.62x the floor with it, 0.77x without).
-_PROBED: weakref.WeakKeyDictionary[nn.Module, dict[tuple, weakref.WeakSet[nn.Module]]] = (
-    weakref.WeakKeyDictionary()
-)
+# (selected output, targets) -> {column: (B,) tensor}: read from the scoring forward, no extra pass
+Observe = Callable[[Tensor, Tensor], dict[str, Tensor]]
 
 
 @dataclass
@@ -34,10 +32,7 @@ class BatchScores:
     norm_sq: dict[str, Tensor]  # parameter name -> (B,) squared norm of its per-example gradient
     inner: dict[str, Tensor] = field(default_factory=dict)  # name -> (B, K) <G_i, refs[name][k]>
     observed: dict[str, Tensor] = field(default_factory=dict)  # what ``observe`` read, (B,) each
-
-
-# (selected output, targets) -> {column: (B,) tensor}: read from the scoring forward, no extra pass
-Observe = Callable[[Tensor, Tensor], dict[str, Tensor]]
+    kept: dict[str, Contribution] = field(default_factory=dict)  # with Want(keep=True)
 
 
 def total(per_param: dict[str, Tensor]) -> Tensor:
@@ -85,24 +80,194 @@ class Engine:
         self.plan = build_plan(model, include, exclude)
         self.forward = forward or Forward()
         self.observe = observe
-        self._copy: set[int] = set()  # modules whose outputs the model later edits in place
-        self._probed = False  # whether a batch of B > 1 was probed for calls shared by examples
-        self._prepared: list[contextlib.ExitStack] = []
         self.fallback = Fallback(model, loss_fn, self.forward)
+        self._copy: set[int] = set()  # modules whose outputs the model later edits in place
+        # what the first batch finds holds for this model and selection, whatever the plan becomes
+        self._key = (
+            frozenset(id(m) for m in self.plan.hooked_modules),
+            frozenset(p.name for p in self.plan.included),
+        )
+        self._prepared: list[contextlib.AbstractContextManager] = []
 
     def __enter__(self) -> Engine:
-        stack = contextlib.ExitStack()
-        stack.enter_context(prepared(self.model, self.plan))
-        self._prepared.append(stack)
+        context = prepared(self.model, self.plan)
+        context.__enter__()
+        self._prepared.append(context)
         return self
 
     def __exit__(self, *exc) -> None:
-        self._prepared.pop().close()
+        self._prepared.pop().__exit__(*exc)
 
     def losses(self, inputs: tuple[Tensor, ...], targets: Tensor) -> Tensor:
         """(B,) per-example losses, with the graph kept for the backward."""
-        losses, _ = self._losses(inputs, targets)
-        return losses
+        return self._losses(inputs, targets)[0]
+
+    def norms(
+        self, inputs: tuple[Tensor, ...], targets: Tensor, refs: dict[str, Tensor] | None = None
+    ) -> BatchScores:
+        """Losses and squared norms; with ``refs`` ({name: (K, *shape)}) also the inner products
+        of each example's gradient with them, in the same forward+backward."""
+        return self.scores(inputs, targets, Want(norms=True, refs=refs))
+
+    def contributions(
+        self, inputs: tuple[Tensor, ...], targets: Tensor
+    ) -> tuple[Tensor, dict[str, Contribution | None]]:
+        """Per-example losses and each included parameter's per-example gradient, factored."""
+        scores = self.scores(inputs, targets, Want(norms=False, keep=True))
+        return scores.loss, {p.name: scores.kept.get(p.name) for p in self.plan.included}
+
+    def scores(self, inputs: tuple[Tensor, ...], targets: Tensor, want: Want) -> BatchScores:
+        """One pass over a batch: the steps below, in order."""
+        findings = findings_for(self.model, self._key, inputs)
+        session, losses, observed = self._capture(inputs, targets, findings)
+        self._decide_before_backward(session, losses, findings)
+        reducer = self._reduce_in_backward(session, losses, want, findings)
+        self._fallback(reducer, inputs, targets)
+        self._fill_zeros(reducer, losses.shape[0])
+        return BatchScores(losses.detach(), reducer.norm_sq, reducer.inner, observed, reducer.kept)
+
+    # -- the steps -------------------------------------------------------------------------
+
+    def _capture(
+        self, inputs: tuple[Tensor, ...], targets: Tensor, findings: Findings
+    ) -> tuple[HookSession, Tensor, dict[str, Tensor]]:
+        """The forward with every call of the rule-served modules recorded.
+
+        Calls on rows shared by the batch get them expanded to the batch, once the first batch
+        has shown that this leaves every loss as it was. A model that edits a captured tensor in
+        place is run again with copies of the edited modules' tensors.
+        """
+        while True:
+            expand = targets.shape[0] if findings.expand is not False else 0
+            try:
+                session, losses, observed = self._recorded(inputs, targets, expand)
+            except ModelError:
+                if not expand:
+                    raise
+                findings.expand = False  # the model cannot take the expanded rows: run as is
+                continue
+            if expand and findings.expand is None:
+                findings.expand = not session.expanded or self._same_losses(inputs, targets, losses)
+                if not findings.expand:
+                    continue
+            edited = session.edited_in_place() - self._copy
+            if not edited:
+                return session, losses, observed
+            self._copy |= edited  # capture copies from now on, and redo this batch
+
+    def _recorded(
+        self, inputs: tuple[Tensor, ...], targets: Tensor, expand: int
+    ) -> tuple[HookSession, Tensor, dict[str, Tensor]]:
+        # with every parameter on the fallback, this pass only gives the losses: no graph
+        with (
+            torch.set_grad_enabled(bool(self.plan.by_rule)),
+            HookSession(self.plan.hooked_modules, self._copy, expand) as session,
+        ):
+            losses, observed = self._losses(inputs, targets)
+        return session, losses, observed
+
+    def _same_losses(self, inputs: tuple[Tensor, ...], targets: Tensor, losses: Tensor) -> bool:
+        """Whether the model as written gives the losses the expanded calls gave."""
+        with torch.no_grad():
+            plain = self._losses(inputs, targets)[0]
+        return plain.shape == losses.shape and agrees(losses.detach(), plain)
+
+    def _decide_before_backward(
+        self, session: HookSession, losses: Tensor, findings: Findings
+    ) -> None:
+        """Move to the fallback what reads rows that are not the examples."""
+        probe = None
+        if self.plan.by_rule and findings.shared is None and losses.shape[0] > 1:
+            probe = losses[-1]  # once per model and shapes: later batches check the shapes only
+        shared = session.not_per_example(losses.shape[0], probe)
+        if probe is not None:
+            findings.shared = {m for m in self.plan.hooked_modules if id(m) in shared}
+        shared |= {id(m) for m in findings.shared or ()}
+        for p in self.plan.by_rule:
+            if any(id(m) in shared for m, _ in p.owners):
+                self.plan.to_fallback(p, "rows of its module's output are not the examples")
+            elif p.name in findings.failed:
+                self.plan.to_fallback(p, findings.failed[p.name] + " (used outside its module?)")
+
+    def _reduce_in_backward(
+        self, session: HookSession, losses: Tensor, want: Want, findings: Findings
+    ) -> Reducer:
+        """One backward; each call's rule runs as its output gradient arrives, and only what
+        ``want`` asks for is kept. On the first batch, each rule's gradients are also summed
+        over the examples and checked against autograd's batch gradient."""
+        served = {(id(m), attr): p for p in self.plan.by_rule for m, attr in p.owners}
+        modules = {module for module, _ in served}
+        calls = [c for c in session.all_calls() if id(c.module) in modules]
+        count = {
+            p.name: sum(len(session.calls.get(id(m), ())) for m, _ in p.owners)
+            for p in self.plan.by_rule
+        }
+        verify = not findings.verified and bool(losses.isfinite().all())
+        merged = [name for name, k in count.items() if k > 1]
+        reducer = Reducer(Want(want.norms, want.refs, want.keep, sums=verify), merged)
+        if not self.plan.by_rule:
+            return reducer
+
+        def on_grad(call: Call, grad: Tensor) -> None:
+            parts = find_rule(call.module).fn(call.module, call.inputs, grad, **call.kwargs)
+            call.release()
+            for attr, part in parts.items():
+                p = served.get((id(call.module), attr))
+                if p is not None and not p.is_fallback:
+                    reducer.add(p.name, part)
+
+        # the self-check needs every batch gradient; otherwise only those of uncalled modules
+        checked = [p for p in self.plan.by_rule if verify or not count[p.name]]
+        grads = session.backward(losses.sum(), calls, on_grad, [p.param for p in checked])
+        reducer.finish()
+        self._decide_after_backward(session, reducer, checked, grads, findings, verify)
+        if verify:
+            findings.verified = True
+        return reducer
+
+    def _decide_after_backward(
+        self,
+        session: HookSession,
+        reducer: Reducer,
+        checked: Sequence[ParamPlan],
+        grads: Sequence[Tensor | None],
+        findings: Findings,
+        verify: bool,
+    ) -> None:
+        """Move to the fallback what the backward showed the rules cannot see."""
+        for p in self.plan.by_rule:
+            if any(c.others_reach_loss for m, _ in p.owners for c in session.calls.get(id(m), ())):
+                self.plan.to_fallback(
+                    p, "a second output of its module (attention weights) reaches the loss"
+                )
+        for p, g in zip(checked, grads, strict=True):
+            if p.is_fallback:
+                continue
+            reached = any(c.reached for m, _ in p.owners for c in session.calls.get(id(m), ()))
+            if not reached and g is not None:
+                self.plan.to_fallback(p, "used without a call of its module")
+                continue
+            ours = reducer.sums.get(p.name, torch.zeros_like(p.param))
+            if verify and not agrees(ours, torch.zeros_like(p.param) if g is None else g):
+                findings.failed[p.name] = "its rule's gradients do not add up to autograd's"
+                self.plan.to_fallback(p, findings.failed[p.name] + " (used outside its module?)")
+        for p in self.plan.fallback:
+            reducer.forget(p.name)
+
+    def _fallback(self, reducer: Reducer, inputs: tuple[Tensor, ...], targets: Tensor) -> None:
+        """Exact per-example gradients of the parameters no rule serves."""
+        names = [p.name for p in self.plan.fallback]
+        for name, dense in self.fallback.grads(names, inputs, targets).items():
+            reducer.reduce(name, dense)
+        if self.fallback.vmap_error:
+            for p in self.plan.fallback:
+                if p.rule != FALLBACK_LOOP:
+                    self.plan.to_fallback(p, f"vmap failed: {self.fallback.vmap_error}", loop=True)
+
+    def _fill_zeros(self, reducer: Reducer, batch: int) -> None:
+        """Zeros for the rule-served parameters that no call of this batch reached."""
+        for p in self.plan.by_rule:
+            reducer.zeros(p.name, batch, p.param)
 
     def _losses(
         self, inputs: tuple[Tensor, ...], targets: Tensor
@@ -124,92 +289,3 @@ class Engine:
             with torch.no_grad():
                 observed = self.observe(output.detach(), targets)
         return self.loss_fn(output, targets), observed
-
-    def contributions(
-        self, inputs: tuple[Tensor, ...], targets: Tensor
-    ) -> tuple[Tensor, dict[str, Contribution | None]]:
-        """Per-example losses and each included parameter's per-example gradient.
-
-        Rule-served parameters come factored from the hooked calls; the rest, and any whose
-        module never ran although the parameter reached the loss, from the fallback.
-        """
-        while True:
-            # with every parameter on the fallback, this pass only gives the losses: no graph
-            with (
-                torch.set_grad_enabled(bool(self.plan.by_rule)),
-                HookSession(self.plan.hooked_modules, self._copy) as session,
-            ):
-                losses, observed = self._losses(inputs, targets)
-            edited = session.edited_in_place() - self._copy
-            if not edited:
-                break
-            self._copy |= edited  # capture copies from now on, and redo this batch
-        batch = losses.shape[0]
-        hooked = self.plan.hooked_modules
-        known = _PROBED.setdefault(self.model, {})
-        key = (tuple(tuple(t.shape) for t in inputs), frozenset(id(m) for m in hooked))
-        probe = None
-        if self.plan.by_rule and not self._probed and batch > 1 and key not in known:
-            self._probed = True  # once: later batches only check the leading dimension
-            probe = losses[-1]
-        shared = session.not_per_example(batch, probe)
-        if probe is not None:
-            known[key] = weakref.WeakSet(m for m in hooked if id(m) in shared)
-        shared |= {id(m) for m in known.get(key, ())}  # what an earlier Engine's probe found
-        for p in self.plan.by_rule:
-            if any(id(m) in shared for m, _ in p.owners):
-                p.rule = FALLBACK
-                p.note = "rows of its module's output are not the examples"
-        uncalled = [
-            p for p in self.plan.by_rule if not any(session.calls[id(m)] for m, _ in p.owners)
-        ]
-        if self.plan.by_rule:
-            reached = session.backward(losses.sum(), [p.param for p in uncalled])
-            for p, g in zip(uncalled, reached, strict=True):
-                if g is not None:  # used without calling its module: no rule can see it
-                    p.rule = FALLBACK
-                    p.note = "used without a call of its module"
-            for p in self.plan.by_rule:
-                if any(c.others_reach_loss for m, _ in p.owners for c in session.calls[id(m)]):
-                    p.rule = FALLBACK  # the rule only follows the gradient of the first output
-                    p.note = "a second output of its module (attention weights) reaches the loss"
-        parts: dict[tuple[int, int], dict[str, Contribution]] = {}
-        result: dict[str, Contribution | None] = {}
-        for p in self.plan.by_rule:
-            total = None
-            for module, attr in p.owners:
-                rule = find_rule(module)
-                for n, call in enumerate(session.calls[id(module)]):
-                    if call.grad is None:
-                        continue  # this call does not reach the loss
-                    key = (id(module), n)
-                    if key not in parts:
-                        parts[key] = rule.fn(module, call.inputs, call.grad, **call.kwargs)
-                    part = parts[key][attr]
-                    total = part if total is None else total.merge(part)
-            result[p.name] = total
-        fallback = self.plan.fallback
-        result.update(self.fallback.grads([p.name for p in fallback], inputs, targets))
-        if self.fallback.vmap_error:
-            for p in (p for p in fallback if p.rule != FALLBACK_LOOP):
-                p.rule = FALLBACK_LOOP
-                p.note += f"; vmap failed: {self.fallback.vmap_error}"
-        self._observed = observed
-        return losses.detach(), result
-
-    def norms(
-        self, inputs: tuple[Tensor, ...], targets: Tensor, refs: dict[str, Tensor] | None = None
-    ) -> BatchScores:
-        """Losses and squared norms; with ``refs`` ({name: (K, *shape)}) also the inner products
-        of each example's gradient with them, from the same contributions (one forward+backward)."""
-        losses, contributions = self.contributions(inputs, targets)
-        zeros = losses.new_zeros(losses.shape[0])
-        norm_sq = {name: zeros if c is None else c.norm_sq() for name, c in contributions.items()}
-        inner: dict[str, Tensor] = {}
-        if refs is not None:
-            for name, c in contributions.items():
-                k = refs[name].shape[0]
-                inner[name] = (
-                    losses.new_zeros(losses.shape[0], k) if c is None else c.inner(refs[name])
-                )
-        return BatchScores(loss=losses, norm_sq=norm_sq, inner=inner, observed=self._observed)

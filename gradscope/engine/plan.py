@@ -75,6 +75,12 @@ class Plan:
                 seen.setdefault(id(module), module)
         return list(seen.values())
 
+    def to_fallback(self, p: ParamPlan, reason: str, loop: bool = False) -> None:
+        """Serve ``p`` by the fallback from now on (``loop``: one backward per example), and say
+        why in its note."""
+        p.rule = FALLBACK_LOOP if loop else FALLBACK
+        p.note = f"{p.note}; {reason}" if p.note else reason
+
     @property
     def modules(self) -> list[str]:
         """The --per-layer columns, in model order."""

@@ -1,32 +1,45 @@
-"""The hook session: captures each call's inputs, arguments and output of the hooked modules, then
-the gradient of the summed loss with respect to each output. All state lives here; hooks are always
-removed on exit, even after an exception."""
+"""The hook session: captures each call's inputs, arguments and output of the hooked modules in the
+forward, then hands each call's output gradient to a callback as it arrives in the one backward.
+All state lives here; hooks are always removed on exit, even after an exception."""
 
 from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import Node
 
 from ..rules import find_rule
+from .graph import below_targets
 
 
-@dataclass
+@dataclass(eq=False)
 class Call:
-    """One forward call of a module: its inputs and the gradient at its (first) output."""
+    """One forward call of a module: its inputs, arguments and (first) output."""
 
+    module: nn.Module
     inputs: tuple[Tensor, ...]  # the leading positional tensors
     output: Tensor
     versions: tuple[int, ...]  # of inputs and output when captured: later in-place edits show up
     kwargs: dict[str, object] = field(default_factory=dict)  # every other argument, by name
     batch_dim: int | None = 0  # the output's dimension of examples; None: the call is unbatched
     others: tuple[Tensor, ...] = ()  # further outputs that carry gradient (attention weights)
-    grad: Tensor | None = None
+    expanded: bool = False  # its leading input was shared by the batch and expanded to it
+    reached: bool = False  # its output's gradient arrived in the backward
     others_reach_loss: bool = False  # a further output reached the loss: no rule sees that path
+
+    def release(self) -> None:
+        """Drop the captured tensors once the rule has read them."""
+        self.inputs, self.kwargs = (), {}
+
+
+def _node(t: Tensor) -> Node:
+    """The step of the backward that receives ``t``'s gradient."""
+    return torch.autograd.graph.get_gradient_edge(t).node
 
 
 @functools.cache
@@ -37,21 +50,43 @@ def _positional_names(cls: type[nn.Module]) -> tuple[str, ...]:
     return tuple(p.name for p in params if p.kind in kinds)
 
 
+def _shared_leading(module: nn.Module, x: object, batch: int) -> bool:
+    """Whether a call's leading tensor is one set of rows shared by the whole batch, for a rule
+    that reads examples on dimension 0: a (1, ...) tensor, or 1-D indices of another length than
+    the batch (``wpe(arange(T))``). When T == B the probe tells them apart instead."""
+    rule = find_rule(module)
+    if rule is None or rule.batch_dim is not None or not isinstance(x, Tensor):
+        return False
+    if x.dim() == 1:
+        return not (x.is_floating_point() or x.is_complex()) and x.shape[0] != batch
+    return x.shape[0] == 1 and batch > 1
+
+
 class HookSession:
     """Context manager that records every call of ``modules`` during one forward pass.
 
     Modules in ``copy`` get their captured tensors copied and their output replaced by a clone, for
-    models that later edit those tensors in place (``ReLU(inplace=True)`` after a layer).
+    models that later edit those tensors in place (``ReLU(inplace=True)`` after a layer). With
+    ``expand_to`` set to the batch size, a call whose leading input holds rows shared by the batch
+    (a position table looked up once, ``position_ids`` of shape (1, T)) gets that input expanded
+    to the batch, so that each example has its own output rows and a rule can serve the call; the
+    values every example sees are unchanged.
     """
 
-    def __init__(self, modules: Iterable[nn.Module], copy: set[int] | None = None):
+    def __init__(
+        self, modules: Iterable[nn.Module], copy: set[int] | None = None, expand_to: int = 0
+    ):
         self.modules = list(modules)
         self.copy = copy if copy is not None else set()
+        self.expand_to = expand_to
         self.calls: dict[int, list[Call]] = {id(m): [] for m in self.modules}
+        self._expanding: set[int] = set()  # modules whose current call had its input expanded
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self) -> HookSession:
         for module in self.modules:
+            if self.expand_to:
+                self._handles.append(module.register_forward_pre_hook(self._expand))
             self._handles.append(module.register_forward_hook(self._capture, with_kwargs=True))
         return self
 
@@ -60,9 +95,23 @@ class HookSession:
             handle.remove()
         self._handles.clear()
 
+    @property
+    def expanded(self) -> bool:
+        return any(c.expanded for cs in self.calls.values() for c in cs)
+
+    def _expand(self, module: nn.Module, args: tuple) -> tuple | None:
+        if not args or not _shared_leading(module, args[0], self.expand_to):
+            return None
+        x = args[0]
+        rows = x.unsqueeze(0) if x.dim() == 1 else x
+        self._expanding.add(id(module))
+        return (rows.expand(self.expand_to, *rows.shape[1:]), *args[1:])
+
     def _capture(
         self, module: nn.Module, args: tuple, kwargs: dict[str, object], output: object
     ) -> object:
+        expanded = id(module) in self._expanding
+        self._expanding.discard(id(module))
         # a module returning (output, extras) (MultiheadAttention's attention weights): the rule
         # sees the first; the extras are watched for a path to the loss
         rest: tuple = ()
@@ -85,29 +134,31 @@ class HookSession:
         names = _positional_names(type(module))[n:]
         named = {**dict(zip(names, args[n:], strict=False)), **kwargs}
         named = {k: keep(v) if isinstance(v, Tensor) else v for k, v in named.items()}
-        replacement = None
-        if copy:
-            replacement = output.clone()  # downstream edits the clone; ours stays intact
         rule = find_rule(module)
         call = Call(
+            module,
             inputs,
             output,
             tuple(t._version for t in (*inputs, output)),
             kwargs=named,
             batch_dim=rule.batch_dim(module, inputs) if rule and rule.batch_dim else 0,
             others=tuple(t for t in rest if isinstance(t, Tensor) and t.requires_grad),
+            expanded=expanded,
         )
         self.calls[id(module)].append(call)
-        if replacement is not None and rest:
-            return (replacement, *rest)
-        return replacement
+        if not copy:
+            return None
+        replacement = output.clone()  # downstream edits the clone; ours stays intact
+        return (replacement, *rest) if rest else replacement
+
+    def all_calls(self) -> list[Call]:
+        return [c for cs in self.calls.values() for c in cs]
 
     def edited_in_place(self) -> set[int]:
         """Modules whose captured tensors were changed in place after capture."""
         return {
-            key
-            for key, calls in self.calls.items()
-            for call in calls
+            id(call.module)
+            for call in self.all_calls()
             if tuple(t._version for t in (*call.inputs, call.output)) != call.versions
         }
 
@@ -115,46 +166,75 @@ class HookSession:
         """Modules with a call whose output rows are not the batch's examples.
 
         A rule reads row i of a call as example i. That fails for a call on a tensor shared by all
-        examples (a positional table looked up with ``arange(T)`` and broadcast over the batch):
-        its leading dimension is not ``batch``, or, when T happens to equal B, ``probe`` (one
-        example's loss, graph retained) has a gradient in the rows of other examples. NaN rows
-        say nothing: a non-finite example gives NaN there without any dependence.
+        examples that was not expanded (a table run through a Linear and broadcast): its leading
+        dimension is not ``batch``, or, when it happens to equal B, ``probe`` (one example's
+        loss, graph retained) has a gradient in the rows of other examples. NaN rows say nothing:
+        a non-finite example gives NaN there without any dependence.
         """
         shared = {
-            key
-            for key, calls in self.calls.items()
-            for call in calls
+            id(call.module)
+            for call in self.all_calls()
             if call.batch_dim is None
             or call.output.dim() <= call.batch_dim
             or call.output.shape[call.batch_dim] != batch
         }
-        keyed = [(key, c) for key, calls in self.calls.items() if key not in shared for c in calls]
+        keyed = [c for c in self.all_calls() if id(c.module) not in shared]
         if probe is None or not keyed:  # nothing left for the probe to ask about
             return shared
         grads = torch.autograd.grad(
-            probe, [c.output for _, c in keyed], allow_unused=True, retain_graph=True
+            probe, [c.output for c in keyed], allow_unused=True, retain_graph=True
         )
-        for (key, call), grad in zip(keyed, grads, strict=True):
+        for call, grad in zip(keyed, grads, strict=True):
             others = None if grad is None else grad.movedim(call.batch_dim, 0)[:-1]
             if others is not None and ((others != 0) & others.isfinite()).any():
-                shared.add(key)
+                shared.add(id(call.module))
         return shared
 
-    def backward(self, total: Tensor, also: Sequence[Tensor] = ()) -> list[Tensor | None]:
-        """Fill each call's ``grad`` with d total / d output; return d total / d ``also``.
+    def backward(
+        self,
+        total: Tensor,
+        calls: Sequence[Call],
+        on_grad: Callable[[Call, Tensor], None],
+        also: Sequence[Tensor] = (),
+    ) -> list[Tensor | None]:
+        """One backward of ``total`` that hands each call's output gradient to ``on_grad`` as it
+        arrives, and returns d total / d ``also`` (``None`` where ``also`` does not reach it).
 
-        No other parameter gradient is computed; ``None`` for a tensor of ``also`` that does not
-        reach ``total``.
+        Each gradient is read in a hook on the call's output and then left to autograd, which frees
+        it once the layer below has used it: no call's gradient outlives its step of the backward.
+        Autograd only runs the steps that lead to a requested tensor, so the calls with nothing to
+        wait for below them (the first layer) are requested themselves; no parameter gradient is
+        computed but those of ``also``.
         """
-        calls = [c for cs in self.calls.values() for c in cs]
-        others = [(c, t) for c in calls for t in c.others]
-        if not calls and not also:
-            return []
-        grads = torch.autograd.grad(
-            total, [*(c.output for c in calls), *(t for _, t in others), *also], allow_unused=True
-        )
-        for call, grad in zip(calls, grads, strict=False):
-            call.grad = grad
-        for (call, _), grad in zip(others, grads[len(calls) :], strict=False):
-            call.others_reach_loss |= grad is not None
-        return list(grads[len(calls) + len(others) :])
+        nodes = [_node(c.output) for c in calls]
+        below = below_targets(nodes, {*nodes, *(_node(t) for t in also)})
+        lowest = [c for c, node in zip(calls, nodes, strict=True) if not below[node]]
+        requested = {id(c) for c in lowest}
+        others = [t for c in calls for t in c.others]
+
+        def hook(call: Call) -> Callable[[Tensor], Tensor | None]:
+            def read(grad: Tensor) -> Tensor | None:
+                call.reached = True
+                on_grad(call, grad)
+                # a requested call's gradient goes nowhere after this: keep no copy of it
+                return grad.new_zeros(()).expand_as(grad) if id(call) in requested else None
+
+            return read
+
+        handles = []
+        try:
+            for call in calls:
+                handles.append(call.output.register_hook(hook(call)))
+            if not lowest and not others and not also:
+                return []
+            grads = torch.autograd.grad(
+                total, [*(c.output for c in lowest), *others, *also], allow_unused=True
+            )
+        finally:
+            for handle in handles:
+                handle.remove()
+        flags = iter(grads[len(lowest) : len(lowest) + len(others)])
+        for call in calls:
+            for _ in call.others:
+                call.others_reach_loss |= next(flags) is not None
+        return list(grads[len(lowest) + len(others) :])

@@ -51,6 +51,10 @@ class Contribution(ABC):
     def materialize(self) -> Tensor:
         """(B, *shape) the per-example gradients themselves."""
 
+    def batch_sum(self) -> Tensor:
+        """(*shape) the sum over examples: the batch gradient of the summed loss."""
+        return self.materialize().sum(0)
+
     def merge(self, other: Contribution) -> Contribution:
         """The contribution of both (a module called twice, a weight shared by two modules)."""
         return Dense(self.materialize() + other.materialize())
@@ -71,6 +75,9 @@ class Dense(Contribution):
 
     def materialize(self) -> Tensor:
         return self.grads
+
+    def batch_sum(self) -> Tensor:
+        return self.grads.sum(0)
 
     def merge(self, other: Contribution) -> Contribution:
         return Dense(self.grads + other.materialize())
@@ -132,6 +139,14 @@ class Outer(Contribution):
 
     def materialize(self) -> Tensor:
         return torch.cat(list(self._materialized_chunks())).reshape(-1, *self.shape)
+
+    def batch_sum(self) -> Tensor:
+        b, g, t, o, i = self.dims
+        s, a = (
+            self.s.transpose(0, 1).reshape(g, b * t, o),
+            self.a.transpose(0, 1).reshape(g, b * t, i),
+        )
+        return (s.transpose(1, 2) @ a).reshape(self.shape)  # (G, O, B*T) @ (G, B*T, I)
 
     def inner(self, refs: Tensor) -> Tensor:
         b, g, t, o, i = self.dims

@@ -42,6 +42,10 @@ class Rows(Contribution):
         grads = self.s.new_zeros(b * self.shape[0], d).index_add_(0, keys, self.s.reshape(-1, d))
         return grads.view(b, *self.shape)  # (B, V, D)
 
+    def batch_sum(self) -> Tensor:
+        d = self.s.shape[-1]
+        return self.s.new_zeros(self.shape).index_add_(0, self.ids.flatten(), self.s.reshape(-1, d))
+
     def merge(self, other: Contribution) -> Contribution:
         if isinstance(other, Rows) and other.shape == self.shape:
             # a second lookup into the same table: its positions join the first call's

@@ -1,0 +1,83 @@
+"""What a pass keeps of each parameter's per-example gradient: only the reductions asked for."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..rules import Contribution
+from ..rules.base import accumulation_dtype
+
+
+@dataclass(frozen=True)
+class Want:
+    """The reductions a pass computes: squared norms, inner products with ``refs``
+    ({name: (K, *shape)}), the contributions themselves (``keep``: for per-reference gradients),
+    and the sum over examples that the first-batch self-check compares with autograd."""
+
+    norms: bool = True
+    refs: dict[str, Tensor] | None = None
+    keep: bool = False
+    sums: bool = False
+
+
+class Reducer:
+    """Reduces each parameter's contribution as soon as it is complete, then lets it go.
+
+    A parameter served by one call is reduced when that call's output gradient arrives. One
+    served by several calls (a module called twice, a tied weight) keeps its parts until the
+    backward ends, then merges them before reducing: the cross terms of its norm need both.
+    """
+
+    def __init__(self, want: Want, merged: Iterable[str]):
+        self.want = want
+        self.norm_sq: dict[str, Tensor] = {}
+        self.inner: dict[str, Tensor] = {}
+        self.kept: dict[str, Contribution] = {}
+        self.sums: dict[str, Tensor] = {}
+        self._parts: dict[str, list[Contribution]] = {name: [] for name in merged}
+
+    def add(self, name: str, part: Contribution) -> None:
+        if name in self._parts:
+            self._parts[name].append(part)
+        else:
+            self.reduce(name, part)
+
+    def finish(self) -> None:
+        """Merge and reduce what waited for its last call."""
+        for name, parts in self._parts.items():
+            if parts:
+                merged = parts[0]
+                for part in parts[1:]:
+                    merged = merged.merge(part)
+                self.reduce(name, merged)
+        self._parts.clear()
+
+    def reduce(self, name: str, c: Contribution) -> None:
+        if self.want.norms:
+            self.norm_sq[name] = c.norm_sq()
+        if self.want.refs is not None:
+            self.inner[name] = c.inner(self.want.refs[name])
+        if self.want.keep:
+            self.kept[name] = c
+        if self.want.sums:
+            self.sums[name] = c.batch_sum()
+
+    def forget(self, name: str) -> None:
+        """Drop what a parameter's rule gave: the fallback serves it instead."""
+        for store in (self.norm_sq, self.inner, self.kept, self.sums):
+            store.pop(name, None)
+
+    def zeros(self, name: str, batch: int, param: Tensor) -> None:
+        """Where no call of ``param`` reached the loss: every example's gradient is zero."""
+        dtype = accumulation_dtype(param.dtype)
+        if self.want.norms:
+            self.norm_sq.setdefault(name, param.new_zeros(batch, dtype=dtype))
+        if self.want.refs is not None:
+            k = self.want.refs[name].shape[0]
+            self.inner.setdefault(name, param.new_zeros(batch, k, dtype=dtype))
+        if self.want.sums:
+            self.sums.setdefault(name, torch.zeros_like(param))
