@@ -10,7 +10,9 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[test]'
+	# pin the torch just installed (CPU or CUDA): transformers and datasets must not replace it
+	$(PY) -c 'import torch; print("torch==" + torch.__version__)' > $(VENV)/constraints.txt
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e '.[test]'
 	touch $@
 
 example: $(VENV)/.installed
