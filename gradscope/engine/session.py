@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import Node
+from torch.autograd.graph import GradientEdge
 
 from ..rules import find_rule
 from .graph import below_targets
@@ -19,15 +19,18 @@ from .graph import below_targets
 
 @dataclass(eq=False)
 class Call:
-    """One forward call of a module: its inputs, arguments and (first) output."""
+    """One forward call of a module: its inputs, arguments and where its (first) output's gradient
+    arrives. The output itself is not kept: the model may free it, and edit it in place, freely
+    (a hook or edge taken before an in-place edit still sees the gradient of the unedited value)."""
 
     module: nn.Module
     inputs: tuple[Tensor, ...]  # the leading positional tensors
-    output: Tensor
-    versions: tuple[int, ...]  # of inputs and output when captured: later in-place edits show up
+    edge: GradientEdge  # of the output: the step of the backward that receives its gradient
+    shape: torch.Size  # of the output
+    versions: tuple[int, ...]  # of the inputs when captured: later in-place edits show up
     kwargs: dict[str, object] = field(default_factory=dict)  # every other argument, by name
     batch_dim: int | None = 0  # the output's dimension of examples; None: the call is unbatched
-    others: tuple[Tensor, ...] = ()  # further outputs that carry gradient (attention weights)
+    others: tuple[GradientEdge, ...] = ()  # further outputs with gradient (attention weights)
     expanded: bool = False  # its leading input was shared by the batch and expanded to it
     reached: bool = False  # its output's gradient arrived in the backward
     others_reach_loss: bool = False  # a further output reached the loss: no rule sees that path
@@ -35,11 +38,6 @@ class Call:
     def release(self) -> None:
         """Drop the captured tensors once the rule has read them."""
         self.inputs, self.kwargs = (), {}
-
-
-def _node(t: Tensor) -> Node:
-    """The step of the backward that receives ``t``'s gradient."""
-    return torch.autograd.graph.get_gradient_edge(t).node
 
 
 @functools.cache
@@ -65,8 +63,8 @@ def _shared_leading(module: nn.Module, x: object, batch: int) -> bool:
 class HookSession:
     """Context manager that records every call of ``modules`` during one forward pass.
 
-    Modules in ``copy`` get their captured tensors copied and their output replaced by a clone, for
-    models that later edit those tensors in place (``ReLU(inplace=True)`` after a layer). With
+    Modules in ``copy`` get their captured inputs copied, for models that edit a layer's input in
+    place after the layer has read it. With
     ``expand_to`` set to the batch size, a call whose leading input holds rows shared by the batch
     (a position table looked up once, ``position_ids`` of shape (1, T)) gets that input expanded
     to the batch, so that each example has its own output rows and a rule can serve the call; the
@@ -82,6 +80,8 @@ class HookSession:
         self.calls: dict[int, list[Call]] = {id(m): [] for m in self.modules}
         self._expanding: set[int] = set()  # modules whose current call had its input expanded
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._grad_hooks: list[torch.utils.hooks.RemovableHandle] = []  # live until the backward
+        self._on_grad: Callable[[Call, Tensor], Tensor | None] | None = None
 
     def __enter__(self) -> HookSession:
         for module in self.modules:
@@ -138,18 +138,25 @@ class HookSession:
         call = Call(
             module,
             inputs,
-            output,
-            tuple(t._version for t in (*inputs, output)),
+            torch.autograd.graph.get_gradient_edge(output),
+            output.shape,
+            tuple(t._version for t in inputs),
             kwargs=named,
             batch_dim=rule.batch_dim(module, inputs) if rule and rule.batch_dim else 0,
-            others=tuple(t for t in rest if isinstance(t, Tensor) and t.requires_grad),
+            others=tuple(
+                torch.autograd.graph.get_gradient_edge(t)
+                for t in rest
+                if isinstance(t, Tensor) and t.requires_grad
+            ),
             expanded=expanded,
         )
         self.calls[id(module)].append(call)
-        if not copy:
-            return None
-        replacement = output.clone()  # downstream edits the clone; ours stays intact
-        return (replacement, *rest) if rest else replacement
+        self._grad_hooks.append(output.register_hook(functools.partial(self._read, call)))
+        return None
+
+    def _read(self, call: Call, grad: Tensor) -> Tensor | None:
+        """The hook on each captured output: hands its gradient on during ``backward``."""
+        return None if self._on_grad is None else self._on_grad(call, grad)
 
     def all_calls(self) -> list[Call]:
         return [c for cs in self.calls.values() for c in cs]
@@ -159,7 +166,7 @@ class HookSession:
         return {
             id(call.module)
             for call in self.all_calls()
-            if tuple(t._version for t in (*call.inputs, call.output)) != call.versions
+            if tuple(t._version for t in call.inputs) != call.versions
         }
 
     def not_per_example(self, batch: int, probe: Tensor | None = None) -> set[int]:
@@ -175,14 +182,14 @@ class HookSession:
             id(call.module)
             for call in self.all_calls()
             if call.batch_dim is None
-            or call.output.dim() <= call.batch_dim
-            or call.output.shape[call.batch_dim] != batch
+            or len(call.shape) <= call.batch_dim
+            or call.shape[call.batch_dim] != batch
         }
         keyed = [c for c in self.all_calls() if id(c.module) not in shared]
         if probe is None or not keyed:  # nothing left for the probe to ask about
             return shared
         grads = torch.autograd.grad(
-            probe, [c.output for c in keyed], allow_unused=True, retain_graph=True
+            probe, [c.edge for c in keyed], allow_unused=True, retain_graph=True
         )
         for call, grad in zip(keyed, grads, strict=True):
             others = None if grad is None else grad.movedim(call.batch_dim, 0)[:-1]
@@ -206,33 +213,34 @@ class HookSession:
         wait for below them (the first layer) are requested themselves; no parameter gradient is
         computed but those of ``also``.
         """
-        nodes = [_node(c.output) for c in calls]
-        below = below_targets(nodes, {*nodes, *(_node(t) for t in also)})
+        nodes = [c.edge.node for c in calls]
+        leaves = [torch.autograd.graph.get_gradient_edge(t).node for t in also]
+        below = below_targets(nodes, {*nodes, *leaves})
         lowest = [c for c, node in zip(calls, nodes, strict=True) if not below[node]]
         requested = {id(c) for c in lowest}
+        wanted = {id(c) for c in calls}
         others = [t for c in calls for t in c.others]
 
-        def hook(call: Call) -> Callable[[Tensor], Tensor | None]:
-            def read(grad: Tensor) -> Tensor | None:
-                call.reached = True
-                on_grad(call, grad)
-                # a requested call's gradient goes nowhere after this: keep no copy of it
-                return grad.new_zeros(()).expand_as(grad) if id(call) in requested else None
+        def read(call: Call, grad: Tensor) -> Tensor | None:
+            if id(call) not in wanted:
+                return None
+            call.reached = True
+            on_grad(call, grad)
+            # a requested call's gradient goes nowhere after this: keep no copy of it
+            return grad.new_zeros(()).expand_as(grad) if id(call) in requested else None
 
-            return read
-
-        handles = []
+        self._on_grad = read
         try:
-            for call in calls:
-                handles.append(call.output.register_hook(hook(call)))
             if not lowest and not others and not also:
                 return []
             grads = torch.autograd.grad(
-                total, [*(c.output for c in lowest), *others, *also], allow_unused=True
+                total, [*(c.edge for c in lowest), *others, *also], allow_unused=True
             )
         finally:
-            for handle in handles:
+            self._on_grad = None
+            for handle in self._grad_hooks:
                 handle.remove()
+            self._grad_hooks.clear()
         flags = iter(grads[len(lowest) : len(lowest) + len(others)])
         for call in calls:
             for _ in call.others:
