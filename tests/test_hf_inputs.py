@@ -190,3 +190,23 @@ def test_arrow_ipc_file_format_is_read_too(tmp_path):
     (batch,) = dataset.batches(8)
     assert torch.equal(batch.inputs[0], expected_padded(ROWS, -1))
     assert batch.targets.tolist() == [len(r) for r in ROWS]
+
+
+def test_reading_a_save_to_disk_folder_imports_neither_datasets_nor_transformers(tmp_path):
+    import subprocess
+    import sys
+
+    save_rows(tmp_path / "ds")
+    cfg = data_config(tmp_path, path="ds", inputs="input_ids", pad={"input_ids": 0, "labels": 0})
+    code = (
+        "import sys\n"
+        "from gradscope.cli import app\n"
+        "from gradscope.config import DataConfig\n"
+        "from gradscope.io.data import open_dataset\n"
+        f"cfg = DataConfig(path={cfg.path!r}, inputs=['input_ids'], targets='labels', "
+        "pad={'input_ids': 0, 'labels': 0})\n"
+        "print(sum(len(b) for b in open_dataset(cfg).batches(4)))\n"
+        "print(sorted(m for m in ('datasets', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:2] == [str(len(ROWS)), "[]"]
