@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Sequence
 
@@ -13,6 +14,16 @@ from ..rules import Dense
 from ..rules.base import CHUNK_ELEMENTS
 from .forward import Forward
 from .naive import naive_grads
+
+
+def short_reason(e: Exception, width: int = 60) -> str:
+    """An exception as a plan note: its type and the start of its first line; whole with
+    GRADSCOPE_DEBUG=1 (vmap errors run to hundreds of characters)."""
+    text = f"{type(e).__name__}: {str(e).strip()}"
+    if os.environ.get("GRADSCOPE_DEBUG"):
+        return text
+    first = text.splitlines()[0]
+    return first if len(first) <= width else first[: width - 1].rstrip() + "…"
 
 
 class Fallback:
@@ -43,7 +54,7 @@ class Fallback:
             except Exception as e:
                 # The model already ran eagerly on this very batch, so the failure is vmap's; a
                 # genuine error in the model or loss is raised again, readably, by the loop.
-                self.vmap_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                self.vmap_error = short_reason(e)
         if grads is None:
             _, grads = naive_grads(self.model, inputs, targets, self.loss_fn, names, self.forward)
         return {n: Dense(g) for n, g in grads.items()}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -14,6 +14,7 @@ from ..rules.base import accumulation_dtype
 from .core import Engine, total
 from .jvp import JvpUnsupported, jvp_inner
 from .naive import naive_grads
+from .reduce import Want
 
 ENGINES = ("auto", "hooks", "jvp")
 MAX_PER_REF = 1000  # --per-ref holds one gradient per reference example: (K, P) floats
@@ -100,6 +101,7 @@ class BatchInfluence:
     loss: Tensor  # (B,)
     inner: Tensor  # (B, K) <grad l_i, r_k>
     norm_sq: Tensor | None  # (B,) ||grad l_i||^2, when asked for
+    observed: dict[str, Tensor] = field(default_factory=dict)  # the engine's ``observe`` columns
 
 
 def check_engine(name: str) -> str:
@@ -140,19 +142,28 @@ class Influence:
     def __call__(self, inputs: tuple[Tensor, ...], targets: Tensor) -> BatchInfluence:
         while self.method == "jvp":
             try:
-                loss, inner = jvp_inner(self.engine, inputs, targets, self.refs, self._recording)
+                loss, inner, observed = jvp_inner(
+                    self.engine, inputs, targets, self.refs, self._recording
+                )
             except JvpUnsupported as e:
                 if self._recording:
                     self.method, self.note = "hooks", f"forward mode failed, used hooks: {e}"
                 else:  # a fused inference kernel, perhaps: retry on the composite path
                     self._recording, self.note = True, f"forward mode with autograd recording: {e}"
                 continue
-            norm_sq = None
+            norm_sq, observed = None, {}
             if self.norms:
-                norm_sq = total(self.engine.norms(inputs, targets).norm_sq)
-            return BatchInfluence(loss.double(), inner.double(), norm_sq)
-        scores = self.engine.norms(inputs, targets, self.refs)
-        return BatchInfluence(scores.loss.double(), total(scores.inner), total(scores.norm_sq))
+                scores = self.engine.norms(inputs, targets)
+                norm_sq, observed = total(scores.norm_sq), scores.observed
+            elif self.engine.observe is not None:  # the jvp pass does not read them
+                with torch.no_grad():
+                    observed = self.engine.observe(
+                        self.engine.forward(self.engine.model, inputs), targets
+                    )
+            return BatchInfluence(loss.double(), inner.double(), norm_sq, observed)
+        scores = self.engine.scores(inputs, targets, Want(norms=self.norms, refs=self.refs))
+        norm_sq = total(scores.norm_sq) if self.norms else None
+        return BatchInfluence(scores.loss.double(), total(scores.inner), norm_sq, scores.observed)
 
 
 def influence_errors(

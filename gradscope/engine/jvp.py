@@ -22,11 +22,12 @@ def jvp_inner(
     targets: Tensor,
     tangents: dict[str, Tensor],
     recording: bool = False,
-) -> tuple[Tensor, Tensor]:
-    """(B,) losses and (B, K) directional derivatives d/de l_i(theta + e r_k), r_k = tangents[.][k].
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """(B,) losses, (B, K) directional derivatives d/de l_i(theta + e r_k), r_k = tangents[.][k],
+    and what the engine's ``observe`` reads from the output.
 
     ``tangents`` holds (K, *shape) per selected parameter; each direction is one forward pass with
-    dual numbers and no backward. The losses are the primal output of the first pass.
+    dual numbers and no backward. The losses and observed columns come from the first pass.
     ``recording`` is for models whose fused kernels have no forward-mode rule: it records an
     autograd graph (never used), which keeps nn.MultiheadAttention and nn.TransformerEncoderLayer
     off their inference fast paths, and runs scaled-dot-product attention on its composite math
@@ -35,7 +36,7 @@ def jvp_inner(
     names = [p.name for p in engine.plan.included]
     primals = [p.param.detach().requires_grad_(recording) for p in engine.plan.included]
     k = next(iter(tangents.values())).shape[0]
-    primal, columns = None, []
+    primal, columns, observed = None, [], {}
     try:
         # forward_ad's dual tensors, not torch.func.jvp: its functorch wrapping cost 1.7x a plain
         # forward+backward on the digits MLP where dual tensors cost 1.05x
@@ -47,10 +48,17 @@ def jvp_inner(
                     for n, v in zip(names, primals, strict=True)
                 }
                 args, kwargs = engine.forward.split(inputs)
-                outputs = torch.func.functional_call(engine.model, duals, args, kwargs)
-                out = fwAD.unpack_dual(engine.loss_fn(engine.forward.select(outputs), targets))
-                primal = out.primal.detach() if primal is None else primal
+                output = engine.forward.select(
+                    torch.func.functional_call(engine.model, duals, args, kwargs)
+                )
+                out = fwAD.unpack_dual(engine.loss_fn(output, targets))
+                if primal is None:
+                    primal = out.primal.detach()
+                    if engine.observe is not None:
+                        with torch.no_grad():
+                            seen = fwAD.unpack_dual(output).primal.detach()
+                            observed = engine.observe(seen, targets)
                 columns.append(out.tangent.detach())
     except (RuntimeError, NotImplementedError) as e:
         raise JvpUnsupported(str(e).splitlines()[0]) from e
-    return primal, torch.stack(columns, 1)  # (B, K)
+    return primal, torch.stack(columns, 1), observed  # (B, K)

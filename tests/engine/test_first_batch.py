@@ -1,0 +1,146 @@
+"""What the first batch decides: the self-check, expanded shared lookups, and short plan notes;
+and the columns ``observe`` reads from the scoring forward, in both influence engines."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from oracle import Case, assert_rel_close, reference_norms
+from test_fallback import BY_ID
+from torch import Tensor, nn
+
+from gradscope.engine.core import Engine
+from gradscope.engine.influence import Influence, reference_gradients
+from gradscope.losses import resolve_loss
+
+VOCAB, D, T = 11, 6, 5
+
+
+class DirectTied(nn.Module):
+    """The embedding's weight also read directly as the output head: no hook sees that use."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.mix = nn.Embedding(VOCAB, D), nn.Linear(D, D)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return torch.tanh(self.mix(self.wte(ids))) @ self.wte.weight.T  # (B, T, V)
+
+
+class Positions(nn.Module):
+    """Learned positions looked up once for the batch, as nanoGPT (``arange(T)``) and BERT
+    (``position_ids`` of shape (1, T)) do."""
+
+    def __init__(self, shape: str):
+        super().__init__()
+        self.shape = shape
+        self.wte, self.wpe = nn.Embedding(VOCAB, D), nn.Embedding(T, D)
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        positions = torch.arange(ids.shape[1])
+        positions = positions if self.shape == "arange" else positions[None]  # (T,) or (1, T)
+        return self.head(torch.tanh(self.wte(ids) + self.wpe(positions)))
+
+
+class Collapses(nn.Module):
+    """Sums the looked-up positions over their leading dimension: the expanded call would change
+    the model, so it must run as written."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, D), nn.Embedding(T, D)
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        pos = self.wpe(torch.arange(ids.shape[1])[None]).sum(0)  # (T, D)
+        return self.head(torch.tanh(self.wte(ids) + pos))
+
+
+def tokens(b: int) -> tuple[Tensor, ...]:
+    return (torch.randint(0, VOCAB, (b, T)),)
+
+
+def next_tokens(out: Tensor) -> Tensor:
+    return torch.randint(0, out.shape[-1], out.shape[:-1])
+
+
+def _run(case: Case, batch: int | None = None):
+    model, inputs, targets = case.build(torch.float64, batch)
+    engine = Engine(model, resolve_loss(case.loss))
+    with engine:
+        scores = engine.norms(inputs, targets)
+    got = torch.stack(list(scores.norm_sq.values())).sum(0).sqrt()
+    assert_rel_close(got, reference_norms(model, inputs, targets, case.loss)[1], 1e-6)
+    return {p.name: p for p in engine.plan.params}
+
+
+def test_weight_also_used_directly_moves_to_the_fallback():
+    plan = _run(Case("direct-tied", DirectTied, tokens, next_tokens, "cross_entropy"))
+    assert plan["wte.weight"].rule == "fallback"
+    assert "do not add up to autograd" in plan["wte.weight"].note
+    assert plan["mix.weight"].rule == plan["mix.bias"].rule == "linear"
+
+
+@pytest.mark.parametrize("shape", ["arange", "row"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_positions_shared_by_the_batch_are_served_by_the_rule(shape: str, batch: int):
+    case = Case(
+        f"positions-{shape}", lambda: Positions(shape), tokens, next_tokens, "cross_entropy"
+    )
+    plan = _run(case, batch)
+    assert {p.rule for p in plan.values()} == {"embedding", "linear"}, plan
+
+
+def test_expansion_that_would_change_the_model_is_not_kept():
+    plan = _run(Case("collapses", Collapses, tokens, next_tokens, "cross_entropy"))
+    assert plan["wpe.weight"].rule == "fallback"
+    assert plan["wte.weight"].rule == "embedding"
+
+
+def test_plan_notes_are_short_and_whole_under_debug(monkeypatch):
+    case = BY_ID["vmap-fails"]
+    note = _run(case)["scale.gain"].note
+    assert "vmap failed" in note and len(note) < 120, note
+    monkeypatch.setenv("GRADSCOPE_DEBUG", "1")
+    model, inputs, targets = case.build(torch.float64)  # a new model: a new fallback
+    engine = Engine(model, resolve_loss(case.loss))
+    with engine:
+        engine.norms(inputs, targets)
+    assert len(engine.plan.params[-1].note) > len(note)
+
+
+def _predicted(output: Tensor, targets: Tensor) -> dict[str, Tensor]:
+    return {"pred": output.argmax(-1), "target_logit": output.gather(1, targets[:, None])[:, 0]}
+
+
+@pytest.mark.parametrize("method", ["hooks", "jvp", "norms"])
+def test_observe_reads_the_scoring_forward(method: str):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    engine = Engine(model, resolve_loss("cross_entropy"), observe=_predicted)
+    with engine:
+        if method == "norms":
+            observed = engine.norms((x,), y).observed
+        else:
+            refs = reference_gradients(engine, [((x[:2],), y[:2])])
+            observed = Influence(engine, refs, method, norms=False)((x,), y).observed
+    with torch.no_grad():
+        expected = _predicted(model(x), y)
+    assert observed.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(observed[key], value)
+
+
+def test_influence_only_computes_no_norms():
+    model = nn.Sequential(nn.Linear(4, 3)).double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    engine = Engine(model, resolve_loss("cross_entropy"))
+    with engine:
+        refs = reference_gradients(engine, [((x,), y)])
+        scores = Influence(engine, refs, "hooks", norms=False)((x,), y)
+    assert scores.norm_sq is None
+    expected = F.cross_entropy(model(x), y, reduction="none")
+    torch.testing.assert_close(scores.loss, expected.detach())
