@@ -28,7 +28,7 @@ from .engine.influence import (
 )
 from .engine.plan import Plan
 from .errors import ConfigError, DataError, Interrupted
-from .io.data import Batch, open_dataset
+from .io.data import Batch, data_sha256, open_dataset
 from .io.model import build_model, file_sha256, import_object, load_state_dict
 from .io.parquet import PartialRun
 from .losses import LossFn, resolve_loss
@@ -400,7 +400,7 @@ class InfluenceColumns:
         ).cpu()
         job.extra["influence"] = {
             "ref": self.ref,
-            "ref_sha256": None if ".py:" in self.ref else file_sha256(self.ref),
+            "ref_sha256": data_sha256(self.ref),  # REF may be a folder or a glob
             "ref_examples": len(ref_data),
             "per_ref": self.per_ref,
             "precondition": None
@@ -481,7 +481,7 @@ def influence_dataset(
             trust_checkpoint=trust_checkpoint,
             resume=resume,
             resume_key={
-                "ref_sha256": _file_hash(scorer.ref),
+                "ref_sha256": data_sha256(scorer.ref),
                 "per_ref": per_ref,
                 "precondition_sha256": _file_hash(precondition),
                 "engine": scorer.engine,

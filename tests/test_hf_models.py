@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from oracle import assert_rel_close, reference_norms
+from oracle import assert_rel_close, reference_influence, reference_norms
 from safetensors.torch import save_file
 from torch import nn
 from typer.testing import CliRunner
@@ -44,7 +44,7 @@ class Keywords(nn.Module):
         return self.model(**dict(zip(self.names, tensors, strict=True))).logits
 
 
-def score(tmp_path, model: dict, data: dict, loss: str) -> pd.DataFrame:
+def score(tmp_path, model: dict, data: dict, loss: str, command=("norms",)) -> pd.DataFrame:
     config = tmp_path / "config.yaml"
     raw = {
         "model": model,
@@ -55,7 +55,7 @@ def score(tmp_path, model: dict, data: dict, loss: str) -> pd.DataFrame:
         "output": {"path": "scores.parquet"},
     }
     config.write_text(yaml.safe_dump(raw, sort_keys=False))
-    result = runner.invoke(app, ["norms", str(config)])
+    result = runner.invoke(app, [command[0], str(config), *command[1:]])
     assert result.exit_code == 0, result.output
     return pd.read_parquet(tmp_path / "scores.parquet")
 
@@ -77,13 +77,9 @@ def token_rows(n: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def test_gpt2_pretrained_folder_on_save_to_disk_with_padding(tmp_path):
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2)).eval()
-    model.save_pretrained(tmp_path / "gpt2", max_shard_size="4KB")
+    model, ids = gpt2_folder_and_rows(tmp_path, 8)
     assert (tmp_path / "gpt2" / "model.safetensors.index.json").is_file()  # sharded
-    ids = token_rows(8, GPT2["vocab_size"], 1)
     rows = [{"input_ids": r, "attention_mask": [1] * len(r), "labels": r} for r in ids]
-    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"), num_shards=2)
     inputs = {"input_ids": "input_ids", "attention_mask": "attention_mask"}
     frame = score(
         tmp_path,
@@ -101,6 +97,48 @@ def test_gpt2_pretrained_folder_on_save_to_disk_with_padding(tmp_path):
     assert_rel_close(torch.tensor(frame["loss"].to_numpy()), loss, 1e-9)
     assert_rel_close(torch.tensor(frame["grad_norm"].to_numpy()), norm, 1e-9)
     assert frame["loss"][[i for i, r in enumerate(ids) if len(r) == 1]].eq(0).all()
+
+
+def gpt2_folder_and_rows(tmp_path, n: int) -> tuple[nn.Module, list[list[int]]]:
+    """A GPT-2 saved with save_pretrained in shards, and n token rows saved with save_to_disk."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2)).eval()
+    model.save_pretrained(tmp_path / "gpt2", max_shard_size="4KB")
+    ids = token_rows(n, GPT2["vocab_size"], 1)
+    rows = [{"input_ids": r, "attention_mask": [1] * len(r), "labels": r} for r in ids]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"), num_shards=2)
+    return model, ids
+
+
+@pytest.mark.parametrize("engine", ["hooks", "auto"])
+def test_gpt2_influence_with_a_save_to_disk_reference(tmp_path, engine):
+    model, ids = gpt2_folder_and_rows(tmp_path, 7)
+    ref_ids = token_rows(3, GPT2["vocab_size"], 9)
+    ref_rows = [{"input_ids": r, "attention_mask": [1] * len(r), "labels": r} for r in ref_ids]
+    datasets.Dataset.from_list(ref_rows).save_to_disk(str(tmp_path / "ref"))
+    frame = score(
+        tmp_path,
+        {"factory": "transformers:AutoModelForCausalLM", "pretrained": "gpt2"},
+        {
+            "path": "ds",
+            "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask"},
+            "targets": "labels",
+            "pad": {"input_ids": 0, "attention_mask": 0, "labels": -100},
+        },
+        "causal_lm",
+        ("influence", "--ref", str(tmp_path / "ref"), "--engine", engine),
+    )
+
+    def padded(rows: list[list[int]]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        longest = max(map(len, rows))
+        ids = torch.tensor([r + [0] * (longest - len(r)) for r in rows])
+        mask = torch.tensor([[1] * len(r) + [0] * (longest - len(r)) for r in rows])
+        return (ids, mask), ids.masked_fill(mask == 0, -100)
+
+    expected, _, _ = reference_influence(
+        Keywords(model, ["input_ids", "attention_mask"]), *padded(ids), padded(ref_ids), "causal_lm"
+    )
+    assert_rel_close(torch.tensor(frame["influence"].to_numpy()), expected[:, 0], 1e-9)
 
 
 def test_bert_classifier_from_config_on_parquet_ragged_lists_by_keyword(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from torch import Tensor
 from ..config import DataConfig
 from ..errors import DataError
 from .batch import Batch, Columns, Selection, is_glob, rebatch
-from .model import import_object
+from .model import file_sha256, import_object
 
 FORMATS = (".pt", ".pth", ".npz", ".parquet", ".csv", ".arrow")
 
@@ -194,6 +195,18 @@ def shard_paths(path: str | Sequence[str]) -> list[str]:
         else:
             files.append(spec)
     return files
+
+
+def data_sha256(path: str) -> str | None:
+    """The sha256 of a data file; of a folder or glob, one over its files' names and hashes in
+    order; None for ``file.py:fn`` and for a missing file (its reader reports it)."""
+    if ".py:" in path:
+        return None
+    files = shard_paths(path)
+    if files == [path]:
+        return file_sha256(path) if Path(path).is_file() else None
+    listing = "\n".join(f"{f} {file_sha256(f)}" for f in files)
+    return hashlib.sha256(listing.encode()).hexdigest()
 
 
 class Dataset:
