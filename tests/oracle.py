@@ -67,7 +67,7 @@ def reference_norms(
             [p.name for p in engine.plan.included],
             Forward(output=output),
         )
-    norm = torch.stack([g.flatten(1).pow(2).sum(1) for g in grads.values()]).sum(0).sqrt()
+    norm = torch.stack([g.reshape(len(g), -1).pow(2).sum(1) for g in grads.values()]).sum(0).sqrt()
     return losses, norm
 
 
@@ -106,9 +106,13 @@ def reference_influence(
         names = [p.name for p in engine.plan.included]
         _, grads = naive_grads(model, inputs, targets, fn, names)
         _, ref_grads = naive_grads(model, *refs, fn, names)
-    flat = torch.cat([grads[n].flatten(1) for n in names], 1)  # (B, P)
+    flat = torch.cat([grads[n].reshape(len(grads[n]), -1) for n in names], 1)  # (B, P)
     ref = torch.cat(
-        [(ref_grads[n] / (denominators or {}).get(n, 1)).flatten(1) for n in names], 1
+        [
+            (ref_grads[n] / (denominators or {}).get(n, 1)).reshape(len(ref_grads[n]), -1)
+            for n in names
+        ],
+        1,
     )  # (N, P)
     ref = ref if per_ref else ref.mean(0, keepdim=True)  # (K, P)
     return flat @ ref.T, flat.norm(dim=1), ref.norm(dim=1)

@@ -19,15 +19,16 @@ from torch import nn
 
 
 class Net(nn.Module):
-    """A Linear layer (rule) and a raw gain (fallback) in one model."""
+    """Linear layers (rule), a raw gain (broadcast) and a raw matrix read by a matmul (fallback)."""
 
     def __init__(self):
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(5, 8), nn.Linear(8, 3)
         self.gain = nn.Parameter(torch.ones(8))
+        self.mix = nn.Parameter(torch.eye(8))
 
     def forward(self, x):
-        return self.fc2(torch.tanh(self.fc1(x)) * self.gain)
+        return self.fc2((torch.tanh(self.fc1(x)) * self.gain) @ self.mix)
 '''
 
 
@@ -68,8 +69,9 @@ def test_check_shows_the_fallback_in_the_plan(tmp_path):
     (tmp_path / "model.py").write_text(SCALED_MODEL)
     result = runner.invoke(app, ["check", str(config)])
     assert result.exit_code == 0, result.output
-    assert "gain" in result.output and "fallback" in result.output
-    assert set(_errors(result.output)) == {"fc1", "fc2", "gain", "(all)"}
+    rows = {line.split()[1]: line for line in result.output.splitlines() if line.count("│") > 4}
+    assert "broadcast" in rows["gain"] and "fallback" in rows["mix"], rows
+    assert set(_errors(result.output)) == {"fc1", "fc2", "gain", "mix", "(all)"}
 
 
 def test_wrong_rule_fails_with_exit_1(tmp_path, monkeypatch):

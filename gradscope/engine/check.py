@@ -9,6 +9,7 @@ from rich.console import Group
 from rich.table import Table
 from torch import Tensor
 
+from ..rules.base import rows
 from .core import Engine
 from .first_batch import tolerance
 from .naive import naive_grads
@@ -53,7 +54,7 @@ def compare_with_loop(engine: Engine, inputs: tuple[Tensor, ...], targets: Tenso
     fast = engine.norms(inputs, targets).norm_sq
     names = [p.name for p in engine.plan.included]
     _, grads = naive_grads(engine.model, inputs, targets, engine.loss_fn, names, engine.forward)
-    loop = {n: g.flatten(1).double().pow(2).sum(1) for n, g in grads.items()}  # (B,) each
+    loop = {n: rows(g).double().pow(2).sum(1) for n, g in grads.items()}  # (B,) each
     errors: dict[str, float] = {}
     for module in engine.plan.modules:
         params = [p.name for p in engine.plan.included if p.module == module]

@@ -13,12 +13,24 @@ from torch import Tensor, nn
 from ..errors import GradscopeError, ModelError, one_line
 from ..losses import LossFn
 from ..rules import Contribution, find_rule
+from .broadcast import BroadcastTap, View, per_example
 from .fallback import Fallback
 from .first_batch import Findings, agrees, findings_for
 from .forward import Forward
-from .plan import FALLBACK_LOOP, ParamPlan, Plan, build_plan
+from .plan import BROADCAST, FALLBACK_LOOP, ParamPlan, Plan, build_plan
 from .reduce import Reducer, Want
 from .session import Call, HookSession
+
+
+@dataclass
+class Seen:
+    """What the forward of one batch recorded."""
+
+    session: HookSession  # the calls of the rule-served modules
+    tap: BroadcastTap | None  # the reads of the raw parameters, when there are any
+    losses: Tensor  # (B,), graph kept
+    observed: dict[str, Tensor]
+
 
 # (selected output, targets) -> {column: (B,) tensor}: read from the scoring forward, no extra pass
 Observe = Callable[[Tensor, Tensor], dict[str, Tensor]]
@@ -119,19 +131,19 @@ class Engine:
     def scores(self, inputs: tuple[Tensor, ...], targets: Tensor, want: Want) -> BatchScores:
         """One pass over a batch: the steps below, in order."""
         findings = findings_for(self.model, self._key, inputs)
-        session, losses, observed = self._capture(inputs, targets, findings)
-        self._decide_before_backward(session, losses, findings)
-        reducer = self._reduce_in_backward(session, losses, want, findings)
+        seen = self._capture(inputs, targets, findings)
+        self._decide_before_backward(seen, findings)
+        reducer = self._reduce_in_backward(seen, want, findings)
         self._fallback(reducer, inputs, targets)
-        self._fill_zeros(reducer, losses.shape[0])
-        return BatchScores(losses.detach(), reducer.norm_sq, reducer.inner, observed, reducer.kept)
+        self._fill_zeros(reducer, seen.losses.shape[0])
+        loss = seen.losses.detach()
+        return BatchScores(loss, reducer.norm_sq, reducer.inner, seen.observed, reducer.kept)
 
     # -- the steps -------------------------------------------------------------------------
 
-    def _capture(
-        self, inputs: tuple[Tensor, ...], targets: Tensor, findings: Findings
-    ) -> tuple[HookSession, Tensor, dict[str, Tensor]]:
-        """The forward with every call of the rule-served modules recorded.
+    def _capture(self, inputs: tuple[Tensor, ...], targets: Tensor, findings: Findings) -> Seen:
+        """The forward with every call of the rule-served modules recorded, and every op on the
+        raw parameters watched.
 
         Calls on rows shared by the batch get them expanded to the batch, once the first batch
         has shown that this leaves every loss as it was. A model that edits a captured tensor in
@@ -140,31 +152,33 @@ class Engine:
         while True:
             expand = targets.shape[0] if findings.expand is not False else 0
             try:
-                session, losses, observed = self._recorded(inputs, targets, expand)
+                seen = self._recorded(inputs, targets, expand)
             except ModelError:
                 if not expand:
                     raise
                 findings.expand = False  # the model cannot take the expanded rows: run as is
                 continue
             if expand and findings.expand is None:
-                findings.expand = not session.expanded or self._same_losses(inputs, targets, losses)
+                same = self._same_losses(inputs, targets, seen.losses)
+                findings.expand = not seen.session.expanded or same
                 if not findings.expand:
                     continue
-            edited = session.edited_in_place() - self._copy
+            edited = seen.session.edited_in_place() - self._copy
             if not edited:
-                return session, losses, observed
+                return seen
             self._copy |= edited  # capture copies from now on, and redo this batch
 
-    def _recorded(
-        self, inputs: tuple[Tensor, ...], targets: Tensor, expand: int
-    ) -> tuple[HookSession, Tensor, dict[str, Tensor]]:
+    def _recorded(self, inputs: tuple[Tensor, ...], targets: Tensor, expand: int) -> Seen:
+        raw = self.plan.raw
+        tap = BroadcastTap(raw, targets.shape[0]) if raw else None
         # with every parameter on the fallback, this pass only gives the losses: no graph
         with (
-            torch.set_grad_enabled(bool(self.plan.by_rule)),
+            torch.set_grad_enabled(bool(self.plan.by_rule or raw)),
             HookSession(self.plan.hooked_modules, self._copy, expand) as session,
+            tap or contextlib.nullcontext(),
         ):
             losses, observed = self._losses(inputs, targets)
-        return session, losses, observed
+        return Seen(session, tap, losses, observed)
 
     def _same_losses(self, inputs: tuple[Tensor, ...], targets: Tensor, losses: Tensor) -> bool:
         """Whether the model as written gives the losses the expanded calls gave."""
@@ -172,40 +186,46 @@ class Engine:
             plain = self._losses(inputs, targets)[0]
         return plain.shape == losses.shape and agrees(losses.detach(), plain)
 
-    def _decide_before_backward(
-        self, session: HookSession, losses: Tensor, findings: Findings
-    ) -> None:
-        """Move to the fallback what reads rows that are not the examples."""
-        probe = None
-        if self.plan.by_rule and findings.shared is None and losses.shape[0] > 1:
-            probe = losses[-1]  # once per model and shapes: later batches check the shapes only
-        shared = session.not_per_example(losses.shape[0], probe)
+    def _decide_before_backward(self, seen: Seen, findings: Findings) -> None:
+        """Move to the fallback what reads rows that are not the examples, and raw parameters
+        read by other ops than broadcast ones."""
+        for p in self.plan.raw:
+            if seen.tap.uses[p.name].other:
+                self.plan.to_fallback(p, f"read by {seen.tap.uses[p.name].other}")
+        probe, batch = None, seen.losses.shape[0]
+        if (self.plan.by_rule or self.plan.raw) and findings.shared is None and batch > 1:
+            probe = seen.losses[-1]  # once per model and shapes: later batches check shapes only
+        shared = seen.session.not_per_example(batch, probe)
         if probe is not None:
             findings.shared = {m for m in self.plan.hooked_modules if id(m) in shared}
+            for name in seen.tap.not_per_example(probe) if seen.tap else ():
+                findings.failed[name] = "rows of its broadcast are not the examples"
         shared |= {id(m) for m in findings.shared or ()}
         for p in self.plan.by_rule:
             if any(id(m) in shared for m, _ in p.owners):
                 self.plan.to_fallback(p, "rows of its module's output are not the examples")
-            elif p.name in findings.failed:
-                self.plan.to_fallback(p, findings.failed[p.name] + " (used outside its module?)")
+        for p in self.plan.by_rule + self.plan.raw:
+            if p.name in findings.failed:
+                self.plan.to_fallback(p, findings.failed[p.name])
 
-    def _reduce_in_backward(
-        self, session: HookSession, losses: Tensor, want: Want, findings: Findings
-    ) -> Reducer:
+    def _reduce_in_backward(self, seen: Seen, want: Want, findings: Findings) -> Reducer:
         """One backward; each call's rule runs as its output gradient arrives, and only what
         ``want`` asks for is kept. On the first batch, each rule's gradients are also summed
         over the examples and checked against autograd's batch gradient."""
+        session, losses = seen.session, seen.losses
         served = {(id(m), attr): p for p in self.plan.by_rule for m, attr in p.owners}
         modules = {module for module, _ in served}
         calls = [c for c in session.all_calls() if id(c.module) in modules]
+        views = [v for v in seen.tap.views() if not v.param.is_fallback] if seen.tap else []
         count = {
             p.name: sum(len(session.calls.get(id(m), ())) for m, _ in p.owners)
             for p in self.plan.by_rule
         }
+        count |= {p.name: sum(v.param is p for v in views) for p in self.plan.raw}
         verify = not findings.verified and bool(losses.isfinite().all())
         merged = [name for name, k in count.items() if k > 1]
         reducer = Reducer(Want(want.norms, want.refs, want.keep, sums=verify), merged)
-        if not self.plan.by_rule:
+        if not count:
             return reducer
 
         def on_grad(call: Call, grad: Tensor) -> None:
@@ -216,18 +236,30 @@ class Engine:
                 if p is not None and not p.is_fallback:
                     reducer.add(p.name, part)
 
-        # the self-check needs every batch gradient; otherwise only those of uncalled modules
-        checked = [p for p in self.plan.by_rule if verify or not count[p.name]]
-        grads = session.backward(losses.sum(), calls, on_grad, [p.param for p in checked])
+        def on_view(view: View, grad: Tensor) -> None:
+            view.reached = True
+            reducer.add(view.param.name, per_example(view, grad))
+
+        # the self-check needs every batch gradient; otherwise those of uncalled modules, and of
+        # the raw parameters, so that autograd runs the steps of their views (cheap: sums)
+        raw = self.plan.raw
+        checked = [p for p in self.plan.by_rule + raw if verify or not count[p.name] or p in raw]
+        if seen.tap:
+            seen.tap.reading(on_view)
+        try:
+            grads = session.backward(losses.sum(), calls, on_grad, [p.param for p in checked])
+        finally:
+            if seen.tap:
+                seen.tap.reading(None)
         reducer.finish()
-        self._decide_after_backward(session, reducer, checked, grads, findings, verify)
+        self._decide_after_backward(seen, reducer, checked, grads, findings, verify)
         if verify:
             findings.verified = True
         return reducer
 
     def _decide_after_backward(
         self,
-        session: HookSession,
+        seen: Seen,
         reducer: Reducer,
         checked: Sequence[ParamPlan],
         grads: Sequence[Tensor | None],
@@ -235,6 +267,8 @@ class Engine:
         verify: bool,
     ) -> None:
         """Move to the fallback what the backward showed the rules cannot see."""
+        session = seen.session
+        views = seen.tap.views() if seen.tap else []
         for p in self.plan.by_rule:
             if any(c.others_reach_loss for m, _ in p.owners for c in session.calls.get(id(m), ())):
                 self.plan.to_fallback(
@@ -244,13 +278,23 @@ class Engine:
             if p.is_fallback:
                 continue
             reached = any(c.reached for m, _ in p.owners for c in session.calls.get(id(m), ()))
+            reached |= any(v.reached for v in views if v.param is p)
             if not reached and g is not None:
-                self.plan.to_fallback(p, "used without a call of its module")
+                where = (
+                    "where no rule sees it"
+                    if p.rule == BROADCAST
+                    else "without a call of its module"
+                )
+                self.plan.to_fallback(p, f"used {where}")
                 continue
             ours = reducer.sums.get(p.name, torch.zeros_like(p.param))
             if verify and not agrees(ours, torch.zeros_like(p.param) if g is None else g):
-                findings.failed[p.name] = "its rule's gradients do not add up to autograd's"
-                self.plan.to_fallback(p, findings.failed[p.name] + " (used outside its module?)")
+                findings.failed[p.name] = (
+                    "its rule's gradients do not add up to autograd's (used outside its module?)"
+                )
+                self.plan.to_fallback(p, findings.failed[p.name])
+            elif verify and p.rule == BROADCAST:
+                p.note = ""  # served: no longer "no rule for ..."
         for p in self.plan.fallback:
             reducer.forget(p.name)
 
@@ -266,7 +310,7 @@ class Engine:
 
     def _fill_zeros(self, reducer: Reducer, batch: int) -> None:
         """Zeros for the rule-served parameters that no call of this batch reached."""
-        for p in self.plan.by_rule:
+        for p in self.plan.by_rule + self.plan.raw:
             reducer.zeros(p.name, batch, p.param)
 
     def _losses(

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ConfigError, ModelError
-from ..rules.base import accumulation_dtype
+from ..rules.base import accumulation_dtype, rows
 from .core import Engine, total
 from .jvp import JvpUnsupported, jvp_inner
 from .naive import naive_grads
@@ -134,9 +134,7 @@ class Influence:
     def ref_norm(self) -> Tensor:
         """(K,) the L2 norm of each reference direction over the selected parameters."""
         return (
-            torch.stack([r.double().flatten(1).pow(2).sum(1) for r in self.refs.values()])
-            .sum(0)
-            .sqrt()
+            torch.stack([rows(r).double().pow(2).sum(1) for r in self.refs.values()]).sum(0).sqrt()
         )
 
     def __call__(self, inputs: tuple[Tensor, ...], targets: Tensor) -> BatchInfluence:
@@ -193,8 +191,8 @@ def influence_errors(
         if forward.method != "jvp":
             jvp = None
     g_ref = {n: g.double().mean(0).flatten() for n, g in ref_grads.items()}
-    exact = {n: g.double().flatten(1) @ g_ref[n] for n, g in grads.items()}  # (B, P) @ (P,)
-    g_norm = torch.stack([g.double().flatten(1).pow(2).sum(1) for g in grads.values()]).sum(0)
+    exact = {n: rows(g).double() @ g_ref[n] for n, g in grads.items()}  # (B, P) @ (P,)
+    g_norm = torch.stack([rows(g).double().pow(2).sum(1) for g in grads.values()]).sum(0)
     ref_norm = torch.stack([r.pow(2).sum() for r in g_ref.values()]).sum()
     scale = (g_norm * ref_norm).sqrt().clamp_min(torch.finfo(torch.float64).tiny)
 

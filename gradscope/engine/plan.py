@@ -1,17 +1,18 @@
 """The plan: for every parameter, which rule serves it, the fallback, or excluded by ``params``.
 
-A parameter goes to the fallback (exact per-example gradients through torch.func, see
-``engine/fallback.py``) when any module holding it has no rule. A rule may also serve the
+A parameter is served by the rule of the modules holding it. A rule may also serve the
 parameters of child modules its module uses functionally (the attention rule and
 ``nn.MultiheadAttention.out_proj``): those are held by the parent too, under ``"out_proj.weight"``.
-A rule only sees a parameter through its module's calls, reading the examples along the call
-output's batch dimension, so during the passes the engine also moves to the fallback a
-rule-served parameter that reaches the loss although its module was never called, one whose
-module's output rows are not the examples (a table looked up once for the whole batch, a
-sequence-first Linear, an unbatched call), and one whose module has a second output (attention
-weights) that reaches the loss. ``note`` says why. Rule strings: a rule's name
-(tied parameters join them: "embedding+linear"), ``fallback`` (vmap), ``fallback:loop`` (vmap
-could not run the model: one backward per example), ``excluded``.
+A parameter held only by modules without a rule (a ViT's ``cls_token``, a LayerScale ``gamma``)
+is ``broadcast`` while the passes see it read only in broadcast elementwise ops
+(``engine/broadcast.py``). Everything else goes to the fallback (exact per-example gradients
+through torch.func, ``engine/fallback.py``), with the reason in ``note``, through
+``Plan.to_fallback``: a module with a rule beside one without, a raw parameter read by another op,
+and what the passes show a rule cannot see (a parameter reaching the loss without a call of its
+module, output rows that are not the examples, a second output reaching the loss, per-example
+gradients that do not add up to autograd's batch gradient). Rule strings: a rule's name (tied
+parameters join them: "embedding+linear"), ``broadcast``, ``fallback`` (vmap), ``fallback:loop``
+(vmap could not run the model: one backward per example), ``excluded``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..rules import find_rule
 
+BROADCAST = "broadcast"  # a raw parameter read in broadcast elementwise ops (engine/broadcast.py)
 FALLBACK = "fallback"
 FALLBACK_LOOP = "fallback:loop"
 EXCLUDED = "excluded"
@@ -60,7 +62,13 @@ class Plan:
 
     @property
     def by_rule(self) -> list[ParamPlan]:
-        return [p for p in self.params if p.included and not p.is_fallback]
+        """Served by the rules of the modules holding them."""
+        return [p for p in self.params if p.included and not p.is_fallback and p.rule != BROADCAST]
+
+    @property
+    def raw(self) -> list[ParamPlan]:
+        """Held by modules without a rule: served while they are only read in broadcast ops."""
+        return [p for p in self.params if p.rule == BROADCAST]
 
     @property
     def fallback(self) -> list[ParamPlan]:
@@ -140,8 +148,8 @@ def build_plan(
             # a served child's own rule only covers direct calls of it: the parent's rule names it
             shown = (r for (m, _), r in zip(plan.owners, rules, strict=True) if id(m) not in served)
             plan.rule = "+".join(dict.fromkeys(r.name for r in shown))
-        else:
-            plan.rule = FALLBACK
+        else:  # the first pass tells whether broadcast ops are all that read it
+            plan.rule = FALLBACK if any(rules) else BROADCAST
             missing = (
                 type(m).__name__ for (m, _), r in zip(plan.owners, rules, strict=True) if r is None
             )

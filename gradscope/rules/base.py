@@ -29,6 +29,11 @@ def _acc(t: Tensor) -> Tensor:
     return t.to(accumulation_dtype(t.dtype))
 
 
+def rows(t: Tensor) -> Tensor:
+    """(B, *shape) -> (B, P): one row per example, also for a parameter of shape ()."""
+    return t.reshape(t.shape[0], -1)
+
+
 def _sq_norm(t: Tensor, dim: int | tuple[int, ...]) -> Tensor:
     """Squared L2 norm over ``dim``: one fused reduction, no squared copy of ``t`` in memory."""
     return torch.linalg.vector_norm(t, dim=dim).square()
@@ -68,10 +73,10 @@ class Dense(Contribution):
         self.shape = grads.shape[1:]
 
     def norm_sq(self) -> Tensor:
-        return _sq_norm(self.grads.flatten(1), 1)
+        return _sq_norm(rows(self.grads), 1)
 
     def inner(self, refs: Tensor) -> Tensor:
-        return self.grads.flatten(1) @ refs.to(self.grads.dtype).flatten(1).T  # (B, P) @ (P, K)
+        return rows(self.grads) @ rows(refs.to(self.grads.dtype)).T  # (B, P) @ (P, K)
 
     def materialize(self) -> Tensor:
         return self.grads

@@ -87,12 +87,23 @@ class SeqFirst(nn.Module):
         return self.fc(x.transpose(0, 1)).transpose(0, 1)  # (B, T, 3)
 
 
+class DiagScale(nn.Module):
+    """A learned per-feature scale read through a matmul: no broadcast, so no rule sees it."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, n))
+
+    def forward(self, x):
+        return x @ torch.diag(self.gain)
+
+
 class ItemGate(nn.Module):
     """Data-dependent control flow on a Python float: vmap cannot run it, the loop can."""
 
     def __init__(self):
         super().__init__()
-        self.fc, self.scale = nn.Linear(4, 3), Scale(3)
+        self.fc, self.scale = nn.Linear(4, 3), DiagScale(3)
 
     def forward(self, x):
         h = self.scale(self.fc(x))
@@ -110,6 +121,8 @@ CASES = [
         for cell in (nn.LSTM, nn.GRU, nn.RNN)
     ),
     Case("raw-parameter", lambda: nn.Sequential(nn.Linear(4, 5), Scale(5), nn.Tanh(), nn.Linear(5, 2)),
+         lambda b: (torch.randn(b, 4),), torch.randn_like),
+    Case("matmul-parameter", lambda: nn.Sequential(nn.Linear(4, 5), DiagScale(5), nn.Tanh(), nn.Linear(5, 2)),
          lambda b: (torch.randn(b, 4),), torch.randn_like),
     Case("top-level-parameter", Positional, lambda b: (torch.randn(b, 5, 4),), labels, "cross_entropy"),
     # T == B: the shapes alone cannot tell the table's rows from the examples
@@ -143,13 +156,12 @@ def _run(case: Case, batch: int | None = None):
 
 def test_per_parameter_norms_add_up():
     """Rule-served and fallback parameters land in one result; each one is exact on its own."""
-    model, inputs, targets, plan, scores = _run(
-        BY_ID["raw-parameter"]
-    )  # Linear, Scale, Tanh, Linear
+    model, inputs, targets, plan, scores = _run(BY_ID["matmul-parameter"])
     assert {p.name: p.rule for p in plan.params} == {
         "0.weight": "linear", "0.bias": "linear", "1.gain": FALLBACK,
         "3.weight": "linear", "3.bias": "linear",
     }  # fmt: skip
+    assert plan.params[2].note == "no rule for DiagScale; read by diag"
     for name, norm_sq in scores.norm_sq.items():
         _, expected = reference_norms(model, inputs, targets, include=[name])
         assert_rel_close(norm_sq.sqrt(), expected, 1e-5)
@@ -209,7 +221,7 @@ def test_vmap_failure_is_remembered_and_the_loop_runs():
 def test_vmap_runs_in_chunks(monkeypatch):
     """A chunk smaller than the batch gives the same numbers: no example is dropped or repeated."""
     monkeypatch.setattr("gradscope.engine.fallback.CHUNK_ELEMENTS", 1)
-    model, inputs, targets = BY_ID["raw-parameter"].build(torch.float64, batch=7)
+    model, inputs, targets = BY_ID["matmul-parameter"].build(torch.float64, batch=7)
     got = gradscope.per_example_norms(model, inputs, targets, "mse")
     _, expected = reference_norms(model, inputs, targets, "mse")
     assert_rel_close(got, expected, 1e-5)

@@ -1,0 +1,101 @@
+"""Raw parameters read in broadcast elementwise ops, served without the fallback, against the loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import Case, assert_rel_close, reference_norms
+from torch import Tensor, nn
+
+from gradscope.engine.core import Engine
+from gradscope.losses import resolve_loss
+
+D, N = 6, 4
+
+
+class Tokens(nn.Module):
+    """A ViT's front: a cls token expanded and concatenated, positions added, LayerScale."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(3, D)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, D))
+        self.pos_embed = nn.Parameter(torch.randn(1, N + 1, D))
+        self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, D))
+        self.head = nn.Linear(D, 2)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, N, 3)
+        h = self.proj(x)
+        h = torch.cat([self.cls_token.expand(h.shape[0], -1, -1), h], 1) + self.pos_embed
+        h = h + self.gamma * torch.tanh(h)  # LayerScale, parameter on the left
+        return self.head(h[:, 0])
+
+
+class TwiceAndInPlace(nn.Module):
+    """One scale read twice (its two uses add up), a bias added in place, a divisor."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, D)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, D))
+        self.shift = nn.Parameter(torch.randn(D))
+        self.temperature = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, 3)
+        h = self.fc(x) * self.scale
+        h += self.shift
+        return (torch.tanh(h) * self.scale) / self.temperature
+
+
+class SequenceFirst(nn.Module):
+    """(T, B, D) with a (1, 1, D) bias: with T == B only the probe tells positions from examples."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, D)
+        self.bias = nn.Parameter(torch.randn(1, 1, D))
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, 3)
+        h = self.fc(x).transpose(0, 1) + self.bias  # (T, B, D)
+        return torch.tanh(h).transpose(0, 1).sum(1)  # (B, D)
+
+
+def patches(b: int) -> tuple[Tensor, ...]:
+    return (torch.randn(b, N, 3),)
+
+
+def labels(out: Tensor) -> Tensor:
+    return torch.randint(0, out.shape[-1], out.shape[:-1])
+
+
+CASES = [
+    Case("vit-front", Tokens, patches, labels, "cross_entropy"),
+    Case("vit-front-batch-1", Tokens, patches, labels, "cross_entropy", batch=1),
+    Case("twice-and-in-place", TwiceAndInPlace, lambda b: (torch.randn(b, 3),), torch.randn_like),
+]
+
+
+def _run(case: Case):
+    model, inputs, targets = case.build(torch.float64)
+    engine = Engine(model, resolve_loss(case.loss))
+    with engine:
+        scores = engine.norms(inputs, targets)
+    for name, norm_sq in scores.norm_sq.items():  # each parameter exact on its own
+        _, expected = reference_norms(model, inputs, targets, case.loss, include=[name])
+        assert_rel_close(norm_sq.sqrt(), expected, 1e-6)
+    return {p.name: p for p in engine.plan.params}
+
+
+@pytest.mark.parametrize("case", CASES, ids=repr)
+def test_broadcast_parameters_match_loop(case: Case):
+    plan = _run(case)
+    raw = {n: p for n, p in plan.items() if not n.startswith(("proj.", "head.", "fc."))}
+    assert raw and all(p.rule == "broadcast" and p.note == "" for p in raw.values()), raw
+
+
+def test_sequence_first_with_length_equal_to_batch_goes_to_the_fallback():
+    plan = _run(
+        Case("seq-first", SequenceFirst, lambda b: (torch.randn(b, 5, 3),), torch.randn_like)
+    )
+    assert plan["bias"].rule == "fallback"
+    assert "not the examples" in plan["bias"].note
