@@ -274,6 +274,8 @@ class Engine:
                 self.plan.to_fallback(
                     p, "a second output of its module (attention weights) reaches the loss"
                 )
+        present = [g.double().norm() for g in grads if g is not None]
+        total = torch.stack(present).norm().item() if verify and present else 0.0
         for p, g in zip(checked, grads, strict=True):
             if p.is_fallback:
                 continue
@@ -288,7 +290,7 @@ class Engine:
                 self.plan.to_fallback(p, f"used {where}")
                 continue
             ours = reducer.sums.get(p.name, torch.zeros_like(p.param))
-            if verify and not agrees(ours, torch.zeros_like(p.param) if g is None else g):
+            if verify and not agrees(ours, torch.zeros_like(p.param) if g is None else g, total):
                 findings.failed[p.name] = (
                     "its rule's gradients do not add up to autograd's (used outside its module?)"
                 )

@@ -58,6 +58,23 @@ class Collapses(nn.Module):
         return self.head(torch.tanh(self.wte(ids) + pos))
 
 
+class SeparateProjections(nn.Module):
+    """Self-attention with its own key Linear, as BERT builds it: the key bias's gradient is zero
+    but for rounding (softmax cancels a constant added to a query's scores)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.q, self.k, self.v = (
+            nn.Embedding(VOCAB, D),
+            *(nn.Linear(D, D) for _ in "qkv"),
+        )
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.wte(ids)
+        return self.head(F.scaled_dot_product_attention(self.q(h), self.k(h), self.v(h)))
+
+
 def tokens(b: int) -> tuple[Tensor, ...]:
     return (torch.randint(0, VOCAB, (b, T)),)
 
@@ -81,6 +98,16 @@ def test_weight_also_used_directly_moves_to_the_fallback():
     assert plan["wte.weight"].rule == "fallback"
     assert "do not add up to autograd" in plan["wte.weight"].note
     assert plan["mix.weight"].rule == plan["mix.bias"].rule == "linear"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_gradient_zero_but_for_rounding_stays_on_its_rule(dtype: torch.dtype):
+    case = Case("key-bias", SeparateProjections, tokens, next_tokens, "cross_entropy", batch=6)
+    model, inputs, targets = case.build(dtype)
+    engine = Engine(model, resolve_loss(case.loss))
+    with engine:
+        engine.norms(inputs, targets)
+    assert {p.rule for p in engine.plan.params} == {"embedding", "linear"}, engine.plan.describe()
 
 
 @pytest.mark.parametrize("shape", ["arange", "row"])
