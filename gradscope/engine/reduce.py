@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ..rules import Contribution
-from ..rules.base import accumulation_dtype
+from ..rules.base import accumulation_dtype, rows
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,23 @@ class Want:
     refs: dict[str, Tensor] | None = None
     keep: bool = False
     sums: bool = False
+
+
+def _merged(parts: list[Contribution]) -> Contribution:
+    merged = parts[0]
+    for part in parts[1:]:
+        merged = merged.merge(part)
+    return merged
+
+
+def _cross(g: Contribution, h: Contribution) -> Tensor:
+    """(B,) <G_i, H_i>: the cheap form where one of the two has it, else both formed."""
+    cross = g.cross(h)
+    if cross is None:
+        cross = h.cross(g)
+    if cross is None:
+        cross = (rows(g.materialize()) * rows(h.materialize())).sum(1)
+    return cross
 
 
 class Reducer:
@@ -47,14 +64,36 @@ class Reducer:
             self.reduce(name, part)
 
     def finish(self) -> None:
-        """Merge and reduce what waited for its last call."""
+        """Merge and reduce what waited for its last call.
+
+        Parts of one kind merge and stay factored (positions concatenate). Parts of different
+        kinds (a tied embedding and head) are reduced apart and joined through their cross
+        terms, ||G + H||^2 = ||G||^2 + ||H||^2 + 2<G, H>, formed only where no cheaper
+        form of <G, H> exists; inner products are linear and simply add.
+        """
         for name, parts in self._parts.items():
-            if parts:
-                merged = parts[0]
-                for part in parts[1:]:
-                    merged = merged.merge(part)
-                self.reduce(name, merged)
+            kinds: dict[type, Contribution] = {}
+            for part in parts:
+                same = kinds.get(type(part))
+                kinds[type(part)] = part if same is None else same.merge(part)
+            groups = list(kinds.values())
+            if len(groups) == 1 or (groups and self.want.keep):
+                self.reduce(name, _merged(groups))
+            elif groups:
+                self._reduce_apart(name, groups)
         self._parts.clear()
+
+    def _reduce_apart(self, name: str, groups: list[Contribution]) -> None:
+        if self.want.norms:
+            norm_sq = sum(g.norm_sq() for g in groups)
+            for k, g in enumerate(groups):
+                for h in groups[k + 1 :]:
+                    norm_sq = norm_sq + 2 * _cross(g, h)
+            self.norm_sq[name] = norm_sq
+        if self.want.refs is not None:
+            self.inner[name] = sum(g.inner(self.want.refs[name]) for g in groups)
+        if self.want.sums:
+            self.sums[name] = sum(g.batch_sum() for g in groups)
 
     def reduce(self, name: str, c: Contribution) -> None:
         if self.want.norms:

@@ -64,6 +64,11 @@ class Contribution(ABC):
         """The contribution of both (a module called twice, a weight shared by two modules)."""
         return Dense(self.materialize() + other.materialize())
 
+    def cross(self, other: Contribution) -> Tensor | None:
+        """(B,) <G_i, H_i> with ``other``'s per-example gradients, where a form cheaper than
+        forming both exists (a tied embedding and output head); None where it does not."""
+        return None
+
 
 class Dense(Contribution):
     """Per-example gradients formed directly: fine for small parameters (biases, norm scales)."""

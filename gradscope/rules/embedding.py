@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .base import Contribution, _acc, register_rule
+from .base import CHUNK_ELEMENTS, Contribution, Outer, _acc, register_rule
 
 
 def _example_keys(ids: Tensor, num_rows: int) -> Tensor:
@@ -45,6 +45,23 @@ class Rows(Contribution):
     def batch_sum(self) -> Tensor:
         d = self.s.shape[-1]
         return self.s.new_zeros(self.shape).index_add_(0, self.ids.flatten(), self.s.reshape(-1, d))
+
+    def cross(self, other: Contribution) -> Tensor | None:
+        """With an output head tied to this table (an ``Outer`` of the same shape):
+        <G_i, H_i> = sum_{t,u} (s_t . a_u) s'_u[id_t], never forming either gradient."""
+        if not isinstance(other, Outer) or other.dims[1] != 1 or other.shape != self.shape:
+            return None
+        b, _, u, _, _ = other.dims
+        t = self.ids.shape[1]
+        head_s, head_a = other.s[:, 0], other.a[:, 0]  # (B, U, V) logit grads, (B, U, D) inputs
+        step = max(1, CHUNK_ELEMENTS // (b * t))
+        total = self.s.new_zeros(b)
+        for lo in range(0, u, step):
+            dots = self.s @ head_a[:, lo : lo + step].transpose(1, 2)  # (B, T, u) s_t . a_u
+            ids = self.ids[:, None, :].expand(b, dots.shape[2], t)
+            picked = head_s[:, lo : lo + step].gather(2, ids)  # (B, u, T) s'_u[id_t]
+            total += (dots * picked.transpose(1, 2)).sum((1, 2))
+        return total
 
     def merge(self, other: Contribution) -> Contribution:
         if isinstance(other, Rows) and other.shape == self.shape:

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 import gradscope
 import gradscope.rules.base as base
+import gradscope.rules.embedding as embedding
 from gradscope.engine.core import Engine
 from gradscope.engine.forward import Forward
 from gradscope.engine.naive import naive_grads
@@ -93,17 +94,20 @@ class TiedLM(nn.Module):
     the merge starts from an Outer instead of a Rows.
     """
 
-    def __init__(self, vocab: int = 9, dim: int = 4, head_first: bool = False):
+    def __init__(self, vocab: int = 9, dim: int = 4, head_first: bool = False, last: bool = False):
         super().__init__()
+        self.last = last  # the head reads the last position only, and id 0 is padding
         if head_first:
             self.head = nn.Linear(dim, vocab, bias=False)
-        self.emb, self.mix = nn.Embedding(vocab, dim), nn.Linear(dim, dim)
+        self.emb = nn.Embedding(vocab, dim, padding_idx=0 if last else None)
+        self.mix = nn.Linear(dim, dim)
         if not head_first:
             self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.emb.weight
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.head(torch.tanh(self.mix(self.emb(x))))
+        h = torch.tanh(self.mix(self.emb(x)))
+        return self.head(h[:, -1] if self.last else h)
 
 
 def conv_head(conv: nn.Module, *after: nn.Module) -> nn.Sequential:
@@ -220,6 +224,13 @@ CASES = [
     Case(
         "embedding-tied-head-first",
         lambda: TiedLM(head_first=True),
+        ids(9, 6),
+        classes,
+        loss="cross_entropy",
+    ),
+    Case(
+        "embedding-tied-head-last-padding",
+        lambda: TiedLM(last=True),
         ids(9, 6),
         classes,
         loss="cross_entropy",
@@ -363,6 +374,12 @@ def test_chunked_gram_and_materialise(case: Case, monkeypatch) -> None:
     """A tiny chunk bound splits the Gram into ragged (c, c) blocks and the batch into chunks."""
     monkeypatch.setattr(base, "CHUNK_ELEMENTS", 40)
     assert_rel_close(*engine_norms(case, torch.float64), rtol=1e-5)
+
+
+def test_tied_head_cross_terms_in_chunks(monkeypatch) -> None:
+    """The embedding/head cross term, its head positions taken a few at a time."""
+    monkeypatch.setattr(embedding, "CHUNK_ELEMENTS", 40)
+    assert_rel_close(*engine_norms(by_id({"embedding-tied-head"})[0], torch.float64), rtol=1e-5)
 
 
 def test_batchnorm_without_running_stats_is_refused() -> None:
