@@ -44,7 +44,7 @@ subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL)
 print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 """
 
-SCORE_ONLY = "import sys; from gradscope.api import score_dataset; from gradscope.config import load_config; score_dataset(load_config(sys.argv[1]))"
+SCORE_ONLY = "import sys; from gradscope.run import score_dataset; from gradscope.config import load_config; score_dataset(load_config(sys.argv[1]))"
 
 
 def make_project(root: Path, rows: int, batch_size: int) -> Path:

@@ -2,6 +2,14 @@
 
 __version__ = "0.1.0"
 
-from .api import per_example_influence, per_example_norms  # noqa: E402
-
 __all__ = ["__version__", "per_example_influence", "per_example_norms"]
+
+
+def __getattr__(name: str):
+    """The API on first use: ``python -m gradscope`` starts without importing torch here, so
+    Ctrl-C while torch loads is still the command line's to report."""
+    if name in ("per_example_influence", "per_example_norms"):
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'gradscope' has no attribute {name!r}")

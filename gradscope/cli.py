@@ -32,7 +32,7 @@ class _ErrorBoundary(TyperGroup):
             try:
                 return super().invoke(ctx)
             except KeyboardInterrupt:  # before any example was saved (loading the model, REF)
-                raise Interrupted("interrupted before any example was saved") from None
+                raise Interrupted(Interrupted.BEFORE_START) from None
         except GradscopeError as e:
             if os.environ.get("GRADSCOPE_DEBUG"):
                 raise
@@ -101,13 +101,13 @@ def _run(command: str, run: Callable[..., Path | None], score: str, top_k: int) 
         )
     if path is not None:  # None on the ranks other than 0 under torchrun
         _report(path, score, top_k)
+        console.print(f"wrote {path}")
 
 
 def _report(path: Path, by: str | None, top_k: int) -> None:
     from .summary import summarize
 
     console.print(summarize(path, by, top_k))
-    console.print(f"wrote {path}")
 
 
 @app.command()
@@ -125,7 +125,8 @@ def norms(
     trust_checkpoint: TrustOpt = False,
 ) -> None:
     """L2 norm of each example's own loss gradient."""
-    from .api import score_dataset
+    from .run import score_dataset
+    from .scorers import NormsScorer
 
     cfg = with_overrides(
         load_config(config),
@@ -138,7 +139,9 @@ def norms(
     )
     _run(
         "norms",
-        partial(score_dataset, cfg, "norms", trust_checkpoint=trust_checkpoint, resume=resume),
+        partial(
+            score_dataset, cfg, NormsScorer(), trust_checkpoint=trust_checkpoint, resume=resume
+        ),
         "grad_norm",
         cfg.summary.top_k,
     )
@@ -177,7 +180,8 @@ def influence(
     trust_checkpoint: TrustOpt = False,
 ) -> None:
     """Inner product of each example's loss gradient with the mean-loss gradient over REF."""
-    from .api import influence_dataset
+    from .run import score_dataset
+    from .scorers import InfluenceScorer
 
     cfg = with_overrides(
         load_config(config),
@@ -187,16 +191,14 @@ def influence(
         limit=limit,
         top_k=top_k,
     )
-    run = partial(
-        influence_dataset,
-        cfg,
+    scorer = InfluenceScorer(
         ref,
         per_ref=per_ref,
         precondition=precondition,
         engine=engine,
         trust_checkpoint=trust_checkpoint,
-        resume=resume,
     )
+    run = partial(score_dataset, cfg, scorer, trust_checkpoint=trust_checkpoint, resume=resume)
     _run("influence", run, "influence", cfg.summary.top_k)
 
 
@@ -216,8 +218,8 @@ def check(
     trust_checkpoint: TrustOpt = False,
 ) -> None:
     """Compare both engines with a per-example backward loop; exit 1 above tolerance."""
-    from .api import check_config
     from .engine.check import render_plan, render_report
+    from .job import check_config
 
     cfg = with_overrides(load_config(config), device=device)
     report = check_config(
@@ -239,10 +241,12 @@ def summary(
     top_k: Annotated[int, typer.Option("--top-k", help="Rows in the outlier table.")] = 20,
 ) -> None:
     """Print the outlier tables of an existing scores file."""
-    from .errors import DataError
+    from .errors import ConfigError, DataError
 
     if not scores.is_file():
         raise DataError("scores file not found", str(scores))
+    if top_k < 1:
+        raise ConfigError(f"--top-k must be at least 1, got {top_k}", "--top-k")
     _report(scores, by, top_k)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,6 +94,13 @@ class Config:
         return dataclasses.asdict(self)
 
 
+def _shown(value: Any) -> str:
+    """A value for an error message, cut short: YAML aliases can nest a few lines into megabytes."""
+    shown = reprlib.Repr()
+    shown.maxlevel, shown.maxlist, shown.maxdict, shown.maxstring = 3, 4, 4, 60
+    return shown.repr(value)
+
+
 def _type_ok(value: Any, hint: Any) -> bool:
     origin = get_origin(hint)
     if origin in (Union, types.UnionType):
@@ -164,11 +172,13 @@ def _build(cls: type, raw: Any, path: str, source: str) -> Any:
         item = get_args(hint)[0] if get_origin(hint) is list else None
         if dataclasses.is_dataclass(item):
             if not isinstance(value, list):
-                raise ConfigError(f"'{key}' must be a list of mappings, got {value!r}", source)
+                raise ConfigError(
+                    f"'{key}' must be a list of mappings, got {_shown(value)}", source
+                )
             values[f.name] = [_build(item, v, f"{key}[{n}]", source) for n, v in enumerate(value)]
             continue
         if not _type_ok(value, hint):
-            raise ConfigError(f"'{key}' must be {_type_name(hint)}, got {value!r}", source)
+            raise ConfigError(f"'{key}' must be {_type_name(hint)}, got {_shown(value)}", source)
         values[f.name] = value
     return cls(**values)
 
@@ -208,8 +218,8 @@ def _validate(cfg: Config) -> None:
     ):
         if value < 1:
             raise ConfigError(f"'{key}' must be at least 1, got {value}", source)
-    if cfg.data.limit is not None and cfg.data.limit < 0:
-        raise ConfigError(f"'data.limit' must be positive, got {cfg.data.limit}", source)
+    if cfg.data.limit is not None and cfg.data.limit < 1:
+        raise ConfigError(f"'data.limit' must be at least 1, got {cfg.data.limit}", source)
     if cfg.data.path == []:
         raise ConfigError("'data.path' must name at least one file", source)
     if cfg.model.checkpoints and cfg.model.checkpoint is not None:
@@ -255,7 +265,11 @@ def load_config(path: str | Path) -> Config:
     if not path.is_file():
         raise ConfigError("config file not found", str(path))
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"the config is not UTF-8 text: {e.reason} at byte {e.start}", str(path)
+        ) from e
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}, line {mark.line + 1}" if mark else str(path)
@@ -293,6 +307,10 @@ def load_config(path: str | Path) -> Config:
 def with_overrides(cfg: Config, **overrides: Any) -> Config:
     """Apply command-line options (None means "not given") on top of the config file."""
     o = {k: v for k, v in overrides.items() if v is not None}
+    for name in ("batch_size", "limit", "top_k"):
+        if name in o and o[name] < 1:
+            option = "--" + name.replace("_", "-")
+            raise ConfigError(f"{option} must be at least 1, got {o[name]}", option)
     data = dataclasses.replace(cfg.data, **{k: o[k] for k in ("batch_size", "limit") if k in o})
     output = cfg.output
     if "out" in o:

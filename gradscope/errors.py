@@ -33,6 +33,7 @@ class Interrupted(GradscopeError):
     """Ctrl-C during a run: the finished batches are kept for ``--resume``."""
 
     exit_code = 130
+    BEFORE_START = "interrupted before any example was saved"
 
 
 def one_line(e: BaseException) -> str:

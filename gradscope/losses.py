@@ -115,8 +115,10 @@ def _checked(fn: LossFn) -> LossFn:
     def loss(outputs: Any, targets: Tensor) -> Tensor:
         try:
             value = fn(outputs, targets)
-        except (RuntimeError, ValueError, IndexError, TypeError) as e:
-            raise ModelError(f"the loss cannot take the model's outputs: {e}", "loss") from e
+        except (RuntimeError, ValueError, IndexError, TypeError, KeyError, AttributeError) as e:
+            raise ModelError(
+                f"the loss cannot take the model's outputs: {type(e).__name__}: {e}", "loss"
+            ) from e
         batch = targets.shape[0]
         if not isinstance(value, Tensor) or value.shape != (batch,):
             shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 from rich.console import Group
 from rich.table import Table
@@ -105,11 +106,17 @@ def per_class(
 
 def summarize(path: str | Path, score: str | None = None, k: int = 20) -> Group:
     """The outlier table, the per-class table and the summary paragraph of a scores file."""
-    file = pq.ParquetFile(path)
+    try:
+        file = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow's own error types: not Parquet, or cut short
+        raise DataError(f"not a readable Parquet file: {e}", str(path)) from e
     names = file.schema_arrow.names
     score = score or ("influence" if "influence" in names else "grad_norm")
     if score not in names:
         raise DataError(f"no column {score!r} to rank by (columns: {', '.join(names)})", "--by")
+    kind = file.schema_arrow.field(score).type
+    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
+        raise DataError(f"column {score!r} holds {kind}, not numbers to rank by", "--by")
     values = _column(file, score).astype(np.float64)
     ok = np.isfinite(values) & (_column(file, "finite") if "finite" in names else True)
     target = _column(file, "target") if "target" in names else None

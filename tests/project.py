@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
+
+from gradscope.io.parquet import partial_path
+from gradscope.scorers import NormsScorer
 
 MODEL_PY = '''
 import torch
@@ -79,3 +87,74 @@ def load_net(root: Path) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
     net.load_state_dict(torch.load(root / "net.pt"))
     data = torch.load(root / "data.pt")
     return net, data["x"], data["y"]
+
+
+def edit_config(root: Path, change: Callable[[dict], None]) -> None:
+    config = root / "config.yaml"
+    raw = yaml.safe_load(config.read_text())
+    change(raw)
+    config.write_text(yaml.safe_dump(raw))
+
+
+def edit_checkpoint(root: Path, change: Callable[[dict], None]) -> None:
+    state = torch.load(root / "net.pt")
+    change(state)
+    torch.save(state, root / "net.pt")
+
+
+def edit_data(root: Path, change: Callable[[dict], None]) -> None:
+    data = torch.load(root / "data.pt")
+    change(data)
+    torch.save(data, root / "data.pt")
+
+
+SLOW_MODEL = """
+import os
+import time
+
+from model import Net
+
+
+class SlowNet(Net):
+    def forward(self, x):
+        time.sleep(float(os.environ.get("SLOW", 0)))
+        return super().forward(x)
+"""
+
+
+def slow_project(root: Path, n: int = 40) -> Path:
+    """make_project with SlowNet as the model: each forward sleeps $SLOW seconds."""
+    (root / "slow.py").write_text(SLOW_MODEL)
+    return make_project(root, n=n, model__factory="slow.py:SlowNet")
+
+
+def launch(config, *args, slow=0.05, env=None):
+    """``python -m gradscope norms`` in a subprocess, each forward ``slow`` seconds long."""
+    env = {**os.environ, "SLOW": str(slow), "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen(
+        [sys.executable, "-m", "gradscope", "norms", str(config), "--batch-size", "2", *args],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def wait_for_parts(out, n: int, proc) -> None:
+    deadline = time.monotonic() + 60
+    while len(list(partial_path(out).glob("part-*.parquet"))) < n:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+class CountingNorms(NormsScorer):
+    """The norms scorer, keeping the first row of each batch it scores; interrupted (as by Ctrl-C)
+    when it reaches its ``stop``-th batch."""
+
+    def __init__(self, stop: int | None = None):
+        super().__init__()
+        self.stop, self.scored = stop, []
+
+    def columns(self, job, batch):
+        if len(self.scored) == self.stop:
+            raise KeyboardInterrupt
+        self.scored.append(int(batch.index[0]))
+        return super().columns(job, batch)

@@ -3,37 +3,16 @@
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
-from project import make_project
+from project import edit_checkpoint, edit_config, edit_data, make_project
 from typer.testing import CliRunner
 
 from gradscope.cli import app
 
 runner = CliRunner()
-
-
-def edit_config(root: Path, change: Callable[[dict], None]) -> None:
-    config = root / "config.yaml"
-    raw = yaml.safe_load(config.read_text())
-    change(raw)
-    config.write_text(yaml.safe_dump(raw))
-
-
-def edit_checkpoint(root: Path, change: Callable[[dict], None]) -> None:
-    state = torch.load(root / "net.pt")
-    change(state)
-    torch.save(state, root / "net.pt")
-
-
-def edit_data(root: Path, change: Callable[[dict], None]) -> None:
-    data = torch.load(root / "data.pt")
-    change(data)
-    torch.save(data, root / "data.pt")
 
 
 class Marker:
@@ -46,7 +25,7 @@ class Marker:
         return pathlib.Path.touch, (self.path,)
 
 
-EMPTY_ITERABLE = """
+MORE_CODE = """
 
 class Empty(torch.utils.data.IterableDataset):
     def __iter__(self):
@@ -55,7 +34,28 @@ class Empty(torch.utils.data.IterableDataset):
 
 def nothing():
     return Empty()
+
+
+class NoParams(nn.Module):
+    def forward(self, x):
+        return x[:, :3]
+
+
+class Lookup(Net):
+    def forward(self, x):
+        return {"logits": super().forward(x)}["logit"]
+
+
+def weighted(outputs, targets):
+    return {"per_example": outputs.sum(1)}["weight"]
 """
+
+# a billion laughs: eight nested aliases, each ten of the one before, in params.include
+ANCHORS = "params:\n  include:\n    - &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"    - &{b} [*{a}, *{a}, *{a}, *{a}, *{a}, *{a}, *{a}, *{a}, *{a}, *{a}]\n"
+    for a, b in zip("abcdefg", "bcdefgh", strict=True)
+)
+
 
 # (id, how to spoil the project, extra arguments, start of the error line, text it must name)
 CASES = [
@@ -152,6 +152,87 @@ CASES = [
         "model.py:nothing",
     ),
     (
+        "config-not-utf8",
+        lambda r: (r / "config.yaml").write_bytes(b"model: {factory: caf\xe9.py:Net}\n"),
+        [],
+        "the config is not UTF-8 text",
+        "config.yaml",
+    ),
+    (
+        "factory-file-syntax-error",
+        lambda r: (r / "model.py").write_text("class Net(nn.Module:\n"),
+        [],
+        "cannot import",
+        "model.py: SyntaxError",
+    ),
+    (
+        "factory-file-import-fails",
+        lambda r: (r / "model.py").write_text("import no_such_package_here\n"),
+        [],
+        "cannot import",
+        "model.py: ModuleNotFoundError",
+    ),
+    (
+        "model-without-parameters",
+        lambda r: edit_config(
+            r, lambda c: c["model"].update(factory="model.py:NoParams", checkpoint=None)
+        ),
+        [],
+        "the model has no parameters",
+        "model.factory",
+    ),
+    (
+        "key-error-in-forward",
+        lambda r: edit_config(r, lambda c: c["model"].update(factory="model.py:Lookup")),
+        [],
+        "the model cannot take inputs of shape (4, 5): Lookup's forward raised KeyError: 'logit'",
+        "data.inputs",
+    ),
+    (
+        "key-error-in-loss",
+        lambda r: edit_config(r, lambda c: c.update(loss={"name": "model.py:weighted"})),
+        [],
+        "the loss cannot take the model's outputs: KeyError: 'weight'",
+        "loss",
+    ),
+    (
+        "output-is-a-folder",
+        lambda r: (r / "out").mkdir(),
+        ["--out", "{root}/out"],
+        "the output path is a folder",
+        "out",
+    ),
+    (
+        "output-folder-is-a-file",
+        lambda r: (r / "out").write_text("a file"),
+        ["--out", "{root}/out/scores.parquet"],
+        "the output's folder",
+        "is a file",
+    ),
+    (
+        "limit-0",
+        lambda r: edit_config(r, lambda c: c["data"].update(limit=0)),
+        [],
+        "'data.limit' must be at least 1, got 0",
+        "config.yaml",
+    ),
+    ("limit-0-option", lambda r: None, ["--limit", "0"], "--limit must be at least 1", "--limit"),
+    ("top-k-option", lambda r: None, ["--top-k", "-3"], "--top-k must be at least 1", "--top-k"),
+    (
+        "nested-yaml-anchors",
+        lambda r: (r / "config.yaml").write_text((r / "config.yaml").read_text() + ANCHORS),
+        [],
+        "'params.include' must be a list of strings",
+        "config.yaml",
+    ),
+    (
+        "int-checkpoint",
+        lambda r: edit_checkpoint(r, lambda s: s.update({"fc1.weight": s["fc1.weight"].int()})),
+        [],
+        "checkpoint does not fit the model: fc1.weight is int32, the model expects float32",
+        "net.pt",
+    ),
+    (
         "cuda-without-cuda",
         lambda r: None,
         ["--device", "cuda"],
@@ -170,12 +251,12 @@ def test_exit_2_with_one_line(tmp_path, spoil, args, message, names):
         pytest.skip("CUDA is available here")
     config = make_project(tmp_path)
     with (tmp_path / "model.py").open("a") as f:
-        f.write(EMPTY_ITERABLE)
+        f.write(MORE_CODE)
     spoil(tmp_path)
-    result = runner.invoke(app, ["norms", str(config), *args])
+    result = runner.invoke(app, ["norms", str(config), *(a.format(root=tmp_path) for a in args)])
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
+    assert len(lines) == 1 and len(lines[0]) < 1000, result.stderr[:2000]
     assert lines[0].startswith(f"error: {message}"), lines[0]
     assert names in lines[0]
     assert "Traceback" not in result.output
@@ -228,3 +309,80 @@ def test_missing_ref_file(tmp_path):
     assert result.exit_code == 2
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("error: data file not found") and "nope.pt" in line
+
+
+def test_ids_with_a_missing_value_in_a_later_row_group(tmp_path):
+    """Checked as each batch is read, not found at assembly as a column of another type."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    config = make_project(tmp_path, n=16)
+    data = torch.load(tmp_path / "data.pt")
+    names = data["name"].tolist()
+    names[13] = None
+    table = pa.table(
+        {"x": data["x"].tolist(), "y": data["y"].numpy(), "name": pa.array(names, pa.int64())}
+    )
+    pq.write_table(table, tmp_path / "data.parquet", row_group_size=8)
+    edit_config(tmp_path, lambda c: c["data"].update(path="data.parquet", ids="name"))
+    result = runner.invoke(app, ["norms", str(config)])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert (
+        line
+        == f"error: column 'name' for data.ids has no value at row 13 ({tmp_path / 'data.parquet'})"
+    )
+
+
+def not_parquet(path: Path) -> None:
+    path.write_text("example_id,grad_norm\n0,1.5\n")
+
+
+def cut_short(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-20])
+
+
+# (id, how to spoil the scores file, arguments, start of the error line, text it must name)
+SUMMARY_CASES = [
+    ("csv", not_parquet, [], "not a readable Parquet file", "scores.parquet"),
+    ("truncated", cut_short, [], "not a readable Parquet file", "scores.parquet"),
+    (
+        "string-column",
+        None,
+        ["--by", "name"],
+        "column 'name' holds",
+        "not numbers to rank by (--by)",
+    ),
+    ("negative-top-k", None, ["--top-k", "-3"], "--top-k must be at least 1, got -3", "--top-k"),
+]
+
+
+@pytest.mark.parametrize(
+    ("spoil", "args", "message", "names"),
+    [pytest.param(*case[1:], id=case[0]) for case in SUMMARY_CASES],
+)
+def test_summary_exit_2_with_one_line(tmp_path, spoil, args, message, names):
+    import pandas as pd
+
+    scores = tmp_path / "scores.parquet"
+    pd.DataFrame({"grad_norm": [1.0, 2.0], "name": ["a", "b"]}).to_parquet(scores)
+    if spoil:
+        spoil(scores)
+    result = runner.invoke(app, ["summary", str(scores), *args])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: {message}") and names in line, line
+
+
+def test_precondition_pickle_is_refused_without_suggesting_trust_checkpoint(tmp_path):
+    config = make_project(tmp_path)
+    torch.save({"x": torch.randn(3, 5), "y": torch.randint(0, 3, (3,))}, tmp_path / "ref.pt")
+    marker = tmp_path / "ran"
+    torch.save({"state": Marker(marker)}, tmp_path / "adam.pt")
+    args = ["--ref", str(tmp_path / "ref.pt"), "--precondition", str(tmp_path / "adam.pt")]
+    result = runner.invoke(app, ["influence", str(config), *args])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert "weights_only=True" in line and "adam.pt" in line, line
+    assert "--trust-checkpoint" not in line and "optimizer.state_dict()" in line
+    assert not marker.exists()

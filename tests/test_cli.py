@@ -87,6 +87,7 @@ def test_summary_of_existing_file(tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert "top 3 outliers by loss" in result.output
+    assert "wrote" not in result.output  # summary writes nothing
 
 
 def test_user_errors_exit_2_with_one_line(tmp_path):
@@ -123,3 +124,12 @@ def test_model_that_cannot_take_the_inputs_writes_nothing(tmp_path):
     assert result.exit_code == 2
     assert "error: the model cannot take inputs of shape (4, 6)" in result.stderr
     assert list(tmp_path.glob("*.parquet*")) == [] and list(tmp_path.glob(".*partial")) == []
+
+
+def test_fp16_checkpoint_runs_in_fp16_with_dtype_null(tmp_path):
+    config = make_project(tmp_path)
+    state = torch.load(tmp_path / "net.pt")
+    torch.save({k: v.half() for k, v in state.items()}, tmp_path / "net.pt")
+    result = runner.invoke(app, ["norms", str(config)])
+    assert result.exit_code == 0, result.output
+    assert read_metadata(tmp_path / "scores.parquet")["dtype"] == "float16"

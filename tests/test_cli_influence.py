@@ -12,7 +12,7 @@ from oracle import reference_influence
 from project import load_net, make_project
 from typer.testing import CliRunner
 
-import gradscope.api
+import gradscope.scorers.influence
 from gradscope.cli import app, main
 from gradscope.io.parquet import read_metadata
 
@@ -154,7 +154,7 @@ def test_precondition_file(project: Path) -> None:
 def test_user_errors_exit_2(project: Path, monkeypatch, capsys) -> None:
     cfg = _config(project, checkpoint="net.pt")
     ref = project / "ref.pt"
-    monkeypatch.setattr(gradscope.api, "MAX_PER_REF", 2)
+    monkeypatch.setattr(gradscope.scorers.influence, "MAX_PER_REF", 2)
     assert "at most 2 reference examples; REF has 3" in _fails(
         monkeypatch, capsys, cfg, "--ref", ref, "--per-ref"
     )

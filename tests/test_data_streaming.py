@@ -10,10 +10,10 @@ import pytest
 import torch
 from project import make_project
 
-from gradscope.api import score_dataset
 from gradscope.config import DataConfig, load_config
 from gradscope.errors import DataError
 from gradscope.io.data import open_dataset
+from gradscope.run import score_dataset
 
 DATASETS = '''
 

@@ -9,12 +9,13 @@ import sys
 import pandas as pd
 import pytest
 import torch
-from project import make_project
+from project import CountingNorms, make_project
 
-from gradscope.api import influence_dataset, norms_columns, score_dataset
 from gradscope.config import load_config
 from gradscope.distributed import World, broadcast_tensors
 from gradscope.errors import Interrupted
+from gradscope.run import score_dataset
+from gradscope.scorers import InfluenceScorer
 
 
 @pytest.mark.parametrize(("total", "size"), [(23, 2), (23, 3), (8, 4), (3, 4), (1, 2)])
@@ -64,13 +65,8 @@ def test_one_process_run_resumed_by_two(tmp_path):
     whole = pd.read_parquet(score_dataset(cfg))
     (tmp_path / "scores.parquet").unlink()
 
-    def interrupted(job, batch):
-        if int(batch.index[0]) == 12:
-            raise KeyboardInterrupt
-        return norms_columns(job, batch)
-
     with pytest.raises(Interrupted):
-        score_dataset(cfg, score_batch=interrupted)
+        score_dataset(cfg, CountingNorms(stop=3))  # at row 12
     run = torchrun(config, "--resume")
     assert run.returncode == 0, run.stderr[-3000:]
     pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "scores.parquet"), whole)
@@ -110,7 +106,7 @@ def test_torchrun_influence_equals_one_process(tmp_path):
     config = make_project(tmp_path, n=23)
     ref = tmp_path / "ref.pt"
     torch.save({"x": torch.randn(5, 5), "y": torch.randint(0, 3, (5,))}, ref)
-    one = pd.read_parquet(influence_dataset(load_config(config), ref))
+    one = pd.read_parquet(score_dataset(load_config(config), InfluenceScorer(ref)))
     out = tmp_path / "two.parquet"
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",

@@ -12,10 +12,10 @@ from oracle import assert_rel_close, reference_norms
 from project import load_net, make_project
 from safetensors.torch import save_file
 
-from gradscope.api import score_dataset
 from gradscope.config import load_config
 from gradscope.errors import ModelError
 from gradscope.io.parquet import read_metadata
+from gradscope.run import score_dataset
 
 
 def run(config) -> pd.DataFrame:

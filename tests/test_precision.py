@@ -12,9 +12,9 @@ import torch
 from oracle import assert_rel_close, reference_norms
 from project import load_net, make_project
 
-from gradscope.api import score_dataset
 from gradscope.config import load_config
 from gradscope.io.parquet import read_metadata
+from gradscope.run import score_dataset
 
 
 @pytest.mark.parametrize(("dtype", "rtol"), [("bfloat16", 2e-2), ("float16", 5e-3)])

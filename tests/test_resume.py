@@ -3,47 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import signal
-import subprocess
-import sys
-import time
 
 import pandas as pd
 import pytest
 import torch
-from project import make_project
+from project import CountingNorms, launch, make_project, slow_project, wait_for_parts
 
-from gradscope.api import influence_dataset, norms_columns, score_dataset
 from gradscope.config import load_config
 from gradscope.errors import ConfigError, Interrupted
 from gradscope.io.parquet import partial_path, read_metadata
-
-SLOW_MODEL = """
-import os
-import time
-
-from model import Net
-
-
-class SlowNet(Net):
-    def forward(self, x):
-        time.sleep(float(os.environ.get("SLOW", 0)))
-        return super().forward(x)
-"""
-
-
-def interrupt_at(stop: int):
-    """A scorer that is interrupted (as by Ctrl-C) when it reaches batch ``stop``."""
-    seen = []
-
-    def score(job, batch):
-        if len(seen) == stop:
-            raise KeyboardInterrupt
-        seen.append(int(batch.index[0]))
-        return norms_columns(job, batch)
-
-    return score
+from gradscope.run import score_dataset
+from gradscope.scorers import InfluenceScorer
 
 
 def finished(config, out):
@@ -57,15 +28,13 @@ def test_resume_after_interrupt_equals_uninterrupted(tmp_path):
     config = make_project(tmp_path, n=23, data__ids="name")
     cfg = load_config(config)
     with pytest.raises(Interrupted, match="3 examples saved|12 examples saved"):
-        score_dataset(cfg, score_batch=interrupt_at(3))
+        score_dataset(cfg, CountingNorms(stop=3))
     out = tmp_path / "scores.parquet"
     assert not out.exists() and len(list(partial_path(out).glob("part-*.parquet"))) == 3
     (partial_path(out) / "part-000000004.parquet.tmp").write_bytes(b"torn")  # killed mid-write
-    rescored = []
-    score_dataset(
-        cfg, resume=True, score_batch=lambda j, b: rescored.append(1) or norms_columns(j, b)
-    )
-    assert len(rescored) == 3  # batches 3, 4, 5 of 6
+    rescoring = CountingNorms()
+    score_dataset(cfg, rescoring, resume=True)
+    assert rescoring.scored == [12, 16, 20]  # batches 3, 4, 5 of 6
     assert not partial_path(out).exists()
     expected = finished(config, tmp_path / "whole.parquet")
     pd.testing.assert_frame_equal(pd.read_parquet(out), pd.read_parquet(expected), check_exact=True)
@@ -77,7 +46,7 @@ def test_resume_with_another_config_or_checkpoint_is_refused(tmp_path, change):
     config = make_project(tmp_path, n=23)
     cfg = load_config(config)
     with pytest.raises(Interrupted):
-        score_dataset(cfg, score_batch=interrupt_at(2))
+        score_dataset(cfg, CountingNorms(stop=2))
     if change == "batch_size":
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=5))
         message = r"had a different config\.data\.batch_size"
@@ -85,33 +54,15 @@ def test_resume_with_another_config_or_checkpoint_is_refused(tmp_path, change):
         state = torch.load(tmp_path / "net.pt")
         state["fc1.bias"] += 1
         torch.save(state, tmp_path / "net.pt")
-        message = "had a different checkpoint_sha256"
+        message = "had a different file .*net.pt"
     with pytest.raises(ConfigError, match=message):
         score_dataset(cfg, resume=True)
     score_dataset(cfg)  # without --resume: starts over
     assert len(pd.read_parquet(tmp_path / "scores.parquet")) == 23
 
 
-def launch(config, *args, slow=0.05):
-    """``python -m gradscope norms`` in a subprocess, each forward ``slow`` seconds long."""
-    env = {**os.environ, "SLOW": str(slow), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "gradscope", "norms", str(config), "--batch-size", "2", *args],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-
-
-def wait_for_parts(out, n: int, proc) -> None:
-    deadline = time.monotonic() + 60
-    while len(list(partial_path(out).glob("part-*.parquet"))) < n:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-
-
 def test_ctrl_c_then_kill_9_then_resume(tmp_path):
-    config = make_project(tmp_path, n=40, model__factory="slow.py:SlowNet")
-    (tmp_path / "slow.py").write_text(SLOW_MODEL)
+    config = slow_project(tmp_path)
     out = tmp_path / "scores.parquet"
     proc = launch(config)
     wait_for_parts(out, 3, proc)
@@ -154,16 +105,16 @@ def test_influence_resume_equals_uninterrupted_and_needs_the_same_ref(tmp_path):
     cfg = load_config(config)
     ref = tmp_path / "ref.pt"
     with pytest.raises(Interrupted):
-        influence_dataset(cfg, ref, on_batch=stop_after(2))
+        score_dataset(cfg, InfluenceScorer(ref), on_batch=stop_after(2))
     torch.save({"x": torch.randn(3, 5), "y": torch.randint(0, 3, (3,))}, tmp_path / "ref2.pt")
-    with pytest.raises(ConfigError, match="had a different ref_sha256"):
-        influence_dataset(cfg, tmp_path / "ref2.pt", resume=True)
-    out = influence_dataset(cfg, ref, resume=True)
-    whole = influence_dataset(
+    with pytest.raises(ConfigError, match="had a different ref, file .*ref.pt, file .*ref2.pt"):
+        score_dataset(cfg, InfluenceScorer(tmp_path / "ref2.pt"), resume=True)
+    out = score_dataset(cfg, InfluenceScorer(ref), resume=True)
+    whole = score_dataset(
         dataclasses.replace(
             cfg, output=dataclasses.replace(cfg.output, path=str(tmp_path / "w.parquet"))
         ),
-        ref,
+        InfluenceScorer(ref),
     )
     pd.testing.assert_frame_equal(pd.read_parquet(out), pd.read_parquet(whole), check_exact=True)
     assert read_metadata(out)["influence"] == read_metadata(whole)["influence"]

@@ -94,6 +94,11 @@ def adam_denominator(state: Any, engine: Engine, where: str) -> dict[str, Tensor
     return denominators
 
 
+def preconditioned(refs: dict[str, Tensor], denominators: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The reference directions divided by Adam's ``sqrt(v_hat) + eps``, parameter by parameter."""
+    return {name: r / denominators[name] for name, r in refs.items()}  # (K, *shape) / (*shape)
+
+
 @dataclass
 class BatchInfluence:
     """One batch scored against K reference directions at one checkpoint, in float64."""

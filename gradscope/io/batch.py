@@ -136,6 +136,22 @@ def rebatch(chunks: Iterable[Batch], batch_size: int, limit: int | None) -> Iter
         yield _cat(pending)
 
 
+def _ids(values: Any, name: str, start: int, where: str) -> np.ndarray:
+    """The ids of a run of rows; a missing one (a null, read as NaN or None) is an error here,
+    not a column of another type at assembly."""
+    ids = np.asarray(values)
+    if ids.dtype.kind == "f":
+        missing = np.isnan(ids)
+    elif ids.dtype == object:
+        missing = np.array([v is None for v in ids], dtype=bool)
+    else:
+        return ids
+    if missing.any():
+        row = start + int(np.flatnonzero(missing)[0])
+        raise DataError(f"column {name!r} for data.ids has no value at row {row}", where)
+    return ids
+
+
 def is_glob(spec: str) -> bool:
     return any(c in spec for c in "*?[")
 
@@ -213,7 +229,7 @@ class Selection:
         self.check(columns, where)
         inputs = tuple(self._input(columns, spec, where) for spec in self.specs)
         targets = self._column(columns, self.targets, where)
-        ids = np.asarray(columns[self.ids]) if self.has_ids else None
+        ids = _ids(columns[self.ids], self.ids, start, where) if self.has_ids else None
         lengths = {len(t) for t in (*inputs, targets)} | ({len(ids)} if ids is not None else set())
         if len(lengths) != 1:
             raise DataError(f"columns have different numbers of rows: {sorted(lengths)}", where)

@@ -197,6 +197,16 @@ def shard_paths(path: str | Sequence[str]) -> list[str]:
     return files
 
 
+def code_file(spec: str) -> str | None:
+    """The file of a ``file.py:Name`` spec; None for anything else."""
+    return spec.rsplit(":", 1)[0] if ".py:" in spec else None
+
+
+def data_files(path: str | Sequence[str]) -> list[str]:
+    """The files a data path reads: each file, each glob's matches, each ``file.py:fn``'s file."""
+    return [code_file(spec) or spec for spec in shard_paths(path)]
+
+
 def data_sha256(path: str) -> str | None:
     """The sha256 of a data file; of a folder or glob, one over its files' names and hashes in
     order; None for ``file.py:fn`` and for a missing file (its reader reports it)."""

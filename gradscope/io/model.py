@@ -37,6 +37,9 @@ def import_object(spec: str, key: str) -> Any:
             sys.path.insert(0, str(file.parent))  # let the file import its neighbours
             try:
                 module_spec.loader.exec_module(module)
+            except Exception as e:  # a syntax error, an unreadable file, its own imports failing
+                del sys.modules[module_name]
+                raise ConfigError(f"cannot import {file}: {type(e).__name__}: {e}", key) from e
             except BaseException:
                 del sys.modules[module_name]
                 raise
@@ -67,10 +70,15 @@ def _sha256(path: str, size: int, mtime_ns: int) -> str:
     return digest.hexdigest()
 
 
-def load_state_dict(path: str | Path, trust: bool = False) -> dict[str, Any]:
+def load_state_dict(
+    path: str | Path,
+    trust: bool = False,
+    hint: str = "; pass --trust-checkpoint only if you trust its author",
+) -> dict[str, Any]:
     """Load a state dict from .safetensors, or .pt/.pth with ``weights_only=True``.
 
-    An arbitrary pickle is refused without running it unless ``trust`` is set.
+    An arbitrary pickle is refused without running it unless ``trust`` is set; ``hint`` ends
+    that error (what the user can do about it).
     """
     path = Path(path)
     if not path.is_file():
@@ -86,8 +94,8 @@ def load_state_dict(path: str | Path, trust: bool = False) -> dict[str, Any]:
         return torch.load(path, map_location="cpu", weights_only=not trust)
     except pickle.UnpicklingError as e:
         raise ModelError(
-            "checkpoint holds objects other than tensors and cannot be loaded with "
-            "weights_only=True; pass --trust-checkpoint only if you trust its author",
+            f"checkpoint holds objects other than tensors and cannot be loaded with "
+            f"weights_only=True{hint}",
             str(path),
         ) from e
     except (RuntimeError, EOFError, OSError) as e:
@@ -211,5 +219,16 @@ def build_model(cfg: ModelConfig, trust_checkpoint: bool = False) -> nn.Module:
                 f"the model expects {tuple(v.shape)}",
                 cfg.checkpoint,
             )
+        if state[k].is_floating_point() != v.is_floating_point():
+            raise ModelError(
+                f"checkpoint does not fit the model: {k} is {_dtype(state[k])}, the model "
+                f"expects {_dtype(v)}",
+                cfg.checkpoint,
+            )
     model.load_state_dict(state)
-    return model
+    floats = {v.dtype for v in state.values() if v.is_floating_point()}
+    return model.to(floats.pop()) if len(floats) == 1 else model  # dtype: null keeps the file's
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")

@@ -1,16 +1,19 @@
 """Scores to Parquet: one part file per batch in a partial folder, assembled into place at the end.
 
 A run writes ``.NAME.partial/``: ``manifest.json`` (what is being computed, for ``--resume``) and
-``part-<batch>.parquet``, each written under a temporary name and renamed when complete, so a run
-killed at any instant (kill -9 included) leaves only whole parts behind. Assembly copies the parts
-in batch order, one row group each, into ``NAME``; a file at ``NAME`` is always a finished run.
+``part-<batch>.parquet``, each written under a temporary name of its own, fsync'd and renamed when
+complete, so a run killed at any instant (kill -9, power loss) leaves only whole parts behind; a
+part that does not read back is rescored on resume. Assembly copies the parts in batch order, one
+row group each, into ``NAME``; a file at ``NAME`` is always a finished run.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +39,40 @@ def arrow_type(values: np.ndarray | Tensor) -> pa.DataType:
     return pa.string() if dtype.kind in "OUS" else pa.from_numpy_dtype(dtype)
 
 
-def _replace_atomically(path: Path, write: Any) -> None:
-    """``write(tmp)`` then rename over ``path``: readers see the old file or the whole new one."""
-    tmp = path.with_name(f"{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
+def _sync_folder(folder: Path) -> None:
+    """Make the renames inside ``folder`` durable (a power loss keeps them)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_atomically(path: Path, write: Callable[[Any], None]) -> None:
+    """``write(file)`` to a temporary name of this process's own, fsync, rename over ``path``:
+    readers see the old file or the whole new one. A failed write (a full disk) leaves nothing."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _sync_folder(path.parent)
+    except OSError as e:  # pyarrow's IO errors are OSErrors too
+        tmp.unlink(missing_ok=True)
+        raise DataError(f"cannot write the scores: {e.strerror or e}", str(path)) from e
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _readable(part: Path) -> bool:
+    """Whether a part's footer reads back: a 0-byte or truncated file does not."""
+    try:
+        return pq.read_metadata(part).num_rows > 0
+    except (OSError, pa.ArrowException):
+        return False
 
 
 class PartialRun:
@@ -62,14 +94,23 @@ class PartialRun:
         if self.dir.is_file():  # left by the earlier single-file writer
             self.dir.unlink()
         shutil.rmtree(self.dir, ignore_errors=True)
-        self.dir.mkdir(parents=True)
-        _replace_atomically(
-            self.dir / MANIFEST, lambda tmp: tmp.write_text(json.dumps(manifest, default=str))
-        )
+        try:
+            self.dir.mkdir(parents=True)
+        except OSError as e:
+            raise DataError(f"cannot write the scores: {e.strerror or e}", str(self.dir)) from e
+        text = json.dumps(manifest, default=str).encode()
+        _replace_atomically(self.dir / MANIFEST, lambda f: f.write(text))
 
     def done(self) -> set[int]:
-        """The batch numbers whose parts are complete."""
-        return {int(p.name[5:-8]) for p in self.dir.glob("part-*.parquet")}
+        """The batch numbers whose parts are complete; a part that does not read back (a power
+        loss before its data reached the disk) is removed, to be scored again."""
+        numbers = set()
+        for part in self.dir.glob("part-*.parquet"):
+            if _readable(part):
+                numbers.add(int(part.name[5:-8]))
+            else:
+                part.unlink()
+        return numbers
 
     def _part(self, number: int) -> Path:
         return self.dir / f"part-{number:09d}.parquet"
@@ -77,27 +118,27 @@ class PartialRun:
     def write(self, number: int, columns: dict[str, Any]) -> None:
         """Batch ``number``'s rows as one complete part file."""
         table = pa.table({name: pa.array(v, type=arrow_type(v)) for name, v in columns.items()})
-        _replace_atomically(self._part(number), lambda tmp: pq.write_table(table, tmp))
+        _replace_atomically(self._part(number), lambda f: pq.write_table(table, f))
 
-    def assemble(self, parts: int) -> Path:
-        """Parts ``0 .. parts-1`` in order, one row group each, into ``path``; the folder goes."""
+    def assemble(self, parts: int, metadata: dict[str, Any]) -> Path:
+        """Parts ``0 .. parts-1`` in order, one row group each, into ``path`` with ``metadata``
+        under the ``gradscope`` key; the folder goes."""
         missing = sorted(set(range(parts)) - self.done())
         if missing:
             raise DataError(
                 f"the partial run lacks batch {missing[0]}; run again without --resume",
                 str(self.dir),
             )
-        metadata = json.loads((self.dir / MANIFEST).read_text())["metadata"]
         first = pq.read_schema(self._part(0))
         schema = first.with_metadata({METADATA_KEY: json.dumps(metadata, default=str)})
 
-        tmp = self.dir / "assembled.parquet.tmp"
-        with pq.ParquetWriter(tmp, schema) as writer:
-            for number in range(parts):
-                # one part's column may read back as another type (an all-null id column)
-                writer.write_table(pq.read_table(self._part(number)).cast(schema))
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, self.path)
+        def write(f: Any) -> None:
+            with pq.ParquetWriter(f, schema) as writer:
+                for number in range(parts):
+                    # one part's column may read back as another type (an all-null id column)
+                    writer.write_table(pq.read_table(self._part(number)).cast(schema))
+
+        _replace_atomically(self.path, write)
         shutil.rmtree(self.dir)
         return self.path
 

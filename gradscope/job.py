@@ -1,0 +1,129 @@
+"""The configured job: the model at its checkpoint on its device, with its loss and its engine."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from . import __version__
+from .config import Config
+from .engine.check import CheckReport, compare_with_loop
+from .engine.core import Engine
+from .engine.forward import Forward
+from .engine.influence import influence_errors
+from .engine.plan import Plan
+from .errors import ConfigError, ModelError
+from .io.data import Batch, open_dataset
+from .io.model import build_model, file_sha256, import_object
+from .losses import LossFn, resolve_loss
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks CUDA, then MPS, then the CPU; an unavailable device is an error."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} asked for, but CUDA is not available here", "device")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("device 'mps' asked for, but MPS is not available here", "device")
+    return torch.device(name)
+
+
+def config_loss(cfg: Config) -> LossFn:
+    name = cfg.loss.name
+    spec = import_object(name, "loss.name") if ".py:" in name else name
+    return resolve_loss(spec, cfg.loss.kwargs, cfg.loss.class_dim, cfg.loss.token_reduction)
+
+
+@dataclass
+class Job:
+    """A configured model and dataset, ready to score."""
+
+    cfg: Config
+    model: nn.Module
+    device: torch.device
+    dtype: torch.dtype
+    engine: Engine
+
+    @classmethod
+    def from_config(cls, cfg: Config, trust_checkpoint: bool = False) -> Job:
+        """Build the model at ``model.checkpoint``, or at the last of ``model.checkpoints``."""
+        device = resolve_device(cfg.device)
+        model_cfg = cfg.model
+        if model_cfg.checkpoints:
+            model_cfg = dataclasses.replace(model_cfg, checkpoint=model_cfg.checkpoints[-1].path)
+        model = build_model(model_cfg, trust_checkpoint)
+        first = next(model.parameters(), None)
+        if first is None:
+            raise ModelError("the model has no parameters: no gradient to score", "model.factory")
+        dtype = getattr(torch, cfg.dtype) if cfg.dtype else first.dtype
+        model.to(device=device, dtype=dtype)
+        inputs = cfg.data.inputs  # a mapping {forward_argument: column} is passed by keyword
+        keywords = tuple(inputs) if isinstance(inputs, dict) else ()
+        engine = Engine(
+            model,
+            config_loss(cfg),
+            cfg.params.include,
+            cfg.params.exclude,
+            Forward(keywords=keywords, output=cfg.model.output),
+        )
+        return cls(cfg, model, device, dtype, engine)
+
+    @property
+    def plan(self) -> Plan:
+        return self.engine.plan
+
+    def to_device(self, batch: Batch) -> tuple[tuple[Tensor, ...], Tensor]:
+        def move(t: Tensor) -> Tensor:
+            return t.to(self.device, self.dtype if t.is_floating_point() else None)
+
+        return tuple(move(t) for t in batch.inputs), batch.targets.to(self.device)
+
+    def at_checkpoint(self, path: str, trust_checkpoint: bool = False) -> Job:
+        """The same job with the model's weights from ``path``: one step of a TracIn sum."""
+        model = dataclasses.replace(self.cfg.model, checkpoint=path, checkpoints=[])
+        return Job.from_config(dataclasses.replace(self.cfg, model=model), trust_checkpoint)
+
+    def metadata(self, command: str) -> dict:
+        """The job's part of the output's ``gradscope`` key; the plan as it stands now."""
+        ckpt = self.cfg.model.checkpoint or (
+            self.cfg.model.checkpoints[-1].path if self.cfg.model.checkpoints else None
+        )
+        return {
+            "version": __version__,
+            "command": command,
+            "config": self.cfg.to_dict(),
+            "torch": torch.__version__,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "checkpoint_sha256": file_sha256(ckpt) if ckpt else None,
+            "plan": self.plan.describe(),
+        }
+
+
+def check_config(
+    cfg: Config, examples: int = 8, *, ref: str | None = None, trust_checkpoint: bool = False
+) -> CheckReport:
+    """The configured model on its first ``examples`` examples: both engines vs the per-example loop.
+
+    Influence is checked against the mean gradient of the first ``examples`` rows of ``ref``, or
+    of the checked examples themselves when no reference is given.
+    """
+    if examples < 1:
+        raise ConfigError(f"--examples must be at least 1, got {examples}", "--examples")
+    job = Job.from_config(cfg, trust_checkpoint)
+    batch = job.to_device(next(open_dataset(cfg.data).batches(examples, examples)))
+    reference = batch
+    if ref is not None:
+        reference = job.to_device(next(open_dataset(cfg.data, ref).batches(examples, examples)))
+    with job.engine:
+        report = compare_with_loop(job.engine, *batch)
+    report.influence = influence_errors(job.engine, *batch, *reference)
+    return report

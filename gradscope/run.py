@@ -1,0 +1,238 @@
+"""One run: its output locked and kept off its inputs, its partial folder and resume fingerprint."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import distributed
+from .config import Config
+from .distributed import World
+from .errors import ConfigError, Interrupted
+from .io.data import Batch, code_file, data_files, open_dataset
+from .io.lock import OutputLock
+from .io.model import file_sha256
+from .io.parquet import PartialRun
+from .job import Job
+from .scorers import Inputs, NormsScorer, Scorer
+
+
+def run_inputs(cfg: Config, more: Inputs = ()) -> Inputs:
+    """Every file the run reads: config, code, checkpoints, data, and the scorer's ``more``."""
+    named = [("config file", cfg.source)] if cfg.source else []
+    for key, spec in (("model.factory", cfg.model.factory), ("loss.name", cfg.loss.name)):
+        if code_file(spec):
+            named.append((key, code_file(spec)))
+    if cfg.model.pretrained:  # a folder: each of its files is fingerprinted
+        named.append(("model.pretrained", cfg.model.pretrained))
+    if cfg.model.checkpoint:
+        named.append(("model.checkpoint", cfg.model.checkpoint))
+    named += [("model.checkpoints", c.path) for c in cfg.model.checkpoints]
+    named += [("data.path", f) for f in data_files(cfg.data.path)]
+    return named + list(more)
+
+
+def _same(a: Path, b: str) -> bool:
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)  # a hard link to the same file
+    except OSError:
+        return False
+
+
+def check_output(path: str | Path, inputs: Inputs) -> None:
+    """Refuse, before anything runs, an output that is one of the inputs or cannot be a file."""
+    path = Path(path)
+    for key, file in inputs:
+        if _same(path, file):
+            raise ConfigError(
+                f"the output path is the run's {key} ({file}); writing there would destroy it, "
+                "choose another --out or output.path",
+                str(path),
+            )
+    if path.is_dir():
+        raise ConfigError("the output path is a folder; give a file name", str(path))
+    parent = next(p for p in path.parents if p.exists())
+    if not parent.is_dir():
+        raise ConfigError(f"the output's folder {parent} is a file", str(path))
+
+
+def _file_state(path: str) -> dict:
+    """Size, mtime and sha256 of a file (each file inside a folder): what a resume must find."""
+    if os.path.isdir(path):
+        return {
+            str(f.relative_to(path)): _file_state(str(f))
+            for f in sorted(Path(path).rglob("*"))
+            if f.is_file()
+        }
+    stat = os.stat(path)
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": file_sha256(path)}
+
+
+def fingerprint(cfg: Config, command: str, inputs: Inputs, resume_key: dict | None) -> dict:
+    """What a partial run must share with the run that resumes it, as JSON reads it back: the
+    command, the config, and the state of every data and code file and checkpoint it reads."""
+    config = cfg.to_dict()
+    for key in ("summary", "source", "device"):  # display, file name, placement (ranks differ)
+        config.pop(key)
+    files = {  # a missing file is reported by the code that reads it
+        file: _file_state(file)
+        for key, file in inputs
+        if key != "config file" and os.path.exists(file)
+    }
+    result = {"command": command, "config": config, "files": files, **(resume_key or {})}
+    return json.loads(json.dumps(result, default=str))
+
+
+def differences(old: dict, new: dict) -> list[str]:
+    """What differs between two fingerprints: ``config.data.batch_size``, ``file /abs/data.pt``."""
+    old_files, new_files = old.get("files", {}), new.get("files", {})
+    files = [
+        f for f in sorted(set(old_files) | set(new_files)) if old_files.get(f) != new_files.get(f)
+    ]
+    rest = (
+        {k: v for k, v in old.items() if k != "files"},
+        {k: v for k, v in new.items() if k != "files"},
+    )
+    return _keys(*rest) + [f"file {f}" for f in files]
+
+
+def _keys(old: object, new: object, key: str = "") -> list[str]:
+    """The dotted keys at which two JSON values differ."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [
+            d
+            for k in sorted(set(old) | set(new))
+            for d in _keys(old.get(k), new.get(k), f"{key}.{k}" if key else k)
+        ]
+    return [] if old == new else [key]
+
+
+def resumed_parts(run: PartialRun, key: dict) -> set[int]:
+    """The parts of the interrupted run to continue: there must be one, with this fingerprint."""
+    saved = run.manifest()
+    if saved is None:
+        raise ConfigError(
+            "nothing to resume: no interrupted run of this output; run without --resume",
+            str(run.path),
+        )
+    if saved["fingerprint"] != key:
+        keys = differences(saved["fingerprint"], key)
+        raise ConfigError(
+            f"cannot resume: the interrupted run had a different {', '.join(keys)}; "
+            "run without --resume to start over",
+            str(run.dir),
+        )
+    return run.done()
+
+
+@dataclass
+class _Parts:
+    """This rank's side of the partial folder, begun (unless resumed) after its first batch."""
+
+    run: PartialRun
+    world: World
+    key: dict
+    done: set[int] | None  # the parts an interrupted run left; None when starting afresh
+    begun: bool = False
+
+    def wanted(self, number: int) -> bool:
+        return self.world.owns(number) and number not in (self.done or ())
+
+    def write(self, number: int, columns: dict) -> None:
+        self.begin()
+        self.run.write(number, columns)
+
+    def begin(self) -> None:
+        """Once every rank's first batch has run: begin the partial folder, or keep it."""
+        if self.begun:
+            return
+        self.begun = True
+        distributed.barrier()
+        if self.world.main and self.done is None:
+            self.run.start({"fingerprint": self.key})
+        distributed.barrier()
+
+
+def score_dataset(
+    cfg: Config,
+    scorer: Scorer | None = None,
+    *,
+    trust_checkpoint: bool = False,
+    resume: bool = False,
+    on_start: Callable[[int | None], None] | None = None,
+    on_batch: Callable[[int], None] | None = None,
+) -> Path | None:
+    """Score every example of ``cfg``'s dataset with ``scorer`` (norms by default) and write the
+    Parquet file at ``output.path``.
+
+    Before anything runs, the output is checked against every input and locked. Each batch's rows
+    become a part file in the partial folder as soon as they are scored (see ``io/parquet.py``);
+    with ``resume`` the parts of an interrupted run with the same fingerprint are kept and only
+    the missing batches are scored. Under torchrun, rank r scores batches r, r + K, ... and rank 0
+    assembles the file with the metadata as it stands after the last batch; other ranks return
+    None. The first batch runs before anything is written, so input the model cannot take leaves
+    no file. ``on_start`` gets the number of rows this process scores, None when unknown.
+    """
+    scorer = scorer or NormsScorer()
+    inputs = run_inputs(cfg, scorer.reads())
+    check_output(cfg.output.path, inputs)
+    with distributed.session() as world, contextlib.ExitStack() as stack:
+        if world.main:
+            stack.enter_context(OutputLock(cfg.output.path))
+        run = PartialRun(cfg.output.path)
+        key = fingerprint(cfg, scorer.command, inputs, scorer.resume_key())
+        parts = _Parts(run, world, key, resumed_parts(run, key) if resume else None)
+        job = Job.from_config(
+            dataclasses.replace(cfg, device=world.device(cfg.device)), trust_checkpoint
+        )
+        dataset = open_dataset(cfg.data)
+        length = dataset.length
+        if length is not None and cfg.data.limit is not None:
+            length = min(length, cfg.data.limit)
+        if on_start:
+            on_start(world.rows(length, cfg.data.batch_size))
+        stack.enter_context(scorer)
+        stack.enter_context(job.engine)
+        scorer.setup(job)
+        count = _score(
+            parts, job, scorer, dataset.batches(cfg.data.batch_size, cfg.data.limit), on_batch
+        )
+        distributed.barrier()  # every rank's parts are written
+        if not world.main:
+            return None
+        return run.assemble(count, job.metadata(scorer.command) | scorer.metadata())
+
+
+def _score(
+    parts: _Parts,
+    job: Job,
+    scorer: Scorer,
+    batches: Iterable[Batch],
+    on_batch: Callable[[int], None] | None,
+) -> int:
+    """Score this rank's batches that no part holds yet; the number of batches in the dataset."""
+    rows, number = 0, -1
+    try:
+        for number, batch in enumerate(batches):
+            if not parts.world.owns(number):
+                continue
+            if parts.wanted(number):
+                parts.write(number, scorer.columns(job, batch))
+            rows += len(batch)
+            if on_batch:
+                on_batch(len(batch))
+    except KeyboardInterrupt:
+        raise Interrupted(
+            f"interrupted with {rows} examples saved; run the same command with --resume "
+            "to continue",
+            str(parts.run.dir),
+        ) from None
+    parts.begin()  # a rank with no batch of its own still meets the others
+    return number + 1

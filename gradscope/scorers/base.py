@@ -1,0 +1,70 @@
+"""The scorer protocol a run drives, and the columns every scorer's rows begin and end with."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..io.data import Batch
+from ..job import Job
+
+Inputs = list[tuple[str, str]]  # (what names it, path): files a run reads
+
+
+class Scorer:
+    """One command's columns. A run calls, in this order:
+
+    - ``reads()`` and ``resume_key()`` before anything runs: the scorer's own input files (the
+      output may not be one of them; a resume needs them unchanged) and the options a resumed run
+      must share;
+    - ``setup(job)`` once on every rank, with the model prepared, before the first batch (ranks
+      may exchange tensors here);
+    - ``columns(job, batch)`` for each batch it scores: ``{column: array}``, one row per example
+      (or per example and reference);
+    - ``metadata()`` when it assembles the file: the scorer's part of the ``gradscope`` key, as
+      it stands after the last batch.
+
+    A scorer is a context manager: what ``setup`` enters on ``self.stack`` is closed on exit.
+    """
+
+    command = "norms"
+
+    def __init__(self) -> None:
+        self.stack = contextlib.ExitStack()
+
+    def __enter__(self) -> Scorer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stack.close()
+
+    def reads(self) -> Inputs:
+        return []
+
+    def resume_key(self) -> dict:
+        return {}
+
+    def setup(self, job: Job) -> None:
+        """Nothing to prepare unless a scorer says otherwise."""
+
+    def columns(self, job: Job, batch: Batch) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def metadata(self) -> dict:
+        return {}
+
+
+def leading(batch: Batch) -> dict[str, np.ndarray]:
+    """``example_id``, and ``id`` when ``data.ids`` is set: the columns every row begins with."""
+    columns = {"example_id": batch.index.numpy()}
+    if batch.ids is not None:
+        columns["id"] = batch.ids
+    return columns
+
+
+def all_finite(*values: Tensor) -> Tensor:
+    """(B,) whether every one of the (B,) ``values`` is finite, on the CPU."""
+    return torch.stack([torch.isfinite(v.cpu()) for v in values]).all(0)

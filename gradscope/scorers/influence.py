@@ -1,0 +1,168 @@
+"""The ``influence`` command's scorer: each example's gradient against a reference gradient."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .. import distributed
+from ..engine.influence import (
+    MAX_PER_REF,
+    BatchInfluence,
+    Influence,
+    adam_denominator,
+    check_engine,
+    preconditioned,
+    reference_gradients,
+)
+from ..errors import ConfigError, DataError
+from ..io.data import Batch, Dataset, data_files, data_sha256, open_dataset
+from ..io.model import file_sha256, load_state_dict
+from ..job import Job
+from .base import Inputs, Scorer, all_finite, leading
+
+PICKLED_STATE = "; save optimizer.state_dict() itself, which holds only tensors and numbers"
+
+
+class InfluenceScorer(Scorer):
+    """``<grad l_i, g_ref>`` at each checkpoint, weighted and summed (TracIn), with loss, grad_norm
+    and cosine; one row per (example, reference example) pair with ``per_ref``.
+
+    The models it builds for earlier checkpoints stay prepared (eval mode, gradients on) until
+    the scorer exits. The references are computed in ``setup``.
+    """
+
+    command = "influence"
+
+    def __init__(
+        self,
+        ref: str | Path,
+        *,
+        per_ref: bool = False,
+        precondition: str | Path | None = None,
+        engine: str = "auto",
+        trust_checkpoint: bool = False,
+    ):
+        super().__init__()
+        if precondition is not None and not Path(precondition).is_file():
+            raise ConfigError("optimizer state file not found", str(precondition))
+        ref = str(ref)  # a path relative to the working directory, or file.py:make_dataset
+        self.ref = ref if ".py:" in ref else str(Path(ref).resolve())
+        self.precondition = str(Path(precondition).resolve()) if precondition else None
+        self.per_ref, self.engine = per_ref, check_engine(engine)
+        self.trust_checkpoint = trust_checkpoint
+        self._scorers: list[Influence] = []
+        self._weights: Tensor | None = None  # (C,) one per checkpoint
+        self._ref_sq: Tensor | None = None  # (K,) sum_c w_c ||r_ck||^2
+        self._described: dict = {}
+
+    def reads(self) -> Inputs:
+        files = [("--ref", f) for f in data_files(self.ref)]
+        return files + ([("--precondition", self.precondition)] if self.precondition else [])
+
+    def resume_key(self) -> dict:
+        return {"ref": self.ref, "per_ref": self.per_ref, "engine": self.engine}
+
+    def setup(self, job: Job) -> None:
+        """Read REF and compute the reference gradients (under torchrun: on rank 0, then shared)."""
+        # REF is read with the same input and target names; its rows need no ids
+        ref_data = open_dataset(dataclasses.replace(job.cfg.data, ids=None, limit=None), self.ref)
+        if self.per_ref and len(ref_data) > MAX_PER_REF:
+            raise DataError(
+                f"--per-ref writes one row per (example, reference) pair and takes at most "
+                f"{MAX_PER_REF} reference examples; REF has {len(ref_data)}",
+                self.ref,
+            )
+        state = None
+        if self.precondition:
+            state = load_state_dict(self.precondition, hint=PICKLED_STATE)
+        checkpoints = job.cfg.model.checkpoints
+        jobs = [job.at_checkpoint(c.path, self.trust_checkpoint) for c in checkpoints[:-1]]
+        for other in jobs:
+            self.stack.enter_context(other.engine)
+        jobs.append(job)  # the job's own model is at the last checkpoint
+        weights = [c.weight for c in checkpoints] or [1.0]
+        paths = [c.path for c in checkpoints] or [job.cfg.model.checkpoint]
+        for j in jobs:
+            self._scorers.append(self._at_checkpoint(j, ref_data, state))
+        self._weights = torch.tensor(weights, dtype=torch.float64)
+        self._ref_sq = sum(
+            w * s.ref_norm.pow(2) for w, s in zip(weights, self._scorers, strict=True)
+        ).cpu()
+        self._describe(ref_data, paths, weights)
+
+    def _at_checkpoint(self, job: Job, ref_data: Dataset, state: dict | None) -> Influence:
+        """The reference gradients at one checkpoint, and the engine scoring against them."""
+        batches = (job.to_device(b) for b in ref_data.batches(job.cfg.data.batch_size))
+        main = distributed.world().main
+        refs = reference_gradients(job.engine, batches, self.per_ref) if main else None
+        refs = distributed.broadcast_tensors(refs, job.device)
+        if state is not None:
+            refs = preconditioned(refs, adam_denominator(state, job.engine, self.precondition))
+        return Influence(job.engine, refs, self.engine, norms=True)
+
+    def _describe(self, ref_data: Dataset, paths: list, weights: list[float]) -> None:
+        precondition = self.precondition
+        self._described = {
+            "ref": self.ref,
+            "ref_sha256": data_sha256(self.ref),  # REF may be a folder or a glob
+            "ref_examples": len(ref_data),
+            "per_ref": self.per_ref,
+            "precondition": precondition
+            and {"path": precondition, "sha256": file_sha256(precondition)},
+            "engine": self.engine,
+            "checkpoints": [
+                {
+                    "index": n,
+                    "path": path,
+                    "weight": w,
+                    "ref_grad_norm": None if self.per_ref else s.ref_norm.item(),
+                }
+                for n, (path, w, s) in enumerate(zip(paths, weights, self._scorers, strict=True))
+            ],
+        }
+
+    def metadata(self) -> dict:
+        """What was computed, with the engine each checkpoint ended up using and why."""
+        used = [s.method for s in self._scorers]
+        notes = [s.note for s in self._scorers if s.note]
+        return {"influence": self._described | {"engines_used": used, "notes": notes}}
+
+    def columns(self, job: Job, batch: Batch) -> dict[str, np.ndarray]:
+        inputs, targets = job.to_device(batch)
+        return self.table(batch, [s(inputs, targets) for s in self._scorers])
+
+    def table(self, batch: Batch, results: list[BatchInfluence]) -> dict[str, np.ndarray]:
+        """The rows of one batch in column order, one per (example, reference) pair."""
+        w = self._weights
+        influence = sum(wc * r.inner.cpu() for wc, r in zip(w, results, strict=True))  # (B, K)
+        norm_sq = sum(wc * r.norm_sq.cpu() for wc, r in zip(w, results, strict=True))  # (B,)
+        # cosine in the space of all checkpoints' gradients each scaled by sqrt(weight)
+        cosine = influence / (norm_sq[:, None] * self._ref_sq[None]).sqrt()
+        b, k = influence.shape
+
+        def rows(values: Tensor | np.ndarray) -> np.ndarray:  # one per (example, ref) pair
+            array = values.numpy() if isinstance(values, Tensor) else values
+            return np.repeat(array, k, axis=0)
+
+        columns = {name: rows(v) for name, v in leading(batch).items()}
+        if self.per_ref:
+            columns["ref_id"] = np.tile(np.arange(k, dtype=np.int64), b)
+        last = results[-1]
+        columns["loss"] = rows(last.loss.cpu())
+        columns["grad_norm"] = rows(last.norm_sq.cpu().sqrt())
+        if len(results) > 1:
+            for n, r in enumerate(results):
+                columns[f"loss@{n}"] = rows(r.loss.cpu())
+                columns[f"grad_norm@{n}"] = rows(r.norm_sq.cpu().sqrt())
+        columns["influence"] = influence.flatten().numpy()
+        columns["cosine"] = cosine.flatten().numpy()
+        if batch.targets.dim() == 1:
+            columns["target"] = rows(batch.targets)
+        finite = all_finite(*(v for r in results for v in (r.loss, r.norm_sq)))  # (B,)
+        columns["finite"] = (finite[:, None] & torch.isfinite(influence)).flatten().numpy()
+        return columns
