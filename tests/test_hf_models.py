@@ -300,3 +300,24 @@ def test_api_takes_logits_by_default_and_names_output_in_errors():
 def test_hf_model_keys_that_do_not_fit_are_named(tmp_path, model, error, message):
     with pytest.raises(error, match=message):
         build_model(ModelConfig(**model))
+
+
+def test_a_resume_fingerprints_the_pretrained_folders_files(tmp_path):
+    from gradscope.config import load_config
+    from gradscope.run import fingerprint, run_inputs
+
+    gpt2_folder_and_rows(tmp_path, 3)
+    config = tmp_path / "c.yaml"
+    raw = {
+        "model": {"factory": "transformers:GPT2LMHeadModel", "pretrained": "gpt2"},
+        "data": {"path": "ds", "inputs": "input_ids", "targets": "labels"},
+    }
+    config.write_text(yaml.safe_dump(raw))
+    cfg = load_config(config)
+    before = fingerprint(cfg, "norms", run_inputs(cfg), None)
+    shard = sorted((tmp_path / "gpt2").glob("model-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-1] + b"\0")
+    after = fingerprint(cfg, "norms", run_inputs(cfg), None)
+    folder = str(tmp_path / "gpt2")
+    assert before["files"][folder] != after["files"][folder]
+    assert shard.name in before["files"][folder]
