@@ -20,7 +20,7 @@ from rich.progress import (
 )
 from typer.core import TyperGroup
 
-from .config import load_config, with_overrides
+from .config import Config, load_config, with_overrides
 from .errors import GradscopeError, Interrupted
 
 
@@ -65,6 +65,9 @@ ResumeOpt = Annotated[
         help="Continue an interrupted run with the same config and checkpoint, keeping its rows.",
     ),
 ]
+ReportOpt = Annotated[
+    bool, typer.Option("--report", help="Also write the HTML report beside the scores (.html).")
+]
 TrustOpt = Annotated[
     bool,
     typer.Option(
@@ -91,23 +94,37 @@ def _progress() -> Progress:
     )
 
 
-def _run(command: str, run: Callable[..., Path | None], score: str, top_k: int) -> None:
-    """A scoring run under a progress bar, then its outlier tables (on rank 0 only)."""
+def _run(
+    command: str, run: Callable[..., Path | None], score: str, cfg: Config, report: bool
+) -> None:
+    """A scoring run under a progress bar, then its outlier tables and, if asked, its report (on
+    rank 0 only)."""
     with _progress() as progress:
         task = progress.add_task(command, total=None)
         path = run(
             on_start=lambda n: progress.update(task, total=n),
             on_batch=lambda n: progress.advance(task, n),
         )
-    if path is not None:  # None on the ranks other than 0 under torchrun
-        _report(path, score, top_k)
-        console.print(f"wrote {path}")
+    if path is None:  # on the ranks other than 0 under torchrun
+        return
+    _summary(path, score, cfg.summary.top_k)
+    console.print(f"wrote {path}")
+    if report:
+        _write_report(path, None, cfg, score, cfg.summary.top_k)
 
 
-def _report(path: Path, by: str | None, top_k: int) -> None:
+def _summary(path: Path, by: str | None, top_k: int) -> None:
     from .summary import summarize
 
     console.print(summarize(path, by, top_k))
+
+
+def _write_report(
+    scores: Path, out: Path | None, cfg: Config | None, by: str | None, top_k: int
+) -> None:
+    from .report import write_report
+
+    console.print(f"wrote {write_report(scores, out, cfg, by, top_k)}")
 
 
 @app.command()
@@ -123,6 +140,7 @@ def norms(
     top_k: TopKOpt = None,
     resume: ResumeOpt = False,
     trust_checkpoint: TrustOpt = False,
+    report: ReportOpt = False,
 ) -> None:
     """L2 norm of each example's own loss gradient."""
     from .run import score_dataset
@@ -140,10 +158,15 @@ def norms(
     _run(
         "norms",
         partial(
-            score_dataset, cfg, NormsScorer(), trust_checkpoint=trust_checkpoint, resume=resume
+            score_dataset,
+            cfg,
+            NormsScorer(trust_checkpoint),
+            trust_checkpoint=trust_checkpoint,
+            resume=resume,
         ),
         "grad_norm",
-        cfg.summary.top_k,
+        cfg,
+        report,
     )
 
 
@@ -178,6 +201,7 @@ def influence(
     ] = "auto",
     resume: ResumeOpt = False,
     trust_checkpoint: TrustOpt = False,
+    report: ReportOpt = False,
 ) -> None:
     """Inner product of each example's loss gradient with the mean-loss gradient over REF."""
     from .run import score_dataset
@@ -199,7 +223,7 @@ def influence(
         trust_checkpoint=trust_checkpoint,
     )
     run = partial(score_dataset, cfg, scorer, trust_checkpoint=trust_checkpoint, resume=resume)
-    _run("influence", run, "influence", cfg.summary.top_k)
+    _run("influence", run, "influence", cfg, report)
 
 
 @app.command()
@@ -231,23 +255,47 @@ def check(
         raise typer.Exit(1)
 
 
+ScoresArg = Annotated[Path, typer.Argument(help="A Parquet file written by gradscope.")]
+ByOpt = Annotated[
+    str | None, typer.Option("--by", help="Column to rank by (default: influence, else grad_norm).")
+]
+RowsOpt = Annotated[int, typer.Option("--top-k", help="Rows in the outlier table.")]
+
+
 @app.command()
-def summary(
-    scores: Annotated[Path, typer.Argument(help="A Parquet file written by gradscope.")],
-    by: Annotated[
-        str | None,
-        typer.Option("--by", help="Column to rank by (default: influence, else grad_norm)."),
-    ] = None,
-    top_k: Annotated[int, typer.Option("--top-k", help="Rows in the outlier table.")] = 20,
-) -> None:
+def summary(scores: ScoresArg, by: ByOpt = None, top_k: RowsOpt = 20) -> None:
     """Print the outlier tables of an existing scores file."""
-    from .errors import ConfigError, DataError
+    from .errors import DataError
 
     if not scores.is_file():
         raise DataError("scores file not found", str(scores))
+    _check_top_k(top_k)
+    _summary(scores, by, top_k)
+
+
+@app.command()
+def report(
+    scores: ScoresArg,
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", help="The run's config: the top-k examples are read and shown."),
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="HTML file to write (default: SCORES.html).")
+    ] = None,
+    by: ByOpt = None,
+    top_k: RowsOpt = 20,
+) -> None:
+    """Write one self-contained HTML page: charts of the scores, the top-k examples shown."""
+    _check_top_k(top_k)
+    _write_report(scores, out, load_config(config) if config else None, by, top_k)
+
+
+def _check_top_k(top_k: int) -> None:
+    from .errors import ConfigError
+
     if top_k < 1:
         raise ConfigError(f"--top-k must be at least 1, got {top_k}", "--top-k")
-    _report(scores, by, top_k)
 
 
 def main() -> None:

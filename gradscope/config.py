@@ -49,6 +49,7 @@ class DataConfig:
     inputs: list[str] | dict[str, str] = field(default_factory=lambda: ["x"])
     ids: str | None = None
     pad: dict[str, float] = field(default_factory=dict)  # column -> value for ragged list columns
+    show: str | None = None  # a text column the report shows for each example
     batch_size: int = 256
     limit: int | None = None
 
@@ -79,6 +80,12 @@ class SummaryConfig:
 
 
 @dataclass(frozen=True)
+class ReportConfig:
+    tokenizer: str | None = None  # a local tokenizer folder: token ids shown as decoded text
+    image_shape: list[int] | None = None  # flat inputs drawn as images of this shape
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig
     data: DataConfig
@@ -88,6 +95,7 @@ class Config:
     params: ParamsConfig = field(default_factory=ParamsConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     summary: SummaryConfig = field(default_factory=SummaryConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     source: str = ""  # the config file, for error messages; not a YAML key
 
     def to_dict(self) -> dict[str, Any]:
@@ -230,6 +238,12 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(
             f"'model.checkpoints' weights must be finite, >= 0 and not all 0, got {weights}", source
         )
+    shape = cfg.report.image_shape
+    if shape is not None and not (len(shape) in (2, 3) and all(n >= 1 for n in shape)):
+        raise ConfigError(
+            f"'report.image_shape' must be [H, W] or [C, H, W] of positive sizes, got {shape}",
+            source,
+        )
     if not cfg.data.inputs:
         raise ConfigError("'data.inputs' must name at least one input", source)
     _validate_hf(cfg)
@@ -299,6 +313,7 @@ def load_config(path: str | Path) -> Config:
             cfg.loss, name=_resolve(loss_name, base) if ".py:" in loss_name else loss_name
         ),
         output=dataclasses.replace(cfg.output, path=_resolve(cfg.output.path, base)),
+        report=dataclasses.replace(cfg.report, tokenizer=_resolve(cfg.report.tokenizer, base)),
     )
     _validate(cfg)
     return cfg

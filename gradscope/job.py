@@ -19,6 +19,7 @@ from .errors import ConfigError, ModelError
 from .io.data import Batch, open_dataset
 from .io.model import build_model, file_sha256, import_object
 from .losses import LossFn, resolve_loss
+from .predictions import predictions
 
 
 def resolve_device(name: str) -> torch.device:
@@ -73,6 +74,7 @@ class Job:
             cfg.params.include,
             cfg.params.exclude,
             Forward(keywords=keywords, output=cfg.model.output),
+            predictions(cfg.loss.name, cfg.loss.kwargs),  # pred, prob, margin from the forward
         )
         return cls(cfg, model, device, dtype, engine)
 

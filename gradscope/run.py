@@ -180,7 +180,7 @@ def score_dataset(
     None. The first batch runs before anything is written, so input the model cannot take leaves
     no file. ``on_start`` gets the number of rows this process scores, None when unknown.
     """
-    scorer = scorer or NormsScorer()
+    scorer = scorer or NormsScorer(trust_checkpoint)
     inputs = run_inputs(cfg, scorer.reads())
     check_output(cfg.output.path, inputs)
     with distributed.session() as world, contextlib.ExitStack() as stack:

@@ -21,7 +21,12 @@ from .errors import DataError
 
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 MAX_CLASSES = 100  # above this many distinct targets, the targets are not class labels
-SHOWN = ("example_id", "ref_id", "id", "loss", "grad_norm", "influence", "cosine", "target")
+SHOWN = (
+    "example_id", "ref_id", "id", "loss", "grad_norm", "self_influence", "influence", "cosine",
+    "target", "pred", "prob", "margin",
+)  # fmt: skip
+BARS = "▁▂▃▄▅▆▇█"
+SPARK_BINS = 40
 
 
 @dataclass
@@ -42,7 +47,7 @@ class Spread:
         return (values - self.median) / (scale if scale > 0 else 1.0)
 
 
-def _column(file: pq.ParquetFile, name: str) -> np.ndarray:
+def column(file: pq.ParquetFile, name: str) -> np.ndarray:
     """One column as a numpy array, read row group by row group."""
     parts = [
         file.read_row_group(i, columns=[name]).column(0).to_numpy()
@@ -51,7 +56,7 @@ def _column(file: pq.ParquetFile, name: str) -> np.ndarray:
     return np.concatenate(parts) if parts else np.empty(0)
 
 
-def _rows(file: pq.ParquetFile, positions: np.ndarray, columns: list[str]) -> pd.DataFrame:
+def rows_at(file: pq.ParquetFile, positions: np.ndarray, columns: list[str]) -> pd.DataFrame:
     """The rows at ``positions`` (in that order), reading only the row groups that hold them."""
     found, start = {}, 0
     for i in range(file.num_row_groups):
@@ -65,7 +70,8 @@ def _rows(file: pq.ParquetFile, positions: np.ndarray, columns: list[str]) -> pd
     return pd.DataFrame([found[int(p)] for p in positions], columns=columns)
 
 
-def _fmt(value: object) -> str:
+def fmt(value: object) -> str:
+    """A cell as text: floats to 4 significant digits, numpy scalars as Python values."""
     if isinstance(value, (float, np.floating)):
         return f"{value:.4g}"
     if isinstance(value, (np.integer, np.bool_)):
@@ -73,7 +79,8 @@ def _fmt(value: object) -> str:
     return str(value)
 
 
-def _is_labels(target: np.ndarray | None) -> bool:
+def is_labels(target: np.ndarray | None) -> bool:
+    """True when the targets are class labels: integers with at most MAX_CLASSES values."""
     return (
         target is not None and target.dtype.kind in "iu" and len(np.unique(target)) <= MAX_CLASSES
     )
@@ -104,8 +111,26 @@ def per_class(
     return pd.DataFrame(rows, index=labels, columns=["count", f"median {score}", "share of top-k"])
 
 
-def summarize(path: str | Path, score: str | None = None, k: int = 20) -> Group:
-    """The outlier table, the per-class table and the summary paragraph of a scores file."""
+@dataclass
+class Outliers:
+    """A scores file ranked by one column: every row's score, and the top-k rows in full."""
+
+    file: pq.ParquetFile
+    score: str
+    values: np.ndarray  # (N,) float64, the ranked column
+    ok: np.ndarray  # (N,) bool: finite score and `finite` flag
+    target: np.ndarray | None
+    spread: Spread
+    top: np.ndarray  # (k,) row positions, most extreme first
+    rows: pd.DataFrame  # the top rows' SHOWN columns (and the score), in that order
+
+    @property
+    def names(self) -> list[str]:
+        return self.file.schema_arrow.names
+
+
+def rank(path: str | Path, score: str | None = None, k: int = 20) -> Outliers:
+    """Rank the rows of a scores file by ``score`` (default: influence, else grad_norm)."""
     try:
         file = pq.ParquetFile(path)
     except Exception as e:  # pyarrow's own error types: not Parquet, or cut short
@@ -117,39 +142,71 @@ def summarize(path: str | Path, score: str | None = None, k: int = 20) -> Group:
     kind = file.schema_arrow.field(score).type
     if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
         raise DataError(f"column {score!r} holds {kind}, not numbers to rank by", "--by")
-    values = _column(file, score).astype(np.float64)
-    ok = np.isfinite(values) & (_column(file, "finite") if "finite" in names else True)
-    target = _column(file, "target") if "target" in names else None
+    values = column(file, score).astype(np.float64)
+    ok = np.isfinite(values) & (column(file, "finite") if "finite" in names else True)
+    target = column(file, "target") if "target" in names else None
     spread = Spread.of(values[ok])
     top = top_positions(values, ok, spread, k)
-
     shown = [c for c in SHOWN if c in names]
     if score not in shown:
         shown.append(score)
-    rows = _rows(file, top, shown)
+    return Outliers(file, score, values, ok, target, spread, top, rows_at(file, top, shown))
+
+
+def sparkline(found: Outliers) -> Text:
+    """The score's histogram on one line, heights by log count; bins holding a top-k row red."""
+    finite = found.values[found.ok]
+    if not len(finite):
+        return Text(f"{found.score}: no finite values")
+    counts, edges = np.histogram(finite, bins=SPARK_BINS)
+    marked = set(np.clip(np.searchsorted(edges, found.values[found.top], "right") - 1, 0,
+                         SPARK_BINS - 1).tolist())  # fmt: skip
+    line = Text(f"{found.score} {fmt(edges[0])} ")
+    for i, count in enumerate(counts):
+        # log heights: the tail's few examples stay visible beside the bulk
+        level = min(len(BARS) - 1, int(len(BARS) * np.log1p(count) / np.log1p(counts.max())))
+        line.append(BARS[level] if count else " ", style="red" if i in marked else "cyan")
+    return line.append(f" {fmt(edges[-1])}  red: top {len(found.top)}")
+
+
+def _outlier_table(found: Outliers) -> Table:
     table = Table(
-        title=f"top {len(top)} outliers by {score}",
+        title=f"top {len(found.top)} outliers by {found.score}",
         caption="robust_z = (x - median) / (1.4826 MAD)",
+        show_edge=False,  # the prediction columns need the room in an 80-column terminal
     )
-    for column in [*shown, "robust_z"]:
-        table.add_column(column, justify="right")
-    for (_, row), z in zip(rows.iterrows(), spread.z(values[top]), strict=True):
-        table.add_row(*(_fmt(row[c]) for c in shown), _fmt(z))
-    parts: list[object] = [table]
-    if _is_labels(target):
-        classes = per_class(values, ok, target, top, score)
-        ct = Table(title=f"per class ({score})")
-        for column in ["target", *classes.columns]:
-            ct.add_column(column, justify="right")
-        for label, row in classes.iterrows():
-            ct.add_row(str(label), str(int(row["count"])), _fmt(row.iloc[1]), f"{row.iloc[2]:.0%}")
-        parts.append(ct)
-    unit = "(example, reference) pairs" if "ref_id" in names else "examples"
-    largest = _fmt(values[ok].max()) if ok.any() else "-"
+    shown = list(found.rows.columns)
+    for name in [*shown, "robust_z"]:
+        table.add_column(name, justify="right")
+    z = found.spread.z(found.values[found.top])
+    for (_, row), zi in zip(found.rows.iterrows(), z, strict=True):
+        table.add_row(*(fmt(row[c]) for c in shown), fmt(zi))
+    return table
+
+
+def _class_table(found: Outliers) -> Table:
+    classes = per_class(found.values, found.ok, found.target, found.top, found.score)
+    table = Table(title=f"per class ({found.score})")
+    for name in ["target", *classes.columns]:
+        table.add_column(name, justify="right")
+    for label, row in classes.iterrows():
+        table.add_row(str(label), str(int(row["count"])), fmt(row.iloc[1]), f"{row.iloc[2]:.0%}")
+    return table
+
+
+def summarize(path: str | Path, score: str | None = None, k: int = 20) -> Group:
+    """The outlier table, the per-class table and the summary paragraph of a scores file."""
+    found = rank(path, score, k)
+    parts: list[object] = [sparkline(found), _outlier_table(found)]
+    if is_labels(found.target):
+        parts.append(_class_table(found))
+    unit = "(example, reference) pairs" if "ref_id" in found.names else "examples"
+    values, ok = found.values, found.ok
+    largest = fmt(values[ok].max()) if ok.any() else "-"
     parts.append(
         Text(
-            f"{len(values)} {unit}; {score}: median {_fmt(spread.median)}, MAD {_fmt(spread.mad)}, "
-            f"max {largest}; {int((~ok).sum())} non-finite."
+            f"{len(values)} {unit}; {found.score}: median {fmt(found.spread.median)}, "
+            f"MAD {fmt(found.spread.mad)}, max {largest}; {int((~ok).sum())} non-finite."
         )
     )
     return Group(*parts)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+import math
+
 import pandas as pd
 import pyarrow.parquet as pq
+import pytest
 import torch
 from oracle import assert_rel_close, reference_norms
 from project import load_net, make_project
@@ -31,6 +35,9 @@ def test_norms_writes_parquet_and_prints_outliers(tmp_path):
         "grad_norm/fc1",
         "grad_norm/fc2",
         "target",
+        "pred",
+        "prob",
+        "margin",
         "finite",
     ]
     assert [str(t) for t in schema.types] == [
@@ -41,6 +48,9 @@ def test_norms_writes_parquet_and_prints_outliers(tmp_path):
         "double",
         "double",
         "int64",
+        "int64",
+        "double",
+        "double",
         "bool",
     ]
     frame = pd.read_parquet(tmp_path / "scores.parquet")
@@ -50,7 +60,47 @@ def test_norms_writes_parquet_and_prints_outliers(tmp_path):
     assert frame["finite"].all()
     # the table's first row is the largest norm
     top = frame.loc[frame["grad_norm"].idxmax()]
-    assert f"{top['grad_norm']:.4g}" in result.output.split("robust_z")[1].splitlines()[2]
+    first = next(line for line in result.output.splitlines() if "│" in line)
+    assert f"{top['grad_norm']:.4g}" in first
+    assert_predictions(frame, net, x, y)
+
+
+def assert_predictions(frame: pd.DataFrame, net: torch.nn.Module, x, y) -> None:
+    """pred, prob and margin against the model's logits, one example at a time in float64."""
+    model = copy.deepcopy(net).double()
+    for i, row in frame.iterrows():
+        logits = model(x[i : i + 1].double())[0].tolist()
+        target = int(y[i])
+        others = [v for j, v in enumerate(logits) if j != target]
+        assert row["pred"] == max(range(len(logits)), key=logits.__getitem__)
+        prob = math.exp(logits[target]) / sum(math.exp(v) for v in logits)
+        assert row["prob"] == pytest.approx(prob, rel=1e-5)
+        assert row["margin"] == pytest.approx(logits[target] - max(others), rel=1e-5, abs=1e-6)
+
+
+def test_norms_at_several_checkpoints(tmp_path):
+    """grad_norm@k and loss@k against the loop at each checkpoint; self_influence their sum."""
+    make_project(tmp_path)
+    net, x, y = load_net(tmp_path)
+    torch.manual_seed(1)
+    earlier = {k: v + 0.3 * torch.randn_like(v) for k, v in net.state_dict().items()}
+    torch.save(earlier, tmp_path / "net0.pt")
+    ckpts = [{"path": "net0.pt", "weight": 0.5}, {"path": "net.pt", "weight": 2.0}]
+    config = make_project(tmp_path, model__checkpoint=None, model__checkpoints=ckpts)
+    result = runner.invoke(app, ["norms", str(config), "--top-k", "3"])
+    assert result.exit_code == 0, result.output
+    frame = pd.read_parquet(tmp_path / "scores.parquet")
+    assert [c for c in frame.columns if "@" in c or c == "self_influence"] == [
+        "loss@0", "grad_norm@0", "loss@1", "grad_norm@1", "self_influence",
+    ]  # fmt: skip
+    loss1, norm1 = reference_norms(net, (x,), y, "cross_entropy")
+    assert_predictions(frame, net, x, y)  # the last checkpoint's model
+    net.load_state_dict(earlier)
+    loss0, norm0 = reference_norms(net, (x,), y, "cross_entropy")
+    for column, expected in [("loss@0", loss0), ("grad_norm@0", norm0), ("loss@1", loss1),
+                             ("grad_norm@1", norm1), ("grad_norm", norm1), ("loss", loss1),
+                             ("self_influence", 0.5 * norm0**2 + 2.0 * norm1**2)]:  # fmt: skip
+        assert_rel_close(torch.tensor(frame[column].to_numpy()), expected, 1e-4)
 
 
 def test_options_override_config(tmp_path):
@@ -90,6 +140,27 @@ def test_summary_of_existing_file(tmp_path):
     assert "wrote" not in result.output  # summary writes nothing
 
 
+def test_report_command_and_flag(tmp_path):
+    config = make_project(tmp_path)
+    result = runner.invoke(app, ["norms", str(config), "--report", "--top-k", "4"])
+    assert result.exit_code == 0, result.output
+    assert f"wrote {tmp_path / 'scores.html'}" in result.output.replace("\n", "")
+    page = (tmp_path / "scores.html").read_text()
+    assert page.count('<tr class="row">') == 4
+    assert page.count('class="text"') == 4  # the 5 features of each example, as values
+    out = tmp_path / "r.html"
+    args = ["report", str(tmp_path / "scores.parquet"), "--out", str(out), "--by", "loss"]
+    result = runner.invoke(app, [*args, "--top-k", "3"])
+    assert result.exit_code == 0, result.output
+    page = out.read_text()
+    assert page.count('<tr class="row">') == 3 and "top 3 marked" in page
+    assert 'class="text"' not in page and "--config" in page  # no config: no examples
+    args = ["report", str(tmp_path / "scores.parquet"), "--config", str(config), "--out"]
+    result = runner.invoke(app, [*args, str(tmp_path / "data.pt")])
+    assert result.exit_code == 2 and "the output path is the run's data.path" in result.stderr
+    assert torch.load(tmp_path / "data.pt")["x"].shape == (23, 5)  # untouched
+
+
 def test_user_errors_exit_2_with_one_line(tmp_path):
     cases = [
         (["norms", str(tmp_path / "missing.yaml")], "error: config file not found"),
@@ -98,6 +169,7 @@ def test_user_errors_exit_2_with_one_line(tmp_path):
             "error: no column 'label' for data.targets",
         ),
         (["summary", str(tmp_path / "none.parquet")], "error: scores file not found"),
+        (["report", str(tmp_path / "none.parquet")], "error: scores file not found"),
     ]
     for args, message in cases:
         result = runner.invoke(app, args)

@@ -70,7 +70,8 @@ def test_one_checkpoint(project: Path, engine: str) -> None:
     out = project / "out.parquet"
     frame = _run(cfg, "--ref", project / "ref.pt", "--engine", engine, "--out", out)
     assert list(frame.columns) == [
-        "example_id", "loss", "grad_norm", "influence", "cosine", "target", "finite",
+        "example_id", "loss", "grad_norm", "influence", "cosine", "target", "pred", "prob",
+        "margin", "finite",
     ]  # fmt: skip
     assert frame["example_id"].tolist() == list(range(N)) and frame["finite"].all()
     expected, g_norm, r_norm = _oracle(project)
@@ -112,6 +113,17 @@ def test_checkpoints_are_weighted_and_summed(project: Path) -> None:
     meta = read_metadata(project / "o.parquet")
     assert [c["weight"] for c in meta["influence"]["checkpoints"]] == [0.5, 2.0]
     assert meta["checkpoint_sha256"]  # of the last checkpoint, the one the job's model holds
+
+
+def test_report_beside_the_scores(project: Path) -> None:
+    out = project / "infl.parquet"
+    _run(
+        _config(project, checkpoint="net.pt"), "--ref", project / "ref.pt", "--report", "--out", out
+    )
+    page = (project / "infl.html").read_text()
+    assert "influence: histogram" in page and "influence and cosine" in page
+    assert page.count('<tr class="row">') == N  # top-k 20 > N: every example, each shown
+    assert page.count('<td class="example"') == N
 
 
 def test_per_ref_rows(project: Path) -> None:

@@ -32,6 +32,15 @@ def test_defaults_and_relative_paths(tmp_path):
     assert cfg.output.path == f"{tmp_path}/scores.parquet" and cfg.summary.top_k == 20
 
 
+def test_report_keys(tmp_path):
+    text = BASE.replace("targets: y", "targets: y, show: caption")
+    cfg = load_config(write(tmp_path, text + "report: {tokenizer: tok, image_shape: [8, 8]}\n"))
+    assert cfg.report.tokenizer == f"{tmp_path}/tok" and cfg.report.image_shape == [8, 8]
+    assert cfg.data.show == "caption"
+    default = load_config(write(tmp_path, BASE))
+    assert default.report.tokenizer is None and default.data.show is None
+
+
 def test_module_specs_are_not_paths(tmp_path):
     cfg = load_config(write(tmp_path, BASE.replace("model.py:Net", "torch.nn:Linear")))
     assert cfg.model.factory == "torch.nn:Linear"
@@ -76,6 +85,11 @@ def test_overrides(tmp_path):
         (BASE + "output: [1]\n", "output must be a mapping"),
         (BASE + "loss: {token_reduction: max}\n", "'loss.token_reduction' must be mean or sum"),
         ("model: {factory: [\n", "malformed YAML"),
+        (
+            BASE + "report: {image_shape: [64]}\n",
+            "'report.image_shape' must be .H, W. or .C, H, W. of positive",
+        ),
+        (BASE + "report: {image_shape: 64}\n", "'report.image_shape' must be a list of integers"),
     ],
 )
 def test_bad_values_name_their_key(tmp_path, text, message):

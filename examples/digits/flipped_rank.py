@@ -2,8 +2,10 @@
 
     python examples/digits/flipped_rank.py SCORES.parquet [COLUMN:low|high ...]
 
-``low`` ranks the most negative values first (influence, cosine: a step on the example raises the
-reference loss), ``high`` the largest (grad_norm).
+``low`` ranks the most negative values first (margin, prob: the model disagrees with the label;
+influence, cosine: a step on the example raises the reference loss), ``high`` the largest
+(loss, grad_norm, self_influence). Without columns, every one of those the file has. Prints a
+Markdown table.
 """
 
 import sys
@@ -14,6 +16,8 @@ import pandas as pd
 import torch
 
 HERE = Path(__file__).resolve().parent
+DEFAULT = ("loss:high", "prob:low", "margin:low", "grad_norm:high", "self_influence:high",
+           "influence:low", "cosine:low")  # fmt: skip
 
 
 def auc(scores: np.ndarray, positive: np.ndarray) -> float:
@@ -25,16 +29,17 @@ def auc(scores: np.ndarray, positive: np.ndarray) -> float:
 
 def main() -> None:
     frame = pd.read_parquet(sys.argv[1])
-    specs = sys.argv[2:] or ["influence:low", "cosine:low", "grad_norm:high"]
+    specs = sys.argv[2:] or [s for s in DEFAULT if s.partition(":")[0] in frame.columns]
     flipped = torch.load(HERE / "digits.pt", weights_only=True)["flipped"].numpy()
     flipped = flipped[frame["example_id"].to_numpy()]
-    print(f"{len(frame)} rows, {flipped.sum()} flipped")
+    print(f"{len(frame)} rows, {flipped.sum()} flipped\n")
+    print("| score | flipped in top 20 | flipped in top 150 | AUC |\n|---|---|---|---|")
     for spec in specs:
         column, _, direction = spec.partition(":")
         score = frame[column].to_numpy() * (-1 if direction == "low" else 1)
         order = np.argsort(-score, kind="stable")
-        counts = ", ".join(f"top {k}: {flipped[order[:k]].sum()}/{k}" for k in (20, 150))
-        print(f"{column} ({direction} first): {counts}; AUC {auc(score, flipped):.4f}")
+        top = [f"{flipped[order[:k]].sum()}/{k}" for k in (20, 150)]
+        print(f"| `{column}` ({direction} first) | {' | '.join(top)} | {auc(score, flipped):.4f} |")
 
 
 if __name__ == "__main__":

@@ -252,6 +252,21 @@ class Dataset:
         cut = rebatch(self._chunks(batch_size), batch_size, limit)
         return (self.columns.padded(batch) for batch in cut)
 
+    def values_at(self, name: str, key: str, positions: set[int]) -> dict[int, Any]:
+        """Column ``name`` (the config's ``key``) at the given row positions, read as stored."""
+        found: dict[int, Any] = {}
+        start = 0
+        for source in self.sources:
+            for columns in _read(source, 1 << 12):
+                if name not in columns:
+                    raise DataError(f"no column {name!r} for {key}", source.where)
+                values = columns[name]
+                found.update(
+                    {p: values[p - start] for p in positions if 0 <= p - start < len(values)}
+                )
+                start += len(values)
+        return found
+
 
 def open_dataset(cfg: DataConfig, path: str | Sequence[str] | None = None) -> Dataset:
     """Open ``path`` (default: ``data.path``) with the columns named in ``cfg``."""

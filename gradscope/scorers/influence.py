@@ -163,6 +163,7 @@ class InfluenceScorer(Scorer):
         columns["cosine"] = cosine.flatten().numpy()
         if batch.targets.dim() == 1:
             columns["target"] = rows(batch.targets)
+        columns |= {name: rows(t.cpu()) for name, t in last.observed.items()}
         finite = all_finite(*(v for r in results for v in (r.loss, r.norm_sq)))  # (B,)
         columns["finite"] = (finite[:, None] & torch.isfinite(influence)).flatten().numpy()
         return columns

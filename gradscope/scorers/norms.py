@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 from torch import Tensor
 
+from ..config import CheckpointConfig
 from ..engine.core import BatchScores, total
 from ..io.data import Batch
 from ..job import Job
@@ -12,25 +14,51 @@ from .base import Scorer, all_finite, leading
 
 
 class NormsScorer(Scorer):
-    """example_id, id, loss, grad_norm, grad_norm/<module> (``output.per_layer``), target, finite."""
+    """example_id, id, loss, grad_norm, grad_norm/<module> (``output.per_layer``); with
+    ``model.checkpoints`` loss@k, grad_norm@k and self_influence; target, pred, prob, margin
+    (classification losses), finite.
+
+    With ``model.checkpoints`` the job's model is at the last checkpoint; ``setup`` builds one at
+    each earlier checkpoint (kept prepared until the scorer exits).
+    """
 
     command = "norms"
 
+    def __init__(self, trust_checkpoint: bool = False) -> None:
+        super().__init__()
+        self.trust_checkpoint = trust_checkpoint
+        self._earlier: list[Job] = []
+
+    def setup(self, job: Job) -> None:
+        earlier = job.cfg.model.checkpoints[:-1]
+        self._earlier = [job.at_checkpoint(c.path, self.trust_checkpoint) for c in earlier]
+        for other in self._earlier:
+            self.stack.enter_context(other.engine)
+
     def columns(self, job: Job, batch: Batch) -> dict[str, np.ndarray]:
         scores = job.engine.norms(*job.to_device(batch))
-        return self.table(job, batch, scores)
+        earlier = [j.engine.norms(*j.to_device(batch)) for j in self._earlier]
+        return self.table(job, batch, scores, earlier)
 
-    def table(self, job: Job, batch: Batch, scores: BatchScores) -> dict[str, np.ndarray]:
-        """The rows of one batch in column order: the one place the norms columns are built."""
+    def table(
+        self, job: Job, batch: Batch, scores: BatchScores, earlier: list[BatchScores] = ()
+    ) -> dict[str, np.ndarray]:
+        """The rows of one batch in column order: the one place the norms columns are built.
+        ``earlier`` holds the scores at the checkpoints before the last, in order."""
         loss, norm_sq = scores.loss.double().cpu(), total(scores.norm_sq).cpu()
         columns = leading(batch)
         columns["loss"] = loss.numpy()
         columns["grad_norm"] = norm_sq.sqrt().numpy()
         if job.cfg.output.per_layer:
             columns |= per_module(job, scores)
+        losses = [s.loss.double().cpu() for s in earlier] + [loss]
+        squares = [total(s.norm_sq).cpu() for s in earlier] + [norm_sq]
+        if job.cfg.model.checkpoints:
+            columns |= at_checkpoints(losses, squares, job.cfg.model.checkpoints)
         if batch.targets.dim() == 1:
             columns["target"] = batch.targets.numpy()
-        columns["finite"] = all_finite(loss, norm_sq).numpy()
+        columns |= {name: t.cpu().numpy() for name, t in scores.observed.items()}
+        columns["finite"] = all_finite(*losses, *squares).numpy()
         return columns
 
 
@@ -40,3 +68,18 @@ def per_module(job: Job, scores: BatchScores) -> dict[str, np.ndarray]:
     for p in job.plan.included:
         sums[p.module] = sums.get(p.module, 0) + scores.norm_sq[p.name].double()
     return {f"grad_norm/{m}": sums[m].sqrt().cpu().numpy() for m in job.plan.modules}
+
+
+def at_checkpoints(
+    losses: list[Tensor], squares: list[Tensor], checkpoints: list[CheckpointConfig]
+) -> dict[str, np.ndarray]:
+    """loss@k and grad_norm@k per checkpoint (k from 0, as influence names them), and
+    self_influence = sum_k w_k grad_norm@k^2 (TracIn's self-influence), from (B,) float64 losses
+    and squared norms."""
+    columns = {}
+    for k, (loss, norm_sq) in enumerate(zip(losses, squares, strict=True)):
+        columns[f"loss@{k}"] = loss.numpy()
+        columns[f"grad_norm@{k}"] = norm_sq.sqrt().numpy()
+    weighted = [c.weight * sq for c, sq in zip(checkpoints, squares, strict=True)]
+    columns["self_influence"] = torch.stack(weighted).sum(0).numpy()
+    return columns

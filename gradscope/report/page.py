@@ -1,0 +1,137 @@
+"""One self-contained HTML page from a scores file: charts, and the top-k examples shown."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+import numpy as np
+
+from .. import __version__
+from ..config import Config
+from ..errors import DataError
+from ..io.parquet import read_metadata
+from ..run import check_output, run_inputs
+from ..summary import Outliers, column, fmt, is_labels, rank
+from . import charts
+from .examples import Shown, show_examples
+
+TEMPLATE = "report.html.j2"
+
+
+@dataclass(frozen=True)
+class Cell:
+    text: str
+    sort: str  # the value the table sorts by: a number, or text
+
+
+@dataclass(frozen=True)
+class Row:
+    cells: list[Cell]
+    shown: list[Shown]
+
+
+def _cell(value: object) -> Cell:
+    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+        value, (bool, np.bool_)
+    )
+    return Cell(fmt(value), repr(float(value)) if number else fmt(value))
+
+
+def _rows(found: Outliers, cfg: Config | None) -> tuple[list[str], list[Row]]:
+    frame = found.rows
+    z = found.spread.z(found.values[found.top])
+    shown = show_examples(cfg, frame["example_id"].astype(int).tolist()) if cfg else {}
+    rows = [
+        Row([*(_cell(v) for v in record), _cell(float(zi))], shown.get(int(example_id), []))
+        for record, zi, example_id in zip(
+            frame.itertuples(index=False), z, frame["example_id"], strict=True
+        )
+    ]
+    return [*frame.columns, "robust_z"], rows
+
+
+def _module_chart(found: Outliers) -> str | None:
+    prefix = "grad_norm/"
+    modules = [n for n in found.names if n.startswith(prefix)]
+    if not modules:
+        return None
+    medians, top_medians = [], []
+    for name in modules:  # one column at a time: memory stays one column wide
+        values = column(found.file, name).astype(np.float64)
+        medians.append(np.nanmedian(values[found.ok]) if found.ok.any() else np.nan)
+        top_medians.append(np.nanmedian(values[found.top]) if len(found.top) else np.nan)
+    names = [n.removeprefix(prefix) for n in modules]
+    return charts.modules(names, np.array(medians), np.array(top_medians))
+
+
+def _charts(found: Outliers) -> list[tuple[str, str]]:
+    """(title, inline SVG) for each view the file's columns allow."""
+    views = [(f"{found.score}: histogram, top {len(found.top)} marked", charts.histogram(found))]
+    if is_labels(found.target):
+        views.append(("per class", charts.classes(found)))
+    names = ("grad_norm", "influence", "cosine")
+    if set(names) <= set(found.names):
+        grad_norm, influence, cosine = (column(found.file, n).astype(np.float64) for n in names)
+        views.append(
+            ("influence and cosine", charts.influence(grad_norm, influence, cosine, found.top))
+        )
+    per_module = _module_chart(found)
+    if per_module is not None:
+        views.append(("per module (--per-layer)", per_module))
+    return views
+
+
+def render(scores: Path, cfg: Config | None, by: str | None, top_k: int) -> str:
+    """The report page of a scores file as HTML text."""
+    found = rank(scores, by, top_k)
+    header, rows = _rows(found, cfg)
+    meta = read_metadata(scores)
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("gradscope", "report"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+    )
+    return env.get_template(TEMPLATE).render(
+        title=scores.name,
+        command=meta.get("command", "?"),
+        version=__version__,
+        found=found,
+        n=len(found.values),
+        non_finite=int((~found.ok).sum()),
+        median=fmt(found.spread.median),
+        mad=fmt(found.spread.mad),
+        charts=_charts(found),
+        header=header,
+        rows=rows,
+        shown=cfg is not None,
+    )
+
+
+def write_report(
+    scores: str | Path,
+    out: str | Path | None = None,
+    cfg: Config | None = None,
+    by: str | None = None,
+    top_k: int = 20,
+) -> Path:
+    """Write the report of ``scores`` to ``out`` (default: beside it, ``.html``); returns ``out``.
+
+    With ``cfg`` (the config that scored the file), the top-k examples are read back from its
+    data and shown.
+    """
+    scores = Path(scores)
+    if not scores.is_file():
+        raise DataError("scores file not found", str(scores))
+    target = Path(out) if out is not None else scores.with_suffix(".html")
+    check_output(target, [("scores file", str(scores)), *(run_inputs(cfg) if cfg else [])])
+    page = render(scores, cfg, by, top_k)
+    temporary = target.with_name(f".{target.name}.tmp")
+    try:
+        temporary.write_text(page, encoding="utf-8")
+        temporary.replace(target)
+    except OSError as e:  # a missing or read-only folder, a directory at ``out``, a full disk
+        temporary.unlink(missing_ok=True)
+        raise DataError(f"cannot write the report: {e.strerror or e}", str(target)) from e
+    return target

@@ -1,0 +1,125 @@
+"""The HTML report: the views a file's columns allow, the table, and the page in a real browser."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from gradscope.cli import app
+from gradscope.errors import ConfigError, DataError
+from gradscope.report import write_report
+from gradscope.report.page import render
+
+ROOT = Path(__file__).resolve().parents[2]
+runner = CliRunner()
+
+
+def scores_file(path: Path, n: int = 40, **extra: np.ndarray) -> Path:
+    rng = np.random.default_rng(0)
+    grad_norm = rng.random(n)
+    grad_norm[[5, 17]] = [9.0, 7.0]
+    columns = {"example_id": np.arange(n), "loss": rng.random(n), "grad_norm": grad_norm,
+               "target": np.arange(n) % 4, "finite": np.ones(n, bool), **extra}  # fmt: skip
+    pq.write_table(pa.table(columns), path, row_group_size=16)
+    return path
+
+
+def captions(page: str) -> list[str]:
+    return re.findall(r"<figcaption>(.*?)</figcaption>", page)
+
+
+def body_rows(page: str) -> list[list[str]]:
+    """Each table row's cells, as the data-sort values the page sorts by."""
+    return [
+        re.findall(r'<td[^>]*data-sort="([^"]*)"', row)
+        for row in re.findall(r'<tr class="row">(.*?)</tr>', page, re.S)
+    ]
+
+
+def test_norms_file_histogram_classes_and_top_rows(tmp_path):
+    page = render(scores_file(tmp_path / "s.parquet"), None, None, 3)
+    assert captions(page) == ["grad_norm: histogram, top 3 marked", "per class"]
+    assert page.count("<svg") == 2 and not re.search(r'(src|href)="(https?:)?//', page)
+    rows = body_rows(page)
+    assert [r[0] for r in rows][:2] == ["5.0", "17.0"] and len(rows) == 3  # example_id first
+    assert "--config" in page  # no config: the page says how to see the examples
+
+
+def test_per_layer_and_influence_files_get_their_views(tmp_path):
+    n = 40
+    rng = np.random.default_rng(1)
+    extra = {"grad_norm/fc1": rng.random(n), "grad_norm/fc2": rng.random(n),
+             "influence": rng.normal(size=n), "cosine": rng.uniform(-1, 1, n)}  # fmt: skip
+    page = render(scores_file(tmp_path / "s.parquet", n, **extra), None, "influence", 5)
+    assert captions(page) == [
+        "influence: histogram, top 5 marked",
+        "per class",
+        "influence and cosine",
+        "per module (--per-layer)",
+    ]
+    assert ">fc1<" in page and ">fc2<" in page  # the module names label the bars
+
+
+def test_report_refuses_to_overwrite_its_inputs_and_a_missing_file(tmp_path):
+    scores = scores_file(tmp_path / "s.parquet")
+    with pytest.raises(ConfigError, match="the output path is the run's scores file"):
+        write_report(scores, scores)
+    with pytest.raises(DataError, match="scores file not found"):
+        write_report(tmp_path / "none.parquet")
+    assert write_report(scores) == tmp_path / "s.html"
+    with pytest.raises(DataError, match="cannot write the report: No such file or directory"):
+        write_report(scores, tmp_path / "missing" / "r.html")
+    with pytest.raises(ConfigError, match="the output path is a folder"):
+        write_report(scores, tmp_path)
+
+
+def _chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is missing; .ci/run installs it")
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    return found
+
+
+def dump_dom(page: Path, fragment: str, profile: Path) -> str:
+    """The page's DOM after its scripts ran, from headless Chromium, offline."""
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run",
+             f"--user-data-dir={profile}", "--dump-dom"]  # fmt: skip
+    done = subprocess.run(
+        [_chromium(), *flags, page.as_uri() + fragment],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_digits_report_in_a_real_browser(tmp_path):
+    chromium = _chromium()  # skip before scoring when there is no browser
+    assert chromium
+    scores = tmp_path / "scores.parquet"
+    args = ["norms", str(ROOT / "configs/digits.yaml"), "--out", str(scores), "--report"]
+    result = runner.invoke(app, [*args, "--limit", "500", "--top-k", "12"])
+    assert result.exit_code == 0, result.output
+    dom = dump_dom(tmp_path / "scores.html", "#sort=-loss", tmp_path / "profile")
+    (html,) = re.findall(r"<html[^>]*>", dom)
+    assert 'data-report="ready"' in html and "data-report-error" not in html, html
+    rows = re.findall(r'<tr class="row">(.*?)</tr>', dom, re.S)
+    assert len(rows) == 12
+    assert all(len(re.findall(r'<img src="data:image/png;base64,', row)) == 1 for row in rows)
+    header = re.findall(r'<th data-column="([^"]+)"', dom)
+    losses = [float(r[header.index("loss")]) for r in body_rows(dom)]
+    assert losses == sorted(losses, reverse=True)  # the page's script sorted by #sort=-loss
+    assert 'aria-sort="descending"' in dom
