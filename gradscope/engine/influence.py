@@ -154,15 +154,9 @@ class Influence:
                 else:  # a fused inference kernel, perhaps: retry on the composite path
                     self._recording, self.note = True, f"forward mode with autograd recording: {e}"
                 continue
-            norm_sq, observed = None, {}
+            norm_sq = None
             if self.norms:
-                scores = self.engine.norms(inputs, targets)
-                norm_sq, observed = total(scores.norm_sq), scores.observed
-            elif self.engine.observe is not None:  # the jvp pass does not read them
-                with torch.no_grad():
-                    observed = self.engine.observe(
-                        self.engine.forward(self.engine.model, inputs), targets
-                    )
+                norm_sq = total(self.engine.norms(inputs, targets).norm_sq)
             return BatchInfluence(loss.double(), inner.double(), norm_sq, observed)
         scores = self.engine.scores(inputs, targets, Want(norms=self.norms, refs=self.refs))
         norm_sq = total(scores.norm_sq) if self.norms else None
