@@ -10,9 +10,9 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	# pin the torch just installed (CPU or CUDA): transformers and datasets must not replace it
-	$(PY) -c 'import torch; print("torch==" + torch.__version__)' > $(VENV)/constraints.txt
-	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e '.[test]'
+	# pin the torch just installed, so the test extra (transformers) cannot swap in another build
+	$(PY) -m pip freeze | grep '^torch==' > $(VENV)/torch-pin.txt
+	$(PY) -m pip install -q -c $(VENV)/torch-pin.txt -e '.[test]'
 	touch $@
 
 example: $(VENV)/.installed

@@ -18,6 +18,7 @@ import copy
 import ctypes
 import gc
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -31,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import families
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -142,13 +144,21 @@ class Workload:
     name: str
     title: str
     build: Callable[[], Problem]
+    requires: str | None = None  # an optional package it is built with: "missing" without it
+
+    @property
+    def missing(self) -> bool:
+        return self.requires is not None and importlib.util.find_spec(self.requires) is None
 
 
-def _problem(model: nn.Module, make: Callable[[int], tuple[Tensor, Tensor]], batch: int, loss: str):
+Inputs = Tensor | tuple[Tensor, ...]
+
+
+def _problem(model: nn.Module, make: Callable[[int], tuple[Inputs, Tensor]], batch: int, loss: str):
     """Model in eval mode (as gradscope scores), a batch and an 8-example reference batch."""
-    x, y = make(batch)
-    rx, ry = make(8)
-    return Problem(model.eval(), (x,), y, (rx,), ry, loss)
+    (x, y), (rx, ry) = make(batch), make(8)
+    x, rx = (x, rx) if isinstance(x, tuple) else ((x,), (rx,))
+    return Problem(model.eval(), x, y, rx, ry, loss)
 
 
 def _mlp(sizes: Sequence[int], batch: int) -> Problem:
@@ -196,6 +206,49 @@ def _lm() -> Problem:
     return _problem(model, make, 8, "cross_entropy")
 
 
+def _next_tokens(vocab: int, seq: int) -> Callable[[int], tuple[Inputs, Tensor]]:
+    """ids of T tokens, and ids 1..T-1 as the targets of the logits at 0..T-2 (families.Logits)."""
+
+    def make(n: int) -> tuple[Inputs, Tensor]:
+        ids = torch.randint(0, vocab, (n, seq))
+        return ids, ids[:, 1:].contiguous()
+
+    return make
+
+
+def _hf_gpt2() -> Problem:
+    torch.manual_seed(0)
+    model = families.hf_gpt2(vocab=8000, d=256, layers=4, heads=4, seq=256)
+    return _problem(model, _next_tokens(8000, 256), 8, "cross_entropy")
+
+
+def _hf_bert() -> Problem:
+    torch.manual_seed(0)
+    model = families.hf_bert(vocab=8000, d=256, layers=4, heads=4, seq=128)
+
+    def make(n: int) -> tuple[Inputs, Tensor]:
+        mask = families.padding_mask(n, 128)
+        return (torch.randint(1, 8000, (n, 128)) * mask, mask), torch.randint(0, 3, (n,))
+
+    return _problem(model, make, 16, "cross_entropy")
+
+
+def _hf_llama() -> Problem:
+    torch.manual_seed(0)
+    model = families.hf_llama(vocab=8000, d=256, layers=4, heads=8, kv_heads=2, seq=256)
+    return _problem(model, _next_tokens(8000, 256), 8, "cross_entropy")
+
+
+def _vit() -> Problem:
+    torch.manual_seed(0)
+    return _problem(
+        families.ViT(img=32, patch=4, d=192, layers=6, heads=3, classes=10),
+        lambda n: (torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,))),
+        64,
+        "cross_entropy",
+    )
+
+
 WORKLOADS = {
     w.name: w
     for w in [
@@ -205,11 +258,17 @@ WORKLOADS = {
         Workload("W2", "tutorial CNN, batch 64 of 1x28x28", _cnn),
         Workload("W3", "transformer classifier d128 T128, batch 32", _classifier),
         Workload("W4", "causal LM d128 T512 tied, batch 8", _lm),
+        Workload("W5", "HF GPT-2 d256 4 layers T256, batch 8", _hf_gpt2, "transformers"),
+        Workload(
+            "W6", "HF BERT classifier d256 4 layers T128 padded, batch 16", _hf_bert, "transformers"
+        ),
+        Workload("W7", "HF LLaMA d256 4 layers GQA T256, batch 8", _hf_llama, "transformers"),
+        Workload("W8", "timm-style ViT 32x32 patch 4 d192 6 layers, batch 64", _vit),
         # for the smoke test: seconds, not minutes
         Workload("tiny", "MLP 8-16-1, batch 4", lambda: _mlp([8, 16, 1], 4)),
     ]
 }
-DEFAULT_WORKLOADS = ("W1", "W2", "W3", "W4")
+DEFAULT_WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8")
 
 
 # ---------------------------------------------------------------- methods
@@ -669,6 +728,9 @@ def _spawn(workload: str, mode: str, keys: Sequence[str], args: argparse.Namespa
 
 def run_workload(workload: str, keys: Sequence[str], args: argparse.Namespace) -> list[Result]:
     """Timing and memory subprocesses for one workload, merged, as ratios to the floor."""
+    if WORKLOADS[workload].missing:
+        note = f"{WORKLOADS[workload].requires} is not installed"
+        return [Result(workload, k, status="missing", note=note) for k in keys]
     timed = _spawn(workload, "time", keys, args)
     memory = {r.method: r for r in _spawn(workload, "memory", keys, args)}
     floor = next((r for r in timed if r.method == "floor"), None)

@@ -47,3 +47,11 @@ def test_markdown_has_one_row_per_method(bench):
 def test_memory_is_measured_per_method(bench):
     results = bench.measure_memory("tiny", KEYS, torch.device("cpu"))
     assert all(r.status == "ok" and r.mem_bytes is not None for r in results)
+
+
+def test_a_workload_whose_library_is_missing_is_reported_missing(bench, monkeypatch):
+    workload = bench.Workload("lib", "needs a library", bench._cnn, "no_such_library_gradscope")
+    monkeypatch.setitem(bench.WORKLOADS, "lib", workload)
+    results = bench.run_workload("lib", KEYS, args=None)  # nothing is spawned
+    assert [r.status for r in results] == ["missing"] * 3
+    assert "no_such_library_gradscope is not installed" in results[0].note

@@ -1,10 +1,22 @@
 """Layer rules, one module per family; importing this package registers them all."""
 
-from . import attention, conv, embedding, linear, norm
-from .base import RULES, Contribution, Dense, Outer, Rule, find_rule, register_rule
+from . import attention, conv, embedding, hf_conv1d, library_norm, linear, norm
+from .base import (
+    MATCHERS,
+    NAMED,
+    RULES,
+    Contribution,
+    Dense,
+    Outer,
+    Rule,
+    find_rule,
+    register_rule,
+)
 from .embedding import Rows
 
 __all__ = [
+    "MATCHERS",
+    "NAMED",
     "RULES",
     "Contribution",
     "Dense",
@@ -16,6 +28,8 @@ __all__ = [
     "attention",
     "conv",
     "embedding",
+    "hf_conv1d",
+    "library_norm",
     "linear",
     "norm",
 ]

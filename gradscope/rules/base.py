@@ -193,6 +193,17 @@ class Rule:
 
 
 RULES: dict[type[nn.Module], Rule] = {}
+# Layers of model libraries, recognised without importing the library: by qualified class name
+# ("transformers.pytorch_utils.Conv1D"), then by a structural predicate, in registration order.
+# Recognition may be wrong (a class of the same name or shape doing other math); the engine's
+# first-batch self-check moves a parameter whose rule does not reproduce autograd to the fallback.
+NAMED: dict[str, Rule] = {}
+MATCHERS: list[tuple[Callable[[nn.Module], bool], Rule]] = []
+
+
+def qualified_name(cls: type) -> str:
+    """``module.QualName`` of a class, as NAMED keys it."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def register_rule(
@@ -200,23 +211,34 @@ def register_rule(
     name: str,
     submodules: tuple[str, ...] = (),
     batch_dim: BatchDimFn | None = None,
+    qualnames: tuple[str, ...] = (),
+    match: Callable[[nn.Module], bool] | None = None,
 ) -> Callable[[RuleFn], RuleFn]:
-    """Register ``fn`` as the rule for modules of exactly these types."""
+    """Register ``fn`` as the rule for modules of exactly these types, of classes with these
+    qualified names, and of any module ``match`` accepts (checked after types and names)."""
 
     def register(fn: RuleFn) -> RuleFn:
+        rule = Rule(name, fn, submodules, batch_dim)
         for t in types:
-            RULES[t] = Rule(name, fn, submodules, batch_dim)
+            RULES[t] = rule
+        for qualname in qualnames:
+            NAMED[qualname] = rule
+        if match is not None:
+            MATCHERS.append((match, rule))
         return fn
 
     return register
 
 
 def find_rule(module: nn.Module) -> Rule | None:
-    """The rule for ``module``'s exact type, or a parent's when the subclass keeps its forward."""
+    """The rule for ``module``'s exact type, or a parent's when the subclass keeps its forward;
+    else the rule of its qualified class name, else the first whose predicate accepts it."""
     cls = type(module)
     if cls in RULES:
         return RULES[cls]
     for parent in cls.__mro__[1:]:
         if parent in RULES and cls.forward is parent.forward:
             return RULES[parent]
-    return None
+    if (named := NAMED.get(qualified_name(cls))) is not None:
+        return named
+    return next((rule for match, rule in MATCHERS if match(module)), None)

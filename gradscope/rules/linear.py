@@ -7,15 +7,26 @@ from torch import Tensor, nn
 from .base import Contribution, Dense, Outer, register_rule
 
 
+def affine_parts(
+    x: Tensor, grad_output: Tensor, weight: Tensor, bias: Tensor | None, transposed: bool = False
+) -> dict[str, Contribution]:
+    """Weight and bias contributions of ``y = x W^T + b`` (``y = x W + b`` when ``transposed``).
+
+    ``x`` is (B, ..., in) and ``grad_output`` (B, ..., out); the weight is (out, in), or (in, out)
+    when transposed: the same outer products with the roles of inputs and output gradients swapped.
+    """
+    b = grad_output.shape[0]
+    a = x.reshape(b, 1, -1, x.shape[-1])  # (B, 1, T, in)
+    s = grad_output.reshape(b, 1, -1, grad_output.shape[-1])  # (B, 1, T, out)
+    out = {"weight": Outer(a, s, weight.shape) if transposed else Outer(s, a, weight.shape)}
+    if bias is not None:
+        # one position: the output gradient is the bias gradient (summing size-1 dims still copies)
+        out["bias"] = Dense(s[:, 0, 0] if s.shape[2] == 1 else s.sum((1, 2)))  # (B, out)
+    return out
+
+
 @register_rule(nn.Linear, name="linear")
 def linear(
     module: nn.Linear, inputs: tuple[Tensor, ...], grad_output: Tensor
 ) -> dict[str, Contribution]:
-    b = grad_output.shape[0]
-    a = inputs[0].reshape(b, 1, -1, module.in_features)  # (B, 1, T, in)
-    s = grad_output.reshape(b, 1, -1, module.out_features)  # (B, 1, T, out)
-    out = {"weight": Outer(s, a, module.weight.shape)}
-    if module.bias is not None:
-        # one position: the output gradient is the bias gradient (summing size-1 dims still copies)
-        out["bias"] = Dense(s[:, 0, 0] if s.shape[2] == 1 else s.sum((1, 2)))  # (B, out)
-    return out
+    return affine_parts(inputs[0], grad_output, module.weight, module.bias)

@@ -15,7 +15,7 @@ from ..errors import ModelError
 from .base import Contribution, Dense, _acc, register_rule
 
 
-def _affine(
+def affine(
     module: nn.Module, xhat: Tensor, s: Tensor, reduce: Callable[[Tensor], Tensor]
 ) -> dict[str, Contribution]:
     """Dense weight and bias contributions, for whichever of the two the module has."""
@@ -28,7 +28,7 @@ def _affine(
     return out
 
 
-def _per_channel(t: Tensor) -> Tensor:
+def per_channel(t: Tensor) -> Tensor:
     """(B, C, *spatial) -> (B, C) for parameters of one value per channel; spatial may be ()."""
     return t.reshape(*t.shape[:2], -1).sum(2)
 
@@ -39,7 +39,7 @@ def layer_norm(
 ) -> dict[str, Contribution]:
     shape, b = module.normalized_shape, grad_output.shape[0]
     xhat = F.layer_norm(inputs[0], shape, None, None, module.eps)
-    return _affine(module, xhat, grad_output, lambda t: t.reshape(b, -1, *shape).sum(1))
+    return affine(module, xhat, grad_output, lambda t: t.reshape(b, -1, *shape).sum(1))
 
 
 @register_rule(nn.RMSNorm, name="rms_norm")
@@ -48,7 +48,7 @@ def rms_norm(
 ) -> dict[str, Contribution]:
     shape, b = module.normalized_shape, grad_output.shape[0]
     xhat = F.rms_norm(inputs[0], shape, None, module.eps)
-    return _affine(module, xhat, grad_output, lambda t: t.reshape(b, -1, *shape).sum(1))
+    return affine(module, xhat, grad_output, lambda t: t.reshape(b, -1, *shape).sum(1))
 
 
 @register_rule(nn.GroupNorm, name="group_norm")
@@ -56,7 +56,7 @@ def group_norm(
     module: nn.GroupNorm, inputs: tuple[Tensor, ...], grad_output: Tensor
 ) -> dict[str, Contribution]:
     xhat = F.group_norm(inputs[0], module.num_groups, None, None, module.eps)
-    return _affine(module, xhat, grad_output, _per_channel)
+    return affine(module, xhat, grad_output, per_channel)
 
 
 @register_rule(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, name="batch_norm")
@@ -75,7 +75,7 @@ def batch_norm(
     xhat = F.batch_norm(
         inputs[0], module.running_mean, module.running_var, None, None, False, 0.0, module.eps
     )
-    return _affine(module, xhat, grad_output, _per_channel)
+    return affine(module, xhat, grad_output, per_channel)
 
 
 @register_rule(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, name="instance_norm")
@@ -87,4 +87,4 @@ def instance_norm(
     own_stats = module.training or not module.track_running_stats
     mean, var = (None, None) if own_stats else (module.running_mean, module.running_var)
     xhat = F.instance_norm(inputs[0], mean, var, None, None, own_stats, 0.0, module.eps)
-    return _affine(module, xhat, grad_output, _per_channel)
+    return affine(module, xhat, grad_output, per_channel)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+
+import families as fam
 import pytest
 import torch
 from hypothesis import given, settings
@@ -17,7 +21,7 @@ from gradscope.engine.forward import Forward
 from gradscope.engine.naive import naive_grads
 from gradscope.errors import ModelError
 from gradscope.losses import resolve_loss
-from gradscope.rules import RULES, Outer, find_rule
+from gradscope.rules import MATCHERS, NAMED, RULES, Outer, find_rule
 from gradscope.rules.conv import unfold
 
 
@@ -112,6 +116,17 @@ class TiedLM(nn.Module):
 
 def conv_head(conv: nn.Module, *after: nn.Module) -> nn.Sequential:
     return net(conv, *after, nn.Flatten(), nn.LazyLinear(2))
+
+
+def transformers_layer(path: str, *args: object) -> Callable[[], nn.Module]:
+    """A layer class of ``transformers`` ("pytorch_utils.Conv1D"), built when the case runs."""
+
+    def build() -> nn.Module:
+        pytest.importorskip("transformers")
+        module, _, name = f"transformers.{path}".rpartition(".")
+        return getattr(importlib.import_module(module), name)(*args)
+
+    return build
 
 
 CASES = [
@@ -298,6 +313,54 @@ CASES = [
         randn(2, 3, 2, 4),
         like,
     ),
+    # Library layers, recognised by name or structure: HF Conv1D, HF RMSNorms, timm's LayerNorms,
+    # each from transformers and as the hand-written copy in benchmarks/families.py
+    Case("hf-conv1d-seq", lambda: net(fam.Conv1D(5, 7), nn.Tanh()), randn(3, 7), like),
+    Case("hf-conv1d-nobias-batch-1", lambda: fam.Conv1D(4, 6, bias=False), randn(6), like, batch=1),
+    Case("hf-conv1d-long-seq", lambda: fam.Conv1D(2, 3), randn(20, 3), like),
+    Case(
+        "hf-conv1d-transformers",
+        lambda: net(transformers_layer("pytorch_utils.Conv1D", 5, 7)(), nn.Tanh()),
+        randn(4, 7),
+        like,
+    ),
+    Case("llama-rmsnorm", lambda: net(stats(fam.LlamaRMSNorm(6)), nn.Tanh()), randn(3, 6), like),
+    Case("t5-layernorm-batch-1", lambda: stats(fam.T5LayerNorm(5, 0.1)), randn(5), like, batch=1),
+    *(
+        Case(
+            f"{name.lower()}-transformers",
+            lambda path=path: net(stats(transformers_layer(path, 6, 0.01)()), nn.Tanh()),
+            randn(4, 6),
+            like,
+        )
+        for name, path in [
+            ("LlamaRMSNorm", "models.llama.modeling_llama.LlamaRMSNorm"),
+            ("Qwen2RMSNorm", "models.qwen2.modeling_qwen2.Qwen2RMSNorm"),
+            ("T5LayerNorm", "models.t5.modeling_t5.T5LayerNorm"),
+        ]
+    ),
+    Case("timm-layernorm-seq", lambda: net(stats(fam.LayerNorm(6)), nn.Tanh()), randn(3, 6), like),
+    Case(
+        "timm-layernorm-nobias",
+        lambda: net(stats(fam.LayerNorm((2, 3), bias=False)), nn.Tanh()),
+        randn(4, 2, 3),
+        like,
+    ),
+    Case(
+        "timm-layernorm2d",
+        lambda: net(nn.Conv2d(2, 4, 1), stats(fam.LayerNorm2d(4)), nn.Tanh()),
+        randn(2, 3, 5),
+        like,
+    ),
+    Case(
+        "timm-layernorm2d-batch-1", lambda: stats(fam.LayerNorm2d(3)), randn(3, 2, 2), like, batch=1
+    ),
+    Case(
+        "nanogpt-layernorm-nobias",
+        lambda: net(stats(fam.NanoGPTLayerNorm(5, bias=False)), nn.Tanh()),
+        randn(3, 5),
+        like,
+    ),
 ]
 
 FLOAT32 = {
@@ -307,6 +370,9 @@ FLOAT32 = {
     "embedding-repeated-tokens",
     "embedding-tied-head",
     "layernorm-seq",
+    "hf-conv1d-seq",
+    "llama-rmsnorm",
+    "timm-layernorm2d",
 }
 
 
@@ -443,6 +509,10 @@ def test_registry_lists_every_layer_type() -> None:
         nn.MultiheadAttention: "attention",
     }
     assert {t: r.name for t, r in RULES.items()} == expected
+    assert {n: r.name for n, r in NAMED.items()} == {
+        "transformers.pytorch_utils.Conv1D": "hf_conv1d"
+    }
+    assert [r.name for _, r in MATCHERS] == ["hf_conv1d", "library_norm"]
 
 
 def test_subclass_overriding_forward_and_transposed_conv_have_no_rule() -> None:

@@ -1,0 +1,63 @@
+"""Norm layers of model libraries: HF's RMSNorms (Llama, Mistral, Qwen2, T5's ``T5LayerNorm``),
+timm's ``LayerNorm`` and ``LayerNorm2d``, nanoGPT-style ``LayerNorm``: any class whose forward is
+``weight * xhat + bias`` for some normalisation ``xhat`` of its input, recognised by name and
+structure, never imported.
+
+xhat comes from the module's own forward run with weight 1 and bias 0, so it is what the class
+computes (HF's float32 upcast and cast back, T5's half-precision cast, timm's permutes), whatever
+its eps is called, bit for bit where the class multiplies by its weight as a separate op. A class that uses its weight otherwise (Gemma's ``(1 + weight)``) is
+recognised wrongly; the engine's first-batch self-check then moves it to the fallback.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor, nn
+
+from .base import Contribution, register_rule
+from .norm import affine, per_channel
+
+
+def looks_like_norm(module: nn.Module) -> bool:
+    """A leaf named like a LayerNorm or RMSNorm, or with HF's ``variance_epsilon``, holding a
+    ``weight`` and optionally a ``bias`` of the same shape and nothing else."""
+    name = type(module).__name__.lower()
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    return (
+        ("layernorm" in name or "rmsnorm" in name or hasattr(module, "variance_epsilon"))
+        and isinstance(weight, nn.Parameter)
+        and (bias is None or (isinstance(bias, nn.Parameter) and bias.shape == weight.shape))
+        and {n for n, _ in module.named_parameters(recurse=False)} <= {"weight", "bias"}
+        and next(module.children(), None) is None
+    )
+
+
+def channels_first(module: nn.Module) -> bool:
+    """timm's ``LayerNorm2d`` and ConvNeXt's ``data_format="channels_first"``: (B, C, *spatial)
+    normalised over C; every other norm normalises the last dims."""
+    return (
+        type(module).__name__.endswith("2d")
+        or getattr(module, "data_format", None) == "channels_first"
+    )
+
+
+def unit_forward(module: nn.Module, x: Tensor) -> Tensor:
+    """``module``'s own forward on ``x`` with weight 1 and bias 0: its xhat."""
+    unit = copy.copy(module)  # a shallow copy: the parameter dict is replaced, not edited
+    unit._parameters = dict(module._parameters, weight=torch.ones_like(module.weight))
+    if module._parameters.get("bias") is not None:
+        unit._parameters["bias"] = torch.zeros_like(module.bias)
+    with torch.no_grad():
+        return unit.forward(x)  # not unit(x): the module's hooks, the engine's own, stay out
+
+
+@register_rule(name="library_norm", match=looks_like_norm)
+def library_norm(
+    module: nn.Module, inputs: tuple[Tensor, ...], grad_output: Tensor
+) -> dict[str, Contribution]:
+    xhat, b, shape = unit_forward(module, inputs[0]), grad_output.shape[0], module.weight.shape
+    if channels_first(module):
+        return affine(module, xhat, grad_output, per_channel)
+    return affine(module, xhat, grad_output, lambda t: t.reshape(b, -1, *shape).sum(1))
