@@ -36,14 +36,19 @@ class ModelConfig:
     state_dict_key: str | None = None
     strip_prefix: str | None = None
     output: str | int | None = None
+    config: dict | None = None  # Hugging Face class: its config class built from this mapping
+    pretrained: str | None = None  # Hugging Face class: a local save_pretrained folder
 
 
 @dataclass(frozen=True)
 class DataConfig:
     path: str | list[str]  # a file, a glob, or a list of them read in order as shards
     targets: str
-    inputs: list[str] = field(default_factory=lambda: ["x"])
+    # columns passed positionally, or {forward_argument: column} passed by keyword; an entry
+    # with * stacks the matching columns into one (B, K) tensor
+    inputs: list[str] | dict[str, str] = field(default_factory=lambda: ["x"])
     ids: str | None = None
+    pad: dict[str, float] = field(default_factory=dict)  # column -> value for ragged list columns
     show: str | None = None  # a text column the report shows for each example
     batch_size: int = 256
     limit: int | None = None
@@ -113,6 +118,11 @@ def _type_ok(value: Any, hint: Any) -> bool:
     if origin is list:
         (item,) = get_args(hint)
         return isinstance(value, list) and all(_type_ok(v, item) for v in value)
+    if origin is dict:
+        key, item = get_args(hint)
+        return isinstance(value, dict) and all(
+            _type_ok(k, key) and _type_ok(v, item) for k, v in value.items()
+        )
     if hint is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint in (int, str, dict, bool):
@@ -127,7 +137,16 @@ def _type_name(hint: Any) -> str:
         return " or ".join(_type_name(h) for h in get_args(hint))
     if get_origin(hint) is list:
         return f"a list of {_type_name(get_args(hint)[0]).split(' ', 1)[1]}s"
+    if get_origin(hint) is dict:
+        key, item = (_type_name(h).split(" ", 1)[1] for h in get_args(hint))
+        return f"a mapping of {key}s to {item}s"
     return names.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _takes_list(hint: Any) -> bool:
+    if get_origin(hint) in (Union, types.UnionType):
+        return any(_takes_list(h) for h in get_args(hint))
+    return get_origin(hint) is list
 
 
 def _build(cls: type, raw: Any, path: str, source: str) -> Any:
@@ -156,7 +175,7 @@ def _build(cls: type, raw: Any, path: str, source: str) -> Any:
         if dataclasses.is_dataclass(hint):
             values[f.name] = _build(hint, value, key, source)
             continue
-        if get_origin(hint) is list and isinstance(value, str):
+        if isinstance(value, str) and not _type_ok(value, hint) and _takes_list(hint):
             value = [value]  # a single name is a list of one
         item = get_args(hint)[0] if get_origin(hint) is list else None
         if dataclasses.is_dataclass(item):
@@ -227,6 +246,31 @@ def _validate(cfg: Config) -> None:
         )
     if not cfg.data.inputs:
         raise ConfigError("'data.inputs' must name at least one input", source)
+    _validate_hf(cfg)
+
+
+def _validate_hf(cfg: Config) -> None:
+    """The keys for Hugging Face models and tokenized data: keyword inputs, pad, config, pretrained."""
+    source, data = cfg.source, cfg.data
+    if cfg.model.config is not None and cfg.model.pretrained is not None:
+        raise ConfigError(
+            "set model.config (random init) or model.pretrained (a saved folder), not both", source
+        )
+    if isinstance(data.inputs, dict):
+        for name in data.inputs:
+            if not name.isidentifier():
+                raise ConfigError(
+                    f"'data.inputs' keys are forward arguments; {name!r} is not a Python name",
+                    source,
+                )
+    columns = list(data.inputs.values() if isinstance(data.inputs, dict) else data.inputs)
+    for column, value in data.pad.items():
+        if column not in [*columns, data.targets]:
+            raise ConfigError(
+                f"'data.pad.{column}' names no column of data.inputs or data.targets", source
+            )
+        if not math.isfinite(value):
+            raise ConfigError(f"'data.pad.{column}' must be a finite number, got {value}", source)
 
 
 def load_config(path: str | Path) -> Config:
@@ -253,6 +297,7 @@ def load_config(path: str | Path) -> Config:
         model=dataclasses.replace(
             cfg.model,
             factory=_resolve(cfg.model.factory, base),
+            pretrained=_resolve(cfg.model.pretrained, base),
             checkpoint=_resolve(cfg.model.checkpoint, base),
             checkpoints=[
                 dataclasses.replace(c, path=_resolve(c.path, base)) for c in cfg.model.checkpoints

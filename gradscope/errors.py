@@ -34,3 +34,8 @@ class Interrupted(GradscopeError):
 
     exit_code = 130
     BEFORE_START = "interrupted before any example was saved"
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line (library errors often span several)."""
+    return " ".join(str(e).split())

@@ -66,12 +66,14 @@ class Job:
             raise ModelError("the model has no parameters: no gradient to score", "model.factory")
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else first.dtype
         model.to(device=device, dtype=dtype)
+        inputs = cfg.data.inputs  # a mapping {forward_argument: column} is passed by keyword
+        keywords = tuple(inputs) if isinstance(inputs, dict) else ()
         engine = Engine(
             model,
             config_loss(cfg),
             cfg.params.include,
             cfg.params.exclude,
-            Forward(output=cfg.model.output),
+            Forward(keywords=keywords, output=cfg.model.output),
             predictions(cfg.loss.name, cfg.loss.kwargs),  # pred, prob, margin from the forward
         )
         return cls(cfg, model, device, dtype, engine)

@@ -12,7 +12,7 @@ from .errors import ConfigError, ModelError
 
 LossFn = Callable[[Any, Tensor], Tensor]
 
-NAMES = ("cross_entropy", "nll", "mse", "l1", "bce_with_logits")
+NAMES = ("cross_entropy", "nll", "mse", "l1", "bce_with_logits", "causal_lm")
 
 
 def _reduce_positions(per_position: Tensor, weight: Tensor | None, how: str) -> Tensor:
@@ -31,6 +31,8 @@ def _classification(name: str, kwargs: dict, class_dim: int, token_reduction: st
     ignore_index = kwargs.get("ignore_index", -100)
 
     def loss(outputs: Tensor, targets: Tensor) -> Tensor:
+        if not targets.is_floating_point():
+            targets = targets.long()  # class indices stored as int32 (Arrow, Parquet)
         if outputs.dim() <= 2:
             return fn(outputs, targets, reduction="none", **kwargs)
         if class_dim in (-1, outputs.dim() - 1) and not targets.is_floating_point():
@@ -43,6 +45,21 @@ def _classification(name: str, kwargs: dict, class_dim: int, token_reduction: st
             per_position = fn(logits, targets, reduction="none", **kwargs)  # (B, ...)
         counts = None if targets.is_floating_point() else (targets != ignore_index)
         return _reduce_positions(per_position, counts, token_reduction)
+
+    return loss
+
+
+def _causal_lm(kwargs: dict, token_reduction: str) -> LossFn:
+    """Next-token cross entropy: logits at positions 0..T-2 against targets at 1..T-1."""
+    cross_entropy = _classification("cross_entropy", kwargs, -1, token_reduction)
+
+    def loss(outputs: Tensor, targets: Tensor) -> Tensor:
+        if outputs.dim() != 3 or targets.shape != outputs.shape[:2]:
+            raise ValueError(
+                f"causal_lm takes (B, T, V) logits and (B, T) token ids, got {tuple(outputs.shape)} "
+                f"and {tuple(targets.shape)}"
+            )
+        return cross_entropy(outputs[:, :-1], targets[:, 1:])  # (B, T-1, V), (B, T-1)
 
     return loss
 
@@ -73,7 +90,7 @@ def resolve_loss(
 ) -> LossFn:
     """Turn a loss name or a callable into ``(outputs, targets) -> Tensor[B]``.
 
-    Names: cross_entropy, nll, mse, l1, bce_with_logits. A callable is used as it is and must
+    Names: cross_entropy, nll, mse, l1, bce_with_logits, causal_lm. A callable is used as it is and must
     return one loss per example.
     """
     kwargs = dict(kwargs or {})
@@ -81,6 +98,8 @@ def resolve_loss(
         fn = spec
     elif spec in ("cross_entropy", "nll"):
         fn = _classification(spec, kwargs, class_dim, token_reduction)
+    elif spec == "causal_lm":
+        fn = _causal_lm(kwargs, token_reduction)
     elif spec in ("mse", "l1", "bce_with_logits"):
         fn = _elementwise(spec, kwargs, token_reduction)
     else:

@@ -28,6 +28,8 @@ def run_inputs(cfg: Config, more: Inputs = ()) -> Inputs:
     for key, spec in (("model.factory", cfg.model.factory), ("loss.name", cfg.loss.name)):
         if code_file(spec):
             named.append((key, code_file(spec)))
+    if cfg.model.pretrained:  # a folder: each of its files is fingerprinted
+        named.append(("model.pretrained", cfg.model.pretrained))
     if cfg.model.checkpoint:
         named.append(("model.checkpoint", cfg.model.checkpoint))
     named += [("model.checkpoints", c.path) for c in cfg.model.checkpoints]

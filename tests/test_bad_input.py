@@ -185,7 +185,7 @@ CASES = [
         "key-error-in-forward",
         lambda r: edit_config(r, lambda c: c["model"].update(factory="model.py:Lookup")),
         [],
-        "the model cannot take inputs of shape (4, 5): KeyError: 'logit'",
+        "the model cannot take inputs of shape (4, 5): Lookup's forward raised KeyError: 'logit'",
         "data.inputs",
     ),
     (

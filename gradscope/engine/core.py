@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..errors import GradscopeError, ModelError
+from ..errors import GradscopeError, ModelError, one_line
 from ..losses import LossFn
 from ..rules import Contribution, find_rule
 from .broadcast import BroadcastTap, View, per_example
@@ -333,10 +333,13 @@ class Engine:
         """(B,) losses and what ``observe`` reads from the same output."""
         try:
             output = self.forward(self.model, inputs)
-        except (RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
+        except GradscopeError:
+            raise
+        except Exception as e:  # whatever the user's forward raises: one line naming it
             shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
             raise ModelError(
-                f"the model cannot take inputs of shape {shapes}: {type(e).__name__}: {e}",
+                f"the model cannot take inputs of shape {shapes}: {type(self.model).__name__}'s "
+                f"forward raised {type(e).__name__}: {one_line(e)}",
                 "data.inputs",
             ) from e
         observed = {}

@@ -12,12 +12,17 @@ from ..errors import ModelError
 
 
 def select_output(outputs: Any, spec: str | int | None, where: str = "model.output") -> Tensor:
-    """Pick the tensor the loss reads from a tuple, dict or object returned by forward.
+    """Pick the tensor the loss reads from a tuple, dict or object returned by forward; with no
+    ``spec``, a result with ``logits`` (a Hugging Face ModelOutput) gives its logits.
 
     ``where`` is how errors name the setting: the config key, or the API's keyword argument.
     """
     if spec is None:
         selected = outputs
+        if isinstance(outputs, dict) and "logits" in outputs:  # ModelOutput is a dict too
+            selected = outputs["logits"]
+        elif hasattr(outputs, "logits"):
+            selected = outputs.logits
     elif isinstance(outputs, dict):
         if spec not in outputs:
             raise ModelError(

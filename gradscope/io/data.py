@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import glob
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import hashlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,133 +15,17 @@ from torch import Tensor
 
 from ..config import DataConfig
 from ..errors import DataError
-from .model import import_object
+from .batch import Batch, Columns, Selection, is_glob, rebatch
+from .model import file_sha256, import_object
 
-FORMATS = (".pt", ".pth", ".npz", ".parquet", ".csv")
-Columns = dict[str, Any]  # name -> tensor, array or list, for a run of consecutive rows
-
-
-@dataclass
-class Batch:
-    """One batch: ``index`` holds each row's 0-based position in the dataset."""
-
-    index: Tensor  # (B,) int64
-    inputs: tuple[Tensor, ...]
-    targets: Tensor
-    ids: np.ndarray | None = None
-
-    def __len__(self) -> int:
-        return len(self.index)
+FORMATS = (".pt", ".pth", ".npz", ".parquet", ".csv", ".arrow")
 
 
-def _as_tensor(values: Any, name: str, where: str) -> Tensor:
-    if isinstance(values, Tensor):
-        return values
-    array = np.asarray(values)
-    if array.dtype == object:
-        try:  # a column of equal-length lists (Parquet list<...>)
-            array = np.stack([np.asarray(v) for v in array])
-        except ValueError as e:
-            raise DataError(f"column {name!r} holds values of different shapes", where) from e
-    if array.dtype.kind not in "biuf":
-        raise DataError(f"column {name!r} is {array.dtype}, not numbers", where)
-    if not array.flags.writeable:  # Arrow's zero-copy buffers; torch wants memory it may write
-        array = array.copy()
-    return torch.from_numpy(np.ascontiguousarray(array))
-
-
-def _cat(parts: list[Batch]) -> Batch:
-    if len(parts) == 1:
-        return parts[0]
-    return Batch(
-        index=torch.cat([p.index for p in parts]),
-        inputs=tuple(torch.cat(ts) for ts in zip(*(p.inputs for p in parts), strict=True)),
-        targets=torch.cat([p.targets for p in parts]),
-        ids=None if parts[0].ids is None else np.concatenate([p.ids for p in parts]),
-    )
-
-
-def _slice(batch: Batch, lo: int, hi: int) -> Batch:
-    return Batch(
-        index=batch.index[lo:hi],
-        inputs=tuple(t[lo:hi] for t in batch.inputs),
-        targets=batch.targets[lo:hi],
-        ids=None if batch.ids is None else batch.ids[lo:hi],
-    )
-
-
-def _rebatch(chunks: Iterable[Batch], batch_size: int, limit: int | None) -> Iterator[Batch]:
-    """Cut runs of rows of any length into batches of ``batch_size``; stop reading at ``limit``."""
-    pending: list[Batch] = []
-    rows = 0  # in pending
-    seen = 0  # rows taken from the source so far
-    for chunk in chunks:
-        if limit is not None and seen + len(chunk) > limit:
-            chunk = _slice(chunk, 0, limit - seen)
-        seen += len(chunk)
-        pending.append(chunk)
-        rows += len(chunk)
-        while rows >= batch_size:
-            whole = _cat(pending)
-            yield _slice(whole, 0, batch_size)
-            pending = [_slice(whole, batch_size, rows)] if rows > batch_size else []
-            rows -= batch_size
-        if limit is not None and seen >= limit:
-            break
-    if rows:
-        yield _cat(pending)
-
-
-class _Columns:
-    """Turns a source's named columns into Batch rows, checking the configured names once."""
-
-    def __init__(self, inputs: Sequence[str], targets: str, ids: str | None):
-        self.names = [*inputs, targets] + ([ids] if ids else [])
-        self.keys = ["data.inputs"] * len(inputs) + ["data.targets"] + (["data.ids"] if ids else [])
-        self.n_inputs, self.has_ids = len(inputs), ids is not None
-
-    def check(self, available: Iterable[str], where: str) -> None:
-        available = list(available)
-        for name, key in zip(self.names, self.keys, strict=True):
-            if name not in available:
-                raise DataError(
-                    f"no column {name!r} for {key} (columns: {', '.join(map(str, available))})",
-                    where,
-                )
-
-    def batch(self, columns: Columns, start: int, where: str) -> Batch:
-        """Rows ``start, start + 1, ...`` of the dataset from one source's ``columns``."""
-        self.check(columns, where)
-        k = self.n_inputs
-        tensors = [_as_tensor(columns[n], n, where) for n in self.names[: k + 1]]
-        ids = _ids(columns[self.names[-1]], self.names[-1], start, where) if self.has_ids else None
-        lengths = {len(t) for t in tensors} | ({len(ids)} if ids is not None else set())
-        if len(lengths) != 1:
-            raise DataError(f"columns have different numbers of rows: {sorted(lengths)}", where)
-        n = lengths.pop()
-        return Batch(torch.arange(start, start + n), tuple(tensors[:k]), tensors[k], ids)
-
-
-def _ids(values: Any, name: str, start: int, where: str) -> np.ndarray:
-    """The ids of a run of rows; a missing one (a null, read as NaN or None) is an error here,
-    not a column of another type at assembly."""
-    ids = np.asarray(values)
-    if ids.dtype.kind == "f":
-        missing = np.isnan(ids)
-    elif ids.dtype == object:
-        missing = np.array([v is None for v in ids], dtype=bool)
-    else:
-        return ids
-    if missing.any():
-        row = start + int(np.flatnonzero(missing)[0])
-        raise DataError(f"column {name!r} for data.ids has no value at row {row}", where)
-    return ids
-
-
-def _collate(items: list[Any], names: list[str], n_inputs: int, where: str) -> Columns:
+def _collate(items: list[Any], wanted: Selection, where: str) -> Columns:
     """Items of a torch Dataset -> columns: a dict per item, or a tuple (*inputs, target)."""
-    first = items[0]
+    first, n_inputs = items[0], wanted.n_inputs
     if isinstance(first, dict):
+        names = wanted.names(list(first))
         missing = [n for n in names if n not in first]
         if missing:
             raise DataError(
@@ -156,7 +41,7 @@ def _collate(items: list[Any], names: list[str], n_inputs: int, where: str) -> C
                 where,
             )
         keys = list(range(n_inputs + 1))
-        names = names[: n_inputs + 1]  # ids come only from dict items
+        names = [*wanted.specs, wanted.targets]  # ids come only from dict items
     else:
         raise DataError(
             f"dataset items are {type(first).__name__}; expected dicts or tuples of tensors", where
@@ -183,6 +68,8 @@ class _Source:
 
 
 def _file_source(path: str) -> _Source:
+    from .arrow import arrow_source_parts, record_columns
+
     file = Path(path)
     if not file.is_file():
         raise DataError("data file not found", str(file))
@@ -205,6 +92,8 @@ def _file_source(path: str) -> _Source:
                 yield {k: npz[k] for k in npz.files}
 
         return _Source(str(file), None, read_npz, whole=True)
+    if suffix == ".arrow":
+        return _Source(str(file), *arrow_source_parts(str(file)))
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -219,10 +108,7 @@ def _file_source(path: str) -> _Source:
             # row group by row group: over a whole file, iter_batches reads ahead all of it
             for group in range(reader.metadata.num_row_groups):
                 for record in reader.iter_batches(batch_size=rows, row_groups=[group]):
-                    yield {
-                        name: record.column(name).to_numpy(zero_copy_only=False)
-                        for name in record.schema.names
-                    }
+                    yield record_columns(record)
 
         return _Source(str(file), n_rows, read_parquet, names)
     if suffix == ".csv":
@@ -232,10 +118,7 @@ def _file_source(path: str) -> _Source:
             # blocks of about 1 MiB: memory stays flat however long the file is
             reader = csv.open_csv(file, read_options=csv.ReadOptions(block_size=1 << 20))
             for record in reader:
-                yield {
-                    name: record.column(name).to_numpy(zero_copy_only=False)
-                    for name in record.schema.names
-                }
+                yield record_columns(record)
 
         try:
             names = csv.open_csv(file).schema.names
@@ -248,12 +131,12 @@ def _file_source(path: str) -> _Source:
     )
 
 
-def _function_source(spec: str, columns: _Columns) -> _Source:
+def _function_source(spec: str, columns: Selection) -> _Source:
     """``file.py:fn`` returning a dict of columns, a map-style Dataset or an IterableDataset."""
     made = import_object(spec, "data.path")()
     if isinstance(made, dict):
         return _Source(spec, len(next(iter(made.values()), [])), lambda _: iter([made]))
-    names, n_inputs, where = columns.names, columns.n_inputs, spec
+    where = spec
     if isinstance(made, torch.utils.data.IterableDataset) or (
         hasattr(made, "__iter__") and not hasattr(made, "__getitem__")
     ):
@@ -263,10 +146,10 @@ def _function_source(spec: str, columns: _Columns) -> _Source:
             for item in made:
                 items.append(item)
                 if len(items) == rows:
-                    yield _collate(items, names, n_inputs, where)
+                    yield _collate(items, columns, where)
                     items = []
             if items:
-                yield _collate(items, names, n_inputs, where)
+                yield _collate(items, columns, where)
 
         return _Source(where, None, read_iterable)  # an iterable's len() is only a hint
     if hasattr(made, "__getitem__") and hasattr(made, "__len__"):
@@ -275,7 +158,7 @@ def _function_source(spec: str, columns: _Columns) -> _Source:
         def read_map(rows: int) -> Iterator[Columns]:
             for lo in range(0, n, rows):
                 items = [made[i] for i in range(lo, min(lo + rows, n))]
-                yield _collate(items, names, n_inputs, where)
+                yield _collate(items, columns, where)
 
         return _Source(where, n, read_map)
     raise DataError(
@@ -295,11 +178,16 @@ def _read(source: _Source, rows: int) -> Iterator[Columns]:
 
 
 def shard_paths(path: str | Sequence[str]) -> list[str]:
-    """A file, a glob or a list of either -> the files in order (each glob's matches sorted)."""
+    """A file, a glob, a ``save_to_disk`` folder or a list of them -> the files in order (each
+    glob's matches sorted, a folder's .arrow files in the dataset's order)."""
     specs = [path] if isinstance(path, str) else list(path)
     files: list[str] = []
     for spec in specs:
-        if any(c in spec for c in "*?[") and ".py:" not in spec:
+        if Path(spec).is_dir():
+            from .arrow import arrow_files
+
+            files.extend(arrow_files(Path(spec)))
+        elif is_glob(spec) and ".py:" not in spec:
             matches = sorted(glob.glob(spec))
             if not matches:
                 raise DataError("no data file matches the pattern", spec)
@@ -319,6 +207,18 @@ def data_files(path: str | Sequence[str]) -> list[str]:
     return [code_file(spec) or spec for spec in shard_paths(path)]
 
 
+def data_sha256(path: str) -> str | None:
+    """The sha256 of a data file; of a folder or glob, one over its files' names and hashes in
+    order; None for ``file.py:fn`` and for a missing file (its reader reports it)."""
+    if ".py:" in path:
+        return None
+    files = shard_paths(path)
+    if files == [path]:
+        return file_sha256(path) if Path(path).is_file() else None
+    listing = "\n".join(f"{f} {file_sha256(f)}" for f in files)
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
 class Dataset:
     """The configured rows, read source by source in runs so that memory stays flat.
 
@@ -326,7 +226,7 @@ class Dataset:
     footers, a single table, a map-style Dataset), else None.
     """
 
-    def __init__(self, sources: list[_Source], columns: _Columns, where: str):
+    def __init__(self, sources: list[_Source], columns: Selection, where: str):
         self.sources, self.columns, self.where = sources, columns, where
         lengths = [s.length for s in sources]
         self.length = None if None in lengths else sum(lengths)
@@ -349,7 +249,8 @@ class Dataset:
 
     def batches(self, batch_size: int, limit: int | None = None) -> Iterator[Batch]:
         """Batches in row order; ``Batch.index`` counts rows across all sources from 0."""
-        return _rebatch(self._chunks(batch_size), batch_size, limit)
+        cut = rebatch(self._chunks(batch_size), batch_size, limit)
+        return (self.columns.padded(batch) for batch in cut)
 
     def values_at(self, name: str, key: str, positions: set[int]) -> dict[int, Any]:
         """Column ``name`` (the config's ``key``) at the given row positions, read as stored."""
@@ -371,7 +272,7 @@ def open_dataset(cfg: DataConfig, path: str | Sequence[str] | None = None) -> Da
     """Open ``path`` (default: ``data.path``) with the columns named in ``cfg``."""
     path = path or cfg.path
     where = path if isinstance(path, str) else ", ".join(path)
-    columns = _Columns(cfg.inputs, cfg.targets, cfg.ids)
+    columns = Selection(cfg.inputs, cfg.targets, cfg.ids, cfg.pad)
     sources = []
     for spec in shard_paths(path):
         sources.append(_function_source(spec, columns) if ".py:" in spec else _file_source(spec))

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..errors import ConfigError, ModelError
+from ..errors import ConfigError, ModelError, one_line
 
 
 def import_object(spec: str, key: str) -> Any:
@@ -117,22 +117,86 @@ def _extract(state: Any, cfg: ModelConfig, path: str) -> dict[str, torch.Tensor]
     return state
 
 
-def build_model(cfg: ModelConfig, trust_checkpoint: bool = False) -> nn.Module:
-    """Call the factory with its kwargs and load the checkpoint strictly (every key, every shape)."""
-    factory = import_object(cfg.factory, "model.factory")
-    try:
-        model = factory(**cfg.kwargs)
-    except TypeError as e:
+def _from_hf(factory: Any, cfg: ModelConfig) -> nn.Module:
+    """A Hugging Face class from model.pretrained (a local folder) or model.config (random init)."""
+    key = "model.pretrained" if cfg.pretrained is not None else "model.config"
+    if not hasattr(factory, "from_pretrained"):
         raise ConfigError(
-            f"cannot call the model factory with model.kwargs: {e}", "model.kwargs"
+            f"{key} needs a Hugging Face class as model.factory (one with from_pretrained), "
+            f"got {getattr(factory, '__name__', factory)!r}",
+            key,
+        )
+    if cfg.pretrained is not None:
+        if not (Path(cfg.pretrained) / "config.json").is_file():
+            raise ModelError("not a save_pretrained folder: it has no config.json", cfg.pretrained)
+        try:
+            return factory.from_pretrained(cfg.pretrained, local_files_only=True, **cfg.kwargs)
+        except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:
+            raise ModelError(
+                f"cannot load {factory.__name__} from the folder: {one_line(e)}", cfg.pretrained
+            ) from e
+    try:
+        if getattr(factory, "config_class", None) is not None:  # a model class: its own config
+            return factory(factory.config_class(**cfg.config), **cfg.kwargs)
+        from transformers import AutoConfig  # an Auto* class: the config names the model type
+
+        mapping = dict(cfg.config)
+        if "model_type" not in mapping:
+            raise ConfigError(
+                f"model.config for {factory.__name__} needs model_type (e.g. gpt2, bert)", key
+            )
+        return factory.from_config(AutoConfig.for_model(mapping.pop("model_type"), **mapping))
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ConfigError(
+            f"cannot build {factory.__name__} from model.config: {one_line(e)}", key
         ) from e
+
+
+def _construct(cfg: ModelConfig) -> nn.Module:
+    factory = import_object(cfg.factory, "model.factory")
+    if cfg.pretrained is not None or cfg.config is not None:
+        model = _from_hf(factory, cfg)
+    else:
+        try:
+            model = factory(**cfg.kwargs)
+        except (TypeError, OSError) as e:
+            hint = "; a Hugging Face class needs model.config or model.pretrained"
+            hint = hint if hasattr(factory, "from_pretrained") else ""
+            raise ConfigError(
+                f"cannot call the model factory with model.kwargs: {one_line(e)}{hint}",
+                "model.kwargs",
+            ) from e
     if not isinstance(model, nn.Module):
         raise ConfigError(
             f"the factory returned a {type(model).__name__}, not an nn.Module", "model.factory"
         )
+    return model
+
+
+def _tied_filled(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """``state`` with each key missing for a tied weight taken from a key that shares its tensor
+    (``save_pretrained`` writes ``wte.weight`` once, not also ``lm_head.weight``)."""
+    groups: dict[tuple[int, tuple], list[str]] = {}
+    for name, t in model.state_dict().items():
+        if t.numel():
+            groups.setdefault((t.data_ptr(), tuple(t.shape)), []).append(name)
+    state = dict(state)
+    for names in groups.values():
+        present = [n for n in names if n in state]
+        if present and len(names) > 1:
+            for n in names:
+                state.setdefault(n, state[present[0]])
+    return state
+
+
+def build_model(cfg: ModelConfig, trust_checkpoint: bool = False) -> nn.Module:
+    """Build the model (factory with kwargs, or a Hugging Face class from model.config or
+    model.pretrained) and load the checkpoint strictly (every key, every shape)."""
+    model = _construct(cfg)
     if cfg.checkpoint is None:
         return model
     state = _extract(load_state_dict(cfg.checkpoint, trust_checkpoint), cfg, cfg.checkpoint)
+    state = _tied_filled(state, model)
     expected = model.state_dict()
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]

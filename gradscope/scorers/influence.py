@@ -20,7 +20,7 @@ from ..engine.influence import (
     reference_gradients,
 )
 from ..errors import ConfigError, DataError
-from ..io.data import Batch, Dataset, data_files, open_dataset
+from ..io.data import Batch, Dataset, data_files, data_sha256, open_dataset
 from ..io.model import file_sha256, load_state_dict
 from ..job import Job
 from .base import Inputs, Scorer, all_finite, leading
@@ -109,7 +109,7 @@ class InfluenceScorer(Scorer):
         precondition = self.precondition
         self._described = {
             "ref": self.ref,
-            "ref_sha256": None if ".py:" in self.ref else file_sha256(self.ref),
+            "ref_sha256": data_sha256(self.ref),  # REF may be a folder or a glob
             "ref_examples": len(ref_data),
             "per_ref": self.per_ref,
             "precondition": precondition

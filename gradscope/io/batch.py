@@ -1,0 +1,246 @@
+"""The configured columns of a run of rows, made into batches: globs stacked, list columns padded."""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..errors import DataError
+
+Columns = dict[str, Any]  # name -> tensor, array or list, for a run of consecutive rows
+
+
+@dataclass
+class Batch:
+    """One batch: ``index`` holds each row's 0-based position in the dataset.
+
+    Columns named in ``data.pad`` stay lists of row arrays until the batch is cut, then are padded.
+    """
+
+    index: Tensor  # (B,) int64
+    inputs: tuple[Tensor, ...]
+    targets: Tensor
+    ids: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+
+def _as_tensor(values: Any, name: str, where: str) -> Tensor:
+    if isinstance(values, Tensor):
+        return values
+    array = np.asarray(values)
+    if array.dtype == object:
+        try:  # a column of equal-length lists (Parquet list<...>)
+            array = np.stack([np.asarray(v) for v in array])
+        except ValueError as e:
+            raise DataError(
+                f"column {name!r} holds lists of different lengths; set data.pad.{name} to pad "
+                "them per batch",
+                where,
+            ) from e
+    if array.dtype.kind not in "biuf":
+        raise DataError(f"column {name!r} is {array.dtype}, not numbers", where)
+    if not array.flags.writeable:  # Arrow's zero-copy buffers; torch wants memory it may write
+        array = array.copy()
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _rows(values: Any, name: str, where: str) -> list[np.ndarray]:
+    """A column to pad, as one array per row (a list column read from Arrow, or a tensor)."""
+    rows = [np.asarray(v) for v in values]
+    for row in rows:
+        if row.dtype.kind not in "biuf" or row.ndim == 0:
+            raise DataError(
+                f"column {name!r} is in data.pad but does not hold lists of numbers", where
+            )
+    return rows
+
+
+def _padded(rows: list[np.ndarray], value: float, name: str) -> Tensor:
+    """(B, T, ...) with each row's (T_i, ...) values first and ``value`` after, T the longest."""
+    dtype = functools.reduce(np.promote_types, {r.dtype for r in rows})
+    if dtype.kind in "biu":
+        dtype = np.dtype(
+            np.int64
+        )  # token ids and masks (datasets stores int32, int8): torch's index type
+    if dtype.kind in "biu" and value != int(value):
+        raise DataError(
+            f"column {name!r} holds integers; its pad value {value} is not one", "data.pad"
+        )
+    tails = {r.shape[1:] for r in rows}
+    if len(tails) > 1:
+        raise DataError(
+            f"column {name!r} holds rows of shapes {sorted(tails)} after the first dim", "data.pad"
+        )
+    out = np.full((len(rows), max(len(r) for r in rows), *tails.pop()), value, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return torch.from_numpy(out)
+
+
+def _join(parts: list[Any]) -> Any:
+    """Tensors concatenated along rows; rows of a column to pad, one list."""
+    if isinstance(parts[0], list):
+        return list(itertools.chain.from_iterable(parts))
+    return torch.cat(parts)
+
+
+def _cat(parts: list[Batch]) -> Batch:
+    if len(parts) == 1:
+        return parts[0]
+    return Batch(
+        index=torch.cat([p.index for p in parts]),
+        inputs=tuple(_join(list(ts)) for ts in zip(*(p.inputs for p in parts), strict=True)),
+        targets=_join([p.targets for p in parts]),
+        ids=None if parts[0].ids is None else np.concatenate([p.ids for p in parts]),
+    )
+
+
+def _slice(batch: Batch, lo: int, hi: int) -> Batch:
+    return Batch(
+        index=batch.index[lo:hi],
+        inputs=tuple(t[lo:hi] for t in batch.inputs),
+        targets=batch.targets[lo:hi],
+        ids=None if batch.ids is None else batch.ids[lo:hi],
+    )
+
+
+def rebatch(chunks: Iterable[Batch], batch_size: int, limit: int | None) -> Iterator[Batch]:
+    """Cut runs of rows of any length into batches of ``batch_size``; stop reading at ``limit``."""
+    pending: list[Batch] = []
+    rows = 0  # in pending
+    seen = 0  # rows taken from the source so far
+    for chunk in chunks:
+        if limit is not None and seen + len(chunk) > limit:
+            chunk = _slice(chunk, 0, limit - seen)
+        seen += len(chunk)
+        pending.append(chunk)
+        rows += len(chunk)
+        while rows >= batch_size:
+            whole = _cat(pending)
+            yield _slice(whole, 0, batch_size)
+            pending = [_slice(whole, batch_size, rows)] if rows > batch_size else []
+            rows -= batch_size
+        if limit is not None and seen >= limit:
+            break
+    if rows:
+        yield _cat(pending)
+
+
+def _ids(values: Any, name: str, start: int, where: str) -> np.ndarray:
+    """The ids of a run of rows; a missing one (a null, read as NaN or None) is an error here,
+    not a column of another type at assembly."""
+    ids = np.asarray(values)
+    if ids.dtype.kind == "f":
+        missing = np.isnan(ids)
+    elif ids.dtype == object:
+        missing = np.array([v is None for v in ids], dtype=bool)
+    else:
+        return ids
+    if missing.any():
+        row = start + int(np.flatnonzero(missing)[0])
+        raise DataError(f"column {name!r} for data.ids has no value at row {row}", where)
+    return ids
+
+
+def is_glob(spec: str) -> bool:
+    return any(c in spec for c in "*?[")
+
+
+class Selection:
+    """Turns a source's named columns into Batch rows, checking the configured names once.
+
+    An input given as a glob (``feature_*``) is every matching column, stacked in file order into
+    one (B, K) tensor; columns named in ``pad`` are kept as rows until the batch is cut.
+    """
+
+    def __init__(
+        self,
+        inputs: Sequence[str] | dict[str, str],
+        targets: str,
+        ids: str | None,
+        pad: dict[str, float] | None = None,
+    ):
+        self.specs = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+        self.targets, self.ids, self.pad = targets, ids, dict(pad or {})
+        self.n_inputs, self.has_ids = len(self.specs), ids is not None
+        self.matched: dict[
+            str, list[str]
+        ] = {}  # glob -> the columns it matched in the first source
+
+    def _matches(self, spec: str, available: Sequence[Any]) -> list[str]:
+        others = (self.targets, self.ids)
+        return [n for n in available if n not in others and fnmatch.fnmatchcase(str(n), spec)]
+
+    def names(self, available: Sequence[Any]) -> list[str]:
+        """Every column the rows need, globs expanded against ``available``, targets and ids last."""
+        names = []
+        for spec in self.specs:
+            names += self._matches(spec, available) if is_glob(spec) else [spec]
+        return [*names, self.targets] + ([self.ids] if self.ids else [])
+
+    def check(self, available: Iterable[str], where: str) -> None:
+        available = list(available)
+        listed = ", ".join(map(str, available))
+        for spec in self.specs:
+            if not is_glob(spec):
+                continue
+            found = self._matches(spec, available)
+            if not found:
+                raise DataError(
+                    f"no column matches {spec!r} for data.inputs (columns: {listed})", where
+                )
+            first = self.matched.setdefault(spec, found)
+            if found != first:
+                raise DataError(
+                    f"{spec!r} matches {', '.join(found)} here but {', '.join(first)} in the "
+                    "first file",
+                    where,
+                )
+        named = [(s, "data.inputs") for s in self.specs if not is_glob(s)]
+        named += [(self.targets, "data.targets")] + ([(self.ids, "data.ids")] if self.ids else [])
+        for name, key in named:
+            if name not in available:
+                raise DataError(f"no column {name!r} for {key} (columns: {listed})", where)
+
+    def _column(self, columns: Columns, name: str, where: str) -> Tensor | list[np.ndarray]:
+        if name in self.pad:
+            return _rows(columns[name], name, where)
+        return _as_tensor(columns[name], name, where)
+
+    def _input(self, columns: Columns, spec: str, where: str) -> Tensor | list[np.ndarray]:
+        if not is_glob(spec):
+            return self._column(columns, spec, where)
+        parts = [_as_tensor(columns[n], n, where) for n in self.matched[spec]]
+        dtype = functools.reduce(torch.promote_types, (p.dtype for p in parts))
+        return torch.stack([p.to(dtype) for p in parts], 1)  # (B, K)
+
+    def batch(self, columns: Columns, start: int, where: str) -> Batch:
+        """Rows ``start, start + 1, ...`` of the dataset from one source's ``columns``."""
+        self.check(columns, where)
+        inputs = tuple(self._input(columns, spec, where) for spec in self.specs)
+        targets = self._column(columns, self.targets, where)
+        ids = _ids(columns[self.ids], self.ids, start, where) if self.has_ids else None
+        lengths = {len(t) for t in (*inputs, targets)} | ({len(ids)} if ids is not None else set())
+        if len(lengths) != 1:
+            raise DataError(f"columns have different numbers of rows: {sorted(lengths)}", where)
+        n = lengths.pop()
+        return Batch(torch.arange(start, start + n), inputs, targets, ids)
+
+    def padded(self, batch: Batch) -> Batch:
+        """The batch with each column to pad padded to its longest row."""
+
+        def pad(values: Any, name: str) -> Tensor:
+            return _padded(values, self.pad[name], name) if isinstance(values, list) else values
+
+        inputs = tuple(pad(t, s) for t, s in zip(batch.inputs, self.specs, strict=True))
+        return replace(batch, inputs=inputs, targets=pad(batch.targets, self.targets))
