@@ -84,21 +84,28 @@ class Reducer:
         self._parts.clear()
 
     def _reduce_apart(self, name: str, groups: list[Contribution]) -> None:
-        if self.want.norms:
+        refs = self.want.refs[name] if self.want.refs is not None else None
+        if self.want.norms and refs is not None:
+            both = [g.norm_sq_and_inner(refs) for g in groups]
+            norm_sq, self.inner[name] = sum(n for n, _ in both), sum(i for _, i in both)
+        elif self.want.norms:
             norm_sq = sum(g.norm_sq() for g in groups)
+        elif refs is not None:
+            self.inner[name] = sum(g.inner(refs) for g in groups)
+        if self.want.norms:
             for k, g in enumerate(groups):
                 for h in groups[k + 1 :]:
                     norm_sq = norm_sq + 2 * _cross(g, h)
             self.norm_sq[name] = norm_sq
-        if self.want.refs is not None:
-            self.inner[name] = sum(g.inner(self.want.refs[name]) for g in groups)
         if self.want.sums:
             self.sums[name] = sum(g.batch_sum() for g in groups)
 
     def reduce(self, name: str, c: Contribution) -> None:
-        if self.want.norms:
+        if self.want.norms and self.want.refs is not None:
+            self.norm_sq[name], self.inner[name] = c.norm_sq_and_inner(self.want.refs[name])
+        elif self.want.norms:
             self.norm_sq[name] = c.norm_sq()
-        if self.want.refs is not None:
+        elif self.want.refs is not None:
             self.inner[name] = c.inner(self.want.refs[name])
         if self.want.keep:
             self.kept[name] = c

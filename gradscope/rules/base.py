@@ -64,6 +64,10 @@ class Contribution(ABC):
         """The contribution of both (a module called twice, a weight shared by two modules)."""
         return Dense(self.materialize() + other.materialize())
 
+    def norm_sq_and_inner(self, refs: Tensor) -> tuple[Tensor, Tensor]:
+        """Both answers at once, for contributions that can share the work between them."""
+        return self.norm_sq(), self.inner(refs)
+
     def cross(self, other: Contribution) -> Tensor | None:
         """(B,) <G_i, H_i> with ``other``'s per-example gradients, where a form cheaper than
         forming both exists (a tied embedding and output head); None where it does not."""
@@ -121,9 +125,28 @@ class Outer(Contribution):
         b, g, t, o, i = self.dims
         if t == 1:  # ||s a^T||^2 = ||s||^2 ||a||^2
             return (_sq_norm(self.s, -1) * _sq_norm(self.a, -1)).sum((1, 2))
-        if t * (i + o) < i * o:  # the (T, T) Gram matrices cost less than forming G
+        if self._gram_cheaper:
             return self._gram_norm_sq()
         return torch.cat([_sq_norm(m.flatten(1), 1) for m in self._materialized_chunks()])
+
+    @property
+    def _gram_cheaper(self) -> bool:
+        """Whether the (T, T) Gram matrices cost less than forming G."""
+        _, _, t, o, i = self.dims
+        return t * (i + o) < i * o
+
+    def norm_sq_and_inner(self, refs: Tensor) -> tuple[Tensor, Tensor]:
+        """Where the norm forms G anyway (many positions, as an LM head over a sequence), the
+        inner products come from the same chunks for (B, K, P) more, instead of sum_t s^T R a."""
+        if self.dims[2] == 1 or self._gram_cheaper:
+            return self.norm_sq(), self.inner(refs)
+        r = rows(refs.to(self.s.dtype))  # (K, P)
+        norms, inners = [], []
+        for m in self._materialized_chunks():
+            flat = m.flatten(1)  # (b, P)
+            norms.append(_sq_norm(flat, 1))
+            inners.append(flat @ r.T)  # (b, P) @ (P, K)
+        return torch.cat(norms), torch.cat(inners)
 
     def _gram_norm_sq(self) -> Tensor:
         """sum_{t,t'} (a_t . a_t')(s_t . s_t'), in (c, c) blocks so no (T, T) matrix is needed."""
