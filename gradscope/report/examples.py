@@ -77,7 +77,8 @@ class Renderer:
         return [self._one(name, x.numpy()) for name, x in zip(self.names, inputs, strict=True)]
 
     def _one(self, name: str, x: np.ndarray) -> Shown:
-        if x.dtype.kind in "iu" and x.ndim == 1:  # token ids
+        # token ids; a column of 0s and 1s is a mask or segment ids (attention_mask), not text
+        if x.dtype.kind in "iu" and x.ndim == 1 and not np.isin(x, (0, 1)).all():
             if self.tokenizer is not None:
                 return Shown(name, text=self.tokenizer.decode(x.tolist(), skip_special_tokens=True))
             return Shown(name, text="token ids: " + _values(x))

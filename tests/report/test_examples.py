@@ -63,6 +63,8 @@ def test_token_ids_decoded_with_a_local_tokenizer(tmp_path):
     ids = torch.tensor([1, 2, 3, 0, 0])
     assert render(ids, tokenizer=str(tmp_path)).text == "the cat sat"
     assert render(ids).text == "token ids: 1, 2, 3, 0, 0"
+    mask = torch.tensor([1, 1, 1, 0, 0])  # attention_mask beside the ids: its values, not "the"
+    assert render(mask, tokenizer=str(tmp_path)).text == "1, 1, 1, 0, 0"
 
 
 def test_bad_tokenizer_folder_is_a_config_error(tmp_path):
