@@ -95,9 +95,9 @@ class Job:
 
     def metadata(self, command: str) -> dict:
         """The job's part of the output's ``gradscope`` key; the plan as it stands now."""
-        ckpt = self.cfg.model.checkpoint or (
-            self.cfg.model.checkpoints[-1].path if self.cfg.model.checkpoints else None
-        )
+        model = self.cfg.model
+        ckpt = model.checkpoint or (model.checkpoints[-1].path if model.checkpoints else None)
+        ckpt = ckpt or model.pretrained  # a save_pretrained folder: its weights are the checkpoint
         return {
             "version": __version__,
             "command": command,

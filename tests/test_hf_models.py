@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 from gradscope.cli import app
 from gradscope.config import ModelConfig
 from gradscope.errors import ConfigError, ModelError
-from gradscope.io.model import build_model
+from gradscope.io.model import build_model, file_sha256
+from gradscope.io.parquet import read_metadata
 
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
@@ -97,6 +98,13 @@ def test_gpt2_pretrained_folder_on_save_to_disk_with_padding(tmp_path):
     assert_rel_close(torch.tensor(frame["loss"].to_numpy()), loss, 1e-9)
     assert_rel_close(torch.tensor(frame["grad_norm"].to_numpy()), norm, 1e-9)
     assert frame["loss"][[i for i, r in enumerate(ids) if len(r) == 1]].eq(0).all()
+    # the folder's weights are the checkpoint: hashed, and a change of any file changes the hash
+    digest = read_metadata(tmp_path / "scores.parquet")["checkpoint_sha256"]
+    assert digest == file_sha256(tmp_path / "gpt2")
+    (tmp_path / "gpt2" / "config.json").write_text(
+        (tmp_path / "gpt2" / "config.json").read_text() + " "
+    )
+    assert file_sha256(tmp_path / "gpt2") != digest
 
 
 def gpt2_folder_and_rows(tmp_path, n: int) -> tuple[nn.Module, list[list[int]]]:

@@ -56,7 +56,12 @@ def import_object(spec: str, key: str) -> Any:
 
 
 def file_sha256(path: str | Path) -> str:
-    """The file's sha256, hashed once per version of the file (a run asks more than once)."""
+    """The file's sha256, hashed once per version of the file (a run asks more than once); of a
+    folder (a save_pretrained model), one sha256 over its files' names and hashes, in order."""
+    if os.path.isdir(path):
+        files = sorted(f for f in Path(path).rglob("*") if f.is_file())
+        listing = "\n".join(f"{f.relative_to(path)} {file_sha256(f)}" for f in files)
+        return hashlib.sha256(listing.encode()).hexdigest()
     stat = os.stat(path)
     return _sha256(str(path), stat.st_size, stat.st_mtime_ns)
 
