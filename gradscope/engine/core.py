@@ -13,11 +13,12 @@ from torch import Tensor, nn
 from ..errors import GradscopeError, ModelError, one_line
 from ..losses import LossFn
 from ..rules import Contribution, find_rule
+from . import decide
 from .broadcast import BroadcastTap, View, per_example
 from .fallback import Fallback, short_reason
 from .first_batch import Findings, agrees, findings_for
 from .forward import Forward
-from .plan import BROADCAST, FALLBACK_LOOP, ParamPlan, Plan, build_plan
+from .plan import FALLBACK_LOOP, Plan, build_plan
 from .reduce import Reducer, Want
 from .session import Call, HookSession
 
@@ -132,7 +133,7 @@ class Engine:
         """One pass over a batch: the steps below, in order."""
         findings = findings_for(self.model, self._key, inputs)
         seen = self._capture(inputs, targets, findings)
-        self._decide_before_backward(seen, findings)
+        decide.before_backward(self.plan, seen, findings)
         reducer = self._reduce_in_backward(seen, want, findings)
         self._fallback(reducer, inputs, targets)
         self._fill_zeros(reducer, seen.losses.shape[0])
@@ -185,28 +186,6 @@ class Engine:
         with torch.no_grad():
             plain = self._losses(inputs, targets)[0]
         return plain.shape == losses.shape and agrees(losses.detach(), plain)
-
-    def _decide_before_backward(self, seen: Seen, findings: Findings) -> None:
-        """Move to the fallback what reads rows that are not the examples, and raw parameters
-        read by other ops than broadcast ones."""
-        for p in self.plan.raw:
-            if seen.tap.uses[p.name].other:
-                self.plan.to_fallback(p, f"read by {seen.tap.uses[p.name].other}")
-        probe, batch = None, seen.losses.shape[0]
-        if (self.plan.by_rule or self.plan.raw) and findings.shared is None and batch > 1:
-            probe = seen.losses[-1]  # once per model and shapes: later batches check shapes only
-        shared = seen.session.not_per_example(batch, probe)
-        if probe is not None:
-            findings.shared = {m for m in self.plan.hooked_modules if id(m) in shared}
-            for name in seen.tap.not_per_example(probe) if seen.tap else ():
-                findings.failed[name] = "rows of its broadcast are not the examples"
-        shared |= {id(m) for m in findings.shared or ()}
-        for p in self.plan.by_rule:
-            if any(id(m) in shared for m, _ in p.owners):
-                self.plan.to_fallback(p, "rows of its module's output are not the examples")
-        for p in self.plan.by_rule + self.plan.raw:
-            if p.name in findings.failed:
-                self.plan.to_fallback(p, findings.failed[p.name])
 
     def _reduce_in_backward(self, seen: Seen, want: Want, findings: Findings) -> Reducer:
         """One backward; each call's rule runs as its output gradient arrives, and only what
@@ -261,56 +240,10 @@ class Engine:
             if seen.tap:
                 seen.tap.reading(None)
         reducer.finish()
-        self._decide_after_backward(seen, reducer, checked, grads, findings, verify)
+        decide.after_backward(self.plan, seen, reducer, checked, grads, findings, verify)
         if verify:
             findings.verified = True
         return reducer
-
-    def _decide_after_backward(
-        self,
-        seen: Seen,
-        reducer: Reducer,
-        checked: Sequence[ParamPlan],
-        grads: Sequence[Tensor | None],
-        findings: Findings,
-        verify: bool,
-    ) -> None:
-        """Move to the fallback what the backward showed the rules cannot see."""
-        session = seen.session
-        views = seen.tap.views() if seen.tap else []
-        for p in self.plan.by_rule:
-            if any(c.others_reach_loss for m, _ in p.owners for c in session.calls.get(id(m), ())):
-                self.plan.to_fallback(
-                    p, "a second output of its module (attention weights) reaches the loss"
-                )
-        for p in self.plan.by_rule:
-            if p.name in findings.failed:
-                self.plan.to_fallback(p, findings.failed[p.name])
-        present = [g.double().norm() for g in grads if g is not None]
-        total = torch.stack(present).norm().item() if verify and present else 0.0
-        for p, g in zip(checked, grads, strict=True):
-            if p.is_fallback:
-                continue
-            reached = any(c.reached for m, _ in p.owners for c in session.calls.get(id(m), ()))
-            reached |= any(v.reached for v in views if v.param is p)
-            if not reached and g is not None:
-                where = (
-                    "where no rule sees it"
-                    if p.rule == BROADCAST
-                    else "without a call of its module"
-                )
-                self.plan.to_fallback(p, f"used {where}")
-                continue
-            ours = reducer.sums.get(p.name, torch.zeros_like(p.param))
-            if verify and not agrees(ours, torch.zeros_like(p.param) if g is None else g, total):
-                findings.failed[p.name] = (
-                    "its rule's gradients do not add up to autograd's (used outside its module?)"
-                )
-                self.plan.to_fallback(p, findings.failed[p.name])
-            elif verify and p.rule == BROADCAST:
-                p.note = ""  # served: no longer "no rule for ..."
-        for p in self.plan.fallback:
-            reducer.forget(p.name)
 
     def _fallback(self, reducer: Reducer, inputs: tuple[Tensor, ...], targets: Tensor) -> None:
         """Exact per-example gradients of the parameters no rule serves."""
