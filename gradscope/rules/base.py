@@ -184,12 +184,18 @@ class Outer(Contribution):
     def inner(self, refs: Tensor) -> Tensor:
         b, g, t, o, i = self.dims
         r = refs.to(self.s.dtype).reshape(-1, g, o, i)  # (K, G, O, I)
-        # sum_t s_t^T R a_t: project the inputs through R, never forming G
+        # sum_t s_t^T R a_t: project the inputs through R, never forming G; a few references at
+        # a time, so that --per-ref's K of up to 1000 holds no (B, K, G, T, O) product at once
+        step = max(1, CHUNK_ELEMENTS // (b * g * t * min(o, i)))
+        return torch.cat([self._inner(r[lo : lo + step]) for lo in range(0, r.shape[0], step)], 1)
+
+    def _inner(self, r: Tensor) -> Tensor:
+        _, _, _, o, i = self.dims
         if o <= i:
             ra = torch.einsum("kgoi,bgti->bkgto", r, self.a)  # (B, K, G, T, O)
-            return (ra * self.s.unsqueeze(1)).sum((2, 3, 4))
+            return torch.einsum("bkgto,bgto->bk", ra, self.s)
         rs = torch.einsum("kgoi,bgto->bkgti", r, self.s)  # (B, K, G, T, I)
-        return (rs * self.a.unsqueeze(1)).sum((2, 3, 4))
+        return torch.einsum("bkgti,bgti->bk", rs, self.a)
 
 
 # (module, tensor inputs, output grad, **the call's other arguments by name) -> {attr: part}

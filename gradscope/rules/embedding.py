@@ -33,8 +33,16 @@ class Rows(Contribution):
         return self.s.new_zeros(b).index_add_(0, keys // self.shape[0], rows.pow(2).sum(1))
 
     def inner(self, refs: Tensor) -> Tensor:
-        picked = refs.to(self.s.dtype)[:, self.ids]  # (K, B, T, D) the reference rows looked up
-        return torch.einsum("kbtd,btd->bk", picked, self.s)  # (B, K)
+        refs = refs.to(self.s.dtype)
+        step = max(1, CHUNK_ELEMENTS // self.s.numel())  # references at a time: (k, B, T, D)
+        return torch.cat(
+            [
+                # the reference rows each position looked up, against its output gradient
+                torch.einsum("kbtd,btd->bk", refs[lo : lo + step, self.ids], self.s)
+                for lo in range(0, refs.shape[0], step)
+            ],
+            1,
+        )  # (B, K)
 
     def materialize(self) -> Tensor:
         b, _, d = self.s.shape

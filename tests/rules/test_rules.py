@@ -442,6 +442,16 @@ def test_chunked_gram_and_materialise(case: Case, monkeypatch) -> None:
     assert_rel_close(*engine_norms(case, torch.float64), rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "case", by_id({"linear-seq-gram", "conv1d-zeros-stride", "embedding-tied-head"}), ids=repr
+)
+def test_inner_products_a_few_references_at_a_time(case: Case, monkeypatch) -> None:
+    """With a chunk bound below one reference's product, references are taken one by one."""
+    monkeypatch.setattr(base, "CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(embedding, "CHUNK_ELEMENTS", 1)
+    test_contributions_match_loop(case)
+
+
 def test_tied_head_cross_terms_in_chunks(monkeypatch) -> None:
     """The embedding/head cross term, its head positions taken a few at a time."""
     monkeypatch.setattr(embedding, "CHUNK_ELEMENTS", 40)
