@@ -23,7 +23,9 @@ from torch.autograd.graph import GradientEdge
 from torch.overrides import TorchFunctionMode
 
 from ..rules import Dense
+from .owners import batch_owner, combine, is_batch, reduce
 from .plan import ParamPlan
+from .trace import RowTrace
 
 # ops whose result broadcasts its tensor arguments elementwise; in-place ones only when the
 # parameter is not the tensor edited
@@ -61,9 +63,9 @@ def _name(func: Callable) -> str:
 class BroadcastTap(TorchFunctionMode):
     """The mode that watches ``params`` during one forward of a batch of ``batch`` examples."""
 
-    def __init__(self, params: Sequence[ParamPlan], batch: int):
+    def __init__(self, params: Sequence[ParamPlan], batch: int, trace: RowTrace):
         super().__init__()
-        self.batch = batch
+        self.batch, self.trace = batch, trace
         self.watched = {id(p.param): p for p in params}
         self.uses: dict[str, Uses] = {p.name: Uses() for p in params}
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -103,6 +105,9 @@ class BroadcastTap(TorchFunctionMode):
         shape = torch.broadcast_shapes(*(a.shape for a in args if isinstance(a, Tensor)))
         if not self._batched(p.param, shape):
             return None
+        if not self._rows_are_examples(args, len(shape)):
+            self.uses[p.name].other = self.uses[p.name].other or f"{name} on rows not the examples"
+            return None
         aligned = p.param.reshape((1,) * (len(shape) - p.param.dim()) + tuple(p.param.shape))
         view = self._view(p, aligned.expand(self.batch, *aligned.shape[1:]))
         return func(*args[:i], view, *args[i + 1 :], **kwargs)
@@ -114,11 +119,19 @@ class BroadcastTap(TorchFunctionMode):
             return False
         return param.dim() < len(shape) or param.shape[0] == 1
 
+    def _rows_are_examples(self, args: tuple, rank: int) -> bool:
+        """Whether row i of the op's result is example i's alone, by the other operands' owners."""
+        owners = [self.trace.owner(a) for a in args if isinstance(a, Tensor)]
+        o = reduce(combine(*owners), range(1, rank)) if owners else None
+        return o is not None and o.dim() == rank and is_batch(o, self.batch)
+
     def _view(self, p: ParamPlan, view: Tensor) -> Tensor:
         aligned = torch.Size((1,) * (view.dim() - p.param.dim()) + tuple(p.param.shape))
         entry = View(p, torch.autograd.graph.get_gradient_edge(view), view.shape, aligned)
         self.uses[p.name].views.append(entry)
         self._hooks.append(view.register_hook(functools.partial(self._read, entry)))
+        # row i is what example i reads: the trace follows where each row goes from here
+        self.trace.owners[view] = batch_owner(self.batch, view.dim(), view.device)
         return view
 
     def _read(self, view: View, grad: Tensor) -> None:
@@ -129,22 +142,6 @@ class BroadcastTap(TorchFunctionMode):
 
     def views(self) -> list[View]:
         return [v for uses in self.uses.values() for v in uses.views]
-
-    def not_per_example(self, probe: Tensor) -> set[str]:
-        """Parameters whose view rows are not the examples: ``probe`` (the last example's loss,
-        graph retained) has a gradient in the rows of other examples (a sequence-first model
-        whose length equals the batch)."""
-        views = self.views()
-        if not views:
-            return set()
-        grads = torch.autograd.grad(
-            probe, [v.edge for v in views], allow_unused=True, retain_graph=True
-        )
-        return {
-            v.param.name
-            for v, g in zip(views, grads, strict=True)
-            if g is not None and ((g[:-1] != 0) & g[:-1].isfinite()).any()
-        }
 
     def reading(self, on_grad: Callable[[View, Tensor], None] | None) -> None:
         """Hand each view's gradient to ``on_grad`` from now on (None: stop, and drop the hooks)."""

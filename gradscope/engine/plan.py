@@ -55,6 +55,9 @@ class ParamPlan:
 @dataclass
 class Plan:
     params: list[ParamPlan]
+    # name -> (note, loop) of every move to the fallback; an Engine shares it with every later
+    # Engine of the same model and selection (engine/first_batch.py), which replays it whole
+    decisions: dict[str, tuple[str, bool]] = field(default_factory=dict)
 
     @property
     def included(self) -> list[ParamPlan]:
@@ -88,6 +91,15 @@ class Plan:
         why in its note."""
         p.rule = FALLBACK_LOOP if loop else FALLBACK
         p.note = f"{p.note}; {reason}" if p.note else reason
+        self.decisions[p.name] = (p.note, loop)
+
+    def replay(self, decisions: dict[str, tuple[str, bool]]) -> None:
+        """Take over what earlier passes on this model decided, and record into it from now on."""
+        for p in self.included:
+            if p.name in decisions:
+                p.note, loop = decisions[p.name]
+                p.rule = FALLBACK_LOOP if loop else FALLBACK
+        self.decisions = decisions
 
     @property
     def modules(self) -> list[str]:

@@ -80,7 +80,12 @@ class Rows(Contribution):
         return super().merge(other)
 
 
-@register_rule(nn.Embedding, name="embedding")
+def _rows(module: nn.Embedding) -> int | None:
+    """Row by row, but for counts of a row within an example (scale_grad_by_freq)."""
+    return None if module.scale_grad_by_freq else 0
+
+
+@register_rule(nn.Embedding, name="embedding", rows=_rows)
 def embedding(
     module: nn.Embedding, inputs: tuple[Tensor, ...], grad_output: Tensor
 ) -> dict[str, Contribution]:
