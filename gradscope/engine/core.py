@@ -177,10 +177,12 @@ class Engine:
                 continue
             if expand and findings.expand is None:
                 same = self._same_losses(inputs, targets, seen.losses)
-                findings.expand = not seen.session.expanded or same
+                expanded = seen.session.expanded or (seen.tap is not None and seen.tap.expanded)
+                findings.expand = not expanded or same
                 if not findings.expand:
                     continue
-            if seen.session.assumed and not is_batch(seen.trace.owner(seen.losses), len(targets)):
+            assumed = seen.session.assumed or (seen.tap is not None and seen.tap.assumed)
+            if assumed and not is_batch(seen.trace.owner(seen.losses), len(targets)):
                 findings.assume = False  # a call's rows were shared after all: run as is
                 continue
             edited = seen.session.edited_in_place() - self.record.copy
@@ -193,7 +195,7 @@ class Engine:
     ) -> Seen:
         raw, batch = self.plan.raw, targets.shape[0]
         trace = RowTrace(batch, (*inputs, targets))
-        tap = ParamTap(raw, batch, trace) if raw else None
+        tap = ParamTap(raw, batch, trace, expand, assume) if raw else None
         # with every parameter on the fallback, this pass only gives the losses: no graph
         with (
             torch.set_grad_enabled(bool(self.plan.by_rule or raw)),

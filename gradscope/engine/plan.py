@@ -165,8 +165,8 @@ def build_plan(
             # a served child's own rule only covers direct calls of it: the parent's rule names it
             shown = (r for (m, _), r in zip(plan.owners, rules, strict=True) if id(m) not in served)
             plan.rule = "+".join(dict.fromkeys(r.name for r in shown))
-        else:  # the first pass tells whether broadcast ops are all that read it
-            plan.rule = FALLBACK if any(rules) else BROADCAST
+        else:  # the passes tell whether the tap serves every read (a rule's module's too)
+            plan.rule = BROADCAST
             missing = (
                 type(m).__name__ for (m, _), r in zip(plan.owners, rules, strict=True) if r is None
             )
