@@ -20,8 +20,10 @@ from rich.progress import (
 )
 from typer.core import TyperGroup
 
-from .config import Config, load_config, with_overrides
+from .config import Config, SummaryConfig, load_config, with_overrides
 from .errors import GradscopeError, Interrupted
+
+WIDE = 100_000  # columns of output that is not a terminal: no table is ever cut to fit
 
 
 class _ErrorBoundary(TyperGroup):
@@ -42,11 +44,31 @@ class _ErrorBoundary(TyperGroup):
 
 app = typer.Typer(
     cls=_ErrorBoundary,
-    add_completion=False,
     no_args_is_help=True,
-    help="Per-example gradient diagnostics for PyTorch models. GRADSCOPE_DEBUG=1 shows tracebacks.",
+    rich_markup_mode=None,  # click's help: flags shown as flags, not as <bool>
 )
 console = Console()
+if not console.is_terminal:  # a log, a pipe, CI: every table whole, never cut to 80 columns
+    console.width = WIDE
+
+
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        console.print(f"gradscope {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """Per-example gradient diagnostics for PyTorch models. GRADSCOPE_DEBUG=1 shows tracebacks."""
+
 
 ConfigArg = Annotated[
     Path, typer.Argument(help="YAML config naming the model, checkpoint and data.")
@@ -58,6 +80,15 @@ DeviceOpt = Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda
 BatchOpt = Annotated[int | None, typer.Option("--batch-size", help="Examples per pass.")]
 LimitOpt = Annotated[int | None, typer.Option("--limit", help="Score only the first N examples.")]
 TopKOpt = Annotated[int | None, typer.Option("--top-k", help="Rows in the outlier table.")]
+ByOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--by",
+        metavar="COLUMN[:low|high]",
+        help="Column to rank by, :low most negative first, :high largest first (default: "
+        "influence with both ends, else self_influence with checkpoints, else grad_norm).",
+    ),
+]
 ResumeOpt = Annotated[
     bool,
     typer.Option(
@@ -90,15 +121,16 @@ def _progress() -> Progress:
         TimeRemainingColumn(),
         console=console,
         transient=True,
-        disable=not world().main,
+        disable=not (world().main and console.is_terminal),  # a log gets no bar, no blank line
     )
 
 
 def _run(
-    command: str, run: Callable[..., Path | None], score: str, cfg: Config, report: bool
+    command: str, run: Callable[..., Path | None], by: str | None, cfg: Config, report: bool
 ) -> None:
     """A scoring run under a progress bar, then its outlier tables and, if asked, its report (on
     rank 0 only)."""
+    _ranking(by)  # a bad --by fails before the run, not after it
     with _progress() as progress:
         task = progress.add_task(command, total=None)
         path = run(
@@ -107,16 +139,22 @@ def _run(
         )
     if path is None:  # on the ranks other than 0 under torchrun
         return
-    _summary(path, score, cfg.summary.top_k)
-    console.print(f"wrote {path}")
+    _summary(path, by, cfg.summary.top_k, cfg.data.classes)
+    _wrote(path)
     if report:
-        _write_report(path, None, cfg, score, cfg.summary.top_k)
+        _write_report(path, None, cfg, by, cfg.summary.top_k)
 
 
-def _summary(path: Path, by: str | None, top_k: int) -> None:
+def _ranking(by: str | None) -> None:
+    from .summary import parse_by
+
+    parse_by(by)
+
+
+def _summary(path: Path, by: str | None, top_k: int, classes: list[str] | None = None) -> None:
     from .summary import summarize
 
-    console.print(summarize(path, by, top_k))
+    console.print(summarize(path, by, top_k, classes))
 
 
 def _write_report(
@@ -124,7 +162,14 @@ def _write_report(
 ) -> None:
     from .report import write_report
 
-    console.print(f"wrote {write_report(scores, out, cfg, by, top_k)}")
+    _wrote(write_report(scores, out, cfg, by, top_k))
+
+
+def _wrote(path: Path) -> None:
+    """``wrote PATH``: relative to the working folder when inside it, else absolute."""
+    path = Path(path).resolve()
+    cwd = Path.cwd().resolve()
+    console.print(f"wrote {path.relative_to(cwd) if path.is_relative_to(cwd) else path}")
 
 
 @app.command()
@@ -138,6 +183,7 @@ def norms(
         bool, typer.Option("--per-layer", help="Add a grad_norm/<module> column per module.")
     ] = False,
     top_k: TopKOpt = None,
+    by: ByOpt = None,
     resume: ResumeOpt = False,
     trust_checkpoint: TrustOpt = False,
     report: ReportOpt = False,
@@ -164,7 +210,7 @@ def norms(
             trust_checkpoint=trust_checkpoint,
             resume=resume,
         ),
-        "grad_norm",
+        by,
         cfg,
         report,
     )
@@ -199,6 +245,7 @@ def influence(
         str,
         typer.Option("--engine", help="auto, hooks (ghost inner products) or jvp (forward mode)."),
     ] = "auto",
+    by: ByOpt = None,
     resume: ResumeOpt = False,
     trust_checkpoint: TrustOpt = False,
     report: ReportOpt = False,
@@ -223,7 +270,7 @@ def influence(
         trust_checkpoint=trust_checkpoint,
     )
     run = partial(score_dataset, cfg, scorer, trust_checkpoint=trust_checkpoint, resume=resume)
-    _run("influence", run, "influence", cfg, report)
+    _run("influence", run, by, cfg, report)
 
 
 @app.command()
@@ -256,21 +303,17 @@ def check(
 
 
 ScoresArg = Annotated[Path, typer.Argument(help="A Parquet file written by gradscope.")]
-ByOpt = Annotated[
-    str | None, typer.Option("--by", help="Column to rank by (default: influence, else grad_norm).")
-]
-RowsOpt = Annotated[int, typer.Option("--top-k", help="Rows in the outlier table.")]
 
 
 @app.command()
-def summary(scores: ScoresArg, by: ByOpt = None, top_k: RowsOpt = 20) -> None:
-    """Print the outlier tables of an existing scores file."""
+def summary(scores: ScoresArg, by: ByOpt = None, top_k: TopKOpt = None) -> None:
+    """Print the outlier tables of an existing scores file (20 rows unless --top-k)."""
     from .errors import DataError
 
     if not scores.is_file():
         raise DataError("scores file not found", str(scores))
     _check_top_k(top_k)
-    _summary(scores, by, top_k)
+    _summary(scores, by, top_k or SummaryConfig.top_k)
 
 
 @app.command()
@@ -284,17 +327,19 @@ def report(
         Path | None, typer.Option("--out", help="HTML file to write (default: SCORES.html).")
     ] = None,
     by: ByOpt = None,
-    top_k: RowsOpt = 20,
+    top_k: TopKOpt = None,
 ) -> None:
-    """Write one self-contained HTML page: charts of the scores, the top-k examples shown."""
+    """Write one self-contained HTML page: charts of the scores, the top-k examples shown
+    (--top-k, else the config's summary.top_k, else 20)."""
     _check_top_k(top_k)
-    _write_report(scores, out, load_config(config) if config else None, by, top_k)
+    cfg = load_config(config) if config else None
+    _write_report(scores, out, cfg, by, top_k or (cfg.summary if cfg else SummaryConfig).top_k)
 
 
-def _check_top_k(top_k: int) -> None:
+def _check_top_k(top_k: int | None) -> None:
     from .errors import ConfigError
 
-    if top_k < 1:
+    if top_k is not None and top_k < 1:
         raise ConfigError(f"--top-k must be at least 1, got {top_k}", "--top-k")
 
 

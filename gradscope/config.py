@@ -13,7 +13,6 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from .errors import ConfigError
-from .losses import NAMES as LOSS_NAMES
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -50,6 +49,7 @@ class DataConfig:
     ids: str | None = None
     pad: dict[str, float] = field(default_factory=dict)  # column -> value for ragged list columns
     show: str | None = None  # a text column the report shows for each example
+    classes: list[str] | None = None  # names of the class ids: tables and report show them
     batch_size: int = 256
     limit: int | None = None
 
@@ -204,6 +204,8 @@ def _resolve(spec: str | None, base: Path) -> str | None:
 
 
 def _validate(cfg: Config) -> None:
+    from .losses import NAMES as LOSS_NAMES  # imports torch: not for --help, --version, summary
+
     source = cfg.source
     if cfg.device.split(":")[0] not in DEVICES:
         raise ConfigError(

@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from torch import Tensor
 
 from ..errors import DataError
 
@@ -34,8 +33,9 @@ def partial_path(path: str | Path) -> Path:
     return path.with_name(f".{path.name}.partial")
 
 
-def arrow_type(values: np.ndarray | Tensor) -> pa.DataType:
-    dtype = values.numpy().dtype if isinstance(values, Tensor) else values.dtype
+def arrow_type(values: Any) -> pa.DataType:
+    """The Arrow type of a numpy array or a tensor (torch is not imported here: ``summary``)."""
+    dtype = values.dtype if isinstance(values, np.ndarray) else values.numpy().dtype
     return pa.string() if dtype.kind in "OUS" else pa.from_numpy_dtype(dtype)
 
 

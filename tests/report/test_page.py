@@ -61,12 +61,24 @@ def test_per_layer_and_influence_files_get_their_views(tmp_path):
              "influence": rng.normal(size=n), "cosine": rng.uniform(-1, 1, n)}  # fmt: skip
     page = render(scores_file(tmp_path / "s.parquet", n, **extra), None, "influence", 5)
     assert captions(page) == [
-        "influence: histogram, top 5 marked",
+        "influence: histogram, top 5 at each end marked",
         "per class",
         "influence and cosine",
         "per module (--per-layer)",
     ]
     assert ">fc1<" in page and ">fc2<" in page  # the module names label the bars
+    # influence unasked: both ends, helpful then harmful, each its own table
+    titles = re.findall(r"<h2>(.*?)</h2>", page)
+    assert titles == ["Top 5 by influence, highest first (helpful)",
+                      "Top 5 by influence, lowest first (harmful)"]  # fmt: skip
+    rows = body_rows(page)
+    header = re.findall(r'<th data-column="([^"]+)"', page)[: len(rows[0])]
+    at = header.index("influence")
+    values = [float(r[at]) for r in rows]
+    assert values[:5] == sorted(extra["influence"], reverse=True)[:5]
+    assert values[5:] == sorted(extra["influence"])[:5]
+    page = render(tmp_path / "s.parquet", None, "influence:low", 5)
+    assert re.findall(r"<h2>(.*?)</h2>", page) == ["Top 5 by influence, lowest first (harmful)"]
 
 
 def test_report_refuses_to_overwrite_its_inputs_and_a_missing_file(tmp_path):
