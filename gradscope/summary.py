@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 from rich.console import Group
@@ -21,6 +20,7 @@ from rich.text import Text
 from .errors import ConfigError, DataError
 from .io.parquet import METADATA_KEY
 
+Columns = dict[str, np.ndarray]  # a few rows of a scores file, column by column
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 MAX_CLASSES = 100  # above this many distinct targets, the targets are not class labels
 SHOWN = (
@@ -59,18 +59,21 @@ def column(file: pq.ParquetFile, name: str) -> np.ndarray:
     return np.concatenate(parts) if parts else np.empty(0)
 
 
-def rows_at(file: pq.ParquetFile, positions: np.ndarray, columns: list[str]) -> pd.DataFrame:
+def rows_at(file: pq.ParquetFile, positions: np.ndarray, columns: list[str]) -> Columns:
     """The rows at ``positions`` (in that order), reading only the row groups that hold them."""
-    found, start = {}, 0
+    parts, read, start = [], [], 0  # the rows found, and where each one goes
     for i in range(file.num_row_groups):
         stop = start + file.metadata.row_group(i).num_rows
-        inside = positions[(positions >= start) & (positions < stop)]
-        if len(inside):
-            group = file.read_row_group(i, columns=columns).to_pandas()
-            for p in inside:
-                found[int(p)] = group.iloc[int(p) - start]
+        inside = (positions >= start) & (positions < stop)
+        if inside.any():
+            group = file.read_row_group(i, columns=columns)
+            parts.append(group.take(pa.array(positions[inside] - start)))
+            read.append(np.flatnonzero(inside))
         start = stop
-    return pd.DataFrame([found[int(p)] for p in positions], columns=columns)
+    if not parts:
+        return {name: np.empty(0) for name in columns}
+    table = pa.concat_tables(parts).take(pa.array(np.argsort(np.concatenate(read))))
+    return {name: table.column(name).to_numpy(zero_copy_only=False) for name in columns}
 
 
 def fmt(value: object) -> str:
@@ -123,21 +126,26 @@ def class_z(values: np.ndarray, ok: np.ndarray, target: np.ndarray) -> np.ndarra
     return z
 
 
-def per_class(found: Outliers) -> pd.DataFrame:
+def per_class(found: Outliers) -> Columns:
     """count, median score (finite rows) and share of each end's top-k, per class."""
     values, ok, target = found.values, found.ok, found.target
     assert target is not None
-    rows = []
-    for label in np.unique(target):  # at most MAX_CLASSES: one mask at a time, no frame of all
+    labels = np.unique(target)
+    table: Columns = {"target": [found.class_name(label) for label in labels], "count": [],
+                      f"median {found.score}": []}  # fmt: skip
+    shares = {f"share of {e.direction} {len(e.top)}": e.top for e in found.ends}
+    if len(found.ends) == 1:
+        shares = {f"share of top {len(found.top)}": found.top}
+    for name in shares:
+        table[name] = []
+    for label in labels:  # at most MAX_CLASSES: one mask at a time, no frame of all rows
         member = target == label
         scored = values[member & ok]
-        median = float(np.median(scored)) if len(scored) else float("nan")
-        shares = [float((target[e.top] == label).sum()) / max(len(e.top), 1) for e in found.ends]
-        rows.append((found.class_name(label), int(member.sum()), median, *shares))
-    names = [f"share of {e.direction} {len(e.top)}" for e in found.ends]
-    if len(found.ends) == 1:
-        names = [f"share of top {len(found.top)}"]
-    return pd.DataFrame(rows, columns=["target", "count", f"median {found.score}", *names])
+        table["count"].append(int(member.sum()))
+        table[f"median {found.score}"].append(float(np.median(scored)) if len(scored) else np.nan)
+        for name, top in shares.items():
+            table[name].append(float((target[top] == label).sum()) / max(len(top), 1))
+    return {name: np.asarray(v) for name, v in table.items()}
 
 
 @dataclass
@@ -147,7 +155,7 @@ class End:
     direction: str  # high | low
     label: str  # how the tables name it
     top: np.ndarray  # (k,) row positions
-    rows: pd.DataFrame  # SHOWN columns, the score, robust_z and class_z
+    rows: Columns  # SHOWN columns, the score, robust_z and class_z
 
 
 @dataclass
@@ -216,7 +224,7 @@ def rank(
     ok = np.isfinite(values) & (column(file, "finite") if "finite" in names else True)
     target = column(file, "target") if "target" in names else None
     spread = Spread.of(values[ok])
-    z_class = class_z(values, ok, target) if is_labels(target) else None
+    z_class = class_z(values, ok, target) if is_labels(target) and score != "class_z" else None
     shown = [c for c in SHOWN if c in names]
     if score not in shown:
         shown.append(score)
@@ -262,10 +270,10 @@ def _outlier_table(found: Outliers, end: End) -> Table:
         caption=caption,
         show_edge=False,  # the prediction columns need the room in an 80-column terminal
     )
-    for name in end.rows.columns:
+    for name in end.rows:
         table.add_column(name, justify="right", overflow="fold")
-    for _, row in end.rows.iterrows():
-        table.add_row(*(cell(found, name, row[name]) for name in end.rows.columns))
+    for row in zip(*end.rows.values(), strict=True):
+        table.add_row(*(cell(found, name, v) for name, v in zip(end.rows, row, strict=True)))
     return table
 
 
@@ -277,9 +285,9 @@ def cell(found: Outliers, name: str, value: object) -> str:
 def _class_table(found: Outliers) -> Table:
     classes = per_class(found)
     table = Table(title=f"per class ({found.score})")
-    for name in classes.columns:
+    for name in classes:
         table.add_column(name, justify="right", overflow="fold")
-    for row in classes.itertuples(index=False):
+    for row in zip(*classes.values(), strict=True):
         table.add_row(row[0], str(row[1]), fmt(row[2]), *(f"{share:.0%}" for share in row[3:]))
     return table
 

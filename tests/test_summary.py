@@ -85,7 +85,7 @@ def test_class_z_is_the_robust_z_within_the_target_class_and_classes_are_named(t
         )
         np.testing.assert_allclose(z[target == label], expected)
     found = rank(tmp_path / "s.parquet", "grad_norm", 3, classes=["cat", "dog"])
-    assert 70 not in found.top and found.ends[0].rows.columns[-1] == "class_z"
+    assert 70 not in found.top and list(found.ends[0].rows)[-1] == "class_z"
     by_class = np.argsort(-z)[:1]
     assert by_class.tolist() == [70]
     out = text(summarize(tmp_path / "s.parquet", k=3, classes=["cat", "dog"]))

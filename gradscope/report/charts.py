@@ -62,12 +62,12 @@ def classes(found: Outliers) -> str:
         ]
         box.boxplot(groups, tick_labels=labels, flierprops={"markersize": 3, "alpha": 0.5})
         box.set_ylabel(found.score)
-        shares = [c for c in table.columns if c.startswith("share of ")]
+        shares = [c for c in table if c.startswith("share of ")]
         width = 0.8 / len(shares)
         x = np.arange(len(labels))
         for i, (name, color) in enumerate(zip(shares, (TOP, REST), strict=False)):
             offset = (i - (len(shares) - 1) / 2) * width
-            share.bar(x + offset, 100 * table[name].to_numpy(), width, color=color, label=name)
+            share.bar(x + offset, 100 * table[name], width, color=color, label=name)
         share.set_xticks(x, labels)
         share.set_ylabel("% of the top rows")
         share.set_xlabel("target")

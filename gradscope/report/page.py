@@ -53,13 +53,13 @@ def _sections(found: Outliers, cfg: Config | None) -> list[Section]:
     shown = show_examples(cfg, ids) if cfg else {}
     sections = []
     for end in found.ends:
-        header = list(end.rows.columns)
+        header = list(end.rows)
         rows = [
             Row(
                 [_cell(found, name, v) for name, v in zip(header, record, strict=True)],
                 shown.get(int(record[0]), []),
             )
-            for record in end.rows.itertuples(index=False)
+            for record in zip(*end.rows.values(), strict=True)
         ]
         title = f"Top {len(rows)} by {found.score}, {end.label}"
         sections.append(Section(title, header, rows))
