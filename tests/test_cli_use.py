@@ -8,11 +8,14 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
-from project import make_project
+from project import edit_config, make_project
 from typer.testing import CliRunner
 
 from gradscope.cli import app
+from gradscope.io.parquet import read_metadata
 from gradscope.summary import fmt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,3 +124,47 @@ def test_classes_are_named_and_report_takes_the_configs_top_k(tmp_path):
     page = (tmp_path / "scores.html").read_text()
     assert result.exit_code == 0 and page.count('<tr class="row">') == 4
     assert any(f">{name}<" in page for name in ("cat", "dog", "emu"))
+
+
+TOKENS_PY = """
+from torch import nn
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(11, 4), nn.Linear(4, 11)
+
+    def forward(self, input_ids, attention_mask):
+        return self.out(self.emb(input_ids) * attention_mask[..., None])
+"""
+
+
+def test_every_ragged_column_in_one_error_and_the_pad_defaults(tmp_path):
+    (tmp_path / "tiny.py").write_text(TOKENS_PY)
+    rows = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
+    ids = pa.array(rows, pa.list_(pa.int64()))
+    mask = pa.array([[1] * len(r) for r in rows], pa.list_(pa.int64()))
+    columns = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    pq.write_table(pa.table(columns), tmp_path / "tokens.parquet")
+    config = make_project(
+        tmp_path,
+        model={"factory": "tiny.py:Tiny"},
+        data={"path": "tokens.parquet", "targets": "labels",
+              "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask"}},
+        loss={"name": "cross_entropy"},
+    )  # fmt: skip
+    result = runner.invoke(app, ["norms", str(config)])
+    assert result.exit_code == 2
+    assert result.stderr.startswith(
+        "error: columns 'input_ids' and 'labels' hold lists of different lengths; set "
+        "data.pad.input_ids and data.pad.labels to pad them per batch"
+    )  # attention_mask pads with 0 unless told otherwise
+    edit_config(tmp_path, lambda raw: raw["loss"].update(name="causal_lm"))
+    result = runner.invoke(app, ["norms", str(config)])
+    assert "error: column 'input_ids' holds lists" in result.stderr  # labels: -100
+    edit_config(tmp_path, lambda raw: raw["data"].update(pad={"input_ids": 0}))
+    result = runner.invoke(app, ["norms", str(config)])
+    assert result.exit_code == 0, result.output
+    pad = read_metadata(tmp_path / "scores.parquet")["config"]["data"]["pad"]
+    assert pad == {"input_ids": 0, "attention_mask": 0, "labels": -100}
