@@ -14,10 +14,13 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    ProgressColumn,
+    Task,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.text import Text
 from typer.core import TyperGroup
 
 from .config import Config, SummaryConfig, load_config, with_overrides
@@ -108,20 +111,29 @@ TrustOpt = Annotated[
 ]
 
 
+class _Rate(ProgressColumn):
+    """Rows scored per second."""
+
+    def render(self, task: Task) -> Text:
+        return Text(f"{task.speed:,.0f} rows/s" if task.speed else "", style="progress.data.speed")
+
+
 def _progress() -> Progress:
     """A bar with a total when the row count is known ahead, a running count otherwise; under
-    torchrun only rank 0 draws one."""
+    torchrun only rank 0 draws one, and output that is not a terminal gets none."""
     from .distributed import world
 
     return Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
+        _Rate(),
         TimeElapsedColumn(),
+        TextColumn("ETA"),
         TimeRemainingColumn(),
         console=console,
         transient=True,
-        disable=not (world().main and console.is_terminal),  # a log gets no bar, no blank line
+        disable=not (world().main and console.is_terminal),
     )
 
 
@@ -132,9 +144,9 @@ def _run(
     rank 0 only)."""
     _ranking(by)  # a bad --by fails before the run, not after it
     with _progress() as progress:
-        task = progress.add_task(command, total=None)
+        task = progress.add_task(command, total=None, visible=False)  # shown once rows are known
         path = run(
-            on_start=lambda n: progress.update(task, total=n),
+            on_start=lambda n: progress.update(task, total=n, visible=True),
             on_batch=lambda n: progress.advance(task, n),
         )
     if path is None:  # on the ranks other than 0 under torchrun

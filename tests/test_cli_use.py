@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -11,9 +12,11 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from project import edit_config, make_project
+from project import edit_config, make_project, slow_project
+from rich.console import Console
 from typer.testing import CliRunner
 
+from gradscope import cli
 from gradscope.cli import app
 from gradscope.io.parquet import read_metadata
 from gradscope.summary import fmt
@@ -168,3 +171,15 @@ def test_every_ragged_column_in_one_error_and_the_pad_defaults(tmp_path):
     assert result.exit_code == 0, result.output
     pad = read_metadata(tmp_path / "scores.parquet")["config"]["data"]["pad"]
     assert pad == {"input_ids": 0, "attention_mask": 0, "labels": -100}
+
+
+def test_progress_bar_knows_its_total_and_rate(tmp_path, monkeypatch):
+    terminal = Console(file=io.StringIO(), force_terminal=True, width=120)
+    monkeypatch.setattr(cli, "console", terminal)
+    config = slow_project(tmp_path, n=12)
+    monkeypatch.setenv("SLOW", "0.1")
+    result = runner.invoke(app, ["norms", str(config), "--batch-size", "4"])
+    assert result.exit_code == 0, result.output
+    drawn = terminal.file.getvalue()
+    assert "12/12" in drawn and "rows/s" in drawn and "ETA" in drawn
+    assert "/?" not in drawn  # hidden until the row count is known
