@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -27,6 +28,9 @@ from .config import Config, SummaryConfig, load_config, with_overrides
 from .errors import GradscopeError, Interrupted
 
 WIDE = 100_000  # columns of output that is not a terminal: no table is ever cut to fit
+# transformers, when a config names it: no "Loading weights" bar, no advice on every run
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 class _ErrorBoundary(TyperGroup):
@@ -35,7 +39,12 @@ class _ErrorBoundary(TyperGroup):
     def invoke(self, ctx: typer.Context):
         try:
             try:
-                return super().invoke(ctx)
+                with warnings.catch_warnings():
+                    if not os.environ.get("GRADSCOPE_DEBUG"):
+                        warnings.simplefilter(
+                            "ignore"
+                        )  # torch's and libraries': we warn of nothing
+                    return super().invoke(ctx)
             except KeyboardInterrupt:  # before any example was saved (loading the model, REF)
                 raise Interrupted(Interrupted.BEFORE_START) from None
         except GradscopeError as e:

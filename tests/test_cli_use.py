@@ -11,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import torch
 from project import edit_config, make_project, slow_project
 from rich.console import Console
@@ -183,3 +184,30 @@ def test_progress_bar_knows_its_total_and_rate(tmp_path, monkeypatch):
     drawn = terminal.file.getvalue()
     assert "12/12" in drawn and "rows/s" in drawn and "ETA" in drawn
     assert "/?" not in drawn  # hidden until the row count is known
+
+
+WARNS_PY = """
+import warnings
+
+from model import Net
+
+
+class Warns(Net):
+    def forward(self, x):
+        warnings.warn("a library's advice", UserWarning)
+        raise RuntimeError("broken forward")
+"""
+
+
+@pytest.mark.slow
+def test_quiet_only_our_lines_on_stderr(tmp_path):
+    (tmp_path / "warns.py").write_text(WARNS_PY)
+    config = make_project(tmp_path, model__factory="warns.py:Warns")
+    done = gradscope("norms", config, cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: ")  # no UserWarning
+    assert "broken forward" in done.stderr
+    pytest.importorskip("transformers")
+    done = gradscope("check", ROOT / "configs/lm.yaml", "--examples", "2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "" and "Loading weights" not in done.stdout  # transformers is quiet
