@@ -16,8 +16,9 @@ from typer.testing import CliRunner
 
 from gradscope.cli import app
 from gradscope.errors import ConfigError, DataError
-from gradscope.report import write_report
+from gradscope.report import charts, write_report
 from gradscope.report.page import render
+from gradscope.summary import rank
 
 ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
@@ -135,3 +136,10 @@ def test_digits_report_in_a_real_browser(tmp_path):
     losses = [float(r[header.index("loss")]) for r in body_rows(dom)]
     assert losses == sorted(losses, reverse=True)  # the page's script sorted by #sort=-loss
     assert 'aria-sort="descending"' in dom
+
+
+def test_box_plots_draw_the_outliers_and_classes_by_name(tmp_path):
+    found = rank(scores_file(tmp_path / "s.parquet"), None, 3, ["a", "b", "c", "d"])
+    svg = charts.classes(found)
+    assert svg.count("<use ") >= 2  # the fliers 9.0 and 7.0 (rows 5 and 17, class 1)
+    assert all(f">{name}<" in svg for name in "abcd")  # ticks as text (svg.fonttype none)
