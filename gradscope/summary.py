@@ -258,7 +258,8 @@ def sparkline(found: Outliers) -> Text:
         # log heights: the tail's few examples stay visible beside the bulk
         level = min(len(BARS) - 1, int(len(BARS) * np.log1p(count) / np.log1p(counts.max())))
         line.append(BARS[level] if count else " ", style="red" if i in marked else "cyan")
-    return line.append(f" {fmt(edges[-1])}  red: top {len(found.top)}")
+    each = " at each end" if len(found.ends) > 1 else ""
+    return line.append(f" {fmt(edges[-1])}  red: top {len(found.ends[0].top)}{each}")
 
 
 def _outlier_table(found: Outliers, end: End) -> Table:
