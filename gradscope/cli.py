@@ -11,23 +11,12 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    ProgressColumn,
-    Task,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
-from rich.text import Text
 from typer.core import TyperGroup
 
+from . import terminal
 from .config import Config, SummaryConfig, load_config, with_overrides
 from .errors import GradscopeError, Interrupted
 
-WIDE = 100_000  # columns of output that is not a terminal: no table is ever cut to fit
 # transformers, when a config names it: no "Loading weights" bar, no advice on every run
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -40,10 +29,8 @@ class _ErrorBoundary(TyperGroup):
         try:
             try:
                 with warnings.catch_warnings():
-                    if not os.environ.get("GRADSCOPE_DEBUG"):
-                        warnings.simplefilter(
-                            "ignore"
-                        )  # torch's and libraries': we warn of nothing
+                    if not os.environ.get("GRADSCOPE_DEBUG"):  # torch's, libraries': none ours
+                        warnings.simplefilter("ignore")
                     return super().invoke(ctx)
             except KeyboardInterrupt:  # before any example was saved (loading the model, REF)
                 raise Interrupted(Interrupted.BEFORE_START) from None
@@ -59,16 +46,13 @@ app = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode=None,  # click's help: flags shown as flags, not as <bool>
 )
-console = Console()
-if not console.is_terminal:  # a log, a pipe, CI: every table whole, never cut to 80 columns
-    console.width = WIDE
 
 
 def _version(value: bool) -> None:
     if value:
         from . import __version__
 
-        console.print(f"gradscope {__version__}")
+        terminal.console.print(f"gradscope {__version__}")
         raise typer.Exit()
 
 
@@ -120,48 +104,18 @@ TrustOpt = Annotated[
 ]
 
 
-class _Rate(ProgressColumn):
-    """Rows scored per second."""
-
-    def render(self, task: Task) -> Text:
-        return Text(f"{task.speed:,.0f} rows/s" if task.speed else "", style="progress.data.speed")
-
-
-def _progress() -> Progress:
-    """A bar with a total when the row count is known ahead, a running count otherwise; under
-    torchrun only rank 0 draws one, and output that is not a terminal gets none."""
-    from .distributed import world
-
-    return Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        _Rate(),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-        console=console,
-        transient=True,
-        disable=not (world().main and console.is_terminal),
-    )
-
-
 def _run(
     command: str, run: Callable[..., Path | None], by: str | None, cfg: Config, report: bool
 ) -> None:
     """A scoring run under a progress bar, then its outlier tables and, if asked, its report (on
     rank 0 only)."""
     _ranking(by)  # a bad --by fails before the run, not after it
-    with _progress() as progress:
-        task = progress.add_task(command, total=None, visible=False)  # shown once rows are known
-        path = run(
-            on_start=lambda n: progress.update(task, total=n, visible=True),
-            on_batch=lambda n: progress.advance(task, n),
-        )
+    with terminal.progress(command) as (on_start, on_batch):
+        path = run(on_start=on_start, on_batch=on_batch)
     if path is None:  # on the ranks other than 0 under torchrun
         return
     _summary(path, by, cfg.summary.top_k, cfg.data.classes)
-    _wrote(path)
+    terminal.wrote(path)
     if report:
         _write_report(path, None, cfg, by, cfg.summary.top_k)
 
@@ -175,7 +129,7 @@ def _ranking(by: str | None) -> None:
 def _summary(path: Path, by: str | None, top_k: int, classes: list[str] | None = None) -> None:
     from .summary import summarize
 
-    console.print(summarize(path, by, top_k, classes))
+    terminal.console.print(summarize(path, by, top_k, classes))
 
 
 def _write_report(
@@ -183,14 +137,7 @@ def _write_report(
 ) -> None:
     from .report import write_report
 
-    _wrote(write_report(scores, out, cfg, by, top_k))
-
-
-def _wrote(path: Path) -> None:
-    """``wrote PATH``: relative to the working folder when inside it, else absolute."""
-    path = Path(path).resolve()
-    cwd = Path.cwd().resolve()
-    console.print(f"wrote {path.relative_to(cwd) if path.is_relative_to(cwd) else path}")
+    terminal.wrote(write_report(scores, out, cfg, by, top_k))
 
 
 @app.command()
@@ -317,8 +264,8 @@ def check(
     report = check_config(
         cfg, examples, ref=str(ref) if ref else None, trust_checkpoint=trust_checkpoint
     )
-    console.print(render_plan(report.plan))
-    console.print(render_report(report))
+    terminal.console.print(render_plan(report.plan))
+    terminal.console.print(render_report(report))
     if not report.ok:
         raise typer.Exit(1)
 

@@ -17,7 +17,7 @@ from project import edit_config, make_project, slow_project
 from rich.console import Console
 from typer.testing import CliRunner
 
-from gradscope import cli
+from gradscope import terminal as terminal_module
 from gradscope.cli import app
 from gradscope.io.parquet import read_metadata
 from gradscope.summary import fmt
@@ -176,7 +176,7 @@ def test_every_ragged_column_in_one_error_and_the_pad_defaults(tmp_path):
 
 def test_progress_bar_knows_its_total_and_rate(tmp_path, monkeypatch):
     terminal = Console(file=io.StringIO(), force_terminal=True, width=120)
-    monkeypatch.setattr(cli, "console", terminal)
+    monkeypatch.setattr(terminal_module, "console", terminal)
     config = slow_project(tmp_path, n=12)
     monkeypatch.setenv("SLOW", "0.1")
     result = runner.invoke(app, ["norms", str(config), "--batch-size", "4"])
