@@ -211,3 +211,21 @@ def test_quiet_only_our_lines_on_stderr(tmp_path):
     done = gradscope("check", ROOT / "configs/lm.yaml", "--examples", "2", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stderr == "" and "Loading weights" not in done.stdout  # transformers is quiet
+
+
+def test_help_version_and_summary_import_neither_torch_nor_pandas(tmp_path):
+    """What makes them start in under a second (timed by benchmarks/startup.py, not here)."""
+    pq.write_table(
+        pa.table({"example_id": [0, 1], "grad_norm": [1.0, 2.0]}), tmp_path / "s.parquet"
+    )
+    code = (
+        "import sys\nfrom gradscope.cli import app\n"
+        "for args in (['--help'], ['--version'], ['summary', 's.parquet']):\n"
+        "    try:\n        app(args)\n    except SystemExit as e:\n        assert e.code == 0, args\n"
+        "print(sorted({'torch', 'pandas', 'transformers'} & set(sys.modules)))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]"

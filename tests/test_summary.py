@@ -13,6 +13,7 @@ from gradscope.summary import (
     BARS,
     SPARK_BINS,
     Spread,
+    _numpy,
     class_z,
     parse_by,
     rank,
@@ -158,3 +159,11 @@ def test_outlier_table_shows_the_prediction_columns(tmp_path):
         "1.124",
         "1.124",
     ]  # z = 2.5 / (1.4826 * 1.5); one class: class_z is robust_z
+
+
+def test_columns_read_without_pandas_bools_at_any_offset():
+    values = [True, False, True, True, False, False, True, False, True, True]
+    for start in range(4):
+        chunked = pa.chunked_array([pa.array(values).slice(start), pa.array([False, True])])
+        assert _numpy(chunked).tolist() == values[start:] + [False, True]
+    assert _numpy(pa.chunked_array([pa.array([1.5, None])])).tolist()[0] == 1.5  # nulls: to_numpy
