@@ -96,6 +96,7 @@ def test_norms_at_several_checkpoints(tmp_path):
     config = make_project(tmp_path, model__checkpoint=None, model__checkpoints=ckpts)
     result = runner.invoke(app, ["norms", str(config), "--top-k", "3"])
     assert result.exit_code == 0, result.output
+    assert "top 3 outliers by self_influence, highest first" in result.output  # not grad_norm
     frame = pd.read_parquet(tmp_path / "scores.parquet")
     assert [c for c in frame.columns if "@" in c or c == "self_influence"] == [
         "loss@0", "grad_norm@0", "loss@1", "grad_norm@1", "self_influence",
