@@ -109,7 +109,9 @@ def _run(
 ) -> None:
     """A scoring run under a progress bar, then its outlier tables and, if asked, its report (on
     rank 0 only)."""
-    _ranking(by)  # a bad --by fails before the run, not after it
+    from .summary import parse_by
+
+    parse_by(by)  # a bad --by fails before the run, not after it
     with terminal.progress(command) as (on_start, on_batch):
         path = run(on_start=on_start, on_batch=on_batch)
     if path is None:  # on the ranks other than 0 under torchrun
@@ -118,12 +120,6 @@ def _run(
     terminal.wrote(path)
     if report:
         _write_report(path, None, cfg, by, cfg.summary.top_k)
-
-
-def _ranking(by: str | None) -> None:
-    from .summary import parse_by
-
-    parse_by(by)
 
 
 def _summary(path: Path, by: str | None, top_k: int, classes: list[str] | None = None) -> None:
