@@ -67,7 +67,8 @@ def _main(
 
 
 ConfigArg = Annotated[
-    Path, typer.Argument(help="YAML config naming the model, checkpoint and data.")
+    Path,
+    typer.Argument(metavar="CONFIG", help="YAML config naming the model, checkpoint and data."),
 ]
 OutOpt = Annotated[
     Path | None, typer.Option("--out", help="Parquet file to write (default: output.path).")
@@ -266,7 +267,9 @@ def check(
         raise typer.Exit(1)
 
 
-ScoresArg = Annotated[Path, typer.Argument(help="A Parquet file written by gradscope.")]
+ScoresArg = Annotated[
+    Path, typer.Argument(metavar="SCORES", help="A Parquet file written by gradscope.")
+]
 
 
 @app.command()
