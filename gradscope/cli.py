@@ -262,9 +262,22 @@ def check(
         cfg, examples, ref=str(ref) if ref else None, trust_checkpoint=trust_checkpoint
     )
     terminal.console.print(render_plan(report.plan))
+    if cfg.data.pad:
+        terminal.console.print(_padding(cfg))
     terminal.console.print(render_report(report))
     if not report.ok:
         raise typer.Exit(1)
+
+
+def _padding(cfg: Config) -> str:
+    """``data.pad`` as the run uses it; a value that is the default for its column is marked."""
+    from .config import default_pad
+
+    defaults = default_pad(cfg)
+    return "padding: " + ", ".join(
+        f"{name} {value:g}" + (" (default)" if defaults.get(name) == value else "")
+        for name, value in cfg.data.pad.items()
+    )
 
 
 ScoresArg = Annotated[

@@ -318,22 +318,23 @@ def load_config(path: str | Path) -> Config:
         report=dataclasses.replace(cfg.report, tokenizer=_resolve(cfg.report.tokenizer, base)),
     )
     _validate(cfg)
-    return _default_pad(cfg)
+    pad = dict(cfg.data.pad)
+    for column, value in default_pad(cfg).items():
+        pad.setdefault(column, value)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pad=pad))
 
 
-def _default_pad(cfg: Config) -> Config:
+def default_pad(cfg: Config) -> dict[str, int]:
     """Pad values no config needs to spell out: ``attention_mask`` pads with 0 and, under
     causal_lm, the targets with -100 (the positions the loss skips); ``data.pad`` overrides them.
-    The resolved config in the output's metadata holds them."""
+    The resolved config in the output's metadata holds the values used; ``check`` prints them."""
     data = cfg.data
     named = data.inputs if isinstance(data.inputs, dict) else {c: c for c in data.inputs}
-    pad = dict(data.pad)
-    for argument, column in named.items():
-        if "attention_mask" in (argument, column):
-            pad.setdefault(column, 0)
+    pad = {column: 0 for argument, column in named.items()
+           if "attention_mask" in (argument, column)}  # fmt: skip
     if cfg.loss.name == "causal_lm" and data.targets not in named.values():
-        pad.setdefault(data.targets, -100)
-    return dataclasses.replace(cfg, data=dataclasses.replace(data, pad=pad))
+        pad[data.targets] = -100
+    return pad
 
 
 def with_overrides(cfg: Config, **overrides: Any) -> Config:

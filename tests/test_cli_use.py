@@ -172,6 +172,10 @@ def test_every_ragged_column_in_one_error_and_the_pad_defaults(tmp_path):
     assert result.exit_code == 0, result.output
     pad = read_metadata(tmp_path / "scores.parquet")["config"]["data"]["pad"]
     assert pad == {"input_ids": 0, "attention_mask": 0, "labels": -100}
+    result = runner.invoke(app, ["check", str(config), "--examples", "3"])
+    assert (
+        "padding: input_ids 0, attention_mask 0 (default), labels -100 (default)" in result.output
+    )
 
 
 def test_progress_bar_knows_its_total_and_rate(tmp_path, monkeypatch):
