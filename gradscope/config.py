@@ -13,7 +13,6 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from .errors import ConfigError
-from .losses import NAMES as LOSS_NAMES
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -50,6 +49,7 @@ class DataConfig:
     ids: str | None = None
     pad: dict[str, float] = field(default_factory=dict)  # column -> value for ragged list columns
     show: str | None = None  # a text column the report shows for each example
+    classes: list[str] | None = None  # names of the class ids: tables and report show them
     batch_size: int = 256
     limit: int | None = None
 
@@ -204,6 +204,8 @@ def _resolve(spec: str | None, base: Path) -> str | None:
 
 
 def _validate(cfg: Config) -> None:
+    from .losses import NAMES as LOSS_NAMES  # imports torch: not for --help, --version, summary
+
     source = cfg.source
     if cfg.device.split(":")[0] not in DEVICES:
         raise ConfigError(
@@ -316,7 +318,23 @@ def load_config(path: str | Path) -> Config:
         report=dataclasses.replace(cfg.report, tokenizer=_resolve(cfg.report.tokenizer, base)),
     )
     _validate(cfg)
-    return cfg
+    pad = dict(cfg.data.pad)
+    for column, value in default_pad(cfg).items():
+        pad.setdefault(column, value)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pad=pad))
+
+
+def default_pad(cfg: Config) -> dict[str, int]:
+    """Pad values no config needs to spell out: ``attention_mask`` pads with 0 and, under
+    causal_lm, the targets with -100 (the positions the loss skips); ``data.pad`` overrides them.
+    The resolved config in the output's metadata holds the values used; ``check`` prints them."""
+    data = cfg.data
+    named = data.inputs if isinstance(data.inputs, dict) else {c: c for c in data.inputs}
+    pad = {column: 0 for argument, column in named.items()
+           if "attention_mask" in (argument, column)}  # fmt: skip
+    if cfg.loss.name == "causal_lm" and data.targets not in named.values():
+        pad[data.targets] = -100
+    return pad
 
 
 def with_overrides(cfg: Config, **overrides: Any) -> Config:

@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from . import distributed
 from .config import Config
 from .distributed import World
@@ -20,6 +22,7 @@ from .io.model import file_sha256
 from .io.parquet import PartialRun
 from .job import Job
 from .scorers import Inputs, NormsScorer, Scorer
+from .summary import class_z, default_score, is_labels
 
 
 def run_inputs(cfg: Config, more: Inputs = ()) -> Inputs:
@@ -207,7 +210,19 @@ def score_dataset(
         distributed.barrier()  # every rank's parts are written
         if not world.main:
             return None
-        return run.assemble(count, job.metadata(scorer.command) | scorer.metadata())
+        metadata = job.metadata(scorer.command) | scorer.metadata()
+        return run.assemble(count, metadata, lambda: _class_z(run, count))
+
+
+def _class_z(run: PartialRun, parts: int) -> dict[str, np.ndarray]:
+    """``class_z``, the robust z of the score the file ranks by within each target class, when
+    the targets are class labels."""
+    target = run.column("target", parts)
+    if not is_labels(target):
+        return {}
+    score = default_score(run.names())
+    values = run.column(score, parts).astype(np.float64)
+    return {"class_z": class_z(values, np.isfinite(values) & run.column("finite", parts), target)}
 
 
 def _score(
