@@ -64,7 +64,7 @@ class LossConfig:
 
 @dataclass(frozen=True)
 class ParamsConfig:
-    include: list[str] = field(default_factory=lambda: ["*"])
+    include: list[str] | None = None  # None: the parameters that require grad (all if none do)
     exclude: list[str] = field(default_factory=list)
 
 

@@ -74,7 +74,8 @@ def prepared(model: nn.Module, plan: Plan) -> Iterator[None]:
 class Engine:
     """Per-example gradient quantities of ``model`` under ``loss_fn``: the one entry point.
 
-    Builds the plan for the parameters ``include``/``exclude`` select; ``forward`` says how the
+    Builds the plan for the parameters ``include``/``exclude`` select (``include`` None: those
+    that require grad, all if none does); ``forward`` says how the
     model is called and which output the loss reads; ``observe`` reads more per-example columns
     from the same output. Use it as a context manager around scoring: ``with engine:`` puts the
     model in eval mode with the selected parameters requiring grad, and restores both on exit.
@@ -84,7 +85,7 @@ class Engine:
         self,
         model: nn.Module,
         loss_fn: LossFn,
-        include: Sequence[str] = ("*",),
+        include: Sequence[str] | None = None,
         exclude: Sequence[str] = (),
         forward: Forward | None = None,
         observe: Observe | None = None,
