@@ -38,6 +38,7 @@ class ModelConfig:
     output: str | int | None = None
     config: dict | None = None  # Hugging Face class: its config class built from this mapping
     pretrained: str | None = None  # Hugging Face class: a local save_pretrained folder
+    adapter: str | None = None  # a local peft adapter folder loaded onto the model (LoRA etc.)
 
 
 @dataclass(frozen=True)
@@ -298,6 +299,7 @@ def load_config(path: str | Path) -> Config:
             cfg.model,
             factory=_resolve(cfg.model.factory, base),
             pretrained=_resolve(cfg.model.pretrained, base),
+            adapter=_resolve(cfg.model.adapter, base),
             checkpoint=_resolve(cfg.model.checkpoint, base),
             checkpoints=[
                 dataclasses.replace(c, path=_resolve(c.path, base)) for c in cfg.model.checkpoints

@@ -106,6 +106,7 @@ class Job:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "checkpoint_sha256": file_sha256(ckpt) if ckpt else None,
+            "adapter_sha256": file_sha256(model.adapter) if model.adapter else None,
             "params": self.plan.describe_selection(),
             "plan": self.plan.describe(),
         }

@@ -32,6 +32,8 @@ def run_inputs(cfg: Config, more: Inputs = ()) -> Inputs:
         named.append(("model.pretrained", cfg.model.pretrained))
     if cfg.model.checkpoint:
         named.append(("model.checkpoint", cfg.model.checkpoint))
+    if cfg.model.adapter:  # a folder, like model.pretrained
+        named.append(("model.adapter", cfg.model.adapter))
     named += [("model.checkpoints", c.path) for c in cfg.model.checkpoints]
     named += [("data.path", f) for f in data_files(cfg.data.path)]
     return named + list(more)

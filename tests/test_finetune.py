@@ -61,7 +61,9 @@ def test_include_picks_frozen_parameters_too():
     assert plan.selection == "include" and [p.name for p in plan.included] == ["0.weight", "0.bias"]
     got = gradscope.per_example_norms(model, x, y, include=["*"], exclude=["2.bias"])
     model.requires_grad_(True)
-    _, expected = reference_norms(model, (x,), y, "cross_entropy", include=["*"], exclude=["2.bias"])
+    _, expected = reference_norms(
+        model, (x,), y, "cross_entropy", include=["*"], exclude=["2.bias"]
+    )
     assert_rel_close(got, expected, 1e-9)
 
 
@@ -77,3 +79,153 @@ def test_exclude_that_leaves_no_trainable_parameter_is_named():
     model, _, _ = frozen_mlp()
     with pytest.raises(ConfigError, match="leaves none of the parameters that require grad"):
         Engine(model, resolve_loss("cross_entropy"), exclude=["2.*"])
+
+
+# -- model.adapter: a peft adapter folder on a save_pretrained base ---------------------------
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+GPT2 = {"vocab_size": 40, "n_positions": 16, "n_embd": 8, "n_layer": 2, "n_head": 2}
+BERT = {
+    "vocab_size": 30,
+    "hidden_size": 8,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "intermediate_size": 16,
+    "max_position_embeddings": 16,
+    "num_labels": 3,
+}
+
+
+class Logits(nn.Module):
+    """The oracle's view of a model: tensors passed by keyword, the logits returned."""
+
+    def __init__(self, model: nn.Module, names: list[str]):
+        super().__init__()
+        self.model, self.names = model, names
+
+    def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
+        return self.model(**dict(zip(self.names, tensors, strict=True))).logits
+
+
+def lora_folders(tmp_path, kind: str) -> nn.Module:
+    """A tiny base saved to ``base/`` and a LoRA adapter (B drawn at random, as after training)
+    saved to ``lora/``; returns the peft model as trained."""
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        base = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2))
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"])
+        lora.fan_in_fan_out = True  # GPT-2's Conv1D holds its weight transposed
+    else:
+        base = transformers.BertForSequenceClassification(transformers.BertConfig(**BERT))
+        # a classification head is trained whole beside the adapters (modules_to_save)
+        lora = peft.LoraConfig(r=4, target_modules=["query", "value"], task_type="SEQ_CLS")
+    base.save_pretrained(tmp_path / "base")
+    model = peft.get_peft_model(base, lora)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    model.save_pretrained(tmp_path / "lora")
+    return model.eval()
+
+
+def run_cli(tmp_path, model: dict, data: dict, loss: str, *command: str, dtype="float64"):
+    config = tmp_path / "config.yaml"
+    raw = {
+        "model": model,
+        "data": {"batch_size": 3, **data},
+        "loss": {"name": loss},
+        "device": "cpu",
+        "dtype": dtype,
+        "output": {"path": "scores.parquet"},
+    }
+    config.write_text(yaml.safe_dump(raw, sort_keys=False))
+    result = runner.invoke(app, [*(command or ["norms"])[:1], str(config), *command[1:]])
+    assert result.exit_code == 0, result.output
+    return pd.read_parquet(tmp_path / "scores.parquet")
+
+
+def test_lora_gpt2_from_an_adapter_folder_scores_its_adapters(tmp_path):
+    trained = lora_folders(tmp_path, "gpt2")
+    ids = torch.randint(0, GPT2["vocab_size"], (7, 6))
+    torch.save({"ids": ids}, tmp_path / "data.pt")
+    model = {"factory": "transformers:GPT2LMHeadModel", "pretrained": "base", "adapter": "lora"}
+    frame = run_cli(
+        tmp_path, model, {"path": "data.pt", "inputs": "ids", "targets": "ids"}, "causal_lm"
+    )
+    loss, norm = reference_norms(
+        Logits(trained, ["input_ids"]), (ids,), ids, "causal_lm", ["*lora_*"]
+    )
+    assert_rel_close(torch.tensor(frame["loss"].to_numpy()), loss, 1e-9)
+    assert_rel_close(torch.tensor(frame["grad_norm"].to_numpy()), norm, 1e-9)
+    meta = read_metadata(tmp_path / "scores.parquet")
+    assert meta["params"]["selection"] == "trainable"
+    included = [p for p in meta["plan"] if p["rule"] != "excluded"]
+    assert len(included) == 12 and all("lora_" in p["name"] for p in included)
+    assert {p["rule"] for p in included} == {"linear"}  # A and B are Linear calls: no fallback
+    assert meta["adapter_sha256"]
+    # the whole model, frozen base included, when asked for by name
+    _, whole = reference_norms(Logits(trained, ["input_ids"]), (ids,), ids, "causal_lm", ["*"])
+    assert (whole > 2 * norm).all()
+
+
+def test_lora_gpt2_influence_over_the_adapters(tmp_path):
+    trained = lora_folders(tmp_path, "gpt2")
+    ids = torch.randint(0, GPT2["vocab_size"], (5, 6))
+    ref = torch.randint(0, GPT2["vocab_size"], (3, 6))
+    torch.save({"ids": ids}, tmp_path / "data.pt")
+    torch.save({"ids": ref}, tmp_path / "ref.pt")
+    model = {"factory": "transformers:GPT2LMHeadModel", "pretrained": "base", "adapter": "lora"}
+    data = {"path": "data.pt", "inputs": "ids", "targets": "ids"}
+    frame = run_cli(
+        tmp_path, model, data, "causal_lm", "influence", "--ref", str(tmp_path / "ref.pt")
+    )
+    wrapped = Logits(trained, ["input_ids"])
+    expected, norm, _ = reference_influence(wrapped, (ids,), ids, ((ref,), ref), "causal_lm")
+    assert_rel_close(torch.tensor(frame["influence"].to_numpy()), expected[:, 0], 1e-9)
+    assert_rel_close(torch.tensor(frame["grad_norm"].to_numpy()), norm, 1e-9)
+
+
+def test_lora_bert_classifier_scores_adapters_and_its_trained_head(tmp_path):
+    trained = lora_folders(tmp_path, "bert")
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, BERT["vocab_size"], (7, 6), generator=g)
+    mask = torch.ones_like(ids)
+    mask[:3, 4:] = 0
+    label = torch.randint(0, 3, (7,), generator=g)
+    torch.save({"ids": ids, "mask": mask, "label": label}, tmp_path / "data.pt")
+    model = {
+        "factory": "transformers:BertForSequenceClassification",
+        "pretrained": "base",
+        "adapter": "lora",
+    }
+    inputs = {"input_ids": "ids", "attention_mask": "mask"}
+    data = {"path": "data.pt", "inputs": inputs, "targets": "label"}
+    frame = run_cli(tmp_path, model, data, "cross_entropy")
+    selected = ["*lora_*", "*modules_to_save*"]
+    wrapped = Logits(trained, list(inputs))
+    loss, norm = reference_norms(wrapped, (ids, mask), label, "cross_entropy", selected)
+    assert_rel_close(torch.tensor(frame["loss"].to_numpy()), loss, 1e-9)
+    assert_rel_close(torch.tensor(frame["grad_norm"].to_numpy()), norm, 1e-9)
+    included = [
+        p for p in read_metadata(tmp_path / "scores.parquet")["plan"] if p["rule"] != "excluded"
+    ]
+    assert len(included) == 6 and {p["rule"] for p in included} == {"linear"}
+
+
+def test_a_folder_without_adapter_config_is_named(tmp_path):
+    from gradscope.config import ModelConfig
+    from gradscope.errors import ModelError
+    from gradscope.io.model import build_model
+
+    lora_folders(tmp_path, "gpt2")
+    (tmp_path / "lora" / "adapter_config.json").unlink()
+    cfg = ModelConfig(
+        "transformers:GPT2LMHeadModel",
+        pretrained=str(tmp_path / "base"),
+        adapter=str(tmp_path / "lora"),
+    )
+    with pytest.raises(ModelError, match="not a peft adapter folder"):
+        build_model(cfg)

@@ -192,8 +192,8 @@ def build_plan(
             plan.note = "no rule for " + ", ".join(dict.fromkeys(missing))
     plan = Plan(list(plans.values()), selection)
     if not plan.included:
-        what = "params.include/exclude select" if include is not None else (
-            "params.exclude leaves none of the parameters that require grad: it selects"
-        )
-        raise ConfigError(f"{what} no parameter of the model", "params")
+        what = "params.include/exclude select no parameter of the model"
+        if include is None:
+            what = "params.exclude leaves none of the parameters that require grad"
+        raise ConfigError(what, "params")
     return plan
