@@ -70,6 +70,12 @@ class ParamsConfig:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    shard: str | None = None  # None: each torchrun rank holds the whole model; fsdp: FSDP2
+    wrap: list[str] | None = None  # fsdp: class names sharded as units; None: the model's blocks
+
+
+@dataclass(frozen=True)
 class OutputConfig:
     path: str = "scores.parquet"
     per_layer: bool = False
@@ -94,6 +100,7 @@ class Config:
     device: str = "auto"
     dtype: str | None = None
     params: ParamsConfig = field(default_factory=ParamsConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     summary: SummaryConfig = field(default_factory=SummaryConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
@@ -248,6 +255,20 @@ def _validate(cfg: Config) -> None:
     if not cfg.data.inputs:
         raise ConfigError("'data.inputs' must name at least one input", source)
     _validate_hf(cfg)
+    _validate_distributed(cfg)
+
+
+def _validate_distributed(cfg: Config) -> None:
+    """distributed.shard: fsdp serves one model at a time, through the rules."""
+    shard = cfg.distributed.shard
+    if shard not in (None, "fsdp"):
+        raise ConfigError(f"'distributed.shard' must be null or fsdp, got {shard!r}", cfg.source)
+    if shard and cfg.model.checkpoints:
+        raise ConfigError(
+            "'distributed.shard: fsdp' scores one checkpoint; model.checkpoints is not supported "
+            "sharded",
+            cfg.source,
+        )
 
 
 def _validate_hf(cfg: Config) -> None:

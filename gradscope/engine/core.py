@@ -102,6 +102,7 @@ class Engine:
             frozenset(p.name for p in self.plan.included),
         )
         self._prepared: list[contextlib.AbstractContextManager] = []
+        self._pinned: Findings | None = None  # see pin_decisions
 
     def __enter__(self) -> Engine:
         context = prepared(self.model, self.plan)
@@ -132,7 +133,7 @@ class Engine:
 
     def scores(self, inputs: tuple[Tensor, ...], targets: Tensor, want: Want) -> BatchScores:
         """One pass over a batch: the steps below, in order."""
-        findings = findings_for(self.model, self._key, inputs)
+        findings = self._pinned or findings_for(self.model, self._key, inputs)
         seen = self._capture(inputs, targets, findings)
         decide.before_backward(self.plan, seen, findings)
         reducer = self._reduce_in_backward(seen, want, findings)
@@ -140,6 +141,21 @@ class Engine:
         self._fill_zeros(reducer, seen.losses.shape[0])
         loss = seen.losses.detach()
         return BatchScores(loss, reducer.norm_sq, reducer.inner, seen.observed, reducer.kept)
+
+    def pin_decisions(self, inputs: tuple[Tensor, ...]) -> Findings:
+        """Keep what the batch of ``inputs``' shapes found (scored already) for every later
+        batch, whatever its shapes: no probe, expansion test or self-check runs again, so each
+        batch is one forward and one backward. For a sharded model (``distributed.shard``),
+        whose ranks must run the same passes, decided on the whole model first."""
+        self._pinned = findings_for(self.model, self._key, inputs)
+        return self._pinned
+
+    def rebind(self) -> None:
+        """Point the plan at the parameters the model holds now, by name: ``fully_shard``
+        replaces each with a sharded one (the modules stay the same objects)."""
+        params = dict(self.model.named_parameters())
+        for p in self.plan.params:
+            p.param = params[p.name]
 
     # -- the steps -------------------------------------------------------------------------
 
