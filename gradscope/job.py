@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from . import __version__
+from . import __version__, distributed
 from .config import Config
 from .engine.check import CheckReport, compare_with_loop
 from .engine.core import Engine
@@ -67,7 +67,8 @@ class Job:
             raise ModelError("the model has no parameters: no gradient to score", "model.factory")
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else first.dtype
         # a model to shard stays on the CPU, whole, until shard() moves each rank's part
-        model.to(device=device if not cfg.distributed.shard else None, dtype=dtype)
+        sharded = cfg.distributed.shard and distributed.world().size > 1
+        model.to(device=None if sharded else device, dtype=dtype)
         inputs = cfg.data.inputs  # a mapping {forward_argument: column} is passed by keyword
         keywords = tuple(inputs) if isinstance(inputs, dict) else ()
         engine = Engine(
@@ -103,7 +104,7 @@ class Job:
         fsdp.decide(self.engine, *self.to_device(first, torch.device("cpu")))
         blocks = fsdp.shard(self.model, self.device, self.cfg.distributed.wrap)
         self.engine.rebind()
-        size = torch.distributed.get_world_size()
+        size = distributed.world().size
         self.sharded = f"fsdp: {blocks} blocks and the root over {size} ranks"
 
     def at_checkpoint(self, path: str, trust_checkpoint: bool = False) -> Job:

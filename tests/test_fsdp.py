@@ -126,3 +126,26 @@ def test_parameters_left_to_the_fallback_are_refused_before_sharding():
     engine = Engine(Recurrent(), resolve_loss("cross_entropy"))
     with pytest.raises(ConfigError, match=r"fsdp serves only parameters a layer rule serves; rnn"):
         decide(engine, (torch.randn(4, 5, 3),), torch.tensor([0, 1, 0, 1]))
+
+
+def test_fsdp_lora_adapters_two_processes_equal_one(tmp_path):
+    peft = pytest.importorskip("peft")
+    config = gpt2_project(tmp_path, n=11)
+    base = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2")
+    lora = peft.LoraConfig(r=4, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
+    model = peft.get_peft_model(base, lora)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    model.save_pretrained(tmp_path / "lora")
+    raw = yaml.safe_load(config.read_text())
+    raw["model"]["adapter"] = "lora"  # a frozen base sharded with its adapters
+    config.write_text(yaml.safe_dump(raw))
+    one = pd.read_parquet(score_dataset(load_config(config)))
+    out = tmp_path / "two.parquet"
+    run = torchrun("norms", str(config), "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    pd.testing.assert_frame_equal(pd.read_parquet(out), one, check_exact=True)
+    included = [p for p in read_metadata(out)["plan"] if p["rule"] != "excluded"]
+    assert len(included) == 12 and all("lora_" in p["name"] for p in included)
