@@ -3,11 +3,12 @@
 A rule reads a call's inputs and output gradient, which FSDP2 leaves whole on each rank, and the
 parameters it reads in the backward are the all-gathered ones: ghost norms never need the weight
 gradient. What does need a parameter's own gradient is decided before sharding, on the whole
-model and the first batch (the same batch on every rank, so the same decisions): the probe, the
-expansion test and the self-check. A parameter they leave to the fallback (torch.func through the
-whole model) or to the broadcast tap cannot be served sharded: that is an error naming it. From
-then on every rank runs the same passes, one forward and one backward per batch, since each
-forward and backward all-gathers parameters across the ranks.
+model and the first batch (the same batch on every rank, so the same decisions): the expansion
+test, the rows test and the self-check. A parameter they leave to the fallback (torch.func
+through the whole model) or to the parameter tap (which watches a whole parameter) cannot be
+served sharded: that is an error naming it. From then on every rank runs the same passes, one
+forward and one backward per batch, since each forward and backward all-gathers parameters
+across the ranks.
 """
 
 from __future__ import annotations
@@ -67,8 +68,6 @@ def decide(engine: Engine, inputs: tuple[Tensor, ...], targets: Tensor) -> None:
             "finite; put a batch with a finite loss first",
             "distributed.shard",
         )
-    if findings.shared is None:
-        findings.shared = set()  # a first batch of one: nothing to probe against
     unserved = engine.plan.fallback + engine.plan.raw
     if unserved:
         names = ", ".join(f"{p.name} ({p.rule}: {p.note})" for p in unserved[:3])

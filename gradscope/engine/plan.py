@@ -4,8 +4,9 @@ A parameter is served by the rule of the modules holding it. A rule may also ser
 parameters of child modules its module uses functionally (the attention rule and
 ``nn.MultiheadAttention.out_proj``): those are held by the parent too, under ``"out_proj.weight"``.
 A parameter held only by modules without a rule (a ViT's ``cls_token``, a LayerScale ``gamma``)
-is ``broadcast`` while the passes see it read only in broadcast elementwise ops
-(``engine/broadcast.py``). Everything else goes to the fallback (exact per-example gradients
+is ``broadcast`` while the passes see it read only where the tap serves it (``engine/tap.py``):
+in broadcast elementwise ops, and by ``F.linear``, ``matmul`` and ``F.embedding``, whole or
+through a view (a fused expert's ``W[e]``, ``W.T``, ``1 + w``). Everything else goes to the fallback (exact per-example gradients
 through torch.func, ``engine/fallback.py``), with the reason in ``note``, through
 ``Plan.to_fallback``: a module with a rule beside one without, a raw parameter read by another op,
 and what the passes show a rule cannot see (a parameter reaching the loss without a call of its
@@ -67,6 +68,9 @@ SELECTIONS = {
 class Plan:
     params: list[ParamPlan]
     selection: str = INCLUDE  # INCLUDE, TRAINABLE or ALL
+    # name -> (note, loop) of every move to the fallback; an Engine shares it with every later
+    # Engine of the same model and selection (engine/first_batch.py), which replays it whole
+    decisions: dict[str, tuple[str, bool]] = field(default_factory=dict)
 
     @property
     def included(self) -> list[ParamPlan]:
@@ -95,11 +99,24 @@ class Plan:
                 seen.setdefault(id(module), module)
         return list(seen.values())
 
+    def find(self, name: str) -> ParamPlan:
+        """The plan of the parameter ``name``."""
+        return next(p for p in self.params if p.name == name)
+
     def to_fallback(self, p: ParamPlan, reason: str, loop: bool = False) -> None:
         """Serve ``p`` by the fallback from now on (``loop``: one backward per example), and say
         why in its note."""
         p.rule = FALLBACK_LOOP if loop else FALLBACK
         p.note = f"{p.note}; {reason}" if p.note else reason
+        self.decisions[p.name] = (p.note, loop)
+
+    def replay(self, decisions: dict[str, tuple[str, bool]]) -> None:
+        """Take over what earlier passes on this model decided, and record into it from now on."""
+        for p in self.included:
+            if p.name in decisions:
+                p.note, loop = decisions[p.name]
+                p.rule = FALLBACK_LOOP if loop else FALLBACK
+        self.decisions = decisions
 
     @property
     def modules(self) -> list[str]:
@@ -190,7 +207,7 @@ def build_plan(
                 type(m).__name__ for (m, _), r in zip(plan.owners, rules, strict=True) if r is None
             )
             plan.note = "no rule for " + ", ".join(dict.fromkeys(missing))
-    plan = Plan(list(plans.values()), selection)
+    plan = Plan(list(plans.values()), selection=selection)
     if not plan.included:
         what = "params.include/exclude select no parameter of the model"
         if include is None:
