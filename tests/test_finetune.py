@@ -215,6 +215,9 @@ def test_lora_bert_classifier_scores_adapters_and_its_trained_head(tmp_path):
         p for p in read_metadata(tmp_path / "scores.parquet")["plan"] if p["rule"] != "excluded"
     ]
     assert len(included) == 6 and {p["rule"] for p in included} == {"linear"}
+    # check compares both engines with its own loop over the adapters: exit 1 on a mismatch
+    result = runner.invoke(app, ["check", str(tmp_path / "config.yaml"), "--examples", "4"])
+    assert result.exit_code == 0, result.output
 
 
 def test_a_folder_without_adapter_config_is_named(tmp_path):
