@@ -194,7 +194,7 @@ def build_plan(
     for plan in plans.values():
         if include is None and id(plan.param) not in chosen:
             continue
-        if not _selected(names[id(plan.param)], include or ("*",), exclude):
+        if not _selected(names[id(plan.param)], ("*",) if include is None else include, exclude):
             continue
         rules = [find_rule(module) for module, _ in plan.owners]
         if all(rules):
