@@ -37,6 +37,7 @@ class ModelConfig:
     output: str | int | None = None
     config: dict | None = None  # Hugging Face class: its config class built from this mapping
     pretrained: str | None = None  # Hugging Face class: a local save_pretrained folder
+    adapter: str | None = None  # a local peft adapter folder loaded onto the model (LoRA etc.)
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,14 @@ class LossConfig:
 
 @dataclass(frozen=True)
 class ParamsConfig:
-    include: list[str] = field(default_factory=lambda: ["*"])
+    include: list[str] | None = None  # None: the parameters that require grad (all if none do)
     exclude: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    shard: str | None = None  # None: each torchrun rank holds the whole model; fsdp: FSDP2
+    wrap: list[str] | None = None  # fsdp: class names sharded as units; None: the model's blocks
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,7 @@ class Config:
     device: str = "auto"
     dtype: str | None = None
     params: ParamsConfig = field(default_factory=ParamsConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     summary: SummaryConfig = field(default_factory=SummaryConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
@@ -249,6 +257,20 @@ def _validate(cfg: Config) -> None:
     if not cfg.data.inputs:
         raise ConfigError("'data.inputs' must name at least one input", source)
     _validate_hf(cfg)
+    _validate_distributed(cfg)
+
+
+def _validate_distributed(cfg: Config) -> None:
+    """distributed.shard: fsdp serves one model at a time, through the rules."""
+    shard = cfg.distributed.shard
+    if shard not in (None, "fsdp"):
+        raise ConfigError(f"'distributed.shard' must be null or fsdp, got {shard!r}", cfg.source)
+    if shard and cfg.model.checkpoints:
+        raise ConfigError(
+            "'distributed.shard: fsdp' scores one checkpoint; model.checkpoints is not supported "
+            "sharded",
+            cfg.source,
+        )
 
 
 def _validate_hf(cfg: Config) -> None:
@@ -300,6 +322,7 @@ def load_config(path: str | Path) -> Config:
             cfg.model,
             factory=_resolve(cfg.model.factory, base),
             pretrained=_resolve(cfg.model.pretrained, base),
+            adapter=_resolve(cfg.model.adapter, base),
             checkpoint=_resolve(cfg.model.checkpoint, base),
             checkpoints=[
                 dataclasses.replace(c, path=_resolve(c.path, base)) for c in cfg.model.checkpoints
