@@ -4,6 +4,7 @@ the one backward, then the fallback for the rest."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -46,6 +47,7 @@ class BatchScores:
     inner: dict[str, Tensor] = field(default_factory=dict)  # name -> (B, K) <G_i, refs[name][k]>
     observed: dict[str, Tensor] = field(default_factory=dict)  # what ``observe`` read, (B,) each
     kept: dict[str, Contribution] = field(default_factory=dict)  # with Want(keep=True)
+    pre_sq: dict[str, Tensor] = field(default_factory=dict)  # with Want(transform=...): g^T P g
 
 
 def total(per_param: dict[str, Tensor]) -> Tensor:
@@ -138,7 +140,10 @@ class Engine:
         self._fallback(reducer, inputs, targets)
         self._fill_zeros(reducer, seen.losses.shape[0])
         loss = seen.losses.detach()
-        return BatchScores(loss, reducer.norm_sq, reducer.inner, seen.observed, reducer.kept)
+        pre_sq = reducer.pre.norm_sq if reducer.pre is not None else {}
+        return BatchScores(
+            loss, reducer.norm_sq, reducer.inner, seen.observed, reducer.kept, pre_sq
+        )
 
     # -- the steps -------------------------------------------------------------------------
 
@@ -203,7 +208,7 @@ class Engine:
         count |= {p.name: sum(v.param is p for v in views) for p in self.plan.raw}
         verify = not findings.verified and bool(losses.isfinite().all())
         merged = [name for name, k in count.items() if k > 1]
-        reducer = Reducer(Want(want.norms, want.refs, want.keep, sums=verify), merged)
+        reducer = Reducer(dataclasses.replace(want, sums=verify), merged)
         if not count:
             return reducer
 
