@@ -88,7 +88,7 @@ def run_kronfluence(out: Path) -> None:
     from transformers.pytorch_utils import Conv1D
 
     model = GPT2LMHeadModel.from_pretrained(LM / "model").eval()
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, Conv1D):  # y = x W + b with W (in, out): a Linear with W^T
                 linear = torch.nn.Linear(*child.weight.shape)
