@@ -71,6 +71,13 @@ class Block:
         return out | {"damping": self.damping}
 
 
+def times(x: Tensor, m: Tensor) -> Tensor:
+    """(B, G, T, D) @ (G, D, E) per group: one matrix product when there is one group."""
+    if m.shape[0] == 1:
+        return (x.reshape(-1, x.shape[-1]) @ m[0]).view(*x.shape[:-1], m.shape[-1])
+    return torch.einsum("bgtd,gde->bgte", x, m)
+
+
 def _row_squares(rows: Rows) -> Tensor:
     """(V, D) sum over examples of each example's squared table gradient, never (B, V, D)."""
     v, d = rows.shape
@@ -141,9 +148,13 @@ class Accumulator:
                 continue
             q_s, q_a = block.tensors["S_eigenvectors"], block.tensors["A_eigenvectors"]
             if isinstance(c, Outer):
-                s = torch.einsum("bgto,gop->bgtp", c.s, q_s.to(c.s.dtype))  # Q_S^T s_t
-                a = torch.einsum("bgti,gij->bgtj", c.a, q_a.to(c.a.dtype))  # Q_A^T a_t
-                b, g, _, o = s.shape
+                s = times(c.s, q_s.to(c.s.dtype))  # Q_S^T s_t
+                a = times(c.a, q_a.to(c.a.dtype))  # Q_A^T a_t
+                b, g, t, o = s.shape
+                if t == 1:  # rank one: sum_i s_o^2 a_i^2, one product, nothing formed
+                    sq_s, sq_a = s[:, :, 0].square(), a[:, :, 0].square()  # (B, G, O), (B, G, I)
+                    self._add(name, "lambda", sq_s.permute(1, 2, 0) @ sq_a.transpose(0, 1))
+                    continue
                 step = max(1, CHUNK_ELEMENTS // (g * o * a.shape[-1]))
                 for lo in range(0, b, step):
                     # (b, G, O, T) @ (b, G, T, I): rotated per-example gradients, a few at a time

@@ -23,7 +23,7 @@ from torch import Tensor
 from ..errors import ModelError
 from ..rules import Contribution, Dense, Outer, Rows
 from ..rules.base import CHUNK_ELEMENTS, rows
-from .factors import DIAGONAL, Block, Factors, is_factors_file
+from .factors import DIAGONAL, Block, Factors, is_factors_file, times
 
 
 class Weighted(Contribution):
@@ -42,6 +42,11 @@ class Weighted(Contribution):
             yield (s.transpose(-1, -2) @ a) * self.weight  # (b, G, O, T) @ (b, G, T, I)
 
     def norm_sq(self) -> Tensor:
+        if self.outer.dims[2] == 1:
+            # one position: sum_oi w_oi^2 s_o^2 a_i^2, a product with w^2, nothing formed
+            s, a = self.outer.s[:, :, 0], self.outer.a[:, :, 0]  # (B, G, O), (B, G, I)
+            sw = (s.square().transpose(0, 1) @ self.weight.square()).transpose(0, 1)  # (B, G, I)
+            return (sw * a.square()).sum((1, 2))
         return torch.cat([m.flatten(1).square().sum(1) for m in self._chunks()])
 
     def inner(self, refs: Tensor) -> Tensor:
@@ -155,8 +160,7 @@ class Curvature:
                 dtype = c.s.dtype
                 q_s = self._cached(name, "S_eigenvectors", dtype)
                 q_a = self._cached(name, "A_eigenvectors", dtype)
-                s = torch.einsum("bgto,gop->bgtp", c.s, q_s)  # Q_S^T s_t
-                a = torch.einsum("bgti,gij->bgtj", c.a, q_a)  # Q_A^T a_t
+                s, a = times(c.s, q_s), times(c.a, q_a)  # Q_S^T s_t, Q_A^T a_t
                 return Weighted(Outer(s, a, c.shape), self._cached(name, "lambda_root", dtype))
             g = self._grouped(name, c.materialize().double())
             q_s = self._cached(name, "S_eigenvectors", torch.float64)
@@ -167,8 +171,8 @@ class Curvature:
             return Dense(rotated.reshape(-1, *c.shape))
         if isinstance(c, Outer):  # K-FAC: (S+d)^-1/2 s_t and (A+d)^-1/2 a_t, both symmetric
             dtype = c.s.dtype
-            s = torch.einsum("bgto,gop->bgtp", c.s, self._cached(name, "S", dtype))
-            a = torch.einsum("bgti,gij->bgtj", c.a, self._cached(name, "A", dtype))
+            s = times(c.s, self._cached(name, "S", dtype))
+            a = times(c.a, self._cached(name, "A", dtype))
             return Outer(s, a, c.shape)
         g = self._grouped(name, c.materialize().double())
         g = self._cached(name, "S", torch.float64) @ g @ self._cached(name, "A", torch.float64)

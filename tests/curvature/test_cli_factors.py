@@ -11,6 +11,7 @@ import torch
 from project import load_net, make_project
 from typer.testing import CliRunner
 
+import gradscope
 from gradscope.cli import app, main
 from gradscope.curvature import Factors, load_preconditioner
 from gradscope.engine.core import Engine
@@ -75,6 +76,18 @@ def test_factors_then_precondition(tmp_path: Path, ekfac: bool) -> None:
     out = tmp_path / "influence.parquet"
     _invoke("influence", cfg, "--ref", tmp_path / "ref.pt", "--precondition", factors, "--out", out)
     assert read_metadata(out)["influence"]["precondition"]["kind"] == kind
+    net, x, y = load_net(tmp_path)  # the Python API takes the file too, on either engine
+    ref = torch.load(tmp_path / "ref.pt")
+    for engine in ("hooks", "jvp"):
+        api = gradscope.per_example_influence(
+            net, x, y, ref["x"], ref["y"], precondition=str(factors), engine=engine
+        )
+        torch.testing.assert_close(
+            api.double(),
+            torch.tensor(pd.read_parquet(out)["influence"].to_numpy()),
+            rtol=1e-5,
+            atol=1e-6,
+        )
 
 
 def test_adam_norms(tmp_path: Path) -> None:
