@@ -116,6 +116,13 @@ def test_user_errors_exit_2(tmp_path: Path, monkeypatch, capsys) -> None:
     other = make_project(tmp_path, n=N, params__exclude=["fc2.*"])
     err = _fails(monkeypatch, capsys, "norms", other, "--precondition", factors)
     assert "the factors do not fit the selected parameters (only in the factors: fc2" in err
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2)}, tmp_path / "weights.safetensors")  # neither kind
+    err = _fails(
+        monkeypatch, capsys, "norms", cfg, "--precondition", tmp_path / "weights.safetensors"
+    )
+    assert "not an optimizer state_dict" in err
     net, _, _ = load_net(tmp_path)
     torch.save({k: v + 1 for k, v in net.state_dict().items()}, tmp_path / "net2.pt")
     cfg = make_project(tmp_path, n=N, model__checkpoint="net2.pt")
