@@ -179,7 +179,12 @@ class Curvature:
         return Dense(g.reshape(-1, *c.shape))
 
     def describe(self) -> dict:
-        return {"kind": self.kind, "fisher": self.factors.meta.get("fisher")}
+        """The method, the Fisher, and per parameter its block: kfac, ekfac or diagonal."""
+        return {
+            "kind": self.kind,
+            "fisher": self.factors.meta.get("fisher"),
+            "parameters": {n: b["kind"] for n, b in self.factors.describe().items()},
+        }
 
 
 Preconditioner = Diagonal | Curvature

@@ -72,6 +72,9 @@ def test_factors_then_precondition(tmp_path: Path, ekfac: bool) -> None:
     )
     meta = read_metadata(out)["precondition"]
     assert meta["kind"] == kind and meta["fisher"] == "empirical" and meta["sha256"]
+    assert meta["parameters"] == {
+        "fc1.weight": kind, "fc1.bias": "diagonal", "fc2.weight": kind, "fc2.bias": "diagonal"
+    }  # fmt: skip
 
     out = tmp_path / "influence.parquet"
     _invoke("influence", cfg, "--ref", tmp_path / "ref.pt", "--precondition", factors, "--out", out)
