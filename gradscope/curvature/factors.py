@@ -102,7 +102,7 @@ class Accumulator:
 
     def _add(self, name: str, key: str, value: Tensor) -> None:
         sums = self.sums.setdefault(name, {})
-        value = value.double()
+        value = value.detach().to("cpu", torch.float64)  # small: (G, D, D), (G, O, I), a diagonal
         sums[key] = value if key not in sums else sums[key] + value
 
     def _kind(self, name: str, c: Contribution) -> str:
@@ -148,8 +148,8 @@ class Accumulator:
                 continue
             q_s, q_a = block.tensors["S_eigenvectors"], block.tensors["A_eigenvectors"]
             if isinstance(c, Outer):
-                s = times(c.s, q_s.to(c.s.dtype))  # Q_S^T s_t
-                a = times(c.a, q_a.to(c.a.dtype))  # Q_A^T a_t
+                s = times(c.s, q_s.to(c.s.device, c.s.dtype))  # Q_S^T s_t
+                a = times(c.a, q_a.to(c.a.device, c.a.dtype))  # Q_A^T a_t
                 b, g, t, o = s.shape
                 if t == 1:  # rank one: sum_i s_o^2 a_i^2, one product, nothing formed
                     sq_s, sq_a = s[:, :, 0].square(), a[:, :, 0].square()  # (B, G, O), (B, G, I)
@@ -161,7 +161,7 @@ class Accumulator:
                     rotated = s[lo : lo + step].transpose(-1, -2) @ a[lo : lo + step]
                     self._add(name, "lambda", rotated.square().sum(0))
             else:
-                g = grouped(c, *q_s.shape[:2], q_a.shape[-1]).to(q_s.dtype)
+                g = grouped(c, *q_s.shape[:2], q_a.shape[-1]).to("cpu", q_s.dtype)
                 rotated = q_s.transpose(-1, -2) @ g @ q_a  # (B, G, O, I)
                 self._add(name, "lambda", rotated.square().sum(0))
 

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..errors import ModelError
 from ..rules import Contribution, Dense, Outer, Rows
-from ..rules.base import CHUNK_ELEMENTS, rows
+from ..rules.base import CHUNK_ELEMENTS, accumulation_dtype, rows
 from .factors import DIAGONAL, Block, Factors, is_factors_file, times
 
 
@@ -73,7 +73,9 @@ class Diagonal:
 
     def __init__(self, denominators: dict[str, Tensor], kind: str):
         self.denominators, self.kind = denominators, kind
-        self._roots = {n: d.double().rsqrt() for n, d in denominators.items()}
+        self._roots = {
+            n: d.to(accumulation_dtype(d.dtype)).rsqrt() for n, d in denominators.items()
+        }
 
     def refs(self, refs: dict[str, Tensor]) -> dict[str, Tensor]:
         return {n: r / self.denominators[n].to(r.dtype) for n, r in refs.items()}
@@ -85,11 +87,11 @@ class Diagonal:
         return {"kind": self.kind}
 
 
-def _power(block: Block, key: str, power: float, dtype: torch.dtype) -> Tensor:
+def _power(block: Block, key: str, power: float) -> Tensor:
     """(G, D, D) ``(X + d I)^power`` of factor ``key`` from its eigendecomposition."""
     values = block.tensors[f"{key}_eigenvalues"] + block.damping[key]  # (G, D)
     vectors = block.tensors[f"{key}_eigenvectors"]  # (G, D, D)
-    return ((vectors * values.pow(power)[:, None, :]) @ vectors.transpose(-1, -2)).to(dtype)
+    return (vectors * values.pow(power)[:, None, :]) @ vectors.transpose(-1, -2)
 
 
 class Curvature:
@@ -100,22 +102,22 @@ class Curvature:
         self.kind = factors.method
         self._cache: dict[tuple, Tensor] = {}
 
-    def _cached(self, name: str, what: str, dtype: torch.dtype) -> Tensor:
-        key = (name, what, dtype)
+    def _cached(self, name: str, what: str, like: Tensor) -> Tensor:
+        """A matrix or weight of the block, computed on the CPU in float64 and kept on the
+        device and in the dtype of ``like``."""
+        key = (name, what, like.dtype, like.device)
         if key not in self._cache:
             block = self.factors.blocks[name]
             t = block.tensors
             if what in ("A", "S"):  # K-FAC whitening
-                value = _power(block, what, -0.5, dtype)
-            elif what in ("A_inverse", "S_inverse"):
-                value = _power(block, what[0], -1.0, dtype)
+                value = _power(block, what, -0.5)
             elif what == "lambda_root":  # (G, O, I)
-                value = (t["lambda"] + block.damping["lambda"]).rsqrt().to(dtype)
+                value = (t["lambda"] + block.damping["lambda"]).rsqrt()
             elif what == "diagonal_root":
-                value = (t["diagonal"] + block.damping["diagonal"]).rsqrt().to(dtype)
+                value = (t["diagonal"] + block.damping["diagonal"]).rsqrt()
             else:  # eigenvectors
-                value = t[what].to(dtype)
-            self._cache[key] = value
+                value = t[what]
+            self._cache[key] = value.to(like.device, like.dtype)
         return self._cache[key]
 
     def _grouped(self, name: str, g: Tensor) -> Tensor:
@@ -125,58 +127,40 @@ class Curvature:
 
     def refs(self, refs: dict[str, Tensor]) -> dict[str, Tensor]:
         """``P R`` per parameter: ``(S+d)^-1 R (A+d)^-1`` (K-FAC), in the eigenbasis divided by
-        ``Lambda + d`` (EK-FAC), or ``R / (F + d)`` (diagonal)."""
+        ``Lambda + d`` (EK-FAC), or ``R / (F + d)`` (diagonal); once, on the CPU in float64."""
         out = {}
         for name, r in refs.items():
-            block, dtype = self.factors.blocks[name], torch.float64
+            block, t = self.factors.blocks[name], self.factors.blocks[name].tensors
+            g = r.detach().to("cpu", torch.float64)
             if block.kind == DIAGONAL:
-                d = block.tensors["diagonal"] + block.damping["diagonal"]
-                out[name] = (r.double() / d).to(r.dtype)
-                continue
-            g = self._grouped(name, r.double())  # (K, G, O, I)
-            if block.ekfac:
-                q_s = self._cached(name, "S_eigenvectors", dtype)
-                q_a = self._cached(name, "A_eigenvectors", dtype)
-                rotated = q_s.transpose(-1, -2) @ g @ q_a
-                rotated = rotated / (block.tensors["lambda"] + block.damping["lambda"])
+                g = g / (t["diagonal"] + block.damping["diagonal"])
+            elif block.ekfac:
+                q_s, q_a = t["S_eigenvectors"], t["A_eigenvectors"]
+                rotated = q_s.transpose(-1, -2) @ self._grouped(name, g) @ q_a  # (K, G, O, I)
+                rotated = rotated / (t["lambda"] + block.damping["lambda"])
                 g = q_s @ rotated @ q_a.transpose(-1, -2)
             else:
-                g = (
-                    self._cached(name, "S_inverse", dtype)
-                    @ g
-                    @ self._cached(name, "A_inverse", dtype)
-                )
-            out[name] = g.reshape(r.shape).to(r.dtype)
+                g = _power(block, "S", -1.0) @ self._grouped(name, g) @ _power(block, "A", -1.0)
+            out[name] = g.reshape(r.shape).to(r.device, r.dtype)
         return out
 
     def transform(self, name: str, c: Contribution) -> Contribution:
         """A contribution whose squared norm is ``g_i^T P g_i``."""
         block = self.factors.blocks[name]
+        like = c.s if isinstance(c, Outer | Rows) else c.materialize()
         if block.kind == DIAGONAL:
-            dtype = c.s.dtype if isinstance(c, Outer | Rows) else torch.float64
-            return _weighted(c, self._cached(name, "diagonal_root", dtype))
-        if block.ekfac:
-            if isinstance(c, Outer):
-                dtype = c.s.dtype
-                q_s = self._cached(name, "S_eigenvectors", dtype)
-                q_a = self._cached(name, "A_eigenvectors", dtype)
-                s, a = times(c.s, q_s), times(c.a, q_a)  # Q_S^T s_t, Q_A^T a_t
-                return Weighted(Outer(s, a, c.shape), self._cached(name, "lambda_root", dtype))
-            g = self._grouped(name, c.materialize().double())
-            q_s = self._cached(name, "S_eigenvectors", torch.float64)
-            q_a = self._cached(name, "A_eigenvectors", torch.float64)
-            rotated = (q_s.transpose(-1, -2) @ g @ q_a) * self._cached(
-                name, "lambda_root", torch.float64
-            )
-            return Dense(rotated.reshape(-1, *c.shape))
+            return _weighted(c, self._cached(name, "diagonal_root", like))
+        q_s, q_a = (self._cached(name, f"{k}_eigenvectors", like) for k in ("S", "A"))
+        if block.ekfac and isinstance(c, Outer):
+            s, a = times(c.s, q_s), times(c.a, q_a)  # Q_S^T s_t, Q_A^T a_t
+            return Weighted(Outer(s, a, c.shape), self._cached(name, "lambda_root", like))
+        if block.ekfac:  # a K-FAC parameter served otherwise (the fallback): rotate, weigh
+            g = q_s.transpose(-1, -2) @ self._grouped(name, like) @ q_a
+            return Dense((g * self._cached(name, "lambda_root", like)).reshape(-1, *c.shape))
+        w_s, w_a = self._cached(name, "S", like), self._cached(name, "A", like)
         if isinstance(c, Outer):  # K-FAC: (S+d)^-1/2 s_t and (A+d)^-1/2 a_t, both symmetric
-            dtype = c.s.dtype
-            s = times(c.s, self._cached(name, "S", dtype))
-            a = times(c.a, self._cached(name, "A", dtype))
-            return Outer(s, a, c.shape)
-        g = self._grouped(name, c.materialize().double())
-        g = self._cached(name, "S", torch.float64) @ g @ self._cached(name, "A", torch.float64)
-        return Dense(g.reshape(-1, *c.shape))
+            return Outer(times(c.s, w_s), times(c.a, w_a), c.shape)
+        return Dense((w_s @ self._grouped(name, like) @ w_a).reshape(-1, *c.shape))
 
     def describe(self) -> dict:
         """The method, the Fisher, and per parameter its block: kfac, ekfac or diagonal."""
