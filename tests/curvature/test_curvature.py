@@ -33,6 +33,17 @@ class MLP(nn.Module):
         return self.fc2(torch.tanh(self.fc1(x)))
 
 
+class Twice(nn.Module):
+    """One Linear called twice: its parts merge (positions of both calls) before reducing."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.fc(torch.tanh(self.fc(x))))
+
+
 class GroupedConv(nn.Module):
     """A grouped convolution at two positions (its rule keeps it factored), then a Linear."""
 
@@ -79,6 +90,9 @@ def _problem(kind: str) -> Problem:
     torch.manual_seed(0)
     if kind == "mlp":
         model, make = MLP(), lambda b: ((torch.randn(b, 5),), torch.randint(0, 3, (b,)))
+        loss = "cross_entropy"
+    elif kind == "twice":
+        model, make = Twice(), lambda b: ((torch.randn(b, 4),), torch.randint(0, 3, (b,)))
         loss = "cross_entropy"
     elif kind == "conv":
         model = GroupedConv()
@@ -219,12 +233,14 @@ def _dense_scores(pb: Problem, factors: Factors, ekfac: bool, loss) -> tuple[Ten
 
 
 @pytest.mark.parametrize("ekfac", [False, True], ids=["kfac", "ekfac"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "twice"])
 def test_preconditioned_scores_are_the_dense_solve(kind: str, ekfac: bool) -> None:
     """<G_i, P R> on both engines and g_i^T P g_i from the pass equal the built-out solve."""
     pb = _problem(kind)
     loss = resolve_loss(pb.loss)
     factors = _factors(pb, loss, ekfac)
+    if kind == "twice":  # both calls' positions in one Kronecker block
+        assert factors.blocks["fc.weight"].kind == KFAC
     pre = Curvature(factors)
     inner, self_ = _dense_scores(pb, factors, ekfac, loss)
     engine = Engine(pb.model, loss)
