@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..engine.core import Engine
-from .factors import EKFAC, KFAC, Factors, fit, is_factors_file, metadata
+from .factors import EKFAC, KFAC, Factors, factored_convs, fit, is_factors_file, metadata
 from .fisher import SampledLoss, check_fisher
 from .precondition import Curvature, Diagonal, Preconditioner, load_preconditioner
 
@@ -63,7 +63,7 @@ def fit_factors(
         if sampled is not None:
             sampled.seed = k
 
-    with engine:
+    with engine, factored_convs():
         blocks, examples = fit(
             lambda inputs, targets: engine.contributions(inputs, targets)[1],
             batches,

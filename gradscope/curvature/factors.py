@@ -24,13 +24,16 @@ into per-factor matrices (the ghost norm of whitened tensors); EK-FAC damps the 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
-from collections.abc import Callable, Iterable
+import math
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .. import __version__
 from ..errors import GradscopeError, ModelError
@@ -69,6 +72,35 @@ class Block:
         if self.kind == KFAC:
             out["groups"] = self.tensors["A"].shape[0]
         return out | {"damping": self.damping}
+
+
+@contextlib.contextmanager
+def factored_convs() -> Iterator[None]:
+    """For the factors pass: every Conv weight as ``Outer`` of its unfolded input, also where
+    the conv rule forms per-example gradients instead (many positions), so that it gets K-FAC
+    factors. The registered rules are restored on exit; scoring needs no change (the K-FAC
+    transform of formed gradients is exact, only dearer)."""
+    from ..rules import RULES
+    from ..rules.conv import unfold
+
+    convs = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    saved = {t: RULES[t] for t in convs}
+
+    def rule(module, inputs, grad_output, **kwargs):
+        parts = saved[type(module)].fn(module, inputs, grad_output, **kwargs)
+        if isinstance(parts.get("weight"), Dense):
+            b, g = grad_output.shape[0], module.groups
+            t, o = math.prod(grad_output.shape[2:]), module.out_channels // g
+            s = grad_output.reshape(b, g, o, t).transpose(-1, -2)  # (B, G, T, out/G)
+            parts["weight"] = Outer(s, unfold(module, inputs[0]), module.weight.shape)
+        return parts
+
+    try:
+        for t in convs:
+            RULES[t] = dataclasses.replace(saved[t], fn=rule)
+        yield
+    finally:
+        RULES.update(saved)
 
 
 def times(x: Tensor, m: Tensor) -> Tensor:

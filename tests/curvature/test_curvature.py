@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gradscope.curvature.factors import DIAGONAL, KFAC, Factors, fit, metadata
+from gradscope.curvature.factors import DIAGONAL, KFAC, Factors, factored_convs, fit, metadata
 from gradscope.curvature.fisher import SampledLoss
 from gradscope.curvature.precondition import Curvature, Diagonal
 from gradscope.engine.core import Engine, total
@@ -22,6 +22,8 @@ from gradscope.engine.influence import Influence, reference_gradients
 from gradscope.engine.naive import naive_grads
 from gradscope.engine.reduce import Want
 from gradscope.losses import resolve_loss
+from gradscope.rules import RULES
+from gradscope.rules.conv import conv
 
 
 class MLP(nn.Module):
@@ -50,6 +52,17 @@ class GroupedConv(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv, self.fc = nn.Conv2d(8, 6, 3, groups=2), nn.Linear(12, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(torch.tanh(self.conv(x)).flatten(1))
+
+
+class WideConv(nn.Module):
+    """A grouped, padded convolution at 25 positions: its rule forms per-example gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(4, 6, 3, groups=2, padding=1), nn.Linear(150, 3)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.fc(torch.tanh(self.conv(x)).flatten(1))
@@ -94,6 +107,10 @@ def _problem(kind: str) -> Problem:
     elif kind == "twice":
         model, make = Twice(), lambda b: ((torch.randn(b, 4),), torch.randint(0, 3, (b,)))
         loss = "cross_entropy"
+    elif kind == "wide_conv":
+        model = WideConv()
+        make = lambda b: ((torch.randn(b, 4, 5, 5),), torch.randint(0, 3, (b,)))  # noqa: E731
+        loss = "cross_entropy"
     elif kind == "conv":
         model = GroupedConv()
         make = lambda b: ((torch.randn(b, 8, 3, 4),), torch.randint(0, 3, (b,)))  # noqa: E731
@@ -112,7 +129,7 @@ def _problem(kind: str) -> Problem:
     return Problem(model, inputs, targets, loss, ref_inputs, ref_targets)
 
 
-KINDS = ["mlp", "conv", "lm"]
+KINDS = ["mlp", "conv", "wide_conv", "lm"]
 
 
 def _factors(pb: Problem, loss, ekfac: bool, batches: int = 2) -> Factors:
@@ -125,7 +142,7 @@ def _factors(pb: Problem, loss, ekfac: bool, batches: int = 2) -> Factors:
         for lo in range(0, b, step):
             yield tuple(t[lo : lo + step] for t in pb.inputs), pb.targets[lo : lo + step]
 
-    with engine:
+    with engine, factored_convs():
         blocks, n = fit(lambda i, t: engine.contributions(i, t)[1], split, ekfac=ekfac)
     return Factors(blocks, metadata("ekfac" if ekfac else "kfac", "empirical", n, {}))
 
@@ -155,7 +172,9 @@ def _positions(m: nn.Module, x: Tensor, g: Tensor) -> list[tuple[Tensor, Tensor]
     """Per group: (a, s) as (B, T, D) rows, the Conv's input unfolded by F.unfold."""
     b = x.shape[0]
     if isinstance(m, nn.Conv2d):
-        patches = F.unfold(x, m.kernel_size).transpose(1, 2)  # (B, L, C*k*k), channel-major
+        patches = F.unfold(x, m.kernel_size, padding=m.padding).transpose(
+            1, 2
+        )  # (B, L, C*k*k), channel-major
         grads = g.flatten(2).transpose(1, 2)  # (B, L, out)
         i, o = patches.shape[-1] // m.groups, m.out_channels // m.groups
         return [
@@ -253,6 +272,19 @@ def test_preconditioned_scores_are_the_dense_solve(kind: str, ekfac: bool) -> No
         plain = engine.norms(pb.inputs, pb.targets)
     torch.testing.assert_close(total(scores.pre_sq), self_)
     torch.testing.assert_close(total(scores.norm_sq), total(plain.norm_sq))
+
+
+def test_wide_conv_is_served_formed_when_scoring() -> None:
+    """The factors pass sees the wide conv factored; scoring gets its formed gradients, which
+    the K-FAC transform whitens exactly (test_preconditioned_scores_are_the_dense_solve)."""
+    pb = _problem("wide_conv")
+    engine = Engine(pb.model, resolve_loss(pb.loss))
+    with engine:
+        parts = engine.contributions(pb.inputs, pb.targets)[1]
+    assert type(parts["conv.weight"]).__name__ == "Dense"
+    factors = _factors(pb, resolve_loss(pb.loss), ekfac=False)
+    assert factors.blocks["conv.weight"].kind == KFAC
+    assert RULES[nn.Conv2d].fn is conv  # the registry as it was
 
 
 def test_kfac_norms_stay_factored() -> None:
