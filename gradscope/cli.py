@@ -149,6 +149,14 @@ def norms(
     ] = False,
     top_k: TopKOpt = None,
     by: ByOpt = None,
+    precondition: Annotated[
+        Path | None,
+        typer.Option(
+            "--precondition",
+            help="Factors file (gradscope factors) or Adam/AdamW state_dict: adds "
+            "self_influence = g^T P g, P the inverse curvature or 1 / (sqrt(v_hat) + eps).",
+        ),
+    ] = None,
     resume: ResumeOpt = False,
     trust_checkpoint: TrustOpt = False,
     report: ReportOpt = False,
@@ -171,7 +179,7 @@ def norms(
         partial(
             score_dataset,
             cfg,
-            NormsScorer(trust_checkpoint),
+            NormsScorer(trust_checkpoint, precondition),
             trust_checkpoint=trust_checkpoint,
             resume=resume,
         ),
@@ -203,7 +211,8 @@ def influence(
         Path | None,
         typer.Option(
             "--precondition",
-            help="Adam/AdamW state_dict: score against g_ref / (sqrt(v_hat) + eps).",
+            help="Factors file (gradscope factors) or Adam/AdamW state_dict: score against "
+            "P g_ref, P the inverse curvature or 1 / (sqrt(v_hat) + eps).",
         ),
     ] = None,
     engine: Annotated[
@@ -267,6 +276,48 @@ def check(
     terminal.console.print(render_report(report))
     if not report.ok:
         raise typer.Exit(1)
+
+
+@app.command()
+def factors(
+    config: ConfigArg,
+    out: Annotated[Path, typer.Option("--out", help="safetensors file to write.")] = Path(
+        "factors.safetensors"
+    ),
+    limit: LimitOpt = None,
+    ekfac: Annotated[
+        bool, typer.Option("--ekfac", help="A second pass for EK-FAC's corrected eigenvalues.")
+    ] = False,
+    fisher: Annotated[
+        str,
+        typer.Option(
+            "--fisher", help="true (targets drawn from the model) or empirical (the data's)."
+        ),
+    ] = "true",
+    device: DeviceOpt = None,
+    batch_size: BatchOpt = None,
+    trust_checkpoint: TrustOpt = False,
+) -> None:
+    """K-FAC (and EK-FAC) curvature factors of the configured model over its data."""
+    from .curvature import fit_factors
+
+    cfg = with_overrides(load_config(config), device=device, batch_size=batch_size, limit=limit)
+    with terminal.progress("factors") as (on_start, on_batch):
+        made = fit_factors(
+            cfg,
+            out,
+            ekfac=ekfac,
+            fisher=fisher,
+            trust_checkpoint=trust_checkpoint,
+            on_start=on_start,
+            on_batch=on_batch,
+        )
+    kinds = [b["kind"] for b in made.describe().values()]
+    counts = ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds))
+    terminal.console.print(
+        f"{made.meta['examples']} examples, {made.meta['fisher']} Fisher; {counts}"
+    )
+    terminal.wrote(out)
 
 
 def _padding(cfg: Config) -> str:
