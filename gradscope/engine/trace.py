@@ -330,7 +330,8 @@ def _keeps_rows(name: str, args: tuple, kwargs: dict, tracked: list, out: Tensor
     if name in ELEMENTWISE or name == "scaled_dot_product_attention":
         return same_rank
     if name == "linear":  # a weight computed from the batch would mix its rows' examples
-        return same_rank and all(t is x for t in tracked)
+        rest = _tensors(args[1:], kwargs)
+        return same_rank and not any(t is r for t in tracked for r in rest)
     if name in RESHAPES:
         return isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == b
     if name in ("layer_norm", "rms_norm"):
