@@ -501,6 +501,23 @@ def _mha(trace: RowTrace, query: Tensor, key: Tensor, value: Tensor, *args, **kw
     return o, o.reshape(-1, 1, 1)
 
 
+def _recurrent(trace: RowTrace, x: Tensor, hx: object, *args, **__) -> tuple | None:
+    """_VF.lstm / gru / rnn_tanh / rnn_relu(input, hx, params, ..., batch_first): examples on
+    dimension 0 (batch_first) or 1 of the input and output, on dimension 1 of the states."""
+    if not isinstance(args[-1], bool) or x.dim() != 3:
+        return None  # a packed sequence, or an unbatched call
+    dim = 0 if args[-1] else 1
+    states = hx if isinstance(hx, (list, tuple)) else (hx,)
+    parts = [reduce(trace.owner(x), [d for d in range(3) if d != dim], keepdim=False)]
+    parts += [
+        reduce(trace.owner(h), [0, 2], keepdim=False) for h in states if isinstance(h, Tensor)
+    ]
+    parts += [reduce(trace.owner(p), range(p.dim())).reshape(1) for p in _tensors(args, {})]
+    o = combine(*(p.reshape(-1) for p in parts))  # (B,) or (1,)
+    out = o.reshape(-1, 1, 1) if dim == 0 else o.reshape(1, -1, 1)
+    return (out, *(o.reshape(1, -1, 1) for _ in states))
+
+
 def _einsum(trace: RowTrace, equation: str, *operands, **__) -> Tensor | None:
     operands = (
         operands[0] if len(operands) == 1 and isinstance(operands[0], (list, tuple)) else operands
@@ -541,4 +558,5 @@ CONTRACTIONS: dict[str, Callable[..., object]] = {
     "scaled_dot_product_attention": _sdpa,
     "multi_head_attention_forward": _mha,
     "einsum": _einsum,
+    **dict.fromkeys(("lstm", "gru", "rnn_tanh", "rnn_relu"), _recurrent),
 }

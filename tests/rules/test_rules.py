@@ -213,6 +213,37 @@ CASES = [
         like,
         batch=1,
     ),
+    Case("rnn-tanh", lambda: nn.RNN(4, 5, batch_first=True), randn(6, 4), like, output=0),
+    Case(
+        "rnn-relu-sequence-first-no-bias",
+        lambda: nn.RNN(4, 5, nonlinearity="relu", bias=False),
+        randn(6, 4),  # (B, 6, 4) read as (T=B, 6, 4): the recurrence mixes examples, the
+        # trace sees it and the fallback serves it
+        like,
+        output=0,
+    ),
+    Case(
+        "gru-2-layers-bidirectional",
+        lambda: nn.GRU(4, 5, num_layers=2, bidirectional=True, batch_first=True),
+        randn(6, 4),
+        like,
+        output=0,
+    ),
+    Case(
+        "lstm-batch-1",
+        lambda: nn.LSTM(4, 5, batch_first=True),
+        randn(7, 4),
+        like,
+        output=0,
+        batch=1,
+    ),  # fmt: skip
+    Case(
+        "lstm-2-layers-bidirectional",
+        lambda: nn.LSTM(4, 3, num_layers=2, bidirectional=True, batch_first=True),
+        randn(5, 4),
+        like,
+        output=0,
+    ),
     Case("embedding-bag-sum", lambda: nn.EmbeddingBag(10, 4, mode="sum"), ids(10, 5), like),
     Case(
         "embedding-bag-mean-padding-batch-1",
@@ -551,6 +582,9 @@ def test_registry_lists_every_layer_type() -> None:
         nn.InstanceNorm2d: "instance_norm",
         nn.InstanceNorm3d: "instance_norm",
         nn.MultiheadAttention: "attention",
+        nn.RNN: "recurrent",
+        nn.GRU: "recurrent",
+        nn.LSTM: "recurrent",
     }
     assert {t: r.name for t, r in RULES.items()} == expected
     assert {n: r.name for n, r in NAMED.items()} == {
