@@ -20,7 +20,7 @@ from rich.progress import (
 )
 from typer.core import TyperGroup
 
-from .config import Config, load_config, with_overrides
+from .config import Config, load_config, output_path, with_overrides
 from .errors import GradscopeError, Interrupted
 
 
@@ -51,8 +51,8 @@ console = Console()
 ConfigArg = Annotated[
     Path, typer.Argument(help="YAML config naming the model, checkpoint and data.")
 ]
-OutOpt = Annotated[
-    Path | None, typer.Option("--out", help="Parquet file to write (default: output.path).")
+OutOpt = Annotated[  # a string: a trailing '/' (a folder) must reach the check
+    str | None, typer.Option("--out", help="Parquet file to write (default: output.path).")
 ]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda, cuda:N or mps.")]
 BatchOpt = Annotated[int | None, typer.Option("--batch-size", help="Examples per pass.")]
@@ -281,14 +281,15 @@ def report(
         typer.Option("--config", help="The run's config: the top-k examples are read and shown."),
     ] = None,
     out: Annotated[
-        Path | None, typer.Option("--out", help="HTML file to write (default: SCORES.html).")
+        str | None, typer.Option("--out", help="HTML file to write (default: SCORES.html).")
     ] = None,
     by: ByOpt = None,
     top_k: RowsOpt = 20,
 ) -> None:
     """Write one self-contained HTML page: charts of the scores, the top-k examples shown."""
     _check_top_k(top_k)
-    _write_report(scores, out, load_config(config) if config else None, by, top_k)
+    target = Path(output_path(out, Path.cwd(), "--out")) if out is not None else None
+    _write_report(scores, target, load_config(config) if config else None, by, top_k)
 
 
 def _check_top_k(top_k: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import reprlib
 import types
 from dataclasses import dataclass, field
@@ -203,6 +204,17 @@ def _resolve(spec: str | None, base: Path) -> str | None:
     return str((base / Path(spec).expanduser()).resolve())
 
 
+def output_path(spec: str | Path, base: Path, where: str) -> str:
+    """An output file's absolute path, relative to ``base``; a name that ends with a separator
+    names a folder and is refused."""
+    if str(spec).endswith(("/", os.sep)):
+        raise ConfigError(
+            f"the output path {str(spec)!r} ends with '/', which names a folder; give a file name",
+            where,
+        )
+    return str((base / Path(spec).expanduser()).resolve())
+
+
 def _validate(cfg: Config) -> None:
     source = cfg.source
     if cfg.device.split(":")[0] not in DEVICES:
@@ -312,7 +324,7 @@ def load_config(path: str | Path) -> Config:
         loss=dataclasses.replace(
             cfg.loss, name=_resolve(loss_name, base) if ".py:" in loss_name else loss_name
         ),
-        output=dataclasses.replace(cfg.output, path=_resolve(cfg.output.path, base)),
+        output=dataclasses.replace(cfg.output, path=output_path(cfg.output.path, base, str(path))),
         report=dataclasses.replace(cfg.report, tokenizer=_resolve(cfg.report.tokenizer, base)),
     )
     _validate(cfg)
@@ -329,7 +341,7 @@ def with_overrides(cfg: Config, **overrides: Any) -> Config:
     data = dataclasses.replace(cfg.data, **{k: o[k] for k in ("batch_size", "limit") if k in o})
     output = cfg.output
     if "out" in o:
-        output = dataclasses.replace(output, path=str(Path(o["out"]).resolve()))
+        output = dataclasses.replace(output, path=output_path(o["out"], Path.cwd(), "--out"))
     if o.get("per_layer"):
         output = dataclasses.replace(output, per_layer=True)
     summary = dataclasses.replace(cfg.summary, top_k=o.get("top_k", cfg.summary.top_k))

@@ -10,7 +10,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import distributed
+import torch
+
+from . import __version__, distributed
 from .config import Config
 from .distributed import World
 from .errors import ConfigError, Interrupted
@@ -18,23 +20,53 @@ from .io.data import Batch, code_file, data_files, open_dataset
 from .io.lock import OutputLock
 from .io.model import file_sha256
 from .io.parquet import PartialRun
-from .job import Job
+from .job import Job, resolve_device
 from .scorers import Inputs, NormsScorer, Scorer
 
 
 def run_inputs(cfg: Config, more: Inputs = ()) -> Inputs:
-    """Every file the run reads: config, code, checkpoints, data, and the scorer's ``more``."""
-    named = [("config file", cfg.source)] if cfg.source else []
-    for key, spec in (("model.factory", cfg.model.factory), ("loss.name", cfg.loss.name)):
-        if code_file(spec):
+    """Every file and folder the run reads: config, code, checkpoints, data, the report's
+    tokenizer, and the scorer's ``more``."""
+    return config_inputs(cfg.to_dict()) + list(more)
+
+
+def config_inputs(config: dict) -> Inputs:
+    """The files and folders a config reads, from ``Config.to_dict()`` or a scores file's
+    metadata (absolute paths; a key that is missing or not a path names nothing)."""
+    model, data, loss, report = (
+        _mapping(config.get(k)) for k in ("model", "data", "loss", "report")
+    )
+    named = [("config file", config["source"])] if config.get("source") else []
+    for key, spec in (("model.factory", model.get("factory")), ("loss.name", loss.get("name"))):
+        if isinstance(spec, str) and code_file(spec):
             named.append((key, code_file(spec)))
-    if cfg.model.pretrained:  # a folder: each of its files is fingerprinted
-        named.append(("model.pretrained", cfg.model.pretrained))
-    if cfg.model.checkpoint:
-        named.append(("model.checkpoint", cfg.model.checkpoint))
-    named += [("model.checkpoints", c.path) for c in cfg.model.checkpoints]
-    named += [("data.path", f) for f in data_files(cfg.data.path)]
-    return named + list(more)
+    for key, path in (
+        ("model.pretrained", model.get("pretrained")),  # a folder: each of its files is an input
+        ("model.checkpoint", model.get("checkpoint")),
+        ("report.tokenizer", report.get("tokenizer")),
+    ):
+        if isinstance(path, str):
+            named.append((key, path))
+    checkpoints = model.get("checkpoints") or []
+    named += [("model.checkpoints", c["path"]) for c in checkpoints if isinstance(c, dict)]
+    if isinstance(data.get("path"), (str, list)):
+        named += [("data.path", f) for f in data_files(data["path"])]
+    return named
+
+
+def metadata_inputs(meta: dict) -> Inputs:
+    """What the run that wrote a scores file read, as its ``gradscope`` metadata names it."""
+    named = config_inputs(meta.get("config") or {})
+    influence = _mapping(meta.get("influence"))
+    if isinstance(influence.get("ref"), str):
+        named += [("--ref", f) for f in data_files(influence["ref"])]
+    if isinstance(influence.get("precondition"), dict):
+        named.append(("--precondition", influence["precondition"]["path"]))
+    return named
+
+
+def _mapping(value: object) -> dict:
+    return value if isinstance(value, dict) else {}
 
 
 def _same(a: Path, b: str) -> bool:
@@ -46,8 +78,14 @@ def _same(a: Path, b: str) -> bool:
         return False
 
 
+def _inside(path: Path, folder: str) -> bool:
+    top = os.path.realpath(folder)
+    return os.path.isdir(top) and os.path.commonpath([os.path.realpath(path), top]) == top
+
+
 def check_output(path: str | Path, inputs: Inputs) -> None:
-    """Refuse, before anything runs, an output that is one of the inputs or cannot be a file."""
+    """Refuse, before anything runs, an output that is one of the inputs or lies inside an input
+    folder, or that is not a regular file (or a new name) in an existing folder."""
     path = Path(path)
     for key, file in inputs:
         if _same(path, file):
@@ -56,11 +94,23 @@ def check_output(path: str | Path, inputs: Inputs) -> None:
                 "choose another --out or output.path",
                 str(path),
             )
+        if _inside(path, file):
+            raise ConfigError(
+                f"the output path is inside the run's {key} folder ({file}); writing there would "
+                "change what the run reads, choose another --out or output.path",
+                str(path),
+            )
     if path.is_dir():
         raise ConfigError("the output path is a folder; give a file name", str(path))
-    parent = next(p for p in path.parents if p.exists())
-    if not parent.is_dir():
-        raise ConfigError(f"the output's folder {parent} is a file", str(path))
+    if path.exists() and not path.is_file():
+        raise ConfigError(
+            "the output path is not a regular file (a device, pipe or socket); give a file name",
+            str(path),
+        )
+    if path.parent.exists() and not path.parent.is_dir():
+        raise ConfigError(f"the output's folder {path.parent} is a file", str(path))
+    if not path.parent.is_dir():
+        raise ConfigError(f"the output's folder {path.parent} does not exist", str(path))
 
 
 def _file_state(path: str) -> dict:
@@ -75,9 +125,12 @@ def _file_state(path: str) -> dict:
     return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": file_sha256(path)}
 
 
-def fingerprint(cfg: Config, command: str, inputs: Inputs, resume_key: dict | None) -> dict:
+def fingerprint(
+    cfg: Config, command: str, inputs: Inputs, resume_key: dict | None, device: str = "cpu"
+) -> dict:
     """What a partial run must share with the run that resumes it, as JSON reads it back: the
-    command, the config, and the state of every data and code file and checkpoint it reads."""
+    command, the config, gradscope's and torch's versions, the kind of ``device`` (cpu, cuda),
+    and the state of every data and code file and checkpoint it reads."""
     config = cfg.to_dict()
     for key in ("summary", "source", "device"):  # display, file name, placement (ranks differ)
         config.pop(key)
@@ -86,7 +139,15 @@ def fingerprint(cfg: Config, command: str, inputs: Inputs, resume_key: dict | No
         for key, file in inputs
         if key != "config file" and os.path.exists(file)
     }
-    result = {"command": command, "config": config, "files": files, **(resume_key or {})}
+    result = {
+        "command": command,
+        "config": config,
+        "files": files,
+        "version": __version__,
+        "torch": torch.__version__,
+        "device": device,
+        **(resume_key or {}),
+    }
     return json.loads(json.dumps(result, default=str))
 
 
@@ -156,7 +217,7 @@ class _Parts:
         self.begun = True
         distributed.barrier()
         if self.world.main and self.done is None:
-            self.run.start({"fingerprint": self.key})
+            self.run.start()
         distributed.barrier()
 
 
@@ -186,28 +247,38 @@ def score_dataset(
     with distributed.session() as world, contextlib.ExitStack() as stack:
         if world.main:
             stack.enter_context(OutputLock(cfg.output.path))
-        run = PartialRun(cfg.output.path)
-        key = fingerprint(cfg, scorer.command, inputs, scorer.resume_key())
+        device = world.device(cfg.device)
+        key = fingerprint(
+            cfg, scorer.command, inputs, scorer.resume_key(), resolve_device(device).type
+        )
+        run = PartialRun(cfg.output.path, key)
         parts = _Parts(run, world, key, resumed_parts(run, key) if resume else None)
-        job = Job.from_config(
-            dataclasses.replace(cfg, device=world.device(cfg.device)), trust_checkpoint
-        )
-        dataset = open_dataset(cfg.data)
-        length = dataset.length
-        if length is not None and cfg.data.limit is not None:
-            length = min(length, cfg.data.limit)
-        if on_start:
-            on_start(world.rows(length, cfg.data.batch_size))
-        stack.enter_context(scorer)
-        stack.enter_context(job.engine)
-        scorer.setup(job)
-        count = _score(
-            parts, job, scorer, dataset.batches(cfg.data.batch_size, cfg.data.limit), on_batch
-        )
-        distributed.barrier()  # every rank's parts are written
-        if not world.main:
-            return None
-        return run.assemble(count, job.metadata(scorer.command) | scorer.metadata())
+        try:
+            job = Job.from_config(dataclasses.replace(cfg, device=device), trust_checkpoint)
+            dataset = open_dataset(cfg.data)
+            length = dataset.length
+            if length is not None and cfg.data.limit is not None:
+                length = min(length, cfg.data.limit)
+            if on_start:
+                on_start(world.rows(length, cfg.data.batch_size))
+            stack.enter_context(scorer)
+            stack.enter_context(job.engine)
+            scorer.setup(job)
+            batches = dataset.batches(cfg.data.batch_size, cfg.data.limit)
+            count = _score(parts, job, scorer, batches, on_batch)
+            distributed.barrier()  # every rank's parts are written
+            if not world.main:
+                return None
+            return run.assemble(count, job.metadata(scorer.command) | scorer.metadata())
+        except KeyboardInterrupt:  # (or SIGTERM) outside a batch: loading, or assembling
+            saved = len(list(run.dir.glob("part-*.parquet")))
+            if not saved:
+                raise  # nothing saved: the CLI says so
+            raise Interrupted(
+                f"interrupted with {saved} batches saved; run the same command with --resume "
+                "to continue",
+                str(run.dir),
+            ) from None
 
 
 def _score(

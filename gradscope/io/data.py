@@ -187,7 +187,7 @@ def shard_paths(path: str | Sequence[str]) -> list[str]:
             from .arrow import arrow_files
 
             files.extend(arrow_files(Path(spec)))
-        elif is_glob(spec) and ".py:" not in spec:
+        elif is_glob(spec) and ".py:" not in spec and not Path(spec).exists():
             matches = sorted(glob.glob(spec))
             if not matches:
                 raise DataError("no data file matches the pattern", spec)
@@ -203,8 +203,19 @@ def code_file(spec: str) -> str | None:
 
 
 def data_files(path: str | Sequence[str]) -> list[str]:
-    """The files a data path reads: each file, each glob's matches, each ``file.py:fn``'s file."""
-    return [code_file(spec) or spec for spec in shard_paths(path)]
+    """The files and folders a data path reads: each file, each glob's matches, each
+    ``save_to_disk`` folder whole (its ``state.json`` too), each ``file.py:fn``'s file. Read
+    nothing: a glob that matches nothing or an unreadable folder is its reader's to report."""
+    specs = [path] if isinstance(path, str) else list(path)
+    files: list[str] = []
+    for spec in specs:
+        if code_file(spec):
+            files.append(code_file(spec))
+        elif is_glob(spec) and not Path(spec).exists():
+            files.extend(sorted(glob.glob(spec)))
+        else:
+            files.append(spec)
+    return files
 
 
 def data_sha256(path: str) -> str | None:

@@ -11,8 +11,8 @@ import numpy as np
 from .. import __version__
 from ..config import Config
 from ..errors import DataError
-from ..io.parquet import read_metadata
-from ..run import check_output, run_inputs
+from ..io.parquet import read_metadata, replace_atomically
+from ..run import check_output, metadata_inputs, run_inputs
 from ..summary import Outliers, column, fmt, is_labels, rank
 from . import charts
 from .examples import Shown, show_examples
@@ -125,13 +125,8 @@ def write_report(
     if not scores.is_file():
         raise DataError("scores file not found", str(scores))
     target = Path(out) if out is not None else scores.with_suffix(".html")
-    check_output(target, [("scores file", str(scores)), *(run_inputs(cfg) if cfg else [])])
-    page = render(scores, cfg, by, top_k)
-    temporary = target.with_name(f".{target.name}.tmp")
-    try:
-        temporary.write_text(page, encoding="utf-8")
-        temporary.replace(target)
-    except OSError as e:  # a missing or read-only folder, a directory at ``out``, a full disk
-        temporary.unlink(missing_ok=True)
-        raise DataError(f"cannot write the report: {e.strerror or e}", str(target)) from e
+    inputs = [("scores file", str(scores)), *metadata_inputs(read_metadata(scores))]
+    check_output(target, inputs + (run_inputs(cfg) if cfg else []))
+    page = render(scores, cfg, by, top_k).encode("utf-8")
+    replace_atomically(target, lambda f: f.write(page), "the report")
     return target
