@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import reprlib
 import types
 from dataclasses import dataclass, field
@@ -73,6 +74,7 @@ class ParamsConfig:
 class OutputConfig:
     path: str = "scores.parquet"
     per_layer: bool = False
+    metadata: str = "full"  # minimal: no config values and no absolute paths in the file
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,49 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+MAX_VALUES = 100_000  # a config holds far fewer; nested YAML aliases can expand to billions
+
+
+class _Loader(yaml.SafeLoader):
+    """Safe YAML that refuses a key given twice and a key that is not a string."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # <<: *anchor
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, str):
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {_shown(key)} is not a string; quote it", key_node.start_mark
+                )
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key '{key}' is given twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _count_values(raw: Any, source: str) -> None:
+    """Refuse a config that expands (through aliases) to more than MAX_VALUES values, before
+    anything copies it: each alias is walked again, so the walk stops at the limit."""
+    stack, count = [raw], 0
+    while stack:
+        value = stack.pop()
+        count += 1
+        if count > MAX_VALUES:
+            raise ConfigError(
+                f"the config expands to more than {MAX_VALUES} values (YAML aliases nested in "
+                "aliases?)",
+                source,
+            )
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
 
 
 def _shown(value: Any) -> str:
@@ -217,7 +262,7 @@ def output_path(spec: str | Path, base: Path, where: str) -> str:
 
 def _validate(cfg: Config) -> None:
     source = cfg.source
-    if cfg.device.split(":")[0] not in DEVICES:
+    if not re.fullmatch(r"auto|(cpu|cuda|mps)(:\d+)?", cfg.device):
         raise ConfigError(
             f"'device' must be one of {', '.join(DEVICES)} or cuda:N, got {cfg.device!r}", source
         )
@@ -227,6 +272,10 @@ def _validate(cfg: Config) -> None:
         names = ", ".join(LOSS_NAMES)
         raise ConfigError(
             f"'loss.name' must be one of {names} or file.py:fn, got {cfg.loss.name!r}", source
+        )
+    if cfg.output.metadata not in ("full", "minimal"):
+        raise ConfigError(
+            f"'output.metadata' must be full or minimal, got {cfg.output.metadata!r}", source
         )
     if cfg.loss.token_reduction not in ("mean", "sum"):
         raise ConfigError(
@@ -291,7 +340,7 @@ def load_config(path: str | Path) -> Config:
     if not path.is_file():
         raise ConfigError("config file not found", str(path))
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)  # a SafeLoader
     except UnicodeDecodeError as e:
         raise ConfigError(
             f"the config is not UTF-8 text: {e.reason} at byte {e.start}", str(path)
@@ -300,6 +349,7 @@ def load_config(path: str | Path) -> Config:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}, line {mark.line + 1}" if mark else str(path)
         raise ConfigError(f"malformed YAML: {getattr(e, 'problem', e)}", where) from e
+    _count_values(raw, str(path))
     cfg = _build(Config, raw if raw is not None else {}, "", str(path))
     base = path.resolve().parent
     loss_name = cfg.loss.name

@@ -65,6 +65,20 @@ def metadata_inputs(meta: dict) -> Inputs:
     return named
 
 
+def minimal(metadata: object) -> object:
+    """``output.metadata: minimal``: the metadata without the config and without any value that
+    is an absolute path (a reference, a checkpoint); versions, hashes and the plan stay."""
+    if isinstance(metadata, dict):
+        return {k: minimal(v) for k, v in metadata.items() if k != "config" and not _path(v)}
+    if isinstance(metadata, list):
+        return [minimal(v) for v in metadata if not _path(v)]
+    return metadata
+
+
+def _path(value: object) -> bool:
+    return isinstance(value, str) and os.path.isabs(value)
+
+
 def _mapping(value: object) -> dict:
     return value if isinstance(value, dict) else {}
 
@@ -269,7 +283,10 @@ def score_dataset(
             distributed.barrier()  # every rank's parts are written
             if not world.main:
                 return None
-            return run.assemble(count, job.metadata(scorer.command) | scorer.metadata())
+            metadata = job.metadata(scorer.command) | scorer.metadata()
+            if cfg.output.metadata == "minimal":
+                metadata = minimal(metadata)
+            return run.assemble(count, metadata)
         except KeyboardInterrupt:  # (or SIGTERM) outside a batch: loading, or assembling
             saved = len(list(run.dir.glob("part-*.parquet")))
             if not saved:

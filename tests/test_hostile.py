@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from project import edit_config, make_project
+from project import edit_config, edit_data, make_project
 from typer.testing import CliRunner
 
 from gradscope.cli import app
@@ -203,3 +203,156 @@ def test_report_temporary_and_partial_folder_links_are_not_followed(tmp_path):
     assert (tmp_path / "scores.html").read_text().startswith("<!")
     assert target.read_text() == "precious\n" and (elsewhere / "keep.txt").read_text() == "kept"
     assert not partial_path(tmp_path / "scores.parquet").exists()
+
+
+class Marker:
+    """A pickle that touches a file when loaded: loading must not run it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return Path.touch, (self.path,)
+
+
+MORE_CODE = """
+
+class Detached(Net):
+    pass
+
+
+def detached(outputs, targets):
+    import torch.nn.functional as F
+    return F.cross_entropy(outputs.detach(), targets, reduction="none")
+
+
+class Dollar(nn.Module):
+    '''A module whose name is TeX to matplotlib.'''
+
+    def __init__(self):
+        super().__init__()
+        self.add_module("a$^$b", nn.Linear(5, 3))
+
+    def forward(self, x):
+        return getattr(self, "a$^$b")(x)
+"""
+
+# a billion laughs in model.kwargs, which takes any mapping: copying it never ends
+BOMB = "    a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"    {b}: &{b} [*{a}, *{a}, *{a}, *{a}, *{a}, *{a}, *{a}, *{a}, *{a}, *{a}]\n"
+    for a, b in zip("abcdefg", "bcdefgh", strict=True)
+)
+
+
+def bomb(root: Path) -> None:
+    text = (root / "config.yaml").read_text()
+    (root / "config.yaml").write_text(text.replace("model:\n", "model:\n  kwargs:\n" + BOMB))
+
+
+def labels(value: int):
+    return lambda r: edit_data(r, lambda d: d["y"].__setitem__(5, value))
+
+
+def binary_targets(root: Path) -> None:
+    edit_data(root, lambda d: d.update(y=torch.randint(0, 2, d["y"].shape).float() * 2 - 1))
+    edit_config(root, lambda c: c["model"].update(kwargs={"classes": 1}, checkpoint=None))
+    edit_config(root, lambda c: c.update(loss={"name": "bce_with_logits"}))
+
+
+def widths(root: Path) -> None:
+    """Two shards whose inputs differ in width; batch 2 takes rows from both."""
+    data = torch.load(root / "data.pt")
+    (root / "shards").mkdir()
+    torch.save({k: v[:10] for k, v in data.items()}, root / "shards" / "a.pt")
+    wide = {k: v[10:] for k, v in data.items()} | {"x": torch.randn(13, 6)}
+    torch.save(wide, root / "shards" / "b.pt")
+    edit_config(root, lambda c: c["data"].update(path="shards/*.pt"))
+
+
+def state_json(text: str):
+    def spoil(root: Path) -> None:
+        folder(root, "ds", "data-00000-of-00001.arrow")
+        (root / "ds" / "state.json").write_text(text)
+        edit_config(root, lambda c: c["data"].update(path="ds"))
+
+    return spoil
+
+
+def lfs_checkpoint(root: Path) -> None:
+    (root / "net.pt").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\n")
+
+
+def pickled_data(root: Path) -> None:
+    torch.save({"x": Marker(root / "ran")}, root / "data.pt")
+
+
+# (id, how to spoil the project, arguments, start of the error line, text it must name)
+CASES = [
+    ("label-too-large", labels(3), [], "target 3 is not a class id of the model's 3 outputs", "data.targets"),
+    ("label-negative", labels(-1), [], "target -1 is not a class id of the model's 3 outputs", "data.targets"),
+    ("bce-plus-minus-one", binary_targets, [], "bce_with_logits takes targets in [0, 1] (the probability of class 1); found -1", "data.targets"),
+    (
+        "duplicate-yaml-key",
+        lambda r: (r / "config.yaml").write_text((r / "config.yaml").read_text() + "device: cuda\n"),
+        [],
+        "malformed YAML: key 'device' is given twice",
+        "config.yaml, line",
+    ),
+    (
+        "non-string-yaml-key",
+        lambda r: edit_config(r, lambda c: c["model"].update(kwargs={1: 2})),
+        [],
+        "malformed YAML: key 1 is not a string; quote it",
+        "config.yaml, line",
+    ),
+    ("yaml-alias-bomb", bomb, [], "the config expands to more than 100000 values", "config.yaml"),
+    ("device-cpu-abc", None, ["--device", "cpu:abc"], "'device' must be one of", "'cpu:abc'"),
+    ("shards-of-different-widths", widths, [], "row 10 and the rows before it do not fit one batch", "data.path"),
+    ("corrupt-state-json", state_json("{"), [], "state.json does not list the dataset's files", "state.json"),
+    (
+        "state-json-outside-the-folder",
+        state_json('{"_data_files": [{"filename": "../data.pt"}]}'),
+        [],
+        "state.json names '../data.pt', not a file inside the dataset folder",
+        "state.json",
+    ),
+    (
+        "detached-loss",
+        lambda r: edit_config(r, lambda c: c.update(loss={"name": "model.py:detached"})),
+        [],
+        "the loss is detached from the model's outputs",
+        "(loss)",
+    ),
+    ("lfs-pointer-checkpoint", lfs_checkpoint, [], "a Git LFS pointer, not the file itself", "net.pt"),
+    ("lfs-pointer-trusted", lfs_checkpoint, ["--trust-checkpoint"], "a Git LFS pointer", "net.pt"),
+    ("pickle-in-data", pickled_data, [], "the data file holds objects other than tensors", "data.pt"),
+    ("rank-out-of-range", None, ["env:WORLD_SIZE=2", "env:RANK=5"], "RANK 5 is not a rank of WORLD_SIZE 2", "environment"),
+    (
+        "world-size-without-master",
+        None,
+        ["env:WORLD_SIZE=2", "env:RANK=1"],
+        "WORLD_SIZE is 2 but MASTER_ADDR and MASTER_PORT are not set",
+        "environment",
+    ),
+    ("metadata-setting", lambda r: edit_config(r, lambda c: c["output"].update(metadata="none")), [], "'output.metadata' must be full or minimal", "config.yaml"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("spoil", "args", "message", "names"), [pytest.param(*case[1:], id=case[0]) for case in CASES]
+)
+def test_exit_2_with_one_line(tmp_path, monkeypatch, spoil, args, message, names):
+    for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for arg in [a for a in args if a.startswith("env:")]:
+        monkeypatch.setenv(*arg[4:].split("="))
+    config = make_project(tmp_path)
+    with (tmp_path / "model.py").open("a") as f:
+        f.write(MORE_CODE)
+    if spoil:
+        spoil(tmp_path)
+    args = [a for a in args if not a.startswith("env:")]
+    result = runner.invoke(app, ["norms", str(config), *args])
+    line = one_error(result)
+    assert line.startswith(f"error: {message}") and names in line, line
+    assert not list(tmp_path.glob("*.parquet")) and not (tmp_path / "ran").exists()

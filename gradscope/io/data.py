@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import pickle
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from torch import Tensor
 from ..config import DataConfig
 from ..errors import DataError
 from .batch import Batch, Columns, Selection, is_glob, rebatch
-from .model import file_sha256, import_object
+from .model import LFS_POINTER, file_sha256, import_object, lfs_pointer
 
 FORMATS = (".pt", ".pth", ".npz", ".parquet", ".csv", ".arrow")
 
@@ -77,7 +78,16 @@ def _file_source(path: str) -> _Source:
     if suffix in (".pt", ".pth"):
 
         def read_pt(_: int) -> Iterator[Columns]:
-            columns = torch.load(file, map_location="cpu", weights_only=True)
+            if lfs_pointer(file):
+                raise DataError(LFS_POINTER, str(file))
+            try:
+                columns = torch.load(file, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as e:  # torch's advice runs to eight lines
+                raise DataError(
+                    "the data file holds objects other than tensors and is not loaded (that "
+                    "would run its pickle): save a dict of tensors",
+                    str(file),
+                ) from e
             if not isinstance(columns, dict):
                 raise DataError(
                     f"expected a dict of tensors, found a {type(columns).__name__}", str(file)
@@ -218,12 +228,12 @@ def data_files(path: str | Sequence[str]) -> list[str]:
     return files
 
 
-def data_sha256(path: str) -> str | None:
-    """The sha256 of a data file; of a folder or glob, one over its files' names and hashes in
-    order; None for ``file.py:fn`` and for a missing file (its reader reports it)."""
-    if ".py:" in path:
-        return None
+def data_sha256(path: str | Sequence[str]) -> str | None:
+    """The sha256 of a data file; of a folder, glob or list, one over its files' names and hashes
+    in order; None for ``file.py:fn`` and for a missing file (its reader reports it)."""
     files = shard_paths(path)
+    if any(".py:" in f for f in files):
+        return None
     if files == [path]:
         return file_sha256(path) if Path(path).is_file() else None
     listing = "\n".join(f"{f} {file_sha256(f)}" for f in files)

@@ -75,6 +75,15 @@ def _sha256(path: str, size: int, mtime_ns: int) -> str:
     return digest.hexdigest()
 
 
+LFS_POINTER = "a Git LFS pointer, not the file itself: run `git lfs pull` to fetch it"
+
+
+def lfs_pointer(path: str | Path) -> bool:
+    """Whether the file is a Git LFS pointer (a few lines of text standing in for the file)."""
+    with open(path, "rb") as f:
+        return f.read(24) == b"version https://git-lfs."
+
+
 def load_state_dict(
     path: str | Path,
     trust: bool = False,
@@ -88,6 +97,8 @@ def load_state_dict(
     path = Path(path)
     if not path.is_file():
         raise ModelError("checkpoint not found", str(path))
+    if lfs_pointer(path):
+        raise ModelError(LFS_POINTER, str(path))
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
@@ -98,13 +109,15 @@ def load_state_dict(
     try:
         return torch.load(path, map_location="cpu", weights_only=not trust)
     except pickle.UnpicklingError as e:
+        if trust:  # not a pickle torch can read at all
+            raise ModelError(f"cannot read checkpoint: {one_line(e)}", str(path)) from e
         raise ModelError(
             f"checkpoint holds objects other than tensors and cannot be loaded with "
             f"weights_only=True{hint}",
             str(path),
         ) from e
     except (RuntimeError, EOFError, OSError) as e:
-        raise ModelError(f"cannot read checkpoint: {e}", str(path)) from e
+        raise ModelError(f"cannot read checkpoint: {one_line(e)}", str(path)) from e
 
 
 def _extract(state: Any, cfg: ModelConfig, path: str) -> dict[str, torch.Tensor]:
@@ -136,7 +149,13 @@ def _from_hf(factory: Any, cfg: ModelConfig) -> nn.Module:
             raise ModelError("not a save_pretrained folder: it has no config.json", cfg.pretrained)
         try:
             return factory.from_pretrained(cfg.pretrained, local_files_only=True, **cfg.kwargs)
-        except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:
+        except pickle.UnpicklingError as e:  # torch.load(weights_only=True) of a .bin
+            raise ModelError(
+                "a weights file in the folder holds objects other than tensors and is not "
+                "loaded (that would run its pickle); save the model as safetensors",
+                cfg.pretrained,
+            ) from e
+        except Exception as e:  # OSError, ValueError, safetensors' own error for a cut file, ...
             raise ModelError(
                 f"cannot load {factory.__name__} from the folder: {one_line(e)}", cfg.pretrained
             ) from e

@@ -11,6 +11,7 @@ import numpy as np
 from .. import __version__
 from ..config import Config
 from ..errors import DataError
+from ..io.data import data_sha256
 from ..io.parquet import read_metadata, replace_atomically
 from ..run import check_output, metadata_inputs, run_inputs
 from ..summary import Outliers, column, fmt, is_labels, rank
@@ -86,6 +87,8 @@ def _charts(found: Outliers) -> list[tuple[str, str]]:
 def render(scores: Path, cfg: Config | None, by: str | None, top_k: int) -> str:
     """The report page of a scores file as HTML text."""
     found = rank(scores, by, top_k)
+    if not len(found.values):
+        raise DataError("the scores file has no rows: nothing to report", str(scores))
     header, rows = _rows(found, cfg)
     meta = read_metadata(scores)
     env = jinja2.Environment(
@@ -125,8 +128,15 @@ def write_report(
     if not scores.is_file():
         raise DataError("scores file not found", str(scores))
     target = Path(out) if out is not None else scores.with_suffix(".html")
-    inputs = [("scores file", str(scores)), *metadata_inputs(read_metadata(scores))]
+    meta = read_metadata(scores)
+    inputs = [("scores file", str(scores)), *metadata_inputs(meta)]
     check_output(target, inputs + (run_inputs(cfg) if cfg else []))
+    if cfg and meta.get("data_sha256") and meta["data_sha256"] != data_sha256(cfg.data.path):
+        raise DataError(
+            "the data changed since it was scored (its sha256 differs from the one the scores "
+            "file records): the examples shown would not be the ones scored; score it again",
+            str(cfg.data.path),
+        )
     page = render(scores, cfg, by, top_k).encode("utf-8")
     replace_atomically(target, lambda f: f.write(page), "the report")
     return target
