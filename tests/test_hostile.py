@@ -3,32 +3,32 @@ command prints a traceback or a misleading line."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import secrets
+import signal
+import socket
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
+import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 import torch
-from project import edit_config, edit_data, make_project
+from project import edit_config, edit_data, launch, make_project, slow_project, wait_for_parts
+from test_bad_input import Marker
+from test_run_safety import files, interrupted, one_error
+from test_run_safety import project as held_project
 from typer.testing import CliRunner
 
 from gradscope.cli import app
 from gradscope.io.lock import lock_path
-from gradscope.io.parquet import partial_path
+from gradscope.io.parquet import partial_path, read_metadata
 
 runner = CliRunner()
-
-
-def files(root: Path) -> dict[str, bytes]:
-    return {str(p): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def one_error(result) -> str:
-    assert result.exit_code == 2, result.output
-    (line,) = result.stderr.strip().splitlines()
-    assert line.startswith("error: ") and "Traceback" not in result.output
-    return line
 
 
 def folder(root: Path, name: str, *names: str) -> None:
@@ -205,16 +205,6 @@ def test_report_temporary_and_partial_folder_links_are_not_followed(tmp_path):
     assert not partial_path(tmp_path / "scores.parquet").exists()
 
 
-class Marker:
-    """A pickle that touches a file when loaded: loading must not run it."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __reduce__(self):
-        return Path.touch, (self.path,)
-
-
 MORE_CODE = """
 
 class Detached(Net):
@@ -356,3 +346,210 @@ def test_exit_2_with_one_line(tmp_path, monkeypatch, spoil, args, message, names
     line = one_error(result)
     assert line.startswith(f"error: {message}") and names in line, line
     assert not list(tmp_path.glob("*.parquet")) and not (tmp_path / "ran").exists()
+
+
+def whole_run(config: Path, root: Path) -> pd.DataFrame:
+    out = root / "whole.parquet"
+    assert runner.invoke(app, ["norms", str(config), "--out", str(out)]).exit_code == 0
+    return pd.read_parquet(out)
+
+
+def test_ctrl_c_while_assembling_says_every_batch_is_saved(tmp_path, monkeypatch):
+    config = make_project(tmp_path)  # 23 rows: 6 batches of 4
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pq, "read_table", interrupt)  # read only when assembling
+    result = runner.invoke(app, ["norms", str(config)])
+    assert result.exit_code == 130, result.output
+    partial = partial_path(tmp_path / "scores.parquet")
+    assert result.stderr.strip().splitlines() == [
+        f"error: interrupted with 6 batches saved; run the same command with --resume to "
+        f"continue ({partial})"
+    ]
+    assert not (tmp_path / "scores.parquet").exists() and not list(tmp_path.glob(".*.tmp"))
+    assert not lock_path(tmp_path / "scores.parquet").exists()
+    monkeypatch.undo()
+    assert runner.invoke(app, ["norms", str(config), "--resume"]).exit_code == 0
+    pd.testing.assert_frame_equal(
+        pd.read_parquet(tmp_path / "scores.parquet"), whole_run(config, tmp_path), check_exact=True
+    )
+
+
+def test_sigterm_is_handled_as_ctrl_c(tmp_path):
+    config = slow_project(tmp_path)
+    out = tmp_path / "scores.parquet"
+    proc = launch(config)
+    wait_for_parts(out, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    (line,) = stderr.strip().splitlines()
+    assert line.startswith("error: interrupted with ") and "--resume" in line, line
+    assert not lock_path(out).exists() and not list(tmp_path.rglob("*.tmp"))
+    resumed = runner.invoke(app, ["norms", str(config), "--batch-size", "2", "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    whole = tmp_path / "whole.parquet"
+    args = ["norms", str(config), "--batch-size", "2", "--out", str(whole)]
+    assert runner.invoke(app, args).exit_code == 0
+    pd.testing.assert_frame_equal(pd.read_parquet(out), pd.read_parquet(whole), check_exact=True)
+
+
+def test_a_part_copied_in_from_another_run_is_scored_again(tmp_path, monkeypatch):
+    config = held_project(tmp_path, model__factory="held.py:StopNet")
+    interrupted(config, monkeypatch)  # batches 0 and 1 saved
+    ours = partial_path(tmp_path / "scores.parquet")
+    foreign = pd.read_parquet(ours / "part-000000000.parquet").assign(grad_norm=999.0)
+    foreign.to_parquet(ours / "part-000000002.parquet")  # another run's rows, not stamped ours
+    assert runner.invoke(app, ["norms", str(config), "--resume"]).exit_code == 0
+    frame = pd.read_parquet(tmp_path / "scores.parquet")
+    assert 999.0 not in frame["grad_norm"].tolist()
+    pd.testing.assert_frame_equal(frame, whole_run(config, tmp_path), check_exact=True)
+
+
+@pytest.mark.parametrize(
+    ("manifest", "message"),
+    [
+        ("[]", "the partial run's manifest.json is damaged; run without --resume"),
+        ("", "nothing to resume: no interrupted run of this output"),
+    ],
+)
+def test_resume_after_a_new_version_or_with_a_damaged_manifest(
+    tmp_path, monkeypatch, manifest, message
+):
+    config = held_project(tmp_path, model__factory="held.py:StopNet")
+    interrupted(config, monkeypatch)
+    with monkeypatch.context() as patched:
+        patched.setattr("gradscope.run.__version__", "0.0.0+other")
+        line = one_error(runner.invoke(app, ["norms", str(config), "--resume"]))
+        assert "cannot resume: the interrupted run had a different version" in line, line
+    (partial_path(tmp_path / "scores.parquet") / "manifest.json").write_text(manifest)
+    line = one_error(runner.invoke(app, ["norms", str(config), "--resume"]))
+    assert line.startswith(f"error: {message}"), line
+
+
+def test_report_refuses_data_changed_since_it_was_scored(tmp_path):
+    config = make_project(tmp_path)
+    assert runner.invoke(app, ["norms", str(config)]).exit_code == 0
+    scores = str(tmp_path / "scores.parquet")
+    assert runner.invoke(app, ["report", scores, "--config", str(config)]).exit_code == 0
+    edit_data(tmp_path, lambda d: d["x"].mul_(2))
+    line = one_error(runner.invoke(app, ["report", scores, "--config", str(config)]))
+    assert line.startswith("error: the data changed since it was scored"), line
+    assert str(tmp_path / "data.pt") in line
+
+
+def test_csv_shards_whose_target_types_differ_assemble(tmp_path):
+    config = make_project(
+        tmp_path,
+        model__factory="model.py:Columns",
+        model__kwargs={"classes": 1},
+        model__checkpoint=None,
+        data__path="shard-*.csv",
+        data__inputs=[f"f{k}" for k in range(5)],
+        loss={"name": "mse"},
+    )
+    g = torch.Generator().manual_seed(0)
+    for n, target in enumerate(["{:.2f}", "{:.0f}"]):  # 0.37, ... then whole numbers: int64
+        rows = torch.randn(9, 6, generator=g).tolist()
+        lines = [",".join(f"{v:.3f}" for v in r[:5]) + "," + target.format(r[5]) for r in rows]
+        (tmp_path / f"shard-{n}.csv").write_text("f0,f1,f2,f3,f4,y\n" + "\n".join(lines) + "\n")
+    result = runner.invoke(app, ["norms", str(config)])
+    assert result.exit_code == 0, result.output
+    frame = pd.read_parquet(tmp_path / "scores.parquet")
+    assert len(frame) == 18 and frame["target"].dtype == "float64"
+    assert frame["target"].iloc[9:].tolist() == [round(v) for v in frame["target"].iloc[9:]]
+
+
+def test_check_leaves_out_a_nan_example_and_says_so(tmp_path):
+    config = make_project(tmp_path)
+    edit_data(tmp_path, lambda d: d["x"].__setitem__((2, 1), float("nan")))
+    result = runner.invoke(app, ["check", str(config)])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "1 example(s) with a NaN or infinite loss left out" in text
+    assert "norms, 7 examples" in text and not re.search(r"\bnan\b", text.split("norms:")[0])
+
+
+def test_report_of_a_dollar_module_and_of_no_rows(tmp_path):
+    config = make_project(tmp_path, model__factory="model.py:Dollar", model__checkpoint=None)
+    with (tmp_path / "model.py").open("a") as f:
+        f.write(MORE_CODE)
+    result = runner.invoke(app, ["norms", str(config), "--per-layer", "--report"])
+    assert result.exit_code == 0, result.output
+    assert "a$^$b" in (tmp_path / "scores.html").read_text()
+    table = pq.read_table(tmp_path / "scores.parquet")
+    pq.write_table(table.slice(0, 0), tmp_path / "empty.parquet")
+    line = one_error(runner.invoke(app, ["report", str(tmp_path / "empty.parquet")]))
+    assert line.startswith("error: the scores file has no rows"), line
+
+
+def test_pretrained_folder_with_a_cut_or_pickled_weights_file(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    gpt2 = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=8, n_layer=1, n_head=2)
+    transformers.GPT2LMHeadModel(gpt2).save_pretrained(tmp_path / "lm")
+    config = make_project(
+        tmp_path,
+        model={"factory": "transformers:GPT2LMHeadModel", "pretrained": "lm"},
+    )
+    weights = tmp_path / "lm" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    line = one_error(runner.invoke(app, ["norms", str(config)]))
+    assert line.startswith("error: cannot load GPT2LMHeadModel from the folder"), line
+    weights.unlink()
+    torch.save(
+        {"transformer.wte.weight": Marker(tmp_path / "ran")}, weights.with_name("pytorch_model.bin")
+    )
+    line = one_error(runner.invoke(app, ["norms", str(config)]))
+    assert "a weights file in the folder holds objects other than tensors" in line, line
+    assert not (tmp_path / "ran").exists()
+
+
+INSIDE_A_RANK = """
+import subprocess, sys
+sys.exit(subprocess.run([sys.executable, "-m", "gradscope", "norms", sys.argv[1]]).returncode)
+"""
+
+
+def test_started_inside_a_torchrun_worker_it_runs_alone(tmp_path):
+    """The worker's WORLD_SIZE, RANK and MASTER_* are inherited: no rendezvous to wait for."""
+    config = make_project(tmp_path)
+    with socket.socket() as s:  # a port where no one listens
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", INSIDE_A_RANK, str(config)],
+        env={**os.environ, **worker}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(pd.read_parquet(tmp_path / "scores.parquet")) == 23
+
+
+def test_minimal_metadata_holds_no_config_and_no_path(tmp_path):
+    config = make_project(tmp_path, output__metadata="minimal")
+    torch.save({"x": torch.randn(3, 5), "y": torch.randint(0, 3, (3,))}, tmp_path / "ref.pt")
+    for args in (["norms"], ["influence", "--ref", str(tmp_path / "ref.pt")]):
+        out = tmp_path / f"{args[0]}.parquet"
+        result = runner.invoke(app, [args[0], str(config), *args[1:], "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        meta = read_metadata(out)
+        assert "config" not in meta and str(tmp_path) not in json.dumps(meta)
+        assert meta["version"] and meta["plan"] and meta["data_sha256"]
+    assert read_metadata(out)["influence"]["ref_sha256"]
+    edit_config(tmp_path, lambda c: c["output"].update(metadata="full"))
+    assert runner.invoke(app, ["norms", str(config)]).exit_code == 0
+    assert str(tmp_path) in json.dumps(read_metadata(tmp_path / "scores.parquet"))
+
+
+def test_a_column_named_like_a_glob_is_that_column(tmp_path):
+    config = make_project(tmp_path)
+    plain = whole_run(config, tmp_path)
+    edit_data(tmp_path, lambda d: d.update({"x[1]": d.pop("x"), "x1": torch.randn(23, 6)}))
+    edit_config(tmp_path, lambda c: c["data"].update(inputs="x[1]"))
+    result = runner.invoke(app, ["norms", str(config)])
+    assert result.exit_code == 0, result.output
+    frame = pd.read_parquet(tmp_path / "scores.parquet")
+    pd.testing.assert_series_equal(frame["grad_norm"], plain["grad_norm"], check_exact=True)
