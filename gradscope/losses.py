@@ -28,6 +28,12 @@ def _reduce_positions(per_position: Tensor, weight: Tensor | None, how: str) -> 
     return flat.sum(1) / weight.flatten(1).sum(1).clamp_min(1)
 
 
+def transformed() -> bool:
+    """Whether a torch.func transform (vmap, grad, jvp) is running: checks that look at the
+    values do not run there (the same batch has run eagerly first and passed them)."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
 def _first(values: Tensor, bad: Tensor) -> str:
     return f"{values[bad].flatten()[0].item():g}"
 
@@ -59,8 +65,9 @@ def _classification(name: str, kwargs: dict, class_dim: int, token_reduction: st
     def loss(outputs: Tensor, targets: Tensor) -> Tensor:
         if not targets.is_floating_point():
             targets = targets.long()  # class indices stored as int32 (Arrow, Parquet)
-            classes = outputs.shape[-1 if outputs.dim() <= 2 else class_dim]
-            check_classes(targets, classes, ignore_index)
+            if not transformed():
+                classes = outputs.shape[-1 if outputs.dim() <= 2 else class_dim]
+                check_classes(targets, classes, ignore_index)
         if outputs.dim() <= 2:
             return fn(outputs, targets, reduction="none", **kwargs)
         if class_dim in (-1, outputs.dim() - 1) and not targets.is_floating_point():
@@ -100,7 +107,7 @@ def _elementwise(name: str, kwargs: dict, token_reduction: str) -> LossFn:
     }[name]
 
     def loss(outputs: Tensor, targets: Tensor) -> Tensor:
-        if name == "bce_with_logits" and not in_unit_range(targets):
+        if name == "bce_with_logits" and not transformed() and not in_unit_range(targets):
             raise ModelError(
                 f"bce_with_logits takes targets in [0, 1] (the probability of class 1); found "
                 f"{_first(targets, (targets < 0) | (targets > 1))}",
@@ -164,7 +171,8 @@ def _checked(fn: LossFn) -> LossFn:
             raise ModelError(
                 f"the loss must return one value per example, shape ({batch},), got {shape}", "loss"
             )
-        if torch.is_grad_enabled() and not value.requires_grad and _tracked(outputs):
+        detached = torch.is_grad_enabled() and not value.requires_grad and _tracked(outputs)
+        if detached and not transformed():
             raise ModelError(
                 "the loss is detached from the model's outputs (.detach(), .item(), numpy?): "
                 "no gradient reaches the model",

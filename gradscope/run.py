@@ -19,7 +19,7 @@ from .errors import ConfigError, Interrupted
 from .io.data import Batch, code_file, data_files, open_dataset
 from .io.lock import OutputLock
 from .io.model import file_sha256
-from .io.parquet import PartialRun
+from .io.parquet import PartialRun, partial_path
 from .job import Job, resolve_device
 from .scorers import Inputs, NormsScorer, Scorer
 
@@ -146,12 +146,13 @@ def fingerprint(
     command, the config, gradscope's and torch's versions, the kind of ``device`` (cpu, cuda),
     and the state of every data and code file and checkpoint it reads."""
     config = cfg.to_dict()
-    for key in ("summary", "source", "device"):  # display, file name, placement (ranks differ)
+    for key in ("summary", "report", "source", "device"):  # display; file name; ranks differ
         config.pop(key)
-    files = {  # a missing file is reported by the code that reads it
+    files = {  # a missing file is reported by the code that reads it; the report's tokenizer
+        # does not change the scores
         file: _file_state(file)
         for key, file in inputs
-        if key != "config file" and os.path.exists(file)
+        if key not in ("config file", "report.tokenizer") and os.path.exists(file)
     }
     result = {
         "command": command,
@@ -261,13 +262,12 @@ def score_dataset(
     with distributed.session() as world, contextlib.ExitStack() as stack:
         if world.main:
             stack.enter_context(OutputLock(cfg.output.path))
-        device = world.device(cfg.device)
-        key = fingerprint(
-            cfg, scorer.command, inputs, scorer.resume_key(), resolve_device(device).type
-        )
-        run = PartialRun(cfg.output.path, key)
-        parts = _Parts(run, world, key, resumed_parts(run, key) if resume else None)
         try:
+            device = world.device(cfg.device)
+            kind = resolve_device(device).type
+            key = fingerprint(cfg, scorer.command, inputs, scorer.resume_key(), kind)
+            run = PartialRun(cfg.output.path, key)
+            parts = _Parts(run, world, key, resumed_parts(run, key) if resume else None)
             job = Job.from_config(dataclasses.replace(cfg, device=device), trust_checkpoint)
             dataset = open_dataset(cfg.data)
             length = dataset.length
@@ -287,8 +287,8 @@ def score_dataset(
             if cfg.output.metadata == "minimal":
                 metadata = minimal(metadata)
             return run.assemble(count, metadata)
-        except KeyboardInterrupt:  # (or SIGTERM) outside a batch: loading, or assembling
-            saved = len(list(run.dir.glob("part-*.parquet")))
+        except KeyboardInterrupt:  # (or SIGTERM) outside a batch: hashing, loading, assembling
+            saved = len(list(partial_path(cfg.output.path).glob("part-*.parquet")))
             if not saved:
                 raise  # nothing saved: the CLI says so
             raise Interrupted(

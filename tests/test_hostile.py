@@ -268,8 +268,11 @@ def state_json(text: str):
     return spoil
 
 
+LFS = "version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 9\n"
+
+
 def lfs_checkpoint(root: Path) -> None:
-    (root / "net.pt").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\n")
+    (root / "net.pt").write_text(LFS)
 
 
 def pickled_data(root: Path) -> None:
@@ -315,6 +318,7 @@ CASES = [
     ),
     ("lfs-pointer-checkpoint", lfs_checkpoint, [], "a Git LFS pointer, not the file itself", "net.pt"),
     ("lfs-pointer-trusted", lfs_checkpoint, ["--trust-checkpoint"], "a Git LFS pointer", "net.pt"),
+    ("lfs-pointer-data", lambda r: (r / "data.pt").write_text(LFS), [], "a Git LFS pointer", "data.pt"),
     ("pickle-in-data", pickled_data, [], "the data file holds objects other than tensors", "data.pt"),
     ("rank-out-of-range", None, ["env:WORLD_SIZE=2", "env:RANK=5"], "RANK 5 is not a rank of WORLD_SIZE 2", "environment"),
     (
@@ -504,6 +508,10 @@ def test_pretrained_folder_with_a_cut_or_pickled_weights_file(tmp_path):
     line = one_error(runner.invoke(app, ["norms", str(config)]))
     assert "a weights file in the folder holds objects other than tensors" in line, line
     assert not (tmp_path / "ran").exists()
+    weights.with_name("pytorch_model.bin").unlink()
+    weights.write_text(LFS)
+    line = one_error(runner.invoke(app, ["norms", str(config)]))
+    assert line.startswith("error: a Git LFS pointer, not the file itself") and weights.name in line
 
 
 INSIDE_A_RANK = """

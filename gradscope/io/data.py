@@ -74,12 +74,12 @@ def _file_source(path: str) -> _Source:
     file = Path(path)
     if not file.is_file():
         raise DataError("data file not found", str(file))
+    if lfs_pointer(file):
+        raise DataError(LFS_POINTER, str(file))
     suffix = file.suffix.lower()
     if suffix in (".pt", ".pth"):
 
         def read_pt(_: int) -> Iterator[Columns]:
-            if lfs_pointer(file):
-                raise DataError(LFS_POINTER, str(file))
             try:
                 columns = torch.load(file, map_location="cpu", weights_only=True)
             except pickle.UnpicklingError as e:  # torch's advice runs to eight lines

@@ -156,6 +156,9 @@ def _from_hf(factory: Any, cfg: ModelConfig) -> nn.Module:
                 cfg.pretrained,
             ) from e
         except Exception as e:  # OSError, ValueError, safetensors' own error for a cut file, ...
+            pointers = [f for f in Path(cfg.pretrained).iterdir() if f.is_file() and lfs_pointer(f)]
+            if pointers:
+                raise ModelError(LFS_POINTER, str(pointers[0])) from e
             raise ModelError(
                 f"cannot load {factory.__name__} from the folder: {one_line(e)}", cfg.pretrained
             ) from e

@@ -176,7 +176,7 @@ class PartialRun:
             raise DataError(
                 f"the batches' columns do not fit one table: {one_line(e)}", str(self.dir)
             ) from e
-        shutil.rmtree(self.dir)
+        shutil.rmtree(self.dir, ignore_errors=True)  # the output is whole: what stays is litter
         return self.path
 
 
