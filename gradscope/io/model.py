@@ -66,7 +66,7 @@ def file_sha256(path: str | Path) -> str:
     return _sha256(str(path), stat.st_size, stat.st_mtime_ns)
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=1 << 16)  # every shard of a large dataset, hashed once
 def _sha256(path: str, size: int, mtime_ns: int) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
