@@ -345,6 +345,8 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(
             f"the config is not UTF-8 text: {e.reason} at byte {e.start}", str(path)
         ) from e
+    except RecursionError as e:  # [[[[...]]]] thousands deep: PyYAML composes recursively
+        raise ConfigError("the config nests too deeply to read", str(path)) from e
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}, line {mark.line + 1}" if mark else str(path)

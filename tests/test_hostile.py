@@ -166,12 +166,13 @@ def victim(root: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("link", ["symlink", "hard-link"])
+@pytest.mark.parametrize("link", ["symlink", "hard-link", "folder"])
 def test_a_link_planted_at_the_lock_is_neither_followed_nor_truncated(tmp_path, link):
     config = make_project(tmp_path)
     target = victim(tmp_path)
     lock = lock_path(tmp_path / "scores.parquet")
-    lock.symlink_to(target) if link == "symlink" else os.link(target, lock)
+    plant = {"symlink": lock.symlink_to, "hard-link": lambda t: os.link(t, lock)}
+    plant.get(link, lambda t: lock.mkdir())(target)
     line = one_error(runner.invoke(app, ["norms", str(config)]))
     assert line.startswith("error: the lock file is "), line
     assert str(lock) in line
@@ -297,6 +298,13 @@ CASES = [
         [],
         "malformed YAML: key 1 is not a string; quote it",
         "config.yaml, line",
+    ),
+    (
+        "yaml-nested-deep",
+        lambda r: (r / "config.yaml").write_text("a: " + "[" * 50000 + "]" * 50000 + "\n"),
+        [],
+        "the config nests too deeply to read",
+        "config.yaml",
     ),
     ("yaml-alias-bomb", bomb, [], "the config expands to more than 100000 values", "config.yaml"),
     ("device-cpu-abc", None, ["--device", "cpu:abc"], "'device' must be one of", "'cpu:abc'"),

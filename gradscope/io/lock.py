@@ -44,8 +44,9 @@ class OutputLock:
                     self.file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
                 )
             except OSError as e:  # read-only, not ours, a full disk, or a symlink planted there
-                if e.errno == errno.ELOOP:
-                    raise _planted(self.file, "a symbolic link") from None
+                planted = {errno.ELOOP: "a symbolic link", errno.EISDIR: "a folder"}
+                if e.errno in planted:
+                    raise _planted(self.file, planted[e.errno]) from None
                 raise ConfigError(
                     f"cannot write in the output's folder: {e.strerror or e}", str(self.path.parent)
                 ) from e
