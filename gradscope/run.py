@@ -16,115 +16,13 @@ from . import __version__, distributed
 from .config import Config
 from .distributed import World
 from .errors import ConfigError, Interrupted
-from .io.data import Batch, code_file, data_files, open_dataset
+from .inputs import check_output, minimal, run_inputs
+from .io.data import Batch, open_dataset
 from .io.lock import OutputLock
 from .io.model import file_sha256
 from .io.parquet import PartialRun, partial_path
 from .job import Job, resolve_device
 from .scorers import Inputs, NormsScorer, Scorer
-
-
-def run_inputs(cfg: Config, more: Inputs = ()) -> Inputs:
-    """Every file and folder the run reads: config, code, checkpoints, data, the report's
-    tokenizer, and the scorer's ``more``."""
-    return config_inputs(cfg.to_dict()) + list(more)
-
-
-def config_inputs(config: dict) -> Inputs:
-    """The files and folders a config reads, from ``Config.to_dict()`` or a scores file's
-    metadata (absolute paths; a key that is missing or not a path names nothing)."""
-    model, data, loss, report = (
-        _mapping(config.get(k)) for k in ("model", "data", "loss", "report")
-    )
-    named = [("config file", config["source"])] if config.get("source") else []
-    for key, spec in (("model.factory", model.get("factory")), ("loss.name", loss.get("name"))):
-        if isinstance(spec, str) and code_file(spec):
-            named.append((key, code_file(spec)))
-    for key, path in (
-        ("model.pretrained", model.get("pretrained")),  # a folder: each of its files is an input
-        ("model.checkpoint", model.get("checkpoint")),
-        ("report.tokenizer", report.get("tokenizer")),
-    ):
-        if isinstance(path, str):
-            named.append((key, path))
-    checkpoints = model.get("checkpoints") or []
-    named += [("model.checkpoints", c["path"]) for c in checkpoints if isinstance(c, dict)]
-    if isinstance(data.get("path"), (str, list)):
-        named += [("data.path", f) for f in data_files(data["path"])]
-    return named
-
-
-def metadata_inputs(meta: dict) -> Inputs:
-    """What the run that wrote a scores file read, as its ``gradscope`` metadata names it."""
-    named = config_inputs(meta.get("config") or {})
-    influence = _mapping(meta.get("influence"))
-    if isinstance(influence.get("ref"), str):
-        named += [("--ref", f) for f in data_files(influence["ref"])]
-    if isinstance(influence.get("precondition"), dict):
-        named.append(("--precondition", influence["precondition"]["path"]))
-    return named
-
-
-def minimal(metadata: object) -> object:
-    """``output.metadata: minimal``: the metadata without the config and without any value that
-    is an absolute path (a reference, a checkpoint); versions, hashes and the plan stay."""
-    if isinstance(metadata, dict):
-        return {k: minimal(v) for k, v in metadata.items() if k != "config" and not _path(v)}
-    if isinstance(metadata, list):
-        return [minimal(v) for v in metadata if not _path(v)]
-    return metadata
-
-
-def _path(value: object) -> bool:
-    return isinstance(value, str) and os.path.isabs(value)
-
-
-def _mapping(value: object) -> dict:
-    return value if isinstance(value, dict) else {}
-
-
-def _same(a: Path, b: str) -> bool:
-    if os.path.realpath(a) == os.path.realpath(b):
-        return True
-    try:
-        return os.path.samefile(a, b)  # a hard link to the same file
-    except OSError:
-        return False
-
-
-def _inside(path: Path, folder: str) -> bool:
-    top = os.path.realpath(folder)
-    return os.path.isdir(top) and os.path.commonpath([os.path.realpath(path), top]) == top
-
-
-def check_output(path: str | Path, inputs: Inputs) -> None:
-    """Refuse, before anything runs, an output that is one of the inputs or lies inside an input
-    folder, or that is not a regular file (or a new name) in an existing folder."""
-    path = Path(path)
-    for key, file in inputs:
-        if _same(path, file):
-            raise ConfigError(
-                f"the output path is the run's {key} ({file}); writing there would destroy it, "
-                "choose another --out or output.path",
-                str(path),
-            )
-        if _inside(path, file):
-            raise ConfigError(
-                f"the output path is inside the run's {key} folder ({file}); writing there would "
-                "change what the run reads, choose another --out or output.path",
-                str(path),
-            )
-    if path.is_dir():
-        raise ConfigError("the output path is a folder; give a file name", str(path))
-    if path.exists() and not path.is_file():
-        raise ConfigError(
-            "the output path is not a regular file (a device, pipe or socket); give a file name",
-            str(path),
-        )
-    if path.parent.exists() and not path.parent.is_dir():
-        raise ConfigError(f"the output's folder {path.parent} is a file", str(path))
-    if not path.parent.is_dir():
-        raise ConfigError(f"the output's folder {path.parent} does not exist", str(path))
 
 
 def _file_state(path: str) -> dict:

@@ -11,9 +11,9 @@ import numpy as np
 from .. import __version__
 from ..config import Config
 from ..errors import DataError
+from ..inputs import check_output, metadata_inputs, run_inputs
 from ..io.data import data_sha256
 from ..io.parquet import read_metadata, replace_atomically
-from ..run import check_output, metadata_inputs, run_inputs
 from ..summary import Outliers, column, fmt, is_labels, rank
 from . import charts
 from .examples import Shown, show_examples
