@@ -107,10 +107,13 @@ def _run(
         )
     if path is None:  # on the ranks other than 0 under torchrun
         return
-    _summary(path, score, cfg.summary.top_k)
-    console.print(f"wrote {path}")
-    if report:
-        _write_report(path, None, cfg, score, cfg.summary.top_k)
+    try:
+        _summary(path, score, cfg.summary.top_k)
+        console.print(f"wrote {path}")
+        if report:
+            _write_report(path, None, cfg, score, cfg.summary.top_k)
+    except KeyboardInterrupt:  # the scores are whole: not "before any example was saved"
+        raise Interrupted("interrupted after every example was saved", str(path)) from None
 
 
 def _summary(path: Path, by: str | None, top_k: int) -> None:

@@ -389,6 +389,22 @@ def test_ctrl_c_while_assembling_says_every_batch_is_saved(tmp_path, monkeypatch
     )
 
 
+def test_ctrl_c_while_writing_the_report_says_the_scores_are_saved(tmp_path, monkeypatch):
+    config = make_project(tmp_path)
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("gradscope.report.write_report", interrupt)
+    result = runner.invoke(app, ["norms", str(config), "--report"])
+    assert result.exit_code == 130, result.output
+    out = tmp_path / "scores.parquet"
+    assert result.stderr.strip().splitlines() == [
+        f"error: interrupted after every example was saved ({out})"
+    ]
+    assert len(pd.read_parquet(out)) == 23
+
+
 def test_sigterm_is_handled_as_ctrl_c(tmp_path):
     config = slow_project(tmp_path)
     out = tmp_path / "scores.parquet"
