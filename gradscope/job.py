@@ -60,7 +60,9 @@ class Job:
         model_cfg = cfg.model
         if model_cfg.checkpoints:
             model_cfg = dataclasses.replace(model_cfg, checkpoint=model_cfg.checkpoints[-1].path)
-        model = build_model(model_cfg, trust_checkpoint)
+        with torch.random.fork_rng(devices=[]):  # the caller's random state is left alone
+            torch.manual_seed(0)  # weights no checkpoint sets: the same on every rank and resume
+            model = build_model(model_cfg, trust_checkpoint)
         first = next(model.parameters(), None)
         if first is None:
             raise ModelError("the model has no parameters: no gradient to score", "model.factory")

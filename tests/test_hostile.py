@@ -585,3 +585,11 @@ def test_a_column_named_like_a_glob_is_that_column(tmp_path):
     assert result.exit_code == 0, result.output
     frame = pd.read_parquet(tmp_path / "scores.parquet")
     pd.testing.assert_series_equal(frame["grad_norm"], plain["grad_norm"], check_exact=True)
+
+
+def test_a_model_without_checkpoint_is_the_same_in_every_run(tmp_path):
+    """Random initial weights are seeded: a resume, or a second rank, scores the same model."""
+    config = make_project(tmp_path, model__checkpoint=None)
+    first = whole_run(config, tmp_path)
+    torch.manual_seed(123)  # whatever the caller's random state
+    pd.testing.assert_frame_equal(whole_run(config, tmp_path), first, check_exact=True)
