@@ -4,11 +4,13 @@ metadata it shares."""
 
 from __future__ import annotations
 
+import fnmatch
 import os
 from pathlib import Path
 
 from .config import Config
 from .errors import ConfigError
+from .io.batch import is_glob
 from .io.data import code_file, data_files
 
 Inputs = list[tuple[str, str]]  # (what names it, path): files and folders a run reads
@@ -40,7 +42,7 @@ def config_inputs(config: dict) -> Inputs:
     checkpoints = model.get("checkpoints") or []
     named += [("model.checkpoints", c["path"]) for c in checkpoints if isinstance(c, dict)]
     if isinstance(data.get("path"), (str, list)):
-        named += [("data.path", f) for f in data_files(data["path"])]
+        named += data_inputs("data.path", data["path"])
     return named
 
 
@@ -49,7 +51,7 @@ def metadata_inputs(meta: dict) -> Inputs:
     named = config_inputs(meta.get("config") or {})
     influence = _mapping(meta.get("influence"))
     if isinstance(influence.get("ref"), str):
-        named += [("--ref", f) for f in data_files(influence["ref"])]
+        named += data_inputs("--ref", influence["ref"])
     if isinstance(influence.get("precondition"), dict):
         named.append(("--precondition", influence["precondition"]["path"]))
     return named
@@ -67,6 +69,22 @@ def minimal(metadata: object) -> object:
 
 def _path(value: object) -> bool:
     return isinstance(value, str) and os.path.isabs(value)
+
+
+def data_inputs(key: str, path: str | list[str]) -> Inputs:
+    """The files and folders a data path reads now, and each glob itself: an output that a glob
+    would match is read as data by the next run."""
+    specs = [path] if isinstance(path, str) else path
+    patterns = [s for s in specs if is_glob(s) and ".py:" not in s and not Path(s).exists()]
+    return [(key, f) for f in data_files(path)] + [(key, p) for p in patterns]
+
+
+def _matches(path: Path, pattern: str) -> bool:
+    """Whether the glob ``pattern`` matches ``path`` (a name that may not exist yet)."""
+    if not is_glob(pattern) or Path(pattern).exists():
+        return False
+    parts, wanted = Path(os.path.realpath(path)).parts, Path(pattern).parts
+    return len(parts) == len(wanted) and all(map(fnmatch.fnmatchcase, parts, wanted))
 
 
 def _mapping(value: object) -> dict:
@@ -96,6 +114,12 @@ def check_output(path: str | Path, inputs: Inputs) -> None:
             raise ConfigError(
                 f"the output path is the run's {key} ({file}); writing there would destroy it, "
                 "choose another --out or output.path",
+                str(path),
+            )
+        if _matches(path, file):
+            raise ConfigError(
+                f"the output path matches the run's {key} pattern ({file}); the next run would "
+                "read it as data, choose another --out or output.path",
                 str(path),
             )
         if _inside(path, file):

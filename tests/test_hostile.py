@@ -20,7 +20,7 @@ import pytest
 import torch
 from project import edit_config, edit_data, launch, make_project, slow_project, wait_for_parts
 from test_bad_input import Marker
-from test_run_safety import files, interrupted, one_error
+from test_run_safety import files, interrupted, one_error, split_shards
 from test_run_safety import project as held_project
 from typer.testing import CliRunner
 
@@ -102,6 +102,18 @@ REFUSED = [
         scored,
         ["report", "{r}/scores.parquet", "--out", "{r}/net.pt"],
         "the output path is the run's model.checkpoint (",
+    ),
+    (
+        "new-file-a-data-glob-matches",
+        split_shards,
+        ["norms", "{c}", "--out", "{r}/shards/c.pt"],
+        "the output path matches the run's data.path pattern (",
+    ),
+    (
+        "new-file-a-ref-glob-matches",
+        lambda r: folder(r, "refs", "a.pt"),
+        ["influence", "{c}", "--ref", "{r}/refs/*.pt", "--out", "{r}/refs/z.pt"],
+        "the output path matches the run's --ref pattern (",
     ),
     (
         "device-file",
