@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from torch import Tensor, nn
 
+from .curvature import load_preconditioner
 from .engine.core import Engine, total
 from .engine.forward import Forward
 from .engine.influence import Influence, adam_denominator, preconditioned, reference_gradients
@@ -22,7 +24,7 @@ def per_example_norms(
     targets: Tensor,
     loss: str | LossFn = "cross_entropy",
     *,
-    include: Sequence[str] = ("*",),
+    include: Sequence[str] | None = None,
     exclude: Sequence[str] = (),
     output: str | int | None = None,
 ) -> Tensor:
@@ -30,6 +32,9 @@ def per_example_norms(
 
     ``inputs`` is a tensor or a tuple of tensors passed to ``model(*inputs)``; ``loss`` is a name
     (cross_entropy, nll, mse, l1, bce_with_logits) or a callable ``(outputs, targets) -> Tensor[B]``.
+    ``include``/``exclude`` are globs over ``model.named_parameters()`` names; without
+    ``include``, the parameters that require grad are scored (all of them if none does), so a
+    frozen base under LoRA adapters is left out.
     The model's ``.grad`` fields, hooks and train/eval mode are left as they were.
     """
     engine = Engine(
@@ -48,18 +53,21 @@ def per_example_influence(
     ref_targets: Tensor,
     loss: str | LossFn = "cross_entropy",
     *,
-    include: Sequence[str] = ("*",),
+    include: Sequence[str] | None = None,
     exclude: Sequence[str] = (),
     output: str | int | None = None,
-    precondition: dict | None = None,
+    precondition: dict | str | Path | None = None,
     engine: str = "auto",
 ) -> Tensor:
     """(B,) float64 ``<grad l_i, g_ref>``, g_ref the gradient of the MEAN loss over the reference.
 
     Positive: a gradient step on example i lowers the reference loss. ``precondition`` is an
-    ``Adam``/``AdamW`` ``state_dict()`` of this model's optimizer; scores then use
-    ``g_ref / (sqrt(v_hat) + eps)``. ``engine`` is ``hooks``, ``jvp`` (forward mode, no backward)
-    or ``auto`` (jvp, moving to hooks if an op lacks forward mode). ``.grad`` fields, hooks and
+    ``Adam``/``AdamW`` ``state_dict()`` of this model's optimizer, scores then use
+    ``g_ref / (sqrt(v_hat) + eps)``; or the path of a ``gradscope factors`` file (or of a saved
+    state dict), scores then use ``H^-1 g_ref`` with its K-FAC / EK-FAC curvature. ``engine`` is
+    ``hooks``, ``jvp`` (forward mode, no backward) or ``auto`` (jvp, moving to hooks if an op
+    lacks forward mode). The parameters are selected as ``per_example_norms`` selects them.
+    ``.grad`` fields, hooks and
     train/eval mode are left as they were.
     """
     core = Engine(
@@ -67,7 +75,9 @@ def per_example_influence(
     )
     with core:
         refs = reference_gradients(core, [(_as_tuple(ref_inputs), ref_targets)])
-        if precondition is not None:
+        if isinstance(precondition, str | Path):
+            refs = load_preconditioner(precondition, core).refs(refs)
+        elif precondition is not None:
             refs = preconditioned(refs, adam_denominator(precondition, core, "precondition"))
         scores = Influence(core, refs, engine, norms=False)(_as_tuple(inputs), targets)
     return scores.inner[:, 0]

@@ -35,6 +35,7 @@ def config_inputs(config: dict) -> Inputs:
     for key, path in (
         ("model.pretrained", model.get("pretrained")),  # a folder: each of its files is an input
         ("model.checkpoint", model.get("checkpoint")),
+        ("model.adapter", model.get("adapter")),  # a folder, like model.pretrained
         ("report.tokenizer", report.get("tokenizer")),
     ):
         if isinstance(path, str):

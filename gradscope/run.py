@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from . import __version__, distributed
@@ -23,6 +24,7 @@ from .io.model import file_sha256
 from .io.parquet import PartialRun, partial_path
 from .job import Job, resolve_device
 from .scorers import Inputs, NormsScorer, Scorer
+from .summary import class_z, default_score, is_labels
 
 
 def _file_state(path: str) -> dict:
@@ -173,6 +175,8 @@ def score_dataset(
                 length = min(length, cfg.data.limit)
             if on_start:
                 on_start(world.rows(length, cfg.data.batch_size))
+            if cfg.distributed.shard and world.size > 1:  # one process has nothing to shard over
+                job.shard(next(iter(dataset.batches(cfg.data.batch_size, cfg.data.limit))))
             stack.enter_context(scorer)
             stack.enter_context(job.engine)
             scorer.setup(job)
@@ -184,7 +188,7 @@ def score_dataset(
             metadata = job.metadata(scorer.command) | scorer.metadata()
             if cfg.output.metadata == "minimal":
                 metadata = minimal(metadata)
-            return run.assemble(count, metadata)
+            return run.assemble(count, metadata, lambda: _class_z(run, count))
         except KeyboardInterrupt:  # (or SIGTERM) outside a batch: hashing, loading, assembling
             saved = len(list(partial_path(cfg.output.path).glob("part-*.parquet")))
             if not saved:
@@ -196,6 +200,17 @@ def score_dataset(
             ) from None
 
 
+def _class_z(run: PartialRun, parts: int) -> dict[str, np.ndarray]:
+    """``class_z``, the robust z of the score the file ranks by within each target class, when
+    the targets are class labels."""
+    target = run.column("target", parts)
+    if not is_labels(target):
+        return {}
+    score = default_score(run.names())
+    values = run.column(score, parts).astype(np.float64)
+    return {"class_z": class_z(values, np.isfinite(values) & run.column("finite", parts), target)}
+
+
 def _score(
     parts: _Parts,
     job: Job,
@@ -203,17 +218,30 @@ def _score(
     batches: Iterable[Batch],
     on_batch: Callable[[int], None] | None,
 ) -> int:
-    """Score this rank's batches that no part holds yet; the number of batches in the dataset."""
-    rows, number = 0, -1
+    """Score this rank's batches that no part holds yet; the number of batches in the dataset.
+
+    The ranks of a sharded model run their passes together: each runs one per round of
+    ``size`` batches, scoring a batch that a part already holds again, and a rank left without
+    a batch in the last round its first batch, each result dropped."""
+    rows, number, first, passes = 0, -1, None, 0
+    if job.sharded:
+        parts.begin()  # now: no rank may wait at its barrier while another is in a pass
     try:
         for number, batch in enumerate(batches):
+            first = batch if first is None else first
             if not parts.world.owns(number):
                 continue
             if parts.wanted(number):
                 parts.write(number, scorer.columns(job, batch))
+            elif job.sharded:
+                scorer.columns(job, batch)
+            passes += 1
             rows += len(batch)
             if on_batch:
                 on_batch(len(batch))
+        rounds = -(-(number + 1) // parts.world.size)
+        for _ in range(rounds - passes if job.sharded else 0):
+            scorer.columns(job, first)
     except KeyboardInterrupt:
         raise Interrupted(
             f"interrupted with {rows} examples saved; run the same command with --resume "

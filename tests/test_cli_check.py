@@ -19,7 +19,7 @@ from torch import nn
 
 
 class Net(nn.Module):
-    """Linear layers (rule), a raw gain (broadcast) and a raw matrix read by a matmul (fallback)."""
+    """Linear layers (rule), a raw gain (broadcast) and a raw matrix squared (fallback)."""
 
     def __init__(self):
         super().__init__()
@@ -28,7 +28,7 @@ class Net(nn.Module):
         self.mix = nn.Parameter(torch.eye(8))
 
     def forward(self, x):
-        return self.fc2((torch.tanh(self.fc1(x)) * self.gain) @ self.mix)
+        return self.fc2((torch.tanh(self.fc1(x)) * self.gain) @ (self.mix * self.mix))
 '''
 
 
@@ -75,17 +75,18 @@ def test_check_shows_the_fallback_in_the_plan(tmp_path):
 
 
 def test_wrong_rule_fails_with_exit_1(tmp_path, monkeypatch):
-    """A rule whose per-example gradients are wrong but add up right (examples swapped): the
-    first-batch self-check cannot see it; check must."""
+    """A rule whose per-example gradients are wrong but add up right (the middle two examples
+    swapped): the first-batch self-check (batch sums, first and last example) cannot see it;
+    check must."""
 
     def swapped_bias(module, inputs, grad_output):
         parts = linear(module, inputs, grad_output)
-        parts["bias"] = Dense(parts["bias"].materialize().flip(0))
+        parts["bias"] = Dense(parts["bias"].materialize()[[0, 2, 1, 3]])
         return parts
 
     monkeypatch.setitem(RULES, nn.Linear, Rule("linear", swapped_bias))
     config = make_project(tmp_path, n=11)
-    result = runner.invoke(app, ["check", str(config), "--examples", "3"])
+    result = runner.invoke(app, ["check", str(config), "--examples", "4"])
     assert result.exit_code == 1, result.output
     assert _errors(result.output)["(all)"] > 1e-2
     assert _errors(result.output, "influence")["hooks"] > 1e-2

@@ -4,6 +4,8 @@ the one backward, then the fallback for the rest."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -14,13 +16,15 @@ from ..errors import GradscopeError, ModelError, one_line
 from ..losses import LossFn
 from ..rules import Contribution, find_rule
 from . import decide
-from .broadcast import BroadcastTap, View, per_example
 from .fallback import Fallback, short_reason
-from .first_batch import Findings, agrees, findings_for
+from .first_batch import Findings, agrees, record_for
 from .forward import Forward
+from .owners import is_batch, regroup
 from .plan import FALLBACK_LOOP, Plan, build_plan
 from .reduce import Reducer, Want
 from .session import Call, HookSession
+from .tap import ParamTap, Use
+from .trace import RowTrace
 
 
 @dataclass
@@ -28,7 +32,8 @@ class Seen:
     """What the forward of one batch recorded."""
 
     session: HookSession  # the calls of the rule-served modules
-    tap: BroadcastTap | None  # the reads of the raw parameters, when there are any
+    tap: ParamTap | None  # the reads of the raw parameters, when there are any
+    trace: RowTrace  # which example each row of every tensor belongs to
     losses: Tensor  # (B,), graph kept
     observed: dict[str, Tensor]
 
@@ -46,6 +51,16 @@ class BatchScores:
     inner: dict[str, Tensor] = field(default_factory=dict)  # name -> (B, K) <G_i, refs[name][k]>
     observed: dict[str, Tensor] = field(default_factory=dict)  # what ``observe`` read, (B,) each
     kept: dict[str, Contribution] = field(default_factory=dict)  # with Want(keep=True)
+    pre_sq: dict[str, Tensor] = field(default_factory=dict)  # with Want(transform=...): g^T P g
+
+
+def _single_grads(losses: Tensor, params: Sequence[Tensor]) -> dict[int, list[Tensor | None]]:
+    """The first and last examples' own gradients, each from its own backward (graph kept)."""
+    picked = dict.fromkeys((0, losses.shape[0] - 1))
+    return {
+        i: list(torch.autograd.grad(losses[i], params, retain_graph=True, allow_unused=True))
+        for i in picked
+    }
 
 
 def total(per_param: dict[str, Tensor]) -> Tensor:
@@ -74,7 +89,8 @@ def prepared(model: nn.Module, plan: Plan) -> Iterator[None]:
 class Engine:
     """Per-example gradient quantities of ``model`` under ``loss_fn``: the one entry point.
 
-    Builds the plan for the parameters ``include``/``exclude`` select; ``forward`` says how the
+    Builds the plan for the parameters ``include``/``exclude`` select (``include`` None: those
+    that require grad, all if none does); ``forward`` says how the
     model is called and which output the loss reads; ``observe`` reads more per-example columns
     from the same output. Use it as a context manager around scoring: ``with engine:`` puts the
     model in eval mode with the selected parameters requiring grad, and restores both on exit.
@@ -84,7 +100,7 @@ class Engine:
         self,
         model: nn.Module,
         loss_fn: LossFn,
-        include: Sequence[str] = ("*",),
+        include: Sequence[str] | None = None,
         exclude: Sequence[str] = (),
         forward: Forward | None = None,
         observe: Observe | None = None,
@@ -94,13 +110,15 @@ class Engine:
         self.forward = forward or Forward()
         self.observe = observe
         self.fallback = Fallback(model, loss_fn, self.forward)
-        self._copy: set[int] = set()  # modules whose outputs the model later edits in place
-        # what the first batch finds holds for this model and selection, whatever the plan becomes
-        self._key = (
+        # what any pass decided holds for this model and selection, in this Engine and the next
+        key = (
             frozenset(id(m) for m in self.plan.hooked_modules),
             frozenset(p.name for p in self.plan.included),
         )
+        self.record = record_for(model, key)
+        self.plan.replay(self.record.fallback)
         self._prepared: list[contextlib.AbstractContextManager] = []
+        self._pinned: Findings | None = None  # see pin_decisions
 
     def __enter__(self) -> Engine:
         context = prepared(self.model, self.plan)
@@ -131,14 +149,34 @@ class Engine:
 
     def scores(self, inputs: tuple[Tensor, ...], targets: Tensor, want: Want) -> BatchScores:
         """One pass over a batch: the steps below, in order."""
-        findings = findings_for(self.model, self._key, inputs)
+        if targets.shape[0] == 0:
+            return self._empty(targets)
+        findings = self._pinned or self.record.at(inputs)
         seen = self._capture(inputs, targets, findings)
-        decide.before_backward(self.plan, seen, findings)
+        decide.before_backward(self.plan, seen)
         reducer = self._reduce_in_backward(seen, want, findings)
         self._fallback(reducer, inputs, targets)
         self._fill_zeros(reducer, seen.losses.shape[0])
         loss = seen.losses.detach()
-        return BatchScores(loss, reducer.norm_sq, reducer.inner, seen.observed, reducer.kept)
+        pre_sq = reducer.pre.norm_sq if reducer.pre is not None else {}
+        return BatchScores(
+            loss, reducer.norm_sq, reducer.inner, seen.observed, reducer.kept, pre_sq
+        )
+
+    def pin_decisions(self, inputs: tuple[Tensor, ...]) -> Findings:
+        """Keep what the batch of ``inputs``' shapes found (scored already) for every later
+        batch, whatever its shapes: no expansion test or self-check runs again, so each
+        batch is one forward and one backward. For a sharded model (``distributed.shard``),
+        whose ranks must run the same passes, decided on the whole model first."""
+        self._pinned = self.record.at(inputs)
+        return self._pinned
+
+    def rebind(self) -> None:
+        """Point the plan at the parameters the model holds now, by name: ``fully_shard``
+        replaces each with a sharded one (the modules stay the same objects)."""
+        params = dict(self.model.named_parameters())
+        for p in self.plan.params:
+            p.param = params[p.name]
 
     # -- the steps -------------------------------------------------------------------------
 
@@ -151,9 +189,9 @@ class Engine:
         place is run again with copies of the edited modules' tensors.
         """
         while True:
-            expand = targets.shape[0] if findings.expand is not False else 0
+            expand = findings.expand is not False
             try:
-                seen = self._recorded(inputs, targets, expand)
+                seen = self._recorded(inputs, targets, expand, findings.assume)
             except ModelError:
                 if not expand:
                     raise
@@ -161,25 +199,36 @@ class Engine:
                 continue
             if expand and findings.expand is None:
                 same = self._same_losses(inputs, targets, seen.losses)
-                findings.expand = not seen.session.expanded or same
+                expanded = seen.session.expanded or (seen.tap is not None and seen.tap.expanded)
+                findings.expand = not expanded or same
                 if not findings.expand:
                     continue
-            edited = seen.session.edited_in_place() - self._copy
+            assumed = seen.session.assumed or (seen.tap is not None and seen.tap.assumed)
+            if assumed and not is_batch(seen.trace.owner(seen.losses), len(targets)):
+                findings.assume = False  # a call's rows were shared after all: run as is
+                continue
+            edited = seen.session.edited_in_place() - self.record.copy
             if not edited:
                 return seen
-            self._copy |= edited  # capture copies from now on, and redo this batch
+            self.record.copy |= edited  # capture copies from now on, and redo this batch
 
-    def _recorded(self, inputs: tuple[Tensor, ...], targets: Tensor, expand: int) -> Seen:
-        raw = self.plan.raw
-        tap = BroadcastTap(raw, targets.shape[0]) if raw else None
+    def _recorded(
+        self, inputs: tuple[Tensor, ...], targets: Tensor, expand: bool, assume: bool
+    ) -> Seen:
+        raw, batch = self.plan.raw, targets.shape[0]
+        trace = RowTrace(batch, (*inputs, targets))
+        tap = ParamTap(raw, batch, trace, expand, assume) if raw else None
         # with every parameter on the fallback, this pass only gives the losses: no graph
         with (
             torch.set_grad_enabled(bool(self.plan.by_rule or raw)),
-            HookSession(self.plan.hooked_modules, self._copy, expand) as session,
+            HookSession(
+                self.plan.hooked_modules, trace, self.record.copy, expand, assume
+            ) as session,
+            trace,
             tap or contextlib.nullcontext(),
         ):
             losses, observed = self._losses(inputs, targets)
-        return Seen(session, tap, losses, observed)
+        return Seen(session, tap, trace, losses, observed)
 
     def _same_losses(self, inputs: tuple[Tensor, ...], targets: Tensor, losses: Tensor) -> bool:
         """Whether the model as written gives the losses the expanded calls gave."""
@@ -190,60 +239,74 @@ class Engine:
     def _reduce_in_backward(self, seen: Seen, want: Want, findings: Findings) -> Reducer:
         """One backward; each call's rule runs as its output gradient arrives, and only what
         ``want`` asks for is kept. On the first batch, each rule's gradients are also summed
-        over the examples and checked against autograd's batch gradient."""
+        over the examples and checked against autograd's batch gradient, and two examples'
+        norms against their own backward."""
         session, losses = seen.session, seen.losses
         served = {(id(m), attr): p for p in self.plan.by_rule for m, attr in p.owners}
         modules = {module for module, _ in served}
         calls = [c for c in session.all_calls() if id(c.module) in modules]
-        views = [v for v in seen.tap.views() if not v.param.is_fallback] if seen.tap else []
+        reads = seen.tap.reads() if seen.tap else []
         count = {
             p.name: sum(len(session.calls.get(id(m), ())) for m, _ in p.owners)
             for p in self.plan.by_rule
         }
-        count |= {p.name: sum(v.param is p for v in views) for p in self.plan.raw}
+        count |= {p.name: sum(p in u.params for u in reads) for p in self.plan.raw}
         verify = not findings.verified and bool(losses.isfinite().all())
         merged = [name for name, k in count.items() if k > 1]
-        reducer = Reducer(Want(want.norms, want.refs, want.keep, sums=verify), merged)
+        # the self-check compares sums over the batch, and single examples' norms
+        reducer = Reducer(
+            dataclasses.replace(want, norms=want.norms or verify, sums=verify), merged
+        )
         if not count:
             return reducer
-
-        def on_grad(call: Call, grad: Tensor) -> None:
-            try:
-                parts = find_rule(call.module).fn(call.module, call.inputs, grad, **call.kwargs)
-            except GradscopeError:
-                raise  # a rule's refusal (BatchNorm on batch statistics) is the user's to fix
-            except Exception as e:  # a layer recognised wrongly: its rule declines
-                for (module, _), p in served.items():
-                    if module == id(call.module):
-                        findings.failed[p.name] = f"its rule failed: {short_reason(e)}"
-                return
-            finally:
-                call.release()
-            for attr, part in parts.items():
-                p = served.get((id(call.module), attr))
-                if p is not None and not p.is_fallback:
-                    reducer.add(p.name, part)
-
-        def on_view(view: View, grad: Tensor) -> None:
-            view.reached = True
-            reducer.add(view.param.name, per_example(view, grad))
-
         # the self-check needs every batch gradient; otherwise those of uncalled modules, and of
         # the raw parameters, so that autograd runs the steps of their views (cheap: sums)
         raw = self.plan.raw
         checked = [p for p in self.plan.by_rule + raw if verify or not count[p.name] or p in raw]
+        singles = _single_grads(losses, [p.param for p in checked]) if verify else {}
+        on_grad = functools.partial(self._on_grad, served, reducer, losses.shape[0])
+
+        def on_read(use: Use, grad: Tensor) -> None:
+            use.reached = True
+            for name, part in use.parts(grad).items():
+                if not self.plan.find(name).is_fallback:
+                    reducer.add(name, part)
+
         if seen.tap:
-            seen.tap.reading(on_view)
+            seen.tap.reading(on_read)
         try:
             grads = session.backward(losses.sum(), calls, on_grad, [p.param for p in checked])
         finally:
             if seen.tap:
                 seen.tap.reading(None)
         reducer.finish()
-        decide.after_backward(self.plan, seen, reducer, checked, grads, findings, verify)
+        decide.after_backward(self.plan, seen, reducer, checked, grads, singles, verify)
         if verify:
             findings.verified = True
         return reducer
+
+    def _on_grad(self, served: dict, reducer: Reducer, batch: int, call: Call, grad: Tensor):
+        """A call's output gradient has arrived: its rule's contributions go to ``reducer``."""
+        inputs = call.inputs
+        if call.rows is not None:  # rows in another layout: each example's rows gathered
+            x = inputs[0]
+            inputs = (regroup(x, call.rows, batch, x.dim() - call.rows.dim()), *inputs[1:])
+            grad = regroup(grad, call.rows, batch, grad.dim() - call.rows.dim())
+        try:
+            parts = find_rule(call.module).fn(call.module, inputs, grad, **call.kwargs)
+        except GradscopeError:
+            raise  # a rule's refusal (BatchNorm on batch statistics) is the user's to fix
+        except Exception as e:  # a layer recognised wrongly: its rule declines
+            for (module, _), p in served.items():
+                if module == id(call.module) and not p.is_fallback:
+                    self.plan.to_fallback(p, f"its rule failed: {short_reason(e)}")
+            return
+        finally:
+            call.release()
+        for attr, part in parts.items():
+            p = served.get((id(call.module), attr))
+            if p is not None and not p.is_fallback:
+                reducer.add(p.name, part)
 
     def _fallback(self, reducer: Reducer, inputs: tuple[Tensor, ...], targets: Tensor) -> None:
         """Exact per-example gradients of the parameters no rule serves."""
@@ -254,6 +317,11 @@ class Engine:
             for p in self.plan.fallback:
                 if p.rule != FALLBACK_LOOP:
                     self.plan.to_fallback(p, f"vmap failed: {self.fallback.vmap_error}", loop=True)
+
+    def _empty(self, targets: Tensor) -> BatchScores:
+        """An empty batch: empty scores, no pass."""
+        none = targets.new_zeros(0, dtype=torch.float64)
+        return BatchScores(none, {p.name: none for p in self.plan.included})
 
     def _fill_zeros(self, reducer: Reducer, batch: int) -> None:
         """Zeros for the rule-served parameters that no call of this batch reached."""

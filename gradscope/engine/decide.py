@@ -1,10 +1,11 @@
 """The decisions around the backward: which parameters the rules cannot serve on this batch.
 
-Each moves a parameter to the fallback through ``Plan.to_fallback``, which records the reason.
-Before the backward: raw parameters read by ops other than broadcasts, calls whose rows are not
-the examples (the shapes, and once per model and shapes the probe), and what an earlier first
-batch found. After it: a second output reaching the loss, a parameter reaching the loss where no
-rule sees it, and on the first batch the self-check against autograd's batch gradient.
+Each moves a parameter to the fallback through ``Plan.to_fallback``, which records the reason
+for every later pass. Before the backward: raw parameters read by ops other than broadcasts, and
+calls whose rows the trace (``trace.py``) cannot give each to one example; a row-by-row call in
+another layout than one row per example gets its rows' owners, for the rule to gather. After
+it: a second output reaching the loss, a parameter reaching the loss where no rule sees it, and
+on the first batch the self-check against autograd's batch gradient and two examples' own.
 """
 
 from __future__ import annotations
@@ -15,35 +16,84 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .first_batch import Findings, agrees
+from ..rules import find_rule
+from .first_batch import agrees
+from .owners import NONE, is_batch, reduce
 from .plan import BROADCAST, ParamPlan, Plan
 from .reduce import Reducer
 
 if TYPE_CHECKING:
     from .core import Seen
+    from .session import Call
 
 
-def before_backward(plan: Plan, seen: Seen, findings: Findings) -> None:
-    """Move to the fallback what reads rows that are not the examples, and raw parameters
+def before_backward(plan: Plan, seen: Seen) -> None:
+    """Move to the fallback what reads rows that are not the examples', and raw parameters
     read by other ops than broadcast ones."""
     for p in plan.raw:
         if seen.tap.uses[p.name].other:
             plan.to_fallback(p, f"read by {seen.tap.uses[p.name].other}")
-    probe, batch = None, seen.losses.shape[0]
-    if (plan.by_rule or plan.raw) and findings.shared is None and batch > 1:
-        probe = seen.losses[-1]  # once per model and shapes: later batches check shapes only
-    shared = seen.session.not_per_example(batch, probe)
-    if probe is not None:
-        findings.shared = {m for m in plan.hooked_modules if id(m) in shared}
-        for name in seen.tap.not_per_example(probe) if seen.tap else ():
-            findings.failed[name] = "rows of its broadcast are not the examples"
-    shared |= {id(m) for m in findings.shared or ()}
+    batch = seen.losses.shape[0]
+    if not is_batch(seen.trace.owner(seen.losses), batch):
+        for p in plan.by_rule + plan.raw:
+            plan.to_fallback(p, f"the losses mix examples{_after(seen, seen.losses)}")
+        return
+    lost: dict[int, str] = {}
+    for call in seen.session.all_calls():
+        reason = _layout(call, batch)
+        if reason:
+            after = _after(seen, call.inputs[0]) if "mix " in reason else ""
+            lost.setdefault(id(call.module), reason + after)
     for p in plan.by_rule:
-        if any(id(m) in shared for m, _ in p.owners):
-            plan.to_fallback(p, "rows of its module's output are not the examples")
-    for p in plan.by_rule + plan.raw:
-        if p.name in findings.failed:
-            plan.to_fallback(p, findings.failed[p.name])
+        reason = next((lost[id(m)] for m, _ in p.owners if id(m) in lost), None)
+        if reason:
+            plan.to_fallback(p, reason)
+
+
+def _after(seen: Seen, t: Tensor) -> str:
+    op = seen.trace.mixed_at(t)
+    return f" (after {op})" if op else ""
+
+
+def _layout(call: Call, batch: int) -> str | None:
+    """Why ``call``'s rows cannot be read per example, or None; sets ``call.rows`` where a
+    row-by-row rule must gather them."""
+    rule = find_rule(call.module)
+    if not call.owners:
+        return "a call without tensor inputs"
+    x, owners = call.inputs[0], call.owners[0]
+    features = rule.rows(call.module) if rule.rows else None
+    if features is not None and len(call.inputs) == 1 and x.dim() > features:
+        rows = reduce(owners, range(x.dim() - features, x.dim()), keepdim=False)
+        if x.numel() == 0:  # no row routed to it on this batch: zeros, gathered
+            call.rows = torch.zeros(
+                x.shape[: x.dim() - features], dtype=torch.long, device=x.device
+            )
+            return None
+        if is_batch(rows.reshape(rows.shape[0], -1), batch):
+            return None
+        if bool((rows >= 0).all()):
+            call.rows = rows.expand(x.shape[: x.dim() - features]).contiguous()
+            return None
+        return _why(rows)
+    dim = rule.batch_dim(call.module, call.inputs) if rule.batch_dim else 0
+    if dim is None:
+        return "an unbatched call: its rows are not the examples"
+    for k, (t, o) in enumerate(zip(call.inputs, call.owners, strict=True)):
+        if k and bool((o == NONE).all()):
+            continue  # a mask or table shared by every example: the rule reads it as such
+        per = reduce(o, [d for d in range(t.dim()) if d != dim], keepdim=True)
+        if t.dim() <= dim or not is_batch(per.movedim(dim, 0), batch):
+            return _why(per)
+    return None
+
+
+def _why(owners: Tensor) -> str:
+    if bool((owners == NONE).all()):
+        return "rows of its input are not the examples: the batch shares them"
+    if bool((owners < 0).any()):
+        return "rows of its input are not the examples: they mix examples"
+    return "rows of its input are not the examples"
 
 
 def after_backward(
@@ -52,27 +102,24 @@ def after_backward(
     reducer: Reducer,
     checked: Sequence[ParamPlan],
     grads: Sequence[Tensor | None],
-    findings: Findings,
+    singles: dict[int, list[Tensor | None]],
     verify: bool,
 ) -> None:
     """Move to the fallback what the backward showed the rules cannot see."""
     session = seen.session
-    views = seen.tap.views() if seen.tap else []
+    reads = seen.tap.reads() if seen.tap else []
     for p in plan.by_rule:
         if any(c.others_reach_loss for m, _ in p.owners for c in session.calls.get(id(m), ())):
             plan.to_fallback(
                 p, "a second output of its module (attention weights) reaches the loss"
             )
-    for p in plan.by_rule:
-        if p.name in findings.failed:
-            plan.to_fallback(p, findings.failed[p.name])
     present = [g.double().norm() for g in grads if g is not None]
     total = torch.stack(present).norm().item() if verify and present else 0.0
-    for p, g in zip(checked, grads, strict=True):
+    for k, (p, g) in enumerate(zip(checked, grads, strict=True)):
         if p.is_fallback:
             continue
         reached = any(c.reached for m, _ in p.owners for c in session.calls.get(id(m), ()))
-        reached |= any(v.reached for v in views if v.param is p)
+        reached |= any(u.reached for u in reads if p in u.params)
         if not reached and g is not None:
             where = (
                 "where no rule sees it" if p.rule == BROADCAST else "without a call of its module"
@@ -81,11 +128,28 @@ def after_backward(
             continue
         ours = reducer.sums.get(p.name, torch.zeros_like(p.param))
         if verify and not agrees(ours, torch.zeros_like(p.param) if g is None else g, total):
-            findings.failed[p.name] = (
-                "its rule's gradients do not add up to autograd's (used outside its module?)"
+            plan.to_fallback(
+                p, "its rule's gradients do not add up to autograd's (used outside its module?)"
             )
-            plan.to_fallback(p, findings.failed[p.name])
+        elif verify and not _singles_agree(p, k, reducer, singles):
+            plan.to_fallback(p, "its rule's gradient of one example differs from its backward")
         elif verify and p.rule == BROADCAST:
             p.note = ""  # served: no longer "no rule for ..."
     for p in plan.fallback:
         reducer.forget(p.name)
+
+
+def _singles_agree(
+    p: ParamPlan, k: int, reducer: Reducer, singles: dict[int, list[Tensor | None]]
+) -> bool:
+    """Whether the rule's squared norm of each single example's gradient equals that of the
+    example's own backward (``singles[i][k]``): an error that cancels in the batch sum shows."""
+    ours = reducer.norm_sq.get(p.name)
+    for i, grads in singles.items():
+        g = grads[k]
+        theirs = torch.zeros((), dtype=torch.float64) if g is None else g.double().norm()
+        mine = torch.zeros((), dtype=torch.float64) if ours is None else ours[i].double().sqrt()
+        scale = torch.stack([t.double().norm() for t in grads if t is not None] or [theirs]).norm()
+        if not agrees(mine.reshape(1), theirs.reshape(1).to(p.param.dtype), scale.item()):
+            return False
+    return True

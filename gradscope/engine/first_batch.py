@@ -1,11 +1,15 @@
-"""What the first batch of given shapes teaches about a model, kept for later batches and Engines.
+"""What the passes learn about a model, kept whole for later batches and later Engines.
 
-Three questions are asked once per model and input shapes (``per_example_norms`` builds a new
-Engine on every call, and each question costs about one more backward):
-- which hooked modules read rows that are not the examples (the probe, for when T == B);
+``per_example_norms`` builds a new Engine on every call, and a CLI run scores many batches: what
+one pass decides must hold for every later one, or a later pass could serve a parameter that an
+earlier one found the rules cannot (and give it a wrong number). So one ``Record`` per model and
+parameter selection keeps every decision: each move to the fallback with its reason (replayed
+whole by each new Engine's plan), and the modules whose captured inputs the model edits in place.
+Per input shapes it also keeps what costs a pass to learn:
 - whether expanding calls on rows shared by the batch leaves every loss as it was;
-- whether each rule-served parameter's per-example gradients add up to autograd's batch gradient
-  (the self-check: a weight also used outside its module, a module recognised wrongly).
+- whether calls on B rows computed from no example keep each row to one example;
+- whether the self-check has run: each rule-served parameter's per-example gradients must add up
+  to autograd's batch gradient, and two single examples must match their own backward.
 """
 
 from __future__ import annotations
@@ -19,19 +23,32 @@ from torch import Tensor, nn
 
 @dataclass
 class Findings:
-    shared: weakref.WeakSet[nn.Module] | None = None  # None: not probed yet
+    """What the first batch of given input shapes found."""
+
     expand: bool | None = None  # None: not tried yet
+    assume: bool = True  # False: a call taken to have one row per example had shared rows
     verified: bool = False  # the self-check has run
-    failed: dict[str, str] = field(default_factory=dict)  # parameter name -> why it failed
 
 
-_FINDINGS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Findings]] = weakref.WeakKeyDictionary()
+@dataclass
+class Record:
+    """Every decision about one model and parameter selection."""
+
+    fallback: dict[str, tuple[str, bool]] = field(default_factory=dict)  # Plan.decisions
+    copy: set[int] = field(default_factory=set)  # modules whose captured inputs are edited later
+    shapes: dict[tuple, Findings] = field(default_factory=dict)
+
+    def at(self, inputs: tuple[Tensor, ...]) -> Findings:
+        """The findings for these input shapes."""
+        return self.shapes.setdefault(tuple(tuple(t.shape) for t in inputs), Findings())
 
 
-def findings_for(model: nn.Module, key: tuple, inputs: tuple[Tensor, ...]) -> Findings:
-    """The findings for ``model`` under the plan ``key`` and these input shapes."""
-    shapes = tuple(tuple(t.shape) for t in inputs)
-    return _FINDINGS.setdefault(model, {}).setdefault((key, shapes), Findings())
+_RECORDS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Record]] = weakref.WeakKeyDictionary()
+
+
+def record_for(model: nn.Module, key: tuple) -> Record:
+    """The record of ``model`` under the selection ``key``, made empty on first use."""
+    return _RECORDS.setdefault(model, {}).setdefault(key, Record())
 
 
 def tolerance(dtype: torch.dtype) -> float:

@@ -15,6 +15,8 @@ from torch.autograd.graph import GradientEdge
 
 from ..rules import find_rule
 from .graph import below_targets
+from .owners import NONE
+from .trace import RowTrace
 
 
 @dataclass(eq=False)
@@ -29,15 +31,16 @@ class Call:
     shape: torch.Size  # of the output
     versions: tuple[int, ...]  # of the inputs when captured: later in-place edits show up
     kwargs: dict[str, object] = field(default_factory=dict)  # every other argument, by name
-    batch_dim: int | None = 0  # the output's dimension of examples; None: the call is unbatched
+    owners: tuple[Tensor, ...] = ()  # of the inputs: which example each element is (trace.py)
     others: tuple[GradientEdge, ...] = ()  # further outputs with gradient (attention weights)
     expanded: bool = False  # its leading input was shared by the batch and expanded to it
+    rows: Tensor | None = None  # a row-by-row call's example per row, where not one row each
     reached: bool = False  # its output's gradient arrived in the backward
     others_reach_loss: bool = False  # a further output reached the loss: no rule sees that path
 
     def release(self) -> None:
         """Drop the captured tensors once the rule has read them."""
-        self.inputs, self.kwargs = (), {}
+        self.inputs, self.kwargs, self.owners, self.rows = (), {}, (), None
 
 
 @functools.cache
@@ -48,16 +51,18 @@ def _positional_names(cls: type[nn.Module]) -> tuple[str, ...]:
     return tuple(p.name for p in params if p.kind in kinds)
 
 
-def _shared_leading(module: nn.Module, x: object, batch: int) -> bool:
+def _shared_leading(module: nn.Module, x: object, owners: Tensor, batch: int) -> bool:
     """Whether a call's leading tensor is one set of rows shared by the whole batch, for a rule
-    that reads examples on dimension 0: a (1, ...) tensor, or 1-D indices of another length than
-    the batch (``wpe(arange(T))``). When T == B the probe tells them apart instead."""
+    that reads examples on dimension 0: computed from no example (``owners``), and a (1, ...)
+    tensor or 1-D indices (``wpe(arange(T))``)."""
     rule = find_rule(module)
     if rule is None or rule.batch_dim is not None or not isinstance(x, Tensor):
         return False
+    if not bool((owners == NONE).all()):
+        return False
     if x.dim() == 1:
-        return not (x.is_floating_point() or x.is_complex()) and x.shape[0] != batch
-    return x.shape[0] == 1 and batch > 1
+        return not (x.is_floating_point() or x.is_complex())
+    return x.shape[0] == 1
 
 
 class HookSession:
@@ -65,18 +70,26 @@ class HookSession:
 
     Modules in ``copy`` get their captured inputs copied, for models that edit a layer's input in
     place after the layer has read it. With
-    ``expand_to`` set to the batch size, a call whose leading input holds rows shared by the batch
+    ``expand``, a call whose leading input holds rows shared by the batch
     (a position table looked up once, ``position_ids`` of shape (1, T)) gets that input expanded
     to the batch, so that each example has its own output rows and a rule can serve the call; the
     values every example sees are unchanged.
     """
 
     def __init__(
-        self, modules: Iterable[nn.Module], copy: set[int] | None = None, expand_to: int = 0
+        self,
+        modules: Iterable[nn.Module],
+        trace: RowTrace,
+        copy: set[int] | None = None,
+        expand: bool = False,
+        assume: bool = False,
     ):
         self.modules = list(modules)
+        self.trace = trace
         self.copy = copy if copy is not None else set()
-        self.expand_to = expand_to
+        self.expand_to = trace.batch if expand else 0
+        self.assume = assume
+        self.assumed = False  # a call was taken to have one row per example (see _capture)
         self.calls: dict[int, list[Call]] = {id(m): [] for m in self.modules}
         self._expanding: set[int] = set()  # modules whose current call had its input expanded
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -87,7 +100,7 @@ class HookSession:
         for module in self.modules:
             if self.expand_to:
                 self._handles.append(module.register_forward_pre_hook(self._expand))
-            self._handles.append(module.register_forward_hook(self._capture, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._captured, with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -100,16 +113,23 @@ class HookSession:
         return any(c.expanded for cs in self.calls.values() for c in cs)
 
     def _expand(self, module: nn.Module, args: tuple) -> tuple | None:
-        if not args or not _shared_leading(module, args[0], self.expand_to):
+        if not args or not isinstance(args[0], Tensor):
+            return None
+        if not _shared_leading(module, args[0], self.trace.owner(args[0]), self.expand_to):
             return None
         x = args[0]
         rows = x.unsqueeze(0) if x.dim() == 1 else x
         self._expanding.add(id(module))
         return (rows.expand(self.expand_to, *rows.shape[1:]), *args[1:])
 
+    def _captured(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        """The forward hook: ``_capture`` with no function mode watching its own ops."""
+        with torch._C.DisableTorchFunction():
+            self._capture(module, args, kwargs, output)
+
     def _capture(
         self, module: nn.Module, args: tuple, kwargs: dict[str, object], output: object
-    ) -> object:
+    ) -> None:
         expanded = id(module) in self._expanding
         self._expanding.discard(id(module))
         # a module returning (output, extras) (MultiheadAttention's attention weights): the rule
@@ -130,11 +150,15 @@ class HookSession:
 
         n = next((i for i, a in enumerate(args) if not isinstance(a, Tensor)), len(args))
         inputs = tuple(keep(a) for a in args[:n])
+        owners = tuple(self.trace.owner(a) for a in args[:n])
+        if expanded or self._assumed(args[0], owners[0], output):
+            # row i is what example i reads: the trace checks where each output row goes
+            owners = (self.trace.standard(args[0].dim()), *owners[1:])
+            self.trace.owners[output] = self.trace.standard(output.dim())
         # positional arguments after the leading tensors, named as the forward names them
         names = _positional_names(type(module))[n:]
         named = {**dict(zip(names, args[n:], strict=False)), **kwargs}
         named = {k: keep(v) if isinstance(v, Tensor) else v for k, v in named.items()}
-        rule = find_rule(module)
         call = Call(
             module,
             inputs,
@@ -142,7 +166,7 @@ class HookSession:
             output.shape,
             tuple(t._version for t in inputs),
             kwargs=named,
-            batch_dim=rule.batch_dim(module, inputs) if rule and rule.batch_dim else 0,
+            owners=owners,
             others=tuple(
                 torch.autograd.graph.get_gradient_edge(t)
                 for t in rest
@@ -153,6 +177,24 @@ class HookSession:
         self.calls[id(module)].append(call)
         self._grad_hooks.append(output.register_hook(functools.partial(self._read, call)))
         return None
+
+    def _assumed(self, x: Tensor, owners: Tensor, output: Tensor) -> bool:
+        """With ``assume``: a call on B rows computed from no example (a buffer of zeros expanded
+        to the batch, ``token_type_ids``) is taken to have row i read by example i alone; its
+        output rows get example owners, and the losses' owners tell whether that held (if not,
+        the engine runs the batch again without assuming)."""
+        batch = self.trace.batch
+        if (
+            not self.assume
+            or x.dim() == 0
+            or x.shape[0] != batch
+            or output.shape[:1] != x.shape[:1]
+        ):
+            return False
+        if not bool((owners == NONE).all()):
+            return False
+        self.assumed = True
+        return True
 
     def _read(self, call: Call, grad: Tensor) -> Tensor | None:
         """The hook on each captured output: hands its gradient on during ``backward``."""
@@ -168,34 +210,6 @@ class HookSession:
             for call in self.all_calls()
             if tuple(t._version for t in call.inputs) != call.versions
         }
-
-    def not_per_example(self, batch: int, probe: Tensor | None = None) -> set[int]:
-        """Modules with a call whose output rows are not the batch's examples.
-
-        A rule reads row i of a call as example i. That fails for a call on a tensor shared by all
-        examples that was not expanded (a table run through a Linear and broadcast): its leading
-        dimension is not ``batch``, or, when it happens to equal B, ``probe`` (one example's
-        loss, graph retained) has a gradient in the rows of other examples. NaN rows say nothing:
-        a non-finite example gives NaN there without any dependence.
-        """
-        shared = {
-            id(call.module)
-            for call in self.all_calls()
-            if call.batch_dim is None
-            or len(call.shape) <= call.batch_dim
-            or call.shape[call.batch_dim] != batch
-        }
-        keyed = [c for c in self.all_calls() if id(c.module) not in shared]
-        if probe is None or not keyed:  # nothing left for the probe to ask about
-            return shared
-        grads = torch.autograd.grad(
-            probe, [c.edge for c in keyed], allow_unused=True, retain_graph=True
-        )
-        for call, grad in zip(keyed, grads, strict=True):
-            others = None if grad is None else grad.movedim(call.batch_dim, 0)[:-1]
-            if others is not None and ((others != 0) & others.isfinite()).any():
-                shared.add(id(call.module))
-        return shared
 
     def backward(
         self,

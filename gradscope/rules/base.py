@@ -200,8 +200,11 @@ class Outer(Contribution):
 
 # (module, tensor inputs, output grad, **the call's other arguments by name) -> {attr: part}
 RuleFn = Callable[..., dict[str, Contribution]]
-# (module, tensor inputs) -> the dimension of the call's output that indexes examples, or None
-# when no dimension does (an unbatched call)
+# module -> how many trailing dimensions of its leading input are features, for a rule that
+# treats every other dimension as rows (Linear: 1, Embedding: 0); None: not row by row
+RowsFn = Callable[[nn.Module], int | None]
+# (module, tensor inputs) -> the dimension of the call's inputs that indexes examples, for a rule
+# that is not row by row; None when no dimension does (an unbatched call)
 BatchDimFn = Callable[[nn.Module, tuple[Tensor, ...]], int | None]
 
 
@@ -211,13 +214,18 @@ class Rule:
 
     ``submodules`` names child modules whose parameters the rule serves, keyed ``"child.attr"``
     in its result: the module uses them functionally, so the child's own hook never fires
-    (``nn.MultiheadAttention`` and its ``out_proj``). ``batch_dim`` says where the examples are in
-    a call's output, for layers that also run sequence-first; by default dimension 0.
+    (``nn.MultiheadAttention`` and its ``out_proj``). ``rows`` marks a rule that works row by
+    row (each row's output from that row's input alone): it gives the number of trailing feature
+    dimensions of the leading input, and the engine can then hand it a call in any layout of
+    rows (tokens flattened to (B*T, D), sequence-first, the tokens routed to one expert), each
+    example's rows gathered into a (B, L, *features) batch. Other rules read examples on one
+    dimension of their inputs: ``batch_dim`` says which (by default 0).
     """
 
     name: str
     fn: RuleFn
     submodules: tuple[str, ...] = ()
+    rows: RowsFn | None = None
     batch_dim: BatchDimFn | None = None
 
 
@@ -239,6 +247,7 @@ def register_rule(
     *types: type[nn.Module],
     name: str,
     submodules: tuple[str, ...] = (),
+    rows: RowsFn | None = None,
     batch_dim: BatchDimFn | None = None,
     qualnames: tuple[str, ...] = (),
     match: Callable[[nn.Module], bool] | None = None,
@@ -247,7 +256,7 @@ def register_rule(
     qualified names, and of any module ``match`` accepts (checked after types and names)."""
 
     def register(fn: RuleFn) -> RuleFn:
-        rule = Rule(name, fn, submodules, batch_dim)
+        rule = Rule(name, fn, submodules, rows, batch_dim)
         for t in types:
             RULES[t] = rule
         for qualname in qualnames:

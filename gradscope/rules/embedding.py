@@ -80,19 +80,63 @@ class Rows(Contribution):
         return super().merge(other)
 
 
-@register_rule(nn.Embedding, name="embedding")
+def _rows(module: nn.Embedding) -> int | None:
+    """Row by row, but for counts of a row within an example (scale_grad_by_freq)."""
+    return None if module.scale_grad_by_freq else 0
+
+
+@register_rule(nn.Embedding, name="embedding", rows=_rows)
 def embedding(
     module: nn.Embedding, inputs: tuple[Tensor, ...], grad_output: Tensor
 ) -> dict[str, Contribution]:
+    return {
+        "weight": lookup(
+            inputs[0], grad_output, module.num_embeddings, module.padding_idx,
+            module.scale_grad_by_freq,
+        )
+    }  # fmt: skip
+
+
+def lookup(
+    ids: Tensor, grad_output: Tensor, num_rows: int, padding_idx: int | None, by_freq: bool
+) -> Rows:
+    """The table's contribution from ``F.embedding(ids, table)`` and its output gradient."""
     b = grad_output.shape[0]
-    ids = inputs[0].reshape(b, -1)  # (B, T) any index rank flattens to positions
-    s = grad_output.reshape(b, -1, module.embedding_dim)  # (B, T, D)
-    if module.padding_idx is not None:
-        s = s * (ids != module.padding_idx).unsqueeze(-1)  # the padding row gets no gradient
-    if module.scale_grad_by_freq:
+    ids = ids.reshape(b, -1)  # (B, T) any index rank flattens to positions
+    s = grad_output.reshape(b, -1, grad_output.shape[-1])  # (B, T, D)
+    if padding_idx is not None:
+        s = s * (ids != padding_idx % num_rows).unsqueeze(-1)  # the padding row gets no gradient
+    if by_freq:
         # the loop sees one example at a time, so a row is scaled by its count in that example
         _, inverse, counts = torch.unique(
-            _example_keys(ids, module.num_embeddings), return_inverse=True, return_counts=True
+            _example_keys(ids, num_rows), return_inverse=True, return_counts=True
         )
         s = s / counts[inverse].view(b, -1, 1).to(s.dtype)
+    return Rows(ids, s, num_rows)
+
+
+@register_rule(nn.EmbeddingBag, name="embedding_bag")
+def embedding_bag(
+    module: nn.EmbeddingBag,
+    inputs: tuple[Tensor, ...],
+    grad_output: Tensor,
+    offsets: Tensor | None = None,
+    per_sample_weights: Tensor | None = None,
+) -> dict[str, Contribution]:
+    """One bag per example, a (B, L) input: example i's bag adds its rows, weighted (or
+    averaged), so G_i[v] = sum over its positions t with id v of w_t s_i."""
+    ids = inputs[0]
+    if len(inputs) > 1:  # offsets passed positionally
+        offsets = inputs[1]
+    if ids.dim() != 2 or offsets is not None or module.mode == "max":
+        # bags from offsets are not the examples, and max picks rows by value
+        raise NotImplementedError(f"mode {module.mode!r} with input of {ids.dim()} dims")
+    weights = torch.ones_like(ids, dtype=grad_output.dtype)
+    if per_sample_weights is not None:
+        weights = per_sample_weights.to(grad_output.dtype)
+    if module.padding_idx is not None:
+        weights = weights * (ids != module.padding_idx)  # padding is no member of the bag
+    if module.mode == "mean":
+        weights = weights / weights.sum(1, keepdim=True).clamp_min(1)
+    s = grad_output[:, None, :] * weights[..., None]  # (B, L, D)
     return {"weight": Rows(ids, s, module.num_embeddings)}

@@ -26,7 +26,10 @@ def looks_like_conv1d(module: nn.Module) -> bool:
 
 
 @register_rule(
-    name="hf_conv1d", qualnames=("transformers.pytorch_utils.Conv1D",), match=looks_like_conv1d
+    name="hf_conv1d",
+    qualnames=("transformers.pytorch_utils.Conv1D",),
+    match=looks_like_conv1d,
+    rows=lambda module: 1,
 )
 def hf_conv1d(
     module: nn.Module, inputs: tuple[Tensor, ...], grad_output: Tensor

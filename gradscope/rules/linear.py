@@ -25,7 +25,7 @@ def affine_parts(
     return out
 
 
-@register_rule(nn.Linear, name="linear")
+@register_rule(nn.Linear, name="linear", rows=lambda module: 1)
 def linear(
     module: nn.Linear, inputs: tuple[Tensor, ...], grad_output: Tensor
 ) -> dict[str, Contribution]:

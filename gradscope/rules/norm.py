@@ -33,7 +33,7 @@ def per_channel(t: Tensor) -> Tensor:
     return t.reshape(*t.shape[:2], -1).sum(2)
 
 
-@register_rule(nn.LayerNorm, name="layer_norm")
+@register_rule(nn.LayerNorm, name="layer_norm", rows=lambda module: len(module.normalized_shape))
 def layer_norm(
     module: nn.LayerNorm, inputs: tuple[Tensor, ...], grad_output: Tensor
 ) -> dict[str, Contribution]:
@@ -42,7 +42,7 @@ def layer_norm(
     return affine(module, xhat, grad_output, lambda t: t.reshape(b, -1, *shape).sum(1))
 
 
-@register_rule(nn.RMSNorm, name="rms_norm")
+@register_rule(nn.RMSNorm, name="rms_norm", rows=lambda module: len(module.normalized_shape))
 def rms_norm(
     module: nn.RMSNorm, inputs: tuple[Tensor, ...], grad_output: Tensor
 ) -> dict[str, Contribution]:

@@ -275,7 +275,7 @@ class Unbatched(nn.Module):
 
 @pytest.mark.parametrize(
     ("module", "note"),
-    [(WeightsInLoss, "attention weights"), (Unbatched, "output are not the examples")],
+    [(WeightsInLoss, "attention weights"), (Unbatched, "are not the examples")],
 )
 def test_paths_the_rule_cannot_see_go_to_the_fallback(module: type[nn.Module], note: str) -> None:
     case = Case(module.__name__, module, lengths_input, like)

@@ -1,0 +1,218 @@
+"""Rows traced to their examples: routed experts, flattened tokens and sequence-first layouts are
+exact on the rules; rows that mix examples go to the fallback with the op named; what one pass
+decides holds for the next; single examples are checked on the first batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from oracle import assert_rel_close, reference_norms
+from torch import Tensor, nn
+
+import gradscope
+from gradscope.engine.core import Engine, total
+from gradscope.losses import resolve_loss
+from gradscope.rules import RULES, Dense, register_rule
+
+D, VOCAB, CLASSES = 6, 20, 4
+
+
+class Experts(nn.Module):
+    """A transformers 4.x Mixtral sparse block: nn.Linear experts run on the tokens routed to them
+    (top-2 of 4), their outputs index_add-ed back into the flattened (B*T, D) tokens."""
+
+    def __init__(self, experts: int = 4, k: int = 2):
+        super().__init__()
+        self.k, self.gate = k, nn.Linear(D, experts, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(D, 8), nn.SiLU(), nn.Linear(8, D)) for _ in range(experts)
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        h = x.view(-1, d)  # (B*T, D)
+        weights, chosen = torch.topk(F.softmax(self.gate(h), 1), self.k, -1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(h)
+        routed = F.one_hot(chosen, len(self.experts)).permute(2, 1, 0)  # (E, k, B*T)
+        for e, expert in enumerate(self.experts):
+            slot, token = torch.where(routed[e])
+            y = expert(h[None, token].reshape(-1, d)) * weights[token, slot, None]
+            out.index_add_(0, token, y)
+        return out.view(b, t, d)
+
+
+class MoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.moe, self.head = nn.Embedding(VOCAB, D), Experts(), nn.Linear(D, CLASSES)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(self.moe(self.embed(ids)).mean(1))
+
+
+class Flattened(nn.Module):
+    """OPT's fc1/fc2: tokens flattened to (B*T, D) around the MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(D, 8), nn.Linear(8, D), nn.Linear(D, CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        h = self.fc2(torch.tanh(self.fc1(x.reshape(-1, d)))).view(b, t, d)
+        return self.head(h.amax(1))
+
+
+class SequenceFirst(nn.Module):
+    """batch_first=False: an Embedding on (T, B) ids and a Linear on (T, B, D)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.proj, self.head = nn.Embedding(VOCAB, D), nn.Linear(D, D), nn.Linear(D, 3)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.proj(self.embed(ids.t()))  # (T, B, D)
+        return self.head(torch.tanh(h).sum(0))  # (B, 3)
+
+
+class MixesExamples(nn.Module):
+    """Subtracts the batch mean: no example's loss is its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(D, D), nn.Linear(D, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc(x)
+        return self.head(h - h.mean(0, keepdim=True))
+
+
+def ids(b: int, t: int, seed: int) -> Tensor:
+    return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _check(model: nn.Module, inputs: tuple[Tensor, ...], targets: Tensor, engine: Engine) -> None:
+    got = total(engine.norms(inputs, targets).norm_sq).sqrt()
+    expected = reference_norms(model, inputs, targets, "cross_entropy")[1]
+    assert_rel_close(got, expected, 1e-9)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_routed_experts_are_exact_on_the_linear_rule(seed: int):
+    """B*T tokens top-2 over 4 experts: an expert often gets exactly B rows (the case that once
+    passed a shape probe), and experts not called on the first batch are called on later ones."""
+    torch.manual_seed(seed)
+    model = MoE().double()
+    with Engine(model, resolve_loss("cross_entropy")) as engine:
+        for batch in range(3):
+            x, y = ids(4, 2, 10 * seed + batch), torch.randint(0, CLASSES, (4,))
+            _check(model, (x,), y, engine)
+    assert {p.rule for p in engine.plan.params} == {"embedding", "linear"}
+
+
+def test_routed_experts_through_fresh_api_calls():
+    torch.manual_seed(0)
+    model = MoE().double()
+    for batch, (b, t) in enumerate([(4, 2), (4, 2), (3, 5), (1, 3)]):
+        x, y = ids(b, t, batch), torch.randint(0, CLASSES, (b,))
+        got = gradscope.per_example_norms(model, x, y)
+        assert_rel_close(got, reference_norms(model, (x,), y, "cross_entropy")[1], 1e-9)
+
+
+@pytest.mark.parametrize(
+    ("model", "make"),
+    [
+        (Flattened, lambda b, seed: torch.randn(b, 5, D, generator=torch.Generator().manual_seed(seed))),
+        (SequenceFirst, lambda b, seed: ids(b, 5, seed)),  # T != B
+        (SequenceFirst, lambda b, seed: ids(b, b, seed)),  # T == B: only the trace tells
+    ],
+    ids=["flattened", "sequence-first", "sequence-first-t-equals-b"],
+)  # fmt: skip
+def test_other_layouts_of_rows_are_exact_on_rules(model, make):
+    torch.manual_seed(0)
+    net = model().double()
+    with Engine(net, resolve_loss("cross_entropy")) as engine:
+        for seed in range(2):
+            x = make(4, seed)
+            x = x.double() if x.is_floating_point() else x
+            _check(net, (x,), torch.randint(0, 3, (4,)), engine)
+    assert not engine.plan.fallback, [(p.name, p.note) for p in engine.plan.fallback]
+
+
+def test_rows_that_mix_examples_go_to_the_fallback_with_the_op():
+    torch.manual_seed(0)
+    model = MixesExamples().double()
+    x, y = torch.randn(5, D, dtype=torch.float64), torch.randint(0, 3, (5,))
+    with Engine(model, resolve_loss("cross_entropy")) as engine:
+        engine.norms((x,), y)
+    notes = {p.name: p.note for p in engine.plan.fallback}
+    assert set(notes) == {"fc.weight", "fc.bias", "head.weight", "head.bias"}
+    assert all("mix examples (after mean)" in note for note in notes.values()), notes
+
+
+class EditsOutput(nn.Module):
+    """Wav2Vec2's ``hidden[~mask] = 0`` after its feature projection: a layer's output edited in
+    place, so the gradient hook on that output never fires."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.head = nn.Linear(D, D), nn.Linear(D, 3)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        h = self.proj(x)
+        h[~mask] = 0
+        return self.head(h.sum(1))
+
+
+def test_a_second_call_keeps_what_the_first_decided():
+    """The first call finds the edited layer's hook never fires and moves it to the fallback; a
+    second call (a new Engine) must not serve it with zeros."""
+    torch.manual_seed(0)
+    model = EditsOutput().double()
+    x = torch.randn(3, 4, D, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    y = torch.randint(0, 3, (3,))
+    expected = reference_norms(model, (x, mask), y, "cross_entropy")[1]
+    for _ in range(3):
+        got = gradscope.per_example_norms(model, (x, mask), y)
+        assert_rel_close(got, expected, 1e-9)
+
+
+def test_an_empty_batch_gives_empty_scores():
+    model = MoE().double()
+    got = gradscope.per_example_norms(model, torch.zeros(0, 3, dtype=torch.long), torch.zeros(0))
+    assert got.shape == (0,)
+
+
+class Swapped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(D))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.scale
+
+
+@pytest.fixture
+def swapping_rule():
+    """A wrong rule whose batch sum is right: each example gets its neighbour's gradient."""
+
+    @register_rule(Swapped, name="swapped")
+    def swapped(module, inputs, grad_output):
+        return {"scale": Dense((inputs[0] * grad_output).roll(1, 0))}
+
+    yield
+    del RULES[Swapped]
+
+
+def test_an_error_that_cancels_in_the_batch_sum_is_caught(swapping_rule):
+    torch.manual_seed(0)
+    model = nn.Sequential(Swapped(), nn.Linear(D, 3)).double()
+    x, y = torch.randn(4, D, dtype=torch.float64), torch.randint(0, 3, (4,))
+    with Engine(model, resolve_loss("cross_entropy")) as engine:
+        got = total(engine.norms((x,), y).norm_sq).sqrt()
+    assert engine.plan.params[0].rule == "fallback"
+    assert "one example" in engine.plan.params[0].note
+    assert_rel_close(got, reference_norms(model, (x,), y, "cross_entropy")[1], 1e-9)
