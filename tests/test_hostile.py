@@ -605,3 +605,15 @@ def test_a_model_without_checkpoint_is_the_same_in_every_run(tmp_path):
     first = whole_run(config, tmp_path)
     torch.manual_seed(123)  # whatever the caller's random state
     pd.testing.assert_frame_equal(whole_run(config, tmp_path), first, check_exact=True)
+
+
+def test_factors_follow_no_link_planted_at_the_old_temporary_name(tmp_path):
+    config = make_project(tmp_path)
+    target = victim(tmp_path)
+    out = tmp_path / "f.safetensors"
+    (tmp_path / ".f.safetensors.partial").symlink_to(target)  # the old, fixed name
+    result = runner.invoke(
+        app, ["factors", str(config), "--out", str(out), "--fisher", "empirical"]
+    )
+    assert result.exit_code == 0, result.output
+    assert target.read_text() == "precious\n" and out.is_file() and not out.is_symlink()
