@@ -14,7 +14,7 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from . import terminal
-from .config import Config, SummaryConfig, load_config, with_overrides
+from .config import Config, SummaryConfig, load_config, output_path, with_overrides
 from .errors import GradscopeError, Interrupted
 
 # transformers, when a config names it: no "Loading weights" bar, no advice on every run
@@ -70,8 +70,8 @@ ConfigArg = Annotated[
     Path,
     typer.Argument(metavar="CONFIG", help="YAML config naming the model, checkpoint and data."),
 ]
-OutOpt = Annotated[
-    Path | None, typer.Option("--out", help="Parquet file to write (default: output.path).")
+OutOpt = Annotated[  # a string: a trailing '/' (a folder) must reach the check
+    str | None, typer.Option("--out", help="Parquet file to write (default: output.path).")
 ]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda, cuda:N or mps.")]
 BatchOpt = Annotated[int | None, typer.Option("--batch-size", help="Examples per pass.")]
@@ -117,10 +117,13 @@ def _run(
         path = run(on_start=on_start, on_batch=on_batch)
     if path is None:  # on the ranks other than 0 under torchrun
         return
-    _summary(path, by, cfg.summary.top_k, cfg.data.classes)
-    terminal.wrote(path)
-    if report:
-        _write_report(path, None, cfg, by, cfg.summary.top_k)
+    try:
+        _summary(path, by, cfg.summary.top_k, cfg.data.classes)
+        terminal.wrote(path)
+        if report:
+            _write_report(path, None, cfg, by, cfg.summary.top_k)
+    except KeyboardInterrupt:  # the scores are whole: not "before any example was saved"
+        raise Interrupted("interrupted after every example was saved", str(path)) from None
 
 
 def _summary(path: Path, by: str | None, top_k: int, classes: list[str] | None = None) -> None:
@@ -355,7 +358,7 @@ def report(
         typer.Option("--config", help="The run's config: the top-k examples are read and shown."),
     ] = None,
     out: Annotated[
-        Path | None, typer.Option("--out", help="HTML file to write (default: SCORES.html).")
+        str | None, typer.Option("--out", help="HTML file to write (default: SCORES.html).")
     ] = None,
     by: ByOpt = None,
     top_k: TopKOpt = None,
@@ -364,7 +367,8 @@ def report(
     (--top-k, else the config's summary.top_k, else 20)."""
     _check_top_k(top_k)
     cfg = load_config(config) if config else None
-    _write_report(scores, out, cfg, by, top_k or (cfg.summary if cfg else SummaryConfig).top_k)
+    target = Path(output_path(out, Path.cwd(), "--out")) if out is not None else None
+    _write_report(scores, target, cfg, by, top_k or (cfg.summary if cfg else SummaryConfig).top_k)
 
 
 def _check_top_k(top_k: int | None) -> None:

@@ -246,7 +246,9 @@ class Factors:
 
     def save(self, path: str | Path) -> None:
         """One safetensors file; the metadata (JSON under ``gradscope``) holds the fingerprint."""
-        from safetensors.torch import save_file
+        from safetensors.torch import save
+
+        from ..io.parquet import replace_atomically
 
         tensors = {
             f"{name}/{key}": t.contiguous()
@@ -254,10 +256,9 @@ class Factors:
             for key, t in b.tensors.items()
         }
         meta = self.meta | {"blocks": self.describe()}
-        path = Path(path)
-        partial = path.with_name(f".{path.name}.partial")
-        save_file(tensors, str(partial), metadata={KEY: json.dumps(meta)})
-        partial.replace(path)
+        data = save(tensors, metadata={KEY: json.dumps(meta)})
+        # a new temporary name of its own, never a link planted in a shared folder
+        replace_atomically(Path(path), lambda f: f.write(data), "the factors")
 
     @classmethod
     def load(cls, path: str | Path) -> Factors:

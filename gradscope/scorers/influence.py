@@ -18,7 +18,8 @@ from ..engine.influence import (
     reference_gradients,
 )
 from ..errors import ConfigError, DataError
-from ..io.data import Batch, Dataset, data_files, data_sha256, open_dataset
+from ..inputs import data_inputs
+from ..io.data import Batch, Dataset, data_sha256, open_dataset
 from ..io.model import file_sha256
 from ..job import Job
 from .base import Inputs, Scorer, all_finite, leading
@@ -58,7 +59,7 @@ class InfluenceScorer(Scorer):
         self._precondition_kind: dict = {}
 
     def reads(self) -> Inputs:
-        files = [("--ref", f) for f in data_files(self.ref)]
+        files = data_inputs("--ref", self.ref)
         return files + ([("--precondition", self.precondition)] if self.precondition else [])
 
     def resume_key(self) -> dict:
