@@ -9,6 +9,8 @@ import pytest
 import torch
 import yaml
 from oracle import assert_rel_close, reference_influence, reference_norms
+from test_hf_models import BERT
+from test_hf_models import Keywords as Logits
 from torch import nn
 from typer.testing import CliRunner
 
@@ -89,26 +91,6 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 GPT2 = {"vocab_size": 40, "n_positions": 16, "n_embd": 8, "n_layer": 2, "n_head": 2}
-BERT = {
-    "vocab_size": 30,
-    "hidden_size": 8,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "intermediate_size": 16,
-    "max_position_embeddings": 16,
-    "num_labels": 3,
-}
-
-
-class Logits(nn.Module):
-    """The oracle's view of a model: tensors passed by keyword, the logits returned."""
-
-    def __init__(self, model: nn.Module, names: list[str]):
-        super().__init__()
-        self.model, self.names = model, names
-
-    def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
-        return self.model(**dict(zip(self.names, tensors, strict=True))).logits
 
 
 def lora_folders(tmp_path, kind: str) -> nn.Module:
