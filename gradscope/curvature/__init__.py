@@ -38,7 +38,7 @@ def fit_factors(
     position, so a run is reproducible); the empirical Fisher uses the data's targets."""
     from ..io.data import open_dataset
     from ..job import Job, config_loss
-    from ..run import check_output, run_inputs
+    from ..inputs import check_output, run_inputs
 
     check_fisher(fisher, cfg.loss.name)
     check_output(out, run_inputs(cfg))
