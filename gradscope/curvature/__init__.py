@@ -36,9 +36,9 @@ def fit_factors(
     """Compute the configured model's factors over its data (``data.limit`` rows) and write them
     to ``out``. The true Fisher draws each batch's targets from the model (seeded by the batch's
     position, so a run is reproducible); the empirical Fisher uses the data's targets."""
+    from ..inputs import check_output, run_inputs
     from ..io.data import open_dataset
     from ..job import Job, config_loss
-    from ..inputs import check_output, run_inputs
 
     check_fisher(fisher, cfg.loss.name)
     check_output(out, run_inputs(cfg))
