@@ -97,6 +97,14 @@ class LSTMClassifier(nn.Module):
         return self.head(out[:, -1])
 
 
+class LSTMLastState(LSTMClassifier):
+    """The last hidden state, the layer's second output: what the recurrent rule cannot see."""
+
+    def forward(self, tokens):
+        _, (h, _) = self.lstm(self.embed(tokens))
+        return self.head(h[-1])
+
+
 class TwoInputs(nn.Module):
     """An image and a feature vector in, a dict out; the loss reads "logits"."""
 
@@ -174,7 +182,10 @@ PROJECTS = [
                 {"name": "cross_entropy", "class_dim": -1, "token_reduction": "mean"}),
         id="tiny-lm",
     ),
-    pytest.param(Project("LSTMClassifier", tokens, classes(3), fallback=("lstm",)), id="lstm"),
+    pytest.param(Project("LSTMClassifier", tokens, classes(3)), id="lstm"),
+    pytest.param(
+        Project("LSTMLastState", tokens, classes(3), fallback=("lstm",)), id="lstm-last-state"
+    ),
     pytest.param(
         Project("TwoInputs",
                 lambda g, n: {"image": torch.randn(n, 1, 6, 6, generator=g),

@@ -126,16 +126,18 @@ def test_parameters_left_to_the_fallback_are_refused_before_sharding():
     from gradscope.fsdp import decide
     from gradscope.losses import resolve_loss
 
-    class Recurrent(torch.nn.Module):
+    class Squared(torch.nn.Module):
+        """A raw matrix squared before use: no rule reads it."""
+
         def __init__(self):
             super().__init__()
-            self.rnn, self.head = torch.nn.GRU(3, 4, batch_first=True), torch.nn.Linear(4, 2)
+            self.mix, self.head = torch.nn.Parameter(torch.eye(3)), torch.nn.Linear(3, 2)
 
         def forward(self, x):
-            return self.head(self.rnn(x)[0][:, -1])
+            return self.head(x.mean(1) @ (self.mix * self.mix))
 
-    engine = Engine(Recurrent(), resolve_loss("cross_entropy"))
-    with pytest.raises(ConfigError, match=r"fsdp serves only parameters a layer rule serves; rnn"):
+    engine = Engine(Squared(), resolve_loss("cross_entropy"))
+    with pytest.raises(ConfigError, match=r"fsdp serves only parameters a layer rule serves; mix"):
         decide(engine, (torch.randn(4, 5, 3),), torch.tensor([0, 1, 0, 1]))
 
 
