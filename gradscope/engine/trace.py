@@ -14,12 +14,27 @@ examples, or of none, sends the parameter to the fallback with the op that made 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from .ops import (
+    CONTRACTIONS,
+    ELEMENTWISE,
+    IN_PLACE_MOVES,
+    IN_PLACE_OPERATORS,
+    INDICES,
+    MOVES,
+    READS,
+    REDUCTIONS,
+    RESHAPES,
+    dims_of,
+    filled,
+    keeps_rows,
+    op_name,
+    tensors_in,
+)
 from .owners import (
     MIXED,
     NONE,
@@ -32,73 +47,6 @@ from .owners import (
     segment_combine,
     shrink,
 )
-
-# ops that move, select or copy elements: the same op applied to the owners gives theirs
-MOVES = {
-    *("permute", "transpose", "t", "swapaxes", "swapdims", "movedim", "moveaxis", "T", "mT"),
-    *("squeeze", "unsqueeze", "expand", "expand_as", "select", "narrow", "__getitem__"),
-    *("index_select", "flip", "roll", "split", "chunk", "unbind", "tensor_split", "unfold"),
-    *("cat", "concat", "concatenate", "stack", "masked_select", "take_along_dim", "repeat"),
-    *("repeat_interleave", "split_with_sizes", "diagonal", "tril", "triu"),
-}
-RESHAPES = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
-# each output element from the elements at its position (broadcast)
-ELEMENTWISE = {
-    *("add", "sub", "mul", "div", "true_divide", "rsub", "neg", "pow", "exp", "log", "sqrt"),
-    *("rsqrt", "tanh", "sigmoid", "relu", "gelu", "silu", "mish", "softplus", "elu", "selu"),
-    *("leaky_relu", "hardtanh", "hardswish", "hardsigmoid", "relu6", "erf", "abs", "sin", "cos"),
-    *("where", "clamp", "clip", "maximum", "minimum", "masked_fill", "lerp", "addcmul", "addcdiv"),
-    *("reciprocal", "square", "sign", "floor", "ceil", "round", "trunc", "log1p", "expm1"),
-    *("eq", "ne", "lt", "gt", "le", "ge", "logical_not", "logical_and", "logical_or", "isfinite"),
-    *("isnan", "isinf", "nan_to_num", "float", "double", "half", "bfloat16", "to", "type_as"),
-    *("type", "long", "int", "bool", "contiguous", "clone", "detach", "dropout", "alpha_dropout"),
-    *("dropout1d", "dropout2d", "dropout3d", "feature_alpha_dropout", "log_sigmoid", "fmod"),
-    *("remainder", "glu", "tanhshrink", "softsign", "threshold", "celu", "prelu", "silu_"),
-    *("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__"),
-    *("__rtruediv__", "__neg__", "__pow__", "__rpow__", "__and__", "__or__", "__xor__"),
-    *("__invert__", "__eq__", "__ne__", "__lt__", "__gt__", "__le__", "__ge__", "__abs__"),
-    *("__floordiv__", "__mod__", "floor_divide", "bitwise_and", "bitwise_or", "bitwise_not"),
-}
-# reductions over dims given by a ``dim`` argument (all dims when absent); shape kept or not
-REDUCTIONS = {
-    *("sum", "mean", "nansum", "nanmean", "prod", "amax", "amin", "max", "min", "argmax"),
-    *("argmin", "all", "any", "std", "var", "norm", "logsumexp", "count_nonzero", "median"),
-    *("softmax", "log_softmax", "cumsum", "cumprod", "sort", "argsort", "topk", "normalize"),
-    *("cummax", "cummin", "std_mean", "var_mean", "aminmax", "logcumsumexp"),
-}
-KEEPS_SHAPE = {"softmax", "log_softmax", "cumsum", "cumprod", "sort", "argsort", "normalize"}
-KEEPS_SHAPE |= {"cummax", "cummin", "logcumsumexp", "topk"}
-IN_PLACE_OPERATORS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ior__", "__iand__"}
-INDICES = {"where", "nonzero", "argwhere"}  # with one argument: positions of true elements
-IN_PLACE_MOVES = {"__setitem__", "copy_", "index_add_", "masked_fill_", "fill_", "zero_"}
-READS = {"__get__", "size", "dim", "numel", "ndimension", "nelement", "item", "tolist"}
-READS |= {"data_ptr", "element_size", "is_floating_point", "is_complex", "__len__", "stride"}
-READS |= {"__bool__", "__index__", "__int__", "__float__", "__format__", "__repr__", "__hash__"}
-
-
-def op_name(func: Callable) -> str:
-    """The op's name; a property's (``x.T``) rather than ``__get__``."""
-    name = getattr(func, "__name__", str(func))
-    if name == "__get__":
-        return getattr(getattr(func, "__self__", None), "__name__", name)
-    return name.split("::")[-1].split(".")[0]  # torch.ops.lib.name.overload: the name
-
-
-def _dims(name: str, args: tuple, kwargs: dict, rank: int) -> tuple[list[int], bool]:
-    """(the dims an op of the REDUCTIONS set mixes, whether it keeps them)."""
-    dim = kwargs.get("dim", args[1] if len(args) > 1 and not isinstance(args[1], Tensor) else None)
-    if name == "normalize":
-        dim = kwargs.get("dim", args[2] if len(args) > 2 else 1)
-    if name == "topk":
-        dim = kwargs.get("dim", args[2] if len(args) > 2 else -1)
-    if name in ("norm", "std", "var") and isinstance(dim, (int, float)) and len(args) > 1:
-        dim = kwargs.get("dim", args[2] if len(args) > 2 else None)  # norm(x, p, dim)
-    keep = name in KEEPS_SHAPE or bool(kwargs.get("keepdim", False))
-    if not keep and len(args) > 2 and isinstance(args[2], bool):
-        keep = args[2]
-    if dim is None or (isinstance(dim, (list, tuple)) and not dim):
-        return list(range(rank)), keep
-    return ([dim] if isinstance(dim, int) else list(dim)), keep
 
 
 class ByTensor:
@@ -149,7 +97,7 @@ class RowTrace(TorchFunctionMode):
     def owner(self, t: Tensor) -> Tensor:
         """``t``'s owners, ``NONE`` everywhere for a tensor not computed from the batch."""
         o = self.owners.get(t)
-        return o if o is not None else _filled(t, NONE)
+        return o if o is not None else filled(t, NONE)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -169,7 +117,7 @@ class RowTrace(TorchFunctionMode):
         name = op_name(func)
         if name in READS:
             return
-        tracked = [t for t in _tensors(args, kwargs) if t in self.owners]
+        tracked = [t for t in tensors_in(args, kwargs) if t in self.owners]
         if not tracked:
             return
         origin = name
@@ -193,7 +141,7 @@ class RowTrace(TorchFunctionMode):
             return False
         if any(self.owners.get(t) is not self._standard.get(t.dim()) for t in tracked):
             return False
-        if not _keeps_rows(name, args, kwargs, tracked, outs[0], self.batch):
+        if not keeps_rows(name, args, kwargs, tracked, outs[0], self.batch):
             return False
         for t in outs:
             self.owners[t] = self.standard(t.dim())
@@ -214,9 +162,9 @@ class RowTrace(TorchFunctionMode):
             if not isinstance(t, Tensor):
                 continue
             if t.numel() == 0:  # no element to belong to anyone
-                o = _filled(t, NONE)
+                o = filled(t, NONE)
             elif o is None or o.dim() != t.dim():
-                o = _filled(t, MIXED)
+                o = filled(t, MIXED)
             o = compact(o)
             if o.dim() and o.numel() == self.batch == o.shape[0] and is_batch(o, self.batch):
                 o = self.standard(t.dim())  # the canonical tensor: later ops take the fast path
@@ -226,7 +174,7 @@ class RowTrace(TorchFunctionMode):
 
     def _follow(self, name: str, func, args: tuple, kwargs: dict, out: object, origin: str):
         if name in INDICES and len(args) == 1:  # positions, not values: nothing flows back
-            return self._set(out, _filled(args[0], NONE), origin)
+            return self._set(out, filled(args[0], NONE), origin)
         if name in IN_PLACE_MOVES:
             return self._in_place(name, args, kwargs, origin)
         if name in IN_PLACE_OPERATORS and isinstance(args[0], Tensor):  # x += y
@@ -242,7 +190,7 @@ class RowTrace(TorchFunctionMode):
         if name in ELEMENTWISE:
             return self._set(out, combine(*self._all(args, kwargs)), origin)
         if name in REDUCTIONS and isinstance(args[0], Tensor):
-            dims, keep = _dims(name, args, kwargs, args[0].dim())
+            dims, keep = dims_of(name, args, kwargs, args[0].dim())
             return self._set(out, reduce(self.owner(args[0]), dims, keep), origin)
         if name in CONTRACTIONS:
             return self._set(out, CONTRACTIONS[name](self, *args, **kwargs), origin)
@@ -250,7 +198,7 @@ class RowTrace(TorchFunctionMode):
         self._set(out, self._leading(args, kwargs, out), origin)
 
     def _all(self, args: tuple, kwargs: dict) -> list[Tensor]:
-        return [self.owner(t) for t in _tensors(args, kwargs)] or [
+        return [self.owner(t) for t in tensors_in(args, kwargs)] or [
             torch.tensor(NONE, device=self.device)
         ]
 
@@ -280,18 +228,18 @@ class RowTrace(TorchFunctionMode):
         if not isinstance(first, Tensor) or first.dim() == 0:
             return None
         lead = []
-        for t in _tensors(args, kwargs):
+        for t in tensors_in(args, kwargs):
             if t in self.owners:
                 if t.dim() == 0 or t.shape[0] != first.shape[0]:
                     return None
                 lead.append(reduce(self.owner(t), range(1, t.dim())).reshape(-1))
-        o = combine(*lead) if lead else _filled(first[:1], NONE)
+        o = combine(*lead) if lead else filled(first[:1], NONE)
         return o.view(-1, *([1] * (first.dim() - 1)))
 
     def _in_place(self, name: str, args: tuple, kwargs: dict, origin: str) -> None:
         x = args[0]
         if name in ("fill_", "zero_"):
-            return self._set(x, _filled(x, NONE), origin)
+            return self._set(x, filled(x, NONE), origin)
         if name == "copy_":
             return self._set(x, compact(self.owner(args[1]).expand(x.shape)), origin)
         if name == "masked_fill_":  # masked elements take the (constant) fill
@@ -319,244 +267,3 @@ class RowTrace(TorchFunctionMode):
         shape = [1] * x.dim()
         shape[dim] = x.shape[dim]
         return self._set(x, compact(o.view(shape)), origin)
-
-
-def _keeps_rows(name: str, args: tuple, kwargs: dict, tracked: list, out: Tensor, b: int) -> bool:
-    """Whether an op on inputs each with one row per example on dimension 0 gives an output
-    (of dimension 0 of length ``b``) whose row i is computed from rows i alone."""
-    rank = out.dim()
-    same_rank = all(t.dim() == rank and t.shape[0] == b for t in tracked)
-    x = args[0] if args else None
-    if name in ELEMENTWISE or name == "scaled_dot_product_attention":
-        return same_rank
-    if name == "linear":  # a weight computed from the batch would mix its rows' examples
-        rest = _tensors(args[1:], kwargs)
-        return same_rank and not any(t is r for t in tracked for r in rest)
-    if name in RESHAPES:
-        return isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == b
-    if name in ("layer_norm", "rms_norm"):
-        shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape", ())
-        return same_rank and len(shape) < rank
-    if name == "embedding":
-        return (
-            isinstance(x, Tensor) and x.dim() + 1 == rank and len(tracked) == 1 and tracked[0] is x
-        )
-    if name in ("matmul", "__matmul__", "bmm"):
-        other = args[1] if len(args) > 1 else None
-        return same_rank and (rank >= 3 or not any(t is other for t in tracked))
-    if not isinstance(x, Tensor) or x.dim() == 0:
-        if name in ("cat", "concat", "stack") and isinstance(x, (list, tuple)):
-            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
-            return dim % rank != 0 and all(t.shape[0] == b for t in x)
-        return False
-    n = x.dim()
-    if name in ("transpose", "swapaxes", "swapdims"):
-        return len(args) >= 3 and args[1] % n != 0 and args[2] % n != 0
-    if name == "permute":
-        dims = args[1:] if len(args) > 2 or not isinstance(args[1], (list, tuple)) else args[1]
-        return len(dims) == n and dims[0] % n == 0
-    if name == "unsqueeze":
-        return args[1] % (n + 1) != 0
-    if name == "squeeze":
-        return len(args) > 1 and isinstance(args[1], int) and args[1] % n != 0
-    if name in ("expand", "expand_as", "contiguous"):
-        return same_rank
-    if name in ("chunk", "split", "unbind", "tensor_split", "split_with_sizes"):
-        dim = (
-            kwargs.get("dim", args[2] if len(args) > 2 else 0)
-            if name != "unbind"
-            else (args[1] if len(args) > 1 else kwargs.get("dim", 0))
-        )
-        return dim % n != 0
-    if name == "__getitem__":
-        return _getitem_keeps_rows(args[1], n)
-    if name in REDUCTIONS and not (
-        name in ("max", "min") and len(args) > 1 and isinstance(args[1], Tensor)
-    ):
-        dims, _ = _dims(name, args, kwargs, n)
-        return bool(dims) and all(d % n != 0 for d in dims)
-    return False
-
-
-def _getitem_keeps_rows(key: object, rank: int) -> bool:
-    """``x[key]`` keeps dimension 0 whole and first: basic indexing that starts with ``:`` or
-    with ``...`` covering dimension 0."""
-    key = key if isinstance(key, tuple) else (key,)
-    if any(isinstance(k, (Tensor, list)) for k in key) or not key:
-        return False
-    if key[0] == slice(None):
-        return True
-    if key[0] is Ellipsis:
-        used = sum(k is not None and k is not Ellipsis for k in key)
-        return used < rank
-    return False
-
-
-def _filled(t: Tensor, value: int) -> Tensor:
-    """Owners ``value`` for every element of ``t``: (1, ..., 1) of its rank, on its device."""
-    return torch.full((1,) * t.dim(), value, dtype=torch.long, device=t.device)
-
-
-def _tensors(args: tuple, kwargs: dict) -> list[Tensor]:
-    found = []
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, Tensor):
-            found.append(a)
-        elif isinstance(a, (list, tuple)):
-            found.extend(t for t in a if isinstance(t, Tensor))
-    return found
-
-
-# -- contractions: output owners from the inputs' owners, reduced over what the op mixes -----
-
-
-def _linear(trace: RowTrace, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    parts = [reduce(trace.owner(x), [-1]), reduce(trace.owner(weight), [-1]).reshape(1, -1)]
-    if bias is not None:
-        parts.append(trace.owner(bias))
-    return combine(*parts)
-
-
-def _grouped(trace: RowTrace, x: Tensor, weight: Tensor, *_, **__) -> Tensor:
-    """grouped_mm(x, W, offs): each row of x times one expert's W."""
-    return combine(
-        reduce(trace.owner(x), [-1]), reduce(trace.owner(weight), range(3)).reshape(1, 1)
-    )
-
-
-def _matmul(trace: RowTrace, a: Tensor, b: Tensor, *_, **__) -> Tensor | None:
-    if a.dim() < 2 or b.dim() < 2:
-        return None
-    return combine(reduce(trace.owner(a), [-1]), reduce(trace.owner(b), [-2]))
-
-
-def _addmm(trace: RowTrace, bias: Tensor, a: Tensor, b: Tensor, *_, **__) -> Tensor | None:
-    product = _matmul(trace, a, b)
-    return None if product is None else combine(trace.owner(bias), product)
-
-
-def _conv(trace: RowTrace, x: Tensor, weight: Tensor, bias: Tensor | None = None, *_, **__):
-    """Examples on dimension 0: owners constant over channels and positions."""
-    o = reduce(trace.owner(x), range(1, x.dim()))
-    return combine(o, reduce(trace.owner(weight), range(weight.dim())).reshape((1,) * x.dim()))
-
-
-def _embedding(trace: RowTrace, ids: Tensor, weight: Tensor, *_, **__) -> Tensor:
-    return combine(trace.owner(ids).unsqueeze(-1), reduce(trace.owner(weight), [0, 1]))
-
-
-def _per_row(trace: RowTrace, x: Tensor, *args, **kwargs) -> Tensor:
-    """A norm over the trailing dims (layer_norm, rms_norm) or all but 0 and 1 (instance)."""
-    others = [reduce(trace.owner(t), range(t.dim())) for t in _tensors(args, kwargs)]
-    shape = args[0] if args else kwargs.get("normalized_shape", (x.shape[-1],))
-    k = len(shape) if isinstance(shape, (list, tuple, torch.Size)) else 1
-    o = reduce(trace.owner(x), range(x.dim() - k, x.dim()))
-    return combine(o, *(t.reshape((1,) * x.dim()) for t in others))
-
-
-def _whole_example(trace: RowTrace, x: Tensor, *args, **kwargs) -> Tensor:
-    """Dimension 0 is the batch and every other dimension mixes (group norm, pooling...)."""
-    o = reduce(trace.owner(x), range(1, x.dim()))
-    others = [reduce(trace.owner(t), range(t.dim())) for t in _tensors(args, kwargs)]
-    return combine(o, *(t.reshape((1,) * x.dim()) for t in others))
-
-
-def _batch_norm(trace: RowTrace, x: Tensor, *args, **kwargs) -> Tensor:
-    """Per channel, on running statistics. On the batch's own statistics every example mixes;
-    the batch-norm rule refuses that case with its own message, so the owners stay as they are."""
-    return compact(trace.owner(x))
-
-
-def _sdpa(trace: RowTrace, q: Tensor, k: Tensor, v: Tensor, attn_mask=None, *_, **kw) -> Tensor:
-    parts = [reduce(trace.owner(q), [-1]), reduce(trace.owner(k), [-2, -1])]
-    parts.append(reduce(trace.owner(v), [-2, -1]))
-    mask = kw.get("attn_mask", attn_mask)
-    if isinstance(mask, Tensor):
-        parts.append(reduce(trace.owner(mask), [-1]))
-    return combine(*parts)
-
-
-def _mha(trace: RowTrace, query: Tensor, key: Tensor, value: Tensor, *args, **kwargs):
-    """F.multi_head_attention_forward: (L, N, E) inputs with examples on dimension 1, masks
-    (N, S) and (N*H, L, S) by example; or one unbatched (L, E) call."""
-    heads = kwargs.get("num_heads", args[1] if len(args) > 1 else 1)
-    if query.dim() == 2:
-        o = combine(
-            *(
-                reduce(trace.owner(t), range(t.dim()))
-                for t in _tensors((query, key, value, *args), kwargs)
-            )
-        )
-        return o.reshape(1, 1), o.reshape(1, 1)
-    n = query.shape[1]
-    parts = [reduce(trace.owner(t), [0, 2]) for t in (query, key, value)]
-    for t in _tensors(args, kwargs):
-        o = reduce(trace.owner(t), range(1, t.dim()), keepdim=False) if t.dim() else trace.owner(t)
-        if t.dim() and t.shape[0] == n * heads and n * heads != n:
-            o = reduce(o.expand(n * heads).reshape(n, heads), [1], keepdim=False)
-        elif not t.dim() or t.shape[0] != n:
-            o = reduce(o, range(o.dim()), keepdim=False)
-        parts.append(o.reshape(1, -1, 1))
-    o = combine(*parts)  # (1, N, 1)
-    return o, o.reshape(-1, 1, 1)
-
-
-def _recurrent(trace: RowTrace, x: Tensor, hx: object, *args, **__) -> tuple | None:
-    """_VF.lstm / gru / rnn_tanh / rnn_relu(input, hx, params, ..., batch_first): examples on
-    dimension 0 (batch_first) or 1 of the input and output, on dimension 1 of the states."""
-    if not isinstance(args[-1], bool) or x.dim() != 3:
-        return None  # a packed sequence, or an unbatched call
-    dim = 0 if args[-1] else 1
-    states = hx if isinstance(hx, (list, tuple)) else (hx,)
-    parts = [reduce(trace.owner(x), [d for d in range(3) if d != dim], keepdim=False)]
-    parts += [
-        reduce(trace.owner(h), [0, 2], keepdim=False) for h in states if isinstance(h, Tensor)
-    ]
-    parts += [reduce(trace.owner(p), range(p.dim())).reshape(1) for p in _tensors(args, {})]
-    o = combine(*(p.reshape(-1) for p in parts))  # (B,) or (1,)
-    out = o.reshape(-1, 1, 1) if dim == 0 else o.reshape(1, -1, 1)
-    return (out, *(o.reshape(1, -1, 1) for _ in states))
-
-
-def _einsum(trace: RowTrace, equation: str, *operands, **__) -> Tensor | None:
-    operands = (
-        operands[0] if len(operands) == 1 and isinstance(operands[0], (list, tuple)) else operands
-    )
-    equation = equation.replace(" ", "")
-    if "..." in equation or "->" not in equation:
-        return None
-    inputs, output = equation.split("->")
-    parts = []
-    for letters, t in zip(inputs.split(","), operands, strict=True):
-        o = reduce(trace.owner(t), [i for i, c in enumerate(letters) if c not in output])
-        kept = [c for c in letters if c in output]
-        o = o.reshape([o.shape[i] for i, c in enumerate(letters) if c in output])
-        o = o.permute([kept.index(c) for c in output if c in kept])
-        shape = iter(o.shape)
-        parts.append(o.reshape([next(shape) if c in kept else 1 for c in output]))
-    return combine(*parts)
-
-
-CONTRACTIONS: dict[str, Callable[..., object]] = {
-    "linear": _linear,
-    **dict.fromkeys(("matmul", "__matmul__", "mm", "bmm"), _matmul),
-    **dict.fromkeys(("addmm", "baddbmm"), _addmm),
-    **dict.fromkeys(("conv1d", "conv2d", "conv3d", "conv_transpose1d"), _conv),
-    **dict.fromkeys(("conv_transpose2d", "conv_transpose3d"), _conv),
-    "embedding": _embedding,
-    **dict.fromkeys(("grouped_mm", "_grouped_mm", "grouped_mm_fallback"), _grouped),
-    **dict.fromkeys(("layer_norm", "rms_norm"), _per_row),
-    **dict.fromkeys(("group_norm", "instance_norm", "local_response_norm"), _whole_example),
-    **dict.fromkeys(("max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d"), _whole_example),
-    **dict.fromkeys(("avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d"), _whole_example),
-    **dict.fromkeys(("adaptive_avg_pool2d", "adaptive_avg_pool3d", "interpolate"), _whole_example),
-    **dict.fromkeys(
-        ("adaptive_max_pool1d", "adaptive_max_pool2d", "pixel_shuffle"), _whole_example
-    ),
-    **dict.fromkeys(("max_pool2d_with_indices", "pad"), _whole_example),
-    "batch_norm": _batch_norm,
-    "scaled_dot_product_attention": _sdpa,
-    "multi_head_attention_forward": _mha,
-    "einsum": _einsum,
-    **dict.fromkeys(("lstm", "gru", "rnn_tanh", "rnn_relu"), _recurrent),
-}
