@@ -185,8 +185,9 @@ class Engine:
         raw parameters watched.
 
         Calls on rows shared by the batch get them expanded to the batch, once the first batch
-        has shown that this leaves every loss as it was. A model that edits a captured tensor in
-        place is run again with copies of the edited modules' tensors.
+        has shown that this leaves every loss as it was; that first comparison with the model as
+        written also refuses a model whose forward is random. A model that edits a captured
+        tensor in place is run again with copies of the edited modules' tensors.
         """
         while True:
             expand = findings.expand is not False
@@ -197,12 +198,21 @@ class Engine:
                     raise
                 findings.expand = False  # the model cannot take the expanded rows: run as is
                 continue
-            if expand and findings.expand is None:
+            if findings.expand is None or findings.deterministic is None:
                 same = self._same_losses(inputs, targets, seen.losses)
                 expanded = seen.session.expanded or (seen.tap is not None and seen.tap.expanded)
-                findings.expand = not expanded or same
-                if not findings.expand:
+                if expanded and not same:
+                    findings.expand = False  # the expanded rows changed a loss: run as is
                     continue
+                findings.expand = findings.expand if findings.expand is False else expand
+                if not same:
+                    raise ModelError(
+                        "the model gives other losses for the same batch on a second forward "
+                        "(random masking or noise in eval mode?): per-example gradients of a "
+                        "random function are not defined; make its forward deterministic",
+                        "model",
+                    )
+                findings.deterministic = True
             assumed = seen.session.assumed or (seen.tap is not None and seen.tap.assumed)
             if assumed and not is_batch(seen.trace.owner(seen.losses), len(targets)):
                 findings.assume = False  # a call's rows were shared after all: run as is

@@ -26,6 +26,7 @@ class Findings:
     """What the first batch of given input shapes found."""
 
     expand: bool | None = None  # None: not tried yet
+    deterministic: bool | None = None  # None: not compared with a second forward yet
     assume: bool = True  # False: a call taken to have one row per example had shared rows
     verified: bool = False  # the self-check has run
 

@@ -260,3 +260,22 @@ def test_a_recurrent_layers_last_state_reaching_the_loss_goes_to_the_fallback():
         got = total(engine.norms((x,), y).norm_sq).sqrt()
     assert {p.name.split(".")[0] for p in engine.plan.fallback} == {"lstm"}
     assert_rel_close(got, reference_norms(model, (x,), y, "cross_entropy")[1], 1e-9)
+
+
+class RandomMask(nn.Module):
+    """ViT-MAE's random masking in eval mode: a new mask on every forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x * (torch.rand_like(x) > 0.5))
+
+
+def test_a_random_forward_is_refused_not_scored():
+    from gradscope.errors import ModelError
+
+    x, y = torch.randn(4, D), torch.randint(0, 3, (4,))
+    with pytest.raises(ModelError, match="random"):
+        gradscope.per_example_norms(RandomMask(), x, y)
