@@ -57,6 +57,9 @@ KEEPS_SHAPE |= {"cummax", "cummin", "logcumsumexp", "topk"}
 IN_PLACE_OPERATORS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ior__", "__iand__"}
 INDICES = {"where", "nonzero", "argwhere"}  # with one argument: positions of true elements
 IN_PLACE_MOVES = {"__setitem__", "copy_", "index_add_", "masked_fill_", "fill_", "zero_"}
+# x.scatter*(dim, index, src): rows of src land at index; in place or not
+SCATTERS = {"scatter", "scatter_add", "scatter_reduce", "scatter_", "scatter_add_"}
+SCATTERS |= {"scatter_reduce_"}
 READS = {"__get__", "size", "dim", "numel", "ndimension", "nelement", "item", "tolist"}
 READS |= {"data_ptr", "element_size", "is_floating_point", "is_complex", "__len__", "stride"}
 READS |= {"__bool__", "__index__", "__int__", "__float__", "__format__", "__repr__", "__hash__"}

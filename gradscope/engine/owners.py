@@ -81,6 +81,17 @@ def segment_combine(base: Tensor, index: Tensor, values: Tensor) -> Tensor:
     return torch.where(lo == _BIG, NONE, torch.where(lo == hi, hi, MIXED))
 
 
+def scatter_combine(base: Tensor, dim: int, index: Tensor, values: Tensor, keep: bool) -> Tensor:
+    """The owners of ``base.scatter_add(dim, index, values)`` (``keep``: the targets keep their
+    own values, as in an add; else they are overwritten, as in ``scatter``), all full-shaped."""
+    if not keep:
+        return base.scatter(dim, index, values)
+    hi = base.scatter_reduce(dim, index, values, "amax")
+    low = torch.where(values == NONE, _BIG, values)
+    lo = torch.where(base == NONE, _BIG, base).scatter_reduce(dim, index, low, "amin")
+    return torch.where(lo == _BIG, NONE, torch.where(lo == hi, hi, MIXED))
+
+
 def reshaped(o: Tensor, shape: Sequence[int], new: Sequence[int]) -> Tensor | None:
     """The owners of ``t.reshape(new)`` for ``t`` of ``shape`` with owners ``o``, expanding ``o``
     only within the groups of dimensions that the reshape merges or splits and along which the

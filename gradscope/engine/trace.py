@@ -29,6 +29,7 @@ from .ops import (
     READS,
     REDUCTIONS,
     RESHAPES,
+    SCATTERS,
     dims_of,
     filled,
     keeps_rows,
@@ -44,6 +45,7 @@ from .owners import (
     is_batch,
     reduce,
     reshaped,
+    scatter_combine,
     segment_combine,
     shrink,
 )
@@ -177,6 +179,8 @@ class RowTrace(TorchFunctionMode):
             return self._set(out, filled(args[0], NONE), origin)
         if name in IN_PLACE_MOVES:
             return self._in_place(name, args, kwargs, origin)
+        if name in SCATTERS:
+            return self._scatter(name, args, kwargs, out, origin)
         if name in IN_PLACE_OPERATORS and isinstance(args[0], Tensor):  # x += y
             return self._set(args[0], combine(*self._all(args, kwargs)), origin)
         if name.endswith("_") and not name.startswith("__"):  # x.add_(y): x takes y's owners
@@ -235,6 +239,25 @@ class RowTrace(TorchFunctionMode):
                 lead.append(reduce(self.owner(t), range(1, t.dim())).reshape(-1))
         o = combine(*lead) if lead else filled(first[:1], NONE)
         return o.view(-1, *([1] * (first.dim() - 1)))
+
+    def _scatter(self, name: str, args: tuple, kwargs: dict, out: object, origin: str) -> None:
+        """``x.scatter_add(dim, index, src)`` and its kin: each target combines its own owner
+        (kept by an add or a reduce including itself, overwritten by ``scatter``) with those
+        of the values that land on it."""
+        x, dim = args[0], kwargs.get("dim", args[1] if len(args) > 1 else None)
+        index = kwargs.get("index", args[2] if len(args) > 2 else None)
+        src = kwargs.get("src", args[3] if len(args) > 3 else kwargs.get("value"))
+        dim = dim % x.dim()
+        base = self.owner(x).expand(x.shape).clone()
+        if isinstance(src, Tensor):
+            values = self.owner(src).expand(src.shape)[tuple(slice(0, n) for n in index.shape)]
+        else:
+            values = torch.full(index.shape, NONE, dtype=torch.long, device=x.device)
+        keep = name.startswith("scatter_add") or (
+            name.startswith("scatter_reduce") and kwargs.get("include_self", True)
+        )
+        o = shrink(scatter_combine(base, dim, index, values.contiguous(), keep))
+        self._set(x if name.endswith("_") else out, o, origin)
 
     def _in_place(self, name: str, args: tuple, kwargs: dict, origin: str) -> None:
         x = args[0]

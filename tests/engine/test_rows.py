@@ -43,10 +43,31 @@ class Experts(nn.Module):
         return out.view(b, t, d)
 
 
+class ScatteredExperts(Experts):
+    """The same experts, their outputs combined by scatter_add_ (GLM-4-MoE, Llama 4 and others)
+    and one scatter_add out of place."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        h = x.view(-1, d)
+        weights, chosen = torch.topk(F.softmax(self.gate(h), 1), self.k, -1)
+        out = torch.zeros_like(h)
+        routed = F.one_hot(chosen, len(self.experts)).permute(2, 1, 0)
+        for e, expert in enumerate(self.experts):
+            slot, token = torch.where(routed[e])
+            y = expert(h[token]) * weights[token, slot, None]
+            where = token[:, None].expand(-1, d)
+            if e % 2:
+                out.scatter_add_(0, where, y)
+            else:
+                out = out.scatter_add(0, where, y)
+        return out.view(b, t, d)
+
+
 class MoE(nn.Module):
-    def __init__(self):
+    def __init__(self, experts: type[nn.Module] = Experts):
         super().__init__()
-        self.embed, self.moe, self.head = nn.Embedding(VOCAB, D), Experts(), nn.Linear(D, CLASSES)
+        self.embed, self.moe, self.head = nn.Embedding(VOCAB, D), experts(), nn.Linear(D, CLASSES)
 
     def forward(self, ids: Tensor) -> Tensor:
         return self.head(self.moe(self.embed(ids)).mean(1))
@@ -108,6 +129,16 @@ def test_routed_experts_are_exact_on_the_linear_rule(seed: int):
     with Engine(model, resolve_loss("cross_entropy")) as engine:
         for batch in range(3):
             x, y = ids(4, 2, 10 * seed + batch), torch.randint(0, CLASSES, (4,))
+            _check(model, (x,), y, engine)
+    assert {p.rule for p in engine.plan.params} == {"embedding", "linear"}
+
+
+def test_experts_combined_by_scatter_add_are_exact_on_rules():
+    torch.manual_seed(0)
+    model = MoE(ScatteredExperts).double()
+    with Engine(model, resolve_loss("cross_entropy")) as engine:
+        for batch in range(2):
+            x, y = ids(4, 3, batch), torch.randint(0, CLASSES, (4,))
             _check(model, (x,), y, engine)
     assert {p.rule for p in engine.plan.params} == {"embedding", "linear"}
 
