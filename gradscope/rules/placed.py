@@ -104,5 +104,35 @@ class Blocks(Contribution):
 
 
 def _overlap(blocks: list[Placed], new: Placed) -> bool:
-    covered = new.place.mask(new.shape)
-    return any(bool((b.place.mask(b.shape) & covered).any()) for b in blocks)
+    """Whether ``new`` covers an element one of ``blocks`` covers: from the index ranges where
+    they are plain (ints, slices of step 1: the experts of a pass), else from masks."""
+    ranges = _ranges(new.place.index, new.shape)
+    if ranges is None:
+        covered = new.place.mask(new.shape)
+        return any(bool((b.place.mask(b.shape) & covered).any()) for b in blocks)
+    for b in blocks:
+        other = _ranges(b.place.index, b.shape)
+        if other is None:
+            if bool((b.place.mask(b.shape) & new.place.mask(new.shape)).any()):
+                return True
+        elif all(lo < hi2 and lo2 < hi for (lo, hi), (lo2, hi2) in zip(ranges, other, strict=True)):
+            return True
+    return False
+
+
+def _ranges(index: tuple, shape: torch.Size) -> list[tuple[int, int]] | None:
+    """[start, stop) per dimension of a basic index of ints and step-1 slices, or None."""
+    out = []
+    for d, n in enumerate(shape):
+        k = index[d] if d < len(index) else slice(None)
+        if isinstance(k, int):
+            k %= n
+            out.append((k, k + 1))
+        elif isinstance(k, slice):
+            start, stop, step = k.indices(n)
+            if step != 1:
+                return None
+            out.append((start, max(start, stop)))
+        else:
+            return None
+    return out

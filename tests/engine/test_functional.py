@@ -85,6 +85,17 @@ class Packed(nn.Module):
         return torch.tanh(F.linear(x, q)) * F.linear(x, k) + F.linear(x, v)
 
 
+class Overlapping(nn.Module):
+    """One raw weight read whole and through a slice of its columns: the two reads overlap."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D, D) * 0.3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(F.linear(x, self.w)) + F.linear(x[..., :3], self.w[:, :3])
+
+
 class Model(nn.Module):
     def __init__(self, block: nn.Module):
         super().__init__()
@@ -95,7 +106,12 @@ class Model(nn.Module):
         return self.out(self.block(self.norm(self.embed(ids))).mean(1))
 
 
-BLOCKS = {"fused-experts": FusedExperts, "packed": Packed, "own-linear": lambda: OwnLinear(D, D)}
+BLOCKS = {
+    "fused-experts": FusedExperts,
+    "packed": Packed,
+    "own-linear": lambda: OwnLinear(D, D),
+    "overlapping": Overlapping,
+}
 
 
 def batch(b: int, seed: int) -> tuple[Tensor, Tensor]:
