@@ -56,6 +56,10 @@ KEEPS_SHAPE = {"softmax", "log_softmax", "cumsum", "cumprod", "sort", "argsort",
 KEEPS_SHAPE |= {"cummax", "cummin", "logcumsumexp", "topk"}
 IN_PLACE_OPERATORS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ior__", "__iand__"}
 INDICES = {"where", "nonzero", "argwhere"}  # with one argument: positions of true elements
+# new tensors shaped like their input, whose values come from no example
+CREATIONS = {"new_ones", "new_zeros", "new_full", "new_empty", "new_tensor", "zeros_like"}
+CREATIONS |= {"ones_like", "empty_like", "full_like"}
+SORTS = {"sort", "argsort"}  # a permutation along a dimension: owners move with the values
 IN_PLACE_MOVES = {"__setitem__", "copy_", "index_add_", "masked_fill_", "fill_", "zero_"}
 # x.scatter*(dim, index, src): rows of src land at index; in place or not
 SCATTERS = {"scatter", "scatter_add", "scatter_reduce", "scatter_", "scatter_add_"}

@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 
 from .ops import (
     CONTRACTIONS,
+    CREATIONS,
     ELEMENTWISE,
     IN_PLACE_MOVES,
     IN_PLACE_OPERATORS,
@@ -30,6 +31,7 @@ from .ops import (
     REDUCTIONS,
     RESHAPES,
     SCATTERS,
+    SORTS,
     dims_of,
     filled,
     keeps_rows,
@@ -177,6 +179,10 @@ class RowTrace(TorchFunctionMode):
     def _follow(self, name: str, func, args: tuple, kwargs: dict, out: object, origin: str):
         if name in INDICES and len(args) == 1:  # positions, not values: nothing flows back
             return self._set(out, filled(args[0], NONE), origin)
+        if name in CREATIONS:
+            return self._set(out, filled(out, NONE), origin)
+        if name in SORTS:
+            return self._set(out, self._sorted(name, args, kwargs, out), origin)
         if name in IN_PLACE_MOVES:
             return self._in_place(name, args, kwargs, origin)
         if name in SCATTERS:
@@ -239,6 +245,15 @@ class RowTrace(TorchFunctionMode):
                 lead.append(reduce(self.owner(t), range(1, t.dim())).reshape(-1))
         o = combine(*lead) if lead else filled(first[:1], NONE)
         return o.view(-1, *([1] * (first.dim() - 1)))
+
+    def _sorted(self, name: str, args: tuple, kwargs: dict, out: object) -> tuple:
+        """sort's values carry the owners of where they came from; its indices are positions."""
+        x = args[0]
+        dim = kwargs.get("dim", args[1] if len(args) > 1 and isinstance(args[1], int) else -1)
+        order = out if name == "argsort" else out[1]
+        moved = self.owner(x).expand(x.shape).gather(dim, order)
+        none = filled(order, NONE)
+        return none if name == "argsort" else (shrink(moved), none)
 
     def _scatter(self, name: str, args: tuple, kwargs: dict, out: object, origin: str) -> None:
         """``x.scatter_add(dim, index, src)`` and its kin: each target combines its own owner

@@ -310,3 +310,32 @@ def test_a_random_forward_is_refused_not_scored():
     x, y = torch.randn(4, D), torch.randint(0, 3, (4,))
     with pytest.raises(ModelError, match="random"):
         gradscope.per_example_norms(RandomMask(), x, y)
+
+
+class SortedTokens(nn.Module):
+    """JetMoE's dispatch: tokens sorted by a key across the batch, a Linear on the sorted rows,
+    then put back; a mask made by new_ones (Longformer, LED) on the way."""
+
+    def __init__(self):
+        super().__init__()
+        self.key, self.fc, self.head = nn.Linear(D, 1), nn.Linear(D, D), nn.Linear(D, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        h = x.reshape(-1, d)
+        _, order = self.key(h).squeeze(-1).sort()
+        y = self.fc(h[order]) * h.new_ones(h.shape[0], 1)
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.shape[0])
+        return self.head(torch.tanh(y[back]).view(b, t, d).mean(1))
+
+
+def test_rows_sorted_across_the_batch_are_exact_on_rules():
+    torch.manual_seed(0)
+    model = SortedTokens().double()
+    with Engine(model, resolve_loss("cross_entropy")) as engine:
+        for seed in range(2):
+            g = torch.Generator().manual_seed(seed)
+            x = torch.randn(4, 3, D, generator=g, dtype=torch.float64)
+            _check(model, (x,), torch.randint(0, 3, (4,), generator=g), engine)
+    assert not engine.plan.fallback, [(p.name, p.note) for p in engine.plan.fallback]
