@@ -118,9 +118,15 @@ def head(model_type: str) -> tuple[str, str] | None:
 
 
 def model_types() -> list[str]:
+    """Every type, those with a head first (causal LM, classifiers), then base, then sub-configs."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    return sorted(CONFIG_MAPPING_NAMES)
+    order = ["AutoModelForCausalLM", "AutoModelForSequenceClassification",
+             "AutoModelForImageClassification", "AutoModelForAudioClassification", "AutoModel"]  # fmt: skip
+    return sorted(
+        CONFIG_MAPPING_NAMES,
+        key=lambda t: (order.index((head(t) or ("",))[0]) if head(t) else 9, t),
+    )
 
 
 class Call(nn.Module):

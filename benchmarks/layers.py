@@ -126,19 +126,18 @@ def cases() -> list[Case]:
     ]  # fmt: skip
     # Conv and ConvTranspose: BackPACK's make_simple_cnn_setting (in, out, k, stride, padding,
     # dilation|output_padding, groups, bias, dilation), then Opacus's padding modes and groups
-    convs = {
-        nn.Conv1d: ((3, 7), [(3, 2, 2), (2, 3, 2, 2, 0, 2), (3, 2, 2, 2, 1), (3, 6, 2, 4, 2, 3), (3, 2, 2, 4, 2, 1, 1, False)]),
-        nn.Conv2d: ((3, 7, 7), [(3, 2, 2), (2, 3, 2, 2, 0, 2), (3, 2, 2, 2, 1), (3, 6, 2, 4, 2, 3), (3, 2, 2, 4, 2, 1, 1, False)]),
-        nn.Conv3d: ((3, 2, 7, 7), [(3, 2, 2), (2, 3, 2, 2, 0, 2), (3, 2, 2, 3, 2), (3, 6, 2, 4, 2, 3), (3, 2, 2, 4, 2, 1, 1, False)]),
-        nn.ConvTranspose1d: ((3, 7), [(3, 2, 2), (2, 3, 2, 2, 0, 0, 1, True, 2), (3, 2, 2, 2, 1), (3, 6, 2, 4, 2, 0, 1, True, 3), (3, 2, 2, 4, 2, 0, 1, False)]),
-        nn.ConvTranspose2d: ((3, 7, 7), [(3, 2, 2), (2, 4, 2, 1, 0, 0, 1, True, 2), (3, 2, 2, 2, 1), (3, 2, 2, 4, 2, 0, 1, False)]),
-        nn.ConvTranspose3d: ((3, 2, 7, 7), [(3, 2, 2), (2, 3, 2, 2, 2, 0, 1, True, 2), (3, 2, 2, 4, 2, 0, 1, False)]),
+    convs = {  # class: [(input shape without the batch, constructor args)], as BackPACK lists them
+        nn.Conv1d: [((3, 7), (3, 2, 2)), ((2, 7), (2, 3, 2, 2, 0, 2)), ((3, 7), (3, 2, 2, 2, 1)), ((3, 8), (3, 6, 2, 4, 2, 3)), ((3, 7), (3, 2, 2, 4, 2, 1, 1, False))],
+        nn.Conv2d: [((3, 7, 7), (3, 2, 2)), ((2, 7, 7), (2, 3, 2, 2, 0, 2)), ((3, 7, 7), (3, 2, 2, 2, 1)), ((3, 8, 8), (3, 6, 2, 4, 2, 3)), ((3, 7, 7), (3, 2, 2, 4, 2, 1, 1, False))],
+        nn.Conv3d: [((3, 2, 7, 7), (3, 2, 2)), ((2, 3, 7, 7), (2, 3, 2, 2, 0, 2)), ((3, 2, 7, 7), (3, 2, 2, 3, 2)), ((3, 4, 8, 8), (3, 6, 2, 4, 2, 3)), ((3, 2, 7, 7), (3, 2, 2, 4, 2, 1, 1, False))],
+        nn.ConvTranspose1d: [((3, 7), (3, 2, 2)), ((2, 7), (2, 3, 2, 2, 0, 0, 1, True, 2)), ((3, 7), (3, 2, 2, 2, 1)), ((3, 8), (3, 6, 2, 4, 2, 0, 1, True, 3)), ((3, 7), (3, 2, 2, 4, 2, 0, 1, False))],
+        nn.ConvTranspose2d: [((3, 7, 7), (3, 2, 2)), ((2, 9, 9), (2, 4, 2, 1, 0, 0, 1, True, 2)), ((3, 7, 7), (3, 2, 2, 2, 1)), ((3, 7, 7), (3, 2, 2, 4, 2, 0, 1, False))],
+        nn.ConvTranspose3d: [((3, 2, 7, 7), (3, 2, 2)), ((2, 3, 5, 5), (2, 3, 2, 2, 2, 0, 1, True, 2)), ((3, 2, 7, 7), (3, 2, 2, 4, 2, 0, 1, False))],
     }  # fmt: skip
-    for cls, (shape, settings) in convs.items():
-        for k, args in enumerate(settings):
-            shape_k = (args[0], *shape[1:])
+    for cls, settings in convs.items():
+        for k, (shape, args) in enumerate(settings):
             make = lambda cls=cls, args=args: head(cls(*args), classes=5)  # noqa: E731
-            out.append(Case(f"{cls.__name__.lower()}-{k}", make, randn(*shape_k), **ce))
+            out.append(Case(f"{cls.__name__.lower()}-{k}", make, randn(*shape), **ce))
     out += [
         Case("conv2d-same-dilated", lambda: head(nn.Conv2d(4, 8, 3, padding="same", dilation=2), classes=5), randn(4, 9, 9), **ce),
         Case("conv2d-valid-groups2", lambda: head(nn.Conv2d(4, 8, 3, stride=2, padding="valid", groups=2), classes=5), randn(4, 9, 9), **ce),
@@ -212,7 +211,7 @@ def run_one(name: str) -> dict:
     x2 = tuple(t.double() if t.is_floating_point() else t for t in case.inputs(case.batch))
     with torch.no_grad():
         y2 = case.targets(model(*x2))
-    rec = harness.measure(model, [(x, y), (x2, y2)], case.loss)
+    rec = harness.measure(model, [(x, y), (x2, y2)], case.loss, repeats=5)
     rec["batch"] = case.batch
     return rec
 
