@@ -15,7 +15,6 @@ from ..errors import GradscopeError, ModelError, one_line
 from ..losses import LossFn
 from ..rules import Contribution, find_rule
 from . import decide
-from .broadcast import BroadcastTap, View, per_example
 from .fallback import Fallback, short_reason
 from .first_batch import Findings, agrees, record_for
 from .forward import Forward
@@ -23,6 +22,7 @@ from .owners import is_batch, regroup
 from .plan import FALLBACK_LOOP, Plan, build_plan
 from .reduce import Reducer, Want
 from .session import Call, HookSession
+from .tap import ParamTap, Use
 from .trace import RowTrace
 
 
@@ -31,7 +31,7 @@ class Seen:
     """What the forward of one batch recorded."""
 
     session: HookSession  # the calls of the rule-served modules
-    tap: BroadcastTap | None  # the reads of the raw parameters, when there are any
+    tap: ParamTap | None  # the reads of the raw parameters, when there are any
     trace: RowTrace  # which example each row of every tensor belongs to
     losses: Tensor  # (B,), graph kept
     observed: dict[str, Tensor]
@@ -193,7 +193,7 @@ class Engine:
     ) -> Seen:
         raw, batch = self.plan.raw, targets.shape[0]
         trace = RowTrace(batch, (*inputs, targets))
-        tap = BroadcastTap(raw, batch, trace) if raw else None
+        tap = ParamTap(raw, batch, trace) if raw else None
         # with every parameter on the fallback, this pass only gives the losses: no graph
         with (
             torch.set_grad_enabled(bool(self.plan.by_rule or raw)),
@@ -221,12 +221,12 @@ class Engine:
         served = {(id(m), attr): p for p in self.plan.by_rule for m, attr in p.owners}
         modules = {module for module, _ in served}
         calls = [c for c in session.all_calls() if id(c.module) in modules]
-        views = [v for v in seen.tap.views() if not v.param.is_fallback] if seen.tap else []
+        reads = seen.tap.reads() if seen.tap else []
         count = {
             p.name: sum(len(session.calls.get(id(m), ())) for m, _ in p.owners)
             for p in self.plan.by_rule
         }
-        count |= {p.name: sum(v.param is p for v in views) for p in self.plan.raw}
+        count |= {p.name: sum(p in u.params for u in reads) for p in self.plan.raw}
         verify = not findings.verified and bool(losses.isfinite().all())
         merged = [name for name, k in count.items() if k > 1]
         norms = want.norms or verify  # the self-check compares single examples' norms
@@ -240,12 +240,14 @@ class Engine:
         singles = _single_grads(losses, [p.param for p in checked]) if verify else {}
         on_grad = functools.partial(self._on_grad, served, reducer, losses.shape[0])
 
-        def on_view(view: View, grad: Tensor) -> None:
-            view.reached = True
-            reducer.add(view.param.name, per_example(view, grad))
+        def on_read(use: Use, grad: Tensor) -> None:
+            use.reached = True
+            for name, part in use.parts(grad).items():
+                if not self.plan.find(name).is_fallback:
+                    reducer.add(name, part)
 
         if seen.tap:
-            seen.tap.reading(on_view)
+            seen.tap.reading(on_read)
         try:
             grads = session.backward(losses.sum(), calls, on_grad, [p.param for p in checked])
         finally:

@@ -105,7 +105,7 @@ def after_backward(
 ) -> None:
     """Move to the fallback what the backward showed the rules cannot see."""
     session = seen.session
-    views = seen.tap.views() if seen.tap else []
+    reads = seen.tap.reads() if seen.tap else []
     for p in plan.by_rule:
         if any(c.others_reach_loss for m, _ in p.owners for c in session.calls.get(id(m), ())):
             plan.to_fallback(
@@ -117,7 +117,7 @@ def after_backward(
         if p.is_fallback:
             continue
         reached = any(c.reached for m, _ in p.owners for c in session.calls.get(id(m), ()))
-        reached |= any(v.reached for v in views if v.param is p)
+        reached |= any(u.reached for u in reads if p in u.params)
         if not reached and g is not None:
             where = (
                 "where no rule sees it" if p.rule == BROADCAST else "without a call of its module"

@@ -4,8 +4,9 @@ A parameter is served by the rule of the modules holding it. A rule may also ser
 parameters of child modules its module uses functionally (the attention rule and
 ``nn.MultiheadAttention.out_proj``): those are held by the parent too, under ``"out_proj.weight"``.
 A parameter held only by modules without a rule (a ViT's ``cls_token``, a LayerScale ``gamma``)
-is ``broadcast`` while the passes see it read only in broadcast elementwise ops
-(``engine/broadcast.py``). Everything else goes to the fallback (exact per-example gradients
+is ``broadcast`` while the passes see it read only where the tap serves it (``engine/tap.py``):
+in broadcast elementwise ops, and by ``F.linear``, ``matmul`` and ``F.embedding``, whole or
+through a view (a fused expert's ``W[e]``, ``W.T``, ``1 + w``). Everything else goes to the fallback (exact per-example gradients
 through torch.func, ``engine/fallback.py``), with the reason in ``note``, through
 ``Plan.to_fallback``: a module with a rule beside one without, a raw parameter read by another op,
 and what the passes show a rule cannot see (a parameter reaching the loss without a call of its
@@ -85,6 +86,10 @@ class Plan:
             for module, _ in p.owners:
                 seen.setdefault(id(module), module)
         return list(seen.values())
+
+    def find(self, name: str) -> ParamPlan:
+        """The plan of the parameter ``name``."""
+        return next(p for p in self.params if p.name == name)
 
     def to_fallback(self, p: ParamPlan, reason: str, loop: bool = False) -> None:
         """Serve ``p`` by the fallback from now on (``loop``: one backward per example), and say

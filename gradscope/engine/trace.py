@@ -67,6 +67,7 @@ REDUCTIONS = {
 }
 KEEPS_SHAPE = {"softmax", "log_softmax", "cumsum", "cumprod", "sort", "argsort", "normalize"}
 KEEPS_SHAPE |= {"cummax", "cummin", "logcumsumexp", "topk"}
+IN_PLACE_OPERATORS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ior__", "__iand__"}
 INDICES = {"where", "nonzero", "argwhere"}  # with one argument: positions of true elements
 IN_PLACE_MOVES = {"__setitem__", "copy_", "index_add_", "masked_fill_", "fill_", "zero_"}
 READS = {"__get__", "size", "dim", "numel", "ndimension", "nelement", "item", "tolist"}
@@ -165,6 +166,8 @@ class RowTrace(TorchFunctionMode):
             return self._set(out, torch.full((1,), NONE), origin)
         if name in IN_PLACE_MOVES:
             return self._in_place(name, args, kwargs, origin)
+        if name in IN_PLACE_OPERATORS and isinstance(args[0], Tensor):  # x += y
+            return self._set(args[0], combine(*self._all(args, kwargs)), origin)
         if name.endswith("_") and not name.startswith("__"):  # x.add_(y): x takes y's owners
             if name[:-1] in ELEMENTWISE and isinstance(args[0], Tensor):
                 return self._set(args[0], combine(*self._all(args, kwargs)), origin)

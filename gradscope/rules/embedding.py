@@ -89,15 +89,27 @@ def _rows(module: nn.Embedding) -> int | None:
 def embedding(
     module: nn.Embedding, inputs: tuple[Tensor, ...], grad_output: Tensor
 ) -> dict[str, Contribution]:
+    return {
+        "weight": lookup(
+            inputs[0], grad_output, module.num_embeddings, module.padding_idx,
+            module.scale_grad_by_freq,
+        )
+    }  # fmt: skip
+
+
+def lookup(
+    ids: Tensor, grad_output: Tensor, num_rows: int, padding_idx: int | None, by_freq: bool
+) -> Rows:
+    """The table's contribution from ``F.embedding(ids, table)`` and its output gradient."""
     b = grad_output.shape[0]
-    ids = inputs[0].reshape(b, -1)  # (B, T) any index rank flattens to positions
-    s = grad_output.reshape(b, -1, module.embedding_dim)  # (B, T, D)
-    if module.padding_idx is not None:
-        s = s * (ids != module.padding_idx).unsqueeze(-1)  # the padding row gets no gradient
-    if module.scale_grad_by_freq:
+    ids = ids.reshape(b, -1)  # (B, T) any index rank flattens to positions
+    s = grad_output.reshape(b, -1, grad_output.shape[-1])  # (B, T, D)
+    if padding_idx is not None:
+        s = s * (ids != padding_idx % num_rows).unsqueeze(-1)  # the padding row gets no gradient
+    if by_freq:
         # the loop sees one example at a time, so a row is scaled by its count in that example
         _, inverse, counts = torch.unique(
-            _example_keys(ids, module.num_embeddings), return_inverse=True, return_counts=True
+            _example_keys(ids, num_rows), return_inverse=True, return_counts=True
         )
         s = s / counts[inverse].view(b, -1, 1).to(s.dtype)
-    return {"weight": Rows(ids, s, module.num_embeddings)}
+    return Rows(ids, s, num_rows)

@@ -1,0 +1,395 @@
+"""Raw parameters where functions read them: exact per-example gradients from the forward as it runs.
+
+A parameter held by a module without a rule (a Linear subclass with its own forward, a scaled
+embedding, a router's weight read by ``F.linear``, a fused 3-D expert weight, a ViT's
+``cls_token``, a LayerScale ``gamma``) is watched by a torch function mode while the model runs:
+
+- views of it (``W[e]``, ``W[:, :k]``, ``W.chunk(3)``, ``W.T``, ``W.float()``, ``1 + w``, ``-w``)
+  are followed, each with its ``Place`` in the parameter;
+- ``F.linear(x, W)``, ``x @ W`` and ``F.embedding(ids, W)`` on it or a view are served by the
+  Linear and Embedding math, on rows traced to their examples (``trace.py``);
+- in an elementwise op whose result has the batch on dimension 0 and takes it broadcast along
+  it, the parameter is replaced by a view of it expanded to the batch (zero-stride, no copy):
+  row i of that view is what example i reads, so the gradient there, summed over the other
+  dimensions it was broadcast along, is example i's gradient; ``p.expand(B, ...)`` is such a
+  view already.
+
+Any other use (a matmul of two parameters, a dtype-changing view, an index it cannot place, rows
+that mix examples) is recorded, and the parameter goes to the fallback with the op's name.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import GradientEdge
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..rules import Contribution, Dense
+from ..rules.embedding import lookup
+from ..rules.linear import affine_parts
+from ..rules.placed import Place, Placed
+from .owners import batch_owner, combine, is_batch, reduce, regroup
+from .plan import ParamPlan
+from .trace import RowTrace, op_name
+
+# ops whose result broadcasts its tensor arguments elementwise; in-place ones only when the
+# parameter is not the tensor edited
+ELEMENTWISE = {
+    *("add", "sub", "mul", "div", "true_divide", "rsub"),
+    *("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__"),
+    *("__truediv__", "__rtruediv__", "__iadd__", "__isub__", "__imul__", "__itruediv__"),
+    *("add_", "sub_", "mul_", "div_"),
+}
+EXPAND = {"expand", "expand_as"}
+READS = {"__get__", "size", "dim", "numel", "ndimension", "nelement", "shape", "dtype"}
+READS |= {"device", "requires_grad", "is_floating_point", "data_ptr", "__len__"}
+CASTS = {"float", "double", "half", "bfloat16", "to", "type_as", "contiguous", "clone"}
+SHIFTS = {"__add__", "__radd__", "add", "__sub__", "sub", "__rsub__", "rsub", "__neg__", "neg"}
+SCALES = {"__mul__", "__rmul__", "mul", "__truediv__", "div", "true_divide"}
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A tensor read from a watched parameter, at ``place``."""
+
+    param: ParamPlan
+    place: Place = Place()
+
+
+@dataclass(eq=False)
+class Use:
+    """One read the rules serve: where its output's gradient arrives, and what it gives then."""
+
+    params: tuple[ParamPlan, ...]
+    edge: GradientEdge
+    parts: Callable[[Tensor], dict[str, Contribution]]  # output gradient -> {name: part}
+    reached: bool = False  # its gradient arrived in the backward
+
+
+@dataclass
+class Uses:
+    reads: list[Use] = field(default_factory=list)
+    other: str | None = None  # the first op that used the parameter some other way
+
+
+class ParamTap(TorchFunctionMode):
+    """The mode that watches ``params`` during one forward of a batch of ``batch`` examples."""
+
+    def __init__(self, params: Sequence[ParamPlan], batch: int, trace: RowTrace):
+        super().__init__()
+        self.batch, self.trace = batch, trace
+        self.derived: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        for p in params:
+            self.derived[p.param] = Derived(p)
+        self.uses: dict[str, Uses] = {p.name: Uses() for p in params}
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._on_grad: Callable[[Use, Tensor], None] | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        found = self._watched_in(args, kwargs)
+        name = op_name(func)
+        if not found or name in READS or (func.__name__ == "__get__" and name not in VIEWS):
+            return func(*args, **kwargs)
+        served = self._served(name, found, func, args, kwargs)
+        if served is not None:
+            return served
+        for _, d in found:  # a use no rule can follow
+            self.uses[d.param.name].other = self.uses[d.param.name].other or name
+        return func(*args, **kwargs)
+
+    def _watched_in(self, args: tuple, kwargs: dict) -> list[tuple[int | None, Derived]]:
+        """(position among args, or None when nested or by keyword; what it reads), per use."""
+        found = [(i, self.derived[a]) for i, a in enumerate(args) if a in self.derived]
+        rest = [a for a in args if isinstance(a, (list, tuple))] + list(kwargs.values())
+        for a in rest:
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                if isinstance(t, Tensor) and t in self.derived:
+                    found.append((None, self.derived[t]))
+        return found
+
+    def _served(self, name: str, found: list, func, args: tuple, kwargs: dict) -> object:
+        """The op's result, with what it reads of the watched parameters recorded; or None."""
+        if name in ("linear", "embedding", "matmul", "__matmul__", "__rmatmul__"):
+            return self._function(name, func, args, kwargs)
+        if len(found) != 1 or found[0][0] is None:
+            return None
+        i, d = found[0]
+        if i == 0 and (name in CASTS or name in VIEWS):
+            return self._derive(name, d, func, args, kwargs)
+        if name in SHIFTS | SCALES and not any(
+            isinstance(a, Tensor) for a in args if a is not args[i]
+        ):
+            return self._derive(name, d, func, args, kwargs)
+        return self._broadcast(name, i, d, func, args, kwargs)
+
+    # -- views of a parameter ---------------------------------------------------------------
+
+    def _derive(self, name: str, d: Derived, func, args: tuple, kwargs: dict) -> object:
+        out = func(*args, **kwargs)
+        places = _places(name, d.place, args, kwargs, d.param.param, out)
+        if places is None:
+            return None
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for t, place in zip(outs, places, strict=True):
+            self.derived[t] = Derived(d.param, place)
+        return out
+
+    # -- functions the Linear and Embedding math serve --------------------------------------
+
+    def _function(self, name: str, func, args: tuple, kwargs: dict) -> Tensor | None:
+        call = _bind(name, args, kwargs)
+        if call is None:
+            return None
+        x, weight, bias = call
+        reads = [(role, self.derived[t]) for role, t in (("weight", weight), ("bias", bias))
+                 if isinstance(t, Tensor) and t in self.derived]  # fmt: skip
+        if not reads or (isinstance(x, Tensor) and x in self.derived):
+            return None
+        features = 0 if name == "embedding" else 1
+        rows = self._rows(x, features)
+        if rows is False:
+            for _, d in reads:
+                self.uses[d.param.name].other = self.uses[d.param.name].other or (
+                    f"{name} on rows that mix examples"
+                )
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if not out.requires_grad:
+            return out
+        a = x.detach()
+        shape = weight.shape
+
+        def parts(grad: Tensor) -> dict[str, Contribution]:
+            xs, g = a, grad
+            if rows is not None:
+                xs = regroup(a, rows, self.batch, a.dim() - rows.dim())
+                g = regroup(grad, rows, self.batch, grad.dim() - rows.dim())
+            if name == "embedding":
+                padding = kwargs.get("padding_idx", args[2] if len(args) > 2 else None)
+                by_freq = kwargs.get("scale_grad_by_freq", args[5] if len(args) > 5 else False)
+                got = {"weight": lookup(xs, g, shape[0], padding, by_freq)}
+            else:
+                transposed = name != "linear"  # x @ W: W is (in, out)
+                got = affine_parts(xs, g, weight, bias, transposed)
+            return {d.param.name: _place(got[role], d) for role, d in reads if role in got}
+
+        self._use(tuple(d.param for _, d in reads), out, parts)
+        return out
+
+    def _rows(self, x: Tensor, features: int) -> Tensor | None | bool:
+        """None: one row per example on dimension 0; a tensor: each row's example, for the rows
+        to be gathered; False: rows that mix examples or that the batch shares."""
+        if x.dim() <= features:
+            return False
+        o = reduce(self.trace.owner(x), range(x.dim() - features, x.dim()), keepdim=False)
+        if x.numel() == 0:
+            return torch.zeros(x.shape[: x.dim() - features], dtype=torch.long)
+        if is_batch(o.reshape(o.shape[0], -1), self.batch):
+            return None
+        if bool((o >= 0).all()):
+            return o.expand(x.shape[: x.dim() - features]).contiguous()
+        return False
+
+    # -- broadcasts ---------------------------------------------------------------------------
+
+    def _broadcast(self, name: str, i: int, d: Derived, func, args, kwargs) -> Tensor | None:
+        """The op's result with the parameter read through a batch view, or None."""
+        source = args[i]
+        if name in EXPAND and i == 0:
+            out = func(*args, **kwargs)
+            return self._view(d, source, out) if self._batched(source, out.shape) else None
+        if name not in ELEMENTWISE or (name.endswith("_") and i == 0):
+            return None
+        shape = torch.broadcast_shapes(*(a.shape for a in args if isinstance(a, Tensor)))
+        if not self._batched(source, shape):
+            return None
+        if not self._rows_are_examples(args, len(shape)):
+            uses = self.uses[d.param.name]
+            uses.other = uses.other or f"{name} on rows not the examples"
+            return None
+        aligned = source.reshape((1,) * (len(shape) - source.dim()) + tuple(source.shape))
+        view = self._view(d, source, aligned.expand(self.batch, *aligned.shape[1:]))
+        return func(*args[:i], view, *args[i + 1 :], **kwargs)
+
+    def _batched(self, source: Tensor, shape: torch.Size) -> bool:
+        """Whether a result of ``shape`` has the batch on dimension 0 and takes ``source``
+        broadcast along it."""
+        if len(shape) == 0 or shape[0] != self.batch or source.dim() > len(shape):
+            return False
+        return source.dim() < len(shape) or source.shape[0] == 1
+
+    def _rows_are_examples(self, args: tuple, rank: int) -> bool:
+        """Whether row i of the op's result is example i's alone, by the other operands' owners."""
+        owners = [self.trace.owner(a) for a in args if isinstance(a, Tensor)]
+        o = reduce(combine(*owners), range(1, rank)) if owners else None
+        return o is not None and o.dim() == rank and is_batch(o, self.batch)
+
+    def _view(self, d: Derived, source: Tensor, view: Tensor) -> Tensor:
+        aligned = torch.Size((1,) * (view.dim() - source.dim()) + tuple(source.shape))
+
+        def parts(grad: Tensor) -> dict[str, Contribution]:
+            """Example i's gradient from the gradient at row i of the view."""
+            dims = [k for k in range(1, grad.dim()) if aligned[k] == 1 and grad.shape[k] > 1]
+            summed = grad.sum(dims, keepdim=True) if dims else grad
+            return {d.param.name: _place(Dense(summed.reshape(grad.shape[0], *source.shape)), d)}
+
+        self._use((d.param,), view, parts)
+        # row i is what example i reads: the trace follows where each row goes from here
+        self.trace.owners[view] = batch_owner(self.batch, view.dim(), view.device)
+        return view
+
+    # -- the backward --------------------------------------------------------------------------
+
+    def _use(self, params: tuple[ParamPlan, ...], out: Tensor, parts) -> None:
+        use = Use(params, torch.autograd.graph.get_gradient_edge(out), parts)
+        for p in params:
+            self.uses[p.name].reads.append(use)
+        self._hooks.append(out.register_hook(functools.partial(self._read, use)))
+
+    def _read(self, use: Use, grad: Tensor) -> None:
+        if self._on_grad is not None:
+            self._on_grad(use, grad)
+
+    def reads(self) -> list[Use]:
+        """Every read the rules serve, once each."""
+        return list({id(u): u for uses in self.uses.values() for u in uses.reads}.values())
+
+    def reading(self, on_grad: Callable[[Use, Tensor], None] | None) -> None:
+        """Hand each read's gradient to ``on_grad`` from now on (None: stop, drop the hooks)."""
+        self._on_grad = on_grad
+        if on_grad is None:
+            for handle in self._hooks:
+                handle.remove()
+            self._hooks.clear()
+
+
+def _place(part: Contribution, d: Derived) -> Contribution:
+    """``part`` where ``d`` sits in its parameter (as it is, for the whole parameter)."""
+    if d.place == Place():
+        return part
+    return Placed(part, d.param.param.shape, d.place)
+
+
+def _bind(name: str, args: tuple, kwargs: dict) -> tuple | None:
+    """(input, weight, bias) of a linear, matmul or embedding call, or None."""
+    if name == "linear":
+        x, weight = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        return x, weight, bias
+    if name == "embedding":
+        return args[0], args[1] if len(args) > 1 else kwargs.get("weight"), None
+    if name == "__rmatmul__":  # W.__rmatmul__(x) is x @ W
+        args = (args[1], args[0])
+    if len(args) == 2 and isinstance(args[1], Tensor) and args[1].dim() == 2:
+        return args[0], args[1], None
+    return None
+
+
+# views whose place in the parameter is known: the index of a basic view, a 2-D transpose
+VIEWS = {"__getitem__", "select", "narrow", "chunk", "split", "unbind", "t", "T", "mT"}
+VIEWS |= {"transpose"}
+
+
+def _places(name: str, place: Place, args: tuple, kwargs: dict, param: Tensor, out) -> list | None:
+    """The place of each output of a view, cast or scale of a tensor at ``place``; None when
+    it cannot be placed."""
+    if name in CASTS:
+        dtype = getattr(out, "dtype", None)
+        return None if dtype is None or not dtype.is_floating_point else [place]
+    if name in SHIFTS | SCALES:
+        c = next((a for a in args[1:] if isinstance(a, (int, float))), 1.0)
+        if name in ("__neg__", "neg"):
+            return [Place(place.index, place.transposed, -place.scale)]
+        if name in ("__rsub__", "rsub"):
+            return [Place(place.index, place.transposed, -place.scale)]
+        if name in SHIFTS:
+            return [place]
+        factor = 1.0 / c if name in ("__truediv__", "div", "true_divide") else c
+        return [Place(place.index, place.transposed, place.scale * factor)]
+    source_dim = param.dim() - sum(isinstance(i, int) for i in place.index)
+    if name in ("t", "T", "mT") or (name == "transpose" and _is_last_two(args, source_dim)):
+        if source_dim != 2 or place.transposed:
+            return None
+        return [Place(place.index, True, place.scale)]
+    if place.transposed:
+        return None  # an index into a transposed view: not placed
+    index = _indices(name, args, kwargs, source_dim)
+    composed = [_compose(place.index, i, param.dim()) for i in index or ()]
+    if index is None or any(c is None for c in composed):
+        return None
+    return [Place(c, False, place.scale) for c in composed]
+
+
+def _is_last_two(args: tuple, rank: int) -> bool:
+    dims = {d % max(rank, 1) for d in args[1:3]} if len(args) >= 3 else set()
+    return rank == 2 and dims == {0, 1}
+
+
+def _indices(name: str, args: tuple, kwargs: dict, rank: int) -> list[tuple] | None:
+    """Basic indices (ints and slices) into a ``rank`` tensor, one per output of the op."""
+    if name == "__getitem__":
+        key = args[1] if isinstance(args[1], tuple) else (args[1],)
+        key = tuple(
+            int(k) if isinstance(k, Tensor) and k.dim() == 0 and not k.is_floating_point() else k
+            for k in key
+        )
+        if not all(isinstance(k, (int, slice)) for k in key):
+            return None
+        return [key]
+    dim = kwargs.get("dim", args[2] if name in ("chunk", "split") and len(args) > 2 else None)
+    if name in ("select", "narrow"):
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if name == "unbind":
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    dim = (dim or 0) % rank
+    lead = (slice(None),) * dim
+    if name == "select":
+        return [(*lead, int(args[2]))]
+    if name == "narrow":
+        return [(*lead, slice(int(args[2]), int(args[2]) + int(args[3])))]
+    size = args[0].shape[dim]
+    if name == "unbind":
+        return [(*lead, i) for i in range(size)]
+    if name == "chunk":
+        step = -(-size // int(args[1]))
+        sizes = [min(step, size - lo) for lo in range(0, size, step)]
+    else:  # split: a size or a list of sizes
+        n = args[1]
+        sizes = (
+            list(n)
+            if isinstance(n, (list, tuple))
+            else [min(n, size - lo) for lo in range(0, size, n)]
+        )
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    return [(*lead, slice(lo, lo + n)) for lo, n in zip(starts, sizes, strict=True)]
+
+
+def _compose(outer: tuple, inner: tuple, rank: int) -> tuple | None:
+    """The index into the parameter of ``param[outer][inner]``, both basic; None when it is
+    not a plain one (negative or strided slices)."""
+    composed, k = [], 0
+    outer = list(outer) + [slice(None)] * (rank - len(outer))
+    inner = list(inner)
+    for o in outer:
+        if isinstance(o, int):
+            composed.append(o)
+            continue
+        i = inner[k] if k < len(inner) else slice(None)
+        k += 1
+        start, stop, step = o.indices(10**18)
+        if isinstance(i, int):
+            composed.append(start + i * step)
+        else:
+            a, b, c = i.start or 0, i.stop, i.step or 1
+            if a < 0 or (b is not None and b < 0) or step != 1 or c != 1:
+                return None
+            else:
+                composed.append(slice(start + a, stop if b is None else min(stop, start + b)))
+    return tuple(composed)

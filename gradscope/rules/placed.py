@@ -1,0 +1,108 @@
+"""Contributions to part of a parameter: a fused expert weight ``W[e]``, a slice, a transpose.
+
+A function may read a view of a parameter (``F.linear(x, W[e])``, ``x @ W.T``, ``1 + w``): the
+rule for that function gives the per-example gradient of the view, and ``Placed`` puts it back
+where the view sits. Views of one parameter that do not overlap (the experts of one pass) add
+their norms, ``||G_i||^2 = sum_e ||G_i[e]||^2``; overlapping ones are formed and added.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .base import Contribution, Dense
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a view sits in its parameter: ``param[index]``, then transposed, times ``scale``."""
+
+    index: tuple = ()  # ints and slices, one per leading dimension
+    transposed: bool = False
+    scale: float = 1.0
+
+    def of(self, t: Tensor) -> Tensor:
+        """The view of ``t`` ((K, *param shape), K leading) that this place reads."""
+        view = t[(slice(None), *self.index)]
+        return (view.transpose(-1, -2) if self.transposed else view) * self.scale
+
+    def mask(self, shape: torch.Size) -> Tensor:
+        """(*shape) bool: the parameter's elements this place covers."""
+        covered = torch.zeros(shape, dtype=torch.bool)
+        covered[self.index] = True
+        return covered
+
+
+class Placed(Contribution):
+    """``part`` (per-example gradients of a view) placed into a parameter of ``shape``."""
+
+    def __init__(self, part: Contribution, shape: torch.Size, place: Place):
+        self.part, self.shape, self.place = part, torch.Size(shape), place
+
+    def norm_sq(self) -> Tensor:
+        return self.part.norm_sq() * self.place.scale**2
+
+    def inner(self, refs: Tensor) -> Tensor:
+        return self.part.inner(self.place.of(refs))
+
+    def materialize(self) -> Tensor:
+        view = self.part.materialize() * self.place.scale
+        view = view.transpose(-1, -2) if self.place.transposed else view
+        out = view.new_zeros(view.shape[0], *self.shape)
+        out[(slice(None), *self.place.index)] = view
+        return out
+
+    def batch_sum(self) -> Tensor:
+        view = self.part.batch_sum() * self.place.scale
+        view = view.transpose(-1, -2) if self.place.transposed else view
+        out = view.new_zeros(self.shape)
+        out[self.place.index] = view
+        return out
+
+    def merge(self, other: Contribution) -> Contribution:
+        if isinstance(other, Placed) and other.place == self.place:
+            return Placed(self.part.merge(other.part), self.shape, self.place)
+        return Blocks([self]).merge(other)
+
+
+class Blocks(Contribution):
+    """Placed contributions that cover no element twice: norms and inner products add up."""
+
+    def __init__(self, blocks: list[Placed]):
+        self.blocks, self.shape = blocks, blocks[0].shape
+
+    def norm_sq(self) -> Tensor:
+        return sum(b.norm_sq() for b in self.blocks)
+
+    def inner(self, refs: Tensor) -> Tensor:
+        return sum(b.inner(refs) for b in self.blocks)
+
+    def materialize(self) -> Tensor:
+        return sum(b.materialize() for b in self.blocks)
+
+    def batch_sum(self) -> Tensor:
+        return sum(b.batch_sum() for b in self.blocks)
+
+    def merge(self, other: Contribution) -> Contribution:
+        others = other.blocks if isinstance(other, Blocks) else [other]
+        blocks = list(self.blocks)
+        for o in others:
+            same = next(
+                (i for i, b in enumerate(blocks) if isinstance(o, Placed) and b.place == o.place),
+                None,
+            )
+            if same is not None:
+                blocks[same] = blocks[same].merge(o)
+            elif isinstance(o, Placed) and not _overlap(blocks, o):
+                blocks.append(o)
+            else:  # overlapping views: formed and added
+                return Dense(self.materialize() + other.materialize())
+        return Blocks(blocks)
+
+
+def _overlap(blocks: list[Placed], new: Placed) -> bool:
+    covered = new.place.mask(new.shape)
+    return any(bool((b.place.mask(b.shape) & covered).any()) for b in blocks)
