@@ -154,8 +154,7 @@ def run_isolated(script: str, names: list[str], out: Path, timeout: float, jobs:
             if code is None:
                 procs[i].kill()
             stderr = procs[i].communicate()[1].decode(errors="replace").strip().splitlines()
-            procs[i], seen[i] = None, 0
-            logs[i].unlink(missing_ok=True)
+            procs[i] = None  # the next worker appends to the same log: it keeps every record
             if current[i] and current[i][0] in queues[i]:
                 name = current[i][0]
                 why = f"timeout after {timeout:g}s" if hung else f"worker died ({code})"
@@ -167,6 +166,21 @@ def run_isolated(script: str, names: list[str], out: Path, timeout: float, jobs:
             current[i] = None
         time.sleep(0.2)
     return {n: results[n] for n in names if n in results}
+
+
+def collect(paths: list[Path]) -> dict[str, dict]:
+    """The records in worker logs (of a run that was stopped); a case started and never ended
+    is a crash."""
+    results: dict[str, dict] = {}
+    for path in paths:
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("start"):
+                results.setdefault(rec["name"], {"name": rec["name"], "status": "crash",
+                                                 "stage": "process", "error": "never ended"})  # fmt: skip
+            else:
+                results[rec["name"]] = rec
+    return results
 
 
 def _brief(rec: dict) -> str:

@@ -41,10 +41,14 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per family")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--collect", nargs="*", type=Path, help="worker logs to summarize instead")
     args = parser.parse_args()
     names = args.only.split(",") if args.only else hf_tiny.model_types()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    results = harness.run_isolated(__file__, names, args.out, args.timeout, args.jobs)
+    if args.collect:
+        results = harness.collect(args.collect)
+    else:
+        results = harness.run_isolated(__file__, names, args.out, args.timeout, args.jobs)
     heads: dict[str, int] = {}
     for r in results.values():
         if r["status"] != "skipped":
