@@ -12,7 +12,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q $(TORCH)
 	# pin the torch just installed, so the test extra (transformers) cannot swap in another build
 	$(PY) -m pip freeze | grep '^torch==' > $(VENV)/torch-pin.txt
-	$(PY) -m pip install -q -c $(VENV)/torch-pin.txt -e '.[test]'
+	# compat: the clone's folder on sys.path (a .pth), so `import gradscope` from the folder that
+	# holds the clone finds this package, not the clone itself as an empty namespace package
+	$(PY) -m pip install -q -c $(VENV)/torch-pin.txt -e '.[test]' --config-settings editable_mode=compat
 	touch $@
 
 example: $(VENV)/.installed

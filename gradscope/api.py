@@ -22,7 +22,7 @@ def per_example_norms(
     targets: Tensor,
     loss: str | LossFn = "cross_entropy",
     *,
-    include: Sequence[str] = ("*",),
+    include: Sequence[str] | None = None,
     exclude: Sequence[str] = (),
     output: str | int | None = None,
 ) -> Tensor:
@@ -30,6 +30,9 @@ def per_example_norms(
 
     ``inputs`` is a tensor or a tuple of tensors passed to ``model(*inputs)``; ``loss`` is a name
     (cross_entropy, nll, mse, l1, bce_with_logits) or a callable ``(outputs, targets) -> Tensor[B]``.
+    ``include``/``exclude`` are globs over ``model.named_parameters()`` names; without
+    ``include``, the parameters that require grad are scored (all of them if none does), so a
+    frozen base under LoRA adapters is left out.
     The model's ``.grad`` fields, hooks and train/eval mode are left as they were.
     """
     engine = Engine(
@@ -48,7 +51,7 @@ def per_example_influence(
     ref_targets: Tensor,
     loss: str | LossFn = "cross_entropy",
     *,
-    include: Sequence[str] = ("*",),
+    include: Sequence[str] | None = None,
     exclude: Sequence[str] = (),
     output: str | int | None = None,
     precondition: dict | None = None,
@@ -59,7 +62,8 @@ def per_example_influence(
     Positive: a gradient step on example i lowers the reference loss. ``precondition`` is an
     ``Adam``/``AdamW`` ``state_dict()`` of this model's optimizer; scores then use
     ``g_ref / (sqrt(v_hat) + eps)``. ``engine`` is ``hooks``, ``jvp`` (forward mode, no backward)
-    or ``auto`` (jvp, moving to hooks if an op lacks forward mode). ``.grad`` fields, hooks and
+    or ``auto`` (jvp, moving to hooks if an op lacks forward mode). The parameters are selected
+    as ``per_example_norms`` selects them. ``.grad`` fields, hooks and
     train/eval mode are left as they were.
     """
     core = Engine(

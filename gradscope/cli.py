@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -10,18 +11,15 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from typer.core import TyperGroup
 
-from .config import Config, load_config, with_overrides
+from . import terminal
+from .config import Config, SummaryConfig, load_config, with_overrides
 from .errors import GradscopeError, Interrupted
+
+# transformers, when a config names it: no "Loading weights" bar, no advice on every run
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 class _ErrorBoundary(TyperGroup):
@@ -30,7 +28,10 @@ class _ErrorBoundary(TyperGroup):
     def invoke(self, ctx: typer.Context):
         try:
             try:
-                return super().invoke(ctx)
+                with warnings.catch_warnings():
+                    if not os.environ.get("GRADSCOPE_DEBUG"):  # torch's, libraries': none ours
+                        warnings.simplefilter("ignore")
+                    return super().invoke(ctx)
             except KeyboardInterrupt:  # before any example was saved (loading the model, REF)
                 raise Interrupted(Interrupted.BEFORE_START) from None
         except GradscopeError as e:
@@ -42,14 +43,32 @@ class _ErrorBoundary(TyperGroup):
 
 app = typer.Typer(
     cls=_ErrorBoundary,
-    add_completion=False,
     no_args_is_help=True,
-    help="Per-example gradient diagnostics for PyTorch models. GRADSCOPE_DEBUG=1 shows tracebacks.",
+    rich_markup_mode=None,  # click's help: flags shown as flags, not as <bool>
 )
-console = Console()
+
+
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        terminal.console.print(f"gradscope {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """Per-example gradient diagnostics for PyTorch models. GRADSCOPE_DEBUG=1 shows tracebacks."""
+
 
 ConfigArg = Annotated[
-    Path, typer.Argument(help="YAML config naming the model, checkpoint and data.")
+    Path,
+    typer.Argument(metavar="CONFIG", help="YAML config naming the model, checkpoint and data."),
 ]
 OutOpt = Annotated[
     Path | None, typer.Option("--out", help="Parquet file to write (default: output.path).")
@@ -58,6 +77,15 @@ DeviceOpt = Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda
 BatchOpt = Annotated[int | None, typer.Option("--batch-size", help="Examples per pass.")]
 LimitOpt = Annotated[int | None, typer.Option("--limit", help="Score only the first N examples.")]
 TopKOpt = Annotated[int | None, typer.Option("--top-k", help="Rows in the outlier table.")]
+ByOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--by",
+        metavar="COLUMN[:low|high]",
+        help="Column to rank by, :low most negative first, :high largest first (default: "
+        "influence with both ends, else self_influence with checkpoints, else grad_norm).",
+    ),
+]
 ResumeOpt = Annotated[
     bool,
     typer.Option(
@@ -77,46 +105,28 @@ TrustOpt = Annotated[
 ]
 
 
-def _progress() -> Progress:
-    """A bar with a total when the row count is known ahead, a running count otherwise; under
-    torchrun only rank 0 draws one."""
-    from .distributed import world
-
-    return Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        transient=True,
-        disable=not world().main,
-    )
-
-
 def _run(
-    command: str, run: Callable[..., Path | None], score: str, cfg: Config, report: bool
+    command: str, run: Callable[..., Path | None], by: str | None, cfg: Config, report: bool
 ) -> None:
     """A scoring run under a progress bar, then its outlier tables and, if asked, its report (on
     rank 0 only)."""
-    with _progress() as progress:
-        task = progress.add_task(command, total=None)
-        path = run(
-            on_start=lambda n: progress.update(task, total=n),
-            on_batch=lambda n: progress.advance(task, n),
-        )
+    from .summary import parse_by
+
+    parse_by(by)  # a bad --by fails before the run, not after it
+    with terminal.progress(command) as (on_start, on_batch):
+        path = run(on_start=on_start, on_batch=on_batch)
     if path is None:  # on the ranks other than 0 under torchrun
         return
-    _summary(path, score, cfg.summary.top_k)
-    console.print(f"wrote {path}")
+    _summary(path, by, cfg.summary.top_k, cfg.data.classes)
+    terminal.wrote(path)
     if report:
-        _write_report(path, None, cfg, score, cfg.summary.top_k)
+        _write_report(path, None, cfg, by, cfg.summary.top_k)
 
 
-def _summary(path: Path, by: str | None, top_k: int) -> None:
+def _summary(path: Path, by: str | None, top_k: int, classes: list[str] | None = None) -> None:
     from .summary import summarize
 
-    console.print(summarize(path, by, top_k))
+    terminal.console.print(summarize(path, by, top_k, classes))
 
 
 def _write_report(
@@ -124,7 +134,7 @@ def _write_report(
 ) -> None:
     from .report import write_report
 
-    console.print(f"wrote {write_report(scores, out, cfg, by, top_k)}")
+    terminal.wrote(write_report(scores, out, cfg, by, top_k))
 
 
 @app.command()
@@ -138,6 +148,7 @@ def norms(
         bool, typer.Option("--per-layer", help="Add a grad_norm/<module> column per module.")
     ] = False,
     top_k: TopKOpt = None,
+    by: ByOpt = None,
     resume: ResumeOpt = False,
     trust_checkpoint: TrustOpt = False,
     report: ReportOpt = False,
@@ -164,7 +175,7 @@ def norms(
             trust_checkpoint=trust_checkpoint,
             resume=resume,
         ),
-        "grad_norm",
+        by,
         cfg,
         report,
     )
@@ -199,6 +210,7 @@ def influence(
         str,
         typer.Option("--engine", help="auto, hooks (ghost inner products) or jvp (forward mode)."),
     ] = "auto",
+    by: ByOpt = None,
     resume: ResumeOpt = False,
     trust_checkpoint: TrustOpt = False,
     report: ReportOpt = False,
@@ -223,7 +235,7 @@ def influence(
         trust_checkpoint=trust_checkpoint,
     )
     run = partial(score_dataset, cfg, scorer, trust_checkpoint=trust_checkpoint, resume=resume)
-    _run("influence", run, "influence", cfg, report)
+    _run("influence", run, by, cfg, report)
 
 
 @app.command()
@@ -249,28 +261,39 @@ def check(
     report = check_config(
         cfg, examples, ref=str(ref) if ref else None, trust_checkpoint=trust_checkpoint
     )
-    console.print(render_plan(report.plan))
-    console.print(render_report(report))
+    terminal.console.print(render_plan(report.plan))
+    if cfg.data.pad:
+        terminal.console.print(_padding(cfg))
+    terminal.console.print(render_report(report))
     if not report.ok:
         raise typer.Exit(1)
 
 
-ScoresArg = Annotated[Path, typer.Argument(help="A Parquet file written by gradscope.")]
-ByOpt = Annotated[
-    str | None, typer.Option("--by", help="Column to rank by (default: influence, else grad_norm).")
+def _padding(cfg: Config) -> str:
+    """``data.pad`` as the run uses it; a value that is the default for its column is marked."""
+    from .config import default_pad
+
+    defaults = default_pad(cfg)
+    return "padding: " + ", ".join(
+        f"{name} {value:g}" + (" (default)" if defaults.get(name) == value else "")
+        for name, value in cfg.data.pad.items()
+    )
+
+
+ScoresArg = Annotated[
+    Path, typer.Argument(metavar="SCORES", help="A Parquet file written by gradscope.")
 ]
-RowsOpt = Annotated[int, typer.Option("--top-k", help="Rows in the outlier table.")]
 
 
 @app.command()
-def summary(scores: ScoresArg, by: ByOpt = None, top_k: RowsOpt = 20) -> None:
-    """Print the outlier tables of an existing scores file."""
+def summary(scores: ScoresArg, by: ByOpt = None, top_k: TopKOpt = None) -> None:
+    """Print the outlier tables of an existing scores file (20 rows unless --top-k)."""
     from .errors import DataError
 
     if not scores.is_file():
         raise DataError("scores file not found", str(scores))
     _check_top_k(top_k)
-    _summary(scores, by, top_k)
+    _summary(scores, by, top_k or SummaryConfig.top_k)
 
 
 @app.command()
@@ -284,17 +307,19 @@ def report(
         Path | None, typer.Option("--out", help="HTML file to write (default: SCORES.html).")
     ] = None,
     by: ByOpt = None,
-    top_k: RowsOpt = 20,
+    top_k: TopKOpt = None,
 ) -> None:
-    """Write one self-contained HTML page: charts of the scores, the top-k examples shown."""
+    """Write one self-contained HTML page: charts of the scores, the top-k examples shown
+    (--top-k, else the config's summary.top_k, else 20)."""
     _check_top_k(top_k)
-    _write_report(scores, out, load_config(config) if config else None, by, top_k)
+    cfg = load_config(config) if config else None
+    _write_report(scores, out, cfg, by, top_k or (cfg.summary if cfg else SummaryConfig).top_k)
 
 
-def _check_top_k(top_k: int) -> None:
+def _check_top_k(top_k: int | None) -> None:
     from .errors import ConfigError
 
-    if top_k < 1:
+    if top_k is not None and top_k < 1:
         raise ConfigError(f"--top-k must be at least 1, got {top_k}", "--top-k")
 
 

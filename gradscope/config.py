@@ -13,7 +13,6 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from .errors import ConfigError
-from .losses import NAMES as LOSS_NAMES
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -38,6 +37,7 @@ class ModelConfig:
     output: str | int | None = None
     config: dict | None = None  # Hugging Face class: its config class built from this mapping
     pretrained: str | None = None  # Hugging Face class: a local save_pretrained folder
+    adapter: str | None = None  # a local peft adapter folder loaded onto the model (LoRA etc.)
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ class DataConfig:
     ids: str | None = None
     pad: dict[str, float] = field(default_factory=dict)  # column -> value for ragged list columns
     show: str | None = None  # a text column the report shows for each example
+    classes: list[str] | None = None  # names of the class ids: tables and report show them
     batch_size: int = 256
     limit: int | None = None
 
@@ -64,8 +65,14 @@ class LossConfig:
 
 @dataclass(frozen=True)
 class ParamsConfig:
-    include: list[str] = field(default_factory=lambda: ["*"])
+    include: list[str] | None = None  # None: the parameters that require grad (all if none do)
     exclude: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    shard: str | None = None  # None: each torchrun rank holds the whole model; fsdp: FSDP2
+    wrap: list[str] | None = None  # fsdp: class names sharded as units; None: the model's blocks
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,7 @@ class Config:
     device: str = "auto"
     dtype: str | None = None
     params: ParamsConfig = field(default_factory=ParamsConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     summary: SummaryConfig = field(default_factory=SummaryConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
@@ -204,6 +212,8 @@ def _resolve(spec: str | None, base: Path) -> str | None:
 
 
 def _validate(cfg: Config) -> None:
+    from .losses import NAMES as LOSS_NAMES  # imports torch: not for --help, --version, summary
+
     source = cfg.source
     if cfg.device.split(":")[0] not in DEVICES:
         raise ConfigError(
@@ -247,6 +257,20 @@ def _validate(cfg: Config) -> None:
     if not cfg.data.inputs:
         raise ConfigError("'data.inputs' must name at least one input", source)
     _validate_hf(cfg)
+    _validate_distributed(cfg)
+
+
+def _validate_distributed(cfg: Config) -> None:
+    """distributed.shard: fsdp serves one model at a time, through the rules."""
+    shard = cfg.distributed.shard
+    if shard not in (None, "fsdp"):
+        raise ConfigError(f"'distributed.shard' must be null or fsdp, got {shard!r}", cfg.source)
+    if shard and cfg.model.checkpoints:
+        raise ConfigError(
+            "'distributed.shard: fsdp' scores one checkpoint; model.checkpoints is not supported "
+            "sharded",
+            cfg.source,
+        )
 
 
 def _validate_hf(cfg: Config) -> None:
@@ -298,6 +322,7 @@ def load_config(path: str | Path) -> Config:
             cfg.model,
             factory=_resolve(cfg.model.factory, base),
             pretrained=_resolve(cfg.model.pretrained, base),
+            adapter=_resolve(cfg.model.adapter, base),
             checkpoint=_resolve(cfg.model.checkpoint, base),
             checkpoints=[
                 dataclasses.replace(c, path=_resolve(c.path, base)) for c in cfg.model.checkpoints
@@ -316,7 +341,23 @@ def load_config(path: str | Path) -> Config:
         report=dataclasses.replace(cfg.report, tokenizer=_resolve(cfg.report.tokenizer, base)),
     )
     _validate(cfg)
-    return cfg
+    pad = dict(cfg.data.pad)
+    for column, value in default_pad(cfg).items():
+        pad.setdefault(column, value)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pad=pad))
+
+
+def default_pad(cfg: Config) -> dict[str, int]:
+    """Pad values no config needs to spell out: ``attention_mask`` pads with 0 and, under
+    causal_lm, the targets with -100 (the positions the loss skips); ``data.pad`` overrides them.
+    The resolved config in the output's metadata holds the values used; ``check`` prints them."""
+    data = cfg.data
+    named = data.inputs if isinstance(data.inputs, dict) else {c: c for c in data.inputs}
+    pad = {column: 0 for argument, column in named.items()
+           if "attention_mask" in (argument, column)}  # fmt: skip
+    if cfg.loss.name == "causal_lm" and data.targets not in named.values():
+        pad[data.targets] = -100
+    return pad
 
 
 def with_overrides(cfg: Config, **overrides: Any) -> Config:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from . import __version__
+from . import __version__, distributed
 from .config import Config
 from .engine.check import CheckReport, compare_with_loop
 from .engine.core import Engine
@@ -52,6 +52,7 @@ class Job:
     device: torch.device
     dtype: torch.dtype
     engine: Engine
+    sharded: str | None = None  # how the model is sharded over the ranks, once it is
 
     @classmethod
     def from_config(cls, cfg: Config, trust_checkpoint: bool = False) -> Job:
@@ -65,7 +66,9 @@ class Job:
         if first is None:
             raise ModelError("the model has no parameters: no gradient to score", "model.factory")
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else first.dtype
-        model.to(device=device, dtype=dtype)
+        # a model to shard stays on the CPU, whole, until shard() moves each rank's part
+        sharded = cfg.distributed.shard and distributed.world().size > 1
+        model.to(device=None if sharded else device, dtype=dtype)
         inputs = cfg.data.inputs  # a mapping {forward_argument: column} is passed by keyword
         keywords = tuple(inputs) if isinstance(inputs, dict) else ()
         engine = Engine(
@@ -82,11 +85,27 @@ class Job:
     def plan(self) -> Plan:
         return self.engine.plan
 
-    def to_device(self, batch: Batch) -> tuple[tuple[Tensor, ...], Tensor]:
-        def move(t: Tensor) -> Tensor:
-            return t.to(self.device, self.dtype if t.is_floating_point() else None)
+    def to_device(
+        self, batch: Batch, device: torch.device | None = None
+    ) -> tuple[tuple[Tensor, ...], Tensor]:
+        device = device or self.device
 
-        return tuple(move(t) for t in batch.inputs), batch.targets.to(self.device)
+        def move(t: Tensor) -> Tensor:
+            return t.to(device, self.dtype if t.is_floating_point() else None)
+
+        return tuple(move(t) for t in batch.inputs), batch.targets.to(device)
+
+    def shard(self, first: Batch) -> None:
+        """``distributed.shard: fsdp`` under torchrun: decide on the whole model with the first
+        batch (on the CPU, where the model was built), then shard it over the ranks with FSDP2
+        and move each rank's part to its device (see ``fsdp.py``)."""
+        from . import fsdp
+
+        fsdp.decide(self.engine, *self.to_device(first, torch.device("cpu")))
+        blocks = fsdp.shard(self.model, self.device, self.cfg.distributed.wrap)
+        self.engine.rebind()
+        size = distributed.world().size
+        self.sharded = f"fsdp: {blocks} blocks and the root over {size} ranks"
 
     def at_checkpoint(self, path: str, trust_checkpoint: bool = False) -> Job:
         """The same job with the model's weights from ``path``: one step of a TracIn sum."""
@@ -106,6 +125,9 @@ class Job:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "checkpoint_sha256": file_sha256(ckpt) if ckpt else None,
+            "adapter_sha256": file_sha256(model.adapter) if model.adapter else None,
+            "params": self.plan.describe_selection(),
+            "sharded": self.sharded,
             "plan": self.plan.describe(),
         }
 

@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from . import distributed
 from .config import Config
 from .distributed import World
@@ -20,6 +22,7 @@ from .io.model import file_sha256
 from .io.parquet import PartialRun
 from .job import Job
 from .scorers import Inputs, NormsScorer, Scorer
+from .summary import class_z, default_score, is_labels
 
 
 def run_inputs(cfg: Config, more: Inputs = ()) -> Inputs:
@@ -32,6 +35,8 @@ def run_inputs(cfg: Config, more: Inputs = ()) -> Inputs:
         named.append(("model.pretrained", cfg.model.pretrained))
     if cfg.model.checkpoint:
         named.append(("model.checkpoint", cfg.model.checkpoint))
+    if cfg.model.adapter:  # a folder, like model.pretrained
+        named.append(("model.adapter", cfg.model.adapter))
     named += [("model.checkpoints", c.path) for c in cfg.model.checkpoints]
     named += [("data.path", f) for f in data_files(cfg.data.path)]
     return named + list(more)
@@ -198,6 +203,8 @@ def score_dataset(
             length = min(length, cfg.data.limit)
         if on_start:
             on_start(world.rows(length, cfg.data.batch_size))
+        if cfg.distributed.shard and world.size > 1:  # one process has nothing to shard over
+            job.shard(next(iter(dataset.batches(cfg.data.batch_size, cfg.data.limit))))
         stack.enter_context(scorer)
         stack.enter_context(job.engine)
         scorer.setup(job)
@@ -207,7 +214,19 @@ def score_dataset(
         distributed.barrier()  # every rank's parts are written
         if not world.main:
             return None
-        return run.assemble(count, job.metadata(scorer.command) | scorer.metadata())
+        metadata = job.metadata(scorer.command) | scorer.metadata()
+        return run.assemble(count, metadata, lambda: _class_z(run, count))
+
+
+def _class_z(run: PartialRun, parts: int) -> dict[str, np.ndarray]:
+    """``class_z``, the robust z of the score the file ranks by within each target class, when
+    the targets are class labels."""
+    target = run.column("target", parts)
+    if not is_labels(target):
+        return {}
+    score = default_score(run.names())
+    values = run.column(score, parts).astype(np.float64)
+    return {"class_z": class_z(values, np.isfinite(values) & run.column("finite", parts), target)}
 
 
 def _score(
@@ -217,17 +236,30 @@ def _score(
     batches: Iterable[Batch],
     on_batch: Callable[[int], None] | None,
 ) -> int:
-    """Score this rank's batches that no part holds yet; the number of batches in the dataset."""
-    rows, number = 0, -1
+    """Score this rank's batches that no part holds yet; the number of batches in the dataset.
+
+    The ranks of a sharded model run their passes together: each runs one per round of
+    ``size`` batches, scoring a batch that a part already holds again, and a rank left without
+    a batch in the last round its first batch, each result dropped."""
+    rows, number, first, passes = 0, -1, None, 0
+    if job.sharded:
+        parts.begin()  # now: no rank may wait at its barrier while another is in a pass
     try:
         for number, batch in enumerate(batches):
+            first = batch if first is None else first
             if not parts.world.owns(number):
                 continue
             if parts.wanted(number):
                 parts.write(number, scorer.columns(job, batch))
+            elif job.sharded:
+                scorer.columns(job, batch)
+            passes += 1
             rows += len(batch)
             if on_batch:
                 on_batch(len(batch))
+        rounds = -(-(number + 1) // parts.world.size)
+        for _ in range(rounds - passes if job.sharded else 0):
+            scorer.columns(job, first)
     except KeyboardInterrupt:
         raise Interrupted(
             f"interrupted with {rows} examples saved; run the same command with --resume "

@@ -6,25 +6,28 @@ other columns are read for the top-k rows alone, row group by row group.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from .errors import DataError
+from .errors import ConfigError, DataError
+from .io.parquet import METADATA_KEY
 
+Columns = dict[str, np.ndarray]  # a few rows of a scores file, column by column
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 MAX_CLASSES = 100  # above this many distinct targets, the targets are not class labels
 SHOWN = (
     "example_id", "ref_id", "id", "loss", "grad_norm", "self_influence", "influence", "cosine",
     "target", "pred", "prob", "margin",
 )  # fmt: skip
+DIRECTIONS = ("high", "low")
 BARS = "▁▂▃▄▅▆▇█"
 SPARK_BINS = 40
 
@@ -47,27 +50,38 @@ class Spread:
         return (values - self.median) / (scale if scale > 0 else 1.0)
 
 
+def _numpy(values: pa.ChunkedArray) -> np.ndarray:
+    """Numbers or bools without nulls by Arrow's tensor path, which, unlike ``to_numpy``, does
+    not import pandas (half the start-up of ``gradscope summary``); anything else as ``to_numpy``."""
+    array = values.combine_chunks()
+    kind = array.type
+    if array.null_count or not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
+        if pa.types.is_boolean(kind) and not array.null_count:  # bits, least significant first
+            bits = np.unpackbits(np.frombuffer(array.buffers()[1], np.uint8), bitorder="little")
+            return bits[array.offset : array.offset + len(array)].astype(bool)
+        return array.to_numpy(zero_copy_only=False)
+    return array.to_tensor().to_numpy()
+
+
 def column(file: pq.ParquetFile, name: str) -> np.ndarray:
     """One column as a numpy array, read row group by row group."""
-    parts = [
-        file.read_row_group(i, columns=[name]).column(0).to_numpy()
-        for i in range(file.num_row_groups)
-    ]
+    parts = [_numpy(file.read_row_group(i, columns=[name]).column(0))
+             for i in range(file.num_row_groups)]  # fmt: skip
     return np.concatenate(parts) if parts else np.empty(0)
 
 
-def rows_at(file: pq.ParquetFile, positions: np.ndarray, columns: list[str]) -> pd.DataFrame:
+def rows_at(file: pq.ParquetFile, positions: np.ndarray, columns: list[str]) -> Columns:
     """The rows at ``positions`` (in that order), reading only the row groups that hold them."""
     found, start = {}, 0
     for i in range(file.num_row_groups):
         stop = start + file.metadata.row_group(i).num_rows
         inside = positions[(positions >= start) & (positions < stop)]
         if len(inside):
-            group = file.read_row_group(i, columns=columns).to_pandas()
-            for p in inside:
-                found[int(p)] = group.iloc[int(p) - start]
+            group = file.read_row_group(i, columns=columns)
+            for p in inside.tolist():
+                found[p] = group.slice(p - start, 1).to_pylist()[0]
         start = stop
-    return pd.DataFrame([found[int(p)] for p in positions], columns=columns)
+    return {name: np.asarray([found[p][name] for p in positions.tolist()]) for name in columns}
 
 
 def fmt(value: object) -> str:
@@ -86,34 +100,75 @@ def is_labels(target: np.ndarray | None) -> bool:
     )
 
 
-def top_positions(values: np.ndarray, ok: np.ndarray, spread: Spread, k: int) -> np.ndarray:
-    """Row positions of the k largest robust z among ``ok`` rows; by |z| for a signed score."""
+def parse_by(by: str | None) -> tuple[str | None, str | None]:
+    """``COLUMN``, ``COLUMN:low`` or ``COLUMN:high`` -> (column, direction); None: the default."""
+    if by is None:
+        return None, None
+    column, colon, direction = by.rpartition(":")
+    if not colon:
+        return by, None
+    if direction not in DIRECTIONS or not column:
+        raise ConfigError(f"--by takes COLUMN, COLUMN:low or COLUMN:high, got {by!r}", "--by")
+    return column, direction
+
+
+def default_score(names: list[str]) -> str:
+    """What a file ranks by unless told: influence, else self_influence (several checkpoints),
+    else grad_norm."""
+    return next((n for n in ("influence", "self_influence") if n in names), "grad_norm")
+
+
+def top_positions(values: np.ndarray, ok: np.ndarray, direction: str, k: int) -> np.ndarray:
+    """Row positions of the k largest (``high``) or most negative (``low``) ``ok`` values."""
     candidates = np.flatnonzero(ok)
-    z = spread.z(values[candidates])
-    key = np.abs(z) if (values[candidates] < 0).any() else z
-    order = np.argsort(-key, kind="stable")[:k]
-    return candidates[order]
+    key = -values[candidates] if direction == "high" else values[candidates]
+    return candidates[np.argsort(key, kind="stable")[:k]]
 
 
-def per_class(
-    values: np.ndarray, ok: np.ndarray, target: np.ndarray, top: np.ndarray, score: str
-) -> pd.DataFrame:
-    """count, median score (finite rows) and share of the top-k, per class."""
+def class_z(values: np.ndarray, ok: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """(N,) robust z of each row's score within its target class (NaN where not ``ok``)."""
+    z = np.full(len(values), np.nan)
+    for label in np.unique(target):  # at most MAX_CLASSES
+        member = target == label
+        z[member & ok] = Spread.of(values[member & ok]).z(values[member & ok])
+    return z
+
+
+def per_class(found: Outliers) -> Columns:
+    """count, median score (finite rows) and share of each end's top-k, per class."""
+    values, ok, target = found.values, found.ok, found.target
+    assert target is not None
     labels = np.unique(target)
-    rows = []
-    for label in labels:  # at most MAX_CLASSES: one boolean mask at a time, no frame of all rows
+    table: Columns = {"target": [found.class_name(label) for label in labels], "count": [],
+                      f"median {found.score}": []}  # fmt: skip
+    shares = {f"share of {e.direction} {len(e.top)}": e.top for e in found.ends}
+    if len(found.ends) == 1:
+        shares = {f"share of top {len(found.top)}": found.top}
+    for name in shares:
+        table[name] = []
+    for label in labels:  # at most MAX_CLASSES: one mask at a time, no frame of all rows
         member = target == label
         scored = values[member & ok]
-        median = float(np.median(scored)) if len(scored) else float("nan")
-        rows.append(
-            (int(member.sum()), median, float((target[top] == label).sum()) / max(len(top), 1))
-        )
-    return pd.DataFrame(rows, index=labels, columns=["count", f"median {score}", "share of top-k"])
+        table["count"].append(int(member.sum()))
+        table[f"median {found.score}"].append(float(np.median(scored)) if len(scored) else np.nan)
+        for name, top in shares.items():
+            table[name].append(float((target[top] == label).sum()) / max(len(top), 1))
+    return {name: np.asarray(v) for name, v in table.items()}
+
+
+@dataclass
+class End:
+    """One end of the ranking: its row positions, most extreme first, and those rows in full."""
+
+    direction: str  # high | low
+    label: str  # how the tables name it
+    top: np.ndarray  # (k,) row positions
+    rows: Columns  # SHOWN columns, the score, robust_z and class_z
 
 
 @dataclass
 class Outliers:
-    """A scores file ranked by one column: every row's score, and the top-k rows in full."""
+    """A scores file ranked by one column: every row's score, and the top-k rows of each end."""
 
     file: pq.ParquetFile
     score: str
@@ -121,22 +176,53 @@ class Outliers:
     ok: np.ndarray  # (N,) bool: finite score and `finite` flag
     target: np.ndarray | None
     spread: Spread
-    top: np.ndarray  # (k,) row positions, most extreme first
-    rows: pd.DataFrame  # the top rows' SHOWN columns (and the score), in that order
+    ends: list[End]
+    classes: list[str] | None = None  # names of the class ids
 
     @property
     def names(self) -> list[str]:
         return self.file.schema_arrow.names
 
+    @property
+    def top(self) -> np.ndarray:
+        """The top-k rows of every end."""
+        return np.concatenate([e.top for e in self.ends])
 
-def rank(path: str | Path, score: str | None = None, k: int = 20) -> Outliers:
-    """Rank the rows of a scores file by ``score`` (default: influence, else grad_norm)."""
+    def class_name(self, label: object) -> str:
+        """A class id as its name (``data.classes``), else as itself."""
+        named = self.classes is not None and isinstance(label, (int, np.integer))
+        return self.classes[label] if named and 0 <= label < len(self.classes) else fmt(label)
+
+
+def _ends(score: str, values: np.ndarray, ok: np.ndarray, direction: str | None) -> list[tuple]:
+    """(direction, label) of each end to show: the one asked for; unasked, the high end of a
+    never-negative score, both ends of a signed one (influence: helpful, then harmful)."""
+    helpful = score in ("influence", "cosine")
+    labels = {
+        "high": "highest first" + (" (helpful)" if helpful else ""),
+        "low": "lowest first" + (" (harmful)" if helpful else ""),
+    }
+    if direction is None:
+        signed = bool((values[ok] < 0).any())
+        return [(d, labels[d]) for d in (("high", "low") if signed else ("high",))]
+    return [(direction, labels[direction])]
+
+
+def rank(
+    path: str | Path,
+    by: str | None = None,
+    k: int = 20,
+    classes: list[str] | None = None,
+) -> Outliers:
+    """Rank the rows of a scores file by ``by`` (``COLUMN[:low|high]``; default: influence, else
+    self_influence, else grad_norm)."""
     try:
         file = pq.ParquetFile(path)
     except Exception as e:  # pyarrow's own error types: not Parquet, or cut short
         raise DataError(f"not a readable Parquet file: {e}", str(path)) from e
     names = file.schema_arrow.names
-    score = score or ("influence" if "influence" in names else "grad_norm")
+    score, direction = parse_by(by)
+    score = score or default_score(names)
     if score not in names:
         raise DataError(f"no column {score!r} to rank by (columns: {', '.join(names)})", "--by")
     kind = file.schema_arrow.field(score).type
@@ -146,11 +232,25 @@ def rank(path: str | Path, score: str | None = None, k: int = 20) -> Outliers:
     ok = np.isfinite(values) & (column(file, "finite") if "finite" in names else True)
     target = column(file, "target") if "target" in names else None
     spread = Spread.of(values[ok])
-    top = top_positions(values, ok, spread, k)
+    z_class = class_z(values, ok, target) if is_labels(target) and score != "class_z" else None
     shown = [c for c in SHOWN if c in names]
     if score not in shown:
         shown.append(score)
-    return Outliers(file, score, values, ok, target, spread, top, rows_at(file, top, shown))
+    ends = []
+    for d, label in _ends(score, values, ok, direction):
+        top = top_positions(values, ok, d, k)
+        rows = rows_at(file, top, shown)
+        rows["robust_z"] = spread.z(values[top])
+        if z_class is not None:
+            rows["class_z"] = z_class[top]
+        ends.append(End(d, label, top, rows))
+    return Outliers(file, score, values, ok, target, spread, ends, classes or _classes(file))
+
+
+def _classes(file: pq.ParquetFile) -> list[str] | None:
+    """``data.classes`` of the run that wrote the file, from its metadata (full metadata only)."""
+    meta = json.loads((file.schema_arrow.metadata or {}).get(METADATA_KEY, b"{}"))
+    return ((meta.get("config") or {}).get("data") or {}).get("classes")
 
 
 def sparkline(found: Outliers) -> Text:
@@ -166,38 +266,47 @@ def sparkline(found: Outliers) -> Text:
         # log heights: the tail's few examples stay visible beside the bulk
         level = min(len(BARS) - 1, int(len(BARS) * np.log1p(count) / np.log1p(counts.max())))
         line.append(BARS[level] if count else " ", style="red" if i in marked else "cyan")
-    return line.append(f" {fmt(edges[-1])}  red: top {len(found.top)}")
+    each = " at each end" if len(found.ends) > 1 else ""
+    return line.append(f" {fmt(edges[-1])}  red: top {len(found.ends[0].top)}{each}")
 
 
-def _outlier_table(found: Outliers) -> Table:
+def _outlier_table(found: Outliers, end: End) -> Table:
+    caption = "robust_z = (x - median) / (1.4826 MAD)"
+    if "class_z" in end.rows:
+        caption += "; class_z: the same within its target class"
     table = Table(
-        title=f"top {len(found.top)} outliers by {found.score}",
-        caption="robust_z = (x - median) / (1.4826 MAD)",
+        title=f"top {len(end.top)} outliers by {found.score}, {end.label}",
+        caption=caption,
         show_edge=False,  # the prediction columns need the room in an 80-column terminal
     )
-    shown = list(found.rows.columns)
-    for name in [*shown, "robust_z"]:
-        table.add_column(name, justify="right")
-    z = found.spread.z(found.values[found.top])
-    for (_, row), zi in zip(found.rows.iterrows(), z, strict=True):
-        table.add_row(*(fmt(row[c]) for c in shown), fmt(zi))
+    for name in end.rows:
+        table.add_column(name, justify="right", overflow="fold")
+    for row in zip(*end.rows.values(), strict=True):
+        table.add_row(*(cell(found, name, v) for name, v in zip(end.rows, row, strict=True)))
     return table
+
+
+def cell(found: Outliers, name: str, value: object) -> str:
+    """A table cell: class ids by name in ``target`` and ``pred``."""
+    return found.class_name(value) if name in ("target", "pred") else fmt(value)
 
 
 def _class_table(found: Outliers) -> Table:
-    classes = per_class(found.values, found.ok, found.target, found.top, found.score)
+    classes = per_class(found)
     table = Table(title=f"per class ({found.score})")
-    for name in ["target", *classes.columns]:
-        table.add_column(name, justify="right")
-    for label, row in classes.iterrows():
-        table.add_row(str(label), str(int(row["count"])), fmt(row.iloc[1]), f"{row.iloc[2]:.0%}")
+    for name in classes:
+        table.add_column(name, justify="right", overflow="fold")
+    for row in zip(*classes.values(), strict=True):
+        table.add_row(row[0], str(row[1]), fmt(row[2]), *(f"{share:.0%}" for share in row[3:]))
     return table
 
 
-def summarize(path: str | Path, score: str | None = None, k: int = 20) -> Group:
-    """The outlier table, the per-class table and the summary paragraph of a scores file."""
-    found = rank(path, score, k)
-    parts: list[object] = [sparkline(found), _outlier_table(found)]
+def summarize(
+    path: str | Path, by: str | None = None, k: int = 20, classes: list[str] | None = None
+) -> Group:
+    """The outlier tables, the per-class table and the summary paragraph of a scores file."""
+    found = rank(path, by, k, classes)
+    parts: list[object] = [sparkline(found), *(_outlier_table(found, e) for e in found.ends)]
     if is_labels(found.target):
         parts.append(_class_table(found))
     unit = "(example, reference) pairs" if "ref_id" in found.names else "examples"

@@ -48,7 +48,7 @@ def reference_norms(
     inputs: tuple[Tensor, ...],
     targets: Tensor,
     loss: str = "mse",
-    include: Sequence[str] = ("*",),
+    include: Sequence[str] | None = None,
     exclude: Sequence[str] = (),
     output: str | int | None = None,
     loss_kwargs: dict | None = None,

@@ -38,6 +38,7 @@ def test_norms_writes_parquet_and_prints_outliers(tmp_path):
         "pred",
         "prob",
         "margin",
+        "class_z",
         "finite",
     ]
     assert [str(t) for t in schema.types] == [
@@ -51,6 +52,7 @@ def test_norms_writes_parquet_and_prints_outliers(tmp_path):
         "int64",
         "double",
         "double",
+        "double",
         "bool",
     ]
     frame = pd.read_parquet(tmp_path / "scores.parquet")
@@ -58,6 +60,11 @@ def test_norms_writes_parquet_and_prints_outliers(tmp_path):
     _, norm = reference_norms(net, (x,), y, "cross_entropy")
     assert_rel_close(torch.tensor(frame["grad_norm"].to_numpy()), norm, 1e-4)
     assert frame["finite"].all()
+    for _, group in frame.groupby("target"):  # class_z: robust z of grad_norm within the class
+        median = group["grad_norm"].median()
+        mad = (group["grad_norm"] - median).abs().median()
+        expected = (group["grad_norm"] - median) / (1.4826 * mad)
+        assert group["class_z"].to_numpy() == pytest.approx(expected.to_numpy())
     # the table's first row is the largest norm
     top = frame.loc[frame["grad_norm"].idxmax()]
     first = next(line for line in result.output.splitlines() if "│" in line)
@@ -89,6 +96,7 @@ def test_norms_at_several_checkpoints(tmp_path):
     config = make_project(tmp_path, model__checkpoint=None, model__checkpoints=ckpts)
     result = runner.invoke(app, ["norms", str(config), "--top-k", "3"])
     assert result.exit_code == 0, result.output
+    assert "top 3 outliers by self_influence, highest first" in result.output  # not grad_norm
     frame = pd.read_parquet(tmp_path / "scores.parquet")
     assert [c for c in frame.columns if "@" in c or c == "self_influence"] == [
         "loss@0", "grad_norm@0", "loss@1", "grad_norm@1", "self_influence",

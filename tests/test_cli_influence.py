@@ -71,7 +71,7 @@ def test_one_checkpoint(project: Path, engine: str) -> None:
     frame = _run(cfg, "--ref", project / "ref.pt", "--engine", engine, "--out", out)
     assert list(frame.columns) == [
         "example_id", "loss", "grad_norm", "influence", "cosine", "target", "pred", "prob",
-        "margin", "finite",
+        "margin", "class_z", "finite",
     ]  # fmt: skip
     assert frame["example_id"].tolist() == list(range(N)) and frame["finite"].all()
     expected, g_norm, r_norm = _oracle(project)
@@ -122,8 +122,9 @@ def test_report_beside_the_scores(project: Path) -> None:
     )
     page = (project / "infl.html").read_text()
     assert "influence: histogram" in page and "influence and cosine" in page
-    assert page.count('<tr class="row">') == N  # top-k 20 > N: every example, each shown
-    assert page.count('<td class="example"') == N
+    # top-k 20 > N: every example, each shown, in the helpful and the harmful table
+    assert page.count('<tr class="row">') == 2 * N
+    assert page.count('<td class="example"') == 2 * N
 
 
 def test_per_ref_rows(project: Path) -> None:

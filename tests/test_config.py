@@ -28,7 +28,7 @@ def test_defaults_and_relative_paths(tmp_path):
     assert cfg.data.path == f"{tmp_path}/data.pt"
     assert cfg.data.inputs == ["x"] and cfg.data.batch_size == 256
     assert cfg.loss.name == "cross_entropy" and cfg.loss.token_reduction == "mean"
-    assert cfg.params.include == ["*"] and cfg.device == "auto"
+    assert cfg.params.include is None and cfg.device == "auto"
     assert cfg.output.path == f"{tmp_path}/scores.parquet" and cfg.summary.top_k == 20
 
 

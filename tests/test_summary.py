@@ -8,8 +8,19 @@ import pyarrow.parquet as pq
 import pytest
 from rich.console import Console
 
-from gradscope.errors import DataError
-from gradscope.summary import BARS, SPARK_BINS, Spread, rank, sparkline, summarize, top_positions
+from gradscope.errors import ConfigError, DataError
+from gradscope.summary import (
+    BARS,
+    SPARK_BINS,
+    Spread,
+    _numpy,
+    class_z,
+    parse_by,
+    rank,
+    sparkline,
+    summarize,
+    top_positions,
+)
 
 
 def text(group) -> str:
@@ -26,14 +37,60 @@ def test_spread_and_z():
     assert Spread.of(np.ones(4)).z(np.array([1.0, 3.0])).tolist() == [0.0, 2.0]  # MAD 0
 
 
-def test_one_sided_for_nonnegative_scores_two_sided_for_signed():
+def test_top_positions_at_either_end_and_the_ends_shown():
     ok = np.ones(5, bool)
     norms = np.array([1.0, 0.0, 2.0, 9.0, 1.5])
-    assert top_positions(norms, ok, Spread.of(norms), 2).tolist() == [3, 2]
+    assert top_positions(norms, ok, "high", 2).tolist() == [3, 2]
+    assert top_positions(norms, ok, "low", 2).tolist() == [1, 0]
     signed = np.array([0.1, -9.0, 0.2, 3.0, 0.0])
-    assert top_positions(signed, ok, Spread.of(signed), 2).tolist() == [1, 3]
+    assert top_positions(signed, ok, "low", 2).tolist() == [1, 4]
     ok[1] = False
-    assert top_positions(signed, ok, Spread.of(signed[ok]), 1).tolist() == [3]
+    assert top_positions(signed, ok, "low", 1).tolist() == [4]
+    assert parse_by("influence:low") == ("influence", "low")
+    assert parse_by("loss@0") == ("loss@0", None) and parse_by(None) == (None, None)
+    with pytest.raises(ConfigError, match="--by takes COLUMN, COLUMN:low or COLUMN:high"):
+        parse_by("loss:up")
+
+
+def test_signed_scores_show_both_ends_and_checkpoints_rank_by_self_influence(tmp_path):
+    n = 30
+    influence = np.linspace(-1, 1, n)
+    influence[[4, 9]] = [-50.0, 40.0]
+    table = pa.table({"example_id": np.arange(n), "grad_norm": np.abs(influence),
+                      "self_influence": np.arange(n, dtype=float), "influence": influence})  # fmt: skip
+    pq.write_table(table, tmp_path / "i.parquet")
+    found = rank(tmp_path / "i.parquet", k=3)
+    assert [(e.direction, e.top[0]) for e in found.ends] == [("high", 9), ("low", 4)]
+    out = text(summarize(tmp_path / "i.parquet", k=3))
+    assert "top 3 outliers by influence, highest first (helpful)" in out
+    assert "top 3 outliers by influence, lowest first (harmful)" in out
+    assert [e.direction for e in rank(tmp_path / "i.parquet", "influence:low", 3).ends] == ["low"]
+    pq.write_table(table.drop(["influence"]), tmp_path / "n.parquet")
+    found = rank(tmp_path / "n.parquet", k=2)  # several checkpoints: self_influence
+    assert found.score == "self_influence" and found.ends[0].top.tolist() == [29, 28]
+    assert rank(tmp_path / "n.parquet", "grad_norm:low", 2).ends[0].top.tolist() == [14, 15]
+
+
+def test_class_z_is_the_robust_z_within_the_target_class_and_classes_are_named(tmp_path):
+    rng = np.random.default_rng(0)
+    target = np.repeat([0, 1], 50)
+    grad_norm = np.where(target == 0, 25.0, 0.25) * (1 + 0.1 * rng.standard_normal(100))
+    grad_norm[70] = 0.5  # twice its class's median: global rank low, class_z high
+    table = pa.table({"example_id": np.arange(100), "grad_norm": grad_norm, "target": target})
+    pq.write_table(table, tmp_path / "s.parquet")
+    z = class_z(grad_norm, np.ones(100, bool), target)
+    for label in (0, 1):
+        member = grad_norm[target == label]
+        expected = (member - np.median(member)) / (
+            1.4826 * np.median(np.abs(member - np.median(member)))
+        )
+        np.testing.assert_allclose(z[target == label], expected)
+    found = rank(tmp_path / "s.parquet", "grad_norm", 3, classes=["cat", "dog"])
+    assert 70 not in found.top and list(found.ends[0].rows)[-1] == "class_z"
+    by_class = np.argsort(-z)[:1]
+    assert by_class.tolist() == [70]
+    out = text(summarize(tmp_path / "s.parquet", k=3, classes=["cat", "dog"]))
+    assert "class_z" in out and " cat " in out and " dog " in out
 
 
 def test_summarize_reads_rows_across_row_groups(tmp_path):
@@ -83,11 +140,11 @@ def test_outlier_table_shows_the_prediction_columns(tmp_path):
         "finite": np.ones(n, bool),
     })  # fmt: skip
     pq.write_table(table, tmp_path / "s.parquet")
-    out = text(summarize(tmp_path / "s.parquet", k=2))
+    out = text(summarize(tmp_path / "s.parquet", "grad_norm", k=2))
     header = next(line for line in out.splitlines() if "example_id" in line).split()
     assert [h for h in header if h.isidentifier()] == [
         "example_id", "loss", "grad_norm", "self_influence", "target", "pred", "prob", "margin",
-        "robust_z",
+        "robust_z", "class_z",
     ]  # fmt: skip
     first = next(line for line in out.splitlines() if "│" in line).split("│")
     assert [c.strip() for c in first] == [
@@ -100,4 +157,13 @@ def test_outlier_table_shows_the_prediction_columns(tmp_path):
         "0.25",
         "-5",
         "1.124",
-    ]  # z = 2.5 / (1.4826 * 1.5)
+        "1.124",
+    ]  # z = 2.5 / (1.4826 * 1.5); one class: class_z is robust_z
+
+
+def test_columns_read_without_pandas_bools_at_any_offset():
+    values = [True, False, True, True, False, False, True, False, True, True]
+    for start in range(4):
+        chunked = pa.chunked_array([pa.array(values).slice(start), pa.array([False, True])])
+        assert _numpy(chunked).tolist() == values[start:] + [False, True]
+    assert _numpy(pa.chunked_array([pa.array([1.5, None])])).tolist()[0] == 1.5  # nulls: to_numpy

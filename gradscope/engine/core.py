@@ -87,7 +87,8 @@ def prepared(model: nn.Module, plan: Plan) -> Iterator[None]:
 class Engine:
     """Per-example gradient quantities of ``model`` under ``loss_fn``: the one entry point.
 
-    Builds the plan for the parameters ``include``/``exclude`` select; ``forward`` says how the
+    Builds the plan for the parameters ``include``/``exclude`` select (``include`` None: those
+    that require grad, all if none does); ``forward`` says how the
     model is called and which output the loss reads; ``observe`` reads more per-example columns
     from the same output. Use it as a context manager around scoring: ``with engine:`` puts the
     model in eval mode with the selected parameters requiring grad, and restores both on exit.
@@ -97,7 +98,7 @@ class Engine:
         self,
         model: nn.Module,
         loss_fn: LossFn,
-        include: Sequence[str] = ("*",),
+        include: Sequence[str] | None = None,
         exclude: Sequence[str] = (),
         forward: Forward | None = None,
         observe: Observe | None = None,
@@ -115,6 +116,7 @@ class Engine:
         self.record = record_for(model, key)
         self.plan.replay(self.record.fallback)
         self._prepared: list[contextlib.AbstractContextManager] = []
+        self._pinned: Findings | None = None  # see pin_decisions
 
     def __enter__(self) -> Engine:
         context = prepared(self.model, self.plan)
@@ -147,7 +149,7 @@ class Engine:
         """One pass over a batch: the steps below, in order."""
         if targets.shape[0] == 0:
             return self._empty(targets)
-        findings = self.record.at(inputs)
+        findings = self._pinned or self.record.at(inputs)
         seen = self._capture(inputs, targets, findings)
         decide.before_backward(self.plan, seen)
         reducer = self._reduce_in_backward(seen, want, findings)
@@ -155,6 +157,21 @@ class Engine:
         self._fill_zeros(reducer, seen.losses.shape[0])
         loss = seen.losses.detach()
         return BatchScores(loss, reducer.norm_sq, reducer.inner, seen.observed, reducer.kept)
+
+    def pin_decisions(self, inputs: tuple[Tensor, ...]) -> Findings:
+        """Keep what the batch of ``inputs``' shapes found (scored already) for every later
+        batch, whatever its shapes: no expansion test or self-check runs again, so each
+        batch is one forward and one backward. For a sharded model (``distributed.shard``),
+        whose ranks must run the same passes, decided on the whole model first."""
+        self._pinned = self.record.at(inputs)
+        return self._pinned
+
+    def rebind(self) -> None:
+        """Point the plan at the parameters the model holds now, by name: ``fully_shard``
+        replaces each with a sharded one (the modules stay the same objects)."""
+        params = dict(self.model.named_parameters())
+        for p in self.plan.params:
+            p.param = params[p.name]
 
     # -- the steps -------------------------------------------------------------------------
 
@@ -177,10 +194,12 @@ class Engine:
                 continue
             if expand and findings.expand is None:
                 same = self._same_losses(inputs, targets, seen.losses)
-                findings.expand = not seen.session.expanded or same
+                expanded = seen.session.expanded or (seen.tap is not None and seen.tap.expanded)
+                findings.expand = not expanded or same
                 if not findings.expand:
                     continue
-            if seen.session.assumed and not is_batch(seen.trace.owner(seen.losses), len(targets)):
+            assumed = seen.session.assumed or (seen.tap is not None and seen.tap.assumed)
+            if assumed and not is_batch(seen.trace.owner(seen.losses), len(targets)):
                 findings.assume = False  # a call's rows were shared after all: run as is
                 continue
             edited = seen.session.edited_in_place() - self.record.copy
@@ -193,7 +212,7 @@ class Engine:
     ) -> Seen:
         raw, batch = self.plan.raw, targets.shape[0]
         trace = RowTrace(batch, (*inputs, targets))
-        tap = ParamTap(raw, batch, trace) if raw else None
+        tap = ParamTap(raw, batch, trace, expand, assume) if raw else None
         # with every parameter on the fallback, this pass only gives the losses: no graph
         with (
             torch.set_grad_enabled(bool(self.plan.by_rule or raw)),

@@ -66,7 +66,9 @@ def _layout(call: Call, batch: int) -> str | None:
     if features is not None and len(call.inputs) == 1 and x.dim() > features:
         rows = reduce(owners, range(x.dim() - features, x.dim()), keepdim=False)
         if x.numel() == 0:  # no row routed to it on this batch: zeros, gathered
-            call.rows = torch.zeros(x.shape[: x.dim() - features], dtype=torch.long)
+            call.rows = torch.zeros(
+                x.shape[: x.dim() - features], dtype=torch.long, device=x.device
+            )
             return None
         if is_batch(rows.reshape(rows.shape[0], -1), batch):
             return None

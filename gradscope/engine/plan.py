@@ -53,9 +53,21 @@ class ParamPlan:
         return self.rule in (FALLBACK, FALLBACK_LOOP)
 
 
+# how the parameters were selected (``Plan.selection``)
+INCLUDE = "include"  # params.include named them
+TRAINABLE = "trainable"  # no params.include: the parameters that require grad
+ALL = "all"  # no params.include and none requires grad (a model loaded for inference): all
+SELECTIONS = {
+    INCLUDE: "the parameters params.include names, less params.exclude",
+    TRAINABLE: "no params.include: the parameters that require grad, less params.exclude",
+    ALL: "no params.include and no parameter requires grad: all of them, less params.exclude",
+}
+
+
 @dataclass
 class Plan:
     params: list[ParamPlan]
+    selection: str = INCLUDE  # INCLUDE, TRAINABLE or ALL
     # name -> (note, loop) of every move to the fallback; an Engine shares it with every later
     # Engine of the same model and selection (engine/first_batch.py), which replays it whole
     decisions: dict[str, tuple[str, bool]] = field(default_factory=dict)
@@ -111,6 +123,10 @@ class Plan:
         """The --per-layer columns, in model order."""
         return list(dict.fromkeys(p.module for p in self.included))
 
+    def describe_selection(self) -> dict[str, str]:
+        """Which rule picked the parameters, for the output's metadata."""
+        return {"selection": self.selection, "meaning": SELECTIONS[self.selection]}
+
     def describe(self) -> list[dict[str, object]]:
         return [
             {
@@ -131,10 +147,28 @@ def _selected(names: Sequence[str], include: Sequence[str], exclude: Sequence[st
     return hit(include) and not hit(exclude)
 
 
+def trainable(model: nn.Module) -> set[int]:
+    """The ids of the parameters that require grad; all of them when none does.
+
+    Read before anything flips ``requires_grad`` (``prepared`` sets it on the selection)."""
+    params = list(model.parameters())
+    chosen = {id(p) for p in params if p.requires_grad}
+    return chosen or {id(p) for p in params}
+
+
 def build_plan(
-    model: nn.Module, include: Sequence[str] = ("*",), exclude: Sequence[str] = ()
+    model: nn.Module, include: Sequence[str] | None = None, exclude: Sequence[str] = ()
 ) -> Plan:
-    """Decide, before any pass, how each parameter's per-example gradient is obtained."""
+    """Decide, before any pass, how each parameter's per-example gradient is obtained.
+
+    ``include`` None selects the parameters that require grad (a frozen base under LoRA
+    adapters is left out), or all of them when none does; names given select explicitly,
+    frozen or not. ``exclude`` applies to both.
+    """
+    selection = INCLUDE
+    if include is None:
+        chosen = trainable(model)
+        selection = TRAINABLE if any(p.requires_grad for p in model.parameters()) else ALL
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
@@ -158,20 +192,25 @@ def build_plan(
                     held.add((id(holder), name))
                     plans[id(p)].owners.append((holder, name))
     for plan in plans.values():
-        if not _selected(names[id(plan.param)], include, exclude):
+        if include is None and id(plan.param) not in chosen:
+            continue
+        if not _selected(names[id(plan.param)], ("*",) if include is None else include, exclude):
             continue
         rules = [find_rule(module) for module, _ in plan.owners]
         if all(rules):
             # a served child's own rule only covers direct calls of it: the parent's rule names it
             shown = (r for (m, _), r in zip(plan.owners, rules, strict=True) if id(m) not in served)
             plan.rule = "+".join(dict.fromkeys(r.name for r in shown))
-        else:  # the first pass tells whether broadcast ops are all that read it
-            plan.rule = FALLBACK if any(rules) else BROADCAST
+        else:  # the passes tell whether the tap serves every read (a rule's module's too)
+            plan.rule = BROADCAST
             missing = (
                 type(m).__name__ for (m, _), r in zip(plan.owners, rules, strict=True) if r is None
             )
             plan.note = "no rule for " + ", ".join(dict.fromkeys(missing))
-    plan = Plan(list(plans.values()))
+    plan = Plan(list(plans.values()), selection=selection)
     if not plan.included:
-        raise ConfigError("params.include/exclude select no parameter of the model", "params")
+        what = "params.include/exclude select no parameter of the model"
+        if include is None:
+            what = "params.exclude leaves none of the parameters that require grad"
+        raise ConfigError(what, "params")
     return plan

@@ -119,11 +119,12 @@ class Reducer:
 
     def zeros(self, name: str, batch: int, param: Tensor) -> None:
         """Where no call of ``param`` reached the loss: every example's gradient is zero."""
-        dtype = accumulation_dtype(param.dtype)
-        if self.want.norms:
-            self.norm_sq.setdefault(name, param.new_zeros(batch, dtype=dtype))
-        if self.want.refs is not None:
+        # plain tensors on the parameter's device, also for a sharded (DTensor) parameter
+        like = {"dtype": accumulation_dtype(param.dtype), "device": param.device}
+        if self.want.norms and name not in self.norm_sq:
+            self.norm_sq[name] = torch.zeros(batch, **like)
+        if self.want.refs is not None and name not in self.inner:
             k = self.want.refs[name].shape[0]
-            self.inner.setdefault(name, param.new_zeros(batch, k, dtype=dtype))
+            self.inner[name] = torch.zeros(batch, k, **like)
         if self.want.sums:
             self.sums.setdefault(name, torch.zeros_like(param))

@@ -15,7 +15,7 @@ from torch.autograd.graph import GradientEdge
 
 from ..rules import find_rule
 from .graph import below_targets
-from .owners import NONE, batch_owner
+from .owners import NONE
 from .trace import RowTrace
 
 
@@ -100,7 +100,7 @@ class HookSession:
         for module in self.modules:
             if self.expand_to:
                 self._handles.append(module.register_forward_pre_hook(self._expand))
-            self._handles.append(module.register_forward_hook(self._capture, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._captured, with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -122,9 +122,14 @@ class HookSession:
         self._expanding.add(id(module))
         return (rows.expand(self.expand_to, *rows.shape[1:]), *args[1:])
 
+    def _captured(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        """The forward hook: ``_capture`` with no function mode watching its own ops."""
+        with torch._C.DisableTorchFunction():
+            self._capture(module, args, kwargs, output)
+
     def _capture(
         self, module: nn.Module, args: tuple, kwargs: dict[str, object], output: object
-    ) -> object:
+    ) -> None:
         expanded = id(module) in self._expanding
         self._expanding.discard(id(module))
         # a module returning (output, extras) (MultiheadAttention's attention weights): the rule
@@ -148,9 +153,8 @@ class HookSession:
         owners = tuple(self.trace.owner(a) for a in args[:n])
         if expanded or self._assumed(args[0], owners[0], output):
             # row i is what example i reads: the trace checks where each output row goes
-            b, x = self.trace.batch, args[0]
-            owners = (batch_owner(b, x.dim(), x.device), *owners[1:])
-            self.trace.owners[output] = batch_owner(b, output.dim(), output.device)
+            owners = (self.trace.standard(args[0].dim()), *owners[1:])
+            self.trace.owners[output] = self.trace.standard(output.dim())
         # positional arguments after the leading tensors, named as the forward names them
         names = _positional_names(type(module))[n:]
         named = {**dict(zip(names, args[n:], strict=False)), **kwargs}

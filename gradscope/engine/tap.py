@@ -28,15 +28,14 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
 from torch.overrides import TorchFunctionMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..rules import Contribution, Dense
 from ..rules.embedding import lookup
 from ..rules.linear import affine_parts
 from ..rules.placed import Place, Placed
-from .owners import batch_owner, combine, is_batch, reduce, regroup
+from .owners import NONE, combine, is_batch, reduce, regroup
 from .plan import ParamPlan
-from .trace import RowTrace, op_name
+from .trace import ByTensor, RowTrace, op_name
 
 # ops whose result broadcasts its tensor arguments elementwise; in-place ones only when the
 # parameter is not the tensor edited
@@ -81,10 +80,21 @@ class Uses:
 class ParamTap(TorchFunctionMode):
     """The mode that watches ``params`` during one forward of a batch of ``batch`` examples."""
 
-    def __init__(self, params: Sequence[ParamPlan], batch: int, trace: RowTrace):
+    def __init__(
+        self,
+        params: Sequence[ParamPlan],
+        batch: int,
+        trace: RowTrace,
+        expand: bool = False,
+        assume: bool = False,
+    ):
         super().__init__()
         self.batch, self.trace = batch, trace
-        self.derived: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # as HookSession's: rows shared by the batch expanded to it, and B rows computed from no
+        # example taken as the examples', each while the engine's checks confirm it
+        self.expand, self.assume = expand, assume
+        self.expanded = self.assumed = False
+        self.derived = ByTensor()
         for p in params:
             self.derived[p.param] = Derived(p)
         self.uses: dict[str, Uses] = {p.name: Uses() for p in params}
@@ -118,6 +128,8 @@ class ParamTap(TorchFunctionMode):
         """The op's result, with what it reads of the watched parameters recorded; or None."""
         if name in ("linear", "embedding", "matmul", "__matmul__", "__rmatmul__"):
             return self._function(name, func, args, kwargs)
+        if name in GROUPED:
+            return self._grouped(func, args, kwargs)
         if len(found) != 1 or found[0][0] is None:
             return None
         i, d = found[0]
@@ -153,6 +165,11 @@ class ParamTap(TorchFunctionMode):
         if not reads or (isinstance(x, Tensor) and x in self.derived):
             return None
         features = 0 if name == "embedding" else 1
+        if self.expand and name in ("linear", "embedding") and self._shared(x):
+            shared = x.unsqueeze(0) if x.dim() == 1 else x
+            x = shared.expand(self.batch, *shared.shape[1:])
+            args = (x, *args[1:])
+            self.expanded = True
         rows = self._rows(x, features)
         if rows is False:
             for _, d in reads:
@@ -161,6 +178,9 @@ class ParamTap(TorchFunctionMode):
                 )
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
+        if rows is ASSUMED:
+            rows = None
+            self.trace.owners[out] = self.trace.standard(out.dim())
         if not out.requires_grad:
             return out
         a = x.detach()
@@ -183,18 +203,77 @@ class ParamTap(TorchFunctionMode):
         self._use(tuple(d.param for _, d in reads), out, parts)
         return out
 
-    def _rows(self, x: Tensor, features: int) -> Tensor | None | bool:
+    def _grouped(self, func, args: tuple, kwargs: dict) -> Tensor | None:
+        """``grouped_mm(x, W, offs)``: rows offs[e-1]:offs[e] of x times W[e], the experts of a
+        fused 3-D weight run on their sorted tokens: a Linear per expert, placed at W[e]."""
+        x, weight = args[0], args[1]
+        offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+        extra = [v for k, v in kwargs.items() if k != "offs" and v is not None]
+        if len(args) > 3 or extra or x in self.derived or offs is None or x.dim() != 2:
+            return None
+        d = self.derived.get(weight)
+        if d is None or weight.dim() != 3 or (d.place.index and d.place.transposed):
+            return None
+        rows = self._rows(x, 1)
+        if rows is False or rows is ASSUMED:
+            return None
+        out = func(*args, **kwargs)
+        if not out.requires_grad:
+            return out
+        owner = torch.arange(self.batch, device=x.device) if rows is None else rows  # (S,)
+        a, ends = x.detach(), offs.tolist()
+
+        def parts(grad: Tensor) -> dict[str, Contribution]:
+            blocks, start = [], 0
+            for e, end in enumerate(ends):
+                if end > start:
+                    rows_e = owner[start:end]
+                    xs = regroup(a[start:end], rows_e, self.batch, 1)
+                    g = regroup(grad[start:end], rows_e, self.batch, 1)
+                    part = affine_parts(xs, g, weight[e], None, transposed=True)["weight"]
+                    index = (e,) if not d.place.index else _compose(d.place.index, (e,), 3)
+                    place = Place(index, d.place.transposed, d.place.scale)
+                    blocks.append(Placed(part, d.param.param.shape, place))
+                start = end
+            if not blocks:
+                return {}
+            merged = blocks[0]
+            for block in blocks[1:]:
+                merged = merged.merge(block)
+            return {d.param.name: merged}
+
+        self._use((d.param,), out, parts)
+        return out
+
+    def _shared(self, x: Tensor) -> bool:
+        """Rows computed from no example, one set for the whole batch: a (1, ...) tensor or 1-D
+        indices (``wpe(arange(T))``), as HookSession expands for module calls."""
+        if (
+            not isinstance(x, Tensor)
+            or x.dim() == 0
+            or not bool((self.trace.owner(x) == NONE).all())
+        ):
+            return False
+        if x.dim() == 1:
+            return not (x.is_floating_point() or x.is_complex())
+        return x.shape[0] == 1
+
+    def _rows(self, x: Tensor, features: int) -> Tensor | None | bool | object:
         """None: one row per example on dimension 0; a tensor: each row's example, for the rows
-        to be gathered; False: rows that mix examples or that the batch shares."""
+        to be gathered; ASSUMED: B rows computed from no example, taken as the examples' (see
+        HookSession); False: rows that mix examples or that the batch shares."""
         if x.dim() <= features:
             return False
         o = reduce(self.trace.owner(x), range(x.dim() - features, x.dim()), keepdim=False)
         if x.numel() == 0:
-            return torch.zeros(x.shape[: x.dim() - features], dtype=torch.long)
+            return torch.zeros(x.shape[: x.dim() - features], dtype=torch.long, device=x.device)
         if is_batch(o.reshape(o.shape[0], -1), self.batch):
             return None
         if bool((o >= 0).all()):
             return o.expand(x.shape[: x.dim() - features]).contiguous()
+        if self.assume and x.shape[0] == self.batch and bool((o == NONE).all()):
+            self.assumed = True
+            return ASSUMED
         return False
 
     # -- broadcasts ---------------------------------------------------------------------------
@@ -242,16 +321,17 @@ class ParamTap(TorchFunctionMode):
 
         self._use((d.param,), view, parts)
         # row i is what example i reads: the trace follows where each row goes from here
-        self.trace.owners[view] = batch_owner(self.batch, view.dim(), view.device)
+        self.trace.owners[view] = self.trace.standard(view.dim())
         return view
 
     # -- the backward --------------------------------------------------------------------------
 
     def _use(self, params: tuple[ParamPlan, ...], out: Tensor, parts) -> None:
-        use = Use(params, torch.autograd.graph.get_gradient_edge(out), parts)
+        with torch._C.DisableTorchFunction():  # the trace below need not see this
+            use = Use(params, torch.autograd.graph.get_gradient_edge(out), parts)
+            self._hooks.append(out.register_hook(functools.partial(self._read, use)))
         for p in params:
             self.uses[p.name].reads.append(use)
-        self._hooks.append(out.register_hook(functools.partial(self._read, use)))
 
     def _read(self, use: Use, grad: Tensor) -> None:
         if self._on_grad is not None:
@@ -292,6 +372,9 @@ def _bind(name: str, args: tuple, kwargs: dict) -> tuple | None:
     return None
 
 
+ASSUMED = object()  # rows taken as the examples' until the losses' owners say otherwise
+# grouped GEMMs of fused expert weights: torch's, and transformers' fallback op
+GROUPED = {"grouped_mm", "_grouped_mm", "grouped_mm_fallback"}
 # views whose place in the parameter is known: the index of a basic view, a 2-D transpose
 VIEWS = {"__getitem__", "select", "narrow", "chunk", "split", "unbind", "t", "T", "mT"}
 VIEWS |= {"transpose"}
@@ -314,8 +397,9 @@ def _places(name: str, place: Place, args: tuple, kwargs: dict, param: Tensor, o
         factor = 1.0 / c if name in ("__truediv__", "div", "true_divide") else c
         return [Place(place.index, place.transposed, place.scale * factor)]
     source_dim = param.dim() - sum(isinstance(i, int) for i in place.index)
-    if name in ("t", "T", "mT") or (name == "transpose" and _is_last_two(args, source_dim)):
-        if source_dim != 2 or place.transposed:
+    if name in ("t", "T", "mT", "transpose"):  # the last two dimensions swapped
+        last_two = name == "mT" or source_dim == 2 or _is_last_two(args, source_dim)
+        if not last_two or source_dim < 2 or place.transposed:
             return None
         return [Place(place.index, True, place.scale)]
     if place.transposed:
@@ -329,7 +413,7 @@ def _places(name: str, place: Place, args: tuple, kwargs: dict, param: Tensor, o
 
 def _is_last_two(args: tuple, rank: int) -> bool:
     dims = {d % max(rank, 1) for d in args[1:3]} if len(args) >= 3 else set()
-    return rank == 2 and dims == {0, 1}
+    return rank >= 2 and dims == {rank - 2, rank - 1}
 
 
 def _indices(name: str, args: tuple, kwargs: dict, rank: int) -> list[tuple] | None:
@@ -357,6 +441,8 @@ def _indices(name: str, args: tuple, kwargs: dict, rank: int) -> list[tuple] | N
     size = args[0].shape[dim]
     if name == "unbind":
         return [(*lead, i) for i in range(size)]
+    if name not in ("chunk", "split"):
+        return None
     if name == "chunk":
         step = -(-size // int(args[1]))
         sizes = [min(step, size - lo) for lo in range(0, size, step)]

@@ -13,12 +13,12 @@ examples, or of none, sends the parameter to the fallback with the op that made 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .owners import (
     MIXED,
@@ -80,7 +80,7 @@ def op_name(func: Callable) -> str:
     name = getattr(func, "__name__", str(func))
     if name == "__get__":
         return getattr(getattr(func, "__self__", None), "__name__", name)
-    return name
+    return name.split("::")[-1].split(".")[0]  # torch.ops.lib.name.overload: the name
 
 
 def _dims(name: str, args: tuple, kwargs: dict, rank: int) -> tuple[list[int], bool]:
@@ -100,32 +100,68 @@ def _dims(name: str, args: tuple, kwargs: dict, rank: int) -> tuple[list[int], b
     return ([dim] if isinstance(dim, int) else list(dim)), keep
 
 
+class ByTensor:
+    """tensor -> value, by identity, keeping no tensor alive (a pass's many intermediates)."""
+
+    def __init__(self):
+        self._items: dict[int, tuple[weakref.ref, object]] = {}
+
+    def get(self, t: object, default: object = None) -> object:
+        item = self._items.get(id(t))
+        return item[1] if item is not None and item[0]() is t else default
+
+    def __contains__(self, t: object) -> bool:
+        return self.get(t, _MISSING) is not _MISSING
+
+    def __getitem__(self, t: object) -> object:
+        return self.get(t)
+
+    def __setitem__(self, t: Tensor, value: object) -> None:
+        self._items[id(t)] = (weakref.ref(t), value)
+
+
+_MISSING = object()
+
+
 class RowTrace(TorchFunctionMode):
     """Traces owners through one forward of a batch of ``batch`` examples."""
 
     def __init__(self, batch: int, tensors: tuple[Tensor, ...]):
         super().__init__()
         self.batch = batch
-        self.owners: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.owners = ByTensor()
         self.unknown: dict[str, None] = {}  # ops seen on batch tensors whose owners were assumed
-        self.mixed_by: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> op that mixed
+        self.mixed_by = ByTensor()  # tensor -> the op that mixed examples on its way
+        self._standard: dict[int, Tensor] = {}  # rank -> batch_owner: compared by identity
+        first = next((t for t in tensors if isinstance(t, Tensor)), None)
+        self.device = first.device if first is not None else torch.device("cpu")
         for t in tensors:
             if isinstance(t, Tensor) and t.dim() and t.shape[0] == batch:
-                self.owners[t] = batch_owner(batch, t.dim(), t.device)
+                self.owners[t] = self.standard(t.dim())
+
+    def standard(self, rank: int) -> Tensor:
+        """(B, 1, ..., 1): row i of dimension 0 is example i's, the same tensor every time."""
+        if rank not in self._standard:
+            self._standard[rank] = batch_owner(self.batch, rank, self.device)
+        return self._standard[rank]
 
     def owner(self, t: Tensor) -> Tensor:
         """``t``'s owners, ``NONE`` everywhere for a tensor not computed from the batch."""
         o = self.owners.get(t)
-        return o if o is not None else torch.full((1,) * t.dim(), NONE, dtype=torch.long)
+        return o if o is not None else _filled(t, NONE)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.__name__ == "__get__" and func.__self__.__name__ not in ("T", "mT", "data"):
+            return func(*args, **kwargs)  # a property: metadata, or a view handled as an op
         out = func(*args, **kwargs)
         name = op_name(func)
         if name in READS:
             return out
         tracked = [t for t in _tensors(args, kwargs) if t in self.owners]
         if not tracked:
+            return out
+        if self._standard_rows(name, args, kwargs, tracked, out):
             return out
         if name == "__iter__":  # for row in x: the rows of unbind(0)
             rows = args[0].unbind(0)
@@ -137,6 +173,26 @@ class RowTrace(TorchFunctionMode):
         except Exception:  # owners could not follow this op: its results mix examples
             self._set(out, None, origin)
         return out
+
+    def _standard_rows(self, name: str, args: tuple, kwargs: dict, tracked: list, out) -> bool:
+        """The common case at the cost of a few comparisons: every input one row per example
+        on dimension 0, and an op that keeps them so (elementwise, linear, a reshape keeping
+        dimension 0, a softmax over another dimension)."""
+        if not isinstance(out, Tensor) or not out.dim() or out.shape[0] != self.batch:
+            return False
+        if any(self.owners.get(t) is not self._standard.get(t.dim()) for t in tracked):
+            return False
+        same_rank = all(t.dim() == out.dim() and t.shape[0] == self.batch for t in tracked)
+        if name in RESHAPES:
+            keeps = args[0].shape[0] == self.batch
+        elif name in ("softmax", "log_softmax"):
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+            keeps = same_rank and dim is not None and dim % out.dim() != 0
+        else:
+            keeps = same_rank and (name in ELEMENTWISE or name == "linear")
+        if keeps:
+            self.owners[out] = self.standard(out.dim())
+        return keeps
 
     def mixed_at(self, t: Tensor) -> str | None:
         """The op that first mixed examples on the way to ``t``, if any did."""
@@ -153,9 +209,9 @@ class RowTrace(TorchFunctionMode):
             if not isinstance(t, Tensor):
                 continue
             if t.numel() == 0:  # no element to belong to anyone
-                o = torch.full((1,) * t.dim(), NONE, dtype=torch.long)
+                o = _filled(t, NONE)
             elif o is None or o.dim() != t.dim():
-                o = torch.full((1,) * t.dim(), MIXED, dtype=torch.long)
+                o = _filled(t, MIXED)
             o = compact(o)
             if bool((o == MIXED).any()):
                 self.mixed_by[t] = origin
@@ -163,7 +219,7 @@ class RowTrace(TorchFunctionMode):
 
     def _follow(self, name: str, func, args: tuple, kwargs: dict, out: object, origin: str):
         if name in INDICES and len(args) == 1:  # positions, not values: nothing flows back
-            return self._set(out, torch.full((1,), NONE), origin)
+            return self._set(out, _filled(args[0], NONE), origin)
         if name in IN_PLACE_MOVES:
             return self._in_place(name, args, kwargs, origin)
         if name in IN_PLACE_OPERATORS and isinstance(args[0], Tensor):  # x += y
@@ -187,7 +243,9 @@ class RowTrace(TorchFunctionMode):
         self._set(out, self._leading(args, kwargs, out), origin)
 
     def _all(self, args: tuple, kwargs: dict) -> list[Tensor]:
-        return [self.owner(t) for t in _tensors(args, kwargs)] or [torch.full((), NONE)]
+        return [self.owner(t) for t in _tensors(args, kwargs)] or [
+            torch.tensor(NONE, device=self.device)
+        ]
 
     def _reshape(self, name: str, args: tuple, out: Tensor) -> Tensor | None:
         x = args[0]
@@ -220,13 +278,13 @@ class RowTrace(TorchFunctionMode):
                 if t.dim() == 0 or t.shape[0] != first.shape[0]:
                     return None
                 lead.append(reduce(self.owner(t), range(1, t.dim())).reshape(-1))
-        o = combine(*lead) if lead else torch.full((1,), NONE, dtype=torch.long)
+        o = combine(*lead) if lead else _filled(first[:1], NONE)
         return o.view(-1, *([1] * (first.dim() - 1)))
 
     def _in_place(self, name: str, args: tuple, kwargs: dict, origin: str) -> None:
         x = args[0]
         if name in ("fill_", "zero_"):
-            return self._set(x, torch.full((1,) * x.dim(), NONE, dtype=torch.long), origin)
+            return self._set(x, _filled(x, NONE), origin)
         if name == "copy_":
             return self._set(x, compact(self.owner(args[1]).expand(x.shape)), origin)
         if name == "masked_fill_":  # masked elements take the (constant) fill
@@ -236,7 +294,11 @@ class RowTrace(TorchFunctionMode):
         if name == "__setitem__":
             o = self.owner(x).expand(x.shape).clone()
             value = args[2]
-            v = self.owner(value) if isinstance(value, Tensor) else torch.tensor(NONE)
+            v = (
+                self.owner(value)
+                if isinstance(value, Tensor)
+                else torch.tensor(NONE, device=x.device)
+            )
             o[args[1]] = v.expand(o[args[1]].shape) if v.dim() else v
             return self._set(x, shrink(o), origin)
         # index_add_(dim, index, source, alpha=1): rows index[j] of x gain source's row j
@@ -250,6 +312,11 @@ class RowTrace(TorchFunctionMode):
         shape = [1] * x.dim()
         shape[dim] = x.shape[dim]
         return self._set(x, compact(o.view(shape)), origin)
+
+
+def _filled(t: Tensor, value: int) -> Tensor:
+    """Owners ``value`` for every element of ``t``: (1, ..., 1) of its rank, on its device."""
+    return torch.full((1,) * t.dim(), value, dtype=torch.long, device=t.device)
 
 
 def _tensors(args: tuple, kwargs: dict) -> list[Tensor]:
@@ -270,6 +337,13 @@ def _linear(trace: RowTrace, x: Tensor, weight: Tensor, bias: Tensor | None = No
     if bias is not None:
         parts.append(trace.owner(bias))
     return combine(*parts)
+
+
+def _grouped(trace: RowTrace, x: Tensor, weight: Tensor, *_, **__) -> Tensor:
+    """grouped_mm(x, W, offs): each row of x times one expert's W."""
+    return combine(
+        reduce(trace.owner(x), [-1]), reduce(trace.owner(weight), range(3)).reshape(1, 1)
+    )
 
 
 def _matmul(trace: RowTrace, a: Tensor, b: Tensor, *_, **__) -> Tensor | None:
@@ -375,6 +449,7 @@ CONTRACTIONS: dict[str, Callable[..., object]] = {
     **dict.fromkeys(("conv1d", "conv2d", "conv3d", "conv_transpose1d"), _conv),
     **dict.fromkeys(("conv_transpose2d", "conv_transpose3d"), _conv),
     "embedding": _embedding,
+    **dict.fromkeys(("grouped_mm", "_grouped_mm", "grouped_mm_fallback"), _grouped),
     **dict.fromkeys(("layer_norm", "rms_norm"), _per_row),
     **dict.fromkeys(("group_norm", "instance_norm", "local_response_norm"), _whole_example),
     **dict.fromkeys(("max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d"), _whole_example),

@@ -54,6 +54,31 @@ def _as_tensor(values: Any, name: str, where: str) -> Tensor:
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
+def _is_ragged(values: Any) -> bool:
+    """Whether a column holds lists of different lengths (an object array or a Python list)."""
+    if isinstance(values, Tensor) or (isinstance(values, np.ndarray) and values.dtype != object):
+        return False
+    try:
+        return len({len(v) for v in values}) > 1
+    except TypeError:  # scalars: not lists
+        return False
+
+
+def _check_ragged(columns: Columns, names: list[str], where: str) -> None:
+    """Every ragged column without a pad value named in one error, not one run at a time."""
+    ragged = [n for n in dict.fromkeys(names) if _is_ragged(columns[n])]
+    if not ragged:
+        return
+    listed = " and ".join(", ".join(repr(n) for n in ragged).rsplit(", ", 1))
+    keys = " and ".join(", ".join(f"data.pad.{n}" for n in ragged).rsplit(", ", 1))
+    what = "column" if len(ragged) == 1 else "columns"
+    holds = "holds" if len(ragged) == 1 else "hold"
+    raise DataError(
+        f"{what} {listed} {holds} lists of different lengths; set {keys} to pad them per batch",
+        where,
+    )
+
+
 def _rows(values: Any, name: str, where: str) -> list[np.ndarray]:
     """A column to pad, as one array per row (a list column read from Arrow, or a tensor)."""
     rows = [np.asarray(v) for v in values]
@@ -227,6 +252,8 @@ class Selection:
     def batch(self, columns: Columns, start: int, where: str) -> Batch:
         """Rows ``start, start + 1, ...`` of the dataset from one source's ``columns``."""
         self.check(columns, where)
+        names = self.names(list(columns))
+        _check_ragged(columns, [n for n in names if n not in self.pad and n != self.ids], where)
         inputs = tuple(self._input(columns, spec, where) for spec in self.specs)
         targets = self._column(columns, self.targets, where)
         ids = _ids(columns[self.ids], self.ids, start, where) if self.has_ids else None

@@ -196,10 +196,32 @@ def _tied_filled(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
 
 def build_model(cfg: ModelConfig, trust_checkpoint: bool = False) -> nn.Module:
     """Build the model (factory with kwargs, or a Hugging Face class from model.config or
-    model.pretrained) and load the checkpoint strictly (every key, every shape)."""
+    model.pretrained), load the checkpoint strictly (every key, every shape), then the adapter."""
     model = _construct(cfg)
-    if cfg.checkpoint is None:
-        return model
+    if cfg.checkpoint is not None:
+        model = _load_checkpoint(model, cfg, trust_checkpoint)
+    return model if cfg.adapter is None else load_adapter(model, cfg.adapter)
+
+
+def load_adapter(model: nn.Module, folder: str) -> nn.Module:
+    """``model`` with the peft adapter saved in ``folder`` (``adapter_config.json`` and its
+    weights) loaded onto it: a ``PeftModel`` whose adapter weights require grad and whose base
+    does not, so that by default only the adapters are scored. Nothing is downloaded."""
+    if not (Path(folder) / "adapter_config.json").is_file():
+        raise ModelError("not a peft adapter folder: it has no adapter_config.json", folder)
+    try:
+        from peft import PeftModel
+    except ImportError as e:
+        raise ConfigError(
+            "model.adapter needs the peft package: pip install peft", "model.adapter"
+        ) from e
+    try:
+        return PeftModel.from_pretrained(model, folder, is_trainable=True, local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError, AttributeError) as e:
+        raise ModelError(f"cannot load the adapter onto the model: {one_line(e)}", folder) from e
+
+
+def _load_checkpoint(model: nn.Module, cfg: ModelConfig, trust_checkpoint: bool) -> nn.Module:
     state = _extract(load_state_dict(cfg.checkpoint, trust_checkpoint), cfg, cfg.checkpoint)
     state = _tied_filled(state, model)
     expected = model.state_dict()

@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from torch import Tensor
 
 from ..errors import DataError
 
@@ -34,8 +33,9 @@ def partial_path(path: str | Path) -> Path:
     return path.with_name(f".{path.name}.partial")
 
 
-def arrow_type(values: np.ndarray | Tensor) -> pa.DataType:
-    dtype = values.numpy().dtype if isinstance(values, Tensor) else values.dtype
+def arrow_type(values: Any) -> pa.DataType:
+    """The Arrow type of a numpy array or a tensor (torch is not imported here: ``summary``)."""
+    dtype = values.dtype if isinstance(values, np.ndarray) else values.numpy().dtype
     return pa.string() if dtype.kind in "OUS" else pa.from_numpy_dtype(dtype)
 
 
@@ -120,9 +120,26 @@ class PartialRun:
         table = pa.table({name: pa.array(v, type=arrow_type(v)) for name, v in columns.items()})
         _replace_atomically(self._part(number), lambda f: pq.write_table(table, f))
 
-    def assemble(self, parts: int, metadata: dict[str, Any]) -> Path:
+    def names(self) -> list[str]:
+        """The columns of the parts."""
+        return pq.read_schema(self._part(0)).names
+
+    def column(self, name: str, parts: int) -> np.ndarray | None:
+        """Column ``name`` of parts ``0 .. parts-1`` in order; None when the parts lack it."""
+        if parts == 0 or name not in self.names():
+            return None
+        chunks = [pq.read_table(self._part(n), columns=[name]).column(0) for n in range(parts)]
+        return np.concatenate([c.to_numpy() for c in chunks])
+
+    def assemble(
+        self,
+        parts: int,
+        metadata: dict[str, Any],
+        more: Callable[[], dict[str, np.ndarray]] = dict,
+    ) -> Path:
         """Parts ``0 .. parts-1`` in order, one row group each, into ``path`` with ``metadata``
-        under the ``gradscope`` key; the folder goes."""
+        under the ``gradscope`` key, and the columns ``more()`` computes from the whole parts
+        (one value a row) before ``finite``; the folder goes."""
         missing = sorted(set(range(parts)) - self.done())
         if missing:
             raise DataError(
@@ -130,13 +147,23 @@ class PartialRun:
                 str(self.dir),
             )
         first = pq.read_schema(self._part(0))
+        extra = more()
+        at = first.get_field_index("finite") if "finite" in first.names else len(first)
+        for name in reversed(list(extra)):
+            first = first.insert(at, pa.field(name, arrow_type(extra[name])))
         schema = first.with_metadata({METADATA_KEY: json.dumps(metadata, default=str)})
 
         def write(f: Any) -> None:
+            start = 0
             with pq.ParquetWriter(f, schema) as writer:
                 for number in range(parts):
+                    table = pq.read_table(self._part(number))
+                    stop = start + len(table)
+                    for name in reversed(list(extra)):
+                        table = table.add_column(at, name, pa.array(extra[name][start:stop]))
                     # one part's column may read back as another type (an all-null id column)
-                    writer.write_table(pq.read_table(self._part(number)).cast(schema))
+                    writer.write_table(table.cast(schema))
+                    start = stop
 
         _replace_atomically(self.path, write)
         shutil.rmtree(self.dir)

@@ -43,7 +43,7 @@ def histogram(found: Outliers) -> str:
         ax.hist(finite, bins=BINS, color=REST, log=len(finite) > 0)  # no log axis with no bars
         top = found.values[found.top]
         ax.plot(top, np.zeros_like(top), "|", color=TOP, markersize=14, mew=1.5, clip_on=False,
-                transform=ax.get_xaxis_transform(), label=f"top {len(top)} by robust z")  # fmt: skip
+                transform=ax.get_xaxis_transform(), label=f"top {len(top)} rows")  # fmt: skip
         ax.set_xlabel(found.score)
         ax.set_ylabel("examples (log)")
         ax.legend(frameon=False, loc="upper right")
@@ -51,17 +51,28 @@ def histogram(found: Outliers) -> str:
 
 
 def classes(found: Outliers) -> str:
-    """Per class: a box plot of the score, and each class's share of the top-k."""
+    """Per class: a box plot of the score (outliers drawn), and each class's share of the top-k
+    of each end."""
     assert found.target is not None
-    table = per_class(found.values, found.ok, found.target, found.top, found.score)
-    labels = [str(label) for label in table.index]
+    table = per_class(found)
+    labels = table["target"].tolist()
     with _figure(7, 4.2, rows=2) as (figure, (box, share)):
-        groups = [found.values[(found.target == label) & found.ok] for label in table.index]
-        box.boxplot(groups, tick_labels=labels, showfliers=False)
+        groups = [
+            found.values[(found.target == label) & found.ok] for label in np.unique(found.target)
+        ]
+        box.boxplot(groups, tick_labels=labels, flierprops={"markersize": 3, "alpha": 0.5})
         box.set_ylabel(found.score)
-        share.bar(labels, 100 * table["share of top-k"].to_numpy(), color=TOP)
-        share.set_ylabel(f"% of top {len(found.top)}")
+        shares = [c for c in table if c.startswith("share of ")]
+        width = 0.8 / len(shares)
+        x = np.arange(len(labels))
+        for i, (name, color) in enumerate(zip(shares, (TOP, REST), strict=False)):
+            offset = (i - (len(shares) - 1) / 2) * width
+            share.bar(x + offset, 100 * table[name], width, color=color, label=name)
+        share.set_xticks(x, labels)
+        share.set_ylabel("% of the top rows")
         share.set_xlabel("target")
+        if len(shares) > 1:
+            share.legend(frameon=False)
     return _svg(figure)
 
 

@@ -39,10 +39,12 @@ def _png(array: np.ndarray) -> str:
     low, high = np.nanmin(array), np.nanmax(array)
     scaled = (array - low) / (high - low) if high > low else np.zeros_like(array)
     buffer = io.BytesIO()
+    if scaled.ndim == 3 and scaled.shape[2] == 1:
+        scaled = scaled[..., 0]  # one channel, (1, H, W) or (H, W, 1): gray as (H, W) is
     if scaled.ndim == 2:
         imsave(buffer, scaled, cmap="gray_r", vmin=0.0, vmax=1.0, format="png")
     else:
-        imsave(buffer, scaled if scaled.shape[2] != 1 else scaled[..., 0], format="png")
+        imsave(buffer, scaled, format="png")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
@@ -58,6 +60,13 @@ def _as_image(x: np.ndarray, shape: list[int] | None) -> np.ndarray | None:
     if channels in CHANNELS and channels <= min(x.shape[1:]):  # (C, H, W), PyTorch's layout
         return np.moveaxis(x, 0, -1)
     return x if last in CHANNELS else None  # (H, W, C)
+
+
+def _runs(x: np.ndarray) -> str:
+    """A mask or segment ids as runs of equal values: ``1 ×37, 0 ×4``."""
+    starts = np.flatnonzero(np.diff(x, prepend=x[0] - 1))
+    lengths = np.diff(np.append(starts, len(x)))
+    return ", ".join(f"{x[s]} ×{n}" for s, n in zip(starts, lengths, strict=True))
 
 
 def _values(x: np.ndarray) -> str:
@@ -78,7 +87,9 @@ class Renderer:
 
     def _one(self, name: str, x: np.ndarray) -> Shown:
         # token ids; a column of 0s and 1s is a mask or segment ids (attention_mask), not text
-        if x.dtype.kind in "iu" and x.ndim == 1 and not np.isin(x, (0, 1)).all():
+        if x.dtype.kind in "iu" and x.ndim == 1 and len(x) and np.isin(x, (0, 1)).all():
+            return Shown(name, text=_runs(x))
+        if x.dtype.kind in "iu" and x.ndim == 1:
             if self.tokenizer is not None:
                 return Shown(name, text=self.tokenizer.decode(x.tolist(), skip_special_tokens=True))
             return Shown(name, text="token ids: " + _values(x))

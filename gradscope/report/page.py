@@ -13,7 +13,7 @@ from ..config import Config
 from ..errors import DataError
 from ..io.parquet import read_metadata
 from ..run import check_output, run_inputs
-from ..summary import Outliers, column, fmt, is_labels, rank
+from ..summary import Outliers, cell, column, fmt, is_labels, rank
 from . import charts
 from .examples import Shown, show_examples
 
@@ -32,24 +32,38 @@ class Row:
     shown: list[Shown]
 
 
-def _cell(value: object) -> Cell:
+@dataclass(frozen=True)
+class Section:
+    """One end of the ranking as a table: its title, column names and rows."""
+
+    title: str
+    header: list[str]
+    rows: list[Row]
+
+
+def _cell(found: Outliers, name: str, value: object) -> Cell:
     number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
         value, (bool, np.bool_)
     )
-    return Cell(fmt(value), repr(float(value)) if number else fmt(value))
+    return Cell(cell(found, name, value), repr(float(value)) if number else fmt(value))
 
 
-def _rows(found: Outliers, cfg: Config | None) -> tuple[list[str], list[Row]]:
-    frame = found.rows
-    z = found.spread.z(found.values[found.top])
-    shown = show_examples(cfg, frame["example_id"].astype(int).tolist()) if cfg else {}
-    rows = [
-        Row([*(_cell(v) for v in record), _cell(float(zi))], shown.get(int(example_id), []))
-        for record, zi, example_id in zip(
-            frame.itertuples(index=False), z, frame["example_id"], strict=True
-        )
-    ]
-    return [*frame.columns, "robust_z"], rows
+def _sections(found: Outliers, cfg: Config | None) -> list[Section]:
+    ids = [int(i) for end in found.ends for i in end.rows["example_id"]]
+    shown = show_examples(cfg, ids) if cfg else {}
+    sections = []
+    for end in found.ends:
+        header = list(end.rows)
+        rows = [
+            Row(
+                [_cell(found, name, v) for name, v in zip(header, record, strict=True)],
+                shown.get(int(record[0]), []),
+            )
+            for record in zip(*end.rows.values(), strict=True)
+        ]
+        title = f"Top {len(rows)} by {found.score}, {end.label}"
+        sections.append(Section(title, header, rows))
+    return sections
 
 
 def _module_chart(found: Outliers) -> str | None:
@@ -68,7 +82,9 @@ def _module_chart(found: Outliers) -> str | None:
 
 def _charts(found: Outliers) -> list[tuple[str, str]]:
     """(title, inline SVG) for each view the file's columns allow."""
-    views = [(f"{found.score}: histogram, top {len(found.top)} marked", charts.histogram(found))]
+    each = " at each end" if len(found.ends) > 1 else ""
+    marked = f"top {len(found.ends[0].top)}{each} marked"
+    views = [(f"{found.score}: histogram, {marked}", charts.histogram(found))]
     if is_labels(found.target):
         views.append(("per class", charts.classes(found)))
     names = ("grad_norm", "influence", "cosine")
@@ -85,8 +101,8 @@ def _charts(found: Outliers) -> list[tuple[str, str]]:
 
 def render(scores: Path, cfg: Config | None, by: str | None, top_k: int) -> str:
     """The report page of a scores file as HTML text."""
-    found = rank(scores, by, top_k)
-    header, rows = _rows(found, cfg)
+    found = rank(scores, by, top_k, cfg.data.classes if cfg else None)
+    sections = _sections(found, cfg)
     meta = read_metadata(scores)
     env = jinja2.Environment(
         loader=jinja2.PackageLoader("gradscope", "report"),
@@ -103,8 +119,7 @@ def render(scores: Path, cfg: Config | None, by: str | None, top_k: int) -> str:
         median=fmt(found.spread.median),
         mad=fmt(found.spread.mad),
         charts=_charts(found),
-        header=header,
-        rows=rows,
+        sections=sections,
         shown=cfg is not None,
     )
 

@@ -3,10 +3,12 @@ timm's ``LayerNorm`` and ``LayerNorm2d``, nanoGPT-style ``LayerNorm``: any class
 ``weight * xhat + bias`` for some normalisation ``xhat`` of its input, recognised by name and
 structure, never imported.
 
-xhat comes from the module's own forward run with weight 1 and bias 0, so it is what the class
-computes (HF's float32 upcast and cast back, T5's half-precision cast, timm's permutes), whatever
-its eps is called, bit for bit where the class multiplies by its weight as a separate op. A class that uses its weight otherwise (Gemma's ``(1 + weight)``) is
-recognised wrongly; the engine's first-batch self-check then moves it to the fallback.
+xhat comes from the module's own forward, run with bias 0 at weight 1 and at weight 0: the
+difference is xhat for ``weight * xhat`` and for Gemma's ``(1 + weight) * xhat`` alike (both
+runs scale xhat by a power of two, so it is exact), and it is what the class computes (HF's
+float32 upcast and cast back, T5's half-precision cast, timm's permutes), whatever its eps is
+called. A class that uses its weight otherwise is recognised wrongly; the engine's first-batch
+self-check then moves it to the fallback.
 """
 
 from __future__ import annotations
@@ -44,9 +46,13 @@ def channels_first(module: nn.Module) -> bool:
 
 
 def unit_forward(module: nn.Module, x: Tensor) -> Tensor:
-    """``module``'s own forward on ``x`` with weight 1 and bias 0: its xhat."""
+    """xhat: ``module``'s own forward on ``x`` with bias 0, at weight 1 less at weight 0."""
+    return _forward_at(module, x, 1.0) - _forward_at(module, x, 0.0)
+
+
+def _forward_at(module: nn.Module, x: Tensor, weight: float) -> Tensor:
     unit = copy.copy(module)  # a shallow copy: the parameter dict is replaced, not edited
-    unit._parameters = dict(module._parameters, weight=torch.ones_like(module.weight))
+    unit._parameters = dict(module._parameters, weight=torch.full_like(module.weight, weight))
     if module._parameters.get("bias") is not None:
         unit._parameters["bias"] = torch.zeros_like(module.bias)
     with torch.no_grad():

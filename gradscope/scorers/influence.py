@@ -98,12 +98,28 @@ class InfluenceScorer(Scorer):
     def _at_checkpoint(self, job: Job, ref_data: Dataset, state: dict | None) -> Influence:
         """The reference gradients at one checkpoint, and the engine scoring against them."""
         batches = (job.to_device(b) for b in ref_data.batches(job.cfg.data.batch_size))
+        if job.sharded:
+            return self._sharded(job, batches, state)
         main = distributed.world().main
         refs = reference_gradients(job.engine, batches, self.per_ref) if main else None
         refs = distributed.broadcast_tensors(refs, job.device)
         if state is not None:
             refs = preconditioned(refs, adam_denominator(state, job.engine, self.precondition))
         return Influence(job.engine, refs, self.engine, norms=True)
+
+    def _sharded(self, job: Job, batches, state: dict | None) -> Influence:
+        """Under ``distributed.shard``: the reference gradient sharded like the parameters, each
+        parameter's whole gathered as the backward reaches it; hooks only."""
+        from .. import fsdp
+
+        for option, given in (
+            ("--per-ref", self.per_ref),
+            ("--precondition", state is not None),
+            ("--engine jvp", self.engine == "jvp"),
+        ):
+            if given:
+                raise ConfigError(f"{option} is not supported with distributed.shard", option)
+        return Influence(job.engine, fsdp.reference_gradients(job.engine, batches), "hooks", True)
 
     def _describe(self, ref_data: Dataset, paths: list, weights: list[float]) -> None:
         precondition = self.precondition

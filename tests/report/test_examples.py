@@ -52,6 +52,13 @@ def test_channels_first_and_last_rgb():
     assert render(torch.zeros(2, 3, 4, 5)).text.endswith("(120 values)")  # 4-D: not an image
 
 
+def test_one_channel_images_are_gray_as_flat_ones_are():
+    x = torch.arange(64.0)
+    flat = pixels(render(x, image_shape=[8, 8]).image)
+    for shaped in (x.reshape(1, 8, 8), x.reshape(8, 8, 1), x.reshape(8, 8)):
+        np.testing.assert_array_equal(pixels(render(shaped).image), flat)
+
+
 def test_token_ids_decoded_with_a_local_tokenizer(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -63,8 +70,9 @@ def test_token_ids_decoded_with_a_local_tokenizer(tmp_path):
     ids = torch.tensor([1, 2, 3, 0, 0])
     assert render(ids, tokenizer=str(tmp_path)).text == "the cat sat"
     assert render(ids).text == "token ids: 1, 2, 3, 0, 0"
-    mask = torch.tensor([1, 1, 1, 0, 0])  # attention_mask beside the ids: its values, not "the"
-    assert render(mask, tokenizer=str(tmp_path)).text == "1, 1, 1, 0, 0"
+    mask = torch.tensor([1, 1, 1, 0, 0])  # attention_mask beside the ids: its runs, not "the"
+    assert render(mask, tokenizer=str(tmp_path)).text == "1 ×3, 0 ×2"
+    assert render(torch.tensor([0, 0, 1, 1, 1, 0])).text == "0 ×2, 1 ×3, 0 ×1"
 
 
 def test_bad_tokenizer_folder_is_a_config_error(tmp_path):

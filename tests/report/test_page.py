@@ -16,8 +16,9 @@ from typer.testing import CliRunner
 
 from gradscope.cli import app
 from gradscope.errors import ConfigError, DataError
-from gradscope.report import write_report
+from gradscope.report import charts, write_report
 from gradscope.report.page import render
+from gradscope.summary import rank
 
 ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
@@ -61,12 +62,24 @@ def test_per_layer_and_influence_files_get_their_views(tmp_path):
              "influence": rng.normal(size=n), "cosine": rng.uniform(-1, 1, n)}  # fmt: skip
     page = render(scores_file(tmp_path / "s.parquet", n, **extra), None, "influence", 5)
     assert captions(page) == [
-        "influence: histogram, top 5 marked",
+        "influence: histogram, top 5 at each end marked",
         "per class",
         "influence and cosine",
         "per module (--per-layer)",
     ]
     assert ">fc1<" in page and ">fc2<" in page  # the module names label the bars
+    # influence unasked: both ends, helpful then harmful, each its own table
+    titles = re.findall(r"<h2>(.*?)</h2>", page)
+    assert titles == ["Top 5 by influence, highest first (helpful)",
+                      "Top 5 by influence, lowest first (harmful)"]  # fmt: skip
+    rows = body_rows(page)
+    header = re.findall(r'<th data-column="([^"]+)"', page)[: len(rows[0])]
+    at = header.index("influence")
+    values = [float(r[at]) for r in rows]
+    assert values[:5] == sorted(extra["influence"], reverse=True)[:5]
+    assert values[5:] == sorted(extra["influence"])[:5]
+    page = render(tmp_path / "s.parquet", None, "influence:low", 5)
+    assert re.findall(r"<h2>(.*?)</h2>", page) == ["Top 5 by influence, lowest first (harmful)"]
 
 
 def test_report_refuses_to_overwrite_its_inputs_and_a_missing_file(tmp_path):
@@ -123,3 +136,10 @@ def test_digits_report_in_a_real_browser(tmp_path):
     losses = [float(r[header.index("loss")]) for r in body_rows(dom)]
     assert losses == sorted(losses, reverse=True)  # the page's script sorted by #sort=-loss
     assert 'aria-sort="descending"' in dom
+
+
+def test_box_plots_draw_the_outliers_and_classes_by_name(tmp_path):
+    found = rank(scores_file(tmp_path / "s.parquet"), None, 3, ["a", "b", "c", "d"])
+    svg = charts.classes(found)
+    assert svg.count("<use ") >= 2  # the fliers 9.0 and 7.0 (rows 5 and 17, class 1)
+    assert all(f">{name}<" in svg for name in "abcd")  # ticks as text (svg.fonttype none)

@@ -19,7 +19,7 @@ from gradscope.rules.library_norm import unit_forward
 
 
 class GemmaRMSNorm(nn.Module):
-    """Gemma's RMSNorm scales by (1 + weight): recognised by name, yet not weight * xhat."""
+    """Gemma's RMSNorm scales by (1 + weight)."""
 
     def __init__(self, d: int):
         super().__init__()
@@ -27,6 +27,13 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return F.rms_norm(x, (x.shape[-1],), None, self.eps) * (1.0 + self.weight)
+
+
+class SquaredRMSNorm(GemmaRMSNorm):
+    """Named like a norm, but its weight enters squared: not weight * xhat."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, (x.shape[-1],), None, self.eps) * self.weight**2
 
 
 class LayerNormWithChild(nn.Module):
@@ -134,15 +141,17 @@ def test_unit_forward_leaves_the_module_and_its_hooks_alone() -> None:
     assert isinstance(module.weight, nn.Parameter) and module.weight.requires_grad
 
 
-def test_a_module_recognised_wrongly_goes_to_the_fallback() -> None:
-    """Gemma's RMSNorm passes for weight * xhat; the first-batch self-check catches it, and the
-    norms stay those of the loop."""
+@pytest.mark.parametrize(("norm", "fallback"), [(GemmaRMSNorm, []), (SquaredRMSNorm, ["1.weight"])])
+def test_a_module_recognised_wrongly_goes_to_the_fallback(norm, fallback) -> None:
+    """Gemma's (1 + weight) RMSNorm is served (xhat is its forward at weight 1 less at weight
+    0); one that squares its weight passes for a norm, and the first-batch self-check moves it to
+    the fallback. The norms stay those of the loop."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 6), GemmaRMSNorm(6), nn.Tanh(), nn.Linear(6, 2)).double()
+    model = nn.Sequential(nn.Linear(4, 6), norm(6), nn.Tanh(), nn.Linear(6, 2)).double()
     with torch.no_grad():
         model[1].weight.normal_()
     x, y = torch.randn(5, 3, 4, dtype=torch.float64), torch.randn(5, 3, 2, dtype=torch.float64)
     with Engine(model, resolve_loss("mse")) as engine:
         norms = total(engine.norms((x,), y).norm_sq).sqrt()
-    assert [p.name for p in engine.plan.fallback] == ["1.weight"]
+    assert [p.name for p in engine.plan.fallback] == fallback
     assert_rel_close(norms, reference_norms(model, (x,), y, "mse")[1], rtol=1e-6)
