@@ -19,7 +19,7 @@ HIDDEN, LAYERS, HEADS, HEAD_DIM, INTER, VOCAB, POSITIONS = 32, 2, 4, 8, 64, 64, 
 IMAGE, PATCH, AUDIO, BATCH, SEQ = 32, 8, 1600, 3, 8
 
 _SET = {
-    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "word_embed_proj_dim"), HIDDEN),
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "emb_dim", "word_embed_proj_dim"), HIDDEN),
     **dict.fromkeys(("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers",
                      "decoder_layers", "num_decoder_layers", "num_encoder_layers"), LAYERS),
     **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads",
@@ -215,12 +215,14 @@ def build(model_type: str) -> Problem:
             wrapped = Call(model, tuple(x))
             try:
                 with torch.no_grad():
-                    out = wrapped(*x.values())
+                    out, again = wrapped(*x.values()), wrapped(*x.values())
                 break
             except Exception as e:
                 if dual and not both:
                     continue  # a dual encoder: run again with both inputs
                 raise Unbuildable(f"forward: {type(e).__name__}: {' '.join(str(e).split())}") from e
+        if not torch.equal(out, again):  # random masking or sampling: no oracle to compare with
+            raise Unbuildable("forward is random in eval mode (two calls differ)")
         if loss == "causal_lm":
             y = x["input_ids"]
         elif loss == "cross_entropy":
