@@ -239,6 +239,23 @@ def _hf_llama() -> Problem:
     return _problem(model, _next_tokens(8000, 256), 8, "cross_entropy")
 
 
+def _hf_mixtral() -> Problem:
+    torch.manual_seed(0)
+    model = families.hf_mixtral(vocab=8000, d=256, layers=4, heads=8, experts=8, seq=256)
+    return _problem(model, _next_tokens(8000, 256), 8, "cross_entropy")
+
+
+def _hf_bart() -> Problem:
+    torch.manual_seed(0)
+    model = families.hf_bart(vocab=8000, d=256, layers=3, heads=4, seq=256)
+
+    def make(n: int) -> tuple[Inputs, Tensor]:
+        ids = torch.randint(4, 8000, (n, 256))
+        return ids, ids  # the decoder reconstructs its input
+
+    return _problem(model, make, 8, "cross_entropy")
+
+
 def _vit() -> Problem:
     torch.manual_seed(0)
     return _problem(
@@ -264,11 +281,18 @@ WORKLOADS = {
         ),
         Workload("W7", "HF LLaMA d256 4 layers GQA T256, batch 8", _hf_llama, "transformers"),
         Workload("W8", "timm-style ViT 32x32 patch 4 d192 6 layers, batch 64", _vit),
+        Workload(
+            "W9",
+            "HF Mixtral d256 4 layers 8 experts top-2 T256, batch 8",
+            _hf_mixtral,
+            "transformers",
+        ),  # fmt: skip
+        Workload("W10", "HF BART d256 3+3 layers T256, batch 8", _hf_bart, "transformers"),
         # for the smoke test: seconds, not minutes
         Workload("tiny", "MLP 8-16-1, batch 4", lambda: _mlp([8, 16, 1], 4)),
     ]
 }
-DEFAULT_WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8")
+DEFAULT_WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9", "W10")
 
 
 # ---------------------------------------------------------------- methods

@@ -259,6 +259,33 @@ def hf_llama(
     return Logits(transformers.LlamaForCausalLM(config), next_token=True)
 
 
+def hf_mixtral(
+    vocab: int, d: int, layers: int, heads: int, experts: int, seq: int, **kw: object
+) -> Logits:
+    """transformers 5's Mixtral: a router weight read by F.linear, fused 3-D expert weights run by
+    grouped_mm on the tokens routed to each expert (top 2)."""
+    import transformers
+
+    config = transformers.MixtralConfig(
+        vocab_size=vocab, hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=heads // 2, intermediate_size=2 * d, max_position_embeddings=seq,
+        num_local_experts=experts, num_experts_per_tok=2, **kw,
+    )  # fmt: skip
+    return Logits(transformers.MixtralForCausalLM(config), next_token=True)
+
+
+def hf_bart(vocab: int, d: int, layers: int, heads: int, seq: int, **kw: object) -> Logits:
+    """BART encoder-decoder (scaled word embeddings, learned positions), decoding its input."""
+    import transformers
+
+    config = transformers.BartConfig(
+        vocab_size=vocab, d_model=d, encoder_layers=layers, decoder_layers=layers,
+        encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=4 * d,
+        decoder_ffn_dim=4 * d, max_position_embeddings=seq, dropout=0.0, **kw,
+    )  # fmt: skip
+    return Logits(transformers.BartForConditionalGeneration(config))
+
+
 def padding_mask(batch: int, seq: int, generator: torch.Generator | None = None) -> Tensor:
     """(B, T) ones then zeros: example i keeps a random length between T/2 and T, the first all."""
     lengths = torch.randint(math.ceil(seq / 2), seq + 1, (batch,), generator=generator)

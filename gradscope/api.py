@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from torch import Tensor, nn
 
+from .curvature import load_preconditioner
 from .engine.core import Engine, total
 from .engine.forward import Forward
 from .engine.influence import Influence, adam_denominator, preconditioned, reference_gradients
@@ -54,16 +56,18 @@ def per_example_influence(
     include: Sequence[str] | None = None,
     exclude: Sequence[str] = (),
     output: str | int | None = None,
-    precondition: dict | None = None,
+    precondition: dict | str | Path | None = None,
     engine: str = "auto",
 ) -> Tensor:
     """(B,) float64 ``<grad l_i, g_ref>``, g_ref the gradient of the MEAN loss over the reference.
 
     Positive: a gradient step on example i lowers the reference loss. ``precondition`` is an
-    ``Adam``/``AdamW`` ``state_dict()`` of this model's optimizer; scores then use
-    ``g_ref / (sqrt(v_hat) + eps)``. ``engine`` is ``hooks``, ``jvp`` (forward mode, no backward)
-    or ``auto`` (jvp, moving to hooks if an op lacks forward mode). The parameters are selected
-    as ``per_example_norms`` selects them. ``.grad`` fields, hooks and
+    ``Adam``/``AdamW`` ``state_dict()`` of this model's optimizer, scores then use
+    ``g_ref / (sqrt(v_hat) + eps)``; or the path of a ``gradscope factors`` file (or of a saved
+    state dict), scores then use ``H^-1 g_ref`` with its K-FAC / EK-FAC curvature. ``engine`` is
+    ``hooks``, ``jvp`` (forward mode, no backward) or ``auto`` (jvp, moving to hooks if an op
+    lacks forward mode). The parameters are selected as ``per_example_norms`` selects them.
+    ``.grad`` fields, hooks and
     train/eval mode are left as they were.
     """
     core = Engine(
@@ -71,7 +75,9 @@ def per_example_influence(
     )
     with core:
         refs = reference_gradients(core, [(_as_tuple(ref_inputs), ref_targets)])
-        if precondition is not None:
+        if isinstance(precondition, str | Path):
+            refs = load_preconditioner(precondition, core).refs(refs)
+        elif precondition is not None:
             refs = preconditioned(refs, adam_denominator(precondition, core, "precondition"))
         scores = Influence(core, refs, engine, norms=False)(_as_tuple(inputs), targets)
     return scores.inner[:, 0]

@@ -14,7 +14,7 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from . import terminal
-from .config import Config, SummaryConfig, load_config, with_overrides
+from .config import Config, SummaryConfig, load_config, output_path, with_overrides
 from .errors import GradscopeError, Interrupted
 
 # transformers, when a config names it: no "Loading weights" bar, no advice on every run
@@ -70,8 +70,8 @@ ConfigArg = Annotated[
     Path,
     typer.Argument(metavar="CONFIG", help="YAML config naming the model, checkpoint and data."),
 ]
-OutOpt = Annotated[
-    Path | None, typer.Option("--out", help="Parquet file to write (default: output.path).")
+OutOpt = Annotated[  # a string: a trailing '/' (a folder) must reach the check
+    str | None, typer.Option("--out", help="Parquet file to write (default: output.path).")
 ]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda, cuda:N or mps.")]
 BatchOpt = Annotated[int | None, typer.Option("--batch-size", help="Examples per pass.")]
@@ -117,10 +117,13 @@ def _run(
         path = run(on_start=on_start, on_batch=on_batch)
     if path is None:  # on the ranks other than 0 under torchrun
         return
-    _summary(path, by, cfg.summary.top_k, cfg.data.classes)
-    terminal.wrote(path)
-    if report:
-        _write_report(path, None, cfg, by, cfg.summary.top_k)
+    try:
+        _summary(path, by, cfg.summary.top_k, cfg.data.classes)
+        terminal.wrote(path)
+        if report:
+            _write_report(path, None, cfg, by, cfg.summary.top_k)
+    except KeyboardInterrupt:  # the scores are whole: not "before any example was saved"
+        raise Interrupted("interrupted after every example was saved", str(path)) from None
 
 
 def _summary(path: Path, by: str | None, top_k: int, classes: list[str] | None = None) -> None:
@@ -149,6 +152,14 @@ def norms(
     ] = False,
     top_k: TopKOpt = None,
     by: ByOpt = None,
+    precondition: Annotated[
+        Path | None,
+        typer.Option(
+            "--precondition",
+            help="Factors file (gradscope factors) or Adam/AdamW state_dict: adds "
+            "self_influence = g^T P g, P the inverse curvature or 1 / (sqrt(v_hat) + eps).",
+        ),
+    ] = None,
     resume: ResumeOpt = False,
     trust_checkpoint: TrustOpt = False,
     report: ReportOpt = False,
@@ -171,7 +182,7 @@ def norms(
         partial(
             score_dataset,
             cfg,
-            NormsScorer(trust_checkpoint),
+            NormsScorer(trust_checkpoint, precondition),
             trust_checkpoint=trust_checkpoint,
             resume=resume,
         ),
@@ -203,7 +214,8 @@ def influence(
         Path | None,
         typer.Option(
             "--precondition",
-            help="Adam/AdamW state_dict: score against g_ref / (sqrt(v_hat) + eps).",
+            help="Factors file (gradscope factors) or Adam/AdamW state_dict: score against "
+            "P g_ref, P the inverse curvature or 1 / (sqrt(v_hat) + eps).",
         ),
     ] = None,
     engine: Annotated[
@@ -269,6 +281,48 @@ def check(
         raise typer.Exit(1)
 
 
+@app.command()
+def factors(
+    config: ConfigArg,
+    out: Annotated[Path, typer.Option("--out", help="safetensors file to write.")] = Path(
+        "factors.safetensors"
+    ),
+    limit: LimitOpt = None,
+    ekfac: Annotated[
+        bool, typer.Option("--ekfac", help="A second pass for EK-FAC's corrected eigenvalues.")
+    ] = False,
+    fisher: Annotated[
+        str,
+        typer.Option(
+            "--fisher", help="true (targets drawn from the model) or empirical (the data's)."
+        ),
+    ] = "true",
+    device: DeviceOpt = None,
+    batch_size: BatchOpt = None,
+    trust_checkpoint: TrustOpt = False,
+) -> None:
+    """K-FAC (and EK-FAC) curvature factors of the configured model over its data."""
+    from .curvature import fit_factors
+
+    cfg = with_overrides(load_config(config), device=device, batch_size=batch_size, limit=limit)
+    with terminal.progress("factors") as (on_start, on_batch):
+        made = fit_factors(
+            cfg,
+            out,
+            ekfac=ekfac,
+            fisher=fisher,
+            trust_checkpoint=trust_checkpoint,
+            on_start=on_start,
+            on_batch=on_batch,
+        )
+    kinds = [b["kind"] for b in made.describe().values()]
+    counts = ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds))
+    terminal.console.print(
+        f"{made.meta['examples']} examples, {made.meta['fisher']} Fisher; {counts}"
+    )
+    terminal.wrote(out)
+
+
 def _padding(cfg: Config) -> str:
     """``data.pad`` as the run uses it; a value that is the default for its column is marked."""
     from .config import default_pad
@@ -304,7 +358,7 @@ def report(
         typer.Option("--config", help="The run's config: the top-k examples are read and shown."),
     ] = None,
     out: Annotated[
-        Path | None, typer.Option("--out", help="HTML file to write (default: SCORES.html).")
+        str | None, typer.Option("--out", help="HTML file to write (default: SCORES.html).")
     ] = None,
     by: ByOpt = None,
     top_k: TopKOpt = None,
@@ -313,7 +367,8 @@ def report(
     (--top-k, else the config's summary.top_k, else 20)."""
     _check_top_k(top_k)
     cfg = load_config(config) if config else None
-    _write_report(scores, out, cfg, by, top_k or (cfg.summary if cfg else SummaryConfig).top_k)
+    target = Path(output_path(out, Path.cwd(), "--out")) if out is not None else None
+    _write_report(scores, target, cfg, by, top_k or (cfg.summary if cfg else SummaryConfig).top_k)
 
 
 def _check_top_k(top_k: int | None) -> None:

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import re
 import reprlib
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-import yaml
-
 from .errors import ConfigError
+from .yamlfile import read_yaml
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -79,6 +80,7 @@ class DistributedConfig:
 class OutputConfig:
     path: str = "scores.parquet"
     per_layer: bool = False
+    metadata: str = "full"  # minimal: no config values and no absolute paths in the file
 
 
 @dataclass(frozen=True)
@@ -211,11 +213,22 @@ def _resolve(spec: str | None, base: Path) -> str | None:
     return str((base / Path(spec).expanduser()).resolve())
 
 
+def output_path(spec: str | Path, base: Path, where: str) -> str:
+    """An output file's absolute path, relative to ``base``; a name that ends with a separator
+    names a folder and is refused."""
+    if str(spec).endswith(("/", os.sep)):
+        raise ConfigError(
+            f"the output path {str(spec)!r} ends with '/', which names a folder; give a file name",
+            where,
+        )
+    return str((base / Path(spec).expanduser()).resolve())
+
+
 def _validate(cfg: Config) -> None:
     from .losses import NAMES as LOSS_NAMES  # imports torch: not for --help, --version, summary
 
     source = cfg.source
-    if cfg.device.split(":")[0] not in DEVICES:
+    if not re.fullmatch(r"auto|(cpu|cuda|mps)(:\d+)?", cfg.device):
         raise ConfigError(
             f"'device' must be one of {', '.join(DEVICES)} or cuda:N, got {cfg.device!r}", source
         )
@@ -225,6 +238,10 @@ def _validate(cfg: Config) -> None:
         names = ", ".join(LOSS_NAMES)
         raise ConfigError(
             f"'loss.name' must be one of {names} or file.py:fn, got {cfg.loss.name!r}", source
+        )
+    if cfg.output.metadata not in ("full", "minimal"):
+        raise ConfigError(
+            f"'output.metadata' must be full or minimal, got {cfg.output.metadata!r}", source
         )
     if cfg.loss.token_reduction not in ("mean", "sum"):
         raise ConfigError(
@@ -302,16 +319,7 @@ def load_config(path: str | Path) -> Config:
     path = Path(path)
     if not path.is_file():
         raise ConfigError("config file not found", str(path))
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as e:
-        raise ConfigError(
-            f"the config is not UTF-8 text: {e.reason} at byte {e.start}", str(path)
-        ) from e
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}, line {mark.line + 1}" if mark else str(path)
-        raise ConfigError(f"malformed YAML: {getattr(e, 'problem', e)}", where) from e
+    raw = read_yaml(path)
     cfg = _build(Config, raw if raw is not None else {}, "", str(path))
     base = path.resolve().parent
     loss_name = cfg.loss.name
@@ -337,7 +345,7 @@ def load_config(path: str | Path) -> Config:
         loss=dataclasses.replace(
             cfg.loss, name=_resolve(loss_name, base) if ".py:" in loss_name else loss_name
         ),
-        output=dataclasses.replace(cfg.output, path=_resolve(cfg.output.path, base)),
+        output=dataclasses.replace(cfg.output, path=output_path(cfg.output.path, base, str(path))),
         report=dataclasses.replace(cfg.report, tokenizer=_resolve(cfg.report.tokenizer, base)),
     )
     _validate(cfg)
@@ -370,7 +378,7 @@ def with_overrides(cfg: Config, **overrides: Any) -> Config:
     data = dataclasses.replace(cfg.data, **{k: o[k] for k in ("batch_size", "limit") if k in o})
     output = cfg.output
     if "out" in o:
-        output = dataclasses.replace(output, path=str(Path(o["out"]).resolve()))
+        output = dataclasses.replace(output, path=output_path(o["out"], Path.cwd(), "--out"))
     if o.get("per_layer"):
         output = dataclasses.replace(output, per_layer=True)
     summary = dataclasses.replace(cfg.summary, top_k=o.get("top_k", cfg.summary.top_k))

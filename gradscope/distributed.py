@@ -6,10 +6,13 @@ import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from .errors import ConfigError, one_line
 
 
 @dataclass(frozen=True)
@@ -45,11 +48,43 @@ class World:
 
 
 def world() -> World:
-    """This process's place, from torchrun's environment variables."""
-    if "WORLD_SIZE" not in os.environ:
-        return World()
+    """This process's place, from the variables torchrun sets for it. Variables it inherited
+    from an outer job (gradscope started inside a torchrun worker) do not make it a rank: it
+    runs alone. A rank whose variables are incomplete or not numbers is an error."""
     env = os.environ
-    return World(int(env.get("RANK", 0)), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
+    if "WORLD_SIZE" not in env or _inherited(env):
+        return World()
+    try:
+        here = World(int(env.get("RANK", 0)), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
+    except ValueError as e:
+        raise ConfigError(f"a torchrun variable is not a number: {e}", "environment") from e
+    if here.size < 1 or not 0 <= here.rank < here.size:
+        raise ConfigError(
+            f"RANK {here.rank} is not a rank of WORLD_SIZE {here.size}; launch with torchrun",
+            "environment",
+        )
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if here.size > 1 and not env.get(k)]
+    if missing:
+        raise ConfigError(
+            f"WORLD_SIZE is {here.size} but {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not set; launch the processes with torchrun",
+            "environment",
+        )
+    return here
+
+
+def _inherited(env: os._Environ) -> bool:
+    """Whether this process's WORLD_SIZE and RANK are its parent's own (the parent is a torchrun
+    worker), rather than set for it by a launcher, whose own environment lacks them."""
+    try:
+        raw = Path(f"/proc/{os.getppid()}/environ").read_bytes()
+    except OSError:  # no /proc (macOS), or not ours to read: the variables decide
+        return False
+    parent = dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return all(
+        parent.get(key.encode()) == (env[key].encode() if key in env else None)
+        for key in ("WORLD_SIZE", "RANK")
+    )
 
 
 @contextlib.contextmanager
@@ -62,7 +97,12 @@ def session() -> Iterator[World]:
     if torch.cuda.is_available():
         torch.cuda.set_device(here.local_rank)
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
+    try:  # torch gives up after its own timeout (30 minutes) when a rank never comes
+        dist.init_process_group(backend)
+    except (RuntimeError, ValueError) as e:  # DistStoreError, a port in use, a bad address
+        raise ConfigError(
+            f"cannot join the torchrun process group: {one_line(e)}", "environment"
+        ) from e
     try:
         yield here
     finally:

@@ -15,8 +15,8 @@ from .engine.core import Engine
 from .engine.forward import Forward
 from .engine.influence import influence_errors
 from .engine.plan import Plan
-from .errors import ConfigError, ModelError
-from .io.data import Batch, open_dataset
+from .errors import ConfigError, DataError, ModelError
+from .io.data import Batch, data_sha256, open_dataset
 from .io.model import build_model, file_sha256, import_object
 from .losses import LossFn, resolve_loss
 from .predictions import predictions
@@ -61,7 +61,9 @@ class Job:
         model_cfg = cfg.model
         if model_cfg.checkpoints:
             model_cfg = dataclasses.replace(model_cfg, checkpoint=model_cfg.checkpoints[-1].path)
-        model = build_model(model_cfg, trust_checkpoint)
+        with torch.random.fork_rng(devices=[]):  # the caller's random state is left alone
+            torch.manual_seed(0)  # weights no checkpoint sets: the same on every rank and resume
+            model = build_model(model_cfg, trust_checkpoint)
         first = next(model.parameters(), None)
         if first is None:
             raise ModelError("the model has no parameters: no gradient to score", "model.factory")
@@ -125,6 +127,7 @@ class Job:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "checkpoint_sha256": file_sha256(ckpt) if ckpt else None,
+            "data_sha256": data_sha256(self.cfg.data.path),  # the report checks it is unchanged
             "adapter_sha256": file_sha256(model.adapter) if model.adapter else None,
             "params": self.plan.describe_selection(),
             "sharded": self.sharded,
@@ -143,11 +146,26 @@ def check_config(
     if examples < 1:
         raise ConfigError(f"--examples must be at least 1, got {examples}", "--examples")
     job = Job.from_config(cfg, trust_checkpoint)
-    batch = job.to_device(next(open_dataset(cfg.data).batches(examples, examples)))
-    reference = batch
-    if ref is not None:
-        reference = job.to_device(next(open_dataset(cfg.data, ref).batches(examples, examples)))
     with job.engine:
+        batch, skipped = _finite(job, next(open_dataset(cfg.data).batches(examples, examples)))
+        reference = batch
+        if ref is not None:
+            rows = next(open_dataset(cfg.data, ref).batches(examples, examples))
+            reference, _ = _finite(job, rows, ref)
         report = compare_with_loop(job.engine, *batch)
     report.influence = influence_errors(job.engine, *batch, *reference)
+    report.non_finite = skipped
     return report
+
+
+def _finite(
+    job: Job, batch: Batch, where: str = "data.path"
+) -> tuple[tuple[tuple[Tensor, ...], Tensor], int]:
+    """The batch's examples whose loss is finite, and how many were left out: a NaN example has
+    no error to measure, and would make every engine's look like NaN."""
+    inputs, targets = job.to_device(batch)
+    with torch.no_grad():
+        keep = torch.isfinite(job.engine.loss_fn(job.engine.forward(job.model, inputs), targets))
+    if not keep.any():
+        raise DataError("every checked example has a NaN or infinite loss", where)
+    return (tuple(t[keep] for t in inputs), targets[keep]), int((~keep).sum())

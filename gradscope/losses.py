@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._pytree import tree_leaves
 
 from .errors import ConfigError, ModelError
 
@@ -26,6 +28,36 @@ def _reduce_positions(per_position: Tensor, weight: Tensor | None, how: str) -> 
     return flat.sum(1) / weight.flatten(1).sum(1).clamp_min(1)
 
 
+def transformed() -> bool:
+    """Whether a torch.func transform (vmap, grad, jvp) is running: checks that look at the
+    values do not run there (the same batch has run eagerly first and passed them)."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def _first(values: Tensor, bad: Tensor) -> str:
+    return f"{values[bad].flatten()[0].item():g}"
+
+
+def not_class_ids(targets: Tensor, classes: int, ignore_index: int) -> Tensor:
+    """Where integer targets are neither a class id of ``classes`` outputs nor ``ignore_index``."""
+    return (targets != ignore_index) & ((targets < 0) | (targets >= classes))
+
+
+def check_classes(targets: Tensor, classes: int, ignore_index: int) -> None:
+    bad = not_class_ids(targets, classes, ignore_index)
+    if bad.any():
+        raise ModelError(
+            f"target {_first(targets, bad)} is not a class id of the model's {classes} outputs "
+            f"(0 to {classes - 1}, or ignore_index {ignore_index})",
+            "data.targets",
+        )
+
+
+def in_unit_range(targets: Tensor) -> bool:
+    """Whether binary targets are all in [0, 1] (NaN aside)."""
+    return not ((targets < 0) | (targets > 1)).any()
+
+
 def _classification(name: str, kwargs: dict, class_dim: int, token_reduction: str) -> LossFn:
     fn = F.cross_entropy if name == "cross_entropy" else F.nll_loss
     ignore_index = kwargs.get("ignore_index", -100)
@@ -33,6 +65,9 @@ def _classification(name: str, kwargs: dict, class_dim: int, token_reduction: st
     def loss(outputs: Tensor, targets: Tensor) -> Tensor:
         if not targets.is_floating_point():
             targets = targets.long()  # class indices stored as int32 (Arrow, Parquet)
+            if not transformed():
+                classes = outputs.shape[-1 if outputs.dim() <= 2 else class_dim]
+                check_classes(targets, classes, ignore_index)
         if outputs.dim() <= 2:
             return fn(outputs, targets, reduction="none", **kwargs)
         if class_dim in (-1, outputs.dim() - 1) and not targets.is_floating_point():
@@ -72,6 +107,12 @@ def _elementwise(name: str, kwargs: dict, token_reduction: str) -> LossFn:
     }[name]
 
     def loss(outputs: Tensor, targets: Tensor) -> Tensor:
+        if name == "bce_with_logits" and not transformed() and not in_unit_range(targets):
+            raise ModelError(
+                f"bce_with_logits takes targets in [0, 1] (the probability of class 1); found "
+                f"{_first(targets, (targets < 0) | (targets > 1))}",
+                "data.targets",
+            )
         if targets.shape != outputs.shape and targets.numel() == outputs.numel():
             targets = targets.reshape(outputs.shape)  # (B,) targets for (B, 1) outputs
         per_element = fn(outputs, targets.to(outputs.dtype), reduction="none", **kwargs)
@@ -111,6 +152,11 @@ def resolve_loss(
     return _checked(fn)
 
 
+def _tracked(outputs: Any) -> bool:
+    """Whether any tensor of the model's outputs is tracked by autograd."""
+    return any(isinstance(t, Tensor) and t.requires_grad for t in tree_leaves(outputs))
+
+
 def _checked(fn: LossFn) -> LossFn:
     def loss(outputs: Any, targets: Tensor) -> Tensor:
         try:
@@ -124,6 +170,13 @@ def _checked(fn: LossFn) -> LossFn:
             shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
             raise ModelError(
                 f"the loss must return one value per example, shape ({batch},), got {shape}", "loss"
+            )
+        detached = torch.is_grad_enabled() and not value.requires_grad and _tracked(outputs)
+        if detached and not transformed():
+            raise ModelError(
+                "the loss is detached from the model's outputs (.detach(), .item(), numpy?): "
+                "no gradient reaches the model",
+                "loss",
             )
         return value
 

@@ -13,6 +13,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from .losses import in_unit_range, not_class_ids
+
 Observe = Callable[[Tensor, Tensor], dict[str, Tensor]]
 COLUMNS = ("pred", "prob", "margin")
 
@@ -65,10 +67,12 @@ def predictions(name: str, kwargs: dict | None = None) -> Observe | None:
         ):
             return {}
         scores = outputs.detach().double()
-        if name == "bce_with_logits":
-            one = scores.numel() == len(targets) == targets.numel()
+        if name == "bce_with_logits":  # targets outside [0, 1]: the loss names them
+            one = scores.numel() == len(targets) == targets.numel() and in_unit_range(targets)
             return _binary(scores, targets) if one else {}
         if not _one_label(scores, targets):
+            return {}
+        if not_class_ids(targets, scores.shape[1], ignore_index).any():  # the loss names them
             return {}
         log_probs = scores.log_softmax(1) if name == "cross_entropy" else scores
         return _classes(scores, targets, log_probs, ignore_index)

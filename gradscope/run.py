@@ -11,61 +11,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from . import distributed
+from . import __version__, distributed
 from .config import Config
 from .distributed import World
 from .errors import ConfigError, Interrupted
-from .io.data import Batch, code_file, data_files, open_dataset
+from .inputs import check_output, minimal, run_inputs
+from .io.data import Batch, open_dataset
 from .io.lock import OutputLock
 from .io.model import file_sha256
-from .io.parquet import PartialRun
-from .job import Job
+from .io.parquet import PartialRun, partial_path
+from .job import Job, resolve_device
 from .scorers import Inputs, NormsScorer, Scorer
 from .summary import class_z, default_score, is_labels
-
-
-def run_inputs(cfg: Config, more: Inputs = ()) -> Inputs:
-    """Every file the run reads: config, code, checkpoints, data, and the scorer's ``more``."""
-    named = [("config file", cfg.source)] if cfg.source else []
-    for key, spec in (("model.factory", cfg.model.factory), ("loss.name", cfg.loss.name)):
-        if code_file(spec):
-            named.append((key, code_file(spec)))
-    if cfg.model.pretrained:  # a folder: each of its files is fingerprinted
-        named.append(("model.pretrained", cfg.model.pretrained))
-    if cfg.model.checkpoint:
-        named.append(("model.checkpoint", cfg.model.checkpoint))
-    if cfg.model.adapter:  # a folder, like model.pretrained
-        named.append(("model.adapter", cfg.model.adapter))
-    named += [("model.checkpoints", c.path) for c in cfg.model.checkpoints]
-    named += [("data.path", f) for f in data_files(cfg.data.path)]
-    return named + list(more)
-
-
-def _same(a: Path, b: str) -> bool:
-    if os.path.realpath(a) == os.path.realpath(b):
-        return True
-    try:
-        return os.path.samefile(a, b)  # a hard link to the same file
-    except OSError:
-        return False
-
-
-def check_output(path: str | Path, inputs: Inputs) -> None:
-    """Refuse, before anything runs, an output that is one of the inputs or cannot be a file."""
-    path = Path(path)
-    for key, file in inputs:
-        if _same(path, file):
-            raise ConfigError(
-                f"the output path is the run's {key} ({file}); writing there would destroy it, "
-                "choose another --out or output.path",
-                str(path),
-            )
-    if path.is_dir():
-        raise ConfigError("the output path is a folder; give a file name", str(path))
-    parent = next(p for p in path.parents if p.exists())
-    if not parent.is_dir():
-        raise ConfigError(f"the output's folder {parent} is a file", str(path))
 
 
 def _file_state(path: str) -> dict:
@@ -80,18 +39,30 @@ def _file_state(path: str) -> dict:
     return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": file_sha256(path)}
 
 
-def fingerprint(cfg: Config, command: str, inputs: Inputs, resume_key: dict | None) -> dict:
+def fingerprint(
+    cfg: Config, command: str, inputs: Inputs, resume_key: dict | None, device: str = "cpu"
+) -> dict:
     """What a partial run must share with the run that resumes it, as JSON reads it back: the
-    command, the config, and the state of every data and code file and checkpoint it reads."""
+    command, the config, gradscope's and torch's versions, the kind of ``device`` (cpu, cuda),
+    and the state of every data and code file and checkpoint it reads."""
     config = cfg.to_dict()
-    for key in ("summary", "source", "device"):  # display, file name, placement (ranks differ)
+    for key in ("summary", "report", "source", "device"):  # display; file name; ranks differ
         config.pop(key)
-    files = {  # a missing file is reported by the code that reads it
+    files = {  # a missing file is reported by the code that reads it; the report's tokenizer
+        # does not change the scores
         file: _file_state(file)
         for key, file in inputs
-        if key != "config file" and os.path.exists(file)
+        if key not in ("config file", "report.tokenizer") and os.path.exists(file)
     }
-    result = {"command": command, "config": config, "files": files, **(resume_key or {})}
+    result = {
+        "command": command,
+        "config": config,
+        "files": files,
+        "version": __version__,
+        "torch": torch.__version__,
+        "device": device,
+        **(resume_key or {}),
+    }
     return json.loads(json.dumps(result, default=str))
 
 
@@ -161,7 +132,7 @@ class _Parts:
         self.begun = True
         distributed.barrier()
         if self.world.main and self.done is None:
-            self.run.start({"fingerprint": self.key})
+            self.run.start()
         distributed.barrier()
 
 
@@ -191,31 +162,42 @@ def score_dataset(
     with distributed.session() as world, contextlib.ExitStack() as stack:
         if world.main:
             stack.enter_context(OutputLock(cfg.output.path))
-        run = PartialRun(cfg.output.path)
-        key = fingerprint(cfg, scorer.command, inputs, scorer.resume_key())
-        parts = _Parts(run, world, key, resumed_parts(run, key) if resume else None)
-        job = Job.from_config(
-            dataclasses.replace(cfg, device=world.device(cfg.device)), trust_checkpoint
-        )
-        dataset = open_dataset(cfg.data)
-        length = dataset.length
-        if length is not None and cfg.data.limit is not None:
-            length = min(length, cfg.data.limit)
-        if on_start:
-            on_start(world.rows(length, cfg.data.batch_size))
-        if cfg.distributed.shard and world.size > 1:  # one process has nothing to shard over
-            job.shard(next(iter(dataset.batches(cfg.data.batch_size, cfg.data.limit))))
-        stack.enter_context(scorer)
-        stack.enter_context(job.engine)
-        scorer.setup(job)
-        count = _score(
-            parts, job, scorer, dataset.batches(cfg.data.batch_size, cfg.data.limit), on_batch
-        )
-        distributed.barrier()  # every rank's parts are written
-        if not world.main:
-            return None
-        metadata = job.metadata(scorer.command) | scorer.metadata()
-        return run.assemble(count, metadata, lambda: _class_z(run, count))
+        try:
+            device = world.device(cfg.device)
+            kind = resolve_device(device).type
+            key = fingerprint(cfg, scorer.command, inputs, scorer.resume_key(), kind)
+            run = PartialRun(cfg.output.path, key)
+            parts = _Parts(run, world, key, resumed_parts(run, key) if resume else None)
+            job = Job.from_config(dataclasses.replace(cfg, device=device), trust_checkpoint)
+            dataset = open_dataset(cfg.data)
+            length = dataset.length
+            if length is not None and cfg.data.limit is not None:
+                length = min(length, cfg.data.limit)
+            if on_start:
+                on_start(world.rows(length, cfg.data.batch_size))
+            if cfg.distributed.shard and world.size > 1:  # one process has nothing to shard over
+                job.shard(next(iter(dataset.batches(cfg.data.batch_size, cfg.data.limit))))
+            stack.enter_context(scorer)
+            stack.enter_context(job.engine)
+            scorer.setup(job)
+            batches = dataset.batches(cfg.data.batch_size, cfg.data.limit)
+            count = _score(parts, job, scorer, batches, on_batch)
+            distributed.barrier()  # every rank's parts are written
+            if not world.main:
+                return None
+            metadata = job.metadata(scorer.command) | scorer.metadata()
+            if cfg.output.metadata == "minimal":
+                metadata = minimal(metadata)
+            return run.assemble(count, metadata, lambda: _class_z(run, count))
+        except KeyboardInterrupt:  # (or SIGTERM) outside a batch: hashing, loading, assembling
+            saved = len(list(partial_path(cfg.output.path).glob("part-*.parquet")))
+            if not saved:
+                raise  # nothing saved: the CLI says so
+            raise Interrupted(
+                f"interrupted with {saved} batches saved; run the same command with --resume "
+                "to continue",
+                str(run.dir),
+            ) from None
 
 
 def _class_z(run: PartialRun, parts: int) -> dict[str, np.ndarray]:

@@ -114,6 +114,7 @@ def test_norms_at_several_checkpoints(tmp_path):
 def test_options_override_config(tmp_path):
     config = make_project(tmp_path, n=23)
     out = tmp_path / "sub" / "custom.parquet"
+    out.parent.mkdir()  # an output goes in a folder that exists
     result = runner.invoke(
         app,
         [

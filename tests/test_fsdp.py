@@ -66,9 +66,20 @@ def torchrun(*args: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+def one_process(config, *scorer) -> pd.DataFrame:
+    """The scores of one process, on one thread as torchrun runs each rank (OMP_NUM_THREADS=1):
+    the same sums in the same order, so the files can be equal to the last bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return pd.read_parquet(score_dataset(load_config(config), *scorer))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_fsdp_norms_two_processes_equal_one(tmp_path):
     config = gpt2_project(tmp_path)  # 7 batches: rank 1 runs a last pass with nothing to score
-    one = pd.read_parquet(score_dataset(load_config(config)))  # one process: not sharded
+    one = one_process(config)  # not sharded
     out = tmp_path / "two.parquet"
     run = torchrun("norms", str(config), "--out", str(out))
     assert run.returncode == 0, run.stderr[-3000:]
@@ -86,7 +97,7 @@ def test_fsdp_norms_two_processes_equal_one(tmp_path):
 def test_fsdp_influence_two_processes_equal_one(tmp_path):
     config = gpt2_project(tmp_path, n=14)
     ref = str(tmp_path / "ref")
-    one = pd.read_parquet(score_dataset(load_config(config), InfluenceScorer(ref)))
+    one = one_process(config, InfluenceScorer(ref))
     out = tmp_path / "two.parquet"
     run = torchrun("influence", str(config), "--ref", ref, "--out", str(out))
     assert run.returncode == 0, run.stderr[-3000:]
@@ -142,7 +153,7 @@ def test_fsdp_lora_adapters_two_processes_equal_one(tmp_path):
     raw = yaml.safe_load(config.read_text())
     raw["model"]["adapter"] = "lora"  # a frozen base sharded with its adapters
     config.write_text(yaml.safe_dump(raw))
-    one = pd.read_parquet(score_dataset(load_config(config)))
+    one = one_process(config)
     out = tmp_path / "two.parquet"
     run = torchrun("norms", str(config), "--out", str(out))
     assert run.returncode == 0, run.stderr[-3000:]

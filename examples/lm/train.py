@@ -1,6 +1,7 @@
 """Train a tiny GPT-2 on the tokenized lines (planted rows included) and save it with save_pretrained.
 
-About a minute on two CPU cores. Writes ``model/`` (config.json, model.safetensors).
+About a minute on two CPU cores. Writes ``model/`` (config.json, model.safetensors) and the
+optimizer's state, ``lm_adam.pt`` (for ``--precondition``).
 """
 
 import shutil
@@ -57,6 +58,7 @@ def main() -> None:
     model.eval()
     shutil.rmtree(HERE / "model", ignore_errors=True)
     model.save_pretrained(HERE / "model")
+    torch.save(opt.state_dict(), HERE / "lm_adam.pt")
     print(f"saved {HERE / 'model'} ({sum(p.numel() for p in model.parameters())} parameters)")
 
 

@@ -26,6 +26,7 @@ class CheckReport:
     tolerance: float
     # module, "hooks", "jvp" -> influence error in cosine units (engine/influence.influence_errors)
     influence: dict[str, float] = field(default_factory=dict)
+    non_finite: int = 0  # examples left out: their loss is NaN or inf, no error to measure
 
     @property
     def worst(self) -> float:
@@ -96,6 +97,11 @@ def render_report(report: CheckReport) -> Group:
         explain += (
             " influence: max|fast - loop| / (||g_i|| ||g_ref||), per module through the hook"
             " engine, then each engine overall (nan: forward mode cannot run this model)."
+        )
+    if report.non_finite:
+        explain += (
+            f" {report.non_finite} example(s) with a NaN or infinite loss left out: no error to"
+            " measure there."
         )
     verdict = "ok" if report.ok else "FAILED"
     parts += [

@@ -4,6 +4,7 @@ the one backward, then the fallback for the rest."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ class BatchScores:
     inner: dict[str, Tensor] = field(default_factory=dict)  # name -> (B, K) <G_i, refs[name][k]>
     observed: dict[str, Tensor] = field(default_factory=dict)  # what ``observe`` read, (B,) each
     kept: dict[str, Contribution] = field(default_factory=dict)  # with Want(keep=True)
+    pre_sq: dict[str, Tensor] = field(default_factory=dict)  # with Want(transform=...): g^T P g
 
 
 def _single_grads(losses: Tensor, params: Sequence[Tensor]) -> dict[int, list[Tensor | None]]:
@@ -156,7 +158,10 @@ class Engine:
         self._fallback(reducer, inputs, targets)
         self._fill_zeros(reducer, seen.losses.shape[0])
         loss = seen.losses.detach()
-        return BatchScores(loss, reducer.norm_sq, reducer.inner, seen.observed, reducer.kept)
+        pre_sq = reducer.pre.norm_sq if reducer.pre is not None else {}
+        return BatchScores(
+            loss, reducer.norm_sq, reducer.inner, seen.observed, reducer.kept, pre_sq
+        )
 
     def pin_decisions(self, inputs: tuple[Tensor, ...]) -> Findings:
         """Keep what the batch of ``inputs``' shapes found (scored already) for every later
@@ -248,8 +253,10 @@ class Engine:
         count |= {p.name: sum(p in u.params for u in reads) for p in self.plan.raw}
         verify = not findings.verified and bool(losses.isfinite().all())
         merged = [name for name, k in count.items() if k > 1]
-        norms = want.norms or verify  # the self-check compares single examples' norms
-        reducer = Reducer(Want(norms, want.refs, want.keep, sums=verify), merged)
+        # the self-check compares sums over the batch, and single examples' norms
+        reducer = Reducer(
+            dataclasses.replace(want, norms=want.norms or verify, sums=verify), merged
+        )
         if not count:
             return reducer
         # the self-check needs every batch gradient; otherwise those of uncalled modules, and of

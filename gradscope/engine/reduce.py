@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -16,12 +16,18 @@ from ..rules.base import accumulation_dtype, rows
 class Want:
     """The reductions a pass computes: squared norms, inner products with ``refs``
     ({name: (K, *shape)}), the contributions themselves (``keep``: for per-reference gradients),
-    and the sum over examples that the first-batch self-check compares with autograd."""
+    and the sum over examples that the first-batch self-check compares with autograd.
+
+    ``transform`` ({name, contribution} -> contribution, linear in the gradient: a
+    preconditioner's square root) adds the squared norms of the transformed gradients,
+    ``g_i^T P g_i``, beside the plain ones (``Reducer.pre.norm_sq``).
+    """
 
     norms: bool = True
     refs: dict[str, Tensor] | None = None
     keep: bool = False
     sums: bool = False
+    transform: Callable[[str, Contribution], Contribution] | None = None
 
 
 def _merged(parts: list[Contribution]) -> Contribution:
@@ -56,6 +62,9 @@ class Reducer:
         self.kept: dict[str, Contribution] = {}
         self.sums: dict[str, Tensor] = {}
         self._parts: dict[str, list[Contribution]] = {name: [] for name in merged}
+        # the transformed gradients' squared norms; each part is transformed as it is reduced,
+        # which is exact for merged parts too since the transform is linear
+        self.pre = None if want.transform is None else Reducer(Want(norms=True), ())
 
     def add(self, name: str, part: Contribution) -> None:
         if name in self._parts:
@@ -84,6 +93,8 @@ class Reducer:
         self._parts.clear()
 
     def _reduce_apart(self, name: str, groups: list[Contribution]) -> None:
+        if self.pre is not None:
+            self.pre._reduce_apart(name, [self.want.transform(name, g) for g in groups])
         refs = self.want.refs[name] if self.want.refs is not None else None
         if self.want.norms and refs is not None:
             both = [g.norm_sq_and_inner(refs) for g in groups]
@@ -101,6 +112,8 @@ class Reducer:
             self.sums[name] = sum(g.batch_sum() for g in groups)
 
     def reduce(self, name: str, c: Contribution) -> None:
+        if self.pre is not None:
+            self.pre.reduce(name, self.want.transform(name, c))
         if self.want.norms and self.want.refs is not None:
             self.norm_sq[name], self.inner[name] = c.norm_sq_and_inner(self.want.refs[name])
         elif self.want.norms:
@@ -116,11 +129,15 @@ class Reducer:
         """Drop what a parameter's rule gave: the fallback serves it instead."""
         for store in (self.norm_sq, self.inner, self.kept, self.sums):
             store.pop(name, None)
+        if self.pre is not None:
+            self.pre.forget(name)
 
     def zeros(self, name: str, batch: int, param: Tensor) -> None:
         """Where no call of ``param`` reached the loss: every example's gradient is zero."""
         # plain tensors on the parameter's device, also for a sharded (DTensor) parameter
         like = {"dtype": accumulation_dtype(param.dtype), "device": param.device}
+        if self.pre is not None:
+            self.pre.zeros(name, batch, param)
         if self.want.norms and name not in self.norm_sq:
             self.norm_sq[name] = torch.zeros(batch, **like)
         if self.want.refs is not None and name not in self.inner:

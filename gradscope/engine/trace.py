@@ -26,6 +26,7 @@ from .owners import (
     batch_owner,
     combine,
     compact,
+    is_batch,
     reduce,
     reshaped,
     segment_combine,
@@ -154,45 +155,49 @@ class RowTrace(TorchFunctionMode):
         kwargs = kwargs or {}
         if func.__name__ == "__get__" and func.__self__.__name__ not in ("T", "mT", "data"):
             return func(*args, **kwargs)  # a property: metadata, or a view handled as an op
+        if func.__name__ == "__iter__" and args and args[0] in self.owners:
+            rows = args[0].unbind(0)  # for row in x: the rows of unbind(0)
+            self._record(torch.unbind, args[:1], {}, rows)
+            return iter(rows)
         out = func(*args, **kwargs)
+        self._record(func, args, kwargs, out)
+        return out
+
+    def _record(self, func, args: tuple, kwargs: dict, out: object) -> None:
+        """The owners of ``out``; never an error in the user's forward: owners that cannot be
+        followed are MIXED (the parameters they reach go to the fallback)."""
         name = op_name(func)
         if name in READS:
-            return out
+            return
         tracked = [t for t in _tensors(args, kwargs) if t in self.owners]
         if not tracked:
-            return out
-        if self._standard_rows(name, args, kwargs, tracked, out):
-            return out
-        if name == "__iter__":  # for row in x: the rows of unbind(0)
-            rows = args[0].unbind(0)
-            self._set(rows, self._move(torch.unbind, args[:1], {}), name)  # never mixes
-            return iter(rows)
-        origin = next((self.mixed_by[t] for t in tracked if t in self.mixed_by), name)
+            return
+        origin = name
         try:
+            if self._standard_rows(name, args, kwargs, tracked, out):
+                return
+            origin = next((self.mixed_by[t] for t in tracked if t in self.mixed_by), name)
             self._follow(name, func, args, kwargs, out, origin)
         except Exception:  # owners could not follow this op: its results mix examples
             self._set(out, None, origin)
-        return out
 
     def _standard_rows(self, name: str, args: tuple, kwargs: dict, tracked: list, out) -> bool:
         """The common case at the cost of a few comparisons: every input one row per example
-        on dimension 0, and an op that keeps them so (elementwise, linear, a reshape keeping
-        dimension 0, a softmax over another dimension)."""
-        if not isinstance(out, Tensor) or not out.dim() or out.shape[0] != self.batch:
+        on dimension 0, and an op that keeps them so (elementwise, linear, matmul over batch
+        dimensions, attention, a norm, a reshape, transpose, index or reduction that leaves
+        dimension 0 alone). Anything else is left to ``_follow``."""
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if not outs or not all(
+            isinstance(t, Tensor) and t.dim() and t.shape[0] == self.batch for t in outs
+        ):
             return False
         if any(self.owners.get(t) is not self._standard.get(t.dim()) for t in tracked):
             return False
-        same_rank = all(t.dim() == out.dim() and t.shape[0] == self.batch for t in tracked)
-        if name in RESHAPES:
-            keeps = args[0].shape[0] == self.batch
-        elif name in ("softmax", "log_softmax"):
-            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-            keeps = same_rank and dim is not None and dim % out.dim() != 0
-        else:
-            keeps = same_rank and (name in ELEMENTWISE or name == "linear")
-        if keeps:
-            self.owners[out] = self.standard(out.dim())
-        return keeps
+        if not _keeps_rows(name, args, kwargs, tracked, outs[0], self.batch):
+            return False
+        for t in outs:
+            self.owners[t] = self.standard(t.dim())
+        return True
 
     def mixed_at(self, t: Tensor) -> str | None:
         """The op that first mixed examples on the way to ``t``, if any did."""
@@ -213,7 +218,9 @@ class RowTrace(TorchFunctionMode):
             elif o is None or o.dim() != t.dim():
                 o = _filled(t, MIXED)
             o = compact(o)
-            if bool((o == MIXED).any()):
+            if o.dim() and o.numel() == self.batch == o.shape[0] and is_batch(o, self.batch):
+                o = self.standard(t.dim())  # the canonical tensor: later ops take the fast path
+            elif bool((o == MIXED).any()):
                 self.mixed_by[t] = origin
             self.owners[t] = o
 
@@ -312,6 +319,77 @@ class RowTrace(TorchFunctionMode):
         shape = [1] * x.dim()
         shape[dim] = x.shape[dim]
         return self._set(x, compact(o.view(shape)), origin)
+
+
+def _keeps_rows(name: str, args: tuple, kwargs: dict, tracked: list, out: Tensor, b: int) -> bool:
+    """Whether an op on inputs each with one row per example on dimension 0 gives an output
+    (of dimension 0 of length ``b``) whose row i is computed from rows i alone."""
+    rank = out.dim()
+    same_rank = all(t.dim() == rank and t.shape[0] == b for t in tracked)
+    x = args[0] if args else None
+    if name in ELEMENTWISE or name == "scaled_dot_product_attention":
+        return same_rank
+    if name == "linear":  # a weight computed from the batch would mix its rows' examples
+        rest = _tensors(args[1:], kwargs)
+        return same_rank and not any(t is r for t in tracked for r in rest)
+    if name in RESHAPES:
+        return isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == b
+    if name in ("layer_norm", "rms_norm"):
+        shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape", ())
+        return same_rank and len(shape) < rank
+    if name == "embedding":
+        return (
+            isinstance(x, Tensor) and x.dim() + 1 == rank and len(tracked) == 1 and tracked[0] is x
+        )
+    if name in ("matmul", "__matmul__", "bmm"):
+        other = args[1] if len(args) > 1 else None
+        return same_rank and (rank >= 3 or not any(t is other for t in tracked))
+    if not isinstance(x, Tensor) or x.dim() == 0:
+        if name in ("cat", "concat", "stack") and isinstance(x, (list, tuple)):
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+            return dim % rank != 0 and all(t.shape[0] == b for t in x)
+        return False
+    n = x.dim()
+    if name in ("transpose", "swapaxes", "swapdims"):
+        return len(args) >= 3 and args[1] % n != 0 and args[2] % n != 0
+    if name == "permute":
+        dims = args[1:] if len(args) > 2 or not isinstance(args[1], (list, tuple)) else args[1]
+        return len(dims) == n and dims[0] % n == 0
+    if name == "unsqueeze":
+        return args[1] % (n + 1) != 0
+    if name == "squeeze":
+        return len(args) > 1 and isinstance(args[1], int) and args[1] % n != 0
+    if name in ("expand", "expand_as", "contiguous"):
+        return same_rank
+    if name in ("chunk", "split", "unbind", "tensor_split", "split_with_sizes"):
+        dim = (
+            kwargs.get("dim", args[2] if len(args) > 2 else 0)
+            if name != "unbind"
+            else (args[1] if len(args) > 1 else kwargs.get("dim", 0))
+        )
+        return dim % n != 0
+    if name == "__getitem__":
+        return _getitem_keeps_rows(args[1], n)
+    if name in REDUCTIONS and not (
+        name in ("max", "min") and len(args) > 1 and isinstance(args[1], Tensor)
+    ):
+        dims, _ = _dims(name, args, kwargs, n)
+        return bool(dims) and all(d % n != 0 for d in dims)
+    return False
+
+
+def _getitem_keeps_rows(key: object, rank: int) -> bool:
+    """``x[key]`` keeps dimension 0 whole and first: basic indexing that starts with ``:`` or
+    with ``...`` covering dimension 0."""
+    key = key if isinstance(key, tuple) else (key,)
+    if any(isinstance(k, (Tensor, list)) for k in key) or not key:
+        return False
+    if key[0] == slice(None):
+        return True
+    if key[0] is Ellipsis:
+        used = sum(k is not None and k is not Ellipsis for k in key)
+        return used < rank
+    return False
 
 
 def _filled(t: Tensor, value: int) -> Tensor:
@@ -423,6 +501,23 @@ def _mha(trace: RowTrace, query: Tensor, key: Tensor, value: Tensor, *args, **kw
     return o, o.reshape(-1, 1, 1)
 
 
+def _recurrent(trace: RowTrace, x: Tensor, hx: object, *args, **__) -> tuple | None:
+    """_VF.lstm / gru / rnn_tanh / rnn_relu(input, hx, params, ..., batch_first): examples on
+    dimension 0 (batch_first) or 1 of the input and output, on dimension 1 of the states."""
+    if not isinstance(args[-1], bool) or x.dim() != 3:
+        return None  # a packed sequence, or an unbatched call
+    dim = 0 if args[-1] else 1
+    states = hx if isinstance(hx, (list, tuple)) else (hx,)
+    parts = [reduce(trace.owner(x), [d for d in range(3) if d != dim], keepdim=False)]
+    parts += [
+        reduce(trace.owner(h), [0, 2], keepdim=False) for h in states if isinstance(h, Tensor)
+    ]
+    parts += [reduce(trace.owner(p), range(p.dim())).reshape(1) for p in _tensors(args, {})]
+    o = combine(*(p.reshape(-1) for p in parts))  # (B,) or (1,)
+    out = o.reshape(-1, 1, 1) if dim == 0 else o.reshape(1, -1, 1)
+    return (out, *(o.reshape(1, -1, 1) for _ in states))
+
+
 def _einsum(trace: RowTrace, equation: str, *operands, **__) -> Tensor | None:
     operands = (
         operands[0] if len(operands) == 1 and isinstance(operands[0], (list, tuple)) else operands
@@ -463,4 +558,5 @@ CONTRACTIONS: dict[str, Callable[..., object]] = {
     "scaled_dot_product_attention": _sdpa,
     "multi_head_attention_forward": _mha,
     "einsum": _einsum,
+    **dict.fromkeys(("lstm", "gru", "rnn_tanh", "rnn_relu"), _recurrent),
 }

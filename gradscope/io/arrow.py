@@ -29,7 +29,7 @@ def arrow_files(folder: Path) -> list[str]:
         )
     state = folder / "state.json"
     if state.is_file():
-        files = [folder / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+        files = [folder / name for name in _state_files(state)]
     else:
         files = sorted(folder.glob("*.arrow"))
     if not files:
@@ -37,6 +37,22 @@ def arrow_files(folder: Path) -> list[str]:
             "the folder holds no .arrow files (a datasets save_to_disk folder?)", str(folder)
         )
     return [str(f) for f in files]
+
+
+def _state_files(state: Path) -> list[str]:
+    """The file names ``state.json`` lists: plain names inside its folder, nothing else."""
+    try:
+        names = [f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:  # not JSON, or not datasets' layout
+        raise DataError(
+            f"state.json does not list the dataset's files: {type(e).__name__}: {e}", str(state)
+        ) from e
+    for name in names:
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise DataError(
+                f"state.json names {name!r}, not a file inside the dataset folder", str(state)
+            )
+    return names
 
 
 def _records(path: str) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:

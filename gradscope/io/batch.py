@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import DataError
+from ..errors import DataError, one_line
 
 Columns = dict[str, Any]  # name -> tensor, array or list, for a run of consecutive rows
 
@@ -122,12 +122,19 @@ def _join(parts: list[Any]) -> Any:
 def _cat(parts: list[Batch]) -> Batch:
     if len(parts) == 1:
         return parts[0]
-    return Batch(
-        index=torch.cat([p.index for p in parts]),
-        inputs=tuple(_join(list(ts)) for ts in zip(*(p.inputs for p in parts), strict=True)),
-        targets=_join([p.targets for p in parts]),
-        ids=None if parts[0].ids is None else np.concatenate([p.ids for p in parts]),
-    )
+    try:
+        return Batch(
+            index=torch.cat([p.index for p in parts]),
+            inputs=tuple(_join(list(ts)) for ts in zip(*(p.inputs for p in parts), strict=True)),
+            targets=_join([p.targets for p in parts]),
+            ids=None if parts[0].ids is None else np.concatenate([p.ids for p in parts]),
+        )
+    except (RuntimeError, ValueError) as e:  # shards whose rows differ in shape or kind
+        raise DataError(
+            f"row {int(parts[-1].index[0])} and the rows before it do not fit one batch: the "
+            f"shards' columns differ in shape ({one_line(e)})",
+            "data.path",
+        ) from e
 
 
 def _slice(batch: Batch, lo: int, hi: int) -> Batch:
@@ -198,9 +205,15 @@ class Selection:
         self.specs = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
         self.targets, self.ids, self.pad = targets, ids, dict(pad or {})
         self.n_inputs, self.has_ids = len(self.specs), ids is not None
-        self.matched: dict[
-            str, list[str]
-        ] = {}  # glob -> the columns it matched in the first source
+        self.matched: dict[str, list[str]] = {}  # glob -> the columns it matched first
+        self.patterns: dict[str, bool] = {}  # spec -> whether it is a glob, decided once
+
+    def _pattern(self, spec: str, available: Iterable[Any]) -> bool:
+        """A spec holding ``*``, ``?`` or ``[`` is a glob, unless the first source it meets has a
+        column of that very name (``x[1]``): then it names that column, in every source."""
+        if spec not in self.patterns:
+            self.patterns[spec] = is_glob(spec) and spec not in available
+        return self.patterns[spec]
 
     def _matches(self, spec: str, available: Sequence[Any]) -> list[str]:
         others = (self.targets, self.ids)
@@ -210,14 +223,14 @@ class Selection:
         """Every column the rows need, globs expanded against ``available``, targets and ids last."""
         names = []
         for spec in self.specs:
-            names += self._matches(spec, available) if is_glob(spec) else [spec]
+            names += self._matches(spec, available) if self._pattern(spec, available) else [spec]
         return [*names, self.targets] + ([self.ids] if self.ids else [])
 
     def check(self, available: Iterable[str], where: str) -> None:
         available = list(available)
         listed = ", ".join(map(str, available))
         for spec in self.specs:
-            if not is_glob(spec):
+            if not self._pattern(spec, available):
                 continue
             found = self._matches(spec, available)
             if not found:
@@ -231,7 +244,7 @@ class Selection:
                     "first file",
                     where,
                 )
-        named = [(s, "data.inputs") for s in self.specs if not is_glob(s)]
+        named = [(s, "data.inputs") for s in self.specs if not self._pattern(s, available)]
         named += [(self.targets, "data.targets")] + ([(self.ids, "data.ids")] if self.ids else [])
         for name, key in named:
             if name not in available:
@@ -243,7 +256,7 @@ class Selection:
         return _as_tensor(columns[name], name, where)
 
     def _input(self, columns: Columns, spec: str, where: str) -> Tensor | list[np.ndarray]:
-        if not is_glob(spec):
+        if not self._pattern(spec, columns):
             return self._column(columns, spec, where)
         parts = [_as_tensor(columns[n], n, where) for n in self.matched[spec]]
         dtype = functools.reduce(torch.promote_types, (p.dtype for p in parts))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import pickle
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from torch import Tensor
 from ..config import DataConfig
 from ..errors import DataError
 from .batch import Batch, Columns, Selection, is_glob, rebatch
-from .model import file_sha256, import_object
+from .model import LFS_POINTER, file_sha256, import_object, lfs_pointer
 
 FORMATS = (".pt", ".pth", ".npz", ".parquet", ".csv", ".arrow")
 
@@ -73,11 +74,20 @@ def _file_source(path: str) -> _Source:
     file = Path(path)
     if not file.is_file():
         raise DataError("data file not found", str(file))
+    if lfs_pointer(file):
+        raise DataError(LFS_POINTER, str(file))
     suffix = file.suffix.lower()
     if suffix in (".pt", ".pth"):
 
         def read_pt(_: int) -> Iterator[Columns]:
-            columns = torch.load(file, map_location="cpu", weights_only=True)
+            try:
+                columns = torch.load(file, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as e:  # torch's advice runs to eight lines
+                raise DataError(
+                    "the data file holds objects other than tensors and is not loaded (that "
+                    "would run its pickle): save a dict of tensors",
+                    str(file),
+                ) from e
             if not isinstance(columns, dict):
                 raise DataError(
                     f"expected a dict of tensors, found a {type(columns).__name__}", str(file)
@@ -187,7 +197,7 @@ def shard_paths(path: str | Sequence[str]) -> list[str]:
             from .arrow import arrow_files
 
             files.extend(arrow_files(Path(spec)))
-        elif is_glob(spec) and ".py:" not in spec:
+        elif is_glob(spec) and ".py:" not in spec and not Path(spec).exists():
             matches = sorted(glob.glob(spec))
             if not matches:
                 raise DataError("no data file matches the pattern", spec)
@@ -203,16 +213,27 @@ def code_file(spec: str) -> str | None:
 
 
 def data_files(path: str | Sequence[str]) -> list[str]:
-    """The files a data path reads: each file, each glob's matches, each ``file.py:fn``'s file."""
-    return [code_file(spec) or spec for spec in shard_paths(path)]
+    """The files and folders a data path reads: each file, each glob's matches, each
+    ``save_to_disk`` folder whole (its ``state.json`` too), each ``file.py:fn``'s file. Read
+    nothing: a glob that matches nothing or an unreadable folder is its reader's to report."""
+    specs = [path] if isinstance(path, str) else list(path)
+    files: list[str] = []
+    for spec in specs:
+        if code_file(spec):
+            files.append(code_file(spec))
+        elif is_glob(spec) and not Path(spec).exists():
+            files.extend(sorted(glob.glob(spec)))
+        else:
+            files.append(spec)
+    return files
 
 
-def data_sha256(path: str) -> str | None:
-    """The sha256 of a data file; of a folder or glob, one over its files' names and hashes in
-    order; None for ``file.py:fn`` and for a missing file (its reader reports it)."""
-    if ".py:" in path:
-        return None
+def data_sha256(path: str | Sequence[str]) -> str | None:
+    """The sha256 of a data file; of a folder, glob or list, one over its files' names and hashes
+    in order; None for ``file.py:fn`` and for a missing file (its reader reports it)."""
     files = shard_paths(path)
+    if any(".py:" in f for f in files):
+        return None
     if files == [path]:
         return file_sha256(path) if Path(path).is_file() else None
     listing = "\n".join(f"{f} {file_sha256(f)}" for f in files)

@@ -6,9 +6,11 @@ dead run is simply taken over; the pid written inside is only there to name the 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 from pathlib import Path
+from stat import S_ISREG
 
 from ..errors import ConfigError
 
@@ -38,12 +40,20 @@ class OutputLock:
         """Take the lock, or raise naming the pid of the run that holds it."""
         while self._fd is None:
             try:
-                self.file.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as e:  # read-only, not ours, or a full disk
+                fd = os.open(
+                    self.file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+                )
+            except OSError as e:  # read-only, not ours, a full disk, or a symlink planted there
+                planted = {errno.ELOOP: "a symbolic link", errno.EISDIR: "a folder"}
+                if e.errno in planted:
+                    raise _planted(self.file, planted[e.errno]) from None
                 raise ConfigError(
                     f"cannot write in the output's folder: {e.strerror or e}", str(self.path.parent)
                 ) from e
+            stat = os.fstat(fd)
+            if not S_ISREG(stat.st_mode) or stat.st_nlink != 1:  # a hard link to another file
+                os.close(fd)
+                raise _planted(self.file, "not a lock file of its own (a link or a device)")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -66,6 +76,14 @@ class OutputLock:
             self.file.unlink(missing_ok=True)  # before unlocking: a waiting run makes a new file
             os.close(self._fd)
             self._fd = None
+
+
+def _planted(file: Path, what: str) -> ConfigError:
+    return ConfigError(
+        f"the lock file is {what}, not one gradscope made; it is left as it is: remove it or "
+        "choose another --out",
+        str(file),
+    )
 
 
 def _same_file(fd: int, path: Path) -> bool:

@@ -66,13 +66,22 @@ def file_sha256(path: str | Path) -> str:
     return _sha256(str(path), stat.st_size, stat.st_mtime_ns)
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=1 << 16)  # every shard of a large dataset, hashed once
 def _sha256(path: str, size: int, mtime_ns: int) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+LFS_POINTER = "a Git LFS pointer, not the file itself: run `git lfs pull` to fetch it"
+
+
+def lfs_pointer(path: str | Path) -> bool:
+    """Whether the file is a Git LFS pointer (a few lines of text standing in for the file)."""
+    with open(path, "rb") as f:
+        return f.read(24) == b"version https://git-lfs."
 
 
 def load_state_dict(
@@ -88,6 +97,8 @@ def load_state_dict(
     path = Path(path)
     if not path.is_file():
         raise ModelError("checkpoint not found", str(path))
+    if lfs_pointer(path):
+        raise ModelError(LFS_POINTER, str(path))
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
@@ -98,13 +109,15 @@ def load_state_dict(
     try:
         return torch.load(path, map_location="cpu", weights_only=not trust)
     except pickle.UnpicklingError as e:
+        if trust:  # not a pickle torch can read at all
+            raise ModelError(f"cannot read checkpoint: {one_line(e)}", str(path)) from e
         raise ModelError(
             f"checkpoint holds objects other than tensors and cannot be loaded with "
             f"weights_only=True{hint}",
             str(path),
         ) from e
     except (RuntimeError, EOFError, OSError) as e:
-        raise ModelError(f"cannot read checkpoint: {e}", str(path)) from e
+        raise ModelError(f"cannot read checkpoint: {one_line(e)}", str(path)) from e
 
 
 def _extract(state: Any, cfg: ModelConfig, path: str) -> dict[str, torch.Tensor]:
@@ -136,7 +149,16 @@ def _from_hf(factory: Any, cfg: ModelConfig) -> nn.Module:
             raise ModelError("not a save_pretrained folder: it has no config.json", cfg.pretrained)
         try:
             return factory.from_pretrained(cfg.pretrained, local_files_only=True, **cfg.kwargs)
-        except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:
+        except pickle.UnpicklingError as e:  # torch.load(weights_only=True) of a .bin
+            raise ModelError(
+                "a weights file in the folder holds objects other than tensors and is not "
+                "loaded (that would run its pickle); save the model as safetensors",
+                cfg.pretrained,
+            ) from e
+        except Exception as e:  # OSError, ValueError, safetensors' own error for a cut file, ...
+            pointers = [f for f in Path(cfg.pretrained).iterdir() if f.is_file() and lfs_pointer(f)]
+            if pointers:
+                raise ModelError(LFS_POINTER, str(pointers[0])) from e
             raise ModelError(
                 f"cannot load {factory.__name__} from the folder: {one_line(e)}", cfg.pretrained
             ) from e

@@ -9,6 +9,7 @@ row group each, into ``NAME``; a file at ``NAME`` is always a finished run.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -21,10 +22,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..errors import DataError
+from ..errors import DataError, one_line
 
 METADATA_KEY = b"gradscope"
 MANIFEST = "manifest.json"
+RUN_KEY = b"gradscope_run"  # in each part: the sha256 of its run's fingerprint
 
 
 def partial_path(path: str | Path) -> Path:
@@ -48,12 +50,15 @@ def _sync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def _replace_atomically(path: Path, write: Callable[[Any], None]) -> None:
-    """``write(file)`` to a temporary name of this process's own, fsync, rename over ``path``:
-    readers see the old file or the whole new one. A failed write (a full disk) leaves nothing."""
+def replace_atomically(path: Path, write: Callable[[Any], None], what: str = "the scores") -> None:
+    """``write(file)`` to a new temporary name of this process's own (created with ``O_EXCL`` and
+    ``O_NOFOLLOW``: nothing planted in a shared folder is followed or reused), fsync, rename over
+    ``path``: readers see the old file or the whole new one. A failed write (a full disk, an
+    interrupt) leaves nothing."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(os.open(tmp, flags, 0o644), "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -61,52 +66,71 @@ def _replace_atomically(path: Path, write: Callable[[Any], None]) -> None:
         _sync_folder(path.parent)
     except OSError as e:  # pyarrow's IO errors are OSErrors too
         tmp.unlink(missing_ok=True)
-        raise DataError(f"cannot write the scores: {e.strerror or e}", str(path)) from e
+        raise DataError(f"cannot write {what}: {e.strerror or e}", str(path)) from e
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
 
 
-def _readable(part: Path) -> bool:
-    """Whether a part's footer reads back: a 0-byte or truncated file does not."""
-    try:
-        return pq.read_metadata(part).num_rows > 0
-    except (OSError, pa.ArrowException):
-        return False
-
-
 class PartialRun:
-    """The partial folder of the run that writes ``path``."""
+    """The partial folder of the run that writes ``path`` with resume ``fingerprint``.
 
-    def __init__(self, path: str | Path):
+    Each part carries the sha256 of the fingerprint in its metadata: a part that another run
+    wrote (copied in, or left by a run of another config) is never taken for one of ours.
+    """
+
+    def __init__(self, path: str | Path, fingerprint: dict[str, Any]):
         self.path = Path(path)
         self.dir = partial_path(self.path)
+        self.fingerprint = fingerprint
+        text = json.dumps(fingerprint, sort_keys=True, default=str)
+        self.stamp = {RUN_KEY: hashlib.sha256(text.encode()).hexdigest().encode()}
 
     def manifest(self) -> dict[str, Any] | None:
         """What the partial run computes, or None when there is no partial run to continue."""
+        if self.dir.is_symlink():
+            raise DataError(
+                "the partial folder is a symbolic link, not one gradscope made; remove it",
+                str(self.dir),
+            )
         try:
-            return json.loads((self.dir / MANIFEST).read_text())
-        except (OSError, json.JSONDecodeError):
+            manifest = json.loads((self.dir / MANIFEST).read_text())
+        except (OSError, ValueError):
             return None  # no run, or one killed before its first part: nothing to keep
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("fingerprint"), dict):
+            raise DataError(
+                f"the partial run's {MANIFEST} is damaged; run without --resume to start over",
+                str(self.dir),
+            )
+        return manifest
 
-    def start(self, manifest: dict[str, Any]) -> None:
+    def start(self) -> None:
         """Begin afresh: any earlier partial state is removed."""
-        if self.dir.is_file():  # left by the earlier single-file writer
+        if self.dir.is_symlink() or self.dir.is_file():  # planted, or the old single-file writer
             self.dir.unlink()
         shutil.rmtree(self.dir, ignore_errors=True)
         try:
-            self.dir.mkdir(parents=True)
+            self.dir.mkdir()
         except OSError as e:
             raise DataError(f"cannot write the scores: {e.strerror or e}", str(self.dir)) from e
-        text = json.dumps(manifest, default=str).encode()
-        _replace_atomically(self.dir / MANIFEST, lambda f: f.write(text))
+        text = json.dumps({"fingerprint": self.fingerprint}, default=str).encode()
+        replace_atomically(self.dir / MANIFEST, lambda f: f.write(text))
+
+    def _ours(self, part: Path) -> bool:
+        """Whether a part's footer reads back (a 0-byte or truncated file does not) and carries
+        this run's stamp."""
+        try:
+            meta = pq.read_metadata(part)
+        except (OSError, pa.ArrowException):
+            return False
+        return meta.num_rows > 0 and (meta.metadata or {}).get(RUN_KEY) == self.stamp[RUN_KEY]
 
     def done(self) -> set[int]:
-        """The batch numbers whose parts are complete; a part that does not read back (a power
-        loss before its data reached the disk) is removed, to be scored again."""
+        """The batch numbers whose parts are complete and ours; any other part (a power loss
+        before its data reached the disk, another run's) is removed, to be scored again."""
         numbers = set()
         for part in self.dir.glob("part-*.parquet"):
-            if _readable(part):
+            if self._ours(part) and part.name[5:-8].isdigit():
                 numbers.add(int(part.name[5:-8]))
             else:
                 part.unlink()
@@ -116,9 +140,10 @@ class PartialRun:
         return self.dir / f"part-{number:09d}.parquet"
 
     def write(self, number: int, columns: dict[str, Any]) -> None:
-        """Batch ``number``'s rows as one complete part file."""
+        """Batch ``number``'s rows as one complete part file, stamped as this run's."""
         table = pa.table({name: pa.array(v, type=arrow_type(v)) for name, v in columns.items()})
-        _replace_atomically(self._part(number), lambda f: pq.write_table(table, f))
+        table = table.replace_schema_metadata(self.stamp)
+        replace_atomically(self._part(number), lambda f: pq.write_table(table, f))
 
     def names(self) -> list[str]:
         """The columns of the parts."""
@@ -139,16 +164,24 @@ class PartialRun:
     ) -> Path:
         """Parts ``0 .. parts-1`` in order, one row group each, into ``path`` with ``metadata``
         under the ``gradscope`` key, and the columns ``more()`` computes from the whole parts
-        (one value a row) before ``finite``; the folder goes."""
+        (one value a row) before ``finite``; the folder goes. A column whose type differs between
+        parts (whole-number targets in one CSV shard) takes the type that holds them all."""
         missing = sorted(set(range(parts)) - self.done())
         if missing:
             raise DataError(
-                f"the partial run lacks batch {missing[0]}; run again without --resume",
+                f"the partial run lacks batch {missing[0]}; run again with --resume to score it",
                 str(self.dir),
             )
-        first = pq.read_schema(self._part(0))
+        schemas = [pq.read_schema(self._part(n)).remove_metadata() for n in range(parts)]
+        try:
+            first = pa.unify_schemas(schemas, promote_options="permissive")
+        except (pa.ArrowException, ValueError) as e:
+            raise DataError(
+                f"the batches' columns do not fit one table: {one_line(e)}", str(self.dir)
+            ) from e
+        names = first.names  # the parts' columns, in the first part's order
         extra = more()
-        at = first.get_field_index("finite") if "finite" in first.names else len(first)
+        at = first.get_field_index("finite") if "finite" in names else len(first)
         for name in reversed(list(extra)):
             first = first.insert(at, pa.field(name, arrow_type(extra[name])))
         schema = first.with_metadata({METADATA_KEY: json.dumps(metadata, default=str)})
@@ -157,20 +190,28 @@ class PartialRun:
             start = 0
             with pq.ParquetWriter(f, schema) as writer:
                 for number in range(parts):
-                    table = pq.read_table(self._part(number))
+                    table = pq.read_table(self._part(number)).select(names)
                     stop = start + len(table)
                     for name in reversed(list(extra)):
                         table = table.add_column(at, name, pa.array(extra[name][start:stop]))
-                    # one part's column may read back as another type (an all-null id column)
                     writer.write_table(table.cast(schema))
                     start = stop
 
-        _replace_atomically(self.path, write)
-        shutil.rmtree(self.dir)
+        try:
+            replace_atomically(self.path, write)
+        except (pa.ArrowException, KeyError) as e:  # a value or a column that does not fit
+            raise DataError(
+                f"the batches' columns do not fit one table: {one_line(e)}", str(self.dir)
+            ) from e
+        shutil.rmtree(self.dir, ignore_errors=True)  # the output is whole: what stays is litter
         return self.path
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
     """The ``gradscope`` metadata of a scores file."""
-    raw = pq.read_schema(path).metadata or {}
-    return json.loads(raw[METADATA_KEY]) if METADATA_KEY in raw else {}
+    try:
+        raw = pq.read_schema(path).metadata or {}
+        meta = json.loads(raw[METADATA_KEY]) if METADATA_KEY in raw else {}
+    except (OSError, pa.ArrowException, ValueError) as e:  # not Parquet, cut short, not JSON
+        raise DataError(f"not a readable Parquet file: {one_line(e)}", str(path)) from e
+    return meta if isinstance(meta, dict) else {}

@@ -17,8 +17,9 @@ BINS = 60
 MAX_POINTS = 20_000  # a scatter draws at most this many of the ordinary rows, as a raster
 TOP = "#d62728"  # the top-k rows, in every chart
 REST = "#1f77b4"
+# text as written: a module named "a$b$" is not TeX (parse_math off)
 STYLE = {"svg.fonttype": "none", "font.size": 9, "axes.spines.top": False,
-         "axes.spines.right": False}  # fmt: skip
+         "axes.spines.right": False, "text.parse_math": False}  # fmt: skip
 
 
 @contextmanager

@@ -11,8 +11,9 @@ import numpy as np
 from .. import __version__
 from ..config import Config
 from ..errors import DataError
-from ..io.parquet import read_metadata
-from ..run import check_output, run_inputs
+from ..inputs import check_output, metadata_inputs, run_inputs
+from ..io.data import data_sha256
+from ..io.parquet import read_metadata, replace_atomically
 from ..summary import Outliers, cell, column, fmt, is_labels, rank
 from . import charts
 from .examples import Shown, show_examples
@@ -102,6 +103,8 @@ def _charts(found: Outliers) -> list[tuple[str, str]]:
 def render(scores: Path, cfg: Config | None, by: str | None, top_k: int) -> str:
     """The report page of a scores file as HTML text."""
     found = rank(scores, by, top_k, cfg.data.classes if cfg else None)
+    if not len(found.values):
+        raise DataError("the scores file has no rows: nothing to report", str(scores))
     sections = _sections(found, cfg)
     meta = read_metadata(scores)
     env = jinja2.Environment(
@@ -140,13 +143,15 @@ def write_report(
     if not scores.is_file():
         raise DataError("scores file not found", str(scores))
     target = Path(out) if out is not None else scores.with_suffix(".html")
-    check_output(target, [("scores file", str(scores)), *(run_inputs(cfg) if cfg else [])])
-    page = render(scores, cfg, by, top_k)
-    temporary = target.with_name(f".{target.name}.tmp")
-    try:
-        temporary.write_text(page, encoding="utf-8")
-        temporary.replace(target)
-    except OSError as e:  # a missing or read-only folder, a directory at ``out``, a full disk
-        temporary.unlink(missing_ok=True)
-        raise DataError(f"cannot write the report: {e.strerror or e}", str(target)) from e
+    meta = read_metadata(scores)
+    inputs = [("scores file", str(scores)), *metadata_inputs(meta)]
+    check_output(target, inputs + (run_inputs(cfg) if cfg else []))
+    if cfg and meta.get("data_sha256") and meta["data_sha256"] != data_sha256(cfg.data.path):
+        raise DataError(
+            "the data changed since it was scored (its sha256 differs from the one the scores "
+            "file records): the examples shown would not be the ones scored; score it again",
+            str(cfg.data.path),
+        )
+    page = render(scores, cfg, by, top_k).encode("utf-8")
+    replace_atomically(target, lambda f: f.write(page), "the report")
     return target

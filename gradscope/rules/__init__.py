@@ -1,6 +1,6 @@
 """Layer rules, one module per family; importing this package registers them all."""
 
-from . import attention, conv, embedding, hf_conv1d, library_norm, linear, norm
+from . import attention, conv, embedding, hf_conv1d, library_norm, linear, norm, recurrent
 from .base import (
     MATCHERS,
     NAMED,
@@ -32,4 +32,5 @@ __all__ = [
     "library_norm",
     "linear",
     "norm",
+    "recurrent",
 ]

@@ -64,23 +64,59 @@ def per_example_weight_grads(module: _Conv, x: Tensor, grad_output: Tensor) -> T
 
 @register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d, name="conv")
 def conv(module: _Conv, inputs: tuple[Tensor, ...], grad_output: Tensor) -> dict[str, Contribution]:
-    n = len(module.kernel_size)
-    if inputs[0].dim() != n + 2:
-        raise ModelError(
-            f"{type(module).__name__} called on an unbatched input of shape "
-            f"{tuple(inputs[0].shape)}; per-example gradients need a batch dimension",
-            "model",
-        )
-    b, g = grad_output.shape[0], module.groups
-    t = math.prod(grad_output.shape[2:])
-    i, o = module.weight[0].numel(), module.out_channels // g  # in/G * prod(k), out/G
-    out: dict[str, Contribution] = {}
-    if t * (i + o) < i * o:  # few positions: the Gram of the patches, no per-example gradient
-        a = unfold(module, inputs[0])  # (B, G, T, in/G * prod(k))
-        s = grad_output.reshape(b, g, o, t).transpose(-1, -2)  # (B, G, T, out/G)
-        out["weight"] = Outer(s, a, module.weight.shape)
-    else:  # forming the gradients costs less, and the convolution backward does it fastest
-        out["weight"] = Dense(per_example_weight_grads(module, inputs[0], grad_output))
+    _batched(module, inputs[0])
+    out = {"weight": weight_part(module, inputs[0], grad_output)}
     if module.bias is not None:
         out["bias"] = Dense(grad_output.flatten(2).sum(2))  # (B, out)
     return out
+
+
+@register_rule(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, name="conv_transpose")
+def conv_transpose(
+    module: nn.modules.conv._ConvTransposeNd,
+    inputs: tuple[Tensor, ...],
+    grad_output: Tensor,
+    output_size: object = None,
+) -> dict[str, Contribution]:
+    """A transposed convolution is the adjoint of the convolution with the same weight, stride,
+    padding, dilation and groups (its input gradient): its weight gradient is that convolution's,
+    with the output gradient as the input and the input as the output gradient."""
+    _batched(module, inputs[0])
+    out = {"weight": weight_part(_Adjoint(module), grad_output, inputs[0])}
+    if module.bias is not None:
+        out["bias"] = Dense(grad_output.flatten(2).sum(2))  # (B, out)
+    return out
+
+
+class _Adjoint:
+    """The convolution whose adjoint ``module`` computes, as far as ``weight_part`` reads it."""
+
+    def __init__(self, module: nn.modules.conv._ConvTransposeNd):
+        self.weight, self.groups, self.padding_mode = module.weight, module.groups, "zeros"
+        self.kernel_size, self.stride, self.dilation = (
+            module.kernel_size, module.stride, module.dilation,
+        )  # fmt: skip
+        self.out_channels = module.in_channels  # the adjoint maps the output's channels back
+        self._reversed_padding_repeated_twice = [p for p in reversed(module.padding) for _ in "ab"]
+
+
+def _batched(module: nn.Module, x: Tensor) -> None:
+    if x.dim() != len(module.kernel_size) + 2:
+        raise ModelError(
+            f"{type(module).__name__} called on an unbatched input of shape "
+            f"{tuple(x.shape)}; per-example gradients need a batch dimension",
+            "model",
+        )
+
+
+def weight_part(module: _Conv | _Adjoint, x: Tensor, grad_output: Tensor) -> Contribution:
+    """The weight's contribution of a convolution from its input and output gradient."""
+    b, g = grad_output.shape[0], module.groups
+    t = math.prod(grad_output.shape[2:])
+    i, o = module.weight[0].numel(), module.out_channels // g  # in/G * prod(k), out/G
+    if t * (i + o) < i * o:  # few positions: the Gram of the patches, no per-example gradient
+        a = unfold(module, x)  # (B, G, T, in/G * prod(k))
+        s = grad_output.reshape(b, g, o, t).transpose(-1, -2)  # (B, G, T, out/G)
+        return Outer(s, a, module.weight.shape)
+    # forming the gradients costs less, and the convolution backward does it fastest
+    return Dense(per_example_weight_grads(module, x, grad_output))

@@ -113,3 +113,30 @@ def lookup(
         )
         s = s / counts[inverse].view(b, -1, 1).to(s.dtype)
     return Rows(ids, s, num_rows)
+
+
+@register_rule(nn.EmbeddingBag, name="embedding_bag")
+def embedding_bag(
+    module: nn.EmbeddingBag,
+    inputs: tuple[Tensor, ...],
+    grad_output: Tensor,
+    offsets: Tensor | None = None,
+    per_sample_weights: Tensor | None = None,
+) -> dict[str, Contribution]:
+    """One bag per example, a (B, L) input: example i's bag adds its rows, weighted (or
+    averaged), so G_i[v] = sum over its positions t with id v of w_t s_i."""
+    ids = inputs[0]
+    if len(inputs) > 1:  # offsets passed positionally
+        offsets = inputs[1]
+    if ids.dim() != 2 or offsets is not None or module.mode == "max":
+        # bags from offsets are not the examples, and max picks rows by value
+        raise NotImplementedError(f"mode {module.mode!r} with input of {ids.dim()} dims")
+    weights = torch.ones_like(ids, dtype=grad_output.dtype)
+    if per_sample_weights is not None:
+        weights = per_sample_weights.to(grad_output.dtype)
+    if module.padding_idx is not None:
+        weights = weights * (ids != module.padding_idx)  # padding is no member of the bag
+    if module.mode == "mean":
+        weights = weights / weights.sum(1, keepdim=True).clamp_min(1)
+    s = grad_output[:, None, :] * weights[..., None]  # (B, L, D)
+    return {"weight": Rows(ids, s, module.num_embeddings)}

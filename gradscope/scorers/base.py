@@ -8,10 +8,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..inputs import Inputs
 from ..io.data import Batch
 from ..job import Job
-
-Inputs = list[tuple[str, str]]  # (what names it, path): files a run reads
 
 
 class Scorer:

@@ -14,18 +14,15 @@ from ..engine.influence import (
     MAX_PER_REF,
     BatchInfluence,
     Influence,
-    adam_denominator,
     check_engine,
-    preconditioned,
     reference_gradients,
 )
 from ..errors import ConfigError, DataError
-from ..io.data import Batch, Dataset, data_files, data_sha256, open_dataset
-from ..io.model import file_sha256, load_state_dict
+from ..inputs import data_inputs
+from ..io.data import Batch, Dataset, data_sha256, open_dataset
+from ..io.model import file_sha256
 from ..job import Job
 from .base import Inputs, Scorer, all_finite, leading
-
-PICKLED_STATE = "; save optimizer.state_dict() itself, which holds only tensors and numbers"
 
 
 class InfluenceScorer(Scorer):
@@ -49,7 +46,7 @@ class InfluenceScorer(Scorer):
     ):
         super().__init__()
         if precondition is not None and not Path(precondition).is_file():
-            raise ConfigError("optimizer state file not found", str(precondition))
+            raise ConfigError("preconditioner file not found", str(precondition))
         ref = str(ref)  # a path relative to the working directory, or file.py:make_dataset
         self.ref = ref if ".py:" in ref else str(Path(ref).resolve())
         self.precondition = str(Path(precondition).resolve()) if precondition else None
@@ -59,9 +56,10 @@ class InfluenceScorer(Scorer):
         self._weights: Tensor | None = None  # (C,) one per checkpoint
         self._ref_sq: Tensor | None = None  # (K,) sum_c w_c ||r_ck||^2
         self._described: dict = {}
+        self._precondition_kind: dict = {}
 
     def reads(self) -> Inputs:
-        files = [("--ref", f) for f in data_files(self.ref)]
+        files = data_inputs("--ref", self.ref)
         return files + ([("--precondition", self.precondition)] if self.precondition else [])
 
     def resume_key(self) -> dict:
@@ -77,9 +75,6 @@ class InfluenceScorer(Scorer):
                 f"{MAX_PER_REF} reference examples; REF has {len(ref_data)}",
                 self.ref,
             )
-        state = None
-        if self.precondition:
-            state = load_state_dict(self.precondition, hint=PICKLED_STATE)
         checkpoints = job.cfg.model.checkpoints
         jobs = [job.at_checkpoint(c.path, self.trust_checkpoint) for c in checkpoints[:-1]]
         for other in jobs:
@@ -88,33 +83,39 @@ class InfluenceScorer(Scorer):
         weights = [c.weight for c in checkpoints] or [1.0]
         paths = [c.path for c in checkpoints] or [job.cfg.model.checkpoint]
         for j in jobs:
-            self._scorers.append(self._at_checkpoint(j, ref_data, state))
+            self._scorers.append(self._at_checkpoint(j, ref_data, j is job))
         self._weights = torch.tensor(weights, dtype=torch.float64)
         self._ref_sq = sum(
             w * s.ref_norm.pow(2) for w, s in zip(weights, self._scorers, strict=True)
         ).cpu()
         self._describe(ref_data, paths, weights)
 
-    def _at_checkpoint(self, job: Job, ref_data: Dataset, state: dict | None) -> Influence:
-        """The reference gradients at one checkpoint, and the engine scoring against them."""
+    def _at_checkpoint(self, job: Job, ref_data: Dataset, last: bool) -> Influence:
+        """The reference gradients at one checkpoint, and the engine scoring against them.
+        A factors file must come from the last checkpoint's weights; every checkpoint uses it."""
         batches = (job.to_device(b) for b in ref_data.batches(job.cfg.data.batch_size))
         if job.sharded:
-            return self._sharded(job, batches, state)
+            return self._sharded(job, batches)
         main = distributed.world().main
         refs = reference_gradients(job.engine, batches, self.per_ref) if main else None
         refs = distributed.broadcast_tensors(refs, job.device)
-        if state is not None:
-            refs = preconditioned(refs, adam_denominator(state, job.engine, self.precondition))
+        if self.precondition:
+            from ..curvature import load_preconditioner
+
+            sha = job.metadata("influence")["checkpoint_sha256"] if last else None
+            pre = load_preconditioner(self.precondition, job.engine, sha)
+            refs = pre.refs(refs)
+            self._precondition_kind = pre.describe()
         return Influence(job.engine, refs, self.engine, norms=True)
 
-    def _sharded(self, job: Job, batches, state: dict | None) -> Influence:
+    def _sharded(self, job: Job, batches) -> Influence:
         """Under ``distributed.shard``: the reference gradient sharded like the parameters, each
         parameter's whole gathered as the backward reaches it; hooks only."""
         from .. import fsdp
 
         for option, given in (
             ("--per-ref", self.per_ref),
-            ("--precondition", state is not None),
+            ("--precondition", self.precondition is not None),
             ("--engine jvp", self.engine == "jvp"),
         ):
             if given:
@@ -129,7 +130,8 @@ class InfluenceScorer(Scorer):
             "ref_examples": len(ref_data),
             "per_ref": self.per_ref,
             "precondition": precondition
-            and {"path": precondition, "sha256": file_sha256(precondition)},
+            and {"path": precondition, "sha256": file_sha256(precondition)}
+            | self._precondition_kind,
             "engine": self.engine,
             "checkpoints": [
                 {

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 from torch import Tensor
 
 from ..config import CheckpointConfig
 from ..engine.core import BatchScores, total
+from ..engine.reduce import Want
+from ..errors import ConfigError
 from ..io.data import Batch
+from ..io.model import file_sha256
 from ..job import Job
-from .base import Scorer, all_finite, leading
+from .base import Inputs, Scorer, all_finite, leading
 
 
 class NormsScorer(Scorer):
@@ -20,24 +25,56 @@ class NormsScorer(Scorer):
 
     With ``model.checkpoints`` the job's model is at the last checkpoint; ``setup`` builds one at
     each earlier checkpoint (kept prepared until the scorer exits).
+
+    ``precondition`` (a factors file or an Adam/AdamW state dict, told apart by content) adds
+    ``self_influence = sum_k w_k g_k^T P g_k`` (one checkpoint: ``g^T P g``) from the same pass,
+    ``P`` the inverse damped K-FAC / EK-FAC curvature or ``1 / (sqrt(v_hat) + eps)``.
     """
 
     command = "norms"
 
-    def __init__(self, trust_checkpoint: bool = False) -> None:
+    def __init__(self, trust_checkpoint: bool = False, precondition: str | Path | None = None):
         super().__init__()
+        if precondition is not None and not Path(precondition).is_file():
+            raise ConfigError("preconditioner file not found", str(precondition))
         self.trust_checkpoint = trust_checkpoint
+        self.precondition = str(Path(precondition).resolve()) if precondition else None
         self._earlier: list[Job] = []
+        self._wants: list[Want] = []  # per job, the last checkpoint's last
+        self._described: dict = {}
+
+    def reads(self) -> Inputs:
+        return [("--precondition", self.precondition)] if self.precondition else []
 
     def setup(self, job: Job) -> None:
         earlier = job.cfg.model.checkpoints[:-1]
         self._earlier = [job.at_checkpoint(c.path, self.trust_checkpoint) for c in earlier]
         for other in self._earlier:
             self.stack.enter_context(other.engine)
+        self._wants = [Want(norms=True) for _ in [*self._earlier, job]]
+        if self.precondition:
+            from ..curvature import load_preconditioner
+
+            sha = job.metadata("norms")["checkpoint_sha256"]
+            pre = [load_preconditioner(self.precondition, j.engine) for j in self._earlier]
+            pre.append(load_preconditioner(self.precondition, job.engine, sha))
+            self._wants = [Want(norms=True, transform=p.transform) for p in pre]
+            self._described = {
+                "precondition": {
+                    "path": self.precondition,
+                    "sha256": file_sha256(self.precondition),
+                    **pre[-1].describe(),
+                }
+            }
+
+    def metadata(self) -> dict:
+        return self._described
 
     def columns(self, job: Job, batch: Batch) -> dict[str, np.ndarray]:
-        scores = job.engine.norms(*job.to_device(batch))
-        earlier = [j.engine.norms(*j.to_device(batch)) for j in self._earlier]
+        jobs = [*self._earlier, job]
+        *earlier, scores = [
+            j.engine.scores(*j.to_device(batch), w) for j, w in zip(jobs, self._wants, strict=True)
+        ]
         return self.table(job, batch, scores, earlier)
 
     def table(
@@ -55,6 +92,12 @@ class NormsScorer(Scorer):
         squares = [total(s.norm_sq).cpu() for s in earlier] + [norm_sq]
         if job.cfg.model.checkpoints:
             columns |= at_checkpoints(losses, squares, job.cfg.model.checkpoints)
+        if scores.pre_sq:  # g^T P g, weighted over the checkpoints as TracIn's self-influence
+            weights = [c.weight for c in job.cfg.model.checkpoints] or [1.0]
+            pre = [total(s.pre_sq).cpu() for s in [*earlier, scores]]
+            columns["self_influence"] = sum(w * p for w, p in zip(weights, pre, strict=True))
+            columns["self_influence"] = columns["self_influence"].numpy()
+            squares += pre
         if batch.targets.dim() == 1:
             columns["target"] = batch.targets.numpy()
         columns |= {name: t.cpu().numpy() for name, t in scores.observed.items()}

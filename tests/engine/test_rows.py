@@ -152,6 +152,28 @@ def test_rows_that_mix_examples_go_to_the_fallback_with_the_op():
     assert all("mix examples (after mean)" in note for note in notes.values()), notes
 
 
+class WeightFromTheBatch(nn.Module):
+    """F.linear(h, h): each example's row against every example's row as the weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(D, D), nn.Linear(1, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc(x)
+        return self.head(F.linear(h, h).sum(1, keepdim=True))  # (B, B) summed to (B, 1)
+
+
+def test_a_weight_computed_from_the_batch_mixes_examples():
+    torch.manual_seed(0)
+    model = WeightFromTheBatch().double()
+    x, y = torch.randn(4, D, dtype=torch.float64), torch.randint(0, 3, (4,))
+    with Engine(model, resolve_loss("cross_entropy")) as engine:
+        engine.norms((x,), y)
+    assert {p.name for p in engine.plan.fallback} == {p for p, _ in model.named_parameters()}
+    assert all("mix examples (after linear)" in p.note for p in engine.plan.fallback)
+
+
 class EditsOutput(nn.Module):
     """Wav2Vec2's ``hidden[~mask] = 0`` after its feature projection: a layer's output edited in
     place, so the gradient hook on that output never fires."""
@@ -215,4 +237,26 @@ def test_an_error_that_cancels_in_the_batch_sum_is_caught(swapping_rule):
         got = total(engine.norms((x,), y).norm_sq).sqrt()
     assert engine.plan.params[0].rule == "fallback"
     assert "one example" in engine.plan.params[0].note
+    assert_rel_close(got, reference_norms(model, (x,), y, "cross_entropy")[1], 1e-9)
+
+
+class LastState(nn.Module):
+    """The usual classifier over an LSTM's last hidden state: the layer's second output."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm, self.head = nn.LSTM(D, 5, batch_first=True), nn.Linear(5, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out, (h, _) = self.lstm(x)
+        return self.head(out.mean(1) + h[-1])
+
+
+def test_a_recurrent_layers_last_state_reaching_the_loss_goes_to_the_fallback():
+    torch.manual_seed(0)
+    model = LastState().double()
+    x, y = torch.randn(4, 6, D, dtype=torch.float64), torch.randint(0, 3, (4,))
+    with Engine(model, resolve_loss("cross_entropy")) as engine:
+        got = total(engine.norms((x,), y).norm_sq).sqrt()
+    assert {p.name.split(".")[0] for p in engine.plan.fallback} == {"lstm"}
     assert_rel_close(got, reference_norms(model, (x,), y, "cross_entropy")[1], 1e-9)

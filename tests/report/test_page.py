@@ -89,7 +89,7 @@ def test_report_refuses_to_overwrite_its_inputs_and_a_missing_file(tmp_path):
     with pytest.raises(DataError, match="scores file not found"):
         write_report(tmp_path / "none.parquet")
     assert write_report(scores) == tmp_path / "s.html"
-    with pytest.raises(DataError, match="cannot write the report: No such file or directory"):
+    with pytest.raises(ConfigError, match="the output's folder .*missing does not exist"):
         write_report(scores, tmp_path / "missing" / "r.html")
     with pytest.raises(ConfigError, match="the output path is a folder"):
         write_report(scores, tmp_path)

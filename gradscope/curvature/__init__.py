@@ -1,0 +1,78 @@
+"""Curvature-aware scores: K-FAC / EK-FAC factors from the engine's captured inputs and output
+gradients (``gradscope factors``), and the preconditioners ``--precondition`` applies."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from ..config import Config
+from ..engine.core import Engine
+from .factors import EKFAC, KFAC, Factors, factored_convs, fit, is_factors_file, metadata
+from .fisher import SampledLoss, check_fisher
+from .precondition import Curvature, Diagonal, Preconditioner, load_preconditioner
+
+__all__ = [
+    "Curvature",
+    "Diagonal",
+    "Factors",
+    "Preconditioner",
+    "fit_factors",
+    "is_factors_file",
+    "load_preconditioner",
+]
+
+
+def fit_factors(
+    cfg: Config,
+    out: str | Path,
+    *,
+    ekfac: bool = False,
+    fisher: str = "true",
+    trust_checkpoint: bool = False,
+    on_start: Callable[[int | None], None] | None = None,
+    on_batch: Callable[[int], None] | None = None,
+) -> Factors:
+    """Compute the configured model's factors over its data (``data.limit`` rows) and write them
+    to ``out``. The true Fisher draws each batch's targets from the model (seeded by the batch's
+    position, so a run is reproducible); the empirical Fisher uses the data's targets."""
+    from ..io.data import open_dataset
+    from ..job import Job, config_loss
+    from ..run import check_output, run_inputs
+
+    check_fisher(fisher, cfg.loss.name)
+    check_output(out, run_inputs(cfg))
+    job = Job.from_config(cfg, trust_checkpoint)
+    loss = config_loss(cfg)
+    sampled = None
+    if fisher == "true":
+        loss = sampled = SampledLoss(cfg.loss.name, loss, cfg.loss.kwargs, cfg.loss.class_dim)
+    engine = Engine(job.model, loss, cfg.params.include, cfg.params.exclude, job.engine.forward)
+    dataset = open_dataset(cfg.data)
+    if on_start:
+        total = dataset.length
+        if total is not None and cfg.data.limit is not None:
+            total = min(total, cfg.data.limit)
+        on_start(None if total is None else total * (2 if ekfac else 1))
+
+    def batches():
+        for batch in dataset.batches(cfg.data.batch_size, cfg.data.limit):
+            yield job.to_device(batch)
+
+    def reseed(k: int) -> None:
+        if sampled is not None:
+            sampled.seed = k
+
+    with engine, factored_convs():
+        blocks, examples = fit(
+            lambda inputs, targets: engine.contributions(inputs, targets)[1],
+            batches,
+            ekfac=ekfac,
+            reseed=reseed,
+            on_batch=on_batch,
+        )
+    model = job.metadata("factors")
+    model["plan"] = engine.plan.describe()
+    factors = Factors(blocks, metadata(EKFAC if ekfac else KFAC, fisher, examples, model))
+    factors.save(out)
+    return factors

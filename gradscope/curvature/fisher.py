@@ -1,0 +1,76 @@
+"""The true Fisher's labels: targets drawn from the model's own predictive distribution.
+
+The Fisher F = E_x E_{y ~ p(y|x)} [g g^T] needs output gradients of losses whose targets are
+sampled from the model; the empirical Fisher takes the data's targets instead. A sampled loss
+draws its targets from a generator seeded per batch (``seed``), so the engine's repeated calls on
+one batch (its first-batch checks) see the same labels.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..errors import ConfigError
+from ..losses import LossFn
+
+FISHERS = ("true", "empirical")
+# losses whose targets the model's output is a distribution over
+SAMPLED = ("cross_entropy", "nll", "causal_lm", "bce_with_logits", "mse")
+
+
+def check_fisher(fisher: str, loss_name: str) -> None:
+    if fisher not in FISHERS:
+        raise ConfigError(f"--fisher must be true or empirical, got {fisher!r}", "--fisher")
+    if fisher == "true" and loss_name not in SAMPLED:
+        raise ConfigError(
+            f"the true Fisher samples targets from the model's predictive distribution, which "
+            f"loss {loss_name!r} does not define; use --fisher empirical",
+            "loss.name",
+        )
+
+
+def _categorical(probs: Tensor, generator: torch.Generator) -> Tensor:
+    """One class per row of (N, C) probabilities."""
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+class SampledLoss:
+    """``loss(output, sampled targets)`` for the named loss, with the targets drawn from the
+    output: softmax over the classes (cross_entropy, causal_lm's next token), exp of log-probs
+    (nll), a Bernoulli of the sigmoid (bce_with_logits), a Gaussian of variance 1/2 around the
+    output (mse: its loss is that Gaussian's negative log-likelihood up to a constant).
+    Positions whose target is ``ignore_index`` keep it.
+    """
+
+    def __init__(self, name: str, loss: LossFn, kwargs: dict, class_dim: int, seed: int = 0):
+        self.name, self.loss, self.class_dim, self.seed = name, loss, class_dim, seed
+        self.ignore_index = kwargs.get("ignore_index", -100)
+
+    def __call__(self, output: Tensor, targets: Tensor) -> Tensor:
+        return self.loss(output, self.sample(output.detach(), targets))
+
+    def sample(self, output: Tensor, targets: Tensor) -> Tensor:
+        g = torch.Generator(device=output.device).manual_seed(self.seed)
+        out = output.float()
+        if self.name == "mse":
+            noise = torch.randn(out.shape, generator=g, device=out.device) * 0.5**0.5
+            return (out + noise).to(output.dtype).reshape(targets.shape)
+        if self.name == "bce_with_logits":
+            drawn = torch.bernoulli(out.sigmoid(), generator=g)
+            return drawn.to(targets.dtype if targets.is_floating_point() else out.dtype)
+        if self.name == "causal_lm":  # logits at 0..T-2 predict the tokens at 1..T-1
+            logits = out[:, :-1]  # (B, T-1, V)
+            drawn = _categorical(logits.reshape(-1, logits.shape[-1]).softmax(-1), g)
+            sampled = targets.clone()
+            keep = targets[:, 1:] == self.ignore_index
+            sampled[:, 1:] = torch.where(keep, targets[:, 1:], drawn.view(keep.shape))
+            return sampled
+        # cross_entropy / nll: classes along class_dim (dim 1 of a (B, C) output)
+        dim = 1 if out.dim() <= 2 else self.class_dim % out.dim()
+        scores = out.movedim(dim, -1)  # (B, ..., C)
+        probs = scores.exp() if self.name == "nll" else scores.softmax(-1)
+        drawn = _categorical(probs.reshape(-1, probs.shape[-1]), g).view(scores.shape[:-1])
+        if targets.is_floating_point() or drawn.shape != targets.shape:
+            return drawn  # class probabilities as targets: sampled classes replace them
+        return torch.where(targets == self.ignore_index, targets.long(), drawn)

@@ -1,0 +1,142 @@
+"""What a run reads and where it may write: every file and folder named by the config, the command
+line or a scores file's metadata, kept off limits to the run's outputs and, on request, out of the
+metadata it shares."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from pathlib import Path
+
+from .config import Config
+from .errors import ConfigError
+from .io.batch import is_glob
+from .io.data import code_file, data_files
+
+Inputs = list[tuple[str, str]]  # (what names it, path): files and folders a run reads
+
+
+def run_inputs(cfg: Config, more: Inputs = ()) -> Inputs:
+    """Every file and folder the run reads: config, code, checkpoints, data, the report's
+    tokenizer, and the scorer's ``more``."""
+    return config_inputs(cfg.to_dict()) + list(more)
+
+
+def config_inputs(config: dict) -> Inputs:
+    """The files and folders a config reads, from ``Config.to_dict()`` or a scores file's
+    metadata (absolute paths; a key that is missing or not a path names nothing)."""
+    model, data, loss, report = (
+        _mapping(config.get(k)) for k in ("model", "data", "loss", "report")
+    )
+    named = [("config file", config["source"])] if config.get("source") else []
+    for key, spec in (("model.factory", model.get("factory")), ("loss.name", loss.get("name"))):
+        if isinstance(spec, str) and code_file(spec):
+            named.append((key, code_file(spec)))
+    for key, path in (
+        ("model.pretrained", model.get("pretrained")),  # a folder: each of its files is an input
+        ("model.checkpoint", model.get("checkpoint")),
+        ("model.adapter", model.get("adapter")),  # a folder, like model.pretrained
+        ("report.tokenizer", report.get("tokenizer")),
+    ):
+        if isinstance(path, str):
+            named.append((key, path))
+    checkpoints = model.get("checkpoints") or []
+    named += [("model.checkpoints", c["path"]) for c in checkpoints if isinstance(c, dict)]
+    if isinstance(data.get("path"), (str, list)):
+        named += data_inputs("data.path", data["path"])
+    return named
+
+
+def metadata_inputs(meta: dict) -> Inputs:
+    """What the run that wrote a scores file read, as its ``gradscope`` metadata names it."""
+    named = config_inputs(meta.get("config") or {})
+    influence = _mapping(meta.get("influence"))
+    if isinstance(influence.get("ref"), str):
+        named += data_inputs("--ref", influence["ref"])
+    if isinstance(influence.get("precondition"), dict):
+        named.append(("--precondition", influence["precondition"]["path"]))
+    return named
+
+
+def minimal(metadata: object) -> object:
+    """``output.metadata: minimal``: the metadata without the config and without any value that
+    is an absolute path (a reference, a checkpoint); versions, hashes and the plan stay."""
+    if isinstance(metadata, dict):
+        return {k: minimal(v) for k, v in metadata.items() if k != "config" and not _path(v)}
+    if isinstance(metadata, list):
+        return [minimal(v) for v in metadata if not _path(v)]
+    return metadata
+
+
+def _path(value: object) -> bool:
+    return isinstance(value, str) and os.path.isabs(value)
+
+
+def data_inputs(key: str, path: str | list[str]) -> Inputs:
+    """The files and folders a data path reads now, and each glob itself: an output that a glob
+    would match is read as data by the next run."""
+    specs = [path] if isinstance(path, str) else path
+    patterns = [s for s in specs if is_glob(s) and ".py:" not in s and not Path(s).exists()]
+    return [(key, f) for f in data_files(path)] + [(key, p) for p in patterns]
+
+
+def _matches(path: Path, pattern: str) -> bool:
+    """Whether the glob ``pattern`` matches ``path`` (a name that may not exist yet)."""
+    if not is_glob(pattern) or Path(pattern).exists():
+        return False
+    parts, wanted = Path(os.path.realpath(path)).parts, Path(pattern).parts
+    return len(parts) == len(wanted) and all(map(fnmatch.fnmatchcase, parts, wanted))
+
+
+def _mapping(value: object) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def _same(a: Path, b: str) -> bool:
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)  # a hard link to the same file
+    except OSError:
+        return False
+
+
+def _inside(path: Path, folder: str) -> bool:
+    top = os.path.realpath(folder)
+    return os.path.isdir(top) and os.path.commonpath([os.path.realpath(path), top]) == top
+
+
+def check_output(path: str | Path, inputs: Inputs) -> None:
+    """Refuse, before anything runs, an output that is one of the inputs or lies inside an input
+    folder, or that is not a regular file (or a new name) in an existing folder."""
+    path = Path(path)
+    for key, file in inputs:
+        if _same(path, file):
+            raise ConfigError(
+                f"the output path is the run's {key} ({file}); writing there would destroy it, "
+                "choose another --out or output.path",
+                str(path),
+            )
+        if _matches(path, file):
+            raise ConfigError(
+                f"the output path matches the run's {key} pattern ({file}); the next run would "
+                "read it as data, choose another --out or output.path",
+                str(path),
+            )
+        if _inside(path, file):
+            raise ConfigError(
+                f"the output path is inside the run's {key} folder ({file}); writing there would "
+                "change what the run reads, choose another --out or output.path",
+                str(path),
+            )
+    if path.is_dir():
+        raise ConfigError("the output path is a folder; give a file name", str(path))
+    if path.exists() and not path.is_file():
+        raise ConfigError(
+            "the output path is not a regular file (a device, pipe or socket); give a file name",
+            str(path),
+        )
+    if path.parent.exists() and not path.parent.is_dir():
+        raise ConfigError(f"the output's folder {path.parent} is a file", str(path))
+    if not path.parent.is_dir():
+        raise ConfigError(f"the output's folder {path.parent} does not exist", str(path))

@@ -1,0 +1,339 @@
+"""K-FAC / EK-FAC factors and preconditioned scores against their definitions, in float64.
+
+Oracles: per-example gradients from one backward per example (``naive_grads``), layer inputs and
+output gradients from plain hooks, and each preconditioner's matrix built out in full (the
+Kronecker product, the rotated eigenvalues, the diagonal) and ``solve``d.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gradscope.curvature.factors import DIAGONAL, KFAC, Factors, factored_convs, fit, metadata
+from gradscope.curvature.fisher import SampledLoss
+from gradscope.curvature.precondition import Curvature, Diagonal
+from gradscope.engine.core import Engine, total
+from gradscope.engine.influence import Influence, reference_gradients
+from gradscope.engine.naive import naive_grads
+from gradscope.engine.reduce import Want
+from gradscope.losses import resolve_loss
+from gradscope.rules import RULES
+from gradscope.rules.conv import conv
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 4), nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class Twice(nn.Module):
+    """One Linear called twice: its parts merge (positions of both calls) before reducing."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.fc(torch.tanh(self.fc(x))))
+
+
+class GroupedConv(nn.Module):
+    """A grouped convolution at two positions (its rule keeps it factored), then a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(8, 6, 3, groups=2), nn.Linear(12, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(torch.tanh(self.conv(x)).flatten(1))
+
+
+class WideConv(nn.Module):
+    """A grouped, padded convolution at 25 positions: its rule forms per-example gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(4, 6, 3, groups=2, padding=1), nn.Linear(150, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(torch.tanh(self.conv(x)).flatten(1))
+
+
+class TiedLM(nn.Module):
+    """Embedding, a Linear over positions, and an output head tied to the embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(11, 6), nn.Linear(6, 6)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.fc(self.emb(ids))))
+
+
+@dataclass
+class Problem:
+    model: nn.Module
+    inputs: tuple[Tensor, ...]
+    targets: Tensor
+    loss: str
+    ref_inputs: tuple[Tensor, ...]
+    ref_targets: Tensor
+
+
+def _lm_ids(b: int, t: int) -> tuple[Tensor, Tensor]:
+    ids = torch.randint(1, 11, (b, t))
+    labels = ids.clone()
+    labels[0, -2:] = -100  # padding at the end of one row
+    ids[0, -2:] = 0
+    return ids, labels
+
+
+def _problem(kind: str) -> Problem:
+    torch.manual_seed(0)
+    if kind == "mlp":
+        model, make = MLP(), lambda b: ((torch.randn(b, 5),), torch.randint(0, 3, (b,)))
+        loss = "cross_entropy"
+    elif kind == "twice":
+        model, make = Twice(), lambda b: ((torch.randn(b, 4),), torch.randint(0, 3, (b,)))
+        loss = "cross_entropy"
+    elif kind == "wide_conv":
+        model = WideConv()
+        make = lambda b: ((torch.randn(b, 4, 5, 5),), torch.randint(0, 3, (b,)))  # noqa: E731
+        loss = "cross_entropy"
+    elif kind == "conv":
+        model = GroupedConv()
+        make = lambda b: ((torch.randn(b, 8, 3, 4),), torch.randint(0, 3, (b,)))  # noqa: E731
+        loss = "cross_entropy"
+    else:
+        model, loss = TiedLM(), "causal_lm"
+
+        def make(b):
+            ids, labels = _lm_ids(b, 5)
+            return (ids,), labels
+
+    model = model.double().eval()
+    (inputs, targets), (ref_inputs, ref_targets) = make(9), make(4)
+    inputs = tuple(t.double() if t.is_floating_point() else t for t in inputs)
+    ref_inputs = tuple(t.double() if t.is_floating_point() else t for t in ref_inputs)
+    return Problem(model, inputs, targets, loss, ref_inputs, ref_targets)
+
+
+KINDS = ["mlp", "conv", "wide_conv", "lm"]
+
+
+def _factors(pb: Problem, loss, ekfac: bool, batches: int = 2) -> Factors:
+    """Factors over the problem's examples split into ``batches`` batches."""
+    engine = Engine(pb.model, loss)
+    b = pb.targets.shape[0]
+    step = -(-b // batches)
+
+    def split():
+        for lo in range(0, b, step):
+            yield tuple(t[lo : lo + step] for t in pb.inputs), pb.targets[lo : lo + step]
+
+    with engine, factored_convs():
+        blocks, n = fit(lambda i, t: engine.contributions(i, t)[1], split, ekfac=ekfac)
+    return Factors(blocks, metadata("ekfac" if ekfac else "kfac", "empirical", n, {}))
+
+
+def _captured(pb: Problem, loss) -> dict[str, tuple[Tensor, Tensor]]:
+    """{module name: (a, s)} each call's input rows and output-gradient rows (B, T, D), from
+    plain hooks and the summed loss: what K-FAC's definition is written in."""
+    found, handles = {}, []
+    for name, m in pb.model.named_modules():
+        if isinstance(m, nn.Linear | nn.Conv2d):
+
+            def hook(mod, args, out, name=name):
+                x = args[0]
+                out.register_hook(lambda g: found.__setitem__(name, (x.detach(), g.detach())))
+
+            handles.append(m.register_forward_hook(hook))
+    try:
+        loss(pb.model(*pb.inputs), pb.targets).sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+        pb.model.zero_grad(set_to_none=True)
+    return found
+
+
+def _positions(m: nn.Module, x: Tensor, g: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """Per group: (a, s) as (B, T, D) rows, the Conv's input unfolded by F.unfold."""
+    b = x.shape[0]
+    if isinstance(m, nn.Conv2d):
+        patches = F.unfold(x, m.kernel_size, padding=m.padding).transpose(
+            1, 2
+        )  # (B, L, C*k*k), channel-major
+        grads = g.flatten(2).transpose(1, 2)  # (B, L, out)
+        i, o = patches.shape[-1] // m.groups, m.out_channels // m.groups
+        return [
+            (patches[..., k * i : (k + 1) * i], grads[..., k * o : (k + 1) * o])
+            for k in range(m.groups)
+        ]
+    return [(x.reshape(b, -1, x.shape[-1]), g.reshape(b, -1, g.shape[-1]))]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_factors_are_the_definition(kind: str) -> None:
+    """A = (1/N) sum_i sum_t a a^T, S = mean over counted positions of s s^T (per group), the
+    diagonal (1/N) sum_i g_i^2, EK-FAC's (1/N) sum_i (Q_S^T G_i Q_A)^2; over two batches."""
+    pb = _problem(kind)
+    loss = resolve_loss(pb.loss)
+    factors = _factors(pb, loss, ekfac=True)
+    n = pb.targets.shape[0]
+    modules = dict(pb.model.named_modules())
+    for name, (x, g) in _captured(pb, loss).items():
+        if name == "head":
+            continue  # tied to the embedding: a diagonal block
+        block = factors.blocks[f"{name}.weight"]
+        assert block.kind == KFAC
+        for k, (a, s) in enumerate(_positions(modules[name], x, g)):
+            counted = ((a != 0).any(-1) & (s != 0).any(-1)).double()  # (B, T)
+            a_def = torch.einsum("bti,btj->ij", a * counted[..., None], a) / n
+            s_def = torch.einsum("bti,btj->ij", s * counted[..., None], s) / counted.sum()
+            torch.testing.assert_close(block.tensors["A"][k], a_def)
+            torch.testing.assert_close(block.tensors["S"][k], s_def)
+    names = [n_ for n_, _ in pb.model.named_parameters()]
+    _, grads = naive_grads(pb.model, pb.inputs, pb.targets, loss, names)
+    for name, block in factors.blocks.items():
+        g = grads[name]
+        if block.kind == DIAGONAL:
+            torch.testing.assert_close(block.tensors["diagonal"], g.square().mean(0))
+            continue
+        q_s, q_a = block.tensors["S_eigenvectors"], block.tensors["A_eigenvectors"]
+        groups, o, i = q_s.shape[0], q_s.shape[-1], q_a.shape[-1]
+        rotated = q_s.transpose(-1, -2) @ g.reshape(n, groups, o, i) @ q_a
+        torch.testing.assert_close(block.tensors["lambda"], rotated.square().mean(0))
+    if kind == "lm":
+        assert factors.blocks["emb.weight"].kind == DIAGONAL  # Rows + Outer of a tied weight
+
+
+def _inverse(block, shape: torch.Size, ekfac: bool) -> Tensor:
+    """The damped curvature of one parameter built out in full, (P, P), row-major vec."""
+    t, d = block.tensors, block.damping
+    if block.kind == DIAGONAL:
+        return torch.diag((t["diagonal"] + d["diagonal"]).flatten())
+    mats = []
+    for k in range(t["A"].shape[0]):
+        if ekfac:
+            q = torch.kron(t["S_eigenvectors"][k], t["A_eigenvectors"][k])
+            mats.append(q @ torch.diag(t["lambda"][k].flatten() + d["lambda"]) @ q.T)
+        else:
+            eye_s, eye_a = torch.eye(t["S"].shape[-1]), torch.eye(t["A"].shape[-1])
+            s = t["S"][k] + d["S"] * eye_s.double()
+            mats.append(torch.kron(s, t["A"][k] + d["A"] * eye_a.double()))
+    return torch.block_diag(*mats)
+
+
+def _dense_scores(pb: Problem, factors: Factors, ekfac: bool, loss) -> tuple[Tensor, Tensor]:
+    """(B,) g_i^T H^-1 r and (B,) g_i^T H^-1 g_i, H built out and solved."""
+    names = [n for n, _ in pb.model.named_parameters()]
+    _, grads = naive_grads(pb.model, pb.inputs, pb.targets, loss, names)
+    _, ref_grads = naive_grads(pb.model, pb.ref_inputs, pb.ref_targets, loss, names)
+    inner = self_ = 0
+    for name in names:
+        h = _inverse(factors.blocks[name], grads[name].shape[1:], ekfac)
+        g = grads[name].flatten(1)  # (B, P)
+        r = ref_grads[name].flatten(1).mean(0)  # (P,)
+        inner = inner + g @ torch.linalg.solve(h, r)
+        self_ = self_ + (g * torch.linalg.solve(h, g.T).T).sum(1)
+    return inner, self_
+
+
+@pytest.mark.parametrize("ekfac", [False, True], ids=["kfac", "ekfac"])
+@pytest.mark.parametrize("kind", [*KINDS, "twice"])
+def test_preconditioned_scores_are_the_dense_solve(kind: str, ekfac: bool) -> None:
+    """<G_i, P R> on both engines and g_i^T P g_i from the pass equal the built-out solve."""
+    pb = _problem(kind)
+    loss = resolve_loss(pb.loss)
+    factors = _factors(pb, loss, ekfac)
+    if kind == "twice":  # both calls' positions in one Kronecker block
+        assert factors.blocks["fc.weight"].kind == KFAC
+    pre = Curvature(factors)
+    inner, self_ = _dense_scores(pb, factors, ekfac, loss)
+    engine = Engine(pb.model, loss)
+    with engine:
+        refs = pre.refs(reference_gradients(engine, [(pb.ref_inputs, pb.ref_targets)]))
+        for method in ("hooks", "jvp"):
+            got = Influence(engine, refs, method, norms=False)(pb.inputs, pb.targets)
+            torch.testing.assert_close(got.inner[:, 0], inner)
+        scores = engine.scores(pb.inputs, pb.targets, Want(transform=pre.transform))
+        plain = engine.norms(pb.inputs, pb.targets)
+    torch.testing.assert_close(total(scores.pre_sq), self_)
+    torch.testing.assert_close(total(scores.norm_sq), total(plain.norm_sq))
+
+
+def test_wide_conv_is_served_formed_when_scoring() -> None:
+    """The factors pass sees the wide conv factored; scoring gets its formed gradients, which
+    the K-FAC transform whitens exactly (test_preconditioned_scores_are_the_dense_solve)."""
+    pb = _problem("wide_conv")
+    engine = Engine(pb.model, resolve_loss(pb.loss))
+    with engine:
+        parts = engine.contributions(pb.inputs, pb.targets)[1]
+    assert type(parts["conv.weight"]).__name__ == "Dense"
+    factors = _factors(pb, resolve_loss(pb.loss), ekfac=False)
+    assert factors.blocks["conv.weight"].kind == KFAC
+    assert RULES[nn.Conv2d].fn is conv  # the registry as it was
+
+
+def test_kfac_norms_stay_factored() -> None:
+    """K-FAC whitening keeps an Outer an Outer (a ghost norm, no per-example gradient)."""
+    pb = _problem("lm")
+    loss = resolve_loss(pb.loss)
+    pre = Curvature(_factors(pb, loss, ekfac=False))
+    engine = Engine(pb.model, loss)
+    with engine:
+        parts = engine.contributions(pb.inputs, pb.targets)[1]
+    assert type(pre.transform("fc.weight", parts["fc.weight"])).__name__ == "Outer"
+
+
+def test_adam_self_influence() -> None:
+    """g_i^T diag(1/d) g_i for Adam's d = sqrt(v_hat) + eps, tied weights included."""
+    pb = _problem("lm")
+    loss = resolve_loss(pb.loss)
+    names = [n for n, _ in pb.model.named_parameters()]
+    _, grads = naive_grads(pb.model, pb.inputs, pb.targets, loss, names)
+    d = {n: torch.rand_like(p) + 0.1 for n, p in pb.model.named_parameters()}
+    pre = Diagonal(d, "adam")
+    engine = Engine(pb.model, loss)
+    with engine:
+        scores = engine.scores(pb.inputs, pb.targets, Want(transform=pre.transform))
+    expected = sum((grads[n].square() / d[n]).flatten(1).sum(1) for n in names)
+    torch.testing.assert_close(total(scores.pre_sq), expected)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "lm"])
+def test_true_fisher_is_the_empirical_one_on_sampled_targets(kind: str) -> None:
+    """The true Fisher's factors equal the empirical Fisher's on the labels the sampler drew."""
+    pb = _problem(kind)
+    loss = resolve_loss(pb.loss)
+    sampled = SampledLoss(pb.loss, loss, {}, -1, seed=3)
+    with torch.no_grad():
+        drawn = sampled.sample(pb.model(*pb.inputs), pb.targets)
+    if kind == "lm":  # padding and the first position keep their labels
+        assert (drawn[pb.targets == -100] == -100).all()
+        assert torch.equal(drawn[:, 0], pb.targets[:, 0])
+    true = _factors(pb, sampled, ekfac=False, batches=1)
+    pb.targets = drawn
+    empirical = _factors(pb, loss, ekfac=False, batches=1)
+    for name, block in true.blocks.items():
+        for key, t in block.tensors.items():
+            torch.testing.assert_close(t, empirical.blocks[name].tensors[key])
+
+
+def test_sampled_classes_follow_the_model() -> None:
+    logits = torch.tensor([[2.0, 0.0, -1.0]]).expand(20000, 3)
+    drawn = SampledLoss("cross_entropy", None, {}, -1, seed=0).sample(logits, torch.zeros(20000))
+    freq = torch.bincount(drawn, minlength=3).double() / 20000
+    torch.testing.assert_close(freq, logits[0].double().softmax(0), atol=0.015, rtol=0)
