@@ -7,7 +7,7 @@ from torch import Tensor
 
 from ..rules.placed import Place
 
-CASTS = {"float", "double", "half", "bfloat16", "to", "type_as", "contiguous", "clone"}
+CASTS = {"float", "double", "half", "bfloat16", "to", "type", "type_as", "contiguous", "clone"}
 SHIFTS = {"__add__", "__radd__", "add", "__sub__", "sub", "__rsub__", "rsub", "__neg__", "neg"}
 SCALES = {"__mul__", "__rmul__", "mul", "__truediv__", "div", "true_divide"}
 

@@ -60,7 +60,7 @@ class FusedExperts(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         b, t, d = x.shape
         h = x.reshape(-1, d)
-        probs = F.softmax(F.linear(h, self.router), -1)
+        probs = F.softmax(F.linear(h, self.router.type(h.dtype)), -1)  # GLM-4-MoE casts it
         weights, chosen = torch.topk(probs, self.k, -1)
         out = torch.zeros_like(h)
         mask = F.one_hot(chosen, self.router.shape[0]).permute(2, 1, 0)
