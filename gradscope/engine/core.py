@@ -265,7 +265,10 @@ class Engine:
         merged = [name for name, k in count.items() if k > 1]
         # the self-check compares sums over the batch, and single examples' norms
         reducer = Reducer(
-            dataclasses.replace(want, norms=want.norms or verify, sums=verify), merged
+            dataclasses.replace(
+                want, norms=want.norms or verify, share=want.share and want.norms, sums=verify
+            ),
+            merged,
         )
         if not count:
             return reducer

@@ -28,6 +28,9 @@ class Want:
     keep: bool = False
     sums: bool = False
     transform: Callable[[str, Contribution], Contribution] | None = None
+    # norms and inner products from shared work where a contribution offers it; False when the
+    # norms are only the self-check's, so the inner products round as they do without them
+    share: bool = True
 
 
 def _merged(parts: list[Contribution]) -> Contribution:
@@ -96,13 +99,14 @@ class Reducer:
         if self.pre is not None:
             self.pre._reduce_apart(name, [self.want.transform(name, g) for g in groups])
         refs = self.want.refs[name] if self.want.refs is not None else None
-        if self.want.norms and refs is not None:
+        if self.want.norms and refs is not None and self.want.share:
             both = [g.norm_sq_and_inner(refs) for g in groups]
             norm_sq, self.inner[name] = sum(n for n, _ in both), sum(i for _, i in both)
-        elif self.want.norms:
-            norm_sq = sum(g.norm_sq() for g in groups)
-        elif refs is not None:
-            self.inner[name] = sum(g.inner(refs) for g in groups)
+        else:
+            if self.want.norms:
+                norm_sq = sum(g.norm_sq() for g in groups)
+            if refs is not None:
+                self.inner[name] = sum(g.inner(refs) for g in groups)
         if self.want.norms:
             for k, g in enumerate(groups):
                 for h in groups[k + 1 :]:
@@ -114,12 +118,14 @@ class Reducer:
     def reduce(self, name: str, c: Contribution) -> None:
         if self.pre is not None:
             self.pre.reduce(name, self.want.transform(name, c))
-        if self.want.norms and self.want.refs is not None:
-            self.norm_sq[name], self.inner[name] = c.norm_sq_and_inner(self.want.refs[name])
-        elif self.want.norms:
-            self.norm_sq[name] = c.norm_sq()
-        elif self.want.refs is not None:
-            self.inner[name] = c.inner(self.want.refs[name])
+        refs = self.want.refs[name] if self.want.refs is not None else None
+        if self.want.norms and refs is not None and self.want.share:
+            self.norm_sq[name], self.inner[name] = c.norm_sq_and_inner(refs)
+        else:
+            if self.want.norms:
+                self.norm_sq[name] = c.norm_sq()
+            if refs is not None:
+                self.inner[name] = c.inner(refs)
         if self.want.keep:
             self.kept[name] = c
         if self.want.sums:

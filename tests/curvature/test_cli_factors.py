@@ -88,7 +88,7 @@ def test_factors_then_precondition(tmp_path: Path, ekfac: bool) -> None:
         torch.testing.assert_close(
             api.double(),
             torch.tensor(pd.read_parquet(out)["influence"].to_numpy()),
-            rtol=1e-5,
+            rtol=1e-4,  # float32, by two routes (the CLI's pass forms norms beside)
             atol=1e-6,
         )
 
