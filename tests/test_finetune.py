@@ -106,13 +106,18 @@ def lora_folders(tmp_path, kind: str) -> nn.Module:
         # a classification head is trained whole beside the adapters (modules_to_save)
         lora = peft.LoraConfig(r=4, target_modules=["query", "value"], task_type="SEQ_CLS")
     base.save_pretrained(tmp_path / "base")
+    return adapted(base, lora, tmp_path / "lora").eval()
+
+
+def adapted(base: nn.Module, lora: object, folder) -> nn.Module:
+    """``base`` with LoRA adapters as if trained (B nonzero: peft starts it at 0), saved there."""
     model = peft.get_peft_model(base, lora)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.5)
-    model.save_pretrained(tmp_path / "lora")
-    return model.eval()
+    model.save_pretrained(folder)
+    return model
 
 
 def run_cli(tmp_path, model: dict, data: dict, loss: str, *command: str, dtype="float64"):

@@ -146,12 +146,9 @@ def test_fsdp_lora_adapters_two_processes_equal_one(tmp_path):
     config = gpt2_project(tmp_path, n=11)
     base = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2")
     lora = peft.LoraConfig(r=4, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
-    model = peft.get_peft_model(base, lora)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    model.save_pretrained(tmp_path / "lora")
+    from test_finetune import adapted
+
+    adapted(base, lora, tmp_path / "lora")
     raw = yaml.safe_load(config.read_text())
     raw["model"]["adapter"] = "lora"  # a frozen base sharded with its adapters
     config.write_text(yaml.safe_dump(raw))
