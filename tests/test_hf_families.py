@@ -48,6 +48,10 @@ FAMILIES = {
     "opt": causal("OPTConfig", "OPTForCausalLM", ffn_dim=24, word_embed_proj_dim=16),
     "bart": causal("BartConfig", "BartForCausalLM", d_model=16, decoder_layers=1,
                    decoder_attention_heads=2, decoder_ffn_dim=24),
+    # the decoder reads its input shifted right after a start token that no example gave
+    "bart-seq2seq": causal("BartConfig", "BartForConditionalGeneration", d_model=16,
+                           encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                           decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24),
     "mixtral-eager": causal("MixtralConfig", "MixtralForCausalLM", num_key_value_heads=1,
                             num_local_experts=4, num_experts_per_tok=2,
                             experts_implementation="eager"),

@@ -20,7 +20,7 @@ from .fallback import Fallback, short_reason
 from .first_batch import Findings, agrees, record_for
 from .forward import Forward
 from .owners import is_batch, regroup
-from .plan import FALLBACK_LOOP, Plan, build_plan
+from .plan import BROADCAST, FALLBACK_LOOP, ParamPlan, Plan, build_plan
 from .reduce import Reducer, Want
 from .session import Call, HookSession
 from .tap import ParamTap, Use
@@ -225,15 +225,20 @@ class Engine:
     def _recorded(
         self, inputs: tuple[Tensor, ...], targets: Tensor, expand: bool, assume: bool
     ) -> Seen:
-        raw, batch = self.plan.raw, targets.shape[0]
+        watched, batch = self.plan.by_rule + self.plan.raw, targets.shape[0]
         trace = RowTrace(batch, (*inputs, targets))
-        tap = ParamTap(raw, batch, trace, expand, assume) if raw else None
+        session = HookSession(self.plan.hooked_modules, trace, self.record.copy, expand, assume)
+
+        def ruled(p: ParamPlan) -> bool:  # read in a call of its rule's module: the rule's
+            return p.rule != BROADCAST and any(session.inside(m) for m, _ in p.owners)
+
+        # a rule-served parameter read outside its module's calls (nn.MultiheadAttention's
+        # out_proj) is served where a function reads it, as a raw one is
+        tap = ParamTap(watched, batch, trace, ruled, expand, assume) if watched else None
         # with every parameter on the fallback, this pass only gives the losses: no graph
         with (
-            torch.set_grad_enabled(bool(self.plan.by_rule or raw)),
-            HookSession(
-                self.plan.hooked_modules, trace, self.record.copy, expand, assume
-            ) as session,
+            torch.set_grad_enabled(bool(watched)),
+            session,
             trace,
             tap or contextlib.nullcontext(),
         ):
@@ -260,7 +265,8 @@ class Engine:
             p.name: sum(len(session.calls.get(id(m), ())) for m, _ in p.owners)
             for p in self.plan.by_rule
         }
-        count |= {p.name: sum(p in u.params for u in reads) for p in self.plan.raw}
+        for p in self.plan.by_rule + self.plan.raw:
+            count[p.name] = count.get(p.name, 0) + sum(p in u.params for u in reads)
         verify = not findings.verified and bool(losses.isfinite().all())
         merged = [name for name, k in count.items() if k > 1]
         # the self-check compares sums over the batch, and single examples' norms
@@ -272,10 +278,9 @@ class Engine:
         )
         if not count:
             return reducer
-        # the self-check needs every batch gradient; otherwise those of uncalled modules, and of
-        # the raw parameters, so that autograd runs the steps of their views (cheap: sums)
-        raw = self.plan.raw
-        checked = [p for p in self.plan.by_rule + raw if verify or not count[p.name] or p in raw]
+        # the self-check needs every batch gradient; otherwise only those of parameters that no
+        # call or read saw, to tell whether they reach the loss
+        checked = [p for p in self.plan.by_rule + self.plan.raw if verify or not count[p.name]]
         singles = _single_grads(losses, [p.param for p in checked]) if verify else {}
         on_grad = functools.partial(self._on_grad, served, reducer, losses.shape[0])
 
@@ -288,7 +293,9 @@ class Engine:
         if seen.tap:
             seen.tap.reading(on_read)
         try:
-            grads = session.backward(losses.sum(), calls, on_grad, [p.param for p in checked])
+            grads = session.backward(
+                losses.sum(), calls, on_grad, [p.param for p in checked], reads
+            )
         finally:
             if seen.tap:
                 seen.tap.reading(None)

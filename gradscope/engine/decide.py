@@ -28,9 +28,9 @@ if TYPE_CHECKING:
 
 
 def before_backward(plan: Plan, seen: Seen) -> None:
-    """Move to the fallback what reads rows that are not the examples', and raw parameters
-    read by other ops than broadcast ones."""
-    for p in plan.raw:
+    """Move to the fallback what reads rows that are not the examples', and parameters read
+    outside their rules' module calls by other ops than those the tap serves."""
+    for p in plan.raw + plan.by_rule if seen.tap else ():
         if seen.tap.uses[p.name].other:
             plan.to_fallback(p, f"read by {seen.tap.uses[p.name].other}")
     batch = seen.losses.shape[0]
@@ -65,6 +65,7 @@ def _layout(call: Call, batch: int) -> str | None:
     features = rule.rows(call.module) if rule.rows else None
     if features is not None and len(call.inputs) == 1 and x.dim() > features:
         rows = reduce(owners, range(x.dim() - features, x.dim()), keepdim=False)
+        rows = rows.expand(x.shape[: x.dim() - features])  # owners may be compact
         if x.numel() == 0:  # no row routed to it on this batch: zeros, gathered
             call.rows = torch.zeros(
                 x.shape[: x.dim() - features], dtype=torch.long, device=x.device
@@ -73,7 +74,7 @@ def _layout(call: Call, batch: int) -> str | None:
         if is_batch(rows.reshape(rows.shape[0], -1), batch):
             return None
         if bool((rows >= 0).all()):
-            call.rows = rows.expand(x.shape[: x.dim() - features]).contiguous()
+            call.rows = rows.contiguous()
             return None
         return _why(rows)
     dim = rule.batch_dim(call.module, call.inputs) if rule.batch_dim else 0

@@ -30,6 +30,15 @@ def is_batch(o: Tensor, batch: int) -> bool:
     return bool((o.reshape(-1) == torch.arange(batch, device=o.device)).all())
 
 
+def rows_or_none(o: Tensor, batch: int) -> bool:
+    """Whether each element of ``o`` along a batch dimension 0 is its row's example's or from no
+    example (the start token a decoder puts before each example's tokens)."""
+    if o.dim() == 0 or o.shape[0] not in (1, batch):
+        return False
+    rows = batch_owner(batch, o.dim(), o.device)
+    return bool(((o == rows) | (o == NONE)).all())
+
+
 def compact(o: Tensor) -> Tensor:
     """The same owners with every zero-stride dimension narrowed to size 1 (free: a view)."""
     for d in range(o.dim()):

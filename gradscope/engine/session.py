@@ -8,6 +8,7 @@ import functools
 import inspect
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -15,8 +16,16 @@ from torch.autograd.graph import GradientEdge
 
 from ..rules import find_rule
 from .graph import below_targets
-from .owners import NONE
+from .owners import NONE, rows_or_none
 from .trace import RowTrace
+
+
+class Read(Protocol):
+    """A read the tap serves (``tap.Use``): where its gradient arrives, and whether the backward
+    requests it there (nothing below needs it)."""
+
+    edge: GradientEdge
+    requested: bool
 
 
 @dataclass(eq=False)
@@ -91,6 +100,7 @@ class HookSession:
         self.assume = assume
         self.assumed = False  # a call was taken to have one row per example (see _capture)
         self.calls: dict[int, list[Call]] = {id(m): [] for m in self.modules}
+        self.active: dict[int, int] = {}  # module id -> its calls under way (the tap asks)
         self._expanding: set[int] = set()  # modules whose current call had its input expanded
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._grad_hooks: list[torch.utils.hooks.RemovableHandle] = []  # live until the backward
@@ -98,8 +108,7 @@ class HookSession:
 
     def __enter__(self) -> HookSession:
         for module in self.modules:
-            if self.expand_to:
-                self._handles.append(module.register_forward_pre_hook(self._expand))
+            self._handles.append(module.register_forward_pre_hook(self._enter))
             self._handles.append(module.register_forward_hook(self._captured, with_kwargs=True))
         return self
 
@@ -112,8 +121,14 @@ class HookSession:
     def expanded(self) -> bool:
         return any(c.expanded for cs in self.calls.values() for c in cs)
 
-    def _expand(self, module: nn.Module, args: tuple) -> tuple | None:
-        if not args or not isinstance(args[0], Tensor):
+    def inside(self, module: nn.Module) -> bool:
+        """Whether a call of ``module`` is under way: reads of its parameters are its rule's."""
+        return self.active.get(id(module), 0) > 0
+
+    def _enter(self, module: nn.Module, args: tuple) -> tuple | None:
+        """The forward pre-hook: the call is under way; its shared leading rows expanded."""
+        self.active[id(module)] = self.active.get(id(module), 0) + 1
+        if not self.expand_to or not args or not isinstance(args[0], Tensor):
             return None
         if not _shared_leading(module, args[0], self.trace.owner(args[0]), self.expand_to):
             return None
@@ -124,6 +139,7 @@ class HookSession:
 
     def _captured(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         """The forward hook: ``_capture`` with no function mode watching its own ops."""
+        self.active[id(module)] -= 1
         with torch._C.DisableTorchFunction():
             self._capture(module, args, kwargs, output)
 
@@ -179,10 +195,11 @@ class HookSession:
         return None
 
     def _assumed(self, x: Tensor, owners: Tensor, output: Tensor) -> bool:
-        """With ``assume``: a call on B rows computed from no example (a buffer of zeros expanded
-        to the batch, ``token_type_ids``) is taken to have row i read by example i alone; its
-        output rows get example owners, and the losses' owners tell whether that held (if not,
-        the engine runs the batch again without assuming)."""
+        """With ``assume``: a call on B rows computed, wholly or in part, from no example (a
+        buffer of zeros expanded to the batch, ``token_type_ids``, a decoder's start token before
+        each example's tokens) is taken to have row i read by example i alone; its output rows
+        get example owners, and the losses' owners tell whether that held (if not, the engine
+        runs the batch again without assuming)."""
         batch = self.trace.batch
         if (
             not self.assume
@@ -191,7 +208,7 @@ class HookSession:
             or output.shape[:1] != x.shape[:1]
         ):
             return False
-        if not bool((owners == NONE).all()):
+        if not bool((owners == NONE).any()) or not rows_or_none(owners, batch):
             return False
         self.assumed = True
         return True
@@ -217,6 +234,7 @@ class HookSession:
         calls: Sequence[Call],
         on_grad: Callable[[Call, Tensor], None],
         also: Sequence[Tensor] = (),
+        reads: Sequence[Read] = (),
     ) -> list[Tensor | None]:
         """One backward of ``total`` that hands each call's output gradient to ``on_grad`` as it
         arrives, and returns d total / d ``also`` (``None`` where ``also`` does not reach it).
@@ -225,12 +243,18 @@ class HookSession:
         it once the layer below has used it: no call's gradient outlives its step of the backward.
         Autograd only runs the steps that lead to a requested tensor, so the calls with nothing to
         wait for below them (the first layer) are requested themselves; no parameter gradient is
-        computed but those of ``also``.
+        computed but those of ``also``. The tap's ``reads`` (whose own hooks hand their gradients
+        on) are waited for the same way; those requested are marked so, for their hooks to keep
+        no copy either.
         """
         nodes = [c.edge.node for c in calls]
+        read_nodes = [r.edge.node for r in reads]
         leaves = [torch.autograd.graph.get_gradient_edge(t).node for t in also]
-        below = below_targets(nodes, {*nodes, *leaves})
+        below = below_targets([*nodes, *read_nodes], {*nodes, *read_nodes, *leaves})
         lowest = [c for c, node in zip(calls, nodes, strict=True) if not below[node]]
+        for r in reads:
+            r.requested = not below[r.edge.node]
+        lowest_reads = [r.edge for r in reads if r.requested]
         requested = {id(c) for c in lowest}
         wanted = {id(c) for c in calls}
         others = [t for c in calls for t in c.others]
@@ -245,10 +269,12 @@ class HookSession:
 
         self._on_grad = read
         try:
-            if not lowest and not others and not also:
+            if not lowest and not others and not also and not lowest_reads:
                 return []
             grads = torch.autograd.grad(
-                total, [*(c.edge for c in lowest), *others, *also], allow_unused=True
+                total,
+                [*(c.edge for c in lowest), *others, *also, *lowest_reads],
+                allow_unused=True,
             )
         finally:
             self._on_grad = None
@@ -259,4 +285,5 @@ class HookSession:
         for call in calls:
             for _ in call.others:
                 call.others_reach_loss |= next(flags) is not None
-        return list(grads[len(lowest) + len(others) :])
+        start = len(lowest) + len(others)
+        return list(grads[start : start + len(also)])

@@ -21,6 +21,7 @@ that mix examples) is recorded, and the parameter goes to the fallback with the 
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -34,7 +35,7 @@ from ..rules.embedding import lookup
 from ..rules.linear import affine_parts
 from ..rules.placed import Place, Placed
 from .ops import op_name
-from .owners import NONE, combine, is_batch, reduce, regroup
+from .owners import NONE, combine, is_batch, reduce, regroup, rows_or_none
 from .plan import ParamPlan
 from .trace import ByTensor, RowTrace
 from .views import CASTS, SCALES, SHIFTS, VIEWS, compose, places
@@ -68,6 +69,7 @@ class Use:
     edge: GradientEdge
     parts: Callable[[Tensor], dict[str, Contribution]]  # output gradient -> {name: part}
     reached: bool = False  # its gradient arrived in the backward
+    requested: bool = False  # the backward requests its gradient: nothing below needs it
 
 
 @dataclass
@@ -84,11 +86,13 @@ class ParamTap(TorchFunctionMode):
         params: Sequence[ParamPlan],
         batch: int,
         trace: RowTrace,
+        ruled: Callable[[ParamPlan], bool] = lambda p: False,
         expand: bool = False,
         assume: bool = False,
     ):
         super().__init__()
         self.batch, self.trace = batch, trace
+        self.ruled = ruled  # whether a parameter's reads are, for now, its module rule's
         # as HookSession's: rows shared by the batch expanded to it, and B rows computed from no
         # example taken as the examples', each while the engine's checks confirm it
         self.expand, self.assume = expand, assume
@@ -106,6 +110,9 @@ class ParamTap(TorchFunctionMode):
         name = op_name(func)
         if not found or name in READS or (func.__name__ == "__get__" and name not in VIEWS):
             return func(*args, **kwargs)
+        if name in OPEN:
+            with self:  # the function's own ops come to this mode, one by one
+                return _opened(func)(*args, **kwargs)
         served = self._served(name, found, func, args, kwargs)
         if served is not None:
             return served
@@ -114,14 +121,15 @@ class ParamTap(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _watched_in(self, args: tuple, kwargs: dict) -> list[tuple[int | None, Derived]]:
-        """(position among args, or None when nested or by keyword; what it reads), per use."""
+        """(position among args, or None when nested or by keyword; what it reads), per use; none
+        of a parameter whose module's rule serves its reads now (a call of that module runs)."""
         found = [(i, self.derived[a]) for i, a in enumerate(args) if a in self.derived]
         rest = [a for a in args if isinstance(a, (list, tuple))] + list(kwargs.values())
         for a in rest:
             for t in a if isinstance(a, (list, tuple)) else (a,):
                 if isinstance(t, Tensor) and t in self.derived:
                     found.append((None, self.derived[t]))
-        return found
+        return [(i, d) for i, d in found if not self.ruled(d.param)]
 
     def _served(self, name: str, found: list, func, args: tuple, kwargs: dict) -> object:
         """The op's result, with what it reads of the watched parameters recorded; or None."""
@@ -259,18 +267,19 @@ class ParamTap(TorchFunctionMode):
 
     def _rows(self, x: Tensor, features: int) -> Tensor | None | bool | object:
         """None: one row per example on dimension 0; a tensor: each row's example, for the rows
-        to be gathered; ASSUMED: B rows computed from no example, taken as the examples' (see
-        HookSession); False: rows that mix examples or that the batch shares."""
+        to be gathered; ASSUMED: B rows computed (wholly or in part) from no example, taken as
+        the examples' (see HookSession); False: rows that mix examples or that the batch shares."""
         if x.dim() <= features:
             return False
         o = reduce(self.trace.owner(x), range(x.dim() - features, x.dim()), keepdim=False)
+        o = o.expand(x.shape[: x.dim() - features])  # owners may be compact (one example)
         if x.numel() == 0:
             return torch.zeros(x.shape[: x.dim() - features], dtype=torch.long, device=x.device)
         if is_batch(o.reshape(o.shape[0], -1), self.batch):
             return None
         if bool((o >= 0).all()):
-            return o.expand(x.shape[: x.dim() - features]).contiguous()
-        if self.assume and x.shape[0] == self.batch and bool((o == NONE).all()):
+            return o.contiguous()
+        if self.assume and x.shape[0] == self.batch and rows_or_none(o, self.batch):
             self.assumed = True
             return ASSUMED
         return False
@@ -332,9 +341,12 @@ class ParamTap(TorchFunctionMode):
         for p in params:
             self.uses[p.name].reads.append(use)
 
-    def _read(self, use: Use, grad: Tensor) -> None:
-        if self._on_grad is not None:
-            self._on_grad(use, grad)
+    def _read(self, use: Use, grad: Tensor) -> Tensor | None:
+        if self._on_grad is None:
+            return None
+        self._on_grad(use, grad)
+        # a requested read's gradient goes nowhere after this: keep no copy of it
+        return grad.new_zeros(()).expand_as(grad) if use.requested else None
 
     def reads(self) -> list[Use]:
         """Every read the rules serve, once each."""
@@ -371,6 +383,21 @@ def _bind(name: str, args: tuple, kwargs: dict) -> tuple | None:
     return None
 
 
+@functools.cache
+def _opened(func: Callable) -> Callable:
+    """A copy of ``func`` that skips its own hand-over to the torch function modes: run under
+    the tap, each op inside it (the projections' ``linear``) comes to the tap by itself."""
+    scope = {**func.__globals__, "has_torch_function": lambda *_: False}
+    opened = types.FunctionType(
+        func.__code__, scope, func.__name__, func.__defaults__, func.__closure__
+    )
+    opened.__kwdefaults__ = func.__kwdefaults__
+    return opened
+
+
+# functions written in Python over torch ops, opened so that the tap sees the ops inside:
+# nn.MultiheadAttention's projections are F.linear calls within it
+OPEN = {"multi_head_attention_forward"}
 ASSUMED = object()  # rows taken as the examples' until the losses' owners say otherwise
 # grouped GEMMs of fused expert weights: torch's, and transformers' fallback op
 GROUPED = {"grouped_mm", "_grouped_mm", "grouped_mm_fallback"}

@@ -56,9 +56,18 @@ def _heads(t: Tensor, heads: int) -> Tensor:
     return t.unflatten(-1, (heads, -1)).transpose(1, 2)
 
 
-@register_rule(
-    nn.MultiheadAttention, name="attention", submodules=("out_proj",), batch_dim=_batch_dim
-)
+def _learned_key(module: nn.Module) -> bool:
+    """nn.MultiheadAttention with ``add_bias_kv``: the one configuration this rule serves. The
+    others run their projections as ``F.linear`` calls inside ``F.multi_head_attention_forward``,
+    which the tap serves where they happen (``engine/tap.py``), with no recomputation."""
+    return (
+        isinstance(module, nn.MultiheadAttention)
+        and type(module).forward is nn.MultiheadAttention.forward
+        and module.bias_k is not None
+    )
+
+
+@register_rule(name="attention", submodules=("out_proj",), batch_dim=_batch_dim, match=_learned_key)
 def attention(
     module: nn.MultiheadAttention,
     inputs: tuple[Tensor, ...],

@@ -17,14 +17,18 @@ from gradscope.losses import resolve_loss
 
 
 class Functional(nn.Module):
-    """Reads a Linear's weight and bias with F.linear, never calling the Linear: no hook fires."""
+    """Reads a Linear's weight and bias outside its calls, never calling the Linear: no hook fires.
+    ``addmm``: by an op the tap does not serve."""
 
-    def __init__(self):
+    def __init__(self, addmm: bool = False):
         super().__init__()
         self.fc, self.head = nn.Linear(4, 5), nn.Linear(5, 3)
+        self.addmm = addmm
 
     def forward(self, x):
-        return self.head(torch.tanh(F.linear(x, self.fc.weight, self.fc.bias)))
+        w, b = self.fc.weight, self.fc.bias
+        h = torch.addmm(b, x, w.t()) if self.addmm else F.linear(x, w, b)
+        return self.head(torch.tanh(h))
 
 
 class Recurrent(nn.Module):
@@ -167,13 +171,18 @@ def test_per_parameter_norms_add_up():
         assert_rel_close(norm_sq.sqrt(), expected, 1e-5)
 
 
-def test_weight_used_without_calling_its_module_goes_to_the_fallback():
-    """F.linear on fc's weight: fc's hook never fires, yet its parameters reach the loss."""
-    model, inputs, targets, plan, scores = _run(BY_ID["functional-linear"])
+@pytest.mark.parametrize("addmm", [False, True], ids=["linear", "addmm"])
+def test_weight_read_outside_its_module_calls(addmm: bool):
+    """fc's hook never fires, yet its parameters reach the loss: F.linear on them is served
+    where it runs; an op the tap does not serve sends them to the fallback, named."""
+    case = Case("functional", lambda: Functional(addmm), lambda b: (torch.randn(b, 4),), labels,
+                "cross_entropy")  # fmt: skip
+    model, inputs, targets, plan, scores = _run(case)
     rules = {p.name: p for p in plan.params}
     for name in ("fc.weight", "fc.bias"):
-        assert rules[name].rule == FALLBACK
-        assert "used without a call of its module" in rules[name].note
+        assert rules[name].rule == (FALLBACK if addmm else "linear"), rules[name].note
+        if addmm:
+            assert "read by " in rules[name].note
         _, expected = reference_norms(model, inputs, targets, "cross_entropy", include=[name])
         assert expected.min() > 0
         assert_rel_close(scores.norm_sq[name].sqrt(), expected, 1e-5)

@@ -94,11 +94,17 @@ def _run(case: Case, batch: int | None = None):
     return {p.name: p for p in engine.plan.params}
 
 
-def test_weight_also_used_directly_moves_to_the_fallback():
-    plan = _run(Case("direct-tied", DirectTied, tokens, next_tokens, "cross_entropy"))
-    assert plan["wte.weight"].rule == "fallback"
-    assert "do not add up to autograd" in plan["wte.weight"].note
+def test_weight_also_read_outside_its_module_is_served_there_too():
+    """The embedding's rule serves its call, the tap the ``h @ W.T`` read: both parts merge."""
+    case = Case("direct-tied", DirectTied, tokens, next_tokens, "cross_entropy")
+    plan = _run(case)
+    assert plan["wte.weight"].rule == "embedding", plan["wte.weight"].note
     assert plan["mix.weight"].rule == plan["mix.bias"].rule == "linear"
+    model, inputs, targets = case.build(torch.float64)
+    with Engine(model, resolve_loss(case.loss)) as engine:
+        got = engine.norms(inputs, targets).norm_sq["wte.weight"].sqrt()
+    _, expected = reference_norms(model, inputs, targets, case.loss, include=["wte.weight"])
+    assert_rel_close(got, expected, 1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

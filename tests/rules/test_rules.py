@@ -581,7 +581,6 @@ def test_registry_lists_every_layer_type() -> None:
         nn.InstanceNorm1d: "instance_norm",
         nn.InstanceNorm2d: "instance_norm",
         nn.InstanceNorm3d: "instance_norm",
-        nn.MultiheadAttention: "attention",
         nn.RNN: "recurrent",
         nn.GRU: "recurrent",
         nn.LSTM: "recurrent",
@@ -590,7 +589,7 @@ def test_registry_lists_every_layer_type() -> None:
     assert {n: r.name for n, r in NAMED.items()} == {
         "transformers.pytorch_utils.Conv1D": "hf_conv1d"
     }
-    assert [r.name for _, r in MATCHERS] == ["hf_conv1d", "library_norm"]
+    assert [r.name for _, r in MATCHERS] == ["attention", "hf_conv1d", "library_norm"]
 
 
 def test_subclass_overriding_forward_has_no_rule() -> None:
