@@ -74,7 +74,7 @@ def _layout(call: Call, batch: int) -> str | None:
         if is_batch(rows.reshape(rows.shape[0], -1), batch):
             return None
         if bool((rows >= 0).all()):
-            call.rows = rows.contiguous()
+            call.rows = rows
             return None
         return _why(rows)
     dim = rule.batch_dim(call.module, call.inputs) if rule.batch_dim else 0

@@ -140,6 +140,9 @@ def regroup(x: Tensor, owner: Tensor, batch: int, features: int) -> Tensor:
     """(B, L, *features) from ``x`` (*rows, *features) whose rows belong to the examples in
     ``owner`` (*rows,): each example's rows in order, padded with zeros to the longest."""
     feat = x.shape[x.dim() - features :] if features else ()
+    dim = _batch_dim(owner, batch)
+    if dim is not None:  # row r is example r along one dimension (sequence-first): no gather
+        return x.movedim(dim, 0).reshape(batch, -1, *feat)
     flat = x.reshape(-1, *feat)  # (N, *features)
     own = owner.reshape(-1)  # (N,)
     order = torch.argsort(own, stable=True)
@@ -151,3 +154,16 @@ def regroup(x: Tensor, owner: Tensor, batch: int, features: int) -> Tensor:
     out = x.new_zeros(batch, max(longest, 1), *feat)
     out[own, slot] = flat
     return out
+
+
+def _batch_dim(owner: Tensor, batch: int) -> int | None:
+    """The dimension along which ``owner`` (an expanded view, as the rules get it) reads 0..B-1
+    and along no other, or None."""
+    o = compact(owner)
+    dims = [d for d in range(o.dim()) if o.shape[d] > 1]
+    if batch == 1 and not dims and o.numel() == 1 and int(o.reshape(())) == 0:
+        return 0 if owner.dim() else None
+    if len(dims) != 1 or o.shape[dims[0]] != batch:
+        return None
+    arange = torch.arange(batch, device=o.device)
+    return dims[0] if torch.equal(o.reshape(-1), arange) else None

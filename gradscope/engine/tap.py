@@ -278,7 +278,7 @@ class ParamTap(TorchFunctionMode):
         if is_batch(o.reshape(o.shape[0], -1), self.batch):
             return None
         if bool((o >= 0).all()):
-            return o.contiguous()
+            return o
         if self.assume and x.shape[0] == self.batch and rows_or_none(o, self.batch):
             self.assumed = True
             return ASSUMED

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 import gradscope
 from gradscope.engine.core import Engine, total
+from gradscope.engine.owners import regroup
 from gradscope.engine.plan import BROADCAST
 from gradscope.losses import resolve_loss
 
@@ -155,3 +156,14 @@ def test_influence_through_placed_views_matches_the_loop():
         g = torch.autograd.grad(loss(ref_model(ids[i : i + 1]), y[i : i + 1]).sum(), params)
         expected.append(sum((a * b).sum() for a, b in zip(g, ref_grad, strict=True)))
     assert_rel_close(got, torch.stack(expected), 1e-6)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_regroup_of_a_batch_dimension_is_the_gather(batch: int):
+    """Rows whose owners read 0..B-1 along one dimension (sequence-first) are moved, not
+    gathered: the same (B, L, features) as the general gather."""
+    x = torch.randn(5, batch, 2, 4)  # (T, B, H, features)
+    owner = torch.arange(batch).view(1, batch, 1).expand(5, batch, 2)
+    moved = regroup(x, owner, batch, 1)
+    gathered = regroup(x, owner.contiguous(), batch, 1)  # not an expanded view: the gather
+    assert torch.equal(moved, gathered)
