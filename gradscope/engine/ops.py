@@ -27,6 +27,8 @@ MOVES = {
     *("cat", "concat", "concatenate", "stack", "masked_select", "take_along_dim", "repeat"),
     *("repeat_interleave", "split_with_sizes", "diagonal", "tril", "triu"),
 }
+# moves that also write zeros: a zero written is a constant (NONE), not example 0
+ZEROING = {"tril", "triu"}
 RESHAPES = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
 # each output element from the elements at its position (broadcast)
 ELEMENTWISE = {
@@ -56,9 +58,10 @@ KEEPS_SHAPE = {"softmax", "log_softmax", "cumsum", "cumprod", "sort", "argsort",
 KEEPS_SHAPE |= {"cummax", "cummin", "logcumsumexp", "topk"}
 IN_PLACE_OPERATORS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ior__", "__iand__"}
 INDICES = {"where", "nonzero", "argwhere"}  # with one argument: positions of true elements
-# new tensors shaped like their input, whose values come from no example
+# new tensors shaped like their input, whose values come from no example; arange's tensor
+# arguments are counts (torch.arange(n) for a 0-dim n), through which nothing flows back
 CREATIONS = {"new_ones", "new_zeros", "new_full", "new_empty", "new_tensor", "zeros_like"}
-CREATIONS |= {"ones_like", "empty_like", "full_like"}
+CREATIONS |= {"ones_like", "empty_like", "full_like", "arange"}
 SORTS = {"sort", "argsort"}  # a permutation along a dimension: owners move with the values
 IN_PLACE_MOVES = {"__setitem__", "copy_", "index_add_", "masked_fill_", "fill_", "zero_"}
 # x.scatter*(dim, index, src): rows of src land at index; in place or not

@@ -32,6 +32,7 @@ from .ops import (
     RESHAPES,
     SCATTERS,
     SORTS,
+    ZEROING,
     dims_of,
     filled,
     keeps_rows,
@@ -178,7 +179,8 @@ class RowTrace(TorchFunctionMode):
 
     def _follow(self, name: str, func, args: tuple, kwargs: dict, out: object, origin: str):
         if name in INDICES and len(args) == 1:  # positions, not values: nothing flows back
-            return self._set(out, filled(args[0], NONE), origin)
+            outs = out if isinstance(out, (tuple, list)) else (out,)  # as_tuple: one per dim
+            return self._set(out, tuple(filled(t, NONE) for t in outs), origin)
         if name in CREATIONS:
             return self._set(out, filled(out, NONE), origin)
         if name in SORTS:
@@ -196,7 +198,7 @@ class RowTrace(TorchFunctionMode):
         if name in RESHAPES:
             return self._set(out, self._reshape(name, args, out), origin)
         if name in MOVES:
-            return self._set(out, self._move(func, args, kwargs), origin)
+            return self._set(out, self._move(func, args, kwargs, name in ZEROING), origin)
         if name in ELEMENTWISE:
             return self._set(out, combine(*self._all(args, kwargs)), origin)
         if name in REDUCTIONS and isinstance(args[0], Tensor):
@@ -216,8 +218,9 @@ class RowTrace(TorchFunctionMode):
         x = args[0]
         return reshaped(self.owner(x), x.shape, out.shape)
 
-    def _move(self, func, args: tuple, kwargs: dict) -> object:
-        """The op on the owners, expanded (no copy) to the shapes of the tensors they describe."""
+    def _move(self, func, args: tuple, kwargs: dict, zeroing: bool = False) -> object:
+        """The op on the owners, expanded (no copy) to the shapes of the tensors they describe;
+        ``zeroing``: the zeros it writes (tril, triu) are constants, NONE, not example 0."""
 
         def full(t: object) -> object:
             if isinstance(t, Tensor):
@@ -226,6 +229,8 @@ class RowTrace(TorchFunctionMode):
                 return type(t)(full(u) for u in t)
             return t
 
+        if zeroing:
+            return shrink(func(full(args[0]) - NONE, *args[1:], **kwargs) + NONE)
         result = func(full(args[0]), *args[1:], **kwargs)
         if isinstance(result, (tuple, list)):
             return tuple(shrink(r) for r in result)

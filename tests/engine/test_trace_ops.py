@@ -1,0 +1,80 @@
+"""The owners the trace gives an op's result, against the obvious oracle: the Jacobian of the
+result with respect to the batch says which examples each element depends on. Each case is an op
+whose owner rule once was wrong or too coarse (the op or the family it came from in its id), and
+most have a twin where the examples really do mix, which must still say MIXED."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor
+
+from gradscope.engine.owners import MIXED, NONE
+from gradscope.engine.trace import RowTrace
+
+B, T, D = 3, 4, 5
+
+
+def jacobian_owners(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    """For each element of ``fn(x)``: the one example whose row of ``x`` it depends on, NONE
+    for none, MIXED for several."""
+    out = fn(x)
+    jac = torch.autograd.functional.jacobian(fn, x)  # (*out, B, *rest)
+    dep = jac.reshape(out.numel(), x.shape[0], -1).ne(0).any(-1)  # (numel, B)
+    count, first = dep.sum(1), dep.long().argmax(1)
+    owners = torch.where(count == 0, NONE, torch.where(count == 1, first, MIXED))
+    return owners.reshape(out.shape)
+
+
+def traced_owners(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    trace = RowTrace(x.shape[0], (x,))
+    with trace:
+        out = fn(x)
+    owners = trace.owner(out)
+    assert owners.dim() == out.dim()
+    return owners.expand(out.shape)
+
+
+# id -> (shape of the batch, fn, whether some element depends on several examples)
+CASES: dict[str, tuple[tuple[int, ...], Callable[[Tensor], Tensor], bool]] = {
+    # tril/triu write zeros: constants, not example 0 (Longformer and LED's masks)
+    "tril-of-new-ones": ((B, T, T), lambda x: x + x.new_ones(T, T).tril(), False),
+    "triu-of-new-ones": ((B, T, T), lambda x: x + x.new_ones(T, T).triu(1).flip(0), False),
+    "tril-of-a-gram": ((B, D), lambda x: (x @ x.T).tril(-1), True),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_owners_are_the_jacobians(case: str):
+    shape, fn, mixes = CASES[case]
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    expected = jacobian_owners(fn, x)
+    assert bool((expected == MIXED).any()) == mixes  # the case is what its id says
+    got = traced_owners(fn, x)
+    assert torch.equal(got, expected), f"\n{got}\n!=\n{expected}"
+
+
+def test_an_unknown_op_on_rows_of_another_length_mixes():
+    """The default for an op the trace does not know: dimension 0's owners only where every
+    tracked input has the output's length there."""
+    x = torch.randn(B, D, dtype=torch.float64)
+    trace = RowTrace(B, (x,))
+    with trace:
+        out = torch.kron(x, torch.ones(2, 1, dtype=torch.float64))  # (2B, D)
+    assert bool((trace.owner(out) == MIXED).all())
+    assert "kron" in trace.unknown
+
+
+def test_positions_and_counts_belong_to_no_example():
+    """nonzero(as_tuple=True) and where(cond) give one index tensor per dimension, arange(n) a
+    range of a count: integers through which no gradient flows (Longformer's global attention)."""
+    x = torch.randn(B, T, dtype=torch.float64)
+    trace = RowTrace(B, (x,))
+    with trace:
+        rows, cols = (x > 0).nonzero(as_tuple=True)
+        where = torch.where(x > 0)
+        ranged = torch.arange((x > 0).sum(1).max())
+    for t in (rows, cols, *where, ranged):
+        assert bool((trace.owner(t) == NONE).all()), t
