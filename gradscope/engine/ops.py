@@ -38,8 +38,10 @@ ELEMENTWISE = {
     *("where", "clamp", "clip", "maximum", "minimum", "masked_fill", "lerp", "addcmul", "addcdiv"),
     *("reciprocal", "square", "sign", "floor", "ceil", "round", "trunc", "log1p", "expm1"),
     *("eq", "ne", "lt", "gt", "le", "ge", "logical_not", "logical_and", "logical_or", "isfinite"),
-    *("isnan", "isinf", "nan_to_num", "float", "double", "half", "bfloat16", "to", "type_as"),
-    *("type", "long", "int", "bool", "contiguous", "clone", "detach", "dropout", "alpha_dropout"),
+    *("isnan", "isinf", "nan_to_num", "float", "double", "half", "bfloat16", "type", "long"),
+    *("int", "bool", "contiguous", "clone", "detach", "dropout", "alpha_dropout", "clamp_min"),
+    *("clamp_max", "multiply", "divide", "subtract", "greater", "greater_equal", "less"),
+    *("less_equal", "not_equal", "fmax", "fmin"),
     *("dropout1d", "dropout2d", "dropout3d", "feature_alpha_dropout", "log_sigmoid", "fmod"),
     *("remainder", "glu", "tanhshrink", "softsign", "threshold", "celu", "prelu", "silu_"),
     *("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__"),
@@ -54,6 +56,8 @@ REDUCTIONS = {
     *("softmax", "log_softmax", "cumsum", "cumprod", "sort", "argsort", "topk", "normalize"),
     *("cummax", "cummin", "std_mean", "var_mean", "aminmax", "logcumsumexp"),
 }
+# casts whose tensor arguments after the first give only a dtype and device: x.to(y), x.type_as(y)
+CASTS = {"to", "type_as"}
 KEEPS_SHAPE = {"softmax", "log_softmax", "cumsum", "cumprod", "sort", "argsort", "normalize"}
 KEEPS_SHAPE |= {"cummax", "cummin", "logcumsumexp", "topk"}
 IN_PLACE_OPERATORS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ior__", "__iand__"}
@@ -82,13 +86,17 @@ def op_name(func: Callable) -> str:
 
 def dims_of(name: str, args: tuple, kwargs: dict, rank: int) -> tuple[list[int], bool]:
     """(the dims an op of the REDUCTIONS set mixes, whether it keeps them)."""
-    dim = kwargs.get("dim", args[1] if len(args) > 1 and not isinstance(args[1], Tensor) else None)
+    dim = kwargs.get("dim", kwargs.get("axis"))  # x.mean(axis=2): numpy's name for it
+    if dim is None and len(args) > 1 and not isinstance(args[1], Tensor):
+        dim = args[1]
     if name == "normalize":
         dim = kwargs.get("dim", args[2] if len(args) > 2 else 1)
     if name == "topk":
         dim = kwargs.get("dim", args[2] if len(args) > 2 else -1)
-    if name in ("norm", "std", "var") and isinstance(dim, (int, float)) and len(args) > 1:
-        dim = kwargs.get("dim", args[2] if len(args) > 2 else None)  # norm(x, p, dim)
+    if name == "norm" and len(args) > 1:  # norm(x, p, dim)
+        dim = kwargs.get("dim", kwargs.get("axis", args[2] if len(args) > 2 else None))
+    if name in ("std", "var") and len(args) > 1 and isinstance(args[1], bool):  # (x, unbiased)
+        dim = kwargs.get("dim", kwargs.get("axis"))
     keep = name in KEEPS_SHAPE or bool(kwargs.get("keepdim", False))
     if not keep and len(args) > 2 and isinstance(args[2], bool):
         keep = args[2]
@@ -105,6 +113,8 @@ def keeps_rows(name: str, args: tuple, kwargs: dict, tracked: list, out: Tensor,
     x = args[0] if args else None
     if name in ELEMENTWISE or name == "scaled_dot_product_attention":
         return same_rank
+    if name in CASTS:
+        return len(tracked) == 1 and tracked[0] is x and x.dim() == rank
     if name == "linear":  # a weight computed from the batch would mix its rows' examples
         rest = tensors_in(args[1:], kwargs)
         return same_rank and not any(t is r for t in tracked for r in rest)

@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from .ops import (
+    CASTS,
     CONTRACTIONS,
     CREATIONS,
     ELEMENTWISE,
@@ -52,6 +53,13 @@ from .owners import (
     segment_combine,
     shrink,
 )
+
+
+def _binary(name: str, args: tuple, kwargs: dict) -> bool:
+    """torch.max(x, y) and min: elementwise, not a reduction."""
+    return name in ("max", "min") and (
+        "other" in kwargs or (len(args) > 1 and isinstance(args[1], Tensor))
+    )
 
 
 class ByTensor:
@@ -199,8 +207,10 @@ class RowTrace(TorchFunctionMode):
             return self._set(out, self._reshape(name, args, out), origin)
         if name in MOVES:
             return self._set(out, self._move(func, args, kwargs, name in ZEROING), origin)
-        if name in ELEMENTWISE:
+        if name in ELEMENTWISE or _binary(name, args, kwargs):
             return self._set(out, combine(*self._all(args, kwargs)), origin)
+        if name in CASTS:  # the other tensor gives only a dtype
+            return self._set(out, compact(self.owner(args[0])), origin)
         if name in REDUCTIONS and isinstance(args[0], Tensor):
             dims, keep = dims_of(name, args, kwargs, args[0].dim())
             return self._set(out, reduce(self.owner(args[0]), dims, keep), origin)

@@ -43,6 +43,17 @@ CASES: dict[str, tuple[tuple[int, ...], Callable[[Tensor], Tensor], bool]] = {
     "tril-of-new-ones": ((B, T, T), lambda x: x + x.new_ones(T, T).tril(), False),
     "triu-of-new-ones": ((B, T, T), lambda x: x + x.new_ones(T, T).triu(1).flip(0), False),
     "tril-of-a-gram": ((B, D), lambda x: (x @ x.T).tril(-1), True),
+    # numpy's axis= names the dimension (I-BERT, ImageGPT)
+    "mean-axis": ((B, T, D), lambda x: x - x.mean(axis=2, keepdim=True), False),
+    "mean-axis-0": ((B, T, D), lambda x: x - x.mean(axis=0, keepdim=True), True),
+    "std-dim": ((B, T, D), lambda x: x * x.std(1, keepdim=True), False),
+    # torch.min(x, y) is elementwise, not a reduction (Apertus's xIELU)
+    "min-with-a-tensor": ((B, T), lambda x: torch.min(x, torch.tensor(1e3).double()), False),
+    "min-of-two-examples": ((B, T), lambda x: torch.min(x + 1e3, x.flip(0)) * x, True),
+    # the other tensor of type_as / to gives only a dtype (Funnel's mask, PEGASUS-X's arange)
+    "type-as": ((B, T, D), lambda x: x + torch.arange(D).type_as(x), False),
+    "to-other": ((B, T, D), lambda x: x.sum(-1).to(x) * 2, False),
+    "type-as-of-the-batch-mean": ((B, T, D), lambda x: x.mean(0).type_as(x) + x, True),
 }
 
 
