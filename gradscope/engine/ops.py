@@ -211,14 +211,48 @@ def _grouped(trace: RowTrace, x: Tensor, weight: Tensor, *_, **__) -> Tensor:
 
 
 def _matmul(trace: RowTrace, a: Tensor, b: Tensor, *_, **__) -> Tensor | None:
-    if a.dim() < 2 or b.dim() < 2:
+    """matmul and its kin (mm, bmm, mv, dot): a 1-D operand is contracted whole."""
+    if a.dim() == 0 or b.dim() == 0:
         return None
-    return combine(reduce(trace.owner(a), [-1]), reduce(trace.owner(b), [-2]))
+    oa = reduce(trace.owner(a), [-1], keepdim=a.dim() > 1)  # (..., n, 1) or ()
+    ob = reduce(trace.owner(b), [-2 if b.dim() > 1 else -1], keepdim=b.dim() > 1)  # (..., 1, m)
+    if a.dim() > 1 and b.dim() == 1:
+        oa = oa.squeeze(-1)  # (..., n)
+    if a.dim() == 1 and b.dim() > 1:
+        ob = ob.squeeze(-2)  # (..., m)
+    return combine(oa, ob)
 
 
-def _addmm(trace: RowTrace, bias: Tensor, a: Tensor, b: Tensor, *_, **__) -> Tensor | None:
+def _addmm(trace: RowTrace, bias: Tensor, *args, **kwargs) -> Tensor | None:
+    """addmm(input, mat1, mat2), baddbmm(input, batch1, batch2), addmv(input, mat, vec): the
+    bias (broadcast) on the product; the factors may come by keyword (Bloom's alibi.baddbmm)."""
+    a, b = (*args, *(kwargs[k] for k in _FACTORS if k in kwargs))[:2]
     product = _matmul(trace, a, b)
     return None if product is None else combine(trace.owner(bias), product)
+
+
+_FACTORS = ("mat1", "mat2", "batch1", "batch2", "mat", "vec")
+
+
+def _addbmm(trace: RowTrace, bias: Tensor, *args, **kwargs) -> Tensor | None:
+    """addbmm(input, batch1, batch2): the products of the batch of matrices summed."""
+    a, b = (*args, *(kwargs[k] for k in _FACTORS if k in kwargs))[:2]
+    product = _matmul(trace, a, b)
+    if product is None or a.dim() != 3:
+        return None
+    return combine(trace.owner(bias), reduce(product, [0], keepdim=False))
+
+
+def _outer(trace: RowTrace, a: Tensor, b: Tensor, *_, **__) -> Tensor:
+    return combine(trace.owner(a).reshape(-1, 1), trace.owner(b).reshape(1, -1))
+
+
+def _im2col(trace: RowTrace, x: Tensor, *args, **kwargs) -> Tensor:
+    """F.unfold (N, C, H, W) -> (N, C*k, L): each example's patches from its own image; an
+    unbatched (C, H, W) input mixes everything. Tensor.unfold (a window view) is a move."""
+    if x.dim() == 4:
+        return reduce(trace.owner(x), [1, 2, 3], keepdim=False).reshape(-1, 1, 1)
+    return reduce(trace.owner(x), range(x.dim()), keepdim=False).reshape(1, 1)
 
 
 def _conv(trace: RowTrace, x: Tensor, weight: Tensor, bias: Tensor | None = None, *_, **__):
@@ -305,15 +339,30 @@ def _recurrent(trace: RowTrace, x: Tensor, hx: object, *args, **__) -> tuple | N
 
 
 def _einsum(trace: RowTrace, equation: str, *operands, **__) -> Tensor | None:
+    """Each operand's owners reduced over its summed letters, laid out as the output's; an
+    ellipsis stands for the same letters in every operand (right-aligned, as broadcasting)."""
     operands = (
         operands[0] if len(operands) == 1 and isinstance(operands[0], (list, tuple)) else operands
     )
     equation = equation.replace(" ", "")
-    if "..." in equation or "->" not in equation:
-        return None
+    if "->" not in equation:
+        return None  # the implicit output: not worth guessing
     inputs, output = equation.split("->")
+    inputs = inputs.split(",")
+    if "..." in equation:
+        spare = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in equation]
+        extra = [
+            t.dim() - len(x) + 3 if "..." in x else 0 for x, t in zip(inputs, operands, strict=True)
+        ]
+        if max(extra, default=0) > len(spare) or min(extra, default=0) < 0:
+            return None
+        pool = "".join(spare[: max(extra, default=0)])
+        inputs = [
+            x.replace("...", pool[len(pool) - n :]) for x, n in zip(inputs, extra, strict=True)
+        ]
+        output = output.replace("...", pool)
     parts = []
-    for letters, t in zip(inputs.split(","), operands, strict=True):
+    for letters, t in zip(inputs, operands, strict=True):
         o = reduce(trace.owner(t), [i for i, c in enumerate(letters) if c not in output])
         kept = [c for c in letters if c in output]
         o = o.reshape([o.shape[i] for i, c in enumerate(letters) if c in output])
@@ -325,8 +374,10 @@ def _einsum(trace: RowTrace, equation: str, *operands, **__) -> Tensor | None:
 
 CONTRACTIONS: dict[str, Callable[..., object]] = {
     "linear": _linear,
-    **dict.fromkeys(("matmul", "__matmul__", "mm", "bmm"), _matmul),
-    **dict.fromkeys(("addmm", "baddbmm"), _addmm),
+    **dict.fromkeys(("matmul", "__matmul__", "mm", "bmm", "mv", "dot", "vdot"), _matmul),
+    **dict.fromkeys(("addmm", "baddbmm", "addmv"), _addmm),
+    "addbmm": _addbmm,
+    **dict.fromkeys(("outer", "ger"), _outer),
     **dict.fromkeys(("conv1d", "conv2d", "conv3d", "conv_transpose1d"), _conv),
     **dict.fromkeys(("conv_transpose2d", "conv_transpose3d"), _conv),
     "embedding": _embedding,
@@ -344,5 +395,6 @@ CONTRACTIONS: dict[str, Callable[..., object]] = {
     "scaled_dot_product_attention": _sdpa,
     "multi_head_attention_forward": _mha,
     "einsum": _einsum,
+    "im2col": _im2col,  # F.unfold, told apart from Tensor.unfold by the function itself
     **dict.fromkeys(("lstm", "gru", "rnn_tanh", "rnn_relu"), _recurrent),
 }

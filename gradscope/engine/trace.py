@@ -16,6 +16,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
@@ -205,6 +206,8 @@ class RowTrace(TorchFunctionMode):
             return self._set(args[0], None, origin)
         if name in RESHAPES:
             return self._set(out, self._reshape(name, args, out), origin)
+        if func is F.unfold:  # im2col, not the window view Tensor.unfold
+            return self._set(out, CONTRACTIONS["im2col"](self, *args, **kwargs), origin)
         if name in MOVES:
             return self._set(out, self._move(func, args, kwargs, name in ZEROING), origin)
         if name in ELEMENTWISE or _binary(name, args, kwargs):

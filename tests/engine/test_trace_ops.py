@@ -9,12 +9,14 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from gradscope.engine.owners import MIXED, NONE
 from gradscope.engine.trace import RowTrace
 
 B, T, D = 3, 4, 5
+ALIBI = torch.arange(T * T, dtype=torch.float64).view(1, T, T)  # a bias the batch shares
 
 
 def jacobian_owners(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
@@ -37,6 +39,10 @@ def traced_owners(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     return owners.expand(out.shape)
 
 
+def _alibi_from_others(x: Tensor) -> Tensor:
+    return x.flip(0).sum(-1, keepdim=True)  # (B, T, 1): row i from example B-1-i
+
+
 # id -> (shape of the batch, fn, whether some element depends on several examples)
 CASES: dict[str, tuple[tuple[int, ...], Callable[[Tensor], Tensor], bool]] = {
     # tril/triu write zeros: constants, not example 0 (Longformer and LED's masks)
@@ -50,10 +56,49 @@ CASES: dict[str, tuple[tuple[int, ...], Callable[[Tensor], Tensor], bool]] = {
     # torch.min(x, y) is elementwise, not a reduction (Apertus's xIELU)
     "min-with-a-tensor": ((B, T), lambda x: torch.min(x, torch.tensor(1e3).double()), False),
     "min-of-two-examples": ((B, T), lambda x: torch.min(x + 1e3, x.flip(0)) * x, True),
+    # the factors by keyword, the bias shared (Bloom's alibi.baddbmm(batch1=, batch2=))
+    "baddbmm-keywords": (
+        (B, T, D),
+        lambda x: ALIBI.baddbmm(batch1=x, batch2=x.transpose(1, 2), alpha=0.5),
+        False,
+    ),
+    "baddbmm-bias-of-others": (
+        (B, T, D),
+        lambda x: _alibi_from_others(x).baddbmm(x, x.transpose(1, 2)),
+        True,
+    ),
+    "addbmm-sums-the-batch": (
+        (B, B, D),
+        lambda x: torch.addbmm(torch.ones(B, B).double(), x, x.transpose(1, 2)),
+        True,
+    ),
+    "mv-of-every-example": ((B, D), lambda x: torch.mv(x[:, :B], x[:, 0]), True),
+    "mv-shared-vector": ((B, D), lambda x: torch.mv(x, torch.arange(D).double()), False),
+    "outer": ((B, D), lambda x: torch.outer(x[:, 0], x[1]), True),
     # the other tensor of type_as / to gives only a dtype (Funnel's mask, PEGASUS-X's arange)
     "type-as": ((B, T, D), lambda x: x + torch.arange(D).type_as(x), False),
     "to-other": ((B, T, D), lambda x: x.sum(-1).to(x) * 2, False),
     "type-as-of-the-batch-mean": ((B, T, D), lambda x: x.mean(0).type_as(x) + x, True),
+    # an ellipsis in einsum (LongT5's local attention)
+    "einsum-ellipsis": (
+        (B, 1, T, 2, 3),
+        lambda x: torch.einsum("...qhd,...khd->...hqk", x, 2 * x),
+        False,
+    ),
+    "einsum-ellipsis-broadcast": (
+        (B, T, D),
+        lambda x: torch.einsum("...d,d->...", x, torch.arange(D).double()),
+        False,
+    ),
+    "einsum-ellipsis-of-others": (
+        (B, 1, T, 2, 3),
+        lambda x: torch.einsum("...qhd,...khd->...hqk", x, x.flip(0)),
+        True,
+    ),
+    # F.unfold is im2col, not Tensor.unfold's window view (ConvBERT)
+    "im2col": ((B, 2, T, T), lambda x: F.unfold(x, kernel_size=(2, 1)), False),
+    "im2col-of-others": ((B, 2, T, T), lambda x: F.unfold(x + x.flip(0), (2, 1)), True),
+    "window-view": ((B, T, D), lambda x: x.unfold(1, 2, 1).sum(-1), False),
 }
 
 
