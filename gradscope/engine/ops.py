@@ -25,7 +25,7 @@ MOVES = {
     *("squeeze", "unsqueeze", "expand", "expand_as", "select", "narrow", "__getitem__"),
     *("index_select", "flip", "roll", "split", "chunk", "unbind", "tensor_split", "unfold"),
     *("cat", "concat", "concatenate", "stack", "masked_select", "take_along_dim", "repeat"),
-    *("repeat_interleave", "split_with_sizes", "diagonal", "tril", "triu"),
+    *("repeat_interleave", "split_with_sizes", "diagonal", "tril", "triu", "gather"),
 }
 # moves that also write zeros: a zero written is a constant (NONE), not example 0
 ZEROING = {"tril", "triu"}
@@ -67,7 +67,9 @@ INDICES = {"where", "nonzero", "argwhere"}  # with one argument: positions of tr
 CREATIONS = {"new_ones", "new_zeros", "new_full", "new_empty", "new_tensor", "zeros_like"}
 CREATIONS |= {"ones_like", "empty_like", "full_like", "arange"}
 SORTS = {"sort", "argsort"}  # a permutation along a dimension: owners move with the values
-IN_PLACE_MOVES = {"__setitem__", "copy_", "index_add_", "masked_fill_", "fill_", "zero_"}
+IN_PLACE_MOVES = {"__setitem__", "copy_", "masked_fill_", "fill_", "zero_"}
+# x's elements or rows where a mask or an index puts source's: in place or not
+PLACES = {"masked_scatter", "masked_scatter_", "index_add", "index_add_"}
 # x.scatter*(dim, index, src): rows of src land at index; in place or not
 SCATTERS = {"scatter", "scatter_add", "scatter_reduce", "scatter_", "scatter_add_"}
 SCATTERS |= {"scatter_reduce_"}

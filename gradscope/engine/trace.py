@@ -29,6 +29,7 @@ from .ops import (
     IN_PLACE_OPERATORS,
     INDICES,
     MOVES,
+    PLACES,
     READS,
     REDUCTIONS,
     RESHAPES,
@@ -194,6 +195,9 @@ class RowTrace(TorchFunctionMode):
             return self._set(out, filled(out, NONE), origin)
         if name in SORTS:
             return self._set(out, self._sorted(name, args, kwargs, out), origin)
+        if name in PLACES:  # in place or not
+            target = args[0] if name.endswith("_") else out
+            return self._set(target, self._placed(name, args, kwargs), origin)
         if name in IN_PLACE_MOVES:
             return self._in_place(name, args, kwargs, origin)
         if name in SCATTERS:
@@ -298,22 +302,29 @@ class RowTrace(TorchFunctionMode):
             return self._set(x, filled(x, NONE), origin)
         if name == "copy_":
             return self._set(x, compact(self.owner(args[1]).expand(x.shape)), origin)
-        if name == "masked_fill_":  # masked elements take the (constant) fill
+        value = args[2] if len(args) > 2 else kwargs.get("value")
+        v = self.owner(value) if isinstance(value, Tensor) else torch.tensor(NONE)
+        o = self.owner(x).expand(x.shape).clone()
+        if name == "masked_fill_":  # masked elements take the fill (a 0-dim value)
+            o[args[1].expand(x.shape)] = v.reshape(()).to(o.device)
+        else:  # __setitem__
+            o[args[1]] = v.expand(o[args[1]].shape) if v.dim() else v.to(o.device)
+        return self._set(x, shrink(o), origin)
+
+    def _placed(self, name: str, args: tuple, kwargs: dict) -> Tensor:
+        """The owners of ``x`` after ``masked_scatter(mask, source)`` or ``index_add(dim,
+        index, source)``, in place or not."""
+        x = args[0]
+        if name.startswith("masked_scatter"):  # source's elements, in order, where mask holds
+            mask, source = (*args[1:], *(kwargs[k] for k in ("mask", "source") if k in kwargs))
             o = self.owner(x).expand(x.shape).clone()
-            o[args[1].expand(x.shape)] = NONE
-            return self._set(x, shrink(o), origin)
-        if name == "__setitem__":
-            o = self.owner(x).expand(x.shape).clone()
-            value = args[2]
-            v = (
-                self.owner(value)
-                if isinstance(value, Tensor)
-                else torch.tensor(NONE, device=x.device)
-            )
-            o[args[1]] = v.expand(o[args[1]].shape) if v.dim() else v
-            return self._set(x, shrink(o), origin)
-        # index_add_(dim, index, source, alpha=1): rows index[j] of x gain source's row j
-        dim, index, source = args[1], args[2], args[3]
+            o.masked_scatter_(mask.expand(x.shape), self.owner(source).expand(source.shape))
+            return combine(shrink(o), self.owner(mask))  # the mask placed them: its owners too
+        # index_add(dim, index, source, alpha=1): rows index[j] of x gain source's row j
+        dim, index, source = (
+            *args[1:],
+            *(kwargs[k] for k in ("dim", "index", "source") if k in kwargs),
+        )[:3]
         dim = dim % x.dim()
         rest = [d for d in range(x.dim()) if d != dim]
         base = reduce(self.owner(x), rest).reshape(-1).expand(x.shape[dim]).clone()
@@ -322,4 +333,4 @@ class RowTrace(TorchFunctionMode):
         o = segment_combine(base, index, rows)
         shape = [1] * x.dim()
         shape[dim] = x.shape[dim]
-        return self._set(x, compact(o.view(shape)), origin)
+        return compact(o.view(shape))

@@ -16,6 +16,9 @@ from gradscope.engine.owners import MIXED, NONE
 from gradscope.engine.trace import RowTrace
 
 B, T, D = 3, 4, 5
+G = torch.Generator().manual_seed(0)
+PERM = torch.randperm(B * T, generator=G)  # rows of every example, shuffled
+MASK = torch.rand(B, T, 1, generator=G) > 0.4  # fixed: no example's values decide it
 ALIBI = torch.arange(T * T, dtype=torch.float64).view(1, T, T)  # a bias the batch shares
 
 
@@ -41,6 +44,22 @@ def traced_owners(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
 
 def _alibi_from_others(x: Tensor) -> Tensor:
     return x.flip(0).sum(-1, keepdim=True)  # (B, T, 1): row i from example B-1-i
+
+
+def _index_added(x: Tensor, index: Tensor) -> Tensor:
+    h = x.reshape(-1, D)  # (B*T, D)
+    return torch.zeros_like(h).index_add(0, index, 2 * h)
+
+
+def _scattered(x: Tensor) -> Tensor:
+    source = x.reshape(-1, D)[PERM]  # (B*T, D): any example's row anywhere
+    return x.masked_scatter(MASK, source)  # masked rows take source's rows in order
+
+
+def _filled(x: Tensor) -> Tensor:
+    h = x.clone()
+    h.masked_fill_(MASK, x.sum())  # the fill value is computed from every example
+    return h
 
 
 # id -> (shape of the batch, fn, whether some element depends on several examples)
@@ -99,6 +118,14 @@ CASES: dict[str, tuple[tuple[int, ...], Callable[[Tensor], Tensor], bool]] = {
     "im2col": ((B, 2, T, T), lambda x: F.unfold(x, kernel_size=(2, 1)), False),
     "im2col-of-others": ((B, 2, T, T), lambda x: F.unfold(x + x.flip(0), (2, 1)), True),
     "window-view": ((B, T, D), lambda x: x.unfold(1, 2, 1).sum(-1), False),
+    # masked_scatter puts source's elements where the mask holds (Higgs Audio)
+    "masked-scatter": ((B, T, D), _scattered, False),
+    "masked-scatter-summed": ((B, T, D), lambda x: _scattered(x).sum(1), True),
+    "masked-fill-with-a-batch-value": ((B, T, D), _filled, True),
+    # index_add and gather move rows to where their index says
+    "index-add": ((B, T, D), lambda x: _index_added(x, PERM), False),
+    "index-add-onto-one-row": ((B, T, D), lambda x: _index_added(x, PERM % 2), True),
+    "gather-rows": ((B, T), lambda x: x.gather(0, PERM[: B * T].view(B, T) % B), False),
 }
 
 
