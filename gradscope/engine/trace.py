@@ -214,6 +214,8 @@ class RowTrace(TorchFunctionMode):
             return self._set(out, CONTRACTIONS["im2col"](self, *args, **kwargs), origin)
         if name in MOVES:
             return self._set(out, self._move(func, args, kwargs, name in ZEROING), origin)
+        if name == "as_strided":
+            return self._set(out, self._strided(args, kwargs), origin)
         if name in ELEMENTWISE or _binary(name, args, kwargs):
             return self._set(out, combine(*self._all(args, kwargs)), origin)
         if name in CASTS:  # the other tensor gives only a dtype
@@ -252,6 +254,26 @@ class RowTrace(TorchFunctionMode):
         if isinstance(result, (tuple, list)):
             return tuple(shrink(r) for r in result)
         return shrink(result)
+
+    def _strided(self, args: tuple, kwargs: dict) -> Tensor | None:
+        """``x.as_strided(size, stride, offset)`` (Longformer's overlapping chunks): owners laid
+        out in memory as ``x``'s elements are, the same view taken of them; memory between
+        ``x``'s elements is MIXED (not known), and a view reaching outside ``x`` is None."""
+        x = args[0]
+        size, stride, offset = (
+            *args[1:],
+            *(kwargs[k] for k in ("size", "stride", "storage_offset") if k in kwargs),
+            None,
+        )[:3]
+        start = x.storage_offset()
+        offset = start if offset is None else offset
+        span = 1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride(), strict=True))
+        last = offset - start + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
+        if x.numel() == 0 or offset < start or (min(size, default=1) > 0 and last >= span):
+            return None
+        memory = torch.full((span,), MIXED, dtype=torch.long, device=x.device)
+        memory.as_strided(x.shape, x.stride()).copy_(self.owner(x).expand(x.shape))
+        return shrink(memory.as_strided(size, stride, offset - start))
 
     def _leading(self, args: tuple, kwargs: dict, out: object) -> Tensor | None:
         """An unknown op: each output keeps dimension 0's owners, when every tracked input's

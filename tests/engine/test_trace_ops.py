@@ -126,6 +126,26 @@ CASES: dict[str, tuple[tuple[int, ...], Callable[[Tensor], Tensor], bool]] = {
     "index-add": ((B, T, D), lambda x: _index_added(x, PERM), False),
     "index-add-onto-one-row": ((B, T, D), lambda x: _index_added(x, PERM % 2), True),
     "gather-rows": ((B, T), lambda x: x.gather(0, PERM[: B * T].view(B, T) % B), False),
+    # as_strided: overlapping windows within each example (Longformer's chunks), or rows that
+    # straddle two examples (the old default gave row i to example i whole)
+    "as-strided-windows": (
+        (B, T, D),
+        lambda x: x.as_strided((B, T - 1, 2, D), (T * D, D, D, 1)),
+        False,
+    ),
+    "as-strided-of-a-transpose": (
+        (B, T, D),
+        lambda x: (
+            x.transpose(0, 1).contiguous().transpose(0, 1).as_strided((B, 2, D), (D, B * D, 1))
+        ),
+        False,
+    ),
+    "as-strided-straddling": ((B, T, D), lambda x: x.as_strided((B, T * D), (T * D - 1, 1)), False),
+    "as-strided-straddling-summed": (
+        (B, T, D),
+        lambda x: x.as_strided((B, T * D), (T * D - 1, 1)).sum(1),
+        True,
+    ),
 }
 
 
