@@ -58,6 +58,13 @@ FAMILIES = {
     "qwen2-moe-eager": causal("Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_key_value_heads=1,
                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
                               shared_expert_intermediate_size=8, experts_implementation="eager"),
+    # once all on the fallback, the trace wrong about one op: alibi.baddbmm(batch1=, batch2=),
+    # JetMoE's out-of-place index_add, ImageGPT's mean(axis=-1)
+    "bloom": causal("BloomConfig", "BloomForCausalLM", n_head=2, n_layer=1),
+    "jetmoe": causal("JetMoeConfig", "JetMoeForCausalLM", num_key_value_heads=2, kv_channels=8,
+                     num_local_experts=4, num_experts_per_tok=2),
+    "imagegpt": causal("ImageGPTConfig", "ImageGPTForCausalImageModeling", n_embd=16, n_layer=1,
+                       n_head=2, n_positions=32, vocab_size=VOCAB + 1),  # one class fewer
 }  # fmt: skip
 
 

@@ -25,8 +25,10 @@ MOVES = {
     *("squeeze", "unsqueeze", "expand", "expand_as", "select", "narrow", "__getitem__"),
     *("index_select", "flip", "roll", "split", "chunk", "unbind", "tensor_split", "unfold"),
     *("cat", "concat", "concatenate", "stack", "masked_select", "take_along_dim", "repeat"),
-    *("repeat_interleave", "split_with_sizes", "diagonal", "tril", "triu"),
+    *("repeat_interleave", "split_with_sizes", "diagonal", "tril", "triu", "gather"),
 }
+# moves that also write zeros: a zero written is a constant (NONE), not example 0
+ZEROING = {"tril", "triu"}
 RESHAPES = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
 # each output element from the elements at its position (broadcast)
 ELEMENTWISE = {
@@ -36,8 +38,10 @@ ELEMENTWISE = {
     *("where", "clamp", "clip", "maximum", "minimum", "masked_fill", "lerp", "addcmul", "addcdiv"),
     *("reciprocal", "square", "sign", "floor", "ceil", "round", "trunc", "log1p", "expm1"),
     *("eq", "ne", "lt", "gt", "le", "ge", "logical_not", "logical_and", "logical_or", "isfinite"),
-    *("isnan", "isinf", "nan_to_num", "float", "double", "half", "bfloat16", "to", "type_as"),
-    *("type", "long", "int", "bool", "contiguous", "clone", "detach", "dropout", "alpha_dropout"),
+    *("isnan", "isinf", "nan_to_num", "float", "double", "half", "bfloat16", "type", "long"),
+    *("int", "bool", "contiguous", "clone", "detach", "dropout", "alpha_dropout", "clamp_min"),
+    *("clamp_max", "multiply", "divide", "subtract", "greater", "greater_equal", "less"),
+    *("less_equal", "not_equal", "fmax", "fmin"),
     *("dropout1d", "dropout2d", "dropout3d", "feature_alpha_dropout", "log_sigmoid", "fmod"),
     *("remainder", "glu", "tanhshrink", "softsign", "threshold", "celu", "prelu", "silu_"),
     *("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__"),
@@ -52,15 +56,20 @@ REDUCTIONS = {
     *("softmax", "log_softmax", "cumsum", "cumprod", "sort", "argsort", "topk", "normalize"),
     *("cummax", "cummin", "std_mean", "var_mean", "aminmax", "logcumsumexp"),
 }
+# casts whose tensor arguments after the first give only a dtype and device: x.to(y), x.type_as(y)
+CASTS = {"to", "type_as"}
 KEEPS_SHAPE = {"softmax", "log_softmax", "cumsum", "cumprod", "sort", "argsort", "normalize"}
 KEEPS_SHAPE |= {"cummax", "cummin", "logcumsumexp", "topk"}
 IN_PLACE_OPERATORS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ior__", "__iand__"}
 INDICES = {"where", "nonzero", "argwhere"}  # with one argument: positions of true elements
-# new tensors shaped like their input, whose values come from no example
+# new tensors shaped like their input, whose values come from no example; arange's tensor
+# arguments are counts (torch.arange(n) for a 0-dim n), through which nothing flows back
 CREATIONS = {"new_ones", "new_zeros", "new_full", "new_empty", "new_tensor", "zeros_like"}
-CREATIONS |= {"ones_like", "empty_like", "full_like"}
+CREATIONS |= {"ones_like", "empty_like", "full_like", "arange"}
 SORTS = {"sort", "argsort"}  # a permutation along a dimension: owners move with the values
-IN_PLACE_MOVES = {"__setitem__", "copy_", "index_add_", "masked_fill_", "fill_", "zero_"}
+IN_PLACE_MOVES = {"__setitem__", "copy_", "masked_fill_", "fill_", "zero_"}
+# x's elements or rows where a mask or an index puts source's: in place or not
+PLACES = {"masked_scatter", "masked_scatter_", "index_add", "index_add_"}
 # x.scatter*(dim, index, src): rows of src land at index; in place or not
 SCATTERS = {"scatter", "scatter_add", "scatter_reduce", "scatter_", "scatter_add_"}
 SCATTERS |= {"scatter_reduce_"}
@@ -79,13 +88,17 @@ def op_name(func: Callable) -> str:
 
 def dims_of(name: str, args: tuple, kwargs: dict, rank: int) -> tuple[list[int], bool]:
     """(the dims an op of the REDUCTIONS set mixes, whether it keeps them)."""
-    dim = kwargs.get("dim", args[1] if len(args) > 1 and not isinstance(args[1], Tensor) else None)
+    dim = kwargs.get("dim", kwargs.get("axis"))  # x.mean(axis=2): numpy's name for it
+    if dim is None and len(args) > 1 and not isinstance(args[1], Tensor):
+        dim = args[1]
     if name == "normalize":
         dim = kwargs.get("dim", args[2] if len(args) > 2 else 1)
     if name == "topk":
         dim = kwargs.get("dim", args[2] if len(args) > 2 else -1)
-    if name in ("norm", "std", "var") and isinstance(dim, (int, float)) and len(args) > 1:
-        dim = kwargs.get("dim", args[2] if len(args) > 2 else None)  # norm(x, p, dim)
+    if name == "norm" and len(args) > 1:  # norm(x, p, dim)
+        dim = kwargs.get("dim", kwargs.get("axis", args[2] if len(args) > 2 else None))
+    if name in ("std", "var") and len(args) > 1 and isinstance(args[1], bool):  # (x, unbiased)
+        dim = kwargs.get("dim", kwargs.get("axis"))
     keep = name in KEEPS_SHAPE or bool(kwargs.get("keepdim", False))
     if not keep and len(args) > 2 and isinstance(args[2], bool):
         keep = args[2]
@@ -102,6 +115,8 @@ def keeps_rows(name: str, args: tuple, kwargs: dict, tracked: list, out: Tensor,
     x = args[0] if args else None
     if name in ELEMENTWISE or name == "scaled_dot_product_attention":
         return same_rank
+    if name in CASTS:
+        return len(tracked) == 1 and tracked[0] is x and x.dim() == rank
     if name == "linear":  # a weight computed from the batch would mix its rows' examples
         rest = tensors_in(args[1:], kwargs)
         return same_rank and not any(t is r for t in tracked for r in rest)
@@ -198,14 +213,48 @@ def _grouped(trace: RowTrace, x: Tensor, weight: Tensor, *_, **__) -> Tensor:
 
 
 def _matmul(trace: RowTrace, a: Tensor, b: Tensor, *_, **__) -> Tensor | None:
-    if a.dim() < 2 or b.dim() < 2:
+    """matmul and its kin (mm, bmm, mv, dot): a 1-D operand is contracted whole."""
+    if a.dim() == 0 or b.dim() == 0:
         return None
-    return combine(reduce(trace.owner(a), [-1]), reduce(trace.owner(b), [-2]))
+    oa = reduce(trace.owner(a), [-1], keepdim=a.dim() > 1)  # (..., n, 1) or ()
+    ob = reduce(trace.owner(b), [-2 if b.dim() > 1 else -1], keepdim=b.dim() > 1)  # (..., 1, m)
+    if a.dim() > 1 and b.dim() == 1:
+        oa = oa.squeeze(-1)  # (..., n)
+    if a.dim() == 1 and b.dim() > 1:
+        ob = ob.squeeze(-2)  # (..., m)
+    return combine(oa, ob)
 
 
-def _addmm(trace: RowTrace, bias: Tensor, a: Tensor, b: Tensor, *_, **__) -> Tensor | None:
+def _addmm(trace: RowTrace, bias: Tensor, *args, **kwargs) -> Tensor | None:
+    """addmm(input, mat1, mat2), baddbmm(input, batch1, batch2), addmv(input, mat, vec): the
+    bias (broadcast) on the product; the factors may come by keyword (Bloom's alibi.baddbmm)."""
+    a, b = (*args, *(kwargs[k] for k in _FACTORS if k in kwargs))[:2]
     product = _matmul(trace, a, b)
     return None if product is None else combine(trace.owner(bias), product)
+
+
+_FACTORS = ("mat1", "mat2", "batch1", "batch2", "mat", "vec")
+
+
+def _addbmm(trace: RowTrace, bias: Tensor, *args, **kwargs) -> Tensor | None:
+    """addbmm(input, batch1, batch2): the products of the batch of matrices summed."""
+    a, b = (*args, *(kwargs[k] for k in _FACTORS if k in kwargs))[:2]
+    product = _matmul(trace, a, b)
+    if product is None or a.dim() != 3:
+        return None
+    return combine(trace.owner(bias), reduce(product, [0], keepdim=False))
+
+
+def _outer(trace: RowTrace, a: Tensor, b: Tensor, *_, **__) -> Tensor:
+    return combine(trace.owner(a).reshape(-1, 1), trace.owner(b).reshape(1, -1))
+
+
+def _im2col(trace: RowTrace, x: Tensor, *args, **kwargs) -> Tensor:
+    """F.unfold (N, C, H, W) -> (N, C*k, L): each example's patches from its own image; an
+    unbatched (C, H, W) input mixes everything. Tensor.unfold (a window view) is a move."""
+    if x.dim() == 4:
+        return reduce(trace.owner(x), [1, 2, 3], keepdim=False).reshape(-1, 1, 1)
+    return reduce(trace.owner(x), range(x.dim()), keepdim=False).reshape(1, 1)
 
 
 def _conv(trace: RowTrace, x: Tensor, weight: Tensor, bias: Tensor | None = None, *_, **__):
@@ -292,15 +341,30 @@ def _recurrent(trace: RowTrace, x: Tensor, hx: object, *args, **__) -> tuple | N
 
 
 def _einsum(trace: RowTrace, equation: str, *operands, **__) -> Tensor | None:
+    """Each operand's owners reduced over its summed letters, laid out as the output's; an
+    ellipsis stands for the same letters in every operand (right-aligned, as broadcasting)."""
     operands = (
         operands[0] if len(operands) == 1 and isinstance(operands[0], (list, tuple)) else operands
     )
     equation = equation.replace(" ", "")
-    if "..." in equation or "->" not in equation:
-        return None
+    if "->" not in equation:
+        return None  # the implicit output: not worth guessing
     inputs, output = equation.split("->")
+    inputs = inputs.split(",")
+    if "..." in equation:
+        spare = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in equation]
+        extra = [
+            t.dim() - len(x) + 3 if "..." in x else 0 for x, t in zip(inputs, operands, strict=True)
+        ]
+        if max(extra, default=0) > len(spare) or min(extra, default=0) < 0:
+            return None
+        pool = "".join(spare[: max(extra, default=0)])
+        inputs = [
+            x.replace("...", pool[len(pool) - n :]) for x, n in zip(inputs, extra, strict=True)
+        ]
+        output = output.replace("...", pool)
     parts = []
-    for letters, t in zip(inputs.split(","), operands, strict=True):
+    for letters, t in zip(inputs, operands, strict=True):
         o = reduce(trace.owner(t), [i for i, c in enumerate(letters) if c not in output])
         kept = [c for c in letters if c in output]
         o = o.reshape([o.shape[i] for i, c in enumerate(letters) if c in output])
@@ -312,8 +376,10 @@ def _einsum(trace: RowTrace, equation: str, *operands, **__) -> Tensor | None:
 
 CONTRACTIONS: dict[str, Callable[..., object]] = {
     "linear": _linear,
-    **dict.fromkeys(("matmul", "__matmul__", "mm", "bmm"), _matmul),
-    **dict.fromkeys(("addmm", "baddbmm"), _addmm),
+    **dict.fromkeys(("matmul", "__matmul__", "mm", "bmm", "mv", "dot", "vdot"), _matmul),
+    **dict.fromkeys(("addmm", "baddbmm", "addmv"), _addmm),
+    "addbmm": _addbmm,
+    **dict.fromkeys(("outer", "ger"), _outer),
     **dict.fromkeys(("conv1d", "conv2d", "conv3d", "conv_transpose1d"), _conv),
     **dict.fromkeys(("conv_transpose2d", "conv_transpose3d"), _conv),
     "embedding": _embedding,
@@ -331,5 +397,6 @@ CONTRACTIONS: dict[str, Callable[..., object]] = {
     "scaled_dot_product_attention": _sdpa,
     "multi_head_attention_forward": _mha,
     "einsum": _einsum,
+    "im2col": _im2col,  # F.unfold, told apart from Tensor.unfold by the function itself
     **dict.fromkeys(("lstm", "gru", "rnn_tanh", "rnn_relu"), _recurrent),
 }

@@ -16,10 +16,12 @@ from __future__ import annotations
 import weakref
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from .ops import (
+    CASTS,
     CONTRACTIONS,
     CREATIONS,
     ELEMENTWISE,
@@ -27,11 +29,13 @@ from .ops import (
     IN_PLACE_OPERATORS,
     INDICES,
     MOVES,
+    PLACES,
     READS,
     REDUCTIONS,
     RESHAPES,
     SCATTERS,
     SORTS,
+    ZEROING,
     dims_of,
     filled,
     keeps_rows,
@@ -51,6 +55,13 @@ from .owners import (
     segment_combine,
     shrink,
 )
+
+
+def _binary(name: str, args: tuple, kwargs: dict) -> bool:
+    """torch.max(x, y) and min: elementwise, not a reduction."""
+    return name in ("max", "min") and (
+        "other" in kwargs or (len(args) > 1 and isinstance(args[1], Tensor))
+    )
 
 
 class ByTensor:
@@ -178,11 +189,15 @@ class RowTrace(TorchFunctionMode):
 
     def _follow(self, name: str, func, args: tuple, kwargs: dict, out: object, origin: str):
         if name in INDICES and len(args) == 1:  # positions, not values: nothing flows back
-            return self._set(out, filled(args[0], NONE), origin)
+            outs = out if isinstance(out, (tuple, list)) else (out,)  # as_tuple: one per dim
+            return self._set(out, tuple(filled(t, NONE) for t in outs), origin)
         if name in CREATIONS:
             return self._set(out, filled(out, NONE), origin)
         if name in SORTS:
             return self._set(out, self._sorted(name, args, kwargs, out), origin)
+        if name in PLACES:  # in place or not
+            target = args[0] if name.endswith("_") else out
+            return self._set(target, self._placed(name, args, kwargs), origin)
         if name in IN_PLACE_MOVES:
             return self._in_place(name, args, kwargs, origin)
         if name in SCATTERS:
@@ -195,10 +210,16 @@ class RowTrace(TorchFunctionMode):
             return self._set(args[0], None, origin)
         if name in RESHAPES:
             return self._set(out, self._reshape(name, args, out), origin)
+        if func is F.unfold:  # im2col, not the window view Tensor.unfold
+            return self._set(out, CONTRACTIONS["im2col"](self, *args, **kwargs), origin)
         if name in MOVES:
-            return self._set(out, self._move(func, args, kwargs), origin)
-        if name in ELEMENTWISE:
+            return self._set(out, self._move(func, args, kwargs, name in ZEROING), origin)
+        if name == "as_strided":
+            return self._set(out, self._strided(args, kwargs), origin)
+        if name in ELEMENTWISE or _binary(name, args, kwargs):
             return self._set(out, combine(*self._all(args, kwargs)), origin)
+        if name in CASTS:  # the other tensor gives only a dtype
+            return self._set(out, compact(self.owner(args[0])), origin)
         if name in REDUCTIONS and isinstance(args[0], Tensor):
             dims, keep = dims_of(name, args, kwargs, args[0].dim())
             return self._set(out, reduce(self.owner(args[0]), dims, keep), origin)
@@ -216,8 +237,9 @@ class RowTrace(TorchFunctionMode):
         x = args[0]
         return reshaped(self.owner(x), x.shape, out.shape)
 
-    def _move(self, func, args: tuple, kwargs: dict) -> object:
-        """The op on the owners, expanded (no copy) to the shapes of the tensors they describe."""
+    def _move(self, func, args: tuple, kwargs: dict, zeroing: bool = False) -> object:
+        """The op on the owners, expanded (no copy) to the shapes of the tensors they describe;
+        ``zeroing``: the zeros it writes (tril, triu) are constants, NONE, not example 0."""
 
         def full(t: object) -> object:
             if isinstance(t, Tensor):
@@ -226,10 +248,32 @@ class RowTrace(TorchFunctionMode):
                 return type(t)(full(u) for u in t)
             return t
 
+        if zeroing:
+            return shrink(func(full(args[0]) - NONE, *args[1:], **kwargs) + NONE)
         result = func(full(args[0]), *args[1:], **kwargs)
         if isinstance(result, (tuple, list)):
             return tuple(shrink(r) for r in result)
         return shrink(result)
+
+    def _strided(self, args: tuple, kwargs: dict) -> Tensor | None:
+        """``x.as_strided(size, stride, offset)`` (Longformer's overlapping chunks): owners laid
+        out in memory as ``x``'s elements are, the same view taken of them; memory between
+        ``x``'s elements is MIXED (not known), and a view reaching outside ``x`` is None."""
+        x = args[0]
+        size, stride, offset = (
+            *args[1:],
+            *(kwargs[k] for k in ("size", "stride", "storage_offset") if k in kwargs),
+            None,
+        )[:3]
+        start = x.storage_offset()
+        offset = start if offset is None else offset
+        span = 1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride(), strict=True))
+        last = offset - start + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
+        if x.numel() == 0 or offset < start or (min(size, default=1) > 0 and last >= span):
+            return None
+        memory = torch.full((span,), MIXED, dtype=torch.long, device=x.device)
+        memory.as_strided(x.shape, x.stride()).copy_(self.owner(x).expand(x.shape))
+        return shrink(memory.as_strided(size, stride, offset - start))
 
     def _leading(self, args: tuple, kwargs: dict, out: object) -> Tensor | None:
         """An unknown op: each output keeps dimension 0's owners, when every tracked input's
@@ -280,22 +324,29 @@ class RowTrace(TorchFunctionMode):
             return self._set(x, filled(x, NONE), origin)
         if name == "copy_":
             return self._set(x, compact(self.owner(args[1]).expand(x.shape)), origin)
-        if name == "masked_fill_":  # masked elements take the (constant) fill
+        value = args[2] if len(args) > 2 else kwargs.get("value")
+        v = self.owner(value) if isinstance(value, Tensor) else torch.tensor(NONE)
+        o = self.owner(x).expand(x.shape).clone()
+        if name == "masked_fill_":  # masked elements take the fill (a 0-dim value)
+            o[args[1].expand(x.shape)] = v.reshape(()).to(o.device)
+        else:  # __setitem__
+            o[args[1]] = v.expand(o[args[1]].shape) if v.dim() else v.to(o.device)
+        return self._set(x, shrink(o), origin)
+
+    def _placed(self, name: str, args: tuple, kwargs: dict) -> Tensor:
+        """The owners of ``x`` after ``masked_scatter(mask, source)`` or ``index_add(dim,
+        index, source)``, in place or not."""
+        x = args[0]
+        if name.startswith("masked_scatter"):  # source's elements, in order, where mask holds
+            mask, source = (*args[1:], *(kwargs[k] for k in ("mask", "source") if k in kwargs))
             o = self.owner(x).expand(x.shape).clone()
-            o[args[1].expand(x.shape)] = NONE
-            return self._set(x, shrink(o), origin)
-        if name == "__setitem__":
-            o = self.owner(x).expand(x.shape).clone()
-            value = args[2]
-            v = (
-                self.owner(value)
-                if isinstance(value, Tensor)
-                else torch.tensor(NONE, device=x.device)
-            )
-            o[args[1]] = v.expand(o[args[1]].shape) if v.dim() else v
-            return self._set(x, shrink(o), origin)
-        # index_add_(dim, index, source, alpha=1): rows index[j] of x gain source's row j
-        dim, index, source = args[1], args[2], args[3]
+            o.masked_scatter_(mask.expand(x.shape), self.owner(source).expand(source.shape))
+            return combine(shrink(o), self.owner(mask))  # the mask placed them: its owners too
+        # index_add(dim, index, source, alpha=1): rows index[j] of x gain source's row j
+        dim, index, source = (
+            *args[1:],
+            *(kwargs[k] for k in ("dim", "index", "source") if k in kwargs),
+        )[:3]
         dim = dim % x.dim()
         rest = [d for d in range(x.dim()) if d != dim]
         base = reduce(self.owner(x), rest).reshape(-1).expand(x.shape[dim]).clone()
@@ -304,4 +355,4 @@ class RowTrace(TorchFunctionMode):
         o = segment_combine(base, index, rows)
         shape = [1] * x.dim()
         shape[dim] = x.shape[dim]
-        return self._set(x, compact(o.view(shape)), origin)
+        return compact(o.view(shape))
