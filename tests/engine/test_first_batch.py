@@ -127,6 +127,30 @@ def test_positions_shared_by_the_batch_are_served_by_the_rule(shape: str, batch:
     assert {p.rule for p in plan.values()} == {"embedding", "linear"}, plan
 
 
+class FirstCopy(nn.Module):
+    """A bias table computed once for the batch by a Linear on shared (1, T, 2) coordinates, of
+    which the model reads copy 0 (as Swin V2's continuous position bias does): expanded to the
+    batch, every example's loss goes through example 0's copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.mlp, self.head = nn.Embedding(VOCAB, D), nn.Linear(2, D), nn.Linear(D, VOCAB)
+        self.register_buffer("coords", torch.linspace(-1, 1, 2 * T).view(1, T, 2))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        bias = self.mlp(self.coords)[0]  # (T, D)
+        return self.head(torch.tanh(self.wte(ids) + bias))
+
+
+def test_expansion_that_makes_the_losses_mix_is_not_kept():
+    """The expanded rows keep every loss as it was, yet the losses mix: run as written, the
+    shared call goes to the fallback with its reason, and the numbers stay exact."""
+    plan = _run(Case("first-copy", FirstCopy, tokens, next_tokens, "cross_entropy"))
+    assert plan["mlp.weight"].rule == "fallback"
+    assert "the batch shares them" in plan["mlp.weight"].note
+    assert plan["wte.weight"].rule == "embedding" and plan["head.weight"].rule == "linear"
+
+
 def test_expansion_that_would_change_the_model_is_not_kept():
     plan = _run(Case("collapses", Collapses, tokens, next_tokens, "cross_entropy"))
     assert plan["wpe.weight"].rule == "fallback"
