@@ -80,8 +80,9 @@ def prepared(model: nn.Module, plan: Plan) -> Iterator[None]:
         with torch.enable_grad():
             yield
     finally:
-        for m, mode in training.items():
-            m.train(mode)
+        for m, mode in training.items():  # parents first: train() sets a module's children
+            if m.training != mode:
+                m.train(mode)
         for p, flag in requires.values():
             p.requires_grad_(flag)
 

@@ -81,9 +81,17 @@ READS |= {"__bool__", "__index__", "__int__", "__float__", "__format__", "__repr
 def op_name(func: Callable) -> str:
     """The op's name; a property's (``x.T``) rather than ``__get__``."""
     name = getattr(func, "__name__", str(func))
-    if name == "__get__":
+    if name == "__get__":  # a new method-wrapper on every read: not kept in _NAMES
         return getattr(getattr(func, "__self__", None), "__name__", name)
-    return name.split("::")[-1].split(".")[0]  # torch.ops.lib.name.overload: the name
+    short = _NAMES.get(func)
+    if short is None:
+        short = _NAMES[func] = name.split("::")[-1].split(".")[0]  # torch.ops.lib.name.overload
+    return short
+
+
+# func -> its name, asked for once per op by the trace and the tap: torch's functions and
+# methods, a set fixed by the library
+_NAMES: dict[Callable, str] = {}
 
 
 def dims_of(name: str, args: tuple, kwargs: dict, rank: int) -> tuple[list[int], bool]:
