@@ -25,6 +25,7 @@ from .reduce import Reducer
 if TYPE_CHECKING:
     from .core import Seen
     from .session import Call
+    from .trace import RowTrace
 
 
 def before_backward(plan: Plan, seen: Seen) -> None:
@@ -40,7 +41,7 @@ def before_backward(plan: Plan, seen: Seen) -> None:
         return
     lost: dict[int, str] = {}
     for call in seen.session.all_calls():
-        reason = _layout(call, batch)
+        reason = _layout(call, seen.trace)
         if reason:
             after = _after(seen, call.inputs[0]) if "mix " in reason else ""
             lost.setdefault(id(call.module), reason + after)
@@ -55,15 +56,17 @@ def _after(seen: Seen, t: Tensor) -> str:
     return f" (after {op})" if op else ""
 
 
-def _layout(call: Call, batch: int) -> str | None:
+def _layout(call: Call, trace: RowTrace) -> str | None:
     """Why ``call``'s rows cannot be read per example, or None; sets ``call.rows`` where a
     row-by-row rule must gather them."""
-    rule = find_rule(call.module)
+    rule, batch = find_rule(call.module), trace.batch
     if not call.owners:
         return "a call without tensor inputs"
     x, owners = call.inputs[0], call.owners[0]
     features = rule.rows(call.module) if rule.rows else None
     if features is not None and len(call.inputs) == 1 and x.dim() > features:
+        if trace.one_row_each(x, owners, features):
+            return None
         rows = reduce(owners, range(x.dim() - features, x.dim()), keepdim=False)
         rows = rows.expand(x.shape[: x.dim() - features])  # owners may be compact
         if x.numel() == 0:  # no row routed to it on this batch: zeros, gathered
@@ -81,6 +84,8 @@ def _layout(call: Call, batch: int) -> str | None:
     if dim is None:
         return "an unbatched call: its rows are not the examples"
     for k, (t, o) in enumerate(zip(call.inputs, call.owners, strict=True)):
+        if dim == 0 and trace.is_standard(o):
+            continue  # row i example i's: no compare needed
         if k and bool((o == NONE).all()):
             continue  # a mask or table shared by every example: the rule reads it as such
         per = reduce(o, [d for d in range(t.dim()) if d != dim], keepdim=True)

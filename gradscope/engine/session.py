@@ -60,18 +60,18 @@ def _positional_names(cls: type[nn.Module]) -> tuple[str, ...]:
     return tuple(p.name for p in params if p.kind in kinds)
 
 
-def _shared_leading(module: nn.Module, x: object, owners: Tensor, batch: int) -> bool:
+def _shared_leading(module: nn.Module, x: object, trace: RowTrace) -> bool:
     """Whether a call's leading tensor is one set of rows shared by the whole batch, for a rule
-    that reads examples on dimension 0: computed from no example (``owners``), and a (1, ...)
-    tensor or 1-D indices (``wpe(arange(T))``)."""
+    that reads examples on dimension 0: a (1, ...) tensor or 1-D indices (``wpe(arange(T))``)
+    computed from no example (its owners, read last: the shapes rule out most calls)."""
     rule = find_rule(module)
     if rule is None or rule.batch_dim is not None or not isinstance(x, Tensor):
         return False
-    if not bool((owners == NONE).all()):
-        return False
     if x.dim() == 1:
-        return not (x.is_floating_point() or x.is_complex())
-    return x.shape[0] == 1
+        shaped = not (x.is_floating_point() or x.is_complex())
+    else:
+        shaped = x.dim() > 1 and x.shape[0] == 1
+    return shaped and bool((trace.owner(x) == NONE).all())
 
 
 class HookSession:
@@ -130,7 +130,7 @@ class HookSession:
         self.active[id(module)] = self.active.get(id(module), 0) + 1
         if not self.expand_to or not args or not isinstance(args[0], Tensor):
             return None
-        if not _shared_leading(module, args[0], self.trace.owner(args[0]), self.expand_to):
+        if not _shared_leading(module, args[0], self.trace):
             return None
         x = args[0]
         rows = x.unsqueeze(0) if x.dim() == 1 else x
@@ -206,6 +206,7 @@ class HookSession:
             or x.dim() == 0
             or x.shape[0] != batch
             or output.shape[:1] != x.shape[:1]
+            or self.trace.is_standard(owners)  # every row an example's: none from no example
         ):
             return False
         if not bool((owners == NONE).any()) or not rows_or_none(owners, batch):

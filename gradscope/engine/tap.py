@@ -271,6 +271,8 @@ class ParamTap(TorchFunctionMode):
         the examples' (see HookSession); False: rows that mix examples or that the batch shares."""
         if x.dim() <= features:
             return False
+        if self.trace.one_row_each(x, self.trace.owner(x), features):
+            return None
         o = reduce(self.trace.owner(x), range(x.dim() - features, x.dim()), keepdim=False)
         o = o.expand(x.shape[: x.dim() - features])  # owners may be compact (one example)
         if x.numel() == 0:

@@ -74,17 +74,15 @@ class ByTensor:
         item = self._items.get(id(t))
         return item[1] if item is not None and item[0]() is t else default
 
-    def __contains__(self, t: object) -> bool:
-        return self.get(t, _MISSING) is not _MISSING
+    def __contains__(self, t: object) -> bool:  # once per op and argument: one lookup, no call
+        item = self._items.get(id(t))
+        return item is not None and item[0]() is t
 
     def __getitem__(self, t: object) -> object:
         return self.get(t)
 
     def __setitem__(self, t: Tensor, value: object) -> None:
         self._items[id(t)] = (weakref.ref(t), value)
-
-
-_MISSING = object()
 
 
 class RowTrace(TorchFunctionMode):
@@ -108,6 +106,17 @@ class RowTrace(TorchFunctionMode):
         if rank not in self._standard:
             self._standard[rank] = batch_owner(self.batch, rank, self.device)
         return self._standard[rank]
+
+    def is_standard(self, o: Tensor) -> bool:
+        """Whether ``o`` is ``standard``'s tensor: one row per example, known without a compare."""
+        return o is self._standard.get(o.dim())
+
+    def one_row_each(self, x: Tensor, owners: Tensor, features: int) -> bool:
+        """Whether ``x`` is (B, *features), not empty, with row i example i's by ``owners``
+        being ``standard``'s tensor (an empty one is gathered; with B = 1, (1, 1) owners may
+        describe any number of rows)."""
+        shaped = x.dim() == features + 1 and x.shape[0] == self.batch and x.numel() > 0
+        return shaped and self.is_standard(owners)
 
     def owner(self, t: Tensor) -> Tensor:
         """``t``'s owners, ``NONE`` everywhere for a tensor not computed from the batch."""
