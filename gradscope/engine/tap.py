@@ -123,12 +123,11 @@ class ParamTap(TorchFunctionMode):
     def _watched_in(self, args: tuple, kwargs: dict) -> list[tuple[int | None, Derived]]:
         """(position among args, or None when nested or by keyword; what it reads), per use; none
         of a parameter whose module's rule serves its reads now (a call of that module runs)."""
-        found = [(i, self.derived[a]) for i, a in enumerate(args) if a in self.derived]
+        found: list = self.derived.found_in(args)
         rest = [a for a in args if isinstance(a, (list, tuple))] + list(kwargs.values())
-        for a in rest:
-            for t in a if isinstance(a, (list, tuple)) else (a,):
-                if isinstance(t, Tensor) and t in self.derived:
-                    found.append((None, self.derived[t]))
+        nested = [t for a in rest for t in (a if isinstance(a, (list, tuple)) else (a,))]
+        if nested:
+            found += [(None, d) for _, d in self.derived.found_in(nested)]
         return [(i, d) for i, d in found if not self.ruled(d.param)]
 
     def _served(self, name: str, found: list, func, args: tuple, kwargs: dict) -> object:

@@ -78,6 +78,15 @@ class ByTensor:
         item = self._items.get(id(t))
         return item is not None and item[0]() is t
 
+    def found_in(self, values: tuple | list) -> list[tuple[int, object]]:
+        """(position, value) of each of ``values`` held: once per op, so no call per value."""
+        items, hits = self._items, []
+        for k, t in enumerate(values):
+            item = items.get(id(t))
+            if item is not None and item[0]() is t:
+                hits.append((k, item[1]))
+        return hits
+
     def __getitem__(self, t: object) -> object:
         return self.get(t)
 
