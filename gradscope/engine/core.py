@@ -63,6 +63,21 @@ def _single_grads(losses: Tensor, params: Sequence[Tensor]) -> dict[int, list[Te
     }
 
 
+def _uses(plan: Plan, session: HookSession, reads: Sequence[Use]) -> dict[str, int]:
+    """How many calls and reads serve each rule-served and raw parameter: one pass over the
+    reads, not one per parameter (a large model has hundreds of each)."""
+    count = {
+        p.name: sum(len(session.calls.get(id(m), ())) for m, _ in p.owners) for p in plan.by_rule
+    }
+    for p in plan.raw:
+        count.setdefault(p.name, 0)
+    for u in reads:
+        for name in dict.fromkeys(p.name for p in u.params):
+            if name in count:
+                count[name] += 1
+    return count
+
+
 def total(per_param: dict[str, Tensor]) -> Tensor:
     """The sum over parameters of per-parameter, per-example quantities, in float64."""
     return torch.stack([v.double() for v in per_param.values()]).sum(0)
@@ -267,12 +282,7 @@ class Engine:
         modules = {module for module, _ in served}
         calls = [c for c in session.all_calls() if id(c.module) in modules]
         reads = seen.tap.reads() if seen.tap else []
-        count = {
-            p.name: sum(len(session.calls.get(id(m), ())) for m, _ in p.owners)
-            for p in self.plan.by_rule
-        }
-        for p in self.plan.by_rule + self.plan.raw:
-            count[p.name] = count.get(p.name, 0) + sum(p in u.params for u in reads)
+        count = _uses(self.plan, session, reads)
         verify = not findings.verified and bool(losses.isfinite().all())
         merged = [name for name, k in count.items() if k > 1]
         # the self-check compares sums over the batch, and single examples' norms

@@ -114,6 +114,7 @@ def after_backward(
     """Move to the fallback what the backward showed the rules cannot see."""
     session = seen.session
     reads = seen.tap.reads() if seen.tap else []
+    read = {p.name for u in reads if u.reached for p in u.params}  # reached through a read
     for p in plan.by_rule:
         if any(c.others_reach_loss for m, _ in p.owners for c in session.calls.get(id(m), ())):
             plan.to_fallback(
@@ -125,7 +126,7 @@ def after_backward(
         if p.is_fallback:
             continue
         reached = any(c.reached for m, _ in p.owners for c in session.calls.get(id(m), ()))
-        reached |= any(u.reached for u in reads if p in u.params)
+        reached |= p.name in read
         if not reached and g is not None:
             where = (
                 "where no rule sees it" if p.rule == BROADCAST else "without a call of its module"

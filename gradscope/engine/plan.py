@@ -71,6 +71,10 @@ class Plan:
     # name -> (note, loop) of every move to the fallback; an Engine shares it with every later
     # Engine of the same model and selection (engine/first_batch.py), which replays it whole
     decisions: dict[str, tuple[str, bool]] = field(default_factory=dict)
+    _by_name: dict[str, ParamPlan] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._by_name = {p.name: p for p in self.params}
 
     @property
     def included(self) -> list[ParamPlan]:
@@ -100,8 +104,8 @@ class Plan:
         return list(seen.values())
 
     def find(self, name: str) -> ParamPlan:
-        """The plan of the parameter ``name``."""
-        return next(p for p in self.params if p.name == name)
+        """The plan of the parameter ``name``: by name, asked once per read a pass serves."""
+        return self._by_name[name]
 
     def to_fallback(self, p: ParamPlan, reason: str, loop: bool = False) -> None:
         """Serve ``p`` by the fallback from now on (``loop``: one backward per example), and say
