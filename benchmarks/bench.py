@@ -1,6 +1,6 @@
 """Time and peak memory of per-example gradient norms and influence, as ratios to one plain backward.
 
-    python benchmarks/bench.py [--quick] [--workloads W1,W2] [--methods ...] [--json out.json]
+    python benchmarks/bench.py [--quick] [--workloads W1,W2,tiny] [--methods ...] [--json out.json]
                                [--markdown out.md]
 
 Every method (``methods.py``) runs on the same model, batch and loss (``workloads.py``) as the
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from methods import METHODS, WRONG_REL_ERR, Skip, Step, clear_grads
 from torch import Tensor
-from workloads import DEFAULT_WORKLOADS, WORKLOADS, Problem
+from workloads import SETS, WORKLOADS, Problem, expand
 
 # ---------------------------------------------------------------- one workload, in one process
 
@@ -340,7 +340,11 @@ def _environment(args: argparse.Namespace) -> dict[str, object]:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats: a few minutes in all")
-    parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS))
+    parser.add_argument(
+        "--workloads",
+        default="default",
+        help=f"names or sets, comma-separated; sets: {_sets()}",
+    )
     parser.add_argument(
         "--methods", default=",".join(METHODS), help="METHODS keys, comma-separated"
     )
@@ -367,6 +371,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _sets() -> str:
+    return "; ".join(f"{name} = {','.join(members)}" for name, members in SETS.items())
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -378,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.worker:
         _worker(args)
         return
-    workloads = args.workloads.split(",")
+    workloads = expand(args.workloads.split(","))
     keys = args.methods.split(",")
     unknown = [w for w in workloads if w not in WORKLOADS] + [k for k in keys if k not in METHODS]
     if unknown:

@@ -1,6 +1,7 @@
 """The workloads bench.py times: a model in eval mode, a batch, an 8-example reference batch, a loss.
 
-W1-W10 are the default set; ``smoke`` is the smoke test's, seconds in all.
+W1-W10 are the default set; ``tiny`` (T1-T4) are small models at small batches, where each call's
+Python cost is most of its time; ``smoke`` is the smoke test's, seconds in all.
 """
 
 from __future__ import annotations
@@ -31,6 +32,22 @@ class CNN(nn.Sequential):
             nn.Linear(9216, 128),
             nn.ReLU(),
             nn.Linear(128, 10),
+        )
+
+
+class SmallCNN(nn.Sequential):
+    """Two 3x3 convolutions with pooling over 3x16x16 images, then a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(16 * 4 * 4, 10),
         )
 
 
@@ -271,7 +288,30 @@ WORKLOADS = {
             "transformers",
         ),
         Workload("W10", "HF BART d256 3+3 layers T256, batch 8", _hf_bart, "transformers"),
+        Workload(
+            "T1",
+            "transformer classifier d32 T16, batch 16",
+            lambda: _classifier(vocab=512, seq=16, d=32, heads=2, batch=16),
+        ),
+        Workload(
+            "T2",
+            "causal LM d64 T32 tied, batch 8",
+            lambda: _lm(vocab=512, seq=32, d=64, heads=2, batch=8),
+        ),
+        Workload("T3", "MLP 32-64-64-1, batch 64, MSE", lambda: _mlp([32, 64, 64, 1], 64)),
+        Workload(
+            "T4", "CNN 3x16x16 8-16 channels, batch 32", lambda: _images(SmallCNN, (3, 16, 16), 32)
+        ),
         Workload("smoke", "MLP 8-16-1, batch 4", lambda: _mlp([8, 16, 1], 4)),
     ]
 }
-DEFAULT_WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9", "W10")
+# what --workloads takes besides single names
+SETS = {
+    "default": ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9", "W10"),
+    "tiny": ("T1", "T2", "T3", "T4"),
+}
+
+
+def expand(names: Sequence[str]) -> list[str]:
+    """Workload names with each set name replaced by its members, first occurrence kept."""
+    return list(dict.fromkeys(w for name in names for w in SETS.get(name, (name,))))

@@ -68,6 +68,11 @@ def test_markdown_has_one_row_per_method():
     assert "| norms:gradscope | " in table and table.count("\n") == 5
 
 
+def test_tiny_expands_to_its_workloads():
+    assert workloads.expand(["W1", "tiny", "T2"]) == ["W1", "T1", "T2", "T3", "T4"]
+    assert workloads.expand(["default"])[-1] == "W10"
+
+
 @pytest.mark.skipif(
     not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's peak RSS reset"
 )
