@@ -103,9 +103,10 @@ def _check(steps: dict[str, Step], results: dict[str, Result]) -> None:
         if expected is None:
             results[key].note = "not checked: the loop did not run"
             continue
-        results[key].rel_err = _rel_err(answers[key], expected)
-        if results[key].rel_err > WRONG_REL_ERR:
+        results[key].rel_err = err = _rel_err(answers[key], expected)
+        if err > WRONG_REL_ERR:
             results[key].status = "wrong"
+            results[key].note = f"off the loop's answer by {err:.2g} relative"
 
 
 def time_workload(
@@ -260,9 +261,19 @@ def _cell(r: Result) -> str:
 
 
 def markdown(results: Sequence[Result], workloads: Sequence[str]) -> str:
-    """Methods down, workloads across: 'time / peak memory' as multiples of the floor."""
-    keys = list(dict.fromkeys(r.method for r in results))
+    """Methods down, workloads across: 'time / peak memory' as multiples of the floor.
+
+    A cell that is not plainly ok points with [n] to the numbered note below that says why;
+    cells with the same reason share one note.
+    """
     by = {(r.workload, r.method): r for r in results}
+    notes: dict[str, int] = {}  # "status: note" -> its number
+
+    def cell(r: Result) -> str:
+        if r.status == "ok" or not r.note:
+            return _cell(r)
+        return f"{_cell(r)} [{notes.setdefault(f'{r.status}: {r.note}', len(notes) + 1)}]"
+
     lines = [
         "| method | " + " | ".join(f"{w} {WORKLOADS[w].title}" for w in workloads) + " |",
         "|---|" + "---|" * len(workloads),
@@ -273,17 +284,11 @@ def markdown(results: Sequence[Result], workloads: Sequence[str]) -> str:
         mem = "?" if r is None or r.mem_bytes is None else f"{r.mem_bytes / 2**20:.0f} MiB"
         floor.append("?" if r is None or r.time_s is None else f"{r.time_s * 1e3:.1f} ms / {mem}")
     lines.append("| " + " | ".join(floor) + " |")
-    for key in keys:
-        if key == "floor":
-            continue
-        cells = [_cell(by[(w, key)]) if (w, key) in by else "" for w in workloads]
+    for key in dict.fromkeys(r.method for r in results if r.method != "floor"):
+        cells = [cell(by[(w, key)]) if (w, key) in by else "" for w in workloads]
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
-    notes = [
-        f"- {r.workload} {r.method}: {r.status}: {r.note}"
-        for r in results
-        if r.status not in ("ok",) and r.note
-    ]
-    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+    listed = [f"{n}. {text}" for text, n in notes.items()]
+    return "\n".join(lines + ([""] + listed if listed else [])) + "\n"
 
 
 def print_table(results: Sequence[Result]) -> None:

@@ -46,6 +46,11 @@ def test_an_answer_off_the_loop_is_wrong(monkeypatch):
     monkeypatch.setitem(bench.METHODS, off.key, off)
     results = bench.time_workload("smoke", ["floor", "influence:loop", off.key], 1, 1, CPU)
     assert results[-1].status == "wrong" and results[-1].rel_err == pytest.approx(1.0)
+    for r in results:
+        r.time_ratio = r.time_s / results[0].time_s
+    table = bench.markdown(results, ["smoke"])
+    assert "| influence:doubled | wrong (" in table and ") [1] |" in table
+    assert table.endswith("\n1. wrong: off the loop's answer by 1 relative\n")
 
 
 def test_influence_steps_leave_the_reference_batch_to_their_setup():
