@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from methods import METHODS, WRONG_REL_ERR, Skip, Step, clear_grads
+from methods import METHODS, WRONG_REL_ERR, Skip, Step, clear_grads, known_failure
 from torch import Tensor
 from workloads import SETS, WORKLOADS, Problem, expand
 
@@ -45,6 +45,7 @@ class Result:
     method: str  # a METHODS key
     status: str = "ok"  # ok | wrong | missing | fails
     note: str = ""
+    why: str = ""  # the few words of the note a table cell shows
     time_s: float | None = None
     mem_bytes: int | None = None
     rel_err: float | None = None
@@ -73,9 +74,10 @@ def _setup(
 
 def _fail(result: Result, e: Exception) -> None:
     if isinstance(e, Skip):
-        result.status, result.note = e.status, e.note
+        result.status, result.note, result.why = e.status, e.note, e.why
     else:
         result.status, result.note = "fails", f"{type(e).__name__}: {e}".splitlines()[0][:200]
+        result.why = known_failure(METHODS[result.method].name, result.note)
 
 
 def _rel_err(actual: Tensor, expected: Tensor) -> float:
@@ -253,11 +255,11 @@ def _ratio(x: float | None) -> str:
 
 
 def _cell(r: Result) -> str:
-    """One markdown cell: time and memory ratios, or why there are none."""
+    """One markdown cell: time and memory ratios, or the status and the few words of why."""
     if r.status in ("ok", "wrong") and r.time_ratio is not None:
         text = f"{r.time_ratio:.2f}x / {_ratio(r.mem_ratio) or '?'}"
         return text if r.status == "ok" else f"wrong ({text})"
-    return r.status
+    return f"{r.status} ({r.why})" if r.why else r.status
 
 
 def markdown(results: Sequence[Result], workloads: Sequence[str]) -> str:
