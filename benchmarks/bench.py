@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -229,13 +229,17 @@ def _spawn(workload: str, mode: str, keys: Sequence[str], args: argparse.Namespa
         return [Result(**r) for r in json.loads(out.read_text())]
 
 
-def run_workload(workload: str, keys: Sequence[str], args: argparse.Namespace) -> list[Result]:
-    """Timing and memory subprocesses for one workload, merged, as ratios to the floor."""
+def run_workload(
+    workload: str, keys: Sequence[str], args: argparse.Namespace, left_out: Collection[str] = ()
+) -> list[Result]:
+    """Timing and memory subprocesses for one workload, merged, as ratios to the floor, one result
+    per key in order; the keys in ``left_out`` are not run and show as "left out"."""
     if WORKLOADS[workload].missing:
         note = f"{WORKLOADS[workload].requires} is not installed"
         return [Result(workload, k, status="missing", note=note) for k in keys]
-    timed = _spawn(workload, "time", keys, args)
-    memory = {r.method: r for r in _spawn(workload, "memory", keys, args)}
+    run = [k for k in keys if k not in left_out]
+    timed = _spawn(workload, "time", run, args)
+    memory = {r.method: r for r in _spawn(workload, "memory", run, args)}
     floor = next((r for r in timed if r.method == "floor"), None)
     floor_mem = memory.get("floor")
     for r in timed:
@@ -244,7 +248,8 @@ def run_workload(workload: str, keys: Sequence[str], args: argparse.Namespace) -
             r.time_ratio = r.time_s / floor.time_s
         if r.mem_bytes is not None and floor_mem is not None and floor_mem.mem_bytes:
             r.mem_ratio = r.mem_bytes / floor_mem.mem_bytes
-    return timed
+    by_key = {r.method: r for r in timed}
+    return [by_key.get(k) or Result(workload, k, status="left out") for k in keys]
 
 
 # ---------------------------------------------------------------- reports
@@ -265,14 +270,14 @@ def _cell(r: Result) -> str:
 def markdown(results: Sequence[Result], workloads: Sequence[str]) -> str:
     """Methods down, workloads across: 'time / peak memory' as multiples of the floor.
 
-    A cell that is not plainly ok points with [n] to the numbered note below that says why;
-    cells with the same reason share one note.
+    A cell with a note (why it failed, was wrong, or was not checked) points with [n] to the
+    numbered note below; cells with the same note share one number.
     """
     by = {(r.workload, r.method): r for r in results}
     notes: dict[str, int] = {}  # "status: note" -> its number
 
     def cell(r: Result) -> str:
-        if r.status == "ok" or not r.note:
+        if not r.note:
             return _cell(r)
         return f"{_cell(r)} [{notes.setdefault(f'{r.status}: {r.note}', len(notes) + 1)}]"
 
@@ -356,6 +361,13 @@ def _parser() -> argparse.ArgumentParser:
         "--methods", default=",".join(METHODS), help="METHODS keys, comma-separated"
     )
     parser.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        metavar="METHODS@WORKLOADS",
+        help='leave methods out on some workloads, e.g. "norms:opacus hooks@W4,W5"; repeatable',
+    )
+    parser.add_argument(
         "--repeats", type=int, default=None, help="timed rounds (default 7, quick 3)"
     )
     parser.add_argument(
@@ -382,6 +394,28 @@ def _sets() -> str:
     return "; ".join(f"{name} = {','.join(members)}" for name, members in SETS.items())
 
 
+def _selection(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[list[str], list[str], dict[str, set[str]]]:
+    """The workloads, the method keys (the floor first) and {workload: keys left out there}."""
+    workloads, keys = expand(args.workloads.split(",")), args.methods.split(",")
+    left_out: dict[str, set[str]] = {}
+    for spec in args.skip:
+        names, _, where = spec.partition("@")
+        if not where:
+            parser.error(f"--skip {spec!r}: expected METHODS@WORKLOADS")
+        for w in expand(where.split(",")):
+            left_out.setdefault(w, set()).update(names.split(","))
+    skipped = set().union(*left_out.values())
+    unknown = {w for w in [*workloads, *left_out] if w not in WORKLOADS}
+    unknown |= {k for k in [*keys, *skipped] if k not in METHODS}
+    if unknown:
+        parser.error(f"unknown workload or method: {', '.join(sorted(unknown))}")
+    if "floor" in skipped:
+        parser.error("--skip: the floor cannot be left out, every ratio needs it")
+    return workloads, ["floor"] + [k for k in keys if k != "floor"], left_out
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -393,17 +427,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.worker:
         _worker(args)
         return
-    workloads = expand(args.workloads.split(","))
-    keys = args.methods.split(",")
-    unknown = [w for w in workloads if w not in WORKLOADS] + [k for k in keys if k not in METHODS]
-    if unknown:
-        parser.error(f"unknown workload or method: {', '.join(unknown)}")
-    if "floor" not in keys:
-        keys.insert(0, "floor")  # every ratio needs it
+    workloads, keys, left_out = _selection(parser, args)
     results: list[Result] = []
     for w in workloads:
         start = time.perf_counter()
-        results += run_workload(w, keys, args)
+        results += run_workload(w, keys, args, left_out.get(w, set()))
         print(f"{w} done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     print_table(results)
     table = markdown(results, workloads)

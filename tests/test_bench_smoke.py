@@ -78,6 +78,16 @@ def test_tiny_expands_to_its_workloads():
     assert workloads.expand(["default"])[-1] == "W10"
 
 
+def test_the_script_leaves_a_skipped_method_out_where_asked(tmp_path):
+    table = tmp_path / "table.md"
+    argv = ["--quick", "--threads", "1", "--workloads", "smoke", "--markdown", str(table)]
+    bench.main([*argv, "--methods", "norms:loop,norms:gradscope", "--skip", "norms:loop@smoke"])
+    lines = table.read_text().splitlines()
+    assert lines[3] == "| norms:loop | left out |"
+    assert lines[4].startswith("| norms:gradscope | ") and lines[4].endswith(" [1] |")
+    assert lines[-1] == "1. ok: not checked: the loop did not run"
+
+
 @pytest.mark.skipif(
     not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's peak RSS reset"
 )
