@@ -1,7 +1,7 @@
 """Time and peak memory of per-example gradient norms and influence, as ratios to one plain backward.
 
-    python benchmarks/bench.py [--quick] [--workloads W1,W2,tiny] [--methods ...] [--json out.json]
-                               [--markdown out.md]
+    python benchmarks/bench.py [--quick] [--workloads W1,W2,tiny] [--methods ...]
+                               [--skip METHODS@WORKLOADS] [--json out.json] [--markdown out.md]
 
 Every method (``methods.py``) runs on the same model, batch and loss (``workloads.py``) as the
 floor: one forward and one backward of the batch's summed loss with all parameters requiring grad.
