@@ -36,8 +36,9 @@ class Skip(Exception):
         self.status, self.note, self.why = status, note, why
 
 
-# Peers' own failures on these workloads (PEERS.md): (method name part, piece of the error
-# message, the few words a table cell shows). Any other error is shown as it is.
+# Peers' own failures on these workloads, each traced into the peer's code (some are in
+# PEERS.md): (method name part, piece of the error message, the few words a table cell shows).
+# Any other error is shown as it is.
 KNOWN_FAILURES = [
     ("opacus", "do not support causal mask", "causal mask"),
     ("opacus ghost", "Parameter tying is not supported", "tied weights"),
