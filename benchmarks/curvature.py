@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench import WORKLOADS, floor  # noqa: E402
+from methods import floor  # noqa: E402
+from workloads import WORKLOADS  # noqa: E402
 
 from gradscope.curvature.factors import Factors, fit, metadata  # noqa: E402
 from gradscope.curvature.precondition import Curvature  # noqa: E402

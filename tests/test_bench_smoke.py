@@ -1,57 +1,105 @@
-"""The benchmark script still runs: one tiny workload, the floor, the loop and gradscope, in-process."""
+"""The benchmark script still runs: the smoke workload, the floor, the loops and gradscope,
+in-process, each answer checked against its task's loop."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
+import bench  # benchmarks/ is on sys.path (conftest.py), as it is for the script
+import methods
 import pytest
 import torch
+import workloads
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
-
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench"] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["bench"]
-
-
+CPU = torch.device("cpu")
 KEYS = ["floor", "norms:loop", "norms:gradscope"]
+INFLUENCE = [
+    "reference:loop",
+    "reference:gradscope",
+    "influence:loop",
+    "influence:torch.func",
+    "influence:gradscope hooks",
+    "influence:gradscope jvp",
+]
 
 
-def test_timing_checks_gradscope_against_the_loop(bench):
-    results = {r.method: r for r in bench.time_workload("tiny", KEYS, 2, 1, torch.device("cpu"))}
+def test_timing_checks_gradscope_against_the_loop():
+    results = {r.method: r for r in bench.time_workload("smoke", KEYS, 2, 1, CPU)}
     assert [r.status for r in results.values()] == ["ok"] * 3
     assert results["norms:gradscope"].rel_err < 1e-5
     assert all(len(r.times_s) == 2 and r.time_s > 0 for r in results.values())
 
 
-def test_markdown_has_one_row_per_method(bench):
-    results = bench.time_workload("tiny", KEYS, 1, 1, torch.device("cpu"))
+def test_reference_and_scoring_are_checked_against_their_loops():
+    results = {r.method: r for r in bench.time_workload("smoke", ["floor", *INFLUENCE], 1, 1, CPU)}
+    assert all(r.status == "ok" for r in results.values())
+    checked = [k for k in INFLUENCE if not k.endswith(":loop")]
+    assert all(results[k].rel_err < 1e-5 for k in checked)
+
+
+def test_an_answer_off_the_loop_is_wrong(monkeypatch):
+    def doubled(pb):
+        step = methods.loop_influence(pb)
+        return lambda: 2 * step()
+
+    off = methods.Method("doubled", "influence", doubled)
+    monkeypatch.setitem(bench.METHODS, off.key, off)
+    results = bench.time_workload("smoke", ["floor", "influence:loop", off.key], 1, 1, CPU)
+    assert results[-1].status == "wrong" and results[-1].rel_err == pytest.approx(1.0)
     for r in results:
         r.time_ratio = r.time_s / results[0].time_s
-    table = bench.markdown(results, ["tiny"])
+    table = bench.markdown(results, ["smoke"])
+    assert "| influence:doubled | wrong (" in table and ") [1] |" in table
+    assert table.endswith("\n1. wrong: off the loop's answer by 1 relative\n")
+
+
+def test_influence_steps_leave_the_reference_batch_to_their_setup():
+    pb = workloads.WORKLOADS["smoke"].build()  # batch 4, reference batch 8
+    steps = [methods.METHODS[k].setup(pb) for k in INFLUENCE if k.startswith("influence:")]
+    rows: list[int] = []
+    pb.model.register_forward_pre_hook(lambda _, args: rows.append(args[0].shape[0]))
+    for step in steps:
+        step()
+    assert rows and 8 not in rows
+    methods.METHODS["reference:gradscope"].setup(pb)()
+    assert rows[-1] == 8
+
+
+def test_markdown_has_one_row_per_method():
+    results = bench.time_workload("smoke", KEYS, 1, 1, CPU)
+    for r in results:
+        r.time_ratio = r.time_s / results[0].time_s
+    table = bench.markdown(results, ["smoke"])
     assert "| norms:gradscope | " in table and table.count("\n") == 5
+
+
+def test_tiny_expands_to_its_workloads():
+    assert workloads.expand(["W1", "tiny", "T2"]) == ["W1", "T1", "T2", "T3", "T4"]
+    assert workloads.expand(["default"])[-1] == "W10"
+
+
+def test_the_script_leaves_a_skipped_method_out_where_asked(tmp_path):
+    table = tmp_path / "table.md"
+    argv = ["--quick", "--threads", "1", "--workloads", "smoke", "--markdown", str(table)]
+    bench.main([*argv, "--methods", "norms:loop,norms:gradscope", "--skip", "norms:loop@smoke"])
+    lines = table.read_text().splitlines()
+    assert lines[3] == "| norms:loop | left out |"
+    assert lines[4].startswith("| norms:gradscope | ") and lines[4].endswith(" [1] |")
+    assert lines[-1] == "1. ok: not checked: the loop did not run"
 
 
 @pytest.mark.skipif(
     not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's peak RSS reset"
 )
-def test_memory_is_measured_per_method(bench):
-    results = bench.measure_memory("tiny", KEYS, torch.device("cpu"))
+def test_memory_is_measured_per_method():
+    results = bench.measure_memory("smoke", KEYS, CPU)
     assert all(r.status == "ok" and r.mem_bytes is not None for r in results)
 
 
-def test_a_workload_whose_library_is_missing_is_reported_missing(bench, monkeypatch):
-    workload = bench.Workload("lib", "needs a library", bench._cnn, "no_such_library_gradscope")
+def test_a_workload_whose_library_is_missing_is_reported_missing(monkeypatch):
+    smoke = bench.WORKLOADS["smoke"]
+    workload = workloads.Workload("lib", "needs a library", smoke.build, "no_lib")
     monkeypatch.setitem(bench.WORKLOADS, "lib", workload)
     results = bench.run_workload("lib", KEYS, args=None)  # nothing is spawned
     assert [r.status for r in results] == ["missing"] * 3
-    assert "no_such_library_gradscope is not installed" in results[0].note
+    assert "no_lib is not installed" in results[0].note

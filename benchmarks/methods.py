@@ -1,0 +1,356 @@
+"""The methods bench.py times, each a setup (untimed) that returns the step that is timed.
+
+Tasks: ``floor`` (one plain forward+backward of the summed loss), ``norms`` (per-example gradient
+norms), ``reference`` (the gradient of the mean loss over the 8-example reference batch) and
+``influence`` (each example's gradient against that reference gradient, which every influence
+method computes once in its setup: its step is the scoring pass alone). Every method of a task
+is checked against that task's ``loop``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from workloads import Problem
+
+import gradscope
+from gradscope.engine.core import Engine
+from gradscope.engine.influence import Influence, reference_gradients
+from gradscope.losses import resolve_loss
+
+# An answer further than this from the loop's (max |a - e| / max |e|) is reported as wrong.
+WRONG_REL_ERR = 1e-3
+
+
+class Skip(Exception):
+    """A method that cannot be timed here: ``status`` (missing, wrong...), a ``note`` saying why,
+    and ``why``, the few words of it a table cell shows."""
+
+    def __init__(self, status: str, note: str = "", why: str = ""):
+        super().__init__(status)
+        self.status, self.note, self.why = status, note, why
+
+
+# Peers' own failures on these workloads, each traced into the peer's code (some are in
+# PEERS.md): (method name part, piece of the error message, the few words a table cell shows).
+# Any other error is shown as it is.
+KNOWN_FAILURES = [
+    ("opacus", "do not support causal mask", "causal mask"),
+    ("opacus ghost", "Parameter tying is not supported", "tied weights"),
+    # its embedding norm .view()s the index tensor; HF's position ids are expanded, not copied
+    ("opacus ghost", "view size is not compatible", "expanded position ids"),
+    # the functorch fallback calls a module with its first input only; MoE experts take three
+    ("opacus", "missing 2 required positional arguments", "experts' 3 inputs"),
+    # the activation hook .detach()es every input; BART's positions module also takes an int
+    ("opacus", "'int' object has no attribute 'detach'", "non-tensor input"),
+    # BackPACK stores each module's output as module.output; BertLayer has a child of that name
+    ("backpack", "as child module 'output'", "BERT's .output"),
+    # transformers' mask code branches on padding_mask.all()
+    ("torch.func", "vmap: It looks like", "vmap: mask code"),
+]
+
+
+def known_failure(method: str, note: str) -> str:
+    """The few words for a peer's own known failure (``KNOWN_FAILURES``); "" for any other."""
+    return next(
+        (why for name, piece, why in KNOWN_FAILURES if name in method and piece in note), ""
+    )
+
+
+Step = Callable[[], Tensor | None]
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    task: str  # "floor", "norms", "reference" or "influence"
+    setup: Callable[[Problem], Step]  # done once, untimed; the step is what is timed
+
+    @property
+    def key(self) -> str:
+        """ "floor", "norms:loop", "influence:gradscope hooks", ..."""
+        return self.task if self.task == "floor" else f"{self.task}:{self.name}"
+
+
+def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters that require grad, by name (a tied parameter once)."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _plain_summed_loss(pb: Problem) -> Callable[[Tensor], Tensor]:
+    """The summed loss as a training script computes it: the sum of the per-example losses.
+
+    Token-level cross entropy runs on (B*T, C) logits, as language-model code does: the same
+    number as the per-example mean over T summed over B, but about half the time on W4 of the
+    (B, C, T) layout that per-example losses with ``class_dim`` use.
+    """
+    per_example = resolve_loss(pb.loss)
+
+    def summed(out: Tensor) -> Tensor:
+        if pb.loss == "cross_entropy" and out.dim() == 3:
+            flat = F.cross_entropy(out.flatten(0, 1), pb.targets.flatten(), reduction="sum")
+            return flat / pb.targets.shape[1]
+        return per_example(out, pb.targets).sum()
+
+    return summed
+
+
+def clear_grads(params: Iterable[nn.Parameter]) -> None:
+    for p in params:
+        p.grad = None
+
+
+def floor(pb: Problem) -> Step:
+    loss, params = _plain_summed_loss(pb), list(trainable(pb.model).values())
+
+    def step() -> None:
+        clear_grads(params)  # so the floor's peak memory includes allocating the gradients
+        loss(pb.model(*pb.inputs)).backward()
+
+    return step
+
+
+# ---------------------------------------------------------------- the loop and torch.func
+
+
+def _example(pb: Problem, i: int) -> tuple[tuple[Tensor, ...], Tensor]:
+    return tuple(t[i : i + 1] for t in pb.inputs), pb.targets[i : i + 1]
+
+
+def _ref_grads(pb: Problem) -> dict[str, Tensor]:
+    """Gradient of the mean loss over the reference batch, as gradscope's influence defines it."""
+    params = trainable(pb.model)
+    loss = resolve_loss(pb.loss)(pb.model(*pb.ref_inputs), pb.ref_targets).mean()
+    return dict(zip(params, torch.autograd.grad(loss, list(params.values())), strict=True))
+
+
+def _flat(pb: Problem, grads: dict[str, Tensor]) -> Tensor:
+    """One vector of per-parameter tensors, in the model's parameter order."""
+    return torch.cat([grads[n].flatten() for n in trainable(pb.model)])
+
+
+def _loop(pb: Problem, reduce: Callable[[dict[str, Tensor]], Tensor]) -> Step:
+    """One backward per example; ``reduce`` turns its gradients {name: grad} into one number."""
+    loss_fn, params = resolve_loss(pb.loss), trainable(pb.model)
+
+    def step() -> Tensor:
+        out = []
+        for i in range(pb.targets.shape[0]):
+            x, y = _example(pb, i)
+            loss = loss_fn(pb.model(*x), y)[0]
+            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+            out.append(reduce({n: g for n, g in zip(params, grads, strict=True) if g is not None}))
+        return torch.stack(out)
+
+    return step
+
+
+def loop_norms(pb: Problem) -> Step:
+    return _loop(pb, lambda grads: sum(g.pow(2).sum() for g in grads.values()).sqrt())
+
+
+def loop_reference(pb: Problem) -> Step:
+    return lambda: _flat(pb, _ref_grads(pb))
+
+
+def loop_influence(pb: Problem) -> Step:
+    ref = _ref_grads(pb)
+    return _loop(pb, lambda grads: sum((g * ref[n]).sum() for n, g in grads.items()))
+
+
+def _vmap_grads(pb: Problem) -> Callable[[], dict[str, Tensor]]:
+    """Per-example gradients {name: (B, *shape)} with torch.func's vmap(grad(...))."""
+    from torch.func import functional_call, grad, vmap
+
+    loss_fn = resolve_loss(pb.loss)
+    buffers = dict(pb.model.named_buffers())
+    n_in = len(pb.inputs)
+
+    def one(params: dict[str, Tensor], *args: Tensor) -> Tensor:
+        xs, y = args[:n_in], args[n_in]
+        out = functional_call(pb.model, (params, buffers), tuple(x.unsqueeze(0) for x in xs))
+        return loss_fn(out, y.unsqueeze(0))[0]
+
+    per_example = vmap(grad(one), in_dims=(None,) + (0,) * (n_in + 1))
+
+    def run() -> dict[str, Tensor]:
+        params = {n: p.detach() for n, p in trainable(pb.model).items()}
+        return per_example(params, *pb.inputs, pb.targets)
+
+    return run
+
+
+def func_norms(pb: Problem) -> Step:
+    grads = _vmap_grads(pb)
+
+    def step() -> Tensor:
+        return torch.stack([g.flatten(1).pow(2).sum(1) for g in grads().values()]).sum(0).sqrt()
+
+    return step
+
+
+def func_influence(pb: Problem) -> Step:
+    grads, ref = _vmap_grads(pb), _ref_grads(pb)
+
+    def step() -> Tensor:
+        per_example = grads()
+        return sum(per_example[n].flatten(1) @ r.flatten() for n, r in ref.items())
+
+    return step
+
+
+# ---------------------------------------------------------------- Opacus and BackPACK
+
+
+def _import(module: str):
+    try:
+        return __import__(module, fromlist=["_"])
+    except ImportError as e:
+        raise Skip("missing", f"{module} is not installed") from e
+
+
+def _opacus_model(pb: Problem) -> nn.Module:
+    """The model as Opacus takes it, after checking that any module it swaps computes the same."""
+    validators = _import("opacus.validators")
+    model = copy.deepcopy(pb.model)
+    if validators.ModuleValidator.validate(model, strict=False):
+        fixed = validators.ModuleValidator.fix(model).eval()
+        with torch.no_grad():
+            want, got = model(*pb.inputs), fixed(*pb.inputs)
+        err = ((want - got).abs().max() / want.abs().max()).item()
+        if err > WRONG_REL_ERR:
+            raise Skip(
+                "wrong",
+                f"ModuleValidator.fix (DPMultiheadAttention) changes the outputs by {err:.2g} "
+                "relative (opacus#774)",
+                "opacus#774",
+            )
+        model = fixed
+    # Opacus captures only in training mode; dropout stays off so examples match the loop
+    model.train()
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.eval()
+    return model
+
+
+def opacus_hooks(pb: Problem) -> Step:
+    grad_sample = _import("opacus.grad_sample")
+    gsm = grad_sample.GradSampleModule(_opacus_model(pb), batch_first=True, loss_reduction="sum")
+    loss, params, batch = _plain_summed_loss(pb), trainable(gsm), pb.targets.shape[0]
+
+    def step() -> Tensor:
+        gsm.zero_grad(set_to_none=True)
+        loss(gsm(*pb.inputs)).backward()
+        samples = {n.removeprefix("_module."): p.grad_sample for n, p in params.items()}
+        # a table the batch shares (position ids of shape (1, T)) gets a grad_sample of batch 1
+        off = [n for n, g in samples.items() if g is None or g.shape[0] != batch]
+        if off:
+            raise Skip(
+                "wrong",
+                f"no grad_sample of batch {batch} for {', '.join(off)}",
+                f"{len(off)} of {len(params)} params",
+            )
+        return torch.stack([g.flatten(1).pow(2).sum(1) for g in samples.values()]).sum(0).sqrt()
+
+    return step
+
+
+def opacus_ghost(pb: Problem) -> Step:
+    grad_sample = _import("opacus.grad_sample")
+    gsm = grad_sample.GradSampleModuleFastGradientClipping(
+        _opacus_model(pb), batch_first=True, loss_reduction="sum", use_ghost_clipping=True
+    )
+    loss = _plain_summed_loss(pb)
+
+    def step() -> Tensor:
+        gsm.zero_grad(set_to_none=True)
+        loss(gsm(*pb.inputs)).backward()
+        return gsm.get_norm_sample()
+
+    return step
+
+
+def backpack_l2(pb: Problem) -> Step:
+    backpack = _import("backpack")
+    extensions = _import("backpack.extensions")
+    model = backpack.extend(copy.deepcopy(pb.model))
+    loss, params = _plain_summed_loss(pb), list(trainable(model).values())
+
+    def step() -> Tensor:
+        for p in params:
+            p.grad = None
+            if hasattr(p, "batch_l2"):
+                del p.batch_l2  # so a parameter BackPACK skipped this time cannot look served
+        with backpack.backpack(extensions.BatchL2Grad()):
+            loss(model(*pb.inputs)).backward()
+        missing = sum(not hasattr(p, "batch_l2") for p in params)
+        if missing:  # BackPACK only warns about modules it cannot handle
+            note = f"{missing} of {len(params)} parameters got no batch_l2"
+            raise Skip("wrong", note, f"{missing} of {len(params)} params")
+        return torch.stack([p.batch_l2 for p in params]).sum(0).sqrt()
+
+    return step
+
+
+# ---------------------------------------------------------------- gradscope
+
+
+def gradscope_norms(pb: Problem) -> Step:
+    def step() -> Tensor:
+        return gradscope.per_example_norms(pb.model, pb.inputs, pb.targets, loss=pb.loss)
+
+    return step
+
+
+def _gradscope_refs(pb: Problem) -> dict[str, Tensor]:
+    """{name: (1, *shape)}: gradscope's reference gradient, on a fresh Engine as the API takes it."""
+    core = Engine(pb.model, resolve_loss(pb.loss))
+    with core:
+        return reference_gradients(core, [(pb.ref_inputs, pb.ref_targets)])
+
+
+def gradscope_reference(pb: Problem) -> Step:
+    return lambda: _flat(pb, {n: r[0] for n, r in _gradscope_refs(pb).items()})
+
+
+def gradscope_influence(engine: str) -> Callable[[Problem], Step]:
+    """gradscope's scoring pass with one engine, ``hooks`` (ghost inner products) or ``jvp``:
+    ``per_example_influence`` less its reference gradient, which the setup computes once."""
+
+    def setup(pb: Problem) -> Step:
+        loss_fn, refs = resolve_loss(pb.loss), _gradscope_refs(pb)
+
+        def step() -> Tensor:
+            core = Engine(pb.model, loss_fn)
+            with core:
+                return Influence(core, refs, engine, norms=False)(pb.inputs, pb.targets).inner[:, 0]
+
+        return step
+
+    return setup
+
+
+METHODS = {
+    m.key: m
+    for m in [
+        Method("floor", "floor", floor),
+        Method("loop", "norms", loop_norms),
+        Method("torch.func", "norms", func_norms),
+        Method("opacus hooks", "norms", opacus_hooks),
+        Method("opacus ghost", "norms", opacus_ghost),
+        Method("backpack", "norms", backpack_l2),
+        Method("gradscope", "norms", gradscope_norms),
+        Method("loop", "reference", loop_reference),
+        Method("gradscope", "reference", gradscope_reference),
+        Method("loop", "influence", loop_influence),
+        Method("torch.func", "influence", func_influence),
+        Method("gradscope hooks", "influence", gradscope_influence("hooks")),
+        Method("gradscope jvp", "influence", gradscope_influence("jvp")),
+    ]
+}
