@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
 
 from .core import Engine
 
@@ -16,32 +19,80 @@ class JvpUnsupported(Exception):
     """The model or loss runs an op without a forward-mode derivative (or one torch.func refuses)."""
 
 
+@contextmanager
+def composite_attention() -> Iterator[None]:
+    """Attention on composite ops, each with a forward-mode rule: nn.MultiheadAttention and
+    nn.TransformerEncoderLayer off their fused inference kernels, scaled-dot-product attention
+    on its math backend instead of the flash/memory-efficient kernels."""
+    fast = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with sdpa_kernel([SDPBackend.MATH]):
+            yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast)
+
+
+class LinearTangents(TorchFunctionMode):
+    """``F.linear`` on dual numbers, its tangent ``x_t W^T + x W_t^T + b_t`` summed in place.
+
+    Autograd's forward-mode rule for it forms the three terms and their partial sums before it
+    lets any go: three more tensors of the output's size at every layer, which on an MLP was the
+    engine's peak. Here the first term is the tangent and the others are added into it.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # F.linear(x, W, b) or (x, W, bias=b) with a matrix W; anything else: autograd's rule
+        if func is not F.linear or len(args) < 2 or args[1].dim() != 2 or set(kwargs) - {"bias"}:
+            return func(*args, **kwargs)
+        x, weight = args[0], args[1]
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        (x, x_t), (weight, w_t) = fwAD.unpack_dual(x), fwAD.unpack_dual(weight)
+        bias, b_t = fwAD.unpack_dual(bias) if bias is not None else (None, None)
+        out = F.linear(x, weight, bias)  # (..., out)
+        tangent = None
+        if x_t is not None:
+            tangent = F.linear(x_t, weight)  # (..., out): x_t W^T
+        if w_t is not None:
+            if tangent is None:
+                tangent = F.linear(x, w_t)
+            elif tangent.is_contiguous():  # += x W_t^T, into the tangent: (N, in) @ (in, out)
+                tangent.view(-1, out.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]), w_t.T)
+            else:
+                tangent = tangent + F.linear(x, w_t)
+        if b_t is not None:
+            tangent = b_t.expand_as(out).clone() if tangent is None else tangent.add_(b_t)
+        return out if tangent is None else fwAD.make_dual(out, tangent)
+
+
 def jvp_inner(
     engine: Engine,
     inputs: tuple[Tensor, ...],
     targets: Tensor,
     tangents: dict[str, Tensor],
-    recording: bool = False,
+    composite: bool = False,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """(B,) losses, (B, K) directional derivatives d/de l_i(theta + e r_k), r_k = tangents[.][k],
     and what the engine's ``observe`` reads from the output.
 
     ``tangents`` holds (K, *shape) per selected parameter; each direction is one forward pass with
     dual numbers and no backward. The losses and observed columns come from the first pass.
-    ``recording`` is for models whose fused kernels have no forward-mode rule: it records an
-    autograd graph (never used), which keeps nn.MultiheadAttention and nn.TransformerEncoderLayer
-    off their inference fast paths, and runs scaled-dot-product attention on its composite math
-    backend instead of the flash/memory-efficient kernels.
+    ``composite`` is for models whose fused kernels have no forward-mode rule: attention then
+    runs on composite ops (``composite_attention``).
+
+    No autograd graph is recorded: each activation and its tangent are freed as soon as the
+    next layer has read them, so the peak is a few layers' values, not the whole forward's.
     """
     names = [p.name for p in engine.plan.included]
-    primals = [p.param.detach().requires_grad_(recording) for p in engine.plan.included]
+    primals = [p.param.detach() for p in engine.plan.included]
     k = next(iter(tangents.values())).shape[0]
     primal, columns, observed = None, [], {}
     try:
         # forward_ad's dual tensors, not torch.func.jvp: its functorch wrapping cost 1.7x a plain
         # forward+backward on the digits MLP where dual tensors cost 1.05x
-        math_attention = sdpa_kernel([SDPBackend.MATH]) if recording else nullcontext()
-        with torch.set_grad_enabled(recording), math_attention, fwAD.dual_level():
+        attention = composite_attention() if composite else nullcontext()
+        with torch.no_grad(), attention, fwAD.dual_level(), LinearTangents():
             for j in range(k):
                 duals = {
                     n: fwAD.make_dual(v, tangents[n][j].to(v.dtype))
@@ -53,12 +104,11 @@ def jvp_inner(
                 )
                 out = fwAD.unpack_dual(engine.loss_fn(output, targets))
                 if primal is None:
-                    primal = out.primal.detach()
+                    primal = out.primal
                     if engine.observe is not None:
-                        with torch.no_grad():
-                            seen = fwAD.unpack_dual(output).primal.detach()
-                            observed = engine.observe(seen, targets)
-                columns.append(out.tangent.detach())
+                        observed = engine.observe(fwAD.unpack_dual(output).primal, targets)
+                output = duals = None  # the next direction's pass starts with nothing held
+                columns.append(out.tangent)
     except (RuntimeError, NotImplementedError) as e:
         raise JvpUnsupported(str(e).splitlines()[0]) from e
     return primal, torch.stack(columns, 1), observed  # (B, K)

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import ModelError
-from .base import Contribution, Dense, Outer, _acc, register_rule
+from . import base
+from .base import Contribution, Dense, Formed, Outer, _acc, register_rule
 
 _Conv = nn.Conv1d | nn.Conv2d | nn.Conv3d
 
@@ -41,9 +42,13 @@ def per_example_weight_grads(module: _Conv, x: Tensor, grad_output: Tensor) -> T
     """(B, *weight.shape): each example's weight gradient, from ONE convolution backward with the
     examples folded into the groups, so no patch matrix is formed."""
     b, n = x.shape[0], len(module.kernel_size)
-    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-    x = _acc(F.pad(x, module._reversed_padding_repeated_twice, mode=mode))  # padded as forward does
-    x = x.reshape(1, -1, *x.shape[2:])  # (1, B*C, *padded): example i is groups i*G .. i*G+G-1
+    pads = list(module._reversed_padding_repeated_twice)  # (left, right) per dim, last dim first
+    if module.padding_mode == "zeros" and pads[0::2] == pads[1::2]:
+        padding = pads[0::2][::-1]  # the convolution pads as forward does: no padded copy of x
+    else:  # other modes, or "same" padding uneven on two sides
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        x, padding = F.pad(x, pads, mode=mode), [0] * n
+    x = _acc(x).reshape(1, -1, *x.shape[2:])  # (1, B*C, *in): example i is groups i*G .. i*G+G-1
     s = _acc(grad_output).reshape(1, -1, *grad_output.shape[2:])  # (1, B*out, *L)
     # the weight's values only reach the input gradient, which is not asked for: a zero will do
     _, grads, _ = torch.ops.aten.convolution_backward(
@@ -52,7 +57,7 @@ def per_example_weight_grads(module: _Conv, x: Tensor, grad_output: Tensor) -> T
         x.new_zeros(()).expand(b * module.out_channels, *module.weight.shape[1:]),
         None,
         module.stride,
-        [0] * n,
+        padding,
         module.dilation,
         False,
         [0] * n,
@@ -118,5 +123,15 @@ def weight_part(module: _Conv | _Adjoint, x: Tensor, grad_output: Tensor) -> Con
         a = unfold(module, x)  # (B, G, T, in/G * prod(k))
         s = grad_output.reshape(b, g, o, t).transpose(-1, -2)  # (B, G, T, out/G)
         return Outer(s, a, module.weight.shape)
-    # forming the gradients costs less, and the convolution backward does it fastest
-    return Dense(per_example_weight_grads(module, x, grad_output))
+    # forming the gradients costs less, and the convolution backward does it fastest; a few
+    # examples at a time where the batch's gradients, and the copies of its input and output
+    # gradient the backward makes, would pass the bound on one temporary
+    per_example = x[0].numel() + grad_output[0].numel() + module.weight.numel()
+    step = max(1, base.CHUNK_ELEMENTS // per_example)
+    if step >= b:
+        return Dense(per_example_weight_grads(module, x, grad_output))
+
+    def form(lo: int, hi: int) -> Tensor:
+        return per_example_weight_grads(module, x[lo:hi], grad_output[lo:hi])
+
+    return Formed(form, b, module.weight.shape, step)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import families as fam
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import Case, assert_rel_close, reference_norms
@@ -15,6 +16,7 @@ from torch import Tensor, nn
 
 import gradscope
 import gradscope.rules.base as base
+import gradscope.rules.conv as conv
 import gradscope.rules.embedding as embedding
 from gradscope.engine.core import Engine
 from gradscope.engine.forward import Forward
@@ -183,6 +185,13 @@ CASES = [
         randn(2, 5, 7),
         like,
         batch=1,
+    ),
+    Case(
+        "conv2d-zeros-stride-dilation-groups-batch-3",
+        lambda: nn.Conv2d(4, 6, 3, stride=(2, 1), padding=(2, 1), dilation=2, groups=2),
+        randn(4, 9, 8),
+        like,
+        batch=3,
     ),
     Case(
         "conv3d-replicate",
@@ -511,6 +520,64 @@ def test_inner_products_a_few_references_at_a_time(case: Case, monkeypatch) -> N
     monkeypatch.setattr(base, "CHUNK_ELEMENTS", 1)
     monkeypatch.setattr(embedding, "CHUNK_ELEMENTS", 1)
     test_contributions_match_loop(case)
+
+
+CONV_FORMED = {
+    "conv1d-reflect-stride-dilation-groups",
+    "conv1d-zeros-stride",
+    "conv2d-circular-same-groups",
+    "conv2d-zeros-same-even-kernel",
+    "conv2d-zeros-stride-dilation-groups-batch-3",
+    "conv2d-depthwise-valid-nobias",
+    "conv2d-batch-1",
+    "conv3d-replicate",
+    "conv-transpose1d-output-padding",
+    "conv-transpose2d-groups-dilation",
+    "conv-transpose3d-no-bias-batch-1",
+}
+
+
+@pytest.mark.parametrize("step", [1, 2])
+@pytest.mark.parametrize("case", by_id(CONV_FORMED), ids=repr)
+def test_conv_gradients_formed_a_few_examples_at_a_time(case: Case, step: int, monkeypatch) -> None:
+    """Past the bound on one temporary, a conv's per-example gradients are formed ``step``
+    examples at a time (5 examples in 2: a short last chunk) and every answer is the loop's; a
+    batch of one is formed whole."""
+    monkeypatch.setattr(base, "CHUNK_ELEMENTS", 1)
+    formed = []
+
+    def chunked(form, batch, shape, _step):
+        formed.append(batch)
+        return base.Formed(form, batch, shape, step)
+
+    monkeypatch.setattr(conv, "Formed", chunked)
+    model, inputs, targets = case.build()
+    loss = resolve_loss(case.loss, case.loss_kwargs)
+    with Engine(model, loss) as engine:
+        _, parts = engine.contributions(inputs, targets)
+        _, grads = naive_grads(model, inputs, targets, loss, list(parts))
+    assert formed == ([case.batch] if case.batch > 1 else [])
+    for name, part in parts.items():
+        expected = grads[name].flatten(1)  # (B, P)
+        refs = torch.randn(3, *part.shape, dtype=torch.float64)
+        norm_sq, inner = part.norm_sq_and_inner(refs)
+        assert_rel_close(part.materialize().flatten(1), expected, rtol=1e-5)
+        assert_rel_close(part.batch_sum().flatten(), expected.sum(0), rtol=1e-5)
+        for got in (part.norm_sq(), norm_sq):
+            assert_rel_close(got, expected.pow(2).sum(1), rtol=1e-5)
+        for got in (part.inner(refs), inner):
+            assert_rel_close(got, expected @ refs.flatten(1).T, rtol=1e-5)
+
+
+def test_conv_pads_without_a_copy_of_its_input(monkeypatch) -> None:
+    """Zero padding even on both sides is the convolution's own: no padded copy of the input."""
+    padded, pad = [], F.pad
+    monkeypatch.setattr(F, "pad", lambda *a, **k: padded.append(1) or pad(*a, **k))
+    for module in (nn.Conv2d(2, 3, 3, padding=(2, 1)), nn.Conv2d(2, 3, 4, padding="same")):
+        x = torch.randn(2, 2, 6, 5)
+        grads = conv.per_example_weight_grads(module, x, torch.randn_like(module(x)))
+        assert grads.shape == (2, *module.weight.shape)
+    assert padded == [1]  # only "same" with an even kernel pads one side more than the other
 
 
 def test_tied_head_cross_terms_in_chunks(monkeypatch) -> None:
