@@ -52,6 +52,8 @@ FAMILIES = {
     "bart-seq2seq": causal("BartConfig", "BartForConditionalGeneration", d_model=16,
                            encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
                            decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24),
+    # the decoder's weight tied to the embedding, its bias held by the head around it
+    "bert-lm-head": causal("BertConfig", "BertLMHeadModel", is_decoder=True),
     "mixtral-eager": causal("MixtralConfig", "MixtralForCausalLM", num_key_value_heads=1,
                             num_local_experts=4, num_experts_per_tok=2,
                             experts_implementation="eager"),

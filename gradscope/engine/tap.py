@@ -166,9 +166,9 @@ class ParamTap(TorchFunctionMode):
         if call is None:
             return None
         x, weight, bias = call
-        reads = [(role, self.derived[t]) for role, t in (("weight", weight), ("bias", bias))
-                 if isinstance(t, Tensor) and t in self.derived]  # fmt: skip
-        if not reads or (isinstance(x, Tensor) and x in self.derived):
+        reads = [(role, self._watched(t)) for role, t in (("weight", weight), ("bias", bias))]
+        reads = [(role, d) for role, d in reads if d is not None]
+        if not reads or self._watched(x) is not None:
             return None
         features = 0 if name == "embedding" else 1
         if self.expand and name in ("linear", "embedding") and self._shared(x):
@@ -215,9 +215,9 @@ class ParamTap(TorchFunctionMode):
         x, weight = args[0], args[1]
         offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
         extra = [v for k, v in kwargs.items() if k != "offs" and v is not None]
-        if len(args) > 3 or extra or x in self.derived or offs is None or x.dim() != 2:
+        if len(args) > 3 or extra or self._watched(x) is not None or offs is None or x.dim() != 2:
             return None
-        d = self.derived.get(weight)
+        d = self._watched(weight)
         if d is None or weight.dim() != 3 or (d.place.index and d.place.transposed):
             return None
         rows = self._rows(x, 1)
@@ -250,6 +250,11 @@ class ParamTap(TorchFunctionMode):
 
         self._use((d.param,), out, parts)
         return out
+
+    def _watched(self, t: object) -> Derived | None:
+        """What ``t`` reads of a watched parameter, unless its module's rule serves it now."""
+        d = self.derived.get(t) if isinstance(t, Tensor) else None
+        return None if d is None or self.ruled(d.param) else d
 
     def _shared(self, x: Tensor) -> bool:
         """Rows computed from no example, one set for the whole batch: a (1, ...) tensor or 1-D

@@ -167,3 +167,28 @@ def test_regroup_of_a_batch_dimension_is_the_gather(batch: int):
     moved = regroup(x, owner, batch, 1)
     gathered = regroup(x, owner.contiguous(), batch, 1)  # not an expanded view: the gather
     assert torch.equal(moved, gathered)
+
+
+class TiedHead(nn.Module):
+    """BERT's LM head: the decoder's weight is the embedding's, its bias a parameter of the head
+    around it (no rule): in the decoder's call the rule serves the weight, the tap the bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.decoder = nn.Embedding(11, 6), nn.Linear(6, 11)
+        self.bias = nn.Parameter(torch.randn(11))
+        self.decoder.weight, self.decoder.bias = self.wte.weight, self.bias
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.decoder(torch.tanh(self.wte(ids)))
+
+
+def test_a_call_whose_weight_its_rule_serves_and_bias_the_tap():
+    model = TiedHead().double().eval()
+    ids = torch.randint(0, 11, (4, 5))
+    with Engine(model, resolve_loss("cross_entropy")) as engine:
+        got = engine.norms((ids,), ids).norm_sq
+    assert not engine.plan.fallback, [(p.name, p.note) for p in engine.plan.fallback]
+    for name, norm_sq in got.items():
+        _, expected = reference_norms(model, (ids,), ids, "cross_entropy", include=[name])
+        assert_rel_close(norm_sq.sqrt(), expected, 1e-9)
