@@ -269,9 +269,10 @@ class RowTrace(TorchFunctionMode):
         if zeroing:
             return shrink(func(full(args[0]) - NONE, *args[1:], **kwargs) + NONE)
         result = func(full(args[0]), *args[1:], **kwargs)
+        # shrink narrows the full-shaped result to a view: a copy of its own lets the rest go
         if isinstance(result, (tuple, list)):
-            return tuple(shrink(r) for r in result)
-        return shrink(result)
+            return tuple(shrink(r).clone() for r in result)
+        return shrink(result).clone()
 
     def _strided(self, args: tuple, kwargs: dict) -> Tensor | None:
         """``x.as_strided(size, stride, offset)`` (Longformer's overlapping chunks): owners laid
