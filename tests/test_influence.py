@@ -267,7 +267,7 @@ def test_jvp_falls_back_to_hooks_when_an_op_lacks_forward_mode() -> None:
 def test_jvp_takes_the_composite_path_of_fused_attention() -> None:
     case = Case("mha", Attention, lambda b: (torch.randn(b, 5, 4),), _labels(3), "cross_entropy")
     scorer = _jvp_scorer(case)
-    assert scorer.method == "jvp" and "autograd recording" in scorer.note
+    assert scorer.method == "jvp" and "composite attention" in scorer.note
 
 
 def test_api_leaves_model_as_found() -> None:

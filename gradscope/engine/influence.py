@@ -121,7 +121,7 @@ class Influence:
     ``hooks``: the inner products come from the same factored contributions as the norms, in one
     forward+backward. ``jvp``: one forward-mode pass per direction and no backward; the norms, when
     asked for, still need the hook pass. ``auto`` takes jvp only where it saves work: one direction
-    and no norms. When forward mode fails on an op it is retried once with autograd recording
+    and no norms. When forward mode fails on an op it is retried once on composite attention
     (fused inference kernels step aside then), and if that fails too scoring moves to hooks;
     ``note`` says which and why.
     """
@@ -133,7 +133,7 @@ class Influence:
             method = "jvp" if k == 1 and not norms else "hooks"
         self.engine, self.refs, self.method, self.norms = engine, refs, method, norms
         self.note: str | None = None
-        self._recording = False  # jvp with autograd recording, see jvp_inner
+        self._composite = False  # jvp on composite attention, see jvp_inner
 
     @property
     def ref_norm(self) -> Tensor:
@@ -146,13 +146,13 @@ class Influence:
         while self.method == "jvp":
             try:
                 loss, inner, observed = jvp_inner(
-                    self.engine, inputs, targets, self.refs, self._recording
+                    self.engine, inputs, targets, self.refs, self._composite
                 )
             except JvpUnsupported as e:
-                if self._recording:
+                if self._composite:
                     self.method, self.note = "hooks", f"forward mode failed, used hooks: {e}"
                 else:  # a fused inference kernel, perhaps: retry on the composite path
-                    self._recording, self.note = True, f"forward mode with autograd recording: {e}"
+                    self._composite, self.note = True, f"forward mode on composite attention: {e}"
                 continue
             norm_sq = None
             if self.norms:
