@@ -306,3 +306,17 @@ def test_paths_beside_the_attention_output(module: Callable[[], nn.Module], note
             assert p.rule == FALLBACK and note in p.note, (p.name, p.rule, p.note)
         else:
             assert p.rule in RAW, (p.name, p.rule, p.note)
+
+
+@pytest.mark.parametrize(
+    "case_id", ["self-seq-first", "cross-padded-seq-first", "encoder-pre-norm"]
+)
+def test_two_batches_of_one_shape_through_fresh_calls(case_id: str) -> None:
+    """The projections served through the tap stay exact on a second batch of the same shape,
+    where the first batch's decisions are replayed without a self-check: a fresh API call each."""
+    case = BY_ID[case_id]
+    model, *first = case.build(torch.float64)
+    _, *second = case.build(torch.float64, seed=1)  # another batch of the same shape
+    for inputs, targets in (first, second):
+        got = gradscope.per_example_norms(model, inputs, targets, case.loss)
+        assert_rel_close(got, reference_norms(model, inputs, targets, case.loss)[1], 1e-9)
