@@ -19,7 +19,8 @@ from torch import nn
 
 
 class Net(nn.Module):
-    """Linear layers (rule), a raw gain (broadcast) and a raw matrix squared (fallback)."""
+    """Linear layers (rule), a raw gain (broadcast) and a raw matrix squared, read by
+    ``torch.mm`` (fallback: the tap serves ``matmul``, not ``mm``)."""
 
     def __init__(self):
         super().__init__()
@@ -28,7 +29,7 @@ class Net(nn.Module):
         self.mix = nn.Parameter(torch.eye(8))
 
     def forward(self, x):
-        return self.fc2((torch.tanh(self.fc1(x)) * self.gain) @ (self.mix * self.mix))
+        return self.fc2(torch.mm(torch.tanh(self.fc1(x)) * self.gain, self.mix * self.mix))
 '''
 
 

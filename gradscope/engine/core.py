@@ -302,7 +302,14 @@ class Engine:
 
         def on_read(use: Use, grad: Tensor) -> None:
             use.reached = True
-            for name, part in use.parts(grad).items():
+            try:
+                parts = use.parts(grad)
+            except Exception as e:  # a computed read torch.func cannot differentiate
+                for p in use.params:
+                    if not p.is_fallback:
+                        self.plan.to_fallback(p, f"its read failed: {short_reason(e)}")
+                return
+            for name, part in parts.items():
                 if not self.plan.find(name).is_fallback:
                     reducer.add(name, part)
 

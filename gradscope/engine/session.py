@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -102,6 +103,7 @@ class HookSession:
         self.calls: dict[int, list[Call]] = {id(m): [] for m in self.modules}
         self.active: dict[int, int] = {}  # module id -> its calls under way (the tap asks)
         self._expanding: set[int] = set()  # modules whose current call had its input expanded
+        self._handed: dict[int, int] = {}  # module id -> its calls under way left to the tap
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._grad_hooks: list[torch.utils.hooks.RemovableHandle] = []  # live until the backward
         self._on_grad: Callable[[Call, Tensor], Tensor | None] | None = None
@@ -126,19 +128,42 @@ class HookSession:
         return self.active.get(id(module), 0) > 0
 
     def _enter(self, module: nn.Module, args: tuple) -> tuple | None:
-        """The forward pre-hook: the call is under way; its shared leading rows expanded."""
-        self.active[id(module)] = self.active.get(id(module), 0) + 1
-        if not self.expand_to or not args or not isinstance(args[0], Tensor):
+        """The forward pre-hook: the call is under way; its shared leading rows expanded. A call
+        on tensors no example owns (T5's relative-position table looked up by buckets of
+        ``arange``) is left to the tap, which follows its result as computed from parameters."""
+        expand = (
+            self.expand_to
+            and args
+            and isinstance(args[0], Tensor)
+            and _shared_leading(module, args[0], self.trace)
+        )
+        assumed = self.assume and args and getattr(args[0], "shape", ())[:1] == (self.trace.batch,)
+        if not expand and not assumed and self._batch_free(args):
+            self._handed[id(module)] = self._handed.get(id(module), 0) + 1
             return None
-        if not _shared_leading(module, args[0], self.trace):
+        self.active[id(module)] = self.active.get(id(module), 0) + 1
+        if not expand:
             return None
         x = args[0]
         rows = x.unsqueeze(0) if x.dim() == 1 else x
         self._expanding.add(id(module))
         return (rows.expand(self.expand_to, *rows.shape[1:]), *args[1:])
 
+    def _batch_free(self, args: tuple) -> bool:
+        """Whether a call's tensors hold values and none of an example's (an empty input may be
+        the rows routed to an expert: it is no example's on this batch only)."""
+        tensors = [a for a in args if isinstance(a, Tensor)]
+        return bool(tensors) and all(
+            t.numel() > 0
+            and (self.trace.owners.get(t) is None or bool((self.trace.owner(t) == NONE).all()))
+            for t in tensors
+        )
+
     def _captured(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         """The forward hook: ``_capture`` with no function mode watching its own ops."""
+        if self._handed.get(id(module), 0):
+            self._handed[id(module)] -= 1
+            return
         self.active[id(module)] -= 1
         with torch._C.DisableTorchFunction():
             self._capture(module, args, kwargs, output)
@@ -253,10 +278,14 @@ class HookSession:
         leaves = [torch.autograd.graph.get_gradient_edge(t).node for t in also]
         below = below_targets([*nodes, *read_nodes], {*nodes, *read_nodes, *leaves})
         lowest = [c for c, node in zip(calls, nodes, strict=True) if not below[node]]
+        lowest_reads = [r.edge for r in reads if not below[r.edge.node]]
+        # an output two hooks read (a weight-norm Linear's: its weight the tap's, its bias the
+        # rule's) keeps its gradient for both: neither may zero it for the other
+        seen = Counter(_key(e.edge) for e in [*calls, *reads])
+        both = {key for key, n in seen.items() if n > 1}
         for r in reads:
-            r.requested = not below[r.edge.node]
-        lowest_reads = [r.edge for r in reads if r.requested]
-        requested = {id(c) for c in lowest}
+            r.requested = not below[r.edge.node] and _key(r.edge) not in both
+        requested = {id(c) for c in lowest if _key(c.edge) not in both}
         wanted = {id(c) for c in calls}
         others = [t for c in calls for t in c.others]
 
@@ -288,3 +317,7 @@ class HookSession:
                 call.others_reach_loss |= next(flags) is not None
         start = len(lowest) + len(others)
         return list(grads[start : start + len(also)])
+
+
+def _key(edge: GradientEdge) -> tuple[int, int]:
+    return id(edge.node), edge.output_nr

@@ -142,19 +142,30 @@ class FirstCopy(nn.Module):
         return self.head(torch.tanh(self.wte(ids) + bias))
 
 
+def _expanded(case: Case) -> bool:
+    """Whether the first batch kept the shared call's rows expanded."""
+    model, inputs, targets = case.build(torch.float64)
+    engine = Engine(model, resolve_loss(case.loss))
+    with engine:
+        engine.norms(inputs, targets)
+    return engine.record.at(inputs).expand
+
+
 def test_expansion_that_makes_the_losses_mix_is_not_kept():
     """The expanded rows keep every loss as it was, yet the losses mix: run as written, the
-    shared call goes to the fallback with its reason, and the numbers stay exact."""
-    plan = _run(Case("first-copy", FirstCopy, tokens, next_tokens, "cross_entropy"))
-    assert plan["mlp.weight"].rule == "fallback"
-    assert "the batch shares them" in plan["mlp.weight"].note
-    assert plan["wte.weight"].rule == "embedding" and plan["head.weight"].rule == "linear"
+    shared call's output is followed as computed from its parameters, and stays exact."""
+    case = Case("first-copy", FirstCopy, tokens, next_tokens, "cross_entropy")
+    plan = _run(case)
+    assert all(p.note == "" for p in plan.values()), {n: p.note for n, p in plan.items()}
+    assert plan["mlp.weight"].rule == "linear" and plan["wte.weight"].rule == "embedding"
+    assert _expanded(case) is False
 
 
 def test_expansion_that_would_change_the_model_is_not_kept():
-    plan = _run(Case("collapses", Collapses, tokens, next_tokens, "cross_entropy"))
-    assert plan["wpe.weight"].rule == "fallback"
-    assert plan["wte.weight"].rule == "embedding"
+    case = Case("collapses", Collapses, tokens, next_tokens, "cross_entropy")
+    plan = _run(case)
+    assert plan["wpe.weight"].rule == "embedding" and plan["wpe.weight"].note == ""
+    assert _expanded(case) is False
 
 
 def test_plan_notes_are_short_and_whole_under_debug(monkeypatch):

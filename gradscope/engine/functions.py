@@ -1,0 +1,236 @@
+"""The functions a layer rule's math serves where the tap sees them called on a watched
+parameter (or a view of one, or a tensor computed from parameters): ``F.linear``, ``x @ W`` and
+``W @ x``, ``F.embedding``, ``F.conv{1,2,3}d``, and fused expert weights run by ``grouped_mm``
+or ``bmm``; each on rows traced to their examples (``trace.py``), gathered where they are in
+another layout, placed where the view sits in its parameter."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..rules import Contribution
+from ..rules.embedding import lookup
+from ..rules.linear import affine_parts
+from ..rules.placed import Place, Placed
+from .calls import bind_affine, bind_conv, conv_parts
+from .derived import Derived
+from .owners import NONE, is_batch, reduce, regroup, rows_or_none
+from .views import compose
+
+ASSUMED = object()  # rows taken as the examples' until the losses' owners say otherwise
+
+
+class FunctionReads:
+    """The tap's reads by functions (``ParamTap`` is one): uses its batch, trace, ``expand`` and
+    ``assume`` settings, ``_watched``, ``_batch_free``, ``_other`` and ``_use``."""
+
+    def _function(self, name: str, func, args: tuple, kwargs: dict) -> Tensor | None:
+        call = bind_affine(name, args, kwargs)
+        if call is None:
+            return None
+        x, weight, bias = call
+        reads = [(role, self._watched(t)) for role, t in (("weight", weight), ("bias", bias))]
+        reads = [(role, d) for role, d in reads if d is not None]
+        if not reads or self._watched(x) is not None:
+            return None
+        expanded = self.expand and self._shared(x)
+        assumed = self.assume and x.dim() and x.shape[0] == self.batch
+        if self._batch_free((x,), {}) and not expanded and not assumed:
+            return None  # computed from the parameters alone: followed as such
+        features = 0 if name == "embedding" else 1
+        if self.expand and name in ("linear", "embedding") and self._shared(x):
+            shared = x.unsqueeze(0) if x.dim() == 1 else x
+            x = shared.expand(self.batch, *shared.shape[1:])
+            args = (x, *args[1:])
+            self.expanded = True
+        rows = self._rows(x, features)
+        if rows is False:
+            for _, d in reads:
+                self._other(d, f"{name} on rows that mix examples")
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if rows is ASSUMED:
+            rows = None
+            self.trace.owners[out] = self.trace.standard(out.dim())
+        if not out.requires_grad:
+            return out
+        a = x.detach()
+        shape = weight.shape
+
+        def parts(grad: Tensor) -> dict[str, Contribution]:
+            xs, g = a, grad
+            if rows is not None:
+                xs = regroup(a, rows, self.batch, a.dim() - rows.dim())
+                g = regroup(grad, rows, self.batch, grad.dim() - rows.dim())
+            if name == "embedding":
+                padding = kwargs.get("padding_idx", args[2] if len(args) > 2 else None)
+                by_freq = kwargs.get("scale_grad_by_freq", args[5] if len(args) > 5 else False)
+                got = {"weight": lookup(xs, g, shape[0], padding, by_freq)}
+            else:
+                transposed = name != "linear"  # x @ W: W is (in, out)
+                got = affine_parts(xs, g, weight, bias, transposed)
+            return _credit((d, got[role]) for role, d in reads if role in got)
+
+        self._use(tuple(p for _, d in reads for p in d.params), out, parts)
+        return out
+
+    def _left(self, name: str, func, args: tuple, kwargs: dict) -> Tensor | None:
+        """``W @ x`` for a batch ``x`` of (B, in, L): ``F.linear(x.mT, W).mT``, by its math."""
+        if name == "__rmatmul__" or len(args) != 2 or kwargs:
+            return None
+        weight, x = args
+        d = self._watched(weight)
+        if d is None or weight.dim() != 2 or x.dim() < 3 or self._watched(x) is not None:
+            return None
+        if not self.trace.one_row_each(x, self.trace.owner(x), x.dim() - 1):
+            return None
+        out = func(*args, **kwargs)
+        if not out.requires_grad:
+            return out
+        a = x.detach()
+
+        def parts(grad: Tensor) -> dict[str, Contribution]:
+            got = affine_parts(a.mT, grad.mT, weight, None, transposed=False)
+            return d.credit(got["weight"])
+
+        self._use(d.params, out, parts)
+        return out
+
+    def _conv(self, name: str, func, args: tuple, kwargs: dict) -> Tensor | None:
+        """``F.conv{n}d`` on a watched weight (a weight-norm one) or bias, by the conv rule."""
+        x, weight, bias, call = bind_conv(name, args, kwargs)
+        reads = [(role, self._watched(t)) for role, t in (("weight", weight), ("bias", bias))]
+        reads = [(role, d) for role, d in reads if d is not None]
+        if not reads or self._watched(x) is not None or x.dim() != len(call.kernel_size) + 2:
+            return None
+        if self._batch_free((x,), {}) or not self.trace.one_row_each(
+            x, self.trace.owner(x), x.dim() - 1
+        ):
+            return None
+        out = func(*args, **kwargs)
+        if not out.requires_grad:
+            return out
+        a = x.detach()
+
+        def parts(grad: Tensor) -> dict[str, Contribution]:
+            got = conv_parts(call, a, grad, bias is not None)
+            return _credit((d, got[role]) for role, d in reads if role in got)
+
+        self._use(tuple(p for _, d in reads for p in d.params), out, parts)
+        return out
+
+    def _grouped(self, func, args: tuple, kwargs: dict) -> Tensor | None:
+        """``grouped_mm(x, W, offs)``: rows offs[e-1]:offs[e] of x times W[e], the experts of a
+        fused 3-D weight run on their sorted tokens: a Linear per expert, placed at W[e]."""
+        x, weight = args[0], args[1]
+        offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+        extra = [v for k, v in kwargs.items() if k != "offs" and v is not None]
+        if len(args) > 3 or extra or self._watched(x) is not None or offs is None or x.dim() != 2:
+            return None
+        d = self._watched(weight)
+        if (
+            not isinstance(d, Derived)
+            or weight.dim() != 3
+            or (d.place.index and d.place.transposed)
+        ):
+            return None
+        rows = self._rows(x, 1)
+        if rows is False or rows is ASSUMED:
+            return None
+        out = func(*args, **kwargs)
+        if not out.requires_grad:
+            return out
+        owner = torch.arange(self.batch, device=x.device) if rows is None else rows  # (S,)
+        a, ends = x.detach(), offs.tolist()
+        self._use((d.param,), out, lambda grad: self._experts(d, weight, a, grad, owner, ends))
+        return out
+
+    def _bmm(self, func, args: tuple, kwargs: dict) -> Tensor | None:
+        """``bmm(x, W)`` of (E, N, in) tokens and a fused (E, in, out) weight (Llama 4's
+        experts): a Linear per expert on its N rows, each row one example's, placed at W[e]."""
+        if len(args) != 2 or kwargs:
+            return None
+        x, weight = args
+        d = self._watched(weight)
+        if not isinstance(d, Derived) or weight.dim() != 3 or x.dim() != 3:
+            return None
+        if self._watched(x) is not None or (d.place.index and d.place.transposed):
+            return None
+        o = reduce(self.trace.owner(x), [2], keepdim=False).expand(x.shape[:2])
+        if not bool((o >= 0).all()):
+            return None
+        out = func(*args)
+        if not out.requires_grad:
+            return out
+        owner, a = o.reshape(-1), x.detach().reshape(-1, x.shape[-1])
+        ends = [(e + 1) * x.shape[1] for e in range(x.shape[0])]
+
+        def parts(grad: Tensor) -> dict[str, Contribution]:
+            return self._experts(d, weight, a, grad.reshape(-1, grad.shape[-1]), owner, ends)
+
+        self._use((d.param,), out, parts)
+        return out
+
+    def _experts(self, d: Derived, weight: Tensor, a: Tensor, grad: Tensor, owner, ends) -> dict:
+        """Expert e's Linear on rows ends[e-1]:ends[e] of ``a`` (owned by ``owner``), placed."""
+        blocks, start = [], 0
+        for e, end in enumerate(ends):
+            if end > start:
+                rows_e = owner[start:end]
+                xs = regroup(a[start:end], rows_e, self.batch, 1)
+                g = regroup(grad[start:end], rows_e, self.batch, 1)
+                part = affine_parts(xs, g, weight[e], None, transposed=True)["weight"]
+                index = (e,) if not d.place.index else compose(d.place.index, (e,), 3)
+                place = Place(index, d.place.transposed, d.place.scale)
+                blocks.append(Placed(part, d.param.param.shape, place))
+            start = end
+        if not blocks:
+            return {}
+        merged = blocks[0]
+        for block in blocks[1:]:
+            merged = merged.merge(block)
+        return {d.param.name: merged}
+
+    def _shared(self, x: Tensor) -> bool:
+        """Rows computed from no example, one set for the whole batch: a (1, ...) tensor or 1-D
+        indices (``wpe(arange(T))``), as HookSession expands for module calls."""
+        if (
+            not isinstance(x, Tensor)
+            or x.dim() == 0
+            or not bool((self.trace.owner(x) == NONE).all())
+        ):
+            return False
+        if x.dim() == 1:
+            return not (x.is_floating_point() or x.is_complex())
+        return x.shape[0] == 1
+
+    def _rows(self, x: Tensor, features: int) -> Tensor | None | bool | object:
+        """None: one row per example on dimension 0; a tensor: each row's example, for the rows
+        to be gathered; ASSUMED: B rows computed (wholly or in part) from no example, taken as
+        the examples' (see HookSession); False: rows that mix examples or that the batch shares."""
+        if x.dim() <= features:
+            return False
+        if self.trace.one_row_each(x, self.trace.owner(x), features):
+            return None
+        o = reduce(self.trace.owner(x), range(x.dim() - features, x.dim()), keepdim=False)
+        o = o.expand(x.shape[: x.dim() - features])  # owners may be compact (one example)
+        if x.numel() == 0:
+            return torch.zeros(x.shape[: x.dim() - features], dtype=torch.long, device=x.device)
+        if is_batch(o.reshape(o.shape[0], -1), self.batch):
+            return None
+        if bool((o >= 0).all()):
+            return o
+        if self.assume and x.shape[0] == self.batch and rows_or_none(o, self.batch):
+            self.assumed = True
+            return ASSUMED
+        return False
+
+
+def _credit(reads) -> dict[str, Contribution]:
+    """Each parameter's contribution from the (watched tensor, its part) of one call's reads."""
+    out: dict[str, Contribution] = {}
+    for d, part in reads:
+        for name, c in d.credit(part).items():
+            out[name] = out[name].merge(c) if name in out else c
+    return out
