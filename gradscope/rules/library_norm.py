@@ -14,6 +14,8 @@ self-check then moves it to the fallback.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 
 import torch
 from torch import Tensor, nn
@@ -24,16 +26,23 @@ from .norm import affine, per_channel
 
 def looks_like_norm(module: nn.Module) -> bool:
     """A leaf named like a LayerNorm or RMSNorm, or with HF's ``variance_epsilon``, holding a
-    ``weight`` and optionally a ``bias`` of the same shape and nothing else."""
+    ``weight`` and optionally a ``bias`` of the same shape and nothing else, whose forward takes
+    one input (a gated norm's ``forward(x, gate)`` scales by the gate too: the tap serves it)."""
     name = type(module).__name__.lower()
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
     return (
         ("layernorm" in name or "rmsnorm" in name or hasattr(module, "variance_epsilon"))
+        and _one_input(type(module))
         and isinstance(weight, nn.Parameter)
         and (bias is None or (isinstance(bias, nn.Parameter) and bias.shape == weight.shape))
         and {n for n, _ in module.named_parameters(recurse=False)} <= {"weight", "bias"}
         and next(module.children(), None) is None
     )
+
+
+@functools.cache
+def _one_input(cls: type[nn.Module]) -> bool:
+    return len(inspect.signature(cls.forward).parameters) == 2  # self, x
 
 
 def channels_first(module: nn.Module) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from oracle import Case, assert_rel_close, reference_norms
 from torch import Tensor, nn
 
@@ -60,6 +61,30 @@ class SequenceFirst(nn.Module):
         return torch.tanh(h).transpose(0, 1).sum(1)  # (B, D)
 
 
+class GatedRMSNorm(nn.Module):
+    """Qwen3.5's gated RMSNorm, named like a norm but scaled by its gate too: no norm rule, the
+    tap serves ``weight * x`` on rows flattened to (B*T*heads, d)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, D // 2))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x * F.silu(gate)
+
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.gate, self.norm = nn.Linear(3, D), nn.Linear(3, D), GatedRMSNorm()
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, N, 3)
+        h = self.norm(self.fc(x).reshape(-1, D // 2), self.gate(x).reshape(-1, D // 2))
+        return h.reshape(x.shape[0], -1).sum(1, keepdim=True)
+
+
 def patches(b: int) -> tuple[Tensor, ...]:
     return (torch.randn(b, N, 3),)
 
@@ -71,6 +96,7 @@ def labels(out: Tensor) -> Tensor:
 CASES = [
     Case("vit-front", Tokens, patches, labels, "cross_entropy"),
     Case("vit-front-batch-1", Tokens, patches, labels, "cross_entropy", batch=1),
+    Case("gated-norm", Gated, patches, torch.randn_like),
     Case("twice-and-in-place", TwiceAndInPlace, lambda b: (torch.randn(b, 3),), torch.randn_like),
 ]
 
@@ -89,7 +115,7 @@ def _run(case: Case):
 @pytest.mark.parametrize("case", CASES, ids=repr)
 def test_broadcast_parameters_match_loop(case: Case):
     plan = _run(case)
-    raw = {n: p for n, p in plan.items() if not n.startswith(("proj.", "head.", "fc."))}
+    raw = {n: p for n, p in plan.items() if not n.startswith(("proj.", "head.", "fc.", "gate."))}
     assert raw and all(p.rule == "broadcast" and p.note == "" for p in raw.values()), raw
 
 
