@@ -14,7 +14,7 @@ from ..rules.embedding import lookup
 from ..rules.linear import affine_parts
 from ..rules.placed import Place, Placed
 from .calls import bind_affine, bind_conv, conv_parts
-from .derived import Derived
+from .derived import Derived, Watched
 from .owners import NONE, is_batch, reduce, regroup, rows_or_none
 from .views import compose
 
@@ -143,7 +143,7 @@ class FunctionReads:
             return out
         owner = torch.arange(self.batch, device=x.device) if rows is None else rows  # (S,)
         a, ends = x.detach(), offs.tolist()
-        self._use((d.param,), out, lambda grad: self._experts(d, weight, a, grad, owner, ends))
+        self._use(d.params, out, lambda grad: self._experts(d, weight, a, grad, owner, ends))
         return out
 
     def _bmm(self, func, args: tuple, kwargs: dict) -> Tensor | None:
@@ -153,9 +153,9 @@ class FunctionReads:
             return None
         x, weight = args
         d = self._watched(weight)
-        if not isinstance(d, Derived) or weight.dim() != 3 or x.dim() != 3:
+        if d is None or weight.dim() != 3 or x.dim() != 3 or self._watched(x) is not None:
             return None
-        if self._watched(x) is not None or (d.place.index and d.place.transposed):
+        if isinstance(d, Derived) and d.place.index and d.place.transposed:
             return None
         o = reduce(self.trace.owner(x), [2], keepdim=False).expand(x.shape[:2])
         if not bool((o >= 0).all()):
@@ -169,11 +169,13 @@ class FunctionReads:
         def parts(grad: Tensor) -> dict[str, Contribution]:
             return self._experts(d, weight, a, grad.reshape(-1, grad.shape[-1]), owner, ends)
 
-        self._use((d.param,), out, parts)
+        self._use(d.params, out, parts)
         return out
 
-    def _experts(self, d: Derived, weight: Tensor, a: Tensor, grad: Tensor, owner, ends) -> dict:
-        """Expert e's Linear on rows ends[e-1]:ends[e] of ``a`` (owned by ``owner``), placed."""
+    def _experts(self, d: Watched, weight: Tensor, a: Tensor, grad: Tensor, owner, ends) -> dict:
+        """Expert e's Linear on rows ends[e-1]:ends[e] of ``a`` (owned by ``owner``), placed at
+        W[e] in the parameter (a view of it), or in ``weight`` (computed from parameters: then
+        carried back to them)."""
         blocks, start = [], 0
         for e, end in enumerate(ends):
             if end > start:
@@ -181,16 +183,19 @@ class FunctionReads:
                 xs = regroup(a[start:end], rows_e, self.batch, 1)
                 g = regroup(grad[start:end], rows_e, self.batch, 1)
                 part = affine_parts(xs, g, weight[e], None, transposed=True)["weight"]
-                index = (e,) if not d.place.index else compose(d.place.index, (e,), 3)
-                place = Place(index, d.place.transposed, d.place.scale)
-                blocks.append(Placed(part, d.param.param.shape, place))
+                if isinstance(d, Derived):
+                    index = (e,) if not d.place.index else compose(d.place.index, (e,), 3)
+                    place = Place(index, d.place.transposed, d.place.scale)
+                    blocks.append(Placed(part, d.param.param.shape, place))
+                else:
+                    blocks.append(Placed(part, weight.shape, Place((e,))))
             start = end
         if not blocks:
             return {}
         merged = blocks[0]
         for block in blocks[1:]:
             merged = merged.merge(block)
-        return {d.param.name: merged}
+        return {d.param.name: merged} if isinstance(d, Derived) else d.credit(merged)
 
     def _shared(self, x: Tensor) -> bool:
         """Rows computed from no example, one set for the whole batch: a (1, ...) tensor or 1-D

@@ -32,12 +32,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ..rules import Contribution, Dense
+from ..rules.placed import Place
 from .calls import CONVS, GROUPED, masked_by, sdpa_math
 from .derived import Derived, Watched, compute
 from .functions import FunctionReads
@@ -156,6 +158,8 @@ class ParamTap(FunctionReads, TorchFunctionMode):
             return None
         i, d = found[0]
         placed = isinstance(d, Derived)
+        if placed and name == "__getitem__" and i == 0 and _lookup(d, args):
+            return self._function("embedding", F.embedding, (args[1], args[0]), {})
         if placed and i == 0 and (name in CASTS or name in VIEWS):
             return self._derive(name, d, func, args, kwargs)
         if (
@@ -304,6 +308,18 @@ def _spread(source: Tensor, shape: torch.Size) -> bool:
     if len(shape) == 0 or source.dim() > len(shape):
         return False
     return source.dim() < len(shape) or source.shape[0] == 1
+
+
+def _lookup(d: Derived, args: tuple) -> bool:
+    """Whether ``W[ids]`` is ``F.embedding(ids, W)``: a whole 2-D parameter, integer ids."""
+    ids = args[1]
+    return (
+        d.place == Place()
+        and args[0].dim() == 2
+        and isinstance(ids, Tensor)
+        and ids.dim() > 0
+        and not (ids.is_floating_point() or ids.dtype == torch.bool)
+    )
 
 
 def _repeats_rows(args: tuple) -> bool:

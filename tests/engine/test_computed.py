@@ -154,6 +154,27 @@ class FusedExperts(nn.Module):
         return out.sum(0).view(x.shape[0], T, D).sum(1)
 
 
+class Lookups(nn.Module):
+    """Tables indexed by the batch's ids (``W[ids]``: an embedding by another name), by
+    position ids expanded to the batch (Whisper's decoder positions), and grouped heads of a
+    Linear's weight viewed as (G, out, in) and run by ``bmm`` (DeepSeek-V4's grouped linear)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens, self.positions = (
+            nn.Parameter(torch.randn(7, D)),
+            nn.Parameter(torch.randn(T, D)),
+        )
+        self.grouped = nn.Linear(D // 2, 3, bias=False)
+
+    def forward(self, ids: Tensor) -> Tensor:  # (B, T) ints
+        b = ids.shape[0]
+        h = self.tokens[ids] + self.positions[torch.arange(T).expand(b, T)]  # (B, T, D)
+        w = self.grouped.weight.view(1, 3, D // 2).expand(2, -1, -1).transpose(1, 2)  # (2, D/2, 3)
+        out = torch.bmm(h.reshape(b * T, 2, D // 2).transpose(0, 1), w)  # (2, B*T, 3)
+        return out.transpose(0, 1).reshape(b, T, 6).sum(1)
+
+
 def _sequences(b: int) -> tuple[Tensor, ...]:
     return (torch.randn(b, T, 3),)
 
@@ -173,6 +194,14 @@ CASES = [
     Case("reads-around", ReadsAround, _sequences, torch.randn_like),
     Case("reads-around-batch-1", ReadsAround, _sequences, torch.randn_like, batch=1),
     Case("fused-experts", FusedExperts, _sequences, torch.randn_like),
+    Case("lookups", Lookups, lambda b: (torch.randint(0, 7, (b, T)),), torch.randn_like),
+    Case(
+        "lookups-batch-1",
+        Lookups,
+        lambda b: (torch.randint(0, 7, (b, T)),),
+        torch.randn_like,
+        batch=1,
+    ),
     Case("tables", Tables, _sequences, torch.randn_like),
     Case("tables-batch-1", Tables, _sequences, torch.randn_like, batch=1),
 ]
