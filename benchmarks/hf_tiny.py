@@ -138,6 +138,10 @@ class Call(nn.Module):
 
     def forward(self, *tensors: Tensor) -> Tensor:
         out = self.model(**dict(zip(self.names, tensors, strict=True)))
+        if getattr(out, "logits_per_image", None) is not None:
+            # a dual encoder's (B, B) similarities mix the examples by construction: each
+            # example's own image-text similarity, the diagonal, is its per-example output
+            return out["logits_per_image"].diagonal()
         for key in ("logits", "last_hidden_state"):
             if getattr(out, key, None) is not None:
                 return out[key]
