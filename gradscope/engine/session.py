@@ -153,11 +153,15 @@ class HookSession:
         """Whether a call's tensors hold values and none of an example's (an empty input may be
         the rows routed to an expert: it is no example's on this batch only)."""
         tensors = [a for a in args if isinstance(a, Tensor)]
-        return bool(tensors) and all(
-            t.numel() > 0
-            and (self.trace.owners.get(t) is None or bool((self.trace.owner(t) == NONE).all()))
-            for t in tensors
-        )
+        for t in tensors:
+            o = self.trace.owners.get(t)
+            if (
+                t.numel() == 0
+                or o is not None
+                and (self.trace.is_standard(o) or not bool((o == NONE).all()))
+            ):
+                return False
+        return bool(tensors)
 
     def _captured(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         """The forward hook: ``_capture`` with no function mode watching its own ops."""

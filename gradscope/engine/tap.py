@@ -180,7 +180,9 @@ class ParamTap(FunctionReads, TorchFunctionMode):
             if not isinstance(t, Tensor) or t in self.derived:
                 continue
             o = self.trace.owners.get(t)
-            if t.numel() == 0 or (o is not None and not bool((o == NONE).all())):
+            if t.numel() == 0 or (
+                o is not None and (self.trace.is_standard(o) or not bool((o == NONE).all()))
+            ):
                 return False
         return True
 
