@@ -175,6 +175,26 @@ class Lookups(nn.Module):
         return out.transpose(0, 1).reshape(b, T, 6).sum(1)
 
 
+class RelativeBias(nn.Module):
+    """T5's relative position bias: an ``nn.Embedding`` (a module with a rule) called on a
+    (T, T) table of buckets made from ``arange``, the batch's shared table, then added to two
+    layers' scores, the second in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bias = nn.Linear(3, D), nn.Embedding(2 * T, 2)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, 3)
+        h = self.fc(x)
+        buckets = torch.arange(T)[None, :] - torch.arange(T)[:, None] + T  # (T, T)
+        position_bias = self.bias(buckets).permute(2, 0, 1).unsqueeze(0)  # (1, heads, T, T)
+        for _ in range(2):
+            scores = (h @ h.transpose(1, 2)).unsqueeze(1).expand(-1, 2, -1, -1).clone()
+            scores += position_bias
+            h = scores.softmax(-1).mean(1) @ h
+        return h.sum(1)
+
+
 def _sequences(b: int) -> tuple[Tensor, ...]:
     return (torch.randn(b, T, 3),)
 
@@ -202,6 +222,8 @@ CASES = [
         torch.randn_like,
         batch=1,
     ),
+    Case("relative-bias", RelativeBias, _sequences, torch.randn_like),
+    Case("relative-bias-batch-1", RelativeBias, _sequences, torch.randn_like, batch=1),
     Case("tables", Tables, _sequences, torch.randn_like),
     Case("tables-batch-1", Tables, _sequences, torch.randn_like, batch=1),
 ]
