@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from oracle import Case, assert_rel_close, reference_norms
+from oracle import Case, assert_rel_close, reference_influence, reference_norms
 from torch import Tensor, nn
 
+import gradscope
 from gradscope.engine.core import Engine
 from gradscope.losses import resolve_loss
 
@@ -265,3 +266,14 @@ def test_computed_read_by_an_op_not_served_goes_to_the_fallback():
     _, expected = reference_norms(model, inputs, targets, "mse")
     assert_rel_close(scores.norm_sq["v"].sqrt(), expected, 1e-6)
     assert engine.plan.find("v").is_fallback and "mm" in engine.plan.find("v").note
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "batch-1" not in c.id], ids=repr)
+def test_computed_influence_matches_loop(case: Case):
+    """Inner products with a reference gradient go through the same VJP as the norms."""
+    model, inputs, targets = case.build(torch.float64, batch=7)
+    train = (tuple(t[:4] for t in inputs), targets[:4])
+    ref = (tuple(t[4:] for t in inputs), targets[4:])
+    got = gradscope.per_example_influence(model, *train, *ref, case.loss, engine="hooks")
+    expected, _, _ = reference_influence(model, *train, ref, case.loss)
+    assert_rel_close(got, expected[:, 0], 1e-6)
