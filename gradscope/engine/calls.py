@@ -115,3 +115,20 @@ def masked_by(args: tuple, kwargs: dict, watched: Callable) -> bool:
     mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
     dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
     return dropout == 0 and watched(mask) is not None
+
+
+def einsum_terms(equation: object, operands: tuple) -> tuple | None:
+    """((operand, its indices), (operand, its indices), the output's indices) of a two-operand
+    einsum; None for other equations (an ellipsis, an implicit output, a repeated index)."""
+    if not isinstance(equation, str) or len(operands) != 2 or "->" not in equation:
+        return None
+    equation = equation.replace(" ", "")
+    inputs, out = equation.split("->")
+    terms = inputs.split(",")
+    if "." in equation or len(terms) != 2 or any(len(set(t)) != len(t) for t in (*terms, out)):
+        return None
+    if not all(
+        isinstance(t, Tensor) and t.dim() == len(s) for t, s in zip(operands, terms, strict=True)
+    ):
+        return None
+    return (operands[0], terms[0]), (operands[1], terms[1]), out

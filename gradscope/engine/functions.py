@@ -9,11 +9,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..rules import Contribution
+from ..rules import Contribution, Dense
 from ..rules.embedding import lookup
 from ..rules.linear import affine_parts
 from ..rules.placed import Place, Placed
-from .calls import bind_affine, bind_conv, conv_parts
+from .calls import bind_affine, bind_conv, conv_parts, einsum_terms
 from .derived import Derived, Watched
 from .owners import NONE, is_batch, reduce, regroup, rows_or_none
 from .views import compose
@@ -168,6 +168,36 @@ class FunctionReads:
 
         def parts(grad: Tensor) -> dict[str, Contribution]:
             return self._experts(d, weight, a, grad.reshape(-1, grad.shape[-1]), owner, ends)
+
+        self._use(d.params, out, parts)
+        return out
+
+    def _einsum(self, func, args: tuple, kwargs: dict) -> Tensor | None:
+        """``einsum(eq, x, W)`` (either order) with the batch ``x``'s first index also the
+        output's first and not W's: example b's gradient of W is ``einsum(x[b], grad[b])``
+        summed over the rest, one einsum for the batch (SAM's and Funnel's relative attention)."""
+        operands = args[1:] if len(args) > 2 else tuple(args[1]) if len(args) == 2 else ()
+        bound = einsum_terms(args[0], operands) if not kwargs else None
+        if bound is None:
+            return None
+        first, second, out_s = bound
+        if self._watched(first[0]) is not None:
+            first, second = second, first
+        (x, xs), (weight, ws) = first, second
+        d = self._watched(weight)
+        if d is None or self._watched(x) is not None or xs[0] != out_s[0] or xs[0] in ws:
+            return None
+        if not set(ws) <= set(xs) | set(out_s) or not self.trace.one_row_each(
+            x, self.trace.owner(x), x.dim() - 1
+        ):
+            return None
+        out = func(*args)
+        if not out.requires_grad:
+            return out
+        a, per_example = x.detach(), f"{xs},{out_s}->{xs[0]}{ws}"
+
+        def parts(grad: Tensor) -> dict[str, Contribution]:
+            return d.credit(Dense(torch.einsum(per_example, a, grad)))
 
         self._use(d.params, out, parts)
         return out

@@ -152,6 +152,8 @@ class ParamTap(FunctionReads, TorchFunctionMode):
             return self._grouped(func, args, kwargs)
         if name == "bmm":
             return self._bmm(func, args, kwargs)
+        if name == "einsum":
+            return self._einsum(func, args, kwargs)
         if name in CONVS:
             return self._conv(name, func, args, kwargs)
         if len(found) != 1 or found[0][0] is None:

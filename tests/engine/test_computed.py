@@ -196,6 +196,28 @@ class RelativeBias(nn.Module):
         return h.sum(1)
 
 
+class Einsums(nn.Module):
+    """SAM's decomposed relative positions (``einsum("bhwc,hkc->bhwk", q, R)``, R gathered
+    from a table by an index buffer) and Funnel's position projection (``einsum("td,dnh->tnh",
+    r, kernel)`` on a table, then with the batch's queries), the parameter first and second."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, D)
+        self.rel = nn.Parameter(torch.randn(2 * T, D // 2))
+        self.kernel = nn.Parameter(torch.randn(D // 2, 2, D // 2))
+        self.register_buffer("index", torch.arange(T)[:, None] - torch.arange(T)[None, :] + T)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, 3)
+        b = x.shape[0]
+        q = self.fc(x).view(b, T, 2, D // 2).transpose(1, 2)  # (B, heads, T, D/2)
+        r = self.rel[self.index]  # (T, T, D/2): computed
+        att = torch.einsum("bhwc,wkc->bhwk", q, r)  # (B, heads, T, T)
+        heads = torch.einsum("td,dnh->tnh", self.rel[:T], self.kernel)  # (T, 2, D/2): computed
+        pos = torch.einsum("tnh,bnih->bnit", heads, q)  # the parameter first
+        return att.sum((1, 3)) + pos.sum((1, 2))
+
+
 def _sequences(b: int) -> tuple[Tensor, ...]:
     return (torch.randn(b, T, 3),)
 
@@ -225,6 +247,8 @@ CASES = [
     ),
     Case("relative-bias", RelativeBias, _sequences, torch.randn_like),
     Case("relative-bias-batch-1", RelativeBias, _sequences, torch.randn_like, batch=1),
+    Case("einsums", Einsums, _sequences, torch.randn_like),
+    Case("einsums-batch-1", Einsums, _sequences, torch.randn_like, batch=1),
     Case("tables", Tables, _sequences, torch.randn_like),
     Case("tables-batch-1", Tables, _sequences, torch.randn_like, batch=1),
 ]
