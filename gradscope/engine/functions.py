@@ -83,7 +83,7 @@ class FunctionReads:
         d = self._watched(weight)
         if d is None or weight.dim() != 2 or x.dim() < 3 or self._watched(x) is not None:
             return None
-        if not self.trace.one_row_each(x, self.trace.owner(x), x.dim() - 1):
+        if not self._examples_lead(x):
             return None
         out = func(*args, **kwargs)
         if not out.requires_grad:
@@ -104,9 +104,7 @@ class FunctionReads:
         reads = [(role, d) for role, d in reads if d is not None]
         if not reads or self._watched(x) is not None or x.dim() != len(call.kernel_size) + 2:
             return None
-        if self._batch_free((x,), {}) or not self.trace.one_row_each(
-            x, self.trace.owner(x), x.dim() - 1
-        ):
+        if not self._examples_lead(x):
             return None
         out = func(*args, **kwargs)
         if not out.requires_grad:
@@ -175,7 +173,8 @@ class FunctionReads:
     def _einsum(self, func, args: tuple, kwargs: dict) -> Tensor | None:
         """``einsum(eq, x, W)`` (either order) with the batch ``x``'s first index also the
         output's first and not W's: example b's gradient of W is ``einsum(x[b], grad[b])``
-        summed over the rest, one einsum for the batch (SAM's and Funnel's relative attention)."""
+        summed over the rest (and over b's rows, where heads are folded into the batch), one
+        einsum for the batch (SAM's and Funnel's relative attention)."""
         operands = args[1:] if len(args) > 2 else tuple(args[1]) if len(args) == 2 else ()
         bound = einsum_terms(args[0], operands) if not kwargs else None
         if bound is None:
@@ -187,17 +186,19 @@ class FunctionReads:
         d = self._watched(weight)
         if d is None or self._watched(x) is not None or xs[0] != out_s[0] or xs[0] in ws:
             return None
-        if not set(ws) <= set(xs) | set(out_s) or not self.trace.one_row_each(
-            x, self.trace.owner(x), x.dim() - 1
-        ):
+        rows = self._lead_rows(x)
+        if not set(ws) <= set(xs) | set(out_s) or rows is False:
             return None
         out = func(*args)
         if not out.requires_grad:
             return out
-        a, per_example = x.detach(), f"{xs},{out_s}->{xs[0]}{ws}"
+        a, per_row = x.detach(), f"{xs},{out_s}->{xs[0]}{ws}"
 
         def parts(grad: Tensor) -> dict[str, Contribution]:
-            return d.credit(Dense(torch.einsum(per_example, a, grad)))
+            g = torch.einsum(per_row, a, grad)  # (rows, *W)
+            if rows is not None:  # each example's rows summed
+                g = g.new_zeros(self.batch, *g.shape[1:]).index_add_(0, rows, g)
+            return d.credit(Dense(g))
 
         self._use(d.params, out, parts)
         return out
@@ -226,6 +227,24 @@ class FunctionReads:
         for block in blocks[1:]:
             merged = merged.merge(block)
         return {d.param.name: merged} if isinstance(d, Derived) else d.credit(merged)
+
+    def _examples_lead(self, x: Tensor) -> bool:
+        """Whether ``x[i]`` is example i's alone (B along dimension 0, nothing else mixed in)."""
+        return self._lead_rows(x) is None
+
+    def _lead_rows(self, x: Tensor) -> Tensor | None | bool:
+        """Whose ``x[r]`` is, whole: None for example r's, (R,) examples where each ``x[r]`` is
+        one example's (heads folded into the batch: SAM's (B*heads, ...)), False otherwise."""
+        if x.dim() == 0 or x.numel() == 0:
+            return False
+        o = self.trace.owner(x)
+        if x.shape[0] == self.batch and self.trace.one_row_each(x, o, x.dim() - 1):
+            return None
+        rows = reduce(o, range(1, x.dim()))
+        if x.shape[0] == self.batch and is_batch(rows, self.batch):
+            return None
+        rows = rows.reshape(-1).expand(x.shape[0])
+        return rows.contiguous() if bool((rows >= 0).all()) else False
 
     def _shared(self, x: Tensor) -> bool:
         """Rows computed from no example, one set for the whole batch: a (1, ...) tensor or 1-D

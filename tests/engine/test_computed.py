@@ -198,7 +198,8 @@ class RelativeBias(nn.Module):
 
 class Einsums(nn.Module):
     """SAM's decomposed relative positions (``einsum("bhwc,hkc->bhwk", q, R)``, R gathered
-    from a table by an index buffer) and Funnel's position projection (``einsum("td,dnh->tnh",
+    from a table by an index buffer; heads in their own dimension or folded into the batch) and
+    Funnel's position projection (``einsum("td,dnh->tnh",
     r, kernel)`` on a table, then with the batch's queries), the parameter first and second."""
 
     def __init__(self):
@@ -213,6 +214,8 @@ class Einsums(nn.Module):
         q = self.fc(x).view(b, T, 2, D // 2).transpose(1, 2)  # (B, heads, T, D/2)
         r = self.rel[self.index]  # (T, T, D/2): computed
         att = torch.einsum("bhwc,wkc->bhwk", q, r)  # (B, heads, T, T)
+        folded = q.reshape(b * 2, T, D // 2)  # heads folded into the batch, as SAM's
+        att = att + torch.einsum("bwc,wkc->bwk", folded, r).view(b, 2, T, T)
         heads = torch.einsum("td,dnh->tnh", self.rel[:T], self.kernel)  # (T, 2, D/2): computed
         pos = torch.einsum("tnh,bnih->bnit", heads, q)  # the parameter first
         return att.sum((1, 3)) + pos.sum((1, 2))
