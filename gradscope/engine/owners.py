@@ -9,6 +9,7 @@ module holds the algebra; ``engine/trace.py`` applies it op by op as the forward
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -109,9 +110,25 @@ def reshaped(o: Tensor, shape: Sequence[int], new: Sequence[int]) -> Tensor | No
     if -1 in new:
         known = torch.Size([d for d in new if d != -1]).numel()
         new[new.index(-1)] = torch.Size(shape).numel() // max(known, 1)
-    if torch.Size(shape).numel() != torch.Size(new).numel():
+    found = groups(shape, new)
+    if found is None:
         return None
-    groups, i, j = [], 0, 0
+    full, target = list(o.shape), []
+    for i0, i1, j0, j1 in found:
+        if any(o.shape[d] > 1 for d in range(i0, i1)):
+            full[i0:i1] = shape[i0:i1]
+            target += new[j0:j1]
+        else:
+            target += [1] * (j1 - j0)
+    return compact(o.expand(full).reshape(target))
+
+
+def groups(shape: Sequence[int], new: Sequence[int]) -> list[tuple[int, int, int, int]] | None:
+    """The smallest groups of dimensions ``shape[i0:i1]`` that a reshape to ``new`` turns into
+    ``new[j0:j1]`` (equal sizes), as (i0, i1, j0, j1); None if the sizes do not match."""
+    if math.prod(shape) != math.prod(new):
+        return None
+    found, i, j = [], 0, 0
     while i < len(shape) or j < len(new):
         i0, j0, a, b = i, j, 1, 1
         if i < len(shape):
@@ -125,15 +142,8 @@ def reshaped(o: Tensor, shape: Sequence[int], new: Sequence[int]) -> Tensor | No
                 b, j = b * new[j], j + 1
             else:
                 return None
-        groups.append((i0, i, j0, j))
-    full, target = list(o.shape), []
-    for i0, i1, j0, j1 in groups:
-        if any(o.shape[d] > 1 for d in range(i0, i1)):
-            full[i0:i1] = shape[i0:i1]
-            target += new[j0:j1]
-        else:
-            target += [1] * (j1 - j0)
-    return compact(o.expand(full).reshape(target))
+        found.append((i0, i, j0, j))
+    return found
 
 
 def regroup(x: Tensor, owner: Tensor, batch: int, features: int) -> Tensor:
