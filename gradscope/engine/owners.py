@@ -150,9 +150,11 @@ def regroup(x: Tensor, owner: Tensor, batch: int, features: int) -> Tensor:
     """(B, L, *features) from ``x`` (*rows, *features) whose rows belong to the examples in
     ``owner`` (*rows,): each example's rows in order, padded with zeros to the longest."""
     feat = x.shape[x.dim() - features :] if features else ()
-    dim = _batch_dim(owner, batch)
-    if dim is not None:  # row r is example r along one dimension (sequence-first): no gather
-        return x.movedim(dim, 0).reshape(batch, -1, *feat)
+    lane = _lane(owner, batch)
+    if lane is not None:  # the batch along one dimension (sequence-first, (T*B) rows): a view
+        dim, m = lane
+        n = x.shape[dim] // (batch * m)
+        return x.unflatten(dim, (n, batch, m)).movedim(dim + 1, 0).reshape(batch, -1, *feat)
     flat = x.reshape(-1, *feat)  # (N, *features)
     own = owner.reshape(-1)  # (N,)
     order = torch.argsort(own, stable=True)
@@ -166,14 +168,20 @@ def regroup(x: Tensor, owner: Tensor, batch: int, features: int) -> Tensor:
     return out
 
 
-def _batch_dim(owner: Tensor, batch: int) -> int | None:
-    """The dimension along which ``owner`` (an expanded view, as the rules get it) reads 0..B-1
-    and along no other, or None."""
+def _lane(owner: Tensor, batch: int) -> tuple[int, int] | None:
+    """(dim, m) where ``owner`` (an expanded view, as the rules get it) reads (i // m) % B along
+    dimension ``dim`` (of a size that B*m divides) and varies along no other, or None."""
     o = compact(owner)
     dims = [d for d in range(o.dim()) if o.shape[d] > 1]
     if batch == 1 and not dims and o.numel() == 1 and int(o.reshape(())) == 0:
-        return 0 if owner.dim() else None
-    if len(dims) != 1 or o.shape[dims[0]] != batch:
+        return (0, 1) if owner.dim() else None
+    if len(dims) != 1 or o.shape[dims[0]] % batch:
         return None
-    arange = torch.arange(batch, device=o.device)
-    return dims[0] if torch.equal(o.reshape(-1), arange) else None
+    flat = o.reshape(-1)
+    i = torch.arange(flat.shape[0], device=o.device)
+    if flat.shape[0] == batch:  # row r is example r (sequence-first): the common case
+        return (dims[0], 1) if torch.equal(flat, i) else None
+    m = int(torch.argmax((flat != flat[0]).to(torch.uint8)))  # where the first example ends
+    if m == 0 or flat.shape[0] % (batch * m):
+        return None
+    return (dims[0], m) if torch.equal(flat, i // m % batch) else None

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 import gradscope
 from gradscope.engine.core import Engine
 from gradscope.engine.lanes import reshape_lane
-from gradscope.engine.owners import MIXED
+from gradscope.engine.owners import MIXED, regroup
 from gradscope.engine.trace import RowTrace
 from gradscope.losses import resolve_loss
 
@@ -156,3 +156,16 @@ def test_attention_layouts_are_exact_without_the_fallback(model, batch: int):
         assert_rel_close(got, reference_norms(net, (ids,), y, "cross_entropy")[1], 1e-9)
     engine = Engine(net, resolve_loss("cross_entropy"))  # what the calls above decided
     assert not engine.plan.fallback, [(p.name, p.note) for p in engine.plan.fallback]
+
+
+@pytest.mark.parametrize(("batch", "n", "m"), [(3, 4, 1), (3, 2, 2), (1, 3, 1), (2, 1, 3)])
+def test_regroup_of_a_lane_is_the_gather(batch: int, n: int, m: int):
+    """Rows (T*B*H, features) of owner (i // H) % B are moved, not gathered: the same (B, L,
+    features), each example's rows in their order."""
+    x = torch.randn(2, n * batch * m, 4)  # (S, rows, features)
+    owner = (torch.arange(n * batch * m) // m % batch).view(1, -1).expand(2, -1)
+    moved = regroup(x, owner, batch, 1)
+    gathered = regroup(x, owner.contiguous(), batch, 1)  # not an expanded view: the gather
+    assert torch.equal(moved, gathered)
+    shifted = regroup(x, owner.roll(1, 1), batch, 1)  # not a lane: the gather
+    assert torch.equal(shifted, regroup(x, owner.roll(1, 1).contiguous(), batch, 1))
