@@ -29,14 +29,28 @@ def after(name: str, args: tuple, kwargs: dict, lanes: dict[int, Lane], out: Ten
     if name in ELEMENTWISE or binary(name, args, kwargs):
         if name == "where" and len(args) == 1:
             return None  # positions of true elements, not values
-        tracked = _tracked(args, kwargs, lanes)
-        if len({id(t) for t in tracked}) != len(lanes):
-            return None  # a tracked tensor inside a list: not an elementwise operand
-        return _same(_aligned(t, lanes[id(t)], out) for t in tracked)
+        return _broadcast(args, kwargs, lanes, out)
     follow = _RULES.get(name)
     if follow is None or not args or not isinstance(args[0], (Tensor, list, tuple)):
         return None
     return follow(args, kwargs, lanes, out, batch)
+
+
+def _broadcast(args: tuple, kwargs: dict, lanes: dict[int, Lane], out: Tensor) -> Lane | None:
+    """An elementwise op: every tracked operand's lane, aligned to ``out``, the same one. Loops,
+    not generators: the most frequent op."""
+    found, seen = None, set()
+    for t in (*args, *kwargs.values()) if kwargs else args:
+        lane = lanes.get(id(t)) if isinstance(t, Tensor) else None
+        if lane is None:
+            continue
+        j = lane[0] + out.dim() - t.dim()
+        if j < 0 or out.shape[j] != t.shape[lane[0]] or (found and found != (j, lane[1])):
+            return None
+        found = (j, lane[1])
+        seen.add(id(t))
+    # a tracked tensor inside a list is not an elementwise operand
+    return found if len(seen) == len(lanes) else None
 
 
 def _tracked(args: tuple, kwargs: dict, lanes: dict[int, Lane]) -> list[Tensor]:

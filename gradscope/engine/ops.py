@@ -80,12 +80,13 @@ READS |= {"__bool__", "__index__", "__int__", "__float__", "__format__", "__repr
 
 def op_name(func: Callable) -> str:
     """The op's name; a property's (``x.T``) rather than ``__get__``."""
+    short = _NAMES.get(func)
+    if short is not None:
+        return short
     name = getattr(func, "__name__", str(func))
     if name == "__get__":  # a new method-wrapper on every read: not kept in _NAMES
         return getattr(getattr(func, "__self__", None), "__name__", name)
-    short = _NAMES.get(func)
-    if short is None:
-        short = _NAMES[func] = name.split("::")[-1].split(".")[0]  # torch.ops.lib.name.overload
+    short = _NAMES[func] = name.split("::")[-1].split(".")[0]  # torch.ops.lib.name.overload
     return short
 
 

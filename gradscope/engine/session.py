@@ -130,8 +130,9 @@ class HookSession:
         self.active[id(module)] = self.active.get(id(module), 0) + 1
         if not self.expand_to or not args or not isinstance(args[0], Tensor):
             return None
-        if not _shared_leading(module, args[0], self.trace):
-            return None
+        with torch._C.DisableTorchFunction():  # shapes and owners: none of the model's ops
+            if not _shared_leading(module, args[0], self.trace):
+                return None
         x = args[0]
         rows = x.unsqueeze(0) if x.dim() == 1 else x
         self._expanding.add(id(module))

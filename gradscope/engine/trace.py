@@ -176,22 +176,25 @@ class RowTrace(TorchFunctionMode):
     def _by_lanes(self, name: str, args: tuple, kwargs: dict, tracked: list, out) -> bool:
         """The common case at the cost of a few comparisons: every tracked input's owners a
         lane (the batch along one dimension) and an op that keeps one (``lanes.after``).
-        Anything else is left to ``_follow``."""
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        if not outs or not all(isinstance(t, Tensor) and t.numel() for t in outs):
-            return False
-        lanes = {}
+        Anything else is left to ``_follow``. Loops, not generators: this runs on every op."""
+        lanes, lane_of = {}, self._lane_of
         for t in tracked:
-            lane = self.lane(self.owners.get(t))
-            if lane is None:
+            o = self.owners.get(t)
+            item = lane_of.get(id(o))
+            if item is None or item[0] is not o:
                 return False
-            lanes[id(t)] = lane
-        lane = after(name, args, kwargs, lanes, outs[0], self.batch)
+            lanes[id(t)] = item[1]
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for t in outs:
+            if not isinstance(t, Tensor) or not t.numel():
+                return False
+        lane = after(name, args, kwargs, lanes, outs[0], self.batch) if outs else None
         if lane is None:
             return False
         dim, m = lane
-        if any(t.dim() <= dim or t.shape[dim] % (self.batch * m) for t in outs):
-            return False
+        for t in outs:
+            if t.dim() <= dim or t.shape[dim] % (self.batch * m):
+                return False
         for t in outs:
             self.owners[t] = self._lane_owners(t.dim(), lane, t.shape[dim])
         return True
