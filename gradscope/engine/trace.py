@@ -132,10 +132,12 @@ class RowTrace(TorchFunctionMode):
         return o is self._lanes.get((o.dim(), 0, self.batch, 1) if self.batch > 1 else o.dim())
 
     def one_row_each(self, x: Tensor, owners: Tensor, features: int) -> bool:
-        """Whether ``x`` is (B, *features), not empty, with row i example i's by ``owners``
-        being ``standard``'s tensor (an empty one is gathered; with B = 1, (1, 1) owners may
-        describe any number of rows)."""
-        shaped = x.dim() == features + 1 and x.shape[0] == self.batch and x.numel() > 0
+        """Whether ``x`` is (B, *features) or (B, T, *features), not empty, with ``x[i]``
+        example i's by ``owners`` being ``standard``'s tensor: a row-by-row rule reads it as it
+        is, the (B, L, *features) the gather would give (an empty one is gathered; with B = 1,
+        (1, 1) owners may describe any number of rows)."""
+        rows = x.dim() - features
+        shaped = 0 < rows <= 2 and x.shape[0] == self.batch and x.numel() > 0
         return shaped and self.is_standard(owners)
 
     def owner(self, t: Tensor) -> Tensor:
