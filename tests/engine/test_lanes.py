@@ -62,6 +62,7 @@ CASES: dict[str, tuple[int, Callable[[Tensor], Tensor], bool]] = {
     "heads-folded": (3, _heads, False),
     "views": (3, _views, False),
     "views-batch-1": (1, _views, False),
+    "select-before-the-lane": (3, lambda x: x.transpose(0, 1).select(0, 1).tanh(), False),
     "tokens-position-major": (3, lambda x: x.transpose(0, 1).reshape(-1, D).tanh(), False),
     # a reshape that keeps the period of a lane: (T, B, D) -> (B, T*D) with B | T
     "position-major-in-rows": (2, lambda x: x.transpose(0, 1).reshape(2, -1).sin(), False),
@@ -169,3 +170,50 @@ def test_regroup_of_a_lane_is_the_gather(batch: int, n: int, m: int):
     assert torch.equal(moved, gathered)
     shifted = regroup(x, owner.roll(1, 1), batch, 1)  # not a lane: the gather
     assert torch.equal(shifted, regroup(x, owner.roll(1, 1).contiguous(), batch, 1))
+
+
+def _random_moves(x: Tensor, rng: torch.Generator) -> Tensor:
+    """Six random moves of rows: transposes, merges and splits of neighbouring dimensions,
+    unsqueeze, indexing, select, unbind, narrowing, sums and elementwise ops, on whatever
+    dimensions."""
+    for _ in range(6):
+        n, k = x.dim(), int(torch.randint(0, 10, (), generator=rng))
+        d = int(torch.randint(0, n, (), generator=rng))
+        e = int(torch.randint(0, n, (), generator=rng))
+        if k == 0:
+            x = x.transpose(d, e)
+        elif k == 1 and d + 1 < n:
+            x = x.reshape(*x.shape[:d], -1, *x.shape[d + 2 :])  # merge d and d + 1
+        elif k == 2 and x.shape[d] % 2 == 0:
+            x = x.unflatten(d, (2, -1))  # split d
+        elif k == 3 and n < 5:
+            x = x.unsqueeze(d)
+        elif k == 4 and n > 1:
+            x = x[(slice(None),) * d + (0,)]
+        elif k == 5 and x.shape[d] > 1:
+            x = x.narrow(d, 0, x.shape[d] - 1)
+        elif k == 6 and n > 1:
+            x = x.sum(d)
+        elif k == 7 and n > 1:
+            x = x.select(d, 0)
+        elif k == 8 and n > 1:
+            x = x.unbind(d)[-1]
+        else:
+            x = torch.tanh(x) * 2
+    return x
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("batch", [1, 2, 3])
+def test_random_moves_give_the_owner_algebras_answer(seed: int, batch: int):
+    """The lanes and the owner algebra (every op through ``_follow``) agree on random chains."""
+    x = torch.randn(batch, 4, 6, dtype=torch.float64)
+    owners = []
+    for fast in (True, False):
+        trace = RowTrace(batch, (x,))
+        if not fast:
+            trace._by_lanes = lambda *_: False
+        with trace:
+            out = _random_moves(x, torch.Generator().manual_seed(seed))
+        owners.append(trace.owner(out).expand(out.shape))
+    assert torch.equal(owners[0], owners[1]), f"\n{owners[0]}\n!=\n{owners[1]}"
