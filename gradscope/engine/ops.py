@@ -2,8 +2,8 @@
 
 Views and moves apply the same op to the owners (``MOVES``, ``RESHAPES``); elementwise ops
 combine them; reductions and contractions reduce them over the dimensions they mix
-(``CONTRACTIONS``: linear, matmul, conv, attention, norms, recurrent layers, grouped GEMMs);
-``keeps_rows`` is the common case checked by identity, before any owner is computed.
+(``CONTRACTIONS``: linear, matmul, conv, attention, norms, recurrent layers, grouped GEMMs).
+The common case, owners that are the batch along one dimension, is ``lanes.py``'s.
 """
 
 from __future__ import annotations
@@ -80,12 +80,13 @@ READS |= {"__bool__", "__index__", "__int__", "__float__", "__format__", "__repr
 
 def op_name(func: Callable) -> str:
     """The op's name; a property's (``x.T``) rather than ``__get__``."""
+    short = _NAMES.get(func)
+    if short is not None:
+        return short
     name = getattr(func, "__name__", str(func))
     if name == "__get__":  # a new method-wrapper on every read: not kept in _NAMES
         return getattr(getattr(func, "__self__", None), "__name__", name)
-    short = _NAMES.get(func)
-    if short is None:
-        short = _NAMES[func] = name.split("::")[-1].split(".")[0]  # torch.ops.lib.name.overload
+    short = _NAMES[func] = name.split("::")[-1].split(".")[0]  # torch.ops.lib.name.overload
     return short
 
 
@@ -115,77 +116,11 @@ def dims_of(name: str, args: tuple, kwargs: dict, rank: int) -> tuple[list[int],
     return ([dim] if isinstance(dim, int) else list(dim)), keep
 
 
-def keeps_rows(name: str, args: tuple, kwargs: dict, tracked: list, out: Tensor, b: int) -> bool:
-    """Whether an op on inputs each with one row per example on dimension 0 gives an output
-    (of dimension 0 of length ``b``) whose row i is computed from rows i alone."""
-    rank = out.dim()
-    same_rank = all(t.dim() == rank and t.shape[0] == b for t in tracked)
-    x = args[0] if args else None
-    if name in ELEMENTWISE or name == "scaled_dot_product_attention":
-        return same_rank
-    if name in CASTS:
-        return len(tracked) == 1 and tracked[0] is x and x.dim() == rank
-    if name == "linear":  # a weight computed from the batch would mix its rows' examples
-        rest = tensors_in(args[1:], kwargs)
-        return same_rank and not any(t is r for t in tracked for r in rest)
-    if name in RESHAPES:
-        return isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == b
-    if name in ("layer_norm", "rms_norm"):
-        shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape", ())
-        return same_rank and len(shape) < rank
-    if name == "embedding":
-        return (
-            isinstance(x, Tensor) and x.dim() + 1 == rank and len(tracked) == 1 and tracked[0] is x
-        )
-    if name in ("matmul", "__matmul__", "bmm"):
-        other = args[1] if len(args) > 1 else None
-        return same_rank and (rank >= 3 or not any(t is other for t in tracked))
-    if not isinstance(x, Tensor) or x.dim() == 0:
-        if name in ("cat", "concat", "stack") and isinstance(x, (list, tuple)):
-            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
-            return dim % rank != 0 and all(t.shape[0] == b for t in x)
-        return False
-    n = x.dim()
-    if name in ("transpose", "swapaxes", "swapdims"):
-        return len(args) >= 3 and args[1] % n != 0 and args[2] % n != 0
-    if name == "permute":
-        dims = args[1:] if len(args) > 2 or not isinstance(args[1], (list, tuple)) else args[1]
-        return len(dims) == n and dims[0] % n == 0
-    if name == "unsqueeze":
-        return args[1] % (n + 1) != 0
-    if name == "squeeze":
-        return len(args) > 1 and isinstance(args[1], int) and args[1] % n != 0
-    if name in ("expand", "expand_as", "contiguous"):
-        return same_rank
-    if name in ("chunk", "split", "unbind", "tensor_split", "split_with_sizes"):
-        dim = (
-            kwargs.get("dim", args[2] if len(args) > 2 else 0)
-            if name != "unbind"
-            else (args[1] if len(args) > 1 else kwargs.get("dim", 0))
-        )
-        return dim % n != 0
-    if name == "__getitem__":
-        return _getitemkeeps_rows(args[1], n)
-    if name in REDUCTIONS and not (
-        name in ("max", "min") and len(args) > 1 and isinstance(args[1], Tensor)
-    ):
-        dims, _ = dims_of(name, args, kwargs, n)
-        return bool(dims) and all(d % n != 0 for d in dims)
-    return False
-
-
-def _getitemkeeps_rows(key: object, rank: int) -> bool:
-    """``x[key]`` keeps dimension 0 whole and first: basic indexing that starts with ``:`` or
-    with ``...`` covering dimension 0."""
-    key = key if isinstance(key, tuple) else (key,)
-    if any(isinstance(k, (Tensor, list)) for k in key) or not key:
-        return False
-    if key[0] == slice(None):
-        return True
-    if key[0] is Ellipsis:
-        used = sum(k is not None and k is not Ellipsis for k in key)
-        return used < rank
-    return False
+def binary(name: str, args: tuple, kwargs: dict) -> bool:
+    """torch.max(x, y) and min: elementwise, not a reduction."""
+    return name in ("max", "min") and (
+        "other" in kwargs or (len(args) > 1 and isinstance(args[1], Tensor))
+    )
 
 
 def filled(t: Tensor, value: int) -> Tensor:

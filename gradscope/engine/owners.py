@@ -9,6 +9,7 @@ module holds the algebra; ``engine/trace.py`` applies it op by op as the forward
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -109,9 +110,25 @@ def reshaped(o: Tensor, shape: Sequence[int], new: Sequence[int]) -> Tensor | No
     if -1 in new:
         known = torch.Size([d for d in new if d != -1]).numel()
         new[new.index(-1)] = torch.Size(shape).numel() // max(known, 1)
-    if torch.Size(shape).numel() != torch.Size(new).numel():
+    found = groups(shape, new)
+    if found is None:
         return None
-    groups, i, j = [], 0, 0
+    full, target = list(o.shape), []
+    for i0, i1, j0, j1 in found:
+        if any(o.shape[d] > 1 for d in range(i0, i1)):
+            full[i0:i1] = shape[i0:i1]
+            target += new[j0:j1]
+        else:
+            target += [1] * (j1 - j0)
+    return compact(o.expand(full).reshape(target))
+
+
+def groups(shape: Sequence[int], new: Sequence[int]) -> list[tuple[int, int, int, int]] | None:
+    """The smallest groups of dimensions ``shape[i0:i1]`` that a reshape to ``new`` turns into
+    ``new[j0:j1]`` (equal sizes), as (i0, i1, j0, j1); None if the sizes do not match."""
+    if math.prod(shape) != math.prod(new):
+        return None
+    found, i, j = [], 0, 0
     while i < len(shape) or j < len(new):
         i0, j0, a, b = i, j, 1, 1
         if i < len(shape):
@@ -125,24 +142,19 @@ def reshaped(o: Tensor, shape: Sequence[int], new: Sequence[int]) -> Tensor | No
                 b, j = b * new[j], j + 1
             else:
                 return None
-        groups.append((i0, i, j0, j))
-    full, target = list(o.shape), []
-    for i0, i1, j0, j1 in groups:
-        if any(o.shape[d] > 1 for d in range(i0, i1)):
-            full[i0:i1] = shape[i0:i1]
-            target += new[j0:j1]
-        else:
-            target += [1] * (j1 - j0)
-    return compact(o.expand(full).reshape(target))
+        found.append((i0, i, j0, j))
+    return found
 
 
 def regroup(x: Tensor, owner: Tensor, batch: int, features: int) -> Tensor:
     """(B, L, *features) from ``x`` (*rows, *features) whose rows belong to the examples in
     ``owner`` (*rows,): each example's rows in order, padded with zeros to the longest."""
     feat = x.shape[x.dim() - features :] if features else ()
-    dim = _batch_dim(owner, batch)
-    if dim is not None:  # row r is example r along one dimension (sequence-first): no gather
-        return x.movedim(dim, 0).reshape(batch, -1, *feat)
+    lane = _lane(owner, batch)
+    if lane is not None:  # the batch along one dimension (sequence-first, (T*B) rows): a view
+        dim, m = lane
+        n = x.shape[dim] // (batch * m)
+        return x.unflatten(dim, (n, batch, m)).movedim(dim + 1, 0).reshape(batch, -1, *feat)
     flat = x.reshape(-1, *feat)  # (N, *features)
     own = owner.reshape(-1)  # (N,)
     order = torch.argsort(own, stable=True)
@@ -156,14 +168,20 @@ def regroup(x: Tensor, owner: Tensor, batch: int, features: int) -> Tensor:
     return out
 
 
-def _batch_dim(owner: Tensor, batch: int) -> int | None:
-    """The dimension along which ``owner`` (an expanded view, as the rules get it) reads 0..B-1
-    and along no other, or None."""
+def _lane(owner: Tensor, batch: int) -> tuple[int, int] | None:
+    """(dim, m) where ``owner`` (an expanded view, as the rules get it) reads (i // m) % B along
+    dimension ``dim`` (of a size that B*m divides) and varies along no other, or None."""
     o = compact(owner)
     dims = [d for d in range(o.dim()) if o.shape[d] > 1]
     if batch == 1 and not dims and o.numel() == 1 and int(o.reshape(())) == 0:
-        return 0 if owner.dim() else None
-    if len(dims) != 1 or o.shape[dims[0]] != batch:
+        return (0, 1) if owner.dim() else None
+    if len(dims) != 1 or o.shape[dims[0]] % batch:
         return None
-    arange = torch.arange(batch, device=o.device)
-    return dims[0] if torch.equal(o.reshape(-1), arange) else None
+    flat = o.reshape(-1)
+    i = torch.arange(flat.shape[0], device=o.device)
+    if flat.shape[0] == batch:  # row r is example r (sequence-first): the common case
+        return (dims[0], 1) if torch.equal(flat, i) else None
+    m = int(torch.argmax((flat != flat[0]).to(torch.uint8)))  # where the first example ends
+    if m == 0 or flat.shape[0] % (batch * m):
+        return None
+    return (dims[0], m) if torch.equal(flat, i // m % batch) else None

@@ -131,14 +131,17 @@ class HookSession:
         """The forward pre-hook: the call is under way; its shared leading rows expanded. A call
         on tensors no example owns (T5's relative-position table looked up by buckets of
         ``arange``) is left to the tap, which follows its result as computed from parameters."""
-        expand = (
-            self.expand_to
-            and args
-            and isinstance(args[0], Tensor)
-            and _shared_leading(module, args[0], self.trace)
-        )
-        assumed = self.assume and args and getattr(args[0], "shape", ())[:1] == (self.trace.batch,)
-        if not expand and not assumed and self._batch_free(args):
+        with torch._C.DisableTorchFunction():  # shapes and owners: none of the model's ops
+            expand = (
+                self.expand_to
+                and args
+                and isinstance(args[0], Tensor)
+                and _shared_leading(module, args[0], self.trace)
+            )
+            batch = (self.trace.batch,)
+            assumed = self.assume and args and getattr(args[0], "shape", ())[:1] == batch
+            handed = not expand and not assumed and self._batch_free(args)
+        if handed:
             self._handed[id(module)] = self._handed.get(id(module), 0) + 1
             return None
         self.active[id(module)] = self.active.get(id(module), 0) + 1

@@ -107,9 +107,11 @@ class ParamTap(FunctionReads, TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        found = self._watched_in(args, kwargs)
         name = op_name(func)
-        if not found or name in READS or (func.__name__ == "__get__" and name not in VIEWS):
+        if name in READS or (func.__name__ == "__get__" and name not in VIEWS):
+            return func(*args, **kwargs)  # metadata: asked before any lookup
+        found = self._watched_in(args, kwargs)
+        if not found:
             return func(*args, **kwargs)
         if name in OPEN:
             with self:  # the function's own ops come to this mode, one by one

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from .lanes import Lane, after
 from .ops import (
     CASTS,
     CONTRACTIONS,
@@ -36,16 +37,15 @@ from .ops import (
     SCATTERS,
     SORTS,
     ZEROING,
+    binary,
     dims_of,
     filled,
-    keeps_rows,
     op_name,
     tensors_in,
 )
 from .owners import (
     MIXED,
     NONE,
-    batch_owner,
     combine,
     compact,
     is_batch,
@@ -55,13 +55,6 @@ from .owners import (
     segment_combine,
     shrink,
 )
-
-
-def _binary(name: str, args: tuple, kwargs: dict) -> bool:
-    """torch.max(x, y) and min: elementwise, not a reduction."""
-    return name in ("max", "min") and (
-        "other" in kwargs or (len(args) > 1 and isinstance(args[1], Tensor))
-    )
 
 
 class ByTensor:
@@ -103,7 +96,8 @@ class RowTrace(TorchFunctionMode):
         self.owners = ByTensor()
         self.unknown: dict[str, None] = {}  # ops seen on batch tensors whose owners were assumed
         self.mixed_by = ByTensor()  # tensor -> the op that mixed examples on its way
-        self._standard: dict[int, Tensor] = {}  # rank -> batch_owner: compared by identity
+        self._lanes: dict[object, Tensor] = {}  # (rank, dim, size, m) -> its owners
+        self._lane_of: dict[int, tuple[Tensor, Lane]] = {}  # id of those owners -> the lane
         first = next((t for t in tensors if isinstance(t, Tensor)), None)
         self.device = first.device if first is not None else torch.device("cpu")
         for t in tensors:
@@ -112,19 +106,38 @@ class RowTrace(TorchFunctionMode):
 
     def standard(self, rank: int) -> Tensor:
         """(B, 1, ..., 1): row i of dimension 0 is example i's, the same tensor every time."""
-        if rank not in self._standard:
-            self._standard[rank] = batch_owner(self.batch, rank, self.device)
-        return self._standard[rank]
+        return self._lane_owners(rank, (0, 1), self.batch)
+
+    def _lane_owners(self, rank: int, lane: Lane, size: int) -> Tensor:
+        """The owners of ``lane`` (``lanes.py``) on a dimension of ``size``, the same tensor
+        every time (with B = 1, (1, ..., 1) zeros whatever the lane: every element is one's)."""
+        dim, m = lane
+        key = (rank, dim, size, m) if self.batch > 1 else rank
+        o = self._lanes.get(key)
+        if o is None:
+            shape = [1] * rank
+            shape[dim] = size if self.batch > 1 else 1
+            i = torch.arange(shape[dim], device=self.device)
+            o = self._lanes[key] = (i // m % self.batch).view(shape)
+            self._lane_of[id(o)] = (o, lane if self.batch > 1 else (0, 1))
+        return o
+
+    def lane(self, o: object) -> Lane | None:
+        """The lane ``o`` is the owners of, if it is one of ``_lane_owners``' tensors."""
+        item = self._lane_of.get(id(o))
+        return item[1] if item is not None and item[0] is o else None
 
     def is_standard(self, o: Tensor) -> bool:
         """Whether ``o`` is ``standard``'s tensor: one row per example, known without a compare."""
-        return o is self._standard.get(o.dim())
+        return o is self._lanes.get((o.dim(), 0, self.batch, 1) if self.batch > 1 else o.dim())
 
     def one_row_each(self, x: Tensor, owners: Tensor, features: int) -> bool:
-        """Whether ``x`` is (B, *features), not empty, with row i example i's by ``owners``
-        being ``standard``'s tensor (an empty one is gathered; with B = 1, (1, 1) owners may
-        describe any number of rows)."""
-        shaped = x.dim() == features + 1 and x.shape[0] == self.batch and x.numel() > 0
+        """Whether ``x`` is (B, *features) or (B, T, *features), not empty, with ``x[i]``
+        example i's by ``owners`` being ``standard``'s tensor: a row-by-row rule reads it as it
+        is, the (B, L, *features) the gather would give (an empty one is gathered; with B = 1,
+        (1, 1) owners may describe any number of rows)."""
+        rows = x.dim() - features
+        shaped = 0 < rows <= 2 and x.shape[0] == self.batch and x.numel() > 0
         return shaped and self.is_standard(owners)
 
     def owner(self, t: Tensor) -> Tensor:
@@ -155,29 +168,37 @@ class RowTrace(TorchFunctionMode):
             return
         origin = name
         try:
-            if self._standard_rows(name, args, kwargs, tracked, out):
+            if self._by_lanes(name, args, kwargs, tracked, out):
                 return
             origin = next((self.mixed_by[t] for t in tracked if t in self.mixed_by), name)
             self._follow(name, func, args, kwargs, out, origin)
         except Exception:  # owners could not follow this op: its results mix examples
             self._set(out, None, origin)
 
-    def _standard_rows(self, name: str, args: tuple, kwargs: dict, tracked: list, out) -> bool:
-        """The common case at the cost of a few comparisons: every input one row per example
-        on dimension 0, and an op that keeps them so (elementwise, linear, matmul over batch
-        dimensions, attention, a norm, a reshape, transpose, index or reduction that leaves
-        dimension 0 alone). Anything else is left to ``_follow``."""
+    def _by_lanes(self, name: str, args: tuple, kwargs: dict, tracked: list, out) -> bool:
+        """The common case at the cost of a few comparisons: every tracked input's owners a
+        lane (the batch along one dimension) and an op that keeps one (``lanes.after``).
+        Anything else is left to ``_follow``. Loops, not generators: this runs on every op."""
+        lanes, lane_of = {}, self._lane_of
+        for t in tracked:
+            o = self.owners.get(t)
+            item = lane_of.get(id(o))
+            if item is None or item[0] is not o:
+                return False
+            lanes[id(t)] = item[1]
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        if not outs or not all(
-            isinstance(t, Tensor) and t.dim() and t.shape[0] == self.batch for t in outs
-        ):
-            return False
-        if any(self.owners.get(t) is not self._standard.get(t.dim()) for t in tracked):
-            return False
-        if not keeps_rows(name, args, kwargs, tracked, outs[0], self.batch):
-            return False
         for t in outs:
-            self.owners[t] = self.standard(t.dim())
+            if not isinstance(t, Tensor) or not t.numel():
+                return False
+        lane = after(name, args, kwargs, lanes, outs[0], self.batch) if outs else None
+        if lane is None:
+            return False
+        dim, m = lane
+        for t in outs:
+            if t.dim() <= dim or t.shape[dim] % (self.batch * m):
+                return False
+        for t in outs:
+            self.owners[t] = self._lane_owners(t.dim(), lane, t.shape[dim])
         return True
 
     def mixed_at(self, t: Tensor) -> str | None:
@@ -234,7 +255,7 @@ class RowTrace(TorchFunctionMode):
             return self._set(out, self._move(func, args, kwargs, name in ZEROING), origin)
         if name == "as_strided":
             return self._set(out, self._strided(args, kwargs), origin)
-        if name in ELEMENTWISE or _binary(name, args, kwargs):
+        if name in ELEMENTWISE or binary(name, args, kwargs):
             return self._set(out, combine(*self._all(args, kwargs)), origin)
         if name in CASTS:  # the other tensor gives only a dtype
             return self._set(out, compact(self.owner(args[0])), origin)
