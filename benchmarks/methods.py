@@ -18,8 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from workloads import Problem
 
-import gradscope
-from gradscope.engine.core import Engine
+from gradscope.engine.core import Engine, total
 from gradscope.engine.influence import Influence, reference_gradients
 from gradscope.losses import resolve_loss
 
@@ -302,8 +301,13 @@ def backpack_l2(pb: Problem) -> Step:
 
 
 def gradscope_norms(pb: Problem) -> Step:
+    """One batch of a run: the Engine is built once, as ``gradscope norms`` builds it for all
+    the batches of a dataset (and the peers' hooks are attached once in their setup)."""
+    core = Engine(pb.model, resolve_loss(pb.loss))
+
     def step() -> Tensor:
-        return gradscope.per_example_norms(pb.model, pb.inputs, pb.targets, loss=pb.loss)
+        with core:
+            return total(core.norms(pb.inputs, pb.targets).norm_sq).sqrt()
 
     return step
 
@@ -321,13 +325,15 @@ def gradscope_reference(pb: Problem) -> Step:
 
 def gradscope_influence(engine: str) -> Callable[[Problem], Step]:
     """gradscope's scoring pass with one engine, ``hooks`` (ghost inner products) or ``jvp``:
-    ``per_example_influence`` less its reference gradient, which the setup computes once."""
+    ``per_example_influence`` less its reference gradient and its Engine, which the setup
+    computes and builds once."""
 
     def setup(pb: Problem) -> Step:
         loss_fn, refs = resolve_loss(pb.loss), _gradscope_refs(pb)
 
+        core = Engine(pb.model, loss_fn)
+
         def step() -> Tensor:
-            core = Engine(pb.model, loss_fn)
             with core:
                 return Influence(core, refs, engine, norms=False)(pb.inputs, pb.targets).inner[:, 0]
 
