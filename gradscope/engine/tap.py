@@ -39,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ..rules import Contribution, Dense
+from ..rules.base import CHUNK_ELEMENTS
 from ..rules.placed import Place
 from .calls import CONVS, GROUPED, masked_by, sdpa_math
 from .derived import Derived, Watched, compute
@@ -234,12 +235,38 @@ class ParamTap(FunctionReads, TorchFunctionMode):
         if self._batch_free(args, kwargs) or not _spread(source, shape):
             return None  # the parameters and what no example owns: followed as computed
         rows = self._row_examples(args, shape)
-        if rows is False:
+        aligned = source.reshape((1,) * (len(shape) - source.dim()) + tuple(source.shape))
+        if rows is not False:
+            view = self._view(d, source, aligned.expand(shape[0], *aligned.shape[1:]), rows)
+        elif self.batch * shape.numel() <= CHUNK_ELEMENTS:
+            view = self._elements(d, source, aligned.expand(shape), args)
+        else:
             self._other(d, f"{name} on rows not the examples")
             return None
-        aligned = source.reshape((1,) * (len(shape) - source.dim()) + tuple(source.shape))
-        view = self._view(d, source, aligned.expand(shape[0], *aligned.shape[1:]), rows)
         return func(*args[:i], view, *args[i + 1 :], **kwargs)
+
+    def _elements(self, d: Watched, source: Tensor, view: Tensor, args: tuple) -> Tensor:
+        """``view``, each element of which is read by the example that owns that element of the
+        result (a CLIP-like (B, B) similarity scaled by ``logit_scale.exp()``, of which each
+        example's loss reads its own diagonal element). Elements of several examples or of none
+        must get no gradient: one that does fails the read, and its parameters go to the
+        fallback (the losses would mix)."""
+        owners = [self.trace.owner(a) for a in args if isinstance(a, Tensor)]
+        o = combine(*owners).expand(view.shape).reshape(1, -1)
+        mine = o == torch.arange(self.batch, device=o.device).view(-1, 1)  # (B, elements)
+        shared = (o < 0).view(view.shape)
+        aligned = torch.Size((1,) * (view.dim() - source.dim()) + tuple(source.shape))
+        dims = [k + 1 for k in range(view.dim()) if aligned[k] == 1 and view.shape[k] > 1]
+
+        def parts(grad: Tensor) -> dict[str, Contribution]:
+            if bool(grad[shared].ne(0).any()):
+                raise ValueError("an element of several examples or none reaches the loss")
+            g = (mine * grad.reshape(1, -1)).view(self.batch, *view.shape)
+            g = g.sum(dims, keepdim=True) if dims else g
+            return d.credit(Dense(g.reshape(self.batch, *source.shape)))
+
+        self._use(d.params, view, parts)
+        return view
 
     def _batched(self, source: Tensor, shape: torch.Size) -> bool:
         """Whether a result of ``shape`` has the batch on dimension 0 and takes ``source``

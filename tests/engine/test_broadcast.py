@@ -119,9 +119,40 @@ def test_broadcast_parameters_match_loop(case: Case):
     assert raw and all(p.rule == "broadcast" and p.note == "" for p in raw.values()), raw
 
 
-def test_sequence_first_with_length_equal_to_batch_goes_to_the_fallback():
+def test_sequence_first_with_length_equal_to_batch_is_served_by_element():
+    """(T, B, D) + bias: no row is one example's, every element is; each example's gradient
+    sums the elements it owns (with T == B, only the owners tell positions from examples)."""
     plan = _run(
         Case("seq-first", SequenceFirst, lambda b: (torch.randn(b, 5, 3),), torch.randn_like)
     )
-    assert plan["bias"].rule == "fallback"
-    assert "not the examples" in plan["bias"].note
+    assert plan["bias"].rule == "broadcast" and plan["bias"].note == ""
+
+
+class Similarities(nn.Module):
+    """CLIP's head: a (B, B) similarity of two towers scaled by ``logit_scale.exp()``; each
+    example's output is its own diagonal element, or (``mixed``) its row, which mixes them."""
+
+    def __init__(self, mixed: bool = False):
+        super().__init__()
+        self.text, self.image = nn.Linear(3, D), nn.Linear(3, D)
+        self.logit_scale = nn.Parameter(torch.tensor(0.3))
+        self.mixed = mixed
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, N, 3)
+        sims = self.text(x[:, 0]) @ self.image(x[:, 1]).T * self.logit_scale.exp()  # (B, B)
+        return sims.sum(1, keepdim=True) if self.mixed else sims.diagonal()[:, None]
+
+
+def test_diagonal_of_a_scaled_similarity_is_served_by_element():
+    plan = _run(Case("clip", Similarities, patches, torch.randn_like))
+    assert plan["logit_scale"].rule == "broadcast" and plan["logit_scale"].note == ""
+
+
+def test_rows_that_mix_examples_send_the_scale_to_the_fallback():
+    """Each loss reads its row of the similarity: every example's loss reads the others'."""
+    model, inputs, targets = Case("clip-rows", lambda: Similarities(True), patches,
+                                  torch.randn_like).build()  # fmt: skip
+    engine = Engine(model, resolve_loss("mse"))
+    with engine:
+        engine.norms(inputs, targets)
+    assert engine.plan.find("logit_scale").is_fallback
