@@ -68,7 +68,11 @@ def _forward_at(module: nn.Module, x: Tensor, weight: float) -> Tensor:
         return unit.forward(x)  # not unit(x): the module's hooks, the engine's own, stay out
 
 
-@register_rule(name="library_norm", match=looks_like_norm)
+@register_rule(
+    name="library_norm",
+    match=looks_like_norm,
+    rows=lambda module: None if channels_first(module) else module.weight.dim(),
+)
 def library_norm(
     module: nn.Module, inputs: tuple[Tensor, ...], grad_output: Tensor
 ) -> dict[str, Contribution]:

@@ -86,6 +86,33 @@ class Flattened(nn.Module):
         return self.head(h.amax(1))
 
 
+class LibraryRMSNorm(nn.Module):
+    """An HF-style RMSNorm (``variance_epsilon``), recognised by structure (``library_norm``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight, self.variance_epsilon = nn.Parameter(torch.linspace(0.5, 1.5, D)), 1e-6
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (
+            self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        )
+
+
+class ShuffledNorm(nn.Module):
+    """A library norm on tokens flattened and shuffled (an MoE's dispatch), then put back."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.head = LibraryRMSNorm(), nn.Linear(D, CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        order = torch.arange(b * t).flip(0)
+        h = self.norm(x.reshape(-1, d)[order])[order.argsort()].view(b, t, d)
+        return self.head(h.amax(1))
+
+
 class SequenceFirst(nn.Module):
     """batch_first=False: an Embedding on (T, B) ids and a Linear on (T, B, D)."""
 
@@ -156,10 +183,11 @@ def test_routed_experts_through_fresh_api_calls():
     ("model", "make"),
     [
         (Flattened, lambda b, seed: torch.randn(b, 5, D, generator=torch.Generator().manual_seed(seed))),
+        (ShuffledNorm, lambda b, seed: torch.randn(b, 5, D, generator=torch.Generator().manual_seed(seed))),
         (SequenceFirst, lambda b, seed: ids(b, 5, seed)),  # T != B
         (SequenceFirst, lambda b, seed: ids(b, b, seed)),  # T == B: only the trace tells
     ],
-    ids=["flattened", "sequence-first", "sequence-first-t-equals-b"],
+    ids=["flattened", "shuffled-library-norm", "sequence-first", "sequence-first-t-equals-b"],
 )  # fmt: skip
 def test_other_layouts_of_rows_are_exact_on_rules(model, make):
     torch.manual_seed(0)
