@@ -304,3 +304,18 @@ def test_computed_influence_matches_loop(case: Case):
     got = gradscope.per_example_influence(model, *train, *ref, case.loss, engine="hooks")
     expected, _, _ = reference_influence(model, *train, ref, case.loss)
     assert_rel_close(got, expected[:, 0], 1e-6)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "batch-1" not in c.id], ids=repr)
+def test_computed_through_fresh_api_calls(case: Case):
+    """Two batches of one shape, a fresh ``per_example_norms`` call each: the second replays
+    the first's decisions without a self-check."""
+    model, _, _ = case.build(torch.float64)
+    for seed in range(2):
+        torch.manual_seed(seed + 1)
+        inputs = tuple(t.to(torch.float64) if t.is_floating_point() else t for t in case.inputs(5))
+        with torch.no_grad():
+            targets = case.targets(model(*inputs))
+        got = gradscope.per_example_norms(model, inputs, targets, case.loss)
+        _, expected = reference_norms(model, inputs, targets, case.loss)
+        assert_rel_close(got, expected, 1e-6)
