@@ -76,25 +76,39 @@ class FunctionReads:
         return out
 
     def _left(self, name: str, func, args: tuple, kwargs: dict) -> Tensor | None:
-        """``W @ x`` for a batch ``x`` of (B, in, L): ``F.linear(x.mT, W).mT``, by its math."""
+        """``W @ x`` for a batch ``x`` of (..., in, L): ``F.linear(x.mT, W).mT``, by its math,
+        where ``x[i]`` is example i's (Mamba's ``dt_proj``); otherwise, with leading dimensions
+        that broadcast (Zamba's per-head ``W[:, None] @ x``), the gradient of each product
+        ``grad @ x.mT`` is summed into its example's by the owner of its columns."""
         if name == "__rmatmul__" or len(args) != 2 or kwargs:
             return None
         weight, x = args
         d = self._watched(weight)
-        if d is None or weight.dim() != 2 or x.dim() < 3 or self._watched(x) is not None:
+        if d is None or weight.dim() < 2 or x.dim() < 3 or self._watched(x) is not None:
             return None
-        if not self._examples_lead(x):
-            return None
-        out = func(*args, **kwargs)
-        if not out.requires_grad:
-            return out
         a = x.detach()
+        if weight.dim() == 2 and self._examples_lead(x):
 
-        def parts(grad: Tensor) -> dict[str, Contribution]:
-            got = affine_parts(a.mT, grad.mT, weight, None, transposed=False)
-            return d.credit(got["weight"])
+            def parts(grad: Tensor) -> dict[str, Contribution]:
+                got = affine_parts(a.mT, grad.mT, weight, None, transposed=False)
+                return d.credit(got["weight"])
 
-        self._use(d.params, out, parts)
+        else:
+            lead, ws = torch.broadcast_shapes(weight.shape[:-2], x.shape[:-2]), weight.shape[:-2]
+            o = reduce(self.trace.owner(x), [-2, -1], keepdim=False).expand(lead).reshape(-1)
+            if not bool((o >= 0).all()):
+                return None
+            at = torch.arange(ws.numel(), device=o.device).view((1,) * (len(lead) - len(ws)) + ws)
+            slot = o * ws.numel() + at.expand(lead).reshape(-1)  # (example, matrix of W)
+
+            def parts(grad: Tensor) -> dict[str, Contribution]:
+                g = (grad @ a.mT).reshape(-1, *weight.shape[-2:])
+                per = g.new_zeros(self.batch * ws.numel(), *g.shape[1:]).index_add_(0, slot, g)
+                return d.credit(Dense(per.view(self.batch, *weight.shape)))
+
+        out = func(*args)
+        if out.requires_grad:
+            self._use(d.params, out, parts)
         return out
 
     def _conv(self, name: str, func, args: tuple, kwargs: dict) -> Tensor | None:

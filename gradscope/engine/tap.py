@@ -61,6 +61,10 @@ ELEMENTWISE = {
 EXPAND = {"expand", "expand_as"}
 READS = {"__get__", "size", "dim", "numel", "ndimension", "nelement", "shape", "dtype"}
 READS |= {"device", "requires_grad", "is_floating_point", "data_ptr", "__len__"}
+READS |= {"_has_compatible_shallow_copy_type"}
+# an op with a matrix product and an addition fused, run as the two (each served where it can
+# be) when it scales neither: ``baddbmm(b, x, W)`` is ``b + bmm(x, W)``
+FUSED = {"baddbmm": torch.bmm, "addmm": torch.matmul}
 
 
 @dataclass(eq=False)
@@ -111,6 +115,8 @@ class ParamTap(FunctionReads, TorchFunctionMode):
         name = op_name(func)
         if name in READS or (func.__name__ == "__get__" and name not in VIEWS):
             return func(*args, **kwargs)  # metadata: asked before any lookup
+        if name == "__set__" and len(args) == 2 and args[0] is args[1]:
+            return func(*args, **kwargs)  # p.data = p: Module.to(the dtype it has already)
         found = self._watched_in(args, kwargs)
         if not found:
             return func(*args, **kwargs)
@@ -153,6 +159,9 @@ class ParamTap(FunctionReads, TorchFunctionMode):
                 return sdpa_math(*args, **kwargs)
         if name in GROUPED:
             return self._grouped(func, args, kwargs)
+        if name in FUSED and len(args) == 3 and _unscaled(kwargs):
+            with self:  # the product and the addition come to this mode, one by one
+                return torch.add(args[0], FUSED[name](args[1], args[2]))
         if name == "bmm":
             return self._bmm(func, args, kwargs)
         if name == "einsum":
@@ -232,13 +241,13 @@ class ParamTap(FunctionReads, TorchFunctionMode):
         if name not in ELEMENTWISE or (name.endswith("_") and i == 0):
             return None
         shape = torch.broadcast_shapes(*(a.shape for a in args if isinstance(a, Tensor)))
-        if self._batch_free(args, kwargs) or not _spread(source, shape):
+        if self._batch_free(args, kwargs) or source.dim() > len(shape):
             return None  # the parameters and what no example owns: followed as computed
-        rows = self._row_examples(args, shape)
+        rows = self._row_examples(args, shape) if _spread(source, shape) else False
         aligned = source.reshape((1,) * (len(shape) - source.dim()) + tuple(source.shape))
         if rows is not False:
             view = self._view(d, source, aligned.expand(shape[0], *aligned.shape[1:]), rows)
-        elif self.batch * shape.numel() <= CHUNK_ELEMENTS:
+        elif max(shape.numel(), self.batch * source.numel()) <= CHUNK_ELEMENTS:
             view = self._elements(d, source, aligned.expand(shape), args)
         else:
             self._other(d, f"{name} on rows not the examples")
@@ -247,23 +256,27 @@ class ParamTap(FunctionReads, TorchFunctionMode):
 
     def _elements(self, d: Watched, source: Tensor, view: Tensor, args: tuple) -> Tensor:
         """``view``, each element of which is read by the example that owns that element of the
-        result (a CLIP-like (B, B) similarity scaled by ``logit_scale.exp()``, of which each
-        example's loss reads its own diagonal element). Elements of several examples or of none
-        must get no gradient: one that does fails the read, and its parameters go to the
-        fallback (the losses would mix)."""
+        result: example b's gradient of ``source`` sums the gradient at b's elements, each at
+        the element of ``source`` it broadcasts from (one ``index_add`` for the batch). This
+        serves a bias on tokens laid out along any dimension (sequence-first, heads first),
+        a tensor computed with the batch's shape from no example (an attention mask's bias),
+        and a CLIP-like (B, B) similarity scaled by ``logit_scale.exp()``, each example's loss
+        reading its own diagonal element. Elements of several examples or of none must get no
+        gradient: one that does fails the read, and its parameters go to the fallback (the
+        losses would mix)."""
         owners = [self.trace.owner(a) for a in args if isinstance(a, Tensor)]
-        o = combine(*owners).expand(view.shape).reshape(1, -1)
-        mine = o == torch.arange(self.batch, device=o.device).view(-1, 1)  # (B, elements)
-        shared = (o < 0).view(view.shape)
-        aligned = torch.Size((1,) * (view.dim() - source.dim()) + tuple(source.shape))
-        dims = [k + 1 for k in range(view.dim()) if aligned[k] == 1 and view.shape[k] > 1]
+        o = combine(*owners).expand(view.shape).reshape(-1)
+        mine = o >= 0
+        aligned = (1,) * (view.dim() - source.dim()) + tuple(source.shape)
+        at = torch.arange(source.numel(), device=o.device).view(aligned).expand(view.shape)
+        slot = (o * source.numel() + at.reshape(-1))[mine]  # (example, element of source)
 
         def parts(grad: Tensor) -> dict[str, Contribution]:
-            if bool(grad[shared].ne(0).any()):
+            g = grad.reshape(-1)
+            if bool(g[~mine].ne(0).any()):
                 raise ValueError("an element of several examples or none reaches the loss")
-            g = (mine * grad.reshape(1, -1)).view(self.batch, *view.shape)
-            g = g.sum(dims, keepdim=True) if dims else g
-            return d.credit(Dense(g.reshape(self.batch, *source.shape)))
+            per = g.new_zeros(self.batch * source.numel()).index_add_(0, slot, g[mine])
+            return d.credit(Dense(per.view(self.batch, *source.shape)))
 
         self._use(d.params, view, parts)
         return view
@@ -341,6 +354,11 @@ def _spread(source: Tensor, shape: torch.Size) -> bool:
     if len(shape) == 0 or source.dim() > len(shape):
         return False
     return source.dim() < len(shape) or source.shape[0] == 1
+
+
+def _unscaled(kwargs: dict) -> bool:
+    """Whether a fused ``addmm``'s keywords are ``beta=1, alpha=1`` at most."""
+    return set(kwargs) <= {"beta", "alpha"} and all(v == 1 for v in kwargs.values())
 
 
 def _lookup(d: Derived, args: tuple) -> bool:

@@ -6,219 +6,28 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from computed_models import (
+    D,
+    Einsums,
+    FunctionalConv,
+    FusedExperts,
+    HeadsFirst,
+    Lookups,
+    MaskedBias,
+    ReadsAround,
+    RelativeBias,
+    StateSpace,
+    T,
+    Tables,
+    WeightNormed,
+    Windows,
+)
 from oracle import Case, assert_rel_close, reference_influence, reference_norms
 from torch import Tensor, nn
 
 import gradscope
 from gradscope.engine.core import Engine
 from gradscope.losses import resolve_loss
-
-D, T = 6, 4
-
-
-class StateSpace(nn.Module):
-    """Mamba's discretisation: ``A = -exp(A_log)`` indexed and multiplied into the batch, a skip
-    ``D`` read broadcast, and the same ``A`` read twice."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(3, D)
-        self.A_log = nn.Parameter(torch.randn(D, 2) * 0.3)
-        self.D = nn.Parameter(torch.randn(D))
-
-    def forward(self, x: Tensor) -> Tensor:  # (B, T, 3)
-        h = self.fc(x)  # (B, T, D)
-        a = -torch.exp(self.A_log.float()).to(h.dtype)  # (D, 2)
-        decay = torch.exp(a[None, None, :, :] * h[..., None])  # (B, T, D, 2)
-        return decay.sum(-1).sum(1) + h.sum(1) * self.D + a.sum(-1)
-
-
-class WeightNormed(nn.Module):
-    """A weight-norm Linear and Conv1d: the weight ``g * v / ||v||`` is computed each forward
-    (``torch._weight_norm``) and read by ``F.linear`` and ``F.conv1d``."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.utils.parametrizations.weight_norm(nn.Linear(3, D))
-        self.conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(D, D, 3, padding=1), dim=2)
-        self.head = nn.Linear(D, 2)
-
-    def forward(self, x: Tensor) -> Tensor:  # (B, T, 3)
-        h = self.lin(x).transpose(1, 2)  # (B, D, T)
-        return self.head(torch.tanh(self.conv(h)).mean(-1))
-
-
-class Tables(nn.Module):
-    """A position table gathered by ``arange`` and added, attention sinks reshaped, expanded and
-    concatenated to each example's scores, and a scalar mixing weight computed from two vectors
-    (DiffLlama's lambda)."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(3, D)
-        self.table = nn.Parameter(torch.randn(2 * T, D))
-        self.sinks = nn.Parameter(torch.randn(2))
-        self.lq, self.lk = nn.Parameter(torch.randn(D)), nn.Parameter(torch.randn(D))
-
-    def forward(self, x: Tensor) -> Tensor:  # (B, T, 3)
-        b = x.shape[0]
-        h = self.fc(x) + self.table[torch.arange(T) + 1]  # (B, T, D)
-        scores = (h @ h.transpose(1, 2)).view(b, 1, T, T).expand(b, 2, T, T)
-        sinks = self.sinks.reshape(1, -1, 1, 1).expand(b, -1, T, 1)
-        probs = torch.cat([scores, sinks], -1).softmax(-1)[..., :T]  # (B, 2, T, T)
-        lam = torch.exp(torch.sum(self.lq * self.lk))
-        out = probs[:, 0] @ h - lam * (probs[:, 1] @ h)
-        return out.sum(1)
-
-
-class FunctionalConv(nn.Module):
-    """Raw weights read by ``F.conv2d`` (groups, stride, ``"same"`` padding, a flipped copy)
-    and ``F.conv1d`` (dilation), no conv module anywhere."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(3, 4 * 5)
-        self.w = nn.Parameter(torch.randn(4, 2, 3, 3) * 0.3)
-        self.b = nn.Parameter(torch.randn(4))
-        self.w1 = nn.Parameter(torch.randn(3, 4, 2) * 0.3)
-
-    def forward(self, x: Tensor) -> Tensor:  # (B, T, 3)
-        h = self.fc(x).view(x.shape[0], T, 4, 5).transpose(1, 2)  # (B, 4, T, 5)
-        h = torch.tanh(F.conv2d(h, self.w, self.b, stride=(1, 2), padding=1, groups=2))
-        h = F.conv2d(h, self.w.flip(-1), padding="same", groups=2)  # (B, 4, T, 3)
-        return F.conv1d(h.flatten(2), self.w1, dilation=2).mean(-1)  # (B, 3)
-
-
-class Windows(nn.Module):
-    """Swin's attention: each example's tokens folded into windows along dimension 0, a relative
-    position bias gathered from a table by an index buffer and added to every window's scores,
-    and a shift added to the windows in a shuffled order."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(3, D)
-        self.table = nn.Parameter(torch.randn(3, 2))  # 3 relative offsets, 2 heads
-        self.register_buffer("index", torch.tensor([[1, 2], [0, 1]]))
-        self.shift = nn.Parameter(torch.randn(1, 1, D))
-
-    def forward(self, x: Tensor) -> Tensor:  # (B, T, 3)
-        b = x.shape[0]
-        h = self.fc(x).view(b * 2, T // 2, D)  # (B * windows, 2, D)
-        bias = self.table[self.index.view(-1)].view(2, 2, 2).permute(2, 0, 1)  # (heads, 2, 2)
-        scores = (h @ h.transpose(1, 2)).unsqueeze(1) + bias.unsqueeze(0)  # (B*w, heads, 2, 2)
-        h = scores.softmax(-1).sum(1) @ h  # (B * windows, 2, D)
-        order = torch.arange(b * 2).flip(0)
-        h = h[order] + self.shift  # rows shuffled, each one example's
-        return h[order.argsort()].view(b, T, D).sum(1)
-
-
-class ReadsAround(nn.Module):
-    """A probe repeated to the batch (SigLIP's pooling head), a layer's weight applied from the
-    left (Mamba's ``dt_proj.weight @ x.transpose(1, 2)``), and a bias table as the additive mask
-    of ``F.scaled_dot_product_attention`` on windows (Swin), causal too."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc, self.dt = nn.Linear(3, D), nn.Linear(D, D)
-        self.probe = nn.Parameter(torch.randn(1, 1, D))
-        self.table = nn.Parameter(torch.randn(2 * T, 2))
-
-    def forward(self, x: Tensor) -> Tensor:  # (B, T, 3)
-        b = x.shape[0]
-        h = self.fc(x)  # (B, T, D)
-        h = h + (self.dt.weight @ h.transpose(1, 2)).transpose(1, 2)
-        q = self.probe.repeat(b, 1, 1)  # (B, 1, D)
-        pooled = F.scaled_dot_product_attention(q, h, h).squeeze(1)  # (B, D)
-        windows = h.reshape(b * 2, 1, T // 2, D).expand(-1, 2, -1, -1)  # (B*2, heads, 2, D)
-        index = torch.arange(T // 2)
-        bias = self.table[index[:, None] - index[None, :] + T].permute(2, 0, 1)  # (heads, 2, 2)
-        att = F.scaled_dot_product_attention(windows, windows, windows, attn_mask=bias)
-        att = F.scaled_dot_product_attention(att, att, att, attn_mask=bias.exp(), is_causal=False)
-        return pooled + att.sum((1, 2)).view(b, 2, D).sum(1)
-
-
-class FusedExperts(nn.Module):
-    """Llama 4's experts: every token through every expert, (E, N, in) @ (E, in, out) by
-    ``torch.bmm`` and by ``@``, the tokens of one example spread over the rows."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(3, D)
-        self.gate_up = nn.Parameter(torch.randn(2, D, 2 * D) * 0.3)
-        self.down = nn.Parameter(torch.randn(2, D, D) * 0.3)
-
-    def forward(self, x: Tensor) -> Tensor:  # (B, T, 3)
-        h = self.fc(x).reshape(-1, D)  # (B*T, D)
-        routed = h[None].expand(2, -1, -1)  # (E, B*T, D)
-        gate, up = torch.bmm(routed, self.gate_up).chunk(2, -1)
-        out = (torch.tanh(gate) * up) @ self.down  # (E, B*T, D)
-        return out.sum(0).view(x.shape[0], T, D).sum(1)
-
-
-class Lookups(nn.Module):
-    """Tables indexed by the batch's ids (``W[ids]``: an embedding by another name), by
-    position ids expanded to the batch (Whisper's decoder positions), and grouped heads of a
-    Linear's weight viewed as (G, out, in) and run by ``bmm`` (DeepSeek-V4's grouped linear)."""
-
-    def __init__(self):
-        super().__init__()
-        self.tokens, self.positions = (
-            nn.Parameter(torch.randn(7, D)),
-            nn.Parameter(torch.randn(T, D)),
-        )
-        self.grouped = nn.Linear(D // 2, 3, bias=False)
-
-    def forward(self, ids: Tensor) -> Tensor:  # (B, T) ints
-        b = ids.shape[0]
-        h = self.tokens[ids] + self.positions[torch.arange(T).expand(b, T)]  # (B, T, D)
-        w = self.grouped.weight.view(1, 3, D // 2).expand(2, -1, -1).transpose(1, 2)  # (2, D/2, 3)
-        out = torch.bmm(h.reshape(b * T, 2, D // 2).transpose(0, 1), w)  # (2, B*T, 3)
-        return out.transpose(0, 1).reshape(b, T, 6).sum(1)
-
-
-class RelativeBias(nn.Module):
-    """T5's relative position bias: an ``nn.Embedding`` (a module with a rule) called on a
-    (T, T) table of buckets made from ``arange``, the batch's shared table, then added to two
-    layers' scores, the second in place."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc, self.bias = nn.Linear(3, D), nn.Embedding(2 * T, 2)
-
-    def forward(self, x: Tensor) -> Tensor:  # (B, T, 3)
-        h = self.fc(x)
-        buckets = torch.arange(T)[None, :] - torch.arange(T)[:, None] + T  # (T, T)
-        position_bias = self.bias(buckets).permute(2, 0, 1).unsqueeze(0)  # (1, heads, T, T)
-        for _ in range(2):
-            scores = (h @ h.transpose(1, 2)).unsqueeze(1).expand(-1, 2, -1, -1).clone()
-            scores += position_bias
-            h = scores.softmax(-1).mean(1) @ h
-        return h.sum(1)
-
-
-class Einsums(nn.Module):
-    """SAM's decomposed relative positions (``einsum("bhwc,hkc->bhwk", q, R)``, R gathered
-    from a table by an index buffer; heads in their own dimension or folded into the batch) and
-    Funnel's position projection (``einsum("td,dnh->tnh",
-    r, kernel)`` on a table, then with the batch's queries), the parameter first and second."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(3, D)
-        self.rel = nn.Parameter(torch.randn(2 * T, D // 2))
-        self.kernel = nn.Parameter(torch.randn(D // 2, 2, D // 2))
-        self.register_buffer("index", torch.arange(T)[:, None] - torch.arange(T)[None, :] + T)
-
-    def forward(self, x: Tensor) -> Tensor:  # (B, T, 3)
-        b = x.shape[0]
-        q = self.fc(x).view(b, T, 2, D // 2).transpose(1, 2)  # (B, heads, T, D/2)
-        r = self.rel[self.index]  # (T, T, D/2): computed
-        att = torch.einsum("bhwc,wkc->bhwk", q, r)  # (B, heads, T, T)
-        folded = q.reshape(b * 2, T, D // 2)  # heads folded into the batch, as SAM's
-        att = att + torch.einsum("bwc,wkc->bwk", folded, r).view(b, 2, T, T)
-        heads = torch.einsum("td,dnh->tnh", self.rel[:T], self.kernel)  # (T, 2, D/2): computed
-        pos = torch.einsum("tnh,bnih->bnit", heads, q)  # the parameter first
-        return att.sum((1, 3)) + pos.sum((1, 2))
 
 
 def _sequences(b: int) -> tuple[Tensor, ...]:
@@ -254,6 +63,10 @@ CASES = [
     Case("einsums-batch-1", Einsums, _sequences, torch.randn_like, batch=1),
     Case("tables", Tables, _sequences, torch.randn_like),
     Case("tables-batch-1", Tables, _sequences, torch.randn_like, batch=1),
+    Case("heads-first", HeadsFirst, _sequences, torch.randn_like),
+    Case("heads-first-batch-1", HeadsFirst, _sequences, torch.randn_like, batch=1),
+    Case("masked-bias", MaskedBias, _sequences, torch.randn_like),
+    Case("masked-bias-batch-1", MaskedBias, _sequences, torch.randn_like, batch=1),
 ]
 
 
@@ -319,3 +132,31 @@ def test_computed_through_fresh_api_calls(case: Case):
         got = gradscope.per_example_norms(model, inputs, targets, case.loss)
         _, expected = reference_norms(model, inputs, targets, case.loss)
         assert_rel_close(got, expected, 1e-6)
+
+
+class MixedHeads(nn.Module):
+    """A per-head ``W[:, None] @ x`` on states whose columns mix the examples (a batch mean
+    added): no example owns a product, so ``W`` goes to the fallback, still exact."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, D)
+        self.x_proj = nn.Parameter(torch.randn(2, 4, D // 2))
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, 3)
+        h = self.fc(x)
+        h = h + h.mean(0, keepdim=True)
+        states = h.view(x.shape[0], T, 2, D // 2).permute(2, 0, 3, 1)  # (heads, B, in, T)
+        return (self.x_proj[:, None] @ states).sum((0, 2))
+
+
+def test_products_of_mixed_columns_go_to_the_fallback():
+    model, inputs, targets = Case("mixed-heads", MixedHeads, _sequences, torch.randn_like).build(
+        torch.float64
+    )
+    engine = Engine(model, resolve_loss("mse"))
+    with engine:
+        scores = engine.norms(inputs, targets)
+    _, expected = reference_norms(model, inputs, targets, "mse", include=["x_proj"])
+    assert_rel_close(scores.norm_sq["x_proj"].sqrt(), expected, 1e-6)
+    assert engine.plan.find("x_proj").is_fallback

@@ -18,16 +18,20 @@ from gradscope.losses import resolve_loss
 
 class Functional(nn.Module):
     """Reads a Linear's weight and bias outside its calls, never calling the Linear: no hook fires.
-    ``addmm``: by an op the tap does not serve."""
+    ``addmm`` (``b + x @ W.T``, served as the two); scaled by ``beta``, by an op the tap does not
+    serve."""
 
-    def __init__(self, addmm: bool = False):
+    def __init__(self, op: str = "linear"):
         super().__init__()
         self.fc, self.head = nn.Linear(4, 5), nn.Linear(5, 3)
-        self.addmm = addmm
+        self.op = op
 
     def forward(self, x):
         w, b = self.fc.weight, self.fc.bias
-        h = torch.addmm(b, x, w.t()) if self.addmm else F.linear(x, w, b)
+        if self.op == "linear":
+            h = F.linear(x, w, b)
+        else:
+            h = torch.addmm(b, x, w.t(), beta=2.0 if self.op == "scaled" else 1.0)
         return self.head(torch.tanh(h))
 
 
@@ -171,18 +175,18 @@ def test_per_parameter_norms_add_up():
         assert_rel_close(norm_sq.sqrt(), expected, 1e-5)
 
 
-@pytest.mark.parametrize("addmm", [False, True], ids=["linear", "addmm"])
-def test_weight_read_outside_its_module_calls(addmm: bool):
-    """fc's hook never fires, yet its parameters reach the loss: F.linear on them is served
-    where it runs; an op the tap does not serve sends them to the fallback, named."""
-    case = Case("functional", lambda: Functional(addmm), lambda b: (torch.randn(b, 4),), labels,
+@pytest.mark.parametrize("op", ["linear", "addmm", "scaled"])
+def test_weight_read_outside_its_module_calls(op: str):
+    """fc's hook never fires, yet its parameters reach the loss: F.linear and addmm on them are
+    served where they run; an op the tap does not serve sends them to the fallback, named."""
+    case = Case("functional", lambda: Functional(op), lambda b: (torch.randn(b, 4),), labels,
                 "cross_entropy")  # fmt: skip
     model, inputs, targets, plan, scores = _run(case)
     rules = {p.name: p for p in plan.params}
     for name in ("fc.weight", "fc.bias"):
-        assert rules[name].rule == (FALLBACK if addmm else "linear"), rules[name].note
-        if addmm:
-            assert "read by " in rules[name].note
+        assert rules[name].is_fallback == (op == "scaled"), rules[name].note
+        if op == "scaled":
+            assert "read by addmm" in rules[name].note
         _, expected = reference_norms(model, inputs, targets, "cross_entropy", include=[name])
         assert expected.min() > 0
         assert_rel_close(scores.norm_sq[name].sqrt(), expected, 1e-5)
