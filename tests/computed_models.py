@@ -217,7 +217,9 @@ class Einsums(nn.Module):
 
 class HeadsFirst(nn.Module):
     """Zamba's per-head projections ``W[:, None] @ x`` of heads-first (heads, B, in, T) states,
-    and Recurrent Gemma's gates ``baddbmm(b[:, None, :], x, W)`` of (heads, B*T, w) rows."""
+    Recurrent Gemma's gates ``baddbmm(b[:, None, :], x, W)`` of (heads, B*T, w) rows, and
+    wav2vec2-Conformer's relative positions: a Linear on a table no example owns, (1, heads, in,
+    T) after a permute, multiplied by each example's queries ``q @ proj``."""
 
     def __init__(self):
         super().__init__()
@@ -225,6 +227,8 @@ class HeadsFirst(nn.Module):
         self.x_proj = nn.Parameter(torch.randn(2, 4, D // 2))  # (heads, out, in)
         self.gate_w = nn.Parameter(torch.randn(2, D // 2, D // 2))  # (heads, w, w)
         self.gate_b = nn.Parameter(torch.randn(2, D // 2))
+        self.pos = nn.Linear(D // 2, D, bias=False)
+        self.register_buffer("table", torch.randn(1, T, D // 2))
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, 3)
         b = x.shape[0]
@@ -234,7 +238,9 @@ class HeadsFirst(nn.Module):
         rows = h.reshape(b * T, 2, D // 2).permute(1, 0, 2)  # (heads, B*T, w)
         gates = torch.baddbmm(self.gate_b[:, None, :], rows, self.gate_w).sigmoid()
         gates = gates.transpose(0, 1).reshape(b, T, D)
-        return projected.sum((0, 2)) + (gates * h).sum(-1)
+        proj = self.pos(self.table).view(1, T, 2, D // 2).permute(0, 2, 3, 1)  # (1, 2, D/2, T)
+        rel = h.view(b, T, 2, D // 2).transpose(1, 2) @ proj  # (B, heads, T, T)
+        return projected.sum((0, 2)) + (gates * h).sum(-1) + rel.sum((1, 3))
 
 
 class MaskedBias(nn.Module):

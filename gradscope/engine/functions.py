@@ -75,19 +75,21 @@ class FunctionReads:
         self._use(tuple(p for _, d in reads for p in d.params), out, parts)
         return out
 
-    def _left(self, name: str, func, args: tuple, kwargs: dict) -> Tensor | None:
-        """``W @ x`` for a batch ``x`` of (..., in, L): ``F.linear(x.mT, W).mT``, by its math,
-        where ``x[i]`` is example i's (Mamba's ``dt_proj``); otherwise, with leading dimensions
-        that broadcast (Zamba's per-head ``W[:, None] @ x``), the gradient of each product
-        ``grad @ x.mT`` is summed into its example's by the owner of its columns."""
+    def _product(self, name: str, func, args: tuple, kwargs: dict) -> Tensor | None:
+        """``W @ x`` for a batch ``x`` of (B, in, L): ``F.linear(x.mT, W).mT``, by its math
+        (Mamba's ``dt_proj``); otherwise ``W @ x`` or ``x @ W`` with leading dimensions that
+        broadcast (Zamba's per-head ``W[:, None] @ x``, a relative-position table projected
+        once for the batch and multiplied by each example's queries): the gradient of each
+        product, ``grad @ x.mT`` or ``x.mT @ grad``, summed into the example that owns its x."""
         if name == "__rmatmul__" or len(args) != 2 or kwargs:
             return None
-        weight, x = args
+        left = self._watched(args[0]) is not None
+        weight, x = args if left else args[::-1]
         d = self._watched(weight)
         if d is None or weight.dim() < 2 or x.dim() < 3 or self._watched(x) is not None:
             return None
         a = x.detach()
-        if weight.dim() == 2 and self._examples_lead(x):
+        if left and weight.dim() == 2 and self._examples_lead(x):
 
             def parts(grad: Tensor) -> dict[str, Contribution]:
                 got = affine_parts(a.mT, grad.mT, weight, None, transposed=False)
@@ -102,7 +104,7 @@ class FunctionReads:
             slot = o * ws.numel() + at.expand(lead).reshape(-1)  # (example, matrix of W)
 
             def parts(grad: Tensor) -> dict[str, Contribution]:
-                g = (grad @ a.mT).reshape(-1, *weight.shape[-2:])
+                g = (grad @ a.mT if left else a.mT @ grad).reshape(-1, *weight.shape[-2:])
                 per = g.new_zeros(self.batch * ws.numel(), *g.shape[1:]).index_add_(0, slot, g)
                 return d.credit(Dense(per.view(self.batch, *weight.shape)))
 

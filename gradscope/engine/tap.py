@@ -150,9 +150,9 @@ class ParamTap(FunctionReads, TorchFunctionMode):
         """The op's result, with what it reads of the watched parameters recorded; or None."""
         if name in ("linear", "embedding", "matmul", "__matmul__", "__rmatmul__"):
             out = self._function(name, func, args, kwargs)
-            if out is None and name in ("matmul", "__matmul__"):  # W @ x, or experts' x @ W
-                out = self._left(name, func, args, kwargs)
-                out = self._bmm(func, args, kwargs) if out is None else out
+            if out is None and name in ("matmul", "__matmul__"):  # experts' x @ W, or W @ x
+                out = self._bmm(func, args, kwargs)
+                out = self._product(name, func, args, kwargs) if out is None else out
             return out
         if name == "scaled_dot_product_attention" and masked_by(args, kwargs, self._watched):
             with self:  # its mask added to the scores, where the tap sees it
