@@ -12,19 +12,25 @@ D, T = 6, 4
 
 class StateSpace(nn.Module):
     """Mamba's discretisation: ``A = -exp(A_log)`` indexed and multiplied into the batch, a skip
-    ``D`` read broadcast, and the same ``A`` read twice."""
+    ``D`` read broadcast, and the same ``A`` read twice; RWKV's running maximum, whose state
+    starts as a (B, D) tensor of no example's (``zeros_like(k[:, 0]) - 1e38``), so that
+    ``maximum(state + decay, k)`` first reads a tensor computed from the parameter."""
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(3, D)
         self.A_log = nn.Parameter(torch.randn(D, 2) * 0.3)
         self.D = nn.Parameter(torch.randn(D))
+        self.decay = nn.Parameter(torch.randn(D))
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, 3)
         h = self.fc(x)  # (B, T, D)
         a = -torch.exp(self.A_log.float()).to(h.dtype)  # (D, 2)
         decay = torch.exp(a[None, None, :, :] * h[..., None])  # (B, T, D, 2)
-        return decay.sum(-1).sum(1) + h.sum(1) * self.D + a.sum(-1)
+        state, w = torch.zeros_like(h[:, 0]) - 1e38, -torch.exp(self.decay)
+        for t in range(T):
+            state = torch.maximum(state + w, h[:, t])
+        return decay.sum(-1).sum(1) + h.sum(1) * self.D + a.sum(-1) + state
 
 
 class WeightNormed(nn.Module):
@@ -151,8 +157,9 @@ class FusedExperts(nn.Module):
 
 class Lookups(nn.Module):
     """Tables indexed by the batch's ids (``W[ids]``: an embedding by another name), by
-    position ids expanded to the batch (Whisper's decoder positions), and grouped heads of a
-    Linear's weight viewed as (G, out, in) and run by ``bmm`` (DeepSeek-V4's grouped linear)."""
+    position ids expanded to the batch (Whisper's decoder positions), grouped heads of a
+    Linear's weight viewed as (G, out, in) and run by ``bmm`` (DeepSeek-V4's grouped linear),
+    and a vector written where an id is 0 (T5Gemma 2's end-of-image embedding)."""
 
     def __init__(self):
         super().__init__()
@@ -161,10 +168,12 @@ class Lookups(nn.Module):
             nn.Parameter(torch.randn(T, D)),
         )
         self.grouped = nn.Linear(D // 2, 3, bias=False)
+        self.eoi = nn.Parameter(torch.randn(D))
 
     def forward(self, ids: Tensor) -> Tensor:  # (B, T) ints
         b = ids.shape[0]
         h = self.tokens[ids] + self.positions[torch.arange(T).expand(b, T)]  # (B, T, D)
+        h[ids == 0] = self.eoi.to(h.dtype)
         w = self.grouped.weight.view(1, 3, D // 2).expand(2, -1, -1).transpose(1, 2)  # (2, D/2, 3)
         out = torch.bmm(h.reshape(b * T, 2, D // 2).transpose(0, 1), w)  # (2, B*T, 3)
         return out.transpose(0, 1).reshape(b, T, 6).sum(1)

@@ -56,9 +56,10 @@ ELEMENTWISE = {
     *("add", "sub", "mul", "div", "true_divide", "rsub"),
     *("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__"),
     *("__truediv__", "__rtruediv__", "__iadd__", "__isub__", "__imul__", "__itruediv__"),
-    *("add_", "sub_", "mul_", "div_"),
+    *("add_", "sub_", "mul_", "div_", "maximum", "minimum"),
 }
 EXPAND = {"expand", "expand_as"}
+WRITTEN = object()  # what a served write (``x[i] = p``, which returns nothing) gives back
 READS = {"__get__", "size", "dim", "numel", "ndimension", "nelement", "shape", "dtype"}
 READS |= {"device", "requires_grad", "is_floating_point", "data_ptr", "__len__"}
 READS |= {"_has_compatible_shallow_copy_type"}
@@ -127,7 +128,7 @@ class ParamTap(FunctionReads, TorchFunctionMode):
         if served is None and self._batch_free(args, kwargs) and _pure(name, kwargs):
             served = self._computed(func, args, kwargs)
         if served is not None:
-            return served
+            return None if served is WRITTEN else served
         for _, d in found:  # a use no rule can follow
             self._other(d, name)
         return func(*args, **kwargs)
@@ -182,6 +183,8 @@ class ParamTap(FunctionReads, TorchFunctionMode):
             and not any(isinstance(a, Tensor) for a in args if a is not args[i])
         ):
             return self._derive(name, d, func, args, kwargs)
+        if name == "__setitem__" and i == 2:
+            return self._write(d, func, args)
         return self._broadcast(name, i, d, func, args, kwargs)
 
     # -- tensors computed from parameters alone ---------------------------------------------
@@ -248,24 +251,24 @@ class ParamTap(FunctionReads, TorchFunctionMode):
         if rows is not False:
             view = self._view(d, source, aligned.expand(shape[0], *aligned.shape[1:]), rows)
         elif max(shape.numel(), self.batch * source.numel()) <= CHUNK_ELEMENTS:
-            view = self._elements(d, source, aligned.expand(shape), args)
+            owners = combine(*(self.trace.owner(a) for a in args if isinstance(a, Tensor)))
+            view = self._elements(d, source, aligned.expand(shape), owners)
         else:
             self._other(d, f"{name} on rows not the examples")
             return None
         return func(*args[:i], view, *args[i + 1 :], **kwargs)
 
-    def _elements(self, d: Watched, source: Tensor, view: Tensor, args: tuple) -> Tensor:
+    def _elements(self, d: Watched, source: Tensor, view: Tensor, owners: Tensor) -> Tensor:
         """``view``, each element of which is read by the example that owns that element of the
         result: example b's gradient of ``source`` sums the gradient at b's elements, each at
         the element of ``source`` it broadcasts from (one ``index_add`` for the batch). This
         serves a bias on tokens laid out along any dimension (sequence-first, heads first),
         a tensor computed with the batch's shape from no example (an attention mask's bias),
         and a CLIP-like (B, B) similarity scaled by ``logit_scale.exp()``, each example's loss
-        reading its own diagonal element. Elements of several examples or of none must get no
-        gradient: one that does fails the read, and its parameters go to the fallback (the
-        losses would mix)."""
-        owners = [self.trace.owner(a) for a in args if isinstance(a, Tensor)]
-        o = combine(*owners).expand(view.shape).reshape(-1)
+        reading its own diagonal element; ``owners`` are those of the result's elements. Elements
+        of several examples or of none must get no gradient: one that does fails the read, and
+        its parameters go to the fallback (the losses would mix)."""
+        o = owners.expand(view.shape).reshape(-1)
         mine = o >= 0
         aligned = (1,) * (view.dim() - source.dim()) + tuple(source.shape)
         at = torch.arange(source.numel(), device=o.device).view(aligned).expand(view.shape)
@@ -280,6 +283,22 @@ class ParamTap(FunctionReads, TorchFunctionMode):
 
         self._use(d.params, view, parts)
         return view
+
+    def _write(self, d: Watched, func, args: tuple) -> object:
+        """``x[index] = p``: the elements written read ``p`` broadcast to them, each by the
+        example that owned it in ``x`` (T5Gemma 2's end-of-image embedding written where the
+        ids say); they belong to that example from here on."""
+        x, index, value = args
+        if self._watched(x) is not None or self._batch_free((x,), {}):
+            return None
+        owners = self.trace.owner(x).expand(x.shape)[index]
+        if value.dim() > owners.dim() or self.batch * value.numel() > CHUNK_ELEMENTS:
+            return None
+        aligned = value.reshape((1,) * (owners.dim() - value.dim()) + tuple(value.shape))
+        view = self._elements(d, value, aligned.expand(owners.shape), owners)
+        self.trace.owners[view] = owners
+        func(x, index, view)
+        return WRITTEN
 
     def _batched(self, source: Tensor, shape: torch.Size) -> bool:
         """Whether a result of ``shape`` has the batch on dimension 0 and takes ``source``
