@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_flatten
 
 from ..rules import Contribution, Dense
 from ..rules.embedding import lookup
@@ -15,6 +16,7 @@ from ..rules.linear import affine_parts
 from ..rules.placed import Place, Placed
 from .calls import bind_affine, bind_conv, conv_parts, einsum_terms
 from .derived import Derived, Watched
+from .graph import read_at
 from .owners import NONE, is_batch, reduce, regroup, rows_or_none
 from .views import compose
 
@@ -72,7 +74,7 @@ class FunctionReads:
                 got = affine_parts(xs, g, weight, bias, transposed)
             return _credit((d, got[role]) for role, d in reads if role in got)
 
-        self._use(tuple(p for _, d in reads for p in d.params), out, parts)
+        self._read_output(tuple(p for _, d in reads for p in d.params), out, parts, args)
         return out
 
     def _product(self, name: str, func, args: tuple, kwargs: dict) -> Tensor | None:
@@ -110,7 +112,7 @@ class FunctionReads:
 
         out = func(*args)
         if out.requires_grad:
-            self._use(d.params, out, parts)
+            self._read_output(d.params, out, parts, args)
         return out
 
     def _conv(self, name: str, func, args: tuple, kwargs: dict) -> Tensor | None:
@@ -131,7 +133,7 @@ class FunctionReads:
             got = conv_parts(call, a, grad, bias is not None)
             return _credit((d, got[role]) for role, d in reads if role in got)
 
-        self._use(tuple(p for _, d in reads for p in d.params), out, parts)
+        self._read_output(tuple(p for _, d in reads for p in d.params), out, parts, args)
         return out
 
     def _grouped(self, func, args: tuple, kwargs: dict) -> Tensor | None:
@@ -157,7 +159,11 @@ class FunctionReads:
             return out
         owner = torch.arange(self.batch, device=x.device) if rows is None else rows  # (S,)
         a, ends = x.detach(), offs.tolist()
-        self._use(d.params, out, lambda grad: self._experts(d, weight, a, grad, owner, ends))
+
+        def parts(grad: Tensor) -> dict[str, Contribution]:
+            return self._experts(d, weight, a, grad, owner, ends)
+
+        self._read_output(d.params, out, parts, args)
         return out
 
     def _bmm(self, func, args: tuple, kwargs: dict) -> Tensor | None:
@@ -183,7 +189,7 @@ class FunctionReads:
         def parts(grad: Tensor) -> dict[str, Contribution]:
             return self._experts(d, weight, a, grad.reshape(-1, grad.shape[-1]), owner, ends)
 
-        self._use(d.params, out, parts)
+        self._read_output(d.params, out, parts, args)
         return out
 
     def _einsum(self, func, args: tuple, kwargs: dict) -> Tensor | None:
@@ -216,8 +222,13 @@ class FunctionReads:
                 g = g.new_zeros(self.batch, *g.shape[1:]).index_add_(0, rows, g)
             return d.credit(Dense(g))
 
-        self._use(d.params, out, parts)
+        self._read_output(d.params, out, parts, args)
         return out
+
+    def _read_output(self, params: tuple, out: Tensor, parts, args: tuple) -> None:
+        """``_use`` on a function's output, read where ``graph.read_at`` says."""
+        target, viewed = read_at(out, tree_flatten(args)[0])
+        self._use(params, target, lambda grad: parts(viewed(grad)))
 
     def _experts(self, d: Watched, weight: Tensor, a: Tensor, grad: Tensor, owner, ends) -> dict:
         """Expert e's Linear on rows ends[e-1]:ends[e] of ``a`` (owned by ``owner``), placed at

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
 from ..rules import find_rule
-from .graph import below_targets
+from .graph import below_targets, read_at
 from .owners import NONE, rows_or_none
 from .trace import RowTrace
 
@@ -37,7 +37,7 @@ class Call:
 
     module: nn.Module
     inputs: tuple[Tensor, ...]  # the leading positional tensors
-    edge: GradientEdge  # of the output: the step of the backward that receives its gradient
+    edge: GradientEdge  # of the output (or its base): the step of the backward that receives it
     shape: torch.Size  # of the output
     versions: tuple[int, ...]  # of the inputs when captured: later in-place edits show up
     kwargs: dict[str, object] = field(default_factory=dict)  # every other argument, by name
@@ -47,6 +47,7 @@ class Call:
     rows: Tensor | None = None  # a row-by-row call's example per row, where not one row each
     reached: bool = False  # its output's gradient arrived in the backward
     others_reach_loss: bool = False  # a further output reached the loss: no rule sees that path
+    viewed: Callable[[Tensor], Tensor] | None = None  # the output's gradient from its base's
 
     def release(self) -> None:
         """Drop the captured tensors once the rule has read them."""
@@ -207,10 +208,11 @@ class HookSession:
         names = _positional_names(type(module))[n:]
         named = {**dict(zip(names, args[n:], strict=False)), **kwargs}
         named = {k: keep(v) if isinstance(v, Tensor) else v for k, v in named.items()}
+        target, viewed = read_at(output, (*args, *kwargs.values()))
         call = Call(
             module,
             inputs,
-            torch.autograd.graph.get_gradient_edge(output),
+            torch.autograd.graph.get_gradient_edge(target),
             output.shape,
             tuple(t._version for t in inputs),
             kwargs=named,
@@ -221,9 +223,10 @@ class HookSession:
                 if isinstance(t, Tensor) and t.requires_grad
             ),
             expanded=expanded,
+            viewed=viewed if target is not output else None,
         )
         self.calls[id(module)].append(call)
-        self._grad_hooks.append(output.register_hook(functools.partial(self._read, call)))
+        self._grad_hooks.append(target.register_hook(functools.partial(self._read, call)))
         return None
 
     def _assumed(self, x: Tensor, owners: Tensor, output: Tensor) -> bool:
@@ -296,11 +299,12 @@ class HookSession:
         wanted = {id(c) for c in calls}
         others = [t for c in calls for t in c.others]
 
-        def read(call: Call, grad: Tensor) -> Tensor | None:
-            if id(call) not in wanted:
+        def read(call: Call, grad: Tensor | None) -> Tensor | None:
+            # None: a base read for its view (graph.read_at) whose step ran for another output
+            if id(call) not in wanted or grad is None:
                 return None
             call.reached = True
-            on_grad(call, grad)
+            on_grad(call, grad if call.viewed is None else call.viewed(grad))
             # a requested call's gradient goes nowhere after this: keep no copy of it
             return grad.new_zeros(()).expand_as(grad) if id(call) in requested else None
 

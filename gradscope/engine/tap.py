@@ -348,8 +348,8 @@ class ParamTap(FunctionReads, TorchFunctionMode):
         for p in params:
             self.uses[p.name].reads.append(use)
 
-    def _read(self, use: Use, grad: Tensor) -> Tensor | None:
-        if self._on_grad is None:
+    def _read(self, use: Use, grad: Tensor | None) -> Tensor | None:
+        if self._on_grad is None or grad is None:  # None: as in HookSession.backward
             return None
         self._on_grad(use, grad)
         # a requested read's gradient goes nowhere after this: keep no copy of it
