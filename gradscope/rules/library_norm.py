@@ -37,7 +37,27 @@ def looks_like_norm(module: nn.Module) -> bool:
         and (bias is None or (isinstance(bias, nn.Parameter) and bias.shape == weight.shape))
         and {n for n, _ in module.named_parameters(recurse=False)} <= {"weight", "bias"}
         and next(module.children(), None) is None
+        and _affine_in_weight(module)
     )
+
+
+def _affine_in_weight(module: nn.Module) -> bool:
+    """Whether the forward is ``weight * xhat`` or ``(1 + weight) * xhat`` (plus bias), tried on
+    a small random input at a random weight: a norm that scales its input by the weight before
+    normalising it (Muse Spark's input-scaled RMSNorm) is not, and the tap serves its weight. A
+    module the probe cannot run is taken as named (the first batch's self-check still holds)."""
+    w = module.weight
+    try:
+        g = torch.Generator().manual_seed(0)
+        shape = (2, w.shape[0], 3, 3) if channels_first(module) else (2, 3, *w.shape)
+        x = torch.randn(shape, generator=g).to(w.device, w.dtype)
+        r = (torch.rand(w.shape, generator=g) + 0.5).to(w.device, w.dtype)
+        at_0, at_1, at_r = (_forward_at(module, x, v) for v in (0.0, 1.0, r))
+        scale = r.view(-1, 1, 1) if channels_first(module) else r
+        tol = 1e-2 if w.element_size() < 4 else 1e-4
+        return bool(torch.allclose(at_r, at_0 + scale * (at_1 - at_0), rtol=tol, atol=tol))
+    except Exception:  # noqa: BLE001 - any failure of the probe: keep the name's word
+        return True
 
 
 @functools.cache
@@ -59,9 +79,10 @@ def unit_forward(module: nn.Module, x: Tensor) -> Tensor:
     return _forward_at(module, x, 1.0) - _forward_at(module, x, 0.0)
 
 
-def _forward_at(module: nn.Module, x: Tensor, weight: float) -> Tensor:
+def _forward_at(module: nn.Module, x: Tensor, weight: float | Tensor) -> Tensor:
     unit = copy.copy(module)  # a shallow copy: the parameter dict is replaced, not edited
-    unit._parameters = dict(module._parameters, weight=torch.full_like(module.weight, weight))
+    at = weight if isinstance(weight, Tensor) else torch.full_like(module.weight, weight)
+    unit._parameters = dict(module._parameters, weight=at)
     if module._parameters.get("bias") is not None:
         unit._parameters["bias"] = torch.zeros_like(module.bias)
     with torch.no_grad():

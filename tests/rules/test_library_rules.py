@@ -36,6 +36,23 @@ class SquaredRMSNorm(GemmaRMSNorm):
         return F.rms_norm(x, (x.shape[-1],), None, self.eps) * self.weight**2
 
 
+class InputScaledRMSNorm(GemmaRMSNorm):
+    """Muse Spark's: the input scaled by (1 + weight), then normalised: not weight * xhat."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x * (1.0 + self.weight), (x.shape[-1],), None, self.eps)
+
+
+class LargeWeightRMSNorm(GemmaRMSNorm):
+    """weight * xhat at the probe's weights (within 1.5), its weight scaled by its largest
+    entry beyond: recognised, wrongly, for the first batch's self-check to catch."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        top = self.weight.abs().max()
+        w = self.weight * top if top > 1.5 else self.weight
+        return F.rms_norm(x, (x.shape[-1],), None, self.eps) * w
+
+
 class LayerNormWithChild(nn.Module):
     def __init__(self, d: int):
         super().__init__()
@@ -66,10 +83,12 @@ class ScaledLayerNorm(nn.LayerNorm):
         (lambda: fam.LayerNorm2d(4), "library_norm"),
         (lambda: fam.NanoGPTLayerNorm(4, bias=False), "library_norm"),
         (lambda: nn.LayerNorm(4), "layer_norm"),  # exact types first
-        # recognised by name though its math differs: the engine's first-batch self-check is what
-        # moves it to the fallback (issue 9, point 4)
         (lambda: GemmaRMSNorm(4), "library_norm"),
         (lambda: ScaledLayerNorm(4), "library_norm"),
+        # named like norms, but a probe at a random weight shows the weight is not a scale of
+        # xhat: the tap serves them
+        (lambda: SquaredRMSNorm(4), None),
+        (lambda: InputScaledRMSNorm(4), None),
         (lambda: LayerNormWithChild(4), None),
         (Conv1DOtherShape, None),
         (lambda: nn.Bilinear(2, 2, 2), None),
@@ -141,15 +160,25 @@ def test_unit_forward_leaves_the_module_and_its_hooks_alone() -> None:
     assert isinstance(module.weight, nn.Parameter) and module.weight.requires_grad
 
 
-@pytest.mark.parametrize(("norm", "fallback"), [(GemmaRMSNorm, []), (SquaredRMSNorm, ["1.weight"])])
+@pytest.mark.parametrize(
+    ("norm", "fallback"),
+    [
+        (GemmaRMSNorm, []),
+        (SquaredRMSNorm, []),
+        (InputScaledRMSNorm, []),
+        (LargeWeightRMSNorm, ["1.weight"]),
+    ],
+)
 def test_a_module_recognised_wrongly_goes_to_the_fallback(norm, fallback) -> None:
-    """Gemma's (1 + weight) RMSNorm is served (xhat is its forward at weight 1 less at weight
-    0); one that squares its weight passes for a norm, and the first-batch self-check moves it to
-    the fallback. The norms stay those of the loop."""
+    """Gemma's (1 + weight) RMSNorm is served by its rule (xhat is its forward at weight 1 less
+    at weight 0); one whose weight is not a scale of xhat is left to the tap; one that passes
+    the probe but not the first batch's self-check goes to the fallback. The norms stay those
+    of the loop."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), norm(6), nn.Tanh(), nn.Linear(6, 2)).double()
     with torch.no_grad():
         model[1].weight.normal_()
+        model[1].weight[0] = 2.0
     x, y = torch.randn(5, 3, 4, dtype=torch.float64), torch.randn(5, 3, 2, dtype=torch.float64)
     with Engine(model, resolve_loss("mse")) as engine:
         norms = total(engine.norms((x,), y).norm_sq).sqrt()
