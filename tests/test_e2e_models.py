@@ -105,6 +105,22 @@ class LSTMLastState(LSTMClassifier):
         return self.head(h[-1])
 
 
+class ComputedWeights(nn.Module):
+    """Parameters read through tensors computed from them: Mamba's decay -exp(A_log) and a
+    weight-norm head (g * v / ||v||, computed each forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(13, 8)
+        self.A_log = nn.Parameter(torch.randn(8) * 0.3)
+        self.v, self.g = nn.Parameter(torch.randn(3, 8)), nn.Parameter(torch.ones(3, 1))
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        decay = torch.exp(-torch.exp(self.A_log) * h)
+        return F.linear(decay.mean(1), torch._weight_norm(self.v, self.g, 0))
+
+
 class TwoInputs(nn.Module):
     """An image and a feature vector in, a dict out; the loss reads "logits"."""
 
@@ -186,6 +202,7 @@ PROJECTS = [
     pytest.param(
         Project("LSTMLastState", tokens, classes(3), fallback=("lstm",)), id="lstm-last-state"
     ),
+    pytest.param(Project("ComputedWeights", tokens, classes(3)), id="computed-weights"),
     pytest.param(
         Project("TwoInputs",
                 lambda g, n: {"image": torch.randn(n, 1, 6, 6, generator=g),
