@@ -56,7 +56,8 @@ ELEMENTWISE = {
     *("add", "sub", "mul", "div", "true_divide", "rsub"),
     *("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__"),
     *("__truediv__", "__rtruediv__", "__iadd__", "__isub__", "__imul__", "__itruediv__"),
-    *("add_", "sub_", "mul_", "div_", "maximum", "minimum"),
+    *("add_", "sub_", "mul_", "div_", "maximum", "minimum", "where"),
+    *("pow", "__pow__", "__rpow__"),
 }
 EXPAND = {"expand", "expand_as"}
 WRITTEN = object()  # what a served write (``x[i] = p``, which returns nothing) gives back

@@ -48,6 +48,23 @@ class TwiceAndInPlace(nn.Module):
         return (torch.tanh(h) * self.scale) / self.temperature
 
 
+class OtherElementwise(nn.Module):
+    """Parameters in ``where``, ``pow`` (as exponent and as base) and ``minimum`` with the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, D)
+        self.floor, self.cap = nn.Parameter(torch.randn(D)), nn.Parameter(torch.randn(D))
+        self.power = nn.Parameter(torch.linspace(1.0, 2.0, D))
+        self.base = nn.Parameter(torch.linspace(1.5, 2.5, D))
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, 3)
+        h = self.fc(x)
+        h = torch.where(h > 0, h, self.floor)
+        h = h.abs() ** self.power + self.base ** torch.tanh(h)
+        return torch.minimum(h, self.cap)
+
+
 class SequenceFirst(nn.Module):
     """(T, B, D) with a (1, 1, D) bias: with T == B only the probe tells positions from examples."""
 
@@ -98,6 +115,7 @@ CASES = [
     Case("vit-front-batch-1", Tokens, patches, labels, "cross_entropy", batch=1),
     Case("gated-norm", Gated, patches, torch.randn_like),
     Case("twice-and-in-place", TwiceAndInPlace, lambda b: (torch.randn(b, 3),), torch.randn_like),
+    Case("other-elementwise", OtherElementwise, lambda b: (torch.randn(b, 3),), torch.randn_like),
 ]
 
 
