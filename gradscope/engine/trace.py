@@ -80,6 +80,17 @@ class ByTensor:
                 hits.append((k, item[1]))
         return hits
 
+    def held(self, args: tuple, kwargs: dict) -> list[tuple[Tensor, object]]:
+        """(tensor, value) of each tensor held among an op's arguments and in its list
+        arguments: once per op, the lookups and the values in one pass."""
+        items, hits = self._items, []
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                item = items.get(id(t))
+                if item is not None and item[0]() is t:
+                    hits.append((t, item[1]))
+        return hits
+
     def __getitem__(self, t: object) -> object:
         return self.get(t)
 
@@ -149,28 +160,29 @@ class RowTrace(TorchFunctionMode):
         kwargs = kwargs or {}
         if func.__name__ == "__get__" and func.__self__.__name__ not in ("T", "mT", "data"):
             return func(*args, **kwargs)  # a property: metadata, or a view handled as an op
-        if func.__name__ == "__iter__" and args and args[0] in self.owners:
-            rows = args[0].unbind(0)  # for row in x: the rows of unbind(0)
-            self._record(torch.unbind, args[:1], {}, rows)
-            return iter(rows)
-        out = func(*args, **kwargs)
-        self._record(func, args, kwargs, out)
-        return out
-
-    def _record(self, func, args: tuple, kwargs: dict, out: object) -> None:
-        """The owners of ``out``; never an error in the user's forward: owners that cannot be
-        followed are MIXED (the parameters they reach go to the fallback)."""
         name = op_name(func)
         if name in READS:
-            return
-        tracked = [t for t in tensors_in(args, kwargs) if t in self.owners]
+            return func(*args, **kwargs)
+        if name == "__iter__" and args and args[0] in self.owners:
+            rows = args[0].unbind(0)  # for row in x: the rows of unbind(0)
+            self._record("unbind", torch.unbind, args[:1], {}, rows)
+            return iter(rows)
+        out = func(*args, **kwargs)
+        self._record(name, func, args, kwargs, out)
+        return out
+
+    def _record(self, name: str, func, args: tuple, kwargs: dict, out: object) -> None:
+        """The owners of ``out``, the result of op ``name``; never an error in the user's
+        forward: owners that cannot be followed are MIXED (the parameters they reach go to the
+        fallback)."""
+        tracked = self.owners.held(args, kwargs)  # (tensor, its owners)
         if not tracked:
             return
         origin = name
         try:
             if self._by_lanes(name, args, kwargs, tracked, out):
                 return
-            origin = next((self.mixed_by[t] for t in tracked if t in self.mixed_by), name)
+            origin = next((self.mixed_by[t] for t, _ in tracked if t in self.mixed_by), name)
             self._follow(name, func, args, kwargs, out, origin)
         except Exception:  # owners could not follow this op: its results mix examples
             self._set(out, None, origin)
@@ -180,8 +192,7 @@ class RowTrace(TorchFunctionMode):
         lane (the batch along one dimension) and an op that keeps one (``lanes.after``).
         Anything else is left to ``_follow``. Loops, not generators: this runs on every op."""
         lanes, lane_of = {}, self._lane_of
-        for t in tracked:
-            o = self.owners.get(t)
+        for t, o in tracked:
             item = lane_of.get(id(o))
             if item is None or item[0] is not o:
                 return False
