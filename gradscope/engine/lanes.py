@@ -294,13 +294,25 @@ def _per_example(args, kwargs, lanes, out, batch) -> Lane | None:
     return lane if ok else None
 
 
+def _unreduced(args: tuple, kwargs: dict) -> bool:
+    """Whether a loss function is called on (input, target) with ``reduction="none"``, by
+    keyword (no legacy ``size_average`` or ``reduce`` overriding it)."""
+    legacy = kwargs.get("size_average") is not None or kwargs.get("reduce") is not None
+    return len(args) == 2 and not legacy and kwargs.get("reduction") == "none"
+
+
+def _pointwise_loss(args, kwargs, lanes, out, batch) -> Lane | None:
+    """mse_loss, l1_loss, binary_cross_entropy(_with_logits) with ``reduction="none"``: one
+    value per element of the broadcast input, target and weights, as an elementwise op."""
+    return _broadcast(args, kwargs, lanes, out) if _unreduced(args, kwargs) else None
+
+
 def _classes(args, kwargs, lanes, out, batch) -> Lane | None:
     """cross_entropy and nll_loss with ``reduction="none"``: (N, C, *d) scores and (N, *d)
     class ids (or (N, C, *d) probabilities) give (N, *d), each value from its own position's
     scores over the classes C; a class weight from the batch is left to the owner algebra."""
-    legacy = kwargs.get("size_average") is not None or kwargs.get("reduce") is not None
     x = args[0]
-    if len(args) != 2 or legacy or kwargs.get("reduction") != "none" or x.dim() < 2:
+    if not _unreduced(args, kwargs) or x.dim() < 2:
         return None
     found = []
     for t in _tracked(args, kwargs, lanes):
@@ -342,6 +354,10 @@ _PER_EXAMPLE = (
     *("adaptive_max_pool1d", "adaptive_max_pool2d", "pixel_shuffle", "pad", "batch_norm"),
     *("max_pool2d_with_indices", "group_norm", "instance_norm", "local_response_norm"),
 )
+_POINTWISE_LOSSES = (
+    *("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy"),
+    "binary_cross_entropy_with_logits",
+)
 _RULES: dict[str, Callable[..., Lane | None]] = {
     **dict.fromkeys(RESHAPES | {"squeeze", "unsqueeze"}, _reshape),
     **dict.fromkeys(("transpose", "swapaxes", "swapdims"), _swap),
@@ -362,5 +378,6 @@ _RULES: dict[str, Callable[..., Lane | None]] = {
     **dict.fromkeys(_PER_EXAMPLE, _per_example),
     "embedding": _embedding,
     **dict.fromkeys(("cross_entropy", "nll_loss"), _classes),
+    **dict.fromkeys(_POINTWISE_LOSSES, _pointwise_loss),
     **{name: _reduction_named(name) for name in REDUCTIONS},
 }

@@ -13,6 +13,7 @@ examples, or of none, sends the parameter to the fallback with the op that made 
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -98,6 +99,14 @@ class ByTensor:
         self._items[id(t)] = (weakref.ref(t), value)
 
 
+@functools.lru_cache(maxsize=1024)
+def _lane_tensor(shape: tuple[int, ...], dim: int, m: int, batch: int, device) -> Tensor:
+    """The owners (i // m) % B along ``dim``, one tensor for every pass of a model: owner
+    tensors are never edited in place (the algebra copies before it writes)."""
+    i = torch.arange(shape[dim], device=device)
+    return (i // m % batch).view(shape)
+
+
 class RowTrace(TorchFunctionMode):
     """Traces owners through one forward of a batch of ``batch`` examples."""
 
@@ -128,8 +137,7 @@ class RowTrace(TorchFunctionMode):
         if o is None:
             shape = [1] * rank
             shape[dim] = size if self.batch > 1 else 1
-            i = torch.arange(shape[dim], device=self.device)
-            o = self._lanes[key] = (i // m % self.batch).view(shape)
+            o = self._lanes[key] = _lane_tensor(tuple(shape), dim, m, self.batch, self.device)
             self._lane_of[id(o)] = (o, lane if self.batch > 1 else (0, 1))
         return o
 

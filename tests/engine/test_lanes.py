@@ -104,6 +104,19 @@ CASES: dict[str, tuple[int, Callable[[Tensor], Tensor], bool]] = {
         True,
     ),
     "cross-entropy-summed": (3, lambda x: _cross_entropy(x.mT, reduction="sum"), True),
+    "mse-loss-sequence-first": (
+        3,
+        lambda x: F.mse_loss(x.transpose(0, 1), torch.ones(T, 3, D).double(), reduction="none"),
+        False,
+    ),
+    "bce-with-logits": (
+        3,
+        lambda x: F.binary_cross_entropy_with_logits(
+            x, x.detach().sigmoid(), pos_weight=torch.full((D,), 2.0).double(), reduction="none"
+        ),
+        False,
+    ),
+    "mse-loss-mean": (3, lambda x: F.mse_loss(x, torch.ones(3, T, D).double()), True),
     # rows 1..9 of (T*B, D): as many as a lane's, but shifted by one
     "slice-of-position-major-rows": (
         3,
@@ -124,7 +137,11 @@ def test_owners_are_the_jacobians(case: str):
 
 
 @pytest.mark.parametrize(
-    "case", ["multi-head-attention", "heads-folded", "views", "cross-entropy-sequence-first"]
+    "case",
+    [
+        *("multi-head-attention", "heads-folded", "views", "cross-entropy-sequence-first"),
+        *("mse-loss-sequence-first", "bce-with-logits"),
+    ],
 )
 def test_the_layouts_take_the_fast_path(case: str):
     """No op of these reaches the owner algebra: each result's owners are a lane's tensor."""
