@@ -150,6 +150,12 @@ class RowTrace(TorchFunctionMode):
         """Whether ``o`` is ``standard``'s tensor: one row per example, known without a compare."""
         return o is self._lanes.get((o.dim(), 0, self.batch, 1) if self.batch > 1 else o.dim())
 
+    def per_example(self, t: Tensor, batch: int) -> bool:
+        """``is_batch`` of ``t``'s owners (the losses'), known without a compare where they
+        are ``standard``'s tensor."""
+        o = self.owner(t)
+        return (batch == self.batch and self.is_standard(o)) or is_batch(o, batch)
+
     def one_row_each(self, x: Tensor, owners: Tensor, features: int) -> bool:
         """Whether ``x`` is (B, *features) or (B, T, *features), not empty, with ``x[i]``
         example i's by ``owners`` being ``standard``'s tensor: a row-by-row rule reads it as it
@@ -280,7 +286,11 @@ class RowTrace(TorchFunctionMode):
             return self._set(out, compact(self.owner(args[0])), origin)
         if name in REDUCTIONS and isinstance(args[0], Tensor):
             dims, keep = dims_of(name, args, kwargs, args[0].dim())
-            return self._set(out, reduce(self.owner(args[0]), dims, keep), origin)
+            o, n = self.owner(args[0]), args[0].dim()
+            lane = self.lane(o) if self.batch > 1 else None
+            if lane is not None and lane[0] in {d % n for d in dims}:
+                return self._set(out, None, origin)  # over every example: all MIXED
+            return self._set(out, reduce(o, dims, keep), origin)
         if name in CONTRACTIONS:
             return self._set(out, CONTRACTIONS[name](self, *args, **kwargs), origin)
         self.unknown.setdefault(name)
