@@ -19,7 +19,7 @@ from . import decide
 from .fallback import Fallback, short_reason
 from .first_batch import Findings, agrees, record_for
 from .forward import Forward
-from .owners import is_batch, regroup
+from .owners import regroup
 from .plan import BROADCAST, FALLBACK_LOOP, ParamPlan, Plan, build_plan
 from .reduce import Reducer, Want
 from .session import Call, HookSession
@@ -229,13 +229,13 @@ class Engine:
                         "model",
                     )
                 findings.deterministic = True
-            if expanded and not is_batch(seen.trace.owner(seen.losses), len(targets)):
+            if expanded and not seen.trace.per_example(seen.losses, len(targets)):
                 # the model read one example's copy of the expanded rows for all (Swin V2's
                 # position-bias table): the losses mix; run as is
                 findings.expand = False
                 continue
             assumed = seen.session.assumed or (seen.tap is not None and seen.tap.assumed)
-            if assumed and not is_batch(seen.trace.owner(seen.losses), len(targets)):
+            if assumed and not seen.trace.per_example(seen.losses, len(targets)):
                 findings.assume = False  # a call's rows were shared after all: run as is
                 continue
             edited = seen.session.edited_in_place() - self.record.copy

@@ -34,8 +34,7 @@ def before_backward(plan: Plan, seen: Seen) -> None:
     for p in plan.raw + plan.by_rule if seen.tap else ():
         if seen.tap.uses[p.name].other:
             plan.to_fallback(p, f"read by {seen.tap.uses[p.name].other}")
-    batch = seen.losses.shape[0]
-    if not is_batch(seen.trace.owner(seen.losses), batch):
+    if not seen.trace.per_example(seen.losses, seen.losses.shape[0]):
         for p in plan.by_rule + plan.raw:
             plan.to_fallback(p, f"the losses mix examples{_after(seen, seen.losses)}")
         return

@@ -12,6 +12,7 @@ algebra (``owners.py``), which is exact for every op it knows.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -95,6 +96,7 @@ def _reshape(args, kwargs, lanes, out, batch) -> Lane | None:
     return None if lane is None else reshape_lane(args[0].shape, out.shape, lane, batch)
 
 
+@functools.lru_cache(maxsize=4096)  # the same few reshapes in every pass of a model
 def reshape_lane(shape: Sequence[int], new: Sequence[int], lane: Lane, batch: int) -> Lane | None:
     """The lane of ``t.reshape(new)`` for ``t`` of ``shape`` with ``lane``. Within the group of
     dimensions the lane's dimension is merged or split with, element f (row-major) belongs to
@@ -292,6 +294,40 @@ def _per_example(args, kwargs, lanes, out, batch) -> Lane | None:
     return lane if ok else None
 
 
+def _unreduced(args: tuple, kwargs: dict) -> bool:
+    """Whether a loss function is called on (input, target) with ``reduction="none"``, by
+    keyword (no legacy ``size_average`` or ``reduce`` overriding it)."""
+    legacy = kwargs.get("size_average") is not None or kwargs.get("reduce") is not None
+    return len(args) == 2 and not legacy and kwargs.get("reduction") == "none"
+
+
+def _pointwise_loss(args, kwargs, lanes, out, batch) -> Lane | None:
+    """mse_loss, l1_loss, binary_cross_entropy(_with_logits) with ``reduction="none"``: one
+    value per element of the broadcast input, target and weights, as an elementwise op."""
+    return _broadcast(args, kwargs, lanes, out) if _unreduced(args, kwargs) else None
+
+
+def _classes(args, kwargs, lanes, out, batch) -> Lane | None:
+    """cross_entropy and nll_loss with ``reduction="none"``: (N, C, *d) scores and (N, *d)
+    class ids (or (N, C, *d) probabilities) give (N, *d), each value from its own position's
+    scores over the classes C; a class weight from the batch is left to the owner algebra."""
+    x = args[0]
+    if not _unreduced(args, kwargs) or x.dim() < 2:
+        return None
+    found = []
+    for t in _tracked(args, kwargs, lanes):
+        d, m = lanes[id(t)]
+        if t is x or (t is args[1] and t.dim() == x.dim()):  # scores, or probabilities
+            if d == 1:
+                return None  # examples along the classes
+            found.append((d - (d > 1), m))
+        elif t is args[1]:  # class ids, shaped as the result
+            found.append((d, m))
+        else:
+            return None
+    return _same(found) if out.dim() == x.dim() - 1 else None
+
+
 def _embedding(args, kwargs, lanes, out, batch) -> Lane | None:
     lane = _only(args, kwargs, lanes)
     return lane if lane is not None and out.dim() == args[0].dim() + 1 else None
@@ -318,6 +354,10 @@ _PER_EXAMPLE = (
     *("adaptive_max_pool1d", "adaptive_max_pool2d", "pixel_shuffle", "pad", "batch_norm"),
     *("max_pool2d_with_indices", "group_norm", "instance_norm", "local_response_norm"),
 )
+_POINTWISE_LOSSES = (
+    *("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy"),
+    "binary_cross_entropy_with_logits",
+)
 _RULES: dict[str, Callable[..., Lane | None]] = {
     **dict.fromkeys(RESHAPES | {"squeeze", "unsqueeze"}, _reshape),
     **dict.fromkeys(("transpose", "swapaxes", "swapdims"), _swap),
@@ -337,5 +377,7 @@ _RULES: dict[str, Callable[..., Lane | None]] = {
     **dict.fromkeys(("layer_norm", "rms_norm"), _norm),
     **dict.fromkeys(_PER_EXAMPLE, _per_example),
     "embedding": _embedding,
+    **dict.fromkeys(("cross_entropy", "nll_loss"), _classes),
+    **dict.fromkeys(_POINTWISE_LOSSES, _pointwise_loss),
     **{name: _reduction_named(name) for name in REDUCTIONS},
 }

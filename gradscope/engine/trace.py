@@ -13,6 +13,7 @@ examples, or of none, sends the parameter to the fallback with the op that made 
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -80,11 +81,30 @@ class ByTensor:
                 hits.append((k, item[1]))
         return hits
 
+    def held(self, args: tuple, kwargs: dict) -> list[tuple[Tensor, object]]:
+        """(tensor, value) of each tensor held among an op's arguments and in its list
+        arguments: once per op, the lookups and the values in one pass."""
+        items, hits = self._items, []
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                item = items.get(id(t))
+                if item is not None and item[0]() is t:
+                    hits.append((t, item[1]))
+        return hits
+
     def __getitem__(self, t: object) -> object:
         return self.get(t)
 
     def __setitem__(self, t: Tensor, value: object) -> None:
         self._items[id(t)] = (weakref.ref(t), value)
+
+
+@functools.lru_cache(maxsize=1024)
+def _lane_tensor(shape: tuple[int, ...], dim: int, m: int, batch: int, device) -> Tensor:
+    """The owners (i // m) % B along ``dim``, one tensor for every pass of a model: owner
+    tensors are never edited in place (the algebra copies before it writes)."""
+    i = torch.arange(shape[dim], device=device)
+    return (i // m % batch).view(shape)
 
 
 class RowTrace(TorchFunctionMode):
@@ -117,8 +137,7 @@ class RowTrace(TorchFunctionMode):
         if o is None:
             shape = [1] * rank
             shape[dim] = size if self.batch > 1 else 1
-            i = torch.arange(shape[dim], device=self.device)
-            o = self._lanes[key] = (i // m % self.batch).view(shape)
+            o = self._lanes[key] = _lane_tensor(tuple(shape), dim, m, self.batch, self.device)
             self._lane_of[id(o)] = (o, lane if self.batch > 1 else (0, 1))
         return o
 
@@ -130,6 +149,12 @@ class RowTrace(TorchFunctionMode):
     def is_standard(self, o: Tensor) -> bool:
         """Whether ``o`` is ``standard``'s tensor: one row per example, known without a compare."""
         return o is self._lanes.get((o.dim(), 0, self.batch, 1) if self.batch > 1 else o.dim())
+
+    def per_example(self, t: Tensor, batch: int) -> bool:
+        """``is_batch`` of ``t``'s owners (the losses'), known without a compare where they
+        are ``standard``'s tensor."""
+        o = self.owner(t)
+        return (batch == self.batch and self.is_standard(o)) or is_batch(o, batch)
 
     def one_row_each(self, x: Tensor, owners: Tensor, features: int) -> bool:
         """Whether ``x`` is (B, *features) or (B, T, *features), not empty, with ``x[i]``
@@ -149,28 +174,29 @@ class RowTrace(TorchFunctionMode):
         kwargs = kwargs or {}
         if func.__name__ == "__get__" and func.__self__.__name__ not in ("T", "mT", "data"):
             return func(*args, **kwargs)  # a property: metadata, or a view handled as an op
-        if func.__name__ == "__iter__" and args and args[0] in self.owners:
-            rows = args[0].unbind(0)  # for row in x: the rows of unbind(0)
-            self._record(torch.unbind, args[:1], {}, rows)
-            return iter(rows)
-        out = func(*args, **kwargs)
-        self._record(func, args, kwargs, out)
-        return out
-
-    def _record(self, func, args: tuple, kwargs: dict, out: object) -> None:
-        """The owners of ``out``; never an error in the user's forward: owners that cannot be
-        followed are MIXED (the parameters they reach go to the fallback)."""
         name = op_name(func)
         if name in READS:
-            return
-        tracked = [t for t in tensors_in(args, kwargs) if t in self.owners]
+            return func(*args, **kwargs)
+        if name == "__iter__" and args and args[0] in self.owners:
+            rows = args[0].unbind(0)  # for row in x: the rows of unbind(0)
+            self._record("unbind", torch.unbind, args[:1], {}, rows)
+            return iter(rows)
+        out = func(*args, **kwargs)
+        self._record(name, func, args, kwargs, out)
+        return out
+
+    def _record(self, name: str, func, args: tuple, kwargs: dict, out: object) -> None:
+        """The owners of ``out``, the result of op ``name``; never an error in the user's
+        forward: owners that cannot be followed are MIXED (the parameters they reach go to the
+        fallback)."""
+        tracked = self.owners.held(args, kwargs)  # (tensor, its owners)
         if not tracked:
             return
         origin = name
         try:
             if self._by_lanes(name, args, kwargs, tracked, out):
                 return
-            origin = next((self.mixed_by[t] for t in tracked if t in self.mixed_by), name)
+            origin = next((self.mixed_by[t] for t, _ in tracked if t in self.mixed_by), name)
             self._follow(name, func, args, kwargs, out, origin)
         except Exception:  # owners could not follow this op: its results mix examples
             self._set(out, None, origin)
@@ -180,8 +206,7 @@ class RowTrace(TorchFunctionMode):
         lane (the batch along one dimension) and an op that keeps one (``lanes.after``).
         Anything else is left to ``_follow``. Loops, not generators: this runs on every op."""
         lanes, lane_of = {}, self._lane_of
-        for t in tracked:
-            o = self.owners.get(t)
+        for t, o in tracked:
             item = lane_of.get(id(o))
             if item is None or item[0] is not o:
                 return False
@@ -261,7 +286,11 @@ class RowTrace(TorchFunctionMode):
             return self._set(out, compact(self.owner(args[0])), origin)
         if name in REDUCTIONS and isinstance(args[0], Tensor):
             dims, keep = dims_of(name, args, kwargs, args[0].dim())
-            return self._set(out, reduce(self.owner(args[0]), dims, keep), origin)
+            o, n = self.owner(args[0]), args[0].dim()
+            lane = self.lane(o) if self.batch > 1 else None
+            if lane is not None and lane[0] in {d % n for d in dims}:
+                return self._set(out, None, origin)  # over every example: all MIXED
+            return self._set(out, reduce(o, dims, keep), origin)
         if name in CONTRACTIONS:
             return self._set(out, CONTRACTIONS[name](self, *args, **kwargs), origin)
         self.unknown.setdefault(name)

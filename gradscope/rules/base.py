@@ -39,6 +39,12 @@ def _sq_norm(t: Tensor, dim: int | tuple[int, ...]) -> Tensor:
     return torch.linalg.vector_norm(t, dim=dim).square()
 
 
+def _cat(parts: list[Tensor], dim: int = 0) -> Tensor:
+    """``torch.cat`` of fresh results, without its copy where there is one (a small batch's
+    one chunk)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
 class Contribution(ABC):
     """One parameter's per-example gradient, (B, *shape), kept in whatever form is cheapest."""
 
@@ -118,10 +124,10 @@ class Formed(Dense):
         return torch.cat(list(self._chunks()))  # (B, *shape)
 
     def norm_sq(self) -> Tensor:
-        return torch.cat([_sq_norm(rows(m), 1) for m in self._chunks()])
+        return _cat([_sq_norm(rows(m), 1) for m in self._chunks()])
 
     def inner(self, refs: Tensor) -> Tensor:
-        return torch.cat([rows(m) @ rows(refs.to(m.dtype)).T for m in self._chunks()])
+        return _cat([rows(m) @ rows(refs.to(m.dtype)).T for m in self._chunks()])
 
     def norm_sq_and_inner(self, refs: Tensor) -> tuple[Tensor, Tensor]:
         norms, inners = [], []
@@ -129,7 +135,7 @@ class Formed(Dense):
             flat = rows(m)  # (b, P)
             norms.append(_sq_norm(flat, 1))
             inners.append(flat @ rows(refs.to(m.dtype)).T)  # (b, P) @ (P, K)
-        return torch.cat(norms), torch.cat(inners)
+        return _cat(norms), _cat(inners)
 
     def batch_sum(self) -> Tensor:
         return sum(m.sum(0) for m in self._chunks())
@@ -165,7 +171,7 @@ class Outer(Contribution):
             return (_sq_norm(self.s, -1) * _sq_norm(self.a, -1)).sum((1, 2))
         if self._gram_cheaper:
             return self._gram_norm_sq()
-        return torch.cat([_sq_norm(m.flatten(1), 1) for m in self._materialized_chunks()])
+        return _cat([_sq_norm(m.flatten(1), 1) for m in self._materialized_chunks()])
 
     @property
     def _gram_cheaper(self) -> bool:
@@ -184,12 +190,15 @@ class Outer(Contribution):
             flat = m.flatten(1)  # (b, P)
             norms.append(_sq_norm(flat, 1))
             inners.append(flat @ r.T)  # (b, P) @ (P, K)
-        return torch.cat(norms), torch.cat(inners)
+        return _cat(norms), _cat(inners)
 
     def _gram_norm_sq(self) -> Tensor:
         """sum_{t,t'} (a_t . a_t')(s_t . s_t'), in (c, c) blocks so no (T, T) matrix is needed."""
         b, g, t, _, _ = self.dims
         c = max(1, min(t, int((CHUNK_ELEMENTS / (b * g)) ** 0.5)))
+        if c == t:  # one block: its sum, with no running total
+            gram_a, gram_s = self.a @ self.a.mT, self.s @ self.s.mT  # (B, G, T, T) each
+            return (gram_a * gram_s).sum((1, 2, 3))
         total = self.s.new_zeros(b)
         for lo in range(0, t, c):
             a_lo, s_lo = self.a[:, :, lo : lo + c], self.s[:, :, lo : lo + c]
@@ -225,7 +234,7 @@ class Outer(Contribution):
         # sum_t s_t^T R a_t: project the inputs through R, never forming G; a few references at
         # a time, so that --per-ref's K of up to 1000 holds no (B, K, G, T, O) product at once
         step = max(1, CHUNK_ELEMENTS // (b * g * t * min(o, i)))
-        return torch.cat([self._inner(r[lo : lo + step]) for lo in range(0, r.shape[0], step)], 1)
+        return _cat([self._inner(r[lo : lo + step]) for lo in range(0, r.shape[0], step)], 1)
 
     def _inner(self, r: Tensor) -> Tensor:
         _, _, _, o, i = self.dims

@@ -55,6 +55,12 @@ def _views(x: Tensor) -> Tensor:
     return h.expand(2, *h.shape).exp().mean(1).to(torch.float64)[..., None, :]  # (2, T, 1, B)
 
 
+def _cross_entropy(scores: Tensor, **kwargs) -> Tensor:
+    """Per-position losses of (N, C, *d) scores against class ids 1, 2, ... (from no example)."""
+    ids = torch.arange(scores[:, 0].numel()).view(scores[:, 0].shape) % scores.shape[1]
+    return F.cross_entropy(scores, ids, **kwargs)
+
+
 # id -> (batch, fn, whether some element depends on several examples)
 CASES: dict[str, tuple[int, Callable[[Tensor], Tensor], bool]] = {
     "multi-head-attention": (3, _attention, False),
@@ -85,6 +91,32 @@ CASES: dict[str, tuple[int, Callable[[Tensor], Tensor], bool]] = {
     "linear-by-a-weight-from-the-batch": (3, lambda x: F.linear(x.transpose(0, 1), x[0]), True),
     "heads-unfolded-wrongly": (3, lambda x: _heads(x).reshape(H, 3, T, -1).sum(1), True),
     "slice-of-the-lane": (3, lambda x: x.transpose(0, 1)[:, 1:].tanh(), False),
+    # (B, D, T) scores over D classes, then (T, D, B): the batch after the classes
+    "cross-entropy": (3, lambda x: _cross_entropy(x.mT, reduction="none"), False),
+    "cross-entropy-sequence-first": (
+        3,
+        lambda x: _cross_entropy(x.permute(1, 2, 0), reduction="none"),
+        False,
+    ),
+    "cross-entropy-over-the-lane": (
+        3,
+        lambda x: _cross_entropy(x.transpose(0, 1), reduction="none"),
+        True,
+    ),
+    "cross-entropy-summed": (3, lambda x: _cross_entropy(x.mT, reduction="sum"), True),
+    "mse-loss-sequence-first": (
+        3,
+        lambda x: F.mse_loss(x.transpose(0, 1), torch.ones(T, 3, D).double(), reduction="none"),
+        False,
+    ),
+    "bce-with-logits": (
+        3,
+        lambda x: F.binary_cross_entropy_with_logits(
+            x, x.detach().sigmoid(), pos_weight=torch.full((D,), 2.0).double(), reduction="none"
+        ),
+        False,
+    ),
+    "mse-loss-mean": (3, lambda x: F.mse_loss(x, torch.ones(3, T, D).double()), True),
     # rows 1..9 of (T*B, D): as many as a lane's, but shifted by one
     "slice-of-position-major-rows": (
         3,
@@ -104,7 +136,13 @@ def test_owners_are_the_jacobians(case: str):
     assert torch.equal(got, expected), f"\n{got}\n!=\n{expected}"
 
 
-@pytest.mark.parametrize("case", ["multi-head-attention", "heads-folded", "views"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        *("multi-head-attention", "heads-folded", "views", "cross-entropy-sequence-first"),
+        *("mse-loss-sequence-first", "bce-with-logits"),
+    ],
+)
 def test_the_layouts_take_the_fast_path(case: str):
     """No op of these reaches the owner algebra: each result's owners are a lane's tensor."""
     batch, fn, _ = CASES[case]
