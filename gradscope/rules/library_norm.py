@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import weakref
 
 import torch
 from torch import Tensor, nn
@@ -42,10 +43,23 @@ def looks_like_norm(module: nn.Module) -> bool:
 
 
 def _affine_in_weight(module: nn.Module) -> bool:
-    """Whether the forward is ``weight * xhat`` or ``(1 + weight) * xhat`` (plus bias), tried on
-    a small random input at a random weight: a norm that scales its input by the weight before
-    normalising it (Muse Spark's input-scaled RMSNorm) is not, and the tap serves its weight. A
-    module the probe cannot run is taken as named (the first batch's self-check still holds)."""
+    """Whether the forward is ``weight * xhat`` or ``(1 + weight) * xhat`` (plus bias), tried
+    once per module (``find_rule`` asks on every call of it)."""
+    known = _AFFINE.get(module)
+    if known is None:
+        known = _AFFINE[module] = _probe(module)
+    return known
+
+
+# module -> what _probe found; weak: forgotten with the module
+_AFFINE: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def _probe(module: nn.Module) -> bool:
+    """``_affine_in_weight`` tried on a small random input at a random weight: a norm that
+    scales its input by the weight before normalising it (Muse Spark's input-scaled RMSNorm) is
+    not, and the tap serves its weight. A module the probe cannot run is taken as named (the
+    first batch's self-check still holds)."""
     w = module.weight
     try:
         g = torch.Generator().manual_seed(0)
