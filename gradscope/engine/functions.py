@@ -228,7 +228,7 @@ class FunctionReads:
     def _read_output(self, params: tuple, out: Tensor, parts, args: tuple) -> None:
         """``_use`` on a function's output, read where ``graph.read_at`` says."""
         target, viewed = read_at(out, tree_flatten(args)[0])
-        self._use(params, target, lambda grad: parts(viewed(grad)))
+        self._use(params, target, parts if viewed is None else lambda grad: parts(viewed(grad)))
 
     def _experts(self, d: Watched, weight: Tensor, a: Tensor, grad: Tensor, owner, ends) -> dict:
         """Expert e's Linear on rows ends[e-1]:ends[e] of ``a`` (owned by ``owner``), placed at

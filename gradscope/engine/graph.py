@@ -9,20 +9,22 @@ from torch import Tensor
 from torch.autograd.graph import Node
 
 
-def read_at(out: Tensor, inputs: Sequence[object]) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
-    """The tensor whose gradient gives ``out``'s, and how. ``out`` itself; or, where ``out`` is
-    a view of a tensor the call made (a float64 Linear's (B, T, out) view of its (B*T, out)
-    product, einsum's permuted product), that tensor, its gradient viewed as ``out``: an
-    in-place edit of a view of it later (``h += e``, ``x[..., :n] *= m``) takes the view's own
-    node out of the backward, not its base's. Not where the base is one of the call's inputs
-    (a view of what was passed in: its gradient holds other uses too)."""
+def read_at(
+    out: Tensor, inputs: Sequence[object]
+) -> tuple[Tensor, Callable[[Tensor], Tensor] | None]:
+    """The tensor whose gradient gives ``out``'s, and how (None: as it is). ``out`` itself;
+    or, where ``out`` is a view of a tensor the call made (a float64 Linear's (B, T, out) view
+    of its (B*T, out) product, einsum's permuted product), that tensor, its gradient viewed as
+    ``out``: an in-place edit of a view of it later (``h += e``, ``x[..., :n] *= m``) takes the
+    view's own node out of the backward, not its base's. Not where the base is one of the
+    call's inputs (a view of what was passed in: its gradient holds other uses too)."""
     base = out._base
     if (
         base is None
         or not base.is_contiguous()
         or any(t is base or getattr(t, "_base", None) is base for t in inputs)
     ):
-        return out, lambda grad: grad
+        return out, None
     size, stride = out.size(), out.stride()
     offset = out.storage_offset() - base.storage_offset()
     return base, lambda grad: grad.contiguous().as_strided(size, stride, offset)

@@ -223,7 +223,7 @@ class HookSession:
                 if isinstance(t, Tensor) and t.requires_grad
             ),
             expanded=expanded,
-            viewed=viewed if target is not output else None,
+            viewed=viewed,
         )
         self.calls[id(module)].append(call)
         self._grad_hooks.append(target.register_hook(functools.partial(self._read, call)))
