@@ -17,7 +17,7 @@ from ..rules.placed import Place, Placed
 from .calls import bind_affine, bind_conv, conv_parts, einsum_terms
 from .derived import Derived, Watched
 from .graph import read_at
-from .owners import NONE, is_batch, reduce, regroup, rows_or_none
+from .owners import NONE, is_batch, reduce, regroup, rows_or_none, slots
 from .views import compose
 
 ASSUMED = object()  # rows taken as the examples' until the losses' owners say otherwise
@@ -99,11 +99,10 @@ class FunctionReads:
 
         else:
             lead, ws = torch.broadcast_shapes(weight.shape[:-2], x.shape[:-2]), weight.shape[:-2]
-            o = reduce(self.trace.owner(x), [-2, -1], keepdim=False).expand(lead).reshape(-1)
+            o = reduce(self.trace.owner(x), [-2, -1], keepdim=False)
             if not bool((o >= 0).all()):
                 return None
-            at = torch.arange(ws.numel(), device=o.device).view((1,) * (len(lead) - len(ws)) + ws)
-            slot = o * ws.numel() + at.expand(lead).reshape(-1)  # (example, matrix of W)
+            slot = slots(o, lead, ws)  # (example, matrix of W) of each product
 
             def parts(grad: Tensor) -> dict[str, Contribution]:
                 g = (grad @ a.mT if left else a.mT @ grad).reshape(-1, *weight.shape[-2:])

@@ -102,6 +102,16 @@ def scatter_combine(base: Tensor, dim: int, index: Tensor, values: Tensor, keep:
     return torch.where(lo == _BIG, NONE, torch.where(lo == hi, hi, MIXED))
 
 
+def slots(owner: Tensor, shape: Sequence[int], source: Sequence[int]) -> Tensor:
+    """(prod(shape),): for each position of ``shape`` (row-major), owned by ``owner`` (broadcast
+    to it), its slot in a (B * prod(source),) tensor of per-example values of an operand of
+    shape ``source`` broadcast to ``shape``: owner * prod(source) + the operand's position it
+    reads. Negative where no one example owns it."""
+    n = math.prod(source)
+    at = torch.arange(n, device=owner.device).view((1,) * (len(shape) - len(source)) + (*source,))
+    return (owner.expand(shape) * n + at.expand(shape)).reshape(-1)
+
+
 def reshaped(o: Tensor, shape: Sequence[int], new: Sequence[int]) -> Tensor | None:
     """The owners of ``t.reshape(new)`` for ``t`` of ``shape`` with owners ``o``, expanding ``o``
     only within the groups of dimensions that the reshape merges or splits and along which the

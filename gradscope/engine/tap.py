@@ -45,7 +45,7 @@ from .calls import CONVS, GROUPED, masked_by, sdpa_math
 from .derived import Derived, Watched, compute
 from .functions import FunctionReads
 from .ops import op_name
-from .owners import NONE, combine, is_batch, reduce
+from .owners import NONE, combine, is_batch, reduce, slots
 from .plan import ParamPlan
 from .trace import ByTensor, RowTrace
 from .views import CASTS, SCALES, SHIFTS, VIEWS, places
@@ -245,35 +245,39 @@ class ParamTap(FunctionReads, TorchFunctionMode):
         if name not in ELEMENTWISE or (name.endswith("_") and i == 0):
             return None
         shape = torch.broadcast_shapes(*(a.shape for a in args if isinstance(a, Tensor)))
-        if self._batch_free(args, kwargs) or source.dim() > len(shape):
+        if self._batch_free(args, kwargs):
             return None  # the parameters and what no example owns: followed as computed
         rows = self._row_examples(args, shape) if _spread(source, shape) else False
-        aligned = source.reshape((1,) * (len(shape) - source.dim()) + tuple(source.shape))
         if rows is not False:
+            aligned = source.reshape((1,) * (len(shape) - source.dim()) + tuple(source.shape))
             view = self._view(d, source, aligned.expand(shape[0], *aligned.shape[1:]), rows)
-        elif max(shape.numel(), self.batch * source.numel()) <= CHUNK_ELEMENTS:
-            owners = combine(*(self.trace.owner(a) for a in args if isinstance(a, Tensor)))
-            view = self._elements(d, source, aligned.expand(shape), owners)
         else:
-            self._other(d, f"{name} on rows not the examples")
-            return None
+            owners = combine(*(self.trace.owner(a) for a in args if isinstance(a, Tensor)))
+            view = self._elements(d, source, shape, owners)
+            if view is None:
+                self._other(d, f"{name} on rows not the examples")
+                return None
         return func(*args[:i], view, *args[i + 1 :], **kwargs)
 
-    def _elements(self, d: Watched, source: Tensor, view: Tensor, owners: Tensor) -> Tensor:
-        """``view``, each element of which is read by the example that owns that element of the
-        result: example b's gradient of ``source`` sums the gradient at b's elements, each at
-        the element of ``source`` it broadcasts from (one ``index_add`` for the batch). This
-        serves a bias on tokens laid out along any dimension (sequence-first, heads first),
-        a tensor computed with the batch's shape from no example (an attention mask's bias),
-        and a CLIP-like (B, B) similarity scaled by ``logit_scale.exp()``, each example's loss
-        reading its own diagonal element; ``owners`` are those of the result's elements. Elements
+    def _elements(
+        self, d: Watched, source: Tensor, shape: torch.Size, owners: Tensor
+    ) -> Tensor | None:
+        """``source`` broadcast to ``shape``, each element of which is read by the example that
+        owns that element of the result (``owners``): example b's gradient of ``source`` sums
+        the gradient at b's elements, each at the element of ``source`` it broadcasts from (one
+        ``index_add`` for the batch). This serves a bias on tokens laid out along any dimension
+        (sequence-first, heads first), a tensor computed with the batch's shape from no example
+        (an attention mask's bias), and a CLIP-like (B, B) similarity scaled by
+        ``logit_scale.exp()``, each example's loss reading its own diagonal element. Elements
         of several examples or of none must get no gradient: one that does fails the read, and
-        its parameters go to the fallback (the losses would mix)."""
-        o = owners.expand(view.shape).reshape(-1)
-        mine = o >= 0
-        aligned = (1,) * (view.dim() - source.dim()) + tuple(source.shape)
-        at = torch.arange(source.numel(), device=o.device).view(aligned).expand(view.shape)
-        slot = (o * source.numel() + at.reshape(-1))[mine]  # (example, element of source)
+        its parameters go to the fallback (the losses would mix). None where the positions or
+        the per-example gradients would pass ``CHUNK_ELEMENTS``."""
+        if max(shape.numel(), self.batch * source.numel()) > CHUNK_ELEMENTS:
+            return None
+        view = source.reshape((1,) * (len(shape) - source.dim()) + tuple(source.shape))
+        view = view.expand(shape)
+        mine = (owners.expand(shape) >= 0).reshape(-1)
+        slot = slots(owners, shape, source.shape)[mine]  # (example, element of source)
 
         def parts(grad: Tensor) -> dict[str, Contribution]:
             g = grad.reshape(-1)
@@ -293,10 +297,11 @@ class ParamTap(FunctionReads, TorchFunctionMode):
         if self._watched(x) is not None or self._batch_free((x,), {}):
             return None
         owners = self.trace.owner(x).expand(x.shape)[index]
-        if value.dim() > owners.dim() or self.batch * value.numel() > CHUNK_ELEMENTS:
+        if value.dim() > owners.dim():
             return None
-        aligned = value.reshape((1,) * (owners.dim() - value.dim()) + tuple(value.shape))
-        view = self._elements(d, value, aligned.expand(owners.shape), owners)
+        view = self._elements(d, value, owners.shape, owners)
+        if view is None:
+            return None
         self.trace.owners[view] = owners
         func(x, index, view)
         return WRITTEN
