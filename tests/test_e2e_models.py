@@ -121,6 +121,21 @@ class ComputedWeights(nn.Module):
         return F.linear(decay.mean(1), torch._weight_norm(self.v, self.g, 0))
 
 
+class EditedInPlace(nn.Module):
+    """A Linear's output (a view of its product) with an embedding added in place, as RoCBert's
+    embeddings do: read at the product, fc stays on its rule."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(13, 8), nn.Embedding(13, 8)
+        self.fc, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, tokens):
+        h = self.fc(self.emb(tokens))
+        h += self.pos(tokens)
+        return self.head(torch.tanh(h)).mean(1)
+
+
 class TwoInputs(nn.Module):
     """An image and a feature vector in, a dict out; the loss reads "logits"."""
 
@@ -203,6 +218,7 @@ PROJECTS = [
         Project("LSTMLastState", tokens, classes(3), fallback=("lstm",)), id="lstm-last-state"
     ),
     pytest.param(Project("ComputedWeights", tokens, classes(3)), id="computed-weights"),
+    pytest.param(Project("EditedInPlace", tokens, classes(3)), id="edited-in-place"),
     pytest.param(
         Project("TwoInputs",
                 lambda g, n: {"image": torch.randn(n, 1, 6, 6, generator=g),

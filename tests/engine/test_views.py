@@ -8,6 +8,7 @@ import torch
 from oracle import Case, assert_rel_close, reference_norms
 from torch import Tensor, nn
 
+import gradscope
 from gradscope.engine.core import Engine
 from gradscope.losses import resolve_loss
 
@@ -53,3 +54,17 @@ def test_outputs_edited_through_views_stay_on_their_rules(batch: int):
             assert_rel_close(norm_sq.sqrt(), expected, 1e-6)
     fallback = {p.name: p.note for p in engine.plan.params if p.is_fallback}
     assert not fallback, fallback
+
+
+def test_outputs_edited_through_views_through_fresh_api_calls():
+    """Two batches of one shape, a fresh ``per_example_norms`` call each (the second replays
+    the first's decisions without a self-check)."""
+    model, _, _ = Case("edited", EditedOutputs, _inputs, torch.randn_like).build(torch.float64)
+    for seed in range(2):
+        torch.manual_seed(seed + 1)
+        x, ids = _inputs(4)
+        inputs = (x.double(), ids)
+        targets = torch.randn(4, 2, dtype=torch.float64)
+        got = gradscope.per_example_norms(model, inputs, targets, "mse")
+        _, expected = reference_norms(model, inputs, targets, "mse")
+        assert_rel_close(got, expected, 1e-6)
