@@ -153,13 +153,15 @@ class Curvature:
         q_s, q_a = (self._cached(name, f"{k}_eigenvectors", like) for k in ("S", "A"))
         if block.ekfac and isinstance(c, Outer):
             s, a = times(c.s, q_s), times(c.a, q_a)  # Q_S^T s_t, Q_A^T a_t
-            return Weighted(Outer(s, a, c.shape), self._cached(name, "lambda_root", like))
+            return Weighted(
+                Outer(s, a, c.shape, c.lengths), self._cached(name, "lambda_root", like)
+            )
         if block.ekfac:  # a K-FAC parameter served otherwise (the fallback): rotate, weigh
             g = q_s.transpose(-1, -2) @ self._grouped(name, like) @ q_a
             return Dense((g * self._cached(name, "lambda_root", like)).reshape(-1, *c.shape))
         w_s, w_a = self._cached(name, "S", like), self._cached(name, "A", like)
         if isinstance(c, Outer):  # K-FAC: (S+d)^-1/2 s_t and (A+d)^-1/2 a_t, both symmetric
-            return Outer(times(c.s, w_s), times(c.a, w_a), c.shape)
+            return Outer(times(c.s, w_s), times(c.a, w_a), c.shape, c.lengths)
         return Dense((w_s @ self._grouped(name, like) @ w_a).reshape(-1, *c.shape))
 
     def describe(self) -> dict:

@@ -17,7 +17,7 @@ from ..rules.placed import Place, Placed
 from .calls import bind_affine, bind_conv, conv_parts, einsum_terms
 from .derived import Derived, Watched
 from .graph import read_at
-from .owners import NONE, is_batch, reduce, regroup, rows_or_none, slots
+from .owners import NONE, is_batch, lengths, reduce, regroup, rows_or_none, slots
 from .views import compose
 
 ASSUMED = object()  # rows taken as the examples' until the losses' owners say otherwise
@@ -61,17 +61,18 @@ class FunctionReads:
         shape = weight.shape
 
         def parts(grad: Tensor) -> dict[str, Contribution]:
-            xs, g = a, grad
+            xs, g, counts = a, grad, None
             if rows is not None:
                 xs = regroup(a, rows, self.batch, a.dim() - rows.dim())
                 g = regroup(grad, rows, self.batch, grad.dim() - rows.dim())
+                counts = lengths(rows, self.batch)
             if name == "embedding":
                 padding = kwargs.get("padding_idx", args[2] if len(args) > 2 else None)
                 by_freq = kwargs.get("scale_grad_by_freq", args[5] if len(args) > 5 else False)
                 got = {"weight": lookup(xs, g, shape[0], padding, by_freq)}
             else:
                 transposed = name != "linear"  # x @ W: W is (in, out)
-                got = affine_parts(xs, g, weight, bias, transposed)
+                got = affine_parts(xs, g, weight, bias, transposed, counts)
             return _credit((d, got[role]) for role, d in reads if role in got)
 
         self._read_output(tuple(p for _, d in reads for p in d.params), out, parts, args)
@@ -239,7 +240,8 @@ class FunctionReads:
                 rows_e = owner[start:end]
                 xs = regroup(a[start:end], rows_e, self.batch, 1)
                 g = regroup(grad[start:end], rows_e, self.batch, 1)
-                part = affine_parts(xs, g, weight[e], None, transposed=True)["weight"]
+                counts = lengths(rows_e, self.batch)
+                part = affine_parts(xs, g, weight[e], None, True, counts)["weight"]
                 if isinstance(d, Derived):
                     index = (e,) if not d.place.index else compose(d.place.index, (e,), 3)
                     place = Place(index, d.place.transposed, d.place.scale)

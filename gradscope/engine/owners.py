@@ -178,6 +178,14 @@ def regroup(x: Tensor, owner: Tensor, batch: int, features: int) -> Tensor:
     return out
 
 
+def lengths(owner: Tensor, batch: int) -> list[int] | None:
+    """How many rows of ``owner`` (*rows,) each example holds, as ``regroup`` gathers them;
+    None where it finds the batch along one dimension (each example then holds as many)."""
+    if _lane(owner, batch) is not None:
+        return None
+    return torch.bincount(owner.reshape(-1), minlength=batch).tolist()
+
+
 def _lane(owner: Tensor, batch: int) -> tuple[int, int] | None:
     """(dim, m) where ``owner`` (an expanded view, as the rules get it) reads (i // m) % B along
     dimension ``dim`` (of a size that B*m divides) and varies along no other, or None."""

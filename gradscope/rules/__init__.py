@@ -7,12 +7,12 @@ from .base import (
     RULES,
     Contribution,
     Dense,
-    Outer,
     Rule,
     find_rule,
     register_rule,
 )
 from .embedding import Rows
+from .outer import Outer
 
 __all__ = [
     "MATCHERS",

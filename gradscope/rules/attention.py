@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import Contribution, Dense, Outer, register_rule
+from .base import Contribution, Dense, register_rule
+from .outer import Outer
 
 
 def _batch_dim(module: nn.MultiheadAttention, inputs: tuple[Tensor, ...]) -> int | None:

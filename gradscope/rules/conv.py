@@ -10,7 +10,8 @@ from torch import Tensor, nn
 
 from ..errors import ModelError
 from . import base
-from .base import Contribution, Dense, Formed, Outer, _acc, register_rule
+from .base import Contribution, Dense, Formed, _acc, register_rule
+from .outer import Outer
 
 _Conv = nn.Conv1d | nn.Conv2d | nn.Conv3d
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .base import CHUNK_ELEMENTS, Contribution, Outer, _acc, register_rule
+from .base import CHUNK_ELEMENTS, Contribution, _acc, register_rule
+from .outer import Outer
 
 
 def _example_keys(ids: Tensor, num_rows: int) -> Tensor:

@@ -2,23 +2,36 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import Tensor, nn
 
-from .base import Contribution, Dense, Outer, register_rule
+from .base import Contribution, Dense, register_rule
+from .outer import Outer
 
 
 def affine_parts(
-    x: Tensor, grad_output: Tensor, weight: Tensor, bias: Tensor | None, transposed: bool = False
+    x: Tensor,
+    grad_output: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    transposed: bool = False,
+    lengths: Sequence[int] | None = None,
 ) -> dict[str, Contribution]:
     """Weight and bias contributions of ``y = x W^T + b`` (``y = x W + b`` when ``transposed``).
 
     ``x`` is (B, ..., in) and ``grad_output`` (B, ..., out); the weight is (out, in), or (in, out)
     when transposed: the same outer products with the roles of inputs and output gradients swapped.
+    ``lengths``: example i's rows are its first ``lengths[i]`` of (B, T, ...), the rest zeros.
     """
     b = grad_output.shape[0]
     a = x.reshape(b, 1, -1, x.shape[-1])  # (B, 1, T, in)
     s = grad_output.reshape(b, 1, -1, grad_output.shape[-1])  # (B, 1, T, out)
-    out = {"weight": Outer(a, s, weight.shape) if transposed else Outer(s, a, weight.shape)}
+    out = {
+        "weight": Outer(a, s, weight.shape, lengths)
+        if transposed
+        else Outer(s, a, weight.shape, lengths)
+    }
     if bias is not None:
         # one position: the output gradient is the bias gradient (summing size-1 dims still copies)
         out["bias"] = Dense(s[:, 0, 0] if s.shape[2] == 1 else s.sum((1, 2)))  # (B, out)

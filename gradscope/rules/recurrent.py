@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .base import Contribution, Dense, Outer, register_rule
+from .base import Contribution, Dense, register_rule
+from .outer import Outer
 
 _Recurrent = nn.RNN | nn.GRU | nn.LSTM
 

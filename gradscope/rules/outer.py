@@ -1,0 +1,186 @@
+"""The weight of Linear and Conv layers: G_i = sum_t s_it a_it^T, kept as its factors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from .base import CHUNK_ELEMENTS, Contribution, _acc, _cat, _sq_norm, rows
+
+# Examples with at least this share of their group's longest row count share its padded
+# product (``Outer.lengths``): the padding then costs at most a quarter more than their rows.
+SIMILAR = 0.8
+
+
+class Outer(Contribution):
+    """G_i = sum_t s_it a_it^T for each of ``G`` groups: the weight of Linear and Conv layers.
+
+    ``s`` is (B, G, T, O) output gradients and ``a`` is (B, G, T, I) inputs at T positions; the
+    parameter, of ``shape``, is the (G*O, I) matrix stacked group by group and reshaped.
+
+    ``lengths`` says, where examples hold different numbers of rows padded with zeros to the
+    longest (the tokens routed to one expert, gathered per example), that example i's positions
+    from ``lengths[i]`` on are zeros. Examples of similar length are then answered together, cut
+    to their group's longest, each group by its cheaper route: padding every example to the
+    longest would cost the longest's work for each.
+    """
+
+    def __init__(
+        self, s: Tensor, a: Tensor, shape: torch.Size, lengths: Sequence[int] | None = None
+    ):
+        self.s, self.a, self.shape = _acc(s), _acc(a), torch.Size(shape)
+        full = lengths is None or all(n == self.s.shape[2] for n in lengths)
+        self.lengths = None if full else tuple(int(n) for n in lengths)
+        self._grouped: list[tuple[Tensor, Outer]] | None = None
+
+    @property
+    def dims(self) -> tuple[int, int, int, int, int]:
+        (b, g, t, o), i = self.s.shape, self.a.shape[-1]
+        return b, g, t, o, i
+
+    def merge(self, other: Contribution) -> Contribution:
+        b, g, _, o, i = self.dims
+        if isinstance(other, Outer) and (b, g, o, i) == tuple(other.dims[k] for k in (0, 1, 3, 4)):
+            # positions of both calls add up: concatenate them, cross terms come out of the Gram
+            return Outer(
+                torch.cat([self.s, other.s], 2),
+                torch.cat([self.a, other.a], 2),
+                self.shape,
+                self._merged_lengths(other),
+            )
+        return super().merge(other)
+
+    def _merged_lengths(self, other: Outer) -> tuple[int, ...] | None:
+        """Where each example's rows end once ``other``'s positions follow this one's."""
+        if self.lengths is None and other.lengths is None:
+            return None
+        t = self.dims[2]
+        mine = self.lengths or (t,) * self.dims[0]
+        theirs = other.lengths or (other.dims[2],) * self.dims[0]
+        return tuple(t + m if m else n for n, m in zip(mine, theirs, strict=True))
+
+    def _groups(self) -> list[tuple[Tensor, Outer]] | None:
+        """(example indices, their Outer cut to their longest) for each group of examples of
+        similar length; examples with no rows are in none. None where every example may hold
+        all T positions."""
+        if self.lengths is None:
+            return None
+        if self._grouped is None:
+            groups: list[list[int]] = []
+            for i in sorted(range(self.dims[0]), key=lambda i: -self.lengths[i]):
+                if self.lengths[i] == 0:
+                    break
+                if groups and self.lengths[i] >= SIMILAR * self.lengths[groups[-1][0]]:
+                    groups[-1].append(i)
+                else:
+                    groups.append([i])
+            self._grouped = []
+            for group in groups:
+                n, index = self.lengths[group[0]], torch.tensor(group, device=self.s.device)
+                part = Outer(self.s[index, :, :n], self.a[index, :, :n], self.shape)
+                self._grouped.append((index, part))
+        return self._grouped
+
+    def _placed(self, answer: Callable[[Outer], Tensor], tail: Sequence[int]) -> Tensor:
+        """(B, *tail): ``answer`` of each group at its examples' rows, zeros where none."""
+        out = self.s.new_zeros(self.dims[0], *tail)
+        for index, part in self._groups():
+            out[index] = answer(part)
+        return out
+
+    def norm_sq(self) -> Tensor:
+        b, g, t, o, i = self.dims
+        if self._groups() is not None:
+            return self._placed(Outer.norm_sq, ())
+        if t == 1:  # ||s a^T||^2 = ||s||^2 ||a||^2
+            return (_sq_norm(self.s, -1) * _sq_norm(self.a, -1)).sum((1, 2))
+        if self._gram_cheaper:
+            return self._gram_norm_sq()
+        return _cat([_sq_norm(m.flatten(1), 1) for m in self._materialized_chunks()])
+
+    @property
+    def _gram_cheaper(self) -> bool:
+        """Whether the (T, T) Gram matrices cost less than forming G."""
+        _, _, t, o, i = self.dims
+        return t * (i + o) < i * o
+
+    def norm_sq_and_inner(self, refs: Tensor) -> tuple[Tensor, Tensor]:
+        """Where the norm forms G anyway (many positions, as an LM head over a sequence), the
+        inner products come from the same chunks for (B, K, P) more, instead of sum_t s^T R a."""
+        if (groups := self._groups()) is not None:
+            norms, inners = (
+                self.s.new_zeros(self.dims[0]),
+                self.s.new_zeros(self.dims[0], len(refs)),
+            )
+            for index, part in groups:
+                norms[index], inners[index] = part.norm_sq_and_inner(refs)
+            return norms, inners
+        if self.dims[2] == 1 or self._gram_cheaper:
+            return self.norm_sq(), self.inner(refs)
+        r = rows(refs.to(self.s.dtype))  # (K, P)
+        norms, inners = [], []
+        for m in self._materialized_chunks():
+            flat = m.flatten(1)  # (b, P)
+            norms.append(_sq_norm(flat, 1))
+            inners.append(flat @ r.T)  # (b, P) @ (P, K)
+        return _cat(norms), _cat(inners)
+
+    def _gram_norm_sq(self) -> Tensor:
+        """sum_{t,t'} (a_t . a_t')(s_t . s_t'), in (c, c) blocks so no (T, T) matrix is needed."""
+        b, g, t, _, _ = self.dims
+        c = max(1, min(t, int((CHUNK_ELEMENTS / (b * g)) ** 0.5)))
+        if c == t:  # one block: its sum, with no running total
+            gram_a, gram_s = self.a @ self.a.mT, self.s @ self.s.mT  # (B, G, T, T) each
+            return (gram_a * gram_s).sum((1, 2, 3))
+        total = self.s.new_zeros(b)
+        for lo in range(0, t, c):
+            a_lo, s_lo = self.a[:, :, lo : lo + c], self.s[:, :, lo : lo + c]
+            for hi in range(lo, t, c):
+                a_hi, s_hi = self.a[:, :, hi : hi + c], self.s[:, :, hi : hi + c]
+                block = (a_lo @ a_hi.transpose(-1, -2)) * (
+                    s_lo @ s_hi.transpose(-1, -2)
+                )  # (B, G, c, c)
+                total += block.sum((1, 2, 3)) * (1 if hi == lo else 2)  # off-diagonal blocks twice
+        return total
+
+    def _materialized_chunks(self):
+        b, g, _, o, i = self.dims
+        step = max(1, CHUNK_ELEMENTS // (g * o * i))
+        for lo in range(0, b, step):
+            # (b, G, O, T) @ (b, G, T, I) -> (b, G, O, I)
+            yield self.s[lo : lo + step].transpose(-1, -2) @ self.a[lo : lo + step]
+
+    def materialize(self) -> Tensor:
+        if self._groups() is not None:
+            return self._placed(Outer.materialize, self.shape)
+        return torch.cat(list(self._materialized_chunks())).reshape(-1, *self.shape)
+
+    def batch_sum(self) -> Tensor:
+        if self._groups() is not None:
+            return sum((p.batch_sum() for _, p in self._groups()), self.s.new_zeros(self.shape))
+        b, g, t, o, i = self.dims
+        s, a = (
+            self.s.transpose(0, 1).reshape(g, b * t, o),
+            self.a.transpose(0, 1).reshape(g, b * t, i),
+        )
+        return (s.transpose(1, 2) @ a).reshape(self.shape)  # (G, O, B*T) @ (G, B*T, I)
+
+    def inner(self, refs: Tensor) -> Tensor:
+        if self._groups() is not None:
+            return self._placed(lambda p: p.inner(refs), (refs.shape[0],))
+        b, g, t, o, i = self.dims
+        r = refs.to(self.s.dtype).reshape(-1, g, o, i)  # (K, G, O, I)
+        # sum_t s_t^T R a_t: project the inputs through R, never forming G; a few references at
+        # a time, so that --per-ref's K of up to 1000 holds no (B, K, G, T, O) product at once
+        step = max(1, CHUNK_ELEMENTS // (b * g * t * min(o, i)))
+        return _cat([self._inner(r[lo : lo + step]) for lo in range(0, r.shape[0], step)], 1)
+
+    def _inner(self, r: Tensor) -> Tensor:
+        _, _, _, o, i = self.dims
+        if o <= i:
+            ra = torch.einsum("kgoi,bgti->bkgto", r, self.a)  # (B, K, G, T, O)
+            return torch.einsum("bkgto,bgto->bk", ra, self.s)
+        rs = torch.einsum("kgoi,bgto->bkgti", r, self.s)  # (B, K, G, T, I)
+        return torch.einsum("bkgti,bgti->bk", rs, self.a)

@@ -1,0 +1,71 @@
+"""Outer with ``lengths``: examples padded to the longest answered in groups of similar length,
+each cut to its group's longest, with the same answers as the whole padded product."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradscope.rules import Outer
+
+
+def padded(lengths: list[int], g: int, t: int, o: int, i: int) -> tuple[torch.Tensor, ...]:
+    """(B, G, T, O) and (B, G, T, I) float64 factors, zero from each example's length on."""
+    s, a = torch.randn(len(lengths), g, t, o).double(), torch.randn(len(lengths), g, t, i).double()
+    for b, n in enumerate(lengths):
+        s[b, :, n:], a[b, :, n:] = 0, 0
+    return s, a
+
+
+# uneven (an expert's rows of each example), with an example that has none, batch 1, a
+# group route that forms G (long rows, small matrix) and one that takes the Gram (short rows)
+CASES = [
+    ([7, 2, 0, 11, 10, 1], 1, 11, 3, 4),
+    ([5], 1, 9, 6, 5),
+    ([40, 3, 38, 2], 2, 40, 3, 2),
+    ([3, 1, 2, 3], 1, 3, 30, 40),
+]
+
+
+@pytest.mark.parametrize(("lengths", "g", "t", "o", "i"), CASES)
+def test_lengths_give_the_padded_answers(lengths, g, t, o, i):
+    torch.manual_seed(0)
+    s, a = padded(lengths, g, t, o, i)
+    shape = torch.Size((g * o, i))
+    whole, cut = Outer(s, a, shape), Outer(s, a, shape, lengths)
+    refs = torch.randn(3, *shape).double()
+    grads = torch.einsum("bgto,bgti->bgoi", s, a).reshape(len(lengths), *shape)
+    torch.testing.assert_close(cut.materialize(), grads)
+    torch.testing.assert_close(cut.norm_sq(), grads.flatten(1).square().sum(1))
+    torch.testing.assert_close(cut.norm_sq(), whole.norm_sq())
+    torch.testing.assert_close(cut.inner(refs), whole.inner(refs))
+    both, whole_both = cut.norm_sq_and_inner(refs), whole.norm_sq_and_inner(refs)
+    for mine, theirs in zip(both, whole_both, strict=True):
+        torch.testing.assert_close(mine, theirs)
+    torch.testing.assert_close(cut.batch_sum(), grads.sum(0))
+
+
+def test_groups_are_cut_to_their_longest():
+    lengths = [7, 2, 0, 11, 10, 1]
+    s, a = padded(lengths, 1, 11, 3, 4)
+    groups = Outer(s, a, torch.Size((3, 4)), lengths)._groups()
+    got = [(index.tolist(), part.dims[2]) for index, part in groups]
+    assert got == [([3, 4], 11), ([0], 7), ([1], 2), ([5], 1)]  # example 2 has no rows: in none
+
+
+def test_full_lengths_are_no_lengths():
+    s, a = padded([4, 4], 1, 4, 3, 2)
+    assert Outer(s, a, torch.Size((3, 2)), [4, 4])._groups() is None
+
+
+def test_merged_positions_follow_each_other():
+    """A module called twice on routed rows: the second call's rows come after the first's
+    padded positions, and an example without rows there keeps its first length."""
+    torch.manual_seed(1)
+    first, second = padded([3, 1, 0], 1, 3, 2, 5), padded([0, 2, 2], 1, 2, 2, 5)
+    shape = torch.Size((2, 5))
+    merged = Outer(*first, shape, [3, 1, 0]).merge(Outer(*second, shape, [0, 2, 2]))
+    assert merged.lengths == (3, 5, 5)
+    whole = Outer(*first, shape).merge(Outer(*second, shape))
+    torch.testing.assert_close(merged.norm_sq(), whole.norm_sq())
+    torch.testing.assert_close(merged.materialize(), whole.materialize())
