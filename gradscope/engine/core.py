@@ -14,12 +14,12 @@ from torch import Tensor, nn
 
 from ..errors import GradscopeError, ModelError, one_line
 from ..losses import LossFn
-from ..rules import Contribution, find_rule
+from ..rules import Contribution, Outer, find_rule
 from . import decide
 from .fallback import Fallback, short_reason
 from .first_batch import Findings, agrees, record_for
 from .forward import Forward
-from .owners import regroup
+from .owners import lengths, regroup
 from .plan import BROADCAST, FALLBACK_LOOP, ParamPlan, Plan, build_plan
 from .reduce import Reducer, Want
 from .session import Call, HookSession
@@ -330,13 +330,16 @@ class Engine:
 
     def _on_grad(self, served: dict, reducer: Reducer, batch: int, call: Call, grad: Tensor):
         """A call's output gradient has arrived: its rule's contributions go to ``reducer``."""
-        inputs = call.inputs
+        inputs, counts = call.inputs, None
         if call.rows is not None:  # rows in another layout: each example's rows gathered
             x = inputs[0]
             inputs = (regroup(x, call.rows, batch, x.dim() - call.rows.dim()), *inputs[1:])
             grad = regroup(grad, call.rows, batch, grad.dim() - call.rows.dim())
+            counts = lengths(call.rows, batch)
         try:
             parts = find_rule(call.module).fn(call.module, inputs, grad, **call.kwargs)
+            if counts is not None:  # a row-by-row rule: an Outer's positions are the rows
+                parts = {k: _padded(part, counts, grad.shape[1]) for k, part in parts.items()}
         except GradscopeError:
             raise  # a rule's refusal (BatchNorm on batch statistics) is the user's to fix
         except Exception as e:  # a layer recognised wrongly: its rule declines
@@ -391,3 +394,12 @@ class Engine:
             with torch.no_grad():
                 observed = self.observe(output.detach(), targets)
         return self.loss_fn(output, targets), observed
+
+
+def _padded(part: Contribution, counts: list[int], longest: int) -> Contribution:
+    """``part`` told how many of its positions each example's rows fill, where it is an Outer
+    over the (B, L) rows a row-by-row rule got gathered and padded: a padded row's output
+    gradient is zero, and so is its term (``Outer.lengths``)."""
+    if isinstance(part, Outer) and part.lengths is None and part.dims[2] == longest:
+        return Outer(part.s, part.a, part.shape, counts)
+    return part
