@@ -5,8 +5,9 @@
 - ``Computed``: a tensor that ops computed from watched tensors and tensors no example owns
   (``-exp(A_log)``, a weight-norm weight, a position table indexed by ``arange``, attention
   sinks reshaped). Every example reads the same value, so example i's gradient of the sources is
-  the vector-Jacobian product of those ops with example i's gradient of the tensor: formed
-  (B times the tensor's size) and carried back by one batched VJP, then placed as above.
+  the vector-Jacobian product of those ops with example i's gradient of the tensor: formed and
+  carried back by one batched VJP, then placed as above; a few examples at a time where the
+  batch's gradients of the tensor and of its sources would pass ``CHUNK_ELEMENTS``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..rules import Contribution, Dense
+from ..rules import Contribution, Dense, base
+from ..rules.base import Formed
 from ..rules.placed import Place, Placed
 from .plan import ParamPlan
 
@@ -49,19 +51,34 @@ class Computed:
     func: Callable[..., Tensor]
     leaves: tuple[Derived, ...]
     values: tuple[Tensor, ...]  # detached
+    batch: int
 
     @property
     def params(self) -> tuple[ParamPlan, ...]:
         return tuple({id(d.param): d.param for d in self.leaves}.values())
 
     def credit(self, part: Contribution) -> dict[str, Contribution]:
-        """Each parameter's per-example gradient from ``part``, this tensor's."""
-        grads = part.materialize()
+        """Each parameter's per-example gradient from ``part``, this tensor's: formed for the
+        batch at once, or where that passes ``CHUNK_ELEMENTS`` (a weight-norm convolution's
+        weight, B times) formed again for each question a few examples at a time."""
+        per_example = part.shape.numel() + sum(v.numel() for v in self.values)
+        step = max(1, base.CHUNK_ELEMENTS // per_example)
+        if step >= self.batch:
+            leaves = [Dense(g) for g in self._back(part.materialize())]
+        else:
+            leaves = [
+                Formed(self._formed(part, k), self.batch, v.shape, step)
+                for k, v in enumerate(self.values)
+            ]
         out: dict[str, Contribution] = {}
-        for leaf, g in zip(self.leaves, self._back(grads), strict=True):
-            for name, c in leaf.credit(Dense(g)).items():
-                out[name] = out[name].merge(c) if name in out else c
+        for leaf, c in zip(self.leaves, leaves, strict=True):
+            for name, placed in leaf.credit(c).items():
+                out[name] = out[name].merge(placed) if name in out else placed
         return out
+
+    def _formed(self, part: Contribution, k: int) -> Callable[[int, int], Tensor]:
+        """(lo, hi) -> (hi - lo, *leaf k's shape): examples lo..hi - 1's gradients of leaf k."""
+        return lambda lo, hi: self._back(part.examples(lo, hi).materialize())[k]
 
     def _back(self, grads: Tensor) -> tuple[Tensor, ...]:
         """(B, *shape) gradients of this tensor -> (B, *leaf shape) per leaf: one VJP, batched."""
@@ -78,11 +95,16 @@ Watched = Derived | Computed
 
 
 def compute(
-    func: Callable, args: tuple, kwargs: dict, watched: Callable[[object], Watched | None]
+    func: Callable,
+    args: tuple,
+    kwargs: dict,
+    watched: Callable[[object], Watched | None],
+    batch: int,
 ) -> Callable[[int | None], Computed]:
     """For an op whose watched arguments (``watched(t)`` not None) are views of parameters or
     tensors computed from them: the ``Computed`` of its output (index ``k`` of a tuple output,
-    or None for a tensor), as a function of the leaves of every watched argument."""
+    or None for a tensor), as a function of the leaves of every watched argument, read by a
+    batch of ``batch`` examples."""
     flat, spec = tree_flatten((args, kwargs))
     leaves: dict[int, tuple[Derived, Tensor]] = {}  # by the leaf tensor's id
     slots: list[tuple[int, Watched, list[int]]] = []  # (position in flat, its watch, leaf ids)
@@ -110,6 +132,7 @@ def compute(
 
     def output(index: int | None) -> Computed:
         fn = run if index is None else (lambda *values: run(*values)[index])
-        return Computed(fn, tuple(leaves[i][0] for i in order), tuple(leaves[i][1] for i in order))
+        derived, values = (tuple(leaves[i][j] for i in order) for j in (0, 1))
+        return Computed(fn, derived, values, batch)
 
     return output

@@ -196,7 +196,7 @@ class ParamTap(FunctionReads, BroadcastReads, TorchFunctionMode):
     def _computed(self, func, args: tuple, kwargs: dict) -> object:
         """The op's result, each floating tensor of it followed as ``Computed`` from the
         watched tensors it reads; None when its result is not tensors."""
-        output = compute(func, args, kwargs, self._watched)
+        output = compute(func, args, kwargs, self._watched, self.batch)
         out = func(*args, **kwargs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         if not all(isinstance(t, Tensor) for t in outs):

@@ -66,6 +66,10 @@ class Contribution(ABC):
         """(*shape) the sum over examples: the batch gradient of the summed loss."""
         return self.materialize().sum(0)
 
+    def examples(self, lo: int, hi: int) -> Contribution:
+        """Examples ``lo`` to ``hi - 1`` alone, formed no further than their own share."""
+        return Dense(self.materialize()[lo:hi])
+
     def merge(self, other: Contribution) -> Contribution:
         """The contribution of both (a module called twice, a weight shared by two modules)."""
         return Dense(self.materialize() + other.materialize())
@@ -98,6 +102,9 @@ class Dense(Contribution):
 
     def batch_sum(self) -> Tensor:
         return self.grads.sum(0)
+
+    def examples(self, lo: int, hi: int) -> Contribution:
+        return Dense(self.grads[lo:hi])
 
     def merge(self, other: Contribution) -> Contribution:
         return Dense(self.grads + other.materialize())
@@ -139,6 +146,9 @@ class Formed(Dense):
 
     def batch_sum(self) -> Tensor:
         return sum(m.sum(0) for m in self._chunks())
+
+    def examples(self, lo: int, hi: int) -> Contribution:
+        return Formed(lambda a, b: self.form(lo + a, lo + b), hi - lo, self.shape, self.step)
 
 
 # (module, tensor inputs, output grad, **the call's other arguments by name) -> {attr: part}

@@ -26,6 +26,9 @@ class Rows(Contribution):
         self.ids, self.s = ids, _acc(s)
         self.shape = torch.Size((num_rows, s.shape[-1]))
 
+    def examples(self, lo: int, hi: int) -> Contribution:
+        return Rows(self.ids[lo:hi], self.s[lo:hi], self.shape[0])
+
     def norm_sq(self) -> Tensor:
         b, _, d = self.s.shape
         keys, inverse = torch.unique(_example_keys(self.ids, self.shape[0]), return_inverse=True)

@@ -76,12 +76,18 @@ class Outer(Contribution):
                     groups[-1].append(i)
                 else:
                     groups.append([i])
-            self._grouped = []
-            for group in groups:
-                n, index = self.lengths[group[0]], torch.tensor(group, device=self.s.device)
-                part = Outer(self.s[index, :, :n], self.a[index, :, :n], self.shape)
-                self._grouped.append((index, part))
+            self._grouped = [self._cut(group) for group in groups]
         return self._grouped
+
+    def _cut(self, group: list[int]) -> tuple[Tensor, Outer]:
+        """The examples of ``group`` (longest first) cut to the longest: a view where they are
+        consecutive examples (one alone, as routing that sends an expert one example's tokens
+        makes many), else a gather."""
+        n, group = self.lengths[group[0]], sorted(group)
+        lo, hi = group[0], group[-1] + 1
+        index = torch.tensor(group, device=self.s.device)
+        pick = slice(lo, hi) if hi - lo == len(group) else index
+        return index, Outer(self.s[pick, :, :n], self.a[pick, :, :n], self.shape)
 
     def _placed(self, answer: Callable[[Outer], Tensor], tail: Sequence[int]) -> Tensor:
         """(B, *tail): ``answer`` of each group at its examples' rows, zeros where none."""
@@ -89,6 +95,10 @@ class Outer(Contribution):
         for index, part in self._groups():
             out[index] = answer(part)
         return out
+
+    def examples(self, lo: int, hi: int) -> Contribution:
+        lengths = None if self.lengths is None else self.lengths[lo:hi]
+        return Outer(self.s[lo:hi], self.a[lo:hi], self.shape, lengths)
 
     def norm_sq(self) -> Tensor:
         b, g, t, o, i = self.dims

@@ -62,6 +62,9 @@ class Placed(Contribution):
         out[self.place.index] = view
         return out
 
+    def examples(self, lo: int, hi: int) -> Contribution:
+        return Placed(self.part.examples(lo, hi), self.shape, self.place)
+
     def merge(self, other: Contribution) -> Contribution:
         if isinstance(other, Placed) and other.place == self.place:
             return Placed(self.part.merge(other.part), self.shape, self.place)
@@ -85,6 +88,9 @@ class Blocks(Contribution):
 
     def batch_sum(self) -> Tensor:
         return sum(b.batch_sum() for b in self.blocks)
+
+    def examples(self, lo: int, hi: int) -> Contribution:
+        return Blocks([b.examples(lo, hi) for b in self.blocks])
 
     def merge(self, other: Contribution) -> Contribution:
         others = other.blocks if isinstance(other, Blocks) else [other]

@@ -26,8 +26,10 @@ from oracle import Case, assert_rel_close, reference_influence, reference_norms
 from torch import Tensor, nn
 
 import gradscope
-from gradscope.engine.core import Engine
+from gradscope.engine.core import Engine, total
+from gradscope.engine.derived import Computed
 from gradscope.losses import resolve_loss
+from gradscope.rules import base
 
 
 def _sequences(b: int) -> tuple[Tensor, ...]:
@@ -160,3 +162,36 @@ def test_products_of_mixed_columns_go_to_the_fallback():
     _, expected = reference_norms(model, inputs, targets, "mse", include=["x_proj"])
     assert_rel_close(scores.norm_sq["x_proj"].sqrt(), expected, 1e-6)
     assert engine.plan.find("x_proj").is_fallback
+
+
+# the cases that read a tensor computed from parameters (the fused experts read views only)
+COMPUTED = [c for c in CASES if "batch-1" not in c.id and c.id != "fused-experts"]
+
+
+@pytest.mark.parametrize("case", COMPUTED, ids=repr)
+def test_computed_a_few_examples_at_a_time(case: Case, monkeypatch):
+    """Where the batch's gradients of a computed tensor and of its sources would pass
+    ``CHUNK_ELEMENTS``, they are formed a few examples at a time, again for each question:
+    the same norms and inner products, on two batches."""
+    monkeypatch.setattr(base, "CHUNK_ELEMENTS", 64)
+    formed = []
+    original = Computed._formed
+    monkeypatch.setattr(
+        Computed, "_formed", lambda self, part, k: formed.append(k) or original(self, part, k)
+    )
+    model, inputs, targets = case.build(torch.float64, batch=5)
+    engine = Engine(model, resolve_loss(case.loss))
+    for _ in range(2):
+        with engine:
+            scores = engine.norms(inputs, targets)
+        _, expected = reference_norms(model, inputs, targets, case.loss)
+        assert_rel_close(total(scores.norm_sq).sqrt(), expected, 1e-6)
+    assert not [p.name for p in engine.plan.params if p.is_fallback]
+    train, ref = (
+        (tuple(t[:3] for t in inputs), targets[:3]),
+        (tuple(t[3:] for t in inputs), targets[3:]),
+    )
+    got = gradscope.per_example_influence(model, *train, *ref, case.loss, engine="hooks")
+    expected, _, _ = reference_influence(model, *train, ref, case.loss)
+    assert_rel_close(got, expected[:, 0], 1e-6)
+    assert formed, "no computed tensor was read"
