@@ -19,7 +19,7 @@ from . import decide
 from .fallback import Fallback, short_reason
 from .first_batch import Findings, agrees, record_for
 from .forward import Forward
-from .owners import lengths, regroup
+from .owners import regroup
 from .plan import BROADCAST, FALLBACK_LOOP, ParamPlan, Plan, build_plan
 from .reduce import Reducer, Want
 from .session import Call, HookSession
@@ -332,10 +332,8 @@ class Engine:
         """A call's output gradient has arrived: its rule's contributions go to ``reducer``."""
         inputs, counts = call.inputs, None
         if call.rows is not None:  # rows in another layout: each example's rows gathered
-            x = inputs[0]
-            inputs = (regroup(x, call.rows, batch, x.dim() - call.rows.dim()), *inputs[1:])
-            grad = regroup(grad, call.rows, batch, grad.dim() - call.rows.dim())
-            counts = lengths(call.rows, batch)
+            (x, grad), counts = regroup(call.rows, batch, inputs[0], grad)
+            inputs = (x, *inputs[1:])
         try:
             parts = find_rule(call.module).fn(call.module, inputs, grad, **call.kwargs)
             if counts is not None:  # a row-by-row rule: an Outer's positions are the rows

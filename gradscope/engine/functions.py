@@ -17,7 +17,7 @@ from ..rules.placed import Place, Placed
 from .calls import bind_affine, bind_conv, conv_parts, einsum_terms
 from .derived import Derived, Watched
 from .graph import read_at
-from .owners import NONE, is_batch, lengths, reduce, regroup, rows_or_none, slots
+from .owners import NONE, is_batch, reduce, regroup, rows_or_none, slots
 from .views import compose
 
 ASSUMED = object()  # rows taken as the examples' until the losses' owners say otherwise
@@ -61,11 +61,9 @@ class FunctionReads:
         shape = weight.shape
 
         def parts(grad: Tensor) -> dict[str, Contribution]:
-            xs, g, counts = a, grad, None
+            (xs, g), counts = (a, grad), None
             if rows is not None:
-                xs = regroup(a, rows, self.batch, a.dim() - rows.dim())
-                g = regroup(grad, rows, self.batch, grad.dim() - rows.dim())
-                counts = lengths(rows, self.batch)
+                (xs, g), counts = regroup(rows, self.batch, a, grad)
             if name == "embedding":
                 padding = kwargs.get("padding_idx", args[2] if len(args) > 2 else None)
                 by_freq = kwargs.get("scale_grad_by_freq", args[5] if len(args) > 5 else False)
@@ -237,10 +235,9 @@ class FunctionReads:
         blocks, start = [], 0
         for e, end in enumerate(ends):
             if end > start:
-                rows_e = owner[start:end]
-                xs = regroup(a[start:end], rows_e, self.batch, 1)
-                g = regroup(grad[start:end], rows_e, self.batch, 1)
-                counts = lengths(rows_e, self.batch)
+                (xs, g), counts = regroup(
+                    owner[start:end], self.batch, a[start:end], grad[start:end]
+                )
                 part = affine_parts(xs, g, weight[e], None, True, counts)["weight"]
                 if isinstance(d, Derived):
                     index = (e,) if not d.place.index else compose(d.place.index, (e,), 3)

@@ -156,16 +156,23 @@ def groups(shape: Sequence[int], new: Sequence[int]) -> list[tuple[int, int, int
     return found
 
 
-def regroup(x: Tensor, owner: Tensor, batch: int, features: int) -> Tensor:
-    """(B, L, *features) from ``x`` (*rows, *features) whose rows belong to the examples in
-    ``owner`` (*rows,): each example's rows in order, padded with zeros to the longest."""
-    feat = x.shape[x.dim() - features :] if features else ()
+def regroup(
+    owner: Tensor, batch: int, *tensors: Tensor
+) -> tuple[tuple[Tensor, ...], list[int] | None]:
+    """Each of ``tensors`` (*rows, *features), whose rows belong to the examples in ``owner``
+    (*rows,), as (B, L, *features): each example's rows in order, padded with zeros to the
+    longest; and how many rows each example holds, None where the batch lies along one dimension
+    (sequence-first, (T*B) rows: a view, every example as many)."""
+    rows = owner.dim()
     lane = _lane(owner, batch)
-    if lane is not None:  # the batch along one dimension (sequence-first, (T*B) rows): a view
+    if lane is not None:
         dim, m = lane
-        n = x.shape[dim] // (batch * m)
-        return x.unflatten(dim, (n, batch, m)).movedim(dim + 1, 0).reshape(batch, -1, *feat)
-    flat = x.reshape(-1, *feat)  # (N, *features)
+        return tuple(
+            t.unflatten(dim, (t.shape[dim] // (batch * m), batch, m))
+            .movedim(dim + 1, 0)
+            .reshape(batch, -1, *t.shape[rows:])
+            for t in tensors
+        ), None
     own = owner.reshape(-1)  # (N,)
     order = torch.argsort(own, stable=True)
     counts = torch.bincount(own, minlength=batch)
@@ -173,17 +180,12 @@ def regroup(x: Tensor, owner: Tensor, batch: int, features: int) -> Tensor:
     slot = torch.empty_like(own)
     slot[order] = torch.arange(own.shape[0], device=own.device) - starts[own[order]]
     longest = int(counts.max()) if own.numel() else 0
-    out = x.new_zeros(batch, max(longest, 1), *feat)
-    out[own, slot] = flat
-    return out
-
-
-def lengths(owner: Tensor, batch: int) -> list[int] | None:
-    """How many rows of ``owner`` (*rows,) each example holds, as ``regroup`` gathers them;
-    None where it finds the batch along one dimension (each example then holds as many)."""
-    if _lane(owner, batch) is not None:
-        return None
-    return torch.bincount(owner.reshape(-1), minlength=batch).tolist()
+    out = []
+    for t in tensors:
+        gathered = t.new_zeros(batch, max(longest, 1), *t.shape[rows:])
+        gathered[own, slot] = t.reshape(-1, *t.shape[rows:])  # (N, *features)
+        out.append(gathered)
+    return tuple(out), counts.tolist()
 
 
 def _lane(owner: Tensor, batch: int) -> tuple[int, int] | None:

@@ -164,8 +164,8 @@ def test_regroup_of_a_batch_dimension_is_the_gather(batch: int):
     gathered: the same (B, L, features) as the general gather."""
     x = torch.randn(5, batch, 2, 4)  # (T, B, H, features)
     owner = torch.arange(batch).view(1, batch, 1).expand(5, batch, 2)
-    moved = regroup(x, owner, batch, 1)
-    gathered = regroup(x, owner.contiguous(), batch, 1)  # not an expanded view: the gather
+    moved = regroup(owner, batch, x)[0][0]
+    gathered = regroup(owner.contiguous(), batch, x)[0][0]  # not an expanded view: the gather
     assert torch.equal(moved, gathered)
 
 

@@ -203,11 +203,11 @@ def test_regroup_of_a_lane_is_the_gather(batch: int, n: int, m: int):
     features), each example's rows in their order."""
     x = torch.randn(2, n * batch * m, 4)  # (S, rows, features)
     owner = (torch.arange(n * batch * m) // m % batch).view(1, -1).expand(2, -1)
-    moved = regroup(x, owner, batch, 1)
-    gathered = regroup(x, owner.contiguous(), batch, 1)  # not an expanded view: the gather
+    moved = regroup(owner, batch, x)[0][0]
+    gathered = regroup(owner.contiguous(), batch, x)[0][0]  # not an expanded view: the gather
     assert torch.equal(moved, gathered)
-    shifted = regroup(x, owner.roll(1, 1), batch, 1)  # not a lane: the gather
-    assert torch.equal(shifted, regroup(x, owner.roll(1, 1).contiguous(), batch, 1))
+    shifted = regroup(owner.roll(1, 1), batch, x)[0][0]  # not a lane: the gather
+    assert torch.equal(shifted, regroup(owner.roll(1, 1).contiguous(), batch, x)[0][0])
 
 
 def _random_moves(x: Tensor, rng: torch.Generator) -> Tensor:
