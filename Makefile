@@ -1,20 +1,18 @@
-# The README's two commands: `make example` and `make test`. Both set up .venv on first use.
+# The README's two commands: `make example` and `make test`. Both set up .venv on first use, from
+# requirements.lock: every package at the version and hash CI tested (torch: the CPU build).
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU build; set TORCH="torch==2.13.0 --index-url ..." (or install torch first) for CUDA.
-TORCH ?= torch==2.13.0
 
-.PHONY: example test lint clean
+.PHONY: example test lint lock clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml requirements.lock
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH)
-	# pin the torch just installed, so the test extra (transformers) cannot swap in another build
-	$(PY) -m pip freeze | grep '^torch==' > $(VENV)/torch-pin.txt
-	# compat: the clone's folder on sys.path (a .pth), so `import gradscope` from the folder that
-	# holds the clone finds this package, not the clone itself as an empty namespace package
-	$(PY) -m pip install -q -c $(VENV)/torch-pin.txt -e '.[test]' --config-settings editable_mode=compat
+	$(PY) -m pip install -q --require-hashes --no-deps -r requirements.lock
+	# the project alone, built with the locked setuptools; compat: the clone's folder on sys.path
+	# (a .pth), so `import gradscope` from the folder that holds the clone finds this package,
+	# not the clone itself as an empty namespace package
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e . --config-settings editable_mode=compat
+	$(PY) -m pip check
 	touch $@
 
 example: $(VENV)/.installed
@@ -26,6 +24,12 @@ lint: $(VENV)/.installed
 
 test: lint
 	$(PY) -m pytest
+
+# Re-resolve requirements.lock from pyproject.toml's ranges (needs pip-tools: pip install
+# pip-tools). Indexes come from pip's own configuration, so the lock names none.
+lock:
+	pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras --no-emit-index-url \
+		--no-emit-find-links --extra test -c constraints.txt -o requirements.lock pyproject.toml
 
 clean:
 	rm -rf $(VENV) scores.parquet .pytest_cache
