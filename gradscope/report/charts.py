@@ -10,6 +10,7 @@ import numpy as np
 from matplotlib import rc_context
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 
 from ..summary import Outliers, per_class
 
@@ -45,6 +46,9 @@ def histogram(found: Outliers) -> str:
         top = found.values[found.top]
         ax.plot(top, np.zeros_like(top), "|", color=TOP, markersize=14, mew=1.5, clip_on=False,
                 transform=ax.get_xaxis_transform(), label=f"top {len(top)} rows")  # fmt: skip
+        # counts as plain numbers: the default log labels are TeX (``$10^{2}$``), which
+        # svg.fonttype none with parse_math off writes out as the raw string
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.set_xlabel(found.score)
         ax.set_ylabel("examples (log)")
         ax.legend(frameon=False, loc="upper right")

@@ -143,3 +143,10 @@ def test_box_plots_draw_the_outliers_and_classes_by_name(tmp_path):
     svg = charts.classes(found)
     assert svg.count("<use ") >= 2  # the fliers 9.0 and 7.0 (rows 5 and 17, class 1)
     assert all(f">{name}<" in svg for name in "abcd")  # ticks as text (svg.fonttype none)
+
+
+def test_histogram_counts_are_plain_text_on_the_log_axis(tmp_path):
+    found = rank(scores_file(tmp_path / "s.parquet", n=400), None, 3, None)
+    ticks = re.findall(r">([^<>]+)</text>", charts.histogram(found))
+    assert "1" in ticks and "10" in ticks, ticks
+    assert not [t for t in ticks if "$" in t or "\\" in t], ticks  # no TeX left as text
