@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from oracle import assert_rel_close, reference_norms
+from oracle import assert_rel_close, model_state, reference_norms
 from torch import Tensor, nn
 
 import gradscope
@@ -145,30 +145,6 @@ def _build(model: str) -> nn.Module:
     return (built[model]() if model in built else Sometimes(model)).double()
 
 
-def _state(model: nn.Module) -> dict:
-    """Everything about the model a pass must leave as it was."""
-    named = model.named_parameters(remove_duplicate=False)
-    return {
-        "params": [(name, p, p.requires_grad, p.detach().clone()) for name, p in named],
-        "buffers": {name: b.clone() for name, b in model.named_buffers()},
-        "modes": [m.training for m in model.modules()],
-        "grads": [p.grad for p in model.parameters()],
-    }
-
-
-def _assert_unchanged(before: dict, model: nn.Module) -> None:
-    after = _state(model)
-    assert [(n, id(p), r) for n, p, r, _ in before["params"]] == [
-        (n, id(p), r) for n, p, r, _ in after["params"]
-    ]
-    assert all(
-        torch.equal(a[3], b[3]) for a, b in zip(before["params"], after["params"], strict=True)
-    )
-    assert after["buffers"].keys() == before["buffers"].keys()
-    assert all(torch.equal(after["buffers"][k], b) for k, b in before["buffers"].items())
-    assert after["modes"] == before["modes"] and after["grads"] == [None] * len(after["grads"])
-
-
 CASES = ["dense", "module", "raw", "outside", "flip", "value", "routed", "padded"]
 
 
@@ -182,9 +158,9 @@ def test_every_batch_of_one_signature_is_exact_through_fresh_api_calls(case: str
     model = _build(case)
     for k, (inputs, targets) in enumerate(_batches(case)):
         _set_state(model, k)
-        before = _state(model)
+        before = model_state(model)
         norms = gradscope.per_example_norms(model, inputs, targets, loss="cross_entropy")
-        _assert_unchanged(before, model)
+        before.assert_kept(model)
         _, expected = reference_norms(model, inputs, targets, "cross_entropy")
         assert_rel_close(norms, expected, 1e-9)
 

@@ -7,13 +7,14 @@ import warnings
 from collections.abc import Sequence
 
 from torch import Tensor, nn
-from torch.func import functional_call, grad, vmap
+from torch.func import grad, vmap
 
 from ...losses import LossFn
 from ...rules import Dense
 from ...rules.base import CHUNK_ELEMENTS
 from .forward import Forward
 from .naive import naive_grads
+from .substitute import substituted
 
 
 def short_reason(e: Exception, width: int = 60) -> str:
@@ -70,7 +71,8 @@ class Fallback:
         def one_loss(theta: dict[str, Tensor], x: tuple[Tensor, ...], y: Tensor) -> Tensor:
             # A batch of one inside vmap: the model and loss see the shapes they always see.
             args, kwargs = self.forward.split(tuple(t[None] for t in x))
-            out = functional_call(self.model, {**fixed, **theta}, args, kwargs)
+            with substituted(self.model, {**fixed, **theta}):
+                out = self.model(*args, **kwargs)
             return self.loss_fn(self.forward.select(out), y[None])[0]
 
         numel = sum(p.numel() for p in chosen.values())

@@ -12,7 +12,9 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
+from ...losses import LossFn
 from ..engine import Engine
+from .substitute import substituted
 
 
 class JvpUnsupported(Exception):
@@ -66,6 +68,22 @@ class LinearTangents(TorchFunctionMode):
         return out if tangent is None else fwAD.make_dual(out, tangent)
 
 
+def loss_tangent(
+    loss_fn: LossFn, z: Tensor, dz: Tensor | None, targets: Tensor
+) -> tuple[Tensor, Tensor]:
+    """(B,) losses of outputs ``z`` and their tangents along ``dz``: sum_j dl_i/dz_j dz_j, the
+    derivative read off the loss's own backward (the loss alone: a small one). Forward mode
+    through the loss cancels to 0 where a fitted classifier's softmax has saturated (p - 1 of
+    nearly equal numbers), where the backward's gradient keeps the small probabilities."""
+    with torch.enable_grad():
+        zg = z.detach().requires_grad_(True)
+        losses = loss_fn(zg, targets)
+        (g,) = torch.autograd.grad(losses.sum(), zg, allow_unused=True)
+    if g is None or dz is None:  # the output does not move along this direction
+        return losses.detach(), torch.zeros_like(losses.detach())
+    return losses.detach(), (g * dz).reshape(len(losses), -1).sum(1)  # (B,)
+
+
 def jvp_inner(
     engine: Engine,
     inputs: tuple[Tensor, ...],
@@ -99,16 +117,16 @@ def jvp_inner(
                     for n, v in zip(names, primals, strict=True)
                 }
                 args, kwargs = engine.forward.split(inputs)
-                output = engine.forward.select(
-                    torch.func.functional_call(engine.model, duals, args, kwargs)
-                )
-                out = fwAD.unpack_dual(engine.loss_fn(output, targets))
+                with substituted(engine.model, duals):
+                    output = engine.forward.select(engine.model(*args, **kwargs))
+                z, dz = fwAD.unpack_dual(output)
+                losses, tangent = loss_tangent(engine.loss_fn, z, dz, targets)
                 if primal is None:
-                    primal = out.primal
+                    primal = losses
                     if engine.observe is not None:
-                        observed = engine.observe(fwAD.unpack_dual(output).primal, targets)
-                output = duals = None  # the next direction's pass starts with nothing held
-                columns.append(out.tangent)
+                        observed = engine.observe(z, targets)
+                output = duals = z = dz = None  # the next direction's pass starts with nothing held
+                columns.append(tangent)
     except (RuntimeError, NotImplementedError) as e:
         raise JvpUnsupported(str(e).splitlines()[0]) from e
     return primal, torch.stack(columns, 1), observed  # (B, K)
