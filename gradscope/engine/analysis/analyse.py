@@ -45,8 +45,30 @@ class Analysis:
                 continue
             if all(check(captured, inputs, targets, findings) for check in checks):
                 break
+        if not captured.per_example:
+            self._examples_alone(inputs, targets, captured)
         decide.before_backward(self.plan, captured)
         return captured
+
+    def _examples_alone(self, inputs: tuple[Tensor, ...], targets: Tensor, captured: Captured):
+        """Where the trace finds the losses mixing examples, whether they do: two examples run
+        alone must each give their loss in the batch (the trace may only have lost track, and
+        then the fallback is exact). A loss or model that mixes them (``l - l.mean()``) has no
+        per-example gradient: refused, not scored as each example alone."""
+        losses, op = captured.losses, captured.trace.mixed_at(captured.losses)
+        after = f" (after {op})" if op else ""
+        with torch.no_grad():
+            for i in dict.fromkeys((0, len(targets) - 1)):
+                one = tuple(t[i : i + 1] for t in inputs)
+                alone = self.losses(one, targets[i : i + 1])[0].reshape(1)
+                if not agrees(alone, losses[i : i + 1].detach()):
+                    raise ModelError(
+                        f"example {i}'s loss is {alone.item():.6g} alone and "
+                        f"{losses[i].item():.6g} in its batch: the loss (or the model) mixes "
+                        f"the examples of a batch{after}, as l - l.mean() does, so an example "
+                        "has no gradient of its own; reduce each example's loss alone",
+                        "loss",
+                    )
 
     def _recorded(self, inputs: tuple[Tensor, ...], targets: Tensor, findings: Findings):
         expand, assume = findings.expand is not False, findings.assume
