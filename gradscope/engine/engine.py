@@ -53,21 +53,23 @@ def total(per_param: dict[str, Tensor]) -> Tensor:
 
 @contextlib.contextmanager
 def prepared(model: nn.Module, plan: Plan) -> Iterator[None]:
-    """Eval mode and ``requires_grad`` on the selected parameters, restored on exit."""
-    training = {m: m.training for m in model.modules()}
-    requires = {id(p.param): (p.param, p.param.requires_grad) for p in plan.params}
-    model.eval()
+    """Eval mode and ``requires_grad`` on the selected parameters, restored on exit; nothing
+    touched where the model is so already (the API enters it on every call)."""
+    training = [(m, m.training) for m in model.modules()]
+    frozen = [p.param for p in plan.included if not p.param.requires_grad]
+    if any(mode for _, mode in training):
+        model.eval()
     try:
-        for p in plan.included:
-            p.param.requires_grad_(True)
+        for p in frozen:
+            p.requires_grad_(True)
         with torch.enable_grad():
             yield
     finally:
-        for m, mode in training.items():  # parents first: train() sets a module's children
+        for m, mode in training:  # parents first: train() sets a module's children
             if m.training != mode:
                 m.train(mode)
-        for p, flag in requires.values():
-            p.requires_grad_(flag)
+        for p in frozen:
+            p.requires_grad_(False)
 
 
 @dataclass
