@@ -29,7 +29,7 @@ test: lint
 # pip-tools). Indexes come from pip's own configuration, so the lock names none.
 lock:
 	pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras --no-emit-index-url \
-		--no-emit-find-links --extra test -c constraints.txt -o requirements.lock pyproject.toml
+		--no-emit-find-links --extra test --extra docs -c constraints.txt -o requirements.lock pyproject.toml
 
 clean:
 	rm -rf $(VENV) scores.parquet .pytest_cache
