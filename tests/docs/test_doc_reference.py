@@ -86,7 +86,8 @@ def _written_columns(tmp_path) -> set[str]:
 def test_every_output_column_is_documented_and_every_entry_is_written(tmp_path):
     written = _written_columns(tmp_path)
     assert {"grad_norm/fc1", "loss@1", "ref_id", "id", "class_z"} <= written
-    assert not [n for n in written if describe(n) is None], "columns missing from columns.py"
+    missing = sorted(n for n in written if describe(n) is None)
+    assert not missing, f"columns written but not described in gradscope/columns.py: {missing}"
     never = [c.name for c in COLUMNS if not any(c.matches(n) for n in written)]
     assert not never, f"columns.py describes columns no run wrote: {never}"
 
