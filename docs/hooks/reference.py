@@ -60,6 +60,13 @@ def _item(hint: Any) -> type | None:
     return None
 
 
+def _default_of(f: dataclasses.Field) -> Any:
+    """A field's default value, or ``dataclasses.MISSING`` for a required key."""
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
 def config_keys(cls: type | None = None, prefix: str = "") -> list[tuple[str, Any, Any, str]]:
     """(key path, type hint, default, doc) of every key of the config file, depth first; a list
     of mappings contributes ``key[].field`` rows after its own."""
@@ -69,16 +76,10 @@ def config_keys(cls: type | None = None, prefix: str = "") -> list[tuple[str, An
     hints, docs, rows = get_type_hints(cls), field_docs(cls), []
     for f in _keys(cls):
         key, hint = f"{prefix}{f.name}", hints[f.name]
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        else:
-            default = dataclasses.MISSING
         if dataclasses.is_dataclass(hint):
             rows += config_keys(hint, f"{key}.")
             continue
-        rows.append((key, hint, default, docs.get(f.name, "")))
+        rows.append((key, hint, _default_of(f), docs.get(f.name, "")))
         if _item(hint):
             rows += config_keys(_item(hint), f"{key}[].")
     return rows
@@ -127,12 +128,9 @@ def config_skeleton() -> str:
         for f in _keys(cls):
             if dataclasses.is_dataclass(hints[f.name]):
                 out[f.name] = mapping(hints[f.name])
-            elif f.default is not dataclasses.MISSING:
-                out[f.name] = f.default
-            elif f.default_factory is not dataclasses.MISSING:
-                out[f.name] = f.default_factory()
             else:
-                out[f.name] = "REQUIRED"
+                default = _default_of(f)
+                out[f.name] = "REQUIRED" if default is dataclasses.MISSING else default
         return out
 
     text = yaml.safe_dump(mapping(Config), sort_keys=False)
@@ -193,9 +191,8 @@ def command_reference() -> str:
         for p in command.params:
             default = p.default if p.default not in (None, False) else ""
             shown = f"`{default}`" if default != "" else ("required" if p.required else "")
-            meaning = cell(
-                html.escape(p.help or "", quote=False)
-            )  # plain text: grad_norm/<module> is no tag
+            # help is plain text: grad_norm/<module> must show, not open a tag
+            meaning = cell(html.escape(p.help or "", quote=False))
             out.append(f"| `{_spelled(p)}` | {cell(shown)} | {meaning} |")
         out.append("")
     return "\n".join(out)
