@@ -71,12 +71,28 @@ ConfigArg = Annotated[
     typer.Argument(metavar="CONFIG", help="YAML config naming the model, checkpoint and data."),
 ]
 OutOpt = Annotated[  # a string: a trailing '/' (a folder) must reach the check
-    str | None, typer.Option("--out", help="Parquet file to write (default: output.path).")
+    str | None,
+    typer.Option("--out", metavar="PATH", help="Parquet file to write (default: output.path)."),
 ]
-DeviceOpt = Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda, cuda:N or mps.")]
-BatchOpt = Annotated[int | None, typer.Option("--batch-size", help="Examples per pass.")]
-LimitOpt = Annotated[int | None, typer.Option("--limit", help="Score only the first N examples.")]
-TopKOpt = Annotated[int | None, typer.Option("--top-k", help="Rows in the outlier table.")]
+DeviceOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--device", metavar="DEV", help="auto, cpu, cuda, cuda:N or mps (default: device)."
+    ),
+]
+BatchOpt = Annotated[
+    int | None,
+    typer.Option("--batch-size", metavar="N", help="Examples per pass (default: data.batch_size)."),
+]
+LimitOpt = Annotated[
+    int | None, typer.Option("--limit", metavar="N", help="Score only the first N examples.")
+]
+TopKOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--top-k", metavar="K", help="Rows per outlier table (default: summary.top_k, else 20)."
+    ),
+]
 ByOpt = Annotated[
     str | None,
     typer.Option(
@@ -156,6 +172,7 @@ def norms(
         Path | None,
         typer.Option(
             "--precondition",
+            metavar="FILE",
             help="Factors file (gradscope factors) or Adam/AdamW state_dict: adds "
             "self_influence = g^T P g, P the inverse curvature or 1 / (sqrt(v_hat) + eps).",
         ),
@@ -198,7 +215,9 @@ def influence(
     ref: Annotated[
         str,
         typer.Option(
-            "--ref", help="Reference data file (any format data.path takes); same column names."
+            "--ref",
+            metavar="REF",
+            help="Reference data file (any format data.path takes); same column names.",
         ),
     ],
     out: OutOpt = None,
@@ -214,13 +233,18 @@ def influence(
         Path | None,
         typer.Option(
             "--precondition",
+            metavar="FILE",
             help="Factors file (gradscope factors) or Adam/AdamW state_dict: score against "
             "P g_ref, P the inverse curvature or 1 / (sqrt(v_hat) + eps).",
         ),
     ] = None,
     engine: Annotated[
         str,
-        typer.Option("--engine", help="auto, hooks (ghost inner products) or jvp (forward mode)."),
+        typer.Option(
+            "--engine",
+            metavar="auto|hooks|jvp",
+            help="auto, hooks (ghost inner products) or jvp (forward mode).",
+        ),
     ] = "auto",
     by: ByOpt = None,
     resume: ResumeOpt = False,
@@ -254,12 +278,14 @@ def influence(
 def check(
     config: ConfigArg,
     examples: Annotated[
-        int, typer.Option("--examples", help="Compare on the first N examples.")
+        int, typer.Option("--examples", metavar="N", help="Compare on the first N examples.")
     ] = 8,
     ref: Annotated[
         Path | None,
         typer.Option(
-            "--ref", help="Reference data for the influence check (default: the examples)."
+            "--ref",
+            metavar="REF",
+            help="Reference data for the influence check (default: the examples).",
         ),
     ] = None,
     device: DeviceOpt = None,
@@ -284,9 +310,9 @@ def check(
 @app.command()
 def factors(
     config: ConfigArg,
-    out: Annotated[Path, typer.Option("--out", help="safetensors file to write.")] = Path(
-        "factors.safetensors"
-    ),
+    out: Annotated[
+        Path, typer.Option("--out", metavar="PATH", help="safetensors file to write.")
+    ] = Path("factors.safetensors"),
     limit: LimitOpt = None,
     ekfac: Annotated[
         bool, typer.Option("--ekfac", help="A second pass for EK-FAC's corrected eigenvalues.")
@@ -294,7 +320,9 @@ def factors(
     fisher: Annotated[
         str,
         typer.Option(
-            "--fisher", help="true (targets drawn from the model) or empirical (the data's)."
+            "--fisher",
+            metavar="true|empirical",
+            help="true (targets drawn from the model) or empirical (the data's).",
         ),
     ] = "true",
     device: DeviceOpt = None,
@@ -355,10 +383,15 @@ def report(
     scores: ScoresArg,
     config: Annotated[
         Path | None,
-        typer.Option("--config", help="The run's config: the top-k examples are read and shown."),
+        typer.Option(
+            "--config",
+            metavar="CONFIG",
+            help="The run's config: the top-k examples are read and shown.",
+        ),
     ] = None,
     out: Annotated[
-        str | None, typer.Option("--out", help="HTML file to write (default: SCORES.html).")
+        str | None,
+        typer.Option("--out", metavar="PATH", help="HTML file to write (default: SCORES.html)."),
     ] = None,
     by: ByOpt = None,
     top_k: TopKOpt = None,
