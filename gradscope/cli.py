@@ -20,6 +20,8 @@ from .errors import GradscopeError, Interrupted
 # transformers, when a config names it: no "Loading weights" bar, no advice on every run
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+if not os.environ.get("GRADSCOPE_DEBUG"):  # torch's C++ log lines (c10d's retries print stacks)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 
 
 class _ErrorBoundary(TyperGroup):

@@ -74,6 +74,7 @@ class ParamsConfig:
 class DistributedConfig:
     shard: str | None = None  # None: each torchrun rank holds the whole model; fsdp: FSDP2
     wrap: list[str] | None = None  # fsdp: class names sharded as units; None: the model's blocks
+    join_timeout: float = 300.0  # seconds a torchrun process waits for the others to join
 
 
 @dataclass(frozen=True)
@@ -278,8 +279,14 @@ def _validate(cfg: Config) -> None:
 
 
 def _validate_distributed(cfg: Config) -> None:
-    """distributed.shard: fsdp serves one model at a time, through the rules."""
+    """distributed.shard: fsdp serves one model at a time, through the rules; joining takes time."""
     shard = cfg.distributed.shard
+    if not (math.isfinite(cfg.distributed.join_timeout) and cfg.distributed.join_timeout > 0):
+        raise ConfigError(
+            f"'distributed.join_timeout' must be a positive number of seconds, got "
+            f"{cfg.distributed.join_timeout}",
+            cfg.source,
+        )
     if shard not in (None, "fsdp"):
         raise ConfigError(f"'distributed.shard' must be null or fsdp, got {shard!r}", cfg.source)
     if shard and cfg.model.checkpoints:
