@@ -112,6 +112,18 @@ def parse_by(by: str | None) -> tuple[str | None, str | None]:
     return column, direction
 
 
+def check_by(by: str | None, names: list[str]) -> None:
+    """A ``--by`` that names none of the columns a run may write (``Scorer.names``) fails before
+    the run: a typo must not cost it."""
+    column, _ = parse_by(by)
+    per_module = column is not None and column.startswith("grad_norm/")
+    if column is None or column in names or (per_module and "grad_norm/<module>" in names):
+        return
+    raise ConfigError(
+        f"no column {column!r} to rank by; this run writes {', '.join(names)}", "--by"
+    )
+
+
 def default_score(names: list[str]) -> str:
     """What a file ranks by unless told: influence, else self_influence (several checkpoints),
     else grad_norm."""
