@@ -46,8 +46,11 @@ class DataConfig:
     path: str | list[str]  # a file, a glob, or a list of them read in order as shards
     targets: str
     # columns passed positionally, or {forward_argument: column} passed by keyword; an entry
-    # with * stacks the matching columns into one (B, K) tensor
-    inputs: list[str] | dict[str, str] = field(default_factory=lambda: ["x"])
+    # with * ("feature_*") or a list of columns ([age, blood pressure]) stacks those columns,
+    # in file or list order, into one (B, K) tensor
+    inputs: list[str | list[str]] | dict[str, str | list[str]] = field(
+        default_factory=lambda: ["x"]
+    )
     ids: str | None = None
     pad: dict[str, float] = field(default_factory=dict)  # column -> value for ragged list columns
     show: str | None = None  # a text column the report shows for each example
@@ -147,11 +150,20 @@ def _type_name(hint: Any) -> str:
     if get_origin(hint) in (Union, types.UnionType):
         return " or ".join(_type_name(h) for h in get_args(hint))
     if get_origin(hint) is list:
-        return f"a list of {_type_name(get_args(hint)[0]).split(' ', 1)[1]}s"
+        return f"a list of {_plural(get_args(hint)[0])}"
     if get_origin(hint) is dict:
-        key, item = (_type_name(h).split(" ", 1)[1] for h in get_args(hint))
-        return f"a mapping of {key}s to {item}s"
+        key, item = (_plural(h) for h in get_args(hint))
+        return f"a mapping of {key} to {item}"
     return names.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _plural(hint: Any) -> str:
+    """``strings``, ``lists of strings``, ``strings or lists of strings``."""
+    if get_origin(hint) in (Union, types.UnionType):
+        return " or ".join(_plural(h) for h in get_args(hint))
+    return _type_name(hint).split(" ", 1)[1].replace("list of", "lists of", 1) + (
+        "" if get_origin(hint) is list else "s"
+    )
 
 
 def _takes_list(hint: Any) -> bool:
@@ -367,7 +379,8 @@ def default_pad(cfg: Config) -> dict[str, int]:
     causal_lm, the targets with -100 (the positions the loss skips); ``data.pad`` overrides them.
     The resolved config in the output's metadata holds the values used; ``check`` prints them."""
     data = cfg.data
-    named = data.inputs if isinstance(data.inputs, dict) else {c: c for c in data.inputs}
+    given = data.inputs.items() if isinstance(data.inputs, dict) else [(c, c) for c in data.inputs]
+    named = {a: c for a, c in given if isinstance(c, str)}  # a stack of columns is no mask
     pad = {column: 0 for argument, column in named.items()
            if "attention_mask" in (argument, column)}  # fmt: skip
     if cfg.loss.name == "causal_lm" and data.targets not in named.values():

@@ -185,7 +185,8 @@ def score_dataset(
             stack.enter_context(job.engine)
             scorer.setup(job)
             batches = dataset.batches(cfg.data.batch_size, cfg.data.limit)
-            count = _score(parts, job, scorer, batches, on_batch)
+            with dataset.columns.naming():  # the model cannot take them: which columns
+                count = _score(parts, job, scorer, batches, on_batch)
             distributed.barrier()  # every rank's parts are written
             if not world.main:
                 return None

@@ -79,7 +79,10 @@ class Renderer:
     """Turns one example's input tensors into ``Shown`` parts, by their shape and dtype."""
 
     def __init__(self, cfg: Config):
-        self.names, self.shape = cfg.data.inputs, cfg.report.image_shape
+        inputs = cfg.data.inputs  # forward arguments, or columns (a stack by its columns)
+        names = list(inputs) if isinstance(inputs, dict) else inputs
+        self.names = [n if isinstance(n, str) else ", ".join(n) for n in names]
+        self.shape = cfg.report.image_shape
         self.tokenizer = _tokenizer(cfg.report.tokenizer) if cfg.report.tokenizer else None
 
     def __call__(self, inputs: tuple[torch.Tensor, ...]) -> list[Shown]:
