@@ -21,7 +21,8 @@ DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """One checkpoint of a TracIn sum: its state dict and the weight of its scores."""
+    """One checkpoint of a TracIn sum: its state dict (or peft adapter folder) and the weight of
+    its scores."""
 
     path: str
     weight: float = 1.0
@@ -32,6 +33,7 @@ class ModelConfig:
     factory: str
     kwargs: dict = field(default_factory=dict)
     checkpoint: str | None = None
+    # [{path, weight}]: state dicts, or peft adapter folders loaded in turn onto the base
     checkpoints: list[CheckpointConfig] = field(default_factory=list)
     state_dict_key: str | None = None
     strip_prefix: str | None = None
@@ -270,8 +272,7 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"'data.limit' must be at least 1, got {cfg.data.limit}", source)
     if cfg.data.path == []:
         raise ConfigError("'data.path' must name at least one file", source)
-    if cfg.model.checkpoints and cfg.model.checkpoint is not None:
-        raise ConfigError("set model.checkpoint or model.checkpoints, not both", source)
+    _validate_checkpoints(cfg)
     weights = [c.weight for c in cfg.model.checkpoints]
     if any(not math.isfinite(w) or w < 0 for w in weights) or (weights and not any(weights)):
         # cosine over checkpoints is a cosine in the sqrt(weight)-scaled space: weights must be >= 0
@@ -288,6 +289,24 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("'data.inputs' must name at least one input", source)
     _validate_hf(cfg)
     _validate_distributed(cfg)
+
+
+def _validate_checkpoints(cfg: Config) -> None:
+    """model.checkpoints: state dicts instead of model.checkpoint, or peft adapter folders loaded
+    in turn onto the one base model (model.checkpoint, model.pretrained), instead of
+    model.adapter."""
+    model, source = cfg.model, cfg.source
+    folders = [Path(c.path).is_dir() for c in model.checkpoints]
+    if any(folders) and not all(folders):
+        raise ConfigError(
+            "'model.checkpoints' mixes adapter folders and state dict files; list one kind", source
+        )
+    if any(folders) and model.adapter is not None:
+        raise ConfigError(
+            "set model.adapter or adapter folders in model.checkpoints, not both", source
+        )
+    if model.checkpoints and not any(folders) and model.checkpoint is not None:
+        raise ConfigError("set model.checkpoint or model.checkpoints, not both", source)
 
 
 def _validate_distributed(cfg: Config) -> None:
