@@ -27,9 +27,12 @@ from workloads import WORKLOADS  # noqa: E402
 
 from gradscope.curvature.factors import Factors, fit, metadata  # noqa: E402
 from gradscope.curvature.precondition import Curvature  # noqa: E402
-from gradscope.engine.core import Engine  # noqa: E402
-from gradscope.engine.influence import Influence, reference_gradients  # noqa: E402
-from gradscope.engine.reduce import Want  # noqa: E402
+from gradscope.engine import (  # noqa: E402
+    Engine,  # noqa: E402
+    Influence,
+    Want,  # noqa: E402
+    reference_gradients,
+)
 from gradscope.losses import resolve_loss  # noqa: E402
 
 

@@ -8,9 +8,15 @@ from pathlib import Path
 from torch import Tensor, nn
 
 from .curvature import load_preconditioner
-from .engine.core import Engine, total
-from .engine.forward import Forward
-from .engine.influence import Influence, adam_denominator, preconditioned, reference_gradients
+from .engine import (
+    Engine,
+    Forward,
+    Influence,
+    adam_denominator,
+    preconditioned,
+    reference_gradients,
+    total,
+)
 from .losses import LossFn, resolve_loss
 
 

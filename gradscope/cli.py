@@ -275,7 +275,7 @@ def check(
     trust_checkpoint: TrustOpt = False,
 ) -> None:
     """Compare both engines with a per-example backward loop; exit 1 above tolerance."""
-    from .engine.check import render_plan, render_report
+    from .engine import render_plan, render_report
     from .job import check_config
 
     cfg = with_overrides(load_config(config), device=device)

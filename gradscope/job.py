@@ -11,11 +11,7 @@ from torch import Tensor, nn
 
 from . import __version__, distributed
 from .config import Config, ModelConfig
-from .engine.check import CheckReport, compare_with_loop
-from .engine.core import Engine
-from .engine.forward import Forward
-from .engine.influence import influence_errors
-from .engine.plan import Plan
+from .engine import CheckReport, Engine, Forward, Plan, compare_with_loop, influence_errors
 from .errors import ConfigError, DataError, ModelError
 from .io.data import Batch, data_sha256, open_dataset
 from .io.model import build_model, file_sha256, import_object

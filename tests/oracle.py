@@ -9,9 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from gradscope.engine.core import Engine
-from gradscope.engine.forward import Forward, select_output
-from gradscope.engine.naive import naive_grads
+from gradscope.engine import Engine, Forward, naive_grads, select_output
 from gradscope.losses import resolve_loss
 
 

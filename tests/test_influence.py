@@ -10,8 +10,8 @@ from oracle import Case, reference_influence
 from torch import Tensor, nn
 
 import gradscope
-from gradscope.engine.core import Engine
-from gradscope.engine.influence import (
+from gradscope.engine import (
+    Engine,
     Influence,
     adam_denominator,
     influence_errors,

@@ -199,7 +199,7 @@ def load_preconditioner(
     """A factors file (``gradscope factors``) or an Adam/AdamW ``state_dict()``, told apart by
     their content. Factors must fit the engine's selected parameters, and come from the same
     checkpoint when ``checkpoint_sha256`` is given."""
-    from ..engine.influence import adam_denominator
+    from ..engine import adam_denominator
     from ..io.model import load_state_dict
 
     where = str(path)

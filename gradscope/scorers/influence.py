@@ -11,13 +11,8 @@ from torch import Tensor
 
 from .. import distributed
 from ..config import Config
-from ..engine.influence import (
-    MAX_PER_REF,
-    BatchInfluence,
-    Influence,
-    check_engine,
-    reference_gradients,
-)
+from ..engine import MAX_PER_REF, Influence, check_engine, reference_gradients
+from ..engine.passes.influence import BatchInfluence
 from ..errors import ConfigError, DataError
 from ..inputs import data_inputs
 from ..io.data import Batch, Dataset, data_sha256, open_dataset

@@ -9,8 +9,7 @@ import torch
 from torch import Tensor
 
 from ..config import CheckpointConfig, Config
-from ..engine.core import BatchScores, total
-from ..engine.reduce import Want
+from ..engine import BatchScores, Want, total
 from ..errors import ConfigError
 from ..io.data import Batch
 from ..io.model import file_sha256

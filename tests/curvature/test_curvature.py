@@ -17,10 +17,7 @@ from torch import Tensor, nn
 from gradscope.curvature.factors import DIAGONAL, KFAC, Factors, factored_convs, fit, metadata
 from gradscope.curvature.fisher import SampledLoss
 from gradscope.curvature.precondition import Curvature, Diagonal
-from gradscope.engine.core import Engine, total
-from gradscope.engine.influence import Influence, reference_gradients
-from gradscope.engine.naive import naive_grads
-from gradscope.engine.reduce import Want
+from gradscope.engine import Engine, Influence, Want, naive_grads, reference_gradients, total
 from gradscope.losses import resolve_loss
 from gradscope.rules import RULES
 from gradscope.rules.conv import conv

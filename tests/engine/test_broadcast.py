@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from oracle import Case, assert_rel_close, reference_norms
 from torch import Tensor, nn
 
-from gradscope.engine.core import Engine
+from gradscope.engine import Engine
 from gradscope.losses import resolve_loss
 
 D, N = 6, 4

@@ -26,8 +26,8 @@ from oracle import Case, assert_rel_close, reference_influence, reference_norms
 from torch import Tensor, nn
 
 import gradscope
-from gradscope.engine.core import Engine, total
-from gradscope.engine.derived import Computed
+from gradscope.engine import Engine, total
+from gradscope.engine.analysis.derived import Computed
 from gradscope.losses import resolve_loss
 from gradscope.rules import base
 

@@ -11,7 +11,7 @@ from oracle import assert_rel_close, reference_norms
 from torch import Tensor, nn
 
 import gradscope
-from gradscope.engine.core import Engine, total
+from gradscope.engine import Engine, total
 from gradscope.losses import resolve_loss
 from gradscope.rules import RULES, Dense, register_rule
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..rules import Contribution, Dense
-from ..rules.base import CHUNK_ELEMENTS
+from ...rules import Contribution, Dense
+from ...rules.base import CHUNK_ELEMENTS
 from .derived import Watched
 from .owners import combine, is_batch, reduce, slots
 

@@ -18,6 +18,7 @@ from .ops import (
     IN_PLACE_OPERATORS,
     INDICES,
     MOVES,
+    PICKED,
     PLACES,
     REDUCTIONS,
     RESHAPES,
@@ -47,10 +48,14 @@ class OwnerAlgebra:
     device, ``owners``, ``owner``, ``lane``, ``unknown`` and ``_set``."""
 
     def _follow(self, name: str, func, args: tuple, kwargs: dict, out: object, origin: str):
+        if self.picked_by is None and self._picked(name, args, kwargs):
+            self.picked_by = name
         if name in INDICES and len(args) == 1:  # positions, not values: nothing flows back
             outs = out if isinstance(out, (tuple, list)) else (out,)  # as_tuple: one per dim
             return self._set(out, tuple(filled(t, NONE) for t in outs), origin)
         if name in CREATIONS:
+            if isinstance(out, Tensor):
+                self.created[out] = True
             return self._set(out, filled(out, NONE), origin)
         if name in SORTS:
             return self._set(out, self._sorted(name, args, kwargs, out), origin)
@@ -90,6 +95,40 @@ class OwnerAlgebra:
             return self._set(out, CONTRACTIONS[name](self, *args, **kwargs), origin)
         self.unknown.setdefault(name)
         self._set(out, self._leading(args, kwargs, out), origin)
+
+    def _picked(self, name: str, args: tuple, kwargs: dict) -> bool:
+        """Whether op ``name`` moves elements, along dimensions where its source's owners vary,
+        to places that values computed from the batch pick (rows picked by computed indices,
+        masks, sorts): its result's owners hold for this batch's values only."""
+        x = args[0] if args else None
+        if not isinstance(x, Tensor):
+            return False
+        if name in SORTS:  # values move along the dimension sorted
+            dim = kwargs.get("dim", args[1] if len(args) > 1 and isinstance(args[1], int) else -1)
+            return self._varies(x, [dim])
+        if name not in PICKED and name not in PLACES and name not in SCATTERS:
+            return False
+        pickers = [t for t in tensors_in(args[1:], kwargs) if self._of_batch(t)]
+        if name in PLACES or name in SCATTERS or name == "__setitem__" or not pickers:
+            return bool(pickers)  # writes where values say: whatever the owners
+        if name == "__getitem__":
+            return self._varies(x, _picked_dims(args[1], pickers, x.dim()))
+        if name in ("take", "masked_select") or (
+            name == "repeat_interleave" and "dim" not in kwargs and len(args) < 3
+        ):
+            return self._varies(x, range(x.dim()))  # flattened
+        dim = kwargs.get("dim", args[1] if len(args) > 1 and isinstance(args[1], int) else None)
+        dim = args[2] if name in ("take_along_dim", "repeat_interleave") and len(args) > 2 else dim
+        return self._varies(x, range(x.dim()) if dim is None else [dim])
+
+    def _of_batch(self, t: Tensor) -> bool:
+        """Whether ``t``'s values are computed from the batch (not made by a creation op)."""
+        return t in self.owners and t not in self.created
+
+    def _varies(self, x: Tensor, dims) -> bool:
+        """Whether ``x``'s owners may differ along any of ``dims``."""
+        o = compact(self.owner(x))
+        return any(o.shape[d % o.dim()] > 1 for d in dims) if o.dim() else False
 
     def _all(self, args: tuple, kwargs: dict) -> list[Tensor]:
         return [self.owner(t) for t in tensors_in(args, kwargs)] or [
@@ -220,3 +259,25 @@ class OwnerAlgebra:
         shape = [1] * x.dim()
         shape[dim] = x.shape[dim]
         return compact(o.view(shape))
+
+
+def _picked_dims(key: object, pickers: list[Tensor], rank: int) -> list[int]:
+    """The dimensions of a tensor of ``rank`` that ``x[key]`` indexes with one of ``pickers``
+    (a bool mask of rank r indexes r dimensions; ``None`` none; ``...`` the rest)."""
+    key = key if isinstance(key, tuple) else (key,)
+
+    def width(k: object) -> int:
+        if k is None or k is Ellipsis:
+            return 0
+        if isinstance(k, Tensor) and k.dtype == torch.bool:
+            return k.dim()
+        return 1
+
+    rest = rank - sum(width(k) for k in key)
+    dims, at = [], 0
+    for k in key:
+        span = rest if k is Ellipsis else width(k)
+        if any(k is t for t in pickers):
+            dims.extend(range(at, at + span))
+        at += span
+    return dims

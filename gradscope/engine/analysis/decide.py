@@ -16,19 +16,19 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ..rules import find_rule
-from .first_batch import agrees
+from ...rules import find_rule
+from ..plan import BROADCAST, ParamPlan, Plan
+from ..rows import Gather, rows_of
 from .owners import NONE, is_batch, reduce
-from .plan import BROADCAST, ParamPlan, Plan
-from .reduce import Reducer
+from .selfcheck import Singles, agrees
 
 if TYPE_CHECKING:
-    from .core import Seen
-    from .session import Call
+    from ..capture import Call, Captured
+    from ..passes.reduce import Reducer
     from .trace import RowTrace
 
 
-def before_backward(plan: Plan, seen: Seen) -> None:
+def before_backward(plan: Plan, seen: Captured) -> None:
     """Move to the fallback what reads rows that are not the examples', and parameters read
     outside their rules' module calls by other ops than those the tap serves."""
     for p in plan.raw + plan.by_rule if seen.tap else ():
@@ -50,7 +50,7 @@ def before_backward(plan: Plan, seen: Seen) -> None:
             plan.to_fallback(p, reason)
 
 
-def _after(seen: Seen, t: Tensor) -> str:
+def _after(seen: Captured, t: Tensor) -> str:
     op = seen.trace.mixed_at(t)
     return f" (after {op})" if op else ""
 
@@ -69,14 +69,13 @@ def _layout(call: Call, trace: RowTrace) -> str | None:
         rows = reduce(owners, range(x.dim() - features, x.dim()), keepdim=False)
         rows = rows.expand(x.shape[: x.dim() - features])  # owners may be compact
         if x.numel() == 0:  # no row routed to it on this batch: zeros, gathered
-            call.rows = torch.zeros(
-                x.shape[: x.dim() - features], dtype=torch.long, device=x.device
-            )
+            zeros = torch.zeros(x.shape[: x.dim() - features], dtype=torch.long, device=x.device)
+            call.rows = Gather.of(zeros, batch)
             return None
         if is_batch(rows.reshape(rows.shape[0], -1), batch):
             return None
         if bool((rows >= 0).all()):
-            call.rows = rows
+            call.rows = rows_of(rows, batch)
             return None
         return _why(rows)
     dim = rule.batch_dim(call.module, call.inputs) if rule.batch_dim else 0
@@ -103,11 +102,11 @@ def _why(owners: Tensor) -> str:
 
 def after_backward(
     plan: Plan,
-    seen: Seen,
+    seen: Captured,
     reducer: Reducer,
     checked: Sequence[ParamPlan],
     grads: Sequence[Tensor | None],
-    singles: dict[int, list[Tensor | None]],
+    singles: Singles | None,
     verify: bool,
 ) -> None:
     """Move to the fallback what the backward showed the rules cannot see."""
@@ -137,25 +136,9 @@ def after_backward(
             plan.to_fallback(
                 p, "its rule's gradients do not add up to autograd's (used outside its module?)"
             )
-        elif verify and not _singles_agree(p, k, reducer, singles):
+        elif verify and not singles.agree(k, reducer.norm_sq.get(p.name), p.param.dtype):
             plan.to_fallback(p, "its rule's gradient of one example differs from its backward")
         elif verify and p.rule == BROADCAST:
             p.note = ""  # served: no longer "no rule for ..."
     for p in plan.fallback:
         reducer.forget(p.name)
-
-
-def _singles_agree(
-    p: ParamPlan, k: int, reducer: Reducer, singles: dict[int, list[Tensor | None]]
-) -> bool:
-    """Whether the rule's squared norm of each single example's gradient equals that of the
-    example's own backward (``singles[i][k]``): an error that cancels in the batch sum shows."""
-    ours = reducer.norm_sq.get(p.name)
-    for i, grads in singles.items():
-        g = grads[k]
-        theirs = torch.zeros((), dtype=torch.float64) if g is None else g.double().norm()
-        mine = torch.zeros((), dtype=torch.float64) if ours is None else ours[i].double().sqrt()
-        scale = torch.stack([t.double().norm() for t in grads if t is not None] or [theirs]).norm()
-        if not agrees(mine.reshape(1), theirs.reshape(1).to(p.param.dtype), scale.item()):
-            return False
-    return True

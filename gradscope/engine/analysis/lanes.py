@@ -251,6 +251,14 @@ def _linear(args, kwargs, lanes, out, batch) -> Lane | None:
     return lane if lane is not None and lane[0] < args[0].dim() - 1 else None
 
 
+def _addmm(args, kwargs, lanes, out, batch) -> Lane | None:
+    """addmm(bias, x, W) of a bias and weight from no example: x's rows (HF's Conv1D)."""
+    if len(args) < 3 or len(lanes) != 1 or id(args[1]) not in lanes or kwargs:
+        return None
+    lane = lanes[id(args[1])]
+    return lane if lane[0] == 0 else None
+
+
 def _matmul(args, kwargs, lanes, out, batch) -> Lane | None:
     """a @ b: a's rows or batch dimensions; both on the lane only along batch dimensions."""
     a, b = args[0], args[1] if len(args) > 1 else None
@@ -372,6 +380,7 @@ _RULES: dict[str, Callable[..., Lane | None]] = {
     **dict.fromkeys(("cat", "concat", "concatenate", "stack"), _joined),
     **dict.fromkeys(CASTS, _cast),
     "linear": _linear,
+    "addmm": _addmm,
     **dict.fromkeys(("matmul", "__matmul__", "mm", "bmm"), _matmul),
     "scaled_dot_product_attention": _attention,
     **dict.fromkeys(("layer_norm", "rms_norm"), _norm),

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from ..losses import LossFn
+from ...losses import LossFn
 from .forward import Forward
 
 

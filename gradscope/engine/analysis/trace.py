@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from .follow import OwnerAlgebra
 from .lanes import Lane, after
-from .ops import READS, filled, op_name
+from .ops import ESCAPES, READS, SIZED_BY_VALUES, filled, op_name
 from .owners import MIXED, NONE, compact, is_batch
 
 
@@ -85,6 +85,11 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         self.batch = batch
         self.owners = ByTensor()
         self.unknown: dict[str, None] = {}  # ops seen on batch tensors whose owners were assumed
+        # ops that read the batch's values on the host, where Python may branch on them, and
+        # the first op whose result's owners hold for this batch's values only (follow.py)
+        self.escapes: dict[str, None] = {}
+        self.picked_by: str | None = None
+        self.created = ByTensor()  # tensors made by CREATIONS: values that depend on no example
         self.mixed_by = ByTensor()  # tensor -> the op that mixed examples on its way
         self._lanes: dict[object, Tensor] = {}  # (rank, dim, size, m) -> its owners
         self._lane_of: dict[int, tuple[Tensor, Lane]] = {}  # id of those owners -> the lane
@@ -145,6 +150,8 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         if func.__name__ == "__get__" and func.__self__.__name__ not in ("T", "mT", "data"):
             return func(*args, **kwargs)  # a property: metadata, or a view handled as an op
         name = op_name(func)
+        if name in ESCAPES and self.owners.held(args, kwargs):
+            self.escapes.setdefault(name)  # the batch's values read on the host
         if name in READS:
             return func(*args, **kwargs)
         if name == "__iter__" and args and args[0] in self.owners:
@@ -162,6 +169,8 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         tracked = self.owners.held(args, kwargs)  # (tensor, its owners)
         if not tracked:
             return
+        if name in SIZED_BY_VALUES or (name == "where" and len(args) == 1):
+            self.escapes.setdefault(name)
         origin = name
         try:
             if self._by_lanes(name, args, kwargs, tracked, out):

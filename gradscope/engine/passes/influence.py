@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..errors import ConfigError, ModelError
-from ..rules.base import accumulation_dtype, rows
-from .core import Engine, total
+from ...errors import ConfigError, ModelError
+from ...rules.base import accumulation_dtype, rows
+from ..engine import Engine, total
 from .jvp import JvpUnsupported, jvp_inner
 from .naive import naive_grads
 from .reduce import Want

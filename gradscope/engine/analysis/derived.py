@@ -19,10 +19,10 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..rules import Contribution, Dense, base
-from ..rules.base import Formed
-from ..rules.placed import Place, Placed
-from .plan import ParamPlan
+from ...rules import Contribution, Dense, base
+from ...rules.base import Formed
+from ...rules.placed import Place, Placed
+from ..plan import ParamPlan
 
 
 @dataclass(frozen=True)

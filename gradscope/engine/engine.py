@@ -1,5 +1,5 @@
-"""The engine and its pass: capture the forward, decide what the rules cannot serve, reduce inside
-the one backward, then the fallback for the rest."""
+"""The engine and its pass: a forward analysed in full or replayed, then the one backward with
+the rules inside, then the fallback for what the rules cannot serve (``README.md`` draws it)."""
 
 from __future__ import annotations
 
@@ -15,28 +15,20 @@ from torch import Tensor, nn
 from ..errors import GradscopeError, ModelError, one_line
 from ..losses import LossFn
 from ..rules import Contribution, Outer, find_rule
-from . import decide
-from .fallback import Fallback, short_reason
-from .first_batch import Findings, agrees, record_for
-from .forward import Forward
-from .owners import regroup
-from .plan import BROADCAST, FALLBACK_LOOP, ParamPlan, Plan, build_plan
-from .reduce import Reducer, Want
-from .session import Call, HookSession
-from .tap import ParamTap, Use
-from .trace import RowTrace
-
-
-@dataclass
-class Seen:
-    """What the forward of one batch recorded."""
-
-    session: HookSession  # the calls of the rule-served modules
-    tap: ParamTap | None  # the reads of the raw parameters, when there are any
-    trace: RowTrace  # which example each row of every tensor belongs to
-    losses: Tensor  # (B,), graph kept
-    observed: dict[str, Tensor]
-
+from .analysis import decide
+from .analysis.analyse import Analysis
+from .analysis.program import program_of, replayable
+from .analysis.selfcheck import Singles
+from .analysis.tap import Use
+from .capture import Call, Captured
+from .passes.backward import Requests, backward, requests
+from .passes.fallback import Fallback, short_reason
+from .passes.forward import Forward
+from .passes.reduce import Reducer, Want
+from .passes.replay import Diverged, Program, ReplaySession
+from .plan import FALLBACK_LOOP, ParamPlan, Plan, build_plan
+from .record import Findings, record_for
+from .rows import regroup
 
 # (selected output, targets) -> {column: (B,) tensor}: read from the scoring forward, no extra pass
 Observe = Callable[[Tensor, Tensor], dict[str, Tensor]]
@@ -52,30 +44,6 @@ class BatchScores:
     observed: dict[str, Tensor] = field(default_factory=dict)  # what ``observe`` read, (B,) each
     kept: dict[str, Contribution] = field(default_factory=dict)  # with Want(keep=True)
     pre_sq: dict[str, Tensor] = field(default_factory=dict)  # with Want(transform=...): g^T P g
-
-
-def _single_grads(losses: Tensor, params: Sequence[Tensor]) -> dict[int, list[Tensor | None]]:
-    """The first and last examples' own gradients, each from its own backward (graph kept)."""
-    picked = dict.fromkeys((0, losses.shape[0] - 1))
-    return {
-        i: list(torch.autograd.grad(losses[i], params, retain_graph=True, allow_unused=True))
-        for i in picked
-    }
-
-
-def _uses(plan: Plan, session: HookSession, reads: Sequence[Use]) -> dict[str, int]:
-    """How many calls and reads serve each rule-served and raw parameter: one pass over the
-    reads, not one per parameter (a large model has hundreds of each)."""
-    count = {
-        p.name: sum(len(session.calls.get(id(m), ())) for m, _ in p.owners) for p in plan.by_rule
-    }
-    for p in plan.raw:
-        count.setdefault(p.name, 0)
-    for u in reads:
-        for name in dict.fromkeys(p.name for p in u.params):
-            if name in count:
-                count[name] += 1
-    return count
 
 
 def total(per_param: dict[str, Tensor]) -> Tensor:
@@ -100,6 +68,16 @@ def prepared(model: nn.Module, plan: Plan) -> Iterator[None]:
                 m.train(mode)
         for p, flag in requires.values():
             p.requires_grad_(flag)
+
+
+@dataclass
+class _Backward:
+    """What one backward needs beside the captured forward: from the analysis as it goes, or
+    from the program a replay repeats."""
+
+    count: dict[str, int]  # calls and reads serving each watched parameter
+    checked: list[ParamPlan]  # parameters whose batch gradients are asked for
+    asked: Requests | None  # which outputs to request; None: read off this batch's graph
 
 
 class Engine:
@@ -132,7 +110,8 @@ class Engine:
             frozenset(p.name for p in self.plan.included),
         )
         self.record = record_for(model, key)
-        self.plan.replay(self.record.fallback)
+        self.plan.adopt(self.record.moves)
+        self.analysis = Analysis(self.plan, self.record, self._losses)
         self._prepared: list[contextlib.AbstractContextManager] = []
         self._pinned: Findings | None = None  # see pin_decisions
 
@@ -164,27 +143,27 @@ class Engine:
         return scores.loss, {p.name: scores.kept.get(p.name) for p in self.plan.included}
 
     def scores(self, inputs: tuple[Tensor, ...], targets: Tensor, want: Want) -> BatchScores:
-        """One pass over a batch: the steps below, in order."""
+        """One pass over a batch: the forward replayed where a program of its signature holds,
+        else analysed in full; the one backward; the fallback."""
         if targets.shape[0] == 0:
             return self._empty(targets)
-        findings = self._pinned or self.record.at(inputs)
-        seen = self._capture(inputs, targets, findings)
-        decide.before_backward(self.plan, seen)
-        reducer = self._reduce_in_backward(seen, want, findings)
+        findings = self._pinned or self.record.at(inputs, targets)
+        passed = self._replayed(inputs, targets, want, findings)
+        captured, reducer = passed or self._analysed(inputs, targets, want, findings)
         self._fallback(reducer, inputs, targets)
-        self._fill_zeros(reducer, seen.losses.shape[0])
-        loss = seen.losses.detach()
+        self._fill_zeros(reducer, len(targets))
         pre_sq = reducer.pre.norm_sq if reducer.pre is not None else {}
+        loss = captured.losses.detach()
         return BatchScores(
-            loss, reducer.norm_sq, reducer.inner, seen.observed, reducer.kept, pre_sq
+            loss, reducer.norm_sq, reducer.inner, captured.observed, reducer.kept, pre_sq
         )
 
-    def pin_decisions(self, inputs: tuple[Tensor, ...]) -> Findings:
-        """Keep what the batch of ``inputs``' shapes found (scored already) for every later
-        batch, whatever its shapes: no expansion test or self-check runs again, so each
-        batch is one forward and one backward. For a sharded model (``distributed.shard``),
-        whose ranks must run the same passes, decided on the whole model first."""
-        self._pinned = self.record.at(inputs)
+    def pin_decisions(self, inputs: tuple[Tensor, ...], targets: Tensor) -> Findings:
+        """Keep what the batch of these shapes found (scored already) for every later batch,
+        whatever its shapes: no expansion test, self-check or replay runs again, so each batch
+        is one forward and one backward. For a sharded model (``distributed.shard``), whose
+        ranks must run the same passes, decided on the whole model first."""
+        self._pinned = self.record.at(inputs, targets)
         return self._pinned
 
     def rebind(self) -> None:
@@ -194,139 +173,126 @@ class Engine:
         for p in self.plan.params:
             p.param = params[p.name]
 
-    # -- the steps -------------------------------------------------------------------------
+    # -- the two forwards ------------------------------------------------------------------
 
-    def _capture(self, inputs: tuple[Tensor, ...], targets: Tensor, findings: Findings) -> Seen:
-        """The forward with every call of the rule-served modules recorded, and every op on the
-        raw parameters watched.
+    def _replayed(
+        self, inputs: tuple[Tensor, ...], targets: Tensor, want: Want, findings: Findings
+    ) -> tuple[Captured, Reducer] | None:
+        """The pass with the newest program of the signature, or None where there is none or
+        its witness fails (then the batch is analysed in full)."""
+        program = findings.programs[-1] if findings.programs and not self._pinned else None
+        if program is None or program.moves != len(self.record.moves):
+            return None
+        session = ReplaySession(self.plan.hooked_modules, program, len(targets), self.record.copy)
+        try:
+            with torch.set_grad_enabled(bool(program.uses)), session:
+                losses, observed = self._losses(inputs, targets)
+            session.finish(losses, program.tail)
+        except Diverged as e:
+            findings.diverged(str(e))
+            return None
+        captured = Captured(session, None, losses, observed)
+        checked = [self.plan.find(name) for name in program.checked]
+        done = _Backward(dict(program.uses), checked, program.requests)
+        reducer, grads = self._backward(captured, want, done)
+        for p in self.plan.fallback:  # a rule that failed on this batch
+            reducer.forget(p.name)
+        if any(g is not None for g in grads):  # a gradient where no call reached: analyse
+            findings.diverged("a parameter reached the loss where no call of the program did")
+            return None
+        findings.replayed()
+        return captured, reducer
 
-        Calls on rows shared by the batch get them expanded to the batch, once the first batch
-        has shown that this leaves every loss as it was; that first comparison with the model as
-        written also refuses a model whose forward is random. A model that edits a captured
-        tensor in place is run again with copies of the edited modules' tensors.
-        """
-        while True:
-            expand = findings.expand is not False
-            try:
-                seen = self._recorded(inputs, targets, expand, findings.assume)
-            except ModelError:
-                if not expand:
-                    raise
-                findings.expand = False  # the model cannot take the expanded rows: run as is
-                continue
-            expanded = seen.session.expanded or (seen.tap is not None and seen.tap.expanded)
-            if findings.expand is None or findings.deterministic is None:
-                same = self._same_losses(inputs, targets, seen.losses)
-                if expanded and not same:
-                    findings.expand = False  # the expanded rows changed a loss: run as is
-                    continue
-                findings.expand = findings.expand if findings.expand is False else expand
-                if not same:
-                    raise ModelError(
-                        "the model gives other losses for the same batch on a second forward "
-                        "(random masking or noise in eval mode?): per-example gradients of a "
-                        "random function are not defined; make its forward deterministic",
-                        "model",
-                    )
-                findings.deterministic = True
-            if expanded and not seen.trace.per_example(seen.losses, len(targets)):
-                # the model read one example's copy of the expanded rows for all (Swin V2's
-                # position-bias table): the losses mix; run as is
-                findings.expand = False
-                continue
-            assumed = seen.session.assumed or (seen.tap is not None and seen.tap.assumed)
-            if assumed and not seen.trace.per_example(seen.losses, len(targets)):
-                findings.assume = False  # a call's rows were shared after all: run as is
-                continue
-            edited = seen.session.edited_in_place() - self.record.copy
-            if not edited:
-                return seen
-            self.record.copy |= edited  # capture copies from now on, and redo this batch
+    def _analysed(
+        self, inputs: tuple[Tensor, ...], targets: Tensor, want: Want, findings: Findings
+    ) -> tuple[Captured, Reducer]:
+        """The pass with the forward analysed in full; its program kept where it holds for
+        later batches of the signature."""
+        captured = self.analysis(inputs, targets, findings)
+        reads = captured.tap.reads() if captured.tap else []
+        count = _uses(self.plan, captured.session, reads)
+        verify = not findings.verified and bool(captured.losses.isfinite().all())
+        # the self-check needs every batch gradient; otherwise only those of parameters that no
+        # call or read saw, to tell whether they reach the loss
+        watched = self.plan.by_rule + self.plan.raw
+        checked = [p for p in watched if verify or not count[p.name]]
+        singles = (
+            Singles(captured.losses, [p.param for p in checked]) if verify and checked else None
+        )
+        reducer, grads = self._backward(
+            captured, want, _Backward(count, checked, None), reads, verify
+        )
+        decide.after_backward(self.plan, captured, reducer, checked, grads, singles, verify)
+        findings.verified |= verify
+        findings.analyses += 1
+        if not self._pinned and replayable(captured) is None:
+            findings.learn(self._program(captured, count))
+        return captured, reducer
 
-    def _recorded(
-        self, inputs: tuple[Tensor, ...], targets: Tensor, expand: bool, assume: bool
-    ) -> Seen:
-        watched, batch = self.plan.by_rule + self.plan.raw, targets.shape[0]
-        trace = RowTrace(batch, (*inputs, targets))
-        session = HookSession(self.plan.hooked_modules, trace, self.record.copy, expand, assume)
+    def _program(self, captured: Captured, count: dict[str, int]) -> Program:
+        """The replay program of an analysed batch, under the plan its backward left."""
+        calls = self._served_calls(captured)
+        watched = self.plan.by_rule + self.plan.raw
+        unseen = [p for p in watched if not count[p.name]]
+        uses = {p.name: count[p.name] for p in watched}
+        asked = requests(calls, (), [p.param for p in unseen])
+        return program_of(captured, asked, [p.name for p in unseen], uses, len(self.record.moves))
 
-        def ruled(p: ParamPlan) -> bool:  # read in a call of its rule's module: the rule's
-            return p.rule != BROADCAST and any(session.inside(m) for m, _ in p.owners)
+    def _served_calls(self, captured: Captured) -> list[Call]:
+        """The captured calls of modules whose rules serve a parameter, in capture order."""
+        modules = {id(m) for p in self.plan.by_rule for m, _ in p.owners}
+        return [c for c in captured.session.all_calls() if id(c.module) in modules]
 
-        # a rule-served parameter read outside its module's calls (nn.MultiheadAttention's
-        # out_proj) is served where a function reads it, as a raw one is
-        tap = ParamTap(watched, batch, trace, ruled, expand, assume) if watched else None
-        # with every parameter on the fallback, this pass only gives the losses: no graph
-        with (
-            torch.set_grad_enabled(bool(watched)),
-            session,
-            trace,
-            tap or contextlib.nullcontext(),
-        ):
-            losses, observed = self._losses(inputs, targets)
-        return Seen(session, tap, trace, losses, observed)
+    # -- the backward ----------------------------------------------------------------------
 
-    def _same_losses(self, inputs: tuple[Tensor, ...], targets: Tensor, losses: Tensor) -> bool:
-        """Whether the model as written gives the losses the expanded calls gave."""
-        with torch.no_grad():
-            plain = self._losses(inputs, targets)[0]
-        return plain.shape == losses.shape and agrees(losses.detach(), plain)
-
-    def _reduce_in_backward(self, seen: Seen, want: Want, findings: Findings) -> Reducer:
+    def _backward(
+        self,
+        captured: Captured,
+        want: Want,
+        done: _Backward,
+        reads: Sequence[Use] = (),
+        verify: bool = False,
+    ) -> tuple[Reducer, list[Tensor | None]]:
         """One backward; each call's rule runs as its output gradient arrives, and only what
-        ``want`` asks for is kept. On the first batch, each rule's gradients are also summed
-        over the examples and checked against autograd's batch gradient, and two examples'
-        norms against their own backward."""
-        session, losses = seen.session, seen.losses
+        ``want`` asks for is kept. With ``verify`` (a signature's first batch) each rule's
+        gradients are also summed over the examples, for the self-check."""
+        session, losses = captured.session, captured.losses
         served = {(id(m), attr): p for p in self.plan.by_rule for m, attr in p.owners}
-        modules = {module for module, _ in served}
-        calls = [c for c in session.all_calls() if id(c.module) in modules]
-        reads = seen.tap.reads() if seen.tap else []
-        count = _uses(self.plan, session, reads)
-        verify = not findings.verified and bool(losses.isfinite().all())
-        merged = [name for name, k in count.items() if k > 1]
-        # the self-check compares sums over the batch, and single examples' norms
+        calls = self._served_calls(captured)
+        merged = [name for name, k in done.count.items() if k > 1]
         reducer = Reducer(
             dataclasses.replace(
                 want, norms=want.norms or verify, share=want.share and want.norms, sums=verify
             ),
             merged,
         )
-        if not count:
-            return reducer
-        # the self-check needs every batch gradient; otherwise only those of parameters that no
-        # call or read saw, to tell whether they reach the loss
-        checked = [p for p in self.plan.by_rule + self.plan.raw if verify or not count[p.name]]
-        singles = _single_grads(losses, [p.param for p in checked]) if verify else {}
+        if not done.count and not done.checked:
+            return reducer, []
         on_grad = functools.partial(self._on_grad, served, reducer, losses.shape[0])
-
-        def on_read(use: Use, grad: Tensor) -> None:
-            use.reached = True
-            try:
-                parts = use.parts(grad)
-            except Exception as e:  # a computed read torch.func cannot differentiate
-                for p in use.params:
-                    if not p.is_fallback:
-                        self.plan.to_fallback(p, f"its read failed: {short_reason(e)}")
-                return
-            for name, part in parts.items():
-                if not self.plan.find(name).is_fallback:
-                    reducer.add(name, part)
-
-        if seen.tap:
-            seen.tap.reading(on_read)
+        if captured.tap:
+            captured.tap.reading(functools.partial(self._on_read, reducer))
+        also = [p.param for p in done.checked]
         try:
-            grads = session.backward(
-                losses.sum(), calls, on_grad, [p.param for p in checked], reads
-            )
+            grads = backward(session, losses.sum(), calls, on_grad, also, reads, done.asked)
         finally:
-            if seen.tap:
-                seen.tap.reading(None)
+            if captured.tap:
+                captured.tap.reading(None)
         reducer.finish()
-        decide.after_backward(self.plan, seen, reducer, checked, grads, singles, verify)
-        if verify:
-            findings.verified = True
-        return reducer
+        return reducer, grads
+
+    def _on_read(self, reducer: Reducer, use: Use, grad: Tensor) -> None:
+        """A tap read's output gradient has arrived: its parameters' contributions."""
+        use.reached = True
+        try:
+            parts = use.parts(grad)
+        except Exception as e:  # a computed read torch.func cannot differentiate
+            for p in use.params:
+                if not p.is_fallback:
+                    self.plan.to_fallback(p, f"its read failed: {short_reason(e)}")
+            return
+        for name, part in parts.items():
+            if not self.plan.find(name).is_fallback:
+                reducer.add(name, part)
 
     def _on_grad(self, served: dict, reducer: Reducer, batch: int, call: Call, grad: Tensor):
         """A call's output gradient has arrived: its rule's contributions go to ``reducer``."""
@@ -351,6 +317,8 @@ class Engine:
             p = served.get((id(call.module), attr))
             if p is not None and not p.is_fallback:
                 reducer.add(p.name, part)
+
+    # -- after the backward ----------------------------------------------------------------
 
     def _fallback(self, reducer: Reducer, inputs: tuple[Tensor, ...], targets: Tensor) -> None:
         """Exact per-example gradients of the parameters no rule serves."""
@@ -378,7 +346,7 @@ class Engine:
         """(B,) losses and what ``observe`` reads from the same output."""
         try:
             output = self.forward(self.model, inputs)
-        except GradscopeError:
+        except (GradscopeError, Diverged):
             raise
         except Exception as e:  # whatever the user's forward raises: one line naming it
             shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
@@ -392,6 +360,21 @@ class Engine:
             with torch.no_grad():
                 observed = self.observe(output.detach(), targets)
         return self.loss_fn(output, targets), observed
+
+
+def _uses(plan: Plan, session, reads: Sequence[Use]) -> dict[str, int]:
+    """How many calls and reads serve each rule-served and raw parameter: one pass over the
+    reads, not one per parameter (a large model has hundreds of each)."""
+    count = {
+        p.name: sum(len(session.calls.get(id(m), ())) for m, _ in p.owners) for p in plan.by_rule
+    }
+    for p in plan.raw:
+        count.setdefault(p.name, 0)
+    for u in reads:
+        for name in dict.fromkeys(p.name for p in u.params):
+            if name in count:
+                count[name] += 1
+    return count
 
 
 def _padded(part: Contribution, counts: list[int], longest: int) -> Contribution:

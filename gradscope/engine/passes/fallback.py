@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from ..losses import LossFn
-from ..rules import Dense
-from ..rules.base import CHUNK_ELEMENTS
+from ...losses import LossFn
+from ...rules import Dense
+from ...rules.base import CHUNK_ELEMENTS
 from .forward import Forward
 from .naive import naive_grads
 

@@ -73,6 +73,17 @@ PLACES = {"masked_scatter", "masked_scatter_", "index_add", "index_add_"}
 # x.scatter*(dim, index, src): rows of src land at index; in place or not
 SCATTERS = {"scatter", "scatter_add", "scatter_reduce", "scatter_", "scatter_add_"}
 SCATTERS |= {"scatter_reduce_"}
+# reads of a tensor's values back to the host, where the model's Python may branch on them
+ESCAPES = {"__bool__", "item", "tolist", "__int__", "__index__", "__float__", "__complex__"}
+ESCAPES |= {"numpy", "equal", "allclose", "__array__"}
+# ops whose result's shape depends on its argument's values: read back to the host too
+SIZED_BY_VALUES = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive"}
+SIZED_BY_VALUES |= {"bincount", "nonzero_static"}
+# ops that move elements to places that their tensor arguments' values pick: the result's
+# owners hold for those values only (``follow.OwnerAlgebra.by_values``)
+PICKED = {"__getitem__", "index_select", "gather", "take_along_dim", "take", "masked_select"}
+PICKED |= {"repeat_interleave", "__setitem__", "index_put", "index_put_", "index_copy"}
+PICKED |= {"index_copy_", "index_fill", "index_fill_"}
 READS = {"__get__", "size", "dim", "numel", "ndimension", "nelement", "item", "tolist"}
 READS |= {"data_ptr", "element_size", "is_floating_point", "is_complex", "__len__", "stride"}
 READS |= {"__bool__", "__index__", "__int__", "__float__", "__format__", "__repr__", "__hash__"}

@@ -38,15 +38,15 @@ from torch.autograd.graph import GradientEdge
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from ..rules import Contribution
-from ..rules.placed import Place
+from ...rules import Contribution
+from ...rules.placed import Place
+from ..plan import ParamPlan
+from .bind import CONVS, GROUPED, masked_by, sdpa_math
 from .broadcasts import WRITTEN, BroadcastReads
-from .calls import CONVS, GROUPED, masked_by, sdpa_math
 from .derived import Derived, Watched, compute
 from .functions import FunctionReads
 from .ops import op_name
-from .owners import NONE
-from .plan import ParamPlan
+from .policy import batch_free
 from .trace import ByTensor, RowTrace
 from .views import CASTS, SCALES, SHIFTS, VIEWS, places
 
@@ -180,18 +180,11 @@ class ParamTap(FunctionReads, BroadcastReads, TorchFunctionMode):
     # -- tensors computed from parameters alone ---------------------------------------------
 
     def _batch_free(self, args: tuple, kwargs: dict) -> bool:
-        """Whether no tensor among the op's arguments holds anything of an example (an empty
-        one may be the rows routed to an expert: it is no example's on this batch only)."""
+        """Whether no tensor among the op's arguments but the watched ones holds anything of an
+        example (the rows policy's ``batch_free``)."""
         flat, _ = tree_flatten((args, kwargs))
-        for t in flat:
-            if not isinstance(t, Tensor) or t in self.derived:
-                continue
-            o = self.trace.owners.get(t)
-            if t.numel() == 0 or (
-                o is not None and (self.trace.is_standard(o) or not bool((o == NONE).all()))
-            ):
-                return False
-        return True
+        others = [t for t in flat if isinstance(t, Tensor) and t not in self.derived]
+        return batch_free(self.trace, others)
 
     def _computed(self, func, args: tuple, kwargs: dict) -> object:
         """The op's result, each floating tensor of it followed as ``Computed`` from the

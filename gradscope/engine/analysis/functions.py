@@ -10,14 +10,16 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
-from ..rules import Contribution, Dense
-from ..rules.embedding import lookup
-from ..rules.linear import affine_parts
-from ..rules.placed import Place, Placed
-from .calls import bind_affine, bind_conv, conv_parts, einsum_terms
+from ...rules import Contribution, Dense
+from ...rules.embedding import lookup
+from ...rules.linear import affine_parts
+from ...rules.placed import Place, Placed
+from ..capture import read_at
+from ..rows import regroup, rows_of
+from .bind import bind_affine, bind_conv, conv_parts, einsum_terms
 from .derived import Derived, Watched
-from .graph import read_at
-from .owners import NONE, is_batch, reduce, regroup, rows_or_none, slots
+from .owners import is_batch, reduce, slots
+from .policy import assumable, shared
 from .views import compose
 
 ASSUMED = object()  # rows taken as the examples' until the losses' owners say otherwise
@@ -36,14 +38,14 @@ class FunctionReads:
         reads = [(role, d) for role, d in reads if d is not None]
         if not reads or self._watched(x) is not None:
             return None
-        expanded = self.expand and self._shared(x)
+        expanded = self.expand and shared(self.trace, x)
         assumed = self.assume and x.dim() and x.shape[0] == self.batch
         if self._batch_free((x,), {}) and not expanded and not assumed:
             return None  # computed from the parameters alone: followed as such
         features = 0 if name == "embedding" else 1
-        if self.expand and name in ("linear", "embedding") and self._shared(x):
-            shared = x.unsqueeze(0) if x.dim() == 1 else x
-            x = shared.expand(self.batch, *shared.shape[1:])
+        if expanded and name in ("linear", "embedding"):
+            one = x.unsqueeze(0) if x.dim() == 1 else x
+            x = one.expand(self.batch, *one.shape[1:])
             args = (x, *args[1:])
             self.expanded = True
         rows = self._rows(x, features)
@@ -59,6 +61,7 @@ class FunctionReads:
             return out
         a = x.detach()
         shape = weight.shape
+        rows = None if rows is None else rows_of(rows, self.batch)
 
         def parts(grad: Tensor) -> dict[str, Contribution]:
             (xs, g), counts = (a, grad), None
@@ -235,9 +238,8 @@ class FunctionReads:
         blocks, start = [], 0
         for e, end in enumerate(ends):
             if end > start:
-                (xs, g), counts = regroup(
-                    owner[start:end], self.batch, a[start:end], grad[start:end]
-                )
+                rows = rows_of(owner[start:end], self.batch)
+                (xs, g), counts = regroup(rows, self.batch, a[start:end], grad[start:end])
                 part = affine_parts(xs, g, weight[e], None, True, counts)["weight"]
                 if isinstance(d, Derived):
                     index = (e,) if not d.place.index else compose(d.place.index, (e,), 3)
@@ -271,23 +273,11 @@ class FunctionReads:
         rows = rows.reshape(-1).expand(x.shape[0])
         return rows.contiguous() if bool((rows >= 0).all()) else False
 
-    def _shared(self, x: Tensor) -> bool:
-        """Rows computed from no example, one set for the whole batch: a (1, ...) tensor or 1-D
-        indices (``wpe(arange(T))``), as HookSession expands for module calls."""
-        if (
-            not isinstance(x, Tensor)
-            or x.dim() == 0
-            or not bool((self.trace.owner(x) == NONE).all())
-        ):
-            return False
-        if x.dim() == 1:
-            return not (x.is_floating_point() or x.is_complex())
-        return x.shape[0] == 1
-
     def _rows(self, x: Tensor, features: int) -> Tensor | None | bool | object:
         """None: one row per example on dimension 0; a tensor: each row's example, for the rows
         to be gathered; ASSUMED: B rows computed (wholly or in part) from no example, taken as
-        the examples' (see HookSession); False: rows that mix examples or that the batch shares."""
+        the examples' (the rows policy's); False: rows that mix examples or that the batch
+        shares."""
         if x.dim() <= features:
             return False
         if self.trace.one_row_each(x, self.trace.owner(x), features):
@@ -300,7 +290,7 @@ class FunctionReads:
             return None
         if bool((o >= 0).all()):
             return o
-        if self.assume and x.shape[0] == self.batch and rows_or_none(o, self.batch):
+        if self.assume and assumable(self.trace, x, o):
             self.assumed = True
             return ASSUMED
         return False

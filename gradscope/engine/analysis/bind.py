@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..rules import Contribution, Dense
-from ..rules.conv import weight_part
+from ...rules import Contribution, Dense
+from ...rules.conv import weight_part
 
 GROUPED = {"grouped_mm", "_grouped_mm", "grouped_mm_fallback"}  # torch's, transformers'
 CONVS = {"conv1d": 1, "conv2d": 2, "conv3d": 3}

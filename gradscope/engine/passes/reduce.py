@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..rules import Contribution
-from ..rules.base import accumulation_dtype, rows
+from ...rules import Contribution
+from ...rules.base import accumulation_dtype, rows
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-from .core import Engine
+from ..engine import Engine
 
 
 class JvpUnsupported(Exception):
