@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
-from functools import partial
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -17,18 +16,33 @@ from . import terminal
 from .config import Config, SummaryConfig, load_config, output_path, with_overrides
 from .errors import GradscopeError, Interrupted
 
+if TYPE_CHECKING:  # the scorers import torch: not for --help, --version, summary
+    from .scorers import Scorer
+
 # transformers, when a config names it: no "Loading weights" bar, no advice on every run
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+if not os.environ.get("GRADSCOPE_DEBUG"):  # torch's C++ log lines (c10d's retries print stacks)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+
+
+LOGGED = ("norms", "influence", "factors", "check")  # commands that run a model over data
 
 
 class _ErrorBoundary(TyperGroup):
-    """The one place errors become exit codes: a user-fixable error is one line and status 2."""
+    """The one place errors become exit codes: a user-fixable error is one line and status 2.
+    Off a terminal, the commands that run a model log their start and their elapsed time."""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        ctx.meta["argv"] = list(args)  # the command line as given, for the log's first line
+        return super().parse_args(ctx, args)
 
     def invoke(self, ctx: typer.Context):
+        argv = ctx.meta.get("argv", [])
+        log = terminal.logged(argv) if argv[:1] and argv[0] in LOGGED else nullcontext()
         try:
             try:
-                with warnings.catch_warnings():
+                with warnings.catch_warnings(), log:
                     if not os.environ.get("GRADSCOPE_DEBUG"):  # torch's, libraries': none ours
                         warnings.simplefilter("ignore")
                     return super().invoke(ctx)
@@ -122,20 +136,30 @@ TrustOpt = Annotated[
 
 
 def _run(
-    command: str, run: Callable[..., Path | None], by: str | None, cfg: Config, report: bool
+    cfg: Config, scorer: Scorer, by: str | None, report: bool, trust_checkpoint: bool, resume: bool
 ) -> None:
-    """A scoring run under a progress bar, then its outlier tables and, if asked, its report (on
-    rank 0 only)."""
-    from .summary import parse_by
+    """A scoring run under a progress bar, then the file it wrote, its outlier tables and, if
+    asked, its report (on rank 0 only)."""
+    from .run import score_dataset
+    from .summary import check_by
 
-    parse_by(by)  # a bad --by fails before the run, not after it
-    with terminal.progress(command) as (on_start, on_batch):
-        path = run(on_start=on_start, on_batch=on_batch)
+    check_by(by, scorer.names(cfg))  # a bad --by fails before the run, not after it
+    with terminal.progress(scorer.command) as (on_start, on_batch):
+        path = score_dataset(
+            cfg,
+            scorer,
+            trust_checkpoint=trust_checkpoint,
+            resume=resume,
+            on_start=on_start,
+            on_batch=on_batch,
+        )
     if path is None:  # on the ranks other than 0 under torchrun
         return
     try:
-        _summary(path, by, cfg.summary.top_k, cfg.data.classes)
-        terminal.wrote(path)
+        try:
+            _summary(path, by, cfg.summary.top_k, cfg.data.classes)
+        finally:  # the scores are written whatever the tables make of them
+            terminal.wrote(path)
         if report:
             _write_report(path, None, cfg, by, cfg.summary.top_k)
     except KeyboardInterrupt:  # the scores are whole: not "before any example was saved"
@@ -182,7 +206,6 @@ def norms(
     report: ReportOpt = False,
 ) -> None:
     """L2 norm of each example's own loss gradient."""
-    from .run import score_dataset
     from .scorers import NormsScorer
 
     cfg = with_overrides(
@@ -194,19 +217,7 @@ def norms(
         per_layer=per_layer,
         top_k=top_k,
     )
-    _run(
-        "norms",
-        partial(
-            score_dataset,
-            cfg,
-            NormsScorer(trust_checkpoint, precondition),
-            trust_checkpoint=trust_checkpoint,
-            resume=resume,
-        ),
-        by,
-        cfg,
-        report,
-    )
+    _run(cfg, NormsScorer(trust_checkpoint, precondition), by, report, trust_checkpoint, resume)
 
 
 @app.command()
@@ -252,7 +263,6 @@ def influence(
     report: ReportOpt = False,
 ) -> None:
     """Inner product of each example's loss gradient with the mean-loss gradient over REF."""
-    from .run import score_dataset
     from .scorers import InfluenceScorer
 
     cfg = with_overrides(
@@ -270,8 +280,7 @@ def influence(
         engine=engine,
         trust_checkpoint=trust_checkpoint,
     )
-    run = partial(score_dataset, cfg, scorer, trust_checkpoint=trust_checkpoint, resume=resume)
-    _run("influence", run, by, cfg, report)
+    _run(cfg, scorer, by, report, trust_checkpoint, resume)
 
 
 @app.command()

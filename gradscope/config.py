@@ -21,7 +21,8 @@ DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """One checkpoint of a TracIn sum: its state dict and the weight of its scores."""
+    """One checkpoint of a TracIn sum: its state dict (or peft adapter folder) and the weight of
+    its scores."""
 
     path: str
     """A state dict, as ``model.checkpoint`` takes."""
@@ -41,8 +42,9 @@ class ModelConfig:
     checkpoint: str | None = None
     """A state dict: ``.pt``/``.pth`` (``torch.load(weights_only=True)``) or ``.safetensors``."""
     checkpoints: list[CheckpointConfig] = field(default_factory=list)
-    """Instead of ``checkpoint``: ``[{path, weight}]``, several checkpoints. ``influence`` sums
-    over them (TracIn); ``norms`` adds ``loss@k``, ``grad_norm@k`` and ``self_influence``."""
+    """Instead of ``checkpoint``: ``[{path, weight}]``, several checkpoints: state dicts, or peft
+    adapter folders loaded in turn onto the same base. ``influence`` sums over them (TracIn);
+    ``norms`` adds ``loss@k``, ``grad_norm@k`` and ``self_influence``."""
     state_dict_key: str | None = None
     """Take ``checkpoint[key]`` first, e.g. ``state_dict`` (Lightning) or ``model``."""
     strip_prefix: str | None = None
@@ -71,10 +73,13 @@ class DataConfig:
     files (shards), read in order as one dataset."""
     targets: str
     """The column the loss compares the output with."""
-    inputs: list[str] | dict[str, str] = field(default_factory=lambda: ["x"])
+    inputs: list[str | list[str]] | dict[str, str | list[str]] = field(
+        default_factory=lambda: ["x"]
+    )
     """A column, a list of columns passed to ``forward`` in that order, or a mapping
-    ``{forward_argument: column}`` passed by keyword. An entry with ``*`` (``feature_*``) stacks
-    the matching columns, in file order, into one (B, K) tensor."""
+    ``{forward_argument: column}`` passed by keyword. An entry with ``*`` (``feature_*``), or a
+    list of columns (``[age, blood pressure, "lab_*"]``), stacks those columns, in file or list
+    order, into one (B, K) tensor."""
     ids: str | None = None
     """A column copied to the output as ``id``."""
     pad: dict[str, float] = field(default_factory=dict)
@@ -130,6 +135,9 @@ class DistributedConfig:
     wrap: list[str] | None = None
     """``fsdp`` only: class names sharded as units. Unset: a Hugging Face model's
     ``_no_split_modules`` (its blocks), else the items of each ``nn.ModuleList``."""
+    join_timeout: float = 300.0
+    """Seconds a torchrun process waits for the others to join before it stops with an error
+    (a process that inherited a launcher's ``WORLD_SIZE`` would otherwise wait 30 minutes)."""
 
 
 @dataclass(frozen=True)
@@ -229,11 +237,20 @@ def _type_name(hint: Any) -> str:
     if get_origin(hint) in (Union, types.UnionType):
         return " or ".join(_type_name(h) for h in get_args(hint))
     if get_origin(hint) is list:
-        return f"a list of {_type_name(get_args(hint)[0]).split(' ', 1)[1]}s"
+        return f"a list of {_plural(get_args(hint)[0])}"
     if get_origin(hint) is dict:
-        key, item = (_type_name(h).split(" ", 1)[1] for h in get_args(hint))
-        return f"a mapping of {key}s to {item}s"
+        key, item = (_plural(h) for h in get_args(hint))
+        return f"a mapping of {key} to {item}"
     return names.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _plural(hint: Any) -> str:
+    """``strings``, ``lists of strings``, ``strings or lists of strings``."""
+    if get_origin(hint) in (Union, types.UnionType):
+        return " or ".join(_plural(h) for h in get_args(hint))
+    return _type_name(hint).split(" ", 1)[1].replace("list of", "lists of", 1) + (
+        "" if get_origin(hint) is list else "s"
+    )
 
 
 def _takes_list(hint: Any) -> bool:
@@ -340,8 +357,7 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"'data.limit' must be at least 1, got {cfg.data.limit}", source)
     if cfg.data.path == []:
         raise ConfigError("'data.path' must name at least one file", source)
-    if cfg.model.checkpoints and cfg.model.checkpoint is not None:
-        raise ConfigError("set model.checkpoint or model.checkpoints, not both", source)
+    _validate_checkpoints(cfg)
     weights = [c.weight for c in cfg.model.checkpoints]
     if any(not math.isfinite(w) or w < 0 for w in weights) or (weights and not any(weights)):
         # cosine over checkpoints is a cosine in the sqrt(weight)-scaled space: weights must be >= 0
@@ -360,9 +376,33 @@ def _validate(cfg: Config) -> None:
     _validate_distributed(cfg)
 
 
+def _validate_checkpoints(cfg: Config) -> None:
+    """model.checkpoints: state dicts instead of model.checkpoint, or peft adapter folders loaded
+    in turn onto the one base model (model.checkpoint, model.pretrained), instead of
+    model.adapter."""
+    model, source = cfg.model, cfg.source
+    folders = [Path(c.path).is_dir() for c in model.checkpoints]
+    if any(folders) and not all(folders):
+        raise ConfigError(
+            "'model.checkpoints' mixes adapter folders and state dict files; list one kind", source
+        )
+    if any(folders) and model.adapter is not None:
+        raise ConfigError(
+            "set model.adapter or adapter folders in model.checkpoints, not both", source
+        )
+    if model.checkpoints and not any(folders) and model.checkpoint is not None:
+        raise ConfigError("set model.checkpoint or model.checkpoints, not both", source)
+
+
 def _validate_distributed(cfg: Config) -> None:
-    """distributed.shard: fsdp serves one model at a time, through the rules."""
+    """distributed.shard: fsdp serves one model at a time, through the rules; joining takes time."""
     shard = cfg.distributed.shard
+    if not (math.isfinite(cfg.distributed.join_timeout) and cfg.distributed.join_timeout > 0):
+        raise ConfigError(
+            f"'distributed.join_timeout' must be a positive number of seconds, got "
+            f"{cfg.distributed.join_timeout}",
+            cfg.source,
+        )
     if shard not in (None, "fsdp"):
         raise ConfigError(f"'distributed.shard' must be null or fsdp, got {shard!r}", cfg.source)
     if shard and cfg.model.checkpoints:
@@ -443,7 +483,8 @@ def default_pad(cfg: Config) -> dict[str, int]:
     causal_lm, the targets with -100 (the positions the loss skips); ``data.pad`` overrides them.
     The resolved config in the output's metadata holds the values used; ``check`` prints them."""
     data = cfg.data
-    named = data.inputs if isinstance(data.inputs, dict) else {c: c for c in data.inputs}
+    given = data.inputs.items() if isinstance(data.inputs, dict) else [(c, c) for c in data.inputs]
+    named = {a: c for a, c in given if isinstance(c, str)}  # a stack of columns is no mask
     pad = {column: 0 for argument, column in named.items()
            if "attention_mask" in (argument, column)}  # fmt: skip
     if cfg.loss.name == "causal_lm" and data.targets not in named.values():
