@@ -99,13 +99,37 @@ def unit_forward(module: nn.Module, x: Tensor) -> Tensor:
 
 
 def _forward_at(module: nn.Module, x: Tensor, weight: float | Tensor) -> Tensor:
-    unit = copy.copy(module)  # a shallow copy: the parameter dict is replaced, not edited
-    at = weight if isinstance(weight, Tensor) else torch.full_like(module.weight, weight)
-    unit._parameters = dict(module._parameters, weight=at)
-    if module._parameters.get("bias") is not None:
-        unit._parameters["bias"] = torch.zeros_like(module.bias)
+    unit = _unit(module)  # a shallow copy: the parameter dict is replaced, not edited
+    w, b = module.weight, module._parameters.get("bias")
+    at = weight if isinstance(weight, Tensor) else _filled(w, weight)
+    unit._parameters = {"weight": at} if b is None else {"weight": at, "bias": _filled(b, 0.0)}
     with torch.no_grad():
         return unit.forward(x)  # not unit(x): the module's hooks, the engine's own, stay out
+
+
+def _unit(module: nn.Module) -> nn.Module:
+    """A shallow copy of ``module`` to run at other parameters, made once per module and made
+    again where an attribute of the module changed since (its eps, say)."""
+    unit = _UNITS.get(module)
+    attrs = module.__dict__
+    if unit is None or any(
+        unit.__dict__.get(k) is not v for k, v in attrs.items() if k != "_parameters"
+    ):
+        unit = _UNITS[module] = copy.copy(module)
+    return unit
+
+
+@functools.lru_cache(maxsize=64)
+def _constant(shape: torch.Size, dtype: torch.dtype, device: torch.device, value: float) -> Tensor:
+    return torch.full(shape, value, dtype=dtype, device=device)
+
+
+def _filled(t: Tensor, value: float) -> Tensor:
+    """A tensor of ``value`` shaped as ``t``, the same one every call (never written to)."""
+    return _constant(t.shape, t.dtype, t.device, value)
+
+
+_UNITS: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
 
 
 @register_rule(
