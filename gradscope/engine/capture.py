@@ -85,6 +85,15 @@ def leading(args: tuple) -> int:
     return next((i for i, a in enumerate(args) if not isinstance(a, Tensor)), len(args))
 
 
+def edge(t: Tensor) -> GradientEdge:
+    """Where ``t``'s gradient arrives: ``get_gradient_edge`` without its checks, for the
+    outputs of calls (never a leaf: a leaf's edge is its gradient's accumulator)."""
+    node = t.grad_fn
+    if node is None:
+        return torch.autograd.graph.get_gradient_edge(t)
+    return GradientEdge(node, t.output_nr)
+
+
 def first_output(output: object) -> tuple[object, tuple]:
     """A call's output the rule sees, and the rest: a module returning (output, extras)
     (MultiheadAttention's attention weights) has its extras watched for a path to the loss."""
@@ -161,12 +170,13 @@ class Capture:
 
         n = leading(args)
         inputs = tuple(keep(a) for a in args[:n])
-        # positional arguments after the leading tensors, named as the forward names them
-        names = positional_names(type(module))[n:]
-        named = {**dict(zip(names, args[n:], strict=False)), **kwargs}
-        named = {k: keep(v) if isinstance(v, Tensor) else v for k, v in named.items()}
+        named = {}
+        if n < len(args) or kwargs:
+            # positional arguments after the leading tensors, named as the forward names them
+            names = positional_names(type(module))[n:]
+            named = {**dict(zip(names, args[n:], strict=False)), **kwargs}
+            named = {k: keep(v) if isinstance(v, Tensor) else v for k, v in named.items()}
         target, viewed = read_at(output, (*args, *kwargs.values()))
-        edge = torch.autograd.graph.get_gradient_edge
         call = Call(
             module,
             inputs,
@@ -174,7 +184,9 @@ class Capture:
             output.shape,
             tuple(t._version for t in inputs),
             kwargs=named,
-            others=tuple(edge(t) for t in rest if isinstance(t, Tensor) and t.requires_grad),
+            others=tuple(edge(t) for t in rest if isinstance(t, Tensor) and t.requires_grad)
+            if rest
+            else (),
             viewed=viewed,
             **more,
         )

@@ -152,12 +152,13 @@ class ReplaySession(Capture):
         for region in self.done:
             region.session.release_hooks()
 
-    def _ticked(self, expected: int, what: str) -> None:
+    def _ticked(self, expected: int, where: str, module: nn.Module) -> None:
         """As many autograd nodes made since the previous event as the analysed batch made."""
         now = counter()
         made, self._last = now - self._last, now
         if made != expected:
-            self.diverge(f"other operations than the analysed batch's {what}")
+            name = type(module).__name__
+            self.diverge(f"other operations than the analysed batch's {where} {name}")
 
     def inside(self, module: nn.Module) -> bool:
         """Whether a call of ``module`` that its rule serves is under way outside the regions:
@@ -191,7 +192,7 @@ class ReplaySession(Capture):
         call = self.steps[self.next] if self.next < len(self.steps) else None
         if not isinstance(call, RegionCall) or call.module != id(module):
             self.diverge(f"another region than the analysed batch's: {type(module).__name__}")
-        self._ticked(call.before, f"before {type(module).__name__}")
+        self._ticked(call.before, "before", module)
         self.next += 1
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
         if len(tensors) != len(call.entry):
@@ -219,7 +220,7 @@ class ReplaySession(Capture):
             self.diverge(f"another call than the analysed batch's: {type(module).__name__}")
         if step.shapes != shapes_of(args):
             self.diverge(f"a call of {type(module).__name__} on other shapes")
-        self._ticked(step.before, f"before a call of {type(module).__name__}")
+        self._ticked(step.before, "before a call of", module)
         self.next += 1
         self.active.setdefault(id(module), []).append(step)
         if not step.expand:
@@ -233,7 +234,7 @@ class ReplaySession(Capture):
         if step.during is None:  # a region ran inside it
             self._last = counter()
         else:
-            self._ticked(step.during, f"in a call of {type(module).__name__}")
+            self._ticked(step.during, "in a call of", module)
         if step.handed:
             return
         out, _ = first_output(output)
@@ -251,7 +252,7 @@ class ReplaySession(Capture):
             raise Diverged(self.diverged)
         if self.next != len(self.steps):
             self.diverge("fewer calls than the analysed batch's")
-        self._ticked(self.program.tail, "after the last call")
+        self._ticked(self.program.tail, "after the last call of", self)
         edited = self.edited_in_place() - self.copy
         if edited:
             self.diverge("a captured input was edited in place")
