@@ -155,6 +155,18 @@ class Outer(Contribution):
                 total += block.sum((1, 2, 3)) * (1 if hi == lo else 2)  # off-diagonal blocks twice
         return total
 
+    @property
+    def one_gram(self) -> bool:
+        """Whether the norm is one (T, T) Gram block per example and group: a T > 1 of all
+        positions for every example, cheaper than forming G, small enough for one block."""
+        b, g, t, _, _ = self.dims
+        return (
+            self.lengths is None
+            and t > 1
+            and self._gram_cheaper
+            and b * g * t * t <= CHUNK_ELEMENTS
+        )
+
     def _materialized_chunks(self):
         b, g, _, o, i = self.dims
         step = max(1, CHUNK_ELEMENTS // (g * o * i))
@@ -194,3 +206,14 @@ class Outer(Contribution):
             return torch.einsum("bkgto,bgto->bk", ra, self.s)
         rs = torch.einsum("kgoi,bgto->bkgti", r, self.s)  # (B, K, G, T, I)
         return torch.einsum("bkgti,bgti->bk", rs, self.a)
+
+
+def gram_norms(parts: Sequence[Outer]) -> Tensor:
+    """(n, B) ``norm_sq`` of n Outers of one shape whose norm is ``one_gram``, in one batched
+    product: at small sizes, where each call's few products cost their dispatch more than their
+    arithmetic, the calls of a backward are answered together."""
+    b, g, t, o, i = parts[0].dims
+    a = torch.stack([p.a for p in parts]).reshape(-1, t, i)  # (n*B*G, T, I)
+    s = torch.stack([p.s for p in parts]).reshape(-1, t, o)  # (n*B*G, T, O)
+    grams = (a @ a.mT) * (s @ s.mT)  # (n*B*G, T, T)
+    return grams.sum((1, 2)).reshape(len(parts), b, g).sum(2)

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...rules import Contribution
-from ...rules.base import accumulation_dtype, rows
+from ...rules import Contribution, Dense, Outer
+from ...rules.base import CHUNK_ELEMENTS, _sq_norm, accumulation_dtype, rows
+from ...rules.outer import gram_norms
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ class Reducer:
         self.kept: dict[str, Contribution] = {}
         self.sums: dict[str, Tensor] = {}
         self._parts: dict[str, list[Contribution]] = {name: [] for name in merged}
+        # single calls' Outer norms answered together at the end, where that is all they ask
+        self._batched = Batched() if _norms_only(want) else None
         # the transformed gradients' squared norms; each part is transformed as it is reduced,
         # which is exact for merged parts too since the transform is linear
         self.pre = None if want.transform is None else Reducer(Want(norms=True), ())
@@ -76,7 +79,7 @@ class Reducer:
             self.reduce(name, part)
 
     def finish(self) -> None:
-        """Merge and reduce what waited for its last call.
+        """Merge and reduce what waited for its last call; answer the batched norms.
 
         Parts of one kind merge and stay factored (positions concatenate). Parts of different
         kinds (a tied embedding and head) are reduced apart and joined through their cross
@@ -94,6 +97,9 @@ class Reducer:
             elif groups:
                 self._reduce_apart(name, groups)
         self._parts.clear()
+        if self._batched is not None:  # what comes later (the fallback's) is answered at once
+            self.norm_sq.update(self._batched.answers())
+            self._batched = None
 
     def _reduce_apart(self, name: str, groups: list[Contribution]) -> None:
         if self.pre is not None:
@@ -116,6 +122,8 @@ class Reducer:
             self.sums[name] = sum(g.batch_sum() for g in groups)
 
     def reduce(self, name: str, c: Contribution) -> None:
+        if self._batched is not None and self._batched.take(name, c):
+            return
         if self.pre is not None:
             self.pre.reduce(name, self.want.transform(name, c))
         refs = self.want.refs[name] if self.want.refs is not None else None
@@ -151,3 +159,56 @@ class Reducer:
             self.inner[name] = torch.zeros(batch, k, **like)
         if self.want.sums:
             self.sums.setdefault(name, torch.zeros_like(param))
+
+
+def _norms_only(want: Want) -> bool:
+    return want.norms and want.refs is None and not (want.keep or want.sums or want.transform)
+
+
+class Batched:
+    """Norms held back until the backward ends, then answered one batched op per shape (Outers
+    of one Gram block by ``rules.outer.gram_norms``; formed gradients by one norm), while what
+    they hold stays under ``CHUNK_ELEMENTS`` (past it, a shape's parts are answered at once):
+    the host-bound passes, where each call's few small ops cost more to dispatch than to
+    compute."""
+
+    def __init__(self):
+        self._held: dict[tuple, list[tuple[str, Outer]]] = {}
+        self._size = 0
+        self.norm_sq: dict[str, Tensor] = {}
+
+    def take(self, name: str, c: Contribution) -> bool:
+        """Hold ``c`` back where it is an Outer of one Gram block or formed gradients (a bias,
+        a norm's scale); False where not taken."""
+        if isinstance(c, Outer) and c.one_gram:
+            key: tuple = (Outer, c.dims, c.s.dtype, c.s.device)
+        elif type(c) is Dense:
+            key = (Dense, c.grads.shape[0], c.shape.numel(), c.grads.dtype, c.grads.device)
+        else:
+            return False
+        held = self._held.setdefault(key, [])
+        held.append((name, c))
+        self._size += _size(c)
+        if self._size > CHUNK_ELEMENTS:
+            self._answer(key)
+        return True
+
+    def _answer(self, key: tuple) -> None:
+        held = self._held.pop(key)
+        parts = [c for _, c in held]
+        if key[0] is Outer:
+            norms = gram_norms(parts)
+        else:  # (n, B, P) -> (n, B)
+            norms = _sq_norm(torch.stack([rows(c.grads) for c in parts]), 2)
+        self.norm_sq.update((name, n) for (name, _), n in zip(held, norms, strict=True))
+        self._size -= sum(_size(c) for c in parts)
+
+    def answers(self) -> dict[str, Tensor]:
+        for key in list(self._held):
+            self._answer(key)
+        return self.norm_sq
+
+
+def _size(c: Contribution) -> int:
+    """The elements a held contribution keeps alive."""
+    return c.s.numel() + c.a.numel() if isinstance(c, Outer) else c.grads.numel()
