@@ -229,7 +229,8 @@ def summary(results: dict, title: str, env: dict, extra: dict | None) -> str:
     wrong = [r for r in ok if r["max_err"] > WRONG]
     fell = [r for r in ok if r["fallback"]]
     slow = [r for r in ok if r.get("speedup", 1) < 1]
-    replayed = [r for r in ok if r.get("replays", 0) == len(r["errors"]) // 2 - 1]
+    # the API calls and the Engine share the model's record: every batch after the first
+    replayed = [r for r in ok if r.get("replays", 0) == len(r["errors"]) - 1]
     lines = [
         f"# {title}",
         "",
