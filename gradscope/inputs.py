@@ -4,6 +4,7 @@ metadata it shares."""
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import os
 from pathlib import Path
@@ -140,3 +141,7 @@ def check_output(path: str | Path, inputs: Inputs) -> None:
         raise ConfigError(f"the output's folder {path.parent} is a file", str(path))
     if not path.parent.is_dir():
         raise ConfigError(f"the output's folder {path.parent} does not exist", str(path))
+    if not os.access(path.parent, os.W_OK | os.X_OK):  # before the work, not after it
+        read_only = os.statvfs(path.parent).f_flag & os.ST_RDONLY
+        reason = os.strerror(errno.EROFS if read_only else errno.EACCES)
+        raise ConfigError(f"cannot write in the output's folder: {reason}", str(path.parent))

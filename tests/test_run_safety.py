@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import signal
 import subprocess
 import time
@@ -30,7 +32,9 @@ from gradscope.io.parquet import partial_path, read_metadata
 runner = CliRunner()
 
 HELD_MODEL = """
+import errno
 import os
+import re
 import signal
 import time
 
@@ -407,3 +411,71 @@ def test_plan_change_on_a_later_batch_reaches_the_metadata(tmp_path):
     _, norm = reference_norms(net, (x,), y, "cross_entropy")
     frame = pd.read_parquet(tmp_path / "scores.parquet")
     assert_rel_close(torch.tensor(frame["grad_norm"].to_numpy()), norm, 1e-4)
+
+
+def refuse(*args, **kwargs):
+    raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+
+COMMANDS = {  # each writes one output into the folder {o}
+    "norms": ["norms", "{c}", "--out", "{o}/scores.parquet"],
+    "factors": ["factors", "{c}", "--out", "{o}/f.safetensors", "--fisher", "empirical"],
+    "report": ["report", "{r}/scores.parquet", "--out", "{o}/scores.html"],
+}
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_a_read_only_output_folder_is_refused_before_the_work(
+    tmp_path, mount, monkeypatch, command
+):
+    config = project(tmp_path)
+    assert runner.invoke(app, ["norms", str(config)]).exit_code == 0  # what report reads
+    out = mount("ro,size=1m")
+
+    def built(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr("gradscope.job.Job.from_config", built)
+    args = [a.format(c=config, r=tmp_path, o=out) for a in COMMANDS[command]]
+    line = one_error(runner.invoke(app, args))
+    assert line == f"error: cannot write in the output's folder: Read-only file system ({out})"
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_a_write_the_folder_refuses_is_one_line_when_its_clean_up_fails_too(
+    tmp_path, monkeypatch, command
+):
+    config = project(tmp_path)
+    assert runner.invoke(app, ["norms", str(config)]).exit_code == 0
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setattr(os, "replace", refuse)  # a read-only file system: nothing is removed
+    unlink = Path.unlink
+    monkeypatch.setattr(
+        Path,
+        "unlink",
+        lambda self, missing_ok=False: (
+            refuse() if self.name.endswith(".tmp") else unlink(self, missing_ok)
+        ),
+    )
+    args = [a.format(c=config, r=tmp_path, o=out) for a in COMMANDS[command]]
+    line = one_error(runner.invoke(app, args))
+    assert re.match(r"error: cannot write the \w+: Read-only file system \(", line), line
+    assert not lock_path(out / "scores.parquet").exists()
+
+
+def test_a_lock_file_the_folder_keeps_ends_the_run_without_a_traceback(tmp_path, monkeypatch):
+    config = project(tmp_path)
+    unlink = Path.unlink
+    monkeypatch.setattr(
+        Path,
+        "unlink",
+        lambda self, missing_ok=False: (
+            refuse() if self.suffix == ".lock" else unlink(self, missing_ok)
+        ),
+    )
+    result = runner.invoke(app, ["norms", str(config)])
+    assert result.exit_code == 0, result.output
+    assert lock_path(tmp_path / "scores.parquet").exists()
+    monkeypatch.undo()
+    assert runner.invoke(app, ["norms", str(config)]).exit_code == 0  # taken over

@@ -6,6 +6,7 @@ dead run is simply taken over; the pid written inside is only there to name the 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -73,7 +74,10 @@ class OutputLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            self.file.unlink(missing_ok=True)  # before unlocking: a waiting run makes a new file
+            # before unlocking: a waiting run makes a new file; a folder made read-only during
+            # the run keeps it (the kernel drops the lock all the same)
+            with contextlib.suppress(OSError):
+                self.file.unlink(missing_ok=True)
             os.close(self._fd)
             self._fd = None
 

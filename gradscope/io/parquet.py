@@ -9,6 +9,7 @@ row group each, into ``NAME``; a file at ``NAME`` is always a finished run.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -65,11 +66,18 @@ def replace_atomically(path: Path, write: Callable[[Any], None], what: str = "th
         os.replace(tmp, path)
         _sync_folder(path.parent)
     except OSError as e:  # pyarrow's IO errors are OSErrors too
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         raise DataError(f"cannot write {what}: {e.strerror or e}", str(path)) from e
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         raise
+
+
+def _discard(tmp: Path) -> None:
+    """Remove a temporary file, if there is one: a folder that refuses (read-only, or made so
+    meanwhile) must not turn the error being reported into another one."""
+    with contextlib.suppress(OSError):
+        tmp.unlink(missing_ok=True)
 
 
 class PartialRun:
