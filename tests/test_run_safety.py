@@ -26,7 +26,7 @@ from project import (
 from typer.testing import CliRunner
 
 from gradscope.cli import app
-from gradscope.io.lock import lock_path
+from gradscope.io.lock import OutputLock, lock_path
 from gradscope.io.parquet import partial_path, read_metadata
 
 runner = CliRunner()
@@ -479,3 +479,43 @@ def test_a_lock_file_the_folder_keeps_ends_the_run_without_a_traceback(tmp_path,
     assert lock_path(tmp_path / "scores.parquet").exists()
     monkeypatch.undo()
     assert runner.invoke(app, ["norms", str(config)]).exit_code == 0  # taken over
+
+
+@pytest.mark.parametrize("name", [".a.parquet.lock", ".a.parquet.partial"])
+def test_an_earlier_output_named_like_a_runs_lock_or_partial_folder_is_left_alone(tmp_path, name):
+    config = project(tmp_path)
+    earlier = tmp_path / name
+    assert runner.invoke(app, ["norms", str(config), "--out", str(earlier)]).exit_code == 0
+    kept = earlier.read_bytes()
+    out = str(tmp_path / "a.parquet")
+    for resume in ([], ["--resume"]):
+        line = one_error(runner.invoke(app, ["norms", str(config), "--out", out, *resume]))
+        assert line in (
+            f"error: the lock file is a file with other content (an earlier output?), not one "
+            f"gradscope made; it is left as it is: remove it or choose another --out ({earlier})",
+            f"error: a file that no gradscope run made is at the partial folder's name; it is "
+            f"left as it is: move it or choose another --out ({earlier})",
+        ), line
+        assert earlier.read_bytes() == kept and not (tmp_path / "a.parquet").exists()
+
+
+def test_a_folder_of_other_files_at_the_partial_folders_name_is_left_alone(tmp_path):
+    config = project(tmp_path)
+    partial = partial_path(tmp_path / "scores.parquet")
+    partial.mkdir()
+    (partial / "manifest.json").write_text("{}")
+    (partial / "notes.txt").write_text("mine")
+    for resume in ([], ["--resume"]):
+        line = one_error(runner.invoke(app, ["norms", str(config), *resume]))
+        assert line.startswith("error: a folder holding 'notes.txt' that no gradscope"), line
+        assert (partial / "notes.txt").read_text() == "mine"
+    (partial / "notes.txt").unlink()  # an earlier run's folder: begun afresh
+    assert runner.invoke(app, ["norms", str(config)]).exit_code == 0 and not partial.exists()
+
+
+def test_a_file_put_at_the_lock_name_during_the_run_stays(tmp_path):
+    out = tmp_path / "scores.parquet"
+    with OutputLock(out):
+        (tmp_path / "other").write_text("an output")
+        os.replace(tmp_path / "other", lock_path(out))
+    assert lock_path(out).read_text() == "an output"

@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Callable
@@ -28,6 +29,8 @@ from ..errors import DataError, one_line
 METADATA_KEY = b"gradscope"
 MANIFEST = "manifest.json"
 RUN_KEY = b"gradscope_run"  # in each part: the sha256 of its run's fingerprint
+# what a run writes in its partial folder: the manifest, the parts, their temporary names
+RUN_FILE = re.compile(r"\.?(manifest\.json|part-\d+\.parquet)(.*\.tmp)?")
 
 
 def partial_path(path: str | Path) -> Path:
@@ -101,6 +104,7 @@ class PartialRun:
                 "the partial folder is a symbolic link, not one gradscope made; remove it",
                 str(self.dir),
             )
+        self.refuse_foreign()
         try:
             manifest = json.loads((self.dir / MANIFEST).read_text())
         except (OSError, ValueError):
@@ -112,10 +116,29 @@ class PartialRun:
             )
         return manifest
 
+    def refuse_foreign(self) -> None:
+        """Refuse what sits at the partial folder's name unless a run made it (a folder holding
+        only a manifest, parts and their temporary files): a run never uses or removes a file it
+        did not make, such as an earlier output given that name."""
+        if self.dir.is_symlink() or not self.dir.exists():
+            return  # a link planted there: the caller refuses it, or removes the link itself
+        found = "a file"
+        if self.dir.is_dir():
+            names = (f.name for f in self.dir.iterdir() if not RUN_FILE.fullmatch(f.name))
+            found = next((f"a folder holding {name!r}" for name in names), "")
+        if found:
+            raise DataError(
+                f"{found} that no gradscope run made is at the partial folder's name; it is left "
+                "as it is: move it or choose another --out",
+                str(self.dir),
+            )
+
     def start(self) -> None:
-        """Begin afresh: any earlier partial state is removed."""
-        if self.dir.is_symlink() or self.dir.is_file():  # planted, or the old single-file writer
+        """Begin afresh: an earlier run's partial state is removed (a link planted there, not
+        what it points to)."""
+        if self.dir.is_symlink():
             self.dir.unlink()
+        self.refuse_foreign()
         shutil.rmtree(self.dir, ignore_errors=True)
         try:
             self.dir.mkdir()
