@@ -502,6 +502,30 @@ def test_csv_shards_whose_target_types_differ_assemble(tmp_path):
     assert frame["target"].iloc[9:].tolist() == [round(v) for v in frame["target"].iloc[9:]]
 
 
+@pytest.mark.parametrize("batch_size", [3, 4], ids=["a-shard-a-batch", "a-batch-spans-both"])
+def test_csv_shards_whose_id_types_differ_give_text_ids(tmp_path, batch_size):
+    config = make_project(
+        tmp_path,
+        model__factory="model.py:Columns",
+        model__checkpoint=None,
+        data__path="shard-*.csv",
+        data__inputs=[f"f{k}" for k in range(5)],
+        data__ids="id",
+        data__batch_size=batch_size,
+    )
+    g = torch.Generator().manual_seed(0)
+    for n, name in enumerate(["{}", "row{}"]):  # whole numbers in one shard: int64
+        lines = [
+            ",".join([name.format(k), *(f"{v:.3f}" for v in torch.randn(5, generator=g)), "1"])
+            for k in range(9)
+        ]
+        (tmp_path / f"shard-{n}.csv").write_text("id,f0,f1,f2,f3,f4,y\n" + "\n".join(lines))
+    result = runner.invoke(app, ["norms", str(config)])
+    assert result.exit_code == 0, result.output
+    ids = pd.read_parquet(tmp_path / "scores.parquet")["id"].tolist()
+    assert ids == [str(k) for k in range(9)] + [f"row{k}" for k in range(9)]
+
+
 def test_check_leaves_out_a_nan_example_and_says_so(tmp_path):
     config = make_project(tmp_path)
     edit_data(tmp_path, lambda d: d["x"].__setitem__((2, 1), float("nan")))

@@ -172,7 +172,7 @@ class PartialRun:
 
     def write(self, number: int, columns: dict[str, Any]) -> None:
         """Batch ``number``'s rows as one complete part file, stamped as this run's."""
-        table = pa.table({name: pa.array(v, type=arrow_type(v)) for name, v in columns.items()})
+        table = pa.table({name: _array(v) for name, v in columns.items()})
         table = table.replace_schema_metadata(self.stamp)
         replace_atomically(self._part(number), lambda f: pq.write_table(table, f))
 
@@ -196,7 +196,8 @@ class PartialRun:
         """Parts ``0 .. parts-1`` in order, one row group each, into ``path`` with ``metadata``
         under the ``gradscope`` key, and the columns ``more()`` computes from the whole parts
         (one value a row) before ``finite``; the folder goes. A column whose type differs between
-        parts (whole-number targets in one CSV shard) takes the type that holds them all."""
+        parts (whole-number targets in one CSV shard) takes the type that holds them all, and
+        ids that are text in one part and numbers in another are all text."""
         missing = sorted(set(range(parts)) - self.done())
         if missing:
             raise DataError(
@@ -205,7 +206,7 @@ class PartialRun:
             )
         schemas = [pq.read_schema(self._part(n)).remove_metadata() for n in range(parts)]
         try:
-            first = pa.unify_schemas(schemas, promote_options="permissive")
+            first = _unified(schemas)
         except (pa.ArrowException, ValueError) as e:
             raise DataError(
                 f"the batches' columns do not fit one table: {one_line(e)}", str(self.dir)
@@ -236,6 +237,24 @@ class PartialRun:
             ) from e
         shutil.rmtree(self.dir, ignore_errors=True)  # the output is whole: what stays is litter
         return self.path
+
+
+def _array(values: Any) -> pa.Array:
+    """A column as Arrow; one whose values mix text and numbers (the ids of a batch that spans
+    two CSV shards, each read with its own types) as text."""
+    kind = arrow_type(values)
+    if kind == pa.string() and isinstance(values, np.ndarray) and values.dtype == object:
+        values = values.astype(str)
+    return pa.array(values, type=kind)
+
+
+def _unified(schemas: list[pa.Schema]) -> pa.Schema:
+    """The schema that holds every part's columns: numbers promoted as Arrow does, and a column
+    that is text in any part made text in all."""
+    text = {f.name for s in schemas for f in s if pa.types.is_string(f.type)}
+    schemas = [pa.schema([f.with_type(pa.string()) if f.name in text else f for f in s])
+               for s in schemas]  # fmt: skip
+    return pa.unify_schemas(schemas, promote_options="permissive")
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
