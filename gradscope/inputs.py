@@ -25,38 +25,37 @@ def run_inputs(cfg: Config, more: Inputs = ()) -> Inputs:
 
 def config_inputs(config: dict) -> Inputs:
     """The files and folders a config reads, from ``Config.to_dict()`` or a scores file's
-    metadata (absolute paths; a key that is missing or not a path names nothing)."""
+    metadata (absolute paths; a key that is missing or not a path, as another tool may leave it,
+    names nothing)."""
     model, data, loss, report = (
         _mapping(config.get(k)) for k in ("model", "data", "loss", "report")
     )
-    named = [("config file", config["source"])] if config.get("source") else []
+    named = [("config file", config.get("source"))]
     for key, spec in (("model.factory", model.get("factory")), ("loss.name", loss.get("name"))):
-        if isinstance(spec, str) and code_file(spec):
+        if _is_path(spec) and code_file(spec):
             named.append((key, code_file(spec)))
-    for key, path in (
+    named += [
         ("model.pretrained", model.get("pretrained")),  # a folder: each of its files is an input
         ("model.checkpoint", model.get("checkpoint")),
         ("model.adapter", model.get("adapter")),  # a folder, like model.pretrained
         ("report.tokenizer", report.get("tokenizer")),
-    ):
-        if isinstance(path, str):
-            named.append((key, path))
-    checkpoints = model.get("checkpoints") or []
-    named += [("model.checkpoints", c["path"]) for c in checkpoints if isinstance(c, dict)]
-    if isinstance(data.get("path"), (str, list)):
-        named += data_inputs("data.path", data["path"])
-    return named
+    ]
+    named += [
+        ("model.checkpoints", _mapping(c).get("path")) for c in _list(model.get("checkpoints"))
+    ]
+    paths = data.get("path")
+    named += data_inputs("data.path", [p for p in _list(paths) if _is_path(p)])
+    return [(key, path) for key, path in named if _is_path(path)]
 
 
 def metadata_inputs(meta: dict) -> Inputs:
     """What the run that wrote a scores file read, as its ``gradscope`` metadata names it."""
-    named = config_inputs(meta.get("config") or {})
+    named = config_inputs(_mapping(meta.get("config")))
     influence = _mapping(meta.get("influence"))
-    if isinstance(influence.get("ref"), str):
+    if _is_path(influence.get("ref")):
         named += data_inputs("--ref", influence["ref"])
-    if isinstance(influence.get("precondition"), dict):
-        named.append(("--precondition", influence["precondition"]["path"]))
-    return named
+    precondition = _mapping(influence.get("precondition")).get("path")
+    return named + ([("--precondition", precondition)] if _is_path(precondition) else [])
 
 
 def minimal(metadata: object) -> object:
@@ -91,6 +90,15 @@ def _matches(path: Path, pattern: str) -> bool:
 
 def _mapping(value: object) -> dict:
     return value if isinstance(value, dict) else {}
+
+
+def _list(value: object) -> list:
+    """A list as it is, one path as a list of it, anything else as nothing."""
+    return value if isinstance(value, list) else [value] if isinstance(value, str) else []
+
+
+def _is_path(value: object) -> bool:
+    return isinstance(value, str) and bool(value) and "\0" not in value
 
 
 def _same(a: Path, b: str) -> bool:

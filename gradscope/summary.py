@@ -6,7 +6,6 @@ other columns are read for the top-k rows alone, row group by row group.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .errors import ConfigError, DataError
-from .io.parquet import METADATA_KEY
+from .io.parquet import nested, parse_metadata
 
 Columns = dict[str, np.ndarray]  # a few rows of a scores file, column by column
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
@@ -248,9 +247,13 @@ def rank(
 
 
 def _classes(file: pq.ParquetFile) -> list[str] | None:
-    """``data.classes`` of the run that wrote the file, from its metadata (full metadata only)."""
-    meta = json.loads((file.schema_arrow.metadata or {}).get(METADATA_KEY, b"{}"))
-    return ((meta.get("config") or {}).get("data") or {}).get("classes")
+    """``data.classes`` of the run that wrote the file, from its metadata (full metadata only;
+    a value that is not a list of names, as another tool may leave it, is none)."""
+    meta = parse_metadata(file.schema_arrow.metadata)
+    classes = nested(meta, "config", "data", "classes")
+    return (
+        classes if isinstance(classes, list) and all(isinstance(c, str) for c in classes) else None
+    )
 
 
 def sparkline(found: Outliers) -> Text:

@@ -612,6 +612,65 @@ def test_minimal_metadata_holds_no_config_and_no_path(tmp_path):
     assert str(tmp_path) in json.dumps(read_metadata(tmp_path / "scores.parquet"))
 
 
+def _config(edit):
+    return lambda m: {**m, "config": edit(m["config"])}
+
+
+def _data(edit):
+    return _config(lambda c: {**c, "data": edit(c["data"])})
+
+
+# (id, the metadata another tool left: a function of the metadata gradscope wrote)
+EDITED = [
+    ("not-json", lambda m: "{not json"),
+    ("a-list", lambda m: [1, 2]),
+    ("config-a-string", _config(lambda c: "x")),
+    ("data-a-list", _config(lambda c: {**c, "data": [1]})),
+    ("classes-a-dict", _data(lambda d: {**d, "classes": {"a": 1}})),
+    ("classes-numbers", _data(lambda d: {**d, "classes": [1, 2, 3]})),
+    ("data-path-numbers", _data(lambda d: {**d, "path": [5]})),
+    ("a-nul-in-a-path", _data(lambda d: {**d, "path": "data\0.pt"})),
+    ("source-a-number", _config(lambda c: {**c, "source": 5})),
+    ("checkpoints-without-path", _config(lambda c: {**c, "model": {"checkpoints": [{}, 3]}})),
+    ("checkpoint-path-a-number", _config(lambda c: {**c, "model": {"checkpoints": [{"path": 1}]}})),
+    ("precondition-a-string", lambda m: {**m, "influence": {"precondition": "x", "ref": 3}}),
+    ("precondition-path-a-number", lambda m: {**m, "influence": {"precondition": {"path": 3}}}),
+    ("data-sha256-a-number", lambda m: {**m, "data_sha256": 5}),
+    ("command-a-mapping", lambda m: {**m, "command": {"a": 1}}),
+]  # fmt: skip
+
+
+def test_summary_and_report_read_metadata_another_tool_edited(tmp_path):
+    config = make_project(tmp_path, data__classes=["a", "b", "c"])
+    assert runner.invoke(app, ["norms", str(config)]).exit_code == 0
+    table = pq.read_table(tmp_path / "scores.parquet")
+    written = json.loads(table.schema.metadata[b"gradscope"])
+    edited = tmp_path / "edited.parquet"
+    for name, edit in EDITED:
+        meta = edit(written)
+        text = meta if isinstance(meta, str) else json.dumps(meta)
+        pq.write_table(table.replace_schema_metadata({b"gradscope": text.encode()}), edited)
+        for args in (["summary"], ["report"], ["report", "--config", str(config)]):
+            result = runner.invoke(app, [args[0], str(edited), *args[1:]])
+            assert result.exit_code == 0, (name, args, result.output)
+
+
+def test_minimal_metadata_with_precondition_and_report(tmp_path):
+    config = make_project(tmp_path, output__metadata="minimal")
+    torch.save({"x": torch.randn(3, 5), "y": torch.randint(0, 3, (3,))}, tmp_path / "ref.pt")
+    factors = tmp_path / "f.safetensors"
+    args = ["factors", str(config), "--out", str(factors), "--fisher", "empirical"]
+    assert runner.invoke(app, args).exit_code == 0
+    for command in (["norms"], ["influence", "--ref", str(tmp_path / "ref.pt")]):
+        out = tmp_path / f"{command[0]}.parquet"
+        args = [command[0], str(config), *command[1:], "--precondition", str(factors)]
+        result = runner.invoke(app, [*args, "--out", str(out), "--report"])
+        assert result.exit_code == 0, result.output
+        assert out.with_suffix(".html").is_file()
+        result = runner.invoke(app, ["report", str(out), "--config", str(config)])
+        assert result.exit_code == 0, result.output
+
+
 def test_a_column_named_like_a_glob_is_that_column(tmp_path):
     config = make_project(tmp_path)
     plain = whole_run(config, tmp_path)

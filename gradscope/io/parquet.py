@@ -260,8 +260,25 @@ def _unified(schemas: list[pa.Schema]) -> pa.Schema:
 def read_metadata(path: str | Path) -> dict[str, Any]:
     """The ``gradscope`` metadata of a scores file."""
     try:
-        raw = pq.read_schema(path).metadata or {}
-        meta = json.loads(raw[METADATA_KEY]) if METADATA_KEY in raw else {}
-    except (OSError, pa.ArrowException, ValueError) as e:  # not Parquet, cut short, not JSON
+        raw = pq.read_schema(path).metadata
+    except (OSError, pa.ArrowException) as e:  # not Parquet, cut short
         raise DataError(f"not a readable Parquet file: {one_line(e)}", str(path)) from e
+    return parse_metadata(raw)
+
+
+def parse_metadata(raw: dict[bytes, bytes] | None) -> dict[str, Any]:
+    """The ``gradscope`` key of a schema's metadata; {} when there is none, or when another
+    tool left it unreadable (not JSON, not an object): the scores are read without it then."""
+    try:
+        meta = json.loads((raw or {}).get(METADATA_KEY, b"{}"))
+    except ValueError:  # not JSON, not UTF-8
+        return {}
     return meta if isinstance(meta, dict) else {}
+
+
+def nested(meta: dict[str, Any], *keys: str) -> Any:
+    """``meta[k1][k2]...``, or None where a key is missing or a value on the way is not a
+    mapping (metadata another tool edited)."""
+    for key in keys:
+        meta = meta.get(key) if isinstance(meta, dict) else None
+    return meta

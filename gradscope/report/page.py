@@ -114,7 +114,7 @@ def render(scores: Path, cfg: Config | None, by: str | None, top_k: int) -> str:
     )
     return env.get_template(TEMPLATE).render(
         title=scores.name,
-        command=meta.get("command", "?"),
+        command=meta.get("command") if isinstance(meta.get("command"), str) else "?",
         version=__version__,
         found=found,
         n=len(found.values),
@@ -146,7 +146,8 @@ def write_report(
     meta = read_metadata(scores)
     inputs = [("scores file", str(scores)), *metadata_inputs(meta)]
     check_output(target, inputs + (run_inputs(cfg) if cfg else []))
-    if cfg and meta.get("data_sha256") and meta["data_sha256"] != data_sha256(cfg.data.path):
+    scored = meta.get("data_sha256")
+    if cfg and isinstance(scored, str) and scored != data_sha256(cfg.data.path):
         raise DataError(
             "the data changed since it was scored (its sha256 differs from the one the scores "
             "file records): the examples shown would not be the ones scored; score it again",
