@@ -7,12 +7,14 @@ from __future__ import annotations
 import errno
 import fnmatch
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from .config import Config
 from .errors import ConfigError
 from .io.batch import is_glob
 from .io.data import code_file, data_files
+from .io.model import file_sha256
 
 Inputs = list[tuple[str, str]]  # (what names it, path): files and folders a run reads
 
@@ -54,8 +56,35 @@ def metadata_inputs(meta: dict) -> Inputs:
     influence = _mapping(meta.get("influence"))
     if _is_path(influence.get("ref")):
         named += data_inputs("--ref", influence["ref"])
-    precondition = _mapping(influence.get("precondition")).get("path")
-    return named + ([("--precondition", precondition)] if _is_path(precondition) else [])
+    for scorer in (meta, influence):  # norms keeps its --precondition at the top
+        path = _mapping(scorer.get("precondition")).get("path")
+        named += [("--precondition", path)] if _is_path(path) else []
+    return named
+
+
+def check_not_recorded(path: Path, meta: dict) -> None:
+    """Refuse an existing output whose sha256 a scores file's metadata records for an input
+    (the checkpoint, the data, REF, --precondition): where the metadata names no paths
+    (``output.metadata: minimal``), the hashes still tell the inputs."""
+    if not path.is_file():
+        return
+    digest = file_sha256(path)
+    for key, value in _hashes(meta):
+        if value == digest:
+            raise ConfigError(
+                f"the output path holds the file the scores file records as an input ({key}: "
+                "the same sha256); writing there would destroy it, choose another --out",
+                str(path),
+            )
+
+
+def _hashes(meta: object, key: str = "") -> Iterator[tuple[str, str]]:
+    """(dotted key, value) of every ``*sha256`` string in the metadata."""
+    for k, v in meta.items() if isinstance(meta, dict) else ():
+        name = f"{key}.{k}" if key else str(k)
+        if str(k).endswith("sha256") and isinstance(v, str):
+            yield name, v
+        yield from _hashes(v, name)
 
 
 def minimal(metadata: object) -> object:

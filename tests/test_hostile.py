@@ -58,6 +58,19 @@ def scored(root: Path) -> None:
     (root / "config.yaml").unlink()
 
 
+def preconditioned(metadata: str):
+    """A scores file of norms --precondition with factors, its metadata ``metadata``."""
+
+    def setup(root: Path) -> None:
+        edit_config(root, lambda c: c["output"].update(metadata=metadata))
+        config, factors = str(root / "config.yaml"), str(root / "f.safetensors")
+        args = ["factors", config, "--out", factors, "--fisher", "empirical"]
+        assert runner.invoke(app, args).exit_code == 0
+        assert runner.invoke(app, ["norms", config, "--precondition", factors]).exit_code == 0
+
+    return setup
+
+
 def device(root: Path) -> None:
     try:  # a copy of /dev/null, as root can make it
         os.mknod(root / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
@@ -102,6 +115,24 @@ REFUSED = [
         scored,
         ["report", "{r}/scores.parquet", "--out", "{r}/net.pt"],
         "the output path is the run's model.checkpoint (",
+    ),
+    (
+        "report-onto-the-factors-its-metadata-names",
+        preconditioned("full"),
+        ["report", "{r}/scores.parquet", "--out", "{r}/f.safetensors"],
+        "the output path is the run's --precondition (",
+    ),
+    (
+        "report-onto-the-factors-minimal-metadata-records",
+        preconditioned("minimal"),
+        ["report", "{r}/scores.parquet", "--out", "{r}/f.safetensors"],
+        "the output path holds the file the scores file records as an input (precondition.sha256: ",
+    ),
+    (
+        "report-onto-the-checkpoint-minimal-metadata-records",
+        preconditioned("minimal"),
+        ["report", "{r}/scores.parquet", "--out", "{r}/net.pt"],
+        "the output path holds the file the scores file records as an input (checkpoint_sha256: ",
     ),
     (
         "new-file-a-data-glob-matches",

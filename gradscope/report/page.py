@@ -11,7 +11,7 @@ import numpy as np
 from .. import __version__
 from ..config import Config
 from ..errors import DataError
-from ..inputs import check_output, metadata_inputs, run_inputs
+from ..inputs import check_not_recorded, check_output, metadata_inputs, run_inputs
 from ..io.data import data_sha256
 from ..io.parquet import read_metadata, replace_atomically
 from ..summary import Outliers, cell, column, fmt, is_labels, rank
@@ -146,6 +146,7 @@ def write_report(
     meta = read_metadata(scores)
     inputs = [("scores file", str(scores)), *metadata_inputs(meta)]
     check_output(target, inputs + (run_inputs(cfg) if cfg else []))
+    check_not_recorded(target, meta)
     scored = meta.get("data_sha256")
     if cfg and isinstance(scored, str) and scored != data_sha256(cfg.data.path):
         raise DataError(
