@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Callable
 from functools import partial
@@ -379,4 +380,7 @@ def _check_top_k(top_k: int | None) -> None:
 
 
 def main() -> None:
+    for stream in (sys.stdout, sys.stderr):  # a locale that cannot show a character: '?', not
+        if hasattr(stream, "reconfigure"):  # a traceback (the histogram's bars, a path's é)
+            stream.reconfigure(errors="replace")
     app()

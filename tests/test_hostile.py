@@ -731,3 +731,17 @@ def test_factors_follow_no_link_planted_at_the_old_temporary_name(tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert target.read_text() == "precious\n" and out.is_file() and not out.is_symlink()
+
+
+def test_a_locale_that_cannot_show_the_histogram(tmp_path):
+    """LANG=C without Python's UTF-8 mode: stdout is ASCII; the bars print as '?'."""
+    config = make_project(tmp_path)
+    env = {**os.environ, "LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}
+    for args in (["norms", str(config), "--report"], ["summary", str(tmp_path / "scores.parquet")]):
+        done = subprocess.run(
+            [sys.executable, "-m", "gradscope", *args],
+            env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.startswith("grad_norm ") and "?" in done.stdout.splitlines()[0]
+    assert (tmp_path / "scores.html").read_text().startswith("<!")
