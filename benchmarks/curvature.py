@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from methods import floor  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
-from gradscope.curvature.factors import Factors, fit, metadata  # noqa: E402
+from gradscope.curvature.factors import fit  # noqa: E402
 from gradscope.curvature.precondition import Curvature  # noqa: E402
+from gradscope.curvature.store import Factors, metadata  # noqa: E402
 from gradscope.engine.core import Engine  # noqa: E402
 from gradscope.engine.influence import Influence, reference_gradients  # noqa: E402
 from gradscope.engine.reduce import Want  # noqa: E402

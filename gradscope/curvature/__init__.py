@@ -8,9 +8,10 @@ from pathlib import Path
 
 from ..config import Config
 from ..engine.core import Engine
-from .factors import EKFAC, KFAC, Factors, factored_convs, fit, is_factors_file, metadata
+from .factors import EKFAC, KFAC, factored_convs, fit
 from .fisher import SampledLoss, check_fisher
 from .precondition import Curvature, Diagonal, Preconditioner, load_preconditioner
+from .store import Factors, is_factors_file, metadata
 
 __all__ = [
     "Curvature",

@@ -1,4 +1,4 @@
-"""K-FAC and EK-FAC factors from the engine's factored per-example gradients, and their file.
+"""K-FAC and EK-FAC factors from the engine's factored per-example gradients (the file: store.py).
 
 Definitions (N examples, G_i example i's gradient of one parameter, F = E_i[vec G_i vec G_i^T]):
 
@@ -26,16 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from .. import __version__
 from ..errors import GradscopeError, ModelError
 from ..rules import Contribution, Dense, Outer, Rows
 from ..rules.base import CHUNK_ELEMENTS
@@ -43,7 +40,6 @@ from ..rules.embedding import _example_keys
 
 KFAC, EKFAC, DIAGONAL = "kfac", "ekfac", "diagonal"
 DAMPING = 0.1  # x the mean eigenvalue
-KEY = "gradscope"  # the safetensors metadata key, as the Parquet files'
 Batches = Iterable[tuple[tuple[Tensor, ...], Tensor]]
 
 
@@ -230,66 +226,6 @@ def add_eigenvalues(acc: Accumulator, blocks: dict[str, Block]) -> None:
             block.damping["lambda"] = damping(block.tensors["lambda"])
 
 
-@dataclass
-class Factors:
-    """Every selected parameter's block, with what they were computed from."""
-
-    blocks: dict[str, Block]
-    meta: dict
-
-    @property
-    def method(self) -> str:
-        return self.meta["method"]
-
-    def describe(self) -> dict:
-        return {n: b.describe() for n, b in self.blocks.items()}
-
-    def save(self, path: str | Path) -> None:
-        """One safetensors file; the metadata (JSON under ``gradscope``) holds the fingerprint."""
-        from safetensors.torch import save
-
-        from ..io.parquet import replace_atomically
-
-        tensors = {
-            f"{name}/{key}": t.contiguous()
-            for name, b in self.blocks.items()
-            for key, t in b.tensors.items()
-        }
-        meta = self.meta | {"blocks": self.describe()}
-        data = save(tensors, metadata={KEY: json.dumps(meta)})
-        # a new temporary name of its own, never a link planted in a shared folder
-        replace_atomically(Path(path), lambda f: f.write(data), "the factors")
-
-    @classmethod
-    def load(cls, path: str | Path) -> Factors:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            meta = json.loads((f.metadata() or {})[KEY])
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
-        blocks = {}
-        for name, info in meta.pop("blocks").items():
-            kind = DIAGONAL if info["kind"] == DIAGONAL else KFAC
-            prefix = f"{name}/"
-            mine = {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix)}
-            blocks[name] = Block(kind, torch.Size(info["shape"]), mine, dict(info["damping"]))
-        return cls(blocks, meta)
-
-
-def is_factors_file(path: str | Path) -> bool:
-    """Whether ``path`` is a safetensors file holding gradscope factors (told by its content)."""
-    try:
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            if not 2 <= size <= 100_000_000:
-                return False
-            header = json.loads(f.read(size))
-    except (OSError, ValueError):
-        return False
-    meta = header.get("__metadata__", {}) if isinstance(header, dict) else {}
-    return KEY in meta and '"factors"' in meta[KEY]
-
-
 def fit(
     contributions: Callable[[tuple[Tensor, ...], Tensor], dict[str, Contribution | None]],
     batches: Callable[[], Batches],
@@ -324,14 +260,3 @@ def fit(
                 on_batch(targets.shape[0])
         add_eigenvalues(second, blocks)
     return blocks, acc.examples
-
-
-def metadata(method: str, fisher: str, examples: int, fingerprint: dict) -> dict:
-    return {
-        "kind": "factors",
-        "version": __version__,
-        "method": method,
-        "fisher": fisher,
-        "examples": examples,
-        "model": fingerprint,
-    }

@@ -23,7 +23,8 @@ from torch import Tensor
 from ..errors import ModelError
 from ..rules import Contribution, Dense, Outer, Rows
 from ..rules.base import CHUNK_ELEMENTS, accumulation_dtype, rows
-from .factors import DIAGONAL, Block, Factors, is_factors_file, times
+from .factors import DIAGONAL, Block, times
+from .store import Factors, is_factors_file
 
 
 class Weighted(Contribution):

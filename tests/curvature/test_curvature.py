@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gradscope.curvature.factors import DIAGONAL, KFAC, Factors, factored_convs, fit, metadata
+from gradscope.curvature.factors import DIAGONAL, KFAC, factored_convs, fit
 from gradscope.curvature.fisher import SampledLoss
 from gradscope.curvature.precondition import Curvature, Diagonal
+from gradscope.curvature.store import Factors, metadata
 from gradscope.engine.core import Engine, total
 from gradscope.engine.influence import Influence, reference_gradients
 from gradscope.engine.naive import naive_grads
