@@ -42,8 +42,7 @@ def steps(workload: str) -> dict[str, Callable]:
 
     def factors(ekfac: bool):
         def run() -> Curvature:
-            parts = lambda i, t: engine.contributions(i, t)[1]  # noqa: E731
-            blocks, n = fit(parts, batch, ekfac=ekfac)
+            blocks, n, _ = fit(engine.contributions, batch, ekfac=ekfac)
             return Curvature(Factors(blocks, metadata("", "empirical", n, {})))
 
         return run

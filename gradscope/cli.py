@@ -318,8 +318,10 @@ def factors(
         )
     kinds = [b["kind"] for b in made.describe().values()]
     counts = ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds))
+    left = made.meta["left_out"]
+    left = f" ({left} left out: a NaN or infinite loss or gradient)" if left else ""
     terminal.console.print(
-        f"{made.meta['examples']} examples, {made.meta['fisher']} Fisher; {counts}"
+        f"{made.meta['examples']} examples{left}, {made.meta['fisher']} Fisher; {counts}"
     )
     terminal.wrote(out)
 

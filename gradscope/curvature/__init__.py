@@ -65,8 +65,8 @@ def fit_factors(
             sampled.seed = k
 
     with engine, factored_convs():
-        blocks, examples = fit(
-            lambda inputs, targets: engine.contributions(inputs, targets)[1],
+        blocks, examples, left_out = fit(
+            engine.contributions,
             batches,
             ekfac=ekfac,
             reseed=reseed,
@@ -74,6 +74,7 @@ def fit_factors(
         )
     model = job.metadata("factors")
     model["plan"] = engine.plan.describe()
-    factors = Factors(blocks, metadata(EKFAC if ekfac else KFAC, fisher, examples, model))
+    meta = metadata(EKFAC if ekfac else KFAC, fisher, examples, model) | {"left_out": left_out}
+    factors = Factors(blocks, meta)
     factors.save(out)
     return factors

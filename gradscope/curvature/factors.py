@@ -226,37 +226,83 @@ def add_eigenvalues(acc: Accumulator, blocks: dict[str, Block]) -> None:
             block.damping["lambda"] = damping(block.tensors["lambda"])
 
 
+Parts = dict[str, Contribution | None]
+
+
+def _finite(c: Contribution) -> Tensor:
+    """(B,) whether each example's part of the gradient is finite everywhere."""
+    if isinstance(c, Outer):
+        held = (c.s, c.a)
+    elif isinstance(c, Rows) or type(c) is Dense:
+        held = (c.s if isinstance(c, Rows) else c.grads,)
+    else:  # formed a few examples at a time: its norms tell, without holding them all
+        return torch.isfinite(c.norm_sq())
+    return torch.stack([torch.isfinite(t).flatten(1).all(1) for t in held]).all(0)
+
+
+def _zeroed(c: Contribution, bad: Tensor) -> Contribution:
+    """``c`` with the examples where ``bad`` is set at zero: they add nothing to any sum."""
+
+    def zero(t: Tensor) -> Tensor:
+        return t.masked_fill(bad.to(t.device).view(-1, *[1] * (t.dim() - 1)), 0)
+
+    if isinstance(c, Outer):  # zero rows are not counted positions either
+        return Outer(zero(c.s), zero(c.a), c.shape, c.lengths)
+    if isinstance(c, Rows):
+        return Rows(c.ids, zero(c.s), c.shape[0])
+    return Dense(zero(c.grads if isinstance(c, Dense) else c.materialize()))
+
+
+def finite_parts(loss: Tensor, parts: Parts) -> tuple[Parts, int]:
+    """The parts with every example whose loss or gradient has a NaN or inf left out (zeroed),
+    and how many were: one such example would make every block it touches NaN."""
+    keep = torch.isfinite(loss.detach())
+    for c in parts.values():
+        if c is not None:
+            keep &= _finite(c).to(keep.device)
+    bad = ~keep
+    if not bad.any():
+        return parts, 0
+    zeroed = {n: None if c is None else _zeroed(c, bad) for n, c in parts.items()}
+    return zeroed, int(bad.sum())
+
+
 def fit(
-    contributions: Callable[[tuple[Tensor, ...], Tensor], dict[str, Contribution | None]],
+    contributions: Callable[[tuple[Tensor, ...], Tensor], tuple[Tensor, Parts]],
     batches: Callable[[], Batches],
     *,
     ekfac: bool = False,
     reseed: Callable[[int], None] | None = None,
     on_batch: Callable[[int], None] | None = None,
-) -> tuple[dict[str, Block], int]:
-    """The blocks from one pass over ``batches()`` (two with ``ekfac``), and the examples seen.
+) -> tuple[dict[str, Block], int, int]:
+    """The blocks from one pass over ``batches()`` (two with ``ekfac``), the examples they hold,
+    and how many were left out for a NaN or infinite loss or gradient.
 
-    ``contributions(inputs, targets)`` gives each parameter's factored per-example gradients;
-    ``reseed(k)`` is called before batch k of each pass (the true Fisher's label draws: the
-    eigenvalue pass draws afresh, as kronfluence's does).
+    ``contributions(inputs, targets)`` gives the per-example losses and each parameter's
+    factored per-example gradients; ``reseed(k)`` is called before batch k of each pass (the
+    true Fisher's label draws: the eigenvalue pass draws afresh, as kronfluence's does).
     """
-    acc = Accumulator()
+    acc, left = Accumulator(), 0
     for k, (inputs, targets) in enumerate(batches()):
         if reseed:
             reseed(k)
-        acc.covariances(contributions(inputs, targets), targets.shape[0])
+        parts, bad = finite_parts(*contributions(inputs, targets))
+        acc.covariances(parts, targets.shape[0] - bad)
+        left += bad
         if on_batch:
             on_batch(targets.shape[0])
     if not acc.examples:
-        raise GradscopeError("no examples to compute factors from", "data")
+        what = "every example has a NaN or infinite loss or gradient" if left else "no examples"
+        raise GradscopeError(f"{what}: no factors to compute", "data")
     blocks = blocks_from(acc)
     if ekfac:
         second = Accumulator()
         for k, (inputs, targets) in enumerate(batches()):
             if reseed:
                 reseed(1_000_003 + k)
-            second.eigenvalues(contributions(inputs, targets), targets.shape[0], blocks)
+            parts, bad = finite_parts(*contributions(inputs, targets))
+            second.eigenvalues(parts, targets.shape[0] - bad, blocks)
             if on_batch:
                 on_batch(targets.shape[0])
         add_eigenvalues(second, blocks)
-    return blocks, acc.examples
+    return blocks, acc.examples, left

@@ -31,8 +31,10 @@ def check_fisher(fisher: str, loss_name: str) -> None:
 
 
 def _categorical(probs: Tensor, generator: torch.Generator) -> Tensor:
-    """One class per row of (N, C) probabilities."""
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    """One class per row of (N, C) probabilities; any class for a row of NaN or inf (its loss
+    is NaN then, and the factors leave the example out)."""
+    usable = torch.isfinite(probs).all(-1, keepdim=True) & (probs.sum(-1, keepdim=True) > 0)
+    return torch.multinomial(torch.where(usable, probs, 1.0), 1, generator=generator)[:, 0]
 
 
 class SampledLoss:
@@ -57,7 +59,7 @@ class SampledLoss:
             noise = torch.randn(out.shape, generator=g, device=out.device) * 0.5**0.5
             return (out + noise).to(output.dtype).reshape(targets.shape)
         if self.name == "bce_with_logits":
-            drawn = torch.bernoulli(out.sigmoid(), generator=g)
+            drawn = torch.bernoulli(out.sigmoid().nan_to_num(0.5), generator=g)
             return drawn.to(targets.dtype if targets.is_floating_point() else out.dtype)
         if self.name == "causal_lm":  # logits at 0..T-2 predict the tokens at 1..T-1
             logits = out[:, :-1]  # (B, T-1, V)

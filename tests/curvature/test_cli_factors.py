@@ -196,3 +196,30 @@ def test_a_damaged_factors_file_is_one_line(tmp_path: Path, monkeypatch, capsys,
         err = _fails(monkeypatch, capsys, command[0], cfg, *command[1:], "--precondition", factors)
         assert err.startswith(f"error: the factors file is damaged: {message}"), err
         assert err.endswith(f"; run gradscope factors again ({factors})\n"), err
+
+
+@pytest.mark.parametrize("ekfac", [False, True], ids=["kfac", "ekfac"])
+@pytest.mark.parametrize("fisher", ["empirical", "true"])
+def test_examples_with_a_nan_loss_are_left_out_and_said(tmp_path: Path, fisher, ekfac) -> None:
+    """The empirical factors of the data with two NaN rows put in are those of the data
+    without them; the true Fisher's draws differ with the batches, so only finite there."""
+    cfg = make_project(tmp_path, n=N)
+    flags = ["--fisher", fisher, *(["--ekfac"] if ekfac else [])]
+    clean = tmp_path / "clean.safetensors"
+    _invoke("factors", cfg, "--out", clean, *flags)
+    data = torch.load(tmp_path / "data.pt")
+    nan = torch.full((1, 5), float("nan"))
+    x = torch.cat([data["x"][:1], nan, data["x"][1:6], nan, data["x"][6:]])
+    y = torch.cat([data["y"][:1], data["y"][:1], data["y"][1:6], data["y"][:1], data["y"][6:]])
+    torch.save({"x": x, "y": y}, tmp_path / "data.pt")
+    out = tmp_path / "f.safetensors"
+    output = _invoke("factors", cfg, "--out", out, *flags)
+    assert f"{N} examples (2 left out: a NaN or infinite loss or gradient), {fisher}" in output
+    made, expected = Factors.load(out), Factors.load(clean)  # load refuses NaN blocks
+    assert made.meta["examples"] == N and made.meta["left_out"] == 2
+    if fisher == "empirical":
+        for name, block in expected.blocks.items():
+            for key, t in block.tensors.items():
+                if "eigenvectors" not in key:  # their signs are eigh's to choose
+                    got = made.blocks[name].tensors[key]  # the model runs in float32
+                    torch.testing.assert_close(got, t, rtol=1e-5, atol=1e-6, msg=key)
