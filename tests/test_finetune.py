@@ -207,6 +207,32 @@ def test_lora_bert_classifier_scores_adapters_and_its_trained_head(tmp_path):
     assert result.exit_code == 0, result.output
 
 
+def test_factors_of_one_adapter_are_refused_for_another(tmp_path):
+    lora_folders(tmp_path, "gpt2")
+    torch.manual_seed(1)  # a second adapter of the same shapes, trained otherwise
+    base = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "base")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"])
+    lora.fan_in_fan_out = True
+    adapted(base, lora, tmp_path / "lora2")
+    ids = torch.randint(0, GPT2["vocab_size"], (5, 6))
+    torch.save({"ids": ids}, tmp_path / "data.pt")
+    data = {"path": "data.pt", "inputs": "ids", "targets": "ids"}
+    model = {"factory": "transformers:GPT2LMHeadModel", "pretrained": "base", "adapter": "lora"}
+    run_cli(tmp_path, model, data, "causal_lm")  # writes config.yaml
+    config, factors = tmp_path / "config.yaml", str(tmp_path / "f.safetensors")
+    assert runner.invoke(app, ["factors", str(config), "--out", factors]).exit_code == 0
+    assert runner.invoke(app, ["norms", str(config), "--precondition", factors]).exit_code == 0
+    config.write_text(config.read_text().replace("adapter: lora", "adapter: lora2"))
+    for command in (["norms"], ["influence", "--ref", str(tmp_path / "data.pt")]):
+        result = runner.invoke(
+            app, [command[0], str(config), *command[1:], "--precondition", factors]
+        )
+        assert result.exit_code == 2, result.output
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith("error: the factors were computed with another model.adapter")
+        assert line.endswith(f"; run gradscope factors on this config again ({factors})")
+
+
 def test_a_folder_without_adapter_config_is_named(tmp_path):
     from gradscope.config import ModelConfig
     from gradscope.errors import ModelError

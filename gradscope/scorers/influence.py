@@ -102,8 +102,9 @@ class InfluenceScorer(Scorer):
         if self.precondition:
             from ..curvature import load_preconditioner
 
-            sha = job.metadata("influence")["checkpoint_sha256"] if last else None
-            pre = load_preconditioner(self.precondition, job.engine, sha)
+            made = job.metadata("influence")  # earlier checkpoints: the same adapter
+            made = made if last else {"adapter_sha256": made["adapter_sha256"]}
+            pre = load_preconditioner(self.precondition, job.engine, made)
             refs = pre.refs(refs)
             self._precondition_kind = pre.describe()
         return Influence(job.engine, refs, self.engine, norms=True)
