@@ -7,10 +7,11 @@ from pathlib import Path
 
 from torch import Tensor, nn
 
-from .curvature import load_preconditioner
+from .curvature import Diagonal, load_preconditioner
+from .curvature.adam import adam_denominator
 from .engine.core import Engine, total
 from .engine.forward import Forward
-from .engine.influence import Influence, adam_denominator, preconditioned, reference_gradients
+from .engine.influence import Influence, reference_gradients
 from .losses import LossFn, resolve_loss
 
 
@@ -78,6 +79,6 @@ def per_example_influence(
         if isinstance(precondition, str | Path):
             refs = load_preconditioner(precondition, core).refs(refs)
         elif precondition is not None:
-            refs = preconditioned(refs, adam_denominator(precondition, core, "precondition"))
+            refs = Diagonal(adam_denominator(precondition, core, "precondition"), "adam").refs(refs)
         scores = Influence(core, refs, engine, norms=False)(_as_tuple(inputs), targets)
     return scores.inner[:, 0]

@@ -10,13 +10,9 @@ from oracle import Case, reference_influence
 from torch import Tensor, nn
 
 import gradscope
+from gradscope.curvature.adam import adam_denominator
 from gradscope.engine.core import Engine
-from gradscope.engine.influence import (
-    Influence,
-    adam_denominator,
-    influence_errors,
-    reference_gradients,
-)
+from gradscope.engine.influence import Influence, influence_errors, reference_gradients
 from gradscope.errors import GradscopeError
 from gradscope.losses import resolve_loss
 

@@ -23,6 +23,7 @@ from torch import Tensor
 from ..errors import ModelError
 from ..rules import Contribution, Dense, Outer, Rows
 from ..rules.base import CHUNK_ELEMENTS, accumulation_dtype, rows
+from .adam import adam_denominator
 from .factors import DIAGONAL, Block, times
 from .store import Factors, is_factors_file
 
@@ -199,7 +200,6 @@ def load_preconditioner(path: str | Path, engine, model: dict | None = None) -> 
     their content. Factors must fit the engine's selected parameters, and come from the model
     that ``model`` describes: each of its ``checkpoint_sha256`` and ``adapter_sha256`` that is
     given is compared with the factors' own."""
-    from ..engine.influence import adam_denominator
     from ..io.model import load_state_dict
 
     where = str(path)
