@@ -5,6 +5,8 @@ from __future__ import annotations
 import pathlib
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from project import edit_checkpoint, edit_config, edit_data, make_project
@@ -231,6 +233,29 @@ CASES = [
         [],
         "checkpoint does not fit the model: fc1.weight is int32, the model expects float32",
         "net.pt",
+    ),
+    (
+        "checkpoint-a-scores-file",
+        lambda r: pq.write_table(pa.table({"loss": [1.0]}), r / "net.pt"),
+        [],
+        "checkpoint is a Parquet file (a scores file?), not one that torch.save or safetensors "
+        "writes",
+        "net.pt",
+    ),
+    (
+        "checkpoint-a-text-file",
+        lambda r: (r / "net.pt").write_text("fc1.weight: [1, 2]\n"),
+        [],
+        "checkpoint is not a file that torch.save or safetensors writes",
+        "net.pt",
+    ),
+    (
+        "precondition-a-scores-file",
+        lambda r: pq.write_table(pa.table({"loss": [1.0]}), r / "old.pq"),
+        ["--precondition", "{root}/old.pq"],
+        "--precondition file is a Parquet file (a scores file?), not one that torch.save or "
+        "safetensors writes",
+        "old.pq",
     ),
     (
         "cuda-without-cuda",

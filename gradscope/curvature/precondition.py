@@ -209,7 +209,7 @@ def load_preconditioner(path: str | Path, engine, model: dict | None = None) -> 
         check_made(factors, model or {}, where)
         return Curvature(factors)
     hint = "; save optimizer.state_dict() itself, which holds only tensors and numbers"
-    state = load_state_dict(path, hint=hint)
+    state = load_state_dict(path, hint=hint, what="--precondition file")
     return Diagonal(adam_denominator(state, engine, where), "adam")
 
 

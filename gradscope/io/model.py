@@ -88,15 +88,16 @@ def load_state_dict(
     path: str | Path,
     trust: bool = False,
     hint: str = "; pass --trust-checkpoint only if you trust its author",
+    what: str = "checkpoint",
 ) -> dict[str, Any]:
     """Load a state dict from .safetensors, or .pt/.pth with ``weights_only=True``.
 
     An arbitrary pickle is refused without running it unless ``trust`` is set; ``hint`` ends
-    that error (what the user can do about it).
+    that error (what the user can do about it). ``what`` names the file in every error.
     """
     path = Path(path)
     if not path.is_file():
-        raise ModelError("checkpoint not found", str(path))
+        raise ModelError(f"{what} not found", str(path))
     if lfs_pointer(path):
         raise ModelError(LFS_POINTER, str(path))
     if path.suffix == ".safetensors":
@@ -105,19 +106,24 @@ def load_state_dict(
         try:
             return load_file(str(path))
         except Exception as e:  # safetensors raises its own SafetensorError
-            raise ModelError(f"cannot read safetensors checkpoint: {e}", str(path)) from e
+            raise ModelError(f"cannot read safetensors {what}: {e}", str(path)) from e
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if not head.startswith((b"PK\x03\x04", b"\x80")):  # torch.save's zip, or a legacy pickle
+        looks = "a Parquet file (a scores file?), not one" if head == b"PAR1" else "not a file"
+        raise ModelError(f"{what} is {looks} that torch.save or safetensors writes", str(path))
     try:
         return torch.load(path, map_location="cpu", weights_only=not trust)
     except pickle.UnpicklingError as e:
         if trust:  # not a pickle torch can read at all
-            raise ModelError(f"cannot read checkpoint: {one_line(e)}", str(path)) from e
+            raise ModelError(f"cannot read {what}: {one_line(e)}", str(path)) from e
         raise ModelError(
-            f"checkpoint holds objects other than tensors and cannot be loaded with "
+            f"{what} holds objects other than tensors and cannot be loaded with "
             f"weights_only=True{hint}",
             str(path),
         ) from e
     except (RuntimeError, EOFError, OSError) as e:
-        raise ModelError(f"cannot read checkpoint: {one_line(e)}", str(path)) from e
+        raise ModelError(f"cannot read {what}: {one_line(e)}", str(path)) from e
 
 
 def _extract(state: Any, cfg: ModelConfig, path: str) -> dict[str, torch.Tensor]:
