@@ -9,8 +9,10 @@ import pytest
 import torch
 import yaml
 from oracle import assert_rel_close, reference_influence, reference_norms
+from test_bad_input import Marker
 from test_hf_models import BERT
 from test_hf_models import Keywords as Logits
+from test_hostile import LFS
 from torch import nn
 from typer.testing import CliRunner
 
@@ -247,6 +249,56 @@ def test_a_folder_without_adapter_config_is_named(tmp_path):
     )
     with pytest.raises(ModelError, match="not a peft adapter folder"):
         build_model(cfg)
+
+
+def no_weights(folder) -> None:
+    (folder / "adapter_model.safetensors").unlink()
+
+
+def pickled_weights(folder) -> None:
+    from safetensors.torch import load_file
+
+    weights = load_file(folder / "adapter_model.safetensors")
+    torch.save(weights | {"x": Marker(folder / "ran")}, folder / "adapter_model.bin")
+    no_weights(folder)
+
+
+def lfs_weights(folder) -> None:
+    (folder / "adapter_model.safetensors").write_text(LFS)
+
+
+@pytest.mark.parametrize(
+    ("spoil", "message"),
+    [
+        (no_weights, "the adapter folder has no weights file (adapter_model.safetensors or "
+         "adapter_model.bin) ({folder})"),
+        (pickled_weights, "the adapter's adapter_model.bin holds objects other than tensors and "
+         "is not loaded (that would run its pickle); save the adapter as safetensors ({folder})"),
+        (lfs_weights, "a Git LFS pointer, not the file itself: run `git lfs pull` to fetch it "
+         "({folder}/adapter_model.safetensors)"),
+    ],
+    ids=["no-weights", "pickled-bin", "lfs-pointer"],
+)  # fmt: skip
+def test_an_adapter_folder_whose_weights_cannot_be_loaded(tmp_path, spoil, message):
+    lora_folders(tmp_path, "gpt2")
+    spoil(tmp_path / "lora")
+    torch.save({"ids": torch.randint(0, GPT2["vocab_size"], (3, 6))}, tmp_path / "data.pt")
+    config = tmp_path / "config.yaml"
+    raw = {
+        "model": {
+            "factory": "transformers:GPT2LMHeadModel",
+            "pretrained": "base",
+            "adapter": "lora",
+        },
+        "data": {"path": "data.pt", "inputs": "ids", "targets": "ids"},
+        "loss": {"name": "causal_lm"},
+        "device": "cpu",
+    }
+    config.write_text(yaml.safe_dump(raw))
+    result = runner.invoke(app, ["norms", str(config)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == "error: " + message.format(folder=tmp_path / "lora")
+    assert not (tmp_path / "lora" / "ran").exists()
 
 
 # -- half precision from the config's dtype ---------------------------------------------------

@@ -75,6 +75,7 @@ def _sha256(path: str, size: int, mtime_ns: int) -> str:
     return digest.hexdigest()
 
 
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # what peft saves, loads
 LFS_POINTER = "a Git LFS pointer, not the file itself: run `git lfs pull` to fetch it"
 
 
@@ -237,6 +238,13 @@ def load_adapter(model: nn.Module, folder: str) -> nn.Module:
     does not, so that by default only the adapters are scored. Nothing is downloaded."""
     if not (Path(folder) / "adapter_config.json").is_file():
         raise ModelError("not a peft adapter folder: it has no adapter_config.json", folder)
+    weights = [f for f in ADAPTER_WEIGHTS if (Path(folder) / f).is_file()]
+    if not weights:  # peft would look for them on the Hub, and talk about repo ids
+        raise ModelError(
+            f"the adapter folder has no weights file ({' or '.join(ADAPTER_WEIGHTS)})", folder
+        )
+    if lfs_pointer(Path(folder) / weights[0]):
+        raise ModelError(LFS_POINTER, str(Path(folder) / weights[0]))
     try:
         from peft import PeftModel
     except ImportError as e:
@@ -245,6 +253,12 @@ def load_adapter(model: nn.Module, folder: str) -> nn.Module:
         ) from e
     try:
         return PeftModel.from_pretrained(model, folder, is_trainable=True, local_files_only=True)
+    except pickle.UnpicklingError as e:  # torch.load(weights_only=True) of adapter_model.bin
+        raise ModelError(
+            f"the adapter's {weights[0]} holds objects other than tensors and is not loaded (that "
+            "would run its pickle); save the adapter as safetensors",
+            folder,
+        ) from e
     except (OSError, ValueError, TypeError, KeyError, RuntimeError, AttributeError) as e:
         raise ModelError(f"cannot load the adapter onto the model: {one_line(e)}", folder) from e
 
