@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ConfigError
-from ..losses import LossFn
+from ..losses import LossFn, check_class_dim
 
 FISHERS = ("true", "empirical")
 # losses whose targets the model's output is a distribution over
@@ -69,6 +69,8 @@ class SampledLoss:
             sampled[:, 1:] = torch.where(keep, targets[:, 1:], drawn.view(keep.shape))
             return sampled
         # cross_entropy / nll: classes along class_dim (dim 1 of a (B, C) output)
+        if out.dim() > 2:  # the data's targets tell a class_dim that does not fit
+            check_class_dim(self.name, out, targets, self.class_dim)
         dim = 1 if out.dim() <= 2 else self.class_dim % out.dim()
         scores = out.movedim(dim, -1)  # (B, ..., C)
         probs = scores.exp() if self.name == "nll" else scores.softmax(-1)
