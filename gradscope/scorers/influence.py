@@ -17,7 +17,7 @@ from ..engine.influence import (
     check_engine,
     reference_gradients,
 )
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError, DataError, reading
 from ..inputs import data_inputs
 from ..io.data import Batch, Dataset, data_sha256, open_dataset
 from ..io.model import file_sha256
@@ -97,7 +97,8 @@ class InfluenceScorer(Scorer):
         if job.sharded:
             return self._sharded(job, batches)
         main = distributed.world().main
-        refs = reference_gradients(job.engine, batches, self.per_ref) if main else None
+        with reading(f"--ref {self.ref}"):
+            refs = reference_gradients(job.engine, batches, self.per_ref) if main else None
         refs = distributed.broadcast_tensors(refs, job.device)
         if self.precondition:
             from ..curvature import load_preconditioner
