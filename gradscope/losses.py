@@ -38,6 +38,16 @@ def _first(values: Tensor, bad: Tensor) -> str:
     return f"{values[bad].flatten()[0].item():g}"
 
 
+def nothing_counted(name: str, kwargs: dict, targets: Tensor) -> Tensor | None:
+    """(B,) where an example's loss counts no position: every target is ``ignore_index`` (for
+    causal_lm every target after the first, a row of one token included). None for losses
+    that count every element, and for custom ones."""
+    if name not in ("cross_entropy", "nll", "causal_lm") or targets.is_floating_point():
+        return None
+    counted = targets[:, 1:] if name == "causal_lm" else targets
+    return (counted.reshape(len(targets), -1) == kwargs.get("ignore_index", -100)).all(1)
+
+
 def not_class_ids(targets: Tensor, classes: int, ignore_index: int) -> Tensor:
     """Where integer targets are neither a class id of ``classes`` outputs nor ``ignore_index``."""
     return (targets != ignore_index) & ((targets < 0) | (targets >= classes))

@@ -321,4 +321,24 @@ def summarize(
             f"MAD {fmt(found.spread.mad)}, max {largest}; {int((~ok).sum())} non-finite."
         )
     )
+    empty = uncounted(found)
+    if empty:
+        parts.append(
+            Text(
+                f"{empty} of them count no target (every target ignore_index): their loss is NaN "
+                "and their gradient zero, and no ranking takes them."
+            )
+        )
     return Group(*parts)
+
+
+def uncounted(found: Outliers) -> int:
+    """How many rows count no target: the scorers write NaN for their loss (a mean over
+    nothing), beside an exact zero gradient; a row whose NaN came from the model has a NaN
+    gradient too."""
+    names = set(found.names)
+    if found.ok.all() or not {"loss", "grad_norm"} <= names:
+        return 0
+    bad = ~found.ok  # kept for the unranked rows alone
+    loss, norm = (column(found.file, n)[bad] for n in ("loss", "grad_norm"))
+    return int((np.isnan(loss) & (norm == 0)).sum())

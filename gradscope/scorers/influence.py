@@ -22,7 +22,7 @@ from ..inputs import data_inputs
 from ..io.data import Batch, Dataset, data_sha256, open_dataset
 from ..io.model import file_sha256
 from ..job import Job
-from .base import Inputs, Scorer, all_finite, leading
+from .base import Inputs, Scorer, all_finite, counted, leading
 
 
 class InfluenceScorer(Scorer):
@@ -154,7 +154,11 @@ class InfluenceScorer(Scorer):
 
     def columns(self, job: Job, batch: Batch) -> dict[str, np.ndarray]:
         inputs, targets = job.to_device(batch)
-        return self.table(batch, [s(inputs, targets) for s in self._scorers])
+        results = [s(inputs, targets) for s in self._scorers]
+        losses = counted(job, batch, [r.loss for r in results])
+        return self.table(
+            batch, [dataclasses.replace(r, loss=x) for r, x in zip(results, losses, strict=True)]
+        )
 
     def table(self, batch: Batch, results: list[BatchInfluence]) -> dict[str, np.ndarray]:
         """The rows of one batch in column order, one per (example, reference) pair."""
