@@ -28,6 +28,8 @@ def adam_denominator(state: Any, engine, where: str) -> dict[str, Tensor]:
     (1 - beta2**step) (max_exp_avg_sq with amsgrad), betas and eps from the parameter's group."""
     if not isinstance(state, dict) or not {"state", "param_groups"} <= set(state):
         raise ModelError("not an optimizer state_dict (needs 'state' and 'param_groups')", where)
+    if not isinstance(state["state"], dict) or not isinstance(state["param_groups"], list):
+        raise ModelError("not an optimizer state_dict ('state' is a mapping of entries)", where)
     groups = [g for g in state["param_groups"] if isinstance(g, dict)]
     named = [(name, tuple(p.shape)) for name, p in engine.model.named_parameters()]
     if groups and all("param_names" in g for g in groups):
@@ -44,7 +46,7 @@ def adam_denominator(state: Any, engine, where: str) -> dict[str, Tensor]:
             )
         group, key = entries[p.name]
         v, step, moment = _moment(state["state"].get(key), group, p.name, where)
-        beta2, eps = group["betas"][1], group["eps"]
+        beta2, eps = _hyperparameters(group, where)
         if tuple(v.shape) != tuple(p.param.shape):
             raise ModelError(
                 f"optimizer state for parameter {p.name} has shape {tuple(v.shape)}, the model's "
@@ -66,14 +68,36 @@ def adam_denominator(state: Any, engine, where: str) -> dict[str, Tensor]:
 def _moment(entry: Any, group: dict, name: str, where: str) -> tuple[Tensor, float, str]:
     """(second moment, step, its key) of one entry of the state."""
     moment = "max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq"
-    adam = "betas" in group and "eps" in group
-    if not adam or not isinstance(entry, dict) or moment not in entry or "step" not in entry:
+    if not isinstance(entry, dict) or moment not in entry or "step" not in entry:
         raise ModelError(
             f"no Adam second moment ({moment}) for parameter {name}; is it an Adam/AdamW state "
             "that has taken a step?",
             where,
         )
-    return entry[moment], float(entry["step"]), moment
+    v = entry[moment]
+    try:
+        step = float(entry["step"])  # a number, or a one-element tensor
+    except (TypeError, ValueError, RuntimeError):
+        step = 0.0
+    if not isinstance(v, Tensor) or not step >= 1:
+        raise ModelError(
+            f"the optimizer state's entry for parameter {name} is not an Adam second moment "
+            f"after a step ({moment} a tensor, step at least 1)",
+            where,
+        )
+    return v, step, moment
+
+
+def _hyperparameters(group: dict, where: str) -> tuple[float, float]:
+    """(beta2, eps) of a parameter group."""
+    betas, eps = group.get("betas"), group.get("eps")
+    try:
+        beta2, eps = float(betas[1]), float(eps)
+    except (TypeError, ValueError, IndexError, KeyError):
+        raise ModelError(
+            "the optimizer state's parameter group has no Adam betas and eps", where
+        ) from None
+    return beta2, eps
 
 
 def _by_name(groups: list[dict], where: str) -> dict[str, Entry]:

@@ -141,3 +141,36 @@ def test_a_nan_in_the_state_is_named(tmp_path, value):
         "error: Adam's second moment (exp_avg_sq) for parameter fc1.bias holds NaN or infinite "
         "values"
     ), line
+
+
+def _spoil(state: dict, how: str) -> None:
+    if how == "step-0":
+        state["state"][1]["step"] = torch.tensor(0.0)
+    elif how == "moment-not-a-tensor":
+        state["state"][1]["exp_avg_sq"] = [1.0]
+    elif how == "no-betas":
+        del state["param_groups"][0]["betas"]
+    else:  # entries not a mapping
+        state["state"] = [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        ("step-0", "the optimizer state's entry for parameter fc1.bias is not an Adam second "
+         "moment after a step"),
+        ("moment-not-a-tensor", "the optimizer state's entry for parameter fc1.bias is not an "
+         "Adam second moment after a step"),
+        ("no-betas", "the optimizer state's parameter group has no Adam betas and eps"),
+        ("entries-a-list", "not an optimizer state_dict ('state' is a mapping of entries)"),
+    ],
+)  # fmt: skip
+def test_a_damaged_state_is_one_line(tmp_path, how, message):
+    config, net = square_net(tmp_path)
+    stepped(net, [{"params": list(net.named_parameters())}], tmp_path)
+    state = torch.load(tmp_path / "adam.pt")
+    _spoil(state, how)
+    torch.save(state, tmp_path / "adam.pt")
+    args = ["norms", str(config), "--precondition", str(tmp_path / "adam.pt")]
+    line = one_error(runner.invoke(app, args))
+    assert line.startswith(f"error: {message}") and line.endswith(f"({tmp_path / 'adam.pt'})")
