@@ -228,7 +228,7 @@ def rank(
     if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
         raise DataError(f"column {score!r} holds {kind}, not numbers to rank by", "--by")
     values = column(file, score).astype(np.float64)
-    ok = np.isfinite(values) & (column(file, "finite") if "finite" in names else True)
+    ok = np.isfinite(values) & _finite(file, path)
     target = column(file, "target") if "target" in names else None
     spread = Spread.of(values[ok])
     z_class = class_z(values, ok, target) if is_labels(target) and score != "class_z" else None
@@ -244,6 +244,17 @@ def rank(
             rows["class_z"] = z_class[top]
         ends.append(End(d, label, top, rows))
     return Outliers(file, score, values, ok, target, spread, ends, classes or _classes(file))
+
+
+def _finite(file: pq.ParquetFile, path: str | Path) -> np.ndarray | bool:
+    """The ``finite`` flags as booleans (another tool may have written them as 0 and 1; a
+    missing flag is false); True without the column."""
+    if "finite" not in file.schema_arrow.names:
+        return True
+    kind = file.schema_arrow.field("finite").type
+    if not (pa.types.is_boolean(kind) or pa.types.is_integer(kind)):
+        raise DataError(f"column 'finite' holds {kind}, not true or false", str(path))
+    return column(file, "finite").astype(bool)
 
 
 def _classes(file: pq.ParquetFile) -> list[str] | None:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -684,6 +685,34 @@ def test_summary_and_report_read_metadata_another_tool_edited(tmp_path):
         for args in (["summary"], ["report"], ["report", "--config", str(config)]):
             result = runner.invoke(app, [args[0], str(edited), *args[1:]])
             assert result.exit_code == 0, (name, args, result.output)
+
+
+def test_summary_and_report_of_columns_another_tool_rewrote(tmp_path):
+    """finite as 0 and 1 (an int column) ranks as the bools did; as text it is one line; a file
+    without example_id is reported without its examples."""
+    config = make_project(tmp_path)
+    edit_data(tmp_path, lambda d: d["x"].__setitem__((3, 1), float("nan")))
+    assert runner.invoke(app, ["norms", str(config)]).exit_code == 0
+    table = pq.read_table(tmp_path / "scores.parquet")
+    at = table.schema.get_field_index("finite")
+    edited = tmp_path / "edited.parquet"
+
+    def summary() -> str:
+        result = runner.invoke(app, ["summary", str(edited)])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    pq.write_table(table, edited)
+    original = summary()
+    assert "1 non-finite" in original
+    pq.write_table(table.set_column(at, "finite", table["finite"].cast(pa.int64())), edited)
+    assert summary() == original
+    pq.write_table(table.set_column(at, "finite", table["finite"].cast(pa.string())), edited)
+    line = one_error(runner.invoke(app, ["summary", str(edited)]))
+    assert line == f"error: column 'finite' holds string, not true or false ({edited})"
+    pq.write_table(table.drop(["example_id"]), edited)
+    result = runner.invoke(app, ["report", str(edited), "--config", str(config)])
+    assert result.exit_code == 0, result.output
 
 
 def test_minimal_metadata_with_precondition_and_report(tmp_path):

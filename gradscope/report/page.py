@@ -50,17 +50,18 @@ def _cell(found: Outliers, name: str, value: object) -> Cell:
 
 
 def _sections(found: Outliers, cfg: Config | None) -> list[Section]:
-    ids = [int(i) for end in found.ends for i in end.rows["example_id"]]
-    shown = show_examples(cfg, ids) if cfg else {}
+    ids = [int(i) for end in found.ends for i in end.rows.get("example_id", ())]
+    shown = show_examples(cfg, ids) if cfg and ids else {}  # no example_id: nothing to look up
     sections = []
     for end in found.ends:
         header = list(end.rows)
+        examples = end.rows.get("example_id", [None] * len(end.top))
         rows = [
             Row(
                 [_cell(found, name, v) for name, v in zip(header, record, strict=True)],
-                shown.get(int(record[0]), []),
+                shown.get(None if example is None else int(example), []),
             )
-            for record in zip(*end.rows.values(), strict=True)
+            for example, record in zip(examples, zip(*end.rows.values(), strict=True), strict=True)
         ]
         title = f"Top {len(rows)} by {found.score}, {end.label}"
         sections.append(Section(title, header, rows))
