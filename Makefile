@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: example test lint lock clean
+.PHONY: example test lint docs lock clean
 
 $(VENV)/.installed: pyproject.toml requirements.lock
 	python3 -m venv $(VENV)
@@ -22,14 +22,20 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
+# the documentation site, every link and anchor checked; references generated from the code
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
+	@# served offline: no page loads a font, script or style from another site
+	@! grep -rlE '(src|href)="https?://' site --include='*.html'
+
+test: lint docs
 	$(PY) -m pytest
 
 # Re-resolve requirements.lock from pyproject.toml's ranges (needs pip-tools: pip install
 # pip-tools). Indexes come from pip's own configuration, so the lock names none.
 lock:
 	pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras --no-emit-index-url \
-		--no-emit-find-links --extra test -c constraints.txt -o requirements.lock pyproject.toml
+		--no-emit-find-links --extra test --extra docs -c constraints.txt -o requirements.lock pyproject.toml
 
 clean:
-	rm -rf $(VENV) scores.parquet .pytest_cache
+	rm -rf $(VENV) scores.parquet .pytest_cache site

@@ -28,9 +28,7 @@ from workloads import WORKLOADS  # noqa: E402
 from gradscope.curvature.factors import fit  # noqa: E402
 from gradscope.curvature.precondition import Curvature  # noqa: E402
 from gradscope.curvature.store import Factors, metadata  # noqa: E402
-from gradscope.engine.core import Engine  # noqa: E402
-from gradscope.engine.influence import Influence, reference_gradients  # noqa: E402
-from gradscope.engine.reduce import Want  # noqa: E402
+from gradscope.engine import Engine, Influence, Want, reference_gradients  # noqa: E402
 from gradscope.losses import resolve_loss  # noqa: E402
 
 

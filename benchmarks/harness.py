@@ -26,8 +26,7 @@ from oracle import reference_norms
 from torch import Tensor, nn
 
 import gradscope
-from gradscope.engine.core import Engine, total
-from gradscope.engine.naive import naive_grads
+from gradscope.engine import Engine, naive_grads, total
 from gradscope.losses import resolve_loss
 
 WRONG = 1e-6  # a relative error above this is a wrong number

@@ -18,8 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from workloads import Problem
 
-from gradscope.engine.core import Engine, total
-from gradscope.engine.influence import Influence, reference_gradients
+from gradscope.engine import Engine, Influence, reference_gradients, total
 from gradscope.losses import resolve_loss
 
 # An answer further than this from the loop's (max |a - e| / max |e|) is reported as wrong.

@@ -1,7 +1,9 @@
 """The workloads bench.py times: a model in eval mode, a batch, an 8-example reference batch, a loss.
 
 W1-W10 are the default set; ``tiny`` (T1-T4) are small models at small batches, where each call's
-Python cost is most of its time; ``smoke`` is the smoke test's, seconds in all.
+Python cost is most of its time; ``host`` (H1-H4) the op graphs of Hugging Face GPT-2, LLaMA,
+BERT and Mixtral at width 64, where a pass is the host's work, as it is on a GPU at small
+widths; ``smoke`` is the smoke test's, seconds in all.
 """
 
 from __future__ import annotations
@@ -203,6 +205,24 @@ def _hf_lm(build: Callable[..., nn.Module], **config: int) -> Problem:
     return _problem(model, _next_tokens(8000, 256), 8, "cross_entropy")
 
 
+def _host(build: Callable[..., nn.Module], **config: int) -> Problem:
+    """A Hugging Face causal LM at width 64 on 4 sequences of 16 tokens: its arithmetic nearly
+    free, a pass is the host's work (the op graph a GPU user's small batch runs)."""
+    torch.manual_seed(0)
+    model = build(vocab=512, d=64, seq=16, **config)
+    return _problem(model, _next_tokens(512, 16), 4, "cross_entropy")
+
+
+def _host_bert() -> Problem:
+    torch.manual_seed(0)
+    model = families.hf_bert(vocab=512, d=64, layers=12, heads=4, seq=16)
+
+    def make(n: int) -> tuple[Inputs, Tensor]:
+        return (torch.randint(1, 512, (n, 16)),), torch.randint(0, 3, (n,))
+
+    return _problem(model, make, 4, "cross_entropy")
+
+
 def _hf_bert() -> Problem:
     torch.manual_seed(0)
     model = families.hf_bert(vocab=8000, d=256, layers=4, heads=4, seq=128)
@@ -302,6 +322,25 @@ WORKLOADS = {
         Workload(
             "T4", "CNN 3x16x16 8-16 channels, batch 32", lambda: _images(SmallCNN, (3, 16, 16), 32)
         ),
+        Workload(
+            "H1",
+            "HF GPT-2 d64 12 layers T16, batch 4",
+            lambda: _host(families.hf_gpt2, layers=12, heads=4),
+            "transformers",
+        ),
+        Workload(
+            "H2",
+            "HF LLaMA d64 16 layers GQA T16, batch 4",
+            lambda: _host(families.hf_llama, layers=16, heads=4, kv_heads=2),
+            "transformers",
+        ),
+        Workload("H3", "HF BERT classifier d64 12 layers T16, batch 4", _host_bert, "transformers"),
+        Workload(
+            "H4",
+            "HF Mixtral d64 8 layers 8 experts top-2 T16, batch 4",
+            lambda: _host(families.hf_mixtral, layers=8, heads=4, experts=8),
+            "transformers",
+        ),
         Workload("smoke", "MLP 8-16-1, batch 4", lambda: _mlp([8, 16, 1], 4)),
     ]
 }
@@ -309,6 +348,9 @@ WORKLOADS = {
 SETS = {
     "default": ("W1", "W2", "W3", "W4", "W5", "W6", "W7", "W8", "W9", "W10"),
     "tiny": ("T1", "T2", "T3", "T4"),
+    # the op graphs of four model families at sizes where a pass is host work, as on a GPU;
+    # run with --threads 1
+    "host": ("H1", "H2", "H3", "H4"),
 }
 
 

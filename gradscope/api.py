@@ -9,9 +9,7 @@ from torch import Tensor, nn
 
 from .curvature import Diagonal, load_preconditioner
 from .curvature.adam import adam_denominator
-from .engine.core import Engine, total
-from .engine.forward import Forward
-from .engine.influence import Influence, reference_gradients
+from .engine import Engine, Forward, Influence, reference_gradients, total
 from .losses import LossFn, resolve_loss
 
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from collections.abc import Callable
-from functools import partial
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -18,18 +17,33 @@ from . import terminal
 from .config import Config, SummaryConfig, load_config, output_path, with_overrides
 from .errors import GradscopeError, Interrupted
 
+if TYPE_CHECKING:  # the scorers import torch: not for --help, --version, summary
+    from .scorers import Scorer
+
 # transformers, when a config names it: no "Loading weights" bar, no advice on every run
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+if not os.environ.get("GRADSCOPE_DEBUG"):  # torch's C++ log lines (c10d's retries print stacks)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+
+
+LOGGED = ("norms", "influence", "factors", "check")  # commands that run a model over data
 
 
 class _ErrorBoundary(TyperGroup):
-    """The one place errors become exit codes: a user-fixable error is one line and status 2."""
+    """The one place errors become exit codes: a user-fixable error is one line and status 2.
+    Off a terminal, the commands that run a model log their start and their elapsed time."""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        ctx.meta["argv"] = list(args)  # the command line as given, for the log's first line
+        return super().parse_args(ctx, args)
 
     def invoke(self, ctx: typer.Context):
+        argv = ctx.meta.get("argv", [])
+        log = terminal.logged(argv) if argv[:1] and argv[0] in LOGGED else nullcontext()
         try:
             try:
-                with warnings.catch_warnings():
+                with warnings.catch_warnings(), log:
                     if not os.environ.get("GRADSCOPE_DEBUG"):  # torch's, libraries': none ours
                         warnings.simplefilter("ignore")
                     return super().invoke(ctx)
@@ -72,12 +86,28 @@ ConfigArg = Annotated[
     typer.Argument(metavar="CONFIG", help="YAML config naming the model, checkpoint and data."),
 ]
 OutOpt = Annotated[  # a string: a trailing '/' (a folder) must reach the check
-    str | None, typer.Option("--out", help="Parquet file to write (default: output.path).")
+    str | None,
+    typer.Option("--out", metavar="PATH", help="Parquet file to write (default: output.path)."),
 ]
-DeviceOpt = Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda, cuda:N or mps.")]
-BatchOpt = Annotated[int | None, typer.Option("--batch-size", help="Examples per pass.")]
-LimitOpt = Annotated[int | None, typer.Option("--limit", help="Score only the first N examples.")]
-TopKOpt = Annotated[int | None, typer.Option("--top-k", help="Rows in the outlier table.")]
+DeviceOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--device", metavar="DEV", help="auto, cpu, cuda, cuda:N or mps (default: device)."
+    ),
+]
+BatchOpt = Annotated[
+    int | None,
+    typer.Option("--batch-size", metavar="N", help="Examples per pass (default: data.batch_size)."),
+]
+LimitOpt = Annotated[
+    int | None, typer.Option("--limit", metavar="N", help="Score only the first N examples.")
+]
+TopKOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--top-k", metavar="K", help="Rows per outlier table (default: summary.top_k, else 20)."
+    ),
+]
 ByOpt = Annotated[
     str | None,
     typer.Option(
@@ -107,20 +137,30 @@ TrustOpt = Annotated[
 
 
 def _run(
-    command: str, run: Callable[..., Path | None], by: str | None, cfg: Config, report: bool
+    cfg: Config, scorer: Scorer, by: str | None, report: bool, trust_checkpoint: bool, resume: bool
 ) -> None:
-    """A scoring run under a progress bar, then its outlier tables and, if asked, its report (on
-    rank 0 only)."""
-    from .summary import parse_by
+    """A scoring run under a progress bar, then the file it wrote, its outlier tables and, if
+    asked, its report (on rank 0 only)."""
+    from .run import score_dataset
+    from .summary import check_by
 
-    parse_by(by)  # a bad --by fails before the run, not after it
-    with terminal.progress(command) as (on_start, on_batch):
-        path = run(on_start=on_start, on_batch=on_batch)
+    check_by(by, scorer.names(cfg))  # a bad --by fails before the run, not after it
+    with terminal.progress(scorer.command) as (on_start, on_batch):
+        path = score_dataset(
+            cfg,
+            scorer,
+            trust_checkpoint=trust_checkpoint,
+            resume=resume,
+            on_start=on_start,
+            on_batch=on_batch,
+        )
     if path is None:  # on the ranks other than 0 under torchrun
         return
     try:
-        _summary(path, by, cfg.summary.top_k, cfg.data.classes)
-        terminal.wrote(path)
+        try:
+            _summary(path, by, cfg.summary.top_k, cfg.data.classes)
+        finally:  # the scores are written whatever the tables make of them
+            terminal.wrote(path)
         if report:
             _write_report(path, None, cfg, by, cfg.summary.top_k)
     except KeyboardInterrupt:  # the scores are whole: not "before any example was saved"
@@ -157,6 +197,7 @@ def norms(
         Path | None,
         typer.Option(
             "--precondition",
+            metavar="FILE",
             help="Factors file (gradscope factors) or Adam/AdamW state_dict: adds "
             "self_influence = g^T P g, P the inverse curvature or 1 / (sqrt(v_hat) + eps).",
         ),
@@ -166,7 +207,6 @@ def norms(
     report: ReportOpt = False,
 ) -> None:
     """L2 norm of each example's own loss gradient."""
-    from .run import score_dataset
     from .scorers import NormsScorer
 
     cfg = with_overrides(
@@ -178,19 +218,7 @@ def norms(
         per_layer=per_layer,
         top_k=top_k,
     )
-    _run(
-        "norms",
-        partial(
-            score_dataset,
-            cfg,
-            NormsScorer(trust_checkpoint, precondition),
-            trust_checkpoint=trust_checkpoint,
-            resume=resume,
-        ),
-        by,
-        cfg,
-        report,
-    )
+    _run(cfg, NormsScorer(trust_checkpoint, precondition), by, report, trust_checkpoint, resume)
 
 
 @app.command()
@@ -199,7 +227,9 @@ def influence(
     ref: Annotated[
         str,
         typer.Option(
-            "--ref", help="Reference data file (any format data.path takes); same column names."
+            "--ref",
+            metavar="REF",
+            help="Reference data file (any format data.path takes); same column names.",
         ),
     ],
     out: OutOpt = None,
@@ -215,13 +245,18 @@ def influence(
         Path | None,
         typer.Option(
             "--precondition",
+            metavar="FILE",
             help="Factors file (gradscope factors) or Adam/AdamW state_dict: score against "
             "P g_ref, P the inverse curvature or 1 / (sqrt(v_hat) + eps).",
         ),
     ] = None,
     engine: Annotated[
         str,
-        typer.Option("--engine", help="auto, hooks (ghost inner products) or jvp (forward mode)."),
+        typer.Option(
+            "--engine",
+            metavar="auto|hooks|jvp",
+            help="auto, hooks (ghost inner products) or jvp (forward mode).",
+        ),
     ] = "auto",
     by: ByOpt = None,
     resume: ResumeOpt = False,
@@ -229,7 +264,6 @@ def influence(
     report: ReportOpt = False,
 ) -> None:
     """Inner product of each example's loss gradient with the mean-loss gradient over REF."""
-    from .run import score_dataset
     from .scorers import InfluenceScorer
 
     cfg = with_overrides(
@@ -247,27 +281,28 @@ def influence(
         engine=engine,
         trust_checkpoint=trust_checkpoint,
     )
-    run = partial(score_dataset, cfg, scorer, trust_checkpoint=trust_checkpoint, resume=resume)
-    _run("influence", run, by, cfg, report)
+    _run(cfg, scorer, by, report, trust_checkpoint, resume)
 
 
 @app.command()
 def check(
     config: ConfigArg,
     examples: Annotated[
-        int, typer.Option("--examples", help="Compare on the first N examples.")
+        int, typer.Option("--examples", metavar="N", help="Compare on the first N examples.")
     ] = 8,
     ref: Annotated[
         Path | None,
         typer.Option(
-            "--ref", help="Reference data for the influence check (default: the examples)."
+            "--ref",
+            metavar="REF",
+            help="Reference data for the influence check (default: the examples).",
         ),
     ] = None,
     device: DeviceOpt = None,
     trust_checkpoint: TrustOpt = False,
 ) -> None:
     """Compare both engines with a per-example backward loop; exit 1 above tolerance."""
-    from .engine.check import render_plan, render_report
+    from .engine import render_plan, render_report
     from .job import check_config
 
     cfg = with_overrides(load_config(config), device=device)
@@ -285,9 +320,9 @@ def check(
 @app.command()
 def factors(
     config: ConfigArg,
-    out: Annotated[Path, typer.Option("--out", help="safetensors file to write.")] = Path(
-        "factors.safetensors"
-    ),
+    out: Annotated[
+        Path, typer.Option("--out", metavar="PATH", help="safetensors file to write.")
+    ] = Path("factors.safetensors"),
     limit: LimitOpt = None,
     ekfac: Annotated[
         bool, typer.Option("--ekfac", help="A second pass for EK-FAC's corrected eigenvalues.")
@@ -295,7 +330,9 @@ def factors(
     fisher: Annotated[
         str,
         typer.Option(
-            "--fisher", help="true (targets drawn from the model) or empirical (the data's)."
+            "--fisher",
+            metavar="true|empirical",
+            help="true (targets drawn from the model) or empirical (the data's).",
         ),
     ] = "true",
     device: DeviceOpt = None,
@@ -358,10 +395,15 @@ def report(
     scores: ScoresArg,
     config: Annotated[
         Path | None,
-        typer.Option("--config", help="The run's config: the top-k examples are read and shown."),
+        typer.Option(
+            "--config",
+            metavar="CONFIG",
+            help="The run's config: the top-k examples are read and shown.",
+        ),
     ] = None,
     out: Annotated[
-        str | None, typer.Option("--out", help="HTML file to write (default: SCORES.html).")
+        str | None,
+        typer.Option("--out", metavar="PATH", help="HTML file to write (default: SCORES.html)."),
     ] = None,
     by: ByOpt = None,
     top_k: TopKOpt = None,

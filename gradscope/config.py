@@ -21,91 +21,184 @@ DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """One checkpoint of a TracIn sum: its state dict and the weight of its scores."""
+    """One checkpoint of a TracIn sum: its state dict (or peft adapter folder) and the weight of
+    its scores."""
 
     path: str
+    """A state dict, as ``model.checkpoint`` takes."""
     weight: float = 1.0
+    """Its weight ``w_k`` in the sums over checkpoints (>= 0), e.g. the learning rate around it."""
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """``model``: how to build the model and which weights to load into it."""
+
     factory: str
+    """``file.py:Name`` or ``package.module:Name``, called with ``kwargs``; or a Hugging Face
+    class, e.g. ``transformers:AutoModelForCausalLM``. Importing it runs code: see Security."""
     kwargs: dict = field(default_factory=dict)
+    """Keyword arguments of the factory, e.g. ``{hidden: 64}``."""
     checkpoint: str | None = None
+    """A state dict: ``.pt``/``.pth`` (``torch.load(weights_only=True)``) or ``.safetensors``."""
     checkpoints: list[CheckpointConfig] = field(default_factory=list)
+    """Instead of ``checkpoint``: ``[{path, weight}]``, several checkpoints: state dicts, or peft
+    adapter folders loaded in turn onto the same base. ``influence`` sums over them (TracIn);
+    ``norms`` adds ``loss@k``, ``grad_norm@k`` and ``self_influence``."""
     state_dict_key: str | None = None
+    """Take ``checkpoint[key]`` first, e.g. ``state_dict`` (Lightning) or ``model``."""
     strip_prefix: str | None = None
+    """Drop this prefix from every key of the state dict, e.g. ``module.`` or ``model.``."""
     output: str | int | None = None
-    config: dict | None = None  # Hugging Face class: its config class built from this mapping
-    pretrained: str | None = None  # Hugging Face class: a local save_pretrained folder
-    adapter: str | None = None  # a local peft adapter folder loaded onto the model (LoRA etc.)
+    """The forward returns a tuple, dict or object: which item, key or attribute is the output
+    the loss reads. Unset: a result with ``logits`` (a Hugging Face ``ModelOutput``) gives them."""
+    config: dict | None = None
+    """Hugging Face class only: a mapping for its config class (an ``Auto*`` class needs
+    ``model_type``); the model is randomly initialised, ``checkpoint`` may then load weights."""
+    pretrained: str | None = None
+    """Hugging Face class only: a local ``save_pretrained`` folder, loaded with
+    ``from_pretrained`` (no download)."""
+    adapter: str | None = None
+    """A local peft adapter folder (``adapter_config.json`` and its weights) loaded onto the
+    model after its checkpoint, e.g. LoRA; needs ``peft``."""
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    path: str | list[str]  # a file, a glob, or a list of them read in order as shards
+    """``data``: the examples to score, and which columns feed the model and the loss."""
+
+    path: str | list[str]
+    """``.pt``/``.pth`` dict of tensors, ``.npz``, ``.parquet``, ``.csv``, ``.arrow``, a
+    ``datasets`` ``save_to_disk`` folder, or ``file.py:make_dataset``; or a glob or a list of
+    files (shards), read in order as one dataset."""
     targets: str
-    # columns passed positionally, or {forward_argument: column} passed by keyword; an entry
-    # with * stacks the matching columns into one (B, K) tensor
-    inputs: list[str] | dict[str, str] = field(default_factory=lambda: ["x"])
+    """The column the loss compares the output with."""
+    inputs: list[str | list[str]] | dict[str, str | list[str]] = field(
+        default_factory=lambda: ["x"]
+    )
+    """A column, a list of columns passed to ``forward`` in that order, or a mapping
+    ``{forward_argument: column}`` passed by keyword. An entry with ``*`` (``feature_*``), or a
+    list of columns (``[age, blood pressure, "lab_*"]``), stacks those columns, in file or list
+    order, into one (B, K) tensor."""
     ids: str | None = None
-    pad: dict[str, float] = field(default_factory=dict)  # column -> value for ragged list columns
-    show: str | None = None  # a text column the report shows for each example
-    classes: list[str] | None = None  # names of the class ids: tables and report show them
+    """A column copied to the output as ``id``."""
+    pad: dict[str, float] = field(default_factory=dict)
+    """``{column: value}``: list columns of uneven length, padded per batch to the batch's
+    longest. Unset, ``attention_mask`` pads with 0 and, under ``causal_lm``, the targets with
+    -100 (positions the loss skips)."""
+    show: str | None = None
+    """A text column the report shows for each example."""
+    classes: list[str] | None = None
+    """Names of the class ids, e.g. ``[cat, dog]``: the tables and the report show them."""
     batch_size: int = 256
+    """Examples per forward and backward pass."""
     limit: int | None = None
+    """Score only the first N examples."""
 
 
 @dataclass(frozen=True)
 class LossConfig:
+    """``loss``: the per-example loss ``l_i`` whose gradient is scored."""
+
     name: str = "cross_entropy"
+    """``cross_entropy``, ``nll``, ``mse``, ``l1``, ``bce_with_logits``, ``causal_lm``, or
+    ``file.py:fn``: called as ``fn(outputs, targets)``, it returns one loss per example (B,)."""
     kwargs: dict = field(default_factory=dict)
+    """Passed to the loss, e.g. ``ignore_index`` or ``label_smoothing``."""
     class_dim: int = -1
+    """``cross_entropy``/``nll`` on outputs with more than 2 dimensions: where the classes are
+    (-1: (B, T, C) as language models return; 1: (B, C, H, W) segmentation). Class-id targets
+    must have the outputs' shape without this dimension, or the run exits 2 naming the one
+    that fits."""
     token_reduction: str = "mean"
+    """How one example's loss reduces its extra dimensions: ``mean`` or ``sum`` (positions for
+    ``cross_entropy``/``nll``/``causal_lm``, skipping ``ignore_index``; elements for
+    ``mse``/``l1``/``bce_with_logits``)."""
 
 
 @dataclass(frozen=True)
 class ParamsConfig:
-    include: list[str] | None = None  # None: the parameters that require grad (all if none do)
+    """``params``: which parameters the gradient is taken over."""
+
+    include: list[str] | None = None
+    """Globs over ``model.named_parameters()`` names, frozen or not. Unset: the parameters that
+    require grad (all of them if none does), so a frozen base under LoRA adapters is left out."""
     exclude: list[str] = field(default_factory=list)
+    """Globs of parameter names left out of what ``include`` selects."""
 
 
 @dataclass(frozen=True)
 class DistributedConfig:
-    shard: str | None = None  # None: each torchrun rank holds the whole model; fsdp: FSDP2
-    wrap: list[str] | None = None  # fsdp: class names sharded as units; None: the model's blocks
+    """``distributed``: how torchrun processes hold the model."""
+
+    shard: str | None = None
+    """``null``: each torchrun process holds the whole model; ``fsdp``: the model is sharded
+    with FSDP2 block by block."""
+    wrap: list[str] | None = None
+    """``fsdp`` only: class names sharded as units. Unset: a Hugging Face model's
+    ``_no_split_modules`` (its blocks), else the items of each ``nn.ModuleList``."""
+    join_timeout: float = 300.0
+    """Seconds a torchrun process waits for the others to join before it stops with an error
+    (a process that inherited a launcher's ``WORLD_SIZE`` would otherwise wait 30 minutes)."""
 
 
 @dataclass(frozen=True)
 class OutputConfig:
+    """``output``: the Parquet file a run writes."""
+
     path: str = "scores.parquet"
+    """The scores file (``--out`` overrides it); relative to the config's folder."""
     per_layer: bool = False
-    metadata: str = "full"  # minimal: no config values and no absolute paths in the file
+    """Add a ``grad_norm/<module>`` column per module (``--per-layer``)."""
+    metadata: str = "full"
+    """``full`` or ``minimal``: ``minimal`` keeps the config's values and every absolute path
+    out of the file's metadata; versions, hashes and the plan stay."""
 
 
 @dataclass(frozen=True)
 class SummaryConfig:
+    """``summary``: the outlier tables printed after a run."""
+
     top_k: int = 20
+    """Rows per outlier table, in the terminal and in the report (``--top-k`` overrides it)."""
 
 
 @dataclass(frozen=True)
 class ReportConfig:
-    tokenizer: str | None = None  # a local tokenizer folder: token ids shown as decoded text
-    image_shape: list[int] | None = None  # flat inputs drawn as images of this shape
+    """``report``: how the HTML report shows each example."""
+
+    tokenizer: str | None = None
+    """A local tokenizer folder: the report decodes token ids with it (needs ``transformers``)."""
+    image_shape: list[int] | None = None
+    """E.g. ``[8, 8]`` or ``[3, 32, 32]``: the report draws flat inputs as images of this shape;
+    (B, H, W) and (B, C, H, W) inputs need none."""
 
 
 @dataclass(frozen=True)
 class Config:
+    """A gradscope config file. Relative paths are relative to the folder holding it."""
+
     model: ModelConfig
+    """How to build the model and which weights to load into it."""
     data: DataConfig
+    """The examples to score."""
     loss: LossConfig = field(default_factory=LossConfig)
+    """The per-example loss."""
     device: str = "auto"
+    """``auto`` (cuda, then mps, then cpu), ``cpu``, ``cuda``, ``cuda:N`` or ``mps``."""
     dtype: str | None = None
+    """``float32``, ``float64``, ``bfloat16`` or ``float16``; unset keeps the checkpoint's. Norms
+    and inner products accumulate in float32 under half precision."""
     params: ParamsConfig = field(default_factory=ParamsConfig)
+    """Which parameters the gradient is taken over."""
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """How torchrun processes hold the model."""
     output: OutputConfig = field(default_factory=OutputConfig)
+    """The Parquet file a run writes."""
     summary: SummaryConfig = field(default_factory=SummaryConfig)
+    """The outlier tables printed after a run."""
     report: ReportConfig = field(default_factory=ReportConfig)
+    """How the HTML report shows each example."""
     source: str = ""  # the config file, for error messages; not a YAML key
 
     def to_dict(self) -> dict[str, Any]:
@@ -146,11 +239,20 @@ def _type_name(hint: Any) -> str:
     if get_origin(hint) in (Union, types.UnionType):
         return " or ".join(_type_name(h) for h in get_args(hint))
     if get_origin(hint) is list:
-        return f"a list of {_type_name(get_args(hint)[0]).split(' ', 1)[1]}s"
+        return f"a list of {_plural(get_args(hint)[0])}"
     if get_origin(hint) is dict:
-        key, item = (_type_name(h).split(" ", 1)[1] for h in get_args(hint))
-        return f"a mapping of {key}s to {item}s"
+        key, item = (_plural(h) for h in get_args(hint))
+        return f"a mapping of {key} to {item}"
     return names.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _plural(hint: Any) -> str:
+    """``strings``, ``lists of strings``, ``strings or lists of strings``."""
+    if get_origin(hint) in (Union, types.UnionType):
+        return " or ".join(_plural(h) for h in get_args(hint))
+    return _type_name(hint).split(" ", 1)[1].replace("list of", "lists of", 1) + (
+        "" if get_origin(hint) is list else "s"
+    )
 
 
 def _takes_list(hint: Any) -> bool:
@@ -257,8 +359,7 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"'data.limit' must be at least 1, got {cfg.data.limit}", source)
     if cfg.data.path == []:
         raise ConfigError("'data.path' must name at least one file", source)
-    if cfg.model.checkpoints and cfg.model.checkpoint is not None:
-        raise ConfigError("set model.checkpoint or model.checkpoints, not both", source)
+    _validate_checkpoints(cfg)
     weights = [c.weight for c in cfg.model.checkpoints]
     if any(not math.isfinite(w) or w < 0 for w in weights) or (weights and not any(weights)):
         # cosine over checkpoints is a cosine in the sqrt(weight)-scaled space: weights must be >= 0
@@ -277,9 +378,33 @@ def _validate(cfg: Config) -> None:
     _validate_distributed(cfg)
 
 
+def _validate_checkpoints(cfg: Config) -> None:
+    """model.checkpoints: state dicts instead of model.checkpoint, or peft adapter folders loaded
+    in turn onto the one base model (model.checkpoint, model.pretrained), instead of
+    model.adapter."""
+    model, source = cfg.model, cfg.source
+    folders = [Path(c.path).is_dir() for c in model.checkpoints]
+    if any(folders) and not all(folders):
+        raise ConfigError(
+            "'model.checkpoints' mixes adapter folders and state dict files; list one kind", source
+        )
+    if any(folders) and model.adapter is not None:
+        raise ConfigError(
+            "set model.adapter or adapter folders in model.checkpoints, not both", source
+        )
+    if model.checkpoints and not any(folders) and model.checkpoint is not None:
+        raise ConfigError("set model.checkpoint or model.checkpoints, not both", source)
+
+
 def _validate_distributed(cfg: Config) -> None:
-    """distributed.shard: fsdp serves one model at a time, through the rules."""
+    """distributed.shard: fsdp serves one model at a time, through the rules; joining takes time."""
     shard = cfg.distributed.shard
+    if not (math.isfinite(cfg.distributed.join_timeout) and cfg.distributed.join_timeout > 0):
+        raise ConfigError(
+            f"'distributed.join_timeout' must be a positive number of seconds, got "
+            f"{cfg.distributed.join_timeout}",
+            cfg.source,
+        )
     if shard not in (None, "fsdp"):
         raise ConfigError(f"'distributed.shard' must be null or fsdp, got {shard!r}", cfg.source)
     if shard and cfg.model.checkpoints:
@@ -360,7 +485,8 @@ def default_pad(cfg: Config) -> dict[str, int]:
     causal_lm, the targets with -100 (the positions the loss skips); ``data.pad`` overrides them.
     The resolved config in the output's metadata holds the values used; ``check`` prints them."""
     data = cfg.data
-    named = data.inputs if isinstance(data.inputs, dict) else {c: c for c in data.inputs}
+    given = data.inputs.items() if isinstance(data.inputs, dict) else [(c, c) for c in data.inputs]
+    named = {a: c for a, c in given if isinstance(c, str)}  # a stack of columns is no mask
     pad = {column: 0 for argument, column in named.items()
            if "attention_mask" in (argument, column)}  # fmt: skip
     if cfg.loss.name == "causal_lm" and data.targets not in named.values():

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
 
+from .config import DistributedConfig
 from .errors import ConfigError, one_line
 
 
@@ -88,8 +93,12 @@ def _inherited(env: os._Environ) -> bool:
 
 
 @contextlib.contextmanager
-def session() -> Iterator[World]:
-    """The process group for the length of a run: gloo on CPU (plus NCCL for GPU tensors)."""
+def session(join_timeout: float = DistributedConfig.join_timeout) -> Iterator[World]:
+    """The process group for the length of a run: gloo on CPU (plus NCCL for GPU tensors).
+
+    Joining waits at most ``join_timeout`` seconds for the other processes (a process that
+    inherited a launcher's variables would wait for peers that never come), and says so on
+    stderr as it starts waiting; once joined, torch's own timeouts apply."""
     here = world()
     if here.size == 1 or dist.is_initialized():
         yield here
@@ -97,16 +106,41 @@ def session() -> Iterator[World]:
     if torch.cuda.is_available():
         torch.cuda.set_device(here.local_rank)
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    try:  # torch gives up after its own timeout (30 minutes) when a rank never comes
-        dist.init_process_group(backend)
-    except (RuntimeError, ValueError) as e:  # DistStoreError, a port in use, a bad address
-        raise ConfigError(
-            f"cannot join the torchrun process group: {one_line(e)}", "environment"
-        ) from e
+    _join(here, backend, join_timeout)
     try:
         yield here
     finally:
         dist.destroy_process_group()
+
+
+def _join(here: World, backend: str, join_timeout: float) -> None:
+    """Meet the other processes at MASTER_ADDR:MASTER_PORT within ``join_timeout`` seconds."""
+    at = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    print(
+        f"rank {here.rank} of {here.size}: waiting up to {join_timeout:g} s for the other "
+        f"processes of WORLD_SIZE={here.size} at {at} (distributed.join_timeout); not launched "
+        "by torchrun? stop with Ctrl-C and unset WORLD_SIZE to run alone",
+        file=sys.stderr,
+        flush=True,
+    )
+    start = time.monotonic()
+    try:
+        store, _, _ = next(
+            dist.rendezvous("env://", here.rank, here.size, timeout=timedelta(seconds=join_timeout))
+        )
+        store.set_timeout(default_pg_timeout)  # joined: later waits are torch's to bound
+        dist.init_process_group(backend, store=store, rank=here.rank, world_size=here.size)
+    except (RuntimeError, ValueError) as e:  # DistStoreError, a port in use, a bad address
+        if time.monotonic() - start >= join_timeout:
+            raise ConfigError(
+                f"the {here.size} processes of WORLD_SIZE={here.size} did not all meet at {at} "
+                f"within {join_timeout:g} s; launch them with torchrun, unset WORLD_SIZE to run "
+                "alone, or raise distributed.join_timeout",
+                "environment",
+            ) from e
+        raise ConfigError(
+            f"cannot join the torchrun process group: {one_line(e)}", "environment"
+        ) from e
 
 
 def barrier() -> None:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .engine.core import Engine, prepared
+from .engine import Engine, prepared
 from .errors import ConfigError
 from .rules.base import accumulation_dtype
 
@@ -61,7 +61,7 @@ def decide(engine: Engine, inputs: tuple[Tensor, ...], targets: Tensor) -> None:
     the parameters a sharded pass cannot serve."""
     with prepared(engine.model, engine.plan):
         engine.norms(inputs, targets)
-    findings = engine.pin_decisions(inputs)
+    findings = engine.pin_decisions(inputs, targets)
     if not findings.verified:
         raise ConfigError(
             "distributed.shard: fsdp checks the rules on the first batch, whose loss is not "

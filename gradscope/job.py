@@ -5,17 +5,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from . import __version__, distributed
-from .config import Config
-from .engine.check import CheckReport, compare_with_loop
-from .engine.core import Engine
-from .engine.forward import Forward
-from .engine.influence import influence_errors
-from .engine.plan import Plan
+from .config import Config, ModelConfig
+from .engine import CheckReport, Engine, Forward, Plan, compare_with_loop, influence_errors
 from .errors import ConfigError, DataError, ModelError, reading
 from .io.data import Batch, data_sha256, open_dataset
 from .io.model import build_model, file_sha256, import_object
@@ -36,6 +33,13 @@ def resolve_device(name: str) -> torch.device:
     if name == "mps" and not torch.backends.mps.is_available():
         raise ConfigError("device 'mps' asked for, but MPS is not available here", "device")
     return torch.device(name)
+
+
+def at_checkpoint(model: ModelConfig, path: str) -> ModelConfig:
+    """The model of one entry of ``model.checkpoints``: a peft adapter folder loaded onto the
+    same base (TracIn over a LoRA run), else a state dict."""
+    key = "adapter" if Path(path).is_dir() else "checkpoint"
+    return dataclasses.replace(model, checkpoints=[], **{key: path})
 
 
 def config_loss(cfg: Config) -> LossFn:
@@ -61,7 +65,7 @@ class Job:
         device = resolve_device(cfg.device)
         model_cfg = cfg.model
         if model_cfg.checkpoints:
-            model_cfg = dataclasses.replace(model_cfg, checkpoint=model_cfg.checkpoints[-1].path)
+            model_cfg = at_checkpoint(model_cfg, model_cfg.checkpoints[-1].path)
         with torch.random.fork_rng(devices=[]):  # the caller's random state is left alone
             torch.manual_seed(0)  # weights no checkpoint sets: the same on every rank and resume
             model = build_model(model_cfg, trust_checkpoint)
@@ -112,14 +116,15 @@ class Job:
 
     def at_checkpoint(self, path: str, trust_checkpoint: bool = False) -> Job:
         """The same job with the model's weights from ``path``: one step of a TracIn sum."""
-        model = dataclasses.replace(self.cfg.model, checkpoint=path, checkpoints=[])
+        model = at_checkpoint(self.cfg.model, path)
         return Job.from_config(dataclasses.replace(self.cfg, model=model), trust_checkpoint)
 
     def metadata(self, command: str) -> dict:
         """The job's part of the output's ``gradscope`` key; the plan as it stands now."""
         model = self.cfg.model
-        ckpt = model.checkpoint or (model.checkpoints[-1].path if model.checkpoints else None)
-        ckpt = ckpt or model.pretrained  # a save_pretrained folder: its weights are the checkpoint
+        if model.checkpoints:  # the model is at the last one
+            model = at_checkpoint(model, model.checkpoints[-1].path)
+        ckpt = model.checkpoint or model.pretrained  # a save_pretrained folder: its weights
         return {
             "version": __version__,
             "command": command,

@@ -54,8 +54,10 @@ def not_class_ids(targets: Tensor, classes: int, ignore_index: int) -> Tensor:
 
 
 def check_classes(targets: Tensor, classes: int, ignore_index: int) -> None:
-    bad = not_class_ids(targets, classes, ignore_index)
-    if bad.any():
+    with torch._C.DisableTorchFunction():  # a check of the data, not the model: no mode's op
+        bad = not_class_ids(targets, classes, ignore_index)
+        found = bool(bad.any())
+    if found:
         raise ModelError(
             f"target {_first(targets, bad)} is not a class id of the model's {classes} outputs "
             f"(0 to {classes - 1}, or ignore_index {ignore_index})",
@@ -65,7 +67,8 @@ def check_classes(targets: Tensor, classes: int, ignore_index: int) -> None:
 
 def in_unit_range(targets: Tensor) -> bool:
     """Whether binary targets are all in [0, 1] (NaN aside)."""
-    return not ((targets < 0) | (targets > 1)).any()
+    with torch._C.DisableTorchFunction():  # a check of the data, not the model: no mode's op
+        return not bool(((targets < 0) | (targets > 1)).any())
 
 
 def check_class_dim(name: str, outputs: Tensor, targets: Tensor, class_dim: int) -> None:

@@ -48,6 +48,7 @@ def fingerprint(
     config = cfg.to_dict()
     for key in ("summary", "report", "source", "device"):  # display; file name; ranks differ
         config.pop(key)
+    config["distributed"].pop("join_timeout")  # how long ranks wait to start, not what they do
     files = {  # a missing file is reported by the code that reads it; the report's tokenizer
         # does not change the scores
         file: _file_state(file)
@@ -159,7 +160,10 @@ def score_dataset(
     scorer = scorer or NormsScorer(trust_checkpoint)
     inputs = run_inputs(cfg, scorer.reads())
     check_output(cfg.output.path, inputs)
-    with distributed.session() as world, contextlib.ExitStack() as stack:
+    with (
+        distributed.session(cfg.distributed.join_timeout) as world,
+        contextlib.ExitStack() as stack,
+    ):
         if world.main:
             stack.enter_context(OutputLock(cfg.output.path))
         try:
@@ -182,7 +186,8 @@ def score_dataset(
             stack.enter_context(job.engine)
             scorer.setup(job)
             batches = dataset.batches(cfg.data.batch_size, cfg.data.limit)
-            count = _score(parts, job, scorer, batches, on_batch)
+            with dataset.columns.naming():  # the model cannot take them: which columns
+                count = _score(parts, job, scorer, batches, on_batch)
             distributed.barrier()  # every rank's parts are written
             if not world.main:
                 return None

@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from rich.console import Group
-from rich.table import Table
+from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.text import Text
 
 from .errors import ConfigError, DataError
 from .io.parquet import nested, parse_metadata
+from .tables import FittedTable
 
 Columns = dict[str, np.ndarray]  # a few rows of a scores file, column by column
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
@@ -109,6 +109,18 @@ def parse_by(by: str | None) -> tuple[str | None, str | None]:
     if direction not in DIRECTIONS or not column:
         raise ConfigError(f"--by takes COLUMN, COLUMN:low or COLUMN:high, got {by!r}", "--by")
     return column, direction
+
+
+def check_by(by: str | None, names: list[str]) -> None:
+    """A ``--by`` that names none of the columns a run may write (``Scorer.names``) fails before
+    the run: a typo must not cost it."""
+    column, _ = parse_by(by)
+    per_module = column is not None and column.startswith("grad_norm/")
+    if column is None or column in names or (per_module and "grad_norm/<module>" in names):
+        return
+    raise ConfigError(
+        f"no column {column!r} to rank by; this run writes {', '.join(names)}", "--by"
+    )
 
 
 def default_score(names: list[str]) -> str:
@@ -267,8 +279,9 @@ def _classes(file: pq.ParquetFile) -> list[str] | None:
     )
 
 
-def sparkline(found: Outliers) -> Text:
-    """The score's histogram on one line, heights by log count; bins holding a top-k row red."""
+def sparkline(found: Outliers, plain: bool = False) -> Text:
+    """The score's histogram on one line, heights by log count; bins holding a top-k row red,
+    or, ``plain`` (no colour shown), marked ``^`` on a second line."""
     finite = found.values[found.ok]
     if not len(finite):
         return Text(f"{found.score}: no finite values")
@@ -276,28 +289,42 @@ def sparkline(found: Outliers) -> Text:
     marked = set(np.clip(np.searchsorted(edges, found.values[found.top], "right") - 1, 0,
                          SPARK_BINS - 1).tolist())  # fmt: skip
     line = Text(f"{found.score} {fmt(edges[0])} ")
+    indent = " " * len(line)
     for i, count in enumerate(counts):
         # log heights: the tail's few examples stay visible beside the bulk
         level = min(len(BARS) - 1, int(len(BARS) * np.log1p(count) / np.log1p(counts.max())))
         line.append(BARS[level] if count else " ", style="red" if i in marked else "cyan")
-    each = " at each end" if len(found.ends) > 1 else ""
-    return line.append(f" {fmt(edges[-1])}  red: top {len(found.ends[0].top)}{each}")
+    top = f"top {len(found.ends[0].top)}{' at each end' if len(found.ends) > 1 else ''}"
+    if not plain:
+        return line.append(f" {fmt(edges[-1])}  red: {top}")
+    marks = "".join("^" if i in marked else " " for i in range(SPARK_BINS))
+    return line.append(f" {fmt(edges[-1])}\n{indent}{marks}  ^: the bins holding the {top}")
 
 
-def _outlier_table(found: Outliers, end: End) -> Table:
+@dataclass
+class Histogram:
+    """The sparkline as the console can show it: the top-k bins red where colour shows, marked
+    on a line of their own where it does not (a log, a pipe, NO_COLOR)."""
+
+    found: Outliers
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield sparkline(self.found, plain=console.no_color or console.color_system is None)
+
+
+def _outlier_table(found: Outliers, end: End) -> FittedTable:
     caption = "robust_z = (x - median) / (1.4826 MAD)"
     if "class_z" in end.rows:
         caption += "; class_z: the same within its target class"
-    table = Table(
+    names = list(end.rows)
+    columns = {name: [cell(found, name, v) for v in end.rows[name]] for name in names}
+    return FittedTable(
+        columns,
         title=f"top {len(end.top)} outliers by {found.score}, {end.label}",
         caption=caption,
-        show_edge=False,  # the prediction columns need the room in an 80-column terminal
+        keep=len([n for n in names[:3] if n in ("example_id", "ref_id", "id")]),
+        options={"show_edge": False},  # the prediction columns need the room in 80 columns
     )
-    for name in end.rows:
-        table.add_column(name, justify="right", overflow="fold")
-    for row in zip(*end.rows.values(), strict=True):
-        table.add_row(*(cell(found, name, v) for name, v in zip(end.rows, row, strict=True)))
-    return table
 
 
 def cell(found: Outliers, name: str, value: object) -> str:
@@ -305,14 +332,13 @@ def cell(found: Outliers, name: str, value: object) -> str:
     return found.class_name(value) if name in ("target", "pred") else fmt(value)
 
 
-def _class_table(found: Outliers) -> Table:
+def _class_table(found: Outliers) -> FittedTable:
     classes = per_class(found)
-    table = Table(title=f"per class ({found.score})")
-    for name in classes:
-        table.add_column(name, justify="right", overflow="fold")
-    for row in zip(*classes.values(), strict=True):
-        table.add_row(row[0], str(row[1]), fmt(row[2]), *(f"{share:.0%}" for share in row[3:]))
-    return table
+    names = list(classes)
+    cells = [list(classes[names[0]]), [str(n) for n in classes[names[1]]],
+             [fmt(v) for v in classes[names[2]]]]  # fmt: skip
+    cells += [[f"{share:.0%}" for share in classes[name]] for name in names[3:]]
+    return FittedTable(dict(zip(names, cells, strict=True)), title=f"per class ({found.score})")
 
 
 def summarize(
@@ -320,16 +346,19 @@ def summarize(
 ) -> Group:
     """The outlier tables, the per-class table and the summary paragraph of a scores file."""
     found = rank(path, by, k, classes)
-    parts: list[object] = [sparkline(found), *(_outlier_table(found, e) for e in found.ends)]
+    parts: list[object] = [Histogram(found), *(_outlier_table(found, e) for e in found.ends)]
     if is_labels(found.target):
         parts.append(_class_table(found))
     unit = "(example, reference) pairs" if "ref_id" in found.names else "examples"
     values, ok = found.values, found.ok
-    largest = fmt(values[ok].max()) if ok.any() else "-"
+    extremes = "max -"
+    if ok.any():  # a signed score's lower end matters as much as its upper
+        smallest, largest = values[ok].min(), values[ok].max()
+        extremes = (f"min {fmt(smallest)}, " if smallest < 0 else "") + f"max {fmt(largest)}"
     parts.append(
         Text(
             f"{len(values)} {unit}; {found.score}: median {fmt(found.spread.median)}, "
-            f"MAD {fmt(found.spread.mad)}, max {largest}; {int((~ok).sum())} non-finite."
+            f"MAD {fmt(found.spread.mad)}, {extremes}; {int((~ok).sum())} non-finite."
         )
     )
     empty = uncounted(found)

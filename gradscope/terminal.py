@@ -1,9 +1,14 @@
-"""What the command line prints to: the console (whole tables off a terminal) and the progress bar."""
+"""What the command line prints to: the console (whole tables off a terminal) and the progress
+bar; off a terminal (a batch job's log), a first and a last line and a progress line now and then."""
 
 from __future__ import annotations
 
+import os
+import shlex
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 
 from rich.console import Console
@@ -20,6 +25,7 @@ from rich.progress import (
 from rich.text import Text
 
 WIDE = 100_000  # columns of output that is not a terminal: no table is ever cut to fit
+LOG_EVERY = 30.0  # seconds between progress lines off a terminal
 
 console = Console()
 if not console.is_terminal:  # a log, a pipe, CI: every number and name whole, not cut to 80
@@ -33,13 +39,86 @@ class _Rate(ProgressColumn):
         return Text(f"{task.speed:,.0f} rows/s" if task.speed else "", style="progress.data.speed")
 
 
+def _logs() -> bool:
+    """Whether this process writes a log: output that is not a terminal, on rank 0."""
+    from .distributed import world
+
+    return not console.is_terminal and world().main
+
+
+def duration(seconds: float) -> str:
+    """``0.4 s``, ``42 s``, ``3 min 07 s``, ``2 h 05 min``."""
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole} s"
+    if whole < 3600:
+        return f"{whole // 60} min {whole % 60:02d} s"
+    return f"{whole // 3600} h {whole % 3600 // 60:02d} min"
+
+
+def _now() -> str:
+    return datetime.now().astimezone().strftime("%Y-%m-%d %H:%M:%S %z")
+
+
+@contextmanager
+def logged(argv: list[str]) -> Iterator[None]:
+    """Off a terminal (a batch job's log), on rank 0: a first line with the start time, the
+    command line and the working folder its paths are relative to, and a last line with the
+    elapsed time, whether the command finished or stopped (its error follows on stderr)."""
+    if not _logs():
+        yield
+        return
+    console.print(f"started {_now()}: {shlex.join(['gradscope', *argv])} (in {os.getcwd()})")
+    start = time.monotonic()
+    try:
+        yield
+    except BaseException:
+        console.print(f"stopped {_now()}, after {duration(time.monotonic() - start)}")
+        raise
+    console.print(f"finished {_now()}, in {duration(time.monotonic() - start)}")
+
+
+class _LogLines:
+    """Progress as a line every LOG_EVERY seconds: rows, rate and time left, for a log."""
+
+    def __init__(self, command: str):
+        self.command, self.total, self.rows = command, None, 0
+        self.start = self.last = time.monotonic()
+
+    def on_start(self, total: int | None) -> None:
+        self.total, self.start = total, time.monotonic()
+        self.last = self.start
+
+    def on_batch(self, rows: int) -> None:
+        self.rows += rows
+        now = time.monotonic()
+        if now - self.last < LOG_EVERY:
+            return
+        self.last = now
+        rate = self.rows / max(now - self.start, 1e-9)
+        if self.total:
+            done = f"{self.rows:,} of {self.total:,} rows ({self.rows / self.total:.0%})"
+        else:
+            done = f"{self.rows:,} rows"
+        line = f"{self.command}: {done} in {duration(now - self.start)}, {rate:,.0f} rows/s"
+        if self.total:
+            line += f", about {duration(max(self.total - self.rows, 0) / rate)} left"
+        console.print(line)
+
+
 @contextmanager
 def progress(command: str) -> Iterator[tuple[Callable, Callable]]:
     """``(on_start, on_batch)`` for a run: a bar shown once the row count is known (a running
-    count when it cannot be), with rows/s and ETA. Under torchrun only rank 0 draws one, and output
-    that is not a terminal gets none."""
+    count when it cannot be), with rows/s and ETA. Under torchrun only rank 0 draws one; output
+    that is not a terminal gets a progress line every LOG_EVERY seconds instead."""
     from .distributed import world
 
+    if _logs():
+        lines = _LogLines(command)
+        yield lines.on_start, lines.on_batch
+        return
     bar = Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),

@@ -9,9 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from gradscope.engine.core import Engine
-from gradscope.engine.forward import Forward, select_output
-from gradscope.engine.naive import naive_grads
+from gradscope.engine import Engine, Forward, naive_grads, select_output
 from gradscope.losses import resolve_loss
 
 
@@ -116,3 +114,35 @@ def reference_influence(
     )  # (N, P)
     ref = ref if per_ref else ref.mean(0, keepdim=True)  # (K, P)
     return flat @ ref.T, flat.norm(dim=1), ref.norm(dim=1)
+
+
+@dataclass
+class ModelState:
+    """What every engine path must leave of a model as it found it."""
+
+    params: list[tuple[str, nn.Parameter, bool, Tensor]]  # name, object, requires_grad, value
+    buffers: dict[str, Tensor]
+    modes: list[bool]
+
+    def assert_kept(self, model: nn.Module) -> None:
+        """The same Parameter objects under every name (each path of a module registered at
+        two), the same ``requires_grad``, values, buffers and modes, and no ``.grad``."""
+        now = model_state(model)
+        assert [(n, id(p), r) for n, p, r, _ in now.params] == [
+            (n, id(p), r) for n, p, r, _ in self.params
+        ], "a parameter was replaced, or its requires_grad changed"
+        assert all(isinstance(p, nn.Parameter) for _, p, _, _ in now.params)
+        assert all(torch.equal(a[3], b[3]) for a, b in zip(self.params, now.params, strict=True))
+        assert now.buffers.keys() == self.buffers.keys()
+        assert all(torch.equal(now.buffers[k], b) for k, b in self.buffers.items())
+        assert now.modes == self.modes
+        assert all(p.grad is None for _, p, _, _ in now.params)
+
+
+def model_state(model: nn.Module) -> ModelState:
+    named = model.named_parameters(remove_duplicate=False)
+    return ModelState(
+        [(name, p, p.requires_grad, p.detach().clone()) for name, p in named],
+        {name: b.clone() for name, b in model.named_buffers()},
+        [m.training for m in model.modules()],
+    )

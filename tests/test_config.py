@@ -90,6 +90,10 @@ def test_overrides(tmp_path):
             "'report.image_shape' must be .H, W. or .C, H, W. of positive",
         ),
         (BASE + "report: {image_shape: 64}\n", "'report.image_shape' must be a list of integers"),
+        (
+            BASE + "distributed: {join_timeout: 0}\n",
+            "'distributed.join_timeout' must be a positive number of seconds, got 0",
+        ),
     ],
 )
 def test_bad_values_name_their_key(tmp_path, text, message):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import pandas as pd
 import pytest
@@ -115,3 +117,39 @@ def test_torchrun_influence_equals_one_process(tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     pd.testing.assert_frame_equal(pd.read_parquet(out), one)
+
+
+def free_port() -> int:
+    with socket.socket() as s:  # a port where no one listens
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_rank_whose_peers_never_come_says_so_and_gives_up(tmp_path, rank):
+    """WORLD_SIZE=2 set for this process alone (not inherited), no second process: one line says
+    at once what it waits for, then distributed.join_timeout ends the wait with one error line."""
+    config = make_project(tmp_path, distributed={"join_timeout": 2})
+    port = free_port()
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": rank, "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
+    env.pop("GRADSCOPE_DEBUG", None)
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "gradscope", "norms", str(config)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert time.monotonic() - start < 60  # not torch's 30 minutes
+    assert done.returncode == 2, done.stderr[-3000:]
+    waiting, error = done.stderr.strip().splitlines()
+    assert waiting == (
+        f"rank {rank} of 2: waiting up to 2 s for the other processes of WORLD_SIZE=2 at "
+        f"127.0.0.1:{port} (distributed.join_timeout); not launched by torchrun? stop with "
+        "Ctrl-C and unset WORLD_SIZE to run alone"
+    )
+    assert error == (
+        f"error: the 2 processes of WORLD_SIZE=2 did not all meet at 127.0.0.1:{port} within "
+        "2 s; launch them with torchrun, unset WORLD_SIZE to run alone, or raise "
+        "distributed.join_timeout (environment)"
+    )
+    assert not (tmp_path / "scores.parquet").exists()

@@ -18,9 +18,7 @@ from typer.testing import CliRunner
 
 import gradscope
 from gradscope.cli import app
-from gradscope.engine.core import Engine
-from gradscope.engine.naive import naive_grads
-from gradscope.engine.plan import build_plan
+from gradscope.engine import Engine, build_plan, naive_grads
 from gradscope.errors import ConfigError
 from gradscope.io.parquet import read_metadata
 from gradscope.losses import resolve_loss

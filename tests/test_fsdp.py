@@ -122,7 +122,7 @@ def test_fsdp_refuses_what_it_cannot_serve_by_name(tmp_path):
 
 
 def test_parameters_left_to_the_fallback_are_refused_before_sharding():
-    from gradscope.engine.core import Engine
+    from gradscope.engine import Engine
     from gradscope.fsdp import decide
     from gradscope.losses import resolve_loss
 

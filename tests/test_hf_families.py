@@ -13,9 +13,7 @@ from oracle import assert_rel_close, reference_norms
 from torch import Tensor, nn
 
 import gradscope
-from gradscope.engine.core import Engine, total
-from gradscope.engine.forward import Forward
-from gradscope.engine.naive import naive_grads
+from gradscope.engine import Engine, Forward, naive_grads, total
 from gradscope.losses import resolve_loss
 
 transformers = pytest.importorskip("transformers")

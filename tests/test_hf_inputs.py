@@ -127,7 +127,12 @@ def test_mapping_inputs_keep_their_order(tmp_path):
         ),
         ({}, {"pad": {"x": "zero"}}, "'data.pad' must be a mapping of strings to numbers"),
         ({}, {"inputs": {"input ids": "x"}}, "'input ids' is not a Python name"),
-        ({}, {"inputs": {"x": 3}}, "'data.inputs' must be a list of strings or a mapping"),
+        (
+            {},
+            {"inputs": {"x": 3}},
+            "'data.inputs' must be a list of strings or lists of strings or a mapping of strings "
+            "to strings or lists of strings, got",
+        ),
     ],
 )
 def test_bad_hf_keys_are_named(tmp_path, model, data, message):

@@ -11,8 +11,7 @@ from torch import Tensor, nn
 
 import gradscope
 from gradscope.curvature.adam import adam_denominator
-from gradscope.engine.core import Engine
-from gradscope.engine.influence import Influence, influence_errors, reference_gradients
+from gradscope.engine import Engine, Influence, influence_errors, reference_gradients
 from gradscope.errors import GradscopeError
 from gradscope.losses import resolve_loss
 

@@ -16,8 +16,7 @@ from oracle import assert_rel_close, reference_norms
 from torch import Tensor, nn
 
 import gradscope
-from gradscope.engine.core import Engine
-from gradscope.engine.plan import Plan
+from gradscope.engine import Engine, Plan
 from gradscope.losses import resolve_loss
 
 VOCAB, T = 97, 12

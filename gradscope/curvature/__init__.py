@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..config import Config
-from ..engine.core import Engine
+from ..engine import Engine
 from .factors import EKFAC, KFAC, factored_convs, fit
 from .fisher import SampledLoss, check_fisher
 from .precondition import Curvature, Diagonal, Preconditioner, load_preconditioner

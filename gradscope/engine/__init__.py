@@ -1,1 +1,50 @@
-"""The engine: which rule serves each parameter (plan), hook capture (session), the passes."""
+"""The engine: which rule serves each parameter (``plan``), the analysis of a batch
+(``analysis/``) and the pass that replays it (``passes/``); ``README.md`` draws it. The rest of
+gradscope imports it from here."""
+
+from .engine import BatchScores, Engine, Observe, prepared, total
+from .passes.check import CheckReport, compare_with_loop, render_plan, render_report
+from .passes.forward import Forward, select_output
+from .passes.influence import (
+    ENGINES,
+    MAX_PER_REF,
+    Influence,
+    adam_denominator,
+    check_engine,
+    influence_errors,
+    preconditioned,
+    reference_gradients,
+)
+from .passes.naive import naive_grads
+from .passes.reduce import Want
+from .plan import BROADCAST, EXCLUDED, FALLBACK, FALLBACK_LOOP, Plan, build_plan
+
+__all__ = [
+    "BROADCAST",
+    "ENGINES",
+    "EXCLUDED",
+    "FALLBACK",
+    "FALLBACK_LOOP",
+    "MAX_PER_REF",
+    "BatchScores",
+    "CheckReport",
+    "Engine",
+    "Forward",
+    "Influence",
+    "Observe",
+    "Plan",
+    "Want",
+    "adam_denominator",
+    "build_plan",
+    "check_engine",
+    "compare_with_loop",
+    "influence_errors",
+    "naive_grads",
+    "preconditioned",
+    "prepared",
+    "reference_gradients",
+    "render_plan",
+    "render_report",
+    "select_output",
+    "total",
+]

@@ -68,9 +68,9 @@ SELECTIONS = {
 class Plan:
     params: list[ParamPlan]
     selection: str = INCLUDE  # INCLUDE, TRAINABLE or ALL
-    # name -> (note, loop) of every move to the fallback; an Engine shares it with every later
-    # Engine of the same model and selection (engine/first_batch.py), which replays it whole
-    decisions: dict[str, tuple[str, bool]] = field(default_factory=dict)
+    # name -> (note, loop) of every move to the fallback: the record's (record.py), which every
+    # Engine of the same model and selection shares and adopts whole
+    moves: dict[str, tuple[str, bool]] = field(default_factory=dict)
     _by_name: dict[str, ParamPlan] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -112,15 +112,16 @@ class Plan:
         why in its note."""
         p.rule = FALLBACK_LOOP if loop else FALLBACK
         p.note = f"{p.note}; {reason}" if p.note else reason
-        self.decisions[p.name] = (p.note, loop)
+        self.moves[p.name] = (p.note, loop)
 
-    def replay(self, decisions: dict[str, tuple[str, bool]]) -> None:
-        """Take over what earlier passes on this model decided, and record into it from now on."""
+    def adopt(self, moves: dict[str, tuple[str, bool]]) -> None:
+        """Take over what earlier passes on this model moved to the fallback, and record into
+        it from now on."""
         for p in self.included:
-            if p.name in decisions:
-                p.note, loop = decisions[p.name]
+            if p.name in moves:
+                p.note, loop = moves[p.name]
                 p.rule = FALLBACK_LOOP if loop else FALLBACK
-        self.decisions = decisions
+        self.moves = moves
 
     @property
     def modules(self) -> list[str]:

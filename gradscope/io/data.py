@@ -268,10 +268,14 @@ class Dataset:
         if start == 0:
             raise DataError("the dataset is empty", self.where)
 
-    def batches(self, batch_size: int, limit: int | None = None) -> Iterator[Batch]:
-        """Batches in row order; ``Batch.index`` counts rows across all sources from 0."""
+    def batches(
+        self, batch_size: int, limit: int | None = None, pad: bool = True
+    ) -> Iterator[Batch]:
+        """Batches in row order; ``Batch.index`` counts rows across all sources from 0. The
+        columns in ``data.pad`` are padded to the batch's longest row, or with ``pad=False`` kept
+        as each row's array as stored."""
         cut = rebatch(self._chunks(batch_size), batch_size, limit)
-        return (self.columns.padded(batch) for batch in cut)
+        return (self.columns.padded(batch) for batch in cut) if pad else cut
 
     def values_at(self, name: str, key: str, positions: set[int]) -> dict[int, Any]:
         """Column ``name`` (the config's ``key``) at the given row positions, read as stored."""

@@ -79,11 +79,14 @@ class Renderer:
     """Turns one example's input tensors into ``Shown`` parts, by their shape and dtype."""
 
     def __init__(self, cfg: Config):
-        self.names, self.shape = cfg.data.inputs, cfg.report.image_shape
+        inputs = cfg.data.inputs  # forward arguments, or columns (a stack by its columns)
+        names = list(inputs) if isinstance(inputs, dict) else inputs
+        self.names = [n if isinstance(n, str) else ", ".join(n) for n in names]
+        self.shape = cfg.report.image_shape
         self.tokenizer = _tokenizer(cfg.report.tokenizer) if cfg.report.tokenizer else None
 
-    def __call__(self, inputs: tuple[torch.Tensor, ...]) -> list[Shown]:
-        return [self._one(name, x.numpy()) for name, x in zip(self.names, inputs, strict=True)]
+    def __call__(self, inputs: tuple[torch.Tensor | np.ndarray, ...]) -> list[Shown]:
+        return [self._one(name, np.asarray(x)) for name, x in zip(self.names, inputs, strict=True)]
 
     def _one(self, name: str, x: np.ndarray) -> Shown:
         # token ids; a column of 0s and 1s is a mask or segment ids (attention_mask), not text
@@ -118,7 +121,7 @@ def show_examples(cfg: Config, example_ids: list[int]) -> dict[int, list[Shown]]
     wanted, found = set(example_ids), {}
     render = Renderer(cfg)
     dataset = open_dataset(cfg.data)
-    for batch in dataset.batches(READ_ROWS):
+    for batch in dataset.batches(READ_ROWS, pad=False):  # each row as stored, not padded
         for row, index in enumerate(batch.index.tolist()):
             if index in wanted:
                 found[index] = render(tuple(x[row] for x in batch.inputs))

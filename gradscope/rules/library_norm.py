@@ -48,14 +48,15 @@ def _affine_in_weight(module: nn.Module) -> bool:
     known = _AFFINE.get(module)
     if known is None:
         known = _AFFINE[module] = _probe(module)
-    return known
+    return bool(known)
 
 
-# module -> what _probe found; weak: forgotten with the module
-_AFFINE: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+# module -> what _probe found (_SCALED: affine, zero at weight 0); weak: forgotten with it
+_AFFINE: weakref.WeakKeyDictionary[nn.Module, object] = weakref.WeakKeyDictionary()
+_SCALED = "scaled"
 
 
-def _probe(module: nn.Module) -> bool:
+def _probe(module: nn.Module) -> bool | str:
     """``_affine_in_weight`` tried on a small random input at a random weight: a norm that
     scales its input by the weight before normalising it (Muse Spark's input-scaled RMSNorm) is
     not, and the tap serves its weight. A module the probe cannot run is taken as named (the
@@ -69,7 +70,9 @@ def _probe(module: nn.Module) -> bool:
         at_0, at_1, at_r = (_forward_at(module, x, v) for v in (0.0, 1.0, r))
         scale = r.view(-1, 1, 1) if channels_first(module) else r
         tol = 1e-2 if w.element_size() < 4 else 1e-4
-        return bool(torch.allclose(at_r, at_0 + scale * (at_1 - at_0), rtol=tol, atol=tol))
+        if not torch.allclose(at_r, at_0 + scale * (at_1 - at_0), rtol=tol, atol=tol):
+            return False
+        return _SCALED if not at_0.any() else True  # weight * xhat: one forward finds xhat
     except Exception:  # noqa: BLE001 - any failure of the probe: keep the name's word
         return True
 
@@ -89,8 +92,10 @@ def channels_first(module: nn.Module) -> bool:
 
 
 def unit_forward(module: nn.Module, x: Tensor) -> Tensor:
-    """xhat: ``module``'s own forward on ``x`` with bias 0, at weight 1 less at weight 0."""
-    return _forward_at(module, x, 1.0) - _forward_at(module, x, 0.0)
+    """xhat: ``module``'s own forward on ``x`` with bias 0, at weight 1 less at weight 0 (at
+    weight 1 alone where the probe found the forward at weight 0 zero: ``weight * xhat``)."""
+    at_1 = _forward_at(module, x, 1.0)
+    return at_1 if _AFFINE.get(module) is _SCALED else at_1 - _forward_at(module, x, 0.0)
 
 
 def _forward_at(module: nn.Module, x: Tensor, weight: float | Tensor) -> Tensor:

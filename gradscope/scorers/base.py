@@ -8,10 +8,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..config import Config
 from ..inputs import Inputs
 from ..io.data import Batch
 from ..job import Job
 from ..losses import nothing_counted
+from ..predictions import COLUMNS, predictions
 
 
 class Scorer:
@@ -19,7 +21,7 @@ class Scorer:
 
     - ``reads()`` and ``resume_key()`` before anything runs: the scorer's own input files (the
       output may not be one of them; a resume needs them unchanged) and the options a resumed run
-      must share;
+      must share; ``names(cfg)``, the columns it may write, lets ``--by`` be checked then too;
     - ``setup(job)`` once on every rank, with the model prepared, before the first batch (ranks
       may exchange tensors here);
     - ``columns(job, batch)`` for each batch it scores: ``{column: array}``, one row per example
@@ -47,6 +49,12 @@ class Scorer:
     def resume_key(self) -> dict:
         return {}
 
+    def names(self, cfg: Config) -> list[str]:
+        """The columns a run of ``cfg`` may write, in order, known before it runs:
+        ``grad_norm/<module>`` stands for one per module, and ``target``, ``pred``, ``prob``,
+        ``margin`` and ``class_z`` are written only when the data's targets allow them."""
+        raise NotImplementedError
+
     def setup(self, job: Job) -> None:
         """Nothing to prepare unless a scorer says otherwise."""
 
@@ -63,6 +71,18 @@ def leading(batch: Batch) -> dict[str, np.ndarray]:
     if batch.ids is not None:
         columns["id"] = batch.ids
     return columns
+
+
+def leading_names(cfg: Config) -> list[str]:
+    """The names of the ``leading`` columns."""
+    return ["example_id"] + (["id"] if cfg.data.ids else [])
+
+
+def trailing_names(cfg: Config) -> list[str]:
+    """The columns every row may end with: the target, the model's prediction for
+    classification losses, ``class_z`` (added when the file is assembled) and ``finite``."""
+    predicted = list(COLUMNS) if predictions(cfg.loss.name) else []
+    return ["target", *predicted, "class_z", "finite"]
 
 
 def all_finite(*values: Tensor) -> Tensor:

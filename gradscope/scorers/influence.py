@@ -10,19 +10,15 @@ import torch
 from torch import Tensor
 
 from .. import distributed
-from ..engine.influence import (
-    MAX_PER_REF,
-    BatchInfluence,
-    Influence,
-    check_engine,
-    reference_gradients,
-)
+from ..config import Config
+from ..engine import MAX_PER_REF, Influence, check_engine, reference_gradients
+from ..engine.passes.influence import BatchInfluence
 from ..errors import ConfigError, DataError, reading
 from ..inputs import data_inputs
 from ..io.data import Batch, Dataset, data_sha256, open_dataset
 from ..io.model import file_sha256
 from ..job import Job
-from .base import Inputs, Scorer, all_finite, counted, leading
+from .base import Inputs, Scorer, all_finite, counted, leading, leading_names, trailing_names
 
 
 class InfluenceScorer(Scorer):
@@ -64,6 +60,13 @@ class InfluenceScorer(Scorer):
 
     def resume_key(self) -> dict:
         return {"ref": self.ref, "per_ref": self.per_ref, "engine": self.engine}
+
+    def names(self, cfg: Config) -> list[str]:
+        names = [*leading_names(cfg), *(["ref_id"] if self.per_ref else []), "loss", "grad_norm"]
+        if len(cfg.model.checkpoints) > 1:
+            for k in range(len(cfg.model.checkpoints)):
+                names += [f"loss@{k}", f"grad_norm@{k}"]
+        return [*names, "influence", "cosine", *trailing_names(cfg)]
 
     def setup(self, job: Job) -> None:
         """Read REF and compute the reference gradients (under torchrun: on rank 0, then shared)."""

@@ -8,14 +8,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..config import CheckpointConfig
-from ..engine.core import BatchScores, total
-from ..engine.reduce import Want
+from ..config import CheckpointConfig, Config
+from ..engine import BatchScores, Want, total
 from ..errors import ConfigError
 from ..io.data import Batch
 from ..io.model import file_sha256
 from ..job import Job
-from .base import Inputs, Scorer, all_finite, counted, leading
+from .base import Inputs, Scorer, all_finite, counted, leading, leading_names, trailing_names
 
 
 class NormsScorer(Scorer):
@@ -45,6 +44,16 @@ class NormsScorer(Scorer):
 
     def reads(self) -> Inputs:
         return [("--precondition", self.precondition)] if self.precondition else []
+
+    def names(self, cfg: Config) -> list[str]:
+        names = [*leading_names(cfg), "loss", "grad_norm"]
+        if cfg.output.per_layer:
+            names.append("grad_norm/<module>")
+        for k in range(len(cfg.model.checkpoints)):
+            names += [f"loss@{k}", f"grad_norm@{k}"]
+        if cfg.model.checkpoints or self.precondition:
+            names.append("self_influence")
+        return names + trailing_names(cfg)
 
     def setup(self, job: Job) -> None:
         earlier = job.cfg.model.checkpoints[:-1]

@@ -15,8 +15,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 from gradscope.cli import app
-from gradscope.engine.core import Engine
-from gradscope.engine.naive import naive_grads
+from gradscope.engine import Engine, naive_grads
 from gradscope.io.model import import_object
 from gradscope.losses import resolve_loss
 

@@ -15,8 +15,7 @@ from typer.testing import CliRunner
 import gradscope
 from gradscope.cli import app, main
 from gradscope.curvature import Factors, load_preconditioner
-from gradscope.engine.core import Engine
-from gradscope.engine.naive import naive_grads
+from gradscope.engine import Engine, naive_grads
 from gradscope.io.parquet import read_metadata
 from gradscope.losses import resolve_loss
 

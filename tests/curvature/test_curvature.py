@@ -18,10 +18,7 @@ from gradscope.curvature.factors import DIAGONAL, KFAC, factored_convs, fit
 from gradscope.curvature.fisher import SampledLoss
 from gradscope.curvature.precondition import Curvature, Diagonal
 from gradscope.curvature.store import Factors, metadata
-from gradscope.engine.core import Engine, total
-from gradscope.engine.influence import Influence, reference_gradients
-from gradscope.engine.naive import naive_grads
-from gradscope.engine.reduce import Want
+from gradscope.engine import Engine, Influence, Want, naive_grads, reference_gradients, total
 from gradscope.losses import resolve_loss
 from gradscope.rules import RULES
 from gradscope.rules.conv import conv

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from oracle import Case, assert_rel_close, reference_norms
 from torch import Tensor, nn
 
-from gradscope.engine.core import Engine
+from gradscope.engine import Engine
+from gradscope.errors import ModelError
 from gradscope.losses import resolve_loss
 
 D, N = 6, 4
@@ -166,11 +167,11 @@ def test_diagonal_of_a_scaled_similarity_is_served_by_element():
     assert plan["logit_scale"].rule == "broadcast" and plan["logit_scale"].note == ""
 
 
-def test_rows_that_mix_examples_send_the_scale_to_the_fallback():
-    """Each loss reads its row of the similarity: every example's loss reads the others'."""
+def test_rows_that_mix_examples_are_refused():
+    """Each loss reads its row of the similarity: every example's loss reads the others', so
+    no example has a gradient of its own (run alone, it would be another function)."""
     model, inputs, targets = Case("clip-rows", lambda: Similarities(True), patches,
                                   torch.randn_like).build()  # fmt: skip
     engine = Engine(model, resolve_loss("mse"))
-    with engine:
+    with engine, pytest.raises(ModelError, match="mixes the examples of a batch"):
         engine.norms(inputs, targets)
-    assert engine.plan.find("logit_scale").is_fallback

@@ -26,8 +26,8 @@ from oracle import Case, assert_rel_close, reference_influence, reference_norms
 from torch import Tensor, nn
 
 import gradscope
-from gradscope.engine.core import Engine, total
-from gradscope.engine.derived import Computed
+from gradscope.engine import Engine, total
+from gradscope.engine.analysis.derived import Computed
 from gradscope.losses import resolve_loss
 from gradscope.rules import base
 
@@ -137,8 +137,9 @@ def test_computed_through_fresh_api_calls(case: Case):
 
 
 class MixedHeads(nn.Module):
-    """A per-head ``W[:, None] @ x`` on states whose columns mix the examples (a batch mean
-    added): no example owns a product, so ``W`` goes to the fallback, still exact."""
+    """A per-head ``W[:, None] @ x`` on states whose columns the trace sees mix the examples
+    (a batch mean added, at weight 0: each example's loss is still its own): no example owns a
+    product by the owners, so ``W`` goes to the fallback, still exact."""
 
     def __init__(self):
         super().__init__()
@@ -147,7 +148,7 @@ class MixedHeads(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, 3)
         h = self.fc(x)
-        h = h + h.mean(0, keepdim=True)
+        h = h + 0 * h.mean(0, keepdim=True)
         states = h.view(x.shape[0], T, 2, D // 2).permute(2, 0, 3, 1)  # (heads, B, in, T)
         return (self.x_proj[:, None] @ states).sum((0, 2))
 

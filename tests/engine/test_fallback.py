@@ -9,10 +9,7 @@ from oracle import Case, assert_rel_close, reference_norms
 from torch import nn
 
 import gradscope
-from gradscope.engine.core import Engine
-from gradscope.engine.forward import Forward
-from gradscope.engine.naive import naive_grads
-from gradscope.engine.plan import FALLBACK, FALLBACK_LOOP
+from gradscope.engine import FALLBACK, FALLBACK_LOOP, Engine, Forward, naive_grads
 from gradscope.losses import resolve_loss
 
 
@@ -233,7 +230,7 @@ def test_vmap_failure_is_remembered_and_the_loop_runs():
 
 def test_vmap_runs_in_chunks(monkeypatch):
     """A chunk smaller than the batch gives the same numbers: no example is dropped or repeated."""
-    monkeypatch.setattr("gradscope.engine.fallback.CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr("gradscope.engine.passes.fallback.CHUNK_ELEMENTS", 1)
     model, inputs, targets = BY_ID["matmul-parameter"].build(torch.float64, batch=7)
     got = gradscope.per_example_norms(model, inputs, targets, "mse")
     _, expected = reference_norms(model, inputs, targets, "mse")

@@ -10,8 +10,7 @@ from oracle import Case, assert_rel_close, reference_norms
 from test_fallback import BY_ID
 from torch import Tensor, nn
 
-from gradscope.engine.core import Engine
-from gradscope.engine.influence import Influence, reference_gradients
+from gradscope.engine import Engine, Influence, reference_gradients
 from gradscope.losses import resolve_loss
 from gradscope.rules import RULES, Rule
 
@@ -148,7 +147,7 @@ def _expanded(case: Case) -> bool:
     engine = Engine(model, resolve_loss(case.loss))
     with engine:
         engine.norms(inputs, targets)
-    return engine.record.at(inputs).expand
+    return engine.record.at(inputs, targets).expand
 
 
 def test_expansion_that_makes_the_losses_mix_is_not_kept():

@@ -12,9 +12,8 @@ from oracle import assert_rel_close, reference_norms
 from torch import Tensor, nn
 
 import gradscope
-from gradscope.engine.core import Engine, total
-from gradscope.engine.owners import regroup
-from gradscope.engine.plan import BROADCAST
+from gradscope.engine import BROADCAST, Engine, total
+from gradscope.engine.rows import regroup, rows_of
 from gradscope.losses import resolve_loss
 
 D, H, VOCAB, CLASSES, T = 6, 8, 20, 3, 5
@@ -164,8 +163,10 @@ def test_regroup_of_a_batch_dimension_is_the_gather(batch: int):
     gathered: the same (B, L, features) as the general gather."""
     x = torch.randn(5, batch, 2, 4)  # (T, B, H, features)
     owner = torch.arange(batch).view(1, batch, 1).expand(5, batch, 2)
-    moved = regroup(owner, batch, x)[0][0]
-    gathered = regroup(owner.contiguous(), batch, x)[0][0]  # not an expanded view: the gather
+    moved = regroup(rows_of(owner, batch), batch, x)[0][0]
+    gathered = regroup(rows_of(owner.contiguous(), batch), batch, x)[0][
+        0
+    ]  # not an expanded view: the gather
     assert torch.equal(moved, gathered)
 
 

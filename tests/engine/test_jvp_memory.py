@@ -15,9 +15,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from gradscope.engine.core import Engine
-from gradscope.engine.influence import Influence, reference_gradients
-from gradscope.engine.jvp import LinearTangents, composite_attention
+from gradscope.engine import Engine, Influence, reference_gradients
+from gradscope.engine.passes import jvp
+from gradscope.engine.passes.jvp import LinearTangents, composite_attention
 from gradscope.losses import resolve_loss
 
 TOL = 1e-6  # |delta influence| / (||g_i|| ||g_ref||), in float64
@@ -67,13 +67,26 @@ def _inputs(attention: bool) -> Tensor:
 
 
 @PATHS
-def test_jvp_records_no_autograd_graph(attention: bool) -> None:
-    """Nothing is saved for a backward that never comes."""
+def test_jvp_records_no_autograd_graph(attention: bool, monkeypatch) -> None:
+    """Nothing of the model's forward is saved for a backward that never comes: only the
+    loss's own, whose backward gives the losses' derivative (``jvp.loss_tangent``)."""
     torch.manual_seed(0)
-    saved = []
-    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(1) or t, lambda t: t)
+    saved, in_loss = [], [False]
+    tangent = jvp.loss_tangent
+
+    def marked(*args):
+        in_loss[0] = True
+        try:
+            return tangent(*args)
+        finally:
+            in_loss[0] = False
+
+    monkeypatch.setattr(jvp, "loss_tangent", marked)
+    hooks = torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(in_loss[0]) or t, lambda t: t
+    )
     scorer = _scored(deep(attention).double(), _inputs(attention), hooks)
-    assert saved == []
+    assert saved and all(saved)  # the loss's, and nothing else
     assert (scorer.note is not None) == attention  # the fused kernel was stepped around
 
 

@@ -15,10 +15,11 @@ from test_trace_ops import jacobian_owners, traced_owners
 from torch import Tensor, nn
 
 import gradscope
-from gradscope.engine.core import Engine
-from gradscope.engine.lanes import reshape_lane
-from gradscope.engine.owners import MIXED, regroup
-from gradscope.engine.trace import RowTrace
+from gradscope.engine import Engine
+from gradscope.engine.analysis.lanes import reshape_lane
+from gradscope.engine.analysis.owners import MIXED
+from gradscope.engine.analysis.trace import RowTrace
+from gradscope.engine.rows import regroup, rows_of
 from gradscope.losses import resolve_loss
 
 T, D, H = 4, 6, 2
@@ -203,11 +204,15 @@ def test_regroup_of_a_lane_is_the_gather(batch: int, n: int, m: int):
     features), each example's rows in their order."""
     x = torch.randn(2, n * batch * m, 4)  # (S, rows, features)
     owner = (torch.arange(n * batch * m) // m % batch).view(1, -1).expand(2, -1)
-    moved = regroup(owner, batch, x)[0][0]
-    gathered = regroup(owner.contiguous(), batch, x)[0][0]  # not an expanded view: the gather
+    moved = regroup(rows_of(owner, batch), batch, x)[0][0]
+    gathered = regroup(rows_of(owner.contiguous(), batch), batch, x)[0][
+        0
+    ]  # not an expanded view: the gather
     assert torch.equal(moved, gathered)
-    shifted = regroup(owner.roll(1, 1), batch, x)[0][0]  # not a lane: the gather
-    assert torch.equal(shifted, regroup(owner.roll(1, 1).contiguous(), batch, x)[0][0])
+    shifted = regroup(rows_of(owner.roll(1, 1), batch), batch, x)[0][0]  # not a lane: the gather
+    assert torch.equal(
+        shifted, regroup(rows_of(owner.roll(1, 1).contiguous(), batch), batch, x)[0][0]
+    )
 
 
 def _random_moves(x: Tensor, rng: torch.Generator) -> Tensor:

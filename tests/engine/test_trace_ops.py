@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from gradscope.engine.owners import MIXED, NONE
-from gradscope.engine.trace import RowTrace
+from gradscope.engine.analysis.owners import MIXED, NONE
+from gradscope.engine.analysis.trace import RowTrace
 
 B, T, D = 3, 4, 5
 G = torch.Generator().manual_seed(0)

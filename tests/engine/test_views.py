@@ -9,7 +9,7 @@ from oracle import Case, assert_rel_close, reference_norms
 from torch import Tensor, nn
 
 import gradscope
-from gradscope.engine.core import Engine
+from gradscope.engine import Engine
 from gradscope.losses import resolve_loss
 
 D, T = 4, 5

@@ -12,8 +12,7 @@ from oracle import Case, assert_rel_close, reference_influence, reference_norms
 from torch import Tensor, nn
 
 import gradscope
-from gradscope.engine.core import Engine
-from gradscope.engine.plan import FALLBACK
+from gradscope.engine import FALLBACK, Engine
 from gradscope.losses import resolve_loss
 
 L, S, E, HEADS = 6, 4, 8, 2  # query positions, memory positions, embedding, heads

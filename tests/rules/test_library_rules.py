@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from oracle import assert_rel_close, reference_norms
 from torch import Tensor, nn
 
-from gradscope.engine.core import Engine, total
+from gradscope.engine import Engine, total
 from gradscope.losses import resolve_loss
 from gradscope.rules import find_rule
 from gradscope.rules.library_norm import unit_forward

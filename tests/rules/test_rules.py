@@ -18,9 +18,7 @@ import gradscope
 import gradscope.rules.base as base
 import gradscope.rules.conv as conv
 import gradscope.rules.embedding as embedding
-from gradscope.engine.core import Engine
-from gradscope.engine.forward import Forward
-from gradscope.engine.naive import naive_grads
+from gradscope.engine import Engine, Forward, naive_grads
 from gradscope.errors import ModelError
 from gradscope.losses import resolve_loss
 from gradscope.rules import MATCHERS, NAMED, RULES, Outer, find_rule

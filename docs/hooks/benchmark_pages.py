@@ -1,0 +1,179 @@
+"""The benchmark pages' tables, rendered from benchmarks/results/: a benchmark run writes a results
+file and never edits prose.
+
+- ``bench.py --json`` files (every file whose results are per workload and method): the tables
+  of ratios to the floor, rendered by bench.py's own ``markdown``, and the targets below;
+- ``*-hf-sweep.md`` and ``*-layers.md``: the summaries the harness wrote beside its JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+COLUMNS_PER_TABLE = 5  # workloads side by side in one table
+
+
+@dataclass(frozen=True)
+class Target:
+    """A goal an issue set: ``metric`` (time or mem, as a multiple of the floor) of ``method`` at
+    most ``limit`` on ``workloads``; with ``beat_loop``, also below the per-example loop's."""
+
+    goal: str
+    methods: tuple[str, ...]
+    workloads: tuple[str, ...]
+    metric: str = "time"
+    limit: float | None = None
+    beat_loop: bool = False
+
+
+TARGETS = (
+    Target("norms ≤ 1.3× on W3 (issue 16)", ("norms:gradscope",), ("W3",), limit=1.3),
+    Target(
+        "norms ≤ 1.3× on the MoE and seq2seq workloads W9, W10 (issue 16)",
+        ("norms:gradscope",),
+        ("W9", "W10"),
+        limit=1.3,
+    ),
+    Target(
+        "norms ≤ 1.3× and faster than the loop on W5–W8",
+        ("norms:gradscope",),
+        ("W5", "W6", "W7", "W8"),
+        limit=1.3,
+        beat_loop=True,
+    ),
+    Target(
+        "influence scoring ≤ 1.3× on W1–W8 (issue 20)",
+        ("influence:gradscope hooks",),
+        tuple(f"W{n}" for n in range(1, 9)),
+        limit=1.3,
+    ),
+    Target(
+        "influence scoring faster than the loop everywhere (issue 20)",
+        ("influence:gradscope hooks",),
+        tuple(f"W{n}" for n in range(1, 11)),
+        beat_loop=True,
+    ),
+    Target(
+        "jvp memory ≤ 2× (issue 20)",
+        ("influence:gradscope jvp",),
+        (*(f"W{n}" for n in range(1, 11)), "T1", "T2", "T3", "T4"),
+        metric="mem",
+        limit=2.0,
+    ),
+    Target(
+        "peak memory ≤ 1.2× for norms and influence (issue 20)",
+        ("norms:gradscope", "influence:gradscope hooks"),
+        (*(f"W{n}" for n in range(1, 11)), "T1", "T2", "T3", "T4"),
+        metric="mem",
+        limit=1.2,
+    ),
+    Target(
+        "tiny workloads ≤ 1.5× (issue 20)",
+        ("norms:gradscope",),
+        ("T1", "T2", "T3", "T4"),
+        limit=1.5,
+    ),
+)
+
+
+def _bench():
+    """bench.py, whose ``markdown`` renders its own results (imports torch and the workloads)."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench
+
+    return bench
+
+
+def bench_files() -> list[Path]:
+    """The bench.py results files, newest name first."""
+    files = []
+    for path in sorted(RESULTS.glob("*.json"), reverse=True):
+        results = json.loads(path.read_text()).get("results")
+        if isinstance(results, list) and results and "method" in results[0]:
+            files.append(path)
+    return files
+
+
+def _environment(env: dict) -> str:
+    peers = ", ".join(
+        f"{name} {env[name]}" for name in ("opacus", "backpack-for-pytorch") if env.get(name)
+    )
+    return (
+        f"gradscope at `{env.get('commit', '?')}`; Python {env.get('python')}, torch "
+        f"{env.get('torch')}{', ' + peers if peers else ''}; {env.get('machine')}, "
+        f"{env.get('cpus')} CPUs, {env.get('torch_threads')} torch thread(s), device "
+        f"{env.get('device')}; up to {env.get('repeats')} timed rounds after {env.get('warmup')} "
+        f"warm-up, {env.get('budget_s')} s of samples per method."
+    )
+
+
+def _measured(by: dict, target: Target) -> tuple[str, list[str]]:
+    """The target's measured values as one cell, and the workloads that miss it. Values are
+    compared as shown, to two decimals."""
+    groups, missed = [], []
+    for method in target.methods:
+        cells = []
+        for w in target.workloads:
+            r, loop = by.get((w, method)), by.get((w, method.split(":")[0] + ":loop"))
+            value = r and r.get(f"{target.metric}_ratio")
+            if value is None:
+                continue
+            value = round(value, 2)
+            ok = target.limit is None or value <= target.limit
+            if target.beat_loop and loop and loop.get("time_ratio") is not None:
+                ok = ok and value < round(loop["time_ratio"], 2)
+                cells.append(f"{w} {value:.2f} (loop {loop['time_ratio']:.2f})")
+            else:
+                cells.append(f"{w} {value:.2f}")
+            if not ok:
+                missed.append(w if len(target.methods) == 1 else f"{w} ({method.split(':')[0]})")
+        if cells:
+            name = f"{method.split(':')[0]}: " if len(target.methods) > 1 else ""
+            groups.append(name + ", ".join(cells))
+    return "; ".join(groups), missed
+
+
+def targets(results: list[dict]) -> str:
+    by = {(r["workload"], r["method"]): r for r in results}
+    rows = ["| target | measured | |", "|---|---|---|"]
+    for target in TARGETS:
+        cell, missed = _measured(by, target)
+        if cell:
+            verdict = f"missed on {', '.join(missed)}" if missed else "met"
+            rows.append(f"| {target.goal} | {cell} | {verdict} |")
+    return "\n".join(rows)
+
+
+def bench_results() -> str:
+    """Each bench.py results file: its environment, its tables and the targets against it."""
+    bench, out = _bench(), []
+    for path in bench_files():
+        report = json.loads(path.read_text())
+        results = [bench.Result(**r) for r in report["results"]]
+        workloads = list(dict.fromkeys(r.workload for r in results))
+        out += [f"### `{path.name}`", "", _environment(report["environment"]), ""]
+        out += ["Time / peak memory, as multiples of the floor:", ""]
+        for start in range(0, len(workloads), COLUMNS_PER_TABLE):
+            chunk = workloads[start : start + COLUMNS_PER_TABLE]
+            table = bench.markdown([r for r in results if r.workload in chunk], chunk)
+            out += [table, ""]
+        out += ["Against the targets:", "", targets(report["results"]), ""]
+    return "\n".join(out)
+
+
+def harness_summary(suffix: str) -> str:
+    """The newest ``*-{suffix}.md`` the sweep or layers harness wrote, its headings moved two
+    levels down to sit under the page's own."""
+    paths = sorted(RESULTS.glob(f"*-{suffix}.md"), reverse=True)
+    if not paths:
+        raise FileNotFoundError(f"no benchmarks/results/*-{suffix}.md")
+    text = paths[0].read_text()
+    text = re.sub(r"^(#+) ", lambda m: "#" * (len(m[1]) + 2) + " ", text, flags=re.M)
+    return f"From `benchmarks/results/{paths[0].name}`:\n\n{text}"

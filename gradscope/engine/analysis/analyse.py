@@ -1,0 +1,141 @@
+"""The full analysis of one batch: a forward with every op traced (``trace.py``), every call of
+the rule-served modules captured (``session.py``) and every read of a watched parameter served
+where a function reads it (``tap.py``); then the checks that the rows policy's choices held on
+this batch, each of which runs the batch again without the choice that failed."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ...errors import ModelError
+from ..capture import Captured
+from ..plan import BROADCAST, ParamPlan, Plan
+from ..record import Findings, Record
+from . import decide
+from .selfcheck import agrees
+from .session import HookSession
+from .tap import ParamTap
+from .trace import RowTrace
+
+# (inputs, targets) -> ((B,) losses with their graph, what ``observe`` read)
+Losses = Callable[[tuple[Tensor, ...], Tensor], tuple[Tensor, dict[str, Tensor]]]
+
+
+class Analysis:
+    """Analyses batches of ``plan``'s model; ``losses`` runs its forward and loss."""
+
+    def __init__(self, plan: Plan, record: Record, losses: Losses):
+        self.plan, self.record, self.losses = plan, record, losses
+
+    def __call__(self, inputs: tuple[Tensor, ...], targets: Tensor, findings: Findings) -> Captured:
+        """The batch's forward, recorded, once every check holds; then the parameters the rules
+        cannot serve on it moved to the fallback."""
+        checks = (self._same_losses, self._expanded_kept, self._assumed_kept, self._not_edited)
+        while True:
+            try:
+                captured = self._recorded(inputs, targets, findings)
+            except ModelError:
+                if findings.expand is False:
+                    raise
+                findings.expand = False  # the model cannot take the expanded rows: run as is
+                continue
+            if all(check(captured, inputs, targets, findings) for check in checks):
+                break
+        if not captured.per_example:
+            self._examples_alone(inputs, targets, captured)
+        decide.before_backward(self.plan, captured)
+        return captured
+
+    def _examples_alone(self, inputs: tuple[Tensor, ...], targets: Tensor, captured: Captured):
+        """Where the trace finds the losses mixing examples, whether they do: two examples run
+        alone must each give their loss in the batch (the trace may only have lost track, and
+        then the fallback is exact). A loss or model that mixes them (``l - l.mean()``) has no
+        per-example gradient: refused, not scored as each example alone."""
+        losses, op = captured.losses, captured.trace.mixed_at(captured.losses)
+        after = f" (after {op})" if op else ""
+        with torch.no_grad():
+            for i in dict.fromkeys((0, len(targets) - 1)):
+                one = tuple(t[i : i + 1] for t in inputs)
+                alone = self.losses(one, targets[i : i + 1])[0].reshape(1)
+                if not agrees(alone, losses[i : i + 1].detach()):
+                    raise ModelError(
+                        f"example {i}'s loss is {alone.item():.6g} alone and "
+                        f"{losses[i].item():.6g} in its batch: the loss (or the model) mixes "
+                        f"the examples of a batch{after}, as l - l.mean() does, so an example "
+                        "has no gradient of its own; reduce each example's loss alone",
+                        "loss",
+                    )
+
+    def _recorded(self, inputs: tuple[Tensor, ...], targets: Tensor, findings: Findings):
+        expand, assume = findings.expand is not False, findings.assume
+        watched, batch = self.plan.by_rule + self.plan.raw, targets.shape[0]
+        trace = RowTrace(batch, (*inputs, targets))
+        session = HookSession(self.plan.hooked_modules, trace, self.record.copy, expand, assume)
+
+        def ruled(p: ParamPlan) -> bool:  # read in a call of its rule's module: the rule's
+            return p.rule != BROADCAST and any(session.inside(m) for m, _ in p.owners)
+
+        # a rule-served parameter read outside its module's calls (nn.MultiheadAttention's
+        # out_proj) is served where a function reads it, as a raw one is
+        tap = ParamTap(watched, batch, trace, ruled, expand, assume) if watched else None
+        # with every parameter on the fallback, this pass only gives the losses: no graph
+        with (
+            torch.set_grad_enabled(bool(watched)),
+            session,
+            trace,
+            tap or contextlib.nullcontext(),
+        ):
+            losses, observed = self.losses(inputs, targets)
+        return Captured(session, tap, losses, observed, trace)
+
+    # -- the checks: each True where it holds; where not, the finding that makes the next
+    # -- run hold, and False
+
+    def _same_losses(self, captured: Captured, inputs, targets, findings: Findings) -> bool:
+        """On a signature's first batch: the model as written gives the losses the expanded
+        calls gave, and a second forward gives them again (else its forward is random)."""
+        if findings.expand is not None and findings.deterministic is not None:
+            return True
+        with torch.no_grad():
+            plain = self.losses(inputs, targets)[0]
+        same = plain.shape == captured.losses.shape and agrees(captured.losses.detach(), plain)
+        if captured.expanded and not same:
+            findings.expand = False  # the expanded rows changed a loss: run as is
+            return False
+        if findings.expand is None:
+            findings.expand = True  # tried: it held, or nothing was expanded
+        if not same:
+            raise ModelError(
+                "the model gives other losses for the same batch on a second forward (random "
+                "masking or noise in eval mode?): per-example gradients of a random function "
+                "are not defined; make its forward deterministic",
+                "model",
+            )
+        findings.deterministic = True
+        return True
+
+    def _expanded_kept(self, captured: Captured, inputs, targets, findings: Findings) -> bool:
+        """Expanded rows kept each loss to one example (Swin V2's position-bias table, read
+        from one example's copy of the expanded rows for all, does not)."""
+        if captured.expanded and not captured.per_example:
+            findings.expand = False
+            return False
+        return True
+
+    def _assumed_kept(self, captured: Captured, inputs, targets, findings: Findings) -> bool:
+        """Calls whose rows were taken as the examples' kept each loss to one example."""
+        if captured.assumed and not captured.per_example:
+            findings.assume = False  # a call's rows were shared after all: run as is
+            return False
+        return True
+
+    def _not_edited(self, captured: Captured, inputs, targets, findings: Findings) -> bool:
+        """No captured input was edited in place after its call; where one was, its module's
+        inputs are copied from now on, and the batch runs again."""
+        edited = captured.session.edited_in_place() - self.record.copy
+        self.record.copy |= edited
+        return not edited

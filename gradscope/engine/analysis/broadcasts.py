@@ -1,0 +1,152 @@
+"""The tap's reads by broadcasting: a parameter (or a view of one) taken by an elementwise op
+whose result has the batch's rows, ``p.expand(B, ...)``, and a write ``x[index] = p``. Each
+example's gradient sums the gradient at the elements it owns."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...rules import Contribution, Dense
+from ...rules.base import CHUNK_ELEMENTS
+from .derived import Watched
+from .owners import combine, is_batch, reduce, slots
+
+# ops whose result broadcasts its tensor arguments elementwise; in-place ones only when the
+# parameter is not the tensor edited
+ELEMENTWISE = {
+    *("add", "sub", "mul", "div", "true_divide", "rsub"),
+    *("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__"),
+    *("__truediv__", "__rtruediv__", "__iadd__", "__isub__", "__imul__", "__itruediv__"),
+    *("add_", "sub_", "mul_", "div_", "maximum", "minimum", "where"),
+    *("pow", "__pow__", "__rpow__"),
+}
+EXPAND = {"expand", "expand_as"}
+WRITTEN = object()  # what a served write (``x[i] = p``, which returns nothing) gives back
+
+
+class BroadcastReads:
+    """The tap's reads by broadcasting (``ParamTap`` is one): uses its batch, trace,
+    ``_watched``, ``_batch_free``, ``_other`` and ``_use``."""
+
+    def _broadcast(self, name: str, i: int, d: Watched, func, args, kwargs) -> Tensor | None:
+        """The op's result with the parameter read through a batch view, or None."""
+        source = args[i]
+        if (name in EXPAND or name == "repeat" and _repeats_rows(args)) and i == 0:
+            out = func(*args, **kwargs)  # p.expand(B, ...), p.repeat(B, 1, ...)
+            return self._view(d, source, out) if self._batched(source, out.shape) else None
+        if name not in ELEMENTWISE or (name.endswith("_") and i == 0):
+            return None
+        shape = torch.broadcast_shapes(*(a.shape for a in args if isinstance(a, Tensor)))
+        if self._batch_free(args, kwargs):
+            return None  # the parameters and what no example owns: followed as computed
+        rows = self._row_examples(args, shape) if _spread(source, shape) else False
+        if rows is not False:
+            aligned = source.reshape((1,) * (len(shape) - source.dim()) + tuple(source.shape))
+            view = self._view(d, source, aligned.expand(shape[0], *aligned.shape[1:]), rows)
+        else:
+            owners = combine(*(self.trace.owner(a) for a in args if isinstance(a, Tensor)))
+            view = self._elements(d, source, shape, owners)
+            if view is None:
+                self._other(d, f"{name} on rows not the examples")
+                return None
+        return func(*args[:i], view, *args[i + 1 :], **kwargs)
+
+    def _elements(
+        self, d: Watched, source: Tensor, shape: torch.Size, owners: Tensor
+    ) -> Tensor | None:
+        """``source`` broadcast to ``shape``, each element of which is read by the example that
+        owns that element of the result (``owners``): example b's gradient of ``source`` sums
+        the gradient at b's elements, each at the element of ``source`` it broadcasts from (one
+        ``index_add`` for the batch). This serves a bias on tokens laid out along any dimension
+        (sequence-first, heads first), a tensor computed with the batch's shape from no example
+        (an attention mask's bias), and a CLIP-like (B, B) similarity scaled by
+        ``logit_scale.exp()``, each example's loss reading its own diagonal element. Elements
+        of several examples or of none must get no gradient: one that does fails the read, and
+        its parameters go to the fallback (the losses would mix). None where the positions or
+        the per-example gradients would pass ``CHUNK_ELEMENTS``."""
+        if max(shape.numel(), self.batch * source.numel()) > CHUNK_ELEMENTS:
+            return None
+        view = source.reshape((1,) * (len(shape) - source.dim()) + tuple(source.shape))
+        view = view.expand(shape)
+        mine = (owners.expand(shape) >= 0).reshape(-1)
+        slot = slots(owners, shape, source.shape)[mine]  # (example, element of source)
+
+        def parts(grad: Tensor) -> dict[str, Contribution]:
+            g = grad.reshape(-1)
+            if bool(g[~mine].ne(0).any()):
+                raise ValueError("an element of several examples or none reaches the loss")
+            per = g.new_zeros(self.batch * source.numel()).index_add_(0, slot, g[mine])
+            return d.credit(Dense(per.view(self.batch, *source.shape)))
+
+        self._use(d.params, view, parts)
+        return view
+
+    def _write(self, d: Watched, func, args: tuple) -> object:
+        """``x[index] = p``: the elements written read ``p`` broadcast to them, each by the
+        example that owned it in ``x`` (T5Gemma 2's end-of-image embedding written where the
+        ids say); they belong to that example from here on."""
+        x, index, value = args
+        if self._watched(x) is not None or self._batch_free((x,), {}):
+            return None
+        owners = self.trace.owner(x).expand(x.shape)[index]
+        if value.dim() > owners.dim():
+            return None
+        view = self._elements(d, value, owners.shape, owners)
+        if view is None:
+            return None
+        self.trace.owners[view] = owners
+        func(x, index, view)
+        return WRITTEN
+
+    def _batched(self, source: Tensor, shape: torch.Size) -> bool:
+        """Whether a result of ``shape`` has the batch on dimension 0 and takes ``source``
+        broadcast along it."""
+        return len(shape) > 0 and shape[0] == self.batch and _spread(source, shape)
+
+    def _row_examples(self, args: tuple, shape: torch.Size) -> Tensor | None | bool:
+        """The example of each row of the op's result, by the other operands' owners: None
+        when row i is example i's, (rows,) when each is one example's (Swin's windows, folded
+        into the batch), False when a row mixes examples or is no example's."""
+        owners = [self.trace.owner(a) for a in args if isinstance(a, Tensor)]
+        o = reduce(combine(*owners), range(1, len(shape)))
+        if o.dim() != len(shape):
+            return False
+        if shape[0] == self.batch and is_batch(o, self.batch):
+            return None
+        rows = o.reshape(-1).expand(shape[0])
+        return rows.contiguous() if bool((rows >= 0).all()) else False
+
+    def _view(self, d: Watched, source: Tensor, view: Tensor, rows: Tensor | None = None):
+        """``view``, row r of which is read by example r (or ``rows[r]``), served."""
+        aligned = torch.Size((1,) * (view.dim() - source.dim()) + tuple(source.shape))
+
+        def parts(grad: Tensor) -> dict[str, Contribution]:
+            """Example i's gradient from the gradient at its rows of the view."""
+            dims = [k for k in range(1, grad.dim()) if aligned[k] == 1 and grad.shape[k] > 1]
+            summed = grad.sum(dims, keepdim=True) if dims else grad
+            per_row = summed.reshape(grad.shape[0], *source.shape)
+            if rows is not None:
+                per_row = per_row.new_zeros(self.batch, *source.shape).index_add_(0, rows, per_row)
+            return d.credit(Dense(per_row))
+
+        self._use(d.params, view, parts)
+        # the trace follows where each row goes from here
+        owner = self.trace.standard(view.dim())
+        if rows is not None:
+            owner = rows.view(-1, *(1,) * (view.dim() - 1))
+        self.trace.owners[view] = owner
+        return view
+
+
+def _spread(source: Tensor, shape: torch.Size) -> bool:
+    """Whether a result of ``shape`` takes ``source`` broadcast along its dimension 0."""
+    if len(shape) == 0 or source.dim() > len(shape):
+        return False
+    return source.dim() < len(shape) or source.shape[0] == 1
+
+
+def _repeats_rows(args: tuple) -> bool:
+    """Whether ``t.repeat(*sizes)`` only repeats along dimension 0 (``probe.repeat(B, 1, 1)``)."""
+    sizes = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+    return len(sizes) > 0 and all(n == 1 for n in sizes[1:])

@@ -1,0 +1,144 @@
+"""The decisions around the backward: which parameters the rules cannot serve on this batch.
+
+Each moves a parameter to the fallback through ``Plan.to_fallback``, which records the reason
+for every later pass. Before the backward: raw parameters read by ops other than broadcasts, and
+calls whose rows the trace (``trace.py``) cannot give each to one example; a row-by-row call in
+another layout than one row per example gets its rows' owners, for the rule to gather. After
+it: a second output reaching the loss, a parameter reaching the loss where no rule sees it, and
+on the first batch the self-check against autograd's batch gradient and two examples' own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from ...rules import find_rule
+from ..plan import BROADCAST, ParamPlan, Plan
+from ..rows import Gather, rows_of
+from .owners import NONE, is_batch, reduce
+from .selfcheck import Singles, agrees
+
+if TYPE_CHECKING:
+    from ..capture import Call, Captured
+    from ..passes.reduce import Reducer
+    from .trace import RowTrace
+
+
+def before_backward(plan: Plan, seen: Captured) -> None:
+    """Move to the fallback what reads rows that are not the examples', and parameters read
+    outside their rules' module calls by other ops than those the tap serves."""
+    for p in plan.raw + plan.by_rule if seen.tap else ():
+        if seen.tap.uses[p.name].other:
+            plan.to_fallback(p, f"read by {seen.tap.uses[p.name].other}")
+    if not seen.trace.per_example(seen.losses, seen.losses.shape[0]):
+        for p in plan.by_rule + plan.raw:
+            plan.to_fallback(p, f"the losses mix examples{_after(seen, seen.losses)}")
+        return
+    lost: dict[int, str] = {}
+    for call in seen.session.all_calls():
+        reason = _layout(call, seen.trace)
+        if reason:
+            after = _after(seen, call.inputs[0]) if "mix " in reason else ""
+            lost.setdefault(id(call.module), reason + after)
+    for p in plan.by_rule:
+        reason = next((lost[id(m)] for m, _ in p.owners if id(m) in lost), None)
+        if reason:
+            plan.to_fallback(p, reason)
+
+
+def _after(seen: Captured, t: Tensor) -> str:
+    op = seen.trace.mixed_at(t)
+    return f" (after {op})" if op else ""
+
+
+def _layout(call: Call, trace: RowTrace) -> str | None:
+    """Why ``call``'s rows cannot be read per example, or None; sets ``call.rows`` where a
+    row-by-row rule must gather them."""
+    rule, batch = find_rule(call.module), trace.batch
+    if not call.owners:
+        return "a call without tensor inputs"
+    x, owners = call.inputs[0], call.owners[0]
+    features = rule.rows(call.module) if rule.rows else None
+    if features is not None and len(call.inputs) == 1 and x.dim() > features:
+        if trace.one_row_each(x, owners, features):
+            return None
+        rows = reduce(owners, range(x.dim() - features, x.dim()), keepdim=False)
+        rows = rows.expand(x.shape[: x.dim() - features])  # owners may be compact
+        if x.numel() == 0:  # no row routed to it on this batch: zeros, gathered
+            zeros = torch.zeros(x.shape[: x.dim() - features], dtype=torch.long, device=x.device)
+            call.rows = Gather.of(zeros, batch)
+            return None
+        if is_batch(rows.reshape(rows.shape[0], -1), batch):
+            return None
+        if bool((rows >= 0).all()):
+            call.rows = rows_of(rows, batch)
+            return None
+        return _why(rows)
+    dim = rule.batch_dim(call.module, call.inputs) if rule.batch_dim else 0
+    if dim is None:
+        return "an unbatched call: its rows are not the examples"
+    for k, (t, o) in enumerate(zip(call.inputs, call.owners, strict=True)):
+        if dim == 0 and trace.is_standard(o):
+            continue  # row i example i's: no compare needed
+        if k and bool((o == NONE).all()):
+            continue  # a mask or table shared by every example: the rule reads it as such
+        per = reduce(o, [d for d in range(t.dim()) if d != dim], keepdim=True)
+        if t.dim() <= dim or not is_batch(per.movedim(dim, 0), batch):
+            return _why(per)
+    return None
+
+
+def _why(owners: Tensor) -> str:
+    if bool((owners == NONE).all()):
+        return "rows of its input are not the examples: the batch shares them"
+    if bool((owners < 0).any()):
+        return "rows of its input are not the examples: they mix examples"
+    return "rows of its input are not the examples"
+
+
+def after_backward(
+    plan: Plan,
+    seen: Captured,
+    reducer: Reducer,
+    checked: Sequence[ParamPlan],
+    grads: Sequence[Tensor | None],
+    singles: Singles | None,
+    verify: bool,
+) -> None:
+    """Move to the fallback what the backward showed the rules cannot see."""
+    session = seen.session
+    reads = seen.tap.reads() if seen.tap else []
+    read = {p.name for u in reads if u.reached for p in u.params}  # reached through a read
+    for p in plan.by_rule:
+        if any(c.others_reach_loss for m, _ in p.owners for c in session.calls.get(id(m), ())):
+            plan.to_fallback(
+                p, "a second output of its module (attention weights) reaches the loss"
+            )
+    present = [g.double().norm() for g in grads if g is not None]
+    total = torch.stack(present).norm().item() if verify and present else 0.0
+    for k, (p, g) in enumerate(zip(checked, grads, strict=True)):
+        if p.is_fallback:
+            continue
+        reached = any(c.reached for m, _ in p.owners for c in session.calls.get(id(m), ()))
+        reached |= p.name in read
+        if not reached and g is not None:
+            where = (
+                "where no rule sees it" if p.rule == BROADCAST else "without a call of its module"
+            )
+            plan.to_fallback(p, f"used {where}")
+            continue
+        ours = reducer.sums.get(p.name, torch.zeros_like(p.param))
+        if verify and not agrees(ours, torch.zeros_like(p.param) if g is None else g, total):
+            plan.to_fallback(
+                p, "its rule's gradients do not add up to autograd's (used outside its module?)"
+            )
+        elif verify and not singles.agree(k, reducer.norm_sq.get(p.name), p.param.dtype):
+            plan.to_fallback(p, "its rule's gradient of one example differs from its backward")
+        elif verify and p.rule == BROADCAST:
+            p.note = ""  # served: no longer "no rule for ..."
+    for p in plan.fallback:
+        reducer.forget(p.name)

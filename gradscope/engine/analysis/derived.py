@@ -1,0 +1,138 @@
+"""What the tap follows of the watched parameters, and how a read's gradient goes back to them.
+
+- ``Derived``: a view of one parameter at a known ``Place`` (``W[e]``, ``W.T``, ``1 + w``): a
+  read's per-example gradient is placed where the view sits, in whatever form the rule gave it.
+- ``Computed``: a tensor that ops computed from watched tensors and tensors no example owns
+  (``-exp(A_log)``, a weight-norm weight, a position table indexed by ``arange``, attention
+  sinks reshaped). Every example reads the same value, so example i's gradient of the sources is
+  the vector-Jacobian product of those ops with example i's gradient of the tensor: formed and
+  carried back by one batched VJP, then placed as above; a few examples at a time where the
+  batch's gradients of the tensor and of its sources would pass ``CHUNK_ELEMENTS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ...rules import Contribution, Dense, base
+from ...rules.base import Formed
+from ...rules.placed import Place, Placed
+from ..plan import ParamPlan
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A tensor read from a watched parameter, at ``place``."""
+
+    param: ParamPlan
+    place: Place = Place()
+
+    @property
+    def params(self) -> tuple[ParamPlan, ...]:
+        return (self.param,)
+
+    def credit(self, part: Contribution) -> dict[str, Contribution]:
+        """``part``, the per-example gradient of this view, where it sits in the parameter."""
+        if self.place == Place():
+            return {self.param.name: part}
+        return {self.param.name: Placed(part, self.param.param.shape, self.place)}
+
+
+@dataclass(frozen=True, eq=False)
+class Computed:
+    """``func(*values)``: computed from the views ``leaves`` (whose tensors are ``values``) and
+    from tensors no example owns, which ``func`` holds."""
+
+    func: Callable[..., Tensor]
+    leaves: tuple[Derived, ...]
+    values: tuple[Tensor, ...]  # detached
+    batch: int
+
+    @property
+    def params(self) -> tuple[ParamPlan, ...]:
+        return tuple({id(d.param): d.param for d in self.leaves}.values())
+
+    def credit(self, part: Contribution) -> dict[str, Contribution]:
+        """Each parameter's per-example gradient from ``part``, this tensor's: formed for the
+        batch at once, or where that passes ``CHUNK_ELEMENTS`` (a weight-norm convolution's
+        weight, B times) formed again for each question a few examples at a time."""
+        per_example = part.shape.numel() + sum(v.numel() for v in self.values)
+        step = max(1, base.CHUNK_ELEMENTS // per_example)
+        if step >= self.batch:
+            leaves = [Dense(g) for g in self._back(part.materialize())]
+        else:
+            leaves = [
+                Formed(self._formed(part, k), self.batch, v.shape, step)
+                for k, v in enumerate(self.values)
+            ]
+        out: dict[str, Contribution] = {}
+        for leaf, c in zip(self.leaves, leaves, strict=True):
+            for name, placed in leaf.credit(c).items():
+                out[name] = out[name].merge(placed) if name in out else placed
+        return out
+
+    def _formed(self, part: Contribution, k: int) -> Callable[[int, int], Tensor]:
+        """(lo, hi) -> (hi - lo, *leaf k's shape): examples lo..hi - 1's gradients of leaf k."""
+        return lambda lo, hi: self._back(part.examples(lo, hi).materialize())[k]
+
+    def _back(self, grads: Tensor) -> tuple[Tensor, ...]:
+        """(B, *shape) gradients of this tensor -> (B, *leaf shape) per leaf: one VJP, batched."""
+        value, vjp = torch.func.vjp(self.func, *self.values)
+        grads = grads.to(value.dtype)
+        try:
+            return torch.func.vmap(vjp)(grads)
+        except Exception:  # an op without a batching rule (vmap's message varies): one at a time
+            per = [vjp(g) for g in grads]
+            return tuple(torch.stack(gs) for gs in zip(*per, strict=True))
+
+
+Watched = Derived | Computed
+
+
+def compute(
+    func: Callable,
+    args: tuple,
+    kwargs: dict,
+    watched: Callable[[object], Watched | None],
+    batch: int,
+) -> Callable[[int | None], Computed]:
+    """For an op whose watched arguments (``watched(t)`` not None) are views of parameters or
+    tensors computed from them: the ``Computed`` of its output (index ``k`` of a tuple output,
+    or None for a tensor), as a function of the leaves of every watched argument, read by a
+    batch of ``batch`` examples."""
+    flat, spec = tree_flatten((args, kwargs))
+    leaves: dict[int, tuple[Derived, Tensor]] = {}  # by the leaf tensor's id
+    slots: list[tuple[int, Watched, list[int]]] = []  # (position in flat, its watch, leaf ids)
+    for k, t in enumerate(flat):
+        w = watched(t) if isinstance(t, Tensor) else None
+        if isinstance(w, Derived):
+            leaves.setdefault(id(t), (w, t.detach()))
+            slots.append((k, w, [id(t)]))
+        elif isinstance(w, Computed):
+            ids = [id(v) for v in w.values]
+            for d, v in zip(w.leaves, w.values, strict=True):
+                leaves.setdefault(id(v), (d, v))
+            slots.append((k, w, ids))
+    order = list(leaves)
+    position = {key: i for i, key in enumerate(order)}
+    constant = [t.detach() if isinstance(t, Tensor) else t for t in flat]
+
+    def run(*values: Tensor) -> object:
+        items = list(constant)
+        for k, w, ids in slots:
+            mine = [values[position[i]] for i in ids]
+            items[k] = mine[0] if isinstance(w, Derived) else w.func(*mine)
+        a, kw = tree_unflatten(items, spec)
+        return func(*a, **kw)
+
+    def output(index: int | None) -> Computed:
+        fn = run if index is None else (lambda *values: run(*values)[index])
+        derived, values = (tuple(leaves[i][j] for i in order) for j in (0, 1))
+        return Computed(fn, derived, values, batch)
+
+    return output

@@ -1,0 +1,283 @@
+"""The owners of an op's results by the owner algebra (``owners.py``): the trace's path for
+the ops whose owners its lanes (``lanes.py``) cannot tell from shapes alone: moves of rows
+(index, gather, masks, sort, cat), writes in place, scatters, strided views, reductions and
+contractions that mix a dimension of examples, and ops it does not know."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .ops import (
+    CASTS,
+    CONTRACTIONS,
+    CREATIONS,
+    ELEMENTWISE,
+    IN_PLACE_MOVES,
+    IN_PLACE_OPERATORS,
+    INDICES,
+    MOVES,
+    PICKED,
+    PLACES,
+    REDUCTIONS,
+    RESHAPES,
+    SCATTERS,
+    SORTS,
+    ZEROING,
+    binary,
+    dims_of,
+    filled,
+    tensors_in,
+)
+from .owners import (
+    MIXED,
+    NONE,
+    combine,
+    compact,
+    reduce,
+    reshaped,
+    scatter_combine,
+    segment_combine,
+    shrink,
+)
+
+
+class OwnerAlgebra:
+    """The trace's owners of one op by the algebra (``RowTrace`` is one): uses its batch,
+    device, ``owners``, ``owner``, ``lane``, ``unknown`` and ``_set``."""
+
+    def _follow(self, name: str, func, args: tuple, kwargs: dict, out: object, origin: str):
+        if self.picked_by is None and self._picked(name, args, kwargs):
+            self.picked_by = name
+        if name in INDICES and len(args) == 1:  # positions, not values: nothing flows back
+            outs = out if isinstance(out, (tuple, list)) else (out,)  # as_tuple: one per dim
+            return self._set(out, tuple(filled(t, NONE) for t in outs), origin)
+        if name in CREATIONS:
+            if isinstance(out, Tensor):
+                self.created[out] = True
+            return self._set(out, filled(out, NONE), origin)
+        if name in SORTS:
+            return self._set(out, self._sorted(name, args, kwargs, out), origin)
+        if name in PLACES:  # in place or not
+            target = args[0] if name.endswith("_") else out
+            return self._set(target, self._placed(name, args, kwargs), origin)
+        if name in IN_PLACE_MOVES:
+            return self._in_place(name, args, kwargs, origin)
+        if name in SCATTERS:
+            return self._scatter(name, args, kwargs, out, origin)
+        if name in IN_PLACE_OPERATORS and isinstance(args[0], Tensor):  # x += y
+            return self._set(args[0], combine(*self._all(args, kwargs)), origin)
+        if name.endswith("_") and not name.startswith("__"):  # x.add_(y): x takes y's owners
+            if name[:-1] in ELEMENTWISE and isinstance(args[0], Tensor):
+                return self._set(args[0], combine(*self._all(args, kwargs)), origin)
+            return self._set(args[0], None, origin)
+        if name in RESHAPES:
+            return self._set(out, self._reshape(name, args, out), origin)
+        if func is F.unfold:  # im2col, not the window view Tensor.unfold
+            return self._set(out, CONTRACTIONS["im2col"](self, *args, **kwargs), origin)
+        if name in MOVES:
+            return self._set(out, self._move(func, args, kwargs, name in ZEROING), origin)
+        if name == "as_strided":
+            return self._set(out, self._strided(args, kwargs), origin)
+        if name in ELEMENTWISE or binary(name, args, kwargs):
+            return self._set(out, combine(*self._all(args, kwargs)), origin)
+        if name in CASTS:  # the other tensor gives only a dtype
+            return self._set(out, compact(self.owner(args[0])), origin)
+        if name in REDUCTIONS and isinstance(args[0], Tensor):
+            dims, keep = dims_of(name, args, kwargs, args[0].dim())
+            o, n = self.owner(args[0]), args[0].dim()
+            lane = self.lane(o) if self.batch > 1 else None
+            if lane is not None and lane[0] in {d % n for d in dims}:
+                return self._set(out, None, origin)  # over every example: all MIXED
+            return self._set(out, reduce(o, dims, keep), origin)
+        if name in CONTRACTIONS:
+            return self._set(out, CONTRACTIONS[name](self, *args, **kwargs), origin)
+        self.unknown.setdefault(name)
+        self._set(out, self._leading(args, kwargs, out), origin)
+
+    def _picked(self, name: str, args: tuple, kwargs: dict) -> bool:
+        """Whether op ``name`` moves elements, along dimensions where its source's owners vary,
+        to places that values computed from the batch pick (rows picked by computed indices,
+        masks, sorts): its result's owners hold for this batch's values only."""
+        x = args[0] if args else None
+        if not isinstance(x, Tensor):
+            return False
+        if name in SORTS:  # values move along the dimension sorted
+            dim = kwargs.get("dim", args[1] if len(args) > 1 and isinstance(args[1], int) else -1)
+            return self._varies(x, [dim])
+        if name not in PICKED and name not in PLACES and name not in SCATTERS:
+            return False
+        pickers = [t for t in tensors_in(args[1:], kwargs) if self._of_batch(t)]
+        if name in PLACES or name in SCATTERS or name == "__setitem__" or not pickers:
+            return bool(pickers)  # writes where values say: whatever the owners
+        if name == "__getitem__":
+            return self._varies(x, _picked_dims(args[1], pickers, x.dim()))
+        if name in ("take", "masked_select") or (
+            name == "repeat_interleave" and "dim" not in kwargs and len(args) < 3
+        ):
+            return self._varies(x, range(x.dim()))  # flattened
+        dim = kwargs.get("dim", args[1] if len(args) > 1 and isinstance(args[1], int) else None)
+        dim = args[2] if name in ("take_along_dim", "repeat_interleave") and len(args) > 2 else dim
+        return self._varies(x, range(x.dim()) if dim is None else [dim])
+
+    def _of_batch(self, t: Tensor) -> bool:
+        """Whether ``t``'s values are computed from the batch (not made by a creation op)."""
+        return t in self.owners and t not in self.created
+
+    def _varies(self, x: Tensor, dims) -> bool:
+        """Whether ``x``'s owners may differ along any of ``dims``."""
+        o = compact(self.owner(x))
+        return any(o.shape[d % o.dim()] > 1 for d in dims) if o.dim() else False
+
+    def _all(self, args: tuple, kwargs: dict) -> list[Tensor]:
+        return [self.owner(t) for t in tensors_in(args, kwargs)] or [
+            torch.tensor(NONE, device=self.device)
+        ]
+
+    def _reshape(self, name: str, args: tuple, out: Tensor) -> Tensor | None:
+        x = args[0]
+        return reshaped(self.owner(x), x.shape, out.shape)
+
+    def _move(self, func, args: tuple, kwargs: dict, zeroing: bool = False) -> object:
+        """The op on the owners, expanded (no copy) to the shapes of the tensors they describe;
+        ``zeroing``: the zeros it writes (tril, triu) are constants, NONE, not example 0."""
+
+        def full(t: object) -> object:
+            if isinstance(t, Tensor):
+                return self.owner(t).expand(t.shape)
+            if isinstance(t, (list, tuple)):
+                return type(t)(full(u) for u in t)
+            return t
+
+        if zeroing:
+            return shrink(func(full(args[0]) - NONE, *args[1:], **kwargs) + NONE)
+        result = func(full(args[0]), *args[1:], **kwargs)
+        # shrink narrows the full-shaped result to a view: a copy of its own lets the rest go
+        if isinstance(result, (tuple, list)):
+            return tuple(shrink(r).clone() for r in result)
+        return shrink(result).clone()
+
+    def _strided(self, args: tuple, kwargs: dict) -> Tensor | None:
+        """``x.as_strided(size, stride, offset)`` (Longformer's overlapping chunks): owners laid
+        out in memory as ``x``'s elements are, the same view taken of them; memory between
+        ``x``'s elements is MIXED (not known), and a view reaching outside ``x`` is None."""
+        x = args[0]
+        size, stride, offset = (
+            *args[1:],
+            *(kwargs[k] for k in ("size", "stride", "storage_offset") if k in kwargs),
+            None,
+        )[:3]
+        start = x.storage_offset()
+        offset = start if offset is None else offset
+        span = 1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride(), strict=True))
+        last = offset - start + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
+        if x.numel() == 0 or offset < start or (min(size, default=1) > 0 and last >= span):
+            return None
+        memory = torch.full((span,), MIXED, dtype=torch.long, device=x.device)
+        memory.as_strided(x.shape, x.stride()).copy_(self.owner(x).expand(x.shape))
+        return shrink(memory.as_strided(size, stride, offset - start))
+
+    def _leading(self, args: tuple, kwargs: dict, out: object) -> Tensor | None:
+        """An unknown op: each output keeps dimension 0's owners, when every tracked input's
+        dimension 0 has the output's length."""
+        first = out[0] if isinstance(out, (tuple, list)) and out else out
+        if not isinstance(first, Tensor) or first.dim() == 0:
+            return None
+        lead = []
+        for t in tensors_in(args, kwargs):
+            if t in self.owners:
+                if t.dim() == 0 or t.shape[0] != first.shape[0]:
+                    return None
+                lead.append(reduce(self.owner(t), range(1, t.dim())).reshape(-1))
+        o = combine(*lead) if lead else filled(first[:1], NONE)
+        return o.view(-1, *([1] * (first.dim() - 1)))
+
+    def _sorted(self, name: str, args: tuple, kwargs: dict, out: object) -> tuple:
+        """sort's values carry the owners of where they came from; its indices are positions."""
+        x = args[0]
+        dim = kwargs.get("dim", args[1] if len(args) > 1 and isinstance(args[1], int) else -1)
+        order = out if name == "argsort" else out[1]
+        moved = self.owner(x).expand(x.shape).gather(dim, order)
+        none = filled(order, NONE)
+        return none if name == "argsort" else (shrink(moved), none)
+
+    def _scatter(self, name: str, args: tuple, kwargs: dict, out: object, origin: str) -> None:
+        """``x.scatter_add(dim, index, src)`` and its kin: each target combines its own owner
+        (kept by an add or a reduce including itself, overwritten by ``scatter``) with those
+        of the values that land on it."""
+        x, dim = args[0], kwargs.get("dim", args[1] if len(args) > 1 else None)
+        index = kwargs.get("index", args[2] if len(args) > 2 else None)
+        src = kwargs.get("src", args[3] if len(args) > 3 else kwargs.get("value"))
+        dim = dim % x.dim()
+        base = self.owner(x).expand(x.shape).clone()
+        if isinstance(src, Tensor):
+            values = self.owner(src).expand(src.shape)[tuple(slice(0, n) for n in index.shape)]
+        else:
+            values = torch.full(index.shape, NONE, dtype=torch.long, device=x.device)
+        keep = name.startswith("scatter_add") or (
+            name.startswith("scatter_reduce") and kwargs.get("include_self", True)
+        )
+        o = shrink(scatter_combine(base, dim, index, values.contiguous(), keep))
+        self._set(x if name.endswith("_") else out, o, origin)
+
+    def _in_place(self, name: str, args: tuple, kwargs: dict, origin: str) -> None:
+        x = args[0]
+        if name in ("fill_", "zero_"):
+            return self._set(x, filled(x, NONE), origin)
+        if name == "copy_":
+            return self._set(x, compact(self.owner(args[1]).expand(x.shape)), origin)
+        value = args[2] if len(args) > 2 else kwargs.get("value")
+        v = self.owner(value) if isinstance(value, Tensor) else torch.tensor(NONE)
+        o = self.owner(x).expand(x.shape).clone()
+        if name == "masked_fill_":  # masked elements take the fill (a 0-dim value)
+            o[args[1].expand(x.shape)] = v.reshape(()).to(o.device)
+        else:  # __setitem__
+            o[args[1]] = v.expand(o[args[1]].shape) if v.dim() else v.to(o.device)
+        return self._set(x, shrink(o), origin)
+
+    def _placed(self, name: str, args: tuple, kwargs: dict) -> Tensor:
+        """The owners of ``x`` after ``masked_scatter(mask, source)`` or ``index_add(dim,
+        index, source)``, in place or not."""
+        x = args[0]
+        if name.startswith("masked_scatter"):  # source's elements, in order, where mask holds
+            mask, source = (*args[1:], *(kwargs[k] for k in ("mask", "source") if k in kwargs))
+            o = self.owner(x).expand(x.shape).clone()
+            o.masked_scatter_(mask.expand(x.shape), self.owner(source).expand(source.shape))
+            return combine(shrink(o), self.owner(mask))  # the mask placed them: its owners too
+        # index_add(dim, index, source, alpha=1): rows index[j] of x gain source's row j
+        dim, index, source = (
+            *args[1:],
+            *(kwargs[k] for k in ("dim", "index", "source") if k in kwargs),
+        )[:3]
+        dim = dim % x.dim()
+        rest = [d for d in range(x.dim()) if d != dim]
+        base = reduce(self.owner(x), rest).reshape(-1).expand(x.shape[dim]).clone()
+        rows = reduce(self.owner(source), [d for d in range(source.dim()) if d != dim])
+        rows = rows.reshape(-1).expand(index.shape[0])
+        o = segment_combine(base, index, rows)
+        shape = [1] * x.dim()
+        shape[dim] = x.shape[dim]
+        return compact(o.view(shape))
+
+
+def _picked_dims(key: object, pickers: list[Tensor], rank: int) -> list[int]:
+    """The dimensions of a tensor of ``rank`` that ``x[key]`` indexes with one of ``pickers``
+    (a bool mask of rank r indexes r dimensions; ``None`` none; ``...`` the rest)."""
+    key = key if isinstance(key, tuple) else (key,)
+
+    def width(k: object) -> int:
+        if k is None or k is Ellipsis:
+            return 0
+        if isinstance(k, Tensor) and k.dtype == torch.bool:
+            return k.dim()
+        return 1
+
+    rest = rank - sum(width(k) for k in key)
+    dims, at = [], 0
+    for k in key:
+        span = rest if k is Ellipsis else width(k)
+        if any(k is t for t in pickers):
+            dims.extend(range(at, at + span))
+        at += span
+    return dims

@@ -1,0 +1,305 @@
+"""The functions a layer rule's math serves where the tap sees them called on a watched
+parameter (or a view of one, or a tensor computed from parameters): ``F.linear``, ``x @ W`` and
+``W @ x``, ``F.embedding``, ``F.conv{1,2,3}d``, and fused expert weights run by ``grouped_mm``
+or ``bmm``; each on rows traced to their examples (``trace.py``), gathered where they are in
+another layout, placed where the view sits in its parameter."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten
+
+from ...rules import Contribution, Dense
+from ...rules.embedding import lookup
+from ...rules.linear import affine_parts
+from ...rules.placed import Place, Placed
+from ..capture import read_at
+from ..rows import regroup, rows_of
+from .bind import bind_affine, bind_conv, conv_parts, einsum_terms
+from .derived import Derived, Watched
+from .owners import is_batch, reduce, slots
+from .policy import assumable, shared
+from .views import compose
+
+ASSUMED = object()  # rows taken as the examples' until the losses' owners say otherwise
+
+
+class FunctionReads:
+    """The tap's reads by functions (``ParamTap`` is one): uses its batch, trace, ``expand`` and
+    ``assume`` settings, ``_watched``, ``_batch_free``, ``_other`` and ``_use``."""
+
+    def _function(self, name: str, func, args: tuple, kwargs: dict) -> Tensor | None:
+        call = bind_affine(name, args, kwargs)
+        if call is None:
+            return None
+        x, weight, bias = call
+        reads = [(role, self._watched(t)) for role, t in (("weight", weight), ("bias", bias))]
+        reads = [(role, d) for role, d in reads if d is not None]
+        if not reads or self._watched(x) is not None:
+            return None
+        expanded = self.expand and shared(self.trace, x)
+        assumed = self.assume and x.dim() and x.shape[0] == self.batch
+        if self._batch_free((x,), {}) and not expanded and not assumed:
+            return None  # computed from the parameters alone: followed as such
+        features = 0 if name == "embedding" else 1
+        if expanded and name in ("linear", "embedding"):
+            one = x.unsqueeze(0) if x.dim() == 1 else x
+            x = one.expand(self.batch, *one.shape[1:])
+            args = (x, *args[1:])
+            self.expanded = True
+        rows = self._rows(x, features)
+        if rows is False:
+            for _, d in reads:
+                self._other(d, f"{name} on rows that mix examples")
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if rows is ASSUMED:
+            rows = None
+            self.trace.owners[out] = self.trace.standard(out.dim())
+        if not out.requires_grad:
+            return out
+        a = x.detach()
+        shape = weight.shape
+        rows = None if rows is None else rows_of(rows, self.batch)
+
+        def parts(grad: Tensor) -> dict[str, Contribution]:
+            (xs, g), counts = (a, grad), None
+            if rows is not None:
+                (xs, g), counts = regroup(rows, self.batch, a, grad)
+            if name == "embedding":
+                padding = kwargs.get("padding_idx", args[2] if len(args) > 2 else None)
+                by_freq = kwargs.get("scale_grad_by_freq", args[5] if len(args) > 5 else False)
+                got = {"weight": lookup(xs, g, shape[0], padding, by_freq)}
+            else:
+                transposed = name != "linear"  # x @ W: W is (in, out)
+                got = affine_parts(xs, g, weight, bias, transposed, counts)
+            return _credit((d, got[role]) for role, d in reads if role in got)
+
+        self._read_output(tuple(p for _, d in reads for p in d.params), out, parts, args)
+        return out
+
+    def _product(self, name: str, func, args: tuple, kwargs: dict) -> Tensor | None:
+        """``W @ x`` for a batch ``x`` of (B, in, L): ``F.linear(x.mT, W).mT``, by its math
+        (Mamba's ``dt_proj``); otherwise ``W @ x`` or ``x @ W`` with leading dimensions that
+        broadcast (Zamba's per-head ``W[:, None] @ x``, a relative-position table projected
+        once for the batch and multiplied by each example's queries): the gradient of each
+        product, ``grad @ x.mT`` or ``x.mT @ grad``, summed into the example that owns its x."""
+        if name == "__rmatmul__" or len(args) != 2 or kwargs:
+            return None
+        left = self._watched(args[0]) is not None
+        weight, x = args if left else args[::-1]
+        d = self._watched(weight)
+        if d is None or weight.dim() < 2 or x.dim() < 3 or self._watched(x) is not None:
+            return None
+        a = x.detach()
+        if left and weight.dim() == 2 and self._examples_lead(x):
+
+            def parts(grad: Tensor) -> dict[str, Contribution]:
+                got = affine_parts(a.mT, grad.mT, weight, None, transposed=False)
+                return d.credit(got["weight"])
+
+        else:
+            lead, ws = torch.broadcast_shapes(weight.shape[:-2], x.shape[:-2]), weight.shape[:-2]
+            o = reduce(self.trace.owner(x), [-2, -1], keepdim=False)
+            if not bool((o >= 0).all()):
+                return None
+            slot = slots(o, lead, ws)  # (example, matrix of W) of each product
+
+            def parts(grad: Tensor) -> dict[str, Contribution]:
+                g = (grad @ a.mT if left else a.mT @ grad).reshape(-1, *weight.shape[-2:])
+                per = g.new_zeros(self.batch * ws.numel(), *g.shape[1:]).index_add_(0, slot, g)
+                return d.credit(Dense(per.view(self.batch, *weight.shape)))
+
+        out = func(*args)
+        if out.requires_grad:
+            self._read_output(d.params, out, parts, args)
+        return out
+
+    def _conv(self, name: str, func, args: tuple, kwargs: dict) -> Tensor | None:
+        """``F.conv{n}d`` on a watched weight (a weight-norm one) or bias, by the conv rule."""
+        x, weight, bias, call = bind_conv(name, args, kwargs)
+        reads = [(role, self._watched(t)) for role, t in (("weight", weight), ("bias", bias))]
+        reads = [(role, d) for role, d in reads if d is not None]
+        if not reads or self._watched(x) is not None or x.dim() != len(call.kernel_size) + 2:
+            return None
+        if not self._examples_lead(x):
+            return None
+        out = func(*args, **kwargs)
+        if not out.requires_grad:
+            return out
+        a = x.detach()
+
+        def parts(grad: Tensor) -> dict[str, Contribution]:
+            got = conv_parts(call, a, grad, bias is not None)
+            return _credit((d, got[role]) for role, d in reads if role in got)
+
+        self._read_output(tuple(p for _, d in reads for p in d.params), out, parts, args)
+        return out
+
+    def _grouped(self, func, args: tuple, kwargs: dict) -> Tensor | None:
+        """``grouped_mm(x, W, offs)``: rows offs[e-1]:offs[e] of x times W[e], the experts of a
+        fused 3-D weight run on their sorted tokens: a Linear per expert, placed at W[e]."""
+        x, weight = args[0], args[1]
+        offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+        extra = [v for k, v in kwargs.items() if k != "offs" and v is not None]
+        if len(args) > 3 or extra or self._watched(x) is not None or offs is None or x.dim() != 2:
+            return None
+        d = self._watched(weight)
+        if (
+            not isinstance(d, Derived)
+            or weight.dim() != 3
+            or (d.place.index and d.place.transposed)
+        ):
+            return None
+        rows = self._rows(x, 1)
+        if rows is False or rows is ASSUMED:
+            return None
+        out = func(*args, **kwargs)
+        if not out.requires_grad:
+            return out
+        owner = torch.arange(self.batch, device=x.device) if rows is None else rows  # (S,)
+        a, ends = x.detach(), offs.tolist()
+
+        def parts(grad: Tensor) -> dict[str, Contribution]:
+            return self._experts(d, weight, a, grad, owner, ends)
+
+        self._read_output(d.params, out, parts, args)
+        return out
+
+    def _bmm(self, func, args: tuple, kwargs: dict) -> Tensor | None:
+        """``bmm(x, W)`` of (E, N, in) tokens and a fused (E, in, out) weight (Llama 4's
+        experts): a Linear per expert on its N rows, each row one example's, placed at W[e]."""
+        if len(args) != 2 or kwargs:
+            return None
+        x, weight = args
+        d = self._watched(weight)
+        if d is None or weight.dim() != 3 or x.dim() != 3 or self._watched(x) is not None:
+            return None
+        if isinstance(d, Derived) and d.place.index and d.place.transposed:
+            return None
+        o = reduce(self.trace.owner(x), [2], keepdim=False).expand(x.shape[:2])
+        if not bool((o >= 0).all()):
+            return None
+        out = func(*args)
+        if not out.requires_grad:
+            return out
+        owner, a = o.reshape(-1), x.detach().reshape(-1, x.shape[-1])
+        ends = [(e + 1) * x.shape[1] for e in range(x.shape[0])]
+
+        def parts(grad: Tensor) -> dict[str, Contribution]:
+            return self._experts(d, weight, a, grad.reshape(-1, grad.shape[-1]), owner, ends)
+
+        self._read_output(d.params, out, parts, args)
+        return out
+
+    def _einsum(self, func, args: tuple, kwargs: dict) -> Tensor | None:
+        """``einsum(eq, x, W)`` (either order) with the batch ``x``'s first index also the
+        output's first and not W's: example b's gradient of W is ``einsum(x[b], grad[b])``
+        summed over the rest (and over b's rows, where heads are folded into the batch), one
+        einsum for the batch (SAM's and Funnel's relative attention)."""
+        operands = args[1:] if len(args) > 2 else tuple(args[1]) if len(args) == 2 else ()
+        bound = einsum_terms(args[0], operands) if not kwargs else None
+        if bound is None:
+            return None
+        first, second, out_s = bound
+        if self._watched(first[0]) is not None:
+            first, second = second, first
+        (x, xs), (weight, ws) = first, second
+        d = self._watched(weight)
+        if d is None or self._watched(x) is not None or xs[0] != out_s[0] or xs[0] in ws:
+            return None
+        rows = self._lead_rows(x)
+        if not set(ws) <= set(xs) | set(out_s) or rows is False:
+            return None
+        out = func(*args)
+        if not out.requires_grad:
+            return out
+        a, per_row = x.detach(), f"{xs},{out_s}->{xs[0]}{ws}"
+
+        def parts(grad: Tensor) -> dict[str, Contribution]:
+            g = torch.einsum(per_row, a, grad)  # (rows, *W)
+            if rows is not None:  # each example's rows summed
+                g = g.new_zeros(self.batch, *g.shape[1:]).index_add_(0, rows, g)
+            return d.credit(Dense(g))
+
+        self._read_output(d.params, out, parts, args)
+        return out
+
+    def _read_output(self, params: tuple, out: Tensor, parts, args: tuple) -> None:
+        """``_use`` on a function's output, read where ``graph.read_at`` says."""
+        target, viewed = read_at(out, tree_flatten(args)[0])
+        self._use(params, target, parts if viewed is None else lambda grad: parts(viewed(grad)))
+
+    def _experts(self, d: Watched, weight: Tensor, a: Tensor, grad: Tensor, owner, ends) -> dict:
+        """Expert e's Linear on rows ends[e-1]:ends[e] of ``a`` (owned by ``owner``), placed at
+        W[e] in the parameter (a view of it), or in ``weight`` (computed from parameters: then
+        carried back to them)."""
+        blocks, start = [], 0
+        for e, end in enumerate(ends):
+            if end > start:
+                rows = rows_of(owner[start:end], self.batch)
+                (xs, g), counts = regroup(rows, self.batch, a[start:end], grad[start:end])
+                part = affine_parts(xs, g, weight[e], None, True, counts)["weight"]
+                if isinstance(d, Derived):
+                    index = (e,) if not d.place.index else compose(d.place.index, (e,), 3)
+                    place = Place(index, d.place.transposed, d.place.scale)
+                    blocks.append(Placed(part, d.param.param.shape, place))
+                else:
+                    blocks.append(Placed(part, weight.shape, Place((e,))))
+            start = end
+        if not blocks:
+            return {}
+        merged = blocks[0]
+        for block in blocks[1:]:
+            merged = merged.merge(block)
+        return {d.param.name: merged} if isinstance(d, Derived) else d.credit(merged)
+
+    def _examples_lead(self, x: Tensor) -> bool:
+        """Whether ``x[i]`` is example i's alone (B along dimension 0, nothing else mixed in)."""
+        return self._lead_rows(x) is None
+
+    def _lead_rows(self, x: Tensor) -> Tensor | None | bool:
+        """Whose ``x[r]`` is, whole: None for example r's, (R,) examples where each ``x[r]`` is
+        one example's (heads folded into the batch: SAM's (B*heads, ...)), False otherwise."""
+        if x.dim() == 0 or x.numel() == 0:
+            return False
+        o = self.trace.owner(x)
+        if x.shape[0] == self.batch and self.trace.one_row_each(x, o, x.dim() - 1):
+            return None
+        rows = reduce(o, range(1, x.dim()))
+        if x.shape[0] == self.batch and is_batch(rows, self.batch):
+            return None
+        rows = rows.reshape(-1).expand(x.shape[0])
+        return rows.contiguous() if bool((rows >= 0).all()) else False
+
+    def _rows(self, x: Tensor, features: int) -> Tensor | None | bool | object:
+        """None: one row per example on dimension 0; a tensor: each row's example, for the rows
+        to be gathered; ASSUMED: B rows computed (wholly or in part) from no example, taken as
+        the examples' (the rows policy's); False: rows that mix examples or that the batch
+        shares."""
+        if x.dim() <= features:
+            return False
+        if self.trace.one_row_each(x, self.trace.owner(x), features):
+            return None
+        o = reduce(self.trace.owner(x), range(x.dim() - features, x.dim()), keepdim=False)
+        o = o.expand(x.shape[: x.dim() - features])  # owners may be compact (one example)
+        if x.numel() == 0:
+            return torch.zeros(x.shape[: x.dim() - features], dtype=torch.long, device=x.device)
+        if is_batch(o.reshape(o.shape[0], -1), self.batch):
+            return None
+        if bool((o >= 0).all()):
+            return o
+        if self.assume and assumable(self.trace, x, o):
+            self.assumed = True
+            return ASSUMED
+        return False
+
+
+def _credit(reads) -> dict[str, Contribution]:
+    """Each parameter's contribution from the (watched tensor, its part) of one call's reads."""
+    out: dict[str, Contribution] = {}
+    for d, part in reads:
+        for name, c in d.credit(part).items():
+            out[name] = out[name].merge(c) if name in out else c
+    return out

@@ -1,0 +1,66 @@
+"""The first batch's self-check: each rule-served parameter's per-example gradients must add up
+to autograd's batch gradient, and two single examples' must match their own backward; an error
+that cancels in the batch sum shows in the singles."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """The worst relative error a correct engine stays under, given rounding in ``dtype``."""
+    return {torch.float64: 1e-6, torch.float32: 1e-4}.get(dtype, 1e-2)
+
+
+def agrees(ours: Tensor, theirs: Tensor, total: float = 0.0) -> bool:
+    """Equal up to rounding in ``theirs``' dtype: every element within a small share of the
+    larger of the two norms, or of ``total``, the norm of the whole model's batch gradient.
+
+    The second scale is for gradients that are zero but for rounding (the key bias of an
+    attention layer, which softmax cancels): their rounding is relative to the terms summed,
+    not to the near-zero result. An error below it is below what ``gradscope check`` resolves.
+    """
+    tol = tolerance(theirs.dtype)
+    ours, theirs = ours.double(), theirs.to(ours.device).double()
+    own = max(ours.nan_to_num(0).norm().item(), theirs.nan_to_num(0).norm().item())
+    atol = max(10 * tol * own, tol * total, 1e-30)
+    return torch.allclose(ours, theirs, rtol=0, atol=atol, equal_nan=True)
+
+
+class Singles:
+    """The first and last examples' own gradients of ``params``, each from its own backward
+    (graph kept), and the norm of each example's whole gradient, the scale its parameters'
+    norms are compared at (computed once: a model of many small modules has as many
+    parameters to compare)."""
+
+    def __init__(self, losses: Tensor, params: Sequence[Tensor]):
+        picked = dict.fromkeys((0, losses.shape[0] - 1))
+        self.grads = {
+            i: list(torch.autograd.grad(losses[i], params, retain_graph=True, allow_unused=True))
+            for i in picked
+        }
+        self.scales = {i: _norm(grads) for i, grads in self.grads.items()}
+
+    def agree(self, k: int, norm_sq: Tensor | None, dtype: torch.dtype) -> bool:
+        """Whether ``norm_sq`` (B,), the rule's squared norms of parameter ``k``'s per-example
+        gradients, matches each single example's own backward."""
+        for i, grads in self.grads.items():
+            g = grads[k]
+            theirs = torch.zeros((), dtype=torch.float64) if g is None else g.double().norm()
+            mine = (
+                torch.zeros((), dtype=torch.float64)
+                if norm_sq is None
+                else norm_sq[i].double().sqrt()
+            )
+            scale = self.scales[i] if self.scales[i] is not None else theirs.item()
+            if not agrees(mine.reshape(1), theirs.reshape(1).to(dtype), scale):
+                return False
+        return True
+
+
+def _norm(grads: Sequence[Tensor | None]) -> float | None:
+    present = [g.double().norm() for g in grads if g is not None]
+    return torch.stack(present).norm().item() if present else None

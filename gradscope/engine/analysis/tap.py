@@ -1,0 +1,287 @@
+"""Parameters where functions read them: exact per-example gradients from the forward as it runs.
+
+Every selected parameter is watched by a torch function mode while the model runs, except
+inside a call of the module whose rule serves it (``HookSession``). That covers a parameter held
+by a module without a rule (a Linear subclass with its own forward, a scaled embedding, a
+router's weight read by ``F.linear``, a fused 3-D expert weight, a ViT's ``cls_token``, a
+LayerScale ``gamma``), and a ruled one read elsewhere (a tied head, ``out_proj``):
+
+- views of it (``W[e]``, ``W[:, :k]``, ``W.chunk(3)``, ``W.T``, ``W.float()``, ``1 + w``, ``-w``)
+  are followed, each with its ``Place`` in the parameter;
+- a tensor that other ops compute from watched tensors and tensors no example owns
+  (``-exp(A_log)``, a weight-norm weight, a table indexed by ``arange``) is followed as
+  ``Computed`` (``derived.py``): its gradient goes back to the parameters by a batched VJP;
+- the functions of ``functions.py`` on any of these are served by the layer rules' math, on
+  rows traced to their examples (``trace.py``);
+- in an elementwise op whose result takes it broadcast along dimension 0, it is replaced by a
+  view of it expanded along that dimension (zero-stride, no copy): each row of the view is read
+  by the example that owns that row of the result (row i by example i, or a window's rows by
+  their example), so the gradient there, summed over the other dimensions it was broadcast
+  along and over the example's rows, is that example's gradient; ``p.expand(B, ...)`` and
+  ``p.repeat(B, 1, ...)`` are such views already (``broadcasts.py``).
+
+Any other use (an op that mixes it with the batch in a way none of these follows, rows that
+mix examples) is recorded, and the parameter goes to the fallback with the op's name.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.graph import GradientEdge
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from ...rules import Contribution
+from ...rules.placed import Place
+from ..plan import ParamPlan
+from .bind import CONVS, GROUPED, masked_by, sdpa_math
+from .broadcasts import WRITTEN, BroadcastReads
+from .derived import Derived, Watched, compute
+from .functions import FunctionReads
+from .ops import op_name
+from .policy import batch_free
+from .trace import ByTensor, RowTrace
+from .views import CASTS, SCALES, SHIFTS, VIEWS, places
+
+READS = {"__get__", "size", "dim", "numel", "ndimension", "nelement", "shape", "dtype"}
+READS |= {"device", "requires_grad", "is_floating_point", "data_ptr", "__len__"}
+READS |= {"_has_compatible_shallow_copy_type"}
+# an op with a matrix product and an addition fused, run as the two (each served where it can
+# be) when it scales neither: ``baddbmm(b, x, W)`` is ``b + bmm(x, W)``
+FUSED = {"baddbmm": torch.bmm, "addmm": torch.matmul}
+
+
+@dataclass(eq=False)
+class Use:
+    """One read the rules serve: where its output's gradient arrives, and what it gives then."""
+
+    params: tuple[ParamPlan, ...]
+    edge: GradientEdge
+    parts: Callable[[Tensor], dict[str, Contribution]]  # output gradient -> {name: part}
+    reached: bool = False  # its gradient arrived in the backward
+    requested: bool = False  # the backward requests its gradient: nothing below needs it
+
+
+@dataclass
+class Uses:
+    reads: list[Use] = field(default_factory=list)
+    other: str | None = None  # the first op that used the parameter some other way
+
+
+class ParamTap(FunctionReads, BroadcastReads, TorchFunctionMode):
+    """The mode that watches ``params`` during one forward of a batch of ``batch`` examples."""
+
+    def __init__(
+        self,
+        params: Sequence[ParamPlan],
+        batch: int,
+        trace: RowTrace,
+        ruled: Callable[[ParamPlan], bool] = lambda p: False,
+        expand: bool = False,
+        assume: bool = False,
+    ):
+        super().__init__()
+        self.batch, self.trace = batch, trace
+        self.ruled = ruled  # whether a parameter's reads are, for now, its module rule's
+        # as HookSession's: rows shared by the batch expanded to it, and B rows computed from no
+        # example taken as the examples', each while the engine's checks confirm it
+        self.expand, self.assume = expand, assume
+        self.expanded = self.assumed = False
+        self.derived = ByTensor()
+        for p in params:
+            self.derived[p.param] = Derived(p)
+        self.uses: dict[str, Uses] = {p.name: Uses() for p in params}
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._on_grad: Callable[[Use, Tensor], None] | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = op_name(func)
+        if name in READS or (func.__name__ == "__get__" and name not in VIEWS):
+            return func(*args, **kwargs)  # metadata: asked before any lookup
+        if name == "__set__" and len(args) == 2 and args[0] is args[1]:
+            return func(*args, **kwargs)  # p.data = p: Module.to(the dtype it has already)
+        found = self._watched_in(args, kwargs)
+        if not found:
+            return func(*args, **kwargs)
+        if name in OPEN:
+            with self:  # the function's own ops come to this mode, one by one
+                return _opened(func)(*args, **kwargs)
+        served = self._served(name, found, func, args, kwargs)
+        if served is None and self._batch_free(args, kwargs) and _pure(name, kwargs):
+            served = self._computed(func, args, kwargs)
+        if served is not None:
+            return None if served is WRITTEN else served
+        for _, d in found:  # a use no rule can follow
+            self._other(d, name)
+        return func(*args, **kwargs)
+
+    def _other(self, d: Watched, what: str) -> None:
+        for p in d.params:
+            self.uses[p.name].other = self.uses[p.name].other or what
+
+    def _watched_in(self, args: tuple, kwargs: dict) -> list[tuple[int | None, Watched]]:
+        """(position among args, or None when nested or by keyword; what it reads), per use; none
+        of a parameter whose module's rule serves its reads now (a call of that module runs)."""
+        found: list = self.derived.found_in(args)
+        rest = [a for a in args if isinstance(a, (list, tuple))] + list(kwargs.values())
+        nested = [t for a in rest for t in (a if isinstance(a, (list, tuple)) else (a,))]
+        if nested:
+            found += [(None, d) for _, d in self.derived.found_in(nested)]
+        return [(i, d) for i, d in found if not any(map(self.ruled, d.params))]
+
+    def _served(self, name: str, found: list, func, args: tuple, kwargs: dict) -> object:
+        """The op's result, with what it reads of the watched parameters recorded; or None."""
+        if name in ("linear", "embedding", "matmul", "__matmul__", "__rmatmul__"):
+            out = self._function(name, func, args, kwargs)
+            if out is None and name in ("matmul", "__matmul__"):  # experts' x @ W, or W @ x
+                out = self._bmm(func, args, kwargs)
+                out = self._product(name, func, args, kwargs) if out is None else out
+            return out
+        if name == "scaled_dot_product_attention" and masked_by(args, kwargs, self._watched):
+            with self:  # its mask added to the scores, where the tap sees it
+                return sdpa_math(*args, **kwargs)
+        if name in GROUPED:
+            return self._grouped(func, args, kwargs)
+        if name in FUSED and len(args) == 3 and _unscaled(kwargs):
+            with self:  # the product and the addition come to this mode, one by one
+                return torch.add(args[0], FUSED[name](args[1], args[2]))
+        if name == "bmm":
+            return self._bmm(func, args, kwargs)
+        if name == "einsum":
+            return self._einsum(func, args, kwargs)
+        if name in CONVS:
+            return self._conv(name, func, args, kwargs)
+        if len(found) != 1 or found[0][0] is None:
+            return None
+        i, d = found[0]
+        placed = isinstance(d, Derived)
+        if placed and name == "__getitem__" and i == 0 and _lookup(d, args):
+            return self._function("embedding", F.embedding, (args[1], args[0]), {})
+        if placed and i == 0 and (name in CASTS or name in VIEWS):
+            return self._derive(name, d, func, args, kwargs)
+        if (
+            placed
+            and name in SHIFTS | SCALES
+            and not any(isinstance(a, Tensor) for a in args if a is not args[i])
+        ):
+            return self._derive(name, d, func, args, kwargs)
+        if name == "__setitem__" and i == 2:
+            return self._write(d, func, args)
+        return self._broadcast(name, i, d, func, args, kwargs)
+
+    # -- tensors computed from parameters alone ---------------------------------------------
+
+    def _batch_free(self, args: tuple, kwargs: dict) -> bool:
+        """Whether no tensor among the op's arguments but the watched ones holds anything of an
+        example (the rows policy's ``batch_free``)."""
+        flat, _ = tree_flatten((args, kwargs))
+        others = [t for t in flat if isinstance(t, Tensor) and t not in self.derived]
+        return batch_free(self.trace, others)
+
+    def _computed(self, func, args: tuple, kwargs: dict) -> object:
+        """The op's result, each floating tensor of it followed as ``Computed`` from the
+        watched tensors it reads; None when its result is not tensors."""
+        output = compute(func, args, kwargs, self._watched, self.batch)
+        out = func(*args, **kwargs)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if not all(isinstance(t, Tensor) for t in outs):
+            return None
+        for k, t in enumerate(outs):
+            if t.requires_grad and t.is_floating_point():
+                self.derived[t] = output(None if isinstance(out, Tensor) else k)
+        return out
+
+    # -- views of a parameter ---------------------------------------------------------------
+
+    def _derive(self, name: str, d: Derived, func, args: tuple, kwargs: dict) -> object:
+        out = func(*args, **kwargs)
+        where = places(name, d.place, args, kwargs, d.param.param, out)
+        if where is None:
+            return None
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for t, place in zip(outs, where, strict=True):
+            self.derived[t] = Derived(d.param, place)
+        return out
+
+    def _watched(self, t: object) -> Watched | None:
+        """What ``t`` reads of a watched parameter, unless its module's rule serves it now."""
+        d = self.derived.get(t) if isinstance(t, Tensor) else None
+        return None if d is None or any(map(self.ruled, d.params)) else d
+
+    # -- the backward --------------------------------------------------------------------------
+
+    def _use(self, params: tuple[ParamPlan, ...], out: Tensor, parts) -> None:
+        with torch._C.DisableTorchFunction():  # the trace below need not see this
+            use = Use(params, torch.autograd.graph.get_gradient_edge(out), parts)
+            self._hooks.append(out.register_hook(functools.partial(self._read, use)))
+        for p in params:
+            self.uses[p.name].reads.append(use)
+
+    def _read(self, use: Use, grad: Tensor | None) -> Tensor | None:
+        if self._on_grad is None or grad is None:  # None: as in HookSession.backward
+            return None
+        self._on_grad(use, grad)
+        # a requested read's gradient goes nowhere after this: keep no copy of it
+        return grad.new_zeros(()).expand_as(grad) if use.requested else None
+
+    def reads(self) -> list[Use]:
+        """Every read the rules serve, once each."""
+        return list({id(u): u for uses in self.uses.values() for u in uses.reads}.values())
+
+    def reading(self, on_grad: Callable[[Use, Tensor], None] | None) -> None:
+        """Hand each read's gradient to ``on_grad`` from now on (None: stop, drop the hooks)."""
+        self._on_grad = on_grad
+        if on_grad is None:
+            for handle in self._hooks:
+                handle.remove()
+            self._hooks.clear()
+
+
+def _unscaled(kwargs: dict) -> bool:
+    """Whether a fused ``addmm``'s keywords are ``beta=1, alpha=1`` at most."""
+    return set(kwargs) <= {"beta", "alpha"} and all(v == 1 for v in kwargs.values())
+
+
+def _lookup(d: Derived, args: tuple) -> bool:
+    """Whether ``W[ids]`` is ``F.embedding(ids, W)``: a whole 2-D parameter, integer ids."""
+    ids = args[1]
+    return (
+        d.place == Place()
+        and args[0].dim() == 2
+        and isinstance(ids, Tensor)
+        and ids.dim() > 0
+        and not (ids.is_floating_point() or ids.dtype == torch.bool)
+    )
+
+
+def _pure(name: str, kwargs: dict) -> bool:
+    """Whether an op writes nothing: no in-place edit, no ``out=``."""
+    inplace = (name.endswith("_") and not name.endswith("__")) or name in IN_PLACE
+    return not (inplace or "out" in kwargs)
+
+
+@functools.cache
+def _opened(func: Callable) -> Callable:
+    """A copy of ``func`` that skips its own hand-over to the torch function modes: run under
+    the tap, each op inside it (the projections' ``linear``) comes to the tap by itself."""
+    scope = {**func.__globals__, "has_torch_function": lambda *_: False}
+    opened = types.FunctionType(
+        func.__code__, scope, func.__name__, func.__defaults__, func.__closure__
+    )
+    opened.__kwdefaults__ = func.__kwdefaults__
+    return opened
+
+
+# functions written in Python over torch ops, opened so that the tap sees the ops inside:
+# nn.MultiheadAttention's projections are F.linear calls within it
+OPEN = {"multi_head_attention_forward"}
+IN_PLACE = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__"}
+IN_PLACE |= {"__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}

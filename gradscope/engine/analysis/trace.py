@@ -1,0 +1,231 @@
+"""Which example every row belongs to: owner tensors traced through the forward, op by op.
+
+A torch function mode sees each op the model runs. The batch's inputs and targets start with row
+i owned by example i; each op's output gets owners computed from its inputs' (``owners.py``):
+views and moves of rows (reshape, transpose, index, gather, masks, cat, split) by applying the
+same op to the owners, elementwise ops by combining them, reductions and contractions (softmax,
+norms, matmul, linear, conv, attention) by reducing them over the dimensions they mix. An op it
+does not know keeps dimension 0's owners (the engine's assumption before this trace, which the
+first batch's self-check verifies) and is named in ``unknown``. A rule then reads each call's
+rows through its owners: rows of one example each, in any layout, are exact; a row of several
+examples, or of none, sends the parameter to the fallback with the op that made it. Owners
+known from shapes alone take the lanes' fast path (``lanes.py``); the rest the owner algebra
+(``follow.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from .follow import OwnerAlgebra
+from .lanes import Lane, after
+from .ops import ESCAPES, READS, SIZED_BY_VALUES, filled, op_name
+from .owners import MIXED, NONE, compact, is_batch
+
+
+class ByTensor:
+    """tensor -> value, by identity, keeping no tensor alive (a pass's many intermediates)."""
+
+    def __init__(self):
+        self._items: dict[int, tuple[weakref.ref, object]] = {}
+
+    def get(self, t: object, default: object = None) -> object:
+        item = self._items.get(id(t))
+        return item[1] if item is not None and item[0]() is t else default
+
+    def __contains__(self, t: object) -> bool:  # once per op and argument: one lookup, no call
+        item = self._items.get(id(t))
+        return item is not None and item[0]() is t
+
+    def found_in(self, values: tuple | list) -> list[tuple[int, object]]:
+        """(position, value) of each of ``values`` held: once per op, so no call per value."""
+        items, hits = self._items, []
+        for k, t in enumerate(values):
+            item = items.get(id(t))
+            if item is not None and item[0]() is t:
+                hits.append((k, item[1]))
+        return hits
+
+    def held(self, args: tuple, kwargs: dict) -> list[tuple[Tensor, object]]:
+        """(tensor, value) of each tensor held among an op's arguments and in its list
+        arguments: once per op, the lookups and the values in one pass."""
+        items, hits = self._items, []
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                item = items.get(id(t))
+                if item is not None and item[0]() is t:
+                    hits.append((t, item[1]))
+        return hits
+
+    def __getitem__(self, t: object) -> object:
+        return self.get(t)
+
+    def __setitem__(self, t: Tensor, value: object) -> None:
+        self._items[id(t)] = (weakref.ref(t), value)
+
+
+@functools.lru_cache(maxsize=1024)
+def _lane_tensor(shape: tuple[int, ...], dim: int, m: int, batch: int, device) -> Tensor:
+    """The owners (i // m) % B along ``dim``, one tensor for every pass of a model: owner
+    tensors are never edited in place (the algebra copies before it writes)."""
+    i = torch.arange(shape[dim], device=device)
+    return (i // m % batch).view(shape)
+
+
+class RowTrace(OwnerAlgebra, TorchFunctionMode):
+    """Traces owners through one forward of a batch of ``batch`` examples."""
+
+    def __init__(self, batch: int, tensors: tuple[Tensor, ...]):
+        super().__init__()
+        self.batch = batch
+        self.owners = ByTensor()
+        self.unknown: dict[str, None] = {}  # ops seen on batch tensors whose owners were assumed
+        # ops that read the batch's values on the host, where Python may branch on them, and
+        # the first op whose result's owners hold for this batch's values only (follow.py)
+        self.escapes: dict[str, None] = {}
+        self.picked_by: str | None = None
+        self.created = ByTensor()  # tensors made by CREATIONS: values that depend on no example
+        self.mixed_by = ByTensor()  # tensor -> the op that mixed examples on its way
+        self._lanes: dict[object, Tensor] = {}  # (rank, dim, size, m) -> its owners
+        self._lane_of: dict[int, tuple[Tensor, Lane]] = {}  # id of those owners -> the lane
+        first = next((t for t in tensors if isinstance(t, Tensor)), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        for t in tensors:
+            if isinstance(t, Tensor) and t.dim() and t.shape[0] == batch:
+                self.owners[t] = self.standard(t.dim())
+
+    def standard(self, rank: int) -> Tensor:
+        """(B, 1, ..., 1): row i of dimension 0 is example i's, the same tensor every time."""
+        return self._lane_owners(rank, (0, 1), self.batch)
+
+    def _lane_owners(self, rank: int, lane: Lane, size: int) -> Tensor:
+        """The owners of ``lane`` (``lanes.py``) on a dimension of ``size``, the same tensor
+        every time (with B = 1, (1, ..., 1) zeros whatever the lane: every element is one's)."""
+        dim, m = lane
+        key = (rank, dim, size, m) if self.batch > 1 else rank
+        o = self._lanes.get(key)
+        if o is None:
+            shape = [1] * rank
+            shape[dim] = size if self.batch > 1 else 1
+            o = self._lanes[key] = _lane_tensor(tuple(shape), dim, m, self.batch, self.device)
+            self._lane_of[id(o)] = (o, lane if self.batch > 1 else (0, 1))
+        return o
+
+    def lane(self, o: object) -> Lane | None:
+        """The lane ``o`` is the owners of, if it is one of ``_lane_owners``' tensors."""
+        item = self._lane_of.get(id(o))
+        return item[1] if item is not None and item[0] is o else None
+
+    def is_standard(self, o: Tensor) -> bool:
+        """Whether ``o`` is ``standard``'s tensor: one row per example, known without a compare."""
+        return o is self._lanes.get((o.dim(), 0, self.batch, 1) if self.batch > 1 else o.dim())
+
+    def per_example(self, t: Tensor, batch: int) -> bool:
+        """``is_batch`` of ``t``'s owners (the losses'), known without a compare where they
+        are ``standard``'s tensor."""
+        o = self.owner(t)
+        return (batch == self.batch and self.is_standard(o)) or is_batch(o, batch)
+
+    def one_row_each(self, x: Tensor, owners: Tensor, features: int) -> bool:
+        """Whether ``x`` is (B, *features) or (B, T, *features), not empty, with ``x[i]``
+        example i's by ``owners`` being ``standard``'s tensor: a row-by-row rule reads it as it
+        is, the (B, L, *features) the gather would give (an empty one is gathered; with B = 1,
+        (1, 1) owners may describe any number of rows)."""
+        rows = x.dim() - features
+        shaped = 0 < rows <= 2 and x.shape[0] == self.batch and x.numel() > 0
+        return shaped and self.is_standard(owners)
+
+    def owner(self, t: Tensor) -> Tensor:
+        """``t``'s owners, ``NONE`` everywhere for a tensor not computed from the batch."""
+        o = self.owners.get(t)
+        return o if o is not None else filled(t, NONE)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.__name__ == "__get__" and func.__self__.__name__ not in ("T", "mT", "data"):
+            return func(*args, **kwargs)  # a property: metadata, or a view handled as an op
+        name = op_name(func)
+        if name in ESCAPES and self.owners.held(args, kwargs):
+            self.escapes.setdefault(name)  # the batch's values read on the host
+        if name in READS:
+            return func(*args, **kwargs)
+        if name == "__iter__" and args and args[0] in self.owners:
+            rows = args[0].unbind(0)  # for row in x: the rows of unbind(0)
+            self._record("unbind", torch.unbind, args[:1], {}, rows)
+            return iter(rows)
+        out = func(*args, **kwargs)
+        self._record(name, func, args, kwargs, out)
+        return out
+
+    def _record(self, name: str, func, args: tuple, kwargs: dict, out: object) -> None:
+        """The owners of ``out``, the result of op ``name``; never an error in the user's
+        forward: owners that cannot be followed are MIXED (the parameters they reach go to the
+        fallback)."""
+        tracked = self.owners.held(args, kwargs)  # (tensor, its owners)
+        if not tracked:
+            return
+        if name in SIZED_BY_VALUES or (name == "where" and len(args) == 1):
+            self.escapes.setdefault(name)
+        origin = name
+        try:
+            if self._by_lanes(name, args, kwargs, tracked, out):
+                return
+            origin = next((self.mixed_by[t] for t, _ in tracked if t in self.mixed_by), name)
+            self._follow(name, func, args, kwargs, out, origin)
+        except Exception:  # owners could not follow this op: its results mix examples
+            self._set(out, None, origin)
+
+    def _by_lanes(self, name: str, args: tuple, kwargs: dict, tracked: list, out) -> bool:
+        """The common case at the cost of a few comparisons: every tracked input's owners a
+        lane (the batch along one dimension) and an op that keeps one (``lanes.after``).
+        Anything else is left to ``_follow``. Loops, not generators: this runs on every op."""
+        lanes, lane_of = {}, self._lane_of
+        for t, o in tracked:
+            item = lane_of.get(id(o))
+            if item is None or item[0] is not o:
+                return False
+            lanes[id(t)] = item[1]
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for t in outs:
+            if not isinstance(t, Tensor) or not t.numel():
+                return False
+        lane = after(name, args, kwargs, lanes, outs[0], self.batch) if outs else None
+        if lane is None:
+            return False
+        dim, m = lane
+        for t in outs:
+            if t.dim() <= dim or t.shape[dim] % (self.batch * m):
+                return False
+        for t in outs:
+            self.owners[t] = self._lane_owners(t.dim(), lane, t.shape[dim])
+        return True
+
+    def mixed_at(self, t: Tensor) -> str | None:
+        """The op that first mixed examples on the way to ``t``, if any did."""
+        return self.mixed_by.get(t)
+
+    # -- one op ---------------------------------------------------------------------------
+
+    def _set(self, out: object, owner: Tensor | tuple | None, origin: str) -> None:
+        """Record ``owner`` for each tensor of ``out`` (None: MIXED everywhere); ``origin``
+        names the op that mixed examples, where the owners say some did."""
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        owners = owner if isinstance(owner, (tuple, list)) else (owner,) * len(outs)
+        for t, o in zip(outs, owners, strict=False):
+            if not isinstance(t, Tensor):
+                continue
+            if t.numel() == 0:  # no element to belong to anyone
+                o = filled(t, NONE)
+            elif o is None or o.dim() != t.dim():
+                o = filled(t, MIXED)
+            o = compact(o)
+            if o.dim() and o.numel() == self.batch == o.shape[0] and is_batch(o, self.batch):
+                o = self.standard(t.dim())  # the canonical tensor: later ops take the fast path
+            elif bool((o == MIXED).any()):
+                self.mixed_by[t] = origin
+            self.owners[t] = o

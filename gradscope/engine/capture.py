@@ -1,0 +1,231 @@
+"""Module capture: each call of the hooked modules, its inputs, arguments and where its output's
+gradient arrives. The analysis (``analysis/session.py``) and the replay (``passes/replay.py``)
+capture calls alike and differ only in how they decide what a call's rows are; both hand each
+call's output gradient on as it arrives in the one backward (``passes/backward.py``). All state
+lives in the session; hooks are always removed on exit, even after an exception."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge
+
+from .rows import Rows
+
+if TYPE_CHECKING:
+    from .analysis.trace import RowTrace
+
+
+class Read(Protocol):
+    """A read the tap serves (``analysis/tap.Use``): where its gradient arrives, and whether the
+    backward requests it there (nothing below needs it)."""
+
+    edge: GradientEdge
+    requested: bool
+
+
+@dataclass(eq=False)
+class Call:
+    """One forward call of a module: its inputs, arguments and where its (first) output's gradient
+    arrives. The output itself is not kept: the model may free it, and edit it in place, freely
+    (a hook or edge taken before an in-place edit still sees the gradient of the unedited value)."""
+
+    module: nn.Module
+    inputs: tuple[Tensor, ...]  # the leading positional tensors
+    edge: GradientEdge  # of the output (or its base): the step of the backward that receives it
+    shape: torch.Size  # of the output
+    versions: tuple[int, ...]  # of the inputs when captured: later in-place edits show up
+    kwargs: dict[str, object] = field(default_factory=dict)  # every other argument, by name
+    owners: tuple[Tensor, ...] = ()  # of the inputs, in the analysis: which example each is
+    others: tuple[GradientEdge, ...] = ()  # further outputs with gradient (attention weights)
+    expanded: bool = False  # its leading input was shared by the batch and expanded to it
+    rows: Rows | None = None  # a row-by-row call's rows, where not one row per example
+    reached: bool = False  # its output's gradient arrived in the backward
+    others_reach_loss: bool = False  # a further output reached the loss: no rule sees that path
+    viewed: Callable[[Tensor], Tensor] | None = None  # the output's gradient from its base's
+    nodes: int | None = None  # autograd nodes made since the previous capture (None: first)
+
+    def release(self) -> None:
+        """Drop the captured tensors once the rule has read them."""
+        self.inputs, self.kwargs, self.owners = (), {}, ()
+
+    @property
+    def edited(self) -> bool:
+        """Whether a captured input was changed in place after capture."""
+        return tuple(t._version for t in self.inputs) != self.versions
+
+
+def shapes_of(args: tuple) -> tuple:
+    """(shape, dtype) of each tensor argument, and None for any other: a call's witness."""
+    return tuple((a.shape, a.dtype) if isinstance(a, Tensor) else None for a in args)
+
+
+@functools.cache
+def positional_names(cls: type[nn.Module]) -> tuple[str, ...]:
+    """The names of ``cls.forward``'s positional parameters, after ``self``."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    return tuple(p.name for p in params if p.kind in kinds)
+
+
+def leading(args: tuple) -> int:
+    """How many of a call's positional arguments are its leading tensors."""
+    return next((i for i, a in enumerate(args) if not isinstance(a, Tensor)), len(args))
+
+
+def first_output(output: object) -> tuple[object, tuple]:
+    """A call's output the rule sees, and the rest: a module returning (output, extras)
+    (MultiheadAttention's attention weights) has its extras watched for a path to the loss."""
+    if isinstance(output, tuple) and output and isinstance(output[0], Tensor):
+        return output[0], output[1:]
+    return output, ()
+
+
+def read_at(
+    out: Tensor, inputs: Sequence[object]
+) -> tuple[Tensor, Callable[[Tensor], Tensor] | None]:
+    """The tensor whose gradient gives ``out``'s, and how (None: as it is). ``out`` itself;
+    or, where ``out`` is a view of a tensor the call made (a float64 Linear's (B, T, out) view
+    of its (B*T, out) product, einsum's permuted product), that tensor, its gradient viewed as
+    ``out``: an in-place edit of a view of it later (``h += e``, ``x[..., :n] *= m``) takes the
+    view's own node out of the backward, not its base's. Not where the base is one of the
+    call's inputs (a view of what was passed in: its gradient holds other uses too)."""
+    base = out._base
+    if (
+        base is None
+        or not base.is_contiguous()
+        or any(t is base or getattr(t, "_base", None) is base for t in inputs)
+    ):
+        return out, None
+    size, stride = out.size(), out.stride()
+    offset = out.storage_offset() - base.storage_offset()
+    return base, lambda grad: grad.contiguous().as_strided(size, stride, offset)
+
+
+class Capture:
+    """Context manager that hooks ``modules`` for one forward: ``_enter`` runs before each call
+    (it may replace the call's arguments), ``_captured`` after it; ``record`` makes the Call and
+    hooks its output, whose gradient goes to ``on_grad`` while the backward runs."""
+
+    def __init__(self, modules: Iterable[nn.Module]):
+        self.modules = list(modules)
+        self.calls: dict[int, list[Call]] = {id(m): [] for m in self.modules}
+        self.on_grad: Callable[[Call, Tensor], Tensor | None] | None = None
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._grad_hooks: list[torch.utils.hooks.RemovableHandle] = []  # live until the backward
+        self._made: int | None = None  # the last captured output's node's sequence number
+
+    def __enter__(self) -> Capture:
+        for module in self.modules:
+            self._handles.append(module.register_forward_pre_hook(self._enter))
+            self._handles.append(module.register_forward_hook(self._captured, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _enter(self, module: nn.Module, args: tuple) -> tuple | None:
+        raise NotImplementedError
+
+    def _captured(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        raise NotImplementedError
+
+    def record(
+        self, module: nn.Module, args: tuple, kwargs: dict, output: object, copy: bool, **more
+    ) -> Call | None:
+        """The Call of one finished call (``more``: its Call fields the session decided), or
+        None where no gradient flows back through it. ``copy``: the inputs are cloned, for a
+        model that edits them in place after the call has read them."""
+        output, rest = first_output(output)
+        if not isinstance(output, Tensor) or not output.requires_grad:
+            return None
+        detached: dict[int, Tensor] = {}  # one per distinct argument: `query is key` still holds
+
+        def keep(t: Tensor) -> Tensor:
+            if id(t) not in detached:
+                detached[id(t)] = t.detach().clone() if copy else t.detach()
+            return detached[id(t)]
+
+        n = leading(args)
+        inputs = tuple(keep(a) for a in args[:n])
+        # positional arguments after the leading tensors, named as the forward names them
+        names = positional_names(type(module))[n:]
+        named = {**dict(zip(names, args[n:], strict=False)), **kwargs}
+        named = {k: keep(v) if isinstance(v, Tensor) else v for k, v in named.items()}
+        target, viewed = read_at(output, (*args, *kwargs.values()))
+        edge = torch.autograd.graph.get_gradient_edge
+        call = Call(
+            module,
+            inputs,
+            edge(target),
+            output.shape,
+            tuple(t._version for t in inputs),
+            kwargs=named,
+            others=tuple(edge(t) for t in rest if isinstance(t, Tensor) and t.requires_grad),
+            viewed=viewed,
+            **more,
+        )
+        call.nodes = self.made_since(call.edge.node)
+        self.calls[id(module)].append(call)
+        self._grad_hooks.append(target.register_hook(functools.partial(self._read, call)))
+        return call
+
+    def made_since(self, node: object) -> int | None:
+        """How many autograd nodes the forward made since the previous capture, up to ``node``
+        (each node's sequence number counts the nodes made before it): a replay's witness of
+        the differentiable ops run between two calls, at the cost of one number per call."""
+        seq = node._sequence_nr() if node is not None else None
+        made = None if seq is None or self._made is None else seq - self._made
+        self._made = seq if seq is not None else self._made
+        return made
+
+    def _read(self, call: Call, grad: Tensor) -> Tensor | None:
+        """The hook on each captured output: hands its gradient on during the backward."""
+        return None if self.on_grad is None else self.on_grad(call, grad)
+
+    def release_hooks(self) -> None:
+        """Drop the hooks on the captured outputs (the backward is over)."""
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks.clear()
+
+    def all_calls(self) -> list[Call]:
+        return [c for cs in self.calls.values() for c in cs]
+
+    def edited_in_place(self) -> set[int]:
+        """Modules whose captured tensors were changed in place after capture."""
+        return {id(call.module) for call in self.all_calls() if call.edited}
+
+
+@dataclass
+class Captured:
+    """What the forward of one batch recorded: analysed (with its ``trace``) or replayed."""
+
+    session: Capture  # the calls of the rule-served modules
+    tap: Any  # the reads of watched parameters (analysis/tap.ParamTap), when any are watched
+    losses: Tensor  # (B,), graph kept
+    observed: dict[str, Tensor]
+    trace: RowTrace | None = None  # which example each row is; None where replayed
+
+    @property
+    def expanded(self) -> bool:
+        """A call's or read's rows shared by the batch were expanded to it."""
+        return self.session.expanded or (self.tap is not None and self.tap.expanded)
+
+    @property
+    def assumed(self) -> bool:
+        """A call's or read's rows were taken as the examples'."""
+        return self.session.assumed or (self.tap is not None and self.tap.assumed)
+
+    @property
+    def per_example(self) -> bool:
+        """Each loss is one example's, by the trace."""
+        return self.trace is not None and self.trace.per_example(self.losses, len(self.losses))

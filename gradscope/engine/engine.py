@@ -1,0 +1,388 @@
+"""The engine and its pass: a forward analysed in full or replayed, then the one backward with
+the rules inside, then the fallback for what the rules cannot serve (``README.md`` draws it)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import GradscopeError, ModelError, one_line
+from ..losses import LossFn
+from ..rules import Contribution, Outer, find_rule
+from .analysis import decide
+from .analysis.analyse import Analysis
+from .analysis.program import program_of, replayable
+from .analysis.selfcheck import Singles
+from .analysis.tap import Use
+from .capture import Call, Captured
+from .passes.backward import Requests, backward, requests
+from .passes.fallback import Fallback, short_reason
+from .passes.forward import Forward
+from .passes.reduce import Reducer, Want
+from .passes.replay import Diverged, Program, ReplaySession
+from .plan import FALLBACK_LOOP, ParamPlan, Plan, build_plan
+from .record import Findings, record_for
+from .rows import regroup
+
+# (selected output, targets) -> {column: (B,) tensor}: read from the scoring forward, no extra pass
+Observe = Callable[[Tensor, Tensor], dict[str, Tensor]]
+
+
+@dataclass
+class BatchScores:
+    """What one pass gives for a batch of B examples."""
+
+    loss: Tensor  # (B,) each example's own loss
+    norm_sq: dict[str, Tensor]  # parameter name -> (B,) squared norm of its per-example gradient
+    inner: dict[str, Tensor] = field(default_factory=dict)  # name -> (B, K) <G_i, refs[name][k]>
+    observed: dict[str, Tensor] = field(default_factory=dict)  # what ``observe`` read, (B,) each
+    kept: dict[str, Contribution] = field(default_factory=dict)  # with Want(keep=True)
+    pre_sq: dict[str, Tensor] = field(default_factory=dict)  # with Want(transform=...): g^T P g
+
+
+def total(per_param: dict[str, Tensor]) -> Tensor:
+    """The sum over parameters of per-parameter, per-example quantities, in float64."""
+    return torch.stack([v.double() for v in per_param.values()]).sum(0)
+
+
+@contextlib.contextmanager
+def prepared(model: nn.Module, plan: Plan) -> Iterator[None]:
+    """Eval mode and ``requires_grad`` on the selected parameters, restored on exit; nothing
+    touched where the model is so already (the API enters it on every call)."""
+    training = [(m, m.training) for m in model.modules()]
+    frozen = [p.param for p in plan.included if not p.param.requires_grad]
+    if any(mode for _, mode in training):
+        model.eval()
+    try:
+        for p in frozen:
+            p.requires_grad_(True)
+        with torch.enable_grad():
+            yield
+    finally:
+        for m, mode in training:  # parents first: train() sets a module's children
+            if m.training != mode:
+                m.train(mode)
+        for p in frozen:
+            p.requires_grad_(False)
+
+
+@dataclass
+class _Backward:
+    """What one backward needs beside the captured forward: from the analysis as it goes, or
+    from the program a replay repeats."""
+
+    count: dict[str, int]  # calls and reads serving each watched parameter
+    checked: list[ParamPlan]  # parameters whose batch gradients are asked for
+    asked: Requests | None  # which outputs to request; None: read off this batch's graph
+
+
+class Engine:
+    """Per-example gradient quantities of ``model`` under ``loss_fn``: the one entry point.
+
+    Builds the plan for the parameters ``include``/``exclude`` select (``include`` None: those
+    that require grad, all if none does); ``forward`` says how the
+    model is called and which output the loss reads; ``observe`` reads more per-example columns
+    from the same output. Use it as a context manager around scoring: ``with engine:`` puts the
+    model in eval mode with the selected parameters requiring grad, and restores both on exit.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        include: Sequence[str] | None = None,
+        exclude: Sequence[str] = (),
+        forward: Forward | None = None,
+        observe: Observe | None = None,
+    ):
+        self.model, self.loss_fn = model, loss_fn
+        self.plan = build_plan(model, include, exclude)
+        self.forward = forward or Forward()
+        self.observe = observe
+        self.fallback = Fallback(model, loss_fn, self.forward)
+        # what any pass decided holds for this model and selection, in this Engine and the next
+        key = (
+            frozenset(id(m) for m in self.plan.hooked_modules),
+            frozenset(p.name for p in self.plan.included),
+        )
+        self.record = record_for(model, key)
+        self.plan.adopt(self.record.moves)
+        self.analysis = Analysis(self.plan, self.record, self._losses)
+        self._prepared: list[contextlib.AbstractContextManager] = []
+        self._pinned: Findings | None = None  # see pin_decisions
+
+    def __enter__(self) -> Engine:
+        context = prepared(self.model, self.plan)
+        context.__enter__()
+        self._prepared.append(context)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._prepared.pop().__exit__(*exc)
+
+    def losses(self, inputs: tuple[Tensor, ...], targets: Tensor) -> Tensor:
+        """(B,) per-example losses, with the graph kept for the backward."""
+        return self._losses(inputs, targets)[0]
+
+    def norms(
+        self, inputs: tuple[Tensor, ...], targets: Tensor, refs: dict[str, Tensor] | None = None
+    ) -> BatchScores:
+        """Losses and squared norms; with ``refs`` ({name: (K, *shape)}) also the inner products
+        of each example's gradient with them, in the same forward+backward."""
+        return self.scores(inputs, targets, Want(norms=True, refs=refs))
+
+    def contributions(
+        self, inputs: tuple[Tensor, ...], targets: Tensor
+    ) -> tuple[Tensor, dict[str, Contribution | None]]:
+        """Per-example losses and each included parameter's per-example gradient, factored."""
+        scores = self.scores(inputs, targets, Want(norms=False, keep=True))
+        return scores.loss, {p.name: scores.kept.get(p.name) for p in self.plan.included}
+
+    def scores(self, inputs: tuple[Tensor, ...], targets: Tensor, want: Want) -> BatchScores:
+        """One pass over a batch: the forward replayed where a program of its signature holds,
+        else analysed in full; the one backward; the fallback."""
+        if targets.shape[0] == 0:
+            return self._empty(targets)
+        findings = self._pinned or self.record.at(inputs, targets)
+        passed = self._replayed(inputs, targets, want, findings)
+        captured, reducer = passed or self._analysed(inputs, targets, want, findings)
+        self._fallback(reducer, inputs, targets)
+        self._fill_zeros(reducer, len(targets))
+        pre_sq = reducer.pre.norm_sq if reducer.pre is not None else {}
+        loss = captured.losses.detach()
+        return BatchScores(
+            loss, reducer.norm_sq, reducer.inner, captured.observed, reducer.kept, pre_sq
+        )
+
+    def pin_decisions(self, inputs: tuple[Tensor, ...], targets: Tensor) -> Findings:
+        """Keep what the batch of these shapes found (scored already) for every later batch,
+        whatever its shapes: no expansion test, self-check or replay runs again, so each batch
+        is one forward and one backward. For a sharded model (``distributed.shard``), whose
+        ranks must run the same passes, decided on the whole model first."""
+        self._pinned = self.record.at(inputs, targets)
+        return self._pinned
+
+    def rebind(self) -> None:
+        """Point the plan at the parameters the model holds now, by name: ``fully_shard``
+        replaces each with a sharded one (the modules stay the same objects)."""
+        params = dict(self.model.named_parameters())
+        for p in self.plan.params:
+            p.param = params[p.name]
+
+    # -- the two forwards ------------------------------------------------------------------
+
+    def _replayed(
+        self, inputs: tuple[Tensor, ...], targets: Tensor, want: Want, findings: Findings
+    ) -> tuple[Captured, Reducer] | None:
+        """The pass with the newest program of the signature, or None where there is none or
+        its witness fails (then the batch is analysed in full)."""
+        program = findings.programs[-1] if findings.programs and not self._pinned else None
+        if program is None or program.moves != len(self.record.moves):
+            return None
+        session = ReplaySession(self.plan.hooked_modules, program, len(targets), self.record.copy)
+        try:
+            with torch.set_grad_enabled(bool(program.uses)), session:
+                losses, observed = self._losses(inputs, targets)
+            session.finish(losses, program.tail)
+        except Diverged as e:
+            findings.diverged(str(e))
+            return None
+        captured = Captured(session, None, losses, observed)
+        checked = [self.plan.find(name) for name in program.checked]
+        done = _Backward(dict(program.uses), checked, program.requests)
+        reducer, grads = self._backward(captured, want, done)
+        for p in self.plan.fallback:  # a rule that failed on this batch
+            reducer.forget(p.name)
+        if any(g is not None for g in grads):  # a gradient where no call reached: analyse
+            findings.diverged("a parameter reached the loss where no call of the program did")
+            return None
+        findings.replayed()
+        return captured, reducer
+
+    def _analysed(
+        self, inputs: tuple[Tensor, ...], targets: Tensor, want: Want, findings: Findings
+    ) -> tuple[Captured, Reducer]:
+        """The pass with the forward analysed in full; its program kept where it holds for
+        later batches of the signature."""
+        captured = self.analysis(inputs, targets, findings)
+        reads = captured.tap.reads() if captured.tap else []
+        count = _uses(self.plan, captured.session, reads)
+        verify = not findings.verified and bool(captured.losses.isfinite().all())
+        # the self-check needs every batch gradient; otherwise only those of parameters that no
+        # call or read saw, to tell whether they reach the loss
+        watched = self.plan.by_rule + self.plan.raw
+        checked = [p for p in watched if verify or not count[p.name]]
+        singles = (
+            Singles(captured.losses, [p.param for p in checked]) if verify and checked else None
+        )
+        reducer, grads = self._backward(
+            captured, want, _Backward(count, checked, None), reads, verify
+        )
+        decide.after_backward(self.plan, captured, reducer, checked, grads, singles, verify)
+        findings.verified |= verify
+        findings.analyses += 1
+        if not self._pinned and replayable(captured) is None:
+            findings.learn(self._program(captured, count))
+        return captured, reducer
+
+    def _program(self, captured: Captured, count: dict[str, int]) -> Program:
+        """The replay program of an analysed batch, under the plan its backward left."""
+        calls = self._served_calls(captured)
+        watched = self.plan.by_rule + self.plan.raw
+        unseen = [p for p in watched if not count[p.name]]
+        uses = {p.name: count[p.name] for p in watched}
+        asked = requests(calls, (), [p.param for p in unseen])
+        return program_of(captured, asked, [p.name for p in unseen], uses, len(self.record.moves))
+
+    def _served_calls(self, captured: Captured) -> list[Call]:
+        """The captured calls of modules whose rules serve a parameter, in capture order."""
+        modules = {id(m) for p in self.plan.by_rule for m, _ in p.owners}
+        return [c for c in captured.session.all_calls() if id(c.module) in modules]
+
+    # -- the backward ----------------------------------------------------------------------
+
+    def _backward(
+        self,
+        captured: Captured,
+        want: Want,
+        done: _Backward,
+        reads: Sequence[Use] = (),
+        verify: bool = False,
+    ) -> tuple[Reducer, list[Tensor | None]]:
+        """One backward; each call's rule runs as its output gradient arrives, and only what
+        ``want`` asks for is kept. With ``verify`` (a signature's first batch) each rule's
+        gradients are also summed over the examples, for the self-check."""
+        session, losses = captured.session, captured.losses
+        served = {(id(m), attr): p for p in self.plan.by_rule for m, attr in p.owners}
+        calls = self._served_calls(captured)
+        merged = [name for name, k in done.count.items() if k > 1]
+        reducer = Reducer(
+            dataclasses.replace(
+                want, norms=want.norms or verify, share=want.share and want.norms, sums=verify
+            ),
+            merged,
+        )
+        if not done.count and not done.checked:
+            return reducer, []
+        on_grad = functools.partial(self._on_grad, served, reducer, losses.shape[0])
+        if captured.tap:
+            captured.tap.reading(functools.partial(self._on_read, reducer))
+        also = [p.param for p in done.checked]
+        try:
+            grads = backward(session, losses.sum(), calls, on_grad, also, reads, done.asked)
+        finally:
+            if captured.tap:
+                captured.tap.reading(None)
+        reducer.finish()
+        return reducer, grads
+
+    def _on_read(self, reducer: Reducer, use: Use, grad: Tensor) -> None:
+        """A tap read's output gradient has arrived: its parameters' contributions."""
+        use.reached = True
+        try:
+            parts = use.parts(grad)
+        except Exception as e:  # a computed read torch.func cannot differentiate
+            for p in use.params:
+                if not p.is_fallback:
+                    self.plan.to_fallback(p, f"its read failed: {short_reason(e)}")
+            return
+        for name, part in parts.items():
+            if not self.plan.find(name).is_fallback:
+                reducer.add(name, part)
+
+    def _on_grad(self, served: dict, reducer: Reducer, batch: int, call: Call, grad: Tensor):
+        """A call's output gradient has arrived: its rule's contributions go to ``reducer``."""
+        inputs, counts = call.inputs, None
+        if call.rows is not None:  # rows in another layout: each example's rows gathered
+            (x, grad), counts = regroup(call.rows, batch, inputs[0], grad)
+            inputs = (x, *inputs[1:])
+        try:
+            parts = find_rule(call.module).fn(call.module, inputs, grad, **call.kwargs)
+            if counts is not None:  # a row-by-row rule: an Outer's positions are the rows
+                parts = {k: _padded(part, counts, grad.shape[1]) for k, part in parts.items()}
+        except GradscopeError:
+            raise  # a rule's refusal (BatchNorm on batch statistics) is the user's to fix
+        except Exception as e:  # a layer recognised wrongly: its rule declines
+            for (module, _), p in served.items():
+                if module == id(call.module) and not p.is_fallback:
+                    self.plan.to_fallback(p, f"its rule failed: {short_reason(e)}")
+            return
+        finally:
+            call.release()
+        for attr, part in parts.items():
+            p = served.get((id(call.module), attr))
+            if p is not None and not p.is_fallback:
+                reducer.add(p.name, part)
+
+    # -- after the backward ----------------------------------------------------------------
+
+    def _fallback(self, reducer: Reducer, inputs: tuple[Tensor, ...], targets: Tensor) -> None:
+        """Exact per-example gradients of the parameters no rule serves."""
+        names = [p.name for p in self.plan.fallback]
+        for name, dense in self.fallback.grads(names, inputs, targets).items():
+            reducer.reduce(name, dense)
+        if self.fallback.vmap_error:
+            for p in self.plan.fallback:
+                if p.rule != FALLBACK_LOOP:
+                    self.plan.to_fallback(p, f"vmap failed: {self.fallback.vmap_error}", loop=True)
+
+    def _empty(self, targets: Tensor) -> BatchScores:
+        """An empty batch: empty scores, no pass."""
+        none = targets.new_zeros(0, dtype=torch.float64)
+        return BatchScores(none, {p.name: none for p in self.plan.included})
+
+    def _fill_zeros(self, reducer: Reducer, batch: int) -> None:
+        """Zeros for the rule-served parameters that no call of this batch reached."""
+        for p in self.plan.by_rule + self.plan.raw:
+            reducer.zeros(p.name, batch, p.param)
+
+    def _losses(
+        self, inputs: tuple[Tensor, ...], targets: Tensor
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """(B,) losses and what ``observe`` reads from the same output."""
+        try:
+            output = self.forward(self.model, inputs)
+        except (GradscopeError, Diverged):
+            raise
+        except Exception as e:  # whatever the user's forward raises: one line naming it
+            shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
+            raise ModelError(
+                f"the model cannot take inputs of shape {shapes}: {type(self.model).__name__}'s "
+                f"forward raised {type(e).__name__}: {one_line(e)}",
+                "data.inputs",
+            ) from e
+        observed = {}
+        if self.observe is not None:
+            with torch.no_grad():
+                observed = self.observe(output.detach(), targets)
+        return self.loss_fn(output, targets), observed
+
+
+def _uses(plan: Plan, session, reads: Sequence[Use]) -> dict[str, int]:
+    """How many calls and reads serve each rule-served and raw parameter: one pass over the
+    reads, not one per parameter (a large model has hundreds of each)."""
+    count = {
+        p.name: sum(len(session.calls.get(id(m), ())) for m, _ in p.owners) for p in plan.by_rule
+    }
+    for p in plan.raw:
+        count.setdefault(p.name, 0)
+    for u in reads:
+        for name in dict.fromkeys(p.name for p in u.params):
+            if name in count:
+                count[name] += 1
+    return count
+
+
+def _padded(part: Contribution, counts: list[int], longest: int) -> Contribution:
+    """``part`` told how many of its positions each example's rows fill, where it is an Outer
+    over the (B, L) rows a row-by-row rule got gathered and padded: a padded row's output
+    gradient is zero, and so is its term (``Outer.lengths``)."""
+    if isinstance(part, Outer) and part.lengths is None and part.dims[2] == longest:
+        return Outer(part.s, part.a, part.shape, counts)
+    return part

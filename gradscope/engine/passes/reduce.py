@@ -1,0 +1,153 @@
+"""What a pass keeps of each parameter's per-example gradient: only the reductions asked for."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ...rules import Contribution
+from ...rules.base import accumulation_dtype, rows
+
+
+@dataclass(frozen=True)
+class Want:
+    """The reductions a pass computes: squared norms, inner products with ``refs``
+    ({name: (K, *shape)}), the contributions themselves (``keep``: for per-reference gradients),
+    and the sum over examples that the first-batch self-check compares with autograd.
+
+    ``transform`` ({name, contribution} -> contribution, linear in the gradient: a
+    preconditioner's square root) adds the squared norms of the transformed gradients,
+    ``g_i^T P g_i``, beside the plain ones (``Reducer.pre.norm_sq``).
+    """
+
+    norms: bool = True
+    refs: dict[str, Tensor] | None = None
+    keep: bool = False
+    sums: bool = False
+    transform: Callable[[str, Contribution], Contribution] | None = None
+    # norms and inner products from shared work where a contribution offers it; False when the
+    # norms are only the self-check's, so the inner products round as they do without them
+    share: bool = True
+
+
+def _merged(parts: list[Contribution]) -> Contribution:
+    merged = parts[0]
+    for part in parts[1:]:
+        merged = merged.merge(part)
+    return merged
+
+
+def _cross(g: Contribution, h: Contribution) -> Tensor:
+    """(B,) <G_i, H_i>: the cheap form where one of the two has it, else both formed."""
+    cross = g.cross(h)
+    if cross is None:
+        cross = h.cross(g)
+    if cross is None:
+        cross = (rows(g.materialize()) * rows(h.materialize())).sum(1)
+    return cross
+
+
+class Reducer:
+    """Reduces each parameter's contribution as soon as it is complete, then lets it go.
+
+    A parameter served by one call is reduced when that call's output gradient arrives. One
+    served by several calls (a module called twice, a tied weight) keeps its parts until the
+    backward ends, then merges them before reducing: the cross terms of its norm need both.
+    """
+
+    def __init__(self, want: Want, merged: Iterable[str]):
+        self.want = want
+        self.norm_sq: dict[str, Tensor] = {}
+        self.inner: dict[str, Tensor] = {}
+        self.kept: dict[str, Contribution] = {}
+        self.sums: dict[str, Tensor] = {}
+        self._parts: dict[str, list[Contribution]] = {name: [] for name in merged}
+        # the transformed gradients' squared norms; each part is transformed as it is reduced,
+        # which is exact for merged parts too since the transform is linear
+        self.pre = None if want.transform is None else Reducer(Want(norms=True), ())
+
+    def add(self, name: str, part: Contribution) -> None:
+        if name in self._parts:
+            self._parts[name].append(part)
+        else:
+            self.reduce(name, part)
+
+    def finish(self) -> None:
+        """Merge and reduce what waited for its last call.
+
+        Parts of one kind merge and stay factored (positions concatenate). Parts of different
+        kinds (a tied embedding and head) are reduced apart and joined through their cross
+        terms, ||G + H||^2 = ||G||^2 + ||H||^2 + 2<G, H>, formed only where no cheaper
+        form of <G, H> exists; inner products are linear and simply add.
+        """
+        for name, parts in self._parts.items():
+            kinds: dict[type, Contribution] = {}
+            for part in parts:
+                same = kinds.get(type(part))
+                kinds[type(part)] = part if same is None else same.merge(part)
+            groups = list(kinds.values())
+            if len(groups) == 1 or (groups and self.want.keep):
+                self.reduce(name, _merged(groups))
+            elif groups:
+                self._reduce_apart(name, groups)
+        self._parts.clear()
+
+    def _reduce_apart(self, name: str, groups: list[Contribution]) -> None:
+        if self.pre is not None:
+            self.pre._reduce_apart(name, [self.want.transform(name, g) for g in groups])
+        refs = self.want.refs[name] if self.want.refs is not None else None
+        if self.want.norms and refs is not None and self.want.share:
+            both = [g.norm_sq_and_inner(refs) for g in groups]
+            norm_sq, self.inner[name] = sum(n for n, _ in both), sum(i for _, i in both)
+        else:
+            if self.want.norms:
+                norm_sq = sum(g.norm_sq() for g in groups)
+            if refs is not None:
+                self.inner[name] = sum(g.inner(refs) for g in groups)
+        if self.want.norms:
+            for k, g in enumerate(groups):
+                for h in groups[k + 1 :]:
+                    norm_sq = norm_sq + 2 * _cross(g, h)
+            self.norm_sq[name] = norm_sq
+        if self.want.sums:
+            self.sums[name] = sum(g.batch_sum() for g in groups)
+
+    def reduce(self, name: str, c: Contribution) -> None:
+        if self.pre is not None:
+            self.pre.reduce(name, self.want.transform(name, c))
+        refs = self.want.refs[name] if self.want.refs is not None else None
+        if self.want.norms and refs is not None and self.want.share:
+            self.norm_sq[name], self.inner[name] = c.norm_sq_and_inner(refs)
+        else:
+            if self.want.norms:
+                self.norm_sq[name] = c.norm_sq()
+            if refs is not None:
+                self.inner[name] = c.inner(refs)
+        if self.want.keep:
+            self.kept[name] = c
+        if self.want.sums:
+            self.sums[name] = c.batch_sum()
+
+    def forget(self, name: str) -> None:
+        """Drop what a parameter's rule gave: the fallback serves it instead."""
+        for store in (self.norm_sq, self.inner, self.kept, self.sums):
+            store.pop(name, None)
+        if self.pre is not None:
+            self.pre.forget(name)
+
+    def zeros(self, name: str, batch: int, param: Tensor) -> None:
+        """Where no call of ``param`` reached the loss: every example's gradient is zero."""
+        # plain tensors on the parameter's device, also for a sharded (DTensor) parameter
+        like = {"dtype": accumulation_dtype(param.dtype), "device": param.device}
+        if self.pre is not None:
+            self.pre.zeros(name, batch, param)
+        if self.want.norms and name not in self.norm_sq:
+            self.norm_sq[name] = torch.zeros(batch, **like)
+        if self.want.refs is not None and name not in self.inner:
+            k = self.want.refs[name].shape[0]
+            self.inner[name] = torch.zeros(batch, k, **like)
+        if self.want.sums:
+            self.sums.setdefault(name, torch.zeros_like(param))

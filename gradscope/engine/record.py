@@ -1,0 +1,87 @@
+"""What the passes learn about a model, kept whole for later batches and later Engines: the one
+record of decisions.
+
+``per_example_norms`` builds a new Engine on every call, and a CLI run scores many batches: what
+one pass decides must hold for every later one, or a later pass could serve a parameter that an
+earlier one found the rules cannot (and give it a wrong number). So one ``Record`` per model and
+parameter selection keeps every decision: each move to the fallback with its reason (which each
+new Engine's plan adopts whole), and the modules whose captured inputs the model edits in place.
+Per signature (the shapes, dtypes and devices of a batch's tensors) it keeps ``Findings``, what
+costs a pass to learn:
+- whether expanding calls on rows shared by the batch leaves every loss as it was;
+- whether calls on B rows computed from no example keep each row to one example;
+- whether the self-check has run: each rule-served parameter's per-example gradients must add up
+  to autograd's batch gradient, and two single examples must match their own backward;
+- the replay programs of the analysed batches (``passes/replay.py``), which later batches of the
+  signature repeat while their witness holds.
+
+The records live in a weak map keyed by the model: nothing is stored on the user's model, and a
+model's record goes when the model does.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from .passes.replay import Program
+
+
+KEPT = 4  # programs kept per signature, and replays that may fail in a row
+
+
+@dataclass
+class Findings:
+    """What the analysed batches of one signature found."""
+
+    expand: bool | None = None  # None: not tried yet
+    deterministic: bool | None = None  # None: not compared with a second forward yet
+    assume: bool = True  # False: a call taken to have one row per example had shared rows
+    verified: bool = False  # the self-check has run
+    programs: list[Program] = field(default_factory=list)  # newest last
+    replays: int = 0  # batches replayed
+    analyses: int = 0  # batches analysed in full
+    divergences: int = 0  # replays whose witness failed, in a row
+    why: str | None = None  # why the last replay's witness failed
+
+    def learn(self, program: Program) -> None:
+        """Keep an analysed batch's program for the next batches of the signature (the newest
+        few: a model whose calls differ from batch to batch has a program for each way)."""
+        if self.divergences < KEPT:
+            self.programs = [*self.programs[-(KEPT - 1) :], program]
+
+    def diverged(self, why: str) -> None:
+        """A replay's witness failed: the batch is analysed; after a few in a row the
+        signature's batches are analysed from then on (its calls differ batch to batch)."""
+        self.why, self.divergences = why, self.divergences + 1
+        if self.divergences >= KEPT:
+            self.programs.clear()
+
+    def replayed(self) -> None:
+        self.replays, self.divergences = self.replays + 1, 0
+
+
+@dataclass
+class Record:
+    """Every decision about one model and parameter selection."""
+
+    moves: dict[str, tuple[str, bool]] = field(default_factory=dict)  # Plan.to_fallback's
+    copy: set[int] = field(default_factory=set)  # modules whose captured inputs are edited later
+    signatures: dict[tuple, Findings] = field(default_factory=dict)
+
+    def at(self, inputs: tuple[Tensor, ...], targets: Tensor) -> Findings:
+        """The findings for the signature of this batch."""
+        key = tuple((t.shape, t.dtype, t.device) for t in (*inputs, targets))
+        return self.signatures.setdefault(key, Findings())
+
+
+_RECORDS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Record]] = weakref.WeakKeyDictionary()
+
+
+def record_for(model: nn.Module, key: tuple) -> Record:
+    """The record of ``model`` under the selection ``key``, made empty on first use."""
+    return _RECORDS.setdefault(model, {}).setdefault(key, Record())

@@ -1,0 +1,132 @@
+"""The reference pages are generated from the code; these tests fail when something a user meets
+has no documentation: a config key, a command, argument or option, an output column."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from project import make_project
+from snippets import ROOT
+from typer.testing import CliRunner
+
+from gradscope.cli import app
+from gradscope.columns import COLUMNS, describe
+
+sys.path.insert(0, str(ROOT / "docs" / "hooks"))
+import benchmark_pages  # noqa: E402
+import reference  # noqa: E402
+
+
+def test_every_config_key_is_documented():
+    keys = reference.config_keys()
+    assert {"model.factory", "data.path", "model.checkpoints[].weight", "device"} <= {
+        k for k, *_ in keys
+    }
+    undocumented = [key for key, _, _, doc in keys if not doc]
+    assert not undocumented, (
+        f"config keys without a docstring in gradscope/config.py: {undocumented}"
+    )
+
+
+def test_every_config_section_says_what_it_is():
+    from gradscope.config import Config
+
+    sections = [f.type for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.type)]
+    assert all(cls.__doc__ for cls in sections)
+
+
+def test_a_field_without_a_docstring_is_found():
+    @dataclasses.dataclass
+    class Section:
+        documented: int = 1
+        """What it is."""
+        bare: int = 2
+
+    assert reference.field_docs(Section) == {"documented": "What it is."}
+
+
+def test_every_command_option_and_argument_is_documented():
+    missing = [
+        f"{name} {param.name}"
+        for name, command in reference.commands().items()
+        for param in command.params
+        if not param.help
+    ]
+    missing += [name for name, command in reference.commands().items() if not command.help]
+    assert not missing, f"commands and options without help text: {missing}"
+    assert "`--precondition FILE`" in reference.command_reference()
+
+
+def _written_columns(tmp_path) -> set[str]:
+    """The columns of a norms run and an influence run that between them write every kind."""
+    config = make_project(
+        tmp_path,
+        data__ids="name",
+        model={
+            "factory": "model.py:Net",
+            "checkpoints": [{"path": "net.pt", "weight": 1.0}, {"path": "net.pt", "weight": 0.5}],
+        },
+    )
+    runner, names = CliRunner(), set()
+    for args in (
+        ["norms", str(config), "--per-layer", "--out", str(tmp_path / "n.parquet")],
+        ["influence", str(config), "--ref", str(tmp_path / "data.pt"), "--per-ref",
+         "--out", str(tmp_path / "i.parquet")],
+    ):  # fmt: skip
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, result.output
+        names |= set(pq.read_schema(args[-1]).names)
+    return names
+
+
+def test_every_output_column_is_documented_and_every_entry_is_written(tmp_path):
+    written = _written_columns(tmp_path)
+    assert {"grad_norm/fc1", "loss@1", "ref_id", "id", "class_z"} <= written
+    missing = sorted(n for n in written if describe(n) is None)
+    assert not missing, f"columns written but not described in gradscope/columns.py: {missing}"
+    never = [c.name for c in COLUMNS if not any(c.matches(n) for n in written)]
+    assert not never, f"columns.py describes columns no run wrote: {never}"
+
+
+@pytest.mark.parametrize(("name", "entry"), [("grad_norm/net.0", "grad_norm/<module>"),
+                                              ("loss@12", "loss@<k>"), ("loss", "loss")])  # fmt: skip
+def test_column_families_match_their_entry(name, entry):
+    assert describe(name).name == entry
+    assert describe("loss@x") is None and describe("grad_norms") is None
+
+
+def test_tested_versions_are_the_installed_ones():
+    python, packages = reference.locked()
+    assert python.startswith("3.")
+    version, direct = packages["torch"]
+    assert direct and version == torch.__version__
+    assert f"| torch | {torch.__version__} |" in reference.tested_versions()
+
+
+def test_benchmark_pages_render_every_results_file():
+    files = benchmark_pages.bench_files()
+    assert files, "no bench.py results in benchmarks/results"
+    text = benchmark_pages.bench_results()
+    for path in files:
+        assert f"`{path.name}`" in text
+    assert "| norms:gradscope |" in text and "| target | measured | |" in text
+    assert "cases:" in benchmark_pages.harness_summary("hf-sweep")
+    assert "cases:" in benchmark_pages.harness_summary("layers")
+
+
+def test_a_target_names_the_workloads_that_miss_it():
+    results = [
+        {"workload": "W5", "method": "norms:gradscope", "time_ratio": 1.004},
+        {"workload": "W5", "method": "norms:loop", "time_ratio": 1.2},
+        {"workload": "W7", "method": "norms:gradscope", "time_ratio": 1.15},
+        {"workload": "W7", "method": "norms:loop", "time_ratio": 1.03},
+    ]
+    table = benchmark_pages.targets(results)
+    assert (
+        "| norms ≤ 1.3× and faster than the loop on W5–W8 | W5 1.00 (loop 1.20), W7 1.15 " in table
+    )
+    assert table.endswith("| missed on W7 |")

@@ -1,0 +1,235 @@
+"""The replayed pass: later batches of an analysed signature repeat its outcome while the witness
+holds, and a batch whose calls, operations or layout differ is analysed in full. Every batch of
+every case is checked against the float64 loop, through fresh API calls and through one CLI run;
+structure that changes from batch to batch comes from values (routing, masks) or from state the
+model keeps between calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from oracle import assert_rel_close, model_state, reference_norms
+from torch import Tensor, nn
+
+import gradscope
+from gradscope.engine import Engine
+from gradscope.losses import resolve_loss
+
+D, CLASSES, BATCH = 6, 3, 5
+
+
+class Dense(nn.Module):
+    """Embedding, a block called twice, a tied head: every call a rule's, no value read back."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, D)
+        self.norm = nn.LayerNorm(D)
+        self.fc = nn.Linear(D, D)
+        self.head = nn.Linear(D, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.emb(ids)  # (B, T, D)
+        h = h + torch.tanh(self.fc(self.norm(h)))
+        h = h + torch.tanh(self.fc(h))  # fc called twice
+        return self.head(h).mean(1)[:, :CLASSES]
+
+
+class Sometimes(nn.Module):
+    """A base MLP whose forward differs on the batches where the state it keeps (``odd``, set
+    between batches) says so: the witness must see it, as no value of the batch decides it."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.odd = how, False
+        self.fc1, self.fc2, self.extra = nn.Linear(D, D), nn.Linear(D, CLASSES), nn.Linear(D, D)
+        self.scale = nn.Parameter(torch.randn(D))
+
+    def forward(self, x: Tensor) -> Tensor:
+        odd, how = self.odd, self.how
+        h = torch.tanh(self.fc1(x))
+        if odd and how == "module":  # a module that runs only on some batches
+            h = torch.tanh(self.extra(h))
+        if odd and how == "raw":  # a parameter read only on some batches
+            h = h * self.scale
+        if odd and how == "outside":  # a ruled parameter read outside its module
+            h = h + F.linear(h, self.extra.weight)
+        if odd and how == "flip":  # rows moved across examples, and back after fc2
+            return self.fc2(h.flip(0)).flip(0)
+        return self.fc2(h)
+
+
+class ByValue(nn.Module):
+    """A module that runs only on the batches whose mean input is positive (each example of a
+    batch alike: the data make them so)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.extra = nn.Linear(D, D), nn.Linear(D, CLASSES), nn.Linear(D, D)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.fc1(x))
+        if x.mean() > 0:
+            h = torch.tanh(self.extra(h))
+        return self.fc2(h)
+
+
+class Routed(nn.Module):
+    """Each example's rows sent to one of two experts by the sign of a router: which rows an
+    expert gets depends on the batch's values."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(D, 1)
+        self.experts = nn.ModuleList([nn.Linear(D, D), nn.Linear(D, D)])
+        self.head = nn.Linear(D, CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, D)
+        flat = x.reshape(-1, D)
+        pick = (self.router(flat)[:, 0] > 0).long()  # (B*T,)
+        order = torch.argsort(pick, stable=True)
+        rows = flat[order]
+        n0 = int((pick == 0).sum())
+        out = torch.cat([self.experts[0](rows[:n0]), self.experts[1](rows[n0:])])
+        back = torch.empty_like(out).index_copy(0, order, out)
+        return self.head(torch.tanh(back.view(x.shape)).mean(1))
+
+
+class Padded(nn.Module):
+    """Attention over padded tokens whose mask is skipped where nothing is padded, as the
+    Hugging Face models' fast paths do."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, D)
+        self.qkv = nn.Linear(D, 3 * D)
+        self.head = nn.Linear(D, CLASSES)
+
+    def forward(self, ids: Tensor, mask: Tensor) -> Tensor:
+        q, k, v = self.qkv(self.emb(ids)).chunk(3, -1)  # (B, T, D) each
+        scores = q @ k.transpose(1, 2) / D**0.5  # (B, T, T)
+        if not bool(mask.all()):
+            scores = scores.masked_fill(mask[:, None, :] == 0, float("-inf"))
+        return self.head((scores.softmax(-1) @ v).mean(1))
+
+
+def _batches(model: str, n: int = 3) -> list[tuple[tuple[Tensor, ...], Tensor]]:
+    """n batches of one signature with other values."""
+    out = []
+    for seed in range(n):
+        g = torch.Generator().manual_seed(seed)
+        y = torch.randint(0, CLASSES, (BATCH,), generator=g)
+        if model in ("dense", "padded"):
+            ids = torch.randint(0, 11, (BATCH, 4), generator=g)
+            if model == "dense":
+                out.append(((ids,), y))
+                continue
+            mask = torch.ones(BATCH, 4, dtype=torch.long)
+            if seed % 2:  # every other batch padded
+                mask[1, 2:] = 0
+            out.append(((ids, mask), y))
+            continue
+        shape = (BATCH, 4, D) if model == "routed" else (BATCH, D)
+        x = torch.randn(*shape, generator=g, dtype=torch.float64)
+        if model == "value":  # all positive on every other batch: each example alike
+            x = (x.abs() + 1) * (1 if seed % 2 else -1)
+        out.append(((x,), y))
+    return out
+
+
+def _build(model: str) -> nn.Module:
+    torch.manual_seed(0)
+    built = {"dense": Dense, "routed": Routed, "padded": Padded, "value": ByValue}
+    return (built[model]() if model in built else Sometimes(model)).double()
+
+
+CASES = ["dense", "module", "raw", "outside", "flip", "value", "routed", "padded"]
+
+
+def _set_state(model: nn.Module, k: int) -> None:
+    if isinstance(model, Sometimes):
+        model.odd = k % 2 == 0  # the first batch analysed odd, the second even, ...
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_batch_of_one_signature_is_exact_through_fresh_api_calls(case: str):
+    model = _build(case)
+    for k, (inputs, targets) in enumerate(_batches(case)):
+        _set_state(model, k)
+        before = model_state(model)
+        norms = gradscope.per_example_norms(model, inputs, targets, loss="cross_entropy")
+        before.assert_kept(model)
+        _, expected = reference_norms(model, inputs, targets, "cross_entropy")
+        assert_rel_close(norms, expected, 1e-9)
+
+
+@pytest.mark.parametrize(
+    ("case", "replays"),
+    [
+        ("dense", 2),
+        ("module", 0),
+        ("raw", 0),
+        ("outside", 0),
+        ("flip", 0),
+        ("value", 0),
+        ("routed", 0),
+        ("padded", 0),
+    ],  # fmt: skip
+)
+def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: int):
+    """Of three batches, the first is analysed; the later ones replay where nothing differs,
+    and are analysed where the model's structure differs from the analysed batch's (its
+    witness failed) or may depend on the batch's values (no program)."""
+    model = _build(case)
+    engine = Engine(model, resolve_loss("cross_entropy"))
+    batches = _batches(case)
+    with engine:
+        for k, (inputs, targets) in enumerate(batches):
+            _set_state(model, k)
+            engine.norms(inputs, targets)
+    findings = engine.record.at(*batches[0])
+    assert (findings.replays, findings.analyses) == (replays, 3 - replays)
+    if case in ("value", "routed", "padded"):
+        assert not findings.programs  # the batch's values read back or pick rows: analysed
+    elif replays == 0:
+        assert findings.why is not None  # a program, whose witness failed
+
+
+@pytest.mark.parametrize("case", ["dense", "value", "routed", "padded"])
+def test_every_batch_of_one_cli_run_is_exact(tmp_path, case: str):
+    """Three batches of one signature in one run: replayed, or analysed where values decide."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from gradscope.cli import app
+
+    model = _build(case)
+    batches = _batches(case)
+    columns = ["ids", "mask"] if case == "padded" else ["ids"] if case == "dense" else ["x"]
+    data = {c: torch.cat([b[0][k] for b in batches]) for k, c in enumerate(columns)}
+    data["y"] = torch.cat([b[1] for b in batches])
+    torch.save(data, tmp_path / "data.pt")
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    (tmp_path / "models.py").write_text(
+        f"from test_replay import _build\n\ndef make():\n    return _build({case!r})\n"
+    )
+    config = {
+        "model": {"factory": "models.py:make", "checkpoint": "model.pt"},
+        "data": {"path": "data.pt", "inputs": columns, "targets": "y", "batch_size": BATCH},
+        "loss": {"name": "cross_entropy"},
+        "dtype": "float64",
+        "device": "cpu",
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    out = tmp_path / "scores.parquet"
+    result = CliRunner().invoke(app, ["norms", str(tmp_path / "config.yaml"), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    import pandas as pd
+
+    scores = pd.read_parquet(out)
+    for k, (inputs, targets) in enumerate(batches):
+        _, expected = reference_norms(model, inputs, targets, "cross_entropy")
+        got = torch.tensor(scores["grad_norm"].to_numpy()[k * BATCH : (k + 1) * BATCH])
+        assert_rel_close(got, expected, 1e-9)

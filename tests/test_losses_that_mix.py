@@ -1,0 +1,67 @@
+"""A custom loss that mixes the examples of a batch has no per-example gradient: refused in one
+line, not scored as each example alone (which gave every grad_norm 0); a model the trace only
+loses track of is still scored exactly by the fallback."""
+
+from __future__ import annotations
+
+import torch
+from oracle import assert_rel_close, reference_norms
+from project import load_net, make_project
+from typer.testing import CliRunner
+
+import gradscope
+from gradscope.cli import app
+from gradscope.errors import ModelError
+
+CENTRED = """
+import torch.nn.functional as F
+
+
+def centred(outputs, targets):
+    losses = F.cross_entropy(outputs, targets, reduction="none")
+    return losses - losses.mean()
+"""
+
+
+def test_a_loss_that_mixes_examples_is_refused_through_the_cli(tmp_path):
+    (tmp_path / "losses.py").write_text(CENTRED)
+    config = make_project(tmp_path, loss={"name": "losses.py:centred"})
+    result = CliRunner().invoke(app, ["norms", str(config)])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("error: example 0's loss is") and line.endswith("(loss)"), line
+    assert "mixes the examples of a batch" in line
+    assert not (tmp_path / "scores.parquet").exists()
+
+
+def test_a_loss_that_mixes_examples_is_refused_through_the_api(tmp_path):
+    make_project(tmp_path)
+    net, x, y = load_net(tmp_path)
+
+    def centred(outputs, targets):
+        losses = torch.nn.functional.cross_entropy(outputs, targets, reduction="none")
+        return losses - losses.mean()
+
+    try:
+        gradscope.per_example_norms(net, x, y, loss=centred)
+    except ModelError as e:
+        assert "mixes the examples" in str(e)
+    else:
+        raise AssertionError("a loss that mixes examples was scored")
+
+
+def test_losses_the_trace_cannot_follow_are_still_exact(tmp_path):
+    """A loss that reads the batch's sum at zero weight: the trace calls it a mix, yet each
+    example alone gives its batch loss, and the fallback scores it exactly."""
+    make_project(tmp_path)
+    net, x, y = load_net(tmp_path)
+    net = net.double()
+    x = x.double()
+
+    def per_example(outputs, targets):
+        losses = torch.nn.functional.cross_entropy(outputs, targets, reduction="none")
+        return losses * (losses.sum() * 0 + 1)  # the batch's sum: the trace calls it a mix
+
+    norms = gradscope.per_example_norms(net, x, y, loss=per_example)
+    expected = reference_norms(net, (x,), y, per_example)[1]
+    assert_rel_close(norms, expected, 1e-9)
