@@ -2,10 +2,12 @@
 cases) share: one case measured against the float64 loop, cases run in worker processes that a
 hang or a crash cannot stop, and the JSON + markdown they write.
 
-A case is ``(model, [(inputs, targets), (inputs, targets)], loss)``; the measure records the worst
-relative error of ``gradscope.per_example_norms`` (a fresh call per batch) and of one ``Engine``
-over both batches against ``reference_norms``, the parameters on the fallback with their notes,
-and the time of a warm ``Engine`` pass against the per-example loop on the same batch.
+A case is ``(model, [(inputs, targets), ...], loss)``, batches of one signature with other
+values; the measure records the worst relative error of ``gradscope.per_example_norms`` (a fresh
+call per batch) and of one ``Engine`` over the batches against ``reference_norms``, how many of
+the Engine's batches replayed the first's analysis, the parameters on the fallback with their
+notes, and the time of a warm ``Engine`` pass (replayed where a program holds) against the
+per-example loop on the same batch.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ def measure(model: nn.Module, batches: list[Batch], loss: str, repeats: int = 2)
         with Engine(model, fn) as engine:
             for k, ((x, y), ref) in enumerate(zip(batches, refs, strict=True)):
                 errs[f"engine{k + 1}"] = rel_err(total(engine.norms(x, y).norm_sq).sqrt(), ref)
+            findings = engine.record.at(*batches[0])
+            rec["replays"], rec["replay_why"] = findings.replays, findings.why
             stage = "timing"
             x, y = batches[-1]
             names = [p.name for p in engine.plan.included]
@@ -225,6 +229,7 @@ def summary(results: dict, title: str, env: dict, extra: dict | None) -> str:
     wrong = [r for r in ok if r["max_err"] > WRONG]
     fell = [r for r in ok if r["fallback"]]
     slow = [r for r in ok if r.get("speedup", 1) < 1]
+    replayed = [r for r in ok if r.get("replays", 0) == len(r["errors"]) // 2 - 1]
     lines = [
         f"# {title}",
         "",
@@ -235,9 +240,23 @@ def summary(results: dict, title: str, env: dict, extra: dict | None) -> str:
         f"- wrong (max relative error > {WRONG:g}): {len(wrong)}",
         f"- with any parameter on the fallback: {len(fell)}",
         f"- gradscope (warm Engine pass) slower than the per-example loop: {len(slow)}",
+        f"- replayed every batch after the first: {len(replayed)}; analysed every batch: "
+        f"{len(ok) - len(replayed)}",
         *(f"- {k}: {v}" for k, v in (extra or {}).items() if not isinstance(v, (dict, list))),
         "",
     ]
+    unreplayed: dict[str, list[str]] = {}
+    for r in ok:
+        if r not in replayed:
+            unreplayed.setdefault(r.get("replay_why") or "(no reason recorded)", []).append(
+                r["name"]
+            )
+    if unreplayed:
+        lines += ["## Not replayed, grouped by reason", "", "| reason | cases |", "|---|---|"]
+        lines += [
+            f"| {_cell(why)} | {len(names)}: {', '.join(sorted(names))} |"
+            for why, names in sorted(unreplayed.items(), key=lambda kv: -len(kv[1]))
+        ] + [""]
     if wrong:
         lines += ["## Wrong", "", "| case | max err | errors |", "|---|---|---|"]
         lines += [f"| {r['name']} | {r['max_err']:.2e} | {_errs(r)} |" for r in wrong] + [""]

@@ -195,7 +195,8 @@ def _input(name: str, model: nn.Module, config, g: torch.Generator) -> dict[str,
 
 
 def build(model_type: str) -> Problem:
-    """The tiny model in float64 eval mode and two batches of the same shape, with targets."""
+    """The tiny model in float64 eval mode and three batches of the same shape with other values
+    (the first analysed, the later ones replayed), with targets."""
     import transformers
 
     if head(model_type) is None:
@@ -213,7 +214,7 @@ def build(model_type: str) -> Problem:
     dual = {"input_ids", "pixel_values"} <= set(params)
     g = torch.Generator().manual_seed(1)
     batches = []
-    for _ in range(2):
+    for _ in range(3):
         for both in (False, True) if dual else (False,):
             x = _inputs(model, config, g, both)
             wrapped = Call(model, tuple(x))

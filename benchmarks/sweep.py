@@ -1,5 +1,6 @@
 """Sweep every model type of the installed ``transformers``: tiny config, random init, float64,
-two batches; gradscope against the float64 per-example loop (``benchmarks/harness.py``).
+three batches of one signature; gradscope against the float64 per-example loop
+(``benchmarks/harness.py``).
 
     PYTHONPATH=$PWD:$PWD/tests:$PWD/benchmarks OMP_NUM_THREADS=1 nice -n 10 \\
         python benchmarks/sweep.py [--only gpt2,llama] [--jobs 2] [--timeout 180] [--out PATH]

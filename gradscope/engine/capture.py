@@ -19,6 +19,7 @@ from torch.autograd.graph import GradientEdge
 from .rows import Rows
 
 if TYPE_CHECKING:
+    from .analysis.regions import Finder
     from .analysis.trace import RowTrace
 
 
@@ -49,7 +50,6 @@ class Call:
     reached: bool = False  # its output's gradient arrived in the backward
     others_reach_loss: bool = False  # a further output reached the loss: no rule sees that path
     viewed: Callable[[Tensor], Tensor] | None = None  # the output's gradient from its base's
-    nodes: int | None = None  # autograd nodes made since the previous capture (None: first)
 
     def release(self) -> None:
         """Drop the captured tensors once the rule has read them."""
@@ -59,6 +59,12 @@ class Call:
     def edited(self) -> bool:
         """Whether a captured input was changed in place after capture."""
         return tuple(t._version for t in self.inputs) != self.versions
+
+
+def counter() -> int:
+    """Autograd's sequence counter: how many nodes this thread has made. A replay's witness of
+    the differentiable ops run between two of its events, at the cost of one number each."""
+    return torch._C._autograd._get_sequence_nr()
 
 
 def shapes_of(args: tuple) -> tuple:
@@ -119,7 +125,6 @@ class Capture:
         self.on_grad: Callable[[Call, Tensor], Tensor | None] | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._grad_hooks: list[torch.utils.hooks.RemovableHandle] = []  # live until the backward
-        self._made: int | None = None  # the last captured output's node's sequence number
 
     def __enter__(self) -> Capture:
         for module in self.modules:
@@ -173,19 +178,9 @@ class Capture:
             viewed=viewed,
             **more,
         )
-        call.nodes = self.made_since(call.edge.node)
         self.calls[id(module)].append(call)
         self._grad_hooks.append(target.register_hook(functools.partial(self._read, call)))
         return call
-
-    def made_since(self, node: object) -> int | None:
-        """How many autograd nodes the forward made since the previous capture, up to ``node``
-        (each node's sequence number counts the nodes made before it): a replay's witness of
-        the differentiable ops run between two calls, at the cost of one number per call."""
-        seq = node._sequence_nr() if node is not None else None
-        made = None if seq is None or self._made is None else seq - self._made
-        self._made = seq if seq is not None else self._made
-        return made
 
     def _read(self, call: Call, grad: Tensor) -> Tensor | None:
         """The hook on each captured output: hands its gradient on during the backward."""
@@ -214,6 +209,9 @@ class Captured:
     losses: Tensor  # (B,), graph kept
     observed: dict[str, Tensor]
     trace: RowTrace | None = None  # which example each row is; None where replayed
+    finder: Finder | None = None  # the regions' finder, where analysed
+    at_start: int = 0  # autograd's counter before the forward
+    at_end: int = 0  # ... after the losses
 
     @property
     def expanded(self) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -17,7 +18,9 @@ from ..losses import LossFn
 from ..rules import Contribution, Outer, find_rule
 from .analysis import decide
 from .analysis.analyse import Analysis
-from .analysis.program import program_of, replayable
+from .analysis.program import program_of, regions_of
+from .analysis.regions import Regions
+from .analysis.seeded import Seeded
 from .analysis.selfcheck import Singles
 from .analysis.tap import Use
 from .capture import Call, Captured
@@ -25,7 +28,7 @@ from .passes.backward import Requests, backward, requests
 from .passes.fallback import Fallback, short_reason
 from .passes.forward import Forward
 from .passes.reduce import Reducer, Want
-from .passes.replay import Diverged, Program, ReplaySession
+from .passes.replay import Diverged, Program, ReplaySession, Taps
 from .plan import FALLBACK_LOOP, ParamPlan, Plan, build_plan
 from .record import Findings, record_for
 from .rows import regroup
@@ -113,7 +116,7 @@ class Engine:
         )
         self.record = record_for(model, key)
         self.plan.adopt(self.record.moves)
-        self.analysis = Analysis(self.plan, self.record, self._losses)
+        self.analysis = Analysis(model, self.plan, self.record, self._losses)
         self._prepared: list[contextlib.AbstractContextManager] = []
         self._pinned: Findings | None = None  # see pin_decisions
 
@@ -185,22 +188,33 @@ class Engine:
         program = findings.programs[-1] if findings.programs and not self._pinned else None
         if program is None or program.moves != len(self.record.moves):
             return None
-        session = ReplaySession(self.plan.hooked_modules, program, len(targets), self.record.copy)
+        batch, copy = len(targets), self.record.copy
+        regions = [m for m in self.model.modules() if id(m) in program.regions]
+        session = ReplaySession(self.plan.hooked_modules, regions, program, batch, copy)
+        session.make_region = lambda call, tensors: Seeded(
+            self.plan, findings, copy, batch, tensors, call.entry, session.inside
+        )
         try:
             with torch.set_grad_enabled(bool(program.uses)), session:
                 losses, observed = self._losses(inputs, targets)
-            session.finish(losses, program.tail)
+            session.finish()
         except Diverged as e:
             findings.diverged(str(e))
             return None
-        captured = Captured(session, None, losses, observed)
-        checked = [self.plan.find(name) for name in program.checked]
-        done = _Backward(dict(program.uses), checked, program.requests)
-        reducer, grads = self._backward(captured, want, done)
+        captured = Captured(session, Taps(session.done), losses, observed)
+        if program.has_regions:  # what the regions read and called differs batch to batch
+            reads = captured.tap.reads()
+            count = _uses(self.plan, self._served_calls(captured), reads)
+            checked = [p for p in self.plan.by_rule + self.plan.raw if not count[p.name]]
+        else:
+            reads, count = [], dict(program.uses)
+            checked = [self.plan.find(name) for name in program.checked]
+        done = _Backward(count, checked, program.requests)
+        reducer, grads = self._backward(captured, want, done, reads)
         for p in self.plan.fallback:  # a rule that failed on this batch
             reducer.forget(p.name)
         if any(g is not None for g in grads):  # a gradient where no call reached: analyse
-            findings.diverged("a parameter reached the loss where no call of the program did")
+            findings.diverged("a parameter reached the loss where no call or read did")
             return None
         findings.replayed()
         return captured, reducer
@@ -212,7 +226,7 @@ class Engine:
         later batches of the signature."""
         captured = self.analysis(inputs, targets, findings)
         reads = captured.tap.reads() if captured.tap else []
-        count = _uses(self.plan, captured.session, reads)
+        count = _uses(self.plan, self._served_calls(captured), reads)
         verify = not findings.verified and bool(captured.losses.isfinite().all())
         # the self-check needs every batch gradient; otherwise only those of parameters that no
         # call or read saw, to tell whether they reach the loss
@@ -227,18 +241,23 @@ class Engine:
         decide.after_backward(self.plan, captured, reducer, checked, grads, singles, verify)
         findings.verified |= verify
         findings.analyses += 1
-        if not self._pinned and replayable(captured) is None:
-            findings.learn(self._program(captured, count))
+        regions = regions_of(captured) if not self._pinned else "pinned"
+        if isinstance(regions, str):
+            findings.why = regions
+        else:
+            findings.learn(self._program(captured, regions, count))
         return captured, reducer
 
-    def _program(self, captured: Captured, count: dict[str, int]) -> Program:
+    def _program(self, captured: Captured, regions: Regions, count: dict[str, int]) -> Program:
         """The replay program of an analysed batch, under the plan its backward left."""
-        calls = self._served_calls(captured)
         watched = self.plan.by_rule + self.plan.raw
         unseen = [p for p in watched if not count[p.name]]
         uses = {p.name: count[p.name] for p in watched}
-        asked = requests(calls, (), [p.param for p in unseen])
-        return program_of(captured, asked, [p.name for p in unseen], uses, len(self.record.moves))
+        asked = None
+        if not regions.modules:  # the same calls every batch: the same requests
+            asked = requests(self._served_calls(captured), (), [p.param for p in unseen])
+        checked = tuple(p.name for p in unseen)
+        return program_of(captured, regions, asked, checked, uses, len(self.record.moves))
 
     def _served_calls(self, captured: Captured) -> list[Call]:
         """The captured calls of modules whose rules serve a parameter, in capture order."""
@@ -364,12 +383,11 @@ class Engine:
         return self.loss_fn(output, targets), observed
 
 
-def _uses(plan: Plan, session, reads: Sequence[Use]) -> dict[str, int]:
+def _uses(plan: Plan, calls: Sequence[Call], reads: Sequence[Use]) -> dict[str, int]:
     """How many calls and reads serve each rule-served and raw parameter: one pass over the
-    reads, not one per parameter (a large model has hundreds of each)."""
-    count = {
-        p.name: sum(len(session.calls.get(id(m), ())) for m, _ in p.owners) for p in plan.by_rule
-    }
+    calls and the reads, not one per parameter (a large model has hundreds of each)."""
+    per_module = Counter(id(c.module) for c in calls)
+    count = {p.name: sum(per_module[id(m)] for m, _ in p.owners) for p in plan.by_rule}
     for p in plan.raw:
         count.setdefault(p.name, 0)
     for u in reads:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .analysis.owners import shrink
+from .analysis.owners import lane_of
 
 
 @dataclass(frozen=True)
@@ -87,19 +87,7 @@ def rows_of(owner: Tensor, batch: int) -> Rows:
     """The layout of rows owned by ``owner`` (*rows,), every entry an example's index: ``Lanes``
     where the owners read (i // m) % B along one dimension and vary along no other (reads
     values: the analysis asks, once), else ``Gather``."""
-    o = shrink(owner)  # (B, T) owners constant along T: (B, 1)
-    dims = [d for d in range(o.dim()) if o.shape[d] > 1]
-    if batch == 1 and not dims and o.numel() == 1 and int(o.reshape(())) == 0 and owner.dim():
-        return Lanes(0, 1, owner.dim())
-    if len(dims) == 1 and o.shape[dims[0]] % batch == 0:
-        flat = o.reshape(-1)
-        i = torch.arange(flat.shape[0], device=o.device)
-        if flat.shape[0] == batch:  # row r is example r (sequence-first): the common case
-            m = 1 if torch.equal(flat, i) else 0
-        else:
-            m = int(torch.argmax((flat != flat[0]).to(torch.uint8)))  # where example 0 ends
-            if m and (flat.shape[0] % (batch * m) or not torch.equal(flat, i // m % batch)):
-                m = 0
-        if m:
-            return Lanes(dims[0], m, owner.dim())
+    lane = lane_of(owner, batch) if owner.dim() else None
+    if lane is not None:
+        return Lanes(lane[0], lane[1], owner.dim())
     return Gather.of(owner, batch)

@@ -3,7 +3,9 @@
 - ```console: each ``$ command`` runs in the page's sandbox and must print the lines below it
   (trailing spaces aside; a line ``...`` stands for any number of lines). ``gradscope ...`` runs
   through the typer app, ``python script.py ...`` as ``__main__``, both in this process (a
-  subprocess would import torch again for each).
+  subprocess would import torch again for each). That output is not a terminal: it is a batch
+  job's log, whose first and last lines (``started``/``finished``, the time) are left out; the
+  rest is what a wide terminal without colour shows (``^`` under the top-k bins, not red).
 - ```pycon: a doctest, in one namespace per page, in the same sandbox after the blocks above it.
 - a block titled with a file (```yaml title="configs/digits.yaml"): the file as it is.
 """
@@ -31,6 +33,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^( *)```(\w*)([^\n]*)\n(.*?)^\1```$", re.M | re.S)
 TITLE = re.compile(r'title="([^"]+)"')
+# a batch job's log's first and last lines: the time, the folder (see gradscope/terminal.py)
+TIMED = re.compile(
+    r"^(started|finished|stopped) \d{4}-\d\d-\d\d \d\d:\d\d:\d\d [+-]\d{4}\b.*\n?", re.M
+)
 ANY_LINES = "..."
 
 
@@ -92,7 +98,7 @@ def run(command: str, cwd: Path) -> tuple[int, str]:
         result = CliRunner().invoke(app, argv[1:])
         if result.exception and not isinstance(result.exception, SystemExit):
             raise result.exception
-        return result.exit_code, result.output
+        return result.exit_code, TIMED.sub("", result.output)
     if argv[0] == "python":
         out, status = io.StringIO(), 0
         saved = sys.argv

@@ -115,6 +115,68 @@ class Padded(nn.Module):
         return self.head((scores.softmax(-1) @ v).mean(1))
 
 
+class RoutedBlock(nn.Module):
+    """``Routed``'s experts as a block of a larger model: its rows picked by values, its row
+    count read on the host, inside a module call that a replay analyses again (a region)."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(D, 1)
+        self.experts = nn.ModuleList([nn.Linear(D, D), nn.Linear(D, D)])
+
+    def forward(self, h: Tensor) -> Tensor:  # (B, T, D)
+        flat = h.reshape(-1, D)
+        pick = (self.router(flat)[:, 0] > 0).long()  # (B*T,)
+        order = torch.argsort(pick, stable=True)
+        rows = flat[order]
+        n0 = int((pick == 0).sum())
+        out = torch.cat([self.experts[0](rows[:n0]), self.experts[1](rows[n0:])])
+        return torch.empty_like(out).index_copy(0, order, out).view(h.shape)
+
+
+class MaskedBlock(nn.Module):
+    """``Padded``'s attention as a block: its mask skipped where nothing is padded."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+
+    def forward(self, h: Tensor, mask: Tensor) -> Tensor:
+        q, k, v = self.qkv(h).chunk(3, -1)  # (B, T, D) each
+        scores = q @ k.transpose(1, 2) / D**0.5  # (B, T, T)
+        if not bool(mask.all()):
+            scores = scores.masked_fill(mask[:, None, :] == 0, float("-inf"))
+        return scores.softmax(-1) @ v
+
+
+class PositionBlock(nn.Module):
+    """Learned positions and a LayerScale gain, raw parameters the tap serves, in a block."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(4, D))
+        self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, D))
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return h + self.gamma * self.fc(h + self.pos)
+
+
+class InBlock(nn.Module):
+    """A projection, a block whose forward needs analysis on every batch, a head."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.proj, self.block, self.head = nn.Linear(D, D), block, nn.Linear(D, CLASSES)
+
+    def forward(self, x: Tensor, *rest: Tensor) -> Tensor:
+        h = self.block(torch.tanh(self.proj(x)), *rest)
+        return self.head(torch.tanh(h).mean(1))
+
+
+BLOCKS = {"routed-block": RoutedBlock, "masked-block": MaskedBlock, "position-block": PositionBlock}
+
+
 def _batches(model: str, n: int = 3) -> list[tuple[tuple[Tensor, ...], Tensor]]:
     """n batches of one signature with other values."""
     out = []
@@ -131,8 +193,13 @@ def _batches(model: str, n: int = 3) -> list[tuple[tuple[Tensor, ...], Tensor]]:
                 mask[1, 2:] = 0
             out.append(((ids, mask), y))
             continue
-        shape = (BATCH, 4, D) if model == "routed" else (BATCH, D)
+        shape = (BATCH, 4, D) if model == "routed" or model in BLOCKS else (BATCH, D)
         x = torch.randn(*shape, generator=g, dtype=torch.float64)
+        if model == "masked-block":
+            mask = torch.ones(BATCH, 4, dtype=torch.long)
+            mask[1, 2:] = 0 if seed % 2 else 1  # every other batch padded
+            out.append(((x, mask), y))
+            continue
         if model == "value":  # all positive on every other batch: each example alike
             x = (x.abs() + 1) * (1 if seed % 2 else -1)
         out.append(((x,), y))
@@ -142,10 +209,12 @@ def _batches(model: str, n: int = 3) -> list[tuple[tuple[Tensor, ...], Tensor]]:
 def _build(model: str) -> nn.Module:
     torch.manual_seed(0)
     built = {"dense": Dense, "routed": Routed, "padded": Padded, "value": ByValue}
+    if model in BLOCKS:
+        return InBlock(BLOCKS[model]()).double()
     return (built[model]() if model in built else Sometimes(model)).double()
 
 
-CASES = ["dense", "module", "raw", "outside", "flip", "value", "routed", "padded"]
+CASES = ["dense", "module", "raw", "outside", "flip", "value", "routed", "padded", *BLOCKS]
 
 
 def _set_state(model: nn.Module, k: int) -> None:
@@ -176,6 +245,9 @@ def test_every_batch_of_one_signature_is_exact_through_fresh_api_calls(case: str
         ("value", 0),
         ("routed", 0),
         ("padded", 0),
+        ("routed-block", 2),
+        ("masked-block", 2),
+        ("position-block", 2),
     ],  # fmt: skip
 )
 def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: int):
@@ -191,13 +263,15 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
             engine.norms(inputs, targets)
     findings = engine.record.at(*batches[0])
     assert (findings.replays, findings.analyses) == (replays, 3 - replays)
-    if case in ("value", "routed", "padded"):
-        assert not findings.programs  # the batch's values read back or pick rows: analysed
+    if case in ("value", "routed", "padded"):  # the batch's values read back or pick rows
+        assert not findings.programs  # in the model's own forward: no region can hold it
     elif replays == 0:
         assert findings.why is not None  # a program, whose witness failed
+    if case in BLOCKS:  # the block is the region, analysed again on every batch
+        assert findings.programs[-1].regions == {id(model.block)}
 
 
-@pytest.mark.parametrize("case", ["dense", "value", "routed", "padded"])
+@pytest.mark.parametrize("case", ["dense", "value", "routed", "padded", *BLOCKS])
 def test_every_batch_of_one_cli_run_is_exact(tmp_path, case: str):
     """Three batches of one signature in one run: replayed, or analysed where values decide."""
     import yaml
@@ -207,7 +281,8 @@ def test_every_batch_of_one_cli_run_is_exact(tmp_path, case: str):
 
     model = _build(case)
     batches = _batches(case)
-    columns = ["ids", "mask"] if case == "padded" else ["ids"] if case == "dense" else ["x"]
+    columns = {"padded": ["ids", "mask"], "dense": ["ids"], "masked-block": ["x", "mask"]}
+    columns = columns.get(case, ["x"])
     data = {c: torch.cat([b[0][k] for b in batches]) for k, c in enumerate(columns)}
     data["y"] = torch.cat([b[1] for b in batches])
     torch.save(data, tmp_path / "data.pt")

@@ -71,6 +71,18 @@ class Twice(nn.Module):
         return self.lin(torch.tanh(self.lin(x)))
 
 
+class SequenceFirst(nn.Module):
+    """A recurrent layer with batch_first=False, on (B, T, D) turned to (T, B, D) and back."""
+
+    def __init__(self, rnn: nn.Module):
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        out, h = self.rnn(x.transpose(0, 1))
+        return out.transpose(0, 1), h
+
+
 class Unused(nn.Module):
     def __init__(self):
         super().__init__()
@@ -223,9 +235,8 @@ CASES = [
     Case("rnn-tanh", lambda: nn.RNN(4, 5, batch_first=True), randn(6, 4), like, output=0),
     Case(
         "rnn-relu-sequence-first-no-bias",
-        lambda: nn.RNN(4, 5, nonlinearity="relu", bias=False),
-        randn(6, 4),  # (B, 6, 4) read as (T=B, 6, 4): the recurrence mixes examples, the
-        # trace sees it and the fallback serves it
+        lambda: SequenceFirst(nn.RNN(4, 5, nonlinearity="relu", bias=False)),
+        randn(6, 4),  # (B, 6, 4) run as (6, B, 4)
         like,
         output=0,
     ),

@@ -9,17 +9,18 @@ import contextlib
 from collections.abc import Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ...errors import ModelError
-from ..capture import Captured
+from ..capture import Captured, counter
 from ..plan import BROADCAST, ParamPlan, Plan
 from ..record import Findings, Record
 from . import decide
+from .regions import Finder
 from .selfcheck import agrees
 from .session import HookSession
 from .tap import ParamTap
-from .trace import RowTrace
+from .trace import ByTensor, RowTrace
 
 # (inputs, targets) -> ((B,) losses with their graph, what ``observe`` read)
 Losses = Callable[[tuple[Tensor, ...], Tensor], tuple[Tensor, dict[str, Tensor]]]
@@ -28,8 +29,8 @@ Losses = Callable[[tuple[Tensor, ...], Tensor], tuple[Tensor, dict[str, Tensor]]
 class Analysis:
     """Analyses batches of ``plan``'s model; ``losses`` runs its forward and loss."""
 
-    def __init__(self, plan: Plan, record: Record, losses: Losses):
-        self.plan, self.record, self.losses = plan, record, losses
+    def __init__(self, model: nn.Module, plan: Plan, record: Record, losses: Losses):
+        self.model, self.plan, self.record, self.losses = model, plan, record, losses
 
     def __call__(self, inputs: tuple[Tensor, ...], targets: Tensor, findings: Findings) -> Captured:
         """The batch's forward, recorded, once every check holds; then the parameters the rules
@@ -82,15 +83,22 @@ class Analysis:
         # a rule-served parameter read outside its module's calls (nn.MultiheadAttention's
         # out_proj) is served where a function reads it, as a raw one is
         tap = ParamTap(watched, batch, trace, ruled, expand, assume) if watched else None
+        finder = Finder(self.model, session.events, trace, tap.derived if tap else ByTensor())
+        session.log, trace.finder, trace.owners.on_set = finder.log, finder, finder.born
+        if tap is not None:
+            tap.finder, tap.derived.on_set = finder, finder.born
         # with every parameter on the fallback, this pass only gives the losses: no graph
         with (
             torch.set_grad_enabled(bool(watched)),
             session,
+            finder,
             trace,
             tap or contextlib.nullcontext(),
         ):
+            start = counter()
             losses, observed = self.losses(inputs, targets)
-        return Captured(session, tap, losses, observed, trace)
+            end = counter()
+        return Captured(session, tap, losses, observed, trace, finder, start, end)
 
     # -- the checks: each True where it holds; where not, the finding that makes the next
     # -- run hold, and False

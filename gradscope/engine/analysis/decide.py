@@ -40,7 +40,7 @@ def before_backward(plan: Plan, seen: Captured) -> None:
         return
     lost: dict[int, str] = {}
     for call in seen.session.all_calls():
-        reason = _layout(call, seen.trace)
+        reason = layout_of(call, seen.trace)
         if reason:
             after = _after(seen, call.inputs[0]) if "mix " in reason else ""
             lost.setdefault(id(call.module), reason + after)
@@ -55,7 +55,7 @@ def _after(seen: Captured, t: Tensor) -> str:
     return f" (after {op})" if op else ""
 
 
-def _layout(call: Call, trace: RowTrace) -> str | None:
+def layout_of(call: Call, trace: RowTrace) -> str | None:
     """Why ``call``'s rows cannot be read per example, or None; sets ``call.rows`` where a
     row-by-row rule must gather them."""
     rule, batch = find_rule(call.module), trace.batch

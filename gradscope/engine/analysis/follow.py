@@ -48,8 +48,8 @@ class OwnerAlgebra:
     device, ``owners``, ``owner``, ``lane``, ``unknown`` and ``_set``."""
 
     def _follow(self, name: str, func, args: tuple, kwargs: dict, out: object, origin: str):
-        if self.picked_by is None and self._picked(name, args, kwargs):
-            self.picked_by = name
+        if self._picked(name, args, kwargs):
+            self.picked(name)
         if name in INDICES and len(args) == 1:  # positions, not values: nothing flows back
             outs = out if isinstance(out, (tuple, list)) else (out,)  # as_tuple: one per dim
             return self._set(out, tuple(filled(t, NONE) for t in outs), origin)
@@ -237,15 +237,16 @@ class OwnerAlgebra:
         return self._set(x, shrink(o), origin)
 
     def _placed(self, name: str, args: tuple, kwargs: dict) -> Tensor:
-        """The owners of ``x`` after ``masked_scatter(mask, source)`` or ``index_add(dim,
-        index, source)``, in place or not."""
+        """The owners of ``x`` after ``masked_scatter(mask, source)``, ``index_add(dim, index,
+        source)`` or ``index_copy(dim, index, source)``, in place or not."""
         x = args[0]
         if name.startswith("masked_scatter"):  # source's elements, in order, where mask holds
             mask, source = (*args[1:], *(kwargs[k] for k in ("mask", "source") if k in kwargs))
             o = self.owner(x).expand(x.shape).clone()
             o.masked_scatter_(mask.expand(x.shape), self.owner(source).expand(source.shape))
             return combine(shrink(o), self.owner(mask))  # the mask placed them: its owners too
-        # index_add(dim, index, source, alpha=1): rows index[j] of x gain source's row j
+        # index_add(dim, index, source, alpha=1): rows index[j] of x gain source's row j;
+        # index_copy: they become source's row j
         dim, index, source = (
             *args[1:],
             *(kwargs[k] for k in ("dim", "index", "source") if k in kwargs),
@@ -255,7 +256,10 @@ class OwnerAlgebra:
         base = reduce(self.owner(x), rest).reshape(-1).expand(x.shape[dim]).clone()
         rows = reduce(self.owner(source), [d for d in range(source.dim()) if d != dim])
         rows = rows.reshape(-1).expand(index.shape[0])
-        o = segment_combine(base, index, rows)
+        if name.startswith("index_copy"):
+            o = base.index_copy(0, index, rows.contiguous())
+        else:
+            o = segment_combine(base, index, rows)
         shape = [1] * x.dim()
         shape[dim] = x.shape[dim]
         return compact(o.view(shape))

@@ -69,7 +69,8 @@ CREATIONS |= {"ones_like", "empty_like", "full_like", "arange"}
 SORTS = {"sort", "argsort"}  # a permutation along a dimension: owners move with the values
 IN_PLACE_MOVES = {"__setitem__", "copy_", "masked_fill_", "fill_", "zero_"}
 # x's elements or rows where a mask or an index puts source's: in place or not
-PLACES = {"masked_scatter", "masked_scatter_", "index_add", "index_add_"}
+PLACES = {"masked_scatter", "masked_scatter_", "index_add", "index_add_", "index_copy"}
+PLACES |= {"index_copy_"}
 # x.scatter*(dim, index, src): rows of src land at index; in place or not
 SCATTERS = {"scatter", "scatter_add", "scatter_reduce", "scatter_", "scatter_add_"}
 SCATTERS |= {"scatter_reduce_"}

@@ -154,3 +154,24 @@ def groups(shape: Sequence[int], new: Sequence[int]) -> list[tuple[int, int, int
                 return None
         found.append((i0, i, j0, j))
     return found
+
+
+def lane_of(o: Tensor, batch: int) -> tuple[int, int] | None:
+    """(dim, m) where owners ``o`` read (i // m) % B along dimension ``dim`` (of a size that B*m
+    divides) and vary along no other, whether or not ``o`` is the trace's canonical tensor for
+    that lane (reads values: the analysis asks)."""
+    o = shrink(o)  # (B, T) owners constant along T: (B, 1)
+    dims = [d for d in range(o.dim()) if o.shape[d] > 1]
+    if not dims:
+        one = o.dim() and o.numel() == 1 and batch == 1 and int(o.reshape(())) == 0
+        return (0, 1) if one else None
+    if len(dims) != 1 or o.shape[dims[0]] % batch:
+        return None
+    flat = o.reshape(-1)
+    i = torch.arange(flat.shape[0], device=o.device)
+    if flat.shape[0] == batch:  # row r is example r (sequence-first): the common case
+        return (dims[0], 1) if torch.equal(flat, i) else None
+    m = int(torch.argmax((flat != flat[0]).to(torch.uint8)))  # where example 0 ends
+    if m == 0 or flat.shape[0] % (batch * m) or not torch.equal(flat, i // m % batch):
+        return None
+    return dims[0], m

@@ -1,45 +1,73 @@
-"""The replay program of an analysed batch (``passes/replay.py``), where its outcome holds for
-every batch of the signature; and, where it does not, why."""
+"""The replay program of an analysed batch (``passes/replay.py``): its calls outside the regions
+and its region calls in the order they began, with the autograd nodes made between any two of
+them (the witness), where later batches of the signature may repeat it; and, where they may
+not, why."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from dataclasses import dataclass
 
 from ..capture import Captured
 from ..passes.backward import Requests
-from ..passes.replay import Program, Step
-from .session import Entered, HookSession
+from ..passes.replay import Program, RegionCall, Step
+from .regions import Regions, Visit
+from .session import Entered
 
 
-def replayable(captured: Captured) -> str | None:
-    """Why a later batch of this one's signature may run other ops or owners, or None."""
-    trace, tap = captured.trace, captured.tap
-    if trace.escapes:
-        return f"the forward reads the batch's values on the host ({', '.join(trace.escapes)})"
-    if trace.picked_by:
-        return f"rows picked by the batch's values ({trace.picked_by})"
-    if tap is not None and tap.reads():
-        return "parameters read outside their modules' calls"
-    return None
+@dataclass
+class _Open:
+    """A step being written: its start seen, its end not yet."""
+
+    event: Entered
+    before: int
+    during: int | None = None
+    spans_region: bool = False  # a region began inside it: what it made differs batch to batch
+
+
+def regions_of(captured: Captured) -> Regions | str:
+    """The regions a later batch analyses again, or why no later batch may replay this one."""
+    return captured.finder.choose()
 
 
 def program_of(
     captured: Captured,
-    requests: Requests,
-    checked: Sequence[str],
+    regions: Regions,
+    requests: Requests | None,
+    checked: tuple[str, ...],
     uses: dict[str, int],
     moves: int,
 ) -> Program:
-    """The program of an analysed batch that ``replayable`` passed."""
-    session = captured.session
-    assert isinstance(session, HookSession)
-    steps = tuple(_step(e) for e in session.events)
-    tail = session.made_since(captured.losses.grad_fn)
-    return Program(steps, requests, tuple(checked), tuple(uses.items()), tail, moves)
+    """The program of an analysed batch with these ``regions``: the finder's log of events,
+    less what ran inside a region."""
+    starts = {id(v) for v in regions.visits}
+    items: list[_Open | RegionCall] = []
+    opened: dict[int, _Open] = {}
+    inside: Visit | None = None
+    last = captured.at_start
+    for what, obj, at in captured.finder.log:
+        if what == "pre" and inside is None:
+            item = opened[id(obj)] = _Open(obj, at - last)
+            items.append(item)
+        elif what == "post" and id(obj) in opened:
+            item = opened.pop(id(obj))
+            item.during = None if inside is not None or item.spans_region else at - last
+        elif what == "enter" and inside is None and id(obj) in starts:
+            items.append(RegionCall(id(obj.module), obj.entry, obj.exit, obj.steps, at - last))
+            inside = obj
+            for item in opened.values():
+                item.spans_region = True
+        elif what == "exit" and obj is inside:
+            inside = None
+        else:
+            continue
+        last = at
+    steps = tuple(_step(i) if isinstance(i, _Open) else i for i in items)
+    tail = captured.at_end - last
+    return Program(steps, requests, checked, tuple(uses.items()), tail, moves, regions.modules)
 
 
-def _step(e: Entered) -> Step:
-    c = e.call
+def _step(item: _Open) -> Step:
+    e, c = item.event, item.event.call
     shape = None if c is None else tuple(c.shape)
-    rows, nodes = (None, None) if c is None else (c.rows, c.nodes)
-    return Step(id(e.module), e.shapes, e.handed, e.expand, shape, rows, nodes)
+    rows = None if c is None else c.rows
+    return Step(id(e.module), e.shapes, e.handed, e.expand, shape, rows, item.before, item.during)

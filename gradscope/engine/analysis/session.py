@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from ...rules import find_rule
-from ..capture import Call, Capture, first_output, leading, shapes_of
+from ..capture import Call, Capture, counter, first_output, leading, shapes_of
 from .policy import assumable, batch_free, shared
 from .trace import RowTrace
 
@@ -51,6 +51,7 @@ class HookSession(Capture):
         self.assumed = False  # a call was taken to have one row per example
         self.events: list[Entered] = []  # every call, in the order it began
         self.active: dict[int, list[Entered]] = {}  # module id -> its calls under way
+        self.log: list[tuple[str, object, int]] | None = None  # the regions' finder's
 
     @property
     def expanded(self) -> bool:
@@ -64,6 +65,7 @@ class HookSession(Capture):
     def _enter(self, module: nn.Module, args: tuple) -> tuple | None:
         """The forward pre-hook: the call is under way; its shared leading rows expanded, or
         the call left to the tap where its tensors are batch-free."""
+        at = counter()
         with torch._C.DisableTorchFunction():  # shapes and owners: none of the model's ops
             x = args[0] if args else None
             rule = find_rule(module)
@@ -79,6 +81,8 @@ class HookSession(Capture):
             handed = handed and batch_free(self.trace, tensors)
         event = Entered(module, shapes_of(args), handed, expand)
         self.events.append(event)
+        if self.log is not None:
+            self.log.append(("pre", event, at))
         self.active.setdefault(id(module), []).append(event)
         if not expand:
             return None
@@ -88,6 +92,8 @@ class HookSession(Capture):
     def _captured(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         """The forward hook: the call recorded, with no function mode watching its own ops."""
         event = self.active[id(module)].pop()
+        if self.log is not None:
+            self.log.append(("post", event, counter()))
         if event.handed:
             return
         with torch._C.DisableTorchFunction():

@@ -30,6 +30,7 @@ import functools
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,9 @@ from .functions import FunctionReads
 from .ops import op_name
 from .policy import batch_free
 from .trace import ByTensor, RowTrace
+
+if TYPE_CHECKING:
+    from .regions import Finder
 from .views import CASTS, SCALES, SHIFTS, VIEWS, places
 
 READS = {"__get__", "size", "dim", "numel", "ndimension", "nelement", "shape", "dtype"}
@@ -100,6 +104,7 @@ class ParamTap(FunctionReads, BroadcastReads, TorchFunctionMode):
         self.uses: dict[str, Uses] = {p.name: Uses() for p in params}
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._on_grad: Callable[[Use, Tensor], None] | None = None
+        self.finder: Finder | None = None  # the analysis's (regions.py): told what needs it
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -111,6 +116,8 @@ class ParamTap(FunctionReads, BroadcastReads, TorchFunctionMode):
         found = self._watched_in(args, kwargs)
         if not found:
             return func(*args, **kwargs)
+        if self.finder is not None:
+            self.finder.read(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor))
         if name in OPEN:
             with self:  # the function's own ops come to this mode, one by one
                 return _opened(func)(*args, **kwargs)
@@ -224,6 +231,8 @@ class ParamTap(FunctionReads, BroadcastReads, TorchFunctionMode):
             self._hooks.append(out.register_hook(functools.partial(self._read, use)))
         for p in params:
             self.uses[p.name].reads.append(use)
+        if self.finder is not None:
+            self.finder.need("a parameter read outside its module's calls")
 
     def _read(self, use: Use, grad: Tensor | None) -> Tensor | None:
         if self._on_grad is None or grad is None:  # None: as in HookSession.backward

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -27,12 +29,16 @@ from .lanes import Lane, after
 from .ops import ESCAPES, READS, SIZED_BY_VALUES, filled, op_name
 from .owners import MIXED, NONE, compact, is_batch
 
+if TYPE_CHECKING:
+    from .regions import Finder
+
 
 class ByTensor:
     """tensor -> value, by identity, keeping no tensor alive (a pass's many intermediates)."""
 
     def __init__(self):
         self._items: dict[int, tuple[weakref.ref, object]] = {}
+        self.on_set: Callable[[Tensor], None] | None = None  # told of each tensor set
 
     def get(self, t: object, default: object = None) -> object:
         item = self._items.get(id(t))
@@ -67,6 +73,8 @@ class ByTensor:
 
     def __setitem__(self, t: Tensor, value: object) -> None:
         self._items[id(t)] = (weakref.ref(t), value)
+        if self.on_set is not None:
+            self.on_set(t)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -80,7 +88,7 @@ def _lane_tensor(shape: tuple[int, ...], dim: int, m: int, batch: int, device) -
 class RowTrace(OwnerAlgebra, TorchFunctionMode):
     """Traces owners through one forward of a batch of ``batch`` examples."""
 
-    def __init__(self, batch: int, tensors: tuple[Tensor, ...]):
+    def __init__(self, batch: int, tensors: tuple[Tensor, ...], device=None):
         super().__init__()
         self.batch = batch
         self.owners = ByTensor()
@@ -90,20 +98,21 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         self.escapes: dict[str, None] = {}
         self.picked_by: str | None = None
         self.created = ByTensor()  # tensors made by CREATIONS: values that depend on no example
+        self.finder: Finder | None = None  # the analysis's (regions.py): told what needs it
         self.mixed_by = ByTensor()  # tensor -> the op that mixed examples on its way
         self._lanes: dict[object, Tensor] = {}  # (rank, dim, size, m) -> its owners
         self._lane_of: dict[int, tuple[Tensor, Lane]] = {}  # id of those owners -> the lane
         first = next((t for t in tensors if isinstance(t, Tensor)), None)
-        self.device = first.device if first is not None else torch.device("cpu")
+        self.device = device or (first.device if first is not None else torch.device("cpu"))
         for t in tensors:
             if isinstance(t, Tensor) and t.dim() and t.shape[0] == batch:
                 self.owners[t] = self.standard(t.dim())
 
     def standard(self, rank: int) -> Tensor:
         """(B, 1, ..., 1): row i of dimension 0 is example i's, the same tensor every time."""
-        return self._lane_owners(rank, (0, 1), self.batch)
+        return self.lane_owners(rank, (0, 1), self.batch)
 
-    def _lane_owners(self, rank: int, lane: Lane, size: int) -> Tensor:
+    def lane_owners(self, rank: int, lane: Lane, size: int) -> Tensor:
         """The owners of ``lane`` (``lanes.py``) on a dimension of ``size``, the same tensor
         every time (with B = 1, (1, ..., 1) zeros whatever the lane: every element is one's)."""
         dim, m = lane
@@ -117,7 +126,7 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         return o
 
     def lane(self, o: object) -> Lane | None:
-        """The lane ``o`` is the owners of, if it is one of ``_lane_owners``' tensors."""
+        """The lane ``o`` is the owners of, if it is one of ``lane_owners``' tensors."""
         item = self._lane_of.get(id(o))
         return item[1] if item is not None and item[0] is o else None
 
@@ -151,7 +160,7 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
             return func(*args, **kwargs)  # a property: metadata, or a view handled as an op
         name = op_name(func)
         if name in ESCAPES and self.owners.held(args, kwargs):
-            self.escapes.setdefault(name)  # the batch's values read on the host
+            self._escaped(name)
         if name in READS:
             return func(*args, **kwargs)
         if name == "__iter__" and args and args[0] in self.owners:
@@ -170,7 +179,9 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         if not tracked:
             return
         if name in SIZED_BY_VALUES or (name == "where" and len(args) == 1):
-            self.escapes.setdefault(name)
+            self._escaped(name)
+        if self.finder is not None:
+            self.finder.read(t for t, _ in tracked)
         origin = name
         try:
             if self._by_lanes(name, args, kwargs, tracked, out):
@@ -179,6 +190,18 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
             self._follow(name, func, args, kwargs, out, origin)
         except Exception:  # owners could not follow this op: its results mix examples
             self._set(out, None, origin)
+
+    def _escaped(self, name: str) -> None:
+        """The batch's values read on the host by ``name``: Python may branch on them."""
+        self.escapes.setdefault(name)
+        if self.finder is not None:
+            self.finder.need(f"the batch's values read on the host ({name})")
+
+    def picked(self, name: str) -> None:
+        """Rows moved to places the batch's values pick, by ``name`` (follow.py)."""
+        self.picked_by = self.picked_by or name
+        if self.finder is not None:
+            self.finder.need(f"rows picked by the batch's values ({name})")
 
     def _by_lanes(self, name: str, args: tuple, kwargs: dict, tracked: list, out) -> bool:
         """The common case at the cost of a few comparisons: every tracked input's owners a
@@ -202,7 +225,7 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
             if t.dim() <= dim or t.shape[dim] % (self.batch * m):
                 return False
         for t in outs:
-            self.owners[t] = self._lane_owners(t.dim(), lane, t.shape[dim])
+            self.owners[t] = self.lane_owners(t.dim(), lane, t.shape[dim])
         return True
 
     def mixed_at(self, t: Tensor) -> str | None:

@@ -1,31 +1,37 @@
 """The replayed pass: a later batch of an analysed signature repeats the analysis's outcome, with
-module hooks alone (no owners, no function mode, no host sync), while a witness shows that it
-is a batch the analysis describes.
+module hooks alone (no owners, no function mode, no host sync) outside its regions, while a
+witness shows that it is a batch the analysis describes.
 
-The analysis (``analysis/``) of a batch ends in a ``Program`` where its outcome holds for every
-batch of the same signature: what happened at each call of the hooked modules (left to the tap,
-rows expanded to the batch, the layout of a row-by-row call's rows), which outputs the backward
-requests, and which parameters no call reached. It holds where the analysed forward read none of
-the batch's values back to the host (no ``bool(x)``, ``.item()``, ``.tolist()``, ``nonzero``
-...: Python's control flow then depends on the shapes alone, so a batch of the same shapes runs
-the same ops on the same tensors), moved no rows to places the batch's values pick (indices
-computed from the batch, masks, sorts: there the owners hold for those values only), and read
-no parameter outside the calls of the modules whose rules serve it (the tap's reads).
+The analysis (``analysis/``) of a batch ends in a ``Program``: what happened at each call of the
+hooked modules (left to the tap, rows expanded to the batch, the layout of a row-by-row call's
+rows), which outputs the backward requests, which parameters no call reached, and the regions
+(``analysis/regions.py``): the module calls where something needs the trace and the tap on
+every batch (a parameter read outside its module's calls, rows the batch's values pick, values
+read on the host). A replayed batch runs each region under a fresh trace and tap, seeded with
+the owners the analysis found at the region's start, and checks that its outputs' owners are
+the analysed ones at its end; everything between regions replays as analysed.
 
-Each replayed batch carries a witness, checked as it runs: the same calls of the same modules
-with arguments of the same shapes and dtypes in the same order, outputs of the same shapes, no
-captured input edited in place, and no gradient reaching a parameter that no call reached. A
-batch that breaks it is analysed in full (``Diverged``), and its program joins the signature's.
+The witness, checked as the batch runs: outside the regions the same calls of the same modules,
+on arguments of the same shapes and dtypes, in the same order, with outputs of the same shapes,
+and as many autograd nodes made between any two of these events (autograd's sequence counter:
+a differentiable op added, dropped or moved shows); each region's outputs owned as analysed;
+no captured input edited in place; the rows each region finds layouts for, no parameter read
+in a way that would move it to the fallback; and no gradient at a parameter that no call or
+read of the batch reached. A batch that breaks it is analysed in full (``Diverged``), and its
+program joins the signature's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 
-from ..capture import Capture, first_output, shapes_of
+from ..capture import Call, Capture, counter, first_output, shapes_of
 from ..rows import Rows
 from .backward import Requests
 
@@ -36,7 +42,7 @@ class Diverged(Exception):
 
 @dataclass(frozen=True)
 class Step:
-    """One call of a hooked module as the analysed batch made it."""
+    """One call of a hooked module outside the regions, as the analysed batch made it."""
 
     module: int  # id of the module
     shapes: tuple  # (shape, dtype) of its tensor arguments
@@ -44,43 +50,176 @@ class Step:
     expand: bool  # its shared leading rows expanded to the batch
     output: tuple | None  # the shape of its captured output; None: not captured
     rows: Rows | None  # a row-by-row call's layout, where not one row per example
-    nodes: int | None  # autograd nodes made since the previous captured call (Call.nodes)
+    before: int  # autograd nodes made since the previous event, up to its start
+    during: int | None  # ... up to its end; None where a region ran inside it
+
+
+@dataclass(frozen=True)
+class RegionCall:
+    """One call of a region module, as the analysed batch made it."""
+
+    module: int  # id of the module
+    entry: tuple  # owner specs of its tensor arguments (None: no example's; (dim, m): a lane)
+    exit: tuple  # owner specs of its tensor outputs
+    steps: int  # the analysed calls of hooked modules inside it: the region's own each batch
+    before: int  # autograd nodes made since the previous event, up to its start
 
 
 @dataclass(frozen=True)
 class Program:
     """What a replayed batch of one signature does: the analysed batch's outcome."""
 
-    steps: tuple[Step, ...]  # every call of the hooked modules, in the order they began
-    requests: Requests  # which outputs the backward requests
+    steps: tuple[Step | RegionCall, ...]  # in the order they began (a region's steps left out)
+    requests: Requests | None  # which outputs the backward requests; None: read each batch
     checked: tuple[str, ...]  # parameters no call reached: their gradients must stay None
     uses: tuple[tuple[str, int], ...]  # calls serving each parameter (merged where several)
-    tail: int | None  # autograd nodes made from the last captured call to the losses
+    tail: int  # autograd nodes made from the last event to the losses
     moves: int  # the record's moves to the fallback when made: a later one retires it
+    regions: frozenset[int]  # ids of the region modules
+
+    @property
+    def has_regions(self) -> bool:
+        return bool(self.regions)
+
+
+class Region:
+    """A region call under way in a replayed batch: its own analysis (``analysis.Region``,
+    which the engine makes) and where it stands."""
+
+    def __init__(self, call: RegionCall, analysis: Any, module: nn.Module):
+        self.call, self.analysis, self.module = call, analysis, module
+        self.depth = 1  # calls of its module under way (a module may call itself)
 
 
 class ReplaySession(Capture):
-    """Captures the calls of ``modules`` as ``program`` says, checking the witness as it goes."""
+    """Captures the calls of ``modules`` as ``program`` says, running its regions under
+    ``region`` (``RegionCall``, tensor args -> the region's analysis, entered), checking the
+    witness as it goes."""
 
-    def __init__(self, modules: Iterable[nn.Module], program: Program, batch: int, copy: set[int]):
+    def __init__(
+        self,
+        modules: Iterable[nn.Module],
+        regions: Iterable[nn.Module],
+        program: Program,
+        batch: int,
+        copy: set[int],
+        region: Callable[[RegionCall, list[Tensor]], Any] | None = None,
+    ):
         super().__init__(modules)
+        self.hooked = {id(m) for m in self.modules}
+        self.regions = list(regions)
         self.steps, self.batch, self.copy = program.steps, batch, copy
+        self.program, self.make_region = program, region
         self.next = 0
         self.active: dict[int, list[Step]] = {}
+        self.region: Region | None = None
+        self.done: list[Any] = []  # the regions' analyses, in the order they ran
         self.diverged: str | None = None
+        self._last = 0
+
+    def __enter__(self) -> ReplaySession:
+        super().__enter__()  # the hooked modules' hooks first, as the analysis's were
+        for module in self.regions:
+            pre = module.register_forward_pre_hook(self._region_enter, with_kwargs=True)
+            self._handles += [pre, module.register_forward_hook(self._region_exit)]
+        self._last = counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        if self.region is not None:  # the forward raised inside a region: leave its modes
+            self.region.analysis.close()
+            self.region = None
 
     def diverge(self, why: str) -> None:
         self.diverged = self.diverged or why
         raise Diverged(self.diverged)
 
+    # the backward hands each call's gradient on: the regions' calls' too
+
+    @property
+    def on_grad(self) -> Callable[[Call, Tensor], Tensor | None] | None:
+        return self._on_grad
+
+    @on_grad.setter
+    def on_grad(self, on_grad: Callable[[Call, Tensor], Tensor | None] | None) -> None:
+        self._on_grad = on_grad
+        for region in getattr(self, "done", ()):
+            region.session.on_grad = on_grad
+
+    def release_hooks(self) -> None:
+        super().release_hooks()
+        for region in self.done:
+            region.session.release_hooks()
+
+    def _ticked(self, expected: int, what: str) -> None:
+        """As many autograd nodes made since the previous event as the analysed batch made."""
+        now = counter()
+        made, self._last = now - self._last, now
+        if made != expected:
+            self.diverge(f"other operations than the analysed batch's {what}")
+
+    def inside(self, module: nn.Module) -> bool:
+        """Whether a call of ``module`` that its rule serves is under way outside the regions:
+        reads of its parameters inside a region are the rule's."""
+        return any(not s.handed for s in self.active.get(id(module), ()))
+
+    # -- the hooks ---------------------------------------------------------------------------
+
     def _enter(self, module: nn.Module, args: tuple) -> tuple | None:
+        """A hooked module's call begins: a step; inside a region, the region's own."""
         if self.diverged:  # the model caught our exception: stop at the next call
             raise Diverged(self.diverged)
+        if self.region is not None:
+            return self.region.analysis.enter(module, args)
+        return self._step(module, args)
+
+    def _captured(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        """A hooked module's call ends."""
+        region = self.region
+        if region is not None and (module is not region.module or region.depth > 1):
+            region.analysis.captured(module, args, kwargs, output)
+            return
+        with torch._C.DisableTorchFunction():  # a region's modes may still be on
+            self._capture(module, args, kwargs, output)
+
+    def _region_enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A region module's call begins: its own analysis, or a call within its region."""
+        if self.region is not None:
+            self.region.depth += module is self.region.module
+            return
+        call = self.steps[self.next] if self.next < len(self.steps) else None
+        if not isinstance(call, RegionCall) or call.module != id(module):
+            self.diverge(f"another region than the analysed batch's: {type(module).__name__}")
+        self._ticked(call.before, f"before {type(module).__name__}")
+        self.next += 1
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        if len(tensors) != len(call.entry):
+            self.diverge(f"other arguments of {type(module).__name__}")
+        self.region = Region(call, self.make_region(call, tensors), module)
+
+    def _region_exit(self, module: nn.Module, args: tuple, output: object) -> None:
+        region = self.region
+        if region is None or module is not region.module:
+            return
+        region.depth -= 1
+        if region.depth:
+            return
+        self.region = None
+        outputs = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
+        why = region.analysis.finish(outputs, region.call.exit)
+        if why:
+            self.diverge(f"{why} in {type(module).__name__}")
+        self.done.append(region.analysis)
+        self._last = counter()  # what the region made differs from batch to batch
+
+    def _step(self, module: nn.Module, args: tuple) -> tuple | None:
         step = self.steps[self.next] if self.next < len(self.steps) else None
-        if step is None or step.module != id(module):
+        if not isinstance(step, Step) or step.module != id(module):
             self.diverge(f"another call than the analysed batch's: {type(module).__name__}")
         if step.shapes != shapes_of(args):
             self.diverge(f"a call of {type(module).__name__} on other shapes")
+        self._ticked(step.before, f"before a call of {type(module).__name__}")
         self.next += 1
         self.active.setdefault(id(module), []).append(step)
         if not step.expand:
@@ -89,8 +228,12 @@ class ReplaySession(Capture):
         rows = x.unsqueeze(0) if x.dim() == 1 else x
         return (rows.expand(self.batch, *rows.shape[1:]), *args[1:])
 
-    def _captured(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+    def _capture(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         step = self.active[id(module)].pop()
+        if step.during is None:  # a region ran inside it
+            self._last = counter()
+        else:
+            self._ticked(step.during, f"in a call of {type(module).__name__}")
         if step.handed:
             return
         out, _ = first_output(output)
@@ -99,21 +242,34 @@ class ReplaySession(Capture):
             self.diverge(f"a call of {type(module).__name__} with another output")
         if shape is not None:
             copy = id(module) in self.copy
-            call = self.record(
-                module, args, kwargs, output, copy, expanded=step.expand, rows=step.rows
-            )
-            if call.nodes != step.nodes:
-                self.diverge(f"other operations before a call of {type(module).__name__}")
+            self.record(module, args, kwargs, output, copy, expanded=step.expand, rows=step.rows)
 
-    def finish(self, losses: Tensor, tail: int | None) -> None:
+    def finish(self) -> None:
         """After the forward: every analysed call made, as many operations after the last as
         the analysed batch ran, no captured input edited since."""
         if self.diverged:
             raise Diverged(self.diverged)
         if self.next != len(self.steps):
             self.diverge("fewer calls than the analysed batch's")
-        if self.made_since(losses.grad_fn) != tail:
-            self.diverge("other operations after the last call")
+        self._ticked(self.program.tail, "after the last call")
         edited = self.edited_in_place() - self.copy
         if edited:
             self.diverge("a captured input was edited in place")
+
+    def all_calls(self) -> list[Call]:
+        """The calls captured outside the regions, then those inside each region."""
+        return [*super().all_calls(), *(c for r in self.done for c in r.calls())]
+
+
+class Taps:
+    """The regions' taps of a replayed batch as one: their reads, and where their gradients go."""
+
+    def __init__(self, regions: Iterable[Any]):
+        self.regions = list(regions)
+
+    def reads(self) -> list:
+        return [u for r in self.regions for u in r.reads()]
+
+    def reading(self, on_grad) -> None:
+        for r in self.regions:
+            r.reading(on_grad)

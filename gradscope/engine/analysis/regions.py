@@ -1,0 +1,197 @@
+"""Regions: the module calls of an analysed forward that later batches must analyse again.
+
+Most of a forward replays with module hooks alone (``passes/replay.py``). What does not is
+kept to the smallest module calls that hold it, the regions, whose forward a replayed batch
+runs under the trace and the tap again: a parameter read outside its module's calls (the tap's
+reads, and the views and computations that lead to them), a call left to the tap (batch-free),
+rows moved to places the batch's values pick (routing, masks, sorts), values of the batch read
+on the host (Python may branch on them). A region is a module all of whose calls
+- begin on tensors whose owners the replay can seed (the batch along one dimension, or no
+  example's) and end on outputs it can check the same way: the rest of the forward replays on
+  the analysed owners, so a batch whose region ends otherwise is analysed in full;
+- read nothing the trace or the tap followed from before the call but its own arguments (an
+  attribute set by a caller would reach the region unseen), and no watched view of a parameter
+  made before the call.
+A need whose every enclosing call fails these leaves the signature without a program.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+
+from ..capture import counter
+from .owners import NONE, lane_of
+from .trace import ByTensor, RowTrace
+
+# an owner spec: None for no example's, (dim, m) for the batch along one dimension
+Spec = tuple[int, int] | None
+IRREGULAR = "irregular"
+
+
+@dataclass(eq=False)
+class Visit:
+    """One call of a module in the analysed forward."""
+
+    module: nn.Module
+    index: int  # the order calls began in
+    parent: Visit | None
+    first: int  # the session's events before it began: its inner calls start there
+    at_entry: int  # autograd's counter when it began
+    arg_ids: frozenset[int]
+    entry: tuple | str  # owner specs of its tensor arguments, or IRREGULAR
+    steps: int = 0  # calls of hooked modules inside it
+    at_exit: int = 0
+    exit: tuple | str = ()  # owner specs of its tensor outputs, or IRREGULAR
+    foreign: bool = False  # read something followed from before it began, not an argument
+    why: str | None = None  # what inside it needs analysis, if anything
+
+
+@dataclass
+class Regions:
+    """The visits whose module is a region, per module, in the order they began."""
+
+    modules: frozenset[int] = frozenset()
+    visits: list[Visit] = field(default_factory=list)
+
+
+class Finder:
+    """Watches every module call of one analysed forward: where each began and ended, what
+    its tensors' owners were at both ends, what inside it needs analysis, and what it read
+    from before it began. The trace and the tap report to it (``born``, ``read``, ``need``)."""
+
+    def __init__(self, model: nn.Module, events: list, trace, derived):
+        self.model, self.events, self.trace, self.derived = model, events, trace, derived
+        self.visits: list[Visit] = []
+        self.stack: list[Visit] = []
+        self.needs: list[tuple[str, tuple[Visit, ...]]] = []
+        self.log: list[tuple[str, object, int]] = []  # (what, its event or visit, counter)
+        self._born = ByTensor()  # tensor -> the innermost visit's index when it was made
+        self._handles: list = []
+
+    def __enter__(self) -> Finder:
+        for module in self.model.modules():
+            pre = module.register_forward_pre_hook(self._enter, with_kwargs=True)
+            self._handles += [pre, module.register_forward_hook(self._exit)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # -- what the trace and the tap report ---------------------------------------------------
+
+    def born(self, t: Tensor) -> None:
+        """``t`` got owners (the trace) or became watched (the tap) now."""
+        if t not in self._born:
+            self._born[t] = self.stack[-1].index if self.stack else -1
+
+    def read(self, tensors: Iterable[Tensor]) -> None:
+        """An op inside the current visits read ``tensors`` (followed ones): each visit that
+        began after one of them was made, and was not given it, read from before it began."""
+        for t in tensors:
+            b = self._born.get(t)
+            if b is None:
+                continue
+            for v in reversed(self.stack):
+                if v.index <= b:
+                    break
+                if id(t) not in v.arg_ids:
+                    v.foreign = True
+
+    def need(self, why: str) -> None:
+        """Something at this point of the forward needs analysis on every batch."""
+        self.needs.append((why, tuple(self.stack)))
+
+    # -- the hooks ---------------------------------------------------------------------------
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        with torch._C.DisableTorchFunction():
+            tensors = tensors_of((args, kwargs))
+            v = Visit(
+                module,
+                len(self.visits),
+                self.stack[-1] if self.stack else None,
+                len(self.events),
+                counter(),
+                frozenset(id(t) for t in tensors),
+                self._specs(tensors),
+            )
+        self.visits.append(v)
+        self.stack.append(v)
+        self.log.append(("enter", v, v.at_entry))
+
+    def _exit(self, module: nn.Module, args: tuple, output: object) -> None:
+        v = self.stack.pop()
+        with torch._C.DisableTorchFunction():
+            v.steps, v.at_exit = len(self.events) - v.first, counter()
+            v.exit = self._specs(tensors_of(output))
+        self.log.append(("exit", v, v.at_exit))
+
+    def _specs(self, tensors: list[Tensor]) -> tuple | str:
+        """Each tensor's owner spec, or IRREGULAR where one is a watched view of a parameter or
+        has owners the replay cannot seed."""
+        specs = []
+        for t in tensors:
+            spec = IRREGULAR if t in self.derived else spec_of(self.trace, t)
+            if spec == IRREGULAR:
+                return IRREGULAR
+            specs.append(spec)
+        return tuple(specs)
+
+    # -- the choice --------------------------------------------------------------------------
+
+    def choose(self) -> Regions | str:
+        """The regions that cover every need; or why there are none (a need that no call around
+        it, the model's own call aside, can hold)."""
+        chosen: set[int] = set()
+        for why, stack in self.needs:
+            for v in reversed(stack):
+                if v.parent is not None and self._holds(v.module):
+                    chosen.add(id(v.module))
+                    break
+            else:
+                return f"{why}, outside any module call a region can hold"
+        outer = [
+            v
+            for v in self.visits
+            if id(v.module) in chosen and not any(id(u.module) in chosen for u in _above(v))
+        ]
+        return Regions(frozenset(chosen), outer)
+
+    def _holds(self, module: nn.Module) -> bool:
+        """Whether every call of ``module`` can be a region."""
+        calls = [v for v in self.visits if v.module is module]
+        return all(v.entry != IRREGULAR and v.exit != IRREGULAR and not v.foreign for v in calls)
+
+
+def tensors_of(tree: object) -> list[Tensor]:
+    """The tensors of a call's arguments or outputs, in pytree order."""
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, Tensor)]
+
+
+def spec_of(trace: RowTrace, t: Tensor) -> Spec | str:
+    """``t``'s owners as a spec: None where no example's, (dim, m) where the batch lies along
+    a dimension (the trace's canonical lane, or owners of the same values), else IRREGULAR."""
+    o = trace.owners.get(t)
+    if o is None:
+        return None
+    lane = trace.lane(o)
+    if lane is not None:
+        return lane
+    if bool((o == NONE).all()):
+        return None
+    lane = lane_of(o, trace.batch)
+    return IRREGULAR if lane is None else lane
+
+
+def _above(v: Visit) -> Iterable[Visit]:
+    u = v.parent
+    while u is not None:
+        yield u
+        u = u.parent

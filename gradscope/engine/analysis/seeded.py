@@ -1,0 +1,105 @@
+"""The analysis of one region call in a replayed batch (``passes/replay.py``): the trace and the
+tap over the region's forward only, seeded with the owners the analysed batch found at its
+start, and the calls of hooked modules inside it captured as the analysis captures them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..capture import Call
+from ..plan import BROADCAST, ParamPlan, Plan
+from ..record import Findings
+from .decide import layout_of
+from .regions import spec_of
+from .session import HookSession
+from .tap import ParamTap, Use
+from .trace import RowTrace
+
+
+class Seeded:
+    """One region call: ``tensors`` its tensor arguments, ``entry`` their owner specs (None: no
+    example's; (dim, m): the batch along a dimension). Its trace and tap are pushed at once, and
+    ``finish`` (or ``close``) pops them. ``outside(module)`` says whether a call of a module
+    whose rule serves its parameters is under way outside the region."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        findings: Findings,
+        copy: set[int],
+        batch: int,
+        tensors: Sequence[Tensor],
+        entry: tuple,
+        outside: Callable[[nn.Module], bool],
+    ):
+        self.plan, self.batch = plan, batch
+        device = tensors[0].device if tensors else None
+        self.trace = RowTrace(batch, (), device)
+        for t, spec in zip(tensors, entry, strict=True):
+            if spec is not None:
+                dim, m = spec
+                self.trace.owners[t] = self.trace.lane_owners(t.dim(), (dim, m), t.shape[dim])
+        expand, assume = findings.expand is not False, findings.assume
+        self.session = HookSession(plan.hooked_modules, self.trace, copy, expand, assume)
+
+        def ruled(p: ParamPlan) -> bool:
+            inside = any(self.session.inside(m) or outside(m) for m, _ in p.owners)
+            return p.rule != BROADCAST and inside
+
+        watched = plan.by_rule + plan.raw
+        self.tap = ParamTap(watched, batch, self.trace, ruled, expand, assume)
+        self._open = [self.trace, self.tap]
+        for mode in self._open:
+            mode.__enter__()
+
+    # -- the region's hooked calls, handed on by the replay's hooks -------------------------
+
+    def enter(self, module: nn.Module, args: tuple) -> tuple | None:
+        return self.session._enter(module, args)
+
+    def captured(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        self.session._captured(module, args, kwargs, output)
+
+    # -- the end -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Pop the trace and the tap (innermost first)."""
+        while self._open:
+            self._open.pop().__exit__(None, None, None)
+
+    def finish(self, outputs: Sequence[Tensor], exit: tuple) -> str | None:
+        """The region's end: its modes popped; why the batch is not one the analysis describes
+        (outputs owned otherwise than analysed, rows no rule can read, a parameter read in a
+        way that would move it to the fallback), or None."""
+        self.close()
+        if len(outputs) != len(exit):
+            return "other outputs than the analysed batch's"
+        with torch._C.DisableTorchFunction():
+            for t, spec in zip(outputs, exit, strict=True):
+                if not self._owned(t, spec):
+                    return "outputs owned otherwise than the analysed batch's"
+            for p in self.plan.by_rule + self.plan.raw:
+                other = self.tap.uses[p.name].other
+                if other:
+                    return f"{p.name} read by {other}"
+            for call in self.session.all_calls():
+                reason = layout_of(call, self.trace)
+                if reason:
+                    return f"a call of {type(call.module).__name__}: {reason}"
+        return None
+
+    def _owned(self, t: Tensor, spec: tuple | None) -> bool:
+        found = spec_of(self.trace, t)
+        return found == (None if spec is None else tuple(spec))
+
+    def calls(self) -> list[Call]:
+        return self.session.all_calls()
+
+    def reads(self) -> list[Use]:
+        return self.tap.reads()
+
+    def reading(self, on_grad) -> None:
+        self.tap.reading(on_grad)
