@@ -230,14 +230,16 @@ Parts = dict[str, Contribution | None]
 
 
 def _finite(c: Contribution) -> Tensor:
-    """(B,) whether each example's part of the gradient is finite everywhere."""
+    """(B,) whether each example's part of the gradient is finite everywhere: its sum is (a NaN
+    or inf anywhere makes it NaN or inf; float32 or wider, where a sum of finite values does not
+    overflow), one reduction and no (B, ...) mask."""
     if isinstance(c, Outer):
         held = (c.s, c.a)
     elif isinstance(c, Rows) or type(c) is Dense:
         held = (c.s if isinstance(c, Rows) else c.grads,)
     else:  # formed a few examples at a time: its norms tell, without holding them all
         return torch.isfinite(c.norm_sq())
-    return torch.stack([torch.isfinite(t).flatten(1).all(1) for t in held]).all(0)
+    return torch.isfinite(sum(t.flatten(1).sum(1) for t in held))
 
 
 def _zeroed(c: Contribution, bad: Tensor) -> Contribution:
