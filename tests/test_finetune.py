@@ -231,6 +231,20 @@ def test_factors_of_one_adapter_are_refused_for_another(tmp_path):
         (line,) = result.stderr.strip().splitlines()
         assert line.startswith("error: the factors were computed with another model.adapter")
         assert line.endswith(f"; run gradscope factors on this config again ({factors})")
+    # TracIn over the run's adapter folders: the factors of the last one serve every one
+    for order, status in ((["lora2", "lora"], 0), (["lora", "lora2"], 2)):
+        checkpoints = [{"path": folder, "weight": 1.0} for folder in order]
+        raw = yaml.safe_load(config.read_text())
+        raw["model"] = {
+            "factory": model["factory"],
+            "pretrained": "base",
+            "checkpoints": checkpoints,
+        }
+        config.write_text(yaml.safe_dump(raw))
+        for command in (["norms"], ["influence", "--ref", str(tmp_path / "data.pt")]):
+            args = [command[0], str(config), *command[1:], "--precondition", factors]
+            result = runner.invoke(app, args)
+            assert result.exit_code == status, (order, command, result.output)
 
 
 def test_a_folder_without_adapter_config_is_named(tmp_path):

@@ -106,8 +106,7 @@ class InfluenceScorer(Scorer):
         if self.precondition:
             from ..curvature import load_preconditioner
 
-            made = job.metadata("influence")  # earlier checkpoints: the same adapter
-            made = made if last else {"adapter_sha256": made["adapter_sha256"]}
+            made = job.metadata("influence") if last else None  # (the last checks for all)
             pre = load_preconditioner(self.precondition, job.engine, made)
             refs = pre.refs(refs)
             self._precondition_kind = pre.describe()

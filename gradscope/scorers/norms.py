@@ -64,10 +64,9 @@ class NormsScorer(Scorer):
         if self.precondition:
             from ..curvature import load_preconditioner
 
-            made = job.metadata("norms")  # earlier checkpoints: the same adapter
-            adapter = {"adapter_sha256": made["adapter_sha256"]}
-            pre = [load_preconditioner(self.precondition, j.engine, adapter) for j in self._earlier]
-            pre.append(load_preconditioner(self.precondition, job.engine, made))
+            # the factors come from the last checkpoint's model and serve every checkpoint
+            pre = [load_preconditioner(self.precondition, j.engine) for j in self._earlier]
+            pre.append(load_preconditioner(self.precondition, job.engine, job.metadata("norms")))
             self._wants = [Want(norms=True, transform=p.transform) for p in pre]
             self._described = {
                 "precondition": {
