@@ -25,14 +25,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from methods import floor  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
-from gradscope.curvature.factors import Factors, fit, metadata  # noqa: E402
+from gradscope.curvature.factors import fit  # noqa: E402
 from gradscope.curvature.precondition import Curvature  # noqa: E402
-from gradscope.engine import (  # noqa: E402
-    Engine,  # noqa: E402
-    Influence,
-    Want,  # noqa: E402
-    reference_gradients,
-)
+from gradscope.curvature.store import Factors, metadata  # noqa: E402
+from gradscope.engine import Engine, Influence, Want, reference_gradients  # noqa: E402
 from gradscope.losses import resolve_loss  # noqa: E402
 
 
@@ -44,8 +40,7 @@ def steps(workload: str) -> dict[str, Callable]:
 
     def factors(ekfac: bool):
         def run() -> Curvature:
-            parts = lambda i, t: engine.contributions(i, t)[1]  # noqa: E731
-            blocks, n = fit(parts, batch, ekfac=ekfac)
+            blocks, n, _ = fit(engine.contributions, batch, ekfac=ekfac)
             return Curvature(Factors(blocks, metadata("", "empirical", n, {})))
 
         return run

@@ -7,16 +7,9 @@ from pathlib import Path
 
 from torch import Tensor, nn
 
-from .curvature import load_preconditioner
-from .engine import (
-    Engine,
-    Forward,
-    Influence,
-    adam_denominator,
-    preconditioned,
-    reference_gradients,
-    total,
-)
+from .curvature import Diagonal, load_preconditioner
+from .curvature.adam import adam_denominator
+from .engine import Engine, Forward, Influence, reference_gradients, total
 from .losses import LossFn, resolve_loss
 
 
@@ -84,6 +77,6 @@ def per_example_influence(
         if isinstance(precondition, str | Path):
             refs = load_preconditioner(precondition, core).refs(refs)
         elif precondition is not None:
-            refs = preconditioned(refs, adam_denominator(precondition, core, "precondition"))
+            refs = Diagonal(adam_denominator(precondition, core, "precondition"), "adam").refs(refs)
         scores = Influence(core, refs, engine, norms=False)(_as_tuple(inputs), targets)
     return scores.inner[:, 0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from contextlib import nullcontext
 from pathlib import Path
@@ -354,8 +355,10 @@ def factors(
         )
     kinds = [b["kind"] for b in made.describe().values()]
     counts = ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds))
+    left = made.meta["left_out"]
+    left = f" ({left} left out: a NaN or infinite loss or gradient)" if left else ""
     terminal.console.print(
-        f"{made.meta['examples']} examples, {made.meta['fisher']} Fisher; {counts}"
+        f"{made.meta['examples']} examples{left}, {made.meta['fisher']} Fisher; {counts}"
     )
     terminal.wrote(out)
 
@@ -421,4 +424,7 @@ def _check_top_k(top_k: int | None) -> None:
 
 
 def main() -> None:
+    for stream in (sys.stdout, sys.stderr):  # a locale that cannot show a character: '?', not
+        if hasattr(stream, "reconfigure"):  # a traceback (the histogram's bars, a path's é)
+            stream.reconfigure(errors="replace")
     app()

@@ -37,7 +37,11 @@ COLUMNS = (
         "loss",
         "float64",
         "always",
-        "The example's own loss (with `model.checkpoints`: at the last checkpoint).",
+        "The example's own loss (with `model.checkpoints`: at the last checkpoint). NaN where "
+        "it counts no target (every target `ignore_index`, or a `causal_lm` row of one token): "
+        "a mean over nothing is not a loss of 0. Such a row's gradient is zero (`grad_norm` "
+        "0), its `finite` false, it ranks under no column (`--by loss:low` included), and "
+        "`summary` says how many there are.",
     ),
     Column(
         "grad_norm",
@@ -124,8 +128,8 @@ COLUMNS = (
         "finite",
         "bool",
         "always",
-        "False when the example's loss or gradient had a NaN or inf; the other rows are "
-        "unaffected.",
+        "False when the example's loss or gradient had a NaN or inf, or the row counts no "
+        "target; the other rows are unaffected.",
     ),
 )
 

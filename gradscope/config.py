@@ -107,7 +107,9 @@ class LossConfig:
     """Passed to the loss, e.g. ``ignore_index`` or ``label_smoothing``."""
     class_dim: int = -1
     """``cross_entropy``/``nll`` on outputs with more than 2 dimensions: where the classes are
-    (-1: (B, T, C) as language models return; 1: (B, C, H, W) segmentation)."""
+    (-1: (B, T, C) as language models return; 1: (B, C, H, W) segmentation). Class-id targets
+    must have the outputs' shape without this dimension, or the run exits 2 naming the one
+    that fits."""
     token_reduction: str = "mean"
     """How one example's loss reduces its extra dimensions: ``mean`` or ``sum`` (positions for
     ``cross_entropy``/``nll``/``causal_lm``, skipping ``ignore_index``; elements for

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 
 class GradscopeError(Exception):
     """Something wrong with the user's input, named with where it is (a file, key or module)."""
@@ -39,3 +42,16 @@ class Interrupted(GradscopeError):
 def one_line(e: BaseException) -> str:
     """An exception's message on one line (library errors often span several)."""
     return " ".join(str(e).split())
+
+
+@contextlib.contextmanager
+def reading(source: str) -> Iterator[None]:
+    """Errors about the data's columns or the loss on them (``data.targets``, ``data.inputs``,
+    ``loss``) raised inside are about ``source``'s rows (REF is read with the data's names),
+    and say so."""
+    try:
+        yield
+    except GradscopeError as e:
+        if e.where and e.where.startswith(("data.", "loss")):
+            e.where = f"{e.where}, in {source}"
+        raise

@@ -4,14 +4,17 @@ metadata it shares."""
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from .config import Config
 from .errors import ConfigError
 from .io.batch import is_glob
 from .io.data import code_file, data_files
+from .io.model import file_sha256
 
 Inputs = list[tuple[str, str]]  # (what names it, path): files and folders a run reads
 
@@ -24,38 +27,64 @@ def run_inputs(cfg: Config, more: Inputs = ()) -> Inputs:
 
 def config_inputs(config: dict) -> Inputs:
     """The files and folders a config reads, from ``Config.to_dict()`` or a scores file's
-    metadata (absolute paths; a key that is missing or not a path names nothing)."""
+    metadata (absolute paths; a key that is missing or not a path, as another tool may leave it,
+    names nothing)."""
     model, data, loss, report = (
         _mapping(config.get(k)) for k in ("model", "data", "loss", "report")
     )
-    named = [("config file", config["source"])] if config.get("source") else []
+    named = [("config file", config.get("source"))]
     for key, spec in (("model.factory", model.get("factory")), ("loss.name", loss.get("name"))):
-        if isinstance(spec, str) and code_file(spec):
+        if _is_path(spec) and code_file(spec):
             named.append((key, code_file(spec)))
-    for key, path in (
+    named += [
         ("model.pretrained", model.get("pretrained")),  # a folder: each of its files is an input
         ("model.checkpoint", model.get("checkpoint")),
         ("model.adapter", model.get("adapter")),  # a folder, like model.pretrained
         ("report.tokenizer", report.get("tokenizer")),
-    ):
-        if isinstance(path, str):
-            named.append((key, path))
-    checkpoints = model.get("checkpoints") or []
-    named += [("model.checkpoints", c["path"]) for c in checkpoints if isinstance(c, dict)]
-    if isinstance(data.get("path"), (str, list)):
-        named += data_inputs("data.path", data["path"])
-    return named
+    ]
+    named += [
+        ("model.checkpoints", _mapping(c).get("path")) for c in _list(model.get("checkpoints"))
+    ]
+    paths = data.get("path")
+    named += data_inputs("data.path", [p for p in _list(paths) if _is_path(p)])
+    return [(key, path) for key, path in named if _is_path(path)]
 
 
 def metadata_inputs(meta: dict) -> Inputs:
     """What the run that wrote a scores file read, as its ``gradscope`` metadata names it."""
-    named = config_inputs(meta.get("config") or {})
+    named = config_inputs(_mapping(meta.get("config")))
     influence = _mapping(meta.get("influence"))
-    if isinstance(influence.get("ref"), str):
+    if _is_path(influence.get("ref")):
         named += data_inputs("--ref", influence["ref"])
-    if isinstance(influence.get("precondition"), dict):
-        named.append(("--precondition", influence["precondition"]["path"]))
+    for scorer in (meta, influence):  # norms keeps its --precondition at the top
+        path = _mapping(scorer.get("precondition")).get("path")
+        named += [("--precondition", path)] if _is_path(path) else []
     return named
+
+
+def check_not_recorded(path: Path, meta: dict) -> None:
+    """Refuse an existing output whose sha256 a scores file's metadata records for an input
+    (the checkpoint, the data, REF, --precondition): where the metadata names no paths
+    (``output.metadata: minimal``), the hashes still tell the inputs."""
+    if not path.is_file():
+        return
+    digest = file_sha256(path)
+    for key, value in _hashes(meta):
+        if value == digest:
+            raise ConfigError(
+                f"the output path holds the file the scores file records as an input ({key}: "
+                "the same sha256); writing there would destroy it, choose another --out",
+                str(path),
+            )
+
+
+def _hashes(meta: object, key: str = "") -> Iterator[tuple[str, str]]:
+    """(dotted key, value) of every ``*sha256`` string in the metadata."""
+    for k, v in meta.items() if isinstance(meta, dict) else ():
+        name = f"{key}.{k}" if key else str(k)
+        if str(k).endswith("sha256") and isinstance(v, str):
+            yield name, v
+        yield from _hashes(v, name)
 
 
 def minimal(metadata: object) -> object:
@@ -90,6 +119,15 @@ def _matches(path: Path, pattern: str) -> bool:
 
 def _mapping(value: object) -> dict:
     return value if isinstance(value, dict) else {}
+
+
+def _list(value: object) -> list:
+    """A list as it is, one path as a list of it, anything else as nothing."""
+    return value if isinstance(value, list) else [value] if isinstance(value, str) else []
+
+
+def _is_path(value: object) -> bool:
+    return isinstance(value, str) and bool(value) and "\0" not in value
 
 
 def _same(a: Path, b: str) -> bool:
@@ -140,3 +178,7 @@ def check_output(path: str | Path, inputs: Inputs) -> None:
         raise ConfigError(f"the output's folder {path.parent} is a file", str(path))
     if not path.parent.is_dir():
         raise ConfigError(f"the output's folder {path.parent} does not exist", str(path))
+    if not os.access(path.parent, os.W_OK | os.X_OK):  # before the work, not after it
+        read_only = os.statvfs(path.parent).f_flag & os.ST_RDONLY
+        reason = os.strerror(errno.EROFS if read_only else errno.EACCES)
+        raise ConfigError(f"cannot write in the output's folder: {reason}", str(path.parent))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,7 @@ from torch import Tensor, nn
 from . import __version__, distributed
 from .config import Config, ModelConfig
 from .engine import CheckReport, Engine, Forward, Plan, compare_with_loop, influence_errors
-from .errors import ConfigError, DataError, ModelError
+from .errors import ConfigError, DataError, ModelError, reading
 from .io.data import Batch, data_sha256, open_dataset
 from .io.model import build_model, file_sha256, import_object
 from .losses import LossFn, resolve_loss
@@ -156,9 +157,11 @@ def check_config(
         reference = batch
         if ref is not None:
             rows = next(open_dataset(cfg.data, ref).batches(examples, examples))
-            reference, _ = _finite(job, rows, ref)
+            with reading(f"--ref {ref}"):
+                reference, _ = _finite(job, rows, ref)
         report = compare_with_loop(job.engine, *batch)
-    report.influence = influence_errors(job.engine, *batch, *reference)
+    with reading(f"--ref {ref}") if ref is not None else contextlib.nullcontext():
+        report.influence = influence_errors(job.engine, *batch, *reference)
     report.non_finite = skipped
     return report
 
@@ -169,8 +172,8 @@ def _finite(
     """The batch's examples whose loss is finite, and how many were left out: a NaN example has
     no error to measure, and would make every engine's look like NaN."""
     inputs, targets = job.to_device(batch)
-    with torch.no_grad():
-        keep = torch.isfinite(job.engine.loss_fn(job.engine.forward(job.model, inputs), targets))
+    with torch.no_grad():  # the engine's losses: an error in the forward is one line
+        keep = torch.isfinite(job.engine.losses(inputs, targets))
     if not keep.any():
         raise DataError("every checked example has a NaN or infinite loss", where)
     return (tuple(t[keep] for t in inputs), targets[keep]), int((~keep).sum())

@@ -38,6 +38,16 @@ def _first(values: Tensor, bad: Tensor) -> str:
     return f"{values[bad].flatten()[0].item():g}"
 
 
+def nothing_counted(name: str, kwargs: dict, targets: Tensor) -> Tensor | None:
+    """(B,) where an example's loss counts no position: every target is ``ignore_index`` (for
+    causal_lm every target after the first, a row of one token included). None for losses
+    that count every element, and for custom ones."""
+    if name not in ("cross_entropy", "nll", "causal_lm") or targets.is_floating_point():
+        return None
+    counted = targets[:, 1:] if name == "causal_lm" else targets
+    return (counted.reshape(len(targets), -1) == kwargs.get("ignore_index", -100)).all(1)
+
+
 def not_class_ids(targets: Tensor, classes: int, ignore_index: int) -> Tensor:
     """Where integer targets are neither a class id of ``classes`` outputs nor ``ignore_index``."""
     return (targets != ignore_index) & ((targets < 0) | (targets >= classes))
@@ -61,6 +71,26 @@ def in_unit_range(targets: Tensor) -> bool:
         return not bool(((targets < 0) | (targets > 1)).any())
 
 
+def check_class_dim(name: str, outputs: Tensor, targets: Tensor, class_dim: int) -> None:
+    """Class-id targets of (B, ...) outputs must have the outputs' shape without the class dim,
+    as F.cross_entropy asks: (B, C, H, W) logits with class_dim -1 and (B, H, W) targets would
+    otherwise be read as (B, C, H) rows of W classes wherever C == W."""
+    if targets.is_floating_point():
+        return  # class probabilities: the outputs' own shape
+    dims = outputs.dim()
+    without = [outputs.shape[:d] + outputs.shape[d + 1 :] for d in range(dims)]
+    if targets.shape == without[class_dim % dims]:
+        return
+    fits = [d for d in range(1, dims) if without[d] == targets.shape]
+    hint = f"; the classes are along dim {fits[0]}: set loss.class_dim: {fits[0]}" if fits else ""
+    raise ConfigError(
+        f"{name} with loss.class_dim {class_dim} takes targets of shape "
+        f"{tuple(without[class_dim % dims])} for outputs of shape {tuple(outputs.shape)}, got "
+        f"{tuple(targets.shape)}{hint}",
+        "loss.class_dim",
+    )
+
+
 def _classification(name: str, kwargs: dict, class_dim: int, token_reduction: str) -> LossFn:
     fn = F.cross_entropy if name == "cross_entropy" else F.nll_loss
     ignore_index = kwargs.get("ignore_index", -100)
@@ -73,6 +103,7 @@ def _classification(name: str, kwargs: dict, class_dim: int, token_reduction: st
                 check_classes(targets, classes, ignore_index)
         if outputs.dim() <= 2:
             return fn(outputs, targets, reduction="none", **kwargs)
+        check_class_dim(name, outputs, targets, class_dim)
         if class_dim in (-1, outputs.dim() - 1) and not targets.is_floating_point():
             # (B*T, C) rows: the (B, C, T) view of language-model logits makes log_softmax and
             # its backward stride over the vocabulary, which doubles the time of a small LM

@@ -171,6 +171,7 @@ def score_dataset(
             kind = resolve_device(device).type
             key = fingerprint(cfg, scorer.command, inputs, scorer.resume_key(), kind)
             run = PartialRun(cfg.output.path, key)
+            run.refuse_foreign()  # before the model is built
             parts = _Parts(run, world, key, resumed_parts(run, key) if resume else None)
             job = Job.from_config(dataclasses.replace(cfg, device=device), trust_checkpoint)
             dataset = open_dataset(cfg.data)

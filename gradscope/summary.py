@@ -6,7 +6,6 @@ other columns are read for the top-k rows alone, row group by row group.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.text import Text
 
 from .errors import ConfigError, DataError
-from .io.parquet import METADATA_KEY
+from .io.parquet import nested, parse_metadata
 from .tables import FittedTable
 
 Columns = dict[str, np.ndarray]  # a few rows of a scores file, column by column
@@ -241,7 +240,7 @@ def rank(
     if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
         raise DataError(f"column {score!r} holds {kind}, not numbers to rank by", "--by")
     values = column(file, score).astype(np.float64)
-    ok = np.isfinite(values) & (column(file, "finite") if "finite" in names else True)
+    ok = np.isfinite(values) & _finite(file, path)
     target = column(file, "target") if "target" in names else None
     spread = Spread.of(values[ok])
     z_class = class_z(values, ok, target) if is_labels(target) and score != "class_z" else None
@@ -259,10 +258,25 @@ def rank(
     return Outliers(file, score, values, ok, target, spread, ends, classes or _classes(file))
 
 
+def _finite(file: pq.ParquetFile, path: str | Path) -> np.ndarray | bool:
+    """The ``finite`` flags as booleans (another tool may have written them as 0 and 1; a
+    missing flag is false); True without the column."""
+    if "finite" not in file.schema_arrow.names:
+        return True
+    kind = file.schema_arrow.field("finite").type
+    if not (pa.types.is_boolean(kind) or pa.types.is_integer(kind)):
+        raise DataError(f"column 'finite' holds {kind}, not true or false", str(path))
+    return column(file, "finite").astype(bool)
+
+
 def _classes(file: pq.ParquetFile) -> list[str] | None:
-    """``data.classes`` of the run that wrote the file, from its metadata (full metadata only)."""
-    meta = json.loads((file.schema_arrow.metadata or {}).get(METADATA_KEY, b"{}"))
-    return ((meta.get("config") or {}).get("data") or {}).get("classes")
+    """``data.classes`` of the run that wrote the file, from its metadata (full metadata only;
+    a value that is not a list of names, as another tool may leave it, is none)."""
+    meta = parse_metadata(file.schema_arrow.metadata)
+    classes = nested(meta, "config", "data", "classes")
+    return (
+        classes if isinstance(classes, list) and all(isinstance(c, str) for c in classes) else None
+    )
 
 
 def sparkline(found: Outliers, plain: bool = False) -> Text:
@@ -347,4 +361,24 @@ def summarize(
             f"MAD {fmt(found.spread.mad)}, {extremes}; {int((~ok).sum())} non-finite."
         )
     )
+    empty = uncounted(found)
+    if empty:
+        parts.append(
+            Text(
+                f"{empty} of them count no target (every target ignore_index): their loss is NaN "
+                "and their gradient zero, and no ranking takes them."
+            )
+        )
     return Group(*parts)
+
+
+def uncounted(found: Outliers) -> int:
+    """How many rows count no target: the scorers write NaN for their loss (a mean over
+    nothing), beside an exact zero gradient; a row whose NaN came from the model has a NaN
+    gradient too."""
+    names = set(found.names)
+    if found.ok.all() or not {"loss", "grad_norm"} <= names:
+        return 0
+    bad = ~found.ok  # kept for the unranked rows alone
+    loss, norm = (column(found.file, n)[bad] for n in ("loss", "grad_norm"))
+    return int((np.isnan(loss) & (norm == 0)).sum())

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pathlib
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from project import edit_checkpoint, edit_config, edit_data, make_project
@@ -48,6 +50,17 @@ class Lookup(Net):
 
 def weighted(outputs, targets):
     return {"per_example": outputs.sum(1)}["weight"]
+
+
+class Seg(nn.Module):
+    '''(B, 3, 2, 3) logits: 3 classes at 2 x 3 pixels, as many classes as columns.'''
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 18)
+
+    def forward(self, x):
+        return self.fc(x).view(-1, 3, 2, 3)
 """
 
 # a billion laughs: eight nested aliases, each ten of the one before, in params.include
@@ -55,6 +68,11 @@ ANCHORS = "params:\n  include:\n    - &a [x, x, x, x, x, x, x, x, x, x]\n" + "".
     f"    - &{b} [*{a}, *{a}, *{a}, *{a}, *{a}, *{a}, *{a}, *{a}, *{a}, *{a}]\n"
     for a, b in zip("abcdefg", "bcdefgh", strict=True)
 )
+
+
+def segmentation(root: Path) -> None:
+    edit_config(root, lambda c: c["model"].update(factory="model.py:Seg", checkpoint=None))
+    edit_data(root, lambda d: d.update(y=torch.randint(0, 3, (len(d["y"]), 2, 3))))
 
 
 # (id, how to spoil the project, extra arguments, start of the error line, text it must name)
@@ -233,6 +251,37 @@ CASES = [
         "net.pt",
     ),
     (
+        "checkpoint-a-scores-file",
+        lambda r: pq.write_table(pa.table({"loss": [1.0]}), r / "net.pt"),
+        [],
+        "checkpoint is a Parquet file (a scores file?), not one that torch.save or safetensors "
+        "writes",
+        "net.pt",
+    ),
+    (
+        "checkpoint-a-text-file",
+        lambda r: (r / "net.pt").write_text("fc1.weight: [1, 2]\n"),
+        [],
+        "checkpoint is not a file that torch.save or safetensors writes",
+        "net.pt",
+    ),
+    (
+        "precondition-a-scores-file",
+        lambda r: pq.write_table(pa.table({"loss": [1.0]}), r / "old.pq"),
+        ["--precondition", "{root}/old.pq"],
+        "--precondition file is a Parquet file (a scores file?), not one that torch.save or "
+        "safetensors writes",
+        "old.pq",
+    ),
+    (
+        "segmentation-with-the-default-class-dim",
+        segmentation,
+        [],
+        "cross_entropy with loss.class_dim -1 takes targets of shape (4, 3, 2) for outputs of "
+        "shape (4, 3, 2, 3), got (4, 2, 3); the classes are along dim 1: set loss.class_dim: 1",
+        "(loss.class_dim)",
+    ),
+    (
         "cuda-without-cuda",
         lambda r: None,
         ["--device", "cuda"],
@@ -386,3 +435,30 @@ def test_precondition_pickle_is_refused_without_suggesting_trust_checkpoint(tmp_
     assert "weights_only=True" in line and "adam.pt" in line, line
     assert "--trust-checkpoint" not in line and "optimizer.state_dict()" in line
     assert not marker.exists()
+
+
+def test_segmentation_logits_score_with_class_dim_1(tmp_path):
+    """The refused config above, with its class_dim set: the loss F.cross_entropy gives; the
+    true Fisher's factors refuse the default class_dim as the loss does."""
+    import pandas as pd
+    import torch.nn.functional as F
+
+    from gradscope.io.model import import_object
+
+    config = make_project(tmp_path)
+    with (tmp_path / "model.py").open("a") as f:
+        f.write(MORE_CODE)
+    segmentation(tmp_path)
+    args = ["factors", str(config), "--out", str(tmp_path / "f.safetensors")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and "set loss.class_dim: 1 (loss.class_dim)" in result.stderr
+    edit_config(tmp_path, lambda c: c.update(loss={"name": "cross_entropy", "class_dim": 1}))
+    assert runner.invoke(app, ["norms", str(config)]).exit_code == 0
+    torch.manual_seed(0)  # the weights a run without checkpoint builds
+    model = import_object(f"{tmp_path / 'model.py'}:Seg", "test")()
+    data = torch.load(tmp_path / "data.pt")
+    with torch.no_grad():
+        expected = F.cross_entropy(model(data["x"]), data["y"], reduction="none").mean((1, 2))
+    got = torch.tensor(pd.read_parquet(tmp_path / "scores.parquet")["loss"].to_numpy())
+    torch.testing.assert_close(got, expected.double(), rtol=1e-6, atol=1e-7)
+    assert runner.invoke(app, [*args, "--fisher", "true"]).exit_code == 0

@@ -14,7 +14,9 @@ from project import load_net, make_project
 from typer.testing import CliRunner
 
 from gradscope.cli import app
+from gradscope.io.model import import_object
 from gradscope.io.parquet import read_metadata
+from gradscope.losses import resolve_loss
 
 runner = CliRunner()
 
@@ -214,3 +216,72 @@ def test_fp16_checkpoint_runs_in_fp16_with_dtype_null(tmp_path):
     result = runner.invoke(app, ["norms", str(config)])
     assert result.exit_code == 0, result.output
     assert read_metadata(tmp_path / "scores.parquet")["dtype"] == "float16"
+
+
+LM = """
+import torch
+from torch import nn
+
+
+class LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(7, 4), nn.Linear(4, 7)
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.emb(ids)))
+"""
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_rows_that_count_no_target_have_no_loss_and_rank_nowhere(tmp_path, reduction):
+    """causal_lm rows whose every target after the first is ignore_index (all of row 2, all
+    but the first of row 4) get a NaN loss, a zero gradient and finite false; the others are
+    the loop's."""
+    (tmp_path / "lm.py").write_text(LM)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 7, (6, 5), generator=g)
+    labels = ids.clone()
+    labels[2] = -100
+    labels[4, 1:] = -100
+    labels[0, 3:] = -100  # padding: the row still counts its first positions
+    torch.save({"ids": ids, "labels": labels}, tmp_path / "data.pt")
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "model: {factory: lm.py:LM}\n"
+        "data: {path: data.pt, inputs: ids, targets: labels, batch_size: 4}\n"
+        f"loss: {{name: causal_lm, token_reduction: {reduction}}}\ndevice: cpu\n"
+        "output: {path: scores.parquet}\n"
+    )
+    result = runner.invoke(app, ["norms", str(config), "--by", "loss:low"])
+    assert result.exit_code == 0, result.output
+    frame = pd.read_parquet(tmp_path / "scores.parquet")
+    empty = frame["example_id"].isin([2, 4]).to_numpy()
+    assert frame.loc[empty, "loss"].isna().all() and (frame.loc[empty, "grad_norm"] == 0).all()
+    assert frame["finite"].tolist() == [True, True, False, True, False, True]
+    torch.manual_seed(0)  # the weights a run without checkpoint builds
+    model = import_object(f"{tmp_path / 'lm.py'}:LM", "test")()
+    loss = resolve_loss("causal_lm", token_reduction=reduction)
+    expected_loss, expected_norm = reference_norms(model, (ids,), labels, loss)
+    got = torch.tensor(frame["loss"].to_numpy())
+    assert_rel_close(got[~empty], expected_loss[~empty], 1e-5)
+    assert_rel_close(torch.tensor(frame["grad_norm"].to_numpy()), expected_norm, 1e-5)
+    text = " ".join(result.output.split())
+    assert "2 non-finite. 2 of them count no target (every target ignore_index)" in text
+    lowest = text.split("lowest first")[1].split("robust_z = ")[0]  # the table's rows
+    assert "│" in lowest and all(f" {i} │" not in lowest for i in (2, 4))
+
+
+def test_a_class_label_that_is_ignore_index_has_no_loss(tmp_path):
+    config = make_project(tmp_path, n=10)
+    data = torch.load(tmp_path / "data.pt")
+    data["y"][5] = -100
+    torch.save(data, tmp_path / "data.pt")
+    torch.save({"x": torch.randn(3, 5), "y": torch.randint(0, 3, (3,))}, tmp_path / "ref.pt")
+    for command in (["norms"], ["influence", "--ref", str(tmp_path / "ref.pt")]):
+        result = runner.invoke(app, [command[0], str(config), *command[1:]])
+        assert result.exit_code == 0, result.output
+        frame = pd.read_parquet(tmp_path / "scores.parquet")
+        assert frame["finite"].tolist() == [True] * 5 + [False] + [True] * 4
+        assert math.isnan(frame["loss"][5]) and frame["grad_norm"][5] == 0
+        assert frame["loss"].drop(index=5).notna().all()

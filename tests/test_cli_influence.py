@@ -185,3 +185,32 @@ def test_user_errors_exit_2(project: Path, monkeypatch, capsys) -> None:
     assert "weights must be finite, >= 0" in _fails(monkeypatch, capsys, negative, "--ref", ref)
     missing = _config(project, checkpoint=None, checkpoints=[{"weight": 1}])
     assert "model.checkpoints[0].path" in _fails(monkeypatch, capsys, missing, "--ref", ref)
+
+
+# (id, REF's rows, the start of the error line, the key it names before ", in --ref")
+BAD_REFS = [
+    ("a-target-out-of-range", {"x": torch.randn(K, 5), "y": torch.tensor([0, 1, 5])},
+     "target 5 is not a class id of the model's 3 outputs", "data.targets"),
+    ("inputs-too-wide", {"x": torch.randn(K, 6), "y": torch.tensor([0, 1, 2])},
+     "the model cannot take inputs of shape (3, 6)", "data.inputs"),
+    ("targets-not-class-ids", {"x": torch.randn(K, 5), "y": torch.tensor([0.5, 1, 2])},
+     "the loss cannot take the model's outputs", "loss"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("rows", "message", "key"), [pytest.param(*c[1:], id=c[0]) for c in BAD_REFS]
+)
+def test_an_error_in_refs_rows_names_ref(project: Path, rows, message, key) -> None:
+    config = _config(project)
+    ref = project / "bad_ref.pt"
+    torch.save(rows, ref)
+    for args in (
+        ["influence", str(config), "--ref", str(ref)],
+        ["check", str(config), "--ref", str(ref)],
+    ):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2, result.output
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith(f"error: {message}"), line
+        assert line.endswith(f"({key}, in --ref {ref})"), line

@@ -9,8 +9,10 @@ import pytest
 import torch
 import yaml
 from oracle import assert_rel_close, reference_influence, reference_norms
+from test_bad_input import Marker
 from test_hf_models import BERT
 from test_hf_models import Keywords as Logits
+from test_hostile import LFS
 from torch import nn
 from typer.testing import CliRunner
 
@@ -205,6 +207,46 @@ def test_lora_bert_classifier_scores_adapters_and_its_trained_head(tmp_path):
     assert result.exit_code == 0, result.output
 
 
+def test_factors_of_one_adapter_are_refused_for_another(tmp_path):
+    lora_folders(tmp_path, "gpt2")
+    torch.manual_seed(1)  # a second adapter of the same shapes, trained otherwise
+    base = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "base")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"])
+    lora.fan_in_fan_out = True
+    adapted(base, lora, tmp_path / "lora2")
+    ids = torch.randint(0, GPT2["vocab_size"], (5, 6))
+    torch.save({"ids": ids}, tmp_path / "data.pt")
+    data = {"path": "data.pt", "inputs": "ids", "targets": "ids"}
+    model = {"factory": "transformers:GPT2LMHeadModel", "pretrained": "base", "adapter": "lora"}
+    run_cli(tmp_path, model, data, "causal_lm")  # writes config.yaml
+    config, factors = tmp_path / "config.yaml", str(tmp_path / "f.safetensors")
+    assert runner.invoke(app, ["factors", str(config), "--out", factors]).exit_code == 0
+    assert runner.invoke(app, ["norms", str(config), "--precondition", factors]).exit_code == 0
+    config.write_text(config.read_text().replace("adapter: lora", "adapter: lora2"))
+    for command in (["norms"], ["influence", "--ref", str(tmp_path / "data.pt")]):
+        result = runner.invoke(
+            app, [command[0], str(config), *command[1:], "--precondition", factors]
+        )
+        assert result.exit_code == 2, result.output
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith("error: the factors were computed with another model.adapter")
+        assert line.endswith(f"; run gradscope factors on this config again ({factors})")
+    # TracIn over the run's adapter folders: the factors of the last one serve every one
+    for order, status in ((["lora2", "lora"], 0), (["lora", "lora2"], 2)):
+        checkpoints = [{"path": folder, "weight": 1.0} for folder in order]
+        raw = yaml.safe_load(config.read_text())
+        raw["model"] = {
+            "factory": model["factory"],
+            "pretrained": "base",
+            "checkpoints": checkpoints,
+        }
+        config.write_text(yaml.safe_dump(raw))
+        for command in (["norms"], ["influence", "--ref", str(tmp_path / "data.pt")]):
+            args = [command[0], str(config), *command[1:], "--precondition", factors]
+            result = runner.invoke(app, args)
+            assert result.exit_code == status, (order, command, result.output)
+
+
 def test_a_folder_without_adapter_config_is_named(tmp_path):
     from gradscope.config import ModelConfig
     from gradscope.errors import ModelError
@@ -219,6 +261,56 @@ def test_a_folder_without_adapter_config_is_named(tmp_path):
     )
     with pytest.raises(ModelError, match="not a peft adapter folder"):
         build_model(cfg)
+
+
+def no_weights(folder) -> None:
+    (folder / "adapter_model.safetensors").unlink()
+
+
+def pickled_weights(folder) -> None:
+    from safetensors.torch import load_file
+
+    weights = load_file(folder / "adapter_model.safetensors")
+    torch.save(weights | {"x": Marker(folder / "ran")}, folder / "adapter_model.bin")
+    no_weights(folder)
+
+
+def lfs_weights(folder) -> None:
+    (folder / "adapter_model.safetensors").write_text(LFS)
+
+
+@pytest.mark.parametrize(
+    ("spoil", "message"),
+    [
+        (no_weights, "the adapter folder has no weights file (adapter_model.safetensors or "
+         "adapter_model.bin) ({folder})"),
+        (pickled_weights, "the adapter's adapter_model.bin holds objects other than tensors and "
+         "is not loaded (that would run its pickle); save the adapter as safetensors ({folder})"),
+        (lfs_weights, "a Git LFS pointer, not the file itself: run `git lfs pull` to fetch it "
+         "({folder}/adapter_model.safetensors)"),
+    ],
+    ids=["no-weights", "pickled-bin", "lfs-pointer"],
+)  # fmt: skip
+def test_an_adapter_folder_whose_weights_cannot_be_loaded(tmp_path, spoil, message):
+    lora_folders(tmp_path, "gpt2")
+    spoil(tmp_path / "lora")
+    torch.save({"ids": torch.randint(0, GPT2["vocab_size"], (3, 6))}, tmp_path / "data.pt")
+    config = tmp_path / "config.yaml"
+    raw = {
+        "model": {
+            "factory": "transformers:GPT2LMHeadModel",
+            "pretrained": "base",
+            "adapter": "lora",
+        },
+        "data": {"path": "data.pt", "inputs": "ids", "targets": "ids"},
+        "loss": {"name": "causal_lm"},
+        "device": "cpu",
+    }
+    config.write_text(yaml.safe_dump(raw))
+    result = runner.invoke(app, ["norms", str(config)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == "error: " + message.format(folder=tmp_path / "lora")
+    assert not (tmp_path / "lora" / "ran").exists()
 
 
 # -- half precision from the config's dtype ---------------------------------------------------

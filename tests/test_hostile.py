@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -56,6 +57,19 @@ def scored(root: Path) -> None:
     """A scores file whose metadata names the run's inputs; the config then goes."""
     assert runner.invoke(app, ["norms", str(root / "config.yaml")]).exit_code == 0
     (root / "config.yaml").unlink()
+
+
+def preconditioned(metadata: str):
+    """A scores file of norms --precondition with factors, its metadata ``metadata``."""
+
+    def setup(root: Path) -> None:
+        edit_config(root, lambda c: c["output"].update(metadata=metadata))
+        config, factors = str(root / "config.yaml"), str(root / "f.safetensors")
+        args = ["factors", config, "--out", factors, "--fisher", "empirical"]
+        assert runner.invoke(app, args).exit_code == 0
+        assert runner.invoke(app, ["norms", config, "--precondition", factors]).exit_code == 0
+
+    return setup
 
 
 def device(root: Path) -> None:
@@ -102,6 +116,24 @@ REFUSED = [
         scored,
         ["report", "{r}/scores.parquet", "--out", "{r}/net.pt"],
         "the output path is the run's model.checkpoint (",
+    ),
+    (
+        "report-onto-the-factors-its-metadata-names",
+        preconditioned("full"),
+        ["report", "{r}/scores.parquet", "--out", "{r}/f.safetensors"],
+        "the output path is the run's --precondition (",
+    ),
+    (
+        "report-onto-the-factors-minimal-metadata-records",
+        preconditioned("minimal"),
+        ["report", "{r}/scores.parquet", "--out", "{r}/f.safetensors"],
+        "the output path holds the file the scores file records as an input (precondition.sha256: ",
+    ),
+    (
+        "report-onto-the-checkpoint-minimal-metadata-records",
+        preconditioned("minimal"),
+        ["report", "{r}/scores.parquet", "--out", "{r}/net.pt"],
+        "the output path holds the file the scores file records as an input (checkpoint_sha256: ",
     ),
     (
         "new-file-a-data-glob-matches",
@@ -502,6 +534,30 @@ def test_csv_shards_whose_target_types_differ_assemble(tmp_path):
     assert frame["target"].iloc[9:].tolist() == [round(v) for v in frame["target"].iloc[9:]]
 
 
+@pytest.mark.parametrize("batch_size", [3, 4], ids=["a-shard-a-batch", "a-batch-spans-both"])
+def test_csv_shards_whose_id_types_differ_give_text_ids(tmp_path, batch_size):
+    config = make_project(
+        tmp_path,
+        model__factory="model.py:Columns",
+        model__checkpoint=None,
+        data__path="shard-*.csv",
+        data__inputs=[f"f{k}" for k in range(5)],
+        data__ids="id",
+        data__batch_size=batch_size,
+    )
+    g = torch.Generator().manual_seed(0)
+    for n, name in enumerate(["{}", "row{}"]):  # whole numbers in one shard: int64
+        lines = [
+            ",".join([name.format(k), *(f"{v:.3f}" for v in torch.randn(5, generator=g)), "1"])
+            for k in range(9)
+        ]
+        (tmp_path / f"shard-{n}.csv").write_text("id,f0,f1,f2,f3,f4,y\n" + "\n".join(lines))
+    result = runner.invoke(app, ["norms", str(config)])
+    assert result.exit_code == 0, result.output
+    ids = pd.read_parquet(tmp_path / "scores.parquet")["id"].tolist()
+    assert ids == [str(k) for k in range(9)] + [f"row{k}" for k in range(9)]
+
+
 def test_check_leaves_out_a_nan_example_and_says_so(tmp_path):
     config = make_project(tmp_path)
     edit_data(tmp_path, lambda d: d["x"].__setitem__((2, 1), float("nan")))
@@ -588,6 +644,93 @@ def test_minimal_metadata_holds_no_config_and_no_path(tmp_path):
     assert str(tmp_path) in json.dumps(read_metadata(tmp_path / "scores.parquet"))
 
 
+def _config(edit):
+    return lambda m: {**m, "config": edit(m["config"])}
+
+
+def _data(edit):
+    return _config(lambda c: {**c, "data": edit(c["data"])})
+
+
+# (id, the metadata another tool left: a function of the metadata gradscope wrote)
+EDITED = [
+    ("not-json", lambda m: "{not json"),
+    ("a-list", lambda m: [1, 2]),
+    ("config-a-string", _config(lambda c: "x")),
+    ("data-a-list", _config(lambda c: {**c, "data": [1]})),
+    ("classes-a-dict", _data(lambda d: {**d, "classes": {"a": 1}})),
+    ("classes-numbers", _data(lambda d: {**d, "classes": [1, 2, 3]})),
+    ("data-path-numbers", _data(lambda d: {**d, "path": [5]})),
+    ("a-nul-in-a-path", _data(lambda d: {**d, "path": "data\0.pt"})),
+    ("source-a-number", _config(lambda c: {**c, "source": 5})),
+    ("checkpoints-without-path", _config(lambda c: {**c, "model": {"checkpoints": [{}, 3]}})),
+    ("checkpoint-path-a-number", _config(lambda c: {**c, "model": {"checkpoints": [{"path": 1}]}})),
+    ("precondition-a-string", lambda m: {**m, "influence": {"precondition": "x", "ref": 3}}),
+    ("precondition-path-a-number", lambda m: {**m, "influence": {"precondition": {"path": 3}}}),
+    ("data-sha256-a-number", lambda m: {**m, "data_sha256": 5}),
+    ("command-a-mapping", lambda m: {**m, "command": {"a": 1}}),
+]  # fmt: skip
+
+
+def test_summary_and_report_read_metadata_another_tool_edited(tmp_path):
+    config = make_project(tmp_path, data__classes=["a", "b", "c"])
+    assert runner.invoke(app, ["norms", str(config)]).exit_code == 0
+    table = pq.read_table(tmp_path / "scores.parquet")
+    written = json.loads(table.schema.metadata[b"gradscope"])
+    edited = tmp_path / "edited.parquet"
+    for name, edit in EDITED:
+        meta = edit(written)
+        text = meta if isinstance(meta, str) else json.dumps(meta)
+        pq.write_table(table.replace_schema_metadata({b"gradscope": text.encode()}), edited)
+        for args in (["summary"], ["report"], ["report", "--config", str(config)]):
+            result = runner.invoke(app, [args[0], str(edited), *args[1:]])
+            assert result.exit_code == 0, (name, args, result.output)
+
+
+def test_summary_and_report_of_columns_another_tool_rewrote(tmp_path):
+    """finite as 0 and 1 (an int column) ranks as the bools did; as text it is one line; a file
+    without example_id is reported without its examples."""
+    config = make_project(tmp_path)
+    edit_data(tmp_path, lambda d: d["x"].__setitem__((3, 1), float("nan")))
+    assert runner.invoke(app, ["norms", str(config)]).exit_code == 0
+    table = pq.read_table(tmp_path / "scores.parquet")
+    at = table.schema.get_field_index("finite")
+    edited = tmp_path / "edited.parquet"
+
+    def summary() -> str:
+        result = runner.invoke(app, ["summary", str(edited)])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    pq.write_table(table, edited)
+    original = summary()
+    assert "1 non-finite" in original
+    pq.write_table(table.set_column(at, "finite", table["finite"].cast(pa.int64())), edited)
+    assert summary() == original
+    pq.write_table(table.set_column(at, "finite", table["finite"].cast(pa.string())), edited)
+    line = one_error(runner.invoke(app, ["summary", str(edited)]))
+    assert line == f"error: column 'finite' holds string, not true or false ({edited})"
+    pq.write_table(table.drop(["example_id"]), edited)
+    result = runner.invoke(app, ["report", str(edited), "--config", str(config)])
+    assert result.exit_code == 0, result.output
+
+
+def test_minimal_metadata_with_precondition_and_report(tmp_path):
+    config = make_project(tmp_path, output__metadata="minimal")
+    torch.save({"x": torch.randn(3, 5), "y": torch.randint(0, 3, (3,))}, tmp_path / "ref.pt")
+    factors = tmp_path / "f.safetensors"
+    args = ["factors", str(config), "--out", str(factors), "--fisher", "empirical"]
+    assert runner.invoke(app, args).exit_code == 0
+    for command in (["norms"], ["influence", "--ref", str(tmp_path / "ref.pt")]):
+        out = tmp_path / f"{command[0]}.parquet"
+        args = [command[0], str(config), *command[1:], "--precondition", str(factors)]
+        result = runner.invoke(app, [*args, "--out", str(out), "--report"])
+        assert result.exit_code == 0, result.output
+        assert out.with_suffix(".html").is_file()
+        result = runner.invoke(app, ["report", str(out), "--config", str(config)])
+        assert result.exit_code == 0, result.output
+
+
 def test_a_column_named_like_a_glob_is_that_column(tmp_path):
     config = make_project(tmp_path)
     plain = whole_run(config, tmp_path)
@@ -617,3 +760,18 @@ def test_factors_follow_no_link_planted_at_the_old_temporary_name(tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert target.read_text() == "precious\n" and out.is_file() and not out.is_symlink()
+
+
+def test_a_locale_that_cannot_show_the_histogram(tmp_path):
+    """LANG=C without Python's UTF-8 mode: stdout is ASCII; the bars print as '?'."""
+    config = make_project(tmp_path)
+    env = {**os.environ, "LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}
+    for args in (["norms", str(config), "--report"], ["summary", str(tmp_path / "scores.parquet")]):
+        done = subprocess.run(
+            [sys.executable, "-m", "gradscope", *args],
+            env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        histogram = next(line for line in done.stdout.splitlines() if line.startswith("grad_norm"))
+        assert "?" in histogram, done.stdout
+    assert (tmp_path / "scores.html").read_text().startswith("<!")

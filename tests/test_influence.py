@@ -10,13 +10,8 @@ from oracle import Case, reference_influence
 from torch import Tensor, nn
 
 import gradscope
-from gradscope.engine import (
-    Engine,
-    Influence,
-    adam_denominator,
-    influence_errors,
-    reference_gradients,
-)
+from gradscope.curvature.adam import adam_denominator
+from gradscope.engine import Engine, Influence, influence_errors, reference_gradients
 from gradscope.errors import GradscopeError
 from gradscope.losses import resolve_loss
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import signal
 import subprocess
 import time
@@ -24,13 +26,15 @@ from project import (
 from typer.testing import CliRunner
 
 from gradscope.cli import app
-from gradscope.io.lock import lock_path
+from gradscope.io.lock import OutputLock, lock_path
 from gradscope.io.parquet import partial_path, read_metadata
 
 runner = CliRunner()
 
 HELD_MODEL = """
+import errno
 import os
+import re
 import signal
 import time
 
@@ -407,3 +411,111 @@ def test_plan_change_on_a_later_batch_reaches_the_metadata(tmp_path):
     _, norm = reference_norms(net, (x,), y, "cross_entropy")
     frame = pd.read_parquet(tmp_path / "scores.parquet")
     assert_rel_close(torch.tensor(frame["grad_norm"].to_numpy()), norm, 1e-4)
+
+
+def refuse(*args, **kwargs):
+    raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+
+COMMANDS = {  # each writes one output into the folder {o}
+    "norms": ["norms", "{c}", "--out", "{o}/scores.parquet"],
+    "factors": ["factors", "{c}", "--out", "{o}/f.safetensors", "--fisher", "empirical"],
+    "report": ["report", "{r}/scores.parquet", "--out", "{o}/scores.html"],
+}
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_a_read_only_output_folder_is_refused_before_the_work(
+    tmp_path, mount, monkeypatch, command
+):
+    config = project(tmp_path)
+    assert runner.invoke(app, ["norms", str(config)]).exit_code == 0  # what report reads
+    out = mount("ro,size=1m")
+
+    def built(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr("gradscope.job.Job.from_config", built)
+    args = [a.format(c=config, r=tmp_path, o=out) for a in COMMANDS[command]]
+    line = one_error(runner.invoke(app, args))
+    assert line == f"error: cannot write in the output's folder: Read-only file system ({out})"
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_a_write_the_folder_refuses_is_one_line_when_its_clean_up_fails_too(
+    tmp_path, monkeypatch, command
+):
+    config = project(tmp_path)
+    assert runner.invoke(app, ["norms", str(config)]).exit_code == 0
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setattr(os, "replace", refuse)  # a read-only file system: nothing is removed
+    unlink = Path.unlink
+    monkeypatch.setattr(
+        Path,
+        "unlink",
+        lambda self, missing_ok=False: (
+            refuse() if self.name.endswith(".tmp") else unlink(self, missing_ok)
+        ),
+    )
+    args = [a.format(c=config, r=tmp_path, o=out) for a in COMMANDS[command]]
+    line = one_error(runner.invoke(app, args))
+    assert re.match(r"error: cannot write the \w+: Read-only file system \(", line), line
+    assert not lock_path(out / "scores.parquet").exists()
+
+
+def test_a_lock_file_the_folder_keeps_ends_the_run_without_a_traceback(tmp_path, monkeypatch):
+    config = project(tmp_path)
+    unlink = Path.unlink
+    monkeypatch.setattr(
+        Path,
+        "unlink",
+        lambda self, missing_ok=False: (
+            refuse() if self.suffix == ".lock" else unlink(self, missing_ok)
+        ),
+    )
+    result = runner.invoke(app, ["norms", str(config)])
+    assert result.exit_code == 0, result.output
+    assert lock_path(tmp_path / "scores.parquet").exists()
+    monkeypatch.undo()
+    assert runner.invoke(app, ["norms", str(config)]).exit_code == 0  # taken over
+
+
+@pytest.mark.parametrize("name", [".a.parquet.lock", ".a.parquet.partial"])
+def test_an_earlier_output_named_like_a_runs_lock_or_partial_folder_is_left_alone(tmp_path, name):
+    config = project(tmp_path)
+    earlier = tmp_path / name
+    assert runner.invoke(app, ["norms", str(config), "--out", str(earlier)]).exit_code == 0
+    kept = earlier.read_bytes()
+    out = str(tmp_path / "a.parquet")
+    for resume in ([], ["--resume"]):
+        line = one_error(runner.invoke(app, ["norms", str(config), "--out", out, *resume]))
+        assert line in (
+            f"error: the lock file is a file with other content (an earlier output?), not one "
+            f"gradscope made; it is left as it is: remove it or choose another --out ({earlier})",
+            f"error: a file that no gradscope run made is at the partial folder's name; it is "
+            f"left as it is: move it or choose another --out ({earlier})",
+        ), line
+        assert earlier.read_bytes() == kept and not (tmp_path / "a.parquet").exists()
+
+
+def test_a_folder_of_other_files_at_the_partial_folders_name_is_left_alone(tmp_path):
+    config = project(tmp_path)
+    partial = partial_path(tmp_path / "scores.parquet")
+    partial.mkdir()
+    (partial / "manifest.json").write_text("{}")
+    (partial / "notes.txt").write_text("mine")
+    for resume in ([], ["--resume"]):
+        line = one_error(runner.invoke(app, ["norms", str(config), *resume]))
+        assert line.startswith("error: a folder holding 'notes.txt' that no gradscope"), line
+        assert (partial / "notes.txt").read_text() == "mine"
+    (partial / "notes.txt").unlink()  # an earlier run's folder: begun afresh
+    assert runner.invoke(app, ["norms", str(config)]).exit_code == 0 and not partial.exists()
+
+
+def test_a_file_put_at_the_lock_name_during_the_run_stays(tmp_path):
+    out = tmp_path / "scores.parquet"
+    with OutputLock(out):
+        (tmp_path / "other").write_text("an output")
+        os.replace(tmp_path / "other", lock_path(out))
+    assert lock_path(out).read_text() == "an output"

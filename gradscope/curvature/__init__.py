@@ -8,9 +8,10 @@ from pathlib import Path
 
 from ..config import Config
 from ..engine import Engine
-from .factors import EKFAC, KFAC, Factors, factored_convs, fit, is_factors_file, metadata
+from .factors import EKFAC, KFAC, factored_convs, fit
 from .fisher import SampledLoss, check_fisher
 from .precondition import Curvature, Diagonal, Preconditioner, load_preconditioner
+from .store import Factors, is_factors_file, metadata
 
 __all__ = [
     "Curvature",
@@ -64,8 +65,8 @@ def fit_factors(
             sampled.seed = k
 
     with engine, factored_convs():
-        blocks, examples = fit(
-            lambda inputs, targets: engine.contributions(inputs, targets)[1],
+        blocks, examples, left_out = fit(
+            engine.contributions,
             batches,
             ekfac=ekfac,
             reseed=reseed,
@@ -73,6 +74,7 @@ def fit_factors(
         )
     model = job.metadata("factors")
     model["plan"] = engine.plan.describe()
-    factors = Factors(blocks, metadata(EKFAC if ekfac else KFAC, fisher, examples, model))
+    meta = metadata(EKFAC if ekfac else KFAC, fisher, examples, model) | {"left_out": left_out}
+    factors = Factors(blocks, meta)
     factors.save(out)
     return factors

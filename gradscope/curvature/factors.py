@@ -1,4 +1,4 @@
-"""K-FAC and EK-FAC factors from the engine's factored per-example gradients, and their file.
+"""K-FAC and EK-FAC factors from the engine's factored per-example gradients (the file: store.py).
 
 Definitions (N examples, G_i example i's gradient of one parameter, F = E_i[vec G_i vec G_i^T]):
 
@@ -26,16 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from .. import __version__
 from ..errors import GradscopeError, ModelError
 from ..rules import Contribution, Dense, Outer, Rows
 from ..rules.base import CHUNK_ELEMENTS
@@ -43,7 +40,6 @@ from ..rules.embedding import _example_keys
 
 KFAC, EKFAC, DIAGONAL = "kfac", "ekfac", "diagonal"
 DAMPING = 0.1  # x the mean eigenvalue
-KEY = "gradscope"  # the safetensors metadata key, as the Parquet files'
 Batches = Iterable[tuple[tuple[Tensor, ...], Tensor]]
 
 
@@ -230,108 +226,85 @@ def add_eigenvalues(acc: Accumulator, blocks: dict[str, Block]) -> None:
             block.damping["lambda"] = damping(block.tensors["lambda"])
 
 
-@dataclass
-class Factors:
-    """Every selected parameter's block, with what they were computed from."""
-
-    blocks: dict[str, Block]
-    meta: dict
-
-    @property
-    def method(self) -> str:
-        return self.meta["method"]
-
-    def describe(self) -> dict:
-        return {n: b.describe() for n, b in self.blocks.items()}
-
-    def save(self, path: str | Path) -> None:
-        """One safetensors file; the metadata (JSON under ``gradscope``) holds the fingerprint."""
-        from safetensors.torch import save
-
-        from ..io.parquet import replace_atomically
-
-        tensors = {
-            f"{name}/{key}": t.contiguous()
-            for name, b in self.blocks.items()
-            for key, t in b.tensors.items()
-        }
-        meta = self.meta | {"blocks": self.describe()}
-        data = save(tensors, metadata={KEY: json.dumps(meta)})
-        # a new temporary name of its own, never a link planted in a shared folder
-        replace_atomically(Path(path), lambda f: f.write(data), "the factors")
-
-    @classmethod
-    def load(cls, path: str | Path) -> Factors:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            meta = json.loads((f.metadata() or {})[KEY])
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
-        blocks = {}
-        for name, info in meta.pop("blocks").items():
-            kind = DIAGONAL if info["kind"] == DIAGONAL else KFAC
-            prefix = f"{name}/"
-            mine = {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix)}
-            blocks[name] = Block(kind, torch.Size(info["shape"]), mine, dict(info["damping"]))
-        return cls(blocks, meta)
+Parts = dict[str, Contribution | None]
 
 
-def is_factors_file(path: str | Path) -> bool:
-    """Whether ``path`` is a safetensors file holding gradscope factors (told by its content)."""
-    try:
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            if not 2 <= size <= 100_000_000:
-                return False
-            header = json.loads(f.read(size))
-    except (OSError, ValueError):
-        return False
-    meta = header.get("__metadata__", {}) if isinstance(header, dict) else {}
-    return KEY in meta and '"factors"' in meta[KEY]
+def _finite(c: Contribution) -> Tensor:
+    """(B,) whether each example's part of the gradient is finite everywhere: its sum is (a NaN
+    or inf anywhere makes it NaN or inf; float32 or wider, where a sum of finite values does not
+    overflow), one reduction and no (B, ...) mask."""
+    if isinstance(c, Outer):
+        held = (c.s, c.a)
+    elif isinstance(c, Rows) or type(c) is Dense:
+        held = (c.s if isinstance(c, Rows) else c.grads,)
+    else:  # formed a few examples at a time: its norms tell, without holding them all
+        return torch.isfinite(c.norm_sq())
+    return torch.isfinite(sum(t.flatten(1).sum(1) for t in held))
+
+
+def _zeroed(c: Contribution, bad: Tensor) -> Contribution:
+    """``c`` with the examples where ``bad`` is set at zero: they add nothing to any sum."""
+
+    def zero(t: Tensor) -> Tensor:
+        return t.masked_fill(bad.to(t.device).view(-1, *[1] * (t.dim() - 1)), 0)
+
+    if isinstance(c, Outer):  # zero rows are not counted positions either
+        return Outer(zero(c.s), zero(c.a), c.shape, c.lengths)
+    if isinstance(c, Rows):
+        return Rows(c.ids, zero(c.s), c.shape[0])
+    return Dense(zero(c.grads if isinstance(c, Dense) else c.materialize()))
+
+
+def finite_parts(loss: Tensor, parts: Parts) -> tuple[Parts, int]:
+    """The parts with every example whose loss or gradient has a NaN or inf left out (zeroed),
+    and how many were: one such example would make every block it touches NaN."""
+    keep = torch.isfinite(loss.detach())
+    for c in parts.values():
+        if c is not None:
+            keep &= _finite(c).to(keep.device)
+    bad = ~keep
+    if not bad.any():
+        return parts, 0
+    zeroed = {n: None if c is None else _zeroed(c, bad) for n, c in parts.items()}
+    return zeroed, int(bad.sum())
 
 
 def fit(
-    contributions: Callable[[tuple[Tensor, ...], Tensor], dict[str, Contribution | None]],
+    contributions: Callable[[tuple[Tensor, ...], Tensor], tuple[Tensor, Parts]],
     batches: Callable[[], Batches],
     *,
     ekfac: bool = False,
     reseed: Callable[[int], None] | None = None,
     on_batch: Callable[[int], None] | None = None,
-) -> tuple[dict[str, Block], int]:
-    """The blocks from one pass over ``batches()`` (two with ``ekfac``), and the examples seen.
+) -> tuple[dict[str, Block], int, int]:
+    """The blocks from one pass over ``batches()`` (two with ``ekfac``), the examples they hold,
+    and how many were left out for a NaN or infinite loss or gradient.
 
-    ``contributions(inputs, targets)`` gives each parameter's factored per-example gradients;
-    ``reseed(k)`` is called before batch k of each pass (the true Fisher's label draws: the
-    eigenvalue pass draws afresh, as kronfluence's does).
+    ``contributions(inputs, targets)`` gives the per-example losses and each parameter's
+    factored per-example gradients; ``reseed(k)`` is called before batch k of each pass (the
+    true Fisher's label draws: the eigenvalue pass draws afresh, as kronfluence's does).
     """
-    acc = Accumulator()
+    acc, left = Accumulator(), 0
     for k, (inputs, targets) in enumerate(batches()):
         if reseed:
             reseed(k)
-        acc.covariances(contributions(inputs, targets), targets.shape[0])
+        parts, bad = finite_parts(*contributions(inputs, targets))
+        acc.covariances(parts, targets.shape[0] - bad)
+        left += bad
         if on_batch:
             on_batch(targets.shape[0])
     if not acc.examples:
-        raise GradscopeError("no examples to compute factors from", "data")
+        what = "every example has a NaN or infinite loss or gradient" if left else "no examples"
+        raise GradscopeError(f"{what}: no factors to compute", "data")
     blocks = blocks_from(acc)
     if ekfac:
         second = Accumulator()
         for k, (inputs, targets) in enumerate(batches()):
             if reseed:
                 reseed(1_000_003 + k)
-            second.eigenvalues(contributions(inputs, targets), targets.shape[0], blocks)
+            parts, bad = finite_parts(*contributions(inputs, targets))
+            second.eigenvalues(parts, targets.shape[0] - bad, blocks)
             if on_batch:
                 on_batch(targets.shape[0])
         add_eigenvalues(second, blocks)
-    return blocks, acc.examples
-
-
-def metadata(method: str, fisher: str, examples: int, fingerprint: dict) -> dict:
-    return {
-        "kind": "factors",
-        "version": __version__,
-        "method": method,
-        "fisher": fisher,
-        "examples": examples,
-        "model": fingerprint,
-    }
+    return blocks, acc.examples, left

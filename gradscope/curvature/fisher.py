@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ConfigError
-from ..losses import LossFn
+from ..losses import LossFn, check_class_dim
 
 FISHERS = ("true", "empirical")
 # losses whose targets the model's output is a distribution over
@@ -31,8 +31,10 @@ def check_fisher(fisher: str, loss_name: str) -> None:
 
 
 def _categorical(probs: Tensor, generator: torch.Generator) -> Tensor:
-    """One class per row of (N, C) probabilities."""
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    """One class per row of (N, C) probabilities; any class for a row of NaN or inf (its loss
+    is NaN then, and the factors leave the example out)."""
+    usable = torch.isfinite(probs).all(-1, keepdim=True) & (probs.sum(-1, keepdim=True) > 0)
+    return torch.multinomial(torch.where(usable, probs, 1.0), 1, generator=generator)[:, 0]
 
 
 class SampledLoss:
@@ -57,7 +59,7 @@ class SampledLoss:
             noise = torch.randn(out.shape, generator=g, device=out.device) * 0.5**0.5
             return (out + noise).to(output.dtype).reshape(targets.shape)
         if self.name == "bce_with_logits":
-            drawn = torch.bernoulli(out.sigmoid(), generator=g)
+            drawn = torch.bernoulli(out.sigmoid().nan_to_num(0.5), generator=g)
             return drawn.to(targets.dtype if targets.is_floating_point() else out.dtype)
         if self.name == "causal_lm":  # logits at 0..T-2 predict the tokens at 1..T-1
             logits = out[:, :-1]  # (B, T-1, V)
@@ -67,6 +69,8 @@ class SampledLoss:
             sampled[:, 1:] = torch.where(keep, targets[:, 1:], drawn.view(keep.shape))
             return sampled
         # cross_entropy / nll: classes along class_dim (dim 1 of a (B, C) output)
+        if out.dim() > 2:  # the data's targets tell a class_dim that does not fit
+            check_class_dim(self.name, out, targets, self.class_dim)
         dim = 1 if out.dim() <= 2 else self.class_dim % out.dim()
         scores = out.movedim(dim, -1)  # (B, ..., C)
         probs = scores.exp() if self.name == "nll" else scores.softmax(-1)

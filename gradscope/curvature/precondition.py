@@ -23,7 +23,9 @@ from torch import Tensor
 from ..errors import ModelError
 from ..rules import Contribution, Dense, Outer, Rows
 from ..rules.base import CHUNK_ELEMENTS, accumulation_dtype, rows
-from .factors import DIAGONAL, Block, Factors, is_factors_file, times
+from .adam import adam_denominator
+from .factors import DIAGONAL, Block, times
+from .store import Factors, is_factors_file
 
 
 class Weighted(Contribution):
@@ -193,27 +195,46 @@ def check_fits(factors: Factors, engine, where: str) -> None:
         raise ModelError(f"the factors do not fit the selected parameters ({what})", where)
 
 
-def load_preconditioner(
-    path: str | Path, engine, checkpoint_sha256: str | None = None
-) -> Preconditioner:
+def load_preconditioner(path: str | Path, engine, model: dict | None = None) -> Preconditioner:
     """A factors file (``gradscope factors``) or an Adam/AdamW ``state_dict()``, told apart by
-    their content. Factors must fit the engine's selected parameters, and come from the same
-    checkpoint when ``checkpoint_sha256`` is given."""
-    from ..engine import adam_denominator
+    their content. Factors must fit the engine's selected parameters, and come from the model
+    that ``model`` describes: each of its ``checkpoint_sha256`` and ``adapter_sha256`` that is
+    given is compared with the factors' own."""
     from ..io.model import load_state_dict
 
     where = str(path)
     if is_factors_file(path):
         factors = Factors.load(path)
         check_fits(factors, engine, where)
-        made = factors.meta.get("model", {}).get("checkpoint_sha256")
-        if checkpoint_sha256 and made and made != checkpoint_sha256:
-            raise ModelError(
-                "the factors were computed at another checkpoint (its sha256 differs); run "
-                "gradscope factors on this config again",
-                where,
-            )
+        check_made(factors, model or {}, where)
         return Curvature(factors)
     hint = "; save optimizer.state_dict() itself, which holds only tensors and numbers"
-    state = load_state_dict(path, hint=hint)
+    state = load_state_dict(path, hint=hint, what="--precondition file")
     return Diagonal(adam_denominator(state, engine, where), "adam")
+
+
+def check_made(factors: Factors, model: dict, where: str) -> None:
+    """The factors must come from this checkpoint (where both know it) and this adapter (where
+    the factors record theirs: none is an adapter too)."""
+    made = factors.meta.get("model")
+    made = made if isinstance(made, dict) else {}
+    ours, theirs = model.get("checkpoint_sha256"), made.get("checkpoint_sha256")
+    if ours and theirs and ours != theirs:
+        raise ModelError(
+            "the factors were computed at another checkpoint (its sha256 differs); run "
+            "gradscope factors on this config again",
+            where,
+        )
+    if "adapter_sha256" in model and "adapter_sha256" in made:
+        ours, theirs = model["adapter_sha256"], made["adapter_sha256"]
+        if ours != theirs:
+            raise ModelError(
+                f"the factors were computed with another model.adapter (sha256 "
+                f"{_short(theirs)}, this config's {_short(ours)}); run gradscope factors on "
+                "this config again",
+                where,
+            )
+
+
+def _short(sha: object) -> str:
+    return f"{sha[:12]}..." if isinstance(sha, str) else "none"

@@ -6,6 +6,7 @@ dead run is simply taken over; the pid written inside is only there to name the 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -54,6 +55,9 @@ class OutputLock:
             if not S_ISREG(stat.st_mode) or stat.st_nlink != 1:  # a hard link to another file
                 os.close(fd)
                 raise _planted(self.file, "not a lock file of its own (a link or a device)")
+            if not _lock_like(fd, stat.st_size):  # never truncated, never removed: not ours
+                os.close(fd)
+                raise _planted(self.file, "a file with other content (an earlier output?)")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -73,7 +77,12 @@ class OutputLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            self.file.unlink(missing_ok=True)  # before unlocking: a waiting run makes a new file
+            # before unlocking: a waiting run makes a new file; one put in its place meanwhile
+            # is not ours, and a folder made read-only during the run keeps it (the kernel drops
+            # the lock all the same)
+            if _same_file(self._fd, self.file):
+                with contextlib.suppress(OSError):
+                    self.file.unlink(missing_ok=True)
             os.close(self._fd)
             self._fd = None
 
@@ -84,6 +93,12 @@ def _planted(file: Path, what: str) -> ConfigError:
         "choose another --out",
         str(file),
     )
+
+
+def _lock_like(fd: int, size: int) -> bool:
+    """Whether a file holds what a lock file holds: nothing yet, or its holder's pid."""
+    text = os.pread(fd, 32, 0).strip() if size <= 32 else b"x"
+    return not text or text.isdigit()
 
 
 def _same_file(fd: int, path: Path) -> bool:

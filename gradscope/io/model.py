@@ -75,6 +75,7 @@ def _sha256(path: str, size: int, mtime_ns: int) -> str:
     return digest.hexdigest()
 
 
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # what peft saves, loads
 LFS_POINTER = "a Git LFS pointer, not the file itself: run `git lfs pull` to fetch it"
 
 
@@ -88,15 +89,16 @@ def load_state_dict(
     path: str | Path,
     trust: bool = False,
     hint: str = "; pass --trust-checkpoint only if you trust its author",
+    what: str = "checkpoint",
 ) -> dict[str, Any]:
     """Load a state dict from .safetensors, or .pt/.pth with ``weights_only=True``.
 
     An arbitrary pickle is refused without running it unless ``trust`` is set; ``hint`` ends
-    that error (what the user can do about it).
+    that error (what the user can do about it). ``what`` names the file in every error.
     """
     path = Path(path)
     if not path.is_file():
-        raise ModelError("checkpoint not found", str(path))
+        raise ModelError(f"{what} not found", str(path))
     if lfs_pointer(path):
         raise ModelError(LFS_POINTER, str(path))
     if path.suffix == ".safetensors":
@@ -105,19 +107,24 @@ def load_state_dict(
         try:
             return load_file(str(path))
         except Exception as e:  # safetensors raises its own SafetensorError
-            raise ModelError(f"cannot read safetensors checkpoint: {e}", str(path)) from e
+            raise ModelError(f"cannot read safetensors {what}: {e}", str(path)) from e
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if not head.startswith((b"PK\x03\x04", b"\x80")):  # torch.save's zip, or a legacy pickle
+        looks = "a Parquet file (a scores file?), not one" if head == b"PAR1" else "not a file"
+        raise ModelError(f"{what} is {looks} that torch.save or safetensors writes", str(path))
     try:
         return torch.load(path, map_location="cpu", weights_only=not trust)
     except pickle.UnpicklingError as e:
         if trust:  # not a pickle torch can read at all
-            raise ModelError(f"cannot read checkpoint: {one_line(e)}", str(path)) from e
+            raise ModelError(f"cannot read {what}: {one_line(e)}", str(path)) from e
         raise ModelError(
-            f"checkpoint holds objects other than tensors and cannot be loaded with "
+            f"{what} holds objects other than tensors and cannot be loaded with "
             f"weights_only=True{hint}",
             str(path),
         ) from e
     except (RuntimeError, EOFError, OSError) as e:
-        raise ModelError(f"cannot read checkpoint: {one_line(e)}", str(path)) from e
+        raise ModelError(f"cannot read {what}: {one_line(e)}", str(path)) from e
 
 
 def _extract(state: Any, cfg: ModelConfig, path: str) -> dict[str, torch.Tensor]:
@@ -231,6 +238,13 @@ def load_adapter(model: nn.Module, folder: str) -> nn.Module:
     does not, so that by default only the adapters are scored. Nothing is downloaded."""
     if not (Path(folder) / "adapter_config.json").is_file():
         raise ModelError("not a peft adapter folder: it has no adapter_config.json", folder)
+    weights = [f for f in ADAPTER_WEIGHTS if (Path(folder) / f).is_file()]
+    if not weights:  # peft would look for them on the Hub, and talk about repo ids
+        raise ModelError(
+            f"the adapter folder has no weights file ({' or '.join(ADAPTER_WEIGHTS)})", folder
+        )
+    if lfs_pointer(Path(folder) / weights[0]):
+        raise ModelError(LFS_POINTER, str(Path(folder) / weights[0]))
     try:
         from peft import PeftModel
     except ImportError as e:
@@ -239,6 +253,12 @@ def load_adapter(model: nn.Module, folder: str) -> nn.Module:
         ) from e
     try:
         return PeftModel.from_pretrained(model, folder, is_trainable=True, local_files_only=True)
+    except pickle.UnpicklingError as e:  # torch.load(weights_only=True) of adapter_model.bin
+        raise ModelError(
+            f"the adapter's {weights[0]} holds objects other than tensors and is not loaded (that "
+            "would run its pickle); save the adapter as safetensors",
+            folder,
+        ) from e
     except (OSError, ValueError, TypeError, KeyError, RuntimeError, AttributeError) as e:
         raise ModelError(f"cannot load the adapter onto the model: {one_line(e)}", folder) from e
 

@@ -9,9 +9,11 @@ row group each, into ``NAME``; a file at ``NAME`` is always a finished run.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Callable
@@ -27,6 +29,8 @@ from ..errors import DataError, one_line
 METADATA_KEY = b"gradscope"
 MANIFEST = "manifest.json"
 RUN_KEY = b"gradscope_run"  # in each part: the sha256 of its run's fingerprint
+# what a run writes in its partial folder: the manifest, the parts, their temporary names
+RUN_FILE = re.compile(r"\.?(manifest\.json|part-\d+\.parquet)(.*\.tmp)?")
 
 
 def partial_path(path: str | Path) -> Path:
@@ -65,11 +69,18 @@ def replace_atomically(path: Path, write: Callable[[Any], None], what: str = "th
         os.replace(tmp, path)
         _sync_folder(path.parent)
     except OSError as e:  # pyarrow's IO errors are OSErrors too
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         raise DataError(f"cannot write {what}: {e.strerror or e}", str(path)) from e
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         raise
+
+
+def _discard(tmp: Path) -> None:
+    """Remove a temporary file, if there is one: a folder that refuses (read-only, or made so
+    meanwhile) must not turn the error being reported into another one."""
+    with contextlib.suppress(OSError):
+        tmp.unlink(missing_ok=True)
 
 
 class PartialRun:
@@ -93,6 +104,7 @@ class PartialRun:
                 "the partial folder is a symbolic link, not one gradscope made; remove it",
                 str(self.dir),
             )
+        self.refuse_foreign()
         try:
             manifest = json.loads((self.dir / MANIFEST).read_text())
         except (OSError, ValueError):
@@ -104,10 +116,29 @@ class PartialRun:
             )
         return manifest
 
+    def refuse_foreign(self) -> None:
+        """Refuse what sits at the partial folder's name unless a run made it (a folder holding
+        only a manifest, parts and their temporary files): a run never uses or removes a file it
+        did not make, such as an earlier output given that name."""
+        if self.dir.is_symlink() or not self.dir.exists():
+            return  # a link planted there: the caller refuses it, or removes the link itself
+        found = "a file"
+        if self.dir.is_dir():
+            names = (f.name for f in self.dir.iterdir() if not RUN_FILE.fullmatch(f.name))
+            found = next((f"a folder holding {name!r}" for name in names), "")
+        if found:
+            raise DataError(
+                f"{found} that no gradscope run made is at the partial folder's name; it is left "
+                "as it is: move it or choose another --out",
+                str(self.dir),
+            )
+
     def start(self) -> None:
-        """Begin afresh: any earlier partial state is removed."""
-        if self.dir.is_symlink() or self.dir.is_file():  # planted, or the old single-file writer
+        """Begin afresh: an earlier run's partial state is removed (a link planted there, not
+        what it points to)."""
+        if self.dir.is_symlink():
             self.dir.unlink()
+        self.refuse_foreign()
         shutil.rmtree(self.dir, ignore_errors=True)
         try:
             self.dir.mkdir()
@@ -141,7 +172,7 @@ class PartialRun:
 
     def write(self, number: int, columns: dict[str, Any]) -> None:
         """Batch ``number``'s rows as one complete part file, stamped as this run's."""
-        table = pa.table({name: pa.array(v, type=arrow_type(v)) for name, v in columns.items()})
+        table = pa.table({name: _array(v) for name, v in columns.items()})
         table = table.replace_schema_metadata(self.stamp)
         replace_atomically(self._part(number), lambda f: pq.write_table(table, f))
 
@@ -165,7 +196,8 @@ class PartialRun:
         """Parts ``0 .. parts-1`` in order, one row group each, into ``path`` with ``metadata``
         under the ``gradscope`` key, and the columns ``more()`` computes from the whole parts
         (one value a row) before ``finite``; the folder goes. A column whose type differs between
-        parts (whole-number targets in one CSV shard) takes the type that holds them all."""
+        parts (whole-number targets in one CSV shard) takes the type that holds them all, and
+        ids that are text in one part and numbers in another are all text."""
         missing = sorted(set(range(parts)) - self.done())
         if missing:
             raise DataError(
@@ -174,7 +206,7 @@ class PartialRun:
             )
         schemas = [pq.read_schema(self._part(n)).remove_metadata() for n in range(parts)]
         try:
-            first = pa.unify_schemas(schemas, promote_options="permissive")
+            first = _unified(schemas)
         except (pa.ArrowException, ValueError) as e:
             raise DataError(
                 f"the batches' columns do not fit one table: {one_line(e)}", str(self.dir)
@@ -207,11 +239,46 @@ class PartialRun:
         return self.path
 
 
+def _array(values: Any) -> pa.Array:
+    """A column as Arrow; one whose values mix text and numbers (the ids of a batch that spans
+    two CSV shards, each read with its own types) as text."""
+    kind = arrow_type(values)
+    if kind == pa.string() and isinstance(values, np.ndarray) and values.dtype == object:
+        values = values.astype(str)
+    return pa.array(values, type=kind)
+
+
+def _unified(schemas: list[pa.Schema]) -> pa.Schema:
+    """The schema that holds every part's columns: numbers promoted as Arrow does, and a column
+    that is text in any part made text in all."""
+    text = {f.name for s in schemas for f in s if pa.types.is_string(f.type)}
+    schemas = [pa.schema([f.with_type(pa.string()) if f.name in text else f for f in s])
+               for s in schemas]  # fmt: skip
+    return pa.unify_schemas(schemas, promote_options="permissive")
+
+
 def read_metadata(path: str | Path) -> dict[str, Any]:
     """The ``gradscope`` metadata of a scores file."""
     try:
-        raw = pq.read_schema(path).metadata or {}
-        meta = json.loads(raw[METADATA_KEY]) if METADATA_KEY in raw else {}
-    except (OSError, pa.ArrowException, ValueError) as e:  # not Parquet, cut short, not JSON
+        raw = pq.read_schema(path).metadata
+    except (OSError, pa.ArrowException) as e:  # not Parquet, cut short
         raise DataError(f"not a readable Parquet file: {one_line(e)}", str(path)) from e
+    return parse_metadata(raw)
+
+
+def parse_metadata(raw: dict[bytes, bytes] | None) -> dict[str, Any]:
+    """The ``gradscope`` key of a schema's metadata; {} when there is none, or when another
+    tool left it unreadable (not JSON, not an object): the scores are read without it then."""
+    try:
+        meta = json.loads((raw or {}).get(METADATA_KEY, b"{}"))
+    except ValueError:  # not JSON, not UTF-8
+        return {}
     return meta if isinstance(meta, dict) else {}
+
+
+def nested(meta: dict[str, Any], *keys: str) -> Any:
+    """``meta[k1][k2]...``, or None where a key is missing or a value on the way is not a
+    mapping (metadata another tool edited)."""
+    for key in keys:
+        meta = meta.get(key) if isinstance(meta, dict) else None
+    return meta

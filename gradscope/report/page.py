@@ -11,7 +11,7 @@ import numpy as np
 from .. import __version__
 from ..config import Config
 from ..errors import DataError
-from ..inputs import check_output, metadata_inputs, run_inputs
+from ..inputs import check_not_recorded, check_output, metadata_inputs, run_inputs
 from ..io.data import data_sha256
 from ..io.parquet import read_metadata, replace_atomically
 from ..summary import Outliers, cell, column, fmt, is_labels, rank
@@ -50,17 +50,18 @@ def _cell(found: Outliers, name: str, value: object) -> Cell:
 
 
 def _sections(found: Outliers, cfg: Config | None) -> list[Section]:
-    ids = [int(i) for end in found.ends for i in end.rows["example_id"]]
-    shown = show_examples(cfg, ids) if cfg else {}
+    ids = [int(i) for end in found.ends for i in end.rows.get("example_id", ())]
+    shown = show_examples(cfg, ids) if cfg and ids else {}  # no example_id: nothing to look up
     sections = []
     for end in found.ends:
         header = list(end.rows)
+        examples = end.rows.get("example_id", [None] * len(end.top))
         rows = [
             Row(
                 [_cell(found, name, v) for name, v in zip(header, record, strict=True)],
-                shown.get(int(record[0]), []),
+                shown.get(None if example is None else int(example), []),
             )
-            for record in zip(*end.rows.values(), strict=True)
+            for example, record in zip(examples, zip(*end.rows.values(), strict=True), strict=True)
         ]
         title = f"Top {len(rows)} by {found.score}, {end.label}"
         sections.append(Section(title, header, rows))
@@ -114,7 +115,7 @@ def render(scores: Path, cfg: Config | None, by: str | None, top_k: int) -> str:
     )
     return env.get_template(TEMPLATE).render(
         title=scores.name,
-        command=meta.get("command", "?"),
+        command=meta.get("command") if isinstance(meta.get("command"), str) else "?",
         version=__version__,
         found=found,
         n=len(found.values),
@@ -146,7 +147,9 @@ def write_report(
     meta = read_metadata(scores)
     inputs = [("scores file", str(scores)), *metadata_inputs(meta)]
     check_output(target, inputs + (run_inputs(cfg) if cfg else []))
-    if cfg and meta.get("data_sha256") and meta["data_sha256"] != data_sha256(cfg.data.path):
+    check_not_recorded(target, meta)
+    scored = meta.get("data_sha256")
+    if cfg and isinstance(scored, str) and scored != data_sha256(cfg.data.path):
         raise DataError(
             "the data changed since it was scored (its sha256 differs from the one the scores "
             "file records): the examples shown would not be the ones scored; score it again",

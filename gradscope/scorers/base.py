@@ -12,6 +12,7 @@ from ..config import Config
 from ..inputs import Inputs
 from ..io.data import Batch
 from ..job import Job
+from ..losses import nothing_counted
 from ..predictions import COLUMNS, predictions
 
 
@@ -87,3 +88,14 @@ def trailing_names(cfg: Config) -> list[str]:
 def all_finite(*values: Tensor) -> Tensor:
     """(B,) whether every one of the (B,) ``values`` is finite, on the CPU."""
     return torch.stack([torch.isfinite(v.cpu()) for v in values]).all(0)
+
+
+def counted(job: Job, batch: Batch, losses: list[Tensor]) -> list[Tensor]:
+    """The (B,) float64 losses (one per checkpoint) with NaN where the example counts no target
+    (every target ignore_index): a mean over nothing is no loss of 0, and the row's ``finite``
+    is false, so that no ranking takes it for the best-fitted row. Its gradient is zero."""
+    losses = [loss.double().cpu() for loss in losses]
+    empty = nothing_counted(job.cfg.loss.name, job.cfg.loss.kwargs, batch.targets)
+    if empty is None or not empty.any():
+        return losses
+    return [loss.masked_fill(empty, float("nan")) for loss in losses]

@@ -13,12 +13,12 @@ from .. import distributed
 from ..config import Config
 from ..engine import MAX_PER_REF, Influence, check_engine, reference_gradients
 from ..engine.passes.influence import BatchInfluence
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError, DataError, reading
 from ..inputs import data_inputs
 from ..io.data import Batch, Dataset, data_sha256, open_dataset
 from ..io.model import file_sha256
 from ..job import Job
-from .base import Inputs, Scorer, all_finite, leading, leading_names, trailing_names
+from .base import Inputs, Scorer, all_finite, counted, leading, leading_names, trailing_names
 
 
 class InfluenceScorer(Scorer):
@@ -100,13 +100,14 @@ class InfluenceScorer(Scorer):
         if job.sharded:
             return self._sharded(job, batches)
         main = distributed.world().main
-        refs = reference_gradients(job.engine, batches, self.per_ref) if main else None
+        with reading(f"--ref {self.ref}"):
+            refs = reference_gradients(job.engine, batches, self.per_ref) if main else None
         refs = distributed.broadcast_tensors(refs, job.device)
         if self.precondition:
             from ..curvature import load_preconditioner
 
-            sha = job.metadata("influence")["checkpoint_sha256"] if last else None
-            pre = load_preconditioner(self.precondition, job.engine, sha)
+            made = job.metadata("influence") if last else None  # (the last checks for all)
+            pre = load_preconditioner(self.precondition, job.engine, made)
             refs = pre.refs(refs)
             self._precondition_kind = pre.describe()
         return Influence(job.engine, refs, self.engine, norms=True)
@@ -155,7 +156,11 @@ class InfluenceScorer(Scorer):
 
     def columns(self, job: Job, batch: Batch) -> dict[str, np.ndarray]:
         inputs, targets = job.to_device(batch)
-        return self.table(batch, [s(inputs, targets) for s in self._scorers])
+        results = [s(inputs, targets) for s in self._scorers]
+        losses = counted(job, batch, [r.loss for r in results])
+        return self.table(
+            batch, [dataclasses.replace(r, loss=x) for r, x in zip(results, losses, strict=True)]
+        )
 
     def table(self, batch: Batch, results: list[BatchInfluence]) -> dict[str, np.ndarray]:
         """The rows of one batch in column order, one per (example, reference) pair."""

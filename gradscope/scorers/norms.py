@@ -14,7 +14,7 @@ from ..errors import ConfigError
 from ..io.data import Batch
 from ..io.model import file_sha256
 from ..job import Job
-from .base import Inputs, Scorer, all_finite, leading, leading_names, trailing_names
+from .base import Inputs, Scorer, all_finite, counted, leading, leading_names, trailing_names
 
 
 class NormsScorer(Scorer):
@@ -64,9 +64,9 @@ class NormsScorer(Scorer):
         if self.precondition:
             from ..curvature import load_preconditioner
 
-            sha = job.metadata("norms")["checkpoint_sha256"]
+            # the factors come from the last checkpoint's model and serve every checkpoint
             pre = [load_preconditioner(self.precondition, j.engine) for j in self._earlier]
-            pre.append(load_preconditioner(self.precondition, job.engine, sha))
+            pre.append(load_preconditioner(self.precondition, job.engine, job.metadata("norms")))
             self._wants = [Want(norms=True, transform=p.transform) for p in pre]
             self._described = {
                 "precondition": {
@@ -91,13 +91,13 @@ class NormsScorer(Scorer):
     ) -> dict[str, np.ndarray]:
         """The rows of one batch in column order: the one place the norms columns are built.
         ``earlier`` holds the scores at the checkpoints before the last, in order."""
-        loss, norm_sq = scores.loss.double().cpu(), total(scores.norm_sq).cpu()
+        losses = counted(job, batch, [s.loss for s in [*earlier, scores]])
+        norm_sq = total(scores.norm_sq).cpu()
         columns = leading(batch)
-        columns["loss"] = loss.numpy()
+        columns["loss"] = losses[-1].numpy()
         columns["grad_norm"] = norm_sq.sqrt().numpy()
         if job.cfg.output.per_layer:
             columns |= per_module(job, scores)
-        losses = [s.loss.double().cpu() for s in earlier] + [loss]
         squares = [total(s.norm_sq).cpu() for s in earlier] + [norm_sq]
         if job.cfg.model.checkpoints:
             columns |= at_checkpoints(losses, squares, job.cfg.model.checkpoints)

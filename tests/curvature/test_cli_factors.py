@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -130,3 +131,94 @@ def test_user_errors_exit_2(tmp_path: Path, monkeypatch, capsys) -> None:
     cfg = make_project(tmp_path, n=N, model__checkpoint="net2.pt")
     err = _fails(monkeypatch, capsys, "norms", cfg, "--precondition", factors)
     assert "computed at another checkpoint" in err
+
+
+def _header(path: Path) -> tuple[dict, bytes]:
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8 : 8 + size]), raw[8 + size :]
+
+
+def _rewrite(path: Path, header: dict, body: bytes) -> None:
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + body)
+
+
+def _meta(edit):
+    def spoil(path: Path) -> None:
+        header, body = _header(path)
+        header["__metadata__"]["gradscope"] = edit(header["__metadata__"]["gradscope"])
+        _rewrite(path, header, body)
+
+    return spoil
+
+
+def _tensors(edit):
+    def spoil(path: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        header, _ = _header(path)
+        tensors = load_file(path)
+        edit(tensors)
+        save_file(tensors, path, metadata=header["__metadata__"])
+
+    return spoil
+
+
+def _blocks(edit):
+    return _meta(lambda text: json.dumps(edit(json.loads(text))))
+
+
+# (id, how the file is damaged, what the error line says)
+DAMAGED = [
+    ("cut-short", lambda p: p.write_bytes(p.read_bytes()[:-100]), "it does not read as safetensors"),
+    ("metadata-not-json", _meta(lambda text: text[:-5]), "its metadata is not JSON"),
+    ("no-blocks", _blocks(lambda m: {k: v for k, v in m.items() if k != "blocks"}), "its metadata lists no blocks"),
+    ("a-tensor-missing", _tensors(lambda t: t.pop("fc1.weight/A_eigenvectors")), "tensor fc1.weight/A_eigenvectors is missing"),
+    ("a-factor-of-another-shape", _tensors(lambda t: t.update({"fc1.weight/A": torch.eye(3)[None].double()})), "factors of 1 x 8 x 3 do not cover block fc1.weight's shape (8, 5)"),
+    ("a-diagonal-of-another-shape", _tensors(lambda t: t.update({"fc1.bias/diagonal": torch.ones(5).double()})), "tensor fc1.bias/diagonal is (5,) torch.float64, its block needs (8,) floats"),
+    ("eigenvectors-of-another-shape", _tensors(lambda t: t.update({"fc2.weight/S_eigenvectors": torch.eye(2)[None].double()})), "tensor fc2.weight/S_eigenvectors is (1, 2, 2) torch.float64, its block needs (1, 3, 3) floats"),
+    ("a-nan", _tensors(lambda t: t["fc2.bias/diagonal"].__setitem__(1, float("nan"))), "tensor fc2.bias/diagonal holds NaN or infinite values"),
+    ("a-kind-unknown", _blocks(lambda m: {**m, "blocks": {**m["blocks"], "fc1.bias": {**m["blocks"]["fc1.bias"], "kind": "other"}}}), "the metadata of block fc1.bias is not a kind, shape and damping"),
+    ("damping-missing", _blocks(lambda m: {**m, "blocks": {**m["blocks"], "fc2.weight": {**m["blocks"]["fc2.weight"], "damping": {"A": 1.0}}}}), "block fc2.weight has no positive damping S"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("spoil", "message"), [pytest.param(*c[1:], id=c[0]) for c in DAMAGED])
+def test_a_damaged_factors_file_is_one_line(tmp_path: Path, monkeypatch, capsys, spoil, message):
+    cfg = make_project(tmp_path, n=N)
+    factors = tmp_path / "f.safetensors"
+    _invoke("factors", cfg, "--out", factors, "--fisher", "empirical")
+    spoil(factors)
+    torch.save({"x": torch.randn(3, 5), "y": torch.randint(0, 3, (3,))}, tmp_path / "ref.pt")
+    for command in (["norms"], ["influence", "--ref", tmp_path / "ref.pt"]):
+        err = _fails(monkeypatch, capsys, command[0], cfg, *command[1:], "--precondition", factors)
+        assert err.startswith(f"error: the factors file is damaged: {message}"), err
+        assert err.endswith(f"; run gradscope factors again ({factors})\n"), err
+
+
+@pytest.mark.parametrize("ekfac", [False, True], ids=["kfac", "ekfac"])
+@pytest.mark.parametrize("fisher", ["empirical", "true"])
+def test_examples_with_a_nan_loss_are_left_out_and_said(tmp_path: Path, fisher, ekfac) -> None:
+    """The empirical factors of the data with two NaN rows put in are those of the data
+    without them; the true Fisher's draws differ with the batches, so only finite there."""
+    cfg = make_project(tmp_path, n=N)
+    flags = ["--fisher", fisher, *(["--ekfac"] if ekfac else [])]
+    clean = tmp_path / "clean.safetensors"
+    _invoke("factors", cfg, "--out", clean, *flags)
+    data = torch.load(tmp_path / "data.pt")
+    nan = torch.full((1, 5), float("nan"))
+    x = torch.cat([data["x"][:1], nan, data["x"][1:6], nan, data["x"][6:]])
+    y = torch.cat([data["y"][:1], data["y"][:1], data["y"][1:6], data["y"][:1], data["y"][6:]])
+    torch.save({"x": x, "y": y}, tmp_path / "data.pt")
+    out = tmp_path / "f.safetensors"
+    output = _invoke("factors", cfg, "--out", out, *flags)
+    assert f"{N} examples (2 left out: a NaN or infinite loss or gradient), {fisher}" in output
+    made, expected = Factors.load(out), Factors.load(clean)  # load refuses NaN blocks
+    assert made.meta["examples"] == N and made.meta["left_out"] == 2
+    if fisher == "empirical":
+        for name, block in expected.blocks.items():
+            for key, t in block.tensors.items():
+                if "eigenvectors" not in key:  # their signs are eigh's to choose
+                    got = made.blocks[name].tensors[key]  # the model runs in float32
+                    torch.testing.assert_close(got, t, rtol=1e-5, atol=1e-6, msg=key)

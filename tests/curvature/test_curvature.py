@@ -7,16 +7,17 @@ Kronecker product, the rotated eigenvalues, the diagonal) and ``solve``d.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gradscope.curvature.factors import DIAGONAL, KFAC, Factors, factored_convs, fit, metadata
+from gradscope.curvature.factors import DIAGONAL, KFAC, factored_convs, fit
 from gradscope.curvature.fisher import SampledLoss
 from gradscope.curvature.precondition import Curvature, Diagonal
+from gradscope.curvature.store import Factors, metadata
 from gradscope.engine import Engine, Influence, Want, naive_grads, reference_gradients, total
 from gradscope.losses import resolve_loss
 from gradscope.rules import RULES
@@ -140,7 +141,7 @@ def _factors(pb: Problem, loss, ekfac: bool, batches: int = 2) -> Factors:
             yield tuple(t[lo : lo + step] for t in pb.inputs), pb.targets[lo : lo + step]
 
     with engine, factored_convs():
-        blocks, n = fit(lambda i, t: engine.contributions(i, t)[1], split, ekfac=ekfac)
+        blocks, n, _ = fit(engine.contributions, split, ekfac=ekfac)
     return Factors(blocks, metadata("ekfac" if ekfac else "kfac", "empirical", n, {}))
 
 
@@ -214,6 +215,40 @@ def test_factors_are_the_definition(kind: str) -> None:
         torch.testing.assert_close(block.tensors["lambda"], rotated.square().mean(0))
     if kind == "lm":
         assert factors.blocks["emb.weight"].kind == DIAGONAL  # Rows + Outer of a tied weight
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_example_whose_loss_is_nan_adds_nothing(kind: str) -> None:
+    """The factors of 9 examples of which the 5th has a NaN loss and gradient (its loss times
+    NaN) are those of the other 8: each kind of part (Outer, Dense, Rows) left out."""
+    pb = _problem(kind)
+    if kind == "lm":  # untied: the embedding's part is Rows
+        pb.model.head.weight = nn.Parameter(pb.model.emb.weight.detach().clone())
+    plain = resolve_loss(pb.loss)
+
+    def spoilt(outputs: Tensor, targets: Tensor) -> Tensor:
+        losses = plain(outputs, targets)
+        if losses.shape[0] == 5:  # the first of the two batches: its last example
+            return losses * torch.tensor([1.0, 1, 1, 1, float("nan")], dtype=losses.dtype)
+        return losses
+
+    keep = [i for i in range(9) if i != 4]
+    clean = replace(pb, inputs=tuple(t[keep] for t in pb.inputs), targets=pb.targets[keep])
+    expected = _factors(clean, plain, ekfac=True)
+    engine = Engine(pb.model, spoilt)
+
+    def split():
+        yield tuple(t[:5] for t in pb.inputs), pb.targets[:5]
+        yield tuple(t[5:] for t in pb.inputs), pb.targets[5:]
+
+    with engine, factored_convs():
+        blocks, n, left = fit(engine.contributions, split, ekfac=True)
+    assert (n, left) == (8, 1)
+    for name, block in expected.blocks.items():
+        assert blocks[name].kind == block.kind
+        for key, t in block.tensors.items():
+            if "eigenvectors" not in key:  # their signs are eigh's to choose
+                torch.testing.assert_close(blocks[name].tensors[key], t, msg=f"{name} {key}")
 
 
 def _inverse(block, shape: torch.Size, ekfac: bool) -> Tensor:
