@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from ...errors import ConfigError, ModelError
+from ...errors import ConfigError
 from ...rules.base import accumulation_dtype, rows
 from ..engine import Engine, total
 from .jvp import JvpUnsupported, jvp_inner
@@ -50,53 +49,6 @@ def reference_gradients(
                 t += g
         count += targets.shape[0]
     return {n: (t / count).unsqueeze(0) for n, t in zip(names, sums, strict=True)}
-
-
-def adam_denominator(state: Any, engine: Engine, where: str) -> dict[str, Tensor]:
-    """{name: sqrt(v_hat) + eps} for the selected parameters from a torch.optim.Adam/AdamW
-    ``state_dict()``: v_hat = exp_avg_sq / (1 - beta2**step) (max_exp_avg_sq with amsgrad), with
-    betas and eps from the parameter's group. Parameters are matched by order of
-    ``model.parameters()``, the order the optimizer was built with.
-    """
-    if not isinstance(state, dict) or not {"state", "param_groups"} <= set(state):
-        raise ModelError("not an optimizer state_dict (needs 'state' and 'param_groups')", where)
-    groups = {i: g for g in state["param_groups"] for i in g["params"]}
-    order = [i for g in state["param_groups"] for i in g["params"]]
-    named = list(engine.model.named_parameters())
-    if len(order) != len(named):
-        raise ModelError(
-            f"optimizer state has {len(order)} parameters, the model has {len(named)} "
-            "(matched by order of model.parameters())",
-            where,
-        )
-    position = {name: i for i, (name, _) in enumerate(named)}
-    denominators = {}
-    for p in engine.plan.included:
-        key = order[position[p.name]]
-        group, st = groups[key], state["state"].get(key, {})
-        moment = "max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq"
-        if moment not in st or "step" not in st:
-            raise ModelError(
-                f"no Adam second moment ({moment}) for parameter {p.name}; is it an Adam/AdamW "
-                "state that has taken a step?",
-                where,
-            )
-        v = st[moment]
-        if tuple(v.shape) != tuple(p.param.shape):
-            raise ModelError(
-                f"optimizer state for parameter {p.name} has shape {tuple(v.shape)}, the model's "
-                f"is {tuple(p.param.shape)} (matched by order of model.parameters())",
-                where,
-            )
-        bias_correction = 1 - group["betas"][1] ** float(st["step"])
-        v_hat = v.to(p.param.device, torch.float64) / bias_correction
-        denominators[p.name] = (v_hat.sqrt() + group["eps"]).to(p.param.dtype)
-    return denominators
-
-
-def preconditioned(refs: dict[str, Tensor], denominators: dict[str, Tensor]) -> dict[str, Tensor]:
-    """The reference directions divided by Adam's ``sqrt(v_hat) + eps``, parameter by parameter."""
-    return {name: r / denominators[name] for name, r in refs.items()}  # (K, *shape) / (*shape)
 
 
 @dataclass
