@@ -1,4 +1,4 @@
-"""Influence at one checkpoint: reference gradients, Adam preconditioning, and the two engines."""
+"""Influence at one checkpoint: reference gradients and the two engines."""
 
 from __future__ import annotations
 
