@@ -238,11 +238,15 @@ class Engine:
         reducer, grads = self._backward(
             captured, want, _Backward(count, checked, None), reads, verify
         )
+        if verify and not all(g is None or bool(g.isfinite().all()) for g in grads):
+            verify = False  # an example's gradient is not finite: no check holds; the next batch
         decide.after_backward(self.plan, captured, reducer, checked, grads, singles, verify)
         findings.verified |= verify
         findings.analyses += 1
         regions = regions_of(captured) if not self._pinned else "pinned"
-        if isinstance(regions, str):
+        if not findings.verified:  # the self-check could not run: the next batch runs it
+            findings.why = "the self-check has not run (a loss or gradient not finite)"
+        elif isinstance(regions, str):
             findings.why = regions
         else:
             findings.learn(self._program(captured, regions, count))

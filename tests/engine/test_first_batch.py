@@ -228,3 +228,23 @@ def test_rule_that_raises_declines_and_the_fallback_serves(monkeypatch):
     assert plan["wte.weight"].rule == plan["wpe.weight"].rule == "fallback"
     assert plan["wte.weight"].note.startswith("its rule failed: RuntimeError: shape")
     assert plan["head.weight"].rule == "linear"
+
+
+def test_a_first_batch_whose_gradients_are_not_finite_checks_nothing():
+    """An inf input through tanh gives a finite loss and a NaN gradient (0 * inf): the
+    self-check cannot compare there, so it waits for a batch where it can, and no rule is
+    sent to the fallback for it; the finite rows are exact on both batches."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, 3)).double()
+    x, y = torch.randn(8, D, dtype=torch.float64), torch.randint(0, 3, (8,))
+    x[1, 0] = float("inf")
+    engine = Engine(model, resolve_loss("cross_entropy"))
+    with engine:
+        for rows in (slice(0, 4), slice(4, 8)):
+            scores = engine.norms((x[rows],), y[rows])
+            got = torch.stack(list(scores.norm_sq.values())).sum(0).sqrt()
+            finite = got.isfinite()
+            expected = reference_norms(model, (x[rows],), y[rows], "cross_entropy")[1]
+            assert_rel_close(got[finite], expected[finite], 1e-9)
+    assert not engine.plan.fallback
+    assert engine.record.at((x[4:],), y[4:]).verified  # on the second batch
