@@ -291,7 +291,8 @@ class Engine:
             ),
             merged,
         )
-        if not done.count and not done.checked:
+        if not done.count and not done.checked:  # every parameter on the fallback
+            reducer.finish()
             return reducer, []
         on_grad = functools.partial(self._on_grad, served, reducer, losses.shape[0])
         if captured.tap:

@@ -66,8 +66,8 @@ class Reducer:
         self.kept: dict[str, Contribution] = {}
         self.sums: dict[str, Tensor] = {}
         self._parts: dict[str, list[Contribution]] = {name: [] for name in merged}
-        # single calls' Outer norms answered together at the end, where that is all they ask
-        self._batched = Batched() if _norms_only(want) else None
+        # single calls' small norms answered together when the backward ends
+        self._batched = Batched() if want.norms else None
         # the transformed gradients' squared norms; each part is transformed as it is reduced,
         # which is exact for merged parts too since the transform is linear
         self.pre = None if want.transform is None else Reducer(Want(norms=True), ())
@@ -100,6 +100,8 @@ class Reducer:
         if self._batched is not None:  # what comes later (the fallback's) is answered at once
             self.norm_sq.update(self._batched.answers())
             self._batched = None
+        if self.pre is not None:
+            self.pre.finish()
 
     def _reduce_apart(self, name: str, groups: list[Contribution]) -> None:
         if self.pre is not None:
@@ -122,15 +124,14 @@ class Reducer:
             self.sums[name] = sum(g.batch_sum() for g in groups)
 
     def reduce(self, name: str, c: Contribution) -> None:
-        if self._batched is not None and self._batched.take(name, c):
-            return
         if self.pre is not None:
             self.pre.reduce(name, self.want.transform(name, c))
         refs = self.want.refs[name] if self.want.refs is not None else None
         if self.want.norms and refs is not None and self.want.share:
             self.norm_sq[name], self.inner[name] = c.norm_sq_and_inner(refs)
         else:
-            if self.want.norms:
+            batched = self._batched is not None and self._batched.take(name, c)
+            if self.want.norms and not batched:
                 self.norm_sq[name] = c.norm_sq()
             if refs is not None:
                 self.inner[name] = c.inner(refs)
@@ -159,10 +160,6 @@ class Reducer:
             self.inner[name] = torch.zeros(batch, k, **like)
         if self.want.sums:
             self.sums.setdefault(name, torch.zeros_like(param))
-
-
-def _norms_only(want: Want) -> bool:
-    return want.norms and want.refs is None and not (want.keep or want.sums or want.transform)
 
 
 class Batched:
