@@ -8,8 +8,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..inputs import Inputs
+from ..inputs import Inputs, check_output
 from ..io.data import Batch
+from ..io.parquet import PartialRun
 from ..job import Job
 
 
@@ -18,7 +19,8 @@ class Scorer:
 
     - ``reads()`` and ``resume_key()`` before anything runs: the scorer's own input files (the
       output may not be one of them; a resume needs them unchanged) and the options a resumed run
-      must share;
+      must share; ``check_output`` and ``partial`` say what the output may be and which partial
+      run writes it (a Parquet file, unless a scorer says otherwise);
     - ``setup(job)`` once on every rank, with the model prepared, before the first batch (ranks
       may exchange tensors here);
     - ``columns(job, batch)`` for each batch it scores: ``{column: array}``, one row per example
@@ -45,6 +47,12 @@ class Scorer:
 
     def resume_key(self) -> dict:
         return {}
+
+    def check_output(self, path: str, inputs: Inputs) -> None:
+        check_output(path, inputs)
+
+    def partial(self, path: str, fingerprint: dict) -> PartialRun:
+        return PartialRun(path, fingerprint)
 
     def setup(self, job: Job) -> None:
         """Nothing to prepare unless a scorer says otherwise."""
