@@ -62,7 +62,7 @@ class Rows(Contribution):
         b = self.s.shape[0]
         s = self.s if p.inn is None else self.s @ p.inn.to(self.s.dtype)  # (B, T, k_in)
         looked_up = p.out.to(s.dtype)[self.ids]  # (B, T, k_out)
-        return torch.einsum("btk,btl->bkl", looked_up, s).reshape(b, -1)
+        return (looked_up.transpose(1, 2) @ s).reshape(b, -1)  # (B, k_out, T) @ (B, T, k_in)
 
     def batch_sum(self) -> Tensor:
         d = self.s.shape[-1]

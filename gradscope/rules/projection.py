@@ -66,13 +66,13 @@ class Projection:
         """(B, dim) of ``G_i = sum_t s_it a_it^T`` over G groups stacked as the rows, from ``s``
         (B, G, T, O) and ``a`` (B, G, T, I) with G*O rows and I columns: both sides projected,
         then one product over the positions; no G_i formed."""
-        b, g, _, o = s.shape
+        b, g, t, o = s.shape
         a = a if self.inn is None else a @ self.inn.to(a.dtype)  # (B, G, T, k_in)
         if self.out is None:  # every row kept: each group's rows are its own
-            return torch.einsum("bgto,bgtl->bgol", s, a).reshape(b, -1)  # (B, G*O, k_in)
-        p = self.out.to(s.dtype).view(g, o, -1)  # (G, O, k_out)
-        s = torch.einsum("bgto,gok->bgtk", s, p)  # (B, G, T, k_out)
-        return torch.einsum("bgtk,bgtl->bkl", s, a).reshape(b, -1)  # sum over groups and T
+            return _outer_sum(s, a).reshape(b, -1)  # (B, G, O, k_in)
+        p = self.out.to(s.dtype)
+        s = s @ (p.view(g, o, -1) if g > 1 else p)  # (B, G, T, k_out)
+        return _outer_sum(s.reshape(b, g * t, -1), a.reshape(b, g * t, -1)).reshape(b, -1)
 
     def of_view(self, index: tuple, transposed: bool) -> tuple[Projection, View] | None:
         """The projection of the view ``G[index]`` (then transposed) of this parameter, and how
@@ -97,6 +97,15 @@ class Projection:
             return None
         # G's block is V^T for the view's gradient V: P_out^T V^T P_in = (P_in^T V P_out)^T
         return Projection(shape[::-1], 1, self.inn, out), view
+
+
+def _outer_sum(x: Tensor, y: Tensor) -> Tensor:
+    """(..., k, l) the sum over N of the outer products of rows (..., N, k) and (..., N, l): a
+    batched product, or for one row a broadcast one (a batch of (k, 1) @ (1, l) products is
+    many times slower than the multiplications it does)."""
+    if x.shape[-2] == 1:
+        return x[..., 0, :, None] * y[..., 0, None, :]
+    return x.transpose(-1, -2) @ y
 
 
 def _plain(k: object) -> bool:
