@@ -225,25 +225,36 @@ def described(path: str | Path) -> str:
 
 
 class Shards:
-    """An index's rows, read shard by shard (memory-mapped) in chunks of at most ``rows``."""
+    """An index's rows, read shard by shard in chunks of at most ``rows`` rows into one buffer:
+    the memory a query holds does not grow with the index (a memory map's pages would count)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
         self.rows, self.width = self.manifest["rows"], self.manifest["width"]
+        self.dtype = np.dtype(self.manifest["dtype"])
 
     def ids(self, columns: list[str] | None = None) -> pa.Table:
         return pq.read_table(self.path / self.manifest["ids"], columns=columns)
 
     def chunks(self, rows: int) -> Iterator[tuple[int, np.ndarray]]:
-        """(first row, (n, width) memory-mapped rows), in index order."""
+        """(first row, (n, width) rows), in index order; each chunk's array is reused for the
+        next, so read it before asking for the next."""
+        buffer = np.empty((min(rows, max(1, self.rows)), self.width), self.dtype)
         for shard in self.manifest["shards"]:
-            array = np.load(self.path / shard["file"], mmap_mode="r")
-            if array.shape != (shard["rows"], self.width):
+            path = self.path / shard["file"]
+            expected = (
+                self.manifest["header_bytes"] + shard["rows"] * self.width * self.dtype.itemsize
+            )
+            if path.stat().st_size != expected:
                 raise DataError(
-                    f"shard {shard['file']} holds {array.shape}, the manifest says "
-                    f"({shard['rows']}, {self.width})",
+                    f"shard {shard['file']} holds {path.stat().st_size} bytes, the manifest's "
+                    f"{shard['rows']} rows of {self.width} take {expected}",
                     str(self.path),
                 )
-            for lo in range(0, len(array), rows):
-                yield shard["first"] + lo, array[lo : lo + rows]
+            with open(path, "rb") as f:
+                f.seek(self.manifest["header_bytes"])
+                for lo in range(0, shard["rows"], len(buffer)):
+                    chunk = buffer[: min(len(buffer), shard["rows"] - lo)]
+                    f.readinto(memoryview(chunk).cast("B"))
+                    yield shard["first"] + lo, chunk

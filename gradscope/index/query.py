@@ -158,7 +158,7 @@ def _ranked(
     values, rows = scores.top(k * query.candidates if query.exact else k)  # (M, R)
     values = torch.where(torch.isinf(values), torch.nan, values).double().cpu()
     rows = rows.cpu()
-    example_ids = torch.from_numpy(_leading(shards, rows.flatten().numpy())["example_id"])
+    example_ids = torch.tensor(_leading(shards, rows.flatten().numpy())["example_id"])
     found, exact = {}, None
     if query.exact:
         exact = exact_scores(job, refs, example_ids.view(rows.shape), query.normalize)

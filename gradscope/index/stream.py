@@ -3,7 +3,6 @@ matrix products: memory holds one chunk of rows and a few numbers per example, n
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 
 import numpy as np
@@ -35,10 +34,7 @@ class Scores:
         """(first row, (n, R) float32 scores), in index order."""
         device = self.psi_t.device
         for start, rows in self.shards.chunks(self.rows):
-            with warnings.catch_warnings():  # a read-only memory map: torch only reads it
-                warnings.simplefilter("ignore", UserWarning)
-                x = torch.from_numpy(rows)
-            x = x.to(device, torch.float32)  # (n, width)
+            x = torch.from_numpy(rows).to(device, torch.float32)  # (n, width)
             yield start, (x @ self.psi_t) * self.scale[start : start + len(x), None]
 
     def every(self) -> np.ndarray:
