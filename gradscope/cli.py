@@ -391,8 +391,9 @@ def query(
         ),
     ] = False,  # fmt: skip
     candidates: Annotated[
-        int, typer.Option("--candidates", help="M of --exact: candidates per top-k row.")
-    ] = 10,
+        int | None,
+        typer.Option("--candidates", help="M of --exact: candidates per top-k row (default 30)."),
+    ] = None,
     normalize: Annotated[
         bool, typer.Option("--normalize", help="Cosine: unit-normalised gradients.")
     ] = False,
@@ -416,12 +417,13 @@ def query(
     trust_checkpoint: TrustOpt = False,
 ) -> None:
     """Score every indexed example against the gradients of REF (their mean, or each row)."""
-    from .index.query import Query, run_query, shown
+    from .index.query import CANDIDATES, Query, run_query, shown
 
     _check_top_k(top_k)
     asked = Query(
-        ref if ".py:" in ref else str(Path(ref).resolve()), per_ref, top_k, exact, candidates,
-        normalize, str(precondition.resolve()) if precondition else None,
+        ref if ".py:" in ref else str(Path(ref).resolve()), per_ref, top_k, exact,
+        CANDIDATES if candidates is None else candidates, normalize,
+        str(precondition.resolve()) if precondition else None,
     )  # fmt: skip
     path = run_query(
         index, asked, out, config=config, device=device, batch_size=batch_size,

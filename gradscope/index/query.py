@@ -34,7 +34,7 @@ from .references import References
 from .scorer import model_files
 from .stream import Scores
 
-CANDIDATES = 10  # --exact re-scores the top k * CANDIDATES of the projected ranking
+CANDIDATES = 30  # --exact re-scores the top k * CANDIDATES of the projected ranking
 
 
 @dataclass(frozen=True)
