@@ -23,6 +23,7 @@ from gradscope.engine.core import Engine, total
 from gradscope.engine.influence import Influence, reference_gradients
 from gradscope.engine.reduce import Want
 from gradscope.index.projection import DEFAULT_DIM, Projector, blocks
+from gradscope.index.scorer import reused
 from gradscope.losses import resolve_loss
 
 # An answer further than this from the loop's (max |a - e| / max |e|) is reported as wrong.
@@ -362,10 +363,14 @@ def gradscope_index(pb: Problem) -> Step:
     core = Engine(pb.model, resolve_loss(pb.loss))
     projector = _projector(pb, core)
     want = Want(norms=False, project=projector.projections)
+    rows = None  # the scorer's buffer of a batch's rows, kept from batch to batch
 
     def step() -> Tensor:
+        nonlocal rows
         with core:
-            return projector.rows(core.scores(pb.inputs, pb.targets, want).inner)
+            inner = core.scores(pb.inputs, pb.targets, want).inner
+            rows = reused(rows, pb.targets.shape[0], projector.width, inner)
+            return projector.rows(inner, rows)
 
     return step
 

@@ -115,9 +115,9 @@ class Projector:
             for b in blocks
         }
 
-    def rows(self, per_param: dict[str, Tensor]) -> Tensor:
-        """{name: (B, block dim)} -> (B, width), the blocks side by side."""
-        return torch.cat([per_param[b.name] for b in self.blocks], 1)
+    def rows(self, per_param: dict[str, Tensor], out: Tensor | None = None) -> Tensor:
+        """{name: (B, block dim)} -> (B, width), the blocks side by side (into ``out``)."""
+        return torch.cat([per_param[b.name] for b in self.blocks], 1, out=out)
 
     def dense(self, grads: dict[str, Tensor]) -> Tensor:
         """{name: (K, *shape)} formed gradients (references) -> (K, width)."""
