@@ -118,11 +118,15 @@ def time_workload(
     warmup: int,
     device: torch.device,
     budget_s: float = float("inf"),
+    clock: str = "wall",
 ) -> list[Result]:
     """Check every method against the loop, then time them round-robin; medians in ``time_s``.
 
     A method stops being timed once its samples add up to ``budget_s`` (it keeps at least one).
+    ``clock="cpu"`` times the process's CPU time instead of the wall clock: on a machine shared
+    with other work, with one thread, what each call computed rather than how long it waited.
     """
+    now = time.process_time if clock == "cpu" else time.perf_counter
     pb = WORKLOADS[workload].build().to(device)
     steps, results = _setup(pb, workload, keys)
     _check(steps, results)
@@ -134,11 +138,11 @@ def time_workload(
                 continue  # a slow baseline: one or two samples place it well enough
             gc.collect()
             _sync(device)
-            start = time.perf_counter()
+            start = now()
             steps[key]()
             _sync(device)
             if r >= warmup - 1:
-                results[key].times_s.append(time.perf_counter() - start)
+                results[key].times_s.append(now() - start)
     for key in steps:
         results[key].time_s = statistics.median(results[key].times_s)
     return list(results.values())
@@ -199,7 +203,9 @@ def measure_memory(workload: str, keys: Sequence[str], device: torch.device) -> 
 def _worker(args: argparse.Namespace) -> None:
     keys, device = args.methods.split(","), torch.device(args.device)
     if args.mode == "time":
-        results = time_workload(args.worker, keys, args.repeats, args.warmup, device, args.budget)
+        results = time_workload(
+            args.worker, keys, args.repeats, args.warmup, device, args.budget, args.clock
+        )
     else:
         results = measure_memory(args.worker, keys, device)
     Path(args.out).write_text(json.dumps([asdict(r) for r in results]))
@@ -215,7 +221,7 @@ def _spawn(workload: str, mode: str, keys: Sequence[str], args: argparse.Namespa
             sys.executable, __file__, "--worker", workload, "--mode", mode,
             "--methods", ",".join(keys), "--repeats", str(args.repeats),
             "--warmup", str(args.warmup), "--budget", str(args.budget), "--device", args.device,
-            "--threads", str(args.threads), "--out", str(out),
+            "--threads", str(args.threads), "--clock", args.clock, "--out", str(out),
         ]  # fmt: skip
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not out.exists():
@@ -349,6 +355,7 @@ def _environment(args: argparse.Namespace) -> dict[str, object]:
         "repeats": args.repeats,
         "warmup": args.warmup,
         "budget_s": args.budget,
+        "clock": args.clock,
     }
 
 
@@ -384,6 +391,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: the process's CPU time (with --threads 1, on a machine shared with others)",
+    )
     parser.add_argument("--json", type=Path, help="write every result here")
     parser.add_argument("--markdown", type=Path, help="write the README table here")
     # the subprocess side

@@ -1,15 +1,20 @@
-"""Peak memory of `gradscope norms` as the dataset grows: each size in a fresh process, ru_maxrss.
+"""Peak memory of `gradscope norms`, `index` and `query` as the dataset grows: each size in a
+fresh process, ru_maxrss.
 
-    python benchmarks/memory.py --rows 10000 100000 1000000
+    python benchmarks/memory.py --rows 10000 100000 1000000 [--index]
 
 For each size it writes a Parquet file of random rows (8 float columns and a label, in row
 groups of 64Ki rows, as most writers cut them) and a small MLP, then runs, each in a new process:
 
 - `python -m gradscope norms CONFIG`: the whole command, including the outlier tables at the end,
   which read the finished scores file (so they grow with the rows: ~40 bytes a row);
-- `score_dataset` alone: the streaming read, scoring and writing.
+- `score_dataset` alone: the streaming read, scoring and writing;
+- with `--index`: `python -m gradscope index CONFIG` (the whole command: one pass writing a part
+  per batch, then the shards assembled from them), and `python -m gradscope query INDEX --ref
+  REF --top-k 20` against the mean gradient of 8 reference rows (the shards streamed).
 
-It prints one row per size: peak resident memory (MiB) of each, and the wall time of the command.
+It prints one row per size: peak resident memory (MiB) of each, and the wall time of each
+command.
 """
 
 from __future__ import annotations
@@ -67,6 +72,9 @@ def make_project(root: Path, rows: int, batch_size: int) -> Path:
             columns = {f: rng.standard_normal(n, dtype=np.float32) for f in FEATURES}
             columns["y"] = rng.integers(0, 4, n)
             writer.write_table(pa.table(columns, schema=_schema()))
+    ref = pa.table({f: rng.standard_normal(8, dtype=np.float32) for f in FEATURES} | {
+        "y": rng.integers(0, 4, 8)}, schema=_schema())  # fmt: skip
+    pq.write_table(ref, root / "ref.parquet")
     config = {
         "model": {"factory": "model.py:Net", "checkpoint": "net.pt"},
         "data": {
@@ -100,19 +108,37 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--batch-size", type=int, default=4096)
+    parser.add_argument("--index", action="store_true", help="also gradscope index and query")
     args = parser.parse_args()
     print(f"# python {sys.version.split()[0]}, peak RSS of a fresh process (ru_maxrss), "
           f"batch size {args.batch_size}")  # fmt: skip
-    print("| rows | `gradscope norms` peak MiB | `score_dataset` alone peak MiB | norms wall s |")
-    print("|---:|---:|---:|---:|")
+    head = "| rows | `gradscope norms` peak MiB | `score_dataset` alone peak MiB | norms wall s |"
+    if args.index:
+        head += " `index` peak MiB | index wall s | `query --top-k 20` peak MiB | query wall s |"
+    print(head)
+    print("|---:" * head.count(" |") + "|")
     for rows in args.rows:
         with tempfile.TemporaryDirectory() as tmp:
             config = make_project(Path(tmp), rows, args.batch_size)
-            start = time.perf_counter()
-            cli = peak_mib([sys.executable, "-m", "gradscope", "norms", str(config)])
-            wall = time.perf_counter() - start
+            cli, wall = timed([sys.executable, "-m", "gradscope", "norms", str(config)])
             alone = peak_mib([sys.executable, "-c", SCORE_ONLY, str(config)])
-            print(f"| {rows:,} | {cli:.0f} | {alone:.0f} | {wall:.1f} |", flush=True)
+            line = f"| {rows:,} | {cli:.0f} | {alone:.0f} | {wall:.1f} |"
+            if args.index:
+                gradscope = [sys.executable, "-m", "gradscope"]
+                index, index_wall = timed([*gradscope, "index", str(config)])
+                ref = ["--ref", str(Path(tmp) / "ref.parquet"), "--top-k", "20"]
+                query, query_wall = timed(
+                    [*gradscope, "query", str(Path(tmp) / "scores.index"), *ref]
+                )
+                line += f" {index:.0f} | {index_wall:.1f} | {query:.0f} | {query_wall:.1f} |"
+            print(line, flush=True)
+
+
+def timed(command: list[str]) -> tuple[float, float]:
+    """(peak MiB, wall seconds) of ``command`` in a fresh process."""
+    start = time.perf_counter()
+    peak = peak_mib(command)
+    return peak, time.perf_counter() - start
 
 
 if __name__ == "__main__":

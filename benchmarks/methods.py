@@ -1,10 +1,11 @@
 """The methods bench.py times, each a setup (untimed) that returns the step that is timed.
 
 Tasks: ``floor`` (one plain forward+backward of the summed loss), ``norms`` (per-example gradient
-norms), ``reference`` (the gradient of the mean loss over the 8-example reference batch) and
+norms), ``reference`` (the gradient of the mean loss over the 8-example reference batch),
 ``influence`` (each example's gradient against that reference gradient, which every influence
-method computes once in its setup: its step is the scoring pass alone). Every method of a task
-is checked against that task's ``loop``.
+method computes once in its setup: its step is the scoring pass alone) and ``index`` (each
+example's projected gradient at ``gradscope index``'s default dimension, the projections drawn
+in the setup). Every method of a task is checked against that task's ``loop``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from workloads import Problem
 
-from gradscope.engine import Engine, Influence, reference_gradients, total
+from gradscope.engine import Engine, Influence, Want, reference_gradients, total
+from gradscope.index.projection import DEFAULT_DIM, Projector, blocks
+from gradscope.index.scorer import reused
 from gradscope.losses import resolve_loss
 
 # An answer further than this from the loop's (max |a - e| / max |e|) is reported as wrong.
@@ -341,6 +344,35 @@ def gradscope_influence(engine: str) -> Callable[[Problem], Step]:
     return setup
 
 
+def _projector(pb: Problem, core: Engine) -> Projector:
+    """The projections ``gradscope index`` draws for the model, at its default dimension."""
+    device = next(pb.model.parameters()).device
+    return Projector(blocks(core.plan, DEFAULT_DIM), 0, device, torch.float32)
+
+
+def loop_index(pb: Problem) -> Step:
+    """Each example's gradient formed by its own backward, then projected (the definition)."""
+    projector = _projector(pb, Engine(pb.model, resolve_loss(pb.loss)))
+    return _loop(pb, lambda grads: projector.dense({n: g[None] for n, g in grads.items()})[0])
+
+
+def gradscope_index(pb: Problem) -> Step:
+    """The pass of ``gradscope index`` on one batch: the projections answered in the backward."""
+    core = Engine(pb.model, resolve_loss(pb.loss))
+    projector = _projector(pb, core)
+    want = Want(norms=False, project=projector.projections)
+    rows = None  # the scorer's buffer of a batch's rows, kept from batch to batch
+
+    def step() -> Tensor:
+        nonlocal rows
+        with core:
+            inner = core.scores(pb.inputs, pb.targets, want).inner
+            rows = reused(rows, pb.targets.shape[0], projector.width, inner)
+            return projector.rows(inner, rows)
+
+    return step
+
+
 METHODS = {
     m.key: m
     for m in [
@@ -357,5 +389,7 @@ METHODS = {
         Method("torch.func", "influence", func_influence),
         Method("gradscope hooks", "influence", gradscope_influence("hooks")),
         Method("gradscope jvp", "influence", gradscope_influence("jvp")),
+        Method("loop", "index", loop_index),
+        Method("gradscope", "index", gradscope_index),
     ]
 }

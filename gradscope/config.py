@@ -480,6 +480,15 @@ def load_config(path: str | Path) -> Config:
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pad=pad))
 
 
+def config_from_dict(raw: dict, where: str) -> Config:
+    """A resolved config read back from ``Config.to_dict()`` (a file's metadata: its paths are
+    absolute already), validated as a loaded one is."""
+    cfg = _build(Config, {k: v for k, v in raw.items() if k != "source"}, "", where)
+    cfg = dataclasses.replace(cfg, source=raw.get("source") or where)
+    _validate(cfg)
+    return cfg
+
+
 def default_pad(cfg: Config) -> dict[str, int]:
     """Pad values no config needs to spell out: ``attention_mask`` pads with 0 and, under
     causal_lm, the targets with -100 (the positions the loss skips); ``data.pad`` overrides them.

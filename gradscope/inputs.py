@@ -148,6 +148,20 @@ def check_output(path: str | Path, inputs: Inputs) -> None:
     """Refuse, before anything runs, an output that is one of the inputs or lies inside an input
     folder, or that is not a regular file (or a new name) in an existing folder."""
     path = Path(path)
+    check_not_input(path, inputs)
+    if path.is_dir():
+        raise ConfigError("the output path is a folder; give a file name", str(path))
+    if path.exists() and not path.is_file():
+        raise ConfigError(
+            "the output path is not a regular file (a device, pipe or socket); give a file name",
+            str(path),
+        )
+    check_folder(path)
+
+
+def check_not_input(path: Path, inputs: Inputs) -> None:
+    """Refuse an output that is one of the inputs, that a glob among them would match, or that
+    lies inside an input folder."""
     for key, file in inputs:
         if _same(path, file):
             raise ConfigError(
@@ -167,13 +181,10 @@ def check_output(path: str | Path, inputs: Inputs) -> None:
                 "change what the run reads, choose another --out or output.path",
                 str(path),
             )
-    if path.is_dir():
-        raise ConfigError("the output path is a folder; give a file name", str(path))
-    if path.exists() and not path.is_file():
-        raise ConfigError(
-            "the output path is not a regular file (a device, pipe or socket); give a file name",
-            str(path),
-        )
+
+
+def check_folder(path: Path) -> None:
+    """Refuse an output whose folder is a file or does not exist."""
     if path.parent.exists() and not path.parent.is_dir():
         raise ConfigError(f"the output's folder {path.parent} is a file", str(path))
     if not path.parent.is_dir():

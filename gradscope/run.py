@@ -17,7 +17,7 @@ from . import __version__, distributed
 from .config import Config
 from .distributed import World
 from .errors import ConfigError, Interrupted
-from .inputs import check_output, minimal, run_inputs
+from .inputs import minimal, run_inputs
 from .io.data import Batch, open_dataset
 from .io.lock import OutputLock
 from .io.model import file_sha256
@@ -159,7 +159,7 @@ def score_dataset(
     """
     scorer = scorer or NormsScorer(trust_checkpoint)
     inputs = run_inputs(cfg, scorer.reads())
-    check_output(cfg.output.path, inputs)
+    scorer.check_output(cfg.output.path, inputs)
     with (
         distributed.session(cfg.distributed.join_timeout) as world,
         contextlib.ExitStack() as stack,
@@ -170,7 +170,7 @@ def score_dataset(
             device = world.device(cfg.device)
             kind = resolve_device(device).type
             key = fingerprint(cfg, scorer.command, inputs, scorer.resume_key(), kind)
-            run = PartialRun(cfg.output.path, key)
+            run = scorer.partial(cfg.output.path, key)
             run.refuse_foreign()  # before the model is built
             parts = _Parts(run, world, key, resumed_parts(run, key) if resume else None)
             job = Job.from_config(dataclasses.replace(cfg, device=device), trust_checkpoint)

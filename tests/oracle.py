@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
-from gradscope.engine import Engine, Forward, naive_grads, select_output
+from gradscope.engine import Engine, Forward, Want, naive_grads, select_output
 from gradscope.losses import resolve_loss
+from gradscope.rules.projection import Projection
 
 
 @dataclass
@@ -146,3 +148,66 @@ def model_state(model: nn.Module) -> ModelState:
         {name: b.clone() for name, b in model.named_buffers()},
         [m.training for m in model.modules()],
     )
+
+
+def projected(grads: Tensor, split: int, out: Tensor | None, inn: Tensor | None) -> Tensor:
+    """(B, *shape) formed gradients -> (B, k_out * k_in): ``P_out^T G_i P_in`` as written, the
+    gradient read as (rows = the first ``split`` dimensions, cols = the rest), None = identity."""
+    g = grads.reshape(grads.shape[0], math.prod(grads.shape[1 : split + 1]), -1)  # (B, R, C)
+    p = torch.eye(g.shape[1], dtype=g.dtype) if out is None else out
+    q = torch.eye(g.shape[2], dtype=g.dtype) if inn is None else inn
+    return torch.einsum("rk,brc,cl->bkl", p, g, q).flatten(1)
+
+
+# how random projections keep each side: compress both, keep the rows whole, keep the cols whole
+SIDES = ("both", "rows whole", "cols whole")
+
+
+def random_projections(
+    shapes: dict[str, torch.Size], sides: str, last_split: bool, seed: int = 0
+) -> dict[str, Projection]:
+    """A random float64 projection per parameter, about half of each compressed side's size;
+    a parameter of 3+ dims read as (its first dim, the rest), or with ``last_split`` as (all but
+    its last dim, the last): a fused expert weight's rows."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in shapes.items():
+        split = 0 if len(shape) < 2 else (len(shape) - 1 if last_split else 1)
+        rows, cols = math.prod(shape[:split]), math.prod(shape[split:])
+
+        def factor(n: int, keep: bool) -> Tensor | None:
+            if keep or n == 1:
+                return None
+            return torch.randn(n, max(1, n // 2), generator=g, dtype=torch.float64)
+
+        p_out = factor(rows, sides == "rows whole")
+        p_in = factor(cols, sides == "cols whole")
+        out[name] = Projection(torch.Size(shape), split, p_out, p_in)
+    return out
+
+
+def assert_projections_match_loop(case: Case, rtol: float = 1e-9) -> None:
+    """Each parameter's ``phi_i = P_out^T G_i P_in``, from the pass (``Want.project``: parts
+    of several calls merged) and from each contribution's own ``project``, against the
+    definition on the loop's formed gradients, for every way of keeping the sides and of
+    reading a 3-D weight; within ``rtol`` of the largest entry."""
+    model, inputs, targets = case.build()
+    loss, forward = resolve_loss(case.loss, case.loss_kwargs), Forward(output=case.output)
+    with Engine(model, loss, forward=forward) as engine:
+        names = [p.name for p in engine.plan.included]
+        _, grads = naive_grads(model, inputs, targets, loss, names, forward)
+        shapes = {n: g.shape[1:] for n, g in grads.items()}
+        splits = [False, True] if any(len(s) > 2 for s in shapes.values()) else [False]
+        for sides in SIDES:
+            for last_split in splits:
+                projections = random_projections(shapes, sides, last_split)
+                want = Want(norms=False, project=projections)
+                got = engine.scores(inputs, targets, want).inner
+                _, parts = engine.contributions(inputs, targets)
+                for name, p in projections.items():
+                    expected = projected(grads[name], p.split, p.out, p.inn)
+                    where = f"{name} ({sides}, split {p.split})"
+                    assert got[name].shape == expected.shape, where
+                    assert_rel_close(got[name], expected, rtol)
+                    if parts[name] is not None:
+                        assert_rel_close(parts[name].project(p), expected, rtol)

@@ -37,6 +37,13 @@ def test_reference_and_scoring_are_checked_against_their_loops():
     assert all(results[k].rel_err < 1e-5 for k in checked)
 
 
+def test_index_is_checked_against_the_projected_loop():
+    keys = ["floor", "index:loop", "index:gradscope"]
+    results = {r.method: r for r in bench.time_workload("smoke", keys, 1, 1, CPU)}
+    assert all(r.status == "ok" for r in results.values())
+    assert results["index:gradscope"].rel_err < 1e-5
+
+
 def test_an_answer_off_the_loop_is_wrong(monkeypatch):
     def doubled(pb):
         step = methods.loop_influence(pb)

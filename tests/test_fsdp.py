@@ -159,3 +159,25 @@ def test_fsdp_lora_adapters_two_processes_equal_one(tmp_path):
     pd.testing.assert_frame_equal(pd.read_parquet(out), one, check_exact=True)
     included = [p for p in read_metadata(out)["plan"] if p["rule"] != "excluded"]
     assert len(included) == 12 and all("lora_" in p["name"] for p in included)
+
+
+def test_fsdp_index_two_processes_equal_one(tmp_path):
+    """A sharded model's index: each rank's rows as one process writes them, queried alike."""
+    from gradscope.index.query import Query, run_query
+    from gradscope.index.scorer import IndexScorer, index_output
+
+    config = gpt2_project(tmp_path, n=11)
+    cfg = index_output(load_config(config), str(tmp_path / "one"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        score_dataset(cfg, IndexScorer(dim=16))
+    finally:
+        torch.set_num_threads(threads)
+    run = torchrun("index", str(config), "--dim", "16", "--out", str(tmp_path / "two"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    ids = [pd.read_parquet(tmp_path / name / "ids.parquet") for name in ("one", "two")]
+    pd.testing.assert_frame_equal(*ids, check_exact=True)
+    asked = Query(str(tmp_path / "ref"), per_ref=True, top_k=11)
+    one, two = (pd.read_parquet(run_query(tmp_path / n, asked)) for n in ("one", "two"))
+    pd.testing.assert_frame_equal(one, two, check_exact=True)

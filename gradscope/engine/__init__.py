@@ -8,6 +8,7 @@ from .passes.forward import Forward, select_output
 from .passes.influence import (
     ENGINES,
     MAX_PER_REF,
+    BatchInfluence,
     Influence,
     check_engine,
     influence_errors,
@@ -15,7 +16,7 @@ from .passes.influence import (
 )
 from .passes.naive import naive_grads
 from .passes.reduce import Want
-from .plan import BROADCAST, EXCLUDED, FALLBACK, FALLBACK_LOOP, Plan, build_plan
+from .plan import BROADCAST, EXCLUDED, FALLBACK, FALLBACK_LOOP, ParamPlan, Plan, build_plan
 
 __all__ = [
     "BROADCAST",
@@ -24,12 +25,14 @@ __all__ = [
     "FALLBACK",
     "FALLBACK_LOOP",
     "MAX_PER_REF",
+    "BatchInfluence",
     "BatchScores",
     "CheckReport",
     "Engine",
     "Forward",
     "Influence",
     "Observe",
+    "ParamPlan",
     "Plan",
     "Want",
     "build_plan",

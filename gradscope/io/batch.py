@@ -147,6 +147,21 @@ def _slice(batch: Batch, lo: int, hi: int) -> Batch:
     )
 
 
+def take(batch: Batch, rows: Tensor) -> Batch:
+    """The batch's rows at positions ``rows`` (0-based within the batch), in that order."""
+    picked = rows.tolist()
+
+    def pick(values: Any) -> Any:
+        return [values[i] for i in picked] if isinstance(values, list) else values[rows]
+
+    return Batch(
+        index=batch.index[rows],
+        inputs=tuple(pick(t) for t in batch.inputs),
+        targets=pick(batch.targets),
+        ids=None if batch.ids is None else batch.ids[rows.numpy()],
+    )
+
+
 def rebatch(chunks: Iterable[Batch], batch_size: int, limit: int | None) -> Iterator[Batch]:
     """Cut runs of rows of any length into batches of ``batch_size``; stop reading at ``limit``."""
     pending: list[Batch] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import glob
 import hashlib
 import pickle
@@ -16,7 +17,7 @@ from torch import Tensor
 
 from ..config import DataConfig
 from ..errors import DataError
-from .batch import Batch, Columns, Selection, is_glob, rebatch
+from .batch import Batch, Columns, Selection, is_glob, rebatch, take
 from .model import LFS_POINTER, file_sha256, import_object, lfs_pointer
 
 FORMATS = (".pt", ".pth", ".npz", ".parquet", ".csv", ".arrow")
@@ -276,6 +277,23 @@ class Dataset:
         as each row's array as stored."""
         cut = rebatch(self._chunks(batch_size), batch_size, limit)
         return (self.columns.padded(batch) for batch in cut) if pad else cut
+
+    def rows_at(self, positions: Sequence[int], batch_size: int) -> Iterator[Batch]:
+        """The rows at ``positions`` (0-based, sorted, distinct), in dataset order, in batches
+        padded as ``batches`` pads them: one pass over the data that keeps only those rows."""
+        wanted = list(positions)
+
+        def picked() -> Iterator[Batch]:
+            for chunk in self._chunks(1 << 12):
+                first = int(chunk.index[0])
+                lo = bisect.bisect_left(wanted, first)
+                hi = bisect.bisect_left(wanted, first + len(chunk))
+                if hi > lo:
+                    yield take(chunk, torch.tensor(wanted[lo:hi]) - first)
+                if hi == len(wanted):
+                    return
+
+        return (self.columns.padded(b) for b in rebatch(picked(), batch_size, None))
 
     def values_at(self, name: str, key: str, positions: set[int]) -> dict[int, Any]:
         """Column ``name`` (the config's ``key``) at the given row positions, read as stored."""

@@ -171,8 +171,11 @@ class PartialRun:
         return self.dir / f"part-{number:09d}.parquet"
 
     def write(self, number: int, columns: dict[str, Any]) -> None:
-        """Batch ``number``'s rows as one complete part file, stamped as this run's."""
-        table = pa.table({name: _array(v) for name, v in columns.items()})
+        """Batch ``number``'s rows as one complete part file, stamped as this run's; a column
+        may be an Arrow array already."""
+        table = pa.table(
+            {name: v if isinstance(v, pa.Array) else _array(v) for name, v in columns.items()}
+        )
         table = table.replace_schema_metadata(self.stamp)
         replace_atomically(self._part(number), lambda f: pq.write_table(table, f))
 
@@ -187,6 +190,15 @@ class PartialRun:
         chunks = [pq.read_table(self._part(n), columns=[name]).column(0) for n in range(parts)]
         return np.concatenate([c.to_numpy() for c in chunks])
 
+    def check_complete(self, parts: int) -> None:
+        """Every part ``0 .. parts-1`` is there and ours."""
+        missing = sorted(set(range(parts)) - self.done())
+        if missing:
+            raise DataError(
+                f"the partial run lacks batch {missing[0]}; run again with --resume to score it",
+                str(self.dir),
+            )
+
     def assemble(
         self,
         parts: int,
@@ -198,12 +210,7 @@ class PartialRun:
         (one value a row) before ``finite``; the folder goes. A column whose type differs between
         parts (whole-number targets in one CSV shard) takes the type that holds them all, and
         ids that are text in one part and numbers in another are all text."""
-        missing = sorted(set(range(parts)) - self.done())
-        if missing:
-            raise DataError(
-                f"the partial run lacks batch {missing[0]}; run again with --resume to score it",
-                str(self.dir),
-            )
+        self.check_complete(parts)
         schemas = [pq.read_schema(self._part(n)).remove_metadata() for n in range(parts)]
         try:
             first = _unified(schemas)

@@ -12,9 +12,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from .projection import Projection
 
 # Bound on the elements of one temporary (Gram block, materialised chunk): 2**24 floats = 64 MiB.
 CHUNK_ELEMENTS = 1 << 24
@@ -61,6 +65,11 @@ class Contribution(ABC):
     @abstractmethod
     def materialize(self) -> Tensor:
         """(B, *shape) the per-example gradients themselves."""
+
+    def project(self, p: Projection) -> Tensor:
+        """(B, p.dim) each example's gradient projected, ``P_out^T G_i P_in`` (see
+        ``projection.py``); here from the gradients formed, where no cheaper form exists."""
+        return p.dense(self.materialize())
 
     def batch_sum(self) -> Tensor:
         """(*shape) the sum over examples: the batch gradient of the summed loss."""
@@ -143,6 +152,9 @@ class Formed(Dense):
             norms.append(_sq_norm(flat, 1))
             inners.append(flat @ rows(refs.to(m.dtype)).T)  # (b, P) @ (P, K)
         return _cat(norms), _cat(inners)
+
+    def project(self, p: Projection) -> Tensor:
+        return _cat([p.dense(m) for m in self._chunks()])
 
     def batch_sum(self) -> Tensor:
         return sum(m.sum(0) for m in self._chunks())

@@ -7,6 +7,7 @@ from torch import Tensor, nn
 
 from .base import CHUNK_ELEMENTS, Contribution, _acc, register_rule
 from .outer import Outer
+from .projection import Projection
 
 
 def _example_keys(ids: Tensor, num_rows: int) -> Tensor:
@@ -53,6 +54,15 @@ class Rows(Contribution):
         keys = _example_keys(self.ids, self.shape[0])
         grads = self.s.new_zeros(b * self.shape[0], d).index_add_(0, keys, self.s.reshape(-1, d))
         return grads.view(b, *self.shape)  # (B, V, D)
+
+    def project(self, p: Projection) -> Tensor:
+        """sum_t P_out[id_t]^T (P_in^T s_t): each position's row of P_out gathered, never G_i."""
+        if (p.rows, p.cols) != tuple(self.shape) or p.out is None:
+            return super().project(p)  # every row kept: a small table, formed
+        b = self.s.shape[0]
+        s = self.s if p.inn is None else self.s @ p.inn.to(self.s.dtype)  # (B, T, k_in)
+        looked_up = p.out.to(s.dtype)[self.ids]  # (B, T, k_out)
+        return (looked_up.transpose(1, 2) @ s).reshape(b, -1)  # (B, k_out, T) @ (B, T, k_in)
 
     def batch_sum(self) -> Tensor:
         d = self.s.shape[-1]

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from .base import CHUNK_ELEMENTS, Contribution, _acc, _cat, _sq_norm, rows
+from .projection import Projection
 
 # Examples with at least this share of their group's longest row count share its padded
 # product (``Outer.lengths``): the padding then costs at most a quarter more than their rows.
@@ -178,6 +179,16 @@ class Outer(Contribution):
         if self._groups() is not None:
             return self._placed(Outer.materialize, self.shape)
         return torch.cat(list(self._materialized_chunks())).reshape(-1, *self.shape)
+
+    def project(self, p: Projection) -> Tensor:
+        """Both sides projected, then summed over the positions, where the projection reads
+        the parameter as this Outer's (G*O, I) matrix; else from G formed, in chunks."""
+        if self._groups() is not None:
+            return self._placed(lambda part: part.project(p), (p.dim,))
+        _, g, _, o, i = self.dims
+        if (p.rows, p.cols) == (g * o, i):
+            return p.factored(self.s, self.a)
+        return _cat([p.dense(m) for m in self._materialized_chunks()])
 
     def batch_sum(self) -> Tensor:
         if self._groups() is not None:

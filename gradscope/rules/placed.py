@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .base import Contribution, Dense
+from .projection import Projection
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,15 @@ class Placed(Contribution):
         out[(slice(None), *self.place.index)] = view
         return out
 
+    def project(self, p: Projection) -> Tensor:
+        """The view's own projection (the rows of P_out it covers), placed back; the gradient
+        formed where the view is not a block of rows (``Projection.of_view``)."""
+        view = p.of_view(self.place.index, self.place.transposed)
+        if view is None:
+            return super().project(p)
+        sub, back = view
+        return back(self.part.project(sub)) * self.place.scale
+
     def batch_sum(self) -> Tensor:
         view = self.part.batch_sum() * self.place.scale
         view = view.transpose(-1, -2) if self.place.transposed else view
@@ -85,6 +95,9 @@ class Blocks(Contribution):
 
     def materialize(self) -> Tensor:
         return sum(b.materialize() for b in self.blocks)
+
+    def project(self, p: Projection) -> Tensor:
+        return sum(b.project(p) for b in self.blocks)
 
     def batch_sum(self) -> Tensor:
         return sum(b.batch_sum() for b in self.blocks)

@@ -9,8 +9,9 @@ import torch
 from torch import Tensor
 
 from ..config import Config
-from ..inputs import Inputs
+from ..inputs import Inputs, check_output
 from ..io.data import Batch
+from ..io.parquet import PartialRun
 from ..job import Job
 from ..losses import nothing_counted
 from ..predictions import COLUMNS, predictions
@@ -22,6 +23,8 @@ class Scorer:
     - ``reads()`` and ``resume_key()`` before anything runs: the scorer's own input files (the
       output may not be one of them; a resume needs them unchanged) and the options a resumed run
       must share; ``names(cfg)``, the columns it may write, lets ``--by`` be checked then too;
+      ``check_output`` and ``partial`` say what the output may be and which partial run writes
+      it (a Parquet file, unless a scorer says otherwise);
     - ``setup(job)`` once on every rank, with the model prepared, before the first batch (ranks
       may exchange tensors here);
     - ``columns(job, batch)`` for each batch it scores: ``{column: array}``, one row per example
@@ -54,6 +57,12 @@ class Scorer:
         ``grad_norm/<module>`` stands for one per module, and ``target``, ``pred``, ``prob``,
         ``margin`` and ``class_z`` are written only when the data's targets allow them."""
         raise NotImplementedError
+
+    def check_output(self, path: str, inputs: Inputs) -> None:
+        check_output(path, inputs)
+
+    def partial(self, path: str, fingerprint: dict) -> PartialRun:
+        return PartialRun(path, fingerprint)
 
     def setup(self, job: Job) -> None:
         """Nothing to prepare unless a scorer says otherwise."""

@@ -11,8 +11,7 @@ from torch import Tensor
 
 from .. import distributed
 from ..config import Config
-from ..engine import MAX_PER_REF, Influence, check_engine, reference_gradients
-from ..engine.passes.influence import BatchInfluence
+from ..engine import MAX_PER_REF, BatchInfluence, Influence, check_engine, reference_gradients
 from ..errors import ConfigError, DataError, reading
 from ..inputs import data_inputs
 from ..io.data import Batch, Dataset, data_sha256, open_dataset

@@ -11,6 +11,7 @@ from torch import Tensor
 from ...rules import Contribution, Dense, Outer
 from ...rules.base import CHUNK_ELEMENTS, _sq_norm, accumulation_dtype, rows
 from ...rules.outer import gram_norms
+from ...rules.projection import Projection
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,10 @@ class Want:
     ``transform`` ({name, contribution} -> contribution, linear in the gradient: a
     preconditioner's square root) adds the squared norms of the transformed gradients,
     ``g_i^T P g_i``, beside the plain ones (``Reducer.pre.norm_sq``).
+
+    ``project`` ({name: Projection}, instead of ``refs``): the inner products with the rows of
+    a random projection, ``phi_i = P_out^T G_i P_in`` flattened to (B, dim), each answered by
+    ``Contribution.project`` without forming the directions; they fill ``inner`` as refs would.
     """
 
     norms: bool = True
@@ -32,6 +37,7 @@ class Want:
     # norms and inner products from shared work where a contribution offers it; False when the
     # norms are only the self-check's, so the inner products round as they do without them
     share: bool = True
+    project: dict[str, Projection] | None = None
 
 
 def _merged(parts: list[Contribution]) -> Contribution:
@@ -115,6 +121,8 @@ class Reducer:
                 norm_sq = sum(g.norm_sq() for g in groups)
             if refs is not None:
                 self.inner[name] = sum(g.inner(refs) for g in groups)
+        if self.want.project is not None:  # linear in the gradient: the kinds' answers add
+            self.inner[name] = sum(g.project(self.want.project[name]) for g in groups)
         if self.want.norms:
             for k, g in enumerate(groups):
                 for h in groups[k + 1 :]:
@@ -135,6 +143,8 @@ class Reducer:
                 self.norm_sq[name] = c.norm_sq()
             if refs is not None:
                 self.inner[name] = c.inner(refs)
+        if self.want.project is not None:
+            self.inner[name] = c.project(self.want.project[name])
         if self.want.keep:
             self.kept[name] = c
         if self.want.sums:
@@ -158,6 +168,8 @@ class Reducer:
         if self.want.refs is not None and name not in self.inner:
             k = self.want.refs[name].shape[0]
             self.inner[name] = torch.zeros(batch, k, **like)
+        if self.want.project is not None and name not in self.inner:
+            self.inner[name] = torch.zeros(batch, self.want.project[name].dim, **like)
         if self.want.sums:
             self.sums.setdefault(name, torch.zeros_like(param))
 

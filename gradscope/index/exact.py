@@ -1,0 +1,53 @@
+"""``--exact``: each reference's candidates (the top of the projected ranking) scored again by the
+exact engine, the examples read back from the data, and ranked by the exact scores."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..engine import Influence
+from ..io.data import open_dataset
+from ..job import Job
+from .references import References
+
+# reference directions formed at once: at most this many floats (2 GiB of float32)
+REFS_ELEMENTS = 1 << 29
+
+
+def exact_scores(job: Job, refs: References, candidates: Tensor, normalize: bool) -> Tensor:
+    """(M, R) float64 exact scores of the examples at ``candidates`` ((M, R) example ids, one
+    column per reference): ``<g_i, r>``, or the cosine with ``normalize``. References are taken
+    a few at a time (``REFS_ELEMENTS``), each group's candidates read from the data in one pass
+    and scored in one pass of the hook engine against the group's directions."""
+    params = sum(p.param.numel() for p in job.plan.included)
+    step = max(1, REFS_ELEMENTS // max(1, params))
+    data = open_dataset(job.cfg.data)
+    out = torch.full(candidates.shape, math.nan, dtype=torch.float64)
+    for lo in range(0, candidates.shape[1], step):
+        hi = min(lo + step, candidates.shape[1])
+        wanted = candidates[:, lo:hi]  # (M, r) example ids
+        examples = torch.unique(wanted)  # sorted
+        scored = torch.empty(len(examples), hi - lo, dtype=torch.float64)
+        influence = Influence(job.engine, refs.dense(lo, hi), "hooks", norms=normalize)
+        ref_norm = influence.ref_norm.cpu()
+        for batch in data.rows_at(examples.tolist(), job.cfg.data.batch_size):
+            result = influence(*job.to_device(batch))
+            inner = result.inner.cpu()  # (b, r)
+            if normalize:
+                inner = inner / (result.norm_sq.cpu().sqrt()[:, None] * ref_norm[None])
+            scored[torch.searchsorted(examples, batch.index)] = inner
+        columns = torch.arange(hi - lo).expand_as(wanted)
+        out[:, lo:hi] = scored[torch.searchsorted(examples, wanted), columns]
+    return out
+
+
+def rerank(exact: Tensor, k: int) -> tuple[Tensor, np.ndarray]:
+    """(k, R) positions among the candidates of each reference's k highest exact scores
+    (highest first, NaN last), and the deepest such position per reference (0-based)."""
+    key = torch.nan_to_num(exact, nan=-math.inf)
+    order = torch.sort(key, dim=0, descending=True, stable=True).indices[:k]  # (k, R)
+    return order, order.max(0).values.numpy()

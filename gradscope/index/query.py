@@ -1,0 +1,235 @@
+"""``gradscope query``: the index's examples scored against references and written to Parquet.
+
+Without ``--per-ref``, ``--top-k`` or ``--exact``: one row per indexed example in index order
+(example_id, id, score). Otherwise each reference's top-k: ref_id, rank, example_id, id, score,
+and with ``--exact`` the exact score and the example's rank in the projected ranking
+(``projected_rank``), the rows ranked by the exact score.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from .. import __version__
+from ..config import Config, config_from_dict, load_config, output_path, with_overrides
+from ..errors import ConfigError, DataError
+from ..inputs import check_output, data_inputs, minimal, run_inputs
+from ..io.data import data_sha256
+from ..io.lock import OutputLock
+from ..io.parquet import METADATA_KEY, replace_atomically
+from ..job import Job
+from ..rules.base import accumulation_dtype
+from .exact import exact_scores, rerank
+from .layout import Shards
+from .projection import Projector
+from .references import References
+from .scorer import model_files
+from .stream import Scores
+
+CANDIDATES = 30  # --exact re-scores the top k * CANDIDATES of the projected ranking
+
+
+@dataclass(frozen=True)
+class Query:
+    """What ``gradscope query`` asks of an index."""
+
+    ref: str
+    per_ref: bool = False
+    top_k: int | None = None  # None: every example (one reference), else summary.top_k
+    exact: bool = False
+    candidates: int = CANDIDATES
+    normalize: bool = False
+    precondition: str | None = None
+
+    @property
+    def ranked(self) -> bool:
+        return self.per_ref or self.exact or self.top_k is not None
+
+
+def index_config(shards: Shards, config: Path | None, **overrides) -> Config:
+    """The indexed model's config: the manifest's, or ``config`` (the same model) where the
+    index was written with ``output.metadata: minimal``; command-line ``overrides`` on top."""
+    if config is not None:
+        cfg = load_config(config)
+    else:
+        raw = shards.manifest["gradscope"].get("config")
+        if not isinstance(raw, dict):
+            raise ConfigError(
+                "the index holds no config (output.metadata: minimal); pass --config", "--config"
+            )
+        cfg = config_from_dict(raw, str(shards.path / "manifest.json"))
+    return with_overrides(cfg, **overrides)
+
+
+def check_model(shards: Shards, cfg: Config, exact: bool) -> None:
+    """The model files (and, for ``exact``, the data) must be the ones the index was built from."""
+    indexed = shards.manifest["gradscope"]
+    now = model_files(cfg)
+    for key in sorted(set(indexed.get("model_files", {})) | set(now)):
+        if indexed.get("model_files", {}).get(key) != now.get(key):
+            raise DataError(
+                f"{key} is not what the index was built from (its sha256 differs); rebuild the "
+                "index or query it with the model it was built from",
+                str(shards.path),
+            )
+    if exact and indexed.get("data_sha256") != data_sha256(cfg.data.path):
+        raise DataError(
+            "--exact reads the indexed examples again, but data.path has changed since the index "
+            "was built (its sha256 differs)",
+            str(shards.path),
+        )
+
+
+def default_out(index: Path) -> str:
+    return str(index.with_name(f"{index.name}.query.parquet"))
+
+
+def run_query(
+    index: str | Path,
+    query: Query,
+    out: str | None = None,
+    *,
+    config: Path | None = None,
+    device: str | None = None,
+    batch_size: int | None = None,
+    trust_checkpoint: bool = False,
+) -> Path:
+    """Score the index at ``index`` against ``query.ref`` and write the Parquet file ``out``."""
+    index = Path(index)
+    shards = Shards(index)
+    cfg = index_config(shards, config, device=device, batch_size=batch_size)
+    out = Path(output_path(out, Path.cwd(), "--out") if out else default_out(index))
+    reads = [("INDEX", str(index)), *data_inputs("--ref", query.ref)]
+    if query.precondition:
+        reads.append(("--precondition", query.precondition))
+    check_output(out, run_inputs(cfg, reads))
+    if query.candidates < 1:
+        raise ConfigError(
+            f"--candidates must be at least 1, got {query.candidates}", "--candidates"
+        )
+    check_model(shards, cfg, query.exact)
+    with OutputLock(out):
+        job = Job.from_config(cfg, trust_checkpoint)
+        projector = Projector.of(
+            shards.manifest["projection"], job.plan, job.device, accumulation_dtype(job.dtype)
+        )
+        sha = shards.manifest["gradscope"].get("checkpoint_sha256")
+        with job.engine:
+            refs = References(job, query.ref, projector, query.per_ref, query.precondition, sha)
+            scores = Scores(shards, refs.projected(), query.normalize)
+            table, found = _ranked(job, shards, scores, refs, query) if query.ranked else (
+                _every(shards, scores), {}
+            )  # fmt: skip
+        metadata = _metadata(job, shards, query, refs.count, found)
+        if cfg.output.metadata == "minimal":
+            metadata = minimal(metadata)
+        table = table.replace_schema_metadata({METADATA_KEY: json.dumps(metadata, default=str)})
+        replace_atomically(out, lambda f: pq.write_table(table, f))
+    return out
+
+
+def _leading(shards: Shards, rows: np.ndarray) -> dict[str, np.ndarray]:
+    """example_id (and id, with data.ids) of the index rows ``rows``."""
+    names = [n for n in ("example_id", "id") if n in shards.ids().schema.names]
+    ids = shards.ids(names)
+    return {n: ids[n].take(pa.array(rows)).to_numpy(zero_copy_only=False) for n in names}
+
+
+def _every(shards: Shards, scores: Scores) -> pa.Table:
+    columns = _leading(shards, np.arange(shards.rows))
+    columns["score"] = scores.every()
+    return pa.table(columns)
+
+
+def _ranked(
+    job: Job, shards: Shards, scores: Scores, refs: References, query: Query
+) -> tuple[pa.Table, dict]:
+    """Each reference's top-k rows, ranked by the projected score or, with ``exact``, by the
+    exact score of the top k * candidates; and what the re-ranking found."""
+    k = query.top_k or job.cfg.summary.top_k
+    values, rows = scores.top(k * query.candidates if query.exact else k)  # (M, R)
+    values = torch.where(torch.isinf(values), torch.nan, values).double().cpu()
+    rows = rows.cpu()
+    example_ids = torch.tensor(_leading(shards, rows.flatten().numpy())["example_id"])
+    found, exact = {}, None
+    if query.exact:
+        exact = exact_scores(job, refs, example_ids.view(rows.shape), query.normalize)
+        order, deepest = rerank(exact, k)  # (k, R) positions among the candidates
+        found = {
+            "candidates": rows.shape[0],
+            "deepest_median": float(np.median(deepest)) + 1,
+            "deepest_max": int(deepest.max()) + 1,
+            "within_half": float(np.mean(deepest < rows.shape[0] / 2)),
+        }
+        values, rows, exact = (t.gather(0, order) for t in (values, rows, exact))
+        projected_rank = order + 1
+    m, r = rows.shape
+    columns = {
+        "ref_id": np.repeat(np.arange(r), m),
+        "rank": np.tile(np.arange(1, m + 1), r),
+        **_leading(shards, rows.T.flatten().numpy()),
+        "score": values.T.flatten().numpy(),
+    }
+    if exact is not None:
+        columns["exact"] = exact.T.flatten().numpy()
+        columns["projected_rank"] = projected_rank.T.flatten().numpy()
+    return pa.table(columns), found
+
+
+def _metadata(job: Job, shards: Shards, query: Query, count: int, found: dict) -> dict:
+    manifest = shards.manifest
+    return {
+        "version": __version__,
+        "command": "query",
+        "index": str(shards.path),
+        "index_rows": shards.rows,
+        "projection": {k: manifest["projection"][k] for k in ("dim", "seed", "width")},
+        "config": job.cfg.to_dict(),
+        "checkpoint_sha256": manifest["gradscope"].get("checkpoint_sha256"),
+        "torch": torch.__version__,
+        "device": str(job.device),
+        "query": dataclasses.asdict(query) | {"references": count},
+        "ref_sha256": data_sha256(query.ref),
+        "exact": found,
+    }
+
+
+def shown(path: Path, k: int, references: int = 3) -> object:
+    """What the terminal shows of a query's file: the outlier tables of its one score per
+    example, or the top ``k`` rows of its first ``references`` references."""
+    from rich.console import Group
+    from rich.table import Table
+
+    from ..summary import fmt, summarize
+
+    table = pq.read_table(path)
+    if "ref_id" not in table.schema.names:
+        return summarize(path, "score", k)
+    parts, refs = [], table.column("ref_id").to_numpy()
+    names = [n for n in table.schema.names if n != "ref_id"]
+    for r in np.unique(refs)[:references]:
+        rows = table.filter(pa.compute.equal(table["ref_id"], r)).slice(0, k).to_pydict()
+        view = Table(title=f"reference {r}: top {len(rows['rank'])}")
+        for name in names:
+            view.add_column(name, justify="right")
+        for i in range(len(rows["rank"])):
+            view.add_row(*(fmt(rows[n][i]) for n in names))
+        parts.append(view)
+    meta = json.loads(table.schema.metadata[METADATA_KEY])
+    found, count = meta["exact"], meta["query"]["references"]
+    line = f"{count} references, top {k} each"
+    if found:
+        line += (
+            f"; exact top-{k} drawn from projected ranks up to {found['deepest_max']} of "
+            f"{found['candidates']} candidates (median deepest {found['deepest_median']:g}); "
+            f"within the first half for {found['within_half']:.0%} of references"
+        )
+    return Group(*parts, line)
