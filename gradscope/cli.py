@@ -368,15 +368,26 @@ def index(
     config: ConfigArg,
     out: Annotated[
         str | None,
-        typer.Option("--out", help="Index folder to write (default: output.path as NAME.index)."),
+        typer.Option(
+            "--out",
+            metavar="DIR",
+            help="Index folder to write (default: output.path as NAME.index).",
+        ),
     ] = None,
     dim: Annotated[
         int | None,
-        typer.Option("--dim", help="Numbers kept per parameter, k_out * k_in (default 1024)."),
+        typer.Option(
+            "--dim", metavar="K", help="Numbers kept per parameter, k_out * k_in (default 1024)."
+        ),
     ] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the random projections.")] = 0,
+    seed: Annotated[
+        int, typer.Option("--seed", metavar="S", help="Seed of the random projections.")
+    ] = 0,
     storage: Annotated[
-        str, typer.Option("--storage", help="float16 or float32 rows on disk.")
+        str,
+        typer.Option(
+            "--storage", metavar="float16|float32", help="float16 or float32 rows on disk."
+        ),
     ] = "float16",
     device: DeviceOpt = None,
     batch_size: BatchOpt = None,
@@ -409,7 +420,11 @@ def query(
     ],
     ref: Annotated[
         str,
-        typer.Option("--ref", help="Reference data (any format data.path takes); same columns."),
+        typer.Option(
+            "--ref",
+            metavar="REF",
+            help="Reference data (any format data.path takes); same columns.",
+        ),
     ],
     per_ref: Annotated[
         bool, typer.Option("--per-ref", help="Every REF row its own reference: its top-k.")
@@ -418,6 +433,7 @@ def query(
         int | None,
         typer.Option(
             "--top-k",
+            metavar="K",
             help="Rows per reference (default: every example for the "
             "mean reference, else summary.top_k).",
         ),
@@ -432,7 +448,11 @@ def query(
     ] = False,  # fmt: skip
     candidates: Annotated[
         int | None,
-        typer.Option("--candidates", help="M of --exact: candidates per top-k row (default 30)."),
+        typer.Option(
+            "--candidates",
+            metavar="M",
+            help="M of --exact: candidates per top-k row (default 30).",
+        ),
     ] = None,
     normalize: Annotated[
         bool, typer.Option("--normalize", help="Cosine: unit-normalised gradients.")
@@ -441,16 +461,23 @@ def query(
         Path | None,
         typer.Option(
             "--precondition",
+            metavar="FILE",
             help="Factors file or Adam/AdamW state_dict, applied to the references.",
         ),
     ] = None,
     out: Annotated[
         str | None,
-        typer.Option("--out", help="Parquet file to write (default: INDEX.query.parquet)."),
+        typer.Option(
+            "--out", metavar="PATH", help="Parquet file to write (default: INDEX.query.parquet)."
+        ),
     ] = None,
     config: Annotated[
         Path | None,
-        typer.Option("--config", help="The indexed model's config, for an index that holds none."),
+        typer.Option(
+            "--config",
+            metavar="CONFIG",
+            help="The indexed model's config, for an index that holds none.",
+        ),
     ] = None,
     device: DeviceOpt = None,
     batch_size: BatchOpt = None,
