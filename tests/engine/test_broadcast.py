@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from oracle import Case, assert_rel_close, reference_norms
 from torch import Tensor, nn
 
+import gradscope
 from gradscope.engine import Engine
 from gradscope.errors import ModelError
 from gradscope.losses import resolve_loss
@@ -175,3 +176,28 @@ def test_rows_that_mix_examples_are_refused():
     engine = Engine(model, resolve_loss("mse"))
     with engine, pytest.raises(ModelError, match="mixes the examples of a batch"):
         engine.norms(inputs, targets)
+
+
+class NoGradView(nn.Module):
+    """A gain read through a view taken under ``no_grad`` (torch gives that view
+    ``requires_grad`` but no gradient function, Mistral Large 4's indexer): no gradient of the
+    gain flows through it; a bias beside it is read as usual."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, D))
+        self.bias = nn.Parameter(torch.zeros(D))
+        self.fc = nn.Linear(D, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            gain = self.gain[:]
+        return self.fc(torch.tanh(x * gain + self.bias))
+
+
+def test_a_view_taken_under_no_grad_is_read_by_nothing():
+    case = Case("no-grad-view", NoGradView, lambda b: (torch.randn(b, D),), torch.randn_like)
+    for seed in range(2):
+        model, inputs, targets = case.build(torch.float64, seed=seed)
+        norms = gradscope.per_example_norms(model, inputs, targets, loss="mse")
+        assert_rel_close(norms, reference_norms(model, inputs, targets, "mse")[1], 1e-9)

@@ -227,7 +227,10 @@ class ParamTap(FunctionReads, BroadcastReads, TorchFunctionMode):
 
     def _use(self, params: tuple[ParamPlan, ...], out: Tensor, parts) -> None:
         with torch._C.DisableTorchFunction():  # the trace below need not see this
-            use = Use(params, torch.autograd.graph.get_gradient_edge(out), parts)
+            edge = _edge(out)
+            if edge is None:  # read where no gradient is recorded (under no_grad)
+                return
+            use = Use(params, edge, parts)
             self._hooks.append(out.register_hook(functools.partial(self._read, use)))
         for p in params:
             self.uses[p.name].reads.append(use)
@@ -252,6 +255,17 @@ class ParamTap(FunctionReads, BroadcastReads, TorchFunctionMode):
             for handle in self._hooks:
                 handle.remove()
             self._hooks.clear()
+
+
+def _edge(out: Tensor) -> GradientEdge | None:
+    """Where ``out``'s gradient arrives, or None where none can: not requiring grad, or a view
+    taken under ``no_grad`` (torch gives it no gradient function)."""
+    if not out.requires_grad:
+        return None
+    try:
+        return torch.autograd.graph.get_gradient_edge(out)
+    except AssertionError:
+        return None
 
 
 def _unscaled(kwargs: dict) -> bool:
