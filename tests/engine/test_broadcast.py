@@ -179,9 +179,9 @@ def test_rows_that_mix_examples_are_refused():
 
 
 class NoGradView(nn.Module):
-    """A gain read through a view taken under ``no_grad`` (torch gives that view
-    ``requires_grad`` but no gradient function, Mistral Large 4's indexer): no gradient of the
-    gain flows through it; a bias beside it is read as usual."""
+    """A gain read under ``no_grad``, as Mistral Large 4's indexer scores tokens: the tap's view
+    of it gets ``requires_grad`` but no gradient function from torch, and no gradient of the gain
+    flows; a bias beside it is read as usual."""
 
     def __init__(self):
         super().__init__()
@@ -191,8 +191,8 @@ class NoGradView(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         with torch.no_grad():
-            gain = self.gain[:]
-        return self.fc(torch.tanh(x * gain + self.bias))
+            weights = torch.softmax(x * self.gain, -1)  # (B, D), a constant of the parameters
+        return self.fc(torch.tanh(x * weights + self.bias))
 
 
 def test_a_view_taken_under_no_grad_is_read_by_nothing():
