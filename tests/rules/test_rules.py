@@ -15,6 +15,7 @@ from oracle import Case, assert_rel_close, reference_norms
 from torch import Tensor, nn
 
 import gradscope
+import gradscope.engine.passes.reduce as reduce
 import gradscope.rules.base as base
 import gradscope.rules.conv as conv
 import gradscope.rules.embedding as embedding
@@ -505,9 +506,12 @@ def test_contributions_match_loop(case: Case) -> None:
     ("name", "gram"), [("linear-seq-gram", True), ("linear-seq-materialise", False)]
 )
 def test_outer_norm_sq_takes_the_branch_its_shapes_force(name, gram, monkeypatch) -> None:
+    """The Gram route is taken by one call (``Outer._gram_norm_sq``) or by the backward's batched
+    norms (``gram_norms``, when the Gram is one block); the materialising route by neither."""
     calls = []
-    original = Outer._gram_norm_sq
+    original, batched = Outer._gram_norm_sq, reduce.gram_norms
     monkeypatch.setattr(Outer, "_gram_norm_sq", lambda self: calls.append(1) or original(self))
+    monkeypatch.setattr(reduce, "gram_norms", lambda parts: calls.append(1) or batched(parts))
     assert_rel_close(*engine_norms(by_id({name})[0], torch.float64), rtol=1e-5)
     assert bool(calls) == gram
 
