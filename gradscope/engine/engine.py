@@ -4,9 +4,6 @@ the rules inside, then the fallback for what the rules cannot serve (``README.md
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -15,23 +12,22 @@ from torch import Tensor, nn
 
 from ..errors import GradscopeError, ModelError, one_line
 from ..losses import LossFn
-from ..rules import Contribution, Outer, find_rule
+from ..rules import Contribution
 from .analysis import decide
 from .analysis.analyse import Analysis
 from .analysis.program import program_of, regions_of
 from .analysis.regions import Regions
 from .analysis.seeded import Seeded
 from .analysis.selfcheck import Singles
-from .analysis.tap import Use
-from .capture import Call, Captured
-from .passes.backward import Requests, backward, requests
-from .passes.fallback import Fallback, short_reason
+from .capture import Captured
+from .passes.backward import requests
+from .passes.fallback import Fallback
 from .passes.forward import Forward
 from .passes.reduce import Reducer, Want
 from .passes.replay import Diverged, Program, ReplaySession, Taps
-from .plan import FALLBACK_LOOP, ParamPlan, Plan, build_plan
+from .passes.serve import Served, serve, served_calls, uses
+from .plan import FALLBACK_LOOP, Plan, build_plan
 from .record import Findings, record_for
-from .rows import regroup
 
 # (selected output, targets) -> {column: (B,) tensor}: read from the scoring forward, no extra pass
 Observe = Callable[[Tensor, Tensor], dict[str, Tensor]]
@@ -73,16 +69,6 @@ def prepared(model: nn.Module, plan: Plan) -> Iterator[None]:
                 m.train(mode)
         for p in frozen:
             p.requires_grad_(False)
-
-
-@dataclass
-class _Backward:
-    """What one backward needs beside the captured forward: from the analysis as it goes, or
-    from the program a replay repeats."""
-
-    count: dict[str, int]  # calls and reads serving each watched parameter
-    checked: list[ParamPlan]  # parameters whose batch gradients are asked for
-    asked: Requests | None  # which outputs to request; None: read off this batch's graph
 
 
 class Engine:
@@ -204,13 +190,13 @@ class Engine:
         captured = Captured(session, Taps(session.done), losses, observed)
         if program.has_regions:  # what the regions read and called differs batch to batch
             reads = captured.tap.reads()
-            count = _uses(self.plan, self._served_calls(captured), reads)
+            count = uses(self.plan, served_calls(self.plan, captured), reads)
             checked = [p for p in self.plan.by_rule + self.plan.raw if not count[p.name]]
         else:
             reads, count = [], dict(program.uses)
             checked = [self.plan.find(name) for name in program.checked]
-        done = _Backward(count, checked, program.requests)
-        reducer, grads = self._backward(captured, want, done, reads)
+        done = Served(count, checked, program.requests)
+        reducer, grads = serve(self.plan, captured, want, done, reads)
         for p in self.plan.fallback:  # a rule that failed on this batch
             reducer.forget(p.name)
         if any(g is not None for g in grads):  # a gradient where no call reached: analyse
@@ -226,7 +212,7 @@ class Engine:
         later batches of the signature."""
         captured = self.analysis(inputs, targets, findings)
         reads = captured.tap.reads() if captured.tap else []
-        count = _uses(self.plan, self._served_calls(captured), reads)
+        count = uses(self.plan, served_calls(self.plan, captured), reads)
         verify = not findings.verified and bool(captured.losses.isfinite().all())
         # the self-check needs every batch gradient; otherwise only those of parameters that no
         # call or read saw, to tell whether they reach the loss
@@ -235,8 +221,8 @@ class Engine:
         singles = (
             Singles(captured.losses, [p.param for p in checked]) if verify and checked else None
         )
-        reducer, grads = self._backward(
-            captured, want, _Backward(count, checked, None), reads, verify
+        reducer, grads = serve(
+            self.plan, captured, want, Served(count, checked, None), reads, verify
         )
         if verify and not all(g is None or bool(g.isfinite().all()) for g in grads):
             verify = False  # an example's gradient is not finite: no check holds; the next batch
@@ -259,90 +245,9 @@ class Engine:
         uses = {p.name: count[p.name] for p in watched}
         asked = None
         if not regions.modules:  # the same calls every batch: the same requests
-            asked = requests(self._served_calls(captured), (), [p.param for p in unseen])
+            asked = requests(served_calls(self.plan, captured), (), [p.param for p in unseen])
         checked = tuple(p.name for p in unseen)
         return program_of(captured, regions, asked, checked, uses, len(self.record.moves))
-
-    def _served_calls(self, captured: Captured) -> list[Call]:
-        """The captured calls of modules whose rules serve a parameter, in capture order."""
-        modules = {id(m) for p in self.plan.by_rule for m, _ in p.owners}
-        return [c for c in captured.session.all_calls() if id(c.module) in modules]
-
-    # -- the backward ----------------------------------------------------------------------
-
-    def _backward(
-        self,
-        captured: Captured,
-        want: Want,
-        done: _Backward,
-        reads: Sequence[Use] = (),
-        verify: bool = False,
-    ) -> tuple[Reducer, list[Tensor | None]]:
-        """One backward; each call's rule runs as its output gradient arrives, and only what
-        ``want`` asks for is kept. With ``verify`` (a signature's first batch) each rule's
-        gradients are also summed over the examples, for the self-check."""
-        session, losses = captured.session, captured.losses
-        served = {(id(m), attr): p for p in self.plan.by_rule for m, attr in p.owners}
-        calls = self._served_calls(captured)
-        merged = [name for name, k in done.count.items() if k > 1]
-        reducer = Reducer(
-            dataclasses.replace(
-                want, norms=want.norms or verify, share=want.share and want.norms, sums=verify
-            ),
-            merged,
-        )
-        if not done.count and not done.checked:  # every parameter on the fallback
-            reducer.finish()
-            return reducer, []
-        on_grad = functools.partial(self._on_grad, served, reducer, losses.shape[0])
-        if captured.tap:
-            captured.tap.reading(functools.partial(self._on_read, reducer))
-        also = [p.param for p in done.checked]
-        try:
-            grads = backward(session, losses.sum(), calls, on_grad, also, reads, done.asked)
-        finally:
-            if captured.tap:
-                captured.tap.reading(None)
-        reducer.finish()
-        return reducer, grads
-
-    def _on_read(self, reducer: Reducer, use: Use, grad: Tensor) -> None:
-        """A tap read's output gradient has arrived: its parameters' contributions."""
-        use.reached = True
-        try:
-            parts = use.parts(grad)
-        except Exception as e:  # a computed read torch.func cannot differentiate
-            for p in use.params:
-                if not p.is_fallback:
-                    self.plan.to_fallback(p, f"its read failed: {short_reason(e)}")
-            return
-        for name, part in parts.items():
-            if not self.plan.find(name).is_fallback:
-                reducer.add(name, part)
-
-    def _on_grad(self, served: dict, reducer: Reducer, batch: int, call: Call, grad: Tensor):
-        """A call's output gradient has arrived: its rule's contributions go to ``reducer``."""
-        inputs, counts = call.inputs, None
-        if call.rows is not None:  # rows in another layout: each example's rows gathered
-            (x, grad), counts = regroup(call.rows, batch, inputs[0], grad)
-            inputs = (x, *inputs[1:])
-        try:
-            parts = find_rule(call.module).fn(call.module, inputs, grad, **call.kwargs)
-            if counts is not None:  # a row-by-row rule: an Outer's positions are the rows
-                parts = {k: _padded(part, counts, grad.shape[1]) for k, part in parts.items()}
-        except GradscopeError:
-            raise  # a rule's refusal (BatchNorm on batch statistics) is the user's to fix
-        except Exception as e:  # a layer recognised wrongly: its rule declines
-            for (module, _), p in served.items():
-                if module == id(call.module) and not p.is_fallback:
-                    self.plan.to_fallback(p, f"its rule failed: {short_reason(e)}")
-            return
-        finally:
-            call.release()
-        for attr, part in parts.items():
-            p = served.get((id(call.module), attr))
-            if p is not None and not p.is_fallback:
-                reducer.add(p.name, part)
 
     # -- after the backward ----------------------------------------------------------------
 
@@ -386,26 +291,3 @@ class Engine:
             with torch.no_grad():
                 observed = self.observe(output.detach(), targets)
         return self.loss_fn(output, targets), observed
-
-
-def _uses(plan: Plan, calls: Sequence[Call], reads: Sequence[Use]) -> dict[str, int]:
-    """How many calls and reads serve each rule-served and raw parameter: one pass over the
-    calls and the reads, not one per parameter (a large model has hundreds of each)."""
-    per_module = Counter(id(c.module) for c in calls)
-    count = {p.name: sum(per_module[id(m)] for m, _ in p.owners) for p in plan.by_rule}
-    for p in plan.raw:
-        count.setdefault(p.name, 0)
-    for u in reads:
-        for name in dict.fromkeys(p.name for p in u.params):
-            if name in count:
-                count[name] += 1
-    return count
-
-
-def _padded(part: Contribution, counts: list[int], longest: int) -> Contribution:
-    """``part`` told how many of its positions each example's rows fill, where it is an Outer
-    over the (B, L) rows a row-by-row rule got gathered and padded: a padded row's output
-    gradient is zero, and so is its term (``Outer.lengths``)."""
-    if isinstance(part, Outer) and part.lengths is None and part.dims[2] == longest:
-        return Outer(part.s, part.a, part.shape, counts)
-    return part
