@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .contractions import CONTRACTIONS
 from .ops import (
     CASTS,
-    CONTRACTIONS,
     CREATIONS,
     ELEMENTWISE,
     IN_PLACE_MOVES,
