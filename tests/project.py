@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -158,3 +159,25 @@ class CountingNorms(NormsScorer):
             raise KeyboardInterrupt
         self.scored.append(int(batch.index[0]))
         return super().columns(job, batch)
+
+
+def one_error(result) -> str:
+    """A CliRunner result that ended as a user error: exit status 2 and one ``error:`` line on
+    stderr, no traceback; returns the line."""
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and "Traceback" not in result.output
+    return line
+
+
+class Marker:
+    """A pickle that touches a file when loaded: loading must not run it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return pathlib.Path.touch, (self.path,)
+
+
+LFS = "version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 9\n"  # a Git LFS pointer

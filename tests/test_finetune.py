@@ -9,10 +9,9 @@ import pytest
 import torch
 import yaml
 from oracle import assert_rel_close, reference_influence, reference_norms
-from test_bad_input import Marker
+from project import LFS, Marker
 from test_hf_models import BERT
 from test_hf_models import Keywords as Logits
-from test_hostile import LFS
 from torch import nn
 from typer.testing import CliRunner
 
