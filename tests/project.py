@@ -181,3 +181,16 @@ class Marker:
 
 
 LFS = "version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 9\n"  # a Git LFS pointer
+
+
+def adapted(base: torch.nn.Module, lora: object, folder: Path) -> torch.nn.Module:
+    """``base`` with LoRA adapters as if trained (B nonzero: peft starts it at 0), saved there."""
+    import peft  # called only by the tests that skip without it
+
+    model = peft.get_peft_model(base, lora)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    return model

@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 from oracle import assert_rel_close, reference_influence, reference_norms
-from project import LFS, Marker
+from project import LFS, Marker, adapted
 from test_hf_models import BERT
 from test_hf_models import Keywords as Logits
 from torch import nn
@@ -106,17 +106,6 @@ def lora_folders(tmp_path, kind: str) -> nn.Module:
         lora = peft.LoraConfig(r=4, target_modules=["query", "value"], task_type="SEQ_CLS")
     base.save_pretrained(tmp_path / "base")
     return adapted(base, lora, tmp_path / "lora").eval()
-
-
-def adapted(base: nn.Module, lora: object, folder) -> nn.Module:
-    """``base`` with LoRA adapters as if trained (B nonzero: peft starts it at 0), saved there."""
-    model = peft.get_peft_model(base, lora)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    model.save_pretrained(folder)
-    return model
 
 
 def run_cli(tmp_path, model: dict, data: dict, loss: str, *command: str, dtype="float64"):
