@@ -11,9 +11,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import torch
 import yaml
+from typer.testing import CliRunner
 
+from gradscope.cli import app
 from gradscope.io.parquet import partial_path
 from gradscope.scorers import NormsScorer
 
@@ -194,3 +197,24 @@ def adapted(base: torch.nn.Module, lora: object, folder: Path) -> torch.nn.Modul
                 p.normal_(0, 0.5)
     model.save_pretrained(folder)
     return model
+
+
+def run_cli(
+    root: Path, model: dict, data: dict, loss: str | dict, *command: str, dtype="float64"
+) -> pd.DataFrame:
+    """``gradscope <command> config.yaml <options>`` (``norms`` unless given) through typer's
+    runner, on a config written into ``root`` from these sections (a loss given by its name or
+    as its section), 3 examples a batch unless ``data`` says; the scores file it wrote."""
+    config = root / "config.yaml"
+    raw = {
+        "model": model,
+        "data": {"batch_size": 3, **data},
+        "loss": loss if isinstance(loss, dict) else {"name": loss},
+        "device": "cpu",
+        "dtype": dtype,
+        "output": {"path": "scores.parquet"},
+    }
+    config.write_text(yaml.safe_dump(raw, sort_keys=False))
+    result = CliRunner().invoke(app, [*(command or ["norms"])[:1], str(config), *command[1:]])
+    assert result.exit_code == 0, result.output
+    return pd.read_parquet(root / "scores.parquet")
