@@ -28,8 +28,9 @@ docs: $(VENV)/.installed
 	@# served offline: no page loads a font, script or style from another site
 	@! grep -rlE '(src|href)="https?://' site --include='*.html'
 
+# the 15 slowest tests listed at the end, so CI's log shows where the time goes
 test: lint docs
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=15
 
 # Re-resolve requirements.lock from pyproject.toml's ranges (needs pip-tools: pip install
 # pip-tools). Indexes come from pip's own configuration, so the lock names none.

@@ -6,10 +6,13 @@ import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from project import run_cli
 from torch import Tensor, nn
 
+import gradscope
 from gradscope.engine import Engine, Forward, Want, naive_grads, select_output
 from gradscope.losses import resolve_loss
 from gradscope.rules.projection import Projection
@@ -148,6 +151,55 @@ def model_state(model: nn.Module) -> ModelState:
         {name: b.clone() for name, b in model.named_buffers()},
         [m.training for m in model.modules()],
     )
+
+
+def assert_case_matches_loop(
+    case: Case, dtype: torch.dtype = torch.float64, rtol: float = 1e-5, cli: Path | None = None
+) -> None:
+    """A case as the test strategy asks (docs/development/testing.md): its model built in
+    ``dtype``; two batches of one shape with different values, each through a fresh
+    ``per_example_norms`` call against the float64 loop, the model left as its own forward
+    leaves it after each; with ``cli`` (an empty folder), both batches again through
+    ``gradscope norms``, the model from a file and each batch one batch of the run, its losses
+    against the loop's too."""
+    model, *first = case.build(dtype)
+    _, *second = case.build(dtype, seed=1)  # another batch of the same shape
+    loss = resolve_loss(case.loss, case.loss_kwargs)
+    expected = []
+    for inputs, targets in (first, second):
+        with torch.no_grad():
+            model(*inputs)  # what a forward itself changes (Embedding's max_norm renorms rows)
+        kept = model_state(model)
+        got = gradscope.per_example_norms(model, inputs, targets, loss, output=case.output)
+        kept.assert_kept(model)
+        expected.append(
+            reference_norms(
+                model, inputs, targets, case.loss, output=case.output, loss_kwargs=case.loss_kwargs
+            )
+        )
+        assert got.shape == (targets.shape[0],)
+        assert_rel_close(got, expected[-1][1], rtol)
+    if cli is None:
+        return
+    torch.save(model, cli / "model.pt")
+    (cli / "model.py").write_text(
+        f"import torch\n\n\ndef saved():\n"
+        f"    return torch.load({str(cli / 'model.pt')!r}, weights_only=False)\n"
+    )
+    names = [f"x{i}" for i in range(len(first[0]))]
+    columns = zip(first[0], second[0], strict=True)
+    data = {name: torch.cat(pair) for name, pair in zip(names, columns, strict=True)}
+    torch.save(data | {"y": torch.cat([first[1], second[1]])}, cli / "data.pt")
+    frame = run_cli(
+        cli,
+        {"factory": "model.py:saved", "output": case.output},
+        {"path": "data.pt", "inputs": names, "targets": "y", "batch_size": case.batch},
+        {"name": case.loss, "kwargs": case.loss_kwargs},
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    for column, k in (("loss", 0), ("grad_norm", 1)):
+        want = torch.cat([e[k] for e in expected])
+        assert_rel_close(torch.tensor(frame[column].to_numpy()), want, rtol)
 
 
 def projected(grads: Tensor, split: int, out: Tensor | None, inn: Tensor | None) -> Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -10,9 +11,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import torch
 import yaml
+from typer.testing import CliRunner
 
+from gradscope.cli import app
 from gradscope.io.parquet import partial_path
 from gradscope.scorers import NormsScorer
 
@@ -158,3 +162,59 @@ class CountingNorms(NormsScorer):
             raise KeyboardInterrupt
         self.scored.append(int(batch.index[0]))
         return super().columns(job, batch)
+
+
+def one_error(result) -> str:
+    """A CliRunner result that ended as a user error: exit status 2 and one ``error:`` line on
+    stderr, no traceback; returns the line."""
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and "Traceback" not in result.output
+    return line
+
+
+class Marker:
+    """A pickle that touches a file when loaded: loading must not run it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return pathlib.Path.touch, (self.path,)
+
+
+LFS = "version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 9\n"  # a Git LFS pointer
+
+
+def adapted(base: torch.nn.Module, lora: object, folder: Path) -> torch.nn.Module:
+    """``base`` with LoRA adapters as if trained (B nonzero: peft starts it at 0), saved there."""
+    import peft  # called only by the tests that skip without it
+
+    model = peft.get_peft_model(base, lora)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    return model
+
+
+def run_cli(
+    root: Path, model: dict, data: dict, loss: str | dict, *command: str, dtype="float64"
+) -> pd.DataFrame:
+    """``gradscope <command> config.yaml <options>`` (``norms`` unless given) through typer's
+    runner, on a config written into ``root`` from these sections (a loss given by its name or
+    as its section), 3 examples a batch unless ``data`` says; the scores file it wrote."""
+    config = root / "config.yaml"
+    raw = {
+        "model": model,
+        "data": {"batch_size": 3, **data},
+        "loss": loss if isinstance(loss, dict) else {"name": loss},
+        "device": "cpu",
+        "dtype": dtype,
+        "output": {"path": "scores.parquet"},
+    }
+    config.write_text(yaml.safe_dump(raw, sort_keys=False))
+    result = CliRunner().invoke(app, [*(command or ["norms"])[:1], str(config), *command[1:]])
+    assert result.exit_code == 0, result.output
+    return pd.read_parquet(root / "scores.parquet")

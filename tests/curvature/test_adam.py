@@ -9,8 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from project import make_project
-from test_run_safety import one_error
+from project import make_project, one_error
 from torch import nn
 from typer.testing import CliRunner
 

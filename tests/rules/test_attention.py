@@ -8,7 +8,13 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from oracle import Case, assert_rel_close, reference_influence, reference_norms
+from oracle import (
+    Case,
+    assert_case_matches_loop,
+    assert_rel_close,
+    reference_influence,
+    reference_norms,
+)
 from torch import Tensor, nn
 
 import gradscope
@@ -235,11 +241,7 @@ def test_each_parameter_matches_loop(case_id: str) -> None:
 
 @pytest.mark.parametrize("case_id", ["causal-bool", "cross-padded-seq-first", "encoder-pre-norm"])
 def test_float32(case_id: str) -> None:
-    case = BY_ID[case_id]
-    model, inputs, targets = case.build(torch.float32)
-    got = gradscope.per_example_norms(model, inputs, targets, case.loss)
-    _, expected = reference_norms(model, inputs, targets, case.loss)
-    assert_rel_close(got, expected, 1e-4)
+    assert_case_matches_loop(BY_ID[case_id], torch.float32, 1e-4)
 
 
 @pytest.mark.parametrize("engine", ["hooks", "jvp"])
@@ -313,9 +315,4 @@ def test_paths_beside_the_attention_output(module: Callable[[], nn.Module], note
 def test_two_batches_of_one_shape_through_fresh_calls(case_id: str) -> None:
     """The projections served through the tap stay exact on a second batch of the same shape,
     where the first batch's decisions are replayed without a self-check: a fresh API call each."""
-    case = BY_ID[case_id]
-    model, *first = case.build(torch.float64)
-    _, *second = case.build(torch.float64, seed=1)  # another batch of the same shape
-    for inputs, targets in (first, second):
-        got = gradscope.per_example_norms(model, inputs, targets, case.loss)
-        assert_rel_close(got, reference_norms(model, inputs, targets, case.loss)[1], 1e-9)
+    assert_case_matches_loop(BY_ID[case_id], torch.float64, 1e-9)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import Case, assert_rel_close, reference_norms
+from oracle import Case, assert_case_matches_loop, assert_rel_close
 from torch import Tensor, nn
 
 import gradscope
@@ -460,25 +460,14 @@ def by_id(names: set[str]) -> list[Case]:
     return [c for c in CASES if c.id in names]
 
 
-def engine_norms(case: Case, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(gradscope's norms, the loop's norms) for the case built in ``dtype``."""
-    model, inputs, targets = case.build(dtype)
-    _, expected = reference_norms(
-        model, inputs, targets, case.loss, output=case.output, loss_kwargs=case.loss_kwargs
-    )
-    loss = resolve_loss(case.loss, case.loss_kwargs)
-    actual = gradscope.per_example_norms(model, inputs, targets, loss, output=case.output)
-    return actual, expected
-
-
 @pytest.mark.parametrize("case", CASES, ids=repr)
 def test_norms_match_loop(case: Case) -> None:
-    assert_rel_close(*engine_norms(case, torch.float64), rtol=1e-5)
+    assert_case_matches_loop(case, torch.float64, rtol=1e-5)
 
 
 @pytest.mark.parametrize("case", by_id(FLOAT32), ids=repr)
 def test_norms_match_loop_float32(case: Case) -> None:
-    assert_rel_close(*engine_norms(case, torch.float32), rtol=1e-4)
+    assert_case_matches_loop(case, torch.float32, rtol=1e-4)
 
 
 @pytest.mark.parametrize("case", CASES, ids=repr)
@@ -512,7 +501,7 @@ def test_outer_norm_sq_takes_the_branch_its_shapes_force(name, gram, monkeypatch
     original, batched = Outer._gram_norm_sq, reduce.gram_norms
     monkeypatch.setattr(Outer, "_gram_norm_sq", lambda self: calls.append(1) or original(self))
     monkeypatch.setattr(reduce, "gram_norms", lambda parts: calls.append(1) or batched(parts))
-    assert_rel_close(*engine_norms(by_id({name})[0], torch.float64), rtol=1e-5)
+    assert_case_matches_loop(by_id({name})[0], torch.float64, rtol=1e-5)
     assert bool(calls) == gram
 
 
@@ -522,7 +511,7 @@ def test_outer_norm_sq_takes_the_branch_its_shapes_force(name, gram, monkeypatch
 def test_chunked_gram_and_materialise(case: Case, monkeypatch) -> None:
     """A tiny chunk bound splits the Gram into ragged (c, c) blocks and the batch into chunks."""
     monkeypatch.setattr(base, "CHUNK_ELEMENTS", 40)
-    assert_rel_close(*engine_norms(case, torch.float64), rtol=1e-5)
+    assert_case_matches_loop(case, torch.float64, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -596,7 +585,7 @@ def test_conv_pads_without_a_copy_of_its_input(monkeypatch) -> None:
 def test_tied_head_cross_terms_in_chunks(monkeypatch) -> None:
     """The embedding/head cross term, its head positions taken a few at a time."""
     monkeypatch.setattr(embedding, "CHUNK_ELEMENTS", 40)
-    assert_rel_close(*engine_norms(by_id({"embedding-tied-head"})[0], torch.float64), rtol=1e-5)
+    assert_case_matches_loop(by_id({"embedding-tied-head"})[0], torch.float64, rtol=1e-5)
 
 
 def test_batchnorm_without_running_stats_is_refused() -> None:

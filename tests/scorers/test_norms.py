@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import Case, assert_rel_close, reference_norms
+from oracle import Case, assert_case_matches_loop, assert_rel_close, reference_norms
 from torch import nn
 
 import gradscope
@@ -63,20 +63,13 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=repr)
-def test_norms_match_loop_float64(case: Case):
-    model, inputs, targets = case.build(torch.float64)
-    got = gradscope.per_example_norms(model, inputs, targets, case.loss, output=case.output)
-    _, expected = reference_norms(model, inputs, targets, case.loss, output=case.output)
-    assert got.shape == (targets.shape[0],)
-    assert_rel_close(got, expected, 1e-5)
+def test_norms_match_loop_float64(case: Case, tmp_path):
+    assert_case_matches_loop(case, torch.float64, 1e-5, cli=tmp_path)
 
 
 @pytest.mark.parametrize("case", CASES[:5], ids=repr)
-def test_norms_match_loop_float32(case: Case):
-    model, inputs, targets = case.build(torch.float32)
-    got = gradscope.per_example_norms(model, inputs, targets, case.loss, output=case.output)
-    _, expected = reference_norms(model, inputs, targets, case.loss, output=case.output)
-    assert_rel_close(got, expected, 1e-4)
+def test_norms_match_loop_float32(case: Case, tmp_path):
+    assert_case_matches_loop(case, torch.float32, 1e-4, cli=tmp_path)
 
 
 @pytest.mark.parametrize(

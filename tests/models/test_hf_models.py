@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 from oracle import assert_rel_close, reference_influence, reference_norms
+from project import run_cli
 from safetensors.torch import save_file
 from torch import nn
 from typer.testing import CliRunner
@@ -47,22 +48,6 @@ class Keywords(nn.Module):
         return self.model(**dict(zip(self.names, tensors, strict=True))).logits
 
 
-def score(tmp_path, model: dict, data: dict, loss: str, command=("norms",)) -> pd.DataFrame:
-    config = tmp_path / "config.yaml"
-    raw = {
-        "model": model,
-        "data": {"batch_size": 3, **data},
-        "loss": {"name": loss},
-        "device": "cpu",
-        "dtype": "float64",
-        "output": {"path": "scores.parquet"},
-    }
-    config.write_text(yaml.safe_dump(raw, sort_keys=False))
-    result = runner.invoke(app, [command[0], str(config), *command[1:]])
-    assert result.exit_code == 0, result.output
-    return pd.read_parquet(tmp_path / "scores.parquet")
-
-
 def loop_each_alone(model, inputs, rows, targets, loss) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, grad_norm) per example, each run as a batch of one at its own length; ``inputs``
     maps forward arguments to columns of ``rows``."""
@@ -84,7 +69,7 @@ def test_gpt2_pretrained_folder_on_save_to_disk_with_padding(tmp_path):
     assert (tmp_path / "gpt2" / "model.safetensors.index.json").is_file()  # sharded
     rows = [{"input_ids": r, "attention_mask": [1] * len(r), "labels": r} for r in ids]
     inputs = {"input_ids": "input_ids", "attention_mask": "attention_mask"}
-    frame = score(
+    frame = run_cli(
         tmp_path,
         {"factory": "transformers:GPT2LMHeadModel", "pretrained": "gpt2"},
         {
@@ -127,7 +112,7 @@ def test_gpt2_influence_with_a_save_to_disk_reference(tmp_path, engine):
     ref_ids = token_rows(3, GPT2["vocab_size"], 9)
     ref_rows = [{"input_ids": r, "attention_mask": [1] * len(r), "labels": r} for r in ref_ids]
     datasets.Dataset.from_list(ref_rows).save_to_disk(str(tmp_path / "ref"))
-    frame = score(
+    frame = run_cli(
         tmp_path,
         {"factory": "transformers:AutoModelForCausalLM", "pretrained": "gpt2"},
         {
@@ -137,7 +122,11 @@ def test_gpt2_influence_with_a_save_to_disk_reference(tmp_path, engine):
             "pad": {"input_ids": 0, "attention_mask": 0, "labels": -100},
         },
         "causal_lm",
-        ("influence", "--ref", str(tmp_path / "ref"), "--engine", engine),
+        "influence",
+        "--ref",
+        str(tmp_path / "ref"),
+        "--engine",
+        engine,
     )
 
     def padded(rows: list[list[int]]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -164,7 +153,7 @@ def test_bert_classifier_from_config_on_parquet_ragged_lists_by_keyword(tmp_path
     pd.DataFrame(rows).to_parquet(tmp_path / "train.parquet", row_group_size=4)
     # by keyword, in an order that is not forward's: token_type_ids is its third argument
     inputs = {"token_type_ids": "segment", "input_ids": "ids", "attention_mask": "mask"}
-    frame = score(
+    frame = run_cli(
         tmp_path,
         {
             "factory": "transformers:BertForSequenceClassification",
@@ -194,7 +183,7 @@ def test_auto_class_from_config_loads_a_save_pretrained_checkpoint_with_tied_wei
     model.save_pretrained(tmp_path / "gpt2")  # writes transformer.wte.weight, not lm_head.weight
     ids = torch.randint(0, GPT2["vocab_size"], (5, 6))
     torch.save({"ids": ids}, tmp_path / "data.pt")
-    frame = score(
+    frame = run_cli(
         tmp_path,
         {
             "factory": "transformers:AutoModelForCausalLM",
@@ -221,7 +210,7 @@ def test_csv_shards_and_feature_columns_by_glob(tmp_path):
     frame["noise"] = 5.0  # matched by no glob: not an input
     for n in range(3):
         frame.iloc[n * 4 : (n + 1) * 4].to_csv(tmp_path / f"part-{n}.csv", index=False)
-    scores = score(
+    scores = run_cli(
         tmp_path,
         {
             "factory": "torch.nn:Linear",

@@ -2,29 +2,18 @@
 
 from __future__ import annotations
 
-import pathlib
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from project import edit_checkpoint, edit_config, edit_data, make_project
+from project import Marker, edit_checkpoint, edit_config, edit_data, make_project
 from typer.testing import CliRunner
 
 from gradscope.cli import app
 
 runner = CliRunner()
-
-
-class Marker:
-    """A pickle that touches a file when loaded: loading must not run it."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __reduce__(self):
-        return pathlib.Path.touch, (self.path,)
 
 
 MORE_CODE = """

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from oracle import assert_rel_close, reference_norms
-from project import edit_config, load_net, make_project
+from project import edit_config, load_net, make_project, one_error
 from typer.testing import CliRunner
 
 from gradscope.cli import app
@@ -55,13 +55,6 @@ def test_listed_columns_stack_in_their_order(tmp_path, inputs, order):
     )
     assert_rel_close(torch.tensor(scores["grad_norm"].to_numpy()), norm, 1e-5)
     assert_rel_close(torch.tensor(scores["loss"].to_numpy()), loss, 1e-5)
-
-
-def one_error(result) -> str:
-    assert result.exit_code == 2, result.output
-    (line,) = result.stderr.strip().splitlines()
-    assert "Traceback" not in result.output
-    return line
 
 
 @pytest.mark.parametrize(

@@ -4,15 +4,13 @@ per-example loop."""
 
 from __future__ import annotations
 
-import pandas as pd
 import pytest
 import torch
 import yaml
 from oracle import assert_rel_close, reference_influence, reference_norms
-from test_bad_input import Marker
+from project import LFS, Marker, adapted, run_cli
 from test_hf_models import BERT
 from test_hf_models import Keywords as Logits
-from test_hostile import LFS
 from torch import nn
 from typer.testing import CliRunner
 
@@ -107,33 +105,6 @@ def lora_folders(tmp_path, kind: str) -> nn.Module:
         lora = peft.LoraConfig(r=4, target_modules=["query", "value"], task_type="SEQ_CLS")
     base.save_pretrained(tmp_path / "base")
     return adapted(base, lora, tmp_path / "lora").eval()
-
-
-def adapted(base: nn.Module, lora: object, folder) -> nn.Module:
-    """``base`` with LoRA adapters as if trained (B nonzero: peft starts it at 0), saved there."""
-    model = peft.get_peft_model(base, lora)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    model.save_pretrained(folder)
-    return model
-
-
-def run_cli(tmp_path, model: dict, data: dict, loss: str, *command: str, dtype="float64"):
-    config = tmp_path / "config.yaml"
-    raw = {
-        "model": model,
-        "data": {"batch_size": 3, **data},
-        "loss": {"name": loss},
-        "device": "cpu",
-        "dtype": dtype,
-        "output": {"path": "scores.parquet"},
-    }
-    config.write_text(yaml.safe_dump(raw, sort_keys=False))
-    result = runner.invoke(app, [*(command or ["norms"])[:1], str(config), *command[1:]])
-    assert result.exit_code == 0, result.output
-    return pd.read_parquet(tmp_path / "scores.parquet")
 
 
 def test_lora_gpt2_from_an_adapter_folder_scores_its_adapters(tmp_path):

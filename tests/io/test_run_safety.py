@@ -20,6 +20,7 @@ from project import (
     launch,
     load_net,
     make_project,
+    one_error,
     slow_project,
     wait_for_parts,
 )
@@ -93,13 +94,6 @@ def project(root: Path, n: int = 23, **config) -> Path:
 
 def files(root: Path) -> dict[str, bytes]:
     return {str(p): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def one_error(result) -> str:
-    assert result.exit_code == 2, result.output
-    (line,) = result.stderr.strip().splitlines()
-    assert line.startswith("error: ") and "Traceback" not in result.output
-    return line
 
 
 def adam_state(root: Path) -> None:

@@ -160,7 +160,8 @@ def test_precondition_file(project: Path) -> None:
         cfg, "--ref", project / "ref.pt", "--precondition", project / "adam.pt", "--out", out
     )
     plain = _run(cfg, "--ref", project / "ref.pt", "--out", project / "plain.parquet")
-    assert not frame["influence"].equals(plain["influence"])  # values: tests/test_influence.py
+    # the values themselves: tests/scorers/test_influence.py
+    assert not frame["influence"].equals(plain["influence"])
     assert read_metadata(out)["influence"]["precondition"]["sha256"]
 
 

@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 import torch
 import yaml
+from project import adapted
 
 from gradscope.config import load_config
 from gradscope.errors import ConfigError
@@ -146,8 +147,6 @@ def test_fsdp_lora_adapters_two_processes_equal_one(tmp_path):
     config = gpt2_project(tmp_path, n=11)
     base = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2")
     lora = peft.LoraConfig(r=4, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
-    from test_finetune import adapted
-
     adapted(base, lora, tmp_path / "lora")
     raw = yaml.safe_load(config.read_text())
     raw["model"]["adapter"] = "lora"  # a frozen base sharded with its adapters

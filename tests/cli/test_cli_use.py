@@ -22,7 +22,7 @@ from gradscope.cli import app
 from gradscope.io.parquet import read_metadata
 from gradscope.summary import fmt
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 
 LONG_PY = """

@@ -19,9 +19,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from project import edit_config, edit_data, launch, make_project, slow_project, wait_for_parts
-from test_bad_input import Marker
-from test_run_safety import files, interrupted, one_error, split_shards
+from project import (
+    LFS,
+    Marker,
+    edit_config,
+    edit_data,
+    launch,
+    make_project,
+    one_error,
+    slow_project,
+    wait_for_parts,
+)
+from test_run_safety import files, interrupted, split_shards
 from test_run_safety import project as held_project
 from typer.testing import CliRunner
 
@@ -311,9 +320,6 @@ def state_json(text: str):
         edit_config(root, lambda c: c["data"].update(path="ds"))
 
     return spoil
-
-
-LFS = "version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 9\n"
 
 
 def lfs_checkpoint(root: Path) -> None:

@@ -7,7 +7,8 @@ import pytest
 import torch
 import yaml
 from oracle import assert_rel_close, reference_influence, reference_norms
-from test_finetune import GPT2, adapted, run_cli
+from project import adapted, run_cli
+from test_finetune import GPT2
 from test_hf_models import Keywords as Logits
 from typer.testing import CliRunner
 
