@@ -356,6 +356,13 @@ def _environment(args: argparse.Namespace) -> dict[str, object]:
         "warmup": args.warmup,
         "budget_s": args.budget,
         "clock": args.clock,
+        # the gradscope measured: this checkout's commit (the docs name it)
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=os.path.dirname(__file__),
+        ).stdout.strip(),
     }
 
 

@@ -122,7 +122,8 @@ def _environment(env: dict) -> str:
         f"{env.get('torch')}{', ' + peers if peers else ''}; {env.get('machine')}, "
         f"{env.get('cpus')} CPUs, {env.get('torch_threads')} torch thread(s), device "
         f"{env.get('device')}; up to {env.get('repeats')} timed rounds after {env.get('warmup')} "
-        f"warm-up, {env.get('budget_s')} s of samples per method."
+        f"warm-up, {env.get('budget_s')} s of samples per method"
+        + ("; each call's CPU time (`--clock cpu`)." if env.get("clock") == "cpu" else ".")
     )
 
 
