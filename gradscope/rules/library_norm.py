@@ -102,7 +102,10 @@ def _forward_at(module: nn.Module, x: Tensor, weight: float | Tensor) -> Tensor:
     unit = _unit(module)  # a shallow copy: the parameter dict is replaced, not edited
     w, b = module.weight, module._parameters.get("bias")
     at = weight if isinstance(weight, Tensor) else _filled(w, weight)
-    unit._parameters = {"weight": at} if b is None else {"weight": at, "bias": _filled(b, 0.0)}
+    # every entry kept: a bias registered as None (nn.LayerNorm(bias=False)) is read as None
+    unit._parameters = {**module._parameters, "weight": at}
+    if b is not None:
+        unit._parameters["bias"] = _filled(b, 0.0)
     with torch.no_grad():
         return unit.forward(x)  # not unit(x): the module's hooks, the engine's own, stay out
 

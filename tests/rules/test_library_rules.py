@@ -72,6 +72,13 @@ class ScaledLayerNorm(nn.LayerNorm):
         return 2 * super().forward(x)
 
 
+class InputDtypeLayerNorm(nn.LayerNorm):
+    """transformers' EsmcLayerNorm: its output in its input's dtype."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x).to(x.dtype)
+
+
 @pytest.mark.parametrize(
     ("build", "rule"),
     [
@@ -149,6 +156,19 @@ def test_unit_forward_is_the_layernorms_own_xhat(build, dtype) -> None:
     if build is fam.LayerNorm2d:
         w, b = w[:, None, None], b[:, None, None]  # channels of (B, C, H, W)
     torch.testing.assert_close(w * xhat + b, module(x))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_unit_forward_of_a_layernorm_subclass_with_or_without_bias(bias) -> None:
+    """nn.LayerNorm(bias=False) registers its bias as None: the unit forward reads it so."""
+    torch.manual_seed(0)
+    module = InputDtypeLayerNorm(4, bias=bias).double()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_()
+    x = torch.randn(3, 5, 4, dtype=torch.float64) * 3
+    b = module.bias if bias else 0
+    torch.testing.assert_close(module.weight * unit_forward(module, x) + b, module(x))
 
 
 def test_unit_forward_leaves_the_module_and_its_hooks_alone() -> None:
