@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import pytest
 import torch
 import yaml
 from typer.testing import CliRunner
 
-from gradscope.cli import app
+from gradscope.cli import app, main
 from gradscope.io.parquet import partial_path
 from gradscope.scorers import NormsScorer
 
@@ -171,6 +172,18 @@ def one_error(result) -> str:
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("error: ") and "Traceback" not in result.output
     return line
+
+
+def fails(monkeypatch, capsys, *args: object) -> str:
+    """``gradscope ARGS`` through ``main`` (as the console script runs it), ended as a user
+    error: exit status 2 and one ``error:`` line on stderr, no traceback; returns it."""
+    monkeypatch.setattr(sys, "argv", ["gradscope", *map(str, args)])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err and err.count("\n") == 1
+    return err
 
 
 class Marker:

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 from oracle import reference_influence
-from project import load_net, make_project
+from project import fails, load_net, make_project
 from typer.testing import CliRunner
 
 import gradscope.scorers.influence
-from gradscope.cli import app, main
+from gradscope.cli import app
 from gradscope.io.parquet import read_metadata
 
 N, K = 10, 3  # examples (three batches of 4) and reference examples
@@ -47,16 +46,6 @@ def _run(*args: str, summary: str = f"{N} examples; influence") -> pd.DataFrame:
     assert result.exit_code == 0, result.output
     assert "top" in result.output and summary in result.output and "wrote" in result.output
     return pd.read_parquet(args[-1])
-
-
-def _fails(monkeypatch, capsys, *args: str) -> str:
-    monkeypatch.setattr(sys, "argv", ["gradscope", "influence", *map(str, args)])
-    with pytest.raises(SystemExit) as exit_:
-        main()
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and "Traceback" not in err
-    return err
 
 
 def _close(actual, expected, scale) -> None:
@@ -169,23 +158,31 @@ def test_user_errors_exit_2(project: Path, monkeypatch, capsys) -> None:
     cfg = _config(project, checkpoint="net.pt")
     ref = project / "ref.pt"
     monkeypatch.setattr(gradscope.scorers.influence, "MAX_PER_REF", 2)
-    assert "at most 2 reference examples; REF has 3" in _fails(
-        monkeypatch, capsys, cfg, "--ref", ref, "--per-ref"
+    assert "at most 2 reference examples; REF has 3" in fails(
+        monkeypatch, capsys, "influence", cfg, "--ref", ref, "--per-ref"
     )
-    assert "engine must be one of" in _fails(
-        monkeypatch, capsys, cfg, "--ref", ref, "--engine", "fast"
+    assert "engine must be one of" in fails(
+        monkeypatch, capsys, "influence", cfg, "--ref", ref, "--engine", "fast"
     )
-    assert "data file not found" in _fails(monkeypatch, capsys, cfg, "--ref", project / "nope.pt")
+    assert "data file not found" in fails(
+        monkeypatch, capsys, "influence", cfg, "--ref", project / "nope.pt"
+    )
     other = torch.nn.Linear(5, 3)
     torch.save(torch.optim.Adam(other.parameters()).state_dict(), project / "other.pt")
-    err = _fails(monkeypatch, capsys, cfg, "--ref", ref, "--precondition", project / "other.pt")
+    err = fails(
+        monkeypatch, capsys, "influence", cfg, "--ref", ref, "--precondition", project / "other.pt"
+    )
     assert "optimizer state has 2 parameters, the model has 4" in err
     both = _config(project, checkpoint="net.pt", checkpoints=[{"path": "net1.pt"}])
-    assert "not both" in _fails(monkeypatch, capsys, both, "--ref", ref)
+    assert "not both" in fails(monkeypatch, capsys, "influence", both, "--ref", ref)
     negative = _config(project, checkpoint=None, checkpoints=[{"path": "net1.pt", "weight": -1}])
-    assert "weights must be finite, >= 0" in _fails(monkeypatch, capsys, negative, "--ref", ref)
+    assert "weights must be finite, >= 0" in fails(
+        monkeypatch, capsys, "influence", negative, "--ref", ref
+    )
     missing = _config(project, checkpoint=None, checkpoints=[{"weight": 1}])
-    assert "model.checkpoints[0].path" in _fails(monkeypatch, capsys, missing, "--ref", ref)
+    assert "model.checkpoints[0].path" in fails(
+        monkeypatch, capsys, "influence", missing, "--ref", ref
+    )
 
 
 # (id, REF's rows, the start of the error line, the key it names before ", in --ref")

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
-from project import load_net, make_project
+from project import fails, load_net, make_project
 from typer.testing import CliRunner
 
 import gradscope
-from gradscope.cli import app, main
+from gradscope.cli import app
 from gradscope.curvature import Factors, load_preconditioner
 from gradscope.engine import Engine, naive_grads
 from gradscope.io.parquet import read_metadata
@@ -26,16 +25,6 @@ def _invoke(*args) -> str:
     result = CliRunner().invoke(app, [str(a) for a in args])
     assert result.exit_code == 0, result.output
     return result.output
-
-
-def _fails(monkeypatch, capsys, *args) -> str:
-    monkeypatch.setattr(sys, "argv", ["gradscope", *map(str, args)])
-    with pytest.raises(SystemExit) as exit_:
-        main()
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and "Traceback" not in err
-    return err
 
 
 @pytest.mark.parametrize("ekfac", [False, True], ids=["kfac", "ekfac"])
@@ -109,27 +98,27 @@ def test_adam_norms(tmp_path: Path) -> None:
 def test_user_errors_exit_2(tmp_path: Path, monkeypatch, capsys) -> None:
     cfg = make_project(tmp_path, n=N)
     factors = tmp_path / "f.safetensors"
-    assert "--fisher must be true or empirical" in _fails(
+    assert "--fisher must be true or empirical" in fails(
         monkeypatch, capsys, "factors", cfg, "--out", factors, "--fisher", "fake"
     )
-    assert "output path is the run's" in _fails(
+    assert "output path is the run's" in fails(
         monkeypatch, capsys, "factors", cfg, "--out", tmp_path / "net.pt"
     )
     _invoke("factors", cfg, "--out", factors)
     other = make_project(tmp_path, n=N, params__exclude=["fc2.*"])
-    err = _fails(monkeypatch, capsys, "norms", other, "--precondition", factors)
+    err = fails(monkeypatch, capsys, "norms", other, "--precondition", factors)
     assert "the factors do not fit the selected parameters (only in the factors: fc2" in err
     from safetensors.torch import save_file
 
     save_file({"w": torch.zeros(2)}, tmp_path / "weights.safetensors")  # neither kind
-    err = _fails(
+    err = fails(
         monkeypatch, capsys, "norms", cfg, "--precondition", tmp_path / "weights.safetensors"
     )
     assert "not an optimizer state_dict" in err
     net, _, _ = load_net(tmp_path)
     torch.save({k: v + 1 for k, v in net.state_dict().items()}, tmp_path / "net2.pt")
     cfg = make_project(tmp_path, n=N, model__checkpoint="net2.pt")
-    err = _fails(monkeypatch, capsys, "norms", cfg, "--precondition", factors)
+    err = fails(monkeypatch, capsys, "norms", cfg, "--precondition", factors)
     assert "computed at another checkpoint" in err
 
 
@@ -192,7 +181,7 @@ def test_a_damaged_factors_file_is_one_line(tmp_path: Path, monkeypatch, capsys,
     spoil(factors)
     torch.save({"x": torch.randn(3, 5), "y": torch.randint(0, 3, (3,))}, tmp_path / "ref.pt")
     for command in (["norms"], ["influence", "--ref", tmp_path / "ref.pt"]):
-        err = _fails(monkeypatch, capsys, command[0], cfg, *command[1:], "--precondition", factors)
+        err = fails(monkeypatch, capsys, command[0], cfg, *command[1:], "--precondition", factors)
         assert err.startswith(f"error: the factors file is damaged: {message}"), err
         assert err.endswith(f"; run gradscope factors again ({factors})\n"), err
 

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import pytest
 import torch
 from oracle import projected
 from project import load_net
 from typer.testing import CliRunner
 
-from gradscope.cli import app, main
+from gradscope.cli import app
 from gradscope.engine import naive_grads
 from gradscope.index.projection import factor
 from gradscope.losses import resolve_loss
@@ -27,16 +25,6 @@ def run(*args: object) -> str:
     result = CliRunner().invoke(app, [str(a) for a in args])
     assert result.exit_code == 0, result.output
     return result.output
-
-
-def fails(monkeypatch, capsys, *args: object) -> str:
-    monkeypatch.setattr(sys, "argv", ["gradscope", *map(str, args)])
-    with pytest.raises(SystemExit) as exit_:
-        main()
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and "Traceback" not in err and err.count("\n") == 1
-    return err
 
 
 def index(project: Path, *args: object, name: str = "ix") -> Path:

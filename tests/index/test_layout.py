@@ -14,8 +14,8 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 import torch
-from project import edit_checkpoint, edit_data, make_project
-from runs import fails, index, projected_loop, query
+from project import edit_checkpoint, edit_data, fails, make_project
+from runs import index, projected_loop, query
 
 import gradscope.index.layout as layout
 from gradscope.config import load_config
