@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from ..engine import ParamPlan, Plan
 from ..errors import DataError
-from ..rules.projection import Projection
+from ..rules.projection import Projection, as_matrix
 
 DEFAULT_DIM = 1024
 RNG = (
@@ -38,14 +38,6 @@ class Block:
     k_out: int
     k_in: int
     start: int
-
-    @property
-    def rows(self) -> int:
-        return math.prod(self.shape[: self.split])
-
-    @property
-    def cols(self) -> int:
-        return math.prod(self.shape[self.split :])
 
     @property
     def stop(self) -> int:
@@ -78,7 +70,7 @@ def blocks(plan: Plan, dim: int) -> list[Block]:
     out, start = [], 0
     for p in plan.included:
         shape, split = tuple(p.param.shape), split_of(p)
-        k_out, k_in = sides(math.prod(shape[:split]), math.prod(shape[split:]), dim)
+        k_out, k_in = sides(*as_matrix(shape, split), dim)
         out.append(Block(p.name, shape, split, k_out, k_in, start))
         start = out[-1].stop
     return out
@@ -105,15 +97,11 @@ class Projector:
             f = factor(seed, b.name, side, n, k)
             return None if f is None else f.to(device, dtype)
 
-        self.projections = {
-            b.name: Projection(
-                torch.Size(b.shape),
-                b.split,
-                made(b, "out", b.rows, b.k_out),
-                made(b, "in", b.cols, b.k_in),
-            )
-            for b in blocks
-        }
+        self.projections = {}
+        for b in blocks:
+            rows, cols = as_matrix(b.shape, b.split)
+            out, inn = made(b, "out", rows, b.k_out), made(b, "in", cols, b.k_in)
+            self.projections[b.name] = Projection(torch.Size(b.shape), b.split, out, inn)
 
     def rows(self, per_param: dict[str, Tensor], out: Tensor | None = None) -> Tensor:
         """{name: (B, block dim)} -> (B, width), the blocks side by side (into ``out``)."""

@@ -10,10 +10,17 @@ can (an Outer projects ``s`` and ``a`` first); ``dense`` is the definition, for 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+
+def as_matrix(shape: Sequence[int], split: int) -> tuple[int, int]:
+    """(rows, cols) of a gradient of ``shape`` read as a matrix: its first ``split`` dimensions
+    are the rows, the others the columns."""
+    return math.prod(shape[:split]), math.prod(shape[split:])
 
 
 @dataclass(frozen=True, eq=False)
@@ -27,11 +34,11 @@ class Projection:
 
     @property
     def rows(self) -> int:
-        return math.prod(self.shape[: self.split])
+        return as_matrix(self.shape, self.split)[0]
 
     @property
     def cols(self) -> int:
-        return math.prod(self.shape[self.split :])
+        return as_matrix(self.shape, self.split)[1]
 
     @property
     def k_out(self) -> int:
