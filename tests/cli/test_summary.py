@@ -167,3 +167,15 @@ def test_columns_read_without_pandas_bools_at_any_offset():
         chunked = pa.chunked_array([pa.array(values).slice(start), pa.array([False, True])])
         assert _numpy(chunked).tolist() == values[start:] + [False, True]
     assert _numpy(pa.chunked_array([pa.array([1.5, None])])).tolist()[0] == 1.5  # nulls: to_numpy
+
+
+@pytest.mark.parametrize(
+    "kind", [pa.float64(), pa.float32(), pa.float16(), pa.int64(), pa.int8(), pa.uint32()]
+)
+def test_columns_read_numbers_at_any_offset_from_the_data_buffer(kind):
+    # read off the buffer, not by Array.to_tensor, which pyarrows the project admits lack
+    values = np.arange(12).astype(kind.to_pandas_dtype())
+    for start in range(3):
+        chunked = pa.chunked_array([pa.array(values, kind).slice(start, 7)])
+        got = _numpy(chunked)
+        assert got.dtype == values.dtype and got.tolist() == values[start : start + 7].tolist()
