@@ -40,10 +40,11 @@ class Rows(Contribution):
     def inner(self, refs: Tensor) -> Tensor:
         refs = refs.to(self.s.dtype)
         step = max(1, CHUNK_ELEMENTS // self.s.numel())  # references at a time: (k, B, T, D)
+        # the reference rows each position looked up, against its output gradient, summed by a
+        # cascade rather than a matrix product's inner dim (``base.BLOCK``)
         return torch.cat(
             [
-                # the reference rows each position looked up, against its output gradient
-                torch.einsum("kbtd,btd->bk", refs[lo : lo + step, self.ids], self.s)
+                (refs[lo : lo + step, self.ids] * self.s).flatten(2).sum(2).T  # (k, B, T, D)
                 for lo in range(0, refs.shape[0], step)
             ],
             1,

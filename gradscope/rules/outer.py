@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .base import CHUNK_ELEMENTS, Contribution, _acc, _cat, _sq_norm, rows
+from .base import CHUNK_ELEMENTS, Contribution, _acc, _cat, _dots, _sq_norm, rows
 from .projection import Projection
 
 # Examples with at least this share of their group's longest row count share its padded
@@ -106,10 +106,10 @@ class Outer(Contribution):
         if self._groups() is not None:
             return self._placed(Outer.norm_sq, ())
         if t == 1:  # ||s a^T||^2 = ||s||^2 ||a||^2
-            return (_sq_norm(self.s, -1) * _sq_norm(self.a, -1)).sum((1, 2))
+            return (_sq_norm(self.s) * _sq_norm(self.a)).sum((1, 2))
         if self._gram_cheaper:
             return self._gram_norm_sq()
-        return _cat([_sq_norm(m.flatten(1), 1) for m in self._materialized_chunks()])
+        return _cat([_sq_norm(m.flatten(1)) for m in self._materialized_chunks()])
 
     @property
     def _gram_cheaper(self) -> bool:
@@ -134,8 +134,8 @@ class Outer(Contribution):
         norms, inners = [], []
         for m in self._materialized_chunks():
             flat = m.flatten(1)  # (b, P)
-            norms.append(_sq_norm(flat, 1))
-            inners.append(flat @ r.T)  # (b, P) @ (P, K)
+            norms.append(_sq_norm(flat))
+            inners.append(_dots(flat, r))
         return _cat(norms), _cat(inners)
 
     def _gram_norm_sq(self) -> Tensor:
@@ -212,11 +212,13 @@ class Outer(Contribution):
 
     def _inner(self, r: Tensor) -> Tensor:
         _, _, _, o, i = self.dims
+        # the sum over positions and outputs by a cascade, not a matrix product's inner dim
+        # (``base.BLOCK``): G * T * O terms of one example
         if o <= i:
             ra = torch.einsum("kgoi,bgti->bkgto", r, self.a)  # (B, K, G, T, O)
-            return torch.einsum("bkgto,bgto->bk", ra, self.s)
+            return (ra * self.s[:, None]).flatten(2).sum(2)
         rs = torch.einsum("kgoi,bgto->bkgti", r, self.s)  # (B, K, G, T, I)
-        return torch.einsum("bkgti,bgti->bk", rs, self.a)
+        return (rs * self.a[:, None]).flatten(2).sum(2)
 
 
 def gram_norms(parts: Sequence[Outer]) -> Tensor:

@@ -208,7 +208,7 @@ class Batched:
         if key[0] is Outer:
             norms = gram_norms(parts)
         else:  # (n, B, P) -> (n, B)
-            norms = _sq_norm(torch.stack([rows(c.grads) for c in parts]), 2)
+            norms = _sq_norm(torch.stack([rows(c.grads) for c in parts]))
         self.norm_sq.update((name, n) for (name, _), n in zip(held, norms, strict=True))
         self._size -= sum(_size(c) for c in parts)
 
