@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from methods import METHODS, WRONG_REL_ERR, Skip, Step, clear_grads, known_failure
+from methods import METHODS, Skip, Step, clear_grads, known_failure, wrong_rel_err
 from torch import Tensor
 from workloads import SETS, WORKLOADS, Problem, expand
 
@@ -85,10 +85,11 @@ def _rel_err(actual: Tensor, expected: Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
 
 
-def _check(steps: dict[str, Step], results: dict[str, Result]) -> None:
+def _check(steps: dict[str, Step], results: dict[str, Result], dtype: torch.dtype | None) -> None:
     """Run each step once (its first warm-up call) and compare its answer with its task's loop.
 
-    A step that raises leaves ``steps``; an answer off by more than ``WRONG_REL_ERR`` is "wrong".
+    A step that raises leaves ``steps``; an answer off by more than ``wrong_rel_err(dtype)`` is
+    "wrong".
     """
     answers: dict[str, Tensor | None] = {}
     for key, step in list(steps.items()):
@@ -106,7 +107,7 @@ def _check(steps: dict[str, Step], results: dict[str, Result]) -> None:
             results[key].note = "not checked: the loop did not run"
             continue
         results[key].rel_err = err = _rel_err(answers[key], expected)
-        if err > WRONG_REL_ERR:
+        if err > wrong_rel_err(dtype):
             results[key].status = "wrong"
             results[key].note = f"off the loop's answer by {err:.2g} relative"
 
@@ -119,17 +120,20 @@ def time_workload(
     device: torch.device,
     budget_s: float = float("inf"),
     clock: str = "wall",
+    dtype: torch.dtype | None = None,
 ) -> list[Result]:
     """Check every method against the loop, then time them round-robin; medians in ``time_s``.
 
     A method stops being timed once its samples add up to ``budget_s`` (it keeps at least one).
     ``clock="cpu"`` times the process's CPU time instead of the wall clock: on a machine shared
     with other work, with one thread, what each call computed rather than how long it waited.
+    On CUDA, each method's peak memory is measured in the same process after the timing
+    (``max_memory_allocated`` needs no process of its own, as the CPU's resident set does).
     """
     now = time.process_time if clock == "cpu" else time.perf_counter
-    pb = WORKLOADS[workload].build().to(device)
+    pb = WORKLOADS[workload].build().to(device, dtype)
     steps, results = _setup(pb, workload, keys)
-    _check(steps, results)
+    _check(steps, results, dtype)
     order = list(steps)
     for r in range(warmup - 1 + repeats):
         # rotate the starting method so none always runs right after the same neighbour
@@ -145,6 +149,11 @@ def time_workload(
                 results[key].times_s.append(now() - start)
     for key in steps:
         results[key].time_s = statistics.median(results[key].times_s)
+    if device.type == "cuda":
+        for key, step in steps.items():
+            clear_grads(pb.model.parameters())
+            results[key].mem_bytes = _peak_bytes(step, device)
+        clear_grads(pb.model.parameters())
     return list(results.values())
 
 
@@ -170,7 +179,9 @@ def _peak_bytes(step: Step, device: torch.device) -> int:
     return (_rss_kib("VmHWM") - before) * 1024
 
 
-def measure_memory(workload: str, keys: Sequence[str], device: torch.device) -> list[Result]:
+def measure_memory(
+    workload: str, keys: Sequence[str], device: torch.device, dtype: torch.dtype | None = None
+) -> list[Result]:
     """Peak memory of one call of each method, after one warm-up call, methods one at a time.
 
     On the CPU the process runs with ``MALLOC_MMAP_THRESHOLD_`` fixed at 64 KiB, so every large
@@ -178,7 +189,7 @@ def measure_memory(workload: str, keys: Sequence[str], device: torch.device) -> 
     size (Linux VmHWM, reset through /proc/self/clear_refs) above the resident size just before
     the call is the memory the call needed at its worst moment. On CUDA: max_memory_allocated.
     """
-    pb = WORKLOADS[workload].build().to(device)
+    pb = WORKLOADS[workload].build().to(device, dtype)
     results = []
     for key in keys:
         result = Result(workload, key)
@@ -201,13 +212,13 @@ def measure_memory(workload: str, keys: Sequence[str], device: torch.device) -> 
 
 
 def _worker(args: argparse.Namespace) -> None:
-    keys, device = args.methods.split(","), torch.device(args.device)
+    keys, device, dtype = args.methods.split(","), torch.device(args.device), _dtype(args)
     if args.mode == "time":
         results = time_workload(
-            args.worker, keys, args.repeats, args.warmup, device, args.budget, args.clock
+            args.worker, keys, args.repeats, args.warmup, device, args.budget, args.clock, dtype
         )
     else:
-        results = measure_memory(args.worker, keys, device)
+        results = measure_memory(args.worker, keys, device, dtype)
     Path(args.out).write_text(json.dumps([asdict(r) for r in results]))
 
 
@@ -221,7 +232,8 @@ def _spawn(workload: str, mode: str, keys: Sequence[str], args: argparse.Namespa
             sys.executable, __file__, "--worker", workload, "--mode", mode,
             "--methods", ",".join(keys), "--repeats", str(args.repeats),
             "--warmup", str(args.warmup), "--budget", str(args.budget), "--device", args.device,
-            "--threads", str(args.threads), "--clock", args.clock, "--out", str(out),
+            "--threads", str(args.threads), "--clock", args.clock, "--dtype", args.dtype,
+            "--out", str(out),
         ]  # fmt: skip
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not out.exists():
@@ -248,7 +260,10 @@ def run_workload(
         return [Result(workload, k, status="missing", note=note) for k in keys]
     run = [k for k in keys if k not in left_out]
     timed = _spawn(workload, "time", run, args)
-    memory = {r.method: r for r in _spawn(workload, "memory", run, args)}
+    # on CUDA the timing process measured the memory too
+    by_method = {r.method: r for r in timed}
+    cuda = torch.device(args.device).type == "cuda"
+    memory = by_method if cuda else {r.method: r for r in _spawn(workload, "memory", run, args)}
     floor = next((r for r in timed if r.method == "floor"), None)
     floor_mem = memory.get("floor")
     for r in timed:
@@ -341,14 +356,14 @@ def print_table(results: Sequence[Result]) -> None:
 
 def _environment(args: argparse.Namespace) -> dict[str, object]:
     versions: dict[str, object] = {"python": platform.python_version(), "torch": torch.__version__}
-    for dist in ("opacus", "backpack-for-pytorch", "gradscope"):
-        try:
-            versions[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            versions[dist] = None
+    for dist in ("opacus", "backpack-for-pytorch", "gradscope", "transformers"):
+        versions[dist] = _version(dist)
+    device = torch.device(args.device)
     return {
         **versions,
         "machine": platform.machine(),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "dtype": args.dtype,
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "device": args.device,
@@ -397,6 +412,12 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds of samples per method (default 20, quick 4)",
     )
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16", "float64"],
+        default="float32",
+        help="the models' parameters and the batches' floating-point tensors",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     parser.add_argument(
         "--clock",
@@ -411,6 +432,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--mode", choices=["time", "memory"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     return parser
+
+
+def _dtype(args: argparse.Namespace) -> torch.dtype | None:
+    """The dtype to cast the workloads to; None for float32, as they are built."""
+    return None if args.dtype == "float32" else getattr(torch, args.dtype)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _sets() -> str:

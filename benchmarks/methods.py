@@ -24,8 +24,15 @@ from gradscope.index.projection import DEFAULT_DIM, Projector, blocks
 from gradscope.index.scorer import reused
 from gradscope.losses import resolve_loss
 
-# An answer further than this from the loop's (max |a - e| / max |e|) is reported as wrong.
+# An answer further than this from the loop's (max |a - e| / max |e|) is reported as wrong: in
+# float32 and float64, and in half precision, where the loop's own gradients are rounded to it.
 WRONG_REL_ERR = 1e-3
+WRONG_REL_ERR_HALF = 5e-2
+
+
+def wrong_rel_err(dtype: torch.dtype | None) -> float:
+    """The relative error past which an answer in ``dtype`` (None: float32) is wrong."""
+    return WRONG_REL_ERR_HALF if dtype in (torch.bfloat16, torch.float16) else WRONG_REL_ERR
 
 
 class Skip(Exception):

@@ -107,7 +107,8 @@ class CausalLM(nn.Module):
 
 @dataclass
 class Problem:
-    """One workload, built: a model in eval mode, a batch, a reference batch and the loss name."""
+    """One workload, built: a model in eval mode, a batch, an 8-example reference batch, the loss
+    name, and ``make``, which draws another batch of ``size`` examples of the same shapes."""
 
     model: nn.Module
     inputs: tuple[Tensor, ...]
@@ -115,18 +116,42 @@ class Problem:
     ref_inputs: tuple[Tensor, ...]
     ref_targets: Tensor
     loss: str
+    make: Callable[[int], tuple[Inputs, Tensor]] | None = None
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype | None = None  # None: as built (float32)
 
-    def to(self, device: torch.device) -> Problem:
-        def move(ts: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-            return tuple(t.to(device) for t in ts)
-
+    def to(self, device: torch.device, dtype: torch.dtype | None = None) -> Problem:
+        """The problem on ``device``, its model's floating-point parameters and buffers and the
+        floating-point tensors of its batches in ``dtype`` (None: as they are)."""
+        model = self.model.to(device=device, dtype=dtype) if dtype else self.model.to(device)
         return Problem(
-            self.model.to(device),
-            move(self.inputs),
-            self.targets.to(device),
-            move(self.ref_inputs),
-            self.ref_targets.to(device),
+            model,
+            self._moved(self.inputs, device, dtype),
+            self._moved((self.targets,), device, dtype)[0],
+            self._moved(self.ref_inputs, device, dtype),
+            self._moved((self.ref_targets,), device, dtype)[0],
             self.loss,
+            self.make,
+            torch.device(device),
+            dtype,
+        )
+
+    def batch(self, seed: int) -> tuple[tuple[Tensor, ...], Tensor]:
+        """Another batch of the same shapes as ``inputs`` and ``targets``, drawn with ``seed``,
+        on the problem's device and in its dtype."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            x, y = self.make(self.targets.shape[0])
+        x = x if isinstance(x, tuple) else (x,)
+        (y,) = self._moved((y,), self.device, self.dtype)
+        return self._moved(x, self.device, self.dtype), y
+
+    @staticmethod
+    def _moved(
+        ts: tuple[Tensor, ...], device: torch.device, dtype: torch.dtype | None
+    ) -> tuple[Tensor, ...]:
+        return tuple(
+            t.to(device, dtype) if dtype and t.is_floating_point() else t.to(device) for t in ts
         )
 
 
@@ -137,7 +162,7 @@ def _problem(model: nn.Module, make: Callable[[int], tuple[Inputs, Tensor]], bat
     """Model in eval mode (as gradscope scores), a batch and an 8-example reference batch."""
     (x, y), (rx, ry) = make(batch), make(8)
     x, rx = (x, rx) if isinstance(x, tuple) else ((x,), (rx,))
-    return Problem(model.eval(), x, y, rx, ry, loss)
+    return Problem(model.eval(), x, y, rx, ry, loss, make)
 
 
 def _mlp(sizes: Sequence[int], batch: int) -> Problem:
