@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +41,20 @@ def unfold(module: _Conv, x: Tensor) -> Tensor:
     return x.reshape(b, g, math.prod(x.shape[2 : 2 + n]), -1)  # (B, G, T, C/G * prod(k))
 
 
+@contextlib.contextmanager
+def _full_float32() -> Iterator[None]:
+    """cuDNN without TF32, which it takes for float32 convolutions unless told not to: a sum of
+    products rounded to 10 bits, which one example's weight gradient (a sum over its positions,
+    whose terms cancel) turns into errors of 1e-2 where the loop's own gradients are exact to
+    1e-7. The model's own convolutions run as the user set them."""
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+
+
 def per_example_weight_grads(module: _Conv, x: Tensor, grad_output: Tensor) -> Tensor:
     """(B, *weight.shape): each example's weight gradient, from ONE convolution backward with the
     examples folded into the groups, so no patch matrix is formed."""
@@ -52,19 +68,20 @@ def per_example_weight_grads(module: _Conv, x: Tensor, grad_output: Tensor) -> T
     x = _acc(x).reshape(1, -1, *x.shape[2:])  # (1, B*C, *in): example i is groups i*G .. i*G+G-1
     s = _acc(grad_output).reshape(1, -1, *grad_output.shape[2:])  # (1, B*out, *L)
     # the weight's values only reach the input gradient, which is not asked for: a zero will do
-    _, grads, _ = torch.ops.aten.convolution_backward(
-        s,
-        x,
-        x.new_zeros(()).expand(b * module.out_channels, *module.weight.shape[1:]),
-        None,
-        module.stride,
-        padding,
-        module.dilation,
-        False,
-        [0] * n,
-        b * module.groups,
-        [False, True, False],
-    )
+    with _full_float32():
+        _, grads, _ = torch.ops.aten.convolution_backward(
+            s,
+            x,
+            x.new_zeros(()).expand(b * module.out_channels, *module.weight.shape[1:]),
+            None,
+            module.stride,
+            padding,
+            module.dilation,
+            False,
+            [0] * n,
+            b * module.groups,
+            [False, True, False],
+        )
     return grads.view(b, *module.weight.shape)  # (B*out, in/G, *k) -> (B, out, in/G, *k)
 
 
