@@ -16,6 +16,17 @@ def _example_keys(ids: Tensor, num_rows: int) -> Tensor:
     return (torch.arange(b, device=ids.device).unsqueeze(1) * num_rows + ids).flatten()
 
 
+def _groups(keys: Tensor) -> Tensor:
+    """(N,) for each key, the index of its group of equal keys: ``torch.unique``'s inverse, by a
+    sort that leaves the group count on the device (unique's output shape would wait for it: a
+    host-device sync on every batch). Groups are numbered in key order, fewer than N."""
+    ordered, order = keys.sort()
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    group = starts.cumsum(0) - 1  # (N,) of the sorted keys
+    return torch.empty_like(group).scatter_(0, order, group)
+
+
 class Rows(Contribution):
     """G_i[v] = sum of s_it over the positions t where example i looks up row v.
 
@@ -31,11 +42,14 @@ class Rows(Contribution):
         return Rows(self.ids[lo:hi], self.s[lo:hi], self.shape[0])
 
     def norm_sq(self) -> Tensor:
-        b, _, d = self.s.shape
-        keys, inverse = torch.unique(_example_keys(self.ids, self.shape[0]), return_inverse=True)
-        # each distinct (example, row): the sum of its positions' gradients
-        rows = self.s.new_zeros(keys.shape[0], d).index_add_(0, inverse, self.s.reshape(-1, d))
-        return self.s.new_zeros(b).index_add_(0, keys // self.shape[0], rows.pow(2).sum(1))
+        b, t, d = self.s.shape
+        keys = _example_keys(self.ids, self.shape[0])
+        group = _groups(keys)
+        # each distinct (example, row): the sum of its positions' gradients; B*T slots, those
+        # past the groups' count stay zero
+        rows = self.s.new_zeros(b * t, d).index_add_(0, group, self.s.reshape(-1, d))
+        example = torch.zeros_like(keys).scatter_(0, group, keys // self.shape[0])  # each slot's
+        return self.s.new_zeros(b).index_add_(0, example, rows.pow(2).sum(1))
 
     def inner(self, refs: Tensor) -> Tensor:
         refs = refs.to(self.s.dtype)
@@ -123,10 +137,9 @@ def lookup(
         s = s * (ids != padding_idx % num_rows).unsqueeze(-1)  # the padding row gets no gradient
     if by_freq:
         # the loop sees one example at a time, so a row is scaled by its count in that example
-        _, inverse, counts = torch.unique(
-            _example_keys(ids, num_rows), return_inverse=True, return_counts=True
-        )
-        s = s / counts[inverse].view(b, -1, 1).to(s.dtype)
+        group = _groups(_example_keys(ids, num_rows))
+        counts = torch.zeros_like(group).index_add_(0, group, torch.ones_like(group))
+        s = s / counts[group].view(b, -1, 1).to(s.dtype)
     return Rows(ids, s, num_rows)
 
 

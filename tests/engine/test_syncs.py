@@ -1,7 +1,8 @@
 """A steady pass adds no host-device synchronisation to a dense model: on the op graphs of Hugging
 Face GPT-2, LLaMA and BERT, a replayed batch reads back to the host what one plain forward and
 backward with the same loss reads, and nothing more. Counted as calls of the tensor methods and
-functions that wait for the device (``bool``, ``item``, ``tolist``, ``equal``, ...)."""
+functions that wait for the device (``bool``, ``item``, ``tolist``, ``equal``, ``unique``, ...);
+``benchmarks/cuda_check.py`` counts them on a GPU itself."""
 
 from __future__ import annotations
 
@@ -17,8 +18,13 @@ from gradscope.losses import resolve_loss
 transformers = pytest.importorskip("transformers")
 import families  # noqa: E402 - after the skip: its builders import transformers
 
-METHODS = ("__bool__", "item", "tolist", "__int__", "__float__", "__index__", "numpy", "nonzero")
-FUNCTIONS = ("equal", "nonzero", "allclose")
+# each waits for the device: to read a value, or to size its output by the values
+# (``unique``: GPU runs showed the embedding rule's, one a table and batch)
+METHODS = (
+    "__bool__", "item", "tolist", "__int__", "__float__", "__index__", "numpy", "nonzero",
+    "unique", "unique_consecutive", "masked_select",
+)  # fmt: skip
+FUNCTIONS = ("equal", "nonzero", "allclose", "unique", "unique_consecutive", "masked_select")
 
 
 @contextlib.contextmanager
