@@ -10,7 +10,7 @@ inner product with reference tensors, and (only when nothing cheaper exists) the
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -201,6 +201,8 @@ RowsFn = Callable[[nn.Module], int | None]
 # (module, tensor inputs) -> the dimension of the call's inputs that indexes examples, for a rule
 # that is not row by row; None when no dimension does (an unbatched call)
 BatchDimFn = Callable[[nn.Module, tuple[Tensor, ...]], int | None]
+# module -> a key: modules of equal keys are alike to the rule (see Rule)
+AlikeFn = Callable[[nn.Module], Hashable]
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,12 @@ class Rule:
     dimensions of the leading input, and the engine can then hand it a call in any layout of
     rows (tokens flattened to (B*T, D), sequence-first, the tokens routed to one expert), each
     example's rows gathered into a (B, L, *features) batch. Other rules read examples on one
-    dimension of their inputs: ``batch_dim`` says which (by default 0).
+    dimension of their inputs: ``batch_dim`` says which (by default 0). ``alike`` keys the
+    modules a rule treats alike: it reads of them nothing their keys do not say (shapes, eps;
+    never a parameter's values), and each example's contributions come from that example's
+    inputs and output gradient alone, so calls of modules with equal keys on inputs of one shape
+    may be answered by one run of the rule over their examples stacked (the twelve ``c_attn``
+    calls of a GPT-2 backward).
     """
 
     name: str
@@ -222,6 +229,7 @@ class Rule:
     submodules: tuple[str, ...] = ()
     rows: RowsFn | None = None
     batch_dim: BatchDimFn | None = None
+    alike: AlikeFn | None = None
 
 
 RULES: dict[type[nn.Module], Rule] = {}
@@ -246,12 +254,13 @@ def register_rule(
     batch_dim: BatchDimFn | None = None,
     qualnames: tuple[str, ...] = (),
     match: Callable[[nn.Module], bool] | None = None,
+    alike: AlikeFn | None = None,
 ) -> Callable[[RuleFn], RuleFn]:
     """Register ``fn`` as the rule for modules of exactly these types, of classes with these
     qualified names, and of any module ``match`` accepts (checked after types and names)."""
 
     def register(fn: RuleFn) -> RuleFn:
-        rule = Rule(name, fn, submodules, rows, batch_dim)
+        rule = Rule(name, fn, submodules, rows, batch_dim, alike)
         for t in types:
             RULES[t] = rule
         for qualname in qualnames:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from .base import Contribution, register_rule
-from .linear import affine_parts
+from .linear import affine_parts, shaped
 
 
 def looks_like_conv1d(module: nn.Module) -> bool:
@@ -30,6 +30,7 @@ def looks_like_conv1d(module: nn.Module) -> bool:
     qualnames=("transformers.pytorch_utils.Conv1D",),
     match=looks_like_conv1d,
     rows=lambda module: 1,
+    alike=shaped,
 )
 def hf_conv1d(
     module: nn.Module, inputs: tuple[Tensor, ...], grad_output: Tensor

@@ -135,10 +135,26 @@ def _filled(t: Tensor, value: float) -> Tensor:
 _UNITS: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
 
 
+_SIMPLE = (int, float, str, bool, type(None))
+
+
+def settings(module: nn.Module) -> tuple:
+    """What the module's own forward may read besides its input (``Rule.alike``): its class,
+    its weight's shape, whether it has a bias, what the probe found, and its public attributes
+    (eps, data_format); a module with a buffer or an attribute of another kind is alike to
+    itself alone."""
+    public = sorted((k, v) for k, v in vars(module).items() if not k.startswith("_"))
+    if module._buffers or not all(isinstance(v, _SIMPLE) for _, v in public):
+        return ("itself", id(module))
+    bias = module._parameters.get("bias")
+    return type(module), module.weight.shape, bias is None, _AFFINE.get(module), tuple(public)
+
+
 @register_rule(
     name="library_norm",
     match=looks_like_norm,
     rows=lambda module: None if channels_first(module) else module.weight.dim(),
+    alike=settings,
 )
 def library_norm(
     module: nn.Module, inputs: tuple[Tensor, ...], grad_output: Tensor

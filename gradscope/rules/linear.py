@@ -38,7 +38,13 @@ def affine_parts(
     return out
 
 
-@register_rule(nn.Linear, name="linear", rows=lambda module: 1)
+def shaped(module: nn.Module) -> tuple:
+    """A Linear-like module as ``affine_parts`` reads it: its weight's shape, whether it has a
+    bias (``Rule.alike``)."""
+    return module.weight.shape, module.bias is None
+
+
+@register_rule(nn.Linear, name="linear", rows=lambda module: 1, alike=shaped)
 def linear(
     module: nn.Linear, inputs: tuple[Tensor, ...], grad_output: Tensor
 ) -> dict[str, Contribution]:

@@ -33,7 +33,18 @@ def per_channel(t: Tensor) -> Tensor:
     return t.reshape(*t.shape[:2], -1).sum(2)
 
 
-@register_rule(nn.LayerNorm, name="layer_norm", rows=lambda module: len(module.normalized_shape))
+def normalized(module: nn.Module) -> tuple:
+    """A LayerNorm or RMSNorm as its rule reads it (``Rule.alike``)."""
+    bias = getattr(module, "bias", None)
+    return module.normalized_shape, module.eps, module.weight is None, bias is None
+
+
+@register_rule(
+    nn.LayerNorm,
+    name="layer_norm",
+    rows=lambda module: len(module.normalized_shape),
+    alike=normalized,
+)
 def layer_norm(
     module: nn.LayerNorm, inputs: tuple[Tensor, ...], grad_output: Tensor
 ) -> dict[str, Contribution]:
@@ -42,7 +53,9 @@ def layer_norm(
     return affine(module, xhat, grad_output, lambda t: t.reshape(b, -1, *shape).sum(1))
 
 
-@register_rule(nn.RMSNorm, name="rms_norm", rows=lambda module: len(module.normalized_shape))
+@register_rule(
+    nn.RMSNorm, name="rms_norm", rows=lambda module: len(module.normalized_shape), alike=normalized
+)
 def rms_norm(
     module: nn.RMSNorm, inputs: tuple[Tensor, ...], grad_output: Tensor
 ) -> dict[str, Contribution]:

@@ -150,6 +150,15 @@ class Reducer:
         if self.want.sums:
             self.sums[name] = c.batch_sum()
 
+    def answered(
+        self, name: str, norm_sq: Tensor, batch_sum: Callable[[], Tensor] | None = None
+    ) -> None:
+        """A squared norm answered elsewhere (``serve.Grouped``), where norms alone are asked,
+        and the sum over the examples, where the self-check asks for it."""
+        self.norm_sq[name] = norm_sq
+        if batch_sum is not None:
+            self.sums[name] = batch_sum()
+
     def forget(self, name: str) -> None:
         """Drop what a parameter's rule gave: the fallback serves it instead."""
         for store in (self.norm_sq, self.inner, self.kept, self.sums):

@@ -11,11 +11,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
 
 from ...errors import GradscopeError
 from ...rules import Contribution, Outer, find_rule
-from ..capture import Call, Captured
+from ...rules.base import CHUNK_ELEMENTS
+from ..capture import Call, Captured, shapes_of
 from ..plan import ParamPlan, Plan
 from ..rows import regroup
 from .backward import Requests, backward
@@ -79,20 +81,114 @@ def serve(
         reducer.finish()
         return reducer, []
     served = {(id(m), attr): p for p in plan.by_rule for m, attr in p.owners}
-    on_grad = functools.partial(_on_grad, plan, served, reducer, captured.losses.shape[0])
+    batch = captured.losses.shape[0]
+    on_grad = functools.partial(_on_grad, plan, served, reducer, batch)
+    grouped = Grouped(plan, merged, on_grad) if _norms_alone(reducer.want) else None
     if captured.tap:
         captured.tap.reading(functools.partial(_on_read, plan, reducer))
     also = [p.param for p in done.checked]
     calls = served_calls(plan, captured)
     try:
         grads = backward(
-            captured.session, captured.losses.sum(), calls, on_grad, also, reads, done.asked
+            captured.session,
+            captured.losses.sum(),
+            calls,
+            on_grad if grouped is None else grouped.take,
+            also,
+            reads,
+            done.asked,
         )
     finally:
         if captured.tap:
             captured.tap.reading(None)
+    if grouped is not None:
+        grouped.answer(served, reducer, batch)
     reducer.finish()
     return reducer, grads
+
+
+def _norms_alone(want: Want) -> bool:
+    """Whether a pass asks for the squared norms and nothing else of any contribution but,
+    on a signature's first batch, its sum over the examples for the self-check."""
+    return (
+        want.norms
+        and want.refs is None
+        and not want.keep
+        and want.transform is None
+        and want.project is None
+    )
+
+
+# A call whose inputs and output gradient hold at most this many elements waits for the calls
+# of modules its rule treats alike (``Rule.alike``), to be answered with them by one run.
+GROUPED_ELEMENTS = 1 << 16
+
+
+class Grouped:
+    """Small calls of a pass that asks for norms alone, held back until the backward ends; then
+    the calls of modules their rule treats alike, on inputs and output gradients of one shape,
+    are answered by one run of the rule over their examples stacked, and one norm: the
+    host-bound passes, where a call's rule costs more to dispatch than to compute. The first
+    batch of a signature answers its calls so too, each call's sum over its examples for the
+    self-check beside (every batch's norms then round alike: a run sharded by FSDP, whose
+    decisions come from a batch of their own, gives the bits one process gives). A call of a
+    module holding a parameter that other calls serve too (merged: a module called twice, a
+    tied weight), or whose rule serves it in another layout of rows or with other arguments,
+    goes its own way at once (``on_grad``)."""
+
+    def __init__(self, plan: Plan, merged: Sequence[str], on_grad):
+        self.on_grad = on_grad
+        self.shared = {id(m) for p in plan.by_rule if p.name in merged for m, _ in p.owners}
+        self._held: dict[tuple, list[tuple[Call, Tensor]]] = {}
+        self._size = 0
+
+    def take(self, call: Call, grad: Tensor) -> None:
+        rule = find_rule(call.module)
+        size = grad.numel() + sum(t.numel() for t in call.inputs)
+        if (
+            rule is None
+            or rule.alike is None
+            or call.rows is not None
+            or call.kwargs
+            or id(call.module) in self.shared
+            or size > GROUPED_ELEMENTS
+            or self._size + size > CHUNK_ELEMENTS
+        ):
+            self.on_grad(call, grad)
+            return
+        key = (rule.name, rule.alike(call.module), shapes_of(call.inputs), shapes_of((grad,)))
+        self._held.setdefault(key, []).append((call, grad))
+        self._size += size
+
+    def answer(self, served: dict, reducer: Reducer, batch: int) -> None:
+        """Every held call answered: alone where no other is like it."""
+        for held in self._held.values():
+            if len(held) == 1 or not self._together(served, reducer, batch, held):
+                for call, grad in held:
+                    self.on_grad(call, grad)
+        self._held.clear()
+
+    def _together(self, served: dict, reducer: Reducer, batch: int, held: list) -> bool:
+        """The calls' squared norms from one run of their rule, or False where it fails (each
+        call on its own then says which module's rule failed)."""
+        calls = [c for c, _ in held]
+        inputs = tuple(torch.cat(ts) for ts in zip(*(c.inputs for c in calls), strict=True))
+        grad = torch.cat([g for _, g in held])  # (n*B, ...)
+        try:
+            parts = find_rule(calls[0].module).fn(calls[0].module, inputs, grad)
+            norms = {attr: part.norm_sq().view(len(calls), batch) for attr, part in parts.items()}
+        except GradscopeError:
+            raise
+        except Exception:  # noqa: BLE001
+            return False
+        for k, call in enumerate(calls):
+            for attr, rows in norms.items():
+                p = served.get((id(call.module), attr))
+                if p is not None and not p.is_fallback:
+                    own = parts[attr].examples(k * batch, (k + 1) * batch)
+                    reducer.answered(p.name, rows[k], own.batch_sum if reducer.want.sums else None)
+            call.release()
+        return True
 
 
 def _on_read(plan: Plan, reducer: Reducer, use: Use, grad: Tensor) -> None:
