@@ -18,7 +18,7 @@ parameters join them: "embedding+linear"), ``broadcast``, ``fallback`` (vmap), `
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
@@ -72,27 +72,50 @@ class Plan:
     # Engine of the same model and selection shares and adopts whole
     moves: dict[str, tuple[str, bool]] = field(default_factory=dict)
     _by_name: dict[str, ParamPlan] = field(init=False, repr=False, compare=False)
+    # what the properties below derive from the rules, kept until a rule changes (``_moved``):
+    # every pass asks for them several times, and a large model has hundreds of parameters
+    _derived: dict[str, object] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._by_name = {p.name: p for p in self.params}
 
-    @property
-    def included(self) -> list[ParamPlan]:
-        return [p for p in self.params if p.included]
+    def _kept(self, key: str, make: Callable[[], object]):
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
+
+    def _moved(self) -> None:
+        self._derived.clear()
 
     @property
-    def by_rule(self) -> list[ParamPlan]:
+    def included(self) -> tuple[ParamPlan, ...]:
+        return self._kept("included", lambda: tuple(p for p in self.params if p.included))
+
+    @property
+    def by_rule(self) -> tuple[ParamPlan, ...]:
         """Served by the rules of the modules holding them."""
-        return [p for p in self.params if p.included and not p.is_fallback and p.rule != BROADCAST]
+        return self._kept(
+            "by_rule",
+            lambda: tuple(
+                p for p in self.params if p.included and not p.is_fallback and p.rule != BROADCAST
+            ),
+        )
 
     @property
-    def raw(self) -> list[ParamPlan]:
+    def raw(self) -> tuple[ParamPlan, ...]:
         """Held by modules without a rule: served while they are only read in broadcast ops."""
-        return [p for p in self.params if p.rule == BROADCAST]
+        return self._kept("raw", lambda: tuple(p for p in self.params if p.rule == BROADCAST))
 
     @property
-    def fallback(self) -> list[ParamPlan]:
-        return [p for p in self.params if p.is_fallback]
+    def fallback(self) -> tuple[ParamPlan, ...]:
+        return self._kept("fallback", lambda: tuple(p for p in self.params if p.is_fallback))
+
+    @property
+    def served(self) -> dict[tuple[int, str], ParamPlan]:
+        """(id of a holding module, attribute) -> the rule-served parameter it holds there."""
+        return self._kept(
+            "served", lambda: {(id(m), attr): p for p in self.by_rule for m, attr in p.owners}
+        )
 
     @property
     def hooked_modules(self) -> list[nn.Module]:
@@ -113,6 +136,7 @@ class Plan:
         p.rule = FALLBACK_LOOP if loop else FALLBACK
         p.note = f"{p.note}; {reason}" if p.note else reason
         self.moves[p.name] = (p.note, loop)
+        self._moved()
 
     def adopt(self, moves: dict[str, tuple[str, bool]]) -> None:
         """Take over what earlier passes on this model moved to the fallback, and record into
@@ -122,6 +146,7 @@ class Plan:
                 p.note, loop = moves[p.name]
                 p.rule = FALLBACK_LOOP if loop else FALLBACK
         self.moves = moves
+        self._moved()
 
     @property
     def modules(self) -> list[str]:

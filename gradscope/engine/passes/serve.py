@@ -40,7 +40,7 @@ class Served:
 
 def served_calls(plan: Plan, captured: Captured) -> list[Call]:
     """The captured calls of modules whose rules serve a parameter, in capture order."""
-    modules = {id(m) for p in plan.by_rule for m, _ in p.owners}
+    modules = {module for module, _ in plan.served}
     return [c for c in captured.session.all_calls() if id(c.module) in modules]
 
 
@@ -80,7 +80,7 @@ def serve(
     if not done.count and not done.checked:  # every parameter on the fallback
         reducer.finish()
         return reducer, []
-    served = {(id(m), attr): p for p in plan.by_rule for m, attr in p.owners}
+    served = plan.served
     batch = captured.losses.shape[0]
     on_grad = functools.partial(_on_grad, plan, served, reducer, batch)
     grouped = Grouped(plan, merged, on_grad) if _norms_alone(reducer.want) else None
