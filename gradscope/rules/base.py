@@ -59,17 +59,17 @@ def _sq_norm(t: Tensor) -> Tensor:
 
 
 def _dots(x: Tensor, r: Tensor) -> Tensor:
-    """(B, K) inner products of the rows of ``x`` (B, P) with those of ``r`` (K, P), in
-    ``BLOCK``s of P where it is longer."""
-    p = x.shape[1]
+    """(..., B, K) inner products of the rows of ``x`` (..., B, P) with those of ``r``
+    (..., K, P), in ``BLOCK``s of P where it is longer."""
+    p = x.shape[-1]
     if p <= BLOCK:
-        return x @ r.T  # (B, P) @ (P, K)
+        return x @ r.mT  # (..., B, P) @ (..., P, K)
     k = p // BLOCK
-    xb = x[:, : k * BLOCK].unflatten(1, (k, BLOCK)).transpose(0, 1)  # (k, B, BLOCK)
-    rb = r[:, : k * BLOCK].unflatten(1, (k, BLOCK)).permute(1, 2, 0)  # (k, BLOCK, K)
-    total = (xb @ rb).sum(0)  # (k, B, K) -> (B, K)
+    xb = x[..., : k * BLOCK].unflatten(-1, (k, BLOCK)).movedim(-2, 0)  # (k, ..., B, BLOCK)
+    rb = r[..., : k * BLOCK].unflatten(-1, (k, BLOCK)).movedim(-2, 0)  # (k, ..., K, BLOCK)
+    total = (xb @ rb.mT).sum(0)  # (k, ..., B, K) -> (..., B, K)
     if p % BLOCK:
-        total = total + x[:, k * BLOCK :] @ r[:, k * BLOCK :].T
+        total = total + x[..., k * BLOCK :] @ r[..., k * BLOCK :].mT
     return total
 
 
@@ -117,6 +117,13 @@ class Contribution(ABC):
         """Both answers at once, for contributions that can share the work between them."""
         return self.norm_sq(), self.inner(refs)
 
+    def inners(self, refs: Tensor, batch: int) -> Tensor:
+        """(n, batch, K) where this contribution holds the examples of n calls stacked, n *
+        batch of them: each call's inner products with its own ``refs``, (n, K, *shape)."""
+        return torch.stack(
+            [self.examples(k * batch, (k + 1) * batch).inner(r) for k, r in enumerate(refs)]
+        )
+
     def cross(self, other: Contribution) -> Tensor | None:
         """(B,) <G_i, H_i> with ``other``'s per-example gradients, where a form cheaper than
         forming both exists (a tied embedding and output head); None where it does not."""
@@ -135,6 +142,11 @@ class Dense(Contribution):
 
     def inner(self, refs: Tensor) -> Tensor:
         return _dots(rows(self.grads), rows(refs.to(self.grads.dtype)))
+
+    def inners(self, refs: Tensor, batch: int) -> Tensor:
+        n = refs.shape[0]
+        own = rows(self.grads).view(n, batch, -1)  # (n, B, P)
+        return _dots(own, refs.to(own.dtype).reshape(n, refs.shape[1], -1))  # (n, B, K)
 
     def materialize(self) -> Tensor:
         return self.grads

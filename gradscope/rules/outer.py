@@ -210,6 +210,25 @@ class Outer(Contribution):
         step = max(1, CHUNK_ELEMENTS // (b * g * t * min(o, i)))
         return _cat([self._inner(r[lo : lo + step]) for lo in range(0, r.shape[0], step)], 1)
 
+    def inners(self, refs: Tensor, batch: int) -> Tensor:
+        if self.lengths is not None:
+            return super().inners(refs, batch)
+        n, k = refs.shape[:2]
+        _, g, t, o, i = self.dims
+        r = refs.to(self.s.dtype).reshape(n, k, g, o, i)
+        # as ``inner``, a few references at a time: each call's examples through its own
+        step = max(1, CHUNK_ELEMENTS // (n * batch * g * t * min(o, i)))
+        return _cat([self._inners(r[:, lo : lo + step], batch) for lo in range(0, k, step)], 2)
+
+    def _inners(self, r: Tensor, batch: int) -> Tensor:
+        n, (_, g, t, o, i) = r.shape[0], self.dims
+        s, a = self.s.view(n, batch, g, t, o), self.a.view(n, batch, g, t, i)
+        if o <= i:
+            ra = torch.einsum("nkgoi,nbgti->nbkgto", r, a)  # (n, B, K, G, T, O)
+            return (ra * s[:, :, None]).flatten(3).sum(3)  # (n, B, K)
+        rs = torch.einsum("nkgoi,nbgto->nbkgti", r, s)  # (n, B, K, G, T, I)
+        return (rs * a[:, :, None]).flatten(3).sum(3)
+
     def _inner(self, r: Tensor) -> Tensor:
         _, _, _, o, i = self.dims
         # the sum over positions and outputs by a cascade, not a matrix product's inner dim

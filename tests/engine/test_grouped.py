@@ -20,11 +20,12 @@ from gradscope.losses import resolve_loss
 
 class Alike(nn.Module):
     """Blocks of alike Linears and norms, a tied pair, a module called twice, a bias-free
-    Linear, and a second sequence of another length through the same blocks."""
+    Linear, and a second sequence of another length through Linears alike to the blocks."""
 
     def __init__(self, d: int = 6):
         super().__init__()
         self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(4))
+        self.others = nn.ModuleList(nn.Linear(d, d) for _ in range(4))
         self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(3))
         self.rms = nn.ModuleList(families.LlamaRMSNorm(d) for _ in range(2))
         self.tied = nn.Linear(d, d)
@@ -34,9 +35,10 @@ class Alike(nn.Module):
         self.head = nn.Linear(d, 1)
 
     def forward(self, x: Tensor, y: Tensor) -> Tensor:
-        for block, norm in zip(self.blocks, [*self.norms, self.norms[0]], strict=True):
+        norms = [*self.norms, self.norms[0]]  # the first norm called twice
+        for block, other, norm in zip(self.blocks, self.others, norms, strict=True):
             x = torch.tanh(block(norm(x)))
-            y = torch.tanh(block(y))  # the same blocks on a sequence of another length
+            y = torch.tanh(other(y))  # alike Linears on a sequence of another length
         x = self.rms[1](self.tied(self.rms[0](x)))
         x = self.twice(self.twice(x)) + self.bare(x)
         return self.head(x.mean(1) + y.mean(1)).squeeze(1)
@@ -83,3 +85,30 @@ def test_each_parameter_gets_its_own_calls_norms():
             _, grads = naive_grads(model, x, y, loss, names)
             for name, g in grads.items():
                 assert_rel_close(got[name], g.flatten(1).pow(2).sum(1), 1e-9)
+
+
+@pytest.mark.parametrize("exclude", [(), ("blocks.2.weight",)])
+def test_inner_products_of_alike_calls_match_the_loop(monkeypatch, exclude):
+    # three references a parameter; with blocks.2's weight left out, its group has no
+    # references to stack and is answered call by call
+    together: list[bool] = []
+    answer = serve.Grouped._together
+    monkeypatch.setattr(
+        serve.Grouped, "_together", lambda *a: together.append(answer(*a)) or together[-1]
+    )
+    model, inputs, targets = CASE.build()
+    loss = resolve_loss("mse")
+    with Engine(model, loss, exclude=exclude) as engine:
+        names = [p.name for p in engine.plan.included]
+        g = torch.Generator().manual_seed(5)
+        refs = {p.name: torch.randn(3, *p.param.shape, generator=g).double()
+                for p in engine.plan.included}  # fmt: skip
+        for seed in range(3):  # analysed, then replayed
+            x, y = CASE.build(seed=seed)[1:] if seed else (inputs, targets)
+            got = engine.norms(x, y, refs=refs)
+            _, grads = naive_grads(model, x, y, loss, names)
+            for name, per in grads.items():
+                want = per.flatten(1) @ refs[name].flatten(1).T  # (B, 3)
+                assert_rel_close(got.inner[name], want, 1e-9)
+                assert_rel_close(got.norm_sq[name], per.flatten(1).pow(2).sum(1), 1e-9)
+    assert any(together) and (not exclude or not all(together))

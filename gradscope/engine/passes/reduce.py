@@ -151,11 +151,18 @@ class Reducer:
             self.sums[name] = c.batch_sum()
 
     def answered(
-        self, name: str, norm_sq: Tensor, batch_sum: Callable[[], Tensor] | None = None
+        self,
+        name: str,
+        norm_sq: Tensor | None,
+        inner: Tensor | None,
+        batch_sum: Callable[[], Tensor] | None,
     ) -> None:
-        """A squared norm answered elsewhere (``serve.Grouped``), where norms alone are asked,
-        and the sum over the examples, where the self-check asks for it."""
-        self.norm_sq[name] = norm_sq
+        """What was answered elsewhere (``serve.Grouped``): a squared norm and inner products
+        where asked for, and the sum over the examples where the self-check asks for it."""
+        if norm_sq is not None:
+            self.norm_sq[name] = norm_sq
+        if inner is not None:
+            self.inner[name] = inner
         if batch_sum is not None:
             self.sums[name] = batch_sum()
 

@@ -83,7 +83,7 @@ def serve(
     served = plan.served
     batch = captured.losses.shape[0]
     on_grad = functools.partial(_on_grad, plan, served, reducer, batch)
-    grouped = Grouped(plan, merged, on_grad) if _norms_alone(reducer.want) else None
+    grouped = Grouped(plan, merged, on_grad) if _groupable(reducer.want) else None
     if captured.tap:
         captured.tap.reading(functools.partial(_on_read, plan, reducer))
     also = [p.param for p in done.checked]
@@ -107,16 +107,11 @@ def serve(
     return reducer, grads
 
 
-def _norms_alone(want: Want) -> bool:
-    """Whether a pass asks for the squared norms and nothing else of any contribution but,
-    on a signature's first batch, its sum over the examples for the self-check."""
-    return (
-        want.norms
-        and want.refs is None
-        and not want.keep
-        and want.transform is None
-        and want.project is None
-    )
+def _groupable(want: Want) -> bool:
+    """Whether a pass asks of each contribution only what a group of calls answers together:
+    squared norms, inner products with references and, on a signature's first batch, the
+    sums over the examples for the self-check."""
+    return not want.keep and want.transform is None and want.project is None
 
 
 # A call whose inputs and output gradient hold at most this many elements waits for the calls
@@ -125,16 +120,16 @@ GROUPED_ELEMENTS = 1 << 16
 
 
 class Grouped:
-    """Small calls of a pass that asks for norms alone, held back until the backward ends; then
-    the calls of modules their rule treats alike, on inputs and output gradients of one shape,
-    are answered by one run of the rule over their examples stacked, and one norm: the
-    host-bound passes, where a call's rule costs more to dispatch than to compute. The first
+    """Small calls held back until the backward ends; then the calls of modules their rule
+    treats alike, on inputs and output gradients of one shape, are answered by one run of the
+    rule over their examples stacked, one norm and one product with the references of them all:
+    the host-bound passes, where a call's rule costs more to dispatch than to compute. The first
     batch of a signature answers its calls so too, each call's sum over its examples for the
-    self-check beside (every batch's norms then round alike: a run sharded by FSDP, whose
-    decisions come from a batch of their own, gives the bits one process gives). A call of a
-    module holding a parameter that other calls serve too (merged: a module called twice, a
-    tied weight), or whose rule serves it in another layout of rows or with other arguments,
-    goes its own way at once (``on_grad``)."""
+    self-check beside (every batch then rounds alike: a run sharded by FSDP, whose decisions
+    come from a batch of their own, gives the bits one process gives). A call of a module
+    holding a parameter that other calls serve too (merged: a module called twice, a tied
+    weight), or whose rule serves it in another layout of rows or with other arguments, goes
+    its own way at once (``on_grad``)."""
 
     def __init__(self, plan: Plan, merged: Sequence[str], on_grad):
         self.on_grad = on_grad
@@ -169,26 +164,45 @@ class Grouped:
         self._held.clear()
 
     def _together(self, served: dict, reducer: Reducer, batch: int, held: list) -> bool:
-        """The calls' squared norms from one run of their rule, or False where it fails (each
-        call on its own then says which module's rule failed)."""
+        """The calls answered by one run of their rule, or False where it fails (each call on
+        its own then says which module's rule failed)."""
         calls = [c for c, _ in held]
         inputs = tuple(torch.cat(ts) for ts in zip(*(c.inputs for c in calls), strict=True))
         grad = torch.cat([g for _, g in held])  # (n*B, ...)
         try:
             parts = find_rule(calls[0].module).fn(calls[0].module, inputs, grad)
-            norms = {attr: part.norm_sq().view(len(calls), batch) for attr, part in parts.items()}
+            mine = {a: [served.get((id(c.module), a)) for c in calls] for a in parts}
+            if reducer.want.refs is not None and any(None in ps for ps in mine.values()):
+                return False  # a call's parameter not selected: no references to stack
+            answers = {a: _answers(part, mine[a], reducer.want, batch) for a, part in parts.items()}
         except GradscopeError:
             raise
         except Exception:  # noqa: BLE001
             return False
         for k, call in enumerate(calls):
-            for attr, rows in norms.items():
-                p = served.get((id(call.module), attr))
+            for attr, (norms, inners) in answers.items():
+                p = mine[attr][k]
                 if p is not None and not p.is_fallback:
                     own = parts[attr].examples(k * batch, (k + 1) * batch)
-                    reducer.answered(p.name, rows[k], own.batch_sum if reducer.want.sums else None)
+                    reducer.answered(
+                        p.name,
+                        None if norms is None else norms[k],
+                        None if inners is None else inners[k],
+                        own.batch_sum if reducer.want.sums else None,
+                    )
             call.release()
         return True
+
+
+def _answers(
+    part: Contribution, params: list[ParamPlan | None], want: Want, batch: int
+) -> tuple[Tensor | None, Tensor | None]:
+    """(n, B) squared norms and (n, B, K) inner products, as ``want`` asks, of n calls'
+    contributions stacked in ``part``, each call's with its parameter's references."""
+    norms = part.norm_sq().view(len(params), batch) if want.norms else None
+    if want.refs is None:
+        return norms, None
+    return norms, part.inners(torch.stack([want.refs[p.name] for p in params]), batch)
 
 
 def _on_read(plan: Plan, reducer: Reducer, use: Use, grad: Tensor) -> None:
