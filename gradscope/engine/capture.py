@@ -31,7 +31,7 @@ class Read(Protocol):
     requested: bool
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Call:
     """One forward call of a module: its inputs, arguments and where its (first) output's gradient
     arrives. The output itself is not kept: the model may free it, and edit it in place, freely

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..rules import find_rule
+from ..rules.base import Rule
 
 BROADCAST = "broadcast"  # a raw parameter read in broadcast elementwise ops (engine/broadcast.py)
 FALLBACK = "fallback"
@@ -116,6 +117,12 @@ class Plan:
         return self._kept(
             "served", lambda: {(id(m), attr): p for p in self.by_rule for m, attr in p.owners}
         )
+
+    @property
+    def rules(self) -> dict[int, Rule]:
+        """id of a module whose rule serves a parameter -> that rule: looked up once (a library
+        layer's by its structure), asked on every call of the module."""
+        return self._kept("rules", lambda: {id(m): find_rule(m) for m in self.hooked_modules})
 
     @property
     def hooked_modules(self) -> list[nn.Module]:

@@ -132,13 +132,13 @@ class Grouped:
     its own way at once (``on_grad``)."""
 
     def __init__(self, plan: Plan, merged: Sequence[str], on_grad):
-        self.on_grad = on_grad
+        self.on_grad, self.rules = on_grad, plan.rules
         self.shared = {id(m) for p in plan.by_rule if p.name in merged for m, _ in p.owners}
         self._held: dict[tuple, list[tuple[Call, Tensor]]] = {}
         self._size = 0
 
     def take(self, call: Call, grad: Tensor) -> None:
-        rule = find_rule(call.module)
+        rule = self.rules.get(id(call.module))
         size = grad.numel() + sum(t.numel() for t in call.inputs)
         if (
             rule is None
@@ -170,7 +170,7 @@ class Grouped:
         inputs = tuple(torch.cat(ts) for ts in zip(*(c.inputs for c in calls), strict=True))
         grad = torch.cat([g for _, g in held])  # (n*B, ...)
         try:
-            parts = find_rule(calls[0].module).fn(calls[0].module, inputs, grad)
+            parts = self.rules[id(calls[0].module)].fn(calls[0].module, inputs, grad)
             mine = {a: [served.get((id(c.module), a)) for c in calls] for a in parts}
             if reducer.want.refs is not None and any(None in ps for ps in mine.values()):
                 return False  # a call's parameter not selected: no references to stack
@@ -182,14 +182,17 @@ class Grouped:
         for k, call in enumerate(calls):
             for attr, (norms, inners) in answers.items():
                 p = mine[attr][k]
-                if p is not None and not p.is_fallback:
-                    own = parts[attr].examples(k * batch, (k + 1) * batch)
-                    reducer.answered(
-                        p.name,
-                        None if norms is None else norms[k],
-                        None if inners is None else inners[k],
-                        own.batch_sum if reducer.want.sums else None,
-                    )
+                if p is None or p.is_fallback:
+                    continue
+                summed = None  # the call's own examples' sum, where the self-check asks for it
+                if reducer.want.sums:
+                    summed = parts[attr].examples(k * batch, (k + 1) * batch).batch_sum
+                reducer.answered(
+                    p.name,
+                    None if norms is None else norms[k],
+                    None if inners is None else inners[k],
+                    summed,
+                )
             call.release()
         return True
 
@@ -229,7 +232,8 @@ def _on_grad(
         (x, grad), counts = regroup(call.rows, batch, inputs[0], grad)
         inputs = (x, *inputs[1:])
     try:
-        parts = find_rule(call.module).fn(call.module, inputs, grad, **call.kwargs)
+        rule = plan.rules.get(id(call.module)) or find_rule(call.module)
+        parts = rule.fn(call.module, inputs, grad, **call.kwargs)
         if counts is not None:  # a row-by-row rule: an Outer's positions are the rows
             parts = {k: _padded(part, counts, grad.shape[1]) for k, part in parts.items()}
     except GradscopeError:
