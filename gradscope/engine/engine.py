@@ -23,6 +23,7 @@ from .capture import Captured
 from .passes.backward import requests
 from .passes.fallback import Fallback
 from .passes.forward import Forward
+from .passes.light import LightRegion
 from .passes.reduce import Reducer, Want
 from .passes.replay import Diverged, Program, ReplaySession, Taps
 from .passes.serve import Served, serve, served_calls, uses
@@ -181,8 +182,10 @@ class Engine:
         batch, copy = len(targets), self.record.copy
         regions = [m for m in self._modules if id(m) in program.regions]
         session = ReplaySession(self.plan.hooked_modules, regions, program, batch, copy)
-        session.make_region = lambda call, tensors: Seeded(
-            self.plan, findings, copy, batch, tensors, call.entry, session.inside
+        session.make_region = lambda call, tensors: (
+            LightRegion(self.plan, call.light, call.during, batch)
+            if call.light is not None
+            else Seeded(self.plan, findings, copy, batch, tensors, call.entry, session.inside)
         )
         try:
             with torch.set_grad_enabled(bool(program.uses)), session:
@@ -192,12 +195,12 @@ class Engine:
             findings.diverged(str(e))
             return None
         captured = Captured(session, Taps(session.done), losses, observed)
-        if program.has_regions:  # what the regions read and called differs batch to batch
+        if program.varies:  # what the regions read and called differs batch to batch
             reads = captured.tap.reads()
             count = uses(self.plan, served_calls(self.plan, captured), reads)
             checked = [p for p in self.plan.by_rule + self.plan.raw if not count[p.name]]
-        else:
-            reads, count = [], dict(program.uses)
+        else:  # the analysed calls, and the light regions' reads in the analysed order
+            reads, count = captured.tap.reads(), dict(program.uses)
             checked = [self.plan.find(name) for name in program.checked]
         done = Served(count, checked, program.requests)
         reducer, grads = serve(self.plan, captured, want, done, reads)
@@ -248,8 +251,10 @@ class Engine:
         unseen = [p for p in watched if not count[p.name]]
         uses = {p.name: count[p.name] for p in watched}
         asked = None
-        if not regions.modules:  # the same calls every batch: the same requests
-            asked = requests(served_calls(self.plan, captured), (), [p.param for p in unseen])
+        if regions.fixed:  # the same calls and reads every batch: the same requests
+            reads = captured.tap.timeline if captured.tap else []
+            calls = served_calls(self.plan, captured)
+            asked = requests(calls, reads, [p.param for p in unseen])
         checked = tuple(p.name for p in unseen)
         return program_of(captured, regions, asked, checked, uses, len(self.record.moves))
 

@@ -162,6 +162,35 @@ class PositionBlock(nn.Module):
         return h + self.gamma * self.fc(h + self.pos)
 
 
+class AttentionBlock(nn.Module):
+    """``nn.MultiheadAttention`` over padded tokens, its padding mask an input whose values
+    differ batch to batch: its projections read inside ``F.multi_head_attention_forward`` on
+    sequence-first rows (a light region, ``passes/light.py``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(D, 2, batch_first=True)
+
+    def forward(self, h: Tensor, mask: Tensor) -> Tensor:
+        return self.attn(h, h, h, key_padding_mask=mask == 0, need_weights=False)[0]
+
+
+class Reader(nn.Module):
+    """Raw weights read by ``F.linear`` (a light region), which one, and whether an op comes
+    first, by the state it keeps (``how`` says which): a later batch reads otherwise."""
+
+    def __init__(self, how: str = "read"):
+        super().__init__()
+        self.how, self.odd = how, False
+        self.w1, self.w2 = nn.Parameter(torch.randn(D, D)), nn.Parameter(torch.randn(D, D))
+
+    def forward(self, h: Tensor) -> Tensor:
+        odd = self.odd
+        if odd and self.how == "op":
+            h = h * 2
+        return F.linear(h, self.w2 if odd and self.how == "read" else self.w1)
+
+
 class InBlock(nn.Module):
     """A projection, a block whose forward needs analysis on every batch, a head."""
 
@@ -174,7 +203,14 @@ class InBlock(nn.Module):
         return self.head(torch.tanh(h).mean(1))
 
 
-BLOCKS = {"routed-block": RoutedBlock, "masked-block": MaskedBlock, "position-block": PositionBlock}
+BLOCKS = {
+    "routed-block": RoutedBlock,
+    "masked-block": MaskedBlock,
+    "position-block": PositionBlock,
+    "attention-block": AttentionBlock,
+    "read-block": Reader,
+    "op-block": lambda: Reader("op"),
+}
 
 
 def _batches(model: str, n: int = 3) -> list[tuple[tuple[Tensor, ...], Tensor]]:
@@ -200,6 +236,11 @@ def _batches(model: str, n: int = 3) -> list[tuple[tuple[Tensor, ...], Tensor]]:
             mask[1, 2:] = 0 if seed % 2 else 1  # every other batch padded
             out.append(((x, mask), y))
             continue
+        if model == "attention-block":  # other examples padded, and by other lengths
+            mask = torch.ones(BATCH, 4, dtype=torch.long)
+            mask[seed % BATCH, 1 + seed % 3 :] = 0
+            out.append(((x, mask), y))
+            continue
         if model == "value":  # all positive on every other batch: each example alike
             x = (x.abs() + 1) * (1 if seed % 2 else -1)
         out.append(((x,), y))
@@ -220,6 +261,8 @@ CASES = ["dense", "module", "raw", "outside", "flip", "value", "routed", "padded
 def _set_state(model: nn.Module, k: int) -> None:
     if isinstance(model, Sometimes):
         model.odd = k % 2 == 0  # the first batch analysed odd, the second even, ...
+    if isinstance(model, InBlock) and isinstance(model.block, Reader):
+        model.block.odd = k % 2 == 1  # the first batch analysed as usual, the second not
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -248,6 +291,9 @@ def test_every_batch_of_one_signature_is_exact_through_fresh_api_calls(case: str
         ("routed-block", 2),
         ("masked-block", 2),
         ("position-block", 2),
+        ("attention-block", 2),
+        ("read-block", 0),
+        ("op-block", 0),
     ],  # fmt: skip
 )
 def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: int):
@@ -268,7 +314,14 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
     elif replays == 0:
         assert findings.why is not None  # a program, whose witness failed
     if case in BLOCKS:  # the block is the region, analysed again on every batch
-        assert findings.programs[-1].regions == {id(model.block)}
+        region = model.block.attn if case == "attention-block" else model.block
+        assert findings.programs[-1].regions == {id(region)}
+    # a region reading whole parameters on rows laid out by shapes alone replays light
+    steps = findings.programs[-1].steps if findings.programs else ()
+    light = [s.light is not None for s in steps if hasattr(s, "light")]
+    assert light == [case in ("attention-block", "read-block", "op-block")] * len(light)
+    if case in ("read-block", "op-block"):  # the light region's witness failed
+        assert "read" in findings.why or "operations" in findings.why, findings.why
 
 
 @pytest.mark.parametrize("case", ["dense", "value", "routed", "padded", *BLOCKS])
@@ -282,6 +335,7 @@ def test_every_batch_of_one_cli_run_is_exact(tmp_path, case: str):
     model = _build(case)
     batches = _batches(case)
     columns = {"padded": ["ids", "mask"], "dense": ["ids"], "masked-block": ["x", "mask"]}
+    columns["attention-block"] = ["x", "mask"]
     columns = columns.get(case, ["x"])
     data = {c: torch.cat([b[0][k] for b in batches]) for k, c in enumerate(columns)}
     data["y"] = torch.cat([b[1] for b in batches])

@@ -95,21 +95,6 @@ def sdpa_math(
     return scores.softmax(-1) @ v
 
 
-def bind_affine(name: str, args: tuple, kwargs: dict) -> tuple | None:
-    """(input, weight, bias) of a linear, matmul or embedding call, or None."""
-    if name == "linear":
-        x, weight = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
-        bias = args[2] if len(args) > 2 else kwargs.get("bias")
-        return x, weight, bias
-    if name == "embedding":
-        return args[0], args[1] if len(args) > 1 else kwargs.get("weight"), None
-    if name == "__rmatmul__":  # W.__rmatmul__(x) is x @ W
-        args = (args[1], args[0])
-    if len(args) == 2 and isinstance(args[1], Tensor) and args[1].dim() == 2:
-        return args[0], args[1], None
-    return None
-
-
 def masked_by(args: tuple, kwargs: dict, watched: Callable) -> bool:
     """Whether an attention call without dropout takes a watched tensor as its mask."""
     mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)

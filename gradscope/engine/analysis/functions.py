@@ -11,12 +11,12 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
 from ...rules import Contribution, Dense
-from ...rules.embedding import lookup
 from ...rules.linear import affine_parts
 from ...rules.placed import Place, Placed
 from ..capture import read_at
-from ..rows import regroup, rows_of
-from .bind import bind_affine, bind_conv, conv_parts, einsum_terms
+from ..passes.light import Recipe, bind_affine, read_parts, viewed_parts
+from ..rows import Lanes, regroup, rows_of
+from .bind import bind_conv, conv_parts, einsum_terms
 from .derived import Derived, Watched
 from .owners import is_batch, reduce, slots
 from .policy import assumable, shared
@@ -54,29 +54,25 @@ class FunctionReads:
                 self._other(d, f"{name} on rows that mix examples")
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        if rows is ASSUMED:
+        assumed_rows = rows is ASSUMED
+        if assumed_rows:
             rows = None
             self.trace.owners[out] = self.trace.standard(out.dim())
         if not out.requires_grad:
             return out
-        a = x.detach()
-        shape = weight.shape
         rows = None if rows is None else rows_of(rows, self.batch)
+        by_role = read_parts(name, x.detach(), weight, bias, rows, args, kwargs, self.batch)
 
         def parts(grad: Tensor) -> dict[str, Contribution]:
-            (xs, g), counts = (a, grad), None
-            if rows is not None:
-                (xs, g), counts = regroup(rows, self.batch, a, grad)
-            if name == "embedding":
-                padding = kwargs.get("padding_idx", args[2] if len(args) > 2 else None)
-                by_freq = kwargs.get("scale_grad_by_freq", args[5] if len(args) > 5 else False)
-                got = {"weight": lookup(xs, g, shape[0], padding, by_freq)}
-            else:
-                transposed = name != "linear"  # x @ W: W is (in, out)
-                got = affine_parts(xs, g, weight, bias, transposed, counts)
+            got = by_role(grad)
             return _credit((d, got[role]) for role, d in reads if role in got)
 
-        self._read_output(tuple(p for _, d in reads for p in d.params), out, parts, args)
+        whole = all(isinstance(d, Derived) and d.place == Place() for _, d in reads)
+        recipe = None  # a read laid out by shapes alone, of whole parameters: a light region's
+        if whole and not (expanded or assumed_rows) and (rows is None or isinstance(rows, Lanes)):
+            roles = tuple((role, d.param.name) for role, d in reads)
+            recipe = Recipe(name, roles, tuple(x.shape), rows)
+        self._read_output(tuple(p for _, d in reads for p in d.params), out, parts, args, recipe)
         return out
 
     def _product(self, name: str, func, args: tuple, kwargs: dict) -> Tensor | None:
@@ -226,10 +222,10 @@ class FunctionReads:
         self._read_output(d.params, out, parts, args)
         return out
 
-    def _read_output(self, params: tuple, out: Tensor, parts, args: tuple) -> None:
+    def _read_output(self, params: tuple, out: Tensor, parts, args: tuple, recipe=None) -> None:
         """``_use`` on a function's output, read where ``graph.read_at`` says."""
         target, viewed = read_at(out, tree_flatten(args)[0])
-        self._use(params, target, parts if viewed is None else lambda grad: parts(viewed(grad)))
+        self._use(params, target, parts if viewed is None else viewed_parts(parts, viewed), recipe)
 
     def _experts(self, d: Watched, weight: Tensor, a: Tensor, grad: Tensor, owner, ends) -> dict:
         """Expert e's Linear on rows ends[e-1]:ends[e] of ``a`` (owned by ``owner``), placed at

@@ -52,7 +52,10 @@ def program_of(
             item = opened.pop(id(obj))
             item.during = None if inside is not None or item.spans_region else at - last
         elif what == "enter" and inside is None and id(obj) in starts:
-            items.append(RegionCall(id(obj.module), obj.entry, obj.exit, obj.steps, at - last))
+            light, during = regions.light.get(id(obj)), obj.at_exit - obj.at_entry
+            items.append(
+                RegionCall(id(obj.module), obj.entry, obj.exit, obj.steps, at - last, light, during)
+            )
             inside = obj
             for item in opened.values():
                 item.spans_region = True

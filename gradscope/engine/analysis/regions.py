@@ -17,6 +17,7 @@ A need whose every enclosing call fails these leaves the signature without a pro
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from ..capture import counter
+from ..passes.light import Recipe
 from .owners import NONE, lane_of
 from .trace import ByTensor, RowTrace
 
@@ -53,10 +55,19 @@ class Visit:
 
 @dataclass
 class Regions:
-    """The visits whose module is a region, per module, in the order they began."""
+    """The visits whose module is a region, per module, in the order they began; and of those
+    that are light (``passes/light.py``: their only needs are reads a recipe serves, and no
+    hooked module is called inside them), the recipes, by id of the visit."""
 
     modules: frozenset[int] = frozenset()
     visits: list[Visit] = field(default_factory=list)
+    light: dict[int, tuple[Recipe, ...]] = field(default_factory=dict)
+
+    @property
+    def fixed(self) -> bool:
+        """Whether a replayed batch makes the analysed calls and reads, in the analysed order:
+        no region, or light ones alone."""
+        return all(id(v) in self.light for v in self.visits)
 
 
 class Finder:
@@ -68,7 +79,8 @@ class Finder:
         self.model, self.events, self.trace, self.derived = model, events, trace, derived
         self.visits: list[Visit] = []
         self.stack: list[Visit] = []
-        self.needs: list[tuple[str, tuple[Visit, ...]]] = []
+        # (why, the visits under way, the recipe of a read that has one, autograd's counter)
+        self.needs: list[tuple[str, tuple[Visit, ...], Recipe | None, int]] = []
         self.log: list[tuple[str, object, int]] = []  # (what, its event or visit, counter)
         self._born = ByTensor()  # tensor -> the innermost visit's index when it was made
         self._handles: list = []
@@ -104,9 +116,10 @@ class Finder:
                 if id(t) not in v.arg_ids:
                     v.foreign = True
 
-    def need(self, why: str) -> None:
-        """Something at this point of the forward needs analysis on every batch."""
-        self.needs.append((why, tuple(self.stack)))
+    def need(self, why: str, recipe: Recipe | None = None) -> None:
+        """Something at this point of the forward needs analysis on every batch; ``recipe``:
+        a read that a light region can serve again without it."""
+        self.needs.append((why, tuple(self.stack), recipe, counter()))
 
     # -- the hooks ---------------------------------------------------------------------------
 
@@ -150,7 +163,7 @@ class Finder:
         """The regions that cover every need; or why there are none (a need that no call around
         it, the model's own call aside, can hold)."""
         chosen: set[int] = set()
-        for why, stack in self.needs:
+        for why, stack, _, _ in self.needs:
             for v in reversed(stack):
                 if v.parent is not None and self._holds(v.module):
                     chosen.add(id(v.module))
@@ -162,7 +175,15 @@ class Finder:
             for v in self.visits
             if id(v.module) in chosen and not any(id(u.module) in chosen for u in _above(v))
         ]
-        return Regions(frozenset(chosen), outer)
+        return Regions(frozenset(chosen), outer, {id(v): r for v in outer if (r := self._light(v))})
+
+    def _light(self, v: Visit) -> tuple[Recipe, ...] | None:
+        """The recipes of a region call whose every need is a read with one, each with the
+        autograd nodes made from the call's start to the read's end; None for any other."""
+        mine = [(recipe, at) for _, stack, recipe, at in self.needs if v in stack]
+        if v.steps or not mine or any(recipe is None for recipe, _ in mine):
+            return None
+        return tuple(dataclasses.replace(recipe, at=at - v.at_entry) for recipe, at in mine)
 
     def _holds(self, module: nn.Module) -> bool:
         """Whether every call of ``module`` can be a region."""

@@ -27,7 +27,6 @@ mix examples) is recorded, and the parameter goes to the fallback with the op's 
 from __future__ import annotations
 
 import functools
-import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -41,6 +40,7 @@ from torch.utils._pytree import tree_flatten
 
 from ...rules import Contribution
 from ...rules.placed import Place
+from ..passes.light import METADATA, OPENED, Recipe
 from ..plan import ParamPlan
 from .bind import CONVS, GROUPED, masked_by, sdpa_math
 from .broadcasts import WRITTEN, BroadcastReads
@@ -54,9 +54,6 @@ if TYPE_CHECKING:
     from .regions import Finder
 from .views import CASTS, SCALES, SHIFTS, VIEWS, places
 
-READS = {"__get__", "size", "dim", "numel", "ndimension", "nelement", "shape", "dtype"}
-READS |= {"device", "requires_grad", "is_floating_point", "data_ptr", "__len__"}
-READS |= {"_has_compatible_shallow_copy_type"}
 # an op with a matrix product and an addition fused, run as the two (each served where it can
 # be) when it scales neither: ``baddbmm(b, x, W)`` is ``b + bmm(x, W)``
 FUSED = {"baddbmm": torch.bmm, "addmm": torch.matmul}
@@ -102,6 +99,7 @@ class ParamTap(FunctionReads, BroadcastReads, TorchFunctionMode):
         for p in params:
             self.derived[p.param] = Derived(p)
         self.uses: dict[str, Uses] = {p.name: Uses() for p in params}
+        self.timeline: list[Use] = []  # every read, in the order the forward made them
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._on_grad: Callable[[Use, Tensor], None] | None = None
         self.finder: Finder | None = None  # the analysis's (regions.py): told what needs it
@@ -109,7 +107,7 @@ class ParamTap(FunctionReads, BroadcastReads, TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = op_name(func)
-        if name in READS or (func.__name__ == "__get__" and name not in VIEWS):
+        if name in METADATA or (func.__name__ == "__get__" and name not in VIEWS):
             return func(*args, **kwargs)  # metadata: asked before any lookup
         if name == "__set__" and len(args) == 2 and args[0] is args[1]:
             return func(*args, **kwargs)  # p.data = p: Module.to(the dtype it has already)
@@ -118,9 +116,9 @@ class ParamTap(FunctionReads, BroadcastReads, TorchFunctionMode):
             return func(*args, **kwargs)
         if self.finder is not None:
             self.finder.read(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor))
-        if name in OPEN:
+        if func in OPENED:
             with self:  # the function's own ops come to this mode, one by one
-                return _opened(func)(*args, **kwargs)
+                return OPENED[func](*args, **kwargs)
         served = self._served(name, found, func, args, kwargs)
         if served is None and self._batch_free(args, kwargs) and _pure(name, kwargs):
             served = self._computed(func, args, kwargs)
@@ -225,7 +223,11 @@ class ParamTap(FunctionReads, BroadcastReads, TorchFunctionMode):
 
     # -- the backward --------------------------------------------------------------------------
 
-    def _use(self, params: tuple[ParamPlan, ...], out: Tensor, parts) -> None:
+    def _use(
+        self, params: tuple[ParamPlan, ...], out: Tensor, parts, recipe: Recipe | None = None
+    ) -> None:
+        """A read the rules serve, its gradient to arrive at ``out``; ``recipe``: how a light
+        region serves it again on a later batch (``passes/light.py``), where one can."""
         with torch._C.DisableTorchFunction():  # the trace below need not see this
             edge = _edge(out)
             if edge is None:  # read where no gradient is recorded (under no_grad)
@@ -234,8 +236,9 @@ class ParamTap(FunctionReads, BroadcastReads, TorchFunctionMode):
             self._hooks.append(out.register_hook(functools.partial(self._read, use)))
         for p in params:
             self.uses[p.name].reads.append(use)
+        self.timeline.append(use)
         if self.finder is not None:
-            self.finder.need("a parameter read outside its module's calls")
+            self.finder.need("a parameter read outside its module's calls", recipe)
 
     def _read(self, use: Use, grad: Tensor | None) -> Tensor | None:
         if self._on_grad is None or grad is None:  # None: as in HookSession.backward
@@ -291,20 +294,5 @@ def _pure(name: str, kwargs: dict) -> bool:
     return not (inplace or "out" in kwargs)
 
 
-@functools.cache
-def _opened(func: Callable) -> Callable:
-    """A copy of ``func`` that skips its own hand-over to the torch function modes: run under
-    the tap, each op inside it (the projections' ``linear``) comes to the tap by itself."""
-    scope = {**func.__globals__, "has_torch_function": lambda *_: False}
-    opened = types.FunctionType(
-        func.__code__, scope, func.__name__, func.__defaults__, func.__closure__
-    )
-    opened.__kwdefaults__ = func.__kwdefaults__
-    return opened
-
-
-# functions written in Python over torch ops, opened so that the tap sees the ops inside:
-# nn.MultiheadAttention's projections are F.linear calls within it
-OPEN = {"multi_head_attention_forward"}
 IN_PLACE = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__"}
 IN_PLACE |= {"__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}

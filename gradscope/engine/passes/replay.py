@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten
 from ..capture import Call, Capture, counter, first_output, shapes_of
 from ..rows import Rows
 from .backward import Requests
+from .light import Recipe
 
 
 class Diverged(Exception):
@@ -63,6 +64,8 @@ class RegionCall:
     exit: tuple  # owner specs of its tensor outputs
     steps: int  # the analysed calls of hooked modules inside it: the region's own each batch
     before: int  # autograd nodes made since the previous event, up to its start
+    light: tuple[Recipe, ...] | None = None  # a light region's reads (``light.py``)
+    during: int = 0  # autograd nodes made during the call
 
 
 @dataclass(frozen=True)
@@ -78,8 +81,10 @@ class Program:
     regions: frozenset[int]  # ids of the region modules
 
     @property
-    def has_regions(self) -> bool:
-        return bool(self.regions)
+    def varies(self) -> bool:
+        """Whether what a replayed batch calls and reads differs batch to batch: a region that
+        is not light runs the trace and the tap again."""
+        return any(isinstance(s, RegionCall) and s.light is None for s in self.steps)
 
 
 class Region:
