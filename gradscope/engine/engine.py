@@ -47,8 +47,12 @@ class BatchScores:
 
 
 def total(per_param: dict[str, Tensor]) -> Tensor:
-    """The sum over parameters of per-parameter, per-example quantities, in float64."""
-    return torch.stack([v.double() for v in per_param.values()]).sum(0)
+    """The sum over parameters of per-parameter, per-example quantities, in float64: one cast
+    of them all where they share a dtype (hundreds of small casts cost a pass ~0.2 ms)."""
+    values = list(per_param.values())
+    if any(v.dtype != values[0].dtype for v in values):
+        values = [v.double() for v in values]
+    return torch.stack(values).double().sum(0)
 
 
 @contextlib.contextmanager
