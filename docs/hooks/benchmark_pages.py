@@ -2,8 +2,11 @@
 file and never edits prose.
 
 - ``bench.py --json`` files (every file whose results are per workload and method): the tables
-  of ratios to the floor, rendered by bench.py's own ``markdown``, and the targets below;
-- ``*-hf-sweep.md`` and ``*-layers.md``: the summaries the harness wrote beside its JSON.
+  of ratios to the floor, rendered by bench.py's own ``markdown``, and the targets below, the
+  CPU's on one page and the GPU's on another;
+- ``cuda_check.py --json`` files (``*-check.json``): its table of errors and syncs;
+- ``*-hf-sweep.md``, ``*-layers.md`` and ``*-check-bf16.md``: summaries written beside a JSON,
+  or in place of one.
 """
 
 from __future__ import annotations
@@ -103,12 +106,14 @@ def _bench():
     return bench
 
 
-def bench_files() -> list[Path]:
-    """The bench.py results files, newest name first."""
+def bench_files(device: str = "cpu") -> list[Path]:
+    """The bench.py results files measured on ``device`` (cpu, cuda), newest name first."""
     files = []
     for path in sorted(RESULTS.glob("*.json"), reverse=True):
-        results = json.loads(path.read_text()).get("results")
-        if isinstance(results, list) and results and "method" in results[0]:
+        report = json.loads(path.read_text())
+        results = report.get("results")
+        on = report.get("environment", {}).get("device", "cpu").split(":")[0]
+        if isinstance(results, list) and results and "method" in results[0] and on == device:
             files.append(path)
     return files
 
@@ -117,11 +122,13 @@ def _environment(env: dict) -> str:
     peers = ", ".join(
         f"{name} {env[name]}" for name in ("opacus", "backpack-for-pytorch") if env.get(name)
     )
+    gpu = f" ({env['gpu']}, {env.get('dtype', 'float32')})" if env.get("gpu") else ""
     return (
         f"gradscope at `{env.get('commit', '?')}`; Python {env.get('python')}, torch "
         f"{env.get('torch')}{', ' + peers if peers else ''}; {env.get('machine')}, "
         f"{env.get('cpus')} CPUs, {env.get('torch_threads')} torch thread(s), device "
-        f"{env.get('device')}; up to {env.get('repeats')} timed rounds after {env.get('warmup')} "
+        f"{env.get('device')}{gpu}; up to {env.get('repeats')} timed rounds after "
+        f"{env.get('warmup')} "
         f"warm-up, {env.get('budget_s')} s of samples per method"
         + ("; each call's CPU time (`--clock cpu`)." if env.get("clock") == "cpu" else ".")
     )
@@ -164,10 +171,11 @@ def targets(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def bench_results() -> str:
-    """Each bench.py results file: its environment, its tables and the targets against it."""
+def bench_results(device: str = "cpu") -> str:
+    """Each bench.py results file of ``device``: its environment, its tables and the targets
+    against it."""
     bench, out = _bench(), []
-    for path in bench_files():
+    for path in bench_files(device):
         report = json.loads(path.read_text())
         results = [bench.Result(**r) for r in report["results"]]
         workloads = list(dict.fromkeys(r.workload for r in results))
@@ -178,6 +186,23 @@ def bench_results() -> str:
             table = bench.markdown([r for r in results if r.workload in chunk], chunk)
             out += [table, ""]
         out += ["Against the targets:", "", targets(report["results"]), ""]
+    return "\n".join(out)
+
+
+def cuda_checks() -> str:
+    """Each ``*-check.json`` of ``benchmarks/cuda_check.py``: where it ran, and its table."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    import cuda_check
+
+    out = []
+    for path in sorted(RESULTS.glob("*-check.json"), reverse=True):
+        report = json.loads(path.read_text())
+        env = report["environment"]
+        checks = [cuda_check.Check(**c) for c in report["checks"]]
+        out += [f"### `{path.name}`", ""]
+        out += [f"gradscope at `{env['commit']}` on {env['gpu']}, torch {env['torch']}:", ""]
+        out += [cuda_check.markdown(checks), ""]
     return "\n".join(out)
 
 

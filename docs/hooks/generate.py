@@ -17,6 +17,9 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "columns": reference.column_reference,
     "versions": reference.tested_versions,
     "bench": benchmark_pages.bench_results,
+    "bench-gpu": lambda: benchmark_pages.bench_results("cuda"),
+    "cuda-check": benchmark_pages.cuda_checks,
+    "cuda-check-bf16": lambda: benchmark_pages.harness_summary("check-bf16"),
     "hf-sweep": lambda: benchmark_pages.harness_summary("hf-sweep"),
     "layers": lambda: benchmark_pages.harness_summary("layers"),
 }
