@@ -168,9 +168,12 @@ class Capture:
                 detached[id(t)] = t.detach().clone() if copy else t.detach()
             return detached[id(t)]
 
-        n = leading(args)
-        inputs = tuple(keep(a) for a in args[:n])
         named = {}
+        if len(args) == 1 and not kwargs and not copy and isinstance(args[0], Tensor):
+            n, inputs = 1, (args[0].detach(),)  # most calls: one input, nothing else
+        else:
+            n = leading(args)
+            inputs = tuple(keep(a) for a in args[:n])
         if n < len(args) or kwargs:
             # positional arguments after the leading tensors, named as the forward names them
             names = positional_names(type(module))[n:]

@@ -138,8 +138,10 @@ class Grouped:
         self._size = 0
 
     def take(self, call: Call, grad: Tensor) -> None:
-        rule = self.rules.get(id(call.module))
-        size = grad.numel() + sum(t.numel() for t in call.inputs)
+        rule, inputs = self.rules.get(id(call.module)), call.inputs
+        size = grad.numel() + (
+            inputs[0].numel() if len(inputs) == 1 else sum(t.numel() for t in inputs)
+        )
         if (
             rule is None
             or rule.alike is None
