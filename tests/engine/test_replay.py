@@ -177,7 +177,9 @@ class AttentionBlock(nn.Module):
 
 class Reader(nn.Module):
     """Raw weights read by ``F.linear`` (a light region), which one, and whether an op comes
-    first, by the state it keeps (``how`` says which): a later batch reads otherwise."""
+    first, by the state it keeps (``how`` says which): a later batch reads otherwise. With
+    ``cast`` the weight is cast to the dtype it has (itself: still light), with ``copy`` to
+    float32 and back (a copy: a region traced again)."""
 
     def __init__(self, how: str = "read"):
         super().__init__()
@@ -188,7 +190,12 @@ class Reader(nn.Module):
         odd = self.odd
         if odd and self.how == "op":
             h = h * 2
-        return F.linear(h, self.w2 if odd and self.how == "read" else self.w1)
+        w = self.w2 if odd and self.how == "read" else self.w1
+        if self.how == "cast":
+            w = w.to(h.dtype)
+        if self.how == "copy":
+            w = w.float().to(h.dtype)
+        return F.linear(h, w)
 
 
 class InBlock(nn.Module):
@@ -210,6 +217,8 @@ BLOCKS = {
     "attention-block": AttentionBlock,
     "read-block": Reader,
     "op-block": lambda: Reader("op"),
+    "cast-block": lambda: Reader("cast"),
+    "copy-block": lambda: Reader("copy"),
 }
 
 
@@ -294,6 +303,8 @@ def test_every_batch_of_one_signature_is_exact_through_fresh_api_calls(case: str
         ("attention-block", 2),
         ("read-block", 0),
         ("op-block", 0),
+        ("cast-block", 2),
+        ("copy-block", 2),
     ],  # fmt: skip
 )
 def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: int):
@@ -319,7 +330,8 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
     # a region reading whole parameters on rows laid out by shapes alone replays light
     steps = findings.programs[-1].steps if findings.programs else ()
     light = [s.light is not None for s in steps if hasattr(s, "light")]
-    assert light == [case in ("attention-block", "read-block", "op-block")] * len(light)
+    lights = ("attention-block", "read-block", "op-block", "cast-block")
+    assert light == [case in lights] * len(light)
     if case in ("read-block", "op-block"):  # the light region's witness failed
         assert "read" in findings.why or "operations" in findings.why, findings.why
 

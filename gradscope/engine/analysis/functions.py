@@ -67,7 +67,8 @@ class FunctionReads:
             got = by_role(grad)
             return _credit((d, got[role]) for role, d in reads if role in got)
 
-        whole = all(isinstance(d, Derived) and d.place == Place() for _, d in reads)
+        given = {"weight": weight, "bias": bias}  # the parameters themselves, not cast copies
+        whole = all(isinstance(d, Derived) and given[role] is d.param.param for role, d in reads)
         recipe = None  # a read laid out by shapes alone, of whole parameters: a light region's
         if whole and not (expanded or assumed_rows) and (rows is None or isinstance(rows, Lanes)):
             roles = tuple((role, d.param.name) for role, d in reads)

@@ -137,15 +137,19 @@ class LightRegion(TorchFunctionMode):
         if func in OPENED:
             with self:  # its projections come to this mode one by one
                 return OPENED[func](*args, **kwargs)
-        return self._read(func, args, kwargs)
-
-    def _read(self, func, args: tuple, kwargs: dict):
         recipe = self.recipes[self._next] if self._next < len(self.recipes) else None
-        self._next += 1
-        op = _name(func)
-        call = bind_affine(op, args, kwargs) if recipe is not None and op == recipe.op else None
+        if recipe is not None and _name(func) == recipe.op:
+            self._next += 1
+            return self._read(recipe, func, args, kwargs)
+        out = func(*args, **kwargs)
+        if not (isinstance(out, Tensor) and id(out) in self.watched):  # W.to(its own dtype): W
+            self.why = self.why or f"another read than the analysed batch's ({_name(func)})"
+        return out
+
+    def _read(self, recipe: Recipe, func, args: tuple, kwargs: dict):
+        call = bind_affine(recipe.op, args, kwargs)
         if call is None or not self._matches(recipe, *call):
-            self.why = self.why or f"another read than the analysed batch's ({op})"
+            self.why = self.why or f"another read than the analysed batch's ({recipe.op})"
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         if counter() - self._start != recipe.at:
