@@ -1,6 +1,6 @@
 """Calls of modules a rule treats alike (``Rule.alike``) answered together: where a pass asks for
 norms alone, small calls of alike modules on inputs of one shape are answered by one run of
-their rule over the stacked examples (``passes/serve.Grouped``). Exact against the float64 loop
+their rule over the stacked examples (``passes/grouped.Grouped``). Exact against the float64 loop
 on a model that mixes what may go together with what may not: tied and twice-called modules
 (merged), a Linear without bias beside ones with, inputs of two lengths, a library norm."""
 
@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 import gradscope
 from gradscope.engine import Engine, naive_grads
-from gradscope.engine.passes import serve
+from gradscope.engine.passes.grouped import Grouped
 from gradscope.losses import resolve_loss
 
 
@@ -55,21 +55,21 @@ CASE = Case(
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_alike_calls_answered_together_match_the_loop(tmp_path, monkeypatch, dtype):
     together: list[int] = []
-    answer = serve.Grouped._together
+    answer = Grouped._together
 
     def counting(self, served, reducer, batch, held):
         done = answer(self, served, reducer, batch, held)
         together.append(len(held) if done else 0)
         return done
 
-    monkeypatch.setattr(serve.Grouped, "_together", counting)
+    monkeypatch.setattr(Grouped, "_together", counting)
     assert_case_matches_loop(CASE, dtype, 1e-5 if dtype == torch.float64 else 1e-4, tmp_path)
     assert together and all(together), together  # groups of two or more, each answered
 
 
 def test_a_group_whose_rule_fails_is_answered_call_by_call(monkeypatch):
     model, inputs, targets = CASE.build()
-    monkeypatch.setattr(serve.Grouped, "_together", lambda *args: False)
+    monkeypatch.setattr(Grouped, "_together", lambda *args: False)
     got = gradscope.per_example_norms(model, inputs, targets, "mse")
     assert_rel_close(got, reference_norms(model, inputs, targets)[1], 1e-9)
 
@@ -92,9 +92,9 @@ def test_inner_products_of_alike_calls_match_the_loop(monkeypatch, exclude):
     # three references a parameter; with blocks.2's weight left out, its group has no
     # references to stack and is answered call by call
     together: list[bool] = []
-    answer = serve.Grouped._together
+    answer = Grouped._together
     monkeypatch.setattr(
-        serve.Grouped, "_together", lambda *a: together.append(answer(*a)) or together[-1]
+        Grouped, "_together", lambda *a: together.append(answer(*a)) or together[-1]
     )
     model, inputs, targets = CASE.build()
     loss = resolve_loss("mse")

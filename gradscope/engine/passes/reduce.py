@@ -157,7 +157,7 @@ class Reducer:
         inner: Tensor | None,
         batch_sum: Callable[[], Tensor] | None,
     ) -> None:
-        """What was answered elsewhere (``serve.Grouped``): a squared norm and inner products
+        """What was answered elsewhere (``grouped.Grouped``): a squared norm and inner products
         where asked for, and the sum over the examples where the self-check asks for it."""
         if norm_sq is not None:
             self.norm_sq[name] = norm_sq

@@ -1,0 +1,111 @@
+"""Small calls of alike modules answered together: the rule run once over their examples
+stacked, where a call's few small ops cost more to dispatch than to compute (``Grouped``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from ...errors import GradscopeError
+from ...rules import Contribution
+from ...rules.base import CHUNK_ELEMENTS
+from ..capture import Call, shapes_of
+from ..plan import ParamPlan, Plan
+from .reduce import Reducer, Want
+
+# A call whose inputs and output gradient hold at most this many elements waits for the calls
+# of modules its rule treats alike (``Rule.alike``), to be answered with them by one run.
+GROUPED_ELEMENTS = 1 << 16
+
+
+class Grouped:
+    """Small calls held back until the backward ends; then the calls of modules their rule
+    treats alike, on inputs and output gradients of one shape, are answered by one run of the
+    rule over their examples stacked, one norm and one product with the references of them all:
+    the host-bound passes, where a call's rule costs more to dispatch than to compute. The first
+    batch of a signature answers its calls so too, each call's sum over its examples for the
+    self-check beside (every batch then rounds alike: a run sharded by FSDP, whose decisions
+    come from a batch of their own, gives the bits one process gives). A call of a module
+    holding a parameter that other calls serve too (merged: a module called twice, a tied
+    weight), or whose rule serves it in another layout of rows or with other arguments, goes
+    its own way at once (``on_grad``)."""
+
+    def __init__(self, plan: Plan, merged: Sequence[str], on_grad: Callable[[Call, Tensor], None]):
+        self.on_grad, self.rules = on_grad, plan.rules
+        self.shared = {id(m) for p in plan.by_rule if p.name in merged for m, _ in p.owners}
+        self._held: dict[tuple, list[tuple[Call, Tensor]]] = {}
+        self._size = 0
+
+    def take(self, call: Call, grad: Tensor) -> None:
+        rule, inputs = self.rules.get(id(call.module)), call.inputs
+        size = grad.numel() + (
+            inputs[0].numel() if len(inputs) == 1 else sum(t.numel() for t in inputs)
+        )
+        if (
+            rule is None
+            or rule.alike is None
+            or call.rows is not None
+            or call.kwargs
+            or id(call.module) in self.shared
+            or size > GROUPED_ELEMENTS
+            or self._size + size > CHUNK_ELEMENTS
+        ):
+            self.on_grad(call, grad)
+            return
+        key = (rule.name, rule.alike(call.module), shapes_of(call.inputs), shapes_of((grad,)))
+        self._held.setdefault(key, []).append((call, grad))
+        self._size += size
+
+    def answer(self, served: dict, reducer: Reducer, batch: int) -> None:
+        """Every held call answered: alone where no other is like it."""
+        for held in self._held.values():
+            if len(held) == 1 or not self._together(served, reducer, batch, held):
+                for call, grad in held:
+                    self.on_grad(call, grad)
+        self._held.clear()
+
+    def _together(self, served: dict, reducer: Reducer, batch: int, held: list) -> bool:
+        """The calls answered by one run of their rule, or False where it fails (each call on
+        its own then says which module's rule failed)."""
+        calls = [c for c, _ in held]
+        inputs = tuple(torch.cat(ts) for ts in zip(*(c.inputs for c in calls), strict=True))
+        grad = torch.cat([g for _, g in held])  # (n*B, ...)
+        try:
+            parts = self.rules[id(calls[0].module)].fn(calls[0].module, inputs, grad)
+            mine = {a: [served.get((id(c.module), a)) for c in calls] for a in parts}
+            if reducer.want.refs is not None and any(None in ps for ps in mine.values()):
+                return False  # a call's parameter not selected: no references to stack
+            answers = {a: _answers(part, mine[a], reducer.want, batch) for a, part in parts.items()}
+        except GradscopeError:
+            raise
+        except Exception:  # noqa: BLE001
+            return False
+        for k, call in enumerate(calls):
+            for attr, (norms, inners) in answers.items():
+                p = mine[attr][k]
+                if p is None or p.is_fallback:
+                    continue
+                summed = None  # the call's own examples' sum, where the self-check asks for it
+                if reducer.want.sums:
+                    summed = parts[attr].examples(k * batch, (k + 1) * batch).batch_sum
+                reducer.answered(
+                    p.name,
+                    None if norms is None else norms[k],
+                    None if inners is None else inners[k],
+                    summed,
+                )
+            call.release()
+        return True
+
+
+def _answers(
+    part: Contribution, params: list[ParamPlan | None], want: Want, batch: int
+) -> tuple[Tensor | None, Tensor | None]:
+    """(n, B) squared norms and (n, B, K) inner products, as ``want`` asks, of n calls'
+    contributions stacked in ``part``, each call's with its parameter's references."""
+    norms = part.norm_sq().view(len(params), batch) if want.norms else None
+    if want.refs is None:
+        return norms, None
+    return norms, part.inners(torch.stack([want.refs[p.name] for p in params]), batch)
