@@ -10,7 +10,7 @@ import functools
 import inspect
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -19,16 +19,48 @@ from torch.autograd.graph import GradientEdge
 from .rows import Rows
 
 if TYPE_CHECKING:
+    from ..rules import Contribution
     from .analysis.regions import Finder
     from .analysis.trace import RowTrace
+    from .plan import ParamPlan
 
 
-class Read(Protocol):
-    """A read the tap serves (``analysis/tap.Use``): where its gradient arrives, and whether the
-    backward requests it there (nothing below needs it)."""
+@dataclass(eq=False)
+class Use:
+    """One read of parameters that the rules serve outside their modules' calls (the tap's, a
+    light region's): where its output's gradient arrives, and what it gives then."""
 
+    params: tuple[ParamPlan, ...]
     edge: GradientEdge
-    requested: bool
+    parts: Callable[[Tensor], dict[str, Contribution]]  # output gradient -> {name: part}
+    reached: bool = False  # its gradient arrived in the backward
+    requested: bool = False  # the backward requests its gradient: nothing below needs it
+
+
+class ReadHooks:
+    """The hooks that hand each read's output gradient on as the backward reaches it: ``add``
+    one where a read's gradient arrives, ``reading`` says to whom (None: stop, drop them)."""
+
+    def __init__(self):
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._on_grad: Callable[[Use, Tensor], None] | None = None
+
+    def add(self, target: Tensor, use: Use) -> None:
+        self._hooks.append(target.register_hook(functools.partial(self._arrived, use)))
+
+    def _arrived(self, use: Use, grad: Tensor | None) -> Tensor | None:
+        if self._on_grad is None or grad is None:  # None: as in the captured calls' hooks
+            return None
+        self._on_grad(use, grad)
+        # a requested read's gradient goes nowhere after this: keep no copy of it
+        return grad.new_zeros(()).expand_as(grad) if use.requested else None
+
+    def reading(self, on_grad: Callable[[Use, Tensor], None] | None) -> None:
+        self._on_grad = on_grad
+        if on_grad is None:
+            for handle in self._hooks:
+                handle.remove()
+            self._hooks.clear()
 
 
 @dataclass(eq=False, slots=True)

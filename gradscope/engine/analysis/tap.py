@@ -26,7 +26,6 @@ mix examples) is recorded, and the parameter goes to the fallback with the op's 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -38,8 +37,8 @@ from torch.autograd.graph import GradientEdge
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from ...rules import Contribution
 from ...rules.placed import Place
+from ..capture import ReadHooks, Use
 from ..passes.light import METADATA, OPENED, Recipe
 from ..plan import ParamPlan
 from .bind import CONVS, GROUPED, masked_by, sdpa_math
@@ -57,17 +56,6 @@ from .views import CASTS, SCALES, SHIFTS, VIEWS, places
 # an op with a matrix product and an addition fused, run as the two (each served where it can
 # be) when it scales neither: ``baddbmm(b, x, W)`` is ``b + bmm(x, W)``
 FUSED = {"baddbmm": torch.bmm, "addmm": torch.matmul}
-
-
-@dataclass(eq=False)
-class Use:
-    """One read the rules serve: where its output's gradient arrives, and what it gives then."""
-
-    params: tuple[ParamPlan, ...]
-    edge: GradientEdge
-    parts: Callable[[Tensor], dict[str, Contribution]]  # output gradient -> {name: part}
-    reached: bool = False  # its gradient arrived in the backward
-    requested: bool = False  # the backward requests its gradient: nothing below needs it
 
 
 @dataclass
@@ -100,8 +88,7 @@ class ParamTap(FunctionReads, BroadcastReads, TorchFunctionMode):
             self.derived[p.param] = Derived(p)
         self.uses: dict[str, Uses] = {p.name: Uses() for p in params}
         self.timeline: list[Use] = []  # every read, in the order the forward made them
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._on_grad: Callable[[Use, Tensor], None] | None = None
+        self.hooks = ReadHooks()
         self.finder: Finder | None = None  # the analysis's (regions.py): told what needs it
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -233,19 +220,12 @@ class ParamTap(FunctionReads, BroadcastReads, TorchFunctionMode):
             if edge is None:  # read where no gradient is recorded (under no_grad)
                 return
             use = Use(params, edge, parts)
-            self._hooks.append(out.register_hook(functools.partial(self._read, use)))
+            self.hooks.add(out, use)
         for p in params:
             self.uses[p.name].reads.append(use)
         self.timeline.append(use)
         if self.finder is not None:
             self.finder.need("a parameter read outside its module's calls", recipe)
-
-    def _read(self, use: Use, grad: Tensor | None) -> Tensor | None:
-        if self._on_grad is None or grad is None:  # None: as in HookSession.backward
-            return None
-        self._on_grad(use, grad)
-        # a requested read's gradient goes nowhere after this: keep no copy of it
-        return grad.new_zeros(()).expand_as(grad) if use.requested else None
 
     def reads(self) -> list[Use]:
         """Every read the rules serve, once each."""
@@ -253,11 +233,7 @@ class ParamTap(FunctionReads, BroadcastReads, TorchFunctionMode):
 
     def reading(self, on_grad: Callable[[Use, Tensor], None] | None) -> None:
         """Hand each read's gradient to ``on_grad`` from now on (None: stop, drop the hooks)."""
-        self._on_grad = on_grad
-        if on_grad is None:
-            for handle in self._hooks:
-                handle.remove()
-            self._hooks.clear()
+        self.hooks.reading(on_grad)
 
 
 def _edge(out: Tensor) -> GradientEdge | None:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node
 
-from ..capture import Call, Capture, Read
+from ..capture import Call, Capture, Use
 
 
 def below_targets(roots: Iterable[Node], targets: set[Node]) -> dict[Node, bool]:
@@ -53,7 +53,7 @@ class Requests:
     bare_reads: frozenset[int]
 
 
-def requests(calls: Sequence[Call], reads: Sequence[Read], also: Sequence[Tensor]) -> Requests:
+def requests(calls: Sequence[Call], reads: Sequence[Use], also: Sequence[Tensor]) -> Requests:
     """The ``Requests`` of a forward, read off its autograd graph."""
     nodes = [c.edge.node for c in calls]
     read_nodes = [r.edge.node for r in reads]
@@ -79,7 +79,7 @@ def backward(
     calls: Sequence[Call],
     on_grad: Callable[[Call, Tensor], None],
     also: Sequence[Tensor] = (),
-    reads: Sequence[Read] = (),
+    reads: Sequence[Use] = (),
     asked: Requests | None = None,
 ) -> list[Tensor | None]:
     """One backward of ``total`` that hands each call's output gradient to ``on_grad`` as it

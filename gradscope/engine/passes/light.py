@@ -27,8 +27,8 @@ from torch.utils._pytree import tree_flatten
 from ...rules import Contribution
 from ...rules.embedding import lookup
 from ...rules.linear import affine_parts
-from ..capture import Capture, counter, edge, read_at
-from ..plan import ParamPlan, Plan
+from ..capture import Capture, ReadHooks, Use, counter, edge, read_at
+from ..plan import Plan
 from ..rows import Lanes, Rows, regroup
 
 
@@ -100,17 +100,6 @@ def bind_affine(op: str, args: tuple, kwargs: dict) -> tuple | None:
     return None
 
 
-@dataclass(eq=False)
-class LightUse:
-    """One read a light region served: as ``analysis.tap.Use`` (the backward reads it alike)."""
-
-    params: tuple[ParamPlan, ...]
-    edge: object
-    parts: Callable[[Tensor], dict[str, Contribution]]
-    reached: bool = False
-    requested: bool = False
-
-
 class LightRegion(TorchFunctionMode):
     """One light region call of a replayed batch: ``recipes`` its reads, ``during`` the autograd
     nodes the analysed call made; entered at once, left by ``finish`` (or ``close``)."""
@@ -121,11 +110,10 @@ class LightRegion(TorchFunctionMode):
         self.params = {name: plan.find(name) for r in self.recipes for _, name in r.roles}
         self.watched = {id(p.param) for p in self.params.values()}
         self.session = Capture(())  # no hooked module inside: the replay's hooks find none
-        self.uses: list[LightUse] = []
+        self.uses: list[Use] = []
+        self.hooks = ReadHooks()
         self.why: str | None = None
         self._next = 0
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._on_grad: Callable | None = None
         self._start = counter()
         self._open = True
         self.__enter__()
@@ -162,8 +150,8 @@ class LightRegion(TorchFunctionMode):
                 parts = viewed_parts(parts, viewed)
             params = tuple(self.params[name] for _, name in recipe.roles)
             with torch._C.DisableTorchFunction():
-                use = LightUse(params, edge(target), parts)
-                self._hooks.append(target.register_hook(lambda g, u=use: self._arrived(u, g)))
+                use = Use(params, edge(target), parts)
+                self.hooks.add(target, use)
             self.uses.append(use)
         return out
 
@@ -176,12 +164,6 @@ class LightRegion(TorchFunctionMode):
             and all(given.get(role) is self.params[name].param for role, name in roles.items())
             and all(t is None or id(t) not in self.watched or r in roles for r, t in given.items())
         )
-
-    def _arrived(self, use: LightUse, grad: Tensor | None) -> Tensor | None:
-        if self._on_grad is None or grad is None:
-            return None
-        self._on_grad(use, grad)
-        return grad.new_zeros(()).expand_as(grad) if use.requested else None
 
     # -- as the replay and the backward ask a region ----------------------------------------
 
@@ -204,15 +186,11 @@ class LightRegion(TorchFunctionMode):
     def calls(self) -> list:
         return []
 
-    def reads(self) -> list[LightUse]:
+    def reads(self) -> list[Use]:
         return list(self.uses)
 
     def reading(self, on_grad: Callable | None) -> None:
-        self._on_grad = on_grad
-        if on_grad is None:
-            for handle in self._hooks:
-                handle.remove()
-            self._hooks.clear()
+        self.hooks.reading(on_grad)
 
 
 def viewed_parts(parts: Callable, viewed: Callable) -> Callable:

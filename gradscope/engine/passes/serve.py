@@ -9,22 +9,18 @@ import functools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from ...errors import GradscopeError
 from ...rules import Contribution, Outer, find_rule
-from ..capture import Call, Captured
+from ..capture import Call, Captured, Use
 from ..plan import ParamPlan, Plan
 from ..rows import regroup
 from .backward import Requests, backward
 from .fallback import short_reason
 from .grouped import Grouped
 from .reduce import Reducer, Want
-
-if TYPE_CHECKING:
-    from ..analysis.tap import Use
 
 
 @dataclass
