@@ -125,13 +125,16 @@ class Plan:
         return self._kept("rules", lambda: {id(m): find_rule(m) for m in self.hooked_modules})
 
     @property
-    def hooked_modules(self) -> list[nn.Module]:
+    def hooked_modules(self) -> tuple[nn.Module, ...]:
         """Modules whose calls must be captured: every holder of a parameter a rule serves."""
+        return self._kept("hooked", self._hooked)
+
+    def _hooked(self) -> tuple[nn.Module, ...]:
         seen: dict[int, nn.Module] = {}
         for p in self.by_rule:
             for module, _ in p.owners:
                 seen.setdefault(id(module), module)
-        return list(seen.values())
+        return tuple(seen.values())
 
     def find(self, name: str) -> ParamPlan:
         """The plan of the parameter ``name``: by name, asked once per read a pass serves."""
