@@ -57,8 +57,8 @@ def test_alike_calls_answered_together_match_the_loop(tmp_path, monkeypatch, dty
     together: list[int] = []
     answer = Grouped._together
 
-    def counting(self, served, reducer, batch, held):
-        done = answer(self, served, reducer, batch, held)
+    def counting(self, reducer, batch, held):
+        done = answer(self, reducer, batch, held)
         together.append(len(held) if done else 0)
         return done
 

@@ -33,7 +33,7 @@ class Grouped:
     its own way at once (``on_grad``)."""
 
     def __init__(self, plan: Plan, merged: Sequence[str], on_grad: Callable[[Call, Tensor], None]):
-        self.on_grad, self.rules = on_grad, plan.rules
+        self.on_grad, self.rules, self.served = on_grad, plan.rules, plan.served
         self.shared = {id(m) for p in plan.by_rule if p.name in merged for m, _ in p.owners}
         self._held: dict[tuple, list[tuple[Call, Tensor]]] = {}
         self._size = 0
@@ -58,15 +58,15 @@ class Grouped:
         self._held.setdefault(key, []).append((call, grad))
         self._size += size
 
-    def answer(self, served: dict, reducer: Reducer, batch: int) -> None:
+    def answer(self, reducer: Reducer, batch: int) -> None:
         """Every held call answered: alone where no other is like it."""
         for held in self._held.values():
-            if len(held) == 1 or not self._together(served, reducer, batch, held):
+            if len(held) == 1 or not self._together(reducer, batch, held):
                 for call, grad in held:
                     self.on_grad(call, grad)
         self._held.clear()
 
-    def _together(self, served: dict, reducer: Reducer, batch: int, held: list) -> bool:
+    def _together(self, reducer: Reducer, batch: int, held: list) -> bool:
         """The calls answered by one run of their rule, or False where it fails (each call on
         its own then says which module's rule failed)."""
         calls = [c for c, _ in held]
@@ -74,7 +74,7 @@ class Grouped:
         grad = torch.cat([g for _, g in held])  # (n*B, ...)
         try:
             parts = self.rules[id(calls[0].module)].fn(calls[0].module, inputs, grad)
-            mine = {a: [served.get((id(c.module), a)) for c in calls] for a in parts}
+            mine = {a: [self.served.get((id(c.module), a)) for c in calls] for a in parts}
             if reducer.want.refs is not None and any(None in ps for ps in mine.values()):
                 return False  # a call's parameter not selected: no references to stack
             answers = {a: _answers(part, mine[a], reducer.want, batch) for a, part in parts.items()}

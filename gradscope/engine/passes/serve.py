@@ -97,7 +97,7 @@ def serve(
         if captured.tap:
             captured.tap.reading(None)
     if grouped is not None:
-        grouped.answer(served, reducer, batch)
+        grouped.answer(reducer, batch)
     reducer.finish()
     return reducer, grads
 
