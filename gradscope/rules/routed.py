@@ -1,0 +1,115 @@
+"""The fused 3-D weight of routed experts, read by ``grouped_mm`` on rows whose examples and
+experts the batch's values pick: every number from tensors on the device, no host sync.
+
+Row s of a call is example ``own[s]``'s token, run by expert ``expert[s]`` (the group of the
+call's ``offs`` it falls in; a row past the last group runs no expert). Example b's gradient
+of expert e's (O, I) matrix is G_be = sum over its rows s of s_s a_s^T, so
+
+    ||G_b||^2 = sum over pairs of rows (s, t) of b run by one expert of (s_s . s_t)(a_s . a_t):
+
+the Gram route over rows, masked to pairs of one key (example, expert), in chunks of rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .base import CHUNK_ELEMENTS, Contribution, Dense, _acc
+
+
+def experts_of(offs: Tensor, rows: int) -> Tensor:
+    """(rows,) the group of ``offs`` (cumulative row ends) each row falls in; ``len(offs)`` for
+    a row past the last."""
+    at = torch.arange(rows, device=offs.device, dtype=offs.dtype)
+    return torch.searchsorted(offs, at, right=True)
+
+
+class Routed(Contribution):
+    """G_b = sum over b's rows s of s_s a_s^T at ``W[expert[s]]`` (``a_s s_s^T`` where the
+    weight is (E, I, O), ``transposed``). ``a`` (S, I) inputs and ``s`` (S, O) output gradients
+    of one or more calls, ``own`` (S,) each row's example of
+    ``batch``, ``expert`` (S,) each row's expert (E: none; its output gradient is then zero)."""
+
+    def __init__(
+        self,
+        a: Tensor,
+        s: Tensor,
+        own: Tensor,
+        expert: Tensor,
+        shape: torch.Size,
+        batch: int,
+        transposed: bool,
+    ):
+        self.a, self.s, self.own, self.expert = a, s, own, expert
+        self.shape, self.batch, self.transposed = torch.Size(shape), batch, transposed
+        self.key = own * self.shape[0] + expert.clamp(max=self.shape[0] - 1)
+
+    @classmethod
+    def of(
+        cls,
+        a: Tensor,
+        s: Tensor,
+        own: Tensor,
+        offs: Tensor,
+        shape: torch.Size,
+        batch: int,
+        transposed: bool = False,
+    ) -> Routed:
+        """One ``grouped_mm(a, W or W^T, offs)`` call's contribution from its output gradient."""
+        expert = experts_of(offs, a.shape[0])
+        s = torch.where((expert < shape[0])[:, None], _acc(s), 0)  # the kernel skips those rows
+        return cls(_acc(a), s, own, expert, shape, batch, transposed)
+
+    def norm_sq(self) -> Tensor:
+        n = self.a.shape[0]
+        out = self.s.new_zeros(self.batch)
+        step = max(1, CHUNK_ELEMENTS // max(n, 1))
+        for lo in range(0, n, step):
+            hi = min(lo + step, n)
+            same = self.key[lo:hi, None] == self.key[None, :]
+            pairs = (self.s[lo:hi] @ self.s.T) * (self.a[lo:hi] @ self.a.T) * same
+            out.index_add_(0, self.own[lo:hi], pairs.sum(1))
+        return out
+
+    def inner(self, refs: Tensor) -> Tensor:
+        """sum over b's rows of s_s^T R[expert] a_s (a_s^T R[expert] s_s, transposed), the
+        rows' matrices gathered in chunks."""
+        r = refs.to(self.a.dtype).flatten(0, 1)  # (K*E, O, I)
+        k, e, n = len(refs), self.shape[0], self.a.shape[0]
+        left, right = (self.a, self.s) if self.transposed else (self.s, self.a)
+        out = self.s.new_zeros(k, self.batch)
+        step = max(1, CHUNK_ELEMENTS // max(k * r[0].numel(), 1))
+        at = torch.arange(k, device=self.a.device)[:, None] * e
+        for lo in range(0, n, step):
+            hi = min(lo + step, n)
+            m = r[at + self.key[None, lo:hi] % e]  # (K, rows, O, I)
+            dots = torch.einsum("ro,krop,rp->kr", left[lo:hi], m, right[lo:hi])
+            out.index_add_(1, self.own[lo:hi], dots)
+        return out.T
+
+    def materialize(self) -> Tensor:
+        left, right = (self.a, self.s) if self.transposed else (self.s, self.a)
+        outer = left[:, :, None] * right[:, None, :]  # (S, *W[e])
+        grads = outer.new_zeros(self.batch * self.shape[0], *outer.shape[1:])
+        return grads.index_add_(0, self.key, outer).view(self.batch, *self.shape)
+
+    def examples(self, lo: int, hi: int) -> Contribution:
+        """Examples lo to hi - 1: the other examples' rows kept with zero output gradients
+        (cutting them out would read the batch's values on the host)."""
+        mine = (self.own >= lo) & (self.own < hi)
+        s, own = torch.where(mine[:, None], self.s, 0), torch.where(mine, self.own - lo, 0)
+        return Routed(self.a, s, own, self.expert, self.shape, hi - lo, self.transposed)
+
+    def merge(self, other: Contribution) -> Contribution:
+        """Two calls' rows together: the Gram's pairs across them are the cross terms."""
+        same = (self.shape, self.batch, self.transposed)
+        if isinstance(other, Routed) and (other.shape, other.batch, other.transposed) == same:
+            return Routed(
+                torch.cat([self.a, other.a]),
+                torch.cat([self.s, other.s]),
+                torch.cat([self.own, other.own]),
+                torch.cat([self.expert, other.expert]),
+                *same,
+            )
+        return Dense(self.materialize() + other.materialize())
