@@ -4,6 +4,7 @@ the rules inside, then the fallback for what the rules cannot serve (``README.md
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -25,7 +26,8 @@ from .passes.fallback import Fallback
 from .passes.forward import Forward
 from .passes.light import LightRegion
 from .passes.reduce import Reducer, Want
-from .passes.replay import Diverged, Program, ReplaySession, Taps
+from .passes.replay import Diverged, Program, RegionCall, ReplaySession, Taps
+from .passes.routed import RoutedRegion
 from .passes.serve import Served, serve, served_calls, uses
 from .plan import FALLBACK_LOOP, Plan, build_plan
 from .record import Findings, record_for
@@ -183,14 +185,10 @@ class Engine:
         program = findings.programs[-1] if findings.programs and not self._pinned else None
         if program is None or program.moves != len(self.record.moves):
             return None
-        batch, copy = len(targets), self.record.copy
+        batch = len(targets)
         regions = [m for m in self._modules if id(m) in program.regions]
-        session = ReplaySession(self.plan.hooked_modules, regions, program, batch, copy)
-        session.make_region = lambda call, tensors: (
-            LightRegion(self.plan, call.light, call.during, batch)
-            if call.light is not None
-            else Seeded(self.plan, findings, copy, batch, tensors, call.entry, session.inside)
-        )
+        session = ReplaySession(self.plan.hooked_modules, regions, program, batch, self.record.copy)
+        session.make_region = lambda call, tensors: self._region(call, tensors, findings, session)
         try:
             with torch.set_grad_enabled(bool(program.uses)), session:
                 losses, observed = self._losses(inputs, targets)
@@ -215,6 +213,20 @@ class Engine:
             return None
         findings.replayed()
         return captured, reducer
+
+    def _region(self, call: RegionCall, tensors: list[Tensor], findings: Findings, session):
+        """A region call's own pass: by its recipes (following its rows where values pick
+        them), or under a trace and a tap again."""
+        batch, copy = session.batch, self.record.copy
+        if call.routed:
+            kind = next(type(m) for m in self._modules if id(m) == call.module)
+            unfollowed = functools.partial(self.record.unrouted.add, kind)
+            return RoutedRegion(
+                self.plan, call.light, call.during, batch, tensors, call.entry, unfollowed
+            )
+        if call.light is not None:
+            return LightRegion(self.plan, call.light, call.during, batch)
+        return Seeded(self.plan, findings, copy, batch, tensors, call.entry, session.inside)
 
     def _analysed(
         self, inputs: tuple[Tensor, ...], targets: Tensor, want: Want, findings: Findings

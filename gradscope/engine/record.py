@@ -71,6 +71,7 @@ class Record:
 
     moves: dict[str, tuple[str, bool]] = field(default_factory=dict)  # Plan.to_fallback's
     copy: set[int] = field(default_factory=set)  # modules whose captured inputs are edited later
+    unrouted: set[type] = field(default_factory=set)  # module classes whose rows were lost
     signatures: dict[tuple, Findings] = field(default_factory=dict)
 
     def at(self, inputs: tuple[Tensor, ...], targets: Tensor) -> Findings:

@@ -93,21 +93,24 @@ def test_family_is_exact_on_rules(family: str):
 @pytest.mark.parametrize("family", ["mixtral", "qwen2-moe"])
 def test_grouped_experts_float32(family: str):
     """transformers 5's default experts: torch's grouped_mm over fused 3-D weights, which has no
-    float64 kernel: against the float32 loop."""
+    float64 kernel: against the float32 loop, on batches routed otherwise through one Engine,
+    the later ones replayed as routed regions."""
     torch.manual_seed(0)
     build = FAMILIES[f"{family}-eager"]
     model = build().eval()
     model.model.config._experts_implementation = "grouped_mm"
     loss = resolve_loss("cross_entropy")
-    for seed in range(2):
-        ids, y = batch(seed)
-        with Engine(model, loss) as engine:
+    with Engine(model, loss) as engine:
+        for seed in range(3):
+            ids, y = batch(seed)
             got = total(engine.norms((ids,), y).norm_sq).sqrt()
             names = [p.name for p in engine.plan.included]
             _, grads = naive_grads(model, (ids,), y, loss, names, Forward())
-        assert not engine.plan.fallback, [(p.name, p.note) for p in engine.plan.fallback]
-        expected = torch.stack([g.reshape(B, -1).double().pow(2).sum(1) for g in grads.values()])
-        assert_rel_close(got, expected.sum(0).sqrt(), 1e-5)
+            expected = [g.reshape(B, -1).double().pow(2).sum(1) for g in grads.values()]
+            assert_rel_close(got, torch.stack(expected).sum(0).sqrt(), 1e-5)
+        findings = engine.record.at((ids,), y)
+    assert not engine.plan.fallback, [(p.name, p.note) for p in engine.plan.fallback]
+    assert findings.replays == 2 and not findings.programs[-1].varies, findings.why
 
 
 def test_wav2vec2_edited_output_stays_exact_on_a_second_call():

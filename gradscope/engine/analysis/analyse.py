@@ -83,7 +83,8 @@ class Analysis:
         # a rule-served parameter read outside its module's calls (nn.MultiheadAttention's
         # out_proj) is served where a function reads it, as a raw one is
         tap = ParamTap(watched, batch, trace, ruled, expand, assume) if watched else None
-        finder = Finder(self.model, session.events, trace, tap.derived if tap else ByTensor())
+        derived = tap.derived if tap else ByTensor()
+        finder = Finder(self.model, session.events, trace, derived, self.record.unrouted)
         session.log, trace.finder, trace.owners.on_set = finder.log, finder, finder.born
         if tap is not None:
             tap.finder, tap.derived.on_set = finder, finder.born

@@ -156,12 +156,13 @@ class FunctionReads:
         if not out.requires_grad:
             return out
         owner = torch.arange(self.batch, device=x.device) if rows is None else rows  # (S,)
-        a, ends = x.detach(), offs.tolist()
+        with torch._C.DisableTorchFunction():  # the tap's own read, not the model's
+            a, ends = x.detach(), offs.tolist()
 
         def parts(grad: Tensor) -> dict[str, Contribution]:
             return self._experts(d, weight, a, grad, owner, ends)
 
-        self._read_output(d.params, out, parts, args)
+        self._read_output(d.params, out, parts, args, _routed(d, weight, x))
         return out
 
     def _bmm(self, func, args: tuple, kwargs: dict) -> Tensor | None:
@@ -291,6 +292,24 @@ class FunctionReads:
             self.assumed = True
             return ASSUMED
         return False
+
+
+def _routed(d: Derived, weight: Tensor, x: Tensor) -> Recipe | None:
+    """A grouped read of a whole 3-D parameter (or its transpose) that a routed region serves
+    again (``passes/routed.py``), where the rows' Gram costs no more than ``ROUTED_ROWS``
+    allow: its rows follow the batch's values, so their number alone is fixed."""
+    place, rows = d.place, x.shape[0]
+    if place.index or place.scale != 1.0 or rows > ROUTED_ROWS:
+        return None
+    whole = weight is d.param.param or (place.transposed and weight._base is d.param.param)
+    if not whole:
+        return None
+    roles = (("weight", d.param.name),)
+    return Recipe("grouped_mm", roles, tuple(x.shape), None, transposed=not place.transposed)
+
+
+# the most rows a routed region's grouped read takes: its Gram is rows x rows per chunk
+ROUTED_ROWS = 4096
 
 
 def _credit(reads) -> dict[str, Contribution]:

@@ -53,8 +53,11 @@ def program_of(
             item.during = None if inside is not None or item.spans_region else at - last
         elif what == "enter" and inside is None and id(obj) in starts:
             light, during = regions.light.get(id(obj)), obj.at_exit - obj.at_entry
+            routed = id(obj) in regions.routed
             items.append(
-                RegionCall(id(obj.module), obj.entry, obj.exit, obj.steps, at - last, light, during)
+                RegionCall(
+                    id(obj.module), obj.entry, obj.exit, obj.steps, at - last, light, during, routed
+                )
             )
             inside = obj
             for item in opened.values():

@@ -33,6 +33,7 @@ from .trace import ByTensor, RowTrace
 # an owner spec: None for no example's, (dim, m) for the batch along one dimension
 Spec = tuple[int, int] | None
 IRREGULAR = "irregular"
+PICKED = "picked"  # a need of rows the batch's values pick: a routed region follows them
 
 
 @dataclass(eq=False)
@@ -57,11 +58,13 @@ class Visit:
 class Regions:
     """The visits whose module is a region, per module, in the order they began; and of those
     that are light (``passes/light.py``: their only needs are reads a recipe serves, and no
-    hooked module is called inside them), the recipes, by id of the visit."""
+    hooked module is called inside them), the recipes, by id of the visit; of those, the ones
+    whose rows the batch's values pick (``passes/routed.py``)."""
 
     modules: frozenset[int] = frozenset()
     visits: list[Visit] = field(default_factory=list)
     light: dict[int, tuple[Recipe, ...]] = field(default_factory=dict)
+    routed: frozenset[int] = frozenset()
 
     @property
     def fixed(self) -> bool:
@@ -75,8 +78,9 @@ class Finder:
     its tensors' owners were at both ends, what inside it needs analysis, and what it read
     from before it began. The trace and the tap report to it (``born``, ``read``, ``need``)."""
 
-    def __init__(self, model: nn.Module, events: list, trace, derived):
+    def __init__(self, model: nn.Module, events: list, trace, derived, unrouted=frozenset()):
         self.model, self.events, self.trace, self.derived = model, events, trace, derived
+        self.unrouted = unrouted  # module classes whose routed regions lost their rows: traced
         self.visits: list[Visit] = []
         self.stack: list[Visit] = []
         # (why, the visits under way, the recipe of a read that has one, autograd's counter)
@@ -120,6 +124,10 @@ class Finder:
         """Something at this point of the forward needs analysis on every batch; ``recipe``:
         a read that a light region can serve again without it."""
         self.needs.append((why, tuple(self.stack), recipe, counter()))
+
+    def picked(self, why: str) -> None:
+        """Rows moved here to places the batch's values pick: a routed region follows them."""
+        self.needs.append((why, tuple(self.stack), PICKED, counter()))
 
     # -- the hooks ---------------------------------------------------------------------------
 
@@ -175,20 +183,37 @@ class Finder:
             for v in self.visits
             if id(v.module) in chosen and not any(id(u.module) in chosen for u in _above(v))
         ]
-        return Regions(frozenset(chosen), outer, {id(v): r for v in outer if (r := self._light(v))})
+        light = {id(v): r for v in outer if (r := self._light(v))}
+        routed = frozenset(id(v) for v in outer if id(v) in light and self._routed(v))
+        return Regions(frozenset(chosen), outer, light, routed)
 
     def _light(self, v: Visit) -> tuple[Recipe, ...] | None:
-        """The recipes of a region call whose every need is a read with one, each with the
-        autograd nodes made from the call's start to the read's end; None for any other."""
+        """The recipes of a region call whose every need is a read with one (or, in a routed
+        region, rows picked by values), each with the autograd nodes made from the call's start
+        to the read's end; None for any other."""
         mine = [(recipe, at) for _, stack, recipe, at in self.needs if v in stack]
         if v.steps or not mine or any(recipe is None for recipe, _ in mine):
             return None
-        return tuple(dataclasses.replace(recipe, at=at - v.at_entry) for recipe, at in mine)
+        if self._routed(v) and (type(v.module) in self.unrouted or not _rows_first(v)):
+            return None
+        reads = [(recipe, at) for recipe, at in mine if recipe is not PICKED]
+        return tuple(dataclasses.replace(recipe, at=at - v.at_entry) for recipe, at in reads)
+
+    def _routed(self, v: Visit) -> bool:
+        """Whether a region call's rows are picked by values: a routed region's, if light."""
+        mine = [recipe for _, stack, recipe, _ in self.needs if v in stack]
+        return any(r is PICKED or (r is not None and r.op == "grouped_mm") for r in mine)
 
     def _holds(self, module: nn.Module) -> bool:
         """Whether every call of ``module`` can be a region."""
         calls = [v for v in self.visits if v.module is module]
         return all(v.entry != IRREGULAR and v.exit != IRREGULAR and not v.foreign for v in calls)
+
+
+def _rows_first(v: Visit) -> bool:
+    """Whether every tensor a call begins and ends with is no example's, or the batch along
+    dimension 0: the rows a routed region follows."""
+    return all(spec is None or spec[0] == 0 for spec in (*v.entry, *v.exit))
 
 
 def tensors_of(tree: object) -> list[Tensor]:

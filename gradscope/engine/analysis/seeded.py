@@ -98,6 +98,9 @@ class Seeded:
     def calls(self) -> list[Call]:
         return self.session.all_calls()
 
+    def pending(self) -> Tensor | None:
+        return None
+
     def reads(self) -> list[Use]:
         return self.tap.reads()
 

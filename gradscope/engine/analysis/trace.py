@@ -201,7 +201,7 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         """Rows moved to places the batch's values pick, by ``name`` (follow.py)."""
         self.picked_by = self.picked_by or name
         if self.finder is not None:
-            self.finder.need(f"rows picked by the batch's values ({name})")
+            self.finder.picked(f"rows picked by the batch's values ({name})")
 
     def _by_lanes(self, name: str, args: tuple, kwargs: dict, tracked: list, out) -> bool:
         """The common case at the cost of a few comparisons: every tracked input's owners a

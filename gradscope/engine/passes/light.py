@@ -36,14 +36,17 @@ from ..rows import Lanes, Rows, regroup
 class Recipe:
     """One read of whole parameters by a function: ``op`` (linear, embedding, or a product
     ``x @ W``), the parameters at its roles ((role, name): weight, bias), its input's shape,
-    the layout of its rows (None: one row per example on dimension 0), and the autograd nodes
-    made from the region call's start to the read's end."""
+    the layout of its rows (None: one row per example on dimension 0, or, for ``grouped_mm``,
+    rows a routed region follows: ``routed.py``), the autograd nodes made from the region call's
+    start to the read's end, and whether a grouped product reads W itself ((E, in, out)), not
+    its transpose."""
 
     op: str
     roles: tuple[tuple[str, str], ...]
     shape: tuple[int, ...]
     rows: Lanes | None
     at: int = 0
+    transposed: bool = False
 
     def parts(
         self, x: Tensor, weight: Tensor, bias: Tensor | None, args: tuple, kwargs: dict, batch: int
@@ -185,6 +188,10 @@ class LightRegion(TorchFunctionMode):
 
     def calls(self) -> list:
         return []
+
+    def pending(self) -> Tensor | None:
+        """What the replay must read on the host at the forward's end: none here."""
+        return None
 
     def reads(self) -> list[Use]:
         return list(self.uses)

@@ -66,6 +66,7 @@ class RegionCall:
     before: int  # autograd nodes made since the previous event, up to its start
     light: tuple[Recipe, ...] | None = None  # a light region's reads (``light.py``)
     during: int = 0  # autograd nodes made during the call
+    routed: bool = False  # a light region whose rows it follows (``routed.py``)
 
 
 @dataclass(frozen=True)
@@ -261,6 +262,9 @@ class ReplaySession(Capture):
         edited = self.edited_in_place() - self.copy
         if edited:
             self.diverge("a captured input was edited in place")
+        flags = [f for r in self.done if (f := r.pending()) is not None]
+        if flags and bool(torch.stack(flags).any()):  # the one host sync of routed regions
+            self.diverge("rows that the batch's values put where the analysed batch's were not")
 
     def all_calls(self) -> list[Call]:
         """The calls captured outside the regions, then those inside each region."""

@@ -1,0 +1,291 @@
+"""Which example each row of a tensor is, followed op by op through a routed region's forward
+(``routed.py``): for every tensor made from the region's arguments, an (n,) tensor on the device
+giving the example of each row along dimension 0 (``NO_ONE`` for a row of no example).
+
+- Rows move with the values that pick them (``x[idx]``, ``index_select``, ``index_add``); the
+  index tensors themselves are positions (sorts', ``arange``'s, as the trace takes them), unless
+  computed from an example's values, whose rows then join.
+- Ops that keep rows keep them: elementwise ops, casts, row-by-row products with weights of no
+  example, views and reductions off dimension 0, reshapes that split rows or merge whole ones.
+- Rows that meet (two operands, rows merged, rows written to one place) must be one example's,
+  or no example's: what the batch's values decide there is a flag on the device (``bad``), read
+  once by the replay at the forward's end.
+- Any other op on a followed tensor, or an in-place write into a view or through one, leaves
+  its results unfollowed (``None``), with the op's name in ``lost``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+NO_ONE = -1  # a row of no example
+# ops whose results depend on no example, whatever their arguments
+CREATIONS = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones"}
+CREATIONS |= {"new_empty", "new_full", "arange", "zeros", "ones", "empty", "full"}
+# ops whose results are positions, not values: nothing of an example flows through them
+POSITIONS = {"argsort", "nonzero", "argwhere"}
+# row by row: each output row from the rows at its position
+ROW_WISE = {"add", "sub", "mul", "div", "true_divide", "neg", "pow", "exp", "log", "sqrt"}
+ROW_WISE |= {"rsqrt", "tanh", "sigmoid", "relu", "gelu", "silu", "softplus", "where", "clamp"}
+ROW_WISE |= {"masked_fill", "float", "double", "half", "bfloat16", "contiguous", "clone"}
+ROW_WISE |= {"detach", "dropout", "to", "type_as", "__add__", "__radd__", "__sub__", "__rsub__"}
+ROW_WISE |= {"__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__neg__", "__pow__"}
+ROW_WISE |= {"add_", "mul_", "div_", "sub_", "__iadd__", "__imul__", "__isub__", "__itruediv__"}
+ROW_WISE |= {"clamp_min", "clamp_max", "erf", "abs", "__floordiv__", "floor_divide", "__mod__"}
+ROW_WISE |= {"remainder", "long", "int", "bool", "eq", "ne", "lt", "gt", "le", "ge", "__eq__"}
+ROW_WISE |= {"__ne__", "__lt__", "__gt__", "__le__", "__ge__", "logical_and", "logical_or"}
+PRODUCTS = {"linear", "grouped_mm", "_grouped_mm"}
+SPLITS = {"chunk", "split", "tensor_split", "split_with_sizes", "unbind", "narrow", "select"}
+RESHAPES = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
+REDUCTIONS = {"sum", "mean", "amax", "amin", "softmax", "log_softmax", "topk", "max", "min"}
+REDUCTIONS |= {"cumsum", "prod", "norm", "logsumexp", "sort", "argmax", "argmin"}
+
+
+class RowFlow:
+    """The rows of one region call's tensors, by id (the tensor kept beside them: an id is
+    only its tensor's while it lives); a tensor not here is no example's."""
+
+    def __init__(self, batch: int):
+        self.batch = batch
+        self.rows: dict[int, tuple[Tensor, Tensor | None]] = {}
+        self.bad: Tensor | None = None
+        self.lost: str | None = None  # the first op whose results could not be followed
+
+    def lane(self, t: Tensor, spec: tuple) -> Tensor | None:
+        """The rows of the batch along dimension 0 of ``t``, (r // m) % B; None along another."""
+        dim, m = spec
+        if dim != 0 or t.dim() == 0:
+            return None
+        return torch.arange(t.shape[0], device=t.device) // m % self.batch
+
+    def keep(self, t: object, rows: Tensor | None | bool) -> None:
+        """``t``'s rows (None: unfollowed; False: no example's, as a tensor never seen)."""
+        if not isinstance(t, Tensor):
+            return
+        if rows is False:
+            self.rows.pop(id(t), None)
+        else:
+            self.rows[id(t)] = (t, rows)
+
+    def of(self, t: object) -> Tensor | None | bool:
+        """``t``'s rows; None where unfollowed; False where it is no example's."""
+        item = self.rows.get(id(t)) if isinstance(t, Tensor) else None
+        if item is None or item[0] is not t:
+            return False
+        return item[1]
+
+    def holds(self, tensors: list[Tensor]) -> bool:
+        """Whether any of ``tensors`` is followed (or unfollowed): an op on it must be seen."""
+        return any(id(t) in self.rows for t in tensors)
+
+    def flag(self, wrong: Tensor) -> None:
+        """The batch is not one the replay can serve where any of ``wrong`` holds."""
+        any_wrong = wrong.any()
+        self.bad = any_wrong if self.bad is None else self.bad | any_wrong
+
+    def combine(self, rows: list[Tensor]) -> Tensor:
+        """Rows from several tensors at one position: one example's, or no example's."""
+        out = rows[0]
+        for r in rows[1:]:
+            if r is out:
+                continue
+            self.flag((out != r) & (out != NO_ONE) & (r != NO_ONE))
+            out = torch.maximum(out, r)
+        return out
+
+    def lose(self, name: str, out: object) -> None:
+        self.lost = self.lost or name
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            self.keep(t, None)
+
+    def _aliased(self, x: Tensor) -> bool:
+        """Whether ``x`` is a view, or a followed tensor is a view of it."""
+        if x._base is not None:
+            return True
+        return any(t is not x and t._base is x for t, _ in self.rows.values())
+
+    def follow(self, name: str, args: tuple, kwargs: dict, out: object) -> None:
+        """The rows of ``out``, the result of op ``name`` on followed tensors."""
+        if name in CREATIONS or name in POSITIONS or (name == "where" and len(args) == 1):
+            return
+        x = args[0] if args else None
+        in_place = name.endswith("_") and not name.endswith("__")
+        in_place = in_place or name == "__setitem__" or name.startswith("__i")
+        target = x if in_place else out
+        rows = _rows_after(self, name, args, kwargs, out)
+        if in_place and isinstance(x, Tensor) and rows is not self.of(x) and self._aliased(x):
+            rows = NotImplemented  # a view's rows, or its base's, would not see the write
+        if rows is NotImplemented:
+            return self.lose(name, target)
+        if isinstance(rows, tuple):
+            for t, r in zip(out, rows, strict=True):
+                self.keep(t, r)
+            return
+        self.keep(target, rows)
+
+
+def tensors_in(args: tuple, kwargs: dict) -> list[Tensor]:
+    found = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found.extend(t for t in a if isinstance(t, Tensor))
+    return found
+
+
+def _rows_after(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object):
+    """The rows of ``out`` (a tuple of them for several outputs), or NotImplemented."""
+    x = args[0]
+    if name == "__getitem__":
+        return _indexed(flow, x, args[1], out)
+    if name == "index_select":
+        dim, index = kwargs.get("dim", args[1] if len(args) > 1 else None), args[-1]
+        return _picked(flow, x, index, out) if dim == 0 else _kept(flow, x, out, dim)
+    if name in ("index_add", "index_add_"):
+        return _added(flow, args, kwargs)
+    if name == "__setitem__":
+        return NotImplemented if flow.of(x) is not False or flow.of(args[2]) is not False else False
+    if name in PRODUCTS:  # row by row, on weights of no example; offsets are positions
+        w = args[1] if len(args) > 1 else kwargs.get("weight")
+        return _same_rows(flow, x, out) if flow.of(w) is False else NotImplemented
+    if name in ROW_WISE:
+        return _row_wise(flow, args, kwargs, out)
+    if name in SPLITS:
+        dim = kwargs.get("dim", args[2] if len(args) > 2 and name != "unbind" else 0)
+        dim = args[1] if name in ("unbind", "select", "narrow") and len(args) > 1 else dim
+        return _kept(flow, x, out, dim)
+    if name in RESHAPES:
+        return _reshaped(flow, x, out)
+    if name in ("sort", "topk") and x.dim() == 1 and isinstance(out, tuple):
+        rows = flow.of(x)  # values moved to the places the indices say; those are positions
+        return NotImplemented if rows is None else (rows[out[1]], False)
+    if name in REDUCTIONS:
+        dim = kwargs.get("dim", args[1] if len(args) > 1 and name not in ("topk",) else None)
+        dim = kwargs.get("dim", args[2] if len(args) > 2 else -1) if name == "topk" else dim
+        if name == "sort" and dim is None:
+            dim = -1
+        return _kept(flow, x, out, dim)
+    if name in ("transpose", "swapaxes", "swapdims"):
+        return _kept(flow, x, out, (args[1], args[2]) if len(args) > 2 else None)
+    if name == "mT" and x.dim() < 3:
+        return NotImplemented
+    if name in ("unsqueeze", "squeeze", "expand", "expand_as", "mT", "permute"):
+        if name == "permute":
+            dims = args[1:] if not isinstance(args[1], (list, tuple)) else args[1]
+            return _kept(flow, x, out, 1 if dims[0] % x.dim() == 0 else 0)
+        return _same_rows(flow, x, out)
+    return NotImplemented
+
+
+def _kept(flow: RowFlow, x: Tensor, out: object, dim) -> object:
+    """An op along ``dim`` (an int, a tuple of them, None: every dimension) keeps x's rows."""
+    rows = flow.of(x)
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    if rows is None or not all(isinstance(d, int) for d in dims) or not x.dim():
+        return NotImplemented
+    if any(d % x.dim() == 0 for d in dims):
+        return NotImplemented
+    if isinstance(out, (tuple, list)):
+        return tuple(rows if isinstance(t, Tensor) else None for t in out)
+    return rows
+
+
+def _same_rows(flow: RowFlow, x: Tensor, out: object) -> object:
+    """A view whose dimension 0 is x's."""
+    rows = flow.of(x)
+    ok = isinstance(out, Tensor) and out.dim() and x.dim() and out.shape[0] == x.shape[0]
+    return rows if ok and rows is not None else NotImplemented
+
+
+def _row_wise(flow: RowFlow, args: tuple, kwargs: dict, out: object) -> object:
+    """Elementwise (broadcast), casts, and row-by-row products with weights of no example:
+    every followed input lays its rows along the output's dimension 0."""
+    o = out if isinstance(out, Tensor) else args[0]
+    if not isinstance(o, Tensor) or o.dim() == 0:
+        return NotImplemented
+    found = []
+    for t in tensors_in(args, kwargs):
+        rows = flow.of(t)
+        if rows is False:
+            continue
+        if rows is None or t.dim() != o.dim() or t.shape[0] != o.shape[0]:
+            return NotImplemented
+        found.append(rows)
+    return flow.combine(found) if found else False
+
+
+def _indexed(flow: RowFlow, x: Tensor, index: object, out: object) -> object:
+    """``x[index]``: rows picked by a tensor on dimension 0, or kept by slices after it."""
+    key = index if isinstance(index, tuple) else (index,)
+    if not key or not isinstance(out, Tensor) or out.dim() == 0:
+        return NotImplemented
+    first = key[0]
+    if isinstance(first, Tensor):
+        pickers = [k for k in key if isinstance(k, Tensor)]
+        if (
+            first.dim() != 1
+            or first.dtype == torch.bool
+            or any(k.shape != first.shape for k in pickers)
+        ):
+            return NotImplemented
+        found = [r for k in pickers if (r := flow.of(k)) is not False]
+        if any(r is None for r in found):
+            return NotImplemented
+        rows = flow.of(x)
+        if rows is None:
+            return NotImplemented
+        picked = [rows[first]] if rows is not False else []
+        return flow.combine(picked + found) if picked or found else False
+    if any(isinstance(k, Tensor) for k in key):
+        return NotImplemented
+    plain = first == slice(None) or (
+        first is Ellipsis and sum(k is not None for k in key) <= x.dim()
+    )
+    return _same_rows(flow, x, out) if plain else NotImplemented
+
+
+def _picked(flow: RowFlow, x: Tensor, index: Tensor, out: object) -> object:
+    rows, own = flow.of(x), flow.of(index)
+    if rows is None or own is None or index.dim() != 1:
+        return NotImplemented
+    found = ([rows[index]] if rows is not False else []) + ([own] if own is not False else [])
+    return flow.combine(found) if found else False
+
+
+def _added(flow: RowFlow, args: tuple, kwargs: dict) -> object:
+    """``x.index_add(0, index, source)``: row index[j] of x gains source's row j."""
+    x, dim = args[0], kwargs.get("dim", args[1] if len(args) > 1 else None)
+    index = kwargs.get("index", args[2] if len(args) > 2 else None)
+    source = kwargs.get("source", args[3] if len(args) > 3 else None)
+    base, own, rows = flow.of(x), flow.of(index), flow.of(source)
+    if dim != 0 or base is None or rows is None or own is not False or index.dim() != 1:
+        return NotImplemented
+    if rows is False:
+        return base
+    start = base if base is not False else index.new_full((x.shape[0],), NO_ONE)
+    placed = start.clone().scatter_(0, index, rows)
+    flow.flag(placed[index] != rows)  # every row written there is one example's
+    flow.flag((start[index] != NO_ONE) & (start[index] != rows))
+    return placed
+
+
+def _reshaped(flow: RowFlow, x: Tensor, out: object) -> object:
+    """A reshape: rows split (each output row in one input row) or merged (each output row of
+    whole input rows, which must be one example's)."""
+    rows = flow.of(x)
+    if rows is None or not isinstance(out, Tensor) or not x.dim() or not out.dim():
+        return NotImplemented
+    n, m = x.shape[0], out.shape[0]
+    if not x.numel() or n == m:
+        return rows if n == m else NotImplemented
+    per_in, per_out = x.numel() // n, out.numel() // m
+    if per_in % per_out == 0:
+        return rows.repeat_interleave(per_in // per_out)
+    if per_out % per_in:
+        return NotImplemented
+    merged = rows.view(m, per_out // per_in)
+    found = merged.amax(1)
+    flow.flag(((merged != found[:, None]) & (merged != NO_ONE)).any(1))
+    return found

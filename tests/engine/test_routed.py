@@ -1,0 +1,159 @@
+"""Routed regions (``engine/passes/routed.py``): experts whose rows the batch's values pick,
+replayed by following each row's example on the device, exact against the per-example loop on
+every batch; a batch whose rows land otherwise than the analysed batch's is analysed in full;
+a region whose rows cannot be followed goes back to the trace for good."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from oracle import assert_rel_close
+from syncs import counted
+from torch import Tensor, nn
+
+from gradscope.engine import Engine, Forward, Want, naive_grads, total
+from gradscope.errors import ModelError
+from gradscope.losses import resolve_loss
+
+B, T, H, E, INNER, CLASSES = 3, 5, 8, 4, 12, 3  # grouped_mm: rows of 16 bytes
+
+
+class Experts(nn.Module):
+    """transformers' grouped experts: tokens sorted by expert, gathered, run by ``grouped_mm``
+    on a fused 3-D weight (its transpose, or itself where ``transposed``), put back in order
+    and summed over each token's top-k."""
+
+    def __init__(self, transposed: bool = False, then=None):
+        super().__init__()
+        self.transposed, self.then = transposed, then or (lambda x: x)
+        self.shift = 0  # rows put back this many places on: another example's, where not 0
+        up, down = (E, H, 2 * INNER), (E, INNER, H)
+        if not transposed:
+            up, down = (E, 2 * INNER, H), (E, H, INNER)
+        self.gate_up = nn.Parameter(torch.randn(up) / H**0.5)
+        self.down = nn.Parameter(torch.randn(down) / INNER**0.5)
+
+    def _mm(self, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+        return F.grouped_mm(x, w if self.transposed else w.transpose(-2, -1), offs=offs)
+
+    def forward(self, x: Tensor, index: Tensor, weights: Tensor) -> Tensor:
+        k = index.shape[-1]
+        expert, perm = torch.sort(index.reshape(-1))
+        picked = self.then(x[perm // k])
+        counts = torch.histc(expert.float(), bins=E, min=0, max=E - 1)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        gate, up = self._mm(picked, self.gate_up, offs).chunk(2, dim=-1)
+        out = self._mm(F.silu(gate) * up, self.down, offs) * weights.reshape(-1)[perm, None]
+        back = torch.empty_like(perm)
+        back[perm] = torch.arange(perm.shape[0])
+        back = (back + self.shift) % back.shape[0]
+        return out[back].view(x.shape[0], k, -1).sum(1)
+
+
+class Block(nn.Module):
+    def __init__(self, experts: Experts):
+        super().__init__()
+        self.router, self.experts = nn.Linear(H, E, bias=False), experts
+
+    def forward(self, h: Tensor) -> Tensor:
+        flat = h.reshape(-1, H)
+        weights, index = torch.topk(self.router(flat).softmax(-1), 2, dim=-1)
+        return h + self.experts(flat, index, weights).view(h.shape)
+
+
+class Model(nn.Module):
+    def __init__(self, experts: Experts):
+        super().__init__()
+        self.inp, self.block, self.head = nn.Linear(H, H), Block(experts), nn.Linear(H, CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.block(self.inp(x)).mean(1))
+
+
+def _batch(seed: int) -> tuple[tuple[Tensor], Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, T, H, generator=g),), torch.randint(0, CLASSES, (B,), generator=g)
+
+
+LOSS = resolve_loss("cross_entropy")
+
+
+def _check(model: nn.Module, engine: Engine, seed: int, refs: dict[str, Tensor]) -> None:
+    (x,), y = _batch(seed)
+    scores = engine.scores((x,), y, Want(norms=True, refs=refs))
+    names = [p.name for p in engine.plan.included]
+    _, grads = naive_grads(model, (x,), y, LOSS, names, Forward())
+    norms = torch.stack([g.flatten(1).double().pow(2).sum(1) for g in grads.values()]).sum(0)
+    assert_rel_close(total(scores.norm_sq), norms, 1e-5)
+    for name, ref in refs.items():
+        expected = grads[name].flatten(1).double() @ ref.flatten().double()
+        assert_rel_close(scores.inner[name][:, 0].double(), expected, 1e-5)
+
+
+def _refs(model: nn.Module) -> dict[str, Tensor]:
+    torch.manual_seed(1)
+    return {n: torch.randn(1, *p.shape) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["W^T", "W"])
+def test_routed_experts_replay_exact(transposed: bool):
+    torch.manual_seed(0)
+    model = Model(Experts(transposed)).eval()
+    refs = _refs(model)
+    with Engine(model, LOSS) as engine:
+        for seed in range(4):
+            _check(model, engine, seed, refs)
+        findings = engine.record.at(*_batch(0))
+        (program,) = findings.programs
+    assert findings.replays == 3, findings.why
+    assert [s.routed for s in program.steps if hasattr(s, "routed")] == [True]  # the experts
+    assert not program.varies and not engine.plan.fallback
+
+
+def test_rows_put_in_another_example_are_analysed():
+    """A replayed batch whose experts put rows back where another example's were (the same ops
+    on the same shapes) fails the witness on the device: the batch is analysed in full, which
+    finds the examples mixed and says so."""
+    torch.manual_seed(0)
+    experts = Experts()
+    model = Model(experts).eval()
+    with Engine(model, LOSS) as engine:
+        engine.norms(*_batch(0))
+        experts.shift = T * 2  # the next example's tokens, top 2 each
+        with pytest.raises(ModelError, match="mixes the examples"):
+            engine.norms(*_batch(1))
+        findings = engine.record.at(*_batch(0))
+    assert findings.replays == 0 and "rows" in findings.why, findings.why
+
+
+def test_rows_the_replay_cannot_follow_go_back_to_the_trace():
+    """An op the rows cannot be followed through (a flip of the tokens, flipped back) inside the
+    experts: the batch is analysed, and the module's later regions run under the trace, exact."""
+    torch.manual_seed(0)
+    model = Model(Experts(then=lambda x: x.flip(0).flip(0))).eval()
+    refs = _refs(model)
+    with Engine(model, LOSS) as engine:
+        for seed in range(4):
+            _check(model, engine, seed, refs)
+        findings = engine.record.at(*_batch(0))
+        assert Experts in engine.record.unrouted
+        assert findings.replays >= 2 and findings.programs[-1].varies
+
+
+def test_a_routed_replay_reads_one_flag_on_the_host():
+    """What the batch's values decide in the experts is read back once, at the forward's end:
+    one sync more than a plain step, however many experts and layers."""
+    torch.manual_seed(0)
+    model = Model(Experts()).eval()
+    params = list(model.parameters())
+    with Engine(model, LOSS) as engine:
+        for seed in range(2):
+            engine.norms(*_batch(seed))
+        inputs, targets = _batch(2)
+        with counted() as plain:
+            torch.autograd.grad(LOSS(model(*inputs), targets).sum(), params)
+        with counted() as ours:
+            engine.norms(inputs, targets)
+        assert engine.record.at(inputs, targets).replays == 2
+    assert sorted(ours) == sorted([*plain, "__bool__"]), (ours, plain)
