@@ -177,19 +177,22 @@ class AttentionBlock(nn.Module):
 
 class Reader(nn.Module):
     """Raw weights read by ``F.linear`` (a light region), which one, and whether an op comes
-    first, by the state it keeps (``how`` says which): a later batch reads otherwise. With
-    ``cast`` the weight is cast to the dtype it has (itself: still light), with ``copy`` to
-    float32 and back (a copy: a region traced again)."""
+    first, or a Linear (a module with a rule) called first, by the state it keeps (``how`` says
+    which): a later batch reads otherwise. With ``cast`` the weight is cast to the dtype it has
+    (itself: still light), with ``copy`` to float32 and back (a copy: a region traced again)."""
 
     def __init__(self, how: str = "read"):
         super().__init__()
         self.how, self.odd = how, False
         self.w1, self.w2 = nn.Parameter(torch.randn(D, D)), nn.Parameter(torch.randn(D, D))
+        self.fc = nn.Linear(D, D)
 
     def forward(self, h: Tensor) -> Tensor:
         odd = self.odd
         if odd and self.how == "op":
             h = h * 2
+        if odd and self.how == "call":
+            h = self.fc(h)
         w = self.w2 if odd and self.how == "read" else self.w1
         if self.how == "cast":
             w = w.to(h.dtype)
@@ -217,6 +220,7 @@ BLOCKS = {
     "attention-block": AttentionBlock,
     "read-block": Reader,
     "op-block": lambda: Reader("op"),
+    "call-block": lambda: Reader("call"),
     "cast-block": lambda: Reader("cast"),
     "copy-block": lambda: Reader("copy"),
 }
@@ -303,6 +307,7 @@ def test_every_batch_of_one_signature_is_exact_through_fresh_api_calls(case: str
         ("attention-block", 2),
         ("read-block", 0),
         ("op-block", 0),
+        ("call-block", 1),  # the program of its second batch, traced inside, holds the third
         ("cast-block", 2),
         ("copy-block", 2),
     ],  # fmt: skip
@@ -332,7 +337,7 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
     light = [s.light is not None for s in steps if hasattr(s, "light")]
     lights = ("attention-block", "read-block", "op-block", "cast-block")
     assert light == [case in lights] * len(light)
-    if case in ("read-block", "op-block"):  # the light region's witness failed
+    if case in ("read-block", "op-block", "call-block"):  # the light region's witness failed
         assert "read" in findings.why or "operations" in findings.why, findings.why
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
@@ -170,6 +170,13 @@ class LightRegion(TorchFunctionMode):
 
     # -- as the replay and the backward ask a region ----------------------------------------
 
+    def enter(self, module: nn.Module, args: tuple) -> None:
+        """A hooked module's call inside the region, which the analysed batch's made none of."""
+        self.why = self.why or f"other operations than the analysed batch's (a {_kind(module)})"
+
+    def captured(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        pass
+
     def close(self) -> None:
         if self._open:
             self._open = False
@@ -203,6 +210,10 @@ class LightRegion(TorchFunctionMode):
 def viewed_parts(parts: Callable, viewed: Callable) -> Callable:
     """``parts`` of a read whose output is a view of the tensor its gradient arrives at."""
     return lambda grad: parts(viewed(grad))
+
+
+def _kind(module: nn.Module) -> str:
+    return type(module).__name__
 
 
 def _name(func) -> str:
