@@ -221,8 +221,9 @@ class Engine:
         if call.routed:
             kind = next(type(m) for m in self._modules if id(m) == call.module)
             unfollowed = functools.partial(self.record.unrouted.add, kind)
+            during = None if call.open else call.during  # None: reads matched by kind
             return RoutedRegion(
-                self.plan, call.light, call.during, batch, tensors, call.entry, unfollowed
+                self.plan, call.light, during, batch, tensors, call.entry, unfollowed
             )
         if call.light is not None:
             return LightRegion(self.plan, call.light, call.during, batch)

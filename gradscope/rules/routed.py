@@ -61,6 +61,13 @@ class Routed(Contribution):
         s = torch.where((expert < shape[0])[:, None], _acc(s), 0)  # the kernel skips those rows
         return cls(_acc(a), s, own, expert, shape, batch, transposed)
 
+    @classmethod
+    def by_rows(
+        cls, a: Tensor, s: Tensor, own: Tensor, expert: Tensor, shape: torch.Size, batch: int
+    ) -> Routed:
+        """One call's contribution where each row's expert is known: ``F.linear(x, W[e])``."""
+        return cls(_acc(a), _acc(s), own, expert, shape, batch, transposed=False)
+
     def norm_sq(self) -> Tensor:
         n = self.a.shape[0]
         out = self.s.new_zeros(self.batch)

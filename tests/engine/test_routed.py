@@ -51,6 +51,30 @@ class Experts(nn.Module):
         return out[back].view(x.shape[0], k, -1).sum(1)
 
 
+class LoopExperts(Experts):
+    """transformers' eager experts: a loop over the experts the batch's routing hit (read on
+    the host), each ``F.linear`` of its own matrix ``W[e]`` on the tokens routed to it, added
+    back in place; with ``extra``, expert 0 also reads the bias it holds (another parameter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = False
+        self.bias = nn.Parameter(torch.zeros(H))
+
+    def forward(self, x: Tensor, index: Tensor, weights: Tensor) -> Tensor:
+        out = torch.zeros_like(x)
+        mask = F.one_hot(index, E).permute(2, 1, 0)  # (E, k, N)
+        for e in (mask.sum((1, 2)) > 0).nonzero():
+            e = e[0]
+            pos, token = torch.where(mask[e])
+            gate, up = F.linear(x[token], self.gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[e]) * weights[token, pos, None]
+            if self.extra and e == 0:
+                y = y + self.bias
+            out.index_add_(0, token, y)
+        return out
+
+
 class Block(nn.Module):
     def __init__(self, experts: Experts):
         super().__init__()
@@ -109,6 +133,26 @@ def test_routed_experts_replay_exact(transposed: bool):
     assert findings.replays == 3, findings.why
     assert [s.routed for s in program.steps if hasattr(s, "routed")] == [True]  # the experts
     assert not program.varies and not engine.plan.fallback
+
+
+def test_experts_the_batch_picks_replay_as_many_reads_as_it_makes():
+    """Eager experts: which experts run, and so how many reads, the batch's values say; an open
+    routed region serves every read of the kinds analysed, exact; a read of another parameter
+    fails its witness."""
+    torch.manual_seed(0)
+    experts = LoopExperts()
+    model = Model(experts).eval()
+    refs = _refs(model)
+    with Engine(model, LOSS) as engine:
+        for seed in range(4):
+            _check(model, engine, seed, refs)
+        findings = engine.record.at(*_batch(0))
+        assert findings.replays == 3, findings.why
+        (call,) = [s for s in findings.programs[-1].steps if hasattr(s, "routed")]
+        assert call.routed and call.open
+        experts.extra = True
+        _check(model, engine, 4, refs)
+    assert findings.replays == 3 and "another read" in findings.why, findings.why
 
 
 def test_rows_put_in_another_example_are_analysed():

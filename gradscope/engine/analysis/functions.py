@@ -73,6 +73,9 @@ class FunctionReads:
         if whole and not (expanded or assumed_rows) and (rows is None or isinstance(rows, Lanes)):
             roles = tuple((role, d.param.name) for role, d in reads)
             recipe = Recipe(name, roles, tuple(x.shape), rows)
+        elif name == "linear" and not (expanded or assumed_rows) and _expert(reads):
+            roles = (("weight", reads[0][1].param.name),)
+            recipe = Recipe(name, roles, tuple(x.shape), None, expert=True)
         self._read_output(tuple(p for _, d in reads for p in d.params), out, parts, args, recipe)
         return out
 
@@ -292,6 +295,29 @@ class FunctionReads:
             self.assumed = True
             return ASSUMED
         return False
+
+
+def _expert(reads: list) -> bool:
+    """Whether a linear read is of ``W[e]`` alone, one matrix of a 3-D parameter (an expert
+    picked by a value): a read an open routed region serves again (``passes/routed.py``)."""
+    if len(reads) != 1 or reads[0][0] != "weight" or not isinstance(reads[0][1], Derived):
+        return False
+    d = reads[0][1]
+    index, param = d.place.index, d.param.param
+    if param.dim() != 3 or not index or not isinstance(index[0], int):
+        return False
+    whole = all(_whole(k, n) for k, n in zip(index[1:], param.shape[1:], strict=False))
+    return whole and not d.place.transposed and d.place.scale == 1.0
+
+
+def _whole(k: object, size: int) -> bool:
+    """Whether index ``k`` takes the whole of a dimension of ``size``."""
+    return (
+        isinstance(k, slice)
+        and k.start in (0, None)
+        and k.step in (1, None)
+        and (k.stop is None or k.stop >= size)
+    )
 
 
 def _routed(d: Derived, weight: Tensor, x: Tensor) -> Recipe | None:

@@ -5,6 +5,7 @@ not, why."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..capture import Captured
@@ -53,12 +54,9 @@ def program_of(
             item.during = None if inside is not None or item.spans_region else at - last
         elif what == "enter" and inside is None and id(obj) in starts:
             light, during = regions.light.get(id(obj)), obj.at_exit - obj.at_entry
-            routed = id(obj) in regions.routed
-            items.append(
-                RegionCall(
-                    id(obj.module), obj.entry, obj.exit, obj.steps, at - last, light, during, routed
-                )
-            )
+            routed, is_open = id(obj) in regions.routed, id(obj) in regions.open
+            call = RegionCall(id(obj.module), obj.entry, obj.exit, obj.steps, at - last, light)
+            items.append(dataclasses.replace(call, during=during, routed=routed, open=is_open))
             inside = obj
             for item in opened.values():
                 item.spans_region = True

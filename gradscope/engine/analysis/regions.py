@@ -34,6 +34,7 @@ from .trace import ByTensor, RowTrace
 Spec = tuple[int, int] | None
 IRREGULAR = "irregular"
 PICKED = "picked"  # a need of rows the batch's values pick: a routed region follows them
+ESCAPED = "escaped"  # the batch's values read on the host: an open routed region's, at most
 
 
 @dataclass(eq=False)
@@ -65,6 +66,7 @@ class Regions:
     visits: list[Visit] = field(default_factory=list)
     light: dict[int, tuple[Recipe, ...]] = field(default_factory=dict)
     routed: frozenset[int] = frozenset()
+    open: frozenset[int] = frozenset()  # routed, their reads differing in number batch to batch
 
     @property
     def fixed(self) -> bool:
@@ -129,6 +131,11 @@ class Finder:
         """Rows moved here to places the batch's values pick: a routed region follows them."""
         self.needs.append((why, tuple(self.stack), PICKED, counter()))
 
+    def escaped(self, why: str) -> None:
+        """The batch's values read on the host here: Python may branch on them, so a region
+        holding this is traced, or, if routed, open (``passes/routed.py``)."""
+        self.needs.append((why, tuple(self.stack), ESCAPED, counter()))
+
     # -- the hooks ---------------------------------------------------------------------------
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -185,7 +192,9 @@ class Finder:
         ]
         light = {id(v): r for v in outer if (r := self._light(v))}
         routed = frozenset(id(v) for v in outer if id(v) in light and self._routed(v))
-        return Regions(frozenset(chosen), outer, light, routed)
+        opened = frozenset(i for i in routed if any(r.expert for r in light[i]))
+        opened |= frozenset(id(v) for v in outer if id(v) in routed and self._escaped(v))
+        return Regions(frozenset(chosen), outer, light, routed, opened)
 
     def _light(self, v: Visit) -> tuple[Recipe, ...] | None:
         """The recipes of a region call whose every need is a read with one (or, in a routed
@@ -196,13 +205,21 @@ class Finder:
             return None
         if self._routed(v) and (type(v.module) in self.unrouted or not _rows_first(v)):
             return None
-        reads = [(recipe, at) for recipe, at in mine if recipe is not PICKED]
+        if not self._routed(v) and (self._escaped(v) or any(r.expert for r, _ in mine)):
+            return None
+        reads = [(recipe, at) for recipe, at in mine if recipe not in (PICKED, ESCAPED)]
         return tuple(dataclasses.replace(recipe, at=at - v.at_entry) for recipe, at in reads)
 
     def _routed(self, v: Visit) -> bool:
         """Whether a region call's rows are picked by values: a routed region's, if light."""
         mine = [recipe for _, stack, recipe, _ in self.needs if v in stack]
-        return any(r is PICKED or (r is not None and r.op == "grouped_mm") for r in mine)
+        return any(
+            r is PICKED or (isinstance(r, Recipe) and (r.op == "grouped_mm" or r.expert))
+            for r in mine
+        )
+
+    def _escaped(self, v: Visit) -> bool:
+        return any(r is ESCAPED for _, stack, r, _ in self.needs if v in stack)
 
     def _holds(self, module: nn.Module) -> bool:
         """Whether every call of ``module`` can be a region."""

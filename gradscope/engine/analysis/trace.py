@@ -195,7 +195,7 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         """The batch's values read on the host by ``name``: Python may branch on them."""
         self.escapes.setdefault(name)
         if self.finder is not None:
-            self.finder.need(f"the batch's values read on the host ({name})")
+            self.finder.escaped(f"the batch's values read on the host ({name})")
 
     def picked(self, name: str) -> None:
         """Rows moved to places the batch's values pick, by ``name`` (follow.py)."""

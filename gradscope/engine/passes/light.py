@@ -38,8 +38,8 @@ class Recipe:
     ``x @ W``), the parameters at its roles ((role, name): weight, bias), its input's shape,
     the layout of its rows (None: one row per example on dimension 0, or, for ``grouped_mm``,
     rows a routed region follows: ``routed.py``), the autograd nodes made from the region call's
-    start to the read's end, and whether a grouped product reads W itself ((E, in, out)), not
-    its transpose."""
+    start to the read's end, whether a grouped product reads W itself ((E, in, out)), not its
+    transpose, and whether a linear one reads one expert's matrix of a 3-D W."""
 
     op: str
     roles: tuple[tuple[str, str], ...]
@@ -47,6 +47,13 @@ class Recipe:
     rows: Lanes | None
     at: int = 0
     transposed: bool = False
+    expert: bool = False  # ``F.linear`` of ``W[e]``, a 3-D W's matrix that a value picks
+
+    @property
+    def kind(self) -> tuple:
+        """What an open routed region matches a read by: the function, the parameters, the
+        view of them (``passes/routed.py``)."""
+        return self.op, self.roles, self.transposed, self.expert
 
     def parts(
         self, x: Tensor, weight: Tensor, bias: Tensor | None, args: tuple, kwargs: dict, batch: int
@@ -107,7 +114,7 @@ class LightRegion(TorchFunctionMode):
     """One light region call of a replayed batch: ``recipes`` its reads, ``during`` the autograd
     nodes the analysed call made; entered at once, left by ``finish`` (or ``close``)."""
 
-    def __init__(self, plan: Plan, recipes: Sequence[Recipe], during: int, batch: int):
+    def __init__(self, plan: Plan, recipes: Sequence[Recipe], during: int | None, batch: int):
         super().__init__()
         self.recipes, self.during, self.batch = tuple(recipes), during, batch
         self.params = {name: plan.find(name) for r in self.recipes for _, name in r.roles}
@@ -143,7 +150,7 @@ class LightRegion(TorchFunctionMode):
             self.why = self.why or f"another read than the analysed batch's ({recipe.op})"
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        if counter() - self._start != recipe.at:
+        if self.during is not None and counter() - self._start != recipe.at:
             self.why = self.why or "other operations before a read than the analysed batch's"
         x, weight, bias = call
         if isinstance(out, Tensor) and out.requires_grad:

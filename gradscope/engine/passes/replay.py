@@ -67,6 +67,7 @@ class RegionCall:
     light: tuple[Recipe, ...] | None = None  # a light region's reads (``light.py``)
     during: int = 0  # autograd nodes made during the call
     routed: bool = False  # a light region whose rows it follows (``routed.py``)
+    open: bool = False  # routed, its reads matched by kind, as many as the batch makes
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,8 @@ class Program:
     @property
     def varies(self) -> bool:
         """Whether what a replayed batch calls and reads differs batch to batch: a region that
-        is not light runs the trace and the tap again."""
-        return any(isinstance(s, RegionCall) and s.light is None for s in self.steps)
+        is not light runs the trace and the tap again; an open one reads as the batch says."""
+        return any(isinstance(s, RegionCall) and (s.light is None or s.open) for s in self.steps)
 
 
 class Region:

@@ -28,27 +28,32 @@ from .rowflow import NO_ONE, RowFlow, tensors_in
 
 class RoutedRegion(LightRegion):
     """One routed region call of a replayed batch: its ``tensors`` and their owner specs at
-    ``entry`` (None: no example's; (0, m): rows (r // m) % B), the specs its outputs must end
-    with at ``exit``; ``unfollowed`` is told when a tensor it cannot follow reaches a read or
-    an output."""
+    ``entry`` (None: no example's; (0, m): rows (r // m) % B); ``during`` None for an open one,
+    whose reads are matched by kind, as many as the batch makes; ``unfollowed`` is told when a
+    tensor the rows cannot be followed to reaches a read or an output."""
 
     def __init__(
         self,
         plan: Plan,
         recipes: Sequence[Recipe],
-        during: int,
+        during: int | None,
         batch: int,
         tensors: Sequence[Tensor],
         entry: tuple,
         unfollowed: Callable[[], None],
     ):
         self.flow = RowFlow(batch)
-        self.views: dict[int, tuple[Tensor, Tensor]] = {}  # W^T of a watched W -> (view, W)
+        self.open, self.kinds = during is None, {r.kind for r in recipes}
+        # views of a watched 3-D W: id -> (view, W, which expert: None for W^T, else W[e]'s e)
+        self.views: dict[int, tuple[Tensor, Tensor, object]] = {}
         self.unfollowed = unfollowed
         for t, spec in zip(tensors, entry, strict=True):
             if spec is not None:
                 self.flow.keep(t, self.flow.lane(t, spec))
         super().__init__(plan, recipes, during, batch)
+        # every selected parameter: any read but the recipes' fails the witness
+        self.owned = {id(p.param): p for p in plan.by_rule + plan.raw}
+        self.watched = set(self.owned)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -67,28 +72,54 @@ class RoutedRegion(LightRegion):
 
     # -- reads of the watched parameters ----------------------------------------------------
 
-    def _view(self, t: object) -> Tensor | None:
+    def _view(self, t: object) -> tuple | None:
         item = self.views.get(id(t))
-        return item[1] if item is not None and item[0] is t else None
+        return item if item is not None and item[0] is t else None
 
     def _watched(self, name: str, func, args: tuple, kwargs: dict):
-        if name in ("transpose", "swapaxes", "mT") and args and id(args[0]) in self.watched:
-            out = func(*args, **kwargs)
-            d = [a % args[0].dim() for a in args[1:3]] if name != "mT" else [1, 2]
-            if args[0].dim() == 3 and sorted(d) == [1, 2]:
-                self.views[id(out)] = (out, args[0])
-            else:
-                self.why = self.why or f"another read than the analysed batch's ({name})"
-            return out
+        w = args[0] if args else None
+        if id(w) in self.watched and w.dim() == 3 and name in VIEWS:
+            return self._viewed(name, func, args, kwargs)
         if name in ("grouped_mm", "_grouped_mm"):
             return self._grouped(func, args, kwargs)
-        if any(self._view(t) is not None for t in tensors_in(args, kwargs)):
-            self.why = self.why or f"another read than the analysed batch's ({name})"
-            return func(*args, **kwargs)
-        done = self._next
-        out = LightRegion.__torch_function__(self, func, (), args, kwargs)
-        if self._next > done:  # a recipe's read: its rows as the recipe lays them out
-            self._lanes_hold(self.recipes[done], bind_affine(name, args, kwargs)[0])
+        viewed = [v for t in tensors_in(args, kwargs) if (v := self._view(t)) is not None]
+        if viewed:
+            if name == "linear" and len(args) == 2 and not kwargs and viewed[0][0] is args[1]:
+                return self._expert(func, args, viewed[0])
+            return self._other(name, func(*args, **kwargs))
+        if self.open:
+            recipe = next((r for r in self.recipes if r.op == name and not r.expert), None)
+            if recipe is None:
+                return self._other(name, func(*args, **kwargs))
+            out = self._read(recipe, func, args, kwargs)
+        else:
+            done = self._next
+            out = LightRegion.__torch_function__(self, func, (), args, kwargs)
+            recipe = self.recipes[done] if self._next > done else None
+        if recipe is not None:  # a recipe's read: its rows as the recipe lays them out
+            self._lanes_hold(recipe, bind_affine(name, args, kwargs)[0])
+        return out
+
+    def _other(self, name: str, out: object) -> object:
+        self.why = self.why or f"another read than the analysed batch's ({name})"
+        return out
+
+    def _viewed(self, name: str, func, args: tuple, kwargs: dict) -> object:
+        """``W^T`` (W's last two dimensions swapped) or ``W[e]`` of a watched 3-D W."""
+        w, out = args[0], func(*args, **kwargs)
+        if name == "__getitem__":
+            e = args[1]
+            one = isinstance(e, int) or (
+                isinstance(e, Tensor) and e.dim() == 0 and not e.is_floating_point()
+            )
+            if one and not e_is_bool(e):
+                self.views[id(out)] = (out, w, e)
+                return out
+            return self._other(name, out)
+        d = [a % 3 for a in args[1:3]] if name != "mT" else [1, 2]
+        if sorted(d) != [1, 2] or kwargs:
+            return self._other(name, out)
+        self.views[id(out)] = (out, w, None)
         return out
 
     def _lanes_hold(self, recipe: Recipe, x: Tensor) -> None:
@@ -101,36 +132,63 @@ class RoutedRegion(LightRegion):
             return
         self.flow.flag(rows != self.flow.lane(x, (0, 1 if lanes is None else lanes.m)))
 
+    def _recipe(self, kind: tuple, x: Tensor) -> Recipe | None:
+        """The recipe of a grouped or expert read of this kind: by kind in an open region,
+        the next one in order (on an input of its shape) otherwise."""
+        if self.open:
+            return next((r for r in self.recipes if r.kind == kind), None)
+        recipe = self.recipes[self._next] if self._next < len(self.recipes) else None
+        if recipe is None or recipe.kind != kind or tuple(x.shape) != recipe.shape:
+            return None
+        self._next += 1
+        if counter() - self._start != recipe.at:
+            self.why = self.why or "other operations before a read than the analysed batch's"
+        return recipe
+
     def _grouped(self, func, args: tuple, kwargs: dict) -> Tensor:
         x, weight = args[0], args[1]
         offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
         view = self._view(weight)
-        param, transposed = (view, False) if view is not None else (weight, True)
-        recipe = self.recipes[self._next] if self._next < len(self.recipes) else None
+        if view is not None and view[2] is not None:
+            return self._other("grouped_mm", func(*args, **kwargs))
+        param, transposed = (view[1], False) if view is not None else (weight, True)
+        p = self.owned.get(id(param))
         out = func(*args, **kwargs)
         extra = len(args) > 3 or any(v is not None for k, v in kwargs.items() if k != "offs")
-        if (
-            recipe is None
-            or recipe.op != "grouped_mm"
-            or recipe.transposed != transposed
-            or tuple(x.shape) != recipe.shape
-            or param is not self.params[recipe.roles[0][1]].param
-            or offs is None
-            or extra
-        ):
-            self.why = self.why or "another read than the analysed batch's (grouped_mm)"
-            return out
-        self._next += 1
-        if counter() - self._start != recipe.at:
-            self.why = self.why or "other operations before a read than the analysed batch's"
+        kind = ("grouped_mm", (("weight", p.name if p else ""),), transposed, False)
+        if p is None or offs is None or extra or self._recipe(kind, x) is None:
+            return self._other("grouped_mm", out)
+
+        def routed(a: Tensor, grad: Tensor, rows: Tensor) -> Routed:
+            return Routed.of(a, grad, rows, offs, param.shape, self.batch, transposed)
+
+        return self._serve(p, x, weight, out, routed)
+
+    def _expert(self, func, args: tuple, view: tuple) -> Tensor:
+        """``F.linear(x, W[e])``: expert e's matrix on rows that a value picked."""
+        x, weight = args
+        _, param, e = view
+        p, out = self.owned.get(id(param)), func(*args)
+        kind = ("linear", (("weight", p.name if p else ""),), False, True)
+        if p is None or self._recipe(kind, x) is None:
+            return self._other("linear", out)
+
+        def routed(a: Tensor, grad: Tensor, rows: Tensor) -> Routed:
+            expert = torch.as_tensor(e, device=a.device).expand(a.shape[0])
+            return Routed.by_rows(a, grad, rows, expert, param.shape, self.batch)
+
+        return self._serve(p, x, weight, out, routed)
+
+    def _serve(self, p, x: Tensor, weight: Tensor, out: Tensor, routed: Callable) -> Tensor:
+        """A read of ``p`` on ``x``'s followed rows, its gradient at ``out`` to ``routed``."""
         rows = self._rows_at(x)
         if rows is None or not out.requires_grad:
             return out
         self.flow.flag(rows < 0)
-        a, p, batch = x.detach(), self.params[recipe.roles[0][1]], self.batch
+        a = x.detach()
 
         def parts(grad: Tensor) -> dict:
-            return {p.name: Routed.of(a, grad, rows, offs, param.shape, batch, transposed)}
+            return {p.name: routed(a, grad, rows)}
 
         target, viewed = read_at(out, [x, weight])
         with torch._C.DisableTorchFunction():
@@ -151,8 +209,12 @@ class RoutedRegion(LightRegion):
     # -- the end ---------------------------------------------------------------------------
 
     def finish(self, outputs: Sequence[Tensor], exit: tuple) -> str | None:
-        why = super().finish(outputs, exit)
-        if why or len(outputs) != len(exit):
+        if self.open:  # reads as the batch makes them: no order, no count
+            self.close()
+            why = self.why or (None if len(outputs) == len(exit) else "other outputs")
+        else:
+            why = super().finish(outputs, exit)
+        if why:
             return why
         for t, spec in zip(outputs, exit, strict=True):
             rows = self.flow.of(t)
@@ -172,3 +234,11 @@ class RoutedRegion(LightRegion):
 
     def pending(self) -> Tensor | None:
         return self.flow.bad
+
+
+def e_is_bool(e: object) -> bool:
+    return isinstance(e, bool) or (isinstance(e, Tensor) and e.dtype == torch.bool)
+
+
+# views of a watched 3-D parameter a routed region follows: W^T, W[e]
+VIEWS = {"transpose", "swapaxes", "mT", "__getitem__"}
