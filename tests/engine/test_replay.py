@@ -201,6 +201,21 @@ class Reader(nn.Module):
         return F.linear(h, w)
 
 
+class ScaleBlock(nn.Module):
+    """A scale and a shift, each a parameter broadcast along the tokens (MobileBERT's NoNorm,
+    a LayerScale), and a token prepended by ``expand`` (a ViT's class token): a light region
+    of broadcast reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.gamma, self.beta = nn.Parameter(torch.randn(D)), nn.Parameter(torch.randn(D))
+        self.token = nn.Parameter(torch.randn(1, 1, D))
+
+    def forward(self, h: Tensor) -> Tensor:
+        h = h * self.gamma + self.beta
+        return torch.cat([self.token.expand(h.shape[0], -1, -1), h], 1)
+
+
 class InBlock(nn.Module):
     """A projection, a block whose forward needs analysis on every batch, a head."""
 
@@ -222,6 +237,7 @@ BLOCKS = {
     "op-block": lambda: Reader("op"),
     "call-block": lambda: Reader("call"),
     "cast-block": lambda: Reader("cast"),
+    "scale-block": ScaleBlock,
     "copy-block": lambda: Reader("copy"),
 }
 
@@ -309,6 +325,7 @@ def test_every_batch_of_one_signature_is_exact_through_fresh_api_calls(case: str
         ("op-block", 0),
         ("call-block", 1),  # the program of its second batch, traced inside, holds the third
         ("cast-block", 2),
+        ("scale-block", 2),
         ("copy-block", 2),
     ],  # fmt: skip
 )
@@ -335,7 +352,7 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
     # a region reading whole parameters on rows laid out by shapes alone replays light
     steps = findings.programs[-1].steps if findings.programs else ()
     light = [s.light is not None for s in steps if hasattr(s, "light")]
-    lights = ("attention-block", "read-block", "op-block", "cast-block")
+    lights = ("attention-block", "read-block", "op-block", "cast-block", "scale-block")
     assert light == [case in lights] * len(light)
     if case in ("read-block", "op-block", "call-block"):  # the light region's witness failed
         assert "read" in findings.why or "operations" in findings.why, findings.why

@@ -9,7 +9,8 @@ from torch import Tensor
 
 from ...rules import Contribution, Dense
 from ...rules.base import CHUNK_ELEMENTS
-from .derived import Watched
+from ..passes.light import ARG, EXPAND, Recipe, broadcast_parts, broadcast_view
+from .derived import Derived, Watched
 from .owners import combine, is_batch, reduce, slots
 
 # ops whose result broadcasts its tensor arguments elementwise; in-place ones only when the
@@ -21,7 +22,6 @@ ELEMENTWISE = {
     *("add_", "sub_", "mul_", "div_", "maximum", "minimum", "where"),
     *("pow", "__pow__", "__rpow__"),
 }
-EXPAND = {"expand", "expand_as"}
 WRITTEN = object()  # what a served write (``x[i] = p``, which returns nothing) gives back
 
 
@@ -34,7 +34,9 @@ class BroadcastReads:
         source = args[i]
         if (name in EXPAND or name == "repeat" and _repeats_rows(args)) and i == 0:
             out = func(*args, **kwargs)  # p.expand(B, ...), p.repeat(B, 1, ...)
-            return self._view(d, source, out) if self._batched(source, out.shape) else None
+            if not self._batched(source, out.shape):
+                return None
+            return self._view(d, source, out, recipe=_recipe(name, i, d, source, out.shape))
         if name not in ELEMENTWISE or (name.endswith("_") and i == 0):
             return None
         shape = torch.broadcast_shapes(*(a.shape for a in args if isinstance(a, Tensor)))
@@ -42,8 +44,8 @@ class BroadcastReads:
             return None  # the parameters and what no example owns: followed as computed
         rows = self._row_examples(args, shape) if _spread(source, shape) else False
         if rows is not False:
-            aligned = source.reshape((1,) * (len(shape) - source.dim()) + tuple(source.shape))
-            view = self._view(d, source, aligned.expand(shape[0], *aligned.shape[1:]), rows)
+            recipe = _recipe(name, i, d, source, shape) if rows is None else None
+            view = self._view(d, source, broadcast_view(source, shape), rows, recipe)
         else:
             owners = combine(*(self.trace.owner(a) for a in args if isinstance(a, Tensor)))
             view = self._elements(d, source, shape, owners)
@@ -117,26 +119,31 @@ class BroadcastReads:
         rows = o.reshape(-1).expand(shape[0])
         return rows.contiguous() if bool((rows >= 0).all()) else False
 
-    def _view(self, d: Watched, source: Tensor, view: Tensor, rows: Tensor | None = None):
-        """``view``, row r of which is read by example r (or ``rows[r]``), served."""
-        aligned = torch.Size((1,) * (view.dim() - source.dim()) + tuple(source.shape))
-
-        def parts(grad: Tensor) -> dict[str, Contribution]:
-            """Example i's gradient from the gradient at its rows of the view."""
-            dims = [k for k in range(1, grad.dim()) if aligned[k] == 1 and grad.shape[k] > 1]
-            summed = grad.sum(dims, keepdim=True) if dims else grad
-            per_row = summed.reshape(grad.shape[0], *source.shape)
-            if rows is not None:
-                per_row = per_row.new_zeros(self.batch, *source.shape).index_add_(0, rows, per_row)
-            return d.credit(Dense(per_row))
-
-        self._use(d.params, view, parts)
+    def _view(
+        self,
+        d: Watched,
+        source: Tensor,
+        view: Tensor,
+        rows: Tensor | None = None,
+        recipe: Recipe | None = None,
+    ):
+        """``view``, row r of which is read by example r (or ``rows[r]``), served; ``recipe``:
+        how a light region serves it again."""
+        per_row = broadcast_parts(source.shape, view.shape, self.batch, rows)
+        self._use(d.params, view, lambda grad: d.credit(per_row(grad)), recipe)
         # the trace follows where each row goes from here
         owner = self.trace.standard(view.dim())
         if rows is not None:
             owner = rows.view(-1, *(1,) * (view.dim() - 1))
         self.trace.owners[view] = owner
         return view
+
+
+def _recipe(name: str, i: int, d: Watched, source: Tensor, shape) -> Recipe | None:
+    """A broadcast of a whole parameter along rows one example's each: a light region's."""
+    if not isinstance(d, Derived) or source is not d.param.param:
+        return None
+    return Recipe(name, ((f"{ARG}{i}", d.param.name),), tuple(shape), None)
 
 
 def _spread(source: Tensor, shape: torch.Size) -> bool:

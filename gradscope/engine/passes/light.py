@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from ...rules import Contribution
+from ...rules import Contribution, Dense
 from ...rules.embedding import lookup
 from ...rules.linear import affine_parts
 from ..capture import Capture, ReadHooks, Use, counter, edge, read_at
@@ -95,6 +95,31 @@ def read_parts(
     return parts
 
 
+def broadcast_parts(
+    shape: torch.Size, view: torch.Size, batch: int, rows: Tensor | None = None
+) -> Callable[[Tensor], Dense]:
+    """output gradient at a view of a parameter of ``shape`` broadcast to ``view`` along its
+    dimension 0 (and others where it has size 1) -> each example's gradient: the gradient at
+    its rows (row r example r's, or ``rows[r]``'s), summed where the view repeats it."""
+    aligned = torch.Size((1,) * (len(view) - len(shape)) + tuple(shape))
+
+    def parts(grad: Tensor) -> Dense:
+        dims = [k for k in range(1, grad.dim()) if aligned[k] == 1 and grad.shape[k] > 1]
+        summed = grad.sum(dims, keepdim=True) if dims else grad
+        per_row = summed.reshape(grad.shape[0], *shape)
+        if rows is not None:
+            per_row = per_row.new_zeros(batch, *shape).index_add_(0, rows, per_row)
+        return Dense(per_row)
+
+    return parts
+
+
+def broadcast_view(param: Tensor, shape: torch.Size) -> Tensor:
+    """``param`` aligned to a result of ``shape`` and expanded along its dimension 0."""
+    aligned = param.reshape((1,) * (len(shape) - param.dim()) + tuple(param.shape))
+    return aligned.expand(shape[0], *aligned.shape[1:])
+
+
 def bind_affine(op: str, args: tuple, kwargs: dict) -> tuple | None:
     """(input, weight, bias) of a linear, embedding or product call, or None."""
     if op == "linear":
@@ -138,6 +163,8 @@ class LightRegion(TorchFunctionMode):
         recipe = self.recipes[self._next] if self._next < len(self.recipes) else None
         if recipe is not None and _name(func) == recipe.op:
             self._next += 1
+            if recipe.roles[0][0].startswith(ARG):
+                return self._broadcast(recipe, func, args, kwargs)
             return self._read(recipe, func, args, kwargs)
         out = func(*args, **kwargs)
         if not (isinstance(out, Tensor) and id(out) in self.watched):  # W.to(its own dtype): W
@@ -164,6 +191,33 @@ class LightRegion(TorchFunctionMode):
                 self.hooks.add(target, use)
             self.uses.append(use)
         return out
+
+    def _broadcast(self, recipe: Recipe, func, args: tuple, kwargs: dict):
+        """A parameter broadcast along the result's rows, row r example r's: by an elementwise
+        op, or ``p.expand(B, ...)`` (``analysis/broadcasts.py``)."""
+        ((role, name),) = recipe.roles
+        i, p = int(role[len(ARG) :]), self.params[name]
+        expand = recipe.op in EXPAND
+        if len(args) > i and args[i] is p.param:
+            if expand:
+                view = func(*args, **kwargs)
+                shape = view.shape
+            else:
+                shape = torch.broadcast_shapes(*(a.shape for a in args if isinstance(a, Tensor)))
+                view = broadcast_view(p.param, shape) if tuple(shape) == recipe.shape else None
+            at = counter() - self._start
+            if view is not None and tuple(shape) == recipe.shape and at == recipe.at:
+                per_row = broadcast_parts(p.param.shape, view.shape, self.batch)
+                with torch._C.DisableTorchFunction():
+                    use = Use((p,), edge(view), lambda grad: {name: per_row(grad)})
+                    self.hooks.add(view, use)
+                self.uses.append(use)
+                return view if expand else func(*args[:i], view, *args[i + 1 :], **kwargs)
+            if expand:
+                self.why = self.why or f"another read than the analysed batch's ({recipe.op})"
+                return view
+        self.why = self.why or f"another read than the analysed batch's ({recipe.op})"
+        return func(*args, **kwargs)
 
     def _matches(self, recipe: Recipe, x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
         roles = dict(recipe.roles)
@@ -234,6 +288,9 @@ def _metadata(func) -> bool:
         return _name(getattr(func, "__self__", None)) not in ("T", "mT", "H", "mH")
     return name in METADATA
 
+
+ARG = "arg"  # a broadcast recipe's role: the position of the parameter among the op's arguments
+EXPAND = {"expand", "expand_as"}
 
 # what a watched tensor may be asked without being read
 METADATA = {"__get__", "size", "dim", "numel", "ndimension", "nelement", "shape", "dtype"}
