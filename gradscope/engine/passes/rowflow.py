@@ -36,6 +36,8 @@ ROW_WISE |= {"clamp_min", "clamp_max", "erf", "abs", "__floordiv__", "floor_divi
 ROW_WISE |= {"remainder", "long", "int", "bool", "eq", "ne", "lt", "gt", "le", "ge", "__eq__"}
 ROW_WISE |= {"__ne__", "__lt__", "__gt__", "__le__", "__ge__", "logical_and", "logical_or"}
 PRODUCTS = {"linear", "grouped_mm", "_grouped_mm"}
+JOINS = {"cat", "concat", "concatenate", "stack"}
+ALONG = {"gather", "take_along_dim", "scatter", "scatter_", "scatter_add", "scatter_add_"}
 SPLITS = {"chunk", "split", "tensor_split", "split_with_sizes", "unbind", "narrow", "select"}
 RESHAPES = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
 REDUCTIONS = {"sum", "mean", "amax", "amin", "softmax", "log_softmax", "topk", "max", "min"}
@@ -147,6 +149,13 @@ def _rows_after(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object
         return _added(flow, args, kwargs)
     if name == "__setitem__":
         return NotImplemented if flow.of(x) is not False or flow.of(args[2]) is not False else False
+    if name in JOINS:
+        return _joined(flow, name, args, kwargs, out)
+    if name in ALONG:  # within each row, along another dimension: rows kept, and met
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        if not isinstance(dim, int) or not x.dim() or dim % x.dim() == 0:
+            return NotImplemented
+        return _row_wise(flow, args, kwargs, out)
     if name in PRODUCTS:  # row by row, on weights of no example; offsets are positions
         w = args[1] if len(args) > 1 else kwargs.get("weight")
         return _same_rows(flow, x, out) if flow.of(w) is False else NotImplemented
@@ -289,3 +298,24 @@ def _reshaped(flow: RowFlow, x: Tensor, out: object) -> object:
     found = merged.amax(1)
     flow.flag(((merged != found[:, None]) & (merged != NO_ONE)).any(1))
     return found
+
+
+def _joined(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object) -> object:
+    """``cat``/``stack`` along another dimension than 0 keep the rows (which meet); ``cat``
+    along dimension 0 puts each tensor's rows after the previous one's."""
+    tensors = args[0] if args and isinstance(args[0], (list, tuple)) else None
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    if tensors is None or not isinstance(dim, int) or not isinstance(out, Tensor) or not out.dim():
+        return NotImplemented
+    if dim % out.dim():
+        return _row_wise(flow, (*tensors,), {}, out)
+    if name == "stack" or any(t.dim() == 0 for t in tensors):
+        return NotImplemented
+    rows = [flow.of(t) for t in tensors]
+    if any(r is None for r in rows):
+        return NotImplemented
+    full = [
+        r if r is not False else out.new_full((t.shape[0],), NO_ONE, dtype=torch.long)
+        for t, r in zip(tensors, rows, strict=True)
+    ]
+    return torch.cat(full)
