@@ -187,7 +187,8 @@ class Engine:
             return None
         batch = len(targets)
         regions = [m for m in self._modules if id(m) in program.regions]
-        session = ReplaySession(self.plan.hooked_modules, regions, program, batch, self.record.copy)
+        hooked, copy = self.plan.hooked_modules, self.record.copy
+        session = ReplaySession(hooked, regions, program, batch, copy, plan=self.plan)
         session.make_region = lambda call, tensors: self._region(call, tensors, findings, session)
         try:
             with torch.set_grad_enabled(bool(program.uses)), session:

@@ -97,6 +97,25 @@ class Routed(nn.Module):
         return self.head(torch.tanh(back.view(x.shape)).mean(1))
 
 
+class TopLevel(nn.Module):
+    """A class token and position embeddings read at the model's top level, outside every
+    module call (a timm ViT's): reads the replay serves by recipe over the whole forward. With
+    ``other``, the batches its state marks add another position table instead."""
+
+    def __init__(self, other: bool = False):
+        super().__init__()
+        self.other, self.odd = other, False
+        self.proj, self.head = nn.Linear(D, D), nn.Linear(D, CLASSES)
+        self.token = nn.Parameter(torch.randn(1, 1, D))
+        self.pos, self.pos2 = nn.Parameter(torch.randn(1, 5, D)), nn.Parameter(torch.randn(1, 5, D))
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, 4, D)
+        h = self.proj(x)
+        h = torch.cat([self.token.expand(h.shape[0], -1, -1), h], 1)
+        h = h + (self.pos2 if self.other and self.odd else self.pos)
+        return self.head(torch.tanh(h).mean(1))
+
+
 class Padded(nn.Module):
     """Attention over padded tokens whose mask is skipped where nothing is padded, as the
     Hugging Face models' fast paths do."""
@@ -258,7 +277,8 @@ def _batches(model: str, n: int = 3) -> list[tuple[tuple[Tensor, ...], Tensor]]:
                 mask[1, 2:] = 0
             out.append(((ids, mask), y))
             continue
-        shape = (BATCH, 4, D) if model == "routed" or model in BLOCKS else (BATCH, D)
+        rows = model in ("routed", "top", "top-other") or model in BLOCKS
+        shape = (BATCH, 4, D) if rows else (BATCH, D)
         x = torch.randn(*shape, generator=g, dtype=torch.float64)
         if model == "masked-block":
             mask = torch.ones(BATCH, 4, dtype=torch.long)
@@ -279,12 +299,14 @@ def _batches(model: str, n: int = 3) -> list[tuple[tuple[Tensor, ...], Tensor]]:
 def _build(model: str) -> nn.Module:
     torch.manual_seed(0)
     built = {"dense": Dense, "routed": Routed, "padded": Padded, "value": ByValue}
+    built |= {"top": TopLevel, "top-other": lambda: TopLevel(other=True)}
     if model in BLOCKS:
         return InBlock(BLOCKS[model]()).double()
     return (built[model]() if model in built else Sometimes(model)).double()
 
 
-CASES = ["dense", "module", "raw", "outside", "flip", "value", "routed", "padded", *BLOCKS]
+CASES = ["dense", "module", "raw", "outside", "flip", "value", "routed", "padded", "top"]
+CASES += ["top-other", *BLOCKS]
 
 
 def _set_state(model: nn.Module, k: int) -> None:
@@ -292,6 +314,8 @@ def _set_state(model: nn.Module, k: int) -> None:
         model.odd = k % 2 == 0  # the first batch analysed odd, the second even, ...
     if isinstance(model, InBlock) and isinstance(model.block, Reader):
         model.block.odd = k % 2 == 1  # the first batch analysed as usual, the second not
+    if isinstance(model, TopLevel):
+        model.odd = k % 2 == 1
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -317,6 +341,8 @@ def test_every_batch_of_one_signature_is_exact_through_fresh_api_calls(case: str
         ("value", 0),
         ("routed", 0),
         ("padded", 0),
+        ("top", 2),
+        ("top-other", 0),
         ("routed-block", 2),
         ("masked-block", 2),
         ("position-block", 2),
@@ -346,6 +372,8 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
         assert not findings.programs  # in the model's own forward: no region can hold it
     elif replays == 0:
         assert findings.why is not None  # a program, whose witness failed
+    if case.startswith("top"):  # the top-level reads, by recipe
+        assert len(findings.programs[-1].root) == 2
     if case in BLOCKS:  # the block is the region, analysed again on every batch
         region = model.block.attn if case == "attention-block" else model.block
         assert findings.programs[-1].regions == {id(region)}
@@ -358,7 +386,7 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
         assert "read" in findings.why or "operations" in findings.why, findings.why
 
 
-@pytest.mark.parametrize("case", ["dense", "value", "routed", "padded", *BLOCKS])
+@pytest.mark.parametrize("case", ["dense", "value", "routed", "padded", "top", *BLOCKS])
 def test_every_batch_of_one_cli_run_is_exact(tmp_path, case: str):
     """Three batches of one signature in one run: replayed, or analysed where values decide."""
     import yaml

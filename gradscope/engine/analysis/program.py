@@ -27,7 +27,7 @@ class _Open:
 
 def regions_of(captured: Captured) -> Regions | str:
     """The regions a later batch analyses again, or why no later batch may replay this one."""
-    return captured.finder.choose()
+    return captured.finder.choose(captured.at_start)
 
 
 def program_of(
@@ -67,7 +67,8 @@ def program_of(
         last = at
     steps = tuple(_step(i) if isinstance(i, _Open) else i for i in items)
     tail = captured.at_end - last
-    return Program(steps, requests, checked, tuple(uses.items()), tail, moves, regions.modules)
+    uses_ = tuple(uses.items())
+    return Program(steps, requests, checked, uses_, tail, moves, regions.modules, regions.root)
 
 
 def _step(item: _Open) -> Step:

@@ -67,6 +67,7 @@ class Regions:
     light: dict[int, tuple[Recipe, ...]] = field(default_factory=dict)
     routed: frozenset[int] = frozenset()
     open: frozenset[int] = frozenset()  # routed, their reads differing in number batch to batch
+    root: tuple[Recipe, ...] = ()  # reads outside every region call, served by recipe
 
     @property
     def fixed(self) -> bool:
@@ -174,17 +175,22 @@ class Finder:
 
     # -- the choice --------------------------------------------------------------------------
 
-    def choose(self) -> Regions | str:
-        """The regions that cover every need; or why there are none (a need that no call around
-        it, the model's own call aside, can hold)."""
+    def choose(self, start: int) -> Regions | str:
+        """The regions that cover every need, and the reads no call around them can hold that
+        the replay serves by recipe (each with the autograd nodes made since ``start``, the
+        forward's); or why there are none (a need that no call around it, the model's own
+        call aside, can hold, and no recipe serves)."""
         chosen: set[int] = set()
-        for why, stack, _, _ in self.needs:
+        root: list[Recipe] = []
+        for why, stack, recipe, at in self.needs:
             for v in reversed(stack):
                 if v.parent is not None and self._holds(v.module):
                     chosen.add(id(v.module))
                     break
             else:
-                return f"{why}, outside any module call a region can hold"
+                if not _plain(recipe):
+                    return f"{why}, outside any module call a region can hold"
+                root.append(dataclasses.replace(recipe, at=at - start))
         outer = [
             v
             for v in self.visits
@@ -194,7 +200,7 @@ class Finder:
         routed = frozenset(id(v) for v in outer if id(v) in light and self._routed(v))
         opened = frozenset(i for i in routed if any(r.expert for r in light[i]))
         opened |= frozenset(id(v) for v in outer if id(v) in routed and self._escaped(v))
-        return Regions(frozenset(chosen), outer, light, routed, opened)
+        return Regions(frozenset(chosen), outer, light, routed, opened, tuple(root))
 
     def _light(self, v: Visit) -> tuple[Recipe, ...] | None:
         """The recipes of a region call whose every need is a read with one (or, in a routed
@@ -225,6 +231,11 @@ class Finder:
         """Whether every call of ``module`` can be a region."""
         calls = [v for v in self.visits if v.module is module]
         return all(v.entry != IRREGULAR and v.exit != IRREGULAR and not v.foreign for v in calls)
+
+
+def _plain(recipe: object) -> bool:
+    """Whether a need is a read a light region's recipe serves on rows laid out by shapes."""
+    return isinstance(recipe, Recipe) and not (recipe.expert or recipe.op == "grouped_mm")
 
 
 def _rows_first(v: Visit) -> bool:

@@ -205,7 +205,7 @@ class LightRegion(TorchFunctionMode):
             else:
                 shape = torch.broadcast_shapes(*(a.shape for a in args if isinstance(a, Tensor)))
                 view = broadcast_view(p.param, shape) if tuple(shape) == recipe.shape else None
-            at = counter() - self._start
+            at = recipe.at if self.during is None else counter() - self._start
             if view is not None and tuple(shape) == recipe.shape and at == recipe.at:
                 per_row = broadcast_parts(p.param.shape, view.shape, self.batch)
                 with torch._C.DisableTorchFunction():
@@ -266,6 +266,38 @@ class LightRegion(TorchFunctionMode):
 
     def reading(self, on_grad: Callable | None) -> None:
         self.hooks.reading(on_grad)
+
+
+class RootReads(LightRegion):
+    """The reads of a replayed batch outside every region call and every call of their
+    parameters' modules (a ViT's ``cls_token`` and ``pos_embed`` at the model's top level),
+    served by their recipes as a light region serves its own, in the analysed order, over the
+    whole forward; ``ruled(p)``: whether a call of the module whose rule serves ``p`` is under
+    way (its reads there are the rule's). The replay's witness between its events stands for
+    the autograd nodes before each read."""
+
+    def __init__(self, plan: Plan, recipes: Sequence[Recipe], batch: int, ruled: Callable):
+        self.ruled = ruled
+        super().__init__(plan, recipes, None, batch)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        found = {id(a) for a in (*args, *kwargs.values()) if id(a) in self.watched}
+        if found and any(self.ruled(p) for p in self.params.values() if id(p.param) in found):
+            return func(*args, **kwargs)
+        return super().__torch_function__(func, types, args, kwargs)
+
+    def finish_reads(self) -> str | None:
+        """The forward's end: why the batch's reads are not the analysed ones, or None."""
+        self.close()
+        if self.why:
+            return self.why
+        return "fewer reads than the analysed batch's" if self._next != len(self.recipes) else None
+
+
+def in_order(reads: list[Use]) -> list[Use]:
+    """Reads in the order the forward made them (their gradients' nodes were made then)."""
+    return sorted(reads, key=lambda u: u.edge.node._sequence_nr())
 
 
 def viewed_parts(parts: Callable, viewed: Callable) -> Callable:

@@ -32,9 +32,10 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from ..capture import Call, Capture, counter, first_output, shapes_of
+from ..plan import BROADCAST, ParamPlan, Plan
 from ..rows import Rows
 from .backward import Requests
-from .light import Recipe
+from .light import Recipe, RootReads, in_order
 
 
 class Diverged(Exception):
@@ -81,6 +82,7 @@ class Program:
     tail: int  # autograd nodes made from the last event to the losses
     moves: int  # the record's moves to the fallback when made: a later one retires it
     regions: frozenset[int]  # ids of the region modules
+    root: tuple[Recipe, ...] = ()  # reads outside every region call, by recipe (``light.py``)
 
     @property
     def varies(self) -> bool:
@@ -111,6 +113,7 @@ class ReplaySession(Capture):
         batch: int,
         copy: set[int],
         region: Callable[[RegionCall, list[Tensor]], Any] | None = None,
+        plan: Plan | None = None,
     ):
         super().__init__(modules)
         self.hooked = {id(m) for m in self.modules}
@@ -122,6 +125,7 @@ class ReplaySession(Capture):
         self.region: Region | None = None
         self.done: list[Any] = []  # the regions' analyses, in the order they ran
         self.diverged: str | None = None
+        self.plan, self.root = plan, None  # the reads outside every region (``RootReads``)
         self._last = 0
 
     def __enter__(self) -> ReplaySession:
@@ -130,6 +134,8 @@ class ReplaySession(Capture):
             pre = module.register_forward_pre_hook(self._region_enter, with_kwargs=True)
             self._handles += [pre, module.register_forward_hook(self._region_exit)]
         self._last = counter()
+        if self.program.root:
+            self.root = RootReads(self.plan, self.program.root, self.batch, self._ruled)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -137,6 +143,12 @@ class ReplaySession(Capture):
         if self.region is not None:  # the forward raised inside a region: leave its modes
             self.region.analysis.close()
             self.region = None
+        if self.root is not None:
+            self.root.close()
+
+    def _ruled(self, p: ParamPlan) -> bool:
+        """Whether ``p`` is read inside a call of the module whose rule serves it."""
+        return p.rule != BROADCAST and any(self.inside(m) for m, _ in p.owners)
 
     def diverge(self, why: str) -> None:
         self.diverged = self.diverged or why
@@ -263,6 +275,11 @@ class ReplaySession(Capture):
         edited = self.edited_in_place() - self.copy
         if edited:
             self.diverge("a captured input was edited in place")
+        if self.root is not None:
+            why = self.root.finish_reads()
+            if why:
+                self.diverge(f"{why} outside the regions")
+            self.done.append(self.root)
         flags = [f for r in self.done if (f := r.pending()) is not None]
         if flags and bool(torch.stack(flags).any()):  # the one host sync of routed regions
             self.diverge("rows that the batch's values put where the analysed batch's were not")
@@ -279,7 +296,10 @@ class Taps:
         self.regions = list(regions)
 
     def reads(self) -> list:
-        return [u for r in self.regions for u in r.reads()]
+        reads = [u for r in self.regions for u in r.reads()]
+        if any(isinstance(r, RootReads) for r in self.regions):
+            return in_order(reads)  # the root's among the regions' as the forward made them
+        return reads
 
     def reading(self, on_grad) -> None:
         for r in self.regions:
