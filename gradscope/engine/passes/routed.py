@@ -57,12 +57,19 @@ class RoutedRegion(LightRegion):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        ts = tensors_in(args, kwargs)
+        watched, views, rows = self.watched, self.views, self.flow.rows
+        for t in ts:  # a loop, not a generator: this runs on every op
+            i = id(t)
+            if i in watched or i in views or i in rows:
+                break
+        else:
+            return func(*args, **kwargs)  # nothing followed, nothing watched
         if _metadata(func):
             return func(*args, **kwargs)
         name = _name(func)
         if name == "__get__":
             name = _name(func.__self__)
-        ts = tensors_in(args, kwargs)
         watched = [t for t in ts if id(t) in self.watched or self._view(t) is not None]
         out = self._watched(name, func, args, kwargs) if watched else func(*args, **kwargs)
         if self.flow.holds(ts):

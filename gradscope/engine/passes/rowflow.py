@@ -180,7 +180,7 @@ def _rows_after(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object
         return _kept(flow, x, out, (args[1], args[2]) if len(args) > 2 else None)
     if name == "mT" and x.dim() < 3:
         return NotImplemented
-    if name in ("unsqueeze", "squeeze", "expand", "expand_as", "mT", "permute"):
+    if name in ("unsqueeze", "squeeze", "expand", "expand_as", "mT", "permute", "one_hot"):
         if name == "permute":
             dims = args[1:] if not isinstance(args[1], (list, tuple)) else args[1]
             return _kept(flow, x, out, 1 if dims[0] % x.dim() == 0 else 0)
