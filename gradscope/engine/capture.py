@@ -274,3 +274,14 @@ class Captured:
     def per_example(self) -> bool:
         """Each loss is one example's, by the trace."""
         return self.trace is not None and self.trace.per_example(self.losses, len(self.losses))
+
+
+def tensors_in(args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensors among an op's arguments, and in lists and tuples of them (``torch.cat``)."""
+    found = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found.extend(t for t in a if isinstance(t, Tensor))
+    return found

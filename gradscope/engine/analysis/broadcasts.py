@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ...rules import Contribution, Dense
 from ...rules.base import CHUNK_ELEMENTS
-from ..passes.light import ARG, EXPAND, Recipe, broadcast_parts, broadcast_view
+from ..passes.recipes import ARG, EXPAND, Recipe, broadcast_parts, broadcast_view
 from .derived import Derived, Watched
 from .owners import combine, is_batch, reduce, slots
 

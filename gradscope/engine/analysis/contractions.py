@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .ops import tensors_in
+from ..capture import tensors_in
 from .owners import combine, compact, reduce
 
 if TYPE_CHECKING:

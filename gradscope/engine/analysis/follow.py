@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..capture import tensors_in
 from .contractions import CONTRACTIONS
 from .ops import (
     CASTS,
@@ -28,7 +29,6 @@ from .ops import (
     binary,
     dims_of,
     filled,
-    tensors_in,
 )
 from .owners import (
     MIXED,

@@ -1,8 +1,9 @@
 """The functions a layer rule's math serves where the tap sees them called on a watched
 parameter (or a view of one, or a tensor computed from parameters): ``F.linear``, ``x @ W`` and
-``W @ x``, ``F.embedding``, ``F.conv{1,2,3}d``, and fused expert weights run by ``grouped_mm``
-or ``bmm``; each on rows traced to their examples (``trace.py``), gathered where they are in
-another layout, placed where the view sits in its parameter."""
+``W @ x``, ``F.embedding``, ``F.conv{1,2,3}d``, ``einsum`` (fused expert weights run by
+``grouped_mm`` or ``bmm``: ``experts.py``); each on rows traced to their examples
+(``trace.py``), gathered where they are in another layout, placed where the view sits in its
+parameter."""
 
 from __future__ import annotations
 
@@ -12,17 +13,14 @@ from torch.utils._pytree import tree_flatten
 
 from ...rules import Contribution, Dense
 from ...rules.linear import affine_parts
-from ...rules.placed import Place, Placed
 from ..capture import read_at
-from ..passes.light import Recipe, bind_affine, read_parts, viewed_parts
-from ..rows import Lanes, regroup, rows_of
+from ..passes.recipes import Recipe, bind_affine, read_parts, viewed_parts
+from ..rows import Lanes, rows_of
 from .bind import bind_conv, conv_parts, einsum_terms
-from .derived import Derived, Watched
+from .derived import Derived
+from .experts import expert_read
 from .owners import is_batch, reduce, slots
-from .policy import assumable, shared
-from .views import compose
-
-ASSUMED = object()  # rows taken as the examples' until the losses' owners say otherwise
+from .policy import ASSUMED, assumable, shared
 
 
 class FunctionReads:
@@ -73,7 +71,7 @@ class FunctionReads:
         if whole and not (expanded or assumed_rows) and (rows is None or isinstance(rows, Lanes)):
             roles = tuple((role, d.param.name) for role, d in reads)
             recipe = Recipe(name, roles, tuple(x.shape), rows)
-        elif name == "linear" and not (expanded or assumed_rows) and _expert(reads):
+        elif name == "linear" and not (expanded or assumed_rows) and expert_read(reads):
             roles = (("weight", reads[0][1].param.name),)
             recipe = Recipe(name, roles, tuple(x.shape), None, expert=True)
         self._read_output(tuple(p for _, d in reads for p in d.params), out, parts, args, recipe)
@@ -137,63 +135,6 @@ class FunctionReads:
         self._read_output(tuple(p for _, d in reads for p in d.params), out, parts, args)
         return out
 
-    def _grouped(self, func, args: tuple, kwargs: dict) -> Tensor | None:
-        """``grouped_mm(x, W, offs)``: rows offs[e-1]:offs[e] of x times W[e], the experts of a
-        fused 3-D weight run on their sorted tokens: a Linear per expert, placed at W[e]."""
-        x, weight = args[0], args[1]
-        offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
-        extra = [v for k, v in kwargs.items() if k != "offs" and v is not None]
-        if len(args) > 3 or extra or self._watched(x) is not None or offs is None or x.dim() != 2:
-            return None
-        d = self._watched(weight)
-        if (
-            not isinstance(d, Derived)
-            or weight.dim() != 3
-            or (d.place.index and d.place.transposed)
-        ):
-            return None
-        rows = self._rows(x, 1)
-        if rows is False or rows is ASSUMED:
-            return None
-        out = func(*args, **kwargs)
-        if not out.requires_grad:
-            return out
-        owner = torch.arange(self.batch, device=x.device) if rows is None else rows  # (S,)
-        with torch._C.DisableTorchFunction():  # the tap's own read, not the model's
-            a, ends = x.detach(), offs.tolist()
-
-        def parts(grad: Tensor) -> dict[str, Contribution]:
-            return self._experts(d, weight, a, grad, owner, ends)
-
-        self._read_output(d.params, out, parts, args, _routed(d, weight, x))
-        return out
-
-    def _bmm(self, func, args: tuple, kwargs: dict) -> Tensor | None:
-        """``bmm(x, W)`` of (E, N, in) tokens and a fused (E, in, out) weight (Llama 4's
-        experts): a Linear per expert on its N rows, each row one example's, placed at W[e]."""
-        if len(args) != 2 or kwargs:
-            return None
-        x, weight = args
-        d = self._watched(weight)
-        if d is None or weight.dim() != 3 or x.dim() != 3 or self._watched(x) is not None:
-            return None
-        if isinstance(d, Derived) and d.place.index and d.place.transposed:
-            return None
-        o = reduce(self.trace.owner(x), [2], keepdim=False).expand(x.shape[:2])
-        if not bool((o >= 0).all()):
-            return None
-        out = func(*args)
-        if not out.requires_grad:
-            return out
-        owner, a = o.reshape(-1), x.detach().reshape(-1, x.shape[-1])
-        ends = [(e + 1) * x.shape[1] for e in range(x.shape[0])]
-
-        def parts(grad: Tensor) -> dict[str, Contribution]:
-            return self._experts(d, weight, a, grad.reshape(-1, grad.shape[-1]), owner, ends)
-
-        self._read_output(d.params, out, parts, args)
-        return out
-
     def _einsum(self, func, args: tuple, kwargs: dict) -> Tensor | None:
         """``einsum(eq, x, W)`` (either order) with the batch ``x``'s first index also the
         output's first and not W's: example b's gradient of W is ``einsum(x[b], grad[b])``
@@ -231,30 +172,6 @@ class FunctionReads:
         """``_use`` on a function's output, read where ``graph.read_at`` says."""
         target, viewed = read_at(out, tree_flatten(args)[0])
         self._use(params, target, parts if viewed is None else viewed_parts(parts, viewed), recipe)
-
-    def _experts(self, d: Watched, weight: Tensor, a: Tensor, grad: Tensor, owner, ends) -> dict:
-        """Expert e's Linear on rows ends[e-1]:ends[e] of ``a`` (owned by ``owner``), placed at
-        W[e] in the parameter (a view of it), or in ``weight`` (computed from parameters: then
-        carried back to them)."""
-        blocks, start = [], 0
-        for e, end in enumerate(ends):
-            if end > start:
-                rows = rows_of(owner[start:end], self.batch)
-                (xs, g), counts = regroup(rows, self.batch, a[start:end], grad[start:end])
-                part = affine_parts(xs, g, weight[e], None, True, counts)["weight"]
-                if isinstance(d, Derived):
-                    index = (e,) if not d.place.index else compose(d.place.index, (e,), 3)
-                    place = Place(index, d.place.transposed, d.place.scale)
-                    blocks.append(Placed(part, d.param.param.shape, place))
-                else:
-                    blocks.append(Placed(part, weight.shape, Place((e,))))
-            start = end
-        if not blocks:
-            return {}
-        merged = blocks[0]
-        for block in blocks[1:]:
-            merged = merged.merge(block)
-        return {d.param.name: merged} if isinstance(d, Derived) else d.credit(merged)
 
     def _examples_lead(self, x: Tensor) -> bool:
         """Whether ``x[i]`` is example i's alone (B along dimension 0, nothing else mixed in)."""
@@ -295,47 +212,6 @@ class FunctionReads:
             self.assumed = True
             return ASSUMED
         return False
-
-
-def _expert(reads: list) -> bool:
-    """Whether a linear read is of ``W[e]`` alone, one matrix of a 3-D parameter (an expert
-    picked by a value): a read an open routed region serves again (``passes/routed.py``)."""
-    if len(reads) != 1 or reads[0][0] != "weight" or not isinstance(reads[0][1], Derived):
-        return False
-    d = reads[0][1]
-    index, param = d.place.index, d.param.param
-    if param.dim() != 3 or not index or not isinstance(index[0], int):
-        return False
-    whole = all(_whole(k, n) for k, n in zip(index[1:], param.shape[1:], strict=False))
-    return whole and not d.place.transposed and d.place.scale == 1.0
-
-
-def _whole(k: object, size: int) -> bool:
-    """Whether index ``k`` takes the whole of a dimension of ``size``."""
-    return (
-        isinstance(k, slice)
-        and k.start in (0, None)
-        and k.step in (1, None)
-        and (k.stop is None or k.stop >= size)
-    )
-
-
-def _routed(d: Derived, weight: Tensor, x: Tensor) -> Recipe | None:
-    """A grouped read of a whole 3-D parameter (or its transpose) that a routed region serves
-    again (``passes/routed.py``), where the rows' Gram costs no more than ``ROUTED_ROWS``
-    allow: its rows follow the batch's values, so their number alone is fixed."""
-    place, rows = d.place, x.shape[0]
-    if place.index or place.scale != 1.0 or rows > ROUTED_ROWS:
-        return None
-    whole = weight is d.param.param or (place.transposed and weight._base is d.param.param)
-    if not whole:
-        return None
-    roles = (("weight", d.param.name),)
-    return Recipe("grouped_mm", roles, tuple(x.shape), None, transposed=not place.transposed)
-
-
-# the most rows a routed region's grouped read takes: its Gram is rows x rows per chunk
-ROUTED_ROWS = 4096
 
 
 def _credit(reads) -> dict[str, Contribution]:

@@ -136,13 +136,3 @@ def binary(name: str, args: tuple, kwargs: dict) -> bool:
 def filled(t: Tensor, value: int) -> Tensor:
     """Owners ``value`` for every element of ``t``: (1, ..., 1) of its rank, on its device."""
     return torch.full((1,) * t.dim(), value, dtype=torch.long, device=t.device)
-
-
-def tensors_in(args: tuple, kwargs: dict) -> list[Tensor]:
-    found = []
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, Tensor):
-            found.append(a)
-        elif isinstance(a, (list, tuple)):
-            found.extend(t for t in a if isinstance(t, Tensor))
-    return found

@@ -20,6 +20,8 @@ from torch import Tensor
 from .owners import NONE, rows_or_none
 from .trace import RowTrace
 
+ASSUMED = object()  # rows taken as the examples' until the losses' owners say otherwise
+
 
 def shared(trace: RowTrace, x: object) -> bool:
     """Whether ``x`` is one set of rows for the whole batch: a (1, ...) tensor or 1-D indices,

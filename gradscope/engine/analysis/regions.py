@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from ..capture import counter
-from ..passes.light import Recipe
+from ..passes.recipes import Recipe
 from .owners import NONE, lane_of
 from .trace import ByTensor, RowTrace
 

@@ -39,11 +39,12 @@ from torch.utils._pytree import tree_flatten
 
 from ...rules.placed import Place
 from ..capture import ReadHooks, Use
-from ..passes.light import METADATA, OPENED, Recipe
+from ..passes.recipes import METADATA, OPENED, Recipe
 from ..plan import ParamPlan
 from .bind import CONVS, GROUPED, masked_by, sdpa_math
 from .broadcasts import WRITTEN, BroadcastReads
 from .derived import Derived, Watched, compute
+from .experts import ExpertReads
 from .functions import FunctionReads
 from .ops import op_name
 from .policy import batch_free
@@ -64,7 +65,7 @@ class Uses:
     other: str | None = None  # the first op that used the parameter some other way
 
 
-class ParamTap(FunctionReads, BroadcastReads, TorchFunctionMode):
+class ParamTap(FunctionReads, ExpertReads, BroadcastReads, TorchFunctionMode):
     """The mode that watches ``params`` during one forward of a batch of ``batch`` examples."""
 
     def __init__(

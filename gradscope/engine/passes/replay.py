@@ -35,7 +35,8 @@ from ..capture import Call, Capture, counter, first_output, shapes_of
 from ..plan import BROADCAST, ParamPlan, Plan
 from ..rows import Rows
 from .backward import Requests
-from .light import Recipe, RootReads, in_order
+from .light import RootReads, in_order
+from .recipes import Recipe
 
 
 class Diverged(Exception):

@@ -20,10 +20,11 @@ import torch
 from torch import Tensor
 
 from ...rules.routed import Routed
-from ..capture import Use, counter, edge, read_at
+from ..capture import Use, counter, edge, read_at, tensors_in
 from ..plan import Plan
-from .light import LightRegion, Recipe, _metadata, _name, bind_affine, viewed_parts
-from .rowflow import NO_ONE, RowFlow, tensors_in
+from .light import LightRegion
+from .recipes import Recipe, bind_affine, metadata, name_of, viewed_parts
+from .rowflow import NO_ONE, RowFlow
 
 
 class RoutedRegion(LightRegion):
@@ -65,11 +66,11 @@ class RoutedRegion(LightRegion):
                 break
         else:
             return func(*args, **kwargs)  # nothing followed, nothing watched
-        if _metadata(func):
+        if metadata(func):
             return func(*args, **kwargs)
-        name = _name(func)
+        name = name_of(func)
         if name == "__get__":
-            name = _name(func.__self__)
+            name = name_of(func.__self__)
         watched = [t for t in ts if id(t) in self.watched or self._view(t) is not None]
         out = self._watched(name, func, args, kwargs) if watched else func(*args, **kwargs)
         if self.flow.holds(ts):

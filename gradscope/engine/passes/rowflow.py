@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..capture import tensors_in
+
 NO_ONE = -1  # a row of no example
 # ops whose results depend on no example, whatever their arguments
 CREATIONS = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones"}
@@ -125,16 +127,6 @@ class RowFlow:
                 self.keep(t, r)
             return
         self.keep(target, rows)
-
-
-def tensors_in(args: tuple, kwargs: dict) -> list[Tensor]:
-    found = []
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, Tensor):
-            found.append(a)
-        elif isinstance(a, (list, tuple)):
-            found.extend(t for t in a if isinstance(t, Tensor))
-    return found
 
 
 def _rows_after(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object):

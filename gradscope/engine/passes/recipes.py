@@ -1,0 +1,165 @@
+"""Recipes: how a read of parameters that the analysed batch served is served again on a later
+batch without the trace (``light.py``, ``routed.py``): the function, the parameters at its
+roles, its input's shape and rows, and the math each kind of read gives its contributions by
+(``read_parts`` for ``F.linear``/``F.embedding``/``x @ W``, ``broadcast_parts`` for a parameter
+broadcast along the rows); and what a watched parameter may be asked without being read."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ...rules import Contribution, Dense
+from ...rules.embedding import lookup
+from ...rules.linear import affine_parts
+from ..rows import Lanes, Rows, regroup
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One read of whole parameters by a function: ``op`` (linear, embedding, or a product
+    ``x @ W``), the parameters at its roles ((role, name): weight, bias), its input's shape,
+    the layout of its rows (None: one row per example on dimension 0, or, for ``grouped_mm``,
+    rows a routed region follows: ``routed.py``), the autograd nodes made from the region call's
+    start to the read's end, whether a grouped product reads W itself ((E, in, out)), not its
+    transpose, and whether a linear one reads one expert's matrix of a 3-D W."""
+
+    op: str
+    roles: tuple[tuple[str, str], ...]
+    shape: tuple[int, ...]
+    rows: Lanes | None
+    at: int = 0
+    transposed: bool = False
+    expert: bool = False  # ``F.linear`` of ``W[e]``, a 3-D W's matrix that a value picks
+
+    @property
+    def kind(self) -> tuple:
+        """What an open routed region matches a read by: the function, the parameters, the
+        view of them (``passes/routed.py``)."""
+        return self.op, self.roles, self.transposed, self.expert
+
+    def parts(
+        self, x: Tensor, weight: Tensor, bias: Tensor | None, args: tuple, kwargs: dict, batch: int
+    ) -> Callable[[Tensor], dict[str, Contribution]]:
+        """The read's contributions by parameter name from its output gradient."""
+        names = dict(self.roles)
+        by_role = read_parts(self.op, x.detach(), weight, bias, self.rows, args, kwargs, batch)
+        return lambda grad: {names[r]: part for r, part in by_role(grad).items() if r in names}
+
+
+def read_parts(
+    op: str,
+    a: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    rows: Rows | None,
+    args: tuple,
+    kwargs: dict,
+    batch: int,
+) -> Callable[[Tensor], dict[str, Contribution]]:
+    """output gradient -> {role (weight, bias): its contribution} of one read of ``weight``
+    (and ``bias``) by ``op`` on the rows of ``a`` (``rows``: their layout, None where one per
+    example on dimension 0): the tap's reads and the light regions' recipes alike."""
+    shape = weight.shape
+
+    def parts(grad: Tensor) -> dict[str, Contribution]:
+        (xs, g), counts = (a, grad), None
+        if rows is not None:
+            (xs, g), counts = regroup(rows, batch, a, grad)
+        if op == "embedding":
+            padding = kwargs.get("padding_idx", args[2] if len(args) > 2 else None)
+            by_freq = kwargs.get("scale_grad_by_freq", args[5] if len(args) > 5 else False)
+            got = {"weight": lookup(xs, g, shape[0], padding, by_freq)}
+        else:
+            transposed = op != "linear"  # x @ W: W is (in, out)
+            got = affine_parts(xs, g, weight, bias, transposed, counts)
+        return got
+
+    return parts
+
+
+def broadcast_parts(
+    shape: torch.Size, view: torch.Size, batch: int, rows: Tensor | None = None
+) -> Callable[[Tensor], Dense]:
+    """output gradient at a view of a parameter of ``shape`` broadcast to ``view`` along its
+    dimension 0 (and others where it has size 1) -> each example's gradient: the gradient at
+    its rows (row r example r's, or ``rows[r]``'s), summed where the view repeats it."""
+    aligned = torch.Size((1,) * (len(view) - len(shape)) + tuple(shape))
+
+    def parts(grad: Tensor) -> Dense:
+        dims = [k for k in range(1, grad.dim()) if aligned[k] == 1 and grad.shape[k] > 1]
+        summed = grad.sum(dims, keepdim=True) if dims else grad
+        per_row = summed.reshape(grad.shape[0], *shape)
+        if rows is not None:
+            per_row = per_row.new_zeros(batch, *shape).index_add_(0, rows, per_row)
+        return Dense(per_row)
+
+    return parts
+
+
+def broadcast_view(param: Tensor, shape: torch.Size) -> Tensor:
+    """``param`` aligned to a result of ``shape`` and expanded along its dimension 0."""
+    aligned = param.reshape((1,) * (len(shape) - param.dim()) + tuple(param.shape))
+    return aligned.expand(shape[0], *aligned.shape[1:])
+
+
+def bind_affine(op: str, args: tuple, kwargs: dict) -> tuple | None:
+    """(input, weight, bias) of a linear, embedding or product call, or None."""
+    if op == "linear":
+        x, weight = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        return x, weight, bias
+    if op == "embedding":
+        return args[0], args[1] if len(args) > 1 else kwargs.get("weight"), None
+    if op == "__rmatmul__":  # W.__rmatmul__(x) is x @ W
+        args = (args[1], args[0])
+    if len(args) == 2 and isinstance(args[1], Tensor) and args[1].dim() == 2:
+        return args[0], args[1], None
+    return None
+
+
+def viewed_parts(parts: Callable, viewed: Callable) -> Callable:
+    """``parts`` of a read whose output is a view of the tensor its gradient arrives at."""
+    return lambda grad: parts(viewed(grad))
+
+
+def name_of(func) -> str:
+    return getattr(func, "__name__", "")
+
+
+def metadata(func) -> bool:
+    """Whether ``func`` asks a tensor what it is (its shape, dtype, ...) without reading it."""
+    name = name_of(func)
+    if name == "__get__":  # a property: its name, unless it is a view (W.T)
+        return name_of(getattr(func, "__self__", None)) not in ("T", "mT", "H", "mH")
+    return name in METADATA
+
+
+ARG = "arg"  # a broadcast recipe's role: the position of the parameter among the op's arguments
+EXPAND = {"expand", "expand_as"}
+
+# what a watched tensor may be asked without being read
+METADATA = {"__get__", "size", "dim", "numel", "ndimension", "nelement", "shape", "dtype"}
+METADATA |= {"device", "requires_grad", "is_floating_point", "data_ptr", "__len__"}
+METADATA |= {"_has_compatible_shallow_copy_type"}
+
+
+def opened(func: Callable) -> Callable:
+    """A copy of a function written over torch ops that skips its own hand-over to the torch
+    function modes, so that a mode sees each op inside it (``nn.MultiheadAttention``'s
+    projections are ``F.linear`` calls inside ``F.multi_head_attention_forward``)."""
+    scope = {**func.__globals__, "has_torch_function": lambda *_: False}
+    copy = types.FunctionType(
+        func.__code__, scope, func.__name__, func.__defaults__, func.__closure__
+    )
+    copy.__kwdefaults__ = func.__kwdefaults__
+    return copy
+
+
+# the functions the tap and the light regions open: each function -> its opened copy
+OPENED = {F.multi_head_attention_forward: opened(F.multi_head_attention_forward)}
