@@ -58,7 +58,17 @@ class LightRegion(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not any(id(a) in self.watched for a in (*args, *kwargs.values())) or metadata(func):
+        watched = self.watched
+        for a in args:  # loops, not a generator: this runs on every op
+            if id(a) in watched:
+                break
+        else:
+            for a in kwargs.values():
+                if id(a) in watched:
+                    break
+            else:
+                return func(*args, **kwargs)
+        if metadata(func):
             return func(*args, **kwargs)
         if func in OPENED:
             with self:  # its projections come to this mode one by one
