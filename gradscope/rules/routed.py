@@ -80,19 +80,19 @@ class Routed(Contribution):
         return out
 
     def inner(self, refs: Tensor) -> Tensor:
-        """sum over b's rows of s_s^T R[expert] a_s (a_s^T R[expert] s_s, transposed), the
-        rows' matrices gathered in chunks."""
-        r = refs.to(self.a.dtype).flatten(0, 1)  # (K*E, O, I)
-        k, e, n = len(refs), self.shape[0], self.a.shape[0]
+        """sum over b's rows of s_s^T R[expert] a_s (a_s^T R[expert] s_s, transposed): every
+        expert's product with a row by one matrix product, each row's own expert's picked."""
+        k, e = len(refs), self.shape[0]
         left, right = (self.a, self.s) if self.transposed else (self.s, self.a)
-        out = self.s.new_zeros(k, self.batch)
-        step = max(1, CHUNK_ELEMENTS // max(k * r[0].numel(), 1))
-        at = torch.arange(k, device=self.a.device)[:, None] * e
+        width = left.shape[1]
+        r = refs.to(self.a.dtype).reshape(k * e * width, right.shape[1])
+        out, n = self.s.new_zeros(k, self.batch), right.shape[0]
+        step = max(1, CHUNK_ELEMENTS // max(k * e * width, 1))
         for lo in range(0, n, step):
             hi = min(lo + step, n)
-            m = r[at + self.key[None, lo:hi] % e]  # (K, rows, O, I)
-            dots = torch.einsum("ro,krop,rp->kr", left[lo:hi], m, right[lo:hi])
-            out.index_add_(1, self.own[lo:hi], dots)
+            every = (right[lo:hi] @ r.T).view(hi - lo, k, e, width)
+            mine = every[torch.arange(hi - lo), :, self.key[lo:hi] % e]  # (rows, K, width)
+            out.index_add_(1, self.own[lo:hi], (mine * left[lo:hi, None]).sum(-1).T)
         return out.T
 
     def materialize(self) -> Tensor:

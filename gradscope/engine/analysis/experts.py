@@ -18,8 +18,17 @@ from .owners import reduce
 from .policy import ASSUMED
 from .views import compose
 
-# the most rows a routed region's grouped read takes: its Gram is rows x rows per chunk
-ROUTED_ROWS = 4096
+# a routed read's Gram over its S rows costs S^2 (in + out); the read itself S in out: routed
+# where the first is at most this many times the second, or this few multiply-adds in all, else
+# traced (a host sync per expert)
+ROUTED_COST, ROUTED_FLOPS = 4, 1 << 24
+
+
+def cheap_gram(rows: int, shape: torch.Size) -> bool:
+    """Whether the Gram of ``rows`` rows of a (E, a, b) expert weight costs at most
+    ``ROUTED_COST`` times the rows' product with it, or ``ROUTED_FLOPS``."""
+    a, b = shape[-2], shape[-1]
+    return rows * (a + b) <= ROUTED_COST * a * b or rows * rows * (a + b) <= ROUTED_FLOPS
 
 
 class ExpertReads:
@@ -107,7 +116,7 @@ class ExpertReads:
         return {d.param.name: merged} if isinstance(d, Derived) else d.credit(merged)
 
 
-def expert_read(reads: list) -> bool:
+def _expert_read(reads: list) -> bool:
     """Whether a linear read is of ``W[e]`` alone, one matrix of a 3-D parameter (an expert
     picked by a value): a read an open routed region serves again (``passes/routed.py``)."""
     if len(reads) != 1 or reads[0][0] != "weight" or not isinstance(reads[0][1], Derived):
@@ -118,6 +127,17 @@ def expert_read(reads: list) -> bool:
         return False
     whole = all(_whole(k, n) for k, n in zip(index[1:], param.shape[1:], strict=False))
     return whole and not d.place.transposed and d.place.scale == 1.0
+
+
+def expert_recipe(reads: list, x: Tensor) -> Recipe | None:
+    """The recipe of ``F.linear(x, W[e])`` where ``_expert_read`` and the Gram of as many rows
+    as every expert's would take (the batch's routing may send them all) is cheap."""
+    if not _expert_read(reads):
+        return None
+    param = reads[0][1].param
+    if not cheap_gram(x.shape[0] * param.param.shape[0], param.param.shape):
+        return None
+    return Recipe("linear", (("weight", param.name),), tuple(x.shape), None, expert=True)
 
 
 def _whole(k: object, size: int) -> bool:
@@ -132,10 +152,10 @@ def _whole(k: object, size: int) -> bool:
 
 def _routed(d: Derived, weight: Tensor, x: Tensor) -> Recipe | None:
     """A grouped read of a whole 3-D parameter (or its transpose) that a routed region serves
-    again (``passes/routed.py``), where the rows' Gram costs no more than ``ROUTED_ROWS``
-    allow: its rows follow the batch's values, so their number alone is fixed."""
+    again (``passes/routed.py``), where the rows' Gram is cheap (``cheap_gram``): its rows
+    follow the batch's values, so their number alone is fixed."""
     place, rows = d.place, x.shape[0]
-    if place.index or place.scale != 1.0 or rows > ROUTED_ROWS:
+    if place.index or place.scale != 1.0 or not cheap_gram(rows, d.param.param.shape):
         return None
     whole = weight is d.param.param or (place.transposed and weight._base is d.param.param)
     if not whole:

@@ -18,7 +18,7 @@ from ..passes.recipes import Recipe, bind_affine, read_parts, viewed_parts
 from ..rows import Lanes, rows_of
 from .bind import bind_conv, conv_parts, einsum_terms
 from .derived import Derived
-from .experts import expert_read
+from .experts import expert_recipe
 from .owners import is_batch, reduce, slots
 from .policy import ASSUMED, assumable, shared
 
@@ -71,9 +71,8 @@ class FunctionReads:
         if whole and not (expanded or assumed_rows) and (rows is None or isinstance(rows, Lanes)):
             roles = tuple((role, d.param.name) for role, d in reads)
             recipe = Recipe(name, roles, tuple(x.shape), rows)
-        elif name == "linear" and not (expanded or assumed_rows) and expert_read(reads):
-            roles = (("weight", reads[0][1].param.name),)
-            recipe = Recipe(name, roles, tuple(x.shape), None, expert=True)
+        elif name == "linear" and not (expanded or assumed_rows):
+            recipe = expert_recipe(reads, x)
         self._read_output(tuple(p for _, d in reads for p in d.params), out, parts, args, recipe)
         return out
 
