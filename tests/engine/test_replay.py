@@ -116,6 +116,19 @@ class TopLevel(nn.Module):
         return self.head(torch.tanh(h).mean(1))
 
 
+class TiedTop(nn.Module):
+    """An embedding whose table the model's own forward also reads as its head: the top-level
+    read is served by recipe, the embedding's own call by its rule."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(11, D), nn.Linear(D, D)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = torch.tanh(self.fc(self.emb(ids)))
+        return F.linear(h, self.emb.weight).mean(1)[:, :CLASSES]
+
+
 class Padded(nn.Module):
     """Attention over padded tokens whose mask is skipped where nothing is padded, as the
     Hugging Face models' fast paths do."""
@@ -267,9 +280,9 @@ def _batches(model: str, n: int = 3) -> list[tuple[tuple[Tensor, ...], Tensor]]:
     for seed in range(n):
         g = torch.Generator().manual_seed(seed)
         y = torch.randint(0, CLASSES, (BATCH,), generator=g)
-        if model in ("dense", "padded"):
+        if model in ("dense", "padded", "top-tied"):
             ids = torch.randint(0, 11, (BATCH, 4), generator=g)
-            if model == "dense":
+            if model in ("dense", "top-tied"):
                 out.append(((ids,), y))
                 continue
             mask = torch.ones(BATCH, 4, dtype=torch.long)
@@ -299,14 +312,14 @@ def _batches(model: str, n: int = 3) -> list[tuple[tuple[Tensor, ...], Tensor]]:
 def _build(model: str) -> nn.Module:
     torch.manual_seed(0)
     built = {"dense": Dense, "routed": Routed, "padded": Padded, "value": ByValue}
-    built |= {"top": TopLevel, "top-other": lambda: TopLevel(other=True)}
+    built |= {"top": TopLevel, "top-other": lambda: TopLevel(other=True), "top-tied": TiedTop}
     if model in BLOCKS:
         return InBlock(BLOCKS[model]()).double()
     return (built[model]() if model in built else Sometimes(model)).double()
 
 
 CASES = ["dense", "module", "raw", "outside", "flip", "value", "routed", "padded", "top"]
-CASES += ["top-other", *BLOCKS]
+CASES += ["top-other", "top-tied", *BLOCKS]
 
 
 def _set_state(model: nn.Module, k: int) -> None:
@@ -343,6 +356,7 @@ def test_every_batch_of_one_signature_is_exact_through_fresh_api_calls(case: str
         ("padded", 0),
         ("top", 2),
         ("top-other", 0),
+        ("top-tied", 2),
         ("routed-block", 2),
         ("masked-block", 2),
         ("position-block", 2),
@@ -373,7 +387,7 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
     elif replays == 0:
         assert findings.why is not None  # a program, whose witness failed
     if case.startswith("top"):  # the top-level reads, by recipe
-        assert len(findings.programs[-1].root) == 2
+        assert len(findings.programs[-1].root) == (1 if case == "top-tied" else 2)
     if case in BLOCKS:  # the block is the region, analysed again on every batch
         region = model.block.attn if case == "attention-block" else model.block
         assert findings.programs[-1].regions == {id(region)}
