@@ -44,7 +44,7 @@ class RoutedRegion(LightRegion):
         unfollowed: Callable[[], None],
     ):
         self.flow = RowFlow(batch)
-        self.open, self.kinds = during is None, {r.kind for r in recipes}
+        self.open = during is None
         # views of a watched 3-D W: id -> (view, W, which expert: None for W^T, else W[e]'s e)
         self.views: dict[int, tuple[Tensor, Tensor, object]] = {}
         self.unfollowed = unfollowed
@@ -120,7 +120,7 @@ class RoutedRegion(LightRegion):
             one = isinstance(e, int) or (
                 isinstance(e, Tensor) and e.dim() == 0 and not e.is_floating_point()
             )
-            if one and not e_is_bool(e):
+            if one and not _is_bool(e):
                 self.views[id(out)] = (out, w, e)
                 return out
             return self._other(name, out)
@@ -244,7 +244,8 @@ class RoutedRegion(LightRegion):
         return self.flow.bad
 
 
-def e_is_bool(e: object) -> bool:
+def _is_bool(e: object) -> bool:
+    """Whether an index is a mask, not an expert's number."""
     return isinstance(e, bool) or (isinstance(e, Tensor) and e.dtype == torch.bool)
 
 
