@@ -50,6 +50,7 @@ def test_joins_gathers_and_reductions_off_dimension_zero_keep_rows():
     index = torch.zeros(3, 2, dtype=torch.long)
     assert flow.of(_after(flow, "gather", torch.gather, x, -1, index)).tolist() == [0, 1, 2]
     assert flow.of(_after(flow, "sum", torch.sum, x, 1)).tolist() == [0, 1, 2]
+    assert flow.of(_after(flow, "square", torch.square, x)).tolist() == [0, 1, 2]  # relu^2
     assert flow.bad is None
 
 
