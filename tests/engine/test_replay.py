@@ -6,6 +6,7 @@ model keeps between calls."""
 
 from __future__ import annotations
 
+import moe_models
 import pytest
 import torch
 import torch.nn.functional as F
@@ -270,6 +271,8 @@ BLOCKS = {
     "call-block": lambda: Reader("call"),
     "cast-block": lambda: Reader("cast"),
     "scale-block": ScaleBlock,
+    # eager experts: which run, and so how many reads, the routing says (an open routed region)
+    "experts-block": lambda: moe_models.Block(moe_models.LoopExperts(width=D)),
     "copy-block": lambda: Reader("copy"),
 }
 
@@ -366,6 +369,7 @@ def test_every_batch_of_one_signature_is_exact_through_fresh_api_calls(case: str
         ("call-block", 1),  # the program of its second batch, traced inside, holds the third
         ("cast-block", 2),
         ("scale-block", 2),
+        ("experts-block", 2),
         ("copy-block", 2),
     ],  # fmt: skip
 )
@@ -389,12 +393,14 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
     if case.startswith("top"):  # the top-level reads, by recipe
         assert len(findings.programs[-1].root) == (1 if case == "top-tied" else 2)
     if case in BLOCKS:  # the block is the region, analysed again on every batch
-        region = model.block.attn if case == "attention-block" else model.block
+        inner = {"attention-block": "attn", "experts-block": "experts"}
+        region = getattr(model.block, inner[case]) if case in inner else model.block
         assert findings.programs[-1].regions == {id(region)}
     # a region reading whole parameters on rows laid out by shapes alone replays light
     steps = findings.programs[-1].steps if findings.programs else ()
     light = [s.light is not None for s in steps if hasattr(s, "light")]
     lights = ("attention-block", "read-block", "op-block", "cast-block", "scale-block")
+    lights += ("experts-block",)
     assert light == [case in lights] * len(light)
     if case in ("read-block", "op-block", "call-block"):  # the light region's witness failed
         assert "read" in findings.why or "operations" in findings.why, findings.why

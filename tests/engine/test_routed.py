@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from moe_models import INNER, Block, E, Experts, H, LoopExperts
 from oracle import assert_rel_close
 from syncs import counted
 from torch import Tensor, nn
@@ -16,74 +16,7 @@ from gradscope.engine import Engine, Forward, Want, naive_grads, total
 from gradscope.errors import ModelError
 from gradscope.losses import resolve_loss
 
-B, T, H, E, INNER, CLASSES = 3, 5, 8, 4, 12, 3  # grouped_mm: rows of 16 bytes
-
-
-class Experts(nn.Module):
-    """transformers' grouped experts: tokens sorted by expert, gathered, run by ``grouped_mm``
-    on a fused 3-D weight (its transpose, or itself where ``transposed``), put back in order
-    and summed over each token's top-k."""
-
-    def __init__(self, transposed: bool = False, then=None):
-        super().__init__()
-        self.transposed, self.then = transposed, then or (lambda x: x)
-        self.shift = 0  # rows put back this many places on: another example's, where not 0
-        up, down = (E, H, 2 * INNER), (E, INNER, H)
-        if not transposed:
-            up, down = (E, 2 * INNER, H), (E, H, INNER)
-        self.gate_up = nn.Parameter(torch.randn(up) / H**0.5)
-        self.down = nn.Parameter(torch.randn(down) / INNER**0.5)
-
-    def _mm(self, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
-        return F.grouped_mm(x, w if self.transposed else w.transpose(-2, -1), offs=offs)
-
-    def forward(self, x: Tensor, index: Tensor, weights: Tensor) -> Tensor:
-        k = index.shape[-1]
-        expert, perm = torch.sort(index.reshape(-1))
-        picked = self.then(x[perm // k])
-        counts = torch.histc(expert.float(), bins=E, min=0, max=E - 1)
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        gate, up = self._mm(picked, self.gate_up, offs).chunk(2, dim=-1)
-        out = self._mm(F.silu(gate) * up, self.down, offs) * weights.reshape(-1)[perm, None]
-        back = torch.empty_like(perm)
-        back[perm] = torch.arange(perm.shape[0])
-        back = (back + self.shift) % back.shape[0]
-        return out[back].view(x.shape[0], k, -1).sum(1)
-
-
-class LoopExperts(Experts):
-    """transformers' eager experts: a loop over the experts the batch's routing hit (read on
-    the host), each ``F.linear`` of its own matrix ``W[e]`` on the tokens routed to it, added
-    back in place; with ``extra``, expert 0 also reads the bias it holds (another parameter)."""
-
-    def __init__(self):
-        super().__init__()
-        self.extra = False
-        self.bias = nn.Parameter(torch.zeros(H))
-
-    def forward(self, x: Tensor, index: Tensor, weights: Tensor) -> Tensor:
-        out = torch.zeros_like(x)
-        mask = F.one_hot(index, E).permute(2, 1, 0)  # (E, k, N)
-        for e in (mask.sum((1, 2)) > 0).nonzero():
-            e = e[0]
-            pos, token = torch.where(mask[e])
-            gate, up = F.linear(x[token], self.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[e]) * weights[token, pos, None]
-            if self.extra and e == 0:
-                y = y + self.bias
-            out.index_add_(0, token, y)
-        return out
-
-
-class Block(nn.Module):
-    def __init__(self, experts: Experts):
-        super().__init__()
-        self.router, self.experts = nn.Linear(H, E, bias=False), experts
-
-    def forward(self, h: Tensor) -> Tensor:
-        flat = h.reshape(-1, H)
-        weights, index = torch.topk(self.router(flat).softmax(-1), 2, dim=-1)
-        return h + self.experts(flat, index, weights).view(h.shape)
+B, T, CLASSES = 3, 5, 3
 
 
 class Model(nn.Module):
