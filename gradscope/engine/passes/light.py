@@ -68,7 +68,7 @@ class LightRegion(TorchFunctionMode):
                     break
             else:
                 return func(*args, **kwargs)
-        if metadata(func):
+        if metadata(func) or self._aside(args, kwargs):
             return func(*args, **kwargs)
         if func in OPENED:
             with self:  # its projections come to this mode one by one
@@ -104,6 +104,10 @@ class LightRegion(TorchFunctionMode):
                 self.hooks.add(target, use)
             self.uses.append(use)
         return out
+
+    def _aside(self, args: tuple, kwargs: dict) -> bool:
+        """Whether an op on a watched parameter is not this region's to serve: none is."""
+        return False
 
     def _broadcast(self, recipe: Recipe, func, args: tuple, kwargs: dict):
         """A parameter broadcast along the result's rows, row r example r's: by an elementwise
@@ -193,12 +197,10 @@ class RootReads(LightRegion):
         self.ruled = ruled
         super().__init__(plan, recipes, None, batch)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        found = {id(a) for a in (*args, *kwargs.values()) if id(a) in self.watched}
-        if found and any(self.ruled(p) for p in self.params.values() if id(p.param) in found):
-            return func(*args, **kwargs)
-        return super().__torch_function__(func, types, args, kwargs)
+    def _aside(self, args: tuple, kwargs: dict) -> bool:
+        """Whether the op reads a parameter inside a call of the module whose rule serves it."""
+        found = {id(a) for a in (*args, *kwargs.values())}
+        return any(self.ruled(p) for p in self.params.values() if id(p.param) in found)
 
     def finish_reads(self) -> str | None:
         """The forward's end: why the batch's reads are not the analysed ones, or None."""
