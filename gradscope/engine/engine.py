@@ -188,7 +188,10 @@ class Engine:
         batch = len(targets)
         regions = [m for m in self._modules if id(m) in program.regions]
         hooked, copy = self.plan.hooked_modules, self.record.copy
-        session = ReplaySession(hooked, regions, program, batch, copy, plan=self.plan)
+        buffers = frozenset(id(b) for b in self.model.buffers())
+        session = ReplaySession(
+            hooked, regions, program, batch, copy, plan=self.plan, buffers=buffers
+        )
         session.make_region = lambda call, tensors: self._region(call, tensors, findings, session)
         try:
             with torch.set_grad_enabled(bool(program.uses)), session:
@@ -227,7 +230,8 @@ class Engine:
                 self.plan, call.light, during, batch, tensors, call.entry, unfollowed
             )
         if call.light is not None:
-            return LightRegion(self.plan, call.light, call.during, batch)
+            ruled, buffers = session._ruled, session.buffers
+            return LightRegion(self.plan, call.light, call.during, batch, ruled, buffers)
         return Seeded(self.plan, findings, copy, batch, tensors, call.entry, session.inside)
 
     def _analysed(

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 import gradscope
 from gradscope.engine import Engine, total
-from gradscope.engine.analysis.derived import Computed
+from gradscope.engine.derived import Computed
 from gradscope.losses import resolve_loss
 from gradscope.rules import base
 

@@ -212,7 +212,9 @@ class Reader(nn.Module):
     """Raw weights read by ``F.linear`` (a light region), which one, and whether an op comes
     first, or a Linear (a module with a rule) called first, by the state it keeps (``how`` says
     which): a later batch reads otherwise. With ``cast`` the weight is cast to the dtype it has
-    (itself: still light), with ``copy`` to float32 and back (a copy: a region traced again)."""
+    (itself: still light), with ``copy`` to float32 and back (a copy: a region traced again);
+    with ``tied`` the Linear's own weight is read again after its call (light, its call a step,
+    the read inside the call its rule's)."""
 
     def __init__(self, how: str = "read"):
         super().__init__()
@@ -227,6 +229,8 @@ class Reader(nn.Module):
         if odd and self.how == "call":
             h = self.fc(h)
         w = self.w2 if odd and self.how == "read" else self.w1
+        if self.how == "tied":
+            h, w = self.fc(h), self.fc.weight
         if self.how == "cast":
             w = w.to(h.dtype)
         if self.how == "copy":
@@ -247,6 +251,30 @@ class ScaleBlock(nn.Module):
     def forward(self, h: Tensor) -> Tensor:
         h = h * self.gamma + self.beta
         return torch.cat([self.token.expand(h.shape[0], -1, -1), h], 1)
+
+
+class Computing(nn.Module):
+    """Tensors made from parameters, numbers and buffers alone, read where the batch is: a
+    gain ``exp(a)`` (DiffLlama's, XIELU's), a table gathered by an index buffer and joined
+    again from its slices (Swin's relative positions, a ViT's resized positions), with a Linear
+    called between (a light region). With ``odd`` a later batch's gain is ``exp(b)`` (another
+    read); with ``arange`` the table is gathered by a fresh index, which a light region cannot
+    tell from the batch's (a region traced again)."""
+
+    def __init__(self, how: str = "computed"):
+        super().__init__()
+        self.how, self.odd = how, False
+        self.a, self.b = nn.Parameter(torch.randn(D) / 4), nn.Parameter(torch.randn(D) / 4)
+        self.table = nn.Parameter(torch.randn(7, D))
+        self.register_buffer("index", torch.tensor([3, 1, 4, 6]))
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, h: Tensor) -> Tensor:
+        gain = (self.b if self.odd and self.how == "computed-odd" else self.a).exp()
+        index = torch.arange(4) if self.how == "computed-arange" else self.index
+        pos = self.table.index_select(0, index)
+        pos = torch.cat([pos[:1], pos[1:] * 2], 0)
+        return self.fc(h * gain) + pos
 
 
 class InBlock(nn.Module):
@@ -274,6 +302,10 @@ BLOCKS = {
     # eager experts: which run, and so how many reads, the routing says (an open routed region)
     "experts-block": lambda: moe_models.Block(moe_models.LoopExperts(width=D)),
     "copy-block": lambda: Reader("copy"),
+    "tied-block": lambda: Reader("tied"),
+    "computed-block": Computing,
+    "computed-odd": lambda: Computing("computed-odd"),
+    "computed-arange": lambda: Computing("computed-arange"),
 }
 
 
@@ -328,7 +360,7 @@ CASES += ["top-other", "top-tied", *BLOCKS]
 def _set_state(model: nn.Module, k: int) -> None:
     if isinstance(model, Sometimes):
         model.odd = k % 2 == 0  # the first batch analysed odd, the second even, ...
-    if isinstance(model, InBlock) and isinstance(model.block, Reader):
+    if isinstance(model, InBlock) and isinstance(model.block, (Reader, Computing)):
         model.block.odd = k % 2 == 1  # the first batch analysed as usual, the second not
     if isinstance(model, TopLevel):
         model.odd = k % 2 == 1
@@ -366,11 +398,15 @@ def test_every_batch_of_one_signature_is_exact_through_fresh_api_calls(case: str
         ("attention-block", 2),
         ("read-block", 0),
         ("op-block", 0),
-        ("call-block", 1),  # the program of its second batch, traced inside, holds the third
+        ("call-block", 0),  # each batch's program, light, its Linear a step, fails the next
         ("cast-block", 2),
         ("scale-block", 2),
         ("experts-block", 2),
         ("copy-block", 2),
+        ("tied-block", 2),
+        ("computed-block", 2),
+        ("computed-odd", 0),
+        ("computed-arange", 2),
     ],  # fmt: skip
 )
 def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: int):
@@ -400,9 +436,10 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
     steps = findings.programs[-1].steps if findings.programs else ()
     light = [s.light is not None for s in steps if hasattr(s, "light")]
     lights = ("attention-block", "read-block", "op-block", "cast-block", "scale-block")
-    lights += ("experts-block",)
+    lights += ("experts-block", "position-block", "call-block", "tied-block")  # with steps
+    lights += ("computed-block", "computed-odd")
     assert light == [case in lights] * len(light)
-    if case in ("read-block", "op-block", "call-block"):  # the light region's witness failed
+    if case in ("read-block", "op-block", "call-block", "computed-odd"):  # its witness failed
         assert "read" in findings.why or "operations" in findings.why, findings.why
 
 

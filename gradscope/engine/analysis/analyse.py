@@ -88,6 +88,7 @@ class Analysis:
         session.log, trace.finder, trace.owners.on_set = finder.log, finder, finder.born
         if tap is not None:
             tap.finder, tap.derived.on_set = finder, finder.born
+            tap.buffers = frozenset(id(b) for b in self.model.buffers())
         # with every parameter on the fallback, this pass only gives the losses: no graph
         with (
             torch.set_grad_enabled(bool(watched)),

@@ -9,8 +9,8 @@ from torch import Tensor
 
 from ...rules import Contribution, Dense
 from ...rules.base import CHUNK_ELEMENTS
+from ..derived import Computed, Derived, Watched
 from ..passes.recipes import ARG, EXPAND, Recipe, broadcast_parts, broadcast_view
-from .derived import Derived, Watched
 from .owners import combine, is_batch, reduce, slots
 
 # ops whose result broadcasts its tensor arguments elementwise; in-place ones only when the
@@ -140,7 +140,11 @@ class BroadcastReads:
 
 
 def _recipe(name: str, i: int, d: Watched, source: Tensor, shape) -> Recipe | None:
-    """A broadcast of a whole parameter along rows one example's each: a light region's."""
+    """A broadcast along rows one example's each of a whole parameter, or of a tensor made from
+    parameters, numbers and buffers alone (``Computed.pure``): a light region's."""
+    if isinstance(d, Computed) and d.pure:
+        roles = tuple((f"{ARG}{i}", p.name) for p in d.params)
+        return Recipe(name, roles, tuple(shape), None, computed=True)
     if not isinstance(d, Derived) or source is not d.param.param:
         return None
     return Recipe(name, ((f"{ARG}{i}", d.param.name),), tuple(shape), None)

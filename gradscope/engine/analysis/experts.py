@@ -11,9 +11,9 @@ from torch import Tensor
 from ...rules import Contribution
 from ...rules.linear import affine_parts
 from ...rules.placed import Place, Placed
+from ..derived import Derived, Watched
 from ..passes.recipes import Recipe
 from ..rows import regroup, rows_of
-from .derived import Derived, Watched
 from .owners import reduce
 from .policy import ASSUMED
 from .views import compose

@@ -14,10 +14,10 @@ from torch.utils._pytree import tree_flatten
 from ...rules import Contribution, Dense
 from ...rules.linear import affine_parts
 from ..capture import read_at
+from ..derived import Derived
 from ..passes.recipes import Recipe, bind_affine, read_parts, viewed_parts
 from ..rows import Lanes, rows_of
 from .bind import bind_conv, conv_parts, einsum_terms
-from .derived import Derived
 from .experts import expert_recipe
 from .owners import is_batch, reduce, slots
 from .policy import ASSUMED, assumable, shared

@@ -43,25 +43,26 @@ def program_of(
     starts = {id(v) for v in regions.visits}
     items: list[_Open | RegionCall] = []
     opened: dict[int, _Open] = {}
-    inside: Visit | None = None
+    inside: Visit | None = None  # the region call under way
+    own = False  # whether its hooked calls are the region's own (traced or routed)
     last = captured.at_start
     for what, obj, at in captured.finder.log:
-        if what == "pre" and inside is None:
+        if what == "pre" and not own:
             item = opened[id(obj)] = _Open(obj, at - last)
             items.append(item)
         elif what == "post" and id(obj) in opened:
             item = opened.pop(id(obj))
-            item.during = None if inside is not None or item.spans_region else at - last
+            item.during = None if item.spans_region else at - last
         elif what == "enter" and inside is None and id(obj) in starts:
             light, during = regions.light.get(id(obj)), obj.at_exit - obj.at_entry
             routed, is_open = id(obj) in regions.routed, id(obj) in regions.open
             call = RegionCall(id(obj.module), obj.entry, obj.exit, obj.steps, at - last, light)
             items.append(dataclasses.replace(call, during=during, routed=routed, open=is_open))
-            inside = obj
+            inside, own = obj, light is None or routed
             for item in opened.values():
                 item.spans_region = True
         elif what == "exit" and obj is inside:
-            inside = None
+            inside, own = None, False
         else:
             continue
         last = at

@@ -58,9 +58,10 @@ class Visit:
 @dataclass
 class Regions:
     """The visits whose module is a region, per module, in the order they began; and of those
-    that are light (``passes/light.py``: their only needs are reads a recipe serves, and no
-    hooked module is called inside them), the recipes, by id of the visit; of those, the ones
-    whose rows the batch's values pick (``passes/routed.py``)."""
+    that are light (``passes/light.py``: their only needs are reads a recipe serves; the calls
+    of hooked modules inside them replay as the program's steps), the recipes, by id of the
+    visit; of those, the ones whose rows the batch's values pick (``passes/routed.py``, with
+    no hooked module called inside)."""
 
     modules: frozenset[int] = frozenset()
     visits: list[Visit] = field(default_factory=list)
@@ -207,9 +208,9 @@ class Finder:
         region, rows picked by values), each with the autograd nodes made from the call's start
         to the read's end; None for any other."""
         mine = [(recipe, at) for _, stack, recipe, at in self.needs if v in stack]
-        if v.steps or not mine or any(recipe is None for recipe, _ in mine):
+        if not mine or any(recipe is None for recipe, _ in mine):
             return None
-        if self._routed(v) and (type(v.module) in self.unrouted or not _rows_first(v)):
+        if self._routed(v) and (v.steps or type(v.module) in self.unrouted or not _rows_first(v)):
             return None
         if not self._routed(v) and (self._escaped(v) or any(r.expert for r, _ in mine)):
             return None

@@ -10,7 +10,7 @@ LayerScale ``gamma``), and a ruled one read elsewhere (a tied head, ``out_proj``
   are followed, each with its ``Place`` in the parameter;
 - a tensor that other ops compute from watched tensors and tensors no example owns
   (``-exp(A_log)``, a weight-norm weight, a table indexed by ``arange``) is followed as
-  ``Computed`` (``derived.py``): its gradient goes back to the parameters by a batched VJP;
+  ``Computed`` (``../derived.py``): its gradient goes back to the parameters by a batched VJP;
 - the functions of ``functions.py`` on any of these are served by the layer rules' math, on
   rows traced to their examples (``trace.py``);
 - in an elementwise op whose result takes it broadcast along dimension 0, it is replaced by a
@@ -39,11 +39,11 @@ from torch.utils._pytree import tree_flatten
 
 from ...rules.placed import Place
 from ..capture import ReadHooks, Use
+from ..derived import Derived, Watched, compute
 from ..passes.recipes import METADATA, OPENED, Recipe
 from ..plan import ParamPlan
 from .bind import CONVS, GROUPED, masked_by, sdpa_math
 from .broadcasts import WRITTEN, BroadcastReads
-from .derived import Derived, Watched, compute
 from .experts import ExpertReads
 from .functions import FunctionReads
 from .ops import op_name
@@ -85,6 +85,7 @@ class ParamTap(FunctionReads, ExpertReads, BroadcastReads, TorchFunctionMode):
         self.expand, self.assume = expand, assume
         self.expanded = self.assumed = False
         self.derived = ByTensor()
+        self.buffers: frozenset[int] = frozenset()  # ids of the model's buffers: ``Computed.pure``
         for p in params:
             self.derived[p.param] = Derived(p)
         self.uses: dict[str, Uses] = {p.name: Uses() for p in params}
@@ -182,7 +183,7 @@ class ParamTap(FunctionReads, ExpertReads, BroadcastReads, TorchFunctionMode):
     def _computed(self, func, args: tuple, kwargs: dict) -> object:
         """The op's result, each floating tensor of it followed as ``Computed`` from the
         watched tensors it reads; None when its result is not tensors."""
-        output = compute(func, args, kwargs, self._watched, self.batch)
+        output = compute(func, args, kwargs, self._watched, self.batch, self.buffers)
         out = func(*args, **kwargs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         if not all(isinstance(t, Tensor) for t in outs):
@@ -195,10 +196,16 @@ class ParamTap(FunctionReads, ExpertReads, BroadcastReads, TorchFunctionMode):
     # -- views of a parameter ---------------------------------------------------------------
 
     def _derive(self, name: str, d: Derived, func, args: tuple, kwargs: dict) -> object:
-        out = func(*args, **kwargs)
+        """The op's result placed in the parameter; None, the op not run (the autograd nodes
+        the witness counts are the op's own), where it cannot be placed."""
+        out = None
+        if name in CASTS:  # placed by the dtype it gives
+            out = func(*args, **kwargs)
         where = places(name, d.place, args, kwargs, d.param.param, out)
         if where is None:
-            return None
+            return out  # not run; or a cast to integers, which no gradient crosses
+        if out is None:
+            out = func(*args, **kwargs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for t, place in zip(outs, where, strict=True):
             self.derived[t] = Derived(d.param, place)

@@ -4,13 +4,16 @@ parameters on rows laid out by shapes alone (one row per example, or ``Lanes``) 
 ``F.multi_head_attention_forward`` on sequence-first rows; a LayerScale's ``gamma`` broadcast
 along the tokens. A replayed batch runs the call under ``LightRegion``, a torch function mode
 that passes every op through but the reads of the watched parameters, which it serves by their
-recipes: no trace, no owners, no tap. ``RootReads`` serves the same way the reads at the
-model's top level, which no region call holds.
+recipes: no trace, no owners, no tap. The hooked modules called inside it (a BEiT layer's
+attention and MLP around its LayerScale) are the program's steps, replayed as outside the
+regions; a read of a parameter inside a call of the module whose rule serves it is the rule's.
+``RootReads`` serves the same way the reads at the model's top level, which no region call
+holds.
 
 The witness of a light region call: its reads in the analysed order, each the same function on
 an input of the same shape with the same parameters, after as many autograd nodes since the call
-began as the analysed batch made; as many nodes over the whole call; as many outputs; no hooked
-module called inside it. Any other call is ``Diverged`` and analysed in full.
+began as the analysed batch made; as many nodes over the whole call; as many outputs; its hooked
+calls the program's, as any step's. Any other call is ``Diverged`` and analysed in full.
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ..capture import Capture, ReadHooks, Use, counter, edge, read_at
-from ..plan import Plan
+from ..derived import Computed, Derived, compute
+from ..plan import ParamPlan, Plan
 from .recipes import (
     ARG,
     EXPAND,
@@ -37,17 +41,31 @@ from .recipes import (
     viewed_parts,
 )
 
+SPREAD = EXPAND | {"repeat"}  # a parameter spread along the batch by a view or a copy
+_SEQUENCES = (list, tuple)
+
 
 class LightRegion(TorchFunctionMode):
     """One light region call of a replayed batch: ``recipes`` its reads, ``during`` the autograd
     nodes the analysed call made; entered at once, left by ``finish`` (or ``close``)."""
 
-    def __init__(self, plan: Plan, recipes: Sequence[Recipe], during: int | None, batch: int):
+    def __init__(
+        self,
+        plan: Plan,
+        recipes: Sequence[Recipe],
+        during: int | None,
+        batch: int,
+        ruled: Callable[[ParamPlan], bool] = lambda p: False,
+        buffers: frozenset[int] = frozenset(),
+    ):
         super().__init__()
         self.recipes, self.during, self.batch = tuple(recipes), during, batch
+        self.ruled, self.buffers = ruled, buffers
         self.params = {name: plan.find(name) for r in self.recipes for _, name in r.roles}
-        self.watched = {id(p.param) for p in self.params.values()}
-        self.session = Capture(())  # no hooked module inside: the replay's hooks find none
+        self.by_id = {id(p.param): p for p in self.params.values()}
+        self.watched = set(self.by_id)  # and the tensors made from them
+        self.made: dict[int, tuple[Tensor, Computed]] = {}  # by id: made from the parameters
+        self.session = Capture(())  # the hooked calls inside it are the replay's steps
         self.uses: list[Use] = []
         self.hooks = ReadHooks()
         self.why: str | None = None
@@ -62,6 +80,8 @@ class LightRegion(TorchFunctionMode):
         for a in args:  # loops, not a generator: this runs on every op
             if id(a) in watched:
                 break
+            if type(a) in _SEQUENCES and any(id(t) in watched for t in a):  # torch.cat([p, t])
+                break
         else:
             for a in kwargs.values():
                 if id(a) in watched:
@@ -74,7 +94,11 @@ class LightRegion(TorchFunctionMode):
             with self:  # its projections come to this mode one by one
                 return OPENED[func](*args, **kwargs)
         recipe = self.recipes[self._next] if self._next < len(self.recipes) else None
-        if recipe is not None and name_of(func) == recipe.op:
+        name = name_of(func)
+        spread = recipe is not None and name == recipe.op and name in SPREAD
+        if not spread and self._pure(name, args, kwargs):  # p.expand(B, ...) reads p
+            return self._compute(func, args, kwargs)
+        if recipe is not None and name == recipe.op:
             self._next += 1
             if recipe.roles[0][0].startswith(ARG):
                 return self._broadcast(recipe, func, args, kwargs)
@@ -106,27 +130,61 @@ class LightRegion(TorchFunctionMode):
         return out
 
     def _aside(self, args: tuple, kwargs: dict) -> bool:
-        """Whether an op on a watched parameter is not this region's to serve: none is."""
-        return False
+        """Whether the op reads a parameter inside a call of the module whose rule serves it
+        (``ruled``): the rule's read, not the region's."""
+        found = {id(a) for a in (*args, *kwargs.values())}
+        return any(self.ruled(p) for p in self.params.values() if id(p.param) in found)
+
+    # -- tensors made from the watched parameters ------------------------------------------
+
+    def _pure(self, name: str, args: tuple, kwargs: dict) -> bool:
+        """Whether the op computes from the watched tensors, numbers and the model's buffers
+        alone, writing nothing: a tensor every example reads the same (``Computed.pure``)."""
+        if (name.endswith("_") and not name.endswith("__")) or "out" in kwargs:
+            return False
+        watched, buffers = self.watched, self.buffers
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, Tensor) and id(t) not in watched and id(t) not in buffers:
+                return False
+        return True
+
+    def _compute(self, func, args: tuple, kwargs: dict) -> object:
+        """The op's result, each floating tensor of it followed as ``Computed``."""
+        output = compute(func, args, kwargs, self._source, self.batch, self.buffers)
+        out = func(*args, **kwargs)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for k, t in enumerate(outs):
+            if isinstance(t, Tensor) and t.requires_grad and t.is_floating_point():
+                self.made[id(t)] = (t, output(None if isinstance(out, Tensor) else k))
+                self.watched.add(id(t))
+        return out
+
+    def _source(self, t: object) -> Derived | Computed | None:
+        p = self.by_id.get(id(t))
+        if p is not None:
+            return Derived(p)
+        made = self.made.get(id(t))
+        return None if made is None else made[1]
 
     def _broadcast(self, recipe: Recipe, func, args: tuple, kwargs: dict):
-        """A parameter broadcast along the result's rows, row r example r's: by an elementwise
-        op, or ``p.expand(B, ...)`` (``analysis/broadcasts.py``)."""
-        ((role, name),) = recipe.roles
-        i, p = int(role[len(ARG) :]), self.params[name]
-        expand = recipe.op in EXPAND
-        if len(args) > i and args[i] is p.param:
+        """A parameter, or a tensor made from parameters, broadcast along the result's rows,
+        row r example r's: by an elementwise op, or ``p.expand(B, ...)``
+        (``analysis/broadcasts.py``)."""
+        i = int(recipe.roles[0][0][len(ARG) :])
+        source = self._broadcast_source(recipe, args[i] if len(args) > i else None)
+        expand = recipe.op in SPREAD
+        if source is not None:
             if expand:
                 view = func(*args, **kwargs)
                 shape = view.shape
             else:
                 shape = torch.broadcast_shapes(*(a.shape for a in args if isinstance(a, Tensor)))
-                view = broadcast_view(p.param, shape) if tuple(shape) == recipe.shape else None
+                view = broadcast_view(args[i], shape) if tuple(shape) == recipe.shape else None
             at = recipe.at if self.during is None else counter() - self._start
             if view is not None and tuple(shape) == recipe.shape and at == recipe.at:
-                per_row = broadcast_parts(p.param.shape, view.shape, self.batch)
+                per_row = broadcast_parts(args[i].shape, view.shape, self.batch)
                 with torch._C.DisableTorchFunction():
-                    use = Use((p,), edge(view), lambda grad: {name: per_row(grad)})
+                    use = Use(source.params, edge(view), lambda g: source.credit(per_row(g)))
                     self.hooks.add(view, use)
                 self.uses.append(use)
                 return view if expand else func(*args[:i], view, *args[i + 1 :], **kwargs)
@@ -135,6 +193,18 @@ class LightRegion(TorchFunctionMode):
                 return view
         self.why = self.why or f"another read than the analysed batch's ({recipe.op})"
         return func(*args, **kwargs)
+
+    def _broadcast_source(self, recipe: Recipe, t: object) -> Derived | Computed | None:
+        """What a broadcast read takes: the recipe's parameter itself, or a tensor made from
+        the recipe's parameters alone; None for any other."""
+        names = tuple(name for _, name in recipe.roles)
+        if recipe.computed:
+            made = self.made.get(id(t))
+            if made is None or tuple(p.name for p in made[1].params) != names:
+                return None
+            return made[1]
+        p = self.params[names[0]]
+        return Derived(p) if t is p.param else None
 
     def _matches(self, recipe: Recipe, x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
         roles = dict(recipe.roles)
@@ -147,13 +217,6 @@ class LightRegion(TorchFunctionMode):
         )
 
     # -- as the replay and the backward ask a region ----------------------------------------
-
-    def enter(self, module: nn.Module, args: tuple) -> None:
-        """A hooked module's call inside the region, which the analysed batch's made none of."""
-        self.why = self.why or f"other operations than the analysed batch's (a {_kind(module)})"
-
-    def captured(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-        pass
 
     def close(self) -> None:
         if self._open:
@@ -193,14 +256,8 @@ class RootReads(LightRegion):
     way (its reads there are the rule's). The replay's witness between its events stands for
     the autograd nodes before each read."""
 
-    def __init__(self, plan: Plan, recipes: Sequence[Recipe], batch: int, ruled: Callable):
-        self.ruled = ruled
-        super().__init__(plan, recipes, None, batch)
-
-    def _aside(self, args: tuple, kwargs: dict) -> bool:
-        """Whether the op reads a parameter inside a call of the module whose rule serves it."""
-        found = {id(a) for a in (*args, *kwargs.values())}
-        return any(self.ruled(p) for p in self.params.values() if id(p.param) in found)
+    def __init__(self, plan: Plan, recipes: Sequence[Recipe], batch: int, ruled: Callable, buffers):
+        super().__init__(plan, recipes, None, batch, ruled, buffers)
 
     def finish_reads(self) -> str | None:
         """The forward's end: why the batch's reads are not the analysed ones, or None."""
@@ -213,7 +270,3 @@ class RootReads(LightRegion):
 def in_order(reads: list[Use]) -> list[Use]:
     """Reads in the order the forward made them (their gradients' nodes were made then)."""
     return sorted(reads, key=lambda u: u.edge.node._sequence_nr())
-
-
-def _kind(module: nn.Module) -> str:
-    return type(module).__name__

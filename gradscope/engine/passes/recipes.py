@@ -36,6 +36,7 @@ class Recipe:
     at: int = 0
     transposed: bool = False
     expert: bool = False  # ``F.linear`` of ``W[e]``, a 3-D W's matrix that a value picks
+    computed: bool = False  # broadcasts a tensor made from its parameters (``light.py``)
 
     @property
     def kind(self) -> tuple:

@@ -64,7 +64,7 @@ class RegionCall:
     module: int  # id of the module
     entry: tuple  # owner specs of its tensor arguments (None: no example's; (dim, m): a lane)
     exit: tuple  # owner specs of its tensor outputs
-    steps: int  # the analysed calls of hooked modules inside it: the region's own each batch
+    steps: int  # the analysed calls of hooked modules inside it (a light region's: steps)
     before: int  # autograd nodes made since the previous event, up to its start
     light: tuple[Recipe, ...] | None = None  # a light region's reads (``light.py``)
     during: int = 0  # autograd nodes made during the call
@@ -76,7 +76,7 @@ class RegionCall:
 class Program:
     """What a replayed batch of one signature does: the analysed batch's outcome."""
 
-    steps: tuple[Step | RegionCall, ...]  # in the order they began (a region's steps left out)
+    steps: tuple[Step | RegionCall, ...]  # in the order they began (a traced region's left out)
     requests: Requests | None  # which outputs the backward requests; None: read each batch
     checked: tuple[str, ...]  # parameters no call reached: their gradients must stay None
     uses: tuple[tuple[str, int], ...]  # calls serving each parameter (merged where several)
@@ -99,6 +99,8 @@ class Region:
     def __init__(self, call: RegionCall, analysis: Any, module: nn.Module):
         self.call, self.analysis, self.module = call, analysis, module
         self.depth = 1  # calls of its module under way (a module may call itself)
+        # the hooked calls inside it are its own (traced, or routed: none), not the program's
+        self.own = call.light is None or call.routed
 
 
 class ReplaySession(Capture):
@@ -115,6 +117,7 @@ class ReplaySession(Capture):
         copy: set[int],
         region: Callable[[RegionCall, list[Tensor]], Any] | None = None,
         plan: Plan | None = None,
+        buffers: frozenset[int] = frozenset(),
     ):
         super().__init__(modules)
         self.hooked = {id(m) for m in self.modules}
@@ -127,6 +130,7 @@ class ReplaySession(Capture):
         self.done: list[Any] = []  # the regions' analyses, in the order they ran
         self.diverged: str | None = None
         self.plan, self.root = plan, None  # the reads outside every region (``RootReads``)
+        self.buffers = buffers  # ids of the model's buffers (``LightRegion``)
         self._last = 0
 
     def __enter__(self) -> ReplaySession:
@@ -136,7 +140,9 @@ class ReplaySession(Capture):
             self._handles += [pre, module.register_forward_hook(self._region_exit)]
         self._last = counter()
         if self.program.root:
-            self.root = RootReads(self.plan, self.program.root, self.batch, self._ruled)
+            self.root = RootReads(
+                self.plan, self.program.root, self.batch, self._ruled, self.buffers
+            )
         return self
 
     def __exit__(self, *exc) -> None:
@@ -191,14 +197,15 @@ class ReplaySession(Capture):
         """A hooked module's call begins: a step; inside a region, the region's own."""
         if self.diverged:  # the model caught our exception: stop at the next call
             raise Diverged(self.diverged)
-        if self.region is not None:
+        if self.region is not None and self.region.own:
             return self.region.analysis.enter(module, args)
         return self._step(module, args)
 
     def _captured(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         """A hooked module's call ends."""
         region = self.region
-        if region is not None and (module is not region.module or region.depth > 1):
+        own = region is not None and region.own
+        if own and (module is not region.module or region.depth > 1):
             region.analysis.captured(module, args, kwargs, output)
             return
         with torch._C.DisableTorchFunction():  # a region's modes may still be on

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ...rules.routed import Routed
 from ..capture import Use, counter, edge, read_at, tensors_in
@@ -215,6 +215,15 @@ class RoutedRegion(LightRegion):
         return rows
 
     # -- the end ---------------------------------------------------------------------------
+
+    def enter(self, module: nn.Module, args: tuple) -> None:
+        """A hooked module's call inside the region, which the analysed batch's made none of."""
+        self.why = (
+            self.why or f"other operations than the analysed batch's ({type(module).__name__})"
+        )
+
+    def captured(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        pass
 
     def finish(self, outputs: Sequence[Tensor], exit: tuple) -> str | None:
         if self.open:  # reads as the batch makes them: no order, no count

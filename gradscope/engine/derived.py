@@ -19,10 +19,10 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ...rules import Contribution, Dense, base
-from ...rules.base import Formed
-from ...rules.placed import Place, Placed
-from ..plan import ParamPlan
+from ..rules import Contribution, Dense, base
+from ..rules.base import Formed
+from ..rules.placed import Place, Placed
+from .plan import ParamPlan
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,9 @@ class Computed:
     leaves: tuple[Derived, ...]
     values: tuple[Tensor, ...]  # detached
     batch: int
+    # made from parameters, numbers and the model's buffers alone: a light region (which has
+    # no trace to tell what else is no example's) may compute it again (``passes/light.py``)
+    pure: bool = False
 
     @property
     def params(self) -> tuple[ParamPlan, ...]:
@@ -100,14 +103,16 @@ def compute(
     kwargs: dict,
     watched: Callable[[object], Watched | None],
     batch: int,
+    buffers: frozenset[int] = frozenset(),
 ) -> Callable[[int | None], Computed]:
     """For an op whose watched arguments (``watched(t)`` not None) are views of parameters or
     tensors computed from them: the ``Computed`` of its output (index ``k`` of a tuple output,
     or None for a tensor), as a function of the leaves of every watched argument, read by a
-    batch of ``batch`` examples."""
+    batch of ``batch`` examples; pure where its other tensors are ``buffers`` (ids) alone."""
     flat, spec = tree_flatten((args, kwargs))
     leaves: dict[int, tuple[Derived, Tensor]] = {}  # by the leaf tensor's id
     slots: list[tuple[int, Watched, list[int]]] = []  # (position in flat, its watch, leaf ids)
+    pure = True
     for k, t in enumerate(flat):
         w = watched(t) if isinstance(t, Tensor) else None
         if isinstance(w, Derived):
@@ -118,6 +123,9 @@ def compute(
             for d, v in zip(w.leaves, w.values, strict=True):
                 leaves.setdefault(id(v), (d, v))
             slots.append((k, w, ids))
+            pure = pure and w.pure
+        elif isinstance(t, Tensor):
+            pure = pure and id(t) in buffers
     order = list(leaves)
     position = {key: i for i, key in enumerate(order)}
     constant = [t.detach() if isinstance(t, Tensor) else t for t in flat]
@@ -133,6 +141,6 @@ def compute(
     def output(index: int | None) -> Computed:
         fn = run if index is None else (lambda *values: run(*values)[index])
         derived, values = (tuple(leaves[i][j] for i in order) for j in (0, 1))
-        return Computed(fn, derived, values, batch)
+        return Computed(fn, derived, values, batch, pure)
 
     return output
