@@ -259,7 +259,8 @@ class Computing(nn.Module):
     again from its slices (Swin's relative positions, a ViT's resized positions), with a Linear
     called between (a light region). With ``odd`` a later batch's gain is ``exp(b)`` (another
     read); with ``arange`` the table is gathered by a fresh index, which a light region cannot
-    tell from the batch's (a region traced again)."""
+    tell from the batch's (a region traced again); with ``mask`` the gathered table is an
+    attention mask (Swin's relative position bias), added to the scores."""
 
     def __init__(self, how: str = "computed"):
         super().__init__()
@@ -274,6 +275,9 @@ class Computing(nn.Module):
         index = torch.arange(4) if self.how == "computed-arange" else self.index
         pos = self.table.index_select(0, index)
         pos = torch.cat([pos[:1], pos[1:] * 2], 0)
+        if self.how == "computed-mask":
+            q = self.fc(h).unsqueeze(1)
+            return F.scaled_dot_product_attention(q, q, h.unsqueeze(1), pos[:, :4]).squeeze(1)
         return self.fc(h * gain) + pos
 
 
@@ -306,6 +310,7 @@ BLOCKS = {
     "computed-block": Computing,
     "computed-odd": lambda: Computing("computed-odd"),
     "computed-arange": lambda: Computing("computed-arange"),
+    "computed-mask": lambda: Computing("computed-mask"),
 }
 
 
@@ -407,6 +412,7 @@ def test_every_batch_of_one_signature_is_exact_through_fresh_api_calls(case: str
         ("computed-block", 2),
         ("computed-odd", 0),
         ("computed-arange", 2),
+        ("computed-mask", 2),
     ],  # fmt: skip
 )
 def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: int):
@@ -437,7 +443,7 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
     light = [s.light is not None for s in steps if hasattr(s, "light")]
     lights = ("attention-block", "read-block", "op-block", "cast-block", "scale-block")
     lights += ("experts-block", "position-block", "call-block", "tied-block")  # with steps
-    lights += ("computed-block", "computed-odd")
+    lights += ("computed-block", "computed-odd", "computed-mask")
     assert light == [case in lights] * len(light)
     if case in ("read-block", "op-block", "call-block", "computed-odd"):  # its witness failed
         assert "read" in findings.why or "operations" in findings.why, findings.why

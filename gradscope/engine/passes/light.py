@@ -36,8 +36,10 @@ from .recipes import (
     bind_affine,
     broadcast_parts,
     broadcast_view,
+    masked_by,
     metadata,
     name_of,
+    sdpa_math,
     viewed_parts,
 )
 
@@ -93,8 +95,11 @@ class LightRegion(TorchFunctionMode):
         if func in OPENED:
             with self:  # its projections come to this mode one by one
                 return OPENED[func](*args, **kwargs)
-        recipe = self.recipes[self._next] if self._next < len(self.recipes) else None
         name = name_of(func)
+        if name == "scaled_dot_product_attention" and masked_by(args, kwargs, self._source):
+            with self:  # its mask added to the scores, as the tap served it
+                return sdpa_math(*args, **kwargs)
+        recipe = self.recipes[self._next] if self._next < len(self.recipes) else None
         spread = recipe is not None and name == recipe.op and name in SPREAD
         if not spread and self._pure(name, args, kwargs):  # p.expand(B, ...) reads p
             return self._compute(func, args, kwargs)

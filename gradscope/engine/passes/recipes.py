@@ -6,6 +6,7 @@ broadcast along the rows); and what a watched parameter may be asked without bei
 
 from __future__ import annotations
 
+import math
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -164,3 +165,38 @@ def opened(func: Callable) -> Callable:
 
 # the functions the tap and the light regions open: each function -> its opened copy
 OPENED = {F.multi_head_attention_forward: opened(F.multi_head_attention_forward)}
+
+
+def sdpa_math(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """``F.scaled_dot_product_attention`` written out (eval mode: no dropout), so that a mask
+    computed from parameters (Swin's relative position bias) is an add the tap serves."""
+    if enable_gqa:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
+    scores = (q @ k.transpose(-2, -1)) * (
+        scale if scale is not None else 1 / math.sqrt(q.shape[-1])
+    )
+    if is_causal:
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    elif attn_mask is not None:
+        scores = scores + attn_mask
+    return scores.softmax(-1) @ v
+
+
+def masked_by(args: tuple, kwargs: dict, watched: Callable) -> bool:
+    """Whether an attention call without dropout takes a watched tensor as its mask."""
+    mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+    dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+    return dropout == 0 and watched(mask) is not None
