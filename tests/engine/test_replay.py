@@ -281,6 +281,20 @@ class Computing(nn.Module):
         return self.fc(h * gain) + pos
 
 
+class ConvBlock(nn.Module):
+    """Convolutions of a weight-norm weight (wav2vec2's positional convolution: a tensor made
+    from two parameters) and of a raw weight by ``F.conv1d``: a light region, its
+    ``ParametrizedConv1d`` a step."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(D, D, 3, padding=1), dim=2)
+        self.w = nn.Parameter(torch.randn(D, D, 1) / 3)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return F.conv1d(self.conv(h.transpose(1, 2)), self.w).transpose(1, 2)
+
+
 class InBlock(nn.Module):
     """A projection, a block whose forward needs analysis on every batch, a head."""
 
@@ -311,6 +325,7 @@ BLOCKS = {
     "computed-odd": lambda: Computing("computed-odd"),
     "computed-arange": lambda: Computing("computed-arange"),
     "computed-mask": lambda: Computing("computed-mask"),
+    "conv-block": ConvBlock,
 }
 
 
@@ -413,6 +428,7 @@ def test_every_batch_of_one_signature_is_exact_through_fresh_api_calls(case: str
         ("computed-odd", 0),
         ("computed-arange", 2),
         ("computed-mask", 2),
+        ("conv-block", 2),
     ],  # fmt: skip
 )
 def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: int):
@@ -437,13 +453,14 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
     if case in BLOCKS:  # the block is the region, analysed again on every batch
         inner = {"attention-block": "attn", "experts-block": "experts"}
         region = getattr(model.block, inner[case]) if case in inner else model.block
-        assert findings.programs[-1].regions == {id(region)}
+        inside = {id(model.block.conv)} if case == "conv-block" else set()  # a region in it
+        assert findings.programs[-1].regions == {id(region)} | inside
     # a region reading whole parameters on rows laid out by shapes alone replays light
     steps = findings.programs[-1].steps if findings.programs else ()
     light = [s.light is not None for s in steps if hasattr(s, "light")]
     lights = ("attention-block", "read-block", "op-block", "cast-block", "scale-block")
     lights += ("experts-block", "position-block", "call-block", "tied-block")  # with steps
-    lights += ("computed-block", "computed-odd", "computed-mask")
+    lights += ("computed-block", "computed-odd", "computed-mask", "conv-block")
     assert light == [case in lights] * len(light)
     if case in ("read-block", "op-block", "call-block", "computed-odd"):  # its witness failed
         assert "read" in findings.why or "operations" in findings.why, findings.why

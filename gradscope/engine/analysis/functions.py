@@ -14,10 +14,10 @@ from torch.utils._pytree import tree_flatten
 from ...rules import Contribution, Dense
 from ...rules.linear import affine_parts
 from ..capture import read_at
-from ..derived import Derived
-from ..passes.recipes import Recipe, bind_affine, read_parts, viewed_parts
+from ..derived import Computed, Derived
+from ..passes.recipes import Recipe, bind_affine, bind_conv, conv_parts, read_parts, viewed_parts
 from ..rows import Lanes, rows_of
-from .bind import bind_conv, conv_parts, einsum_terms
+from .bind import einsum_terms
 from .experts import expert_recipe
 from .owners import is_batch, reduce, slots
 from .policy import ASSUMED, assumable, shared
@@ -131,7 +131,8 @@ class FunctionReads:
             got = conv_parts(call, a, grad, bias is not None)
             return _credit((d, got[role]) for role, d in reads if role in got)
 
-        self._read_output(tuple(p for _, d in reads for p in d.params), out, parts, args)
+        recipe = _conv_recipe(name, reads, weight, x)
+        self._read_output(tuple(p for _, d in reads for p in d.params), out, parts, args, recipe)
         return out
 
     def _einsum(self, func, args: tuple, kwargs: dict) -> Tensor | None:
@@ -220,3 +221,18 @@ def _credit(reads) -> dict[str, Contribution]:
         for name, c in d.credit(part).items():
             out[name] = out[name].merge(c) if name in out else c
     return out
+
+
+def _conv_recipe(name: str, reads: list, weight: Tensor, x: Tensor) -> Recipe | None:
+    """A convolution's read of its weight alone, the whole parameter or a tensor made from
+    parameters, numbers and buffers (a weight-norm weight), on one row per example: a light
+    region's."""
+    if len(reads) != 1 or reads[0][0] != "weight":
+        return None
+    d = reads[0][1]
+    if isinstance(d, Computed) and d.pure:
+        return Recipe(name, tuple(("weight", p.name) for p in d.params), tuple(x.shape), None,
+                      computed=True)  # fmt: skip
+    if isinstance(d, Derived) and weight is d.param.param:
+        return Recipe(name, (("weight", d.param.name),), tuple(x.shape), None)
+    return None

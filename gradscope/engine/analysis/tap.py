@@ -40,9 +40,9 @@ from torch.utils._pytree import tree_flatten
 from ...rules.placed import Place
 from ..capture import ReadHooks, Use
 from ..derived import Derived, Watched, compute
-from ..passes.recipes import METADATA, OPENED, Recipe, masked_by, sdpa_math
+from ..passes.recipes import CONVS, METADATA, OPENED, Recipe, masked_by, sdpa_math
 from ..plan import ParamPlan
-from .bind import CONVS, GROUPED
+from .bind import GROUPED
 from .broadcasts import WRITTEN, BroadcastReads
 from .experts import ExpertReads
 from .functions import FunctionReads

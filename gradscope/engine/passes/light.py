@@ -30,12 +30,15 @@ from ..derived import Computed, Derived, compute
 from ..plan import ParamPlan, Plan
 from .recipes import (
     ARG,
+    CONVS,
     EXPAND,
     OPENED,
     Recipe,
     bind_affine,
+    bind_conv,
     broadcast_parts,
     broadcast_view,
+    conv_parts,
     masked_by,
     metadata,
     name_of,
@@ -107,6 +110,8 @@ class LightRegion(TorchFunctionMode):
             self._next += 1
             if recipe.roles[0][0].startswith(ARG):
                 return self._broadcast(recipe, func, args, kwargs)
+            if recipe.op in CONVS:
+                return self._conv(recipe, func, args, kwargs)
             return self._read(recipe, func, args, kwargs)
         out = func(*args, **kwargs)
         if not (isinstance(out, Tensor) and id(out) in self.watched):  # W.to(its own dtype): W
@@ -133,6 +138,29 @@ class LightRegion(TorchFunctionMode):
                 self.hooks.add(target, use)
             self.uses.append(use)
         return out
+
+    def _conv(self, recipe: Recipe, func, args: tuple, kwargs: dict):
+        """A convolution of the recipe's weight (or of a tensor made from its parameters)."""
+        x, weight, bias, call = bind_conv(recipe.op, args, kwargs)
+        source = self._source_of(recipe, weight)
+        if source is None or tuple(x.shape) != recipe.shape or id(bias) in self.watched:
+            self.why = self.why or f"another read than the analysed batch's ({recipe.op})"
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if self.during is not None and counter() - self._start != recipe.at:
+            self.why = self.why or "other operations before a read than the analysed batch's"
+        if isinstance(out, Tensor) and out.requires_grad:
+            a = x.detach()
+            self._serve(source, out, lambda g: conv_parts(call, a, g, False)["weight"])
+        return out
+
+    def _serve(self, source: Derived | Computed, out: Tensor, part: Callable) -> None:
+        """``out``'s gradient to ``part`` (its contribution to ``source``), then to the
+        parameters ``source`` is made from."""
+        with torch._C.DisableTorchFunction():
+            use = Use(source.params, edge(out), lambda grad: source.credit(part(grad)))
+            self.hooks.add(out, use)
+        self.uses.append(use)
 
     def _aside(self, args: tuple, kwargs: dict) -> bool:
         """Whether the op reads a parameter inside a call of the module whose rule serves it
@@ -176,7 +204,7 @@ class LightRegion(TorchFunctionMode):
         row r example r's: by an elementwise op, or ``p.expand(B, ...)``
         (``analysis/broadcasts.py``)."""
         i = int(recipe.roles[0][0][len(ARG) :])
-        source = self._broadcast_source(recipe, args[i] if len(args) > i else None)
+        source = self._source_of(recipe, args[i] if len(args) > i else None)
         expand = recipe.op in SPREAD
         if source is not None:
             if expand:
@@ -187,11 +215,7 @@ class LightRegion(TorchFunctionMode):
                 view = broadcast_view(args[i], shape) if tuple(shape) == recipe.shape else None
             at = recipe.at if self.during is None else counter() - self._start
             if view is not None and tuple(shape) == recipe.shape and at == recipe.at:
-                per_row = broadcast_parts(args[i].shape, view.shape, self.batch)
-                with torch._C.DisableTorchFunction():
-                    use = Use(source.params, edge(view), lambda g: source.credit(per_row(g)))
-                    self.hooks.add(view, use)
-                self.uses.append(use)
+                self._serve(source, view, broadcast_parts(args[i].shape, view.shape, self.batch))
                 return view if expand else func(*args[:i], view, *args[i + 1 :], **kwargs)
             if expand:
                 self.why = self.why or f"another read than the analysed batch's ({recipe.op})"
@@ -199,9 +223,9 @@ class LightRegion(TorchFunctionMode):
         self.why = self.why or f"another read than the analysed batch's ({recipe.op})"
         return func(*args, **kwargs)
 
-    def _broadcast_source(self, recipe: Recipe, t: object) -> Derived | Computed | None:
-        """What a broadcast read takes: the recipe's parameter itself, or a tensor made from
-        the recipe's parameters alone; None for any other."""
+    def _source_of(self, recipe: Recipe, t: object) -> Derived | Computed | None:
+        """What a broadcast or a convolution reads: the recipe's parameter itself, or a tensor
+        made from the recipe's parameters alone; None for any other."""
         names = tuple(name for _, name in recipe.roles)
         if recipe.computed:
             made = self.made.get(id(t))
