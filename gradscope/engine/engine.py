@@ -188,7 +188,9 @@ class Engine:
         batch = len(targets)
         regions = [m for m in self._modules if id(m) in program.regions]
         hooked, copy = self.plan.hooked_modules, self.record.copy
-        buffers = frozenset(id(b) for b in self.model.buffers())
+        buffers = frozenset()  # ids of the model's buffers, where a light region may need them
+        if program.lit:
+            buffers = frozenset(id(b) for m in self._modules for b in m._buffers.values())
         session = ReplaySession(
             hooked, regions, program, batch, copy, plan=self.plan, buffers=buffers
         )

@@ -23,6 +23,7 @@ program joins the signature's.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -84,6 +85,13 @@ class Program:
     moves: int  # the record's moves to the fallback when made: a later one retires it
     regions: frozenset[int]  # ids of the region modules
     root: tuple[Recipe, ...] = ()  # reads outside every region call, by recipe (``light.py``)
+
+    @functools.cached_property
+    def lit(self) -> bool:
+        """Whether any read is served by recipe: a light region's, or the root's."""
+        return bool(self.root) or any(
+            isinstance(s, RegionCall) and s.light is not None for s in self.steps
+        )
 
     @property
     def varies(self) -> bool:
