@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,8 +52,8 @@ class Computed:
     leaves: tuple[Derived, ...]
     values: tuple[Tensor, ...]  # detached
     batch: int
-    # made from parameters, numbers and the model's buffers alone: a light region (which has
-    # no trace to tell what else is no example's) may compute it again (``passes/light.py``)
+    # made from parameters and ``Constants`` alone: a light region (which has no trace to
+    # tell what else is no example's) may compute it again (``passes/light.py``)
     pure: bool = False
 
     @property
@@ -96,6 +96,46 @@ class Computed:
 
 Watched = Derived | Computed
 
+# functions whose result is made from numbers alone: shapes, ranges, fills (not ``torch.tensor``,
+# whose numbers may have been read from the batch)
+FACTORIES = {torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torch.eye}
+FACTORIES |= {torch.linspace, torch.logspace, torch.zeros_like, torch.ones_like}
+FACTORIES |= {torch.full_like, torch.empty_like, Tensor.new_zeros, Tensor.new_ones}
+FACTORIES |= {Tensor.new_full, Tensor.new_empty}
+
+
+class Constants:
+    """The tensors of one forward (or one region call) made from numbers and the model's
+    buffers alone: a factory's result, or an op's on such tensors only. Every example reads
+    the same value, by construction, so a tensor made from parameters and these is ``pure``:
+    the analysis and a light region tell them the same way, without the trace. An in-place
+    edit of one of them by anything else spoils them all (a view may share its storage)."""
+
+    def __init__(self, buffers: frozenset[int] = frozenset(), made: Sequence[Tensor] = ()):
+        self.ids = set(buffers) | {id(t) for t in made}
+        self.alive: list[Tensor] = list(made)  # held: no other tensor takes an id of theirs
+        self.spoiled = False
+
+    def __contains__(self, t: object) -> bool:
+        return not self.spoiled and id(t) in self.ids
+
+    def after(self, func, name: str, tensors: Sequence[Tensor], kwargs: dict, out) -> None:
+        """Follow an op (``tensors``: its tensor arguments) whose result is ``out``."""
+        edits = (name.endswith("_") and not name.endswith("__")) or name in IN_PLACE
+        made = func in FACTORIES or (tensors and all(id(t) in self.ids for t in tensors))
+        if edits or "out" in kwargs:
+            self.spoiled = self.spoiled or (not made and any(id(t) in self.ids for t in tensors))
+            return
+        if made:
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, Tensor):
+                    self.ids.add(id(t))
+                    self.alive.append(t)
+
+
+IN_PLACE = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__"}
+IN_PLACE |= {"__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
+
 
 def compute(
     func: Callable,
@@ -103,12 +143,12 @@ def compute(
     kwargs: dict,
     watched: Callable[[object], Watched | None],
     batch: int,
-    buffers: frozenset[int] = frozenset(),
+    constants: Constants | None = None,
 ) -> Callable[[int | None], Computed]:
     """For an op whose watched arguments (``watched(t)`` not None) are views of parameters or
     tensors computed from them: the ``Computed`` of its output (index ``k`` of a tuple output,
     or None for a tensor), as a function of the leaves of every watched argument, read by a
-    batch of ``batch`` examples; pure where its other tensors are ``buffers`` (ids) alone."""
+    batch of ``batch`` examples; pure where its other tensors are among ``constants``."""
     flat, spec = tree_flatten((args, kwargs))
     leaves: dict[int, tuple[Derived, Tensor]] = {}  # by the leaf tensor's id
     slots: list[tuple[int, Watched, list[int]]] = []  # (position in flat, its watch, leaf ids)
@@ -125,7 +165,7 @@ def compute(
             slots.append((k, w, ids))
             pure = pure and w.pure
         elif isinstance(t, Tensor):
-            pure = pure and id(t) in buffers
+            pure = pure and constants is not None and t in constants
     order = list(leaves)
     position = {key: i for i, key in enumerate(order)}
     constant = [t.detach() if isinstance(t, Tensor) else t for t in flat]

@@ -232,8 +232,9 @@ class Engine:
                 self.plan, call.light, during, batch, tensors, call.entry, unfollowed
             )
         if call.light is not None:
+            made = [t for t, c in zip(tensors, call.constant, strict=False) if c]
             ruled, buffers = session._ruled, session.buffers
-            return LightRegion(self.plan, call.light, call.during, batch, ruled, buffers)
+            return LightRegion(self.plan, call.light, call.during, batch, ruled, buffers, made)
         return Seeded(self.plan, findings, copy, batch, tensors, call.entry, session.inside)
 
     def _analysed(

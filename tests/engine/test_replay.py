@@ -258,7 +258,8 @@ class Computing(nn.Module):
     gain ``exp(a)`` (DiffLlama's, XIELU's), a table gathered by an index buffer and joined
     again from its slices (Swin's relative positions, a ViT's resized positions), with a Linear
     called between (a light region). With ``odd`` a later batch's gain is ``exp(b)`` (another
-    read); with ``arange`` the table is gathered by a fresh index, which a light region cannot
+    read); with ``arange`` the table is gathered by a fresh ``arange`` (a constant too: light);
+    with ``attr`` by a tensor the module keeps but not as a buffer, which a light region cannot
     tell from the batch's (a region traced again); with ``mask`` the gathered table is an
     attention mask (Swin's relative position bias), added to the scores."""
 
@@ -268,17 +269,32 @@ class Computing(nn.Module):
         self.a, self.b = nn.Parameter(torch.randn(D) / 4), nn.Parameter(torch.randn(D) / 4)
         self.table = nn.Parameter(torch.randn(7, D))
         self.register_buffer("index", torch.tensor([3, 1, 4, 6]))
+        self.kept = torch.tensor([3, 1, 4, 6])  # not a buffer
         self.fc = nn.Linear(D, D)
 
-    def forward(self, h: Tensor) -> Tensor:
+    def forward(self, h: Tensor, index: Tensor | None = None) -> Tensor:
         gain = (self.b if self.odd and self.how == "computed-odd" else self.a).exp()
-        index = torch.arange(4) if self.how == "computed-arange" else self.index
+        if index is None:
+            index = {"computed-arange": torch.arange(4) + 2, "computed-attr": self.kept}
+            index = index.get(self.how, self.index)
         pos = self.table.index_select(0, index)
         pos = torch.cat([pos[:1], pos[1:] * 2], 0)
         if self.how == "computed-mask":
             q = self.fc(h).unsqueeze(1)
             return F.scaled_dot_product_attention(q, q, h.unsqueeze(1), pos[:, :4]).squeeze(1)
         return self.fc(h * gain) + pos
+
+
+class Passing(nn.Module):
+    """A ``Computing`` block given its index, an ``arange`` made outside it: the region (the
+    inner block) begins on a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Computing()
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.inner(h, torch.arange(4) + 2)
 
 
 class ConvBlock(nn.Module):
@@ -324,6 +340,8 @@ BLOCKS = {
     "computed-block": Computing,
     "computed-odd": lambda: Computing("computed-odd"),
     "computed-arange": lambda: Computing("computed-arange"),
+    "computed-attr": lambda: Computing("computed-attr"),
+    "computed-passed": Passing,
     "computed-mask": lambda: Computing("computed-mask"),
     "conv-block": ConvBlock,
 }
@@ -427,6 +445,8 @@ def test_every_batch_of_one_signature_is_exact_through_fresh_api_calls(case: str
         ("computed-block", 2),
         ("computed-odd", 0),
         ("computed-arange", 2),
+        ("computed-attr", 2),
+        ("computed-passed", 2),
         ("computed-mask", 2),
         ("conv-block", 2),
     ],  # fmt: skip
@@ -451,7 +471,7 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
     if case.startswith("top"):  # the top-level reads, by recipe
         assert len(findings.programs[-1].root) == (1 if case == "top-tied" else 2)
     if case in BLOCKS:  # the block is the region, analysed again on every batch
-        inner = {"attention-block": "attn", "experts-block": "experts"}
+        inner = {"attention-block": "attn", "experts-block": "experts", "computed-passed": "inner"}
         region = getattr(model.block, inner[case]) if case in inner else model.block
         inside = {id(model.block.conv)} if case == "conv-block" else set()  # a region in it
         assert findings.programs[-1].regions == {id(region)} | inside
@@ -460,7 +480,8 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
     light = [s.light is not None for s in steps if hasattr(s, "light")]
     lights = ("attention-block", "read-block", "op-block", "cast-block", "scale-block")
     lights += ("experts-block", "position-block", "call-block", "tied-block")  # with steps
-    lights += ("computed-block", "computed-odd", "computed-mask", "conv-block")
+    lights += ("computed-block", "computed-odd", "computed-mask", "computed-arange")
+    lights += ("conv-block", "computed-passed")
     assert light == [case in lights] * len(light)
     if case in ("read-block", "op-block", "call-block", "computed-odd"):  # its witness failed
         assert "read" in findings.why or "operations" in findings.why, findings.why

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from ...errors import ModelError
 from ..capture import Captured, counter
+from ..derived import Constants
 from ..plan import BROADCAST, ParamPlan, Plan
 from ..record import Findings, Record
 from . import decide
@@ -88,7 +89,8 @@ class Analysis:
         session.log, trace.finder, trace.owners.on_set = finder.log, finder, finder.born
         if tap is not None:
             tap.finder, tap.derived.on_set = finder, finder.born
-            tap.buffers = frozenset(id(b) for b in self.model.buffers())
+            tap.constants = Constants(frozenset(id(b) for b in self.model.buffers()))
+            finder.constants = tap.constants
         # with every parameter on the fallback, this pass only gives the losses: no graph
         with (
             torch.set_grad_enabled(bool(watched)),

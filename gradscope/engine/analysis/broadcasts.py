@@ -141,7 +141,7 @@ class BroadcastReads:
 
 def _recipe(name: str, i: int, d: Watched, source: Tensor, shape) -> Recipe | None:
     """A broadcast along rows one example's each of a whole parameter, or of a tensor made from
-    parameters, numbers and buffers alone (``Computed.pure``): a light region's."""
+    parameters and constants alone (``Computed.pure``): a light region's."""
     if isinstance(d, Computed) and d.pure:
         roles = tuple((f"{ARG}{i}", p.name) for p in d.params)
         return Recipe(name, roles, tuple(shape), None, computed=True)

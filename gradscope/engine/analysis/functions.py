@@ -225,7 +225,7 @@ def _credit(reads) -> dict[str, Contribution]:
 
 def _conv_recipe(name: str, reads: list, weight: Tensor, x: Tensor) -> Recipe | None:
     """A convolution's read of its weight alone, the whole parameter or a tensor made from
-    parameters, numbers and buffers (a weight-norm weight), on one row per example: a light
+    parameters and constants (a weight-norm weight), on one row per example: a light
     region's."""
     if len(reads) != 1 or reads[0][0] != "weight":
         return None

@@ -57,7 +57,8 @@ def program_of(
             light, during = regions.light.get(id(obj)), obj.at_exit - obj.at_entry
             routed, is_open = id(obj) in regions.routed, id(obj) in regions.open
             call = RegionCall(id(obj.module), obj.entry, obj.exit, obj.steps, at - last, light)
-            items.append(dataclasses.replace(call, during=during, routed=routed, open=is_open))
+            call = dataclasses.replace(call, during=during, routed=routed, open=is_open)
+            items.append(dataclasses.replace(call, constant=obj.constant))
             inside, own = obj, light is None or routed
             for item in opened.values():
                 item.spans_region = True

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from ..capture import counter
+from ..derived import Constants
 from ..passes.recipes import Recipe
 from .owners import NONE, lane_of
 from .trace import ByTensor, RowTrace
@@ -52,6 +53,7 @@ class Visit:
     at_exit: int = 0
     exit: tuple | str = ()  # owner specs of its tensor outputs, or IRREGULAR
     foreign: bool = False  # read something followed from before it began, not an argument
+    constant: tuple[bool, ...] = ()  # which tensor arguments were made from constants alone
     why: str | None = None  # what inside it needs analysis, if anything
 
 
@@ -91,6 +93,7 @@ class Finder:
         self.needs: list[tuple[str, tuple[Visit, ...], Recipe | None, int]] = []
         self.log: list[tuple[str, object, int]] = []  # (what, its event or visit, counter)
         self._born = ByTensor()  # tensor -> the innermost visit's index when it was made
+        self.constants = Constants()  # the tap's: what was made from constants alone
         self._handles: list = []
 
     def __enter__(self) -> Finder:
@@ -151,6 +154,7 @@ class Finder:
                 counter(),
                 frozenset(id(t) for t in tensors),
                 self._specs(tensors),
+                constant=tuple(t in self.constants for t in tensors),
             )
         self.visits.append(v)
         self.stack.append(v)

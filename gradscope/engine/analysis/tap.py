@@ -38,8 +38,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ...rules.placed import Place
-from ..capture import ReadHooks, Use
-from ..derived import Derived, Watched, compute
+from ..capture import ReadHooks, Use, tensors_in
+from ..derived import IN_PLACE, Constants, Derived, Watched, compute
 from ..passes.recipes import CONVS, METADATA, OPENED, Recipe, masked_by, sdpa_math
 from ..plan import ParamPlan
 from .bind import GROUPED
@@ -85,7 +85,7 @@ class ParamTap(FunctionReads, ExpertReads, BroadcastReads, TorchFunctionMode):
         self.expand, self.assume = expand, assume
         self.expanded = self.assumed = False
         self.derived = ByTensor()
-        self.buffers: frozenset[int] = frozenset()  # ids of the model's buffers: ``Computed.pure``
+        self.constants = Constants()  # with the model's buffers (``analyse.py``): ``pure``
         for p in params:
             self.derived[p.param] = Derived(p)
         self.uses: dict[str, Uses] = {p.name: Uses() for p in params}
@@ -102,7 +102,9 @@ class ParamTap(FunctionReads, ExpertReads, BroadcastReads, TorchFunctionMode):
             return func(*args, **kwargs)  # p.data = p: Module.to(the dtype it has already)
         found = self._watched_in(args, kwargs)
         if not found:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            self.constants.after(func, name, tensors_in(args, kwargs), kwargs, out)
+            return out
         if self.finder is not None:
             self.finder.read(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor))
         if func in OPENED:
@@ -183,7 +185,7 @@ class ParamTap(FunctionReads, ExpertReads, BroadcastReads, TorchFunctionMode):
     def _computed(self, func, args: tuple, kwargs: dict) -> object:
         """The op's result, each floating tensor of it followed as ``Computed`` from the
         watched tensors it reads; None when its result is not tensors."""
-        output = compute(func, args, kwargs, self._watched, self.batch, self.buffers)
+        output = compute(func, args, kwargs, self._watched, self.batch, self.constants)
         out = func(*args, **kwargs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         if not all(isinstance(t, Tensor) for t in outs):
@@ -276,7 +278,3 @@ def _pure(name: str, kwargs: dict) -> bool:
     """Whether an op writes nothing: no in-place edit, no ``out=``."""
     inplace = (name.endswith("_") and not name.endswith("__")) or name in IN_PLACE
     return not (inplace or "out" in kwargs)
-
-
-IN_PLACE = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__"}
-IN_PLACE |= {"__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}

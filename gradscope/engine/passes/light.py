@@ -25,8 +25,8 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from ..capture import Capture, ReadHooks, Use, counter, edge, read_at
-from ..derived import Computed, Derived, compute
+from ..capture import Capture, ReadHooks, Use, counter, edge, read_at, tensors_in
+from ..derived import FACTORIES, IN_PLACE, Computed, Constants, Derived, compute
 from ..plan import ParamPlan, Plan
 from .recipes import (
     ARG,
@@ -62,14 +62,17 @@ class LightRegion(TorchFunctionMode):
         batch: int,
         ruled: Callable[[ParamPlan], bool] = lambda p: False,
         buffers: frozenset[int] = frozenset(),
+        constant: Sequence[Tensor] = (),
     ):
         super().__init__()
         self.recipes, self.during, self.batch = tuple(recipes), during, batch
-        self.ruled, self.buffers = ruled, buffers
+        # the buffers, and the arguments the analysed call began with made from constants
+        self.ruled, self.constants = ruled, Constants(buffers, constant)
         self.params = {name: plan.find(name) for r in self.recipes for _, name in r.roles}
         self.by_id = {id(p.param): p for p in self.params.values()}
         self.watched = set(self.by_id)  # and the tensors made from them
         self.made: dict[int, tuple[Tensor, Computed]] = {}  # by id: made from the parameters
+        self.hot = self.watched | self.constants.ids  # what an op must be looked at for
         self.session = Capture(())  # the hooked calls inside it are the replay's steps
         self.uses: list[Use] = []
         self.hooks = ReadHooks()
@@ -81,18 +84,22 @@ class LightRegion(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        watched = self.watched
+        hot = self.hot
         for a in args:  # loops, not a generator: this runs on every op
-            if id(a) in watched:
+            if id(a) in hot:
                 break
-            if type(a) in _SEQUENCES and any(id(t) in watched for t in a):  # torch.cat([p, t])
+            if type(a) in _SEQUENCES and any(id(t) in hot for t in a):  # torch.cat([p, t])
                 break
         else:
             for a in kwargs.values():
-                if id(a) in watched:
+                if id(a) in hot:
                     break
             else:
+                if func in FACTORIES:
+                    return self._constant(func, args, kwargs)
                 return func(*args, **kwargs)
+        if not any(id(t) in self.watched for t in tensors_in(args, kwargs)):
+            return self._constant(func, args, kwargs)
         if metadata(func) or self._aside(args, kwargs):
             return func(*args, **kwargs)
         if func in OPENED:
@@ -170,26 +177,38 @@ class LightRegion(TorchFunctionMode):
 
     # -- tensors made from the watched parameters ------------------------------------------
 
+    def _constant(self, func, args: tuple, kwargs: dict) -> object:
+        """An op on no watched tensor: its result followed where made from constants alone."""
+        out = func(*args, **kwargs)
+        constants, known = self.constants, len(self.constants.alive)
+        with torch._C.DisableTorchFunction():
+            constants.after(func, name_of(func), tensors_in(args, kwargs), kwargs, out)
+        self.hot.update(id(t) for t in constants.alive[known:])
+        return out
+
     def _pure(self, name: str, args: tuple, kwargs: dict) -> bool:
-        """Whether the op computes from the watched tensors, numbers and the model's buffers
-        alone, writing nothing: a tensor every example reads the same (``Computed.pure``)."""
-        if (name.endswith("_") and not name.endswith("__")) or "out" in kwargs:
+        """Whether the op computes from the watched tensors, numbers and constants alone,
+        writing nothing: a tensor every example reads the same (``Computed.pure``)."""
+        if (name.endswith("_") and not name.endswith("__")) or name in IN_PLACE:
             return False
-        watched, buffers = self.watched, self.buffers
+        if "out" in kwargs:
+            return False
+        watched, constants = self.watched, self.constants
         for t in tree_flatten((args, kwargs))[0]:
-            if isinstance(t, Tensor) and id(t) not in watched and id(t) not in buffers:
+            if isinstance(t, Tensor) and id(t) not in watched and t not in constants:
                 return False
         return True
 
     def _compute(self, func, args: tuple, kwargs: dict) -> object:
         """The op's result, each floating tensor of it followed as ``Computed``."""
-        output = compute(func, args, kwargs, self._source, self.batch, self.buffers)
+        output = compute(func, args, kwargs, self._source, self.batch, self.constants)
         out = func(*args, **kwargs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for k, t in enumerate(outs):
             if isinstance(t, Tensor) and t.requires_grad and t.is_floating_point():
                 self.made[id(t)] = (t, output(None if isinstance(out, Tensor) else k))
                 self.watched.add(id(t))
+                self.hot.add(id(t))
         return out
 
     def _source(self, t: object) -> Derived | Computed | None:

@@ -71,6 +71,7 @@ class RegionCall:
     during: int = 0  # autograd nodes made during the call
     routed: bool = False  # a light region whose rows it follows (``routed.py``)
     open: bool = False  # routed, its reads matched by kind, as many as the batch makes
+    constant: tuple[bool, ...] = ()  # which tensor arguments were made from constants alone
 
 
 @dataclass(frozen=True)
