@@ -2,7 +2,7 @@
 (``analysis/``) and the pass that replays it (``passes/``); ``README.md`` draws it. The rest of
 gradscope imports it from here."""
 
-from .engine import BatchScores, Engine, Observe, prepared, total
+from .engine import BatchScores, Engine, Observe, total
 from .passes.check import CheckReport, compare_with_loop, render_plan, render_report
 from .passes.forward import Forward, select_output
 from .passes.influence import (
@@ -16,7 +16,16 @@ from .passes.influence import (
 )
 from .passes.naive import naive_grads
 from .passes.reduce import Want
-from .plan import BROADCAST, EXCLUDED, FALLBACK, FALLBACK_LOOP, ParamPlan, Plan, build_plan
+from .plan import (
+    BROADCAST,
+    EXCLUDED,
+    FALLBACK,
+    FALLBACK_LOOP,
+    ParamPlan,
+    Plan,
+    build_plan,
+    prepared,
+)
 
 __all__ = [
     "BROADCAST",

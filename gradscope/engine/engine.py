@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -26,10 +26,11 @@ from .passes.fallback import Fallback
 from .passes.forward import Forward
 from .passes.light import LightRegion
 from .passes.reduce import Reducer, Want
-from .passes.replay import Diverged, Program, RegionCall, ReplaySession, Taps
+from .passes.replay import Diverged, ReplaySession, Taps
 from .passes.routed import RoutedRegion
 from .passes.serve import Served, serve, served_calls, uses
-from .plan import FALLBACK_LOOP, Plan, build_plan
+from .passes.steps import Program, RegionCall
+from .plan import FALLBACK_LOOP, build_plan, prepared
 from .record import Findings, record_for
 
 # (selected output, targets) -> {column: (B,) tensor}: read from the scoring forward, no extra pass
@@ -55,30 +56,6 @@ def total(per_param: dict[str, Tensor]) -> Tensor:
     if any(v.dtype != values[0].dtype for v in values):
         values = [v.double() for v in values]
     return torch.stack(values).double().sum(0)
-
-
-@contextlib.contextmanager
-def prepared(
-    model: nn.Module, plan: Plan, modules: Sequence[nn.Module] | None = None
-) -> Iterator[None]:
-    """Eval mode and ``requires_grad`` on the selected parameters, restored on exit; nothing
-    touched where the model is so already (the API enters it on every call). ``modules``: the
-    model's, where the caller keeps them (a walk of a large model costs a pass ~0.5 ms)."""
-    training = [(m, m.training) for m in (model.modules() if modules is None else modules)]
-    frozen = [p.param for p in plan.included if not p.param.requires_grad]
-    if any(mode for _, mode in training):
-        model.eval()
-    try:
-        for p in frozen:
-            p.requires_grad_(True)
-        with torch.enable_grad():
-            yield
-    finally:
-        for m, mode in training:  # parents first: train() sets a module's children
-            if m.training != mode:
-                m.train(mode)
-        for p in frozen:
-            p.requires_grad_(False)
 
 
 class Engine:

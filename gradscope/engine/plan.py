@@ -18,10 +18,12 @@ parameters join them: "embedding+linear"), ``broadcast``, ``fallback`` (vmap), `
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
+import torch
 from torch import nn
 
 from ..errors import ConfigError
@@ -254,3 +256,27 @@ def build_plan(
             what = "params.exclude leaves none of the parameters that require grad"
         raise ConfigError(what, "params")
     return plan
+
+
+@contextlib.contextmanager
+def prepared(
+    model: nn.Module, plan: Plan, modules: Sequence[nn.Module] | None = None
+) -> Iterator[None]:
+    """Eval mode and ``requires_grad`` on the selected parameters, restored on exit; nothing
+    touched where the model is so already (the API enters it on every call). ``modules``: the
+    model's, where the caller keeps them (a walk of a large model costs a pass ~0.5 ms)."""
+    training = [(m, m.training) for m in (model.modules() if modules is None else modules)]
+    frozen = [p.param for p in plan.included if not p.param.requires_grad]
+    if any(mode for _, mode in training):
+        model.eval()
+    try:
+        for p in frozen:
+            p.requires_grad_(True)
+        with torch.enable_grad():
+            yield
+    finally:
+        for m, mode in training:  # parents first: train() sets a module's children
+            if m.training != mode:
+                m.train(mode)
+        for p in frozen:
+            p.requires_grad_(False)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
-    from .passes.replay import Program
+    from .passes.steps import Program
 
 
 KEPT = 4  # programs kept per signature, and replays that may fail in a row

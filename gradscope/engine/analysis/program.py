@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ..capture import Captured
 from ..passes.backward import Requests
-from ..passes.replay import Program, RegionCall, Step
+from ..passes.steps import Program, RegionCall, Step
 from .regions import Regions, Visit
 from .session import Entered
 

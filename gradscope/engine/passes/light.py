@@ -7,8 +7,8 @@ that passes every op through but the reads of the watched parameters, which it s
 recipes: no trace, no owners, no tap. The hooked modules called inside it (a BEiT layer's
 attention and MLP around its LayerScale) are the program's steps, replayed as outside the
 regions; a read of a parameter inside a call of the module whose rule serves it is the rule's.
-``RootReads`` serves the same way the reads at the model's top level, which no region call
-holds.
+``RootReads`` (``root.py``) serves the same way the reads at the model's top level, which no
+region call holds.
 
 The witness of a light region call: its reads in the analysed order, each the same function on
 an input of the same shape with the same parameters, after as many autograd nodes since the call
@@ -294,27 +294,3 @@ class LightRegion(TorchFunctionMode):
 
     def reading(self, on_grad: Callable | None) -> None:
         self.hooks.reading(on_grad)
-
-
-class RootReads(LightRegion):
-    """The reads of a replayed batch outside every region call and every call of their
-    parameters' modules (a ViT's ``cls_token`` and ``pos_embed`` at the model's top level),
-    served by their recipes as a light region serves its own, in the analysed order, over the
-    whole forward; ``ruled(p)``: whether a call of the module whose rule serves ``p`` is under
-    way (its reads there are the rule's). The replay's witness between its events stands for
-    the autograd nodes before each read."""
-
-    def __init__(self, plan: Plan, recipes: Sequence[Recipe], batch: int, ruled: Callable, buffers):
-        super().__init__(plan, recipes, None, batch, ruled, buffers)
-
-    def finish_reads(self) -> str | None:
-        """The forward's end: why the batch's reads are not the analysed ones, or None."""
-        self.close()
-        if self.why:
-            return self.why
-        return "fewer reads than the analysed batch's" if self._next != len(self.recipes) else None
-
-
-def in_order(reads: list[Use]) -> list[Use]:
-    """Reads in the order the forward made them (their gradients' nodes were made then)."""
-    return sorted(reads, key=lambda u: u.edge.node._sequence_nr())

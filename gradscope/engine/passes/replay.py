@@ -23,9 +23,7 @@ program joins the signature's.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,71 +32,12 @@ from torch.utils._pytree import tree_flatten
 
 from ..capture import Call, Capture, counter, first_output, shapes_of
 from ..plan import BROADCAST, ParamPlan, Plan
-from ..rows import Rows
-from .backward import Requests
-from .light import RootReads, in_order
-from .recipes import Recipe
+from .root import RootReads, in_order
+from .steps import Program, RegionCall, Step
 
 
 class Diverged(Exception):
     """The batch is not one the program describes: it is analysed in full."""
-
-
-@dataclass(frozen=True)
-class Step:
-    """One call of a hooked module outside the regions, as the analysed batch made it."""
-
-    module: int  # id of the module
-    shapes: tuple  # (shape, dtype) of its tensor arguments
-    handed: bool  # left to the tap: no capture
-    expand: bool  # its shared leading rows expanded to the batch
-    output: tuple | None  # the shape of its captured output; None: not captured
-    rows: Rows | None  # a row-by-row call's layout, where not one row per example
-    before: int  # autograd nodes made since the previous event, up to its start
-    during: int | None  # ... up to its end; None where a region ran inside it
-
-
-@dataclass(frozen=True)
-class RegionCall:
-    """One call of a region module, as the analysed batch made it."""
-
-    module: int  # id of the module
-    entry: tuple  # owner specs of its tensor arguments (None: no example's; (dim, m): a lane)
-    exit: tuple  # owner specs of its tensor outputs
-    steps: int  # the analysed calls of hooked modules inside it (a light region's: steps)
-    before: int  # autograd nodes made since the previous event, up to its start
-    light: tuple[Recipe, ...] | None = None  # a light region's reads (``light.py``)
-    during: int = 0  # autograd nodes made during the call
-    routed: bool = False  # a light region whose rows it follows (``routed.py``)
-    open: bool = False  # routed, its reads matched by kind, as many as the batch makes
-    constant: tuple[bool, ...] = ()  # which tensor arguments were made from constants alone
-
-
-@dataclass(frozen=True)
-class Program:
-    """What a replayed batch of one signature does: the analysed batch's outcome."""
-
-    steps: tuple[Step | RegionCall, ...]  # in the order they began (a traced region's left out)
-    requests: Requests | None  # which outputs the backward requests; None: read each batch
-    checked: tuple[str, ...]  # parameters no call reached: their gradients must stay None
-    uses: tuple[tuple[str, int], ...]  # calls serving each parameter (merged where several)
-    tail: int  # autograd nodes made from the last event to the losses
-    moves: int  # the record's moves to the fallback when made: a later one retires it
-    regions: frozenset[int]  # ids of the region modules
-    root: tuple[Recipe, ...] = ()  # reads outside every region call, by recipe (``light.py``)
-
-    @functools.cached_property
-    def lit(self) -> bool:
-        """Whether any read is served by recipe: a light region's, or the root's."""
-        return bool(self.root) or any(
-            isinstance(s, RegionCall) and s.light is not None for s in self.steps
-        )
-
-    @property
-    def varies(self) -> bool:
-        """Whether what a replayed batch calls and reads differs batch to batch: a region that
-        is not light runs the trace and the tap again; an open one reads as the batch says."""
-        return any(isinstance(s, RegionCall) and (s.light is None or s.open) for s in self.steps)
 
 
 class Region:
