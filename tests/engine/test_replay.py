@@ -212,7 +212,9 @@ class Reader(nn.Module):
     """Raw weights read by ``F.linear`` (a light region), which one, and whether an op comes
     first, or a Linear (a module with a rule) called first, by the state it keeps (``how`` says
     which): a later batch reads otherwise. With ``cast`` the weight is cast to the dtype it has
-    (itself: still light), with ``copy`` to float32 and back (a copy: a region traced again);
+    (itself: still light), with ``copy`` to float32 and back (a tensor made from the weight:
+    light, its gradient carried back through the casts); with ``view`` the weight's transpose
+    and a Linear's bias doubled, outside its call (tensors made from parameters: light);
     with ``tied`` the Linear's own weight is read again after its call (light, its call a step,
     the read inside the call its rule's)."""
 
@@ -231,6 +233,8 @@ class Reader(nn.Module):
         w = self.w2 if odd and self.how == "read" else self.w1
         if self.how == "tied":
             h, w = self.fc(h), self.fc.weight
+        if self.how == "view":
+            return F.linear(h, self.w1.T, self.fc.bias * 2)
         if self.how == "cast":
             w = w.to(h.dtype)
         if self.how == "copy":
@@ -299,16 +303,16 @@ class Passing(nn.Module):
 
 class ConvBlock(nn.Module):
     """Convolutions of a weight-norm weight (wav2vec2's positional convolution: a tensor made
-    from two parameters) and of a raw weight by ``F.conv1d``: a light region, its
-    ``ParametrizedConv1d`` a step."""
+    from two parameters) and of a raw weight with a bias made from a parameter by
+    ``F.conv1d``: a light region, its ``ParametrizedConv1d`` a step."""
 
     def __init__(self):
         super().__init__()
         self.conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(D, D, 3, padding=1), dim=2)
-        self.w = nn.Parameter(torch.randn(D, D, 1) / 3)
+        self.w, self.b = nn.Parameter(torch.randn(D, D, 1) / 3), nn.Parameter(torch.randn(D))
 
     def forward(self, h: Tensor) -> Tensor:
-        return F.conv1d(self.conv(h.transpose(1, 2)), self.w).transpose(1, 2)
+        return F.conv1d(self.conv(h.transpose(1, 2)), self.w, self.b.exp()).transpose(1, 2)
 
 
 class InBlock(nn.Module):
@@ -337,6 +341,7 @@ BLOCKS = {
     "experts-block": lambda: moe_models.Block(moe_models.LoopExperts(width=D)),
     "copy-block": lambda: Reader("copy"),
     "tied-block": lambda: Reader("tied"),
+    "view-block": lambda: Reader("view"),
     "computed-block": Computing,
     "computed-odd": lambda: Computing("computed-odd"),
     "computed-arange": lambda: Computing("computed-arange"),
@@ -442,6 +447,7 @@ def test_every_batch_of_one_signature_is_exact_through_fresh_api_calls(case: str
         ("experts-block", 2),
         ("copy-block", 2),
         ("tied-block", 2),
+        ("view-block", 2),
         ("computed-block", 2),
         ("computed-odd", 0),
         ("computed-arange", 2),
@@ -481,7 +487,7 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
     lights = ("attention-block", "read-block", "op-block", "cast-block", "scale-block")
     lights += ("experts-block", "position-block", "call-block", "tied-block")  # with steps
     lights += ("computed-block", "computed-odd", "computed-mask", "computed-arange")
-    lights += ("conv-block", "computed-passed")
+    lights += ("conv-block", "computed-passed", "copy-block", "view-block")
     assert light == [case in lights] * len(light)
     if case in ("read-block", "op-block", "call-block", "computed-odd"):  # its witness failed
         assert "read" in findings.why or "operations" in findings.why, findings.why

@@ -9,8 +9,8 @@ from torch import Tensor
 
 from ...rules import Contribution, Dense
 from ...rules.base import CHUNK_ELEMENTS
-from ..derived import Computed, Derived, Watched
-from ..passes.recipes import ARG, EXPAND, Recipe, broadcast_parts, broadcast_view
+from ..derived import Watched
+from ..passes.recipes import ARG, EXPAND, Recipe, broadcast_parts, broadcast_view, recipe_roles
 from .owners import combine, is_batch, reduce, slots
 
 # ops whose result broadcasts its tensor arguments elementwise; in-place ones only when the
@@ -140,14 +140,10 @@ class BroadcastReads:
 
 
 def _recipe(name: str, i: int, d: Watched, source: Tensor, shape) -> Recipe | None:
-    """A broadcast along rows one example's each of a whole parameter, or of a tensor made from
-    parameters and constants alone (``Computed.pure``): a light region's."""
-    if isinstance(d, Computed) and d.pure:
-        roles = tuple((f"{ARG}{i}", p.name) for p in d.params)
-        return Recipe(name, roles, tuple(shape), None, computed=True)
-    if not isinstance(d, Derived) or source is not d.param.param:
-        return None
-    return Recipe(name, ((f"{ARG}{i}", d.param.name),), tuple(shape), None)
+    """A broadcast along rows one example's each of a whole parameter, a view of one, or a
+    tensor made from parameters and constants alone (``Computed.pure``): a light region's."""
+    roles = recipe_roles([(f"{ARG}{i}", d)], {f"{ARG}{i}": source})
+    return None if roles is None else Recipe(name, roles[0], tuple(shape), None, computed=roles[1])
 
 
 def _spread(source: Tensor, shape: torch.Size) -> bool:

@@ -14,8 +14,15 @@ from torch.utils._pytree import tree_flatten
 from ...rules import Contribution, Dense
 from ...rules.linear import affine_parts
 from ..capture import read_at
-from ..derived import Computed, Derived
-from ..passes.recipes import Recipe, bind_affine, bind_conv, conv_parts, read_parts, viewed_parts
+from ..passes.recipes import (
+    Recipe,
+    bind_affine,
+    bind_conv,
+    conv_parts,
+    read_parts,
+    recipe_roles,
+    viewed_parts,
+)
 from ..rows import Lanes, rows_of
 from .bind import einsum_terms
 from .experts import expert_recipe
@@ -65,14 +72,12 @@ class FunctionReads:
             got = by_role(grad)
             return _credit((d, got[role]) for role, d in reads if role in got)
 
-        given = {"weight": weight, "bias": bias}  # the parameters themselves, not cast copies
-        whole = all(isinstance(d, Derived) and given[role] is d.param.param for role, d in reads)
-        recipe = None  # a read laid out by shapes alone, of whole parameters: a light region's
-        if whole and not (expanded or assumed_rows) and (rows is None or isinstance(rows, Lanes)):
-            roles = tuple((role, d.param.name) for role, d in reads)
-            recipe = Recipe(name, roles, tuple(x.shape), rows)
-        elif name == "linear" and not (expanded or assumed_rows):
-            recipe = expert_recipe(reads, x)
+        recipe = None  # a read laid out by shapes alone: a light region's
+        if not (expanded or assumed_rows):
+            recipe = expert_recipe(reads, x) if name == "linear" else None
+            roles = recipe_roles(reads, {"weight": weight, "bias": bias})
+            if recipe is None and roles and (rows is None or isinstance(rows, Lanes)):
+                recipe = Recipe(name, roles[0], tuple(x.shape), rows, computed=roles[1])
         self._read_output(tuple(p for _, d in reads for p in d.params), out, parts, args, recipe)
         return out
 
@@ -131,7 +136,7 @@ class FunctionReads:
             got = conv_parts(call, a, grad, bias is not None)
             return _credit((d, got[role]) for role, d in reads if role in got)
 
-        recipe = _conv_recipe(name, reads, weight, x)
+        recipe = _conv_recipe(name, reads, {"weight": weight, "bias": bias}, x)
         self._read_output(tuple(p for _, d in reads for p in d.params), out, parts, args, recipe)
         return out
 
@@ -223,16 +228,11 @@ def _credit(reads) -> dict[str, Contribution]:
     return out
 
 
-def _conv_recipe(name: str, reads: list, weight: Tensor, x: Tensor) -> Recipe | None:
-    """A convolution's read of its weight alone, the whole parameter or a tensor made from
+def _conv_recipe(name: str, reads: list, given: dict, x: Tensor) -> Recipe | None:
+    """A convolution's read of its weight and bias, each a parameter or a tensor made from
     parameters and constants (a weight-norm weight), on one row per example: a light
     region's."""
-    if len(reads) != 1 or reads[0][0] != "weight":
-        return None
-    d = reads[0][1]
-    if isinstance(d, Computed) and d.pure:
-        return Recipe(name, tuple(("weight", p.name) for p in d.params), tuple(x.shape), None,
-                      computed=True)  # fmt: skip
-    if isinstance(d, Derived) and weight is d.param.param:
-        return Recipe(name, (("weight", d.param.name),), tuple(x.shape), None)
-    return None
+    roles = recipe_roles(reads, given)
+    return (
+        None if roles is None else Recipe(name, roles[0], tuple(x.shape), None, computed=roles[1])
+    )

@@ -42,6 +42,7 @@ from .recipes import (
     masked_by,
     metadata,
     name_of,
+    read_parts,
     sdpa_math,
     viewed_parts,
 )
@@ -126,8 +127,11 @@ class LightRegion(TorchFunctionMode):
         return out
 
     def _read(self, recipe: Recipe, func, args: tuple, kwargs: dict):
+        """A linear, embedding or product read of the recipe's parameters (or of tensors made
+        from them)."""
         call = bind_affine(recipe.op, args, kwargs)
-        if call is None or not self._matches(recipe, *call):
+        sources = None if call is None else self._sources(recipe, call[0], call[1:])
+        if sources is None:
             self.why = self.why or f"another read than the analysed batch's ({recipe.op})"
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
@@ -135,37 +139,56 @@ class LightRegion(TorchFunctionMode):
             self.why = self.why or "other operations before a read than the analysed batch's"
         x, weight, bias = call
         if isinstance(out, Tensor) and out.requires_grad:
-            parts = recipe.parts(x, weight, bias, args, kwargs, self.batch)
+            a = x.detach()
+            by_role = read_parts(recipe.op, a, weight, bias, recipe.rows, args, kwargs, self.batch)
             target, viewed = read_at(out, tree_flatten((args, kwargs))[0])
-            if viewed is not None:
-                parts = viewed_parts(parts, viewed)
-            params = tuple(self.params[name] for _, name in recipe.roles)
-            with torch._C.DisableTorchFunction():
-                use = Use(params, edge(target), parts)
-                self.hooks.add(target, use)
-            self.uses.append(use)
+            self._credited(
+                sources, target, by_role if viewed is None else viewed_parts(by_role, viewed)
+            )
         return out
 
     def _conv(self, recipe: Recipe, func, args: tuple, kwargs: dict):
-        """A convolution of the recipe's weight (or of a tensor made from its parameters)."""
+        """A convolution of the recipe's weight and bias (or of tensors made from them)."""
         x, weight, bias, call = bind_conv(recipe.op, args, kwargs)
-        source = self._source_of(recipe, weight)
-        if source is None or tuple(x.shape) != recipe.shape or id(bias) in self.watched:
+        sources = self._sources(recipe, x, (weight, bias))
+        if sources is None:
             self.why = self.why or f"another read than the analysed batch's ({recipe.op})"
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         if self.during is not None and counter() - self._start != recipe.at:
             self.why = self.why or "other operations before a read than the analysed batch's"
         if isinstance(out, Tensor) and out.requires_grad:
-            a = x.detach()
-            self._serve(source, out, lambda g: conv_parts(call, a, g, False)["weight"])
+            a, biased = x.detach(), "bias" in sources
+            self._credited(sources, out, lambda g: conv_parts(call, a, g, biased))
         return out
 
-    def _serve(self, source: Derived | Computed, out: Tensor, part: Callable) -> None:
-        """``out``'s gradient to ``part`` (its contribution to ``source``), then to the
-        parameters ``source`` is made from."""
+    def _sources(self, recipe: Recipe, x: object, given: tuple) -> dict | None:
+        """What each role of an affine read or a convolution takes (``_source_of``), where its
+        input has the recipe's shape and no other watched tensor takes part; else None."""
+        if not isinstance(x, Tensor) or tuple(x.shape) != recipe.shape:
+            return None
+        given = dict(zip(("weight", "bias"), given, strict=True))
+        sources = {r: self._source_of(recipe, given.get(r), r) for r, _ in recipe.roles}
+        if any(s is None for s in sources.values()):
+            return None
+        others = [t for r, t in given.items() if r not in sources and t is not None]
+        return None if any(id(t) in self.watched for t in others) else sources
+
+    def _credited(self, sources: dict, out: Tensor, parts: Callable) -> None:
+        """``out``'s gradient to ``parts`` (role -> its contribution), each role's then to the
+        parameters its ``sources`` entry is made from."""
+
+        def credit(grad: Tensor) -> dict:
+            got: dict = {}
+            for role, part in parts(grad).items():
+                if role in sources:
+                    for name, c in sources[role].credit(part).items():
+                        got[name] = got[name].merge(c) if name in got else c
+            return got
+
+        params = tuple({id(p): p for s in sources.values() for p in s.params}.values())
         with torch._C.DisableTorchFunction():
-            use = Use(source.params, edge(out), lambda grad: source.credit(part(grad)))
+            use = Use(params, edge(out), credit)
             self.hooks.add(out, use)
         self.uses.append(use)
 
@@ -222,8 +245,9 @@ class LightRegion(TorchFunctionMode):
         """A parameter, or a tensor made from parameters, broadcast along the result's rows,
         row r example r's: by an elementwise op, or ``p.expand(B, ...)``
         (``analysis/broadcasts.py``)."""
-        i = int(recipe.roles[0][0][len(ARG) :])
-        source = self._source_of(recipe, args[i] if len(args) > i else None)
+        role = recipe.roles[0][0]
+        i = int(role[len(ARG) :])
+        source = self._source_of(recipe, args[i] if len(args) > i else None, role)
         expand = recipe.op in SPREAD
         if source is not None:
             if expand:
@@ -234,7 +258,8 @@ class LightRegion(TorchFunctionMode):
                 view = broadcast_view(args[i], shape) if tuple(shape) == recipe.shape else None
             at = recipe.at if self.during is None else counter() - self._start
             if view is not None and tuple(shape) == recipe.shape and at == recipe.at:
-                self._serve(source, view, broadcast_parts(args[i].shape, view.shape, self.batch))
+                per_row = broadcast_parts(args[i].shape, view.shape, self.batch)
+                self._credited({role: source}, view, lambda g: {role: per_row(g)})
                 return view if expand else func(*args[:i], view, *args[i + 1 :], **kwargs)
             if expand:
                 self.why = self.why or f"another read than the analysed batch's ({recipe.op})"
@@ -242,27 +267,17 @@ class LightRegion(TorchFunctionMode):
         self.why = self.why or f"another read than the analysed batch's ({recipe.op})"
         return func(*args, **kwargs)
 
-    def _source_of(self, recipe: Recipe, t: object) -> Derived | Computed | None:
-        """What a broadcast or a convolution reads: the recipe's parameter itself, or a tensor
-        made from the recipe's parameters alone; None for any other."""
-        names = tuple(name for _, name in recipe.roles)
-        if recipe.computed:
+    def _source_of(self, recipe: Recipe, t: object, role: str) -> Derived | Computed | None:
+        """What ``role`` of a read takes: the recipe's parameter itself, or a tensor made from
+        the recipe's parameters at that role alone; None for any other."""
+        names = recipe.names(role)
+        if role in recipe.computed:
             made = self.made.get(id(t))
             if made is None or tuple(p.name for p in made[1].params) != names:
                 return None
             return made[1]
         p = self.params[names[0]]
         return Derived(p) if t is p.param else None
-
-    def _matches(self, recipe: Recipe, x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-        roles = dict(recipe.roles)
-        given = {"weight": weight, "bias": bias}
-        return (
-            isinstance(x, Tensor)
-            and tuple(x.shape) == recipe.shape
-            and all(given.get(role) is self.params[name].param for role, name in roles.items())
-            and all(t is None or id(t) not in self.watched or r in roles for r, t in given.items())
-        )
 
     # -- as the replay and the backward ask a region ----------------------------------------
 

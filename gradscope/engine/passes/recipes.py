@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +19,7 @@ from ...rules import Contribution, Dense
 from ...rules.conv import weight_part
 from ...rules.embedding import lookup
 from ...rules.linear import affine_parts
+from ..derived import Computed, Derived
 from ..rows import Lanes, Rows, regroup
 
 
@@ -38,7 +39,9 @@ class Recipe:
     at: int = 0
     transposed: bool = False
     expert: bool = False  # ``F.linear`` of ``W[e]``, a 3-D W's matrix that a value picks
-    computed: bool = False  # broadcasts a tensor made from its parameters (``light.py``)
+    # the roles that take a tensor made from their parameters (a view, a cast, ``exp(a)``, a
+    # weight-norm weight: ``light.py`` makes it again), not a parameter itself
+    computed: tuple[str, ...] = ()
 
     @property
     def kind(self) -> tuple:
@@ -46,13 +49,27 @@ class Recipe:
         view of them (``passes/routed.py``)."""
         return self.op, self.roles, self.transposed, self.expert
 
-    def parts(
-        self, x: Tensor, weight: Tensor, bias: Tensor | None, args: tuple, kwargs: dict, batch: int
-    ) -> Callable[[Tensor], dict[str, Contribution]]:
-        """The read's contributions by parameter name from its output gradient."""
-        names = dict(self.roles)
-        by_role = read_parts(self.op, x.detach(), weight, bias, self.rows, args, kwargs, batch)
-        return lambda grad: {names[r]: part for r, part in by_role(grad).items() if r in names}
+    def names(self, role: str) -> tuple[str, ...]:
+        """The parameters at ``role``: one, or those its tensor is made from."""
+        return tuple(name for r, name in self.roles if r == role)
+
+
+def recipe_roles(reads: Iterable[tuple[str, object]], given: dict) -> tuple[tuple, tuple] | None:
+    """The roles of a read, and which of them are computed (``Recipe.computed``), where each
+    takes a whole parameter, a view or cast of one, or a tensor made from parameters and
+    constants alone (``Computed.pure``); None for any other. ``given``: the tensor at each
+    role."""
+    roles: list[tuple[str, str]] = []
+    computed: list[str] = []
+    for role, d in reads:
+        if isinstance(d, Derived) and given[role] is d.param.param:
+            roles.append((role, d.param.name))
+        elif isinstance(d, Derived) or (isinstance(d, Computed) and d.pure):
+            roles += [(role, p.name) for p in d.params]
+            computed.append(role)
+        else:
+            return None
+    return tuple(roles), tuple(computed)
 
 
 def read_parts(
