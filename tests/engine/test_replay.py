@@ -214,7 +214,8 @@ class Reader(nn.Module):
     which): a later batch reads otherwise. With ``cast`` the weight is cast to the dtype it has
     (itself: still light), with ``copy`` to float32 and back (a tensor made from the weight:
     light, its gradient carried back through the casts); with ``view`` the weight's transpose
-    and a Linear's bias doubled, outside its call (tensors made from parameters: light);
+    and a Linear's bias doubled, outside its call (tensors made from parameters: light); with
+    ``left`` the weight on the left of the tokens, ``W @ x`` (Mamba's ``dt_proj``: light);
     with ``tied`` the Linear's own weight is read again after its call (light, its call a step,
     the read inside the call its rule's)."""
 
@@ -235,6 +236,8 @@ class Reader(nn.Module):
             h, w = self.fc(h), self.fc.weight
         if self.how == "view":
             return F.linear(h, self.w1.T, self.fc.bias * 2)
+        if self.how == "left":
+            return (self.w1 @ h.transpose(1, 2)).transpose(1, 2)
         if self.how == "cast":
             w = w.to(h.dtype)
         if self.how == "copy":
@@ -342,6 +345,7 @@ BLOCKS = {
     "copy-block": lambda: Reader("copy"),
     "tied-block": lambda: Reader("tied"),
     "view-block": lambda: Reader("view"),
+    "left-block": lambda: Reader("left"),
     "computed-block": Computing,
     "computed-odd": lambda: Computing("computed-odd"),
     "computed-arange": lambda: Computing("computed-arange"),
@@ -448,6 +452,7 @@ def test_every_batch_of_one_signature_is_exact_through_fresh_api_calls(case: str
         ("copy-block", 2),
         ("tied-block", 2),
         ("view-block", 2),
+        ("left-block", 2),
         ("computed-block", 2),
         ("computed-odd", 0),
         ("computed-arange", 2),
@@ -487,7 +492,7 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
     lights = ("attention-block", "read-block", "op-block", "cast-block", "scale-block")
     lights += ("experts-block", "position-block", "call-block", "tied-block")  # with steps
     lights += ("computed-block", "computed-odd", "computed-mask", "computed-arange")
-    lights += ("conv-block", "computed-passed", "copy-block", "view-block")
+    lights += ("conv-block", "computed-passed", "copy-block", "view-block", "left-block")
     assert light == [case in lights] * len(light)
     if case in ("read-block", "op-block", "call-block", "computed-odd"):  # its witness failed
         assert "read" in findings.why or "operations" in findings.why, findings.why

@@ -12,13 +12,13 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
 from ...rules import Contribution, Dense
-from ...rules.linear import affine_parts
 from ..capture import read_at
 from ..passes.recipes import (
     Recipe,
     bind_affine,
     bind_conv,
     conv_parts,
+    left_part,
     read_parts,
     recipe_roles,
     viewed_parts,
@@ -94,13 +94,15 @@ class FunctionReads:
         d = self._watched(weight)
         if d is None or weight.dim() < 2 or x.dim() < 3 or self._watched(x) is not None:
             return None
-        a = x.detach()
+        a, recipe = x.detach(), None
         if left and weight.dim() == 2 and self._examples_lead(x):
 
             def parts(grad: Tensor) -> dict[str, Contribution]:
-                got = affine_parts(a.mT, grad.mT, weight, None, transposed=False)
-                return d.credit(got["weight"])
+                return d.credit(left_part(a, grad, weight))
 
+            roles = recipe_roles([("weight", d)], {"weight": weight})
+            if roles is not None:
+                recipe = Recipe(name, roles[0], tuple(x.shape), None, computed=roles[1], left=True)
         else:
             lead, ws = torch.broadcast_shapes(weight.shape[:-2], x.shape[:-2]), weight.shape[:-2]
             o = reduce(self.trace.owner(x), [-2, -1], keepdim=False)
@@ -115,7 +117,7 @@ class FunctionReads:
 
         out = func(*args)
         if out.requires_grad:
-            self._read_output(d.params, out, parts, args)
+            self._read_output(d.params, out, parts, args, recipe)
         return out
 
     def _conv(self, name: str, func, args: tuple, kwargs: dict) -> Tensor | None:

@@ -4,7 +4,7 @@ parameters on rows laid out by shapes alone (one row per example, or ``Lanes``) 
 ``F.multi_head_attention_forward`` on sequence-first rows; a LayerScale's ``gamma`` broadcast
 along the tokens. A replayed batch runs the call under ``LightRegion``, a torch function mode
 that passes every op through but the reads of the watched parameters, which it serves by their
-recipes: no trace, no owners, no tap. The hooked modules called inside it (a BEiT layer's
+recipes (``reads.py``): no trace, no owners, no tap. The hooked modules called inside it (a BEiT layer's
 attention and MLP around its LayerScale) are the program's steps, replayed as outside the
 regions; a read of a parameter inside a call of the module whose rule serves it is the rule's.
 ``RootReads`` (``root.py``) serves the same way the reads at the model's top level, which no
@@ -25,33 +25,26 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from ..capture import Capture, ReadHooks, Use, counter, edge, read_at, tensors_in
+from ..capture import Capture, ReadHooks, Use, counter, tensors_in
 from ..derived import FACTORIES, IN_PLACE, Computed, Constants, Derived, compute
 from ..plan import ParamPlan, Plan
+from .reads import RecipeReads
 from .recipes import (
     ARG,
     CONVS,
-    EXPAND,
     OPENED,
+    SPREAD,
     Recipe,
-    bind_affine,
-    bind_conv,
-    broadcast_parts,
-    broadcast_view,
-    conv_parts,
     masked_by,
     metadata,
     name_of,
-    read_parts,
     sdpa_math,
-    viewed_parts,
 )
 
-SPREAD = EXPAND | {"repeat"}  # a parameter spread along the batch by a view or a copy
 _SEQUENCES = (list, tuple)
 
 
-class LightRegion(TorchFunctionMode):
+class LightRegion(RecipeReads, TorchFunctionMode):
     """One light region call of a replayed batch: ``recipes`` its reads, ``during`` the autograd
     nodes the analysed call made; entered at once, left by ``finish`` (or ``close``)."""
 
@@ -126,72 +119,6 @@ class LightRegion(TorchFunctionMode):
             self.why = self.why or f"another read than the analysed batch's ({name_of(func)})"
         return out
 
-    def _read(self, recipe: Recipe, func, args: tuple, kwargs: dict):
-        """A linear, embedding or product read of the recipe's parameters (or of tensors made
-        from them)."""
-        call = bind_affine(recipe.op, args, kwargs)
-        sources = None if call is None else self._sources(recipe, call[0], call[1:])
-        if sources is None:
-            self.why = self.why or f"another read than the analysed batch's ({recipe.op})"
-            return func(*args, **kwargs)
-        out = func(*args, **kwargs)
-        if self.during is not None and counter() - self._start != recipe.at:
-            self.why = self.why or "other operations before a read than the analysed batch's"
-        x, weight, bias = call
-        if isinstance(out, Tensor) and out.requires_grad:
-            a = x.detach()
-            by_role = read_parts(recipe.op, a, weight, bias, recipe.rows, args, kwargs, self.batch)
-            target, viewed = read_at(out, tree_flatten((args, kwargs))[0])
-            self._credited(
-                sources, target, by_role if viewed is None else viewed_parts(by_role, viewed)
-            )
-        return out
-
-    def _conv(self, recipe: Recipe, func, args: tuple, kwargs: dict):
-        """A convolution of the recipe's weight and bias (or of tensors made from them)."""
-        x, weight, bias, call = bind_conv(recipe.op, args, kwargs)
-        sources = self._sources(recipe, x, (weight, bias))
-        if sources is None:
-            self.why = self.why or f"another read than the analysed batch's ({recipe.op})"
-            return func(*args, **kwargs)
-        out = func(*args, **kwargs)
-        if self.during is not None and counter() - self._start != recipe.at:
-            self.why = self.why or "other operations before a read than the analysed batch's"
-        if isinstance(out, Tensor) and out.requires_grad:
-            a, biased = x.detach(), "bias" in sources
-            self._credited(sources, out, lambda g: conv_parts(call, a, g, biased))
-        return out
-
-    def _sources(self, recipe: Recipe, x: object, given: tuple) -> dict | None:
-        """What each role of an affine read or a convolution takes (``_source_of``), where its
-        input has the recipe's shape and no other watched tensor takes part; else None."""
-        if not isinstance(x, Tensor) or tuple(x.shape) != recipe.shape:
-            return None
-        given = dict(zip(("weight", "bias"), given, strict=True))
-        sources = {r: self._source_of(recipe, given.get(r), r) for r, _ in recipe.roles}
-        if any(s is None for s in sources.values()):
-            return None
-        others = [t for r, t in given.items() if r not in sources and t is not None]
-        return None if any(id(t) in self.watched for t in others) else sources
-
-    def _credited(self, sources: dict, out: Tensor, parts: Callable) -> None:
-        """``out``'s gradient to ``parts`` (role -> its contribution), each role's then to the
-        parameters its ``sources`` entry is made from."""
-
-        def credit(grad: Tensor) -> dict:
-            got: dict = {}
-            for role, part in parts(grad).items():
-                if role in sources:
-                    for name, c in sources[role].credit(part).items():
-                        got[name] = got[name].merge(c) if name in got else c
-            return got
-
-        params = tuple({id(p): p for s in sources.values() for p in s.params}.values())
-        with torch._C.DisableTorchFunction():
-            use = Use(params, edge(out), credit)
-            self.hooks.add(out, use)
-        self.uses.append(use)
-
     def _aside(self, args: tuple, kwargs: dict) -> bool:
         """Whether the op reads a parameter inside a call of the module whose rule serves it
         (``ruled``): the rule's read, not the region's."""
@@ -240,44 +167,6 @@ class LightRegion(TorchFunctionMode):
             return Derived(p)
         made = self.made.get(id(t))
         return None if made is None else made[1]
-
-    def _broadcast(self, recipe: Recipe, func, args: tuple, kwargs: dict):
-        """A parameter, or a tensor made from parameters, broadcast along the result's rows,
-        row r example r's: by an elementwise op, or ``p.expand(B, ...)``
-        (``analysis/broadcasts.py``)."""
-        role = recipe.roles[0][0]
-        i = int(role[len(ARG) :])
-        source = self._source_of(recipe, args[i] if len(args) > i else None, role)
-        expand = recipe.op in SPREAD
-        if source is not None:
-            if expand:
-                view = func(*args, **kwargs)
-                shape = view.shape
-            else:
-                shape = torch.broadcast_shapes(*(a.shape for a in args if isinstance(a, Tensor)))
-                view = broadcast_view(args[i], shape) if tuple(shape) == recipe.shape else None
-            at = recipe.at if self.during is None else counter() - self._start
-            if view is not None and tuple(shape) == recipe.shape and at == recipe.at:
-                per_row = broadcast_parts(args[i].shape, view.shape, self.batch)
-                self._credited({role: source}, view, lambda g: {role: per_row(g)})
-                return view if expand else func(*args[:i], view, *args[i + 1 :], **kwargs)
-            if expand:
-                self.why = self.why or f"another read than the analysed batch's ({recipe.op})"
-                return view
-        self.why = self.why or f"another read than the analysed batch's ({recipe.op})"
-        return func(*args, **kwargs)
-
-    def _source_of(self, recipe: Recipe, t: object, role: str) -> Derived | Computed | None:
-        """What ``role`` of a read takes: the recipe's parameter itself, or a tensor made from
-        the recipe's parameters at that role alone; None for any other."""
-        names = recipe.names(role)
-        if role in recipe.computed:
-            made = self.made.get(id(t))
-            if made is None or tuple(p.name for p in made[1].params) != names:
-                return None
-            return made[1]
-        p = self.params[names[0]]
-        return Derived(p) if t is p.param else None
 
     # -- as the replay and the backward ask a region ----------------------------------------
 

@@ -42,6 +42,7 @@ class Recipe:
     # the roles that take a tensor made from their parameters (a view, a cast, ``exp(a)``, a
     # weight-norm weight: ``light.py`` makes it again), not a parameter itself
     computed: tuple[str, ...] = ()
+    left: bool = False  # ``W @ x``: a 2-D W on the left of a batch x of (B, in, L) (Mamba's)
 
     @property
     def kind(self) -> tuple:
@@ -143,6 +144,12 @@ def bind_affine(op: str, args: tuple, kwargs: dict) -> tuple | None:
     return None
 
 
+def left_part(a: Tensor, grad: Tensor, weight: Tensor) -> Contribution:
+    """W's contribution of ``W @ a`` for a batch ``a`` of (B, in, L): ``F.linear(a.mT, W).mT``,
+    by its math."""
+    return affine_parts(a.mT, grad.mT, weight, None, transposed=False)["weight"]
+
+
 def viewed_parts(parts: Callable, viewed: Callable) -> Callable:
     """``parts`` of a read whose output is a view of the tensor its gradient arrives at."""
     return lambda grad: parts(viewed(grad))
@@ -162,6 +169,7 @@ def metadata(func) -> bool:
 
 ARG = "arg"  # a broadcast recipe's role: the position of the parameter among the op's arguments
 EXPAND = {"expand", "expand_as"}
+SPREAD = EXPAND | {"repeat"}  # a parameter spread along the batch by a view or a copy
 
 # what a watched tensor may be asked without being read
 METADATA = {"__get__", "size", "dim", "numel", "ndimension", "nelement", "shape", "dtype"}

@@ -1,0 +1,147 @@
+"""How a light region (``light.py``) serves each read by its recipe (``recipes.py``): a
+linear, embedding or product read, a convolution, a broadcast along the rows; each role's
+tensor a parameter itself or a tensor made from the recipe's parameters at that role, whose
+part goes back to them (``derived.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten
+
+from ..capture import Use, counter, edge, read_at
+from ..derived import Computed, Derived
+from .recipes import (
+    ARG,
+    SPREAD,
+    Recipe,
+    bind_affine,
+    bind_conv,
+    broadcast_parts,
+    broadcast_view,
+    conv_parts,
+    left_part,
+    read_parts,
+    viewed_parts,
+)
+
+
+class RecipeReads:
+    """A light region's reads (``LightRegion`` is one): uses its ``params``, ``made``,
+    ``watched``, ``batch``, ``during``, ``hooks``, ``uses`` and ``why``."""
+
+    def _read(self, recipe: Recipe, func, args: tuple, kwargs: dict):
+        """A linear, embedding or product read of the recipe's parameters (or of tensors made
+        from them)."""
+        call = bind_affine(recipe.op, args, kwargs)
+        if recipe.left:  # W @ x
+            call = (args[1], args[0], None) if len(args) == 2 and not kwargs else None
+        sources = None if call is None else self._sources(recipe, call[0], call[1:])
+        if sources is None:
+            self.why = self.why or f"another read than the analysed batch's ({recipe.op})"
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if self.during is not None and counter() - self._start != recipe.at:
+            self.why = self.why or "other operations before a read than the analysed batch's"
+        x, weight, bias = call
+        if isinstance(out, Tensor) and out.requires_grad:
+            a = x.detach()
+            if recipe.left:
+
+                def by_role(grad: Tensor) -> dict:
+                    return {"weight": left_part(a, grad, weight)}
+
+            else:
+                by_role = read_parts(
+                    recipe.op, a, weight, bias, recipe.rows, args, kwargs, self.batch
+                )
+            target, viewed = read_at(out, tree_flatten((args, kwargs))[0])
+            self._credited(
+                sources, target, by_role if viewed is None else viewed_parts(by_role, viewed)
+            )
+        return out
+
+    def _conv(self, recipe: Recipe, func, args: tuple, kwargs: dict):
+        """A convolution of the recipe's weight and bias (or of tensors made from them)."""
+        x, weight, bias, call = bind_conv(recipe.op, args, kwargs)
+        sources = self._sources(recipe, x, (weight, bias))
+        if sources is None:
+            self.why = self.why or f"another read than the analysed batch's ({recipe.op})"
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if self.during is not None and counter() - self._start != recipe.at:
+            self.why = self.why or "other operations before a read than the analysed batch's"
+        if isinstance(out, Tensor) and out.requires_grad:
+            a, biased = x.detach(), "bias" in sources
+            self._credited(sources, out, lambda g: conv_parts(call, a, g, biased))
+        return out
+
+    def _sources(self, recipe: Recipe, x: object, given: tuple) -> dict | None:
+        """What each role of an affine read or a convolution takes (``_source_of``), where its
+        input has the recipe's shape and no other watched tensor takes part; else None."""
+        if not isinstance(x, Tensor) or tuple(x.shape) != recipe.shape:
+            return None
+        given = dict(zip(("weight", "bias"), given, strict=True))
+        sources = {r: self._source_of(recipe, given.get(r), r) for r, _ in recipe.roles}
+        if any(s is None for s in sources.values()):
+            return None
+        others = [t for r, t in given.items() if r not in sources and t is not None]
+        return None if any(id(t) in self.watched for t in others) else sources
+
+    def _credited(self, sources: dict, out: Tensor, parts: Callable) -> None:
+        """``out``'s gradient to ``parts`` (role -> its contribution), each role's then to the
+        parameters its ``sources`` entry is made from."""
+
+        def credit(grad: Tensor) -> dict:
+            got: dict = {}
+            for role, part in parts(grad).items():
+                if role in sources:
+                    for name, c in sources[role].credit(part).items():
+                        got[name] = got[name].merge(c) if name in got else c
+            return got
+
+        params = tuple({id(p): p for s in sources.values() for p in s.params}.values())
+        with torch._C.DisableTorchFunction():
+            use = Use(params, edge(out), credit)
+            self.hooks.add(out, use)
+        self.uses.append(use)
+
+    def _broadcast(self, recipe: Recipe, func, args: tuple, kwargs: dict):
+        """A parameter, or a tensor made from parameters, broadcast along the result's rows,
+        row r example r's: by an elementwise op, or ``p.expand(B, ...)``
+        (``analysis/broadcasts.py``)."""
+        role = recipe.roles[0][0]
+        i = int(role[len(ARG) :])
+        source = self._source_of(recipe, args[i] if len(args) > i else None, role)
+        expand = recipe.op in SPREAD
+        if source is not None:
+            if expand:
+                view = func(*args, **kwargs)
+                shape = view.shape
+            else:
+                shape = torch.broadcast_shapes(*(a.shape for a in args if isinstance(a, Tensor)))
+                view = broadcast_view(args[i], shape) if tuple(shape) == recipe.shape else None
+            at = recipe.at if self.during is None else counter() - self._start
+            if view is not None and tuple(shape) == recipe.shape and at == recipe.at:
+                per_row = broadcast_parts(args[i].shape, view.shape, self.batch)
+                self._credited({role: source}, view, lambda g: {role: per_row(g)})
+                return view if expand else func(*args[:i], view, *args[i + 1 :], **kwargs)
+            if expand:
+                self.why = self.why or f"another read than the analysed batch's ({recipe.op})"
+                return view
+        self.why = self.why or f"another read than the analysed batch's ({recipe.op})"
+        return func(*args, **kwargs)
+
+    def _source_of(self, recipe: Recipe, t: object, role: str) -> Derived | Computed | None:
+        """What ``role`` of a read takes: the recipe's parameter itself, or a tensor made from
+        the recipe's parameters at that role alone; None for any other."""
+        names = recipe.names(role)
+        if role in recipe.computed:
+            made = self.made.get(id(t))
+            if made is None or tuple(p.name for p in made[1].params) != names:
+                return None
+            return made[1]
+        p = self.params[names[0]]
+        return Derived(p) if t is p.param else None
