@@ -167,6 +167,23 @@ class RoutedBlock(nn.Module):
         return torch.empty_like(out).index_copy(0, order, out).view(h.shape)
 
 
+class ScaledRouter(nn.Module):
+    """A router reading its weight scaled (a tensor made from it, as MoE routers read theirs
+    cast to float32) and the rows its top score picks: routed, so traced on every batch (a
+    routed region makes nothing from parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(2, D))
+
+    def forward(self, h: Tensor) -> Tensor:
+        flat = h.reshape(-1, D)
+        logits = F.linear(flat, self.weight * 0.5)
+        order = torch.argsort(logits.argmax(-1), stable=True)
+        picked = flat[order] * logits.softmax(-1)[order, :1]
+        return torch.empty_like(picked).index_copy(0, order, picked).view(h.shape)
+
+
 class MaskedBlock(nn.Module):
     """``Padded``'s attention as a block: its mask skipped where nothing is padded."""
 
@@ -332,6 +349,7 @@ class InBlock(nn.Module):
 
 BLOCKS = {
     "routed-block": RoutedBlock,
+    "router-block": ScaledRouter,
     "masked-block": MaskedBlock,
     "position-block": PositionBlock,
     "attention-block": AttentionBlock,
@@ -440,6 +458,7 @@ def test_every_batch_of_one_signature_is_exact_through_fresh_api_calls(case: str
         ("top-other", 0),
         ("top-tied", 2),
         ("routed-block", 2),
+        ("router-block", 2),
         ("masked-block", 2),
         ("position-block", 2),
         ("attention-block", 2),

@@ -214,8 +214,10 @@ class Finder:
         mine = [(recipe, at) for _, stack, recipe, at in self.needs if v in stack]
         if not mine or any(recipe is None for recipe, _ in mine):
             return None
-        if self._routed(v) and (v.steps or type(v.module) in self.unrouted or not _rows_first(v)):
-            return None
+        computed = any(isinstance(r, Recipe) and r.computed for r, _ in mine)
+        unfit = v.steps or computed or type(v.module) in self.unrouted or not _rows_first(v)
+        if self._routed(v) and unfit:  # a routed region follows rows alone: no call inside,
+            return None  # nothing made from parameters
         if not self._routed(v) and (self._escaped(v) or any(r.expert for r, _ in mine)):
             return None
         reads = [(recipe, at) for recipe, at in mine if recipe not in (PICKED, ESCAPED)]
