@@ -14,9 +14,9 @@ from ...rules.placed import Place, Placed
 from ..derived import Derived, Watched
 from ..passes.recipes import Recipe
 from ..rows import regroup, rows_of
+from ..views import compose
 from .owners import reduce
 from .policy import ASSUMED
-from .views import compose
 
 # a routed read's Gram over its S rows costs S^2 (in + out); the read itself S in out: routed
 # where the first is at most this many times the second, or this few multiply-adds in all, else

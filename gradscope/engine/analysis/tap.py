@@ -52,7 +52,7 @@ from .trace import ByTensor, RowTrace
 
 if TYPE_CHECKING:
     from .regions import Finder
-from .views import CASTS, SCALES, SHIFTS, VIEWS, places
+from ..views import CASTS, SCALES, SHIFTS, VIEWS, places
 
 # an op with a matrix product and an addition fused, run as the two (each served where it can
 # be) when it scales neither: ``baddbmm(b, x, W)`` is ``b + bmm(x, W)``

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten
 from ..capture import Capture, ReadHooks, Use, counter, tensors_in
 from ..derived import FACTORIES, IN_PLACE, Computed, Constants, Derived, compute
 from ..plan import ParamPlan, Plan
+from ..views import CASTS, SCALES, SHIFTS, VIEWS, places
 from .reads import RecipeReads
 from .recipes import (
     ARG,
@@ -65,7 +66,9 @@ class LightRegion(RecipeReads, TorchFunctionMode):
         self.params = {name: plan.find(name) for r in self.recipes for _, name in r.roles}
         self.by_id = {id(p.param): p for p in self.params.values()}
         self.watched = set(self.by_id)  # and the tensors made from them
-        self.made: dict[int, tuple[Tensor, Computed]] = {}  # by id: made from the parameters
+        self.made: dict[
+            int, tuple[Tensor, Derived | Computed]
+        ] = {}  # by id: made from the parameters
         self.hot = self.watched | self.constants.ids  # what an op must be looked at for
         self.session = Capture(())  # the hooked calls inside it are the replay's steps
         self.uses: list[Use] = []
@@ -150,16 +153,34 @@ class LightRegion(RecipeReads, TorchFunctionMode):
         return True
 
     def _compute(self, func, args: tuple, kwargs: dict) -> object:
-        """The op's result, each floating tensor of it followed as ``Computed``."""
+        """The op's result, each floating tensor of it followed as placed in a parameter (a
+        view, cast, shift or scale of one, as the tap places it: ``views.py``), or else as
+        ``Computed``."""
+        name = name_of(func)
+        d = self._source(args[0]) if args else None
+        if isinstance(d, Derived) and _placeable(name, args, kwargs, self.watched):
+            out = func(*args, **kwargs) if name in CASTS else None  # placed by its dtype
+            where = places(name, d.place, args, kwargs, d.param.param, out)
+            if where is None and out is not None:
+                return out  # a cast to integers, which no gradient crosses
+            if where is not None:
+                out = func(*args, **kwargs) if out is None else out
+                outs = out if isinstance(out, (tuple, list)) else (out,)
+                for t, place in zip(outs, where, strict=True):
+                    self._follow(t, Derived(d.param, place))
+                return out
         output = compute(func, args, kwargs, self._source, self.batch, self.constants)
         out = func(*args, **kwargs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for k, t in enumerate(outs):
             if isinstance(t, Tensor) and t.requires_grad and t.is_floating_point():
-                self.made[id(t)] = (t, output(None if isinstance(out, Tensor) else k))
-                self.watched.add(id(t))
-                self.hot.add(id(t))
+                self._follow(t, output(None if isinstance(out, Tensor) else k))
         return out
+
+    def _follow(self, t: Tensor, source: Derived | Computed) -> None:
+        self.made[id(t)] = (t, source)
+        self.watched.add(id(t))
+        self.hot.add(id(t))
 
     def _source(self, t: object) -> Derived | Computed | None:
         p = self.by_id.get(id(t))
@@ -198,3 +219,14 @@ class LightRegion(RecipeReads, TorchFunctionMode):
 
     def reading(self, on_grad: Callable | None) -> None:
         self.hooks.reading(on_grad)
+
+
+def _placeable(name: str, args: tuple, kwargs: dict, watched: set[int]) -> bool:
+    """Whether the tap places the op's result in the parameter its first argument reads: a
+    view or cast of it, or a shift or scale of it by numbers (``analysis/tap.py``)."""
+    if name in CASTS or name in VIEWS:
+        others = [t for t in tensors_in(args[1:], kwargs) if id(t) in watched]
+        return not others
+    if name in SHIFTS | SCALES:
+        return not tensors_in(args[1:], kwargs)
+    return False

@@ -156,15 +156,18 @@ def viewed_parts(parts: Callable, viewed: Callable) -> Callable:
 
 
 def name_of(func) -> str:
-    return getattr(func, "__name__", "")
+    """The op's name; a property's (``x.T``) rather than ``__get__``."""
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
 
 
 def metadata(func) -> bool:
     """Whether ``func`` asks a tensor what it is (its shape, dtype, ...) without reading it."""
-    name = name_of(func)
-    if name == "__get__":  # a property: its name, unless it is a view (W.T)
-        return name_of(getattr(func, "__self__", None)) not in ("T", "mT", "H", "mH")
-    return name in METADATA
+    if getattr(func, "__name__", "") == "__get__":  # a property, unless a view (W.T)
+        return name_of(func) not in ("T", "mT", "H", "mH")
+    return name_of(func) in METADATA
 
 
 ARG = "arg"  # a broadcast recipe's role: the position of the parameter among the op's arguments

@@ -69,8 +69,6 @@ class RoutedRegion(LightRegion):
         if metadata(func):
             return func(*args, **kwargs)
         name = name_of(func)
-        if name == "__get__":
-            name = name_of(func.__self__)
         watched = [t for t in ts if id(t) in self.watched or self._view(t) is not None]
         out = self._watched(name, func, args, kwargs) if watched else func(*args, **kwargs)
         if self.flow.holds(ts):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ...rules.placed import Place
+from ..rules.placed import Place
 
 CASTS = {"float", "double", "half", "bfloat16", "to", "type", "type_as", "contiguous", "clone"}
 SHIFTS = {"__add__", "__radd__", "add", "__sub__", "sub", "__rsub__", "rsub", "__neg__", "neg"}
