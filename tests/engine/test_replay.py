@@ -321,6 +321,20 @@ class Passing(nn.Module):
         return self.inner(h, torch.arange(4) + 2)
 
 
+class Windows(nn.Module):
+    """Tokens folded into the batch by windows of two (Swin's), each window's scores scaled by
+    a tensor made from a parameter: a broadcast on rows that are lanes of the examples (each
+    example's windows together), light."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(2, D) / 4)
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.fc(h.reshape(-1, 2, D) * self.scale.exp()).reshape(h.shape)
+
+
 class ConvBlock(nn.Module):
     """Convolutions of a weight-norm weight (wav2vec2's positional convolution: a tensor made
     from two parameters) and of a raw weight with a bias made from a parameter by
@@ -371,6 +385,7 @@ BLOCKS = {
     "computed-passed": Passing,
     "computed-mask": lambda: Computing("computed-mask"),
     "conv-block": ConvBlock,
+    "window-block": Windows,
 }
 
 
@@ -479,6 +494,7 @@ def test_every_batch_of_one_signature_is_exact_through_fresh_api_calls(case: str
         ("computed-passed", 2),
         ("computed-mask", 2),
         ("conv-block", 2),
+        ("window-block", 2),
     ],  # fmt: skip
 )
 def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: int):
@@ -512,6 +528,7 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
     lights += ("experts-block", "position-block", "call-block", "tied-block")  # with steps
     lights += ("computed-block", "computed-odd", "computed-mask", "computed-arange")
     lights += ("conv-block", "computed-passed", "copy-block", "view-block", "left-block")
+    lights += ("window-block",)
     assert light == [case in lights] * len(light)
     if case in ("read-block", "op-block", "call-block", "computed-odd"):  # its witness failed
         assert "read" in findings.why or "operations" in findings.why, findings.why
@@ -560,6 +577,7 @@ def test_every_batch_of_one_cli_run_is_exact(tmp_path, case: str):
 # light regions with a hooked call, or reads of tensors made from parameters, inside them
 RECIPE_CASES = ["position-block", "tied-block", "computed-block", "computed-mask"]
 RECIPE_CASES += ["computed-passed", "conv-block", "view-block", "left-block", "scale-block"]
+RECIPE_CASES += ["window-block"]
 
 
 @pytest.mark.parametrize("case", RECIPE_CASES)

@@ -11,7 +11,8 @@ from ...rules import Contribution, Dense
 from ...rules.base import CHUNK_ELEMENTS
 from ..derived import Watched
 from ..passes.recipes import ARG, EXPAND, Recipe, broadcast_parts, broadcast_view, recipe_roles
-from .owners import combine, is_batch, reduce, slots
+from ..rows import Lanes
+from .owners import combine, is_batch, lane_of, reduce, slots
 
 # ops whose result broadcasts its tensor arguments elementwise; in-place ones only when the
 # parameter is not the tensor edited
@@ -44,7 +45,11 @@ class BroadcastReads:
             return None  # the parameters and what no example owns: followed as computed
         rows = self._row_examples(args, shape) if _spread(source, shape) else False
         if rows is not False:
-            recipe = _recipe(name, i, d, source, shape) if rows is None else None
+            lane = None if rows is None else lane_of(rows, self.batch)  # (0, m): Swin's windows
+            recipe = None
+            if rows is None or lane is not None:
+                lanes = None if lane is None else Lanes(lane[0], lane[1], 1)
+                recipe = _recipe(name, i, d, source, shape, lanes)
             view = self._view(d, source, broadcast_view(source, shape), rows, recipe)
         else:
             owners = combine(*(self.trace.owner(a) for a in args if isinstance(a, Tensor)))
@@ -139,11 +144,16 @@ class BroadcastReads:
         return view
 
 
-def _recipe(name: str, i: int, d: Watched, source: Tensor, shape) -> Recipe | None:
-    """A broadcast along rows one example's each of a whole parameter, a view of one, or a
-    tensor made from parameters and constants alone (``Computed.pure``): a light region's."""
+def _recipe(
+    name: str, i: int, d: Watched, source: Tensor, shape, lanes: Lanes | None = None
+) -> Recipe | None:
+    """A broadcast along rows one example's each (row r example r's, or ``lanes``) of a whole
+    parameter, a view of one, or a tensor made from parameters and constants alone
+    (``Computed.pure``): a light region's."""
     roles = recipe_roles([(f"{ARG}{i}", d)], {f"{ARG}{i}": source})
-    return None if roles is None else Recipe(name, roles[0], tuple(shape), None, computed=roles[1])
+    if roles is None:
+        return None
+    return Recipe(name, roles[0], tuple(shape), lanes, computed=roles[1])
 
 
 def _spread(source: Tensor, shape: torch.Size) -> bool:

@@ -22,6 +22,7 @@ from .recipes import (
     broadcast_parts,
     broadcast_view,
     conv_parts,
+    lane_rows,
     left_part,
     read_parts,
     viewed_parts,
@@ -125,7 +126,12 @@ class RecipeReads:
                 view = broadcast_view(args[i], shape) if tuple(shape) == recipe.shape else None
             at = recipe.at if self.during is None else counter() - self._start
             if view is not None and tuple(shape) == recipe.shape and at == recipe.at:
-                per_row = broadcast_parts(args[i].shape, view.shape, self.batch)
+                rows = (
+                    None
+                    if recipe.rows is None
+                    else lane_rows(recipe.rows, shape[0], self.batch, view)
+                )
+                per_row = broadcast_parts(args[i].shape, view.shape, self.batch, rows)
                 self._credited({role: source}, view, lambda g: {role: per_row(g)})
                 return view if expand else func(*args[:i], view, *args[i + 1 :], **kwargs)
             if expand:

@@ -123,6 +123,12 @@ def broadcast_parts(
     return parts
 
 
+def lane_rows(lanes: Lanes, n: int, batch: int, like: Tensor) -> Tensor:
+    """The example of each of ``n`` rows along dimension 0 laid out as ``lanes``: row r is
+    example (r // m) % B (Swin's windows folded into the batch)."""
+    return torch.arange(n, device=like.device) // lanes.m % batch
+
+
 def broadcast_view(param: Tensor, shape: torch.Size) -> Tensor:
     """``param`` aligned to a result of ``shape`` and expanded along its dimension 0."""
     aligned = param.reshape((1,) * (len(shape) - param.dim()) + tuple(param.shape))
