@@ -40,14 +40,9 @@ class RecipeReads:
         if recipe.left:  # W @ x
             call = (args[1], args[0], None) if len(args) == 2 and not kwargs else None
         sources = None if call is None else self._sources(recipe, call[0], call[1:])
-        if sources is None:
-            self.why = self.why or f"another read than the analysed batch's ({recipe.op})"
-            return func(*args, **kwargs)
-        out = func(*args, **kwargs)
-        if self.during is not None and counter() - self._start != recipe.at:
-            self.why = self.why or "other operations before a read than the analysed batch's"
-        x, weight, bias = call
-        if isinstance(out, Tensor) and out.requires_grad:
+        out = self._run(recipe, sources, func, args, kwargs)
+        if sources is not None and isinstance(out, Tensor) and out.requires_grad:
+            x, weight, bias = call
             a = x.detach()
             if recipe.left:
 
@@ -68,15 +63,20 @@ class RecipeReads:
         """A convolution of the recipe's weight and bias (or of tensors made from them)."""
         x, weight, bias, call = bind_conv(recipe.op, args, kwargs)
         sources = self._sources(recipe, x, (weight, bias))
-        if sources is None:
-            self.why = self.why or f"another read than the analysed batch's ({recipe.op})"
-            return func(*args, **kwargs)
-        out = func(*args, **kwargs)
-        if self.during is not None and counter() - self._start != recipe.at:
-            self.why = self.why or "other operations before a read than the analysed batch's"
-        if isinstance(out, Tensor) and out.requires_grad:
+        out = self._run(recipe, sources, func, args, kwargs)
+        if sources is not None and isinstance(out, Tensor) and out.requires_grad:
             a, biased = x.detach(), "bias" in sources
             self._credited(sources, out, lambda g: conv_parts(call, a, g, biased))
+        return out
+
+    def _run(self, recipe: Recipe, sources: dict | None, func, args: tuple, kwargs: dict):
+        """The read's op: the witness fails where its roles' sources are not found, or where
+        other autograd nodes than the analysed came before it."""
+        out = func(*args, **kwargs)
+        if sources is None:
+            self.why = self.why or f"another read than the analysed batch's ({recipe.op})"
+        elif self.during is not None and counter() - self._start != recipe.at:
+            self.why = self.why or "other operations before a read than the analysed batch's"
         return out
 
     def _sources(self, recipe: Recipe, x: object, given: tuple) -> dict | None:
