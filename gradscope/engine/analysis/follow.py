@@ -109,6 +109,8 @@ class OwnerAlgebra:
         if name not in PICKED and name not in PLACES and name not in SCATTERS:
             return False
         pickers = [t for t in tensors_in(args[1:], kwargs) if self._of_batch(t)]
+        if name in SCATTERS and pickers and self._scatter_holds(name, args, kwargs):
+            return False  # a top-k mask: where it writes, nothing's owners change
         if name in PLACES or name in SCATTERS or name == "__setitem__" or not pickers:
             return bool(pickers)  # writes where values say: whatever the owners
         if name == "__getitem__":
@@ -120,6 +122,22 @@ class OwnerAlgebra:
         dim = kwargs.get("dim", args[1] if len(args) > 1 and isinstance(args[1], int) else None)
         dim = args[2] if name in ("take_along_dim", "repeat_interleave") and len(args) > 2 else dim
         return self._varies(x, range(x.dim()) if dim is None else [dim])
+
+    def _scatter_holds(self, name: str, args: tuple, kwargs: dict) -> bool:
+        """Whether ``x.scatter(dim, index, src)`` gives owners that no value of ``index``
+        changes: ``src`` a number or no example's, and ``x`` no example's too, or kept where
+        written (an add, a reduce including itself) and its owners constant along ``dim`` (a
+        mask of -inf with zeros where each row's top k are: DeepSeek's sparse attention)."""
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        src = kwargs.get("src", kwargs.get("value", args[3] if len(args) > 3 else None))
+        if not isinstance(dim, int) or self._varies(args[0], [dim]):
+            return False
+        if isinstance(src, Tensor) and not bool((self.owner(src) == NONE).all()):
+            return False
+        keep = name.startswith("scatter_add") or (
+            name.startswith("scatter_reduce") and kwargs.get("include_self", True)
+        )
+        return keep or bool((self.owner(args[0]) == NONE).all())
 
     def _of_batch(self, t: Tensor) -> bool:
         """Whether ``t``'s values are computed from the batch (not made by a creation op)."""
