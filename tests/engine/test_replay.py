@@ -130,6 +130,22 @@ class TiedTop(nn.Module):
         return F.linear(h, self.emb.weight).mean(1)[:, :CLASSES]
 
 
+class DualTowers(nn.Module):
+    """Two towers and their (B, B) similarity scaled by ``exp(logit_scale)`` in the model's own
+    forward (CLIP's), each example's logits from its own diagonal element: the scale's read
+    is element by element, served by recipe at the top level."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
+        self.logit_scale = nn.Parameter(torch.tensor(0.5))
+        self.head = nn.Linear(1, CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        similarity = self.a(x) @ self.b(x).T * self.logit_scale.exp()
+        return self.head(similarity.diagonal()[:, None])
+
+
 class Padded(nn.Module):
     """Attention over padded tokens whose mask is skipped where nothing is padded, as the
     Hugging Face models' fast paths do."""
@@ -449,13 +465,14 @@ def _build(model: str) -> nn.Module:
     torch.manual_seed(0)
     built = {"dense": Dense, "routed": Routed, "padded": Padded, "value": ByValue}
     built |= {"top": TopLevel, "top-other": lambda: TopLevel(other=True), "top-tied": TiedTop}
+    built |= {"dual": DualTowers}
     if model in BLOCKS:
         return InBlock(BLOCKS[model]()).double()
     return (built[model]() if model in built else Sometimes(model)).double()
 
 
 CASES = ["dense", "module", "raw", "outside", "flip", "value", "routed", "padded", "top"]
-CASES += ["top-other", "top-tied", *BLOCKS]
+CASES += ["top-other", "top-tied", "dual", *BLOCKS]
 
 
 def _set_state(model: nn.Module, k: int) -> None:
@@ -493,6 +510,7 @@ def test_every_batch_of_one_signature_is_exact_through_fresh_api_calls(case: str
         ("top", 2),
         ("top-other", 0),
         ("top-tied", 2),
+        ("dual", 2),
         ("routed-block", 2),
         ("router-block", 2),
         ("sparse-block", 2),
@@ -537,8 +555,8 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
         assert not findings.programs  # in the model's own forward: no region can hold it
     elif replays == 0:
         assert findings.why is not None  # a program, whose witness failed
-    if case.startswith("top"):  # the top-level reads, by recipe
-        assert len(findings.programs[-1].root) == (1 if case == "top-tied" else 2)
+    if case.startswith("top") or case == "dual":  # the top-level reads, by recipe
+        assert len(findings.programs[-1].root) == (1 if case in ("top-tied", "dual") else 2)
     if case in BLOCKS:  # the block is the region, analysed again on every batch
         inner = {"attention-block": "attn", "experts-block": "experts", "computed-passed": "inner"}
         region = getattr(model.block, inner[case]) if case in inner else model.block
@@ -558,7 +576,7 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
         assert "read" in findings.why or "operations" in findings.why, findings.why
 
 
-@pytest.mark.parametrize("case", ["dense", "value", "routed", "padded", "top", *BLOCKS])
+@pytest.mark.parametrize("case", ["dense", "value", "routed", "padded", "top", "dual", *BLOCKS])
 def test_every_batch_of_one_cli_run_is_exact(tmp_path, case: str):
     """Three batches of one signature in one run: replayed, or analysed where values decide."""
     import yaml
@@ -601,7 +619,7 @@ def test_every_batch_of_one_cli_run_is_exact(tmp_path, case: str):
 # light regions with a hooked call, or reads of tensors made from parameters, inside them
 RECIPE_CASES = ["position-block", "tied-block", "computed-block", "computed-mask"]
 RECIPE_CASES += ["computed-passed", "conv-block", "view-block", "left-block", "scale-block"]
-RECIPE_CASES += ["window-block"]
+RECIPE_CASES += ["window-block", "dual"]
 
 
 @pytest.mark.parametrize("case", RECIPE_CASES)

@@ -4,13 +4,22 @@ example's gradient sums the gradient at the elements it owns."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
-from ...rules import Contribution, Dense
 from ...rules.base import CHUNK_ELEMENTS
 from ..derived import Watched
-from ..passes.recipes import ARG, EXPAND, Recipe, broadcast_parts, broadcast_view, recipe_roles
+from ..passes.recipes import (
+    ARG,
+    EXPAND,
+    Recipe,
+    broadcast_parts,
+    broadcast_view,
+    element_parts,
+    recipe_roles,
+)
 from ..rows import Lanes
 from .owners import combine, is_batch, lane_of, reduce, slots
 
@@ -53,14 +62,19 @@ class BroadcastReads:
             view = self._view(d, source, broadcast_view(source, shape), rows, recipe)
         else:
             owners = combine(*(self.trace.owner(a) for a in args if isinstance(a, Tensor)))
-            view = self._elements(d, source, shape, owners)
+            view = self._elements(d, source, shape, owners, (name, i))
             if view is None:
                 self._other(d, f"{name} on rows not the examples")
                 return None
         return func(*args[:i], view, *args[i + 1 :], **kwargs)
 
     def _elements(
-        self, d: Watched, source: Tensor, shape: torch.Size, owners: Tensor
+        self,
+        d: Watched,
+        source: Tensor,
+        shape: torch.Size,
+        owners: Tensor,
+        op: tuple[str, int] | None = None,
     ) -> Tensor | None:
         """``source`` broadcast to ``shape``, each element of which is read by the example that
         owns that element of the result (``owners``): example b's gradient of ``source`` sums
@@ -78,15 +92,11 @@ class BroadcastReads:
         view = view.expand(shape)
         mine = (owners.expand(shape) >= 0).reshape(-1)
         slot = slots(owners, shape, source.shape)[mine]  # (example, element of source)
-
-        def parts(grad: Tensor) -> dict[str, Contribution]:
-            g = grad.reshape(-1)
-            if bool(g[~mine].ne(0).any()):
-                raise ValueError("an element of several examples or none reaches the loss")
-            per = g.new_zeros(self.batch * source.numel()).index_add_(0, slot, g[mine])
-            return d.credit(Dense(per.view(self.batch, *source.shape)))
-
-        self._use(d.params, view, parts)
+        per_element = element_parts(mine, slot, self.batch, source.shape)
+        recipe = None if op is None else _recipe(*op, d, source, shape)  # ``op``: (name, i)
+        if recipe is not None:  # its owners are laid out by shapes: a light region's again
+            recipe = dataclasses.replace(recipe, elements=(mine, slot))
+        self._use(d.params, view, lambda grad: d.credit(per_element(grad)), recipe)
         return view
 
     def _write(self, d: Watched, func, args: tuple) -> object:

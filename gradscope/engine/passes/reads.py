@@ -22,6 +22,7 @@ from .recipes import (
     broadcast_parts,
     broadcast_view,
     conv_parts,
+    element_parts,
     lane_rows,
     left_part,
     read_parts,
@@ -123,15 +124,13 @@ class RecipeReads:
                 shape = view.shape
             else:
                 shape = torch.broadcast_shapes(*(a.shape for a in args if isinstance(a, Tensor)))
-                view = broadcast_view(args[i], shape) if tuple(shape) == recipe.shape else None
+                view = None
+                if tuple(shape) == recipe.shape:
+                    view = _elements_view(args[i], shape) if recipe.elements else None
+                    view = broadcast_view(args[i], shape) if view is None else view
             at = recipe.at if self.during is None else counter() - self._start
             if view is not None and tuple(shape) == recipe.shape and at == recipe.at:
-                rows = (
-                    None
-                    if recipe.rows is None
-                    else lane_rows(recipe.rows, shape[0], self.batch, view)
-                )
-                per_row = broadcast_parts(args[i].shape, view.shape, self.batch, rows)
+                per_row = self._per_row(recipe, args[i], view)
                 self._credited({role: source}, view, lambda g: {role: per_row(g)})
                 return view if expand else func(*args[:i], view, *args[i + 1 :], **kwargs)
             if expand:
@@ -139,6 +138,14 @@ class RecipeReads:
                 return view
         self.why = self.why or f"another read than the analysed batch's ({recipe.op})"
         return func(*args, **kwargs)
+
+    def _per_row(self, recipe: Recipe, source: Tensor, view: Tensor) -> Callable:
+        """A broadcast read's per-example parts: by rows (one example's each, or lanes), or
+        element by element, as the analysed batch's owners laid them out."""
+        if recipe.elements is not None:
+            return element_parts(*recipe.elements, self.batch, source.shape)
+        rows = recipe.rows and lane_rows(recipe.rows, view.shape[0], self.batch, view.device)
+        return broadcast_parts(source.shape, view.shape, self.batch, rows)
 
     def _source_of(self, recipe: Recipe, t: object, role: str) -> Derived | Computed | None:
         """What ``role`` of a read takes: the recipe's parameter itself, or a tensor made from
@@ -151,3 +158,9 @@ class RecipeReads:
             return made[1]
         p = self.params[names[0]]
         return Derived(p) if t is p.param else None
+
+
+def _elements_view(source: Tensor, shape: torch.Size) -> Tensor:
+    """``source`` aligned to a result of ``shape`` and expanded to all of it: each element's
+    gradient its own."""
+    return source.reshape((1,) * (len(shape) - source.dim()) + tuple(source.shape)).expand(shape)

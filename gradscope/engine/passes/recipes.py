@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import types
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,9 @@ class Recipe:
     # weight-norm weight: ``light.py`` makes it again), not a parameter itself
     computed: tuple[str, ...] = ()
     left: bool = False  # ``W @ x``: a 2-D W on the left of a batch x of (B, in, L) (Mamba's)
+    # a broadcast each element of whose result one example owns, or none (a CLIP-like (B, B)
+    # similarity): which elements some example owns, and the slot of each (``element_parts``)
+    elements: tuple[Tensor, Tensor] | None = field(default=None, compare=False)
 
     @property
     def kind(self) -> tuple:
@@ -123,10 +126,28 @@ def broadcast_parts(
     return parts
 
 
-def lane_rows(lanes: Lanes, n: int, batch: int, like: Tensor) -> Tensor:
+def element_parts(
+    mine: Tensor, slot: Tensor, batch: int, shape: torch.Size
+) -> Callable[[Tensor], Dense]:
+    """output gradient at a view of a tensor of ``shape`` broadcast element by element ->
+    each example's gradient of it: the gradient at the elements it owns (``mine``), each
+    summed into its ``slot`` (example, element of the tensor it broadcasts from). An element
+    of several examples or of none that gets a gradient fails the read (the losses mix)."""
+
+    def parts(grad: Tensor) -> Dense:
+        g = grad.reshape(-1)
+        if bool(g[~mine].ne(0).any()):
+            raise ValueError("an element of several examples or none reaches the loss")
+        per = g.new_zeros(batch * shape.numel()).index_add_(0, slot, g[mine])
+        return Dense(per.view(batch, *shape))
+
+    return parts
+
+
+def lane_rows(lanes: Lanes, n: int, batch: int, device: torch.device | None) -> Tensor:
     """The example of each of ``n`` rows along dimension 0 laid out as ``lanes``: row r is
     example (r // m) % B (Swin's windows folded into the batch)."""
-    return torch.arange(n, device=like.device) // lanes.m % batch
+    return torch.arange(n, device=device) // lanes.m % batch
 
 
 def broadcast_view(param: Tensor, shape: torch.Size) -> Tensor:
