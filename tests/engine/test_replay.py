@@ -370,6 +370,26 @@ class Windows(nn.Module):
         return self.fc(h.reshape(-1, 2, D) * self.scale.exp()).reshape(h.shape)
 
 
+class PositionTable(nn.Embedding):
+    """LED's and PLBart's learned positions: an ``Embedding`` called on a shape, which looks
+    itself up by an ``arange`` it makes."""
+
+    def forward(self, shape: torch.Size) -> Tensor:
+        return super().forward(torch.arange(shape[1]).unsqueeze(0))
+
+
+class Positions(nn.Module):
+    """A ``PositionTable`` added to the tokens: its lookup, of positions no example owns, is
+    the tap's, expanded to the batch, and a light region's read again."""
+
+    def __init__(self):
+        super().__init__()
+        self.table, self.fc = PositionTable(4, D), nn.Linear(D, D)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.fc(h) + self.table(h.shape)
+
+
 class ConvBlock(nn.Module):
     """Convolutions of a weight-norm weight (wav2vec2's positional convolution: a tensor made
     from two parameters) and of a raw weight with a bias made from a parameter by
@@ -423,6 +443,7 @@ BLOCKS = {
     "computed-mask": lambda: Computing("computed-mask"),
     "conv-block": ConvBlock,
     "window-block": Windows,
+    "positions-block": Positions,
 }
 
 
@@ -536,6 +557,7 @@ def test_every_batch_of_one_signature_is_exact_through_fresh_api_calls(case: str
         ("computed-mask", 2),
         ("conv-block", 2),
         ("window-block", 2),
+        ("positions-block", 2),
     ],  # fmt: skip
 )
 def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: int):
@@ -559,6 +581,7 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
         assert len(findings.programs[-1].root) == (1 if case in ("top-tied", "dual") else 2)
     if case in BLOCKS:  # the block is the region, analysed again on every batch
         inner = {"attention-block": "attn", "experts-block": "experts", "computed-passed": "inner"}
+        inner["positions-block"] = "table"
         region = getattr(model.block, inner[case]) if case in inner else model.block
         inside = {id(model.block.conv)} if case == "conv-block" else set()  # a region in it
         expected = set() if case == "sparse-block" else {id(region)} | inside
@@ -570,7 +593,7 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
     lights += ("experts-block", "position-block", "call-block", "tied-block")  # with steps
     lights += ("computed-block", "computed-odd", "computed-mask", "computed-arange")
     lights += ("conv-block", "computed-passed", "copy-block", "view-block", "left-block")
-    lights += ("window-block",)
+    lights += ("window-block", "positions-block")
     assert light == [case in lights] * len(light)
     if case in ("read-block", "op-block", "call-block", "computed-odd"):  # its witness failed
         assert "read" in findings.why or "operations" in findings.why, findings.why
@@ -619,7 +642,7 @@ def test_every_batch_of_one_cli_run_is_exact(tmp_path, case: str):
 # light regions with a hooked call, or reads of tensors made from parameters, inside them
 RECIPE_CASES = ["position-block", "tied-block", "computed-block", "computed-mask"]
 RECIPE_CASES += ["computed-passed", "conv-block", "view-block", "left-block", "scale-block"]
-RECIPE_CASES += ["window-block", "dual"]
+RECIPE_CASES += ["window-block", "dual", "positions-block"]
 
 
 @pytest.mark.parametrize("case", RECIPE_CASES)

@@ -7,6 +7,8 @@ parameter."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
@@ -73,11 +75,13 @@ class FunctionReads:
             return _credit((d, got[role]) for role, d in reads if role in got)
 
         recipe = None  # a read laid out by shapes alone: a light region's
-        if not (expanded or assumed_rows):
-            recipe = expert_recipe(reads, x) if name == "linear" else None
+        spread = expanded and name in ("linear", "embedding")  # its shared rows expanded: the
+        if spread or not (expanded or assumed_rows):  # examples' rows, as assumed, by that
+            recipe = expert_recipe(reads, x) if name == "linear" and not spread else None
             roles = recipe_roles(reads, {"weight": weight, "bias": bias})
             if recipe is None and roles and (rows is None or isinstance(rows, Lanes)):
                 recipe = Recipe(name, roles[0], tuple(x.shape), rows, computed=roles[1])
+                recipe = dataclasses.replace(recipe, expand=spread)
         self._read_output(tuple(p for _, d in reads for p in d.params), out, parts, args, recipe)
         return out
 

@@ -107,8 +107,9 @@ class LightRegion(RecipeReads, TorchFunctionMode):
             with self:  # its mask added to the scores, as the tap served it
                 return sdpa_math(*args, **kwargs)
         recipe = self.recipes[self._next] if self._next < len(self.recipes) else None
-        spread = recipe is not None and name == recipe.op and name in SPREAD
-        if not spread and self._pure(name, args, kwargs):  # p.expand(B, ...) reads p
+        # p.expand(B, ...) reads p; a lookup of shared ids expanded to the batch reads W
+        spread = recipe is not None and name == recipe.op and (name in SPREAD or recipe.expand)
+        if not spread and self._pure(name, args, kwargs):
             return self._compute(func, args, kwargs)
         if recipe is not None and name == recipe.op:
             self._next += 1

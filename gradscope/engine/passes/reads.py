@@ -40,6 +40,10 @@ class RecipeReads:
         call = bind_affine(recipe.op, args, kwargs)
         if recipe.left:  # W @ x
             call = (args[1], args[0], None) if len(args) == 2 and not kwargs else None
+        if recipe.expand and call is not None and args and args[0] is call[0]:
+            one = call[0].unsqueeze(0) if call[0].dim() == 1 else call[0]
+            args = (one.expand(self.batch, *one.shape[1:]), *args[1:])  # as the analysis did
+            call = (args[0], *call[1:])
         sources = None if call is None else self._sources(recipe, call[0], call[1:])
         out = self._run(recipe, sources, func, args, kwargs)
         if sources is not None and isinstance(out, Tensor) and out.requires_grad:

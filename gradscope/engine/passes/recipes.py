@@ -43,6 +43,7 @@ class Recipe:
     # weight-norm weight: ``light.py`` makes it again), not a parameter itself
     computed: tuple[str, ...] = ()
     left: bool = False  # ``W @ x``: a 2-D W on the left of a batch x of (B, in, L) (Mamba's)
+    expand: bool = False  # its input, no example's, expanded to the batch (a position table's)
     # a broadcast each element of whose result one example owns, or none (a CLIP-like (B, B)
     # similarity): which elements some example owns, and the slot of each (``element_parts``)
     elements: tuple[Tensor, Tensor] | None = field(default=None, compare=False)
