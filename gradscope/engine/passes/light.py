@@ -61,14 +61,18 @@ class LightRegion(RecipeReads, TorchFunctionMode):
     ):
         super().__init__()
         self.recipes, self.during, self.batch = tuple(recipes), during, batch
-        # the buffers, and the arguments the analysed call began with made from constants
-        self.ruled, self.constants = ruled, Constants(buffers, constant)
+        self.ruled = ruled
+        # constants (the buffers, the arguments the analysed call began with made from them,
+        # and what ops make from them), followed where a recipe reads a tensor made from
+        # parameters: elsewhere no op need be looked at for them
+        computed = any(r.computed for r in self.recipes)
+        self.constants = Constants(buffers, constant) if computed else Constants()
+        self.factories = FACTORIES if computed else frozenset()
         self.params = {name: plan.find(name) for r in self.recipes for _, name in r.roles}
         self.by_id = {id(p.param): p for p in self.params.values()}
         self.watched = set(self.by_id)  # and the tensors made from them
-        self.made: dict[
-            int, tuple[Tensor, Derived | Computed]
-        ] = {}  # by id: made from the parameters
+        # by id: the tensors made from the parameters, placed in one or computed
+        self.made: dict[int, tuple[Tensor, Derived | Computed]] = {}
         self.hot = self.watched | self.constants.ids  # what an op must be looked at for
         self.session = Capture(())  # the hooked calls inside it are the replay's steps
         self.uses: list[Use] = []
@@ -92,11 +96,11 @@ class LightRegion(RecipeReads, TorchFunctionMode):
                 if id(a) in hot:
                     break
             else:
-                if func in FACTORIES:
+                if func in self.factories:
                     return self._constant(func, args, kwargs)
                 return func(*args, **kwargs)
-        if not any(id(t) in self.watched for t in tensors_in(args, kwargs)):
-            return self._constant(func, args, kwargs)
+        if self.constants.ids and not any(id(t) in self.watched for t in tensors_in(args, kwargs)):
+            return self._constant(func, args, kwargs)  # an op on constants alone
         if metadata(func) or self._aside(args, kwargs):
             return func(*args, **kwargs)
         if func in OPENED:

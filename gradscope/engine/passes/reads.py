@@ -159,6 +159,8 @@ class RecipeReads:
             made = self.made.get(id(t))
             if made is None or tuple(p.name for p in made[1].params) != names:
                 return None
+            if isinstance(made[1], Computed) and not made[1].pure:
+                return None  # made from something the batch may own
             return made[1]
         p = self.params[names[0]]
         return Derived(p) if t is p.param else None
