@@ -121,9 +121,8 @@ class Constants:
 
     def after(self, func, name: str, tensors: Sequence[Tensor], kwargs: dict, out) -> None:
         """Follow an op (``tensors``: its tensor arguments) whose result is ``out``."""
-        edits = (name.endswith("_") and not name.endswith("__")) or name in IN_PLACE
         made = func in FACTORIES or (tensors and all(id(t) in self.ids for t in tensors))
-        if edits or "out" in kwargs:
+        if writes(name, kwargs):
             self.spoiled = self.spoiled or (not made and any(id(t) in self.ids for t in tensors))
             return
         if made:
@@ -135,6 +134,12 @@ class Constants:
 
 IN_PLACE = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__"}
 IN_PLACE |= {"__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
+
+
+def writes(name: str, kwargs: dict) -> bool:
+    """Whether op ``name`` writes a tensor: an in-place edit, or ``out=``."""
+    inplace = (name.endswith("_") and not name.endswith("__")) or name in IN_PLACE
+    return inplace or "out" in kwargs
 
 
 def compute(

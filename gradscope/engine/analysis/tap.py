@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_flatten
 
 from ...rules.placed import Place
 from ..capture import ReadHooks, Use, tensors_in
-from ..derived import IN_PLACE, Constants, Derived, Watched, compute
+from ..derived import Constants, Derived, Watched, compute, writes
 from ..passes.recipes import CONVS, METADATA, OPENED, Recipe, masked_by, sdpa_math
 from ..plan import ParamPlan
 from .bind import GROUPED
@@ -111,7 +111,7 @@ class ParamTap(FunctionReads, ExpertReads, BroadcastReads, TorchFunctionMode):
             with self:  # the function's own ops come to this mode, one by one
                 return OPENED[func](*args, **kwargs)
         served = self._served(name, found, func, args, kwargs)
-        if served is None and self._batch_free(args, kwargs) and _pure(name, kwargs):
+        if served is None and self._batch_free(args, kwargs) and not writes(name, kwargs):
             served = self._computed(func, args, kwargs)
         if served is not None:
             return None if served is WRITTEN else served
@@ -272,9 +272,3 @@ def _lookup(d: Derived, args: tuple) -> bool:
         and ids.dim() > 0
         and not (ids.is_floating_point() or ids.dtype == torch.bool)
     )
-
-
-def _pure(name: str, kwargs: dict) -> bool:
-    """Whether an op writes nothing: no in-place edit, no ``out=``."""
-    inplace = (name.endswith("_") and not name.endswith("__")) or name in IN_PLACE
-    return not (inplace or "out" in kwargs)

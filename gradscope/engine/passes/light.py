@@ -4,9 +4,9 @@ parameters on rows laid out by shapes alone (one row per example, or ``Lanes``) 
 ``F.multi_head_attention_forward`` on sequence-first rows; a LayerScale's ``gamma`` broadcast
 along the tokens. A replayed batch runs the call under ``LightRegion``, a torch function mode
 that passes every op through but the reads of the watched parameters, which it serves by their
-recipes (``reads.py``): no trace, no owners, no tap. The hooked modules called inside it (a BEiT layer's
-attention and MLP around its LayerScale) are the program's steps, replayed as outside the
-regions; a read of a parameter inside a call of the module whose rule serves it is the rule's.
+recipes (``reads.py``): no trace, no owners, no tap. The hooked modules called inside it (a
+BEiT layer's attention and MLP around its LayerScale) are the program's steps, replayed as
+outside the regions; a read of a parameter inside a call of the module whose rule serves it is the rule's.
 ``RootReads`` (``root.py``) serves the same way the reads at the model's top level, which no
 region call holds.
 
@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ..capture import Capture, ReadHooks, Use, counter, tensors_in
-from ..derived import FACTORIES, IN_PLACE, Computed, Constants, Derived, compute
+from ..derived import FACTORIES, Computed, Constants, Derived, compute, writes
 from ..plan import ParamPlan, Plan
 from ..views import CASTS, SCALES, SHIFTS, VIEWS, places
 from .reads import RecipeReads
@@ -124,7 +124,7 @@ class LightRegion(RecipeReads, TorchFunctionMode):
             return self._read(recipe, func, args, kwargs)
         out = func(*args, **kwargs)
         if not (isinstance(out, Tensor) and id(out) in self.watched):  # W.to(its own dtype): W
-            self.why = self.why or f"another read than the analysed batch's ({name_of(func)})"
+            self.why = self.why or f"another read than the analysed batch's ({name})"
         return out
 
     def _aside(self, args: tuple, kwargs: dict) -> bool:
@@ -147,9 +147,7 @@ class LightRegion(RecipeReads, TorchFunctionMode):
     def _pure(self, name: str, args: tuple, kwargs: dict) -> bool:
         """Whether the op computes from the watched tensors, numbers and constants alone,
         writing nothing: a tensor every example reads the same (``Computed.pure``)."""
-        if (name.endswith("_") and not name.endswith("__")) or name in IN_PLACE:
-            return False
-        if "out" in kwargs:
+        if writes(name, kwargs):
             return False
         watched, constants = self.watched, self.constants
         for t in tree_flatten((args, kwargs))[0]:
