@@ -203,7 +203,7 @@ class Engine:
         batch, copy = session.batch, self.record.copy
         if call.routed:
             kind = next(type(m) for m in self._modules if id(m) == call.module)
-            unfollowed = functools.partial(self.record.unrouted.add, kind)
+            unfollowed = functools.partial(self.record.traced.add, kind)
             during = None if call.open else call.during  # None: reads matched by kind
             return RoutedRegion(
                 self.plan, call.light, during, batch, tensors, call.entry, unfollowed
@@ -211,7 +211,19 @@ class Engine:
         if call.light is not None:
             made = [t for t, c in zip(tensors, call.constant, strict=False) if c]
             ruled, buffers = session._ruled, session.buffers
-            return LightRegion(self.plan, call.light, call.during, batch, ruled, buffers, made)
+            kind = next(type(m) for m in self._modules if id(m) == call.module)
+            branched = functools.partial(self.record.traced.add, kind)
+            return LightRegion(
+                self.plan,
+                call.light,
+                call.during,
+                batch,
+                ruled,
+                buffers,
+                made,
+                call.hosts,
+                branched,
+            )
         return Seeded(self.plan, findings, copy, batch, tensors, call.entry, session.inside)
 
     def _analysed(

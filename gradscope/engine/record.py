@@ -71,7 +71,9 @@ class Record:
 
     moves: dict[str, tuple[str, bool]] = field(default_factory=dict)  # Plan.to_fallback's
     copy: set[int] = field(default_factory=set)  # modules whose captured inputs are edited later
-    unrouted: set[type] = field(default_factory=set)  # module classes whose rows were lost
+    # module classes whose light regions did not hold on a later batch (their rows lost where
+    # values picked them, other values read on the host): traced on every batch from then on
+    traced: set[type] = field(default_factory=set)
     signatures: dict[tuple, Findings] = field(default_factory=dict)
 
     def at(self, inputs: tuple[Tensor, ...], targets: Tensor) -> Findings:

@@ -234,6 +234,24 @@ class MaskedBlock(nn.Module):
         return scores.softmax(-1) @ v
 
 
+class Lengths(nn.Module):
+    """``MaskedBlock`` checking its lengths (``lengths.max().item()``, as XLM does): scalars of
+    the batch's values read on the host, the same on every batch here (some example padded, the
+    longest not), which a light region's witness compares."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+
+    def forward(self, h: Tensor, mask: Tensor) -> Tensor:
+        assert mask.sum(1).max().item() <= mask.shape[1]
+        q, k, v = self.qkv(h).chunk(3, -1)
+        scores = q @ k.transpose(1, 2) / D**0.5
+        if not bool(mask.all()):
+            scores = scores.masked_fill(mask[:, None, :] == 0, float("-inf"))
+        return scores.softmax(-1) @ v
+
+
 class PositionBlock(nn.Module):
     """Learned positions and a LayerScale gain, raw parameters the tap serves, in a block."""
 
@@ -422,6 +440,7 @@ BLOCKS = {
     "sparse-block": TopKMask,
     "sparse-owned": lambda: TopKMask(owned=True),
     "masked-block": MaskedBlock,
+    "lengths-block": Lengths,
     "position-block": PositionBlock,
     "attention-block": AttentionBlock,
     "read-block": Reader,
@@ -471,7 +490,7 @@ def _batches(model: str, n: int = 3) -> list[tuple[tuple[Tensor, ...], Tensor]]:
             mask[1, 2:] = 0 if seed % 2 else 1  # every other batch padded
             out.append(((x, mask), y))
             continue
-        if model == "attention-block":  # other examples padded, and by other lengths
+        if model in ("attention-block", "lengths-block"):  # others padded, by other lengths
             mask = torch.ones(BATCH, 4, dtype=torch.long)
             mask[seed % BATCH, 1 + seed % 3 :] = 0
             out.append(((x, mask), y))
@@ -536,7 +555,8 @@ def test_every_batch_of_one_signature_is_exact_through_fresh_api_calls(case: str
         ("router-block", 2),
         ("sparse-block", 2),
         ("sparse-owned", 2),
-        ("masked-block", 2),
+        ("masked-block", 1),  # padded on batch 2 alone: its witness fails, then traced
+        ("lengths-block", 2),
         ("position-block", 2),
         ("attention-block", 2),
         ("read-block", 0),
@@ -593,10 +613,12 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
     lights += ("experts-block", "position-block", "call-block", "tied-block")  # with steps
     lights += ("computed-block", "computed-odd", "computed-mask", "computed-arange")
     lights += ("conv-block", "computed-passed", "copy-block", "view-block", "left-block")
-    lights += ("window-block", "positions-block")
+    lights += ("window-block", "positions-block", "lengths-block")
     assert light == [case in lights] * len(light)
     if case in ("read-block", "op-block", "call-block", "computed-odd"):  # its witness failed
         assert "read" in findings.why or "operations" in findings.why, findings.why
+    if case == "masked-block":  # a value read on the host differed: its class traced for good
+        assert "on the host" in findings.why and MaskedBlock in engine.record.traced
 
 
 @pytest.mark.parametrize("case", ["dense", "value", "routed", "padded", "top", "dual", *BLOCKS])
@@ -610,7 +632,7 @@ def test_every_batch_of_one_cli_run_is_exact(tmp_path, case: str):
     model = _build(case)
     batches = _batches(case)
     columns = {"padded": ["ids", "mask"], "dense": ["ids"], "masked-block": ["x", "mask"]}
-    columns["attention-block"] = ["x", "mask"]
+    columns["attention-block"] = columns["lengths-block"] = ["x", "mask"]
     columns = columns.get(case, ["x"])
     data = {c: torch.cat([b[0][k] for b in batches]) for k, c in enumerate(columns)}
     data["y"] = torch.cat([b[1] for b in batches])
@@ -642,7 +664,7 @@ def test_every_batch_of_one_cli_run_is_exact(tmp_path, case: str):
 # light regions with a hooked call, or reads of tensors made from parameters, inside them
 RECIPE_CASES = ["position-block", "tied-block", "computed-block", "computed-mask"]
 RECIPE_CASES += ["computed-passed", "conv-block", "view-block", "left-block", "scale-block"]
-RECIPE_CASES += ["window-block", "dual", "positions-block"]
+RECIPE_CASES += ["window-block", "dual", "positions-block", "lengths-block"]
 
 
 @pytest.mark.parametrize("case", RECIPE_CASES)

@@ -114,7 +114,7 @@ def test_rows_the_replay_cannot_follow_go_back_to_the_trace():
         for seed in range(4):
             _check(model, engine, seed, refs)
         findings = engine.record.at(*_batch(0))
-        assert Experts in engine.record.unrouted
+        assert Experts in engine.record.traced
         assert findings.replays >= 2 and findings.programs[-1].varies
 
 

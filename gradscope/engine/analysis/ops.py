@@ -9,13 +9,11 @@ The common case, owners that are the batch along one dimension, is ``lanes.py``'
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    pass
+from ..passes.steps import SCALAR_READS
 
 # ops that move, select or copy elements: the same op applied to the owners gives theirs
 MOVES = {
@@ -73,8 +71,7 @@ PLACES |= {"index_copy_"}
 SCATTERS = {"scatter", "scatter_add", "scatter_reduce", "scatter_", "scatter_add_"}
 SCATTERS |= {"scatter_reduce_"}
 # reads of a tensor's values back to the host, where the model's Python may branch on them
-ESCAPES = {"__bool__", "item", "tolist", "__int__", "__index__", "__float__", "__complex__"}
-ESCAPES |= {"numpy", "equal", "allclose", "__array__"}
+ESCAPES = SCALAR_READS | {"tolist", "numpy", "__array__"}
 # ops whose result's shape depends on its argument's values: read back to the host too
 SIZED_BY_VALUES = {"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive"}
 SIZED_BY_VALUES |= {"bincount", "nonzero_static"}

@@ -58,7 +58,8 @@ def program_of(
             routed, is_open = id(obj) in regions.routed, id(obj) in regions.open
             call = RegionCall(id(obj.module), obj.entry, obj.exit, obj.steps, at - last, light)
             call = dataclasses.replace(call, during=during, routed=routed, open=is_open)
-            items.append(dataclasses.replace(call, constant=obj.constant))
+            hosts = regions.hosts.get(id(obj), ())
+            items.append(dataclasses.replace(call, constant=obj.constant, hosts=hosts))
             inside, own = obj, light is None or routed
             for item in opened.values():
                 item.spans_region = True

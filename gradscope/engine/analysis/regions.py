@@ -36,6 +36,7 @@ Spec = tuple[int, int] | None
 IRREGULAR = "irregular"
 PICKED = "picked"  # a need of rows the batch's values pick: a routed region follows them
 ESCAPED = "escaped"  # the batch's values read on the host: an open routed region's, at most
+WITNESSED = "witnessed"  # ... as one scalar, which a light region's witness compares
 
 
 @dataclass(eq=False)
@@ -71,6 +72,9 @@ class Regions:
     routed: frozenset[int] = frozenset()
     open: frozenset[int] = frozenset()  # routed, their reads differing in number batch to batch
     root: tuple[Recipe, ...] = ()  # reads outside every region call, served by recipe
+    # of the light ones not routed, by id of the visit: every read of one scalar from tensors'
+    # values on the host, (op, what it read), in order; a replayed call must read the same
+    hosts: dict[int, tuple[tuple[str, object], ...]] = field(default_factory=dict)
 
     @property
     def fixed(self) -> bool:
@@ -84,14 +88,15 @@ class Finder:
     its tensors' owners were at both ends, what inside it needs analysis, and what it read
     from before it began. The trace and the tap report to it (``born``, ``read``, ``need``)."""
 
-    def __init__(self, model: nn.Module, events: list, trace, derived, unrouted=frozenset()):
+    def __init__(self, model: nn.Module, events: list, trace, derived, traced=frozenset()):
         self.model, self.events, self.trace, self.derived = model, events, trace, derived
-        self.unrouted = unrouted  # module classes whose routed regions lost their rows: traced
+        self.traced = traced  # module classes whose light regions did not hold (``Record``)
         self.visits: list[Visit] = []
         self.stack: list[Visit] = []
         # (why, the visits under way, the recipe of a read that has one, autograd's counter)
         self.needs: list[tuple[str, tuple[Visit, ...], Recipe | None, int]] = []
         self.log: list[tuple[str, object, int]] = []  # (what, its event or visit, counter)
+        self.hosts: list[tuple[str, object, tuple[Visit, ...]]] = []  # (op, value, visits)
         self._born = ByTensor()  # tensor -> the innermost visit's index when it was made
         self.constants = Constants()  # the tap's: what was made from constants alone
         self._handles: list = []
@@ -140,6 +145,15 @@ class Finder:
         """The batch's values read on the host here: Python may branch on them, so a region
         holding this is traced, or, if routed, open (``passes/routed.py``)."""
         self.needs.append((why, tuple(self.stack), ESCAPED, counter()))
+
+    def host(self, name: str, value: object, escaped: bool) -> None:
+        """One scalar read from tensors' values on the host here by op ``name``; ``escaped``:
+        the batch's values. A light region holding it reads the same on every replayed batch,
+        or the batch is analysed (Python may have branched otherwise)."""
+        self.hosts.append((name, value, tuple(self.stack)))
+        if escaped:
+            why = f"the batch's values read on the host ({name})"
+            self.needs.append((why, tuple(self.stack), WITNESSED, counter()))
 
     # -- the hooks ---------------------------------------------------------------------------
 
@@ -201,26 +215,34 @@ class Finder:
             for v in self.visits
             if id(v.module) in chosen and not any(id(u.module) in chosen for u in _above(v))
         ]
-        light = {id(v): r for v in outer if (r := self._light(v))}
+        light = {id(v): r for v in outer if (r := self._light(v)) is not None}
         routed = frozenset(id(v) for v in outer if id(v) in light and self._routed(v))
         opened = frozenset(i for i in routed if any(r.expert for r in light[i]))
         opened |= frozenset(id(v) for v in outer if id(v) in routed and self._escaped(v))
-        return Regions(frozenset(chosen), outer, light, routed, opened, tuple(root))
+        hosts = {
+            i: tuple((name, value) for name, value, stack in self.hosts if v in stack)
+            for v in outer
+            if (i := id(v)) in light and i not in routed
+        }
+        return Regions(frozenset(chosen), outer, light, routed, opened, tuple(root), hosts)
 
     def _light(self, v: Visit) -> tuple[Recipe, ...] | None:
-        """The recipes of a region call whose every need is a read with one (or, in a routed
-        region, rows picked by values), each with the autograd nodes made from the call's start
-        to the read's end; None for any other."""
+        """The recipes of a region call whose every need is a read with one, or a scalar of
+        the batch's values read on the host (its witness compares them; in a routed region, rows
+        picked by values, or any values read), each with the autograd nodes made from the
+        call's start to the read's end; None for any other."""
         mine = [(recipe, at) for _, stack, recipe, at in self.needs if v in stack]
-        if not mine or any(recipe is None for recipe, _ in mine):
+        if not mine or type(v.module) in self.traced or any(r is None for r, _ in mine):
             return None
         computed = any(isinstance(r, Recipe) and r.computed for r, _ in mine)
-        unfit = v.steps or computed or type(v.module) in self.unrouted or not _rows_first(v)
+        unfit = v.steps or computed or not _rows_first(v)
         if self._routed(v) and unfit:  # a routed region follows rows alone: no call inside,
             return None  # nothing made from parameters
-        if not self._routed(v) and (self._escaped(v) or any(r.expert for r, _ in mine)):
+        unwitnessed = self._escaped(v, witnessed=False)
+        expert = any(isinstance(r, Recipe) and r.expert for r, _ in mine)
+        if not self._routed(v) and (unwitnessed or expert):
             return None
-        reads = [(recipe, at) for recipe, at in mine if recipe not in (PICKED, ESCAPED)]
+        reads = [(r, at) for r, at in mine if r not in (PICKED, ESCAPED, WITNESSED)]
         return tuple(dataclasses.replace(recipe, at=at - v.at_entry) for recipe, at in reads)
 
     def _routed(self, v: Visit) -> bool:
@@ -231,8 +253,10 @@ class Finder:
             for r in mine
         )
 
-    def _escaped(self, v: Visit) -> bool:
-        return any(r is ESCAPED for _, stack, r, _ in self.needs if v in stack)
+    def _escaped(self, v: Visit, witnessed: bool = True) -> bool:
+        """Whether the call read the batch's values on the host (``witnessed``: as scalars too)."""
+        kinds = (ESCAPED, WITNESSED) if witnessed else (ESCAPED,)
+        return any(r in kinds for _, stack, r, _ in self.needs if v in stack)
 
     def _holds(self, module: nn.Module) -> bool:
         """Whether every call of ``module`` can be a region."""

@@ -110,6 +110,14 @@ class ParamTap(FunctionReads, ExpertReads, BroadcastReads, TorchFunctionMode):
         if func in OPENED:
             with self:  # the function's own ops come to this mode, one by one
                 return OPENED[func](*args, **kwargs)
+        self.trace.own += 1  # the trace below sees this code's ops: not the model's host reads
+        try:
+            return self._tapped(name, found, func, args, kwargs)
+        finally:
+            self.trace.own -= 1
+
+    def _tapped(self, name: str, found: list, func, args: tuple, kwargs: dict) -> object:
+        """A read of watched tensors: served by a rule, computed from, or one no rule follows."""
         served = self._served(name, found, func, args, kwargs)
         if served is None and self._batch_free(args, kwargs) and not writes(name, kwargs):
             served = self._computed(func, args, kwargs)

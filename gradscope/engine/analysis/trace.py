@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from ..passes.steps import SCALAR_READS
 from .follow import OwnerAlgebra
 from .lanes import Lane, after
 from .ops import ESCAPES, READS, SIZED_BY_VALUES, filled, op_name
@@ -93,12 +94,11 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         self.batch = batch
         self.owners = ByTensor()
         self.unknown: dict[str, None] = {}  # ops seen on batch tensors whose owners were assumed
-        # ops that read the batch's values on the host, where Python may branch on them, and
         # the first op whose result's owners hold for this batch's values only (follow.py)
-        self.escapes: dict[str, None] = {}
         self.picked_by: str | None = None
         self.created = ByTensor()  # tensors made by CREATIONS: values that depend on no example
         self.finder: Finder | None = None  # the analysis's (regions.py): told what needs it
+        self.own = 0  # above 0 while the tap's own code runs (its host reads are not the model's)
         self.mixed_by = ByTensor()  # tensor -> the op that mixed examples on its way
         self._lanes: dict[object, Tensor] = {}  # (rank, dim, size, m) -> its owners
         self._lane_of: dict[int, tuple[Tensor, Lane]] = {}  # id of those owners -> the lane
@@ -159,8 +159,8 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         if func.__name__ == "__get__" and func.__self__.__name__ not in ("T", "mT", "data"):
             return func(*args, **kwargs)  # a property: metadata, or a view handled as an op
         name = op_name(func)
-        if name in ESCAPES and self.owners.held(args, kwargs):
-            self._escaped(name)
+        if name in ESCAPES:
+            return self._host(name, func, args, kwargs)
         if name in READS:
             return func(*args, **kwargs)
         if name == "__iter__" and args and args[0] in self.owners:
@@ -191,9 +191,24 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         except Exception:  # owners could not follow this op: its results mix examples
             self._set(out, None, origin)
 
+    def _host(self, name: str, func, args: tuple, kwargs: dict) -> object:
+        """Values read on the host by ``name``: Python may branch on them. The finder sees each
+        read of one scalar with its value (a light region's witness compares them), whatever
+        tensors it read; any other read, of the batch's values, as an escape."""
+        held = bool(self.owners.held(args, kwargs))
+        out = func(*args, **kwargs)
+        if name not in READS:
+            self._record(name, func, args, kwargs, out)
+        if self.finder is None or self.own:
+            return out
+        if name in SCALAR_READS:
+            self.finder.host(name, out, held)
+        elif held:
+            self._escaped(name)
+        return out
+
     def _escaped(self, name: str) -> None:
         """The batch's values read on the host by ``name``: Python may branch on them."""
-        self.escapes.setdefault(name)
         if self.finder is not None:
             self.finder.escaped(f"the batch's values read on the host ({name})")
 

@@ -13,7 +13,9 @@ region call holds.
 The witness of a light region call: its reads in the analysed order, each the same function on
 an input of the same shape with the same parameters, after as many autograd nodes since the call
 began as the analysed batch made; as many nodes over the whole call; as many outputs; its hooked
-calls the program's, as any step's. Any other call is ``Diverged`` and analysed in full.
+calls the program's, as any step's; and each scalar it read from tensors' values on the host
+(``if mask.all():``, ``lengths.max().item()``) the analysed batch's, in the same order: Python
+branched as it did for the analysed batch. Any other call is ``Diverged`` and analysed in full.
 """
 
 from __future__ import annotations
@@ -41,8 +43,16 @@ from .recipes import (
     name_of,
     sdpa_math,
 )
+from .steps import SCALAR_READS
 
 _SEQUENCES = (list, tuple)
+# the functions of SCALAR_READS as a function mode is handed them: methods, and torch.equal's kind
+_SCALAR_READS = frozenset(
+    f
+    for name in SCALAR_READS
+    for f in (getattr(Tensor, name, None), getattr(torch, name, None))
+    if f
+)
 
 
 class LightRegion(RecipeReads, TorchFunctionMode):
@@ -58,6 +68,8 @@ class LightRegion(RecipeReads, TorchFunctionMode):
         ruled: Callable[[ParamPlan], bool] = lambda p: False,
         buffers: frozenset[int] = frozenset(),
         constant: Sequence[Tensor] = (),
+        hosts: Sequence[tuple[str, object]] | None = None,
+        branched: Callable[[], None] = lambda: None,
     ):
         super().__init__()
         self.recipes, self.during, self.batch = tuple(recipes), during, batch
@@ -78,6 +90,9 @@ class LightRegion(RecipeReads, TorchFunctionMode):
         self.uses: list[Use] = []
         self.hooks = ReadHooks()
         self.why: str | None = None
+        # the analysed call's scalar reads on the host (None: not witnessed, as at the root),
+        # and whom to tell when the batch's differ
+        self.hosts, self.branched, self._host_next = hosts, branched, 0
         self._next = 0
         self._start = counter()
         self._open = True
@@ -85,6 +100,8 @@ class LightRegion(RecipeReads, TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _SCALAR_READS and self.hosts is not None:
+            return self._host(func, args, kwargs)
         hot = self.hot
         for a in args:  # loops, not a generator: this runs on every op
             if id(a) in hot:
@@ -125,6 +142,16 @@ class LightRegion(RecipeReads, TorchFunctionMode):
         out = func(*args, **kwargs)
         if not (isinstance(out, Tensor) and id(out) in self.watched):  # W.to(its own dtype): W
             self.why = self.why or f"another read than the analysed batch's ({name})"
+        return out
+
+    def _host(self, func, args: tuple, kwargs: dict) -> object:
+        """A scalar read from tensors' values on the host: the analysed call's next one."""
+        out = func(*args, **kwargs)
+        k, name = self._host_next, name_of(func)
+        self._host_next += 1
+        if k >= len(self.hosts) or self.hosts[k] != (name, out):
+            self.why = self.why or f"other values read on the host ({name}) than analysed"
+            self.branched()
         return out
 
     def _aside(self, args: tuple, kwargs: dict) -> bool:
@@ -206,6 +233,8 @@ class LightRegion(RecipeReads, TorchFunctionMode):
             return self.why
         if self._next != len(self.recipes):
             return "fewer reads than the analysed batch's"
+        if self.hosts is not None and self._host_next != len(self.hosts):
+            return "fewer values read on the host than the analysed batch's"
         if len(outputs) != len(exit) or counter() - self._start != self.during:
             return "other operations than the analysed batch's"
         return None

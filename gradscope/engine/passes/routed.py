@@ -9,7 +9,7 @@ autograd nodes), every read's rows some example's, a recipe's lanes where it has
 outputs' rows those the analysed batch ended with. What the values decide is a flag the replay
 reads once, at the forward's end (the one host sync these regions add); a tensor the rows could
 not be followed to, at a read or an output, sends the batch to the analysis and the module's
-class to the trace for good (``Record.unrouted``).
+class to the trace for good (``Record.traced``).
 """
 
 from __future__ import annotations

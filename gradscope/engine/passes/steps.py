@@ -11,6 +11,11 @@ from ..rows import Rows
 from .backward import Requests
 from .recipes import Recipe
 
+# the reads of one Python scalar from tensors' values on the host, by op: a light region call's
+# witness compares them batch to batch (``RegionCall.hosts``)
+SCALAR_READS = frozenset({"__bool__", "item", "__int__", "__index__", "__float__", "__complex__"})
+SCALAR_READS |= {"equal", "allclose", "is_nonzero", "__contains__"}
+
 
 @dataclass(frozen=True)
 class Step:
@@ -40,6 +45,7 @@ class RegionCall:
     routed: bool = False  # a light region whose rows it follows (``routed.py``)
     open: bool = False  # routed, its reads matched by kind, as many as the batch makes
     constant: tuple[bool, ...] = ()  # which tensor arguments were made from constants alone
+    hosts: tuple[tuple[str, object], ...] = ()  # a light one's scalar reads on the host
 
 
 @dataclass(frozen=True)
