@@ -11,15 +11,8 @@ from torch import Tensor
 
 from ...rules.base import CHUNK_ELEMENTS
 from ..derived import Watched
-from ..passes.recipes import (
-    ARG,
-    EXPAND,
-    Recipe,
-    broadcast_parts,
-    broadcast_view,
-    element_parts,
-    recipe_roles,
-)
+from ..passes.parts import broadcast_parts, broadcast_view, element_parts
+from ..passes.recipes import ARG, EXPAND, Recipe, recipe_roles
 from ..rows import Lanes
 from .owners import combine, is_batch, lane_of, reduce, slots
 

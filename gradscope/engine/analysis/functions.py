@@ -15,18 +15,17 @@ from torch.utils._pytree import tree_flatten
 
 from ...rules import Contribution, Dense
 from ..capture import read_at
-from ..passes.recipes import (
-    Recipe,
+from ..passes.parts import (
     bind_affine,
     bind_conv,
     conv_parts,
+    einsum_terms,
     left_part,
     read_parts,
-    recipe_roles,
     viewed_parts,
 )
+from ..passes.recipes import Recipe, recipe_roles
 from ..rows import Lanes, rows_of
-from .bind import einsum_terms
 from .experts import expert_recipe
 from .owners import is_batch, reduce, slots
 from .policy import ASSUMED, assumable, shared

@@ -40,9 +40,9 @@ from torch.utils._pytree import tree_flatten
 from ...rules.placed import Place
 from ..capture import ReadHooks, Use, tensors_in
 from ..derived import Constants, Derived, Watched, compute, writes
-from ..passes.recipes import CONVS, METADATA, OPENED, Recipe, masked_by, sdpa_math
+from ..passes.parts import CONVS
+from ..passes.recipes import METADATA, OPENED, Recipe, masked_by, sdpa_math
 from ..plan import ParamPlan
-from .bind import GROUPED
 from .broadcasts import WRITTEN, BroadcastReads
 from .experts import ExpertReads
 from .functions import FunctionReads
@@ -57,6 +57,9 @@ from ..views import CASTS, SCALES, SHIFTS, VIEWS, places
 # an op with a matrix product and an addition fused, run as the two (each served where it can
 # be) when it scales neither: ``baddbmm(b, x, W)`` is ``b + bmm(x, W)``
 FUSED = {"baddbmm": torch.bmm, "addmm": torch.matmul}
+
+
+GROUPED = {"grouped_mm", "_grouped_mm", "grouped_mm_fallback"}  # torch's, transformers'
 
 
 @dataclass

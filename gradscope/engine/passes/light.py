@@ -31,18 +31,9 @@ from ..capture import Capture, ReadHooks, Use, counter, tensors_in
 from ..derived import FACTORIES, Computed, Constants, Derived, compute, writes
 from ..plan import ParamPlan, Plan
 from ..views import CASTS, SCALES, SHIFTS, VIEWS, places
+from .parts import CONVS
 from .reads import RecipeReads
-from .recipes import (
-    ARG,
-    CONVS,
-    OPENED,
-    SPREAD,
-    Recipe,
-    masked_by,
-    metadata,
-    name_of,
-    sdpa_math,
-)
+from .recipes import ARG, OPENED, SPREAD, Recipe, masked_by, metadata, name_of, sdpa_math
 from .steps import SCALAR_READS
 
 _SEQUENCES = (list, tuple)

@@ -13,10 +13,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..capture import Use, counter, edge, read_at
 from ..derived import Computed, Derived
-from .recipes import (
-    ARG,
-    SPREAD,
-    Recipe,
+from .parts import (
     bind_affine,
     bind_conv,
     broadcast_parts,
@@ -28,6 +25,7 @@ from .recipes import (
     read_parts,
     viewed_parts,
 )
+from .recipes import ARG, SPREAD, Recipe
 
 
 class RecipeReads:

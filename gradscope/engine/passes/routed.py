@@ -23,7 +23,8 @@ from ...rules.routed import Routed
 from ..capture import Use, counter, edge, read_at, tensors_in
 from ..plan import Plan
 from .light import LightRegion
-from .recipes import Recipe, bind_affine, metadata, name_of, viewed_parts
+from .parts import bind_affine, viewed_parts
+from .recipes import Recipe, metadata, name_of
 from .rowflow import NO_ONE, RowFlow
 
 
