@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
+from torch.utils._pytree import tree_flatten
 
 from .rows import Rows
 
@@ -277,11 +278,12 @@ class Captured:
 
 
 def tensors_in(args: tuple, kwargs: dict) -> list[Tensor]:
-    """The tensors among an op's arguments, and in lists and tuples of them (``torch.cat``)."""
+    """The tensors among an op's arguments, however deep in lists, tuples and dicts
+    (``torch.cat``'s): pytree only where an argument is a container (this runs on many ops)."""
     found = []
     for a in (*args, *kwargs.values()):
         if isinstance(a, Tensor):
             found.append(a)
-        elif isinstance(a, (list, tuple)):
-            found.extend(t for t in a if isinstance(t, Tensor))
+        elif isinstance(a, (list, tuple, dict)):
+            found.extend(t for t in tree_flatten(a)[0] if isinstance(t, Tensor))
     return found

@@ -252,6 +252,28 @@ class Lengths(nn.Module):
         return scores.softmax(-1) @ v
 
 
+class Relative(nn.Module):
+    """Relative-position scores as DeBERTa, SEW-D and SAM make them: a table normed once for
+    the batch (made from parameters), multiplied by each example's queries with its heads
+    broadcast (``q @ rel``), by ``bmm`` against the table repeated over the batch, by
+    ``einsum``."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.out = nn.Linear(D, D), nn.Linear(8, D)
+        self.table, self.norm = nn.Parameter(torch.randn(4, D) / 3), nn.LayerNorm(D)
+
+    def forward(self, h: Tensor) -> Tensor:
+        B, T, _ = h.shape
+        q = self.q(h).view(B, T, 2, D // 2).transpose(1, 2)  # (B, heads, T, D / heads)
+        rel = self.norm(self.table).view(4, 2, D // 2).permute(1, 2, 0)  # (heads, D / heads, 4)
+        by_heads = q @ rel
+        by_rows = torch.bmm(q.reshape(B * 2, T, D // 2), rel.repeat(B, 1, 1)).view(B, 2, T, 4)
+        by_letters = torch.einsum("bhtd,hdr->bhtr", q, rel)
+        scores = (by_heads + by_rows * by_letters).softmax(-1)
+        return h + self.out(scores.transpose(1, 2).reshape(B, T, 8))
+
+
 class PositionBlock(nn.Module):
     """Learned positions and a LayerScale gain, raw parameters the tap serves, in a block."""
 
@@ -441,6 +463,7 @@ BLOCKS = {
     "sparse-owned": lambda: TopKMask(owned=True),
     "masked-block": MaskedBlock,
     "lengths-block": Lengths,
+    "relative-block": Relative,
     "position-block": PositionBlock,
     "attention-block": AttentionBlock,
     "read-block": Reader,
@@ -557,6 +580,7 @@ def test_every_batch_of_one_signature_is_exact_through_fresh_api_calls(case: str
         ("sparse-owned", 2),
         ("masked-block", 1),  # padded on batch 2 alone: its witness fails, then traced
         ("lengths-block", 2),
+        ("relative-block", 2),
         ("position-block", 2),
         ("attention-block", 2),
         ("read-block", 0),
@@ -613,7 +637,7 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
     lights += ("experts-block", "position-block", "call-block", "tied-block")  # with steps
     lights += ("computed-block", "computed-odd", "computed-mask", "computed-arange")
     lights += ("conv-block", "computed-passed", "copy-block", "view-block", "left-block")
-    lights += ("window-block", "positions-block", "lengths-block")
+    lights += ("window-block", "positions-block", "lengths-block", "relative-block")
     assert light == [case in lights] * len(light)
     if case in ("read-block", "op-block", "call-block", "computed-odd"):  # its witness failed
         assert "read" in findings.why or "operations" in findings.why, findings.why
@@ -664,7 +688,7 @@ def test_every_batch_of_one_cli_run_is_exact(tmp_path, case: str):
 # light regions with a hooked call, or reads of tensors made from parameters, inside them
 RECIPE_CASES = ["position-block", "tied-block", "computed-block", "computed-mask"]
 RECIPE_CASES += ["computed-passed", "conv-block", "view-block", "left-block", "scale-block"]
-RECIPE_CASES += ["window-block", "dual", "positions-block", "lengths-block"]
+RECIPE_CASES += ["window-block", "dual", "positions-block", "lengths-block", "relative-block"]
 
 
 @pytest.mark.parametrize("case", RECIPE_CASES)

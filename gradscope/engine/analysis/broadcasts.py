@@ -36,9 +36,11 @@ class BroadcastReads:
         """The op's result with the parameter read through a batch view, or None."""
         source = args[i]
         if (name in EXPAND or name == "repeat" and _repeats_rows(args)) and i == 0:
-            out = func(*args, **kwargs)  # p.expand(B, ...), p.repeat(B, 1, ...)
-            if not self._batched(source, out.shape):
+            with torch.no_grad():  # its shape: an op run here that no replay would make
+                shape = func(*args, **kwargs).shape
+            if not self._batched(source, shape):
                 return None
+            out = func(*args, **kwargs)  # p.expand(B, ...), p.repeat(B, 1, ...)
             return self._view(d, source, out, recipe=_recipe(name, i, d, source, out.shape))
         if name not in ELEMENTWISE or (name.endswith("_") and i == 0):
             return None

@@ -13,14 +13,17 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
-from ...rules import Contribution, Dense
+from ...rules import Contribution
 from ..capture import read_at
 from ..passes.parts import (
     bind_affine,
     bind_conv,
     conv_parts,
-    einsum_terms,
+    einsum_operands,
+    einsum_part,
+    einsum_read,
     left_part,
+    product_part,
     read_parts,
     viewed_parts,
 )
@@ -97,29 +100,29 @@ class FunctionReads:
         d = self._watched(weight)
         if d is None or weight.dim() < 2 or x.dim() < 3 or self._watched(x) is not None:
             return None
-        a, recipe = x.detach(), None
+        a, slot = x.detach(), None
         if left and weight.dim() == 2 and self._examples_lead(x):
 
             def parts(grad: Tensor) -> dict[str, Contribution]:
                 return d.credit(left_part(a, grad, weight))
 
-            roles = recipe_roles([("weight", d)], {"weight": weight})
-            if roles is not None:
-                recipe = Recipe(name, roles[0], tuple(x.shape), None, computed=roles[1], left=True)
         else:
             lead, ws = torch.broadcast_shapes(weight.shape[:-2], x.shape[:-2]), weight.shape[:-2]
             o = reduce(self.trace.owner(x), [-2, -1], keepdim=False)
             if not bool((o >= 0).all()):
                 return None
             slot = slots(o, lead, ws)  # (example, matrix of W) of each product
+            part = product_part(a, weight.shape, left, slot, self.batch)
 
             def parts(grad: Tensor) -> dict[str, Contribution]:
-                g = (grad @ a.mT if left else a.mT @ grad).reshape(-1, *weight.shape[-2:])
-                per = g.new_zeros(self.batch * ws.numel(), *g.shape[1:]).index_add_(0, slot, g)
-                return d.credit(Dense(per.view(self.batch, *weight.shape)))
+                return d.credit(part(grad))
 
         out = func(*args)
         if out.requires_grad:
+            roles = recipe_roles([("weight", d)], {"weight": weight})
+            recipe = None if roles is None else Recipe(name, roles[0], tuple(x.shape), None)
+            if recipe is not None:  # the slots, laid out by shapes in a light region
+                recipe = dataclasses.replace(recipe, computed=roles[1], left=left, slot=slot)
             self._read_output(d.params, out, parts, args, recipe)
         return out
 
@@ -150,32 +153,27 @@ class FunctionReads:
         output's first and not W's: example b's gradient of W is ``einsum(x[b], grad[b])``
         summed over the rest (and over b's rows, where heads are folded into the batch), one
         einsum for the batch (SAM's and Funnel's relative attention)."""
-        operands = args[1:] if len(args) > 2 else tuple(args[1]) if len(args) == 2 else ()
-        bound = einsum_terms(args[0], operands) if not kwargs else None
-        if bound is None:
+        read = einsum_read(args[0], einsum_operands(args, kwargs), self._watched)
+        if read is None:
             return None
-        first, second, out_s = bound
-        if self._watched(first[0]) is not None:
-            first, second = second, first
-        (x, xs), (weight, ws) = first, second
-        d = self._watched(weight)
-        if d is None or self._watched(x) is not None or xs[0] != out_s[0] or xs[0] in ws:
-            return None
-        rows = self._lead_rows(x)
-        if not set(ws) <= set(xs) | set(out_s) or rows is False:
+        x, weight, per_row = read
+        d, rows = self._watched(weight), self._lead_rows(x)
+        if rows is False:
             return None
         out = func(*args)
         if not out.requires_grad:
             return out
-        a, per_row = x.detach(), f"{xs},{out_s}->{xs[0]}{ws}"
+        part = einsum_part(per_row, x.detach(), rows, self.batch)
 
         def parts(grad: Tensor) -> dict[str, Contribution]:
-            g = torch.einsum(per_row, a, grad)  # (rows, *W)
-            if rows is not None:  # each example's rows summed
-                g = g.new_zeros(self.batch, *g.shape[1:]).index_add_(0, rows, g)
-            return d.credit(Dense(g))
+            return d.credit(part(grad))
 
-        self._read_output(d.params, out, parts, args)
+        roles = recipe_roles([("weight", d)], {"weight": weight})
+        recipe = None  # each row's example, laid out by shapes in a light region
+        if roles is not None:
+            recipe = Recipe("einsum", roles[0], tuple(x.shape), None, computed=roles[1])
+            recipe = dataclasses.replace(recipe, slot=rows, equation=per_row)
+        self._read_output(d.params, out, parts, args, recipe)
         return out
 
     def _read_output(self, params: tuple, out: Tensor, parts, args: tuple, recipe=None) -> None:

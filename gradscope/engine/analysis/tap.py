@@ -160,8 +160,9 @@ class ParamTap(FunctionReads, ExpertReads, BroadcastReads, TorchFunctionMode):
         if name in FUSED and len(args) == 3 and _unscaled(kwargs):
             with self:  # the product and the addition come to this mode, one by one
                 return torch.add(args[0], FUSED[name](args[1], args[2]))
-        if name == "bmm":
-            return self._bmm(func, args, kwargs)
+        if name == "bmm":  # each matrix of x one example's, or experts' rows of many
+            out = self._product(name, func, args, kwargs)
+            return self._bmm(func, args, kwargs) if out is None else out
         if name == "einsum":
             return self._einsum(func, args, kwargs)
         if name in CONVS:

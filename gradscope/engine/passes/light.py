@@ -25,7 +25,6 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 from ..capture import Capture, ReadHooks, Use, counter, tensors_in
 from ..derived import FACTORIES, Computed, Constants, Derived, compute, writes
@@ -168,8 +167,8 @@ class LightRegion(RecipeReads, TorchFunctionMode):
         if writes(name, kwargs):
             return False
         watched, constants = self.watched, self.constants
-        for t in tree_flatten((args, kwargs))[0]:
-            if isinstance(t, Tensor) and id(t) not in watched and t not in constants:
+        for t in tensors_in(args, kwargs):
+            if id(t) not in watched and t not in constants:
                 return False
         return True
 

@@ -119,6 +119,66 @@ def left_part(a: Tensor, grad: Tensor, weight: Tensor) -> Contribution:
     return affine_parts(a.mT, grad.mT, weight, None, transposed=False)["weight"]
 
 
+def product_part(
+    a: Tensor, shape: torch.Size, left: bool, slot: Tensor, batch: int
+) -> Callable[[Tensor], Dense]:
+    """output gradient -> each example's gradient of a W of ``shape`` in ``W @ a`` (``left``)
+    or ``a @ W`` whose leading dimensions broadcast (Zamba's per-head ``W[:, None] @ x``, a
+    relative-position table projected once for the batch and multiplied by each example's
+    queries): each product's gradient, ``grad @ a.mT`` or ``a.mT @ grad``, summed into its
+    ``slot`` (example, matrix of W: ``owners.slots``)."""
+    matrices = shape[:-2].numel()
+
+    def part(grad: Tensor) -> Dense:
+        g = (grad @ a.mT if left else a.mT @ grad).reshape(-1, *shape[-2:])
+        per = g.new_zeros(batch * matrices, *g.shape[1:]).index_add_(0, slot, g)
+        return Dense(per.view(batch, *shape))
+
+    return part
+
+
+def einsum_part(
+    per_row: str, a: Tensor, rows: Tensor | None, batch: int
+) -> Callable[[Tensor], Dense]:
+    """output gradient -> each example's gradient of W in ``einsum(eq, x, W)`` whose batch
+    ``x``'s first index leads the output and not W: ``einsum(per_row, a, grad)``, one W per row
+    of x, summed over each example's rows (``rows``: the example of each; None where row r is
+    example r's; SAM's and Funnel's relative attention)."""
+
+    def part(grad: Tensor) -> Dense:
+        g = torch.einsum(per_row, a, grad)  # (rows, *W)
+        if rows is not None:
+            g = g.new_zeros(batch, *g.shape[1:]).index_add_(0, rows, g)
+        return Dense(g)
+
+    return part
+
+
+def einsum_read(equation: object, operands: tuple, watched: Callable) -> tuple | None:
+    """(x, W, the per-row equation of ``einsum_part``) of a two-operand einsum of a batch x and
+    a watched W (``watched(t)``: not None for one), where x's first index leads the output and
+    is not W's; None for any other."""
+    bound = einsum_terms(equation, operands)
+    if bound is None:
+        return None
+    first, second, out = bound
+    if watched(first[0]) is not None:
+        first, second = second, first
+    (x, xs), (weight, ws) = first, second
+    if watched(weight) is None or watched(x) is not None or xs[0] != out[0] or xs[0] in ws:
+        return None
+    if not set(ws) <= set(xs) | set(out):
+        return None
+    return x, weight, f"{xs},{out}->{xs[0]}{ws}"
+
+
+def einsum_operands(args: tuple, kwargs: dict) -> tuple:
+    """The operands of ``torch.einsum(eq, *operands)`` or ``torch.einsum(eq, [operands])``."""
+    if kwargs:
+        return ()
+    return args[1:] if len(args) > 2 else tuple(args[1]) if len(args) == 2 else ()
+
+
 def viewed_parts(parts: Callable, viewed: Callable) -> Callable:
     """``parts`` of a read whose output is a view of the tensor its gradient arrives at."""
     return lambda grad: parts(viewed(grad))

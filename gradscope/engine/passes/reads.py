@@ -9,9 +9,8 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten
 
-from ..capture import Use, counter, edge, read_at
+from ..capture import Use, counter, edge, read_at, tensors_in
 from ..derived import Computed, Derived
 from .parts import (
     bind_affine,
@@ -19,9 +18,13 @@ from .parts import (
     broadcast_parts,
     broadcast_view,
     conv_parts,
+    einsum_operands,
+    einsum_part,
+    einsum_read,
     element_parts,
     lane_rows,
     left_part,
+    product_part,
     read_parts,
     viewed_parts,
 )
@@ -35,6 +38,8 @@ class RecipeReads:
     def _read(self, recipe: Recipe, func, args: tuple, kwargs: dict):
         """A linear, embedding or product read of the recipe's parameters (or of tensors made
         from them)."""
+        if recipe.slot is not None or recipe.equation is not None:
+            return self._product(recipe, func, args, kwargs)
         call = bind_affine(recipe.op, args, kwargs)
         if recipe.left:  # W @ x
             call = (args[1], args[0], None) if len(args) == 2 and not kwargs else None
@@ -56,9 +61,38 @@ class RecipeReads:
                 by_role = read_parts(
                     recipe.op, a, weight, bias, recipe.rows, args, kwargs, self.batch
                 )
-            target, viewed = read_at(out, tree_flatten((args, kwargs))[0])
+            target, viewed = read_at(out, tensors_in(args, kwargs))
             self._credited(
                 sources, target, by_role if viewed is None else viewed_parts(by_role, viewed)
+            )
+        return out
+
+    def _product(self, recipe: Recipe, func, args: tuple, kwargs: dict):
+        """A product whose leading dimensions broadcast, or an einsum, of the recipe's tensor
+        and a batch x: each product's gradient summed into its example by the analysed slots
+        or rows, laid out by shapes alone (``parts.product_part``, ``parts.einsum_part``)."""
+        pair = None  # (x, W)
+        if recipe.equation is not None:
+            read = einsum_read(args[0], einsum_operands(args, kwargs), self._source)
+            if read is not None and read[2] == recipe.equation:
+                pair = read[:2]
+        elif len(args) == 2 and not kwargs:
+            pair = (args[1], args[0]) if recipe.left else (args[0], args[1])
+        sources = None if pair is None else self._sources(recipe, pair[0], (pair[1], None))
+        out = self._run(recipe, sources, func, args, kwargs)
+        if sources is not None and isinstance(out, Tensor) and out.requires_grad:
+            x, weight = pair
+            if recipe.equation is not None:
+                part = einsum_part(recipe.equation, x.detach(), recipe.slot, self.batch)
+            else:
+                part = product_part(x.detach(), weight.shape, recipe.left, recipe.slot, self.batch)
+            target, viewed = read_at(out, tensors_in(args, kwargs))
+
+            def parts(grad: Tensor) -> dict:
+                return {"weight": part(grad)}
+
+            self._credited(
+                sources, target, parts if viewed is None else viewed_parts(parts, viewed)
             )
         return out
 

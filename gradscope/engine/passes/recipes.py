@@ -38,7 +38,13 @@ class Recipe:
     # the roles that take a tensor made from their parameters (a view, a cast, ``exp(a)``, a
     # weight-norm weight: ``light.py`` makes it again), not a parameter itself
     computed: tuple[str, ...] = ()
-    left: bool = False  # ``W @ x``: a 2-D W on the left of a batch x of (B, in, L) (Mamba's)
+    left: bool = False  # ``W @ x``: a 2-D W on the left of a batch x of (B, in, L) (Mamba's),
+    # or, with ``slot``, a W whose leading dimensions broadcast against x's
+    # a product whose leading dimensions broadcast (``parts.product_part``): the (example,
+    # matrix of W) each product sums into; an einsum's (``parts.einsum_part``): the example of
+    # each row of x (None: row r example r's), with its per-row equation
+    slot: Tensor | None = field(default=None, compare=False)
+    equation: str | None = None
     expand: bool = False  # its input, no example's, expanded to the batch (a position table's)
     # a broadcast each element of whose result one example owns, or none (a CLIP-like (B, B)
     # similarity): which elements some example owns, and the slot of each (``element_parts``)
