@@ -88,6 +88,43 @@ def test_experts_the_batch_picks_replay_as_many_reads_as_it_makes():
     assert findings.replays == 3 and "another read" in findings.why, findings.why
 
 
+class Positions(nn.Module):
+    """A learned position added to the tokens: a read outside its module's calls whose
+    gradient nothing below it waits for (the backward requests it)."""
+
+    def __init__(self, tokens: int):
+        super().__init__()
+        self.pos, self.fc = nn.Parameter(torch.randn(tokens, H) / 3), nn.Linear(H, H)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.fc(h + self.pos)
+
+
+def test_reads_after_an_open_region_are_requested_as_each_batch_makes_them():
+    """Which experts run, and so how many reads the open region makes, differs batch to batch
+    (two examples of one token): the reads after it move in the list of reads, and which the
+    backward requests is read off each batch's graph, not taken by place from the analysed
+    one (that zeroed an expert's output gradient, silently)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(H, H), Block(LoopExperts()), Positions(1), nn.Flatten())
+    model.append(nn.Linear(H, CLASSES)).eval()
+    refs = _refs(model)
+    batches = []
+    for seed in range(8):
+        g = torch.Generator().manual_seed(seed)
+        x, y = torch.randn(2, 1, H, generator=g), torch.randint(0, CLASSES, (2,), generator=g)
+        batches.append(((x,), y))
+    with Engine(model, LOSS) as engine:
+        for inputs, y in batches:
+            scores = engine.scores(inputs, y, Want(norms=True, refs=refs))
+            names = [p.name for p in engine.plan.included]
+            _, grads = naive_grads(model, inputs, y, LOSS, names, Forward())
+            norms = torch.stack([g.flatten(1).double().pow(2).sum(1) for g in grads.values()])
+            assert_rel_close(total(scores.norm_sq), norms.sum(0), 1e-5)
+        findings = engine.record.at(*batches[0])
+    assert findings.replays == 7, findings.why
+
+
 def test_rows_put_in_another_example_are_analysed():
     """A replayed batch whose experts put rows back where another example's were (the same ops
     on the same shapes) fails the witness on the device: the batch is analysed in full, which

@@ -79,8 +79,9 @@ class Regions:
     @property
     def fixed(self) -> bool:
         """Whether a replayed batch makes the analysed calls and reads, in the analysed order:
-        no region, or light ones alone."""
-        return all(id(v) in self.light for v in self.visits)
+        no region, or light ones alone, none open (an open one reads as many as its batch's
+        routing makes: which outputs the backward must request is then read each batch)."""
+        return all(id(v) in self.light and id(v) not in self.open for v in self.visits)
 
 
 class Finder:
