@@ -44,11 +44,19 @@ class Experts(nn.Module):
 
 class LoopExperts(Experts):
     """transformers' eager experts: a loop over the experts the batch's routing hit (read on
-    the host), each ``F.linear`` of its own matrix ``W[e]`` on the tokens routed to it, added
-    back in place; with ``extra``, expert 0 also reads the bias it holds (another parameter)."""
+    the host), each ``F.linear`` of its own matrix ``W[e]`` on the tokens routed to it (or,
+    ``transposed``, ``x @ W[e]`` of a W of (E, in, out): Aria's; ``biased``, plus the expert's
+    row of a 2-D bias, ``b[e]``: GPT-OSS's; ``cast``, in float32 whatever the model's dtype:
+    the OpenAI privacy filter's), added back in place; with ``extra``, expert 0 also reads the
+    bias it holds (another parameter)."""
 
-    def __init__(self, width: int = H):
-        super().__init__(width=width)
+    def __init__(
+        self, width: int = H, transposed: bool = False, biased: bool = False, cast: bool = False
+    ):
+        super().__init__(transposed, width=width)
+        self.biased, self.cast = biased, cast
+        if biased:
+            self.up_bias = nn.Parameter(torch.randn(E, 2 * INNER) / 3)
         self.extra = False
         self.bias = nn.Parameter(torch.zeros(width))
 
@@ -58,12 +66,18 @@ class LoopExperts(Experts):
         for e in (mask.sum((1, 2)) > 0).nonzero():
             e = e[0]
             pos, token = torch.where(mask[e])
-            gate, up = F.linear(x[token], self.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[e]) * weights[token, pos, None]
+            gate_up = self._by(x[token], self.gate_up[e])
+            gate, up = (gate_up + self.up_bias[e] if self.biased else gate_up).chunk(2, dim=-1)
+            y = self._by(F.silu(gate) * up, self.down[e]) * weights[token, pos, None]
             if self.extra and e == 0:
                 y = y + self.bias
             out.index_add_(0, token, y)
         return out
+
+    def _by(self, x: Tensor, w: Tensor) -> Tensor:
+        if self.cast:
+            return (x.float() @ w.float()).to(x.dtype)
+        return x @ w if self.transposed else F.linear(x, w)
 
 
 class Block(nn.Module):

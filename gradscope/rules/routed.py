@@ -63,10 +63,18 @@ class Routed(Contribution):
 
     @classmethod
     def by_rows(
-        cls, a: Tensor, s: Tensor, own: Tensor, expert: Tensor, shape: torch.Size, batch: int
+        cls,
+        a: Tensor,
+        s: Tensor,
+        own: Tensor,
+        expert: Tensor,
+        shape: torch.Size,
+        batch: int,
+        transposed: bool = False,
     ) -> Routed:
-        """One call's contribution where each row's expert is known: ``F.linear(x, W[e])``."""
-        return cls(_acc(a), _acc(s), own, expert, shape, batch, transposed=False)
+        """One call's contribution where each row's expert is known: ``F.linear(x, W[e])``,
+        or ``x @ W[e]`` (``transposed``)."""
+        return cls(_acc(a), _acc(s), own, expert, shape, batch, transposed)
 
     def norm_sq(self) -> Tensor:
         n = self.a.shape[0]

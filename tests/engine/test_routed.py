@@ -68,12 +68,17 @@ def test_routed_experts_replay_exact(transposed: bool):
     assert not program.varies and not engine.plan.fallback
 
 
-def test_experts_the_batch_picks_replay_as_many_reads_as_it_makes():
+@pytest.mark.parametrize(
+    ("transposed", "biased"),
+    [(False, False), (True, False), (True, True)],
+    ids=["linear", "x @ W[e]", "x @ W[e] + b[e]"],
+)
+def test_experts_the_batch_picks_replay_as_many_reads_as_it_makes(transposed: bool, biased: bool):
     """Eager experts: which experts run, and so how many reads, the batch's values say; an open
     routed region serves every read of the kinds analysed, exact; a read of another parameter
     fails its witness."""
     torch.manual_seed(0)
-    experts = LoopExperts()
+    experts = LoopExperts(transposed=transposed, biased=biased)
     model = Model(experts).eval()
     refs = _refs(model)
     with Engine(model, LOSS) as engine:
@@ -123,6 +128,25 @@ def test_reads_after_an_open_region_are_requested_as_each_batch_makes_them():
             assert_rel_close(total(scores.norm_sq), norms.sum(0), 1e-5)
         findings = engine.record.at(*batches[0])
     assert findings.replays == 7, findings.why
+
+
+def test_experts_cast_to_float32_in_a_float64_model_replay_exact():
+    """``x.float() @ W[e].float()`` in a float64 model: the cast of an expert's matrix is
+    followed to its read; exact on every batch against the float64 loop."""
+    torch.manual_seed(0)
+    model = Model(LoopExperts(transposed=True, cast=True)).double().eval()
+    with Engine(model, LOSS) as engine:
+        for seed in range(3):
+            (x,), y = _batch(seed)
+            x = x.double()
+            scores = engine.scores((x,), y, Want(norms=True))
+            names = [p.name for p in engine.plan.included]
+            _, grads = naive_grads(model, (x,), y, LOSS, names, Forward())
+            norms = torch.stack([g.flatten(1).pow(2).sum(1) for g in grads.values()]).sum(0)
+            assert_rel_close(total(scores.norm_sq), norms, 1e-5)
+        findings = engine.record.at((x,), y)
+        (call,) = [s for s in findings.programs[-1].steps if hasattr(s, "routed")]
+    assert findings.replays == 2 and call.routed, findings.why
 
 
 def test_rows_put_in_another_example_are_analysed():

@@ -14,6 +14,7 @@ from ..derived import Watched
 from ..passes.parts import broadcast_parts, broadcast_view, element_parts
 from ..passes.recipes import ARG, EXPAND, Recipe, recipe_roles
 from ..rows import Lanes
+from .experts import expert_bias
 from .owners import combine, is_batch, lane_of, reduce, slots
 
 # ops whose result broadcasts its tensor arguments elementwise; in-place ones only when the
@@ -54,6 +55,8 @@ class BroadcastReads:
             if rows is None or lane is not None:
                 lanes = None if lane is None else Lanes(lane[0], lane[1], 1)
                 recipe = _recipe(name, i, d, source, shape, lanes)
+            else:  # rows the batch's values picked: an expert's bias, a routed region's
+                recipe = expert_bias(name, i, d, args, shape)
             view = self._view(d, source, broadcast_view(source, shape), rows, recipe)
         else:
             owners = combine(*(self.trace.owner(a) for a in args if isinstance(a, Tensor)))

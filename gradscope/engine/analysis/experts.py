@@ -12,7 +12,7 @@ from ...rules import Contribution
 from ...rules.linear import affine_parts
 from ...rules.placed import Place, Placed
 from ..derived import Derived, Watched
-from ..passes.recipes import Recipe
+from ..passes.recipes import ARG, BIASED, EXPERT_READS, Recipe
 from ..rows import regroup, rows_of
 from ..views import compose
 from .owners import reduce
@@ -119,25 +119,46 @@ class ExpertReads:
 def _expert_read(reads: list) -> bool:
     """Whether a linear read is of ``W[e]`` alone, one matrix of a 3-D parameter (an expert
     picked by a value): a read an open routed region serves again (``passes/routed.py``)."""
-    if len(reads) != 1 or reads[0][0] != "weight" or not isinstance(reads[0][1], Derived):
+    if len(reads) != 1 or reads[0][0] != "weight":
         return False
-    d = reads[0][1]
+    return _one_expert(reads[0][1], 3)
+
+
+def _one_expert(d: Watched, dims: int) -> bool:
+    """Whether ``d`` is ``W[e]``, the whole of one expert's slice of a parameter of ``dims``."""
+    if not isinstance(d, Derived) or d.param.param.dim() != dims:
+        return False
     index, param = d.place.index, d.param.param
-    if param.dim() != 3 or not index or not isinstance(index[0], int):
+    if not index or not isinstance(index[0], int):
         return False
     whole = all(_whole(k, n) for k, n in zip(index[1:], param.shape[1:], strict=False))
     return whole and not d.place.transposed and d.place.scale == 1.0
 
 
-def expert_recipe(reads: list, x: Tensor) -> Recipe | None:
-    """The recipe of ``F.linear(x, W[e])`` where ``_expert_read`` and the Gram of as many rows
-    as every expert's would take (the batch's routing may send them all) is cheap."""
-    if not _expert_read(reads):
+def expert_recipe(name: str, reads: list, x: Tensor) -> Recipe | None:
+    """The recipe of ``F.linear(x, W[e])`` or ``x @ W[e]`` (W of (E, in, out): GPT-OSS's,
+    Aria's) where ``_expert_read`` and the Gram of as many rows as every expert's would take
+    (the batch's routing may send them all) is cheap."""
+    matmul = name in EXPERT_READS and name != "linear"
+    if name not in EXPERT_READS or (matmul and x.dim() != 2) or not _expert_read(reads):
         return None
     param = reads[0][1].param
     if not cheap_gram(x.shape[0] * param.param.shape[0], param.param.shape):
         return None
-    return Recipe("linear", (("weight", param.name),), tuple(x.shape), None, expert=True)
+    roles = (("weight", param.name),)
+    return Recipe(name, roles, tuple(x.shape), None, transposed=matmul, expert=True)
+
+
+def expert_bias(name: str, i: int, d: Watched, args: tuple, shape: torch.Size) -> Recipe | None:
+    """The recipe of ``x + b[e]``, one row of a 2-D parameter (an expert's bias, picked by a
+    value) added to each row of a 2-D x at argument ``i`` (GPT-OSS's experts), where the Gram of
+    as many rows as every expert's would take is cheap."""
+    if name not in BIASED or len(args) != 2 or len(shape) != 2 or not _one_expert(d, 2):
+        return None
+    param = d.param.param
+    if not cheap_gram(shape[0] * param.shape[0], param.shape):
+        return None
+    return Recipe(name, ((f"{ARG}{i}", d.param.name),), tuple(shape), None, expert=True)
 
 
 def _whole(k: object, size: int) -> bool:

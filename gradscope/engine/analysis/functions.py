@@ -79,7 +79,7 @@ class FunctionReads:
         recipe = None  # a read laid out by shapes alone: a light region's
         spread = expanded and name in ("linear", "embedding")  # its shared rows expanded: the
         if spread or not (expanded or assumed_rows):  # examples' rows, as assumed, by that
-            recipe = expert_recipe(reads, x) if name == "linear" and not spread else None
+            recipe = expert_recipe(name, reads, x) if not spread else None
             roles = recipe_roles(reads, {"weight": weight, "bias": bias})
             if recipe is None and roles and (rows is None or isinstance(rows, Lanes)):
                 recipe = Recipe(name, roles[0], tuple(x.shape), rows, computed=roles[1])

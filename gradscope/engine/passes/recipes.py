@@ -94,6 +94,10 @@ def metadata(func) -> bool:
     return name_of(func) in METADATA
 
 
+# reads of one expert's matrix ``W[e]`` of a 3-D W (``Recipe.expert``): ``F.linear(x, W[e])``,
+# and ``x @ W[e]`` where W is (E, in, out)
+EXPERT_READS = {"linear", "matmul", "__matmul__"}
+BIASED = {"add", "__add__", "__radd__"}  # and ``x + b[e]``, one row of a 2-D b (GPT-OSS's)
 ARG = "arg"  # a broadcast recipe's role: the position of the parameter among the op's arguments
 EXPAND = {"expand", "expand_as"}
 SPREAD = EXPAND | {"repeat"}  # a parameter spread along the batch by a view or a copy

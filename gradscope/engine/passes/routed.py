@@ -22,9 +22,10 @@ from torch import Tensor, nn
 from ...rules.routed import Routed
 from ..capture import Use, counter, edge, read_at, tensors_in
 from ..plan import Plan
+from ..views import CASTS
 from .light import LightRegion
-from .parts import bind_affine, viewed_parts
-from .recipes import Recipe, metadata, name_of
+from .parts import bind_affine, broadcast_view, viewed_parts
+from .recipes import ARG, BIASED, EXPERT_READS, Recipe, metadata, name_of
 from .rowflow import NO_ONE, RowFlow
 
 
@@ -85,14 +86,21 @@ class RoutedRegion(LightRegion):
 
     def _watched(self, name: str, func, args: tuple, kwargs: dict):
         w = args[0] if args else None
-        if id(w) in self.watched and w.dim() == 3 and name in VIEWS:
+        if id(w) in self.watched and (w.dim() == 3 and name in VIEWS or _row_of(w, name)):
             return self._viewed(name, func, args, kwargs)
         if name in ("grouped_mm", "_grouped_mm"):
             return self._grouped(func, args, kwargs)
         viewed = [v for t in tensors_in(args, kwargs) if (v := self._view(t)) is not None]
         if viewed:
-            if name == "linear" and len(args) == 2 and not kwargs and viewed[0][0] is args[1]:
-                return self._expert(func, args, viewed[0])
+            view = viewed[0]
+            if name in CASTS and args[0] is view[0] and len(viewed) == 1:  # W[e].float()
+                out = func(*args, **kwargs)
+                self.views[id(out)] = (out, *view[1:])
+                return out
+            if name in EXPERT_READS and len(args) == 2 and not kwargs and view[0] is args[1]:
+                return self._expert(name, func, args, view)
+            if name in BIASED and len(args) == 2 and not kwargs and view[0].dim() == 1:
+                return self._bias(name, func, args, view)
             return self._other(name, func(*args, **kwargs))
         if self.open:
             recipe = next((r for r in self.recipes if r.op == name and not r.expert), None)
@@ -171,20 +179,39 @@ class RoutedRegion(LightRegion):
 
         return self._serve(p, x, weight, out, routed)
 
-    def _expert(self, func, args: tuple, view: tuple) -> Tensor:
-        """``F.linear(x, W[e])``: expert e's matrix on rows that a value picked."""
+    def _expert(self, name: str, func, args: tuple, view: tuple) -> Tensor:
+        """``F.linear(x, W[e])`` or ``x @ W[e]``: expert e's matrix on rows a value picked."""
         x, weight = args
         _, param, e = view
         p, out = self.owned.get(id(param)), func(*args)
-        kind = ("linear", (("weight", p.name if p else ""),), False, True)
-        if p is None or self._recipe(kind, x) is None:
-            return self._other("linear", out)
+        transposed = name != "linear"  # x @ W[e]: W is (E, in, out)
+        kind = (name, (("weight", p.name if p else ""),), transposed, True)
+        if p is None or (transposed and x.dim() != 2) or self._recipe(kind, x) is None:
+            return self._other(name, out)
 
         def routed(a: Tensor, grad: Tensor, rows: Tensor) -> Routed:
             expert = torch.as_tensor(e, device=a.device).expand(a.shape[0])
-            return Routed.by_rows(a, grad, rows, expert, param.shape, self.batch)
+            return Routed.by_rows(a, grad, rows, expert, param.shape, self.batch, transposed)
 
         return self._serve(p, x, weight, out, routed)
+
+    def _bias(self, name: str, func, args: tuple, view: tuple) -> Tensor:
+        """``x + b[e]``: expert e's bias on rows a value picked (a Linear's on inputs of 1),
+        read where the tap reads it: at its view broadcast to x's rows."""
+        i = 0 if args[0] is view[0] else 1
+        x, (bias, param, e) = args[1 - i], view
+        p = self.owned.get(id(param))
+        kind = (name, ((f"{ARG}{i}", p.name if p else ""),), False, True)
+        if p is None or x.dim() != 2 or self._recipe(kind, x) is None:
+            return self._other(name, func(*args))
+
+        def routed(a: Tensor, grad: Tensor, rows: Tensor) -> Routed:
+            expert = torch.as_tensor(e, device=a.device).expand(a.shape[0])
+            ones = a.new_ones(a.shape[0], 1)
+            return Routed.by_rows(ones, grad, rows, expert, param.shape, self.batch, True)
+
+        spread = self._serve(p, x, bias, broadcast_view(bias, x.shape), routed)
+        return func(*((x, spread) if i else (spread, x)))
 
     def _serve(self, p, x: Tensor, weight: Tensor, out: Tensor, routed: Callable) -> Tensor:
         """A read of ``p`` on ``x``'s followed rows, its gradient at ``out`` to ``routed``."""
@@ -250,6 +277,11 @@ class RoutedRegion(LightRegion):
 
     def pending(self) -> Tensor | None:
         return self.flow.bad
+
+
+def _row_of(w: Tensor, name: str) -> bool:
+    """Whether the op picks a row of a watched 2-D parameter (an expert's bias: ``b[e]``)."""
+    return w.dim() == 2 and name == "__getitem__"
 
 
 def _is_bool(e: object) -> bool:

@@ -41,6 +41,7 @@ ROW_WISE |= {"square", "relu6", "leaky_relu", "elu", "selu", "celu", "mish", "ha
 ROW_WISE |= {"hardsigmoid", "hardtanh", "log_sigmoid", "softsign", "reciprocal", "sign"}
 ROW_WISE |= {"sin", "cos", "log1p", "expm1", "nan_to_num", "relu_", "silu_", "gelu_"}
 PRODUCTS = {"linear", "grouped_mm", "_grouped_mm"}
+MATMULS = {"matmul", "__matmul__", "mm"}
 JOINS = {"cat", "concat", "concatenate", "stack"}
 ALONG = {"gather", "take_along_dim", "scatter", "scatter_", "scatter_add", "scatter_add_"}
 SPLITS = {"chunk", "split", "tensor_split", "split_with_sizes", "unbind", "narrow", "select"}
@@ -154,6 +155,8 @@ def _rows_after(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object
     if name in PRODUCTS:  # row by row, on weights of no example; offsets are positions
         w = args[1] if len(args) > 1 else kwargs.get("weight")
         return _same_rows(flow, x, out) if flow.of(w) is False else NotImplemented
+    if name in MATMULS and len(args) == 2 and _by_matrix(x, args[1]):  # x @ W, W no one's
+        return _same_rows(flow, x, out) if flow.of(args[1]) is False else NotImplemented
     if name in ROW_WISE:
         return _row_wise(flow, args, kwargs, out)
     if name in SPLITS:
@@ -181,6 +184,11 @@ def _rows_after(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object
             return _kept(flow, x, out, 1 if dims[0] % x.dim() == 0 else 0)
         return _same_rows(flow, x, out)
     return NotImplemented
+
+
+def _by_matrix(x: object, w: object) -> bool:
+    """Whether ``x @ w`` multiplies each row of x (rows along dimension 0) by a matrix."""
+    return isinstance(x, Tensor) and isinstance(w, Tensor) and x.dim() >= 2 and w.dim() == 2
 
 
 def _kept(flow: RowFlow, x: Tensor, out: object, dim) -> object:
