@@ -12,6 +12,7 @@ per-example loop on the same batch.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -46,13 +47,26 @@ def rel_err(actual: Tensor, expected: Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
 
 
-def _best(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def _best(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """The least time of each of ``fns`` over ``repeats`` rounds, which run them in turn,
+    starting each round with the next (drift in the machine's speed reaches each alike), with
+    Python's garbage collector off, as ``timeit`` times: a worker that has built hundreds of
+    models would otherwise pause in whichever pass a collection falls in."""
+    times: dict[str, list[float]] = {key: [] for key in fns}
+    order = list(fns)
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        for r in range(repeats):
+            for key in order[r % len(order) :] + order[: r % len(order)]:
+                start = time.perf_counter()
+                fns[key]()
+                times[key].append(time.perf_counter() - start)
+    finally:
+        if was:
+            gc.enable()
+    return {key: min(t) for key, t in times.items()}
 
 
 def _grad(losses: Tensor, params: list[Tensor]) -> None:
@@ -60,7 +74,7 @@ def _grad(losses: Tensor, params: list[Tensor]) -> None:
     torch.autograd.grad(losses.sum(), params, allow_unused=True)
 
 
-def measure(model: nn.Module, batches: list[Batch], loss: str, repeats: int = 2) -> dict:
+def measure(model: nn.Module, batches: list[Batch], loss: str, repeats: int = 5) -> dict:
     """Errors, fallback and timing of one case; an exception of gradscope's is a crash."""
     rec: dict = {"status": "ok", "params": sum(1 for _ in model.parameters())}
     try:
@@ -82,10 +96,13 @@ def measure(model: nn.Module, batches: list[Batch], loss: str, repeats: int = 2)
             stage = "timing"
             x, y = batches[-1]
             names = [p.name for p in engine.plan.included]
-            rec["t_gradscope"] = _best(lambda: engine.norms(x, y), repeats)
-            rec["t_loop"] = _best(lambda: naive_grads(model, x, y, fn, names), repeats)
             params = [p.param for p in engine.plan.included]
-            rec["t_floor"] = _best(lambda: _grad(fn(engine.forward(model, x), y), params), repeats)
+            steps = {
+                "t_gradscope": lambda: engine.norms(x, y),
+                "t_loop": lambda: naive_grads(model, x, y, fn, names),
+                "t_floor": lambda: _grad(fn(engine.forward(model, x), y), params),
+            }
+            rec.update(_best(steps, repeats))
         fallback = [p for p in engine.plan.params if p.is_fallback]
         rec["fallback"] = [{"name": p.name, "rule": p.rule, "note": p.note} for p in fallback]
         rec["rules"] = sorted({p.rule for p in engine.plan.params})
