@@ -169,7 +169,14 @@ class Engine:
         if program.lit:
             buffers = frozenset(id(b) for m in self._modules for b in m._buffers.values())
         session = ReplaySession(
-            hooked, regions, program, batch, copy, plan=self.plan, buffers=buffers
+            hooked,
+            regions,
+            program,
+            batch,
+            copy,
+            plan=self.plan,
+            buffers=buffers,
+            branched=functools.partial(setattr, self.record, "branches", True),
         )
         session.make_region = lambda call, tensors: self._region(call, tensors, findings, session)
         try:

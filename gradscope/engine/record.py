@@ -74,6 +74,9 @@ class Record:
     # module classes whose light regions did not hold on a later batch (their rows lost where
     # values picked them, other values read on the host): traced on every batch from then on
     traced: set[type] = field(default_factory=set)
+    # values read on the host outside the regions differed from the analysed batch's: such
+    # reads are escapes from then on, the calls around them traced (``regions.Finder``)
+    branches: bool = False
     signatures: dict[tuple, Findings] = field(default_factory=dict)
 
     def at(self, inputs: tuple[Tensor, ...], targets: Tensor) -> Findings:

@@ -235,17 +235,18 @@ class MaskedBlock(nn.Module):
 
 
 class Lengths(nn.Module):
-    """``MaskedBlock`` checking its lengths (``lengths.max().item()``, as XLM does): scalars of
-    the batch's values read on the host, the same on every batch here (some example padded, the
-    longest not), which a light region's witness compares."""
+    """``MaskedBlock`` with learned positions (a read a recipe serves: a light region) checking
+    its lengths (``lengths.max().item()``, as XLM does): scalars of the batch's values read on
+    the host, the same on every batch here (some example padded, the longest not), which the
+    light region's witness compares."""
 
     def __init__(self):
         super().__init__()
-        self.qkv = nn.Linear(D, 3 * D)
+        self.qkv, self.pos = nn.Linear(D, 3 * D), nn.Parameter(torch.randn(4, D) / 3)
 
     def forward(self, h: Tensor, mask: Tensor) -> Tensor:
         assert mask.sum(1).max().item() <= mask.shape[1]
-        q, k, v = self.qkv(h).chunk(3, -1)
+        q, k, v = self.qkv(h + self.pos).chunk(3, -1)
         scores = q @ k.transpose(1, 2) / D**0.5
         if not bool(mask.all()):
             scores = scores.masked_fill(mask[:, None, :] == 0, float("-inf"))
@@ -567,9 +568,9 @@ def test_every_batch_of_one_signature_is_exact_through_fresh_api_calls(case: str
         ("raw", 0),
         ("outside", 0),
         ("flip", 0),
-        ("value", 0),
+        ("value", 1),  # batch 3 takes batch 1's branch: the values read on the host agree
         ("routed", 0),
-        ("padded", 0),
+        ("padded", 1),
         ("top", 2),
         ("top-other", 0),
         ("top-tied", 2),
@@ -617,8 +618,15 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
             engine.norms(inputs, targets)
     findings = engine.record.at(*batches[0])
     assert (findings.replays, findings.analyses) == (replays, 3 - replays)
-    if case in ("value", "routed", "padded"):  # the batch's values read back or pick rows
-        assert not findings.programs  # in the model's own forward: no region can hold it
+    if case == "routed":  # the batch's values pick rows in the model's own forward
+        assert not findings.programs  # no region can hold it
+    if case in ("value", "padded"):  # values read on the host: witnessed
+        assert findings.programs[0].hosts  # outside every region, at the model's level
+    if case == "lengths-block":  # ... inside a light region: by it
+        (call,) = [s for s in findings.programs[-1].steps if hasattr(s, "hosts")]
+        assert len(call.hosts) == 2 and not findings.programs[-1].hosts
+    if case in ("value", "padded"):  # where they differed, a program no more
+        assert "outside any module call" in findings.why and engine.record.branches
     elif replays == 0:
         assert findings.why is not None  # a program, whose witness failed
     if case.startswith("top") or case == "dual":  # the top-level reads, by recipe
@@ -637,12 +645,12 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
     lights += ("experts-block", "position-block", "call-block", "tied-block")  # with steps
     lights += ("computed-block", "computed-odd", "computed-mask", "computed-arange")
     lights += ("conv-block", "computed-passed", "copy-block", "view-block", "left-block")
-    lights += ("window-block", "positions-block", "lengths-block", "relative-block")
+    lights += ("window-block", "positions-block", "relative-block", "lengths-block")
     assert light == [case in lights] * len(light)
     if case in ("read-block", "op-block", "call-block", "computed-odd"):  # its witness failed
         assert "read" in findings.why or "operations" in findings.why, findings.why
-    if case == "masked-block":  # a value read on the host differed: its class traced for good
-        assert "on the host" in findings.why and MaskedBlock in engine.record.traced
+    if case == "masked-block":  # a value read on the host differed: its block traced from then
+        assert engine.record.branches and findings.programs[-1].regions == {id(region)}
 
 
 @pytest.mark.parametrize("case", ["dense", "value", "routed", "padded", "top", "dual", *BLOCKS])

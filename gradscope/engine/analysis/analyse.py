@@ -85,7 +85,7 @@ class Analysis:
         # out_proj) is served where a function reads it, as a raw one is
         tap = ParamTap(watched, batch, trace, ruled, expand, assume) if watched else None
         derived = tap.derived if tap else ByTensor()
-        finder = Finder(self.model, session.events, trace, derived, self.record.traced)
+        finder = Finder(self.model, session.events, trace, derived, self.record)
         session.log, trace.finder, trace.owners.on_set = finder.log, finder, finder.born
         if tap is not None:
             tap.finder, tap.derived.on_set = finder, finder.born

@@ -71,7 +71,8 @@ def program_of(
     steps = tuple(_step(i) if isinstance(i, _Open) else i for i in items)
     tail = captured.at_end - last
     uses_ = tuple(uses.items())
-    return Program(steps, requests, checked, uses_, tail, moves, regions.modules, regions.root)
+    program = Program(steps, requests, checked, uses_, tail, moves, regions.modules, regions.root)
+    return dataclasses.replace(program, hosts=regions.root_hosts)
 
 
 def _step(item: _Open) -> Step:

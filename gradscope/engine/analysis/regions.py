@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -30,6 +31,9 @@ from ..derived import Constants
 from ..passes.recipes import Recipe
 from .owners import NONE, lane_of
 from .trace import ByTensor, RowTrace
+
+if TYPE_CHECKING:
+    from ..record import Record
 
 # an owner spec: None for no example's, (dim, m) for the batch along one dimension
 Spec = tuple[int, int] | None
@@ -75,6 +79,7 @@ class Regions:
     # of the light ones not routed, by id of the visit: every read of one scalar from tensors'
     # values on the host, (op, what it read), in order; a replayed call must read the same
     hosts: dict[int, tuple[tuple[str, object], ...]] = field(default_factory=dict)
+    root_hosts: tuple[tuple[str, object], ...] = ()  # those outside every region call
 
     @property
     def fixed(self) -> bool:
@@ -89,9 +94,10 @@ class Finder:
     its tensors' owners were at both ends, what inside it needs analysis, and what it read
     from before it began. The trace and the tap report to it (``born``, ``read``, ``need``)."""
 
-    def __init__(self, model: nn.Module, events: list, trace, derived, traced=frozenset()):
+    def __init__(self, model: nn.Module, events: list, trace, derived, record: Record):
         self.model, self.events, self.trace, self.derived = model, events, trace, derived
-        self.traced = traced  # module classes whose light regions did not hold (``Record``)
+        self.traced = record.traced  # module classes whose light regions did not hold
+        self.witness = not record.branches  # whether values read on the host may be witnessed
         self.visits: list[Visit] = []
         self.stack: list[Visit] = []
         # (why, the visits under way, the recipe of a read that has one, autograd's counter)
@@ -152,9 +158,10 @@ class Finder:
         the batch's values. A light region holding it reads the same on every replayed batch,
         or the batch is analysed (Python may have branched otherwise)."""
         self.hosts.append((name, value, tuple(self.stack)))
-        if escaped:
+        if escaped:  # where such values differed before: traced again, as any escape
             why = f"the batch's values read on the host ({name})"
-            self.needs.append((why, tuple(self.stack), WITNESSED, counter()))
+            need = WITNESSED if self.witness else ESCAPED
+            self.needs.append((why, tuple(self.stack), need, counter()))
 
     # -- the hooks ---------------------------------------------------------------------------
 
@@ -203,6 +210,8 @@ class Finder:
         chosen: set[int] = set()
         root: list[Recipe] = []
         for why, stack, recipe, at in self.needs:
+            if recipe is WITNESSED:  # compared on every batch: by its region, or the root
+                continue
             for v in reversed(stack):
                 if v.parent is not None and self._holds(v.module):
                     chosen.add(id(v.module))
@@ -225,7 +234,10 @@ class Finder:
             for v in outer
             if (i := id(v)) in light and i not in routed
         }
-        return Regions(frozenset(chosen), outer, light, routed, opened, tuple(root), hosts)
+        inside = {id(v) for v in outer}
+        top = tuple((n, x) for n, x, stack in self.hosts if not any(id(v) in inside for v in stack))
+        regions = Regions(frozenset(chosen), outer, light, routed, opened, tuple(root), hosts)
+        return dataclasses.replace(regions, root_hosts=top)
 
     def _light(self, v: Visit) -> tuple[Recipe, ...] | None:
         """The recipes of a region call whose every need is a read with one, or a scalar of

@@ -66,6 +66,7 @@ class ReplaySession(Capture):
         region: Callable[[RegionCall, list[Tensor]], Any] | None = None,
         plan: Plan | None = None,
         buffers: frozenset[int] = frozenset(),
+        branched: Callable[[], None] = lambda: None,
     ):
         super().__init__(modules)
         self.hooked = {id(m) for m in self.modules}
@@ -79,6 +80,7 @@ class ReplaySession(Capture):
         self.diverged: str | None = None
         self.plan, self.root = plan, None  # the reads outside every region (``RootReads``)
         self.buffers = buffers  # ids of the model's buffers (``LightRegion``)
+        self.branched = branched  # told when values read on the host outside regions differ
         self._last = 0
 
     def __enter__(self) -> ReplaySession:
@@ -87,9 +89,15 @@ class ReplaySession(Capture):
             pre = module.register_forward_pre_hook(self._region_enter, with_kwargs=True)
             self._handles += [pre, module.register_forward_hook(self._region_exit)]
         self._last = counter()
-        if self.program.root:
+        if self.program.root or self.program.hosts:
             self.root = RootReads(
-                self.plan, self.program.root, self.batch, self._ruled, self.buffers
+                self.plan,
+                self.program,
+                self.batch,
+                self._ruled,
+                self.buffers,
+                self._outside,
+                self.branched,
             )
         return self
 
@@ -100,6 +108,10 @@ class ReplaySession(Capture):
             self.region = None
         if self.root is not None:
             self.root.close()
+
+    def _outside(self) -> bool:
+        """Whether no region call is under way (its reads on the host are its own)."""
+        return self.region is None
 
     def _ruled(self, p: ParamPlan) -> bool:
         """Whether ``p`` is read inside a call of the module whose rule serves it."""

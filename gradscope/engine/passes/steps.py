@@ -60,6 +60,7 @@ class Program:
     moves: int  # the record's moves to the fallback when made: a later one retires it
     regions: frozenset[int]  # ids of the region modules
     root: tuple[Recipe, ...] = ()  # reads outside every region call, by recipe (``light.py``)
+    hosts: tuple[tuple[str, object], ...] = ()  # scalars read on the host outside them
 
     @functools.cached_property
     def lit(self) -> bool:
