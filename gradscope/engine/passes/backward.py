@@ -15,24 +15,32 @@ from ..capture import Call, Capture, Use
 
 
 def below_targets(roots: Iterable[Node], targets: set[Node]) -> dict[Node, bool]:
-    """For every node at or under ``roots``: whether a node of ``targets`` lies strictly below it.
+    """For each of ``roots``: whether a node of ``targets`` lies strictly below it.
 
     Autograd runs a step of the backward only when it leads to a requested tensor, so a hooked
     output with nothing requested below it must be requested itself for its hook to fire.
-    Iterative (graphs of deep models outgrow Python's recursion limit); each node is read once.
-    """
+    Each root's search stops at the first target it meets (most meet the layer below at once),
+    and what a finished search found empty is not searched again: a replay whose reads differ
+    batch to batch asks this on every batch. Iterative (graphs of deep models outgrow Python's
+    recursion limit)."""
+    empty: set[Node] = set()  # nodes with no target at or below them
     below: dict[Node, bool] = {}
-    children: dict[Node, list[Node]] = {}  # each node's read once: a new tuple on every read
-    stack: list[tuple[Node, bool]] = [(root, False) for root in roots]
-    while stack:
-        node, children_done = stack.pop()
-        if children_done:
-            below[node] = any(child in targets or below[child] for child in children[node])
-        elif node not in below:
-            below[node] = False  # visited; the graph has no cycles, so no child waits on it
-            kids = children[node] = [child for child, _ in node.next_functions if child is not None]
-            stack.append((node, True))
-            stack.extend((child, False) for child in kids if child not in below)
+    for root in roots:
+        seen: set[Node] = set()
+        stack = [child for child, _ in root.next_functions if child is not None]
+        found = False
+        while stack:
+            node = stack.pop()
+            if node in targets:
+                found = True
+                break
+            if node in empty or node in seen:
+                continue
+            seen.add(node)
+            stack.extend(child for child, _ in node.next_functions if child is not None)
+        if not found:
+            empty |= seen
+        below[root] = found
     return below
 
 
