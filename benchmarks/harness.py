@@ -47,11 +47,14 @@ def rel_err(actual: Tensor, expected: Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
 
 
-def _best(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """The least time of each of ``fns`` over ``repeats`` rounds, which run them in turn,
-    starting each round with the next (drift in the machine's speed reaches each alike), with
-    Python's garbage collector off, as ``timeit`` times: a worker that has built hundreds of
-    models would otherwise pause in whichever pass a collection falls in."""
+def _best(
+    fns: dict[str, Callable[[], object]], repeats: int, budget_s: float = 2.0
+) -> dict[str, float]:
+    """The least time of each of ``fns`` over ``repeats`` rounds (two at least, no more once
+    ``budget_s`` is spent: slow models vary little), which run them in turn, starting each round
+    with the next (drift in the machine's speed reaches each alike), with Python's garbage
+    collector off, as ``timeit`` times: a worker that has built hundreds of models would
+    otherwise pause in whichever pass a collection falls in."""
     times: dict[str, list[float]] = {key: [] for key in fns}
     order = list(fns)
     gc.collect()
@@ -59,6 +62,8 @@ def _best(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float
     gc.disable()
     try:
         for r in range(repeats):
+            if r >= 2 and sum(map(sum, times.values())) > budget_s:
+                break
             for key in order[r % len(order) :] + order[: r % len(order)]:
                 start = time.perf_counter()
                 fns[key]()
