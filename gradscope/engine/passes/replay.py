@@ -159,7 +159,15 @@ class ReplaySession(Capture):
             raise Diverged(self.diverged)
         if self.region is not None and self.region.own:
             return self.region.analysis.enter(module, args)
+        self._spent()
         return self._step(module, args)
+
+    def _spent(self) -> None:
+        """Leave the root's mode once it has seen all it must (``RootReads.spent``)."""
+        depth = torch._C._len_torch_function_stack()
+        top = torch._C._get_function_stack_at(depth - 1) if depth else None
+        if self.root is not None and top is self.root and self.root.spent():
+            self.root.close()
 
     def _captured(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         """A hooked module's call ends."""
@@ -176,6 +184,7 @@ class ReplaySession(Capture):
         if self.region is not None:
             self.region.depth += module is self.region.module
             return
+        self._spent()
         call = self.steps[self.next] if self.next < len(self.steps) else None
         if not isinstance(call, RegionCall) or call.module != id(module):
             self.diverge(f"another region than the analysed batch's: {type(module).__name__}")

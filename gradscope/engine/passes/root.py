@@ -42,6 +42,14 @@ class RootReads(LightRegion):
             return func(*args, **kwargs)
         return super()._host(func, args, kwargs)
 
+    def spent(self) -> bool:
+        """Whether the batch has made every analysed read and host read, each as analysed: the
+        forward runs on as the analysed one did from here (the same Python, on the same
+        shapes, having read the same values), so no op need be seen any more."""
+        return (
+            not self.why and self._next == len(self.recipes) and self._host_next == len(self.hosts)
+        )
+
     def finish_reads(self) -> str | None:
         """The forward's end: why the batch's reads are not the analysed ones, or None."""
         self.close()
