@@ -211,6 +211,11 @@ class LightRegion(RecipeReads, TorchFunctionMode):
 
     # -- as the replay and the backward ask a region ----------------------------------------
 
+    @property
+    def running(self) -> bool:
+        """Whether its mode is still on."""
+        return self._open
+
     def close(self) -> None:
         if self._open:
             self._open = False

@@ -164,10 +164,12 @@ class ReplaySession(Capture):
 
     def _spent(self) -> None:
         """Leave the root's mode once it has seen all it must (``RootReads.spent``)."""
+        root = self.root
+        if root is None or not root.running or not root.spent():
+            return
         depth = torch._C._len_torch_function_stack()
-        top = torch._C._get_function_stack_at(depth - 1) if depth else None
-        if self.root is not None and top is self.root and self.root.spent():
-            self.root.close()
+        if depth and torch._C._get_function_stack_at(depth - 1) is root:
+            root.close()
 
     def _captured(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         """A hooked module's call ends."""
