@@ -29,7 +29,8 @@ class Routed(Contribution):
     """G_b = sum over b's rows s of s_s a_s^T at ``W[expert[s]]`` (``a_s s_s^T`` where the
     weight is (E, I, O), ``transposed``). ``a`` (S, I) inputs and ``s`` (S, O) output gradients
     of one or more calls, ``own`` (S,) each row's example of
-    ``batch``, ``expert`` (S,) each row's expert (E: none; its output gradient is then zero)."""
+    ``batch``, ``expert`` (S,) each row's expert (E: none; its output gradient is then zero).
+    Made as it is where each row's expert is known (``F.linear(x, W[e])``, ``x @ W[e]``)."""
 
     def __init__(
         self,
@@ -41,7 +42,7 @@ class Routed(Contribution):
         batch: int,
         transposed: bool,
     ):
-        self.a, self.s, self.own, self.expert = a, s, own, expert
+        self.a, self.s, self.own, self.expert = _acc(a), _acc(s), own, expert
         self.shape, self.batch, self.transposed = torch.Size(shape), batch, transposed
         self.key = own * self.shape[0] + expert.clamp(max=self.shape[0] - 1)
 
@@ -59,22 +60,7 @@ class Routed(Contribution):
         """One ``grouped_mm(a, W or W^T, offs)`` call's contribution from its output gradient."""
         expert = experts_of(offs, a.shape[0])
         s = torch.where((expert < shape[0])[:, None], _acc(s), 0)  # the kernel skips those rows
-        return cls(_acc(a), s, own, expert, shape, batch, transposed)
-
-    @classmethod
-    def by_rows(
-        cls,
-        a: Tensor,
-        s: Tensor,
-        own: Tensor,
-        expert: Tensor,
-        shape: torch.Size,
-        batch: int,
-        transposed: bool = False,
-    ) -> Routed:
-        """One call's contribution where each row's expert is known: ``F.linear(x, W[e])``,
-        or ``x @ W[e]`` (``transposed``)."""
-        return cls(_acc(a), _acc(s), own, expert, shape, batch, transposed)
+        return cls(a, s, own, expert, shape, batch, transposed)
 
     def norm_sq(self) -> Tensor:
         n = self.a.shape[0]

@@ -191,7 +191,7 @@ class RoutedRegion(LightRegion):
 
         def routed(a: Tensor, grad: Tensor, rows: Tensor) -> Routed:
             expert = torch.as_tensor(e, device=a.device).expand(a.shape[0])
-            return Routed.by_rows(a, grad, rows, expert, param.shape, self.batch, transposed)
+            return Routed(a, grad, rows, expert, param.shape, self.batch, transposed)
 
         return self._serve(p, x, weight, out, routed)
 
@@ -208,7 +208,7 @@ class RoutedRegion(LightRegion):
         def routed(a: Tensor, grad: Tensor, rows: Tensor) -> Routed:
             expert = torch.as_tensor(e, device=a.device).expand(a.shape[0])
             ones = a.new_ones(a.shape[0], 1)
-            return Routed.by_rows(ones, grad, rows, expert, param.shape, self.batch, True)
+            return Routed(ones, grad, rows, expert, param.shape, self.batch, True)
 
         spread = self._serve(p, x, bias, broadcast_view(bias, x.shape), routed)
         return func(*((x, spread) if i else (spread, x)))
