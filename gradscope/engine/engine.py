@@ -208,28 +208,16 @@ class Engine:
         """A region call's own pass: by its recipes (following its rows where values pick
         them), or under a trace and a tap again."""
         batch, copy = session.batch, self.record.copy
+        kind = next(type(m) for m in self._modules if id(m) == call.module)
+        traced = functools.partial(self.record.traced.add, kind)  # where its rows do not hold
         if call.routed:
-            kind = next(type(m) for m in self._modules if id(m) == call.module)
-            unfollowed = functools.partial(self.record.traced.add, kind)
             during = None if call.open else call.during  # None: reads matched by kind
-            return RoutedRegion(
-                self.plan, call.light, during, batch, tensors, call.entry, unfollowed
-            )
+            return RoutedRegion(self.plan, call.light, during, batch, tensors, call.entry, traced)
         if call.light is not None:
             made = [t for t, c in zip(tensors, call.constant, strict=False) if c]
             ruled, buffers = session._ruled, session.buffers
-            kind = next(type(m) for m in self._modules if id(m) == call.module)
-            branched = functools.partial(self.record.traced.add, kind)
             return LightRegion(
-                self.plan,
-                call.light,
-                call.during,
-                batch,
-                ruled,
-                buffers,
-                made,
-                call.hosts,
-                branched,
+                self.plan, call.light, call.during, batch, ruled, buffers, made, call.hosts, traced
             )
         return Seeded(self.plan, findings, copy, batch, tensors, call.entry, session.inside)
 

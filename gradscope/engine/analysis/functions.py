@@ -7,8 +7,6 @@ parameter."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
@@ -82,8 +80,8 @@ class FunctionReads:
             recipe = expert_recipe(name, reads, x) if not spread else None
             roles = recipe_roles(reads, {"weight": weight, "bias": bias})
             if recipe is None and roles and (rows is None or isinstance(rows, Lanes)):
-                recipe = Recipe(name, roles[0], tuple(x.shape), rows, computed=roles[1])
-                recipe = dataclasses.replace(recipe, expand=spread)
+                shape = tuple(x.shape)
+                recipe = Recipe(name, roles[0], shape, rows, computed=roles[1], expand=spread)
         self._read_output(tuple(p for _, d in reads for p in d.params), out, parts, args, recipe)
         return out
 
@@ -120,9 +118,12 @@ class FunctionReads:
         out = func(*args)
         if out.requires_grad:
             roles = recipe_roles([("weight", d)], {"weight": weight})
-            recipe = None if roles is None else Recipe(name, roles[0], tuple(x.shape), None)
-            if recipe is not None:  # the slots, laid out by shapes in a light region
-                recipe = dataclasses.replace(recipe, computed=roles[1], left=left, slot=slot)
+            recipe = None  # the slots, laid out by shapes in a light region
+            if roles is not None:
+                shape = tuple(x.shape)
+                recipe = Recipe(
+                    name, roles[0], shape, None, computed=roles[1], left=left, slot=slot
+                )
             self._read_output(d.params, out, parts, args, recipe)
         return out
 
@@ -171,8 +172,15 @@ class FunctionReads:
         roles = recipe_roles([("weight", d)], {"weight": weight})
         recipe = None  # each row's example, laid out by shapes in a light region
         if roles is not None:
-            recipe = Recipe("einsum", roles[0], tuple(x.shape), None, computed=roles[1])
-            recipe = dataclasses.replace(recipe, slot=rows, equation=per_row)
+            recipe = Recipe(
+                "einsum",
+                roles[0],
+                tuple(x.shape),
+                None,
+                computed=roles[1],
+                slot=rows,
+                equation=per_row,
+            )
         self._read_output(d.params, out, parts, args, recipe)
         return out
 

@@ -5,7 +5,6 @@ not, why."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from ..capture import Captured
@@ -56,10 +55,22 @@ def program_of(
         elif what == "enter" and inside is None and id(obj) in starts:
             light, during = regions.light.get(id(obj)), obj.at_exit - obj.at_entry
             routed, is_open = id(obj) in regions.routed, id(obj) in regions.open
-            call = RegionCall(id(obj.module), obj.entry, obj.exit, obj.steps, at - last, light)
-            call = dataclasses.replace(call, during=during, routed=routed, open=is_open)
             hosts = regions.hosts.get(id(obj), ())
-            items.append(dataclasses.replace(call, constant=obj.constant, hosts=hosts))
+            items.append(
+                RegionCall(
+                    id(obj.module),
+                    obj.entry,
+                    obj.exit,
+                    obj.steps,
+                    at - last,
+                    light,
+                    during,
+                    routed,
+                    is_open,
+                    obj.constant,
+                    hosts,
+                )
+            )
             inside, own = obj, light is None or routed
             for item in opened.values():
                 item.spans_region = True
@@ -71,8 +82,17 @@ def program_of(
     steps = tuple(_step(i) if isinstance(i, _Open) else i for i in items)
     tail = captured.at_end - last
     uses_ = tuple(uses.items())
-    program = Program(steps, requests, checked, uses_, tail, moves, regions.modules, regions.root)
-    return dataclasses.replace(program, hosts=regions.root_hosts)
+    return Program(
+        steps,
+        requests,
+        checked,
+        uses_,
+        tail,
+        moves,
+        regions.modules,
+        regions.root,
+        regions.root_hosts,
+    )
 
 
 def _step(item: _Open) -> Step:

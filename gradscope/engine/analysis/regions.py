@@ -236,8 +236,7 @@ class Finder:
         }
         inside = {id(v) for v in outer}
         top = tuple((n, x) for n, x, stack in self.hosts if not any(id(v) in inside for v in stack))
-        regions = Regions(frozenset(chosen), outer, light, routed, opened, tuple(root), hosts)
-        return dataclasses.replace(regions, root_hosts=top)
+        return Regions(frozenset(chosen), outer, light, routed, opened, tuple(root), hosts, top)
 
     def _light(self, v: Visit) -> tuple[Recipe, ...] | None:
         """The recipes of a region call whose every need is a read with one, or a scalar of
