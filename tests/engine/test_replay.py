@@ -474,6 +474,10 @@ BLOCKS = {
     "scale-block": ScaleBlock,
     # eager experts: which run, and so how many reads, the routing says (an open routed region)
     "experts-block": lambda: moe_models.Block(moe_models.LoopExperts(width=D)),
+    # ... as GPT-OSS and the privacy filter write them: x @ W[e] + b[e], in float32
+    "experts-oss-block": lambda: moe_models.Block(
+        moe_models.LoopExperts(width=D, transposed=True, biased=True, cast=True)
+    ),
     "copy-block": lambda: Reader("copy"),
     "tied-block": lambda: Reader("tied"),
     "view-block": lambda: Reader("view"),
@@ -535,6 +539,9 @@ def _build(model: str) -> nn.Module:
     return (built[model]() if model in built else Sometimes(model)).double()
 
 
+# where the model computes in float32 inside a float64 model, its own batched and per-example
+# roundings differ at float32's precision: the loop's answer is no closer than that
+TOLERANCE = {"experts-oss-block": 1e-6}
 CASES = ["dense", "module", "raw", "outside", "flip", "value", "routed", "padded", "top"]
 CASES += ["top-other", "top-tied", "dual", *BLOCKS]
 
@@ -557,7 +564,7 @@ def test_every_batch_of_one_signature_is_exact_through_fresh_api_calls(case: str
         norms = gradscope.per_example_norms(model, inputs, targets, loss="cross_entropy")
         before.assert_kept(model)
         _, expected = reference_norms(model, inputs, targets, "cross_entropy")
-        assert_rel_close(norms, expected, 1e-9)
+        assert_rel_close(norms, expected, TOLERANCE.get(case, 1e-9))
 
 
 @pytest.mark.parametrize(
@@ -590,6 +597,7 @@ def test_every_batch_of_one_signature_is_exact_through_fresh_api_calls(case: str
         ("cast-block", 2),
         ("scale-block", 2),
         ("experts-block", 2),
+        ("experts-oss-block", 2),
         ("copy-block", 2),
         ("tied-block", 2),
         ("view-block", 2),
@@ -632,7 +640,8 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
     if case.startswith("top") or case == "dual":  # the top-level reads, by recipe
         assert len(findings.programs[-1].root) == (1 if case in ("top-tied", "dual") else 2)
     if case in BLOCKS:  # the block is the region, analysed again on every batch
-        inner = {"attention-block": "attn", "experts-block": "experts", "computed-passed": "inner"}
+        inner = {"attention-block": "attn", "computed-passed": "inner"}
+        inner |= dict.fromkeys(("experts-block", "experts-oss-block"), "experts")
         inner["positions-block"] = "table"
         region = getattr(model.block, inner[case]) if case in inner else model.block
         inside = {id(model.block.conv)} if case == "conv-block" else set()  # a region in it
@@ -642,7 +651,8 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
     steps = findings.programs[-1].steps if findings.programs else ()
     light = [s.light is not None for s in steps if hasattr(s, "light")]
     lights = ("attention-block", "read-block", "op-block", "cast-block", "scale-block")
-    lights += ("experts-block", "position-block", "call-block", "tied-block")  # with steps
+    lights += ("experts-block", "experts-oss-block", "position-block", "call-block")
+    lights += ("tied-block",)  # with steps
     lights += ("computed-block", "computed-odd", "computed-mask", "computed-arange")
     lights += ("conv-block", "computed-passed", "copy-block", "view-block", "left-block")
     lights += ("window-block", "positions-block", "relative-block", "lengths-block")
@@ -690,7 +700,7 @@ def test_every_batch_of_one_cli_run_is_exact(tmp_path, case: str):
     for k, (inputs, targets) in enumerate(batches):
         _, expected = reference_norms(model, inputs, targets, "cross_entropy")
         got = torch.tensor(scores["grad_norm"].to_numpy()[k * BATCH : (k + 1) * BATCH])
-        assert_rel_close(got, expected, 1e-9)
+        assert_rel_close(got, expected, TOLERANCE.get(case, 1e-9))
 
 
 # light regions with a hooked call, or reads of tensors made from parameters, inside them
