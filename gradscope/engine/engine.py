@@ -31,7 +31,7 @@ from .passes.routed import RoutedRegion
 from .passes.serve import Served, serve, served_calls, uses
 from .passes.steps import Program, RegionCall
 from .plan import FALLBACK_LOOP, build_plan, prepared
-from .record import Findings, record_for
+from .record import Findings, Lessons, record_for
 
 # (selected output, targets) -> {column: (B,) tensor}: read from the scoring forward, no extra pass
 Observe = Callable[[Tensor, Tensor], dict[str, Tensor]]
@@ -157,11 +157,41 @@ class Engine:
     def _replayed(
         self, inputs: tuple[Tensor, ...], targets: Tensor, want: Want, findings: Findings
     ) -> tuple[Captured, Reducer] | None:
-        """The pass with the newest program of the signature, or None where there is none or
-        its witness fails (then the batch is analysed in full)."""
-        program = findings.programs[-1] if findings.programs and not self._pinned else None
-        if program is None or program.moves != len(self.record.moves):
+        """The pass with a program of the signature whose witness holds, the one that held last
+        tried first (a model whose structure alternates between a few ways has one for each);
+        None where none does (then the batch is analysed in full). What a failed witness taught
+        (values read on the host that differ, rows a region lost) is learned from the first
+        program tried, and only where no other holds the batch: a program of another way
+        fails for the batch's way, not for the model's."""
+        if self._pinned:
             return None
+        moves = len(self.record.moves)
+        findings.programs = [p for p in findings.programs if p.moves == moves]  # none stale
+        first: Lessons | None = None
+        for program in reversed(findings.programs):
+            lessons = Lessons()
+            passed = self._replay(program, inputs, targets, want, findings, lessons)
+            if passed is not None:
+                findings.replayed(program)
+                return passed
+            first = first or lessons
+            if len(self.record.moves) != moves:  # a rule failed: every program is stale
+                break
+        if first is not None:
+            findings.diverged(first.why)
+            first.teach(self.record)
+        return None
+
+    def _replay(
+        self,
+        program: Program,
+        inputs: tuple[Tensor, ...],
+        targets: Tensor,
+        want: Want,
+        findings: Findings,
+        lessons: Lessons,
+    ) -> tuple[Captured, Reducer] | None:
+        """The pass with ``program``, or None where its witness fails (``lessons`` says why)."""
         batch = len(targets)
         regions = [m for m in self._modules if id(m) in program.regions]
         hooked, copy = self.plan.hooked_modules, self.record.copy
@@ -176,15 +206,17 @@ class Engine:
             copy,
             plan=self.plan,
             buffers=buffers,
-            branched=functools.partial(setattr, self.record, "branches", True),
+            branched=functools.partial(setattr, lessons, "branched", True),
         )
-        session.make_region = lambda call, tensors: self._region(call, tensors, findings, session)
+        session.make_region = lambda call, tensors: self._region(
+            call, tensors, findings, lessons, session
+        )
         try:
             with torch.set_grad_enabled(bool(program.uses)), session:
                 losses, observed = self._losses(inputs, targets)
             session.finish()
         except Diverged as e:
-            findings.diverged(str(e))
+            lessons.why = str(e)
             return None
         captured = Captured(session, Taps(session.done), losses, observed)
         if program.varies:  # what the regions read and called differs batch to batch
@@ -199,17 +231,18 @@ class Engine:
         for p in self.plan.fallback:  # a rule that failed on this batch
             reducer.forget(p.name)
         if any(g is not None for g in grads):  # a gradient where no call reached: analyse
-            findings.diverged("a parameter reached the loss where no call or read did")
+            lessons.why = "a parameter reached the loss where no call or read did"
             return None
-        findings.replayed()
         return captured, reducer
 
-    def _region(self, call: RegionCall, tensors: list[Tensor], findings: Findings, session):
+    def _region(
+        self, call: RegionCall, tensors: list[Tensor], findings: Findings, lessons: Lessons, session
+    ):
         """A region call's own pass: by its recipes (following its rows where values pick
         them), or under a trace and a tap again."""
         batch, copy = session.batch, self.record.copy
         kind = next(type(m) for m in self._modules if id(m) == call.module)
-        traced = functools.partial(self.record.traced.add, kind)  # where its rows do not hold
+        traced = functools.partial(lessons.traced.add, kind)  # where its rows do not hold
         if call.routed:
             during = None if call.open else call.during  # None: reads matched by kind
             return RoutedRegion(self.plan, call.light, during, batch, tensors, call.entry, traced)

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .passes.steps import Program
 
 
-KEPT = 4  # programs kept per signature, and replays that may fail in a row
+KEPT = 4  # programs kept per signature, and batches that may find none holds in a row
 
 
 @dataclass
@@ -42,27 +42,43 @@ class Findings:
     deterministic: bool | None = None  # None: not compared with a second forward yet
     assume: bool = True  # False: a call taken to have one row per example had shared rows
     verified: bool = False  # the self-check has run
-    programs: list[Program] = field(default_factory=list)  # newest last
+    programs: list[Program] = field(default_factory=list)  # the last that held last
     replays: int = 0  # batches replayed
     analyses: int = 0  # batches analysed in full
-    divergences: int = 0  # replays whose witness failed, in a row
-    why: str | None = None  # why the last replay's witness failed
+    divergences: int = 0  # batches whose witness failed with every program, in a row
+    why: str | None = None  # why the last such batch's witness failed
 
     def learn(self, program: Program) -> None:
-        """Keep an analysed batch's program for the next batches of the signature (the newest
-        few: a model whose calls differ from batch to batch has a program for each way)."""
+        """Keep an analysed batch's program for the next batches of the signature (the few
+        used last: a model whose calls differ from batch to batch has a program for each way)."""
         if self.divergences < KEPT:
             self.programs = [*self.programs[-(KEPT - 1) :], program]
 
     def diverged(self, why: str) -> None:
-        """A replay's witness failed: the batch is analysed; after a few in a row the
+        """No program's witness held: the batch is analysed; after a few in a row the
         signature's batches are analysed from then on (its calls differ batch to batch)."""
         self.why, self.divergences = why, self.divergences + 1
         if self.divergences >= KEPT:
             self.programs.clear()
 
-    def replayed(self) -> None:
+    def replayed(self, program: Program) -> None:
+        """A batch replayed ``program``: the first the next batch tries."""
         self.replays, self.divergences = self.replays + 1, 0
+        self.programs = [*(p for p in self.programs if p is not program), program]
+
+
+@dataclass
+class Lessons:
+    """What a replay whose witness failed taught about the model: learned only where no other
+    program of the signature held the batch."""
+
+    why: str = ""
+    branched: bool = False  # values read on the host outside the regions differed
+    traced: set[type] = field(default_factory=set)  # region classes whose rows did not hold
+
+    def teach(self, record: Record) -> None:
+        record.branchings += self.branched
+        record.traced |= self.traced
 
 
 @dataclass
@@ -74,10 +90,17 @@ class Record:
     # module classes whose light regions did not hold on a later batch (their rows lost where
     # values picked them, other values read on the host): traced on every batch from then on
     traced: set[type] = field(default_factory=set)
-    # values read on the host outside the regions differed from the analysed batch's: such
-    # reads are escapes from then on, the calls around them traced (``regions.Finder``)
-    branches: bool = False
+    # batches whose values read on the host outside the regions matched no kept program's:
+    # after the second, such reads are escapes, the calls around them traced
+    # (``regions.Finder``); after the first, the batch's own way is witnessed and kept
+    branchings: int = 0
     signatures: dict[tuple, Findings] = field(default_factory=dict)
+
+    @property
+    def branches(self) -> bool:
+        """Whether the values a model reads on the host outside its regions take more ways
+        than two programs witness: an analysis treats them as escapes."""
+        return self.branchings > 1
 
     def at(self, inputs: tuple[Tensor, ...], targets: Tensor) -> Findings:
         """The findings for the signature of this batch."""
