@@ -89,6 +89,22 @@ class ThreeWays(ByValue):
         return self.fc2(h)
 
 
+class MaskFirst(nn.Module):
+    """A mask read on the host before anything else, skipped where nothing is padded; counts
+    its forwards past that read."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head, self.forwards = nn.Embedding(11, D), nn.Linear(D, CLASSES), 0
+
+    def forward(self, ids: Tensor, mask: Tensor) -> Tensor:
+        h = self.emb(ids)
+        if not bool(mask.all()):
+            h = h * mask[..., None]
+        self.forwards += 1
+        return self.head(h.mean(1))
+
+
 class Routed(nn.Module):
     """Each example's rows sent to one of two experts by the sign of a router: which rows an
     expert gets depends on the batch's values."""
@@ -698,6 +714,25 @@ def test_each_way_a_model_takes_replays_its_own_program():
             assert engine.record.branches == (seed >= 5)
     assert replayed == [0, 0, 1, 1, 1, 0, 1, 1]
     assert len(findings.programs) == 2 and "outside any module call" in findings.why
+
+
+def test_a_program_whose_host_read_differs_stops_there():
+    """Batches padded and not in turn: each tries the other way's program first (the one that
+    held last), whose witness fails at the mask's read, before the rest of the forward runs."""
+    torch.manual_seed(0)
+    model = MaskFirst().double()
+    engine = Engine(model, resolve_loss("cross_entropy"))
+    with engine:
+        for k in range(6):
+            g = torch.Generator().manual_seed(k)
+            mask = torch.ones(BATCH, 4, dtype=torch.long)
+            mask[0, 2:] = k % 2
+            ids, y = torch.randint(0, 11, (BATCH, 4), generator=g), torch.randint(0, 3, (BATCH,))
+            before = model.forwards
+            engine.norms((ids, mask), y)
+            findings = engine.record.at((ids, mask), y)
+            if k >= 2:  # replayed by the second program tried, the first stopped at the read
+                assert (model.forwards - before, findings.replays) == (1, k - 1)
 
 
 @pytest.mark.parametrize("case", ["dense", "value", "routed", "padded", "top", "dual", *BLOCKS])

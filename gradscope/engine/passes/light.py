@@ -33,7 +33,7 @@ from ..views import CASTS, SCALES, SHIFTS, VIEWS, places
 from .parts import CONVS
 from .reads import RecipeReads
 from .recipes import ARG, OPENED, SPREAD, Recipe, masked_by, metadata, name_of, sdpa_math
-from .steps import SCALAR_READS
+from .steps import SCALAR_READS, Diverged
 
 _SEQUENCES = (list, tuple)
 # the functions of SCALAR_READS as a function mode is handed them: methods, and torch.equal's kind
@@ -142,6 +142,7 @@ class LightRegion(RecipeReads, TorchFunctionMode):
         if k >= len(self.hosts) or self.hosts[k] != (name, out):
             self.why = self.why or f"other values read on the host ({name}) than analysed"
             self.branched()
+            raise Diverged(self.why)  # Python branches otherwise from here: stop at once
         return out
 
     def _aside(self, args: tuple, kwargs: dict) -> bool:

@@ -33,11 +33,7 @@ from torch.utils._pytree import tree_flatten
 from ..capture import Call, Capture, counter, first_output, shapes_of
 from ..plan import BROADCAST, ParamPlan, Plan
 from .root import RootReads, in_order
-from .steps import Program, RegionCall, Step
-
-
-class Diverged(Exception):
-    """The batch is not one the program describes: it is analysed in full."""
+from .steps import Diverged, Program, RegionCall, Step
 
 
 class Region:

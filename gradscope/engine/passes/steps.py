@@ -17,6 +17,10 @@ SCALAR_READS = frozenset({"__bool__", "item", "__int__", "__index__", "__float__
 SCALAR_READS |= {"equal", "allclose", "is_nonzero", "__contains__"}
 
 
+class Diverged(Exception):
+    """The batch is not one the program describes: it is analysed in full."""
+
+
 @dataclass(frozen=True)
 class Step:
     """One call of a hooked module outside the regions, as the analysed batch made it."""
