@@ -1,6 +1,7 @@
 """The methods bench.py times, each a setup (untimed) that returns the step that is timed.
 
-Tasks: ``floor`` (one plain forward+backward of the summed loss), ``norms`` (per-example gradient
+Tasks: ``floor`` (one plain forward+backward of the summed loss; ``floor:linear hooks``, the
+cheapest hooks a pass could add to it, for scale), ``norms`` (per-example gradient
 norms), ``reference`` (the gradient of the mean loss over the 8-example reference batch),
 ``influence`` (each example's gradient against that reference gradient, which every influence
 method computes once in its setup: its step is the scoring pass alone) and ``index`` (each
@@ -10,6 +11,7 @@ in the setup). Every method of a task is checked against that task's ``loop``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -81,8 +83,8 @@ class Method:
 
     @property
     def key(self) -> str:
-        """ "floor", "norms:loop", "influence:gradscope hooks", ..."""
-        return self.task if self.task == "floor" else f"{self.task}:{self.name}"
+        """ "floor", "floor:linear hooks", "norms:loop", "influence:gradscope hooks", ..."""
+        return "floor" if self.name == "floor" else f"{self.task}:{self.name}"
 
 
 def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -119,6 +121,51 @@ def floor(pb: Problem) -> Step:
     def step() -> None:
         clear_grads(params)  # so the floor's peak memory includes allocating the gradients
         loss(pb.model(*pb.inputs)).backward()
+
+    return step
+
+
+def linear_hooks(pb: Problem) -> Step:
+    """For scale, not a method: the floor plus the cheapest hooks a pass needs, the ghost norms
+    of the ``nn.Linear`` layers (and transformers' ``Conv1D``, GPT-2's) alone (a forward hook
+    keeps each input, a hook on its output takes the output gradient; ||s||^2 ||a||^2 on one
+    position, the Gram route on several), no other layer, no check. Its answer leaves every
+    other parameter out, so it is not checked against the loop: a replayed gradscope pass near
+    it costs little beyond its hooks."""
+    loss, params = _plain_summed_loss(pb), list(trainable(pb.model).values())
+    kinds: tuple[type, ...] = (nn.Linear,)
+    with contextlib.suppress(ImportError):
+        from transformers.pytorch_utils import Conv1D  # x @ W + b: the same norms
+
+        kinds += (Conv1D,)
+    linears = [m for m in pb.model.modules() if isinstance(m, kinds)]
+    norms: list[Tensor] = []
+
+    def captured(module: nn.Module, args: tuple, out: Tensor) -> None:
+        a = args[0].detach().flatten(1, -2) if args[0].dim() > 2 else args[0].detach()[:, None]
+        biased = module.bias is not None
+
+        def on_grad(grad: Tensor) -> None:
+            s = grad.flatten(1, -2) if grad.dim() > 2 else grad[:, None]  # (B, T, out)
+            if s.shape[1] == 1:
+                sq = s[:, 0].square().sum(1)
+                norms.append(sq * (a[:, 0].square().sum(1) + biased))
+            else:
+                weight = ((a @ a.mT) * (s @ s.mT)).sum((1, 2))
+                norms.append(weight + s.sum(1).square().sum(1) if biased else weight)
+
+        out.register_hook(on_grad)
+
+    def step() -> Tensor:
+        norms.clear()
+        handles = [m.register_forward_hook(captured) for m in linears]
+        try:
+            clear_grads(params)
+            loss(pb.model(*pb.inputs)).backward()
+        finally:
+            for h in handles:
+                h.remove()
+        return torch.stack(norms).sum(0).sqrt()
 
     return step
 
@@ -384,6 +431,7 @@ METHODS = {
     m.key: m
     for m in [
         Method("floor", "floor", floor),
+        Method("linear hooks", "floor", linear_hooks),
         Method("loop", "norms", loop_norms),
         Method("torch.func", "norms", func_norms),
         Method("opacus hooks", "norms", opacus_hooks),

@@ -110,3 +110,19 @@ def test_a_workload_whose_library_is_missing_is_reported_missing(monkeypatch):
     results = bench.run_workload("lib", KEYS, args=None)  # nothing is spawned
     assert [r.status for r in results] == ["missing"] * 3
     assert "no_lib is not installed" in results[0].note
+
+
+@pytest.mark.parametrize("positions", [None, 5])
+def test_the_linear_hooks_are_the_loop_where_every_layer_is_linear(positions: int | None):
+    """The scale reference hooks Linear layers alone: on a model of nothing else its norms are
+    the loop's, on one position per example and on several (the Gram route)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    shape = (positions,) if positions else ()
+
+    def make(n: int):
+        return torch.randn(n, *shape, 4), torch.randn(n, *shape, 3)
+
+    pb = workloads._problem(model, make, 6, "mse")
+    got = methods.METHODS["floor:linear hooks"].setup(pb)()
+    torch.testing.assert_close(got, methods.METHODS["norms:loop"].setup(pb)(), rtol=1e-5, atol=0)
