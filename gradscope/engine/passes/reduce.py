@@ -221,7 +221,9 @@ class Batched:
     def _answer(self, key: tuple) -> None:
         held = self._held.pop(key)
         parts = [c for _, c in held]
-        if key[0] is Outer:
+        if len(parts) == 1:  # nothing alike came: its own norm, nothing stacked
+            norms = [parts[0].norm_sq()]
+        elif key[0] is Outer:
             norms = gram_norms(parts)
         else:  # (n, B, P) -> (n, B)
             norms = _sq_norm(torch.stack([rows(c.grads) for c in parts]))
