@@ -4,7 +4,6 @@ the rules inside, then the fallback for what the rules cannot serve (``README.md
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -18,20 +17,18 @@ from .analysis import decide
 from .analysis.analyse import Analysis
 from .analysis.program import program_of, regions_of
 from .analysis.regions import Regions
-from .analysis.seeded import Seeded
 from .analysis.selfcheck import Singles
 from .capture import Captured
 from .passes.backward import requests
 from .passes.fallback import Fallback
 from .passes.forward import Forward
-from .passes.light import LightRegion
 from .passes.reduce import Reducer, Want
-from .passes.replay import Diverged, ReplaySession, Taps
-from .passes.routed import RoutedRegion
+from .passes.replay import Diverged
 from .passes.serve import Served, serve, served_calls, uses
-from .passes.steps import Program, RegionCall
+from .passes.steps import Program
 from .plan import FALLBACK_LOOP, build_plan, prepared
-from .record import Findings, Lessons, record_for
+from .record import Findings, record_for
+from .replayed import Replayed
 
 # (selected output, targets) -> {column: (B,) tensor}: read from the scoring forward, no extra pass
 Observe = Callable[[Tensor, Tensor], dict[str, Tensor]]
@@ -93,6 +90,7 @@ class Engine:
         self._prepared: list[contextlib.AbstractContextManager] = []
         self._modules = tuple(model.modules())
         self._pinned: Findings | None = None  # see pin_decisions
+        self.replayed = Replayed(self.plan, self.record, self._modules, self._losses)
 
     def __enter__(self) -> Engine:
         context = prepared(self.model, self.plan, self._modules)
@@ -127,7 +125,7 @@ class Engine:
         if targets.shape[0] == 0:
             return self._empty(targets)
         findings = self._pinned or self.record.at(inputs, targets)
-        passed = self._replayed(inputs, targets, want, findings)
+        passed = None if self._pinned else self.replayed(inputs, targets, want, findings)
         captured, reducer = passed or self._analysed(inputs, targets, want, findings)
         self._fallback(reducer, inputs, targets)
         self._fill_zeros(reducer, len(targets))
@@ -153,106 +151,6 @@ class Engine:
             p.param = params[p.name]
 
     # -- the two forwards ------------------------------------------------------------------
-
-    def _replayed(
-        self, inputs: tuple[Tensor, ...], targets: Tensor, want: Want, findings: Findings
-    ) -> tuple[Captured, Reducer] | None:
-        """The pass with a program of the signature whose witness holds, the one that held last
-        tried first (a model whose structure alternates between a few ways has one for each);
-        None where none does (then the batch is analysed in full). What a failed witness taught
-        (values read on the host that differ, rows a region lost) is learned from the first
-        program tried, and only where no other holds the batch: a program of another way
-        fails for the batch's way, not for the model's."""
-        if self._pinned:
-            return None
-        moves = len(self.record.moves)
-        findings.programs = [p for p in findings.programs if p.moves == moves]  # none stale
-        first: Lessons | None = None
-        for program in reversed(findings.programs):
-            lessons = Lessons()
-            passed = self._replay(program, inputs, targets, want, findings, lessons)
-            if passed is not None:
-                findings.replayed(program)
-                return passed
-            first = first or lessons
-            if len(self.record.moves) != moves:  # a rule failed: every program is stale
-                break
-        if first is not None:
-            findings.diverged(first.why)
-            first.teach(self.record)
-        return None
-
-    def _replay(
-        self,
-        program: Program,
-        inputs: tuple[Tensor, ...],
-        targets: Tensor,
-        want: Want,
-        findings: Findings,
-        lessons: Lessons,
-    ) -> tuple[Captured, Reducer] | None:
-        """The pass with ``program``, or None where its witness fails (``lessons`` says why)."""
-        batch = len(targets)
-        regions = [m for m in self._modules if id(m) in program.regions]
-        hooked, copy = self.plan.hooked_modules, self.record.copy
-        buffers = frozenset()  # ids of the model's buffers, where a light region may need them
-        if program.lit:
-            buffers = frozenset(id(b) for m in self._modules for b in m._buffers.values())
-        session = ReplaySession(
-            hooked,
-            regions,
-            program,
-            batch,
-            copy,
-            plan=self.plan,
-            buffers=buffers,
-            branched=functools.partial(setattr, lessons, "branched", True),
-        )
-        session.make_region = lambda call, tensors: self._region(
-            call, tensors, findings, lessons, session
-        )
-        try:
-            with torch.set_grad_enabled(bool(program.uses)), session:
-                losses, observed = self._losses(inputs, targets)
-            session.finish()
-        except Diverged as e:
-            lessons.why = str(e)
-            return None
-        captured = Captured(session, Taps(session.done), losses, observed)
-        if program.varies:  # what the regions read and called differs batch to batch
-            reads = captured.tap.reads()
-            count = uses(self.plan, served_calls(self.plan, captured), reads)
-            checked = [p for p in self.plan.by_rule + self.plan.raw if not count[p.name]]
-        else:  # the analysed calls, and the light regions' reads in the analysed order
-            reads, count = captured.tap.reads(), dict(program.uses)
-            checked = [self.plan.find(name) for name in program.checked]
-        done = Served(count, checked, program.requests)
-        reducer, grads = serve(self.plan, captured, want, done, reads)
-        for p in self.plan.fallback:  # a rule that failed on this batch
-            reducer.forget(p.name)
-        if any(g is not None for g in grads):  # a gradient where no call reached: analyse
-            lessons.why = "a parameter reached the loss where no call or read did"
-            return None
-        return captured, reducer
-
-    def _region(
-        self, call: RegionCall, tensors: list[Tensor], findings: Findings, lessons: Lessons, session
-    ):
-        """A region call's own pass: by its recipes (following its rows where values pick
-        them), or under a trace and a tap again."""
-        batch, copy = session.batch, self.record.copy
-        kind = next(type(m) for m in self._modules if id(m) == call.module)
-        traced = functools.partial(lessons.traced.add, kind)  # where its rows do not hold
-        if call.routed:
-            during = None if call.open else call.during  # None: reads matched by kind
-            return RoutedRegion(self.plan, call.light, during, batch, tensors, call.entry, traced)
-        if call.light is not None:
-            made = [t for t, c in zip(tensors, call.constant, strict=False) if c]
-            ruled, buffers = session._ruled, session.buffers
-            return LightRegion(
-                self.plan, call.light, call.during, batch, ruled, buffers, made, call.hosts, traced
-            )
-        return Seeded(self.plan, findings, copy, batch, tensors, call.entry, session.inside)
 
     def _analysed(
         self, inputs: tuple[Tensor, ...], targets: Tensor, want: Want, findings: Findings
