@@ -522,8 +522,19 @@ BLOCKS = {
 }
 
 
+# the mean input of each batch of "three-ways", so its ways are 0 1 0 1 1 2 1 0
+THREE_WAYS = [-1.0, 0.5, -1.0, 0.5, 0.5, 2.0, 0.5, -1.0]
+
+
 def _batches(model: str, n: int = 3) -> list[tuple[tuple[Tensor, ...], Tensor]]:
-    """n batches of one signature with other values."""
+    """n batches of one signature with other values ("three-ways": one per THREE_WAYS)."""
+    if model == "three-ways":
+        out = []
+        for seed, mean in enumerate(THREE_WAYS):
+            g = torch.Generator().manual_seed(seed)
+            x = mean + 0.05 * torch.randn(BATCH, D, generator=g, dtype=torch.float64)
+            out.append(((x,), torch.randint(0, CLASSES, (BATCH,), generator=g)))
+        return out
     out = []
     for seed in range(n):
         g = torch.Generator().manual_seed(seed)
@@ -561,7 +572,7 @@ def _build(model: str) -> nn.Module:
     torch.manual_seed(0)
     built = {"dense": Dense, "routed": Routed, "padded": Padded, "value": ByValue}
     built |= {"top": TopLevel, "top-other": lambda: TopLevel(other=True), "top-tied": TiedTop}
-    built |= {"dual": DualTowers}
+    built |= {"dual": DualTowers, "three-ways": ThreeWays}
     if model in BLOCKS:
         return InBlock(BLOCKS[model]()).double()
     return (built[model]() if model in built else Sometimes(model)).double()
@@ -571,7 +582,7 @@ def _build(model: str) -> nn.Module:
 # roundings differ at float32's precision: the loop's answer is no closer than that
 TOLERANCE = {"experts-oss-block": 1e-6}
 CASES = ["dense", "module", "raw", "outside", "flip", "value", "routed", "padded", "top"]
-CASES += ["top-other", "top-tied", "dual", *BLOCKS]
+CASES += ["top-other", "top-tied", "dual", "three-ways", *BLOCKS]
 
 
 def _set_state(model: nn.Module, k: int) -> None:
@@ -696,21 +707,16 @@ def test_each_way_a_model_takes_replays_its_own_program():
     their own way, the one that held last tried first; a third way makes such reads escapes
     from then on (the batch analysed in full: at the model's level no program holds them),
     and the programs kept replay their ways still. Every batch exact against the loop."""
-    torch.manual_seed(0)
-    model = ThreeWays().double()
+    model = _build("three-ways")
     engine = Engine(model, resolve_loss("cross_entropy"))
-    means = [-1.0, 0.5, -1.0, 0.5, 0.5, 2.0, 0.5, -1.0]  # ways 0 1 0 1 1 2 1 0
     replayed = []
     with engine:
-        for seed, mean in enumerate(means):
-            g = torch.Generator().manual_seed(seed)
-            x = mean + 0.05 * torch.randn(BATCH, D, generator=g, dtype=torch.float64)
-            y = torch.randint(0, CLASSES, (BATCH,), generator=g)
-            findings = engine.record.at((x,), y)
+        for seed, (x, y) in enumerate(_batches("three-ways")):
+            findings = engine.record.at(x, y)
             before = findings.replays
-            norms = total(engine.norms((x,), y).norm_sq).sqrt()
+            norms = total(engine.norms(x, y).norm_sq).sqrt()
             replayed.append(findings.replays - before)
-            assert_rel_close(norms, reference_norms(model, (x,), y, "cross_entropy")[1], 1e-9)
+            assert_rel_close(norms, reference_norms(model, x, y, "cross_entropy")[1], 1e-9)
             assert engine.record.branches == (seed >= 5)
     assert replayed == [0, 0, 1, 1, 1, 0, 1, 1]
     assert len(findings.programs) == 2 and "outside any module call" in findings.why
@@ -735,7 +741,9 @@ def test_a_program_whose_host_read_differs_stops_there():
                 assert (model.forwards - before, findings.replays) == (1, k - 1)
 
 
-@pytest.mark.parametrize("case", ["dense", "value", "routed", "padded", "top", "dual", *BLOCKS])
+@pytest.mark.parametrize(
+    "case", ["dense", "value", "routed", "padded", "top", "dual", "three-ways", *BLOCKS]
+)
 def test_every_batch_of_one_cli_run_is_exact(tmp_path, case: str):
     """Three batches of one signature in one run: replayed, or analysed where values decide."""
     import yaml
