@@ -19,7 +19,7 @@ from torch import Tensor
 from ...rules import find_rule
 from ..plan import BROADCAST, ParamPlan, Plan
 from ..rows import Gather, rows_of
-from .owners import NONE, is_batch, reduce
+from .owners import NONE, is_batch, lane_of, reduce
 from .selfcheck import Singles, agrees
 
 if TYPE_CHECKING:
@@ -74,6 +74,8 @@ def layout_of(call: Call, trace: RowTrace) -> str | None:
             return None
         if is_batch(rows.reshape(rows.shape[0], -1), batch):
             return None
+        if rows.dim() <= 2 and x.shape[0] == batch and lane_of(rows, batch) == (0, 1):
+            return None  # x[i] example i's, by values: read as it is, as ``one_row_each`` reads
         if bool((rows >= 0).all()):
             call.rows = rows_of(rows, batch)
             return None

@@ -16,6 +16,8 @@ giving the example of each row along dimension 0 (``NO_ONE`` for a row of no exa
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -43,7 +45,7 @@ class RowFlow:
         dim, m = spec
         if dim != 0 or t.dim() == 0:
             return None
-        return torch.arange(t.shape[0], device=t.device) // m % self.batch
+        return _lane(t.shape[0], m, self.batch, t.device)
 
     def keep(self, t: object, rows: Tensor | None | bool) -> None:
         """``t``'s rows (None: unfollowed; False: no example's, as a tensor never seen)."""
@@ -109,3 +111,10 @@ class RowFlow:
                 self.keep(t, r)
             return
         self.keep(target, rows)
+
+
+@functools.lru_cache(maxsize=256)
+def _lane(n: int, m: int, batch: int, device: torch.device) -> Tensor:
+    """(r // m) % B for each of n rows: made once, as every replayed batch of a signature asks
+    the same (rows tensors are never written in place: each op on them makes new ones)."""
+    return torch.arange(n, device=device) // m % batch
