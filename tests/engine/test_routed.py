@@ -68,6 +68,31 @@ def test_routed_experts_replay_exact(transposed: bool):
     assert not program.varies and not engine.plan.fallback
 
 
+def test_calls_after_the_experts_read_their_rows_as_they_are():
+    """The experts' output, put back and reshaped to (B, T, H), and the residual added to it:
+    each row is its example's by values, not by the trace's own tensor; the norm and the head
+    after it read (B, T, H) as it is, with no layout to apply on every batch, exact."""
+
+    class After(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block, self.norm = Block(Experts()), nn.LayerNorm(H)
+            self.head = nn.Linear(H, CLASSES)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.head(self.norm(self.block(x))).mean(1)
+
+    torch.manual_seed(0)
+    model = After().eval()
+    refs = _refs(model)
+    with Engine(model, LOSS) as engine:
+        for seed in range(3):
+            _check(model, engine, seed, refs)
+        (program,) = engine.record.at(*_batch(0)).programs
+    after = [s for s in program.steps if s.module in (id(model.norm), id(model.head))]
+    assert len(after) == 2 and all(s.rows is None for s in after)
+
+
 @pytest.mark.parametrize(
     ("transposed", "biased"),
     [(False, False), (True, False), (True, True)],
