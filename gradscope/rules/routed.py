@@ -12,6 +12,8 @@ the Gram route over rows, masked to pairs of one key (example, expert), in chunk
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -61,6 +63,12 @@ class Routed(Contribution):
         expert = experts_of(offs, a.shape[0])
         s = torch.where((expert < shape[0])[:, None], _acc(s), 0)  # the kernel skips those rows
         return cls(a, s, own, expert, shape, batch, transposed)
+
+    @property
+    def one_gram(self) -> bool:
+        """Whether its norm takes one Gram of its rows, no chunks: ``routed_norms`` answers
+        several such together."""
+        return self.a.shape[0] ** 2 <= CHUNK_ELEMENTS
 
     def norm_sq(self) -> Tensor:
         n = self.a.shape[0]
@@ -114,3 +122,16 @@ class Routed(Contribution):
                 *same,
             )
         return Dense(self.materialize() + other.materialize())
+
+
+def routed_norms(parts: Sequence[Routed]) -> Tensor:
+    """(n, B) ``norm_sq`` of n ``one_gram`` Routed of one shape (rows, widths, experts, batch),
+    in one batched product: the routed reads of a backward's layers answered together, as
+    ``outer.gram_norms`` answers Outers."""
+    a = torch.stack([p.a for p in parts])  # (n, S, I)
+    s = torch.stack([p.s for p in parts])  # (n, S, O)
+    key = torch.stack([p.key for p in parts])  # (n, S)
+    same = key[:, :, None] == key[:, None, :]
+    pairs = ((s @ s.mT) * (a @ a.mT) * same).sum(2)  # (n, S): row s's terms with its own key
+    own = torch.stack([p.own for p in parts])
+    return s.new_zeros(len(parts), parts[0].batch).scatter_add_(1, own, pairs)

@@ -68,6 +68,34 @@ def test_routed_experts_replay_exact(transposed: bool):
     assert not program.varies and not engine.plan.fallback
 
 
+def test_layers_of_experts_answered_together_are_exact():
+    """Two blocks of experts of one shape: their reads' norms are answered by one batched
+    product at the backward's end (``Batched``), each exact, with references too."""
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = Block(Experts()), Block(Experts())
+            self.head = nn.Linear(H, CLASSES)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.head(self.second(self.first(x)).mean(1))
+
+    torch.manual_seed(0)
+    model = Two().eval()
+    refs = _refs(model)
+    with Engine(model, LOSS) as engine:
+        for seed in range(3):
+            _check(model, engine, seed, refs)
+            (x,), y = _batch(seed)
+            norms = engine.norms((x,), y).norm_sq  # norms alone: the batched route
+            names = [p.name for p in engine.plan.included]
+            _, grads = naive_grads(model, (x,), y, LOSS, names, Forward())
+            for name in ("first.experts.gate_up", "second.experts.down"):
+                expected = grads[name].flatten(1).double().pow(2).sum(1)
+                assert_rel_close(norms[name].double(), expected, 1e-5)
+
+
 def test_calls_after_the_experts_read_their_rows_as_they_are():
     """The experts' output, put back and reshaped to (B, T, H), and the residual added to it:
     each row is its example's by values, not by the trace's own tensor; the norm and the head

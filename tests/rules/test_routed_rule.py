@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradscope.rules.routed import Routed
+from gradscope.rules.routed import Routed, routed_norms
 
 B, E, IN, OUT, S = 3, 4, 5, 6, 20
 
 
-def _case(transposed: bool):
-    g = torch.Generator().manual_seed(0)
+def _case(transposed: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
     a = torch.randn(S, IN, generator=g, dtype=torch.float64)
     s = torch.randn(S, OUT, generator=g, dtype=torch.float64)
     own = torch.randint(0, B, (S,), generator=g)
@@ -39,3 +39,13 @@ def test_routed_matches_rows_added_by_hand(transposed: bool):
     some = part.examples(1, 3)
     torch.testing.assert_close(some.norm_sq(), flat[1:3].square().sum(1))
     torch.testing.assert_close(some.inner(refs), flat[1:3] @ refs.flatten(1).T)
+
+
+def test_routed_norms_of_several_reads_are_each_reads_own():
+    """Three reads of one shape (a backward's layers) answered by one batched product: each
+    read's norms as the rows added by hand give them, whichever rows and experts it has."""
+    cases = [_case(False, seed) for seed in range(3)]
+    norms = routed_norms([part for part, _ in cases])
+    assert norms.shape == (3, B)
+    for k, (_, expected) in enumerate(cases):
+        torch.testing.assert_close(norms[k], expected.flatten(1).square().sum(1))

@@ -12,6 +12,7 @@ from ...rules import Contribution, Dense, Outer
 from ...rules.base import CHUNK_ELEMENTS, _sq_norm, accumulation_dtype, rows
 from ...rules.outer import gram_norms
 from ...rules.projection import Projection
+from ...rules.routed import Routed, routed_norms
 
 
 @dataclass(frozen=True)
@@ -192,21 +193,23 @@ class Reducer:
 
 class Batched:
     """Norms held back until the backward ends, then answered one batched op per shape (Outers
-    of one Gram block by ``rules.outer.gram_norms``; formed gradients by one norm), while what
-    they hold stays under ``CHUNK_ELEMENTS`` (past it, a shape's parts are answered at once):
-    the host-bound passes, where each call's few small ops cost more to dispatch than to
-    compute."""
+    of one Gram block by ``rules.outer.gram_norms``, routed experts' reads by
+    ``rules.routed.routed_norms``; formed gradients by one norm), while what they hold stays
+    under ``CHUNK_ELEMENTS`` (past it, a shape's parts are answered at once): the host-bound
+    passes, where each call's few small ops cost more to dispatch than to compute."""
 
     def __init__(self):
-        self._held: dict[tuple, list[tuple[str, Outer]]] = {}
+        self._held: dict[tuple, list[tuple[str, Contribution]]] = {}
         self._size = 0
         self.norm_sq: dict[str, Tensor] = {}
 
     def take(self, name: str, c: Contribution) -> bool:
-        """Hold ``c`` back where it is an Outer of one Gram block or formed gradients (a bias,
-        a norm's scale); False where not taken."""
+        """Hold ``c`` back where it is an Outer or a Routed of one Gram block, or formed
+        gradients (a bias, a norm's scale); False where not taken."""
         if isinstance(c, Outer) and c.one_gram:
             key: tuple = (Outer, c.dims, c.s.dtype, c.s.device)
+        elif type(c) is Routed and c.one_gram:
+            key = (Routed, c.a.shape, c.s.shape, c.shape[0], c.batch, c.s.dtype, c.s.device)
         elif type(c) is Dense:
             key = (Dense, c.grads.shape[0], c.shape.numel(), c.grads.dtype, c.grads.device)
         else:
@@ -225,6 +228,8 @@ class Batched:
             norms = [parts[0].norm_sq()]
         elif key[0] is Outer:
             norms = gram_norms(parts)
+        elif key[0] is Routed:
+            norms = routed_norms(parts)
         else:  # (n, B, P) -> (n, B)
             norms = _sq_norm(torch.stack([rows(c.grads) for c in parts]))
         self.norm_sq.update((name, n) for (name, _), n in zip(held, norms, strict=True))
@@ -238,4 +243,6 @@ class Batched:
 
 def _size(c: Contribution) -> int:
     """The elements a held contribution keeps alive."""
+    if isinstance(c, Routed):  # and the Gram of its rows
+        return c.s.numel() + c.a.numel() + c.a.shape[0] ** 2
     return c.s.numel() + c.a.numel() if isinstance(c, Outer) else c.grads.numel()
