@@ -1,5 +1,5 @@
 """The owners of an op's results by the owner algebra (``owners.py``): the trace's path for
-the ops whose owners its lanes (``lanes.py``) cannot tell from shapes alone: moves of rows
+the ops whose owners its lanes (``lanes/``) cannot tell from shapes alone: moves of rows
 (index, gather, masks, sort, cat), writes in place, scatters, strided views, reductions and
 contractions that mix a dimension of examples, and ops it does not know."""
 

@@ -3,7 +3,7 @@
 Views and moves apply the same op to the owners (``MOVES``, ``RESHAPES``); elementwise ops
 combine them; reductions and contractions reduce them over the dimensions they mix
 (``contractions.py``: linear, matmul, conv, attention, norms, recurrent layers, grouped GEMMs).
-The common case, owners that are the batch along one dimension, is ``lanes.py``'s.
+The common case, owners that are the batch along one dimension, is ``lanes/``'s.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ does not know keeps dimension 0's owners (the engine's assumption before this tr
 first batch's self-check verifies) and is named in ``unknown``. A rule then reads each call's
 rows through its owners: rows of one example each, in any layout, are exact; a row of several
 examples, or of none, sends the parameter to the fallback with the op that made it. Owners
-known from shapes alone take the lanes' fast path (``lanes.py``); the rest the owner algebra
+known from shapes alone take the lanes' fast path (``lanes/``); the rest the owner algebra
 (``follow.py``).
 """
 
@@ -113,7 +113,7 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         return self.lane_owners(rank, (0, 1), self.batch)
 
     def lane_owners(self, rank: int, lane: Lane, size: int) -> Tensor:
-        """The owners of ``lane`` (``lanes.py``) on a dimension of ``size``, the same tensor
+        """The owners of ``lane`` (``lanes/``) on a dimension of ``size``, the same tensor
         every time (with B = 1, (1, ..., 1) zeros whatever the lane: every element is one's)."""
         dim, m = lane
         key = (rank, dim, size, m) if self.batch > 1 else rank
