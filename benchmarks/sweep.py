@@ -3,9 +3,12 @@ three batches of one signature; gradscope against the float64 per-example loop
 (``benchmarks/harness.py``).
 
     PYTHONPATH=$PWD:$PWD/tests:$PWD/benchmarks OMP_NUM_THREADS=1 nice -n 10 \\
-        python benchmarks/sweep.py [--only gpt2,llama] [--jobs 2] [--timeout 180] [--out PATH]
+        python benchmarks/sweep.py [--only gpt2,llama] [--jobs 1] [--timeout 180] [--out PATH]
 
-Writes ``PATH`` (JSON) and the markdown summary beside it (``.md``).
+Writes ``PATH`` (JSON) and the markdown summary beside it (``.md``). ``--jobs N`` runs N
+workers at once: sooner, but workers timed side by side on a machine of few CPUs disturb each
+other's timings (on 2 CPUs, ``--jobs 2`` read MarkupLM at 0.82x the loop's speed, a run of it
+alone at 1.6x): count the families slower than the loop from a ``--jobs 1`` run.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def main() -> None:
         if r["status"] != "skipped":
             heads[r.get("auto", "?")] = heads.get(r.get("auto", "?"), 0) + 1
     extra = {"heads of the families run": ", ".join(f"{k} {v}" for k, v in heads.items())}
+    extra["workers timed at once"] = len(args.collect) if args.collect else args.jobs
     text = harness.write(results, args.out, "Tiny-config sweep of the transformers families", extra)
     print("\n".join(text.splitlines()[:12]))
 
