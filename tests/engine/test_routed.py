@@ -53,16 +53,23 @@ def _refs(model: nn.Module) -> dict[str, Tensor]:
     return {n: torch.randn(1, *p.shape) for n, p in model.named_parameters()}
 
 
+def _exact_over(model: nn.Module, batches: int = 3) -> Engine:
+    """One Engine over ``batches`` batches, each checked against the loop with references;
+    the Engine, for what its record kept."""
+    refs = _refs(model)
+    with Engine(model, LOSS) as engine:
+        for seed in range(batches):
+            _check(model, engine, seed, refs)
+    return engine
+
+
 @pytest.mark.parametrize("transposed", [False, True], ids=["W^T", "W"])
 def test_routed_experts_replay_exact(transposed: bool):
     torch.manual_seed(0)
     model = Model(Experts(transposed)).eval()
-    refs = _refs(model)
-    with Engine(model, LOSS) as engine:
-        for seed in range(4):
-            _check(model, engine, seed, refs)
-        findings = engine.record.at(*_batch(0))
-        (program,) = findings.programs
+    engine = _exact_over(model, 4)
+    findings = engine.record.at(*_batch(0))
+    (program,) = findings.programs
     assert findings.replays == 3, findings.why
     assert [s.routed for s in program.steps if hasattr(s, "routed")] == [True]  # the experts
     assert not program.varies and not engine.plan.fallback
@@ -112,11 +119,7 @@ def test_calls_after_the_experts_read_their_rows_as_they_are():
 
     torch.manual_seed(0)
     model = After().eval()
-    refs = _refs(model)
-    with Engine(model, LOSS) as engine:
-        for seed in range(3):
-            _check(model, engine, seed, refs)
-        (program,) = engine.record.at(*_batch(0)).programs
+    (program,) = _exact_over(model).record.at(*_batch(0)).programs
     after = [s for s in program.steps if s.module in (id(model.norm), id(model.head))]
     assert len(after) == 2 and all(s.rows is None for s in after)
 
