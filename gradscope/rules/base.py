@@ -36,7 +36,8 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _acc(t: Tensor) -> Tensor:
-    return t.to(accumulation_dtype(t.dtype))
+    # no ``.to`` where the dtype already accumulates: a call per tensor of every rule's parts
+    return t if t.dtype in (torch.float32, torch.float64) else t.to(torch.float32)
 
 
 def rows(t: Tensor) -> Tensor:

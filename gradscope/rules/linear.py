@@ -33,8 +33,12 @@ def affine_parts(
         else Outer(s, a, weight.shape, lengths)
     }
     if bias is not None:
-        # one position: the output gradient is the bias gradient (summing size-1 dims still copies)
-        out["bias"] = Dense(s[:, 0, 0] if s.shape[2] == 1 else s.sum((1, 2)))  # (B, out)
+        # one position: the output gradient is the bias gradient (summing size-1 dims still
+        # copies, and indexing it out costs two ops more than taking it as it came)
+        if grad_output.dim() == 2:
+            out["bias"] = Dense(grad_output)  # (B, out)
+        else:
+            out["bias"] = Dense(s[:, 0, 0] if s.shape[2] == 1 else s.sum((1, 2)))
     return out
 
 

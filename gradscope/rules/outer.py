@@ -105,8 +105,9 @@ class Outer(Contribution):
         b, g, t, o, i = self.dims
         if self._groups() is not None:
             return self._placed(Outer.norm_sq, ())
-        if t == 1:  # ||s a^T||^2 = ||s||^2 ||a||^2
-            return (_sq_norm(self.s) * _sq_norm(self.a)).sum((1, 2))
+        if t == 1:  # ||s a^T||^2 = ||s||^2 ||a||^2; one group's (B, 1, 1) viewed, not summed
+            each = _sq_norm(self.s) * _sq_norm(self.a)
+            return each.view(b) if g == 1 else each.sum((1, 2))
         if self._gram_cheaper:
             return self._gram_norm_sq()
         return _cat([_sq_norm(m.flatten(1)) for m in self._materialized_chunks()])
