@@ -128,11 +128,14 @@ class ModelState:
     params: list[tuple[str, nn.Parameter, bool, Tensor]]  # name, object, requires_grad, value
     buffers: dict[str, Tensor]
     modes: list[bool]
+    hooks: list[int]  # each module's forward hooks and pre-hooks
 
     def assert_kept(self, model: nn.Module) -> None:
         """The same Parameter objects under every name (each path of a module registered at
-        two), the same ``requires_grad``, values, buffers and modes, and no ``.grad``."""
+        two), the same ``requires_grad``, values, buffers, modes and module hooks, and no
+        ``.grad``."""
         now = model_state(model)
+        assert now.hooks == self.hooks, "a module hook was left on the model"
         assert [(n, id(p), r) for n, p, r, _ in now.params] == [
             (n, id(p), r) for n, p, r, _ in self.params
         ], "a parameter was replaced, or its requires_grad changed"
@@ -150,6 +153,7 @@ def model_state(model: nn.Module) -> ModelState:
         [(name, p, p.requires_grad, p.detach().clone()) for name, p in named],
         {name: b.clone() for name, b in model.named_buffers()},
         [m.training for m in model.modules()],
+        [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()],
     )
 
 

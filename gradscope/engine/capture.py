@@ -156,25 +156,79 @@ def read_at(
     return base, lambda grad: grad.contiguous().as_strided(size, stride, offset)
 
 
+class ModuleHooks:
+    """The hooks of the hooked modules, registered once while an ``Engine`` is entered and lent
+    to each pass's session in turn (``Capture``): registering and removing two hooks on each
+    module on every batch costs a pass ~5 us a module. Outside a pass they do nothing."""
+
+    def __init__(self):
+        self.session: Capture | None = None
+        self._ids: tuple[int, ...] | None = None  # the modules hooked, while open
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._depth = 0  # an Engine may be entered again inside its own ``with``
+
+    def open(self, modules: Sequence[nn.Module]) -> None:
+        self._depth += 1
+        if self._depth > 1:
+            return
+        self._ids = tuple(id(m) for m in modules)
+        for module in modules:
+            self._handles.append(module.register_forward_pre_hook(self._enter))
+            self._handles.append(module.register_forward_hook(self._captured, with_kwargs=True))
+
+    def close(self) -> None:
+        self._depth -= 1
+        if self._depth:
+            return
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._ids, self.session = None, None
+
+    def lend(self, session: Capture) -> bool:
+        """Hand the hooks to ``session`` where they hook its modules and no session holds
+        them; False where it must hook its modules itself (a plan whose modules changed)."""
+        if self.session is not None or self._ids != tuple(id(m) for m in session.modules):
+            return False
+        self.session = session
+        return True
+
+    def _enter(self, module: nn.Module, args: tuple) -> tuple | None:
+        session = self.session
+        return None if session is None else session._enter(module, args)
+
+    def _captured(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        session = self.session
+        if session is not None:
+            session._captured(module, args, kwargs, output)
+
+
 class Capture:
     """Context manager that hooks ``modules`` for one forward: ``_enter`` runs before each call
     (it may replace the call's arguments), ``_captured`` after it; ``record`` makes the Call and
-    hooks its output, whose gradient goes to ``on_grad`` while the backward runs."""
+    hooks its output, whose gradient goes to ``on_grad`` while the backward runs. ``hooks``:
+    the Engine's, borrowed where they hook these modules, instead of hooking them anew."""
 
-    def __init__(self, modules: Iterable[nn.Module]):
+    def __init__(self, modules: Iterable[nn.Module], hooks: ModuleHooks | None = None):
         self.modules = list(modules)
         self.calls: dict[int, list[Call]] = {id(m): [] for m in self.modules}
         self.on_grad: Callable[[Call, Tensor], Tensor | None] | None = None
+        self.hooks = hooks
+        self._lent = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._grad_hooks: list[torch.utils.hooks.RemovableHandle] = []  # live until the backward
 
     def __enter__(self) -> Capture:
-        for module in self.modules:
-            self._handles.append(module.register_forward_pre_hook(self._enter))
-            self._handles.append(module.register_forward_hook(self._captured, with_kwargs=True))
+        self._lent = self.hooks is not None and self.hooks.lend(self)
+        if not self._lent:
+            for module in self.modules:
+                self._handles.append(module.register_forward_pre_hook(self._enter))
+                self._handles.append(module.register_forward_hook(self._captured, with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._lent:
+            self.hooks.session, self._lent = None, False
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -18,7 +18,7 @@ from .analysis.analyse import Analysis
 from .analysis.program import program_of, regions_of
 from .analysis.regions import Regions
 from .analysis.selfcheck import Singles
-from .capture import Captured
+from .capture import Captured, ModuleHooks
 from .passes.backward import requests
 from .passes.fallback import Fallback
 from .passes.forward import Forward
@@ -86,19 +86,22 @@ class Engine:
         )
         self.record = record_for(model, key)
         self.plan.adopt(self.record.moves)
-        self.analysis = Analysis(model, self.plan, self.record, self._losses)
+        self._hooks = ModuleHooks()  # on the hooked modules while the Engine is entered
+        self.analysis = Analysis(model, self.plan, self.record, self._losses, self._hooks)
         self._prepared: list[contextlib.AbstractContextManager] = []
         self._modules = tuple(model.modules())
         self._pinned: Findings | None = None  # see pin_decisions
-        self.replayed = Replayed(self.plan, self.record, self._modules, self._losses)
+        self.replayed = Replayed(self.plan, self.record, self._modules, self._losses, self._hooks)
 
     def __enter__(self) -> Engine:
         context = prepared(self.model, self.plan, self._modules)
         context.__enter__()
         self._prepared.append(context)
+        self._hooks.open(self.plan.hooked_modules)
         return self
 
     def __exit__(self, *exc) -> None:
+        self._hooks.close()
         self._prepared.pop().__exit__(*exc)
 
     def losses(self, inputs: tuple[Tensor, ...], targets: Tensor) -> Tensor:

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from .analysis.seeded import Seeded
-from .capture import Captured
+from .capture import Captured, ModuleHooks
 from .passes.light import LightRegion
 from .passes.reduce import Reducer, Want
 from .passes.replay import Diverged, ReplaySession, Taps
@@ -29,8 +29,16 @@ class Replayed:
     """``(inputs, targets, want, findings) -> (Captured, Reducer) | None`` for one model: its
     ``plan``, ``record`` and ``modules``; ``losses`` runs its forward and loss."""
 
-    def __init__(self, plan: Plan, record: Record, modules: tuple[nn.Module, ...], losses: Losses):
+    def __init__(
+        self,
+        plan: Plan,
+        record: Record,
+        modules: tuple[nn.Module, ...],
+        losses: Losses,
+        hooks: ModuleHooks | None = None,
+    ):
         self.plan, self.record, self.modules, self.losses = plan, record, modules, losses
+        self.hooks = hooks  # the Engine's module hooks, lent to each batch's session
 
     def __call__(
         self, inputs: tuple[Tensor, ...], targets: Tensor, want: Want, findings: Findings
@@ -82,6 +90,7 @@ class Replayed:
             plan=plan,
             buffers=buffers,
             branched=functools.partial(setattr, lessons, "branched", True),
+            hooks=self.hooks,
         )
         session.make_region = lambda call, tensors: self._region(
             call, tensors, findings, lessons, session

@@ -11,7 +11,7 @@ from oracle import assert_rel_close, model_state, reference_influence, reference
 from torch import Tensor, nn
 
 import gradscope
-from gradscope.engine import Engine, influence_errors
+from gradscope.engine import Engine, influence_errors, total
 from gradscope.engine.analysis.selfcheck import tolerance
 from gradscope.losses import resolve_loss
 
@@ -39,6 +39,33 @@ def _batch(seed: int) -> tuple[Tensor, Tensor]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(BATCH, D, generator=g, dtype=torch.float64)
     return x, torch.randint(0, CLASSES, (BATCH,), generator=g)
+
+
+def test_an_entered_engine_hooks_the_model_once_and_leaves_no_hook():
+    """The module hooks go on when the Engine is entered and come off when the outermost
+    ``with`` is left, not on every batch; a forward of the model between passes runs through
+    them and is captured by none."""
+    torch.manual_seed(0)
+    model = TwoPaths().double()
+    before = model_state(model)
+
+    def hooks() -> int:
+        return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+    engine = Engine(model, resolve_loss("cross_entropy"))
+    with engine:
+        on = hooks()
+        assert on > 0
+        for seed in range(3):
+            x, y = _batch(seed)
+            got = total(engine.norms((x,), y).norm_sq).sqrt()
+            assert_rel_close(got, reference_norms(model, (x,), y, "cross_entropy")[1], 1e-9)
+            assert hooks() == on
+            with engine:  # entered again inside its own ``with``
+                assert hooks() == on
+            assert hooks() == on
+    before.assert_kept(model)
+    assert engine.record.at((x,), y).replays == 2
 
 
 @pytest.mark.parametrize("engine", ["jvp", "hooks"])

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from ...errors import ModelError
-from ..capture import Captured, counter
+from ..capture import Captured, ModuleHooks, counter
 from ..derived import Constants
 from ..plan import BROADCAST, ParamPlan, Plan
 from ..record import Findings, Record
@@ -30,8 +30,16 @@ Losses = Callable[[tuple[Tensor, ...], Tensor], tuple[Tensor, dict[str, Tensor]]
 class Analysis:
     """Analyses batches of ``plan``'s model; ``losses`` runs its forward and loss."""
 
-    def __init__(self, model: nn.Module, plan: Plan, record: Record, losses: Losses):
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: Plan,
+        record: Record,
+        losses: Losses,
+        hooks: ModuleHooks | None = None,
+    ):
         self.model, self.plan, self.record, self.losses = model, plan, record, losses
+        self.hooks = hooks  # the Engine's module hooks, lent to each batch's session
 
     def __call__(self, inputs: tuple[Tensor, ...], targets: Tensor, findings: Findings) -> Captured:
         """The batch's forward, recorded, once every check holds; then the parameters the rules
@@ -76,7 +84,9 @@ class Analysis:
         expand, assume = findings.expand is not False, findings.assume
         watched, batch = self.plan.by_rule + self.plan.raw, targets.shape[0]
         trace = RowTrace(batch, (*inputs, targets))
-        session = HookSession(self.plan.hooked_modules, trace, self.record.copy, expand, assume)
+        session = HookSession(
+            self.plan.hooked_modules, trace, self.record.copy, expand, assume, self.hooks
+        )
 
         def ruled(p: ParamPlan) -> bool:  # read in a call of its rule's module: the rule's
             return p.rule != BROADCAST and any(session.inside(m) for m, _ in p.owners)

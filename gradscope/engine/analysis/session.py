@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from ...rules import find_rule
-from ..capture import Call, Capture, counter, first_output, leading, shapes_of
+from ..capture import Call, Capture, ModuleHooks, counter, first_output, leading, shapes_of
 from .policy import assumable, batch_free, shared
 from .trace import RowTrace
 
@@ -43,8 +43,9 @@ class HookSession(Capture):
         copy: set[int] | None = None,
         expand: bool = False,
         assume: bool = False,
+        hooks: ModuleHooks | None = None,
     ):
-        super().__init__(modules)
+        super().__init__(modules, hooks)
         self.trace = trace
         self.copy = copy if copy is not None else set()
         self.expand, self.assume = expand, assume

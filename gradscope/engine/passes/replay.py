@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
-from ..capture import Call, Capture, counter, first_output, shapes_of
+from ..capture import Call, Capture, ModuleHooks, counter, first_output, shapes_of
 from ..plan import BROADCAST, ParamPlan, Plan
 from .root import RootReads, in_order
 from .steps import Diverged, Program, RegionCall, Step
@@ -63,8 +63,9 @@ class ReplaySession(Capture):
         plan: Plan | None = None,
         buffers: frozenset[int] = frozenset(),
         branched: Callable[[], None] = lambda: None,
+        hooks: ModuleHooks | None = None,
     ):
-        super().__init__(modules)
+        super().__init__(modules, hooks)
         self.hooked = {id(m) for m in self.modules}
         self.regions = list(regions)
         self.steps, self.batch, self.copy = program.steps, batch, copy
