@@ -22,20 +22,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from methods import floor  # noqa: E402
+from methods import floor, held  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
 from gradscope.curvature.factors import fit  # noqa: E402
 from gradscope.curvature.precondition import Curvature  # noqa: E402
 from gradscope.curvature.store import Factors, metadata  # noqa: E402
-from gradscope.engine import Engine, Influence, Want, reference_gradients  # noqa: E402
-from gradscope.losses import resolve_loss  # noqa: E402
+from gradscope.engine import Influence, Want, reference_gradients  # noqa: E402
 
 
 def steps(workload: str) -> dict[str, Callable]:
     pb = WORKLOADS[workload].build()
-    engine = Engine(pb.model, resolve_loss(pb.loss))
-    engine.__enter__()  # held for the process's life
+    engine = held(pb)
     batch = lambda: [(pb.inputs, pb.targets)]  # noqa: E731
 
     def factors(ekfac: bool):

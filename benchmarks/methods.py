@@ -356,16 +356,19 @@ def backpack_l2(pb: Problem) -> Step:
 # ---------------------------------------------------------------- gradscope
 
 
+def held(pb: Problem) -> Engine:
+    """An Engine built and entered once, as ``gradscope norms`` holds its own over all the
+    batches of a dataset, on a copy of the model (as the peers' hooks are attached to theirs):
+    the other methods' passes never meet its module hooks."""
+    core = Engine(copy.deepcopy(pb.model), resolve_loss(pb.loss))
+    core.__enter__()  # held for the process's life
+    return core
+
+
 def gradscope_norms(pb: Problem) -> Step:
-    """One batch of a run: the Engine is built once, as ``gradscope norms`` builds it for all
-    the batches of a dataset (and the peers' hooks are attached once in their setup)."""
-    core = Engine(pb.model, resolve_loss(pb.loss))
-
-    def step() -> Tensor:
-        with core:
-            return total(core.norms(pb.inputs, pb.targets).norm_sq).sqrt()
-
-    return step
+    """One batch of a run."""
+    core = held(pb)
+    return lambda: total(core.norms(pb.inputs, pb.targets).norm_sq).sqrt()
 
 
 def _gradscope_refs(pb: Problem) -> dict[str, Tensor]:
@@ -385,15 +388,8 @@ def gradscope_influence(engine: str) -> Callable[[Problem], Step]:
     computes and builds once."""
 
     def setup(pb: Problem) -> Step:
-        loss_fn, refs = resolve_loss(pb.loss), _gradscope_refs(pb)
-
-        core = Engine(pb.model, loss_fn)
-
-        def step() -> Tensor:
-            with core:
-                return Influence(core, refs, engine, norms=False)(pb.inputs, pb.targets).inner[:, 0]
-
-        return step
+        refs, core = _gradscope_refs(pb), held(pb)
+        return lambda: Influence(core, refs, engine, norms=False)(pb.inputs, pb.targets).inner[:, 0]
 
     return setup
 
@@ -412,17 +408,16 @@ def loop_index(pb: Problem) -> Step:
 
 def gradscope_index(pb: Problem) -> Step:
     """The pass of ``gradscope index`` on one batch: the projections answered in the backward."""
-    core = Engine(pb.model, resolve_loss(pb.loss))
+    core = held(pb)
     projector = _projector(pb, core)
     want = Want(norms=False, project=projector.projections)
     rows = None  # the scorer's buffer of a batch's rows, kept from batch to batch
 
     def step() -> Tensor:
         nonlocal rows
-        with core:
-            inner = core.scores(pb.inputs, pb.targets, want).inner
-            rows = reused(rows, pb.targets.shape[0], projector.width, inner)
-            return projector.rows(inner, rows)
+        inner = core.scores(pb.inputs, pb.targets, want).inner
+        rows = reused(rows, pb.targets.shape[0], projector.width, inner)
+        return projector.rows(inner, rows)
 
     return step
 
