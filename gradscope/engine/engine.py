@@ -62,7 +62,8 @@ class Engine:
     that require grad, all if none does); ``forward`` says how the
     model is called and which output the loss reads; ``observe`` reads more per-example columns
     from the same output. Use it as a context manager around scoring: ``with engine:`` puts the
-    model in eval mode with the selected parameters requiring grad, and restores both on exit.
+    model in eval mode with the selected parameters requiring grad and hooks the modules whose
+    rules serve them (hooks that act only inside a pass), and restores the model on exit.
     """
 
     def __init__(
