@@ -13,6 +13,7 @@ from torch import Tensor, nn
 import gradscope
 from gradscope.engine import Engine, influence_errors, total
 from gradscope.engine.analysis.selfcheck import tolerance
+from gradscope.errors import GradscopeError
 from gradscope.losses import resolve_loss
 
 D, CLASSES, BATCH = 6, 3, 5
@@ -64,8 +65,12 @@ def test_an_entered_engine_hooks_the_model_once_and_leaves_no_hook():
             with engine:  # entered again inside its own ``with``
                 assert hooks() == on
             assert hooks() == on
+        with pytest.raises(GradscopeError):  # a forward that fails half way
+            engine.norms((x[:, :2],), y)
+        got = total(engine.norms((x,), y).norm_sq).sqrt()  # the hooks still serve a pass
+        assert_rel_close(got, reference_norms(model, (x,), y, "cross_entropy")[1], 1e-9)
     before.assert_kept(model)
-    assert engine.record.at((x,), y).replays == 2
+    assert engine.record.at((x,), y).replays == 3
 
 
 @pytest.mark.parametrize("engine", ["jvp", "hooks"])

@@ -82,20 +82,24 @@ class ReplaySession(Capture):
 
     def __enter__(self) -> ReplaySession:
         super().__enter__()  # the hooked modules' hooks first, as the analysis's were
-        for module in self.regions:
-            pre = module.register_forward_pre_hook(self._region_enter, with_kwargs=True)
-            self._handles += [pre, module.register_forward_hook(self._region_exit)]
-        self._last = counter()
-        if self.program.root or self.program.hosts:
-            self.root = RootReads(
-                self.plan,
-                self.program,
-                self.batch,
-                self._ruled,
-                self.buffers,
-                self._outside,
-                self.branched,
-            )
+        try:
+            for module in self.regions:
+                pre = module.register_forward_pre_hook(self._region_enter, with_kwargs=True)
+                self._handles += [pre, module.register_forward_hook(self._region_exit)]
+            self._last = counter()
+            if self.program.root or self.program.hosts:
+                self.root = RootReads(
+                    self.plan,
+                    self.program,
+                    self.batch,
+                    self._ruled,
+                    self.buffers,
+                    self._outside,
+                    self.branched,
+                )
+        except BaseException:  # no with runs __exit__ then: give the hooks back here
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
