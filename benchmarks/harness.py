@@ -12,6 +12,7 @@ per-example loop on the same batch.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import json
@@ -123,19 +124,37 @@ def _timed(model: nn.Module, engine: Engine, batches: list[Batch], repeats: int)
     """The warm pass of an Engine held over the batches, as a run holds its own, against the
     loop and the floor on the last batch. The Engine is a second one, on a copy of the model,
     its programs made over the same batches: an entered Engine keeps its module hooks on the
-    model, and the loop's and the floor's passes must not meet them."""
+    model, and the loop's and the floor's passes must not meet them. A model that cannot be
+    copied (a weight-norm tensor that is no leaf) is timed with ``engine`` entered for each
+    pass alone, its hooks registered and removed in each (``held`` False)."""
     x, y = batches[-1]
     fn, names = engine.loss_fn, [p.name for p in engine.plan.included]
     params = [p.param for p in engine.plan.included]
-    with Engine(copy.deepcopy(model), fn) as timed, prepared(model, engine.plan):
-        for inputs, targets in batches:
-            timed.norms(inputs, targets)
+    try:
+        copied = copy.deepcopy(model)
+    except RuntimeError:
+        copied = None
+    timed = engine if copied is None else Engine(copied, fn)
+
+    def gradscope_pass() -> None:
+        if copied is not None:
+            timed.norms(x, y)
+            return
+        with engine:
+            engine.norms(x, y)
+
+    with contextlib.ExitStack() as stack:
+        if copied is not None:
+            stack.enter_context(timed)
+            for inputs, targets in batches:
+                timed.norms(inputs, targets)
+        stack.enter_context(prepared(model, engine.plan))
         steps = {
-            "t_gradscope": lambda: timed.norms(x, y),
+            "t_gradscope": gradscope_pass,
             "t_loop": lambda: naive_grads(model, x, y, fn, names),
             "t_floor": lambda: _grad(fn(engine.forward(model, x), y), params),
         }
-        return _best(steps, repeats)
+        return {"held": copied is not None, **_best(steps, repeats)}
 
 
 # ---------------------------------------------------------------- isolation
@@ -281,6 +300,11 @@ def summary(results: dict, title: str, env: dict, extra: dict | None) -> str:
         f"- gradscope (warm Engine pass) slower than the per-example loop: {len(slow)}",
         f"- replayed every batch after the first: {len(replayed)}; analysed every batch: "
         f"{len(ok) - len(replayed)}",
+        *(  # the Engine entered for each timed pass: a model that cannot be copied
+            [f"- timed with the Engine entered for each pass: {', '.join(unheld)}"]
+            if (unheld := [r["name"] for r in ok if r.get("held") is False])
+            else []
+        ),
         *(f"- {k}: {v}" for k, v in (extra or {}).items() if not isinstance(v, (dict, list))),
         "",
     ]
