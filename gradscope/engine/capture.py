@@ -2,7 +2,8 @@
 gradient arrives. The analysis (``analysis/session.py``) and the replay (``passes/replay.py``)
 capture calls alike and differ only in how they decide what a call's rows are; both hand each
 call's output gradient on as it arrives in the one backward (``passes/backward.py``). All state
-lives in the session; hooks are always removed on exit, even after an exception."""
+lives in the session; on exit, even after an exception, its hooks are removed, or the Engine's
+(``hooks.ModuleHooks``) given back."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from ..rules import Contribution
     from .analysis.regions import Finder
     from .analysis.trace import RowTrace
+    from .hooks import ModuleHooks
     from .plan import ParamPlan
 
 
@@ -36,32 +38,6 @@ class Use:
     parts: Callable[[Tensor], dict[str, Contribution]]  # output gradient -> {name: part}
     reached: bool = False  # its gradient arrived in the backward
     requested: bool = False  # the backward requests its gradient: nothing below needs it
-
-
-class ReadHooks:
-    """The hooks that hand each read's output gradient on as the backward reaches it: ``add``
-    one where a read's gradient arrives, ``reading`` says to whom (None: stop, drop them)."""
-
-    def __init__(self):
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._on_grad: Callable[[Use, Tensor], None] | None = None
-
-    def add(self, target: Tensor, use: Use) -> None:
-        self._hooks.append(target.register_hook(functools.partial(self._arrived, use)))
-
-    def _arrived(self, use: Use, grad: Tensor | None) -> Tensor | None:
-        if self._on_grad is None or grad is None:  # None: as in the captured calls' hooks
-            return None
-        self._on_grad(use, grad)
-        # a requested read's gradient goes nowhere after this: keep no copy of it
-        return grad.new_zeros(()).expand_as(grad) if use.requested else None
-
-    def reading(self, on_grad: Callable[[Use, Tensor], None] | None) -> None:
-        self._on_grad = on_grad
-        if on_grad is None:
-            for handle in self._hooks:
-                handle.remove()
-            self._hooks.clear()
 
 
 @dataclass(eq=False, slots=True)
@@ -154,53 +130,6 @@ def read_at(
     size, stride = out.size(), out.stride()
     offset = out.storage_offset() - base.storage_offset()
     return base, lambda grad: grad.contiguous().as_strided(size, stride, offset)
-
-
-class ModuleHooks:
-    """The hooks of the hooked modules, registered once while an ``Engine`` is entered and lent
-    to each pass's session in turn (``Capture``): registering and removing two hooks on each
-    module on every batch costs a pass ~5 us a module. Outside a pass they do nothing."""
-
-    def __init__(self):
-        self.session: Capture | None = None
-        self._ids: tuple[int, ...] | None = None  # the modules hooked, while open
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._depth = 0  # an Engine may be entered again inside its own ``with``
-
-    def open(self, modules: Sequence[nn.Module]) -> None:
-        self._depth += 1
-        if self._depth > 1:
-            return
-        self._ids = tuple(id(m) for m in modules)
-        for module in modules:
-            self._handles.append(module.register_forward_pre_hook(self._enter))
-            self._handles.append(module.register_forward_hook(self._captured, with_kwargs=True))
-
-    def close(self) -> None:
-        self._depth -= 1
-        if self._depth:
-            return
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self._ids, self.session = None, None
-
-    def lend(self, session: Capture) -> bool:
-        """Hand the hooks to ``session`` where they hook its modules and no session holds
-        them; False where it must hook its modules itself (a plan whose modules changed)."""
-        if self.session is not None or self._ids != tuple(id(m) for m in session.modules):
-            return False
-        self.session = session
-        return True
-
-    def _enter(self, module: nn.Module, args: tuple) -> tuple | None:
-        session = self.session
-        return None if session is None else session._enter(module, args)
-
-    def _captured(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-        session = self.session
-        if session is not None:
-            session._captured(module, args, kwargs, output)
 
 
 class Capture:

@@ -18,7 +18,8 @@ from .analysis.analyse import Analysis
 from .analysis.program import program_of, regions_of
 from .analysis.regions import Regions
 from .analysis.selfcheck import Singles
-from .capture import Captured, ModuleHooks
+from .capture import Captured
+from .hooks import ModuleHooks
 from .passes.backward import requests
 from .passes.fallback import Fallback
 from .passes.forward import Forward

@@ -12,7 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from .analysis.seeded import Seeded
-from .capture import Captured, ModuleHooks
+from .capture import Captured
+from .hooks import ModuleHooks
 from .passes.light import LightRegion
 from .passes.reduce import Reducer, Want
 from .passes.replay import Diverged, ReplaySession, Taps

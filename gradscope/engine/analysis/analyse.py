@@ -12,8 +12,9 @@ import torch
 from torch import Tensor, nn
 
 from ...errors import ModelError
-from ..capture import Captured, ModuleHooks, counter
+from ..capture import Captured, counter
 from ..derived import Constants
+from ..hooks import ModuleHooks
 from ..plan import BROADCAST, ParamPlan, Plan
 from ..record import Findings, Record
 from . import decide

@@ -12,7 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from ...rules import find_rule
-from ..capture import Call, Capture, ModuleHooks, counter, first_output, leading, shapes_of
+from ..capture import Call, Capture, counter, first_output, leading, shapes_of
+from ..hooks import ModuleHooks
 from .policy import assumable, batch_free, shared
 from .trace import RowTrace
 

@@ -38,8 +38,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ...rules.placed import Place
-from ..capture import ReadHooks, Use, tensors_in
+from ..capture import Use, tensors_in
 from ..derived import Constants, Derived, Watched, compute, writes
+from ..hooks import ReadHooks
 from ..passes.parts import CONVS
 from ..passes.recipes import METADATA, OPENED, Recipe, masked_by, sdpa_math
 from ..plan import ParamPlan

@@ -30,7 +30,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
-from ..capture import Call, Capture, ModuleHooks, counter, first_output, shapes_of
+from ..capture import Call, Capture, counter, first_output, shapes_of
+from ..hooks import ModuleHooks
 from ..plan import BROADCAST, ParamPlan, Plan
 from .root import RootReads, in_order
 from .steps import Diverged, Program, RegionCall, Step
