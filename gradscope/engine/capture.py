@@ -143,21 +143,19 @@ class Capture:
         self.calls: dict[int, list[Call]] = {id(m): [] for m in self.modules}
         self.on_grad: Callable[[Call, Tensor], Tensor | None] | None = None
         self.hooks = hooks
-        self._lent = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._grad_hooks: list[torch.utils.hooks.RemovableHandle] = []  # live until the backward
 
     def __enter__(self) -> Capture:
-        self._lent = self.hooks is not None and self.hooks.lend(self)
-        if not self._lent:
+        if self.hooks is None or not self.hooks.lend(self):
             for module in self.modules:
                 self._handles.append(module.register_forward_pre_hook(self._enter))
                 self._handles.append(module.register_forward_hook(self._captured, with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._lent:
-            self.hooks.session, self._lent = None, False
+        if self.hooks is not None and self.hooks.session is self:
+            self.hooks.session = None
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
