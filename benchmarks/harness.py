@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import json
 import os
@@ -134,20 +135,14 @@ def _timed(model: nn.Module, engine: Engine, batches: list[Batch], repeats: int)
         copied = copy.deepcopy(model)
     except RuntimeError:
         copied = None
-    timed = engine if copied is None else Engine(copied, fn)
-
-    def gradscope_pass() -> None:
-        if copied is not None:
-            timed.norms(x, y)
-            return
-        with engine:
-            engine.norms(x, y)
-
     with contextlib.ExitStack() as stack:
-        if copied is not None:
-            stack.enter_context(timed)
+        if copied is None:
+            gradscope_pass = functools.partial(_entered, engine, x, y)
+        else:
+            timed = stack.enter_context(Engine(copied, fn))
             for inputs, targets in batches:
                 timed.norms(inputs, targets)
+            gradscope_pass = functools.partial(timed.norms, x, y)
         stack.enter_context(prepared(model, engine.plan))
         steps = {
             "t_gradscope": gradscope_pass,
@@ -155,6 +150,12 @@ def _timed(model: nn.Module, engine: Engine, batches: list[Batch], repeats: int)
             "t_floor": lambda: _grad(fn(engine.forward(model, x), y), params),
         }
         return {"held": copied is not None, **_best(steps, repeats)}
+
+
+def _entered(engine: Engine, x: tuple[Tensor, ...], y: Tensor) -> None:
+    """One pass of ``engine`` entered for it alone."""
+    with engine:
+        engine.norms(x, y)
 
 
 # ---------------------------------------------------------------- isolation
