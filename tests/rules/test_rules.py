@@ -588,6 +588,17 @@ def test_tied_head_cross_terms_in_chunks(monkeypatch) -> None:
     assert_case_matches_loop(by_id({"embedding-tied-head"})[0], torch.float64, rtol=1e-5)
 
 
+EMBEDDINGS = [c for c in CASES if c.id.startswith("embedding-") and "bag" not in c.id]
+
+
+@pytest.mark.parametrize("case", EMBEDDINGS, ids=repr)
+def test_embedding_norms_of_long_sequences_by_sorted_rows(case: Case, monkeypatch) -> None:
+    """Past ``GRAM_POSITIONS`` an example's rows are summed by a sort of its ids, not a Gram of
+    its positions: the loop's norms either way."""
+    monkeypatch.setattr(embedding, "GRAM_POSITIONS", 0)
+    assert_case_matches_loop(case, torch.float64, rtol=1e-5)
+
+
 def test_batchnorm_without_running_stats_is_refused() -> None:
     model = net(nn.Linear(3, 4), nn.BatchNorm1d(4, track_running_stats=False))
     with pytest.raises(ModelError, match="track_running_stats=False"):
