@@ -29,6 +29,7 @@ from .ops import (
     binary,
     dims_of,
     filled,
+    picked_dims,
 )
 from .owners import (
     MIXED,
@@ -114,7 +115,7 @@ class OwnerAlgebra:
         if name in PLACES or name in SCATTERS or name == "__setitem__" or not pickers:
             return bool(pickers)  # writes where values say: whatever the owners
         if name == "__getitem__":
-            return self._varies(x, _picked_dims(args[1], pickers, x.dim()))
+            return self._varies(x, picked_dims(args[1], pickers, x.dim()))
         if name in ("take", "masked_select") or (
             name == "repeat_interleave" and "dim" not in kwargs and len(args) < 3
         ):
@@ -281,25 +282,3 @@ class OwnerAlgebra:
         shape = [1] * x.dim()
         shape[dim] = x.shape[dim]
         return compact(o.view(shape))
-
-
-def _picked_dims(key: object, pickers: list[Tensor], rank: int) -> list[int]:
-    """The dimensions of a tensor of ``rank`` that ``x[key]`` indexes with one of ``pickers``
-    (a bool mask of rank r indexes r dimensions; ``None`` none; ``...`` the rest)."""
-    key = key if isinstance(key, tuple) else (key,)
-
-    def width(k: object) -> int:
-        if k is None or k is Ellipsis:
-            return 0
-        if isinstance(k, Tensor) and k.dtype == torch.bool:
-            return k.dim()
-        return 1
-
-    rest = rank - sum(width(k) for k in key)
-    dims, at = [], 0
-    for k in key:
-        span = rest if k is Ellipsis else width(k)
-        if any(k is t for t in pickers):
-            dims.extend(range(at, at + span))
-        at += span
-    return dims

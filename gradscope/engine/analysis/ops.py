@@ -133,3 +133,25 @@ def binary(name: str, args: tuple, kwargs: dict) -> bool:
 def filled(t: Tensor, value: int) -> Tensor:
     """Owners ``value`` for every element of ``t``: (1, ..., 1) of its rank, on its device."""
     return torch.full((1,) * t.dim(), value, dtype=torch.long, device=t.device)
+
+
+def picked_dims(key: object, pickers: list[Tensor], rank: int) -> list[int]:
+    """The dimensions of a tensor of ``rank`` that ``x[key]`` indexes with one of ``pickers``
+    (a bool mask of rank r indexes r dimensions; ``None`` none; ``...`` the rest)."""
+    key = key if isinstance(key, tuple) else (key,)
+
+    def width(k: object) -> int:
+        if k is None or k is Ellipsis:
+            return 0
+        if isinstance(k, Tensor) and k.dtype == torch.bool:
+            return k.dim()
+        return 1
+
+    rest = rank - sum(width(k) for k in key)
+    dims, at = [], 0
+    for k in key:
+        span = rest if k is Ellipsis else width(k)
+        if any(k is t for t in pickers):
+            dims.extend(range(at, at + span))
+        at += span
+    return dims

@@ -29,15 +29,11 @@ from torch.utils._pytree import tree_flatten
 from ..capture import counter
 from ..derived import Constants
 from ..passes.recipes import Recipe
-from .owners import NONE, lane_of
-from .trace import ByTensor, RowTrace
+from .trace import IRREGULAR, ByTensor
 
 if TYPE_CHECKING:
     from ..record import Record
 
-# an owner spec: None for no example's, (dim, m) for the batch along one dimension
-Spec = tuple[int, int] | None
-IRREGULAR = "irregular"
 PICKED = "picked"  # a need of rows the batch's values pick: a routed region follows them
 ESCAPED = "escaped"  # the batch's values read on the host: an open routed region's, at most
 WITNESSED = "witnessed"  # ... as one scalar, which a light region's witness compares
@@ -194,7 +190,7 @@ class Finder:
         has owners the replay cannot seed."""
         specs = []
         for t in tensors:
-            spec = IRREGULAR if t in self.derived else spec_of(self.trace, t)
+            spec = IRREGULAR if t in self.derived else self.trace.spec(t)
             if spec == IRREGULAR:
                 return IRREGULAR
             specs.append(spec)
@@ -290,21 +286,6 @@ def _rows_first(v: Visit) -> bool:
 def tensors_of(tree: object) -> list[Tensor]:
     """The tensors of a call's arguments or outputs, in pytree order."""
     return [t for t in tree_flatten(tree)[0] if isinstance(t, Tensor)]
-
-
-def spec_of(trace: RowTrace, t: Tensor) -> Spec | str:
-    """``t``'s owners as a spec: None where no example's, (dim, m) where the batch lies along
-    a dimension (the trace's canonical lane, or owners of the same values), else IRREGULAR."""
-    o = trace.owners.get(t)
-    if o is None:
-        return None
-    lane = trace.lane(o)
-    if lane is not None:
-        return lane
-    if bool((o == NONE).all()):
-        return None
-    lane = lane_of(o, trace.batch)
-    return IRREGULAR if lane is None else lane
 
 
 def _above(v: Visit) -> Iterable[Visit]:

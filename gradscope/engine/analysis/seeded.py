@@ -13,7 +13,6 @@ from ..capture import Call
 from ..plan import BROADCAST, ParamPlan, Plan
 from ..record import Findings
 from .decide import layout_of
-from .regions import spec_of
 from .session import HookSession
 from .tap import ParamTap, Use
 from .trace import RowTrace
@@ -92,7 +91,7 @@ class Seeded:
         return None
 
     def _owned(self, t: Tensor, spec: tuple | None) -> bool:
-        found = spec_of(self.trace, t)
+        found = self.trace.spec(t)
         return found == (None if spec is None else tuple(spec))
 
     def calls(self) -> list[Call]:

@@ -28,10 +28,15 @@ from ..passes.steps import SCALAR_READS
 from .follow import OwnerAlgebra
 from .lanes import Lane, after
 from .ops import ESCAPES, READS, SIZED_BY_VALUES, filled, op_name
-from .owners import MIXED, NONE, compact, is_batch
+from .owners import MIXED, NONE, compact, is_batch, lane_of
 
 if TYPE_CHECKING:
     from .regions import Finder
+
+# an owner spec (``RowTrace.spec``): None for no example's, (dim, m) for the batch along one
+# dimension, or IRREGULAR
+Spec = tuple[int, int] | None
+IRREGULAR = "irregular"
 
 
 class ByTensor:
@@ -129,6 +134,20 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         """The lane ``o`` is the owners of, if it is one of ``lane_owners``' tensors."""
         item = self._lane_of.get(id(o))
         return item[1] if item is not None and item[0] is o else None
+
+    def spec(self, t: Tensor) -> Spec | str:
+        """``t``'s owners as a spec: None where no example's, (dim, m) where the batch lies
+        along a dimension (a lane's tensor, or owners of the same values), else IRREGULAR."""
+        o = self.owners.get(t)
+        if o is None:
+            return None
+        lane = self.lane(o)
+        if lane is not None:
+            return lane
+        if bool((o == NONE).all()):
+            return None
+        lane = lane_of(o, self.batch)
+        return IRREGULAR if lane is None else lane
 
     def is_standard(self, o: Tensor) -> bool:
         """Whether ``o`` is ``standard``'s tensor: one row per example, known without a compare."""
