@@ -79,6 +79,7 @@ class Replayed:
         """The pass with ``program``, or None where its witness fails (``lessons`` says why)."""
         plan, batch = self.plan, len(targets)
         regions = [m for m in self.modules if id(m) in program.regions]
+        children = [m for m in self.modules if id(m) in program.children]
         buffers = frozenset()  # ids of the model's buffers, where a light region may need them
         if program.lit:
             buffers = frozenset(id(b) for m in self.modules for b in m._buffers.values())
@@ -92,6 +93,7 @@ class Replayed:
             buffers=buffers,
             branched=functools.partial(setattr, lessons, "branched", True),
             hooks=self.hooks,
+            children=children,
         )
         session.make_region = lambda call, tensors: self._region(
             call, tensors, findings, lessons, session

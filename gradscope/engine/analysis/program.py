@@ -5,13 +5,16 @@ not, why."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..capture import Captured
 from ..passes.backward import Requests
-from ..passes.steps import Program, RegionCall, Step
-from .regions import Regions, Visit
+from ..passes.steps import ChildCall, Program, RegionCall, Step
+from .children import children_of
+from .regions import Regions
 from .session import Entered
+from .visits import Visit
 
 
 @dataclass
@@ -25,8 +28,17 @@ class _Open:
 
 
 def regions_of(captured: Captured) -> Regions | str:
-    """The regions a later batch analyses again, or why no later batch may replay this one."""
-    return captured.finder.choose(captured.at_start)
+    """The regions a later batch analyses again, with their children; or why no later batch
+    may replay this one. The model's own call is a region only where it has children (what
+    needs the analysis is in its own code: BART's classifier's pick of its end tokens): one
+    traced whole, with none, would cost a batch what a full analysis does."""
+    finder, hooked = captured.finder, frozenset(id(m) for m in captured.session.modules)
+    regions = finder.choose(captured.at_start)
+    if isinstance(regions, str):
+        whole = finder.choose(captured.at_start, whole=True)
+        children = frozenset() if isinstance(whole, str) else children_of(finder, whole, hooked)
+        return dataclasses.replace(whole, children=children) if children else regions
+    return dataclasses.replace(regions, children=children_of(finder, regions, hooked))
 
 
 def program_of(
@@ -38,15 +50,22 @@ def program_of(
     moves: int,
 ) -> Program:
     """The program of an analysed batch with these ``regions``: the finder's log of events,
-    less what ran inside a region."""
+    less what ran inside a region but in its children."""
     starts = {id(v) for v in regions.visits}
-    items: list[_Open | RegionCall] = []
+    items: list[_Open | RegionCall | ChildCall] = []
     opened: dict[int, _Open] = {}
     inside: Visit | None = None  # the region call under way
     own = False  # whether its hooked calls are the region's own (traced or routed)
+    child: Visit | None = None  # the traced region's child under way: its calls are steps
     last = captured.at_start
     for what, obj, at in captured.finder.log:
-        if what == "pre" and not own:
+        if what == "enter" and own and child is None and id(obj) in regions.children:
+            items.append(ChildCall(id(obj.module), obj.shapes, obj.entry, obj.out_shapes,
+                                   obj.exit, obj.at_exit - obj.at_entry))  # fmt: skip
+            child, own = obj, False
+        elif what == "exit" and obj is child:
+            child, own = None, True
+        elif what == "pre" and not own:
             item = opened[id(obj)] = _Open(obj, at - last)
             items.append(item)
         elif what == "post" and id(obj) in opened:
@@ -80,6 +99,7 @@ def program_of(
             continue
         last = at
     steps = tuple(_step(i) if isinstance(i, _Open) else i for i in items)
+    children = frozenset(id(v.module) for v in captured.finder.visits if id(v) in regions.children)
     tail = captured.at_end - last
     uses_ = tuple(uses.items())
     return Program(
@@ -92,6 +112,7 @@ def program_of(
         regions.modules,
         regions.root,
         regions.root_hosts,
+        children,
     )
 
 

@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
 
-from ..capture import counter
+from ..capture import counter, shapes_of
 from ..derived import Constants
 from ..passes.recipes import Recipe
 from .trace import IRREGULAR, ByTensor
+from .visits import Visit, above, tensors_of
 
 if TYPE_CHECKING:
     from ..record import Record
@@ -37,25 +37,6 @@ if TYPE_CHECKING:
 PICKED = "picked"  # a need of rows the batch's values pick: a routed region follows them
 ESCAPED = "escaped"  # the batch's values read on the host: an open routed region's, at most
 WITNESSED = "witnessed"  # ... as one scalar, which a light region's witness compares
-
-
-@dataclass(eq=False)
-class Visit:
-    """One call of a module in the analysed forward."""
-
-    module: nn.Module
-    index: int  # the order calls began in
-    parent: Visit | None
-    first: int  # the session's events before it began: its inner calls start there
-    at_entry: int  # autograd's counter when it began
-    arg_ids: frozenset[int]
-    entry: tuple | str  # owner specs of its tensor arguments, or IRREGULAR
-    steps: int = 0  # calls of hooked modules inside it
-    at_exit: int = 0
-    exit: tuple | str = ()  # owner specs of its tensor outputs, or IRREGULAR
-    foreign: bool = False  # read something followed from before it began, not an argument
-    constant: tuple[bool, ...] = ()  # which tensor arguments were made from constants alone
-    why: str | None = None  # what inside it needs analysis, if anything
 
 
 @dataclass
@@ -76,6 +57,8 @@ class Regions:
     # values on the host, (op, what it read), in order; a replayed call must read the same
     hosts: dict[int, tuple[tuple[str, object], ...]] = field(default_factory=dict)
     root_hosts: tuple[tuple[str, object], ...] = ()  # those outside every region call
+    # the calls inside traced regions that replay as the rest of the forward (``children.py``)
+    children: frozenset[int] = frozenset()
 
     @property
     def fixed(self) -> bool:
@@ -124,7 +107,8 @@ class Finder:
 
     def read(self, tensors: Iterable[Tensor]) -> None:
         """An op inside the current visits read ``tensors`` (followed ones): each visit that
-        began after one of them was made, and was not given it, read from before it began."""
+        began after one of them was made, and was not given it, read from before it began;
+        each that made one and has ended, and did not return it, leaked it."""
         for t in tensors:
             b = self._born.get(t)
             if b is None:
@@ -134,6 +118,22 @@ class Finder:
                     break
                 if id(t) not in v.arg_ids:
                     v.foreign = True
+            u = self.visits[b] if b >= 0 else None
+            while u is not None and u.done:
+                u.leaks |= id(t) not in u.out_ids
+                u = u.parent
+
+    def wrote(self, t: object) -> None:
+        """An op inside the current visits wrote ``t`` in place: each visit that began after it
+        was made wrote past its end (where it was made during the write, a later read of it
+        shows whether it leaked)."""
+        b = self._born.get(t)
+        if b is None:
+            return
+        for v in reversed(self.stack):
+            if v.index <= b:
+                break
+            v.leaks = True
 
     def need(self, why: str, recipe: Recipe | None = None) -> None:
         """Something at this point of the forward needs analysis on every batch; ``recipe``:
@@ -173,6 +173,7 @@ class Finder:
                 frozenset(id(t) for t in tensors),
                 self._specs(tensors),
                 constant=tuple(t in self.constants for t in tensors),
+                shapes=shapes_of(tensors),
             )
         self.visits.append(v)
         self.stack.append(v)
@@ -182,7 +183,9 @@ class Finder:
         v = self.stack.pop()
         with torch._C.DisableTorchFunction():
             v.steps, v.at_exit = len(self.events) - v.first, counter()
-            v.exit = self._specs(tensors_of(output))
+            outputs = tensors_of(output)
+            v.exit, v.out_shapes = self._specs(outputs), shapes_of(outputs)
+            v.out_ids, v.done = frozenset(id(t) for t in outputs), True
         self.log.append(("exit", v, v.at_exit))
 
     def _specs(self, tensors: list[Tensor]) -> tuple | str:
@@ -198,18 +201,18 @@ class Finder:
 
     # -- the choice --------------------------------------------------------------------------
 
-    def choose(self, start: int) -> Regions | str:
+    def choose(self, start: int, whole: bool = False) -> Regions | str:
         """The regions that cover every need, and the reads no call around them can hold that
         the replay serves by recipe (each with the autograd nodes made since ``start``, the
         forward's); or why there are none (a need that no call around it, the model's own
-        call aside, can hold, and no recipe serves)."""
+        call aside unless ``whole``, can hold, and no recipe serves)."""
         chosen: set[int] = set()
         root: list[Recipe] = []
         for why, stack, recipe, at in self.needs:
             if recipe is WITNESSED:  # compared on every batch: by its region, or the root
                 continue
             for v in reversed(stack):
-                if v.parent is not None and self._holds(v.module):
+                if (whole or v.parent is not None) and self._holds(v.module):
                     chosen.add(id(v.module))
                     break
             else:
@@ -219,7 +222,7 @@ class Finder:
         outer = [
             v
             for v in self.visits
-            if id(v.module) in chosen and not any(id(u.module) in chosen for u in _above(v))
+            if id(v.module) in chosen and not any(id(u.module) in chosen for u in above(v))
         ]
         light = {id(v): r for v in outer if (r := self._light(v)) is not None}
         routed = frozenset(id(v) for v in outer if id(v) in light and self._routed(v))
@@ -281,15 +284,3 @@ def _rows_first(v: Visit) -> bool:
     """Whether every tensor a call begins and ends with is no example's, or the batch along
     dimension 0: the rows a routed region follows."""
     return all(spec is None or spec[0] == 0 for spec in (*v.entry, *v.exit))
-
-
-def tensors_of(tree: object) -> list[Tensor]:
-    """The tensors of a call's arguments or outputs, in pytree order."""
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, Tensor)]
-
-
-def _above(v: Visit) -> Iterable[Visit]:
-    u = v.parent
-    while u is not None:
-        yield u
-        u = u.parent

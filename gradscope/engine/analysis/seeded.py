@@ -37,10 +37,7 @@ class Seeded:
         self.plan, self.batch = plan, batch
         device = tensors[0].device if tensors else None
         self.trace = RowTrace(batch, (), device)
-        for t, spec in zip(tensors, entry, strict=True):
-            if spec is not None:
-                dim, m = spec
-                self.trace.owners[t] = self.trace.lane_owners(t.dim(), (dim, m), t.shape[dim])
+        self.seed(tensors, entry)
         expand, assume = findings.expand is not False, findings.assume
         self.session = HookSession(plan.hooked_modules, self.trace, copy, expand, assume)
 
@@ -53,6 +50,35 @@ class Seeded:
         self._open = [self.trace, self.tap]
         for mode in self._open:
             mode.__enter__()
+        self._paused = False
+
+    def seed(self, tensors: Sequence[Tensor], specs: tuple) -> None:
+        """``tensors`` owned as ``specs`` say (the analysed batch's owners)."""
+        for t, spec in zip(tensors, specs, strict=True):
+            if spec is not None:
+                dim, m = spec
+                self.trace.owners[t] = self.trace.lane_owners(t.dim(), (dim, m), t.shape[dim])
+
+    # -- a child of the region (``analysis/children.py``): its forward without them ------------
+
+    def pause(self) -> bool:
+        """Take the trace and the tap off the torch function modes while a child runs; False
+        where they are not the innermost modes (the model pushed one of its own)."""
+        n = torch._C._len_torch_function_stack()
+        top = [torch._C._get_function_stack_at(k) for k in range(max(0, n - 2), n)]
+        if self._paused or len(top) != 2 or top[0] is not self.trace or top[1] is not self.tap:
+            return False
+        for _ in self._open:
+            torch._C._pop_torch_function_stack()
+        self._paused = True
+        return True
+
+    def resume(self) -> None:
+        """The trace and the tap back on, as the child's end is reached."""
+        if self._paused:
+            for mode in self._open:
+                torch._C._push_on_torch_function_stack(mode)
+            self._paused = False
 
     # -- the region's hooked calls, handed on by the replay's hooks -------------------------
 
@@ -65,9 +91,11 @@ class Seeded:
     # -- the end -----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Pop the trace and the tap (innermost first)."""
+        """Pop the trace and the tap (innermost first); off the stack already where paused."""
         while self._open:
-            self._open.pop().__exit__(None, None, None)
+            mode = self._open.pop()
+            if not self._paused:
+                mode.__exit__(None, None, None)
 
     def finish(self, outputs: Sequence[Tensor], exit: tuple) -> str | None:
         """The region's end: its modes popped; why the batch is not one the analysis describes
@@ -78,7 +106,7 @@ class Seeded:
             return "other outputs than the analysed batch's"
         with torch._C.DisableTorchFunction():
             for t, spec in zip(outputs, exit, strict=True):
-                if not self._owned(t, spec):
+                if not self.owned(t, spec):
                     return "outputs owned otherwise than the analysed batch's"
             for p in self.plan.by_rule + self.plan.raw:
                 other = self.tap.uses[p.name].other
@@ -90,7 +118,7 @@ class Seeded:
                     return f"a call of {type(call.module).__name__}: {reason}"
         return None
 
-    def _owned(self, t: Tensor, spec: tuple | None) -> bool:
+    def owned(self, t: Tensor, spec: tuple | None) -> bool:
         found = self.trace.spec(t)
         return found == (None if spec is None else tuple(spec))
 

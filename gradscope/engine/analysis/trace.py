@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from ..derived import writes
 from ..passes.steps import SCALAR_READS
 from .follow import OwnerAlgebra
 from .lanes import Lane, after
@@ -201,6 +202,8 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
             self._escaped(name)
         if self.finder is not None:
             self.finder.read(t for t, _ in tracked)
+            if writes(name, kwargs):
+                self.finder.wrote(kwargs.get("out", args[0] if args else None))
         origin = name
         try:
             if self._by_lanes(name, args, kwargs, tracked, out):

@@ -34,7 +34,7 @@ from ..capture import Call, Capture, counter, first_output, shapes_of
 from ..hooks import ModuleHooks
 from ..plan import BROADCAST, ParamPlan, Plan
 from .root import RootReads, in_order
-from .steps import Diverged, Program, RegionCall, Step
+from .steps import ChildCall, Diverged, Program, RegionCall, Step
 
 
 class Region:
@@ -46,6 +46,15 @@ class Region:
         self.depth = 1  # calls of its module under way (a module may call itself)
         # the hooked calls inside it are its own (traced, or routed: none), not the program's
         self.own = call.light is None or call.routed
+        # a traced region's child under way: its step, module, calls of it under way, start
+        self.child: ChildCall | None = None
+        self.child_module: nn.Module | None = None
+        self.child_depth, self.child_start = 0, 0
+
+    @property
+    def owns(self) -> bool:
+        """Whether a hooked call beginning now is the region's own (none is in a child)."""
+        return self.own and self.child is None
 
 
 class ReplaySession(Capture):
@@ -65,10 +74,11 @@ class ReplaySession(Capture):
         buffers: frozenset[int] = frozenset(),
         branched: Callable[[], None] = lambda: None,
         hooks: ModuleHooks | None = None,
+        children: Iterable[nn.Module] = (),
     ):
         super().__init__(modules, hooks)
         self.hooked = {id(m) for m in self.modules}
-        self.regions = list(regions)
+        self.regions, self.children = list(regions), list(children)
         self.steps, self.batch, self.copy = program.steps, batch, copy
         self.program, self.make_region = program, region
         self.next = 0
@@ -87,6 +97,9 @@ class ReplaySession(Capture):
             for module in self.regions:
                 pre = module.register_forward_pre_hook(self._region_enter, with_kwargs=True)
                 self._handles += [pre, module.register_forward_hook(self._region_exit)]
+            for module in self.children:
+                pre = module.register_forward_pre_hook(self._child_enter, with_kwargs=True)
+                self._handles += [pre, module.register_forward_hook(self._child_exit)]
             self._last = counter()
             if self.program.root or self.program.hosts:
                 self.root = RootReads(
@@ -159,7 +172,7 @@ class ReplaySession(Capture):
         """A hooked module's call begins: a step; inside a region, the region's own."""
         if self.diverged:  # the model caught our exception: stop at the next call
             raise Diverged(self.diverged)
-        if self.region is not None and self.region.own:
+        if self.region is not None and self.region.owns:
             return self.region.analysis.enter(module, args)
         self._spent()
         return self._step(module, args)
@@ -176,7 +189,7 @@ class ReplaySession(Capture):
     def _captured(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         """A hooked module's call ends."""
         region = self.region
-        own = region is not None and region.own
+        own = region is not None and region.owns
         if own and (module is not region.module or region.depth > 1):
             region.analysis.captured(module, args, kwargs, output)
             return
@@ -213,6 +226,50 @@ class ReplaySession(Capture):
             self.diverge(f"{why} in {type(module).__name__}")
         self.done.append(region.analysis)
         self._last = counter()  # what the region made differs from batch to batch
+
+    def _child_enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A child of a traced region begins (``analysis/children.py``): the region's trace
+        and tap off until it ends, where its arguments are as analysed, owners and all."""
+        region, name = self.region, type(module).__name__
+        if region is None or region.call.light is not None:
+            self.diverge(f"a call of {name} outside the region it ran in")
+        if region.child is not None:  # a call inside the child: the child's
+            region.child_depth += module is region.child_module
+            return
+        step = self.steps[self.next] if self.next < len(self.steps) else None
+        if not isinstance(step, ChildCall) or step.module != id(module):
+            self.diverge(f"another call than the analysed batch's in a region: {name}")
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        if shapes_of(tensors) != step.shapes:
+            self.diverge(f"a call of {name} on other shapes")
+        with torch._C.DisableTorchFunction():
+            owned = all(map(region.analysis.owned, tensors, step.entry))
+        if not owned:
+            self.diverge(f"a call of {name} on arguments owned otherwise than analysed")
+        if not region.analysis.pause():
+            self.diverge(f"a torch function mode of the model's own around a call of {name}")
+        self.next += 1
+        region.child, region.child_module, region.child_depth = step, module, 1
+        region.child_start = self._last = counter()
+
+    def _child_exit(self, module: nn.Module, args: tuple, output: object) -> None:
+        """A child's call ends: its outputs owned as analysed, for the region's trace."""
+        region = self.region
+        if region is None or region.child is None or module is not region.child_module:
+            return
+        region.child_depth -= 1
+        if region.child_depth:
+            return
+        step, region.child = region.child, None
+        region.analysis.resume()
+        name = type(module).__name__
+        if counter() - region.child_start != step.during:
+            self.diverge(f"other operations than the analysed batch's in a call of {name}")
+        outputs = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
+        if shapes_of(outputs) != step.out_shapes:
+            self.diverge(f"a call of {name} with other outputs")
+        region.analysis.seed(outputs, step.exit)
+        self._last = counter()
 
     def _step(self, module: nn.Module, args: tuple) -> tuple | None:
         step = self.steps[self.next] if self.next < len(self.steps) else None

@@ -53,10 +53,25 @@ class RegionCall:
 
 
 @dataclass(frozen=True)
+class ChildCall:
+    """One call of a traced region's child (``analysis/children.py``), as the analysed batch
+    made it: the hooked calls inside it are the program's steps, run without the region's trace
+    and tap, which take its outputs as owned as they were."""
+
+    module: int  # id of the module
+    shapes: tuple  # (shape, dtype) of its tensor arguments
+    entry: tuple  # their owner specs, as the region's trace must find them
+    out_shapes: tuple  # (shape, dtype) of its tensor outputs
+    exit: tuple  # their owner specs, which the region's trace takes
+    during: int  # autograd nodes made during the call
+
+
+@dataclass(frozen=True)
 class Program:
     """What a replayed batch of one signature does: the analysed batch's outcome."""
 
-    steps: tuple[Step | RegionCall, ...]  # in the order they began (a traced region's left out)
+    # in the order they began (a traced region's own calls left out, its children's kept)
+    steps: tuple[Step | RegionCall | ChildCall, ...]
     requests: Requests | None  # which outputs the backward requests; None: read each batch
     checked: tuple[str, ...]  # parameters no call reached: their gradients must stay None
     uses: tuple[tuple[str, int], ...]  # calls serving each parameter (merged where several)
@@ -65,6 +80,7 @@ class Program:
     regions: frozenset[int]  # ids of the region modules
     root: tuple[Recipe, ...] = ()  # reads outside every region call, by recipe (``light.py``)
     hosts: tuple[tuple[str, object], ...] = ()  # scalars read on the host outside them
+    children: frozenset[int] = frozenset()  # ids of the modules of the regions' children
 
     @functools.cached_property
     def lit(self) -> bool:
