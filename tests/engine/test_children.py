@@ -34,15 +34,29 @@ class Layer(nn.Module):
         return h * 2 if self.extra else h
 
 
+class Scaled(nn.Module):
+    """A residual block scaled by a parameter of its own read outside any hooked call (a
+    LayerScale's): a light child, its read served by recipe. ``twice`` reads it again."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.gamma = nn.Linear(D, D), nn.Parameter(torch.randn(D))
+        self.twice = False
+
+    def forward(self, h: Tensor) -> Tensor:
+        h = h + torch.tanh(self.fc(h)) * self.gamma
+        return h * self.gamma if self.twice else h
+
+
 class Marked(nn.Module):
     """Layers over the tokens, then each example's last marked token, as BART's and T5's
     sequence classifiers pick it: which rows it reads the ids say, and it reads their counts
     on the host. ``before``: a layer also called before the region's own work begins."""
 
-    def __init__(self):
+    def __init__(self, second: type[nn.Module] = Layer):
         super().__init__()
         self.emb = nn.Embedding(11, D)
-        self.layers = nn.ModuleList([Layer(), Layer()])
+        self.layers = nn.ModuleList([Layer(), second()])
         self.head = nn.Linear(D, CLASSES)
 
     def forward(self, ids: Tensor, h: Tensor | None = None) -> Tensor:
@@ -59,9 +73,9 @@ class Marked(nn.Module):
 class Wrapped(nn.Module):
     """``Marked`` inside a model: the region is its call."""
 
-    def __init__(self):
+    def __init__(self, second: type[nn.Module] = Layer):
         super().__init__()
-        self.inner = Marked()
+        self.inner = Marked(second)
 
     def forward(self, ids: Tensor) -> Tensor:
         return self.inner(ids)
@@ -120,9 +134,9 @@ def _batches(n: int = 3, marks: tuple[int, ...] = (1, 1, 1)) -> list[tuple[Tenso
     return out
 
 
-def _model(cls: type[Wrapped] = Wrapped) -> Wrapped:
+def _model(cls: type[Wrapped] = Wrapped, *args) -> Wrapped:
     torch.manual_seed(0)
-    return cls().double()
+    return cls(*args).double()
 
 
 def _scored(model: nn.Module, batches, each=lambda k: None) -> Engine:
@@ -149,6 +163,27 @@ def test_a_traced_region_replays_its_children(marks):
     assert program.children == {id(layer) for layer in model.inner.layers}
     children = [s for s in program.steps if type(s).__name__ == "ChildCall"]
     assert len(children) == 2 and len(program.steps) == 1 + 2 + 2 * 2  # region, layers, calls
+
+
+def test_a_child_reading_a_parameter_by_recipe_replays_light():
+    """A layer reading its scale outside any hooked call is a light child: its read by recipe,
+    its Linear a step. Reading it twice on batch 2 fails the light witness there (analysed in
+    full); batch 3 replays. Every batch exact."""
+    model = _model(Wrapped, Scaled)
+    scaled = model.inner.layers[1]
+
+    def each(k: int) -> None:
+        scaled.twice = k == 1
+
+    batches = _batches()
+    findings = _scored(model, batches, each).record.at((batches[0][0],), batches[0][1])
+    assert (findings.replays, findings.analyses) == (1, 2)
+    assert "read" in findings.why and "Scaled" in findings.why
+    # each way's program: its scale read once, or twice
+    lights = [s.light for p in findings.programs for s in p.steps if getattr(s, "light", None)]
+    assert {c.module for c in lights} == {id(scaled)}
+    assert sorted(len(c.light) for c in lights) == [1, 2]
+    assert all(p.children == {id(m) for m in model.inner.layers} for p in findings.programs)
 
 
 def test_the_models_own_call_is_a_region_where_it_has_children():

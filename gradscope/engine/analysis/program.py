@@ -60,8 +60,7 @@ def program_of(
     last = captured.at_start
     for what, obj, at in captured.finder.log:
         if what == "enter" and own and child is None and id(obj) in regions.children:
-            items.append(ChildCall(id(obj.module), obj.shapes, obj.entry, obj.out_shapes,
-                                   obj.exit, obj.at_exit - obj.at_entry))  # fmt: skip
+            items.append(_child(obj, regions.children[id(obj)], captured))
             child, own = obj, False
         elif what == "exit" and obj is child:
             child, own = None, True
@@ -114,6 +113,18 @@ def program_of(
         regions.root_hosts,
         children,
     )
+
+
+def _child(v: Visit, recipes: tuple | None, captured: Captured) -> ChildCall:
+    """The program's entry for a child: a light one's call as a light region's."""
+    during, light = v.at_exit - v.at_entry, None
+    if recipes is not None:
+        hosts = tuple((name, value) for name, value, stack in captured.finder.hosts if v in stack)
+        light = RegionCall(
+            id(v.module), v.entry, v.exit, v.steps, 0, recipes, during, constant=v.constant,
+            hosts=hosts,
+        )  # fmt: skip
+    return ChildCall(id(v.module), v.shapes, v.entry, v.out_shapes, v.exit, during, light)
 
 
 def _step(item: _Open) -> Step:

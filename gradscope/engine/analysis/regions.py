@@ -57,8 +57,9 @@ class Regions:
     # values on the host, (op, what it read), in order; a replayed call must read the same
     hosts: dict[int, tuple[tuple[str, object], ...]] = field(default_factory=dict)
     root_hosts: tuple[tuple[str, object], ...] = ()  # those outside every region call
-    # the calls inside traced regions that replay as the rest of the forward (``children.py``)
-    children: frozenset[int] = frozenset()
+    # the calls inside traced regions that replay as the rest of the forward, by id of the
+    # visit: None, or a light child's recipes (``children.py``)
+    children: dict[int, tuple[Recipe, ...] | None] = field(default_factory=dict)
 
     @property
     def fixed(self) -> bool:
@@ -224,8 +225,8 @@ class Finder:
             for v in self.visits
             if id(v.module) in chosen and not any(id(u.module) in chosen for u in above(v))
         ]
-        light = {id(v): r for v in outer if (r := self._light(v)) is not None}
-        routed = frozenset(id(v) for v in outer if id(v) in light and self._routed(v))
+        light = {id(v): r for v in outer if (r := self.light(v)) is not None}
+        routed = frozenset(id(v) for v in outer if id(v) in light and self.routed(v))
         opened = frozenset(i for i in routed if any(r.expert for r in light[i]))
         opened |= frozenset(id(v) for v in outer if id(v) in routed and self._escaped(v))
         hosts = {
@@ -237,7 +238,7 @@ class Finder:
         top = tuple((n, x) for n, x, stack in self.hosts if not any(id(v) in inside for v in stack))
         return Regions(frozenset(chosen), outer, light, routed, opened, tuple(root), hosts, top)
 
-    def _light(self, v: Visit) -> tuple[Recipe, ...] | None:
+    def light(self, v: Visit) -> tuple[Recipe, ...] | None:
         """The recipes of a region call whose every need is a read with one, or a scalar of
         the batch's values read on the host (its witness compares them; in a routed region, rows
         picked by values, or any values read), each with the autograd nodes made from the
@@ -247,16 +248,16 @@ class Finder:
             return None
         computed = any(isinstance(r, Recipe) and r.computed for r, _ in mine)
         unfit = v.steps or computed or not _rows_first(v)
-        if self._routed(v) and unfit:  # a routed region follows rows alone: no call inside,
+        if self.routed(v) and unfit:  # a routed region follows rows alone: no call inside,
             return None  # nothing made from parameters
         unwitnessed = self._escaped(v, witnessed=False)
         expert = any(isinstance(r, Recipe) and r.expert for r, _ in mine)
-        if not self._routed(v) and (unwitnessed or expert):
+        if not self.routed(v) and (unwitnessed or expert):
             return None
         reads = [(r, at) for r, at in mine if r not in (PICKED, ESCAPED, WITNESSED)]
         return tuple(dataclasses.replace(recipe, at=at - v.at_entry) for recipe, at in reads)
 
-    def _routed(self, v: Visit) -> bool:
+    def routed(self, v: Visit) -> bool:
         """Whether a region call's rows are picked by values: a routed region's, if light."""
         mine = [recipe for _, stack, recipe, _ in self.needs if v in stack]
         return any(

@@ -46,10 +46,12 @@ class Region:
         self.depth = 1  # calls of its module under way (a module may call itself)
         # the hooked calls inside it are its own (traced, or routed: none), not the program's
         self.own = call.light is None or call.routed
-        # a traced region's child under way: its step, module, calls of it under way, start
+        # a traced region's child under way: its step, module, calls of it under way, start,
+        # and a light one's own pass
         self.child: ChildCall | None = None
         self.child_module: nn.Module | None = None
         self.child_depth, self.child_start = 0, 0
+        self.light: Any = None
 
     @property
     def owns(self) -> bool:
@@ -119,6 +121,8 @@ class ReplaySession(Capture):
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
         if self.region is not None:  # the forward raised inside a region: leave its modes
+            if self.region.light is not None:
+                self.region.light.close()
             self.region.analysis.close()
             self.region = None
         if self.root is not None:
@@ -251,6 +255,8 @@ class ReplaySession(Capture):
         self.next += 1
         region.child, region.child_module, region.child_depth = step, module, 1
         region.child_start = self._last = counter()
+        if step.light is not None:  # its reads by its recipes, under a mode of its own
+            region.light = self.make_region(step.light, tensors)
 
     def _child_exit(self, module: nn.Module, args: tuple, output: object) -> None:
         """A child's call ends: its outputs owned as analysed, for the region's trace."""
@@ -260,12 +266,17 @@ class ReplaySession(Capture):
         region.child_depth -= 1
         if region.child_depth:
             return
-        step, region.child = region.child, None
+        step, region.child, light, region.light = region.child, None, region.light, None
+        outputs = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
+        why = None if light is None else light.finish(outputs, step.exit)
         region.analysis.resume()
         name = type(module).__name__
+        if why:
+            self.diverge(f"{why} in {name}")
+        if light is not None:
+            self.done.append(light)
         if counter() - region.child_start != step.during:
             self.diverge(f"other operations than the analysed batch's in a call of {name}")
-        outputs = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
         if shapes_of(outputs) != step.out_shapes:
             self.diverge(f"a call of {name} with other outputs")
         region.analysis.seed(outputs, step.exit)

@@ -56,7 +56,8 @@ class RegionCall:
 class ChildCall:
     """One call of a traced region's child (``analysis/children.py``), as the analysed batch
     made it: the hooked calls inside it are the program's steps, run without the region's trace
-    and tap, which take its outputs as owned as they were."""
+    and tap (a light one's reads by its recipes), which take its outputs as owned as they
+    were."""
 
     module: int  # id of the module
     shapes: tuple  # (shape, dtype) of its tensor arguments
@@ -64,6 +65,7 @@ class ChildCall:
     out_shapes: tuple  # (shape, dtype) of its tensor outputs
     exit: tuple  # their owner specs, which the region's trace takes
     during: int  # autograd nodes made during the call
+    light: RegionCall | None = None  # a light child's call, replayed as a light region's
 
 
 @dataclass(frozen=True)
@@ -85,8 +87,9 @@ class Program:
     @functools.cached_property
     def lit(self) -> bool:
         """Whether any read is served by recipe: a light region's, or the root's."""
+        calls = (s.light if isinstance(s, ChildCall) else s for s in self.steps)
         return bool(self.root) or any(
-            isinstance(s, RegionCall) and s.light is not None for s in self.steps
+            isinstance(c, RegionCall) and c.light is not None for c in calls
         )
 
     @property
