@@ -13,7 +13,7 @@ from project import run_cli
 from torch import Tensor, nn
 
 import gradscope
-from gradscope.engine import Engine, Forward, Want, naive_grads, select_output
+from gradscope.engine import Engine, Forward, Want, naive_grads, select_output, total
 from gradscope.losses import resolve_loss
 from gradscope.rules.projection import Projection
 
@@ -119,6 +119,26 @@ def reference_influence(
     )  # (N, P)
     ref = ref if per_ref else ref.mean(0, keepdim=True)  # (K, P)
     return flat @ ref.T, flat.norm(dim=1), ref.norm(dim=1)
+
+
+def assert_influence_through_one_engine(
+    model: nn.Module, batches: Sequence[tuple[tuple[Tensor, ...], Tensor]], loss: str
+) -> Engine:
+    """Inner products with the mean gradient of the first batch, every batch through one
+    Engine (the later ones replayed where they may), each against the float64 loop; the Engine,
+    for its record."""
+    fn = resolve_loss(loss)
+    ref = batches[0]
+    engine = Engine(model, fn)
+    with engine:
+        names = [p.name for p in engine.plan.included]
+        _, ref_grads = naive_grads(model, *ref, fn, names)
+        refs = {n: g.mean(0, keepdim=True) for n, g in ref_grads.items()}
+        for inputs, targets in batches:
+            got = total(engine.norms(inputs, targets, refs=refs).inner)[:, 0]
+            expected, _, _ = reference_influence(model, inputs, targets, ref, loss)
+            assert_rel_close(got, expected[:, 0], 1e-9)
+    return engine
 
 
 @dataclass

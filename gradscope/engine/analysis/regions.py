@@ -18,7 +18,7 @@ A need whose every enclosing call fails these leaves the signature without a pro
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -114,11 +114,8 @@ class Finder:
             b = self._born.get(t)
             if b is None:
                 continue
-            for v in reversed(self.stack):
-                if v.index <= b:
-                    break
-                if id(t) not in v.arg_ids:
-                    v.foreign = True
+            for v in self._after(b):
+                v.foreign |= id(t) not in v.arg_ids
             u = self.visits[b] if b >= 0 else None
             while u is not None and u.done:
                 u.leaks |= id(t) not in u.out_ids
@@ -129,12 +126,15 @@ class Finder:
         was made wrote past its end (where it was made during the write, a later read of it
         shows whether it leaked)."""
         b = self._born.get(t)
-        if b is None:
-            return
+        for v in self._after(b) if b is not None else ():
+            v.leaks = True
+
+    def _after(self, b: int) -> Iterator[Visit]:
+        """The visits under way that began after visit ``b`` (-1: none, the forward's top)."""
         for v in reversed(self.stack):
             if v.index <= b:
-                break
-            v.leaks = True
+                return
+            yield v
 
     def need(self, why: str, recipe: Recipe | None = None) -> None:
         """Something at this point of the forward needs analysis on every batch; ``recipe``:
