@@ -258,6 +258,12 @@ class Captured:
         return self.trace is not None and self.trace.per_example(self.losses, len(self.losses))
 
 
+def tensors_of(tree: object) -> list[Tensor]:
+    """The tensors of a call's arguments or outputs, in pytree order: the analysis records a
+    region's or a child's ends so, and the replay reads them so."""
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, Tensor)]
+
+
 def tensors_in(args: tuple, kwargs: dict) -> list[Tensor]:
     """The tensors among an op's arguments, however deep in lists, tuples and dicts
     (``torch.cat``'s): pytree only where an argument is a container (this runs on many ops)."""

@@ -36,7 +36,7 @@ def regions_of(captured: Captured) -> Regions | str:
     regions = finder.choose(captured.at_start)
     if isinstance(regions, str):
         whole = finder.choose(captured.at_start, whole=True)
-        children = frozenset() if isinstance(whole, str) else children_of(finder, whole, hooked)
+        children = {} if isinstance(whole, str) else children_of(finder, whole, hooked)
         return dataclasses.replace(whole, children=children) if children else regions
     return dataclasses.replace(regions, children=children_of(finder, regions, hooked))
 
@@ -98,7 +98,7 @@ def program_of(
             continue
         last = at
     steps = tuple(_step(i) if isinstance(i, _Open) else i for i in items)
-    children = frozenset(id(v.module) for v in captured.finder.visits if id(v) in regions.children)
+    children = frozenset(s.module for s in steps if isinstance(s, ChildCall))
     tail = captured.at_end - last
     uses_ = tuple(uses.items())
     return Program(

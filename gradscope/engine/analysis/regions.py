@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from ..capture import counter, shapes_of
+from ..capture import counter, shapes_of, tensors_of
 from ..derived import Constants
 from ..passes.recipes import Recipe
 from .trace import IRREGULAR, ByTensor
-from .visits import Visit, above, tensors_of
+from .visits import Visit, above
 
 if TYPE_CHECKING:
     from ..record import Record

@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ...rules.placed import Place
-from ..capture import Use, tensors_in
+from ..capture import Use, tensors_in, tensors_of
 from ..derived import Constants, Derived, Watched, compute, writes
 from ..hooks import ReadHooks
 from ..passes.parts import CONVS
@@ -110,7 +110,7 @@ class ParamTap(FunctionReads, ExpertReads, BroadcastReads, TorchFunctionMode):
             self.constants.after(func, name, tensors_in(args, kwargs), kwargs, out)
             return out
         if self.finder is not None:
-            self.finder.read(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor))
+            self.finder.read(tensors_of((args, kwargs)))
         if func in OPENED:
             with self:  # the function's own ops come to this mode, one by one
                 return OPENED[func](*args, **kwargs)

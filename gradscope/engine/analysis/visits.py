@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
+from torch import nn
 
 
 @dataclass(eq=False)
@@ -32,11 +31,6 @@ class Visit:
     done: bool = False  # ended
     # something it made, or wrote in place, was read after its end other than as its output
     leaks: bool = False
-
-
-def tensors_of(tree: object) -> list[Tensor]:
-    """The tensors of a call's arguments or outputs, in pytree order."""
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, Tensor)]
 
 
 def above(v: Visit) -> Iterable[Visit]:

@@ -8,10 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
+from torch import nn
 
-from ..capture import counter, shapes_of
+from ..capture import counter, shapes_of, tensors_of
 from .steps import ChildCall, RegionCall
 
 
@@ -29,7 +28,7 @@ class Region:
         self.child: ChildCall | None = None
         self.child_module: nn.Module | None = None
         self.child_depth, self.child_start = 0, 0
-        self.light: Any = None
+        self.child_light: Any = None
 
     @property
     def owns(self) -> bool:
@@ -53,7 +52,7 @@ class RegionHooks:
             self.diverge(f"another region than the analysed batch's: {type(module).__name__}")
         self._ticked(call.before, "before", module)
         self.next += 1
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        tensors = tensors_of((args, kwargs))
         if len(tensors) != len(call.entry):
             self.diverge(f"other arguments of {type(module).__name__}")
         self.region = Region(call, self.make_region(call, tensors), module)
@@ -66,7 +65,7 @@ class RegionHooks:
         if region.depth:
             return
         self.region = None
-        outputs = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
+        outputs = tensors_of(output)
         why = region.analysis.finish(outputs, region.call.exit)
         if why:
             self.diverge(f"{why} in {type(module).__name__}")
@@ -85,7 +84,7 @@ class RegionHooks:
         step = self.steps[self.next] if self.next < len(self.steps) else None
         if not isinstance(step, ChildCall) or step.module != id(module):
             self.diverge(f"another call than the analysed batch's in a region: {name}")
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        tensors = tensors_of((args, kwargs))
         if shapes_of(tensors) != step.shapes:
             self.diverge(f"a call of {name} on other shapes")
         with torch._C.DisableTorchFunction():
@@ -98,7 +97,7 @@ class RegionHooks:
         region.child, region.child_module, region.child_depth = step, module, 1
         region.child_start = self._last = counter()
         if step.light is not None:  # its reads by its recipes, under a mode of its own
-            region.light = self.make_region(step.light, tensors)
+            region.child_light = self.make_region(step.light, tensors)
 
     def _child_exit(self, module: nn.Module, args: tuple, output: object) -> None:
         """A child's call ends: its outputs owned as analysed, for the region's trace."""
@@ -108,8 +107,9 @@ class RegionHooks:
         region.child_depth -= 1
         if region.child_depth:
             return
-        step, region.child, light, region.light = region.child, None, region.light, None
-        outputs = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
+        step, light = region.child, region.child_light
+        region.child = region.child_light = None
+        outputs = tensors_of(output)
         why = None if light is None else light.finish(outputs, step.exit)
         region.analysis.resume()
         name = type(module).__name__

@@ -99,8 +99,8 @@ class ReplaySession(RegionHooks, Capture):
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
         if self.region is not None:  # the forward raised inside a region: leave its modes
-            if self.region.light is not None:
-                self.region.light.close()
+            if self.region.child_light is not None:
+                self.region.child_light.close()
             self.region.analysis.close()
             self.region = None
         if self.root is not None:
