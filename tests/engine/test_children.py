@@ -14,8 +14,10 @@ from oracle import (
     model_state,
     reference_norms,
 )
+from project import run_cli
 from torch import Tensor, nn
 
+import gradscope
 from gradscope.engine import Engine, total
 from gradscope.errors import ModelError
 from gradscope.losses import resolve_loss
@@ -263,3 +265,48 @@ def test_replayed_influence_through_children_is_exact():
     batches = [((ids,), y) for ids, y in _batches()]
     engine = assert_influence_through_one_engine(_model(), batches, "cross_entropy")
     assert engine.record.at(*batches[0]).replays == 2
+
+
+# each kind of child: plain layers, a light one, and the model's own call as the region
+BUILT = {
+    "plain": lambda: _model(),
+    "light": lambda: _model(Wrapped, Scaled),
+    "top": lambda: _model().inner,
+}
+
+
+@pytest.mark.parametrize("case", BUILT)
+def test_every_batch_is_exact_through_fresh_api_calls(case: str):
+    """Batches of one shape, other values and other counts of marks, each scored by a fresh
+    call (the later two replayed by the record the model keeps): each the loop's, the model
+    left as it was."""
+    model = BUILT[case]()
+    for ids, y in _batches(marks=(1, 2, 1)):
+        before = model_state(model)
+        norms = gradscope.per_example_norms(model, (ids,), y, loss="cross_entropy")
+        before.assert_kept(model)
+        assert_rel_close(norms, reference_norms(model, (ids,), y, "cross_entropy")[1], 1e-9)
+    findings = Engine(model, resolve_loss("cross_entropy")).record.at((ids,), y)
+    assert (findings.replays, findings.analyses) == (2, 1)
+
+
+@pytest.mark.parametrize("case", BUILT)
+def test_every_batch_of_one_cli_run_is_exact(tmp_path, case: str):
+    """The same batches in one CLI run: every example's norm the loop's."""
+    model = BUILT[case]()
+    batches = _batches(marks=(1, 2, 1))
+    torch.save(
+        {"ids": torch.cat([b[0] for b in batches]), "y": torch.cat([b[1] for b in batches])},
+        tmp_path / "data.pt",
+    )
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    (tmp_path / "models.py").write_text(
+        f"from test_children import BUILT\n\ndef make():\n    return BUILT[{case!r}]()\n"
+    )
+    model_section = {"factory": "models.py:make", "checkpoint": "model.pt"}
+    data = {"path": "data.pt", "inputs": ["ids"], "targets": "y", "batch_size": BATCH}
+    scores = run_cli(tmp_path, model_section, data, "cross_entropy")
+    for k, (ids, y) in enumerate(batches):
+        _, expected = reference_norms(model, (ids,), y, "cross_entropy")
+        got = torch.tensor(scores["grad_norm"].to_numpy()[k * BATCH : (k + 1) * BATCH])
+        assert_rel_close(got, expected, 1e-9)
