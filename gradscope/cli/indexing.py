@@ -1,0 +1,148 @@
+"""The gradient index: ``index`` writes it, ``query`` scores references against it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .. import terminal
+from ..config import SummaryConfig, load_config, with_overrides
+from .options import BatchOpt, ConfigArg, DeviceOpt, LimitOpt, ResumeOpt, TrustOpt
+from .reports import check_top_k
+
+
+def index(
+    config: ConfigArg,
+    out: Annotated[
+        str | None,
+        typer.Option(
+            "--out",
+            metavar="DIR",
+            help="Index folder to write (default: output.path as NAME.index).",
+        ),
+    ] = None,
+    dim: Annotated[
+        int | None,
+        typer.Option(
+            "--dim", metavar="K", help="Numbers kept per parameter, k_out * k_in (default 1024)."
+        ),
+    ] = None,
+    seed: Annotated[
+        int, typer.Option("--seed", metavar="S", help="Seed of the random projections.")
+    ] = 0,
+    storage: Annotated[
+        str,
+        typer.Option(
+            "--storage", metavar="float16|float32", help="float16 or float32 rows on disk."
+        ),
+    ] = "float16",
+    device: DeviceOpt = None,
+    batch_size: BatchOpt = None,
+    limit: LimitOpt = None,
+    resume: ResumeOpt = False,
+    trust_checkpoint: TrustOpt = False,
+) -> None:
+    """Write each example's projected gradient to an index folder, to query many times."""
+    from ..index.layout import described
+    from ..index.scorer import IndexScorer, index_output
+    from ..run import score_dataset
+
+    cfg = with_overrides(load_config(config), device=device, batch_size=batch_size, limit=limit)
+    cfg = index_output(cfg, out)
+    scorer = IndexScorer(dim, seed, storage)
+    with terminal.progress("index") as (on_start, on_batch):
+        path = score_dataset(
+            cfg, scorer, trust_checkpoint=trust_checkpoint, resume=resume,
+            on_start=on_start, on_batch=on_batch,
+        )  # fmt: skip
+    if path is not None:  # rank 0 under torchrun
+        terminal.console.print(described(path))
+        terminal.wrote(path)
+
+
+def query(
+    index: Annotated[
+        Path, typer.Argument(metavar="INDEX", help="An index folder written by gradscope index.")
+    ],
+    ref: Annotated[
+        str,
+        typer.Option(
+            "--ref",
+            metavar="REF",
+            help="Reference data (any format data.path takes); same columns.",
+        ),
+    ],
+    per_ref: Annotated[
+        bool, typer.Option("--per-ref", help="Every REF row its own reference: its top-k.")
+    ] = False,
+    top_k: Annotated[
+        int | None,
+        typer.Option(
+            "--top-k",
+            metavar="K",
+            help="Rows per reference (default: every example for the "
+            "mean reference, else summary.top_k).",
+        ),
+    ] = None,  # fmt: skip
+    exact: Annotated[
+        bool,
+        typer.Option(
+            "--exact",
+            help="Re-score each reference's top k * M candidates with the "
+            "exact engine and rank by the exact scores.",
+        ),
+    ] = False,  # fmt: skip
+    candidates: Annotated[
+        int | None,
+        typer.Option(
+            "--candidates",
+            metavar="M",
+            help="M of --exact: candidates per top-k row (default 30).",
+        ),
+    ] = None,
+    normalize: Annotated[
+        bool, typer.Option("--normalize", help="Cosine: unit-normalised gradients.")
+    ] = False,
+    precondition: Annotated[
+        Path | None,
+        typer.Option(
+            "--precondition",
+            metavar="FILE",
+            help="Factors file or Adam/AdamW state_dict, applied to the references.",
+        ),
+    ] = None,
+    out: Annotated[
+        str | None,
+        typer.Option(
+            "--out", metavar="PATH", help="Parquet file to write (default: INDEX.query.parquet)."
+        ),
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            metavar="CONFIG",
+            help="The indexed model's config, for an index that holds none.",
+        ),
+    ] = None,
+    device: DeviceOpt = None,
+    batch_size: BatchOpt = None,
+    trust_checkpoint: TrustOpt = False,
+) -> None:
+    """Score every indexed example against the gradients of REF (their mean, or each row)."""
+    from ..index.query import CANDIDATES, Query, run_query, shown
+
+    check_top_k(top_k)
+    asked = Query(
+        ref if ".py:" in ref else str(Path(ref).resolve()), per_ref, top_k, exact,
+        CANDIDATES if candidates is None else candidates, normalize,
+        str(precondition.resolve()) if precondition else None,
+    )  # fmt: skip
+    path = run_query(
+        index, asked, out, config=config, device=device, batch_size=batch_size,
+        trust_checkpoint=trust_checkpoint,
+    )  # fmt: skip
+    terminal.console.print(shown(path, top_k or SummaryConfig.top_k))
+    terminal.wrote(path)

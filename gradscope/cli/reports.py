@@ -1,0 +1,72 @@
+"""The commands that read a scores file: ``summary`` (the outlier tables) and ``report``
+(the HTML page); the scoring commands end with the same tables and page."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .. import terminal
+from ..config import Config, SummaryConfig, load_config, output_path
+from .options import ByOpt, ScoresArg, TopKOpt
+
+
+def print_tables(path: Path, by: str | None, top_k: int, classes: list[str] | None = None) -> None:
+    """The outlier tables of a scores file, on the terminal."""
+    from ..summary import summarize
+
+    terminal.console.print(summarize(path, by, top_k, classes))
+
+
+def write_html(
+    scores: Path, out: Path | None, cfg: Config | None, by: str | None, top_k: int
+) -> None:
+    """The HTML report of a scores file, written; its path on the terminal."""
+    from ..report import write_report
+
+    terminal.wrote(write_report(scores, out, cfg, by, top_k))
+
+
+def summary(scores: ScoresArg, by: ByOpt = None, top_k: TopKOpt = None) -> None:
+    """Print the outlier tables of an existing scores file (20 rows unless --top-k)."""
+    from ..errors import DataError
+
+    if not scores.is_file():
+        raise DataError("scores file not found", str(scores))
+    check_top_k(top_k)
+    print_tables(scores, by, top_k or SummaryConfig.top_k)
+
+
+def report(
+    scores: ScoresArg,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            metavar="CONFIG",
+            help="The run's config: the top-k examples are read and shown.",
+        ),
+    ] = None,
+    out: Annotated[
+        str | None,
+        typer.Option("--out", metavar="PATH", help="HTML file to write (default: SCORES.html)."),
+    ] = None,
+    by: ByOpt = None,
+    top_k: TopKOpt = None,
+) -> None:
+    """Write one self-contained HTML page: charts of the scores, the top-k examples shown
+    (--top-k, else the config's summary.top_k, else 20)."""
+    check_top_k(top_k)
+    cfg = load_config(config) if config else None
+    target = Path(output_path(out, Path.cwd(), "--out")) if out is not None else None
+    write_html(scores, target, cfg, by, top_k or (cfg.summary if cfg else SummaryConfig).top_k)
+
+
+def check_top_k(top_k: int | None) -> None:
+    """--top-k, where given, at least 1: before any work."""
+    from ..errors import ConfigError
+
+    if top_k is not None and top_k < 1:
+        raise ConfigError(f"--top-k must be at least 1, got {top_k}", "--top-k")

@@ -1,0 +1,249 @@
+"""The commands that run the configured model over its data: ``norms``, ``influence``,
+``check`` and ``factors``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from .. import terminal
+from ..config import Config, load_config, with_overrides
+from ..errors import Interrupted
+from .options import (
+    BatchOpt,
+    ByOpt,
+    ConfigArg,
+    DeviceOpt,
+    LimitOpt,
+    OutOpt,
+    ReportOpt,
+    ResumeOpt,
+    TopKOpt,
+    TrustOpt,
+)
+from .reports import print_tables, write_html
+
+if TYPE_CHECKING:  # the scorers import torch: not for --help, --version, summary
+    from ..scorers import Scorer
+
+
+def _run(
+    cfg: Config, scorer: Scorer, by: str | None, report: bool, trust_checkpoint: bool, resume: bool
+) -> None:
+    """A scoring run under a progress bar, then the file it wrote, its outlier tables and, if
+    asked, its report (on rank 0 only)."""
+    from ..run import score_dataset
+    from ..summary import check_by
+
+    check_by(by, scorer.names(cfg))  # a bad --by fails before the run, not after it
+    with terminal.progress(scorer.command) as (on_start, on_batch):
+        path = score_dataset(
+            cfg,
+            scorer,
+            trust_checkpoint=trust_checkpoint,
+            resume=resume,
+            on_start=on_start,
+            on_batch=on_batch,
+        )
+    if path is None:  # on the ranks other than 0 under torchrun
+        return
+    try:
+        try:
+            print_tables(path, by, cfg.summary.top_k, cfg.data.classes)
+        finally:  # the scores are written whatever the tables make of them
+            terminal.wrote(path)
+        if report:
+            write_html(path, None, cfg, by, cfg.summary.top_k)
+    except KeyboardInterrupt:  # the scores are whole: not "before any example was saved"
+        raise Interrupted("interrupted after every example was saved", str(path)) from None
+
+
+def norms(
+    config: ConfigArg,
+    out: OutOpt = None,
+    device: DeviceOpt = None,
+    batch_size: BatchOpt = None,
+    limit: LimitOpt = None,
+    per_layer: Annotated[
+        bool, typer.Option("--per-layer", help="Add a grad_norm/<module> column per module.")
+    ] = False,
+    top_k: TopKOpt = None,
+    by: ByOpt = None,
+    precondition: Annotated[
+        Path | None,
+        typer.Option(
+            "--precondition",
+            metavar="FILE",
+            help="Factors file (gradscope factors) or Adam/AdamW state_dict: adds "
+            "self_influence = g^T P g, P the inverse curvature or 1 / (sqrt(v_hat) + eps).",
+        ),
+    ] = None,
+    resume: ResumeOpt = False,
+    trust_checkpoint: TrustOpt = False,
+    report: ReportOpt = False,
+) -> None:
+    """L2 norm of each example's own loss gradient."""
+    from ..scorers import NormsScorer
+
+    cfg = with_overrides(
+        load_config(config),
+        out=out,
+        device=device,
+        batch_size=batch_size,
+        limit=limit,
+        per_layer=per_layer,
+        top_k=top_k,
+    )
+    _run(cfg, NormsScorer(trust_checkpoint, precondition), by, report, trust_checkpoint, resume)
+
+
+def influence(
+    config: ConfigArg,
+    ref: Annotated[
+        str,
+        typer.Option(
+            "--ref",
+            metavar="REF",
+            help="Reference data file (any format data.path takes); same column names.",
+        ),
+    ],
+    out: OutOpt = None,
+    device: DeviceOpt = None,
+    batch_size: BatchOpt = None,
+    limit: LimitOpt = None,
+    top_k: TopKOpt = None,
+    per_ref: Annotated[
+        bool,
+        typer.Option("--per-ref", help="One row per (example, reference example) pair, ref_id."),
+    ] = False,
+    precondition: Annotated[
+        Path | None,
+        typer.Option(
+            "--precondition",
+            metavar="FILE",
+            help="Factors file (gradscope factors) or Adam/AdamW state_dict: score against "
+            "P g_ref, P the inverse curvature or 1 / (sqrt(v_hat) + eps).",
+        ),
+    ] = None,
+    engine: Annotated[
+        str,
+        typer.Option(
+            "--engine",
+            metavar="auto|hooks|jvp",
+            help="auto, hooks (ghost inner products) or jvp (forward mode).",
+        ),
+    ] = "auto",
+    by: ByOpt = None,
+    resume: ResumeOpt = False,
+    trust_checkpoint: TrustOpt = False,
+    report: ReportOpt = False,
+) -> None:
+    """Inner product of each example's loss gradient with the mean-loss gradient over REF."""
+    from ..scorers import InfluenceScorer
+
+    cfg = with_overrides(
+        load_config(config),
+        out=out,
+        device=device,
+        batch_size=batch_size,
+        limit=limit,
+        top_k=top_k,
+    )
+    scorer = InfluenceScorer(
+        ref,
+        per_ref=per_ref,
+        precondition=precondition,
+        engine=engine,
+        trust_checkpoint=trust_checkpoint,
+    )
+    _run(cfg, scorer, by, report, trust_checkpoint, resume)
+
+
+def check(
+    config: ConfigArg,
+    examples: Annotated[
+        int, typer.Option("--examples", metavar="N", help="Compare on the first N examples.")
+    ] = 8,
+    ref: Annotated[
+        Path | None,
+        typer.Option(
+            "--ref",
+            metavar="REF",
+            help="Reference data for the influence check (default: the examples).",
+        ),
+    ] = None,
+    device: DeviceOpt = None,
+    trust_checkpoint: TrustOpt = False,
+) -> None:
+    """Compare both engines with a per-example backward loop; exit 1 above tolerance."""
+    from ..engine import render_plan, render_report
+    from ..job import check_config
+
+    cfg = with_overrides(load_config(config), device=device)
+    report = check_config(
+        cfg, examples, ref=str(ref) if ref else None, trust_checkpoint=trust_checkpoint
+    )
+    terminal.console.print(render_plan(report.plan))
+    if cfg.data.pad:
+        terminal.console.print(_padding(cfg))
+    terminal.console.print(render_report(report))
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def factors(
+    config: ConfigArg,
+    out: Annotated[
+        Path, typer.Option("--out", metavar="PATH", help="safetensors file to write.")
+    ] = Path("factors.safetensors"),
+    limit: LimitOpt = None,
+    ekfac: Annotated[
+        bool, typer.Option("--ekfac", help="A second pass for EK-FAC's corrected eigenvalues.")
+    ] = False,
+    fisher: Annotated[
+        str,
+        typer.Option(
+            "--fisher",
+            metavar="true|empirical",
+            help="true (targets drawn from the model) or empirical (the data's).",
+        ),
+    ] = "true",
+    device: DeviceOpt = None,
+    batch_size: BatchOpt = None,
+    trust_checkpoint: TrustOpt = False,
+) -> None:
+    """K-FAC (and EK-FAC) curvature factors of the configured model over its data."""
+    from ..curvature import fit_factors
+
+    cfg = with_overrides(load_config(config), device=device, batch_size=batch_size, limit=limit)
+    with terminal.progress("factors") as (on_start, on_batch):
+        made = fit_factors(
+            cfg,
+            out,
+            ekfac=ekfac,
+            fisher=fisher,
+            trust_checkpoint=trust_checkpoint,
+            on_start=on_start,
+            on_batch=on_batch,
+        )
+    kinds = [b["kind"] for b in made.describe().values()]
+    counts = ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds))
+    left = made.meta["left_out"]
+    left = f" ({left} left out: a NaN or infinite loss or gradient)" if left else ""
+    terminal.console.print(
+        f"{made.meta['examples']} examples{left}, {made.meta['fisher']} Fisher; {counts}"
+    )
+    terminal.wrote(out)
+
+
+def _padding(cfg: Config) -> str:
+    """``data.pad`` as the run uses it; a value that is the default for its column is marked."""
+    from ..config import default_pad
+
+    defaults = default_pad(cfg)
+    return "padding: " + ", ".join(
+        f"{name} {value:g}" + (" (default)" if defaults.get(name) == value else "")
+        for name, value in cfg.data.pad.items()
+    )
