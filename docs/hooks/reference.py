@@ -86,9 +86,9 @@ def config_keys(cls: type | None = None, prefix: str = "") -> list[tuple[str, An
 
 
 def _type(hint: Any) -> str:
-    from gradscope.config import _type_name  # the words the config's own errors use
+    from gradscope.config.typed import type_name  # the words the config's own errors use
 
-    return "a list of mappings" if _item(hint) else _type_name(hint)
+    return "a list of mappings" if _item(hint) else type_name(hint)
 
 
 def _default(value: Any) -> str:

@@ -1,0 +1,39 @@
+"""YAML config -> frozen, validated dataclasses; every bad value is named by its key path:
+the keys (``schema.py``), built by type (``typed.py``), checked together (``validate.py``),
+read and resolved (``load.py``)."""
+
+from .load import config_from_dict, default_pad, load_config, output_path, with_overrides
+from .schema import (
+    DEVICES,
+    DTYPES,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    DistributedConfig,
+    LossConfig,
+    ModelConfig,
+    OutputConfig,
+    ParamsConfig,
+    ReportConfig,
+    SummaryConfig,
+)
+
+__all__ = [
+    "DEVICES",
+    "DTYPES",
+    "CheckpointConfig",
+    "Config",
+    "DataConfig",
+    "DistributedConfig",
+    "LossConfig",
+    "ModelConfig",
+    "OutputConfig",
+    "ParamsConfig",
+    "ReportConfig",
+    "SummaryConfig",
+    "config_from_dict",
+    "default_pad",
+    "load_config",
+    "output_path",
+    "with_overrides",
+]

@@ -1,0 +1,123 @@
+"""A config file read, resolved (paths relative to its folder) and validated; command-line
+overrides on top of it; a config read back from a scores file's metadata."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from ..yamlfile import read_yaml
+from .schema import Config
+from .typed import build
+from .validate import validate
+
+
+def resolve(spec: str | None, base: Path) -> str | None:
+    """Make a path, or the file of a 'file.py:Name' spec, absolute relative to ``base``."""
+    if spec is None:
+        return None
+    if ".py:" in spec:
+        file, name = spec.rsplit(":", 1)
+        return f"{(base / Path(file).expanduser()).resolve()}:{name}"
+    if ":" in spec:
+        return spec  # "package.module:Name" is imported, not read from a path
+    return str((base / Path(spec).expanduser()).resolve())
+
+
+def output_path(spec: str | Path, base: Path, where: str) -> str:
+    """An output file's absolute path, relative to ``base``; a name that ends with a separator
+    names a folder and is refused."""
+    if str(spec).endswith(("/", os.sep)):
+        raise ConfigError(
+            f"the output path {str(spec)!r} ends with '/', which names a folder; give a file name",
+            where,
+        )
+    return str((base / Path(spec).expanduser()).resolve())
+
+
+def load_config(path: str | Path) -> Config:
+    """Read, validate and resolve a YAML config; relative paths are relative to its folder."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("config file not found", str(path))
+    raw = read_yaml(path)
+    cfg = build(Config, raw if raw is not None else {}, "", str(path))
+    base = path.resolve().parent
+    loss_name = cfg.loss.name
+    cfg = dataclasses.replace(
+        cfg,
+        source=str(path),
+        model=dataclasses.replace(
+            cfg.model,
+            factory=resolve(cfg.model.factory, base),
+            pretrained=resolve(cfg.model.pretrained, base),
+            adapter=resolve(cfg.model.adapter, base),
+            checkpoint=resolve(cfg.model.checkpoint, base),
+            checkpoints=[
+                dataclasses.replace(c, path=resolve(c.path, base)) for c in cfg.model.checkpoints
+            ],
+        ),
+        data=dataclasses.replace(
+            cfg.data,
+            path=resolve(cfg.data.path, base)
+            if isinstance(cfg.data.path, str)
+            else [resolve(p, base) for p in cfg.data.path],
+        ),
+        loss=dataclasses.replace(
+            cfg.loss, name=resolve(loss_name, base) if ".py:" in loss_name else loss_name
+        ),
+        output=dataclasses.replace(cfg.output, path=output_path(cfg.output.path, base, str(path))),
+        report=dataclasses.replace(cfg.report, tokenizer=resolve(cfg.report.tokenizer, base)),
+    )
+    validate(cfg)
+    pad = dict(cfg.data.pad)
+    for column, value in default_pad(cfg).items():
+        pad.setdefault(column, value)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pad=pad))
+
+
+def config_from_dict(raw: dict, where: str) -> Config:
+    """A resolved config read back from ``Config.to_dict()`` (a file's metadata: its paths are
+    absolute already), validated as a loaded one is."""
+    cfg = build(Config, {k: v for k, v in raw.items() if k != "source"}, "", where)
+    cfg = dataclasses.replace(cfg, source=raw.get("source") or where)
+    validate(cfg)
+    return cfg
+
+
+def default_pad(cfg: Config) -> dict[str, int]:
+    """Pad values no config needs to spell out: ``attention_mask`` pads with 0 and, under
+    causal_lm, the targets with -100 (the positions the loss skips); ``data.pad`` overrides them.
+    The resolved config in the output's metadata holds the values used; ``check`` prints them."""
+    data = cfg.data
+    given = data.inputs.items() if isinstance(data.inputs, dict) else [(c, c) for c in data.inputs]
+    named = {a: c for a, c in given if isinstance(c, str)}  # a stack of columns is no mask
+    pad = {column: 0 for argument, column in named.items()
+           if "attention_mask" in (argument, column)}  # fmt: skip
+    if cfg.loss.name == "causal_lm" and data.targets not in named.values():
+        pad[data.targets] = -100
+    return pad
+
+
+def with_overrides(cfg: Config, **overrides: Any) -> Config:
+    """Apply command-line options (None means "not given") on top of the config file."""
+    o = {k: v for k, v in overrides.items() if v is not None}
+    for name in ("batch_size", "limit", "top_k"):
+        if name in o and o[name] < 1:
+            option = "--" + name.replace("_", "-")
+            raise ConfigError(f"{option} must be at least 1, got {o[name]}", option)
+    data = dataclasses.replace(cfg.data, **{k: o[k] for k in ("batch_size", "limit") if k in o})
+    output = cfg.output
+    if "out" in o:
+        output = dataclasses.replace(output, path=output_path(o["out"], Path.cwd(), "--out"))
+    if o.get("per_layer"):
+        output = dataclasses.replace(output, per_layer=True)
+    summary = dataclasses.replace(cfg.summary, top_k=o.get("top_k", cfg.summary.top_k))
+    cfg = dataclasses.replace(
+        cfg, data=data, output=output, summary=summary, device=o.get("device", cfg.device)
+    )
+    validate(cfg)
+    return cfg
