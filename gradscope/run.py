@@ -23,8 +23,8 @@ from .io.lock import OutputLock
 from .io.model import file_sha256
 from .io.parquet import PartialRun, partial_path
 from .job import Job, resolve_device
+from .outliers import class_z, default_score, is_labels
 from .scorers import Inputs, NormsScorer, Scorer
-from .summary import class_z, default_score, is_labels
 
 
 def _file_state(path: str) -> dict:

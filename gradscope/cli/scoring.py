@@ -34,8 +34,8 @@ def _run(
 ) -> None:
     """A scoring run under a progress bar, then the file it wrote, its outlier tables and, if
     asked, its report (on rank 0 only)."""
+    from ..outliers import check_by
     from ..run import score_dataset
-    from ..summary import check_by
 
     check_by(by, scorer.names(cfg))  # a bad --by fails before the run, not after it
     with terminal.progress(scorer.command) as (on_start, on_batch):

@@ -12,7 +12,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
-from ..summary import Outliers, per_class
+from ..outliers import Outliers, per_class
 
 BINS = 60
 MAX_POINTS = 20_000  # a scatter draws at most this many of the ordinary rows, as a raster

@@ -14,7 +14,8 @@ from ..errors import DataError
 from ..inputs import check_not_recorded, check_output, metadata_inputs, run_inputs
 from ..io.data import data_sha256
 from ..io.parquet import read_metadata, replace_atomically
-from ..summary import Outliers, cell, column, fmt, is_labels, rank
+from ..outliers import Outliers, column, fmt, is_labels, rank
+from ..summary import cell
 from . import charts
 from .examples import Shown, show_examples
 

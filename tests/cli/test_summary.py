@@ -9,18 +9,8 @@ import pytest
 from rich.console import Console
 
 from gradscope.errors import ConfigError, DataError
-from gradscope.summary import (
-    BARS,
-    SPARK_BINS,
-    Spread,
-    _numpy,
-    class_z,
-    parse_by,
-    rank,
-    sparkline,
-    summarize,
-    top_positions,
-)
+from gradscope.outliers import Spread, _numpy, class_z, parse_by, rank, top_positions
+from gradscope.summary import BARS, SPARK_BINS, sparkline, summarize
 
 
 def text(group) -> str:

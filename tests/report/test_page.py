@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 
 from gradscope.cli import app
 from gradscope.errors import ConfigError, DataError
+from gradscope.outliers import rank
 from gradscope.report import charts, write_report
 from gradscope.report.page import render
-from gradscope.summary import rank
 
 ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()

@@ -1,0 +1,283 @@
+"""The outliers of a scores file: its rows ranked by robust z (and within each target class),
+top-k at one end or both.
+
+Only the ranked column, `finite` and `target` are held for every row (about 17 bytes a row); the
+other columns are read for the top-k rows alone, row group by row group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .errors import ConfigError, DataError
+from .io.parquet import nested, parse_metadata
+
+Columns = dict[str, np.ndarray]  # a few rows of a scores file, column by column
+MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
+MAX_CLASSES = 100  # above this many distinct targets, the targets are not class labels
+SHOWN = (
+    "example_id", "ref_id", "id", "loss", "grad_norm", "self_influence", "influence", "cosine",
+    "target", "pred", "prob", "margin",
+)  # fmt: skip
+DIRECTIONS = ("high", "low")
+
+
+@dataclass
+class Spread:
+    """Median and MAD of the finite values of a score, and the robust z they define."""
+
+    median: float
+    mad: float
+
+    @classmethod
+    def of(cls, values: np.ndarray) -> Spread:
+        median = float(np.median(values)) if len(values) else float("nan")
+        return cls(median, float(np.median(np.abs(values - median))) if len(values) else 0.0)
+
+    def z(self, values: np.ndarray) -> np.ndarray:
+        """(x - median) / (1.4826 MAD); with MAD 0 (most values equal), x - median itself."""
+        scale = MAD_TO_SIGMA * self.mad
+        return (values - self.median) / (scale if scale > 0 else 1.0)
+
+
+def _numpy(values: pa.ChunkedArray) -> np.ndarray:
+    """Numbers or bools without nulls read off Arrow's data buffer, which, unlike ``to_numpy``,
+    does not import pandas (half the start-up of ``gradscope summary``) and, unlike
+    ``Array.to_tensor`` (new in recent pyarrows), every pyarrow from 14 on reads; anything else
+    as ``to_numpy``."""
+    array = values.combine_chunks()
+    kind, data = array.type, array.buffers()[1] if len(array.buffers()) > 1 else None
+    if array.null_count or data is None:
+        return array.to_numpy(zero_copy_only=False)
+    if pa.types.is_boolean(kind):  # bits, least significant first
+        bits = np.unpackbits(np.frombuffer(data, np.uint8), bitorder="little")
+        return bits[array.offset : array.offset + len(array)].astype(bool)
+    if pa.types.is_floating(kind) or pa.types.is_integer(kind):
+        code = (
+            "f" if pa.types.is_floating(kind) else "i" if pa.types.is_signed_integer(kind) else "u"
+        )
+        dtype = np.dtype(f"{code}{kind.bit_width // 8}")
+        return np.frombuffer(data, dtype, len(array), array.offset * dtype.itemsize)
+    return array.to_numpy(zero_copy_only=False)
+
+
+def column(file: pq.ParquetFile, name: str) -> np.ndarray:
+    """One column as a numpy array, read row group by row group."""
+    parts = [_numpy(file.read_row_group(i, columns=[name]).column(0))
+             for i in range(file.num_row_groups)]  # fmt: skip
+    return np.concatenate(parts) if parts else np.empty(0)
+
+
+def rows_at(file: pq.ParquetFile, positions: np.ndarray, columns: list[str]) -> Columns:
+    """The rows at ``positions`` (in that order), reading only the row groups that hold them."""
+    found, start = {}, 0
+    for i in range(file.num_row_groups):
+        stop = start + file.metadata.row_group(i).num_rows
+        inside = positions[(positions >= start) & (positions < stop)]
+        if len(inside):
+            group = file.read_row_group(i, columns=columns)
+            for p in inside.tolist():
+                found[p] = group.slice(p - start, 1).to_pylist()[0]
+        start = stop
+    return {name: np.asarray([found[p][name] for p in positions.tolist()]) for name in columns}
+
+
+def fmt(value: object) -> str:
+    """A cell as text: floats to 4 significant digits, numpy scalars as Python values."""
+    if isinstance(value, (float, np.floating)):
+        return f"{value:.4g}"
+    if isinstance(value, (np.integer, np.bool_)):
+        return str(value.item())
+    return str(value)
+
+
+def is_labels(target: np.ndarray | None) -> bool:
+    """True when the targets are class labels: integers with at most MAX_CLASSES values."""
+    return (
+        target is not None and target.dtype.kind in "iu" and len(np.unique(target)) <= MAX_CLASSES
+    )
+
+
+def parse_by(by: str | None) -> tuple[str | None, str | None]:
+    """``COLUMN``, ``COLUMN:low`` or ``COLUMN:high`` -> (column, direction); None: the default."""
+    if by is None:
+        return None, None
+    column, colon, direction = by.rpartition(":")
+    if not colon:
+        return by, None
+    if direction not in DIRECTIONS or not column:
+        raise ConfigError(f"--by takes COLUMN, COLUMN:low or COLUMN:high, got {by!r}", "--by")
+    return column, direction
+
+
+def check_by(by: str | None, names: list[str]) -> None:
+    """A ``--by`` that names none of the columns a run may write (``Scorer.names``) fails before
+    the run: a typo must not cost it."""
+    column, _ = parse_by(by)
+    per_module = column is not None and column.startswith("grad_norm/")
+    if column is None or column in names or (per_module and "grad_norm/<module>" in names):
+        return
+    raise ConfigError(
+        f"no column {column!r} to rank by; this run writes {', '.join(names)}", "--by"
+    )
+
+
+def default_score(names: list[str]) -> str:
+    """What a file ranks by unless told: influence, else self_influence (several checkpoints),
+    else grad_norm."""
+    return next((n for n in ("influence", "self_influence") if n in names), "grad_norm")
+
+
+def top_positions(values: np.ndarray, ok: np.ndarray, direction: str, k: int) -> np.ndarray:
+    """Row positions of the k largest (``high``) or most negative (``low``) ``ok`` values."""
+    candidates = np.flatnonzero(ok)
+    key = -values[candidates] if direction == "high" else values[candidates]
+    return candidates[np.argsort(key, kind="stable")[:k]]
+
+
+def class_z(values: np.ndarray, ok: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """(N,) robust z of each row's score within its target class (NaN where not ``ok``)."""
+    z = np.full(len(values), np.nan)
+    for label in np.unique(target):  # at most MAX_CLASSES
+        member = target == label
+        z[member & ok] = Spread.of(values[member & ok]).z(values[member & ok])
+    return z
+
+
+def per_class(found: Outliers) -> Columns:
+    """count, median score (finite rows) and share of each end's top-k, per class."""
+    values, ok, target = found.values, found.ok, found.target
+    assert target is not None
+    labels = np.unique(target)
+    table: Columns = {"target": [found.class_name(label) for label in labels], "count": [],
+                      f"median {found.score}": []}  # fmt: skip
+    shares = {f"share of {e.direction} {len(e.top)}": e.top for e in found.ends}
+    if len(found.ends) == 1:
+        shares = {f"share of top {len(found.top)}": found.top}
+    for name in shares:
+        table[name] = []
+    for label in labels:  # at most MAX_CLASSES: one mask at a time, no frame of all rows
+        member = target == label
+        scored = values[member & ok]
+        table["count"].append(int(member.sum()))
+        table[f"median {found.score}"].append(float(np.median(scored)) if len(scored) else np.nan)
+        for name, top in shares.items():
+            table[name].append(float((target[top] == label).sum()) / max(len(top), 1))
+    return {name: np.asarray(v) for name, v in table.items()}
+
+
+@dataclass
+class End:
+    """One end of the ranking: its row positions, most extreme first, and those rows in full."""
+
+    direction: str  # high | low
+    label: str  # how the tables name it
+    top: np.ndarray  # (k,) row positions
+    rows: Columns  # SHOWN columns, the score, robust_z and class_z
+
+
+@dataclass
+class Outliers:
+    """A scores file ranked by one column: every row's score, and the top-k rows of each end."""
+
+    file: pq.ParquetFile
+    score: str
+    values: np.ndarray  # (N,) float64, the ranked column
+    ok: np.ndarray  # (N,) bool: finite score and `finite` flag
+    target: np.ndarray | None
+    spread: Spread
+    ends: list[End]
+    classes: list[str] | None = None  # names of the class ids
+
+    @property
+    def names(self) -> list[str]:
+        return self.file.schema_arrow.names
+
+    @property
+    def top(self) -> np.ndarray:
+        """The top-k rows of every end."""
+        return np.concatenate([e.top for e in self.ends])
+
+    def class_name(self, label: object) -> str:
+        """A class id as its name (``data.classes``), else as itself."""
+        named = self.classes is not None and isinstance(label, (int, np.integer))
+        return self.classes[label] if named and 0 <= label < len(self.classes) else fmt(label)
+
+
+def _ends(score: str, values: np.ndarray, ok: np.ndarray, direction: str | None) -> list[tuple]:
+    """(direction, label) of each end to show: the one asked for; unasked, the high end of a
+    never-negative score, both ends of a signed one (influence: helpful, then harmful)."""
+    helpful = score in ("influence", "cosine")
+    labels = {
+        "high": "highest first" + (" (helpful)" if helpful else ""),
+        "low": "lowest first" + (" (harmful)" if helpful else ""),
+    }
+    if direction is None:
+        signed = bool((values[ok] < 0).any())
+        return [(d, labels[d]) for d in (("high", "low") if signed else ("high",))]
+    return [(direction, labels[direction])]
+
+
+def rank(
+    path: str | Path,
+    by: str | None = None,
+    k: int = 20,
+    classes: list[str] | None = None,
+) -> Outliers:
+    """Rank the rows of a scores file by ``by`` (``COLUMN[:low|high]``; default: influence, else
+    self_influence, else grad_norm)."""
+    try:
+        file = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow's own error types: not Parquet, or cut short
+        raise DataError(f"not a readable Parquet file: {e}", str(path)) from e
+    names = file.schema_arrow.names
+    score, direction = parse_by(by)
+    score = score or default_score(names)
+    if score not in names:
+        raise DataError(f"no column {score!r} to rank by (columns: {', '.join(names)})", "--by")
+    kind = file.schema_arrow.field(score).type
+    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
+        raise DataError(f"column {score!r} holds {kind}, not numbers to rank by", "--by")
+    values = column(file, score).astype(np.float64)
+    ok = np.isfinite(values) & _finite(file, path)
+    target = column(file, "target") if "target" in names else None
+    spread = Spread.of(values[ok])
+    z_class = class_z(values, ok, target) if is_labels(target) and score != "class_z" else None
+    shown = [c for c in SHOWN if c in names]
+    if score not in shown:
+        shown.append(score)
+    ends = []
+    for d, label in _ends(score, values, ok, direction):
+        top = top_positions(values, ok, d, k)
+        rows = rows_at(file, top, shown)
+        rows["robust_z"] = spread.z(values[top])
+        if z_class is not None:
+            rows["class_z"] = z_class[top]
+        ends.append(End(d, label, top, rows))
+    return Outliers(file, score, values, ok, target, spread, ends, classes or _classes(file))
+
+
+def _finite(file: pq.ParquetFile, path: str | Path) -> np.ndarray | bool:
+    """The ``finite`` flags as booleans (another tool may have written them as 0 and 1; a
+    missing flag is false); True without the column."""
+    if "finite" not in file.schema_arrow.names:
+        return True
+    kind = file.schema_arrow.field("finite").type
+    if not (pa.types.is_boolean(kind) or pa.types.is_integer(kind)):
+        raise DataError(f"column 'finite' holds {kind}, not true or false", str(path))
+    return column(file, "finite").astype(bool)
+
+
+def _classes(file: pq.ParquetFile) -> list[str] | None:
+    """``data.classes`` of the run that wrote the file, from its metadata (full metadata only;
+    a value that is not a list of names, as another tool may leave it, is none)."""
+    meta = parse_metadata(file.schema_arrow.metadata)
+    classes = nested(meta, "config", "data", "classes")
+    return (
+        classes if isinstance(classes, list) and all(isinstance(c, str) for c in classes) else None
+    )
