@@ -17,8 +17,9 @@ from torch import Tensor
 
 from ..config import DataConfig
 from ..errors import DataError
-from .batch import Batch, Columns, Selection, is_glob, rebatch, take
+from .batch import Batch, Columns, rebatch, take
 from .model import LFS_POINTER, file_sha256, import_object, lfs_pointer
+from .selection import Selection, is_glob
 
 FORMATS = (".pt", ".pth", ".npz", ".parquet", ".csv", ".arrow")
 
