@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from ..errors import GradscopeError, ModelError
 from ..rules import Contribution, Dense, Outer, Rows
 from ..rules.base import CHUNK_ELEMENTS
-from ..rules.embedding import _example_keys
+from ..rules.embedding import example_keys
 
 KFAC, EKFAC, DIAGONAL = "kfac", "ekfac", "diagonal"
 DAMPING = 0.1  # x the mean eigenvalue
@@ -109,7 +109,7 @@ def times(x: Tensor, m: Tensor) -> Tensor:
 def _row_squares(rows: Rows) -> Tensor:
     """(V, D) sum over examples of each example's squared table gradient, never (B, V, D)."""
     v, d = rows.shape
-    keys, inverse = torch.unique(_example_keys(rows.ids, v), return_inverse=True)
+    keys, inverse = torch.unique(example_keys(rows.ids, v), return_inverse=True)
     per_row = rows.s.new_zeros(keys.shape[0], d).index_add_(0, inverse, rows.s.reshape(-1, d))
     return rows.s.new_zeros(v, d).index_add_(0, keys % v, per_row.square())
 

@@ -15,7 +15,7 @@ from .projection import Projection
 GRAM_POSITIONS = 32
 
 
-def _example_keys(ids: Tensor, num_rows: int) -> Tensor:
+def example_keys(ids: Tensor, num_rows: int) -> Tensor:
     """(B*T,) one key per (example, row) pair: equal keys are the same row in the same example."""
     b = ids.shape[0]
     return (torch.arange(b, device=ids.device).unsqueeze(1) * num_rows + ids).flatten()
@@ -52,7 +52,7 @@ class Rows(Contribution):
             # ||G_i||^2 = sum over positions t, u looking up one row of s_t . s_u
             same = self.ids.unsqueeze(2) == self.ids.unsqueeze(1)  # (B, T, T)
             return (self.s @ self.s.transpose(1, 2)).mul_(same).sum((1, 2))
-        keys = _example_keys(self.ids, self.shape[0])
+        keys = example_keys(self.ids, self.shape[0])
         group = _groups(keys)
         # each distinct (example, row): the sum of its positions' gradients; B*T slots, those
         # past the groups' count stay zero
@@ -75,7 +75,7 @@ class Rows(Contribution):
 
     def materialize(self) -> Tensor:
         b, _, d = self.s.shape
-        keys = _example_keys(self.ids, self.shape[0])
+        keys = example_keys(self.ids, self.shape[0])
         grads = self.s.new_zeros(b * self.shape[0], d).index_add_(0, keys, self.s.reshape(-1, d))
         return grads.view(b, *self.shape)  # (B, V, D)
 
@@ -146,7 +146,7 @@ def lookup(
         s = s * (ids != padding_idx % num_rows).unsqueeze(-1)  # the padding row gets no gradient
     if by_freq:
         # the loop sees one example at a time, so a row is scaled by its count in that example
-        group = _groups(_example_keys(ids, num_rows))
+        group = _groups(example_keys(ids, num_rows))
         counts = torch.zeros_like(group).index_add_(0, group, torch.ones_like(group))
         s = s / counts[group].view(b, -1, 1).to(s.dtype)
     return Rows(ids, s, num_rows)
