@@ -13,7 +13,7 @@ from pathlib import Path
 from .config import Config
 from .errors import ConfigError
 from .io.data import code_file, data_files
-from .io.model import file_sha256
+from .io.files import file_sha256
 from .io.selection import is_glob
 
 Inputs = list[tuple[str, str]]  # (what names it, path): files and folders a run reads

@@ -15,7 +15,8 @@ from .config import Config, ModelConfig
 from .engine import CheckReport, Engine, Forward, Plan, compare_with_loop, influence_errors
 from .errors import ConfigError, DataError, ModelError, reading
 from .io.data import Batch, data_sha256, open_dataset
-from .io.model import build_model, file_sha256, import_object
+from .io.files import file_sha256
+from .io.model import build_model, import_object
 from .losses import LossFn, resolve_loss
 from .predictions import predictions
 

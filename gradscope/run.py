@@ -19,8 +19,8 @@ from .distributed import World
 from .errors import ConfigError, Interrupted
 from .inputs import minimal, run_inputs
 from .io.data import Batch, open_dataset
+from .io.files import file_sha256
 from .io.lock import OutputLock
-from .io.model import file_sha256
 from .io.parquet import PartialRun, partial_path
 from .job import Job, resolve_device
 from .outliers import class_z, default_score, is_labels

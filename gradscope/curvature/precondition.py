@@ -200,7 +200,7 @@ def load_preconditioner(path: str | Path, engine, model: dict | None = None) -> 
     their content. Factors must fit the engine's selected parameters, and come from the model
     that ``model`` describes: each of its ``checkpoint_sha256`` and ``adapter_sha256`` that is
     given is compared with the factors' own."""
-    from ..io.model import load_state_dict
+    from ..io.files import load_state_dict
 
     where = str(path)
     if is_factors_file(path):

@@ -13,7 +13,7 @@ from ..engine import Want
 from ..errors import ConfigError
 from ..inputs import Inputs, config_inputs
 from ..io.data import Batch
-from ..io.model import file_sha256
+from ..io.files import file_sha256
 from ..job import Job
 from ..rules.base import accumulation_dtype
 from ..scorers.base import Scorer, leading

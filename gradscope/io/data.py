@@ -5,188 +5,18 @@ from __future__ import annotations
 import bisect
 import glob
 import hashlib
-import pickle
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from torch import Tensor
 
 from ..config import DataConfig
 from ..errors import DataError
-from .batch import Batch, Columns, rebatch, take
-from .model import LFS_POINTER, file_sha256, import_object, lfs_pointer
+from .batch import Batch, rebatch, take
+from .files import file_sha256
 from .selection import Selection, is_glob
-
-FORMATS = (".pt", ".pth", ".npz", ".parquet", ".csv", ".arrow")
-
-
-def _collate(items: list[Any], wanted: Selection, where: str) -> Columns:
-    """Items of a torch Dataset -> columns: a dict per item, or a tuple (*inputs, target)."""
-    first, n_inputs = items[0], wanted.n_inputs
-    if isinstance(first, dict):
-        names = wanted.names(list(first))
-        missing = [n for n in names if n not in first]
-        if missing:
-            raise DataError(
-                f"dataset items have no key {missing[0]!r} (keys: {', '.join(map(str, first))})",
-                where,
-            )
-        keys: list[Any] = names
-    elif isinstance(first, (tuple, list)):
-        if len(first) != n_inputs + 1:
-            raise DataError(
-                f"dataset items are tuples of {len(first)}; expected {n_inputs + 1} "
-                "(the data.inputs in order, then the target) or dicts keyed by column name",
-                where,
-            )
-        keys = list(range(n_inputs + 1))
-        names = [*wanted.specs, wanted.targets]  # ids come only from dict items
-    else:
-        raise DataError(
-            f"dataset items are {type(first).__name__}; expected dicts or tuples of tensors", where
-        )
-    columns: Columns = {}
-    for name, key in zip(names, keys, strict=True):
-        values = [item[key] for item in items]
-        if all(isinstance(v, (Tensor, int, float, bool)) for v in values):
-            columns[name] = torch.stack([torch.as_tensor(v) for v in values])
-        else:
-            columns[name] = values
-    return columns
-
-
-@dataclass
-class _Source:
-    """One shard: ``length`` rows (None until read) and a way to read it in runs of rows."""
-
-    where: str
-    length: int | None
-    read: Callable[[int], Iterator[Columns]]  # rows per run -> runs of rows
-    names: list[str] | None = None  # the columns, when known without reading the rows
-    whole: bool = False  # read in one piece (.pt, .npz): its size is known only once read
-
-
-def _file_source(path: str) -> _Source:
-    from .arrow import arrow_source_parts, record_columns
-
-    file = Path(path)
-    if not file.is_file():
-        raise DataError("data file not found", str(file))
-    if lfs_pointer(file):
-        raise DataError(LFS_POINTER, str(file))
-    suffix = file.suffix.lower()
-    if suffix in (".pt", ".pth"):
-
-        def read_pt(_: int) -> Iterator[Columns]:
-            try:
-                columns = torch.load(file, map_location="cpu", weights_only=True)
-            except pickle.UnpicklingError as e:  # torch's advice runs to eight lines
-                raise DataError(
-                    "the data file holds objects other than tensors and is not loaded (that "
-                    "would run its pickle): save a dict of tensors",
-                    str(file),
-                ) from e
-            if not isinstance(columns, dict):
-                raise DataError(
-                    f"expected a dict of tensors, found a {type(columns).__name__}", str(file)
-                )
-            yield columns
-
-        return _Source(str(file), None, read_pt, whole=True)
-    if suffix == ".npz":
-
-        def read_npz(_: int) -> Iterator[Columns]:
-            with np.load(file, allow_pickle=False) as npz:
-                yield {k: npz[k] for k in npz.files}
-
-        return _Source(str(file), None, read_npz, whole=True)
-    if suffix == ".arrow":
-        return _Source(str(file), *arrow_source_parts(str(file)))
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            names = pq.ParquetFile(file).schema_arrow.names
-            n_rows = pq.ParquetFile(file).metadata.num_rows
-        except Exception as e:  # pyarrow's own error types; all mean "unreadable"
-            raise DataError(f"cannot read data file: {e}", str(file)) from e
-
-        def read_parquet(rows: int) -> Iterator[Columns]:
-            reader = pq.ParquetFile(file)
-            # row group by row group: over a whole file, iter_batches reads ahead all of it
-            for group in range(reader.metadata.num_row_groups):
-                for record in reader.iter_batches(batch_size=rows, row_groups=[group]):
-                    yield record_columns(record)
-
-        return _Source(str(file), n_rows, read_parquet, names)
-    if suffix == ".csv":
-        from pyarrow import csv
-
-        def read_csv(rows: int) -> Iterator[Columns]:
-            # blocks of about 1 MiB: memory stays flat however long the file is
-            reader = csv.open_csv(file, read_options=csv.ReadOptions(block_size=1 << 20))
-            for record in reader:
-                yield record_columns(record)
-
-        try:
-            names = csv.open_csv(file).schema.names
-        except Exception as e:  # pyarrow's own error types; all mean "unreadable"
-            raise DataError(f"cannot read data file: {e}", str(file)) from e
-        return _Source(str(file), None, read_csv, names)
-    raise DataError(
-        f"unsupported data format {suffix!r}; expected one of {', '.join(FORMATS)} or file.py:fn",
-        str(file),
-    )
-
-
-def _function_source(spec: str, columns: Selection) -> _Source:
-    """``file.py:fn`` returning a dict of columns, a map-style Dataset or an IterableDataset."""
-    made = import_object(spec, "data.path")()
-    if isinstance(made, dict):
-        return _Source(spec, len(next(iter(made.values()), [])), lambda _: iter([made]))
-    where = spec
-    if isinstance(made, torch.utils.data.IterableDataset) or (
-        hasattr(made, "__iter__") and not hasattr(made, "__getitem__")
-    ):
-
-        def read_iterable(rows: int) -> Iterator[Columns]:
-            items: list[Any] = []
-            for item in made:
-                items.append(item)
-                if len(items) == rows:
-                    yield _collate(items, columns, where)
-                    items = []
-            if items:
-                yield _collate(items, columns, where)
-
-        return _Source(where, None, read_iterable)  # an iterable's len() is only a hint
-    if hasattr(made, "__getitem__") and hasattr(made, "__len__"):
-        n = len(made)
-
-        def read_map(rows: int) -> Iterator[Columns]:
-            for lo in range(0, n, rows):
-                items = [made[i] for i in range(lo, min(lo + rows, n))]
-                yield _collate(items, columns, where)
-
-        return _Source(where, n, read_map)
-    raise DataError(
-        f"{spec} returned a {type(made).__name__}; expected a dict of columns, "
-        "a torch Dataset or an IterableDataset",
-        "data.path",
-    )
-
-
-def _read(source: _Source, rows: int) -> Iterator[Columns]:
-    try:
-        yield from source.read(rows)
-    except DataError:
-        raise
-    except Exception as e:  # every reader (and user dataset) has its own error types
-        raise DataError(f"cannot read data: {e}", source.where) from e
+from .sources import Source, file_source, function_source, read_source
 
 
 def shard_paths(path: str | Sequence[str]) -> list[str]:
@@ -249,7 +79,7 @@ class Dataset:
     footers, a single table, a map-style Dataset), else None.
     """
 
-    def __init__(self, sources: list[_Source], columns: Selection, where: str):
+    def __init__(self, sources: list[Source], columns: Selection, where: str):
         self.sources, self.columns, self.where = sources, columns, where
         lengths = [s.length for s in sources]
         self.length = None if None in lengths else sum(lengths)
@@ -263,7 +93,7 @@ class Dataset:
     def _chunks(self, rows: int) -> Iterator[Batch]:
         start = 0
         for source in self.sources:
-            for columns in _read(source, rows):
+            for columns in read_source(source, rows):
                 chunk = self.columns.batch(columns, start, source.where)
                 start += len(chunk)
                 yield chunk
@@ -301,7 +131,7 @@ class Dataset:
         found: dict[int, Any] = {}
         start = 0
         for source in self.sources:
-            for columns in _read(source, 1 << 12):
+            for columns in read_source(source, 1 << 12):
                 if name not in columns:
                     raise DataError(f"no column {name!r} for {key}", source.where)
                 values = columns[name]
@@ -319,13 +149,13 @@ def open_dataset(cfg: DataConfig, path: str | Sequence[str] | None = None) -> Da
     columns = Selection(cfg.inputs, cfg.targets, cfg.ids, cfg.pad)
     sources = []
     for spec in shard_paths(path):
-        sources.append(_function_source(spec, columns) if ".py:" in spec else _file_source(spec))
+        sources.append(function_source(spec, columns) if ".py:" in spec else file_source(spec))
     if len(sources) == 1 and sources[0].whole:
         # a single table read whole anyway: read it now, so its size and columns are known
         only = sources[0]
-        (table,) = list(_read(only, 0))
+        (table,) = list(read_source(only, 0))
         rows = len(columns.batch(table, 0, only.where))
-        sources = [_Source(only.where, rows, lambda _: iter([table]))]
+        sources = [Source(only.where, rows, lambda _: iter([table]))]
     if sources[0].names is not None:  # the first shard's columns, before any row is read
         columns.check(sources[0].names, sources[0].where)
     dataset = Dataset(sources, columns, where)

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import importlib
 import importlib.util
-import os
 import pickle
 import sys
 from pathlib import Path
@@ -17,6 +14,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import ConfigError, ModelError, one_line
+from .files import LFS_POINTER, lfs_pointer, load_state_dict
 
 
 def import_object(spec: str, key: str) -> Any:
@@ -55,76 +53,7 @@ def import_object(spec: str, key: str) -> Any:
     return getattr(module, name)
 
 
-def file_sha256(path: str | Path) -> str:
-    """The file's sha256, hashed once per version of the file (a run asks more than once); of a
-    folder (a save_pretrained model), one sha256 over its files' names and hashes, in order."""
-    if os.path.isdir(path):
-        files = sorted(f for f in Path(path).rglob("*") if f.is_file())
-        listing = "\n".join(f"{f.relative_to(path)} {file_sha256(f)}" for f in files)
-        return hashlib.sha256(listing.encode()).hexdigest()
-    stat = os.stat(path)
-    return _sha256(str(path), stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=1 << 16)  # every shard of a large dataset, hashed once
-def _sha256(path: str, size: int, mtime_ns: int) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # what peft saves, loads
-LFS_POINTER = "a Git LFS pointer, not the file itself: run `git lfs pull` to fetch it"
-
-
-def lfs_pointer(path: str | Path) -> bool:
-    """Whether the file is a Git LFS pointer (a few lines of text standing in for the file)."""
-    with open(path, "rb") as f:
-        return f.read(24) == b"version https://git-lfs."
-
-
-def load_state_dict(
-    path: str | Path,
-    trust: bool = False,
-    hint: str = "; pass --trust-checkpoint only if you trust its author",
-    what: str = "checkpoint",
-) -> dict[str, Any]:
-    """Load a state dict from .safetensors, or .pt/.pth with ``weights_only=True``.
-
-    An arbitrary pickle is refused without running it unless ``trust`` is set; ``hint`` ends
-    that error (what the user can do about it). ``what`` names the file in every error.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ModelError(f"{what} not found", str(path))
-    if lfs_pointer(path):
-        raise ModelError(LFS_POINTER, str(path))
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        try:
-            return load_file(str(path))
-        except Exception as e:  # safetensors raises its own SafetensorError
-            raise ModelError(f"cannot read safetensors {what}: {e}", str(path)) from e
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if not head.startswith((b"PK\x03\x04", b"\x80")):  # torch.save's zip, or a legacy pickle
-        looks = "a Parquet file (a scores file?), not one" if head == b"PAR1" else "not a file"
-        raise ModelError(f"{what} is {looks} that torch.save or safetensors writes", str(path))
-    try:
-        return torch.load(path, map_location="cpu", weights_only=not trust)
-    except pickle.UnpicklingError as e:
-        if trust:  # not a pickle torch can read at all
-            raise ModelError(f"cannot read {what}: {one_line(e)}", str(path)) from e
-        raise ModelError(
-            f"{what} holds objects other than tensors and cannot be loaded with "
-            f"weights_only=True{hint}",
-            str(path),
-        ) from e
-    except (RuntimeError, EOFError, OSError) as e:
-        raise ModelError(f"cannot read {what}: {one_line(e)}", str(path)) from e
 
 
 def _extract(state: Any, cfg: ModelConfig, path: str) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ from ..engine import MAX_PER_REF, BatchInfluence, Influence, check_engine, refer
 from ..errors import ConfigError, DataError, reading
 from ..inputs import data_inputs
 from ..io.data import Batch, Dataset, data_sha256, open_dataset
-from ..io.model import file_sha256
+from ..io.files import file_sha256
 from ..job import Job
 from .base import Inputs, Scorer, all_finite, counted, leading, leading_names, trailing_names
 

@@ -12,7 +12,7 @@ from ..config import CheckpointConfig, Config
 from ..engine import BatchScores, Want, total
 from ..errors import ConfigError
 from ..io.data import Batch
-from ..io.model import file_sha256
+from ..io.files import file_sha256
 from ..job import Job
 from .base import Inputs, Scorer, all_finite, counted, leading, leading_names, trailing_names
 

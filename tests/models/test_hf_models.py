@@ -18,7 +18,8 @@ from typer.testing import CliRunner
 from gradscope.cli import app
 from gradscope.config import ModelConfig
 from gradscope.errors import ConfigError, ModelError
-from gradscope.io.model import build_model, file_sha256
+from gradscope.io.files import file_sha256
+from gradscope.io.model import build_model
 from gradscope.io.parquet import read_metadata
 
 transformers = pytest.importorskip("transformers")

@@ -1,0 +1,187 @@
+"""Where rows come from: one ``Source`` per shard (a file of a known format, or a user's
+``file.py:fn`` returning columns, a Dataset or an IterableDataset), each read in runs of rows."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..errors import DataError
+from .batch import Columns
+from .files import LFS_POINTER, lfs_pointer
+from .model import import_object
+from .selection import Selection
+
+FORMATS = (".pt", ".pth", ".npz", ".parquet", ".csv", ".arrow")
+
+
+def collate(items: list[Any], wanted: Selection, where: str) -> Columns:
+    """Items of a torch Dataset -> columns: a dict per item, or a tuple (*inputs, target)."""
+    first, n_inputs = items[0], wanted.n_inputs
+    if isinstance(first, dict):
+        names = wanted.names(list(first))
+        missing = [n for n in names if n not in first]
+        if missing:
+            raise DataError(
+                f"dataset items have no key {missing[0]!r} (keys: {', '.join(map(str, first))})",
+                where,
+            )
+        keys: list[Any] = names
+    elif isinstance(first, (tuple, list)):
+        if len(first) != n_inputs + 1:
+            raise DataError(
+                f"dataset items are tuples of {len(first)}; expected {n_inputs + 1} "
+                "(the data.inputs in order, then the target) or dicts keyed by column name",
+                where,
+            )
+        keys = list(range(n_inputs + 1))
+        names = [*wanted.specs, wanted.targets]  # ids come only from dict items
+    else:
+        raise DataError(
+            f"dataset items are {type(first).__name__}; expected dicts or tuples of tensors", where
+        )
+    columns: Columns = {}
+    for name, key in zip(names, keys, strict=True):
+        values = [item[key] for item in items]
+        if all(isinstance(v, (Tensor, int, float, bool)) for v in values):
+            columns[name] = torch.stack([torch.as_tensor(v) for v in values])
+        else:
+            columns[name] = values
+    return columns
+
+
+@dataclass
+class Source:
+    """One shard: ``length`` rows (None until read) and a way to read it in runs of rows."""
+
+    where: str
+    length: int | None
+    read: Callable[[int], Iterator[Columns]]  # rows per run -> runs of rows
+    names: list[str] | None = None  # the columns, when known without reading the rows
+    whole: bool = False  # read in one piece (.pt, .npz): its size is known only once read
+
+
+def file_source(path: str) -> Source:
+    from .arrow import arrow_source_parts, record_columns
+
+    file = Path(path)
+    if not file.is_file():
+        raise DataError("data file not found", str(file))
+    if lfs_pointer(file):
+        raise DataError(LFS_POINTER, str(file))
+    suffix = file.suffix.lower()
+    if suffix in (".pt", ".pth"):
+
+        def read_pt(_: int) -> Iterator[Columns]:
+            try:
+                columns = torch.load(file, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as e:  # torch's advice runs to eight lines
+                raise DataError(
+                    "the data file holds objects other than tensors and is not loaded (that "
+                    "would run its pickle): save a dict of tensors",
+                    str(file),
+                ) from e
+            if not isinstance(columns, dict):
+                raise DataError(
+                    f"expected a dict of tensors, found a {type(columns).__name__}", str(file)
+                )
+            yield columns
+
+        return Source(str(file), None, read_pt, whole=True)
+    if suffix == ".npz":
+
+        def read_npz(_: int) -> Iterator[Columns]:
+            with np.load(file, allow_pickle=False) as npz:
+                yield {k: npz[k] for k in npz.files}
+
+        return Source(str(file), None, read_npz, whole=True)
+    if suffix == ".arrow":
+        return Source(str(file), *arrow_source_parts(str(file)))
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            names = pq.ParquetFile(file).schema_arrow.names
+            n_rows = pq.ParquetFile(file).metadata.num_rows
+        except Exception as e:  # pyarrow's own error types; all mean "unreadable"
+            raise DataError(f"cannot read data file: {e}", str(file)) from e
+
+        def read_parquet(rows: int) -> Iterator[Columns]:
+            reader = pq.ParquetFile(file)
+            # row group by row group: over a whole file, iter_batches reads ahead all of it
+            for group in range(reader.metadata.num_row_groups):
+                for record in reader.iter_batches(batch_size=rows, row_groups=[group]):
+                    yield record_columns(record)
+
+        return Source(str(file), n_rows, read_parquet, names)
+    if suffix == ".csv":
+        from pyarrow import csv
+
+        def read_csv(rows: int) -> Iterator[Columns]:
+            # blocks of about 1 MiB: memory stays flat however long the file is
+            reader = csv.open_csv(file, read_options=csv.ReadOptions(block_size=1 << 20))
+            for record in reader:
+                yield record_columns(record)
+
+        try:
+            names = csv.open_csv(file).schema.names
+        except Exception as e:  # pyarrow's own error types; all mean "unreadable"
+            raise DataError(f"cannot read data file: {e}", str(file)) from e
+        return Source(str(file), None, read_csv, names)
+    raise DataError(
+        f"unsupported data format {suffix!r}; expected one of {', '.join(FORMATS)} or file.py:fn",
+        str(file),
+    )
+
+
+def function_source(spec: str, columns: Selection) -> Source:
+    """``file.py:fn`` returning a dict of columns, a map-style Dataset or an IterableDataset."""
+    made = import_object(spec, "data.path")()
+    if isinstance(made, dict):
+        return Source(spec, len(next(iter(made.values()), [])), lambda _: iter([made]))
+    where = spec
+    if isinstance(made, torch.utils.data.IterableDataset) or (
+        hasattr(made, "__iter__") and not hasattr(made, "__getitem__")
+    ):
+
+        def read_iterable(rows: int) -> Iterator[Columns]:
+            items: list[Any] = []
+            for item in made:
+                items.append(item)
+                if len(items) == rows:
+                    yield collate(items, columns, where)
+                    items = []
+            if items:
+                yield collate(items, columns, where)
+
+        return Source(where, None, read_iterable)  # an iterable's len() is only a hint
+    if hasattr(made, "__getitem__") and hasattr(made, "__len__"):
+        n = len(made)
+
+        def read_map(rows: int) -> Iterator[Columns]:
+            for lo in range(0, n, rows):
+                items = [made[i] for i in range(lo, min(lo + rows, n))]
+                yield collate(items, columns, where)
+
+        return Source(where, n, read_map)
+    raise DataError(
+        f"{spec} returned a {type(made).__name__}; expected a dict of columns, "
+        "a torch Dataset or an IterableDataset",
+        "data.path",
+    )
+
+
+def read_source(source: Source, rows: int) -> Iterator[Columns]:
+    try:
+        yield from source.read(rows)
+    except DataError:
+        raise
+    except Exception as e:  # every reader (and user dataset) has its own error types
+        raise DataError(f"cannot read data: {e}", source.where) from e
