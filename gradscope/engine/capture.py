@@ -67,7 +67,7 @@ class Call:
     @property
     def edited(self) -> bool:
         """Whether a captured input was changed in place after capture."""
-        return tuple(t._version for t in self.inputs) != self.versions
+        return versions(self.inputs) != self.versions
 
 
 def counter() -> int:
@@ -77,8 +77,18 @@ def counter() -> int:
 
 
 def shapes_of(args: tuple) -> tuple:
-    """(shape, dtype) of each tensor argument, and None for any other: a call's witness."""
-    return tuple((a.shape, a.dtype) if isinstance(a, Tensor) else None for a in args)
+    """(shape, dtype) of each tensor argument, and None for any other: a call's witness, taken
+    on every hooked call (most take one tensor: no generator for those)."""
+    if len(args) == 1 and isinstance(args[0], Tensor):
+        return ((args[0].shape, args[0].dtype),)
+    return tuple([(a.shape, a.dtype) if isinstance(a, Tensor) else None for a in args])
+
+
+def versions(inputs: tuple[Tensor, ...]) -> tuple[int, ...]:
+    """The version counters of a call's captured inputs: an in-place edit bumps them."""
+    if len(inputs) == 1:
+        return (inputs[0]._version,)
+    return tuple([t._version for t in inputs])
 
 
 @functools.cache
@@ -199,7 +209,7 @@ class Capture:
             inputs,
             edge(target),
             output.shape,
-            tuple(t._version for t in inputs),
+            versions(inputs),
             kwargs=named,
             others=tuple(edge(t) for t in rest if isinstance(t, Tensor) and t.requires_grad)
             if rest
@@ -258,10 +268,26 @@ class Captured:
         return self.trace is not None and self.trace.per_example(self.losses, len(self.losses))
 
 
+_FLAT = (list, tuple)  # exactly: a namedtuple goes to pytree
+
+
 def tensors_of(tree: object) -> list[Tensor]:
     """The tensors of a call's arguments or outputs, in pytree order: the analysis records a
-    region's or a child's ends so, and the replay reads them so."""
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, Tensor)]
+    region's or a child's ends so, and the replay reads them so. Lists, tuples and dicts are
+    walked here (in pytree's order: a dict's in insertion order), anything else by pytree,
+    which costs some thirty Python calls a node (a model's output class, a namedtuple)."""
+    kind = type(tree)
+    if kind not in _FLAT and kind is not dict:
+        if isinstance(tree, Tensor):
+            return [tree]
+        return [t for t in tree_flatten(tree)[0] if isinstance(t, Tensor)]
+    found = []
+    for item in tree.values() if kind is dict else tree:
+        if isinstance(item, Tensor):
+            found.append(item)
+        elif item is not None and not isinstance(item, (int, float, bool, str)):
+            found.extend(tensors_of(item))
+    return found
 
 
 def tensors_in(args: tuple, kwargs: dict) -> list[Tensor]:
@@ -271,6 +297,12 @@ def tensors_in(args: tuple, kwargs: dict) -> list[Tensor]:
     for a in (*args, *kwargs.values()):
         if isinstance(a, Tensor):
             found.append(a)
+        elif type(a) in _FLAT:  # torch.cat([a, b]): a list of tensors, in pytree's order
+            for t in a:
+                if isinstance(t, Tensor):
+                    found.append(t)
+                elif isinstance(t, (list, tuple, dict)):
+                    found.extend(tensors_of(t))
         elif isinstance(a, (list, tuple, dict)):
-            found.extend(t for t in tree_flatten(a)[0] if isinstance(t, Tensor))
+            found.extend(tensors_of(a))
     return found
