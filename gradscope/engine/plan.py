@@ -110,6 +110,12 @@ class Plan:
         return self._kept("raw", lambda: tuple(p for p in self.params if p.rule == BROADCAST))
 
     @property
+    def owned(self) -> dict[int, ParamPlan]:
+        """id of a parameter -> its plan, for the rule-served and raw ones (a routed region's
+        every read is one of them)."""
+        return self._kept("owned", lambda: {id(p.param): p for p in self.by_rule + self.raw})
+
+    @property
     def fallback(self) -> tuple[ParamPlan, ...]:
         return self._kept("fallback", lambda: tuple(p for p in self.params if p.is_fallback))
 

@@ -39,6 +39,7 @@ class Replayed:
         hooks: ModuleHooks | None = None,
     ):
         self.plan, self.record, self.modules, self.losses = plan, record, modules, losses
+        self.kinds = {id(m): type(m) for m in modules}  # a region call's module's class
         self.hooks = hooks  # the Engine's module hooks, lent to each batch's session
 
     def __call__(
@@ -133,7 +134,7 @@ class Replayed:
         """A region call's own pass: by its recipes (following its rows where values pick
         them), or under a trace and a tap again."""
         batch = session.batch
-        kind = next(type(m) for m in self.modules if id(m) == call.module)
+        kind = self.kinds[call.module]
         traced = functools.partial(lessons.traced.add, kind)  # where its rows do not hold
         if call.routed:
             during = None if call.open else call.during  # None: reads matched by kind

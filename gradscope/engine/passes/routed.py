@@ -55,25 +55,22 @@ class RoutedRegion(LightRegion):
                 self.flow.keep(t, self.flow.lane(t, spec))
         super().__init__(plan, recipes, during, batch)
         # every selected parameter: any read but the recipes' fails the witness
-        self.owned = {id(p.param): p for p in plan.by_rule + plan.raw}
+        self.owned = plan.owned
         self.watched = set(self.owned)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        ts = tensors_in(args, kwargs)
         watched, views, rows = self.watched, self.views, self.flow.rows
-        for t in ts:  # a loop, not a generator: this runs on every op
+        read = followed = False
+        for t in tensors_in(args, kwargs):  # a loop, not a generator: this runs on every op
             i = id(t)
-            if i in watched or i in views or i in rows:
-                break
-        else:
+            followed = followed or i in rows
+            read = read or i in watched or (i in views and views[i][0] is t)
+        if not (read or followed) or metadata(func):
             return func(*args, **kwargs)  # nothing followed, nothing watched
-        if metadata(func):
-            return func(*args, **kwargs)
         name = name_of(func)
-        watched = [t for t in ts if id(t) in self.watched or self._view(t) is not None]
-        out = self._watched(name, func, args, kwargs) if watched else func(*args, **kwargs)
-        if self.flow.holds(ts):
+        out = self._watched(name, func, args, kwargs) if read else func(*args, **kwargs)
+        if followed:
             with torch._C.DisableTorchFunction():
                 self.flow.follow(name, args, kwargs, out)
         return out

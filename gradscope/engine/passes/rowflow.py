@@ -8,8 +8,8 @@ giving the example of each row along dimension 0 (``NO_ONE`` for a row of no exa
 - Ops that keep rows keep them: elementwise ops, casts, row-by-row products with weights of no
   example, views and reductions off dimension 0, reshapes that split rows or merge whole ones.
 - Rows that meet (two operands, rows merged, rows written to one place) must be one example's,
-  or no example's: what the batch's values decide there is a flag on the device (``bad``), read
-  once by the replay at the forward's end.
+  or no example's: what the batch's values decide there is a flag on the device, kept until the
+  forward's end, when the replay reads them all at once (``bad``).
 - Any other op on a followed tensor, or an in-place write into a view or through one, leaves
   its results unfollowed (``None``), with the op's name in ``lost``.
 """
@@ -37,7 +37,7 @@ class RowFlow:
     def __init__(self, batch: int):
         self.batch = batch
         self.rows: dict[int, tuple[Tensor, Tensor | None]] = {}
-        self.bad: Tensor | None = None
+        self.wrong: list[Tensor] = []  # flags, each (n,) or (): any true fails the batch
         self.lost: str | None = None  # the first op whose results could not be followed
 
     def lane(self, t: Tensor, spec: tuple) -> Tensor | None:
@@ -63,14 +63,16 @@ class RowFlow:
             return False
         return item[1]
 
-    def holds(self, tensors: list[Tensor]) -> bool:
-        """Whether any of ``tensors`` is followed (or unfollowed): an op on it must be seen."""
-        return any(id(t) in self.rows for t in tensors)
-
     def flag(self, wrong: Tensor) -> None:
         """The batch is not one the replay can serve where any of ``wrong`` holds."""
-        any_wrong = wrong.any()
-        self.bad = any_wrong if self.bad is None else self.bad | any_wrong
+        self.wrong.append(wrong.reshape(-1))
+
+    @property
+    def bad(self) -> Tensor | None:
+        """Whether any flag holds: one op over them all, on the device; None with no flag."""
+        if not self.wrong:
+            return None
+        return (self.wrong[0] if len(self.wrong) == 1 else torch.cat(self.wrong)).any()
 
     def combine(self, rows: list[Tensor]) -> Tensor:
         """Rows from several tensors at one position: one example's, or no example's."""
