@@ -19,7 +19,7 @@ from .owners import combine, is_batch, lane_of, reduce, slots
 
 # ops whose result broadcasts its tensor arguments elementwise; in-place ones only when the
 # parameter is not the tensor edited
-ELEMENTWISE = {
+BROADCASTING = {
     *("add", "sub", "mul", "div", "true_divide", "rsub"),
     *("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__"),
     *("__truediv__", "__rtruediv__", "__iadd__", "__isub__", "__imul__", "__itruediv__"),
@@ -43,7 +43,7 @@ class BroadcastReads:
                 return None
             out = func(*args, **kwargs)  # p.expand(B, ...), p.repeat(B, 1, ...)
             return self._view(d, source, out, recipe=_recipe(name, i, d, source, out.shape))
-        if name not in ELEMENTWISE or (name.endswith("_") and i == 0):
+        if name not in BROADCASTING or (name.endswith("_") and i == 0):
             return None
         shape = torch.broadcast_shapes(*(a.shape for a in args if isinstance(a, Tensor)))
         if self._batch_free(args, kwargs):

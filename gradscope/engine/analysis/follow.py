@@ -12,7 +12,7 @@ from torch import Tensor
 from ..capture import tensors_in
 from .contractions import CONTRACTIONS
 from .ops import (
-    CASTS,
+    CAST_LIKE,
     CREATIONS,
     ELEMENTWISE,
     IN_PLACE_MOVES,
@@ -83,7 +83,7 @@ class OwnerAlgebra:
             return self._set(out, self._strided(args, kwargs), origin)
         if name in ELEMENTWISE or binary(name, args, kwargs):
             return self._set(out, combine(*self._all(args, kwargs)), origin)
-        if name in CASTS:  # the other tensor gives only a dtype
+        if name in CAST_LIKE:  # the other tensor gives only a dtype
             return self._set(out, compact(self.owner(args[0])), origin)
         if name in REDUCTIONS and isinstance(args[0], Tensor):
             dims, keep = dims_of(name, args, kwargs, args[0].dim())

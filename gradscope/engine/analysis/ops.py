@@ -53,7 +53,7 @@ REDUCTIONS = {
     *("cummax", "cummin", "std_mean", "var_mean", "aminmax", "logcumsumexp"),
 }
 # casts whose tensor arguments after the first give only a dtype and device: x.to(y), x.type_as(y)
-CASTS = {"to", "type_as"}
+CAST_LIKE = {"to", "type_as"}
 KEEPS_SHAPE = {"softmax", "log_softmax", "cumsum", "cumprod", "sort", "argsort", "normalize"}
 KEEPS_SHAPE |= {"cummax", "cummin", "logcumsumexp", "topk"}
 IN_PLACE_OPERATORS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ior__", "__iand__"}

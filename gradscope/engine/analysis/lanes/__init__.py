@@ -22,7 +22,8 @@ from .moves import MOVES, reshape_lane
 
 __all__ = ["Lane", "after", "reshape_lane"]
 
-_RULES = {**MOVES, **COMPUTED}
+# how each op moves lanes, by its name: the moves and the ops computed along them
+_BY_OP = {**MOVES, **COMPUTED}
 
 
 def after(name: str, args: tuple, kwargs: dict, lanes: dict[int, Lane], out: Tensor, batch: int):
@@ -32,7 +33,7 @@ def after(name: str, args: tuple, kwargs: dict, lanes: dict[int, Lane], out: Ten
         if name == "where" and len(args) == 1:
             return None  # positions of true elements, not values
         return broadcast(args, kwargs, lanes, out)
-    follow = _RULES.get(name)
+    follow = _BY_OP.get(name)
     if follow is None or not args or not isinstance(args[0], (Tensor, list, tuple)):
         return None
     return follow(args, kwargs, lanes, out, batch)

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 from torch import Tensor
 
-from ..ops import CASTS, RESHAPES
+from ..ops import CAST_LIKE, RESHAPES
 from ..owners import groups
 from .base import Lane, aligned, axis, only, same
 
@@ -179,5 +179,5 @@ MOVES: dict[str, Callable[..., Lane | None]] = {
     **dict.fromkeys(("select", "narrow"), _select),
     **dict.fromkeys(("split", "chunk", "tensor_split", "split_with_sizes", "unbind"), _split),
     **dict.fromkeys(("cat", "concat", "concatenate", "stack"), _joined),
-    **dict.fromkeys(CASTS, _cast),
+    **dict.fromkeys(CAST_LIKE, _cast),
 }
