@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
-from torch.utils._pytree import tree_flatten
 
 from .rows import Rows
 
@@ -266,43 +265,3 @@ class Captured:
     def per_example(self) -> bool:
         """Each loss is one example's, by the trace."""
         return self.trace is not None and self.trace.per_example(self.losses, len(self.losses))
-
-
-_FLAT = (list, tuple)  # exactly: a namedtuple goes to pytree
-
-
-def tensors_of(tree: object) -> list[Tensor]:
-    """The tensors of a call's arguments or outputs, in pytree order: the analysis records a
-    region's or a child's ends so, and the replay reads them so. Lists, tuples and dicts are
-    walked here (in pytree's order: a dict's in insertion order), anything else by pytree,
-    which costs some thirty Python calls a node (a model's output class, a namedtuple)."""
-    kind = type(tree)
-    if kind not in _FLAT and kind is not dict:
-        if isinstance(tree, Tensor):
-            return [tree]
-        return [t for t in tree_flatten(tree)[0] if isinstance(t, Tensor)]
-    found = []
-    for item in tree.values() if kind is dict else tree:
-        if isinstance(item, Tensor):
-            found.append(item)
-        elif item is not None and not isinstance(item, (int, float, bool, str)):
-            found.extend(tensors_of(item))
-    return found
-
-
-def tensors_in(args: tuple, kwargs: dict) -> list[Tensor]:
-    """The tensors among an op's arguments, however deep in lists, tuples and dicts
-    (``torch.cat``'s): pytree only where an argument is a container (this runs on many ops)."""
-    found = []
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, Tensor):
-            found.append(a)
-        elif type(a) in _FLAT:  # torch.cat([a, b]): a list of tensors, in pytree's order
-            for t in a:
-                if isinstance(t, Tensor):
-                    found.append(t)
-                elif isinstance(t, (list, tuple, dict)):
-                    found.extend(tensors_of(t))
-        elif isinstance(a, (list, tuple, dict)):
-            found.extend(tensors_of(a))
-    return found

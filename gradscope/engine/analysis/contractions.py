@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ..capture import tensors_in
+from ..tensors import tensors_in
 from .owners import combine, compact, reduce
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..capture import tensors_in
+from ..tensors import tensors_in
 from .contractions import CONTRACTIONS
 from .ops import (
     CAST_LIKE,

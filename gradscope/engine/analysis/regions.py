@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from ..capture import counter, shapes_of, tensors_of
+from ..capture import counter, shapes_of
 from ..derived import Constants
 from ..passes.recipes import Recipe
+from ..tensors import tensors_of
 from .trace import IRREGULAR, ByTensor
 from .visits import Visit, above
 

@@ -38,12 +38,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ...rules.placed import Place
-from ..capture import Use, tensors_in, tensors_of
+from ..capture import Use
 from ..derived import Constants, Derived, Watched, compute, writes
 from ..hooks import ReadHooks
 from ..passes.parts import CONVS
 from ..passes.recipes import METADATA, OPENED, Recipe, masked_by, sdpa_math
 from ..plan import ParamPlan
+from ..tensors import tensors_in, tensors_of
 from .broadcasts import WRITTEN, BroadcastReads
 from .experts import ExpertReads
 from .functions import FunctionReads

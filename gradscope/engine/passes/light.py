@@ -26,10 +26,11 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from ..capture import Capture, Use, counter, tensors_in
+from ..capture import Capture, Use, counter
 from ..derived import FACTORIES, Computed, Constants, Derived, compute, writes
 from ..hooks import ReadHooks
 from ..plan import ParamPlan, Plan
+from ..tensors import tensors_in
 from ..views import CASTS, SCALES, SHIFTS, VIEWS, places
 from .parts import CONVS
 from .reads import RecipeReads

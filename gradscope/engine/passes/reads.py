@@ -10,8 +10,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..capture import Use, counter, edge, read_at, tensors_in
+from ..capture import Use, counter, edge, read_at
 from ..derived import Computed, Derived
+from ..tensors import tensors_in
 from .parts import (
     bind_affine,
     bind_conv,

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..capture import counter, shapes_of, tensors_of
+from ..capture import counter, shapes_of
+from ..tensors import tensors_of
 from .steps import ChildCall, RegionCall
 
 

@@ -20,8 +20,9 @@ import torch
 from torch import Tensor, nn
 
 from ...rules.routed import Routed
-from ..capture import Use, counter, edge, read_at, tensors_in
+from ..capture import Use, counter, edge, read_at
 from ..plan import Plan
+from ..tensors import tensors_in
 from ..views import CASTS
 from .light import LightRegion
 from .parts import bind_affine, broadcast_view, viewed_parts

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ..capture import tensors_in
+from ..tensors import tensors_in
 
 if TYPE_CHECKING:
     from .rowflow import RowFlow
