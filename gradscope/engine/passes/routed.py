@@ -66,7 +66,7 @@ class RoutedRegion(LightRegion):
         for t in tensors_in(args, kwargs):  # a loop, not a generator: this runs on every op
             i = id(t)
             followed = followed or i in rows
-            read = read or i in watched or (i in views and views[i][0] is t)
+            read = read or i in watched or (i in views and self._view(t) is not None)
         if not (read or followed) or metadata(func):
             return func(*args, **kwargs)  # nothing followed, nothing watched
         name = name_of(func)
