@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from switches import Switched
 from torch import Tensor, nn
 
 H, E, INNER = 8, 4, 12  # grouped_mm: rows of 16 bytes
 
 
-class Experts(nn.Module):
+class Experts(Switched):
     """transformers' grouped experts: tokens sorted by expert, gathered, run by ``grouped_mm``
     on a fused 3-D weight (its transpose, or itself where ``transposed``), put back in order
     and summed over each token's top-k."""
+
+    switches = ("shift", "extra")
 
     def __init__(self, transposed: bool = False, then=None, width: int = H):
         super().__init__()

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .analysis.trace import RowTrace
     from .hooks import ModuleHooks
     from .plan import ParamPlan
+    from .state import State
 
 
 @dataclass(eq=False)
@@ -250,6 +251,7 @@ class Captured:
     finder: Finder | None = None  # the regions' finder, where analysed
     at_start: int = 0  # autograd's counter before the forward
     at_end: int = 0  # ... after the losses
+    state: State | None = None  # the model's state as the forward began, where analysed
 
     @property
     def expanded(self) -> bool:

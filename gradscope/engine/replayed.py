@@ -79,6 +79,10 @@ class Replayed:
     ) -> tuple[Captured, Reducer] | None:
         """The pass with ``program``, or None where its witness fails (``lessons`` says why)."""
         plan, batch = self.plan, len(targets)
+        differs = program.state.differs()
+        if differs:  # at another state a forward may make other ops at the same calls
+            lessons.why = f"the model's state differs from the analysed batch's ({differs})"
+            return None
         regions = [m for m in self.modules if id(m) in program.regions]
         children = [m for m in self.modules if id(m) in program.children]
         buffers = frozenset()  # ids of the model's buffers, where a light region may need them

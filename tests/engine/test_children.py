@@ -15,6 +15,7 @@ from oracle import (
     reference_norms,
 )
 from project import run_cli
+from switches import Switched
 from torch import Tensor, nn
 
 import gradscope
@@ -25,9 +26,11 @@ from gradscope.losses import resolve_loss
 D, CLASSES, BATCH, T, EOS = 6, 3, 4, 5, 10
 
 
-class Layer(nn.Module):
+class Layer(Switched):
     """A residual block: a child wherever it runs inside a traced region. ``extra`` adds an
     op; ``fail`` raises half way."""
+
+    switches = ("extra", "fail")
 
     def __init__(self):
         super().__init__()
@@ -41,9 +44,11 @@ class Layer(nn.Module):
         return h * 2 if self.extra else h
 
 
-class Scaled(nn.Module):
+class Scaled(Switched):
     """A residual block scaled by a parameter of its own read outside any hooked call (a
     LayerScale's): a light child, its read served by recipe. ``twice`` reads it again."""
+
+    switches = ("twice",)
 
     def __init__(self):
         super().__init__()

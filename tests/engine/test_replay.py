@@ -16,6 +16,7 @@ from oracle import (
     model_state,
     reference_norms,
 )
+from switches import Switched
 from torch import Tensor, nn
 
 import gradscope
@@ -43,9 +44,11 @@ class Dense(nn.Module):
         return self.head(h).mean(1)[:, :CLASSES]
 
 
-class Sometimes(nn.Module):
+class Sometimes(Switched):
     """A base MLP whose forward differs on the batches where the state it keeps (``odd``, set
     between batches) says so: the witness must see it, as no value of the batch decides it."""
+
+    switches = ("odd",)
 
     def __init__(self, how: str):
         super().__init__()
@@ -94,9 +97,11 @@ class ThreeWays(ByValue):
         return self.fc2(h)
 
 
-class MaskFirst(nn.Module):
+class MaskFirst(Switched):
     """A mask read on the host before anything else, skipped where nothing is padded; counts
     its forwards past that read."""
+
+    switches = ("forwards",)
 
     def __init__(self):
         super().__init__()
@@ -131,10 +136,12 @@ class Routed(nn.Module):
         return self.head(torch.tanh(back.view(x.shape)).mean(1))
 
 
-class TopLevel(nn.Module):
+class TopLevel(Switched):
     """A class token and position embeddings read at the model's top level, outside every
     module call (a timm ViT's): reads the replay serves by recipe over the whole forward. With
     ``other``, the batches its state marks add another position table instead."""
+
+    switches = ("odd",)
 
     def __init__(self, other: bool = False):
         super().__init__()
@@ -334,7 +341,7 @@ class AttentionBlock(nn.Module):
         return self.attn(h, h, h, key_padding_mask=mask == 0, need_weights=False)[0]
 
 
-class Reader(nn.Module):
+class Reader(Switched):
     """Raw weights read by ``F.linear`` (a light region), which one, and whether an op comes
     first, or a Linear (a module with a rule) called first, by the state it keeps (``how`` says
     which): a later batch reads otherwise. With ``cast`` the weight is cast to the dtype it has
@@ -344,6 +351,8 @@ class Reader(nn.Module):
     ``left`` the weight on the left of the tokens, ``W @ x`` (Mamba's ``dt_proj``: light);
     with ``tied`` the Linear's own weight is read again after its call (light, its call a step,
     the read inside the call its rule's)."""
+
+    switches = ("odd",)
 
     def __init__(self, how: str = "read"):
         super().__init__()
@@ -386,7 +395,7 @@ class ScaleBlock(nn.Module):
         return torch.cat([self.token.expand(h.shape[0], -1, -1), h], 1)
 
 
-class Computing(nn.Module):
+class Computing(Switched):
     """Tensors made from parameters, numbers and buffers alone, read where the batch is: a
     gain ``exp(a)`` (DiffLlama's, XIELU's), a table gathered by an index buffer and joined
     again from its slices (Swin's relative positions, a ViT's resized positions), with a Linear
@@ -395,6 +404,8 @@ class Computing(nn.Module):
     with ``attr`` by a tensor the module keeps but not as a buffer, which a light region cannot
     tell from the batch's (a region traced again); with ``mask`` the gathered table is an
     attention mask (Swin's relative position bias), added to the scores."""
+
+    switches = ("odd",)
 
     def __init__(self, how: str = "computed"):
         super().__init__()

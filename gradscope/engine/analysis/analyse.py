@@ -17,6 +17,7 @@ from ..derived import Constants
 from ..hooks import ModuleHooks
 from ..plan import BROADCAST, ParamPlan, Plan
 from ..record import Findings, Record
+from ..state import State
 from . import decide
 from .regions import Finder
 from .selfcheck import agrees
@@ -40,6 +41,7 @@ class Analysis:
         hooks: ModuleHooks | None = None,
     ):
         self.model, self.plan, self.record, self.losses = model, plan, record, losses
+        self.modules = tuple(model.modules())
         self.hooks = hooks  # the Engine's module hooks, lent to each batch's session
 
     def __call__(self, inputs: tuple[Tensor, ...], targets: Tensor, findings: Findings) -> Captured:
@@ -110,10 +112,10 @@ class Analysis:
             trace,
             tap or contextlib.nullcontext(),
         ):
-            start = counter()
+            state, start = State(self.modules), counter()
             losses, observed = self.losses(inputs, targets)
             end = counter()
-        return Captured(session, tap, losses, observed, trace, finder, start, end)
+        return Captured(session, tap, losses, observed, trace, finder, start, end, state)
 
     # -- the checks: each True where it holds; where not, the finding that makes the next
     # -- run hold, and False

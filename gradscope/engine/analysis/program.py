@@ -109,6 +109,7 @@ def program_of(
         tail,
         moves,
         regions.modules,
+        captured.state,
         regions.root,
         regions.root_hosts,
         children,

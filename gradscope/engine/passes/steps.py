@@ -8,6 +8,7 @@ import functools
 from dataclasses import dataclass
 
 from ..rows import Rows
+from ..state import State
 from .backward import Requests
 from .recipes import Recipe
 
@@ -80,6 +81,7 @@ class Program:
     tail: int  # autograd nodes made from the last event to the losses
     moves: int  # the record's moves to the fallback when made: a later one retires it
     regions: frozenset[int]  # ids of the region modules
+    state: State  # the model's state as the analysed batch began (``state.py``)
     root: tuple[Recipe, ...] = ()  # reads outside every region call, by recipe (``light.py``)
     hosts: tuple[tuple[str, object], ...] = ()  # scalars read on the host outside them
     children: frozenset[int] = frozenset()  # ids of the modules of the regions' children

@@ -1,0 +1,114 @@
+"""A program replays only at the state its batch began with: a forward that reads a module's own
+attributes may make other ops at the same calls, shapes and autograd node counts (a mean over
+the batch where it was over the features), which no count of calls or nodes sees."""
+
+from __future__ import annotations
+
+import enum
+
+import pytest
+import torch
+from oracle import assert_rel_close, reference_norms
+from torch import Tensor, nn
+
+from gradscope.engine import Engine, total
+from gradscope.engine.state import State
+from gradscope.errors import ModelError
+from gradscope.losses import resolve_loss
+
+D, CLASSES, BATCH = 6, 3, 5
+
+
+class Over(enum.Enum):
+    FEATURES = 1
+    BATCH = 0
+
+
+class Centred(nn.Module):
+    """Hidden units centred over the dimension its state names: the features (each example on
+    its own) or the batch (the examples mixed), by the same ops either way."""
+
+    def __init__(self, state: str):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(D, D), nn.Linear(D, CLASSES)
+        self.state, self.over, self.mode = state, 1, Over.FEATURES
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.fc1(x))
+        if self.state == "int":
+            h = h - h.mean(self.over, keepdim=True)
+        elif self.state == "enum":
+            h = h - h.mean(self.mode.value, keepdim=True)
+        else:  # "rows": examples kept apart either way, by ops of other values
+            h = h.flip(1) if self.over else h.roll(1, 1)
+        return self.fc2(h)
+
+    def set(self, k: int) -> None:
+        """Its state on batch k: over the features on even batches, else over the batch."""
+        if self.state == "enum":
+            self.mode = (Over.FEATURES, Over.BATCH)[k % 2]
+        else:
+            self.over = k % 2 ^ 1
+
+
+def _batch(k: int) -> tuple[tuple[Tensor], Tensor]:
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(BATCH, D, generator=g, dtype=torch.float64)
+    return (x,), torch.randint(0, CLASSES, (BATCH,), generator=g)
+
+
+@pytest.mark.parametrize("state", ["int", "enum"])
+def test_a_state_that_mixes_the_examples_is_refused_on_every_batch_of_it(state: str):
+    """Batches 0 and 2 centre over the features (exact, the second replayed), 1 and 3 over
+    the batch: refused each time, never replayed by the features' program."""
+    torch.manual_seed(0)
+    model = Centred(state).double()
+    engine = Engine(model, resolve_loss("cross_entropy"))
+    with engine:
+        for k in range(4):
+            model.set(k)
+            inputs, targets = _batch(k)
+            if k % 2:
+                with pytest.raises(ModelError, match="mixes the examples of a batch"):
+                    engine.norms(inputs, targets)
+                continue
+            norms = total(engine.norms(inputs, targets).norm_sq).sqrt()
+            expected = reference_norms(model, inputs, targets, "cross_entropy")[1]
+            assert_rel_close(norms, expected, 1e-9)
+    findings = engine.record.at(*_batch(0))
+    assert findings.replays == 1
+    attribute = "over" if state == "int" else "mode"
+    assert f"the model's state differs from the analysed batch's (Centred.{attribute})" in (
+        findings.why
+    )
+
+
+def test_each_state_replays_its_own_program():
+    """Two states whose ops keep the examples apart, in turn: each analysed once, then replayed
+    by its own program; every batch exact."""
+    torch.manual_seed(0)
+    model = Centred("rows").double()
+    engine = Engine(model, resolve_loss("cross_entropy"))
+    with engine:
+        for k in range(6):
+            model.set(k)
+            inputs, targets = _batch(k)
+            norms = total(engine.norms(inputs, targets).norm_sq).sqrt()
+            expected = reference_norms(model, inputs, targets, "cross_entropy")[1]
+            assert_rel_close(norms, expected, 1e-9)
+    findings = engine.record.at(*_batch(0))
+    assert (findings.analyses, findings.replays) == (2, 4)
+
+
+def test_a_state_tells_the_first_attribute_that_differs():
+    model = Centred("int")
+    state = State(tuple(model.modules()))
+    assert state.differs() is None
+    model.fc2.train(False)
+    assert state.differs() == "Linear.training"
+    model.fc2.train(True)
+    model.extra = 1.5  # an attribute the state had not
+    assert state.differs() == "Centred.extra"
+    del model.extra
+    model.over = torch.ones(2)  # no plain value: out of the state's sight, compared as gone
+    assert state.differs() == "Centred.over"
