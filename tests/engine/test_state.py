@@ -1,6 +1,7 @@
 """A program replays only at the state its batch began with: a forward that reads a module's own
-attributes may make other ops at the same calls, shapes and autograd node counts (a mean over
-the batch where it was over the features), which no count of calls or nodes sees."""
+attributes or the tensors it keeps may make other ops at the same calls, shapes and autograd
+node counts (a mean over the batch where it was over the features, rows gathered by an offset
+the model keeps), which no count of calls or nodes sees."""
 
 from __future__ import annotations
 
@@ -17,6 +18,21 @@ from gradscope.errors import ModelError
 from gradscope.losses import resolve_loss
 
 D, CLASSES, BATCH = 6, 3, 5
+
+
+class Rolled(nn.Module):
+    """Each example's hidden units moved to the example ``offset`` (a buffer) places on: its
+    own where 0, another's (the examples mixed) elsewhere, by the same ops either way."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(D, D), nn.Linear(D, CLASSES)
+        self.register_buffer("offset", torch.tensor(0))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.fc1(x))
+        rows = (torch.arange(h.shape[0]) + self.offset) % h.shape[0]
+        return self.fc2(h[rows])
 
 
 class Over(enum.Enum):
@@ -83,6 +99,27 @@ def test_a_state_that_mixes_the_examples_is_refused_on_every_batch_of_it(state: 
     )
 
 
+def test_a_buffer_written_between_batches_sends_the_batch_to_the_analysis():
+    """The offset written in place (its version counts the write) on batches 1 and 3: those
+    refused, as the examples mix there; batch 2, written back to 0, analysed again and exact."""
+    torch.manual_seed(0)
+    model = Rolled().double()
+    engine = Engine(model, resolve_loss("cross_entropy"))
+    with engine:
+        for k in range(4):
+            model.offset.fill_(k % 2)
+            inputs, targets = _batch(k)
+            if k % 2:
+                with pytest.raises(ModelError, match="mixes the examples of a batch"):
+                    engine.norms(inputs, targets)
+                continue
+            norms = total(engine.norms(inputs, targets).norm_sq).sqrt()
+            expected = reference_norms(model, inputs, targets, "cross_entropy")[1]
+            assert_rel_close(norms, expected, 1e-9)
+    findings = engine.record.at(*_batch(0))
+    assert findings.replays == 0 and "(Rolled.offset)" in findings.why
+
+
 def test_each_state_replays_its_own_program():
     """Two states whose ops keep the examples apart, in turn: each analysed once, then replayed
     by its own program; every batch exact."""
@@ -110,5 +147,16 @@ def test_a_state_tells_the_first_attribute_that_differs():
     model.extra = 1.5  # an attribute the state had not
     assert state.differs() == "Centred.extra"
     del model.extra
-    model.over = torch.ones(2)  # no plain value: out of the state's sight, compared as gone
+    model.over = "batch"  # another type
     assert state.differs() == "Centred.over"
+    model.over = 1
+    model.kept = torch.ones(2)  # a tensor the module keeps, new: a plain attribute count's
+    assert state.differs() == "Centred.kept"
+    del model.kept
+    assert state.differs() is None
+    rolled = Rolled()
+    state = State(tuple(rolled.modules()))
+    rolled.offset.add_(0)  # written in place, whatever the value
+    assert state.differs() == "Rolled.offset"
+    rolled.offset = torch.tensor(0)  # another tensor
+    assert state.differs() == "Rolled.offset"
