@@ -17,7 +17,7 @@ from .analysis import decide
 from .analysis.analyse import Analysis
 from .analysis.program import program_of, regions_of
 from .analysis.regions import Regions
-from .analysis.selfcheck import Singles
+from .analysis.selfcheck import Singles, first_apart, mixed
 from .capture import Captured
 from .hooks import ModuleHooks
 from .passes.backward import requests
@@ -132,7 +132,7 @@ class Engine:
         findings = self._pinned or self.record.at(inputs, targets)
         passed = None if self._pinned else self.replayed(inputs, targets, want, findings)
         captured, reducer = passed or self._analysed(inputs, targets, want, findings)
-        self._fallback(reducer, inputs, targets)
+        self._fallback(reducer, inputs, targets, captured.losses)
         self._fill_zeros(reducer, len(targets))
         pre_sq = reducer.pre.norm_sq if reducer.pre is not None else {}
         loss = captured.losses.detach()
@@ -205,10 +205,17 @@ class Engine:
 
     # -- after the backward ----------------------------------------------------------------
 
-    def _fallback(self, reducer: Reducer, inputs: tuple[Tensor, ...], targets: Tensor) -> None:
-        """Exact per-example gradients of the parameters no rule serves."""
+    def _fallback(
+        self, reducer: Reducer, inputs: tuple[Tensor, ...], targets: Tensor, losses: Tensor
+    ) -> None:
+        """Exact per-example gradients of the parameters no rule serves, from each example run
+        alone: where one's loss alone is not its loss in the batch, the examples mix (rows one
+        example's picked into another's by the batch's values) and the batch is refused."""
         names = [p.name for p in self.plan.fallback]
-        for name, dense in self.fallback.grads(names, inputs, targets).items():
+        alone, grads = self.fallback.grads(names, inputs, targets)
+        if alone is not None and (i := first_apart(alone, losses)) is not None:
+            raise mixed(i, alone[i].item(), losses[i].item())
+        for name, dense in grads.items():
             reducer.reduce(name, dense)
         if self.fallback.vmap_error:
             for p in self.plan.fallback:

@@ -20,7 +20,7 @@ from ..record import Findings, Record
 from ..state import State
 from . import decide
 from .regions import Finder
-from .selfcheck import agrees
+from .selfcheck import agrees, mixed
 from .session import HookSession
 from .tap import ParamTap
 from .trace import ByTensor, RowTrace
@@ -75,13 +75,7 @@ class Analysis:
                 one = tuple(t[i : i + 1] for t in inputs)
                 alone = self.losses(one, targets[i : i + 1])[0].reshape(1)
                 if not agrees(alone, losses[i : i + 1].detach()):
-                    raise ModelError(
-                        f"example {i}'s loss is {alone.item():.6g} alone and "
-                        f"{losses[i].item():.6g} in its batch: the loss (or the model) mixes "
-                        f"the examples of a batch{after}, as l - l.mean() does, so an example "
-                        "has no gradient of its own; reduce each example's loss alone",
-                        "loss",
-                    )
+                    raise mixed(i, alone.item(), losses[i].item(), after)
 
     def _recorded(self, inputs: tuple[Tensor, ...], targets: Tensor, findings: Findings):
         expand, assume = findings.expand is not False, findings.assume
@@ -104,6 +98,7 @@ class Analysis:
             tap.finder, tap.derived.on_set = finder, finder.born
             tap.constants = Constants(frozenset(id(b) for b in self.model.buffers()))
             finder.constants = tap.constants
+        state = State(self.modules)  # as the replay takes it: before any pass's hooks
         # with every parameter on the fallback, this pass only gives the losses: no graph
         with (
             torch.set_grad_enabled(bool(watched)),
@@ -112,7 +107,7 @@ class Analysis:
             trace,
             tap or contextlib.nullcontext(),
         ):
-            state, start = State(self.modules), counter()
+            start = counter()
             losses, observed = self.losses(inputs, targets)
             end = counter()
         return Captured(session, tap, losses, observed, trace, finder, start, end, state)

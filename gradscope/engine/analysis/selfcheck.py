@@ -9,6 +9,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ...errors import ModelError
+
 
 def tolerance(dtype: torch.dtype) -> float:
     """The worst relative error a correct engine stays under, given rounding in ``dtype``."""
@@ -28,6 +30,26 @@ def agrees(ours: Tensor, theirs: Tensor, total: float = 0.0) -> bool:
     own = max(ours.nan_to_num(0).norm().item(), theirs.nan_to_num(0).norm().item())
     atol = max(10 * tol * own, tol * total, 1e-30)
     return torch.allclose(ours, theirs, rtol=0, atol=atol, equal_nan=True)
+
+
+def first_apart(alone: Tensor, in_batch: Tensor) -> int | None:
+    """The first example whose loss run alone is not, up to rounding, its loss in the batch."""
+    a, b = alone.double(), in_batch.detach().to(alone.device).double()
+    scale = torch.maximum(a.abs(), b.abs()) + b.abs().nan_to_num(0).mean()
+    apart = (a - b).abs() > 10 * tolerance(in_batch.dtype) * scale  # NaN on both: not apart
+    if not bool(apart.any()):
+        return None
+    return int(apart.nonzero()[0, 0])
+
+
+def mixed(i: int, alone: float, in_batch: float, after: str = "") -> ModelError:
+    """The refusal of a batch whose example ``i`` has another loss alone than in it."""
+    return ModelError(
+        f"example {i}'s loss is {alone:.6g} alone and {in_batch:.6g} in its batch: the loss "
+        f"(or the model) mixes the examples of a batch{after}, as l - l.mean() does, so an "
+        "example has no gradient of its own; reduce each example's loss alone",
+        "loss",
+    )
 
 
 class Singles:

@@ -7,7 +7,7 @@ import warnings
 from collections.abc import Sequence
 
 from torch import Tensor, nn
-from torch.func import grad, vmap
+from torch.func import grad_and_value, vmap
 
 from ...losses import LossFn
 from ...rules import Dense
@@ -44,25 +44,27 @@ class Fallback:
 
     def grads(
         self, names: Sequence[str], inputs: tuple[Tensor, ...], targets: Tensor
-    ) -> dict[str, Dense]:
-        """{name: Dense (B, *shape)} for each named parameter; the model must be prepared."""
+    ) -> tuple[Tensor | None, dict[str, Dense]]:
+        """Each example's loss run alone (B,), and {name: Dense (B, *shape)} for each named
+        parameter (no losses where no name is); the model must be prepared."""
         if not names:
-            return {}
-        grads = None
+            return None, {}
+        done = None
         if self.vmap_error is None:
             try:
-                grads = self._vmapped(names, inputs, targets)
+                done = self._vmapped(names, inputs, targets)
             except Exception as e:
                 # The model already ran eagerly on this very batch, so the failure is vmap's; a
                 # genuine error in the model or loss is raised again, readably, by the loop.
                 self.vmap_error = short_reason(e)
-        if grads is None:
-            _, grads = naive_grads(self.model, inputs, targets, self.loss_fn, names, self.forward)
-        return {n: Dense(g) for n, g in grads.items()}
+        if done is None:
+            done = naive_grads(self.model, inputs, targets, self.loss_fn, names, self.forward)
+        losses, grads = done
+        return losses, {n: Dense(g) for n, g in grads.items()}
 
     def _vmapped(
         self, names: Sequence[str], inputs: tuple[Tensor, ...], targets: Tensor
-    ) -> dict[str, Tensor]:
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         params = dict(self.model.named_parameters())
         chosen = {n: params[n].detach() for n in names}
         # The rest detached, so no outer autograd graph is recorded through them.
@@ -80,6 +82,7 @@ class Fallback:
         with warnings.catch_warnings():
             # ops without a batching rule run as a loop inside vmap: slower, still exact
             warnings.filterwarnings("ignore", message=".*performance drop.*")
-            return vmap(grad(one_loss), in_dims=(None, 0, 0), chunk_size=chunk)(
+            grads, losses = vmap(grad_and_value(one_loss), in_dims=(None, 0, 0), chunk_size=chunk)(
                 chosen, inputs, targets
             )
+        return losses.detach(), grads
