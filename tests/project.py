@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import torch
 import yaml
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from gradscope.cli import app, main
 from gradscope.io.parquet import partial_path
@@ -218,6 +218,15 @@ def run_cli(
     """``gradscope <command> config.yaml <options>`` (``norms`` unless given) through typer's
     runner, on a config written into ``root`` from these sections (a loss given by its name or
     as its section), 3 examples a batch unless ``data`` says; the scores file it wrote."""
+    result = invoke_cli(root, model, data, loss, *command, dtype=dtype)
+    assert result.exit_code == 0, result.output
+    return pd.read_parquet(root / "scores.parquet")
+
+
+def invoke_cli(
+    root: Path, model: dict, data: dict, loss: str | dict, *command: str, dtype="float64"
+) -> Result:
+    """``run_cli``'s run, whatever it ends in: the runner's result."""
     config = root / "config.yaml"
     raw = {
         "model": model,
@@ -228,6 +237,4 @@ def run_cli(
         "output": {"path": "scores.parquet"},
     }
     config.write_text(yaml.safe_dump(raw, sort_keys=False))
-    result = CliRunner().invoke(app, [*(command or ["norms"])[:1], str(config), *command[1:]])
-    assert result.exit_code == 0, result.output
-    return pd.read_parquet(root / "scores.parquet")
+    return CliRunner().invoke(app, [*(command or ["norms"])[:1], str(config), *command[1:]])

@@ -16,6 +16,7 @@ from oracle import (
     model_state,
     reference_norms,
 )
+from project import run_cli
 from switches import Switched
 from torch import Tensor, nn
 
@@ -762,11 +763,6 @@ def test_a_program_whose_host_read_differs_stops_there():
 )
 def test_every_batch_of_one_cli_run_is_exact(tmp_path, case: str):
     """Three batches of one signature in one run: replayed, or analysed where values decide."""
-    import yaml
-    from typer.testing import CliRunner
-
-    from gradscope.cli import app
-
     model = _build(case)
     batches = _batches(case)
     columns = {"padded": ["ids", "mask"], "dense": ["ids"], "masked-block": ["x", "mask"]}
@@ -779,20 +775,12 @@ def test_every_batch_of_one_cli_run_is_exact(tmp_path, case: str):
     (tmp_path / "models.py").write_text(
         f"from test_replay import _build\n\ndef make():\n    return _build({case!r})\n"
     )
-    config = {
-        "model": {"factory": "models.py:make", "checkpoint": "model.pt"},
-        "data": {"path": "data.pt", "inputs": columns, "targets": "y", "batch_size": BATCH},
-        "loss": {"name": "cross_entropy"},
-        "dtype": "float64",
-        "device": "cpu",
-    }
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    out = tmp_path / "scores.parquet"
-    result = CliRunner().invoke(app, ["norms", str(tmp_path / "config.yaml"), "--out", str(out)])
-    assert result.exit_code == 0, result.output
-    import pandas as pd
-
-    scores = pd.read_parquet(out)
+    scores = run_cli(
+        tmp_path,
+        {"factory": "models.py:make", "checkpoint": "model.pt"},
+        {"path": "data.pt", "inputs": columns, "targets": "y", "batch_size": BATCH},
+        "cross_entropy",
+    )
     for k, (inputs, targets) in enumerate(batches):
         _, expected = reference_norms(model, inputs, targets, "cross_entropy")
         got = torch.tensor(scores["grad_norm"].to_numpy()[k * BATCH : (k + 1) * BATCH])

@@ -6,6 +6,7 @@ the model keeps), which no count of calls or nodes sees."""
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from oracle import assert_rel_close, reference_norms
 from torch import Tensor, nn
 
 from gradscope.engine import Engine, total
+from gradscope.engine.record import Findings
 from gradscope.engine.state import State
 from gradscope.errors import ModelError
 from gradscope.losses import resolve_loss
@@ -73,16 +75,13 @@ def _batch(k: int) -> tuple[tuple[Tensor], Tensor]:
     return (x,), torch.randint(0, CLASSES, (BATCH,), generator=g)
 
 
-@pytest.mark.parametrize("state", ["int", "enum"])
-def test_a_state_that_mixes_the_examples_is_refused_on_every_batch_of_it(state: str):
-    """Batches 0 and 2 centre over the features (exact, the second replayed), 1 and 3 over
-    the batch: refused each time, never replayed by the features' program."""
-    torch.manual_seed(0)
-    model = Centred(state).double()
+def _refused_on_odd_batches(model: nn.Module, state: Callable[[int], object]) -> Findings:
+    """Four batches through one Engine, ``state(k)`` set before batch k: the odd ones, whose
+    state mixes the examples, refused; the even ones exact against the float64 loop."""
     engine = Engine(model, resolve_loss("cross_entropy"))
     with engine:
         for k in range(4):
-            model.set(k)
+            state(k)
             inputs, targets = _batch(k)
             if k % 2:
                 with pytest.raises(ModelError, match="mixes the examples of a batch"):
@@ -91,7 +90,16 @@ def test_a_state_that_mixes_the_examples_is_refused_on_every_batch_of_it(state: 
             norms = total(engine.norms(inputs, targets).norm_sq).sqrt()
             expected = reference_norms(model, inputs, targets, "cross_entropy")[1]
             assert_rel_close(norms, expected, 1e-9)
-    findings = engine.record.at(*_batch(0))
+    return engine.record.at(*_batch(0))
+
+
+@pytest.mark.parametrize("state", ["int", "enum"])
+def test_a_state_that_mixes_the_examples_is_refused_on_every_batch_of_it(state: str):
+    """Batches 0 and 2 centre over the features (exact, the second replayed), 1 and 3 over
+    the batch: refused each time, never replayed by the features' program."""
+    torch.manual_seed(0)
+    model = Centred(state).double()
+    findings = _refused_on_odd_batches(model, model.set)
     assert findings.replays == 1
     attribute = "over" if state == "int" else "mode"
     assert f"the model's state differs from the analysed batch's (Centred.{attribute})" in (
@@ -104,19 +112,7 @@ def test_a_buffer_written_between_batches_sends_the_batch_to_the_analysis():
     refused, as the examples mix there; batch 2, written back to 0, analysed again and exact."""
     torch.manual_seed(0)
     model = Rolled().double()
-    engine = Engine(model, resolve_loss("cross_entropy"))
-    with engine:
-        for k in range(4):
-            model.offset.fill_(k % 2)
-            inputs, targets = _batch(k)
-            if k % 2:
-                with pytest.raises(ModelError, match="mixes the examples of a batch"):
-                    engine.norms(inputs, targets)
-                continue
-            norms = total(engine.norms(inputs, targets).norm_sq).sqrt()
-            expected = reference_norms(model, inputs, targets, "cross_entropy")[1]
-            assert_rel_close(norms, expected, 1e-9)
-    findings = engine.record.at(*_batch(0))
+    findings = _refused_on_odd_batches(model, lambda k: model.offset.fill_(k % 2))
     assert findings.replays == 0 and "(Rolled.offset)" in findings.why
 
 

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import yaml
 from oracle import assert_rel_close, model_state, reference_norms
+from project import invoke_cli, run_cli
 from torch import Tensor, nn
-from typer.testing import CliRunner
 
-from gradscope.cli import app
 from gradscope.engine import Engine, total
 from gradscope.errors import ModelError
 from gradscope.losses import resolve_loss
@@ -115,25 +113,18 @@ def test_one_cli_run_is_exact_or_refused_in_one_line(tmp_path, how, where):
     (tmp_path / "models.py").write_text(
         f"from test_values import _build\n\ndef make():\n    return _build({how!r}, {where!r})\n"
     )
-    config = {
-        "model": {"factory": "models.py:make", "checkpoint": "model.pt"},
-        "data": {"path": "data.pt", "inputs": ["x"], "targets": "y", "batch_size": BATCH},
-        "loss": {"name": "cross_entropy"},
-        "dtype": "float64",
-        "device": "cpu",
-    }
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    out = tmp_path / "scores.parquet"
-    result = CliRunner().invoke(app, ["norms", str(tmp_path / "config.yaml"), "--out", str(out)])
+    sections = (
+        {"factory": "models.py:make", "checkpoint": "model.pt"},
+        {"path": "data.pt", "inputs": ["x"], "targets": "y", "batch_size": BATCH},
+        "cross_entropy",
+    )
     if how != "sorted":
+        result = invoke_cli(tmp_path, *sections)
         assert result.exit_code != 0
         (line,) = [s for s in result.output.splitlines() if "mixes the examples" in s]
         assert line.startswith("error")
         return
-    assert result.exit_code == 0, result.output
-    import pandas as pd
-
-    scores = pd.read_parquet(out)
+    scores = run_cli(tmp_path, *sections)
     for k, (inputs, targets) in enumerate(batches):
         expected = reference_norms(model, inputs, targets, "cross_entropy")[1]
         got = torch.tensor(scores["grad_norm"].to_numpy()[k * BATCH : (k + 1) * BATCH])
