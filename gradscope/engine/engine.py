@@ -89,9 +89,11 @@ class Engine:
         self.record = record_for(model, key)
         self.plan.adopt(self.record.moves)
         self._hooks = ModuleHooks()  # on the hooked modules while the Engine is entered
-        self.analysis = Analysis(model, self.plan, self.record, self._losses, self._hooks)
-        self._prepared: list[contextlib.AbstractContextManager] = []
         self._modules = tuple(model.modules())
+        self.analysis = Analysis(
+            model, self._modules, self.plan, self.record, self._losses, self._hooks
+        )
+        self._prepared: list[contextlib.AbstractContextManager] = []
         self._pinned: Findings | None = None  # see pin_decisions
         self.replayed = Replayed(self.plan, self.record, self._modules, self._losses, self._hooks)
 

@@ -30,18 +30,20 @@ Losses = Callable[[tuple[Tensor, ...], Tensor], tuple[Tensor, dict[str, Tensor]]
 
 
 class Analysis:
-    """Analyses batches of ``plan``'s model; ``losses`` runs its forward and loss."""
+    """Analyses batches of ``plan``'s model (``modules``: its own, in order); ``losses`` runs
+    its forward and loss."""
 
     def __init__(
         self,
         model: nn.Module,
+        modules: tuple[nn.Module, ...],
         plan: Plan,
         record: Record,
         losses: Losses,
         hooks: ModuleHooks | None = None,
     ):
         self.model, self.plan, self.record, self.losses = model, plan, record, losses
-        self.modules = tuple(model.modules())
+        self.modules = modules  # the Engine's, whose state a program replays at
         self.hooks = hooks  # the Engine's module hooks, lent to each batch's session
 
     def __call__(self, inputs: tuple[Tensor, ...], targets: Tensor, findings: Findings) -> Captured:
