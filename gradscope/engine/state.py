@@ -55,11 +55,12 @@ class State:
             for k, t in where.items()
             if isinstance(t, Tensor)
         ]
-        self._quick = [
-            (vars(m), m._buffers, len(vars(m)), len(m._buffers), _getter([k for k, _ in kv]))
-            for m, kv in zip(self.modules, self.values, strict=True)
-        ]
-        self._got = [get(d) for d, _, _, _, get in self._quick]
+        self._quick = []  # each module's dicts, their lengths, its plain values' getter and them
+        for m, kv in zip(self.modules, self.values, strict=True):
+            get = _getter([k for k, _ in kv])
+            self._quick.append(
+                (vars(m), m._buffers, len(vars(m)), len(m._buffers), get, get(vars(m)))
+            )
 
     def differs(self) -> str | None:
         """None where the modules are in this state again; else the first attribute that
@@ -70,7 +71,7 @@ class State:
         try:
             if all(
                 len(d) == n and len(b) == nb and get(d) == got
-                for (d, b, n, nb, get), got in zip(self._quick, self._got, strict=True)
+                for d, b, n, nb, get, got in self._quick
             ):
                 return None
         except Exception:  # noqa: BLE001 - an attribute gone, or one no plain value compares to
