@@ -10,9 +10,10 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from oracle import assert_rel_close, reference_norms
+from oracle import assert_rel_close, model_state, reference_norms
 from torch import Tensor, nn
 
+import gradscope
 from gradscope.engine import Engine, total
 from gradscope.engine.record import Findings
 from gradscope.engine.state import State
@@ -114,6 +115,30 @@ def test_a_buffer_written_between_batches_sends_the_batch_to_the_analysis():
     model = Rolled().double()
     findings = _refused_on_odd_batches(model, lambda k: model.offset.fill_(k % 2))
     assert findings.replays == 0 and "(Rolled.offset)" in findings.why
+
+
+@pytest.mark.parametrize("model", ["int", "enum", "rolled"])
+def test_fresh_api_calls_at_each_state_are_exact_or_refused(model: str):
+    """``per_example_norms`` called afresh on each batch, the state set between them (the
+    model's record, and its programs, kept between the calls): the batches whose state mixes
+    the examples refused, the others exact; the model left as it was either way."""
+    torch.manual_seed(0)
+    built = Rolled().double() if model == "rolled" else Centred(model).double()
+    for k in range(4):
+        if model == "rolled":
+            built.offset.fill_(k % 2)
+        else:
+            built.set(k)
+        inputs, targets = _batch(k)
+        before = model_state(built)
+        if k % 2:
+            with pytest.raises(ModelError, match="mixes the examples of a batch"):
+                gradscope.per_example_norms(built, inputs, targets, loss="cross_entropy")
+        else:
+            norms = gradscope.per_example_norms(built, inputs, targets, loss="cross_entropy")
+            expected = reference_norms(built, inputs, targets, "cross_entropy")[1]
+            assert_rel_close(norms, expected, 1e-9)
+        before.assert_kept(built)
 
 
 def test_each_state_replays_its_own_program():

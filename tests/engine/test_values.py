@@ -12,6 +12,7 @@ from oracle import assert_rel_close, model_state, reference_norms
 from project import invoke_cli, run_cli
 from torch import Tensor, nn
 
+import gradscope
 from gradscope.engine import Engine, total
 from gradscope.errors import ModelError
 from gradscope.losses import resolve_loss
@@ -100,6 +101,24 @@ def test_every_batch_is_exact_or_refused_where_its_values_mix_the_examples(how, 
     findings = engine.record.at(*_batches()[0])
     if (how, where) == ("sorted", "call"):  # a routed region: the rest replayed
         assert findings.replays == BATCHES - 1
+
+
+@pytest.mark.parametrize(("how", "where"), CASES)
+def test_every_batch_through_a_fresh_api_call_is_exact_or_refused(how, where):
+    """``per_example_norms`` called afresh on each batch (the model's record, and its programs,
+    kept between the calls): exact, or refused where the batch's values mix the examples; the
+    model left as it was either way."""
+    model = _build(how, where)
+    for inputs, targets in _batches():
+        before = model_state(model)
+        if _mixes(how, inputs[0]):
+            with pytest.raises(ModelError, match="mixes the examples of a batch"):
+                gradscope.per_example_norms(model, inputs, targets, loss="cross_entropy")
+        else:
+            norms = gradscope.per_example_norms(model, inputs, targets, loss="cross_entropy")
+            expected = reference_norms(model, inputs, targets, "cross_entropy")[1]
+            assert_rel_close(norms, expected, 1e-9)
+        before.assert_kept(model)
 
 
 @pytest.mark.parametrize(("how", "where"), CASES)
