@@ -1,5 +1,6 @@
 """Switches a test model changes between batches, kept out of the state witness's sight
-(``gradscope/engine/state.py``): in a dict, no plain attribute of a module. A test whose model
+(``gradscope/engine/state.py``): in a mapping that is neither a dict nor an object of
+attributes, which the state compares. A test whose model
 switches its structure by them reaches the witnesses behind the state's (the calls, the reads,
 the operations, the rows); ``engine/test_state.py`` tests the state's own."""
 
@@ -8,14 +9,18 @@ from __future__ import annotations
 from torch import nn
 
 
+class _Switches(dict):
+    __slots__ = ()  # no attributes of its own: the state looks into neither it nor its items
+
+
 class Switched(nn.Module):
-    """A module whose attributes named in ``switches`` live in a dict of their own."""
+    """A module whose attributes named in ``switches`` live in a mapping of their own."""
 
     switches: tuple[str, ...] = ()
 
     def __setattr__(self, name: str, value: object) -> None:
         if name in self.switches:
-            self.__dict__.setdefault("_switched", {})[name] = value
+            self.__dict__.setdefault("_switched", _Switches())[name] = value
         else:
             super().__setattr__(name, value)
 

@@ -1,35 +1,72 @@
 """The model's own state that a forward may branch on or index by: each module's attributes of
-plain values (``training``, flags, modes, counters) and the tensors it keeps (buffers, tensor
-attributes), as they are and by their version (what autograd counts writes in place by). A
-program was analysed at one state; at another, a forward may make other ops at the same calls,
-shapes and autograd node counts (a mean over the batch instead of over the features, rows
-gathered by a permutation the model keeps), which the witness would not see. So a program
-replays only at the state its batch began with; at another the batch is analysed
+plain values (``training``, flags, modes, counters, tuples of dims, lists and dicts of such), those
+of the objects it holds (a config a forward reads ``self.config.dim`` from) and the tensors it
+keeps (buffers, tensor attributes), as they are and by their version (what autograd counts writes
+in place by). A program was analysed at one state; at another, a forward may make other ops at
+the same calls, shapes and autograd node counts (a mean over the batch instead of over the
+features, rows gathered by a permutation the model keeps), which the witness would not see. So a
+program replays only at the state its batch began with; at another the batch is analysed
 (``replayed.py``)."""
 
 from __future__ import annotations
 
+import copy
 import enum
+import functools
 import operator
+import types
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
-# values a branch may read, compared by value (a tensor, a list or an object of the user's is
-# not: comparing it costs or syncs, and what a forward reads of it is out of sight)
+# values a branch may read, compared by value (a tensor is not: comparing it costs or syncs; it
+# is kept by identity and version instead)
 PLAIN = frozenset({bool, int, float, str, type(None), torch.dtype, torch.device})
+CONTAINERS = (tuple, list, dict)
+# the most plain values a tuple, list or dict may hold to be compared on every batch
+LEAVES = 256
+# what an attribute may hold whose own attributes are not the state's: code, and what the state
+# takes in another way (a module is one of the modules; a tensor is kept by identity)
+_OPAQUE = (
+    nn.Module,
+    Tensor,
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.MethodType,
+    types.BuiltinFunctionType,
+    functools.partial,
+    enum.Enum,
+    dict,  # an OrderedDict of hooks
+    list,
+    tuple,
+    set,
+    frozenset,
+)
 
-Values = tuple[tuple[tuple[str, object], ...], ...]
+
+def _leaves(v: object, room: int = LEAVES) -> int | None:
+    """How many plain values ``v`` is or holds (a tuple's, a list's, a dict's keys and values,
+    nested), or None where it holds anything else, or more than ``room``."""
+    if type(v) in PLAIN or isinstance(v, enum.Enum):
+        return 1
+    if type(v) not in CONTAINERS:
+        return None
+    total = 0
+    for item in (*v.keys(), *v.values()) if type(v) is dict else v:
+        n = _leaves(item, room - total)
+        if n is None or total + n > room:
+            return None
+        total += n
+    return total
 
 
-def _plain(v: object) -> bool:
-    return type(v) in PLAIN or isinstance(v, enum.Enum)
-
-
-def values_of(modules: Sequence[nn.Module]) -> Values:
-    """Each module's attributes of plain values (or enums), in the modules' order."""
-    return tuple(tuple((k, v) for k, v in vars(m).items() if _plain(v)) for m in modules)
+def _equal(a: object, b: object) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a value no plain value compares to (an array)
+        return False
 
 
 def _version(t: Tensor) -> int:
@@ -40,14 +77,40 @@ def _version(t: Tensor) -> int:
         return -1
 
 
+class _Attributes:
+    """One ``__dict__`` of the state's (a module's or an object's it holds), named ``where``:
+    its keys, its plain values, copied (a list may be written in place), with the one C call
+    that reads them again, and the count of ``buffers`` beside it (a module's)."""
+
+    def __init__(self, where: str, d: dict, buffers: dict = types.MappingProxyType({})):
+        self.where, self.d, self.names = where, d, tuple(d)
+        self.keys = [k for k, v in d.items() if _leaves(v) is not None]
+        get = operator.itemgetter(*self.keys) if self.keys else lambda d: ()
+        self.got = copy.deepcopy(get(d))
+        self.quick = (d, buffers, len(d), len(buffers), get, self.got)
+
+    def differs(self) -> str | None:
+        """The first key added, gone or of another plain value, as ``where.key``; None where
+        none is."""
+        changed = [k for k in self.names if k not in self.d]
+        changed += [k for k in self.d if k not in self.names]
+        values = self.got if len(self.keys) > 1 else (self.got,)[: len(self.keys)]
+        changed += [
+            k
+            for k, v in zip(self.keys, values, strict=True)
+            if k in self.d and not _equal(self.d[k], v)
+        ]
+        return f"{self.where}.{changed[0]}" if changed else None
+
+
 class State:
     """The state of ``modules`` now, kept to tell whether they are in it again: each tensor
-    they keep, itself and its version; then quickly, by each module's counts of attributes and
-    buffers and its plain attributes' values (one C call a module), or else attribute by
-    attribute."""
+    they keep, itself and its version; then quickly, by the counts of each module's attributes
+    and buffers and the plain values of its attributes and the objects it holds (one C call
+    each), or else attribute by attribute."""
 
     def __init__(self, modules: Sequence[nn.Module]):
-        self.modules, self.values = tuple(modules), values_of(modules)
+        self.modules = tuple(modules)
         self.tensors = [
             (m, where, k, t, _version(t))
             for m in self.modules
@@ -55,16 +118,20 @@ class State:
             for k, t in where.items()
             if isinstance(t, Tensor)
         ]
-        self._quick = []  # each module's dicts, their lengths, its plain values' getter and them
-        for m, kv in zip(self.modules, self.values, strict=True):
-            get = _getter([k for k, _ in kv])
-            self._quick.append(
-                (vars(m), m._buffers, len(vars(m)), len(m._buffers), get, get(vars(m)))
-            )
+        self.attributes: list[_Attributes] = []
+        held: set[int] = set()
+        for m in self.modules:
+            name = type(m).__name__
+            self.attributes.append(_Attributes(name, vars(m), m._buffers))
+            for k, v in vars(m).items():
+                if id(v) not in held and hasattr(v, "__dict__") and not isinstance(v, _OPAQUE):
+                    held.add(id(v))  # a config many modules hold is compared once
+                    self.attributes.append(_Attributes(f"{name}.{k}", vars(v)))
+        self._quick = [a.quick for a in self.attributes]
 
     def differs(self) -> str | None:
         """None where the modules are in this state again; else the first attribute that
-        differs, as ``Class.name``."""
+        differs, as ``Class.name`` (``Class.held.name`` for an object's it holds)."""
         for m, where, k, t, version in self.tensors:
             if where.get(k) is not t or _version(t) != version:
                 return f"{type(m).__name__}.{k}"
@@ -79,29 +146,12 @@ class State:
         return self._named()
 
     def _named(self) -> str | None:
-        """The first attribute that differs, looked for attribute by attribute: a tensor the
-        state did not keep, or a plain value."""
+        """The first attribute that differs, looked for one by one: a tensor the state did not
+        keep, or an entry added, gone, or of another value."""
         kept = {(id(m), k) for m, _, k, _, _ in self.tensors}
-        now = values_of(self.modules)
-        for m, was, is_ in zip(self.modules, self.values, now, strict=True):
-            new_tensors = [
-                k
-                for where in (m._buffers, vars(m))
-                for k, t in where.items()
-                if isinstance(t, Tensor) and (id(m), k) not in kept
-            ]
-            if new_tensors:
-                return f"{type(m).__name__}.{new_tensors[0]}"
-            if was != is_:
-                old, new = dict(was), dict(is_)
-                return next(
-                    f"{type(m).__name__}.{k}"
-                    for k in {**old, **new}
-                    if k not in old or k not in new or old[k] != new[k]
-                )
-        return None
-
-
-def _getter(keys: list[str]):
-    """The values of ``keys`` in a module's ``__dict__``, by one C call."""
-    return operator.itemgetter(*keys) if keys else lambda d: None
+        for m in self.modules:
+            for where in (m._buffers, vars(m)):
+                for k, t in where.items():
+                    if isinstance(t, Tensor) and (id(m), k) not in kept:
+                        return f"{type(m).__name__}.{k}"
+        return next((d for a in self.attributes if (d := a.differs()) is not None), None)

@@ -43,31 +43,50 @@ class Over(enum.Enum):
     BATCH = 0
 
 
+class Config:
+    """An object of settings a module holds and its forward reads, as a model's config."""
+
+    def __init__(self, over: int):
+        self.over = over
+
+
 class Centred(nn.Module):
-    """Hidden units centred over the dimension its state names: the features (each example on
-    its own) or the batch (the examples mixed), by the same ops either way."""
+    """Hidden units centred over the dimension its state names, by an attribute of the kind
+    ``state`` says: the features (each example on its own) or the batch (the examples mixed), by
+    the same ops either way."""
 
     def __init__(self, state: str):
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(D, D), nn.Linear(D, CLASSES)
         self.state, self.over, self.mode = state, 1, Over.FEATURES
+        self.dims, self.listed, self.config = (1,), [1], Config(1)
 
     def forward(self, x: Tensor) -> Tensor:
         h = torch.tanh(self.fc1(x))
-        if self.state == "int":
-            h = h - h.mean(self.over, keepdim=True)
-        elif self.state == "enum":
-            h = h - h.mean(self.mode.value, keepdim=True)
-        else:  # "rows": examples kept apart either way, by ops of other values
-            h = h.flip(1) if self.over else h.roll(1, 1)
-        return self.fc2(h)
+        if self.state == "rows":  # examples kept apart either way, by ops of other values
+            return self.fc2(h.flip(1) if self.over else h.roll(1, 1))
+        over = {
+            "int": self.over,
+            "enum": self.mode.value,
+            "tuple": self.dims,
+            "list": self.listed,
+            "held": self.config.over,
+        }[self.state]
+        return self.fc2(h - h.mean(over, keepdim=True))
 
     def set(self, k: int) -> None:
         """Its state on batch k: over the features on even batches, else over the batch."""
+        over = k % 2 ^ 1
         if self.state == "enum":
             self.mode = (Over.FEATURES, Over.BATCH)[k % 2]
+        elif self.state == "tuple":
+            self.dims = (over,)
+        elif self.state == "list":
+            self.listed[0] = over  # written in place
+        elif self.state == "held":
+            self.config.over = over
         else:
-            self.over = k % 2 ^ 1
+            self.over = over
 
 
 def _batch(k: int) -> tuple[tuple[Tensor], Tensor]:
@@ -94,17 +113,22 @@ def _refused_on_odd_batches(model: nn.Module, state: Callable[[int], object]) ->
     return engine.record.at(*_batch(0))
 
 
-@pytest.mark.parametrize("state", ["int", "enum"])
+WATCHED = {"int": "over", "enum": "mode", "tuple": "dims", "list": "listed", "held": "config.over"}
+
+
+@pytest.mark.parametrize("state", list(WATCHED))
 def test_a_state_that_mixes_the_examples_is_refused_on_every_batch_of_it(state: str):
     """Batches 0 and 2 centre over the features (exact, the second replayed), 1 and 3 over
-    the batch: refused each time, never replayed by the features' program."""
+    the batch: refused each time, never replayed by the features' program, whether the
+    dimension is an attribute's value, a tuple's, a list's written in place or a held
+    object's."""
     torch.manual_seed(0)
     model = Centred(state).double()
     findings = _refused_on_odd_batches(model, model.set)
     assert findings.replays == 1
-    attribute = "over" if state == "int" else "mode"
-    assert f"the model's state differs from the analysed batch's (Centred.{attribute})" in (
-        findings.why
+    assert (
+        f"the model's state differs from the analysed batch's (Centred.{WATCHED[state]})"
+        in findings.why
     )
 
 
@@ -117,7 +141,7 @@ def test_a_buffer_written_between_batches_sends_the_batch_to_the_analysis():
     assert findings.replays == 0 and "(Rolled.offset)" in findings.why
 
 
-@pytest.mark.parametrize("model", ["int", "enum", "rolled"])
+@pytest.mark.parametrize("model", ["int", "enum", "list", "held", "rolled"])
 def test_fresh_api_calls_at_each_state_are_exact_or_refused(model: str):
     """``per_example_norms`` called afresh on each batch, the state set between them (the
     model's record, and its programs, kept between the calls): the batches whose state mixes
@@ -174,6 +198,15 @@ def test_a_state_tells_the_first_attribute_that_differs():
     model.kept = torch.ones(2)  # a tensor the module keeps, new: a plain attribute count's
     assert state.differs() == "Centred.kept"
     del model.kept
+    model.listed.append(0)  # a list written in place
+    assert state.differs() == "Centred.listed"
+    model.listed.pop()
+    model.config.scale = 2.0  # an attribute of an object it holds, new
+    assert state.differs() == "Centred.config.scale"
+    del model.config.scale
+    model.hook = object()  # an attribute of no plain value, new
+    assert state.differs() == "Centred.hook"
+    del model.hook
     assert state.differs() is None
     rolled = Rolled()
     state = State(tuple(rolled.modules()))
