@@ -1,12 +1,13 @@
 """The model's own state that a forward may branch on or index by: each module's attributes of
-plain values (``training``, flags, modes, counters, tuples of dims, lists and dicts of such), those
-of the objects it holds (a config a forward reads ``self.config.dim`` from) and the tensors it
-keeps (buffers, tensor attributes), as they are and by their version (what autograd counts writes
-in place by). A program was analysed at one state; at another, a forward may make other ops at
-the same calls, shapes and autograd node counts (a mean over the batch instead of over the
-features, rows gathered by a permutation the model keeps), which the witness would not see. So a
-program replays only at the state its batch began with; at another the batch is analysed
-(``replayed.py``)."""
+plain values (``training``, flags, modes, counters, tuples of dims, lists and dicts of such) by
+value, its other attributes (a function it calls, an object it holds) by identity, the attributes
+of the objects it holds (a config a forward reads ``self.config.dim`` from) likewise, and the
+tensors it keeps (buffers, tensor attributes) by identity and by their version (what autograd
+counts writes in place by). A program was analysed at one state; at another, a forward may make
+other ops at the same calls, shapes and autograd node counts (a mean over the batch instead of
+over the features, rows gathered by a permutation the model keeps), which the witness would not
+see. So a program replays only at the state its batch began with; at another the batch is
+analysed (``replayed.py``)."""
 
 from __future__ import annotations
 
@@ -77,28 +78,38 @@ def _version(t: Tensor) -> int:
         return -1
 
 
+# a module's dicts of parameters, buffers, children and hooks: the modules, the tensors and
+# the hooks' own code are what they hold, not state a forward reads
+_MACHINERY = frozenset(k for k, v in vars(nn.Module()).items() if _leaves(v) is None)
+
+
 class _Attributes:
     """One ``__dict__`` of the state's (a module's or an object's it holds), named ``where``:
-    its keys, its plain values, copied (a list may be written in place), with the one C call
-    that reads them again, and the count of ``buffers`` beside it (a module's)."""
+    its keys, and the values of those that hold no tensor (kept by identity and version
+    instead), with the one C call that reads them again and the count of ``buffers`` beside it
+    (a module's). Plain values are copied and compared by value (a list may be written in
+    place); others (a function, an object) are the ones the forward began with, compared by
+    identity."""
 
     def __init__(self, where: str, d: dict, buffers: dict = types.MappingProxyType({})):
         self.where, self.d, self.names = where, d, tuple(d)
-        self.keys = [k for k, v in d.items() if _leaves(v) is not None]
+        self.keys = [k for k, v in d.items() if not isinstance(v, Tensor) and k not in _MACHINERY]
+        self.plain = frozenset(k for k in self.keys if _leaves(d[k]) is not None)
+        values = tuple(copy.deepcopy(d[k]) if k in self.plain else d[k] for k in self.keys)
         get = operator.itemgetter(*self.keys) if self.keys else lambda d: ()
-        self.got = copy.deepcopy(get(d))
+        self.got = values[0] if len(values) == 1 else values  # as ``get`` gives them
+        self.values = values
         self.quick = (d, buffers, len(d), len(buffers), get, self.got)
 
     def differs(self) -> str | None:
-        """The first key added, gone or of another plain value, as ``where.key``; None where
-        none is."""
+        """The first key added, gone or of another value, as ``where.key``; None where none
+        is."""
         changed = [k for k in self.names if k not in self.d]
         changed += [k for k in self.d if k not in self.names]
-        values = self.got if len(self.keys) > 1 else (self.got,)[: len(self.keys)]
         changed += [
             k
-            for k, v in zip(self.keys, values, strict=True)
-            if k in self.d and not _equal(self.d[k], v)
+            for k, v in zip(self.keys, self.values, strict=True)
+            if k in self.d and not (_equal(self.d[k], v) if k in self.plain else self.d[k] is v)
         ]
         return f"{self.where}.{changed[0]}" if changed else None
 
@@ -106,8 +117,8 @@ class _Attributes:
 class State:
     """The state of ``modules`` now, kept to tell whether they are in it again: each tensor
     they keep, itself and its version; then quickly, by the counts of each module's attributes
-    and buffers and the plain values of its attributes and the objects it holds (one C call
-    each), or else attribute by attribute."""
+    and buffers and the values of its attributes and of those of the objects it holds (one C
+    call each), or else attribute by attribute."""
 
     def __init__(self, modules: Sequence[nn.Module]):
         self.modules = tuple(modules)

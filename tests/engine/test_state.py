@@ -43,6 +43,14 @@ class Over(enum.Enum):
     BATCH = 0
 
 
+def _over_features(h: Tensor) -> Tensor:
+    return h - h.mean(1, keepdim=True)
+
+
+def _over_batch(h: Tensor) -> Tensor:
+    return h - h.mean(0, keepdim=True)
+
+
 class Config:
     """An object of settings a module holds and its forward reads, as a model's config."""
 
@@ -60,11 +68,14 @@ class Centred(nn.Module):
         self.fc1, self.fc2 = nn.Linear(D, D), nn.Linear(D, CLASSES)
         self.state, self.over, self.mode = state, 1, Over.FEATURES
         self.dims, self.listed, self.config = (1,), [1], Config(1)
+        self.centre = _over_features
 
     def forward(self, x: Tensor) -> Tensor:
         h = torch.tanh(self.fc1(x))
         if self.state == "rows":  # examples kept apart either way, by ops of other values
             return self.fc2(h.flip(1) if self.over else h.roll(1, 1))
+        if self.state == "function":
+            return self.fc2(self.centre(h))
         over = {
             "int": self.over,
             "enum": self.mode.value,
@@ -85,6 +96,8 @@ class Centred(nn.Module):
             self.listed[0] = over  # written in place
         elif self.state == "held":
             self.config.over = over
+        elif self.state == "function":
+            self.centre = (_over_batch, _over_features)[over]
         else:
             self.over = over
 
@@ -113,15 +126,22 @@ def _refused_on_odd_batches(model: nn.Module, state: Callable[[int], object]) ->
     return engine.record.at(*_batch(0))
 
 
-WATCHED = {"int": "over", "enum": "mode", "tuple": "dims", "list": "listed", "held": "config.over"}
+WATCHED = {
+    "int": "over",
+    "enum": "mode",
+    "tuple": "dims",
+    "list": "listed",
+    "held": "config.over",
+    "function": "centre",
+}
 
 
 @pytest.mark.parametrize("state", list(WATCHED))
 def test_a_state_that_mixes_the_examples_is_refused_on_every_batch_of_it(state: str):
     """Batches 0 and 2 centre over the features (exact, the second replayed), 1 and 3 over
     the batch: refused each time, never replayed by the features' program, whether the
-    dimension is an attribute's value, a tuple's, a list's written in place or a held
-    object's."""
+    dimension is an attribute's value, a tuple's, a list's written in place, a held object's or
+    the function's an attribute holds."""
     torch.manual_seed(0)
     model = Centred(state).double()
     findings = _refused_on_odd_batches(model, model.set)
@@ -207,6 +227,9 @@ def test_a_state_tells_the_first_attribute_that_differs():
     model.hook = object()  # an attribute of no plain value, new
     assert state.differs() == "Centred.hook"
     del model.hook
+    model.centre = _over_batch  # another function
+    assert state.differs() == "Centred.centre"
+    model.centre = _over_features
     assert state.differs() is None
     rolled = Rolled()
     state = State(tuple(rolled.modules()))
