@@ -141,6 +141,20 @@ def test_hooks_removed_after_an_error():
     assert all(not m._forward_hooks for m in model.modules())
 
 
+@pytest.mark.parametrize(
+    ("second", "named"),
+    [(1, "int"), (torch.tensor(1), r"of shape \(\)"), (torch.zeros(3, 6), r"of shape \(3, 6\)")],
+)
+def test_an_input_not_batched_is_refused_naming_it(second, named: str):
+    """An input that is not a tensor of the batch's examples (a setting passed as an input, a
+    tensor shared by the examples) is named, before any example is cut from it wrongly."""
+    model, (x,), y = CASES[0].build()
+    with pytest.raises(gradscope.errors.ModelError, match=f"input 1 is {named}: each input"):
+        gradscope.per_example_norms(model, (x, second), y)
+    with pytest.raises(gradscope.errors.ModelError, match="the targets must be a tensor"):
+        gradscope.per_example_norms(model, x, y[0])
+
+
 def test_nonfinite_example_leaves_others_exact():
     model, (x,), y = CASES[0].build()
     x[2, 0] = float("nan")
