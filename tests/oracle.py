@@ -8,12 +8,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import torch
 from project import run_cli
 from torch import Tensor, nn
 
 import gradscope
 from gradscope.engine import Engine, Forward, Want, naive_grads, select_output, total
+from gradscope.errors import ModelError
 from gradscope.losses import resolve_loss
 from gradscope.rules.projection import Projection
 
@@ -175,6 +177,23 @@ def model_state(model: nn.Module) -> ModelState:
         [m.training for m in model.modules()],
         [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()],
     )
+
+
+def assert_fresh_norms_exact_or_refused(
+    model: nn.Module, inputs: tuple[Tensor, ...], targets: Tensor, refused: bool
+) -> None:
+    """One fresh ``per_example_norms`` call (the model's record, and its programs, kept from the
+    calls before): refused as mixing the examples where ``refused``, else exact against the
+    float64 loop; the model left as it was either way."""
+    before = model_state(model)
+    if refused:
+        with pytest.raises(ModelError, match="mixes the examples of a batch"):
+            gradscope.per_example_norms(model, inputs, targets, loss="cross_entropy")
+    else:
+        norms = gradscope.per_example_norms(model, inputs, targets, loss="cross_entropy")
+        expected = reference_norms(model, inputs, targets, "cross_entropy")[1]
+        assert_rel_close(norms, expected, 1e-9)
+    before.assert_kept(model)
 
 
 def assert_case_matches_loop(
