@@ -95,11 +95,10 @@ class _Attributes:
         self.where, self.d, self.names = where, d, tuple(d)
         self.keys = [k for k, v in d.items() if not isinstance(v, Tensor) and k not in _MACHINERY]
         self.plain = frozenset(k for k in self.keys if _leaves(d[k]) is not None)
-        values = tuple(copy.deepcopy(d[k]) if k in self.plain else d[k] for k in self.keys)
+        self.values = tuple(copy.deepcopy(d[k]) if k in self.plain else d[k] for k in self.keys)
         get = operator.itemgetter(*self.keys) if self.keys else lambda d: ()
-        self.got = values[0] if len(values) == 1 else values  # as ``get`` gives them
-        self.values = values
-        self.quick = (d, buffers, len(d), len(buffers), get, self.got)
+        got = self.values[0] if len(self.values) == 1 else self.values  # as ``get`` gives them
+        self.quick = (d, buffers, len(d), len(buffers), get, got)
 
     def differs(self) -> str | None:
         """The first key added, gone or of another value, as ``where.key``; None where none
