@@ -251,8 +251,10 @@ class Engine:
                 "data.inputs",
             ) from e
         observed = {}
-        if self.observe is not None:
-            with torch.no_grad():
+        if self.observe is not None:  # read off the output for the report: no op of the model's,
+            # so none the trace or a region's mode need see (a scatter over the classes would
+            # read to the trace as rows picked by value, and leave the batch without a program)
+            with torch.no_grad(), torch._C.DisableTorchFunction():
                 observed = self.observe(output.detach(), targets)
         return self.loss_fn(output, targets), observed
 

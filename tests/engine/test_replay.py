@@ -23,6 +23,7 @@ from torch import Tensor, nn
 import gradscope
 from gradscope.engine import Engine, total
 from gradscope.losses import resolve_loss
+from gradscope.predictions import predictions
 
 D, CLASSES, BATCH = 6, 3, 5
 
@@ -800,3 +801,18 @@ def test_replayed_influence_is_exact(case: str):
     batches = _batches(case)
     engine = assert_influence_through_one_engine(_build(case), batches, "cross_entropy")
     assert engine.record.at(*batches[0]).replays == 2
+
+
+def test_the_predictions_read_for_the_report_leave_the_program_to_replay():
+    """A classifier scored as a run scores it, its predictions (pred, prob, margin: a scatter
+    over the classes) read off the output: those ops are the report's, not the model's, so
+    the later batches replay, exact."""
+    model, batches = _build("dense"), _batches("dense")
+    engine = Engine(model, resolve_loss("cross_entropy"), observe=predictions("cross_entropy"))
+    with engine:
+        for inputs, targets in batches:
+            norms = total(engine.norms(inputs, targets).norm_sq).sqrt()
+            expected = reference_norms(model, inputs, targets, "cross_entropy")[1]
+            assert_rel_close(norms, expected, 1e-9)
+    findings = engine.record.at(*batches[0])
+    assert (findings.analyses, findings.replays) == (1, 2), findings.why

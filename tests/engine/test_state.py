@@ -15,6 +15,7 @@ from oracle import (
     assert_rel_close,
     reference_norms,
 )
+from project import run_cli
 from torch import Tensor, nn
 
 from gradscope.engine import Engine, total
@@ -177,6 +178,42 @@ def test_fresh_api_calls_at_each_state_are_exact_or_refused(model: str):
         else:
             built.set(k)
         assert_fresh_norms_exact_or_refused(built, *_batch(k), refused=bool(k % 2))
+
+
+class Counting(Centred):
+    """Centred over the features, counting its forwards in a plain attribute: its state
+    differs at every batch."""
+
+    def __init__(self):
+        super().__init__("int")
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        return super().forward(x)
+
+
+def test_a_cli_run_over_a_model_whose_forward_changes_its_state_is_exact(tmp_path):
+    """Each batch of one CLI run begins at another state (a count of forwards): each is
+    analysed, none replayed by another's program, and every one exact."""
+    torch.manual_seed(0)
+    model, batches = Counting().double(), [_batch(k) for k in range(3)]
+    torch.save(
+        {"x": torch.cat([b[0][0] for b in batches]), "y": torch.cat([b[1] for b in batches])},
+        tmp_path / "data.pt",
+    )
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    (tmp_path / "models.py").write_text("from test_state import Counting as make\n")
+    scores = run_cli(
+        tmp_path,
+        {"factory": "models.py:make", "checkpoint": "model.pt"},
+        {"path": "data.pt", "inputs": ["x"], "targets": "y", "batch_size": BATCH},
+        "cross_entropy",
+    )
+    for k, (inputs, targets) in enumerate(batches):
+        expected = reference_norms(model, inputs, targets, "cross_entropy")[1]
+        got = torch.tensor(scores["grad_norm"].to_numpy()[k * BATCH : (k + 1) * BATCH])
+        assert_rel_close(got, expected, 1e-9)
 
 
 def test_each_state_replays_its_own_program():
