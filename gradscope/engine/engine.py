@@ -132,6 +132,7 @@ class Engine:
         _batched(inputs, targets)
         if targets.shape[0] == 0:
             return self._empty(targets)
+        self._hooked_gradients()
         findings = self._pinned or self.record.at(inputs, targets)
         passed = None if self._pinned else self.replayed(inputs, targets, want, findings)
         captured, reducer = passed or self._analysed(inputs, targets, want, findings)
@@ -168,7 +169,9 @@ class Engine:
         captured = self.analysis(inputs, targets, findings)
         reads = captured.tap.reads() if captured.tap else []
         count = uses(self.plan, served_calls(self.plan, captured), reads)
-        verify = not findings.verified and bool(captured.losses.isfinite().all())
+        # every analysed batch is self-checked, not only a signature's first: the trace sees no
+        # op inside a hooked call, and one that runs there now (a hook added since) shows here
+        verify = not (self._pinned and findings.verified) and bool(captured.losses.isfinite().all())
         # the self-check needs every batch gradient; otherwise only those of parameters that no
         # call or read saw, to tell whether they reach the loss
         watched = self.plan.by_rule + self.plan.raw
@@ -206,6 +209,16 @@ class Engine:
         checked = tuple(p.name for p in unseen)
         return program_of(captured, regions, asked, checked, uses, len(self.record.moves))
 
+    def _hooked_gradients(self) -> None:
+        """Send each parameter with a hook on its gradient (``Tensor.register_hook``: a mask,
+        a scale) to the loop, the one fallback that runs the hook on each example's gradient:
+        no rule, and no vmap, sees the hook."""
+        for p in self.plan.included:
+            if p.param._backward_hooks and p.rule != FALLBACK_LOOP:
+                self.plan.to_fallback(
+                    p, "a hook on its gradient, run on each example's by the loop", loop=True
+                )
+
     # -- after the backward ----------------------------------------------------------------
 
     def _fallback(
@@ -215,7 +228,8 @@ class Engine:
         alone: where one's loss alone is not its loss in the batch, the examples mix (rows one
         example's picked into another's by the batch's values) and the batch is refused."""
         names = [p.name for p in self.plan.fallback]
-        alone, grads = self.fallback.grads(names, inputs, targets)
+        loop = any(p.rule == FALLBACK_LOOP for p in self.plan.fallback)
+        alone, grads = self.fallback.grads(names, inputs, targets, loop)
         if alone is not None and (i := first_apart(alone, losses)) is not None:
             raise mixed(i, alone[i].item(), losses[i].item())
         for name, dense in grads.items():

@@ -5,7 +5,7 @@ for every later pass. Before the backward: raw parameters read by ops other than
 calls whose rows the trace (``trace.py``) cannot give each to one example; a row-by-row call in
 another layout than one row per example gets its rows' owners, for the rule to gather. After
 it: a second output reaching the loss, a parameter reaching the loss where no rule sees it, and
-on the first batch the self-check against autograd's batch gradient and two examples' own.
+on an analysed batch the self-check against autograd's batch gradient and two examples' own.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The first batch's self-check: each rule-served parameter's per-example gradients must add up
-to autograd's batch gradient, and two single examples' must match their own backward; an error
-that cancels in the batch sum shows in the singles."""
+"""The self-check of a batch analysed in full: each rule-served parameter's per-example
+gradients must add up to autograd's batch gradient, and two single examples' must match their
+own backward; an error that cancels in the batch sum shows in the singles."""
 
 from __future__ import annotations
 

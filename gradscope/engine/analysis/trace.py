@@ -6,7 +6,7 @@ views and moves of rows (reshape, transpose, index, gather, masks, cat, split) b
 same op to the owners, elementwise ops by combining them, reductions and contractions (softmax,
 norms, matmul, linear, conv, attention) by reducing them over the dimensions they mix. An op it
 does not know keeps dimension 0's owners (the engine's assumption before this trace, which the
-first batch's self-check verifies) and is named in ``unknown``. A rule then reads each call's
+self-check verifies) and is named in ``unknown``. A rule then reads each call's
 rows through its owners: rows of one example each, in any layout, are exact; a row of several
 examples, or of none, sends the parameter to the fallback with the op that made it. Owners
 known from shapes alone take the lanes' fast path (``lanes/``); the rest the owner algebra

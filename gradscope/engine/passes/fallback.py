@@ -43,14 +43,19 @@ class Fallback:
         self.vmap_error: str | None = None
 
     def grads(
-        self, names: Sequence[str], inputs: tuple[Tensor, ...], targets: Tensor
+        self,
+        names: Sequence[str],
+        inputs: tuple[Tensor, ...],
+        targets: Tensor,
+        loop: bool = False,
     ) -> tuple[Tensor | None, dict[str, Dense]]:
         """Each example's loss run alone (B,), and {name: Dense (B, *shape)} for each named
-        parameter (no losses where no name is); the model must be prepared."""
+        parameter (no losses where no name is); the model must be prepared. ``loop``: one
+        backward per example, where one of them needs it."""
         if not names:
             return None, {}
         done = None
-        if self.vmap_error is None:
+        if self.vmap_error is None and not loop:
             try:
                 done = self._vmapped(names, inputs, targets)
             except Exception as e:

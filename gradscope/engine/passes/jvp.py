@@ -103,6 +103,9 @@ def jvp_inner(
     next layer has read them, so the peak is a few layers' values, not the whole forward's.
     """
     names = [p.name for p in engine.plan.included]
+    hooked = [p.name for p in engine.plan.included if p.param._backward_hooks]
+    if hooked:
+        raise JvpUnsupported(f"{hooked[0]} has a hook on its gradient, which no forward pass runs")
     primals = [p.param.detach() for p in engine.plan.included]
     k = next(iter(tangents.values())).shape[0]
     primal, columns, observed = None, [], {}

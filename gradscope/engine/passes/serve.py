@@ -62,7 +62,7 @@ def serve(
     verify: bool = False,
 ) -> tuple[Reducer, list[Tensor | None]]:
     """One backward; each call's rule runs as its output gradient arrives, and only what
-    ``want`` asks for is kept. With ``verify`` (a signature's first batch) each rule's
+    ``want`` asks for is kept. With ``verify`` (a batch analysed in full) each rule's
     gradients are also summed over the examples, for the self-check. Returns the reducer and
     the batch gradients of ``done.checked``."""
     merged = [name for name, k in done.count.items() if k > 1]
@@ -104,7 +104,7 @@ def serve(
 
 def _groupable(want: Want) -> bool:
     """Whether a pass asks of each contribution only what a group of calls answers together:
-    squared norms, inner products with references and, on a signature's first batch, the
+    squared norms, inner products with references and, on a batch analysed in full, the
     sums over the examples for the self-check."""
     return not want.keep and want.transform is None and want.project is None
 

@@ -1,0 +1,114 @@
+"""Hooks of the user's own: on a parameter's gradient (a mask, a scale), and on modules where
+they run inside a hooked call (a global module hook, a hook put before the Engine's), present
+from the first batch or added between batches. Each batch of one Engine is exact against the
+loop on the model itself (a deep copy, as ``reference_norms`` makes, drops tensor hooks)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from oracle import assert_rel_close
+from torch import Tensor, nn
+
+import gradscope
+from gradscope.engine import FALLBACK_LOOP, Engine, naive_grads, total
+from gradscope.losses import resolve_loss
+
+D, CLASSES, BATCH = 6, 3, 5
+LOSS = resolve_loss("cross_entropy")
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, CLASSES)).double()
+
+
+def _batch(k: int) -> tuple[tuple[Tensor], Tensor]:
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(BATCH, D, generator=g, dtype=torch.float64)
+    return (x,), torch.randint(0, CLASSES, (BATCH,), generator=g)
+
+
+def _loop_norms(model: nn.Module, inputs: tuple[Tensor], targets: Tensor) -> Tensor:
+    """The loop on ``model`` itself, its hooks run on each example's backward."""
+    names = [name for name, _ in model.named_parameters()]
+    grads = naive_grads(model, inputs, targets, LOSS, names)[1]
+    return torch.stack([g.flatten(1).pow(2).sum(1) for g in grads.values()]).sum(0).sqrt()
+
+
+def _masked_gradient(model: nn.Sequential) -> Callable[[], object]:
+    """Train the head's first output row at twice the rate and its last not at all, as a mask
+    on its gradient does (new token embeddings trained alone)."""
+    mask = torch.tensor([[2.0], [1.0], [0.0]], dtype=torch.float64)
+    return model[2].weight.register_hook(lambda g: g * mask).remove
+
+
+def _global_hook(model: nn.Sequential) -> Callable[[], object]:
+    """A hook on every module's output, the first Linear's scaled by the head's weight: it runs
+    inside the Linear's call, before the Engine's own hook on it."""
+
+    def hook(module: nn.Module, args: tuple, out: Tensor) -> Tensor | None:
+        return out * model[2].weight.sum() if module is model[0] else None
+
+    return nn.modules.module.register_module_forward_hook(hook).remove
+
+
+def _first_hook(model: nn.Sequential) -> Callable[[], object]:
+    """The same scale as the first Linear's forward hook put before the Engine's."""
+    scale = model[0].register_forward_hook(
+        lambda module, args, out: out * model[2].bias.sum(), prepend=True
+    )
+    return scale.remove
+
+
+HOOKS = {"gradient mask": _masked_gradient, "global": _global_hook, "first": _first_hook}
+
+
+@pytest.mark.parametrize("added", [0, 1])
+@pytest.mark.parametrize("hook", HOOKS)
+def test_each_batch_of_one_engine_is_exact_with_a_hook_of_the_users(hook: str, added: int):
+    """The hook on from batch ``added`` through batch 2, off again for batch 3: every batch
+    exact against the loop, whether the program of a batch without it held already."""
+    model = _model()
+    remove = None
+    with Engine(model, LOSS) as engine:
+        for k in range(4):
+            if k == added:
+                remove = HOOKS[hook](model)
+            if k == 3:
+                remove()
+            inputs, targets = _batch(k)
+            norms = total(engine.norms(inputs, targets).norm_sq).sqrt()
+            assert_rel_close(norms, _loop_norms(model, inputs, targets), 1e-9)
+
+
+def test_a_parameter_whose_gradient_is_hooked_is_served_by_the_loop_and_says_why():
+    model = _model()
+    remove = _masked_gradient(model)
+    inputs, targets = _batch(0)
+    with Engine(model, LOSS) as engine:
+        engine.norms(inputs, targets)
+        hooked = engine.plan.find("2.weight")
+    assert hooked.rule == FALLBACK_LOOP
+    assert "hook on its gradient" in hooked.note
+    norms = gradscope.per_example_norms(model, inputs, targets, loss="cross_entropy")
+    assert_rel_close(norms, _loop_norms(model, inputs, targets), 1e-9)
+    remove()
+
+
+@pytest.mark.parametrize("engine", ["hooks", "jvp"])
+def test_influence_with_a_hooked_gradient_is_exact(engine: str):
+    """Forward mode cannot run a hook on a gradient: the jvp engine gives way to the hooks."""
+    model = _model()
+    remove = _masked_gradient(model)
+    (x,), y = _batch(0)
+    (rx,), ry = _batch(1)
+    got = gradscope.per_example_influence(model, x, y, rx, ry, "cross_entropy", engine=engine)
+    names = [name for name, _ in model.named_parameters()]
+    ref = naive_grads(model, (rx,), ry, LOSS, names)[1]
+    grads = naive_grads(model, (x,), y, LOSS, names)[1]
+    expected = sum((grads[n].flatten(1) @ ref[n].mean(0).flatten()) for n in names)
+    assert_rel_close(got, expected, 1e-9)
+    remove()
