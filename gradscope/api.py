@@ -35,7 +35,8 @@ def per_example_norms(
     ``include``/``exclude`` are globs over ``model.named_parameters()`` names; without
     ``include``, the parameters that require grad are scored (all of them if none does), so a
     frozen base under LoRA adapters is left out.
-    The model's ``.grad`` fields, hooks and train/eval mode are left as they were.
+    The model's ``.grad`` fields, hooks and train/eval mode are left as they were. A model
+    compiled with ``torch.compile`` (whole, or a module of it) runs eagerly here, as written.
     """
     engine = Engine(
         model, resolve_loss(loss), include, exclude, Forward(output=output, where="output=")

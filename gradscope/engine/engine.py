@@ -64,7 +64,9 @@ class Engine:
     model is called and which output the loss reads; ``observe`` reads more per-example columns
     from the same output. Use it as a context manager around scoring: ``with engine:`` puts the
     model in eval mode with the selected parameters requiring grad and hooks the modules whose
-    rules serve them (hooks that act only inside a pass), and restores the model on exit.
+    rules serve them (hooks that act only inside a pass), runs compiled code eagerly
+    (``torch.compile`` set aside: the hooks and the trace see each op), and restores all of it
+    on exit.
     """
 
     def __init__(

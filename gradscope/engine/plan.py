@@ -13,12 +13,14 @@ and what the passes show a rule cannot see (a parameter reaching the loss withou
 module, output rows that are not the examples, a second output reaching the loss, per-example
 gradients that do not add up to autograd's batch gradient). Rule strings: a rule's name (tied
 parameters join them: "embedding+linear"), ``broadcast``, ``fallback`` (vmap), ``fallback:loop``
-(vmap could not run the model: one backward per example), ``excluded``.
+(one backward per example: vmap could not run the model, or a hook on the parameter's gradient
+must run on each example's), ``excluded``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -270,7 +272,9 @@ def prepared(
 ) -> Iterator[None]:
     """Eval mode and ``requires_grad`` on the selected parameters, restored on exit; nothing
     touched where the model is so already (the API enters it on every call). ``modules``: the
-    model's, where the caller keeps them (a walk of a large model costs a pass ~0.5 ms)."""
+    model's, where the caller keeps them (a walk of a large model costs a pass ~0.5 ms).
+    ``torch.compile`` set aside meanwhile: a compiled model or module runs its forward eagerly,
+    op by op, for the hooks and the trace to see (compiled, it would fail inside dynamo)."""
     training = [(m, m.training) for m in (model.modules() if modules is None else modules)]
     frozen = [p.param for p in plan.included if not p.param.requires_grad]
     if any(mode for _, mode in training):
@@ -278,7 +282,7 @@ def prepared(
     try:
         for p in frozen:
             p.requires_grad_(True)
-        with torch.enable_grad():
+        with torch.enable_grad(), _eager():
             yield
     finally:
         for m, mode in training:  # parents first: train() sets a module's children
@@ -286,3 +290,11 @@ def prepared(
                 m.train(mode)
         for p in frozen:
             p.requires_grad_(False)
+
+
+def _eager() -> contextlib.AbstractContextManager:
+    """torch.compile's directives ignored (``set_stance``, torch 2.6 on), where anything can
+    be compiled: dynamo loaded (importing it costs a process ~1.5 s), else nothing to do."""
+    dynamo = sys.modules.get("torch._dynamo")
+    stance = getattr(dynamo, "set_stance", None)
+    return stance("force_eager") if stance is not None else contextlib.nullcontext()
