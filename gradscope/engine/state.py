@@ -1,7 +1,8 @@
 """The model's own state that a forward may branch on or index by: each module's attributes of
 plain values (``training``, flags, modes, counters, tuples of dims, lists and dicts of such) by
 value, its other attributes (a function it calls, an object it holds) by identity, the attributes
-of the objects it holds (a config a forward reads ``self.config.dim`` from) likewise, and the
+of the objects it holds (a config a forward reads ``self.config.dim`` from, and its sub-configs,
+``DEPTH`` levels in) likewise, and the
 tensors it keeps (buffers, tensor attributes) by identity and by their version (what autograd
 counts writes in place by). A program was analysed at one state; at another, a forward may make
 other ops at the same calls, shapes and autograd node counts (a mean over the batch instead of
@@ -27,6 +28,9 @@ PLAIN = frozenset({bool, int, float, str, type(None), torch.dtype, torch.device}
 CONTAINERS = (tuple, list, dict)
 # the most plain values a tuple, list or dict may hold to be compared on every batch
 LEAVES = 256
+# how deep the objects a module holds are followed: its config, the config's sub-configs (a
+# vision-language model's text_config) and theirs
+DEPTH = 3
 # what an attribute may hold whose own attributes are not the state's: code, and what the state
 # takes in another way (a module is one of the modules; a tensor is kept by identity)
 _OPAQUE = (
@@ -116,8 +120,8 @@ class _Attributes:
 class State:
     """The state of ``modules`` now, kept to tell whether they are in it again: each tensor
     they keep, itself and its version; then quickly, by the counts of each module's attributes
-    and buffers and the values of its attributes and of those of the objects it holds (one C
-    call each), or else attribute by attribute."""
+    and buffers and the values of its attributes and of those of the objects it holds, and
+    theirs (one C call each), or else attribute by attribute."""
 
     def __init__(self, modules: Sequence[nn.Module]):
         self.modules = tuple(modules)
@@ -129,19 +133,26 @@ class State:
             if isinstance(t, Tensor)
         ]
         self.attributes: list[_Attributes] = []
-        held: set[int] = set()
+        held: set[int] = set()  # a config many modules hold is compared once
         for m in self.modules:
             name = type(m).__name__
             self.attributes.append(_Attributes(name, vars(m), m._buffers))
-            for k, v in vars(m).items():
-                if id(v) not in held and hasattr(v, "__dict__") and not isinstance(v, _OPAQUE):
-                    held.add(id(v))  # a config many modules hold is compared once
-                    self.attributes.append(_Attributes(f"{name}.{k}", vars(v)))
+            self._hold(vars(m), name, held, DEPTH)
         self._quick = [a.quick for a in self.attributes]
+
+    def _hold(self, d: dict, where: str, held: set[int], depth: int) -> None:
+        """The attributes of the objects the values of ``d`` are, and of theirs, ``depth``
+        levels in."""
+        for k, v in d.items():
+            if id(v) not in held and hasattr(v, "__dict__") and not isinstance(v, _OPAQUE):
+                held.add(id(v))
+                self.attributes.append(_Attributes(f"{where}.{k}", vars(v)))
+                if depth > 1:
+                    self._hold(vars(v), f"{where}.{k}", held, depth - 1)
 
     def differs(self) -> str | None:
         """None where the modules are in this state again; else the first attribute that
-        differs, as ``Class.name`` (``Class.held.name`` for an object's it holds)."""
+        differs, as ``Class.name`` (``Class.held.name`` for an object's it holds, and so on)."""
         for m, where, k, t, version in self.tensors:
             if where.get(k) is not t or _version(t) != version:
                 return f"{type(m).__name__}.{k}"

@@ -56,10 +56,11 @@ def _over_batch(h: Tensor) -> Tensor:
 
 
 class Config:
-    """An object of settings a module holds and its forward reads, as a model's config."""
+    """An object of settings a module holds and its forward reads, as a model's config, with
+    one of its own, as a vision-language model's text config."""
 
-    def __init__(self, over: int):
-        self.over = over
+    def __init__(self, over: int, sub: Config | None = None):
+        self.over, self.sub = over, sub
 
 
 class Centred(nn.Module):
@@ -71,7 +72,7 @@ class Centred(nn.Module):
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(D, D), nn.Linear(D, CLASSES)
         self.state, self.over, self.mode = state, 1, Over.FEATURES
-        self.dims, self.listed, self.config = (1,), [1], Config(1)
+        self.dims, self.listed, self.config = (1,), [1], Config(1, Config(1))
         self.centre = _over_features
 
     def forward(self, x: Tensor) -> Tensor:
@@ -86,6 +87,7 @@ class Centred(nn.Module):
             "tuple": self.dims,
             "list": self.listed,
             "held": self.config.over,
+            "nested": self.config.sub.over,
         }[self.state]
         return self.fc2(h - h.mean(over, keepdim=True))
 
@@ -100,6 +102,8 @@ class Centred(nn.Module):
             self.listed[0] = over  # written in place
         elif self.state == "held":
             self.config.over = over
+        elif self.state == "nested":
+            self.config.sub.over = over
         elif self.state == "function":
             self.centre = (_over_batch, _over_features)[over]
         else:
@@ -136,6 +140,7 @@ WATCHED = {
     "tuple": "dims",
     "list": "listed",
     "held": "config.over",
+    "nested": "config.sub.over",
     "function": "centre",
 }
 
@@ -144,8 +149,8 @@ WATCHED = {
 def test_a_state_that_mixes_the_examples_is_refused_on_every_batch_of_it(state: str):
     """Batches 0 and 2 centre over the features (exact, the second replayed), 1 and 3 over
     the batch: refused each time, never replayed by the features' program, whether the
-    dimension is an attribute's value, a tuple's, a list's written in place, a held object's or
-    the function's an attribute holds."""
+    dimension is an attribute's value, a tuple's, a list's written in place, a held object's,
+    one of its own objects' or the function's an attribute holds."""
     torch.manual_seed(0)
     model = Centred(state).double()
     findings = _refused_on_odd_batches(model, model.set)
@@ -165,7 +170,7 @@ def test_a_buffer_written_between_batches_sends_the_batch_to_the_analysis():
     assert findings.replays == 0 and "(Rolled.offset)" in findings.why
 
 
-@pytest.mark.parametrize("model", ["int", "enum", "list", "held", "rolled"])
+@pytest.mark.parametrize("model", ["int", "enum", "list", "held", "nested", "rolled"])
 def test_fresh_api_calls_at_each_state_are_exact_or_refused(model: str):
     """``per_example_norms`` called afresh on each batch, the state set between them (the
     model's record, and its programs, kept between the calls): the batches whose state mixes
