@@ -20,7 +20,6 @@ must run on each example's), ``excluded``.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -31,6 +30,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..rules import find_rule
 from ..rules.base import Rule
+from .eager import eager
 
 BROADCAST = "broadcast"  # a raw parameter read in broadcast elementwise ops (engine/broadcast.py)
 FALLBACK = "fallback"
@@ -273,8 +273,7 @@ def prepared(
     """Eval mode and ``requires_grad`` on the selected parameters, restored on exit; nothing
     touched where the model is so already (the API enters it on every call). ``modules``: the
     model's, where the caller keeps them (a walk of a large model costs a pass ~0.5 ms).
-    ``torch.compile`` set aside meanwhile: a compiled model or module runs its forward eagerly,
-    op by op, for the hooks and the trace to see (compiled, it would fail inside dynamo)."""
+    ``torch.compile`` set aside meanwhile (``eager.py``)."""
     training = [(m, m.training) for m in (model.modules() if modules is None else modules)]
     frozen = [p.param for p in plan.included if not p.param.requires_grad]
     if any(mode for _, mode in training):
@@ -282,7 +281,7 @@ def prepared(
     try:
         for p in frozen:
             p.requires_grad_(True)
-        with torch.enable_grad(), _eager():
+        with torch.enable_grad(), eager():
             yield
     finally:
         for m, mode in training:  # parents first: train() sets a module's children
@@ -290,11 +289,3 @@ def prepared(
                 m.train(mode)
         for p in frozen:
             p.requires_grad_(False)
-
-
-def _eager() -> contextlib.AbstractContextManager:
-    """torch.compile's directives ignored (``set_stance``, torch 2.6 on), where anything can
-    be compiled: dynamo loaded (importing it costs a process ~1.5 s), else nothing to do."""
-    dynamo = sys.modules.get("torch._dynamo")
-    stance = getattr(dynamo, "set_stance", None)
-    return stance("force_eager") if stance is not None else contextlib.nullcontext()

@@ -10,6 +10,8 @@ from oracle import assert_rel_close, reference_norms
 from torch import nn
 
 import gradscope
+from gradscope.engine import Engine
+from gradscope.losses import resolve_loss
 
 D, CLASSES, BATCH = 6, 3, 5
 
@@ -47,4 +49,27 @@ def test_a_compiled_model_is_scored_eagerly_and_compiled_after(how: str):
         assert_rel_close(norms, reference_norms(eager, (x,), y, "cross_entropy")[1], 1e-9)
     assert not compiled
     model(x)
+    assert compiled
+
+
+def test_engines_left_in_any_order_leave_nothing_compiled_eagerly():
+    """A run's own Engine closes before those of its other checkpoints (``influence`` over
+    TracIn's): compiled code compiles again once the last is left, whatever the order."""
+    compiled: list[int] = []
+
+    def backend(graph: torch.fx.GraphModule, inputs: list) -> object:
+        compiled.append(1)
+        return graph.forward
+
+    torch.manual_seed(0)
+    model = torch.compile(nn.Sequential(Block(), nn.Linear(D, CLASSES)).double(), backend=backend)
+    loss = resolve_loss("cross_entropy")
+    first, second = Engine(model, loss), Engine(nn.Linear(D, CLASSES).double(), loss)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    model(torch.randn(BATCH, D, dtype=torch.float64))
+    assert not compiled  # an Engine is still entered
+    second.__exit__(None, None, None)
+    model(torch.randn(BATCH, D, dtype=torch.float64))
     assert compiled

@@ -1,0 +1,40 @@
+"""torch.compile set aside while any Engine is entered: a compiled model or module runs its
+forward eagerly, op by op, for the hooks and the trace to see (compiled, it fails inside dynamo
+under the trace's torch function mode).
+
+dynamo's stance is one global, and ``set_stance`` puts back on exit the stance it found on
+entry: Engines left in another order than they were entered (a run's own Engine closes before
+those of its other checkpoints) would leave ``force_eager`` behind. So the Engines entered are
+counted, and the stance the first found is put back when the last one leaves, in any order."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+
+
+class _Eager:
+    def __init__(self):
+        self.entered = 0
+        self.held: contextlib.AbstractContextManager | None = None  # dynamo's, while entered
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        self.entered += 1
+        try:
+            if self.held is None:
+                # dynamo not loaded: nothing is compiled (importing it costs a process ~1.5 s)
+                dynamo = sys.modules.get("torch._dynamo")
+                stance = getattr(dynamo, "set_stance", None)  # torch 2.6 on
+                if stance is not None:
+                    self.held = stance("force_eager")  # set as it is made
+            yield
+        finally:
+            self.entered -= 1
+            if not self.entered and self.held is not None:
+                self.held.__exit__(None, None, None)
+                self.held = None
+
+
+eager = _Eager()
