@@ -2,13 +2,12 @@
 plain values (``training``, flags, modes, counters, tuples of dims, lists and dicts of such) by
 value, its other attributes (a function it calls, an object it holds) by identity, the attributes
 of the objects it holds (a config a forward reads ``self.config.dim`` from, and its sub-configs,
-``DEPTH`` levels in) likewise, and the
-tensors it keeps (buffers, tensor attributes) by identity and by their version (what autograd
-counts writes in place by). A program was analysed at one state; at another, a forward may make
-other ops at the same calls, shapes and autograd node counts (a mean over the batch instead of
-over the features, rows gathered by a permutation the model keeps), which the witness would not
-see. So a program replays only at the state its batch began with; at another the batch is
-analysed (``replayed.py``)."""
+``DEPTH`` levels in) likewise, and the tensors it keeps (buffers, tensor attributes) by identity
+and by their version (what autograd counts writes in place by). A program was analysed at one
+state; at another, a forward may make other ops at the same calls, shapes and autograd node
+counts (a mean over the batch instead of over the features, rows gathered by a permutation the
+model keeps), which the witness would not see. So a program replays only at the state its batch
+began with; at another the batch is analysed (``replayed.py``)."""
 
 from __future__ import annotations
 
