@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import assert_rel_close, reference_norms
+from oracle import assert_rel_close, model_state, reference_norms
 from torch import nn
 
 import gradscope
@@ -42,11 +42,14 @@ def test_a_compiled_model_is_scored_eagerly_and_compiled_after(how: str):
     else:
         model = eager
         model[0].compile(backend=backend)
-    x = torch.randn(BATCH, D, dtype=torch.float64)
-    y = torch.randint(0, CLASSES, (BATCH,))
-    for _ in range(2):
+    before = model_state(eager)
+    for k in range(2):  # two batches of one shape, other values: a fresh call each
+        g = torch.Generator().manual_seed(k)
+        x = torch.randn(BATCH, D, generator=g, dtype=torch.float64)
+        y = torch.randint(0, CLASSES, (BATCH,), generator=g)
         norms = gradscope.per_example_norms(model, x, y, loss="cross_entropy")
         assert_rel_close(norms, reference_norms(eager, (x,), y, "cross_entropy")[1], 1e-9)
+        before.assert_kept(eager)
     assert not compiled
     model(x)
     assert compiled

@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from oracle import assert_rel_close
+from oracle import assert_rel_close, model_state
+from project import run_cli
 from torch import Tensor, nn
 
 import gradscope
@@ -82,6 +83,44 @@ def test_each_batch_of_one_engine_is_exact_with_a_hook_of_the_users(hook: str, a
             inputs, targets = _batch(k)
             norms = total(engine.norms(inputs, targets).norm_sq).sqrt()
             assert_rel_close(norms, _loop_norms(model, inputs, targets), 1e-9)
+
+
+def masked() -> nn.Sequential:
+    """The CLI's factory: the model with the mask on its head's gradient."""
+    model = _model()
+    _masked_gradient(model)
+    return model
+
+
+def test_a_cli_run_over_a_model_with_a_hooked_gradient_is_exact(tmp_path):
+    """The factory registers the mask, as a model's own code may: two batches of one shape,
+    each exact against the loop on the model the factory builds."""
+    model, batches = masked(), [_batch(k) for k in range(2)]
+    torch.save(
+        {"x": torch.cat([b[0][0] for b in batches]), "y": torch.cat([b[1] for b in batches])},
+        tmp_path / "data.pt",
+    )
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    (tmp_path / "models.py").write_text("from test_user_hooks import masked as make\n")
+    scores = run_cli(
+        tmp_path,
+        {"factory": "models.py:make", "checkpoint": "model.pt"},
+        {"path": "data.pt", "inputs": ["x"], "targets": "y", "batch_size": BATCH},
+        "cross_entropy",
+    )
+    for k, (inputs, targets) in enumerate(batches):
+        got = torch.tensor(scores["grad_norm"].to_numpy()[k * BATCH : (k + 1) * BATCH])
+        assert_rel_close(got, _loop_norms(model, inputs, targets), 1e-9)
+
+
+def test_fresh_calls_on_two_batches_with_a_hooked_gradient_are_exact_and_keep_the_model():
+    model = masked()
+    before = model_state(model)
+    for k in range(2):
+        inputs, targets = _batch(k)
+        norms = gradscope.per_example_norms(model, inputs, targets, loss="cross_entropy")
+        assert_rel_close(norms, _loop_norms(model, inputs, targets), 1e-9)
+        before.assert_kept(model)
 
 
 def test_a_parameter_whose_gradient_is_hooked_is_served_by_the_loop_and_says_why():
