@@ -198,6 +198,13 @@ def _load_checkpoint(model: nn.Module, cfg: ModelConfig, trust_checkpoint: bool)
     expected = model.state_dict()
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
+    prefix = _fitting_prefix(state, expected) if unexpected else None
+    if prefix is not None:
+        raise ModelError(
+            f"checkpoint does not fit the model: every key starts with {prefix!r}, which the "
+            f"model's do not; set model.strip_prefix: {prefix!r}",
+            cfg.checkpoint,
+        )
     if missing or unexpected:
         parts = []
         if missing:
@@ -226,6 +233,18 @@ def _load_checkpoint(model: nn.Module, cfg: ModelConfig, trust_checkpoint: bool)
     model.load_state_dict(state)
     floats = {v.dtype for v in state.values() if v.is_floating_point()}
     return model.to(floats.pop()) if len(floats) == 1 else model  # dtype: null keeps the file's
+
+
+def _fitting_prefix(state: dict[str, Any], expected: dict[str, Any]) -> str | None:
+    """The prefix, ending at a dot, whose removal from every key of the checkpoint leaves keys
+    of the model (``module.`` from DDP, ``_orig_mod.`` from ``torch.compile``), or None."""
+    first = next(iter(state), "")
+    for at in (i + 1 for i, c in enumerate(first) if c == "."):
+        prefix = first[:at]
+        every = all(k.startswith(prefix) for k in state)
+        if every and {k.removeprefix(prefix) for k in state} <= expected.keys():
+            return prefix
+    return None
 
 
 def _dtype(t: torch.Tensor) -> str:

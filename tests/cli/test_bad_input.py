@@ -59,6 +59,15 @@ ANCHORS = "params:\n  include:\n    - &a [x, x, x, x, x, x, x, x, x, x]\n" + "".
 )
 
 
+def _prefixed(prefix: str):
+    def change(state: dict) -> None:
+        renamed = {prefix + k: v for k, v in state.items()}
+        state.clear()
+        state.update(renamed)
+
+    return change
+
+
 def segmentation(root: Path) -> None:
     edit_config(root, lambda c: c["model"].update(factory="model.py:Seg", checkpoint=None))
     edit_data(root, lambda d: d.update(y=torch.randint(0, 3, (len(d["y"]), 2, 3))))
@@ -107,6 +116,14 @@ CASES = [
         lambda r: edit_checkpoint(r, lambda s: s.update({"fc3.weight": torch.zeros(1)})),
         [],
         "checkpoint does not fit the model: unexpected fc3.weight",
+        "net.pt",
+    ),
+    (
+        "checkpoint-prefix",  # a torch.compile'd model's state dict
+        lambda r: edit_checkpoint(r, _prefixed("_orig_mod.")),
+        [],
+        "checkpoint does not fit the model: every key starts with '_orig_mod.', which the "
+        "model's do not; set model.strip_prefix: '_orig_mod.'",
         "net.pt",
     ),
     (
