@@ -1,13 +1,15 @@
 """The model's own state that a forward may branch on or index by: each module's attributes of
 plain values (``training``, flags, modes, counters, tuples of dims, lists and dicts of such) by
 value, its other attributes (a function it calls, an object it holds) by identity, the attributes
-of the objects it holds (a config a forward reads ``self.config.dim`` from, and its sub-configs,
-``DEPTH`` levels in) likewise, and the tensors it keeps (buffers, tensor attributes) by identity
-and by their version (what autograd counts writes in place by). A program was analysed at one
-state; at another, a forward may make other ops at the same calls, shapes and autograd node
-counts (a mean over the batch instead of over the features, rows gathered by a permutation the
-model keeps), which the witness would not see. So a program replays only at the state its batch
-began with; at another the batch is analysed (``replayed.py``)."""
+of the objects it holds (a config a forward reads ``self.config.dim`` from, its sub-configs, a
+slotted dataclass's slots) and the entries of its tuples, lists and dicts of more than plain
+values (a dict of configs, a list of tensors), ``DEPTH`` levels in, likewise, and the tensors it
+keeps (buffers, tensor attributes, and those of what it holds) by identity and by their version
+(what autograd counts writes in place by). A program was analysed at one state; at another, a
+forward may make other ops at the same calls, shapes and autograd node counts (a mean over the
+batch instead of over the features, rows gathered by a permutation the model keeps), which the
+witness would not see. So a program replays only at the state its batch began with; at another
+the batch is analysed (``replayed.py``)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import enum
 import functools
 import operator
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -27,9 +29,10 @@ PLAIN = frozenset({bool, int, float, str, type(None), torch.dtype, torch.device}
 CONTAINERS = (tuple, list, dict)
 # the most plain values a tuple, list or dict may hold to be compared on every batch
 LEAVES = 256
-# how deep the objects a module holds are followed: its config, the config's sub-configs (a
-# vision-language model's text_config) and theirs
-DEPTH = 3
+# how deep the objects and containers a module holds are followed: its config, the config's
+# sub-configs (a vision-language model's text_config), theirs, a dict of them; each is followed
+# once, however many hold it, so the bound only stops a walk through a long chain of objects
+DEPTH = 8
 # what an attribute may hold whose own attributes are not the state's: code, and what the state
 # takes in another way (a module is one of the modules; a tensor is kept by identity)
 _OPAQUE = (
@@ -73,6 +76,10 @@ def _equal(a: object, b: object) -> bool:
         return False
 
 
+def _is(v: object) -> bool:
+    return isinstance(v, Tensor)
+
+
 def _version(t: Tensor) -> int:
     """The count of ``t``'s writes in place (an inference tensor keeps none: -1)."""
     try:
@@ -84,6 +91,9 @@ def _version(t: Tensor) -> int:
 # a module's dicts of parameters, buffers, children and hooks: the modules, the tensors and
 # the hooks' own code are what they hold, not state a forward reads
 _MACHINERY = frozenset(k for k, v in vars(nn.Module()).items() if _leaves(v) is None)
+# and its parameters', buffers' and children's: what the state holds of a module's attributes
+# is neither (the buffers are kept as its tensors)
+_OWN = frozenset(vars(nn.Module()))
 
 
 class _Attributes:
@@ -116,6 +126,47 @@ class _Attributes:
         return f"{self.where}.{changed[0]}" if changed else None
 
 
+def _slots(kind: type) -> tuple[str, ...]:
+    """The names of the ``__slots__`` that ``kind`` and the classes it derives from declare
+    (private ones as Python mangles them), but ``__dict__`` and ``__weakref__``."""
+    names = []
+    for c in kind.__mro__:
+        declared = vars(c).get("__slots__", ())
+        for name in (declared,) if isinstance(declared, str) else declared:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            private = name.startswith("__") and not name.endswith("__")
+            names.append(f"_{c.__name__.lstrip('_')}{name}" if private else name)
+    return tuple(names)
+
+
+class _Live:
+    """An object's slots, or a container's entries, as a dict (``now``) that ``read`` fills
+    again from ``items`` (name, value pairs): compared as an object's ``__dict__`` is."""
+
+    def __init__(self, items: Callable[[], Iterable[tuple[object, object]]]):
+        self.items, self.now = items, {}
+        self.read()
+
+    def read(self) -> None:
+        self.now.clear()
+        self.now.update(self.items())
+
+
+def _entries(v: object) -> Callable[[], Iterable[tuple[object, object]]] | None:
+    """What a ``_Live`` reads of ``v``: its slots' values (those set), or a tuple's, list's or
+    dict's entries where they are not plain values alone (those are compared by value) and
+    not more than ``LEAVES``; None for anything else."""
+    if type(v) in CONTAINERS:
+        if len(v) > LEAVES or _leaves(v) is not None:
+            return None
+        return v.items if type(v) is dict else functools.partial(enumerate, v)
+    names = _slots(type(v))
+    if not names or isinstance(v, _OPAQUE):
+        return None
+    return lambda: ((n, getattr(v, n)) for n in names if hasattr(v, n))
+
+
 class State:
     """The state of ``modules`` now, kept to tell whether they are in it again: each tensor
     they keep, itself and its version; then quickly, by the counts of each module's attributes
@@ -124,37 +175,52 @@ class State:
 
     def __init__(self, modules: Sequence[nn.Module]):
         self.modules = tuple(modules)
-        self.tensors = [
-            (m, where, k, t, _version(t))
-            for m in self.modules
-            for where in (m._buffers, vars(m))
-            for k, t in where.items()
-            if isinstance(t, Tensor)
-        ]
+        # (name, dict, key, tensor, version): the modules' buffers and tensor attributes, and
+        # the tensors of the objects and containers they hold
+        self.tensors: list[tuple[str, dict, object, Tensor, int]] = []
         self.attributes: list[_Attributes] = []
+        self.live: list[_Live] = []
         held: set[int] = set()  # a config many modules hold is compared once
         for m in self.modules:
             name = type(m).__name__
+            self._keep(m._buffers, name)
+            self._keep(vars(m), name)
             self.attributes.append(_Attributes(name, vars(m), m._buffers))
             self._hold(vars(m), name, held, DEPTH)
         self._quick = [a.quick for a in self.attributes]
 
+    def _keep(self, d: dict, where: str) -> None:
+        self.tensors += [(f"{where}.{k}", d, k, t, _version(t)) for k, t in d.items() if _is(t)]
+
     def _hold(self, d: dict, where: str, held: set[int], depth: int) -> None:
-        """The attributes of the objects the values of ``d`` are, and of theirs, ``depth``
-        levels in."""
+        """The attributes of the objects the values of ``d`` are (a slotted one's slots), and
+        the entries of its tuples, lists and dicts that hold more than plain values, and
+        theirs, ``depth`` levels in."""
         for k, v in d.items():
-            if id(v) not in held and hasattr(v, "__dict__") and not isinstance(v, _OPAQUE):
-                held.add(id(v))
-                self.attributes.append(_Attributes(f"{where}.{k}", vars(v)))
-                if depth > 1:
-                    self._hold(vars(v), f"{where}.{k}", held, depth - 1)
+            if id(v) in held or k in _OWN or type(v) in PLAIN or _is(v):
+                continue
+            entries = _entries(v)
+            if entries is not None:
+                self.live.append(_Live(entries))
+                found = self.live[-1].now
+            elif hasattr(v, "__dict__") and not isinstance(v, _OPAQUE):
+                found = vars(v)
+            else:
+                continue
+            held.add(id(v))
+            self._keep(found, f"{where}.{k}")
+            self.attributes.append(_Attributes(f"{where}.{k}", found))
+            if depth > 1:
+                self._hold(found, f"{where}.{k}", held, depth - 1)
 
     def differs(self) -> str | None:
         """None where the modules are in this state again; else the first attribute that
         differs, as ``Class.name`` (``Class.held.name`` for an object's it holds, and so on)."""
-        for m, where, k, t, version in self.tensors:
+        for live in self.live:
+            live.read()
+        for name, where, k, t, version in self.tensors:
             if where.get(k) is not t or _version(t) != version:
-                return f"{type(m).__name__}.{k}"
+                return name
         try:
             if all(
                 len(d) == n and len(b) == nb and get(d) == got
@@ -168,10 +234,10 @@ class State:
     def _named(self) -> str | None:
         """The first attribute that differs, looked for one by one: a tensor the state did not
         keep, or an entry added, gone, or of another value."""
-        kept = {(id(m), k) for m, _, k, _, _ in self.tensors}
+        kept = {(id(where), k) for _, where, k, _, _ in self.tensors}
         for m in self.modules:
             for where in (m._buffers, vars(m)):
                 for k, t in where.items():
-                    if isinstance(t, Tensor) and (id(m), k) not in kept:
+                    if _is(t) and (id(where), k) not in kept:
                         return f"{type(m).__name__}.{k}"
         return next((d for a in self.attributes if (d := a.differs()) is not None), None)

@@ -5,6 +5,7 @@ the model keeps), which no count of calls or nodes sees."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable
 
@@ -28,18 +29,26 @@ D, CLASSES, BATCH = 6, 3, 5
 
 
 class Rolled(nn.Module):
-    """Each example's hidden units moved to the example ``offset`` (a buffer) places on: its
-    own where 0, another's (the examples mixed) elsewhere, by the same ops either way."""
+    """Each example's hidden units moved to the example ``offset`` (a buffer, or a tensor in a
+    list the module keeps: ``listed``) places on: its own where 0, another's (the examples
+    mixed) elsewhere, by the same ops either way."""
 
-    def __init__(self):
+    def __init__(self, listed: bool = False):
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(D, D), nn.Linear(D, CLASSES)
         self.register_buffer("offset", torch.tensor(0))
+        self.kept = [self.offset.clone()] if listed else []
 
     def forward(self, x: Tensor) -> Tensor:
         h = torch.tanh(self.fc1(x))
-        rows = (torch.arange(h.shape[0]) + self.offset) % h.shape[0]
+        offset = self.kept[0] if self.kept else self.offset
+        rows = (torch.arange(h.shape[0]) + offset) % h.shape[0]
         return self.fc2(h[rows])
+
+    @property
+    def shift(self) -> Tensor:
+        """The tensor the forward takes its offset from."""
+        return self.kept[0] if self.kept else self.offset
 
 
 class Over(enum.Enum):
@@ -63,6 +72,13 @@ class Config:
         self.over, self.sub = over, sub
 
 
+@dataclasses.dataclass(slots=True)
+class Slotted:
+    """Settings in slots, not a ``__dict__``."""
+
+    over: int
+
+
 class Centred(nn.Module):
     """Hidden units centred over the dimension its state names, by an attribute of the kind
     ``state`` says: the features (each example on its own) or the batch (the examples mixed), by
@@ -72,7 +88,9 @@ class Centred(nn.Module):
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(D, D), nn.Linear(D, CLASSES)
         self.state, self.over, self.mode = state, 1, Over.FEATURES
-        self.dims, self.listed, self.config = (1,), [1], Config(1, Config(1))
+        self.dims, self.listed = (1,), [1]
+        self.config = Config(1, Config(1, Config(1, Config(1))))  # four levels down
+        self.slotted, self.configs = Slotted(1), {"text": Config(1)}
         self.centre = _over_features
 
     def forward(self, x: Tensor) -> Tensor:
@@ -88,6 +106,9 @@ class Centred(nn.Module):
             "list": self.listed,
             "held": self.config.over,
             "nested": self.config.sub.over,
+            "deep": self.config.sub.sub.sub.over,
+            "slotted": self.slotted.over,
+            "in a dict": self.configs["text"].over,
         }[self.state]
         return self.fc2(h - h.mean(over, keepdim=True))
 
@@ -104,6 +125,12 @@ class Centred(nn.Module):
             self.config.over = over
         elif self.state == "nested":
             self.config.sub.over = over
+        elif self.state == "deep":
+            self.config.sub.sub.sub.over = over
+        elif self.state == "slotted":
+            self.slotted.over = over
+        elif self.state == "in a dict":
+            self.configs["text"].over = over
         elif self.state == "function":
             self.centre = (_over_batch, _over_features)[over]
         else:
@@ -141,6 +168,9 @@ WATCHED = {
     "list": "listed",
     "held": "config.over",
     "nested": "config.sub.over",
+    "deep": "config.sub.sub.sub.over",
+    "slotted": "slotted.over",
+    "in a dict": "configs.text.over",
     "function": "centre",
 }
 
@@ -161,16 +191,21 @@ def test_a_state_that_mixes_the_examples_is_refused_on_every_batch_of_it(state: 
     )
 
 
-def test_a_buffer_written_between_batches_sends_the_batch_to_the_analysis():
+@pytest.mark.parametrize("listed", [False, True], ids=["buffer", "in a list"])
+def test_a_tensor_written_between_batches_sends_the_batch_to_the_analysis(listed: bool):
     """The offset written in place (its version counts the write) on batches 1 and 3: those
-    refused, as the examples mix there; batch 2, written back to 0, analysed again and exact."""
+    refused, as the examples mix there; batch 2, written back to 0, analysed again and exact;
+    whether the offset is a buffer or a tensor in a list the module keeps."""
     torch.manual_seed(0)
-    model = Rolled().double()
-    findings = _refused_on_odd_batches(model, lambda k: model.offset.fill_(k % 2))
-    assert findings.replays == 0 and "(Rolled.offset)" in findings.why
+    model = Rolled(listed).double()
+    findings = _refused_on_odd_batches(model, lambda k: model.shift.fill_(k % 2))
+    where = "kept.0" if listed else "offset"
+    assert findings.replays == 0 and f"(Rolled.{where})" in findings.why
 
 
-@pytest.mark.parametrize("model", ["int", "enum", "list", "held", "nested", "rolled"])
+@pytest.mark.parametrize(
+    "model", ["int", "enum", "list", "held", "nested", "deep", "slotted", "in a dict", "rolled"]
+)
 def test_fresh_api_calls_at_each_state_are_exact_or_refused(model: str):
     """``per_example_norms`` called afresh on each batch, the state set between them (the
     model's record, and its programs, kept between the calls): the batches whose state mixes
@@ -266,6 +301,12 @@ def test_a_state_tells_the_first_attribute_that_differs():
     model.centre = _over_batch  # another function
     assert state.differs() == "Centred.centre"
     model.centre = _over_features
+    model.slotted.over = 0  # a slot
+    assert state.differs() == "Centred.slotted.over"
+    model.slotted.over = 1
+    model.configs["vision"] = Config(1)  # an entry of a dict of objects, new
+    assert state.differs() == "Centred.configs.vision"
+    del model.configs["vision"]
     assert state.differs() is None
     rolled = Rolled()
     state = State(tuple(rolled.modules()))
@@ -273,3 +314,7 @@ def test_a_state_tells_the_first_attribute_that_differs():
     assert state.differs() == "Rolled.offset"
     rolled.offset = torch.tensor(0)  # another tensor
     assert state.differs() == "Rolled.offset"
+    listed = Rolled(listed=True)
+    state = State(tuple(listed.modules()))
+    listed.kept[0] = torch.tensor(0)  # another tensor in the list
+    assert state.differs() == "Rolled.kept.0"
