@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
+from types import TracebackType
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class GradscopeError(Exception):
@@ -42,6 +46,38 @@ class Interrupted(GradscopeError):
 def one_line(e: BaseException) -> str:
     """An exception's message on one line (library errors often span several)."""
     return " ".join(str(e).split())
+
+
+@contextlib.contextmanager
+def models_backward() -> Iterator[None]:
+    """A backward through the model: an error that the model's own code or torch raises in it
+    (a custom autograd function's; ``torch.utils.checkpoint`` with ``use_reentrant=True``,
+    which ``autograd.grad`` cannot run through) as one line naming it. One raised in
+    gradscope's own code, whose hooks run inside the backward, goes on as it is."""
+    try:
+        yield
+    except GradscopeError:
+        raise
+    except Exception as e:
+        if _ours(e.__traceback__):
+            raise
+        raise ModelError(
+            f"the model's backward raised {type(e).__name__}: {one_line(e)}", "model"
+        ) from e
+
+
+def _ours(tb: TracebackType | None) -> bool:
+    """Whether a frame of gradscope's runs inside the call the traceback begins in (its first
+    frames, up to the call into torch, are the caller's)."""
+    while tb is not None and _in_package(tb):
+        tb = tb.tb_next
+    while tb is not None and not _in_package(tb):
+        tb = tb.tb_next
+    return tb is not None
+
+
+def _in_package(tb: TracebackType) -> bool:
+    return tb.tb_frame.f_code.co_filename.startswith(_PACKAGE)
 
 
 @contextlib.contextmanager

@@ -41,6 +41,31 @@ def weighted(outputs, targets):
     return {"per_example": outputs.sum(1)}["weight"]
 
 
+class Checkpointed(Net):
+    '''Its last layer recomputed in the backward by the reentrant checkpoint, which
+    autograd.grad cannot run through.'''
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.fc2, torch.tanh(self.fc1(x)), use_reentrant=True)
+
+
+class Refusing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("no gradient here")
+
+
+class OwnBackward(Net):
+    def forward(self, x):
+        return Refusing.apply(super().forward(x))
+
+
 class Seg(nn.Module):
     '''(B, 3, 2, 3) logits: 3 classes at 2 x 3 pixels, as many classes as columns.'''
 
@@ -125,6 +150,20 @@ CASES = [
         "checkpoint does not fit the model: every key starts with '_orig_mod.', which the "
         "model's do not; set model.strip_prefix: '_orig_mod.'",
         "net.pt",
+    ),
+    (
+        "reentrant-checkpoint",
+        lambda r: edit_config(r, lambda c: c["model"].update(factory="model.py:Checkpointed")),
+        [],
+        "the model's backward raised RuntimeError: ",
+        "(model)",
+    ),
+    (
+        "own-backward",
+        lambda r: edit_config(r, lambda c: c["model"].update(factory="model.py:OwnBackward")),
+        [],
+        "the model's backward raised ValueError: no gradient here",
+        "(model)",
     ),
     (
         "checkpoint-shapes",

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 import gradscope
 from gradscope.engine import FALLBACK_LOOP, Engine, naive_grads, total
+from gradscope.errors import ModelError
 from gradscope.losses import resolve_loss
 
 D, CLASSES, BATCH = 6, 3, 5
@@ -151,3 +152,36 @@ def test_influence_with_a_hooked_gradient_is_exact(engine: str):
     expected = sum((grads[n].flatten(1) @ ref[n].mean(0).flatten()) for n in names)
     assert_rel_close(got, expected, 1e-9)
     remove()
+
+
+def test_an_error_in_the_models_backward_is_one_line_naming_it():
+    """A hook of the user's that raises in the backward: a ModelError naming what it raised,
+    the model left as it was."""
+    model = _model()
+
+    def refuse(grad: Tensor) -> Tensor:
+        raise ValueError("no gradient here")
+
+    def hooked(module: nn.Module, args: tuple, out: Tensor) -> None:
+        if out.requires_grad:  # gradscope runs some forwards without gradients
+            out.register_hook(refuse)
+
+    model[2].register_forward_hook(hooked)
+    before = model_state(model)
+    with pytest.raises(ModelError, match="the model's backward raised ValueError: no"):
+        gradscope.per_example_norms(model, *_batch(0), loss="cross_entropy")
+    before.assert_kept(model)
+
+
+def test_an_error_of_gradscopes_own_in_the_backward_goes_on_as_it_is(monkeypatch):
+    """An error raised in gradscope's code that runs inside the backward (its hooks hand each
+    output gradient to the rules) is gradscope's, not the model's: not relabelled."""
+    from gradscope.engine.passes.grouped import Grouped
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug of gradscope's")
+
+    monkeypatch.setattr(Grouped, "take", broken)  # each output gradient's, in the backward
+    with pytest.raises(RuntimeError, match="a bug of gradscope's") as raised:
+        gradscope.per_example_norms(_model(), *_batch(0), loss="cross_entropy")
+    assert not isinstance(raised.value, ModelError)

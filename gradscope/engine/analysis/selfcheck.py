@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ...errors import ModelError
+from ...errors import ModelError, models_backward
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -60,10 +60,13 @@ class Singles:
 
     def __init__(self, losses: Tensor, params: Sequence[Tensor]):
         picked = dict.fromkeys((0, losses.shape[0] - 1))
-        self.grads = {
-            i: list(torch.autograd.grad(losses[i], params, retain_graph=True, allow_unused=True))
-            for i in picked
-        }
+        with models_backward():
+            self.grads = {
+                i: list(
+                    torch.autograd.grad(losses[i], params, retain_graph=True, allow_unused=True)
+                )
+                for i in picked
+            }
         self.scales = {i: _norm(grads) for i, grads in self.grads.items()}
 
     def agree(self, k: int, norm_sq: Tensor | None, dtype: torch.dtype) -> bool:

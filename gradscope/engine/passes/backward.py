@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node
 
+from ...errors import models_backward
 from ..capture import Call, Capture, Use
 
 
@@ -122,9 +123,10 @@ def backward(
     try:
         if not lowest and not others and not also and not lowest_reads:
             return []
-        grads = torch.autograd.grad(
-            total, [*lowest, *others, *also, *lowest_reads], allow_unused=True
-        )
+        with models_backward():
+            grads = torch.autograd.grad(
+                total, [*lowest, *others, *also, *lowest_reads], allow_unused=True
+            )
     finally:
         capture.on_grad = None
         capture.release_hooks()

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ...errors import ConfigError
+from ...errors import ConfigError, models_backward
 from ...rules.base import accumulation_dtype, rows
 from ..engine import Engine, total
 from .jvp import JvpUnsupported, jvp_inner
@@ -43,7 +43,9 @@ def reference_gradients(
     count = 0
     for inputs, targets in batches:
         # the sum of per-batch sum-gradients over N is the mean-loss gradient, batch size aside
-        grads = torch.autograd.grad(engine.losses(inputs, targets).sum(), params, allow_unused=True)
+        losses = engine.losses(inputs, targets).sum()
+        with models_backward():
+            grads = torch.autograd.grad(losses, params, allow_unused=True)
         for t, g in zip(sums, grads, strict=True):
             if g is not None:
                 t += g

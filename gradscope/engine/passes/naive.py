@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from ...errors import models_backward
 from ...losses import LossFn
 from .forward import Forward
 
@@ -29,7 +30,8 @@ def naive_grads(
     losses, grads = [], {n: [] for n in names}
     for i in range(targets.shape[0]):
         loss = loss_fn(forward(model, tuple(t[i : i + 1] for t in inputs)), targets[i : i + 1])[0]
-        per_param = torch.autograd.grad(loss, chosen, allow_unused=True)
+        with models_backward():
+            per_param = torch.autograd.grad(loss, chosen, allow_unused=True)
         losses.append(loss.detach())
         for n, p, g in zip(names, chosen, per_param, strict=True):
             grads[n].append(torch.zeros_like(p) if g is None else g)
