@@ -133,6 +133,17 @@ def _construct(cfg: ModelConfig) -> nn.Module:
         raise ConfigError(
             f"the factory returned a {type(model).__name__}, not an nn.Module", "model.factory"
         )
+    return _uncompiled(model)
+
+
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile``d one wraps (its ``_orig_mod``): gradscope runs models
+    eagerly (``engine/eager.py``), and a checkpoint, the parameters' names and
+    ``params.include`` then read as the model's own, without the wrapper's ``_orig_mod.``."""
+    compiled = sys.modules.get("torch._dynamo.eval_frame")  # none compiled where not imported
+    kind = getattr(compiled, "OptimizedModule", None)
+    while kind is not None and isinstance(model, kind):
+        model = model._orig_mod
     return model
 
 

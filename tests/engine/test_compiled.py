@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from oracle import assert_rel_close, model_state, reference_norms
+from project import run_cli
 from torch import nn
 
 import gradscope
@@ -76,3 +77,31 @@ def test_engines_left_in_any_order_leave_nothing_compiled_eagerly():
     second.__exit__(None, None, None)
     model(torch.randn(BATCH, D, dtype=torch.float64))
     assert compiled
+
+
+def compiled_block() -> nn.Module:
+    """A model factory that compiles what it returns, as a training script may."""
+    torch.manual_seed(1)
+    return torch.compile(nn.Sequential(Block(), nn.Linear(D, CLASSES)))
+
+
+def test_a_compiled_model_from_a_factory_loads_a_plain_checkpoint_and_is_exact(tmp_path):
+    """``gradscope norms`` on a factory returning a compiled model: the checkpoint, saved from
+    the model itself, fits (no ``_orig_mod.`` asked for), the parameters keep their own names,
+    and every batch is exact against the float64 loop."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(Block(), nn.Linear(D, CLASSES)).double()
+    torch.save(eager.state_dict(), tmp_path / "model.pt")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2 * BATCH, D, generator=g, dtype=torch.float64)
+    y = torch.randint(0, CLASSES, (2 * BATCH,), generator=g)
+    torch.save({"x": x, "y": y}, tmp_path / "data.pt")
+    (tmp_path / "models.py").write_text("from test_compiled import compiled_block as make\n")
+    scores = run_cli(
+        tmp_path,
+        {"factory": "models.py:make", "checkpoint": "model.pt"},
+        {"path": "data.pt", "inputs": ["x"], "targets": "y", "batch_size": BATCH},
+        "cross_entropy",
+    )
+    expected = reference_norms(eager, (x,), y, "cross_entropy")[1]
+    assert_rel_close(torch.tensor(scores["grad_norm"].to_numpy()), expected, 1e-9)
