@@ -84,6 +84,11 @@ ANCHORS = "params:\n  include:\n    - &a [x, x, x, x, x, x, x, x, x, x]\n" + "".
 )
 
 
+def _factory(name: str, **more):
+    """A spoiler that makes ``model.py:name`` the model factory."""
+    return lambda r: edit_config(r, lambda c: c["model"].update(factory=f"model.py:{name}", **more))
+
+
 def _prefixed(prefix: str):
     def change(state: dict) -> None:
         renamed = {prefix + k: v for k, v in state.items()}
@@ -94,7 +99,7 @@ def _prefixed(prefix: str):
 
 
 def segmentation(root: Path) -> None:
-    edit_config(root, lambda c: c["model"].update(factory="model.py:Seg", checkpoint=None))
+    _factory("Seg", checkpoint=None)(root)
     edit_data(root, lambda d: d.update(y=torch.randint(0, 3, (len(d["y"]), 2, 3))))
 
 
@@ -153,14 +158,14 @@ CASES = [
     ),
     (
         "reentrant-checkpoint",
-        lambda r: edit_config(r, lambda c: c["model"].update(factory="model.py:Checkpointed")),
+        _factory("Checkpointed"),
         [],
         "the model's backward raised RuntimeError: ",
         "(model)",
     ),
     (
         "own-backward",
-        lambda r: edit_config(r, lambda c: c["model"].update(factory="model.py:OwnBackward")),
+        _factory("OwnBackward"),
         [],
         "the model's backward raised ValueError: no gradient here",
         "(model)",
@@ -237,16 +242,14 @@ CASES = [
     ),
     (
         "model-without-parameters",
-        lambda r: edit_config(
-            r, lambda c: c["model"].update(factory="model.py:NoParams", checkpoint=None)
-        ),
+        _factory("NoParams", checkpoint=None),
         [],
         "the model has no parameters",
         "model.factory",
     ),
     (
         "key-error-in-forward",
-        lambda r: edit_config(r, lambda c: c["model"].update(factory="model.py:Lookup")),
+        _factory("Lookup"),
         [],
         "the model cannot take inputs of shape (4, 5): Lookup's forward raised KeyError: 'logit'",
         "data.inputs",
