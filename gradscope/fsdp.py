@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .engine import Engine, prepared
-from .errors import ConfigError
+from .errors import ConfigError, models_backward
 from .rules.base import accumulation_dtype
 
 
@@ -112,7 +112,9 @@ def reference_gradients(
     sums: dict[str, Tensor] = {}
     count = 0
     for inputs, targets in batches:
-        engine.losses(inputs, targets).sum().backward()
+        losses = engine.losses(inputs, targets).sum()
+        with models_backward():
+            losses.backward()
         for name, p in params.items():
             if p.grad is not None:
                 g = p.grad.to(accumulation_dtype(p.dtype))
