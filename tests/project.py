@@ -223,6 +223,30 @@ def run_cli(
     return pd.read_parquet(root / "scores.parquet")
 
 
+def cli_norms(
+    root: Path, model: torch.nn.Module, factory: str, batches: list[tuple[tuple, torch.Tensor]]
+) -> list[torch.Tensor]:
+    """``gradscope norms`` over ``batches`` (each one input, all of one size) as one run: the
+    model's state dict saved, ``factory`` (``module:name``, importable from the tests) building
+    it; each batch's grad_norm column."""
+    size = len(batches[0][1])
+    torch.save(
+        {"x": torch.cat([b[0][0] for b in batches]), "y": torch.cat([b[1] for b in batches])},
+        root / "data.pt",
+    )
+    torch.save(model.state_dict(), root / "model.pt")
+    module, name = factory.split(":")
+    (root / "models.py").write_text(f"from {module} import {name} as make\n")
+    scores = run_cli(
+        root,
+        {"factory": "models.py:make", "checkpoint": "model.pt"},
+        {"path": "data.pt", "inputs": ["x"], "targets": "y", "batch_size": size},
+        "cross_entropy",
+    )
+    norms = torch.tensor(scores["grad_norm"].to_numpy())
+    return list(norms.split(size))
+
+
 def invoke_cli(
     root: Path, model: dict, data: dict, loss: str | dict, *command: str, dtype="float64"
 ) -> Result:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from oracle import assert_rel_close, model_state, reference_norms
-from project import run_cli
+from project import cli_norms
 from torch import nn
 
 import gradscope
@@ -91,17 +91,12 @@ def test_a_compiled_model_from_a_factory_loads_a_plain_checkpoint_and_is_exact(t
     and every batch is exact against the float64 loop."""
     torch.manual_seed(0)
     eager = nn.Sequential(Block(), nn.Linear(D, CLASSES)).double()
-    torch.save(eager.state_dict(), tmp_path / "model.pt")
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2 * BATCH, D, generator=g, dtype=torch.float64)
-    y = torch.randint(0, CLASSES, (2 * BATCH,), generator=g)
-    torch.save({"x": x, "y": y}, tmp_path / "data.pt")
-    (tmp_path / "models.py").write_text("from test_compiled import compiled_block as make\n")
-    scores = run_cli(
-        tmp_path,
-        {"factory": "models.py:make", "checkpoint": "model.pt"},
-        {"path": "data.pt", "inputs": ["x"], "targets": "y", "batch_size": BATCH},
-        "cross_entropy",
-    )
-    expected = reference_norms(eager, (x,), y, "cross_entropy")[1]
-    assert_rel_close(torch.tensor(scores["grad_norm"].to_numpy()), expected, 1e-9)
+    batches = []
+    for k in range(2):  # two batches of one shape, other values
+        g = torch.Generator().manual_seed(k)
+        x = torch.randn(BATCH, D, generator=g, dtype=torch.float64)
+        batches.append(((x,), torch.randint(0, CLASSES, (BATCH,), generator=g)))
+    scores = cli_norms(tmp_path, eager, "test_compiled:compiled_block", batches)
+    for got, (inputs, targets) in zip(scores, batches, strict=True):
+        expected = reference_norms(eager, inputs, targets, "cross_entropy")[1]
+        assert_rel_close(got, expected, 1e-9)

@@ -16,7 +16,7 @@ from oracle import (
     assert_rel_close,
     reference_norms,
 )
-from project import run_cli
+from project import cli_norms
 from torch import Tensor, nn
 
 from gradscope.engine import Engine, total
@@ -238,21 +238,9 @@ def test_a_cli_run_over_a_model_whose_forward_changes_its_state_is_exact(tmp_pat
     analysed, none replayed by another's program, and every one exact."""
     torch.manual_seed(0)
     model, batches = Counting().double(), [_batch(k) for k in range(3)]
-    torch.save(
-        {"x": torch.cat([b[0][0] for b in batches]), "y": torch.cat([b[1] for b in batches])},
-        tmp_path / "data.pt",
-    )
-    torch.save(model.state_dict(), tmp_path / "model.pt")
-    (tmp_path / "models.py").write_text("from test_state import Counting as make\n")
-    scores = run_cli(
-        tmp_path,
-        {"factory": "models.py:make", "checkpoint": "model.pt"},
-        {"path": "data.pt", "inputs": ["x"], "targets": "y", "batch_size": BATCH},
-        "cross_entropy",
-    )
-    for k, (inputs, targets) in enumerate(batches):
+    scores = cli_norms(tmp_path, model, "test_state:Counting", batches)
+    for got, (inputs, targets) in zip(scores, batches, strict=True):
         expected = reference_norms(model, inputs, targets, "cross_entropy")[1]
-        got = torch.tensor(scores["grad_norm"].to_numpy()[k * BATCH : (k + 1) * BATCH])
         assert_rel_close(got, expected, 1e-9)
 
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from oracle import assert_rel_close, model_state
-from project import run_cli
+from project import cli_norms
 from torch import Tensor, nn
 
 import gradscope
@@ -97,20 +97,8 @@ def test_a_cli_run_over_a_model_with_a_hooked_gradient_is_exact(tmp_path):
     """The factory registers the mask, as a model's own code may: two batches of one shape,
     each exact against the loop on the model the factory builds."""
     model, batches = masked(), [_batch(k) for k in range(2)]
-    torch.save(
-        {"x": torch.cat([b[0][0] for b in batches]), "y": torch.cat([b[1] for b in batches])},
-        tmp_path / "data.pt",
-    )
-    torch.save(model.state_dict(), tmp_path / "model.pt")
-    (tmp_path / "models.py").write_text("from test_user_hooks import masked as make\n")
-    scores = run_cli(
-        tmp_path,
-        {"factory": "models.py:make", "checkpoint": "model.pt"},
-        {"path": "data.pt", "inputs": ["x"], "targets": "y", "batch_size": BATCH},
-        "cross_entropy",
-    )
-    for k, (inputs, targets) in enumerate(batches):
-        got = torch.tensor(scores["grad_norm"].to_numpy()[k * BATCH : (k + 1) * BATCH])
+    scores = cli_norms(tmp_path, model, "test_user_hooks:masked", batches)
+    for got, (inputs, targets) in zip(scores, batches, strict=True):
         assert_rel_close(got, _loop_norms(model, inputs, targets), 1e-9)
 
 
