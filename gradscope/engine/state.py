@@ -76,10 +76,6 @@ def _equal(a: object, b: object) -> bool:
         return False
 
 
-def _is(v: object) -> bool:
-    return isinstance(v, Tensor)
-
-
 def _version(t: Tensor) -> int:
     """The count of ``t``'s writes in place (an inference tensor keeps none: -1)."""
     try:
@@ -91,8 +87,8 @@ def _version(t: Tensor) -> int:
 # a module's dicts of parameters, buffers, children and hooks: the modules, the tensors and
 # the hooks' own code are what they hold, not state a forward reads
 _MACHINERY = frozenset(k for k, v in vars(nn.Module()).items() if _leaves(v) is None)
-# and its parameters', buffers' and children's: what the state holds of a module's attributes
-# is neither (the buffers are kept as its tensors)
+# every attribute nn.Module gives a module (its parameters, buffers, children, hooks): none is
+# an object or container whose entries the state follows (its buffers are kept as its tensors)
 _OWN = frozenset(vars(nn.Module()))
 
 
@@ -190,14 +186,16 @@ class State:
         self._quick = [a.quick for a in self.attributes]
 
     def _keep(self, d: dict, where: str) -> None:
-        self.tensors += [(f"{where}.{k}", d, k, t, _version(t)) for k, t in d.items() if _is(t)]
+        self.tensors += [
+            (f"{where}.{k}", d, k, t, _version(t)) for k, t in d.items() if isinstance(t, Tensor)
+        ]
 
     def _hold(self, d: dict, where: str, held: set[int], depth: int) -> None:
         """The attributes of the objects the values of ``d`` are (a slotted one's slots), and
         the entries of its tuples, lists and dicts that hold more than plain values, and
         theirs, ``depth`` levels in."""
         for k, v in d.items():
-            if id(v) in held or k in _OWN or type(v) in PLAIN or _is(v):
+            if id(v) in held or k in _OWN or type(v) in PLAIN or isinstance(v, Tensor):
                 continue
             entries = _entries(v)
             if entries is not None:
@@ -238,6 +236,6 @@ class State:
         for m in self.modules:
             for where in (m._buffers, vars(m)):
                 for k, t in where.items():
-                    if _is(t) and (id(where), k) not in kept:
+                    if isinstance(t, Tensor) and (id(where), k) not in kept:
                         return f"{type(m).__name__}.{k}"
         return next((d for a in self.attributes if (d := a.differs()) is not None), None)
