@@ -63,8 +63,14 @@ def make_index(root: Path, rows: int, width: int) -> Path:
         "header_bytes": layout.HEADER,
         "shards": writer.finish(),
         "ids": layout.IDS,
-        "projection": {"width": width},
-        "gradscope": {},
+        "projection": {
+            "seed": 0,
+            "width": width,
+            "blocks": [
+                {"name": "w", "shape": [width], "split": 0, "k_out": 1, "k_in": width, "start": 0}
+            ],
+        },
+        "gradscope": {"model_files": {}, "gradients": {}},
     }
     text = json.dumps(manifest).encode()
     pq.write_table(pa.table(ids).replace_schema_metadata({SEAL: seal(text)}), root / layout.IDS)

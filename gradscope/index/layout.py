@@ -1,8 +1,9 @@
 """The index on disk: a folder that numpy, torch and Arrow read without gradscope.
 
     INDEX/
-      manifest.json      format, rows, width, dtype, the shards in order, the projection (seed,
-                         one block of columns per parameter) and the run's metadata
+      manifest.json      format, rows, width, dtype, the shards in order (each with the sha256
+                         of its first and last rows), the projection (seed, one block of
+                         columns per parameter) and the run's metadata
       ids.parquet        one row per indexed example, in index order: example_id, id (with
                          data.ids), loss, norm (= ||phi_i||, float64), finite; its metadata
                          holds the manifest's sha256 (the seal, see ``manifest.py``)
@@ -43,7 +44,7 @@ import pyarrow.parquet as pq
 from ..errors import ConfigError, DataError
 from ..inputs import Inputs, check_folder, check_not_input
 from ..io.parquet import RUN_FILE, PartialRun, replace_atomically
-from .manifest import FORMAT, HEADER, IDS, MANIFEST, SEAL, VERSION, read_manifest, seal
+from .manifest import FORMAT, HEADER, IDS, MANIFEST, SEAL, VERSION, ends_sha256, read_manifest, seal
 
 STAGING = "index"  # the folder inside the partial one where the index is assembled
 INDEX_FILE = re.compile(r"manifest\.json|ids\.parquet|shard-\d{6}\.npy")  # what a run writes
@@ -82,7 +83,7 @@ class ShardWriter:
         while done < rows:
             if self._file is None:
                 name = f"shard-{len(self.shards):06d}.npy"
-                self._file = open(self.folder / name, "wb")  # noqa: SIM115 (closed in _close)
+                self._file = open(self.folder / name, "w+b")  # noqa: SIM115 (closed in _close)
                 self._file.write(npy_header(0, self.width, self.dtype))
                 self.shards.append({"file": name, "rows": 0, "first": self._first})
             n = min(rows - done, self.limit - self._rows)
@@ -96,6 +97,8 @@ class ShardWriter:
             return
         self._file.seek(0)
         self._file.write(npy_header(self._rows, self.width, self.dtype))
+        size = self._rows * self.width * self.dtype.itemsize
+        self.shards[-1]["ends_sha256"] = ends_sha256(self._file, size)
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..errors import DataError
 
@@ -21,10 +21,21 @@ MANIFEST, IDS, HEADER = "manifest.json", "ids.parquet", 128
 SEAL = b"gradscope_manifest_sha256"  # ids.parquet's metadata key holding the seal
 DTYPES = ("float16", "float32")
 IDS_COLUMNS = ("example_id", "loss", "norm", "finite")
+ENDS = 4096  # bytes of a shard's first and of its last rows whose sha256 the manifest records
 
 
 def seal(text: bytes) -> bytes:
     return hashlib.sha256(text).hexdigest().encode()
+
+
+def ends_sha256(f: BinaryIO, size: int) -> str:
+    """The sha256 of the first and the last ``ENDS`` bytes (at most) of a shard's ``size`` bytes
+    of rows, read from ``f``: a shard of another build, however alike its shape, differs."""
+    n = min(ENDS, size)
+    f.seek(HEADER)
+    head = f.read(n)
+    f.seek(HEADER + size - n)
+    return hashlib.sha256(head + f.read(n)).hexdigest()
 
 
 def plain_name(name: object, where: str) -> str:
@@ -96,6 +107,8 @@ def _check_shards(m: dict[str, Any], where: str) -> None:
     for n, shard in enumerate(m["shards"]):
         if not isinstance(shard, dict) or not _whole(shard.get("rows"), 0):
             raise DataError(f"the manifest's shard {n} is not a file and its rows", where)
+        if not isinstance(shard.get("ends_sha256"), str):
+            raise DataError(f"the manifest's shard {n} records no sha256 of its rows", where)
         plain_name(shard.get("file"), where)
         if shard.get("first") != first:
             raise DataError(

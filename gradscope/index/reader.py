@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import DataError
-from .manifest import HEADER, IDS_COLUMNS, MANIFEST, SEAL, parse, seal
+from .manifest import HEADER, IDS_COLUMNS, MANIFEST, SEAL, ends_sha256, parse, seal
 
 FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -158,7 +158,10 @@ class Shards:
             )
         elif os.fstat(f.fileno()).st_size != expected:
             why = f"holds {os.fstat(f.fileno()).st_size} bytes, its rows and header take {expected}"
+        elif ends_sha256(f, expected - HEADER) != shard["ends_sha256"]:
+            why = "is not the shard this index was built with (its rows are not the ones recorded)"
         else:
+            f.seek(HEADER)
             return f
         f.close()
         raise DataError(f"{name} {why}", where)

@@ -42,6 +42,15 @@ def test_a_manifest_from_another_seed_is_refused(project, monkeypatch, capsys):
     assert str(ix / "manifest.json") in err
 
 
+def test_a_shard_from_another_build_is_refused(project, monkeypatch, capsys):
+    """The same shape and header, another seed's rows: the manifest's sha256 of its ends tells."""
+    ix = index(project, "--dim", 4)
+    donor = index(project, "--dim", 4, "--seed", 7, name="donor")
+    shutil.copy(donor / "shard-000000.npy", ix / "shard-000000.npy")
+    err = refused(monkeypatch, capsys, project, ix)
+    assert "shard-000000.npy is not the shard this index was built with" in err
+
+
 def test_an_edited_projection_is_refused(project, monkeypatch, capsys):
     """Other block sides, the same width: the rows read as another projection's."""
     ix = index(project, "--dim", 4)
