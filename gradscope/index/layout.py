@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -179,11 +178,18 @@ def _manifest(rows: int, dtype: np.dtype, shards: list, projection: dict, metada
     return json.dumps(manifest, indent=1, default=str).encode()
 
 
+def former(path: Path) -> Path:
+    """Where a rebuild moves the index it replaces (``.INDEX.old``), for the moment between the
+    two renames: a run killed then leaves the former index there, which the next run removes."""
+    return path.with_name(f".{path.name}.old")
+
+
 def _publish(staging: Path, path: Path) -> None:
-    """``staging`` renamed to ``path``; a former index there renamed away first, then removed."""
-    old = None
+    """``staging`` renamed to ``path``; a former index there renamed away first, then removed
+    (``check_output`` allowed nothing but an index at either name)."""
+    old = former(path)
+    shutil.rmtree(old, ignore_errors=True)
     if path.exists():
-        old = path.with_name(f".{path.name}.old-{secrets.token_hex(4)}")
         os.rename(path, old)
     os.rename(staging, path)
     fd = os.open(path.parent, os.O_RDONLY)
@@ -191,8 +197,7 @@ def _publish(staging: Path, path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _is_index(path: Path) -> bool:
@@ -211,12 +216,13 @@ def check_output(path: str | Path, inputs: Inputs) -> None:
     or a path holding anything but a gradscope index (which the run replaces)."""
     path = Path(path)
     check_not_input(path, inputs)
-    if path.is_symlink() or (path.exists() and not (path.is_dir() and _is_index(path))):
-        raise ConfigError(
-            "the output path exists and is not a gradscope index folder (or holds other files "
-            "too); writing there would replace it, choose another --out",
-            str(path),
-        )
+    for at in (path, former(path)):
+        if at.is_symlink() or (at.exists() and not (at.is_dir() and _is_index(at))):
+            raise ConfigError(
+                "the output path exists and is not a gradscope index folder (or holds other "
+                "files too); writing there would replace it, choose another --out",
+                str(at),
+            )
     check_folder(path)
 
 

@@ -195,3 +195,33 @@ def test_a_damaged_index_is_replaced_by_its_rebuild(project):
     (ix / "manifest.json").write_text(json.dumps({**manifest, "version": 1, "shards": 0}))
     index(project, "--dim", 4)
     assert len(query(project, ix)) == 10
+
+
+def test_a_run_killed_between_the_renames_leaves_the_former_index_aside(
+    project, monkeypatch, capsys
+):
+    """Killed after the former index was moved aside, before the new one took its name: the
+    former waits at .ix.old, and the next run puts the index in place and removes it; a folder
+    of someone else's at that name is refused and left."""
+    ix = index(project, "--dim", 4)
+    rename = os.rename
+
+    def killed(src, dst):
+        rename(src, dst)
+        if dst == layout.former(ix):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(layout.os, "rename", killed)
+    result = CliRunner().invoke(app, ["index", str(project / "config.yaml"), "--dim", "8",
+                                      "--out", str(ix)])  # fmt: skip
+    assert result.exit_code != 0 and not ix.exists()
+    former = json.loads((project / ".ix.old" / "manifest.json").read_text())
+    assert former["projection"]["dim"] == 4
+    monkeypatch.setattr(layout.os, "rename", rename)
+    index(project, "--dim", 8)
+    assert not (project / ".ix.old").exists()
+    assert json.loads((ix / "manifest.json").read_text())["projection"]["dim"] == 8
+    (project / ".ix.old").mkdir()
+    (project / ".ix.old" / "photo.png").write_bytes(b"\x89PNG")
+    err = fails(monkeypatch, capsys, "index", project / "config.yaml", "--out", ix)
+    assert "not a gradscope index folder" in err and (project / ".ix.old" / "photo.png").exists()
