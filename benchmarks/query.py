@@ -79,8 +79,9 @@ def make_index(root: Path, rows: int, width: int) -> Path:
 
 
 def gradscope_scores(index: Path, psi: torch.Tensor) -> None:
-    scores = Scores(Shards(index), psi)
-    scores.every() if len(psi) == 1 else scores.top(20)
+    with Shards(index) as shards:
+        scores = Scores(shards, psi)
+        scores.every() if len(psi) == 1 else scores.top(20)
 
 
 def plain_scores(index: Path, psi: torch.Tensor) -> None:
