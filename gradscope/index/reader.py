@@ -45,7 +45,8 @@ class Shards:
             self.manifest = parse(text, self._where(MANIFEST))
             self.rows, self.width = self.manifest["rows"], self.manifest["width"]
             self.dtype = np.dtype(self.manifest["dtype"])
-            self._ids = self._open_ids(seal(text))
+            self._ids_file = self._open(self.manifest["ids"])
+            self._ids = self._open_ids(self._ids_file, seal(text))
             for shard in self.manifest["shards"]:
                 self._shard(shard).close()
         except BaseException:
@@ -60,7 +61,7 @@ class Shards:
 
     def close(self) -> None:
         with contextlib.suppress(AttributeError, OSError):
-            self._ids.close()
+            self._ids_file.close()  # (a ParquetFile leaves a file object it was given open)
         with contextlib.suppress(OSError):
             os.close(self._folder)
 
@@ -101,21 +102,19 @@ class Shards:
         held = os.fstat(self._folder)
         return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
 
-    def _open_ids(self, sealed: bytes) -> pq.ParquetFile:
+    def _open_ids(self, f: BinaryIO, sealed: bytes) -> pq.ParquetFile:
+        """``ids.parquet`` (open as ``f``), checked: Parquet, the manifest's rows, the columns a
+        query reads, and the manifest's seal."""
         name = self.manifest["ids"]
-        f = self._open(name)
         try:
             ids = pq.ParquetFile(f)
         except (OSError, pa.ArrowException) as e:
-            f.close()
             raise DataError(f"{name} is not a readable Parquet file: {e}", self._where(name)) from e
         missing = [c for c in IDS_COLUMNS if c not in ids.schema_arrow.names]
         if ids.metadata.num_rows != self.rows or missing:
-            f.close()
             got = f"lacks column {missing[0]}" if missing else f"holds {ids.metadata.num_rows} rows"
             raise DataError(f"{name} {got}; the manifest has {self.rows}", self._where(name))
         if (ids.metadata.metadata or {}).get(SEAL) != sealed:
-            f.close()
             raise DataError(
                 f"{MANIFEST} is not the one this index was built with ({name} records another "
                 "sha256): copied from another index, or edited; build the index again",
