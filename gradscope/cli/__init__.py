@@ -7,8 +7,9 @@ from .app import app
 from .indexing import index, query
 from .reports import report, summary
 from .scoring import check, factors, influence, norms
+from .validation import validate
 
-for command in (norms, influence, check, factors, index, query, summary, report):
+for command in (norms, influence, check, factors, index, query, summary, report, validate):
     app.command()(command)
 
 __all__ = ["app", "main"]
