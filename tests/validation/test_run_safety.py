@@ -1,0 +1,159 @@
+"""Retraining is the cost: a crash or Ctrl-C loses no finished model, ``--resume`` continues only
+the same run, a truth file is reused (never for another recipe), processes share the work, and
+bad input is one ``error:`` line before anything trains."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from problem import ROWS, make_problem
+from project import one_error
+from typer.testing import CliRunner
+
+from gradscope import training
+from gradscope.cli import app
+from gradscope.io.parquet import partial_path
+
+TASKS = 8  # --subsets 4 --seeds 2
+
+
+def counting_fit(monkeypatch, stop: int | None = None, error: type = RuntimeError) -> list:
+    """``fit`` as it is, counting its calls; raising ``error`` at call number ``stop``."""
+    calls, real = [], training.fit
+
+    def fit(cfg, rows=None, *, seed=None):
+        if len(calls) == stop:
+            raise error("stopped by the test")
+        calls.append(seed)
+        return real(cfg, rows, seed=seed)
+
+    monkeypatch.setattr(training, "fit", fit)
+    return calls
+
+
+def scores(root):
+    pq.write_table(
+        pa.table({"example_id": np.arange(ROWS), "influence": np.linspace(-1, 1, ROWS)}),
+        root / "s.parquet",
+    )
+    return root / "s.parquet"
+
+
+def invoke(root, *more):
+    args = ["validate", str(root / "config.yaml"), "--ref", str(root / "ref.pt"),
+            "--scores", str(root / "s.parquet"), "--subsets", "4", "--seeds", "2",
+            "--out", str(root / "v.parquet"), *map(str, more)]  # fmt: skip
+    return CliRunner().invoke(app, args)
+
+
+def truth(root) -> pd.DataFrame:
+    return pd.read_parquet(root / "v.truth.parquet").drop(columns="seconds")
+
+
+def test_interrupt_and_crash_lose_no_model(tmp_path, monkeypatch):
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    for root in (whole, cut):
+        root.mkdir()
+        make_problem(root)
+        scores(root)
+    assert invoke(whole).exit_code == 0
+    counting_fit(monkeypatch, stop=3, error=KeyboardInterrupt)
+    result = invoke(cut)
+    assert result.exit_code == 130 and "3 retrained models saved" in result.output
+    assert len(list(partial_path(cut / "v.truth.parquet").glob("part-*"))) == 3
+    counting_fit(monkeypatch, stop=2)  # a crash: the exception as it is
+    assert isinstance(invoke(cut, "--resume").exception, RuntimeError)
+    calls = counting_fit(monkeypatch)
+    assert invoke(cut, "--resume").exit_code == 0
+    assert len(calls) == TASKS - 5  # no finished model trained again
+    pd.testing.assert_frame_equal(truth(cut), truth(whole))
+    assert not partial_path(cut / "v.truth.parquet").exists()
+
+
+def test_resume_refuses_another_recipe(tmp_path, monkeypatch):
+    make_problem(tmp_path)
+    scores(tmp_path)
+    counting_fit(monkeypatch, stop=2, error=KeyboardInterrupt)
+    assert invoke(tmp_path).exit_code == 130
+    config = tmp_path / "config.yaml"
+    raw = yaml.safe_load(config.read_text())
+    raw["train"]["lr"] = 0.1
+    config.write_text(yaml.safe_dump(raw))
+    line = one_error(invoke(tmp_path, "--resume"))
+    assert "cannot resume" in line and "train.lr" in line
+
+
+def test_truth_reused_not_for_another_recipe(tmp_path, monkeypatch):
+    make_problem(tmp_path)
+    scores(tmp_path)
+    assert invoke(tmp_path).exit_code == 0
+    first = pd.read_parquet(tmp_path / "v.parquet")
+    counting_fit(monkeypatch, stop=0)  # any retrain fails the test
+    (tmp_path / "v.parquet").unlink()
+    assert invoke(tmp_path).exit_code == 0
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "v.parquet"), first)
+    assert "subsets 4" in one_error(invoke(tmp_path, "--subsets", 5))
+    config = tmp_path / "config.yaml"
+    raw = yaml.safe_load(config.read_text())
+    raw["train"]["lr"] = 0.1
+    config.write_text(yaml.safe_dump(raw))
+    line = one_error(invoke(tmp_path))
+    assert "truth file was made with a different train.lr" in line
+
+
+def test_processes_train_the_same_models(tmp_path):
+    make_problem(tmp_path)
+    scores(tmp_path)
+    assert invoke(tmp_path, "--jobs", 2).exit_code == 0
+    spread = truth(tmp_path)
+    (tmp_path / "v.truth.parquet").unlink()
+    assert invoke(tmp_path).exit_code == 0
+    pd.testing.assert_frame_equal(spread, truth(tmp_path))
+
+
+def other_ref(root):
+    table = pq.read_table(root / "s.parquet")
+    meta = {b"gradscope": json.dumps({"influence": {"ref_sha256": "0" * 64}})}
+    pq.write_table(table.replace_schema_metadata(meta), root / "s.parquet")
+
+
+def no_train(root):
+    raw = yaml.safe_load((root / "config.yaml").read_text())
+    del raw["train"]
+    (root / "config.yaml").write_text(yaml.safe_dump(raw))
+
+
+def mse(root):
+    raw = yaml.safe_load((root / "config.yaml").read_text())
+    raw["loss"] = {"name": "mse"}
+    (root / "config.yaml").write_text(yaml.safe_dump(raw))
+
+
+@pytest.mark.parametrize(
+    "change, more, message",
+    [
+        (None, ["--fraction", 0], "--fraction must lie in (0, 1)"),
+        (None, ["--fraction", 1.5], "--fraction must lie in (0, 1)"),
+        (None, ["--subsets", 1], "--subsets must be at least 2"),
+        (None, ["--removal", 0], "--removal must be at least 1"),
+        (no_train, [], "no train: section"),
+        (other_ref, [], "against another REF"),
+        (mse, ["--target", "margin"], "--target margin needs a classification loss"),
+        (None, ["--bad", "nonesuch"], "no column 'nonesuch' for --bad"),
+        (None, ["--column", "cosine"], "no 'cosine' column"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_line_before_training(tmp_path, monkeypatch, change, more, message):
+    make_problem(tmp_path)
+    scores(tmp_path)
+    if change:
+        change(tmp_path)
+    counting_fit(monkeypatch, stop=0)
+    assert message in one_error(invoke(tmp_path, *more))
+    assert not (tmp_path / "v.truth.parquet").exists()
