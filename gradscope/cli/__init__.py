@@ -7,9 +7,10 @@ from .app import app
 from .indexing import index, query
 from .reports import report, summary
 from .scoring import check, factors, influence, norms
+from .training import train
 from .validation import validate
 
-for command in (norms, influence, check, factors, index, query, summary, report, validate):
+for command in (norms, influence, check, factors, index, query, summary, report, train, validate):
     app.command()(command)
 
 __all__ = ["app", "main"]

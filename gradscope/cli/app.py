@@ -23,7 +23,7 @@ if not os.environ.get("GRADSCOPE_DEBUG"):  # torch's C++ log lines (c10d's retri
 
 
 # commands that run a model over data
-LOGGED = ("norms", "influence", "factors", "check", "validate")
+LOGGED = ("norms", "influence", "factors", "check", "train", "validate")
 
 
 class _ErrorBoundary(TyperGroup):
