@@ -62,18 +62,17 @@ def removal(
     of references whose prediction flips (the margin's sign) in each case."""
     means = _means(truth, tasks)
     full = means["full", -1, -1]
-    out = {}
+    changes, flips = {}, {}
     for kind, name in (("removed", "top"), ("random", "random")):
-        changes, flips = [], []
+        changed, flipped = [], []
         for r in removal_refs(file, refs):
             after = means[kind, -1, r]
             at = slice(None) if r < 0 else slice(r, r + 1)
-            changes.append((after[target][at] - full[target][at]).mean())
-            flips.extend(np.sign(after["margin"][at]) != np.sign(full["margin"][at]))
-        out[f"removal_{name}"] = float(np.mean(changes))
-        if np.isfinite(full["margin"]).all():
-            out[f"flips_{name}"] = float(np.mean(flips))
-    return out
+            changed.append((after[target][at] - full[target][at]).mean())
+            flipped.extend(np.sign(after["margin"][at]) != np.sign(full["margin"][at]))
+        changes[f"removal_{name}"] = float(np.mean(changed))
+        flips[f"flips_{name}"] = float(np.mean(flipped))
+    return changes | (flips if np.isfinite(full["margin"]).all() else {})
 
 
 def detection(file: ScoreFile, bad: np.ndarray) -> dict[str, float]:

@@ -19,15 +19,14 @@ from torch import nn
 from .. import distributed, training
 from ..config import Config
 from ..distributed import World
-from ..engine import Forward
 from ..errors import Interrupted
 from ..inputs import run_inputs
-from ..io.data import open_dataset
 from ..io.files import file_sha256
 from ..io.parquet import PartialRun
-from ..job import config_loss, resolve_device
+from ..job import Forward, config_loss, resolve_device
 from ..predictions import predictions
 from ..run import _Parts, fingerprint, resumed_parts
+from ..training.loop import Rows
 from .truth import Model, Task, Truth, read_truth
 
 Progress = Callable[[int], None]
@@ -35,28 +34,24 @@ Progress = Callable[[int], None]
 
 def evaluate(cfg: Config, model: nn.Module, ref: str) -> tuple[np.ndarray, np.ndarray]:
     """(R,) loss and (R,) margin of each REF example under ``model`` (margin NaN where the
-    config's loss has no single label), in REF's order."""
-    first = next(model.parameters())
-    data = open_dataset(dataclasses.replace(cfg.data, ids=None, limit=None), ref)
+    config's loss has no single label), in REF's order; REF's rows read and moved to the
+    model's device as the training rows are."""
+    data = dataclasses.replace(cfg.data, path=ref, ids=None, limit=None)
+    rows = Rows(dataclasses.replace(cfg, data=data), None)
     inputs = cfg.data.inputs
     forward = Forward(keywords=tuple(inputs) if isinstance(inputs, dict) else (),
                       output=cfg.model.output)  # fmt: skip
     loss_fn, observe = config_loss(cfg), predictions(cfg.loss.name, cfg.loss.kwargs)
     losses, margins = [], []
     with torch.no_grad():
-        for batch in data.batches(cfg.data.batch_size):
-            x = tuple(
-                t.to(first.device, first.dtype if t.is_floating_point() else None)
-                for t in batch.inputs
-            )
-            y = batch.targets.to(first.device)
+        for picked in torch.arange(len(rows)).split(cfg.data.batch_size):
+            x, y = rows.batch(picked)
             outputs = forward(model, x)
             losses.append(loss_fn(outputs, y).double().cpu())  # (B,)
             seen = observe(outputs, y) if observe else {}
-            margins.append(
-                seen["margin"].cpu() if "margin" in seen else torch.full((len(y),), np.nan)
-            )
-    return torch.cat(losses).numpy(), torch.cat(margins).double().numpy()
+            nan = torch.full((len(picked),), np.nan, dtype=torch.float64)
+            margins.append(seen["margin"].double().cpu() if "margin" in seen else nan)  # (B,)
+    return torch.cat(losses).numpy(), torch.cat(margins).numpy()
 
 
 def train_one(cfg: Config, ref: str, task: Task) -> Model:

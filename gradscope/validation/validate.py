@@ -23,6 +23,7 @@ from ..io.data import data_sha256, open_dataset
 from ..io.lock import OutputLock
 from ..io.parquet import METADATA_KEY, replace_atomically
 from ..predictions import predictions
+from ..training import recipe
 from .plan import FRACTION, SEEDS, SUBSETS, Design, removal_tasks, subset_tasks
 from .results import Datamodel, detection, removal
 from .retrain import train_missing
@@ -59,9 +60,11 @@ def check_options(cfg: Config, options: Options) -> None:
         raise ConfigError(f"--fraction must lie in (0, 1), got {o.fraction:g}", "--fraction")
     if o.target not in ("loss", "margin"):
         raise ConfigError(f"--target must be loss or margin, got {o.target!r}", "--target")
-    if getattr(cfg, "train", None) is None:
+    if recipe(cfg).seed < 0:  # (a config with no recipe is refused there)
         raise ConfigError(
-            "the config has no train: section; validate retrains the model with it", cfg.source
+            f"validate draws its subsets from train.seed, which must be at least 0; got "
+            f"{cfg.train.seed}",
+            "train.seed",
         )
     if o.target == "margin" and predictions(cfg.loss.name, cfg.loss.kwargs) is None:
         raise ConfigError(

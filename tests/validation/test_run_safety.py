@@ -21,17 +21,18 @@ from gradscope.cli import app
 from gradscope.io.parquet import partial_path
 
 TASKS = 8  # --subsets 4 --seeds 2
+FIT = training.fit
 
 
 def counting_fit(monkeypatch, stop: int | None = None, error: type = RuntimeError) -> list:
     """``fit`` as it is, counting its calls; raising ``error`` at call number ``stop``."""
-    calls, real = [], training.fit
+    calls = []
 
     def fit(cfg, rows=None, *, seed=None):
         if len(calls) == stop:
             raise error("stopped by the test")
         calls.append(seed)
-        return real(cfg, rows, seed=seed)
+        return FIT(cfg, rows, seed=seed)
 
     monkeypatch.setattr(training, "fit", fit)
     return calls
@@ -107,6 +108,7 @@ def test_truth_reused_not_for_another_recipe(tmp_path, monkeypatch):
     assert "truth file was made with a different train.lr" in line
 
 
+@pytest.mark.slow  # two spawned processes each import torch
 def test_processes_train_the_same_models(tmp_path):
     make_problem(tmp_path)
     scores(tmp_path)
@@ -142,7 +144,7 @@ def mse(root):
         (None, ["--fraction", 1.5], "--fraction must lie in (0, 1)"),
         (None, ["--subsets", 1], "--subsets must be at least 2"),
         (None, ["--removal", 0], "--removal must be at least 1"),
-        (no_train, [], "no train: section"),
+        (no_train, [], "no 'train' section"),
         (other_ref, [], "against another REF"),
         (mse, ["--target", "margin"], "--target margin needs a classification loss"),
         (None, ["--bad", "nonesuch"], "no column 'nonesuch' for --bad"),
