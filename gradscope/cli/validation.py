@@ -10,7 +10,6 @@ import typer
 
 from .. import terminal
 from ..config import load_config, output_path
-from ..errors import ConfigError
 from .options import ConfigArg, ResumeOpt
 
 if TYPE_CHECKING:
@@ -117,9 +116,6 @@ def validate(
 
     cfg = load_config(config)
     files = [*scores, *(more or [])]
-    for path in files:
-        if not path.is_file():
-            raise ConfigError("scores file not found", str(path))
     options = Options(subsets, fraction, seeds, target, removal, removal_refs, bad,
                       tuple(column or ()), jobs, resume)  # fmt: skip
     where = Path.cwd()
@@ -129,18 +125,25 @@ def validate(
         table = run(cfg, ref, files, options=options, out=out_path, truth=truth_path,
                     on_start=on_start, on_model=on_model)  # fmt: skip
     if table is not None:
-        terminal.console.print(render(table))
+        from ..io.parquet import read_metadata
+
+        terminal.console.print(render(table, read_metadata(out_path)["design"]))
         terminal.wrote(out_path)
 
 
-def render(table: pd.DataFrame):
+def render(table: pd.DataFrame, design: dict):
     """The table as the terminal shows it: one row per (file, column), file names short."""
     from ..outliers import fmt
     from ..tables import FittedTable
 
     cells = {name: [_cell(name, v, fmt) for v in table[name]] for name in table.columns}
     cells["file"] = [Path(f).name for f in table["file"]]
-    return FittedTable(cells, title="validation", keep=2)
+    caption = (
+        f"lds: Spearman over {design['subsets']} subsets of {design['size']} rows, "
+        f"{design['seeds']} seed(s) each, averaged over references; lds_low, lds_high: "
+        "95% bootstrap interval of the mean"
+    )
+    return FittedTable(cells, title="validation", caption=caption, keep=2)
 
 
 def _cell(name: str, value: object, fmt) -> str:

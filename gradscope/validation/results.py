@@ -75,6 +75,17 @@ def removal(
     return changes | (flips if np.isfinite(full["margin"]).all() else {})
 
 
-def detection(file: ScoreFile, bad: np.ndarray) -> dict[str, float]:
-    """The AUROC of each column that ranks examples, its suspicious end high."""
-    return {c: auroc(file.suspicion(c), bad) for c in file.columns if c in RANKED}
+def detection(files: list[ScoreFile], bad: np.ndarray) -> list[dict[str, float]]:
+    """Per file, the AUROC of each column that ranks examples (its suspicious end high); a
+    column another file before it holds with the same values to float rounding (the loss that
+    norms and influence both write) is measured there only."""
+    seen: dict[str, list[np.ndarray]] = defaultdict(list)
+    found = []
+    for file in files:
+        found.append({})
+        for column in (c for c in file.columns if c in RANKED):
+            values = file.suspicion(column)
+            if not any(np.allclose(values, v, rtol=1e-6, atol=0) for v in seen[column]):
+                seen[column].append(values)
+                found[-1][column] = auroc(values, bad)
+    return found

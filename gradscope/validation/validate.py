@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from .. import __version__, distributed
 from ..config import Config
-from ..errors import ConfigError
+from ..errors import ConfigError, DataError
 from ..inputs import check_output, run_inputs
 from ..io.data import data_sha256, open_dataset
 from ..io.lock import OutputLock
@@ -28,7 +28,7 @@ from .plan import FRACTION, SEEDS, SUBSETS, Design, removal_tasks, subset_tasks
 from .results import Datamodel, detection, removal
 from .retrain import train_missing
 from .scores import RANKED, ScoreFile, read_scores
-from .truth import Truth, identity, read_truth
+from .truth import Task, Truth, identity, read_truth
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,9 @@ def _files(
     cfg: Config, ref: str, paths: list[Path], options: Options, rows: int, refs: int
 ) -> tuple[list[ScoreFile], list[str]]:
     """The score files, each read and checked, and the columns whose LDS is measured."""
+    for path in paths:
+        if not Path(path).is_file():
+            raise DataError("scores file not found", str(path))
     wanted = list(options.columns) or ["influence"]
     reading = wanted + (list(RANKED) if options.bad else [])
     ref_sha, data_sha = data_sha256(ref), data_sha256(cfg.data.path)
@@ -189,13 +192,21 @@ def _check_outputs(cfg: Config, ref: str, scores: list[Path], out: Path, truth: 
         check_output(path, [*inputs, ("--truth", str(truth))])
 
 
-def _table(files, wanted, datamodel, truth, removals, bad, options) -> pd.DataFrame:
+def _table(
+    files: list[ScoreFile],
+    wanted: list[str],
+    datamodel: Datamodel,
+    truth: Truth,
+    removals: dict[tuple[Path, str], list[Task]],
+    bad: np.ndarray | None,
+    options: Options,
+) -> pd.DataFrame:
     """One row per (file, column): LDS (and removal) for the validated columns, AUROC for each
     column that ranks examples; ``seconds`` only where a file's metadata records it."""
     records = []
     timed = any(f.seconds is not None for f in files)
-    for file in files:
-        found = detection(file, bad) if bad is not None else {}
+    detected = detection(files, bad) if bad is not None else [{} for _ in files]
+    for file, found in zip(files, detected, strict=True):
         validated = [c for c in wanted if c in file.columns]
         for column in dict.fromkeys([*validated, *found]):
             row = {"file": str(file.path), "column": column}

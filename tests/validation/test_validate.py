@@ -108,3 +108,45 @@ def test_removal_matches_a_retrain_by_hand(tmp_path):
     assert row["removal_random"] == pytest.approx(np.mean(changes["random"]), abs=1e-9)
     assert row["flips_top"] == np.mean(flips["top"])
     assert row["flips_random"] == np.mean(flips["random"])
+
+
+def pairs_auroc(scores: np.ndarray, bad: np.ndarray) -> float:
+    """Over every (bad, good) pair: 1 when the bad row scores higher, 1/2 on a tie."""
+    return np.mean([(b > g) + 0.5 * (b == g) for b in scores[bad] for g in scores[~bad]])
+
+
+def test_detection_auroc_and_seconds(tmp_path):
+    import torch
+
+    config = make_problem(tmp_path)
+    influence = score_file(tmp_path / "a.parquet", True)  # (R, N)
+    loss = np.round(np.random.default_rng(5).random(ROWS), 1)  # ties
+    table = pq.read_table(tmp_path / "a.parquet")
+    pq.write_table(
+        table.append_column("loss", pa.array(np.repeat(loss, REFS))), tmp_path / "a.parquet"
+    )
+    norms = pa.table({"example_id": np.arange(ROWS), "loss": loss, "self_influence": -loss})
+    meta = {b"gradscope": json.dumps({"command": "norms", "seconds": 1.5})}
+    pq.write_table(norms.replace_schema_metadata(meta), tmp_path / "b.parquet")
+    table = validate(
+        load_config(config), str(tmp_path / "ref.pt"), [tmp_path / "a.parquet", tmp_path / "b.parquet"],
+        options=Options(subsets=2, bad="flipped"), out=tmp_path / "v.parquet",
+    )  # fmt: skip
+    bad = torch.load(tmp_path / "data.pt")["flipped"].numpy()
+    rows = {(r.file.split("/")[-1], r.column): r for r in table.itertuples()}
+    assert set(rows) == {
+        ("a.parquet", "influence"),
+        ("a.parquet", "loss"),
+        ("b.parquet", "self_influence"),
+    }
+    # influence: harmful (negative) first, averaged over the references
+    assert rows["a.parquet", "influence"].auroc == pytest.approx(
+        pairs_auroc(-influence.mean(0), bad)
+    )
+    assert rows["a.parquet", "loss"].auroc == pytest.approx(pairs_auroc(loss, bad))
+    assert rows["b.parquet", "self_influence"].auroc == pytest.approx(pairs_auroc(-loss, bad))
+    assert (
+        np.isnan(rows["a.parquet", "loss"].lds)
+        and rows["b.parquet", "self_influence"].seconds == 1.5
+    )
+    assert np.isnan(rows["a.parquet", "influence"].seconds)
