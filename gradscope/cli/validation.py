@@ -14,124 +14,128 @@ from .options import ConfigArg, ResumeOpt
 
 if TYPE_CHECKING:
     import pandas as pd
+    from rich.console import RenderableType
+
+RefOpt = Annotated[
+    str,
+    typer.Option(
+        "--ref", metavar="REF", help="Reference data the score files were computed against."
+    ),
+]
+ScoresOpt = Annotated[
+    list[Path],
+    typer.Option(
+        "--scores",
+        metavar="S.parquet [S2.parquet ...]",
+        help="Score files to validate: influence (--per-ref or not) or norms files.",
+    ),
+]
+MoreArg = Annotated[
+    list[Path] | None,
+    typer.Argument(
+        metavar="[S2.parquet ...]", help="More score files, after --scores.", show_default=False
+    ),
+]
+SubsetsOpt = Annotated[
+    int | None,
+    typer.Option("--subsets", metavar="M", help="Random subsets retrained (default 100)."),
+]
+FractionOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--fraction", metavar="A", help="Share of the rows in each subset, in (0, 1) (default 0.5)."
+    ),
+]
+SeedsOpt = Annotated[
+    int | None,
+    typer.Option("--seeds", metavar="S", help="Seeds each subset is trained under (default 1)."),
+]
+TargetOpt = Annotated[
+    str,
+    typer.Option("--target", metavar="loss|margin", help="What the scores predict per reference."),
+]
+RemovalOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--removal",
+        metavar="K",
+        help="Removal test: retrain without each "
+        "reference's top K rows, and without K random rows.",
+    ),
+]
+RemovalRefsOpt = Annotated[
+    int, typer.Option("--removal-refs", metavar="N", help="References the removal test runs on.")
+]
+BadOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--bad",
+        metavar="COLUMN",
+        help="Data column marking known-bad rows: "
+        "detection AUROC of every column that ranks examples.",
+    ),
+]
+ColumnOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--column", metavar="NAME", help="Score column to validate (repeatable; default influence)."
+    ),
+]
+TruthOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--truth",
+        metavar="TRUTH.parquet",
+        help="Ground-truth file: reused when it exists, else written (default: OUT.truth.parquet).",
+    ),
+]
+JobsOpt = Annotated[
+    int, typer.Option("--jobs", metavar="N", help="Processes that retrain side by side.")
+]
+OutOpt = Annotated[
+    str, typer.Option("--out", metavar="PATH", help="Table to write, Parquet (and .json beside).")
+]
 
 
 def validate(
     config: ConfigArg,
-    ref: Annotated[
-        str,
-        typer.Option(
-            "--ref", metavar="REF", help="Reference data the score files were computed against."
-        ),
-    ],
-    scores: Annotated[
-        list[Path],
-        typer.Option(
-            "--scores",
-            metavar="S.parquet [S2.parquet ...]",
-            help="Score files to validate: influence (--per-ref or not) or norms files.",
-        ),
-    ],
-    more: Annotated[
-        list[Path] | None,
-        typer.Argument(
-            metavar="[S2.parquet ...]", help="More score files, after --scores.", show_default=False
-        ),
-    ] = None,  # fmt: skip
-    subsets: Annotated[
-        int | None,
-        typer.Option("--subsets", metavar="M", help="Random subsets retrained (default 100)."),
-    ] = None,
-    fraction: Annotated[
-        float | None,
-        typer.Option(
-            "--fraction",
-            metavar="A",
-            help="Share of the rows in each subset, in (0, 1) (default 0.5).",
-        ),
-    ] = None,  # fmt: skip
-    seeds: Annotated[
-        int | None,
-        typer.Option(
-            "--seeds", metavar="S", help="Seeds each subset is trained under (default 1)."
-        ),
-    ] = None,
-    target: Annotated[
-        str,
-        typer.Option(
-            "--target", metavar="loss|margin", help="What the scores predict per reference."
-        ),
-    ] = "loss",
-    removal: Annotated[
-        int | None,
-        typer.Option(
-            "--removal",
-            metavar="K",
-            help="Removal test: retrain without each "
-            "reference's top K rows, and without K random rows.",
-        ),
-    ] = None,  # fmt: skip
-    removal_refs: Annotated[
-        int,
-        typer.Option("--removal-refs", metavar="N", help="References the removal test runs on."),
-    ] = 10,
-    bad: Annotated[
-        str | None,
-        typer.Option(
-            "--bad",
-            metavar="COLUMN",
-            help="Data column marking known-bad rows: "
-            "detection AUROC of every column that ranks examples.",
-        ),
-    ] = None,  # fmt: skip
-    column: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--column",
-            metavar="NAME",
-            help="Score column to validate (repeatable; default influence).",
-        ),
-    ] = None,  # fmt: skip
-    truth: Annotated[
-        str | None,
-        typer.Option(
-            "--truth",
-            metavar="TRUTH.parquet",
-            help="Ground-truth file: reused when "
-            "it exists, else written (default: OUT.truth.parquet).",
-        ),
-    ] = None,  # fmt: skip
-    jobs: Annotated[
-        int, typer.Option("--jobs", metavar="N", help="Processes that retrain side by side.")
-    ] = 1,
+    ref: RefOpt,
+    scores: ScoresOpt,
+    more: MoreArg = None,
+    subsets: SubsetsOpt = None,
+    fraction: FractionOpt = None,
+    seeds: SeedsOpt = None,
+    target: TargetOpt = "loss",
+    removal: RemovalOpt = None,
+    removal_refs: RemovalRefsOpt = 10,
+    bad: BadOpt = None,
+    column: ColumnOpt = None,
+    truth: TruthOpt = None,
+    jobs: JobsOpt = 1,
     resume: ResumeOpt = False,
-    out: Annotated[
-        str,
-        typer.Option("--out", metavar="PATH", help="Table to write, Parquet (and .json beside)."),
-    ] = "validation.parquet",
+    out: OutOpt = "validation.parquet",
 ) -> None:
     """Measure score files against retraining: LDS, the removal test, detection AUROC."""
+    from ..io.parquet import read_metadata
     from ..validation import Options
     from ..validation import validate as run
 
     cfg = load_config(config)
-    files = [*scores, *(more or [])]
-    options = Options(subsets, fraction, seeds, target, removal, removal_refs, bad,
-                      tuple(column or ()), jobs, resume)  # fmt: skip
-    where = Path.cwd()
-    out_path = Path(output_path(out, where, "--out"))
-    truth_path = Path(output_path(truth, where, "--truth")) if truth else None
+    options = Options(
+        subsets=subsets, fraction=fraction, seeds=seeds, target=target, removal=removal,
+        removal_refs=removal_refs, bad=bad, columns=tuple(column or ()), jobs=jobs, resume=resume,
+    )  # fmt: skip
+    out_path = Path(output_path(out, Path.cwd(), "--out"))
+    truth_path = Path(output_path(truth, Path.cwd(), "--truth")) if truth else None
     with terminal.progress("validate") as (on_start, on_model):
-        table = run(cfg, ref, files, options=options, out=out_path, truth=truth_path,
-                    on_start=on_start, on_model=on_model)  # fmt: skip
+        table = run(cfg, ref, [*scores, *(more or [])], options=options, out=out_path,
+                    truth=truth_path, on_start=on_start, on_model=on_model)  # fmt: skip
     if table is not None:
-        from ..io.parquet import read_metadata
-
         terminal.console.print(render(table, read_metadata(out_path)["design"]))
         terminal.wrote(out_path)
 
 
-def render(table: pd.DataFrame, design: dict):
+def render(table: pd.DataFrame, design: dict) -> RenderableType:
     """The table as the terminal shows it: one row per (file, column), file names short."""
     from ..outliers import fmt
     from ..tables import FittedTable

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .scores import ScoreFile
-from .truth import Task, Truth, random_removal, subsets
+from .truth import RULE, Task, Truth, random_removal, subsets
 
 SUBSETS, FRACTION, SEEDS = 100, 0.5, 1  # the field's defaults (dattri's LDS): see the guide
 
@@ -24,8 +24,6 @@ class Design:
     seeds: int
 
     def describe(self, rows: int) -> dict:
-        from .truth import RULE
-
         size = round(self.fraction * rows)
         return {"subsets": self.count, "fraction": self.fraction, "size": size,
                 "seeds": self.seeds, "rule": RULE}  # fmt: skip

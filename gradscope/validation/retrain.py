@@ -90,6 +90,30 @@ def digest(tasks: list[Task]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _train(
+    parts: _Parts,
+    cfg: Config,
+    ref: str,
+    todo: list[tuple[int, Task]],
+    jobs: int,
+    on_model: Progress | None,
+) -> None:
+    """Train ``todo``, each model a part the moment it is trained; Ctrl-C keeps them."""
+    saved = len(parts.done or ())
+    try:
+        for number, model in _trained(cfg, ref, todo, jobs):
+            parts.write(number, model.columns())
+            saved += 1
+            if on_model:
+                on_model(1)
+    except KeyboardInterrupt:
+        raise Interrupted(
+            f"interrupted with {saved} retrained models saved; run the same command with "
+            "--resume to continue",
+            str(parts.run.dir),
+        ) from None
+
+
 def train_missing(
     cfg: Config,
     ref: str,
@@ -124,19 +148,8 @@ def train_missing(
     todo = [(earlier + n, t) for n, t in enumerate(missing) if parts.wanted(earlier + n)]
     if on_start:
         on_start(len(todo))
-    saved = 0
-    try:
-        for number, model in _trained(cfg, ref, todo, jobs):
-            parts.write(number, model.columns())
-            saved += 1
-            if on_model:
-                on_model(1)
-    except KeyboardInterrupt:
-        raise Interrupted(
-            f"interrupted with {saved} retrained models saved; run the same command with "
-            "--resume to continue",
-            str(run.dir),
-        ) from None
+    here = dataclasses.replace(cfg, device=world.device(cfg.device))  # a rank's own GPU
+    _train(parts, here, ref, todo, jobs, on_model)
     parts.begin()  # a rank with nothing left to train still meets the others
     distributed.barrier()
     if not world.main:

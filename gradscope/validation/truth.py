@@ -51,7 +51,7 @@ SCHEMA = pa.schema(
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Task:
     """One model to train: ``fit(cfg, rows, seed=seed)``."""
 
@@ -67,7 +67,7 @@ class Task:
         return self.seed, hashlib.sha256(self.rows.astype(np.int64).tobytes()).hexdigest()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Model:
     """A trained model's outputs on REF."""
 
@@ -106,22 +106,25 @@ def random_removal(seed: int, rows: int, k: int, ref: int) -> np.ndarray:
 
 def identity(cfg: Config, ref: str, rows: int) -> dict[str, Any]:
     """What every retrained model depends on, portable between machines: the recipe, the model
-    factory and its kwargs, the loss, the dtype, the data's columns and sha256, REF's sha256;
-    each file the config names by its sha256 (never its path). ``model.checkpoint`` is not in it:
-    a retrain starts afresh."""
+    factory and its kwargs, the loss, the dtype, the data's columns, padding and sha256, REF's
+    sha256; each file the config names by its sha256 (never its path). ``model.checkpoint`` is
+    not in it: a retrain starts afresh."""
     model = dataclasses.asdict(cfg.model)
     for key in ("checkpoint", "checkpoints"):
         model.pop(key)
     data = {
-        "sha256": data_sha256(cfg.data.path),
+        "sha256": data_sha256(cfg.data.path) or cfg.data.path,  # file.py:fn: its file's
         "rows": rows,
         "inputs": cfg.data.inputs,
         "targets": cfg.data.targets,
+        "pad": cfg.data.pad,
     }
     if cfg.train.batch_size is None:  # the recipe's batches are data.batch_size's
         data["batch_size"] = cfg.data.batch_size
+    train = dataclasses.asdict(cfg.train)
+    train.pop("save_every")  # epoch checkpoints of gradscope train: not the model's weights
     found = {
-        "train": dataclasses.asdict(cfg.train),
+        "train": train,
         "model": model,
         "loss": dataclasses.asdict(cfg.loss),
         "dtype": cfg.dtype,

@@ -146,9 +146,7 @@ def validate(
     Under torchrun the ranks share the retraining; rank 0 returns the table, the others None.
     """
     check_options(cfg, options)
-    data = open_dataset(cfg.data)
-    rows = len(data) if cfg.data.limit is None else min(len(data), cfg.data.limit)
-    refs = len(open_dataset(dataclasses.replace(cfg.data, ids=None, limit=None), ref))
+    rows, refs = _sizes(cfg, ref)
     bad = _bad(cfg, options.bad, rows) if options.bad else None
     files, wanted = _files(cfg, ref, scores, options, rows, refs)
     out = Path(out)
@@ -159,13 +157,7 @@ def validate(
     design = _design(options, held, truth)
     held = held or Truth(made, design.describe(rows), [])
     lds = subset_tasks(design, cfg.train.seed, rows, held)
-    removals = {
-        (file.path, column): removal_tasks(file, column, options.removal, options.removal_refs,
-                                           cfg.train.seed, design.seeds, rows)
-        for file in (files if options.removal else ())
-        for column in wanted
-        if column in file.columns
-    }  # fmt: skip
+    removals = _removals(files, wanted, options, cfg.train.seed, design.seeds, rows)
     tasks = lds + [t for more in removals.values() for t in more]
     with (
         distributed.session(cfg.distributed.join_timeout) as world,
@@ -182,6 +174,27 @@ def validate(
         table = _table(files, wanted, datamodel, held, removals, bad, options)
         _write(table, out, truth, design.describe(rows), options)
     return table
+
+
+def _sizes(cfg: Config, ref: str) -> tuple[int, int]:
+    """N, the training rows (``data.path`` up to ``data.limit``), and R, REF's rows."""
+    data = open_dataset(cfg.data)
+    rows = len(data) if cfg.data.limit is None else min(len(data), cfg.data.limit)
+    return rows, len(open_dataset(dataclasses.replace(cfg.data, ids=None, limit=None), ref))
+
+
+def _removals(
+    files: list[ScoreFile], wanted: list[str], options: Options, seed: int, seeds: int, rows: int
+) -> dict[tuple[Path, str], list[Task]]:
+    """The removal test's models for each (file, validated column), when it is asked for."""
+    return {
+        (file.path, column): removal_tasks(
+            file, column, options.removal, options.removal_refs, seed, seeds, rows
+        )
+        for file in (files if options.removal else ())
+        for column in wanted
+        if column in file.columns
+    }
 
 
 def _check_outputs(cfg: Config, ref: str, scores: list[Path], out: Path, truth: Path) -> None:
