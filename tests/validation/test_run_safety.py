@@ -5,6 +5,9 @@ bad input is one ``error:`` line before anything trains."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pandas as pd
@@ -117,6 +120,26 @@ def test_processes_train_the_same_models(tmp_path):
     (tmp_path / "v.truth.parquet").unlink()
     assert invoke(tmp_path).exit_code == 0
     pd.testing.assert_frame_equal(spread, truth(tmp_path))
+
+
+@pytest.mark.slow  # two torchrun ranks each import torch
+def test_torchrun_ranks_share_the_models(tmp_path):
+    make_problem(tmp_path)
+    scores(tmp_path)
+    args = ["validate", str(tmp_path / "config.yaml"), "--ref", str(tmp_path / "ref.pt"),
+            "--scores", str(tmp_path / "s.parquet"), "--subsets", "4", "--seeds", "2",
+            "--out", str(tmp_path / "v.parquet")]  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+         "-m", "gradscope", *args],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("wrote ") == 1  # only rank 0 reports
+    ranks = truth(tmp_path)
+    (tmp_path / "v.truth.parquet").unlink()
+    assert invoke(tmp_path).exit_code == 0
+    pd.testing.assert_frame_equal(ranks, truth(tmp_path))
 
 
 def other_ref(root):
