@@ -3,7 +3,7 @@
 
 import sys
 
-from .app import app
+from .app import Logged, app
 from .indexing import index, query
 from .reports import report, summary
 from .scoring import check, factors, influence, norms
@@ -11,7 +11,7 @@ from .training import train
 from .validation import validate
 
 for command in (norms, influence, check, factors, index, query, summary, report, train, validate):
-    app.command()(command)
+    app.command(cls=Logged)(command)
 
 __all__ = ["app", "main"]
 
