@@ -10,7 +10,7 @@ import typer
 
 from .. import terminal
 from ..config import load_config, output_path
-from .options import ConfigArg, ResumeOpt
+from .options import ConfigArg
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -26,14 +26,14 @@ ScoresOpt = Annotated[
     list[Path],
     typer.Option(
         "--scores",
-        metavar="S.parquet [S2.parquet ...]",
+        metavar="S.parquet",
         help="Score files to validate: influence (--per-ref or not) or norms files.",
     ),
 ]
 MoreArg = Annotated[
     list[Path] | None,
     typer.Argument(
-        metavar="[S2.parquet ...]", help="More score files, after --scores.", show_default=False
+        metavar="S2.parquet ...", help="More score files, after --scores.", show_default=False
     ),
 ]
 SubsetsOpt = Annotated[
@@ -92,6 +92,11 @@ TruthOpt = Annotated[
 JobsOpt = Annotated[
     int, typer.Option("--jobs", metavar="N", help="Processes that retrain side by side.")
 ]
+ResumeOpt = Annotated[
+    bool,
+    typer.Option("--resume", help="Continue an interrupted run with the same config, data and "
+                 "models to train, keeping the models it trained."),
+]  # fmt: skip
 OutOpt = Annotated[
     str, typer.Option("--out", metavar="PATH", help="Table to write, Parquet (and .json beside).")
 ]
