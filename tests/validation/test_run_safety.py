@@ -111,6 +111,26 @@ def test_truth_reused_not_for_another_recipe(tmp_path, monkeypatch):
     assert "truth file was made with a different train.lr" in line
 
 
+def test_truth_extended_by_the_models_a_run_adds(tmp_path, monkeypatch):
+    """A truth without removal models, then --removal: only those are trained, added to the
+    truth beside its subsets, and the table is the one a run from scratch gives."""
+    make_problem(tmp_path)
+    scores(tmp_path)
+    assert invoke(tmp_path, "--removal", 2, "--out", tmp_path / "scratch.parquet").exit_code == 0
+    assert invoke(tmp_path).exit_code == 0
+    calls = counting_fit(monkeypatch)
+    assert invoke(tmp_path, "--removal", 2).exit_code == 0
+    assert len(calls) == 2 * (1 + 2)  # seeds x (the full data, top-2 and random-2 removed)
+    extended = truth(tmp_path)
+    assert list(extended["kind"]) == ["subset"] * TASKS + ["full"] * 2 + ["removed", "random"] * 2
+    pd.testing.assert_frame_equal(
+        extended, pd.read_parquet(tmp_path / "scratch.truth.parquet").drop(columns="seconds")
+    )
+    pd.testing.assert_frame_equal(
+        pd.read_parquet(tmp_path / "v.parquet"), pd.read_parquet(tmp_path / "scratch.parquet")
+    )
+
+
 @pytest.mark.slow  # two spawned processes each import torch
 def test_processes_train_the_same_models(tmp_path):
     make_problem(tmp_path)
