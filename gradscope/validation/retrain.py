@@ -8,7 +8,7 @@ import dataclasses
 import hashlib
 import multiprocessing
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
@@ -30,6 +30,7 @@ from ..training.loop import Rows
 from .truth import Model, Task, Truth, read_truth
 
 Progress = Callable[[int], None]
+Keep = Callable[[int, Model], None]
 
 
 def evaluate(cfg: Config, model: nn.Module, ref: str) -> tuple[np.ndarray, np.ndarray]:
@@ -66,22 +67,27 @@ def _one_thread() -> None:
     torch.set_num_threads(1)  # N processes on N cores, not N x N threads
 
 
-def _trained(
-    cfg: Config, ref: str, todo: list[tuple[int, Task]], jobs: int
-) -> Iterator[tuple[int, Model]]:
-    """(part number, model) as each finishes: here, or in ``jobs`` spawned processes."""
-    if jobs == 1:
-        for number, task in todo:
-            yield number, train_one(cfg, ref, task)
-        return
+def _in_processes(
+    cfg: Config, ref: str, todo: list[tuple[int, Task]], jobs: int, keep: Keep
+) -> None:
+    """``keep(part number, model)`` as each finishes in ``jobs`` spawned processes. On an error
+    or Ctrl-C nothing new starts, what runs finishes, and every model finished by then is kept
+    before the error goes on."""
     context = multiprocessing.get_context("spawn")  # no fork of a process holding threads
     pool = ProcessPoolExecutor(jobs, mp_context=context, initializer=_one_thread)
+    futures = {pool.submit(train_one, cfg, ref, task): n for n, task in todo}
+    kept = set()
     try:
-        futures = {pool.submit(train_one, cfg, ref, task): n for n, task in todo}
         for future in as_completed(futures):
-            yield futures[future], future.result()
-    finally:  # an error or Ctrl-C: what runs now finishes, nothing new starts
+            kept.add(future)
+            keep(futures[future], future.result())
+    except BaseException:
         pool.shutdown(wait=True, cancel_futures=True)
+        for future, number in futures.items():
+            if future not in kept and not future.cancelled() and future.exception() is None:
+                keep(number, future.result())
+        raise
+    pool.shutdown()
 
 
 def digest(tasks: list[Task]) -> str:
@@ -98,14 +104,23 @@ def _train(
     jobs: int,
     on_model: Progress | None,
 ) -> None:
-    """Train ``todo``, each model a part the moment it is trained; Ctrl-C keeps them."""
+    """Train ``todo`` here or in ``jobs`` processes, each model a part the moment it is
+    trained; Ctrl-C keeps them."""
     saved = len(parts.done or ())
+
+    def keep(number: int, model: Model) -> None:
+        nonlocal saved
+        parts.write(number, model.columns())
+        saved += 1
+        if on_model:
+            on_model(1)
+
     try:
-        for number, model in _trained(cfg, ref, todo, jobs):
-            parts.write(number, model.columns())
-            saved += 1
-            if on_model:
-                on_model(1)
+        if jobs == 1:
+            for number, task in todo:
+                keep(number, train_one(cfg, ref, task))
+        else:
+            _in_processes(cfg, ref, todo, jobs, keep)
     except KeyboardInterrupt:
         raise Interrupted(
             f"interrupted with {saved} retrained models saved; run the same command with "

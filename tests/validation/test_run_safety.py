@@ -21,7 +21,10 @@ from typer.testing import CliRunner
 
 from gradscope import training
 from gradscope.cli import app
+from gradscope.config import load_config
+from gradscope.errors import Interrupted
 from gradscope.io.parquet import partial_path
+from gradscope.validation import Options, validate
 
 TASKS = 8  # --subsets 4 --seeds 2
 FIT = training.fit
@@ -140,6 +143,32 @@ def test_processes_train_the_same_models(tmp_path):
     (tmp_path / "v.truth.parquet").unlink()
     assert invoke(tmp_path).exit_code == 0
     pd.testing.assert_frame_equal(spread, truth(tmp_path))
+
+
+@pytest.mark.slow  # two spawned processes each import torch
+def test_interrupted_processes_keep_every_finished_model(tmp_path, monkeypatch):
+    """Ctrl-C as the first model is kept: the model the other process is training finishes
+    and is kept too; a resume trains only the rest."""
+    make_problem(tmp_path)
+    scores(tmp_path)
+    assert invoke(tmp_path).exit_code == 0
+    whole = truth(tmp_path)
+    (tmp_path / "v.truth.parquet").unlink()
+
+    def interrupt(_):
+        raise KeyboardInterrupt
+
+    cfg = load_config(tmp_path / "config.yaml")
+    options = Options(subsets=4, seeds=2, jobs=2)
+    with pytest.raises(Interrupted):
+        validate(cfg, str(tmp_path / "ref.pt"), [tmp_path / "s.parquet"], options=options,
+                 out=tmp_path / "v.parquet", on_model=interrupt)  # fmt: skip
+    saved = len(list(partial_path(tmp_path / "v.truth.parquet").glob("part-*")))
+    assert saved >= 2
+    calls = counting_fit(monkeypatch)
+    assert invoke(tmp_path, "--resume").exit_code == 0
+    assert len(calls) == TASKS - saved
+    pd.testing.assert_frame_equal(truth(tmp_path), whole)
 
 
 @pytest.mark.slow  # two torchrun ranks each import torch
