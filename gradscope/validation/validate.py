@@ -74,9 +74,9 @@ def check_options(cfg: Config, options: Options) -> None:
         )
 
 
-def _design(options: Options, truth: Truth | None, path: Path) -> Design:
+def _design(options: Options, truth: Truth | None, path: Path, rows: int) -> Design:
     """The options' design, or the reused truth's where an option is left unset; an option that
-    contradicts the truth is refused."""
+    contradicts the truth, or subsets and removals that keep no row or every row, are refused."""
     asked = {"subsets": options.subsets, "fraction": options.fraction, "seeds": options.seeds}
     held = truth.design if truth and truth.models else {}
     for key, value in asked.items():
@@ -88,6 +88,17 @@ def _design(options: Options, truth: Truth | None, path: Path) -> Design:
             )
     defaults = {"subsets": SUBSETS, "fraction": FRACTION, "seeds": SEEDS}
     pick = {k: v if v is not None else held.get(k, defaults[k]) for k, v in asked.items()}
+    size = round(pick["fraction"] * rows)
+    if not 0 < size < rows:
+        raise ConfigError(
+            f"--fraction {pick['fraction']:g} of the {rows} training rows keeps {size}; a subset "
+            "must keep a row and leave one out",
+            "--fraction",
+        )
+    if options.removal is not None and options.removal >= rows:
+        raise ConfigError(
+            f"--removal {options.removal} leaves none of the {rows} training rows", "--removal"
+        )
     return Design(pick["subsets"], pick["fraction"], pick["seeds"])
 
 
@@ -154,7 +165,7 @@ def validate(
     _check_outputs(cfg, ref, scores, out, truth)
     made = identity(cfg, ref, rows)
     held = read_truth(truth, made) if truth.is_file() else None
-    design = _design(options, held, truth)
+    design = _design(options, held, truth, rows)
     held = held or Truth(made, design.describe(rows), [])
     lds = subset_tasks(design, cfg.train.seed, rows, held)
     removals = _removals(files, wanted, options, cfg.train.seed, design.seeds, rows)

@@ -216,6 +216,8 @@ def mse(root):
         (None, ["--fraction", 1.5], "--fraction must lie in (0, 1)"),
         (None, ["--subsets", 1], "--subsets must be at least 2"),
         (None, ["--removal", 0], "--removal must be at least 1"),
+        (None, ["--removal", ROWS], "--removal 40 leaves none of the 40 training rows"),
+        (None, ["--fraction", 0.01], "keeps 0; a subset must keep a row"),
         (no_train, [], "no 'train' section"),
         (other_ref, [], "against another REF"),
         (mse, ["--target", "margin"], "--target margin needs a classification loss"),
