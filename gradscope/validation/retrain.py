@@ -19,14 +19,14 @@ from torch import nn
 from .. import distributed, training
 from ..config import Config
 from ..distributed import World
-from ..errors import Interrupted
+from ..errors import GradscopeError, Interrupted, ModelError, one_line, reading
 from ..inputs import run_inputs
 from ..io.files import file_sha256
 from ..io.parquet import PartialRun
 from ..job import Forward, config_loss, resolve_device
 from ..predictions import predictions
 from ..run import _Parts, fingerprint, resumed_parts
-from ..training.loop import Rows
+from ..training.loop import Rows, build
 from .truth import Model, Task, Truth, read_truth
 
 Progress = Callable[[int], None]
@@ -47,12 +47,27 @@ def evaluate(cfg: Config, model: nn.Module, ref: str) -> tuple[np.ndarray, np.nd
     with torch.no_grad():
         for picked in torch.arange(len(rows)).split(cfg.data.batch_size):
             x, y = rows.batch(picked)
-            outputs = forward(model, x)
+            try:
+                outputs = forward(model, x)
+            except GradscopeError:
+                raise
+            except Exception as e:
+                raise ModelError(
+                    f"the model's forward raised {type(e).__name__} on REF: {one_line(e)}",
+                    f"--ref {ref}",
+                ) from e
             losses.append(loss_fn(outputs, y).double().cpu())  # (B,)
             seen = observe(outputs, y) if observe else {}
             nan = torch.full((len(picked),), np.nan, dtype=torch.float64)
             margins.append(seen["margin"].double().cpu() if "margin" in seen else nan)  # (B,)
     return torch.cat(losses).numpy(), torch.cat(margins).numpy()
+
+
+def check_ref(cfg: Config, ref: str) -> None:
+    """REF through the model as training begins it: a REF the model cannot take, or a loss that
+    cannot read its targets, is one line before anything trains."""
+    with torch.random.fork_rng(devices=[]), reading(f"--ref {ref}"):
+        evaluate(cfg, build(cfg, cfg.train.seed), ref)
 
 
 def train_one(cfg: Config, ref: str, task: Task) -> Model:

@@ -26,7 +26,7 @@ from ..predictions import predictions
 from ..training import recipe
 from .plan import FRACTION, SEEDS, SUBSETS, Design, removal_tasks, subset_tasks
 from .results import Datamodel, detection, removal
-from .retrain import train_missing
+from .retrain import check_ref, train_missing
 from .scores import RANKED, ScoreFile, read_scores
 from .truth import Task, Truth, identity, read_truth
 
@@ -158,6 +158,7 @@ def validate(
     """
     check_options(cfg, options)
     rows, refs = _sizes(cfg, ref)
+    check_ref(cfg, ref)
     bad = _bad(cfg, options.bad, rows) if options.bad else None
     files, wanted = _files(cfg, ref, scores, options, rows, refs)
     out = Path(out)

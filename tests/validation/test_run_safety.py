@@ -14,6 +14,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 import yaml
 from problem import ROWS, make_problem
 from project import one_error
@@ -197,6 +198,11 @@ def other_ref(root):
     pq.write_table(table.replace_schema_metadata(meta), root / "s.parquet")
 
 
+def wide_ref(root):
+    torch.save({"x": torch.zeros(3, 5, dtype=torch.float64), "y": torch.zeros(3).long()},
+               root / "ref.pt")  # fmt: skip
+
+
 def no_train(root):
     raw = yaml.safe_load((root / "config.yaml").read_text())
     del raw["train"]
@@ -220,6 +226,7 @@ def mse(root):
         (None, ["--fraction", 0.01], "keeps 0; a subset must keep a row"),
         (no_train, [], "no 'train' section"),
         (other_ref, [], "against another REF"),
+        (wide_ref, [], "the model's forward raised RuntimeError on REF"),
         (mse, ["--target", "margin"], "--target margin needs a classification loss"),
         (None, ["--bad", "nonesuch"], "no column 'nonesuch' for --bad"),
         (None, ["--column", "cosine"], "no 'cosine' column"),
