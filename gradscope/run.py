@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,6 +158,7 @@ def score_dataset(
     None. The first batch runs before anything is written, so input the model cannot take leaves
     no file. ``on_start`` gets the number of rows this process scores, None when unknown.
     """
+    started = time.perf_counter()
     scorer = scorer or NormsScorer(trust_checkpoint)
     inputs = run_inputs(cfg, scorer.reads())
     scorer.check_output(cfg.output.path, inputs)
@@ -192,6 +194,7 @@ def score_dataset(
             if not world.main:
                 return None
             metadata = job.metadata(scorer.command) | scorer.metadata()
+            metadata["seconds"] = round(time.perf_counter() - started, 3)  # this process's run
             if cfg.output.metadata == "minimal":
                 metadata = minimal(metadata)
             return run.assemble(count, metadata, lambda: _standardised(run, count))

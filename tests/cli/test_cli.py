@@ -143,7 +143,9 @@ def test_options_override_config(tmp_path):
     frame = pd.read_parquet(out)
     assert frame["example_id"].tolist() == list(range(7))
     assert pq.ParquetFile(out).metadata.num_row_groups == 3
-    assert read_metadata(out)["config"]["data"]["limit"] == 7
+    meta = read_metadata(out)
+    assert meta["config"]["data"]["limit"] == 7
+    assert 0 < meta["seconds"] < 600  # the run's wall time
     assert not (tmp_path / "scores.parquet").exists()
 
 
