@@ -142,6 +142,9 @@ def validate(
 
 def render(table: pd.DataFrame, design: dict) -> RenderableType:
     """The table as the terminal shows it: one row per (file, column), file names short."""
+    from rich.console import Group
+    from rich.text import Text
+
     from ..outliers import fmt
     from ..tables import FittedTable
 
@@ -152,7 +155,8 @@ def render(table: pd.DataFrame, design: dict) -> RenderableType:
         f"{design['seeds']} seed(s) each, averaged over references; lds_low, lds_high: "
         "95% bootstrap interval of the mean"
     )
-    return FittedTable(cells, title="validation", caption=caption, keep=2)
+    # under the table, not its caption: a caption as wide as the table would widen its columns
+    return Group(FittedTable(cells, title="validation", keep=2), Text(caption))
 
 
 def _cell(name: str, value: object, fmt) -> str:
