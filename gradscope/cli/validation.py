@@ -132,7 +132,7 @@ def validate(
     )  # fmt: skip
     out_path = Path(output_path(out, Path.cwd(), "--out"))
     truth_path = Path(output_path(truth, Path.cwd(), "--truth")) if truth else None
-    with terminal.progress("validate") as (on_start, on_model):
+    with terminal.progress("validate", "models") as (on_start, on_model):
         table = run(cfg, ref, [*scores, *(more or [])], options=options, out=out_path,
                     truth=truth_path, on_start=on_start, on_model=on_model)  # fmt: skip
     if table is not None:

@@ -25,7 +25,7 @@ from ..io.files import file_sha256
 from ..io.parquet import PartialRun
 from ..job import Forward, config_loss, resolve_device
 from ..predictions import predictions
-from ..run import _Parts, fingerprint, resumed_parts
+from ..run import Parts, fingerprint, resumed_parts
 from ..training.loop import Rows, build
 from .truth import Model, Task, Truth, read_truth
 
@@ -112,7 +112,7 @@ def digest(tasks: list[Task]) -> str:
 
 
 def _train(
-    parts: _Parts,
+    parts: Parts,
     cfg: Config,
     ref: str,
     todo: list[tuple[int, Task]],
@@ -174,7 +174,7 @@ def train_missing(
     key = fingerprint(cfg, "validate", run_inputs(cfg, [("--ref", ref)]), extra, kind)
     run = PartialRun(path, key)
     run.refuse_foreign()
-    parts = _Parts(run, world, key, resumed_parts(run, key) if resume else None)
+    parts = Parts(run, world, key, resumed_parts(run, key) if resume else None)
     todo = [(earlier + n, t) for n, t in enumerate(missing) if parts.wanted(earlier + n)]
     if on_start:
         on_start(len(todo))
