@@ -184,7 +184,14 @@ def train_missing(
     distributed.barrier()
     if not world.main:
         return None
-    for number, model in enumerate(truth.models):
-        run.write(number, model.columns())
-    run.assemble(earlier + len(missing), truth.metadata())
+    try:
+        for number, model in enumerate(truth.models):
+            run.write(number, model.columns())
+        run.assemble(earlier + len(missing), truth.metadata())
+    except KeyboardInterrupt:  # every model is saved: only the file is left to write
+        raise Interrupted(
+            "interrupted while writing the truth file, every model saved; run the same "
+            "command with --resume to write it",
+            str(run.dir),
+        ) from None
     return read_truth(path, truth.identity)

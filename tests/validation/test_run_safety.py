@@ -240,3 +240,22 @@ def test_bad_input_is_one_line_before_training(tmp_path, monkeypatch, change, mo
     counting_fit(monkeypatch, stop=0)
     assert message in one_error(invoke(tmp_path, *more))
     assert not (tmp_path / "v.truth.parquet").exists()
+
+
+def test_interrupt_while_the_truth_is_written_keeps_every_model(tmp_path, monkeypatch):
+    from gradscope.io.parquet import PartialRun
+
+    make_problem(tmp_path)
+    scores(tmp_path)
+    assemble = PartialRun.assemble
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PartialRun, "assemble", interrupted)
+    result = invoke(tmp_path)
+    assert result.exit_code == 130 and "every model saved" in result.output
+    monkeypatch.setattr(PartialRun, "assemble", assemble)
+    calls = counting_fit(monkeypatch)
+    assert invoke(tmp_path, "--resume").exit_code == 0
+    assert calls == [] and len(truth(tmp_path)) == TASKS
