@@ -60,12 +60,7 @@ def check_options(cfg: Config, options: Options) -> None:
         raise ConfigError(f"--fraction must lie in (0, 1), got {o.fraction:g}", "--fraction")
     if o.target not in ("loss", "margin"):
         raise ConfigError(f"--target must be loss or margin, got {o.target!r}", "--target")
-    if recipe(cfg).seed < 0:  # (a config with no recipe is refused there)
-        raise ConfigError(
-            f"validate draws its subsets from train.seed, which must be at least 0; got "
-            f"{cfg.train.seed}",
-            "train.seed",
-        )
+    recipe(cfg)  # a config with no recipe cannot be validated
     if o.target == "margin" and predictions(cfg.loss.name, cfg.loss.kwargs) is None:
         raise ConfigError(
             f"--target margin needs a classification loss (cross_entropy, nll, "
