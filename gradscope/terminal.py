@@ -3,8 +3,10 @@ bar; off a terminal (a batch job's log), a first and a last line and a progress 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,16 +29,62 @@ from rich.text import Text
 WIDE = 100_000  # columns of output that is not a terminal: no table is ever cut to fit
 LOG_EVERY = 30.0  # seconds between progress lines off a terminal
 
-console = Console()
+
+class _Stdout:
+    """``sys.stdout`` as it is at each write (a test's runner swaps it); once its reader has
+    gone (``gradscope norms --report | head -3``), nothing: the run goes on to write its files
+    and ends as it would have, its printed lines dropped."""
+
+    gone = False
+
+    def write(self, text: str) -> int:
+        if not self.gone:
+            try:
+                return sys.stdout.write(text)
+            except BrokenPipeError:
+                self._gone()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.gone:
+            try:
+                sys.stdout.flush()
+            except BrokenPipeError:
+                self._gone()
+
+    def _gone(self) -> None:
+        """Stdout's file made /dev/null, so that the interpreter's last flush finds no pipe."""
+        self.gone = True
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+
+    def __getattr__(self, name: str):
+        return getattr(sys.stdout, name)
+
+
+console = Console(file=_Stdout())
 if not console.is_terminal:  # a log, a pipe, CI: every number and name whole, not cut to 80
     console.width = WIDE
 
 
+def _per_second(rate: float) -> str:
+    """A rate as a person reads it: ``1,375``, ``12``, ``0.41``."""
+    return f"{rate:,.0f}" if rate >= 10 else f"{rate:.2g}"
+
+
 class _Rate(ProgressColumn):
-    """Rows scored per second."""
+    """Units (rows scored, models trained) per second."""
+
+    def __init__(self, unit: str):
+        super().__init__()
+        self.unit = unit
 
     def render(self, task: Task) -> Text:
-        return Text(f"{task.speed:,.0f} rows/s" if task.speed else "", style="progress.data.speed")
+        speed = task.speed
+        shown = f"{_per_second(speed)} {self.unit}/s" if speed else ""
+        return Text(shown, style="progress.data.speed")
 
 
 def _logs() -> bool:
@@ -81,10 +129,11 @@ def logged(argv: list[str]) -> Iterator[None]:
 
 
 class _LogLines:
-    """Progress as a line every LOG_EVERY seconds: rows, rate and time left, for a log."""
+    """Progress as a line every LOG_EVERY seconds: rows (or ``unit``), rate and time left, for
+    a log."""
 
-    def __init__(self, command: str):
-        self.command, self.total, self.rows = command, None, 0
+    def __init__(self, command: str, unit: str = "rows"):
+        self.command, self.unit, self.total, self.rows = command, unit, None, 0
         self.start = self.last = time.monotonic()
 
     def on_start(self, total: int | None) -> None:
@@ -98,32 +147,34 @@ class _LogLines:
             return
         self.last = now
         rate = self.rows / max(now - self.start, 1e-9)
+        unit = self.unit
         if self.total:
-            done = f"{self.rows:,} of {self.total:,} rows ({self.rows / self.total:.0%})"
+            done = f"{self.rows:,} of {self.total:,} {unit} ({self.rows / self.total:.0%})"
         else:
-            done = f"{self.rows:,} rows"
-        line = f"{self.command}: {done} in {duration(now - self.start)}, {rate:,.0f} rows/s"
-        if self.total:
-            line += f", about {duration(max(self.total - self.rows, 0) / rate)} left"
+            done = f"{self.rows:,} {unit}"
+        line = f"{self.command}: {done} in {duration(now - self.start)}, "
+        line += f"{_per_second(rate)} {unit}/s"
+        if self.total and self.rows < self.total:
+            line += f", about {duration((self.total - self.rows) / rate)} left"
         console.print(line)
 
 
 @contextmanager
-def progress(command: str) -> Iterator[tuple[Callable, Callable]]:
-    """``(on_start, on_batch)`` for a run: a bar shown once the row count is known (a running
-    count when it cannot be), with rows/s and ETA. Under torchrun only rank 0 draws one; output
+def progress(command: str, unit: str = "rows") -> Iterator[tuple[Callable, Callable]]:
+    """``(on_start, on_batch)`` for a run: a bar shown once the count of rows (or ``unit``) is
+    known (a running count when it cannot be), with rows/s and ETA. Under torchrun only rank 0 draws one; output
     that is not a terminal gets a progress line every LOG_EVERY seconds instead."""
     from .distributed import world
 
     if _logs():
-        lines = _LogLines(command)
+        lines = _LogLines(command, unit)
         yield lines.on_start, lines.on_batch
         return
     bar = Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
-        _Rate(),
+        _Rate(unit),
         TimeElapsedColumn(),
         TextColumn("ETA"),
         TimeRemainingColumn(),

@@ -47,7 +47,7 @@ def body_rows(page: str) -> list[list[str]]:
 
 
 def test_norms_file_histogram_classes_and_top_rows(tmp_path):
-    page = render(scores_file(tmp_path / "s.parquet"), None, None, 3)
+    page = render(scores_file(tmp_path / "s.parquet"), None, "grad_norm", 3)
     assert captions(page) == ["grad_norm: histogram, top 3 marked", "per class"]
     assert page.count("<svg") == 2 and not re.search(r'(src|href)="(https?:)?//', page)
     rows = body_rows(page)
@@ -93,6 +93,19 @@ def test_report_refuses_to_overwrite_its_inputs_and_a_missing_file(tmp_path):
         write_report(scores, tmp_path / "missing" / "r.html")
     with pytest.raises(ConfigError, match="the output path is a folder"):
         write_report(scores, tmp_path)
+
+
+def test_report_with_config_refuses_a_file_without_example_id(tmp_path):
+    """Another tool dropped the column: the report cannot show which examples these are."""
+    from project import make_project
+
+    config = make_project(tmp_path)
+    assert runner.invoke(app, ["norms", str(config)]).exit_code == 0
+    table = pq.read_table(tmp_path / "scores.parquet")
+    pq.write_table(table.drop_columns(["example_id"]), tmp_path / "noid.parquet")
+    result = runner.invoke(app, ["report", str(tmp_path / "noid.parquet"), "--config", str(config)])
+    assert result.exit_code == 2 and "has no example_id column" in result.stderr
+    assert not (tmp_path / "noid.html").exists()
 
 
 def _chromium() -> str:
