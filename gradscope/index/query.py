@@ -242,7 +242,8 @@ def shown(path: Path, k: int, references: int = 3) -> object:
         parts.append(view)
     meta = json.loads(table.schema.metadata[METADATA_KEY])
     found, count = meta["exact"], meta["query"]["references"]
-    line = f"{count} references, top {k} each"
+    each = table.num_rows // max(count, 1)  # top k, or every example where there are fewer
+    line = f"{count} reference{'s' if count != 1 else ''}, top {each} each"
     if found:
         line += (
             f"; exact top-{k} drawn from projected ranks up to {found['deepest_max']} of "
