@@ -10,6 +10,7 @@ import typer
 
 from .. import terminal
 from ..config import Config, load_config, with_overrides
+from ..defaults import CURVATURE, DAMPING
 from ..errors import Interrupted
 from .options import (
     BatchOpt,
@@ -135,6 +136,32 @@ def influence(
             help="auto, hooks (ghost inner products) or jvp (forward mode).",
         ),
     ] = "auto",
+    curvature: Annotated[
+        str,
+        typer.Option(
+            "--curvature",
+            metavar="none|gn|hessian|kfac|ekfac",
+            help="Score against (C + lambda I)^-1 g_ref, C fitted over the config's data in this "
+            "run: gn (Gauss-Newton) or hessian exactly, kfac or ekfac factored; none: g_ref.",
+        ),
+    ] = CURVATURE,
+    damping: Annotated[
+        float,
+        typer.Option(
+            "--damping",
+            metavar="X",
+            help="lambda = X times the curvature's mean eigenvalue (K-FAC: of each factor).",
+        ),
+    ] = DAMPING,
+    solver: Annotated[
+        str,
+        typer.Option(
+            "--solver",
+            metavar="auto|dense|cg",
+            help="gn/hessian: dense (P x P matrix, eigendecomposed), cg (conjugate gradients), "
+            "auto: dense where the matrix fits 2 GiB.",
+        ),
+    ] = "auto",
     by: ByOpt = None,
     resume: ResumeOpt = False,
     trust_checkpoint: TrustOpt = False,
@@ -157,6 +184,9 @@ def influence(
         precondition=precondition,
         engine=engine,
         trust_checkpoint=trust_checkpoint,
+        curvature=curvature,
+        damping=damping,
+        solver=solver,
     )
     _run(cfg, scorer, by, report, trust_checkpoint, resume)
 
