@@ -5,6 +5,7 @@ each example's gradient from its own backward."""
 from __future__ import annotations
 
 import torch
+from oracle import assert_rel_close
 from torch import Tensor, nn
 from torch.func import functional_call, hessian, jacrev
 
@@ -71,3 +72,10 @@ def exact_scores(
     ref = ref if per_ref else ref.mean(0, keepdim=True)
     solved = torch.linalg.solve(c + lam * torch.eye(c.shape[0], dtype=c.dtype), ref.T)  # (P, K)
     return per_example_grads(model, loss, names, x, y) @ solved
+
+
+def assert_columns_close(actual: Tensor, expected: Tensor, rtol: float = 1e-6) -> None:
+    """Each reference's column of scores within ``rtol`` of the scale of its expected column."""
+    actual = actual if isinstance(actual, Tensor) else torch.from_numpy(actual.copy())
+    for k in range(expected.shape[1]):
+        assert_rel_close(actual[:, k], expected[:, k], rtol)
