@@ -158,8 +158,8 @@ def influence(
         typer.Option(
             "--solver",
             metavar="auto|dense|cg",
-            help="gn/hessian: dense (P x P matrix, eigendecomposed), cg (conjugate gradients), "
-            "auto: dense where the matrix fits 2 GiB.",
+            help="gn/hessian: dense (the P x P matrix, a Cholesky factor), cg (conjugate "
+            "gradients), auto: dense where the matrix fits 2 GiB.",
         ),
     ] = "auto",
     by: ByOpt = None,
