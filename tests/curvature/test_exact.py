@@ -164,3 +164,21 @@ def test_indefinite_damped_hessian_is_refused() -> None:
     assert torch.linalg.eigvalsh(dense.matrix).min() < 0  # the tanh MLP's Hessian: indefinite
     with pytest.raises(ConfigError, match="not positive definite"):
         dense.damped(0.0)
+
+
+def refuse(*args, **kwargs):
+    raise RuntimeError("vmap refuses")
+
+
+@pytest.mark.parametrize("kind", ["gn", "hessian"])
+def test_one_direction_at_a_time_where_vmap_cannot_run(monkeypatch, kind: str) -> None:
+    """The loop over directions gives the vmapped products; the reason is recorded."""
+    engine, batches, _ = fitted(CASES[f"mlp-ce-{kind}"])
+    block = torch.randn(39, 3, dtype=torch.float64)  # (P, K): the MLP has 39 parameters
+    with engine:
+        vmapped = Products(engine, batches, kind)(block)
+        monkeypatch.setattr("gradscope.curvature.products.vmap", refuse)
+        products = Products(engine, batches, kind)
+        looped = products(block)
+    torch.testing.assert_close(looped, vmapped, rtol=1e-12, atol=1e-14)
+    assert products.describe()["vmap"] == "RuntimeError: vmap refuses"
