@@ -11,7 +11,7 @@ from .curvature import Diagonal, load_preconditioner
 from .curvature.adam import adam_denominator
 from .curvature.fitted import NONE, check_curvature, fit_exact
 from .curvature.products import KINDS
-from .defaults import CURVATURE, DAMPING
+from .defaults import CURVATURE
 from .engine import Engine, Forward, Influence, reference_gradients, total
 from .errors import ConfigError
 from .losses import LossFn, resolve_loss
@@ -64,7 +64,7 @@ def per_example_influence(
     precondition: dict | str | Path | None = None,
     engine: str = "auto",
     curvature: str = CURVATURE,
-    damping: float = DAMPING,
+    damping: float | None = None,
     solver: str = "auto",
 ) -> Tensor:
     """(B,) float64 ``<grad l_i, g_ref>``, g_ref the gradient of the MEAN loss over the reference.
@@ -77,10 +77,9 @@ def per_example_influence(
     lacks forward mode). ``curvature`` ``gn`` or ``hessian`` scores against
     ``(C + lambda I)^-1 g_ref`` instead, C the Gauss-Newton matrix or the Hessian of the mean
     loss over ``inputs`` (the training rows), fitted here (``solver``: ``dense``, ``cg`` or
-    ``auto``), lambda ``damping`` x C's mean eigenvalue. The parameters are selected as
-    ``per_example_norms`` selects them.
-    ``.grad`` fields, hooks and
-    train/eval mode are left as they were.
+    ``auto``), lambda ``damping`` (default: 10 for gn, 30 for hessian) x C's mean
+    eigenvalue. The parameters are selected as ``per_example_norms`` selects them. ``.grad``
+    fields, hooks and train/eval mode are left as they were.
     """
     core = Engine(
         model, resolve_loss(loss), include, exclude, Forward(output=output, where="output=")

@@ -10,7 +10,7 @@ import typer
 
 from .. import terminal
 from ..config import Config, load_config, with_overrides
-from ..defaults import CURVATURE, DAMPING
+from ..defaults import CURVATURE
 from ..errors import Interrupted
 from .options import (
     BatchOpt,
@@ -146,13 +146,14 @@ def influence(
         ),
     ] = CURVATURE,
     damping: Annotated[
-        float,
+        float | None,
         typer.Option(
             "--damping",
             metavar="X",
-            help="lambda = X times the curvature's mean eigenvalue (K-FAC: of each factor).",
+            help="lambda = X times the curvature's mean eigenvalue (K-FAC: of each factor's); "
+            "default 10 for gn, 30 for hessian, 0.1 for kfac and ekfac.",
         ),
-    ] = DAMPING,
+    ] = None,
     solver: Annotated[
         str,
         typer.Option(

@@ -17,7 +17,6 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..defaults import DAMPING
 from ..errors import ConfigError
 from .exact import check_damping
 from .factors import damping
@@ -85,7 +84,7 @@ class CGInverse:
     def __init__(
         self,
         products: Products,
-        factor: float = DAMPING,
+        factor: float,
         tolerance: float = TOLERANCE,
         max_iterations: int = MAX_ITERATIONS,
         mean: float | None = None,

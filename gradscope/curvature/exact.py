@@ -1,7 +1,7 @@
 """The exact damped inverse of the Gauss-Newton matrix or the Hessian, dense: the P x P matrix
 over the data (``products.py``), then ``(C + lambda I)^-1 R`` by its Cholesky factor.
 
-``lambda`` is ``damping`` x the mean eigenvalue, trace(C) / P (0.1: kronfluence's heuristic).
+``lambda`` is ``damping`` x the mean eigenvalue, trace(C) / P (``defaults.DAMPING``).
 Another damping is another factor, no pass over the data: on the digits MLP (P = 8970) a
 Cholesky takes ~7 s on one core, an eigendecomposition ~160 s, so up to some 20 dampings the
 factor is cheaper. Memory: the matrix and its factor, 2 P^2 float64; ``BUDGET_BYTES`` bounds
@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..defaults import DAMPING
 from ..errors import ConfigError
 from .factors import damping
 from .products import Flat, Products
@@ -74,7 +73,7 @@ class ExactInverse:
 
     solver = "dense"
 
-    def __init__(self, flat: Flat, matrix: Tensor, factor: float = DAMPING, info=None):
+    def __init__(self, flat: Flat, matrix: Tensor, factor: float, info=None):
         check_damping(factor)
         self.flat, self.matrix = flat, matrix  # (P, P)
         self.factor, self.info = factor, dict(info or {})
@@ -91,7 +90,7 @@ class ExactInverse:
             )
 
     @classmethod
-    def fit(cls, products: Products, factor: float = DAMPING) -> ExactInverse:
+    def fit(cls, products: Products, factor: float) -> ExactInverse:
         """C over the data, then its factor under ``factor``."""
         check_damping(factor)
         return cls(products.flat, dense_matrix(products), factor, products.describe())

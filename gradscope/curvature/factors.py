@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..defaults import DAMPING  # x the mean eigenvalue
+from ..defaults import KRONFLUENCE
 from ..errors import GradscopeError, ModelError
 from ..rules import Contribution, Dense, Outer, Rows
 from ..rules.base import CHUNK_ELEMENTS
@@ -43,7 +43,7 @@ KFAC, EKFAC, DIAGONAL = "kfac", "ekfac", "diagonal"
 Batches = Iterable[tuple[tuple[Tensor, ...], Tensor]]
 
 
-def damping(values: Tensor, factor: float = DAMPING) -> float:
+def damping(values: Tensor, factor: float = KRONFLUENCE) -> float:
     """``factor`` (0.1) x the mean of ``values`` (eigenvalues); 1 where they are all zero (an
     unused layer)."""
     mean = values.double().mean().item()

@@ -21,7 +21,9 @@ CURVATURES = (NONE, GN, HESSIAN, KFAC, EKFAC)
 SOLVERS = ("auto", "dense", "cg")
 
 
-def check_curvature(curvature: str, solver: str, damping: float, precondition: object) -> None:
+def check_curvature(
+    curvature: str, solver: str, damping: float | None, precondition: object
+) -> None:
     """The options' values, before anything runs."""
     if curvature not in CURVATURES:
         raise ConfigError(
@@ -32,13 +34,19 @@ def check_curvature(curvature: str, solver: str, damping: float, precondition: o
         raise ConfigError(
             f"--solver must be one of {', '.join(SOLVERS)}, got {solver!r}", "--solver"
         )
-    check_damping(damping)
+    if damping is not None:
+        check_damping(damping)
     if curvature != NONE and precondition is not None:
         raise ConfigError(
             f"--curvature {curvature} fits a curvature in this run and --precondition reads "
             "one from a file: give one of them",
             "--precondition",
         )
+
+
+def resolve_damping(curvature: str, damping: float | None) -> float | None:
+    """``damping``, or the curvature's default (none for ``none``)."""
+    return DAMPING.get(curvature) if damping is None else damping
 
 
 def pick_solver(solver: str, size: int) -> str:
@@ -53,10 +61,12 @@ def fit_exact(
     batches: Callable[[], Batches],
     kind: str = GN,
     solver: str = "auto",
-    damping: float = DAMPING,
+    damping: float | None = None,
 ) -> ExactInverse | CGInverse:
     """``(C + lambda I)^-1`` for C the GGN (``gn``) or the Hessian of the mean loss over
-    ``batches()``, ``lambda`` = ``damping`` x C's mean eigenvalue; the engine entered."""
+    ``batches()``, ``lambda`` = ``damping`` (None: ``defaults.DAMPING``'s) x C's mean
+    eigenvalue; the engine entered."""
+    damping = resolve_damping(kind, damping)
     products = Products(engine, batches, kind)
     if pick_solver(solver, products.flat.size) == "dense":
         return ExactInverse.fit(products, damping)
@@ -81,8 +91,9 @@ class Timed:
         return described | {"curvature": self.curvature, "seconds": self.seconds}
 
 
-def fit_curvature(job, curvature: str, solver: str = "auto", damping: float = DAMPING) -> Timed:
+def fit_curvature(job, curvature: str, solver: str = "auto", damping: float | None = None) -> Timed:
     """The curvature named by ``--curvature`` over the job's data, timed."""
+    damping = resolve_damping(curvature, damping)
     from ..io.data import open_dataset
     from . import compute_factors
 

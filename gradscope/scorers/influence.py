@@ -11,8 +11,8 @@ from torch import Tensor
 
 from .. import distributed
 from ..config import Config
-from ..curvature.fitted import NONE, check_curvature, fit_curvature
-from ..defaults import CURVATURE, DAMPING
+from ..curvature.fitted import NONE, check_curvature, fit_curvature, resolve_damping
+from ..defaults import CURVATURE
 from ..engine import MAX_PER_REF, BatchInfluence, Influence, check_engine, reference_gradients
 from ..errors import ConfigError, DataError, reading
 from ..inputs import data_inputs
@@ -41,12 +41,13 @@ class InfluenceScorer(Scorer):
         engine: str = "auto",
         trust_checkpoint: bool = False,
         curvature: str = CURVATURE,
-        damping: float = DAMPING,
+        damping: float | None = None,
         solver: str = "auto",
     ):
         super().__init__()
         check_curvature(curvature, solver, damping, precondition)
-        self.curvature, self.damping, self.solver = curvature, damping, solver
+        self.damping = resolve_damping(curvature, damping)
+        self.curvature, self.solver = curvature, solver
         if precondition is not None and not Path(precondition).is_file():
             raise ConfigError("preconditioner file not found", str(precondition))
         ref = str(ref)  # a path relative to the working directory, or file.py:make_dataset

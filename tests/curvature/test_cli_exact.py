@@ -14,6 +14,7 @@ from project import edit_data, fails, load_net, make_project
 from typer.testing import CliRunner
 
 from gradscope.cli import app
+from gradscope.defaults import DAMPING
 from gradscope.io.parquet import read_metadata
 from gradscope.losses import resolve_loss
 
@@ -112,6 +113,7 @@ def test_cg_through_the_cli(tmp_path) -> None:
             "--solver", "cg", "--per-ref")  # fmt: skip
     (fit,) = read_metadata(out)["influence"]["curvatures"]
     assert fit["solver"] == "cg" and fit["iterations"] > 0 and fit["residual"] <= 1e-6
+    assert fit["damping"] == DAMPING["gn"]  # no --damping: the exact curvatures' default
     # the damping from the estimated mean eigenvalue; the solve exact for it
     expected = oracle(tmp_path, "cross_entropy", ALL, per_ref=True, lam=fit["damping_absolute"])
     got = pd.read_parquet(out)["influence"].to_numpy().reshape(N, -1)
