@@ -111,7 +111,7 @@ def resumed_parts(run: PartialRun, key: dict) -> set[int]:
 
 
 @dataclass
-class _Parts:
+class Parts:
     """This rank's side of the partial folder, begun (unless resumed) after its first batch."""
 
     run: PartialRun
@@ -174,7 +174,7 @@ def score_dataset(
             key = fingerprint(cfg, scorer.command, inputs, scorer.resume_key(), kind)
             run = scorer.partial(cfg.output.path, key)
             run.refuse_foreign()  # before the model is built
-            parts = _Parts(run, world, key, resumed_parts(run, key) if resume else None)
+            parts = Parts(run, world, key, resumed_parts(run, key) if resume else None)
             job = Job.from_config(dataclasses.replace(cfg, device=device), trust_checkpoint)
             dataset = open_dataset(cfg.data)
             length = dataset.length
@@ -223,7 +223,7 @@ def _standardised(run: PartialRun, parts: int) -> dict[str, np.ndarray]:
 
 
 def _score(
-    parts: _Parts,
+    parts: Parts,
     job: Job,
     scorer: Scorer,
     batches: Iterable[Batch],
