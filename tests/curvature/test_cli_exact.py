@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 from exact_oracle import assert_columns_close, curvature_matrix, exact_scores
-from project import edit_data, fails, load_net, make_project
+from project import edit_config, edit_data, fails, load_net, make_project
 from typer.testing import CliRunner
 
 from gradscope.cli import app
@@ -154,3 +154,22 @@ def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys, flags, message) ->
     err = fails(monkeypatch, capsys, "influence", cfg, "--ref", tmp_path / "ref.pt", *flags)
     assert message in err
     assert not (tmp_path / "scores.parquet").exists()
+
+
+def test_each_checkpoint_its_own_curvature(tmp_path) -> None:
+    """TracIn with --curvature: sum_k w_k g_i(k) . (C_k + lambda_k I)^-1 g_ref(k)."""
+    cfg = project(tmp_path, "cross_entropy")
+    first = {k: v * 0.5 for k, v in torch.load(tmp_path / "net.pt").items()}
+    torch.save(first, tmp_path / "net0.pt")
+    ckpts = [{"path": "net0.pt", "weight": 0.5}, {"path": "net.pt", "weight": 2.0}]
+    edit_config(tmp_path, lambda raw: raw["model"].update(checkpoint=None, checkpoints=ckpts))
+    out = tmp_path / "s.parquet"
+    _invoke("influence", cfg, "--ref", tmp_path / "ref.pt", "--out", out, "--curvature", "gn")
+    fits = read_metadata(out)["influence"]["curvatures"]
+    assert len(fits) == 2 and fits[0]["eigenvalues"]["mean"] != fits[1]["eigenvalues"]["mean"]
+    net, fn, x, y, xr, yr = problem(tmp_path, "cross_entropy")
+    expected = 2.0 * exact_scores(net, fn, ALL, x, y, xr, yr, "gn", DAMPING["gn"])
+    net.load_state_dict({k: v.double() for k, v in first.items()})
+    expected += 0.5 * exact_scores(net, fn, ALL, x, y, xr, yr, "gn", DAMPING["gn"])
+    got = pd.read_parquet(out)["influence"].to_numpy().reshape(N, -1)
+    assert_columns_close(got, expected)
