@@ -137,14 +137,15 @@ def influence(
         ),
     ] = "auto",
     curvature: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--curvature",
             metavar="none|gn|hessian|kfac|ekfac",
             help="Score against (C + lambda I)^-1 g_ref, C fitted over the config's data in this "
-            "run: gn (Gauss-Newton) or hessian exactly, kfac or ekfac factored; none: g_ref.",
+            "run: gn (Gauss-Newton) or hessian exactly, kfac or ekfac factored; none: g_ref "
+            f"(default: {CURVATURE}; none with --precondition).",
         ),
-    ] = CURVATURE,
+    ] = None,
     damping: Annotated[
         float | None,
         typer.Option(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from ..defaults import DAMPING
+from ..defaults import CURVATURE, DAMPING
 from ..errors import ConfigError
 from .cg import CGInverse
 from .exact import BUDGET_BYTES, ExactInverse, check_damping
@@ -25,7 +25,9 @@ def check_curvature(
     curvature: str, solver: str, damping: float | None, precondition: object
 ) -> None:
     """The options' values, before anything runs."""
-    if curvature not in CURVATURES:
+    if curvature is None:  # the default, resolved with the precondition
+        curvature = resolve_curvature(curvature, precondition)
+    elif curvature not in CURVATURES:
         raise ConfigError(
             f"--curvature must be one of {', '.join(CURVATURES)}, got {curvature!r}",
             "--curvature",
@@ -42,6 +44,14 @@ def check_curvature(
             "one from a file: give one of them",
             "--precondition",
         )
+
+
+def resolve_curvature(curvature: str | None, precondition: object) -> str:
+    """``curvature``, or the default: ``defaults.CURVATURE``, none where a ``--precondition``
+    file gives the curvature."""
+    if curvature is not None:
+        return curvature
+    return NONE if precondition is not None else CURVATURE
 
 
 def resolve_damping(curvature: str, damping: float | None) -> float | None:
@@ -76,7 +86,7 @@ def fit_exact(
 class Timed:
     """A preconditioner with the seconds its fit took, and the curvature's name."""
 
-    def __init__(self, inner, curvature: str, damping: float, seconds: float):
+    def __init__(self, inner, curvature: str, damping: float | None, seconds: float):
         self.inner, self.curvature, self.seconds = inner, curvature, seconds
         self.damping = damping
 
@@ -93,10 +103,10 @@ class Timed:
 
 def fit_curvature(job, curvature: str, solver: str = "auto", damping: float | None = None) -> Timed:
     """The curvature named by ``--curvature`` over the job's data, timed."""
-    damping = resolve_damping(curvature, damping)
     from ..io.data import open_dataset
     from . import compute_factors
 
+    damping = resolve_damping(curvature, damping)
     start = time.perf_counter()
     if curvature in (KFAC, EKFAC):
         fisher = "true" if job.cfg.loss.name in SAMPLED else "empirical"

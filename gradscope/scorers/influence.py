@@ -11,8 +11,13 @@ from torch import Tensor
 
 from .. import distributed
 from ..config import Config
-from ..curvature.fitted import NONE, check_curvature, fit_curvature, resolve_damping
-from ..defaults import CURVATURE
+from ..curvature.fitted import (
+    NONE,
+    check_curvature,
+    fit_curvature,
+    resolve_curvature,
+    resolve_damping,
+)
 from ..engine import MAX_PER_REF, BatchInfluence, Influence, check_engine, reference_gradients
 from ..errors import ConfigError, DataError, reading
 from ..inputs import data_inputs
@@ -40,14 +45,15 @@ class InfluenceScorer(Scorer):
         precondition: str | Path | None = None,
         engine: str = "auto",
         trust_checkpoint: bool = False,
-        curvature: str = CURVATURE,
+        curvature: str | None = None,
         damping: float | None = None,
         solver: str = "auto",
     ):
         super().__init__()
         check_curvature(curvature, solver, damping, precondition)
-        self.damping = resolve_damping(curvature, damping)
-        self.curvature, self.solver = curvature, solver
+        self.curvature_given = curvature is not None
+        self.curvature = resolve_curvature(curvature, precondition)
+        self.damping, self.solver = resolve_damping(self.curvature, damping), solver
         if precondition is not None and not Path(precondition).is_file():
             raise ConfigError("preconditioner file not found", str(precondition))
         ref = str(ref)  # a path relative to the working directory, or file.py:make_dataset
@@ -132,6 +138,8 @@ class InfluenceScorer(Scorer):
         parameter's whole gathered as the backward reaches it; hooks only."""
         from .. import fsdp
 
+        if not self.curvature_given:  # the default curvature: the plain inner product here
+            self.curvature = NONE
         for option, given in (
             ("--per-ref", self.per_ref),
             ("--precondition", self.precondition is not None),

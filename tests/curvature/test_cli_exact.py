@@ -173,3 +173,24 @@ def test_each_checkpoint_its_own_curvature(tmp_path) -> None:
     expected += 0.5 * exact_scores(net, fn, ALL, x, y, xr, yr, "gn", DAMPING["gn"])
     got = pd.read_parquet(out)["influence"].to_numpy().reshape(N, -1)
     assert_columns_close(got, expected)
+
+
+def test_the_default_curvature_is_one_constant(tmp_path, monkeypatch) -> None:
+    """defaults.CURVATURE switched to gn: influence with no flags fits it; a --precondition
+    file still gives the curvature alone."""
+    cfg = project(tmp_path, "cross_entropy")
+    monkeypatch.setattr("gradscope.curvature.fitted.CURVATURE", "gn")
+    ref, out = tmp_path / "ref.pt", tmp_path / "s.parquet"
+    _invoke("influence", cfg, "--ref", ref, "--out", out)
+    (fit,) = read_metadata(out)["influence"]["curvatures"]
+    assert fit["curvature"] == "gn" and fit["damping"] == DAMPING["gn"]
+    got = pd.read_parquet(out)["influence"].to_numpy().reshape(N, -1)
+    assert_columns_close(got, oracle(tmp_path, "cross_entropy", ALL, factor=DAMPING["gn"]))
+    factors = tmp_path / "f.safetensors"
+    _invoke("factors", cfg, "--out", factors)
+    _invoke(
+        "influence", cfg, "--ref", ref, "--out", tmp_path / "p.parquet", "--precondition", factors
+    )
+    meta = read_metadata(tmp_path / "p.parquet")["influence"]
+    assert meta["curvature"] == "none" and meta["curvatures"] == []
+    assert meta["precondition"]["kind"] == "kfac"
