@@ -1,0 +1,125 @@
+"""Curvature fitted in the same run as the scores (``influence --curvature``): the exact
+Gauss-Newton matrix or Hessian (dense where it fits, else conjugate gradients), or K-FAC /
+EK-FAC factors, over the config's data (the rows a run scores: the training set)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from ..defaults import CURVATURE, DAMPING
+from ..errors import ConfigError
+from .cg import CGInverse
+from .exact import BUDGET_BYTES, ExactInverse, check_damping
+from .factors import EKFAC, KFAC, redamp
+from .fisher import SAMPLED
+from .precondition import Curvature
+from .products import GN, HESSIAN, Batches, Products
+
+NONE = "none"
+CURVATURES = (NONE, GN, HESSIAN, KFAC, EKFAC)
+SOLVERS = ("auto", "dense", "cg")
+
+
+def check_curvature(
+    curvature: str, solver: str, damping: float | None, precondition: object
+) -> None:
+    """The options' values, before anything runs."""
+    if curvature is None:  # the default, resolved with the precondition
+        curvature = resolve_curvature(curvature, precondition)
+    elif curvature not in CURVATURES:
+        raise ConfigError(
+            f"--curvature must be one of {', '.join(CURVATURES)}, got {curvature!r}",
+            "--curvature",
+        )
+    if solver not in SOLVERS:
+        raise ConfigError(
+            f"--solver must be one of {', '.join(SOLVERS)}, got {solver!r}", "--solver"
+        )
+    if damping is not None:
+        check_damping(damping)
+    if curvature != NONE and precondition is not None:
+        raise ConfigError(
+            f"--curvature {curvature} fits a curvature in this run and --precondition reads "
+            "one from a file: give one of them",
+            "--precondition",
+        )
+
+
+def resolve_curvature(curvature: str | None, precondition: object) -> str:
+    """``curvature``, or the default: ``defaults.CURVATURE``, none where a ``--precondition``
+    file gives the curvature."""
+    if curvature is not None:
+        return curvature
+    return NONE if precondition is not None else CURVATURE
+
+
+def resolve_damping(curvature: str, damping: float | None) -> float | None:
+    """``damping``, or the curvature's default (none for ``none``)."""
+    return DAMPING.get(curvature) if damping is None else damping
+
+
+def pick_solver(solver: str, size: int) -> str:
+    """``auto``: dense where the P x P matrix fits the budget, else conjugate gradients."""
+    if solver != "auto":
+        return solver
+    return "dense" if size * size * 8 <= BUDGET_BYTES else "cg"
+
+
+def fit_exact(
+    engine,
+    batches: Callable[[], Batches],
+    kind: str = GN,
+    solver: str = "auto",
+    damping: float | None = None,
+) -> ExactInverse | CGInverse:
+    """``(C + lambda I)^-1`` for C the GGN (``gn``) or the Hessian of the mean loss over
+    ``batches()``, ``lambda`` = ``damping`` (None: ``defaults.DAMPING``'s) x C's mean
+    eigenvalue; the engine entered."""
+    damping = resolve_damping(kind, damping)
+    products = Products(engine, batches, kind)
+    if pick_solver(solver, products.flat.size) == "dense":
+        return ExactInverse.fit(products, damping)
+    return CGInverse(products, damping)
+
+
+class Timed:
+    """A preconditioner with the seconds its fit took, and the curvature's name."""
+
+    def __init__(self, inner, curvature: str, damping: float | None, seconds: float):
+        self.inner, self.curvature, self.seconds = inner, curvature, seconds
+        self.damping = damping
+
+    def refs(self, refs: dict) -> dict:
+        start = time.perf_counter()
+        out = self.inner.refs(refs)
+        self.seconds += time.perf_counter() - start  # CG solves here
+        return out
+
+    def describe(self) -> dict:
+        described = {"damping": self.damping} | self.inner.describe()
+        return described | {"curvature": self.curvature, "seconds": self.seconds}
+
+
+def fit_curvature(job, curvature: str, solver: str = "auto", damping: float | None = None) -> Timed:
+    """The curvature named by ``--curvature`` over the job's data, timed."""
+    from ..io.data import open_dataset
+    from . import compute_factors
+
+    damping = resolve_damping(curvature, damping)
+    start = time.perf_counter()
+    if curvature in (KFAC, EKFAC):
+        fisher = "true" if job.cfg.loss.name in SAMPLED else "empirical"
+        factors = compute_factors(job, ekfac=curvature == EKFAC, fisher=fisher)
+        redamp(factors.blocks, damping)
+        inner = Curvature(factors)
+    else:
+        cfg = job.cfg
+        dataset = open_dataset(cfg.data)
+
+        def batches():
+            for batch in dataset.batches(cfg.data.batch_size, cfg.data.limit):
+                yield job.to_device(batch)
+
+        inner = fit_exact(job.engine, batches, curvature, solver, damping)
+    return Timed(inner, curvature, damping, time.perf_counter() - start)
