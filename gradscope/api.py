@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from .curvature import Diagonal, load_preconditioner
 from .curvature.adam import adam_denominator
-from .curvature.fitted import NONE, check_curvature, fit_exact, resolve_curvature
+from .curvature.fitted import NONE, check_curvature, chosen, fit_exact
 from .curvature.products import KINDS
 from .engine import Engine, Forward, Influence, reference_gradients, total
 from .errors import ConfigError
@@ -62,7 +62,7 @@ def per_example_influence(
     output: str | int | None = None,
     precondition: dict | str | Path | None = None,
     engine: str = "auto",
-    curvature: str | None = None,
+    curvature: str = "none",
     damping: float | None = None,
     solver: str = "auto",
 ) -> Tensor:
@@ -73,8 +73,8 @@ def per_example_influence(
     ``g_ref / (sqrt(v_hat) + eps)``; or the path of a ``gradscope factors`` file (or of a saved
     state dict), scores then use ``H^-1 g_ref`` with its K-FAC / EK-FAC curvature. ``engine`` is
     ``hooks``, ``jvp`` (forward mode, no backward) or ``auto`` (jvp, moving to hooks if an op
-    lacks forward mode). ``curvature`` ``gn`` or ``hessian`` (default: ``defaults.CURVATURE``,
-    ``none`` with a ``precondition``) scores against
+    lacks forward mode). ``curvature`` ``gn``, ``hessian`` or ``auto`` (``gn`` where
+    its dense matrix fits) scores against
     ``(C + lambda I)^-1 g_ref`` instead, C the Gauss-Newton matrix or the Hessian of the mean
     loss over ``inputs`` (the training rows), fitted here (``solver``: ``dense``, ``cg`` or
     ``auto``), lambda ``damping`` (default: 10 for gn, 30 for hessian) x C's mean
@@ -87,7 +87,8 @@ def per_example_influence(
     with core:
         refs = reference_gradients(core, [(_as_tuple(ref_inputs), ref_targets)])
         check_curvature(curvature, solver, damping, precondition)
-        curvature = resolve_curvature(curvature, precondition)
+        parameters = sum(p.param.numel() for p in core.plan.included)
+        curvature, _ = chosen(curvature, solver, parameters)
         if curvature != NONE:
             if curvature not in KINDS:
                 raise ConfigError(

@@ -16,8 +16,8 @@ from .fisher import SAMPLED
 from .precondition import Curvature
 from .products import GN, HESSIAN, Batches, Products
 
-NONE = "none"
-CURVATURES = (NONE, GN, HESSIAN, KFAC, EKFAC)
+NONE, AUTO = "none", "auto"
+CURVATURES = (AUTO, NONE, GN, HESSIAN, KFAC, EKFAC)
 SOLVERS = ("auto", "dense", "cg")
 
 
@@ -86,9 +86,9 @@ def fit_exact(
 class Timed:
     """A preconditioner with the seconds its fit took, and the curvature's name."""
 
-    def __init__(self, inner, curvature: str, damping: float | None, seconds: float):
+    def __init__(self, inner, curvature: str, damping: float | None, seconds: float, why: str = ""):
         self.inner, self.curvature, self.seconds = inner, curvature, seconds
-        self.damping = damping
+        self.damping, self.why = damping, why
 
     def refs(self, refs: dict) -> dict:
         start = time.perf_counter()
@@ -98,14 +98,29 @@ class Timed:
 
     def describe(self) -> dict:
         described = {"damping": self.damping} | self.inner.describe()
-        return described | {"curvature": self.curvature, "seconds": self.seconds}
+        return described | {"curvature": self.curvature, "why": self.why, "seconds": self.seconds}
+
+
+def chosen(curvature: str, solver: str, parameters: int) -> tuple[str, str]:
+    """What ``auto`` fits for a selection of ``parameters`` numbers, and why: the exact
+    Gauss-Newton inverse where its dense matrix fits the budget (or ``--solver cg`` asks for
+    it), else EK-FAC, the scalable curvature (its LDS on the benchmarks: the docs' curvature
+    guide); any other name as it is."""
+    if curvature != AUTO:
+        return curvature, "asked for"
+    if solver == "cg" or parameters * parameters * 8 <= BUDGET_BYTES:
+        return GN, f"auto: {parameters} parameters, the dense Gauss-Newton matrix fits"
+    return EKFAC, f"auto: {parameters} parameters, too many for the dense Gauss-Newton matrix"
 
 
 def fit_curvature(job, curvature: str, solver: str = "auto", damping: float | None = None) -> Timed:
-    """The curvature named by ``--curvature`` over the job's data, timed."""
+    """The curvature named by ``--curvature`` (``auto``: ``chosen``'s) over the job's data,
+    timed."""
     from ..io.data import open_dataset
     from . import compute_factors
 
+    parameters = sum(p.param.numel() for p in job.engine.plan.included)
+    curvature, why = chosen(curvature, solver, parameters)
     damping = resolve_damping(curvature, damping)
     start = time.perf_counter()
     if curvature in (KFAC, EKFAC):
@@ -122,4 +137,4 @@ def fit_curvature(job, curvature: str, solver: str = "auto", damping: float | No
                 yield job.to_device(batch)
 
         inner = fit_exact(job.engine, batches, curvature, solver, damping)
-    return Timed(inner, curvature, damping, time.perf_counter() - start)
+    return Timed(inner, curvature, damping, time.perf_counter() - start, why)

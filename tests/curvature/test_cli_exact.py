@@ -194,3 +194,32 @@ def test_the_default_curvature_is_one_constant(tmp_path, monkeypatch) -> None:
     meta = read_metadata(tmp_path / "p.parquet")["influence"]
     assert meta["curvature"] == "none" and meta["curvatures"] == []
     assert meta["precondition"]["kind"] == "kfac"
+
+
+def test_auto_fits_the_exact_gauss_newton_where_it_fits(tmp_path) -> None:
+    """--curvature auto on a small model: the dense Gauss-Newton inverse at its damping, said
+    so in the metadata; in Python too."""
+    import gradscope
+
+    cfg = project(tmp_path, "cross_entropy")
+    out = tmp_path / "s.parquet"
+    _invoke("influence", cfg, "--ref", tmp_path / "ref.pt", "--out", out, "--curvature", "auto")
+    (fit,) = read_metadata(out)["influence"]["curvatures"]
+    assert fit["curvature"] == "gn" and fit["solver"] == "dense"
+    assert fit["why"] == "auto: 75 parameters, the dense Gauss-Newton matrix fits"
+    expected = oracle(tmp_path, "cross_entropy", ALL, factor=DAMPING["gn"])
+    assert_columns_close(pd.read_parquet(out)["influence"].to_numpy().reshape(N, -1), expected)
+    net, fn, x, y, xr, yr = problem(tmp_path, "cross_entropy")
+    api = gradscope.per_example_influence(net, x, y, xr, yr, loss="cross_entropy",
+                                          curvature="auto")  # fmt: skip
+    assert_columns_close(api.numpy()[:, None], expected)
+
+
+def test_auto_takes_ekfac_where_the_dense_matrix_does_not_fit() -> None:
+    from gradscope.curvature.fitted import chosen
+
+    assert chosen("auto", "auto", 16384) == ("gn", "auto: 16384 parameters, the dense "
+                                            "Gauss-Newton matrix fits")  # fmt: skip
+    assert chosen("auto", "auto", 16385)[0] == "ekfac"
+    assert chosen("auto", "cg", 10**6)[0] == "gn"  # CG asked for: the exact inverse, solved
+    assert chosen("hessian", "auto", 10**6) == ("hessian", "asked for")
