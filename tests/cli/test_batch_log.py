@@ -258,7 +258,8 @@ def test_index_and_query_are_logged(tmp_path, monkeypatch):
     make_project(tmp_path)
     monkeypatch.chdir(tmp_path)
     torch.save(torch.load("data.pt"), "ref.pt")
-    for args in (["index", "config.yaml", "--out", "idx"], ["query", "idx", "--ref", "ref.pt"]):
+    query = ["query", "idx", "--ref", "ref.pt", "--config", "config.yaml"]
+    for args in (["index", "config.yaml", "--out", "idx"], query):
         out = lines(runner.invoke(app, args))
         assert out[0].startswith("started ") and out[-1].startswith("finished "), out
 
