@@ -24,7 +24,7 @@ lint: $(VENV)/.installed
 
 # the documentation site, every link and anchor checked; references generated from the code
 docs: $(VENV)/.installed
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 	@# served offline: no page loads a font, script or style from another site
 	@! grep -rlE '(src|href)="https?://' site --include='*.html'
 

@@ -118,6 +118,14 @@ COLUMNS = (
         "the model predicts another class. NaN where the target is `ignore_index`.",
     ),
     Column(
+        "robust_z",
+        "float64",
+        "always",
+        "Robust z, `(x − median) / (1.4826 · MAD)`, of the file's ranked score (`influence`, "
+        "else `self_influence`, else `grad_norm`) over the file's finite rows; NaN where the "
+        "row is not finite. The tables show the same for the column they rank by.",
+    ),
+    Column(
         "class_z",
         "float64",
         "targets that are class labels (at most 100 distinct integers)",

@@ -157,7 +157,7 @@ def check_config(
         batch, skipped = _finite(job, next(open_dataset(cfg.data).batches(examples, examples)))
         reference = batch
         if ref is not None:
-            rows = next(open_dataset(cfg.data, ref).batches(examples, examples))
+            rows = next(open_dataset(cfg.data, ref, "--ref").batches(examples, examples))
             with reading(f"--ref {ref}"):
                 reference, _ = _finite(job, rows, ref)
         report = compare_with_loop(job.engine, *batch)

@@ -23,7 +23,7 @@ from .io.files import file_sha256
 from .io.lock import OutputLock
 from .io.parquet import PartialRun, partial_path
 from .job import Job, resolve_device
-from .outliers import class_z, default_score, is_labels
+from .outliers import Spread, class_z, default_score, is_labels
 from .scorers import Inputs, NormsScorer, Scorer
 
 
@@ -194,7 +194,7 @@ def score_dataset(
             metadata = job.metadata(scorer.command) | scorer.metadata()
             if cfg.output.metadata == "minimal":
                 metadata = minimal(metadata)
-            return run.assemble(count, metadata, lambda: _class_z(run, count))
+            return run.assemble(count, metadata, lambda: _standardised(run, count))
         except KeyboardInterrupt:  # (or SIGTERM) outside a batch: hashing, loading, assembling
             saved = len(list(partial_path(cfg.output.path).glob("part-*.parquet")))
             if not saved:
@@ -206,15 +206,17 @@ def score_dataset(
             ) from None
 
 
-def _class_z(run: PartialRun, parts: int) -> dict[str, np.ndarray]:
-    """``class_z``, the robust z of the score the file ranks by within each target class, when
-    the targets are class labels."""
-    target = run.column("target", parts)
-    if not is_labels(target):
-        return {}
+def _standardised(run: PartialRun, parts: int) -> dict[str, np.ndarray]:
+    """``robust_z``, the robust z of the score the file ranks by over the finite rows, and
+    ``class_z``, the same within each target class when the targets are class labels."""
     score = default_score(run.names())
     values = run.column(score, parts).astype(np.float64)
-    return {"class_z": class_z(values, np.isfinite(values) & run.column("finite", parts), target)}
+    ok = np.isfinite(values) & run.column("finite", parts)
+    robust = np.where(ok, Spread.of(values[ok]).z(values), np.nan)
+    target = run.column("target", parts)
+    if not is_labels(target):
+        return {"robust_z": robust}
+    return {"robust_z": robust, "class_z": class_z(values, ok, target)}
 
 
 def _score(

@@ -40,12 +40,17 @@ class FittedTable:
     keep: int = 1
     options: dict[str, Any] = field(default_factory=dict)  # more Table arguments (show_edge)
 
-    def _table(self, names: list[str], stacked: bool, first: bool, last: bool) -> Table:
-        table = Table(
-            title=self.title if first else None,
-            caption=self.caption if last else None,
-            **self.options,
-        )
+    def _table(
+        self, names: list[str], stacked: bool, first: bool, last: bool, width: int = 0
+    ) -> Table:
+        """One table; at least as wide as its title and caption, up to ``width``, so that a
+        table narrower than its words does not break them over lines."""
+        title, caption = self.title if first else None, self.caption if last else None
+        words = max(len(title or ""), len(caption or ""))
+        return self._filled(Table(title=title, caption=caption, min_width=min(words, width),
+                                  **self.options), names, stacked)  # fmt: skip
+
+    def _filled(self, table: Table, names: list[str], stacked: bool) -> Table:
         for name in names:
             table.add_column(_stacked(name) if stacked else name, justify="right", overflow="fold")
         for row in zip(*(self.columns[n] for n in names), strict=True):
@@ -73,8 +78,8 @@ class FittedTable:
         names = list(self.columns)
         for stacked in (False, True):
             if fits(names, stacked):
-                yield self._table(names, stacked, True, True)
+                yield self._table(names, stacked, True, True, width)
                 return
         blocks = self._blocks(width, fits)
         for n, block in enumerate(blocks):
-            yield self._table(block, True, n == 0, n == len(blocks) - 1)
+            yield self._table(block, True, n == 0, n == len(blocks) - 1, width)

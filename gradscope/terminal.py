@@ -3,8 +3,10 @@ bar; off a terminal (a batch job's log), a first and a last line and a progress 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,7 +29,42 @@ from rich.text import Text
 WIDE = 100_000  # columns of output that is not a terminal: no table is ever cut to fit
 LOG_EVERY = 30.0  # seconds between progress lines off a terminal
 
-console = Console()
+
+class _Stdout:
+    """``sys.stdout`` as it is at each write (a test's runner swaps it); once its reader has
+    gone (``gradscope norms --report | head -3``), nothing: the run goes on to write its files
+    and ends as it would have, its printed lines dropped."""
+
+    gone = False
+
+    def write(self, text: str) -> int:
+        if not self.gone:
+            try:
+                return sys.stdout.write(text)
+            except BrokenPipeError:
+                self._gone()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.gone:
+            try:
+                sys.stdout.flush()
+            except BrokenPipeError:
+                self._gone()
+
+    def _gone(self) -> None:
+        """Stdout's file made /dev/null, so that the interpreter's last flush finds no pipe."""
+        self.gone = True
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+
+    def __getattr__(self, name: str):
+        return getattr(sys.stdout, name)
+
+
+console = Console(file=_Stdout())
 if not console.is_terminal:  # a log, a pipe, CI: every number and name whole, not cut to 80
     console.width = WIDE
 
@@ -103,8 +140,8 @@ class _LogLines:
         else:
             done = f"{self.rows:,} rows"
         line = f"{self.command}: {done} in {duration(now - self.start)}, {rate:,.0f} rows/s"
-        if self.total:
-            line += f", about {duration(max(self.total - self.rows, 0) / rate)} left"
+        if self.total and self.rows < self.total:
+            line += f", about {duration((self.total - self.rows) / rate)} left"
         console.print(line)
 
 

@@ -71,13 +71,14 @@ def config_keys(cls: type | None = None, prefix: str = "") -> list[tuple[str, An
     """(key path, type hint, default, doc) of every key of the config file, depth first; a list
     of mappings contributes ``key[].field`` rows after its own."""
     from gradscope.config import Config
+    from gradscope.config.typed import section
 
     cls = cls or Config
     hints, docs, rows = get_type_hints(cls), field_docs(cls), []
     for f in _keys(cls):
         key, hint = f"{prefix}{f.name}", hints[f.name]
-        if dataclasses.is_dataclass(hint):
-            rows += config_keys(hint, f"{key}.")
+        if section(hint):  # a section, also one that may be left out (train)
+            rows += config_keys(section(hint), f"{key}.")
             continue
         rows.append((key, hint, _default_of(f), docs.get(f.name, "")))
         if _item(hint):
@@ -100,6 +101,7 @@ def _default(value: Any) -> str:
 def config_reference() -> str:
     """One table per section of the config file, in the dataclasses' order."""
     from gradscope.config import Config
+    from gradscope.config.typed import section as of
 
     sections: dict[str, list[str]] = {"": []}  # the top-level keys first
     for key, hint, default, doc in config_keys():
@@ -111,7 +113,7 @@ def config_reference() -> str:
     out = []
     for section, rows in sections.items():
         if section:
-            about = markdown(hints[section].__doc__ or "").split(": ", 1)[-1]
+            about = markdown(of(hints[section]).__doc__ or "").split(": ", 1)[-1]
             out += [f"### `{section}`", "", about[:1].upper() + about[1:]]
         else:
             out += ["### Top-level keys", ""]
@@ -122,12 +124,13 @@ def config_reference() -> str:
 def config_skeleton() -> str:
     """Every key of the config file with its default, as YAML (required keys marked)."""
     from gradscope.config import Config
+    from gradscope.config.typed import section
 
     def mapping(cls: type) -> dict:
         hints, out = get_type_hints(cls), {}
         for f in _keys(cls):
-            if dataclasses.is_dataclass(hints[f.name]):
-                out[f.name] = mapping(hints[f.name])
+            if section(hints[f.name]):
+                out[f.name] = mapping(section(hints[f.name]))
             else:
                 default = _default_of(f)
                 out[f.name] = "REQUIRED" if default is dataclasses.MISSING else default

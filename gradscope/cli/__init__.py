@@ -3,13 +3,14 @@
 
 import sys
 
-from .app import app
+from .app import Logged, app
 from .indexing import index, query
 from .reports import report, summary
 from .scoring import check, factors, influence, norms
+from .training import train
 
-for command in (norms, influence, check, factors, index, query, summary, report):
-    app.command()(command)
+for command in (norms, influence, check, factors, index, query, summary, report, train):
+    app.command(cls=Logged)(command)
 
 __all__ = ["app", "main"]
 

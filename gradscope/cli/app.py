@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from .. import terminal
 from ..errors import GradscopeError, Interrupted
@@ -22,33 +22,49 @@ if not os.environ.get("GRADSCOPE_DEBUG"):  # torch's C++ log lines (c10d's retri
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 
 
-LOGGED = ("norms", "influence", "factors", "check")  # commands that run a model over data
+LOGGED = ("norms", "influence", "factors", "check", "train", "index", "query")  # run a model
 
 
 class _ErrorBoundary(TyperGroup):
-    """The one place errors become exit codes: a user-fixable error is one line and status 2.
-    Off a terminal, the commands that run a model log their start and their elapsed time."""
+    """The one place errors become exit codes: a user-fixable error, a bad command line
+    included, is one line and status 2."""
 
     def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
         ctx.meta["argv"] = list(args)  # the command line as given, for the log's first line
         return super().parse_args(ctx, args)
 
     def invoke(self, ctx: typer.Context):
-        argv = ctx.meta.get("argv", [])
-        log = terminal.logged(argv) if argv[:1] and argv[0] in LOGGED else nullcontext()
         try:
             try:
-                with warnings.catch_warnings(), log:
+                with warnings.catch_warnings():
                     if not os.environ.get("GRADSCOPE_DEBUG"):  # torch's, libraries': none ours
                         warnings.simplefilter("ignore")
                     return super().invoke(ctx)
             except KeyboardInterrupt:  # before any example was saved (loading the model, REF)
                 raise Interrupted(Interrupted.BEFORE_START) from None
+            except typer.TyperException as e:  # a missing option, an unknown one, a bad value
+                if getattr(e, "exit_code", None) != 2 or not hasattr(e, "format_message"):
+                    raise
+                what = e.format_message().rstrip(".")
+                ctx = getattr(e, "ctx", None)  # the program's name as it is installed
+                command = " ".join(["gradscope", *(ctx.command_path.split()[1:] if ctx else [])])
+                raise GradscopeError(what[:1].lower() + what[1:], f"{command} --help") from None
         except GradscopeError as e:
             if os.environ.get("GRADSCOPE_DEBUG"):
                 raise
             Console(stderr=True).print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
+
+
+class Logged(TyperCommand):
+    """A command; off a terminal, one that runs a model logs its start and its elapsed time,
+    once its command line has parsed (not for --help, nor for a command line it refuses)."""
+
+    def invoke(self, ctx: typer.Context):
+        argv = ctx.find_root().meta.get("argv", [])
+        logged = self.name in LOGGED
+        with terminal.logged(argv) if logged else nullcontext():
+            return super().invoke(ctx)
 
 
 app = typer.Typer(

@@ -6,6 +6,8 @@ from .load import config_from_dict, default_pad, load_config, output_path, with_
 from .schema import (
     DEVICES,
     DTYPES,
+    OPTIMIZERS,
+    SCHEDULES,
     CheckpointConfig,
     Config,
     DataConfig,
@@ -16,11 +18,14 @@ from .schema import (
     ParamsConfig,
     ReportConfig,
     SummaryConfig,
+    TrainConfig,
 )
 
 __all__ = [
     "DEVICES",
     "DTYPES",
+    "OPTIMIZERS",
+    "SCHEDULES",
     "CheckpointConfig",
     "Config",
     "DataConfig",
@@ -31,6 +36,7 @@ __all__ = [
     "ParamsConfig",
     "ReportConfig",
     "SummaryConfig",
+    "TrainConfig",
     "config_from_dict",
     "default_pad",
     "load_config",

@@ -71,6 +71,10 @@ def load_config(path: str | Path) -> Config:
         ),
         output=dataclasses.replace(cfg.output, path=output_path(cfg.output.path, base, str(path))),
         report=dataclasses.replace(cfg.report, tokenizer=resolve(cfg.report.tokenizer, base)),
+        train=cfg.train
+        and dataclasses.replace(
+            cfg.train, init=resolve(cfg.train.init, base), fn=resolve(cfg.train.fn, base)
+        ),
     )
     validate(cfg)
     pad = dict(cfg.data.pad)

@@ -8,6 +8,8 @@ from typing import Any
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULES = ("constant", "linear", "cosine")
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,58 @@ class ReportConfig:
 
 
 @dataclass(frozen=True)
+class TrainConfig:
+    """``train``: how the model was trained, so that gradscope can train it again
+    (``gradscope train``, and the retrains ``gradscope validate`` measures scores against)."""
+
+    optimizer: str = "sgd"
+    """``sgd``, ``adam`` or ``adamw``, with PyTorch's update rules."""
+    lr: float = 0.1
+    """The peak learning rate."""
+    momentum: float = 0.0
+    """``sgd`` only: the momentum factor."""
+    nesterov: bool = False
+    """``sgd`` only: Nesterov momentum."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """``adam``/``adamw`` only: the decay rates of the first and second moments."""
+    eps: float = 1e-8
+    """``adam``/``adamw`` only: added to the second moment's square root."""
+    weight_decay: float = 0.0
+    """``sgd``/``adam``: an L2 term added to the gradient; ``adamw``: decoupled decay."""
+    schedule: str = "constant"
+    """``constant``, ``linear`` (to 0 at the last step) or ``cosine`` (to 0 at the last step),
+    after the warm-up."""
+    warmup: int = 0
+    """Steps of linear warm-up from 0 to ``lr``."""
+    epochs: int | None = None
+    """Passes over the training rows; unset with ``steps`` unset: 1."""
+    steps: int | None = None
+    """Optimizer steps instead of ``epochs``; the rows are passed over as often as that takes."""
+    batch_size: int | None = None
+    """Rows per optimizer step; unset: ``data.batch_size``. The last batch of a pass may be
+    smaller."""
+    seed: int = 0
+    """Seeds the initialisation, the order of the rows and any dropout the model draws."""
+    shuffle: bool = True
+    """A new order of the rows for each pass, drawn from ``seed``; false: the data's order."""
+    clip: float | None = None
+    """Clip the gradient's global L2 norm to this before each step."""
+    init: str | None = None
+    """A state dict to start from (fine-tuning), as ``model.checkpoint`` takes; unset: the
+    factory's own initialisation under ``seed`` (a Hugging Face ``model.pretrained`` folder's
+    weights, when it names one). ``model.checkpoint`` is never read: it is what training makes."""
+    save_every: int | None = None
+    """Also write a checkpoint every K epochs beside the final one (``model.epochK.pt``), for
+    TracIn over ``model.checkpoints``."""
+    fn: str | None = None
+    """``file.py:train``: your own loop instead of the recipe, for loops gradscope does not know
+    (a Hugging Face ``Trainer``, Lightning). Called as ``fn(model, rows, seed)`` with the freshly
+    built model, the 0-based positions in ``data.path`` of the rows to train on (a sorted int64
+    array) and the seed; it trains the model in place (returning None) or returns the trained
+    model. The other keys but ``seed`` and ``init`` are then unused."""
+
+
+@dataclass(frozen=True)
 class Config:
     """A gradscope config file. Relative paths are relative to the folder holding it."""
 
@@ -190,6 +244,8 @@ class Config:
     """The outlier tables printed after a run."""
     report: ReportConfig = field(default_factory=ReportConfig)
     """How the HTML report shows each example."""
+    train: TrainConfig | None = None
+    """How to train the model again: ``gradscope train`` and ``gradscope validate``."""
     source: str = ""  # the config file, for error messages; not a YAML key
 
     def to_dict(self) -> dict[str, Any]:

@@ -61,6 +61,14 @@ def _plural(hint: Any) -> str:
     )
 
 
+def section(hint: Any) -> type | None:
+    """The dataclass a key holds, also where it is optional (``TrainConfig | None``)."""
+    if get_origin(hint) in (Union, types.UnionType):
+        found = [h for h in get_args(hint) if dataclasses.is_dataclass(h)]
+        return found[0] if found else None
+    return hint if dataclasses.is_dataclass(hint) else None
+
+
 def _takes_list(hint: Any) -> bool:
     if get_origin(hint) in (Union, types.UnionType):
         return any(_takes_list(h) for h in get_args(hint))
@@ -90,8 +98,9 @@ def build(cls: type, raw: Any, path: str, source: str) -> Any:
                 raise ConfigError(f"missing required key '{key}'", source)
             continue
         value, hint = raw[f.name], hints[f.name]
-        if dataclasses.is_dataclass(hint):
-            values[f.name] = build(hint, value, key, source)
+        holds = section(hint)
+        if holds is not None and (value is not None or holds is hint):
+            values[f.name] = build(holds, value, key, source)
             continue
         if isinstance(value, str) and not _type_ok(value, hint) and _takes_list(hint):
             value = [value]  # a single name is a list of one

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from ..errors import ConfigError
-from .schema import DEVICES, DTYPES, Config
+from .schema import DEVICES, DTYPES, OPTIMIZERS, SCHEDULES, Config, TrainConfig
 
 
 def validate(cfg: Config) -> None:
@@ -61,6 +61,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("'data.inputs' must name at least one input", source)
     _validate_hf(cfg)
     _validate_distributed(cfg)
+    if cfg.train is not None:
+        _validate_train(cfg.train, source)
 
 
 def _validate_checkpoints(cfg: Config) -> None:
@@ -122,3 +124,38 @@ def _validate_hf(cfg: Config) -> None:
             )
         if not math.isfinite(value):
             raise ConfigError(f"'data.pad.{column}' must be a finite number, got {value}", source)
+
+
+def _validate_train(train: TrainConfig, source: str) -> None:
+    """``train``: a recipe PyTorch's optimizers take, and a run of at least one step."""
+    for key, value, allowed in (
+        ("optimizer", train.optimizer, OPTIMIZERS),
+        ("schedule", train.schedule, SCHEDULES),
+    ):
+        if value not in allowed:
+            raise ConfigError(
+                f"'train.{key}' must be one of {', '.join(allowed)}, got {value!r}", source
+            )
+    numbers = {"lr": train.lr, "momentum": train.momentum, "eps": train.eps,
+               "weight_decay": train.weight_decay}  # fmt: skip
+    for key, value in numbers.items():
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"'train.{key}' must be a finite number >= 0, got {value}", source)
+    if len(train.betas) != 2 or not all(0 <= b < 1 for b in train.betas):
+        raise ConfigError(f"'train.betas' must be two numbers in [0, 1), got {train.betas}", source)
+    if train.clip is not None and not (math.isfinite(train.clip) and train.clip > 0):
+        raise ConfigError(f"'train.clip' must be a positive number, got {train.clip}", source)
+    if train.epochs is not None and train.steps is not None:
+        raise ConfigError("set train.epochs or train.steps, not both", source)
+    for key in ("epochs", "steps", "batch_size", "save_every"):
+        value = getattr(train, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"'train.{key}' must be at least 1, got {value}", source)
+    if train.warmup < 0:
+        raise ConfigError(f"'train.warmup' must be at least 0, got {train.warmup}", source)
+    if train.nesterov and (train.optimizer != "sgd" or train.momentum == 0):
+        raise ConfigError("'train.nesterov' needs optimizer sgd with a momentum > 0", source)
+    if train.save_every is not None and train.fn is not None:
+        raise ConfigError("'train.save_every' is the recipe's; train.fn saves its own", source)
+    if train.fn is not None and ":" not in train.fn:
+        raise ConfigError(f"'train.fn' must be file.py:function, got {train.fn!r}", source)

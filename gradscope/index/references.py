@@ -35,7 +35,9 @@ class References:
     ):
         self.job, self.projector, self.per_ref = job, projector, per_ref
         # REF is read with the data's input and target names; its rows need no ids
-        self.data = open_dataset(dataclasses.replace(job.cfg.data, ids=None, limit=None), ref)
+        self.data = open_dataset(
+            dataclasses.replace(job.cfg.data, ids=None, limit=None), ref, "--ref"
+        )
         self.count = len(self.data) if per_ref else 1
         self.pre = None
         if precondition is not None:

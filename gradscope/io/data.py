@@ -19,9 +19,10 @@ from .selection import Selection, is_glob
 from .sources import Source, file_source, function_source, read_source
 
 
-def shard_paths(path: str | Sequence[str]) -> list[str]:
+def shard_paths(path: str | Sequence[str], what: str = "data file") -> list[str]:
     """A file, a glob, a ``save_to_disk`` folder or a list of them -> the files in order (each
-    glob's matches sorted, a folder's .arrow files in the dataset's order)."""
+    glob's matches sorted, a folder's .arrow files in the dataset's order). ``what`` names the
+    files in errors."""
     specs = [path] if isinstance(path, str) else list(path)
     files: list[str] = []
     for spec in specs:
@@ -32,7 +33,7 @@ def shard_paths(path: str | Sequence[str]) -> list[str]:
         elif is_glob(spec) and ".py:" not in spec and not Path(spec).exists():
             matches = sorted(glob.glob(spec))
             if not matches:
-                raise DataError("no data file matches the pattern", spec)
+                raise DataError(f"no {what} matches the pattern", spec)
             files.extend(matches)
         else:
             files.append(spec)
@@ -142,14 +143,20 @@ class Dataset:
         return found
 
 
-def open_dataset(cfg: DataConfig, path: str | Sequence[str] | None = None) -> Dataset:
-    """Open ``path`` (default: ``data.path``) with the columns named in ``cfg``."""
+def open_dataset(
+    cfg: DataConfig, path: str | Sequence[str] | None = None, key: str = "data.path"
+) -> Dataset:
+    """Open ``path`` (default: ``data.path``) with the columns named in ``cfg``; ``key`` is the
+    option that names it (``--ref``), as errors name it."""
     path = path or cfg.path
+    what = "data file" if key == "data.path" else f"{key} file"
     where = path if isinstance(path, str) else ", ".join(path)
     columns = Selection(cfg.inputs, cfg.targets, cfg.ids, cfg.pad)
     sources = []
-    for spec in shard_paths(path):
-        sources.append(function_source(spec, columns) if ".py:" in spec else file_source(spec))
+    for spec in shard_paths(path, what):
+        sources.append(
+            function_source(spec, columns, key) if ".py:" in spec else file_source(spec, what)
+        )
     if len(sources) == 1 and sources[0].whole:
         # a single table read whole anyway: read it now, so its size and columns are known
         only = sources[0]

@@ -228,19 +228,13 @@ def _load_checkpoint(model: nn.Module, cfg: ModelConfig, trust_checkpoint: bool)
         raise ModelError(
             f"checkpoint does not fit the model: {'; '.join(parts)}{hint}", cfg.checkpoint
         )
-    for k, v in expected.items():
-        if tuple(state[k].shape) != tuple(v.shape):
-            raise ModelError(
-                f"checkpoint does not fit the model: {k} has shape {tuple(state[k].shape)}, "
-                f"the model expects {tuple(v.shape)}",
-                cfg.checkpoint,
-            )
-        if state[k].is_floating_point() != v.is_floating_point():
-            raise ModelError(
-                f"checkpoint does not fit the model: {k} is {_dtype(state[k])}, the model "
-                f"expects {_dtype(v)}",
-                cfg.checkpoint,
-            )
+    unfit = [_unfit(k, state[k], v) for k, v in expected.items()]
+    unfit = [u for u in unfit if u]
+    if unfit:
+        more = f"; and {len(unfit) - 5} more" if len(unfit) > 5 else ""
+        raise ModelError(
+            f"checkpoint does not fit the model: {'; '.join(unfit[:5])}{more}", cfg.checkpoint
+        )
     model.load_state_dict(state)
     floats = {v.dtype for v in state.values() if v.is_floating_point()}
     return model.to(floats.pop()) if len(floats) == 1 else model  # dtype: null keeps the file's
@@ -255,6 +249,15 @@ def _fitting_prefix(state: dict[str, Any], expected: dict[str, Any]) -> str | No
         every = all(k.startswith(prefix) for k in state)
         if every and {k.removeprefix(prefix) for k in state} <= expected.keys():
             return prefix
+    return None
+
+
+def _unfit(key: str, saved: torch.Tensor, expected: torch.Tensor) -> str | None:
+    """How one tensor of the checkpoint does not fit the model's, or None."""
+    if tuple(saved.shape) != tuple(expected.shape):
+        return f"{key} has shape {tuple(saved.shape)}, the model expects {tuple(expected.shape)}"
+    if saved.is_floating_point() != expected.is_floating_point():
+        return f"{key} is {_dtype(saved)}, the model expects {_dtype(expected)}"
     return None
 
 

@@ -29,8 +29,9 @@ from ..errors import DataError, one_line
 METADATA_KEY = b"gradscope"
 MANIFEST = "manifest.json"
 RUN_KEY = b"gradscope_run"  # in each part: the sha256 of its run's fingerprint
-# what a run writes in its partial folder: the manifest, the parts, their temporary names
-RUN_FILE = re.compile(r"\.?(manifest\.json|part-\d+\.parquet)(.*\.tmp)?")
+# what a run writes in its partial folder: the manifest, the parts (or a training run's state),
+# their temporary names
+RUN_FILE = re.compile(r"\.?(manifest\.json|part-\d+\.parquet|state\.pt)(.*\.tmp)?")
 
 
 def partial_path(path: str | Path) -> Path:
@@ -242,8 +243,12 @@ class PartialRun:
             raise DataError(
                 f"the batches' columns do not fit one table: {one_line(e)}", str(self.dir)
             ) from e
-        shutil.rmtree(self.dir, ignore_errors=True)  # the output is whole: what stays is litter
+        self.finish()
         return self.path
+
+    def finish(self) -> None:
+        """The output is whole: the partial folder is litter now, and goes."""
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _array(values: Any) -> pa.Array:

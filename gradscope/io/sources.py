@@ -68,12 +68,12 @@ class Source:
     whole: bool = False  # read in one piece (.pt, .npz): its size is known only once read
 
 
-def file_source(path: str) -> Source:
+def file_source(path: str, what: str = "data file") -> Source:
     from .arrow import arrow_source_parts, record_columns
 
     file = Path(path)
     if not file.is_file():
-        raise DataError("data file not found", str(file))
+        raise DataError(f"{what} not found", str(file))
     if lfs_pointer(file):
         raise DataError(LFS_POINTER, str(file))
     suffix = file.suffix.lower()
@@ -141,9 +141,9 @@ def file_source(path: str) -> Source:
     )
 
 
-def function_source(spec: str, columns: Selection) -> Source:
+def function_source(spec: str, columns: Selection, key: str = "data.path") -> Source:
     """``file.py:fn`` returning a dict of columns, a map-style Dataset or an IterableDataset."""
-    made = import_object(spec, "data.path")()
+    made = import_object(spec, key)()
     if isinstance(made, dict):
         return Source(spec, len(next(iter(made.values()), [])), lambda _: iter([made]))
     where = spec

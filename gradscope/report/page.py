@@ -7,6 +7,7 @@ from pathlib import Path
 
 import jinja2
 import numpy as np
+import pyarrow.parquet as pq
 
 from .. import __version__
 from ..config import Config
@@ -155,6 +156,12 @@ def write_report(
             "the data changed since it was scored (its sha256 differs from the one the scores "
             "file records): the examples shown would not be the ones scored; score it again",
             str(cfg.data.path),
+        )
+    if cfg and "example_id" not in pq.read_schema(scores).names:
+        raise DataError(
+            "the scores file has no example_id column (did another tool drop it?): --config "
+            "cannot find the examples to show; restore it, or leave --config out",
+            str(scores),
         )
     page = render(scores, cfg, by, top_k).encode("utf-8")
     replace_atomically(target, lambda f: f.write(page), "the report")

@@ -89,9 +89,10 @@ def leading_names(cfg: Config) -> list[str]:
 
 def trailing_names(cfg: Config) -> list[str]:
     """The columns every row may end with: the target, the model's prediction for
-    classification losses, ``class_z`` (added when the file is assembled) and ``finite``."""
+    classification losses, ``robust_z`` and ``class_z`` (added when the file is assembled) and
+    ``finite``."""
     predicted = list(COLUMNS) if predictions(cfg.loss.name) else []
-    return ["target", *predicted, "class_z", "finite"]
+    return ["target", *predicted, "robust_z", "class_z", "finite"]
 
 
 def all_finite(*values: Tensor) -> Tensor:

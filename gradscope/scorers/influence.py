@@ -70,7 +70,9 @@ class InfluenceScorer(Scorer):
     def setup(self, job: Job) -> None:
         """Read REF and compute the reference gradients (under torchrun: on rank 0, then shared)."""
         # REF is read with the same input and target names; its rows need no ids
-        ref_data = open_dataset(dataclasses.replace(job.cfg.data, ids=None, limit=None), self.ref)
+        ref_data = open_dataset(
+            dataclasses.replace(job.cfg.data, ids=None, limit=None), self.ref, "--ref"
+        )
         if self.per_ref and len(ref_data) > MAX_PER_REF:
             raise DataError(
                 f"--per-ref writes one row per (example, reference) pair and takes at most "

@@ -178,6 +178,16 @@ CASES = [
         "net.pt",
     ),
     (
+        "checkpoint-shapes-all-named",
+        lambda r: edit_checkpoint(
+            r, lambda s: s.update({"fc1.bias": torch.zeros(9), "fc2.weight": torch.zeros(3, 2)})
+        ),
+        [],
+        "checkpoint does not fit the model: fc1.bias has shape (9,), the model expects (8,); "
+        "fc2.weight has shape (3, 2), the model expects (3, 8)",
+        "net.pt",
+    ),
+    (
         "no-inputs-column",
         lambda r: edit_config(r, lambda c: c["data"].update(inputs="features")),
         [],
@@ -405,7 +415,7 @@ def test_missing_ref_file(tmp_path):
     result = runner.invoke(app, ["influence", str(config), "--ref", str(tmp_path / "nope.pt")])
     assert result.exit_code == 2
     (line,) = result.stderr.strip().splitlines()
-    assert line.startswith("error: data file not found") and "nope.pt" in line
+    assert line.startswith("error: --ref file not found") and "nope.pt" in line
 
 
 def test_ids_with_a_missing_value_in_a_later_row_group(tmp_path):

@@ -45,8 +45,9 @@ def test_a_log_starts_with_the_command_and_ends_with_the_elapsed_time(tmp_path, 
     rows = [4, 8, 12, 16, 20, 23]
     assert [int(re.match(r"norms: (\d+) of 23 rows", p)[1]) for p in progress] == rows
     shape = r"norms: \d+ of 23 rows \(\d+%\) in \d+\.\d s, [\d,]+ rows/s, about \d+\.\d s left"
-    assert all(re.fullmatch(shape, p) for p in progress), progress
-    assert progress[-1].startswith("norms: 23 of 23 rows (100%)")
+    assert all(re.fullmatch(shape, p) for p in progress[:-1]), progress
+    done = r"norms: 23 of 23 rows \(100%\) in \d+\.\d s, [\d,]+ rows/s"  # nothing left
+    assert re.fullmatch(done, progress[-1]), progress[-1]
     assert out[-2] == "wrote scores.parquet"
 
 
@@ -82,7 +83,7 @@ def test_a_by_typo_fails_before_the_run(tmp_path):
     assert result.exit_code == 2, result.output
     assert result.stderr.strip().splitlines() == [
         "error: no column 'gradnorm' to rank by; this run writes example_id, loss, grad_norm, "
-        "target, pred, prob, margin, class_z, finite (--by)"
+        "target, pred, prob, margin, robust_z, class_z, finite (--by)"
     ]
     assert [p.name for p in tmp_path.iterdir() if "scores" in p.name] == []  # nothing ran
     ok = runner.invoke(app, ["norms", str(config), "--per-layer", "--by", "grad_norm/fc1:low"])
@@ -228,3 +229,62 @@ def test_tables_at_80_columns_break_no_word(tmp_path, width):
     cells = [c.strip() for line in text.splitlines() if "│" in line for c in line.split("│")]
     wide_cells = {c.strip() for line in wide.splitlines() if "│" in line for c in line.split("│")}
     assert set(cells) <= wide_cells  # no number broken over two lines
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["influence", "{config}"], "error: missing option '--ref' (gradscope influence --help)"),
+        (["norms"], "error: missing argument 'CONFIG' (gradscope norms --help)"),
+        (["norms", "{config}", "--top-k", "x"], "error: invalid value for '--top-k'"),
+        (["norms", "{config}", "--nope"], "error: no such option: --nope"),
+        (["nonsense"], "error: no such command 'nonsense' (gradscope --help)"),
+    ],
+)
+def test_a_bad_command_line_is_one_error_line_and_no_log(tmp_path, args, error):
+    config = make_project(tmp_path)
+    result = runner.invoke(app, [a.format(config=config) for a in args])
+    assert result.exit_code == 2 and result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(error), line
+
+
+def test_help_starts_no_log(tmp_path):
+    result = runner.invoke(app, ["influence", "--help"])
+    assert result.exit_code == 0 and result.stdout.startswith("Usage: root influence")
+
+
+def test_index_and_query_are_logged(tmp_path, monkeypatch):
+    make_project(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    torch.save(torch.load("data.pt"), "ref.pt")
+    for args in (["index", "config.yaml", "--out", "idx"], ["query", "idx", "--ref", "ref.pt"]):
+        out = lines(runner.invoke(app, args))
+        assert out[0].startswith("started ") and out[-1].startswith("finished "), out
+
+
+def test_a_narrow_table_keeps_its_title_and_caption_on_one_line(tmp_path):
+    path = tmp_path / "narrow.parquet"
+    pq.write_table(pa.table({"example_id": np.arange(30), "score": np.linspace(-1, 1, 30)}), path)
+    result = runner.invoke(app, ["summary", str(path), "--by", "score:high", "--top-k", "2"])
+    out = lines(result)
+    assert "top 2 outliers by score, highest first" in [line.strip() for line in out]
+    assert "robust_z = (x - median) / (1.4826 MAD)" in [line.strip() for line in out]
+
+
+def test_a_reader_that_goes_away_leaves_the_run_whole(tmp_path):
+    """``gradscope norms --report | head -1``: the scores and the report are written, and the
+    run ends as it would have, its other lines dropped, nothing on stderr."""
+    import os
+    import subprocess
+    import sys
+
+    config = make_project(tmp_path)
+    command = [sys.executable, "-m", "gradscope", "norms", str(config), "--report"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    proc.stdout.readline()
+    proc.stdout.close()  # as head does after its lines
+    assert proc.wait(timeout=120) == 0
+    assert proc.stderr.read() == b""
+    assert (tmp_path / "scores.parquet").is_file() and (tmp_path / "scores.html").is_file()

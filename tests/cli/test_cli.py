@@ -40,6 +40,7 @@ def test_norms_writes_parquet_and_prints_outliers(tmp_path):
         "pred",
         "prob",
         "margin",
+        "robust_z",
         "class_z",
         "finite",
     ]
@@ -55,6 +56,7 @@ def test_norms_writes_parquet_and_prints_outliers(tmp_path):
         "double",
         "double",
         "double",
+        "double",
         "bool",
     ]
     frame = pd.read_parquet(tmp_path / "scores.parquet")
@@ -62,6 +64,11 @@ def test_norms_writes_parquet_and_prints_outliers(tmp_path):
     _, norm = reference_norms(net, (x,), y, "cross_entropy")
     assert_rel_close(torch.tensor(frame["grad_norm"].to_numpy()), norm, 1e-4)
     assert frame["finite"].all()
+    median = frame["grad_norm"].median()  # robust_z: robust z of grad_norm over every row
+    mad = (frame["grad_norm"] - median).abs().median()
+    assert frame["robust_z"].to_numpy() == pytest.approx(
+        ((frame["grad_norm"] - median) / (1.4826 * mad)).to_numpy()
+    )
     for _, group in frame.groupby("target"):  # class_z: robust z of grad_norm within the class
         median = group["grad_norm"].median()
         mad = (group["grad_norm"] - median).abs().median()

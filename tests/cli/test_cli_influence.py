@@ -60,7 +60,7 @@ def test_one_checkpoint(project: Path, engine: str) -> None:
     frame = _run(cfg, "--ref", project / "ref.pt", "--engine", engine, "--out", out)
     assert list(frame.columns) == [
         "example_id", "loss", "grad_norm", "influence", "cosine", "target", "pred", "prob",
-        "margin", "class_z", "finite",
+        "margin", "robust_z", "class_z", "finite",
     ]  # fmt: skip
     assert frame["example_id"].tolist() == list(range(N)) and frame["finite"].all()
     expected, g_norm, r_norm = _oracle(project)
@@ -164,7 +164,7 @@ def test_user_errors_exit_2(project: Path, monkeypatch, capsys) -> None:
     assert "engine must be one of" in fails(
         monkeypatch, capsys, "influence", cfg, "--ref", ref, "--engine", "fast"
     )
-    assert "data file not found" in fails(
+    assert "--ref file not found" in fails(
         monkeypatch, capsys, "influence", cfg, "--ref", project / "nope.pt"
     )
     other = torch.nn.Linear(5, 3)

@@ -95,6 +95,19 @@ def test_report_refuses_to_overwrite_its_inputs_and_a_missing_file(tmp_path):
         write_report(scores, tmp_path)
 
 
+def test_report_with_config_refuses_a_file_without_example_id(tmp_path):
+    """Another tool dropped the column: the report cannot show which examples these are."""
+    from project import make_project
+
+    config = make_project(tmp_path)
+    assert runner.invoke(app, ["norms", str(config)]).exit_code == 0
+    table = pq.read_table(tmp_path / "scores.parquet")
+    pq.write_table(table.drop_columns(["example_id"]), tmp_path / "noid.parquet")
+    result = runner.invoke(app, ["report", str(tmp_path / "noid.parquet"), "--config", str(config)])
+    assert result.exit_code == 2 and "has no example_id column" in result.stderr
+    assert not (tmp_path / "noid.html").exists()
+
+
 def _chromium() -> str:
     found = shutil.which("chromium") or shutil.which("chromium-browser")
     if found is None:

@@ -1,0 +1,53 @@
+"""``gradscope train``: the config's recipe run once, its checkpoint written."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from .. import terminal
+from ..config import load_config, with_overrides
+from .options import ConfigArg, DeviceOpt
+
+
+def train(
+    config: ConfigArg,
+    out: Annotated[
+        str | None,
+        typer.Option(
+            "--out", metavar="PATH", help="Checkpoint to write (default: model.checkpoint)."
+        ),
+    ] = None,
+    device: DeviceOpt = None,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume", help="Continue an interrupted run of the same config from its last epoch."
+        ),
+    ] = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace a checkpoint that is there already.")
+    ] = False,
+) -> None:
+    """Train the model by the config's train: recipe and write its checkpoint."""
+    from ..training.run import train_model
+
+    cfg = with_overrides(load_config(config), device=device)
+    with terminal.progress("train") as (on_start, on_batch):
+        trained = train_model(
+            cfg, out, resume=resume, overwrite=overwrite, on_start=on_start, on_batch=on_batch
+        )
+    if trained.steps:
+        terminal.console.print(
+            f"{trained.rows} rows, {trained.steps} steps; mean training loss of the last "
+            f"epoch {trained.loss:.4g}"
+        )
+    for path, _ in trained.epochs[:-1]:
+        terminal.wrote(path)
+    terminal.wrote(trained.path)
+    if trained.epochs:  # TracIn's sum over checkpoints, each weighted by its learning rate
+        listed = ", ".join(f"{{path: {p.name}, weight: {lr:.4g}}}" for p, lr in trained.epochs)
+        terminal.console.print(
+            f"for TracIn: model.checkpoints: [{listed}]", soft_wrap=True, highlight=False
+        )

@@ -1,0 +1,185 @@
+"""``gradscope train``: the recipe run once, its checkpoint (and epoch checkpoints) written
+whole or not at all, the output locked, and an interrupted run resumed from its last pass."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import distributed
+from ..config import Config
+from ..errors import ConfigError, DataError, Interrupted
+from ..inputs import Inputs, check_output, run_inputs
+from ..io.data import code_file
+from ..io.lock import OutputLock
+from ..io.parquet import PartialRun, replace_atomically
+from ..job import resolve_device
+from ..run import fingerprint, resumed_parts
+from .loop import Rows, Trainer, build, recipe
+from .recipe import total_rows
+from .user import run_user_fn
+
+STATE = "state.pt"
+
+
+@dataclass
+class Trained:
+    """What a run wrote: the checkpoint, and each epoch checkpoint with its pass's learning rate
+    (a TracIn weight), beside the run's size and its last pass's mean training loss."""
+
+    path: Path
+    epochs: list[tuple[Path, float]]
+    rows: int
+    steps: int
+    loss: float
+
+
+def output(cfg: Config, out: str | Path | None) -> Path:
+    """``--out``, else the ``model.checkpoint`` the config scores."""
+    if out is None and cfg.model.checkpoint is None:
+        raise ConfigError("nowhere to write the model: give --out or set model.checkpoint", "--out")
+    return Path(out if out is not None else cfg.model.checkpoint).resolve()
+
+
+def epoch_path(path: Path, epoch: int) -> Path:
+    """``model.epoch3.pt`` beside ``model.pt``."""
+    return path.with_name(f"{path.stem}.epoch{epoch}{path.suffix}")
+
+
+def training_inputs(cfg: Config) -> Inputs:
+    """What training reads: the config's files but ``model.checkpoint`` (what it writes), and
+    ``train.init`` and ``train.fn``'s file."""
+    train = recipe(cfg)
+    model = dataclasses.replace(cfg.model, checkpoint=None, checkpoints=[])
+    more = [("train.init", train.init)] if train.init else []
+    if train.fn and code_file(train.fn):
+        more.append(("train.fn", code_file(train.fn)))
+    return run_inputs(dataclasses.replace(cfg, model=model), more)
+
+
+def save(model: torch.nn.Module, path: Path) -> None:
+    """The model's state dict on the CPU, as safetensors or ``torch.save`` by the suffix, under a
+    temporary name renamed into place when whole."""
+    state = {k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()}
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save as to_bytes
+
+        data = to_bytes(state)
+        replace_atomically(path, lambda f: f.write(data), "the checkpoint")
+    else:
+        replace_atomically(path, lambda f: torch.save(state, f), "the checkpoint")
+
+
+def train_model(
+    cfg: Config,
+    out: str | Path | None = None,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    on_start: Callable[[int | None], None] | None = None,
+    on_batch: Callable[[int], None] | None = None,
+) -> Trained:
+    """Train by ``cfg.train`` on every row and write the checkpoint to ``out`` (default
+    ``model.checkpoint``), and every ``train.save_every`` epochs an epoch checkpoint beside it.
+
+    Before anything trains, the outputs are checked against every input, a checkpoint already
+    there is refused without ``overwrite``, and the output is locked. After each pass the state
+    (weights, optimizer, step, random states) is saved in the partial folder: ``resume``
+    continues an interrupted run of the same config and files exactly as it would have gone.
+    """
+    train = recipe(cfg)
+    path = output(cfg, out)
+    if distributed.world().size > 1:
+        raise ConfigError("gradscope train runs in one process; run it without torchrun", "train")
+    inputs = training_inputs(cfg)
+    check_output(path, inputs)
+    if path.exists() and not (overwrite or resume):
+        raise ConfigError(
+            "a checkpoint is there already; pass --overwrite to replace it, or --out", str(path)
+        )
+    with OutputLock(path):
+        key = fingerprint(cfg, "train", inputs, {"out": str(path)}, resolve_device(cfg.device).type)
+        run = PartialRun(path, key)
+        run.refuse_foreign()
+        state = _resumed(run, key) if resume else None
+        with torch.random.fork_rng(devices=[]):
+            rows = Rows(cfg, None)
+            model = build(cfg, train.seed)
+            if train.fn is not None:
+                save(run_user_fn(train.fn, model, rows.positions, train.seed), path)
+                return Trained(path, [], len(rows), 0, float("nan"))
+            trainer = Trainer(cfg, model, rows, train.seed, on_batch)
+            if state is None:
+                run.start()
+            else:
+                trainer.load(state)
+            if on_start:
+                on_start(total_rows(train, len(rows), trainer.batch_size))
+                if on_batch and trainer.step:
+                    on_batch(_done_rows(trainer))
+            epochs = _train(trainer, run, path)
+        save(model, path)
+        run.finish()
+    return Trained(path, epochs, len(rows), trainer.step, trainer.last_loss)
+
+
+def _done_rows(trainer: Trainer) -> int:
+    return total_rows(
+        dataclasses.replace(trainer.train, steps=trainer.step, epochs=None),
+        len(trainer.rows),
+        trainer.batch_size,
+    )
+
+
+def _resumed(run: PartialRun, key: dict) -> dict | None:
+    """The state an interrupted run of the same fingerprint saved after its last pass (None when
+    it was interrupted in its first)."""
+    resumed_parts(run, key)  # refuses no run, or another run's
+    file = run.dir / STATE
+    if not file.is_file():
+        return None
+    try:
+        return torch.load(file, weights_only=True)
+    except Exception as e:  # a damaged file: start over rather than guess
+        raise DataError(
+            f"the interrupted run's {STATE} does not read back ({type(e).__name__}); run "
+            "without --resume to start over",
+            str(file),
+        ) from e
+
+
+def _train(trainer: Trainer, run: PartialRun, path: Path) -> list[tuple[Path, float]]:
+    """Every pass; after each, the state saved and, every ``save_every`` passes but the last,
+    the epoch checkpoint written. Ctrl-C keeps what the last whole pass saved. Returns the
+    checkpoints of a TracIn sum (the epoch ones, then the final one), each with the mean
+    learning rate of the steps since the one before (its TracIn weight)."""
+    every = trainer.train.save_every
+    try:
+        for epoch in trainer.epochs():
+            if every and epoch % every == 0 and trainer.step < trainer.total:
+                save(trainer.model, epoch_path(path, epoch))
+            _save_state(trainer.state(), run)
+    except KeyboardInterrupt:
+        if trainer.epoch == 0:
+            raise
+        raise Interrupted(
+            f"interrupted after epoch {trainer.epoch}; run the same command with --resume to "
+            "continue from there",
+            str(run.dir),
+        ) from None
+    if not every:
+        return []
+    per_pass = -(-len(trainer.rows) // trainer.batch_size)
+    ends = [(epoch_path(path, e), e * per_pass) for e in range(every, trainer.epoch, every)]
+    ends.append((path, trainer.total))
+    starts = [0] + [end for _, end in ends[:-1]]
+    return [(file, sum(map(trainer.lr_at, range(lo, hi))) / (hi - lo))
+            for (file, hi), lo in zip(ends, starts, strict=True)]  # fmt: skip
+
+
+def _save_state(state: dict, run: PartialRun) -> None:
+    replace_atomically(run.dir / STATE, lambda f: torch.save(state, f), "the training state")
