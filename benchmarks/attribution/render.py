@@ -38,7 +38,8 @@ def _cell(run: dict | None, seconds: bool = True) -> str:
         return "fails" if run["status"] != "ok" else "not validated"
     lds = run["lds"]["lds"]
     text = f"{lds:.2f}" if lds == lds else "n/a"
-    return f"{text} ({run['seconds']:.0f} s)" if seconds else text
+    took = run["run_s"] if run.get("run_s") is not None else run["seconds"]
+    return f"{text} ({took:.1f} s)" if seconds else text
 
 
 def _best(runs: list[dict]) -> dict | None:
@@ -97,7 +98,7 @@ def setting(name: str, s: dict) -> list[str]:
         f"batch {recipe.get('batch_size')}, weight decay {recipe.get('weight_decay')}; trained in "
         f"{s['train_s']:.1f} s to {quality}; the ground truth took {s['truth_s']:.0f} s.",
         "",
-        "| scorer | LDS | spread over references (std) | seconds | note |",
+        "| scorer | LDS | spread over references (std) | seconds: scoring / command | note |",
         "|---|---:|---:|---:|---|",
     ]  # fmt: skip
     for r in s["scorers"]:
@@ -105,7 +106,8 @@ def setting(name: str, s: dict) -> list[str]:
         mean = f"{lds['lds']:.3f}" if r["status"] == "ok" and "lds" in lds else r["status"]
         std = f"{lds['lds_std']:.3f}" if "lds_std" in lds else ""
         note = r["note"].replace("|", "/")
-        out.append(f"| {_label(r)} | {mean} | {std} | {r['seconds']:.1f} | {note} |")
+        took = f"{r['run_s']:.1f} / " if r.get("run_s") is not None else ""
+        out.append(f"| {_label(r)} | {mean} | {std} | {took}{r['seconds']:.1f} | {note} |")
     return [*out, ""]
 
 
@@ -113,15 +115,19 @@ def markdown(report: dict) -> str:
     env, design = report["environment"], report["design"]
     peers = ", ".join(f"{k} {v}" for k, v in env.get("peers", {}).items())
     lines = [
-        f"gradscope at `{env['commit']}`; Python {env['python']}, torch {env['torch']}"
+        f"gradscope at `{env['commit']}`"
+        + (f" ({env['note']})" if env.get("note") else "")
+        + f"; Python {env['python']}, torch {env['torch']}"
         + (f"; peers (own environment): {peers}" if peers else "")
         + f"; {env['machine']}, {env['cpus']} CPUs, one thread per run. Ground truth: "
         f"{design['subsets']} random subsets of {design['fraction']:.0%} of the rows x "
         f"{design['seeds']} seeds, target the references' loss; LDS is the mean over references "
-        "of the Spearman correlation, seconds the wall-clock of the one command that wrote the "
-        "score file (start-up included).",
+        "of the Spearman correlation. Seconds: the scoring's own time as its file records it (from "
+        "the loaded model; gradscope's from the start of its run, fitting the curvature "
+        "included), beside the wall-clock of the one command that wrote the file (process "
+        "start-up, imports included).",
         "",
-        "LDS (seconds):",
+        "LDS (scoring seconds); tuned and best-damping cells name the option set that won:",
         "",
         *summary(report),
         "",

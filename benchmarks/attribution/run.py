@@ -64,6 +64,9 @@ CLASSIFIER_PEERS = {
     "kronfluence": [{}, {"damping": None}, *_grid("damping", (1e-3, 1e-2, 1e-1))],
     "dattri": [{}, *_grid("regularization", (1e-3, 1e-2, 1e-1, 1.0))],
 }
+# dattri's explicit Hessian of the MLP's 9,034 parameters ran over 8 CPU minutes for one
+# regularisation (unfinished): the MLP runs TRAK and kronfluence only.
+MLP_PEERS = {k: CLASSIFIER_PEERS[k] for k in ("trak", "kronfluence")}
 SETTINGS = {
     "digits_linear": Bench(
         HERE / "configs/digits_linear.yaml", HERE / "data/digits_ref.pt", peers=CLASSIFIER_PEERS
@@ -164,9 +167,8 @@ def validate(config: Path, bench: Bench, files: list[str], work: Path, design: d
 
 def measure(bench: Bench, design: dict, peers_python: str | None) -> dict:
     """One setting: train, score with everything, validate everything on one truth."""
-    from gradscope.training.run import train_model
-
     from gradscope.config import load_config
+    from gradscope.training.run import train_model
 
     cfg = load_config(bench.config)
     work = Path(cfg.model.checkpoint).parent
@@ -181,12 +183,15 @@ def measure(bench: Bench, design: dict, peers_python: str | None) -> dict:
     if peers_python:
         runs += peer_runs(bench, cfg, peers_python, [str(p) for p, _ in trained.epochs], work)
     scored = [r for r in runs if r.status == "ok"]
+    if not scored:
+        raise SystemExit("no scorer ran: " + "; ".join(dict.fromkeys(r.note for r in runs)))
     truth_s, _ = validate(config, bench, [scored[0].file], work, design)
     _, results = validate(config, bench, list(dict.fromkeys(r.file for r in scored)), work, design)
     by = {(Path(r["file"]).resolve(), r["column"]): r for r in results}
     for r in scored:
         found = by.get((Path(r.file).resolve(), r.column), {})
         r.lds = {k: v for k, v in found.items() if k not in ("file", "column", "target", "seconds")}
+        r.run_s = found.get("seconds")
     return {
         "config": _shown(bench.config),
         "ref": _shown(bench.ref),
@@ -234,6 +239,7 @@ def main() -> None:
     parser.add_argument("--subsets", type=int, default=60)
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--peers", help="the python of the peers' environment (none: no peers)")
+    parser.add_argument("--note", default="", help="a line the report shows with the commit")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--render", type=Path, help="render this JSON to --markdown, no run")
@@ -242,7 +248,11 @@ def main() -> None:
         args.markdown.write_text(markdown(json.loads(args.render.read_text())))
         return
     design = {"subsets": args.subsets, "seeds": args.seeds, "fraction": 0.5, "target": "loss"}
-    report = {"environment": environment(args.peers), "design": design, "settings": {}}
+    report = {
+        "environment": environment(args.peers) | {"note": args.note},
+        "design": design,
+        "settings": {},
+    }
     for name in args.settings:
         print(f"{name} ...", flush=True)
         report["settings"][name] = measure(SETTINGS[name], design, args.peers)

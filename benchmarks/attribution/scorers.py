@@ -43,7 +43,8 @@ class Run:
     column: str = "influence"
     status: str = "ok"  # ok | fails
     note: str = ""
-    seconds: float | None = None
+    seconds: float | None = None  # the command's wall clock, process start included
+    run_s: float | None = None  # the scoring's own, as its file's metadata records it
     lds: dict = field(default_factory=dict)
 
     def record(self) -> dict:
@@ -64,6 +65,7 @@ def timed(command: list[str], env: dict | None = None) -> tuple[float, str]:
 def write_config(cfg: Config, path: Path, **model: object) -> Path:
     """``cfg`` with ``model`` keys replaced, as a config file (its paths are absolute)."""
     raw = cfg.to_dict()
+    del raw["source"]  # where it was read from; not a key of the file
     raw["model"] |= model
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
