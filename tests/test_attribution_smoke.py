@@ -66,7 +66,7 @@ def test_a_peer_matrix_reads_back_as_the_scores_it_holds(tiny):
     matrix[frame["ref_id"], frame["example_id"]] = frame["influence"]
     write_scores(matrix, cfg, str(bench.ref), work / "peer.parquet", {"tool": "test"}, 1.5)
     files = [str(work / "plain.parquet"), str(work / "peer.parquet")]
-    _, results = run.validate(work / "config.yaml", bench, files, work, DESIGN)
+    _, results = run.validate(work / "config.yaml", bench, files, "influence", work, DESIGN)
     plain, peer = (r for r in results if r["column"] == "influence")
     assert peer["seconds"] == 1.5
     assert math.isclose(peer["lds"], plain["lds"], abs_tol=1e-12)
