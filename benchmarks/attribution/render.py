@@ -38,8 +38,7 @@ def _cell(run: dict | None, seconds: bool = True) -> str:
         return "fails" if run["status"] != "ok" else "not validated"
     lds = run["lds"]["lds"]
     text = f"{lds:.2f}" if lds == lds else "n/a"
-    took = run["run_s"] if run.get("run_s") is not None else run["seconds"]
-    return f"{text} ({took:.1f} s)" if seconds else text
+    return f"{text} ({run['seconds']:.0f} s)" if seconds else text
 
 
 def _best(runs: list[dict]) -> dict | None:
@@ -54,9 +53,9 @@ def summary_rows(runs: list[dict]) -> dict[str, dict | None]:
     for r in runs:
         if r["tool"] == "gradscope" and "damping" not in r["options"]:
             rows[_label(r)] = r
-    curvatures = dict.fromkeys(r["options"]["curvature"] for r in runs if "damping" in r["options"])
-    for c in curvatures:
-        best = _best([r for r in runs if r["options"].get("curvature") == c and "damping" in r["options"]])  # fmt: skip
+    fitted = [r for r in runs if r["tool"] == "gradscope" and "damping" in r["options"]]
+    for c in dict.fromkeys(r["options"]["curvature"] for r in fitted):
+        best = _best([r for r in fitted if r["options"]["curvature"] == c])
         rows[f"gradscope `--curvature {c}`, best damping"] = best
     for tool in dict.fromkeys(r["tool"] for r in runs if r["tool"] != "gradscope"):
         mine = [r for r in runs if r["tool"] == tool]
@@ -78,7 +77,8 @@ def summary(report: dict) -> list[str]:
         for n in names:
             run = per[n].get(label)
             tuned = run is not None and ("best" in label or "tuned" in label)
-            extra = f" [{_options(run['options'])}]" if tuned and run["lds"] else ""
+            shown = {k: v for k, v in (run or {}).get("options", {}).items() if k != "curvature"}
+            extra = f" [{_options(shown)}]" if tuned and run["lds"] else ""
             cells.append(_cell(run) + extra)
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
@@ -127,7 +127,7 @@ def markdown(report: dict) -> str:
         "included), beside the wall-clock of the one command that wrote the file (process "
         "start-up, imports included).",
         "",
-        "LDS (scoring seconds); tuned and best-damping cells name the option set that won:",
+        "LDS (seconds of the command); tuned and best-damping cells name the options that won:",
         "",
         *summary(report),
         "",
