@@ -93,7 +93,9 @@ def measure(name: str, dims: list[int], tmp: Path) -> dict:
         built = time.perf_counter() - start
         manifest = read_manifest(out)
         start = time.perf_counter()
-        every = pd.read_parquet(run_query(out, Query(str(ref), per_ref=True, top_k=n)))
+        every = pd.read_parquet(
+            run_query(out, Query(str(ref), per_ref=True, top_k=n), config=config)
+        )
         query_s = time.perf_counter() - start
         scores = matrix(every, "score", n)
         projected_top = [set(np.argsort(-scores[:, r])[:TOP].tolist()) for r in range(len(tops))]
@@ -116,7 +118,7 @@ def measure(name: str, dims: list[int], tmp: Path) -> dict:
         if dim == DEFAULT_DIM:
             start = time.perf_counter()
             asked = Query(str(ref), per_ref=True, top_k=TOP, exact=True)
-            reranked = pd.read_parquet(run_query(out, asked)).sort_values("ref_id")
+            reranked = pd.read_parquet(run_query(out, asked, config=config)).sort_values("ref_id")
             got = [set(g["example_id"]) for _, g in reranked.groupby("ref_id")]
             found["dims"][-1]["exact_query"] = {
                 "candidates": CANDIDATES,

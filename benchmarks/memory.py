@@ -128,7 +128,14 @@ def main() -> None:
                 index, index_wall = timed([*gradscope, "index", str(config)])
                 ref = ["--ref", str(Path(tmp) / "ref.parquet"), "--top-k", "20"]
                 query, query_wall = timed(
-                    [*gradscope, "query", str(Path(tmp) / "scores.index"), *ref]
+                    [
+                        *gradscope,
+                        "query",
+                        str(Path(tmp) / "scores.index"),
+                        "--config",
+                        str(config),
+                        *ref,
+                    ]
                 )
                 line += f" {index:.0f} | {index_wall:.1f} | {query:.0f} | {query_wall:.1f} |"
             print(line, flush=True)

@@ -90,7 +90,7 @@ def main() -> None:
         truth = matrix(exact, "influence", n)
         ours_s = timed([*gradscope, "index", str(config), "--dim", str(args.dim),
                         "--out", str(tmp / "ours")])  # fmt: skip
-        query_s = timed([*gradscope, "query", str(tmp / "ours"), "--ref", ref, "--per-ref",
+        query_s = timed([*gradscope, "query", str(tmp / "ours"), "--config", str(config), "--ref", ref, "--per-ref",
                          "--top-k", str(n), "--out", str(tmp / "q.parquet")])  # fmt: skip
         ours = matrix(pd.read_parquet(tmp / "q.parquet"), "score", n)
         build = [args.bergson, "-m", "bergson", "build"]

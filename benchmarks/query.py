@@ -34,7 +34,8 @@ import torch
 from memory import peak_mib
 
 from gradscope.index import layout
-from gradscope.index.layout import Shards
+from gradscope.index.manifest import SEAL, seal
+from gradscope.index.reader import Shards
 from gradscope.index.stream import Scores
 
 
@@ -49,10 +50,10 @@ def make_index(root: Path, rows: int, width: int) -> Path:
         writer.add(memoryview(x.astype(np.float16)).cast("B"), len(x))
     ids = {
         "example_id": np.arange(rows),
+        "loss": np.ones(rows),
         "norm": rng.uniform(0.5, 2.0, rows),
         "finite": np.ones(rows, dtype=bool),
     }
-    pq.write_table(pa.table(ids), root / layout.IDS)
     manifest = {
         "format": layout.FORMAT,
         "version": layout.VERSION,
@@ -62,16 +63,25 @@ def make_index(root: Path, rows: int, width: int) -> Path:
         "header_bytes": layout.HEADER,
         "shards": writer.finish(),
         "ids": layout.IDS,
-        "projection": {"width": width},
-        "gradscope": {},
+        "projection": {
+            "seed": 0,
+            "width": width,
+            "blocks": [
+                {"name": "w", "shape": [width], "split": 0, "k_out": 1, "k_in": width, "start": 0}
+            ],
+        },
+        "gradscope": {"model_files": {}, "gradients": {}},
     }
-    (root / layout.MANIFEST).write_text(json.dumps(manifest))
+    text = json.dumps(manifest).encode()
+    pq.write_table(pa.table(ids).replace_schema_metadata({SEAL: seal(text)}), root / layout.IDS)
+    (root / layout.MANIFEST).write_bytes(text)
     return root
 
 
 def gradscope_scores(index: Path, psi: torch.Tensor) -> None:
-    scores = Scores(Shards(index), psi)
-    scores.every() if len(psi) == 1 else scores.top(20)
+    with Shards(index) as shards:
+        scores = Scores(shards, psi)
+        scores.every() if len(psi) == 1 else scores.top(20)
 
 
 def plain_scores(index: Path, psi: torch.Tensor) -> None:
@@ -86,7 +96,7 @@ def plain_scores(index: Path, psi: torch.Tensor) -> None:
 # fresh interpreter (Linux keeps a forked child's peak RSS, this process's shards included)
 SCORE = """
 import sys, torch
-from gradscope.index.layout import Shards
+from gradscope.index.reader import Shards
 from gradscope.index.stream import Scores
 torch.set_num_threads(int(sys.argv[3]))
 shards = Shards(sys.argv[1])

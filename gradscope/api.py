@@ -9,7 +9,10 @@ from torch import Tensor, nn
 
 from .curvature import Diagonal, load_preconditioner
 from .curvature.adam import adam_denominator
+from .curvature.fitted import NONE, check_curvature, chosen, fit_exact
+from .curvature.products import KINDS
 from .engine import Engine, Forward, Influence, reference_gradients, total
+from .errors import ConfigError
 from .losses import LossFn, resolve_loss
 
 
@@ -59,6 +62,9 @@ def per_example_influence(
     output: str | int | None = None,
     precondition: dict | str | Path | None = None,
     engine: str = "auto",
+    curvature: str = "none",
+    damping: float | None = None,
+    solver: str = "auto",
 ) -> Tensor:
     """(B,) float64 ``<grad l_i, g_ref>``, g_ref the gradient of the MEAN loss over the reference.
 
@@ -67,16 +73,32 @@ def per_example_influence(
     ``g_ref / (sqrt(v_hat) + eps)``; or the path of a ``gradscope factors`` file (or of a saved
     state dict), scores then use ``H^-1 g_ref`` with its K-FAC / EK-FAC curvature. ``engine`` is
     ``hooks``, ``jvp`` (forward mode, no backward) or ``auto`` (jvp, moving to hooks if an op
-    lacks forward mode). The parameters are selected as ``per_example_norms`` selects them.
-    ``.grad`` fields, hooks and
-    train/eval mode are left as they were.
+    lacks forward mode). ``curvature`` ``gn``, ``hessian`` or ``auto`` (``gn`` where
+    its dense matrix fits) scores against
+    ``(C + lambda I)^-1 g_ref`` instead, C the Gauss-Newton matrix or the Hessian of the mean
+    loss over ``inputs`` (the training rows), fitted here (``solver``: ``dense``, ``cg`` or
+    ``auto``), lambda ``damping`` (default: 10 for gn, 30 for hessian) x C's mean
+    eigenvalue. The parameters are selected as ``per_example_norms`` selects them. ``.grad``
+    fields, hooks and train/eval mode are left as they were.
     """
     core = Engine(
         model, resolve_loss(loss), include, exclude, Forward(output=output, where="output=")
     )
     with core:
         refs = reference_gradients(core, [(_as_tuple(ref_inputs), ref_targets)])
-        if isinstance(precondition, str | Path):
+        check_curvature(curvature, solver, damping, precondition)
+        parameters = sum(p.param.numel() for p in core.plan.included)
+        curvature, _ = chosen(curvature, solver, parameters)
+        if curvature != NONE:
+            if curvature not in KINDS:
+                raise ConfigError(
+                    f"curvature= fits gn or hessian here (K-FAC: precondition= a gradscope "
+                    f"factors file), got {curvature!r}",
+                    "curvature",
+                )
+            batch = [(_as_tuple(inputs), targets)]
+            refs = fit_exact(core, lambda: batch, curvature, solver, damping).refs(refs)
+        elif isinstance(precondition, str | Path):
             refs = load_preconditioner(precondition, core).refs(refs)
         elif precondition is not None:
             refs = Diagonal(adam_denominator(precondition, core, "precondition"), "adam").refs(refs)

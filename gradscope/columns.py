@@ -122,7 +122,7 @@ COLUMNS = (
         "float64",
         "always",
         "Robust z, `(x − median) / (1.4826 · MAD)`, of the file's ranked score (`influence`, "
-        "else `self_influence`, else `grad_norm`) over the file's finite rows; NaN where the "
+        "else `self_influence`, else `loss`) over the file's finite rows; NaN where the "
         "row is not finite. The tables show the same for the column they rank by.",
     ),
     Column(
@@ -130,7 +130,7 @@ COLUMNS = (
         "float64",
         "targets that are class labels (at most 100 distinct integers)",
         "Robust z, `(x − median) / (1.4826 · MAD)`, of the file's ranked score (`influence`, "
-        "else `self_influence`, else `grad_norm`) within the example's target class.",
+        "else `self_influence`, else `loss`) within the example's target class.",
     ),
     Column(
         "finite",

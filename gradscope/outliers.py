@@ -128,9 +128,11 @@ def check_by(by: str | None, names: list[str]) -> None:
 
 
 def default_score(names: list[str]) -> str:
-    """What a file ranks by unless told: influence, else self_influence (several checkpoints),
-    else grad_norm."""
-    return next((n for n in ("influence", "self_influence") if n in names), "grad_norm")
+    """What a file ranks by unless told: influence, else self_influence (several checkpoints,
+    or a preconditioner), else the loss, else grad_norm. Of a norms file's columns, the loss
+    finds the most planted faults (benchmarks/detection.py: flipped labels, noise inputs,
+    contradicting duplicates), and a file without one (another tool's) still ranks."""
+    return next((n for n in ("influence", "self_influence", "loss") if n in names), "grad_norm")
 
 
 def top_positions(values: np.ndarray, ok: np.ndarray, direction: str, k: int) -> np.ndarray:
@@ -229,8 +231,8 @@ def rank(
     k: int = 20,
     classes: list[str] | None = None,
 ) -> Outliers:
-    """Rank the rows of a scores file by ``by`` (``COLUMN[:low|high]``; default: influence, else
-    self_influence, else grad_norm)."""
+    """Rank the rows of a scores file by ``by`` (``COLUMN[:low|high]``; default:
+    ``default_score``)."""
     try:
         file = pq.ParquetFile(path)
     except Exception as e:  # pyarrow's own error types: not Parquet, or cut short

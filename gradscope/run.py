@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,7 +111,7 @@ def resumed_parts(run: PartialRun, key: dict) -> set[int]:
 
 
 @dataclass
-class _Parts:
+class Parts:
     """This rank's side of the partial folder, begun (unless resumed) after its first batch."""
 
     run: PartialRun
@@ -157,6 +158,7 @@ def score_dataset(
     None. The first batch runs before anything is written, so input the model cannot take leaves
     no file. ``on_start`` gets the number of rows this process scores, None when unknown.
     """
+    started = time.perf_counter()
     scorer = scorer or NormsScorer(trust_checkpoint)
     inputs = run_inputs(cfg, scorer.reads())
     scorer.check_output(cfg.output.path, inputs)
@@ -172,7 +174,7 @@ def score_dataset(
             key = fingerprint(cfg, scorer.command, inputs, scorer.resume_key(), kind)
             run = scorer.partial(cfg.output.path, key)
             run.refuse_foreign()  # before the model is built
-            parts = _Parts(run, world, key, resumed_parts(run, key) if resume else None)
+            parts = Parts(run, world, key, resumed_parts(run, key) if resume else None)
             job = Job.from_config(dataclasses.replace(cfg, device=device), trust_checkpoint)
             dataset = open_dataset(cfg.data)
             length = dataset.length
@@ -192,6 +194,7 @@ def score_dataset(
             if not world.main:
                 return None
             metadata = job.metadata(scorer.command) | scorer.metadata()
+            metadata["seconds"] = round(time.perf_counter() - started, 3)  # this process's run
             if cfg.output.metadata == "minimal":
                 metadata = minimal(metadata)
             return run.assemble(count, metadata, lambda: _standardised(run, count))
@@ -220,7 +223,7 @@ def _standardised(run: PartialRun, parts: int) -> dict[str, np.ndarray]:
 
 
 def _score(
-    parts: _Parts,
+    parts: Parts,
     job: Job,
     scorer: Scorer,
     batches: Iterable[Batch],

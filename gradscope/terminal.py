@@ -69,11 +69,22 @@ if not console.is_terminal:  # a log, a pipe, CI: every number and name whole, n
     console.width = WIDE
 
 
+def _per_second(rate: float) -> str:
+    """A rate as a person reads it: ``1,375``, ``12``, ``0.41``."""
+    return f"{rate:,.0f}" if rate >= 10 else f"{rate:.2g}"
+
+
 class _Rate(ProgressColumn):
-    """Rows scored per second."""
+    """Units (rows scored, models trained) per second."""
+
+    def __init__(self, unit: str):
+        super().__init__()
+        self.unit = unit
 
     def render(self, task: Task) -> Text:
-        return Text(f"{task.speed:,.0f} rows/s" if task.speed else "", style="progress.data.speed")
+        speed = task.speed
+        shown = f"{_per_second(speed)} {self.unit}/s" if speed else ""
+        return Text(shown, style="progress.data.speed")
 
 
 def _logs() -> bool:
@@ -118,10 +129,11 @@ def logged(argv: list[str]) -> Iterator[None]:
 
 
 class _LogLines:
-    """Progress as a line every LOG_EVERY seconds: rows, rate and time left, for a log."""
+    """Progress as a line every LOG_EVERY seconds: rows (or ``unit``), rate and time left, for
+    a log."""
 
-    def __init__(self, command: str):
-        self.command, self.total, self.rows = command, None, 0
+    def __init__(self, command: str, unit: str = "rows"):
+        self.command, self.unit, self.total, self.rows = command, unit, None, 0
         self.start = self.last = time.monotonic()
 
     def on_start(self, total: int | None) -> None:
@@ -135,32 +147,34 @@ class _LogLines:
             return
         self.last = now
         rate = self.rows / max(now - self.start, 1e-9)
+        unit = self.unit
         if self.total:
-            done = f"{self.rows:,} of {self.total:,} rows ({self.rows / self.total:.0%})"
+            done = f"{self.rows:,} of {self.total:,} {unit} ({self.rows / self.total:.0%})"
         else:
-            done = f"{self.rows:,} rows"
-        line = f"{self.command}: {done} in {duration(now - self.start)}, {rate:,.0f} rows/s"
+            done = f"{self.rows:,} {unit}"
+        line = f"{self.command}: {done} in {duration(now - self.start)}, "
+        line += f"{_per_second(rate)} {unit}/s"
         if self.total and self.rows < self.total:
             line += f", about {duration((self.total - self.rows) / rate)} left"
         console.print(line)
 
 
 @contextmanager
-def progress(command: str) -> Iterator[tuple[Callable, Callable]]:
-    """``(on_start, on_batch)`` for a run: a bar shown once the row count is known (a running
-    count when it cannot be), with rows/s and ETA. Under torchrun only rank 0 draws one; output
+def progress(command: str, unit: str = "rows") -> Iterator[tuple[Callable, Callable]]:
+    """``(on_start, on_batch)`` for a run: a bar shown once the count of rows (or ``unit``) is
+    known (a running count when it cannot be), with rows/s and ETA. Under torchrun only rank 0 draws one; output
     that is not a terminal gets a progress line every LOG_EVERY seconds instead."""
     from .distributed import world
 
     if _logs():
-        lines = _LogLines(command)
+        lines = _LogLines(command, unit)
         yield lines.on_start, lines.on_batch
         return
     bar = Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
-        _Rate(),
+        _Rate(unit),
         TimeElapsedColumn(),
         TextColumn("ETA"),
         TimeRemainingColumn(),

@@ -8,8 +8,9 @@ from .indexing import index, query
 from .reports import report, summary
 from .scoring import check, factors, influence, norms
 from .training import train
+from .validation import validate
 
-for command in (norms, influence, check, factors, index, query, summary, report, train):
+for command in (norms, influence, check, factors, index, query, summary, report, train, validate):
     app.command(cls=Logged)(command)
 
 __all__ = ["app", "main"]

@@ -22,7 +22,8 @@ if not os.environ.get("GRADSCOPE_DEBUG"):  # torch's C++ log lines (c10d's retri
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 
 
-LOGGED = ("norms", "influence", "factors", "check", "train", "index", "query")  # run a model
+# commands that run a model
+LOGGED = ("norms", "influence", "factors", "check", "train", "index", "query", "validate")
 
 
 class _ErrorBoundary(TyperGroup):

@@ -124,7 +124,8 @@ def query(
         typer.Option(
             "--config",
             metavar="CONFIG",
-            help="The indexed model's config, for an index that holds none.",
+            help="The config the index was built with (needed: a query runs no code an index "
+            "names).",
         ),
     ] = None,
     device: DeviceOpt = None,

@@ -40,7 +40,7 @@ ByOpt = Annotated[
         "--by",
         metavar="COLUMN[:low|high]",
         help="Column to rank by, :low most negative first, :high largest first (default: "
-        "influence with both ends, else self_influence with checkpoints, else grad_norm).",
+        "influence with both ends, else self_influence, else loss).",
     ),
 ]
 ResumeOpt = Annotated[

@@ -10,6 +10,7 @@ import typer
 
 from .. import terminal
 from ..config import Config, load_config, with_overrides
+from ..defaults import CURVATURE
 from ..errors import Interrupted
 from .options import (
     BatchOpt,
@@ -135,6 +136,34 @@ def influence(
             help="auto, hooks (ghost inner products) or jvp (forward mode).",
         ),
     ] = "auto",
+    curvature: Annotated[
+        str | None,
+        typer.Option(
+            "--curvature",
+            metavar="none|gn|hessian|kfac|ekfac",
+            help="Score against (C + lambda I)^-1 g_ref, C fitted over the config's data in this "
+            "run: gn (Gauss-Newton) or hessian exactly, kfac or ekfac factored; none: g_ref "
+            f"(default: {CURVATURE}; none with --precondition).",
+        ),
+    ] = None,
+    damping: Annotated[
+        float | None,
+        typer.Option(
+            "--damping",
+            metavar="X",
+            help="lambda = X times the curvature's mean eigenvalue (K-FAC: of each factor's); "
+            "default 10 for gn, 30 for hessian, 0.1 for kfac and ekfac.",
+        ),
+    ] = None,
+    solver: Annotated[
+        str,
+        typer.Option(
+            "--solver",
+            metavar="auto|dense|cg",
+            help="gn/hessian: dense (the P x P matrix, a Cholesky factor), cg (conjugate "
+            "gradients), auto: dense where the matrix fits 2 GiB.",
+        ),
+    ] = "auto",
     by: ByOpt = None,
     resume: ResumeOpt = False,
     trust_checkpoint: TrustOpt = False,
@@ -157,6 +186,9 @@ def influence(
         precondition=precondition,
         engine=engine,
         trust_checkpoint=trust_checkpoint,
+        curvature=curvature,
+        damping=damping,
+        solver=solver,
     )
     _run(cfg, scorer, by, report, trust_checkpoint, resume)
 

@@ -151,6 +151,8 @@ def _validate_train(train: TrainConfig, source: str) -> None:
         value = getattr(train, key)
         if value is not None and value < 1:
             raise ConfigError(f"'train.{key}' must be at least 1, got {value}", source)
+    if train.seed < 0:  # numpy's generators, which draw validate's subsets, take no other
+        raise ConfigError(f"'train.seed' must be at least 0, got {train.seed}", source)
     if train.warmup < 0:
         raise ConfigError(f"'train.warmup' must be at least 0, got {train.warmup}", source)
     if train.nesterov and (train.optimizer != "sgd" or train.momentum == 0):

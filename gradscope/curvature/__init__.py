@@ -34,27 +34,51 @@ def fit_factors(
     on_start: Callable[[int | None], None] | None = None,
     on_batch: Callable[[int], None] | None = None,
 ) -> Factors:
-    """Compute the configured model's factors over its data (``data.limit`` rows) and write them
-    to ``out``. The true Fisher draws each batch's targets from the model (seeded by the batch's
-    position, so a run is reproducible); the empirical Fisher uses the data's targets."""
+    """Compute the configured model's factors over its data (``compute_factors``) and write
+    them to ``out``."""
     from ..inputs import check_output, run_inputs
     from ..io.data import open_dataset
-    from ..job import Job, config_loss
+    from ..job import Job
 
     check_fisher(fisher, cfg.loss.name)
     check_output(out, run_inputs(cfg))
     job = Job.from_config(cfg, trust_checkpoint)
-    loss = config_loss(cfg)
-    sampled = None
-    if fisher == "true":
-        loss = sampled = SampledLoss(cfg.loss.name, loss, cfg.loss.kwargs, cfg.loss.class_dim)
-    engine = Engine(job.model, loss, cfg.params.include, cfg.params.exclude, job.engine.forward)
-    dataset = open_dataset(cfg.data)
     if on_start:
-        total = dataset.length
+        total = open_dataset(cfg.data).length
         if total is not None and cfg.data.limit is not None:
             total = min(total, cfg.data.limit)
         on_start(None if total is None else total * (2 if ekfac else 1))
+    factors = compute_factors(job, ekfac=ekfac, fisher=fisher, on_batch=on_batch)
+    factors.save(out)
+    return factors
+
+
+def compute_factors(
+    job,
+    *,
+    ekfac: bool = False,
+    fisher: str = "true",
+    on_batch: Callable[[int], None] | None = None,
+) -> Factors:
+    """The job's model's factors over its data (``data.limit`` rows). The true Fisher draws each
+    batch's targets from the model (seeded by the batch's position, so a run is reproducible);
+    the empirical Fisher uses the data's targets."""
+    from ..io.data import open_dataset
+    from ..job import config_loss
+
+    cfg = job.cfg
+    loss = config_loss(cfg)
+    sampled = None
+    if fisher == "true":
+        loss = sampled = SampledLoss(
+            cfg.loss.name,
+            loss,
+            cfg.loss.kwargs,
+            cfg.loss.class_dim,
+            token_reduction=cfg.loss.token_reduction,
+        )
+    engine = Engine(job.model, loss, cfg.params.include, cfg.params.exclude, job.engine.forward)
+    dataset = open_dataset(cfg.data)
 
     def batches():
         for batch in dataset.batches(cfg.data.batch_size, cfg.data.limit):
@@ -75,6 +99,4 @@ def fit_factors(
     model = job.metadata("factors")
     model["plan"] = engine.plan.describe()
     meta = metadata(EKFAC if ekfac else KFAC, fisher, examples, model) | {"left_out": left_out}
-    factors = Factors(blocks, meta)
-    factors.save(out)
-    return factors
+    return Factors(blocks, meta)

@@ -33,20 +33,21 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from ..defaults import KRONFLUENCE
 from ..errors import GradscopeError, ModelError
 from ..rules import Contribution, Dense, Outer, Rows
 from ..rules.base import CHUNK_ELEMENTS
 from ..rules.embedding import example_keys
 
 KFAC, EKFAC, DIAGONAL = "kfac", "ekfac", "diagonal"
-DAMPING = 0.1  # x the mean eigenvalue
 Batches = Iterable[tuple[tuple[Tensor, ...], Tensor]]
 
 
-def damping(values: Tensor) -> float:
-    """0.1 x the mean of ``values`` (eigenvalues); 1 where they are all zero (an unused layer)."""
+def damping(values: Tensor, factor: float = KRONFLUENCE) -> float:
+    """``factor`` (0.1) x the mean of ``values`` (eigenvalues); 1 where they are all zero (an
+    unused layer)."""
     mean = values.double().mean().item()
-    return DAMPING * mean if mean > 0 else 1.0
+    return factor * mean if mean > 0 else 1.0
 
 
 @dataclass
@@ -308,3 +309,11 @@ def fit(
                 on_batch(targets.shape[0])
         add_eigenvalues(second, blocks)
     return blocks, acc.examples, left
+
+
+def redamp(blocks: dict[str, Block], factor: float) -> None:
+    """Each block damped with ``factor`` x the mean eigenvalue of what it damps, in place."""
+    for block in blocks.values():
+        for key in block.damping:
+            values = block.tensors[key if key in ("diagonal", "lambda") else f"{key}_eigenvalues"]
+            block.damping[key] = damping(values, factor)

@@ -40,24 +40,42 @@ def _categorical(probs: Tensor, generator: torch.Generator) -> Tensor:
 class SampledLoss:
     """``loss(output, sampled targets)`` for the named loss, with the targets drawn from the
     output: softmax over the classes (cross_entropy, causal_lm's next token), exp of log-probs
-    (nll), a Bernoulli of the sigmoid (bce_with_logits), a Gaussian of variance 1/2 around the
-    output (mse: its loss is that Gaussian's negative log-likelihood up to a constant).
-    Positions whose target is ``ignore_index`` keep it.
+    (nll), a Bernoulli of the sigmoid (bce_with_logits). Positions whose target is
+    ``ignore_index`` keep it.
+
+    mse: an example's loss over D elements, ``(1/D) sum_d (o_d - t_d)^2`` (``token_reduction``
+    mean; sum: without 1/D), is the negative log-likelihood of a Gaussian of variance D/2 (sum:
+    1/2) around the output, up to a constant, so the true Fisher is ``E[g g^T]`` with
+    ``g = (2/D)(o - t)`` over that Gaussian: ``(2/D) I``, the Hessian of the loss w.r.t. the
+    output, so that the Fisher is the Gauss-Newton matrix. The targets are ``o + sqrt(D/2) r``
+    with r of random signs (Rademacher): the same second moment, so the same expectation, and
+    each draw's ``g_d^2 = 2/D`` exactly (one output: every draw gives the GGN, no noise).
     """
 
-    def __init__(self, name: str, loss: LossFn, kwargs: dict, class_dim: int, seed: int = 0):
+    def __init__(
+        self,
+        name: str,
+        loss: LossFn,
+        kwargs: dict,
+        class_dim: int,
+        seed: int = 0,
+        token_reduction: str = "mean",
+    ):
         self.name, self.loss, self.class_dim, self.seed = name, loss, class_dim, seed
         self.ignore_index = kwargs.get("ignore_index", -100)
+        self.token_reduction = token_reduction
 
     def __call__(self, output: Tensor, targets: Tensor) -> Tensor:
         return self.loss(output, self.sample(output.detach(), targets))
 
     def sample(self, output: Tensor, targets: Tensor) -> Tensor:
         g = torch.Generator(device=output.device).manual_seed(self.seed)
-        out = output.float()
+        out = output if output.dtype == torch.float64 else output.float()
         if self.name == "mse":
-            noise = torch.randn(out.shape, generator=g, device=out.device) * 0.5**0.5
-            return (out + noise).to(output.dtype).reshape(targets.shape)
+            elements = out[0].numel() if self.token_reduction == "mean" else 1  # D
+            bits = torch.randint(0, 2, out.shape, generator=g, device=out.device)
+            drawn = out + (bits.to(out.dtype) * 2 - 1) * (elements / 2) ** 0.5
+            return drawn.to(output.dtype).reshape(targets.shape)
         if self.name == "bce_with_logits":
             drawn = torch.bernoulli(out.sigmoid().nan_to_num(0.5), generator=g)
             return drawn.to(targets.dtype if targets.is_floating_point() else out.dtype)

@@ -1,10 +1,12 @@
 """The index on disk: a folder that numpy, torch and Arrow read without gradscope.
 
     INDEX/
-      manifest.json      format, rows, width, dtype, the shards in order, the projection (seed,
-                         one block of columns per parameter) and the run's metadata
+      manifest.json      format, rows, width, dtype, the shards in order (each with the sha256
+                         of its first and last rows), the projection (seed, one block of
+                         columns per parameter) and the run's metadata
       ids.parquet        one row per indexed example, in index order: example_id, id (with
-                         data.ids), loss, norm (= ||phi_i||, float64), finite
+                         data.ids), loss, norm (= ||phi_i||, float64), finite; its metadata
+                         holds the manifest's sha256 (the seal, see ``manifest.py``)
       shard-000000.npy   (rows, width) float16 (or float32): row i is phi_i / ||phi_i|| (zeros
       shard-000001.npy   where norm is 0 or finite is false); each a .npy file whose header is
       ...                exactly 128 bytes, the rows following it in C order
@@ -20,15 +22,17 @@ large or small its gradient. Readers:
 A run writes ``.INDEX.partial/`` as ``norms`` does (one stamped Parquet part per batch, the
 rows in a fixed-size binary column, for ``--resume`` and torchrun ranks), then assembles the
 folder beside the parts and moves it into place: a folder at INDEX is always a whole index.
+A run killed while assembling leaves the half-made folder in the partial one, where the next run
+removes it (``reader.py`` reads an index).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
+import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +42,11 @@ import pyarrow.parquet as pq
 
 from ..errors import ConfigError, DataError
 from ..inputs import Inputs, check_folder, check_not_input
-from ..io.parquet import PartialRun, replace_atomically
+from ..io.parquet import RUN_FILE, PartialRun, replace_atomically
+from .manifest import FORMAT, HEADER, IDS, MANIFEST, SEAL, VERSION, ends_sha256, read_manifest, seal
 
-FORMAT, VERSION = "gradscope-index", 1
-MANIFEST, IDS, HEADER = "manifest.json", "ids.parquet", 128
+STAGING = "index"  # the folder inside the partial one where the index is assembled
+INDEX_FILE = re.compile(r"manifest\.json|ids\.parquet|shard-\d{6}\.npy")  # what a run writes
 ROWS = "rows"  # the column of a part holding the rows' bytes
 SHARD_BYTES = 1 << 30  # a shard holds at most this many bytes of rows
 
@@ -77,7 +82,7 @@ class ShardWriter:
         while done < rows:
             if self._file is None:
                 name = f"shard-{len(self.shards):06d}.npy"
-                self._file = open(self.folder / name, "wb")  # noqa: SIM115 (closed in _close)
+                self._file = open(self.folder / name, "w+b")  # noqa: SIM115 (closed in _close)
                 self._file.write(npy_header(0, self.width, self.dtype))
                 self.shards.append({"file": name, "rows": 0, "first": self._first})
             n = min(rows - done, self.limit - self._rows)
@@ -91,6 +96,8 @@ class ShardWriter:
             return
         self._file.seek(0)
         self._file.write(npy_header(self._rows, self.width, self.dtype))
+        size = self._rows * self.width * self.dtype.itemsize
+        self.shards[-1]["ends_sha256"] = ends_sha256(self._file, size)
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
@@ -114,7 +121,7 @@ class IndexRun(PartialRun):
         self.check_complete(parts)
         projection = metadata.pop("index")
         dtype = np.dtype(projection.pop("storage"))
-        staging = self.dir / "index"
+        staging = self.dir / STAGING
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
         shards, schema, rows = ShardWriter(staging, projection["width"], dtype), self._ids(parts), 0
@@ -126,23 +133,22 @@ class IndexRun(PartialRun):
                            len(table))  # fmt: skip
                 ids.write_table(table.drop_columns([ROWS]).cast(schema))
                 rows += len(table)
-        manifest = {
-            "format": FORMAT,
-            "version": VERSION,
-            "rows": rows,
-            "width": projection["width"],
-            "dtype": dtype.name,
-            "header_bytes": HEADER,
-            "shards": shards.finish(),
-            "ids": IDS,
-            "projection": projection,
-            "gradscope": metadata,
-        }
-        text = json.dumps(manifest, indent=1, default=str).encode()
+            text = _manifest(rows, dtype, shards.finish(), projection, metadata)
+            ids.add_key_value_metadata({SEAL: seal(text)})
         replace_atomically(staging / MANIFEST, lambda f: f.write(text), "the index")
         _publish(staging, self.path)
         shutil.rmtree(self.dir, ignore_errors=True)
         return self.path
+
+    def refuse_foreign(self) -> None:
+        """As a run's partial folder, and the index a killed run was assembling in it: a fresh
+        run removes it with the rest, ``--resume`` assembles it again."""
+        staging = self.dir / STAGING
+        if not (self.dir.is_symlink() or staging.is_symlink()) and staging.is_dir():
+            names = [f.name for f in staging.iterdir()]
+            if all(INDEX_FILE.fullmatch(n) or RUN_FILE.fullmatch(n) for n in names):
+                shutil.rmtree(staging)
+        super().refuse_foreign()
 
     def _ids(self, parts: int) -> pa.Schema:
         """The parts' columns but the rows, in the type that holds every part's (an ``id``
@@ -155,11 +161,35 @@ class IndexRun(PartialRun):
         return schema.remove(schema.get_field_index(ROWS))
 
 
+def _manifest(rows: int, dtype: np.dtype, shards: list, projection: dict, metadata: dict) -> bytes:
+    """The manifest's bytes."""
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "rows": rows,
+        "width": projection["width"],
+        "dtype": dtype.name,
+        "header_bytes": HEADER,
+        "shards": shards,
+        "ids": IDS,
+        "projection": projection,
+        "gradscope": metadata,
+    }
+    return json.dumps(manifest, indent=1, default=str).encode()
+
+
+def former(path: Path) -> Path:
+    """Where a rebuild moves the index it replaces (``.INDEX.old``), for the moment between the
+    two renames: a run killed then leaves the former index there, which the next run removes."""
+    return path.with_name(f".{path.name}.old")
+
+
 def _publish(staging: Path, path: Path) -> None:
-    """``staging`` renamed to ``path``; a former index there renamed away first, then removed."""
-    old = None
+    """``staging`` renamed to ``path``; a former index there renamed away first, then removed
+    (``check_output`` allowed nothing but an index at either name)."""
+    old = former(path)
+    shutil.rmtree(old, ignore_errors=True)
     if path.exists():
-        old = path.with_name(f".{path.name}.old-{secrets.token_hex(4)}")
         os.rename(path, old)
     os.rename(staging, path)
     fd = os.open(path.parent, os.O_RDONLY)
@@ -167,36 +197,18 @@ def _publish(staging: Path, path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def read_manifest(path: str | Path) -> dict[str, Any]:
-    """The manifest of the index folder ``path``, checked to be one this version reads."""
-    path = Path(path)
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError) as e:
-        raise DataError(f"not a gradscope index folder (no readable {MANIFEST})", str(path)) from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise DataError("not a gradscope index folder", str(path))
-    if manifest.get("version") != VERSION:
-        raise DataError(
-            f"an index of format version {manifest.get('version')}; this gradscope reads "
-            f"version {VERSION}",
-            str(path),
-        )
-    return manifest
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _is_index(path: Path) -> bool:
-    """Whether ``path`` is an index folder holding nothing but what its manifest names."""
+    """Whether ``path`` is an index folder (of any version, damaged or not) holding nothing but
+    the files an index run writes: one a run may replace."""
     try:
-        manifest = read_manifest(path)
-    except DataError:
+        manifest = json.loads((path / MANIFEST).read_bytes())
+    except (OSError, ValueError):
         return False
-    ours = {MANIFEST, manifest["ids"], *(s["file"] for s in manifest["shards"])}
-    return {p.name for p in path.iterdir()} <= ours
+    ours = all(INDEX_FILE.fullmatch(p.name) for p in path.iterdir())
+    return ours and isinstance(manifest, dict) and manifest.get("format") == FORMAT
 
 
 def check_output(path: str | Path, inputs: Inputs) -> None:
@@ -204,12 +216,13 @@ def check_output(path: str | Path, inputs: Inputs) -> None:
     or a path holding anything but a gradscope index (which the run replaces)."""
     path = Path(path)
     check_not_input(path, inputs)
-    if path.is_symlink() or (path.exists() and not (path.is_dir() and _is_index(path))):
-        raise ConfigError(
-            "the output path exists and is not a gradscope index folder (or holds other files "
-            "too); writing there would replace it, choose another --out",
-            str(path),
-        )
+    for at in (path, former(path)):
+        if at.is_symlink() or (at.exists() and not (at.is_dir() and _is_index(at))):
+            raise ConfigError(
+                "the output path exists and is not a gradscope index folder (or holds other "
+                "files too); writing there would replace it, choose another --out",
+                str(at),
+            )
     check_folder(path)
 
 
@@ -222,39 +235,3 @@ def described(path: str | Path) -> str:
         f"{m['rows']} examples, {m['width']} numbers each ({m['dtype']}: {size:,} bytes an "
         f"example), in {shards} shard{'s' if shards != 1 else ''}"
     )
-
-
-class Shards:
-    """An index's rows, read shard by shard in chunks of at most ``rows`` rows into one buffer:
-    the memory a query holds does not grow with the index (a memory map's pages would count)."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.manifest = read_manifest(self.path)
-        self.rows, self.width = self.manifest["rows"], self.manifest["width"]
-        self.dtype = np.dtype(self.manifest["dtype"])
-
-    def ids(self, columns: list[str] | None = None) -> pa.Table:
-        return pq.read_table(self.path / self.manifest["ids"], columns=columns)
-
-    def chunks(self, rows: int) -> Iterator[tuple[int, np.ndarray]]:
-        """(first row, (n, width) rows), in index order; each chunk's array is reused for the
-        next, so read it before asking for the next."""
-        buffer = np.empty((min(rows, max(1, self.rows)), self.width), self.dtype)
-        for shard in self.manifest["shards"]:
-            path = self.path / shard["file"]
-            expected = (
-                self.manifest["header_bytes"] + shard["rows"] * self.width * self.dtype.itemsize
-            )
-            if path.stat().st_size != expected:
-                raise DataError(
-                    f"shard {shard['file']} holds {path.stat().st_size} bytes, the manifest's "
-                    f"{shard['rows']} rows of {self.width} take {expected}",
-                    str(self.path),
-                )
-            with open(path, "rb") as f:
-                f.seek(self.manifest["header_bytes"])
-                for lo in range(0, shard["rows"], len(buffer)):
-                    chunk = buffer[: min(len(buffer), shard["rows"] - lo)]
-                    f.readinto(memoryview(chunk).cast("B"))
-                    yield shard["first"] + lo, chunk

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import torch
 
 from .. import __version__
-from ..config import Config, config_from_dict, load_config, output_path, with_overrides
+from ..config import Config, load_config, output_path, with_overrides
 from ..errors import ConfigError, DataError
 from ..inputs import check_output, data_inputs, minimal, run_inputs
 from ..io.data import data_sha256
@@ -27,14 +27,15 @@ from ..io.lock import OutputLock
 from ..io.parquet import METADATA_KEY, replace_atomically
 from ..job import Job
 from ..rules.base import accumulation_dtype
-from .exact import exact_scores, rerank
-from .layout import Shards
+from .exact import check_rows, exact_scores, rerank
 from .projection import Projector
+from .reader import Shards
 from .references import References
-from .scorer import model_files
+from .scorer import gradient_keys, model_files
 from .stream import Scores
 
 CANDIDATES = 30  # --exact re-scores the top k * CANDIDATES of the projected ranking
+MADE = ("checkpoint_sha256", "adapter_sha256")  # the model a factors file must be made at
 
 
 @dataclass(frozen=True)
@@ -54,23 +55,22 @@ class Query:
         return self.per_ref or self.exact or self.top_k is not None
 
 
-def index_config(shards: Shards, config: Path | None, **overrides) -> Config:
-    """The indexed model's config: the manifest's, or ``config`` (the same model) where the
-    index was written with ``output.metadata: minimal``; command-line ``overrides`` on top."""
-    if config is not None:
-        cfg = load_config(config)
-    else:
-        raw = shards.manifest["gradscope"].get("config")
-        if not isinstance(raw, dict):
-            raise ConfigError(
-                "the index holds no config (output.metadata: minimal); pass --config", "--config"
-            )
-        cfg = config_from_dict(raw, str(shards.path / "manifest.json"))
-    return with_overrides(cfg, **overrides)
+def index_config(config: Path | None, **overrides) -> Config:
+    """The indexed model's config: ``config``, given on the command line, never the manifest's
+    (an index is data; its config names code), command-line ``overrides`` on top."""
+    if config is None:
+        raise ConfigError(
+            "a query builds the model from --config only: an index is a data folder, and a "
+            "query runs no code it names (its manifest's model.factory is not imported); pass "
+            "--config with the config the index was built from",
+            "--config",
+        )
+    return with_overrides(load_config(config), **overrides)
 
 
 def check_model(shards: Shards, cfg: Config, exact: bool) -> None:
-    """The model files (and, for ``exact``, the data) must be the ones the index was built from."""
+    """The model files, every other key that changes the gradients and, for ``exact``, the data
+    must be the ones the index was built with."""
     indexed = shards.manifest["gradscope"]
     now = model_files(cfg)
     for key in sorted(set(indexed.get("model_files", {})) | set(now)):
@@ -79,6 +79,13 @@ def check_model(shards: Shards, cfg: Config, exact: bool) -> None:
                 f"{key} is not what the index was built from (its sha256 differs); rebuild the "
                 "index or query it with the model it was built from",
                 str(shards.path),
+            )
+    for key, value in gradient_keys(cfg).items():
+        if indexed.get("gradients", {}).get(key) != value:
+            raise ConfigError(
+                f"{key} is not what the index was built with, so the gradients would differ; "
+                "query with the config the index was built from, or build the index again",
+                cfg.source or "--config",
             )
     if exact and indexed.get("data_sha256") != data_sha256(cfg.data.path):
         raise DataError(
@@ -103,11 +110,18 @@ def run_query(
     trust_checkpoint: bool = False,
 ) -> Path:
     """Score the index at ``index`` against ``query.ref`` and write the Parquet file ``out``."""
-    index = Path(index)
-    shards = Shards(index)
-    cfg = index_config(shards, config, device=device, batch_size=batch_size)
-    out = Path(output_path(out, Path.cwd(), "--out") if out else default_out(index))
-    reads = [("INDEX", str(index)), *data_inputs("--ref", query.ref)]
+    index = Path(index).resolve()  # (``.``: the index folder one is in)
+    with Shards(index) as shards:
+        return _query(shards, query, out, config, device, batch_size, trust_checkpoint)
+
+
+def _query(
+    shards: Shards, query: Query, out: str | None, config: Path | None, device: str | None,
+    batch_size: int | None, trust_checkpoint: bool,
+) -> Path:  # fmt: skip
+    cfg = index_config(config, device=device, batch_size=batch_size)
+    out = Path(output_path(out, Path.cwd(), "--out") if out else default_out(shards.path))
+    reads = [("INDEX", str(shards.path)), *data_inputs("--ref", query.ref)]
     if query.precondition:
         reads.append(("--precondition", query.precondition))
     check_output(out, run_inputs(cfg, reads))
@@ -121,9 +135,9 @@ def run_query(
         projector = Projector.of(
             shards.manifest["projection"], job.plan, job.device, accumulation_dtype(job.dtype)
         )
-        sha = shards.manifest["gradscope"].get("checkpoint_sha256")
+        made = {k: shards.manifest["gradscope"].get(k) for k in MADE}
         with job.engine:
-            refs = References(job, query.ref, projector, query.per_ref, query.precondition, sha)
+            refs = References(job, query.ref, projector, query.per_ref, query.precondition, made)
             scores = Scores(shards, refs.projected(), query.normalize)
             table, found = _ranked(job, shards, scores, refs, query) if query.ranked else (
                 _every(shards, scores), {}
@@ -138,7 +152,7 @@ def run_query(
 
 def _leading(shards: Shards, rows: np.ndarray) -> dict[str, np.ndarray]:
     """example_id (and id, with data.ids) of the index rows ``rows``."""
-    names = [n for n in ("example_id", "id") if n in shards.ids().schema.names]
+    names = [n for n in ("example_id", "id") if n in shards.columns]
     ids = shards.ids(names)
     return {n: ids[n].take(pa.array(rows)).to_numpy(zero_copy_only=False) for n in names}
 
@@ -161,7 +175,9 @@ def _ranked(
     example_ids = torch.tensor(_leading(shards, rows.flatten().numpy())["example_id"])
     found, exact = {}, None
     if query.exact:
-        exact = exact_scores(job, refs, example_ids.view(rows.shape), query.normalize)
+        exact, loss = exact_scores(job, refs, example_ids.view(rows.shape), query.normalize)
+        indexed = torch.from_numpy(shards.ids(["loss"])["loss"].to_numpy()).double()
+        check_rows(indexed[rows], loss, job.dtype, "data.path")
         order, deepest = rerank(exact, k)  # (k, R) positions among the candidates
         found = {
             "candidates": rows.shape[0],
@@ -226,7 +242,8 @@ def shown(path: Path, k: int, references: int = 3) -> object:
         parts.append(view)
     meta = json.loads(table.schema.metadata[METADATA_KEY])
     found, count = meta["exact"], meta["query"]["references"]
-    line = f"{count} references, top {k} each"
+    each = table.num_rows // max(count, 1)  # top k, or every example where there are fewer
+    line = f"{count} reference{'s' if count != 1 else ''}, top {each} each"
     if found:
         line += (
             f"; exact top-{k} drawn from projected ranks up to {found['deepest_max']} of "

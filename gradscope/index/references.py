@@ -22,7 +22,8 @@ Batches = Iterator[tuple[tuple[Tensor, ...], Tensor]]
 class References:
     """REF's ``count`` reference directions: ``projected()`` for the streamed scores,
     ``dense(lo, hi)`` (formed, for the exact engine) a few at a time. The job's engine must be
-    prepared (``with job.engine``) while either is asked."""
+    prepared (``with job.engine``) while either is asked. A factors file must come from the
+    model ``made`` describes (its ``checkpoint_sha256`` and ``adapter_sha256``)."""
 
     def __init__(
         self,
@@ -31,7 +32,7 @@ class References:
         projector: Projector,
         per_ref: bool = False,
         precondition: str | Path | None = None,
-        checkpoint_sha256: str | None = None,
+        made: dict | None = None,
     ):
         self.job, self.projector, self.per_ref = job, projector, per_ref
         # REF is read with the data's input and target names; its rows need no ids
@@ -43,7 +44,7 @@ class References:
         if precondition is not None:
             from ..curvature import load_preconditioner
 
-            self.pre = load_preconditioner(precondition, job.engine, checkpoint_sha256)
+            self.pre = load_preconditioner(precondition, job.engine, made)
         self._mean: dict[str, Tensor] | None = None
 
     def _batches(self, lo: int = 0, hi: int | None = None) -> Batches:

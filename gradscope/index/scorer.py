@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +31,23 @@ MODEL_FILES = (
     "model.adapter",
     "loss.name",
 )
+# the other keys that change the gradients: a query's --config must agree with the index on each
+GRADIENT_KEYS = (
+    "model.factory",
+    "model.kwargs",
+    "model.state_dict_key",
+    "model.strip_prefix",
+    "model.output",
+    "model.config",
+    "loss.name",
+    "loss.kwargs",
+    "loss.class_dim",
+    "loss.token_reduction",
+    "dtype",
+    "params.include",
+    "params.exclude",
+    "data.pad",
+)
 
 
 def index_output(cfg: Config, out: str | None) -> Config:
@@ -46,6 +65,20 @@ def model_files(cfg: Config) -> dict[str, str]:
     return {
         key: file_sha256(path) for key, path in config_inputs(cfg.to_dict()) if key in MODEL_FILES
     }
+
+
+def gradient_keys(cfg: Config) -> dict[str, str]:
+    """{key: sha256 of its value} of each of ``GRADIENT_KEYS``; a ``file.py:Name`` by its name
+    alone (the file itself is compared by ``model_files``, wherever it lies)."""
+    raw, out = cfg.to_dict(), {}
+    for key in GRADIENT_KEYS:
+        section, _, name = key.rpartition(".")
+        value = raw[section][name] if section else raw[name]
+        if isinstance(value, str) and ".py:" in value:
+            value = value.rpartition(":")[2]
+        text = json.dumps(value, sort_keys=True, default=str)
+        out[key] = hashlib.sha256(text.encode()).hexdigest()
+    return out
 
 
 def reused(
@@ -80,6 +113,7 @@ class IndexScorer(Scorer):
         self.projector: Projector | None = None
         self._want: Want | None = None
         self._files: dict[str, str] = {}
+        self._gradients: dict[str, str] = {}
         self._rows: torch.Tensor | None = None  # a batch's rows, the buffer kept (see reused)
 
     def resume_key(self) -> dict:
@@ -101,7 +135,7 @@ class IndexScorer(Scorer):
         made = blocks(job.plan, self.dim)
         self.projector = Projector(made, self.seed, job.device, accumulation_dtype(job.dtype))
         self._want = Want(norms=False, project=self.projector.projections)
-        self._files = model_files(job.cfg)
+        self._files, self._gradients = model_files(job.cfg), gradient_keys(job.cfg)
 
     def columns(self, job: Job, batch: Batch) -> dict[str, np.ndarray]:
         scores = job.engine.scores(*job.to_device(batch), self._want)
@@ -121,4 +155,4 @@ class IndexScorer(Scorer):
 
     def metadata(self) -> dict:
         index = self.projector.describe() | {"dim": self.dim, "storage": self.storage}
-        return {"index": index, "model_files": self._files}
+        return {"index": index, "model_files": self._files, "gradients": self._gradients}

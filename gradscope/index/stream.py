@@ -9,24 +9,26 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .layout import Shards
+from .reader import Shards
 
 CHUNK_ELEMENTS = 1 << 24  # floats in one chunk of rows, and in its (rows, references) scores
 
 
 class Scores:
     """``score[i, r] = phi_i . psi_r``, or the cosine with ``normalize``; NaN where the indexed
-    example's loss or gradient was not finite."""
+    example's loss or gradient was not finite and, for the cosine, where a gradient is zero
+    (as ``influence`` has it: ranked last)."""
 
     def __init__(self, shards: Shards, psi: Tensor, normalize: bool = False):
         self.shards, self.normalize = shards, normalize
         ids = shards.ids(["norm", "finite"])
-        scale = np.ones(shards.rows) if normalize else ids["norm"].to_numpy()
+        norm = ids["norm"].to_numpy()
+        scale = np.where(norm > 0, 1.0, np.nan) if normalize else norm
         scale = np.where(ids["finite"].to_numpy(), scale, np.nan)
         self.scale = torch.from_numpy(scale).to(psi.device, torch.float32)  # (N,)
         psi = psi.float()
-        if normalize:  # unit rows against unit references: the cosine
-            psi = psi / torch.linalg.vector_norm(psi, dim=1, keepdim=True).clamp_min(1e-30)
+        if normalize:  # unit rows against unit references: the cosine (0 / 0 for a zero one)
+            psi = psi / torch.linalg.vector_norm(psi, dim=1, keepdim=True)
         self.psi_t = psi.T.contiguous()  # (width, R)
         self.rows = max(1, CHUNK_ELEMENTS // max(shards.width, psi.shape[0]))
 

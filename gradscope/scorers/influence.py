@@ -11,6 +11,13 @@ from torch import Tensor
 
 from .. import distributed
 from ..config import Config
+from ..curvature.fitted import (
+    NONE,
+    check_curvature,
+    fit_curvature,
+    resolve_curvature,
+    resolve_damping,
+)
 from ..engine import MAX_PER_REF, BatchInfluence, Influence, check_engine, reference_gradients
 from ..errors import ConfigError, DataError, reading
 from ..inputs import data_inputs
@@ -38,8 +45,15 @@ class InfluenceScorer(Scorer):
         precondition: str | Path | None = None,
         engine: str = "auto",
         trust_checkpoint: bool = False,
+        curvature: str | None = None,
+        damping: float | None = None,
+        solver: str = "auto",
     ):
         super().__init__()
+        check_curvature(curvature, solver, damping, precondition)
+        self.curvature_given = curvature is not None
+        self.curvature = resolve_curvature(curvature, precondition)
+        self.damping, self.solver = resolve_damping(self.curvature, damping), solver
         if precondition is not None and not Path(precondition).is_file():
             raise ConfigError("preconditioner file not found", str(precondition))
         ref = str(ref)  # a path relative to the working directory, or file.py:make_dataset
@@ -52,13 +66,15 @@ class InfluenceScorer(Scorer):
         self._ref_sq: Tensor | None = None  # (K,) sum_c w_c ||r_ck||^2
         self._described: dict = {}
         self._precondition_kind: dict = {}
+        self._curvatures: list[dict] = []  # per checkpoint: what --curvature fitted
 
     def reads(self) -> Inputs:
         files = data_inputs("--ref", self.ref)
         return files + ([("--precondition", self.precondition)] if self.precondition else [])
 
     def resume_key(self) -> dict:
-        return {"ref": self.ref, "per_ref": self.per_ref, "engine": self.engine}
+        curvature = {"curvature": self.curvature, "damping": self.damping, "solver": self.solver}
+        return {"ref": self.ref, "per_ref": self.per_ref, "engine": self.engine} | curvature
 
     def names(self, cfg: Config) -> list[str]:
         names = [*leading_names(cfg), *(["ref_id"] if self.per_ref else []), "loss", "grad_norm"]
@@ -103,6 +119,10 @@ class InfluenceScorer(Scorer):
         main = distributed.world().main
         with reading(f"--ref {self.ref}"):
             refs = reference_gradients(job.engine, batches, self.per_ref) if main else None
+        if main and self.curvature != NONE:  # fitted over the data, once, on rank 0
+            fitted = fit_curvature(job, self.curvature, self.solver, self.damping)
+            refs = fitted.refs(refs)
+            self._curvatures.append(fitted.describe())
         refs = distributed.broadcast_tensors(refs, job.device)
         if self.precondition:
             from ..curvature import load_preconditioner
@@ -118,9 +138,12 @@ class InfluenceScorer(Scorer):
         parameter's whole gathered as the backward reaches it; hooks only."""
         from .. import fsdp
 
+        if not self.curvature_given:  # the default curvature: the plain inner product here
+            self.curvature = NONE
         for option, given in (
             ("--per-ref", self.per_ref),
             ("--precondition", self.precondition is not None),
+            ("--curvature", self.curvature != NONE),
             ("--engine jvp", self.engine == "jvp"),
         ):
             if given:
@@ -138,6 +161,10 @@ class InfluenceScorer(Scorer):
             and {"path": precondition, "sha256": file_sha256(precondition)}
             | self._precondition_kind,
             "engine": self.engine,
+            "curvature": self.curvature,
+            "damping": self.damping,
+            "solver": self.solver,
+            "curvatures": self._curvatures,
             "checkpoints": [
                 {
                     "index": n,

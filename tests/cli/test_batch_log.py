@@ -74,7 +74,7 @@ def test_summary_writes_no_log_lines(tmp_path):
     assert runner.invoke(app, ["norms", str(config)]).exit_code == 0
     result = runner.invoke(app, ["summary", str(tmp_path / "scores.parquet")])
     assert result.exit_code == 0, result.output
-    assert lines(result)[0].startswith("grad_norm ") and "finished" not in result.stdout
+    assert lines(result)[0].startswith("loss ") and "finished" not in result.stdout
 
 
 def test_a_by_typo_fails_before_the_run(tmp_path):

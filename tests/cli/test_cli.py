@@ -25,9 +25,9 @@ def test_norms_writes_parquet_and_prints_outliers(tmp_path):
     config = make_project(tmp_path, n=23, data__ids="name")
     result = runner.invoke(app, ["norms", str(config), "--top-k", "5", "--per-layer"])
     assert result.exit_code == 0, result.output
-    assert "top 5 outliers by grad_norm" in result.output
-    assert "per class (grad_norm)" in result.output
-    assert "23 examples; grad_norm: median" in result.output
+    assert "top 5 outliers by loss" in result.output  # the loss ranks unless --by says
+    assert "per class (loss)" in result.output
+    assert "23 examples; loss: median" in result.output
     schema = pq.read_schema(tmp_path / "scores.parquet")
     assert schema.names == [
         "example_id",
@@ -64,20 +64,20 @@ def test_norms_writes_parquet_and_prints_outliers(tmp_path):
     _, norm = reference_norms(net, (x,), y, "cross_entropy")
     assert_rel_close(torch.tensor(frame["grad_norm"].to_numpy()), norm, 1e-4)
     assert frame["finite"].all()
-    median = frame["grad_norm"].median()  # robust_z: robust z of grad_norm over every row
-    mad = (frame["grad_norm"] - median).abs().median()
+    median = frame["loss"].median()  # robust_z: robust z of the ranked loss over every row
+    mad = (frame["loss"] - median).abs().median()
     assert frame["robust_z"].to_numpy() == pytest.approx(
-        ((frame["grad_norm"] - median) / (1.4826 * mad)).to_numpy()
+        ((frame["loss"] - median) / (1.4826 * mad)).to_numpy()
     )
-    for _, group in frame.groupby("target"):  # class_z: robust z of grad_norm within the class
-        median = group["grad_norm"].median()
-        mad = (group["grad_norm"] - median).abs().median()
-        expected = (group["grad_norm"] - median) / (1.4826 * mad)
+    for _, group in frame.groupby("target"):  # class_z: robust z of the loss within the class
+        median = group["loss"].median()
+        mad = (group["loss"] - median).abs().median()
+        expected = (group["loss"] - median) / (1.4826 * mad)
         assert group["class_z"].to_numpy() == pytest.approx(expected.to_numpy())
-    # the table's first row is the largest norm
-    top = frame.loc[frame["grad_norm"].idxmax()]
+    # the table's first row is the largest loss
+    top = frame.loc[frame["loss"].idxmax()]
     first = next(line for line in result.output.splitlines() if "│" in line)
-    assert f"{top['grad_norm']:.4g}" in first
+    assert f"{top['loss']:.4g}" in first and f"{top['grad_norm']:.4g}" in first
     assert_predictions(frame, net, x, y)
 
 
@@ -143,7 +143,9 @@ def test_options_override_config(tmp_path):
     frame = pd.read_parquet(out)
     assert frame["example_id"].tolist() == list(range(7))
     assert pq.ParquetFile(out).metadata.num_row_groups == 3
-    assert read_metadata(out)["config"]["data"]["limit"] == 7
+    meta = read_metadata(out)
+    assert meta["config"]["data"]["limit"] == 7
+    assert 0 < meta["seconds"] < 600  # the run's wall time
     assert not (tmp_path / "scores.parquet").exists()
 
 

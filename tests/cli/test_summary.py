@@ -94,7 +94,7 @@ def test_summarize_reads_rows_across_row_groups(tmp_path):
         "target": np.arange(n) % 3, "finite": finite,
     })  # fmt: skip
     pq.write_table(table, tmp_path / "s.parquet", row_group_size=8)
-    out = text(summarize(tmp_path / "s.parquet", k=2))
+    out = text(summarize(tmp_path / "s.parquet", "grad_norm", k=2))
     # the outlier table has no outer edge; the per-class table's rows start with one
     rows = [line.split("│") for line in out.splitlines() if "│" in line[1:] and line[0] != "│"]
     assert rows[0][0].strip() == "33" and rows[0][1].strip() == "3.3"

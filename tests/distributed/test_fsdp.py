@@ -178,5 +178,7 @@ def test_fsdp_index_two_processes_equal_one(tmp_path):
     ids = [pd.read_parquet(tmp_path / name / "ids.parquet") for name in ("one", "two")]
     pd.testing.assert_frame_equal(*ids, check_exact=True)
     asked = Query(str(tmp_path / "ref"), per_ref=True, top_k=11)
-    one, two = (pd.read_parquet(run_query(tmp_path / n, asked)) for n in ("one", "two"))
+    one, two = (
+        pd.read_parquet(run_query(tmp_path / n, asked, config=config)) for n in ("one", "two")
+    )
     pd.testing.assert_frame_equal(one, two, check_exact=True)

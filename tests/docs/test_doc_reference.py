@@ -18,7 +18,19 @@ from gradscope.columns import COLUMNS, describe
 
 sys.path.insert(0, str(ROOT / "docs" / "hooks"))
 import benchmark_pages  # noqa: E402
+import generate  # noqa: E402
 import reference  # noqa: E402
+
+
+@pytest.mark.parametrize("page", generate.pages(), ids=lambda p: p.name)
+def test_committed_pages_hold_what_the_code_generates(page):
+    """A page read as a file holds its tables, as they are now: after a change to a config key,
+    an option, a column or a results file, ``python docs/hooks/generate.py`` rewrites them."""
+    text = page.read_text()
+    assert "<!-- end generated: " in text, f"{page}: a generated part was never rendered"
+    assert generate.refresh(text) == text, (
+        f"{page.relative_to(ROOT)} is stale: run python docs/hooks/generate.py"
+    )
 
 
 def test_every_config_key_is_documented():

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import torch
 from oracle import projected
-from project import load_net
+from project import fails, load_net
 from typer.testing import CliRunner
 
 from gradscope.cli import app
@@ -35,8 +35,15 @@ def index(project: Path, *args: object, name: str = "ix") -> Path:
 
 def query(project: Path, ix: Path, *args: object, name: str = "q.parquet") -> pd.DataFrame:
     out = project / name
-    run("query", ix, "--ref", project / "ref.pt", "--out", out, *args)
+    run("query", ix, "--ref", project / "ref.pt", "--config", project / "config.yaml", "--out", out,
+        *args)  # fmt: skip
     return pd.read_parquet(out)
+
+
+def refused(monkeypatch, capsys, project: Path, ix: Path, *args: object) -> str:
+    """``query IX`` with the project's REF and config, ended by one ``error:`` line."""
+    return fails(monkeypatch, capsys, "query", ix, "--ref", project / "ref.pt", "--config",
+                 project / "config.yaml", "--out", project / "q.parquet", *args)  # fmt: skip
 
 
 def loop(project: Path) -> tuple[dict, dict]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from oracle import reference_influence
 from project import load_net
-from runs import N, close, index, loop, manifest, projected_loop, query
+from runs import N, close, index, loop, manifest, projected_loop, query, run
 
 from gradscope.io.parquet import read_metadata
 
@@ -26,6 +26,11 @@ def test_an_index_that_keeps_every_number_queries_to_the_exact_influence(project
     assert list(frame.columns) == ["example_id", "score"]
     assert frame["example_id"].tolist() == list(range(N))
     close(frame["score"], expected[:, 0], 1e-6)
+    one = {k: v[:1] for k, v in torch.load(project / "ref.pt").items()}
+    torch.save(one, project / "one.pt")
+    shown = run("query", ix, "--ref", project / "one.pt", "--config", project / "config.yaml",
+                "--per-ref", "--out", project / "one.parquet")  # fmt: skip
+    assert "1 reference, top 10 each" in shown  # of the 10 examples, not "top 20"
 
 
 @pytest.mark.parametrize("normalize", [False, True])

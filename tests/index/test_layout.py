@@ -15,9 +15,11 @@ import pyarrow as pa
 import pytest
 import torch
 from project import edit_checkpoint, edit_data, fails, make_project
-from runs import index, projected_loop, query
+from runs import index, projected_loop, query, refused
+from typer.testing import CliRunner
 
 import gradscope.index.layout as layout
+from gradscope.cli import app
 from gradscope.config import load_config
 from gradscope.errors import Interrupted
 from gradscope.index.scorer import IndexScorer
@@ -89,20 +91,19 @@ def test_query_refuses_another_model_or_changed_data(project, monkeypatch, capsy
     ix = index(project, "--dim", 4)
     edit_data(project, lambda d: d["x"].mul_(2))
     query(project, ix)  # the data is not read without --exact
-    err = fails(monkeypatch, capsys, "query", ix, "--ref", project / "ref.pt", "--exact")
+    err = refused(monkeypatch, capsys, project, ix, "--exact")
     assert "data.path has changed" in err
     edit_checkpoint(project, lambda s: s["fc2.bias"].add_(1))
-    err = fails(monkeypatch, capsys, "query", ix, "--ref", project / "ref.pt")
+    err = refused(monkeypatch, capsys, project, ix)
     assert "model.checkpoint is not what the index was built from" in err
 
 
-def test_an_index_without_its_config_takes_one(project, monkeypatch, capsys):
+def test_an_index_without_its_config_queries_with_one(project):
     make_project(project, n=10, dtype="float64", output__metadata="minimal")
     ix = index(project, "--dim", 4)
-    assert "config" not in (ix / "manifest.json").read_text()
-    err = fails(monkeypatch, capsys, "query", ix, "--ref", project / "ref.pt")
-    assert "pass --config" in err
-    assert len(query(project, ix, "--config", project / "config.yaml")) == 10
+    assert "config" not in json.loads((ix / "manifest.json").read_text())["gradscope"]
+    assert str(project) not in (ix / "manifest.json").read_text()
+    assert len(query(project, ix)) == 10
 
 
 @pytest.mark.parametrize(
@@ -162,3 +163,65 @@ def test_two_torchrun_processes_write_the_index_one_writes(project):
     a, b = query(project, one, name="one.parquet"), query(project, two, name="two.parquet")
     assert a["example_id"].tolist() == list(range(23)) and a["id"].tolist()[:2] == [100, 101]
     pd.testing.assert_frame_equal(a, b, rtol=1e-5)
+
+
+@pytest.mark.parametrize("again", [[], ["--resume"]], ids=["fresh", "resume"])
+def test_a_run_killed_while_assembling_starts_over_or_resumes(project, monkeypatch, again):
+    """Killed after the index was staged in the partial folder, before it was moved into place:
+    a fresh run starts over, --resume assembles the parts again; either is the whole index."""
+    whole = index(project, "--dim", 4, name="whole")
+    publish = layout._publish
+
+    def killed(staging, path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(layout, "_publish", killed)
+    result = CliRunner().invoke(app, ["index", str(project / "config.yaml"), "--dim", "4",
+                                      "--out", str(project / "ix")])  # fmt: skip
+    assert result.exit_code != 0 and "--resume" in result.output
+    assert (project / ".ix.partial" / "index" / "manifest.json").exists()
+    monkeypatch.setattr(layout, "_publish", publish)
+    ix = index(project, "--dim", 4, *again)
+    assert not (project / ".ix.partial").exists()
+    for a, b in zip(rows_by_hand(whole), rows_by_hand(ix), strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_a_damaged_index_is_replaced_by_its_rebuild(project):
+    """The damaged index's error says: build it again; --out takes the damaged folder."""
+    ix = index(project, "--dim", 4)
+    (ix / "shard-000000.npy").unlink()
+    manifest = json.loads((ix / "manifest.json").read_text())
+    (ix / "manifest.json").write_text(json.dumps({**manifest, "version": 1, "shards": 0}))
+    index(project, "--dim", 4)
+    assert len(query(project, ix)) == 10
+
+
+def test_a_run_killed_between_the_renames_leaves_the_former_index_aside(
+    project, monkeypatch, capsys
+):
+    """Killed after the former index was moved aside, before the new one took its name: the
+    former waits at .ix.old, and the next run puts the index in place and removes it; a folder
+    of someone else's at that name is refused and left."""
+    ix = index(project, "--dim", 4)
+    rename = os.rename
+
+    def killed(src, dst):
+        rename(src, dst)
+        if dst == layout.former(ix):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(layout.os, "rename", killed)
+    result = CliRunner().invoke(app, ["index", str(project / "config.yaml"), "--dim", "8",
+                                      "--out", str(ix)])  # fmt: skip
+    assert result.exit_code != 0 and not ix.exists()
+    former = json.loads((project / ".ix.old" / "manifest.json").read_text())
+    assert former["projection"]["dim"] == 4
+    monkeypatch.setattr(layout.os, "rename", rename)
+    index(project, "--dim", 8)
+    assert not (project / ".ix.old").exists()
+    assert json.loads((ix / "manifest.json").read_text())["projection"]["dim"] == 8
+    (project / ".ix.old").mkdir()
+    (project / ".ix.old" / "photo.png").write_bytes(b"\x89PNG")
+    err = fails(monkeypatch, capsys, "index", project / "config.yaml", "--out", ix)
+    assert "not a gradscope index folder" in err and (project / ".ix.old" / "photo.png").exists()

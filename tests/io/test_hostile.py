@@ -778,6 +778,6 @@ def test_a_locale_that_cannot_show_the_histogram(tmp_path):
             env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr[-2000:]
-        histogram = next(line for line in done.stdout.splitlines() if line.startswith("grad_norm"))
+        histogram = next(line for line in done.stdout.splitlines() if line.startswith("loss "))
         assert "?" in histogram, done.stdout
     assert (tmp_path / "scores.html").read_text().startswith("<!")

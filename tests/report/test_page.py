@@ -47,7 +47,7 @@ def body_rows(page: str) -> list[list[str]]:
 
 
 def test_norms_file_histogram_classes_and_top_rows(tmp_path):
-    page = render(scores_file(tmp_path / "s.parquet"), None, None, 3)
+    page = render(scores_file(tmp_path / "s.parquet"), None, "grad_norm", 3)
     assert captions(page) == ["grad_norm: histogram, top 3 marked", "per class"]
     assert page.count("<svg") == 2 and not re.search(r'(src|href)="(https?:)?//', page)
     rows = body_rows(page)

@@ -157,6 +157,7 @@ def test_train_fn_trains_in_place(tmp_path):
         ({"nesterov": True}, "'train.nesterov' needs optimizer sgd with a momentum > 0"),
         ({"epochs": 0}, "'train.epochs' must be at least 1"),
         ({"clip": 0}, "'train.clip' must be a positive number"),
+        ({"seed": -1}, "'train.seed' must be at least 0"),
         ({"momentun": 0.9}, "unknown key 'train.momentun'"),
         ({"fn": "loop.py:returns_text"}, "train.fn returned a str; return the trained model"),
         ({"fn": "loop.py:raises"}, "train.fn raised ValueError: no GPU here"),
