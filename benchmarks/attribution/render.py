@@ -84,6 +84,12 @@ def summary(report: dict) -> list[str]:
     return lines
 
 
+def _factory(factory: str) -> str:
+    """``model.py:Name`` for a file's class (the results hold its absolute path), else as is."""
+    where, _, name = factory.rpartition(":")
+    return f"{where.rsplit('/', 1)[-1]}:{name}" if where.endswith(".py") else factory
+
+
 def setting(name: str, s: dict) -> list[str]:
     recipe = s["recipe"]
     quality = f"reference loss {s['ref_loss']:.3f}" + (
@@ -92,7 +98,7 @@ def setting(name: str, s: dict) -> list[str]:
     out = [
         f"### {TITLES.get(name, name)} (`{name}`)",
         "",
-        f"`{s['config']}` ({s['model']['factory']}, loss {s['loss']}), {s['rows']} training "
+        f"`{s['config']}` ({_factory(s['model']['factory'])}, loss {s['loss']}), {s['rows']} training "
         f"rows, references `{s['ref']}`; recipe {recipe['optimizer']} lr {recipe['lr']}, "
         f"{recipe.get('epochs') or recipe.get('steps')} {'epochs' if recipe.get('epochs') else 'steps'}, "
         f"batch {recipe.get('batch_size')}, weight decay {recipe.get('weight_decay')}; trained in "
