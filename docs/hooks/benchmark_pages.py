@@ -6,7 +6,8 @@ file and never edits prose.
   CPU's on one page and the GPU's on another;
 - ``cuda_check.py --json`` files (``*-check.json``): its table of errors and syncs;
 - ``*-hf-sweep.md``, ``*-layers.md`` and ``*-check-bf16.md``: summaries written beside a JSON,
-  or in place of one.
+  or in place of one;
+- ``lds-*.md``: the attribution benchmark's tables (benchmarks/attribution/run.py), the newest.
 """
 
 from __future__ import annotations
@@ -206,12 +207,12 @@ def cuda_checks() -> str:
     return "\n".join(out)
 
 
-def harness_summary(suffix: str) -> str:
-    """The newest ``*-{suffix}.md`` the sweep or layers harness wrote, its headings moved two
-    levels down to sit under the page's own."""
-    paths = sorted(RESULTS.glob(f"*-{suffix}.md"), reverse=True)
+def harness_summary(pattern: str) -> str:
+    """The newest results file matching ``pattern`` (``*-layers.md``) a harness wrote, its
+    headings moved two levels down to sit under the page's own."""
+    paths = sorted(RESULTS.glob(pattern), reverse=True)
     if not paths:
-        raise FileNotFoundError(f"no benchmarks/results/*-{suffix}.md")
+        raise FileNotFoundError(f"no benchmarks/results/{pattern}")
     text = paths[0].read_text()
     text = re.sub(r"^(#+) ", lambda m: "#" * (len(m[1]) + 2) + " ", text, flags=re.M)
     return f"From `benchmarks/results/{paths[0].name}`:\n\n{text}"

@@ -30,9 +30,10 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "bench": benchmark_pages.bench_results,
     "bench-gpu": lambda: benchmark_pages.bench_results("cuda"),
     "cuda-check": benchmark_pages.cuda_checks,
-    "cuda-check-bf16": lambda: benchmark_pages.harness_summary("check-bf16"),
-    "hf-sweep": lambda: benchmark_pages.harness_summary("hf-sweep"),
-    "layers": lambda: benchmark_pages.harness_summary("layers"),
+    "cuda-check-bf16": lambda: benchmark_pages.harness_summary("*-check-bf16.md"),
+    "hf-sweep": lambda: benchmark_pages.harness_summary("*-hf-sweep.md"),
+    "layers": lambda: benchmark_pages.harness_summary("*-layers.md"),
+    "lds": lambda: benchmark_pages.harness_summary("lds-*.md"),
 }
 MARKER = re.compile(
     r"^<!-- generated: (?P<name>[\w-]+) -->\n(?:.*?\n)??<!-- end generated: (?P=name) -->$"

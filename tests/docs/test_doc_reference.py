@@ -126,8 +126,8 @@ def test_benchmark_pages_render_every_results_file():
     for path in files:
         assert f"`{path.name}`" in text
     assert "| norms:gradscope |" in text and "| target | measured | |" in text
-    assert "cases:" in benchmark_pages.harness_summary("hf-sweep")
-    assert "cases:" in benchmark_pages.harness_summary("layers")
+    assert "cases:" in benchmark_pages.harness_summary("*-hf-sweep.md")
+    assert "cases:" in benchmark_pages.harness_summary("*-layers.md")
 
 
 def test_a_target_names_the_workloads_that_miss_it():

@@ -1,0 +1,143 @@
+"""The attribution benchmark's results file as Markdown: a summary table (default and tuned of
+every tool, per setting) and each setting's full table of runs."""
+
+from __future__ import annotations
+
+TITLES = {
+    "digits_linear": "digits, logistic regression",
+    "digits_mlp": "digits, MLP",
+    "diabetes": "diabetes, MLP regression (mse)",
+    "lm": "tiny GPT-2, fine-tuned",
+}
+
+
+def _options(options: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in options.items()) or "its defaults"
+
+
+def _label(run: dict) -> str:
+    """What a run is, in words: the tool's scorer and its options."""
+    if run["tool"] != "gradscope":
+        return f"{run['tool']} ({_options(run['options'])})"
+    o = run["options"]
+    if run["default"]:
+        return "gradscope `influence` with no flags"
+    if run["scorer"] == "cosine":
+        return "gradscope `cosine` column (`--curvature none`)"
+    if run["scorer"] == "tracin":
+        return "gradscope TracIn over the epoch checkpoints (`--curvature none`)"
+    if o.get("curvature") == "none":
+        return "gradscope `--curvature none` (inner product)"
+    return f"gradscope `--curvature {o['curvature']} --damping {o['damping']}`"
+
+
+def _cell(run: dict | None, seconds: bool = True) -> str:
+    if run is None:
+        return "—"
+    if run["status"] != "ok" or "lds" not in run["lds"]:
+        return "fails" if run["status"] != "ok" else "not validated"
+    lds = run["lds"]["lds"]
+    text = f"{lds:.2f}" if lds == lds else "n/a"
+    return f"{text} ({run['seconds']:.0f} s)" if seconds else text
+
+
+def _best(runs: list[dict]) -> dict | None:
+    measured = [r for r in runs if r["status"] == "ok" and r["lds"].get("lds") == r["lds"].get("lds")]  # fmt: skip
+    return max(measured, key=lambda r: r["lds"]["lds"]) if measured else None
+
+
+def summary_rows(runs: list[dict]) -> dict[str, dict | None]:
+    """Row name -> the run that fills it: gradscope's commands as they are, its best damping per
+    curvature, each peer's defaults and its best option set ("tuned")."""
+    rows: dict[str, dict | None] = {}
+    for r in runs:
+        if r["tool"] == "gradscope" and "damping" not in r["options"]:
+            rows[_label(r)] = r
+    fitted = [r for r in runs if r["tool"] == "gradscope" and "damping" in r["options"]]
+    for c in dict.fromkeys(r["options"]["curvature"] for r in fitted):
+        best = _best([r for r in fitted if r["options"]["curvature"] == c])
+        rows[f"gradscope `--curvature {c}`, best damping"] = best
+    for tool in dict.fromkeys(r["tool"] for r in runs if r["tool"] != "gradscope"):
+        mine = [r for r in runs if r["tool"] == tool]
+        rows[f"{tool}, its defaults"] = next((r for r in mine if r["default"]), None)
+        rows[f"{tool}, tuned (best of its grid)"] = _best([r for r in mine if not r["default"]])
+    return rows
+
+
+def summary(report: dict) -> list[str]:
+    names = list(report["settings"])
+    per = {n: summary_rows(report["settings"][n]["scorers"]) for n in names}
+    labels = list(dict.fromkeys(label for n in names for label in per[n]))
+    lines = [
+        "| scorer | " + " | ".join(TITLES.get(n, n) for n in names) + " |",
+        "|---|" + "---:|" * len(names),
+    ]
+    for label in labels:
+        cells = []
+        for n in names:
+            run = per[n].get(label)
+            tuned = run is not None and ("best" in label or "tuned" in label)
+            shown = {k: v for k, v in (run or {}).get("options", {}).items() if k != "curvature"}
+            extra = f" [{_options(shown)}]" if tuned and run["lds"] else ""
+            cells.append(_cell(run) + extra)
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _factory(factory: str) -> str:
+    """``model.py:Name`` for a file's class (the results hold its absolute path), else as is."""
+    where, _, name = factory.rpartition(":")
+    return f"{where.rsplit('/', 1)[-1]}:{name}" if where.endswith(".py") else factory
+
+
+def setting(name: str, s: dict) -> list[str]:
+    recipe = s["recipe"]
+    quality = f"reference loss {s['ref_loss']:.3f}" + (
+        f", accuracy {s['ref_accuracy']:.0%}" if "ref_accuracy" in s else ""
+    )
+    out = [
+        f"### {TITLES.get(name, name)} (`{name}`)",
+        "",
+        f"`{s['config']}` ({_factory(s['model']['factory'])}, loss {s['loss']}), {s['rows']} training "
+        f"rows, references `{s['ref']}`; recipe {recipe['optimizer']} lr {recipe['lr']}, "
+        f"{recipe.get('epochs') or recipe.get('steps')} {'epochs' if recipe.get('epochs') else 'steps'}, "
+        f"batch {recipe.get('batch_size')}, weight decay {recipe.get('weight_decay')}; trained in "
+        f"{s['train_s']:.1f} s to {quality}; the ground truth took {s['truth_s']:.0f} s.",
+        "",
+        "| scorer | LDS | spread over references (std) | seconds: scoring / command | note |",
+        "|---|---:|---:|---:|---|",
+    ]  # fmt: skip
+    for r in s["scorers"]:
+        lds = r["lds"]
+        mean = f"{lds['lds']:.3f}" if r["status"] == "ok" and "lds" in lds else r["status"]
+        std = f"{lds['lds_std']:.3f}" if "lds_std" in lds else ""
+        note = r["note"].replace("|", "/")
+        took = f"{r['run_s']:.1f} / " if r.get("run_s") is not None else ""
+        out.append(f"| {_label(r)} | {mean} | {std} | {took}{r['seconds']:.1f} | {note} |")
+    return [*out, ""]
+
+
+def markdown(report: dict) -> str:
+    env, design = report["environment"], report["design"]
+    peers = ", ".join(f"{k} {v}" for k, v in env.get("peers", {}).items())
+    lines = [
+        f"gradscope at `{env['commit']}`"
+        + (f" ({env['note']})" if env.get("note") else "")
+        + f"; Python {env['python']}, torch {env['torch']}"
+        + (f"; peers (own environment): {peers}" if peers else "")
+        + f"; {env['machine']}, {env['cpus']} CPUs, one thread per run. Ground truth: "
+        f"{design['subsets']} random subsets of {design['fraction']:.0%} of the rows x "
+        f"{design['seeds']} seeds, target the references' loss; LDS is the mean over references "
+        "of the Spearman correlation. Seconds: the scoring's own time as its file records it (from "
+        "the loaded model; gradscope's from the start of its run, fitting the curvature "
+        "included), beside the wall-clock of the one command that wrote the file (process "
+        "start-up, imports included).",
+        "",
+        "LDS (seconds of the command); tuned and best-damping cells name the options that won:",
+        "",
+        *summary(report),
+        "",
+    ]
+    for name, s in report["settings"].items():
+        lines += setting(name, s)
+    return "\n".join(lines)

@@ -1,0 +1,72 @@
+"""The attribution benchmark's runner still runs: a tiny setting trained, scored by gradscope's
+commands, validated on one truth and rendered; a peer's matrix written as a score file reads back
+to the same LDS as the gradscope file it came from."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks" / "attribution"))
+import run  # noqa: E402  benchmarks/attribution/run.py
+from scorers import write_scores  # noqa: E402
+
+from gradscope.config import load_config  # noqa: E402
+
+DATA = run.HERE / "data"
+DESIGN = {"subsets": 4, "seeds": 1, "fraction": 0.5, "target": "loss"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[run.Bench, dict]:
+    """Logistic regression on 40 digits, 4 references, two epochs: measured once."""
+    tmp = tmp_path_factory.mktemp("tiny")
+    train = torch.load(DATA / "digits_train.pt", weights_only=True)
+    ref = torch.load(DATA / "digits_ref.pt", weights_only=True)
+    torch.save({"x": train["x"][:40].clone(), "y": train["y"][:40].clone()}, tmp / "train.pt")
+    torch.save({"x": ref["x"][:4].clone(), "y": ref["y"][:4].clone()}, tmp / "ref.pt")
+    raw = yaml.safe_load((run.HERE / "configs/digits_linear.yaml").read_text())
+    raw["model"]["checkpoint"] = str(tmp / "work" / "model.pt")
+    raw["data"] |= {"path": str(tmp / "train.pt"), "batch_size": 40}
+    raw["output"]["path"] = str(tmp / "work" / "scores.parquet")
+    raw["train"] |= {"epochs": 2, "batch_size": 20, "save_every": 1}
+    (tmp / "tiny.yaml").write_text(yaml.safe_dump(raw))
+    bench = run.Bench(tmp / "tiny.yaml", tmp / "ref.pt", ("gn",), (0.1,))
+    return bench, run.measure(bench, DESIGN, None)
+
+
+def test_the_runner_scores_validates_and_renders_a_tiny_setting(tiny):
+    _, measured = tiny
+    runs = measured["scorers"]
+    kinds = [(r["scorer"], r["options"].get("curvature")) for r in runs]
+    assert kinds == [("influence", None), ("influence", "none"), ("cosine", "none"),
+                     ("tracin", None), ("influence", "gn")]  # fmt: skip
+    assert all(r["status"] == "ok" and r["seconds"] > 0 for r in runs), runs
+    assert all(-1 <= r["lds"]["lds"] <= 1 and r["lds"]["references"] == 4 for r in runs)
+    assert measured["rows"] == 40 and 0 <= measured["ref_accuracy"] <= 1
+    settings = {"tiny": measured}
+    text = run.markdown({"environment": run.environment(None), "design": DESIGN, "settings": settings})  # fmt: skip
+    assert "| gradscope `--curvature gn`, best damping |" in text
+    assert f"| {runs[1]['lds']['lds']:.3f} |" in text
+
+
+def test_a_peer_matrix_reads_back_as_the_scores_it_holds(tiny):
+    bench, _ = tiny
+    cfg = load_config(bench.config)
+    work = Path(cfg.model.checkpoint).parent
+    frame = pd.read_parquet(work / "plain.parquet")
+    matrix = np.zeros((4, 40))  # (R, N)
+    matrix[frame["ref_id"], frame["example_id"]] = frame["influence"]
+    write_scores(matrix, cfg, str(bench.ref), work / "peer.parquet", {"tool": "test"}, 1.5)
+    files = [str(work / "plain.parquet"), str(work / "peer.parquet")]
+    _, results = run.validate(work / "config.yaml", bench, files, "influence", work, DESIGN)
+    plain, peer = (r for r in results if r["column"] == "influence")
+    assert peer["seconds"] == 1.5
+    assert math.isclose(peer["lds"], plain["lds"], abs_tol=1e-12)
