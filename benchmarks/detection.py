@@ -39,6 +39,7 @@ from gradscope.curvature import fit_factors
 from gradscope.run import score_dataset
 from gradscope.scorers import NormsScorer
 from gradscope.training import fit
+from gradscope.validation.metrics import auroc
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ROOT / "examples" / "digits"
@@ -50,13 +51,6 @@ from torch import nn
 def mlp():
     return nn.Sequential(nn.Linear(30, 32), nn.Tanh(), nn.Linear(32, 2))
 """
-
-
-def auroc(score: np.ndarray, bad: np.ndarray) -> float:
-    """P(a planted row outranks a clean one), ties counted half (Mann-Whitney U)."""
-    ranks = pd.Series(score).rank().to_numpy()
-    n_bad, n_ok = int(bad.sum()), int((~bad).sum())
-    return float((ranks[bad].sum() - n_bad * (n_bad + 1) / 2) / (n_bad * n_ok))
 
 
 def digits(kind: str, rng: np.random.Generator) -> tuple[dict, np.ndarray]:

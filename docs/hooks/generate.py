@@ -34,6 +34,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "hf-sweep": lambda: benchmark_pages.harness_summary("*-hf-sweep.md"),
     "layers": lambda: benchmark_pages.harness_summary("*-layers.md"),
     "lds": lambda: benchmark_pages.harness_summary("lds-*.md"),
+    "detection": lambda: benchmark_pages.harness_summary("*-detection.md"),
 }
 MARKER = re.compile(
     r"^<!-- generated: (?P<name>[\w-]+) -->\n(?:.*?\n)??<!-- end generated: (?P=name) -->$"

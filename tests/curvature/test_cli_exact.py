@@ -138,7 +138,10 @@ def test_factors_in_the_run_equal_factors_then_precondition(tmp_path, kind) -> N
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--curvature", "newton"], "--curvature must be one of auto, none, gn, hessian, kfac, ekfac"),
+        (
+            ["--curvature", "newton"],
+            "--curvature must be one of auto, none, gn, hessian, kfac, ekfac",
+        ),
         (["--curvature", "gn", "--damping", "-1"], "--damping must be 0 or more, got -1"),
         (["--curvature", "gn", "--solver", "lu"], "--solver must be one of auto, dense, cg"),
         (["--curvature", "gn", "--precondition", "PRE"], "give one of them (--precondition)"),
