@@ -138,8 +138,12 @@ class InfluenceScorer(Scorer):
         parameter's whole gathered as the backward reaches it; hooks only."""
         from .. import fsdp
 
-        if not self.curvature_given:  # the default curvature: the plain inner product here
-            self.curvature = NONE
+        if not self.curvature_given:  # not a silently other scorer than one process's
+            raise ConfigError(
+                "with distributed.shard, influence scores the plain inner product only: pass "
+                "--curvature none",
+                "--curvature",
+            )
         for option, given in (
             ("--per-ref", self.per_ref),
             ("--precondition", self.precondition is not None),

@@ -42,7 +42,10 @@ def _oracle(project: Path, checkpoint: str = "net.pt", per_ref: bool = False):
 
 
 def _run(*args: str, summary: str = f"{N} examples; influence") -> pd.DataFrame:
-    result = CliRunner().invoke(app, ["influence", *map(str, args)])
+    """``influence CONFIG ARGS`` as the plain inner product (``--curvature none``), which these
+    tests compare with the loop; the curvatures have theirs in tests/curvature."""
+    config, *rest = map(str, args)
+    result = CliRunner().invoke(app, ["influence", config, "--curvature", "none", *rest])
     assert result.exit_code == 0, result.output
     assert "top" in result.output and summary in result.output and "wrote" in result.output
     return pd.read_parquet(args[-1])

@@ -98,9 +98,9 @@ def test_fsdp_norms_two_processes_equal_one(tmp_path):
 def test_fsdp_influence_two_processes_equal_one(tmp_path):
     config = gpt2_project(tmp_path, n=14)
     ref = str(tmp_path / "ref")
-    one = one_process(config, InfluenceScorer(ref))
+    one = one_process(config, InfluenceScorer(ref, curvature="none"))
     out = tmp_path / "two.parquet"
-    run = torchrun("influence", str(config), "--ref", ref, "--out", str(out))
+    run = torchrun("influence", str(config), "--ref", ref, "--curvature", "none", "--out", str(out))
     assert run.returncode == 0, run.stderr[-3000:]
     pd.testing.assert_frame_equal(pd.read_parquet(out), one, check_exact=True)
 
@@ -182,3 +182,11 @@ def test_fsdp_index_two_processes_equal_one(tmp_path):
         pd.read_parquet(run_query(tmp_path / n, asked, config=config)) for n in ("one", "two")
     )
     pd.testing.assert_frame_equal(one, two, check_exact=True)
+
+
+def test_sharded_influence_refuses_the_default_curvature(tmp_path):
+    """One process fits the curvature by default; a sharded run cannot: it says so, rather than
+    score the plain inner product in its place."""
+    scorer = InfluenceScorer(str(tmp_path / "ref"))
+    with pytest.raises(ConfigError, match="pass --curvature none"):
+        scorer._sharded(None, iter(()))

@@ -106,16 +106,16 @@ def test_influence_resume_equals_uninterrupted_and_needs_the_same_ref(tmp_path):
     cfg = load_config(config)
     ref = tmp_path / "ref.pt"
     with pytest.raises(Interrupted):
-        score_dataset(cfg, InfluenceScorer(ref), on_batch=stop_after(2))
+        score_dataset(cfg, InfluenceScorer(ref, curvature="none"), on_batch=stop_after(2))
     torch.save({"x": torch.randn(3, 5), "y": torch.randint(0, 3, (3,))}, tmp_path / "ref2.pt")
     with pytest.raises(ConfigError, match="had a different ref, file .*ref.pt, file .*ref2.pt"):
-        score_dataset(cfg, InfluenceScorer(tmp_path / "ref2.pt"), resume=True)
-    out = score_dataset(cfg, InfluenceScorer(ref), resume=True)
+        score_dataset(cfg, InfluenceScorer(tmp_path / "ref2.pt", curvature="none"), resume=True)
+    out = score_dataset(cfg, InfluenceScorer(ref, curvature="none"), resume=True)
     whole = score_dataset(
         dataclasses.replace(
             cfg, output=dataclasses.replace(cfg.output, path=str(tmp_path / "w.parquet"))
         ),
-        InfluenceScorer(ref),
+        InfluenceScorer(ref, curvature="none"),
     )
     pd.testing.assert_frame_equal(pd.read_parquet(out), pd.read_parquet(whole), check_exact=True)
     assert read_metadata(out)["influence"] == read_metadata(whole)["influence"]

@@ -140,7 +140,15 @@ def test_lora_gpt2_influence_over_the_adapters(tmp_path):
     model = {"factory": "transformers:GPT2LMHeadModel", "pretrained": "base", "adapter": "lora"}
     data = {"path": "data.pt", "inputs": "ids", "targets": "ids"}
     frame = run_cli(
-        tmp_path, model, data, "causal_lm", "influence", "--ref", str(tmp_path / "ref.pt")
+        tmp_path,
+        model,
+        data,
+        "causal_lm",
+        "influence",
+        "--ref",
+        str(tmp_path / "ref.pt"),
+        "--curvature",
+        "none",
     )
     wrapped = Logits(trained, ["input_ids"])
     expected, norm, _ = reference_influence(wrapped, (ids,), ids, ((ref,), ref), "causal_lm")
