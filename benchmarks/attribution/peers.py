@@ -119,6 +119,7 @@ PEERS = {"trak": trak, "kronfluence": kronfluence, "dattri": dattri, "bergson": 
 
 def main(job_path: str) -> None:
     torch.set_num_threads(1)
+    torch.manual_seed(0)  # kronfluence's sampled targets: a rerun draws the same ones
     job = json.loads(Path(job_path).read_text())
     setting = Setting.read(job["config"])
     ref = setting.rows(job["ref"])
