@@ -55,7 +55,15 @@ def test_tracin_influence_over_adapter_folders(tmp_path):
     torch.save({"ids": ref}, tmp_path / "ref.pt")
     data = {"path": "data.pt", "inputs": "ids", "targets": "ids"}
     frame = run_cli(
-        tmp_path, MODEL, data, "causal_lm", "influence", "--ref", str(tmp_path / "ref.pt")
+        tmp_path,
+        MODEL,
+        data,
+        "causal_lm",
+        "influence",
+        "--ref",
+        str(tmp_path / "ref.pt"),
+        "--curvature",
+        "none",
     )
     each = [reference_influence(m, (ids,), ids, ((ref,), ref), "causal_lm") for m in models]
     expected = sum(w * infl[:, 0] for w, (infl, _, _) in zip(WEIGHTS, each, strict=True))

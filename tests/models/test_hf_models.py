@@ -128,6 +128,8 @@ def test_gpt2_influence_with_a_save_to_disk_reference(tmp_path, engine):
         str(tmp_path / "ref"),
         "--engine",
         engine,
+        "--curvature",
+        "none",
     )
 
     def padded(rows: list[list[int]]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
