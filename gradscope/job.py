@@ -49,6 +49,14 @@ def config_loss(cfg: Config) -> LossFn:
     return resolve_loss(spec, cfg.loss.kwargs, cfg.loss.class_dim, cfg.loss.token_reduction)
 
 
+def config_forward(cfg: Config) -> Forward:
+    """How the configured model is called: a mapping ``{forward_argument: column}`` in
+    ``data.inputs`` passes those inputs by keyword; ``model.output`` picks the loss's input."""
+    inputs = cfg.data.inputs
+    keywords = tuple(inputs) if isinstance(inputs, dict) else ()
+    return Forward(keywords=keywords, output=cfg.model.output)
+
+
 @dataclass
 class Job:
     """A configured model and dataset, ready to score."""
@@ -77,14 +85,12 @@ class Job:
         # a model to shard stays on the CPU, whole, until shard() moves each rank's part
         sharded = cfg.distributed.shard and distributed.world().size > 1
         model.to(device=None if sharded else device, dtype=dtype)
-        inputs = cfg.data.inputs  # a mapping {forward_argument: column} is passed by keyword
-        keywords = tuple(inputs) if isinstance(inputs, dict) else ()
         engine = Engine(
             model,
             config_loss(cfg),
             cfg.params.include,
             cfg.params.exclude,
-            Forward(keywords=keywords, output=cfg.model.output),
+            config_forward(cfg),
             predictions(cfg.loss.name, cfg.loss.kwargs),  # pred, prob, margin from the forward
         )
         return cls(cfg, model, device, dtype, engine)

@@ -15,7 +15,7 @@ from ..errors import ConfigError, GradscopeError, ModelError, one_line
 from ..io.batch import Batch, take
 from ..io.data import open_dataset
 from ..io.model import build_model
-from ..job import Forward, config_loss, resolve_device
+from ..job import Forward, config_forward, config_loss, resolve_device
 from .recipe import lr_factor, make_optimizer, total_steps
 from .user import run_user_fn
 
@@ -97,9 +97,7 @@ class Trainer:
         self.total = total_steps(self.train, len(self.rows), self.batch_size)
         self.last_loss = float("nan")  # the mean training loss of the last whole pass
         self.order = torch.Generator().manual_seed(self.seed)  # the rows' order, pass by pass
-        inputs = self.cfg.data.inputs
-        keywords = tuple(inputs) if isinstance(inputs, dict) else ()
-        self.forward = Forward(keywords=keywords, output=self.cfg.model.output)
+        self.forward = config_forward(self.cfg)
         self.loss = config_loss(self.cfg)
 
     def state(self) -> dict:
@@ -179,16 +177,23 @@ class Trainer:
 
     def _loss(self, inputs: tuple[Tensor, ...], targets: Tensor) -> Tensor:
         """The mean over the batch of the per-example losses, the model's errors one line."""
-        try:
-            output = self.forward(self.model, inputs)
-        except GradscopeError:
-            raise
-        except Exception as e:
-            raise ModelError(
-                f"the model's forward raised {type(e).__name__} while training: {one_line(e)}",
-                "data.inputs",
-            ) from e
+        output = forward_or_error(self.forward, self.model, inputs, "while training", "data.inputs")
         return self.loss(output, targets).mean()
+
+
+def forward_or_error(
+    forward: Forward, model: nn.Module, inputs: tuple[Tensor, ...], during: str, where: str
+) -> Tensor:
+    """``forward(model, inputs)``; whatever the model's own forward raises, one line naming
+    ``during`` (``while training``, ``on REF``) and ``where``."""
+    try:
+        return forward(model, inputs)
+    except GradscopeError:
+        raise
+    except Exception as e:
+        raise ModelError(
+            f"the model's forward raised {type(e).__name__} {during}: {one_line(e)}", where
+        ) from e
 
 
 def fit(

@@ -19,14 +19,14 @@ from torch import nn
 from .. import distributed, training
 from ..config import Config
 from ..distributed import World
-from ..errors import GradscopeError, Interrupted, ModelError, one_line, reading
+from ..errors import Interrupted, reading
 from ..inputs import run_inputs
 from ..io.files import file_sha256
 from ..io.parquet import PartialRun
-from ..job import Forward, config_loss, resolve_device
+from ..job import config_forward, config_loss, resolve_device
 from ..predictions import predictions
 from ..run import Parts, fingerprint, resumed_parts
-from ..training.loop import Rows, build
+from ..training.loop import Rows, build, forward_or_error
 from .truth import Model, Task, Truth, read_truth
 
 Progress = Callable[[int], None]
@@ -39,23 +39,13 @@ def evaluate(cfg: Config, model: nn.Module, ref: str) -> tuple[np.ndarray, np.nd
     model's device as the training rows are."""
     data = dataclasses.replace(cfg.data, path=ref, ids=None, limit=None)
     rows = Rows(dataclasses.replace(cfg, data=data), None)
-    inputs = cfg.data.inputs
-    forward = Forward(keywords=tuple(inputs) if isinstance(inputs, dict) else (),
-                      output=cfg.model.output)  # fmt: skip
+    forward = config_forward(cfg)
     loss_fn, observe = config_loss(cfg), predictions(cfg.loss.name, cfg.loss.kwargs)
     losses, margins = [], []
     with torch.no_grad():
         for picked in torch.arange(len(rows)).split(cfg.data.batch_size):
             x, y = rows.batch(picked)
-            try:
-                outputs = forward(model, x)
-            except GradscopeError:
-                raise
-            except Exception as e:
-                raise ModelError(
-                    f"the model's forward raised {type(e).__name__} on REF: {one_line(e)}",
-                    f"--ref {ref}",
-                ) from e
+            outputs = forward_or_error(forward, model, x, "on REF", f"--ref {ref}")
             losses.append(loss_fn(outputs, y).double().cpu())  # (B,)
             seen = observe(outputs, y) if observe else {}
             nan = torch.full((len(picked),), np.nan, dtype=torch.float64)
