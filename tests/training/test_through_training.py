@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from gradscope.config import TrainConfig, load_config
+from gradscope.errors import ConfigError, DataError, GradscopeError, Interrupted, ModelError
 from gradscope.training import fit
 from gradscope.training.recipe import make_optimizer
 from gradscope.training.replay import through_training
@@ -150,3 +151,148 @@ def test_steps_are_torchs(name):
             assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
         for a, b in zip(state, update.state_of(opt, torch_params), strict=True):
             assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_a_killed_replay_continues_from_its_last_segment(tmp_path):
+    cfg, run = recorded(tmp_path, RECIPES["adamw-cosine-warmup"])  # 8 steps, segments of 3
+    whole = through_training(cfg, run, tmp_path / "ref.pt", per_ref=True)
+    walked = []
+
+    def kill(n: int) -> None:
+        walked.append(n)
+        if len(walked) == 5:  # in the second segment walked back
+            raise KeyboardInterrupt
+
+    with pytest.raises(Interrupted, match="1 of 3 segments replayed"):
+        through_training(
+            cfg, run, tmp_path / "ref.pt", per_ref=True, partial=tmp_path / "p", on_step=kill
+        )
+    walked.clear()
+    again = through_training(
+        cfg, run, tmp_path / "ref.pt", per_ref=True, partial=tmp_path / "p", on_step=walked.append
+    )
+    assert walked == [2] + [1] * 6  # the last segment's 2 steps done; 6 to go
+    np.testing.assert_array_equal(again, whole)
+    walked.clear()
+    other = through_training(
+        cfg, run, tmp_path / "ref.pt", partial=tmp_path / "p", on_step=walked.append
+    )
+    assert walked == [1] * 8  # another replay (the mean, not per reference) starts over
+    np.testing.assert_allclose(other, whole.mean(1), rtol=1e-10, atol=1e-14)
+
+
+NUMPY_NOISE = """
+import numpy as np
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x):
+        noise = torch.as_tensor(np.random.rand(*x.shape)) if self.training else 0
+        return self.fc(x + noise)
+"""
+BATCHNORM = """
+from torch import nn
+
+
+class Net(nn.Sequential):
+    def __init__(self):
+        super().__init__(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
+"""
+
+
+def _edit(run: Path, name: str, edit) -> None:
+    path = run / name
+    path.write_bytes(edit(path.read_bytes()))
+
+
+def _remanifest(run: Path, name: str) -> None:
+    import json
+
+    from gradscope.io.files import file_sha256
+
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest[name] = file_sha256(run / name)
+    (run / "manifest.json").write_text(json.dumps(manifest))
+
+
+REFUSALS = {
+    "no record": (lambda run, root: __import__("shutil").rmtree(run), "no run record"),
+    "unfinished": (lambda run, root: (run / "manifest.json").unlink(), "unfinished run record"),
+    "edited": (
+        lambda run, root: _edit(run, "steps.pt", lambda b: b[:-9] + bytes([b[-9] ^ 1]) + b[-8:]),
+        "steps.pt changed after it was written",
+    ),
+    "truncated": (
+        lambda run, root: _edit(run, "segment-00001.pt", lambda b: b[: len(b) // 2]),
+        "segment-00001.pt changed",
+    ),
+    "missing": (lambda run, root: (run / "final.pt").unlink(), "lacks final.pt"),
+    "extra": (lambda run, root: (run / "segment-00009.pt").write_bytes(b""), "holds segment-00009"),
+    "other data": (
+        lambda run, root: torch.save(
+            {k: v.flip(0) for k, v in torch.load(root / "data.pt").items()}, root / "data.pt"
+        ),
+        "different file .*data.pt",
+    ),
+    "nondeterministic": (
+        lambda run, root: (
+            _edit(
+                run,
+                "record.json",
+                lambda b: b.replace(b'"deterministic": true', b'"deterministic": false'),
+            ),
+            _remanifest(run, "record.json"),
+        ),
+        "without torch.use_deterministic_algorithms",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_a_record_that_cannot_be_replayed_is_one_line(tmp_path, case):
+    cfg, run = recorded(tmp_path, RECIPES["sgd-momentum-decay"])
+    spoil, message = REFUSALS[case]
+    spoil(run, tmp_path)
+    with pytest.raises(GradscopeError, match=message) as raised:
+        through_training(cfg, run, tmp_path / "ref.pt")
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"train": {**RECIPES["sgd-momentum-decay"], "lr": 0.1}}, "different train.lr"),
+        ({"train": {"fn": "model.py:Net"}}, "train.fn is a loop of your own"),
+        ({"train": RECIPES["sgd-momentum-decay"], "loss__name": "nll"}, "different loss.name"),
+    ],
+)
+def test_a_record_of_another_config_is_refused(tmp_path, change, message):
+    _, run = recorded(tmp_path, RECIPES["sgd-momentum-decay"])
+    other = load_config(make_project(tmp_path, n=N, dtype="float64", **change))
+    with pytest.raises(ConfigError, match=message):
+        through_training(other, run, tmp_path / "ref.pt")
+
+
+@pytest.mark.parametrize(
+    ("code", "error", "message"),
+    [
+        (NUMPY_NOISE, ModelError, "does not reach its weights after step 8"),
+        (BATCHNORM, ModelError, "buffers change as it trains"),
+    ],
+)
+def test_a_run_gradscope_cannot_retrace_is_refused(tmp_path, code, error, message):
+    (tmp_path / "other.py").write_text(code)
+    cfg, run = recorded(tmp_path, RECIPES["sgd-momentum-decay"], "other.py:Net")
+    with pytest.raises(error, match=message):
+        through_training(cfg, run, tmp_path / "ref.pt")
+
+
+def test_an_optimizer_gradscope_does_not_know_is_refused():
+    with pytest.raises(DataError, match="'lion' is none gradscope can replay"):
+        Update(TrainConfig(optimizer="lion"))
