@@ -113,6 +113,8 @@ def train_model(
         raise ConfigError(
             "a run record is there already; pass --overwrite to replace it, or --out", str(folder)
         )
+    if segment is not None and segment < 1:
+        raise ConfigError("--segment must be a positive number of steps", "--segment")
     if record and train.fn is not None:
         raise ConfigError("train.fn is a loop of your own: gradscope cannot record it", "train.fn")
     with OutputLock(path):
@@ -189,8 +191,6 @@ def _recorder(
     """The recorder of a ``--record`` run, hooked to each step's start."""
     if folder is None:
         return None
-    if segment is not None and segment < 1:
-        raise ConfigError("--segment must be a positive number of steps", "--segment")
     recorder = Recorder(folder, segment or default_segment(trainer.total), record_key(cfg, inputs))
     trainer.before_step = recorder.before_step
     return recorder
