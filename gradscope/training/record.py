@@ -88,11 +88,19 @@ class Recorder:
         self.folder.mkdir(parents=True)
 
     def state(self) -> dict:
-        return {"picked": list(self.picked), "lrs": torch.tensor(self.lrs, dtype=torch.float64)}
+        """The steps so far: every step's positions end to end, each step's count, its rate."""
+        sizes = torch.tensor([len(p) for p in self.picked], dtype=torch.int64)
+        picked = torch.cat(self.picked) if self.picked else torch.zeros(0, dtype=torch.int64)
+        return {
+            "picked": picked,
+            "sizes": sizes,
+            "lrs": torch.tensor(self.lrs, dtype=torch.float64),
+        }
 
     def load(self, state: dict, steps: int) -> None:
         """What an interrupted run had recorded when its last pass was saved."""
-        self.picked, self.lrs = list(state["picked"][:steps]), state["lrs"][:steps].tolist()
+        self.picked = list(state["picked"].split(state["sizes"].tolist()))[:steps]
+        self.lrs = state["lrs"][:steps].tolist()
 
     def before_step(self, trainer, picked: Tensor) -> None:
         """Called as each step begins: its rows, its rate, and a checkpoint if it begins one."""
@@ -103,9 +111,7 @@ class Recorder:
 
     def finish(self, trainer, buffers_change: bool) -> None:
         """The steps, the trained weights, the description and, last, the manifest."""
-        sizes = torch.tensor([len(p) for p in self.picked], dtype=torch.int64)
-        steps = {"picked": torch.cat(self.picked), "sizes": sizes, "lrs": self.state()["lrs"]}
-        _save(self.folder / STEPS, steps)
+        _save(self.folder / STEPS, self.state())
         _save(self.folder / FINAL, {"params": [p.detach().cpu() for p in trainer.params]})
         device = trainer.rows.device
         meta = {
