@@ -1,7 +1,7 @@
 """Module capture: each call of the hooked modules, its inputs, arguments and where its output's
-gradient arrives. The analysis (``analysis/session.py``) and the replay (``passes/replay.py``)
+gradient arrives. The analysis (``analysis/session.py``) and the replay (``replay/session.py``)
 capture calls alike and differ only in how they decide what a call's rows are; both hand each
-call's output gradient on as it arrives in the one backward (``passes/backward.py``). All state
+call's output gradient on as it arrives in the one backward (``backward/backward.py``). All state
 lives in the session; on exit, even after an exception, its hooks are removed, or the Engine's
 (``hooks.ModuleHooks``) given back."""
 

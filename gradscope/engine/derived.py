@@ -53,7 +53,7 @@ class Computed:
     values: tuple[Tensor, ...]  # detached
     batch: int
     # made from parameters and ``Constants`` alone: a light region (which has no trace to
-    # tell what else is no example's) may compute it again (``passes/light.py``)
+    # tell what else is no example's) may compute it again (``replay/light.py``)
     pure: bool = False
 
     @property

@@ -18,18 +18,18 @@ from .analysis.analyse import Analysis
 from .analysis.program import program_of, regions_of
 from .analysis.regions import Regions
 from .analysis.selfcheck import Singles, first_apart, mixed
+from .backward.backward import requests
+from .backward.fallback import Fallback
+from .backward.reduce import Reducer, Want
+from .backward.serve import Served, serve, served_calls, uses
 from .capture import Captured
+from .forward import Forward
 from .hooks import ModuleHooks
-from .passes.backward import requests
-from .passes.fallback import Fallback
-from .passes.forward import Forward
-from .passes.reduce import Reducer, Want
-from .passes.replay import Diverged
-from .passes.serve import Served, serve, served_calls, uses
-from .passes.steps import Program
 from .plan import FALLBACK_LOOP, build_plan, prepared
 from .record import Findings, record_for
-from .replayed import Replayed
+from .replay.programs import Replayed
+from .replay.session import Diverged
+from .steps import Program
 
 # (selected output, targets) -> {column: (B,) tensor}: read from the scoring forward, no extra pass
 Observe = Callable[[Tensor, Tensor], dict[str, Tensor]]

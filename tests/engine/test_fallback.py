@@ -228,7 +228,7 @@ def test_vmap_failure_is_remembered_and_the_loop_runs():
 
 def test_vmap_runs_in_chunks(monkeypatch):
     """A chunk smaller than the batch gives the same numbers: no example is dropped or repeated."""
-    monkeypatch.setattr("gradscope.engine.passes.fallback.CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr("gradscope.engine.backward.fallback.CHUNK_ELEMENTS", 1)
     model, inputs, targets = BY_ID["matmul-parameter"].build(torch.float64, batch=7)
     got = gradscope.per_example_norms(model, inputs, targets, "mse")
     _, expected = reference_norms(model, inputs, targets, "mse")

@@ -1,6 +1,6 @@
 """Calls of modules a rule treats alike (``Rule.alike``) answered together: where a pass asks for
 norms alone, small calls of alike modules on inputs of one shape are answered by one run of
-their rule over the stacked examples (``passes/grouped.Grouped``). Exact against the float64 loop
+their rule over the stacked examples (``backward/grouped.Grouped``). Exact against the float64 loop
 on a model that mixes what may go together with what may not: tied and twice-called modules
 (merged), a Linear without bias beside ones with, inputs of two lengths, a library norm."""
 
@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 import gradscope
 from gradscope.engine import Engine, naive_grads
-from gradscope.engine.passes.grouped import Grouped
+from gradscope.engine.backward.grouped import Grouped
 from gradscope.losses import resolve_loss
 
 

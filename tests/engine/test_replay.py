@@ -333,7 +333,7 @@ class PositionBlock(nn.Module):
 class AttentionBlock(nn.Module):
     """``nn.MultiheadAttention`` over padded tokens, its padding mask an input whose values
     differ batch to batch: its projections read inside ``F.multi_head_attention_forward`` on
-    sequence-first rows (a light region, ``passes/light.py``)."""
+    sequence-first rows (a light region, ``replay/light.py``)."""
 
     def __init__(self):
         super().__init__()

@@ -1,4 +1,4 @@
-"""Routed regions (``engine/passes/routed.py``): experts whose rows the batch's values pick,
+"""Routed regions (``engine/replay/routed.py``): experts whose rows the batch's values pick,
 replayed by following each row's example on the device, exact against the per-example loop on
 every batch; a batch whose rows land otherwise than the analysed batch's is analysed in full;
 a region whose rows cannot be followed goes back to the trace for good."""

@@ -1,11 +1,11 @@
-"""``RowFlow`` (``engine/passes/rowflow.py``): the example of each row, op by op, and the flag
+"""``RowFlow`` (``engine/replay/rowflow.py``): the example of each row, op by op, and the flag
 raised where rows of two examples meet."""
 
 from __future__ import annotations
 
 import torch
 
-from gradscope.engine.passes.rowflow import NO_ONE, RowFlow
+from gradscope.engine.replay.rowflow import NO_ONE, RowFlow
 
 
 def _flow(*rows: list[int]) -> tuple[RowFlow, list[torch.Tensor]]:

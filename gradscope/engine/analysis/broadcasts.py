@@ -11,8 +11,8 @@ from torch import Tensor
 
 from ...rules.base import CHUNK_ELEMENTS
 from ..derived import Watched
-from ..passes.parts import broadcast_parts, broadcast_view, element_parts
-from ..passes.recipes import ARG, EXPAND, Recipe, recipe_roles
+from ..parts import broadcast_parts, broadcast_view, element_parts
+from ..recipes import ARG, EXPAND, Recipe, recipe_roles
 from ..rows import Lanes
 from .experts import expert_bias
 from .owners import combine, is_batch, lane_of, reduce, slots

@@ -23,8 +23,8 @@ from .owners import NONE, is_batch, lane_of, reduce
 from .selfcheck import Singles, agrees
 
 if TYPE_CHECKING:
+    from ..backward.reduce import Reducer
     from ..capture import Call, Captured
-    from ..passes.reduce import Reducer
     from .trace import RowTrace
 
 

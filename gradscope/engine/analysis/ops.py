@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..passes.steps import SCALAR_READS
+from ..steps import SCALAR_READS
 
 # ops that move, select or copy elements: the same op applied to the owners gives theirs
 MOVES = {

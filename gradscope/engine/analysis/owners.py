@@ -4,7 +4,7 @@ An owner tensor is an int64 tensor of the same rank as the tensor it describes, 
 its shape (size 1 along the dimensions every element of which has the same owner): each element
 holds an example's index, ``NONE`` for an element that depends on no example (a constant, a
 parameter, a row written with a constant) or ``MIXED`` for one that depends on several. This
-module holds the algebra; ``engine/trace.py`` applies it op by op as the forward runs.
+module holds the algebra; ``analysis/trace.py`` applies it op by op as the forward runs.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The replay program of an analysed batch (``passes/replay.py``): its calls outside the regions
+"""The replay program of an analysed batch (``replay/session.py``): its calls outside the regions
 and its region calls in the order they began, with the autograd nodes made between any two of
 them (the witness), where later batches of the signature may repeat it; and, where they may
 not, why."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..backward.backward import Requests
 from ..capture import Captured
-from ..passes.backward import Requests
-from ..passes.steps import ChildCall, Program, RegionCall, Step
+from ..steps import ChildCall, Program, RegionCall, Step
 from .children import children_of
 from .regions import Regions
 from .session import Entered

@@ -1,6 +1,6 @@
 """Regions: the module calls of an analysed forward that later batches must analyse again.
 
-Most of a forward replays with module hooks alone (``passes/replay.py``). What does not is
+Most of a forward replays with module hooks alone (``replay/session.py``). What does not is
 kept to the smallest module calls that hold it, the regions, whose forward a replayed batch
 runs under the trace and the tap again: a parameter read outside its module's calls (the tap's
 reads, and the views and computations that lead to them), a call left to the tap (batch-free),
@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from ..capture import counter, shapes_of
 from ..derived import Constants
-from ..passes.recipes import Recipe
+from ..recipes import Recipe
 from ..tensors import tensors_of
 from .trace import IRREGULAR, ByTensor
 from .visits import Visit, above
@@ -43,9 +43,9 @@ WITNESSED = "witnessed"  # ... as one scalar, which a light region's witness com
 @dataclass
 class Regions:
     """The visits whose module is a region, per module, in the order they began; and of those
-    that are light (``passes/light.py``: their only needs are reads a recipe serves; the calls
+    that are light (``replay/light.py``: their only needs are reads a recipe serves; the calls
     of hooked modules inside them replay as the program's steps), the recipes, by id of the
-    visit; of those, the ones whose rows the batch's values pick (``passes/routed.py``, with
+    visit; of those, the ones whose rows the batch's values pick (``replay/routed.py``, with
     no hooked module called inside)."""
 
     modules: frozenset[int] = frozenset()
@@ -148,7 +148,7 @@ class Finder:
 
     def escaped(self, why: str) -> None:
         """The batch's values read on the host here: Python may branch on them, so a region
-        holding this is traced, or, if routed, open (``passes/routed.py``)."""
+        holding this is traced, or, if routed, open (``replay/routed.py``)."""
         self.needs.append((why, tuple(self.stack), ESCAPED, counter()))
 
     def host(self, name: str, value: object, escaped: bool) -> None:

@@ -41,9 +41,9 @@ from ...rules.placed import Place
 from ..capture import Use
 from ..derived import Constants, Derived, Watched, compute, writes
 from ..hooks import ReadHooks
-from ..passes.parts import CONVS
-from ..passes.recipes import METADATA, OPENED, Recipe, masked_by, sdpa_math
+from ..parts import CONVS
 from ..plan import ParamPlan
+from ..recipes import METADATA, OPENED, Recipe, masked_by, sdpa_math
 from ..tensors import tensors_in, tensors_of
 from .broadcasts import WRITTEN, BroadcastReads
 from .experts import ExpertReads
@@ -238,7 +238,7 @@ class ParamTap(FunctionReads, ExpertReads, BroadcastReads, TorchFunctionMode):
         self, params: tuple[ParamPlan, ...], out: Tensor, parts, recipe: Recipe | None = None
     ) -> None:
         """A read the rules serve, its gradient to arrive at ``out``; ``recipe``: how a light
-        region serves it again on a later batch (``passes/light.py``), where one can."""
+        region serves it again on a later batch (``replay/light.py``), where one can."""
         with torch._C.DisableTorchFunction():  # the trace below need not see this
             edge = _edge(out)
             if edge is None:  # read where no gradient is recorded (under no_grad)

@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from ..derived import writes
-from ..passes.steps import SCALAR_READS
+from ..steps import SCALAR_READS
 from .follow import OwnerAlgebra
 from .lanes import Lane, after
 from .ops import ESCAPES, READS, SIZED_BY_VALUES, filled, op_name

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from ...errors import models_backward
-from ...losses import LossFn
+from ..errors import models_backward
+from ..losses import LossFn
 from .forward import Forward
 
 

@@ -1,4 +1,4 @@
-"""The replay program (``replay.py``): what a later batch of an analysed signature repeats, as
+"""The replay program (``replay/session.py``): what a later batch of an analysed signature repeats, as
 the analysis wrote it (``analysis/program.py``): each hooked call outside the traced regions
 and each region call, in the order they began, with the autograd nodes made between them."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ..rows import Rows
-from ..state import State
-from .backward import Requests
+from .backward.backward import Requests
 from .recipes import Recipe
+from .rows import Rows
+from .state import State
 
 # the reads of one Python scalar from tensors' values on the host, by op: a light region call's
 # witness compares them batch to batch (``RegionCall.hosts``)

@@ -1,4 +1,4 @@
-"""A region call under way in a replayed batch (``replay.py``), and the replay's hooks on the
+"""A region call under way in a replayed batch (``session.py``), and the replay's hooks on the
 region modules and on their children's (``analysis/children.py``): a region call begins its own
 pass (a light region's, a routed one's, or the trace and the tap again: ``make_region``), and
 inside a traced one a child's call takes them off while its hooked calls replay as steps."""
@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from ..capture import counter, shapes_of
+from ..steps import ChildCall, RegionCall
 from ..tensors import tensors_of
-from .steps import ChildCall, RegionCall
 
 
 class Region:

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 from ..capture import Use
 from ..plan import Plan
+from ..steps import Program
 from .light import LightRegion
-from .steps import Program
 
 
 class RootReads(LightRegion):

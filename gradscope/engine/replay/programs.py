@@ -1,4 +1,4 @@
-"""The replayed pass of a batch (``passes/replay.py`` runs one program): the signature's
+"""The replayed pass of a batch (``replay/session.py`` runs one program): the signature's
 programs tried in turn, the one that held last first, and what a failed witness taught learned
 only where none holds the batch (``Record``, ``Lessons``). ``Engine.scores`` calls it first and
 analyses the batch in full where it gives None."""
@@ -11,17 +11,17 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from .analysis.seeded import Seeded
-from .capture import Captured
-from .hooks import ModuleHooks
-from .passes.light import LightRegion
-from .passes.reduce import Reducer, Want
-from .passes.replay import Diverged, ReplaySession, Taps
-from .passes.routed import RoutedRegion
-from .passes.serve import Served, serve, served_calls, uses
-from .passes.steps import Program, RegionCall
-from .plan import Plan
-from .record import Findings, Lessons, Record
+from ..analysis.seeded import Seeded
+from ..backward.reduce import Reducer, Want
+from ..backward.serve import Served, serve, served_calls, uses
+from ..capture import Captured
+from ..hooks import ModuleHooks
+from ..plan import Plan
+from ..record import Findings, Lessons, Record
+from ..steps import Program, RegionCall
+from .light import LightRegion
+from .routed import RoutedRegion
+from .session import Diverged, ReplaySession, Taps
 
 Losses = Callable[[tuple[Tensor, ...], Tensor], tuple[Tensor, dict[str, Tensor]]]
 

@@ -12,9 +12,9 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-from ...losses import LossFn
-from ..engine import Engine
-from .substitute import substituted
+from ..losses import LossFn
+from .backward.substitute import substituted
+from .engine import Engine
 
 
 class JvpUnsupported(Exception):

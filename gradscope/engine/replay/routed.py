@@ -21,12 +21,12 @@ from torch import Tensor, nn
 
 from ...rules.routed import Routed
 from ..capture import Use, counter, edge, read_at
+from ..parts import bind_affine, broadcast_view, viewed_parts
 from ..plan import Plan
+from ..recipes import ARG, BIASED, EXPERT_READS, Recipe, metadata, name_of
 from ..tensors import tensors_in
 from ..views import CASTS
 from .light import LightRegion
-from .parts import bind_affine, broadcast_view, viewed_parts
-from .recipes import ARG, BIASED, EXPERT_READS, Recipe, metadata, name_of
 from .rowflow import NO_ONE, RowFlow
 
 

@@ -29,13 +29,13 @@ from torch.overrides import TorchFunctionMode
 from ..capture import Capture, Use, counter
 from ..derived import FACTORIES, Computed, Constants, Derived, compute, writes
 from ..hooks import ReadHooks
+from ..parts import CONVS
 from ..plan import ParamPlan, Plan
+from ..recipes import ARG, OPENED, SPREAD, Recipe, masked_by, metadata, name_of, sdpa_math
+from ..steps import SCALAR_READS, Diverged
 from ..tensors import tensors_in
 from ..views import CASTS, SCALES, SHIFTS, VIEWS, places
-from .parts import CONVS
 from .reads import RecipeReads
-from .recipes import ARG, OPENED, SPREAD, Recipe, masked_by, metadata, name_of, sdpa_math
-from .steps import SCALAR_READS, Diverged
 
 _SEQUENCES = (list, tuple)
 # the functions of SCALAR_READS as a function mode is handed them: methods, and torch.equal's kind

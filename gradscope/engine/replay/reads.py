@@ -12,8 +12,7 @@ from torch import Tensor
 
 from ..capture import Use, counter, edge, read_at
 from ..derived import Computed, Derived
-from ..tensors import tensors_in
-from .parts import (
+from ..parts import (
     bind_affine,
     bind_conv,
     broadcast_parts,
@@ -29,7 +28,8 @@ from .parts import (
     read_parts,
     viewed_parts,
 )
-from .recipes import ARG, SPREAD, Recipe
+from ..recipes import ARG, SPREAD, Recipe
+from ..tensors import tensors_in
 
 
 class RecipeReads:

@@ -12,8 +12,8 @@ from torch.func import grad_and_value, vmap
 from ...losses import LossFn
 from ...rules import Dense
 from ...rules.base import CHUNK_ELEMENTS
-from .forward import Forward
-from .naive import naive_grads
+from ..forward import Forward
+from ..naive import naive_grads
 from .substitute import substituted
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...errors import ModelError
+from ..errors import ModelError
 
 
 def select_output(outputs: Any, spec: str | int | None, where: str = "model.output") -> Tensor:

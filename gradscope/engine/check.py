@@ -9,11 +9,11 @@ from rich.console import Group
 from rich.table import Table
 from torch import Tensor
 
-from ...rules.base import rows
-from ..analysis.selfcheck import tolerance
-from ..engine import Engine
-from ..plan import Plan
+from ..rules.base import rows
+from .analysis.selfcheck import tolerance
+from .engine import Engine
 from .naive import naive_grads
+from .plan import Plan
 
 TOTAL = "(all)"  # the row of the whole gradient's norm
 

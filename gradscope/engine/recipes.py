@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..derived import Computed, Derived
-from ..rows import Lanes
+from .derived import Computed, Derived
+from .rows import Lanes
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Recipe:
     @property
     def kind(self) -> tuple:
         """What an open routed region matches a read by: the function, the parameters, the
-        view of them (``passes/routed.py``)."""
+        view of them (``replay/routed.py``)."""
         return self.op, self.roles, self.transposed, self.expert
 
     def names(self, role: str) -> tuple[str, ...]:

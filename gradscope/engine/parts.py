@@ -11,11 +11,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...rules import Contribution, Dense
-from ...rules.conv import weight_part
-from ...rules.embedding import lookup
-from ...rules.linear import affine_parts
-from ..rows import Lanes, Rows, regroup
+from ..rules import Contribution, Dense
+from ..rules.conv import weight_part
+from ..rules.embedding import lookup
+from ..rules.linear import affine_parts
+from .rows import Lanes, Rows, regroup
 
 
 def read_parts(

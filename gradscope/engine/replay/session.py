@@ -32,9 +32,9 @@ from torch import Tensor, nn
 from ..capture import Call, Capture, counter, first_output, shapes_of
 from ..hooks import ModuleHooks
 from ..plan import BROADCAST, ParamPlan, Plan
+from ..steps import Diverged, Program, RegionCall, Step
 from .region import Region, RegionHooks
 from .root import RootReads, in_order
-from .steps import Diverged, Program, RegionCall, Step
 
 
 class ReplaySession(RegionHooks, Capture):

@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ...errors import ConfigError, models_backward
-from ...rules.base import accumulation_dtype, rows
-from ..engine import Engine, total
+from ..errors import ConfigError, models_backward
+from ..rules.base import accumulation_dtype, rows
+from .backward.reduce import Want
+from .engine import Engine, total
 from .jvp import JvpUnsupported, jvp_inner
 from .naive import naive_grads
-from .reduce import Want
 
 ENGINES = ("auto", "hooks", "jvp")
 MAX_PER_REF = 1000  # --per-ref holds one gradient per reference example: (K, P) floats
