@@ -226,6 +226,20 @@ def test_vmap_failure_is_remembered_and_the_loop_runs():
     assert rules["fc.weight"].rule == "linear"
 
 
+def test_plan_notes_are_short_and_whole_under_debug(monkeypatch):
+    """A fallback's note in the plan is one short line; ``GRADSCOPE_DEBUG`` gives it whole."""
+    case = BY_ID["vmap-fails"]
+    *_, plan, _ = _run(case)
+    note = {p.name: p.note for p in plan.params}["scale.gain"]
+    assert "vmap failed" in note and len(note) < 120, note
+    monkeypatch.setenv("GRADSCOPE_DEBUG", "1")
+    model, inputs, targets = case.build(torch.float64)  # a new model: a new fallback
+    engine = Engine(model, resolve_loss(case.loss))
+    with engine:
+        engine.norms(inputs, targets)
+    assert len(engine.plan.params[-1].note) > len(note)
+
+
 def test_vmap_runs_in_chunks(monkeypatch):
     """A chunk smaller than the batch gives the same numbers: no example is dropped or repeated."""
     monkeypatch.setattr("gradscope.engine.backward.fallback.CHUNK_ELEMENTS", 1)
