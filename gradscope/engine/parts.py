@@ -15,7 +15,7 @@ from ..rules import Contribution, Dense
 from ..rules.conv import weight_part
 from ..rules.embedding import lookup
 from ..rules.linear import affine_parts
-from .rows import Lanes, Rows, regroup
+from .rows import Lanes, Layout, regroup
 
 
 def read_parts(
@@ -23,7 +23,7 @@ def read_parts(
     a: Tensor,
     weight: Tensor,
     bias: Tensor | None,
-    rows: Rows | None,
+    rows: Layout | None,
     args: tuple,
     kwargs: dict,
     batch: int,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from .backward.backward import Requests
 from .recipes import Recipe
-from .rows import Rows
+from .rows import Layout
 from .state import State
 
 # the reads of one Python scalar from tensors' values on the host, by op: a light region call's
@@ -31,7 +31,7 @@ class Step:
     handed: bool  # left to the tap: no capture
     expand: bool  # its shared leading rows expanded to the batch
     output: tuple | None  # the shape of its captured output; None: not captured
-    rows: Rows | None  # a row-by-row call's layout, where not one row per example
+    rows: Layout | None  # a row-by-row call's layout, where not one row per example
     before: int  # autograd nodes made since the previous event, up to its start
     during: int | None  # ... up to its end; None where a region ran inside it
 

@@ -13,9 +13,9 @@ from ...rules.linear import affine_parts
 from ...rules.placed import Place, Placed
 from ..derived import Derived, Watched
 from ..recipes import ARG, BIASED, EXPERT_READS, Recipe
-from ..rows import regroup, rows_of
+from ..rows import regroup
 from ..views import compose
-from .owners import reduce
+from .owners import reduce, rows_of
 from .policy import ASSUMED
 
 # a routed read's Gram over its S rows costs S^2 (in + out); the read itself S in out: routed

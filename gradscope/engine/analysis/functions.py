@@ -26,9 +26,9 @@ from ..parts import (
     viewed_parts,
 )
 from ..recipes import Recipe, recipe_roles
-from ..rows import Lanes, rows_of
+from ..rows import Lanes
 from .experts import expert_recipe
-from .owners import is_batch, reduce, slots
+from .owners import is_batch, reduce, rows_of, slots
 from .policy import ASSUMED, assumable, shared
 
 

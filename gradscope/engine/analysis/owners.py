@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..rows import Gather, Lanes, Layout
+
 NONE, MIXED = -1, -2
 _BIG = 1 << 62  # above every example index: "no example seen yet" inside the reductions
 
@@ -175,3 +177,13 @@ def lane_of(o: Tensor, batch: int) -> tuple[int, int] | None:
     if m == 0 or flat.shape[0] % (batch * m) or not torch.equal(flat, i // m % batch):
         return None
     return dims[0], m
+
+
+def rows_of(owner: Tensor, batch: int) -> Layout:
+    """The layout of rows owned by ``owner`` (*rows,), every entry an example's index: ``Lanes``
+    where the owners read (i // m) % B along one dimension and vary along no other (reads
+    values: the analysis asks, once), else ``Gather``."""
+    lane = lane_of(owner, batch) if owner.dim() else None
+    if lane is not None:
+        return Lanes(lane[0], lane[1], owner.dim())
+    return Gather.of(owner, batch)

@@ -9,8 +9,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..backward.backward import Requests
-from ..capture import Captured
 from ..steps import ChildCall, Program, RegionCall, Step
+from .analyse import Analysed
 from .children import children_of
 from .regions import Regions
 from .session import Entered
@@ -27,7 +27,7 @@ class _Open:
     spans_region: bool = False  # a region began inside it: what it made differs batch to batch
 
 
-def regions_of(captured: Captured) -> Regions | str:
+def regions_of(captured: Analysed) -> Regions | str:
     """The regions a later batch analyses again, with their children; or why no later batch
     may replay this one. The model's own call is a region only where it has children (what
     needs the analysis is in its own code: BART's classifier's pick of its end tokens): one
@@ -42,7 +42,7 @@ def regions_of(captured: Captured) -> Regions | str:
 
 
 def program_of(
-    captured: Captured,
+    captured: Analysed,
     regions: Regions,
     requests: Requests | None,
     checked: tuple[str, ...],
@@ -116,7 +116,7 @@ def program_of(
     )
 
 
-def _child(v: Visit, recipes: tuple | None, captured: Captured) -> ChildCall:
+def _child(v: Visit, recipes: tuple | None, captured: Analysed) -> ChildCall:
     """The program's entry for a child: a light one's call as a light region's."""
     during, light = v.at_exit - v.at_entry, None
     if recipes is not None:

@@ -13,7 +13,8 @@ from torch import Tensor, nn
 
 import gradscope
 from gradscope.engine import BROADCAST, Engine, total
-from gradscope.engine.rows import regroup, rows_of
+from gradscope.engine.analysis.owners import rows_of
+from gradscope.engine.rows import regroup
 from gradscope.losses import resolve_loss
 
 D, H, VOCAB, CLASSES, T = 6, 8, 20, 3, 5

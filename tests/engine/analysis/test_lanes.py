@@ -17,9 +17,9 @@ from torch import Tensor, nn
 import gradscope
 from gradscope.engine import Engine
 from gradscope.engine.analysis.lanes import reshape_lane
-from gradscope.engine.analysis.owners import MIXED
+from gradscope.engine.analysis.owners import MIXED, rows_of
 from gradscope.engine.analysis.trace import RowTrace
-from gradscope.engine.rows import regroup, rows_of
+from gradscope.engine.rows import regroup
 from gradscope.losses import resolve_loss
 
 T, D, H = 4, 6, 2
