@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .derived import Computed, Derived
+from .ops import METADATA
 from .rows import Lanes
 
 
@@ -94,18 +95,7 @@ def metadata(func) -> bool:
     return name_of(func) in METADATA
 
 
-# reads of one expert's matrix ``W[e]`` of a 3-D W (``Recipe.expert``): ``F.linear(x, W[e])``,
-# and ``x @ W[e]`` where W is (E, in, out)
-EXPERT_READS = {"linear", "matmul", "__matmul__"}
-BIASED = {"add", "__add__", "__radd__"}  # and ``x + b[e]``, one row of a 2-D b (GPT-OSS's)
 ARG = "arg"  # a broadcast recipe's role: the position of the parameter among the op's arguments
-EXPAND = {"expand", "expand_as"}
-SPREAD = EXPAND | {"repeat"}  # a parameter spread along the batch by a view or a copy
-
-# what a watched tensor may be asked without being read
-METADATA = {"__get__", "size", "dim", "numel", "ndimension", "nelement", "shape", "dtype"}
-METADATA |= {"device", "requires_grad", "is_floating_point", "data_ptr", "__len__"}
-METADATA |= {"_has_compatible_shallow_copy_type"}
 
 
 def opened(func: Callable) -> Callable:

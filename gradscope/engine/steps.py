@@ -12,11 +12,6 @@ from .recipes import Recipe
 from .rows import Layout
 from .state import State
 
-# the reads of one Python scalar from tensors' values on the host, by op: a light region call's
-# witness compares them batch to batch (``RegionCall.hosts``)
-SCALAR_READS = frozenset({"__bool__", "item", "__int__", "__index__", "__float__", "__complex__"})
-SCALAR_READS |= {"equal", "allclose", "is_nonzero", "__contains__"}
-
 
 class Diverged(Exception):
     """The batch is not one the program describes: it is analysed in full."""

@@ -12,7 +12,8 @@ from ...rules import Contribution
 from ...rules.linear import affine_parts
 from ...rules.placed import Place, Placed
 from ..derived import Derived, Watched
-from ..recipes import ARG, BIASED, EXPERT_READS, Recipe
+from ..ops import BIASED, EXPERT_READS
+from ..recipes import ARG, Recipe
 from ..rows import regroup
 from ..views import compose
 from .owners import reduce, rows_of

@@ -41,27 +41,24 @@ from ...rules.placed import Place
 from ..capture import Use
 from ..derived import Constants, Derived, Watched, compute, writes
 from ..hooks import ReadHooks
+from ..ops import CASTS, GROUPED, METADATA, SCALES, SHIFTS, VIEWS, op_name
 from ..parts import CONVS
 from ..plan import ParamPlan
-from ..recipes import METADATA, OPENED, Recipe, masked_by, sdpa_math
+from ..recipes import OPENED, Recipe, masked_by, sdpa_math
 from ..tensors import tensors_in, tensors_of
+from ..views import places
 from .broadcasts import WRITTEN, BroadcastReads
 from .experts import ExpertReads
 from .functions import FunctionReads
-from .ops import op_name
 from .policy import batch_free
 from .trace import ByTensor, RowTrace
 
 if TYPE_CHECKING:
     from .regions import Finder
-from ..views import CASTS, SCALES, SHIFTS, VIEWS, places
 
 # an op with a matrix product and an addition fused, run as the two (each served where it can
 # be) when it scales neither: ``baddbmm(b, x, W)`` is ``b + bmm(x, W)``
 FUSED = {"baddbmm": torch.bmm, "addmm": torch.matmul}
-
-
-GROUPED = {"grouped_mm", "_grouped_mm", "grouped_mm_fallback"}  # torch's, transformers'
 
 
 @dataclass

@@ -25,10 +25,10 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from ..derived import writes
-from ..steps import SCALAR_READS
+from ..ops import ESCAPES, SCALAR_READS, SIZED_BY_VALUES, UNFOLLOWED, op_name
+from .arguments import filled
 from .follow import OwnerAlgebra
 from .lanes import Lane, after
-from .ops import ESCAPES, READS, SIZED_BY_VALUES, filled, op_name
 from .owners import MIXED, NONE, compact, is_batch, lane_of
 
 if TYPE_CHECKING:
@@ -181,7 +181,7 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         name = op_name(func)
         if name in ESCAPES:
             return self._host(name, func, args, kwargs)
-        if name in READS:
+        if name in UNFOLLOWED:
             return func(*args, **kwargs)
         if name == "__iter__" and args and args[0] in self.owners:
             rows = args[0].unbind(0)  # for row in x: the rows of unbind(0)
@@ -219,7 +219,7 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         tensors it read; any other read, of the batch's values, as an escape."""
         held = bool(self.owners.held(args, kwargs))
         out = func(*args, **kwargs)
-        if name not in READS:
+        if name not in UNFOLLOWED:
             self._record(name, func, args, kwargs, out)
         if self.finder is None or self.own:
             return out

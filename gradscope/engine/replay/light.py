@@ -29,12 +29,13 @@ from torch.overrides import TorchFunctionMode
 from ..capture import Capture, Use, counter
 from ..derived import FACTORIES, Computed, Constants, Derived, compute, writes
 from ..hooks import ReadHooks
+from ..ops import CASTS, SCALAR_READS, SCALES, SHIFTS, SPREAD, VIEWS
 from ..parts import CONVS
 from ..plan import ParamPlan, Plan
-from ..recipes import ARG, OPENED, SPREAD, Recipe, masked_by, metadata, name_of, sdpa_math
-from ..steps import SCALAR_READS, Diverged
+from ..recipes import ARG, OPENED, Recipe, masked_by, metadata, name_of, sdpa_math
+from ..steps import Diverged
 from ..tensors import tensors_in
-from ..views import CASTS, SCALES, SHIFTS, VIEWS, places
+from ..views import places
 from .reads import RecipeReads
 
 _SEQUENCES = (list, tuple)

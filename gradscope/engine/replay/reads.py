@@ -12,6 +12,7 @@ from torch import Tensor
 
 from ..capture import Use, counter, edge, read_at
 from ..derived import Computed, Derived
+from ..ops import SPREAD
 from ..parts import (
     bind_affine,
     bind_conv,
@@ -28,7 +29,7 @@ from ..parts import (
     read_parts,
     viewed_parts,
 )
-from ..recipes import ARG, SPREAD, Recipe
+from ..recipes import ARG, Recipe
 from ..tensors import tensors_in
 
 

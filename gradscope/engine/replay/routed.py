@@ -21,11 +21,11 @@ from torch import Tensor, nn
 
 from ...rules.routed import Routed
 from ..capture import Use, counter, edge, read_at
+from ..ops import BIASED, CASTS, EXPERT_READS, EXPERT_VIEWS
 from ..parts import bind_affine, broadcast_view, viewed_parts
 from ..plan import Plan
-from ..recipes import ARG, BIASED, EXPERT_READS, Recipe, metadata, name_of
+from ..recipes import ARG, Recipe, metadata, name_of
 from ..tensors import tensors_in
-from ..views import CASTS
 from .light import LightRegion
 from .rowflow import NO_ONE, RowFlow
 
@@ -84,7 +84,7 @@ class RoutedRegion(LightRegion):
 
     def _watched(self, name: str, func, args: tuple, kwargs: dict):
         w = args[0] if args else None
-        if id(w) in self.watched and (w.dim() == 3 and name in VIEWS or _row_of(w, name)):
+        if id(w) in self.watched and (w.dim() == 3 and name in EXPERT_VIEWS or _row_of(w, name)):
             return self._viewed(name, func, args, kwargs)
         if name in ("grouped_mm", "_grouped_mm"):
             return self._grouped(func, args, kwargs)
@@ -285,7 +285,3 @@ def _row_of(w: Tensor, name: str) -> bool:
 def _is_bool(e: object) -> bool:
     """Whether an index is a mask, not an expert's number."""
     return isinstance(e, bool) or (isinstance(e, Tensor) and e.dtype == torch.bool)
-
-
-# views of a watched 3-D parameter a routed region follows: W^T, W[e]
-VIEWS = {"transpose", "swapaxes", "mT", "__getitem__"}

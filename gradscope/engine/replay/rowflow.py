@@ -21,13 +21,8 @@ import functools
 import torch
 from torch import Tensor
 
+from ..ops import FILLS, POSITIONS
 from .rowops import NO_ONE, rows_after
-
-# ops whose results depend on no example, whatever their arguments
-CREATIONS = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones"}
-CREATIONS |= {"new_empty", "new_full", "arange", "zeros", "ones", "empty", "full"}
-# ops whose results are positions, not values: nothing of an example flows through them
-POSITIONS = {"argsort", "nonzero", "argwhere"}
 
 
 class RowFlow:
@@ -97,7 +92,7 @@ class RowFlow:
 
     def follow(self, name: str, args: tuple, kwargs: dict, out: object) -> None:
         """The rows of ``out``, the result of op ``name`` on followed tensors."""
-        if name in CREATIONS or name in POSITIONS or (name == "where" and len(args) == 1):
+        if name in FILLS or name in POSITIONS or (name == "where" and len(args) == 1):
             return
         x = args[0] if args else None
         in_place = name.endswith("_") and not name.endswith("__")

@@ -8,33 +8,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from ..ops import ALONG, JOINS, MATMULS, PRODUCTS, RESHAPES, ROW_REDUCTIONS, ROW_WISE, SPLITS
 from ..tensors import tensors_in
 
 if TYPE_CHECKING:
     from .rowflow import RowFlow
 
 NO_ONE = -1  # a row of no example
-# row by row: each output row from the rows at its position
-ROW_WISE = {"add", "sub", "mul", "div", "true_divide", "neg", "pow", "exp", "log", "sqrt"}
-ROW_WISE |= {"rsqrt", "tanh", "sigmoid", "relu", "gelu", "silu", "softplus", "where", "clamp"}
-ROW_WISE |= {"masked_fill", "float", "double", "half", "bfloat16", "contiguous", "clone"}
-ROW_WISE |= {"detach", "dropout", "to", "type_as", "__add__", "__radd__", "__sub__", "__rsub__"}
-ROW_WISE |= {"__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__neg__", "__pow__"}
-ROW_WISE |= {"add_", "mul_", "div_", "sub_", "__iadd__", "__imul__", "__isub__", "__itruediv__"}
-ROW_WISE |= {"clamp_min", "clamp_max", "erf", "abs", "__floordiv__", "floor_divide", "__mod__"}
-ROW_WISE |= {"remainder", "long", "int", "bool", "eq", "ne", "lt", "gt", "le", "ge", "__eq__"}
-ROW_WISE |= {"__ne__", "__lt__", "__gt__", "__le__", "__ge__", "logical_and", "logical_or"}
-ROW_WISE |= {"square", "relu6", "leaky_relu", "elu", "selu", "celu", "mish", "hardswish"}
-ROW_WISE |= {"hardsigmoid", "hardtanh", "log_sigmoid", "softsign", "reciprocal", "sign"}
-ROW_WISE |= {"sin", "cos", "log1p", "expm1", "nan_to_num", "relu_", "silu_", "gelu_"}
-PRODUCTS = {"linear", "grouped_mm", "_grouped_mm"}
-MATMULS = {"matmul", "__matmul__", "mm"}
-JOINS = {"cat", "concat", "concatenate", "stack"}
-ALONG = {"gather", "take_along_dim", "scatter", "scatter_", "scatter_add", "scatter_add_"}
-SPLITS = {"chunk", "split", "tensor_split", "split_with_sizes", "unbind", "narrow", "select"}
-RESHAPES = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
-REDUCTIONS = {"sum", "mean", "amax", "amin", "softmax", "log_softmax", "topk", "max", "min"}
-REDUCTIONS |= {"cumsum", "prod", "norm", "logsumexp", "sort", "argmax", "argmin"}
 
 
 def rows_after(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object):
@@ -72,7 +52,7 @@ def rows_after(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object)
     if name in ("sort", "topk") and x.dim() == 1 and isinstance(out, tuple):
         rows = flow.of(x)  # values moved to the places the indices say; those are positions
         return NotImplemented if rows is None else (rows[out[1]], False)
-    if name in REDUCTIONS:
+    if name in ROW_REDUCTIONS:
         dim = kwargs.get("dim", args[1] if len(args) > 1 and name not in ("topk",) else None)
         dim = kwargs.get("dim", args[2] if len(args) > 2 else -1) if name == "topk" else dim
         if name == "sort" and dim is None:
