@@ -71,25 +71,9 @@ def program_of(
             item = opened.pop(id(obj))
             item.during = None if item.spans_region else at - last
         elif what == "enter" and inside is None and id(obj) in starts:
-            light, during = regions.light.get(id(obj)), obj.at_exit - obj.at_entry
-            routed, is_open = id(obj) in regions.routed, id(obj) in regions.open
-            hosts = regions.hosts.get(id(obj), ())
-            items.append(
-                RegionCall(
-                    id(obj.module),
-                    obj.entry,
-                    obj.exit,
-                    obj.steps,
-                    at - last,
-                    light,
-                    during,
-                    routed,
-                    is_open,
-                    obj.constant,
-                    hosts,
-                )
-            )
-            inside, own = obj, light is None or routed
+            region = _region(obj, regions, at - last)
+            items.append(region)
+            inside, own = obj, region.light is None or region.routed
             for item in opened.values():
                 item.spans_region = True
         elif what == "exit" and obj is inside:
@@ -114,6 +98,18 @@ def program_of(
         regions.root_hosts,
         children,
     )
+
+
+def _region(v: Visit, regions: Regions, before: int) -> RegionCall:
+    """The program's entry for a region call, begun ``before`` autograd nodes after the last
+    event."""
+    light, during = regions.light.get(id(v)), v.at_exit - v.at_entry
+    routed, is_open = id(v) in regions.routed, id(v) in regions.open
+    hosts = regions.hosts.get(id(v), ())
+    return RegionCall(
+        id(v.module), v.entry, v.exit, v.steps, before, light, during, routed, is_open,
+        v.constant, hosts,
+    )  # fmt: skip
 
 
 def _child(v: Visit, recipes: tuple | None, captured: Analysed) -> ChildCall:
