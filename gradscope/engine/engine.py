@@ -15,8 +15,8 @@ from ..losses import LossFn
 from ..rules import Contribution
 from .analysis import decide
 from .analysis.analyse import Analysed, Analysis
+from .analysis.finder import Regions
 from .analysis.program import program_of, regions_of
-from .analysis.regions import Regions
 from .analysis.selfcheck import Singles, first_apart, mixed
 from .backward.backward import requests
 from .backward.fallback import Fallback

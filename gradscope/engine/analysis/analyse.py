@@ -20,7 +20,7 @@ from ..plan import BROADCAST, ParamPlan, Plan
 from ..record import Findings, Record
 from ..state import State
 from . import decide
-from .regions import Finder
+from .finder import Finder
 from .selfcheck import agrees, mixed
 from .session import HookSession
 from .tap import ParamTap

@@ -17,7 +17,7 @@ follows nothing out of it). Every call of its module must be one, and no hooked 
 from __future__ import annotations
 
 from ..recipes import Recipe
-from .regions import Finder, Regions
+from .finder import Finder, Regions
 from .trace import IRREGULAR
 from .visits import Visit, above
 

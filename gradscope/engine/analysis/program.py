@@ -12,7 +12,7 @@ from ..backward.backward import Requests
 from ..steps import ChildCall, Program, RegionCall, Step
 from .analyse import Analysed
 from .children import children_of
-from .regions import Regions
+from .finder import Regions
 from .session import Entered
 from .visits import Visit
 

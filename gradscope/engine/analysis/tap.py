@@ -54,7 +54,7 @@ from .policy import batch_free
 from .trace import ByTensor, RowTrace
 
 if TYPE_CHECKING:
-    from .regions import Finder
+    from .finder import Finder
 
 # an op with a matrix product and an addition fused, run as the two (each served where it can
 # be) when it scales neither: ``baddbmm(b, x, W)`` is ``b + bmm(x, W)``
@@ -93,7 +93,7 @@ class ParamTap(FunctionReads, ExpertReads, BroadcastReads, TorchFunctionMode):
         self.uses: dict[str, Uses] = {p.name: Uses() for p in params}
         self.timeline: list[Use] = []  # every read, in the order the forward made them
         self.hooks = ReadHooks()
-        self.finder: Finder | None = None  # the analysis's (regions.py): told what needs it
+        self.finder: Finder | None = None  # the analysis's (finder.py): told what needs it
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -32,7 +32,7 @@ from .lanes import Lane, after
 from .owners import MIXED, NONE, compact, is_batch, lane_of
 
 if TYPE_CHECKING:
-    from .regions import Finder
+    from .finder import Finder
 
 # an owner spec (``RowTrace.spec``): None for no example's, (dim, m) for the batch along one
 # dimension, or IRREGULAR
@@ -103,7 +103,7 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         # the first op whose result's owners hold for this batch's values only (follow.py)
         self.picked_by: str | None = None
         self.created = ByTensor()  # tensors made by CREATIONS: values that depend on no example
-        self.finder: Finder | None = None  # the analysis's (regions.py): told what needs it
+        self.finder: Finder | None = None  # the analysis's (finder.py): told what needs it
         self.own = 0  # above 0 while the tap's own code runs (its host reads are not the model's)
         self.mixed_by = ByTensor()  # tensor -> the op that mixed examples on its way
         self._lanes: dict[object, Tensor] = {}  # (rank, dim, size, m) -> its owners

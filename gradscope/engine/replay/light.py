@@ -1,4 +1,4 @@
-"""Light regions: a region call (``analysis/regions.py``) whose only needs are reads of whole
+"""Light regions: a region call (``analysis/finder.py``) whose only needs are reads of whole
 parameters on rows laid out by shapes alone (one row per example, or ``Lanes``) that a
 ``Recipe`` serves (``recipes.py``): ``nn.MultiheadAttention``'s projections, read inside
 ``F.multi_head_attention_forward`` on sequence-first rows; a LayerScale's ``gamma`` broadcast

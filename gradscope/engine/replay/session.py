@@ -5,7 +5,7 @@ witness shows that it is a batch the analysis describes.
 The analysis (``analysis/``) of a batch ends in a ``Program``: what happened at each call of the
 hooked modules (left to the tap, rows expanded to the batch, the layout of a row-by-row call's
 rows), which outputs the backward requests, which parameters no call reached, and the regions
-(``analysis/regions.py``): the module calls where something needs the trace and the tap on
+(``analysis/finder.py``): the module calls where something needs the trace and the tap on
 every batch (a parameter read outside its module's calls, rows the batch's values pick, values
 read on the host). A replayed batch runs each region under a fresh trace and tap, seeded with
 the owners the analysis found at the region's start, and checks that its outputs' owners are
