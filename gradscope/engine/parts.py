@@ -1,7 +1,8 @@
 """The math of a read's per-example contributions, shared by the tap (``analysis/``) and the
-light regions (``light.py``, ``reads.py``): each function's arguments bound by name, and
-output gradient -> the contribution of each role (weight, bias) of a linear, embedding or
-product read, a convolution, a parameter broadcast along the rows or element by element."""
+light regions (``replay/light.py``, ``replay/reads.py``): each function's arguments bound by
+name, and output gradient -> the contribution of each role (weight, bias) of a linear,
+embedding or product read, a convolution, a parameter broadcast along the rows or element by
+element."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Recipes: how a read of parameters that the analysed batch served is served again on a later
-batch without the trace (``light.py``, ``routed.py``): the function, the parameters at its
-roles, its input's shape and rows (the math each kind of read gives its contributions by is
-``parts.py``'s); and what a watched parameter may be asked without being read, and the
-functions the tap and the light regions open to see the ops inside them."""
+batch without the trace (``replay/light.py``, ``replay/routed.py``): the function, the
+parameters at its roles, its input's shape and rows (the math each kind of read gives its
+contributions by is ``parts.py``'s); and what a watched parameter may be asked without being
+read, and the functions the tap and the light regions open to see the ops inside them."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ class Recipe:
     """One read of whole parameters by a function: ``op`` (linear, embedding, or a product
     ``x @ W``), the parameters at its roles ((role, name): weight, bias), its input's shape,
     the layout of its rows (None: one row per example on dimension 0, or, for ``grouped_mm``,
-    rows a routed region follows: ``routed.py``), the autograd nodes made from the region call's
-    start to the read's end, whether a grouped product reads W itself ((E, in, out)), not its
-    transpose, and whether a linear one reads one expert's matrix of a 3-D W."""
+    rows a routed region follows: ``replay/routed.py``), the autograd nodes made from the region
+    call's start to the read's end, whether a grouped product reads W itself ((E, in, out)),
+    not its transpose, and whether a linear one reads one expert's matrix of a 3-D W."""
 
     op: str
     roles: tuple[tuple[str, str], ...]
@@ -37,7 +37,7 @@ class Recipe:
     transposed: bool = False
     expert: bool = False  # ``F.linear`` of ``W[e]``, a 3-D W's matrix that a value picks
     # the roles that take a tensor made from their parameters (a view, a cast, ``exp(a)``, a
-    # weight-norm weight: ``light.py`` makes it again), not a parameter itself
+    # weight-norm weight: ``replay/light.py`` makes it again), not a parameter itself
     computed: tuple[str, ...] = ()
     left: bool = False  # ``W @ x``: a 2-D W on the left of a batch x of (B, in, L) (Mamba's),
     # or, with ``slot``, a W whose leading dimensions broadcast against x's

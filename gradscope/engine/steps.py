@@ -1,6 +1,7 @@
-"""The replay program (``replay/session.py``): what a later batch of an analysed signature repeats, as
-the analysis wrote it (``analysis/program.py``): each hooked call outside the traced regions
-and each region call, in the order they began, with the autograd nodes made between them."""
+"""The replay program (``replay/session.py``): what a later batch of an analysed signature
+repeats, as the analysis wrote it (``analysis/program.py``): each hooked call outside the traced
+regions and each region call, in the order they began, with the autograd nodes made between
+them."""
 
 from __future__ import annotations
 
@@ -40,9 +41,9 @@ class RegionCall:
     exit: tuple  # owner specs of its tensor outputs
     steps: int  # the analysed calls of hooked modules inside it (a light region's: steps)
     before: int  # autograd nodes made since the previous event, up to its start
-    light: tuple[Recipe, ...] | None = None  # a light region's reads (``light.py``)
+    light: tuple[Recipe, ...] | None = None  # a light region's reads (``replay/light.py``)
     during: int = 0  # autograd nodes made during the call
-    routed: bool = False  # a light region whose rows it follows (``routed.py``)
+    routed: bool = False  # a light region whose rows it follows (``replay/routed.py``)
     open: bool = False  # routed, its reads matched by kind, as many as the batch makes
     constant: tuple[bool, ...] = ()  # which tensor arguments were made from constants alone
     hosts: tuple[tuple[str, object], ...] = ()  # a light one's scalar reads on the host
@@ -77,7 +78,7 @@ class Program:
     moves: int  # the record's moves to the fallback when made: a later one retires it
     regions: frozenset[int]  # ids of the region modules
     state: State  # the model's state as the analysed batch began (``state.py``)
-    root: tuple[Recipe, ...] = ()  # reads outside every region call, by recipe (``light.py``)
+    root: tuple[Recipe, ...] = ()  # reads outside every region call, by recipe (``replay/root.py``)
     hosts: tuple[tuple[str, object], ...] = ()  # scalars read on the host outside them
     children: frozenset[int] = frozenset()  # ids of the modules of the regions' children
 
