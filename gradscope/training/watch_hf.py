@@ -1,0 +1,102 @@
+"""The watch as a Hugging Face ``Trainer`` callback, for causal language models.
+
+From the start of training to its end, the model's training calls (in train mode, with
+``labels``) run through ``Watch.step``: the engine's forward and its one backward, which
+leaves in ``.grad`` the gradient of the loss the ``Trainer`` would have taken (the mean over
+every counted next token of the step, micro-batches of an accumulated step included), and
+returns that loss with no graph behind it, so the ``Trainer``'s own backward adds nothing.
+The dataset carries each row's id in a column (``ids``, default ``example_id``) that the
+collator passes along: set ``remove_unused_columns=False``.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import TrainerCallback
+from transformers.modeling_outputs import CausalLMOutput
+
+from ..errors import ConfigError, ModelError
+from .watch import OnStep, Watch
+
+UNSUPPORTED = {
+    "fp16": "a loss scaler, which scales the backward the watch runs",
+    "label_smoothing_factor": "label smoothing, whose loss is not causal_lm's",
+}
+
+
+class WatchCallback(TrainerCallback):
+    """Writes the watch file ``out`` of a ``Trainer`` run: every example's loss, gradient norm
+    and margin at every step, keyed by the dataset column ``ids``."""
+
+    def __init__(self, out: str | Path, ids: str = "example_id", on_step: OnStep | None = None):
+        self.out, self.ids, self.on_step = out, ids, on_step
+        self.watch: Watch | None = None
+        self.epoch = 0
+        self.accumulate = 1
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module, **_: Any):
+        for name, why in UNSUPPORTED.items():
+            if getattr(args, name, None):
+                raise ConfigError(f"the watch cannot serve {why}", f"TrainingArguments.{name}")
+        if args.remove_unused_columns:
+            raise ConfigError(
+                f"the Trainer drops the {self.ids!r} column: set remove_unused_columns=False",
+                "TrainingArguments.remove_unused_columns",
+            )
+        self.accumulate = args.gradient_accumulation_steps
+        model.forward = functools.partial(self._forward, model, model.forward)
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **_: Any):
+        self.epoch = int(state.epoch or 0)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, model: nn.Module, **_: Any):
+        del model.forward  # the class's own again
+        if self.watch is not None:
+            self.watch.__exit__(None, None, None)
+            self.watch = None
+
+    def _forward(self, model: nn.Module, original: Any, *args: Any, **kwargs: Any) -> Any:
+        if not model.training or not torch.is_grad_enabled() or args:
+            return original(*args, **kwargs)
+        if "labels" not in kwargs:
+            raise ModelError(
+                "a training call without labels: the watch needs the Trainer to pass them "
+                "to the model (no compute_loss_func)",
+                "Trainer",
+            )
+        if self.ids not in kwargs:
+            raise ModelError(f"the batch has no {self.ids!r} column", "WatchCallback(ids=)")
+        ids, labels = kwargs.pop(self.ids), kwargs.pop("labels")
+        items = kwargs.pop("num_items_in_batch", None)
+        names = tuple(kwargs)
+        if self.watch is None:  # the first step: the batch's keys are the model's inputs
+            self.watch = Watch(
+                model, self.out, "causal_lm", reduction="tokens", on_step=self.on_step,
+                forward=_Call(original, names),
+            ).__enter__()  # fmt: skip
+        counted = float((labels[:, 1:] != -100).sum())
+        # the Trainer divides a loss it was not given the step's token count for by the
+        # number of micro-batches it accumulates
+        divisor = float(items) if items is not None else counted * self.accumulate
+        loss = self.watch.step(tuple(kwargs[k] for k in names), labels, ids, epoch=self.epoch,
+                          divisor=divisor)  # fmt: skip
+        if items is None:
+            loss = loss * self.accumulate  # the Trainer divides it again
+        # a graph that reaches no parameter: the Trainer's backward adds nothing to .grad
+        return CausalLMOutput(loss=loss.float().requires_grad_().clone())
+
+
+class _Call:
+    """The engine's forward of a Hugging Face model: its own forward, the batch's tensors by
+    keyword, its logits."""
+
+    def __init__(self, forward: Any, names: tuple[str, ...]):
+        self.forward, self.names = forward, names
+
+    def __call__(self, model: nn.Module, inputs: tuple[Tensor, ...]) -> Tensor:
+        return self.forward(**dict(zip(self.names, inputs, strict=True))).logits
