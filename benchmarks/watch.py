@@ -4,8 +4,8 @@
 
 Each workload's model trains (train mode, SGD) on its batch: the plain step is zero_grad,
 the forward, ``losses.mean().backward()`` and ``optimizer.step()``; the watched step is the
-same with ``Watch.step`` in place of the forward and backward (rows written to a temporary
-Parquet file). The two take turns after warm-up; the medians are printed with their ratio.
+same with ``Watch.step(...).backward()`` in place of the forward and backward (rows written to
+a temporary Parquet file). The two take turns after warm-up; the medians are printed with their ratio.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def measure(name: str, rounds: int, folder: Path) -> tuple[float, float]:
 
         def watched() -> None:
             watched_opt.zero_grad()
-            watch.step(x, y, ids)
+            watch.step(x, y, ids).backward()
             watched_opt.step()
 
         for _ in range(2):

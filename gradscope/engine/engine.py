@@ -154,24 +154,15 @@ class Engine:
         )
 
     def step(
-        self, inputs: tuple[Tensor, ...], targets: Tensor, params: Sequence[Tensor], divisor: float
+        self, inputs: tuple[Tensor, ...], targets: Tensor, params: Sequence[Tensor]
     ) -> BatchScores:
         """A training step served with the batch's norms: the pass's one backward, of the
-        summed per-example losses, also adds ``d(sum_i l_i)/dp / divisor`` to each of
-        ``params``' ``.grad`` as ``loss.backward()`` would (``divisor`` the batch size: the
-        gradient of the mean, as ``losses.mean().backward()`` leaves it, bit for bit where
-        the batch size is a power of two, else to rounding). Train/eval mode is the caller's."""
+        summed per-example losses, also gives ``d(sum_i l_i)/dp`` of each of ``params``
+        (``BatchScores.trained``; None where it does not reach the loss). ``.grad`` is left
+        as it was; train/eval mode is the caller's."""
         scores = self.scores(inputs, targets, Want(norms=True, train=tuple(params)))
         if len(targets) and all(g is None for g in scores.trained):
             raise ModelError("no parameter being trained reaches the loss of the batch", "params")
-        for p, g in zip(params, scores.trained, strict=False):
-            if g is None:
-                continue
-            g = g / divisor
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad.add_(g)  # accumulated in place, as autograd does
         return scores
 
     def pin_decisions(self, inputs: tuple[Tensor, ...], targets: Tensor) -> Findings:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import __version__
-from ..engine import Engine, Forward, total
+from ..engine import BatchScores, Engine, Forward, total
 from ..errors import ConfigError, DataError
 from ..losses import LossFn, resolve_loss
 from ..predictions import predictions
@@ -71,6 +71,23 @@ def _observer(name: str | LossFn, kwargs: dict) -> Callable[[Tensor, Tensor], di
         return seen
 
     return observe
+
+
+class _Deposit(torch.autograd.Function):
+    """The training loss's value, whose backward hands each parameter the gradient the step's
+    one backward computed, times the gradient arriving: autograd adds it to ``.grad``."""
+
+    @staticmethod
+    def forward(ctx: Any, value: Tensor, grads: list[Tensor | None], *params: Tensor) -> Tensor:
+        ctx.grads = grads
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, out: Tensor) -> tuple[Tensor | None, ...]:
+        grads, ctx.grads = ctx.grads, None  # once: a second backward has nothing to give
+        if grads is None:
+            raise RuntimeError("the watched step's loss was backpropagated twice")
+        return (None, None, *(None if g is None else g * out for g in grads))
 
 
 class Watch:
@@ -159,10 +176,12 @@ class Watch:
         divisor: float | None = None,
     ) -> Tensor:
         """One training step's forward and backward of the batch whose rows are the dataset's
-        ``ids``; returns the training loss (detached). ``.grad`` gets the gradient of the sum
-        of the per-example losses over ``divisor``: by default the batch size (the mean), with
-        ``reduction="tokens"`` the batch's counted tokens; pass it where the loss a step
-        averages spans more (the micro-batches of an accumulated step)."""
+        ``ids``, its rows written; returns the training loss, the sum of the per-example
+        losses over ``divisor`` (by default the batch size: the mean; with
+        ``reduction="tokens"`` the batch's counted tokens; more where the loss a step averages
+        spans more, the micro-batches of an accumulated step). Its ``backward()`` runs no
+        model: it adds the gradient the step's backward computed to each parameter's
+        ``.grad``, times the gradient arriving (a loss scaler's, an accumulation's)."""
         inputs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
         ids = np.asarray(torch.as_tensor(ids).cpu()).reshape(-1)
         if len(ids) != len(targets) or ids.dtype.kind not in "iu":
@@ -174,7 +193,20 @@ class Watch:
         counts = self._counts(targets)
         if divisor is None:
             divisor = float(counts.sum()) if counts is not None else float(len(targets))
-        scores = self.engine.step(inputs, targets, self.params, divisor)
+        scores = self.engine.step(inputs, targets, self.params)
+        self._write(scores, counts, epoch, ids, targets)
+        grads = [None if g is None else g / divisor for g in scores.trained]
+        return _Deposit.apply(scores.loss.sum() / divisor, grads, *self.params)
+
+    def _write(
+        self,
+        scores: BatchScores,
+        counts: Tensor | None,
+        epoch: int,
+        ids: np.ndarray,
+        targets: Tensor,
+    ) -> None:
+        """The step's rows: each example's own loss and the norm of its gradient."""
         norm = total(scores.norm_sq).sqrt().cpu()  # (B,)
         loss = scores.loss.double().cpu()
         if counts is not None:  # a token sum: each example's own loss is its tokens' mean
@@ -187,7 +219,6 @@ class Watch:
         if self.on_step is not None:
             self.on_step(self.steps, ids)
         self.steps += 1
-        return (scores.loss.double().sum() / divisor).detach()
 
     def _counts(self, targets: Tensor) -> Tensor | None:
         """(B,) float64 counted next tokens of each example, for a mean over tokens."""

@@ -2,9 +2,9 @@
 
 From the start of training to its end, the model's training calls (in train mode, with
 ``labels``) run through ``Watch.step``: the engine's forward and its one backward, which
-leaves in ``.grad`` the gradient of the loss the ``Trainer`` would have taken (the mean over
-every counted next token of the step, micro-batches of an accumulated step included), and
-returns that loss with no graph behind it, so the ``Trainer``'s own backward adds nothing.
+gives the gradient of the loss the ``Trainer`` would have taken (the mean over every counted
+next token of the step, micro-batches of an accumulated step included), and returns that loss,
+whose backward, the ``Trainer``'s, adds that gradient to ``.grad`` without running the model.
 The dataset carries each row's id in a column (``ids``, default ``example_id``) that the
 collator passes along: set ``remove_unused_columns=False``.
 """
@@ -24,7 +24,7 @@ from ..errors import ConfigError, ModelError
 from .watch import OnStep, Watch
 
 UNSUPPORTED = {
-    "fp16": "a loss scaler, which scales the backward the watch runs",
+    "fp16": "fp16 training (its loss scaler is untested with the watch)",
     "label_smoothing_factor": "label smoothing, whose loss is not causal_lm's",
 }
 
@@ -37,7 +37,6 @@ class WatchCallback(TrainerCallback):
         self.out, self.ids, self.on_step = out, ids, on_step
         self.watch: Watch | None = None
         self.epoch = 0
-        self.accumulate = 1
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module, **_: Any):
         for name, why in UNSUPPORTED.items():
@@ -48,7 +47,6 @@ class WatchCallback(TrainerCallback):
                 f"the Trainer drops the {self.ids!r} column: set remove_unused_columns=False",
                 "TrainingArguments.remove_unused_columns",
             )
-        self.accumulate = args.gradient_accumulation_steps
         model.forward = functools.partial(self._forward, model, model.forward)
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **_: Any):
@@ -79,16 +77,12 @@ class WatchCallback(TrainerCallback):
                 model, self.out, "causal_lm", reduction="tokens", on_step=self.on_step,
                 forward=_Call(original, names),
             ).__enter__()  # fmt: skip
-        counted = float((labels[:, 1:] != -100).sum())
-        # the Trainer divides a loss it was not given the step's token count for by the
-        # number of micro-batches it accumulates
-        divisor = float(items) if items is not None else counted * self.accumulate
+        # the step's tokens where the Trainer counts them (it divides the loss by the number
+        # of micro-batches it accumulates otherwise), else the batch's
+        divisor = float(items) if items is not None else None
         loss = self.watch.step(tuple(kwargs[k] for k in names), labels, ids, epoch=self.epoch,
                           divisor=divisor)  # fmt: skip
-        if items is None:
-            loss = loss * self.accumulate  # the Trainer divides it again
-        # a graph that reaches no parameter: the Trainer's backward adds nothing to .grad
-        return CausalLMOutput(loss=loss.float().requires_grad_().clone())
+        return CausalLMOutput(loss=loss)
 
 
 class _Call:

@@ -64,7 +64,7 @@ def test_numbers_equal_the_loop_and_the_weights_the_plain_run(tmp_path, batch):
 
     _train(plain, x, y, batch, plain_step)
     with Watch(watched, tmp_path / "w.parquet") as watch:
-        _train(watched, x, y, batch, lambda r, e: watch.step(x[r], y[r], r, epoch=e))
+        _train(watched, x, y, batch, lambda r, e: watch.step(x[r], y[r], r, epoch=e).backward())
     for p, q in zip(watched.parameters(), plain.parameters(), strict=True):
         if batch == 4:  # a power of two: the mean's gradient bit for bit
             assert torch.equal(p, q)
@@ -86,7 +86,7 @@ def test_the_model_is_left_as_it_was(tmp_path):
     x, y = _data(4)
     with Watch(model, tmp_path / "w.parquet") as watch:
         assert model.training  # trains in its own mode
-        watch.step(x, y, torch.arange(4))
+        watch.step(x, y, torch.arange(4)).backward()
         assert model[0].weight.grad is None  # frozen: no gradient
     assert model.training and not model[0].weight.requires_grad
     assert model[0]._forward_hooks == hooks and not model[2]._forward_hooks
@@ -117,7 +117,7 @@ def test_tokens_mean_serves_the_token_mean_and_each_examples_own_mean(tmp_path):
     ids[1, 2:] = -100  # fewer counted tokens in one row
     inputs = ids.clamp_min(0)
     with Watch(watched, tmp_path / "w.parquet", "causal_lm", reduction="tokens") as watch:
-        watch.step(inputs, ids, torch.tensor([5, 6, 7]))
+        watch.step(inputs, ids, torch.tensor([5, 6, 7])).backward()
     logits = plain(inputs)
     nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
     for p, q in zip(watched.parameters(), plain.parameters(), strict=True):
