@@ -118,15 +118,6 @@ COLUMNS = (
         "the model predicts another class. NaN where the target is `ignore_index`.",
     ),
     Column(
-        "correct",
-        "float64",
-        "watch files",
-        "1 where the model's argmax is the target, else 0; for `causal_lm` the share of the "
-        "example's counted next tokens predicted. NaN where nothing counts.",
-    ),
-    Column("step", "int64", "watch files", "The 0-based training step the row was seen at."),
-    Column("epoch", "int64", "watch files", "The epoch the step belongs to, as the loop says."),
-    Column(
         "robust_z",
         "float64",
         "always",
