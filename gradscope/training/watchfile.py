@@ -31,8 +31,9 @@ class WatchFile:
         self.path, self.metadata = path, metadata
         self.tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
         self._writer: pq.ParquetWriter | None = None
-        self._pending: list[pa.Table] = []
+        self._pending: dict[str, list[np.ndarray]] = {}  # column -> its steps' values
         self._rows = 0
+        self._names: list[str] = []  # the first step's columns, every step's
 
     def write(
         self,
@@ -61,7 +62,15 @@ class WatchFile:
         if "pred" in observed and targets.dim() == 1 and not targets.is_floating_point():
             columns["target"] = targets.cpu().numpy().astype(np.int64)
         columns["finite"] = np.isfinite(loss_np) & np.isfinite(norm_np)
-        self._pending.append(pa.table(columns))
+        self._names = self._names or list(columns)
+        if list(columns) != self._names:
+            raise DataError(
+                f"step {step} gives columns {', '.join(columns)}, the steps before "
+                f"{', '.join(self._names)}: a watch file holds one kind of batch",
+                str(self.path),
+            )
+        for name, values in columns.items():  # one Arrow table a row group: not one a step
+            self._pending.setdefault(name, []).append(values)
         self._rows += n
         if self._rows >= ROWS_PER_GROUP:
             self._flush()
@@ -69,7 +78,7 @@ class WatchFile:
     def _flush(self) -> None:
         if not self._pending:
             return
-        table = pa.concat_tables(self._pending)
+        table = pa.table({name: np.concatenate(parts) for name, parts in self._pending.items()})
         if self._writer is None:
             meta = {METADATA_KEY: json.dumps(self.metadata, default=str)}
             try:
@@ -77,7 +86,7 @@ class WatchFile:
             except OSError as e:
                 raise DataError(f"cannot write the watch file: {e}", str(self.path)) from e
         self._writer.write_table(table.cast(self._writer.schema))
-        self._pending, self._rows = [], 0
+        self._pending, self._rows = {}, 0
 
     def close(self) -> None:
         """Every row written, the file moved into place; no step: no file."""
