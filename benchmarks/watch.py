@@ -5,7 +5,8 @@
 Each workload's model trains (train mode, SGD) on its batch: the plain step is zero_grad,
 the forward, ``losses.mean().backward()`` and ``optimizer.step()``; the watched step is the
 same with ``Watch.step(...).backward()`` in place of the forward and backward (rows written to
-a temporary Parquet file). The two take turns after warm-up; the medians are printed with their ratio.
+a temporary Parquet file). The two take turns after warm-up; the medians are printed with their
+ratio.
 """
 
 from __future__ import annotations

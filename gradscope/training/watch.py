@@ -96,8 +96,9 @@ class Watch:
     ``model`` trains on ``loss`` (a name, as ``per_example_norms`` takes, or a callable
     ``(outputs, targets) -> Tensor[B]``; ``loss_kwargs`` as the config's ``loss.kwargs``);
     ``keywords`` names the inputs passed by keyword (the last ones), ``output`` picks the
-    tensor the loss reads (or ``forward(model, inputs)`` returns it). The norms are over the parameters that require grad (or
-    ``include``/``exclude``'s); the gradient ``.grad`` receives is of every one of them.
+    tensor the loss reads (or ``forward(model, inputs)`` returns it). The norms are over the
+    parameters that require grad (or ``include``/``exclude``'s); the gradient ``.grad``
+    receives is of every parameter that requires grad.
     ``out`` is the Parquet file written when the context exits (the rows of every finished
     step, also after an error). ``on_step(step, ids)`` is called after each step: where a run
     record (the order of the rows in every batch) is kept.

@@ -15,8 +15,10 @@ from gradscope.training.watch_hf import WatchCallback  # noqa: E402
 
 def _run(tmp_path, callbacks, accumulate=1):
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1,
-                                     n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    no_dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    config = transformers.GPT2Config(
+        vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2, **no_dropout
+    )
     model = transformers.GPT2LMHeadModel(config).double()
     tokens = torch.randint(0, 16, (8, 6))
     labels = tokens.clone()
