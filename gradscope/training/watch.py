@@ -63,6 +63,8 @@ def _observer(name: str | LossFn, kwargs: dict) -> Callable[[Tensor, Tensor], di
         return None
 
     def observe(outputs: Tensor, targets: Tensor) -> dict[str, Tensor]:
+        if name != "bce_with_logits" and (outputs.dim() != 2 or targets.dim() != 1):
+            return {}  # a label per position: none per example (and no float64 copy of it)
         seen = classes(outputs, targets)
         if "pred" in seen:
             nan = torch.full_like(seen["prob"], float("nan"))
