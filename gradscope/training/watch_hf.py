@@ -60,6 +60,7 @@ class WatchCallback(TrainerCallback):
 
     def _forward(self, model: nn.Module, original: Any, *args: Any, **kwargs: Any) -> Any:
         if not model.training or not torch.is_grad_enabled() or args:
+            kwargs.pop(self.ids, None)  # an evaluation's batch: the ids are no input
             return original(*args, **kwargs)
         if "labels" not in kwargs:
             raise ModelError(

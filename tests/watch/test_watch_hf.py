@@ -3,6 +3,8 @@ without it, and writes a row per example and step."""
 
 from __future__ import annotations
 
+import math
+
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -30,21 +32,26 @@ def _run(tmp_path, callbacks, accumulate=1):
         str(tmp_path / "out"), per_device_train_batch_size=4 // accumulate,
         gradient_accumulation_steps=accumulate, num_train_epochs=2, learning_rate=1e-2,
         remove_unused_columns=False, report_to=[], save_strategy="no", logging_strategy="no",
-        disable_tqdm=True, use_cpu=True, seed=0, data_seed=0,
+        disable_tqdm=True, use_cpu=True, seed=0, data_seed=0, eval_strategy="epoch",
     )  # fmt: skip
-    transformers.Trainer(model, args, train_dataset=data, callbacks=callbacks).train()
-    return model
+    trainer = transformers.Trainer(
+        model, args, train_dataset=data, eval_dataset=data.select(range(4)), callbacks=callbacks
+    )
+    trainer.train()
+    return model, trainer
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_trainer_trains_as_without_the_watch_and_writes_each_step(tmp_path, accumulate):
-    plain = _run(tmp_path, [], accumulate)
+    plain, _ = _run(tmp_path, [], accumulate)
     out = tmp_path / "w.parquet"
-    watched = _run(tmp_path, [WatchCallback(out)], accumulate)
+    watched, trainer = _run(tmp_path, [WatchCallback(out)], accumulate)
     for p, q in zip(watched.parameters(), plain.parameters(), strict=True):
         # the Trainer's loss takes the logits in float32: equal to its rounding
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert "forward" not in watched.__dict__  # the model's own forward again
+    evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+    assert len(evals) == 2 and all(math.isfinite(v) for v in evals)  # evaluated mid-training
     table = pq.read_table(out).to_pydict()
     assert sorted(table["example_id"]) == sorted(list(range(8)) * 2)
     assert table["epoch"] == [0] * 8 + [1] * 8
