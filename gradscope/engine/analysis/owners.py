@@ -49,9 +49,10 @@ def compact(o: Tensor) -> Tensor:
 
 
 def shrink(o: Tensor) -> Tensor:
-    """``compact``, and trailing dimensions along which a materialised tensor is constant."""
+    """``compact``, and trailing dimensions along which a materialised tensor is constant (an
+    empty one as it is: no element to compare, transformers 5.25's Mamba splits one off)."""
     o = compact(o)
-    for d in range(o.dim() - 1, 0, -1):
+    for d in range(o.dim() - 1, 0, -1) if o.numel() else ():
         if o.shape[d] == 1:
             continue
         if not bool((o == o.narrow(d, 0, 1)).all()):

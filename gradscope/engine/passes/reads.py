@@ -131,7 +131,11 @@ class RecipeReads:
 
     def _credited(self, sources: dict, out: Tensor, parts: Callable) -> None:
         """``out``'s gradient to ``parts`` (role -> its contribution), each role's then to the
-        parameters its ``sources`` entry is made from."""
+        parameters its ``sources`` entry is made from. None where ``out`` was made under
+        ``no_grad``, as a program that no rule serves is replayed (every parameter on the
+        fallback): no gradient arrives there, and a view has no edge to wait at."""
+        if out.grad_fn is None:
+            return
 
         def credit(grad: Tensor) -> dict:
             got: dict = {}
