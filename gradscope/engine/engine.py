@@ -44,6 +44,7 @@ class BatchScores:
     observed: dict[str, Tensor] = field(default_factory=dict)  # what ``observe`` read, (B,) each
     kept: dict[str, Contribution] = field(default_factory=dict)  # with Want(keep=True)
     pre_sq: dict[str, Tensor] = field(default_factory=dict)  # with Want(transform=...): g^T P g
+    trained: list[Tensor | None] = field(default_factory=list)  # with Want(train=...)
 
 
 def total(per_param: dict[str, Tensor]) -> Tensor:
@@ -142,8 +143,26 @@ class Engine:
         pre_sq = reducer.pre.norm_sq if reducer.pre is not None else {}
         loss = captured.losses.detach()
         return BatchScores(
-            loss, reducer.norm_sq, reducer.inner, captured.observed, reducer.kept, pre_sq
+            loss,
+            reducer.norm_sq,
+            reducer.inner,
+            captured.observed,
+            reducer.kept,
+            pre_sq,
+            reducer.trained,
         )
+
+    def step(
+        self, inputs: tuple[Tensor, ...], targets: Tensor, params: Sequence[Tensor]
+    ) -> BatchScores:
+        """A training step served with the batch's norms: the pass's one backward, of the
+        summed per-example losses, also gives ``d(sum_i l_i)/dp`` of each of ``params``
+        (``BatchScores.trained``; None where it does not reach the loss). ``.grad`` is left
+        as it was; train/eval mode is the caller's."""
+        scores = self.scores(inputs, targets, Want(norms=True, train=tuple(params)))
+        if len(targets) and all(g is None for g in scores.trained):
+            raise ModelError("no parameter being trained reaches the loss of the batch", "params")
+        return scores
 
     def pin_decisions(self, inputs: tuple[Tensor, ...], targets: Tensor) -> Findings:
         """Keep what the batch of these shapes found (scored already) for every later batch,

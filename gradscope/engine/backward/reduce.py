@@ -39,6 +39,9 @@ class Want:
     # norms are only the self-check's, so the inner products round as they do without them
     share: bool = True
     project: dict[str, Projection] | None = None
+    # a training step's parameters: the one backward also gives the batch gradient of the
+    # summed loss for each (``Reducer.trained``), where autograd would leave it in ``.grad``
+    train: tuple[Tensor, ...] = ()
 
 
 def _merged(parts: list[Contribution]) -> Contribution:
@@ -72,6 +75,7 @@ class Reducer:
         self.inner: dict[str, Tensor] = {}
         self.kept: dict[str, Contribution] = {}
         self.sums: dict[str, Tensor] = {}
+        self.trained: list[Tensor | None] = []  # d(summed loss)/d each of ``want.train``
         self._parts: dict[str, list[Contribution]] = {name: [] for name in merged}
         # single calls' small norms answered together when the backward ends
         self._batched = Batched() if want.norms else None

@@ -72,7 +72,7 @@ def serve(
         ),
         merged,
     )
-    if not done.count and not done.checked:  # every parameter on the fallback
+    if not done.count and not done.checked and not want.train:  # all on the fallback
         reducer.finish()
         return reducer, []
     served = plan.served
@@ -83,15 +83,18 @@ def serve(
         captured.tap.reading(functools.partial(_on_read, plan, reducer))
     also = [p.param for p in done.checked]
     calls = served_calls(plan, captured)
+    # a training step's gradients come from the same backward; what to request is read off
+    # this graph then (a program's requests leave the parameters' own steps out)
+    asked = done.asked if not want.train else None
     try:
         grads = backward(
             captured.session,
             captured.losses.sum(),
             calls,
             on_grad if grouped is None else grouped.take,
-            also,
+            [*also, *want.train],
             reads,
-            done.asked,
+            asked,
         )
     finally:
         if captured.tap:
@@ -99,7 +102,8 @@ def serve(
     if grouped is not None:
         grouped.answer(reducer, batch)
     reducer.finish()
-    return reducer, grads
+    reducer.trained = grads[len(also) :]
+    return reducer, grads[: len(also)]
 
 
 def _groupable(want: Want) -> bool:

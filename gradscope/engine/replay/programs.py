@@ -104,7 +104,7 @@ class Replayed:
             call, tensors, findings, lessons, session
         )
         try:
-            with torch.set_grad_enabled(bool(program.uses)), session:
+            with torch.set_grad_enabled(bool(program.uses or want.train)), session:
                 losses, observed = self.losses(inputs, targets)
             session.finish()
         except Diverged as e:
