@@ -84,3 +84,17 @@ def test_a_program_no_rule_serves_replays_without_gradients():
     # the premise: nothing on a rule (an op the trace learns would need another one here)
     assert {p.name for p in plan.fallback} == {"pos", "head.weight", "head.bias"}
     assert findings.replays >= 1, findings.why
+
+
+def test_a_failure_of_the_replay_sends_the_batch_to_the_analysis(monkeypatch):
+    """Whatever raises inside a replayed forward is not blamed on the model: the batch is
+    analysed, which runs the same forward and says whose fault it is; the numbers are exact."""
+    from gradscope.engine.replay import reads
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug of the replay's")
+
+    monkeypatch.setattr(reads.RecipeReads, "_credited", broken)
+    torch.manual_seed(0)
+    _, findings = _three_batches(NothingOnRules().double())  # exact, batch by batch
+    assert "a bug of the replay's" in findings.why  # a batch that went back to the analysis

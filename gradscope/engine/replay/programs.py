@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from ...errors import ModelError
 from ..analysis.seeded import Seeded
 from ..backward.reduce import Reducer, Want
 from ..backward.serve import Served, serve, served_calls, uses
@@ -109,6 +110,9 @@ class Replayed:
             session.finish()
         except Diverged as e:
             lessons.why = str(e)
+            return None
+        except ModelError as e:  # whose fault: the analysis tells, running the same forward
+            lessons.why = f"the forward raised under the replay ({e.what})"
             return None
         captured = Captured(session, Taps(session.done), losses, observed)
         if program.varies:  # what the regions read and called differs batch to batch
