@@ -23,7 +23,7 @@ from ..engine import MAX_PER_REF
 from ..errors import DataError, Interrupted, ModelError, reading
 from ..io.data import data_sha256, open_dataset
 from ..io.parquet import replace_atomically
-from ..job import config_forward, config_loss
+from ..job import config_forward, config_loss, resolve_device
 from .adjoint import Called, Problem
 from .loop import Rows, build, recipe
 from .record import Record, open_record, rng, set_rng
@@ -53,7 +53,8 @@ def through_training(
     """
     record = open_record(run, cfg, training_inputs(cfg))
     train = recipe(cfg)
-    with torch.random.fork_rng(devices=[]):
+    device = resolve_device(cfg.device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         rows = Rows(cfg, None)
         model = build(cfg, train.seed)
         called = Called(model, config_forward(cfg))
@@ -69,7 +70,7 @@ def through_training(
             on_start(record.meta["steps"])
         if on_step and saved["next"] < record.segments - 1:
             on_step(record.meta["steps"] - record.bounds(saved["next"] + 1)[0])
-        scores = replay.walk(saved, lambda s: _save(Path(partial), key, s) if partial else None)
+        scores = replay.walk(saved, Path(partial) if partial else None, key)
     scores = -scores.T.cpu().numpy()  # (N, R): -d f / d w, influence's sign
     return scores if per_ref else scores[:, 0]
 
@@ -89,8 +90,9 @@ class _Replay:
         self.picked, self.lrs = record.steps()
         self.device = problem.rows.device
 
-    def walk(self, saved: dict, save: Callable[[dict], None]) -> Tensor:
-        """(R, N) d f / d w from segment ``saved["next"]`` down to the first."""
+    def walk(self, saved: dict, partial: Path | None, key: dict) -> Tensor:
+        """(R, N) d f / d w from segment ``saved["next"]`` down to the first, what is done
+        saved in ``partial`` after each segment."""
         adjoints = [a.to(self.device) for a in saved["adjoints"]]
         r = adjoints[0].shape[0]
         scores = saved["scores"]
@@ -101,12 +103,16 @@ class _Replay:
                 adjoints = self._segment(k, adjoints, scores)
             except KeyboardInterrupt:
                 done = self.record.segments - 1 - k
+                if partial is None or not done:
+                    raise
                 raise Interrupted(
                     f"interrupted with {done} of {self.record.segments} segments replayed; run "
                     "the same command again to continue from there",
-                    str(self.record.folder),
+                    str(partial),
                 ) from None
-            save({"next": k - 1, "adjoints": [a.cpu() for a in adjoints], "scores": scores})
+            if partial is not None:
+                saved = {"next": k - 1, "adjoints": [a.cpu() for a in adjoints], "scores": scores}
+                _save(partial, key, saved)
         return scores
 
     def _segment(self, k: int, adjoints: Tensors, scores: Tensor) -> Tensors:
