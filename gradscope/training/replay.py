@@ -11,6 +11,7 @@ adjoints and scores so far are saved, so that a killed replay continues from the
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -89,6 +90,7 @@ class _Replay:
         self.problem, self.record, self.on_step = problem, record, on_step
         self.picked, self.lrs = record.steps()
         self.device = problem.rows.device
+        self.batched: bool | None = None  # R > 1: vmap the double backward (else a loop)
 
     def walk(self, saved: dict, partial: Path | None, key: dict) -> Tensor:
         """(R, N) d f / d w from segment ``saved["next"]`` down to the first, what is done
@@ -122,11 +124,26 @@ class _Replay:
         first, last = self.record.bounds(k)
         for t in range(last - 1, first - 1, -1):
             at = trail[t - first]
-            adjoints, dw = self.problem.reverse(at, self.picked[t], self.lrs[t], t, adjoints)
+            adjoints, dw = self._reverse(at, t, adjoints)
             scores.index_add_(1, self.picked[t], dw.detach().double().cpu())  # (R, B) into (R, N)
             if self.on_step:
                 self.on_step(1)
         return adjoints
+
+    def _reverse(self, at: tuple, t: int, adjoints: Tensors) -> tuple[Tensors, Tensor]:
+        """Step ``t`` in reverse. For R > 1 references the first step runs the double backward
+        both ways, vmapped and one reference at a time, and the walk keeps the faster: vmap
+        wins where per-call overhead dominates (small models), the loop where the products
+        are large."""
+        if adjoints[0].shape[0] > 1 and self.batched is None:
+            seconds = {}
+            for batched in (True, False):
+                started = time.perf_counter()
+                self.problem.reverse(at, self.picked[t], self.lrs[t], t, adjoints, batched)
+                seconds[batched] = time.perf_counter() - started
+            self.batched = seconds[True] <= seconds[False]
+        batched = self.batched is not False
+        return self.problem.reverse(at, self.picked[t], self.lrs[t], t, adjoints, batched)
 
     def _forward(self, k: int) -> list[tuple[Tensors, Tensors, dict]]:
         """The weights, optimizer state and random state at each step of segment ``k``,
