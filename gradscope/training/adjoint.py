@@ -71,11 +71,12 @@ class Problem:
 
     def reverse(
         self, at: tuple[Tensors, Tensors, dict], picked: Tensor, lr: float, t: int,
-        adjoints: Tensors,
+        adjoints: Tensors, batched: bool = True,
     ) -> tuple[Tensors, Tensor]:  # fmt: skip
         """Step ``t`` from ``at`` (its weights, state and random state) in reverse: ``adjoints``,
         (R, ...) per weight then per state tensor after the step, to the same before it, and
-        (R, B) d/dw_i of the step's rows."""
+        (R, B) d/dw_i of the step's rows. The R adjoints share the step's forward and first
+        backward; the double backward is one vmapped call (``batched``) or one call each."""
         params = [p.detach().requires_grad_() for p in at[0]]
         state = [s.detach().requires_grad_() for s in at[1]]
         set_rng(at[2])  # the dropout masks of the run's step
@@ -84,17 +85,32 @@ class Problem:
         loss = self.step_loss(params, picked, weights)
         grads = torch.autograd.grad(loss, params, create_graph=True)
         moved, kept = self.update(params, state, clip(list(grads), self.max_norm), lr, t)
-        leaves = [*params, *state, weights]
+        leaves, outputs = [*params, *state, weights], [*moved, *kept]
         r = adjoints[0].shape[0]
-        back = torch.autograd.grad(
-            [*moved, *kept],
-            leaves,
-            adjoints if r > 1 else [a[0] for a in adjoints],
-            allow_unused=True,
-            is_grads_batched=r > 1,
-        )
-        back = [
-            x.new_zeros(r, *x.shape) if b is None else (b if r > 1 else b[None])
-            for b, x in zip(back, leaves, strict=True)
-        ]
+        if batched and r > 1:
+            back = _backward(outputs, leaves, adjoints, batched=True)
+        else:
+            each = [
+                _backward(outputs, leaves, [a[k] for a in adjoints], retain=k < r - 1)
+                for k in range(r)
+            ]
+            back = [torch.stack(b) for b in zip(*each, strict=True)]
         return back[:-1], back[-1]  # (R, ...) per leaf; (R, B)
+
+
+def _backward(
+    outputs: Tensors,
+    leaves: Tensors,
+    adjoints: Tensors,
+    batched: bool = False,
+    retain: bool = False,
+) -> Tensors:
+    """The vector-Jacobian product of ``outputs`` with ``adjoints`` at ``leaves`` (batched: a
+    leading dimension of adjoints), zeros for a leaf the outputs do not reach."""
+    back = torch.autograd.grad(
+        outputs, leaves, adjoints, retain_graph=retain, allow_unused=True, is_grads_batched=batched
+    )
+    shape = (adjoints[0].shape[0],) if batched else ()
+    return [
+        x.new_zeros(*shape, *x.shape) if b is None else b for b, x in zip(back, leaves, strict=True)
+    ]

@@ -11,6 +11,7 @@ adjoints and scores so far are saved, so that a killed replay continues from the
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from ..engine import MAX_PER_REF
 from ..errors import DataError, Interrupted, ModelError, reading
 from ..io.data import data_sha256, open_dataset
 from ..io.parquet import replace_atomically
-from ..job import config_forward, config_loss
+from ..job import config_forward, config_loss, resolve_device
 from .adjoint import Called, Problem
 from .loop import Rows, build, recipe
 from .record import Record, open_record, rng, set_rng
@@ -53,7 +54,8 @@ def through_training(
     """
     record = open_record(run, cfg, training_inputs(cfg))
     train = recipe(cfg)
-    with torch.random.fork_rng(devices=[]):
+    device = resolve_device(cfg.device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         rows = Rows(cfg, None)
         model = build(cfg, train.seed)
         called = Called(model, config_forward(cfg))
@@ -69,7 +71,7 @@ def through_training(
             on_start(record.meta["steps"])
         if on_step and saved["next"] < record.segments - 1:
             on_step(record.meta["steps"] - record.bounds(saved["next"] + 1)[0])
-        scores = replay.walk(saved, lambda s: _save(Path(partial), key, s) if partial else None)
+        scores = replay.walk(saved, Path(partial) if partial else None, key)
     scores = -scores.T.cpu().numpy()  # (N, R): -d f / d w, influence's sign
     return scores if per_ref else scores[:, 0]
 
@@ -88,9 +90,11 @@ class _Replay:
         self.problem, self.record, self.on_step = problem, record, on_step
         self.picked, self.lrs = record.steps()
         self.device = problem.rows.device
+        self.batched: bool | None = None  # R > 1: vmap the double backward (else a loop)
 
-    def walk(self, saved: dict, save: Callable[[dict], None]) -> Tensor:
-        """(R, N) d f / d w from segment ``saved["next"]`` down to the first."""
+    def walk(self, saved: dict, partial: Path | None, key: dict) -> Tensor:
+        """(R, N) d f / d w from segment ``saved["next"]`` down to the first, what is done
+        saved in ``partial`` after each segment."""
         adjoints = [a.to(self.device) for a in saved["adjoints"]]
         r = adjoints[0].shape[0]
         scores = saved["scores"]
@@ -101,12 +105,16 @@ class _Replay:
                 adjoints = self._segment(k, adjoints, scores)
             except KeyboardInterrupt:
                 done = self.record.segments - 1 - k
+                if partial is None or not done:
+                    raise
                 raise Interrupted(
                     f"interrupted with {done} of {self.record.segments} segments replayed; run "
                     "the same command again to continue from there",
-                    str(self.record.folder),
+                    str(partial),
                 ) from None
-            save({"next": k - 1, "adjoints": [a.cpu() for a in adjoints], "scores": scores})
+            if partial is not None:
+                saved = {"next": k - 1, "adjoints": [a.cpu() for a in adjoints], "scores": scores}
+                _save(partial, key, saved)
         return scores
 
     def _segment(self, k: int, adjoints: Tensors, scores: Tensor) -> Tensors:
@@ -116,11 +124,26 @@ class _Replay:
         first, last = self.record.bounds(k)
         for t in range(last - 1, first - 1, -1):
             at = trail[t - first]
-            adjoints, dw = self.problem.reverse(at, self.picked[t], self.lrs[t], t, adjoints)
+            adjoints, dw = self._reverse(at, t, adjoints)
             scores.index_add_(1, self.picked[t], dw.detach().double().cpu())  # (R, B) into (R, N)
             if self.on_step:
                 self.on_step(1)
         return adjoints
+
+    def _reverse(self, at: tuple, t: int, adjoints: Tensors) -> tuple[Tensors, Tensor]:
+        """Step ``t`` in reverse. For R > 1 references the first step runs the double backward
+        both ways, vmapped and one reference at a time, and the walk keeps the faster: vmap
+        wins where per-call overhead dominates (small models), the loop where the products
+        are large."""
+        if adjoints[0].shape[0] > 1 and self.batched is None:
+            seconds = {}
+            for batched in (True, False):
+                started = time.perf_counter()
+                self.problem.reverse(at, self.picked[t], self.lrs[t], t, adjoints, batched)
+                seconds[batched] = time.perf_counter() - started
+            self.batched = seconds[True] <= seconds[False]
+        batched = self.batched is not False
+        return self.problem.reverse(at, self.picked[t], self.lrs[t], t, adjoints, batched)
 
     def _forward(self, k: int) -> list[tuple[Tensors, Tensors, dict]]:
         """The weights, optimizer state and random state at each step of segment ``k``,

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from gradscope.config import TrainConfig, load_config
 from gradscope.errors import ConfigError, DataError, GradscopeError, Interrupted, ModelError
 from gradscope.training import fit
+from gradscope.training.adjoint import Problem
 from gradscope.training.recipe import make_optimizer
 from gradscope.training.replay import through_training
 from gradscope.training.run import train_model
@@ -296,3 +297,17 @@ def test_a_run_gradscope_cannot_retrace_is_refused(tmp_path, code, error, messag
 def test_an_optimizer_gradscope_does_not_know_is_refused():
     with pytest.raises(DataError, match="'lion' is none gradscope can replay"):
         Update(TrainConfig(optimizer="lion"))
+
+
+def test_references_vmapped_or_one_at_a_time_agree(tmp_path, monkeypatch):
+    """The walk keeps whichever double backward is faster for R references: both are the same."""
+    cfg, run = recorded(tmp_path, RECIPES["sgd-nesterov-clip"])
+    reverse, got = Problem.reverse, {}
+    for batched in (True, False):
+
+        def forced(self, *args, batched=batched):
+            return reverse(self, *args[:5], batched)
+
+        monkeypatch.setattr(Problem, "reverse", forced)
+        got[batched] = through_training(cfg, run, tmp_path / "ref.pt", per_ref=True)
+    np.testing.assert_allclose(got[True], got[False], rtol=1e-12, atol=1e-15)
