@@ -9,7 +9,7 @@ from .backward.fallback import short_reason
 from .backward.reduce import Want
 from .backward.substitute import substituted
 from .check import CheckReport, compare_with_loop, render_plan, render_report
-from .engine import BatchScores, Engine, Observe, total
+from .engine import Engine, Observe
 from .forward import Forward, select_output
 from .influence import (
     ENGINES,
@@ -31,6 +31,7 @@ from .plan import (
     build_plan,
     prepared,
 )
+from .scores import BatchScores, total
 
 __all__ = [
     "BROADCAST",

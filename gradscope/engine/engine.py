@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -28,32 +27,11 @@ from .plan import FALLBACK_LOOP, build_plan, prepared
 from .record import Findings, record_for
 from .replay.programs import Replayed
 from .replay.session import Diverged
+from .scores import BatchScores
 from .steps import Program
 
 # (selected output, targets) -> {column: (B,) tensor}: read from the scoring forward, no extra pass
 Observe = Callable[[Tensor, Tensor], dict[str, Tensor]]
-
-
-@dataclass
-class BatchScores:
-    """What one pass gives for a batch of B examples."""
-
-    loss: Tensor  # (B,) each example's own loss
-    norm_sq: dict[str, Tensor]  # parameter name -> (B,) squared norm of its per-example gradient
-    inner: dict[str, Tensor] = field(default_factory=dict)  # name -> (B, K) <G_i, refs[name][k]>
-    observed: dict[str, Tensor] = field(default_factory=dict)  # what ``observe`` read, (B,) each
-    kept: dict[str, Contribution] = field(default_factory=dict)  # with Want(keep=True)
-    pre_sq: dict[str, Tensor] = field(default_factory=dict)  # with Want(transform=...): g^T P g
-    trained: list[Tensor | None] = field(default_factory=list)  # with Want(train=...)
-
-
-def total(per_param: dict[str, Tensor]) -> Tensor:
-    """The sum over parameters of per-parameter, per-example quantities, in float64: one cast
-    of them all where they share a dtype (hundreds of small casts cost a pass ~0.2 ms)."""
-    values = list(per_param.values())
-    if any(v.dtype != values[0].dtype for v in values):
-        values = [v.double() for v in values]
-    return torch.stack(values).double().sum(0)
 
 
 class Engine:

@@ -11,9 +11,10 @@ from torch import Tensor
 from ..errors import ConfigError, models_backward
 from ..rules.base import accumulation_dtype, rows
 from .backward.reduce import Want
-from .engine import Engine, total
+from .engine import Engine
 from .jvp import JvpUnsupported, jvp_inner
 from .naive import naive_grads
+from .scores import total
 
 ENGINES = ("auto", "hooks", "jvp")
 MAX_PER_REF = 1000  # --per-ref holds one gradient per reference example: (K, P) floats
