@@ -108,11 +108,8 @@ class Replayed:
             with torch.set_grad_enabled(bool(program.uses or want.train)), session:
                 losses, observed = self.losses(inputs, targets)
             session.finish()
-        except Diverged as e:
+        except (Diverged, ModelError) as e:  # a ModelError's fault: the analysis runs it again
             lessons.why = str(e)
-            return None
-        except ModelError as e:  # whose fault: the analysis tells, running the same forward
-            lessons.why = f"the forward raised under the replay ({e.what})"
             return None
         captured = Captured(session, Taps(session.done), losses, observed)
         if program.varies:  # what the regions read and called differs batch to batch
