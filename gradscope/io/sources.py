@@ -69,76 +69,94 @@ class Source:
 
 
 def file_source(path: str, what: str = "data file") -> Source:
-    from .arrow import arrow_source_parts, record_columns
-
+    """The file at ``path`` as a Source, by its suffix (FORMATS); ``what`` names it in errors."""
     file = Path(path)
     if not file.is_file():
         raise DataError(f"{what} not found", str(file))
     if lfs_pointer(file):
         raise DataError(LFS_POINTER, str(file))
     suffix = file.suffix.lower()
-    if suffix in (".pt", ".pth"):
+    readers = {".pt": _pt, ".pth": _pt, ".npz": _npz, ".arrow": _arrow, ".parquet": _parquet,
+               ".csv": _csv}  # fmt: skip
+    if suffix not in readers:
+        raise DataError(
+            f"unsupported data format {suffix!r}; expected one of {', '.join(FORMATS)} or "
+            "file.py:fn",
+            str(file),
+        )
+    return readers[suffix](file)
 
-        def read_pt(_: int) -> Iterator[Columns]:
-            try:
-                columns = torch.load(file, map_location="cpu", weights_only=True)
-            except pickle.UnpicklingError as e:  # torch's advice runs to eight lines
-                raise DataError(
-                    "the data file holds objects other than tensors and is not loaded (that "
-                    "would run its pickle): save a dict of tensors",
-                    str(file),
-                ) from e
-            if not isinstance(columns, dict):
-                raise DataError(
-                    f"expected a dict of tensors, found a {type(columns).__name__}", str(file)
-                )
-            yield columns
 
-        return Source(str(file), None, read_pt, whole=True)
-    if suffix == ".npz":
-
-        def read_npz(_: int) -> Iterator[Columns]:
-            with np.load(file, allow_pickle=False) as npz:
-                yield {k: npz[k] for k in npz.files}
-
-        return Source(str(file), None, read_npz, whole=True)
-    if suffix == ".arrow":
-        return Source(str(file), *arrow_source_parts(str(file)))
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
+def _pt(file: Path) -> Source:
+    def read_pt(_: int) -> Iterator[Columns]:
         try:
-            names = pq.ParquetFile(file).schema_arrow.names
-            n_rows = pq.ParquetFile(file).metadata.num_rows
-        except Exception as e:  # pyarrow's own error types; all mean "unreadable"
-            raise DataError(f"cannot read data file: {e}", str(file)) from e
+            columns = torch.load(file, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:  # torch's advice runs to eight lines
+            raise DataError(
+                "the data file holds objects other than tensors and is not loaded (that "
+                "would run its pickle): save a dict of tensors",
+                str(file),
+            ) from e
+        if not isinstance(columns, dict):
+            raise DataError(
+                f"expected a dict of tensors, found a {type(columns).__name__}", str(file)
+            )
+        yield columns
 
-        def read_parquet(rows: int) -> Iterator[Columns]:
-            reader = pq.ParquetFile(file)
-            # row group by row group: over a whole file, iter_batches reads ahead all of it
-            for group in range(reader.metadata.num_row_groups):
-                for record in reader.iter_batches(batch_size=rows, row_groups=[group]):
-                    yield record_columns(record)
+    return Source(str(file), None, read_pt, whole=True)
 
-        return Source(str(file), n_rows, read_parquet, names)
-    if suffix == ".csv":
-        from pyarrow import csv
 
-        def read_csv(rows: int) -> Iterator[Columns]:
-            # blocks of about 1 MiB: memory stays flat however long the file is
-            reader = csv.open_csv(file, read_options=csv.ReadOptions(block_size=1 << 20))
-            for record in reader:
+def _npz(file: Path) -> Source:
+    def read_npz(_: int) -> Iterator[Columns]:
+        with np.load(file, allow_pickle=False) as npz:
+            yield {k: npz[k] for k in npz.files}
+
+    return Source(str(file), None, read_npz, whole=True)
+
+
+def _arrow(file: Path) -> Source:
+    from .arrow import arrow_source_parts
+
+    return Source(str(file), *arrow_source_parts(str(file)))
+
+
+def _parquet(file: Path) -> Source:
+    import pyarrow.parquet as pq
+
+    from .arrow import record_columns
+
+    try:
+        names = pq.ParquetFile(file).schema_arrow.names
+        n_rows = pq.ParquetFile(file).metadata.num_rows
+    except Exception as e:  # pyarrow's own error types; all mean "unreadable"
+        raise DataError(f"cannot read data file: {e}", str(file)) from e
+
+    def read_parquet(rows: int) -> Iterator[Columns]:
+        reader = pq.ParquetFile(file)
+        # row group by row group: over a whole file, iter_batches reads ahead all of it
+        for group in range(reader.metadata.num_row_groups):
+            for record in reader.iter_batches(batch_size=rows, row_groups=[group]):
                 yield record_columns(record)
 
-        try:
-            names = csv.open_csv(file).schema.names
-        except Exception as e:  # pyarrow's own error types; all mean "unreadable"
-            raise DataError(f"cannot read data file: {e}", str(file)) from e
-        return Source(str(file), None, read_csv, names)
-    raise DataError(
-        f"unsupported data format {suffix!r}; expected one of {', '.join(FORMATS)} or file.py:fn",
-        str(file),
-    )
+    return Source(str(file), n_rows, read_parquet, names)
+
+
+def _csv(file: Path) -> Source:
+    from pyarrow import csv
+
+    from .arrow import record_columns
+
+    def read_csv(rows: int) -> Iterator[Columns]:
+        # blocks of about 1 MiB: memory stays flat however long the file is
+        reader = csv.open_csv(file, read_options=csv.ReadOptions(block_size=1 << 20))
+        for record in reader:
+            yield record_columns(record)
+
+    try:
+        names = csv.open_csv(file).schema.names
+    except Exception as e:  # pyarrow's own error types; all mean "unreadable"
+        raise DataError(f"cannot read data file: {e}", str(file)) from e
+    return Source(str(file), None, read_csv, names)
 
 
 def function_source(spec: str, columns: Selection, key: str = "data.path") -> Source:
