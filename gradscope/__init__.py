@@ -5,14 +5,14 @@ __version__ = "0.1.0"
 API = (
     "check",
     "factors",
-    "index",
+    "build_index",
     "influence",
     "norms",
     "per_example_influence",
     "per_example_norms",
     "query",
     "references_by_examples",
-    "report",
+    "write_report",
     "train",
     "validate",
 )

@@ -3,20 +3,20 @@
 and the scores of one batch of tensors (``batch.py``)."""
 
 from .batch import per_example_influence, per_example_norms
-from .commands import check, factors, report, train, validate
-from .scoring import index, influence, norms, query, references_by_examples
+from .commands import check, factors, train, validate, write_report
+from .scoring import build_index, influence, norms, query, references_by_examples
 
 __all__ = [
     "check",
     "factors",
-    "index",
+    "build_index",
     "influence",
     "norms",
     "per_example_influence",
     "per_example_norms",
     "query",
     "references_by_examples",
-    "report",
+    "write_report",
     "train",
     "validate",
 ]

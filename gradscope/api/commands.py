@@ -65,7 +65,7 @@ def check(
         return check_config(cfg, examples, ref=spec, trust_checkpoint=trust_checkpoint)
 
 
-def report(
+def write_report(
     scores: str | Path,
     *,
     config: Config | str | Path | None = None,
@@ -76,7 +76,7 @@ def report(
     """Write the HTML report of a scores file (default: beside it, ``.html``): ``gradscope
     report``. With ``config`` (the one that scored it) the top-k examples are shown; ``top_k``
     defaults to its ``summary.top_k``. Returns the page's path."""
-    from ..report import write_report
+    from ..report import write_report as written
 
     cfg = load_config(config) if isinstance(config, str | Path) else config
     top_k = top_k or (cfg.summary if cfg else SummaryConfig).top_k
@@ -84,7 +84,7 @@ def report(
         raise ConfigError(f"top_k must be at least 1, got {top_k}", "top_k")
     with called() as call:
         target = None if out is None else call.out(out, "report.html")
-        return write_report(scores, target, cfg, by, top_k)
+        return written(scores, target, cfg, by, top_k)
 
 
 def train(

@@ -98,7 +98,7 @@ def references_by_examples(scores: pd.DataFrame) -> Tensor:
     return torch.tensor(table.sort_index().sort_index(axis=1).to_numpy(dtype="float64"))
 
 
-def index(
+def build_index(
     model: Model,
     data: Data = None,
     *,
