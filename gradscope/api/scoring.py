@@ -38,7 +38,7 @@ def norms(
     ``datasets.Dataset``, by default the config's ``data.path``. ``config`` gives a module the
     rest of a config (loss, columns, parameters). ``options`` are the config's keys by name:
     ``batch_size``, ``limit``, ``inputs``, ``targets``, ``ids``, ``loss``, ``include``,
-    ``exclude``, ``per_layer``, ``device``, ``dtype`` (see ``KEYS``). Without a config, the
+    ``exclude``, ``per_layer``, ``device``, ``dtype`` (all: the Python API page). Without a config, the
     input is column ``x`` (a tuple's first item), the target ``y``, the loss cross-entropy.
 
     Returns the columns the command writes (``reference/columns.md``); ``out`` also keeps the
