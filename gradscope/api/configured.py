@@ -95,8 +95,9 @@ def configured(
     if model is not None:
         raw["model"] = {k: v for k, v in raw.get("model", {}).items() if k in MODEL_OBJECT_KEYS}
         raw["model"]["factory"] = call.spec(model)
-        first = next(model.parameters(), None)  # scored where it is, unless device= says
+        first = next(model.parameters(), None)  # scored as it is, unless device=, dtype= say
         raw["device"] = str(first.device) if first is not None else "cpu"
+        raw["dtype"] = None
     if data is not None:
         raw["data"]["path"] = call.spec(data)
         batch_size = getattr(data, "batch_size", None)  # a DataLoader's

@@ -36,10 +36,11 @@ def norms(
     ``Config`` or a YAML file's path); ``data`` the rows, as a path, a dict of tensors, a torch
     ``Dataset``, a ``DataLoader`` (in its order, its ``batch_size``; not shuffled) or a
     ``datasets.Dataset``, by default the config's ``data.path``. ``config`` gives a module the
-    rest of a config (loss, columns, parameters). ``options`` are the config's keys by name:
-    ``batch_size``, ``limit``, ``inputs``, ``targets``, ``ids``, ``loss``, ``include``,
-    ``exclude``, ``per_layer``, ``device``, ``dtype`` (all: the Python API page). Without a config, the
-    input is column ``x`` (a tuple's first item), the target ``y``, the loss cross-entropy.
+    rest of a config (loss, columns, parameters). ``options`` are the config's keys by name
+    (all are listed on the Python API page): ``batch_size``, ``limit``, ``inputs``,
+    ``targets``, ``ids``, ``loss``, ``include``, ``exclude``, ``per_layer``, ``device``,
+    ``dtype``... Without a config, the input is column ``x`` (a tuple's first item), the target
+    ``y``, the loss cross-entropy.
 
     Returns the columns the command writes (``reference/columns.md``); ``out`` also keeps the
     Parquet file (``resume`` continues an interrupted one). ``precondition`` (a factors file or

@@ -38,8 +38,11 @@ def held_data(project: Path) -> dict[str, object]:
 )
 def test_held_data_and_module_equal_the_config(project: Path, kind: str) -> None:
     config = project / "config.yaml"
-    net, _, _ = load_net(project)
-    net.double().train()
+    net, x, y = load_net(project)
+    net.train()
+    gradscope.norms(net, {"x": x, "y": y}, config=config)  # the config's dtype: float64
+    assert next(net.parameters()).dtype == torch.float32  # the module scored as it is
+    net.double()
     before = {k: v.clone() for k, v in net.state_dict().items()}
     data = held_data(project)[kind]
     by_config = gradscope.norms(config)
