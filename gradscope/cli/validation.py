@@ -83,6 +83,14 @@ TruthOpt = Annotated[
         help="Ground-truth file: reused when it exists, else written (default: OUT.truth.parquet).",
     ),
 ]
+SameOrderOpt = Annotated[
+    bool,
+    typer.Option(
+        "--same-order",
+        help="Retrain each subset in the full run's batches and order, its left-out rows "
+        "weighted 0 (the setting through-training scores predict), not alone.",
+    ),
+]
 JobsOpt = Annotated[
     int, typer.Option("--jobs", metavar="N", help="Processes that retrain side by side.")
 ]
@@ -110,6 +118,7 @@ def validate(
     bad: BadOpt = None,
     column: ColumnOpt = None,
     truth: TruthOpt = None,
+    same_order: SameOrderOpt = False,
     jobs: JobsOpt = 1,
     resume: ResumeOpt = False,
     out: OutOpt = "validation.parquet",
@@ -123,6 +132,7 @@ def validate(
     options = Options(
         subsets=subsets, fraction=fraction, seeds=seeds, target=target, removal=removal,
         removal_refs=removal_refs, bad=bad, columns=tuple(column or ()), jobs=jobs, resume=resume,
+        same_order=same_order,
     )  # fmt: skip
     out_path = Path(output_path(out, Path.cwd(), "--out"))
     truth_path = Path(output_path(truth, Path.cwd(), "--truth")) if truth else None

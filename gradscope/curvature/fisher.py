@@ -50,6 +50,7 @@ class SampledLoss:
     output, so that the Fisher is the Gauss-Newton matrix. The targets are ``o + sqrt(D/2) r``
     with r of random signs (Rademacher): the same second moment, so the same expectation, and
     each draw's ``g_d^2 = 2/D`` exactly (one output: every draw gives the GGN, no noise).
+    The other losses' means over positions are scaled as ``_positions`` says.
     """
 
     def __init__(
@@ -66,7 +67,30 @@ class SampledLoss:
         self.token_reduction = token_reduction
 
     def __call__(self, output: Tensor, targets: Tensor) -> Tensor:
-        return self.loss(output, self.sample(output.detach(), targets))
+        drawn = self.sample(output.detach(), targets)
+        loss = self.loss(output, drawn)  # (B,)
+        if self.token_reduction == "sum" or self.name == "mse":
+            return loss
+        return loss * self._positions(output, drawn).sqrt()
+
+    def _positions(self, output: Tensor, drawn: Tensor) -> Tensor:
+        """(B,) the positions each example's loss is the mean over (those that count).
+
+        An example's mean over T positions, ``(1/T) sum_t l_t``, has the Gauss-Newton matrix
+        ``(1/T) sum_t F_t`` (F_t the Fisher of position t), while its sampled gradient's
+        second moment is ``(1/T^2) sum_t F_t``: positions' draws are independent, so their
+        cross terms vanish. Each sampled loss is scaled by sqrt(T) so that the sampled Fisher
+        is the Gauss-Newton matrix again, rows of every length alike.
+        """
+        batch = len(output)
+        if self.name == "causal_lm":
+            counted = drawn[:, 1:] != self.ignore_index  # (B, T-1)
+        elif self.name == "bce_with_logits":
+            counted = torch.ones_like(output, dtype=torch.bool)  # every element
+        else:
+            counted = drawn != self.ignore_index  # (B, ...) the drawn class ids
+        count = counted.reshape(batch, -1).sum(1).clamp_min(1)  # (B,)
+        return count.to(output.dtype if output.is_floating_point() else torch.float32)
 
     def sample(self, output: Tensor, targets: Tensor) -> Tensor:
         g = torch.Generator(device=output.device).manual_seed(self.seed)

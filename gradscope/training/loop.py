@@ -83,6 +83,7 @@ class Trainer:
     rows: Rows
     seed: int
     on_rows: Callable[[int], None] | None = None  # after each step, the rows it trained on
+    weights: Tensor | None = None  # (len(rows),) each row's weight in its batch's loss; None: 1
     step: int = 0
     epoch: int = 0
     loss_sum: float = 0.0  # the training losses of the pass so far, summed over steps
@@ -159,7 +160,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.step)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._loss(inputs, targets)
+        loss = self._loss(inputs, targets, None if self.weights is None else self.weights[picked])
         if not torch.isfinite(loss):
             raise ModelError(
                 f"training diverged: the loss is {loss.item()} at step {self.step + 1} of "
@@ -175,10 +176,15 @@ class Trainer:
         if self.on_rows:
             self.on_rows(len(picked))
 
-    def _loss(self, inputs: tuple[Tensor, ...], targets: Tensor) -> Tensor:
-        """The mean over the batch of the per-example losses, the model's errors one line."""
+    def _loss(self, inputs: tuple[Tensor, ...], targets: Tensor, weights: Tensor | None) -> Tensor:
+        """The mean over the batch of the per-example losses, each times its row's weight when
+        the run has weights (a weight of 0 keeps the row's place in the order, not its pull);
+        the model's errors one line."""
         output = forward_or_error(self.forward, self.model, inputs, "while training", "data.inputs")
-        return self.loss(output, targets).mean()
+        losses = self.loss(output, targets)  # (B,)
+        if weights is None:
+            return losses.mean()
+        return (losses * weights.to(losses.device, losses.dtype)).sum() / len(losses)
 
 
 def forward_or_error(
@@ -197,10 +203,18 @@ def forward_or_error(
 
 
 def fit(
-    cfg: Config, rows: Sequence[int] | np.ndarray | None = None, *, seed: int | None = None
+    cfg: Config,
+    rows: Sequence[int] | np.ndarray | None = None,
+    *,
+    seed: int | None = None,
+    weights: Sequence[float] | np.ndarray | Tensor | None = None,
 ) -> nn.Module:
     """Train a fresh model by ``cfg.train`` on the dataset rows ``rows`` (0-based positions in
     ``data.path``; None: every row up to ``data.limit``) and return it in eval mode.
+
+    ``weights``, one per training row in their sorted order, multiply each row's loss in its
+    batch's mean (the divisor stays the batch's row count): a weight of 0 removes the row's
+    pull while every batch keeps the rows, order and randomness of the full run.
 
     The model is built by ``model.factory`` under ``torch.manual_seed(seed)`` (``train.seed``
     when None), or loaded from ``train.init``; ``model.checkpoint`` is not read. The same
@@ -213,6 +227,19 @@ def fit(
         training = Rows(cfg, rows)
         model = build(cfg, seed)
         if train.fn is not None:
+            if weights is not None:
+                raise ConfigError(
+                    "train.fn cannot weigh rows: it is given rows, not weights", "train.fn"
+                )
             return run_user_fn(train.fn, model, training.positions, seed)
-        Trainer(cfg, model, training, seed).run()
+        Trainer(cfg, model, training, seed, weights=_weights(weights, len(training))).run()
     return model
+
+
+def _weights(weights: Sequence[float] | np.ndarray | Tensor | None, n: int) -> Tensor | None:
+    if weights is None:
+        return None
+    w = torch.as_tensor(np.asarray(weights, dtype=np.float64)).reshape(-1)
+    if len(w) != n or not torch.isfinite(w).all():
+        raise ConfigError(f"the rows' weights must be {n} finite numbers, one per row", "train")
+    return w

@@ -21,6 +21,7 @@ from ..config import Config
 from ..distributed import World
 from ..errors import Interrupted, reading
 from ..inputs import run_inputs
+from ..io.data import open_dataset
 from ..io.files import file_sha256
 from ..io.parquet import PartialRun
 from ..job import config_forward, config_loss, resolve_device
@@ -60,27 +61,45 @@ def check_ref(cfg: Config, ref: str) -> None:
         evaluate(cfg, build(cfg, cfg.train.seed), ref)
 
 
-def train_one(cfg: Config, ref: str, task: Task) -> Model:
-    """``fit(cfg, task.rows, seed=task.seed)``, then its outputs on REF."""
-    start = time.perf_counter()
-    model = training.fit(cfg, task.rows, seed=task.seed)
-    seconds = time.perf_counter() - start
-    return Model(task, *evaluate(cfg, model, ref), seconds)
+@dataclasses.dataclass(frozen=True)
+class Retrain:
+    """How each model is trained, then read on REF: ``fit(cfg, task.rows, seed=task.seed)``,
+    the subset alone; or, ``same_order``, every row in the full run's batches and order with
+    the rows left out weighted 0 (the through-training setting: same seed, same order)."""
+
+    cfg: Config
+    ref: str
+    same_order: bool = False
+
+    def __call__(self, task: Task) -> Model:
+        start = time.perf_counter()
+        if self.same_order:
+            weights = np.zeros(task_rows(self.cfg))
+            weights[task.rows] = 1.0
+            model = training.fit(self.cfg, seed=task.seed, weights=weights)
+        else:
+            model = training.fit(self.cfg, task.rows, seed=task.seed)
+        seconds = time.perf_counter() - start
+        return Model(task, *evaluate(self.cfg, model, self.ref), seconds)
+
+
+def task_rows(cfg: Config) -> int:
+    """N, the training rows: ``data.path``'s, up to ``data.limit``."""
+    data = open_dataset(cfg.data)
+    return len(data) if cfg.data.limit is None else min(len(data), cfg.data.limit)
 
 
 def _one_thread() -> None:
     torch.set_num_threads(1)  # N processes on N cores, not N x N threads
 
 
-def _in_processes(
-    cfg: Config, ref: str, todo: list[tuple[int, Task]], jobs: int, keep: Keep
-) -> None:
+def _in_processes(retrain: Retrain, todo: list[tuple[int, Task]], jobs: int, keep: Keep) -> None:
     """``keep(part number, model)`` as each finishes in ``jobs`` spawned processes. On an error
     or Ctrl-C nothing new starts, what runs finishes, and every model finished by then is kept
     before the error goes on."""
     context = multiprocessing.get_context("spawn")  # no fork of a process holding threads
     pool = ProcessPoolExecutor(jobs, mp_context=context, initializer=_one_thread)
-    futures = {pool.submit(train_one, cfg, ref, task): n for n, task in todo}
+    futures = {pool.submit(retrain, task): n for n, task in todo}
     kept = set()
     try:
         for future in as_completed(futures):
@@ -103,8 +122,7 @@ def digest(tasks: list[Task]) -> str:
 
 def _train(
     parts: Parts,
-    cfg: Config,
-    ref: str,
+    retrain: Retrain,
     todo: list[tuple[int, Task]],
     jobs: int,
     on_model: Progress | None,
@@ -123,9 +141,9 @@ def _train(
     try:
         if jobs == 1:
             for number, task in todo:
-                keep(number, train_one(cfg, ref, task))
+                keep(number, retrain(task))
         else:
-            _in_processes(cfg, ref, todo, jobs, keep)
+            _in_processes(retrain, todo, jobs, keep)
     except KeyboardInterrupt:
         raise Interrupted(
             f"interrupted with {saved} retrained models saved; run the same command with "
@@ -142,6 +160,7 @@ def train_missing(
     path: Path,
     world: World,
     *,
+    same_order: bool = False,
     jobs: int = 1,
     resume: bool = False,
     on_start: Progress | None = None,
@@ -149,6 +168,7 @@ def train_missing(
 ) -> Truth | None:
     """Train the ``tasks`` that ``truth`` lacks and write the truth file at ``path`` with the
     earlier models and the new ones; the truth as written (on rank 0; None on the others).
+    Each is trained as ``Retrain(cfg, ref, same_order)`` says.
 
     Each model is a part of ``path``'s partial folder as soon as it is trained; Ctrl-C or a crash
     keeps them, and ``resume`` continues a run with the same fingerprint (config, files, the
@@ -169,7 +189,7 @@ def train_missing(
     if on_start:
         on_start(len(todo))
     here = dataclasses.replace(cfg, device=world.device(cfg.device))  # a rank's own GPU
-    _train(parts, here, ref, todo, jobs, on_model)
+    _train(parts, Retrain(here, ref, same_order), todo, jobs, on_model)
     parts.begin()  # a rank with nothing left to train still meets the others
     distributed.barrier()
     if not world.main:

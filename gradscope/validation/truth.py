@@ -104,11 +104,12 @@ def random_removal(seed: int, rows: int, k: int, ref: int) -> np.ndarray:
     return np.sort(np.random.default_rng([seed, 1, ref + 1]).choice(rows, k, replace=False))
 
 
-def identity(cfg: Config, ref: str, rows: int) -> dict[str, Any]:
+def identity(cfg: Config, ref: str, rows: int, same_order: bool = False) -> dict[str, Any]:
     """What every retrained model depends on, portable between machines: the recipe, the model
     factory and its kwargs, the loss, the dtype, the data's columns, padding and sha256, REF's
     sha256; each file the config names by its sha256 (never its path). ``model.checkpoint`` is
-    not in it: a retrain starts afresh."""
+    not in it: a retrain starts afresh. ``order: same`` when every model trains on every
+    row in the full run's batches, the rows it leaves out weighted 0."""
     model = dataclasses.asdict(cfg.model)
     for key in ("checkpoint", "checkpoints"):
         model.pop(key)
@@ -131,6 +132,8 @@ def identity(cfg: Config, ref: str, rows: int) -> dict[str, Any]:
         "data": data,
         "ref": {"sha256": data_sha256(ref)},
     }
+    if same_order:  # absent, each subset trained alone: the truth files made before it
+        found["order"] = "same"
     return json.loads(json.dumps(_portable(found), default=str))
 
 

@@ -26,7 +26,7 @@ from ..predictions import predictions
 from ..training import recipe
 from .plan import FRACTION, SEEDS, SUBSETS, Design, removal_tasks, subset_tasks
 from .results import Datamodel, detection, removal
-from .retrain import check_ref, train_missing
+from .retrain import check_ref, task_rows, train_missing
 from .scores import RANKED, ScoreFile, read_scores
 from .truth import Task, Truth, identity, read_truth
 
@@ -46,6 +46,7 @@ class Options:
     columns: tuple[str, ...] = ()  # the score columns whose LDS is measured; () influence
     jobs: int = 1
     resume: bool = False
+    same_order: bool = False  # retrain in the full run's batches, left-out rows weighted 0
 
 
 def check_options(cfg: Config, options: Options) -> None:
@@ -60,7 +61,12 @@ def check_options(cfg: Config, options: Options) -> None:
         raise ConfigError(f"--fraction must lie in (0, 1), got {o.fraction:g}", "--fraction")
     if o.target not in ("loss", "margin"):
         raise ConfigError(f"--target must be loss or margin, got {o.target!r}", "--target")
-    recipe(cfg)  # a config with no recipe cannot be validated
+    if recipe(cfg).fn is not None and o.same_order:  # no recipe: no validation
+        raise ConfigError(
+            "--same-order weighs the rows of the recipe's own loop; train.fn is given rows, "
+            "not weights",
+            "--same-order",
+        )
     if o.target == "margin" and predictions(cfg.loss.name, cfg.loss.kwargs) is None:
         raise ConfigError(
             f"--target margin needs a classification loss (cross_entropy, nll, "
@@ -159,7 +165,7 @@ def validate(
     out = Path(out)
     truth = Path(truth) if truth else out.with_name(f"{out.stem}.truth.parquet")
     _check_outputs(cfg, ref, scores, out, truth)
-    made = identity(cfg, ref, rows)
+    made = identity(cfg, ref, rows, options.same_order)
     held = read_truth(truth, made) if truth.is_file() else None
     design = _design(options, held, truth, rows)
     held = held or Truth(made, design.describe(rows), [])
@@ -174,7 +180,7 @@ def validate(
             locks.enter_context(OutputLock(truth))
             locks.enter_context(OutputLock(out))
         held = train_missing(cfg, ref, tasks, held, truth, world, jobs=options.jobs,
-                             resume=options.resume, on_start=on_start, on_model=on_model)  # fmt: skip
+                             same_order=options.same_order, resume=options.resume, on_start=on_start, on_model=on_model)  # fmt: skip
         if held is None:
             return None
         datamodel = Datamodel.of(held, lds, rows, options.target)
@@ -185,9 +191,9 @@ def validate(
 
 def _sizes(cfg: Config, ref: str) -> tuple[int, int]:
     """N, the training rows (``data.path`` up to ``data.limit``), and R, REF's rows."""
-    data = open_dataset(cfg.data)
-    rows = len(data) if cfg.data.limit is None else min(len(data), cfg.data.limit)
-    return rows, len(open_dataset(dataclasses.replace(cfg.data, ids=None, limit=None), ref))
+    return task_rows(cfg), len(
+        open_dataset(dataclasses.replace(cfg.data, ids=None, limit=None), ref)
+    )
 
 
 def _removals(

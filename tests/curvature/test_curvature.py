@@ -347,7 +347,8 @@ def test_adam_self_influence() -> None:
 
 @pytest.mark.parametrize("kind", ["mlp", "lm"])
 def test_true_fisher_is_the_empirical_one_on_sampled_targets(kind: str) -> None:
-    """The true Fisher's factors equal the empirical Fisher's on the labels the sampler drew."""
+    """The true Fisher's factors equal the empirical Fisher's on the labels the sampler drew,
+    each example's mean over its T counted positions scaled by sqrt(T) (the LM's rows)."""
     pb = _problem(kind)
     loss = resolve_loss(pb.loss)
     sampled = SampledLoss(pb.loss, loss, {}, -1, seed=3)
@@ -358,7 +359,12 @@ def test_true_fisher_is_the_empirical_one_on_sampled_targets(kind: str) -> None:
         assert torch.equal(drawn[:, 0], pb.targets[:, 0])
     true = _factors(pb, sampled, ekfac=False, batches=1)
     pb.targets = drawn
-    empirical = _factors(pb, loss, ekfac=False, batches=1)
+    counted = (drawn[:, 1:] != -100).sum(1) if kind == "lm" else torch.ones(len(drawn))
+
+    def scaled(outputs, targets):
+        return loss(outputs, targets) * counted.to(outputs.dtype).sqrt()
+
+    empirical = _factors(pb, scaled, ekfac=False, batches=1)
     for name, block in true.blocks.items():
         for key, t in block.tensors.items():
             torch.testing.assert_close(t, empirical.blocks[name].tensors[key])

@@ -38,15 +38,19 @@ SCHEDULES = {
 }
 
 
-def by_hand(root, train: dict, rows: np.ndarray, seed: int) -> torch.nn.Module:
+def by_hand(
+    root, train: dict, rows: np.ndarray, seed: int, weights: torch.Tensor | None = None
+) -> torch.nn.Module:
     """The recipe as a plain loop: the factory's initialisation under the seed, a permutation
-    of the rows per pass from a generator of the seed, the mean cross entropy, torch's
-    optimizer, the learning rate Hugging Face's schedule gives each step."""
+    of the rows per pass from a generator of the seed, the mean cross entropy (each row's loss
+    times its weight, the divisor the batch's size), torch's optimizer, the learning rate
+    Hugging Face's schedule gives each step."""
     recipe = TrainConfig(**train)
     torch.manual_seed(seed)
     model = import_object(f"{root / 'model.py'}:Net", "test")().double()
     data = torch.load(root / "data.pt")
     x, y = data["x"][rows].double(), data["y"][rows]
+    w = torch.ones(len(rows), dtype=torch.float64) if weights is None else weights
     kinds = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
     kwargs = {"lr": recipe.lr, "weight_decay": recipe.weight_decay}
     if recipe.optimizer == "sgd":
@@ -65,7 +69,8 @@ def by_hand(root, train: dict, rows: np.ndarray, seed: int) -> torch.nn.Module:
             if step == total:
                 break
             opt.zero_grad()
-            F.cross_entropy(model(x[idx]), y[idx]).backward()
+            losses = F.cross_entropy(model(x[idx]), y[idx], reduction="none")
+            (losses * w[idx]).mean().backward()
             if recipe.clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip)
             opt.step()
@@ -84,6 +89,31 @@ def test_fit_is_the_loop(tmp_path, name):
     assert not got.training
     for (key, a), b in zip(got.state_dict().items(), want.state_dict().values(), strict=True):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-14), key
+
+
+@pytest.mark.parametrize("name", ["sgd-momentum-decay", "adamw-cosine-warmup"])
+def test_weights_scale_each_rows_loss_in_the_same_order(tmp_path, name):
+    """Weights keep every batch's rows and divisor: a weight of 0 takes a row's pull away
+    without moving any other row to another batch; weights of 1 are no weights."""
+    cfg = load_config(make_project(tmp_path, n=17, train=RECIPES[name], dtype="float64"))
+    rows = np.arange(17)
+    weights = torch.ones(17, dtype=torch.float64)
+    weights[[2, 9]] = 0.0
+    weights[5] = 1.5
+    got = fit(cfg, rows, seed=3, weights=weights)
+    want = by_hand(tmp_path, RECIPES[name], rows, 3, weights)
+    for a, b in zip(got.parameters(), want.parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
+    ones, plain = fit(cfg, rows, seed=3, weights=np.ones(17)), fit(cfg, rows, seed=3)
+    assert all(
+        torch.equal(a, b) for a, b in zip(ones.parameters(), plain.parameters(), strict=True)
+    )
+
+
+def test_bad_weights(tmp_path):
+    cfg = load_config(make_project(tmp_path, train={}))
+    with pytest.raises(ConfigError, match="23 finite numbers"):
+        fit(cfg, weights=[1.0, 2.0])
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -51,11 +51,15 @@ def make_problem(root: Path, **train) -> Path:
     return path
 
 
-def oracle_fit(root: Path, rows: np.ndarray, seed: int) -> torch.nn.Linear:
+def oracle_fit(
+    root: Path, rows: np.ndarray, seed: int, weights: np.ndarray | None = None
+) -> torch.nn.Linear:
     """TRAIN's recipe by hand: the factory's initialisation under ``seed``, each epoch a new
-    order of ``rows`` drawn from a generator seeded with ``seed``, SGD on the batch mean."""
+    order of ``rows`` drawn from a generator seeded with ``seed``, SGD on the batch mean (of
+    each row's loss times its weight, when ``weights`` gives one per row of ``rows``)."""
     data = torch.load(root / "data.pt")
     x, y = data["x"][rows], data["y"][rows]
+    w = torch.ones(len(rows), dtype=x.dtype) if weights is None else torch.as_tensor(weights)
     torch.manual_seed(seed)
     model = torch.nn.Linear(2, 3).double()
     opt = torch.optim.SGD(model.parameters(), lr=TRAIN["lr"])
@@ -63,7 +67,8 @@ def oracle_fit(root: Path, rows: np.ndarray, seed: int) -> torch.nn.Linear:
     for _ in range(TRAIN["epochs"]):
         for idx in torch.randperm(len(rows), generator=order).split(TRAIN["batch_size"]):
             opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+            losses = torch.nn.functional.cross_entropy(model(x[idx]), y[idx], reduction="none")
+            (losses * w[idx]).mean().backward()
             opt.step()
     return model.eval()
 

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from gradscope.cli import app
 from gradscope.config import load_config
+from gradscope.errors import ConfigError
 from gradscope.validation import Options, validate
 
 SUBSETS, SEEDS, SIZE = 6, 2, 20  # fraction 0.5 of 40 rows
@@ -43,13 +44,18 @@ def spearman_by_argsort(a: np.ndarray, b: np.ndarray) -> float:
     return np.corrcoef(a.argsort().argsort(), b.argsort().argsort())[0, 1]
 
 
-def oracle_lds(root, scores: np.ndarray) -> list[float]:
-    """Per reference (or for the mean over REF when ``scores`` has one row)."""
+def oracle_lds(root, scores: np.ndarray, same_order: bool = False) -> list[float]:
+    """Per reference (or for the mean over REF when ``scores`` has one row); ``same_order``:
+    each subset trained on every row in the full run's order, the others weighted 0."""
     truth = []  # (M, R) losses averaged over the seeds
     masks = np.zeros((SUBSETS, ROWS))
     for m, rows in enumerate(oracle_subsets()):
         masks[m, rows] = 1
-        losses = [ref_targets(root, oracle_fit(root, rows, s))[0] for s in SEED_LIST]
+        if same_order:
+            fits = [oracle_fit(root, np.arange(ROWS), s, masks[m]) for s in SEED_LIST]
+        else:
+            fits = [oracle_fit(root, rows, s) for s in SEED_LIST]
+        losses = [ref_targets(root, model)[0] for model in fits]
         truth.append(np.mean(losses, 0))
     truth = np.array(truth)
     if len(scores) == 1:
@@ -81,6 +87,21 @@ def test_lds_matches_an_independent_loop(tmp_path):
     truth = pd.read_parquet(tmp_path / "v.truth.parquet")
     assert len(truth) == SUBSETS * SEEDS and set(truth["seed"]) == set(SEED_LIST)
     assert "validation" in result.output and "per_ref.parquet" in result.output
+
+
+def test_same_order_lds_weighs_the_left_out_rows_zero(tmp_path):
+    config = make_problem(tmp_path)
+    scores = score_file(tmp_path / "s.parquet", True)
+    options = Options(subsets=SUBSETS, seeds=SEEDS, same_order=True)
+    ref = str(tmp_path / "ref.pt")
+    out = tmp_path / "v.parquet"
+    table = validate(load_config(config), ref, [tmp_path / "s.parquet"], options=options, out=out)
+    expected = oracle_lds(tmp_path, scores, same_order=True)
+    assert table.iloc[0]["lds"] == pytest.approx(np.mean(expected), abs=1e-9)
+    assert expected != pytest.approx(oracle_lds(tmp_path, scores), abs=1e-3)  # not the same truth
+    with pytest.raises(ConfigError, match="different order"):  # one truth, one setting
+        validate(load_config(config), ref, [tmp_path / "s.parquet"], out=out,
+                 options=Options(subsets=SUBSETS, seeds=SEEDS))  # fmt: skip
 
 
 def test_removal_matches_a_retrain_by_hand(tmp_path):
