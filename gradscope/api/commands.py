@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -115,35 +116,26 @@ def validate(
     scores: list[str | Path],
     out: str | Path | None = None,
     truth: str | Path | None = None,
-    subsets: int | None = None,
-    fraction: float | None = None,
-    seeds: int | None = None,
-    target: str = "loss",
-    removal: int | None = None,
-    removal_refs: int = 10,
-    bad: str | None = None,
-    columns: tuple[str, ...] = (),
-    jobs: int = 1,
-    resume: bool = False,
     **options: Any,
 ) -> pd.DataFrame:
     """Measure score files against retraining by the config's ``train:`` recipe: LDS, the
-    removal test, detection AUROC (``gradscope validate``, its options by name; ``columns`` is
-    ``--column``, repeated). Returns the table the command writes to ``out``; the retrained
-    models are kept in ``truth`` (default beside ``out``), which later calls reuse."""
+    removal test, detection AUROC: ``gradscope validate``. Its options are keywords by name
+    (``subsets``, ``fraction``, ``seeds``, ``target``, ``removal``, ``removal_refs``, ``bad``,
+    ``columns``: ``--column`` repeated, ``jobs``, ``resume``, ``same_order``), beside the
+    config's keys. Returns the table the command writes to ``out``; the retrained models are
+    kept in ``truth`` (default beside ``out``), which later calls reuse."""
     from ..validation import Options
     from ..validation import validate as measured
 
-    measures = Options(
-        subsets=subsets, fraction=fraction, seeds=seeds, target=target, removal=removal,
-        removal_refs=removal_refs, bad=bad, columns=tuple(columns), jobs=jobs, resume=resume,
-    )  # fmt: skip
+    names = {f.name for f in dataclasses.fields(Options)}
+    measures = {k: options.pop(k) for k in list(options) if k in names}
+    measures["columns"] = tuple(measures.get("columns", ()))
     with called() as call:
         cfg = configured(call, _config_only(config, "validate"), data, **options)
         table = Path(call.out(out, "validation.parquet"))
         kept = None if truth is None else Path(call.out(truth, "truth.parquet"))
         files = [Path(call.spec(s)) for s in scores]
-        measured(cfg, call.spec(ref), files, options=measures, out=table, truth=kept)
+        measured(cfg, call.spec(ref), files, options=Options(**measures), out=table, truth=kept)
         return pd.read_parquet(table)
 
 
