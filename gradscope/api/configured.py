@@ -63,6 +63,12 @@ class Call:
             return resolve(str(value), Path.cwd())
         return self.stack.enter_context(holding(value))
 
+    def data(self, value: Any) -> str | list[str]:
+        """``spec`` of rows: a list of paths is a list of shards, as ``data.path`` takes it."""
+        if isinstance(value, list | tuple) and all(isinstance(v, str | Path) for v in value):
+            return [self.spec(v) for v in value]
+        return self.spec(value)
+
     def out(self, out: str | Path | None, name: str) -> str:
         """``out`` made absolute, or ``name`` in a folder removed when the call returns."""
         if out is not None:
@@ -99,7 +105,7 @@ def configured(
         raw["device"] = str(first.device) if first is not None else "cpu"
         raw["dtype"] = None
     if data is not None:
-        raw["data"]["path"] = call.spec(data)
+        raw["data"]["path"] = call.data(data)
         batch_size = getattr(data, "batch_size", None)  # a DataLoader's
         if isinstance(batch_size, int):
             raw["data"]["batch_size"] = batch_size

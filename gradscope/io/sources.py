@@ -154,7 +154,8 @@ def object_source(made: Any, columns: Selection, where: str, what: str = "got") 
         return Source(where, len(next(iter(made.values()), [])), lambda _: iter([made]))
     if isinstance(made, torch.utils.data.DataLoader):
         return _loader_source(made, columns, where)
-    if hasattr(made, "with_format") and hasattr(made, "column_names"):  # datasets.Dataset
+    if hasattr(made, "with_format") and hasattr(made, "column_names") and hasattr(made, "__len__"):
+        # a datasets.Dataset (its IterableDataset has no length: read as an iterable)
         return _arrow_rows(made, where)
     if isinstance(made, torch.utils.data.IterableDataset) or (
         hasattr(made, "__iter__") and not hasattr(made, "__getitem__")

@@ -26,6 +26,7 @@ def held_data(project: Path) -> dict[str, object]:
 
     return {
         "dict": {"x": x, "y": y},
+        "shards": [project / "data.pt"],
         "Dataset": TensorDataset(x, y),
         "DataLoader": DataLoader(TensorDataset(x, y), batch_size=4),
         "dict DataLoader": DataLoader(items, batch_size=3),
@@ -34,7 +35,7 @@ def held_data(project: Path) -> dict[str, object]:
 
 
 @pytest.mark.parametrize(
-    "kind", ["dict", "Dataset", "DataLoader", "dict DataLoader", "datasets.Dataset"]
+    "kind", ["dict", "shards", "Dataset", "DataLoader", "dict DataLoader", "datasets.Dataset"]
 )
 def test_held_data_and_module_equal_the_config(project: Path, kind: str) -> None:
     config = project / "config.yaml"
