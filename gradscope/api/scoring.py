@@ -140,9 +140,10 @@ def query(
 ) -> pd.DataFrame:
     """Score every indexed example against ``ref``'s gradients (their mean, or each row's with
     ``per_ref``): ``gradscope query``. ``model`` (and ``config``, ``options``) must be what the
-    index was built with; ``data`` its rows, read again only by ``exact``. Returns the command's
-    columns: ``example_id``, ``id``, ``score``, or with ``per_ref``, ``top_k`` or ``exact`` each
-    reference's top k (``ref_id``, ``rank``, ...)."""
+    index was built with; ``data`` its rows (with a module, which has no config to name them),
+    read again only by ``exact``. Returns the command's columns: ``example_id``, ``id``,
+    ``score``, or with ``per_ref``, ``top_k`` or ``exact`` each reference's top k (``ref_id``,
+    ``rank``, ...)."""
     with called() as call:
         cfg = configured(call, model, data, config, **options)
         spec = call.spec(ref)

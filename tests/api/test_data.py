@@ -86,3 +86,27 @@ def test_refused(project: Path) -> None:
         gradscope.train(net)
     with pytest.raises(ConfigError, match="no data"):
         gradscope.norms(net)
+
+
+def test_index_of_a_module_and_its_loader(project: Path) -> None:
+    """The index of a module on a DataLoader, queried with the module, scores as the command
+    line's index of the config; a query must name the model the index was built with."""
+    config, ref = project / "config.yaml", project / "ref.pt"
+    net, x, y = load_net(project)
+    loader = DataLoader(TensorDataset(x, y), batch_size=4)
+    cli("index", config, "--dim", 16, "--out", project / "cli.index")
+    cli(
+        "query",
+        project / "cli.index",
+        "--config",
+        config,
+        "--ref",
+        ref,
+        "--out",
+        project / "q.parquet",
+    )
+    built = gradscope.build_index(net.double(), loader, dim=16, out=project / "api.index")
+    scores = gradscope.query(built, net, loader, ref=torch.load(ref))
+    pd.testing.assert_frame_equal(scores, pd.read_parquet(project / "q.parquet"))
+    with pytest.raises(DataError, match="model.checkpoint is not what the index was built from"):
+        gradscope.query(built, config, ref=ref)
