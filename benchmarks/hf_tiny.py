@@ -44,7 +44,10 @@ _DROP = ("transformers_version", "_name_or_path", "model_type", "architectures",
          "stage_names", "out_features", "out_indices", "qk_head_dim", "id2label", "label2id")  # fmt: skip
 
 # where the generic shrink is not enough: model type -> keys to set after it
-OVERRIDES: dict[str, dict] = {}
+OVERRIDES: dict[str, dict] = {
+    "mamba2": {"head_dim": 16, "n_groups": 1},  # heads x head_dim must fill the expanded width
+    "falcon_h1": {"mamba_d_ssm": 64},
+}
 
 
 def _shrink(cfg: dict) -> dict:

@@ -66,12 +66,12 @@ def predictions(name: str, kwargs: dict | None = None) -> Observe | None:
             and name != "bce_with_logits"
         ):
             return {}
-        scores = outputs.detach().double()
         if name == "bce_with_logits":  # targets outside [0, 1]: the loss names them
-            one = scores.numel() == len(targets) == targets.numel() and in_unit_range(targets)
-            return _binary(scores, targets) if one else {}
-        if not _one_label(scores, targets):
+            one = outputs.numel() == len(targets) == targets.numel() and in_unit_range(targets)
+            return _binary(outputs.detach().double(), targets) if one else {}
+        if not _one_label(outputs, targets):  # before any copy: a language model's logits
             return {}
+        scores = outputs.detach().double()
         if not_class_ids(targets, scores.shape[1], ignore_index).any():  # the loss names them
             return {}
         log_probs = scores.log_softmax(1) if name == "cross_entropy" else scores

@@ -1,5 +1,5 @@
-"""The attribution benchmark's runner still runs: a tiny setting trained, scored by gradscope's
-commands, validated on one truth and rendered; a peer's matrix written as a score file reads back
+"""The attribution benchmark's runner still runs: a tiny setting trained (and recorded), scored by
+gradscope's commands, validated on both truths and rendered; a peer's matrix written as a score file reads back
 to the same LDS as the gradscope file it came from."""
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ from scorers import write_scores  # noqa: E402
 from gradscope.config import load_config  # noqa: E402
 
 DATA = run.HERE / "data"
-DESIGN = {"subsets": 4, "seeds": 1, "fraction": 0.5, "target": "loss"}
+DESIGNS = [
+    {"name": "halves", "subsets": 4, "seeds": 1, "fraction": 0.5, "same_order": False},
+    {"name": "same-order", "subsets": 4, "seeds": 1, "fraction": 0.9, "same_order": True},
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,22 +42,27 @@ def tiny(tmp_path_factory) -> tuple[run.Bench, dict]:
     raw["train"] |= {"epochs": 2, "batch_size": 20, "save_every": 1}
     (tmp / "tiny.yaml").write_text(yaml.safe_dump(raw))
     bench = run.Bench(tmp / "tiny.yaml", tmp / "ref.pt", ("gn",), (0.1,))
-    return bench, run.measure(bench, DESIGN, None)
+    return bench, run.measure(bench, DESIGNS, None)
 
 
 def test_the_runner_scores_validates_and_renders_a_tiny_setting(tiny):
     _, measured = tiny
     runs = measured["scorers"]
     kinds = [(r["scorer"], r["options"].get("curvature")) for r in runs]
-    assert kinds == [("influence", None), ("influence", "none"), ("cosine", "none"),
-                     ("tracin", None), ("influence", "gn")]  # fmt: skip
+    assert kinds == [("through-training", None), ("influence", None), ("influence", "none"),
+                     ("cosine", "none"), ("tracin", None), ("influence", "gn")]  # fmt: skip
     assert all(r["status"] == "ok" and r["seconds"] > 0 for r in runs), runs
-    assert all(-1 <= r["lds"]["lds"] <= 1 and r["lds"]["references"] == 4 for r in runs)
+    for name in ("halves", "same-order"):
+        assert all(-1 <= r["lds"][name]["lds"] <= 1 for r in runs)
+        assert all(r["lds"][name]["references"] == 4 for r in runs)
     assert measured["rows"] == 40 and 0 <= measured["ref_accuracy"] <= 1
+    assert measured["replay_mean_s"] > 0 and set(measured["truth_s"]) == {"halves", "same-order"}
     settings = {"tiny": measured}
-    text = run.markdown({"environment": run.environment(None), "design": DESIGN, "settings": settings})  # fmt: skip
+    text = run.markdown({"environment": run.environment(None), "designs": DESIGNS, "settings": settings})  # fmt: skip
     assert "| gradscope `--curvature gn`, best damping |" in text
-    assert f"| {runs[1]['lds']['lds']:.3f} |" in text
+    assert "LDS on the same-order truth" in text and "`--through-training`" in text
+    plain = runs[2]["lds"]
+    assert f"| {plain['halves']['lds']:.3f} ({plain['halves']['lds_std']:.3f}) |" in text
 
 
 def test_a_peer_matrix_reads_back_as_the_scores_it_holds(tiny):
@@ -66,7 +74,7 @@ def test_a_peer_matrix_reads_back_as_the_scores_it_holds(tiny):
     matrix[frame["ref_id"], frame["example_id"]] = frame["influence"]
     write_scores(matrix, cfg, str(bench.ref), work / "peer.parquet", {"tool": "test"}, 1.5)
     files = [str(work / "plain.parquet"), str(work / "peer.parquet")]
-    _, results = run.validate(work / "config.yaml", bench, files, "influence", work, DESIGN)
+    _, results = run.validate(work / "config.yaml", bench, files, "influence", work, DESIGNS[0])
     plain, peer = (r for r in results if r["column"] == "influence")
     assert peer["seconds"] == 1.5
     assert math.isclose(peer["lds"], plain["lds"], abs_tol=1e-12)

@@ -1,5 +1,5 @@
-"""The attribution benchmark's results file as Markdown: a summary table (default and tuned of
-every tool, per setting) and each setting's full table of runs."""
+"""The attribution benchmark's results file as Markdown: a summary table per ground truth
+(default and tuned of every tool, per setting) and each setting's full table of runs."""
 
 from __future__ import annotations
 
@@ -26,47 +26,56 @@ def _label(run: dict) -> str:
         return "gradscope `cosine` column (`--curvature none`)"
     if run["scorer"] == "tracin":
         return "gradscope TracIn over the epoch checkpoints (`--curvature none`)"
+    if run["scorer"] == "through-training":
+        return "gradscope `--through-training` (the recorded run, replayed)"
     if o.get("curvature") == "none":
         return "gradscope `--curvature none` (inner product)"
     return f"gradscope `--curvature {o['curvature']} --damping {o['damping']}`"
 
 
-def _cell(run: dict | None, seconds: bool = True) -> str:
+def _lds(run: dict, design: str) -> float | None:
+    """The run's LDS on the design's truth; None where it was not measured, NaN where undefined."""
+    found = run["lds"].get(design, {})
+    return found.get("lds") if run["status"] == "ok" else None
+
+
+def _cell(run: dict | None, design: str) -> str:
     if run is None:
         return "—"
-    if run["status"] != "ok" or "lds" not in run["lds"]:
+    lds = _lds(run, design)
+    if lds is None:
         return "fails" if run["status"] != "ok" else "not validated"
-    lds = run["lds"]["lds"]
     text = f"{lds:.2f}" if lds == lds else "n/a"
-    return f"{text} ({run['seconds']:.0f} s)" if seconds else text
+    return f"{text} ({run['seconds']:.0f} s)"
 
 
-def _best(runs: list[dict]) -> dict | None:
-    measured = [r for r in runs if r["status"] == "ok" and r["lds"].get("lds") == r["lds"].get("lds")]  # fmt: skip
-    return max(measured, key=lambda r: r["lds"]["lds"]) if measured else None
+def _best(runs: list[dict], design: str) -> dict | None:
+    measured = [r for r in runs if (lds := _lds(r, design)) is not None and lds == lds]
+    return max(measured, key=lambda r: _lds(r, design)) if measured else None
 
 
-def summary_rows(runs: list[dict]) -> dict[str, dict | None]:
-    """Row name -> the run that fills it: gradscope's commands as they are, its best damping per
-    curvature, each peer's defaults and its best option set ("tuned")."""
+def summary_rows(runs: list[dict], design: str) -> dict[str, dict | None]:
+    """Row name -> the run that fills it on the design's truth: gradscope's commands as they
+    are, its best damping per curvature, each peer's defaults and its best option set
+    ("tuned")."""
     rows: dict[str, dict | None] = {}
     for r in runs:
         if r["tool"] == "gradscope" and "damping" not in r["options"]:
             rows[_label(r)] = r
     fitted = [r for r in runs if r["tool"] == "gradscope" and "damping" in r["options"]]
     for c in dict.fromkeys(r["options"]["curvature"] for r in fitted):
-        best = _best([r for r in fitted if r["options"]["curvature"] == c])
+        best = _best([r for r in fitted if r["options"]["curvature"] == c], design)
         rows[f"gradscope `--curvature {c}`, best damping"] = best
     for tool in dict.fromkeys(r["tool"] for r in runs if r["tool"] != "gradscope"):
         mine = [r for r in runs if r["tool"] == tool]
         rows[f"{tool}, its defaults"] = next((r for r in mine if r["default"]), None)
-        rows[f"{tool}, tuned (best of its grid)"] = _best([r for r in mine if not r["default"]])
+        rows[f"{tool}, tuned (best of its grid)"] = _best([r for r in mine if not r["default"]], design)  # fmt: skip
     return rows
 
 
-def summary(report: dict) -> list[str]:
+def summary(report: dict, design: str) -> list[str]:
     names = list(report["settings"])
-    per = {n: summary_rows(report["settings"][n]["scorers"]) for n in names}
+    per = {n: summary_rows(report["settings"][n]["scorers"], design) for n in names}
     labels = list(dict.fromkeys(label for n in names for label in per[n]))
     lines = [
         "| scorer | " + " | ".join(TITLES.get(n, n) for n in names) + " |",
@@ -78,8 +87,8 @@ def summary(report: dict) -> list[str]:
             run = per[n].get(label)
             tuned = run is not None and ("best" in label or "tuned" in label)
             shown = {k: v for k, v in (run or {}).get("options", {}).items() if k != "curvature"}
-            extra = f" [{_options(shown)}]" if tuned and run["lds"] else ""
-            cells.append(_cell(run) + extra)
+            extra = f" [{_options(shown)}]" if tuned and _lds(run, design) is not None else ""
+            cells.append(_cell(run, design) + extra)
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
 
@@ -90,7 +99,16 @@ def _factory(factory: str) -> str:
     return f"{where.rsplit('/', 1)[-1]}:{name}" if where.endswith(".py") else factory
 
 
-def setting(name: str, s: dict) -> list[str]:
+def _truth(design: dict) -> str:
+    """A design in words."""
+    if design["same_order"]:
+        return (f"{design['subsets']} removals of {1 - design['fraction']:.0%} of the rows, each "
+                "trained in the full run's batches and order under its seed")  # fmt: skip
+    return (f"{design['subsets']} random subsets of {design['fraction']:.0%} of the rows x "
+            f"{design['seeds']} seeds, each trained alone")  # fmt: skip
+
+
+def setting(name: str, s: dict, designs: list[dict]) -> list[str]:
     recipe = s["recipe"]
     quality = f"reference loss {s['ref_loss']:.3f}" + (
         f", accuracy {s['ref_accuracy']:.0%}" if "ref_accuracy" in s else ""
@@ -102,42 +120,52 @@ def setting(name: str, s: dict) -> list[str]:
         f"rows, references `{s['ref']}`; recipe {recipe['optimizer']} lr {recipe['lr']}, "
         f"{recipe.get('epochs') or recipe.get('steps')} {'epochs' if recipe.get('epochs') else 'steps'}, "
         f"batch {recipe.get('batch_size')}, weight decay {recipe.get('weight_decay')}; trained in "
-        f"{s['train_s']:.1f} s to {quality}; the ground truth took {s['truth_s']:.0f} s.",
+        f"{s['train_s']:.1f} s to {quality} ({s['record_s']:.1f} s recording the run); the "
+        f"replay against the mean over the references took {s['replay_mean_s']:.1f} s; the "
+        "ground truths took " + ", ".join(f"{s['truth_s'][d['name']]:.0f} s ({d['name']})" for d in designs) + ".",
         "",
-        "| scorer | LDS | spread over references (std) | seconds: scoring / command | note |",
-        "|---|---:|---:|---:|---|",
+        "| scorer | " + " | ".join(f"LDS, {d['name']} (std)" for d in designs)
+        + " | seconds: scoring / command | note |",
+        "|---|" + "---:|" * len(designs) + "---:|---|",
     ]  # fmt: skip
     for r in s["scorers"]:
-        lds = r["lds"]
-        mean = f"{lds['lds']:.3f}" if r["status"] == "ok" and "lds" in lds else r["status"]
-        std = f"{lds['lds_std']:.3f}" if "lds_std" in lds else ""
+        cells = []
+        for d in designs:
+            lds = r["lds"].get(d["name"], {})
+            mean = f"{lds['lds']:.3f}" if r["status"] == "ok" and "lds" in lds else r["status"]
+            cells.append(mean + (f" ({lds['lds_std']:.3f})" if "lds_std" in lds else ""))
         note = r["note"].replace("|", "/")
         took = f"{r['run_s']:.1f} / " if r.get("run_s") is not None else ""
-        out.append(f"| {_label(r)} | {mean} | {std} | {took}{r['seconds']:.1f} | {note} |")
+        out.append(f"| {_label(r)} | {' | '.join(cells)} | {took}{r['seconds']:.1f} | {note} |")
     return [*out, ""]
 
 
 def markdown(report: dict) -> str:
-    env, design = report["environment"], report["design"]
+    env, designs = report["environment"], report["designs"]
     peers = ", ".join(f"{k} {v}" for k, v in env.get("peers", {}).items())
     lines = [
         f"gradscope at `{env['commit']}`"
         + (f" ({env['note']})" if env.get("note") else "")
         + f"; Python {env['python']}, torch {env['torch']}"
         + (f"; peers (own environment): {peers}" if peers else "")
-        + f"; {env['machine']}, {env['cpus']} CPUs, one thread per run. Ground truth: "
-        f"{design['subsets']} random subsets of {design['fraction']:.0%} of the rows x "
-        f"{design['seeds']} seeds, target the references' loss; LDS is the mean over references "
+        + f"; {env['machine']}, {env['cpus']} CPUs, one thread per run. Ground truths, "
+        "target the references' loss: "
+        + "; ".join(f"{d['name']}, {_truth(d)}" for d in designs)
+        + ". LDS is the mean over references "
         "of the Spearman correlation. Seconds: the scoring's own time as its file records it (from "
         "the loaded model; gradscope's from the start of its run, fitting the curvature "
         "included), beside the wall-clock of the one command that wrote the file (process "
         "start-up, imports included).",
         "",
-        "LDS (seconds of the command); tuned and best-damping cells name the options that won:",
-        "",
-        *summary(report),
-        "",
     ]
+    for d in designs:
+        lines += [
+            f"LDS on the {d['name']} truth (seconds of the command); tuned and best-damping cells "
+            "name the options that won on it:",
+            "",
+            *summary(report, d["name"]),
+            "",
+        ]
     for name, s in report["settings"].items():
-        lines += setting(name, s)
+        lines += setting(name, s, designs)
     return "\n".join(lines)

@@ -9,10 +9,14 @@ Per setting (configs/, data from make_data.py): ``gradscope train`` by the confi
 final checkpoint and the epoch ones), the trained model's loss and accuracy on the references,
 then every scorer as one command, its wall-clock seconds its cost: ``influence --per-ref`` with
 no flags (what a user gets), ``--curvature none`` (the inner product, and its ``cosine``
-column), TracIn over the epoch checkpoints, each ``--curvature`` at each ``--damping``; and
-each peer (peers.py, in its own environment) at its defaults and over a grid of its knob. One
-``gradscope validate`` builds the ground truth (``--subsets`` random halves x ``--seeds``
-seeds, the references' loss as the target) and every file is measured on that same truth.
+column), TracIn over the epoch checkpoints, each ``--curvature`` at each ``--damping``, the
+replay of the recorded run (``--through-training``; its cost for the mean over REF too, one
+adjoint against the per-ref run's R); and each peer (peers.py, in its own environment) at its
+defaults and over a grid of its knob. Every file is measured on two ground truths, each built
+once by ``gradscope validate``: ``--subsets`` random halves x ``--seeds`` seeds, each trained
+alone (the field's LDS), and ``--same-subsets`` removals of 1% of the rows trained in the full
+run's batches and order under its seed (``--same-order``, the setting MAGIC reports), the
+references' loss the target of both.
 Every run is one thread (OMP_NUM_THREADS=1). "Tuned" in the tables is the best of a tool's
 grid on this truth, for gradscope's dampings as for the peers' knobs.
 """
@@ -118,8 +122,11 @@ def quality(cfg, ref: Path) -> dict:
     return made
 
 
-def gradscope_runs(bench: Bench, config: Path, tracin: Path, work: Path) -> list[Run]:
+def gradscope_runs(bench: Bench, config: Path, tracin: Path, record: Path, work: Path) -> list[Run]:
     ref, runs = str(bench.ref), []
+    replayed = ["--through-training", str(record)]
+    runs.append(influence(config, ref, work / "through-training.parquet", replayed,
+                          Run("gradscope", "through-training", {}, False)))  # fmt: skip
     runs.append(influence(config, ref, work / "default.parquet", [],
                           Run("gradscope", "influence", {}, default=True)))  # fmt: skip
     plain = influence(config, ref, work / "plain.parquet", ["--curvature", "none"],
@@ -151,12 +158,15 @@ def peer_runs(bench: Bench, cfg, python: str, checkpoints: list[str], work: Path
 
 
 def validate(config: Path, bench: Bench, files: list[str], column: str, work: Path, design: dict):
-    """``gradscope validate`` of column ``column`` of ``files`` on the setting's truth (built by
+    """``gradscope validate`` of column ``column`` of ``files`` on the design's truth (built by
     the first call): its seconds and its results, one per file."""
-    out = work / "validation.parquet"
+    name = design["name"]
+    out = work / f"validation-{name}.parquet"
     command = [*GRADSCOPE, "validate", str(config), "--ref", str(bench.ref), "--scores", *files,
-               "--truth", str(work / "truth.parquet"), "--subsets", str(design["subsets"]),
-               "--seeds", str(design["seeds"]), "--column", column, "--out", str(out)]  # fmt: skip
+               "--truth", str(work / f"truth-{name}.parquet"), "--subsets", str(design["subsets"]),
+               "--seeds", str(design["seeds"]), "--fraction", str(design["fraction"]),
+               "--column", column, "--out", str(out)]  # fmt: skip
+    command += ["--same-order"] if design["same_order"] else []
     out.with_suffix(".json").unlink(missing_ok=True)
     out.unlink(missing_ok=True)
     seconds, error = timed(command)
@@ -166,7 +176,8 @@ def validate(config: Path, bench: Bench, files: list[str], column: str, work: Pa
 
 
 def _validate_all(config: Path, bench: Bench, runs: list[Run], work: Path, design: dict) -> float:
-    """Every run that scored, validated on one truth: the seconds the truth took to build."""
+    """Every run that scored, validated on the design's truth (its results in each run's
+    ``lds[design name]``): the seconds the truth took to build."""
     scored = [r for r in runs if r.status == "ok"]
     if not scored:
         raise SystemExit("no scorer ran: " + "; ".join(dict.fromkeys(r.note for r in runs)))
@@ -177,30 +188,54 @@ def _validate_all(config: Path, bench: Bench, runs: list[Run], work: Path, desig
         by = {Path(r["file"]).resolve(): r for r in results if r["column"] == column}
         for r in mine:
             found = by.get(Path(r.file).resolve(), {})
-            r.lds = {k: v for k, v in found.items() if k not in ("file", "column", "target", "seconds")}  # fmt: skip
+            kept = {k: v for k, v in found.items() if k not in ("file", "column", "target", "seconds")}  # fmt: skip
+            r.lds[design["name"]] = kept
             r.run_s = found.get("seconds")
     return truth_s
 
 
-def measure(bench: Bench, design: dict, peers_python: str | None) -> dict:
-    """One setting: train, score with everything, validate everything on one truth."""
-    from gradscope.config import load_config
+def _trained(cfg, work: Path):
+    """The recipe's run twice, as the user's ``gradscope train`` (its seconds the training's
+    cost) and with ``--record`` (the record the replay reads, and its seconds)."""
     from gradscope.training.run import train_model
+
+    start = time.perf_counter()
+    train_model(cfg, None, overwrite=True)
+    train_s = time.perf_counter() - start
+    start = time.perf_counter()
+    trained = train_model(cfg, None, overwrite=True, record=True)
+    return trained, train_s, time.perf_counter() - start
+
+
+def replay_cost(config: Path, ref: str, record: Path, work: Path) -> float:
+    """Seconds of ``influence --through-training`` against the mean over REF: one adjoint."""
+    out = work / "through-training-mean.parquet"
+    command = [*GRADSCOPE, "influence", str(config), "--ref", ref, "--out", str(out),
+               "--through-training", str(record)]  # fmt: skip
+    seconds, error = timed(command)
+    if error:
+        raise SystemExit(f"the mean replay failed: {error}")
+    return seconds
+
+
+def measure(bench: Bench, designs: list[dict], peers_python: str | None) -> dict:
+    """One setting: train, score with everything, validate everything on each design's truth."""
+    from gradscope.config import load_config
 
     cfg = load_config(bench.config)
     work = Path(cfg.model.checkpoint).parent
     work.mkdir(parents=True, exist_ok=True)
-    (work / "truth.parquet").unlink(missing_ok=True)  # built afresh: its seconds are measured
-    start = time.perf_counter()
-    trained = train_model(cfg, None, overwrite=True)
-    train_s = time.perf_counter() - start
+    for design in designs:  # built afresh: their seconds are measured
+        (work / f"truth-{design['name']}.parquet").unlink(missing_ok=True)
+    trained, train_s, record_s = _trained(cfg, work)
     config = write_config(cfg, work / "config.yaml")
     listed = [{"path": str(p), "weight": float(w)} for p, w in trained.epochs]
     tracin = write_config(cfg, work / "tracin.yaml", checkpoint=None, checkpoints=listed)
-    runs = gradscope_runs(bench, config, tracin, work)
+    runs = gradscope_runs(bench, config, tracin, trained.record, work)
+    replay_s = replay_cost(config, str(bench.ref), trained.record, work)
     if peers_python:
         runs += peer_runs(bench, cfg, peers_python, [str(p) for p, _ in trained.epochs], work)
-    truth_s = _validate_all(config, bench, runs, work, design)
+    truth_s = {d["name"]: _validate_all(config, bench, runs, work, d) for d in designs}
     return {
         "config": _shown(bench.config),
         "ref": _shown(bench.ref),
@@ -209,6 +244,8 @@ def measure(bench: Bench, design: dict, peers_python: str | None) -> dict:
         "rows": trained.rows,
         "recipe": cfg.to_dict()["train"],
         "train_s": train_s,
+        "record_s": record_s,
+        "replay_mean_s": replay_s,
         "truth_s": truth_s,
         **quality(cfg, bench.ref),
         "scorers": [r.record() for r in runs],
@@ -247,6 +284,12 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--subsets", type=int, default=60)
     parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument(
+        "--same-subsets",
+        type=int,
+        default=100,
+        help="removals of 1%% of the rows in the run's own order (0: none)",
+    )
     parser.add_argument("--peers", help="the python of the peers' environment (none: no peers)")
     parser.add_argument("--note", default="", help="a line the report shows with the commit")
     parser.add_argument("--json", type=Path)
@@ -256,15 +299,19 @@ def main() -> None:
     if args.render:
         args.markdown.write_text(markdown(json.loads(args.render.read_text())))
         return
-    design = {"subsets": args.subsets, "seeds": args.seeds, "fraction": 0.5, "target": "loss"}
+    designs = [{"name": "halves", "subsets": args.subsets, "seeds": args.seeds, "fraction": 0.5,
+                "same_order": False, "target": "loss"}]  # fmt: skip
+    if args.same_subsets:
+        designs.append({"name": "same-order", "subsets": args.same_subsets, "seeds": 1,
+                        "fraction": 0.99, "same_order": True, "target": "loss"})  # fmt: skip
     report = {
         "environment": environment(args.peers) | {"note": args.note},
-        "design": design,
+        "designs": designs,
         "settings": {},
     }
     for name in args.settings:
         print(f"{name} ...", flush=True)
-        report["settings"][name] = measure(SETTINGS[name], design, args.peers)
+        report["settings"][name] = measure(SETTINGS[name], designs, args.peers)
         if args.json:  # after each setting: a crash keeps the ones measured
             args.json.write_text(json.dumps(report, indent=1))
     if args.markdown:

@@ -150,6 +150,15 @@ def influence(
             "gradients), auto: dense where the matrix fits 2 GiB.",
         ),
     ] = "auto",
+    through_training: Annotated[
+        Path | None,
+        typer.Option(
+            "--through-training",
+            metavar="RUN",
+            help="A run record (gradscope train --record): score by replaying the run backward, "
+            "d(REF loss)/d(example weight) through every step (no --curvature).",
+        ),
+    ] = None,
     by: ByOpt = None,
     resume: ResumeOpt = False,
     trust_checkpoint: TrustOpt = False,
@@ -166,6 +175,11 @@ def influence(
         limit=limit,
         top_k=top_k,
     )
+    if through_training is not None:
+        from ..training.attribution import replayed
+
+        scorer = replayed(cfg, ref, through_training, per_ref, precondition or curvature)
+        return _run(cfg, scorer, by, report, trust_checkpoint, resume)
     scorer = InfluenceScorer(
         ref,
         per_ref=per_ref,

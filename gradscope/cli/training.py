@@ -29,6 +29,22 @@ def train(
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Replace a checkpoint that is there already.")
     ] = False,
+    record: Annotated[
+        bool,
+        typer.Option(
+            "--record",
+            help="Also write the run record NAME.run/ beside the checkpoint, for influence "
+            "--through-training.",
+        ),
+    ] = False,
+    segment: Annotated[
+        int | None,
+        typer.Option(
+            "--segment",
+            metavar="K",
+            help="With --record: a checkpoint every K steps (default sqrt(steps)).",
+        ),
+    ] = None,
 ) -> None:
     """Train the model by the config's train: recipe and write its checkpoint."""
     from ..training.run import train_model
@@ -36,7 +52,14 @@ def train(
     cfg = with_overrides(load_config(config), device=device)
     with terminal.progress("train") as (on_start, on_batch):
         trained = train_model(
-            cfg, out, resume=resume, overwrite=overwrite, on_start=on_start, on_batch=on_batch
+            cfg,
+            out,
+            resume=resume,
+            overwrite=overwrite,
+            record=record,
+            segment=segment,
+            on_start=on_start,
+            on_batch=on_batch,
         )
     if trained.steps:
         terminal.console.print(
@@ -46,6 +69,8 @@ def train(
     for path, _ in trained.epochs[:-1]:
         terminal.wrote(path)
     terminal.wrote(trained.path)
+    if trained.record:
+        terminal.wrote(trained.record)
     if trained.epochs:  # TracIn's sum over checkpoints, each weighted by its learning rate
         listed = ", ".join(f"{{path: {p.name}, weight: {lr:.4g}}}" for p, lr in trained.epochs)
         terminal.console.print(

@@ -24,8 +24,7 @@ import torch
 from torch import Tensor
 from torch.func import grad, jvp, vjp, vmap
 
-from ..engine.passes.fallback import short_reason
-from ..engine.passes.substitute import substituted
+from ..engine import short_reason, substituted
 from ..errors import ConfigError, DataError
 from ..rules.base import CHUNK_ELEMENTS
 

@@ -1,11 +1,17 @@
 """The engine: which rule serves each parameter (``plan``), the analysis of a batch
-(``analysis/``) and the pass that replays it (``passes/``); ``README.md`` draws it. The rest of
-gradscope imports it from here."""
+(``analysis/``), the replay of an analysed one (``replay/``) and the one backward with the rules
+inside it (``backward/``), run by ``Engine`` (``engine.py``); above it, the influence engines
+(``influence``, ``jvp``), ``gradscope check`` (``check``), the loop oracle (``naive``) and how a
+model is called (``forward``). ``README.md`` draws it. The rest of gradscope imports it from
+here."""
 
+from .backward.fallback import short_reason
+from .backward.reduce import Want
+from .backward.substitute import substituted
+from .check import CheckReport, compare_with_loop, render_plan, render_report
 from .engine import BatchScores, Engine, Observe, total
-from .passes.check import CheckReport, compare_with_loop, render_plan, render_report
-from .passes.forward import Forward, select_output
-from .passes.influence import (
+from .forward import Forward, select_output
+from .influence import (
     ENGINES,
     MAX_PER_REF,
     BatchInfluence,
@@ -14,8 +20,7 @@ from .passes.influence import (
     influence_errors,
     reference_gradients,
 )
-from .passes.naive import naive_grads
-from .passes.reduce import Want
+from .naive import naive_grads
 from .plan import (
     BROADCAST,
     EXCLUDED,
@@ -54,5 +59,7 @@ __all__ = [
     "render_plan",
     "render_report",
     "select_output",
+    "short_reason",
+    "substituted",
     "total",
 ]

@@ -1,7 +1,7 @@
 """Module capture: each call of the hooked modules, its inputs, arguments and where its output's
-gradient arrives. The analysis (``analysis/session.py``) and the replay (``passes/replay.py``)
+gradient arrives. The analysis (``analysis/session.py``) and the replay (``replay/session.py``)
 capture calls alike and differ only in how they decide what a call's rows are; both hand each
-call's output gradient on as it arrives in the one backward (``passes/backward.py``). All state
+call's output gradient on as it arrives in the one backward (``backward/backward.py``). All state
 lives in the session; on exit, even after an exception, its hooks are removed, or the Engine's
 (``hooks.ModuleHooks``) given back."""
 
@@ -17,15 +17,12 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
-from .rows import Rows
+from .rows import Layout
 
 if TYPE_CHECKING:
     from ..rules import Contribution
-    from .analysis.regions import Finder
-    from .analysis.trace import RowTrace
     from .hooks import ModuleHooks
     from .plan import ParamPlan
-    from .state import State
 
 
 @dataclass(eq=False)
@@ -55,7 +52,7 @@ class Call:
     owners: tuple[Tensor, ...] = ()  # of the inputs, in the analysis: which example each is
     others: tuple[GradientEdge, ...] = ()  # further outputs with gradient (attention weights)
     expanded: bool = False  # its leading input was shared by the batch and expanded to it
-    rows: Rows | None = None  # a row-by-row call's rows, where not one row per example
+    rows: Layout | None = None  # a row-by-row call's rows, where not one row per example
     reached: bool = False  # its output's gradient arrived in the backward
     others_reach_loss: bool = False  # a further output reached the loss: no rule sees that path
     viewed: Callable[[Tensor], Tensor] | None = None  # the output's gradient from its base's
@@ -241,29 +238,10 @@ class Capture:
 
 @dataclass
 class Captured:
-    """What the forward of one batch recorded: analysed (with its ``trace``) or replayed."""
+    """What the forward of one batch recorded, replayed or analysed (``analysis.analyse.Analysed``
+    adds what the analysis found)."""
 
     session: Capture  # the calls of the rule-served modules
     tap: Any  # the reads of watched parameters (analysis/tap.ParamTap), when any are watched
     losses: Tensor  # (B,), graph kept
     observed: dict[str, Tensor]
-    trace: RowTrace | None = None  # which example each row is; None where replayed
-    finder: Finder | None = None  # the regions' finder, where analysed
-    at_start: int = 0  # autograd's counter before the forward
-    at_end: int = 0  # ... after the losses
-    state: State | None = None  # the model's state as the forward began, where analysed
-
-    @property
-    def expanded(self) -> bool:
-        """A call's or read's rows shared by the batch were expanded to it."""
-        return self.session.expanded or (self.tap is not None and self.tap.expanded)
-
-    @property
-    def assumed(self) -> bool:
-        """A call's or read's rows were taken as the examples'."""
-        return self.session.assumed or (self.tap is not None and self.tap.assumed)
-
-    @property
-    def per_example(self) -> bool:
-        """Each loss is one example's, by the trace."""
-        return self.trace is not None and self.trace.per_example(self.losses, len(self.losses))

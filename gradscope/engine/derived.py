@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..rules import Contribution, Dense, base
 from ..rules.base import Formed
 from ..rules.placed import Place, Placed
+from .ops import WRITES_IN_PLACE
 from .plan import ParamPlan
 
 
@@ -53,7 +54,7 @@ class Computed:
     values: tuple[Tensor, ...]  # detached
     batch: int
     # made from parameters and ``Constants`` alone: a light region (which has no trace to
-    # tell what else is no example's) may compute it again (``passes/light.py``)
+    # tell what else is no example's) may compute it again (``replay/light.py``)
     pure: bool = False
 
     @property
@@ -132,13 +133,9 @@ class Constants:
                     self.alive.append(t)
 
 
-IN_PLACE = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__"}
-IN_PLACE |= {"__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
-
-
 def writes(name: str, kwargs: dict) -> bool:
     """Whether op ``name`` writes a tensor: an in-place edit, or ``out=``."""
-    inplace = (name.endswith("_") and not name.endswith("__")) or name in IN_PLACE
+    inplace = (name.endswith("_") and not name.endswith("__")) or name in WRITES_IN_PLACE
     return inplace or "out" in kwargs
 
 

@@ -14,22 +14,21 @@ from ..errors import GradscopeError, ModelError, one_line
 from ..losses import LossFn
 from ..rules import Contribution
 from .analysis import decide
-from .analysis.analyse import Analysis
+from .analysis.analyse import Analysed, Analysis
+from .analysis.finder import Regions
 from .analysis.program import program_of, regions_of
-from .analysis.regions import Regions
 from .analysis.selfcheck import Singles, first_apart, mixed
-from .capture import Captured
+from .backward.backward import requests
+from .backward.fallback import Fallback
+from .backward.reduce import Reducer, Want
+from .backward.serve import Served, serve, served_calls, uses
+from .forward import Forward
 from .hooks import ModuleHooks
-from .passes.backward import requests
-from .passes.fallback import Fallback
-from .passes.forward import Forward
-from .passes.reduce import Reducer, Want
-from .passes.replay import Diverged
-from .passes.serve import Served, serve, served_calls, uses
-from .passes.steps import Program
 from .plan import FALLBACK_LOOP, build_plan, prepared
 from .record import Findings, record_for
-from .replayed import Replayed
+from .replay.programs import Replayed
+from .replay.session import Diverged
+from .steps import Program
 
 # (selected output, targets) -> {column: (B,) tensor}: read from the scoring forward, no extra pass
 Observe = Callable[[Tensor, Tensor], dict[str, Tensor]]
@@ -45,6 +44,7 @@ class BatchScores:
     observed: dict[str, Tensor] = field(default_factory=dict)  # what ``observe`` read, (B,) each
     kept: dict[str, Contribution] = field(default_factory=dict)  # with Want(keep=True)
     pre_sq: dict[str, Tensor] = field(default_factory=dict)  # with Want(transform=...): g^T P g
+    trained: list[Tensor | None] = field(default_factory=list)  # with Want(train=...)
 
 
 def total(per_param: dict[str, Tensor]) -> Tensor:
@@ -143,8 +143,26 @@ class Engine:
         pre_sq = reducer.pre.norm_sq if reducer.pre is not None else {}
         loss = captured.losses.detach()
         return BatchScores(
-            loss, reducer.norm_sq, reducer.inner, captured.observed, reducer.kept, pre_sq
+            loss,
+            reducer.norm_sq,
+            reducer.inner,
+            captured.observed,
+            reducer.kept,
+            pre_sq,
+            reducer.trained,
         )
+
+    def step(
+        self, inputs: tuple[Tensor, ...], targets: Tensor, params: Sequence[Tensor]
+    ) -> BatchScores:
+        """A training step served with the batch's norms: the pass's one backward, of the
+        summed per-example losses, also gives ``d(sum_i l_i)/dp`` of each of ``params``
+        (``BatchScores.trained``; None where it does not reach the loss). ``.grad`` is left
+        as it was; train/eval mode is the caller's."""
+        scores = self.scores(inputs, targets, Want(norms=True, train=tuple(params)))
+        if len(targets) and all(g is None for g in scores.trained):
+            raise ModelError("no parameter being trained reaches the loss of the batch", "params")
+        return scores
 
     def pin_decisions(self, inputs: tuple[Tensor, ...], targets: Tensor) -> Findings:
         """Keep what the batch of these shapes found (scored already) for every later batch,
@@ -165,7 +183,7 @@ class Engine:
 
     def _analysed(
         self, inputs: tuple[Tensor, ...], targets: Tensor, want: Want, findings: Findings
-    ) -> tuple[Captured, Reducer]:
+    ) -> tuple[Analysed, Reducer]:
         """The pass with the forward analysed in full; its program kept where it holds for
         later batches of the signature."""
         captured = self.analysis(inputs, targets, findings)
@@ -198,7 +216,7 @@ class Engine:
             findings.learn(self._program(captured, regions, count))
         return captured, reducer
 
-    def _program(self, captured: Captured, regions: Regions, count: dict[str, int]) -> Program:
+    def _program(self, captured: Analysed, regions: Regions, count: dict[str, int]) -> Program:
         """The replay program of an analysed batch, under the plan its backward left."""
         watched = self.plan.by_rule + self.plan.raw
         unseen = [p for p in watched if not count[p.name]]

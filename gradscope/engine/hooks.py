@@ -2,19 +2,33 @@
 the hooked modules' (``ModuleHooks``), registered once while an Engine is entered and lent to
 each pass's session (``capture.Capture``); and the tensor hooks on the outputs of the tap's
 and the regions' reads (``ReadHooks``), which hand each read's output gradient on as the
-backward reaches it."""
+backward reaches it. What they hand on to is named here by what they ask of it (``Session``,
+``Read``), so that this module imports none of the engine's."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
-if TYPE_CHECKING:
-    from .capture import Capture, Use
+
+class Session(Protocol):
+    """What the module hooks hand each call to: a pass's session (``capture.Capture``)."""
+
+    modules: Sequence[nn.Module]
+
+    def _enter(self, module: nn.Module, args: tuple) -> tuple | None: ...
+
+    def _captured(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None: ...
+
+
+class Read(Protocol):
+    """What the read hooks hand each gradient on with: a read (``capture.Use``)."""
+
+    requested: bool  # the backward requests its gradient: keep no copy of it
 
 
 class ModuleHooks:
@@ -23,7 +37,7 @@ class ModuleHooks:
     module on every batch costs a pass ~5 us a module. Outside a pass they do nothing."""
 
     def __init__(self):
-        self.session: Capture | None = None
+        self.session: Session | None = None
         self._ids: tuple[int, ...] | None = None  # the modules hooked, while open
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._depth = 0  # an Engine may be entered again inside its own ``with``
@@ -46,7 +60,7 @@ class ModuleHooks:
         self._handles.clear()
         self._ids, self.session = None, None
 
-    def lend(self, session: Capture) -> bool:
+    def lend(self, session: Session) -> bool:
         """Hand the hooks to ``session`` where they hook its modules and no session holds
         them; False where it must hook its modules itself (a plan whose modules changed)."""
         if self.session is not None or self._ids != tuple(id(m) for m in session.modules):
@@ -70,19 +84,19 @@ class ReadHooks:
 
     def __init__(self):
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._on_grad: Callable[[Use, Tensor], None] | None = None
+        self._on_grad: Callable[[Read, Tensor], None] | None = None
 
-    def add(self, target: Tensor, use: Use) -> None:
+    def add(self, target: Tensor, use: Read) -> None:
         self._hooks.append(target.register_hook(functools.partial(self._arrived, use)))
 
-    def _arrived(self, use: Use, grad: Tensor | None) -> Tensor | None:
+    def _arrived(self, use: Read, grad: Tensor | None) -> Tensor | None:
         if self._on_grad is None or grad is None:  # None: as in the captured calls' hooks
             return None
         self._on_grad(use, grad)
         # a requested read's gradient goes nowhere after this: keep no copy of it
         return grad.new_zeros(()).expand_as(grad) if use.requested else None
 
-    def reading(self, on_grad: Callable[[Use, Tensor], None] | None) -> None:
+    def reading(self, on_grad: Callable[[Read, Tensor], None] | None) -> None:
         self._on_grad = on_grad
         if on_grad is None:
             for handle in self._hooks:

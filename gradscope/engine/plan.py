@@ -4,10 +4,10 @@ A parameter is served by the rule of the modules holding it. A rule may also ser
 parameters of child modules its module uses functionally (the attention rule and
 ``nn.MultiheadAttention.out_proj``): those are held by the parent too, under ``"out_proj.weight"``.
 A parameter held only by modules without a rule (a ViT's ``cls_token``, a LayerScale ``gamma``)
-is ``broadcast`` while the passes see it read only where the tap serves it (``engine/tap.py``):
+is ``broadcast`` while the passes see it read only where the tap serves it (``analysis/tap.py``):
 in broadcast elementwise ops, and by ``F.linear``, ``matmul`` and ``F.embedding``, whole or
 through a view (a fused expert's ``W[e]``, ``W.T``, ``1 + w``). Everything else goes to the fallback (exact per-example gradients
-through torch.func, ``engine/fallback.py``), with the reason in ``note``, through
+through torch.func, ``backward/fallback.py``), with the reason in ``note``, through
 ``Plan.to_fallback``: a module with a rule beside one without, a raw parameter read by another op,
 and what the passes show a rule cannot see (a parameter reaching the loss without a call of its
 module, output rows that are not the examples, a second output reaching the loss, per-example
@@ -32,7 +32,9 @@ from ..rules import find_rule
 from ..rules.base import Rule
 from .eager import eager
 
-BROADCAST = "broadcast"  # a raw parameter read in broadcast elementwise ops (engine/broadcast.py)
+BROADCAST = (
+    "broadcast"  # a raw parameter read in broadcast elementwise ops (analysis/broadcasts.py)
+)
 FALLBACK = "fallback"
 FALLBACK_LOOP = "fallback:loop"
 EXCLUDED = "excluded"

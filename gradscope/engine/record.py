@@ -12,7 +12,7 @@ costs a pass to learn:
 - whether calls on B rows computed from no example keep each row to one example;
 - whether the self-check has run: each rule-served parameter's per-example gradients must add up
   to autograd's batch gradient, and two single examples must match their own backward;
-- the replay programs of the analysed batches (``passes/replay.py``), which later batches of the
+- the replay programs of the analysed batches (``replay/session.py``), which later batches of the
   signature repeat while their witness holds.
 
 The records live in a weak map keyed by the model: nothing is stored on the user's model, and a
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
-    from .passes.steps import Program
+    from .steps import Program
 
 
 KEPT = 4  # programs kept per signature, and batches that may find none holds in a row

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .analysis.owners import lane_of
-
 
 @dataclass(frozen=True)
 class Lanes:
@@ -71,23 +69,13 @@ class Gather:
         return tuple(out)
 
 
-Rows = Lanes | Gather
+Layout = Lanes | Gather  # a call's rows, where not one row per example
 
 
 def regroup(
-    rows: Rows, batch: int, *tensors: Tensor
+    rows: Layout, batch: int, *tensors: Tensor
 ) -> tuple[tuple[Tensor, ...], list[int] | None]:
     """Each of ``tensors`` (*rows, *features) as (B, L, *features), each example's rows in order;
     and how many rows each example holds, None where every example holds as many (``Lanes``)."""
     counts = rows.counts if isinstance(rows, Gather) else None
     return rows.apply(batch, *tensors), counts
-
-
-def rows_of(owner: Tensor, batch: int) -> Rows:
-    """The layout of rows owned by ``owner`` (*rows,), every entry an example's index: ``Lanes``
-    where the owners read (i // m) % B along one dimension and vary along no other (reads
-    values: the analysis asks, once), else ``Gather``."""
-    lane = lane_of(owner, batch) if owner.dim() else None
-    if lane is not None:
-        return Lanes(lane[0], lane[1], owner.dim())
-    return Gather.of(owner, batch)

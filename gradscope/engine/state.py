@@ -9,7 +9,7 @@ keeps (buffers, tensor attributes, and those of what it holds) by identity and b
 forward may make other ops at the same calls, shapes and autograd node counts (a mean over the
 batch instead of over the features, rows gathered by a permutation the model keeps), which the
 witness would not see. So a program replays only at the state its batch began with; at another
-the batch is analysed (``replayed.py``)."""
+the batch is analysed (``replay/programs.py``)."""
 
 from __future__ import annotations
 

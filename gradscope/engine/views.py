@@ -6,14 +6,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from ..rules.placed import Place
-
-CASTS = {"float", "double", "half", "bfloat16", "to", "type", "type_as", "contiguous", "clone"}
-SHIFTS = {"__add__", "__radd__", "add", "__sub__", "sub", "__rsub__", "rsub", "__neg__", "neg"}
-SCALES = {"__mul__", "__rmul__", "mul", "__truediv__", "div", "true_divide"}
-
-# views whose place in the parameter is known: the index of a basic view, a 2-D transpose
-VIEWS = {"__getitem__", "select", "narrow", "chunk", "split", "unbind", "t", "T", "mT"}
-VIEWS |= {"transpose"}
+from .ops import CASTS, SCALES, SHIFTS
 
 
 def places(name: str, place: Place, args: tuple, kwargs: dict, param: Tensor, out) -> list | None:

@@ -17,7 +17,7 @@ from ..io.data import data_sha256
 from ..io.parquet import read_metadata, replace_atomically
 from ..outliers import Outliers, column, fmt, is_labels, rank
 from ..summary import cell
-from . import charts
+from . import charts, datamap
 from .examples import Shown, show_examples
 
 TEMPLATE = "report.html.j2"
@@ -163,6 +163,9 @@ def write_report(
             "cannot find the examples to show; restore it, or leave --config out",
             str(scores),
         )
-    page = render(scores, cfg, by, top_k).encode("utf-8")
+    if meta.get("command") == "watch":  # a training run watched: its data map
+        page = datamap.render(scores, meta, __version__, top_k).encode("utf-8")
+    else:
+        page = render(scores, cfg, by, top_k).encode("utf-8")
     replace_atomically(target, lambda f: f.write(page), "the report")
     return target

@@ -47,12 +47,12 @@ class Rows:
     def batch(self, picked: Tensor) -> tuple[tuple[Tensor, ...], Tensor]:
         """The rows at ``picked`` (positions among the training rows), padded, on the device."""
         batch = self.dataset.columns.padded(take(self.rows, picked))
+        return tuple(self.move(t) for t in batch.inputs), batch.targets.to(self.device)
 
-        def move(t: Tensor) -> Tensor:
-            floating = self.dtype if t.is_floating_point() else None
-            return t.to(self.device, floating)
-
-        return tuple(move(t) for t in batch.inputs), batch.targets.to(self.device)
+    def move(self, t: Tensor) -> Tensor:
+        """An input column on the device, floating point in the config's dtype."""
+        floating = self.dtype if t.is_floating_point() else None
+        return t.to(self.device, floating)
 
 
 def _positions(rows: Sequence[int] | np.ndarray, n: int) -> np.ndarray:
@@ -84,6 +84,7 @@ class Trainer:
     seed: int
     on_rows: Callable[[int], None] | None = None  # after each step, the rows it trained on
     weights: Tensor | None = None  # (len(rows),) each row's weight in its batch's loss; None: 1
+    before_step: Callable[[Trainer, Tensor], None] | None = None  # as each step begins, its rows
     step: int = 0
     epoch: int = 0
     loss_sum: float = 0.0  # the training losses of the pass so far, summed over steps
@@ -156,6 +157,8 @@ class Trainer:
         return self.train.lr * lr_factor(self.train, min(step, self.total - 1), self.total)
 
     def _step(self, picked: Tensor) -> None:
+        if self.before_step:
+            self.before_step(self, picked)
         inputs, targets = self.rows.batch(picked)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.step)

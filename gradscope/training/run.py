@@ -21,6 +21,7 @@ from ..job import resolve_device
 from ..run import fingerprint, resumed_parts
 from .loop import Rows, Trainer, build, recipe
 from .recipe import total_rows
+from .record import Recorder, default_segment, record_key
 from .user import run_user_fn
 
 STATE = "state.pt"
@@ -29,13 +30,15 @@ STATE = "state.pt"
 @dataclass
 class Trained:
     """What a run wrote: the checkpoint, and each epoch checkpoint with its pass's learning rate
-    (a TracIn weight), beside the run's size and its last pass's mean training loss."""
+    (a TracIn weight), beside the run's size and its last pass's mean training loss, and the run
+    record's folder."""
 
     path: Path
     epochs: list[tuple[Path, float]]
     rows: int
     steps: int
     loss: float
+    record: Path | None = None  # the run record's folder, with --record
 
 
 def output(cfg: Config, out: str | Path | None) -> Path:
@@ -80,6 +83,8 @@ def train_model(
     *,
     resume: bool = False,
     overwrite: bool = False,
+    record: bool = False,
+    segment: int | None = None,
     on_start: Callable[[int | None], None] | None = None,
     on_batch: Callable[[int], None] | None = None,
 ) -> Trained:
@@ -90,6 +95,8 @@ def train_model(
     there is refused without ``overwrite``, and the output is locked. After each pass the state
     (weights, optimizer, step, random states) is saved in the partial folder: ``resume``
     continues an interrupted run of the same config and files exactly as it would have gone.
+    ``record`` also writes the run record a reverse replay needs (``record.py``) in the folder
+    ``NAME.run`` beside the checkpoint, a checkpoint every ``segment`` steps (default sqrt(T)).
     """
     train = recipe(cfg)
     path = output(cfg, out)
@@ -101,8 +108,18 @@ def train_model(
         raise ConfigError(
             "a checkpoint is there already; pass --overwrite to replace it, or --out", str(path)
         )
+    folder = record_path(path) if record else None
+    if folder is not None and folder.exists() and not (overwrite or resume):
+        raise ConfigError(
+            "a run record is there already; pass --overwrite to replace it, or --out", str(folder)
+        )
+    if segment is not None and segment < 1:
+        raise ConfigError("--segment must be a positive number of steps", "--segment")
+    if record and train.fn is not None:
+        raise ConfigError("train.fn is a loop of your own: gradscope cannot record it", "train.fn")
     with OutputLock(path):
-        key = fingerprint(cfg, "train", inputs, {"out": str(path)}, resolve_device(cfg.device).type)
+        extra = {"out": str(path), "record": segment if record else None}
+        key = fingerprint(cfg, "train", inputs, extra, resolve_device(cfg.device).type)
         run = PartialRun(path, key)
         run.refuse_foreign()
         state = _resumed(run, key) if resume else None
@@ -113,18 +130,29 @@ def train_model(
                 save(run_user_fn(train.fn, model, rows.positions, train.seed), path)
                 return Trained(path, [], len(rows), 0, float("nan"))
             trainer = Trainer(cfg, model, rows, train.seed, on_batch)
+            recorder = _recorder(cfg, trainer, folder, segment, inputs)
             if state is None:
                 run.start()
+                if recorder:
+                    recorder.start()
             else:
                 trainer.load(state)
+                if recorder:
+                    recorder.load(state["record"], trainer.step)
             if on_start:
                 on_start(total_rows(train, len(rows), trainer.batch_size))
                 if on_batch and trainer.step:
                     on_batch(_done_rows(trainer))
-            epochs = _train(trainer, run, path)
+            buffers = [b.detach().clone() for b in model.buffers()]
+            epochs = _train(trainer, run, path, recorder)
+            if recorder:
+                changed = any(
+                    not torch.equal(a, b) for a, b in zip(buffers, model.buffers(), strict=True)
+                )
+                recorder.finish(trainer, changed)
         save(model, path)
         run.finish()
-    return Trained(path, epochs, len(rows), trainer.step, trainer.last_loss)
+    return Trained(path, epochs, len(rows), trainer.step, trainer.last_loss, folder)
 
 
 def _done_rows(trainer: Trainer) -> int:
@@ -152,7 +180,25 @@ def _resumed(run: PartialRun, key: dict) -> dict | None:
         ) from e
 
 
-def _train(trainer: Trainer, run: PartialRun, path: Path) -> list[tuple[Path, float]]:
+def record_path(path: Path) -> Path:
+    """``model.run/`` beside ``model.pt``: where ``--record`` writes the run record."""
+    return path.with_name(f"{path.stem}.run")
+
+
+def _recorder(
+    cfg: Config, trainer: Trainer, folder: Path | None, segment: int | None, inputs: Inputs
+) -> Recorder | None:
+    """The recorder of a ``--record`` run, hooked to each step's start."""
+    if folder is None:
+        return None
+    recorder = Recorder(folder, segment or default_segment(trainer.total), record_key(cfg, inputs))
+    trainer.before_step = recorder.before_step
+    return recorder
+
+
+def _train(
+    trainer: Trainer, run: PartialRun, path: Path, recorder: Recorder | None
+) -> list[tuple[Path, float]]:
     """Every pass; after each, the state saved and, every ``save_every`` passes but the last,
     the epoch checkpoint written. Ctrl-C keeps what the last whole pass saved. Returns the
     checkpoints of a TracIn sum (the epoch ones, then the final one), each with the mean
@@ -162,7 +208,8 @@ def _train(trainer: Trainer, run: PartialRun, path: Path) -> list[tuple[Path, fl
         for epoch in trainer.epochs():
             if every and epoch % every == 0 and trainer.step < trainer.total:
                 save(trainer.model, epoch_path(path, epoch))
-            _save_state(trainer.state(), run)
+            state = trainer.state()
+            _save_state(state | {"record": recorder.state()} if recorder else state, run)
     except KeyboardInterrupt:
         if trainer.epoch == 0:
             raise

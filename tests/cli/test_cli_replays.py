@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from gradscope.cli import app
 from gradscope.engine import Engine
-from gradscope.engine.replayed import Replayed
+from gradscope.engine.replay.programs import Replayed
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = str(ROOT / "configs/digits.yaml")

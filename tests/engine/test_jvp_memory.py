@@ -15,9 +15,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from gradscope.engine import Engine, Influence, reference_gradients
-from gradscope.engine.passes import jvp
-from gradscope.engine.passes.jvp import LinearTangents, composite_attention
+from gradscope.engine import Engine, Influence, jvp, reference_gradients
+from gradscope.engine.jvp import LinearTangents, composite_attention
 from gradscope.losses import resolve_loss
 
 TOL = 1e-6  # |delta influence| / (||g_i|| ||g_ref||), in float64

@@ -164,7 +164,7 @@ def test_an_error_in_the_models_backward_is_one_line_naming_it():
 def test_an_error_of_gradscopes_own_in_the_backward_goes_on_as_it_is(monkeypatch):
     """An error raised in gradscope's code that runs inside the backward (its hooks hand each
     output gradient to the rules) is gradscope's, not the model's: not relabelled."""
-    from gradscope.engine.passes.grouped import Grouped
+    from gradscope.engine.backward.grouped import Grouped
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug of gradscope's")

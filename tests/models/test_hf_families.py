@@ -1,7 +1,8 @@
 """Hugging Face families that once put parameters on the fallback or gave wrong numbers, built from
 tiny configs: exact against the float64 loop on two batches, through fresh API calls and one
 Engine, with every parameter on a rule (issue 16's list: scaled embeddings, learned positions,
-Linear subclasses, (1 + w) norms, routed and fused experts), and Wav2Vec2's in-place edit."""
+Linear subclasses, (1 + w) norms, routed and fused experts), Wav2Vec2's in-place edit, and the
+state-space and linear-attention scans replayed batch after batch."""
 
 from __future__ import annotations
 
@@ -68,6 +69,36 @@ FAMILIES = {
 }  # fmt: skip
 
 
+# state-space and linear-attention mixers: transformers 5.25 runs their scans through
+# `kernels`-wrapped functions that split an empty tail off the sequence (`tensor_split(x, [T])`)
+SCANS = {
+    "mamba": causal("MambaConfig", "MambaForCausalLM", state_size=4, expand=2, conv_kernel=4,
+                    time_step_rank=4),
+    "falcon-mamba": causal("FalconMambaConfig", "FalconMambaForCausalLM", state_size=4,
+                           expand=2, conv_kernel=4, time_step_rank=4),
+    "mamba2": causal("Mamba2Config", "Mamba2ForCausalLM", state_size=4, expand=2, num_heads=4,
+                     head_dim=8, n_groups=1, conv_kernel=4, chunk_size=4),
+    "bamba": causal("BambaConfig", "BambaForCausalLM", num_hidden_layers=2, num_key_value_heads=1,
+                    mamba_n_heads=4, mamba_d_head=8, mamba_d_state=4, mamba_expand=2,
+                    mamba_chunk_size=4, attn_layer_indices=[1]),
+    "falcon-h1": causal("FalconH1Config", "FalconH1ForCausalLM", num_key_value_heads=1,
+                        head_dim=8, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=4,
+                        mamba_expand=2, mamba_chunk_size=4, mamba_d_ssm=32),
+    "jamba": causal("JambaConfig", "JambaForCausalLM", num_hidden_layers=2, num_key_value_heads=1,
+                    num_experts=2, num_experts_per_tok=1, expert_layer_period=2,
+                    expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1,
+                    mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
+                    use_mamba_kernels=False, experts_implementation="eager"),
+    "qwen3-next": causal("Qwen3NextConfig", "Qwen3NextForCausalLM", num_hidden_layers=2,
+                         num_key_value_heads=1, head_dim=8, num_experts=2, num_experts_per_tok=1,
+                         moe_intermediate_size=8, shared_expert_intermediate_size=8,
+                         linear_num_key_heads=2, linear_num_value_heads=2,
+                         linear_key_head_dim=8, linear_value_head_dim=8,
+                         linear_conv_kernel_dim=4, experts_implementation="eager",
+                         layer_types=["linear_attention", "full_attention"]),
+}  # fmt: skip
+
+
 def batch(seed: int, b: int = B) -> tuple[Tensor, Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (b, T), generator=g), torch.randint(
@@ -88,6 +119,23 @@ def test_family_is_exact_on_rules(family: str):
     ids, y = batch(5, b=2)  # a fresh call, another batch size
     got = gradscope.per_example_norms(model, ids, y)
     assert_rel_close(got, reference_norms(model, (ids,), y, "cross_entropy")[1], 1e-6)
+
+
+@pytest.mark.parametrize("family", SCANS)
+def test_scan_family_replays_exactly(family: str):
+    """Each batch after the first replayed, every parameter on a rule, exact, with the lock's
+    transformers and the newest alike (.ci/newest): 5.25's scans once took every parameter to
+    the fallback, and Mamba2's, Bamba's and Falcon-H1's second batch failed in the replay."""
+    torch.manual_seed(0)
+    model = SCANS[family]().double().eval()
+    with Engine(model, resolve_loss("cross_entropy")) as engine:
+        for seed in range(3):
+            ids, y = batch(seed)
+            got = total(engine.norms((ids,), y).norm_sq).sqrt()
+            assert_rel_close(got, reference_norms(model, (ids,), y, "cross_entropy")[1], 1e-6)
+        findings = engine.record.at((ids,), y)
+    assert not engine.plan.fallback, [(p.name, p.note) for p in engine.plan.fallback]
+    assert findings.replays == 2, findings.why
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2-moe"])

@@ -15,7 +15,7 @@ from oracle import Case, assert_case_matches_loop, assert_rel_close
 from torch import Tensor, nn
 
 import gradscope
-import gradscope.engine.passes.reduce as reduce
+import gradscope.engine.backward.reduce as reduce
 import gradscope.rules.base as base
 import gradscope.rules.conv as conv
 import gradscope.rules.embedding as embedding

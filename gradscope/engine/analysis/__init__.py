@@ -1,4 +1,6 @@
-"""The analysis of a batch: the row trace (``trace``, ``follow``, ``lanes``, ``ops``,
-``owners``), the tap (``tap``, ``functions``, ``broadcasts``, ``derived``, ``views``, ``bind``),
-the module capture and its rows policy (``session``, ``policy``), the decisions and self-check
-(``decide``, ``selfcheck``), driven by ``analyse``; ``program`` keeps its outcome for replay."""
+"""The analysis of a batch (``analyse``): the row trace (``trace``, ``follow``, ``arguments``,
+``lanes``, ``owners``, ``contractions``), the tap (``tap``, ``functions``, ``broadcasts``,
+``experts``), the module capture and its rows policy (``session``, ``policy``), the regions
+later batches analyse again (``finder``, ``visits``, ``children``; one region call's trace and
+tap in a replayed batch: ``seeded``), the decisions and self-check (``decide``, ``selfcheck``);
+``program`` keeps its outcome for the replay."""

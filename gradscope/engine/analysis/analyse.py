@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -19,7 +20,7 @@ from ..plan import BROADCAST, ParamPlan, Plan
 from ..record import Findings, Record
 from ..state import State
 from . import decide
-from .regions import Finder
+from .finder import Finder
 from .selfcheck import agrees, mixed
 from .session import HookSession
 from .tap import ParamTap
@@ -27,6 +28,32 @@ from .trace import ByTensor, RowTrace
 
 # (inputs, targets) -> ((B,) losses with their graph, what ``observe`` read)
 Losses = Callable[[tuple[Tensor, ...], Tensor], tuple[Tensor, dict[str, Tensor]]]
+
+
+@dataclass
+class Analysed(Captured):
+    """What the forward of an analysed batch recorded, and what the analysis found in it."""
+
+    trace: RowTrace  # which example each row is
+    finder: Finder  # the regions' finder
+    at_start: int  # autograd's counter before the forward
+    at_end: int  # ... after the losses
+    state: State  # the model's state as the forward began
+
+    @property
+    def expanded(self) -> bool:
+        """A call's or read's rows shared by the batch were expanded to it."""
+        return self.session.expanded or (self.tap is not None and self.tap.expanded)
+
+    @property
+    def assumed(self) -> bool:
+        """A call's or read's rows were taken as the examples'."""
+        return self.session.assumed or (self.tap is not None and self.tap.assumed)
+
+    @property
+    def per_example(self) -> bool:
+        """Each loss is one example's, by the trace."""
+        return self.trace.per_example(self.losses, len(self.losses))
 
 
 class Analysis:
@@ -46,7 +73,7 @@ class Analysis:
         self.modules = modules  # the Engine's, whose state a program replays at
         self.hooks = hooks  # the Engine's module hooks, lent to each batch's session
 
-    def __call__(self, inputs: tuple[Tensor, ...], targets: Tensor, findings: Findings) -> Captured:
+    def __call__(self, inputs: tuple[Tensor, ...], targets: Tensor, findings: Findings) -> Analysed:
         """The batch's forward, recorded, once every check holds; then the parameters the rules
         cannot serve on it moved to the fallback."""
         checks = (self._same_losses, self._expanded_kept, self._assumed_kept, self._not_edited)
@@ -65,7 +92,7 @@ class Analysis:
         decide.before_backward(self.plan, captured)
         return captured
 
-    def _examples_alone(self, inputs: tuple[Tensor, ...], targets: Tensor, captured: Captured):
+    def _examples_alone(self, inputs: tuple[Tensor, ...], targets: Tensor, captured: Analysed):
         """Where the trace finds the losses mixing examples, whether they do: two examples run
         alone must each give their loss in the batch (the trace may only have lost track, and
         then the fallback is exact). A loss or model that mixes them (``l - l.mean()``) has no
@@ -112,12 +139,12 @@ class Analysis:
             start = counter()
             losses, observed = self.losses(inputs, targets)
             end = counter()
-        return Captured(session, tap, losses, observed, trace, finder, start, end, state)
+        return Analysed(session, tap, losses, observed, trace, finder, start, end, state)
 
     # -- the checks: each True where it holds; where not, the finding that makes the next
     # -- run hold, and False
 
-    def _same_losses(self, captured: Captured, inputs, targets, findings: Findings) -> bool:
+    def _same_losses(self, captured: Analysed, inputs, targets, findings: Findings) -> bool:
         """On a signature's first batch: the model as written gives the losses the expanded
         calls gave, and a second forward gives them again (else its forward is random)."""
         if findings.expand is not None and findings.deterministic is not None:
@@ -140,7 +167,7 @@ class Analysis:
         findings.deterministic = True
         return True
 
-    def _expanded_kept(self, captured: Captured, inputs, targets, findings: Findings) -> bool:
+    def _expanded_kept(self, captured: Analysed, inputs, targets, findings: Findings) -> bool:
         """Expanded rows kept each loss to one example (Swin V2's position-bias table, read
         from one example's copy of the expanded rows for all, does not)."""
         if captured.expanded and not captured.per_example:
@@ -148,14 +175,14 @@ class Analysis:
             return False
         return True
 
-    def _assumed_kept(self, captured: Captured, inputs, targets, findings: Findings) -> bool:
+    def _assumed_kept(self, captured: Analysed, inputs, targets, findings: Findings) -> bool:
         """Calls whose rows were taken as the examples' kept each loss to one example."""
         if captured.assumed and not captured.per_example:
             findings.assume = False  # a call's rows were shared after all: run as is
             return False
         return True
 
-    def _not_edited(self, captured: Captured, inputs, targets, findings: Findings) -> bool:
+    def _not_edited(self, captured: Analysed, inputs, targets, findings: Findings) -> bool:
         """No captured input was edited in place after its call; where one was, its module's
         inputs are copied from now on, and the batch runs again."""
         edited = captured.session.edited_in_place() - self.record.copy

@@ -11,21 +11,13 @@ from torch import Tensor
 
 from ...rules.base import CHUNK_ELEMENTS
 from ..derived import Watched
-from ..passes.parts import broadcast_parts, broadcast_view, element_parts
-from ..passes.recipes import ARG, EXPAND, Recipe, recipe_roles
+from ..ops import BROADCASTING, EXPAND
+from ..parts import broadcast_parts, broadcast_view, element_parts
+from ..recipes import ARG, Recipe, recipe_roles
 from ..rows import Lanes
 from .experts import expert_bias
 from .owners import combine, is_batch, lane_of, reduce, slots
 
-# ops whose result broadcasts its tensor arguments elementwise; in-place ones only when the
-# parameter is not the tensor edited
-BROADCASTING = {
-    *("add", "sub", "mul", "div", "true_divide", "rsub"),
-    *("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__"),
-    *("__truediv__", "__rtruediv__", "__iadd__", "__isub__", "__imul__", "__itruediv__"),
-    *("add_", "sub_", "mul_", "div_", "maximum", "minimum", "where"),
-    *("pow", "__pow__", "__rpow__"),
-}
 WRITTEN = object()  # what a served write (``x[i] = p``, which returns nothing) gives back
 
 

@@ -1,7 +1,7 @@
 """The children of a traced region: the module calls inside it that a replayed batch runs as it
 runs the forward outside the regions, so that the region's trace and tap cover only what it does
 around them (a model whose top reads the batch's values on the host, its layers replayed;
-``passes/replay.py``).
+``replay/session.py``).
 
 A call inside a traced region is a child where nothing inside it needed the analysis (no read of
 a parameter outside its module's calls, no rows picked by values, no value read on the host: a
@@ -16,8 +16,8 @@ follows nothing out of it). Every call of its module must be one, and no hooked 
 
 from __future__ import annotations
 
-from ..passes.recipes import Recipe
-from .regions import Finder, Regions
+from ..recipes import Recipe
+from .finder import Finder, Regions
 from .trace import IRREGULAR
 from .visits import Visit, above
 

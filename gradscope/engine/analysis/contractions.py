@@ -1,6 +1,7 @@
 """The owners of a contraction's result (``CONTRACTIONS``: linear, matmul, conv, attention,
 norms, pooling, recurrent layers, grouped GEMMs, einsum): the inputs' owners reduced over the
-dimensions the op mixes, then combined. ``ops.py`` names the other ops the trace knows."""
+dimensions the op mixes, then combined. The engine's ``ops.py`` names the other ops the trace
+knows."""
 
 from __future__ import annotations
 

@@ -18,17 +18,18 @@ from torch import Tensor
 
 from ...rules import find_rule
 from ..plan import BROADCAST, ParamPlan, Plan
-from ..rows import Gather, rows_of
-from .owners import NONE, is_batch, lane_of, reduce
+from ..rows import Gather
+from .owners import NONE, is_batch, lane_of, reduce, rows_of
 from .selfcheck import Singles, agrees
 
 if TYPE_CHECKING:
-    from ..capture import Call, Captured
-    from ..passes.reduce import Reducer
+    from ..backward.reduce import Reducer
+    from ..capture import Call
+    from .analyse import Analysed
     from .trace import RowTrace
 
 
-def before_backward(plan: Plan, seen: Captured) -> None:
+def before_backward(plan: Plan, seen: Analysed) -> None:
     """Move to the fallback what reads rows that are not the examples', and parameters read
     outside their rules' module calls by other ops than those the tap serves."""
     for p in plan.raw + plan.by_rule if seen.tap else ():
@@ -50,7 +51,7 @@ def before_backward(plan: Plan, seen: Captured) -> None:
             plan.to_fallback(p, reason)
 
 
-def _after(seen: Captured, t: Tensor) -> str:
+def _after(seen: Analysed, t: Tensor) -> str:
     op = seen.trace.mixed_at(t)
     return f" (after {op})" if op else ""
 
@@ -104,7 +105,7 @@ def _why(owners: Tensor) -> str:
 
 def after_backward(
     plan: Plan,
-    seen: Captured,
+    seen: Analysed,
     reducer: Reducer,
     checked: Sequence[ParamPlan],
     grads: Sequence[Tensor | None],

@@ -1,7 +1,7 @@
 """The tap's reads of fused 3-D expert weights (``ParamTap`` is one): ``grouped_mm`` and
 ``bmm`` over all experts at once, each expert's matrix a Linear on the rows routed to it, placed
 at ``W[e]``; and the recipes by which a routed region serves such reads, and ``F.linear`` of one
-expert's ``W[e]``, again on a later batch (``passes/routed.py``)."""
+expert's ``W[e]``, again on a later batch (``replay/routed.py``)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from ...rules import Contribution
 from ...rules.linear import affine_parts
 from ...rules.placed import Place, Placed
 from ..derived import Derived, Watched
-from ..passes.recipes import ARG, BIASED, EXPERT_READS, Recipe
-from ..rows import regroup, rows_of
+from ..ops import BIASED, EXPERT_READS
+from ..recipes import ARG, Recipe
+from ..rows import regroup
 from ..views import compose
-from .owners import reduce
+from .owners import reduce, rows_of
 from .policy import ASSUMED
 
 # a routed read's Gram over its S rows costs S^2 (in + out); the read itself S in out: routed
@@ -118,7 +119,7 @@ class ExpertReads:
 
 def _expert_read(reads: list) -> bool:
     """Whether a linear read is of ``W[e]`` alone, one matrix of a 3-D parameter (an expert
-    picked by a value): a read an open routed region serves again (``passes/routed.py``)."""
+    picked by a value): a read an open routed region serves again (``replay/routed.py``)."""
     if len(reads) != 1 or reads[0][0] != "weight":
         return False
     return _one_expert(reads[0][1], 3)
@@ -173,7 +174,7 @@ def _whole(k: object, size: int) -> bool:
 
 def _routed(d: Derived, weight: Tensor, x: Tensor) -> Recipe | None:
     """A grouped read of a whole 3-D parameter (or its transpose) that a routed region serves
-    again (``passes/routed.py``), where the rows' Gram is cheap (``cheap_gram``): its rows
+    again (``replay/routed.py``), where the rows' Gram is cheap (``cheap_gram``): its rows
     follow the batch's values, so their number alone is fixed."""
     place, rows = d.place, x.shape[0]
     if place.index or place.scale != 1.0 or not cheap_gram(rows, d.param.param.shape):

@@ -9,14 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..tensors import tensors_in
-from .contractions import CONTRACTIONS
-from .ops import (
+from ..ops import (
     CAST_LIKE,
     CREATIONS,
     ELEMENTWISE,
+    ELEMENTWISE_IN_PLACE,
     IN_PLACE_MOVES,
-    IN_PLACE_OPERATORS,
     INDICES,
     MOVES,
     PICKED,
@@ -26,11 +24,10 @@ from .ops import (
     SCATTERS,
     SORTS,
     ZEROING,
-    binary,
-    dims_of,
-    filled,
-    picked_dims,
 )
+from ..tensors import tensors_in
+from .arguments import binary, dims_of, filled, picked_dims
+from .contractions import CONTRACTIONS
 from .owners import (
     MIXED,
     NONE,
@@ -67,7 +64,7 @@ class OwnerAlgebra:
             return self._in_place(name, args, kwargs, origin)
         if name in SCATTERS:
             return self._scatter(name, args, kwargs, out, origin)
-        if name in IN_PLACE_OPERATORS and isinstance(args[0], Tensor):  # x += y
+        if name in ELEMENTWISE_IN_PLACE and isinstance(args[0], Tensor):  # x += y
             return self._set(args[0], combine(*self._all(args, kwargs)), origin)
         if name.endswith("_") and not name.startswith("__"):  # x.add_(y): x takes y's owners
             if name[:-1] in ELEMENTWISE and isinstance(args[0], Tensor):

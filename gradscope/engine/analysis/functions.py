@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_flatten
 
 from ...rules import Contribution
 from ..capture import read_at
-from ..passes.parts import (
+from ..parts import (
     bind_affine,
     bind_conv,
     conv_parts,
@@ -25,10 +25,10 @@ from ..passes.parts import (
     read_parts,
     viewed_parts,
 )
-from ..passes.recipes import Recipe, recipe_roles
-from ..rows import Lanes, rows_of
+from ..recipes import Recipe, recipe_roles
+from ..rows import Lanes
 from .experts import expert_recipe
-from .owners import is_batch, reduce, slots
+from .owners import is_batch, reduce, rows_of, slots
 from .policy import ASSUMED, assumable, shared
 
 

@@ -4,7 +4,7 @@ An owner tensor is an int64 tensor of the same rank as the tensor it describes, 
 its shape (size 1 along the dimensions every element of which has the same owner): each element
 holds an example's index, ``NONE`` for an element that depends on no example (a constant, a
 parameter, a row written with a constant) or ``MIXED`` for one that depends on several. This
-module holds the algebra; ``engine/trace.py`` applies it op by op as the forward runs.
+module holds the algebra; ``analysis/trace.py`` applies it op by op as the forward runs.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+from ..rows import Gather, Lanes, Layout
 
 NONE, MIXED = -1, -2
 _BIG = 1 << 62  # above every example index: "no example seen yet" inside the reductions
@@ -49,9 +51,10 @@ def compact(o: Tensor) -> Tensor:
 
 
 def shrink(o: Tensor) -> Tensor:
-    """``compact``, and trailing dimensions along which a materialised tensor is constant."""
+    """``compact``, and trailing dimensions along which a materialised tensor is constant (an
+    empty one as it is: no element to compare, transformers 5.25's Mamba splits one off)."""
     o = compact(o)
-    for d in range(o.dim() - 1, 0, -1):
+    for d in range(o.dim() - 1, 0, -1) if o.numel() else ():
         if o.shape[d] == 1:
             continue
         if not bool((o == o.narrow(d, 0, 1)).all()):
@@ -175,3 +178,13 @@ def lane_of(o: Tensor, batch: int) -> tuple[int, int] | None:
     if m == 0 or flat.shape[0] % (batch * m) or not torch.equal(flat, i // m % batch):
         return None
     return dims[0], m
+
+
+def rows_of(owner: Tensor, batch: int) -> Layout:
+    """The layout of rows owned by ``owner`` (*rows,), every entry an example's index: ``Lanes``
+    where the owners read (i // m) % B along one dimension and vary along no other (reads
+    values: the analysis asks, once), else ``Gather``."""
+    lane = lane_of(owner, batch) if owner.dim() else None
+    if lane is not None:
+        return Lanes(lane[0], lane[1], owner.dim())
+    return Gather.of(owner, batch)

@@ -1,4 +1,4 @@
-"""The replay program of an analysed batch (``passes/replay.py``): its calls outside the regions
+"""The replay program of an analysed batch (``replay/session.py``): its calls outside the regions
 and its region calls in the order they began, with the autograd nodes made between any two of
 them (the witness), where later batches of the signature may repeat it; and, where they may
 not, why."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..capture import Captured
-from ..passes.backward import Requests
-from ..passes.steps import ChildCall, Program, RegionCall, Step
+from ..backward.backward import Requests
+from ..steps import ChildCall, Program, RegionCall, Step
+from .analyse import Analysed
 from .children import children_of
-from .regions import Regions
+from .finder import Regions
 from .session import Entered
 from .visits import Visit
 
@@ -27,7 +27,7 @@ class _Open:
     spans_region: bool = False  # a region began inside it: what it made differs batch to batch
 
 
-def regions_of(captured: Captured) -> Regions | str:
+def regions_of(captured: Analysed) -> Regions | str:
     """The regions a later batch analyses again, with their children; or why no later batch
     may replay this one. The model's own call is a region only where it has children (what
     needs the analysis is in its own code: BART's classifier's pick of its end tokens): one
@@ -42,7 +42,7 @@ def regions_of(captured: Captured) -> Regions | str:
 
 
 def program_of(
-    captured: Captured,
+    captured: Analysed,
     regions: Regions,
     requests: Requests | None,
     checked: tuple[str, ...],
@@ -71,25 +71,9 @@ def program_of(
             item = opened.pop(id(obj))
             item.during = None if item.spans_region else at - last
         elif what == "enter" and inside is None and id(obj) in starts:
-            light, during = regions.light.get(id(obj)), obj.at_exit - obj.at_entry
-            routed, is_open = id(obj) in regions.routed, id(obj) in regions.open
-            hosts = regions.hosts.get(id(obj), ())
-            items.append(
-                RegionCall(
-                    id(obj.module),
-                    obj.entry,
-                    obj.exit,
-                    obj.steps,
-                    at - last,
-                    light,
-                    during,
-                    routed,
-                    is_open,
-                    obj.constant,
-                    hosts,
-                )
-            )
-            inside, own = obj, light is None or routed
+            region = _region(obj, regions, at - last)
+            items.append(region)
+            inside, own = obj, region.light is None or region.routed
             for item in opened.values():
                 item.spans_region = True
         elif what == "exit" and obj is inside:
@@ -116,7 +100,19 @@ def program_of(
     )
 
 
-def _child(v: Visit, recipes: tuple | None, captured: Captured) -> ChildCall:
+def _region(v: Visit, regions: Regions, before: int) -> RegionCall:
+    """The program's entry for a region call, begun ``before`` autograd nodes after the last
+    event."""
+    light, during = regions.light.get(id(v)), v.at_exit - v.at_entry
+    routed, is_open = id(v) in regions.routed, id(v) in regions.open
+    hosts = regions.hosts.get(id(v), ())
+    return RegionCall(
+        id(v.module), v.entry, v.exit, v.steps, before, light, during, routed, is_open,
+        v.constant, hosts,
+    )  # fmt: skip
+
+
+def _child(v: Visit, recipes: tuple | None, captured: Analysed) -> ChildCall:
     """The program's entry for a child: a light one's call as a light region's."""
     during, light = v.at_exit - v.at_entry, None
     if recipes is not None:

@@ -1,4 +1,4 @@
-"""The analysis of one region call in a replayed batch (``passes/replay.py``): the trace and the
+"""The analysis of one region call in a replayed batch (``replay/session.py``): the trace and the
 tap over the region's forward only, seeded with the owners the analysed batch found at its
 start, and the calls of hooked modules inside it captured as the analysis captures them."""
 

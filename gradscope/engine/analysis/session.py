@@ -1,7 +1,7 @@
 """The analysis's module capture: every call of the hooked modules during one traced forward,
 each with its inputs' owners (``trace.py``), its shared rows expanded to the batch or its rows
 assumed to be the examples' where the rows policy (``policy.py``) says so; and, in order, what
-happened at each call, for the replay program (``passes/replay.py``) to repeat."""
+happened at each call, for the replay program (``replay/session.py``) to repeat."""
 
 from __future__ import annotations
 

@@ -41,27 +41,24 @@ from ...rules.placed import Place
 from ..capture import Use
 from ..derived import Constants, Derived, Watched, compute, writes
 from ..hooks import ReadHooks
-from ..passes.parts import CONVS
-from ..passes.recipes import METADATA, OPENED, Recipe, masked_by, sdpa_math
+from ..ops import CASTS, GROUPED, METADATA, SCALES, SHIFTS, VIEWS, op_name
+from ..parts import CONVS
 from ..plan import ParamPlan
+from ..recipes import OPENED, Recipe, masked_by, sdpa_math
 from ..tensors import tensors_in, tensors_of
+from ..views import places
 from .broadcasts import WRITTEN, BroadcastReads
 from .experts import ExpertReads
 from .functions import FunctionReads
-from .ops import op_name
 from .policy import batch_free
 from .trace import ByTensor, RowTrace
 
 if TYPE_CHECKING:
-    from .regions import Finder
-from ..views import CASTS, SCALES, SHIFTS, VIEWS, places
+    from .finder import Finder
 
 # an op with a matrix product and an addition fused, run as the two (each served where it can
 # be) when it scales neither: ``baddbmm(b, x, W)`` is ``b + bmm(x, W)``
 FUSED = {"baddbmm": torch.bmm, "addmm": torch.matmul}
-
-
-GROUPED = {"grouped_mm", "_grouped_mm", "grouped_mm_fallback"}  # torch's, transformers'
 
 
 @dataclass
@@ -96,7 +93,7 @@ class ParamTap(FunctionReads, ExpertReads, BroadcastReads, TorchFunctionMode):
         self.uses: dict[str, Uses] = {p.name: Uses() for p in params}
         self.timeline: list[Use] = []  # every read, in the order the forward made them
         self.hooks = ReadHooks()
-        self.finder: Finder | None = None  # the analysis's (regions.py): told what needs it
+        self.finder: Finder | None = None  # the analysis's (finder.py): told what needs it
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -238,7 +235,7 @@ class ParamTap(FunctionReads, ExpertReads, BroadcastReads, TorchFunctionMode):
         self, params: tuple[ParamPlan, ...], out: Tensor, parts, recipe: Recipe | None = None
     ) -> None:
         """A read the rules serve, its gradient to arrive at ``out``; ``recipe``: how a light
-        region serves it again on a later batch (``passes/light.py``), where one can."""
+        region serves it again on a later batch (``replay/light.py``), where one can."""
         with torch._C.DisableTorchFunction():  # the trace below need not see this
             edge = _edge(out)
             if edge is None:  # read where no gradient is recorded (under no_grad)

@@ -25,14 +25,14 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from ..derived import writes
-from ..passes.steps import SCALAR_READS
+from ..ops import ESCAPES, SCALAR_READS, SIZED_BY_VALUES, UNFOLLOWED, op_name
+from .arguments import filled
 from .follow import OwnerAlgebra
 from .lanes import Lane, after
-from .ops import ESCAPES, READS, SIZED_BY_VALUES, filled, op_name
 from .owners import MIXED, NONE, compact, is_batch, lane_of
 
 if TYPE_CHECKING:
-    from .regions import Finder
+    from .finder import Finder
 
 # an owner spec (``RowTrace.spec``): None for no example's, (dim, m) for the batch along one
 # dimension, or IRREGULAR
@@ -103,7 +103,7 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         # the first op whose result's owners hold for this batch's values only (follow.py)
         self.picked_by: str | None = None
         self.created = ByTensor()  # tensors made by CREATIONS: values that depend on no example
-        self.finder: Finder | None = None  # the analysis's (regions.py): told what needs it
+        self.finder: Finder | None = None  # the analysis's (finder.py): told what needs it
         self.own = 0  # above 0 while the tap's own code runs (its host reads are not the model's)
         self.mixed_by = ByTensor()  # tensor -> the op that mixed examples on its way
         self._lanes: dict[object, Tensor] = {}  # (rank, dim, size, m) -> its owners
@@ -181,7 +181,7 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         name = op_name(func)
         if name in ESCAPES:
             return self._host(name, func, args, kwargs)
-        if name in READS:
+        if name in UNFOLLOWED:
             return func(*args, **kwargs)
         if name == "__iter__" and args and args[0] in self.owners:
             rows = args[0].unbind(0)  # for row in x: the rows of unbind(0)
@@ -219,7 +219,7 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         tensors it read; any other read, of the batch's values, as an escape."""
         held = bool(self.owners.held(args, kwargs))
         out = func(*args, **kwargs)
-        if name not in READS:
+        if name not in UNFOLLOWED:
             self._record(name, func, args, kwargs, out)
         if self.finder is None or self.own:
             return out

@@ -1,4 +1,4 @@
-"""A module call of an analysed forward, as the regions' finder (``regions.py``) records it."""
+"""A module call of an analysed forward, as the regions' finder (``finder.py``) records it."""
 
 from __future__ import annotations
 

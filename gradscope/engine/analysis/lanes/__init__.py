@@ -15,15 +15,16 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..ops import ELEMENTWISE, binary
+from ...ops import ELEMENTWISE
+from ..arguments import binary
 from .base import Lane, broadcast
 from .computed import COMPUTED
-from .moves import MOVES, reshape_lane
+from .moves import LANE_MOVES, reshape_lane
 
 __all__ = ["Lane", "after", "reshape_lane"]
 
 # how each op moves lanes, by its name: the moves and the ops computed along them
-_BY_OP = {**MOVES, **COMPUTED}
+_BY_OP = {**LANE_MOVES, **COMPUTED}
 
 
 def after(name: str, args: tuple, kwargs: dict, lanes: dict[int, Lane], out: Tensor, batch: int):

@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from ..ops import REDUCTIONS, dims_of
+from ...ops import REDUCTIONS
+from ..arguments import dims_of
 from .base import Lane, aligned, axis, broadcast, only, same, tracked
 
 

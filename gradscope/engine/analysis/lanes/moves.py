@@ -1,5 +1,5 @@
 """The lanes of views and reshapes: the elements of one tensor moved, so the lane is where its
-dimension lands (``MOVES``, by op name)."""
+dimension lands (``LANE_MOVES``, by op name)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 from torch import Tensor
 
-from ..ops import CAST_LIKE, RESHAPES
+from ...ops import CAST_LIKE, RESHAPES
 from ..owners import groups
 from .base import Lane, aligned, axis, only, same
 
@@ -167,7 +167,7 @@ def _cast(args, kwargs, lanes, out, batch) -> Lane | None:
     return lane if len(lanes) == 1 and lane is not None and out.dim() == args[0].dim() else None
 
 
-MOVES: dict[str, Callable[..., Lane | None]] = {
+LANE_MOVES: dict[str, Callable[..., Lane | None]] = {
     **dict.fromkeys(RESHAPES | {"squeeze", "unsqueeze"}, _reshape),
     **dict.fromkeys(("transpose", "swapaxes", "swapdims"), _swap),
     **dict.fromkeys(("t", "T"), _reversed),

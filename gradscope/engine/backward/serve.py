@@ -1,0 +1,165 @@
+"""The rules inside the one backward: each served call's rule, and each tap read's parts, run as
+their output gradient arrives, and what they give goes to the reducer; a rule that fails sends
+its parameters to the fallback with the reason."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from ...errors import GradscopeError
+from ...rules import Contribution, Outer, find_rule
+from ..capture import Call, Captured, Use
+from ..plan import ParamPlan, Plan
+from ..rows import regroup
+from .backward import Requests, backward
+from .fallback import short_reason
+from .grouped import Grouped
+from .reduce import Reducer, Want
+
+
+@dataclass
+class Served:
+    """What one backward needs beside the captured forward: from the analysis as it goes, or
+    from the program a replay repeats."""
+
+    count: dict[str, int]  # calls and reads serving each watched parameter
+    checked: list[ParamPlan]  # parameters whose batch gradients are asked for
+    asked: Requests | None  # which outputs to request; None: read off this batch's graph
+
+
+def served_calls(plan: Plan, captured: Captured) -> list[Call]:
+    """The captured calls of modules whose rules serve a parameter, in capture order."""
+    modules = {module for module, _ in plan.served}
+    return [c for c in captured.session.all_calls() if id(c.module) in modules]
+
+
+def uses(plan: Plan, calls: Sequence[Call], reads: Sequence[Use]) -> dict[str, int]:
+    """How many calls and reads serve each rule-served and raw parameter: one pass over the
+    calls and the reads, not one per parameter (a large model has hundreds of each)."""
+    per_module = Counter(id(c.module) for c in calls)
+    count = {p.name: sum(per_module[id(m)] for m, _ in p.owners) for p in plan.by_rule}
+    for p in plan.raw:
+        count.setdefault(p.name, 0)
+    for u in reads:
+        for name in dict.fromkeys(p.name for p in u.params):
+            if name in count:
+                count[name] += 1
+    return count
+
+
+def serve(
+    plan: Plan,
+    captured: Captured,
+    want: Want,
+    done: Served,
+    reads: Sequence[Use] = (),
+    verify: bool = False,
+) -> tuple[Reducer, list[Tensor | None]]:
+    """One backward; each call's rule runs as its output gradient arrives, and only what
+    ``want`` asks for is kept. With ``verify`` (a batch analysed in full) each rule's
+    gradients are also summed over the examples, for the self-check. Returns the reducer and
+    the batch gradients of ``done.checked``."""
+    merged = [name for name, k in done.count.items() if k > 1]
+    reducer = Reducer(
+        dataclasses.replace(
+            want, norms=want.norms or verify, share=want.share and want.norms, sums=verify
+        ),
+        merged,
+    )
+    if not done.count and not done.checked and not want.train:  # all on the fallback
+        reducer.finish()
+        return reducer, []
+    served = plan.served
+    batch = captured.losses.shape[0]
+    on_grad = functools.partial(_on_grad, plan, served, reducer, batch)
+    grouped = Grouped(plan, merged, on_grad) if _groupable(reducer.want) else None
+    if captured.tap:
+        captured.tap.reading(functools.partial(_on_read, plan, reducer))
+    also = [p.param for p in done.checked]
+    calls = served_calls(plan, captured)
+    # a training step's gradients come from the same backward; what to request is read off
+    # this graph then (a program's requests leave the parameters' own steps out)
+    asked = done.asked if not want.train else None
+    try:
+        grads = backward(
+            captured.session,
+            captured.losses.sum(),
+            calls,
+            on_grad if grouped is None else grouped.take,
+            [*also, *want.train],
+            reads,
+            asked,
+        )
+    finally:
+        if captured.tap:
+            captured.tap.reading(None)
+    if grouped is not None:
+        grouped.answer(reducer, batch)
+    reducer.finish()
+    reducer.trained = grads[len(also) :]
+    return reducer, grads[: len(also)]
+
+
+def _groupable(want: Want) -> bool:
+    """Whether a pass asks of each contribution only what a group of calls answers together:
+    squared norms, inner products with references and, on a batch analysed in full, the
+    sums over the examples for the self-check."""
+    return not want.keep and want.transform is None and want.project is None
+
+
+def _on_read(plan: Plan, reducer: Reducer, use: Use, grad: Tensor) -> None:
+    """A tap read's output gradient has arrived: its parameters' contributions."""
+    use.reached = True
+    try:
+        parts = use.parts(grad)
+    except Exception as e:  # a computed read torch.func cannot differentiate
+        for p in use.params:
+            if not p.is_fallback:
+                plan.to_fallback(p, f"its read failed: {short_reason(e)}")
+        return
+    for name, part in parts.items():
+        if not plan.find(name).is_fallback:
+            reducer.add(name, part)
+
+
+def _on_grad(
+    plan: Plan, served: dict, reducer: Reducer, batch: int, call: Call, grad: Tensor
+) -> None:
+    """A call's output gradient has arrived: its rule's contributions go to ``reducer``."""
+    inputs, counts = call.inputs, None
+    if call.rows is not None:  # rows in another layout: each example's rows gathered
+        (x, grad), counts = regroup(call.rows, batch, inputs[0], grad)
+        inputs = (x, *inputs[1:])
+    try:
+        rule = plan.rules.get(id(call.module)) or find_rule(call.module)
+        parts = rule.fn(call.module, inputs, grad, **call.kwargs)
+        if counts is not None:  # a row-by-row rule: an Outer's positions are the rows
+            parts = {k: _padded(part, counts, grad.shape[1]) for k, part in parts.items()}
+    except GradscopeError:
+        raise  # a rule's refusal (BatchNorm on batch statistics) is the user's to fix
+    except Exception as e:  # a layer recognised wrongly: its rule declines
+        for (module, _), p in served.items():
+            if module == id(call.module) and not p.is_fallback:
+                plan.to_fallback(p, f"its rule failed: {short_reason(e)}")
+        return
+    finally:
+        call.release()
+    for attr, part in parts.items():
+        p = served.get((id(call.module), attr))
+        if p is not None and not p.is_fallback:
+            reducer.add(p.name, part)
+
+
+def _padded(part: Contribution, counts: list[int], longest: int) -> Contribution:
+    """``part`` told how many of its positions each example's rows fill, where it is an Outer
+    over the (B, L) rows a row-by-row rule got gathered and padded: a padded row's output
+    gradient is zero, and so is its term (``Outer.lengths``)."""
+    if isinstance(part, Outer) and part.lengths is None and part.dims[2] == longest:
+        return Outer(part.s, part.a, part.shape, counts)
+    return part

@@ -1,0 +1,149 @@
+"""Recipes: how a read of parameters that the analysed batch served is served again on a later
+batch without the trace (``replay/light.py``, ``replay/routed.py``): the function, the
+parameters at its roles, its input's shape and rows (the math each kind of read gives its
+contributions by is ``parts.py``'s); and what a watched parameter may be asked without being
+read, and the functions the tap and the light regions open to see the ops inside them."""
+
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .derived import Computed, Derived
+from .ops import METADATA
+from .rows import Lanes
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One read of whole parameters by a function: ``op`` (linear, embedding, or a product
+    ``x @ W``), the parameters at its roles ((role, name): weight, bias), its input's shape,
+    the layout of its rows (None: one row per example on dimension 0, or, for ``grouped_mm``,
+    rows a routed region follows: ``replay/routed.py``), the autograd nodes made from the region
+    call's start to the read's end, whether a grouped product reads W itself ((E, in, out)),
+    not its transpose, and whether a linear one reads one expert's matrix of a 3-D W."""
+
+    op: str
+    roles: tuple[tuple[str, str], ...]
+    shape: tuple[int, ...]
+    rows: Lanes | None
+    at: int = 0
+    transposed: bool = False
+    expert: bool = False  # ``F.linear`` of ``W[e]``, a 3-D W's matrix that a value picks
+    # the roles that take a tensor made from their parameters (a view, a cast, ``exp(a)``, a
+    # weight-norm weight: ``replay/light.py`` makes it again), not a parameter itself
+    computed: tuple[str, ...] = ()
+    left: bool = False  # ``W @ x``: a 2-D W on the left of a batch x of (B, in, L) (Mamba's),
+    # or, with ``slot``, a W whose leading dimensions broadcast against x's
+    # a product whose leading dimensions broadcast (``parts.product_part``): the (example,
+    # matrix of W) each product sums into; an einsum's (``parts.einsum_part``): the example of
+    # each row of x (None: row r example r's), with its per-row equation
+    slot: Tensor | None = field(default=None, compare=False)
+    equation: str | None = None
+    expand: bool = False  # its input, no example's, expanded to the batch (a position table's)
+    # a broadcast each element of whose result one example owns, or none (a CLIP-like (B, B)
+    # similarity): which elements some example owns, and the slot of each (``element_parts``)
+    elements: tuple[Tensor, Tensor] | None = field(default=None, compare=False)
+
+    @property
+    def kind(self) -> tuple:
+        """What an open routed region matches a read by: the function, the parameters, the
+        view of them (``replay/routed.py``)."""
+        return self.op, self.roles, self.transposed, self.expert
+
+    def names(self, role: str) -> tuple[str, ...]:
+        """The parameters at ``role``: one, or those its tensor is made from."""
+        return tuple(name for r, name in self.roles if r == role)
+
+
+def recipe_roles(reads: Iterable[tuple[str, object]], given: dict) -> tuple[tuple, tuple] | None:
+    """The roles of a read, and which of them are computed (``Recipe.computed``), where each
+    takes a whole parameter, a view or cast of one, or a tensor made from parameters and
+    constants alone (``Computed.pure``); None for any other. ``given``: the tensor at each
+    role."""
+    roles: list[tuple[str, str]] = []
+    computed: list[str] = []
+    for role, d in reads:
+        if isinstance(d, Derived) and given[role] is d.param.param:
+            roles.append((role, d.param.name))
+        elif isinstance(d, Derived) or (isinstance(d, Computed) and d.pure):
+            roles += [(role, p.name) for p in d.params]
+            computed.append(role)
+        else:
+            return None
+    return tuple(roles), tuple(computed)
+
+
+def name_of(func) -> str:
+    """The op's name; a property's (``x.T``) rather than ``__get__``."""
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+def metadata(func) -> bool:
+    """Whether ``func`` asks a tensor what it is (its shape, dtype, ...) without reading it."""
+    if getattr(func, "__name__", "") == "__get__":  # a property, unless a view (W.T)
+        return name_of(func) not in ("T", "mT", "H", "mH")
+    return name_of(func) in METADATA
+
+
+ARG = "arg"  # a broadcast recipe's role: the position of the parameter among the op's arguments
+
+
+def opened(func: Callable) -> Callable:
+    """A copy of a function written over torch ops that skips its own hand-over to the torch
+    function modes, so that a mode sees each op inside it (``nn.MultiheadAttention``'s
+    projections are ``F.linear`` calls inside ``F.multi_head_attention_forward``)."""
+    scope = {**func.__globals__, "has_torch_function": lambda *_: False}
+    copy = types.FunctionType(
+        func.__code__, scope, func.__name__, func.__defaults__, func.__closure__
+    )
+    copy.__kwdefaults__ = func.__kwdefaults__
+    return copy
+
+
+# the functions the tap and the light regions open: each function -> its opened copy
+OPENED = {F.multi_head_attention_forward: opened(F.multi_head_attention_forward)}
+
+
+def sdpa_math(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """``F.scaled_dot_product_attention`` written out (eval mode: no dropout), so that a mask
+    computed from parameters (Swin's relative position bias) is an add the tap serves."""
+    if enable_gqa:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
+    scores = (q @ k.transpose(-2, -1)) * (
+        scale if scale is not None else 1 / math.sqrt(q.shape[-1])
+    )
+    if is_causal:
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    elif attn_mask is not None:
+        scores = scores + attn_mask
+    return scores.softmax(-1) @ v
+
+
+def masked_by(args: tuple, kwargs: dict, watched: Callable) -> bool:
+    """Whether an attention call without dropout takes a watched tensor as its mask."""
+    mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+    dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+    return dropout == 0 and watched(mask) is not None

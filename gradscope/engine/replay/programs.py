@@ -1,0 +1,160 @@
+"""The replayed pass of a batch (``replay/session.py`` runs one program): the signature's
+programs tried in turn, the one that held last first, and what a failed witness taught learned
+only where none holds the batch (``Record``, ``Lessons``). ``Engine.scores`` calls it first and
+analyses the batch in full where it gives None."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from ..analysis.seeded import Seeded
+from ..backward.reduce import Reducer, Want
+from ..backward.serve import Served, serve, served_calls, uses
+from ..capture import Captured
+from ..hooks import ModuleHooks
+from ..plan import Plan
+from ..record import Findings, Lessons, Record
+from ..steps import Program, RegionCall
+from .light import LightRegion
+from .routed import RoutedRegion
+from .session import Diverged, ReplaySession, Taps
+
+Losses = Callable[[tuple[Tensor, ...], Tensor], tuple[Tensor, dict[str, Tensor]]]
+
+
+class Replayed:
+    """``(inputs, targets, want, findings) -> (Captured, Reducer) | None`` for one model: its
+    ``plan``, ``record`` and ``modules``; ``losses`` runs its forward and loss."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        record: Record,
+        modules: tuple[nn.Module, ...],
+        losses: Losses,
+        hooks: ModuleHooks | None = None,
+    ):
+        self.plan, self.record, self.modules, self.losses = plan, record, modules, losses
+        self.kinds = {id(m): type(m) for m in modules}  # a region call's module's class
+        self.hooks = hooks  # the Engine's module hooks, lent to each batch's session
+
+    def __call__(
+        self, inputs: tuple[Tensor, ...], targets: Tensor, want: Want, findings: Findings
+    ) -> tuple[Captured, Reducer] | None:
+        """The pass with a program of the signature whose witness holds, the one that held last
+        tried first (a model whose structure alternates between a few ways has one for each);
+        None where none does. What a failed witness taught (values read on the host that
+        differ, rows a region lost) is learned from the first program tried, and only where no
+        other holds the batch: a program of another way fails for the batch's way, not for the
+        model's."""
+        moves = len(self.record.moves)
+        findings.programs = [p for p in findings.programs if p.moves == moves]  # none stale
+        first: Lessons | None = None
+        for program in reversed(findings.programs):
+            lessons = Lessons()
+            passed = self._replay(program, inputs, targets, want, findings, lessons)
+            if passed is not None:
+                findings.replayed(program)
+                return passed
+            first = first or lessons
+            if len(self.record.moves) != moves:  # a rule failed: every program is stale
+                break
+        if first is not None:
+            findings.diverged(first.why)
+            first.teach(self.record)
+        return None
+
+    def _replay(
+        self,
+        program: Program,
+        inputs: tuple[Tensor, ...],
+        targets: Tensor,
+        want: Want,
+        findings: Findings,
+        lessons: Lessons,
+    ) -> tuple[Captured, Reducer] | None:
+        """The pass with ``program``, or None where its witness fails (``lessons`` says why)."""
+        plan, batch = self.plan, len(targets)
+        differs = program.state.differs()
+        if differs:  # at another state a forward may make other ops at the same calls
+            lessons.why = f"the model's state differs from the analysed batch's ({differs})"
+            return None
+        regions = [m for m in self.modules if id(m) in program.regions]
+        children = [m for m in self.modules if id(m) in program.children]
+        buffers = frozenset()  # ids of the model's buffers, where a light region may need them
+        if program.lit:
+            buffers = frozenset(id(b) for m in self.modules for b in m._buffers.values())
+        session = ReplaySession(
+            plan.hooked_modules,
+            regions,
+            program,
+            batch,
+            self.record.copy,
+            plan=plan,
+            buffers=buffers,
+            branched=functools.partial(setattr, lessons, "branched", True),
+            hooks=self.hooks,
+            children=children,
+        )
+        session.make_region = lambda call, tensors: self._region(
+            call, tensors, findings, lessons, session
+        )
+        try:
+            with torch.set_grad_enabled(bool(program.uses or want.train)), session:
+                losses, observed = self.losses(inputs, targets)
+            session.finish()
+        except Diverged as e:
+            lessons.why = str(e)
+            return None
+        captured = Captured(session, Taps(session.done), losses, observed)
+        if program.varies:  # what the regions read and called differs batch to batch
+            reads = captured.tap.reads()
+            count = uses(plan, served_calls(plan, captured), reads)
+            checked = [p for p in plan.by_rule + plan.raw if not count[p.name]]
+        else:  # the analysed calls, and the light regions' reads in the analysed order
+            reads, count = captured.tap.reads(), dict(program.uses)
+            checked = [plan.find(name) for name in program.checked]
+        done = Served(count, checked, program.requests)
+        reducer, grads = serve(plan, captured, want, done, reads)
+        for p in plan.fallback:  # a rule that failed on this batch
+            reducer.forget(p.name)
+        if any(g is not None for g in grads):  # a gradient where no call reached: analyse
+            lessons.why = "a parameter reached the loss where no call or read did"
+            return None
+        return captured, reducer
+
+    def _region(
+        self,
+        call: RegionCall,
+        tensors: list[Tensor],
+        findings: Findings,
+        lessons: Lessons,
+        session: ReplaySession,
+    ):
+        """A region call's own pass: by its recipes (following its rows where values pick
+        them), or under a trace and a tap again."""
+        batch = session.batch
+        kind = self.kinds[call.module]
+        traced = functools.partial(lessons.traced.add, kind)  # where its rows do not hold
+        if call.routed:
+            during = None if call.open else call.during  # None: reads matched by kind
+            return RoutedRegion(self.plan, call.light, during, batch, tensors, call.entry, traced)
+        if call.light is not None:
+            made = [t for t, c in zip(tensors, call.constant, strict=False) if c]
+            return LightRegion(
+                self.plan,
+                call.light,
+                call.during,
+                batch,
+                session._ruled,
+                session.buffers,
+                made,
+                call.hosts,
+                traced,
+            )
+        copy = self.record.copy
+        return Seeded(self.plan, findings, copy, batch, tensors, call.entry, session.inside)

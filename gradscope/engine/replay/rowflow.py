@@ -1,0 +1,117 @@
+"""Which example each row of a tensor is, followed op by op through a routed region's forward
+(``routed.py``): for every tensor made from the region's arguments, an (n,) tensor on the device
+giving the example of each row along dimension 0 (``NO_ONE`` for a row of no example).
+
+- Rows move with the values that pick them (``x[idx]``, ``index_select``, ``index_add``); the
+  index tensors themselves are positions (sorts', ``arange``'s, as the trace takes them), unless
+  computed from an example's values, whose rows then join.
+- Ops that keep rows keep them: elementwise ops, casts, row-by-row products with weights of no
+  example, views and reductions off dimension 0, reshapes that split rows or merge whole ones.
+- Rows that meet (two operands, rows merged, rows written to one place) must be one example's,
+  or no example's: what the batch's values decide there is a flag on the device, kept until the
+  forward's end, when the replay reads them all at once (``bad``).
+- Any other op on a followed tensor, or an in-place write into a view or through one, leaves
+  its results unfollowed (``None``), with the op's name in ``lost``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from ..ops import FILLS, POSITIONS
+from .rowops import NO_ONE, rows_after
+
+
+class RowFlow:
+    """The rows of one region call's tensors, by id (the tensor kept beside them: an id is
+    only its tensor's while it lives); a tensor not here is no example's."""
+
+    def __init__(self, batch: int):
+        self.batch = batch
+        self.rows: dict[int, tuple[Tensor, Tensor | None]] = {}
+        self.wrong: list[Tensor] = []  # flags, each (n,) or (): any true fails the batch
+        self.lost: str | None = None  # the first op whose results could not be followed
+
+    def lane(self, t: Tensor, spec: tuple) -> Tensor | None:
+        """The rows of the batch along dimension 0 of ``t``, (r // m) % B; None along another."""
+        dim, m = spec
+        if dim != 0 or t.dim() == 0:
+            return None
+        return _lane(t.shape[0], m, self.batch, t.device)
+
+    def keep(self, t: object, rows: Tensor | None | bool) -> None:
+        """``t``'s rows (None: unfollowed; False: no example's, as a tensor never seen)."""
+        if not isinstance(t, Tensor):
+            return
+        if rows is False:
+            self.rows.pop(id(t), None)
+        else:
+            self.rows[id(t)] = (t, rows)
+
+    def of(self, t: object) -> Tensor | None | bool:
+        """``t``'s rows; None where unfollowed; False where it is no example's."""
+        item = self.rows.get(id(t)) if isinstance(t, Tensor) else None
+        if item is None or item[0] is not t:
+            return False
+        return item[1]
+
+    def flag(self, wrong: Tensor) -> None:
+        """The batch is not one the replay can serve where any of ``wrong`` holds."""
+        self.wrong.append(wrong.reshape(-1))
+
+    @property
+    def bad(self) -> Tensor | None:
+        """Whether any flag holds: one op over them all, on the device; None with no flag."""
+        if not self.wrong:
+            return None
+        return (self.wrong[0] if len(self.wrong) == 1 else torch.cat(self.wrong)).any()
+
+    def combine(self, rows: list[Tensor]) -> Tensor:
+        """Rows from several tensors at one position: one example's, or no example's."""
+        out = rows[0]
+        for r in rows[1:]:
+            if r is out:
+                continue
+            self.flag((out != r) & (out != NO_ONE) & (r != NO_ONE))
+            out = torch.maximum(out, r)
+        return out
+
+    def lose(self, name: str, out: object) -> None:
+        self.lost = self.lost or name
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            self.keep(t, None)
+
+    def _aliased(self, x: Tensor) -> bool:
+        """Whether ``x`` is a view, or a followed tensor is a view of it."""
+        if x._base is not None:
+            return True
+        return any(t is not x and t._base is x for t, _ in self.rows.values())
+
+    def follow(self, name: str, args: tuple, kwargs: dict, out: object) -> None:
+        """The rows of ``out``, the result of op ``name`` on followed tensors."""
+        if name in FILLS or name in POSITIONS or (name == "where" and len(args) == 1):
+            return
+        x = args[0] if args else None
+        in_place = name.endswith("_") and not name.endswith("__")
+        in_place = in_place or name == "__setitem__" or name.startswith("__i")
+        target = x if in_place else out
+        rows = rows_after(self, name, args, kwargs, out)
+        if in_place and isinstance(x, Tensor) and rows is not self.of(x) and self._aliased(x):
+            rows = NotImplemented  # a view's rows, or its base's, would not see the write
+        if rows is NotImplemented:
+            return self.lose(name, target)
+        if isinstance(rows, tuple):
+            for t, r in zip(out, rows, strict=True):
+                self.keep(t, r)
+            return
+        self.keep(target, rows)
+
+
+@functools.lru_cache(maxsize=256)
+def _lane(n: int, m: int, batch: int, device: torch.device) -> Tensor:
+    """(r // m) % B for each of n rows: made once, as every replayed batch of a signature asks
+    the same (rows tensors are never written in place: each op on them makes new ones)."""
+    return torch.arange(n, device=device) // m % batch

@@ -1,0 +1,208 @@
+"""How each op moves the rows a routed region follows (``rowflow.py``): the example of each row
+of its results, from its arguments' (``rows_after``), or NotImplemented where it cannot say."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from ..ops import ALONG, JOINS, MATMULS, PRODUCTS, RESHAPES, ROW_REDUCTIONS, ROW_WISE, SPLITS
+from ..tensors import tensors_in
+
+if TYPE_CHECKING:
+    from .rowflow import RowFlow
+
+NO_ONE = -1  # a row of no example
+
+
+def rows_after(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object):
+    """The rows of ``out`` (a tuple of them for several outputs), or NotImplemented."""
+    x = args[0]
+    if name == "__getitem__":
+        return _indexed(flow, x, args[1], out)
+    if name == "index_select":
+        dim, index = kwargs.get("dim", args[1] if len(args) > 1 else None), args[-1]
+        return _picked(flow, x, index, out) if dim == 0 else _kept(flow, x, out, dim)
+    if name in ("index_add", "index_add_"):
+        return _added(flow, args, kwargs)
+    if name == "__setitem__":
+        return NotImplemented if flow.of(x) is not False or flow.of(args[2]) is not False else False
+    if name in JOINS:
+        return _joined(flow, name, args, kwargs, out)
+    if name in ALONG:  # within each row, along another dimension: rows kept, and met
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        if not isinstance(dim, int) or not x.dim() or dim % x.dim() == 0:
+            return NotImplemented
+        return _row_wise(flow, args, kwargs, out)
+    if name in PRODUCTS:  # row by row, on weights of no example; offsets are positions
+        w = args[1] if len(args) > 1 else kwargs.get("weight")
+        return _same_rows(flow, x, out) if flow.of(w) is False else NotImplemented
+    if name in MATMULS and len(args) == 2 and _by_matrix(x, args[1]):  # x @ W, W no one's
+        return _same_rows(flow, x, out) if flow.of(args[1]) is False else NotImplemented
+    if name in ROW_WISE:
+        return _row_wise(flow, args, kwargs, out)
+    if name in SPLITS:
+        dim = kwargs.get("dim", args[2] if len(args) > 2 and name != "unbind" else 0)
+        dim = args[1] if name in ("unbind", "select", "narrow") and len(args) > 1 else dim
+        return _kept(flow, x, out, dim)
+    if name in RESHAPES:
+        return _reshaped(flow, x, out)
+    if name in ("sort", "topk") and x.dim() == 1 and isinstance(out, tuple):
+        rows = flow.of(x)  # values moved to the places the indices say; those are positions
+        return NotImplemented if rows is None else (rows[out[1]], False)
+    if name in ROW_REDUCTIONS:
+        dim = kwargs.get("dim", args[1] if len(args) > 1 and name not in ("topk",) else None)
+        dim = kwargs.get("dim", args[2] if len(args) > 2 else -1) if name == "topk" else dim
+        if name == "sort" and dim is None:
+            dim = -1
+        return _kept(flow, x, out, dim)
+    if name in ("transpose", "swapaxes", "swapdims"):
+        return _kept(flow, x, out, (args[1], args[2]) if len(args) > 2 else None)
+    if name == "mT" and x.dim() < 3:
+        return NotImplemented
+    if name in ("unsqueeze", "squeeze", "expand", "expand_as", "mT", "permute", "one_hot"):
+        if name == "permute":
+            dims = args[1:] if not isinstance(args[1], (list, tuple)) else args[1]
+            return _kept(flow, x, out, 1 if dims[0] % x.dim() == 0 else 0)
+        return _same_rows(flow, x, out)
+    return NotImplemented
+
+
+def _by_matrix(x: object, w: object) -> bool:
+    """Whether ``x @ w`` multiplies each row of x (rows along dimension 0) by a matrix."""
+    return isinstance(x, Tensor) and isinstance(w, Tensor) and x.dim() >= 2 and w.dim() == 2
+
+
+def _kept(flow: RowFlow, x: Tensor, out: object, dim) -> object:
+    """An op along ``dim`` (an int, a tuple of them, None: every dimension) keeps x's rows."""
+    rows = flow.of(x)
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    if rows is None or not all(isinstance(d, int) for d in dims) or not x.dim():
+        return NotImplemented
+    if any(d % x.dim() == 0 for d in dims):
+        return NotImplemented
+    if isinstance(out, (tuple, list)):
+        return tuple(rows if isinstance(t, Tensor) else None for t in out)
+    return rows
+
+
+def _same_rows(flow: RowFlow, x: Tensor, out: object) -> object:
+    """A view whose dimension 0 is x's."""
+    rows = flow.of(x)
+    ok = isinstance(out, Tensor) and out.dim() and x.dim() and out.shape[0] == x.shape[0]
+    return rows if ok and rows is not None else NotImplemented
+
+
+def _row_wise(flow: RowFlow, args: tuple, kwargs: dict, out: object) -> object:
+    """Elementwise (broadcast), casts, and row-by-row products with weights of no example:
+    every followed input lays its rows along the output's dimension 0."""
+    o = out if isinstance(out, Tensor) else args[0]
+    if not isinstance(o, Tensor) or o.dim() == 0:
+        return NotImplemented
+    found = []
+    for t in tensors_in(args, kwargs):
+        rows = flow.of(t)
+        if rows is False:
+            continue
+        if rows is None or t.dim() != o.dim() or t.shape[0] != o.shape[0]:
+            return NotImplemented
+        found.append(rows)
+    return flow.combine(found) if found else False
+
+
+def _indexed(flow: RowFlow, x: Tensor, index: object, out: object) -> object:
+    """``x[index]``: rows picked by a tensor on dimension 0, or kept by slices after it."""
+    key = index if isinstance(index, tuple) else (index,)
+    if not key or not isinstance(out, Tensor) or out.dim() == 0:
+        return NotImplemented
+    first = key[0]
+    if isinstance(first, Tensor):
+        pickers = [k for k in key if isinstance(k, Tensor)]
+        if (
+            first.dim() != 1
+            or first.dtype == torch.bool
+            or any(k.shape != first.shape for k in pickers)
+        ):
+            return NotImplemented
+        found = [r for k in pickers if (r := flow.of(k)) is not False]
+        if any(r is None for r in found):
+            return NotImplemented
+        rows = flow.of(x)
+        if rows is None:
+            return NotImplemented
+        picked = [rows[first]] if rows is not False else []
+        return flow.combine(picked + found) if picked or found else False
+    if any(isinstance(k, Tensor) for k in key):
+        return NotImplemented
+    plain = first == slice(None) or (
+        first is Ellipsis and sum(k is not None for k in key) <= x.dim()
+    )
+    return _same_rows(flow, x, out) if plain else NotImplemented
+
+
+def _picked(flow: RowFlow, x: Tensor, index: Tensor, out: object) -> object:
+    rows, own = flow.of(x), flow.of(index)
+    if rows is None or own is None or index.dim() != 1:
+        return NotImplemented
+    found = ([rows[index]] if rows is not False else []) + ([own] if own is not False else [])
+    return flow.combine(found) if found else False
+
+
+def _added(flow: RowFlow, args: tuple, kwargs: dict) -> object:
+    """``x.index_add(0, index, source)``: row index[j] of x gains source's row j."""
+    x, dim = args[0], kwargs.get("dim", args[1] if len(args) > 1 else None)
+    index = kwargs.get("index", args[2] if len(args) > 2 else None)
+    source = kwargs.get("source", args[3] if len(args) > 3 else None)
+    base, own, rows = flow.of(x), flow.of(index), flow.of(source)
+    if dim != 0 or base is None or rows is None or own is not False or index.dim() != 1:
+        return NotImplemented
+    if rows is False:
+        return base
+    start = base if base is not False else index.new_full((x.shape[0],), NO_ONE)
+    placed = start.clone().scatter_(0, index, rows)
+    flow.flag(placed[index] != rows)  # every row written there is one example's
+    flow.flag((start[index] != NO_ONE) & (start[index] != rows))
+    return placed
+
+
+def _reshaped(flow: RowFlow, x: Tensor, out: object) -> object:
+    """A reshape: rows split (each output row in one input row) or merged (each output row of
+    whole input rows, which must be one example's)."""
+    rows = flow.of(x)
+    if rows is None or not isinstance(out, Tensor) or not x.dim() or not out.dim():
+        return NotImplemented
+    n, m = x.shape[0], out.shape[0]
+    if not x.numel() or n == m:
+        return rows if n == m else NotImplemented
+    per_in, per_out = x.numel() // n, out.numel() // m
+    if per_in % per_out == 0:
+        return rows.repeat_interleave(per_in // per_out)
+    if per_out % per_in:
+        return NotImplemented
+    merged = rows.view(m, per_out // per_in)
+    found = merged.amax(1)
+    flow.flag(((merged != found[:, None]) & (merged != NO_ONE)).any(1))
+    return found
+
+
+def _joined(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object) -> object:
+    """``cat``/``stack`` along another dimension than 0 keep the rows (which meet); ``cat``
+    along dimension 0 puts each tensor's rows after the previous one's."""
+    tensors = args[0] if args and isinstance(args[0], (list, tuple)) else None
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    if tensors is None or not isinstance(dim, int) or not isinstance(out, Tensor) or not out.dim():
+        return NotImplemented
+    if dim % out.dim():
+        return _row_wise(flow, (*tensors,), {}, out)
+    if name == "stack" or any(t.dim() == 0 for t in tensors):
+        return NotImplemented
+    rows = [flow.of(t) for t in tensors]
+    if any(r is None for r in rows):
+        return NotImplemented
+    full = [
+        r if r is not False else out.new_full((t.shape[0],), NO_ONE, dtype=torch.long)
+        for t, r in zip(tensors, rows, strict=True)
+    ]
+    return torch.cat(full)

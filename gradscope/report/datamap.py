@@ -1,0 +1,146 @@
+"""The report of a watch file (``gradscope.training.watch``): the data map of Swayamdipta et
+al. (2020), each example's mean confidence in its target across epochs against its
+variability, coloured by how often it was right, and the examples whose gradient norm stays
+high through training."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from ..errors import DataError
+from ..outliers import fmt
+from .charts import STYLE, _svg
+
+NEEDED = ("epoch", "example_id", "grad_norm", "prob")
+
+
+@dataclass(frozen=True)
+class DataMap:
+    """Per example (``ids``, sorted): its per-epoch means reduced over the epochs."""
+
+    ids: np.ndarray
+    epochs: int
+    confidence: np.ndarray  # mean over epochs of the probability of the target
+    variability: np.ndarray  # standard deviation over epochs of it
+    correctness: np.ndarray  # mean over epochs of `correct` (NaN without the column)
+    grad_norm: np.ndarray  # mean over epochs of grad_norm
+    lowest_rank: np.ndarray  # lowest over epochs of the grad_norm's percentile in its epoch
+
+
+def _per_epoch(ids: np.ndarray, epochs: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """(examples, epochs) mean of ``values`` over each example's rows of an epoch; NaN where
+    an example has none."""
+    e_ids, e_at = np.unique(ids, return_inverse=True)
+    p_ids, p_at = np.unique(epochs, return_inverse=True)
+    sums = np.zeros((len(e_ids), len(p_ids)))
+    counts = np.zeros_like(sums)
+    ok = np.isfinite(values)
+    np.add.at(sums, (e_at[ok], p_at[ok]), values[ok])
+    np.add.at(counts, (e_at[ok], p_at[ok]), 1)
+    with np.errstate(invalid="ignore"):
+        return sums / np.where(counts > 0, counts, np.nan)
+
+
+def _percentiles(table: np.ndarray) -> np.ndarray:
+    """Each column's values as their percentile (0..100) within the column; NaN stays."""
+    out = np.full_like(table, np.nan)
+    for j in range(table.shape[1]):
+        ok = np.isfinite(table[:, j])
+        ranks = table[ok, j].argsort().argsort()
+        out[ok, j] = 100.0 * ranks / max(ok.sum() - 1, 1)
+    return out
+
+
+def data_map(path: Path) -> DataMap:
+    """The data map of a watch file."""
+    file = pq.ParquetFile(path)
+    names = file.schema_arrow.names
+    missing = [n for n in NEEDED if n not in names]
+    if missing:
+        raise DataError(f"the watch file lacks {', '.join(missing)}: no data map", str(path))
+    wanted = [*NEEDED, *(["correct"] if "correct" in names else [])]
+    table = {n: c.to_numpy() for n, c in zip(wanted, file.read(wanted).columns, strict=True)}
+    ids, epochs = table["example_id"], table["epoch"]
+    prob = _per_epoch(ids, epochs, table["prob"].astype(np.float64))
+    norm = _per_epoch(ids, epochs, table["grad_norm"].astype(np.float64))
+    correct = (
+        _per_epoch(ids, epochs, table["correct"].astype(np.float64))
+        if "correct" in table
+        else np.full_like(prob, np.nan)
+    )
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an example with no finite value: NaN
+        return DataMap(
+            np.unique(ids),
+            prob.shape[1],
+            np.nanmean(prob, 1),
+            np.nanstd(prob, 1),
+            np.nanmean(correct, 1),
+            np.nanmean(norm, 1),
+            np.nanmin(_percentiles(norm), 1),
+        )
+
+
+def chart(found: DataMap) -> str:
+    """Variability (x) against confidence (y), coloured by correctness, as the paper draws."""
+    from matplotlib import rc_context
+    from matplotlib.figure import Figure
+
+    with rc_context(STYLE):
+        figure = Figure(figsize=(6, 5), layout="constrained")
+        ax = figure.subplots()
+        colour = np.nan_to_num(found.correctness, nan=0.0)
+        dots = ax.scatter(found.variability, found.confidence, c=colour, s=10, cmap="coolwarm_r",
+                          vmin=0, vmax=1, rasterized=len(found.ids) > 5000)  # fmt: skip
+        figure.colorbar(dots, ax=ax, label="correctness (share of epochs right)")
+        ax.set_xlabel("variability (std of the target's probability over epochs)")
+        ax.set_ylabel("confidence (mean probability of the target)")
+    return _svg(figure)
+
+
+def stays_high(found: DataMap, k: int) -> list[dict[str, str]]:
+    """The k examples whose gradient norm ranks highest in their epoch at every epoch: the
+    largest lowest percentile first."""
+    ok = np.flatnonzero(np.isfinite(found.lowest_rank))
+    top = ok[np.argsort(-found.lowest_rank[ok], kind="stable")[:k]]
+    return [
+        {
+            "example_id": str(int(found.ids[i])),
+            "lowest grad_norm percentile": fmt(found.lowest_rank[i]),
+            "mean grad_norm": fmt(found.grad_norm[i]),
+            "confidence": fmt(found.confidence[i]),
+            "variability": fmt(found.variability[i]),
+            "correctness": fmt(found.correctness[i]),
+        }
+        for i in top
+    ]
+
+
+def render(path: Path, meta: dict, version: str, k: int) -> str:
+    """The report page of a watch file as HTML text."""
+    import jinja2
+
+    found = data_map(path)
+    if not len(found.ids):
+        raise DataError("the watch file has no rows: nothing to report", str(path))
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("gradscope", "report"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+    )
+    rows = stays_high(found, k)
+    return env.get_template("watch.html.j2").render(
+        title=path.name,
+        loss=meta.get("loss", "?"),
+        version=version,
+        n=len(found.ids),
+        epochs=found.epochs,
+        chart=chart(found),
+        header=list(rows[0]) if rows else [],
+        rows=rows,
+    )

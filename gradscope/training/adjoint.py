@@ -1,0 +1,100 @@
+"""One step of a recorded run, forward and in reverse: the weights and optimizer state it moves
+from and to, and the adjoint it carries back, with each row's share of it.
+
+A step is theta', s' = U(theta, s, clip(g)), g = grad (1/B) sum_i w_i l_i(theta) at w = 1. Given
+the adjoints (lambda', sbar') of (theta', s'), one double backward of <(lambda', sbar'), U(...)>
+with respect to (theta, s, w) gives lambda and sbar (through U and clip, and through g as a
+Hessian-vector product) and d/dw_i, each row's inner product of its gradient with the adjoint
+that reaches g, over B. R references' adjoints go back together, sharing the step's forward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from ..job import Forward
+from ..losses import LossFn
+from .loop import Rows
+from .record import set_rng
+from .steps import Tensors, Update, clip
+
+
+class Called(nn.Module):
+    """The model called as the config calls it, so that ``functional_call`` can swap its weights."""
+
+    def __init__(self, model: nn.Module, forward: Forward):
+        super().__init__()
+        self.model = model
+        self.call = forward
+
+    def forward(self, *inputs: Tensor) -> Tensor:
+        return self.call(self.model, inputs)
+
+
+@dataclass
+class Problem:
+    """What every step of a replay runs: the model with the weights it is given, the training
+    rows, the loss, the recipe's update and clip."""
+
+    called: Called
+    names: list[str]  # the trained parameters' names in ``called``, in the run's order
+    rows: Rows
+    loss: LossFn
+    update: Update
+    max_norm: float | None
+
+    def losses(self, params: Tensors, inputs: tuple[Tensor, ...], targets: Tensor) -> Tensor:
+        """(B,) the per-example losses of the model at ``params``."""
+        output = functional_call(self.called, dict(zip(self.names, params, strict=True)), inputs)
+        return self.loss(output, targets)
+
+    def step_loss(self, params: Tensors, picked: Tensor, weights: Tensor | None) -> Tensor:
+        """The step's training loss, (1/B) sum_i w_i l_i, over the rows at ``picked``."""
+        losses = self.losses(params, *self.rows.batch(picked))  # (B,)
+        w = torch.ones_like(losses) if weights is None else weights
+        return (losses * w).sum() / len(losses)
+
+    def forward(
+        self, params: Tensors, state: Tensors, picked: Tensor, lr: float, t: int
+    ) -> tuple[Tensors, Tensors]:
+        """Step ``t`` as the run took it, on the rows at ``picked``, from the random state
+        the caller set."""
+        params = [p.detach().requires_grad_() for p in params]
+        grads = torch.autograd.grad(self.step_loss(params, picked, None), params)
+        with torch.no_grad():
+            return self.update(
+                [p.detach() for p in params], state, clip(list(grads), self.max_norm), lr, t
+            )
+
+    def reverse(
+        self, at: tuple[Tensors, Tensors, dict], picked: Tensor, lr: float, t: int,
+        adjoints: Tensors,
+    ) -> tuple[Tensors, Tensor]:  # fmt: skip
+        """Step ``t`` from ``at`` (its weights, state and random state) in reverse: ``adjoints``,
+        (R, ...) per weight then per state tensor after the step, to the same before it, and
+        (R, B) d/dw_i of the step's rows."""
+        params = [p.detach().requires_grad_() for p in at[0]]
+        state = [s.detach().requires_grad_() for s in at[1]]
+        set_rng(at[2])  # the dropout masks of the run's step
+        weights = torch.ones(len(picked), dtype=params[0].dtype, device=params[0].device)
+        weights.requires_grad_()
+        loss = self.step_loss(params, picked, weights)
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        moved, kept = self.update(params, state, clip(list(grads), self.max_norm), lr, t)
+        leaves = [*params, *state, weights]
+        r = adjoints[0].shape[0]
+        back = torch.autograd.grad(
+            [*moved, *kept],
+            leaves,
+            adjoints if r > 1 else [a[0] for a in adjoints],
+            allow_unused=True,
+            is_grads_batched=r > 1,
+        )
+        back = [
+            x.new_zeros(r, *x.shape) if b is None else (b if r > 1 else b[None])
+            for b, x in zip(back, leaves, strict=True)
+        ]
+        return back[:-1], back[-1]  # (R, ...) per leaf; (R, B)

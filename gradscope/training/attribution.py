@@ -1,0 +1,151 @@
+"""``influence --through-training RUN``: the scores of the reverse replay written as ``influence``
+writes its own, one row per training example (or per example and reference), with the loss at
+the run's trained weights."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import distributed
+from ..config import Config
+from ..errors import ConfigError
+from ..inputs import data_inputs
+from ..io.data import Batch, data_sha256
+from ..job import Job, config_forward, config_loss
+from ..scorers.base import (
+    Inputs,
+    Scorer,
+    all_finite,
+    counted,
+    leading,
+    leading_names,
+    trailing_names,
+)
+from .loop import build, recipe
+from .record import Record, open_record
+from .replay import through_training
+from .run import training_inputs
+
+METHOD = "through-training"
+
+
+class ThroughTrainingScorer(Scorer):
+    """Each training row's through-training score for REF; ``replay`` runs before the scoring
+    run, which then writes the rows. A killed replay continues from the folder
+    ``.NAME.replay`` beside the output; the folder goes once the file is written."""
+
+    command = "influence"
+
+    def __init__(self, ref: str | Path, run: str | Path, *, per_ref: bool = False):
+        super().__init__()
+        ref = str(ref)
+        self.ref = ref if ".py:" in ref else str(Path(ref).resolve())
+        self.run, self.per_ref = str(Path(run).resolve()), per_ref
+        self.scores: np.ndarray | None = None  # (N, R)
+        self.folder: Path | None = None
+        self._model: torch.nn.Module | None = None
+        self.record: Record | None = None
+
+    def replay(
+        self, cfg: Config, on_start: Callable[[int], None], on_step: Callable[[int], None]
+    ) -> None:
+        """The reverse replay of the run for REF (refused under torchrun: one process)."""
+        if distributed.world().size > 1:
+            raise ConfigError("--through-training runs in one process", "--through-training")
+        out = Path(cfg.output.path)
+        self.folder = out.with_name(f".{out.name}.replay")
+        scores = through_training(
+            cfg,
+            self.run,
+            self.ref,
+            per_ref=self.per_ref,
+            partial=self.folder,
+            on_start=on_start,
+            on_step=on_step,
+        )
+        self.scores = scores if self.per_ref else scores[:, None]
+
+    def __exit__(self, kind, *exc) -> None:
+        super().__exit__(kind, *exc)
+        if kind is None and self.folder is not None:  # the file is written
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def reads(self) -> Inputs:
+        return data_inputs("--ref", self.ref) + [("--through-training", self.run)]
+
+    def resume_key(self) -> dict:
+        return {"ref": self.ref, "per_ref": self.per_ref, "through_training": self.run}
+
+    def names(self, cfg: Config) -> list[str]:
+        ref_id = ["ref_id"] if self.per_ref else []
+        return [*leading_names(cfg), *ref_id, "loss", "influence", *trailing_names(cfg)]
+
+    def setup(self, job: Job) -> None:
+        """The model at the run's trained weights, for each row's loss."""
+        cfg = job.cfg
+        record = open_record(self.run, cfg, training_inputs(cfg))
+        with torch.random.fork_rng(devices=[]):
+            model = build(cfg, recipe(cfg).seed)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        with torch.no_grad():
+            for p, value in zip(trained, record.final(), strict=True):
+                p.copy_(value)
+        self._model = model.eval()
+        self.record = record
+
+    def columns(self, job: Job, batch: Batch) -> dict[str, np.ndarray]:
+        inputs, targets = job.to_device(batch)
+        with torch.no_grad():
+            output = config_forward(job.cfg)(self._model, inputs)
+            (loss,) = counted(job, batch, [config_loss(job.cfg)(output, targets)])
+        scores = self.scores[batch.index.numpy()]  # (B, R)
+        b, r = scores.shape
+        columns = {name: np.repeat(v, r, axis=0) for name, v in leading(batch).items()}
+        if self.per_ref:
+            columns["ref_id"] = np.tile(np.arange(r, dtype=np.int64), b)
+        columns["loss"] = np.repeat(loss.numpy(), r)
+        columns["influence"] = scores.reshape(-1)
+        if batch.targets.dim() == 1:
+            columns["target"] = np.repeat(batch.targets.numpy(), r)
+        finite = all_finite(loss)[:, None].numpy() & np.isfinite(scores)  # (B, R)
+        columns["finite"] = finite.reshape(-1)
+        return columns
+
+    def metadata(self) -> dict:
+        meta = self.record.meta
+        return {
+            "influence": {
+                "method": METHOD,
+                "run": self.run,
+                "run_sha256": self.record.sha256(),
+                "steps": meta["steps"],
+                "segment": meta["segment"],
+                "ref": self.ref,
+                "ref_sha256": data_sha256(self.ref),
+                "per_ref": self.per_ref,
+            }
+        }
+
+
+def replayed(
+    cfg: Config, ref: str, run: Path, per_ref: bool, curvature: object
+) -> ThroughTrainingScorer:
+    """``influence --through-training RUN``'s scorer, its replay run under a progress bar in
+    steps; ``curvature`` (``--curvature`` or ``--precondition``) is refused: the replay is the
+    exact answer for the run, no curvature stands in for it."""
+    from .. import terminal
+
+    if curvature is not None:
+        raise ConfigError(
+            "--through-training replays the run itself: it takes no --curvature or --precondition",
+            "--through-training",
+        )
+    scorer = ThroughTrainingScorer(ref, run, per_ref=per_ref)
+    with terminal.progress("replay", "steps") as (on_start, on_step):
+        scorer.replay(cfg, on_start, on_step)
+    return scorer

@@ -1,0 +1,207 @@
+"""Attribution through training: the reverse replay of a recorded run. Each training row's score
+is -d f(theta_T) / d w_i at w = 1, f the mean loss over the references (or each one's loss),
+w_i the weight of row i in every batch that holds it: positive where up-weighting the row lowers
+the reference loss, as ``influence`` signs its scores.
+
+The walk goes segment by segment, last first: a segment's weights and optimizer states are
+recomputed from its checkpoint (one segment in memory), checked against where the run went, then
+its steps are walked backward carrying the adjoints (``adjoint.py``). After each segment the
+adjoints and scores so far are saved, so that a killed replay continues from there."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..config import Config
+from ..engine import MAX_PER_REF
+from ..errors import DataError, Interrupted, ModelError, reading
+from ..io.data import data_sha256, open_dataset
+from ..io.parquet import replace_atomically
+from ..job import config_forward, config_loss
+from .adjoint import Called, Problem
+from .loop import Rows, build, recipe
+from .record import Record, open_record, rng, set_rng
+from .run import training_inputs
+from .steps import Tensors
+
+ADJOINTS = "adjoints.pt"
+
+
+def through_training(
+    cfg: Config,
+    run: str | Path,
+    ref: str | Path,
+    *,
+    per_ref: bool = False,
+    partial: str | Path | None = None,
+    on_start: Callable[[int], None] | None = None,
+    on_step: Callable[[int], None] | None = None,
+) -> np.ndarray:
+    """Each training row's score through the run recorded in ``run`` (``gradscope train
+    --record``) for the references in the data file ``ref``: (N,) against their mean loss, or
+    (N, R) against each one's with ``per_ref``, N the rows ``cfg`` trains on, in their order.
+
+    ``partial``: a folder where the adjoints are saved after each segment; a replay of the same
+    record and references finds them there and continues. ``on_start`` gets the number of steps
+    to walk back, ``on_step`` each step walked. The caller's random state is left as it was.
+    """
+    record = open_record(run, cfg, training_inputs(cfg))
+    train = recipe(cfg)
+    with torch.random.fork_rng(devices=[]):
+        rows = Rows(cfg, None)
+        model = build(cfg, train.seed)
+        called = Called(model, config_forward(cfg))
+        names = [f"model.{n}" for n, p in model.named_parameters() if p.requires_grad]
+        problem = Problem(called, names, rows, config_loss(cfg), record.update, train.clip)
+        replay = _Replay(problem, record, on_step)
+        key = {"record": record.sha256(), "ref": data_sha256(str(ref)), "per_ref": per_ref}
+        saved = _resumed(Path(partial), key) if partial else None
+        if saved is None:
+            final = [p.to(rows.device) for p in record.final()]
+            saved = _start(record, _reference_gradients(cfg, problem, final, str(ref), per_ref))
+        if on_start:
+            on_start(record.meta["steps"])
+        if on_step and saved["next"] < record.segments - 1:
+            on_step(record.meta["steps"] - record.bounds(saved["next"] + 1)[0])
+        scores = replay.walk(saved, lambda s: _save(Path(partial), key, s) if partial else None)
+    scores = -scores.T.cpu().numpy()  # (N, R): -d f / d w, influence's sign
+    return scores if per_ref else scores[:, 0]
+
+
+def _start(record: Record, refs: Tensors) -> dict:
+    """The adjoints after the last step: the references' gradients, none on the optimizer."""
+    first = record.checkpoint(record.segments - 1)
+    state = [refs[0].new_zeros(refs[0].shape[0], *s.shape) for s in first["state"]]
+    return {"next": record.segments - 1, "adjoints": refs + state, "scores": None}
+
+
+class _Replay:
+    """The walk back over a record's segments."""
+
+    def __init__(self, problem: Problem, record: Record, on_step: Callable[[int], None] | None):
+        self.problem, self.record, self.on_step = problem, record, on_step
+        self.picked, self.lrs = record.steps()
+        self.device = problem.rows.device
+
+    def walk(self, saved: dict, save: Callable[[dict], None]) -> Tensor:
+        """(R, N) d f / d w from segment ``saved["next"]`` down to the first."""
+        adjoints = [a.to(self.device) for a in saved["adjoints"]]
+        r = adjoints[0].shape[0]
+        scores = saved["scores"]
+        if scores is None:
+            scores = torch.zeros(r, len(self.problem.rows), dtype=torch.float64)
+        for k in range(saved["next"], -1, -1):
+            try:
+                adjoints = self._segment(k, adjoints, scores)
+            except KeyboardInterrupt:
+                done = self.record.segments - 1 - k
+                raise Interrupted(
+                    f"interrupted with {done} of {self.record.segments} segments replayed; run "
+                    "the same command again to continue from there",
+                    str(self.record.folder),
+                ) from None
+            save({"next": k - 1, "adjoints": [a.cpu() for a in adjoints], "scores": scores})
+        return scores
+
+    def _segment(self, k: int, adjoints: Tensors, scores: Tensor) -> Tensors:
+        """Segment ``k``: recomputed from its checkpoint, then walked back; ``scores`` (R, N)
+        gains each of its steps' d f / d w."""
+        trail = self._forward(k)
+        first, last = self.record.bounds(k)
+        for t in range(last - 1, first - 1, -1):
+            at = trail[t - first]
+            adjoints, dw = self.problem.reverse(at, self.picked[t], self.lrs[t], t, adjoints)
+            scores.index_add_(1, self.picked[t], dw.detach().double().cpu())  # (R, B) into (R, N)
+            if self.on_step:
+                self.on_step(1)
+        return adjoints
+
+    def _forward(self, k: int) -> list[tuple[Tensors, Tensors, dict]]:
+        """The weights, optimizer state and random state at each step of segment ``k``,
+        recomputed from its checkpoint, its end checked against where the run went."""
+        checkpoint = self.record.checkpoint(k)
+        params = [p.to(self.device) for p in checkpoint["params"]]
+        state = [s.to(self.device) for s in checkpoint["state"]]
+        set_rng(checkpoint["rng"])
+        self.problem.called.train()
+        trail = []
+        first, last = self.record.bounds(k)
+        for t in range(first, last):
+            trail.append((params, state, rng()))
+            params, state = self.problem.forward(params, state, self.picked[t], self.lrs[t], t)
+        end = self.record.final() if k == self.record.segments - 1 else None
+        end = self.record.checkpoint(k + 1)["params"] if end is None else end
+        _check_end(params, end, last, self.record)
+        return trail
+
+
+def _check_end(params: Tensors, recorded: Tensors, step: int, record: Record) -> None:
+    """The recomputed weights after ``step`` must be the run's, to rounding: else the run drew
+    randomness the record does not hold, or its steps are not the recipe's."""
+    eps = torch.finfo(params[0].dtype).eps
+    scale = max(1.0, max(p.abs().max().item() for p in recorded))
+    off = max((p.cpu() - q).abs().max().item() for p, q in zip(params, recorded, strict=True))
+    if not off <= eps**0.5 * scale:
+        raise ModelError(
+            f"replaying the run from its checkpoint does not reach its weights after step {step} "
+            f"(off by {off:.3g}): the model draws randomness the record does not hold, or was "
+            "trained otherwise than its recipe says",
+            str(record.folder),
+        )
+
+
+def _reference_gradients(
+    cfg: Config, problem: Problem, final: Tensors, ref: str, per_ref: bool
+) -> Tensors:
+    """(R, ...) per weight: the gradient at the run's last weights of the mean loss over REF
+    (R = 1), or of each reference's loss; the model in eval mode, as influence scores."""
+    data = open_dataset(dataclasses.replace(cfg.data, ids=None, limit=None), ref, "--ref")
+    if per_ref and len(data) > MAX_PER_REF:
+        raise DataError(
+            f"--per-ref takes at most {MAX_PER_REF} reference examples; REF has {len(data)}", ref
+        )
+    params = [p.detach().requires_grad_() for p in final]
+    problem.called.eval()
+    parts, count = [], 0
+    with reading(f"--ref {ref}"):
+        for batch in data.batches(cfg.data.batch_size):
+            inputs = tuple(problem.rows.move(t) for t in batch.inputs)
+            losses = problem.losses(params, inputs, batch.targets.to(problem.rows.device))  # (B,)
+            count += len(losses)
+            if per_ref:
+                eye = torch.eye(len(losses), dtype=losses.dtype, device=losses.device)
+                parts.append(torch.autograd.grad(losses, params, eye, is_grads_batched=True))
+            else:
+                parts.append([g[None] for g in torch.autograd.grad(losses.sum(), params)])
+    if per_ref:
+        return [torch.cat(gs) for gs in zip(*parts, strict=True)]
+    return [sum(gs) / count for gs in zip(*parts, strict=True)]
+
+
+def _resumed(folder: Path, key: dict) -> dict | None:
+    """What an interrupted replay of the same record and references saved; None when none did."""
+    file = folder / ADJOINTS
+    if not file.is_file():
+        return None
+    try:
+        saved = torch.load(file, weights_only=True)
+    except Exception as e:
+        raise DataError(
+            f"the interrupted replay's {ADJOINTS} does not read back ({type(e).__name__}); "
+            "delete the folder to start over",
+            str(folder),
+        ) from e
+    return saved if saved["key"] == key else None
+
+
+def _save(folder: Path, key: dict, saved: dict) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    replace_atomically(
+        folder / ADJOINTS, lambda f: torch.save(saved | {"key": key}, f), "the adjoints"
+    )

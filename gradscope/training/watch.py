@@ -1,0 +1,230 @@
+"""Watch every example while it trains: each step's forward and backward run through the
+engine, whose one backward gives each example's loss gradient norm and the batch gradient the
+optimizer steps on, and each example's loss, norm and margin go to Parquet by its id.
+
+``Watch.step`` replaces ``loss = loss_fn(model(x), y); loss.backward()`` in a loop: the
+parameters' ``.grad`` receive the gradient of the training loss (the mean of the per-example
+losses, or with ``reduction="tokens"`` the mean over every counted token of the batch, as
+Hugging Face's causal LM loss), from the same backward that serves the rules, so the optimizer
+steps as it would without the watch. ``gradscope report`` on the file draws the data map.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from .. import __version__
+from ..engine import BatchScores, Engine, Forward, total
+from ..errors import ConfigError, DataError
+from ..losses import LossFn, resolve_loss
+from ..predictions import predictions
+from .watchfile import WatchFile
+
+REDUCTIONS = ("mean", "tokens")  # the training loss: the mean over examples, or over tokens
+OnStep = Callable[[int, np.ndarray], None]  # (0-based step, the batch's ids in order)
+
+
+def _token_view(outputs: Tensor, targets: Tensor, ignore_index: int) -> dict[str, Tensor]:
+    """Next-token logits (B, T, V) and token ids (B, T) -> each example's margin (the mean
+    over its counted tokens of the target's logit minus the best other) and correct (the
+    share of them predicted); NaN where none counts. Its prob, ``exp(-loss)``, the watch
+    adds."""
+    logits, target = outputs[:, :-1], targets[:, 1:].long()  # (B, T-1, V), (B, T-1)
+    counted = target != ignore_index
+    safe = torch.where(counted, target, 0).unsqueeze(-1)  # (B, T-1, 1)
+    mine = logits.gather(-1, safe).squeeze(-1).double()  # (B, T-1)
+    top, at = logits.topk(2, dim=-1)  # (B, T-1, 2)
+    best = top[..., 0].double()
+    other = torch.where(at[..., 0] == safe.squeeze(-1), top[..., 1].double(), best)
+    n = counted.sum(1).double()  # (B,)
+    none = torch.full_like(n, float("nan"))
+    hit = ((at[..., 0] == target) & counted).sum(1).double()
+    margin = ((mine - other) * counted).sum(1)
+    return {
+        "margin": torch.where(n > 0, margin / n.clamp_min(1), none),
+        "correct": torch.where(n > 0, hit / n.clamp_min(1), none),
+    }
+
+
+def _observer(name: str | LossFn, kwargs: dict) -> Callable[[Tensor, Tensor], dict] | None:
+    """What the watch reads off each step's output: pred, prob, margin and correct for one
+    label per example; margin and correct over the tokens for causal_lm; else nothing."""
+    ignore_index = int(kwargs.get("ignore_index", -100))
+    if name == "causal_lm":
+        return lambda outputs, targets: _token_view(outputs, targets, ignore_index)
+    classes = predictions(name, kwargs) if isinstance(name, str) else None
+    if classes is None:
+        return None
+
+    def observe(outputs: Tensor, targets: Tensor) -> dict[str, Tensor]:
+        if name != "bce_with_logits" and (outputs.dim() != 2 or targets.dim() != 1):
+            return {}  # a label per position: none per example (and no float64 copy of it)
+        seen = classes(outputs, targets)
+        if "pred" in seen:
+            nan = torch.full_like(seen["prob"], float("nan"))
+            right = (seen["pred"] == targets.reshape(-1).round().long()).double()
+            seen["correct"] = torch.where(seen["prob"].isnan(), nan, right)
+        return seen
+
+    return observe
+
+
+class _Deposit(torch.autograd.Function):
+    """The training loss's value, whose backward hands each parameter the gradient the step's
+    one backward computed, times the gradient arriving: autograd adds it to ``.grad``."""
+
+    @staticmethod
+    def forward(ctx: Any, value: Tensor, grads: list[Tensor | None], *params: Tensor) -> Tensor:
+        ctx.grads = grads
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, out: Tensor) -> tuple[Tensor | None, ...]:
+        grads, ctx.grads = ctx.grads, None  # once: a second backward has nothing to give
+        if grads is None:
+            raise RuntimeError("the watched step's loss was backpropagated twice")
+        return (None, None, *(None if g is None else g * out for g in grads))
+
+
+class Watch:
+    """A context manager around a training loop that watches every example at every step.
+
+    ``model`` trains on ``loss`` (a name, as ``per_example_norms`` takes, or a callable
+    ``(outputs, targets) -> Tensor[B]``; ``loss_kwargs`` as the config's ``loss.kwargs``);
+    ``keywords`` names the inputs passed by keyword (the last ones), ``output`` picks the
+    tensor the loss reads (or ``forward(model, inputs)`` returns it). The norms are over the
+    parameters that require grad (or ``include``/``exclude``'s); the gradient ``.grad``
+    receives is of every parameter that requires grad.
+    ``out`` is the Parquet file written when the context exits (the rows of every finished
+    step, also after an error). ``on_step(step, ids)`` is called after each step: where a run
+    record (the order of the rows in every batch) is kept.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        out: str | Path,
+        loss: str | LossFn = "cross_entropy",
+        *,
+        loss_kwargs: dict | None = None,
+        reduction: str = "mean",
+        include: Sequence[str] | None = None,
+        exclude: Sequence[str] = (),
+        keywords: Sequence[str] = (),
+        output: str | int | None = None,
+        forward: Callable[[nn.Module, tuple[Tensor, ...]], Tensor] | None = None,
+        on_step: OnStep | None = None,
+    ):
+        if reduction not in REDUCTIONS:
+            raise ConfigError(f"reduction must be one of {', '.join(REDUCTIONS)}", "reduction")
+        if reduction == "tokens" and loss != "causal_lm":
+            raise ConfigError("reduction='tokens' is causal_lm's: the mean over tokens", "loss")
+        kwargs = dict(loss_kwargs or {})
+        self.tokens = reduction == "tokens"
+        self.lm = loss == "causal_lm"
+        self.ignore_index = int(kwargs.get("ignore_index", -100))
+        per_example = resolve_loss(loss, kwargs, token_reduction="sum" if self.tokens else "mean")
+        self.model, self.on_step = model, on_step
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ConfigError("the model has no parameter that requires grad to train", "model")
+        self.engine = Engine(
+            model,
+            per_example,
+            include,
+            exclude,
+            forward or Forward(tuple(keywords), output, "output="),
+            _observer(loss, kwargs),
+        )
+        name = loss if isinstance(loss, str) else getattr(loss, "__name__", "custom")
+        self.file = WatchFile(
+            Path(out),
+            {
+                "command": "watch",
+                "version": __version__,
+                "loss": name,
+                "reduction": reduction,
+                "params": [p.name for p in self.engine.plan.included],
+            },
+        )
+        self.steps = 0
+        self._modes: list[tuple[nn.Module, bool]] = []
+
+    def __enter__(self) -> Watch:
+        self._modes = [(m, m.training) for m in self.model.modules()]
+        self.engine.__enter__()
+        for m, mode in self._modes:  # the engine scores in eval mode; training keeps its own
+            m.training = mode
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.engine.__exit__(*exc)
+        finally:
+            self.file.close()
+
+    def step(
+        self,
+        inputs: Tensor | Sequence[Tensor],
+        targets: Tensor,
+        ids: Tensor | Sequence[int] | np.ndarray,
+        *,
+        epoch: int = 0,
+        divisor: float | None = None,
+    ) -> Tensor:
+        """One training step's forward and backward of the batch whose rows are the dataset's
+        ``ids``, its rows written; returns the training loss, the sum of the per-example
+        losses over ``divisor`` (by default the batch size: the mean; with
+        ``reduction="tokens"`` the batch's counted tokens; more where the loss a step averages
+        spans more, the micro-batches of an accumulated step). Its ``backward()`` runs no
+        model: it adds the gradient the step's backward computed to each parameter's
+        ``.grad``, times the gradient arriving (a loss scaler's, an accumulation's)."""
+        inputs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+        ids = np.asarray(torch.as_tensor(ids).cpu()).reshape(-1)
+        if len(ids) != len(targets) or ids.dtype.kind not in "iu":
+            raise DataError(
+                f"ids must be one integer per example, {len(targets)} here; got {len(ids)} "
+                f"of dtype {ids.dtype}",
+                "ids",
+            )
+        counts = self._counts(targets)
+        if divisor is None:
+            divisor = float(counts.sum()) if counts is not None else float(len(targets))
+        scores = self.engine.step(inputs, targets, self.params)
+        self._write(scores, counts, epoch, ids, targets)
+        grads = [None if g is None else g / divisor for g in scores.trained]
+        return _Deposit.apply(scores.loss.sum() / divisor, grads, *self.params)
+
+    def _write(
+        self,
+        scores: BatchScores,
+        counts: Tensor | None,
+        epoch: int,
+        ids: np.ndarray,
+        targets: Tensor,
+    ) -> None:
+        """The step's rows: each example's own loss and the norm of its gradient."""
+        norm = total(scores.norm_sq).sqrt().cpu()  # (B,)
+        loss = scores.loss.double().cpu()
+        if counts is not None:  # a token sum: each example's own loss is its tokens' mean
+            loss = torch.where(counts > 0, loss / counts.clamp_min(1), float("nan"))
+            norm = torch.where(counts > 0, norm / counts.clamp_min(1), 0.0)
+        observed = scores.observed
+        if self.lm:  # the geometric mean of its tokens' probabilities
+            observed = {**observed, "prob": (-loss).exp()}
+        self.file.write(self.steps, epoch, ids, loss, norm, observed, targets)
+        if self.on_step is not None:
+            self.on_step(self.steps, ids)
+        self.steps += 1
+
+    def _counts(self, targets: Tensor) -> Tensor | None:
+        """(B,) float64 counted next tokens of each example, for a mean over tokens."""
+        if not self.tokens:
+            return None
+        return (targets[:, 1:] != self.ignore_index).sum(1).double().cpu()

@@ -1,0 +1,97 @@
+"""The watch as a Hugging Face ``Trainer`` callback, for causal language models.
+
+From the start of training to its end, the model's training calls (in train mode, with
+``labels``) run through ``Watch.step``: the engine's forward and its one backward, which
+gives the gradient of the loss the ``Trainer`` would have taken (the mean over every counted
+next token of the step, micro-batches of an accumulated step included), and returns that loss,
+whose backward, the ``Trainer``'s, adds that gradient to ``.grad`` without running the model.
+The dataset carries each row's id in a column (``ids``, default ``example_id``) that the
+collator passes along: set ``remove_unused_columns=False``.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import TrainerCallback
+from transformers.modeling_outputs import CausalLMOutput
+
+from ..errors import ConfigError, ModelError
+from .watch import OnStep, Watch
+
+UNSUPPORTED = {
+    "fp16": "fp16 training (its loss scaler is untested with the watch)",
+    "label_smoothing_factor": "label smoothing, whose loss is not causal_lm's",
+}
+
+
+class WatchCallback(TrainerCallback):
+    """Writes the watch file ``out`` of a ``Trainer`` run: every example's loss, gradient norm
+    and margin at every step, keyed by the dataset column ``ids``."""
+
+    def __init__(self, out: str | Path, ids: str = "example_id", on_step: OnStep | None = None):
+        self.out, self.ids, self.on_step = out, ids, on_step
+        self.watch: Watch | None = None
+        self.epoch = 0
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module, **_: Any):
+        for name, why in UNSUPPORTED.items():
+            if getattr(args, name, None):
+                raise ConfigError(f"the watch cannot serve {why}", f"TrainingArguments.{name}")
+        if args.remove_unused_columns:
+            raise ConfigError(
+                f"the Trainer drops the {self.ids!r} column: set remove_unused_columns=False",
+                "TrainingArguments.remove_unused_columns",
+            )
+        model.forward = functools.partial(self._forward, model, model.forward)
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **_: Any):
+        self.epoch = int(state.epoch or 0)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, model: nn.Module, **_: Any):
+        del model.forward  # the class's own again
+        if self.watch is not None:
+            self.watch.__exit__(None, None, None)
+            self.watch = None
+
+    def _forward(self, model: nn.Module, original: Any, *args: Any, **kwargs: Any) -> Any:
+        if not model.training or not torch.is_grad_enabled() or args:
+            kwargs.pop(self.ids, None)  # an evaluation's batch: the ids are no input
+            return original(*args, **kwargs)
+        if "labels" not in kwargs:
+            raise ModelError(
+                "a training call without labels: the watch needs the Trainer to pass them "
+                "to the model (no compute_loss_func)",
+                "Trainer",
+            )
+        if self.ids not in kwargs:
+            raise ModelError(f"the batch has no {self.ids!r} column", "WatchCallback(ids=)")
+        ids, labels = kwargs.pop(self.ids), kwargs.pop("labels")
+        items = kwargs.pop("num_items_in_batch", None)
+        names = tuple(kwargs)
+        if self.watch is None:  # the first step: the batch's keys are the model's inputs
+            self.watch = Watch(
+                model, self.out, "causal_lm", reduction="tokens", on_step=self.on_step,
+                forward=_Call(original, names),
+            ).__enter__()  # fmt: skip
+        # the step's tokens where the Trainer counts them (it divides the loss by the number
+        # of micro-batches it accumulates otherwise), else the batch's
+        divisor = float(items) if items is not None else None
+        loss = self.watch.step(tuple(kwargs[k] for k in names), labels, ids, epoch=self.epoch,
+                          divisor=divisor)  # fmt: skip
+        return CausalLMOutput(loss=loss)
+
+
+class _Call:
+    """The engine's forward of a Hugging Face model: its own forward, the batch's tensors by
+    keyword, its logits."""
+
+    def __init__(self, forward: Any, names: tuple[str, ...]):
+        self.forward, self.names = forward, names
+
+    def __call__(self, model: nn.Module, inputs: tuple[Tensor, ...]) -> Tensor:
+        return self.forward(**dict(zip(self.names, inputs, strict=True))).logits

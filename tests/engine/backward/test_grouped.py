@@ -1,0 +1,114 @@
+"""Calls of modules a rule treats alike (``Rule.alike``) answered together: where a pass asks for
+norms alone, small calls of alike modules on inputs of one shape are answered by one run of
+their rule over the stacked examples (``backward/grouped.Grouped``). Exact against the float64 loop
+on a model that mixes what may go together with what may not: tied and twice-called modules
+(merged), a Linear without bias beside ones with, inputs of two lengths, a library norm."""
+
+from __future__ import annotations
+
+import families
+import pytest
+import torch
+from oracle import Case, assert_case_matches_loop, assert_rel_close, reference_norms
+from torch import Tensor, nn
+
+import gradscope
+from gradscope.engine import Engine, naive_grads
+from gradscope.engine.backward.grouped import Grouped
+from gradscope.losses import resolve_loss
+
+
+class Alike(nn.Module):
+    """Blocks of alike Linears and norms, a tied pair, a module called twice, a bias-free
+    Linear, and a second sequence of another length through Linears alike to the blocks."""
+
+    def __init__(self, d: int = 6):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(4))
+        self.others = nn.ModuleList(nn.Linear(d, d) for _ in range(4))
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(3))
+        self.rms = nn.ModuleList(families.LlamaRMSNorm(d) for _ in range(2))
+        self.tied = nn.Linear(d, d)
+        self.tied.weight = self.blocks[0].weight  # merged with blocks[0]
+        self.twice = nn.Linear(d, d)
+        self.bare = nn.Linear(d, d, bias=False)
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        norms = [*self.norms, self.norms[0]]  # the first norm called twice
+        for block, other, norm in zip(self.blocks, self.others, norms, strict=True):
+            x = torch.tanh(block(norm(x)))
+            y = torch.tanh(other(y))  # alike Linears on a sequence of another length
+        x = self.rms[1](self.tied(self.rms[0](x)))
+        x = self.twice(self.twice(x)) + self.bare(x)
+        return self.head(x.mean(1) + y.mean(1)).squeeze(1)
+
+
+CASE = Case(
+    "alike",
+    Alike,
+    lambda b: (torch.randn(b, 5, 6), torch.randn(b, 3, 6)),
+    lambda out: torch.randn_like(out),
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_alike_calls_answered_together_match_the_loop(tmp_path, monkeypatch, dtype):
+    together: list[int] = []
+    answer = Grouped._together
+
+    def counting(self, reducer, batch, held):
+        done = answer(self, reducer, batch, held)
+        together.append(len(held) if done else 0)
+        return done
+
+    monkeypatch.setattr(Grouped, "_together", counting)
+    assert_case_matches_loop(CASE, dtype, 1e-5 if dtype == torch.float64 else 1e-4, tmp_path)
+    assert together and all(together), together  # groups of two or more, each answered
+
+
+def test_a_group_whose_rule_fails_is_answered_call_by_call(monkeypatch):
+    model, inputs, targets = CASE.build()
+    monkeypatch.setattr(Grouped, "_together", lambda *args: False)
+    got = gradscope.per_example_norms(model, inputs, targets, "mse")
+    assert_rel_close(got, reference_norms(model, inputs, targets)[1], 1e-9)
+
+
+def test_each_parameter_gets_its_own_calls_norms():
+    model, inputs, targets = CASE.build()
+    loss = resolve_loss("mse")
+    with Engine(model, loss) as engine:
+        names = [p.name for p in engine.plan.included]
+        for seed in range(3):  # analysed, then replayed
+            x, y = CASE.build(seed=seed)[1:] if seed else (inputs, targets)
+            got = engine.norms(x, y).norm_sq
+            _, grads = naive_grads(model, x, y, loss, names)
+            for name, g in grads.items():
+                assert_rel_close(got[name], g.flatten(1).pow(2).sum(1), 1e-9)
+
+
+@pytest.mark.parametrize("exclude", [(), ("blocks.2.weight",)])
+def test_inner_products_of_alike_calls_match_the_loop(monkeypatch, exclude):
+    # three references a parameter; with blocks.2's weight left out, its group has no
+    # references to stack and is answered call by call
+    together: list[bool] = []
+    answer = Grouped._together
+    monkeypatch.setattr(
+        Grouped, "_together", lambda *a: together.append(answer(*a)) or together[-1]
+    )
+    model, inputs, targets = CASE.build()
+    loss = resolve_loss("mse")
+    with Engine(model, loss, exclude=exclude) as engine:
+        names = [p.name for p in engine.plan.included]
+        g = torch.Generator().manual_seed(5)
+        refs = {p.name: torch.randn(3, *p.param.shape, generator=g).double()
+                for p in engine.plan.included}  # fmt: skip
+        for seed in range(3):  # analysed, then replayed
+            x, y = CASE.build(seed=seed)[1:] if seed else (inputs, targets)
+            got = engine.norms(x, y, refs=refs)
+            _, grads = naive_grads(model, x, y, loss, names)
+            for name, per in grads.items():
+                want = per.flatten(1) @ refs[name].flatten(1).T  # (B, 3)
+                assert_rel_close(got.inner[name], want, 1e-9)
+                assert_rel_close(got.norm_sq[name], per.flatten(1).pow(2).sum(1), 1e-9)
+    assert any(together) and (not exclude or not all(together))

@@ -1,0 +1,101 @@
+"""``gradscope train --record`` and ``influence --through-training`` through the command line:
+the Parquet file against ``through_training``, a record kept right across Ctrl-C and --resume,
+and the refusals, each one line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from gradscope.cli import app
+from gradscope.config import load_config
+from gradscope.training.loop import Trainer
+from gradscope.training.replay import through_training
+from tests.project import make_project, one_error
+
+TRAIN = {"optimizer": "adamw", "lr": 0.05, "epochs": 3, "warmup": 2, "schedule": "cosine",
+         "weight_decay": 0.1, "clip": 1.0}  # fmt: skip
+
+
+def run(*args: object):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture
+def project(tmp_path):
+    config = make_project(tmp_path, n=14, model__checkpoint="out.pt", train=TRAIN, dtype="float64")
+    g = torch.Generator().manual_seed(5)
+    ref = {"x": torch.randn(3, 5, generator=g), "y": torch.randint(0, 3, (3,), generator=g)}
+    torch.save(ref, tmp_path / "ref.pt")
+    return config
+
+
+def test_influence_through_training_writes_the_replays_scores(tmp_path, project):
+    result = run("train", project, "--record", "--segment", "4")
+    assert result.exit_code == 0, result.output
+    assert "out.run\n" in result.output
+    want = through_training(
+        load_config(project), tmp_path / "out.run", tmp_path / "ref.pt", per_ref=True
+    )
+    result = run("influence", project, "--ref", tmp_path / "ref.pt", "--through-training",
+                 tmp_path / "out.run", "--per-ref")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(tmp_path / "scores.parquet")
+    rows = table.to_pandas().sort_values(["example_id", "ref_id"])
+    np.testing.assert_array_equal(rows["influence"].to_numpy(), want.reshape(-1))
+    meta = json.loads(table.schema.metadata[b"gradscope"])["influence"]
+    assert meta["method"] == "through-training" and meta["steps"] == 12 and meta["segment"] == 4
+    assert not list(tmp_path.glob(".*.replay"))  # the adjoints go once the file is written
+    assert np.isfinite(rows["loss"]).all()
+
+
+def test_a_record_kept_across_ctrl_c_and_resume_is_the_uninterrupted_ones(
+    tmp_path, project, monkeypatch
+):
+    assert (
+        run("train", project, "--record", "--segment", "2", "--out", tmp_path / "a.pt").exit_code
+        == 0
+    )
+    step, calls = Trainer._step, []
+
+    def interrupted(self, picked):
+        calls.append(1)
+        if len(calls) == 10:  # in the third pass of 4 steps
+            raise KeyboardInterrupt
+        step(self, picked)
+
+    monkeypatch.setattr(Trainer, "_step", interrupted)
+    assert run("train", project, "--record", "--segment", "2").exit_code == 130
+    monkeypatch.setattr(Trainer, "_step", step)
+    assert run("train", project, "--record", "--segment", "2", "--resume").exit_code == 0
+    cfg = load_config(project)
+    a = through_training(cfg, tmp_path / "a.run", tmp_path / "ref.pt")
+    b = through_training(cfg, tmp_path / "out.run", tmp_path / "ref.pt")
+    np.testing.assert_array_equal(a, b)
+
+
+def test_refusals_are_one_line(tmp_path, project):
+    ref, record = tmp_path / "ref.pt", tmp_path / "out.run"
+    assert run("train", project, "--record").exit_code == 0
+    (tmp_path / "out.pt").unlink()
+    line = one_error(run("train", project, "--record"))
+    assert "a run record is there already; pass --overwrite" in line
+    line = one_error(
+        run("influence", project, "--ref", ref, "--through-training", record, "--curvature", "gn")
+    )
+    assert "takes no --curvature or --precondition" in line
+    (record / "steps.pt").write_bytes((record / "steps.pt").read_bytes()[:-1])
+    line = one_error(run("influence", project, "--ref", ref, "--through-training", record))
+    assert "the run record's steps.pt changed after it was written" in line
+    assert "--segment must be a positive" in one_error(
+        run("train", project, "--record", "--segment", "0", "--overwrite")
+    )
+    (tmp_path / "fn").mkdir()
+    fn = make_project(tmp_path / "fn", train={"fn": "loop.py:train"}, model__checkpoint="out.pt")
+    (tmp_path / "fn" / "loop.py").write_text("def train(model, rows, seed):\n    pass\n")
+    assert "cannot record it" in one_error(run("train", fn, "--record"))

@@ -1,0 +1,53 @@
+"""The report of a watch file: the data map's numbers against a loop over the examples."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from gradscope.report import write_report
+from gradscope.report.datamap import data_map, stays_high
+
+
+def _watch_file(path, rows):
+    table = pa.table({k: np.array([r[k] for r in rows]) for k in rows[0]})
+    table = table.replace_schema_metadata({b"gradscope": json.dumps({"command": "watch"})})
+    pq.write_table(table, path)
+
+
+def test_data_map_is_each_examples_epochs_reduced(tmp_path):
+    rng = np.random.default_rng(0)
+    rows = [
+        {"step": s, "epoch": e, "example_id": i, "grad_norm": rng.random(), "prob": rng.random(),
+         "correct": float(rng.random() > 0.5)}
+        for e in range(3) for s, i in enumerate([4, 2, 9, 2] if e == 1 else [4, 2, 9])
+    ]  # fmt: skip  # example 2 seen twice in epoch 1: its epoch's mean counts once
+    _watch_file(tmp_path / "w.parquet", rows)
+    found = data_map(tmp_path / "w.parquet")
+    assert found.ids.tolist() == [2, 4, 9] and found.epochs == 3
+    for k, i in enumerate([2, 4, 9]):
+        per_epoch = [
+            np.mean([r["prob"] for r in rows if r["example_id"] == i and r["epoch"] == e])
+            for e in range(3)
+        ]
+        assert np.isclose(found.confidence[k], np.mean(per_epoch))
+        assert np.isclose(found.variability[k], np.std(per_epoch))
+    norms = {i: [np.mean([r["grad_norm"] for r in rows if r["example_id"] == i and
+                          r["epoch"] == e]) for e in range(3)] for i in (2, 4, 9)}  # fmt: skip
+    lowest = {i: min(50.0 * sorted(v[e] for v in norms.values()).index(norms[i][e])
+                     for e in range(3)) for i in norms}  # fmt: skip
+    assert dict(zip(found.ids.tolist(), found.lowest_rank.tolist(), strict=True)) == lowest
+    top = stays_high(found, 1)[0]
+    assert int(top["example_id"]) == max(lowest, key=lowest.get)
+
+
+def test_report_of_a_watch_file_draws_the_data_map(tmp_path):
+    rows = [{"step": e, "epoch": e, "example_id": i, "grad_norm": 1.0 + i, "prob": 0.2 * i}
+            for e in range(2) for i in range(4)]  # fmt: skip
+    _watch_file(tmp_path / "w.parquet", rows)
+    page = write_report(tmp_path / "w.parquet").read_text()
+    assert "Data map" in page and "<svg" in page
+    assert page.index("<td>3</td>") < page.index("<td>2</td>")  # the largest norm first

@@ -1,0 +1,132 @@
+"""The watch: each step's per-example numbers against a float64 per-example loop, and the
+training it serves against the same training without it."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from torch import nn
+
+from gradscope.errors import ModelError
+from gradscope.training.watch import Watch
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+def _data(n: int = 10):
+    torch.manual_seed(1)
+    return torch.randn(n, 5, dtype=torch.float64), torch.randint(0, 3, (n,))
+
+
+def _oracle(model: nn.Module, x, y) -> dict[str, np.ndarray]:
+    """Each example alone: its loss, gradient norm, margin and correctness."""
+    rows = {"loss": [], "grad_norm": [], "margin": [], "correct": []}
+    for i in range(len(y)):
+        out = model(x[i : i + 1])[0]
+        loss = nn.functional.cross_entropy(out, y[i])
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        other = torch.cat([out[: y[i]], out[y[i] + 1 :]]).max()
+        rows["loss"].append(loss.item())
+        rows["grad_norm"].append(torch.stack([g.square().sum() for g in grads]).sum().sqrt().item())
+        rows["margin"].append((out[y[i]] - other).item())
+        rows["correct"].append(float(out.argmax() == y[i]))
+    return {k: np.array(v) for k, v in rows.items()}
+
+
+def _train(model, x, y, batch, step):
+    """Two epochs of SGD with momentum in batches of ``batch``; ``step`` does the forward and
+    backward of one batch."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9, weight_decay=0.01)
+    for epoch in range(2):
+        for start in range(0, len(y), batch):
+            rows = torch.arange(start, min(start + batch, len(y)))
+            optimizer.zero_grad()
+            step(rows, epoch)
+            optimizer.step()
+
+
+@pytest.mark.parametrize("batch", [4, 3])
+def test_numbers_equal_the_loop_and_the_weights_the_plain_run(tmp_path, batch):
+    x, y = _data()
+    watched, plain = _model(), _model()
+    expected = []
+
+    def plain_step(rows, epoch):
+        expected.append(_oracle(plain, x[rows], y[rows]))
+        nn.functional.cross_entropy(plain(x[rows]), y[rows], reduction="none").mean().backward()
+
+    _train(plain, x, y, batch, plain_step)
+    with Watch(watched, tmp_path / "w.parquet") as watch:
+        _train(watched, x, y, batch, lambda r, e: watch.step(x[r], y[r], r, epoch=e).backward())
+    for p, q in zip(watched.parameters(), plain.parameters(), strict=True):
+        if batch == 4:  # a power of two: the mean's gradient bit for bit
+            assert torch.equal(p, q)
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+    table = pq.read_table(tmp_path / "w.parquet").to_pydict()
+    steps = len(expected)
+    assert sorted(set(table["step"])) == list(range(steps))
+    assert table["example_id"] == [i for _ in range(2) for i in range(10)]
+    assert table["epoch"] == [0] * 10 + [1] * 10
+    for name in ("loss", "grad_norm", "margin", "correct"):
+        want = np.concatenate([e[name] for e in expected])
+        np.testing.assert_allclose(table[name], want, rtol=1e-10, atol=1e-12)
+
+
+def test_the_model_is_left_as_it_was(tmp_path):
+    model = _model().train()
+    model[0].weight.requires_grad_(False)
+    hooks = model[0]._forward_hooks.copy()
+    x, y = _data(4)
+    with Watch(model, tmp_path / "w.parquet") as watch:
+        assert model.training  # trains in its own mode
+        watch.step(x, y, torch.arange(4)).backward()
+        assert model[0].weight.grad is None  # frozen: no gradient
+    assert model.training and not model[0].weight.requires_grad
+    assert model[0]._forward_hooks == hooks and not model[2]._forward_hooks
+    assert not any(m._backward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_random_forward_is_refused(tmp_path):
+    model = nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.5), nn.Linear(8, 3)).double().train()
+    x, y = _data(4)
+    with Watch(model, tmp_path / "w.parquet") as watch, pytest.raises(ModelError, match="second"):
+        watch.step(x, y, torch.arange(4))
+
+
+class _LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok, self.head = nn.Embedding(7, 6), nn.Linear(6, 7)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.tok(ids)))  # (B, T, V)
+
+
+def test_tokens_mean_serves_the_token_mean_and_each_examples_own_mean(tmp_path):
+    torch.manual_seed(2)
+    watched = _LM().double()
+    plain = copy.deepcopy(watched)
+    ids = torch.randint(0, 7, (3, 5))
+    ids[1, 2:] = -100  # fewer counted tokens in one row
+    inputs = ids.clamp_min(0)
+    with Watch(watched, tmp_path / "w.parquet", "causal_lm", reduction="tokens") as watch:
+        watch.step(inputs, ids, torch.tensor([5, 6, 7])).backward()
+    logits = plain(inputs)
+    nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+    for p, q in zip(watched.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+    table = pq.read_table(tmp_path / "w.parquet").to_pydict()
+    for i in range(3):
+        loss = nn.functional.cross_entropy(plain(inputs[i : i + 1])[0, :-1], ids[i, 1:])
+        grads = torch.autograd.grad(loss, list(plain.parameters()))
+        norm = torch.stack([g.square().sum() for g in grads]).sum().sqrt().item()
+        assert table["loss"][i] == pytest.approx(loss.item(), rel=1e-12)
+        assert table["grad_norm"][i] == pytest.approx(norm, rel=1e-10)
+        assert table["prob"][i] == pytest.approx(np.exp(-loss.item()), rel=1e-12)
