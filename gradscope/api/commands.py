@@ -95,17 +95,23 @@ def train(
     out: str | Path | None = None,
     resume: bool = False,
     overwrite: bool = False,
+    record: bool = False,
+    segment: int | None = None,
     **options: Any,
 ) -> Trained:
     """Train the config's model by its ``train:`` recipe on ``data`` (default: ``data.path``)
     and write the checkpoint (``out``, default ``model.checkpoint``): ``gradscope train``.
-    Returns what it wrote (``path``, ``epochs``) and the run's ``rows``, ``steps``, ``loss``."""
+    ``record`` also writes the run record beside it (``influence(through_training=...)``), a
+    checkpoint every ``segment`` steps. Returns what it wrote (``path``, ``epochs``,
+    ``record``) and the run's ``rows``, ``steps``, ``loss``."""
     from ..training.run import train_model
 
     with called() as call:
         cfg = configured(call, _config_only(config, "train"), data, **options)
         target = None if out is None else call.out(out, "model.pt")
-        return train_model(cfg, target, resume=resume, overwrite=overwrite)
+        return train_model(
+            cfg, target, resume=resume, overwrite=overwrite, record=record, segment=segment
+        )
 
 
 def validate(

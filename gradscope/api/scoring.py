@@ -64,6 +64,7 @@ def influence(
     curvature: str | None = None,
     damping: float | None = None,
     solver: str = "auto",
+    through_training: str | Path | None = None,
     config: Config | str | Path | None = None,
     out: str | Path | None = None,
     resume: bool = False,
@@ -75,17 +76,26 @@ def influence(
 
     ``model``, ``data``, ``config`` and ``options`` as ``norms`` takes them; ``ref`` as ``data``.
     ``curvature`` (``none``, ``gn``, ``hessian``, ``kfac``, ``ekfac``; default ``auto``),
-    ``damping``, ``solver``, ``precondition`` and ``engine`` as the command's options. Returns
+    ``damping``, ``solver``, ``precondition`` and ``engine`` as the command's options;
+    ``through_training``, a run record (``train(record=True)``), scores by replaying that run
+    backward instead (``--through-training``). Returns
     the command's columns, or with ``matrix`` the (references, examples) float64 tensor of
     ``influence`` (one row without ``per_ref``).
     """
     with called() as call:
         cfg = configured(call, model, data, config, **options)
-        scorer = InfluenceScorer(
-            call.spec(ref), per_ref=per_ref, precondition=precondition, engine=engine,
-            trust_checkpoint=trust_checkpoint, curvature=curvature, damping=damping,
-            solver=solver,
-        )  # fmt: skip
+        if through_training is not None:
+            from ..training.attribution import replayed
+
+            scorer = replayed(
+                cfg, call.spec(ref), Path(through_training), per_ref, precondition or curvature
+            )
+        else:
+            scorer = InfluenceScorer(
+                call.spec(ref), per_ref=per_ref, precondition=precondition, engine=engine,
+                trust_checkpoint=trust_checkpoint, curvature=curvature, damping=damping,
+                solver=solver,
+            )  # fmt: skip
         scores = _scores(call, cfg, scorer, out, resume, trust_checkpoint)
     return references_by_examples(scores) if matrix else scores
 

@@ -12,7 +12,7 @@ import torch
 from conftest import K, N, cli
 from oracle import reference_influence
 from problem import make_problem
-from project import load_net
+from project import load_net, make_project
 from safetensors.torch import load_file
 
 import gradscope
@@ -124,3 +124,17 @@ def test_train_and_validate(tmp_path: Path) -> None:
         table.drop(columns=timed), pd.read_parquet(tmp_path / "cli.parquet").drop(columns=timed)
     )
     assert np.isfinite(table["lds"]).all()
+
+
+def test_train_record_and_influence_through_training(tmp_path: Path) -> None:
+    train = {"optimizer": "adamw", "lr": 0.05, "epochs": 2, "schedule": "cosine"}
+    config = make_project(tmp_path, n=8, model__checkpoint="out.pt", train=train, dtype="float64")
+    torch.save({"x": torch.randn(2, 5), "y": torch.tensor([0, 2])}, tmp_path / "ref.pt")
+    cli("train", config, "--record", "--segment", 2, "--out", tmp_path / "cli.pt")
+    trained = gradscope.train(config, record=True, segment=2)
+    assert trained.record == tmp_path / "out.run"
+    ref = tmp_path / "ref.pt"
+    cli("influence", config, "--ref", ref, "--through-training", tmp_path / "cli.run",
+        "--per-ref", "--out", tmp_path / "cli.parquet")  # fmt: skip
+    api = gradscope.influence(config, ref=ref, through_training=trained.record, per_ref=True)
+    pd.testing.assert_frame_equal(api, pd.read_parquet(tmp_path / "cli.parquet"))
