@@ -23,11 +23,25 @@ from .options import (
     ResumeOpt,
     TopKOpt,
     TrustOpt,
+    precondition_option,
+    ref_option,
 )
 from .reports import print_tables, write_html
 
 if TYPE_CHECKING:  # the scorers import torch: not for --help, --version, summary
     from ..scorers import Scorer
+
+
+def scored(cfg: Config, scorer: Scorer, trust_checkpoint: bool, resume: bool) -> Path | None:
+    """A scoring run under a progress bar: the file it wrote (None on the ranks other than 0
+    under torchrun)."""
+    from ..run import score_dataset
+
+    with terminal.progress(scorer.command) as (on_start, on_batch):
+        return score_dataset(
+            cfg, scorer, trust_checkpoint=trust_checkpoint, resume=resume,
+            on_start=on_start, on_batch=on_batch,
+        )  # fmt: skip
 
 
 def _run(
@@ -36,18 +50,9 @@ def _run(
     """A scoring run under a progress bar, then the file it wrote, its outlier tables and, if
     asked, its report (on rank 0 only)."""
     from ..outliers import check_by
-    from ..run import score_dataset
 
     check_by(by, scorer.names(cfg))  # a bad --by fails before the run, not after it
-    with terminal.progress(scorer.command) as (on_start, on_batch):
-        path = score_dataset(
-            cfg,
-            scorer,
-            trust_checkpoint=trust_checkpoint,
-            resume=resume,
-            on_start=on_start,
-            on_batch=on_batch,
-        )
+    path = scored(cfg, scorer, trust_checkpoint, resume)
     if path is None:  # on the ranks other than 0 under torchrun
         return
     try:
@@ -72,15 +77,9 @@ def norms(
     ] = False,
     top_k: TopKOpt = None,
     by: ByOpt = None,
-    precondition: Annotated[
-        Path | None,
-        typer.Option(
-            "--precondition",
-            metavar="FILE",
-            help="Factors file (gradscope factors) or Adam/AdamW state_dict: adds "
-            "self_influence = g^T P g, P the inverse curvature or 1 / (sqrt(v_hat) + eps).",
-        ),
-    ] = None,
+    precondition: precondition_option(
+        "adds self_influence = g^T P g, P the inverse curvature or 1 / (sqrt(v_hat) + eps)."
+    ) = None,
     resume: ResumeOpt = False,
     trust_checkpoint: TrustOpt = False,
     report: ReportOpt = False,
@@ -102,14 +101,7 @@ def norms(
 
 def influence(
     config: ConfigArg,
-    ref: Annotated[
-        str,
-        typer.Option(
-            "--ref",
-            metavar="REF",
-            help="Reference data file (any format data.path takes); same column names.",
-        ),
-    ],
+    ref: ref_option("Reference data file (any format data.path takes); same column names."),
     out: OutOpt = None,
     device: DeviceOpt = None,
     batch_size: BatchOpt = None,
@@ -119,15 +111,9 @@ def influence(
         bool,
         typer.Option("--per-ref", help="One row per (example, reference example) pair, ref_id."),
     ] = False,
-    precondition: Annotated[
-        Path | None,
-        typer.Option(
-            "--precondition",
-            metavar="FILE",
-            help="Factors file (gradscope factors) or Adam/AdamW state_dict: score against "
-            "P g_ref, P the inverse curvature or 1 / (sqrt(v_hat) + eps).",
-        ),
-    ] = None,
+    precondition: precondition_option(
+        "score against P g_ref, P the inverse curvature or 1 / (sqrt(v_hat) + eps)."
+    ) = None,
     engine: Annotated[
         str,
         typer.Option(
@@ -212,14 +198,9 @@ def check(
     examples: Annotated[
         int, typer.Option("--examples", metavar="N", help="Compare on the first N examples.")
     ] = 8,
-    ref: Annotated[
-        Path | None,
-        typer.Option(
-            "--ref",
-            metavar="REF",
-            help="Reference data for the influence check (default: the examples).",
-        ),
-    ] = None,
+    ref: ref_option(
+        "Reference data for the influence check (default: the examples).", required=False
+    ) = None,
     device: DeviceOpt = None,
     trust_checkpoint: TrustOpt = False,
 ) -> None:

@@ -161,10 +161,20 @@ def _csv(file: Path) -> Source:
 
 def function_source(spec: str, columns: Selection, key: str = "data.path") -> Source:
     """``file.py:fn`` returning a dict of columns, a map-style Dataset or an IterableDataset."""
-    made = import_object(spec, key)()
+    return object_source(import_object(spec, key)(), columns, spec, f"{spec} returned")
+
+
+def object_source(made: Any, columns: Selection, where: str, what: str = "got") -> Source:
+    """Rows held in Python: a dict of columns, a DataLoader (its batches, in order), a Hugging
+    Face ``datasets.Dataset`` (its Arrow rows), a map-style Dataset or an IterableDataset.
+    ``what`` begins the error that refuses anything else."""
     if isinstance(made, dict):
-        return Source(spec, len(next(iter(made.values()), [])), lambda _: iter([made]))
-    where = spec
+        return Source(where, len(next(iter(made.values()), [])), lambda _: iter([made]))
+    if isinstance(made, torch.utils.data.DataLoader):
+        return _loader_source(made, columns, where)
+    if hasattr(made, "with_format") and hasattr(made, "column_names") and hasattr(made, "__len__"):
+        # a datasets.Dataset (its IterableDataset has no length: read as an iterable)
+        return _arrow_rows(made, where)
     if isinstance(made, torch.utils.data.IterableDataset) or (
         hasattr(made, "__iter__") and not hasattr(made, "__getitem__")
     ):
@@ -190,10 +200,52 @@ def function_source(spec: str, columns: Selection, key: str = "data.path") -> So
 
         return Source(where, n, read_map)
     raise DataError(
-        f"{spec} returned a {type(made).__name__}; expected a dict of columns, "
+        f"{what} a {type(made).__name__}; expected a dict of columns, a DataLoader, "
         "a torch Dataset or an IterableDataset",
         "data.path",
     )
+
+
+def _loader_source(loader: torch.utils.data.DataLoader, columns: Selection, where: str) -> Source:
+    """A DataLoader's batches as runs of rows: a dict of columns each, or a tuple (*inputs,
+    target) as its dataset's items are. A shuffled one would give each row another example_id
+    on every pass, and is refused."""
+    if isinstance(loader.sampler, torch.utils.data.RandomSampler):
+        raise DataError(
+            "the DataLoader shuffles: each pass would give its rows other example_ids; pass one "
+            "made with shuffle=False",
+            where,
+        )
+
+    def read_loader(_: int) -> Iterator[Columns]:
+        for batch in loader:
+            if isinstance(batch, (tuple, list)):  # collated items: one tensor per position
+                keys = [*columns.specs, columns.targets]
+                if len(batch) != len(keys):
+                    raise DataError(
+                        f"the DataLoader's batches are tuples of {len(batch)}; expected "
+                        f"{len(keys)} (the data.inputs in order, then the target) or dicts",
+                        where,
+                    )
+                batch = dict(zip(keys, batch, strict=True))
+            yield batch
+
+    return Source(where, None, read_loader)
+
+
+def _arrow_rows(made: Any, where: str) -> Source:
+    """A ``datasets.Dataset``'s rows in runs, read as its Arrow table (list columns as row
+    arrays, as a ``save_to_disk`` folder reads)."""
+    from .arrow import record_columns
+
+    arrow, n = made.with_format("arrow"), len(made)
+
+    def read_rows(rows: int) -> Iterator[Columns]:
+        for lo in range(0, n, rows):
+            for record in arrow[lo : min(lo + rows, n)].to_batches():
+                yield record_columns(record)
+
+    return Source(where, n, read_rows, list(made.column_names))
 
 
 def read_source(source: Source, rows: int) -> Iterator[Columns]:

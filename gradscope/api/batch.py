@@ -1,4 +1,4 @@
-"""What notebooks call: per-example gradient norms and influence of one batch."""
+"""One batch in, one tensor out: per-example gradient norms and influence of the tensors given."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from pathlib import Path
 
 from torch import Tensor, nn
 
-from .curvature import Diagonal, load_preconditioner
-from .curvature.adam import adam_denominator
-from .curvature.fitted import NONE, check_curvature, chosen, fit_exact
-from .curvature.products import KINDS
-from .engine import Engine, Forward, Influence, reference_gradients, total
-from .errors import ConfigError
-from .losses import LossFn, resolve_loss
+from ..curvature import Diagonal, load_preconditioner
+from ..curvature.adam import adam_denominator
+from ..curvature.fitted import NONE, check_curvature, chosen, fit_exact
+from ..curvature.products import KINDS
+from ..engine import Engine, Forward, Influence, reference_gradients, total
+from ..errors import ConfigError
+from ..losses import LossFn, resolve_loss
 
 
 def _as_tuple(inputs: Tensor | Sequence[Tensor]) -> tuple[Tensor, ...]:
