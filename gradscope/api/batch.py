@@ -77,7 +77,7 @@ def per_example_influence(
     its dense matrix fits) scores against
     ``(C + lambda I)^-1 g_ref`` instead, C the Gauss-Newton matrix or the Hessian of the mean
     loss over ``inputs`` (the training rows), fitted here (``solver``: ``dense``, ``cg`` or
-    ``auto``), lambda ``damping`` (default: 10 for gn, 30 for hessian) x C's mean
+    ``auto``), lambda ``damping`` (default: ``gradscope.defaults.DAMPING``) x C's mean
     eigenvalue. The parameters are selected as ``per_example_norms`` selects them. ``.grad``
     fields, hooks and train/eval mode are left as they were.
     """

@@ -10,7 +10,7 @@ import typer
 
 from .. import terminal
 from ..config import Config, load_config, with_overrides
-from ..defaults import CURVATURE
+from ..defaults import CURVATURE, DAMPING
 from ..errors import Interrupted
 from .options import (
     BatchOpt,
@@ -30,6 +30,56 @@ from .reports import print_tables, write_html
 
 if TYPE_CHECKING:  # the scorers import torch: not for --help, --version, summary
     from ..scorers import Scorer
+
+
+PerRefOpt = Annotated[
+    bool, typer.Option("--per-ref", help="One row per (example, reference example) pair, ref_id.")
+]
+EngineOpt = Annotated[
+    str,
+    typer.Option(
+        "--engine",
+        metavar="auto|hooks|jvp",
+        help="auto, hooks (ghost inner products) or jvp (forward mode).",
+    ),
+]
+CurvatureOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--curvature",
+        metavar="none|gn|hessian|kfac|ekfac",
+        help="Score against (C + lambda I)^-1 g_ref, C fitted over the config's data in this "
+        "run: gn (Gauss-Newton) or hessian exactly, kfac or ekfac factored; none: g_ref "
+        f"(default: {CURVATURE}; none with --precondition).",
+    ),
+]
+DampingOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--damping",
+        metavar="X",
+        help="lambda = X times the curvature's mean eigenvalue (K-FAC: of each factor's); "
+        "default " + ", ".join(f"{v:g} for {k}" for k, v in DAMPING.items()) + ".",
+    ),
+]
+SolverOpt = Annotated[
+    str,
+    typer.Option(
+        "--solver",
+        metavar="auto|dense|cg",
+        help="gn/hessian: dense (the P x P matrix, a Cholesky factor), cg (conjugate "
+        "gradients), auto: dense where the matrix fits 2 GiB.",
+    ),
+]
+ThroughTrainingOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--through-training",
+        metavar="RUN",
+        help="A run record (gradscope train --record): score by replaying the run backward, "
+        "d(REF loss)/d(example weight) through every step (no --curvature).",
+    ),
+]
 
 
 def scored(cfg: Config, scorer: Scorer, trust_checkpoint: bool, resume: bool) -> Path | None:
@@ -107,58 +157,15 @@ def influence(
     batch_size: BatchOpt = None,
     limit: LimitOpt = None,
     top_k: TopKOpt = None,
-    per_ref: Annotated[
-        bool,
-        typer.Option("--per-ref", help="One row per (example, reference example) pair, ref_id."),
-    ] = False,
+    per_ref: PerRefOpt = False,
     precondition: precondition_option(
         "score against P g_ref, P the inverse curvature or 1 / (sqrt(v_hat) + eps)."
     ) = None,
-    engine: Annotated[
-        str,
-        typer.Option(
-            "--engine",
-            metavar="auto|hooks|jvp",
-            help="auto, hooks (ghost inner products) or jvp (forward mode).",
-        ),
-    ] = "auto",
-    curvature: Annotated[
-        str | None,
-        typer.Option(
-            "--curvature",
-            metavar="none|gn|hessian|kfac|ekfac",
-            help="Score against (C + lambda I)^-1 g_ref, C fitted over the config's data in this "
-            "run: gn (Gauss-Newton) or hessian exactly, kfac or ekfac factored; none: g_ref "
-            f"(default: {CURVATURE}; none with --precondition).",
-        ),
-    ] = None,
-    damping: Annotated[
-        float | None,
-        typer.Option(
-            "--damping",
-            metavar="X",
-            help="lambda = X times the curvature's mean eigenvalue (K-FAC: of each factor's); "
-            "default 10 for gn, 30 for hessian, 0.1 for kfac and ekfac.",
-        ),
-    ] = None,
-    solver: Annotated[
-        str,
-        typer.Option(
-            "--solver",
-            metavar="auto|dense|cg",
-            help="gn/hessian: dense (the P x P matrix, a Cholesky factor), cg (conjugate "
-            "gradients), auto: dense where the matrix fits 2 GiB.",
-        ),
-    ] = "auto",
-    through_training: Annotated[
-        Path | None,
-        typer.Option(
-            "--through-training",
-            metavar="RUN",
-            help="A run record (gradscope train --record): score by replaying the run backward, "
-            "d(REF loss)/d(example weight) through every step (no --curvature).",
-        ),
-    ] = None,
+    engine: EngineOpt = "auto",
+    curvature: CurvatureOpt = None,
+    damping: DampingOpt = None,
+    solver: SolverOpt = "auto",
+    through_training: ThroughTrainingOpt = None,
     by: ByOpt = None,
     resume: ResumeOpt = False,
     trust_checkpoint: TrustOpt = False,
