@@ -65,58 +65,64 @@ def index(
         terminal.wrote(path)
 
 
+QueryPerRefOpt = Annotated[
+    bool, typer.Option("--per-ref", help="Every REF row its own reference: its top-k.")
+]
+QueryTopKOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--top-k",
+        metavar="K",
+        help="Rows per reference (default: every example for the "
+        "mean reference, else summary.top_k).",
+    ),
+]  # fmt: skip
+ExactOpt = Annotated[
+    bool,
+    typer.Option(
+        "--exact",
+        help="Re-score each reference's top k * M candidates with the "
+        "exact engine and rank by the exact scores.",
+    ),
+]  # fmt: skip
+CandidatesOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--candidates", metavar="M", help="M of --exact: candidates per top-k row (default 30)."
+    ),
+]
+NormalizeOpt = Annotated[
+    bool, typer.Option("--normalize", help="Cosine: unit-normalised gradients.")
+]
+QueryOutOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--out", metavar="PATH", help="Parquet file to write (default: INDEX.query.parquet)."
+    ),
+]
+QueryConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--config",
+        metavar="CONFIG",
+        help="The config the index was built with (needed: a query runs no code an index names).",
+    ),
+]
+
+
 def query(
     index: Annotated[
         Path, typer.Argument(metavar="INDEX", help="An index folder written by gradscope index.")
     ],
     ref: ref_option("Reference data (any format data.path takes); same columns."),
-    per_ref: Annotated[
-        bool, typer.Option("--per-ref", help="Every REF row its own reference: its top-k.")
-    ] = False,
-    top_k: Annotated[
-        int | None,
-        typer.Option(
-            "--top-k",
-            metavar="K",
-            help="Rows per reference (default: every example for the "
-            "mean reference, else summary.top_k).",
-        ),
-    ] = None,  # fmt: skip
-    exact: Annotated[
-        bool,
-        typer.Option(
-            "--exact",
-            help="Re-score each reference's top k * M candidates with the "
-            "exact engine and rank by the exact scores.",
-        ),
-    ] = False,  # fmt: skip
-    candidates: Annotated[
-        int | None,
-        typer.Option(
-            "--candidates",
-            metavar="M",
-            help="M of --exact: candidates per top-k row (default 30).",
-        ),
-    ] = None,
-    normalize: Annotated[
-        bool, typer.Option("--normalize", help="Cosine: unit-normalised gradients.")
-    ] = False,
+    per_ref: QueryPerRefOpt = False,
+    top_k: QueryTopKOpt = None,
+    exact: ExactOpt = False,
+    candidates: CandidatesOpt = None,
+    normalize: NormalizeOpt = False,
     precondition: precondition_option("applied to the references.") = None,
-    out: Annotated[
-        str | None,
-        typer.Option(
-            "--out", metavar="PATH", help="Parquet file to write (default: INDEX.query.parquet)."
-        ),
-    ] = None,
-    config: Annotated[
-        Path | None,
-        typer.Option(
-            "--config",
-            metavar="CONFIG",
-            help="The config the index was built with (needed: a query runs no code an index "
-            "names).",
-        ),
-    ] = None,
+    out: QueryOutOpt = None,
+    config: QueryConfigOpt = None,
     device: DeviceOpt = None,
     batch_size: BatchOpt = None,
     trust_checkpoint: TrustOpt = False,
