@@ -35,6 +35,10 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "layers": lambda: benchmark_pages.harness_summary("*-layers.md"),
     "lds": lambda: benchmark_pages.harness_summary("lds-*.md"),
     "detection": lambda: benchmark_pages.harness_summary("*-detection.md"),
+    **{
+        name: (lambda path=path: reference.api_entry(path))
+        for name, path in reference.API_ENTRIES.items()
+    },
 }
 MARKER = re.compile(
     r"^<!-- generated: (?P<name>[\w-]+) -->\n(?:.*?\n)??<!-- end generated: (?P=name) -->$"

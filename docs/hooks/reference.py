@@ -241,3 +241,72 @@ def tested_versions() -> str:
             *rows,
         ]
     )
+
+
+# the Python API page's entries: "api-NAME" renders gradscope.api.NAME (shown as gradscope.NAME),
+# "api-rules-NAME" gradscope.rules.NAME
+API_ENTRIES = {
+    **{f"api-{n}": f"gradscope.api.{n}" for n in (
+        "norms", "influence", "references_by_examples", "factors", "check", "build_index",
+        "query", "write_report", "train", "validate", "per_example_norms",
+        "per_example_influence")},
+    **{f"api-rules-{n}": f"gradscope.rules.{n}" for n in ("register_rule", "Dense", "Outer", "Rows")},
+}  # fmt: skip
+
+
+def _annotation(value: Any) -> str:
+    return value if isinstance(value, str) else inspect.formatannotation(value)
+
+
+def _parameters(sig: inspect.Signature) -> list[str]:
+    """Each parameter as the source spells it, ``*`` before the keyword-only ones."""
+    out, starred = [], False
+    for p in sig.parameters.values():
+        if p.kind is p.KEYWORD_ONLY and not starred:
+            out.append("*")
+        starred = starred or p.kind in (p.KEYWORD_ONLY, p.VAR_POSITIONAL)
+        text = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "") + p.name
+        if p.annotation is not p.empty:
+            text += f": {_annotation(p.annotation)}"
+        if p.default is not p.empty:
+            text += f"{' = ' if p.annotation is not p.empty else '='}{p.default!r}"
+        out.append(text)
+    return out
+
+
+def _signature(name: str, obj: Any) -> str:
+    """``name(params) -> returns`` as the source spells it, a parameter a line when long."""
+    sig = inspect.signature(obj)
+    params = _parameters(sig)
+    returns = (
+        "" if sig.return_annotation is sig.empty else f" -> {_annotation(sig.return_annotation)}"
+    )
+    one = f"{name}({', '.join(params)}){returns}"
+    if len(one) <= 96:
+        return one
+    return "\n".join([f"{name}(", *(f"    {p}," for p in params), f"){returns}"])
+
+
+def _prose(docstring: str | None) -> str:
+    """A docstring as Markdown: its paragraphs kept, reStructuredText literals as code."""
+    return inspect.cleandoc(docstring or "").replace("``", "`")
+
+
+def _entry(heading: str, name: str, obj: Any) -> list[str]:
+    return [heading, "", "```python", _signature(name, obj), "```", "", _prose(obj.__doc__)]
+
+
+def api_entry(path: str) -> str:
+    """One public function or class of the API: its signature and its docstring (a class's
+    public methods after it), read from the code."""
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    obj = getattr(importlib.import_module(module), name)
+    shown = f"gradscope.{name}" if module == "gradscope.api" else path
+    lines = _entry(f"### `{shown}`", name, obj)
+    if inspect.isclass(obj):
+        for member, value in vars(obj).items():
+            if not member.startswith("_") and inspect.isfunction(value) and value.__doc__:
+                lines += ["", *_entry(f"#### `{name}.{member}`", member, value)]
+    return "\n".join(lines)
