@@ -169,7 +169,13 @@ def routed_inners(parts: Sequence[Routed], refs: Tensor) -> Tensor:
     group = _cat([j * e + p.key % e for j, p in enumerate(parts)])  # (n*S,)
     own = _cat([j * b + p.own for j, p in enumerate(parts)])
     order = torch.argsort(group, stable=True)
-    offs = torch.bincount(group, minlength=n * e).cumsum(0).to(torch.int32)
-    mine = torch._grouped_mm(right[order], r, offs=offs).view(-1, k, width)  # (n*S, K, width)
-    each = (mine * left[order, None]).sum(-1)  # (n*S, K)
-    return left.new_zeros(n * b, k).index_add_(0, own[order], each).view(n, b, k)
+    left, right, own = left[order], right[order], own[order]
+    ends = torch.bincount(group, minlength=n * e).cumsum(0).to(torch.int32)  # each group's end
+    out, rows = left.new_zeros(n * b, k), len(order)
+    step = max(1, CHUNK_ELEMENTS // max(k * width, 1))  # rows at a time: (rows, K, width) bound
+    for lo in range(0, rows, step):
+        hi = min(lo + step, rows)
+        offs = (ends - lo).clamp(0, hi - lo)  # the groups' ends within rows lo to hi - 1
+        mine = torch._grouped_mm(right[lo:hi], r, offs=offs).view(-1, k, width)  # (rows, K, w)
+        out.index_add_(0, own[lo:hi], (mine * left[lo:hi, None]).sum(-1))
+    return out.view(n, b, k)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gradscope.rules import routed
 from gradscope.rules.routed import Routed, routed_inners, routed_norms
 
 B, E, IN, OUT, S = 3, 4, 5, 6, 20
@@ -89,3 +90,14 @@ def test_experts_bias_rows_by_their_own_experts_bias():
     refs = torch.randn(2, E, OUT + 2, dtype=torch.float64)
     assert part.sorted_route
     _close32(part.inner(refs.float()), expected.flatten(1) @ refs.flatten(1).T)
+
+
+def test_rows_by_their_own_experts_matrix_a_few_rows_at_a_time(monkeypatch: pytest.MonkeyPatch):
+    """Rows in chunks (many references on long sequences): each chunk's groups cut to its
+    rows, the answers those of the rows added by hand."""
+    monkeypatch.setattr(routed, "CHUNK_ELEMENTS", 50)  # 2 rows of 2 refs of width 12 each
+    cases = [_case(False, seed, torch.float32, (8, 12)) for seed in range(2)]
+    refs = torch.randn(2, 2, *cases[0][1].shape[1:], dtype=torch.float64)
+    together = routed_inners([part for part, _ in cases], refs.float())
+    for k, (_, expected) in enumerate(cases):
+        _close32(together[k], expected.flatten(1) @ refs[k].flatten(1).T)
