@@ -16,6 +16,7 @@ from .engine import CheckReport, Engine, Forward, Plan, compare_with_loop, influ
 from .errors import ConfigError, DataError, ModelError, reading
 from .io.data import Batch, data_sha256, open_dataset
 from .io.files import file_sha256
+from .io.held import held, is_held
 from .io.model import build_model, import_object
 from .losses import LossFn, resolve_loss
 from .predictions import predictions
@@ -45,7 +46,8 @@ def at_checkpoint(model: ModelConfig, path: str) -> ModelConfig:
 
 def config_loss(cfg: Config) -> LossFn:
     name = cfg.loss.name
-    spec = import_object(name, "loss.name") if ".py:" in name else name
+    spec = held(name) if is_held(name) else name
+    spec = import_object(name, "loss.name") if ".py:" in name else spec
     return resolve_loss(spec, cfg.loss.kwargs, cfg.loss.class_dim, cfg.loss.token_reduction)
 
 
@@ -77,7 +79,11 @@ class Job:
             model_cfg = at_checkpoint(model_cfg, model_cfg.checkpoints[-1].path)
         with torch.random.fork_rng(devices=[]):  # the caller's random state is left alone
             torch.manual_seed(0)  # weights no checkpoint sets: the same on every rank and resume
-            model = build_model(model_cfg, trust_checkpoint)
+            model = (
+                held(model_cfg.factory)  # a model the API's caller passed, as it is
+                if is_held(model_cfg.factory)
+                else build_model(model_cfg, trust_checkpoint)
+            )
         first = next(model.parameters(), None)
         if first is None:
             raise ModelError("the model has no parameters: no gradient to score", "model.factory")

@@ -138,6 +138,19 @@ class Parts:
         distributed.barrier()
 
 
+def _length(dataset, limit: int | None) -> int | None:
+    """Rows the dataset holds up to ``limit``; None when unknown (a stream)."""
+    length = dataset.length
+    return length if length is None or limit is None else min(length, limit)
+
+
+def _metadata(cfg: Config, job: Job, scorer: Scorer, seconds: float) -> dict:
+    """The file's metadata: the job's and the scorer's, and this process's ``seconds``."""
+    metadata = job.metadata(scorer.command) | scorer.metadata()
+    metadata["seconds"] = round(seconds, 3)
+    return minimal(metadata) if cfg.output.metadata == "minimal" else metadata
+
+
 def score_dataset(
     cfg: Config,
     scorer: Scorer | None = None,
@@ -177,11 +190,8 @@ def score_dataset(
             parts = Parts(run, world, key, resumed_parts(run, key) if resume else None)
             job = Job.from_config(dataclasses.replace(cfg, device=device), trust_checkpoint)
             dataset = open_dataset(cfg.data)
-            length = dataset.length
-            if length is not None and cfg.data.limit is not None:
-                length = min(length, cfg.data.limit)
             if on_start:
-                on_start(world.rows(length, cfg.data.batch_size))
+                on_start(world.rows(_length(dataset, cfg.data.limit), cfg.data.batch_size))
             if cfg.distributed.shard and world.size > 1:  # one process has nothing to shard over
                 job.shard(next(iter(dataset.batches(cfg.data.batch_size, cfg.data.limit))))
             stack.enter_context(scorer)
@@ -193,10 +203,7 @@ def score_dataset(
             distributed.barrier()  # every rank's parts are written
             if not world.main:
                 return None
-            metadata = job.metadata(scorer.command) | scorer.metadata()
-            metadata["seconds"] = round(time.perf_counter() - started, 3)  # this process's run
-            if cfg.output.metadata == "minimal":
-                metadata = minimal(metadata)
+            metadata = _metadata(cfg, job, scorer, time.perf_counter() - started)
             return run.assemble(count, metadata, lambda: _standardised(run, count))
         except KeyboardInterrupt:  # (or SIGTERM) outside a batch: hashing, loading, assembling
             saved = len(list(partial_path(cfg.output.path).glob("part-*.parquet")))

@@ -9,8 +9,18 @@ import typer
 
 from .. import terminal
 from ..config import SummaryConfig, load_config, with_overrides
-from .options import BatchOpt, ConfigArg, DeviceOpt, LimitOpt, ResumeOpt, TrustOpt
+from .options import (
+    BatchOpt,
+    ConfigArg,
+    DeviceOpt,
+    LimitOpt,
+    ResumeOpt,
+    TrustOpt,
+    precondition_option,
+    ref_option,
+)
 from .reports import check_top_k
+from .scoring import scored
 
 
 def index(
@@ -47,87 +57,72 @@ def index(
     """Write each example's projected gradient to an index folder, to query many times."""
     from ..index.layout import described
     from ..index.scorer import IndexScorer, index_output
-    from ..run import score_dataset
 
     cfg = with_overrides(load_config(config), device=device, batch_size=batch_size, limit=limit)
-    cfg = index_output(cfg, out)
-    scorer = IndexScorer(dim, seed, storage)
-    with terminal.progress("index") as (on_start, on_batch):
-        path = score_dataset(
-            cfg, scorer, trust_checkpoint=trust_checkpoint, resume=resume,
-            on_start=on_start, on_batch=on_batch,
-        )  # fmt: skip
+    path = scored(index_output(cfg, out), IndexScorer(dim, seed, storage), trust_checkpoint, resume)
     if path is not None:  # rank 0 under torchrun
         terminal.console.print(described(path))
         terminal.wrote(path)
+
+
+QueryPerRefOpt = Annotated[
+    bool, typer.Option("--per-ref", help="Every REF row its own reference: its top-k.")
+]
+QueryTopKOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--top-k",
+        metavar="K",
+        help="Rows per reference (default: every example for the "
+        "mean reference, else summary.top_k).",
+    ),
+]  # fmt: skip
+ExactOpt = Annotated[
+    bool,
+    typer.Option(
+        "--exact",
+        help="Re-score each reference's top k * M candidates with the "
+        "exact engine and rank by the exact scores.",
+    ),
+]  # fmt: skip
+CandidatesOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--candidates", metavar="M", help="M of --exact: candidates per top-k row (default 30)."
+    ),
+]
+NormalizeOpt = Annotated[
+    bool, typer.Option("--normalize", help="Cosine: unit-normalised gradients.")
+]
+QueryOutOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--out", metavar="PATH", help="Parquet file to write (default: INDEX.query.parquet)."
+    ),
+]
+QueryConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--config",
+        metavar="CONFIG",
+        help="The config the index was built with (needed: a query runs no code an index names).",
+    ),
+]
 
 
 def query(
     index: Annotated[
         Path, typer.Argument(metavar="INDEX", help="An index folder written by gradscope index.")
     ],
-    ref: Annotated[
-        str,
-        typer.Option(
-            "--ref",
-            metavar="REF",
-            help="Reference data (any format data.path takes); same columns.",
-        ),
-    ],
-    per_ref: Annotated[
-        bool, typer.Option("--per-ref", help="Every REF row its own reference: its top-k.")
-    ] = False,
-    top_k: Annotated[
-        int | None,
-        typer.Option(
-            "--top-k",
-            metavar="K",
-            help="Rows per reference (default: every example for the "
-            "mean reference, else summary.top_k).",
-        ),
-    ] = None,  # fmt: skip
-    exact: Annotated[
-        bool,
-        typer.Option(
-            "--exact",
-            help="Re-score each reference's top k * M candidates with the "
-            "exact engine and rank by the exact scores.",
-        ),
-    ] = False,  # fmt: skip
-    candidates: Annotated[
-        int | None,
-        typer.Option(
-            "--candidates",
-            metavar="M",
-            help="M of --exact: candidates per top-k row (default 30).",
-        ),
-    ] = None,
-    normalize: Annotated[
-        bool, typer.Option("--normalize", help="Cosine: unit-normalised gradients.")
-    ] = False,
-    precondition: Annotated[
-        Path | None,
-        typer.Option(
-            "--precondition",
-            metavar="FILE",
-            help="Factors file or Adam/AdamW state_dict, applied to the references.",
-        ),
-    ] = None,
-    out: Annotated[
-        str | None,
-        typer.Option(
-            "--out", metavar="PATH", help="Parquet file to write (default: INDEX.query.parquet)."
-        ),
-    ] = None,
-    config: Annotated[
-        Path | None,
-        typer.Option(
-            "--config",
-            metavar="CONFIG",
-            help="The config the index was built with (needed: a query runs no code an index "
-            "names).",
-        ),
-    ] = None,
+    ref: ref_option("Reference data (any format data.path takes); same columns."),
+    per_ref: QueryPerRefOpt = False,
+    top_k: QueryTopKOpt = None,
+    exact: ExactOpt = False,
+    candidates: CandidatesOpt = None,
+    normalize: NormalizeOpt = False,
+    precondition: precondition_option("applied to the references.") = None,
+    out: QueryOutOpt = None,
+    config: QueryConfigOpt = None,
     device: DeviceOpt = None,
     batch_size: BatchOpt = None,
     trust_checkpoint: TrustOpt = False,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -65,3 +65,22 @@ TrustOpt = Annotated[
 ScoresArg = Annotated[
     Path, typer.Argument(metavar="SCORES", help="A Parquet file written by gradscope.")
 ]
+
+
+def ref_option(what: str, required: bool = True) -> Any:
+    """``--ref REF``, the reference data, as each command reads it: ``what`` it is for."""
+    kind = str if required else Path | None
+    return Annotated[kind, typer.Option("--ref", metavar="REF", help=what)]
+
+
+def precondition_option(what: str) -> Any:
+    """``--precondition FILE``: a factors file or an Adam/AdamW state dict, and ``what`` the
+    command does with it."""
+    return Annotated[
+        Path | None,
+        typer.Option(
+            "--precondition",
+            metavar="FILE",
+            help=f"Factors file (gradscope factors) or Adam/AdamW state_dict: {what}",
+        ),
+    ]

@@ -10,7 +10,7 @@ import typer
 
 from .. import terminal
 from ..config import Config, load_config, with_overrides
-from ..defaults import CURVATURE
+from ..defaults import CURVATURE, DAMPING
 from ..errors import Interrupted
 from .options import (
     BatchOpt,
@@ -23,11 +23,75 @@ from .options import (
     ResumeOpt,
     TopKOpt,
     TrustOpt,
+    precondition_option,
+    ref_option,
 )
 from .reports import print_tables, write_html
 
 if TYPE_CHECKING:  # the scorers import torch: not for --help, --version, summary
     from ..scorers import Scorer
+
+
+PerRefOpt = Annotated[
+    bool, typer.Option("--per-ref", help="One row per (example, reference example) pair, ref_id.")
+]
+EngineOpt = Annotated[
+    str,
+    typer.Option(
+        "--engine",
+        metavar="auto|hooks|jvp",
+        help="auto, hooks (ghost inner products) or jvp (forward mode).",
+    ),
+]
+CurvatureOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--curvature",
+        metavar="none|gn|hessian|kfac|ekfac",
+        help="Score against (C + lambda I)^-1 g_ref, C fitted over the config's data in this "
+        "run: gn (Gauss-Newton) or hessian exactly, kfac or ekfac factored; none: g_ref "
+        f"(default: {CURVATURE}; none with --precondition).",
+    ),
+]
+DampingOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--damping",
+        metavar="X",
+        help="lambda = X times the curvature's mean eigenvalue (K-FAC: of each factor's); "
+        "default " + ", ".join(f"{v:g} for {k}" for k, v in DAMPING.items()) + ".",
+    ),
+]
+SolverOpt = Annotated[
+    str,
+    typer.Option(
+        "--solver",
+        metavar="auto|dense|cg",
+        help="gn/hessian: dense (the P x P matrix, a Cholesky factor), cg (conjugate "
+        "gradients), auto: dense where the matrix fits 2 GiB.",
+    ),
+]
+ThroughTrainingOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--through-training",
+        metavar="RUN",
+        help="A run record (gradscope train --record): score by replaying the run backward, "
+        "d(REF loss)/d(example weight) through every step (no --curvature).",
+    ),
+]
+
+
+def scored(cfg: Config, scorer: Scorer, trust_checkpoint: bool, resume: bool) -> Path | None:
+    """A scoring run under a progress bar: the file it wrote (None on the ranks other than 0
+    under torchrun)."""
+    from ..run import score_dataset
+
+    with terminal.progress(scorer.command) as (on_start, on_batch):
+        return score_dataset(
+            cfg, scorer, trust_checkpoint=trust_checkpoint, resume=resume,
+            on_start=on_start, on_batch=on_batch,
+        )  # fmt: skip
 
 
 def _run(
@@ -36,18 +100,9 @@ def _run(
     """A scoring run under a progress bar, then the file it wrote, its outlier tables and, if
     asked, its report (on rank 0 only)."""
     from ..outliers import check_by
-    from ..run import score_dataset
 
     check_by(by, scorer.names(cfg))  # a bad --by fails before the run, not after it
-    with terminal.progress(scorer.command) as (on_start, on_batch):
-        path = score_dataset(
-            cfg,
-            scorer,
-            trust_checkpoint=trust_checkpoint,
-            resume=resume,
-            on_start=on_start,
-            on_batch=on_batch,
-        )
+    path = scored(cfg, scorer, trust_checkpoint, resume)
     if path is None:  # on the ranks other than 0 under torchrun
         return
     try:
@@ -72,15 +127,9 @@ def norms(
     ] = False,
     top_k: TopKOpt = None,
     by: ByOpt = None,
-    precondition: Annotated[
-        Path | None,
-        typer.Option(
-            "--precondition",
-            metavar="FILE",
-            help="Factors file (gradscope factors) or Adam/AdamW state_dict: adds "
-            "self_influence = g^T P g, P the inverse curvature or 1 / (sqrt(v_hat) + eps).",
-        ),
-    ] = None,
+    precondition: precondition_option(
+        "adds self_influence = g^T P g, P the inverse curvature or 1 / (sqrt(v_hat) + eps)."
+    ) = None,
     resume: ResumeOpt = False,
     trust_checkpoint: TrustOpt = False,
     report: ReportOpt = False,
@@ -102,77 +151,21 @@ def norms(
 
 def influence(
     config: ConfigArg,
-    ref: Annotated[
-        str,
-        typer.Option(
-            "--ref",
-            metavar="REF",
-            help="Reference data file (any format data.path takes); same column names.",
-        ),
-    ],
+    ref: ref_option("Reference data file (any format data.path takes); same column names."),
     out: OutOpt = None,
     device: DeviceOpt = None,
     batch_size: BatchOpt = None,
     limit: LimitOpt = None,
     top_k: TopKOpt = None,
-    per_ref: Annotated[
-        bool,
-        typer.Option("--per-ref", help="One row per (example, reference example) pair, ref_id."),
-    ] = False,
-    precondition: Annotated[
-        Path | None,
-        typer.Option(
-            "--precondition",
-            metavar="FILE",
-            help="Factors file (gradscope factors) or Adam/AdamW state_dict: score against "
-            "P g_ref, P the inverse curvature or 1 / (sqrt(v_hat) + eps).",
-        ),
-    ] = None,
-    engine: Annotated[
-        str,
-        typer.Option(
-            "--engine",
-            metavar="auto|hooks|jvp",
-            help="auto, hooks (ghost inner products) or jvp (forward mode).",
-        ),
-    ] = "auto",
-    curvature: Annotated[
-        str | None,
-        typer.Option(
-            "--curvature",
-            metavar="none|gn|hessian|kfac|ekfac",
-            help="Score against (C + lambda I)^-1 g_ref, C fitted over the config's data in this "
-            "run: gn (Gauss-Newton) or hessian exactly, kfac or ekfac factored; none: g_ref "
-            f"(default: {CURVATURE}; none with --precondition).",
-        ),
-    ] = None,
-    damping: Annotated[
-        float | None,
-        typer.Option(
-            "--damping",
-            metavar="X",
-            help="lambda = X times the curvature's mean eigenvalue (K-FAC: of each factor's); "
-            "default 10 for gn, 30 for hessian, 0.1 for kfac and ekfac.",
-        ),
-    ] = None,
-    solver: Annotated[
-        str,
-        typer.Option(
-            "--solver",
-            metavar="auto|dense|cg",
-            help="gn/hessian: dense (the P x P matrix, a Cholesky factor), cg (conjugate "
-            "gradients), auto: dense where the matrix fits 2 GiB.",
-        ),
-    ] = "auto",
-    through_training: Annotated[
-        Path | None,
-        typer.Option(
-            "--through-training",
-            metavar="RUN",
-            help="A run record (gradscope train --record): score by replaying the run backward, "
-            "d(REF loss)/d(example weight) through every step (no --curvature).",
-        ),
-    ] = None,
+    per_ref: PerRefOpt = False,
+    precondition: precondition_option(
+        "score against P g_ref, P the inverse curvature or 1 / (sqrt(v_hat) + eps)."
+    ) = None,
+    engine: EngineOpt = "auto",
+    curvature: CurvatureOpt = None,
+    damping: DampingOpt = None,
+    solver: SolverOpt = "auto",
+    through_training: ThroughTrainingOpt = None,
     by: ByOpt = None,
     resume: ResumeOpt = False,
     trust_checkpoint: TrustOpt = False,
@@ -212,14 +205,9 @@ def check(
     examples: Annotated[
         int, typer.Option("--examples", metavar="N", help="Compare on the first N examples.")
     ] = 8,
-    ref: Annotated[
-        Path | None,
-        typer.Option(
-            "--ref",
-            metavar="REF",
-            help="Reference data for the influence check (default: the examples).",
-        ),
-    ] = None,
+    ref: ref_option(
+        "Reference data for the influence check (default: the examples).", required=False
+    ) = None,
     device: DeviceOpt = None,
     trust_checkpoint: TrustOpt = False,
 ) -> None:

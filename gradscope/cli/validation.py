@@ -10,18 +10,12 @@ import typer
 
 from .. import terminal
 from ..config import load_config, output_path
-from .options import ConfigArg
+from .options import ConfigArg, ref_option
 
 if TYPE_CHECKING:
     import pandas as pd
     from rich.console import RenderableType
 
-RefOpt = Annotated[
-    str,
-    typer.Option(
-        "--ref", metavar="REF", help="Reference data the score files were computed against."
-    ),
-]
 ScoresOpt = Annotated[
     list[Path],
     typer.Option(
@@ -112,7 +106,7 @@ OutOpt = Annotated[
 
 def validate(
     config: ConfigArg,
-    ref: RefOpt,
+    ref: ref_option("Reference data the score files were computed against."),
     scores: ScoresOpt,
     more: MoreArg = None,
     subsets: SubsetsOpt = None,

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..io.held import is_held  # a loss the API's caller passed
 from .schema import DEVICES, DTYPES, OPTIMIZERS, SCHEDULES, Config, TrainConfig
 
 
@@ -21,7 +22,11 @@ def validate(cfg: Config) -> None:
         )
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise ConfigError(f"'dtype' must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}", source)
-    if ".py:" not in cfg.loss.name and cfg.loss.name not in LOSS_NAMES:
+    if (
+        ".py:" not in cfg.loss.name
+        and cfg.loss.name not in LOSS_NAMES
+        and not is_held(cfg.loss.name)
+    ):
         names = ", ".join(LOSS_NAMES)
         raise ConfigError(
             f"'loss.name' must be one of {names} or file.py:fn, got {cfg.loss.name!r}", source

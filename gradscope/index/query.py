@@ -55,9 +55,12 @@ class Query:
         return self.per_ref or self.exact or self.top_k is not None
 
 
-def index_config(config: Path | None, **overrides) -> Config:
-    """The indexed model's config: ``config``, given on the command line, never the manifest's
-    (an index is data; its config names code), command-line ``overrides`` on top."""
+def index_config(config: Path | Config | None, **overrides) -> Config:
+    """The indexed model's config: ``config``, given on the command line (or by the API's
+    caller), never the manifest's (an index is data; its config names code), command-line
+    ``overrides`` on top."""
+    if isinstance(config, Config):
+        return with_overrides(config, **overrides)
     if config is None:
         raise ConfigError(
             "a query builds the model from --config only: an index is a data folder, and a "
@@ -104,7 +107,7 @@ def run_query(
     query: Query,
     out: str | None = None,
     *,
-    config: Path | None = None,
+    config: Path | Config | None = None,
     device: str | None = None,
     batch_size: int | None = None,
     trust_checkpoint: bool = False,
@@ -116,8 +119,8 @@ def run_query(
 
 
 def _query(
-    shards: Shards, query: Query, out: str | None, config: Path | None, device: str | None,
-    batch_size: int | None, trust_checkpoint: bool,
+    shards: Shards, query: Query, out: str | None, config: Path | Config | None,
+    device: str | None, batch_size: int | None, trust_checkpoint: bool,
 ) -> Path:  # fmt: skip
     cfg = index_config(config, device=device, batch_size=batch_size)
     out = Path(output_path(out, Path.cwd(), "--out") if out else default_out(shards.path))

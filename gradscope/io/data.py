@@ -15,8 +15,9 @@ from ..config import DataConfig
 from ..errors import DataError
 from .batch import Batch, rebatch, take
 from .files import file_sha256
+from .held import held, is_held
 from .selection import Selection, is_glob
-from .sources import Source, file_source, function_source, read_source
+from .sources import Source, file_source, function_source, object_source, read_source
 
 
 def shard_paths(path: str | Sequence[str], what: str = "data file") -> list[str]:
@@ -154,9 +155,12 @@ def open_dataset(
     columns = Selection(cfg.inputs, cfg.targets, cfg.ids, cfg.pad)
     sources = []
     for spec in shard_paths(path, what):
-        sources.append(
-            function_source(spec, columns, key) if ".py:" in spec else file_source(spec, what)
-        )
+        if is_held(spec):  # the rows a Python caller passed in
+            sources.append(object_source(held(spec), columns, spec))
+        elif ".py:" in spec:
+            sources.append(function_source(spec, columns, key))
+        else:
+            sources.append(file_source(spec, what))
     if len(sources) == 1 and sources[0].whole:
         # a single table read whole anyway: read it now, so its size and columns are known
         only = sources[0]

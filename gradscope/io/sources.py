@@ -69,84 +69,112 @@ class Source:
 
 
 def file_source(path: str, what: str = "data file") -> Source:
-    from .arrow import arrow_source_parts, record_columns
-
+    """The file at ``path`` as a Source, by its suffix (FORMATS); ``what`` names it in errors."""
     file = Path(path)
     if not file.is_file():
         raise DataError(f"{what} not found", str(file))
     if lfs_pointer(file):
         raise DataError(LFS_POINTER, str(file))
     suffix = file.suffix.lower()
-    if suffix in (".pt", ".pth"):
+    readers = {".pt": _pt, ".pth": _pt, ".npz": _npz, ".arrow": _arrow, ".parquet": _parquet,
+               ".csv": _csv}  # fmt: skip
+    if suffix not in readers:
+        raise DataError(
+            f"unsupported data format {suffix!r}; expected one of {', '.join(FORMATS)} or "
+            "file.py:fn",
+            str(file),
+        )
+    return readers[suffix](file)
 
-        def read_pt(_: int) -> Iterator[Columns]:
-            try:
-                columns = torch.load(file, map_location="cpu", weights_only=True)
-            except pickle.UnpicklingError as e:  # torch's advice runs to eight lines
-                raise DataError(
-                    "the data file holds objects other than tensors and is not loaded (that "
-                    "would run its pickle): save a dict of tensors",
-                    str(file),
-                ) from e
-            if not isinstance(columns, dict):
-                raise DataError(
-                    f"expected a dict of tensors, found a {type(columns).__name__}", str(file)
-                )
-            yield columns
 
-        return Source(str(file), None, read_pt, whole=True)
-    if suffix == ".npz":
-
-        def read_npz(_: int) -> Iterator[Columns]:
-            with np.load(file, allow_pickle=False) as npz:
-                yield {k: npz[k] for k in npz.files}
-
-        return Source(str(file), None, read_npz, whole=True)
-    if suffix == ".arrow":
-        return Source(str(file), *arrow_source_parts(str(file)))
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
+def _pt(file: Path) -> Source:
+    def read_pt(_: int) -> Iterator[Columns]:
         try:
-            names = pq.ParquetFile(file).schema_arrow.names
-            n_rows = pq.ParquetFile(file).metadata.num_rows
-        except Exception as e:  # pyarrow's own error types; all mean "unreadable"
-            raise DataError(f"cannot read data file: {e}", str(file)) from e
+            columns = torch.load(file, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:  # torch's advice runs to eight lines
+            raise DataError(
+                "the data file holds objects other than tensors and is not loaded (that "
+                "would run its pickle): save a dict of tensors",
+                str(file),
+            ) from e
+        if not isinstance(columns, dict):
+            raise DataError(
+                f"expected a dict of tensors, found a {type(columns).__name__}", str(file)
+            )
+        yield columns
 
-        def read_parquet(rows: int) -> Iterator[Columns]:
-            reader = pq.ParquetFile(file)
-            # row group by row group: over a whole file, iter_batches reads ahead all of it
-            for group in range(reader.metadata.num_row_groups):
-                for record in reader.iter_batches(batch_size=rows, row_groups=[group]):
-                    yield record_columns(record)
+    return Source(str(file), None, read_pt, whole=True)
 
-        return Source(str(file), n_rows, read_parquet, names)
-    if suffix == ".csv":
-        from pyarrow import csv
 
-        def read_csv(rows: int) -> Iterator[Columns]:
-            # blocks of about 1 MiB: memory stays flat however long the file is
-            reader = csv.open_csv(file, read_options=csv.ReadOptions(block_size=1 << 20))
-            for record in reader:
+def _npz(file: Path) -> Source:
+    def read_npz(_: int) -> Iterator[Columns]:
+        with np.load(file, allow_pickle=False) as npz:
+            yield {k: npz[k] for k in npz.files}
+
+    return Source(str(file), None, read_npz, whole=True)
+
+
+def _arrow(file: Path) -> Source:
+    from .arrow import arrow_source_parts
+
+    return Source(str(file), *arrow_source_parts(str(file)))
+
+
+def _parquet(file: Path) -> Source:
+    import pyarrow.parquet as pq
+
+    from .arrow import record_columns
+
+    try:
+        names = pq.ParquetFile(file).schema_arrow.names
+        n_rows = pq.ParquetFile(file).metadata.num_rows
+    except Exception as e:  # pyarrow's own error types; all mean "unreadable"
+        raise DataError(f"cannot read data file: {e}", str(file)) from e
+
+    def read_parquet(rows: int) -> Iterator[Columns]:
+        reader = pq.ParquetFile(file)
+        # row group by row group: over a whole file, iter_batches reads ahead all of it
+        for group in range(reader.metadata.num_row_groups):
+            for record in reader.iter_batches(batch_size=rows, row_groups=[group]):
                 yield record_columns(record)
 
-        try:
-            names = csv.open_csv(file).schema.names
-        except Exception as e:  # pyarrow's own error types; all mean "unreadable"
-            raise DataError(f"cannot read data file: {e}", str(file)) from e
-        return Source(str(file), None, read_csv, names)
-    raise DataError(
-        f"unsupported data format {suffix!r}; expected one of {', '.join(FORMATS)} or file.py:fn",
-        str(file),
-    )
+    return Source(str(file), n_rows, read_parquet, names)
+
+
+def _csv(file: Path) -> Source:
+    from pyarrow import csv
+
+    from .arrow import record_columns
+
+    def read_csv(rows: int) -> Iterator[Columns]:
+        # blocks of about 1 MiB: memory stays flat however long the file is
+        reader = csv.open_csv(file, read_options=csv.ReadOptions(block_size=1 << 20))
+        for record in reader:
+            yield record_columns(record)
+
+    try:
+        names = csv.open_csv(file).schema.names
+    except Exception as e:  # pyarrow's own error types; all mean "unreadable"
+        raise DataError(f"cannot read data file: {e}", str(file)) from e
+    return Source(str(file), None, read_csv, names)
 
 
 def function_source(spec: str, columns: Selection, key: str = "data.path") -> Source:
     """``file.py:fn`` returning a dict of columns, a map-style Dataset or an IterableDataset."""
-    made = import_object(spec, key)()
+    return object_source(import_object(spec, key)(), columns, spec, f"{spec} returned")
+
+
+def object_source(made: Any, columns: Selection, where: str, what: str = "got") -> Source:
+    """Rows held in Python: a dict of columns, a DataLoader (its batches, in order), a Hugging
+    Face ``datasets.Dataset`` (its Arrow rows), a map-style Dataset or an IterableDataset.
+    ``what`` begins the error that refuses anything else."""
     if isinstance(made, dict):
-        return Source(spec, len(next(iter(made.values()), [])), lambda _: iter([made]))
-    where = spec
+        return Source(where, len(next(iter(made.values()), [])), lambda _: iter([made]))
+    if isinstance(made, torch.utils.data.DataLoader):
+        return _loader_source(made, columns, where)
+    if hasattr(made, "with_format") and hasattr(made, "column_names") and hasattr(made, "__len__"):
+        # a datasets.Dataset (its IterableDataset has no length: read as an iterable)
+        return _arrow_rows(made, where)
     if isinstance(made, torch.utils.data.IterableDataset) or (
         hasattr(made, "__iter__") and not hasattr(made, "__getitem__")
     ):
@@ -172,10 +200,52 @@ def function_source(spec: str, columns: Selection, key: str = "data.path") -> So
 
         return Source(where, n, read_map)
     raise DataError(
-        f"{spec} returned a {type(made).__name__}; expected a dict of columns, "
+        f"{what} a {type(made).__name__}; expected a dict of columns, a DataLoader, "
         "a torch Dataset or an IterableDataset",
         "data.path",
     )
+
+
+def _loader_source(loader: torch.utils.data.DataLoader, columns: Selection, where: str) -> Source:
+    """A DataLoader's batches as runs of rows: a dict of columns each, or a tuple (*inputs,
+    target) as its dataset's items are. A shuffled one would give each row another example_id
+    on every pass, and is refused."""
+    if isinstance(loader.sampler, torch.utils.data.RandomSampler):
+        raise DataError(
+            "the DataLoader shuffles: each pass would give its rows other example_ids; pass one "
+            "made with shuffle=False",
+            where,
+        )
+
+    def read_loader(_: int) -> Iterator[Columns]:
+        for batch in loader:
+            if isinstance(batch, (tuple, list)):  # collated items: one tensor per position
+                keys = [*columns.specs, columns.targets]
+                if len(batch) != len(keys):
+                    raise DataError(
+                        f"the DataLoader's batches are tuples of {len(batch)}; expected "
+                        f"{len(keys)} (the data.inputs in order, then the target) or dicts",
+                        where,
+                    )
+                batch = dict(zip(keys, batch, strict=True))
+            yield batch
+
+    return Source(where, None, read_loader)
+
+
+def _arrow_rows(made: Any, where: str) -> Source:
+    """A ``datasets.Dataset``'s rows in runs, read as its Arrow table (list columns as row
+    arrays, as a ``save_to_disk`` folder reads)."""
+    from .arrow import record_columns
+
+    arrow, n = made.with_format("arrow"), len(made)
+
+    def read_rows(rows: int) -> Iterator[Columns]:
+        for lo in range(0, n, rows):
+            for record in arrow[lo : min(lo + rows, n)].to_batches():
+                yield record_columns(record)
+
+    return Source(where, n, read_rows, list(made.column_names))
 
 
 def read_source(source: Source, rows: int) -> Iterator[Columns]:

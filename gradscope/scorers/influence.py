@@ -23,6 +23,7 @@ from ..errors import ConfigError, DataError, reading
 from ..inputs import data_inputs
 from ..io.data import Batch, Dataset, data_sha256, open_dataset
 from ..io.files import file_sha256
+from ..io.held import is_held
 from ..job import Job
 from .base import Inputs, Scorer, all_finite, counted, leading, leading_names, trailing_names
 
@@ -57,7 +58,7 @@ class InfluenceScorer(Scorer):
         if precondition is not None and not Path(precondition).is_file():
             raise ConfigError("preconditioner file not found", str(precondition))
         ref = str(ref)  # a path relative to the working directory, or file.py:make_dataset
-        self.ref = ref if ".py:" in ref else str(Path(ref).resolve())
+        self.ref = ref if ".py:" in ref or is_held(ref) else str(Path(ref).resolve())
         self.precondition = str(Path(precondition).resolve()) if precondition else None
         self.per_ref, self.engine = per_ref, check_engine(engine)
         self.trust_checkpoint = trust_checkpoint

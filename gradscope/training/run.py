@@ -100,23 +100,9 @@ def train_model(
     """
     train = recipe(cfg)
     path = output(cfg, out)
-    if distributed.world().size > 1:
-        raise ConfigError("gradscope train runs in one process; run it without torchrun", "train")
     inputs = training_inputs(cfg)
-    check_output(path, inputs)
-    if path.exists() and not (overwrite or resume):
-        raise ConfigError(
-            "a checkpoint is there already; pass --overwrite to replace it, or --out", str(path)
-        )
     folder = record_path(path) if record else None
-    if folder is not None and folder.exists() and not (overwrite or resume):
-        raise ConfigError(
-            "a run record is there already; pass --overwrite to replace it, or --out", str(folder)
-        )
-    if segment is not None and segment < 1:
-        raise ConfigError("--segment must be a positive number of steps", "--segment")
-    if record and train.fn is not None:
-        raise ConfigError("train.fn is a loop of your own: gradscope cannot record it", "train.fn")
+    _refuse(cfg, path, folder, inputs, overwrite or resume, segment)
     with OutputLock(path):
         extra = {"out": str(path), "record": segment if record else None}
         key = fingerprint(cfg, "train", inputs, extra, resolve_device(cfg.device).type)
@@ -153,6 +139,34 @@ def train_model(
         save(model, path)
         run.finish()
     return Trained(path, epochs, len(rows), trainer.step, trainer.last_loss, folder)
+
+
+def _refuse(
+    cfg: Config,
+    path: Path,
+    folder: Path | None,
+    inputs: Inputs,
+    replacing: bool,
+    segment: int | None,
+) -> None:
+    """What ``train_model`` refuses before anything trains: torchrun, an output that is an
+    input, a checkpoint or run record there already (without --overwrite or --resume), a
+    segment of no steps, a record of a loop of the user's own."""
+    if distributed.world().size > 1:
+        raise ConfigError("gradscope train runs in one process; run it without torchrun", "train")
+    check_output(path, inputs)
+    if path.exists() and not replacing:
+        raise ConfigError(
+            "a checkpoint is there already; pass --overwrite to replace it, or --out", str(path)
+        )
+    if folder is not None and folder.exists() and not replacing:
+        raise ConfigError(
+            "a run record is there already; pass --overwrite to replace it, or --out", str(folder)
+        )
+    if segment is not None and segment < 1:
+        raise ConfigError("--segment must be a positive number of steps", "--segment")
+    if folder is not None and cfg.train.fn is not None:
+        raise ConfigError("train.fn is a loop of your own: gradscope cannot record it", "train.fn")
 
 
 def _done_rows(trainer: Trainer) -> int:

@@ -1,4 +1,4 @@
-"""What notebooks call: per-example gradient norms and influence of one batch."""
+"""One batch in, one tensor out: per-example gradient norms and influence of the tensors given."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from pathlib import Path
 
 from torch import Tensor, nn
 
-from .curvature import Diagonal, load_preconditioner
-from .curvature.adam import adam_denominator
-from .curvature.fitted import NONE, check_curvature, chosen, fit_exact
-from .curvature.products import KINDS
-from .engine import Engine, Forward, Influence, reference_gradients, total
-from .errors import ConfigError
-from .losses import LossFn, resolve_loss
+from ..curvature import Diagonal, load_preconditioner
+from ..curvature.adam import adam_denominator
+from ..curvature.fitted import NONE, check_curvature, chosen, fit_exact
+from ..curvature.products import KINDS
+from ..engine import Engine, Forward, Influence, reference_gradients, total
+from ..errors import ConfigError
+from ..losses import LossFn, resolve_loss
 
 
 def _as_tuple(inputs: Tensor | Sequence[Tensor]) -> tuple[Tensor, ...]:
@@ -77,7 +77,7 @@ def per_example_influence(
     its dense matrix fits) scores against
     ``(C + lambda I)^-1 g_ref`` instead, C the Gauss-Newton matrix or the Hessian of the mean
     loss over ``inputs`` (the training rows), fitted here (``solver``: ``dense``, ``cg`` or
-    ``auto``), lambda ``damping`` (default: 10 for gn, 30 for hessian) x C's mean
+    ``auto``), lambda ``damping`` (default: ``gradscope.defaults.DAMPING``) x C's mean
     eigenvalue. The parameters are selected as ``per_example_norms`` selects them. ``.grad``
     fields, hooks and train/eval mode are left as they were.
     """

@@ -1,0 +1,135 @@
+"""What one API call runs on: a config (a ``Config``, or a YAML file's path), with the model,
+data and references the caller holds named in it and the config's keys given as keywords on
+top; the command line runs on the same config, read from its file."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..config import Config, config_from_dict, default_pad, load_config, output_path
+from ..config.load import resolve
+from ..errors import ConfigError
+from ..io.held import holding
+
+# the keyword each config key is given by: its own name, but for the three that other
+# sections share a name with (loss.name, model.output, loss.kwargs)
+KEYS = {
+    "batch_size": ("data", "batch_size"),
+    "limit": ("data", "limit"),
+    "inputs": ("data", "inputs"),
+    "targets": ("data", "targets"),
+    "ids": ("data", "ids"),
+    "pad": ("data", "pad"),
+    "show": ("data", "show"),
+    "classes": ("data", "classes"),
+    "loss": ("loss", "name"),
+    "loss_kwargs": ("loss", "kwargs"),
+    "class_dim": ("loss", "class_dim"),
+    "token_reduction": ("loss", "token_reduction"),
+    "include": ("params", "include"),
+    "exclude": ("params", "exclude"),
+    "output": ("model", "output"),
+    "per_layer": ("output", "per_layer"),
+    "metadata": ("output", "metadata"),
+    "top_k": ("summary", "top_k"),
+    "device": (None, "device"),
+    "dtype": (None, "dtype"),
+}
+# what a model passed as an object leaves of the config's model: how its output is read
+MODEL_OBJECT_KEYS = ("output",)
+
+Model = nn.Module | Config | str | Path
+Data = Any  # a path, a dict of tensors, a Dataset, a DataLoader, a datasets.Dataset
+
+
+class Call:
+    """The objects one API call holds, named while it runs; its temporary folder."""
+
+    def __init__(self, stack: contextlib.ExitStack):
+        self.stack = stack
+        self._folder: Path | None = None
+
+    def spec(self, value: Any) -> str:
+        """A path or ``file.py:fn`` as the config writes it (relative to the working folder), or
+        the spec naming an object held for the call."""
+        if isinstance(value, str | Path):
+            return resolve(str(value), Path.cwd())
+        return self.stack.enter_context(holding(value))
+
+    def data(self, value: Any) -> str | list[str]:
+        """``spec`` of rows: a list of paths is a list of shards, as ``data.path`` takes it."""
+        if isinstance(value, list | tuple) and all(isinstance(v, str | Path) for v in value):
+            return [self.spec(v) for v in value]
+        return self.spec(value)
+
+    def out(self, out: str | Path | None, name: str) -> str:
+        """``out`` made absolute, or ``name`` in a folder removed when the call returns."""
+        if out is not None:
+            return output_path(out, Path.cwd(), "out")
+        if self._folder is None:
+            self._folder = Path(self.stack.enter_context(tempfile.TemporaryDirectory()))
+        return str(self._folder / name)
+
+
+@contextlib.contextmanager
+def called() -> Iterator[Call]:
+    with contextlib.ExitStack() as stack:
+        yield Call(stack)
+
+
+def configured(
+    call: Call,
+    model: Model,
+    data: Data = None,
+    config: Config | str | Path | None = None,
+    **options: Any,
+) -> Config:
+    """The config of ``model`` (an ``nn.Module``, or a config naming one) on ``data`` (default:
+    the config's ``data.path``), ``options`` set by ``KEYS``, validated as a file is."""
+    if not isinstance(model, nn.Module):
+        if config is not None:
+            raise ConfigError("give the config once: as the model, or as config=", "config")
+        model, config = None, model
+    raw = _base(config)
+    if model is not None:
+        raw["model"] = {k: v for k, v in raw.get("model", {}).items() if k in MODEL_OBJECT_KEYS}
+        raw["model"]["factory"] = call.spec(model)
+        first = next(model.parameters(), None)  # scored as it is, unless device=, dtype= say
+        raw["device"] = str(first.device) if first is not None else "cpu"
+        raw["dtype"] = None
+    if data is not None:
+        raw["data"]["path"] = call.data(data)
+        batch_size = getattr(data, "batch_size", None)  # a DataLoader's
+        if isinstance(batch_size, int):
+            raw["data"]["batch_size"] = batch_size
+    for key, value in options.items():
+        if key not in KEYS:
+            known = ", ".join(KEYS)
+            raise TypeError(f"unexpected keyword argument {key!r}; the config's keys: {known}")
+        section, name = KEYS[key]
+        if key == "loss" and callable(value):
+            value = call.spec(value)
+        (raw.setdefault(section, {}) if section else raw)[name] = value
+    if not raw["data"].get("path"):
+        raise ConfigError("no data: pass the rows to score, or a config naming them", "data")
+    cfg = config_from_dict(raw, raw.get("source") or "the API's arguments")
+    pad = dict(cfg.data.pad)
+    for column, value in default_pad(cfg).items():
+        pad.setdefault(column, value)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pad=pad))
+
+
+def _base(config: Config | str | Path | None) -> dict[str, Any]:
+    """The keys ``config`` sets (the config file read and resolved), else the defaults a model
+    object needs: its input in column ``x`` (a tuple's first item), its target in ``y``."""
+    if config is None:
+        return {"data": {"targets": "y"}}
+    cfg = config if isinstance(config, Config) else load_config(config)
+    return cfg.to_dict()
