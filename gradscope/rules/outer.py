@@ -209,6 +209,8 @@ class Outer(Contribution):
         # sum_t s_t^T R a_t: project the inputs through R, never forming G; a few references at
         # a time, so that --per-ref's K of up to 1000 holds no (B, K, G, T, O) product at once
         step = max(1, CHUNK_ELEMENTS // (b * g * t * min(o, i)))
+        if step >= r.shape[0]:  # one product, no chunk to join
+            return self._inner(r)
         return _cat([self._inner(r[lo : lo + step]) for lo in range(0, r.shape[0], step)], 1)
 
     def inners(self, refs: Tensor, batch: int) -> Tensor:
@@ -223,22 +225,34 @@ class Outer(Contribution):
 
     def _inners(self, r: Tensor, batch: int) -> Tensor:
         n, (_, g, t, o, i) = r.shape[0], self.dims
-        s, a = self.s.view(n, batch, g, t, o), self.a.view(n, batch, g, t, i)
-        if o <= i:
-            ra = torch.einsum("nkgoi,nbgti->nbkgto", r, a)  # (n, B, K, G, T, O)
-            return (ra * s[:, :, None]).flatten(3).sum(3)  # (n, B, K)
-        rs = torch.einsum("nkgoi,nbgto->nbkgti", r, s)  # (n, B, K, G, T, I)
-        return (rs * a[:, :, None]).flatten(3).sum(3)
+        return _ghost_inner(r, self.s.view(n, batch, g, t, o), self.a.view(n, batch, g, t, i))
 
     def _inner(self, r: Tensor) -> Tensor:
-        _, _, _, o, i = self.dims
-        # the sum over positions and outputs by a cascade, not a matrix product's inner dim
-        # (``base.BLOCK``): G * T * O terms of one example
-        if o <= i:
-            ra = torch.einsum("kgoi,bgti->bkgto", r, self.a)  # (B, K, G, T, O)
-            return (ra * self.s[:, None]).flatten(2).sum(2)
-        rs = torch.einsum("kgoi,bgto->bkgti", r, self.s)  # (B, K, G, T, I)
-        return (rs * self.a[:, None]).flatten(2).sum(2)
+        return _ghost_inner(r[None], self.s[None], self.a[None])[0]
+
+
+def _ghost_inner(r: Tensor, s: Tensor, a: Tensor) -> Tensor:
+    """(n, B, K) sum_t s_t^T R a_t of n calls' examples, each call's with its own references:
+    r (n, K, G, O, I), s (n, B, G, T, O), a (n, B, G, T, I). The inputs (or the output
+    gradients, where fewer) through R by one matrix product where G is 1, never forming G_i;
+    the sum over positions and outputs by a cascade, not a matrix product's inner dim
+    (``base.BLOCK``): G * T * O terms of one example."""
+    (n, k, g, o, i), (b, t) = r.shape, s.shape[1::2]
+    if g == 1 and t == 1 and o <= i:  # one position: (n, B, I) @ (n, I, K*O) -> (n, B, K, O)
+        ra = (a.view(n, b, i) @ r.view(n, k * o, i).mT).view(n, b, k, o)
+        return (ra * s.view(n, b, 1, o)).sum(3)
+    if g == 1 and o <= i:  # (n, B*T, I) @ (n, I, K*O) -> (n, B, T, K, O)
+        ra = (a.reshape(n, b * t, i) @ r.reshape(n, k * o, i).mT).view(n, b, t, k, o)
+        return (ra * s.reshape(n, b, t, 1, o)).sum((2, 4))
+    if g == 1:  # (n, B*T, O) @ (n, O, K*I) -> (n, B, T, K, I)
+        rt = r.reshape(n, k, o, i).transpose(1, 2).reshape(n, o, k * i)
+        rs = (s.reshape(n, b * t, o) @ rt).view(n, b, t, k, i)
+        return (rs * a.reshape(n, b, t, 1, i)).sum((2, 4))
+    if o <= i:
+        ra = torch.einsum("nkgoi,nbgti->nbkgto", r, a)  # (n, B, K, G, T, O)
+        return (ra * s[:, :, None]).flatten(3).sum(3)
+    rs = torch.einsum("nkgoi,nbgto->nbkgti", r, s)  # (n, B, K, G, T, I)
+    return (rs * a[:, :, None]).flatten(3).sum(3)
 
 
 def gram_norms(parts: Sequence[Outer]) -> Tensor:

@@ -1,5 +1,6 @@
 """Outer with ``lengths``: examples padded to the longest answered in groups of similar length,
-each cut to its group's longest, with the same answers as the whole padded product."""
+each cut to its group's longest, with the same answers as the whole padded product; and its
+inner products, one call's and several calls' stacked, against the gradients formed."""
 
 from __future__ import annotations
 
@@ -69,3 +70,25 @@ def test_merged_positions_follow_each_other():
     whole = Outer(*first, shape).merge(Outer(*second, shape))
     torch.testing.assert_close(merged.norm_sq(), whole.norm_sq())
     torch.testing.assert_close(merged.materialize(), whole.materialize())
+
+
+@pytest.mark.parametrize("g, t", [(1, 1), (1, 3), (2, 1), (2, 3)])
+@pytest.mark.parametrize("o, i", [(3, 5), (5, 3)], ids=["O<I", "O>I"])
+def test_inner_products_each_calls_own_against_the_gradients_formed(g, t, o, i):
+    """``inner`` and ``inners`` (n calls' examples stacked, each with its own references), by
+    whichever side goes through R, against each example's G_i = sum_t s_t a_t^T formed by a
+    loop in float64."""
+    n, b, k = 2, 3, 2
+    gen = torch.Generator().manual_seed(0)
+    s = torch.randn(n * b, g, t, o, generator=gen, dtype=torch.float64)
+    a = torch.randn(n * b, g, t, i, generator=gen, dtype=torch.float64)
+    refs = torch.randn(n, k, g * o, i, generator=gen, dtype=torch.float64)
+    grads = torch.zeros(n * b, g, o, i, dtype=torch.float64)
+    for e in range(n * b):
+        for pos in range(t):
+            grads[e] += s[e, :, pos, :, None] * a[e, :, pos, None, :]
+    each = grads.reshape(n, b, -1) @ refs.reshape(n, k, -1).mT  # (n, B, K)
+    part = Outer(s, a, torch.Size((g * o, i)))
+    torch.testing.assert_close(part.inners(refs, b), each)
+    for c in range(n):
+        torch.testing.assert_close(part.examples(c * b, (c + 1) * b).inner(refs[c]), each[c])

@@ -6,25 +6,33 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradscope.rules.routed import Routed, routed_norms
+from gradscope.rules import routed
+from gradscope.rules.routed import Routed, routed_inners, routed_norms
 
 B, E, IN, OUT, S = 3, 4, 5, 6, 20
 
 
-def _case(transposed: bool, seed: int = 0):
+def _close32(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """A float32 answer against float64's, at float32's rounding over a few sums."""
+    torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def _case(transposed: bool, seed: int = 0, dtype: torch.dtype = torch.float64, dims=(IN, OUT)):
+    """The rows' Routed in ``dtype`` and, in float64, each example's gradient by hand."""
     g = torch.Generator().manual_seed(seed)
-    a = torch.randn(S, IN, generator=g, dtype=torch.float64)
-    s = torch.randn(S, OUT, generator=g, dtype=torch.float64)
+    n_in, n_out = dims
+    a = torch.randn(S, n_in, generator=g, dtype=torch.float64)
+    s = torch.randn(S, n_out, generator=g, dtype=torch.float64)
     own = torch.randint(0, B, (S,), generator=g)
     offs = torch.tensor([5, 5, 12, 18], dtype=torch.int32)  # expert 1 runs none; 2 rows past
-    shape = torch.Size((E, IN, OUT) if transposed else (E, OUT, IN))
+    shape = torch.Size((E, n_in, n_out) if transposed else (E, n_out, n_in))
     expected = torch.zeros(B, *shape, dtype=torch.float64)
     expert = torch.searchsorted(offs, torch.arange(S, dtype=torch.int32), right=True)
     for r in range(S):
         if expert[r] < E:
             outer = torch.outer(a[r], s[r]) if transposed else torch.outer(s[r], a[r])
             expected[own[r], expert[r]] += outer
-    return Routed.of(a, s, own, offs, shape, B, transposed), expected
+    return Routed.of(a.to(dtype), s.to(dtype), own, offs, shape, B, transposed), expected
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["W^T", "W"])
@@ -49,3 +57,47 @@ def test_routed_norms_of_several_reads_are_each_reads_own():
     assert norms.shape == (3, B)
     for k, (_, expected) in enumerate(cases):
         torch.testing.assert_close(norms[k], expected.flatten(1).square().sum(1))
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["W^T", "W"])
+def test_rows_by_their_own_experts_matrix_in_float32(transposed: bool):
+    """The CPU's float32 route: each row by its own expert's matrix in one ``grouped_mm``, the
+    rows past the last group (no expert) included, for one read and for several reads at once
+    (each with its own references), against the rows added by hand in float64."""
+    cases = [_case(transposed, seed, torch.float32, (8, 12)) for seed in range(3)]
+    assert all(part.sorted_route for part, _ in cases)
+    refs = torch.randn(3, 2, *cases[0][1].shape[1:], dtype=torch.float64)
+    together = routed_inners([part for part, _ in cases], refs.float())
+    assert together.shape == (3, B, 2)
+    for k, (part, expected) in enumerate(cases):
+        exact = expected.flatten(1) @ refs[k].flatten(1).T
+        _close32(part.inner(refs[k].float()), exact)
+        _close32(together[k], exact)
+        _close32(part.merge(part).inner(refs[k].float()), 2 * exact)
+    assert not _case(False, 0, torch.float32)[0].sorted_route  # rows of 5 floats: 20 bytes
+
+
+def test_experts_bias_rows_by_their_own_experts_bias():
+    """A bias picked by expert (``x + b[e]``: inputs of ones, width 1) on the float32 route."""
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(S, OUT + 2, generator=g, dtype=torch.float64)
+    own = torch.randint(0, B, (S,), generator=g)
+    expert = torch.tensor(2).expand(S)
+    part = Routed(torch.ones(S, 1), s.float(), own, expert, torch.Size((E, OUT + 2)), B, True)
+    expected = torch.zeros(B, E, OUT + 2, dtype=torch.float64).index_put_(
+        (own, expert), s, accumulate=True
+    )
+    refs = torch.randn(2, E, OUT + 2, dtype=torch.float64)
+    assert part.sorted_route
+    _close32(part.inner(refs.float()), expected.flatten(1) @ refs.flatten(1).T)
+
+
+def test_rows_by_their_own_experts_matrix_a_few_rows_at_a_time(monkeypatch: pytest.MonkeyPatch):
+    """Rows in chunks (many references on long sequences): each chunk's groups cut to its
+    rows, the answers those of the rows added by hand."""
+    monkeypatch.setattr(routed, "CHUNK_ELEMENTS", 50)  # 2 rows of 2 refs of width 12 each
+    cases = [_case(False, seed, torch.float32, (8, 12)) for seed in range(2)]
+    refs = torch.randn(2, 2, *cases[0][1].shape[1:], dtype=torch.float64)
+    together = routed_inners([part for part, _ in cases], refs.float())
+    for k, (_, expected) in enumerate(cases):
+        _close32(together[k], expected.flatten(1) @ refs[k].flatten(1).T)

@@ -12,7 +12,7 @@ from ...rules import Contribution, Dense, Outer
 from ...rules.base import CHUNK_ELEMENTS, _sq_norm, accumulation_dtype, rows
 from ...rules.outer import gram_norms
 from ...rules.projection import Projection
-from ...rules.routed import Routed, routed_norms
+from ...rules.routed import Routed, routed_inners, routed_norms
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,8 @@ class Reducer:
         self._parts: dict[str, list[Contribution]] = {name: [] for name in merged}
         # single calls' small norms answered together when the backward ends
         self._batched = Batched() if want.norms else None
+        # and their inner products, each with its own references, where not shared with a norm
+        self._inners = None if want.refs is None else Batched(want.refs)
         # the transformed gradients' squared norms; each part is transformed as it is reduced,
         # which is exact for merged parts too since the transform is linear
         self.pre = None if want.transform is None else Reducer(Want(norms=True), ())
@@ -111,6 +113,9 @@ class Reducer:
         if self._batched is not None:  # what comes later (the fallback's) is answered at once
             self.norm_sq.update(self._batched.answers())
             self._batched = None
+        if self._inners is not None:
+            self.inner.update(self._inners.answers())
+            self._inners = None
         if self.pre is not None:
             self.pre.finish()
 
@@ -146,7 +151,8 @@ class Reducer:
             batched = self._batched is not None and self._batched.take(name, c)
             if self.want.norms and not batched:
                 self.norm_sq[name] = c.norm_sq()
-            if refs is not None:
+            inners = self._inners is not None and self._inners.take(name, c)
+            if refs is not None and not inners:
                 self.inner[name] = c.inner(refs)
         if self.want.project is not None:
             self.inner[name] = c.project(self.want.project[name])
@@ -196,27 +202,27 @@ class Reducer:
 
 
 class Batched:
-    """Norms held back until the backward ends, then answered one batched op per shape (Outers
-    of one Gram block by ``rules.outer.gram_norms``, routed experts' reads by
-    ``rules.routed.routed_norms``; formed gradients by one norm), while what they hold stays
-    under ``CHUNK_ELEMENTS`` (past it, a shape's parts are answered at once): the host-bound
-    passes, where each call's few small ops cost more to dispatch than to compute."""
+    """Norms, or inner products with ``refs`` (each part its own parameter's), held back until
+    the backward ends, then answered one batched op per shape (norms: Outers of one Gram block
+    by ``rules.outer.gram_norms``, routed experts' reads by ``rules.routed.routed_norms``,
+    formed gradients by one norm; inner products: Outers by ``Outer.inners`` of their examples
+    stacked, routed reads by ``rules.routed.routed_inners``, formed gradients by one product),
+    while what they hold stays under ``CHUNK_ELEMENTS`` (past it, a shape's parts are answered
+    at once): the host-bound passes, where each call's few small ops cost more to dispatch
+    than to compute."""
 
-    def __init__(self):
+    def __init__(self, refs: dict[str, Tensor] | None = None):
+        self.refs = refs
         self._held: dict[tuple, list[tuple[str, Contribution]]] = {}
         self._size = 0
-        self.norm_sq: dict[str, Tensor] = {}
+        self.done: dict[str, Tensor] = {}
 
     def take(self, name: str, c: Contribution) -> bool:
-        """Hold ``c`` back where it is an Outer or a Routed of one Gram block, or formed
+        """Hold ``c`` back where it is an Outer or a Routed of one Gram block (for inner
+        products: an Outer of every position, a Routed of ``sorted_route``), or formed
         gradients (a bias, a norm's scale); False where not taken."""
-        if isinstance(c, Outer) and c.one_gram:
-            key: tuple = (Outer, c.dims, c.s.dtype, c.s.device)
-        elif type(c) is Routed and c.one_gram:
-            key = (Routed, c.a.shape, c.s.shape, c.shape[0], c.batch, c.s.dtype, c.s.device)
-        elif type(c) is Dense:
-            key = (Dense, c.grads.shape[0], c.shape.numel(), c.grads.dtype, c.grads.device)
-        else:
+        key = _norm_key(c) if self.refs is None else _inner_key(c, len(self.refs[name]))
+        if key is None:
             return False
         held = self._held.setdefault(key, [])
         held.append((name, c))
@@ -227,22 +233,62 @@ class Batched:
 
     def _answer(self, key: tuple) -> None:
         held = self._held.pop(key)
-        parts = [c for _, c in held]
-        if len(parts) == 1:  # nothing alike came: its own norm, nothing stacked
-            norms = [parts[0].norm_sq()]
-        elif key[0] is Outer:
-            norms = gram_norms(parts)
-        elif key[0] is Routed:
-            norms = routed_norms(parts)
-        else:  # (n, B, P) -> (n, B)
-            norms = _sq_norm(torch.stack([rows(c.grads) for c in parts]))
-        self.norm_sq.update((name, n) for (name, _), n in zip(held, norms, strict=True))
+        names, parts = [name for name, _ in held], [c for _, c in held]
+        if len(parts) == 1:  # nothing alike came: its own answer, nothing stacked
+            c = parts[0]
+            answers = [c.norm_sq() if self.refs is None else c.inner(self.refs[names[0]])]
+        elif self.refs is None:
+            answers = _norms(key[0], parts)
+        else:
+            answers = _inners(key[0], parts, torch.stack([self.refs[n] for n in names]))
+        self.done.update(zip(names, answers, strict=True))
         self._size -= sum(_size(c) for c in parts)
 
     def answers(self) -> dict[str, Tensor]:
         for key in list(self._held):
             self._answer(key)
-        return self.norm_sq
+        return self.done
+
+
+def _norm_key(c: Contribution) -> tuple | None:
+    if isinstance(c, Outer) and c.one_gram:
+        return (Outer, c.dims, c.s.dtype, c.s.device)
+    if type(c) is Routed and c.one_gram:
+        return (Routed, c.a.shape, c.s.shape, c.shape[0], c.batch, c.s.dtype, c.s.device)
+    if type(c) is Dense:
+        return (Dense, c.grads.shape[0], c.shape.numel(), c.grads.dtype, c.grads.device)
+    return None
+
+
+def _inner_key(c: Contribution, k: int) -> tuple | None:
+    if type(c) is Outer and c.lengths is None:
+        return (Outer, c.dims, c.shape, k, c.s.dtype, c.s.device)
+    if type(c) is Routed and c.sorted_route:
+        return (Routed, c.a.shape[1], c.s.shape[1], c.shape, c.batch, c.transposed, k)
+    if type(c) is Dense:
+        return (Dense, c.grads.shape, k, c.grads.dtype, c.grads.device)
+    return None
+
+
+def _norms(kind: type, parts: list) -> Tensor:
+    """(n, B) the squared norms of n parts of one ``_norm_key``."""
+    if kind is Outer:
+        return gram_norms(parts)
+    if kind is Routed:
+        return routed_norms(parts)
+    return _sq_norm(torch.stack([rows(c.grads) for c in parts]))  # (n, B, P) -> (n, B)
+
+
+def _inners(kind: type, parts: list, refs: Tensor) -> Tensor:
+    """(n, B, K) the inner products of n parts of one ``_inner_key``, each with its own
+    references, ``refs`` (n, K, *shape)."""
+    if kind is Routed:
+        return routed_inners(parts, refs)
+    if kind is Outer:  # the n parts' examples stacked, (n*B, G, T, O) and (n*B, G, T, I)
+        s, a = torch.cat([c.s for c in parts]), torch.cat([c.a for c in parts])
+        return Outer(s, a, parts[0].shape).inners(refs, parts[0].dims[0])
+    grads = torch.cat([c.grads for c in parts])  # (n*B, *shape)
+    return Dense(grads).inners(refs, parts[0].grads.shape[0])
 
 
 def _size(c: Contribution) -> int:
