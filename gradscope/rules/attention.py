@@ -114,6 +114,25 @@ def attention(
         # out_proj is linear: the gradient at the context is grad_output through its weight
         g_context = grad_output @ module.out_proj.weight.detach()  # (B, L, E) @ (E, E)
         s_q, s_k, s_v = torch.autograd.grad(context, (q, k, v), g_context)
+    grads = (s_q, s_k, s_v)
+    return _contributions(module, xs, grads, grad_output, context.detach(), self_attention)
+
+
+def _contributions(
+    module: nn.MultiheadAttention,
+    xs: tuple[Tensor, Tensor, Tensor],
+    grads: tuple[Tensor, Tensor, Tensor],
+    grad_output: Tensor,
+    context: Tensor,
+    self_attention: bool,
+) -> dict[str, Contribution]:
+    """Each parameter's per-example gradient from the projections' inputs ``xs`` (query, key,
+    value, (B, T, E) each) and the output gradients ``grads`` at q, k, v (k and v with the
+    learned bias column last, when the module has one); the output projection's from
+    ``grad_output`` and the attention's ``context`` (B, L, E)."""
+    query, key, _ = xs
+    s_q, s_k, s_v = grads
+    b, length, e = query.shape
     out: dict[str, Contribution] = {}
     src = key.shape[1]
     if module.bias_k is not None:
@@ -137,7 +156,7 @@ def attention(
     if module.in_proj_bias is not None:
         out["in_proj_bias"] = Dense(torch.cat([s.sum(1) for s in (s_q, s_k, s_v)], -1))  # (B, 3E)
     out["out_proj.weight"] = Outer(
-        grad_output[:, None], context.detach()[:, None], module.out_proj.weight.shape
+        grad_output[:, None], context[:, None], module.out_proj.weight.shape
     )  # (B, 1, L, E) each
     if module.out_proj.bias is not None:
         out["out_proj.bias"] = Dense(grad_output.sum(1))  # (B, E)
