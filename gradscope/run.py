@@ -151,6 +151,18 @@ def _metadata(cfg: Config, job: Job, scorer: Scorer, seconds: float) -> dict:
     return minimal(metadata) if cfg.output.metadata == "minimal" else metadata
 
 
+def _interrupted(path: str) -> None:
+    """Ctrl-C outside a batch: ``Interrupted`` when batches are saved for ``--resume``."""
+    partial = partial_path(path)
+    saved = len(list(partial.glob("part-*.parquet")))
+    if saved:
+        raise Interrupted(
+            f"interrupted with {saved} batches saved; run the same command with --resume to "
+            "continue",
+            str(partial),
+        ) from None
+
+
 def score_dataset(
     cfg: Config,
     scorer: Scorer | None = None,
@@ -206,14 +218,8 @@ def score_dataset(
             metadata = _metadata(cfg, job, scorer, time.perf_counter() - started)
             return run.assemble(count, metadata, lambda: _standardised(run, count))
         except KeyboardInterrupt:  # (or SIGTERM) outside a batch: hashing, loading, assembling
-            saved = len(list(partial_path(cfg.output.path).glob("part-*.parquet")))
-            if not saved:
-                raise  # nothing saved: the CLI says so
-            raise Interrupted(
-                f"interrupted with {saved} batches saved; run the same command with --resume "
-                "to continue",
-                str(run.dir),
-            ) from None
+            _interrupted(cfg.output.path)
+            raise  # nothing saved: the CLI says so
 
 
 def _standardised(run: PartialRun, parts: int) -> dict[str, np.ndarray]:

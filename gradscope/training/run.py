@@ -117,14 +117,7 @@ def train_model(
                 return Trained(path, [], len(rows), 0, float("nan"))
             trainer = Trainer(cfg, model, rows, train.seed, on_batch)
             recorder = _recorder(cfg, trainer, folder, segment, inputs)
-            if state is None:
-                run.start()
-                if recorder:
-                    recorder.start()
-            else:
-                trainer.load(state)
-                if recorder:
-                    recorder.load(state["record"], trainer.step)
+            _begin(run, trainer, recorder, state)
             if on_start:
                 on_start(total_rows(train, len(rows), trainer.batch_size))
                 if on_batch and trainer.step:
@@ -139,6 +132,18 @@ def train_model(
         save(model, path)
         run.finish()
     return Trained(path, epochs, len(rows), trainer.step, trainer.last_loss, folder)
+
+
+def _begin(run: PartialRun, trainer: Trainer, recorder, state: dict | None) -> None:
+    """A new run started, or a resumed one's trainer (and record) where it stopped."""
+    if state is None:
+        run.start()
+        if recorder:
+            recorder.start()
+        return
+    trainer.load(state)
+    if recorder:
+        recorder.load(state["record"], trainer.step)
 
 
 def _refuse(
