@@ -17,7 +17,7 @@ from torch.func import functional_call
 
 from ..job import Forward
 from ..losses import LossFn
-from .loop import Rows
+from .loop import TrainingRows
 from .record import set_rng
 from .steps import Tensors, Update, clip
 
@@ -41,7 +41,7 @@ class Problem:
 
     called: Called
     names: list[str]  # the trained parameters' names in ``called``, in the run's order
-    rows: Rows
+    rows: TrainingRows
     loss: LossFn
     update: Update
     max_norm: float | None

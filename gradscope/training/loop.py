@@ -29,7 +29,7 @@ def recipe(cfg: Config) -> TrainConfig:
     return cfg.train
 
 
-class Rows:
+class TrainingRows:
     """The rows to train on, read once and kept unpadded; a step's batch is padded as a run's."""
 
     def __init__(self, cfg: Config, rows: Sequence[int] | np.ndarray | None):
@@ -80,7 +80,7 @@ class Trainer:
 
     cfg: Config
     model: nn.Module
-    rows: Rows
+    rows: TrainingRows
     seed: int
     on_rows: Callable[[int], None] | None = None  # after each step, the rows it trained on
     weights: Tensor | None = None  # (len(rows),) each row's weight in its batch's loss; None: 1
@@ -227,7 +227,7 @@ def fit(
     train = recipe(cfg)
     seed = train.seed if seed is None else seed
     with torch.random.fork_rng(devices=[]):
-        training = Rows(cfg, rows)
+        training = TrainingRows(cfg, rows)
         model = build(cfg, seed)
         if train.fn is not None:
             if weights is not None:

@@ -25,7 +25,7 @@ from ..io.data import data_sha256, open_dataset
 from ..io.parquet import replace_atomically
 from ..job import config_forward, config_loss, resolve_device
 from .adjoint import Called, Problem
-from .loop import Rows, build, recipe
+from .loop import TrainingRows, build, recipe
 from .record import Record, open_record, rng, set_rng
 from .run import training_inputs
 from .steps import Tensors
@@ -58,7 +58,7 @@ def through_training(
     train = recipe(cfg)
     device = resolve_device(cfg.device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        rows = Rows(cfg, None)
+        rows = TrainingRows(cfg, None)
         model = build(cfg, train.seed)
         called = Called(model, config_forward(cfg))
         names = [f"model.{n}" for n, p in model.named_parameters() if p.requires_grad]

@@ -19,7 +19,7 @@ from ..io.lock import OutputLock
 from ..io.parquet import PartialRun, replace_atomically
 from ..job import resolve_device
 from ..run import fingerprint, resumed_parts
-from .loop import Rows, Trainer, build, recipe
+from .loop import Trainer, TrainingRows, build, recipe
 from .recipe import total_rows
 from .record import Recorder, default_segment, record_key
 from .user import run_user_fn
@@ -110,7 +110,7 @@ def train_model(
         run.refuse_foreign()
         state = _resumed(run, key) if resume else None
         with torch.random.fork_rng(devices=[]):
-            rows = Rows(cfg, None)
+            rows = TrainingRows(cfg, None)
             model = build(cfg, train.seed)
             if train.fn is not None:
                 save(run_user_fn(train.fn, model, rows.positions, train.seed), path)

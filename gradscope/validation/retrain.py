@@ -27,7 +27,7 @@ from ..io.parquet import PartialRun
 from ..job import config_forward, config_loss, resolve_device
 from ..predictions import predictions
 from ..run import Parts, fingerprint, resumed_parts
-from ..training.loop import Rows, build, forward_or_error
+from ..training.loop import TrainingRows, build, forward_or_error
 from .truth import Model, Task, Truth, read_truth
 
 Progress = Callable[[int], None]
@@ -39,7 +39,7 @@ def evaluate(cfg: Config, model: nn.Module, ref: str) -> tuple[np.ndarray, np.nd
     config's loss has no single label), in REF's order; REF's rows read and moved to the
     model's device as the training rows are."""
     data = dataclasses.replace(cfg.data, path=ref, ids=None, limit=None)
-    rows = Rows(dataclasses.replace(cfg, data=data), None)
+    rows = TrainingRows(dataclasses.replace(cfg, data=data), None)
     forward = config_forward(cfg)
     loss_fn, observe = config_loss(cfg), predictions(cfg.loss.name, cfg.loss.kwargs)
     losses, margins = [], []
