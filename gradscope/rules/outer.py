@@ -225,7 +225,7 @@ class Outer(Contribution):
 
     def _inners(self, r: Tensor, batch: int) -> Tensor:
         n, (_, g, t, o, i) = r.shape[0], self.dims
-        return _ghost_inner(r, self.s.view(n, batch, g, t, o), self.a.view(n, batch, g, t, i))
+        return _ghost_inner(r, self.s.reshape(n, batch, g, t, o), self.a.reshape(n, batch, g, t, i))
 
     def _inner(self, r: Tensor) -> Tensor:
         return _ghost_inner(r[None], self.s[None], self.a[None])[0]
@@ -239,8 +239,9 @@ def _ghost_inner(r: Tensor, s: Tensor, a: Tensor) -> Tensor:
     (``base.BLOCK``): G * T * O terms of one example."""
     (n, k, g, o, i), (b, t) = r.shape, s.shape[1::2]
     if g == 1 and t == 1 and o <= i:  # one position: (n, B, I) @ (n, I, K*O) -> (n, B, K, O)
-        ra = (a.view(n, b, i) @ r.view(n, k * o, i).mT).view(n, b, k, o)
-        return (ra * s.view(n, b, 1, o)).sum(3)
+        # reshape, not view: a reference through a preconditioner need not be contiguous
+        ra = (a.reshape(n, b, i) @ r.reshape(n, k * o, i).mT).view(n, b, k, o)
+        return (ra * s.reshape(n, b, 1, o)).sum(3)
     if g == 1 and o <= i:  # (n, B*T, I) @ (n, I, K*O) -> (n, B, T, K, O)
         ra = (a.reshape(n, b * t, i) @ r.reshape(n, k * o, i).mT).view(n, b, t, k, o)
         return (ra * s.reshape(n, b, t, 1, o)).sum((2, 4))

@@ -92,3 +92,18 @@ def test_inner_products_each_calls_own_against_the_gradients_formed(g, t, o, i):
     torch.testing.assert_close(part.inners(refs, b), each)
     for c in range(n):
         torch.testing.assert_close(part.examples(c * b, (c + 1) * b).inner(refs[c]), each[c])
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_inner_products_of_references_laid_out_transposed(t):
+    """A reference through a preconditioner ((G + lambda I)^-1 g_ref, K-FAC's S^-1 R A^-1) may
+    come transposed in memory: the inner products read it by its values, not its strides."""
+    gen = torch.Generator().manual_seed(1)
+    s = torch.randn(4, 1, t, 3, generator=gen, dtype=torch.float64)  # (B, G, T, O): O < I
+    a = torch.randn(4, 1, t, 5, generator=gen, dtype=torch.float64)
+    refs = torch.randn(2, 5, 3, generator=gen, dtype=torch.float64).mT  # (K, O, I), transposed
+    assert not refs.is_contiguous()
+    part = Outer(s, a, torch.Size((3, 5)))
+    torch.testing.assert_close(part.inner(refs), part.inner(refs.contiguous()))
+    want = part.materialize().flatten(1) @ refs.reshape(2, -1).T  # (B, K)
+    torch.testing.assert_close(part.inner(refs), want)
