@@ -84,6 +84,16 @@ def make_project(root: Path, n: int = 23, **config: Any) -> Path:
     return path
 
 
+def make_ref_project(root: Path, n: int, refs: int) -> Path:
+    """make_project's model and ``n`` rows in float64, and ``ref.pt``: ``refs`` rows drawn
+    apart from them; the folder."""
+    make_project(root, n=n, dtype="float64")
+    g = torch.Generator().manual_seed(5)
+    torch.save({"x": torch.randn(refs, 5, generator=g),
+                "y": torch.randint(0, 3, (refs,), generator=g)}, root / "ref.pt")  # fmt: skip
+    return root
+
+
 def load_net(root: Path) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
     """The project's model with its checkpoint, and its data, for the oracle."""
     from gradscope.io.model import import_object

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from conftest import K, N, cli
 from oracle import reference_influence
 from problem import make_problem
 from project import load_net, make_project
+from running import K, N, cli
 from safetensors.torch import load_file
 
 import gradscope

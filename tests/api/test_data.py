@@ -10,8 +10,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import N, cli
 from project import load_net
+from running import N, cli
 from torch.utils.data import DataLoader, TensorDataset
 
 import gradscope
