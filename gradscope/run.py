@@ -145,9 +145,10 @@ def _length(dataset, limit: int | None) -> int | None:
 
 
 def _metadata(cfg: Config, job: Job, scorer: Scorer, seconds: float) -> dict:
-    """The file's metadata: the job's and the scorer's, and this process's ``seconds``."""
+    """The file's metadata: the job's and the scorer's, and ``seconds``: this process's run and
+    the scorer's work before it."""
     metadata = job.metadata(scorer.command) | scorer.metadata()
-    metadata["seconds"] = round(seconds, 3)
+    metadata["seconds"] = round(seconds + scorer.seconds_before, 3)
     return minimal(metadata) if cfg.output.metadata == "minimal" else metadata
 
 

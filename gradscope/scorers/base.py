@@ -33,12 +33,15 @@ class Scorer:
       it stands after the last batch.
 
     A scorer is a context manager: what ``setup`` enters on ``self.stack`` is closed on exit.
+    ``seconds_before`` is work it did before the scoring run (a through-training replay), which
+    the file's ``seconds`` counts too.
     """
 
     command = "norms"
 
     def __init__(self) -> None:
         self.stack = contextlib.ExitStack()
+        self.seconds_before = 0.0
 
     def __enter__(self) -> Scorer:
         return self

@@ -5,6 +5,7 @@ the run's trained weights."""
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -59,6 +60,7 @@ class ThroughTrainingScorer(Scorer):
             raise ConfigError("--through-training runs in one process", "--through-training")
         out = Path(cfg.output.path)
         self.folder = out.with_name(f".{out.name}.replay")
+        started = time.perf_counter()
         scores = through_training(
             cfg,
             self.run,
@@ -69,6 +71,7 @@ class ThroughTrainingScorer(Scorer):
             on_step=on_step,
         )
         self.scores = scores if self.per_ref else scores[:, None]
+        self.seconds_before = time.perf_counter() - started
 
     def __exit__(self, kind, *exc) -> None:
         super().__exit__(kind, *exc)

@@ -5,6 +5,7 @@ and the refusals, each one line."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -14,6 +15,7 @@ from typer.testing import CliRunner
 
 from gradscope.cli import app
 from gradscope.config import load_config
+from gradscope.training import attribution
 from gradscope.training.loop import Trainer
 from gradscope.training.replay import through_training
 from tests.project import make_project, one_error
@@ -35,20 +37,27 @@ def project(tmp_path):
     return config
 
 
-def test_influence_through_training_writes_the_replays_scores(tmp_path, project):
+def test_influence_through_training_writes_the_replays_scores(tmp_path, project, monkeypatch):
     result = run("train", project, "--record", "--segment", "4")
     assert result.exit_code == 0, result.output
     assert "out.run\n" in result.output
     want = through_training(
         load_config(project), tmp_path / "out.run", tmp_path / "ref.pt", per_ref=True
     )
+
+    def slow(*args, **kwargs):  # the replay's time is the file's too
+        time.sleep(0.5)
+        return through_training(*args, **kwargs)
+
+    monkeypatch.setattr(attribution, "through_training", slow)
     result = run("influence", project, "--ref", tmp_path / "ref.pt", "--through-training",
                  tmp_path / "out.run", "--per-ref")  # fmt: skip
     assert result.exit_code == 0, result.output
     table = pq.read_table(tmp_path / "scores.parquet")
     rows = table.to_pandas().sort_values(["example_id", "ref_id"])
     np.testing.assert_array_equal(rows["influence"].to_numpy(), want.reshape(-1))
-    meta = json.loads(table.schema.metadata[b"gradscope"])["influence"]
+    whole = json.loads(table.schema.metadata[b"gradscope"])
+    meta = whole["influence"]
     assert meta["method"] == "through-training" and meta["steps"] == 12 and meta["segment"] == 4
     assert not list(tmp_path.glob(".*.replay"))  # the adjoints go once the file is written
     assert np.isfinite(rows["loss"]).all()
