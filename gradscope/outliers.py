@@ -16,8 +16,9 @@ import pyarrow.parquet as pq
 
 from .errors import ConfigError, DataError
 from .io.parquet import nested, parse_metadata
+from .io.scorefile import Columns, column, rows_at
+from .tables import fmt
 
-Columns = dict[str, np.ndarray]  # a few rows of a scores file, column by column
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 MAX_CLASSES = 100  # above this many distinct targets, the targets are not class labels
 SHOWN = (
@@ -43,57 +44,6 @@ class Spread:
         """(x - median) / (1.4826 MAD); with MAD 0 (most values equal), x - median itself."""
         scale = MAD_TO_SIGMA * self.mad
         return (values - self.median) / (scale if scale > 0 else 1.0)
-
-
-def _numpy(values: pa.ChunkedArray) -> np.ndarray:
-    """Numbers or bools without nulls read off Arrow's data buffer, which, unlike ``to_numpy``,
-    does not import pandas (half the start-up of ``gradscope summary``) and, unlike
-    ``Array.to_tensor`` (new in recent pyarrows), every pyarrow from 14 on reads; anything else
-    as ``to_numpy``."""
-    array = values.combine_chunks()
-    kind, data = array.type, array.buffers()[1] if len(array.buffers()) > 1 else None
-    if array.null_count or data is None:
-        return array.to_numpy(zero_copy_only=False)
-    if pa.types.is_boolean(kind):  # bits, least significant first
-        bits = np.unpackbits(np.frombuffer(data, np.uint8), bitorder="little")
-        return bits[array.offset : array.offset + len(array)].astype(bool)
-    if pa.types.is_floating(kind) or pa.types.is_integer(kind):
-        code = (
-            "f" if pa.types.is_floating(kind) else "i" if pa.types.is_signed_integer(kind) else "u"
-        )
-        dtype = np.dtype(f"{code}{kind.bit_width // 8}")
-        return np.frombuffer(data, dtype, len(array), array.offset * dtype.itemsize)
-    return array.to_numpy(zero_copy_only=False)
-
-
-def column(file: pq.ParquetFile, name: str) -> np.ndarray:
-    """One column as a numpy array, read row group by row group."""
-    parts = [_numpy(file.read_row_group(i, columns=[name]).column(0))
-             for i in range(file.num_row_groups)]  # fmt: skip
-    return np.concatenate(parts) if parts else np.empty(0)
-
-
-def rows_at(file: pq.ParquetFile, positions: np.ndarray, columns: list[str]) -> Columns:
-    """The rows at ``positions`` (in that order), reading only the row groups that hold them."""
-    found, start = {}, 0
-    for i in range(file.num_row_groups):
-        stop = start + file.metadata.row_group(i).num_rows
-        inside = positions[(positions >= start) & (positions < stop)]
-        if len(inside):
-            group = file.read_row_group(i, columns=columns)
-            for p in inside.tolist():
-                found[p] = group.slice(p - start, 1).to_pylist()[0]
-        start = stop
-    return {name: np.asarray([found[p][name] for p in positions.tolist()]) for name in columns}
-
-
-def fmt(value: object) -> str:
-    """A cell as text: floats to 4 significant digits, numpy scalars as Python values."""
-    if isinstance(value, (float, np.floating)):
-        return f"{value:.4g}"
-    if isinstance(value, (np.integer, np.bool_)):
-        return str(value.item())
-    return str(value)
 
 
 def is_labels(target: np.ndarray | None) -> bool:

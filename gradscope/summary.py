@@ -10,8 +10,9 @@ import numpy as np
 from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.text import Text
 
-from .outliers import End, Outliers, column, fmt, is_labels, per_class, rank
-from .tables import FittedTable
+from .io.scorefile import column
+from .outliers import End, Outliers, is_labels, per_class, rank
+from .tables import FittedTable, fmt
 
 BARS = "▁▂▃▄▅▆▇█"
 SPARK_BINS = 40

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.measure import Measurement
 from rich.table import Table
@@ -83,3 +84,12 @@ class FittedTable:
         blocks = self._blocks(width, fits)
         for n, block in enumerate(blocks):
             yield self._table(block, True, n == 0, n == len(blocks) - 1, width)
+
+
+def fmt(value: object) -> str:
+    """A cell as text: floats to 4 significant digits, numpy scalars as Python values."""
+    if isinstance(value, (float, np.floating)):
+        return f"{value:.4g}"
+    if isinstance(value, (np.integer, np.bool_)):
+        return str(value.item())
+    return str(value)

@@ -149,8 +149,7 @@ def render(table: pd.DataFrame, design: dict) -> RenderableType:
     from rich.console import Group
     from rich.text import Text
 
-    from ..outliers import fmt
-    from ..tables import FittedTable
+    from ..tables import FittedTable, fmt
 
     cells = {name: [_cell(name, v, fmt) for v in table[name]] for name in table.columns}
     cells["file"] = [Path(f).name for f in table["file"]]

@@ -227,8 +227,8 @@ def shown(path: Path, k: int, references: int = 3) -> object:
     from rich.console import Group
     from rich.table import Table
 
-    from ..outliers import fmt
     from ..summary import summarize
+    from ..tables import fmt
 
     table = pq.read_table(path)
     if "ref_id" not in table.schema.names:

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from ..errors import DataError
-from ..outliers import fmt
+from ..tables import fmt
 from .charts import STYLE, _svg
 
 NEEDED = ("epoch", "example_id", "grad_norm", "prob")

@@ -15,8 +15,10 @@ from ..errors import DataError
 from ..inputs import check_not_recorded, check_output, metadata_inputs, run_inputs
 from ..io.data import data_sha256
 from ..io.parquet import read_metadata, replace_atomically
-from ..outliers import Outliers, column, fmt, is_labels, rank
+from ..io.scorefile import column
+from ..outliers import Outliers, is_labels, rank
 from ..summary import cell
+from ..tables import fmt
 from . import charts, datamap
 from .examples import Shown, show_examples
 

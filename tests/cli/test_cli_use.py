@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from gradscope import terminal as terminal_module
 from gradscope.cli import app
 from gradscope.io.parquet import read_metadata
-from gradscope.outliers import fmt
+from gradscope.tables import fmt
 
 ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()

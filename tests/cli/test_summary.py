@@ -9,7 +9,8 @@ import pytest
 from rich.console import Console
 
 from gradscope.errors import ConfigError, DataError
-from gradscope.outliers import Spread, _numpy, class_z, parse_by, rank, top_positions
+from gradscope.io.scorefile import numbers
+from gradscope.outliers import Spread, class_z, parse_by, rank, top_positions
 from gradscope.summary import BARS, SPARK_BINS, sparkline, summarize
 
 
@@ -155,8 +156,8 @@ def test_columns_read_without_pandas_bools_at_any_offset():
     values = [True, False, True, True, False, False, True, False, True, True]
     for start in range(4):
         chunked = pa.chunked_array([pa.array(values).slice(start), pa.array([False, True])])
-        assert _numpy(chunked).tolist() == values[start:] + [False, True]
-    assert _numpy(pa.chunked_array([pa.array([1.5, None])])).tolist()[0] == 1.5  # nulls: to_numpy
+        assert numbers(chunked).tolist() == values[start:] + [False, True]
+    assert numbers(pa.chunked_array([pa.array([1.5, None])])).tolist()[0] == 1.5  # nulls: to_numpy
 
 
 @pytest.mark.parametrize(
@@ -167,5 +168,5 @@ def test_columns_read_numbers_at_any_offset_from_the_data_buffer(kind):
     values = np.arange(12).astype(kind.to_pandas_dtype())
     for start in range(3):
         chunked = pa.chunked_array([pa.array(values, kind).slice(start, 7)])
-        got = _numpy(chunked)
+        got = numbers(chunked)
         assert got.dtype == values.dtype and got.tolist() == values[start : start + 7].tolist()
