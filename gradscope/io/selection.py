@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from ..errors import DataError, GradscopeError
-from .batch import Batch, Columns, as_tensor, check_ragged, pad_rows, row_arrays
+from .batch import Batch, Columns
+from .convert import as_tensor, check_ragged, pad_rows, row_arrays
 
 
 def _ids(values: Any, name: str, start: int, where: str) -> np.ndarray:

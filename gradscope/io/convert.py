@@ -1,0 +1,93 @@
+"""Columns made tensors: numbers (or equal-length lists of them) as one tensor, ragged columns
+named in one error, and the columns of ``data.pad`` as row arrays, padded per batch."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..errors import DataError
+from .batch import Columns
+
+
+def as_tensor(values: Any, name: str, where: str) -> Tensor:
+    """A column of numbers (or of equal-length lists of them) as one tensor."""
+    if isinstance(values, Tensor):
+        return values
+    array = np.asarray(values)
+    if array.dtype == object:
+        try:  # a column of equal-length lists (Parquet list<...>)
+            array = np.stack([np.asarray(v) for v in array])
+        except ValueError as e:
+            raise DataError(
+                f"column {name!r} holds lists of different lengths; set data.pad.{name} to pad "
+                "them per batch",
+                where,
+            ) from e
+    if array.dtype.kind not in "biuf":
+        raise DataError(f"column {name!r} is {array.dtype}, not numbers", where)
+    if not array.flags.writeable:  # Arrow's zero-copy buffers; torch wants memory it may write
+        array = array.copy()
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _is_ragged(values: Any) -> bool:
+    """Whether a column holds lists of different lengths (an object array or a Python list)."""
+    if isinstance(values, Tensor) or (isinstance(values, np.ndarray) and values.dtype != object):
+        return False
+    try:
+        return len({len(v) for v in values}) > 1
+    except TypeError:  # scalars: not lists
+        return False
+
+
+def check_ragged(columns: Columns, names: list[str], where: str) -> None:
+    """Every ragged column without a pad value named in one error, not one run at a time."""
+    ragged = [n for n in dict.fromkeys(names) if _is_ragged(columns[n])]
+    if not ragged:
+        return
+    listed = " and ".join(", ".join(repr(n) for n in ragged).rsplit(", ", 1))
+    keys = " and ".join(", ".join(f"data.pad.{n}" for n in ragged).rsplit(", ", 1))
+    what = "column" if len(ragged) == 1 else "columns"
+    holds = "holds" if len(ragged) == 1 else "hold"
+    raise DataError(
+        f"{what} {listed} {holds} lists of different lengths; set {keys} to pad them per batch",
+        where,
+    )
+
+
+def row_arrays(values: Any, name: str, where: str) -> list[np.ndarray]:
+    """A column to pad, as one array per row (a list column read from Arrow, or a tensor)."""
+    rows = [np.asarray(v) for v in values]
+    for row in rows:
+        if row.dtype.kind not in "biuf" or row.ndim == 0:
+            raise DataError(
+                f"column {name!r} is in data.pad but does not hold lists of numbers", where
+            )
+    return rows
+
+
+def pad_rows(rows: list[np.ndarray], value: float, name: str) -> Tensor:
+    """(B, T, ...) with each row's (T_i, ...) values first and ``value`` after, T the longest."""
+    dtype = functools.reduce(np.promote_types, {r.dtype for r in rows})
+    if dtype.kind in "biu":
+        dtype = np.dtype(
+            np.int64
+        )  # token ids and masks (datasets stores int32, int8): torch's index type
+    if dtype.kind in "biu" and value != int(value):
+        raise DataError(
+            f"column {name!r} holds integers; its pad value {value} is not one", "data.pad"
+        )
+    tails = {r.shape[1:] for r in rows}
+    if len(tails) > 1:
+        raise DataError(
+            f"column {name!r} holds rows of shapes {sorted(tails)} after the first dim", "data.pad"
+        )
+    out = np.full((len(rows), max(len(r) for r in rows), *tails.pop()), value, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return torch.from_numpy(out)
