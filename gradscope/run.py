@@ -1,141 +1,27 @@
-"""One run: its output locked and kept off its inputs, its partial folder and resume fingerprint."""
+"""One scoring run: its output locked and kept off its inputs, its batches scored into the
+partial folder (``resume.py``: the fingerprint and the parts) and assembled."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from . import __version__, distributed
+from . import distributed
 from .config import Config
-from .distributed import World
-from .errors import ConfigError, Interrupted
+from .errors import Interrupted
 from .inputs import minimal, run_inputs
 from .io.data import Batch, open_dataset
-from .io.files import file_sha256
 from .io.lock import OutputLock
 from .io.parquet import PartialRun, partial_path
 from .job import Job, resolve_device
 from .outliers import Spread, class_z, default_score, is_labels
-from .scorers import Inputs, NormsScorer, Scorer
-
-
-def _file_state(path: str) -> dict:
-    """Size, mtime and sha256 of a file (each file inside a folder): what a resume must find."""
-    if os.path.isdir(path):
-        return {
-            str(f.relative_to(path)): _file_state(str(f))
-            for f in sorted(Path(path).rglob("*"))
-            if f.is_file()
-        }
-    stat = os.stat(path)
-    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": file_sha256(path)}
-
-
-def fingerprint(
-    cfg: Config, command: str, inputs: Inputs, resume_key: dict | None, device: str = "cpu"
-) -> dict:
-    """What a partial run must share with the run that resumes it, as JSON reads it back: the
-    command, the config, gradscope's and torch's versions, the kind of ``device`` (cpu, cuda),
-    and the state of every data and code file and checkpoint it reads."""
-    config = cfg.to_dict()
-    for key in ("summary", "report", "source", "device"):  # display; file name; ranks differ
-        config.pop(key)
-    config["distributed"].pop("join_timeout")  # how long ranks wait to start, not what they do
-    files = {  # a missing file is reported by the code that reads it; the report's tokenizer
-        # does not change the scores
-        file: _file_state(file)
-        for key, file in inputs
-        if key not in ("config file", "report.tokenizer") and os.path.exists(file)
-    }
-    result = {
-        "command": command,
-        "config": config,
-        "files": files,
-        "version": __version__,
-        "torch": torch.__version__,
-        "device": device,
-        **(resume_key or {}),
-    }
-    return json.loads(json.dumps(result, default=str))
-
-
-def differences(old: dict, new: dict) -> list[str]:
-    """What differs between two fingerprints: ``config.data.batch_size``, ``file /abs/data.pt``."""
-    old_files, new_files = old.get("files", {}), new.get("files", {})
-    files = [
-        f for f in sorted(set(old_files) | set(new_files)) if old_files.get(f) != new_files.get(f)
-    ]
-    rest = (
-        {k: v for k, v in old.items() if k != "files"},
-        {k: v for k, v in new.items() if k != "files"},
-    )
-    return _keys(*rest) + [f"file {f}" for f in files]
-
-
-def _keys(old: object, new: object, key: str = "") -> list[str]:
-    """The dotted keys at which two JSON values differ."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        return [
-            d
-            for k in sorted(set(old) | set(new))
-            for d in _keys(old.get(k), new.get(k), f"{key}.{k}" if key else k)
-        ]
-    return [] if old == new else [key]
-
-
-def resumed_parts(run: PartialRun, key: dict) -> set[int]:
-    """The parts of the interrupted run to continue: there must be one, with this fingerprint."""
-    saved = run.manifest()
-    if saved is None:
-        raise ConfigError(
-            "nothing to resume: no interrupted run of this output; run without --resume",
-            str(run.path),
-        )
-    if saved["fingerprint"] != key:
-        keys = differences(saved["fingerprint"], key)
-        raise ConfigError(
-            f"cannot resume: the interrupted run had a different {', '.join(keys)}; "
-            "run without --resume to start over",
-            str(run.dir),
-        )
-    return run.done()
-
-
-@dataclass
-class Parts:
-    """This rank's side of the partial folder, begun (unless resumed) after its first batch."""
-
-    run: PartialRun
-    world: World
-    key: dict
-    done: set[int] | None  # the parts an interrupted run left; None when starting afresh
-    begun: bool = False
-
-    def wanted(self, number: int) -> bool:
-        return self.world.owns(number) and number not in (self.done or ())
-
-    def write(self, number: int, columns: dict) -> None:
-        self.begin()
-        self.run.write(number, columns)
-
-    def begin(self) -> None:
-        """Once every rank's first batch has run: begin the partial folder, or keep it."""
-        if self.begun:
-            return
-        self.begun = True
-        distributed.barrier()
-        if self.world.main and self.done is None:
-            self.run.start()
-        distributed.barrier()
+from .resume import Parts, fingerprint, resumed_parts
+from .scorers import NormsScorer, Scorer
 
 
 def _length(dataset, limit: int | None) -> int | None:

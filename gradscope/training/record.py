@@ -24,7 +24,7 @@ from ..errors import ConfigError, DataError, ModelError
 from ..inputs import Inputs
 from ..io.files import file_sha256
 from ..io.parquet import replace_atomically
-from ..run import differences
+from ..resume import differences
 from .steps import Update
 
 FORMAT = 1

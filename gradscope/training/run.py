@@ -18,7 +18,7 @@ from ..io.data import code_file
 from ..io.lock import OutputLock
 from ..io.parquet import PartialRun, replace_atomically
 from ..job import resolve_device
-from ..run import fingerprint, resumed_parts
+from ..resume import fingerprint, resumed_parts
 from .loop import Trainer, TrainingRows, build, recipe
 from .recipe import total_rows
 from .record import Recorder, default_segment, record_key

@@ -26,7 +26,7 @@ from ..io.files import file_sha256
 from ..io.parquet import PartialRun
 from ..job import config_forward, config_loss, resolve_device
 from ..predictions import predictions
-from ..run import Parts, fingerprint, resumed_parts
+from ..resume import Parts, fingerprint, resumed_parts
 from ..training.loop import TrainingRows, build, forward_or_error
 from .truth import Model, Task, Truth, read_truth
 

@@ -30,7 +30,7 @@ from ..errors import ConfigError, DataError, one_line
 from ..io.data import code_file, data_sha256
 from ..io.files import file_sha256
 from ..io.parquet import read_metadata
-from ..run import differences
+from ..resume import differences
 
 RULE = (
     "subset m (m = 0, 1, ...): numpy.random.default_rng([train.seed, 0]).choice(N, size, "

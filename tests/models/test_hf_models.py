@@ -309,7 +309,8 @@ def test_hf_model_keys_that_do_not_fit_are_named(tmp_path, model, error, message
 
 def test_a_resume_fingerprints_the_pretrained_folders_files(tmp_path):
     from gradscope.config import load_config
-    from gradscope.run import fingerprint, run_inputs
+    from gradscope.inputs import run_inputs
+    from gradscope.resume import fingerprint
 
     gpt2_folder_and_rows(tmp_path, 3)
     config = tmp_path / "c.yaml"
