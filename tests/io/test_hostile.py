@@ -499,7 +499,7 @@ def test_resume_after_a_new_version_or_with_a_damaged_manifest(
     config = held_project(tmp_path, model__factory="held.py:StopNet")
     interrupted(config, monkeypatch)
     with monkeypatch.context() as patched:
-        patched.setattr("gradscope.run.__version__", "0.0.0+other")
+        patched.setattr("gradscope.resume.__version__", "0.0.0+other")
         line = one_error(runner.invoke(app, ["norms", str(config), "--resume"]))
         assert "cannot resume: the interrupted run had a different version" in line, line
     (partial_path(tmp_path / "scores.parquet") / "manifest.json").write_text(manifest)
