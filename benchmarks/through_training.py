@@ -38,15 +38,29 @@ def child(config: str, what: str, folder: Path, ref: str, refs: int) -> dict:
     elif what == "record":
         train_model(cfg, folder / "model.pt", record=True, overwrite=True)
     else:
-        rows = {k: v[:refs] for k, v in torch.load(ref).items()} if refs else torch.load(ref)
-        torch.save(rows, folder / f"ref{refs}.pt")
+        first = _first_rows(ref, refs, folder)
         started = time.perf_counter()
-        through_training(cfg, folder / "model.run", folder / f"ref{refs}.pt", per_ref=refs > 1)
+        through_training(cfg, folder / "model.run", first, per_ref=refs > 1)
     seconds = time.perf_counter() - started
     return {
         "seconds": seconds,
         "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
+
+
+def _first_rows(ref: str, refs: int, folder: Path) -> Path:
+    """REF's first ``refs`` rows (all of them for 0) as a file of REF's kind: .pt or Parquet."""
+    if not refs:
+        return Path(ref)
+    if ref.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        out = folder / f"ref{refs}.parquet"
+        pq.write_table(pq.read_table(ref).slice(0, refs), out)
+        return out
+    out = folder / f"ref{refs}.pt"
+    torch.save({k: v[:refs] for k, v in torch.load(ref).items()}, out)
+    return out
 
 
 def measure(config: str, ref: str, folder: Path, what: str, refs: int = 0) -> dict:
