@@ -64,17 +64,18 @@ def check_ref(cfg: Config, ref: str) -> None:
 @dataclasses.dataclass(frozen=True)
 class Retrain:
     """How each model is trained, then read on REF: ``fit(cfg, task.rows, seed=task.seed)``,
-    the subset alone; or, ``same_order``, every row in the full run's batches and order with
-    the rows left out weighted 0 (the through-training setting: same seed, same order)."""
+    the subset alone; or, with ``weighed`` (N, every training row), every row in the full
+    run's batches and order with the rows left out weighted 0 (the through-training setting:
+    same seed, same order)."""
 
     cfg: Config
     ref: str
-    same_order: bool = False
+    weighed: int | None = None
 
     def __call__(self, task: Task) -> Model:
         start = time.perf_counter()
-        if self.same_order:
-            weights = np.zeros(task_rows(self.cfg))
+        if self.weighed is not None:
+            weights = np.zeros(self.weighed)
             weights[task.rows] = 1.0
             model = training.fit(self.cfg, seed=task.seed, weights=weights)
         else:
@@ -168,7 +169,8 @@ def train_missing(
 ) -> Truth | None:
     """Train the ``tasks`` that ``truth`` lacks and write the truth file at ``path`` with the
     earlier models and the new ones; the truth as written (on rank 0; None on the others).
-    Each is trained as ``Retrain(cfg, ref, same_order)`` says.
+    Each is trained as ``Retrain`` says; ``same_order`` weighs every row instead of training
+    the subset alone.
 
     Each model is a part of ``path``'s partial folder as soon as it is trained; Ctrl-C or a crash
     keeps them, and ``resume`` continues a run with the same fingerprint (config, files, the
@@ -189,7 +191,8 @@ def train_missing(
     if on_start:
         on_start(len(todo))
     here = dataclasses.replace(cfg, device=world.device(cfg.device))  # a rank's own GPU
-    _train(parts, Retrain(here, ref, same_order), todo, jobs, on_model)
+    weighed = task_rows(cfg) if same_order else None  # N, read once for every model
+    _train(parts, Retrain(here, ref, weighed), todo, jobs, on_model)
     parts.begin()  # a rank with nothing left to train still meets the others
     distributed.barrier()
     if not world.main:
