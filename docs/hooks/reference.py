@@ -16,6 +16,8 @@ from typing import Any, get_args, get_origin, get_type_hints
 import click
 import yaml
 
+import gradscope
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -246,10 +248,7 @@ def tested_versions() -> str:
 # the Python API page's entries: "api-NAME" renders gradscope.api.NAME (shown as gradscope.NAME),
 # "api-rules-NAME" gradscope.rules.NAME
 API_ENTRIES = {
-    **{f"api-{n}": f"gradscope.api.{n}" for n in (
-        "norms", "influence", "references_by_examples", "factors", "check", "build_index",
-        "query", "write_report", "train", "validate", "per_example_norms",
-        "per_example_influence")},
+    **{f"api-{n}": f"gradscope.api.{n}" for n in gradscope.API},
     **{f"api-rules-{n}": f"gradscope.rules.{n}" for n in ("register_rule", "Dense", "Outer", "Rows")},
 }  # fmt: skip
 
