@@ -59,19 +59,38 @@ class Grouped:
         self._size += size
 
     def answer(self, reducer: Reducer, batch: int) -> None:
-        """Every held call answered: alone where no other is like it."""
-        for held in self._held.values():
-            if len(held) == 1 or not self._together(reducer, batch, held):
-                for call, grad in held:
-                    self.on_grad(call, grad)
-        self._held.clear()
+        """Every held call answered: alone where no other is like it. Each group is let go
+        once answered, so what the later groups' answers make is not added to it."""
+        for key in list(self._held):
+            held = self._held.pop(key)
+            if len(held) == 1:
+                self.on_grad(*held[0])
+            else:
+                self._together(reducer, batch, held)
 
-    def _together(self, reducer: Reducer, batch: int, held: list) -> bool:
-        """The calls answered by one run of their rule, or False where it fails (each call on
-        its own then says which module's rule failed)."""
+    def _together(self, reducer: Reducer, batch: int, held: list) -> None:
+        """The calls answered by one run of their rule over their tensors stacked, the calls'
+        own let go once stacked (the stack takes their place, not beside them); where the run
+        fails, each call on its own with its share of the stack (each then says which module's
+        rule failed)."""
         calls = [c for c, _ in held]
         inputs = tuple(torch.cat(ts) for ts in zip(*(c.inputs for c in calls), strict=True))
         grad = torch.cat([g for _, g in held])  # (n*B, ...)
+        held.clear()
+        for call in calls:
+            call.release()
+        if not self._run(reducer, batch, calls, inputs, grad):
+            n = len(calls)
+            shares = [t.chunk(n) for t in inputs]  # (B, ...) views, one per call
+            for k, (call, g) in enumerate(zip(calls, grad.chunk(n), strict=True)):
+                call.inputs = tuple(share[k] for share in shares)
+                self.on_grad(call, g)
+
+    def _run(
+        self, reducer: Reducer, batch: int, calls: list[Call], inputs: tuple, grad: Tensor
+    ) -> bool:
+        """The rule run once over the stacked tensors and its answers given to ``reducer``, or
+        False where it fails or a call's parameter has no references to stack."""
         try:
             parts = self.rules[id(calls[0].module)].fn(calls[0].module, inputs, grad)
             mine = {a: [self.served.get((id(c.module), a)) for c in calls] for a in parts}
@@ -82,7 +101,7 @@ class Grouped:
             raise
         except Exception:  # noqa: BLE001
             return False
-        for k, call in enumerate(calls):
+        for k in range(len(calls)):
             for attr, (norms, inners) in answers.items():
                 p = mine[attr][k]
                 if p is None or p.is_fallback:
@@ -96,7 +115,6 @@ class Grouped:
                     None if inners is None else inners[k],
                     summed,
                 )
-            call.release()
         return True
 
 

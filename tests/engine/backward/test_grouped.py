@@ -55,21 +55,21 @@ CASE = Case(
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_alike_calls_answered_together_match_the_loop(tmp_path, monkeypatch, dtype):
     together: list[int] = []
-    answer = Grouped._together
+    answer = Grouped._run
 
-    def counting(self, reducer, batch, held):
-        done = answer(self, reducer, batch, held)
-        together.append(len(held) if done else 0)
+    def counting(self, reducer, batch, calls, inputs, grad):
+        done = answer(self, reducer, batch, calls, inputs, grad)
+        together.append(len(calls) if done else 0)
         return done
 
-    monkeypatch.setattr(Grouped, "_together", counting)
+    monkeypatch.setattr(Grouped, "_run", counting)
     assert_case_matches_loop(CASE, dtype, 1e-5 if dtype == torch.float64 else 1e-4, tmp_path)
     assert together and all(together), together  # groups of two or more, each answered
 
 
 def test_a_group_whose_rule_fails_is_answered_call_by_call(monkeypatch):
     model, inputs, targets = CASE.build()
-    monkeypatch.setattr(Grouped, "_together", lambda *args: False)
+    monkeypatch.setattr(Grouped, "_run", lambda *args: False)
     got = gradscope.per_example_norms(model, inputs, targets, "mse")
     assert_rel_close(got, reference_norms(model, inputs, targets)[1], 1e-9)
 
@@ -92,10 +92,8 @@ def test_inner_products_of_alike_calls_match_the_loop(monkeypatch, exclude):
     # three references a parameter; with blocks.2's weight left out, its group has no
     # references to stack and is answered call by call
     together: list[bool] = []
-    answer = Grouped._together
-    monkeypatch.setattr(
-        Grouped, "_together", lambda *a: together.append(answer(*a)) or together[-1]
-    )
+    answer = Grouped._run
+    monkeypatch.setattr(Grouped, "_run", lambda *a: together.append(answer(*a)) or together[-1])
     model, inputs, targets = CASE.build()
     loss = resolve_loss("mse")
     with Engine(model, loss, exclude=exclude) as engine:
