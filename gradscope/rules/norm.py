@@ -16,13 +16,23 @@ from .base import Contribution, Dense, _acc, register_rule
 
 
 def affine(
-    module: nn.Module, xhat: Tensor, s: Tensor, reduce: Callable[[Tensor], Tensor]
+    module: nn.Module,
+    xhat: Tensor,
+    s: Tensor,
+    reduce: Callable[[Tensor], Tensor],
+    own: bool = False,
 ) -> dict[str, Contribution]:
-    """Dense weight and bias contributions, for whichever of the two the module has."""
+    """Dense weight and bias contributions, for whichever of the two the module has. ``own``:
+    ``xhat`` is the rule's to overwrite (a functional's result), and ``s * xhat`` is formed in
+    it, not beside it: a stacked group's (n*B, T, d) less at its answer's peak."""
     s = _acc(s)
     out: dict[str, Contribution] = {}
     if module.weight is not None:
-        out["weight"] = Dense(reduce(s * _acc(xhat)))
+        xhat = _acc(xhat)
+        if own and (xhat.shape, xhat.stride(), xhat.dtype) == (s.shape, s.stride(), s.dtype):
+            out["weight"] = Dense(reduce(xhat.mul_(s)))
+        else:
+            out["weight"] = Dense(reduce(s * xhat))
     if getattr(module, "bias", None) is not None:
         out["bias"] = Dense(reduce(s))
     return out
@@ -50,7 +60,7 @@ def layer_norm(
 ) -> dict[str, Contribution]:
     shape, b = module.normalized_shape, grad_output.shape[0]
     xhat = F.layer_norm(inputs[0], shape, None, None, module.eps)
-    return affine(module, xhat, grad_output, lambda t: t.reshape(b, -1, *shape).sum(1))
+    return affine(module, xhat, grad_output, lambda t: t.reshape(b, -1, *shape).sum(1), True)
 
 
 @register_rule(
@@ -61,7 +71,7 @@ def rms_norm(
 ) -> dict[str, Contribution]:
     shape, b = module.normalized_shape, grad_output.shape[0]
     xhat = F.rms_norm(inputs[0], shape, None, module.eps)
-    return affine(module, xhat, grad_output, lambda t: t.reshape(b, -1, *shape).sum(1))
+    return affine(module, xhat, grad_output, lambda t: t.reshape(b, -1, *shape).sum(1), True)
 
 
 @register_rule(nn.GroupNorm, name="group_norm")
@@ -69,7 +79,7 @@ def group_norm(
     module: nn.GroupNorm, inputs: tuple[Tensor, ...], grad_output: Tensor
 ) -> dict[str, Contribution]:
     xhat = F.group_norm(inputs[0], module.num_groups, None, None, module.eps)
-    return affine(module, xhat, grad_output, per_channel)
+    return affine(module, xhat, grad_output, per_channel, True)
 
 
 @register_rule(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, name="batch_norm")
@@ -88,7 +98,7 @@ def batch_norm(
     xhat = F.batch_norm(
         inputs[0], module.running_mean, module.running_var, None, None, False, 0.0, module.eps
     )
-    return affine(module, xhat, grad_output, per_channel)
+    return affine(module, xhat, grad_output, per_channel, True)
 
 
 @register_rule(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, name="instance_norm")
@@ -100,4 +110,4 @@ def instance_norm(
     own_stats = module.training or not module.track_running_stats
     mean, var = (None, None) if own_stats else (module.running_mean, module.running_var)
     xhat = F.instance_norm(inputs[0], mean, var, None, None, own_stats, 0.0, module.eps)
-    return affine(module, xhat, grad_output, per_channel)
+    return affine(module, xhat, grad_output, per_channel, True)
