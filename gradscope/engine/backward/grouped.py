@@ -75,10 +75,10 @@ class Grouped:
         rule failed)."""
         calls = [c for c, _ in held]
         inputs = tuple(torch.cat(ts) for ts in zip(*(c.inputs for c in calls), strict=True))
+        for call in calls:  # before the gradients are stacked: the two stacks not at once
+            call.release()
         grad = torch.cat([g for _, g in held])  # (n*B, ...)
         held.clear()
-        for call in calls:
-            call.release()
         if not self._run(reducer, batch, calls, inputs, grad):
             n = len(calls)
             shares = [t.chunk(n) for t in inputs]  # (B, ...) views, one per call
