@@ -3,6 +3,7 @@ stacked, where a call's few small ops cost more to dispatch than to compute (``G
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -36,6 +37,7 @@ class Grouped:
         self.on_grad, self.rules, self.served = on_grad, plan.rules, plan.served
         self.shared = {id(m) for p in plan.by_rule if p.name in merged for m, _ in p.owners}
         self._held: dict[tuple, list[tuple[Call, Tensor]]] = {}
+        self._sizes: dict[tuple, int] = {}  # the elements each group holds
         self._size = 0
 
     def take(self, call: Call, grad: Tensor) -> None:
@@ -56,51 +58,61 @@ class Grouped:
             return
         key = (rule.name, rule.alike(call.module), shapes_of(call.inputs), shapes_of((grad,)))
         self._held.setdefault(key, []).append((call, grad))
+        self._sizes[key] = self._sizes.get(key, 0) + size
         self._size += size
 
     def answer(self, reducer: Reducer, batch: int) -> None:
-        """Every held call answered: alone where no other is like it. Each group is let go
-        once answered, so what the later groups' answers make is not added to it."""
-        for key in list(self._held):
-            held = self._held.pop(key)
-            if len(held) == 1:
-                self.on_grad(*held[0])
+        """Every held call answered: alone where no other is like it. The groups of several
+        run smallest first, each let go once run, so a large group's stacks are made when
+        little else is still held; what each gives goes to ``reducer`` in the order the groups
+        came, as if they had run in it (a sum over the parameters adds in that order)."""
+        several = [key for key, held in self._held.items() if len(held) > 1]
+        several = sorted(several, key=self._sizes.get)
+        given = {key: self._together(reducer, batch, self._held[key]) for key in several}
+        for key, held in self._held.items():
+            if key in given:
+                given[key]()
             else:
-                self._together(reducer, batch, held)
+                self.on_grad(*held[0])
+        self._held.clear()
 
-    def _together(self, reducer: Reducer, batch: int, held: list) -> None:
+    def _together(self, reducer: Reducer, batch: int, held: list) -> Callable[[], None]:
         """The calls answered by one run of their rule over their tensors stacked, the calls'
         own let go once stacked (the stack takes their place, not beside them); where the run
         fails, each call on its own with its share of the stack (each then says which module's
-        rule failed)."""
+        rule failed). Returns what gives the answers to ``reducer``."""
         calls = [c for c, _ in held]
         inputs = tuple(torch.cat(ts) for ts in zip(*(c.inputs for c in calls), strict=True))
         for call in calls:  # before the gradients are stacked: the two stacks not at once
             call.release()
         grad = torch.cat([g for _, g in held])  # (n*B, ...)
         held.clear()
-        if not self._run(reducer, batch, calls, inputs, grad):
-            n = len(calls)
-            shares = [t.chunk(n) for t in inputs]  # (B, ...) views, one per call
-            for k, (call, g) in enumerate(zip(calls, grad.chunk(n), strict=True)):
-                call.inputs = tuple(share[k] for share in shares)
-                self.on_grad(call, g)
+        answers = self._run(reducer, batch, calls, inputs, grad)
+        if answers is not None:
+            return functools.partial(_give, reducer, answers)
+        n = len(calls)
+        shares = [t.chunk(n) for t in inputs]  # (B, ...) views, one per call
+        for k, call in enumerate(calls):
+            call.inputs = tuple(share[k] for share in shares)
+        return functools.partial(_alone, self.on_grad, calls, grad.chunk(n))
 
     def _run(
         self, reducer: Reducer, batch: int, calls: list[Call], inputs: tuple, grad: Tensor
-    ) -> bool:
-        """The rule run once over the stacked tensors and its answers given to ``reducer``, or
-        False where it fails or a call's parameter has no references to stack."""
+    ) -> list[tuple] | None:
+        """The rule run once over the stacked tensors: the arguments of ``reducer.answered``
+        for each call's parameters, or None where it fails or a call's parameter has no
+        references to stack."""
         try:
             parts = self.rules[id(calls[0].module)].fn(calls[0].module, inputs, grad)
             mine = {a: [self.served.get((id(c.module), a)) for c in calls] for a in parts}
             if reducer.want.refs is not None and any(None in ps for ps in mine.values()):
-                return False  # a call's parameter not selected: no references to stack
+                return None  # a call's parameter not selected: no references to stack
             answers = {a: _answers(part, mine[a], reducer.want, batch) for a, part in parts.items()}
         except GradscopeError:
             raise
         except Exception:  # noqa: BLE001
-            return False
+            return None
+        given = []
         for k in range(len(calls)):
             for attr, (norms, inners) in answers.items():
                 p = mine[attr][k]
@@ -108,14 +120,33 @@ class Grouped:
                     continue
                 summed = None  # the call's own examples' sum, where the self-check asks for it
                 if reducer.want.sums:
-                    summed = parts[attr].examples(k * batch, (k + 1) * batch).batch_sum
-                reducer.answered(
-                    p.name,
-                    None if norms is None else norms[k],
-                    None if inners is None else inners[k],
-                    summed,
+                    summed = _value(parts[attr].examples(k * batch, (k + 1) * batch).batch_sum())
+                given.append(
+                    (
+                        p.name,
+                        None if norms is None else norms[k],
+                        None if inners is None else inners[k],
+                        summed,
+                    )
                 )
-        return True
+        return given
+
+
+def _give(reducer: Reducer, answers: list[tuple]) -> None:
+    """A group's answers, each call's parameters', to ``reducer``."""
+    for args in answers:
+        reducer.answered(*args)
+
+
+def _alone(on_grad: Callable[[Call, Tensor], None], calls: list[Call], grads: tuple) -> None:
+    """Each call of a group whose run failed on its own, with its share of the stacks."""
+    for call, grad in zip(calls, grads, strict=True):
+        on_grad(call, grad)
+
+
+def _value(t: Tensor) -> Callable[[], Tensor]:
+    """A sum made while its group's stacks were at hand, as ``Reducer.answered`` takes one."""
+    return lambda: t
 
 
 def _answers(

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 import gradscope
 from gradscope.engine import Engine, naive_grads
+from gradscope.engine.backward import grouped
 from gradscope.engine.backward.grouped import Grouped
 from gradscope.losses import resolve_loss
 
@@ -59,7 +60,7 @@ def test_alike_calls_answered_together_match_the_loop(tmp_path, monkeypatch, dty
 
     def counting(self, reducer, batch, calls, inputs, grad):
         done = answer(self, reducer, batch, calls, inputs, grad)
-        together.append(len(calls) if done else 0)
+        together.append(0 if done is None else len(calls))
         return done
 
     monkeypatch.setattr(Grouped, "_run", counting)
@@ -69,7 +70,7 @@ def test_alike_calls_answered_together_match_the_loop(tmp_path, monkeypatch, dty
 
 def test_a_group_whose_rule_fails_is_answered_call_by_call(monkeypatch):
     model, inputs, targets = CASE.build()
-    monkeypatch.setattr(Grouped, "_run", lambda *args: False)
+    monkeypatch.setattr(Grouped, "_run", lambda *args: None)
     got = gradscope.per_example_norms(model, inputs, targets, "mse")
     assert_rel_close(got, reference_norms(model, inputs, targets)[1], 1e-9)
 
@@ -93,7 +94,13 @@ def test_inner_products_of_alike_calls_match_the_loop(monkeypatch, exclude):
     # references to stack and is answered call by call
     together: list[bool] = []
     answer = Grouped._run
-    monkeypatch.setattr(Grouped, "_run", lambda *a: together.append(answer(*a)) or together[-1])
+
+    def noting(*args):
+        done = answer(*args)
+        together.append(done is not None)
+        return done
+
+    monkeypatch.setattr(Grouped, "_run", noting)
     model, inputs, targets = CASE.build()
     loss = resolve_loss("mse")
     with Engine(model, loss, exclude=exclude) as engine:
@@ -110,3 +117,36 @@ def test_inner_products_of_alike_calls_match_the_loop(monkeypatch, exclude):
                 assert_rel_close(got.inner[name], want, 1e-9)
                 assert_rel_close(got.norm_sq[name], per.flatten(1).pow(2).sum(1), 1e-9)
     assert any(together) and (not exclude or not all(together))
+
+
+def test_groups_run_smallest_first_give_their_answers_in_the_order_they_came(monkeypatch):
+    # the order the reducer receives answers in is the order a total over parameters adds in
+    model, inputs, targets = CASE.build()
+    refs = {n: torch.randn(2, *p.shape) for n, p in model.named_parameters()}
+
+    def passes() -> list[tuple[list, list]]:
+        with Engine(model, resolve_loss("mse")) as engine:
+            got = [engine.norms(inputs, targets, refs) for _ in range(2)]  # analysed, replayed
+        return [(list(s.norm_sq.items()), list(s.inner.items())) for s in got]
+
+    ran: list[list] = []
+
+    def smallest(keys, key):
+        ran.append(sorted(keys, key=key))
+        return ran[-1]
+
+    def as_they_came(keys, key):
+        ran.append(list(keys))
+        return ran[-1]
+
+    monkeypatch.setattr(grouped, "sorted", smallest, raising=False)
+    smallest_first = passes()
+    monkeypatch.setattr(grouped, "sorted", as_they_came, raising=False)
+    in_order = passes()
+    assert ran[0] != ran[2]  # the groups did run in another order
+    for (norms, inner), (norms_, inner_) in zip(smallest_first, in_order, strict=True):
+        assert [n for n, _ in norms] == [n for n, _ in norms_]
+        assert [n for n, _ in inner] == [n for n, _ in inner_]
+        assert all(
+            torch.equal(a, b) for (_, a), (_, b) in zip(norms + inner, norms_ + inner_, strict=True)
+        )
