@@ -15,13 +15,11 @@ win. Peers (torch.func, Opacus, BackPACK) are optional: one that is not installe
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import importlib.metadata
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -34,6 +32,7 @@ from pathlib import Path
 import torch
 from methods import METHODS, Skip, Step, clear_grads, known_failure, wrong_rel_err
 from torch import Tensor
+from torch._C._profiler import _EventType
 from workloads import SETS, WORKLOADS, Problem, expand
 
 # ---------------------------------------------------------------- one workload, in one process
@@ -128,7 +127,7 @@ def time_workload(
     ``clock="cpu"`` times the process's CPU time instead of the wall clock: on a machine shared
     with other work, with one thread, what each call computed rather than how long it waited.
     On CUDA, each method's peak memory is measured in the same process after the timing
-    (``max_memory_allocated`` needs no process of its own, as the CPU's resident set does).
+    (``max_memory_allocated`` needs no process of its own; the CPU's profiler stays out of it).
     """
     now = time.process_time if clock == "cpu" else time.perf_counter
     pb = WORKLOADS[workload].build().to(device, dtype)
@@ -157,13 +156,25 @@ def time_workload(
     return list(results.values())
 
 
-def _rss_kib(field_name: str) -> int:
-    status = Path("/proc/self/status").read_text()
-    return int(re.search(rf"{field_name}:\s+(\d+)", status).group(1))
+def _allocated_peak(prof: torch.profiler.profile) -> int:
+    """The most bytes of tensors held at once above what was held when ``prof`` began: the
+    running sum of its allocation events (each allocation and free, in bytes, in time order)."""
+    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        e = todo.pop()
+        if e.tag == _EventType.Allocation:
+            events.append((e.start_time_ns, e.extra_fields.alloc_size))
+        todo.extend(e.children)
+    running = peak = 0
+    for _, size in sorted(events):
+        running += size
+        peak = max(peak, running)
+    return peak
 
 
 def _peak_bytes(step: Step, device: torch.device) -> int:
-    """Memory above what was held before the call, at the call's peak."""
+    """Memory above what was held before the call, at the call's peak: the bytes of tensors the
+    device's allocator holds (on the CPU, as the profiler records each allocation and free)."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -172,11 +183,10 @@ def _peak_bytes(step: Step, device: torch.device) -> int:
         step()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - before
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed pages back, so the baseline is live data
-    Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM) to the current RSS
-    before = _rss_kib("VmRSS")
-    step()
-    return (_rss_kib("VmHWM") - before) * 1024
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu, profile_memory=True) as prof:
+        step()
+    return _allocated_peak(prof)
 
 
 def measure_memory(
@@ -184,10 +194,11 @@ def measure_memory(
 ) -> list[Result]:
     """Peak memory of one call of each method, after one warm-up call, methods one at a time.
 
-    On the CPU the process runs with ``MALLOC_MMAP_THRESHOLD_`` fixed at 64 KiB, so every large
-    tensor is its own mapping that goes back to the system when freed, and the peak resident set
-    size (Linux VmHWM, reset through /proc/self/clear_refs) above the resident size just before
-    the call is the memory the call needed at its worst moment. On CUDA: max_memory_allocated.
+    On the CPU: the most bytes of tensors held at once during the call above those held before
+    it, from the profiler's record of every allocation and free; on CUDA, max_memory_allocated.
+    Not the resident set: the kernel counts it in batches of pages (a tensor of 64 KiB allocated
+    and freed leaves VmHWM unchanged) and malloc's arenas keep freed small blocks, so at the
+    tiny and host workloads' few MiB the resident set measured the allocator, not the call.
     """
     pb = WORKLOADS[workload].build().to(device, dtype)
     results = []
@@ -224,8 +235,6 @@ def _worker(args: argparse.Namespace) -> None:
 
 def _spawn(workload: str, mode: str, keys: Sequence[str], args: argparse.Namespace) -> list[Result]:
     env = dict(os.environ)
-    if mode == "memory":
-        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.json"
         cmd = [
