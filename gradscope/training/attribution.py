@@ -27,10 +27,8 @@ from ..scorers.base import (
     leading_names,
     trailing_names,
 )
-from .loop import build, recipe
 from .record import Record, open_record
 from .replay import through_training
-from .run import training_inputs
 
 METHOD = "through-training"
 
@@ -91,9 +89,9 @@ class ThroughTrainingScorer(Scorer):
     def setup(self, job: Job) -> None:
         """The model at the run's trained weights, for each row's loss."""
         cfg = job.cfg
-        record = open_record(self.run, cfg, training_inputs(cfg))
+        record = open_record(self.run, cfg)
         with torch.random.fork_rng(devices=[]):
-            model = build(cfg, recipe(cfg).seed)
+            model = record.start_model(cfg)
         trained = [p for p in model.parameters() if p.requires_grad]
         with torch.no_grad():
             for p, value in zip(trained, record.final(), strict=True):

@@ -1,0 +1,313 @@
+"""The run record a watched loop writes (``Watch(record=...)``): the folder ``gradscope train
+--record`` writes, which ``influence --through-training`` replays, with what a loop of the user's
+own does not say read where it shows: the optimizer's kind and settings from its ``torch.optim``
+instance, each step's learning rate from its param groups as it steps (so any scheduler serves),
+each batch's rows from the watch's ids (positions in the config's ``data.path``), the weights it
+began from in ``start.pt``.
+
+What the replay could not retrace exactly is refused: before training where the watch can see it
+(an optimizer the replay does not write out, param groups that differ, a loss that is not the
+mean over the batch), else named in the record, which the replay refuses in one line: a step on
+another gradient than the watched loss's (accumulated, scaled, added to, clipped without
+``clip=``), two watched steps to one optimizer step or the reverse, autocast, settings changed."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ..config import Config, TrainConfig
+from ..errors import ConfigError, DataError, ModelError, one_line
+from ..io.data import open_dataset
+from ..io.model import build_model
+from ..job import resolve_device
+from ..losses import LossFn
+from ..resume import differences
+from .record import FINAL, MANIFEST, META, STEPS, WATCHED, Record, Recorder, _load
+from .steps import Tensors, Update
+
+SEGMENT = 32  # steps per checkpoint: a loop does not say how many steps it will take
+START = "start.pt"
+# the settings of a param group that change its step (not how it is computed: foreach, fused)
+SETTINGS = ("momentum", "dampening", "nesterov", "betas", "eps", "weight_decay", "amsgrad",
+            "maximize", "decoupled_weight_decay")  # fmt: skip
+
+
+def read_recipe(optimizer: torch.optim.Optimizer) -> dict:
+    """The recipe's optimizer keys (``optimizer``, ``momentum``, ``nesterov``, ``betas``,
+    ``eps``, ``weight_decay``) read off PyTorch's ``SGD``, ``Adam`` or ``AdamW``; any other
+    optimizer, settings the replay does not write out, or groups that differ: one line."""
+    kind = type(optimizer)
+    if kind not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+        raise ConfigError(
+            f"the replay knows torch.optim's SGD, Adam and AdamW, not {kind.__name__}: its "
+            "steps cannot be retraced",
+            "optimizer",
+        )
+    first = _settings(optimizer.param_groups[0])
+    for group in optimizer.param_groups[1:]:
+        differ = [k for k, v in _settings(group).items() if first.get(k) != v]
+        if differ:
+            raise ConfigError(
+                f"the optimizer's param groups differ in {', '.join(differ)}: the replay steps "
+                "every weight alike",
+                "optimizer",
+            )
+    unknown = [k for k in ("dampening", "amsgrad", "maximize") if first.get(k)]
+    if unknown:
+        raise ConfigError(f"the replay does not write out {unknown[0]}", "optimizer")
+    if kind is torch.optim.SGD:
+        return {"optimizer": "sgd", "momentum": first["momentum"], "nesterov": first["nesterov"],
+                "weight_decay": first["weight_decay"]}  # fmt: skip
+    decoupled = kind is torch.optim.AdamW or first.get("decoupled_weight_decay", False)
+    return {"optimizer": "adamw" if decoupled else "adam", "betas": list(first["betas"]),
+            "eps": first["eps"], "weight_decay": first["weight_decay"]}  # fmt: skip
+
+
+def _settings(group: dict) -> dict:
+    values = {k: group[k] for k in SETTINGS if k in group}
+    return {k: [float(b) for b in v] if k == "betas" else v for k, v in values.items()}
+
+
+def loss_key(loss: str | LossFn, kwargs: dict) -> dict:
+    """The config's ``loss`` section the watched loss is: a name, its kwargs, the mean."""
+    if not isinstance(loss, str):
+        raise ConfigError(
+            "record= needs the loss by name, as the config's loss.name gives it to the replay",
+            "loss",
+        )
+    return {"name": loss, "kwargs": kwargs, "class_dim": -1, "token_reduction": "mean"}
+
+
+class Recording:
+    """The record of a watched loop as it trains: a checkpoint as a segment's first step is
+    watched, each step's rows, rate and gradient checked as its optimizer steps, the rest at
+    the end. ``why`` keeps the first reason the run cannot be replayed."""
+
+    def __init__(self, folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 clip: float | None, segment: int, key: dict):  # fmt: skip
+        if segment < 1:
+            raise ConfigError("segment must be a positive number of steps", "segment")
+        if clip is not None and not clip > 0:
+            raise ConfigError("clip must be a positive gradient norm", "clip")
+        self.model, self.optimizer, self.clip = model, optimizer, clip
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.recipe = read_recipe(optimizer)
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if stepped != {id(p) for p in self.params}:
+            raise ConfigError(
+                f"the optimizer steps {len(stepped)} tensors, the model trains "
+                f"{len(self.params)} (those that require grad): the replay steps those",
+                "optimizer",
+            )
+        if optimizer.state:
+            raise ConfigError(
+                "the optimizer has stepped before the watch began: give the watch a fresh one",
+                "optimizer",
+            )
+        self.settings = _settings(optimizer.param_groups[0])
+        self.update = Update(TrainConfig(**self.recipe))
+        self.recorder = Recorder(Path(folder).resolve(), segment, key)
+        self.pending: tuple[Tensor, Tensor] | None = None  # the watched step's ids, fingerprint
+        self.why: str | None = None
+        self.rows = 0  # one more than the largest id
+        self.buffers: list[Tensor] = []
+        self.hook = None
+
+    def start(self) -> None:
+        """A fresh record folder, the weights training begins from, the optimizer hooked."""
+        folder = self.recorder.folder
+        if not folder.parent.is_dir():
+            raise DataError("the folder to write the run record in does not exist", str(folder))
+        names = {MANIFEST, META, STEPS, FINAL, START}
+        foreign = [f.name for f in folder.iterdir() if f.name not in names
+                   and not f.name.startswith("segment-")] if folder.is_dir() else []  # fmt: skip
+        if foreign or (folder.exists() and not folder.is_dir()):
+            raise ConfigError("that is no run record's folder: name another", str(folder))
+        self.recorder.start()
+        state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        torch.save(state, folder / START)
+        self.buffers = [b.detach().clone() for b in self.model.buffers()]
+        self.hook = self.optimizer.register_step_post_hook(self._stepped)
+
+    def step(self, ids: np.ndarray, grads: list[Tensor | None], divisor: float, rows: int) -> None:
+        """A watched step: ``grads`` the gradient of its loss (its per-example losses summed over
+        ``divisor``) that ``.grad`` receives, ``ids`` its rows, ``rows`` how many."""
+        t = len(self.recorder.lrs)
+        if self.pending is not None:
+            self._refuse(f"two watched steps at step {t} without an optimizer step between "
+                         "them (gradient accumulation, or a loss scaler's skipped step)")  # fmt: skip
+        if divisor != rows:
+            self._refuse(f"step {t}'s loss is the sum over {divisor:g}, not the mean over its "
+                         f"{rows} rows")  # fmt: skip
+        device = self.params[0].device.type
+        if torch.is_autocast_enabled(device):
+            self._refuse(f"step {t} ran under autocast: the replay computes in the config's dtype")
+        if len(ids) and ids.min() < 0:
+            self._refuse(f"step {t}'s ids are not positions in the data (one is negative)")
+        self.rows = max(self.rows, int(ids.max()) + 1 if len(ids) else 0)
+        if t % self.recorder.segment == 0:
+            self.recorder.checkpoint(
+                t, self.params, self.update.state_of(self.optimizer, self.params)
+            )
+        self.pending = (torch.as_tensor(ids, dtype=torch.int64), _fingerprint(grads, self.params))
+
+    def _stepped(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
+        """After each optimizer step: its rate, settings and gradient checked, its rows kept."""
+        t = len(self.recorder.lrs)
+        if self.pending is None:
+            self._refuse(f"an optimizer step at step {t} with no watched step before it")
+            return
+        ids, want = self.pending
+        self.pending = None
+        lrs = {float(group["lr"]) for group in optimizer.param_groups}
+        if len(lrs) > 1:
+            self._refuse(f"the param groups' learning rates differ at step {t}")
+        changed = [k for k, v in _settings(optimizer.param_groups[0]).items()
+                   if self.settings.get(k) != v]  # fmt: skip
+        if changed:
+            self._refuse(f"the optimizer's {changed[0]} changed at step {t}")
+        got = _fingerprint([p.grad for p in self.params], self.params)
+        if not _same(got, want, self.clip, self.params):
+            how = "clipped otherwise" if self.clip else "clipped without clip="
+            self._refuse(f"the optimizer stepped on another gradient than the watched loss's at "
+                         f"step {t}: accumulated, scaled, added to, or {how}")  # fmt: skip
+        self.recorder.picked.append(ids)
+        self.recorder.lrs.append(lrs.pop())
+
+    def _refuse(self, why: str) -> None:
+        self.why = self.why or why
+
+    def finish(self, finished: bool) -> None:
+        """The hook removed; after a run that finished, the record written (a checkpoint of
+        a step that never stepped dropped), else left without a manifest."""
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
+        if not finished:
+            return
+        steps, segment = len(self.recorder.lrs), self.recorder.segment
+        for extra in self.recorder.folder.glob("segment-*.pt"):
+            if int(extra.stem.split("-")[1]) * segment >= max(steps, 1):
+                extra.unlink()
+        if not steps:
+            self._refuse("no optimizer step was watched")
+        moved = any(not torch.equal(a, b)
+                    for a, b in zip(self.buffers, self.model.buffers(), strict=True))  # fmt: skip
+        meta = {"source": WATCHED, "recipe": self.recipe | {"clip": self.clip}, "refused": self.why,
+                "rows": self.rows, "trained": self.names, "dtype": str(self.params[0].dtype),
+                "buffers_change": moved}  # fmt: skip
+        self.recorder.write(self.params, self.params[0].device, meta)
+
+
+def _fingerprint(grads: list[Tensor | None], params: Tensors) -> Tensor:
+    """(n, 2) float64 each parameter's gradient summed, and its squares summed (0 for none)."""
+    rows = [
+        torch.zeros(2, dtype=torch.float64, device=p.device)
+        if g is None
+        else torch.stack([g.sum(), g.square().sum()]).double()
+        for g, p in zip(grads, params, strict=True)
+    ]
+    return torch.stack(rows).cpu()
+
+
+def _same(got: Tensor, want: Tensor, clip: float | None, params: Tensors) -> bool:
+    """Whether ``got`` is the fingerprint of the gradient ``want``'s is, times the clip's
+    coefficient, to the dtype's rounding (a sum's within sqrt(size) times the norm)."""
+    coef = 1.0
+    if clip is not None:
+        coef = min(1.0, clip / (want[:, 1].sum().sqrt().item() + 1e-6))
+    sums, squares = want[:, 0] * coef, want[:, 1] * coef**2  # (n,) each
+    sizes = torch.tensor([p.numel() for p in params], dtype=torch.float64)
+    finfo = torch.finfo(params[0].dtype)
+    tol = finfo.eps**0.5
+    return bool(
+        ((got[:, 0] - sums).abs() <= tol * (sizes * squares).sqrt() + finfo.tiny).all()
+        and ((got[:, 1] - squares).abs() <= tol * squares + finfo.tiny).all()
+    )
+
+
+def opened(meta: dict, cfg: Config, folder: Path) -> tuple[Update, float | None]:
+    """The update and clip a watched loop recorded, once the record is one the config can
+    replay: nothing refused while it trained, the config's loss, rows enough in its data."""
+    if meta["refused"]:
+        raise ConfigError(f"the watched run cannot be replayed: {meta['refused']}", str(folder))
+    loss = {k: v for k, v in cfg.to_dict()["loss"].items()}
+    changed = differences({"loss": meta["key"]["loss"], "torch": meta["key"]["torch"]},
+                          {"loss": loss, "torch": torch.__version__})  # fmt: skip
+    if changed:
+        raise ConfigError(
+            f"the run was watched with a different {', '.join(changed)}: replay it with the "
+            "config of the loop's model, data and loss",
+            str(folder),
+        )
+    data = open_dataset(cfg.data)
+    n = len(data) if cfg.data.limit is None else min(len(data), cfg.data.limit)
+    if meta["rows"] > n:
+        raise DataError(
+            f"the watch's ids reach row {meta['rows'] - 1}, the config's data has {n} rows: "
+            "the ids must be the rows' positions in data.path",
+            str(folder),
+        )
+    recipe = dict(meta["recipe"])
+    clip = recipe.pop("clip")
+    return Update(TrainConfig(**recipe)), clip
+
+
+def watched_model(record: Record, cfg: Config) -> nn.Module:
+    """``model.factory``'s model with the weights the watched loop began from, training the
+    parameters it trained, on the config's device and dtype."""
+    model = build_model(dataclasses.replace(cfg.model, checkpoint=None, checkpoints=[]))
+    dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
+    model = model.to(device=resolve_device(cfg.device), dtype=dtype)
+    trained = record.meta["trained"]
+    try:  # strict: every weight of the watched model, of its shape, and no other
+        model.load_state_dict(_load(record.folder / START))
+    except RuntimeError as e:
+        raise ModelError(
+            f"the watched model's weights do not fit model.factory's model: {one_line(e)}",
+            "model.factory",
+        ) from e
+    names = dict(model.named_parameters())
+    for name, p in names.items():
+        p.requires_grad_(name in trained)
+    if str(names[trained[0]].dtype) != record.meta["dtype"]:
+        raise ConfigError(
+            f"the watched model trained in {record.meta['dtype']}, the config's model is "
+            f"{names[trained[0]].dtype}",
+            "dtype",
+        )
+    return model
+
+
+def recording(
+    folder: str | Path | None,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    clip: float | None,
+    segment: int,
+    loss: str | LossFn,
+    kwargs: dict,
+    reduction: str,
+) -> Recording | None:
+    """The watch's ``record=``: None without a folder, else a recording of the loop that
+    steps ``optimizer`` on the mean over each batch of the loss ``loss`` names."""
+    if folder is None:
+        return None
+    if optimizer is None:
+        raise ConfigError(
+            "record= needs the optimizer the loop steps: pass optimizer=", "optimizer"
+        )
+    if reduction != "mean":
+        raise ConfigError(
+            "record= replays the config's loss, the mean over the batch's rows, not "
+            f"reduction={reduction!r}",
+            "reduction",
+        )
+    key = {"loss": loss_key(loss, kwargs), "torch": torch.__version__}
+    return Recording(folder, model, optimizer, clip, segment, key)
