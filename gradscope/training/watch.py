@@ -164,7 +164,7 @@ class Watch:
         )
         self.steps = 0
         self._modes: list[tuple[nn.Module, bool]] = []
-        self.recording = recording(record, model, optimizer, clip, segment, loss, kwargs, reduction)
+        self.recording = recording(record, model, optimizer, clip, segment, loss, kwargs)
 
     def __enter__(self) -> Watch:
         if self.recording is not None:
@@ -214,7 +214,7 @@ class Watch:
         self._write(scores, counts, epoch, ids, targets)
         grads = [None if g is None else g / divisor for g in scores.trained]
         if self.recording is not None:
-            self.recording.step(ids, grads, divisor, len(targets))
+            self.recording.step(ids, grads, divisor, counts)
         return _Deposit.apply(scores.loss.sum() / divisor, grads, *self.params)
 
     def _write(

@@ -6,7 +6,9 @@ gives the gradient of the loss the ``Trainer`` would have taken (the mean over e
 next token of the step, micro-batches of an accumulated step included), and returns that loss,
 whose backward, the ``Trainer``'s, adds that gradient to ``.grad`` without running the model.
 The dataset carries each row's id in a column (``ids``, default ``example_id``) that the
-collator passes along: set ``remove_unused_columns=False``.
+collator passes along: set ``remove_unused_columns=False``. With ``record``, the run record
+``influence --through-training`` replays is written there: the optimizer the ``Trainer`` made and
+its ``max_grad_norm`` clip read off it (``watchrecord.py``); the ids are then the rows' positions.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from transformers.modeling_outputs import CausalLMOutput
 
 from ..errors import ConfigError, ModelError
 from .watch import OnStep, Watch
+from .watchrecord import SEGMENT
 
 UNSUPPORTED = {
     "fp16": "fp16 training (its loss scaler is untested with the watch)",
@@ -31,14 +34,29 @@ UNSUPPORTED = {
 
 class WatchCallback(TrainerCallback):
     """Writes the watch file ``out`` of a ``Trainer`` run: every example's loss, gradient norm
-    and margin at every step, keyed by the dataset column ``ids``."""
+    and margin at every step, keyed by the dataset column ``ids``; with ``record``, the run
+    record (a checkpoint every ``segment`` steps)."""
 
-    def __init__(self, out: str | Path, ids: str = "example_id", on_step: OnStep | None = None):
+    def __init__(
+        self,
+        out: str | Path,
+        ids: str = "example_id",
+        on_step: OnStep | None = None,
+        record: str | Path | None = None,
+        segment: int = SEGMENT,
+    ):
         self.out, self.ids, self.on_step = out, ids, on_step
+        self.record, self.segment = record, segment
+        self.recorded: dict = {}  # Watch's record arguments, once the Trainer has an optimizer
         self.watch: Watch | None = None
         self.epoch = 0
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module, **_: Any):
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: nn.Module, optimizer: Any = None,
+        **_: Any,
+    ):  # fmt: skip
+        if self.record is not None:
+            self.recorded = _recorded(args, optimizer, self.record, self.segment)
         for name, why in UNSUPPORTED.items():
             if getattr(args, name, None):
                 raise ConfigError(f"the watch cannot serve {why}", f"TrainingArguments.{name}")
@@ -76,7 +94,7 @@ class WatchCallback(TrainerCallback):
         if self.watch is None:  # the first step: the batch's keys are the model's inputs
             self.watch = Watch(
                 model, self.out, "causal_lm", reduction="tokens", on_step=self.on_step,
-                forward=_Call(original, names),
+                forward=_Call(original, names), **self.recorded,
             ).__enter__()  # fmt: skip
         # the step's tokens where the Trainer counts them (it divides the loss by the number
         # of micro-batches it accumulates otherwise), else the batch's
@@ -84,6 +102,19 @@ class WatchCallback(TrainerCallback):
         loss = self.watch.step(tuple(kwargs[k] for k in names), labels, ids, epoch=self.epoch,
                           divisor=divisor)  # fmt: skip
         return CausalLMOutput(loss=loss)
+
+
+def _recorded(args: Any, optimizer: Any, folder: str | Path, segment: int) -> dict:
+    """``Watch``'s record arguments read off the ``Trainer``: its optimizer (inside
+    accelerate's wrapper), its clip."""
+    if args.gradient_accumulation_steps != 1:
+        raise ConfigError(
+            "record= replays a step a batch, not accumulated ones",
+            "TrainingArguments.gradient_accumulation_steps",
+        )
+    clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
+    optimizer = getattr(optimizer, "optimizer", optimizer)
+    return {"record": folder, "optimizer": optimizer, "clip": clip, "segment": segment}
 
 
 class _Call:

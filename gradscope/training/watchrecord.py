@@ -135,16 +135,17 @@ class Recording:
         self.buffers = [b.detach().clone() for b in self.model.buffers()]
         self.hook = self.optimizer.register_step_post_hook(self._stepped)
 
-    def step(self, ids: np.ndarray, grads: list[Tensor | None], divisor: float, rows: int) -> None:
+    def step(
+        self, ids: np.ndarray, grads: list[Tensor | None], divisor: float, counts: Tensor | None
+    ) -> None:
         """A watched step: ``grads`` the gradient of its loss (its per-example losses summed over
-        ``divisor``) that ``.grad`` receives, ``ids`` its rows, ``rows`` how many."""
+        ``divisor``) that ``.grad`` receives, ``ids`` its rows, ``counts`` each one's counted
+        tokens where the loss is a mean over tokens."""
         t = len(self.recorder.lrs)
         if self.pending is not None:
             self._refuse(f"two watched steps at step {t} without an optimizer step between "
                          "them (gradient accumulation, or a loss scaler's skipped step)")  # fmt: skip
-        if divisor != rows:
-            self._refuse(f"step {t}'s loss is the sum over {divisor:g}, not the mean over its "
-                         f"{rows} rows")  # fmt: skip
+        self._mean(t, len(ids), divisor, counts)
         device = self.params[0].device.type
         if torch.is_autocast_enabled(device):
             self._refuse(f"step {t} ran under autocast: the replay computes in the config's dtype")
@@ -156,6 +157,19 @@ class Recording:
                 t, self.params, self.update.state_of(self.optimizer, self.params)
             )
         self.pending = (torch.as_tensor(ids, dtype=torch.int64), _fingerprint(grads, self.params))
+
+    def _mean(self, t: int, rows: int, divisor: float, counts: Tensor | None) -> None:
+        """The step's loss must be the mean over its rows of their own losses (a token mean is,
+        where every row counts as many tokens)."""
+        if counts is None and divisor != rows:
+            self._refuse(f"step {t}'s loss is the sum over {divisor:g}, not the mean over its "
+                         f"{rows} rows")  # fmt: skip
+        elif counts is not None and counts.min() != counts.max():
+            self._refuse(f"step {t}'s loss is the mean over its tokens, and its rows count "
+                         "different numbers of them: not the mean of the rows' own losses")  # fmt: skip
+        elif counts is not None and divisor != counts.sum():
+            self._refuse(f"step {t}'s loss is its tokens' losses over {divisor:g}, not over the "
+                         f"{counts.sum():g} tokens it counts")  # fmt: skip
 
     def _stepped(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
         """After each optimizer step: its rate, settings and gradient checked, its rows kept."""
@@ -293,21 +307,15 @@ def recording(
     segment: int,
     loss: str | LossFn,
     kwargs: dict,
-    reduction: str,
 ) -> Recording | None:
     """The watch's ``record=``: None without a folder, else a recording of the loop that
-    steps ``optimizer`` on the mean over each batch of the loss ``loss`` names."""
+    steps ``optimizer`` on the mean over each batch of the loss ``loss`` names (with
+    ``reduction="tokens"``, a batch's rows must count as many tokens each)."""
     if folder is None:
         return None
     if optimizer is None:
         raise ConfigError(
             "record= needs the optimizer the loop steps: pass optimizer=", "optimizer"
-        )
-    if reduction != "mean":
-        raise ConfigError(
-            "record= replays the config's loss, the mean over the batch's rows, not "
-            f"reduction={reduction!r}",
-            "reduction",
         )
     key = {"loss": loss_key(loss, kwargs), "torch": torch.__version__}
     return Recording(folder, model, optimizer, clip, segment, key)

@@ -5,6 +5,7 @@ differences of retraining, in float64; what it cannot record, refused in one lin
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ from gradscope.training.run import train_model
 from gradscope.training.watch import Watch
 from tests.project import edit_config, one_error
 from tests.training.test_through_training import RECIPES, close, finite_differences, project
+from tests.watch.test_watch import _LM
 
 WATCHED = {
     "sgd-momentum-decay": RECIPES["sgd-momentum-decay"],
@@ -196,3 +198,28 @@ def test_a_stepped_optimizer_and_a_foreign_folder_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="no run record's folder"):
         watch.__enter__()
     assert (tmp_path / "mine" / "notes.txt").exists()
+
+
+@pytest.mark.parametrize(
+    ("masked", "divisor", "refused"),
+    [
+        (False, None, None),
+        (True, None, "its rows count different numbers of them"),
+        (False, 24.0, "its tokens' losses over 24, not over the 20 tokens it counts"),
+    ],
+)
+def test_a_token_mean_is_recorded_where_it_is_the_rows_mean(tmp_path, masked, divisor, refused):
+    torch.manual_seed(0)
+    model = _LM().double()
+    tokens = torch.randint(0, 7, (4, 6))
+    if masked:
+        tokens[1, 3:] = -100
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Watch(model, tmp_path / "w.parquet", "causal_lm", reduction="tokens",
+               record=tmp_path / "r", optimizer=optimizer) as watch:  # fmt: skip
+        optimizer.zero_grad()
+        watch.step(tokens.clamp_min(0), tokens, torch.arange(4), divisor=divisor).backward()
+        optimizer.step()
+    meta = json.loads((tmp_path / "r" / "record.json").read_text())
+    assert meta["refused"] is None if refused is None else refused in meta["refused"]
+    assert meta["key"]["loss"]["name"] == "causal_lm" and meta["steps"] == 1

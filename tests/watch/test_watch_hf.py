@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -56,3 +57,50 @@ def test_trainer_trains_as_without_the_watch_and_writes_each_step(tmp_path, accu
     assert sorted(table["example_id"]) == sorted(list(range(8)) * 2)
     assert table["epoch"] == [0] * 8 + [1] * 8
     assert len(set(table["step"])) == 4 * accumulate
+
+
+# eager attention: sdpa's has no double backward on the CPU
+GPT2 = {"vocab_size": 16, "n_positions": 8, "n_embd": 8, "n_layer": 1, "n_head": 2,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+        "attn_implementation": "eager"}  # fmt: skip
+
+
+def test_trainer_records_the_run_gradscope_train_records(tmp_path):
+    """The run record written through the callback (the Trainer's AdamW, linear schedule and
+    clip read off it; rows of one length, so its token mean is the mean of the rows' own)
+    replays as ``gradscope train --record``'s of the same recipe, start and order."""
+    import yaml
+
+    from gradscope.config import load_config
+    from gradscope.training.replay import through_training
+    from gradscope.training.run import train_model
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2)).double()
+    torch.save(model.state_dict(), tmp_path / "init.pt")
+    tokens = torch.randint(0, 16, (8, 6))
+    torch.save({"ids": tokens}, tmp_path / "data.pt")
+    torch.save({"ids": torch.randint(0, 16, (2, 6))}, tmp_path / "ref.pt")
+    train = {"optimizer": "adamw", "lr": 1e-2, "weight_decay": 0.0, "schedule": "linear",
+             "epochs": 2, "batch_size": 4, "shuffle": False, "clip": 0.1, "init": "init.pt"}  # fmt: skip
+    config = {"model": {"factory": "transformers:GPT2LMHeadModel", "config": GPT2},
+              "data": {"path": "data.pt", "inputs": "ids", "targets": "ids", "batch_size": 4},
+              "loss": {"name": "causal_lm"}, "dtype": "float64", "device": "cpu", "train": train}  # fmt: skip
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    cfg = load_config(tmp_path / "config.yaml")
+    want = through_training(cfg, train_model(cfg, tmp_path / "out.pt", record=True).record,
+                            tmp_path / "ref.pt", per_ref=True)  # fmt: skip
+    data = datasets.Dataset.from_dict(
+        {"input_ids": tokens.tolist(), "labels": tokens.tolist(), "example_id": list(range(8))}
+    )
+    args = transformers.TrainingArguments(
+        str(tmp_path / "hf"), per_device_train_batch_size=4, num_train_epochs=2,
+        learning_rate=1e-2, max_grad_norm=0.1, train_sampling_strategy="sequential",
+        remove_unused_columns=False, report_to=[], save_strategy="no", logging_strategy="no",
+        disable_tqdm=True, use_cpu=True,
+    )  # fmt: skip
+    callback = WatchCallback(tmp_path / "w.parquet", record=tmp_path / "hf.run", segment=2)
+    model.loss_type = "ForCausalLM"  # else the Trainer divides by every label, the first too
+    transformers.Trainer(model, args, train_dataset=data, callbacks=[callback]).train()
+    got = through_training(cfg, tmp_path / "hf.run", tmp_path / "ref.pt", per_ref=True)
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10 * np.abs(want).max())
