@@ -46,8 +46,9 @@ def through_training(
     on_step: Callable[[int], None] | None = None,
 ) -> np.ndarray:
     """Each training row's score through the run recorded in ``run`` (``gradscope train
-    --record``) for the references in the data file ``ref``: (N,) against their mean loss, or
-    (N, R) against each one's with ``per_ref``, N the rows ``cfg`` trains on, in their order.
+    --record``, or a watched loop's ``record=``) for the references in the data file ``ref``:
+    (N,) against their mean loss, or (N, R) against each one's with ``per_ref``, N the rows
+    ``cfg`` trains on, in their order.
 
     ``partial``: a folder where the adjoints are saved after each segment; a replay of the same
     record and references finds them there and continues. ``on_start`` gets the number of steps
