@@ -1,19 +1,16 @@
 """The run record a watched loop writes (``Watch(record=...)``): the folder ``gradscope train
---record`` writes, which ``influence --through-training`` replays, with what a loop of the user's
-own does not say read where it shows: the optimizer's kind and settings from its ``torch.optim``
-instance, each step's learning rate from its param groups as it steps (so any scheduler serves),
-each batch's rows from the watch's ids (positions in the config's ``data.path``), the weights it
-began from in ``start.pt``.
-
-What the replay could not retrace exactly is refused: before training where the watch can see it
-(an optimizer the replay does not write out, param groups that differ, a loss that is not the
-mean over the batch), else named in the record, which the replay refuses in one line: a step on
-another gradient than the watched loss's (accumulated, scaled, added to, clipped without
-``clip=``), two watched steps to one optimizer step or the reverse, autocast, settings changed."""
+--record`` writes, with what a loop does not say read where it shows: the optimizer's kind and
+settings off its ``torch.optim`` instance, each step's learning rate off its param groups as it
+steps (any scheduler serves), each batch's rows from the watch's ids (positions in the config's
+``data.path``), the weights it began from in ``start.pt``. What the replay could not retrace
+exactly is refused as the watch is made, or named in the record as it trains (a step on another
+gradient than the watched loss's, a loss that is not the batch's mean, autocast, ...), which
+the replay then refuses in one line."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -71,16 +68,6 @@ def read_recipe(optimizer: torch.optim.Optimizer) -> dict:
 def _settings(group: dict) -> dict:
     values = {k: group[k] for k in SETTINGS if k in group}
     return {k: [float(b) for b in v] if k == "betas" else v for k, v in values.items()}
-
-
-def loss_key(loss: str | LossFn, kwargs: dict) -> dict:
-    """The config's ``loss`` section the watched loss is: a name, its kwargs, the mean."""
-    if not isinstance(loss, str):
-        raise ConfigError(
-            "record= needs the loss by name, as the config's loss.name gives it to the replay",
-            "loss",
-        )
-    return {"name": loss, "kwargs": kwargs, "class_dim": -1, "token_reduction": "mean"}
 
 
 class Recording:
@@ -143,8 +130,10 @@ class Recording:
         tokens where the loss is a mean over tokens."""
         t = len(self.recorder.lrs)
         if self.pending is not None:
-            self._refuse(f"two watched steps at step {t} without an optimizer step between "
-                         "them (gradient accumulation, or a loss scaler's skipped step)")  # fmt: skip
+            self._refuse(
+                f"two watched steps at step {t} without an optimizer step between "
+                "them (gradient accumulation, or a loss scaler's skipped step)"
+            )
         self._mean(t, len(ids), divisor, counts)
         device = self.params[0].device.type
         if torch.is_autocast_enabled(device):
@@ -165,8 +154,10 @@ class Recording:
             self._refuse(f"step {t}'s loss is the sum over {divisor:g}, not the mean over its "
                          f"{rows} rows")  # fmt: skip
         elif counts is not None and counts.min() != counts.max():
-            self._refuse(f"step {t}'s loss is the mean over its tokens, and its rows count "
-                         "different numbers of them: not the mean of the rows' own losses")  # fmt: skip
+            self._refuse(
+                f"step {t}'s loss is the mean over its tokens, and its rows count "
+                "different numbers of them: not the mean of the rows' own losses"
+            )
         elif counts is not None and divisor != counts.sum():
             self._refuse(f"step {t}'s loss is its tokens' losses over {divisor:g}, not over the "
                          f"{counts.sum():g} tokens it counts")  # fmt: skip
@@ -219,6 +210,10 @@ class Recording:
         self.recorder.write(self.params, self.params[0].device, meta)
 
 
+def _json(value: dict) -> dict:
+    return json.loads(json.dumps(value, default=str))
+
+
 def _fingerprint(grads: list[Tensor | None], params: Tensors) -> Tensor:
     """(n, 2) float64 each parameter's gradient summed, and its squares summed (0 for none)."""
     rows = [
@@ -231,8 +226,8 @@ def _fingerprint(grads: list[Tensor | None], params: Tensors) -> Tensor:
 
 
 def _same(got: Tensor, want: Tensor, clip: float | None, params: Tensors) -> bool:
-    """Whether ``got`` is the fingerprint of the gradient ``want``'s is, times the clip's
-    coefficient, to the dtype's rounding (a sum's within sqrt(size) times the norm)."""
+    """Whether ``got`` fingerprints the gradient ``want`` does times the clip's coefficient,
+    to the dtype's rounding (a sum's within sqrt(size) times the norm)."""
     coef = 1.0
     if clip is not None:
         coef = min(1.0, clip / (want[:, 1].sum().sqrt().item() + 1e-6))
@@ -251,9 +246,8 @@ def opened(meta: dict, cfg: Config, folder: Path) -> tuple[Update, float | None]
     replay: nothing refused while it trained, the config's loss, rows enough in its data."""
     if meta["refused"]:
         raise ConfigError(f"the watched run cannot be replayed: {meta['refused']}", str(folder))
-    loss = {k: v for k, v in cfg.to_dict()["loss"].items()}
-    changed = differences({"loss": meta["key"]["loss"], "torch": meta["key"]["torch"]},
-                          {"loss": loss, "torch": torch.__version__})  # fmt: skip
+    key = _json({"loss": cfg.to_dict()["loss"], "torch": torch.__version__})
+    changed = differences(meta["key"], key)
     if changed:
         raise ConfigError(
             f"the run was watched with a different {', '.join(changed)}: replay it with the "
@@ -299,15 +293,9 @@ def watched_model(record: Record, cfg: Config) -> nn.Module:
     return model
 
 
-def recording(
-    folder: str | Path | None,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    clip: float | None,
-    segment: int,
-    loss: str | LossFn,
-    kwargs: dict,
-) -> Recording | None:
+def recording(folder: str | Path | None, model: nn.Module,
+              optimizer: torch.optim.Optimizer | None, clip: float | None, segment: int,
+              loss: str | LossFn, kwargs: dict) -> Recording | None:  # fmt: skip
     """The watch's ``record=``: None without a folder, else a recording of the loop that
     steps ``optimizer`` on the mean over each batch of the loss ``loss`` names (with
     ``reduction="tokens"``, a batch's rows must count as many tokens each)."""
@@ -317,5 +305,11 @@ def recording(
         raise ConfigError(
             "record= needs the optimizer the loop steps: pass optimizer=", "optimizer"
         )
-    key = {"loss": loss_key(loss, kwargs), "torch": torch.__version__}
-    return Recording(folder, model, optimizer, clip, segment, key)
+    if not isinstance(loss, str):
+        raise ConfigError(
+            "record= needs the loss by name, as the config's loss.name gives it to the replay",
+            "loss",
+        )
+    section = {"name": loss, "kwargs": kwargs, "class_dim": -1, "token_reduction": "mean"}
+    key = {"loss": section, "torch": torch.__version__}  # the config's loss section it is
+    return Recording(folder, model, optimizer, clip, segment, _json(key))

@@ -35,8 +35,13 @@ WATCHED = {
 def optimizer_of(train, params) -> torch.optim.Optimizer:
     """The recipe's optimizer made as a user's loop makes it."""
     if train.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=train.lr, momentum=train.momentum,
-                               nesterov=train.nesterov, weight_decay=train.weight_decay)  # fmt: skip
+        return torch.optim.SGD(
+            params,
+            lr=train.lr,
+            momentum=train.momentum,
+            nesterov=train.nesterov,
+            weight_decay=train.weight_decay,
+        )
     return torch.optim.AdamW(params, lr=train.lr, betas=tuple(train.betas), eps=train.eps,
                              weight_decay=train.weight_decay)  # fmt: skip
 
@@ -133,6 +138,8 @@ LOOPS = {  # a watched step, the optimizer, a config edit after the run; the lin
     "two rates": (None, _two_rates, None, "learning rates differ at step 0"),
     "ids not positions": (lambda w, x, y, ids: w.step(x, y, ids + 100).backward(), optimizer_of,
                           None, "the watch's ids reach row 109, the config's data has 10 rows"),
+    "other rows": (lambda w, x, y, ids: w.step(tuple(t + 0.01 for t in x), y, ids).backward(),
+                   optimizer_of, None, "does not reach its weights after step 8"),
     "another loss": (None, optimizer_of, _loss_nll, "watched with a different loss.name"),
     "another model": (None, optimizer_of, _wider, "do not fit model.factory's model"),
     "another dtype": (None, optimizer_of, _float32, "trained in torch.float64, the config's "

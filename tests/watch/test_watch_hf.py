@@ -81,11 +81,25 @@ def test_trainer_records_the_run_gradscope_train_records(tmp_path):
     tokens = torch.randint(0, 16, (8, 6))
     torch.save({"ids": tokens}, tmp_path / "data.pt")
     torch.save({"ids": torch.randint(0, 16, (2, 6))}, tmp_path / "ref.pt")
-    train = {"optimizer": "adamw", "lr": 1e-2, "weight_decay": 0.0, "schedule": "linear",
-             "epochs": 2, "batch_size": 4, "shuffle": False, "clip": 0.1, "init": "init.pt"}  # fmt: skip
-    config = {"model": {"factory": "transformers:GPT2LMHeadModel", "config": GPT2},
-              "data": {"path": "data.pt", "inputs": "ids", "targets": "ids", "batch_size": 4},
-              "loss": {"name": "causal_lm"}, "dtype": "float64", "device": "cpu", "train": train}  # fmt: skip
+    train = {
+        "optimizer": "adamw",
+        "lr": 1e-2,
+        "weight_decay": 0.0,
+        "schedule": "linear",
+        "epochs": 2,
+        "batch_size": 4,
+        "shuffle": False,
+        "clip": 0.1,
+        "init": "init.pt",
+    }
+    config = {
+        "model": {"factory": "transformers:GPT2LMHeadModel", "config": GPT2},
+        "data": {"path": "data.pt", "inputs": "ids", "targets": "ids", "batch_size": 4},
+        "loss": {"name": "causal_lm"},
+        "dtype": "float64",
+        "device": "cpu",
+        "train": train,
+    }
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     cfg = load_config(tmp_path / "config.yaml")
     want = through_training(cfg, train_model(cfg, tmp_path / "out.pt", record=True).record,

@@ -110,9 +110,15 @@ def test_lightning_records_the_run_gradscope_train_records(tmp_path):
 
 
 def test_lightning_accumulation_is_refused_before_training(tmp_path):
-    trainer = pl.Trainer(accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, accelerator="cpu", max_epochs=1,
-                         callbacks=[WatchCallback(tmp_path / "w.parquet", record=tmp_path / "r")])  # fmt: skip
+    trainer = pl.Trainer(
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        max_epochs=1,
+        callbacks=[WatchCallback(tmp_path / "w.parquet", record=tmp_path / "r")],
+    )
     data = torch.utils.data.TensorDataset(torch.randn(4, 5).double(), torch.zeros(4).long(),
                                           torch.arange(4))  # fmt: skip
     with pytest.raises(ConfigError, match="not accumulated ones"):
