@@ -45,6 +45,12 @@ def norms(
     Returns the columns the command writes (``reference/columns.md``); ``out`` also keeps the
     Parquet file (``resume`` continues an interrupted one). ``precondition`` (a factors file or
     an Adam state dict's file) adds ``self_influence``.
+
+    Example:
+        >>> import gradscope
+        >>> scores = gradscope.norms("configs/digits.yaml", limit=64, out="scores.parquet")
+        >>> len(scores), scores.columns[:3].tolist()
+        (64, ['example_id', 'loss', 'grad_norm'])
     """
     with called() as call:
         cfg = configured(call, model, data, config, **options)
@@ -81,6 +87,12 @@ def influence(
     backward instead (``--through-training``). Returns
     the command's columns, or with ``matrix`` the (references, examples) float64 tensor of
     ``influence`` (one row without ``per_ref``).
+
+    Example:
+        >>> import gradscope
+        >>> ref = "examples/digits/digits_ref.pt"
+        >>> gradscope.influence("configs/digits.yaml", ref=ref, limit=64, curvature="none").shape
+        (64, 12)
     """
     with called() as call:
         cfg = configured(call, model, data, config, **options)
@@ -102,7 +114,16 @@ def influence(
 
 def references_by_examples(scores: pd.DataFrame) -> Tensor:
     """(R, N) float64: an influence file's ``influence`` with one row per ``ref_id`` (one row
-    for the mean reference), one column per example in ``example_id`` order."""
+    for the mean reference), one column per example in ``example_id`` order; what
+    ``influence(matrix=True)`` returns.
+
+    Example:
+        >>> import gradscope
+        >>> scores = gradscope.influence("configs/digits.yaml", limit=64, curvature="none",
+        ...                              ref="examples/digits/digits_ref.pt", per_ref=True)
+        >>> gradscope.references_by_examples(scores).shape
+        torch.Size([297, 64])
+    """
     if "ref_id" not in scores:
         scores = scores.assign(ref_id=0)
     table = scores.pivot(index="ref_id", columns="example_id", values="influence")
@@ -124,7 +145,13 @@ def build_index(
 ) -> Path:
     """Write each example's projected gradient to the index folder ``out``, to ``query`` many
     times: ``gradscope index``. ``model``, ``data``, ``config`` and ``options`` as ``norms``
-    takes them; ``dim``, ``seed`` and ``storage`` as the command's options. Returns ``out``."""
+    takes them; ``dim``, ``seed`` and ``storage`` as the command's options. Returns ``out``.
+
+    Example:
+        >>> import gradscope
+        >>> gradscope.build_index("configs/digits.yaml", limit=64, out="digits.index").name
+        'digits.index'
+    """
     with called() as call:
         cfg = index_output(configured(call, model, data, config, **options), str(out))
         scorer = IndexScorer(dim, seed, storage)
@@ -153,7 +180,15 @@ def query(
     index was built with; ``data`` its rows (with a module, which has no config to name them),
     read again only by ``exact``. Returns the command's columns: ``example_id``, ``id``,
     ``score``, or with ``per_ref``, ``top_k`` or ``exact`` each reference's top k (``ref_id``,
-    ``rank``, ...)."""
+    ``rank``, ...).
+
+    Example:
+        >>> import gradscope
+        >>> index = gradscope.build_index("configs/digits.yaml", limit=64, out="query.index")
+        >>> gradscope.query(index, "configs/digits.yaml", ref="examples/digits/digits_ref.pt",
+        ...                 per_ref=True, top_k=3).shape
+        (891, 4)
+    """
     with called() as call:
         cfg = configured(call, model, data, config, **options)
         spec = call.spec(ref)
