@@ -7,9 +7,10 @@ from pathlib import Path
 
 from torch import Tensor, nn
 
-from ..curvature import Diagonal, load_preconditioner
+from ..curvature import Curvature, Diagonal, Factors, load_preconditioner
 from ..curvature.adam import adam_denominator
 from ..curvature.fitted import NONE, check_curvature, chosen, fit_exact
+from ..curvature.precondition import check_fits
 from ..curvature.products import KINDS
 from ..engine import Engine, Forward, Influence, reference_gradients, total
 from ..errors import ConfigError
@@ -68,7 +69,7 @@ def per_example_influence(
     include: Sequence[str] | None = None,
     exclude: Sequence[str] = (),
     output: str | int | None = None,
-    precondition: dict | str | Path | None = None,
+    precondition: dict | str | Path | Factors | None = None,
     engine: str = "auto",
     curvature: str = "none",
     damping: float | None = None,
@@ -79,7 +80,8 @@ def per_example_influence(
     Positive: a gradient step on example i lowers the reference loss. ``precondition`` is an
     ``Adam``/``AdamW`` ``state_dict()`` of this model's optimizer, scores then use
     ``g_ref / (sqrt(v_hat) + eps)``; or the path of a ``gradscope factors`` file (or of a saved
-    state dict), scores then use ``H^-1 g_ref`` with its K-FAC / EK-FAC curvature. ``engine`` is
+    state dict), or the factors ``gradscope.factors`` returned, scores then use ``H^-1 g_ref``
+    with its K-FAC / EK-FAC curvature. ``engine`` is
     ``hooks``, ``jvp`` (forward mode, no backward) or ``auto`` (jvp, moving to hooks if an op
     lacks forward mode). ``curvature`` ``gn``, ``hessian`` or ``auto`` (``gn`` where
     its dense matrix fits) scores against
@@ -113,7 +115,7 @@ def _preconditioned(
     core: Engine,
     refs: dict[str, Tensor],
     batch: list[tuple[tuple[Tensor, ...], Tensor]],
-    precondition: dict | str | Path | None,
+    precondition: dict | str | Path | Factors | None,
     curvature: str,
     solver: str,
     damping: float | None,
@@ -133,6 +135,9 @@ def _preconditioned(
         return fit_exact(core, lambda: batch, curvature, solver, damping).refs(refs)
     if isinstance(precondition, str | Path):
         return load_preconditioner(precondition, core).refs(refs)
+    if isinstance(precondition, Factors):
+        check_fits(precondition, core, "precondition")
+        return Curvature(precondition).refs(refs)
     if precondition is not None:
         return Diagonal(adam_denominator(precondition, core, "precondition"), "adam").refs(refs)
     return refs

@@ -32,8 +32,9 @@ def factors(
     **options: Any,
 ) -> Factors:
     """K-FAC (with ``ekfac``, EK-FAC) curvature factors of the model over its data, written to
-    ``out`` for ``precondition=``: ``gradscope factors``. ``model``, ``data``, ``config`` and
-    ``options`` as ``norms`` takes them; ``fisher`` ``true`` or ``empirical``.
+    ``out``: ``gradscope factors``. ``precondition=`` takes the file or the factors returned.
+    ``model``, ``data``, ``config`` and ``options`` as ``norms`` takes them; ``fisher``
+    ``true`` or ``empirical``.
 
     Example:
         >>> import gradscope
@@ -42,7 +43,7 @@ def factors(
         >>> made.meta["examples"]
         64
         >>> gradscope.influence("configs/digits.yaml", ref="examples/digits/digits_ref.pt",
-        ...                     limit=64, precondition="factors.safetensors").shape
+        ...                     limit=64, precondition=made).shape
         (64, 12)
     """
     from ..curvature import fit_factors

@@ -5,7 +5,7 @@ checked against every input, written in parts) and returns the Parquet file's ro
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
@@ -18,13 +18,16 @@ from ..run import score_dataset
 from ..scorers import InfluenceScorer, NormsScorer, Scorer
 from .configured import Data, Model, called, configured
 
+if TYPE_CHECKING:
+    from ..curvature import Factors
+
 
 def norms(
     model: Model,
     data: Data = None,
     *,
     config: Config | str | Path | None = None,
-    precondition: str | Path | None = None,
+    precondition: str | Path | Factors | None = None,
     out: str | Path | None = None,
     resume: bool = False,
     trust_checkpoint: bool = False,
@@ -43,8 +46,8 @@ def norms(
     ``y``, the loss cross-entropy.
 
     Returns the columns the command writes (``reference/columns.md``); ``out`` also keeps the
-    Parquet file (``resume`` continues an interrupted one). ``precondition`` (a factors file or
-    an Adam state dict's file) adds ``self_influence``.
+    Parquet file (``resume`` continues an interrupted one). ``precondition`` (a factors file,
+    the factors ``factors`` returned, or an Adam state dict's file) adds ``self_influence``.
 
     Example:
         >>> import gradscope
@@ -54,7 +57,7 @@ def norms(
     """
     with called() as call:
         cfg = configured(call, model, data, config, **options)
-        scorer = NormsScorer(trust_checkpoint, precondition)
+        scorer = NormsScorer(trust_checkpoint, call.precondition(precondition, resume))
         return _scores(call, cfg, scorer, out, resume, trust_checkpoint)
 
 
@@ -65,7 +68,7 @@ def influence(
     ref: Data,
     per_ref: bool = False,
     matrix: bool = False,
-    precondition: str | Path | None = None,
+    precondition: str | Path | Factors | None = None,
     engine: str = "auto",
     curvature: str | None = None,
     damping: float | None = None,
@@ -82,11 +85,11 @@ def influence(
 
     ``model``, ``data``, ``config`` and ``options`` as ``norms`` takes them; ``ref`` as ``data``.
     ``curvature`` (``none``, ``gn``, ``hessian``, ``kfac``, ``ekfac``; default ``auto``),
-    ``damping``, ``solver``, ``precondition`` and ``engine`` as the command's options;
-    ``through_training``, a run record (``train(record=True)``), scores by replaying that run
-    backward instead (``--through-training``). Returns
-    the command's columns, or with ``matrix`` the (references, examples) float64 tensor of
-    ``influence`` (one row without ``per_ref``).
+    ``damping``, ``solver``, ``precondition`` (also the factors ``factors`` returned) and
+    ``engine`` as the command's options; ``through_training``, a run record
+    (``train(record=True)``), scores by replaying that run backward instead
+    (``--through-training``). Returns the command's columns, or with ``matrix`` the
+    (references, examples) float64 tensor of ``influence`` (one row without ``per_ref``).
 
     Example:
         >>> import gradscope
@@ -104,7 +107,8 @@ def influence(
             )
         else:
             scorer = InfluenceScorer(
-                call.spec(ref), per_ref=per_ref, precondition=precondition, engine=engine,
+                call.spec(ref), per_ref=per_ref, engine=engine,
+                precondition=call.precondition(precondition, resume),
                 trust_checkpoint=trust_checkpoint, curvature=curvature, damping=damping,
                 solver=solver,
             )  # fmt: skip
@@ -169,7 +173,7 @@ def query(
     exact: bool = False,
     candidates: int = CANDIDATES,
     normalize: bool = False,
-    precondition: str | Path | None = None,
+    precondition: str | Path | Factors | None = None,
     config: Config | str | Path | None = None,
     out: str | Path | None = None,
     trust_checkpoint: bool = False,
@@ -192,9 +196,10 @@ def query(
     with called() as call:
         cfg = configured(call, model, data, config, **options)
         spec = call.spec(ref)
+        file = call.precondition(precondition, resume=False)
         asked = Query(
             spec, per_ref, top_k, exact, candidates, normalize,
-            str(Path(precondition).resolve()) if precondition else None,
+            str(Path(file).resolve()) if file else None,
         )  # fmt: skip
         target = call.out(out, "query.parquet")
         path = run_query(index, asked, target, config=cfg, trust_checkpoint=trust_checkpoint)
