@@ -102,8 +102,10 @@ def influence(
         if through_training is not None:
             from ..training.attribution import replayed
 
+            trained = {k: v for k, v in options.items() if k not in ("limit", "batch_size")}
+            trained = configured(call, model, data, config, **trained)  # as the run trained
             scorer = replayed(
-                cfg, call.spec(ref), Path(through_training), per_ref, precondition or curvature
+                trained, call.spec(ref), Path(through_training), per_ref, precondition or curvature
             )
         else:
             scorer = InfluenceScorer(
