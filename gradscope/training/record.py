@@ -163,7 +163,7 @@ class Record:
         """The model as the run began, on the config's device and dtype: the recipe's
         initialisation, or the weights a watched loop began from."""
         if self.meta.get("source") == WATCHED:
-            from .watchrecord import watched_model
+            from .watched import watched_model
 
             return watched_model(self, cfg)
         return build(cfg, recipe(cfg).seed)
@@ -211,7 +211,7 @@ def open_record(folder: str | Path, cfg: Config) -> Record:
     if meta.get("format") != FORMAT:
         raise DataError(f"a run record of format {meta.get('format')}, not {FORMAT}", str(folder))
     if meta.get("source") == WATCHED:
-        from .watchrecord import opened
+        from .watched import opened
 
         update, clip = opened(meta, cfg, folder)
     else:

@@ -9,26 +9,20 @@ the replay then refuses in one line."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..config import Config, TrainConfig
-from ..errors import ConfigError, DataError, ModelError, one_line
-from ..io.data import open_dataset
-from ..io.model import build_model
-from ..job import resolve_device
+from ..config import TrainConfig
+from ..errors import ConfigError, DataError
 from ..losses import LossFn
-from ..resume import differences
-from .record import FINAL, MANIFEST, META, STEPS, WATCHED, Record, Recorder, _load
+from .record import FINAL, MANIFEST, META, STEPS, WATCHED, Recorder
 from .steps import Tensors, Update
+from .watched import START, as_json
 
 SEGMENT = 32  # steps per checkpoint: a loop does not say how many steps it will take
-START = "start.pt"
 # the settings of a param group that change its step (not how it is computed: foreach, fused)
 SETTINGS = ("momentum", "dampening", "nesterov", "betas", "eps", "weight_decay", "amsgrad",
             "maximize", "decoupled_weight_decay")  # fmt: skip
@@ -210,10 +204,6 @@ class Recording:
         self.recorder.write(self.params, self.params[0].device, meta)
 
 
-def _json(value: dict) -> dict:
-    return json.loads(json.dumps(value, default=str))
-
-
 def _fingerprint(grads: list[Tensor | None], params: Tensors) -> Tensor:
     """(n, 2) float64 each parameter's gradient summed, and its squares summed (0 for none)."""
     rows = [
@@ -241,58 +231,6 @@ def _same(got: Tensor, want: Tensor, clip: float | None, params: Tensors) -> boo
     )
 
 
-def opened(meta: dict, cfg: Config, folder: Path) -> tuple[Update, float | None]:
-    """The update and clip a watched loop recorded, once the record is one the config can
-    replay: nothing refused while it trained, the config's loss, rows enough in its data."""
-    if meta["refused"]:
-        raise ConfigError(f"the watched run cannot be replayed: {meta['refused']}", str(folder))
-    key = _json({"loss": cfg.to_dict()["loss"], "torch": torch.__version__})
-    changed = differences(meta["key"], key)
-    if changed:
-        raise ConfigError(
-            f"the run was watched with a different {', '.join(changed)}: replay it with the "
-            "config of the loop's model, data and loss",
-            str(folder),
-        )
-    data = open_dataset(cfg.data)
-    n = len(data) if cfg.data.limit is None else min(len(data), cfg.data.limit)
-    if meta["rows"] > n:
-        raise DataError(
-            f"the watch's ids reach row {meta['rows'] - 1}, the config's data has {n} rows: "
-            "the ids must be the rows' positions in data.path",
-            str(folder),
-        )
-    recipe = dict(meta["recipe"])
-    clip = recipe.pop("clip")
-    return Update(TrainConfig(**recipe)), clip
-
-
-def watched_model(record: Record, cfg: Config) -> nn.Module:
-    """``model.factory``'s model with the weights the watched loop began from, training the
-    parameters it trained, on the config's device and dtype."""
-    model = build_model(dataclasses.replace(cfg.model, checkpoint=None, checkpoints=[]))
-    dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
-    model = model.to(device=resolve_device(cfg.device), dtype=dtype)
-    trained = record.meta["trained"]
-    try:  # strict: every weight of the watched model, of its shape, and no other
-        model.load_state_dict(_load(record.folder / START))
-    except RuntimeError as e:
-        raise ModelError(
-            f"the watched model's weights do not fit model.factory's model: {one_line(e)}",
-            "model.factory",
-        ) from e
-    names = dict(model.named_parameters())
-    for name, p in names.items():
-        p.requires_grad_(name in trained)
-    if str(names[trained[0]].dtype) != record.meta["dtype"]:
-        raise ConfigError(
-            f"the watched model trained in {record.meta['dtype']}, the config's model is "
-            f"{names[trained[0]].dtype}",
-            "dtype",
-        )
-    return model
-
-
 def recording(folder: str | Path | None, model: nn.Module,
               optimizer: torch.optim.Optimizer | None, clip: float | None, segment: int,
               loss: str | LossFn, kwargs: dict) -> Recording | None:  # fmt: skip
@@ -312,4 +250,4 @@ def recording(folder: str | Path | None, model: nn.Module,
         )
     section = {"name": loss, "kwargs": kwargs, "class_dim": -1, "token_reduction": "mean"}
     key = {"loss": section, "torch": torch.__version__}  # the config's loss section it is
-    return Recording(folder, model, optimizer, clip, segment, _json(key))
+    return Recording(folder, model, optimizer, clip, segment, as_json(key))

@@ -230,3 +230,38 @@ def test_a_token_mean_is_recorded_where_it_is_the_rows_mean(tmp_path, masked, di
     meta = json.loads((tmp_path / "r" / "record.json").read_text())
     assert meta["refused"] is None if refused is None else refused in meta["refused"]
     assert meta["key"]["loss"]["name"] == "causal_lm" and meta["steps"] == 1
+
+
+def _scaled_loop(cfg, folder: Path, scale: float | None, skip: int | None = None) -> None:
+    """Eight steps of SGD with momentum, the loss scaled by a GradScaler of ``scale`` (None:
+    none), which unscales the gradient before it steps; step ``skip`` not stepped, as a scaler
+    skips a step of infinite gradients."""
+    rows = TrainingRows(cfg, None)
+    model = build(cfg, cfg.train.seed).train()
+    optimizer = optimizer_of(cfg.train, list(model.parameters()))
+    scaler = None if scale is None else torch.amp.GradScaler("cpu", init_scale=scale)
+    with Watch(model, folder.with_suffix(".parquet"), record=folder, optimizer=optimizer) as w:
+        for step in range(8):
+            picked = torch.arange(step * 4, step * 4 + 4) % 10
+            optimizer.zero_grad()
+            loss = w.step(*rows.batch(picked), picked)
+            if scaler is None:
+                loss.backward()
+                if step != skip:
+                    optimizer.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+
+
+def test_a_loss_scaler_that_unscales_is_the_run_a_skipped_step_is_refused(tmp_path):
+    cfg = load_config(project(tmp_path, WATCHED["sgd-momentum-decay"]))
+    _scaled_loop(cfg, tmp_path / "plain.run", None)
+    _scaled_loop(cfg, tmp_path / "scaled.run", 1024.0)
+    want = through_training(cfg, tmp_path / "plain.run", tmp_path / "ref.pt")
+    got = through_training(cfg, tmp_path / "scaled.run", tmp_path / "ref.pt")
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
+    _scaled_loop(cfg, tmp_path / "skipped.run", None, skip=3)
+    with pytest.raises(ConfigError, match="two watched steps at step 3 without an optimizer"):
+        through_training(cfg, tmp_path / "skipped.run", tmp_path / "ref.pt")
