@@ -26,6 +26,7 @@ from ..errors import ConfigError, ModelError
 from .watch import OnStep, Watch
 from .watchrecord import SEGMENT
 
+_CLASS = object()  # the model had no forward of its own: its class's serves
 UNSUPPORTED = {
     "fp16": "fp16 training (its loss scaler is untested with the watch)",
     "label_smoothing_factor": "label smoothing, whose loss is not causal_lm's",
@@ -50,6 +51,8 @@ class WatchCallback(TrainerCallback):
         self.recorded: dict = {}  # Watch's record arguments, once the Trainer has an optimizer
         self.watch: Watch | None = None
         self.epoch = 0
+        self._wrapper: Any = None  # the forward set on the model while it trains
+        self._before: Any = _CLASS  # the model's own forward attribute, if it had one
 
     def on_train_begin(
         self, args: Any, state: Any, control: Any, model: nn.Module, optimizer: Any = None,
@@ -65,16 +68,31 @@ class WatchCallback(TrainerCallback):
                 f"the Trainer drops the {self.ids!r} column: set remove_unused_columns=False",
                 "TrainingArguments.remove_unused_columns",
             )
-        model.forward = functools.partial(self._forward, model, model.forward)
+        self._release(model, None)  # what a train() that raised left
+        self._before = vars(model).get("forward", _CLASS)
+        self._wrapper = functools.partial(self._forward, model, model.forward)
+        model.forward = self._wrapper
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **_: Any):
         self.epoch = int(state.epoch or 0)
 
     def on_train_end(self, args: Any, state: Any, control: Any, model: nn.Module, **_: Any):
-        del model.forward  # the class's own again
+        self._release(model, None)
+
+    def _release(self, model: nn.Module, exception: BaseException | None) -> None:
+        """The model's own forward again and the watch file closed. The Trainer calls no
+        callback when ``train()`` raises: a step that raises in the model's call releases it
+        here, one that raises elsewhere at the next ``train()``."""
+        if self._wrapper is not None and vars(model).get("forward") is self._wrapper:
+            if self._before is _CLASS:
+                del model.forward  # the class's own again
+            else:
+                model.forward = self._before
+        self._wrapper = None
         if self.watch is not None:
-            self.watch.__exit__(None, None, None)
-            self.watch = None
+            watch, self.watch = self.watch, None
+            kind = None if exception is None else type(exception)
+            watch.__exit__(kind, exception, None)
 
     def _forward(self, model: nn.Module, original: Any, *args: Any, **kwargs: Any) -> Any:
         if not model.training or not torch.is_grad_enabled() or args:
@@ -99,8 +117,12 @@ class WatchCallback(TrainerCallback):
         # the step's tokens where the Trainer counts them (it divides the loss by the number
         # of micro-batches it accumulates otherwise), else the batch's
         divisor = float(items) if items is not None else None
-        loss = self.watch.step(tuple(kwargs[k] for k in names), labels, ids, epoch=self.epoch,
-                          divisor=divisor)  # fmt: skip
+        try:
+            loss = self.watch.step(tuple(kwargs[k] for k in names), labels, ids,
+                                   epoch=self.epoch, divisor=divisor)  # fmt: skip
+        except BaseException as e:  # Ctrl-C or an error in the step: the model as it was
+            self._release(model, e)
+            raise
         return CausalLMOutput(loss=loss)
 
 

@@ -73,10 +73,18 @@ class WatchCallback(Callback):
         pl_module.training_step = training_step
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        del pl_module.training_step  # the module's own again
+        self._release(pl_module, None)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException):
+        """A run that raised leaves the module as it found it, the watch file closed."""
+        self._release(pl_module, exception)
+
+    def _release(self, pl_module: LightningModule, exception: BaseException | None) -> None:
+        vars(pl_module).pop("training_step", None)  # the module's own again
         if self.watch is not None:
-            self.watch.__exit__(None, None, None)
-            self.watch = None
+            watch, self.watch = self.watch, None
+            kind = None if exception is None else type(exception)
+            watch.__exit__(kind, exception, None)
 
 
 def _recorded(trainer: Trainer, folder: str | Path, segment: int) -> dict:

@@ -13,10 +13,17 @@ import torch
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
+from gradscope.training.watch import Watch  # noqa: E402
 from gradscope.training.watch_hf import WatchCallback  # noqa: E402
 
 
 def _run(tmp_path, callbacks, accumulate=1):
+    model, trainer = _trainer(tmp_path, callbacks, accumulate)
+    trainer.train()
+    return model, trainer
+
+
+def _trainer(tmp_path, callbacks, accumulate=1):
     torch.manual_seed(0)
     no_dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
     config = transformers.GPT2Config(
@@ -38,8 +45,46 @@ def _run(tmp_path, callbacks, accumulate=1):
     trainer = transformers.Trainer(
         model, args, train_dataset=data, eval_dataset=data.select(range(4)), callbacks=callbacks
     )
-    trainer.train()
     return model, trainer
+
+
+def _hooks(model) -> list[int]:
+    return [len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+            + len(m._backward_pre_hooks) for m in model.modules()]  # fmt: skip
+
+
+def test_a_step_that_raises_leaves_the_model_as_it_was(tmp_path, monkeypatch):
+    callback = WatchCallback(tmp_path / "w.parquet")
+    model, trainer = _trainer(tmp_path, [callback])
+    hooks, step, calls = _hooks(model), Watch.step, []
+
+    def interrupted(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Watch, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert "forward" not in model.__dict__ and _hooks(model) == hooks
+    assert callback.watch is None
+
+
+class _Raises(transformers.TrainerCallback):
+    def on_step_end(self, *args, **kwargs):
+        raise RuntimeError("after the model's call")
+
+
+def test_a_train_that_raised_elsewhere_is_released_by_the_next(tmp_path):
+    callback = WatchCallback(tmp_path / "w.parquet")
+    model, trainer = _trainer(tmp_path, [callback, _Raises])
+    with pytest.raises(RuntimeError, match="after the model's call"):
+        trainer.train()
+    trainer.remove_callback(_Raises)
+    trainer.train()  # wraps the model once, not the wrapper again
+    assert "forward" not in model.__dict__ and callback.watch is None
+    assert len(pq.read_table(tmp_path / "w.parquet")) == 16
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])

@@ -12,6 +12,7 @@ from torch import nn
 pl = pytest.importorskip("lightning.pytorch")
 
 from gradscope.errors import ConfigError  # noqa: E402
+from gradscope.training.watch import Watch  # noqa: E402
 from gradscope.training.watch_lightning import WatchCallback  # noqa: E402
 
 
@@ -56,6 +57,18 @@ def test_lightning_trains_as_without_the_watch_and_writes_each_step(tmp_path, ac
     table = pq.read_table(tmp_path / "w.parquet").to_pydict()
     assert table["example_id"] == list(range(8)) * 2
     assert table["epoch"] == [0] * 8 + [1] * 8
+
+
+def test_a_run_that_raises_leaves_the_module_as_it_was(tmp_path, monkeypatch):
+    callback = WatchCallback(tmp_path / "w.parquet")
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("in the step")
+
+    monkeypatch.setattr(Watch, "step", fails)
+    with pytest.raises(RuntimeError, match="in the step"):
+        _fit([callback], 1)
+    assert callback.watch is None  # closed, the module's training_step its own again
 
 
 MODULE = """
