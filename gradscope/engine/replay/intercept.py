@@ -22,7 +22,10 @@ import torch
 from torch import Tensor, nn
 
 from ..plan import ParamPlan
-from ..recipes import OPENED
+from ..recipes import OPENED, metadata
+
+# each function met: whether it asks a tensor what it is without reading it (``metadata``)
+_ASKS: dict = {}
 
 
 class Read(nn.Parameter):
@@ -43,7 +46,7 @@ class Read(nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         region = next(
-            t.region for t in (*args, *kwargs.values(), *_nested(args)) if isinstance(t, Read)
+            t.region for t in (*args, *kwargs.values(), *_nested(args)) if type(t) is Read
         )
         return region.intercepted(func, args, kwargs)
 
@@ -53,15 +56,15 @@ class Read(nn.Parameter):
 
 def _nested(args: tuple) -> list:
     """The tensors in the lists and tuples among ``args`` (``torch.cat([p, t])``)."""
-    return [t for a in args if isinstance(a, (list, tuple)) for t in a]
+    return [t for a in args if type(a) in (list, tuple) for t in a]
 
 
 def _real(a: object) -> object:
     """``a`` with each ``Read`` in it, or in a list or tuple it is, the tensor it holds."""
-    if isinstance(a, Read):
+    if type(a) is Read:  # not isinstance: Parameter's metaclass asks in Python
         return a.held
-    if type(a) in (list, tuple) and any(isinstance(t, Read) for t in a):
-        return type(a)(t.held if isinstance(t, Read) else t for t in a)
+    if type(a) in (list, tuple) and any(type(t) is Read for t in a):
+        return type(a)(t.held if type(t) is Read else t for t in a)
     return a
 
 
@@ -69,14 +72,17 @@ class Intercept:
     """What a region that intercepts its reads is given: where each parameter is held
     (``holders``, found once per Engine) and whom to tell where its witness fails."""
 
-    def __init__(self, failed: Callable[[], None], holders: dict[int, list]):
+    def __init__(self, failed: Callable[[], None], holders: dict[int, tuple]):
         self.failed, self.at = failed, holders
 
-    def holders(self, p: ParamPlan) -> list[tuple[nn.Module, str]]:
-        """The (module, attribute) pairs whose ``_parameters`` entry holds ``p``, each once."""
+    def holders(self, p: ParamPlan, region: Intercepting) -> tuple[Read, list]:
+        """``p``'s ``Read``, now ``region``'s, and the (module, attribute) pairs whose
+        ``_parameters`` entry holds it, each once: both kept for the Engine's later batches
+        while ``p`` holds the same tensor (a new one, set by ``p.data = ...``, a new Read)."""
         found = self.at.get(id(p))
-        if found is None:
-            found = self.at[id(p)] = _holders(p)
+        if found is None or not _aliases(found[0], p.param):
+            found = self.at[id(p)] = (Read(p.param, region), _holders(p))
+        found[0].region = region
         return found
 
 
@@ -89,11 +95,12 @@ class Intercepting:
         self.swapped: list[tuple[dict, str, Tensor]] = []
         self.wrapped: dict[int, Read] = {}
         for p in params:
-            read = self._read_of(p.param)
-            for module, name in intercept.holders(p):
+            read, holders = intercept.holders(p, self)
+            self.wrapped[id(p.param)] = read
+            for module, name in holders:
                 table = module._parameters
                 held = table.get(name)
-                if held is not p.param and not (isinstance(held, Read) and held.held is p.param):
+                if held is not p.param and not (type(held) is Read and held.held is p.param):
                     continue  # another parameter there now (a Read of an outer region's is p)
                 self.swapped.append((table, name, table[name]))
                 table[name] = read
@@ -109,7 +116,10 @@ class Intercepting:
         after the region's end (a tensor the model kept), the op alone."""
         real_args = tuple(map(_real, args))
         real_kwargs = {k: _real(v) for k, v in kwargs.items()} if kwargs else kwargs
-        if not self._open:
+        asks = _ASKS.get(func)
+        if asks is None:
+            asks = _ASKS[func] = metadata(func)
+        if asks or not self._open:
             return func(*real_args, **real_kwargs)
         if func in OPENED and not self._aside(real_args, real_kwargs):
             return OPENED[func](*args, **kwargs)  # its reads come back here one by one
@@ -130,6 +140,16 @@ class Intercepting:
         if read is None:
             read = self.wrapped[id(t)] = Read(t, self)
         return read
+
+
+def _aliases(read: Read, param: Tensor) -> bool:
+    """Whether ``read`` is still an alias of ``param`` as it is now."""
+    with torch._C.DisableTorchFunction():
+        return (
+            read.held is param
+            and read.data_ptr() == param.data_ptr()
+            and (read.shape == param.shape)
+        )
 
 
 def _holders(p: ParamPlan) -> list[tuple[nn.Module, str]]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from ..capture import Capture, Use, counter
@@ -94,8 +94,10 @@ class LightRegion(RecipeReads, Intercepting, TorchFunctionMode):
         self._start = counter()
         self._open = True
         # no scalar read on the host to witness, no constant to follow: every op it must see
-        # touches a watched parameter or a tensor made from one
-        self.intercepts = intercept is not None and not hosts and not computed
+        # touches a watched parameter or a tensor made from one; each a plain Parameter (a
+        # sharded one is a subclass of its own)
+        plain = all(type(p.param) is nn.Parameter for p in self.params.values())
+        self.intercepts = intercept is not None and not hosts and not computed and plain
         self.intercept = intercept
         if self.intercepts:
             self.hold(list(self.params.values()), intercept)

@@ -43,7 +43,7 @@ class Replayed:
         self.plan, self.record, self.modules, self.losses = plan, record, modules, losses
         self.kinds = {id(m): type(m) for m in modules}  # a region call's module's class
         self.hooks = hooks  # the Engine's module hooks, lent to each batch's session
-        self.holders: dict[int, list] = {}  # where each parameter is held (``Intercept``)
+        self.holders: dict[int, tuple] = {}  # each parameter's Read, where held (``Intercept``)
 
     def __call__(
         self, inputs: tuple[Tensor, ...], targets: Tensor, want: Want, findings: Findings
