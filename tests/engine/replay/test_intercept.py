@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from gradscope.engine import Engine, total
 from gradscope.engine.replay import light
+from gradscope.errors import ModelError
 from gradscope.losses import resolve_loss
 
 D, CLASSES = 8, 3
@@ -155,3 +156,47 @@ def test_a_read_the_modules_do_not_hold_is_analysed_then_left_to_the_mode():
     for (inputs, targets), got in zip(batches, norms, strict=True):
         _, expected = reference_norms(model, inputs, targets, "cross_entropy")
         assert_rel_close(got, expected, 1e-9)
+
+
+def test_a_forward_that_raises_inside_an_intercepted_call_gives_the_parameters_back():
+    """A hook of the user's raising inside the attention's call (its Reads held): the model
+    holds its own parameters again, and its next batch replays exact."""
+    torch.manual_seed(0)
+    model = TinyViT().double()
+    batches = _vit_batches([3, 3, 3, 3])
+    raising = [False]
+
+    def hook(module, args, output):
+        if raising[0]:
+            raise ValueError("the user's hook")
+
+    model.attn.register_forward_hook(hook)
+    engine = Engine(model, resolve_loss("cross_entropy"))
+    with engine:
+        for k, (inputs, targets) in enumerate(batches):
+            raising[0] = k == 2
+            if k == 2:
+                with pytest.raises(ModelError, match="the user's hook"):
+                    engine.norms(inputs, targets)
+                assert all(type(p) is nn.Parameter for p in model.parameters())
+                continue
+            got = total(engine.norms(inputs, targets).norm_sq).sqrt()
+            _, expected = reference_norms(model, inputs, targets, "cross_entropy")
+            assert_rel_close(got, expected, 1e-9)
+    assert engine.record.at(*batches[0]).replays == 2
+
+
+def test_a_parameter_given_new_data_between_batches_is_read_anew():
+    """``p.data = ...`` between batches (the Parameter the same object, its tensor another):
+    each batch's norms the loop's at the values it holds then."""
+    torch.manual_seed(0)
+    model = TinyViT().double()
+    engine = Engine(model, resolve_loss("cross_entropy"))
+    with engine:
+        for k, (inputs, targets) in enumerate(_vit_batches([3, 3, 3, 3])):
+            if k >= 2:
+                model.pos_embed.data = torch.randn_like(model.pos_embed) * k
+                model.attn.in_proj_weight.data = torch.randn_like(model.attn.in_proj_weight)
+            got = total(engine.norms(inputs, targets).norm_sq).sqrt()
+            _, expected = reference_norms(model, inputs, targets, "cross_entropy")
+            assert_rel_close(got, expected, 1e-9)
