@@ -93,16 +93,19 @@ class LightRegion(RecipeReads, Intercepting, TorchFunctionMode):
         self._next = 0
         self._start = counter()
         self._open = True
-        # no scalar read on the host to witness, no constant to follow: every op it must see
-        # touches a watched parameter or a tensor made from one; each a plain Parameter (a
-        # sharded one is a subclass of its own)
-        plain = all(type(p.param) is nn.Parameter for p in self.params.values())
-        self.intercepts = intercept is not None and not hosts and not computed and plain
         self.intercept = intercept
+        self.intercepts = intercept is not None and not hosts and not computed and self._plain()
         if self.intercepts:
             self.hold(list(self.params.values()), intercept)
         else:
             self.__enter__()
+
+    def _plain(self) -> bool:
+        """Whether its reads may be intercepted (``intercepts``, with no scalar read on the
+        host to witness and no constant to follow, so that every op it must see touches a
+        watched parameter or a tensor made from one): each a plain Parameter, not a subclass
+        of its own (a sharded one's)."""
+        return all(type(p.param) is nn.Parameter for p in self.params.values())
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
