@@ -76,13 +76,12 @@ class Intercept:
         self.failed, self.at = failed, holders
 
     def holders(self, p: ParamPlan, region: Intercepting) -> tuple[Read, list]:
-        """``p``'s ``Read``, now ``region``'s, and the (module, attribute) pairs whose
-        ``_parameters`` entry holds it, each once: both kept for the Engine's later batches
-        while ``p`` holds the same tensor (a new one, set by ``p.data = ...``, a new Read)."""
+        """``p``'s ``Read`` and the (module, attribute) pairs whose ``_parameters`` entry holds
+        it, each once: both kept for the Engine's later batches while ``p`` holds the same
+        tensor (a new one, set by ``p.data = ...``, a new Read)."""
         found = self.at.get(id(p))
         if found is None or not _aliases(found[0], p.param):
             found = self.at[id(p)] = (Read(p.param, region), _holders(p))
-        found[0].region = region
         return found
 
 
@@ -93,9 +92,12 @@ class Intercepting:
     def hold(self, params: list[ParamPlan], intercept: Intercept) -> None:
         """Each of ``params`` held as a ``Read`` by every module holding it, until ``release``."""
         self.swapped: list[tuple[dict, str, Tensor]] = []
+        self.lent: list[tuple[Read, Intercepting]] = []  # each Read, and whose it was
         self.wrapped: dict[int, Read] = {}
         for p in params:
             read, holders = intercept.holders(p, self)
+            self.lent.append((read, read.region))
+            read.region = self  # an outer region's too (the root's), until ``release``
             self.wrapped[id(p.param)] = read
             for module, name in holders:
                 table = module._parameters
@@ -109,7 +111,9 @@ class Intercepting:
         """Every module holds again what it held before ``hold``."""
         for table, name, before in reversed(self.swapped):
             table[name] = before
-        self.swapped = []
+        for read, region in reversed(self.lent):
+            read.region = region
+        self.swapped, self.lent = [], []
 
     def intercepted(self, func, args: tuple, kwargs: dict):
         """An op on a ``Read``: the region's, as its mode would see it, with the real tensors;

@@ -200,3 +200,41 @@ def test_a_parameter_given_new_data_between_batches_is_read_anew():
             got = total(engine.norms(inputs, targets).norm_sq).sqrt()
             _, expected = reference_norms(model, inputs, targets, "cross_entropy")
             assert_rel_close(got, expected, 1e-9)
+
+
+class _PosBlock(nn.Module):
+    def __init__(self, pos: nn.Parameter):
+        super().__init__()
+        self.fc, self.pos = nn.Linear(D, D), pos
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.fc(h + self.pos)
+
+
+class SharedTable(nn.Module):
+    """One position table held by the model and by a block: read at the top level, inside the
+    block's call (a light region), and at the top level again after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(4, D))
+        self.fc, self.block, self.head = nn.Linear(D, D), _PosBlock(self.pos), nn.Linear(D, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, 4, D)
+        h = self.block(self.fc(x) + self.pos)
+        return self.head((torch.tanh(h) * self.pos).mean(1))
+
+
+def test_a_table_read_at_the_top_level_and_inside_a_region_replays_exact():
+    """The block's region holds the table's Read while it runs and gives it back to the top
+    level's after: the top level's read after the block is served, not passed over."""
+    torch.manual_seed(0)
+    model = SharedTable().double()
+    batches = [((torch.randn(3, 4, D, dtype=torch.float64),), torch.arange(3) % 3)] * 4
+    engine, norms = _scored(model, batches)
+    findings = engine.record.at(*batches[0])
+    assert (findings.replays, findings.analyses) == (3, 1), findings.why
+    assert not engine.record.moded
+    for (inputs, targets), got in zip(batches, norms, strict=True):
+        _, expected = reference_norms(model, inputs, targets, "cross_entropy")
+        assert_rel_close(got, expected, 1e-9)
