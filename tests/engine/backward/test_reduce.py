@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradscope.engine.backward import reduce
+from gradscope.engine.backward import batched
 from gradscope.engine.backward.reduce import Reducer, Want
 from gradscope.rules import Dense, Outer
 from gradscope.rules.routed import Routed
@@ -40,9 +40,9 @@ def _routed(gen: torch.Generator, rows: int) -> tuple[Routed, torch.Tensor]:
     return part, grads
 
 
-@pytest.mark.parametrize("bound", [reduce.CHUNK_ELEMENTS, 100], ids=["at the end", "early"])
+@pytest.mark.parametrize("bound", [batched.CHUNK_ELEMENTS, 100], ids=["at the end", "early"])
 def test_inner_products_held_back_are_each_parameters_own(monkeypatch, bound: int):
-    monkeypatch.setattr(reduce, "CHUNK_ELEMENTS", bound)
+    monkeypatch.setattr(batched, "CHUNK_ELEMENTS", bound)
     gen = torch.Generator().manual_seed(0)
     parts = {
         "o1": _outer(gen, 3),
