@@ -84,6 +84,9 @@ class Contribution(ABC):
     """One parameter's per-example gradient, (B, *shape), kept in whatever form is cheapest."""
 
     shape: torch.Size
+    # whether each example's gradient is at hand, or formed by ``norm_sq`` (a chunk at a time):
+    # the batch sum from the same, ``norm_sq_and_sum``, then costs a sum, not a matrix product
+    forms = False
 
     @abstractmethod
     def norm_sq(self) -> Tensor:
@@ -118,6 +121,11 @@ class Contribution(ABC):
         """Both answers at once, for contributions that can share the work between them."""
         return self.norm_sq(), self.inner(refs)
 
+    def norm_sq_and_sum(self) -> tuple[Tensor, Tensor]:
+        """(B,) squared norms and (*shape) the batch sum, from one forming of the examples'
+        gradients where ``forms``."""
+        return self.norm_sq(), self.batch_sum()
+
     def inners(self, refs: Tensor, batch: int) -> Tensor:
         """(n, batch, K) where this contribution holds the examples of n calls stacked, n *
         batch of them: each call's inner products with its own ``refs``, (n, K, *shape)."""
@@ -133,6 +141,8 @@ class Contribution(ABC):
 
 class Dense(Contribution):
     """Per-example gradients formed directly: fine for small parameters (biases, norm scales)."""
+
+    forms = True
 
     def __init__(self, grads: Tensor):
         self.grads = _acc(grads)  # (B, *shape)

@@ -55,5 +55,12 @@ class Formed(Dense):
     def batch_sum(self) -> Tensor:
         return sum(m.sum(0) for m in self._chunks())
 
+    def norm_sq_and_sum(self) -> tuple[Tensor, Tensor]:
+        norms, total = [], None
+        for m in self._chunks():
+            norms.append(_sq_norm(rows(m)))
+            total = m.sum(0) if total is None else total + m.sum(0)
+        return _cat(norms), total
+
     def examples(self, lo: int, hi: int) -> Contribution:
         return Formed(lambda a, b: self.form(lo + a, lo + b), hi - lo, self.shape, self.step)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...rules import Contribution
+from ...rules import Contribution, Rows
 from ...rules.base import accumulation_dtype, rows
 from ...rules.projection import Projection
 from .batched import Batched
@@ -41,6 +41,9 @@ class Want:
     # a training step's parameters: the one backward also gives the batch gradient of the
     # summed loss for each (``Reducer.trained``), where autograd would leave it in ``.grad``
     train: tuple[Tensor, ...] = ()
+    # the names of those whose batch gradient is the sum of the examples' gradients their
+    # rules give (``Reducer.sums``), not autograd's: where the norm forms them anyway
+    summed: frozenset[str] = frozenset()
 
 
 def _merged(parts: list[Contribution]) -> Contribution:
@@ -48,6 +51,13 @@ def _merged(parts: list[Contribution]) -> Contribution:
     for part in parts[1:]:
         merged = merged.merge(part)
     return merged
+
+
+def _forms(groups: list[Contribution]) -> bool:
+    """Whether the batch sum of a parameter's parts of several kinds costs little beside their
+    norms: one forms each example's gradient, and each other does too or is a table's lookups
+    (their sum an ``index_add``: a tied embedding and output head)."""
+    return any(g.forms for g in groups) and all(g.forms or isinstance(g, Rows) for g in groups)
 
 
 def _cross(g: Contribution, h: Contribution) -> Tensor:
@@ -74,7 +84,13 @@ class Reducer:
         self.inner: dict[str, Tensor] = {}
         self.kept: dict[str, Contribution] = {}
         self.sums: dict[str, Tensor] = {}
-        self.trained: list[Tensor | None] = []  # d(summed loss)/d each of ``want.train``
+        # d(summed loss)/d each of ``want.train`` from autograd, None at ``summed_at``'s
+        # positions: the names whose sums (``gradients``) the rules give instead
+        self.trained: list[Tensor | None] = []
+        self.summed_at: dict[int, str] = {}
+        # of a training step: the parameters whose rule formed each example's gradient for
+        # its norm, whose batch gradient the next step of the signature sums (``want.summed``)
+        self.formed: set[str] = set()
         self._parts: dict[str, list[Contribution]] = {name: [] for name in merged}
         # single calls' small norms answered together when the backward ends
         self._batched = Batched() if want.norms else None
@@ -122,11 +138,16 @@ class Reducer:
         if self.pre is not None:
             self.pre._reduce_apart(name, [self.want.transform(name, g) for g in groups])
         refs = self.want.refs[name] if self.want.refs is not None else None
+        if self.want.train and _forms(groups):
+            self.formed.add(name)
         if self.want.norms and refs is not None and self.want.share:
             both = [g.norm_sq_and_inner(refs) for g in groups]
             norm_sq, self.inner[name] = sum(n for n, _ in both), sum(i for _, i in both)
         else:
-            if self.want.norms:
+            if self.want.norms and name in self.want.summed:
+                both = [g.norm_sq_and_sum() for g in groups]
+                norm_sq, self.sums[name] = sum(n for n, _ in both), sum(t for _, t in both)
+            elif self.want.norms:
                 norm_sq = sum(g.norm_sq() for g in groups)
             if refs is not None:
                 self.inner[name] = sum(g.inner(refs) for g in groups)
@@ -137,18 +158,22 @@ class Reducer:
                 for h in groups[k + 1 :]:
                     norm_sq = norm_sq + 2 * _cross(g, h)
             self.norm_sq[name] = norm_sq
-        if self.want.sums:
+        if self.want.sums or (name in self.want.summed and name not in self.sums):
             self.sums[name] = sum(g.batch_sum() for g in groups)
 
     def reduce(self, name: str, c: Contribution) -> None:
         if self.pre is not None:
             self.pre.reduce(name, self.want.transform(name, c))
         refs = self.want.refs[name] if self.want.refs is not None else None
+        if self.want.train and c.forms:
+            self.formed.add(name)
         if self.want.norms and refs is not None and self.want.share:
             self.norm_sq[name], self.inner[name] = c.norm_sq_and_inner(refs)
         else:
             batched = self._batched is not None and self._batched.take(name, c)
-            if self.want.norms and not batched:
+            if self.want.norms and not batched and name in self.want.summed:
+                self.norm_sq[name], self.sums[name] = c.norm_sq_and_sum()
+            elif self.want.norms and not batched:
                 self.norm_sq[name] = c.norm_sq()
             inners = self._inners is not None and self._inners.take(name, c)
             if refs is not None and not inners:
@@ -157,8 +182,15 @@ class Reducer:
             self.inner[name] = c.project(self.want.project[name])
         if self.want.keep:
             self.kept[name] = c
-        if self.want.sums:
+        if self.want.sums or (name in self.want.summed and name not in self.sums):
             self.sums[name] = c.batch_sum()
+
+    def gradients(self) -> list[Tensor | None]:
+        """d(summed loss)/d each of ``want.train``: autograd's, or the sum of the examples'
+        gradients for ``want.summed``'s (the fallback's where a rule failed on the batch; None
+        where no call reached the loss, as autograd's)."""
+        at = self.summed_at
+        return [self.sums.get(at[k]) if k in at else g for k, g in enumerate(self.trained)]
 
     def answered(
         self,
@@ -168,7 +200,8 @@ class Reducer:
         batch_sum: Callable[[], Tensor] | None,
     ) -> None:
         """What was answered elsewhere (``grouped.Grouped``): a squared norm and inner products
-        where asked for, and the sum over the examples where the self-check asks for it."""
+        where asked for, and the sum over the examples where the self-check or a training
+        step's ``want.summed`` asks for it."""
         if norm_sq is not None:
             self.norm_sq[name] = norm_sq
         if inner is not None:
