@@ -178,6 +178,7 @@ def test_batch_gradients_summed_from_the_formed_examples_are_autograds(tmp_path)
     # formed on the first step, the two replayed steps took these batch gradients from the sums
     assert findings.replays == 2
     assert {"tok.weight", "attn.in_proj_weight", "ff.weight", "ff.bias"} <= findings.formed
+    assert len(findings.programs[-1].trained) == 1  # their requests read once, kept after
     for p, q in zip(watched.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)  # to float rounding
     table = pq.read_table(tmp_path / "w.parquet").to_pydict()

@@ -18,7 +18,7 @@ from ...rules import Contribution, Outer, find_rule
 from ..capture import Call, Captured, Use
 from ..plan import ParamPlan, Plan
 from ..rows import regroup
-from .backward import Requests, backward
+from .backward import Requests, backward, requests
 from .fallback import short_reason
 from .grouped import Grouped
 from .reduce import Reducer, Want
@@ -32,6 +32,9 @@ class Served:
     count: dict[str, int]  # calls and reads serving each watched parameter
     checked: list[ParamPlan]  # parameters whose batch gradients are asked for
     asked: Requests | None  # which outputs to request; None: read off this batch's graph
+    # a training step's requests, by the ids of the tensors asked of autograd, kept across
+    # batches where ``asked`` holds for every batch of the program (``Program.trained``)
+    trained: dict[tuple[int, ...], Requests] | None = None
 
 
 def served_calls(plan: Plan, captured: Captured) -> list[Call]:
@@ -103,11 +106,10 @@ def serve(
     also = [p.param for p in done.checked]
     calls = served_calls(plan, captured)
     # a training step's gradients come from the same backward, autograd's but for those the
-    # rules sum (``Reducer.gradients``); what to request is read off this graph then (a
-    # program's requests leave the parameters' own steps out)
+    # rules sum (``Reducer.gradients``)
     ruled = {id(plan.find(name).param): name for name in reducer.want.summed}
     auto = [t for t in want.train if id(t) not in ruled]
-    asked = done.asked if not want.train else None
+    asked = done.asked if not want.train else _trained(done, calls, reads, [*also, *auto])
     try:
         grads = backward(
             captured.session,
@@ -128,6 +130,20 @@ def serve(
     reducer.trained = [None if id(t) in ruled else next(by_autograd) for t in want.train]
     reducer.summed_at = {k: ruled[id(t)] for k, t in enumerate(want.train) if id(t) in ruled}
     return reducer, grads[: len(also)]
+
+
+def _trained(
+    done: Served, calls: Sequence[Call], reads: Sequence[Use], tensors: list[Tensor]
+) -> Requests | None:
+    """A training step's requests: read off this graph (a program's own leave the parameters'
+    steps out, which a training step asks for), once for the program where its requests hold
+    for every batch; None: read off by ``backward``."""
+    if done.trained is None:
+        return None
+    key = tuple(id(t) for t in tensors)
+    if (asked := done.trained.get(key)) is None:
+        asked = done.trained[key] = requests(calls, reads, tensors)
+    return asked
 
 
 def _groupable(want: Want) -> bool:
