@@ -11,6 +11,10 @@ from ...rules.base import CHUNK_ELEMENTS, _sq_norm, rows
 from ...rules.outer import gram_norms
 from ...rules.routed import Routed, routed_inners, routed_norms
 
+# A formed gradient (a bias's) of more elements is answered at once: stacking it with others
+# would copy more than the dispatch of its own norm costs.
+HELD_DENSE = 1 << 16
+
 
 class Batched:
     """Norms, or inner products with ``refs`` (each part its own parameter's), held back until
@@ -31,7 +35,8 @@ class Batched:
     def take(self, name: str, c: Contribution) -> bool:
         """Hold ``c`` back where it is an Outer or a Routed of one Gram block (for inner
         products: an Outer of every position, a Routed of ``sorted_route``), or formed
-        gradients (a bias, a norm's scale); False where not taken."""
+        gradients (a bias, a norm's scale; for norms, of at most ``HELD_DENSE`` elements);
+        False where not taken."""
         key = _norm_key(c) if self.refs is None else _inner_key(c, len(self.refs[name]))
         if key is None:
             return False
@@ -66,7 +71,7 @@ def _norm_key(c: Contribution) -> tuple | None:
         return (Outer, c.dims, c.s.dtype, c.s.device)
     if type(c) is Routed and c.one_gram:
         return (Routed, c.a.shape, c.s.shape, c.shape[0], c.batch, c.s.dtype, c.s.device)
-    if type(c) is Dense:
+    if type(c) is Dense and c.grads.numel() <= HELD_DENSE:
         return (Dense, c.grads.shape[0], c.shape.numel(), c.grads.dtype, c.grads.device)
     return None
 

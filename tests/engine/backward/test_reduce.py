@@ -110,3 +110,17 @@ def test_a_training_steps_sums_are_the_examples_gradients_summed(monkeypatch, ch
         torch.testing.assert_close(reducer.sums[name], grads.sum(0), msg=name)
         norms = grads.flatten(1).square().sum(1)
         torch.testing.assert_close(reducer.norm_sq[name], norms, msg=name)
+
+
+@pytest.mark.parametrize("held", [batched.HELD_DENSE, 8], ids=["stacked", "at once"])
+def test_formed_gradients_norms_stacked_or_at_once(monkeypatch, held: int):
+    monkeypatch.setattr(batched, "HELD_DENSE", held)  # past it, a bias's norm is its own
+    gen = torch.Generator().manual_seed(2)
+    grads = {name: torch.randn(B, 5, generator=gen, dtype=torch.float64) for name in "abc"}
+    grads["d"] = torch.randn(B, 2, generator=gen, dtype=torch.float64)  # under the bound
+    reducer = Reducer(Want(), ())
+    for name, g in grads.items():
+        reducer.add(name, Dense(g))
+    reducer.finish()
+    for name, g in grads.items():
+        torch.testing.assert_close(reducer.norm_sq[name], g.square().sum(1), msg=name)
