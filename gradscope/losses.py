@@ -38,14 +38,26 @@ def _first(values: Tensor, bad: Tensor) -> str:
     return f"{values[bad].flatten()[0].item():g}"
 
 
+def counted(name: str, targets: Tensor, ignore_index: int = -100) -> Tensor:
+    """(B, ...) bool: the positions an example's loss is the mean over. Class ids count where
+    they are not ``ignore_index`` (causal_lm's from the second token on); every element counts
+    for the other losses, and for class probabilities."""
+    if name == "causal_lm":
+        targets = targets[:, 1:]
+    if name in ("cross_entropy", "nll", "causal_lm") and not targets.is_floating_point():
+        return targets != ignore_index
+    return torch.ones_like(targets, dtype=torch.bool)
+
+
 def nothing_counted(name: str, kwargs: dict, targets: Tensor) -> Tensor | None:
     """(B,) where an example's loss counts no position: every target is ``ignore_index`` (for
     causal_lm every target after the first, a row of one token included). None for losses
     that count every element, and for custom ones."""
     if name not in ("cross_entropy", "nll", "causal_lm") or targets.is_floating_point():
         return None
-    counted = targets[:, 1:] if name == "causal_lm" else targets
-    return (counted.reshape(len(targets), -1) == kwargs.get("ignore_index", -100)).all(1)
+    return ~counted(name, targets, kwargs.get("ignore_index", -100)).reshape(len(targets), -1).any(
+        1
+    )
 
 
 def not_class_ids(targets: Tensor, classes: int, ignore_index: int) -> Tensor:

@@ -1,5 +1,5 @@
 """The attribution benchmark's runner still runs: a tiny setting trained (and recorded), scored by
-gradscope's commands, validated on both truths and rendered; a peer's matrix written as a score file reads back
+gradscope's commands (an ensemble over the epoch checkpoints among them), validated on both truths and rendered; a peer's matrix written as a score file reads back
 to the same LDS as the gradscope file it came from."""
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def test_the_runner_scores_validates_and_renders_a_tiny_setting(tiny):
     runs = measured["scorers"]
     kinds = [(r["scorer"], r["options"].get("curvature")) for r in runs]
     assert kinds == [("through-training", None), ("influence", None), ("influence", "none"),
-                     ("cosine", "none"), ("tracin", None), ("influence", "gn")]  # fmt: skip
+                     ("cosine", "none"), ("tracin", None), ("influence", "gn"),
+                     ("ensemble", None), ("ensemble", "gn")]  # fmt: skip
     assert all(r["status"] == "ok" and r["seconds"] > 0 for r in runs), runs
     for name in ("halves", "same-order"):
         assert all(-1 <= r["lds"][name]["lds"] <= 1 for r in runs)
@@ -60,6 +61,9 @@ def test_the_runner_scores_validates_and_renders_a_tiny_setting(tiny):
     settings = {"tiny": measured}
     text = run.markdown({"environment": run.environment(None), "designs": DESIGNS, "settings": settings})  # fmt: skip
     assert "| gradscope `--curvature gn`, best damping |" in text
+    assert (
+        "| gradscope ensemble over the epoch checkpoints, `--curvature gn`, best damping |" in text
+    )
     assert "LDS on the same-order truth" in text and "`--through-training`" in text
     plain = runs[2]["lds"]
     assert f"| {plain['halves']['lds']:.3f} ({plain['halves']['lds_std']:.3f}) |" in text

@@ -28,6 +28,13 @@ def _label(run: dict) -> str:
         return "gradscope TracIn over the epoch checkpoints (`--curvature none`)"
     if run["scorer"] == "through-training":
         return "gradscope `--through-training` (the recorded run, replayed)"
+    if run["scorer"] == "ensemble":
+        flags = (
+            f"`--curvature {o['curvature']} --damping {o['damping']}`"
+            if "damping" in o
+            else "no flags"
+        )
+        return f"gradscope ensemble over the epoch checkpoints, {flags}"
     if o.get("curvature") == "none":
         return "gradscope `--curvature none` (inner product)"
     return f"gradscope `--curvature {o['curvature']} --damping {o['damping']}`"
@@ -63,9 +70,10 @@ def summary_rows(runs: list[dict], design: str) -> dict[str, dict | None]:
         if r["tool"] == "gradscope" and "damping" not in r["options"]:
             rows[_label(r)] = r
     fitted = [r for r in runs if r["tool"] == "gradscope" and "damping" in r["options"]]
-    for c in dict.fromkeys(r["options"]["curvature"] for r in fitted):
-        best = _best([r for r in fitted if r["options"]["curvature"] == c], design)
-        rows[f"gradscope `--curvature {c}`, best damping"] = best
+    for scorer, c in dict.fromkeys((r["scorer"], r["options"]["curvature"]) for r in fitted):
+        mine = [r for r in fitted if r["scorer"] == scorer and r["options"]["curvature"] == c]
+        over = " ensemble over the epoch checkpoints," if scorer == "ensemble" else ""
+        rows[f"gradscope{over} `--curvature {c}`, best damping"] = _best(mine, design)
     for tool in dict.fromkeys(r["tool"] for r in runs if r["tool"] != "gradscope"):
         mine = [r for r in runs if r["tool"] == tool]
         rows[f"{tool}, its defaults"] = next((r for r in mine if r["default"]), None)

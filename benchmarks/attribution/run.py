@@ -10,6 +10,9 @@ final checkpoint and the epoch ones), the trained model's loss and accuracy on t
 then every scorer as one command, its wall-clock seconds its cost: ``influence --per-ref`` with
 no flags (what a user gets), ``--curvature none`` (the inner product, and its ``cosine``
 column), TracIn over the epoch checkpoints, each ``--curvature`` at each ``--damping``, the
+ensemble over the epoch checkpoints (``influence`` of the TracIn config: each checkpoint's own
+curvature, the scores summed; with no flags and under each curvature but the Hessian at each
+damping), the
 replay of the recorded run (``--through-training``; its cost for the mean over REF too, one
 adjoint against the per-ref run's R); and each peer (peers.py, in its own environment) at its
 defaults and over a grid of its knob. Every file is measured on two ground truths, each built
@@ -136,12 +139,23 @@ def gradscope_runs(bench: Bench, config: Path, tracin: Path, record: Path, work:
     runs += [plain, cosine]
     runs.append(influence(tracin, ref, work / "tracin.parquet", ["--curvature", "none"],
                           Run("gradscope", "tracin", {"checkpoints": "epochs"}, False)))  # fmt: skip
-    for curvature in bench.curvatures:
+    runs += _dampings(bench, bench.curvatures, config, work, "influence", {})
+    epochs = {"checkpoints": "epochs"}
+    runs.append(influence(tracin, ref, work / "ensemble.parquet", [],
+                          Run("gradscope", "ensemble", epochs, False)))  # fmt: skip
+    ensembled = [c for c in bench.curvatures if c != "hessian"]  # gn's is never below it
+    return runs + _dampings(bench, ensembled, tracin, work, "ensemble", epochs)
+
+
+def _dampings(bench: Bench, curvatures, config: Path, work: Path, scorer: str, options: dict):
+    """``influence`` of ``config`` under each curvature at each damping."""
+    runs = []
+    for curvature in curvatures:
         for damping in bench.dampings:
             flags = ["--curvature", curvature, "--damping", str(damping)]
-            options = {"curvature": curvature, "damping": damping}
-            out = work / f"{curvature}-{damping}.parquet"
-            runs.append(influence(config, ref, out, flags, Run("gradscope", "influence", options, False)))  # fmt: skip
+            chosen = {**options, "curvature": curvature, "damping": damping}
+            out = work / f"{scorer}-{curvature}-{damping}.parquet"
+            runs.append(influence(config, str(bench.ref), out, flags, Run("gradscope", scorer, chosen, False)))  # fmt: skip
     return runs
 
 

@@ -286,9 +286,16 @@ def _signature(name: str, obj: Any) -> str:
     return "\n".join([f"{name}(", *(f"    {p}," for p in params), f"){returns}"])
 
 
+EXAMPLE = re.compile(r"^Example:\n((?:    .*\n?)+)", re.M)
+
+
 def _prose(docstring: str | None) -> str:
-    """A docstring as Markdown: its paragraphs kept, reStructuredText literals as code."""
-    return inspect.cleandoc(docstring or "").replace("``", "`")
+    """A docstring as Markdown: its paragraphs kept, reStructuredText literals as code, its
+    ``Example:`` a pycon block (which tests/docs runs as the page's other examples)."""
+    text = inspect.cleandoc(docstring or "").replace("``", "`")
+    return EXAMPLE.sub(
+        lambda m: f"Example:\n\n```pycon\n{textwrap.dedent(m[1]).rstrip()}\n```", text
+    )
 
 
 def _entry(heading: str, name: str, obj: Any) -> list[str]:

@@ -7,9 +7,10 @@ from pathlib import Path
 
 from torch import Tensor, nn
 
-from ..curvature import Diagonal, load_preconditioner
+from ..curvature import Curvature, Diagonal, Factors, load_preconditioner
 from ..curvature.adam import adam_denominator
 from ..curvature.fitted import NONE, check_curvature, chosen, fit_exact
+from ..curvature.precondition import check_fits
 from ..curvature.products import KINDS
 from ..engine import Engine, Forward, Influence, reference_gradients, total
 from ..errors import ConfigError
@@ -40,6 +41,14 @@ def per_example_norms(
     frozen base under LoRA adapters is left out.
     The model's ``.grad`` fields, hooks and train/eval mode are left as they were. A model
     compiled with ``torch.compile`` (whole, or a module of it) runs eagerly here, as written.
+
+    Example:
+        >>> import gradscope, torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+        >>> x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+        >>> gradscope.per_example_norms(model, x, y, loss="cross_entropy").shape
+        torch.Size([16])
     """
     engine = Engine(
         model, resolve_loss(loss), include, exclude, Forward(output=output, where="output=")
@@ -60,7 +69,7 @@ def per_example_influence(
     include: Sequence[str] | None = None,
     exclude: Sequence[str] = (),
     output: str | int | None = None,
-    precondition: dict | str | Path | None = None,
+    precondition: dict | str | Path | Factors | None = None,
     engine: str = "auto",
     curvature: str = "none",
     damping: float | None = None,
@@ -71,7 +80,8 @@ def per_example_influence(
     Positive: a gradient step on example i lowers the reference loss. ``precondition`` is an
     ``Adam``/``AdamW`` ``state_dict()`` of this model's optimizer, scores then use
     ``g_ref / (sqrt(v_hat) + eps)``; or the path of a ``gradscope factors`` file (or of a saved
-    state dict), scores then use ``H^-1 g_ref`` with its K-FAC / EK-FAC curvature. ``engine`` is
+    state dict), or the factors ``gradscope.factors`` returned, scores then use ``H^-1 g_ref``
+    with its K-FAC / EK-FAC curvature. ``engine`` is
     ``hooks``, ``jvp`` (forward mode, no backward) or ``auto`` (jvp, moving to hooks if an op
     lacks forward mode). ``curvature`` ``gn``, ``hessian`` or ``auto`` (``gn`` where
     its dense matrix fits) scores against
@@ -80,27 +90,54 @@ def per_example_influence(
     ``auto``), lambda ``damping`` (default: ``gradscope.defaults.DAMPING``) x C's mean
     eigenvalue. The parameters are selected as ``per_example_norms`` selects them. ``.grad``
     fields, hooks and train/eval mode are left as they were.
+
+    Example:
+        >>> import gradscope, torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+        >>> x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+        >>> scores = gradscope.per_example_influence(model, x, y, x[:4], y[:4])
+        >>> scores.shape, scores.dtype
+        (torch.Size([16]), torch.float64)
     """
     core = Engine(
         model, resolve_loss(loss), include, exclude, Forward(output=output, where="output=")
     )
     with core:
         refs = reference_gradients(core, [(_as_tuple(ref_inputs), ref_targets)])
-        check_curvature(curvature, solver, damping, precondition)
-        parameters = sum(p.param.numel() for p in core.plan.included)
-        curvature, _ = chosen(curvature, solver, parameters)
-        if curvature != NONE:
-            if curvature not in KINDS:
-                raise ConfigError(
-                    f"curvature= fits gn or hessian here (K-FAC: precondition= a gradscope "
-                    f"factors file), got {curvature!r}",
-                    "curvature",
-                )
-            batch = [(_as_tuple(inputs), targets)]
-            refs = fit_exact(core, lambda: batch, curvature, solver, damping).refs(refs)
-        elif isinstance(precondition, str | Path):
-            refs = load_preconditioner(precondition, core).refs(refs)
-        elif precondition is not None:
-            refs = Diagonal(adam_denominator(precondition, core, "precondition"), "adam").refs(refs)
+        batch = [(_as_tuple(inputs), targets)]
+        refs = _preconditioned(core, refs, batch, precondition, curvature, solver, damping)
         scores = Influence(core, refs, engine, norms=False)(_as_tuple(inputs), targets)
     return scores.inner[:, 0]
+
+
+def _preconditioned(
+    core: Engine,
+    refs: dict[str, Tensor],
+    batch: list[tuple[tuple[Tensor, ...], Tensor]],
+    precondition: dict | str | Path | Factors | None,
+    curvature: str,
+    solver: str,
+    damping: float | None,
+) -> dict[str, Tensor]:
+    """``refs`` through the curvature ``curvature`` fits on ``batch``, or through the
+    preconditioner ``precondition`` gives; as they are with neither."""
+    check_curvature(curvature, solver, damping, precondition)
+    parameters = sum(p.param.numel() for p in core.plan.included)
+    curvature, _ = chosen(curvature, solver, parameters)
+    if curvature != NONE:
+        if curvature not in KINDS:
+            raise ConfigError(
+                f"curvature= fits gn or hessian here (K-FAC: precondition= a gradscope "
+                f"factors file), got {curvature!r}",
+                "curvature",
+            )
+        return fit_exact(core, lambda: batch, curvature, solver, damping).refs(refs)
+    if isinstance(precondition, str | Path):
+        return load_preconditioner(precondition, core).refs(refs)
+    if isinstance(precondition, Factors):
+        check_fits(precondition, core, "precondition")
+        return Curvature(precondition).refs(refs)
+    if precondition is not None:
+        return Diagonal(adam_denominator(precondition, core, "precondition"), "adam").refs(refs)
+    return refs

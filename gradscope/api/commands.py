@@ -32,8 +32,20 @@ def factors(
     **options: Any,
 ) -> Factors:
     """K-FAC (with ``ekfac``, EK-FAC) curvature factors of the model over its data, written to
-    ``out`` for ``precondition=``: ``gradscope factors``. ``model``, ``data``, ``config`` and
-    ``options`` as ``norms`` takes them; ``fisher`` ``true`` or ``empirical``."""
+    ``out``: ``gradscope factors``. ``precondition=`` takes the file or the factors returned.
+    ``model``, ``data``, ``config`` and ``options`` as ``norms`` takes them; ``fisher``
+    ``true`` or ``empirical``.
+
+    Example:
+        >>> import gradscope
+        >>> made = gradscope.factors("configs/digits.yaml", limit=64, ekfac=True,
+        ...                          out="factors.safetensors")
+        >>> made.meta["examples"]
+        64
+        >>> gradscope.influence("configs/digits.yaml", ref="examples/digits/digits_ref.pt",
+        ...                     limit=64, precondition=made).shape
+        (64, 12)
+    """
     from ..curvature import fit_factors
 
     with called() as call:
@@ -57,7 +69,13 @@ def check(
     """Both engines against a per-example backward loop on the first ``examples`` rows (the
     influence check against ``ref``'s first rows, default the same rows): ``gradscope check``.
     The report's ``ok`` says whether every error is within tolerance; the command prints it
-    with ``gradscope.engine.render_report``."""
+    with ``gradscope.engine.render_report``.
+
+    Example:
+        >>> import gradscope
+        >>> gradscope.check("configs/digits.yaml", examples=4).ok
+        True
+    """
     from ..job import check_config
 
     with called() as call:
@@ -76,7 +94,14 @@ def write_report(
 ) -> Path:
     """Write the HTML report of a scores file (default: beside it, ``.html``): ``gradscope
     report``. With ``config`` (the one that scored it) the top-k examples are shown; ``top_k``
-    defaults to its ``summary.top_k``. Returns the page's path."""
+    defaults to its ``summary.top_k``. Returns the page's path.
+
+    Example:
+        >>> import gradscope
+        >>> _ = gradscope.norms("configs/digits.yaml", limit=64, out="report.parquet")
+        >>> gradscope.write_report("report.parquet", config="configs/digits.yaml", top_k=5).name
+        'report.html'
+    """
     from ..report import write_report as written
 
     cfg = load_config(config) if isinstance(config, str | Path) else config
@@ -103,7 +128,14 @@ def train(
     and write the checkpoint (``out``, default ``model.checkpoint``): ``gradscope train``.
     ``record`` also writes the run record beside it (``influence(through_training=...)``), a
     checkpoint every ``segment`` steps. Returns what it wrote (``path``, ``epochs``,
-    ``record``) and the run's ``rows``, ``steps``, ``loss``."""
+    ``record``) and the run's ``rows``, ``steps``, ``loss``.
+
+    Example:
+        >>> import gradscope
+        >>> trained = gradscope.train("configs/digits.yaml", limit=64, out="retrained.pt")
+        >>> trained.rows, trained.steps
+        (64, 30)
+    """
     from ..training.run import train_model
 
     with called() as call:
@@ -129,7 +161,18 @@ def validate(
     (``subsets``, ``fraction``, ``seeds``, ``target``, ``removal``, ``removal_refs``, ``bad``,
     ``columns``: ``--column`` repeated, ``jobs``, ``resume``, ``same_order``), beside the
     config's keys. Returns the table the command writes to ``out``; the retrained models are
-    kept in ``truth`` (default beside ``out``), which later calls reuse."""
+    kept in ``truth`` (default beside ``out``), which later calls reuse.
+
+    Example:
+        >>> import gradscope
+        >>> digits, ref = "configs/digits.yaml", "examples/digits/digits_ref.pt"
+        >>> _ = gradscope.influence(digits, ref=ref, limit=64, curvature="none",
+        ...                         out="influence.parquet")
+        >>> table = gradscope.validate(digits, ref=ref, scores=["influence.parquet"], limit=64,
+        ...                            subsets=2)
+        >>> table.columns[:3].tolist()
+        ['file', 'column', 'target']
+    """
     from ..validation import Options
     from ..validation import validate as measured
 

@@ -9,7 +9,7 @@ import dataclasses
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -17,6 +17,9 @@ from ..config import Config, config_from_dict, default_pad, load_config, output_
 from ..config.load import resolve
 from ..errors import ConfigError
 from ..io.held import holding
+
+if TYPE_CHECKING:
+    from ..curvature import Factors
 
 # the keyword each config key is given by: its own name, but for the three that other
 # sections share a name with (loss.name, model.output, loss.kwargs)
@@ -68,6 +71,22 @@ class Call:
         if isinstance(value, list | tuple) and all(isinstance(v, str | Path) for v in value):
             return [self.spec(v) for v in value]
         return self.spec(value)
+
+    def precondition(self, value: str | Path | Factors | None, resume: bool) -> str | None:
+        """A preconditioner's file: a path as given, or the factors ``factors`` returned (held
+        in memory) written to the call's folder, for a run that reads files."""
+        from ..curvature import Factors
+
+        if not isinstance(value, Factors):
+            return None if value is None else str(value)
+        if resume:  # a file of this call's own: the run it resumes read another one
+            raise ConfigError(
+                "resume needs precondition= as a file: the one factors(out=...) wrote",
+                "precondition",
+            )
+        path = self.out(None, "precondition.safetensors")
+        value.save(path)
+        return path
 
     def out(self, out: str | Path | None, name: str) -> str:
         """``out`` made absolute, or ``name`` in a folder removed when the call returns."""

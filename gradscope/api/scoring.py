@@ -5,7 +5,7 @@ checked against every input, written in parts) and returns the Parquet file's ro
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
@@ -18,13 +18,16 @@ from ..run import score_dataset
 from ..scorers import InfluenceScorer, NormsScorer, Scorer
 from .configured import Data, Model, called, configured
 
+if TYPE_CHECKING:
+    from ..curvature import Factors
+
 
 def norms(
     model: Model,
     data: Data = None,
     *,
     config: Config | str | Path | None = None,
-    precondition: str | Path | None = None,
+    precondition: str | Path | Factors | None = None,
     out: str | Path | None = None,
     resume: bool = False,
     trust_checkpoint: bool = False,
@@ -43,12 +46,18 @@ def norms(
     ``y``, the loss cross-entropy.
 
     Returns the columns the command writes (``reference/columns.md``); ``out`` also keeps the
-    Parquet file (``resume`` continues an interrupted one). ``precondition`` (a factors file or
-    an Adam state dict's file) adds ``self_influence``.
+    Parquet file (``resume`` continues an interrupted one). ``precondition`` (a factors file,
+    the factors ``factors`` returned, or an Adam state dict's file) adds ``self_influence``.
+
+    Example:
+        >>> import gradscope
+        >>> scores = gradscope.norms("configs/digits.yaml", limit=64, out="scores.parquet")
+        >>> len(scores), scores.columns[:3].tolist()
+        (64, ['example_id', 'loss', 'grad_norm'])
     """
     with called() as call:
         cfg = configured(call, model, data, config, **options)
-        scorer = NormsScorer(trust_checkpoint, precondition)
+        scorer = NormsScorer(trust_checkpoint, call.precondition(precondition, resume))
         return _scores(call, cfg, scorer, out, resume, trust_checkpoint)
 
 
@@ -59,7 +68,7 @@ def influence(
     ref: Data,
     per_ref: bool = False,
     matrix: bool = False,
-    precondition: str | Path | None = None,
+    precondition: str | Path | Factors | None = None,
     engine: str = "auto",
     curvature: str | None = None,
     damping: float | None = None,
@@ -76,23 +85,32 @@ def influence(
 
     ``model``, ``data``, ``config`` and ``options`` as ``norms`` takes them; ``ref`` as ``data``.
     ``curvature`` (``none``, ``gn``, ``hessian``, ``kfac``, ``ekfac``; default ``auto``),
-    ``damping``, ``solver``, ``precondition`` and ``engine`` as the command's options;
-    ``through_training``, a run record (``train(record=True)``), scores by replaying that run
-    backward instead (``--through-training``). Returns
-    the command's columns, or with ``matrix`` the (references, examples) float64 tensor of
-    ``influence`` (one row without ``per_ref``).
+    ``damping``, ``solver``, ``precondition`` (also the factors ``factors`` returned) and
+    ``engine`` as the command's options; ``through_training``, a run record
+    (``train(record=True)``), scores by replaying that run backward instead
+    (``--through-training``). Returns the command's columns, or with ``matrix`` the
+    (references, examples) float64 tensor of ``influence`` (one row without ``per_ref``).
+
+    Example:
+        >>> import gradscope
+        >>> ref = "examples/digits/digits_ref.pt"
+        >>> gradscope.influence("configs/digits.yaml", ref=ref, limit=64, curvature="none").shape
+        (64, 12)
     """
     with called() as call:
         cfg = configured(call, model, data, config, **options)
         if through_training is not None:
             from ..training.attribution import replayed
 
+            trained = {k: v for k, v in options.items() if k not in ("limit", "batch_size")}
+            trained = configured(call, model, data, config, **trained)  # as the run trained
             scorer = replayed(
-                cfg, call.spec(ref), Path(through_training), per_ref, precondition or curvature
+                trained, call.spec(ref), Path(through_training), per_ref, precondition or curvature
             )
         else:
             scorer = InfluenceScorer(
-                call.spec(ref), per_ref=per_ref, precondition=precondition, engine=engine,
+                call.spec(ref), per_ref=per_ref, engine=engine,
+                precondition=call.precondition(precondition, resume),
                 trust_checkpoint=trust_checkpoint, curvature=curvature, damping=damping,
                 solver=solver,
             )  # fmt: skip
@@ -102,7 +120,16 @@ def influence(
 
 def references_by_examples(scores: pd.DataFrame) -> Tensor:
     """(R, N) float64: an influence file's ``influence`` with one row per ``ref_id`` (one row
-    for the mean reference), one column per example in ``example_id`` order."""
+    for the mean reference), one column per example in ``example_id`` order; what
+    ``influence(matrix=True)`` returns.
+
+    Example:
+        >>> import gradscope
+        >>> scores = gradscope.influence("configs/digits.yaml", limit=64, curvature="none",
+        ...                              ref="examples/digits/digits_ref.pt", per_ref=True)
+        >>> gradscope.references_by_examples(scores).shape
+        torch.Size([297, 64])
+    """
     if "ref_id" not in scores:
         scores = scores.assign(ref_id=0)
     table = scores.pivot(index="ref_id", columns="example_id", values="influence")
@@ -124,7 +151,13 @@ def build_index(
 ) -> Path:
     """Write each example's projected gradient to the index folder ``out``, to ``query`` many
     times: ``gradscope index``. ``model``, ``data``, ``config`` and ``options`` as ``norms``
-    takes them; ``dim``, ``seed`` and ``storage`` as the command's options. Returns ``out``."""
+    takes them; ``dim``, ``seed`` and ``storage`` as the command's options. Returns ``out``.
+
+    Example:
+        >>> import gradscope
+        >>> gradscope.build_index("configs/digits.yaml", limit=64, out="digits.index").name
+        'digits.index'
+    """
     with called() as call:
         cfg = index_output(configured(call, model, data, config, **options), str(out))
         scorer = IndexScorer(dim, seed, storage)
@@ -142,7 +175,7 @@ def query(
     exact: bool = False,
     candidates: int = CANDIDATES,
     normalize: bool = False,
-    precondition: str | Path | None = None,
+    precondition: str | Path | Factors | None = None,
     config: Config | str | Path | None = None,
     out: str | Path | None = None,
     trust_checkpoint: bool = False,
@@ -153,13 +186,22 @@ def query(
     index was built with; ``data`` its rows (with a module, which has no config to name them),
     read again only by ``exact``. Returns the command's columns: ``example_id``, ``id``,
     ``score``, or with ``per_ref``, ``top_k`` or ``exact`` each reference's top k (``ref_id``,
-    ``rank``, ...)."""
+    ``rank``, ...).
+
+    Example:
+        >>> import gradscope
+        >>> index = gradscope.build_index("configs/digits.yaml", limit=64, out="query.index")
+        >>> gradscope.query(index, "configs/digits.yaml", ref="examples/digits/digits_ref.pt",
+        ...                 per_ref=True, top_k=3).shape
+        (891, 4)
+    """
     with called() as call:
         cfg = configured(call, model, data, config, **options)
         spec = call.spec(ref)
+        file = call.precondition(precondition, resume=False)
         asked = Query(
             spec, per_ref, top_k, exact, candidates, normalize,
-            str(Path(precondition).resolve()) if precondition else None,
+            str(Path(file).resolve()) if file else None,
         )  # fmt: skip
         target = call.out(out, "query.parquet")
         path = run_query(index, asked, target, config=cfg, trust_checkpoint=trust_checkpoint)

@@ -182,10 +182,11 @@ def influence(
         limit=limit,
         top_k=top_k,
     )
-    if through_training is not None:
+    if through_training is not None:  # the replay trains by the config, as the run did
         from ..training.attribution import replayed
 
-        scorer = replayed(cfg, ref, through_training, per_ref, precondition or curvature)
+        trained = with_overrides(load_config(config), out=out, device=device)
+        scorer = replayed(trained, ref, through_training, per_ref, precondition or curvature)
         return _run(cfg, scorer, by, report, trust_checkpoint, resume)
     scorer = InfluenceScorer(
         ref,

@@ -1,13 +1,11 @@
 """YAML config -> frozen, validated dataclasses; every bad value is named by its key path:
-the keys (``schema.py``), built by type (``typed.py``), checked together (``validate.py``),
-read and resolved (``load.py``)."""
+the keys, each section with the check of its own values (``schema.py``, ``train.py``), built by
+type (``typed.py``), checked together (``validate.py``), read and resolved (``load.py``)."""
 
 from .load import config_from_dict, default_pad, load_config, output_path, with_overrides
 from .schema import (
     DEVICES,
     DTYPES,
-    OPTIMIZERS,
-    SCHEDULES,
     CheckpointConfig,
     Config,
     DataConfig,
@@ -18,8 +16,8 @@ from .schema import (
     ParamsConfig,
     ReportConfig,
     SummaryConfig,
-    TrainConfig,
 )
+from .train import OPTIMIZERS, SCHEDULES, TrainConfig
 
 __all__ = [
     "DEVICES",

@@ -1,15 +1,23 @@
-"""The config file's keys: frozen dataclasses, each field's docstring the key's reference."""
+"""The config file's keys: frozen dataclasses, each field's docstring the key's reference and
+each section's ``check`` the values its keys take one by one (``train`` in train.py; the keys
+that must agree with each other in validate.py)."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from ..errors import ConfigError
+from ..io.held import is_held  # a loss the API's caller passed
+from .train import TrainConfig
+from .typed import at_least
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
-OPTIMIZERS = ("sgd", "adam", "adamw")
-SCHEDULES = ("constant", "linear", "cosine")
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,21 @@ class ModelConfig:
     """A local peft adapter folder (``adapter_config.json`` and its weights) loaded onto the
     model after its checkpoint, e.g. LoRA; needs ``peft``."""
 
+    def check(self, source: str) -> None:
+        folders = [Path(c.path).is_dir() for c in self.checkpoints]
+        if any(folders) and not all(folders):
+            raise ConfigError(
+                "'model.checkpoints' mixes adapter folders and state dict files; list one kind",
+                source,
+            )
+        weights = [c.weight for c in self.checkpoints]
+        if any(not math.isfinite(w) or w < 0 for w in weights) or (weights and not any(weights)):
+            # cosine over checkpoints is a cosine in the sqrt(weight)-scaled space: weights >= 0
+            raise ConfigError(
+                f"'model.checkpoints' weights must be finite, >= 0 and not all 0, got {weights}",
+                source,
+            )
+
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -88,6 +111,24 @@ class DataConfig:
     limit: int | None = None
     """Score only the first N examples."""
 
+    def check(self, source: str) -> None:
+        if self.path == []:
+            raise ConfigError("'data.path' must name at least one file", source)
+        if not self.inputs:
+            raise ConfigError("'data.inputs' must name at least one input", source)
+        for name in self.inputs if isinstance(self.inputs, dict) else ():
+            if not name.isidentifier():
+                raise ConfigError(
+                    f"'data.inputs' keys are forward arguments; {name!r} is not a Python name",
+                    source,
+                )
+        for column, value in self.pad.items():
+            if not math.isfinite(value):
+                raise ConfigError(
+                    f"'data.pad.{column}' must be a finite number, got {value}", source
+                )
+        at_least(1, {"data.batch_size": self.batch_size, "data.limit": self.limit}, source)
+
 
 @dataclass(frozen=True)
 class LossConfig:
@@ -107,6 +148,20 @@ class LossConfig:
     """How one example's loss reduces its extra dimensions: ``mean`` or ``sum`` (positions for
     ``cross_entropy``/``nll``/``causal_lm``, skipping ``ignore_index``; elements for
     ``mse``/``l1``/``bce_with_logits``)."""
+
+    def check(self, source: str) -> None:
+        from ..losses import NAMES  # imports torch: not for --help, --version, summary
+
+        if ".py:" not in self.name and self.name not in NAMES and not is_held(self.name):
+            raise ConfigError(
+                f"'loss.name' must be one of {', '.join(NAMES)} or file.py:fn, got {self.name!r}",
+                source,
+            )
+        if self.token_reduction not in ("mean", "sum"):
+            raise ConfigError(
+                f"'loss.token_reduction' must be mean or sum, got {self.token_reduction!r}",
+                source,
+            )
 
 
 @dataclass(frozen=True)
@@ -134,6 +189,18 @@ class DistributedConfig:
     """Seconds a torchrun process waits for the others to join before it stops with an error
     (a process that inherited a launcher's ``WORLD_SIZE`` would otherwise wait 30 minutes)."""
 
+    def check(self, source: str) -> None:
+        if not (math.isfinite(self.join_timeout) and self.join_timeout > 0):
+            raise ConfigError(
+                f"'distributed.join_timeout' must be a positive number of seconds, got "
+                f"{self.join_timeout}",
+                source,
+            )
+        if self.shard not in (None, "fsdp"):
+            raise ConfigError(
+                f"'distributed.shard' must be null or fsdp, got {self.shard!r}", source
+            )
+
 
 @dataclass(frozen=True)
 class OutputConfig:
@@ -147,6 +214,12 @@ class OutputConfig:
     """``full`` or ``minimal``: ``minimal`` keeps the config's values and every absolute path
     out of the file's metadata; versions, hashes and the plan stay."""
 
+    def check(self, source: str) -> None:
+        if self.metadata not in ("full", "minimal"):
+            raise ConfigError(
+                f"'output.metadata' must be full or minimal, got {self.metadata!r}", source
+            )
+
 
 @dataclass(frozen=True)
 class SummaryConfig:
@@ -154,6 +227,9 @@ class SummaryConfig:
 
     top_k: int = 20
     """Rows per outlier table, in the terminal and in the report (``--top-k`` overrides it)."""
+
+    def check(self, source: str) -> None:
+        at_least(1, {"summary.top_k": self.top_k}, source)
 
 
 @dataclass(frozen=True)
@@ -166,57 +242,13 @@ class ReportConfig:
     """E.g. ``[8, 8]`` or ``[3, 32, 32]``: the report draws flat inputs as images of this shape;
     (B, H, W) and (B, C, H, W) inputs need none."""
 
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """``train``: how the model was trained, so that gradscope can train it again
-    (``gradscope train``, and the retrains ``gradscope validate`` measures scores against)."""
-
-    optimizer: str = "sgd"
-    """``sgd``, ``adam`` or ``adamw``, with PyTorch's update rules."""
-    lr: float = 0.1
-    """The peak learning rate."""
-    momentum: float = 0.0
-    """``sgd`` only: the momentum factor."""
-    nesterov: bool = False
-    """``sgd`` only: Nesterov momentum."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """``adam``/``adamw`` only: the decay rates of the first and second moments."""
-    eps: float = 1e-8
-    """``adam``/``adamw`` only: added to the second moment's square root."""
-    weight_decay: float = 0.0
-    """``sgd``/``adam``: an L2 term added to the gradient; ``adamw``: decoupled decay."""
-    schedule: str = "constant"
-    """``constant``, ``linear`` (to 0 at the last step) or ``cosine`` (to 0 at the last step),
-    after the warm-up."""
-    warmup: int = 0
-    """Steps of linear warm-up from 0 to ``lr``."""
-    epochs: int | None = None
-    """Passes over the training rows; unset with ``steps`` unset: 1."""
-    steps: int | None = None
-    """Optimizer steps instead of ``epochs``; the rows are passed over as often as that takes."""
-    batch_size: int | None = None
-    """Rows per optimizer step; unset: ``data.batch_size``. The last batch of a pass may be
-    smaller."""
-    seed: int = 0
-    """Seeds the initialisation, the order of the rows and any dropout the model draws."""
-    shuffle: bool = True
-    """A new order of the rows for each pass, drawn from ``seed``; false: the data's order."""
-    clip: float | None = None
-    """Clip the gradient's global L2 norm to this before each step."""
-    init: str | None = None
-    """A state dict to start from (fine-tuning), as ``model.checkpoint`` takes; unset: the
-    factory's own initialisation under ``seed`` (a Hugging Face ``model.pretrained`` folder's
-    weights, when it names one). ``model.checkpoint`` is never read: it is what training makes."""
-    save_every: int | None = None
-    """Also write a checkpoint every K epochs beside the final one (``model.epochK.pt``), for
-    TracIn over ``model.checkpoints``."""
-    fn: str | None = None
-    """``file.py:train``: your own loop instead of the recipe, for loops gradscope does not know
-    (a Hugging Face ``Trainer``, Lightning). Called as ``fn(model, rows, seed)`` with the freshly
-    built model, the 0-based positions in ``data.path`` of the rows to train on (a sorted int64
-    array) and the seed; it trains the model in place (returning None) or returns the trained
-    model. The other keys but ``seed`` and ``init`` are then unused."""
+    def check(self, source: str) -> None:
+        shape = self.image_shape
+        if shape is not None and not (len(shape) in (2, 3) and all(n >= 1 for n in shape)):
+            raise ConfigError(
+                f"'report.image_shape' must be [H, W] or [C, H, W] of positive sizes, got {shape}",
+                source,
+            )
 
 
 @dataclass(frozen=True)
@@ -247,6 +279,18 @@ class Config:
     train: TrainConfig | None = None
     """How to train the model again: ``gradscope train`` and ``gradscope validate``."""
     source: str = ""  # the config file, for error messages; not a YAML key
+
+    def check(self, source: str) -> None:
+        """The top-level keys; each section checks its own."""
+        if not re.fullmatch(r"auto|(cpu|cuda|mps)(:\d+)?", self.device):
+            raise ConfigError(
+                f"'device' must be one of {', '.join(DEVICES)} or cuda:N, got {self.device!r}",
+                source,
+            )
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ConfigError(
+                f"'dtype' must be one of {', '.join(DTYPES)}, got {self.dtype!r}", source
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

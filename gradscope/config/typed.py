@@ -1,5 +1,6 @@
 """A frozen dataclass built from a YAML mapping, its values checked against the fields' type
-hints; a bad value is named by its key path, in the words ``type_name`` gives its type."""
+hints; a bad value is named by its key path, in the words ``type_name`` gives its type. And
+``at_least``, the bound the sections' own checks share."""
 
 from __future__ import annotations
 
@@ -73,6 +74,13 @@ def _takes_list(hint: Any) -> bool:
     if get_origin(hint) in (Union, types.UnionType):
         return any(_takes_list(h) for h in get_args(hint))
     return get_origin(hint) is list
+
+
+def at_least(minimum: int, values: dict[str, int | None], source: str) -> None:
+    """Each of ``{key: value}`` unset or ``minimum`` or more: the one check many keys share."""
+    for key, value in values.items():
+        if value is not None and value < minimum:
+            raise ConfigError(f"'{key}' must be at least {minimum}, got {value}", source)
 
 
 def build(cls: type, raw: Any, path: str, source: str) -> Any:

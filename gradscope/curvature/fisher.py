@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ConfigError
-from ..losses import LossFn, check_class_dim
+from ..losses import LossFn, check_class_dim, counted
 
 FISHERS = ("true", "empirical")
 # losses whose targets the model's output is a distribution over
@@ -83,13 +83,8 @@ class SampledLoss:
         is the Gauss-Newton matrix again, rows of every length alike.
         """
         batch = len(output)
-        if self.name == "causal_lm":
-            counted = drawn[:, 1:] != self.ignore_index  # (B, T-1)
-        elif self.name == "bce_with_logits":
-            counted = torch.ones_like(output, dtype=torch.bool)  # every element
-        else:
-            counted = drawn != self.ignore_index  # (B, ...) the drawn class ids
-        count = counted.reshape(batch, -1).sum(1).clamp_min(1)  # (B,)
+        counts = counted(self.name, drawn, self.ignore_index)  # (B, ...) drawn ids or elements
+        count = counts.reshape(batch, -1).sum(1).clamp_min(1)  # (B,)
         return count.to(output.dtype if output.is_floating_point() else torch.float32)
 
     def sample(self, output: Tensor, targets: Tensor) -> Tensor:

@@ -14,7 +14,7 @@ import torch
 
 from .. import distributed
 from ..config import Config
-from ..errors import ConfigError
+from ..errors import ConfigError, DataError
 from ..inputs import data_inputs
 from ..io.data import Batch, data_sha256
 from ..job import Job, config_forward, config_loss
@@ -27,10 +27,8 @@ from ..scorers.base import (
     leading_names,
     trailing_names,
 )
-from .loop import build, recipe
 from .record import Record, open_record
 from .replay import through_training
-from .run import training_inputs
 
 METHOD = "through-training"
 
@@ -51,11 +49,14 @@ class ThroughTrainingScorer(Scorer):
         self.folder: Path | None = None
         self._model: torch.nn.Module | None = None
         self.record: Record | None = None
+        self.trained: Config | None = None  # the config the run trained by
 
     def replay(
         self, cfg: Config, on_start: Callable[[int], None], on_step: Callable[[int], None]
     ) -> None:
-        """The reverse replay of the run for REF (refused under torchrun: one process)."""
+        """The reverse replay of the run for REF (refused under torchrun: one process). ``cfg``
+        is the config the run trained by: a scoring run's ``--limit`` and ``--batch-size`` only
+        choose which of its rows the file shows, and how they are batched."""
         if distributed.world().size > 1:
             raise ConfigError("--through-training runs in one process", "--through-training")
         out = Path(cfg.output.path)
@@ -71,6 +72,7 @@ class ThroughTrainingScorer(Scorer):
             on_step=on_step,
         )
         self.scores = scores if self.per_ref else scores[:, None]
+        self.trained = cfg
         self.seconds_before = time.perf_counter() - started
 
     def __exit__(self, kind, *exc) -> None:
@@ -90,10 +92,10 @@ class ThroughTrainingScorer(Scorer):
 
     def setup(self, job: Job) -> None:
         """The model at the run's trained weights, for each row's loss."""
-        cfg = job.cfg
-        record = open_record(self.run, cfg, training_inputs(cfg))
+        cfg = self.trained
+        record = open_record(self.run, cfg)
         with torch.random.fork_rng(devices=[]):
-            model = build(cfg, recipe(cfg).seed)
+            model = record.start_model(cfg)
         trained = [p for p in model.parameters() if p.requires_grad]
         with torch.no_grad():
             for p, value in zip(trained, record.final(), strict=True):
@@ -106,6 +108,9 @@ class ThroughTrainingScorer(Scorer):
         with torch.no_grad():
             output = config_forward(job.cfg)(self._model, inputs)
             (loss,) = counted(job, batch, [config_loss(job.cfg)(output, targets)])
+        rows = len(self.scores)
+        if batch.index.max() >= rows:  # a --limit past the config's own data.limit
+            raise DataError(f"the run trained on {rows} rows; --limit asks for more", "--limit")
         scores = self.scores[batch.index.numpy()]  # (B, R)
         b, r = scores.shape
         columns = {name: np.repeat(v, r, axis=0) for name, v in leading(batch).items()}

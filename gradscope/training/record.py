@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..config import Config
 from ..errors import ConfigError, DataError, ModelError
@@ -25,10 +25,12 @@ from ..inputs import Inputs
 from ..io.files import file_sha256
 from ..io.parquet import replace_atomically
 from ..resume import differences
+from .loop import build, recipe
 from .steps import Update
 
 FORMAT = 1
 MANIFEST, META, STEPS, FINAL = "manifest.json", "record.json", "steps.pt", "final.pt"
+WATCHED = "watch"  # record.json's source when a watched loop wrote it (``watchrecord.py``)
 
 
 def default_segment(total: int) -> int:
@@ -105,24 +107,39 @@ class Recorder:
     def before_step(self, trainer, picked: Tensor) -> None:
         """Called as each step begins: its rows, its rate, and a checkpoint if it begins one."""
         if trainer.step % self.segment == 0:
-            _save(self.folder / _segment_name(trainer.step // self.segment), _checkpoint(trainer))
+            state = Update(trainer.train).state_of(trainer.optimizer, trainer.params)
+            self.checkpoint(trainer.step, trainer.params, state)
         self.picked.append(picked.clone())
         self.lrs.append(trainer.lr_at(trainer.step))
 
+    def checkpoint(self, step: int, params: list[Tensor], state: list[Tensor]) -> None:
+        """The checkpoint of the segment that begins at ``step``: the weights and optimizer
+        state as it found them, and the random state now."""
+        checkpoint = {
+            "step": step,
+            "params": [p.detach().cpu().clone() for p in params],
+            "state": [s.cpu() for s in state],
+            "rng": rng(),
+        }
+        _save(self.folder / _segment_name(step // self.segment), checkpoint)
+
     def finish(self, trainer, buffers_change: bool) -> None:
         """The steps, the trained weights, the description and, last, the manifest."""
+        self.write(trainer.params, trainer.rows.device, {"buffers_change": buffers_change})
+
+    def write(self, params: list[Tensor], device: torch.device, meta: dict) -> None:
+        """The end of a record: the steps, the trained ``params``, the description (``meta``
+        and how the run was made) and, last, the manifest."""
         _save(self.folder / STEPS, self.state())
-        _save(self.folder / FINAL, {"params": [p.detach().cpu() for p in trainer.params]})
-        device = trainer.rows.device
+        _save(self.folder / FINAL, {"params": [p.detach().cpu() for p in params]})
         meta = {
             "format": FORMAT,
-            "steps": trainer.step,
+            "steps": len(self.lrs),
             "segment": self.segment,
             "key": self.key,
             "device": device.type,
             "deterministic": device.type == "cpu" or torch.are_deterministic_algorithms_enabled(),
-            "buffers_change": buffers_change,
-        }
+        } | meta
         (self.folder / META).write_text(json.dumps(meta, indent=1))
         files = sorted(f.name for f in self.folder.iterdir() if f.name != MANIFEST)
         manifest = {name: file_sha256(self.folder / name) for name in files}
@@ -133,17 +150,6 @@ def _segment_name(index: int) -> str:
     return f"segment-{index:05d}.pt"
 
 
-def _checkpoint(trainer) -> dict:
-    update = Update(trainer.train)
-    state = update.state_of(trainer.optimizer, trainer.params)
-    return {
-        "step": trainer.step,
-        "params": [p.detach().cpu().clone() for p in trainer.params],
-        "state": [s.cpu() for s in state],
-        "rng": rng(),
-    }
-
-
 @dataclass
 class Record:
     """A run record that passed every check, its files read when asked."""
@@ -151,6 +157,16 @@ class Record:
     folder: Path
     meta: dict
     update: Update
+    clip: float | None  # the global norm each step's gradient was clipped to
+
+    def start_model(self, cfg: Config) -> nn.Module:
+        """The model as the run began, on the config's device and dtype: the recipe's
+        initialisation, or the weights a watched loop began from."""
+        if self.meta.get("source") == WATCHED:
+            from .watched import watched_model
+
+            return watched_model(self, cfg)
+        return build(cfg, recipe(cfg).seed)
 
     @property
     def segments(self) -> int:
@@ -185,26 +201,21 @@ def _load(path: Path) -> dict:
         ) from e
 
 
-def open_record(folder: str | Path, cfg: Config, inputs: Inputs) -> Record:
+def open_record(folder: str | Path, cfg: Config) -> Record:
     """The record in ``folder`` for a replay under ``cfg``, or one line naming why it cannot be
     replayed exactly: not a finished record, a file changed, another config or data, a loop
     gradscope did not run, an optimizer it does not know, a nondeterministic run."""
     folder = Path(folder).resolve()
-    if cfg.train is not None and cfg.train.fn is not None:
-        raise ConfigError(
-            "train.fn is a loop of your own: gradscope cannot replay it step by step", "train.fn"
-        )
     _check_files(folder)
     meta = json.loads((folder / META).read_text())
     if meta.get("format") != FORMAT:
         raise DataError(f"a run record of format {meta.get('format')}, not {FORMAT}", str(folder))
-    changed = differences(meta["key"], record_key(cfg, inputs))
-    if changed:
-        raise ConfigError(
-            f"the run record was made with a different {', '.join(changed)}: replay it with the "
-            "config and files that trained it",
-            str(folder),
-        )
+    if meta.get("source") == WATCHED:
+        from .watched import opened
+
+        update, clip = opened(meta, cfg, folder)
+    else:
+        update, clip = _trained(meta, cfg, folder)
     if not meta["deterministic"]:
         raise ConfigError(
             f"the run was recorded on {meta['device']} without "
@@ -217,14 +228,35 @@ def open_record(folder: str | Path, cfg: Config, inputs: Inputs) -> Record:
             "replay differentiates through the weights only",
             str(folder),
         )
-    return Record(folder, meta, Update(cfg.train))
+    return Record(folder, meta, update, clip)
+
+
+def _trained(meta: dict, cfg: Config, folder: Path) -> tuple[Update, float | None]:
+    """The update and clip of a ``gradscope train --record`` run: its config's recipe, which
+    must be the record's, with the same files."""
+    from .run import training_inputs
+
+    if cfg.train is not None and cfg.train.fn is not None:
+        raise ConfigError(
+            "train.fn is a loop of your own: gradscope cannot replay it step by step", "train.fn"
+        )
+    changed = differences(meta["key"], record_key(cfg, training_inputs(cfg)))
+    if changed:
+        raise ConfigError(
+            f"the run record was made with a different {', '.join(changed)}: replay it with the "
+            "config and files that trained it",
+            str(folder),
+        )
+    return Update(cfg.train), cfg.train.clip
 
 
 def _check_files(folder: Path) -> None:
     """Every file the manifest lists is there with its sha256, and no other record file."""
     if not (folder / MANIFEST).is_file():
         what = "no run record" if not folder.is_dir() else "an unfinished run record (no manifest)"
-        raise DataError(f"{what}: gradscope train --record writes one", str(folder))
+        raise DataError(
+            f"{what}: gradscope train --record or Watch(record=) writes one", str(folder)
+        )
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
     except ValueError as e:

@@ -25,9 +25,8 @@ from ..io.data import data_sha256, open_dataset
 from ..io.parquet import replace_atomically
 from ..job import config_forward, config_loss, resolve_device
 from .adjoint import Called, Problem
-from .loop import TrainingRows, build, recipe
+from .loop import TrainingRows
 from .record import Record, open_record, rng, set_rng
-from .run import training_inputs
 from .steps import Tensors
 
 ADJOINTS = "adjoints.pt"
@@ -47,22 +46,22 @@ def through_training(
     on_step: Callable[[int], None] | None = None,
 ) -> np.ndarray:
     """Each training row's score through the run recorded in ``run`` (``gradscope train
-    --record``) for the references in the data file ``ref``: (N,) against their mean loss, or
-    (N, R) against each one's with ``per_ref``, N the rows ``cfg`` trains on, in their order.
+    --record``, or a watched loop's ``record=``) for the references in the data file ``ref``:
+    (N,) against their mean loss, or (N, R) against each one's with ``per_ref``, N the rows
+    ``cfg`` trains on, in their order.
 
     ``partial``: a folder where the adjoints are saved after each segment; a replay of the same
     record and references finds them there and continues. ``on_start`` gets the number of steps
     to walk back, ``on_step`` each step walked. The caller's random state is left as it was.
     """
-    record = open_record(run, cfg, training_inputs(cfg))
-    train = recipe(cfg)
+    record = open_record(run, cfg)
     device = resolve_device(cfg.device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         rows = TrainingRows(cfg, None)
-        model = build(cfg, train.seed)
+        model = record.start_model(cfg)
         called = Called(model, config_forward(cfg))
         names = [f"model.{n}" for n, p in model.named_parameters() if p.requires_grad]
-        problem = Problem(called, names, rows, config_loss(cfg), record.update, train.clip)
+        problem = Problem(called, names, rows, config_loss(cfg), record.update, record.clip)
         replay = _Replay(problem, record, on_step)
         key = {"record": record.sha256(), "ref": data_sha256(str(ref)), "per_ref": per_ref}
         saved = _resumed(Path(partial), key) if partial else None

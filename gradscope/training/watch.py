@@ -25,6 +25,7 @@ from ..errors import ConfigError, DataError
 from ..losses import LossFn, resolve_loss
 from ..predictions import predictions
 from .watchfile import WatchFile
+from .watchrecord import SEGMENT, recording
 
 REDUCTIONS = ("mean", "tokens")  # the training loss: the mean over examples, or over tokens
 OnStep = Callable[[int, np.ndarray], None]  # (0-based step, the batch's ids in order)
@@ -106,8 +107,12 @@ class Watch:
     parameters that require grad (or ``include``/``exclude``'s); the gradient ``.grad``
     receives is of every parameter that requires grad.
     ``out`` is the Parquet file written when the context exits (the rows of every finished
-    step, also after an error). ``on_step(step, ids)`` is called after each step: where a run
-    record (the order of the rows in every batch) is kept.
+    step, also after an error). ``on_step(step, ids)`` is called after each step.
+
+    ``record`` is a folder where the run record that ``influence --through-training`` replays
+    is written (``watchrecord.py``): ``optimizer`` the ``torch.optim`` SGD, Adam or AdamW the
+    loop steps, ``clip`` the global norm the loop clips the gradient to (``clip_grad_norm_``),
+    a checkpoint every ``segment`` steps; the ids are then the rows' positions in the data.
     """
 
     def __init__(
@@ -124,6 +129,10 @@ class Watch:
         output: str | int | None = None,
         forward: Callable[[nn.Module, tuple[Tensor, ...]], Tensor] | None = None,
         on_step: OnStep | None = None,
+        record: str | Path | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        clip: float | None = None,
+        segment: int = SEGMENT,
     ):
         if reduction not in REDUCTIONS:
             raise ConfigError(f"reduction must be one of {', '.join(REDUCTIONS)}", "reduction")
@@ -159,8 +168,11 @@ class Watch:
         )
         self.steps = 0
         self._modes: list[tuple[nn.Module, bool]] = []
+        self.recording = recording(record, model, optimizer, clip, segment, loss, kwargs)
 
     def __enter__(self) -> Watch:
+        if self.recording is not None:
+            self.recording.start()
         self._modes = [(m, m.training) for m in self.model.modules()]
         self.engine.__enter__()
         for m, mode in self._modes:  # the engine scores in eval mode; training keeps its own
@@ -172,6 +184,8 @@ class Watch:
             self.engine.__exit__(*exc)
         finally:
             self.file.close()
+            if self.recording is not None:
+                self.recording.finish(exc[0] is None)
 
     def step(
         self,
@@ -202,6 +216,9 @@ class Watch:
             divisor = float(counts.sum()) if counts is not None else float(len(targets))
         scores = self.engine.step(inputs, targets, self.params)
         self._write(scores, counts, epoch, ids, targets)
+        if self.recording is not None:  # the watched loss's gradient, for the record's check
+            grads = [None if g is None else g / divisor for g in scores.trained]
+            self.recording.step(ids, grads, divisor, counts)
         return _Deposit.apply(scores.loss.sum() / divisor, scores.trained, divisor, *self.params)
 
     def _write(

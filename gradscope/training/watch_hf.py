@@ -6,7 +6,9 @@ gives the gradient of the loss the ``Trainer`` would have taken (the mean over e
 next token of the step, micro-batches of an accumulated step included), and returns that loss,
 whose backward, the ``Trainer``'s, adds that gradient to ``.grad`` without running the model.
 The dataset carries each row's id in a column (``ids``, default ``example_id``) that the
-collator passes along: set ``remove_unused_columns=False``.
+collator passes along: set ``remove_unused_columns=False``. With ``record``, the run record
+``influence --through-training`` replays is written there: the optimizer the ``Trainer`` made and
+its ``max_grad_norm`` clip read off it (``watchrecord.py``); the ids are then the rows' positions.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from transformers.modeling_outputs import CausalLMOutput
 
 from ..errors import ConfigError, ModelError
 from .watch import OnStep, Watch
+from .watchrecord import SEGMENT
 
+_CLASS = object()  # the model had no forward of its own: its class's serves
 UNSUPPORTED = {
     "fp16": "fp16 training (its loss scaler is untested with the watch)",
     "label_smoothing_factor": "label smoothing, whose loss is not causal_lm's",
@@ -31,14 +35,31 @@ UNSUPPORTED = {
 
 class WatchCallback(TrainerCallback):
     """Writes the watch file ``out`` of a ``Trainer`` run: every example's loss, gradient norm
-    and margin at every step, keyed by the dataset column ``ids``."""
+    and margin at every step, keyed by the dataset column ``ids``; with ``record``, the run
+    record (a checkpoint every ``segment`` steps)."""
 
-    def __init__(self, out: str | Path, ids: str = "example_id", on_step: OnStep | None = None):
+    def __init__(
+        self,
+        out: str | Path,
+        ids: str = "example_id",
+        on_step: OnStep | None = None,
+        record: str | Path | None = None,
+        segment: int = SEGMENT,
+    ):
         self.out, self.ids, self.on_step = out, ids, on_step
+        self.record, self.segment = record, segment
+        self.recorded: dict = {}  # Watch's record arguments, once the Trainer has an optimizer
         self.watch: Watch | None = None
         self.epoch = 0
+        self._wrapper: Any = None  # the forward set on the model while it trains
+        self._before: Any = _CLASS  # the model's own forward attribute, if it had one
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module, **_: Any):
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: nn.Module, optimizer: Any = None,
+        **_: Any,
+    ):  # fmt: skip
+        if self.record is not None:
+            self.recorded = _recorded(args, optimizer, self.record, self.segment)
         for name, why in UNSUPPORTED.items():
             if getattr(args, name, None):
                 raise ConfigError(f"the watch cannot serve {why}", f"TrainingArguments.{name}")
@@ -47,16 +68,31 @@ class WatchCallback(TrainerCallback):
                 f"the Trainer drops the {self.ids!r} column: set remove_unused_columns=False",
                 "TrainingArguments.remove_unused_columns",
             )
-        model.forward = functools.partial(self._forward, model, model.forward)
+        self._release(model, None)  # what a train() that raised left
+        self._before = vars(model).get("forward", _CLASS)
+        self._wrapper = functools.partial(self._forward, model, model.forward)
+        model.forward = self._wrapper
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **_: Any):
         self.epoch = int(state.epoch or 0)
 
     def on_train_end(self, args: Any, state: Any, control: Any, model: nn.Module, **_: Any):
-        del model.forward  # the class's own again
+        self._release(model, None)
+
+    def _release(self, model: nn.Module, exception: BaseException | None) -> None:
+        """The model's own forward again and the watch file closed. The Trainer calls no
+        callback when ``train()`` raises: a step that raises in the model's call releases it
+        here, one that raises elsewhere at the next ``train()``."""
+        if self._wrapper is not None and vars(model).get("forward") is self._wrapper:
+            if self._before is _CLASS:
+                del model.forward  # the class's own again
+            else:
+                model.forward = self._before
+        self._wrapper = None
         if self.watch is not None:
-            self.watch.__exit__(None, None, None)
-            self.watch = None
+            watch, self.watch = self.watch, None
+            kind = None if exception is None else type(exception)
+            watch.__exit__(kind, exception, None)
 
     def _forward(self, model: nn.Module, original: Any, *args: Any, **kwargs: Any) -> Any:
         if not model.training or not torch.is_grad_enabled() or args:
@@ -76,14 +112,31 @@ class WatchCallback(TrainerCallback):
         if self.watch is None:  # the first step: the batch's keys are the model's inputs
             self.watch = Watch(
                 model, self.out, "causal_lm", reduction="tokens", on_step=self.on_step,
-                forward=_Call(original, names),
+                forward=_Call(original, names), **self.recorded,
             ).__enter__()  # fmt: skip
         # the step's tokens where the Trainer counts them (it divides the loss by the number
         # of micro-batches it accumulates otherwise), else the batch's
         divisor = float(items) if items is not None else None
-        loss = self.watch.step(tuple(kwargs[k] for k in names), labels, ids, epoch=self.epoch,
-                          divisor=divisor)  # fmt: skip
+        try:
+            loss = self.watch.step(tuple(kwargs[k] for k in names), labels, ids,
+                                   epoch=self.epoch, divisor=divisor)  # fmt: skip
+        except BaseException as e:  # Ctrl-C or an error in the step: the model as it was
+            self._release(model, e)
+            raise
         return CausalLMOutput(loss=loss)
+
+
+def _recorded(args: Any, optimizer: Any, folder: str | Path, segment: int) -> dict:
+    """``Watch``'s record arguments read off the ``Trainer``: its optimizer (inside
+    accelerate's wrapper), its clip."""
+    if args.gradient_accumulation_steps != 1:
+        raise ConfigError(
+            "record= replays a step a batch, not accumulated ones",
+            "TrainingArguments.gradient_accumulation_steps",
+        )
+    clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
+    optimizer = getattr(optimizer, "optimizer", optimizer)
+    return {"record": folder, "optimizer": optimizer, "clip": clip, "segment": segment}
 
 
 class _Call:

@@ -7,6 +7,8 @@ named as the watch names it; ``batch`` splits a batch into ``(inputs, targets, i
 backward, the gradient the step computed to ``.grad`` (times the gradient arriving: an
 accumulation's, a scaler's), so clipping, accumulation and the optimizer run as they would.
 What the module's own ``training_step`` does beyond its loss (logging) does not run.
+With ``record``, the run record ``influence --through-training`` replays is written there: the
+optimizer and the clip read off the Trainer (``watchrecord.py``).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..losses import LossFn
 from .watch import OnStep, Watch
+from .watchrecord import SEGMENT
 
 Split = Callable[[Any], tuple[Any, Tensor, Any]]  # batch -> (inputs, targets, ids)
 
@@ -37,7 +40,8 @@ def _triple(batch: Any) -> tuple[Any, Tensor, Any]:
 
 class WatchCallback(Callback):
     """Writes the watch file ``out`` of a Lightning run: every example's loss, gradient norm
-    and margin at every step. ``**watch`` goes to ``Watch`` (``loss_kwargs``, ``include``,
+    and margin at every step, and with ``record`` the run record (a checkpoint every
+    ``segment`` steps). ``**watch`` goes to ``Watch`` (``loss_kwargs``, ``include``,
     ``keywords``, ``output``, ...)."""
 
     def __init__(
@@ -47,14 +51,19 @@ class WatchCallback(Callback):
         *,
         batch: Split = _triple,
         on_step: OnStep | None = None,
+        record: str | Path | None = None,
+        segment: int = SEGMENT,
         **watch: Any,
     ):
         self.out, self.loss, self.split, self.on_step = out, loss, batch, on_step
         self.options = watch
+        self.record, self.segment = record, segment
         self.watch: Watch | None = None
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.watch = Watch(pl_module, self.out, self.loss, on_step=self.on_step, **self.options)
+        recorded = {} if self.record is None else _recorded(trainer, self.record, self.segment)
+        self.watch = Watch(pl_module, self.out, self.loss, on_step=self.on_step, **recorded,
+                           **self.options)  # fmt: skip
         self.watch.__enter__()
 
         def training_step(batch: Any, *_: Any, **__: Any) -> Tensor:
@@ -64,7 +73,36 @@ class WatchCallback(Callback):
         pl_module.training_step = training_step
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        del pl_module.training_step  # the module's own again
+        self._release(pl_module, None)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException):
+        """A run that raised leaves the module as it found it, the watch file closed."""
+        self._release(pl_module, exception)
+
+    def _release(self, pl_module: LightningModule, exception: BaseException | None) -> None:
+        vars(pl_module).pop("training_step", None)  # the module's own again
         if self.watch is not None:
-            self.watch.__exit__(None, None, None)
-            self.watch = None
+            watch, self.watch = self.watch, None
+            kind = None if exception is None else type(exception)
+            watch.__exit__(kind, exception, None)
+
+
+def _recorded(trainer: Trainer, folder: str | Path, segment: int) -> dict:
+    """``Watch``'s record arguments read off the Trainer: its one optimizer, its clip."""
+    if len(trainer.optimizers) != 1:
+        raise ConfigError(
+            f"record= replays one optimizer; the module configures {len(trainer.optimizers)}",
+            "configure_optimizers",
+        )
+    if trainer.accumulate_grad_batches != 1:
+        raise ConfigError(
+            "record= replays a step a batch, not accumulated ones",
+            "Trainer(accumulate_grad_batches=)",
+        )
+    clip = trainer.gradient_clip_val or None
+    if clip is not None and trainer.gradient_clip_algorithm not in (None, "norm"):
+        raise ConfigError(
+            "record= replays clipping by the gradient's norm, not by value",
+            "Trainer(gradient_clip_algorithm=)",
+        )
+    return {"record": folder, "optimizer": trainer.optimizers[0], "clip": clip, "segment": segment}

@@ -4,10 +4,12 @@ line's Parquet file (or file) on the same config, and the scores equal a per-exa
 from __future__ import annotations
 
 import re
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pytest
 import torch
 from oracle import reference_influence
 from problem import make_problem
@@ -18,6 +20,7 @@ from safetensors.torch import load_file
 import gradscope
 from gradscope import terminal
 from gradscope.engine import render_plan, render_report
+from gradscope.errors import ConfigError
 
 
 def test_norms(project: Path) -> None:
@@ -63,6 +66,26 @@ def test_factors(project: Path) -> None:
     assert cli_file.keys() == api_file.keys() and cli_file
     for name, value in cli_file.items():
         torch.testing.assert_close(api_file[name], value, rtol=0, atol=0)
+
+
+def test_factors_held_score_as_their_file(project: Path) -> None:
+    """``precondition=`` the factors ``factors`` returned: the numbers of their file, in norms,
+    influence, query and one batch; a resume needs the file."""
+    config, ref, file = project / "config.yaml", project / "ref.pt", project / "f.safetensors"
+    made = gradscope.factors(config, ekfac=True, out=file)
+    for run in (gradscope.norms, partial(gradscope.influence, ref=ref, per_ref=True)):
+        pd.testing.assert_frame_equal(
+            run(config, precondition=made), run(config, precondition=file)
+        )
+    index = gradscope.build_index(config, dim=16, out=project / "f.index")
+    asked = partial(gradscope.query, index, config, ref=ref)
+    pd.testing.assert_frame_equal(asked(precondition=made), asked(precondition=file))
+    net, x, y = load_net(project)
+    refs = torch.load(ref)
+    batch = partial(gradscope.per_example_influence, net, x, y, refs["x"], refs["y"])
+    torch.testing.assert_close(batch(precondition=made), batch(precondition=file), rtol=0, atol=0)
+    with pytest.raises(ConfigError, match="resume needs precondition= as a file"):
+        gradscope.norms(config, precondition=made, resume=True, out=project / "s.parquet")
 
 
 def test_check(project: Path) -> None:

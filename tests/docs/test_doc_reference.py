@@ -13,6 +13,7 @@ from project import make_project
 from snippets import ROOT
 from typer.testing import CliRunner
 
+import gradscope
 from gradscope.cli import app
 from gradscope.columns import COLUMNS, describe
 
@@ -59,6 +60,32 @@ def test_a_field_without_a_docstring_is_found():
         bare: int = 2
 
     assert reference.field_docs(Section) == {"documented": "What it is."}
+
+
+@pytest.mark.parametrize("name", gradscope.API)
+def test_every_api_function_has_an_example_the_api_page_runs(name):
+    """Its docstring's ``Example:`` is a pycon block of the API page, which
+    test_doc_examples.py runs with the page's other blocks."""
+    entry = reference.api_entry(f"gradscope.api.{name}")
+    assert "\nExample:\n\n```pycon\n>>> " in entry, (
+        f"gradscope.{name}: no Example: in its docstring"
+    )
+    assert entry in (ROOT / "docs" / "reference" / "api.md").read_text()
+
+
+def test_an_example_section_is_a_pycon_block():
+    def documented():
+        """What it does.
+
+        Example:
+            >>> 1 + 1
+            2
+        """
+
+    assert (
+        reference._prose(documented.__doc__)
+        == "What it does.\n\nExample:\n\n```pycon\n>>> 1 + 1\n2\n```"
+    )
 
 
 def test_every_command_option_and_argument_is_documented():

@@ -63,6 +63,30 @@ def test_influence_through_training_writes_the_replays_scores(tmp_path, project,
     assert np.isfinite(rows["loss"]).all()
 
 
+def test_limit_and_batch_size_choose_the_rows_shown_not_the_run(tmp_path, project):
+    ref, record = tmp_path / "ref.pt", tmp_path / "out.run"
+    assert run("train", project, "--record").exit_code == 0
+    assert run("influence", project, "--ref", ref, "--through-training", record).exit_code == 0
+    whole = pq.read_table(tmp_path / "scores.parquet").to_pandas()
+    shown = run("influence", project, "--ref", ref, "--through-training", record, "--limit", "5",
+                "--batch-size", "2", "--out", tmp_path / "five.parquet")  # fmt: skip
+    assert shown.exit_code == 0, shown.output
+    five = pq.read_table(tmp_path / "five.parquet").to_pandas()
+    assert list(five["example_id"]) == list(whole["example_id"][:5])
+    np.testing.assert_array_equal(five["influence"], whole["influence"][:5])
+    np.testing.assert_allclose(five["loss"], whole["loss"][:5], rtol=1e-12)
+    every = run("influence", project, "--ref", ref, "--through-training", record, "--limit", "99",
+                "--out", tmp_path / "every.parquet")  # fmt: skip
+    assert every.exit_code == 0, every.output  # as any command's --limit past the rows
+    (tmp_path / "ten").mkdir()
+    ten = make_project(tmp_path / "ten", n=14, model__checkpoint="out.pt", train=TRAIN,
+                       dtype="float64", data__limit=10)  # fmt: skip
+    assert run("train", ten, "--record").exit_code == 0
+    past = run("influence", ten, "--ref", ref, "--through-training", tmp_path / "ten" / "out.run",
+               "--limit", "12")  # fmt: skip
+    assert "the run trained on 10 rows; --limit asks for more" in one_error(past)
+
+
 def test_a_record_kept_across_ctrl_c_and_resume_is_the_uninterrupted_ones(
     tmp_path, project, monkeypatch
 ):

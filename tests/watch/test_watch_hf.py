@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -12,10 +13,17 @@ import torch
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
+from gradscope.training.watch import Watch  # noqa: E402
 from gradscope.training.watch_hf import WatchCallback  # noqa: E402
 
 
 def _run(tmp_path, callbacks, accumulate=1):
+    model, trainer = _trainer(tmp_path, callbacks, accumulate)
+    trainer.train()
+    return model, trainer
+
+
+def _trainer(tmp_path, callbacks, accumulate=1):
     torch.manual_seed(0)
     no_dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
     config = transformers.GPT2Config(
@@ -37,8 +45,46 @@ def _run(tmp_path, callbacks, accumulate=1):
     trainer = transformers.Trainer(
         model, args, train_dataset=data, eval_dataset=data.select(range(4)), callbacks=callbacks
     )
-    trainer.train()
     return model, trainer
+
+
+def _hooks(model) -> list[int]:
+    return [len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+            + len(m._backward_pre_hooks) for m in model.modules()]  # fmt: skip
+
+
+def test_a_step_that_raises_leaves_the_model_as_it_was(tmp_path, monkeypatch):
+    callback = WatchCallback(tmp_path / "w.parquet")
+    model, trainer = _trainer(tmp_path, [callback])
+    hooks, step, calls = _hooks(model), Watch.step, []
+
+    def interrupted(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Watch, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert "forward" not in model.__dict__ and _hooks(model) == hooks
+    assert callback.watch is None
+
+
+class _Raises(transformers.TrainerCallback):
+    def on_step_end(self, *args, **kwargs):
+        raise RuntimeError("after the model's call")
+
+
+def test_a_train_that_raised_elsewhere_is_released_by_the_next(tmp_path):
+    callback = WatchCallback(tmp_path / "w.parquet")
+    model, trainer = _trainer(tmp_path, [callback, _Raises])
+    with pytest.raises(RuntimeError, match="after the model's call"):
+        trainer.train()
+    trainer.remove_callback(_Raises)
+    trainer.train()  # wraps the model once, not the wrapper again
+    assert "forward" not in model.__dict__ and callback.watch is None
+    assert len(pq.read_table(tmp_path / "w.parquet")) == 16
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
@@ -56,3 +102,64 @@ def test_trainer_trains_as_without_the_watch_and_writes_each_step(tmp_path, accu
     assert sorted(table["example_id"]) == sorted(list(range(8)) * 2)
     assert table["epoch"] == [0] * 8 + [1] * 8
     assert len(set(table["step"])) == 4 * accumulate
+
+
+# eager attention: sdpa's has no double backward on the CPU
+GPT2 = {"vocab_size": 16, "n_positions": 8, "n_embd": 8, "n_layer": 1, "n_head": 2,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+        "attn_implementation": "eager"}  # fmt: skip
+
+
+def test_trainer_records_the_run_gradscope_train_records(tmp_path):
+    """The run record written through the callback (the Trainer's AdamW, linear schedule and
+    clip read off it; rows of one length, so its token mean is the mean of the rows' own)
+    replays as ``gradscope train --record``'s of the same recipe, start and order."""
+    import yaml
+
+    from gradscope.config import load_config
+    from gradscope.training.replay import through_training
+    from gradscope.training.run import train_model
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2)).double()
+    torch.save(model.state_dict(), tmp_path / "init.pt")
+    tokens = torch.randint(0, 16, (8, 6))
+    torch.save({"ids": tokens}, tmp_path / "data.pt")
+    torch.save({"ids": torch.randint(0, 16, (2, 6))}, tmp_path / "ref.pt")
+    train = {
+        "optimizer": "adamw",
+        "lr": 1e-2,
+        "weight_decay": 0.0,
+        "schedule": "linear",
+        "epochs": 2,
+        "batch_size": 4,
+        "shuffle": False,
+        "clip": 0.1,
+        "init": "init.pt",
+    }
+    config = {
+        "model": {"factory": "transformers:GPT2LMHeadModel", "config": GPT2},
+        "data": {"path": "data.pt", "inputs": "ids", "targets": "ids", "batch_size": 4},
+        "loss": {"name": "causal_lm"},
+        "dtype": "float64",
+        "device": "cpu",
+        "train": train,
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    cfg = load_config(tmp_path / "config.yaml")
+    want = through_training(cfg, train_model(cfg, tmp_path / "out.pt", record=True).record,
+                            tmp_path / "ref.pt", per_ref=True)  # fmt: skip
+    data = datasets.Dataset.from_dict(
+        {"input_ids": tokens.tolist(), "labels": tokens.tolist(), "example_id": list(range(8))}
+    )
+    args = transformers.TrainingArguments(
+        str(tmp_path / "hf"), per_device_train_batch_size=4, num_train_epochs=2,
+        learning_rate=1e-2, max_grad_norm=0.1, train_sampling_strategy="sequential",
+        remove_unused_columns=False, report_to=[], save_strategy="no", logging_strategy="no",
+        disable_tqdm=True, use_cpu=True,
+    )  # fmt: skip
+    callback = WatchCallback(tmp_path / "w.parquet", record=tmp_path / "hf.run", segment=2)
+    model.loss_type = "ForCausalLM"  # else the Trainer divides by every label, the first too
+    transformers.Trainer(model, args, train_dataset=data, callbacks=[callback]).train()
+    got = through_training(cfg, tmp_path / "hf.run", tmp_path / "ref.pt", per_ref=True)
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10 * np.abs(want).max())

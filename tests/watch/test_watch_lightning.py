@@ -3,6 +3,7 @@ row per example and step."""
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -10,6 +11,8 @@ from torch import nn
 
 pl = pytest.importorskip("lightning.pytorch")
 
+from gradscope.errors import ConfigError  # noqa: E402
+from gradscope.training.watch import Watch  # noqa: E402
 from gradscope.training.watch_lightning import WatchCallback  # noqa: E402
 
 
@@ -54,3 +57,82 @@ def test_lightning_trains_as_without_the_watch_and_writes_each_step(tmp_path, ac
     table = pq.read_table(tmp_path / "w.parquet").to_pydict()
     assert table["example_id"] == list(range(8)) * 2
     assert table["epoch"] == [0] * 8 + [1] * 8
+
+
+def test_a_run_that_raises_leaves_the_module_as_it_was(tmp_path, monkeypatch):
+    callback = WatchCallback(tmp_path / "w.parquet")
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("in the step")
+
+    monkeypatch.setattr(Watch, "step", fails)
+    with pytest.raises(RuntimeError, match="in the step"):
+        _fit([callback], 1)
+    assert callback.watch is None  # closed, the module's training_step its own again
+
+
+MODULE = """
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+
+class Module(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, _):  # the watch's step runs in its place
+        raise AssertionError
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9, weight_decay=0.01)
+"""
+
+
+def test_lightning_records_the_run_gradscope_train_records(tmp_path):
+    """The run record written through the callback replays as ``gradscope train --record``'s
+    of the same recipe, rows and order (the Trainer's clip read off it)."""
+    from gradscope.config import load_config
+    from gradscope.io.model import import_object
+    from gradscope.training.replay import through_training
+    from gradscope.training.run import train_model
+    from tests.training.test_through_training import project
+
+    (tmp_path / "lmodule.py").write_text(MODULE)
+    train = {"optimizer": "sgd", "lr": 0.2, "momentum": 0.9, "weight_decay": 0.01, "epochs": 2,
+             "shuffle": False, "clip": 0.05}  # fmt: skip
+    cfg = load_config(project(tmp_path, train, "lmodule.py:Module"))
+    want = through_training(cfg, train_model(cfg, tmp_path / "out.pt", record=True).record,
+                            tmp_path / "ref.pt", per_ref=True)  # fmt: skip
+    data = torch.load(tmp_path / "data.pt")
+    rows = torch.utils.data.TensorDataset(data["x"].double(), data["y"], torch.arange(10))
+    trainer = pl.Trainer(
+        max_epochs=2, gradient_clip_val=0.05, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+        callbacks=[WatchCallback(tmp_path / "w.parquet", record=tmp_path / "l.run", segment=2)],
+    )  # fmt: skip
+    module = import_object(f"{tmp_path / 'lmodule.py'}:Module", "test")()
+    trainer.fit(module, torch.utils.data.DataLoader(rows, batch_size=4))
+    got = through_training(cfg, tmp_path / "l.run", tmp_path / "ref.pt", per_ref=True)
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10 * np.abs(want).max())
+
+
+def test_lightning_accumulation_is_refused_before_training(tmp_path):
+    trainer = pl.Trainer(
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        max_epochs=1,
+        callbacks=[WatchCallback(tmp_path / "w.parquet", record=tmp_path / "r")],
+    )
+    data = torch.utils.data.TensorDataset(torch.randn(4, 5).double(), torch.zeros(4).long(),
+                                          torch.arange(4))  # fmt: skip
+    with pytest.raises(ConfigError, match="not accumulated ones"):
+        trainer.fit(_Module(), torch.utils.data.DataLoader(data, batch_size=2))

@@ -1,0 +1,80 @@
+"""A watched loop's run record (``watchrecord.py``) as the replay opens it: the recorded
+optimizer and clip, once nothing was refused while it trained and the config's loss and data
+are the ones it watched, and the model it began from, built by the config's factory."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import Config, TrainConfig
+from ..errors import ConfigError, DataError, ModelError, one_line
+from ..io.data import open_dataset
+from ..io.model import build_model
+from ..job import resolve_device
+from ..resume import differences
+from .record import Record, _load
+from .steps import Update
+
+START = "start.pt"  # the state dict the watched loop began from
+
+
+def as_json(value: dict) -> dict:
+    """``value`` as JSON reads it back."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def opened(meta: dict, cfg: Config, folder: Path) -> tuple[Update, float | None]:
+    """The update and clip a watched loop recorded, once the record is one the config can
+    replay: nothing refused while it trained, the config's loss, rows enough in its data."""
+    if meta["refused"]:
+        raise ConfigError(f"the watched run cannot be replayed: {meta['refused']}", str(folder))
+    key = as_json({"loss": cfg.to_dict()["loss"], "torch": torch.__version__})
+    changed = differences(meta["key"], key)
+    if changed:
+        raise ConfigError(
+            f"the run was watched with a different {', '.join(changed)}: replay it with the "
+            "config of the loop's model, data and loss",
+            str(folder),
+        )
+    data = open_dataset(cfg.data)
+    n = len(data) if cfg.data.limit is None else min(len(data), cfg.data.limit)
+    if meta["rows"] > n:
+        raise DataError(
+            f"the watch's ids reach row {meta['rows'] - 1}, the config's data has {n} rows: "
+            "the ids must be the rows' positions in data.path",
+            str(folder),
+        )
+    recipe = dict(meta["recipe"])
+    clip = recipe.pop("clip")
+    return Update(TrainConfig(**recipe)), clip
+
+
+def watched_model(record: Record, cfg: Config) -> nn.Module:
+    """``model.factory``'s model with the weights the watched loop began from, training the
+    parameters it trained, on the config's device and dtype."""
+    model = build_model(dataclasses.replace(cfg.model, checkpoint=None, checkpoints=[]))
+    dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
+    model = model.to(device=resolve_device(cfg.device), dtype=dtype)
+    trained = record.meta["trained"]
+    try:  # strict: every weight of the watched model, of its shape, and no other
+        model.load_state_dict(_load(record.folder / START))
+    except RuntimeError as e:
+        raise ModelError(
+            f"the watched model's weights do not fit model.factory's model: {one_line(e)}",
+            "model.factory",
+        ) from e
+    names = dict(model.named_parameters())
+    for name, p in names.items():
+        p.requires_grad_(name in trained)
+    if str(names[trained[0]].dtype) != record.meta["dtype"]:
+        raise ConfigError(
+            f"the watched model trained in {record.meta['dtype']}, the config's model is "
+            f"{names[trained[0]].dtype}",
+            "dtype",
+        )
+    return model

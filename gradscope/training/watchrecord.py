@@ -1,0 +1,253 @@
+"""The run record a watched loop writes (``Watch(record=...)``): the folder ``gradscope train
+--record`` writes, with what a loop does not say read where it shows: the optimizer's kind and
+settings off its ``torch.optim`` instance, each step's learning rate off its param groups as it
+steps (any scheduler serves), each batch's rows from the watch's ids (positions in the config's
+``data.path``), the weights it began from in ``start.pt``. What the replay could not retrace
+exactly is refused as the watch is made, or named in the record as it trains (a step on another
+gradient than the watched loss's, a loss that is not the batch's mean, autocast, ...), which
+the replay then refuses in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ..config import TrainConfig
+from ..errors import ConfigError, DataError
+from ..losses import LossFn
+from .record import FINAL, MANIFEST, META, STEPS, WATCHED, Recorder
+from .steps import Tensors, Update
+from .watched import START, as_json
+
+SEGMENT = 32  # steps per checkpoint: a loop does not say how many steps it will take
+# the settings of a param group that change its step (not how it is computed: foreach, fused)
+SETTINGS = ("momentum", "dampening", "nesterov", "betas", "eps", "weight_decay", "amsgrad",
+            "maximize", "decoupled_weight_decay")  # fmt: skip
+
+
+def read_recipe(optimizer: torch.optim.Optimizer) -> dict:
+    """The recipe's optimizer keys (``optimizer``, ``momentum``, ``nesterov``, ``betas``,
+    ``eps``, ``weight_decay``) read off PyTorch's ``SGD``, ``Adam`` or ``AdamW``; any other
+    optimizer, settings the replay does not write out, or groups that differ: one line."""
+    kind = type(optimizer)
+    if kind not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+        raise ConfigError(
+            f"the replay knows torch.optim's SGD, Adam and AdamW, not {kind.__name__}: its "
+            "steps cannot be retraced",
+            "optimizer",
+        )
+    first = _settings(optimizer.param_groups[0])
+    for group in optimizer.param_groups[1:]:
+        differ = [k for k, v in _settings(group).items() if first.get(k) != v]
+        if differ:
+            raise ConfigError(
+                f"the optimizer's param groups differ in {', '.join(differ)}: the replay steps "
+                "every weight alike",
+                "optimizer",
+            )
+    unknown = [k for k in ("dampening", "amsgrad", "maximize") if first.get(k)]
+    if unknown:
+        raise ConfigError(f"the replay does not write out {unknown[0]}", "optimizer")
+    if kind is torch.optim.SGD:
+        return {"optimizer": "sgd", "momentum": first["momentum"], "nesterov": first["nesterov"],
+                "weight_decay": first["weight_decay"]}  # fmt: skip
+    decoupled = kind is torch.optim.AdamW or first.get("decoupled_weight_decay", False)
+    return {"optimizer": "adamw" if decoupled else "adam", "betas": list(first["betas"]),
+            "eps": first["eps"], "weight_decay": first["weight_decay"]}  # fmt: skip
+
+
+def _settings(group: dict) -> dict:
+    values = {k: group[k] for k in SETTINGS if k in group}
+    return {k: [float(b) for b in v] if k == "betas" else v for k, v in values.items()}
+
+
+class Recording:
+    """The record of a watched loop as it trains: a checkpoint as a segment's first step is
+    watched, each step's rows, rate and gradient checked as its optimizer steps, the rest at
+    the end. ``why`` keeps the first reason the run cannot be replayed."""
+
+    def __init__(self, folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 clip: float | None, segment: int, key: dict):  # fmt: skip
+        if segment < 1:
+            raise ConfigError("segment must be a positive number of steps", "segment")
+        if clip is not None and not clip > 0:
+            raise ConfigError("clip must be a positive gradient norm", "clip")
+        self.model, self.optimizer, self.clip = model, optimizer, clip
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.recipe = read_recipe(optimizer)
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if stepped != {id(p) for p in self.params}:
+            raise ConfigError(
+                f"the optimizer steps {len(stepped)} tensors, the model trains "
+                f"{len(self.params)} (those that require grad): the replay steps those",
+                "optimizer",
+            )
+        if optimizer.state:
+            raise ConfigError(
+                "the optimizer has stepped before the watch began: give the watch a fresh one",
+                "optimizer",
+            )
+        self.settings = _settings(optimizer.param_groups[0])
+        self.update = Update(TrainConfig(**self.recipe))
+        self.recorder = Recorder(Path(folder).resolve(), segment, key)
+        self.pending: tuple[Tensor, Tensor] | None = None  # the watched step's ids, fingerprint
+        self.why: str | None = None
+        self.rows = 0  # one more than the largest id
+        self.buffers: list[Tensor] = []
+        self.hook = None
+
+    def start(self) -> None:
+        """A fresh record folder, the weights training begins from, the optimizer hooked."""
+        folder = self.recorder.folder
+        if not folder.parent.is_dir():
+            raise DataError("the folder to write the run record in does not exist", str(folder))
+        names = {MANIFEST, META, STEPS, FINAL, START}
+        foreign = [f.name for f in folder.iterdir() if f.name not in names
+                   and not f.name.startswith("segment-")] if folder.is_dir() else []  # fmt: skip
+        if foreign or (folder.exists() and not folder.is_dir()):
+            raise ConfigError("that is no run record's folder: name another", str(folder))
+        self.recorder.start()
+        state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        torch.save(state, folder / START)
+        self.buffers = [b.detach().clone() for b in self.model.buffers()]
+        self.hook = self.optimizer.register_step_post_hook(self._stepped)
+
+    def step(
+        self, ids: np.ndarray, grads: list[Tensor | None], divisor: float, counts: Tensor | None
+    ) -> None:
+        """A watched step: ``grads`` the gradient of its loss (its per-example losses summed over
+        ``divisor``) that ``.grad`` receives, ``ids`` its rows, ``counts`` each one's counted
+        tokens where the loss is a mean over tokens."""
+        t = len(self.recorder.lrs)
+        if self.pending is not None:
+            self._refuse(
+                f"two watched steps at step {t} without an optimizer step between "
+                "them (gradient accumulation, or a loss scaler's skipped step)"
+            )
+        self._mean(t, len(ids), divisor, counts)
+        device = self.params[0].device.type
+        if torch.is_autocast_enabled(device):
+            self._refuse(f"step {t} ran under autocast: the replay computes in the config's dtype")
+        if len(ids) and ids.min() < 0:
+            self._refuse(f"step {t}'s ids are not positions in the data (one is negative)")
+        self.rows = max(self.rows, int(ids.max()) + 1 if len(ids) else 0)
+        if t % self.recorder.segment == 0:
+            self.recorder.checkpoint(
+                t, self.params, self.update.state_of(self.optimizer, self.params)
+            )
+        self.pending = (torch.as_tensor(ids, dtype=torch.int64), _fingerprint(grads, self.params))
+
+    def _mean(self, t: int, rows: int, divisor: float, counts: Tensor | None) -> None:
+        """The step's loss must be the mean over its rows of their own losses (a token mean is,
+        where every row counts as many tokens)."""
+        if counts is None and divisor != rows:
+            self._refuse(f"step {t}'s loss is the sum over {divisor:g}, not the mean over its "
+                         f"{rows} rows")  # fmt: skip
+        elif counts is not None and counts.min() != counts.max():
+            self._refuse(
+                f"step {t}'s loss is the mean over its tokens, and its rows count "
+                "different numbers of them: not the mean of the rows' own losses"
+            )
+        elif counts is not None and divisor != counts.sum():
+            self._refuse(f"step {t}'s loss is its tokens' losses over {divisor:g}, not over the "
+                         f"{counts.sum():g} tokens it counts")  # fmt: skip
+
+    def _stepped(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
+        """After each optimizer step: its rate, settings and gradient checked, its rows kept."""
+        t = len(self.recorder.lrs)
+        if self.pending is None:
+            self._refuse(f"an optimizer step at step {t} with no watched step before it")
+            return
+        ids, want = self.pending
+        self.pending = None
+        lrs = {float(group["lr"]) for group in optimizer.param_groups}
+        if len(lrs) > 1:
+            self._refuse(f"the param groups' learning rates differ at step {t}")
+        changed = [k for k, v in _settings(optimizer.param_groups[0]).items()
+                   if self.settings.get(k) != v]  # fmt: skip
+        if changed:
+            self._refuse(f"the optimizer's {changed[0]} changed at step {t}")
+        got = _fingerprint([p.grad for p in self.params], self.params)
+        if not _same(got, want, self.clip, self.params):
+            how = "clipped otherwise" if self.clip else "clipped without clip="
+            self._refuse(f"the optimizer stepped on another gradient than the watched loss's at "
+                         f"step {t}: accumulated, scaled, added to, or {how}")  # fmt: skip
+        self.recorder.picked.append(ids)
+        self.recorder.lrs.append(lrs.pop())
+
+    def _refuse(self, why: str) -> None:
+        self.why = self.why or why
+
+    def finish(self, finished: bool) -> None:
+        """The hook removed; after a run that finished, the record written (a checkpoint of
+        a step that never stepped dropped), else left without a manifest."""
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
+        if not finished:
+            return
+        steps, segment = len(self.recorder.lrs), self.recorder.segment
+        for extra in self.recorder.folder.glob("segment-*.pt"):
+            if int(extra.stem.split("-")[1]) * segment >= max(steps, 1):
+                extra.unlink()
+        if not steps:
+            self._refuse("no optimizer step was watched")
+        moved = any(not torch.equal(a, b)
+                    for a, b in zip(self.buffers, self.model.buffers(), strict=True))  # fmt: skip
+        meta = {"source": WATCHED, "recipe": self.recipe | {"clip": self.clip}, "refused": self.why,
+                "rows": self.rows, "trained": self.names, "dtype": str(self.params[0].dtype),
+                "buffers_change": moved}  # fmt: skip
+        self.recorder.write(self.params, self.params[0].device, meta)
+
+
+def _fingerprint(grads: list[Tensor | None], params: Tensors) -> Tensor:
+    """(n, 2) float64 each parameter's gradient summed, and its squares summed (0 for none)."""
+    rows = [
+        torch.zeros(2, dtype=torch.float64, device=p.device)
+        if g is None
+        else torch.stack([g.sum(), g.square().sum()]).double()
+        for g, p in zip(grads, params, strict=True)
+    ]
+    return torch.stack(rows).cpu()
+
+
+def _same(got: Tensor, want: Tensor, clip: float | None, params: Tensors) -> bool:
+    """Whether ``got`` fingerprints the gradient ``want`` does times the clip's coefficient,
+    to the dtype's rounding (a sum's within sqrt(size) times the norm)."""
+    coef = 1.0
+    if clip is not None:
+        coef = min(1.0, clip / (want[:, 1].sum().sqrt().item() + 1e-6))
+    sums, squares = want[:, 0] * coef, want[:, 1] * coef**2  # (n,) each
+    sizes = torch.tensor([p.numel() for p in params], dtype=torch.float64)
+    finfo = torch.finfo(params[0].dtype)
+    tol = finfo.eps**0.5
+    return bool(
+        ((got[:, 0] - sums).abs() <= tol * (sizes * squares).sqrt() + finfo.tiny).all()
+        and ((got[:, 1] - squares).abs() <= tol * squares + finfo.tiny).all()
+    )
+
+
+def recording(folder: str | Path | None, model: nn.Module,
+              optimizer: torch.optim.Optimizer | None, clip: float | None, segment: int,
+              loss: str | LossFn, kwargs: dict) -> Recording | None:  # fmt: skip
+    """The watch's ``record=``: None without a folder, else a recording of the loop that
+    steps ``optimizer`` on the mean over each batch of the loss ``loss`` names (with
+    ``reduction="tokens"``, a batch's rows must count as many tokens each)."""
+    if folder is None:
+        return None
+    if optimizer is None:
+        raise ConfigError(
+            "record= needs the optimizer the loop steps: pass optimizer=", "optimizer"
+        )
+    if not isinstance(loss, str):
+        raise ConfigError(
+            "record= needs the loss by name, as the config's loss.name gives it to the replay",
+            "loss",
+        )
+    section = {"name": loss, "kwargs": kwargs, "class_dim": -1, "token_reduction": "mean"}
+    key = {"loss": section, "torch": torch.__version__}  # the config's loss section it is
+    return Recording(folder, model, optimizer, clip, segment, as_json(key))
