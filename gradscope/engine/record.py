@@ -47,6 +47,9 @@ class Findings:
     analyses: int = 0  # batches analysed in full
     divergences: int = 0  # batches whose witness failed with every program, in a row
     why: str | None = None  # why the last such batch's witness failed
+    # the parameters whose rule formed each example's gradient on the last training step: the
+    # next takes their batch gradient from those (``backward.serve.summed``)
+    formed: frozenset[str] = frozenset()
 
     def learn(self, program: Program) -> None:
         """Keep an analysed batch's program for the next batches of the signature (the few

@@ -88,7 +88,7 @@ class Grouped:
                 if p is None or p.is_fallback:
                     continue
                 summed = None  # the call's own examples' sum, where the self-check asks for it
-                if reducer.want.sums:
+                if reducer.want.sums or p.name in reducer.want.summed:
                     summed = parts[attr].examples(k * batch, (k + 1) * batch).batch_sum
                 reducer.answered(
                     p.name,

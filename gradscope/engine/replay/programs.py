@@ -122,7 +122,8 @@ class Replayed:
         else:  # the analysed calls, and the light regions' reads in the analysed order
             reads, count = captured.tap.reads(), dict(program.uses)
             checked = [plan.find(name) for name in program.checked]
-        done = Served(count, checked, program.requests)
+        trained = program.trained if program.requests is not None else None
+        done = Served(count, checked, program.requests, trained)
         reducer, grads = serve(plan, captured, want, done, reads)
         for p in plan.fallback:  # a rule that failed on this batch
             reducer.forget(p.name)
