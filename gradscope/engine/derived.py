@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..rules import Contribution, Dense, base
-from ..rules.base import Formed
+from ..rules.formed import Formed
 from ..rules.placed import Place, Placed
 from .ops import WRITES_IN_PLACE
 from .plan import ParamPlan

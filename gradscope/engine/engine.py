@@ -4,6 +4,7 @@ the rules inside, then the fallback for what the rules cannot serve (``README.md
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -20,7 +21,7 @@ from .analysis.selfcheck import Singles, first_apart, mixed
 from .backward.backward import requests
 from .backward.fallback import Fallback
 from .backward.reduce import Reducer, Want
-from .backward.serve import Served, serve, served_calls, uses
+from .backward.serve import Served, serve, served_calls, summed, uses
 from .forward import Forward
 from .hooks import ModuleHooks
 from .plan import FALLBACK_LOOP, build_plan, prepared
@@ -114,10 +115,14 @@ class Engine:
             return self._empty(targets)
         self._hooked_gradients()
         findings = self._pinned or self.record.at(inputs, targets)
+        if want.train:
+            want = dataclasses.replace(want, summed=summed(self.plan, findings.formed, want.train))
         passed = None if self._pinned else self.replayed(inputs, targets, want, findings)
         captured, reducer = passed or self._analysed(inputs, targets, want, findings)
         self._fallback(reducer, inputs, targets, captured.losses)
         self._fill_zeros(reducer, len(targets))
+        if want.train:
+            findings.formed = frozenset(reducer.formed)
         pre_sq = reducer.pre.norm_sq if reducer.pre is not None else {}
         loss = captured.losses.detach()
         return BatchScores(
@@ -127,7 +132,7 @@ class Engine:
             captured.observed,
             reducer.kept,
             pre_sq,
-            reducer.trained,
+            reducer.gradients(),
         )
 
     def step(

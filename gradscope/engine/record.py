@@ -47,6 +47,9 @@ class Findings:
     analyses: int = 0  # batches analysed in full
     divergences: int = 0  # batches whose witness failed with every program, in a row
     why: str | None = None  # why the last such batch's witness failed
+    # the parameters whose rule formed each example's gradient on the last training step: the
+    # next takes their batch gradient from those (``backward.serve.summed``)
+    formed: frozenset[str] = frozenset()
 
     def learn(self, program: Program) -> None:
         """Keep an analysed batch's program for the next batches of the signature (the few
@@ -75,10 +78,12 @@ class Lessons:
     why: str = ""
     branched: bool = False  # values read on the host outside the regions differed
     traced: set[type] = field(default_factory=set)  # region classes whose rows did not hold
+    moded: set[type | None] = field(default_factory=set)  # whose intercepted reads failed
 
     def teach(self, record: Record) -> None:
         record.branchings += self.branched
         record.traced |= self.traced
+        record.moded |= self.moded
 
 
 @dataclass
@@ -90,6 +95,9 @@ class Record:
     # module classes whose light regions did not hold on a later batch (their rows lost where
     # values picked them, other values read on the host): traced on every batch from then on
     traced: set[type] = field(default_factory=set)
+    # light region classes (None: the model's top level) whose reads, intercepted where the
+    # parameters are read (``replay/intercept.py``), did not hold: seen by a mode from then on
+    moded: set[type | None] = field(default_factory=set)
     # batches whose values read on the host outside the regions matched no kept program's:
     # after the second, such reads are escapes, the calls around them traced
     # (``regions.Finder``); after the first, the batch's own way is witnessed and kept

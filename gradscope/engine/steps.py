@@ -6,7 +6,7 @@ them."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .backward.backward import Requests
 from .recipes import Recipe
@@ -81,6 +81,9 @@ class Program:
     root: tuple[Recipe, ...] = ()  # reads outside every region call, by recipe (``replay/root.py``)
     hosts: tuple[tuple[str, object], ...] = ()  # scalars read on the host outside them
     children: frozenset[int] = frozenset()  # ids of the modules of the regions' children
+    # a training step's requests, which ask for parameters too (``serve.Served.trained``),
+    # read off the first replayed step's graph where ``requests`` hold for every batch
+    trained: dict = field(default_factory=dict, compare=False, repr=False)
 
     @functools.cached_property
     def lit(self) -> bool:

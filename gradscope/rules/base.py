@@ -10,7 +10,7 @@ inner product with reference tensors, and (only when nothing cheaper exists) the
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -84,6 +84,9 @@ class Contribution(ABC):
     """One parameter's per-example gradient, (B, *shape), kept in whatever form is cheapest."""
 
     shape: torch.Size
+    # whether each example's gradient is at hand, or formed by ``norm_sq`` (a chunk at a time):
+    # the batch sum from the same, ``norm_sq_and_sum``, then costs a sum, not a matrix product
+    forms = False
 
     @abstractmethod
     def norm_sq(self) -> Tensor:
@@ -118,6 +121,11 @@ class Contribution(ABC):
         """Both answers at once, for contributions that can share the work between them."""
         return self.norm_sq(), self.inner(refs)
 
+    def norm_sq_and_sum(self) -> tuple[Tensor, Tensor]:
+        """(B,) squared norms and (*shape) the batch sum, from one forming of the examples'
+        gradients where ``forms``."""
+        return self.norm_sq(), self.batch_sum()
+
     def inners(self, refs: Tensor, batch: int) -> Tensor:
         """(n, batch, K) where this contribution holds the examples of n calls stacked, n *
         batch of them: each call's inner products with its own ``refs``, (n, K, *shape)."""
@@ -133,6 +141,8 @@ class Contribution(ABC):
 
 class Dense(Contribution):
     """Per-example gradients formed directly: fine for small parameters (biases, norm scales)."""
+
+    forms = True
 
     def __init__(self, grads: Tensor):
         self.grads = _acc(grads)  # (B, *shape)
@@ -160,50 +170,6 @@ class Dense(Contribution):
 
     def merge(self, other: Contribution) -> Contribution:
         return Dense(self.grads + other.materialize())
-
-
-class Formed(Dense):
-    """Per-example gradients formed a few examples at a time, ``form(lo, hi)`` -> (hi - lo, *shape),
-    and reduced chunk by chunk: norms, inner products and the batch sum never hold the (B, *shape)
-    gradients (nor what forming them takes) of more than ``step`` examples at once. Each question
-    forms them again; ``grads`` forms them all, for callers that need every one."""
-
-    def __init__(
-        self, form: Callable[[int, int], Tensor], batch: int, shape: torch.Size, step: int
-    ):
-        self.form, self.batch, self.step = form, batch, step
-        self.shape = torch.Size(shape)
-
-    def _chunks(self) -> Iterator[Tensor]:
-        for lo in range(0, self.batch, self.step):
-            yield _acc(self.form(lo, min(lo + self.step, self.batch)))  # (b, *shape)
-
-    @property
-    def grads(self) -> Tensor:
-        return torch.cat(list(self._chunks()))  # (B, *shape)
-
-    def norm_sq(self) -> Tensor:
-        return _cat([_sq_norm(rows(m)) for m in self._chunks()])
-
-    def inner(self, refs: Tensor) -> Tensor:
-        return _cat([_dots(rows(m), rows(refs.to(m.dtype))) for m in self._chunks()])
-
-    def norm_sq_and_inner(self, refs: Tensor) -> tuple[Tensor, Tensor]:
-        norms, inners = [], []
-        for m in self._chunks():
-            flat = rows(m)  # (b, P)
-            norms.append(_sq_norm(flat))
-            inners.append(_dots(flat, rows(refs.to(m.dtype))))
-        return _cat(norms), _cat(inners)
-
-    def project(self, p: Projection) -> Tensor:
-        return _cat([p.dense(m) for m in self._chunks()])
-
-    def batch_sum(self) -> Tensor:
-        return sum(m.sum(0) for m in self._chunks())
-
-    def examples(self, lo: int, hi: int) -> Contribution:
-        return Formed(lambda a, b: self.form(lo + a, lo + b), hi - lo, self.shape, self.step)
 
 
 # (module, tensor inputs, output grad, **the call's other arguments by name) -> {attr: part}

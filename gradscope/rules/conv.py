@@ -12,7 +12,8 @@ from torch import Tensor, nn
 
 from ..errors import ModelError
 from . import base
-from .base import Contribution, Dense, Formed, _acc, register_rule
+from .base import Contribution, Dense, _acc, register_rule
+from .formed import Formed
 from .outer import Outer
 
 _Conv = nn.Conv1d | nn.Conv2d | nn.Conv3d

@@ -113,6 +113,24 @@ class Outer(Contribution):
         return _cat([_sq_norm(m.flatten(1)) for m in self._materialized_chunks()])
 
     @property
+    def forms(self) -> bool:
+        """Whether ``norm_sq`` forms each example's G: all positions of every example, more
+        than one, and no Gram cheaper (many positions, as a sequence model's layers)."""
+        return self.lengths is None and self.dims[2] > 1 and not self._gram_cheaper
+
+    def norm_sq_and_sum(self) -> tuple[Tensor, Tensor]:
+        """The squared norms and the batch sum from the same G formed, where ``forms``: the
+        sum over a chunk's examples costs B * O * I beside their forming, not the batch
+        gradient's B * T * O * I again."""
+        if not self.forms:
+            return super().norm_sq_and_sum()
+        norms, total = [], None
+        for m in self._materialized_chunks():  # (b, G, O, I)
+            norms.append(_sq_norm(m.flatten(1)))
+            total = m.sum(0) if total is None else total + m.sum(0)
+        return _cat(norms), total.reshape(self.shape)
+
+    @property
     def _gram_cheaper(self) -> bool:
         """Whether the (T, T) Gram matrices cost less than forming G."""
         _, _, t, o, i = self.dims

@@ -78,11 +78,14 @@ def _observer(name: str | LossFn, kwargs: dict) -> Callable[[Tensor, Tensor], di
 
 class _Deposit(torch.autograd.Function):
     """The training loss's value, whose backward hands each parameter the gradient the step's
-    one backward computed, times the gradient arriving: autograd adds it to ``.grad``."""
+    one backward computed, over ``divisor`` and times the gradient arriving (one product):
+    autograd adds it to ``.grad``."""
 
     @staticmethod
-    def forward(ctx: Any, value: Tensor, grads: list[Tensor | None], *params: Tensor) -> Tensor:
-        ctx.grads = grads
+    def forward(
+        ctx: Any, value: Tensor, grads: list[Tensor | None], divisor: float, *params: Tensor
+    ) -> Tensor:
+        ctx.grads, ctx.divisor = grads, divisor
         return value.clone()
 
     @staticmethod
@@ -90,7 +93,8 @@ class _Deposit(torch.autograd.Function):
         grads, ctx.grads = ctx.grads, None  # once: a second backward has nothing to give
         if grads is None:
             raise RuntimeError("the watched step's loss was backpropagated twice")
-        return (None, None, *(None if g is None else g * out for g in grads))
+        scale = out / ctx.divisor
+        return (None, None, None, *(None if g is None else g * scale for g in grads))
 
 
 class Watch:
@@ -212,10 +216,10 @@ class Watch:
             divisor = float(counts.sum()) if counts is not None else float(len(targets))
         scores = self.engine.step(inputs, targets, self.params)
         self._write(scores, counts, epoch, ids, targets)
-        grads = [None if g is None else g / divisor for g in scores.trained]
-        if self.recording is not None:
+        if self.recording is not None:  # the watched loss's gradient, for the record's check
+            grads = [None if g is None else g / divisor for g in scores.trained]
             self.recording.step(ids, grads, divisor, counts)
-        return _Deposit.apply(scores.loss.sum() / divisor, grads, *self.params)
+        return _Deposit.apply(scores.loss.sum() / divisor, scores.trained, divisor, *self.params)
 
     def _write(
         self,

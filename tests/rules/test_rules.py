@@ -15,7 +15,7 @@ from oracle import Case, assert_case_matches_loop, assert_rel_close
 from torch import Tensor, nn
 
 import gradscope
-import gradscope.engine.backward.reduce as reduce
+import gradscope.engine.backward.batched as batched_module
 import gradscope.rules.base as base
 import gradscope.rules.conv as conv
 import gradscope.rules.embedding as embedding
@@ -24,6 +24,7 @@ from gradscope.errors import ModelError
 from gradscope.losses import resolve_loss
 from gradscope.rules import MATCHERS, NAMED, RULES, Outer, find_rule
 from gradscope.rules.conv import unfold
+from gradscope.rules.formed import Formed
 
 
 def randn(*shape: int):
@@ -498,9 +499,11 @@ def test_outer_norm_sq_takes_the_branch_its_shapes_force(name, gram, monkeypatch
     """The Gram route is taken by one call (``Outer._gram_norm_sq``) or by the backward's batched
     norms (``gram_norms``, when the Gram is one block); the materialising route by neither."""
     calls = []
-    original, batched = Outer._gram_norm_sq, reduce.gram_norms
+    original, batched = Outer._gram_norm_sq, batched_module.gram_norms
     monkeypatch.setattr(Outer, "_gram_norm_sq", lambda self: calls.append(1) or original(self))
-    monkeypatch.setattr(reduce, "gram_norms", lambda parts: calls.append(1) or batched(parts))
+    monkeypatch.setattr(
+        batched_module, "gram_norms", lambda parts: calls.append(1) or batched(parts)
+    )
     assert_case_matches_loop(by_id({name})[0], torch.float64, rtol=1e-5)
     assert bool(calls) == gram
 
@@ -550,7 +553,7 @@ def test_conv_gradients_formed_a_few_examples_at_a_time(case: Case, step: int, m
 
     def chunked(form, batch, shape, _step):
         formed.append(batch)
-        return base.Formed(form, batch, shape, step)
+        return Formed(form, batch, shape, step)
 
     monkeypatch.setattr(conv, "Formed", chunked)
     model, inputs, targets = case.build()

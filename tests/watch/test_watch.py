@@ -4,6 +4,7 @@ training it serves against the same training without it."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -130,3 +131,82 @@ def test_tokens_mean_serves_the_token_mean_and_each_examples_own_mean(tmp_path):
         assert table["loss"][i] == pytest.approx(loss.item(), rel=1e-12)
         assert table["grad_norm"][i] == pytest.approx(norm, rel=1e-10)
         assert table["prob"][i] == pytest.approx(np.exp(-loss.item()), rel=1e-12)
+
+
+class _Seq(nn.Module):
+    """Layers over positions whose rules form each example's gradient for its norm: a tied
+    table and head, attention's packed projection (read, not a module's), a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(11, 4)
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.norm, self.ff = nn.LayerNorm(4), nn.Linear(4, 4)
+        self.head = nn.Linear(4, 11, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, ids):
+        h = self.tok(ids)  # (B, T, 4)
+        h = h + self.attn(h, h, h, need_weights=False)[0]
+        return self.head(h + torch.tanh(self.ff(self.norm(h))))  # (B, T, 11)
+
+
+def test_batch_gradients_summed_from_the_formed_examples_are_autograds(tmp_path):
+    torch.manual_seed(3)
+    watched = _Seq().double().train()
+    plain = copy.deepcopy(watched)
+    ids = torch.randint(0, 11, (3, 3, 6))  # 3 steps of 3 sequences of 6 tokens
+    opts = [torch.optim.SGD(m.parameters(), lr=0.3, momentum=0.9) for m in (watched, plain)]
+    expected = []
+    with Watch(watched, tmp_path / "w.parquet", "causal_lm") as watch:
+        for step, batch in enumerate(ids):
+            for opt in opts:
+                opt.zero_grad()
+            for i in range(3):  # each example alone: its gradient's norm
+                logits = plain(batch[i : i + 1])[0, :-1]
+                loss = nn.functional.cross_entropy(logits, batch[i, 1:])
+                grads = torch.autograd.grad(loss, list(plain.parameters()))
+                expected.append(torch.stack([g.square().sum() for g in grads]).sum().sqrt())
+            logits = plain(batch)[:, :-1]
+            nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
+            watch.step(batch, batch, torch.arange(3) + 3 * step).backward()
+            for p, q in zip(watched.parameters(), plain.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+            for opt in opts:
+                opt.step()
+        findings = watch.engine.record.at((ids[0],), ids[0])
+    # formed on the first step, the two replayed steps took these batch gradients from the sums
+    assert findings.replays == 2
+    assert {"tok.weight", "attn.in_proj_weight", "ff.weight", "ff.bias"} <= findings.formed
+    assert len(findings.programs[-1].trained) == 1  # their requests read once, kept after
+    for p, q in zip(watched.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)  # to float rounding
+    table = pq.read_table(tmp_path / "w.parquet").to_pydict()
+    np.testing.assert_allclose(table["grad_norm"], torch.stack(expected), rtol=1e-10)
+
+
+def test_a_rule_failing_on_a_summed_step_gives_the_fallbacks_sum(tmp_path):
+    torch.manual_seed(4)
+    watched = nn.Sequential(nn.Embedding(11, 4), nn.Linear(4, 11)).double()
+    plain = copy.deepcopy(watched)
+    ids = torch.randint(0, 11, (3, 2, 6))
+    with Watch(watched, tmp_path / "w.parquet", "causal_lm") as watch:
+        for step, batch in enumerate(ids):
+            if step == 2:  # formed on the steps before, summed on this: its rule fails here
+                rules, linear = watch.engine.plan.rules, id(watched[1])
+                rules[linear] = dataclasses.replace(rules[linear], fn=_fails)
+            watched.zero_grad()
+            plain.zero_grad()
+            watch.step(batch, batch, torch.arange(2)).backward()
+            logits = plain(batch)[:, :-1]
+            per_example = nn.functional.cross_entropy(
+                logits.transpose(1, 2), batch[:, 1:], reduction="none"
+            )
+            per_example.mean(1).mean().backward()
+            for p, q in zip(watched.parameters(), plain.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+    assert watch.engine.plan.find("1.weight").is_fallback
+
+
+def _fails(*args, **kwargs):
+    raise RuntimeError("a rule that fails")

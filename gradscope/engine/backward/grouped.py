@@ -118,8 +118,8 @@ class Grouped:
                 p = mine[attr][k]
                 if p is None or p.is_fallback:
                     continue
-                summed = None  # the call's own examples' sum, where the self-check asks for it
-                if reducer.want.sums:
+                summed = None  # its own examples' sum: for the self-check, or a step's gradient
+                if reducer.want.sums or p.name in reducer.want.summed:
                     summed = _value(parts[attr].examples(k * batch, (k + 1) * batch).batch_sum())
                 given.append(
                     (

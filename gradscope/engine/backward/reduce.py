@@ -8,11 +8,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...rules import Contribution, Dense, Outer
-from ...rules.base import CHUNK_ELEMENTS, _sq_norm, accumulation_dtype, rows
-from ...rules.outer import gram_norms
+from ...rules import Contribution, Rows
+from ...rules.base import accumulation_dtype, rows
 from ...rules.projection import Projection
-from ...rules.routed import Routed, routed_inners, routed_norms
+from .batched import Batched
 
 
 @dataclass(frozen=True)
@@ -42,6 +41,9 @@ class Want:
     # a training step's parameters: the one backward also gives the batch gradient of the
     # summed loss for each (``Reducer.trained``), where autograd would leave it in ``.grad``
     train: tuple[Tensor, ...] = ()
+    # the names of those whose batch gradient is the sum of the examples' gradients their
+    # rules give (``Reducer.sums``), not autograd's: where the norm forms them anyway
+    summed: frozenset[str] = frozenset()
 
 
 def _merged(parts: list[Contribution]) -> Contribution:
@@ -49,6 +51,13 @@ def _merged(parts: list[Contribution]) -> Contribution:
     for part in parts[1:]:
         merged = merged.merge(part)
     return merged
+
+
+def _forms(groups: list[Contribution]) -> bool:
+    """Whether the batch sum of a parameter's parts of several kinds costs little beside their
+    norms: one forms each example's gradient, and each other does too or is a table's lookups
+    (their sum an ``index_add``: a tied embedding and output head)."""
+    return any(g.forms for g in groups) and all(g.forms or isinstance(g, Rows) for g in groups)
 
 
 def _cross(g: Contribution, h: Contribution) -> Tensor:
@@ -75,7 +84,13 @@ class Reducer:
         self.inner: dict[str, Tensor] = {}
         self.kept: dict[str, Contribution] = {}
         self.sums: dict[str, Tensor] = {}
-        self.trained: list[Tensor | None] = []  # d(summed loss)/d each of ``want.train``
+        # d(summed loss)/d each of ``want.train`` from autograd, None at ``summed_at``'s
+        # positions: the names whose sums (``gradients``) the rules give instead
+        self.trained: list[Tensor | None] = []
+        self.summed_at: dict[int, str] = {}
+        # of a training step: the parameters whose rule formed each example's gradient for
+        # its norm, whose batch gradient the next step of the signature sums (``want.summed``)
+        self.formed: set[str] = set()
         self._parts: dict[str, list[Contribution]] = {name: [] for name in merged}
         # single calls' small norms answered together when the backward ends
         self._batched = Batched() if want.norms else None
@@ -123,11 +138,16 @@ class Reducer:
         if self.pre is not None:
             self.pre._reduce_apart(name, [self.want.transform(name, g) for g in groups])
         refs = self.want.refs[name] if self.want.refs is not None else None
+        if self.want.train and _forms(groups):
+            self.formed.add(name)
         if self.want.norms and refs is not None and self.want.share:
             both = [g.norm_sq_and_inner(refs) for g in groups]
             norm_sq, self.inner[name] = sum(n for n, _ in both), sum(i for _, i in both)
         else:
-            if self.want.norms:
+            if self.want.norms and name in self.want.summed:
+                both = [g.norm_sq_and_sum() for g in groups]
+                norm_sq, self.sums[name] = sum(n for n, _ in both), sum(t for _, t in both)
+            elif self.want.norms:
                 norm_sq = sum(g.norm_sq() for g in groups)
             if refs is not None:
                 self.inner[name] = sum(g.inner(refs) for g in groups)
@@ -138,18 +158,22 @@ class Reducer:
                 for h in groups[k + 1 :]:
                     norm_sq = norm_sq + 2 * _cross(g, h)
             self.norm_sq[name] = norm_sq
-        if self.want.sums:
+        if self.want.sums or (name in self.want.summed and name not in self.sums):
             self.sums[name] = sum(g.batch_sum() for g in groups)
 
     def reduce(self, name: str, c: Contribution) -> None:
         if self.pre is not None:
             self.pre.reduce(name, self.want.transform(name, c))
         refs = self.want.refs[name] if self.want.refs is not None else None
+        if self.want.train and c.forms:
+            self.formed.add(name)
         if self.want.norms and refs is not None and self.want.share:
             self.norm_sq[name], self.inner[name] = c.norm_sq_and_inner(refs)
         else:
             batched = self._batched is not None and self._batched.take(name, c)
-            if self.want.norms and not batched:
+            if self.want.norms and not batched and name in self.want.summed:
+                self.norm_sq[name], self.sums[name] = c.norm_sq_and_sum()
+            elif self.want.norms and not batched:
                 self.norm_sq[name] = c.norm_sq()
             inners = self._inners is not None and self._inners.take(name, c)
             if refs is not None and not inners:
@@ -158,8 +182,15 @@ class Reducer:
             self.inner[name] = c.project(self.want.project[name])
         if self.want.keep:
             self.kept[name] = c
-        if self.want.sums:
+        if self.want.sums or (name in self.want.summed and name not in self.sums):
             self.sums[name] = c.batch_sum()
+
+    def gradients(self) -> list[Tensor | None]:
+        """d(summed loss)/d each of ``want.train``: autograd's, or the sum of the examples'
+        gradients for ``want.summed``'s (the fallback's where a rule failed on the batch; None
+        where no call reached the loss, as autograd's)."""
+        at = self.summed_at
+        return [self.sums.get(at[k]) if k in at else g for k, g in enumerate(self.trained)]
 
     def answered(
         self,
@@ -169,7 +200,8 @@ class Reducer:
         batch_sum: Callable[[], Tensor] | None,
     ) -> None:
         """What was answered elsewhere (``grouped.Grouped``): a squared norm and inner products
-        where asked for, and the sum over the examples where the self-check asks for it."""
+        where asked for, and the sum over the examples where the self-check or a training
+        step's ``want.summed`` asks for it."""
         if norm_sq is not None:
             self.norm_sq[name] = norm_sq
         if inner is not None:
@@ -199,100 +231,3 @@ class Reducer:
             self.inner[name] = torch.zeros(batch, self.want.project[name].dim, **like)
         if self.want.sums:
             self.sums.setdefault(name, torch.zeros_like(param))
-
-
-class Batched:
-    """Norms, or inner products with ``refs`` (each part its own parameter's), held back until
-    the backward ends, then answered one batched op per shape (norms: Outers of one Gram block
-    by ``rules.outer.gram_norms``, routed experts' reads by ``rules.routed.routed_norms``,
-    formed gradients by one norm; inner products: Outers by ``Outer.inners`` of their examples
-    stacked, routed reads by ``rules.routed.routed_inners``, formed gradients by one product),
-    while what they hold stays under ``CHUNK_ELEMENTS`` (past it, a shape's parts are answered
-    at once): the host-bound passes, where each call's few small ops cost more to dispatch
-    than to compute."""
-
-    def __init__(self, refs: dict[str, Tensor] | None = None):
-        self.refs = refs
-        self._held: dict[tuple, list[tuple[str, Contribution]]] = {}
-        self._size = 0
-        self.done: dict[str, Tensor] = {}
-
-    def take(self, name: str, c: Contribution) -> bool:
-        """Hold ``c`` back where it is an Outer or a Routed of one Gram block (for inner
-        products: an Outer of every position, a Routed of ``sorted_route``), or formed
-        gradients (a bias, a norm's scale); False where not taken."""
-        key = _norm_key(c) if self.refs is None else _inner_key(c, len(self.refs[name]))
-        if key is None:
-            return False
-        held = self._held.setdefault(key, [])
-        held.append((name, c))
-        self._size += _size(c)
-        if self._size > CHUNK_ELEMENTS:
-            self._answer(key)
-        return True
-
-    def _answer(self, key: tuple) -> None:
-        held = self._held.pop(key)
-        names, parts = [name for name, _ in held], [c for _, c in held]
-        if len(parts) == 1:  # nothing alike came: its own answer, nothing stacked
-            c = parts[0]
-            answers = [c.norm_sq() if self.refs is None else c.inner(self.refs[names[0]])]
-        elif self.refs is None:
-            answers = _norms(key[0], parts)
-        else:
-            answers = _inners(key[0], parts, torch.stack([self.refs[n] for n in names]))
-        self.done.update(zip(names, answers, strict=True))
-        self._size -= sum(_size(c) for c in parts)
-
-    def answers(self) -> dict[str, Tensor]:
-        for key in list(self._held):
-            self._answer(key)
-        return self.done
-
-
-def _norm_key(c: Contribution) -> tuple | None:
-    if isinstance(c, Outer) and c.one_gram:
-        return (Outer, c.dims, c.s.dtype, c.s.device)
-    if type(c) is Routed and c.one_gram:
-        return (Routed, c.a.shape, c.s.shape, c.shape[0], c.batch, c.s.dtype, c.s.device)
-    if type(c) is Dense:
-        return (Dense, c.grads.shape[0], c.shape.numel(), c.grads.dtype, c.grads.device)
-    return None
-
-
-def _inner_key(c: Contribution, k: int) -> tuple | None:
-    if type(c) is Outer and c.lengths is None:
-        return (Outer, c.dims, c.shape, k, c.s.dtype, c.s.device)
-    if type(c) is Routed and c.sorted_route:
-        return (Routed, c.a.shape[1], c.s.shape[1], c.shape, c.batch, c.transposed, k)
-    if type(c) is Dense:
-        return (Dense, c.grads.shape, k, c.grads.dtype, c.grads.device)
-    return None
-
-
-def _norms(kind: type, parts: list) -> Tensor:
-    """(n, B) the squared norms of n parts of one ``_norm_key``."""
-    if kind is Outer:
-        return gram_norms(parts)
-    if kind is Routed:
-        return routed_norms(parts)
-    return _sq_norm(torch.stack([rows(c.grads) for c in parts]))  # (n, B, P) -> (n, B)
-
-
-def _inners(kind: type, parts: list, refs: Tensor) -> Tensor:
-    """(n, B, K) the inner products of n parts of one ``_inner_key``, each with its own
-    references, ``refs`` (n, K, *shape)."""
-    if kind is Routed:
-        return routed_inners(parts, refs)
-    if kind is Outer:  # the n parts' examples stacked, (n*B, G, T, O) and (n*B, G, T, I)
-        s, a = torch.cat([c.s for c in parts]), torch.cat([c.a for c in parts])
-        return Outer(s, a, parts[0].shape).inners(refs, parts[0].dims[0])
-    grads = torch.cat([c.grads for c in parts])  # (n*B, *shape)
-    return Dense(grads).inners(refs, parts[0].grads.shape[0])
-
-
-def _size(c: Contribution) -> int:
-    """The elements a held contribution keeps alive."""
-    if isinstance(c, Routed):  # and the Gram of its rows
-        return c.s.numel() + c.a.numel() + c.a.shape[0] ** 2
-    return c.s.numel() + c.a.numel() if isinstance(c, Outer) else c.grads.numel()

@@ -11,13 +11,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
+from torch.nn import Parameter
 
 from ...errors import GradscopeError
 from ...rules import Contribution, Outer, find_rule
 from ..capture import Call, Captured, Use
 from ..plan import ParamPlan, Plan
 from ..rows import regroup
-from .backward import Requests, backward
+from .backward import Requests, backward, requests
 from .fallback import short_reason
 from .grouped import Grouped
 from .reduce import Reducer, Want
@@ -31,6 +32,9 @@ class Served:
     count: dict[str, int]  # calls and reads serving each watched parameter
     checked: list[ParamPlan]  # parameters whose batch gradients are asked for
     asked: Requests | None  # which outputs to request; None: read off this batch's graph
+    # a training step's requests, by the ids of the tensors asked of autograd, kept across
+    # batches where ``asked`` holds for every batch of the program (``Program.trained``)
+    trained: dict[tuple[int, ...], Requests] | None = None
 
 
 def served_calls(plan: Plan, captured: Captured) -> list[Call]:
@@ -53,6 +57,20 @@ def uses(plan: Plan, calls: Sequence[Call], reads: Sequence[Use]) -> dict[str, i
     return count
 
 
+def summed(plan: Plan, formed: frozenset[str], train: Sequence[Tensor]) -> frozenset[str]:
+    """The parameters of ``train`` whose batch gradient a training step takes from their
+    rules' sums (``Want.summed``): those whose rules ``formed`` each example's gradient on the
+    signature's last step (the same shapes form again; where one does not, its sum is one
+    product, as autograd's), served by rules or reads still and not sharded (the examples'
+    sum is not a shard's)."""
+    trained = {id(t) for t in train}
+    return frozenset(
+        p.name
+        for p in plan.by_rule + plan.raw
+        if p.name in formed and id(p.param) in trained and type(p.param) in (Tensor, Parameter)
+    )
+
+
 def serve(
     plan: Plan,
     captured: Captured,
@@ -68,7 +86,11 @@ def serve(
     merged = [name for name, k in done.count.items() if k > 1]
     reducer = Reducer(
         dataclasses.replace(
-            want, norms=want.norms or verify, share=want.share and want.norms, sums=verify
+            want,
+            norms=want.norms or verify,
+            share=want.share and want.norms,
+            sums=verify,
+            summed=frozenset() if verify else want.summed,  # the self-check's are autograd's
         ),
         merged,
     )
@@ -83,16 +105,18 @@ def serve(
         captured.tap.reading(functools.partial(_on_read, plan, reducer))
     also = [p.param for p in done.checked]
     calls = served_calls(plan, captured)
-    # a training step's gradients come from the same backward; what to request is read off
-    # this graph then (a program's requests leave the parameters' own steps out)
-    asked = done.asked if not want.train else None
+    # a training step's gradients come from the same backward, autograd's but for those the
+    # rules sum (``Reducer.gradients``)
+    ruled = {id(plan.find(name).param): name for name in reducer.want.summed}
+    auto = [t for t in want.train if id(t) not in ruled]
+    asked = done.asked if not want.train else _trained(done, calls, reads, [*also, *auto])
     try:
         grads = backward(
             captured.session,
             captured.losses.sum(),
             calls,
             on_grad if grouped is None else grouped.take,
-            [*also, *want.train],
+            [*also, *auto],
             reads,
             asked,
         )
@@ -102,8 +126,24 @@ def serve(
     if grouped is not None:
         grouped.answer(reducer, batch)
     reducer.finish()
-    reducer.trained = grads[len(also) :]
+    by_autograd = iter(grads[len(also) :])
+    reducer.trained = [None if id(t) in ruled else next(by_autograd) for t in want.train]
+    reducer.summed_at = {k: ruled[id(t)] for k, t in enumerate(want.train) if id(t) in ruled}
     return reducer, grads[: len(also)]
+
+
+def _trained(
+    done: Served, calls: Sequence[Call], reads: Sequence[Use], tensors: list[Tensor]
+) -> Requests | None:
+    """A training step's requests: read off this graph (a program's own leave the parameters'
+    steps out, which a training step asks for), once for the program where its requests hold
+    for every batch; None: read off by ``backward``."""
+    if done.trained is None:
+        return None
+    key = tuple(id(t) for t in tensors)
+    if (asked := done.trained.get(key)) is None:
+        asked = done.trained[key] = requests(calls, reads, tensors)
+    return asked
 
 
 def _groupable(want: Want) -> bool:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from ..capture import Capture, Use, counter
@@ -36,6 +36,7 @@ from ..recipes import ARG, OPENED, Recipe, masked_by, metadata, name_of, sdpa_ma
 from ..steps import Diverged
 from ..tensors import tensors_in
 from ..views import places
+from .intercept import Intercept, Intercepting
 from .reads import RecipeReads
 
 _SEQUENCES = (list, tuple)
@@ -48,9 +49,11 @@ _SCALAR_READS = frozenset(
 )
 
 
-class LightRegion(RecipeReads, TorchFunctionMode):
+class LightRegion(RecipeReads, Intercepting, TorchFunctionMode):
     """One light region call of a replayed batch: ``recipes`` its reads, ``during`` the autograd
-    nodes the analysed call made; entered at once, left by ``finish`` (or ``close``)."""
+    nodes the analysed call made; entered at once, left by ``finish`` (or ``close``). With
+    ``intercept`` its reads are intercepted where it ``intercepts`` (``intercept.py``), not seen
+    by its mode, and ``intercept`` is told where its witness fails."""
 
     def __init__(
         self,
@@ -63,6 +66,7 @@ class LightRegion(RecipeReads, TorchFunctionMode):
         constant: Sequence[Tensor] = (),
         hosts: Sequence[tuple[str, object]] | None = None,
         branched: Callable[[], None] = lambda: None,
+        intercept: Intercept | None = None,
     ):
         super().__init__()
         self.recipes, self.during, self.batch = tuple(recipes), during, batch
@@ -89,7 +93,19 @@ class LightRegion(RecipeReads, TorchFunctionMode):
         self._next = 0
         self._start = counter()
         self._open = True
-        self.__enter__()
+        self.intercept = intercept
+        self.intercepts = intercept is not None and not hosts and not computed and self._plain()
+        if self.intercepts:
+            self.hold(list(self.params.values()), intercept)
+        else:
+            self.__enter__()
+
+    def _plain(self) -> bool:
+        """Whether its reads may be intercepted (``intercepts``, with no scalar read on the
+        host to witness and no constant to follow, so that every op it must see touches a
+        watched parameter or a tensor made from one): each a plain Parameter, not a subclass
+        of its own (a sharded one's)."""
+        return all(type(p.param) is nn.Parameter for p in self.params.values())
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -223,10 +239,19 @@ class LightRegion(RecipeReads, TorchFunctionMode):
     def close(self) -> None:
         if self._open:
             self._open = False
-            self.__exit__(None, None, None)
+            if self.intercepts:
+                self.release()
+            else:
+                self.__exit__(None, None, None)
 
     def finish(self, outputs: Sequence[Tensor], exit: tuple) -> str | None:
         """The call's end: why the batch is not one the analysis describes, or None."""
+        why = self._why(outputs, exit)
+        if why and self.intercepts:
+            self.intercept.failed()
+        return why
+
+    def _why(self, outputs: Sequence[Tensor], exit: tuple) -> str | None:
         self.close()
         if self.why:
             return self.why

@@ -20,6 +20,7 @@ from ..hooks import ModuleHooks
 from ..plan import Plan
 from ..record import Findings, Lessons, Record
 from ..steps import Program, RegionCall
+from .intercept import Intercept
 from .light import LightRegion
 from .routed import RoutedRegion
 from .session import Diverged, ReplaySession, Taps
@@ -42,6 +43,7 @@ class Replayed:
         self.plan, self.record, self.modules, self.losses = plan, record, modules, losses
         self.kinds = {id(m): type(m) for m in modules}  # a region call's module's class
         self.hooks = hooks  # the Engine's module hooks, lent to each batch's session
+        self.holders: dict[int, tuple] = {}  # each parameter's Read, where held (``Intercept``)
 
     def __call__(
         self, inputs: tuple[Tensor, ...], targets: Tensor, want: Want, findings: Findings
@@ -100,6 +102,7 @@ class Replayed:
             branched=functools.partial(setattr, lessons, "branched", True),
             hooks=self.hooks,
             children=children,
+            intercept=self._intercept(None, lessons),
         )
         session.make_region = lambda call, tensors: self._region(
             call, tensors, findings, lessons, session
@@ -119,7 +122,8 @@ class Replayed:
         else:  # the analysed calls, and the light regions' reads in the analysed order
             reads, count = captured.tap.reads(), dict(program.uses)
             checked = [plan.find(name) for name in program.checked]
-        done = Served(count, checked, program.requests)
+        trained = program.trained if program.requests is not None else None
+        done = Served(count, checked, program.requests, trained)
         reducer, grads = serve(plan, captured, want, done, reads)
         for p in plan.fallback:  # a rule that failed on this batch
             reducer.forget(p.name)
@@ -156,6 +160,15 @@ class Replayed:
                 made,
                 call.hosts,
                 traced,
+                self._intercept(kind, lessons),
             )
         copy = self.record.copy
         return Seeded(self.plan, findings, copy, batch, tensors, call.entry, session.inside)
+
+    def _intercept(self, kind: type | None, lessons: Lessons) -> Intercept | None:
+        """Where the reads of a light region of ``kind`` (None: the model's top level) are
+        intercepted (``intercept.py``), what is told when they fail: the kind is then read
+        under the mode, whose witness sees every op; None where it is already."""
+        if kind in self.record.moded:
+            return None
+        return Intercept(functools.partial(lessons.moded.add, kind), self.holders)

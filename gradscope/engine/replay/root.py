@@ -12,6 +12,7 @@ from collections.abc import Callable
 from ..capture import Use
 from ..plan import Plan
 from ..steps import Program
+from .intercept import Intercept
 from .light import LightRegion
 
 
@@ -32,9 +33,10 @@ class RootReads(LightRegion):
         buffers: frozenset[int],
         outside: Callable[[], bool],
         branched: Callable[[], None],
+        intercept: Intercept | None = None,
     ):
-        hosts = program.hosts
-        super().__init__(plan, program.root, None, batch, ruled, buffers, (), hosts, branched)
+        hosts, root = program.hosts, program.root
+        super().__init__(plan, root, None, batch, ruled, buffers, (), hosts, branched, intercept)
         self.outside = outside  # whether no region call is under way
 
     def _host(self, func, args: tuple, kwargs: dict) -> object:
@@ -52,6 +54,12 @@ class RootReads(LightRegion):
 
     def finish_reads(self) -> str | None:
         """The forward's end: why the batch's reads are not the analysed ones, or None."""
+        why = self._missing()
+        if why and self.intercepts:
+            self.intercept.failed()
+        return why
+
+    def _missing(self) -> str | None:
         self.close()
         if self.why:
             return self.why

@@ -33,6 +33,7 @@ from ..capture import Call, Capture, counter, first_output, shapes_of
 from ..hooks import ModuleHooks
 from ..plan import BROADCAST, ParamPlan, Plan
 from ..steps import Diverged, Program, RegionCall, Step
+from .intercept import Intercept
 from .region import Region, RegionHooks
 from .root import RootReads, in_order
 
@@ -55,6 +56,7 @@ class ReplaySession(RegionHooks, Capture):
         branched: Callable[[], None] = lambda: None,
         hooks: ModuleHooks | None = None,
         children: Iterable[nn.Module] = (),
+        intercept: Intercept | None = None,
     ):
         super().__init__(modules, hooks)
         self.hooked = {id(m) for m in self.modules}
@@ -69,6 +71,8 @@ class ReplaySession(RegionHooks, Capture):
         self.plan, self.root = plan, None  # the reads outside every region (``RootReads``)
         self.buffers = buffers  # ids of the model's buffers (``LightRegion``)
         self.branched = branched  # told when values read on the host outside regions differ
+        self.intercept = intercept  # the root's reads intercepted (``intercept.py``): told where
+        # they fail; None: the root's mode sees them
         self._last = 0
 
     def __enter__(self) -> ReplaySession:
@@ -90,6 +94,7 @@ class ReplaySession(RegionHooks, Capture):
                     self.buffers,
                     self._outside,
                     self.branched,
+                    self.intercept,
                 )
         except BaseException:  # no with runs __exit__ then: give the hooks back here
             self.__exit__(None, None, None)
@@ -165,7 +170,7 @@ class ReplaySession(RegionHooks, Capture):
         if root is None or not root.running or not root.spent():
             return
         depth = torch._C._len_torch_function_stack()
-        if depth and torch._C._get_function_stack_at(depth - 1) is root:
+        if root.intercepts or (depth and torch._C._get_function_stack_at(depth - 1) is root):
             root.close()
 
     def _captured(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:

@@ -1,15 +1,18 @@
 """The reducer's inner products held back and answered together (parts of one shape stacked,
 each with its own parameter's references) against each example's gradient formed by a loop in
-float64, whether the parts are answered at the end or early, past the held elements' bound."""
+float64, whether the parts are answered at the end or early, past the held elements' bound; and
+a training step's batch gradients summed from the examples' (``Want.summed``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gradscope.engine.backward import reduce
+from gradscope.engine.backward import batched
 from gradscope.engine.backward.reduce import Reducer, Want
-from gradscope.rules import Dense, Outer
+from gradscope.rules import Dense, Outer, Rows
+from gradscope.rules import outer as outer_module
+from gradscope.rules.formed import Formed
 from gradscope.rules.routed import Routed
 
 B, K = 3, 2
@@ -40,9 +43,9 @@ def _routed(gen: torch.Generator, rows: int) -> tuple[Routed, torch.Tensor]:
     return part, grads
 
 
-@pytest.mark.parametrize("bound", [reduce.CHUNK_ELEMENTS, 100], ids=["at the end", "early"])
+@pytest.mark.parametrize("bound", [batched.CHUNK_ELEMENTS, 100], ids=["at the end", "early"])
 def test_inner_products_held_back_are_each_parameters_own(monkeypatch, bound: int):
-    monkeypatch.setattr(reduce, "CHUNK_ELEMENTS", bound)
+    monkeypatch.setattr(batched, "CHUNK_ELEMENTS", bound)
     gen = torch.Generator().manual_seed(0)
     parts = {
         "o1": _outer(gen, 3),
@@ -69,3 +72,55 @@ def test_inner_products_held_back_are_each_parameters_own(monkeypatch, bound: in
         torch.testing.assert_close(
             reducer.inner[name].double(), expected, rtol=1e-5, atol=1e-5, msg=name
         )
+
+
+def _rows(gen: torch.Generator, t: int) -> tuple[Rows, torch.Tensor]:
+    """Lookups into a (4, 8) table: a tied output head's (4, 8) weight is the same table."""
+    ids = torch.randint(0, 4, (B, t), generator=gen)
+    s = torch.randn(B, t, 8, generator=gen, dtype=torch.float64)
+    grads = torch.zeros(B, 4, 8, dtype=torch.float64)
+    for b in range(B):
+        for p in range(t):
+            grads[b, ids[b, p]] += s[b, p]
+    return Rows(ids, s, 4), grads
+
+
+@pytest.mark.parametrize("chunk", [outer_module.CHUNK_ELEMENTS, 40], ids=["one", "chunks"])
+def test_a_training_steps_sums_are_the_examples_gradients_summed(monkeypatch, chunk: int):
+    monkeypatch.setattr(outer_module, "CHUNK_ELEMENTS", chunk)  # G formed a few examples at once
+    gen = torch.Generator().manual_seed(1)
+    formed = torch.randn(B, 2, 3, generator=gen, dtype=torch.float64)
+    parts = {
+        "formed": _outer(gen, 5),  # its norm forms each G: the sum from the same chunks
+        "gram": _outer(gen, 1),  # one position: no G formed, its sum one product
+        "dense": (Dense(formed[:, 0]), formed[:, 0]),
+        "conv": (Formed(lambda lo, hi: formed[lo:hi], B, torch.Size((2, 3)), 2), formed),
+    }
+    (head, head_grads), (table, table_grads) = _outer(gen, 5), _rows(gen, 3)
+    train = (torch.zeros(1),)  # a training step's: what the reducer is told of it
+    reducer = Reducer(Want(train=train, summed=frozenset([*parts, "tied"])), ["tied"])
+    for name, (part, _) in parts.items():
+        reducer.add(name, part)
+    reducer.add("tied", head)  # a tied table and head: parts of two kinds, reduced apart
+    reducer.add("tied", table)
+    reducer.finish()
+    parts["tied"] = (None, head_grads + table_grads)
+    assert reducer.formed == {"formed", "dense", "conv", "tied"}
+    for name, (_, grads) in parts.items():
+        torch.testing.assert_close(reducer.sums[name], grads.sum(0), msg=name)
+        norms = grads.flatten(1).square().sum(1)
+        torch.testing.assert_close(reducer.norm_sq[name], norms, msg=name)
+
+
+@pytest.mark.parametrize("held", [batched.HELD_DENSE, 8], ids=["stacked", "at once"])
+def test_formed_gradients_norms_stacked_or_at_once(monkeypatch, held: int):
+    monkeypatch.setattr(batched, "HELD_DENSE", held)  # past it, a bias's norm is its own
+    gen = torch.Generator().manual_seed(2)
+    grads = {name: torch.randn(B, 5, generator=gen, dtype=torch.float64) for name in "abc"}
+    grads["d"] = torch.randn(B, 2, generator=gen, dtype=torch.float64)  # under the bound
+    reducer = Reducer(Want(), ())
+    for name, g in grads.items():
+        reducer.add(name, Dense(g))
+    reducer.finish()
+    for name, g in grads.items():
+        torch.testing.assert_close(reducer.norm_sq[name], g.square().sum(1), msg=name)
