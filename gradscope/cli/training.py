@@ -67,8 +67,10 @@ def train(
     terminal.wrote(trained.path)
     if trained.record:
         terminal.wrote(trained.record)
-    if trained.epochs:  # TracIn's sum over checkpoints, each weighted by its learning rate
+    if trained.epochs:  # influence's sum over checkpoints, each weighted by its learning rate
         listed = ", ".join(f"{{path: {p.name}, weight: {lr:.4g}}}" for p, lr in trained.epochs)
         terminal.console.print(
-            f"for TracIn: model.checkpoints: [{listed}]", soft_wrap=True, highlight=False
+            f"for an ensemble (TracIn with --curvature none): model.checkpoints: [{listed}]",
+            soft_wrap=True,
+            highlight=False,
         )

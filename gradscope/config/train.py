@@ -56,7 +56,7 @@ class TrainConfig:
     weights, when it names one). ``model.checkpoint`` is never read: it is what training makes."""
     save_every: int | None = None
     """Also write a checkpoint every K epochs beside the final one (``model.epochK.pt``), for
-    TracIn over ``model.checkpoints``."""
+    ``influence`` over ``model.checkpoints`` (an ensemble; TracIn with ``--curvature none``)."""
     fn: str | None = None
     """``file.py:train``: your own loop instead of the recipe, for loops gradscope does not know
     (a Hugging Face ``Trainer``, Lightning). Called as ``fn(model, rows, seed)`` with the freshly
