@@ -94,7 +94,8 @@ def summary(report: dict, design: str) -> list[str]:
         for n in names:
             run = per[n].get(label)
             tuned = run is not None and ("best" in label or "tuned" in label)
-            shown = {k: v for k, v in (run or {}).get("options", {}).items() if k != "curvature"}
+            hidden = ("curvature", "checkpoints")  # said by the row's label
+            shown = {k: v for k, v in (run or {}).get("options", {}).items() if k not in hidden}
             extra = f" [{_options(shown)}]" if tuned and _lds(run, design) is not None else ""
             cells.append(_cell(run, design) + extra)
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
