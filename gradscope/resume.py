@@ -57,7 +57,12 @@ def fingerprint(
         "device": device,
         **(resume_key or {}),
     }
-    return json.loads(json.dumps(result, default=str))
+    return as_json(result)
+
+
+def as_json(value: dict) -> dict:
+    """``value`` as JSON reads it back (what ``differences`` compares with a stored key)."""
+    return json.loads(json.dumps(value, default=str))
 
 
 def differences(old: dict, new: dict) -> list[str]:

@@ -24,7 +24,7 @@ from ..errors import ConfigError, DataError, ModelError
 from ..inputs import Inputs
 from ..io.files import file_sha256
 from ..io.parquet import replace_atomically
-from ..resume import differences
+from ..resume import as_json, differences
 from .loop import build, recipe
 from .steps import Update
 
@@ -54,7 +54,7 @@ def record_key(cfg: Config, inputs: Inputs) -> dict:
     }
     result = {"model": model, "data": data, "loss": config["loss"], "dtype": config["dtype"]}
     result |= {"train": train, "files": files, "torch": torch.__version__}
-    return json.loads(json.dumps(result, default=str))
+    return as_json(result)
 
 
 def rng() -> dict:

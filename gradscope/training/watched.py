@@ -5,7 +5,6 @@ are the ones it watched, and the model it began from, built by the config's fact
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
@@ -16,16 +15,11 @@ from ..errors import ConfigError, DataError, ModelError, one_line
 from ..io.data import open_dataset
 from ..io.model import build_model
 from ..job import resolve_device
-from ..resume import differences
+from ..resume import as_json, differences
 from .record import Record, _load
 from .steps import Update
 
 START = "start.pt"  # the state dict the watched loop began from
-
-
-def as_json(value: dict) -> dict:
-    """``value`` as JSON reads it back."""
-    return json.loads(json.dumps(value, default=str))
 
 
 def opened(meta: dict, cfg: Config, folder: Path) -> tuple[Update, float | None]:

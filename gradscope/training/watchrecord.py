@@ -9,18 +9,20 @@ the replay then refuses in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..config import TrainConfig
+from ..config import LossConfig, TrainConfig
 from ..errors import ConfigError, DataError
 from ..losses import LossFn
+from ..resume import as_json
 from .record import FINAL, MANIFEST, META, STEPS, WATCHED, Recorder
 from .steps import Tensors, Update
-from .watched import START, as_json
+from .watched import START
 
 SEGMENT = 32  # steps per checkpoint: a loop does not say how many steps it will take
 # the settings of a param group that change its step (not how it is computed: foreach, fused)
@@ -248,6 +250,6 @@ def recording(folder: str | Path | None, model: nn.Module,
             "record= needs the loss by name, as the config's loss.name gives it to the replay",
             "loss",
         )
-    section = {"name": loss, "kwargs": kwargs, "class_dim": -1, "token_reduction": "mean"}
-    key = {"loss": section, "torch": torch.__version__}  # the config's loss section it is
+    section = dataclasses.asdict(LossConfig(name=loss, kwargs=kwargs))  # the config's, as watched
+    key = {"loss": section, "torch": torch.__version__}
     return Recording(folder, model, optimizer, clip, segment, as_json(key))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from ..errors import ConfigError, DataError, one_line
 from ..io.data import code_file, data_sha256
 from ..io.files import file_sha256
 from ..io.parquet import read_metadata
-from ..resume import differences
+from ..resume import as_json, differences
 
 RULE = (
     "subset m (m = 0, 1, ...): numpy.random.default_rng([train.seed, 0]).choice(N, size, "
@@ -134,7 +133,7 @@ def identity(cfg: Config, ref: str, rows: int, same_order: bool = False) -> dict
     }
     if same_order:  # absent, each subset trained alone: the truth files made before it
         found["order"] = "same"
-    return json.loads(json.dumps(_portable(found), default=str))
+    return as_json(_portable(found))
 
 
 def _portable(value: Any) -> Any:
