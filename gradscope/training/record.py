@@ -112,14 +112,16 @@ class Recorder:
         self.picked.append(picked.clone())
         self.lrs.append(trainer.lr_at(trainer.step))
 
-    def checkpoint(self, step: int, params: list[Tensor], state: list[Tensor]) -> None:
+    def checkpoint(
+        self, step: int, params: list[Tensor], state: list[Tensor], began: dict | None = None
+    ) -> None:
         """The checkpoint of the segment that begins at ``step``: the weights and optimizer
-        state as it found them, and the random state now."""
+        state as it found them, and the random state it began in (``began``; None: now)."""
         checkpoint = {
             "step": step,
             "params": [p.detach().cpu().clone() for p in params],
             "state": [s.cpu() for s in state],
-            "rng": rng(),
+            "rng": rng() if began is None else began,
         }
         _save(self.folder / _segment_name(step // self.segment), checkpoint)
 
@@ -184,6 +186,22 @@ class Record:
         """Each step's (B,) positions among the training rows, and its learning rate."""
         steps = _load(self.folder / STEPS)
         return list(steps["picked"].split(steps["sizes"].tolist())), steps["lrs"].tolist()
+
+    def drawn(self) -> dict[int, dict]:
+        """Step -> the random state it began in, where the step before did not leave it (a
+        watched loop that drew between steps); none for a run of ``gradscope train``."""
+        if self.meta.get("source") != WATCHED:
+            return {}
+        from .watched import drawn
+
+        return drawn(self)
+
+    def check_rows(self, rows, data: str) -> None:
+        """The rows the replay trains on (of ``data``, a path) are those a watched loop fed."""
+        if self.meta.get("source") == WATCHED:
+            from .watched import check_rows
+
+            check_rows(self, rows, data)
 
     def final(self) -> list[Tensor]:
         return _load(self.folder / FINAL)["params"]
@@ -254,9 +272,10 @@ def _check_files(folder: Path) -> None:
     """Every file the manifest lists is there with its sha256, and no other record file."""
     if not (folder / MANIFEST).is_file():
         what = "no run record" if not folder.is_dir() else "an unfinished run record (no manifest)"
-        raise DataError(
-            f"{what}: gradscope train --record or Watch(record=) writes one", str(folder)
-        )
+        fix = "gradscope train --record or Watch(record=) writes one"
+        if (folder / "start.pt").is_file():  # watched.START: of a loop stopped before its end
+            fix = "a watched loop's cannot be continued; run the loop again from its first step"
+        raise DataError(f"{what}: {fix}", str(folder))
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
     except ValueError as e:

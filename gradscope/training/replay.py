@@ -58,6 +58,7 @@ def through_training(
     device = resolve_device(cfg.device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         rows = TrainingRows(cfg, None)
+        record.check_rows(rows, cfg.data.path)
         model = record.start_model(cfg)
         called = Called(model, config_forward(cfg))
         names = [f"model.{n}" for n, p in model.named_parameters() if p.requires_grad]
@@ -90,6 +91,7 @@ class _Replay:
     def __init__(self, problem: Problem, record: Record, on_step: Callable[[int], None] | None):
         self.problem, self.record, self.on_step = problem, record, on_step
         self.picked, self.lrs = record.steps()
+        self.drawn = record.drawn()  # step -> its random state, where not the last's
         self.device = problem.rows.device
         trained = dict(problem.called.named_parameters())
         weights = sum(trained[name].numel() for name in problem.names)
@@ -150,6 +152,8 @@ class _Replay:
         trail = []
         first, last = self.record.bounds(k)
         for t in range(first, last):
+            if t in self.drawn:
+                set_rng(self.drawn[t])
             trail.append((params, state, rng()))
             params, state = self.problem.forward(params, state, self.picked[t], self.lrs[t], t)
         end = self.record.final() if k == self.record.segments - 1 else None

@@ -24,6 +24,8 @@ from ..engine import BatchScores, Engine, Forward, total
 from ..errors import ConfigError, DataError
 from ..losses import LossFn, resolve_loss
 from ..predictions import predictions
+from .watchdata import digests
+from .watchdraws import SameDraws
 from .watchfile import WatchFile
 from .watchrecord import SEGMENT, recording
 
@@ -108,6 +110,8 @@ class Watch:
     receives is of every parameter that requires grad.
     ``out`` is the Parquet file written when the context exits (the rows of every finished
     step, also after an error). ``on_step(step, ids)`` is called after each step.
+    Every forward the engine runs over a step's batch draws from the random state the step
+    began in (``watchdraws.py``): dropout's masks are the same in each, and the loop's.
 
     ``record`` is a folder where the run record that ``influence --through-training`` replays
     is written (``watchrecord.py``): ``optimizer`` the ``torch.optim`` SGD, Adam or AdamW the
@@ -147,13 +151,9 @@ class Watch:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ConfigError("the model has no parameter that requires grad to train", "model")
+        self.draws = SameDraws(forward or Forward(tuple(keywords), output, "output="))
         self.engine = Engine(
-            model,
-            per_example,
-            include,
-            exclude,
-            forward or Forward(tuple(keywords), output, "output="),
-            _observer(loss, kwargs),
+            model, per_example, include, exclude, self.draws, _observer(loss, kwargs)
         )
         name = loss if isinstance(loss, str) else getattr(loss, "__name__", "custom")
         self.file = WatchFile(
@@ -214,11 +214,16 @@ class Watch:
         counts = self._counts(targets)
         if divisor is None:
             divisor = float(counts.sum()) if counts is not None else float(len(targets))
-        scores = self.engine.step(inputs, targets, self.params)
+        began = self.draws.begin()
+        try:
+            scores = self.engine.step(inputs, targets, self.params)
+        finally:
+            after = self.draws.end()
         self._write(scores, counts, epoch, ids, targets)
         if self.recording is not None:  # the watched loss's gradient, for the record's check
             grads = [None if g is None else g / divisor for g in scores.trained]
-            self.recording.step(ids, grads, divisor, counts)
+            fed = digests(inputs, targets)
+            self.recording.step(ids, grads, divisor, counts, (began, after), fed)
         return _Deposit.apply(scores.loss.sum() / divisor, scores.trained, divisor, *self.params)
 
     def _write(

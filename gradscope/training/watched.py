@@ -1,6 +1,8 @@
 """A watched loop's run record (``watchrecord.py``) as the replay opens it: the recorded
 optimizer and clip, once nothing was refused while it trained and the config's loss and data
-are the ones it watched, and the model it began from, built by the config's factory."""
+are the ones it watched; the model it began from, built by the config's factory; the random
+states its steps began in where the step before did not leave them; and the check that the
+config's rows are the data each step fed (``watchdata.py``)."""
 
 from __future__ import annotations
 
@@ -16,10 +18,13 @@ from ..io.data import open_dataset
 from ..io.model import build_model
 from ..job import resolve_device
 from ..resume import as_json, differences
+from .loop import TrainingRows
 from .record import Record, _load
 from .steps import Update
+from .watchdata import check_fed
 
 START = "start.pt"  # the state dict the watched loop began from
+FED = "watched.pt"  # each step's digests of the data it fed, and the random states it drew
 
 
 def opened(meta: dict, cfg: Config, folder: Path) -> tuple[Update, float | None]:
@@ -72,3 +77,17 @@ def watched_model(record: Record, cfg: Config) -> nn.Module:
             "dtype",
         )
     return model
+
+
+def drawn(record: Record) -> dict[int, dict]:
+    """Step -> the random state the watched step began in, where the step before did not
+    leave it there (the loop drew between its steps)."""
+    saved = _load(record.folder / FED)
+    return dict(zip(saved["drawn"].tolist(), saved["states"], strict=True))
+
+
+def check_rows(record: Record, rows: TrainingRows, data: str) -> None:
+    """Each step's rows, as the replay batches the config's data (``data``, its path), digest
+    as the rows the watched step fed: else one line naming the data."""
+    picked, _ = record.steps()
+    check_fed(_load(record.folder / FED)["fed"], picked, rows.batch, str(record.folder), data)

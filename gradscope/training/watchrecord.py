@@ -2,10 +2,12 @@
 --record`` writes, with what a loop does not say read where it shows: the optimizer's kind and
 settings off its ``torch.optim`` instance, each step's learning rate off its param groups as it
 steps (any scheduler serves), each batch's rows from the watch's ids (positions in the config's
-``data.path``), the weights it began from in ``start.pt``. What the replay could not retrace
-exactly is refused as the watch is made, or named in the record as it trains (a step on another
-gradient than the watched loss's, a loss that is not the batch's mean, autocast, ...), which
-the replay then refuses in one line."""
+``data.path``), the weights it began from in ``start.pt``; in ``watched.pt``, each row's digest
+of the data each step fed (``watchdata.py``) and the random state of each step the loop drew
+before (``watchdraws.py``; a segment's first step's is in its checkpoint). What the replay
+could not retrace exactly is refused as the watch is made, or named in the record as it trains
+(a step on another gradient than the watched loss's, a loss that is not the batch's mean,
+autocast, ...), which the replay then refuses in one line."""
 
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ from ..config import LossConfig, TrainConfig
 from ..errors import ConfigError, DataError
 from ..losses import LossFn
 from ..resume import as_json
-from .record import FINAL, MANIFEST, META, STEPS, WATCHED, Recorder
+from .record import FINAL, MANIFEST, META, STEPS, WATCHED, Recorder, _load, _save
 from .steps import Tensors, Update
-from .watched import START
+from .watchdraws import same_state
+from .watched import FED, START
 
 SEGMENT = 32  # steps per checkpoint: a loop does not say how many steps it will take
 # the settings of a param group that change its step (not how it is computed: foreach, fused)
@@ -81,6 +84,7 @@ class Recording:
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.recipe = read_recipe(optimizer)
+        _not_resumed(Path(folder).resolve(), model)
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         if stepped != {id(p) for p in self.params}:
             raise ConfigError(
@@ -90,13 +94,19 @@ class Recording:
             )
         if optimizer.state:
             raise ConfigError(
-                "the optimizer has stepped before the watch began: give the watch a fresh one",
+                "the optimizer has stepped before the watch began: give the watch a fresh one "
+                "(a loop resumed from its own checkpoint is recorded from its first step)",
                 "optimizer",
             )
         self.settings = _settings(optimizer.param_groups[0])
         self.update = Update(TrainConfig(**self.recipe))
         self.recorder = Recorder(Path(folder).resolve(), segment, key)
-        self.pending: tuple[Tensor, Tensor] | None = None  # the watched step's ids, fingerprint
+        # the watched step's ids, gradient's fingerprint and digest of the data it fed
+        self.pending: tuple[Tensor, Tensor, Tensor] | None = None
+        self.fed: list[Tensor] = []  # per step, (B, k) the digests of the rows it fed
+        # step -> the random state it began in, where not the one the step before left
+        self.drawn: dict[int, dict] = {}
+        self.left: dict | None = None  # the random state the last step's forward left
         self.why: str | None = None
         self.rows = 0  # one more than the largest id
         self.buffers: list[Tensor] = []
@@ -107,7 +117,7 @@ class Recording:
         folder = self.recorder.folder
         if not folder.parent.is_dir():
             raise DataError("the folder to write the run record in does not exist", str(folder))
-        names = {MANIFEST, META, STEPS, FINAL, START}
+        names = {MANIFEST, META, STEPS, FINAL, START, FED}
         foreign = [f.name for f in folder.iterdir() if f.name not in names
                    and not f.name.startswith("segment-")] if folder.is_dir() else []  # fmt: skip
         if foreign or (folder.exists() and not folder.is_dir()):
@@ -118,12 +128,12 @@ class Recording:
         self.buffers = [b.detach().clone() for b in self.model.buffers()]
         self.hook = self.optimizer.register_step_post_hook(self._stepped)
 
-    def step(
-        self, ids: np.ndarray, grads: list[Tensor | None], divisor: float, counts: Tensor | None
-    ) -> None:
+    def step(self, ids: np.ndarray, grads: list[Tensor | None], divisor: float,
+             counts: Tensor | None, states: tuple[dict, dict | None], fed: Tensor) -> None:  # fmt: skip
         """A watched step: ``grads`` the gradient of its loss (its per-example losses summed over
         ``divisor``) that ``.grad`` receives, ``ids`` its rows, ``counts`` each one's counted
-        tokens where the loss is a mean over tokens."""
+        tokens where the loss is a mean over tokens; ``states`` the random state it began in
+        and the one its forward left, ``fed`` (B, k) the digests of its targets and inputs."""
         t = len(self.recorder.lrs)
         if self.pending is not None:
             self._refuse(
@@ -137,11 +147,19 @@ class Recording:
         if len(ids) and ids.min() < 0:
             self._refuse(f"step {t}'s ids are not positions in the data (one is negative)")
         self.rows = max(self.rows, int(ids.max()) + 1 if len(ids) else 0)
+        if self.fed and fed.shape[1] != self.fed[0].shape[1]:
+            self._refuse(f"step {t} fed {fed.shape[1] - 1} inputs, step 0 "
+                         f"{self.fed[0].shape[1] - 1}: the replay feeds data.inputs")  # fmt: skip
+            fed = fed.new_full((len(fed), self.fed[0].shape[1]), float("nan"))
+        began, left = states
         if t % self.recorder.segment == 0:
-            self.recorder.checkpoint(
-                t, self.params, self.update.state_of(self.optimizer, self.params)
-            )
-        self.pending = (torch.as_tensor(ids, dtype=torch.int64), _fingerprint(grads, self.params))
+            state = self.update.state_of(self.optimizer, self.params)
+            self.recorder.checkpoint(t, self.params, state, began)
+        elif self.left is None or not same_state(began, self.left):
+            self.drawn[t] = began  # the loop drew between steps (a loader's shuffle)
+        self.left = left
+        ids = torch.as_tensor(ids, dtype=torch.int64)
+        self.pending = (ids, _fingerprint(grads, self.params), fed)
 
     def _mean(self, t: int, rows: int, divisor: float, counts: Tensor | None) -> None:
         """The step's loss must be the mean over its rows of their own losses (a token mean is,
@@ -164,7 +182,7 @@ class Recording:
         if self.pending is None:
             self._refuse(f"an optimizer step at step {t} with no watched step before it")
             return
-        ids, want = self.pending
+        ids, want, fed = self.pending
         self.pending = None
         lrs = {float(group["lr"]) for group in optimizer.param_groups}
         if len(lrs) > 1:
@@ -179,6 +197,7 @@ class Recording:
             self._refuse(f"the optimizer stepped on another gradient than the watched loss's at "
                          f"step {t}: accumulated, scaled, added to, or {how}")  # fmt: skip
         self.recorder.picked.append(ids)
+        self.fed.append(fed)
         self.recorder.lrs.append(lrs.pop())
 
     def _refuse(self, why: str) -> None:
@@ -203,7 +222,29 @@ class Recording:
         meta = {"source": WATCHED, "recipe": self.recipe | {"clip": self.clip}, "refused": self.why,
                 "rows": self.rows, "trained": self.names, "dtype": str(self.params[0].dtype),
                 "buffers_change": moved}  # fmt: skip
+        drawn = sorted(t for t in self.drawn if t < steps)
+        fed = torch.cat(self.fed) if self.fed else torch.zeros(0, 1, dtype=torch.float64)
+        _save(self.recorder.folder / FED, {"fed": fed, "drawn": torch.tensor(drawn),
+                                           "states": [self.drawn[t] for t in drawn]})  # fmt: skip
         self.recorder.write(self.params, self.params[0].device, meta)
+
+
+def _not_resumed(folder: Path, model: nn.Module) -> None:
+    """A folder holding the record of a watched loop that stopped before its end (no manifest)
+    may be written over by the loop run again from its first step, not by one resumed from a
+    checkpoint of its own (the model holds other weights than it began from)."""
+    if not (folder / START).is_file() or (folder / MANIFEST).is_file():
+        return
+    began = _load(folder / START)
+    now = model.state_dict()
+    if began.keys() != now.keys() or any(not now[k].cpu().equal(v) for k, v in began.items()):
+        raise ConfigError(
+            "that folder holds the record of a watched loop stopped before its end, and the "
+            "model no longer holds the weights it began from: a record cannot be continued "
+            "from a checkpoint of the loop's; run the loop from its first step, or name "
+            "another folder",
+            str(folder),
+        )
 
 
 def _fingerprint(grads: list[Tensor | None], params: Tensors) -> Tensor:

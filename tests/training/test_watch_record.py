@@ -139,7 +139,7 @@ LOOPS = {  # a watched step, the optimizer, a config edit after the run; the lin
     "ids not positions": (lambda w, x, y, ids: w.step(x, y, ids + 100).backward(), optimizer_of,
                           None, "the watch's ids reach row 109, the config's data has 10 rows"),
     "other rows": (lambda w, x, y, ids: w.step(tuple(t + 0.01 for t in x), y, ids).backward(),
-                   optimizer_of, None, "does not reach its weights after step 8"),
+                   optimizer_of, None, "step 0 fed row 4 with other input 0 than"),
     "another loss": (None, optimizer_of, _loss_nll, "watched with a different loss.name"),
     "another model": (None, optimizer_of, _wider, "do not fit model.factory's model"),
     "another dtype": (None, optimizer_of, _float32, "trained in torch.float64, the config's "

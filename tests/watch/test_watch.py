@@ -94,10 +94,54 @@ def test_the_model_is_left_as_it_was(tmp_path):
     assert not any(m._backward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
-def test_a_random_forward_is_refused(tmp_path):
-    model = nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.5), nn.Linear(8, 3)).double().train()
+def test_dropout_is_watched_under_the_masks_its_step_drew(tmp_path):
+    """Every forward of a step draws the masks its first drew: each example's norm is of its
+    loss under the batch's masks, ``.grad`` is the plain step's, and the generator is left
+    where one forward leaves it; the second step is the analysed program's replay."""
+    torch.manual_seed(0)
+    watched = nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.5), nn.Linear(8, 3)).double().train()
+    plain = copy.deepcopy(watched)
+    x, y = _data(6)
+    torch.manual_seed(3)
+    with Watch(watched, tmp_path / "w.parquet") as watch:
+        for _ in range(2):
+            watch.step(x, y, torch.arange(6)).backward()
+    after = torch.get_rng_state()
+    torch.manual_seed(3)
+    norms = []
+    for _ in range(2):
+        began = torch.get_rng_state()
+        for i in range(6):  # example i's own loss, the batch's masks redrawn
+            torch.set_rng_state(began)
+            loss = nn.functional.cross_entropy(plain(x)[i], y[i])
+            grads = torch.autograd.grad(loss, list(plain.parameters()))
+            norms.append(torch.stack([g.square().sum() for g in grads]).sum().sqrt().item())
+        torch.set_rng_state(began)
+        nn.functional.cross_entropy(plain(x), y).backward()
+    assert torch.equal(torch.get_rng_state(), after)
+    for p, q in zip(watched.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+    table = pq.read_table(tmp_path / "w.parquet").to_pydict()
+    np.testing.assert_allclose(table["grad_norm"], norms, rtol=1e-10, atol=1e-12)
+
+
+class _Noisy(nn.Module):
+    """Noise from numpy's generator, which the watch cannot draw again."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 3).double()
+
+    def forward(self, x):
+        return self.fc(x + torch.as_tensor(np.random.rand(*x.shape)))
+
+
+def test_randomness_outside_torchs_generator_is_refused(tmp_path):
     x, y = _data(4)
-    with Watch(model, tmp_path / "w.parquet") as watch, pytest.raises(ModelError, match="second"):
+    with (
+        Watch(_Noisy(), tmp_path / "w.parquet") as watch,
+        pytest.raises(ModelError, match="second"),
+    ):
         watch.step(x, y, torch.arange(4))
 
 

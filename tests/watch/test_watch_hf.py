@@ -163,3 +163,45 @@ def test_trainer_records_the_run_gradscope_train_records(tmp_path):
     transformers.Trainer(model, args, train_dataset=data, callbacks=[callback]).train()
     got = through_training(cfg, tmp_path / "hf.run", tmp_path / "ref.pt", per_ref=True)
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10 * np.abs(want).max())
+
+
+def test_a_trainer_with_dropout_records_a_run_the_replay_retraces(tmp_path):
+    """GPT-2's dropout on: the record holds the random state each segment began in and that of
+    each epoch's first step (the Trainer's loader draws a seed as an epoch begins), and every
+    segment recomputed from its checkpoint reaches the weights the run reached, which no mask
+    drawn otherwise would."""
+    import yaml
+
+    from gradscope.config import load_config
+    from gradscope.training.record import open_record
+    from gradscope.training.replay import through_training
+
+    dropout = GPT2 | {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**dropout)).double()
+    model.loss_type = "ForCausalLM"
+    tokens = torch.randint(0, 16, (8, 6))
+    torch.save({"ids": tokens}, tmp_path / "data.pt")
+    torch.save({"ids": torch.randint(0, 16, (2, 6))}, tmp_path / "ref.pt")
+    config = {
+        "model": {"factory": "transformers:GPT2LMHeadModel", "config": dropout},
+        "data": {"path": "data.pt", "inputs": "ids", "targets": "ids", "batch_size": 4},
+        "loss": {"name": "causal_lm"},
+        "dtype": "float64",
+        "device": "cpu",
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    data = datasets.Dataset.from_dict(
+        {"input_ids": tokens.tolist(), "labels": tokens.tolist(), "example_id": list(range(8))}
+    )
+    args = transformers.TrainingArguments(
+        str(tmp_path / "hf"), per_device_train_batch_size=4, num_train_epochs=3,
+        learning_rate=1e-2, remove_unused_columns=False, report_to=[], save_strategy="no",
+        logging_strategy="no", disable_tqdm=True, use_cpu=True,
+    )  # fmt: skip
+    callback = WatchCallback(tmp_path / "w.parquet", record=tmp_path / "hf.run", segment=3)
+    transformers.Trainer(model, args, train_dataset=data, callbacks=[callback]).train()
+    cfg = load_config(tmp_path / "config.yaml")
+    assert sorted(open_record(tmp_path / "hf.run", cfg).drawn()) == [2, 4]
+    scores = through_training(cfg, tmp_path / "hf.run", tmp_path / "ref.pt")
+    assert scores.shape == (8,) and np.isfinite(scores).all() and np.abs(scores).max() > 0

@@ -1,0 +1,80 @@
+"""The random draws of a watched step: every forward the engine runs over one step's batch (the
+training forward, the analysis's second forward, a rerun) draws from the random state the step
+began in, so dropout's masks are the same in each, and the step leaves torch's generators where
+one forward leaves them, as the loop without the watch would. What the step began in, and
+whether its forward drew at all, the run record keeps (``watchrecord.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from ..errors import ModelError
+from .record import rng, set_rng
+
+
+def same_state(a: dict, b: dict) -> bool:
+    """Whether two random states (``record.rng``) are the same: the CPU's and each GPU's."""
+    return (
+        a["cpu"].equal(b["cpu"])
+        and len(a["cuda"]) == len(b["cuda"])
+        and all(x.equal(y) for x, y in zip(a["cuda"], b["cuda"], strict=True))
+    )
+
+
+class SameDraws:
+    """``forward(model, inputs)`` (the engine's call of the model) with every call between
+    ``begin`` and ``end`` drawing from the random state at ``begin``. A call on other rows than
+    the step's first (the exact fallback's example run alone) of a forward that drew is refused:
+    it cannot draw the masks the batch drew."""
+
+    def __init__(self, forward: Any):
+        self.forward = forward
+        self.began: dict | None = None  # the random state the step began in
+        self.after: dict | None = None  # and the one its first forward left
+        self.rows = 0
+
+    @property
+    def drew(self) -> bool:
+        """Whether the step's first forward drew random numbers."""
+        return self.after is not None and not same_state(self.began, self.after)
+
+    def begin(self) -> dict:
+        """A step begins: the random state now, which each of its forwards starts from."""
+        self.began, self.after = rng(), None
+        return self.began
+
+    def end(self) -> dict | None:
+        """The step ended: the generators left where its first forward left them; that state
+        (None where no forward ran)."""
+        after = self.after
+        if self.drew:
+            set_rng(after)
+        self.began = self.after = None
+        return after
+
+    def split(self, inputs: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], dict[str, Tensor]]:
+        return self.forward.split(inputs)  # the fallback's vmap calls the model with these
+
+    def select(self, outputs: Any) -> Tensor:
+        return self.forward.select(outputs)
+
+    def __call__(self, model: nn.Module, inputs: tuple[Tensor, ...]) -> Tensor:
+        if self.began is None:  # outside a step: as it is
+            return self.forward(model, inputs)
+        rows = inputs[0].shape[0] if inputs else 0
+        if self.after is None:
+            self.rows = rows
+            output = self.forward(model, inputs)
+            self.after = rng()
+            return output
+        if self.drew and rows != self.rows:
+            raise ModelError(
+                "the model draws random numbers in its forward (dropout), and a parameter no "
+                "rule serves goes to the exact fallback, which runs each example alone and "
+                "cannot draw the masks the batch drew: watch it without that randomness",
+                "model",
+            )
+        set_rng(self.began)
+        return self.forward(model, inputs)
