@@ -9,9 +9,8 @@ from gradscope.training.watch_hf import WatchCallback
 
 torch.set_num_threads(1)
 torch.manual_seed(0)
-# no dropout: the watch serves a deterministic forward (a random one is refused)
-config = GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=2, n_head=2,
-                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+# GPT-2's dropout (0.1) stays on: each step's passes under the watch draw the same masks
+config = GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=2, n_head=2)
 model = GPT2LMHeadModel(config)
 tokens = torch.randint(0, 32, (24, 12))
 tokens[::4] = tokens[0]  # every fourth row the same sentence: easy to learn
