@@ -112,16 +112,14 @@ class Recorder:
         self.picked.append(picked.clone())
         self.lrs.append(trainer.lr_at(trainer.step))
 
-    def checkpoint(
-        self, step: int, params: list[Tensor], state: list[Tensor], began: dict | None = None
-    ) -> None:
+    def checkpoint(self, step: int, params: list[Tensor], state: list[Tensor]) -> None:
         """The checkpoint of the segment that begins at ``step``: the weights and optimizer
-        state as it found them, and the random state it began in (``began``; None: now)."""
+        state as it found them, and the random state now."""
         checkpoint = {
             "step": step,
             "params": [p.detach().cpu().clone() for p in params],
             "state": [s.cpu() for s in state],
-            "rng": rng() if began is None else began,
+            "rng": rng(),
         }
         _save(self.folder / _segment_name(step // self.segment), checkpoint)
 
@@ -274,7 +272,8 @@ def _check_files(folder: Path) -> None:
         what = "no run record" if not folder.is_dir() else "an unfinished run record (no manifest)"
         fix = "gradscope train --record or Watch(record=) writes one"
         if (folder / "start.pt").is_file():  # watched.START: of a loop stopped before its end
-            fix = "a watched loop's cannot be continued; run the loop again from its first step"
+            fix = ("a watched loop's: resume the loop from a checkpoint of its own, or run it "
+                   "again from its first step")  # fmt: skip
         raise DataError(f"{what}: {fix}", str(folder))
     try:
         manifest = json.loads((folder / MANIFEST).read_text())

@@ -166,9 +166,10 @@ class Watch:
                 "params": [p.name for p in self.engine.plan.included],
             },
         )
-        self.steps = 0
         self._modes: list[tuple[nn.Module, bool]] = []
         self.recording = recording(record, model, optimizer, clip, segment, loss, kwargs)
+        resumed = self.recording.resumed if self.recording is not None else None
+        self.steps = 0 if resumed is None else resumed.step  # a resumed loop's numbering goes on
 
     def __enter__(self) -> Watch:
         if self.recording is not None:

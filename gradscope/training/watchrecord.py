@@ -22,10 +22,11 @@ from ..config import LossConfig, TrainConfig
 from ..errors import ConfigError, DataError
 from ..losses import LossFn
 from ..resume import as_json
-from .record import FINAL, MANIFEST, META, STEPS, WATCHED, Recorder, _load, _save
+from .record import FINAL, MANIFEST, META, STEPS, WATCHED, Recorder, _load, _save, rng
 from .steps import Tensors, Update
 from .watchdraws import same_state
 from .watched import FED, START
+from .watchresume import Progress, resumed, save_part, trim
 
 SEGMENT = 32  # steps per checkpoint: a loop does not say how many steps it will take
 # the settings of a param group that change its step (not how it is computed: foreach, fused)
@@ -84,7 +85,6 @@ class Recording:
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.recipe = read_recipe(optimizer)
-        _not_resumed(Path(folder).resolve(), model)
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         if stepped != {id(p) for p in self.params}:
             raise ConfigError(
@@ -92,15 +92,17 @@ class Recording:
                 f"{len(self.params)} (those that require grad): the replay steps those",
                 "optimizer",
             )
-        if optimizer.state:
-            raise ConfigError(
-                "the optimizer has stepped before the watch began: give the watch a fresh one "
-                "(a loop resumed from its own checkpoint is recorded from its first step)",
-                "optimizer",
-            )
         self.settings = _settings(optimizer.param_groups[0])
         self.update = Update(TrainConfig(**self.recipe))
         self.recorder = Recorder(Path(folder).resolve(), segment, key)
+        self.resumed = resumed(self.recorder.folder, model, self.params, optimizer, self.update,
+                               segment)  # fmt: skip
+        if optimizer.state and self.resumed is None:
+            raise ConfigError(
+                "the optimizer has stepped before the watch began: give the watch a fresh one "
+                "(a loop resumed from a checkpoint of its own continues its record: name it)",
+                "optimizer",
+            )
         # the watched step's ids, gradient's fingerprint and digest of the data it fed
         self.pending: tuple[Tensor, Tensor, Tensor] | None = None
         self.fed: list[Tensor] = []  # per step, (B, k) the digests of the rows it fed
@@ -113,20 +115,42 @@ class Recording:
         self.hook = None
 
     def start(self) -> None:
-        """A fresh record folder, the weights training begins from, the optimizer hooked."""
+        """A fresh record folder, the weights training begins from and its first checkpoint,
+        or the record the resumed loop continues; the optimizer hooked."""
         folder = self.recorder.folder
         if not folder.parent.is_dir():
             raise DataError("the folder to write the run record in does not exist", str(folder))
         names = {MANIFEST, META, STEPS, FINAL, START, FED}
         foreign = [f.name for f in folder.iterdir() if f.name not in names
-                   and not f.name.startswith("segment-")] if folder.is_dir() else []  # fmt: skip
+                   and not f.name.startswith(("segment-", "steps-"))] if folder.is_dir() else []  # fmt: skip
         if foreign or (folder.exists() and not folder.is_dir()):
             raise ConfigError("that is no run record's folder: name another", str(folder))
-        self.recorder.start()
-        state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-        torch.save(state, folder / START)
-        self.buffers = [b.detach().clone() for b in self.model.buffers()]
+        if self.resumed is not None:
+            self._resume(self.resumed)
+        else:
+            self.recorder.start()
+            state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+            torch.save(state, folder / START)
+            self.buffers = [b.detach().clone() for b in self.model.buffers()]
+            self._checkpoint(0)
         self.hook = self.optimizer.register_step_post_hook(self._stepped)
+
+    def _resume(self, progress: Progress) -> None:
+        """The record a stopped loop wrote up to the step it resumes at, continued."""
+        trim(self.recorder.folder, progress.step, self.recorder.segment)
+        self.recorder.picked, self.recorder.lrs = progress.picked, progress.lrs
+        self.fed, self.drawn, self.left = progress.fed, progress.drawn, progress.rng
+        self.rows, self.why = progress.rows, progress.why
+        began = _load(self.recorder.folder / START)
+        self.buffers = [began.get(n, b).to(b.device) for n, b in self.model.named_buffers()]
+
+    def _checkpoint(self, step: int) -> None:
+        """The checkpoint of the segment that begins at ``step``, before it: the weights, the
+        optimizer's state and the random state, which its first step begins in unless the loop
+        draws before it."""
+        state = self.update.state_of(self.optimizer, self.params)
+        self.recorder.checkpoint(step, self.params, state)
+        self.left = rng()
 
     def step(self, ids: np.ndarray, grads: list[Tensor | None], divisor: float,
              counts: Tensor | None, states: tuple[dict, dict | None], fed: Tensor) -> None:  # fmt: skip
@@ -152,11 +176,8 @@ class Recording:
                          f"{self.fed[0].shape[1] - 1}: the replay feeds data.inputs")  # fmt: skip
             fed = fed.new_full((len(fed), self.fed[0].shape[1]), float("nan"))
         began, left = states
-        if t % self.recorder.segment == 0:
-            state = self.update.state_of(self.optimizer, self.params)
-            self.recorder.checkpoint(t, self.params, state, began)
-        elif self.left is None or not same_state(began, self.left):
-            self.drawn[t] = began  # the loop drew between steps (a loader's shuffle)
+        if self.left is None or not same_state(began, self.left):
+            self.drawn[t] = began  # the loop drew before the step (a loader's shuffle)
         self.left = left
         ids = torch.as_tensor(ids, dtype=torch.int64)
         self.pending = (ids, _fingerprint(grads, self.params), fed)
@@ -199,6 +220,10 @@ class Recording:
         self.recorder.picked.append(ids)
         self.fed.append(fed)
         self.recorder.lrs.append(lrs.pop())
+        if (t + 1) % self.recorder.segment == 0:  # its steps saved, the next's checkpoint
+            save_part(self.recorder, Progress(t + 1, {}, fed=self.fed, drawn=self.drawn,
+                                              rows=self.rows, why=self.why))  # fmt: skip
+            self._checkpoint(t + 1)
 
     def _refuse(self, why: str) -> None:
         self.why = self.why or why
@@ -211,6 +236,8 @@ class Recording:
             self.hook = None
         if not finished:
             return
+        for part in self.recorder.folder.glob("steps-*.pt"):
+            part.unlink()
         steps, segment = len(self.recorder.lrs), self.recorder.segment
         for extra in self.recorder.folder.glob("segment-*.pt"):
             if int(extra.stem.split("-")[1]) * segment >= max(steps, 1):
@@ -227,24 +254,6 @@ class Recording:
         _save(self.recorder.folder / FED, {"fed": fed, "drawn": torch.tensor(drawn),
                                            "states": [self.drawn[t] for t in drawn]})  # fmt: skip
         self.recorder.write(self.params, self.params[0].device, meta)
-
-
-def _not_resumed(folder: Path, model: nn.Module) -> None:
-    """A folder holding the record of a watched loop that stopped before its end (no manifest)
-    may be written over by the loop run again from its first step, not by one resumed from a
-    checkpoint of its own (the model holds other weights than it began from)."""
-    if not (folder / START).is_file() or (folder / MANIFEST).is_file():
-        return
-    began = _load(folder / START)
-    now = model.state_dict()
-    if began.keys() != now.keys() or any(not now[k].cpu().equal(v) for k, v in began.items()):
-        raise ConfigError(
-            "that folder holds the record of a watched loop stopped before its end, and the "
-            "model no longer holds the weights it began from: a record cannot be continued "
-            "from a checkpoint of the loop's; run the loop from its first step, or name "
-            "another folder",
-            str(folder),
-        )
 
 
 def _fingerprint(grads: list[Tensor | None], params: Tensors) -> Tensor:

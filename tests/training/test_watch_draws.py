@@ -5,7 +5,10 @@ the record of a loop stopped before its end, refused in one line that says what 
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
@@ -106,26 +109,82 @@ def test_a_row_edited_after_the_run_is_one_line_naming_the_data(tmp_path):
     assert "fed row 7 with other targets than" in line and "data.pt holds" in line
 
 
-def _stopped(w, inputs, targets, picked):
-    if w.steps == 4:
-        raise KeyboardInterrupt
-    w.step(inputs, targets, picked).backward()
+def _loop(cfg, folder, stop=None, resume=None, saved=None) -> torch.nn.Module:
+    """The recipe's loop under the watch as a user writes one that saves its own checkpoint
+    (weights, optimizer, schedule, random state) into ``saved`` after every third step,
+    stopped (KeyboardInterrupt) as step ``stop`` begins, or resumed from ``resume``."""
+    train, rows = cfg.train, TrainingRows(cfg, None)
+    model = build(cfg, train.seed).train()
+    total = total_steps(train, len(rows), cfg.data.batch_size)
+    optimizer = optimizer_of(train, list(model.parameters()))
+    schedule = LambdaLR(optimizer, lambda s: lr_factor(train, min(s, total - 1), total))
+    order = torch.Generator().manual_seed(train.seed)
+    batches = [torch.randperm(N, generator=order)[:4] for _ in range(total)]
+    first = 0
+    if resume is not None:
+        model.load_state_dict(resume["model"])
+        optimizer.load_state_dict(resume["optimizer"])
+        schedule.load_state_dict(resume["schedule"])
+        torch.set_rng_state(resume["rng"])
+        first = resume["step"]
+    with Watch(model, folder.with_suffix(f".{first}.parquet"), record=folder, optimizer=optimizer,
+               clip=train.clip, segment=3) as w:  # fmt: skip
+        for step in range(first, total):
+            if step == stop:
+                raise KeyboardInterrupt
+            optimizer.zero_grad()
+            w.step(*rows.batch(batches[step]), batches[step]).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), train.clip)
+            optimizer.step()
+            schedule.step()
+            if saved is not None and (step + 1) % 3 == 0:
+                saved[step + 1] = copy.deepcopy({"model": model.state_dict(), "step": step + 1,
+                    "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
+                    "rng": torch.get_rng_state()})  # fmt: skip
+    return model
 
 
-def test_a_loop_stopped_before_its_end_is_run_again_from_its_first_step(tmp_path):
-    config = project(tmp_path, RECIPES["sgd-momentum-decay"])
+def test_a_loop_resumed_from_its_own_checkpoint_continues_its_record(tmp_path):
+    """Stopped at step 6 of 7 and resumed from its checkpoint after step 6 (a segment of 3
+    begins there), the loop writes the record of the run that never stopped: the replay
+    through the CLI gives its scores; the half record alone is one line saying what to do."""
+    config = project(tmp_path, RECIPE, "drop.py:Net")
     cfg = load_config(config)
+    whole = _loop(cfg, tmp_path / "whole.run")
+    saved = {}
     with pytest.raises(KeyboardInterrupt):
-        watched_loop(cfg, tmp_path / "w.run", _stopped)
+        _loop(cfg, tmp_path / "w.run", stop=6, saved=saved)
     line = _replay_line(config, tmp_path / "w.run")
-    assert "cannot be continued; run the loop again from its first step" in line
-    resumed = build(cfg, cfg.train.seed)  # the loop's own checkpoint: other weights
-    torch.nn.init.zeros_(resumed.fc1.bias)
-    with pytest.raises(ConfigError, match="cannot be continued from a checkpoint of the loop"):
-        Watch(resumed, tmp_path / "w.parquet", record=tmp_path / "w.run",
-              optimizer=torch.optim.SGD(resumed.parameters(), lr=0.1))  # fmt: skip
-    watched_loop(cfg, tmp_path / "w.run")  # from its first step: written over, and replayed
-    watched_loop(cfg, tmp_path / "again.run")
-    got = through_training(cfg, tmp_path / "w.run", tmp_path / "ref.pt")
-    np.testing.assert_array_equal(got, through_training(cfg, tmp_path / "again.run",
-                                                        tmp_path / "ref.pt"))  # fmt: skip
+    assert "resume the loop from a checkpoint of its own, or run it again" in line
+    resumed = _loop(cfg, tmp_path / "w.run", resume=saved[6])
+    for p, q in zip(resumed.parameters(), whole.parameters(), strict=True):
+        assert torch.equal(p, q)
+    out = tmp_path / "resumed.parquet"
+    result = CliRunner().invoke(app, ["influence", str(config), "--ref", str(tmp_path / "ref.pt"),
+        "--through-training", str(tmp_path / "w.run"), "--out", str(out)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    want = through_training(cfg, tmp_path / "whole.run", tmp_path / "ref.pt")
+    np.testing.assert_allclose(pq.read_table(out)["influence"].to_numpy(), want, rtol=1e-12)
+
+
+def test_a_loop_resumed_otherwise_is_refused_as_the_watch_is_made(tmp_path):
+    cfg = load_config(project(tmp_path, RECIPE, "drop.py:Net"))
+    saved = {}
+    with pytest.raises(KeyboardInterrupt):
+        _loop(cfg, tmp_path / "w.run", stop=5, saved=saved)  # checkpoints after 3 steps, not 6
+    model = build(cfg, cfg.train.seed)
+    model.load_state_dict(saved[3]["model"])
+    fresh = optimizer_of(cfg.train, list(model.parameters()))
+    with pytest.raises(ConfigError, match="and the optimizer not its state there"):
+        Watch(model, tmp_path / "x.parquet", record=tmp_path / "w.run", optimizer=fresh,
+              clip=cfg.train.clip, segment=3)  # fmt: skip
+    torch.nn.init.zeros_(model.fc1.bias)  # a checkpoint the record does not hold
+    with pytest.raises(ConfigError, match="holds the weights of none of its checkpoints"):
+        Watch(model, tmp_path / "x.parquet", record=tmp_path / "w.run", optimizer=fresh,
+              clip=cfg.train.clip, segment=3)  # fmt: skip
+    with pytest.raises(ConfigError, match="written with segment=3, not 2"):
+        model.load_state_dict(saved[3]["model"])
+        stepped = optimizer_of(cfg.train, list(model.parameters()))
+        stepped.load_state_dict(saved[3]["optimizer"])
+        Watch(model, tmp_path / "x.parquet", record=tmp_path / "w.run", optimizer=stepped,
+              clip=cfg.train.clip, segment=2)  # fmt: skip
