@@ -81,13 +81,18 @@ def watched_model(record: Record, cfg: Config) -> nn.Module:
 
 def drawn(record: Record) -> dict[int, dict]:
     """Step -> the random state the watched step began in, where the step before did not
-    leave it there (the loop drew between its steps)."""
+    leave it there (the loop drew between its steps); none in a record written before the
+    watch kept them (it refused a forward that drew)."""
+    if not (record.folder / FED).is_file():
+        return {}
     saved = _load(record.folder / FED)
     return dict(zip(saved["drawn"].tolist(), saved["states"], strict=True))
 
 
 def check_rows(record: Record, rows: TrainingRows, data: str) -> None:
     """Each step's rows, as the replay batches the config's data (``data``, its path), digest
-    as the rows the watched step fed: else one line naming the data."""
-    picked, _ = record.steps()
-    check_fed(_load(record.folder / FED)["fed"], picked, rows.batch, str(record.folder), data)
+    as the rows the watched step fed: else one line naming the data. (A record written before
+    the watch kept the digests has none: its segments' check stands alone.)"""
+    if (record.folder / FED).is_file():
+        fed = _load(record.folder / FED)["fed"]
+        check_fed(fed, record.steps()[0], rows.batch, str(record.folder), data)

@@ -71,9 +71,10 @@ def _settings(group: dict) -> dict:
 
 
 class Recording:
-    """The record of a watched loop as it trains: a checkpoint as a segment's first step is
-    watched, each step's rows, rate and gradient checked as its optimizer steps, the rest at
-    the end. ``why`` keeps the first reason the run cannot be replayed."""
+    """The record of a watched loop as it trains: each step's rows, rate and gradient checked
+    as its optimizer steps, and as a segment ends its steps saved and the next one's
+    checkpoint; the rest at the end. ``why`` keeps the first reason the run cannot be
+    replayed."""
 
     def __init__(self, folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                  clip: float | None, segment: int, key: dict):  # fmt: skip
@@ -251,7 +252,7 @@ class Recording:
                 "buffers_change": moved}  # fmt: skip
         drawn = sorted(t for t in self.drawn if t < steps)
         fed = torch.cat(self.fed) if self.fed else torch.zeros(0, 1, dtype=torch.float64)
-        _save(self.recorder.folder / FED, {"fed": fed, "drawn": torch.tensor(drawn),
+        _save(self.recorder.folder / FED, {"fed": fed, "drawn": torch.tensor(drawn, dtype=torch.int64),
                                            "states": [self.drawn[t] for t in drawn]})  # fmt: skip
         self.recorder.write(self.params, self.params[0].device, meta)
 

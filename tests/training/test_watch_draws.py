@@ -6,6 +6,7 @@ the record of a loop stopped before its end, refused in one line that says what 
 from __future__ import annotations
 
 import copy
+import json
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -188,3 +189,17 @@ def test_a_loop_resumed_otherwise_is_refused_as_the_watch_is_made(tmp_path):
         stepped.load_state_dict(saved[3]["optimizer"])
         Watch(model, tmp_path / "x.parquet", record=tmp_path / "w.run", optimizer=stepped,
               clip=cfg.train.clip, segment=2)  # fmt: skip
+
+
+def test_a_record_written_before_the_watch_kept_digests_still_replays(tmp_path):
+    """A record of the last version (no watched.pt: no draws, which the watch refused then,
+    and no digests) replays as before, by its segments' check alone."""
+    cfg = load_config(project(tmp_path, RECIPES["sgd-momentum-decay"]))
+    watched_loop(cfg, tmp_path / "w.run")
+    want = through_training(cfg, tmp_path / "w.run", tmp_path / "ref.pt")
+    (tmp_path / "w.run" / "watched.pt").unlink()
+    manifest = json.loads((tmp_path / "w.run" / "manifest.json").read_text())
+    del manifest["watched.pt"]
+    (tmp_path / "w.run" / "manifest.json").write_text(json.dumps(manifest))
+    np.testing.assert_array_equal(through_training(cfg, tmp_path / "w.run", tmp_path / "ref.pt"),
+                                  want)  # fmt: skip

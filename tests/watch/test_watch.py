@@ -254,3 +254,26 @@ def test_a_rule_failing_on_a_summed_step_gives_the_fallbacks_sum(tmp_path):
 
 def _fails(*args, **kwargs):
     raise RuntimeError("a rule that fails")
+
+
+class _DroppedGain(nn.Module):
+    """Dropout, and a per-feature gain read through ``torch.mm``, which no rule serves: the
+    exact fallback runs each example alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.drop = nn.Linear(5, 3).double(), nn.Dropout(0.5)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 3, dtype=torch.float64))
+
+    def forward(self, x):
+        return torch.mm(self.drop(self.fc(x)), torch.diag(self.gain))
+
+
+def test_dropout_with_a_parameter_on_the_fallback_is_one_line(tmp_path):
+    x, y = _data(4)
+    with (
+        Watch(_DroppedGain().train(), tmp_path / "w.parquet") as watch,
+        pytest.raises(ModelError, match="cannot draw the masks the batch drew") as raised,
+    ):
+        watch.step(x, y, torch.arange(4))
+    assert "\n" not in str(raised.value)
