@@ -219,7 +219,7 @@ class Watch:
         try:
             scores = self.engine.step(inputs, targets, self.params)
         finally:
-            after = self.draws.end()
+            after = self.draws.end(keep=self.recording is not None)
         self._write(scores, counts, epoch, ids, targets)
         if self.recording is not None:  # the watched loss's gradient, for the record's check
             grads = [None if g is None else g / divisor for g in scores.trained]

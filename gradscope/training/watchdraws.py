@@ -28,32 +28,31 @@ class SameDraws:
     """``forward(model, inputs)`` (the engine's call of the model) with every call between
     ``begin`` and ``end`` drawing from the random state at ``begin``. A call on other rows than
     the step's first (the exact fallback's example run alone) of a forward that drew is refused:
-    it cannot draw the masks the batch drew."""
+    it cannot draw the masks the batch drew. A step of one forward (a program's replay) costs
+    one read of the state."""
 
     def __init__(self, forward: Any):
         self.forward = forward
         self.began: dict | None = None  # the random state the step began in
-        self.after: dict | None = None  # and the one its first forward left
+        self.after: dict | None = None  # and the one its first forward left, once another runs
+        self.calls = 0
         self.rows = 0
-
-    @property
-    def drew(self) -> bool:
-        """Whether the step's first forward drew random numbers."""
-        return self.after is not None and not same_state(self.began, self.after)
 
     def begin(self) -> dict:
         """A step begins: the random state now, which each of its forwards starts from."""
-        self.began, self.after = rng(), None
+        self.began, self.after, self.calls = rng(), None, 0
         return self.began
 
-    def end(self) -> dict | None:
-        """The step ended: the generators left where its first forward left them; that state
-        (None where no forward ran)."""
+    def end(self, keep: bool = False) -> dict | None:
+        """The step ended: the generators left where its first forward left them; with ``keep``,
+        that state (None where no forward ran)."""
         after = self.after
         if after is not None:
             set_rng(after)
+        elif keep and self.calls:
+            after = rng()  # one forward ran: the generators are where it left them
         self.began = self.after = None
-        return after
+        return after if keep else None
 
     def split(self, inputs: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], dict[str, Tensor]]:
         return self.forward.split(inputs)  # the fallback's vmap calls the model with these
@@ -65,12 +64,12 @@ class SameDraws:
         if self.began is None:  # outside a step: as it is
             return self.forward(model, inputs)
         rows = inputs[0].shape[0] if inputs else 0
+        if not self.calls:
+            self.calls, self.rows = 1, rows
+            return self.forward(model, inputs)
         if self.after is None:
-            self.rows = rows
-            output = self.forward(model, inputs)
-            self.after = rng()
-            return output
-        if self.drew and rows != self.rows:
+            self.after = rng()  # where the first forward left the generators
+        if rows != self.rows and not same_state(self.began, self.after):
             raise ModelError(
                 "the model draws random numbers in its forward (dropout), and a parameter no "
                 "rule serves goes to the exact fallback, which runs each example alone and "
