@@ -105,6 +105,7 @@ def measure(model: nn.Module, batches: list[Batch], loss: str, repeats: int = 21
                 errs[f"engine{k + 1}"] = rel_err(total(engine.norms(x, y).norm_sq).sqrt(), ref)
             findings = engine.record.at(*batches[0])
             rec["replays"], rec["replay_why"] = findings.replays, findings.why
+            rec["repeated"] = findings.repeated  # analysed, not self-checked again
         stage = "timing"
         rec.update(_timed(model, engine, batches, repeats))
         fallback = [p for p in engine.plan.params if p.is_fallback]
