@@ -21,7 +21,7 @@ from .backward.backward import requests
 from .backward.fallback import Fallback
 from .backward.reduce import Reducer, Want
 from .backward.serve import Served, serve, served_calls, summed, uses
-from .forward import Forward
+from .forward import Forward, batched
 from .hooks import ModuleHooks
 from .plan import FALLBACK_LOOP, build_plan, prepared
 from .record import Findings, record_for
@@ -110,7 +110,7 @@ class Engine:
     def scores(self, inputs: tuple[Tensor, ...], targets: Tensor, want: Want) -> BatchScores:
         """One pass over a batch: the forward replayed where a program of its signature holds,
         else analysed in full; the one backward; the fallback."""
-        _batched(inputs, targets)
+        batched(inputs, targets)
         if targets.shape[0] == 0:
             return self._empty(targets)
         self._hooked_gradients()
@@ -288,19 +288,3 @@ class Engine:
             with torch.no_grad(), torch._C.DisableTorchFunction():
                 observed = self.observe(output.detach(), targets)
         return self.loss_fn(output, targets), observed
-
-
-def _batched(inputs: tuple[Tensor, ...], targets: Tensor) -> None:
-    """Each input a tensor whose first dimension is the batch's examples, as the targets': one
-    that is not would be cut into examples wrongly where examples are run alone."""
-    if not isinstance(targets, Tensor) or targets.dim() == 0:
-        raise ModelError("the targets must be a tensor with one entry per example", "data.targets")
-    b = targets.shape[0]
-    for k, t in enumerate(inputs):
-        if not isinstance(t, Tensor) or t.dim() == 0 or t.shape[0] != b:
-            what = f"of shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
-            raise ModelError(
-                f"input {k} is {what}: each input must be a tensor whose first dimension is "
-                f"the batch's {b} examples, as the targets'",
-                "data.inputs",
-            )
