@@ -26,48 +26,10 @@ from .record import FINAL, MANIFEST, META, STEPS, WATCHED, Recorder, _load, _sav
 from .steps import Tensors, Update
 from .watchdraws import same_state
 from .watched import FED, START
+from .watchoptim import read_recipe, settings
 from .watchresume import Progress, resumed, save_part, trim
 
 SEGMENT = 32  # steps per checkpoint: a loop does not say how many steps it will take
-# the settings of a param group that change its step (not how it is computed: foreach, fused)
-SETTINGS = ("momentum", "dampening", "nesterov", "betas", "eps", "weight_decay", "amsgrad",
-            "maximize", "decoupled_weight_decay")  # fmt: skip
-
-
-def read_recipe(optimizer: torch.optim.Optimizer) -> dict:
-    """The recipe's optimizer keys (``optimizer``, ``momentum``, ``nesterov``, ``betas``,
-    ``eps``, ``weight_decay``) read off PyTorch's ``SGD``, ``Adam`` or ``AdamW``; any other
-    optimizer, settings the replay does not write out, or groups that differ: one line."""
-    kind = type(optimizer)
-    if kind not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
-        raise ConfigError(
-            f"the replay knows torch.optim's SGD, Adam and AdamW, not {kind.__name__}: its "
-            "steps cannot be retraced",
-            "optimizer",
-        )
-    first = _settings(optimizer.param_groups[0])
-    for group in optimizer.param_groups[1:]:
-        differ = [k for k, v in _settings(group).items() if first.get(k) != v]
-        if differ:
-            raise ConfigError(
-                f"the optimizer's param groups differ in {', '.join(differ)}: the replay steps "
-                "every weight alike",
-                "optimizer",
-            )
-    unknown = [k for k in ("dampening", "amsgrad", "maximize") if first.get(k)]
-    if unknown:
-        raise ConfigError(f"the replay does not write out {unknown[0]}", "optimizer")
-    if kind is torch.optim.SGD:
-        return {"optimizer": "sgd", "momentum": first["momentum"], "nesterov": first["nesterov"],
-                "weight_decay": first["weight_decay"]}  # fmt: skip
-    decoupled = kind is torch.optim.AdamW or first.get("decoupled_weight_decay", False)
-    return {"optimizer": "adamw" if decoupled else "adam", "betas": list(first["betas"]),
-            "eps": first["eps"], "weight_decay": first["weight_decay"]}  # fmt: skip
-
-
-def _settings(group: dict) -> dict:
-    values = {k: group[k] for k in SETTINGS if k in group}
-    return {k: [float(b) for b in v] if k == "betas" else v for k, v in values.items()}
 
 
 class Recording:
@@ -93,7 +55,7 @@ class Recording:
                 f"{len(self.params)} (those that require grad): the replay steps those",
                 "optimizer",
             )
-        self.settings = _settings(optimizer.param_groups[0])
+        self.settings = settings(optimizer.param_groups[0])
         self.update = Update(TrainConfig(**self.recipe))
         self.recorder = Recorder(Path(folder).resolve(), segment, key)
         self.resumed = resumed(self.recorder.folder, model, self.params, optimizer, self.update,
@@ -209,7 +171,7 @@ class Recording:
         lrs = {float(group["lr"]) for group in optimizer.param_groups}
         if len(lrs) > 1:
             self._refuse(f"the param groups' learning rates differ at step {t}")
-        changed = [k for k, v in _settings(optimizer.param_groups[0]).items()
+        changed = [k for k, v in settings(optimizer.param_groups[0]).items()
                    if self.settings.get(k) != v]  # fmt: skip
         if changed:
             self._refuse(f"the optimizer's {changed[0]} changed at step {t}")
