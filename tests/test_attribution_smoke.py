@@ -94,15 +94,16 @@ def test_only_keeps_the_runs_its_patterns_match(tiny):
     assert all(r.cpu_s > 0 and r.commit for r in runs)
 
 
-def test_a_merge_replaces_the_rows_it_measured_and_keeps_the_others_commit(tiny):
+def test_a_merge_replaces_the_rows_it_measured_and_keeps_the_rest(tiny):
     _, measured = tiny
     rows = [{k: v for k, v in r.items() if k != "commit"} for r in measured["scorers"]]
     old = measured | {"scorers": rows}  # as a report from before rows named their commit
     again = measured["scorers"][5] | {"seconds": 0.5, "commit": "new"}  # gn at 0.1
-    new = measured | {"scorers": [again], "truth_s": None, "replay_mean_s": None}
+    new = measured | {"scorers": [again], "truth_s": None, "train_s": 99.0}
     made = run.merged(old, new, "old")
     assert [r["commit"] for r in made["scorers"]] == ["old"] * 5 + ["new"] + ["old"] * 2
     assert made["scorers"][5]["seconds"] == 0.5 and made["truth_s"] == measured["truth_s"]
+    assert made["train_s"] == measured["train_s"]
     text = run.markdown({"environment": {**run.environment(None), "commit": "new"},
                          "designs": DESIGNS, "settings": {"tiny": made}})  # fmt: skip
     assert "@old" in text and "| new |" in text
