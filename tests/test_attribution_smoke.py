@@ -82,3 +82,28 @@ def test_a_peer_matrix_reads_back_as_the_scores_it_holds(tiny):
     plain, peer = (r for r in results if r["column"] == "influence")
     assert peer["seconds"] == 1.5
     assert math.isclose(peer["lds"], plain["lds"], abs_tol=1e-12)
+
+
+def test_only_keeps_the_runs_its_patterns_match(tiny):
+    _, measured = tiny
+    runs = [run.Run(**r) for r in measured["scorers"]]
+    keys = [run.key(r) for r in runs if run.chosen(r, ["gradscope:ensemble:*", "*damping=0.1"])]
+    assert keys == ["gradscope:influence:curvature=gn,damping=0.1", "gradscope:ensemble:checkpoints=epochs",
+                    "gradscope:ensemble:checkpoints=epochs,curvature=gn,damping=0.1"]  # fmt: skip
+    assert all(run.chosen(r, []) for r in runs)
+    assert all(r.cpu_s > 0 and r.commit for r in runs)
+
+
+def test_a_merge_replaces_the_rows_it_measured_and_keeps_the_rest(tiny):
+    _, measured = tiny
+    rows = [{k: v for k, v in r.items() if k != "commit"} for r in measured["scorers"]]
+    old = measured | {"scorers": rows}  # as a report from before rows named their commit
+    again = measured["scorers"][5] | {"seconds": 0.5, "commit": "new"}  # gn at 0.1
+    new = measured | {"scorers": [again], "truth_s": None, "train_s": 99.0}
+    made = run.merged(old, new, "old")
+    assert [r["commit"] for r in made["scorers"]] == ["old"] * 5 + ["new"] + ["old"] * 2
+    assert made["scorers"][5]["seconds"] == 0.5 and made["truth_s"] == measured["truth_s"]
+    assert made["train_s"] == measured["train_s"]
+    text = run.markdown({"environment": {**run.environment(None), "commit": "new"},
+                         "designs": DESIGNS, "settings": {"tiny": made}})  # fmt: skip
+    assert "@old" in text and "| new |" in text

@@ -37,7 +37,8 @@ def _label(run: dict) -> str:
         return f"gradscope ensemble over the epoch checkpoints, {flags}"
     if o.get("curvature") == "none":
         return "gradscope `--curvature none` (inner product)"
-    return f"gradscope `--curvature {o['curvature']} --damping {o['damping']}`"
+    solver = f" --solver {o['solver']}" if "solver" in o else ""
+    return f"gradscope `--curvature {o['curvature']}{solver} --damping {o['damping']}`"
 
 
 def _lds(run: dict, design: str) -> float | None:
@@ -46,19 +47,31 @@ def _lds(run: dict, design: str) -> float | None:
     return found.get("lds") if run["status"] == "ok" else None
 
 
-def _cell(run: dict | None, design: str) -> str:
+def _seconds(run: dict) -> str:
+    """The command's wall-clock seconds, and its CPU seconds where they were measured."""
+    cpu = f", {run['cpu_s']:.0f} s CPU" if run.get("cpu_s") is not None else ""
+    return f"{run['seconds']:.0f} s{cpu}"
+
+
+def _cell(run: dict | None, design: str, commit: str) -> str:
     if run is None:
         return "—"
     lds = _lds(run, design)
     if lds is None:
         return "fails" if run["status"] != "ok" else "not validated"
     text = f"{lds:.2f}" if lds == lds else "n/a"
-    return f"{text} ({run['seconds']:.0f} s)"
+    at = f" @{run['commit']}" if run.get("commit", commit) != commit else ""
+    return f"{text} ({_seconds(run)}){at}"
 
 
 def _best(runs: list[dict], design: str) -> dict | None:
     measured = [r for r in runs if (lds := _lds(r, design)) is not None and lds == lds]
     return max(measured, key=lambda r: _lds(r, design)) if measured else None
+
+
+def _kind(run: dict) -> tuple[str, str, str]:
+    """What a damping grid groups by: scorer, curvature, solver ('' for the default)."""
+    return run["scorer"], run["options"]["curvature"], run["options"].get("solver", "")
 
 
 def summary_rows(runs: list[dict], design: str) -> dict[str, dict | None]:
@@ -70,10 +83,12 @@ def summary_rows(runs: list[dict], design: str) -> dict[str, dict | None]:
         if r["tool"] == "gradscope" and "damping" not in r["options"]:
             rows[_label(r)] = r
     fitted = [r for r in runs if r["tool"] == "gradscope" and "damping" in r["options"]]
-    for scorer, c in dict.fromkeys((r["scorer"], r["options"]["curvature"]) for r in fitted):
-        mine = [r for r in fitted if r["scorer"] == scorer and r["options"]["curvature"] == c]
+    kinds = dict.fromkeys(_kind(r) for r in fitted)
+    for scorer, c, solver in kinds:
+        mine = [r for r in fitted if _kind(r) == (scorer, c, solver)]
         over = " ensemble over the epoch checkpoints," if scorer == "ensemble" else ""
-        rows[f"gradscope{over} `--curvature {c}`, best damping"] = _best(mine, design)
+        by = f" --solver {solver}" if solver else ""
+        rows[f"gradscope{over} `--curvature {c}{by}`, best damping"] = _best(mine, design)
     for tool in dict.fromkeys(r["tool"] for r in runs if r["tool"] != "gradscope"):
         mine = [r for r in runs if r["tool"] == tool]
         rows[f"{tool}, its defaults"] = next((r for r in mine if r["default"]), None)
@@ -94,10 +109,10 @@ def summary(report: dict, design: str) -> list[str]:
         for n in names:
             run = per[n].get(label)
             tuned = run is not None and ("best" in label or "tuned" in label)
-            hidden = ("curvature", "checkpoints")  # said by the row's label
+            hidden = ("curvature", "checkpoints", "solver")  # said by the row's label
             shown = {k: v for k, v in (run or {}).get("options", {}).items() if k not in hidden}
             extra = f" [{_options(shown)}]" if tuned and _lds(run, design) is not None else ""
-            cells.append(_cell(run, design) + extra)
+            cells.append(_cell(run, design, report["environment"]["commit"]) + extra)
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
 
@@ -117,7 +132,20 @@ def _truth(design: dict) -> str:
             f"{design['seeds']} seeds, each trained alone")  # fmt: skip
 
 
-def setting(name: str, s: dict, designs: list[dict]) -> list[str]:
+def _took(s: dict, designs: list[dict]) -> str:
+    """The replay's and the truths' seconds, where this report measured them."""
+    parts = []
+    if s.get("replay_mean_s") is not None:
+        parts.append(
+            f"the replay against the mean over the references took {s['replay_mean_s']:.1f} s"
+        )
+    if s.get("truth_s"):
+        truths = ", ".join(f"{s['truth_s'][d['name']]:.0f} s ({d['name']})" for d in designs)
+        parts.append(f"the ground truths took {truths}")
+    return "; ".join(["", *parts]) if parts else ""
+
+
+def setting(name: str, s: dict, designs: list[dict], commit: str) -> list[str]:
     recipe = s["recipe"]
     quality = f"reference loss {s['ref_loss']:.3f}" + (
         f", accuracy {s['ref_accuracy']:.0%}" if "ref_accuracy" in s else ""
@@ -129,13 +157,12 @@ def setting(name: str, s: dict, designs: list[dict]) -> list[str]:
         f"rows, references `{s['ref']}`; recipe {recipe['optimizer']} lr {recipe['lr']}, "
         f"{recipe.get('epochs') or recipe.get('steps')} {'epochs' if recipe.get('epochs') else 'steps'}, "
         f"batch {recipe.get('batch_size')}, weight decay {recipe.get('weight_decay')}; trained in "
-        f"{s['train_s']:.1f} s to {quality} ({s['record_s']:.1f} s recording the run); the "
-        f"replay against the mean over the references took {s['replay_mean_s']:.1f} s; the "
-        "ground truths took " + ", ".join(f"{s['truth_s'][d['name']]:.0f} s ({d['name']})" for d in designs) + ".",
+        f"{s['train_s']:.1f} s to {quality} ({s['record_s']:.1f} s recording the run)"
+        + _took(s, designs) + ".",
         "",
         "| scorer | " + " | ".join(f"LDS, {d['name']} (std)" for d in designs)
-        + " | seconds: scoring / command | note |",
-        "|---|" + "---:|" * len(designs) + "---:|---|",
+        + " | seconds: scoring / command / command's CPU | commit | note |",
+        "|---|" + "---:|" * len(designs) + "---:|---|---|",
     ]  # fmt: skip
     for r in s["scorers"]:
         cells = []
@@ -145,7 +172,9 @@ def setting(name: str, s: dict, designs: list[dict]) -> list[str]:
             cells.append(mean + (f" ({lds['lds_std']:.3f})" if "lds_std" in lds else ""))
         note = r["note"].replace("|", "/")
         took = f"{r['run_s']:.1f} / " if r.get("run_s") is not None else ""
-        out.append(f"| {_label(r)} | {' | '.join(cells)} | {took}{r['seconds']:.1f} | {note} |")
+        cpu = f" / {r['cpu_s']:.1f}" if r.get("cpu_s") is not None else ""
+        at = r.get("commit") or commit
+        out.append(f"| {_label(r)} | {' | '.join(cells)} | {took}{r['seconds']:.1f}{cpu} | {at} | {note} |")  # fmt: skip
     return [*out, ""]
 
 
@@ -164,7 +193,9 @@ def markdown(report: dict) -> str:
         "of the Spearman correlation. Seconds: the scoring's own time as its file records it (from "
         "the loaded model; gradscope's from the start of its run, fitting the curvature "
         "included), beside the wall-clock of the one command that wrote the file (process "
-        "start-up, imports included).",
+        "start-up, imports included), and that command's CPU seconds where they were measured "
+        "(the wall-clock waits where other work shares the cores). A cell measured at another "
+        "commit than this one names it (`@commit`); each setting's table gives every row's.",
         "",
     ]
     for d in designs:
@@ -176,5 +207,5 @@ def markdown(report: dict) -> str:
             "",
         ]
     for name, s in report["settings"].items():
-        lines += setting(name, s, designs)
+        lines += setting(name, s, designs, env["commit"])
     return "\n".join(lines)

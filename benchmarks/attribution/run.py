@@ -3,6 +3,7 @@
     python benchmarks/attribution/run.py [--settings digits_linear digits_mlp diabetes lm]
         [--subsets 60] [--seeds 2] [--peers /work/peers-venv/bin/python]
         [--json benchmarks/results/lds-DATE.json] [--markdown benchmarks/results/lds-DATE.md]
+        [--only PATTERN ...] [--keep-truth] [--merge lds-OLD.json]
     python benchmarks/attribution/run.py --render lds-DATE.json --markdown lds-DATE.md
 
 Per setting (configs/, data from make_data.py): ``gradscope train`` by the config's recipe (the
@@ -20,13 +21,17 @@ once by ``gradscope validate``: ``--subsets`` random halves x ``--seeds`` seeds,
 alone (the field's LDS), and ``--same-subsets`` removals of 1% of the rows trained in the full
 run's batches and order under its seed (``--same-order``, the setting MAGIC reports), the
 references' loss the target of both.
-Every run is one thread (OMP_NUM_THREADS=1). "Tuned" in the tables is the best of a tool's
-grid on this truth, for gradscope's dampings as for the peers' knobs.
+Every run is one thread (OMP_NUM_THREADS=1), its wall-clock and CPU seconds recorded, and the
+commit it ran at. "Tuned" in the tables is the best of a tool's grid on this truth, for
+gradscope's dampings as for the peers' knobs. ``--only`` runs the scorers whose
+``tool:scorer:options`` key matches a pattern, ``--keep-truth`` reuses the truth files a
+setting's folder holds, ``--merge`` puts the rows measured into an older results file.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import platform
@@ -56,6 +61,7 @@ class Bench:
     curvatures: tuple[str, ...] = ("gn", "hessian", "kfac", "ekfac")
     dampings: tuple[float, ...] = DAMPINGS
     peers: dict[str, list[dict]] = field(default_factory=dict)
+    cg_dampings: tuple[float, ...] = ()  # gn by conjugate gradients: where dense does not fit
 
 
 def _grid(key: str, values, **fixed) -> list[dict]:
@@ -91,6 +97,11 @@ SETTINGS = {
         HERE / "configs/lm.yaml",
         HERE / "data/lm_ref.parquet",
         curvatures=("kfac", "ekfac"),
+        # the exact influence function: CG over all 136,960 parameters, 64 references a pass
+        # (~28 s of CPU); at 10 x the mean eigenvalue its residual fell 2.2 -> 0.3 in 18
+        # iterations (2 references), so some 130 to 1e-6: about an hour of CPU. Smaller
+        # dampings converge slower still (1: 2.2 -> 1.5 in 18).
+        cg_dampings=(10.0,),
         peers={
             "kronfluence": CLASSIFIER_PEERS["kronfluence"][:2],
             "bergson": [
@@ -125,44 +136,67 @@ def quality(cfg, ref: Path) -> dict:
     return made
 
 
-def gradscope_runs(bench: Bench, config: Path, tracin: Path, record: Path, work: Path) -> list[Run]:
-    ref, runs = str(bench.ref), []
-    replayed = ["--through-training", str(record)]
-    runs.append(influence(config, ref, work / "through-training.parquet", replayed,
-                          Run("gradscope", "through-training", {}, False)))  # fmt: skip
-    runs.append(influence(config, ref, work / "default.parquet", [],
-                          Run("gradscope", "influence", {}, default=True)))  # fmt: skip
-    plain = influence(config, ref, work / "plain.parquet", ["--curvature", "none"],
-                      Run("gradscope", "influence", {"curvature": "none"}, default=False))  # fmt: skip
-    cosine = Run("gradscope", "cosine", {"curvature": "none"}, False, plain.file, "cosine",
-                 plain.status, plain.note, plain.seconds)  # fmt: skip
-    runs += [plain, cosine]
-    runs.append(influence(tracin, ref, work / "tracin.parquet", ["--curvature", "none"],
-                          Run("gradscope", "tracin", {"checkpoints": "epochs"}, False)))  # fmt: skip
-    runs += _dampings(bench, bench.curvatures, config, work, "influence", {})
+def gradscope_runs(
+    bench: Bench, config: Path, tracin: Path, record: Path, work: Path, only: list[str]
+) -> list[Run]:
+    """Every gradscope command of the setting that ``only`` keeps (``chosen``), run in turn."""
     epochs = {"checkpoints": "epochs"}
-    runs.append(influence(tracin, ref, work / "ensemble.parquet", [],
-                          Run("gradscope", "ensemble", epochs, False)))  # fmt: skip
     ensembled = [c for c in bench.curvatures if c != "hessian"]  # gn's is never below it
-    return runs + _dampings(bench, ensembled, tracin, work, "ensemble", epochs)
-
-
-def _dampings(bench: Bench, curvatures, config: Path, work: Path, scorer: str, options: dict):
-    """``influence`` of ``config`` under each curvature at each damping."""
+    specs = [
+        (config, "through-training", ["--through-training", str(record)],
+         Run("gradscope", "through-training", {}, False)),
+        (config, "default", [], Run("gradscope", "influence", {}, default=True)),
+        (config, "plain", ["--curvature", "none"],
+         Run("gradscope", "influence", {"curvature": "none"}, default=False)),
+        (tracin, "tracin", ["--curvature", "none"],
+         Run("gradscope", "tracin", {"checkpoints": "epochs"}, False)),
+        *_dampings(bench, bench.curvatures, config, "influence", {}),
+        *_dampings(bench, ["gn"], config, "influence", {"solver": "cg"}, bench.cg_dampings),
+        (tracin, "ensemble", [], Run("gradscope", "ensemble", epochs, False)),
+        *_dampings(bench, ensembled, tracin, "ensemble", epochs),
+    ]  # fmt: skip
     runs = []
-    for curvature in curvatures:
-        for damping in bench.dampings:
-            flags = ["--curvature", curvature, "--damping", str(damping)]
-            chosen = {**options, "curvature": curvature, "damping": damping}
-            out = work / f"{scorer}-{curvature}-{damping}.parquet"
-            runs.append(influence(config, str(bench.ref), out, flags, Run("gradscope", scorer, chosen, False)))  # fmt: skip
+    for cfg, name, flags, run in specs:
+        if not chosen(run, only):
+            continue
+        runs.append(influence(cfg, str(bench.ref), work / f"{name}.parquet", flags, run))
+        if name == "plain":  # its cosine column
+            runs.append(Run("gradscope", "cosine", run.options, False, run.file, "cosine",
+                            run.status, run.note, run.seconds, run.cpu_s))  # fmt: skip
     return runs
 
 
-def peer_runs(bench: Bench, cfg, python: str, checkpoints: list[str], work: Path) -> list[Run]:
+def _dampings(bench: Bench, curvatures, config: Path, scorer: str, options: dict, dampings=None):
+    """The specs of ``influence`` of ``config`` under each curvature at each damping
+    (``bench.dampings`` unless given), with ``options``' flags (``solver``)."""
+    specs = []
+    for curvature in curvatures:
+        for damping in bench.dampings if dampings is None else dampings:
+            chosen = {**options, "curvature": curvature, "damping": damping}
+            flags = [x for k in chosen if k != "checkpoints" for x in (f"--{k}", str(chosen[k]))]
+            name = "-".join([scorer, curvature, *options.get("solver", "").split(), str(damping)])
+            specs.append((config, name, flags, Run("gradscope", scorer, chosen, False)))
+    return specs
+
+
+def key(run: Run) -> str:
+    """``tool:scorer`` and the options, ``k=v`` joined by commas: what ``--only`` matches."""
+    return f"{run.tool}:{run.scorer}:" + ",".join(f"{k}={v}" for k, v in run.options.items())
+
+
+def chosen(run: Run, only: list[str]) -> bool:
+    """Whether ``--only``'s patterns (fnmatch, any; none: every run) keep the run."""
+    return not only or any(fnmatch.fnmatchcase(key(run), p) for p in only)
+
+
+def peer_runs(
+    bench: Bench, cfg, python: str, checkpoints: list[str], work: Path, only: list[str]
+) -> list[Run]:
     runs = []
     for name, option_sets in bench.peers.items():
         for n, options in enumerate(option_sets):
+            if not chosen(Run(name, name, options, n == 0), only):
+                continue
             passed = {k: v for k, v in options.items() if k != "over"}
             over = checkpoints if options.get("over") == "epochs" else checkpoints[-1:]
             job = {"peer": name, "options": passed, "config": str(bench.config),
@@ -183,7 +217,7 @@ def validate(config: Path, bench: Bench, files: list[str], column: str, work: Pa
     command += ["--same-order"] if design["same_order"] else []
     out.with_suffix(".json").unlink(missing_ok=True)
     out.unlink(missing_ok=True)
-    seconds, error = timed(command)
+    seconds, _, error = timed(command)
     if error:
         raise SystemExit(f"gradscope validate failed: {error}")
     return seconds, json.loads(out.with_suffix(".json").read_text())["results"]
@@ -226,30 +260,38 @@ def replay_cost(config: Path, ref: str, record: Path, work: Path) -> float:
     out = work / "through-training-mean.parquet"
     command = [*GRADSCOPE, "influence", str(config), "--ref", ref, "--out", str(out),
                "--through-training", str(record)]  # fmt: skip
-    seconds, error = timed(command)
+    seconds, _, error = timed(command)
     if error:
         raise SystemExit(f"the mean replay failed: {error}")
     return seconds
 
 
-def measure(bench: Bench, designs: list[dict], peers_python: str | None) -> dict:
-    """One setting: train, score with everything, validate everything on each design's truth."""
+def measure(
+    bench: Bench, designs: list[dict], peers_python: str | None, only=(), keep_truth=False
+) -> dict:
+    """One setting: train, score with everything ``only`` keeps, validate it on each design's
+    truth (built afresh, its seconds measured, unless ``keep_truth`` reuses the truth files
+    the setting's folder holds: ``validate`` checks they are this recipe's)."""
     from gradscope.config import load_config
 
     cfg = load_config(bench.config)
     work = Path(cfg.model.checkpoint).parent
     work.mkdir(parents=True, exist_ok=True)
-    for design in designs:  # built afresh: their seconds are measured
+    for design in designs if not keep_truth else ():
         (work / f"truth-{design['name']}.parquet").unlink(missing_ok=True)
     trained, train_s, record_s = _trained(cfg, work)
     config = write_config(cfg, work / "config.yaml")
     listed = [{"path": str(p), "weight": float(w)} for p, w in trained.epochs]
     tracin = write_config(cfg, work / "tracin.yaml", checkpoint=None, checkpoints=listed)
-    runs = gradscope_runs(bench, config, tracin, trained.record, work)
-    replay_s = replay_cost(config, str(bench.ref), trained.record, work)
+    runs = gradscope_runs(bench, config, tracin, trained.record, work, list(only))
+    replay_s = replay_cost(config, str(bench.ref), trained.record, work) if not only else None
     if peers_python:
-        runs += peer_runs(bench, cfg, peers_python, [str(p) for p, _ in trained.epochs], work)
+        epochs = [str(p) for p, _ in trained.epochs]
+        runs += peer_runs(bench, cfg, peers_python, epochs, work, list(only))
     truth_s = {d["name"]: _validate_all(config, bench, runs, work, d) for d in designs}
+    commit = environment(None)["commit"]
+    for r in runs:
+        r.commit = commit
     return {
         "config": _shown(bench.config),
         "ref": _shown(bench.ref),
@@ -260,10 +302,22 @@ def measure(bench: Bench, designs: list[dict], peers_python: str | None) -> dict
         "train_s": train_s,
         "record_s": record_s,
         "replay_mean_s": replay_s,
-        "truth_s": truth_s,
+        "truth_s": None if keep_truth else truth_s,
         **quality(cfg, bench.ref),
         "scorers": [r.record() for r in runs],
     }
+
+
+def merged(old: dict, new: dict, commit: str) -> dict:
+    """A setting's new runs over its old measurement: each new run replaces the old run of the
+    same tool, scorer and options (or joins them); an old run keeps the commit it was measured
+    at (``commit``, its report's, where it names none). The setting's own numbers (training,
+    truths, replay, the model's quality) stay the old report's: a merge measures runs."""
+    runs = {(r["tool"], r["scorer"], json.dumps(r["options"])): r | {"commit": r.get("commit") or commit}
+            for r in old["scorers"]}  # fmt: skip
+    for r in new["scorers"]:
+        runs[(r["tool"], r["scorer"], json.dumps(r["options"]))] = r
+    return old | {"scorers": list(runs.values())}
 
 
 def _shown(path: Path) -> str:
@@ -306,6 +360,23 @@ def main() -> None:
     )
     parser.add_argument("--peers", help="the python of the peers' environment (none: no peers)")
     parser.add_argument("--note", default="", help="a line the report shows with the commit")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=[],
+        help="run only the scorers whose tool:scorer:options key matches one of these fnmatch "
+        "patterns (gradscope:influence:curvature=gn,* ; trak:*); no replay's mean",
+    )
+    parser.add_argument(
+        "--keep-truth",
+        action="store_true",
+        help="reuse the truth files in each setting's run folder (validate checks their recipe)",
+    )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        help="a results JSON these runs replace rows of; its other rows keep their commit",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--render", type=Path, help="render this JSON to --markdown, no run")
@@ -318,14 +389,22 @@ def main() -> None:
     if args.same_subsets:
         designs.append({"name": "same-order", "subsets": args.same_subsets, "seeds": 1,
                         "fraction": 0.99, "same_order": True, "target": "loss"})  # fmt: skip
+    old = json.loads(args.merge.read_text()) if args.merge else None
+    if old and old["designs"] != designs:
+        raise SystemExit(f"{args.merge} was measured on other truths: {old['designs']}")
     report = {
         "environment": environment(args.peers) | {"note": args.note},
         "designs": designs,
         "settings": {},
     }
+    for name, measured in (old or {"settings": {}})["settings"].items():  # rows with a commit
+        report["settings"][name] = merged(measured, {"scorers": []}, old["environment"]["commit"])
     for name in args.settings:
         print(f"{name} ...", flush=True)
-        report["settings"][name] = measure(SETTINGS[name], designs, args.peers)
+        new = measure(SETTINGS[name], designs, args.peers, args.only, args.keep_truth)
+        if name in report["settings"]:
+            new = merged(report["settings"][name], new, old["environment"]["commit"])
+        report["settings"][name] = new
         if args.json:  # after each setting: a crash keeps the ones measured
             args.json.write_text(json.dumps(report, indent=1))
     if args.markdown:

@@ -11,6 +11,7 @@ with the metadata ``validate`` checks (the data's and the references' sha256).
 from __future__ import annotations
 
 import json
+import resource
 import subprocess
 import sys
 import time
@@ -44,22 +45,30 @@ class Run:
     status: str = "ok"  # ok | fails
     note: str = ""
     seconds: float | None = None  # the command's wall clock, process start included
+    cpu_s: float | None = None  # the command's CPU seconds (user + system): load aside
     run_s: float | None = None  # the scoring's own, as its file's metadata records it
     lds: dict = field(default_factory=dict)
+    commit: str = ""  # the gradscope commit it was measured at
 
     def record(self) -> dict:
         return asdict(self)
 
 
-def timed(command: list[str], env: dict | None = None) -> tuple[float, str]:
-    """Seconds the command took, and its last error line ('' when it succeeded)."""
-    start = time.perf_counter()
+def _children_cpu() -> float:
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def timed(command: list[str], env: dict | None = None) -> tuple[float, float, str]:
+    """Wall-clock and CPU seconds the command took, and its last error line ('' when it
+    succeeded). CPU seconds stand where other work shares the cores: wall-clock there waits."""
+    start, cpu = time.perf_counter(), _children_cpu()
     run = subprocess.run(command, capture_output=True, text=True, env=env)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, _children_cpu() - cpu
     if run.returncode == 0:
-        return seconds, ""
+        return seconds, cpu, ""
     lines = [line for line in (run.stderr or run.stdout).splitlines() if line.strip()]
-    return seconds, (lines[-1] if lines else f"exit {run.returncode}")[:300]
+    return seconds, cpu, (lines[-1] if lines else f"exit {run.returncode}")[:300]
 
 
 def write_config(cfg: Config, path: Path, **model: object) -> Path:
@@ -74,7 +83,7 @@ def write_config(cfg: Config, path: Path, **model: object) -> Path:
 def influence(config: Path, ref: str, out: Path, flags: list[str], run: Run) -> Run:
     """``gradscope influence CONFIG --ref REF --per-ref FLAGS``."""
     command = [*GRADSCOPE, "influence", str(config), "--ref", ref, "--per-ref", "--out", str(out)]
-    run.seconds, run.note = timed([*command, *flags])
+    run.seconds, run.cpu_s, run.note = timed([*command, *flags])
     run.file, run.status = str(out), "fails" if run.note else "ok"
     return run
 
@@ -84,7 +93,7 @@ def peer(python: str, job: dict, cfg: Config, ref: str, run: Run) -> Run:
     out = Path(job["out"])
     job_file = out.with_suffix(".job.json")
     job_file.write_text(json.dumps(job))
-    run.seconds, run.note = timed([python, str(HERE / "peers.py"), str(job_file)])
+    run.seconds, run.cpu_s, run.note = timed([python, str(HERE / "peers.py"), str(job_file)])
     if run.note:
         run.status = "fails"
         return run

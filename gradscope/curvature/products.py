@@ -10,8 +10,10 @@ Over the selected parameters theta (one flat vector of P, in the plan's order) a
 - the Hessian of the mean loss ``(1/N) sum_i d^2 l_i / d theta^2``: ``H v`` by forward mode
   through the gradient of the summed loss.
 
-A block of directions is ``vmap``ped; where vmap cannot run the model, one direction at a time.
-Sums are kept in float64 on the CPU. Each call is one pass over the batches.
+A block of directions is ``vmap``ped, as many at once as ``CHUNK_ELEMENTS`` holds: a direction
+holds about the batch's activations (every module's outputs, counted in the batch's forward)
+and a P-vector; where vmap cannot run the model, one direction at a time. Sums are kept in
+float64 on the CPU. Each call is one pass over the batches.
 """
 
 from __future__ import annotations
@@ -19,16 +21,21 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 from torch.func import grad, jvp, vjp, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.modules.module import register_module_forward_hook
+from torch.utils._pytree import tree_leaves
 
 from ..engine import short_reason, substituted
 from ..errors import ConfigError, DataError
 from ..rules.base import CHUNK_ELEMENTS
 
 GN, HESSIAN = "gn", "hessian"
+MATH = [SDPBackend.MATH]
 KINDS = (GN, HESSIAN)
 Batches = Iterable[tuple[tuple[Tensor, ...], Tensor]]
 
@@ -71,11 +78,13 @@ class Products:
         self.examples = 0  # N, known after the first pass
         self.passes = 0
         self.vmap_error: str | None = None
+        self.activations = 0  # elements every module's outputs held in the last batch's forward
 
     def _output(self, theta: dict[str, Tensor], inputs: tuple[Tensor, ...]) -> Tensor:
         forward = self.engine.forward
         args, kwargs = forward.split(inputs)
-        with substituted(self.engine.model, {**self.fixed, **theta}):
+        # attention by its composite math kernel: the fused ones have no forward-mode derivative
+        with substituted(self.engine.model, {**self.fixed, **theta}), sdpa_kernel(MATH):
             return forward.select(self.engine.model(*args, **kwargs))
 
     def _pass(self, inputs: tuple[Tensor, ...], targets: Tensor) -> Callable[[dict], dict]:
@@ -89,8 +98,11 @@ class Products:
             return loss_fn(out, targets).sum()
 
         if self.kind == HESSIAN:
+            with counted(self):
+                output(self.theta)  # the batch's activations: the chunk's size
             return lambda v: jvp(grad(lambda th: total(output(th))), (self.theta,), (v,))[1]
-        out, pull = vjp(output, self.theta)  # (B, ...): one forward, pulled back per direction
+        with counted(self):  # (B, ...): one forward, pulled back per direction
+            out, pull = vjp(output, self.theta)
         out = out.detach()
 
         def one(v: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -104,8 +116,8 @@ class Products:
         one = self._pass(inputs, targets)
         directions = next(iter(v.values())).shape[0]
         if self.vmap_error is None:
-            # each vmapped direction holds about the batch's activations: bound them all
-            per = targets.shape[0] * max(self.flat.sizes)
+            # each vmapped direction holds about the batch's activations and a P-vector
+            per = self.activations + self.flat.size
             chunk = max(1, min(directions, CHUNK_ELEMENTS // per))
             try:
                 with warnings.catch_warnings():
@@ -143,3 +155,19 @@ class Products:
             "passes": self.passes,
             "vmap": self.vmap_error or "ok",
         }
+
+
+@contextmanager
+def counted(products: Products):
+    """Set ``products.activations`` to the elements of every module's outputs in the forward
+    run inside."""
+    products.activations = 0
+
+    def count(module, args, output) -> None:
+        products.activations += sum(t.numel() for t in tree_leaves(output) if isinstance(t, Tensor))
+
+    handle = register_module_forward_hook(count)
+    try:
+        yield
+    finally:
+        handle.remove()

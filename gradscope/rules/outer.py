@@ -223,6 +223,9 @@ class Outer(Contribution):
         if self._groups() is not None:
             return self._placed(lambda p: p.inner(refs), (refs.shape[0],))
         b, g, t, o, i = self.dims
+        if t * len(refs) > t + len(refs):  # G formed: B O I (T + K) multiply-adds, not B T K O I
+            r = rows(refs.to(self.s.dtype))  # (K, P)
+            return _cat([_dots(m.flatten(1), r) for m in self._materialized_chunks()])
         r = refs.to(self.s.dtype).reshape(-1, g, o, i)  # (K, G, O, I)
         # sum_t s_t^T R a_t: project the inputs through R, never forming G; a few references at
         # a time, so that --per-ref's K of up to 1000 holds no (B, K, G, T, O) product at once

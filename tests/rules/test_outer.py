@@ -107,3 +107,21 @@ def test_inner_products_of_references_laid_out_transposed(t):
     torch.testing.assert_close(part.inner(refs), part.inner(refs.contiguous()))
     want = part.materialize().flatten(1) @ refs.reshape(2, -1).T  # (B, K)
     torch.testing.assert_close(part.inner(refs), want)
+
+
+@pytest.mark.parametrize(("t", "k"), [(1, 5), (5, 1), (2, 2), (5, 4)])
+def test_inner_forms_g_where_positions_times_references_cost_more(t, k):
+    """Past T K > T + K (an LM's positions against --per-ref's references) ``inner`` forms each
+    G_i, a product with R; below it, R meets the positions: both the float64 loop's answer."""
+    gen = torch.Generator().manual_seed(2)
+    s = torch.randn(3, 1, t, 4, generator=gen, dtype=torch.float64)  # (B, G, T, O)
+    a = torch.randn(3, 1, t, 6, generator=gen, dtype=torch.float64)
+    refs = torch.randn(k, 4, 6, generator=gen, dtype=torch.float64)
+    grads = torch.zeros(3, 4, 6, dtype=torch.float64)
+    for e in range(3):
+        for pos in range(t):
+            grads[e] += s[e, 0, pos, :, None] * a[e, 0, pos, None, :]
+    want = grads.flatten(1) @ refs.flatten(1).T  # (B, K)
+    part = Outer(s, a, torch.Size((4, 6)))
+    torch.testing.assert_close(part.inner(refs), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(part._inner(refs[:, None]), want, rtol=1e-12, atol=1e-12)
