@@ -41,7 +41,8 @@ class Experts(Switched):
         out = self._mm(F.silu(gate) * up, self.down, offs) * weights.reshape(-1)[perm, None]
         back = torch.empty_like(perm)
         back[perm] = torch.arange(perm.shape[0])
-        back = (back + self.shift) % back.shape[0]
+        if self.shift:  # each row put back this many places on, modulo all of them
+            back = (back + self.shift) % back.shape[0]
         return out[back].view(x.shape[0], k, -1).sum(1)
 
 

@@ -106,7 +106,10 @@ class OwnerAlgebra:
             return self._varies(x, [dim])
         if name not in PICKED and name not in PLACES and name not in SCATTERS:
             return False
-        pickers = [t for t in tensors_in(args[1:], kwargs) if self._of_batch(t)]
+        # the places a write picks are its key's; the values it writes there pick none
+        keyed = name in ("__setitem__", "index_put", "index_put_")
+        where = (args[1:2], {}) if keyed else (args[1:], kwargs)
+        pickers = [t for t in tensors_in(*where) if self._of_batch(t)]
         if name in SCATTERS and pickers and self._scatter_holds(name, args, kwargs):
             return False  # a top-k mask: where it writes, nothing's owners change
         if name in PLACES or name in SCATTERS or name == "__setitem__" or not pickers:

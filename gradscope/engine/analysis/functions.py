@@ -76,8 +76,10 @@ class FunctionReads:
 
         recipe = None  # a read laid out by shapes alone: a light region's
         spread = expanded and name in ("linear", "embedding")  # its shared rows expanded: the
-        if spread or not (expanded or assumed_rows):  # examples' rows, as assumed, by that
-            recipe = expert_recipe(name, reads, x) if not spread else None
+        # examples' rows, as assumed (row i example i's) where some are examples' (a decoder's
+        # start token before each example's ids), by that
+        if spread or not (expanded or (assumed_rows and self._batch_free((x,), {}))):
+            recipe = expert_recipe(name, reads, x) if not (spread or assumed_rows) else None
             roles = recipe_roles(reads, {"weight": weight, "bias": bias})
             if recipe is None and roles and (rows is None or isinstance(rows, Lanes)):
                 shape = tuple(x.shape)

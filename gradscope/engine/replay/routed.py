@@ -7,9 +7,9 @@ light region serves them, the grouped ones by ``rules/routed.py`` on rows whose 
 The witness of a routed call: a light region's (the reads in the analysed order, as many
 autograd nodes), every read's rows some example's, a recipe's lanes where it has them, and the
 outputs' rows those the analysed batch ended with. What the values decide is a flag the replay
-reads once, at the forward's end (the one host sync these regions add); a tensor the rows could
-not be followed to, at a read or an output, sends the batch to the analysis and the module's
-class to the trace for good (``Record.traced``).
+reads once, at the forward's end (the one host sync these regions add, none where the rows'
+forms settle every check: ``forms.py``); a tensor the rows could not be followed to, at a read
+or an output, sends the batch to the analysis and the module's class to the trace for good.
 """
 
 from __future__ import annotations
@@ -61,19 +61,26 @@ class RoutedRegion(LightRegion):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        watched, views, rows = self.watched, self.views, self.flow.rows
-        read = followed = False
+        if func is torch.arange:  # positions, which a permutation's inverse may be made of
+            out = func(*args, **kwargs)
+            self.flow.iota(args, kwargs, out)
+            return out
+        watched, views, rows, indices = self.watched, self.views, self.flow.rows, self.flow.indices
+        read = followed = indexed = False
         for t in tensors_in(args, kwargs):  # a loop, not a generator: this runs on every op
             i = id(t)
             followed = followed or i in rows
+            indexed = indexed or i in indices
             read = read or i in watched or (i in views and self._view(t) is not None)
-        if not (read or followed) or metadata(func):
+        if not (read or followed or indexed) or metadata(func):
             return func(*args, **kwargs)  # nothing followed, nothing watched
         name = name_of(func)
         out = self._watched(name, func, args, kwargs) if read else func(*args, **kwargs)
-        if followed:
-            with torch._C.DisableTorchFunction():
+        with torch._C.DisableTorchFunction():
+            if followed:
                 self.flow.follow(name, args, kwargs, out)
+            if indexed:
+                self.flow.indexing(name, args, kwargs, out)
         return out
 
     # -- reads of the watched parameters ----------------------------------------------------
@@ -143,7 +150,9 @@ class RoutedRegion(LightRegion):
         if lanes is not None and lanes.dim != 0:
             self.why = self.why or "rows laid out along another dimension in a routed region"
             return
-        self.flow.flag(rows != self.flow.lane(x, (0, 1 if lanes is None else lanes.m)))
+        m = 1 if lanes is None else lanes.m
+        if not self.flow.settled(rows, (m, ())):
+            self.flow.flag(rows != self.flow.lane(x, (0, m)))
 
     def _recipe(self, kind: tuple, x: Tensor) -> Recipe | None:
         """The recipe of a grouped or expert read of this kind: by kind in an open region,
@@ -216,7 +225,8 @@ class RoutedRegion(LightRegion):
         rows = self._rows_at(x)
         if rows is None or not out.requires_grad:
             return out
-        self.flow.flag(rows < 0)
+        if self.flow.form(rows) is None:  # a form's rows are examples' (``forms.py``)
+            self.flow.flag(rows < 0)
         a = x.detach()
 
         def parts(grad: Tensor) -> dict:
@@ -268,7 +278,7 @@ class RoutedRegion(LightRegion):
             elif rows is False or spec[0] != 0:
                 self.unfollowed()
                 return "outputs owned otherwise than the analysed batch's"
-            else:
+            elif not self.flow.settled(rows, (spec[1], ())):
                 self.flow.flag(rows != self.flow.lane(t, spec))
         self.flow.rows.clear()
         return None

@@ -12,6 +12,9 @@ giving the example of each row along dimension 0 (``NO_ONE`` for a row of no exa
   forward's end, when the replay reads them all at once (``bad``).
 - Any other op on a followed tensor, or an in-place write into a view or through one, leaves
   its results unfollowed (``None``), with the op's name in ``lost``.
+- Where the ops say which example each row is by its position alone (``forms.py``: a sort's
+  permutation, its inverse, ``arange``), the rows keep that form, and a flag that rows of one
+  form would settle is not raised.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import functools
 import torch
 from torch import Tensor
 
-from ..ops import FILLS, POSITIONS
+from ..ops import FILLS, POSITIONS, WRITES_IN_PLACE
+from ..tensors import tensors_in
+from .forms import INV, PICK, REP, Form, Maps
 from .rowops import NO_ONE, rows_after
 
 
@@ -34,13 +39,45 @@ class RowFlow:
         self.rows: dict[int, tuple[Tensor, Tensor | None]] = {}
         self.wrong: list[Tensor] = []  # flags, each (n,) or (): any true fails the batch
         self.lost: str | None = None  # the first op whose results could not be followed
+        # by id, kept alive so that no id is another's: the forms of rows tensors, and of the
+        # index tensors (None: made here, its values unknown), and the permutations they name
+        self.forms: dict[int, tuple[Tensor, Form]] = {}
+        self.indices: dict[int, tuple[Tensor, Maps | None]] = {}
+        self.held: list[Tensor] = []
+        self.spoiled: set[int] = set()  # permutations written or viewed since: no form names one
 
     def lane(self, t: Tensor, spec: tuple) -> Tensor | None:
         """The rows of the batch along dimension 0 of ``t``, (r // m) % B; None along another."""
         dim, m = spec
         if dim != 0 or t.dim() == 0:
             return None
-        return _lane(t.shape[0], m, self.batch, t.device)
+        rows = _lane(t.shape[0], m, self.batch, t.device)
+        self.formed(rows, (m, ()))
+        return rows
+
+    def formed(self, rows: Tensor, form: Form | None) -> Tensor:
+        """``rows``, of ``form`` where it has one."""
+        if form is not None:
+            self.forms[id(rows)] = (rows, form)
+        return rows
+
+    def form(self, rows: object) -> Form | None:
+        item = self.forms.get(id(rows))
+        form = item[1] if item is not None and item[0] is rows else None
+        return None if form is None or self._spoiled(form[1]) else form
+
+    def maps(self, index: object) -> Maps | None:
+        """An index tensor's form: its value at each position, by the position alone."""
+        item = self.indices.get(id(index))
+        maps = item[1] if item is not None and item[0] is index else None
+        return None if maps is None or self._spoiled(maps) else maps
+
+    def _spoiled(self, maps: Maps) -> bool:
+        return bool(self.spoiled) and any(m[1] in self.spoiled for m in maps if m[0] != REP)
+
+    def settled(self, rows: Tensor, form: Form) -> bool:
+        """Whether ``rows`` are of ``form`` whatever the batch's values."""
+        return self.form(rows) == form
 
     def keep(self, t: object, rows: Tensor | None | bool) -> None:
         """``t``'s rows (None: unfollowed; False: no example's, as a tensor never seen)."""
@@ -72,6 +109,9 @@ class RowFlow:
     def combine(self, rows: list[Tensor]) -> Tensor:
         """Rows from several tensors at one position: one example's, or no example's."""
         out = rows[0]
+        form = self.form(out)
+        if form is not None and all(self.form(r) == form for r in rows[1:]):
+            return out  # equal on every batch
         for r in rows[1:]:
             if r is out:
                 continue
@@ -95,6 +135,9 @@ class RowFlow:
         if name in FILLS or name in POSITIONS or (name == "where" and len(args) == 1):
             return
         x = args[0] if args else None
+        if name == "sort" and isinstance(out, tuple) and x.dim() == 1:  # a permutation
+            self.held.append(out[1])
+            self.indices[id(out[1])] = (out[1], ((PICK, id(out[1])),))
         in_place = name.endswith("_") and not name.endswith("__")
         in_place = in_place or name == "__setitem__" or name.startswith("__i")
         target = x if in_place else out
@@ -108,6 +151,54 @@ class RowFlow:
                 self.keep(t, r)
             return
         self.keep(target, rows)
+
+    def iota(self, args: tuple, kwargs: dict, out: Tensor) -> None:
+        """``torch.arange(n)`` (or from 0 by 1) of integers: each position's value itself."""
+        if not 0 < len(args) < 4 or not set(kwargs) <= {"dtype", "device"}:
+            return
+        start, _, step = (0, *args, 1)[-3:] if len(args) == 1 else (*args, 1)[:3]
+        if start == 0 and step == 1 and not out.is_floating_point() and out.dim() == 1:
+            self.indices[id(out)] = (out, ())
+
+    def indexing(self, name: str, args: tuple, kwargs: dict, out: object) -> None:
+        """The forms of index tensors after op ``name`` on one of them: ``P // k``, a tensor
+        made like one, ``inv[P] = arange(n)`` (P's inverse); a write into one, or a view of
+        one, leaves its values unknown."""
+        x = args[0] if args else None
+        if name == "__setitem__" and self._inverse(*args[:3]):
+            return
+        maps = self.maps(x)
+        k = args[1] if len(args) > 1 else None
+        if name in ("__floordiv__", "floor_divide") and maps is not None and type(k) is int:
+            if k > 0 and isinstance(out, Tensor):
+                self.indices[id(out)] = (out, (*maps, (REP, k)))
+        elif name in ("empty_like", "new_empty") and isinstance(out, Tensor):
+            self.indices[id(out)] = (out, None)
+        written = name in WRITES_IN_PLACE or (name.endswith("_") and not name.endswith("__"))
+        outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if type(t) is Tensor]
+        for t in tensors_in(args, kwargs):
+            if id(t) in self.indices and ((written and t is x) or any(_alias(o, t) for o in outs)):
+                self.indices.pop(id(t))
+                if any(p is t for p in self.held):  # the forms that name it no longer hold
+                    self.spoiled.add(id(t))
+
+    def _inverse(self, x: object, key: object, value: object) -> bool:
+        """``x[P] = arange(n)`` for a permutation P of x's n positions: x is P's inverse."""
+        item = self.indices.get(id(x))
+        p = self.maps(key)
+        if item is None or item[0] is not x or p is None or len(p) != 1 or p[0][0] != PICK:
+            return False
+        if self.maps(value) != () or x.dim() != 1 or x.is_floating_point():
+            return False
+        if not (x.shape == key.shape == value.shape):
+            return False
+        self.indices[id(x)] = (x, ((INV, p[0][1]),))
+        return True
+
+
+def _alias(out: Tensor, t: Tensor) -> bool:
+    """Whether ``out`` shares ``t``'s memory."""
+    return out is t or out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
 
 
 @functools.lru_cache(maxsize=256)

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from ..ops import ALONG, JOINS, MATMULS, PRODUCTS, RESHAPES, ROW_REDUCTIONS, ROW_WISE, SPLITS
 from ..tensors import tensors_in
+from .forms import merged, picked, split
 
 if TYPE_CHECKING:
     from .rowflow import RowFlow
@@ -132,8 +133,10 @@ def _indexed(flow: RowFlow, x: Tensor, index: object, out: object) -> object:
         rows = flow.of(x)
         if rows is None:
             return NotImplemented
-        picked = [rows[first]] if rows is not False else []
-        return flow.combine(picked + found) if picked or found else False
+        if rows is not False and not found and len(pickers) == 1:
+            return _gathered(flow, rows, first)
+        chosen = [rows[first]] if rows is not False else []
+        return flow.combine(chosen + found) if chosen or found else False
     if any(isinstance(k, Tensor) for k in key):
         return NotImplemented
     plain = first == slice(None) or (
@@ -146,8 +149,16 @@ def _picked(flow: RowFlow, x: Tensor, index: Tensor, out: object) -> object:
     rows, own = flow.of(x), flow.of(index)
     if rows is None or own is None or index.dim() != 1:
         return NotImplemented
+    if rows is not False and own is False:
+        return _gathered(flow, rows, index)
     found = ([rows[index]] if rows is not False else []) + ([own] if own is not False else [])
     return flow.combine(found) if found else False
+
+
+def _gathered(flow: RowFlow, rows: Tensor, index: Tensor) -> Tensor:
+    """The rows an index tensor of no example picks, of a form where both have one."""
+    form, maps = flow.form(rows), flow.maps(index)
+    return flow.formed(rows[index], None if form is None or maps is None else picked(maps, form))
 
 
 def _added(flow: RowFlow, args: tuple, kwargs: dict) -> object:
@@ -177,14 +188,19 @@ def _reshaped(flow: RowFlow, x: Tensor, out: object) -> object:
     if not x.numel() or n == m:
         return rows if n == m else NotImplemented
     per_in, per_out = x.numel() // n, out.numel() // m
+    form = flow.form(rows)
     if per_in % per_out == 0:
-        return rows.repeat_interleave(per_in // per_out)
+        k = per_in // per_out
+        return flow.formed(rows.repeat_interleave(k), None if form is None else split(form, k))
     if per_out % per_in:
         return NotImplemented
-    merged = rows.view(m, per_out // per_in)
-    found = merged.amax(1)
-    flow.flag(((merged != found[:, None]) & (merged != NO_ONE)).any(1))
-    return found
+    k = per_out // per_in
+    whole = rows.view(m, k)
+    found = whole.amax(1)
+    after = None if form is None else merged(form, k)
+    if after is None:  # rows of one example each, or of none, as the values say
+        flow.flag(((whole != found[:, None]) & (whole != NO_ONE)).any(1))
+    return flow.formed(found, after)
 
 
 def _joined(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object) -> object:

@@ -235,11 +235,17 @@ def test_rows_the_replay_cannot_follow_go_back_to_the_trace():
         assert findings.replays >= 2 and findings.programs[-1].varies
 
 
-def test_a_routed_replay_reads_one_flag_on_the_host():
-    """What the batch's values decide in the experts is read back once, at the forward's end:
-    one sync more than a plain step, however many experts and layers."""
+@pytest.mark.parametrize("shift", [0, B * T * 2], ids=["settled", "by values"])
+def test_a_routed_replay_reads_a_flag_only_where_the_values_decide(shift: int):
+    """Rows put back by the inverse of the permutation that gathered them are their tokens'
+    whatever the values (``replay/forms.py``): no flag, no sync more than a plain step. Put
+    back a whole turn on (``(back + S) % S``: the same rows, by values the replay does not
+    follow), what the values decide is read back once, at the forward's end: one sync more,
+    however many experts and layers."""
     torch.manual_seed(0)
-    model = Model(Experts()).eval()
+    experts = Experts()
+    experts.shift = shift
+    model = Model(experts).eval()
     params = list(model.parameters())
     with Engine(model, LOSS) as engine:
         for seed in range(2):
@@ -250,7 +256,7 @@ def test_a_routed_replay_reads_one_flag_on_the_host():
         with counted() as ours:
             engine.norms(inputs, targets)
         assert engine.record.at(inputs, targets).replays == 2
-    assert sorted(ours) == sorted([*plain, "__bool__"]), (ours, plain)
+    assert sorted(ours) == sorted([*plain, *(["__bool__"] if shift else [])]), (ours, plain)
 
 
 def test_routed_only_where_the_rows_gram_is_cheap():
