@@ -19,15 +19,23 @@ FUNCTIONS = ("equal", "nonzero", "allclose", "unique", "unique_consecutive", "ma
 
 @contextlib.contextmanager
 def counted() -> Iterator[list[str]]:
-    """Every call of a synchronising tensor method or torch function, by name."""
+    """Every call of a synchronising tensor method or torch function, by name: once where a
+    function mode (the engine's) is handed the replaced method and calls it again."""
     calls: list[str] = []
+    inside = [False]  # a read a function mode handed back to the method it came through: once
     saved = [(torch.Tensor, name, getattr(torch.Tensor, name)) for name in METHODS]
     saved += [(torch, name, getattr(torch, name)) for name in FUNCTIONS]
 
     def counting(name, original):
         def call(*args, **kwargs):
+            if inside[0]:
+                return original(*args, **kwargs)
             calls.append(name)
-            return original(*args, **kwargs)
+            inside[0] = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                inside[0] = False
 
         return call
 

@@ -8,17 +8,41 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 
 def op_name(func: Callable) -> str:
     """The op's name; a property's (``x.T``) rather than ``__get__``."""
     short = _NAMES.get(func)
     if short is not None:
         return short
-    name = getattr(func, "__name__", str(func))
+    name = _replaced(func) or getattr(func, "__name__", str(func))
     if name == "__get__":  # a new method-wrapper on every read: not kept in _NAMES
         return getattr(getattr(func, "__self__", None), "__name__", name)
     short = _NAMES[func] = name.split("::")[-1].split(".")[0]  # torch.ops.lib.name.overload
     return short
+
+
+def _replaced(func: Callable) -> str | None:
+    """The name of the host read (``ESCAPES``, ``SIZED_BY_VALUES``) that ``func`` now is, where
+    something replaced torch's own after import (a wrapper of ``Tensor.__bool__`` that counts
+    its calls, under whatever name of its own): a read the analysis must see as that read, or
+    a branch on it would go unwitnessed."""
+    for name in ESCAPES | SIZED_BY_VALUES:
+        if func is getattr(torch.Tensor, name, None) or func is getattr(torch, name, None):
+            return name
+    return None
+
+
+def scalar_reads() -> frozenset[Callable]:
+    """The functions of SCALAR_READS as a function mode is handed them now (methods, and
+    ``torch.equal``'s kind), replaced ones included."""
+    return frozenset(
+        f
+        for name in SCALAR_READS
+        for f in (getattr(torch.Tensor, name, None), getattr(torch, name, None))
+        if f
+    )
 
 
 # func -> its name, asked for once per op by the trace and the tap: torch's functions and

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .derived import Computed, Derived
-from .ops import METADATA
+from .ops import METADATA, op_name
 from .rows import Lanes
 
 
@@ -87,19 +87,11 @@ def recipe_roles(
     return tuple(roles), tuple(computed), constants
 
 
-def name_of(func) -> str:
-    """The op's name; a property's (``x.T``) rather than ``__get__``."""
-    name = getattr(func, "__name__", "")
-    if name == "__get__":
-        return getattr(getattr(func, "__self__", None), "__name__", name)
-    return name
-
-
 def metadata(func) -> bool:
     """Whether ``func`` asks a tensor what it is (its shape, dtype, ...) without reading it."""
     if getattr(func, "__name__", "") == "__get__":  # a property, unless a view (W.T)
-        return name_of(func) not in ("T", "mT", "H", "mH")
-    return name_of(func) in METADATA
+        return op_name(func) not in ("T", "mT", "H", "mH")
+    return op_name(func) in METADATA
 
 
 ARG = "arg"  # a broadcast recipe's role: the position of the parameter among the op's arguments

@@ -29,10 +29,10 @@ from torch.overrides import TorchFunctionMode
 from ..capture import Capture, Use, counter
 from ..derived import FACTORIES, Computed, Constants, Derived, compute, writes
 from ..hooks import ReadHooks
-from ..ops import CASTS, SCALAR_READS, SCALES, SHIFTS, SPREAD, VIEWS
+from ..ops import CASTS, SCALES, SHIFTS, SPREAD, VIEWS, op_name, scalar_reads
 from ..parts import CONVS
 from ..plan import ParamPlan, Plan
-from ..recipes import ARG, OPENED, Recipe, masked_by, metadata, name_of, sdpa_math
+from ..recipes import ARG, OPENED, Recipe, masked_by, metadata, sdpa_math
 from ..steps import Diverged
 from ..tensors import tensors_in
 from ..views import places
@@ -40,13 +40,6 @@ from .intercept import Intercept, Intercepting
 from .reads import RecipeReads
 
 _SEQUENCES = (list, tuple)
-# the functions of SCALAR_READS as a function mode is handed them: methods, and torch.equal's kind
-_SCALAR_READS = frozenset(
-    f
-    for name in SCALAR_READS
-    for f in (getattr(Tensor, name, None), getattr(torch, name, None))
-    if f
-)
 
 
 class LightRegion(RecipeReads, Intercepting, TorchFunctionMode):
@@ -97,6 +90,7 @@ class LightRegion(RecipeReads, Intercepting, TorchFunctionMode):
         # the analysed call's scalar reads on the host (None: not witnessed, as at the root),
         # and whom to tell when the batch's differ
         self.hosts, self.branched, self._host_next = hosts, branched, 0
+        self.scalar_reads = scalar_reads()  # as torch's are now: one may have been replaced
         self._next = 0
         self._start = counter()
         self._open = True
@@ -114,7 +108,7 @@ class LightRegion(RecipeReads, Intercepting, TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _SCALAR_READS and self.hosts is not None:
+        if func in self.scalar_reads and self.hosts is not None:
             return self._host(func, args, kwargs)
         hot = self.hot
         for a in args:  # loops, not a generator: this runs on every op
@@ -137,7 +131,7 @@ class LightRegion(RecipeReads, Intercepting, TorchFunctionMode):
         if func in OPENED:
             with self:  # its projections come to this mode one by one
                 return OPENED[func](*args, **kwargs)
-        name = name_of(func)
+        name = op_name(func)
         if name == "scaled_dot_product_attention" and masked_by(args, kwargs, self._source):
             with self:  # its mask added to the scores, as the tap served it
                 return sdpa_math(*args, **kwargs)
@@ -161,7 +155,7 @@ class LightRegion(RecipeReads, Intercepting, TorchFunctionMode):
     def _host(self, func, args: tuple, kwargs: dict) -> object:
         """A scalar read from tensors' values on the host: the analysed call's next one."""
         out = func(*args, **kwargs)
-        k, name = self._host_next, name_of(func)
+        k, name = self._host_next, op_name(func)
         self._host_next += 1
         if k >= len(self.hosts) or self.hosts[k] != (name, out):
             self.why = self.why or f"other values read on the host ({name}) than analysed"
@@ -182,7 +176,7 @@ class LightRegion(RecipeReads, Intercepting, TorchFunctionMode):
         out = func(*args, **kwargs)
         constants, known = self.constants, len(self.constants.alive)
         with torch._C.DisableTorchFunction():
-            constants.after(func, name_of(func), tensors_in(args, kwargs), kwargs, out)
+            constants.after(func, op_name(func), tensors_in(args, kwargs), kwargs, out)
         self.hot.update(id(t) for t in constants.alive[known:])
         return out
 
@@ -201,7 +195,7 @@ class LightRegion(RecipeReads, Intercepting, TorchFunctionMode):
         """The op's result, each floating tensor of it followed as placed in a parameter (a
         view, cast, shift or scale of one, as the tap places it: ``views.py``), or else as
         ``Computed``."""
-        name = name_of(func)
+        name = op_name(func)
         d = self._source(args[0]) if args else None
         if isinstance(d, Derived) and _placeable(name, args, kwargs, self.watched):
             out = func(*args, **kwargs) if name in CASTS else None  # placed by its dtype

@@ -21,10 +21,10 @@ from torch import Tensor, nn
 
 from ...rules.routed import Routed
 from ..capture import Use, counter, edge, read_at
-from ..ops import BIASED, CASTS, EXPERT_READS, EXPERT_VIEWS
+from ..ops import BIASED, CASTS, EXPERT_READS, EXPERT_VIEWS, op_name
 from ..parts import bind_affine, broadcast_view, viewed_parts
 from ..plan import Plan
-from ..recipes import ARG, Recipe, metadata, name_of
+from ..recipes import ARG, Recipe, metadata
 from ..tensors import tensors_in
 from .light import LightRegion
 from .rowflow import NO_ONE, RowFlow
@@ -74,7 +74,7 @@ class RoutedRegion(LightRegion):
             read = read or i in watched or (i in views and self._view(t) is not None)
         if not (read or followed or indexed) or metadata(func):
             return func(*args, **kwargs)  # nothing followed, nothing watched
-        name = name_of(func)
+        name = op_name(func)
         out = self._watched(name, func, args, kwargs) if read else func(*args, **kwargs)
         with torch._C.DisableTorchFunction():
             if followed:
