@@ -34,84 +34,19 @@ import argparse
 import fnmatch
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from render import markdown  # noqa: E402
+from results import environment, merged, shown  # noqa: E402
 from scorers import GRADSCOPE, Run, influence, peer, timed, write_config  # noqa: E402
+from suite import SETTINGS, Bench  # noqa: E402
 
-DAMPINGS = (0.001, 0.01, 0.1, 1.0, 10.0)
 os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-
-
-@dataclass(frozen=True)
-class Bench:
-    """A setting: its config (with a ``train:`` recipe), its references, the curvatures
-    gradscope fits on it and each peer's option sets (the first: the peer's defaults)."""
-
-    config: Path
-    ref: Path
-    curvatures: tuple[str, ...] = ("gn", "hessian", "kfac", "ekfac")
-    dampings: tuple[float, ...] = DAMPINGS
-    peers: dict[str, list[dict]] = field(default_factory=dict)
-    cg_dampings: tuple[float, ...] = ()  # gn by conjugate gradients: where dense does not fit
-
-
-def _grid(key: str, values, **fixed) -> list[dict]:
-    return [{**fixed, key: v} for v in values]
-
-
-CLASSIFIER_PEERS = {
-    "trak": [
-        {},
-        *_grid("lambda_reg", (1e-3, 1e-2, 1e-1, 1.0, 10.0), proj_dim=512),
-        *_grid("lambda_reg", (1.0, 10.0), proj_dim=512, over="epochs"),
-    ],  # fmt: skip
-    "kronfluence": [{}, {"damping": None}, *_grid("damping", (1e-3, 1e-2, 1e-1))],
-    "dattri": [{}, *_grid("regularization", (1e-3, 1e-2, 1e-1, 1.0))],
-}
-# dattri's explicit IF on the MLP's 9,034 parameters ran over 8 CPU minutes for one
-# regularisation, unfinished (the Hessian alone takes about a minute): the MLP runs TRAK and
-# kronfluence only.
-MLP_PEERS = {k: CLASSIFIER_PEERS[k] for k in ("trak", "kronfluence")}
-SETTINGS = {
-    "digits_linear": Bench(
-        HERE / "configs/digits_linear.yaml", HERE / "data/digits_ref.pt", peers=CLASSIFIER_PEERS
-    ),  # fmt: skip
-    "digits_mlp": Bench(
-        HERE / "configs/digits_mlp.yaml", HERE / "data/digits_ref.pt", peers=MLP_PEERS
-    ),  # fmt: skip
-    "diabetes": Bench(
-        HERE / "configs/diabetes.yaml",
-        HERE / "data/diabetes_ref.pt",
-        peers={k: CLASSIFIER_PEERS[k] for k in ("kronfluence", "dattri")},
-    ),  # fmt: skip
-    "lm": Bench(
-        HERE / "configs/lm.yaml",
-        HERE / "data/lm_ref.parquet",
-        curvatures=("kfac", "ekfac"),
-        # the exact influence function: CG over all 136,960 parameters, 64 references a pass
-        # (~28 s of CPU); at 10 x the mean eigenvalue its residual fell 2.2 -> 0.3 in 18
-        # iterations (2 references), so some 130 to 1e-6: about an hour of CPU. Smaller
-        # dampings converge slower still (1: 2.2 -> 1.5 in 18).
-        cg_dampings=(10.0,),
-        peers={
-            "kronfluence": CLASSIFIER_PEERS["kronfluence"][:2],
-            "bergson": [
-                {},
-                *_grid("projection_dim", (64, 256)),
-                {"projection_dim": 256, "cosine": True},
-            ],
-        },
-    ),  # fmt: skip
-}
 
 
 def quality(cfg, ref: Path) -> dict:
@@ -293,8 +228,8 @@ def measure(
     for r in runs:
         r.commit = commit
     return {
-        "config": _shown(bench.config),
-        "ref": _shown(bench.ref),
+        "config": shown(bench.config),
+        "ref": shown(bench.ref),
         "model": {"factory": cfg.model.factory, "kwargs": cfg.model.kwargs},
         "loss": cfg.loss.name,
         "rows": trained.rows,
@@ -306,45 +241,6 @@ def measure(
         **quality(cfg, bench.ref),
         "scorers": [r.record() for r in runs],
     }
-
-
-def merged(old: dict, new: dict, commit: str) -> dict:
-    """A setting's new runs over its old measurement: each new run replaces the old run of the
-    same tool, scorer and options (or joins them); an old run keeps the commit it was measured
-    at (``commit``, its report's, where it names none). The setting's own numbers (training,
-    truths, replay, the model's quality) stay the old report's: a merge measures runs."""
-    runs = {(r["tool"], r["scorer"], json.dumps(r["options"])): r | {"commit": r.get("commit") or commit}
-            for r in old["scorers"]}  # fmt: skip
-    for r in new["scorers"]:
-        runs[(r["tool"], r["scorer"], json.dumps(r["options"]))] = r
-    return old | {"scorers": list(runs.values())}
-
-
-def _shown(path: Path) -> str:
-    """A path inside the repository relative to its root; others as they are."""
-    root = HERE.parents[1]
-    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
-
-
-def environment(peers_python: str | None) -> dict:
-    import torch
-
-    env = {
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
-        ).stdout.strip(),  # fmt: skip
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "threads": 1,
-    }
-    if peers_python:
-        code = ("import importlib.metadata as m, json; print(json.dumps({p: m.version(p) for p in "
-                "('traker', 'kronfluence', 'dattri', 'bergson', 'torch')}))")  # fmt: skip
-        out = subprocess.run([peers_python, "-c", code], capture_output=True, text=True).stdout
-        env["peers"] = json.loads(out)
-    return env
 
 
 def main() -> None:
