@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from ...rules import Contribution, Dense, Outer
-from ...rules.base import CHUNK_ELEMENTS, _sq_norm, rows
+from ...rules.base import CHUNK_ELEMENTS, _sq_norm, rows, stacked
 from ...rules.outer import gram_norms
 from ...rules.routed import Routed, routed_inners, routed_norms
 
@@ -56,7 +56,7 @@ class Batched:
         elif self.refs is None:
             answers = _norms(key[0], parts)
         else:
-            answers = _inners(key[0], parts, torch.stack([self.refs[n] for n in names]))
+            answers = _inners(key[0], parts, [self.refs[n] for n in names])
         self.done.update(zip(names, answers, strict=True))
         self._size -= sum(_size(c) for c in parts)
 
@@ -95,11 +95,11 @@ def _norms(kind: type, parts: list) -> Tensor:
     return _sq_norm(torch.stack([rows(c.grads) for c in parts]))  # (n, B, P) -> (n, B)
 
 
-def _inners(kind: type, parts: list, refs: Tensor) -> Tensor:
+def _inners(kind: type, parts: list, refs: list[Tensor]) -> Tensor:
     """(n, B, K) the inner products of n parts of one ``_inner_key``, each with its own
-    references, ``refs`` (n, K, *shape)."""
+    references, ``refs`` n (K, *shape)."""
     if kind is Routed:
-        return routed_inners(parts, refs)
+        return routed_inners(parts, stacked(refs))
     if kind is Outer:  # the n parts' examples stacked, (n*B, G, T, O) and (n*B, G, T, I)
         s, a = torch.cat([c.s for c in parts]), torch.cat([c.a for c in parts])
         return Outer(s, a, parts[0].shape).inners(refs, parts[0].dims[0])
