@@ -406,12 +406,13 @@ def gradscope_reference(pb: Problem) -> Step:
 
 def gradscope_influence(engine: str) -> Callable[[Problem], Step]:
     """gradscope's scoring pass with one engine, ``hooks`` (ghost inner products) or ``jvp``:
-    ``per_example_influence`` less its reference gradient and its Engine, which the setup
-    computes and builds once."""
+    one batch of ``gradscope influence``, whose reference gradient and scorer the setup
+    computes and builds once (the scorer, as the command holds its own over the batches: where
+    forward mode fails on the model, the first batch alone tries it)."""
 
     def setup(pb: Problem) -> Step:
-        refs, core = _gradscope_refs(pb), held(pb)
-        return lambda: Influence(core, refs, engine, norms=False)(pb.inputs, pb.targets).inner[:, 0]
+        scorer = Influence(held(pb), _gradscope_refs(pb), engine, norms=False)
+        return lambda: scorer(pb.inputs, pb.targets).inner[:, 0]
 
     return setup
 
@@ -422,8 +423,8 @@ def gradscope_per_ref(pb: Problem) -> Step:
     core = Engine(pb.model, resolve_loss(pb.loss))
     with core:
         refs = reference_gradients(core, [(pb.ref_inputs, pb.ref_targets)], per_ref=True)
-    core = held(pb)
-    return lambda: Influence(core, refs, "auto", norms=False)(pb.inputs, pb.targets).inner
+    scorer = Influence(held(pb), refs, "auto", norms=False)
+    return lambda: scorer(pb.inputs, pb.targets).inner
 
 
 def _projector(pb: Problem, core: Engine) -> Projector:

@@ -12,18 +12,24 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 
-def _unpacked(x: object) -> tuple[object, Tensor | None]:
+# forward_ad's make_dual and unpack_dual less their checks, 15 and 10 us a call where these
+# take 4 and 3: hundreds of calls a pass
+def _unpacked(x: object, level: int) -> tuple[object, Tensor | None]:
     """(primal, tangent) of a dual; (x, None) for a plain tensor or a number."""
-    return tuple(fwAD.unpack_dual(x)) if isinstance(x, Tensor) else (x, None)
+    return tuple(torch._unpack_dual(x, level)) if isinstance(x, Tensor) else (x, None)
 
 
-def _dual(out: Tensor, tangent: Tensor, fresh: bool = True) -> Tensor:
+def _made(out: Tensor, tangent: Tensor | None, level: int) -> Tensor:
+    """``out`` with ``tangent``; ``out`` itself where it has none."""
+    return out if tangent is None else torch._make_dual(out, tangent, level=level)
+
+
+def _dual(out: Tensor, tangent: Tensor, level: int, fresh: bool = True) -> Tensor:
     """``out`` with ``tangent`` widened to its shape and dtype (a broadcast operand's); copied
     where not ``fresh`` (an operand's own tangent), so that no in-place op on one dual later
     moves another's."""
@@ -31,10 +37,10 @@ def _dual(out: Tensor, tangent: Tensor, fresh: bool = True) -> Tensor:
         tangent = tangent.expand(out.shape).to(out.dtype, copy=True)
     elif not fresh:
         tangent = tangent.clone()
-    return fwAD.make_dual(out, tangent)
+    return _made(out, tangent, level)
 
 
-def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def _linear(level: int, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear`` on dual numbers, its tangent ``x_t W^T + x W_t^T + b_t`` summed in place.
 
     Autograd's forward-mode rule for it forms the three terms and their partial sums before it
@@ -43,8 +49,7 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """
     if weight.dim() != 2:
         return NotImplemented
-    (x, x_t), (weight, w_t) = fwAD.unpack_dual(x), fwAD.unpack_dual(weight)
-    bias, b_t = fwAD.unpack_dual(bias) if bias is not None else (None, None)
+    (x, x_t), (weight, w_t), (bias, b_t) = (_unpacked(t, level) for t in (x, weight, bias))
     out = F.linear(x, weight, bias)  # (..., out)
     tangent = None
     if x_t is not None:
@@ -58,27 +63,29 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
             tangent = tangent + F.linear(x, w_t)
     if b_t is not None:
         tangent = b_t.expand_as(out).clone() if tangent is None else tangent.add_(b_t)
-    return out if tangent is None else fwAD.make_dual(out, tangent)
+    return _made(out, tangent, level)
 
 
-def _binary(op: str, a: object, b: object, alpha: float = 1) -> Tensor:
+def _binary(level: int, op: str, a: object, b: object, alpha: float = 1) -> Tensor:
     """``a op b`` (mul, add, sub, div; ``rsub`` and ``rdiv`` with the operands swapped) where
     exactly one operand is a dual; NotImplemented otherwise (autograd's rule then)."""
     if op in ("rsub", "rdiv"):
         op, a, b = op[1:], b, a
-    (a, a_t), (b, b_t) = _unpacked(a), _unpacked(b)
+    (a, a_t), (b, b_t) = _unpacked(a, level), _unpacked(b, level)
     if (a_t is None) == (b_t is None):
         return NotImplemented
     if op == "mul":
         out = torch.mul(a, b)
-        return _dual(out, a_t * b if a_t is not None else a * b_t)
+        return _dual(out, a_t * b if a_t is not None else a * b_t, level)
     if op == "div":
         out = torch.div(a, b)
-        return _dual(out, a_t / b if a_t is not None else out / b * -b_t)  # d(a/b) = -a/b^2 db
+        return _dual(
+            out, a_t / b if a_t is not None else out / b * -b_t, level
+        )  # d(a/b) = -a/b^2 db
     out = torch.add(a, b, alpha=alpha) if op == "add" else torch.sub(a, b, alpha=alpha)
     if a_t is not None:
-        return _dual(out, a_t, fresh=False)
-    return _dual(out, b_t * (alpha if op == "add" else -alpha))
+        return _dual(out, a_t, level, fresh=False)
+    return _dual(out, b_t * (alpha if op == "add" else -alpha), level)
 
 
 _BINARY = {
@@ -96,6 +103,7 @@ _BINARY = {
 
 
 def _attention(
+    level: int,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -108,8 +116,8 @@ def _attention(
     """Scaled-dot-product attention on duals, by its math: S = q k^T c (+ mask), P =
     softmax(S), out = P v, and out_t = P_t v + P v_t with P_t = P (S_t - sum(P S_t)),
     S_t = (q_t k^T + q k_t^T) c. A dual mask or dropout: autograd's rule."""
-    (q, q_t), (k, k_t), (v, v_t) = (fwAD.unpack_dual(t) for t in (q, k, v))
-    if dropout_p or (attn_mask is not None and fwAD.unpack_dual(attn_mask).tangent is not None):
+    (q, q_t), (k, k_t), (v, v_t) = (_unpacked(t, level) for t in (q, k, v))
+    if dropout_p or _unpacked(attn_mask, level)[1] is not None:
         return NotImplemented
     if enable_gqa and k.shape[-3] != q.shape[-3]:  # each key and value head serves a group
         n = q.shape[-3] // k.shape[-3]
@@ -141,20 +149,27 @@ def _attention(
         tangent = p_t @ v
     if v_t is not None:
         tangent = p @ v_t if tangent is None else tangent.add_(p @ v_t)
-    return out if tangent is None else fwAD.make_dual(out, tangent)
+    return _made(out, tangent, level)
 
 
 class Tangents(TorchFunctionMode):
-    """``F.linear``, scaled-dot-product attention and the arithmetic of a dual with a plain
-    operand by the rules above; every other op by autograd's own forward-mode rule."""
+    """``F.linear`` (and ``torch.addmm`` of a bias row), scaled-dot-product attention and the
+    arithmetic of a dual with a plain operand by the rules above; every other op by autograd's own forward-mode rule. ``level``:
+    the ``fwAD.dual_level`` whose duals these are."""
+
+    def __init__(self, level: int = 0):
+        super().__init__()
+        self.level = level
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = NotImplemented
         if func is F.linear and len(args) >= 2 and not set(kwargs) - {"bias"}:
-            out = _linear(*args, **kwargs)
+            out = _linear(self.level, *args, **kwargs)
+        elif func is torch.addmm and len(args) == 3 and not kwargs and args[0].dim() == 1:
+            out = _linear(self.level, args[1], args[2].mT, args[0])  # b + x W: GPT-2's Conv1D
         elif func is F.scaled_dot_product_attention:
-            out = _attention(*args, **kwargs)
+            out = _attention(self.level, *args, **kwargs)
         elif func in _BINARY and len(args) == 2 and not set(kwargs) - {"alpha"}:
-            out = _binary(_BINARY[func], *args, **kwargs)
+            out = _binary(self.level, _BINARY[func], *args, **kwargs)
         return func(*args, **kwargs) if out is NotImplemented else out

@@ -88,6 +88,15 @@ def test_an_operands_tangent_is_not_shared_with_the_result() -> None:
         assert fwAD.unpack_dual(x).tangent.tolist() == [1.0, 1.0, 1.0]
 
 
+@pytest.mark.parametrize(
+    "side", [(True, True, True), (False, True, False), (True, False, True)], ids=str
+)
+def test_addmm_of_a_bias_row_is_autograds(side) -> None:
+    """``torch.addmm(b, x, W)``, GPT-2's Conv1D, by the linear rule."""
+    b, x, w = (torch.randn(s, dtype=torch.float64) for s in ((3,), (4, 5), (5, 3)))
+    _both(torch.addmm, b, x, w, tangents=side)
+
+
 def _mask(kind: str, rows: int, cols: int) -> Tensor | None:
     gen = torch.Generator().manual_seed(3)
     if kind == "bool":
