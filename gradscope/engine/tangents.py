@@ -88,6 +88,21 @@ def _binary(level: int, op: str, a: object, b: object, alpha: float = 1) -> Tens
     return _dual(out, b_t * (alpha if op == "add" else -alpha), level)
 
 
+def _grouped(level: int, a: Tensor, b: Tensor, *, offs: Tensor | None = None, **rest) -> Tensor:
+    """``torch._grouped_mm(a, b, offs=offs)`` (routed experts' matrices, which autograd's
+    forward mode lacks): bilinear, its tangent a_t b + a b_t by the same grouped product.
+    A bias or an output dtype: NotImplemented."""
+    if any(v is not None for v in rest.values()):
+        return NotImplemented
+    (a, a_t), (b, b_t) = _unpacked(a, level), _unpacked(b, level)
+    out = torch._grouped_mm(a, b, offs=offs)
+    tangent = None if a_t is None else torch._grouped_mm(a_t, b, offs=offs)
+    if b_t is not None:
+        by_b = torch._grouped_mm(a, b_t, offs=offs)
+        tangent = by_b if tangent is None else tangent.add_(by_b)
+    return _made(out, tangent, level)
+
+
 _BINARY = {
     f: op
     for op, fs in {
@@ -153,8 +168,9 @@ def _attention(
 
 
 class Tangents(TorchFunctionMode):
-    """``F.linear`` (and ``torch.addmm`` of a bias row), scaled-dot-product attention and the
-    arithmetic of a dual with a plain operand by the rules above; every other op by autograd's own forward-mode rule. ``level``:
+    """``F.linear`` (and ``torch.addmm`` of a bias row), routed experts' grouped products,
+    scaled-dot-product attention and the arithmetic of a dual with a plain operand by the rules
+    above; every other op by autograd's own forward-mode rule. ``level``:
     the ``fwAD.dual_level`` whose duals these are."""
 
     def __init__(self, level: int = 0):
@@ -168,6 +184,8 @@ class Tangents(TorchFunctionMode):
             out = _linear(self.level, *args, **kwargs)
         elif func is torch.addmm and len(args) == 3 and not kwargs and args[0].dim() == 1:
             out = _linear(self.level, args[1], args[2].mT, args[0])  # b + x W: GPT-2's Conv1D
+        elif func is torch._grouped_mm and len(args) == 2:
+            out = _grouped(self.level, *args, **kwargs)
         elif func is F.scaled_dot_product_attention:
             out = _attention(self.level, *args, **kwargs)
         elif func in _BINARY and len(args) == 2 and not set(kwargs) - {"alpha"}:

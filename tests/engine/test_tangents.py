@@ -1,19 +1,25 @@
 """The jvp engine's own forward-mode rules (``engine.tangents``) against autograd's, in float64:
-a dual's arithmetic with a plain tensor or a number, either side, broadcast; and attention
-with each of its masks, grouped heads and any of its three inputs carrying a tangent."""
+a dual's arithmetic with a plain tensor or a number, either side, broadcast; attention with
+each of its masks, grouped heads and any of its three inputs carrying a tangent; and routed
+experts' grouped products, which autograd has no rule for, against their definition and the
+float64 loop."""
 
 from __future__ import annotations
 
 import operator
 
+import moe_models
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
-from torch import Tensor
+from oracle import reference_influence
+from torch import Tensor, nn
 
+from gradscope.engine import Engine, Influence, reference_gradients
 from gradscope.engine.jvp import composite_attention
 from gradscope.engine.tangents import Tangents
+from gradscope.losses import resolve_loss
 
 
 def _both(fn, *args: Tensor | float, tangents: tuple[bool, ...]) -> None:
@@ -139,3 +145,57 @@ def test_attention_of_grouped_heads_and_a_scale_is_autograds() -> None:
         v,
         tangents=(True, True, True),
     )
+
+
+@pytest.mark.parametrize("side", [(True, True), (True, False), (False, True)], ids=str)
+def test_grouped_products_are_each_groups_own(side) -> None:
+    """``torch._grouped_mm`` of rows by 3 groups (one empty, a row past the last), which has
+    no rule of autograd's: value and tangent against each group's products in float64."""
+    gen = torch.Generator().manual_seed(4)
+    a, b = torch.randn(7, 4, generator=gen), torch.randn(3, 4, 8, generator=gen)
+    a_t, b_t = torch.randn(7, 4, generator=gen), torch.randn(3, 4, 8, generator=gen)
+    offs = torch.tensor([2, 2, 6], dtype=torch.int32)
+    with torch.no_grad(), fwAD.dual_level(), Tangents():
+        x = fwAD.make_dual(a, a_t) if side[0] else a
+        w = fwAD.make_dual(b, b_t) if side[1] else b
+        value, tangent = fwAD.unpack_dual(torch._grouped_mm(x, w, offs=offs))
+    want, want_t = torch.zeros(6, 8, dtype=torch.float64), torch.zeros(6, 8, dtype=torch.float64)
+    for g, (lo, hi) in enumerate([(0, 2), (2, 2), (2, 6)]):
+        want[lo:hi] = a[lo:hi].double() @ b[g].double()
+        if side[0]:
+            want_t[lo:hi] += a_t[lo:hi].double() @ b[g].double()
+        if side[1]:
+            want_t[lo:hi] += a[lo:hi].double() @ b_t[g].double()
+    torch.testing.assert_close(value[:6].double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tangent[:6].double(), want_t, rtol=1e-5, atol=1e-5)
+
+
+class Routed(nn.Module):
+    """A Linear, a block of grouped experts (``grouped_mm``, float32 only) and a head."""
+
+    def __init__(self, experts: moe_models.Experts):
+        super().__init__()
+        width = moe_models.H
+        self.inp, self.block = nn.Linear(width, width), moe_models.Block(experts)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.block(self.inp(x)).mean(1))
+
+
+def test_routed_experts_score_by_forward_mode_to_the_loops_answers() -> None:
+    """The jvp engine all the way through grouped experts, each example's inner product with
+    each reference example's gradient against the float64 loop over the same model with the
+    experts' eager loop (``LoopExperts``: the same weights, ``F.linear`` per expert)."""
+    torch.manual_seed(0)
+    model = Routed(moe_models.Experts()).eval()
+    oracle = Routed(moe_models.LoopExperts())
+    oracle.load_state_dict(model.state_dict(), strict=False)
+    x, y = torch.randn(4, 5, moe_models.H), torch.randint(0, 3, (4,))
+    refs = ((torch.randn(2, 5, moe_models.H),), torch.randint(0, 3, (2,)))
+    expected, g_norm, r_norm = reference_influence(oracle, (x,), y, refs, "cross_entropy", True)
+    with Engine(model, resolve_loss("cross_entropy")) as core:
+        scorer = Influence(core, reference_gradients(core, [refs], True), "jvp", norms=False)
+        inner = scorer((x,), y).inner
+    assert scorer.method == "jvp", scorer.note
+    assert ((inner - expected).abs() / (g_norm[:, None] * r_norm)).max().item() < 1e-5
