@@ -105,6 +105,7 @@ def measure(model: nn.Module, batches: list[Batch], loss: str, repeats: int = 21
                 errs[f"engine{k + 1}"] = rel_err(total(engine.norms(x, y).norm_sq).sqrt(), ref)
             findings = engine.record.at(*batches[0])
             rec["replays"], rec["replay_why"] = findings.replays, findings.why
+            rec["repeated"] = findings.repeated  # analysed, not self-checked again
         stage = "timing"
         rec.update(_timed(model, engine, batches, repeats))
         fallback = [p for p in engine.plan.params if p.is_fallback]
@@ -289,6 +290,8 @@ def summary(results: dict, title: str, env: dict, extra: dict | None) -> str:
     slow = [r for r in ok if r.get("speedup", 1) < 1]
     # the API calls and the Engine share the model's record: every batch after the first
     replayed = [r for r in ok if r.get("replays", 0) == len(r["errors"]) - 1]
+    # of the others, those whose every batch after the first skipped the self-check
+    repeated = [r for r in ok if r.get("repeated", 0) == len(r["errors"]) - 1]
     lines = [
         f"# {title}",
         "",
@@ -300,7 +303,7 @@ def summary(results: dict, title: str, env: dict, extra: dict | None) -> str:
         f"- with any parameter on the fallback: {len(fell)}",
         f"- gradscope (warm Engine pass) slower than the per-example loop: {len(slow)}",
         f"- replayed every batch after the first: {len(replayed)}; analysed every batch: "
-        f"{len(ok) - len(replayed)}",
+        f"{len(ok) - len(replayed)}, of which self-checked on the first alone: {len(repeated)}",
         *(  # the Engine entered for each timed pass: a model that cannot be copied
             [f"- timed with the Engine entered for each pass: {', '.join(unheld)}"]
             if (unheld := [r["name"] for r in ok if r.get("held") is False])

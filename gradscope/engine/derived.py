@@ -56,6 +56,9 @@ class Computed:
     # made from parameters and ``Constants`` alone: a light region (which has no trace to
     # tell what else is no example's) may compute it again (``replay/light.py``)
     pure: bool = False
+    # made from parameters and numbers alone, no other tensor (no buffer, no ``arange``): a
+    # region that sees only the ops on parameters (``replay/intercept.py``) tells it too
+    alone: bool = False
 
     @property
     def params(self) -> tuple[ParamPlan, ...]:
@@ -150,11 +153,12 @@ def compute(
     """For an op whose watched arguments (``watched(t)`` not None) are views of parameters or
     tensors computed from them: the ``Computed`` of its output (index ``k`` of a tuple output,
     or None for a tensor), as a function of the leaves of every watched argument, read by a
-    batch of ``batch`` examples; pure where its other tensors are among ``constants``."""
+    batch of ``batch`` examples; pure where its other tensors are among ``constants``, alone
+    where it has none and its watched ones are alone."""
     flat, spec = tree_flatten((args, kwargs))
     leaves: dict[int, tuple[Derived, Tensor]] = {}  # by the leaf tensor's id
     slots: list[tuple[int, Watched, list[int]]] = []  # (position in flat, its watch, leaf ids)
-    pure = True
+    pure = alone = True
     for k, t in enumerate(flat):
         w = watched(t) if isinstance(t, Tensor) else None
         if isinstance(w, Derived):
@@ -165,9 +169,10 @@ def compute(
             for d, v in zip(w.leaves, w.values, strict=True):
                 leaves.setdefault(id(v), (d, v))
             slots.append((k, w, ids))
-            pure = pure and w.pure
+            pure, alone = pure and w.pure, alone and w.alone
         elif isinstance(t, Tensor):
             pure = pure and constants is not None and t in constants
+            alone = False
     order = list(leaves)
     position = {key: i for i, key in enumerate(order)}
     constant = [t.detach() if isinstance(t, Tensor) else t for t in flat]
@@ -183,6 +188,6 @@ def compute(
     def output(index: int | None) -> Computed:
         fn = run if index is None else (lambda *values: run(*values)[index])
         derived, values = (tuple(leaves[i][j] for i in order) for j in (0, 1))
-        return Computed(fn, derived, values, batch, pure)
+        return Computed(fn, derived, values, batch, pure, pure and alone)
 
     return output

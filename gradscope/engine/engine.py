@@ -15,20 +15,20 @@ from ..losses import LossFn
 from ..rules import Contribution
 from .analysis import decide
 from .analysis.analyse import Analysed, Analysis
-from .analysis.finder import Regions
-from .analysis.program import program_of, regions_of
+from .analysis.program import program_of, regions_of, repeated, structure
 from .analysis.selfcheck import Singles, first_apart, mixed
 from .backward.backward import requests
 from .backward.fallback import Fallback
 from .backward.reduce import Reducer, Want
 from .backward.serve import Served, serve, served_calls, summed, uses
-from .forward import Forward
+from .forward import Forward, batched
 from .hooks import ModuleHooks
 from .plan import FALLBACK_LOOP, build_plan, prepared
 from .record import Findings, record_for
 from .replay.programs import Replayed
 from .replay.session import Diverged
 from .scores import BatchScores
+from .state import State
 from .steps import Program
 
 # (selected output, targets) -> {column: (B,) tensor}: read from the scoring forward, no extra pass
@@ -110,7 +110,7 @@ class Engine:
     def scores(self, inputs: tuple[Tensor, ...], targets: Tensor, want: Want) -> BatchScores:
         """One pass over a batch: the forward replayed where a program of its signature holds,
         else analysed in full; the one backward; the fallback."""
-        _batched(inputs, targets)
+        batched(inputs, targets)
         if targets.shape[0] == 0:
             return self._empty(targets)
         self._hooked_gradients()
@@ -167,14 +167,33 @@ class Engine:
     def _analysed(
         self, inputs: tuple[Tensor, ...], targets: Tensor, want: Want, findings: Findings
     ) -> tuple[Analysed, Reducer]:
-        """The pass with the forward analysed in full; its program kept where it holds for
-        later batches of the signature."""
+        """The pass with the forward analysed in full, and self-checked; its program kept
+        where it holds for later batches of the signature."""
+        known = [] if self._pinned else findings.checked_at()  # as the batch begins
+        hooked = None if self._pinned else State(self.plan.hooked_modules)
         captured = self.analysis(inputs, targets, findings)
         reads = captured.tap.reads() if captured.tap else []
         count = uses(self.plan, served_calls(self.plan, captured), reads)
+        moves, program = len(self.record.moves), self._program(captured, count)
         # every analysed batch is self-checked, not only a signature's first: the trace sees no
-        # op inside a hooked call, and one that runs there now (a hook added since) shows here
+        # op inside a hooked call, and one that runs there now (a hook added since) shows here;
+        # or in its node counts, where its program's structure is one checked at this state
         verify = not (self._pinned and findings.verified) and bool(captured.losses.isfinite().all())
+        if verify and repeated(program, known):
+            verify, findings.repeated = False, findings.repeated + 1
+        reducer, verify = self._checked(captured, want, reads, count, verify)
+        findings.verified |= verify
+        if len(self.record.moves) != moves:  # the program under the plan the backward left
+            program = self._program(captured, count)
+        kept = structure(program) if verify and not isinstance(program, str) else None
+        findings.analysed(program, kept, hooked)
+        return captured, reducer
+
+    def _checked(
+        self, captured: Analysed, want: Want, reads: list, count: dict[str, int], verify: bool
+    ) -> tuple[Reducer, bool]:
+        """The analysed batch's backward, and where ``verify``, its self-check; whether that
+        ran (no example's gradient not finite)."""
         # the self-check needs every batch gradient; otherwise only those of parameters that no
         # call or read saw, to tell whether they reach the loss
         watched = self.plan.by_rule + self.plan.raw
@@ -188,19 +207,14 @@ class Engine:
         if verify and not all(g is None or bool(g.isfinite().all()) for g in grads):
             verify = False  # an example's gradient is not finite: no check holds; the next batch
         decide.after_backward(self.plan, captured, reducer, checked, grads, singles, verify)
-        findings.verified |= verify
-        findings.analyses += 1
-        regions = regions_of(captured) if not self._pinned else "pinned"
-        if not findings.verified:  # the self-check could not run: the next batch runs it
-            findings.why = "the self-check has not run (a loss or gradient not finite)"
-        elif isinstance(regions, str):
-            findings.why = regions
-        else:
-            findings.learn(self._program(captured, regions, count))
-        return captured, reducer
+        return reducer, verify
 
-    def _program(self, captured: Analysed, regions: Regions, count: dict[str, int]) -> Program:
-        """The replay program of an analysed batch, under the plan its backward left."""
+    def _program(self, captured: Analysed, count: dict[str, int]) -> Program | str:
+        """The replay program of an analysed batch, under the plan as it is now; or why no
+        later batch may replay it."""
+        regions = regions_of(captured) if not self._pinned else "pinned"
+        if isinstance(regions, str):
+            return regions
         watched = self.plan.by_rule + self.plan.raw
         unseen = [p for p in watched if not count[p.name]]
         uses = {p.name: count[p.name] for p in watched}
@@ -274,19 +288,3 @@ class Engine:
             with torch.no_grad(), torch._C.DisableTorchFunction():
                 observed = self.observe(output.detach(), targets)
         return self.loss_fn(output, targets), observed
-
-
-def _batched(inputs: tuple[Tensor, ...], targets: Tensor) -> None:
-    """Each input a tensor whose first dimension is the batch's examples, as the targets': one
-    that is not would be cut into examples wrongly where examples are run alone."""
-    if not isinstance(targets, Tensor) or targets.dim() == 0:
-        raise ModelError("the targets must be a tensor with one entry per example", "data.targets")
-    b = targets.shape[0]
-    for k, t in enumerate(inputs):
-        if not isinstance(t, Tensor) or t.dim() == 0 or t.shape[0] != b:
-            what = f"of shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
-            raise ModelError(
-                f"input {k} is {what}: each input must be a tensor whose first dimension is "
-                f"the batch's {b} examples, as the targets'",
-                "data.inputs",
-            )

@@ -73,3 +73,19 @@ class Forward:
     def __call__(self, model: nn.Module, inputs: tuple[Tensor, ...]) -> Tensor:
         args, kwargs = self.split(inputs)
         return self.select(model(*args, **kwargs))
+
+
+def batched(inputs: tuple[Tensor, ...], targets: Tensor) -> None:
+    """Each input a tensor whose first dimension is the batch's examples, as the targets': one
+    that is not would be cut into examples wrongly where examples are run alone."""
+    if not isinstance(targets, Tensor) or targets.dim() == 0:
+        raise ModelError("the targets must be a tensor with one entry per example", "data.targets")
+    b = targets.shape[0]
+    for k, t in enumerate(inputs):
+        if not isinstance(t, Tensor) or t.dim() == 0 or t.shape[0] != b:
+            what = f"of shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+            raise ModelError(
+                f"input {k} is {what}: each input must be a tensor whose first dimension is "
+                f"the batch's {b} examples, as the targets'",
+                "data.inputs",
+            )

@@ -39,6 +39,9 @@ class Recipe:
     # the roles that take a tensor made from their parameters (a view, a cast, ``exp(a)``, a
     # weight-norm weight: ``replay/light.py`` makes it again), not a parameter itself
     computed: tuple[str, ...] = ()
+    # whether a computed role's tensor was made with constants too (a buffer, an ``arange``):
+    # only a mode that sees every op tells those from the batch's (``replay/intercept.py``)
+    constants: bool = False
     left: bool = False  # ``W @ x``: a 2-D W on the left of a batch x of (B, in, L) (Mamba's),
     # or, with ``slot``, a W whose leading dimensions broadcast against x's
     # a product whose leading dimensions broadcast (``parts.product_part``): the (example,
@@ -62,22 +65,26 @@ class Recipe:
         return tuple(name for r, name in self.roles if r == role)
 
 
-def recipe_roles(reads: Iterable[tuple[str, object]], given: dict) -> tuple[tuple, tuple] | None:
-    """The roles of a read, and which of them are computed (``Recipe.computed``), where each
-    takes a whole parameter, a view or cast of one, or a tensor made from parameters and
-    constants alone (``Computed.pure``); None for any other. ``given``: the tensor at each
-    role."""
+def recipe_roles(
+    reads: Iterable[tuple[str, object]], given: dict
+) -> tuple[tuple, tuple, bool] | None:
+    """The roles of a read, which of them are computed (``Recipe.computed``), and whether any
+    of those was made with constants (``Recipe.constants``), where each takes a whole
+    parameter, a view or cast of one, or a tensor made from parameters and constants alone
+    (``Computed.pure``); None for any other. ``given``: the tensor at each role."""
     roles: list[tuple[str, str]] = []
     computed: list[str] = []
+    constants = False
     for role, d in reads:
         if isinstance(d, Derived) and given[role] is d.param.param:
             roles.append((role, d.param.name))
         elif isinstance(d, Derived) or (isinstance(d, Computed) and d.pure):
             roles += [(role, p.name) for p in d.params]
             computed.append(role)
+            constants = constants or (isinstance(d, Computed) and not d.alone)
         else:
             return None
-    return tuple(roles), tuple(computed)
+    return tuple(roles), tuple(computed), constants
 
 
 def name_of(func) -> str:

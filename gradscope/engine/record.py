@@ -11,7 +11,10 @@ costs a pass to learn:
 - whether expanding calls on rows shared by the batch leaves every loss as it was;
 - whether calls on B rows computed from no example keep each row to one example;
 - whether the self-check has run: each rule-served parameter's per-example gradients must add up
-  to autograd's batch gradient, and two single examples must match their own backward;
+  to autograd's batch gradient, and two single examples must match their own backward; and the
+  structures of the programs of the batches it ran on, each with the hooked modules' state as
+  that batch began: a batch analysed again (its model's state changed since) whose program is
+  of one of them, at that state, is not self-checked again;
 - the replay programs of the analysed batches (``replay/session.py``), which later batches of the
   signature repeat while their witness holds.
 
@@ -28,6 +31,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
+    from .state import State
     from .steps import Program
 
 
@@ -47,6 +51,11 @@ class Findings:
     analyses: int = 0  # batches analysed in full
     divergences: int = 0  # batches whose witness failed with every program, in a row
     why: str | None = None  # why the last such batch's witness failed
+    # the structures (``analysis.program.structure``) of the self-checked batches' programs,
+    # each with the hooked modules' state as its batch began; the analysed batches whose
+    # program was of one of them at that state, not self-checked again
+    checked: list[tuple[tuple, State]] = field(default_factory=list)
+    repeated: int = 0
     # the parameters whose rule formed each example's gradient on the last training step: the
     # next takes their batch gradient from those (``backward.serve.summed``)
     formed: frozenset[str] = frozenset()
@@ -56,6 +65,24 @@ class Findings:
         used last: a model whose calls differ from batch to batch has a program for each way)."""
         if self.divergences < KEPT:
             self.programs = [*self.programs[-(KEPT - 1) :], program]
+
+    def analysed(self, program: Program | str, kept: tuple | None, hooked: State | None) -> None:
+        """A batch analysed in full: its ``program`` kept, or why none is; where it was
+        self-checked, its structure (``kept``), its batch begun with the hooked modules at
+        ``hooked``."""
+        self.analyses += 1
+        if not self.verified:  # the self-check could not run: the next batch runs it
+            self.why = "the self-check has not run (a loss or gradient not finite)"
+        elif isinstance(program, str):
+            self.why = program
+        else:
+            self.learn(program)
+            if kept is not None and hooked is not None:
+                self.checked = [*self.checked[-(KEPT - 1) :], (kept, hooked)]
+
+    def checked_at(self) -> list[tuple]:
+        """The self-checked structures whose hooked modules are in the state they began in."""
+        return [kept for kept, hooked in self.checked if hooked.differs() is None]
 
     def diverged(self, why: str) -> None:
         """No program's witness held: the batch is analysed; after a few in a row the

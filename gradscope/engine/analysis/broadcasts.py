@@ -153,7 +153,7 @@ def _recipe(
     roles = recipe_roles([(f"{ARG}{i}", d)], {f"{ARG}{i}": source})
     if roles is None:
         return None
-    return Recipe(name, roles[0], tuple(shape), lanes, computed=roles[1])
+    return Recipe(name, roles[0], tuple(shape), lanes, computed=roles[1], constants=roles[2])
 
 
 def _spread(source: Tensor, shape: torch.Size) -> bool:

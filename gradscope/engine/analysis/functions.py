@@ -81,7 +81,10 @@ class FunctionReads:
             roles = recipe_roles(reads, {"weight": weight, "bias": bias})
             if recipe is None and roles and (rows is None or isinstance(rows, Lanes)):
                 shape = tuple(x.shape)
-                recipe = Recipe(name, roles[0], shape, rows, computed=roles[1], expand=spread)
+                recipe = Recipe(
+                    name, roles[0], shape, rows, computed=roles[1], constants=roles[2],
+                    expand=spread,
+                )  # fmt: skip
         self._read_output(tuple(p for _, d in reads for p in d.params), out, parts, args, recipe)
         return out
 
@@ -122,8 +125,9 @@ class FunctionReads:
             if roles is not None:
                 shape = tuple(x.shape)
                 recipe = Recipe(
-                    name, roles[0], shape, None, computed=roles[1], left=left, slot=slot
-                )
+                    name, roles[0], shape, None, computed=roles[1], constants=roles[2],
+                    left=left, slot=slot,
+                )  # fmt: skip
             self._read_output(d.params, out, parts, args, recipe)
         return out
 
@@ -178,6 +182,7 @@ class FunctionReads:
                 tuple(x.shape),
                 None,
                 computed=roles[1],
+                constants=roles[2],
                 slot=rows,
                 equation=per_row,
             )
@@ -245,5 +250,7 @@ def _conv_recipe(name: str, reads: list, given: dict, x: Tensor) -> Recipe | Non
     region's."""
     roles = recipe_roles(reads, given)
     return (
-        None if roles is None else Recipe(name, roles[0], tuple(x.shape), None, computed=roles[1])
+        None
+        if roles is None
+        else Recipe(name, roles[0], tuple(x.shape), None, computed=roles[1], constants=roles[2])
     )

@@ -1,12 +1,16 @@
 """The replay program of an analysed batch (``replay/session.py``): its calls outside the regions
 and its region calls in the order they began, with the autograd nodes made between any two of
 them (the witness), where later batches of the signature may repeat it; and, where they may
-not, why."""
+not, why. Its ``structure``, what it holds but the state its batch began in, tells a batch
+analysed again whose program is one already self-checked (``alike``)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+import torch
+from torch import Tensor
 
 from ..backward.backward import Requests
 from ..steps import ChildCall, Program, RegionCall, Step
@@ -129,3 +133,48 @@ def _step(item: _Open) -> Step:
     shape = None if c is None else tuple(c.shape)
     rows = None if c is None else c.rows
     return Step(id(e.module), e.shapes, e.handed, e.expand, shape, rows, item.before, item.during)
+
+
+# what a program holds of its batch rather than of its structure
+_OF_BATCH = frozenset({"state", "trained"})
+
+
+def structure(program: Program) -> tuple:
+    """What ``program`` holds but the state its batch began in: each step's module, argument
+    shapes and dtypes, output shape, layout of rows and autograd nodes before and during it;
+    each region call's owners at its ends, recipes and values read on the host; the children,
+    requests, uses, the nodes after the last event, and the record's moves to the fallback
+    when it was made (which rule serves each parameter). Two analysed batches of one
+    structure ran the same ops on the same shapes outside the hooked calls, read the same
+    parameters the same way, and were served by the same rules on the same rows."""
+    return tuple(
+        getattr(program, f.name) for f in dataclasses.fields(program) if f.name not in _OF_BATCH
+    )
+
+
+def repeated(program: Program | str, known: list[tuple]) -> bool:
+    """Whether ``program`` (a string: none made) is of one of the structures ``known``."""
+    return not isinstance(program, str) and any(alike(structure(program), k) for k in known)
+
+
+def alike(a: object, b: object) -> bool:
+    """Whether two structures (or parts of them) are equal: tensors among them (a gather's
+    rows, a product's slots, a broadcast's elements) by dtype, shape and values; dataclasses
+    field by field, those their own ``==`` leaves out too; containers entry by entry."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return (
+            isinstance(a, Tensor)
+            and isinstance(b, Tensor)
+            and (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device)
+            and torch.equal(a, b)
+        )
+    if type(a) is not type(b):
+        return False
+    if dataclasses.is_dataclass(a):
+        fields = dataclasses.fields(a)
+        return all(alike(getattr(a, f.name), getattr(b, f.name)) for f in fields)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(alike(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(alike(a[k], b[k]) for k in a)
+    return a == b

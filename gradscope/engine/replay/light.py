@@ -71,13 +71,20 @@ class LightRegion(RecipeReads, Intercepting, TorchFunctionMode):
         super().__init__()
         self.recipes, self.during, self.batch = tuple(recipes), during, batch
         self.ruled = ruled
-        # constants (the buffers, the arguments the analysed call began with made from them,
-        # and what ops make from them), followed where a recipe reads a tensor made from
-        # parameters: elsewhere no op need be looked at for them
-        computed = any(r.computed for r in self.recipes)
-        self.constants = Constants(buffers, constant) if computed else Constants()
-        self.factories = FACTORIES if computed else frozenset()
         self.params = {name: plan.find(name) for r in self.recipes for _, name in r.roles}
+        self.intercept = intercept
+        self.intercepts = (
+            intercept is not None
+            and not hosts
+            and not any(r.constants for r in self.recipes)
+            and self._plain()
+        )
+        # constants (the buffers, the arguments the analysed call began with made from them,
+        # and what ops make from them), followed by the mode where a recipe reads a tensor
+        # made from parameters and them: elsewhere no op need be looked at for them
+        follow = not self.intercepts and any(r.computed for r in self.recipes)
+        self.constants = Constants(buffers, constant) if follow else Constants()
+        self.factories = FACTORIES if follow else frozenset()
         self.by_id = {id(p.param): p for p in self.params.values()}
         self.watched = set(self.by_id)  # and the tensors made from them
         # by id: the tensors made from the parameters, placed in one or computed
@@ -93,8 +100,6 @@ class LightRegion(RecipeReads, Intercepting, TorchFunctionMode):
         self._next = 0
         self._start = counter()
         self._open = True
-        self.intercept = intercept
-        self.intercepts = intercept is not None and not hosts and not computed and self._plain()
         if self.intercepts:
             self.hold(list(self.params.values()), intercept)
         else:
@@ -102,9 +107,9 @@ class LightRegion(RecipeReads, Intercepting, TorchFunctionMode):
 
     def _plain(self) -> bool:
         """Whether its reads may be intercepted (``intercepts``, with no scalar read on the
-        host to witness and no constant to follow, so that every op it must see touches a
-        watched parameter or a tensor made from one): each a plain Parameter, not a subclass
-        of its own (a sharded one's)."""
+        host to witness and no tensor read made with constants, so that every op it must see
+        touches a watched parameter or a tensor made from one): each a plain Parameter, not a
+        subclass of its own (a sharded one's)."""
         return all(type(p.param) is nn.Parameter for p in self.params.values())
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

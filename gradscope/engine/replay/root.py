@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..capture import Use
+from ..capture import Use, counter
 from ..plan import Plan
 from ..steps import Program
 from .intercept import Intercept
@@ -51,6 +51,16 @@ class RootReads(LightRegion):
         return (
             not self.why and self._next == len(self.recipes) and self._host_next == len(self.hosts)
         )
+
+    def missed(self) -> bool:
+        """Whether its reads are intercepted and the batch has made as many autograd nodes as
+        the analysed one had by the end of its next read, without making it: a read the
+        interception did not see (a parameter reached by another way than its modules'
+        attributes), the failure a later step's witness finds first (the read's own nodes
+        not made)."""
+        if not self.intercepts or self._next >= len(self.recipes):
+            return False
+        return counter() - self._start >= self.recipes[self._next].at
 
     def finish_reads(self) -> str | None:
         """The forward's end: why the batch's reads are not the analysed ones, or None."""

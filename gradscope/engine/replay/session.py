@@ -121,6 +121,8 @@ class ReplaySession(RegionHooks, Capture):
 
     def diverge(self, why: str) -> None:
         self.diverged = self.diverged or why
+        if self.root is not None and self.root.missed():  # its witness would fail at the end
+            self.intercept.failed()
         raise Diverged(self.diverged)
 
     # the backward hands each call's gradient on: the regions' calls' too

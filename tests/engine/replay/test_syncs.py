@@ -1,13 +1,18 @@
-"""A steady pass adds no host-device synchronisation to a dense model: on the op graphs of Hugging
-Face GPT-2, LLaMA and BERT, a replayed batch reads back to the host what one plain forward and
-backward with the same loss reads, and nothing more. Counted as calls of the tensor methods and
-functions that wait for the device (``bool``, ``item``, ``tolist``, ``equal``, ``unique``, ...);
+"""A steady pass adds no host-device synchronisation: on every workload of the benchmarks (the
+tiny and host ones as the benchmark builds them, the larger ones as the same families at test
+sizes), a replayed batch reads back to the host no more often than one plain forward and
+backward with the same loss. Counted as calls of the tensor methods and functions that wait for
+the device (``bool``, ``item``, ``tolist``, ``equal``, ``unique``, ...), over every batch, so
+that the analysed batches and the replayed one see the same (counting) functions;
 ``benchmarks/cuda_check.py`` counts them on a GPU itself."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
+import workloads
 from syncs import counted
 
 from gradscope.engine import Engine
@@ -17,36 +22,91 @@ transformers = pytest.importorskip("transformers")
 import families  # noqa: E402 - after the skip: its builders import transformers
 
 
-def _model(family: str):
+def _hf(build, **config: int) -> workloads.Problem:
+    """A Hugging Face causal LM of ``families`` at width 16, vocabulary 64, on 3 × 8 tokens."""
     torch.manual_seed(0)
-    if family == "gpt2":
-        return families.hf_gpt2(vocab=64, d=16, layers=2, heads=2, seq=8)
-    if family == "llama":
-        return families.hf_llama(vocab=64, d=16, layers=2, heads=2, kv_heads=1, seq=8)
-    return families.hf_bert(vocab=64, d=16, layers=2, heads=2, seq=8)
+    model = build(vocab=64, d=16, seq=8, **config)
+    return workloads._problem(model, workloads._next_tokens(64, 8), 3, "cross_entropy")
 
 
-def _batch(family: str, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, 64, (3, 8), generator=g)
-    if family == "bert":
-        return (ids,), torch.randint(0, 3, (3,), generator=g)
-    return (ids,), ids[:, 1:].contiguous()
+def _bert() -> workloads.Problem:
+    """W6's padded BERT classifier: some batches padded, some not (another way through it)."""
+    torch.manual_seed(0)
+    model = families.hf_bert(vocab=64, d=16, layers=2, heads=2, seq=8)
+
+    def make(n: int):
+        mask = families.padding_mask(n, 8)
+        return (torch.randint(1, 64, (n, 8)) * mask, mask), torch.randint(0, 3, (n,))
+
+    return workloads._problem(model, make, 3, "cross_entropy")
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
-def test_a_replayed_pass_syncs_no_more_than_a_plain_step(family: str):
-    model = _model(family).eval()
-    loss = resolve_loss("cross_entropy")
+def _bart() -> workloads.Problem:
+    torch.manual_seed(0)
+    model = families.hf_bart(vocab=64, d=16, layers=2, heads=2, seq=8)
+
+    def make(n: int):
+        ids = torch.randint(4, 64, (n, 8))
+        return ids, ids
+
+    return workloads._problem(model, make, 3, "cross_entropy")
+
+
+def _vit() -> torch.nn.Module:
+    return families.ViT(img=8, patch=4, d=16, layers=2, heads=2, classes=10)
+
+
+# the W workloads' families at test sizes; the T and H ones are built as the benchmark builds them
+SMALL = {
+    "W1": lambda: workloads._mlp([16, 32, 32, 1], 6),
+    "W2": lambda: workloads._images(workloads.CNN, (1, 28, 28), 3),
+    "W3": lambda: workloads._classifier(vocab=64, seq=8, d=16, heads=2, batch=3),
+    "W4": lambda: workloads._lm(vocab=64, seq=8, d=16, heads=2, batch=3),
+    "W5": lambda: _hf(families.hf_gpt2, layers=2, heads=2),
+    "W6": _bert,
+    "W7": lambda: _hf(families.hf_llama, layers=2, heads=4, kv_heads=2),
+    "W8": lambda: workloads._images(_vit, (3, 8, 8), 3),
+    "W9": lambda: _hf(families.hf_mixtral, layers=2, heads=4, experts=4),
+    "W10": _bart,
+}
+# where a replayed pass still syncs more than the floor (issue 49): Mixtral's routed experts
+# read their flags once a pass (replay/session.py); BART's traced region reads values on the
+# host in the trace's own logic (owners, policy) on every batch
+KNOWN = {
+    "W9": "routed experts: one more sync, for the routing flags",
+    "H4": "routed experts: one more sync, for the routing flags",
+    "W10": "BART: a region traced on every batch, 36 syncs where the floor makes 2",
+}
+NAMES = [name for name in workloads.WORKLOADS if name != "smoke"]
+
+
+def _problem(name: str) -> workloads.Problem:
+    return SMALL[name]() if name in SMALL else workloads.WORKLOADS[name].build()
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN[n])) if n in KNOWN else n
+     for n in NAMES],
+)  # fmt: skip
+def test_a_replayed_pass_syncs_no_more_than_a_plain_step(name: str):
+    pb = _problem(name)
+    model, loss = pb.model, resolve_loss(pb.loss)
     params = [p for p in model.parameters() if p.requires_grad]
     engine = Engine(model, loss)
-    with engine:
-        for seed in range(2):  # the analysis, then a first replay
-            engine.norms(*_batch(family, seed))
-        inputs, targets = _batch(family, 2)
-        with counted() as plain:
-            torch.autograd.grad(loss(model(*inputs), targets).sum(), params)
-        with counted() as ours:
-            engine.norms(inputs, targets)
-        assert engine.record.at(inputs, targets).replays == 2  # the counted pass replayed
-    assert sorted(ours) == sorted(plain), (ours, plain)
+    with engine, counted() as calls:
+        for seed in range(3):  # the analyses (W6: padded and not), then replays
+            engine.norms(*pb.batch(seed))
+        inputs, targets = pb.batch(3)
+        calls.clear()
+        torch.autograd.grad(loss(model(*inputs), targets).sum(), params)
+        plain = Counter(calls)
+        calls.clear()
+        engine.norms(inputs, targets)
+        ours = Counter(calls)
+        assert engine.record.at(inputs, targets).replays >= 2  # the counted pass replayed
+    assert not ours - plain, (ours, plain)
+
+
+def test_every_workload_is_counted():
+    assert set(SMALL) == set(workloads.SETS["default"])
