@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from ...rules import Contribution, Dense, Outer
-from ...rules.base import CHUNK_ELEMENTS, _sq_norm, rows, stacked
+from ...rules.base import CHUNK_ELEMENTS, _sq_norm, rows
 from ...rules.outer import gram_norms
 from ...rules.routed import Routed, routed_inners, routed_norms
 
@@ -99,7 +99,7 @@ def _inners(kind: type, parts: list, refs: list[Tensor]) -> Tensor:
     """(n, B, K) the inner products of n parts of one ``_inner_key``, each with its own
     references, ``refs`` n (K, *shape)."""
     if kind is Routed:
-        return routed_inners(parts, stacked(refs))
+        return routed_inners(parts, refs)
     if kind is Outer:  # the n parts' examples stacked, (n*B, G, T, O) and (n*B, G, T, I)
         s, a = torch.cat([c.s for c in parts]), torch.cat([c.a for c in parts])
         return Outer(s, a, parts[0].shape).inners(refs, parts[0].dims[0])
