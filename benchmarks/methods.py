@@ -4,7 +4,9 @@ Tasks: ``floor`` (one plain forward+backward of the summed loss; ``floor:linear 
 cheapest hooks a pass could add to it, for scale), ``norms`` (per-example gradient
 norms), ``reference`` (the gradient of the mean loss over the 8-example reference batch),
 ``influence`` (each example's gradient against that reference gradient, which every influence
-method computes once in its setup: its step is the scoring pass alone) and ``index`` (each
+method computes once in its setup: its step is the scoring pass alone), ``per-ref`` (each
+example's gradient against each reference example's own, ``influence --per-ref``: (B, 8), the
+8 reference gradients computed in the setup) and ``index`` (each
 example's projected gradient at ``gradscope index``'s default dimension, the projections drawn
 in the setup). Every method of a task is checked against that task's ``loop``.
 """
@@ -78,7 +80,7 @@ Step = Callable[[], Tensor | None]
 @dataclass(frozen=True)
 class Method:
     name: str
-    task: str  # "floor", "norms", "reference" or "influence"
+    task: str  # "floor", "norms", "reference", "influence", "per-ref" or "index"
     setup: Callable[[Problem], Step]  # done once, untimed; the step is what is timed
 
     @property
@@ -184,6 +186,17 @@ def _ref_grads(pb: Problem) -> dict[str, Tensor]:
     return dict(zip(params, torch.autograd.grad(loss, list(params.values())), strict=True))
 
 
+def _ref_rows(pb: Problem) -> list[dict[str, Tensor]]:
+    """Each reference example's own loss gradient, by its own backward: ``--per-ref``'s."""
+    loss_fn, params = resolve_loss(pb.loss), trainable(pb.model)
+    out = []
+    for i in range(pb.ref_targets.shape[0]):
+        x, y = tuple(t[i : i + 1] for t in pb.ref_inputs), pb.ref_targets[i : i + 1]
+        grads = torch.autograd.grad(loss_fn(pb.model(*x), y)[0], list(params.values()))
+        out.append(dict(zip(params, grads, strict=True)))
+    return out
+
+
 def _flat(pb: Problem, grads: dict[str, Tensor]) -> Tensor:
     """One vector of per-parameter tensors, in the model's parameter order."""
     return torch.cat([grads[n].flatten() for n in trainable(pb.model)])
@@ -216,6 +229,15 @@ def loop_reference(pb: Problem) -> Step:
 def loop_influence(pb: Problem) -> Step:
     ref = _ref_grads(pb)
     return _loop(pb, lambda grads: sum((g * ref[n]).sum() for n, g in grads.items()))
+
+
+def loop_per_ref(pb: Problem) -> Step:
+    refs = _ref_rows(pb)
+
+    def dots(grads: dict[str, Tensor]) -> Tensor:  # (R,)
+        return torch.stack([sum((g * r[n]).sum() for n, g in grads.items()) for r in refs])
+
+    return _loop(pb, dots)
 
 
 def _vmap_grads(pb: Problem) -> Callable[[], dict[str, Tensor]]:
@@ -384,14 +406,25 @@ def gradscope_reference(pb: Problem) -> Step:
 
 def gradscope_influence(engine: str) -> Callable[[Problem], Step]:
     """gradscope's scoring pass with one engine, ``hooks`` (ghost inner products) or ``jvp``:
-    ``per_example_influence`` less its reference gradient and its Engine, which the setup
-    computes and builds once."""
+    one batch of ``gradscope influence``, whose reference gradient and scorer the setup
+    computes and builds once (the scorer, as the command holds its own over the batches: where
+    forward mode fails on the model, the first batch alone tries it)."""
 
     def setup(pb: Problem) -> Step:
-        refs, core = _gradscope_refs(pb), held(pb)
-        return lambda: Influence(core, refs, engine, norms=False)(pb.inputs, pb.targets).inner[:, 0]
+        scorer = Influence(held(pb), _gradscope_refs(pb), engine, norms=False)
+        return lambda: scorer(pb.inputs, pb.targets).inner[:, 0]
 
     return setup
+
+
+def gradscope_per_ref(pb: Problem) -> Step:
+    """``influence --per-ref``'s scoring pass (its engine ``auto``: the hooks, R > 1), against
+    the 8 reference examples' own gradients, which the setup computes on a fresh Engine."""
+    core = Engine(pb.model, resolve_loss(pb.loss))
+    with core:
+        refs = reference_gradients(core, [(pb.ref_inputs, pb.ref_targets)], per_ref=True)
+    scorer = Influence(held(pb), refs, "auto", norms=False)
+    return lambda: scorer(pb.inputs, pb.targets).inner
 
 
 def _projector(pb: Problem, core: Engine) -> Projector:
@@ -439,6 +472,8 @@ METHODS = {
         Method("torch.func", "influence", func_influence),
         Method("gradscope hooks", "influence", gradscope_influence("hooks")),
         Method("gradscope jvp", "influence", gradscope_influence("jvp")),
+        Method("loop", "per-ref", loop_per_ref),
+        Method("gradscope", "per-ref", gradscope_per_ref),
         Method("loop", "index", loop_index),
         Method("gradscope", "index", gradscope_index),
     ]

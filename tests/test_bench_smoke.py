@@ -18,6 +18,8 @@ INFLUENCE = [
     "influence:torch.func",
     "influence:gradscope hooks",
     "influence:gradscope jvp",
+    "per-ref:loop",
+    "per-ref:gradscope",
 ]
 
 
@@ -60,7 +62,8 @@ def test_an_answer_off_the_loop_is_wrong(monkeypatch):
 
 def test_influence_steps_leave_the_reference_batch_to_their_setup():
     pb = workloads.WORKLOADS["smoke"].build()  # batch 4, reference batch 8
-    steps = [methods.METHODS[k].setup(pb) for k in INFLUENCE if k.startswith("influence:")]
+    scoring = ("influence:", "per-ref:")
+    steps = [methods.METHODS[k].setup(pb) for k in INFLUENCE if k.startswith(scoring)]
     rows: list[int] = []
     pb.model.register_forward_pre_hook(lambda _, args: rows.append(args[0].shape[0]))
     for step in steps:

@@ -7,14 +7,13 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.autograd.forward_ad as fwAD
-import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.overrides import TorchFunctionMode
 
 from ..losses import LossFn
 from .backward.substitute import substituted
 from .engine import Engine
+from .tangents import Tangents
 
 
 class JvpUnsupported(Exception):
@@ -33,39 +32,6 @@ def composite_attention() -> Iterator[None]:
             yield
     finally:
         torch.backends.mha.set_fastpath_enabled(fast)
-
-
-class LinearTangents(TorchFunctionMode):
-    """``F.linear`` on dual numbers, its tangent ``x_t W^T + x W_t^T + b_t`` summed in place.
-
-    Autograd's forward-mode rule for it forms the three terms and their partial sums before it
-    lets any go: three more tensors of the output's size at every layer, which on an MLP was the
-    engine's peak. Here the first term is the tangent and the others are added into it.
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        # F.linear(x, W, b) or (x, W, bias=b) with a matrix W; anything else: autograd's rule
-        if func is not F.linear or len(args) < 2 or args[1].dim() != 2 or set(kwargs) - {"bias"}:
-            return func(*args, **kwargs)
-        x, weight = args[0], args[1]
-        bias = args[2] if len(args) > 2 else kwargs.get("bias")
-        (x, x_t), (weight, w_t) = fwAD.unpack_dual(x), fwAD.unpack_dual(weight)
-        bias, b_t = fwAD.unpack_dual(bias) if bias is not None else (None, None)
-        out = F.linear(x, weight, bias)  # (..., out)
-        tangent = None
-        if x_t is not None:
-            tangent = F.linear(x_t, weight)  # (..., out): x_t W^T
-        if w_t is not None:
-            if tangent is None:
-                tangent = F.linear(x, w_t)
-            elif tangent.is_contiguous():  # += x W_t^T, into the tangent: (N, in) @ (in, out)
-                tangent.view(-1, out.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]), w_t.T)
-            else:
-                tangent = tangent + F.linear(x, w_t)
-        if b_t is not None:
-            tangent = b_t.expand_as(out).clone() if tangent is None else tangent.add_(b_t)
-        return out if tangent is None else fwAD.make_dual(out, tangent)
 
 
 def loss_tangent(
@@ -113,14 +79,15 @@ def jvp_inner(
         # forward_ad's dual tensors, not torch.func.jvp: its functorch wrapping cost 1.7x a plain
         # forward+backward on the digits MLP where dual tensors cost 1.05x
         attention = composite_attention() if composite else nullcontext()
-        with torch.no_grad(), attention, fwAD.dual_level(), LinearTangents():
+        with torch.no_grad(), attention, fwAD.dual_level() as level:
             for j in range(k):
-                duals = {
-                    n: fwAD.make_dual(v, tangents[n][j].to(v.dtype))
+                duals = {  # torch's make_dual less fwAD's checks: a parameter's costs 4 us, not 15
+                    n: torch._make_dual(v, tangents[n][j].to(v.dtype), level=level)
                     for n, v in zip(names, primals, strict=True)
                 }
                 args, kwargs = engine.forward.split(inputs)
-                with substituted(engine.model, duals):
+                # the model alone under the rules: the duals made and the loss read without
+                with substituted(engine.model, duals), Tangents(level):
                     output = engine.forward.select(engine.model(*args, **kwargs))
                 z, dz = fwAD.unpack_dual(output)
                 losses, tangent = loss_tangent(engine.loss_fn, z, dz, targets)

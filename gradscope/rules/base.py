@@ -10,7 +10,7 @@ inner product with reference tensors, and (only when nothing cheaper exists) the
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -74,6 +74,11 @@ def _dots(x: Tensor, r: Tensor) -> Tensor:
     return total
 
 
+def stacked(refs: Sequence[Tensor]) -> Tensor:
+    """(n, K, *shape): n calls' references as one tensor, stacked where they come as a list."""
+    return refs if isinstance(refs, Tensor) else torch.stack(list(refs))
+
+
 def _cat(parts: list[Tensor], dim: int = 0) -> Tensor:
     """``torch.cat`` of fresh results, without its copy where there is one (a small batch's
     one chunk)."""
@@ -126,9 +131,10 @@ class Contribution(ABC):
         gradients where ``forms``."""
         return self.norm_sq(), self.batch_sum()
 
-    def inners(self, refs: Tensor, batch: int) -> Tensor:
+    def inners(self, refs: Sequence[Tensor], batch: int) -> Tensor:
         """(n, batch, K) where this contribution holds the examples of n calls stacked, n *
-        batch of them: each call's inner products with its own ``refs``, (n, K, *shape)."""
+        batch of them: each call's inner products with its own ``refs``, n (K, *shape) (a
+        list, or one (n, K, *shape) tensor: ``stacked``)."""
         return torch.stack(
             [self.examples(k * batch, (k + 1) * batch).inner(r) for k, r in enumerate(refs)]
         )
@@ -154,7 +160,8 @@ class Dense(Contribution):
     def inner(self, refs: Tensor) -> Tensor:
         return _dots(rows(self.grads), rows(refs.to(self.grads.dtype)))
 
-    def inners(self, refs: Tensor, batch: int) -> Tensor:
+    def inners(self, refs: Sequence[Tensor], batch: int) -> Tensor:
+        refs = stacked(refs)
         n = refs.shape[0]
         own = rows(self.grads).view(n, batch, -1)  # (n, B, P)
         return _dots(own, refs.to(own.dtype).reshape(n, refs.shape[1], -1))  # (n, B, K)

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .base import CHUNK_ELEMENTS, Contribution, _acc, _cat, _dots, _sq_norm, rows
+from .base import CHUNK_ELEMENTS, Contribution, _acc, _cat, _dots, _sq_norm, rows, stacked
 from .projection import Projection
 
 # Examples with at least this share of their group's longest row count share its padded
@@ -138,7 +138,8 @@ class Outer(Contribution):
 
     def norm_sq_and_inner(self, refs: Tensor) -> tuple[Tensor, Tensor]:
         """Where the norm forms G anyway (many positions, as an LM head over a sequence), the
-        inner products come from the same chunks for (B, K, P) more, instead of sum_t s^T R a."""
+        inner products come from the same chunks for (B, K, P) more, instead of sum_t s^T R a;
+        where the inner products form it (``_formed_cheaper``), the norms do, for (B, P) more."""
         if (groups := self._groups()) is not None:
             norms, inners = (
                 self.s.new_zeros(self.dims[0]),
@@ -147,7 +148,7 @@ class Outer(Contribution):
             for index, part in groups:
                 norms[index], inners[index] = part.norm_sq_and_inner(refs)
             return norms, inners
-        if self.dims[2] == 1 or self._gram_cheaper:
+        if not self.forms and not self._formed_cheaper(len(refs)):
             return self.norm_sq(), self.inner(refs)
         r = rows(refs.to(self.s.dtype))  # (K, P)
         norms, inners = [], []
@@ -219,9 +220,31 @@ class Outer(Contribution):
         )
         return (s.transpose(1, 2) @ a).reshape(self.shape)  # (G, O, B*T) @ (G, B*T, I)
 
+    def _formed_cheaper(self, k: int) -> bool:
+        """Whether K inner products cost less from each G_i formed (T + K products of the
+        parameter's size per example) than through R (T * K): several positions and several
+        references, as ``--per-ref`` over a sequence model's layers."""
+        t = self.dims[2]
+        return t * k > t + k
+
+    def _formed_inners(self, refs: Sequence[Tensor], batch: int) -> Tensor:
+        """(n, batch, K) as ``inners``, from each example's G_i formed, a few calls at a time,
+        each call's against its own references: (B, P) @ (P, K), no stack of them made."""
+        p = self.shape.numel()
+        step = max(1, CHUNK_ELEMENTS // (batch * p))  # calls formed at a time
+        out = []
+        for lo in range(0, len(refs), step):
+            hi = min(lo + step, len(refs))
+            s, a = self.s[lo * batch : hi * batch], self.a[lo * batch : hi * batch]
+            g = (s.transpose(-1, -2) @ a).view(hi - lo, batch, p)  # (c*B, G, O, I) as (c, B, P)
+            out += [_dots(g[c], rows(r.to(g.dtype))) for c, r in enumerate(refs[lo:hi])]
+        return torch.stack(out)
+
     def inner(self, refs: Tensor) -> Tensor:
         if self._groups() is not None:
             return self._placed(lambda p: p.inner(refs), (refs.shape[0],))
+        if self._formed_cheaper(refs.shape[0]):
+            return self._formed_inners([refs], self.dims[0])[0]
         b, g, t, o, i = self.dims
         if t * len(refs) > t + len(refs):  # G formed: B O I (T + K) multiply-adds, not B T K O I
             r = rows(refs.to(self.s.dtype))  # (K, P)
@@ -234,9 +257,12 @@ class Outer(Contribution):
             return self._inner(r)
         return _cat([self._inner(r[lo : lo + step]) for lo in range(0, r.shape[0], step)], 1)
 
-    def inners(self, refs: Tensor, batch: int) -> Tensor:
+    def inners(self, refs: Sequence[Tensor], batch: int) -> Tensor:
         if self.lengths is not None:
             return super().inners(refs, batch)
+        if self._formed_cheaper(refs[0].shape[0]):
+            return self._formed_inners(refs, batch)
+        refs = stacked(refs)
         n, k = refs.shape[:2]
         _, g, t, o, i = self.dims
         r = refs.to(self.s.dtype).reshape(n, k, g, o, i)

@@ -152,30 +152,40 @@ def routed_norms(parts: Sequence[Routed]) -> Tensor:
     return s.new_zeros(len(parts), parts[0].batch).scatter_add_(1, own, pairs)
 
 
-def routed_inners(parts: Sequence[Routed], refs: Tensor) -> Tensor:
+def routed_inners(parts: Sequence[Routed], refs: Sequence[Tensor]) -> Tensor:
     """(n, B, K) ``inner`` of n Routed of one shape and batch, each with its own references
-    ``refs`` (n, K, *shape), where each ``sorted_route``: every row by its own expert's matrix
-    only, one ``grouped_mm`` over the rows of all n sorted by (read, expert), where the product
-    with every expert would cost E times the work. A row of no expert has a zero output
-    gradient (``Routed.of``): it runs the last expert, as ``key`` places it, for a zero."""
-    n, k, (e, *_), b = len(parts), refs.shape[1], parts[0].shape, parts[0].batch
+    ``refs``, n (K, *shape) (a list, or one tensor stacked), where each ``sorted_route``:
+    every row by its own expert's matrix only, one ``grouped_mm`` per reference over the rows
+    of all n sorted by (read, expert), where the product with every expert would cost E times
+    the work. A row of no expert has a zero output gradient (``Routed.of``): it runs the last
+    expert, as ``key`` places it, for a zero."""
+    n, k, (e, *_), b = len(parts), refs[0].shape[0], parts[0].shape, parts[0].batch
     transposed = parts[0].transposed
     left = _cat([p.a if transposed else p.s for p in parts])  # (n*S, width)
     right = _cat([p.s if transposed else p.a for p in parts])  # (n*S, right)
     width = left.shape[1]
-    # (n, K, E, width, right) -> (n*E, right, K*width), column-major: a view where K is 1
-    r = refs.to(left.dtype).reshape(n, k, e, width, right.shape[1]).transpose(1, 2)
-    r = r.reshape(n * e, k * width, right.shape[1]).mT
+    # each reference's (n*E, right, width), column-major: a view where K is 1; where more,
+    # whole (E, width, right) blocks copied, not all K at once with K inside them (that
+    # transposed copy, and the stack before it, cost H4's --per-ref pass, R = 8, 27 ms of 86)
+    shape = (n * e, width, right.shape[1])
+    rs = [_reference(refs, j).to(left.dtype).reshape(shape).mT for j in range(k)]
     group = _cat([j * e + p.key % e for j, p in enumerate(parts)])  # (n*S,)
     own = _cat([j * b + p.own for j, p in enumerate(parts)])
     order = torch.argsort(group, stable=True)
     left, right, own = left[order], right[order], own[order]
     ends = torch.bincount(group, minlength=n * e).cumsum(0).to(torch.int32)  # each group's end
     out, rows = left.new_zeros(n * b, k), len(order)
-    step = max(1, CHUNK_ELEMENTS // max(k * width, 1))  # rows at a time: (rows, K, width) bound
+    step = max(1, CHUNK_ELEMENTS // max(width, 1))  # rows at a time: (rows, width) bound
     for lo in range(0, rows, step):
         hi = min(lo + step, rows)
         offs = (ends - lo).clamp(0, hi - lo)  # the groups' ends within rows lo to hi - 1
-        mine = torch._grouped_mm(right[lo:hi], r, offs=offs).view(-1, k, width)  # (rows, K, w)
-        out.index_add_(0, own[lo:hi], (mine * left[lo:hi, None]).sum(-1))
+        # each reference's (rows, width) products let go once summed against the rows
+        mine = (torch._grouped_mm(right[lo:hi], r, offs=offs) * left[lo:hi] for r in rs)
+        dots = torch.stack([m.sum(-1) for m in mine], 1)  # (rows, K)
+        out.index_add_(0, own[lo:hi], dots)
     return out.view(n, b, k)
+
+
+def _reference(refs: Sequence[Tensor], j: int) -> Tensor:
+    """(n, *shape) the n calls' j-th references: a view of a stacked tensor's, or stacked."""
+    return refs[:, j] if isinstance(refs, Tensor) else torch.stack([r[j] for r in refs])

@@ -16,7 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from gradscope.engine import Engine, Influence, jvp, reference_gradients
-from gradscope.engine.jvp import LinearTangents, composite_attention
+from gradscope.engine.jvp import composite_attention
+from gradscope.engine.tangents import Tangents
 from gradscope.losses import resolve_loss
 
 TOL = 1e-6  # |delta influence| / (||g_i|| ||g_ref||), in float64
@@ -158,7 +159,7 @@ LINEAR = [
 
 @pytest.mark.parametrize(("x_shape", "w_shape", "bias", "tangents"), LINEAR, ids=str)
 def test_linear_tangents_are_autograds(x_shape, w_shape, bias, tangents) -> None:
-    """F.linear under LinearTangents gives forward mode's own value and tangent."""
+    """F.linear under Tangents gives forward mode's own value and tangent."""
     torch.manual_seed(0)
     b_shape = w_shape[:1] if len(w_shape) == 2 else ()
     primals = [torch.randn(s, dtype=torch.float64) for s in (x_shape, w_shape, b_shape)]
@@ -168,7 +169,7 @@ def test_linear_tangents_are_autograds(x_shape, w_shape, bias, tangents) -> None
             for p, has in zip(primals, tangents, strict=True)
         ][: 3 if bias else 2]
         expected = fwAD.unpack_dual(F.linear(*args))
-        with LinearTangents():
+        with Tangents():
             got = [fwAD.unpack_dual(F.linear(*args))]
             if bias:
                 got.append(fwAD.unpack_dual(F.linear(*args[:2], bias=args[2])))
@@ -186,7 +187,7 @@ def test_linear_tangent_needs_no_more_than_its_output() -> None:
     x, w, b = torch.randn(64, 32), torch.randn(48, 32), torch.randn(48)
     out_bytes = 64 * 48 * 4
     peaks = []
-    for mode in (contextlib.nullcontext, LinearTangents):
+    for mode in (contextlib.nullcontext, Tangents):
         with torch.no_grad(), fwAD.dual_level():
             tangents = [torch.randn_like(t) for t in (x, w, b)]
             duals = [fwAD.make_dual(t, d) for t, d in zip((x, w, b), tangents, strict=True)]

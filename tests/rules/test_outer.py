@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradscope.rules import Outer
+from gradscope.rules import Outer, outer
 
 
 def padded(lengths: list[int], g: int, t: int, o: int, i: int) -> tuple[torch.Tensor, ...]:
@@ -74,11 +74,12 @@ def test_merged_positions_follow_each_other():
 
 @pytest.mark.parametrize("g, t", [(1, 1), (1, 3), (2, 1), (2, 3)])
 @pytest.mark.parametrize("o, i", [(3, 5), (5, 3)], ids=["O<I", "O>I"])
-def test_inner_products_each_calls_own_against_the_gradients_formed(g, t, o, i):
+@pytest.mark.parametrize("k", [1, 2])
+def test_inner_products_each_calls_own_against_the_gradients_formed(g, t, o, i, k):
     """``inner`` and ``inners`` (n calls' examples stacked, each with its own references), by
-    whichever side goes through R, against each example's G_i = sum_t s_t a_t^T formed by a
-    loop in float64."""
-    n, b, k = 2, 3, 2
+    whichever side goes through R (one reference) or from G_i formed (several, at several
+    positions), against each example's G_i = sum_t s_t a_t^T formed by a loop in float64."""
+    n, b = 2, 3
     gen = torch.Generator().manual_seed(0)
     s = torch.randn(n * b, g, t, o, generator=gen, dtype=torch.float64)
     a = torch.randn(n * b, g, t, i, generator=gen, dtype=torch.float64)
@@ -92,6 +93,27 @@ def test_inner_products_each_calls_own_against_the_gradients_formed(g, t, o, i):
     torch.testing.assert_close(part.inners(refs, b), each)
     for c in range(n):
         torch.testing.assert_close(part.examples(c * b, (c + 1) * b).inner(refs[c]), each[c])
+
+
+def test_formed_inner_products_a_few_calls_at_a_time(monkeypatch):
+    """Several references at several positions: each G_i formed, a call at a time where the
+    stack's would pass ``CHUNK_ELEMENTS``, with the norms from the same; against the loop."""
+    monkeypatch.setattr(outer, "CHUNK_ELEMENTS", 40)
+    n, b, t, o, i, k = 3, 2, 3, 6, 8, 3
+    gen = torch.Generator().manual_seed(2)
+    s = torch.randn(n * b, 1, t, o, generator=gen, dtype=torch.float64)
+    a = torch.randn(n * b, 1, t, i, generator=gen, dtype=torch.float64)
+    refs = torch.randn(n, k, o, i, generator=gen, dtype=torch.float64)
+    grads = torch.stack(
+        [sum(s[e, 0, p, :, None] * a[e, 0, p] for p in range(t)) for e in range(n * b)]
+    )
+    part = Outer(s, a, torch.Size((o, i)))
+    assert part._formed_cheaper(k) and not part.forms  # the norms alone would take the Gram
+    want = grads.reshape(n, b, -1) @ refs.reshape(n, k, -1).mT  # (n, B, K)
+    torch.testing.assert_close(part.inners(refs, b), want)
+    norms, inners = part.examples(0, b).norm_sq_and_inner(refs[0])
+    torch.testing.assert_close(inners, want[0])
+    torch.testing.assert_close(norms, grads[:b].flatten(1).square().sum(1))
 
 
 @pytest.mark.parametrize("t", [1, 3])

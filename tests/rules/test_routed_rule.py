@@ -63,12 +63,15 @@ def test_routed_norms_of_several_reads_are_each_reads_own():
 def test_rows_by_their_own_experts_matrix_in_float32(transposed: bool):
     """The CPU's float32 route: each row by its own expert's matrix in one ``grouped_mm``, the
     rows past the last group (no expert) included, for one read and for several reads at once
-    (each with its own references), against the rows added by hand in float64."""
+    (each with its own references, stacked or a list), against the rows added by hand in
+    float64."""
     cases = [_case(transposed, seed, torch.float32, (8, 12)) for seed in range(3)]
     assert all(part.sorted_route for part, _ in cases)
     refs = torch.randn(3, 2, *cases[0][1].shape[1:], dtype=torch.float64)
     together = routed_inners([part for part, _ in cases], refs.float())
     assert together.shape == (3, B, 2)
+    listed = routed_inners([part for part, _ in cases], list(refs.float()))  # as Batched gives
+    torch.testing.assert_close(listed, together, rtol=0, atol=0)
     for k, (part, expected) in enumerate(cases):
         exact = expected.flatten(1) @ refs[k].flatten(1).T
         _close32(part.inner(refs[k].float()), exact)

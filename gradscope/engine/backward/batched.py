@@ -56,7 +56,7 @@ class Batched:
         elif self.refs is None:
             answers = _norms(key[0], parts)
         else:
-            answers = _inners(key[0], parts, torch.stack([self.refs[n] for n in names]))
+            answers = _inners(key[0], parts, [self.refs[n] for n in names])
         self.done.update(zip(names, answers, strict=True))
         self._size -= sum(_size(c) for c in parts)
 
@@ -95,9 +95,9 @@ def _norms(kind: type, parts: list) -> Tensor:
     return _sq_norm(torch.stack([rows(c.grads) for c in parts]))  # (n, B, P) -> (n, B)
 
 
-def _inners(kind: type, parts: list, refs: Tensor) -> Tensor:
+def _inners(kind: type, parts: list, refs: list[Tensor]) -> Tensor:
     """(n, B, K) the inner products of n parts of one ``_inner_key``, each with its own
-    references, ``refs`` (n, K, *shape)."""
+    references, ``refs`` n (K, *shape)."""
     if kind is Routed:
         return routed_inners(parts, refs)
     if kind is Outer:  # the n parts' examples stacked, (n*B, G, T, O) and (n*B, G, T, I)

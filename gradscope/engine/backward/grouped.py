@@ -157,4 +157,4 @@ def _answers(
     norms = part.norm_sq().view(len(params), batch) if want.norms else None
     if want.refs is None:
         return norms, None
-    return norms, part.inners(torch.stack([want.refs[p.name] for p in params]), batch)
+    return norms, part.inners([want.refs[p.name] for p in params], batch)
