@@ -142,7 +142,7 @@ class Routed(Contribution):
 def routed_norms(parts: Sequence[Routed]) -> Tensor:
     """(n, B) ``norm_sq`` of n ``one_gram`` Routed of one shape (rows, widths, experts, batch),
     in one batched product: the routed reads of a backward's layers answered together, as
-    ``outer.gram_norms`` answers Outers."""
+    ``ghost.gram_norms`` answers Outers."""
     a = torch.stack([p.a for p in parts])  # (n, S, I)
     s = torch.stack([p.s for p in parts])  # (n, S, O)
     key = torch.stack([p.key for p in parts])  # (n, S)

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from ...rules import Contribution, Dense, Outer
 from ...rules.base import CHUNK_ELEMENTS, _sq_norm, rows
-from ...rules.outer import gram_norms
+from ...rules.ghost import gram_norms
 from ...rules.routed import Routed, routed_inners, routed_norms
 
 # A formed gradient (a bias's) of more elements is answered at once: stacking it with others
@@ -19,7 +19,7 @@ HELD_DENSE = 1 << 16
 class Batched:
     """Norms, or inner products with ``refs`` (each part its own parameter's), held back until
     the backward ends, then answered one batched op per shape (norms: Outers of one Gram block
-    by ``rules.outer.gram_norms``, routed experts' reads by ``rules.routed.routed_norms``,
+    by ``rules.ghost.gram_norms``, routed experts' reads by ``rules.routed.routed_norms``,
     formed gradients by one norm; inner products: Outers by ``Outer.inners`` of their examples
     stacked, routed reads by ``rules.routed.routed_inners``, formed gradients by one product),
     while what they hold stays under ``CHUNK_ELEMENTS`` (past it, a shape's parts are answered

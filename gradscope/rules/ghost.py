@@ -1,0 +1,50 @@
+"""The products of an outer-product layer's ghost (its inputs and output gradients, never each
+example's gradient G_i): inner products with references through R, and the Gram norms of many
+calls of one shape in one batched product."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from .outer import Outer
+
+
+def ghost_inner(r: Tensor, s: Tensor, a: Tensor) -> Tensor:
+    """(n, B, K) sum_t s_t^T R a_t of n calls' examples, each call's with its own references:
+    r (n, K, G, O, I), s (n, B, G, T, O), a (n, B, G, T, I). The inputs (or the output
+    gradients, where fewer) through R by one matrix product where G is 1, never forming G_i;
+    the sum over positions and outputs by a cascade, not a matrix product's inner dim
+    (``base.BLOCK``): G * T * O terms of one example."""
+    (n, k, g, o, i), (b, t) = r.shape, s.shape[1::2]
+    if g == 1 and t == 1 and o <= i:  # one position: (n, B, I) @ (n, I, K*O) -> (n, B, K, O)
+        # reshape, not view: a reference through a preconditioner need not be contiguous
+        ra = (a.reshape(n, b, i) @ r.reshape(n, k * o, i).mT).view(n, b, k, o)
+        return (ra * s.reshape(n, b, 1, o)).sum(3)
+    if g == 1 and o <= i:  # (n, B*T, I) @ (n, I, K*O) -> (n, B, T, K, O)
+        ra = (a.reshape(n, b * t, i) @ r.reshape(n, k * o, i).mT).view(n, b, t, k, o)
+        return (ra * s.reshape(n, b, t, 1, o)).sum((2, 4))
+    if g == 1:  # (n, B*T, O) @ (n, O, K*I) -> (n, B, T, K, I)
+        rt = r.reshape(n, k, o, i).transpose(1, 2).reshape(n, o, k * i)
+        rs = (s.reshape(n, b * t, o) @ rt).view(n, b, t, k, i)
+        return (rs * a.reshape(n, b, t, 1, i)).sum((2, 4))
+    if o <= i:
+        ra = torch.einsum("nkgoi,nbgti->nbkgto", r, a)  # (n, B, K, G, T, O)
+        return (ra * s[:, :, None]).flatten(3).sum(3)
+    rs = torch.einsum("nkgoi,nbgto->nbkgti", r, s)  # (n, B, K, G, T, I)
+    return (rs * a[:, :, None]).flatten(3).sum(3)
+
+
+def gram_norms(parts: Sequence[Outer]) -> Tensor:
+    """(n, B) ``norm_sq`` of n Outers of one shape whose norm is ``one_gram``, in one batched
+    product: at small sizes, where each call's few products cost their dispatch more than their
+    arithmetic, the calls of a backward are answered together."""
+    b, g, t, o, i = parts[0].dims
+    a = torch.stack([p.a for p in parts]).reshape(-1, t, i)  # (n*B*G, T, I)
+    s = torch.stack([p.s for p in parts]).reshape(-1, t, o)  # (n*B*G, T, O)
+    grams = (a @ a.mT) * (s @ s.mT)  # (n*B*G, T, T)
+    return grams.sum((1, 2)).reshape(len(parts), b, g).sum(2)
