@@ -10,6 +10,7 @@ from ...rules import Contribution, Dense, Outer
 from ...rules.base import CHUNK_ELEMENTS, _sq_norm, rows
 from ...rules.outer import gram_norms
 from ...rules.routed import Routed, routed_inners, routed_norms
+from .stacked import stacked
 
 # A formed gradient (a bias's) of more elements is answered at once: stacking it with others
 # would copy more than the dispatch of its own norm costs.
@@ -58,7 +59,7 @@ class Batched:
         elif self.refs is None:
             answers = _norms(key[0], parts)
         else:
-            answers = _inners(key[0], parts, torch.stack([self.refs[n] for n in names]))
+            answers = _inners(key[0], parts, stacked([self.refs[n] for n in names]))
         self.done.update(zip(names, answers, strict=True))
         self._size -= sum(_size(c) for c in parts)
 

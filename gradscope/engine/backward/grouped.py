@@ -15,6 +15,7 @@ from ...rules.base import CHUNK_ELEMENTS
 from ..capture import Call, shapes_of
 from ..plan import ParamPlan, Plan
 from .reduce import Reducer, Want
+from .stacked import stacked
 
 # A call whose inputs and output gradient hold at most this many elements waits for the calls
 # of modules its rule treats alike (``Rule.alike``), to be answered with them by one run.
@@ -172,4 +173,4 @@ def _answers(
     norms = part.norm_sq().view(len(params), batch) if want.norms else None
     if want.refs is None:
         return norms, None
-    return norms, part.inners(torch.stack([want.refs[p.name] for p in params]), batch)
+    return norms, part.inners(stacked([want.refs[p.name] for p in params]), batch)
