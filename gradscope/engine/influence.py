@@ -9,8 +9,9 @@ import torch
 from torch import Tensor
 
 from ..errors import ConfigError, models_backward
-from ..rules.base import accumulation_dtype, rows
+from ..rules.base import rows
 from .backward.reduce import Want
+from .backward.stacked import laid_out
 from .engine import Engine
 from .jvp import JvpUnsupported, jvp_inner
 from .naive import naive_grads
@@ -40,7 +41,7 @@ def reference_gradients(
                     c.materialize() if c is not None else p.new_zeros(targets.shape[0], *p.shape)
                 )
         return {n: torch.cat(r) for n, r in rows.items()}
-    sums = [torch.zeros_like(p, dtype=accumulation_dtype(p.dtype)) for p in params]
+    sums = laid_out(params)  # (1, *shape) each, alike ones stacked for the passes to read
     count = 0
     for inputs, targets in batches:
         # the sum of per-batch sum-gradients over N is the mean-loss gradient, batch size aside
@@ -49,9 +50,11 @@ def reference_gradients(
             grads = torch.autograd.grad(losses, params, allow_unused=True)
         for t, g in zip(sums, grads, strict=True):
             if g is not None:
-                t += g
+                t[0] += g
         count += targets.shape[0]
-    return {n: (t / count).unsqueeze(0) for n, t in zip(names, sums, strict=True)}
+    for t in sums:
+        t.div_(count)
+    return dict(zip(names, sums, strict=True))
 
 
 @dataclass

@@ -75,8 +75,28 @@ def _dots(x: Tensor, r: Tensor) -> Tensor:
 
 
 def stacked(refs: Sequence[Tensor]) -> Tensor:
-    """(n, K, *shape): n calls' references as one tensor, stacked where they come as a list."""
-    return refs if isinstance(refs, Tensor) else torch.stack(list(refs))
+    """(n, K, *shape): n calls' references as one tensor, stacked where they come as a list;
+    a view where they already lie stacked, consecutive rows of one tensor in order
+    (``engine/backward/stacked.laid_out``), not a copy."""
+    if isinstance(refs, Tensor):
+        return refs
+    first, n = refs[0], len(refs)
+    step = first.numel()
+    if (
+        n > 1
+        and first.is_contiguous()
+        and all(
+            t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            and t.storage_offset() == first.storage_offset() + j * step
+            and t.shape == first.shape
+            and t.dtype == first.dtype
+            and t.is_contiguous()
+            for j, t in enumerate(refs)
+        )
+        and first.storage_offset() + n * step <= first.untyped_storage().nbytes() // first.itemsize
+    ):
+        return first.as_strided((n, *first.shape), (step, *first.stride()))
+    return torch.stack(list(refs))
 
 
 def _cat(parts: list[Tensor], dim: int = 0) -> Tensor:

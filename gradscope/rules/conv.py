@@ -144,9 +144,13 @@ def weight_part(module: _Conv | _Adjoint, x: Tensor, grad_output: Tensor) -> Con
         return Outer(s, a, module.weight.shape)
     # forming the gradients costs less, and the convolution backward does it fastest; a few
     # examples at a time where the batch's gradients, and the copies of its input and output
-    # gradient the backward makes, would pass the bound on one temporary
+    # gradient the backward makes, would pass the bound on one temporary, or what the input
+    # and the output gradient themselves hold (the plain backward's own peak holds those):
+    # in even chunks, the fewest that keep under it
     per_example = x[0].numel() + grad_output[0].numel() + module.weight.numel()
-    step = max(1, base.CHUNK_ELEMENTS // per_example)
+    bound = min(base.CHUNK_ELEMENTS, x.numel() + grad_output.numel())
+    step = max(1, bound // per_example)
+    step = -(-b // -(-b // step))  # b examples in ceil(b / step) chunks, as even as they go
     if step >= b:
         return Dense(per_example_weight_grads(module, x, grad_output))
 

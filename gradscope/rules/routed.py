@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .base import CHUNK_ELEMENTS, Contribution, Dense, _acc, _cat
+from .base import CHUNK_ELEMENTS, Contribution, Dense, _acc, _cat, stacked
 
 
 def experts_of(offs: Tensor, rows: int) -> Tensor:
@@ -187,5 +187,8 @@ def routed_inners(parts: Sequence[Routed], refs: Sequence[Tensor]) -> Tensor:
 
 
 def _reference(refs: Sequence[Tensor], j: int) -> Tensor:
-    """(n, *shape) the n calls' j-th references: a view of a stacked tensor's, or stacked."""
-    return refs[:, j] if isinstance(refs, Tensor) else torch.stack([r[j] for r in refs])
+    """(n, *shape) the n calls' j-th references: a view of a stacked tensor's, or of one
+    reference each laid out stacked (``base.stacked``); else the j-th of each stacked."""
+    if isinstance(refs, Tensor) or refs[0].shape[0] == 1:
+        return stacked(refs)[:, j]
+    return torch.stack([r[j] for r in refs])

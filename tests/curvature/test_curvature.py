@@ -20,7 +20,7 @@ from gradscope.curvature.precondition import Curvature, Diagonal
 from gradscope.curvature.store import Factors, metadata
 from gradscope.engine import Engine, Influence, Want, naive_grads, reference_gradients, total
 from gradscope.losses import resolve_loss
-from gradscope.rules import RULES
+from gradscope.rules import RULES, Dense
 from gradscope.rules.conv import conv
 
 
@@ -313,7 +313,7 @@ def test_wide_conv_is_served_formed_when_scoring() -> None:
     engine = Engine(pb.model, resolve_loss(pb.loss))
     with engine:
         parts = engine.contributions(pb.inputs, pb.targets)[1]
-    assert type(parts["conv.weight"]).__name__ == "Dense"
+    assert isinstance(parts["conv.weight"], Dense)  # formed: at once, or a few examples at a time
     factors = _factors(pb, resolve_loss(pb.loss), ekfac=False)
     assert factors.blocks["conv.weight"].kind == KFAC
     assert RULES[nn.Conv2d].fn is conv  # the registry as it was

@@ -574,6 +574,37 @@ def test_conv_gradients_formed_a_few_examples_at_a_time(case: Case, step: int, m
             assert_rel_close(got, expected @ refs.flatten(1).T, rtol=1e-5)
 
 
+@pytest.mark.parametrize("batch", [1, 5])
+def test_conv_gradients_formed_in_even_chunks_within_its_input_and_output_gradient(
+    batch: int, monkeypatch
+) -> None:
+    """Where a convolution's per-example gradients outweigh its input and output gradient
+    (few positions, many channels), they are formed in as few even chunks as keep each
+    chunk's forming within what those two hold, the plain backward's own (5 examples: 2, 2
+    and 1); a batch of one whole. Every answer is the float64 loop's."""
+    steps = []
+
+    def chunked(form, b, shape, step):
+        steps.append((b, step))
+        return Formed(form, b, shape, step)
+
+    monkeypatch.setattr(conv, "Formed", chunked)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(6, 7, 3, padding=1), nn.Flatten(), nn.Linear(7 * 35, 1))
+    model = model.double()
+    x, y = torch.randn(batch, 6, 7, 5).double(), torch.randn(batch, 1).double()
+    loss = resolve_loss("mse")
+    refs = {n: torch.randn(2, *p.shape).double() for n, p in model.named_parameters()}
+    with Engine(model, loss) as engine:
+        got = engine.norms((x,), y, refs=refs)
+        _, grads = naive_grads(model, (x,), y, loss, list(refs))
+    # per example: 210 + 245 input and output gradient, 378 weight: 2 examples a chunk, in 3
+    assert steps == ([(5, 2)] if batch == 5 else [])
+    for name, per in grads.items():
+        assert_rel_close(got.norm_sq[name], per.flatten(1).pow(2).sum(1), 1e-9)
+        assert_rel_close(got.inner[name], per.flatten(1) @ refs[name].flatten(1).T, 1e-9)
+
+
 def test_conv_pads_without_a_copy_of_its_input(monkeypatch) -> None:
     """Zero padding even on both sides is the convolution's own: no padded copy of the input."""
     padded, pad = [], F.pad

@@ -22,14 +22,15 @@ class Batched:
     by ``rules.ghost.gram_norms``, routed experts' reads by ``rules.routed.routed_norms``,
     formed gradients by one norm; inner products: Outers by ``Outer.inners`` of their examples
     stacked, routed reads by ``rules.routed.routed_inners``, formed gradients by one product),
-    while what they hold stays under ``CHUNK_ELEMENTS`` (past it, a shape's parts are answered
-    at once): the host-bound passes, where each call's few small ops cost more to dispatch
+    while what they hold stays under ``budget`` elements (past it, every part held so far is
+    answered at once; ``Reducer.hold`` sets it for a pass): the host-bound passes, where each call's few small ops cost more to dispatch
     than to compute."""
 
     def __init__(self, refs: dict[str, Tensor] | None = None):
         self.refs = refs
         self._held: dict[tuple, list[tuple[str, Contribution]]] = {}
         self._size = 0
+        self.budget = CHUNK_ELEMENTS  # elements held at most: past it, all held are answered
         self.done: dict[str, Tensor] = {}
 
     def take(self, name: str, c: Contribution) -> bool:
@@ -43,8 +44,9 @@ class Batched:
         held = self._held.setdefault(key, [])
         held.append((name, c))
         self._size += _size(c)
-        if self._size > CHUNK_ELEMENTS:
-            self._answer(key)
+        if self._size > self.budget:
+            for held in list(self._held):
+                self._answer(held)
         return True
 
     def _answer(self, key: tuple) -> None:

@@ -22,9 +22,11 @@ GROUPED_ELEMENTS = 1 << 16
 
 
 class Grouped:
-    """Small calls held back until the backward ends; then the calls of modules their rule
-    treats alike, on inputs and output gradients of one shape, are answered by one run of the
-    rule over their examples stacked, one norm and one product with the references of them all:
+    """Small calls held back until the backward ends, or until what they hold passes
+    ``budget`` elements (then those held so far are answered, and holding starts again: the
+    calls of the layers the backward has passed are let go as the plain backward lets their
+    tensors go); the calls of modules their rule treats alike, on inputs and output
+    gradients of one shape, are answered by one run of the rule over their examples stacked, one norm and one product with the references of them all:
     the host-bound passes, where a call's rule costs more to dispatch than to compute. The first
     batch of a signature answers its calls so too, each call's sum over its examples for the
     self-check beside (every batch then rounds alike: a run sharded by FSDP, whose decisions
@@ -33,8 +35,17 @@ class Grouped:
     weight), or whose rule serves it in another layout of rows or with other arguments, goes
     its own way at once (``on_grad``)."""
 
-    def __init__(self, plan: Plan, merged: Sequence[str], on_grad: Callable[[Call, Tensor], None]):
+    def __init__(
+        self,
+        plan: Plan,
+        merged: Sequence[str],
+        on_grad: Callable[[Call, Tensor], None],
+        reducer: Reducer,
+        batch: int,
+        budget: int = CHUNK_ELEMENTS,
+    ):
         self.on_grad, self.rules, self.served = on_grad, plan.rules, plan.served
+        self.reducer, self.batch, self.budget = reducer, batch, budget
         self.shared = {id(m) for p in plan.by_rule if p.name in merged for m, _ in p.owners}
         self._held: dict[tuple, list[tuple[Call, Tensor]]] = {}
         self._sizes: dict[tuple, int] = {}  # the elements each group holds
@@ -52,7 +63,6 @@ class Grouped:
             or call.kwargs
             or id(call.module) in self.shared
             or size > GROUPED_ELEMENTS
-            or self._size + size > CHUNK_ELEMENTS
         ):
             self.on_grad(call, grad)
             return
@@ -60,12 +70,15 @@ class Grouped:
         self._held.setdefault(key, []).append((call, grad))
         self._sizes[key] = self._sizes.get(key, 0) + size
         self._size += size
+        if self._size > self.budget:  # a pass's held calls past the budget: answered now
+            self.answer()
 
-    def answer(self, reducer: Reducer, batch: int) -> None:
+    def answer(self) -> None:
         """Every held call answered: alone where no other is like it. The groups of several
         run smallest first, each let go once run, so a large group's stacks are made when
-        little else is still held; what each gives goes to ``reducer`` in the order the groups
+        little else is still held; what each gives goes to the reducer in the order the groups
         came, as if they had run in it (a sum over the parameters adds in that order)."""
+        reducer, batch = self.reducer, self.batch
         several = [key for key, held in self._held.items() if len(held) > 1]
         several = sorted(several, key=self._sizes.get)
         given = {key: self._together(reducer, batch, self._held[key]) for key in several}
@@ -75,6 +88,8 @@ class Grouped:
             else:
                 self.on_grad(*held[0])
         self._held.clear()
+        self._sizes.clear()
+        self._size = 0
 
     def _together(self, reducer: Reducer, batch: int, held: list) -> Callable[[], None]:
         """The calls answered by one run of their rule over their tensors stacked, the calls'

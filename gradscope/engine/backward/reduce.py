@@ -100,6 +100,13 @@ class Reducer:
         # which is exact for merged parts too since the transform is linear
         self.pre = None if want.transform is None else Reducer(Want(norms=True), ())
 
+    def hold(self, budget: int) -> None:
+        """Let the small parts held back to answer together hold ``budget`` elements at most
+        (``Batched.budget``)."""
+        for held in (self._batched, self._inners):
+            if held is not None:
+                held.budget = budget
+
     def add(self, name: str, part: Contribution) -> None:
         if name in self._parts:
             self._parts[name].append(part)
