@@ -113,6 +113,7 @@ class Replayed:
             session.finish()
         except (Diverged, ModelError) as e:  # a ModelError's fault: the analysis runs it again
             lessons.why = str(e)
+            session.unlink()
             return None
         captured = Captured(session, Taps(session.done), losses, observed)
         if program.varies:  # what the regions read and called differs batch to batch
@@ -125,6 +126,7 @@ class Replayed:
         trained = program.trained if program.requests is not None else None
         done = Served(count, checked, program.requests, trained)
         reducer, grads = serve(plan, captured, want, done, reads)
+        session.unlink()
         for p in plan.fallback:  # a rule that failed on this batch
             reducer.forget(p.name)
         if any(g is not None for g in grads):  # a gradient where no call reached: analyse
