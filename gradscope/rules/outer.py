@@ -11,6 +11,10 @@ from .base import CHUNK_ELEMENTS, Contribution, _acc, _cat, _dots, _sq_norm, row
 from .ghost import ghost_inner
 from .projection import Projection
 
+# Elements of the one buffer a training step forms its examples' G in, a chunk of examples at a
+# time, for their norms and batch sum (``Outer.norm_sq_and_sum``): 4 MiB in float32, which the
+# cache still holds when the reductions read it, and no step's batch of G in memory at once
+FORMED_ELEMENTS = 1 << 20
 # Examples with at least this share of their group's longest row count share its padded
 # product (``Outer.lengths``): the padding then costs at most a quarter more than their rows.
 SIMILAR = 0.8
@@ -122,13 +126,19 @@ class Outer(Contribution):
     def norm_sq_and_sum(self) -> tuple[Tensor, Tensor]:
         """The squared norms and the batch sum from the same G formed, where ``forms``: the
         sum over a chunk's examples costs B * O * I beside their forming, not the batch
-        gradient's B * T * O * I again."""
+        gradient's B * T * O * I again. The chunks are formed one after another into one
+        buffer (``FORMED_ELEMENTS``), read back for the norms and the sum from the cache."""
         if not self.forms:
             return super().norm_sq_and_sum()
+        b, g, _, o, i = self.dims
+        step = max(1, min(b, FORMED_ELEMENTS // (g * o * i)))
+        work = self.s.new_empty(step, g, o, i)
         norms, total = [], None
-        for m in self._materialized_chunks():  # (b, G, O, I)
+        for lo in range(0, b, step):
+            m = work[: min(step, b - lo)]  # (b, G, O, I) = (b, G, O, T) @ (b, G, T, I)
+            torch.matmul(self.s[lo : lo + step].mT, self.a[lo : lo + step], out=m)
             norms.append(_sq_norm(m.flatten(1)))
-            total = m.sum(0) if total is None else total + m.sum(0)
+            total = m.sum(0) if total is None else total.add_(m.sum(0))
         return _cat(norms), total.reshape(self.shape)
 
     @property

@@ -1,6 +1,7 @@
 """Outer with ``lengths``: examples padded to the longest answered in groups of similar length,
-each cut to its group's longest, with the same answers as the whole padded product; and its
-inner products, one call's and several calls' stacked, against the gradients formed."""
+each cut to its group's longest, with the same answers as the whole padded product; its inner
+products, one call's and several calls' stacked, against the gradients formed; and a training
+step's norms and batch sum formed a chunk at a time in one buffer."""
 
 from __future__ import annotations
 
@@ -147,3 +148,29 @@ def test_inner_forms_g_where_positions_times_references_cost_more(t, k):
     part = Outer(s, a, torch.Size((4, 6)))
     torch.testing.assert_close(part.inner(refs), want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(part._inner(refs[:, None]), want, rtol=1e-12, atol=1e-12)
+
+
+# more inputs than outputs and more outputs than inputs, in one chunk, in chunks of 2 with a
+# last of 1, and one example at a time; two groups (attention's q, k, v)
+@pytest.mark.parametrize(("g", "o", "i"), [(1, 3, 5), (1, 5, 3), (2, 4, 2)])
+@pytest.mark.parametrize("per_chunk", [5, 2, 1])
+def test_norms_and_sum_formed_in_one_buffer_are_the_gradients(monkeypatch, g, o, i, per_chunk):
+    monkeypatch.setattr(outer, "FORMED_ELEMENTS", per_chunk * g * o * i)
+    gen = torch.Generator().manual_seed(3)
+    b, t = 5, 4
+    s = torch.randn(b, g, t, o, generator=gen, dtype=torch.float64)
+    a = torch.randn(b, g, t, i, generator=gen, dtype=torch.float64)
+    # each example's gradient by a loop over its positions: (B, G, O, I)
+    grads = torch.stack(
+        [
+            torch.stack(
+                [sum(torch.outer(s[n, k, p], a[n, k, p]) for p in range(t)) for k in range(g)]
+            )
+            for n in range(b)
+        ]
+    ).reshape(b, g * o, i)
+    part = Outer(s, a, torch.Size((g * o, i)))
+    assert part.forms
+    norms, total = part.norm_sq_and_sum()
+    torch.testing.assert_close(norms, grads.flatten(1).square().sum(1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(total, grads.sum(0), rtol=1e-12, atol=1e-12)

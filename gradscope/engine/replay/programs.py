@@ -86,6 +86,40 @@ class Replayed:
         if differs:  # at another state a forward may make other ops at the same calls
             lessons.why = f"the model's state differs from the analysed batch's ({differs})"
             return None
+        session = self._session(program, batch, findings, lessons)
+        try:
+            with torch.set_grad_enabled(bool(program.uses or want.train)), session:
+                losses, observed = self.losses(inputs, targets)
+            session.finish()
+        except (Diverged, ModelError) as e:  # a ModelError's fault: the analysis runs it again
+            lessons.why = str(e)
+            session.unlink()
+            return None
+        captured = Captured(session, Taps(session.done), losses, observed)
+        if program.varies:  # what the regions read and called differs batch to batch
+            reads = captured.tap.reads()
+            count = uses(plan, served_calls(plan, captured), reads)
+            checked = [p for p in plan.by_rule + plan.raw if not count[p.name]]
+        else:  # the analysed calls, and the light regions' reads in the analysed order
+            reads, count = captured.tap.reads(), dict(program.uses)
+            checked = [plan.find(name) for name in program.checked]
+        trained = program.trained if program.requests is not None else None
+        done = Served(count, checked, program.requests, trained)
+        reducer, grads = serve(plan, captured, want, done, reads)
+        session.unlink()
+        for p in plan.fallback:  # a rule that failed on this batch
+            reducer.forget(p.name)
+        if any(g is not None for g in grads):  # a gradient where no call reached: analyse
+            lessons.why = "a parameter reached the loss where no call or read did"
+            return None
+        return captured, reducer
+
+    def _session(
+        self, program: Program, batch: int, findings: Findings, lessons: Lessons
+    ) -> ReplaySession:
+        """The replay session of ``program`` over this batch's forward: its regions, children,
+        the buffers a light region may need, and where its regions are made."""
+        plan = self.plan
         regions = [m for m in self.modules if id(m) in program.regions]
         children = [m for m in self.modules if id(m) in program.children]
         buffers = frozenset()  # ids of the model's buffers, where a light region may need them
@@ -107,30 +141,7 @@ class Replayed:
         session.make_region = lambda call, tensors: self._region(
             call, tensors, findings, lessons, session
         )
-        try:
-            with torch.set_grad_enabled(bool(program.uses or want.train)), session:
-                losses, observed = self.losses(inputs, targets)
-            session.finish()
-        except (Diverged, ModelError) as e:  # a ModelError's fault: the analysis runs it again
-            lessons.why = str(e)
-            return None
-        captured = Captured(session, Taps(session.done), losses, observed)
-        if program.varies:  # what the regions read and called differs batch to batch
-            reads = captured.tap.reads()
-            count = uses(plan, served_calls(plan, captured), reads)
-            checked = [p for p in plan.by_rule + plan.raw if not count[p.name]]
-        else:  # the analysed calls, and the light regions' reads in the analysed order
-            reads, count = captured.tap.reads(), dict(program.uses)
-            checked = [plan.find(name) for name in program.checked]
-        trained = program.trained if program.requests is not None else None
-        done = Served(count, checked, program.requests, trained)
-        reducer, grads = serve(plan, captured, want, done, reads)
-        for p in plan.fallback:  # a rule that failed on this batch
-            reducer.forget(p.name)
-        if any(g is not None for g in grads):  # a gradient where no call reached: analyse
-            lessons.why = "a parameter reached the loss where no call or read did"
-            return None
-        return captured, reducer
+        return session
 
     def _region(
         self,

@@ -111,6 +111,12 @@ class ReplaySession(RegionHooks, Capture):
         if self.root is not None:
             self.root.close()
 
+    def unlink(self) -> None:
+        """The pass is over: drop what refers back to the session (its regions' analyses and
+        root reads hold its methods, ``make_region`` it), or the cycles keep the batch's tensors
+        until Python's collector runs, and a training loop's heap grows step by step."""
+        self.done, self.root, self.make_region = [], None, None
+
     def _outside(self) -> bool:
         """Whether no region call is under way (its reads on the host are its own)."""
         return self.region is None

@@ -85,9 +85,9 @@ def _rows(gen: torch.Generator, t: int) -> tuple[Rows, torch.Tensor]:
     return Rows(ids, s, 4), grads
 
 
-@pytest.mark.parametrize("chunk", [outer_module.CHUNK_ELEMENTS, 40], ids=["one", "chunks"])
+@pytest.mark.parametrize("chunk", [outer_module.FORMED_ELEMENTS, 40], ids=["one", "chunks"])
 def test_a_training_steps_sums_are_the_examples_gradients_summed(monkeypatch, chunk: int):
-    monkeypatch.setattr(outer_module, "CHUNK_ELEMENTS", chunk)  # G formed a few examples at once
+    monkeypatch.setattr(outer_module, "FORMED_ELEMENTS", chunk)  # G formed a few examples at once
     gen = torch.Generator().manual_seed(1)
     formed = torch.randn(B, 2, 3, generator=gen, dtype=torch.float64)
     parts = {
