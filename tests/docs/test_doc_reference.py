@@ -169,3 +169,21 @@ def test_a_target_names_the_workloads_that_miss_it():
         "| norms ≤ 1.3× and faster than the loop on W5–W8 | W5 1.00 (loop 1.20), W7 1.15 " in table
     )
     assert table.endswith("| missed on W7 |")
+
+
+def test_a_target_against_another_method_divides_by_its_time():
+    """Issue 49's targets are multiples of another method on the same workload (the Linear-only
+    hooks, norms), not of the floor; the methods sharing a task are named by the rest."""
+    results = [
+        {"workload": "H1", "method": "floor:linear hooks", "time_ratio": 1.2},
+        {"workload": "H1", "method": "norms:gradscope", "time_ratio": 1.5},
+        {"workload": "H1", "method": "influence:gradscope hooks", "time_ratio": 1.5},
+        {"workload": "H1", "method": "influence:gradscope jvp", "time_ratio": 1.8},
+    ]
+    rows = benchmark_pages.targets(results).splitlines()
+    hooks = next(r for r in rows if "Linear-only hooks" in r)
+    assert "| H1 1.25 | missed on H1 |" in hooks  # 1.5 / 1.2
+    influence = next(r for r in rows if "≤ 1.1× norms" in r)
+    assert "gradscope hooks: H1 1.00; gradscope jvp: H1 1.20 | missed on H1 (gradscope jvp) |" in (
+        influence
+    )
