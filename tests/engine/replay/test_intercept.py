@@ -13,7 +13,6 @@ from oracle import assert_rel_close, reference_norms
 from torch import Tensor, nn
 
 from gradscope.engine import Engine, total
-from gradscope.engine.replay import light
 from gradscope.errors import ModelError
 from gradscope.losses import resolve_loss
 
@@ -117,25 +116,16 @@ def _scored(model: nn.Module, batches: list) -> tuple[Engine, list[Tensor]]:
         ("sequence-first", [1, 1, 1], 2),
     ],
 )
-def test_later_batches_replay_intercepted_and_exact(case, sizes, replays, monkeypatch):
+def test_later_batches_replay_intercepted_and_exact(case, sizes, replays, intercepted):
     torch.manual_seed(0)
     patches = 7 if case == "vit-odd" else 4
     model = (SequenceFirst() if case == "sequence-first" else TinyViT(patches)).double()
     batches = _seq_batches(sizes) if case == "sequence-first" else _vit_batches(sizes, patches)
-    held = []  # of each region call: whether it intercepted
-    closing = light.LightRegion.close
-
-    def close(region):
-        if region._open:
-            held.append(region.intercepts)
-        closing(region)
-
-    monkeypatch.setattr(light.LightRegion, "close", close)
     engine, norms = _scored(model, batches)
     findings = engine.record.at(*batches[0])
     assert (findings.replays, findings.analyses) == (replays, len(sizes) - replays)
     calls = {"vit": 3, "vit-odd": 3, "sequence-first": 1}[case]  # the root, the attention twice
-    assert all(held) and len(held) >= calls * replays  # a failed replay's calls too
+    assert all(intercepted) and len(intercepted) >= calls * replays  # a failed replay's too
     assert all(p is model.get_parameter(n) for n, p in model.named_parameters())  # given back
     for (inputs, targets), got in zip(batches, norms, strict=True):
         _, expected = reference_norms(model, inputs, targets, "cross_entropy")

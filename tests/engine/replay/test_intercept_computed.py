@@ -16,7 +16,6 @@ from oracle import assert_rel_close
 from torch import Tensor, nn
 
 from gradscope.engine import Engine, Forward, naive_grads
-from gradscope.engine.replay import light
 from gradscope.losses import resolve_loss
 
 D, CLASSES = 8, 3
@@ -107,18 +106,8 @@ def _loop(model: nn.Module, inputs: tuple, targets: Tensor) -> dict[str, Tensor]
     return {n: g.reshape(len(g), -1).pow(2).sum(1) for n, g in grads.items()}
 
 
-def _run(model: nn.Module, batches: list, monkeypatch) -> tuple[Engine, list]:
-    """Each batch's per-parameter norms through one Engine, checked against the loop; and
-    whether each light region call (the top level's too) intercepted its reads."""
-    held: list[bool] = []
-    closing = light.LightRegion.close
-
-    def close(region):
-        if region._open:
-            held.append(region.intercepts)
-        closing(region)
-
-    monkeypatch.setattr(light.LightRegion, "close", close)
+def _run(model: nn.Module, batches: list) -> Engine:
+    """Each batch's per-parameter norms through one Engine, checked against the loop."""
     engine = Engine(model, resolve_loss("cross_entropy"))
     with engine:
         for inputs, targets in batches:
@@ -128,7 +117,7 @@ def _run(model: nn.Module, batches: list, monkeypatch) -> tuple[Engine, list]:
             for name, want in expected.items():
                 assert_rel_close(got[name], want, 1e-9)
     assert all(type(p) is nn.Parameter for p in model.parameters())  # given back
-    return engine, held
+    return engine
 
 
 @pytest.mark.parametrize(
@@ -143,34 +132,34 @@ def _run(model: nn.Module, batches: list, monkeypatch) -> tuple[Engine, list]:
     ids=["clip", "siglip", "cross", "cross-sequence-first", "probe"],
 )
 @pytest.mark.parametrize("b", [3, 1])
-def test_reads_of_tensors_made_from_parameters_alone_are_intercepted(make, b, monkeypatch):
+def test_reads_of_tensors_made_from_parameters_alone_are_intercepted(make, b, intercepted):
     torch.manual_seed(0)
     model = make().double()
-    engine, held = _run(model, _batches(model, b), monkeypatch)
+    engine = _run(model, _batches(model, b))
     findings = engine.record.at(*_batches(model, b, 1)[0])
     assert findings.replays >= 2, findings.why
-    assert held and all(held), held
+    assert intercepted and all(intercepted), intercepted
     assert not engine.record.moded
 
 
-def test_a_tensor_made_with_a_buffer_keeps_the_mode(monkeypatch):
+def test_a_tensor_made_with_a_buffer_keeps_the_mode(intercepted):
     """``exp(logit_scale) * temperature.double()``: the cast of the buffer is an op on no
     parameter, which an intercepting region would not see; the recipe says constants made
     it, so the read is served under the mode, every batch after the first replayed."""
     torch.manual_seed(0)
     model = ScaledByBuffer().double()
-    engine, held = _run(model, _batches(model, 3), monkeypatch)
+    engine = _run(model, _batches(model, 3))
     assert engine.record.at(*_batches(model, 3, 1)[0]).replays == 3
-    assert held and not any(held)
+    assert intercepted and not any(intercepted)
 
 
-def test_a_scale_the_modules_do_not_hold_is_analysed_then_left_to_the_mode(monkeypatch):
+def test_a_scale_the_modules_do_not_hold_is_analysed_then_left_to_the_mode(intercepted):
     """Read through a list: intercepted, the scale's read is not seen, the witness fails
     (fewer reads), the batch is analysed, exact; the top level is read under the mode after."""
     torch.manual_seed(0)
     model = KeptScale().double()
-    engine, held = _run(model, _batches(model, 3), monkeypatch)
+    engine = _run(model, _batches(model, 3))
     findings = engine.record.at(*_batches(model, 3, 1)[0])
     assert engine.record.moded == {None}
     assert (findings.replays, findings.analyses) == (2, 2)
-    assert held[0] and not any(held[1:])
+    assert intercepted[0] and not any(intercepted[1:])

@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
-import pytest
 import torch
 import yaml
 from oracle import assert_rel_close, model_state, reference_norms
@@ -18,7 +17,6 @@ from typer.testing import CliRunner
 
 import gradscope
 from gradscope.cli import app
-from gradscope.engine.replay import light
 
 B, BATCHES = 3, 3
 MODEL_PY = f"""
@@ -31,20 +29,6 @@ from test_intercept import TinyViT as Net
 def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(B, 4, 6, generator=g, dtype=torch.float64), torch.arange(B) % CLASSES
-
-
-@pytest.fixture
-def intercepted(monkeypatch) -> list[bool]:
-    """Of each region call that ran open: whether its reads were intercepted."""
-    held, closing = [], light.LightRegion.close
-
-    def close(region):
-        if region._open:
-            held.append(region.intercepts)
-        closing(region)
-
-    monkeypatch.setattr(light.LightRegion, "close", close)
-    return held
 
 
 def _model() -> TinyViT:
