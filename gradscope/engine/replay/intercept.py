@@ -35,9 +35,9 @@ class Read(nn.Parameter):
     place. A ``Parameter``, so that a model asking ``isinstance`` finds what it held."""
 
     held: Tensor
-    region: Intercepting
+    region: Intercepting | _Released
 
-    def __new__(cls, real: Tensor, region: Intercepting) -> Read:
+    def __new__(cls, real: Tensor, region: Intercepting | _Released) -> Read:
         with torch._C.DisableTorchFunction():  # setting its attributes asks for its __dict__
             read = Tensor._make_subclass(cls, real.detach(), False)
             read.held, read.region = real, region
@@ -69,6 +69,19 @@ def _real(a: object) -> object:
     return a
 
 
+class _Released:
+    """The region of a kept ``Read`` between passes: an op on it (a tensor the model kept) runs
+    alone, on the real tensors. Not the region that made it, which would keep that batch's
+    session and tensors alive for as long as the Engine keeps its Reads."""
+
+    @staticmethod
+    def intercepted(func, args: tuple, kwargs: dict):
+        return func(*map(_real, args), **{k: _real(v) for k, v in (kwargs or {}).items()})
+
+
+RELEASED = _Released()
+
+
 class Intercept:
     """What a region that intercepts its reads is given: where each parameter is held
     (``holders``, found once per Engine) and whom to tell where its witness fails."""
@@ -76,13 +89,13 @@ class Intercept:
     def __init__(self, failed: Callable[[], None], holders: dict[int, tuple]):
         self.failed, self.at = failed, holders
 
-    def holders(self, p: ParamPlan, region: Intercepting) -> tuple[Read, list]:
+    def holders(self, p: ParamPlan) -> tuple[Read, list]:
         """``p``'s ``Read`` and the (module, attribute) pairs whose ``_parameters`` entry holds
         it, each once: both kept for the Engine's later batches while ``p`` holds the same
         tensor (a new one, set by ``p.data = ...``, a new Read)."""
         found = self.at.get(id(p))
         if found is None or not _aliases(found[0], p.param):
-            found = self.at[id(p)] = (Read(p.param, region), _holders(p))
+            found = self.at[id(p)] = (Read(p.param, RELEASED), _holders(p))
         return found
 
 
@@ -96,7 +109,7 @@ class Intercepting:
         self.lent: list[tuple[Read, Intercepting]] = []  # each Read, and whose it was
         self.wrapped: dict[int, Read] = {}
         for p in params:
-            read, holders = intercept.holders(p, self)
+            read, holders = intercept.holders(p)
             self.lent.append((read, read.region))
             read.region = self  # an outer region's too (the root's), until ``release``
             self.wrapped[id(p.param)] = read

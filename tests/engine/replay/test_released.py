@@ -11,7 +11,10 @@ import gc
 import torch
 from test_intercept import CLASSES, TinyViT
 
+from gradscope.engine import Engine
+from gradscope.engine.replay.light import LightRegion
 from gradscope.engine.replay.session import ReplaySession
+from gradscope.losses import resolve_loss
 from gradscope.training.watch import Watch
 
 B, STEPS = 3, 4
@@ -43,3 +46,19 @@ def test_no_replayed_steps_session_is_left_to_the_collector(tmp_path):
             gc.enable()
     assert replays == STEPS - 1  # the first batch analysed, the others replayed
     assert left == 0
+
+
+def test_no_region_outlives_its_pass_through_the_reads_the_engine_keeps():
+    """Each parameter's ``Read`` is kept for the Engine's later batches; between passes it
+    points at no region, so it keeps no batch's session or tensors alive."""
+    torch.manual_seed(0)
+    model = TinyViT().double()
+    x = torch.randn(3, B, 4, 6, dtype=torch.float64)
+    y = torch.arange(B) % CLASSES
+    engine = Engine(model, resolve_loss("cross_entropy"))
+    with engine:
+        for k in range(3):
+            engine.norms((x[k],), y)
+        reads = [found[0] for found in engine.replayed.holders.values()]
+        assert reads and engine.record.at((x[0],), y).replays == 2
+        assert not any(isinstance(read.region, LightRegion) for read in reads)
