@@ -84,8 +84,9 @@ class Recording:
         if not folder.parent.is_dir():
             raise DataError("the folder to write the run record in does not exist", str(folder))
         names = {MANIFEST, META, STEPS, FINAL, START, FED}
-        foreign = [f.name for f in folder.iterdir() if f.name not in names
-                   and not f.name.startswith(("segment-", "steps-"))] if folder.is_dir() else []  # fmt: skip
+        parts = ("segment-", "steps-")  # a stopped loop's, which a resumed one continues
+        listed = folder.iterdir() if folder.is_dir() else ()
+        foreign = [f.name for f in listed if f.name not in names and not f.name.startswith(parts)]
         if foreign or (folder.exists() and not folder.is_dir()):
             raise ConfigError("that is no run record's folder: name another", str(folder))
         if self.resumed is not None:
@@ -115,8 +116,15 @@ class Recording:
         self.recorder.checkpoint(step, self.params, state)
         self.left = rng()
 
-    def step(self, ids: np.ndarray, grads: list[Tensor | None], divisor: float,
-             counts: Tensor | None, states: tuple[dict, dict | None], fed: Tensor) -> None:  # fmt: skip
+    def step(
+        self,
+        ids: np.ndarray,
+        grads: list[Tensor | None],
+        divisor: float,
+        counts: Tensor | None,
+        states: tuple[dict, dict | None],
+        fed: Tensor,
+    ) -> None:
         """A watched step: ``grads`` the gradient of its loss (its per-example losses summed over
         ``divisor``) that ``.grad`` receives, ``ids`` its rows, ``counts`` each one's counted
         tokens where the loss is a mean over tokens; ``states`` the random state it began in
@@ -214,8 +222,9 @@ class Recording:
                 "buffers_change": moved}  # fmt: skip
         drawn = sorted(t for t in self.drawn if t < steps)
         fed = torch.cat(self.fed) if self.fed else torch.zeros(0, 1, dtype=torch.float64)
-        _save(self.recorder.folder / FED, {"fed": fed, "drawn": torch.tensor(drawn, dtype=torch.int64),
-                                           "states": [self.drawn[t] for t in drawn]})  # fmt: skip
+        drawn_at = torch.tensor(drawn, dtype=torch.int64)
+        states = [self.drawn[t] for t in drawn]
+        _save(self.recorder.folder / FED, {"fed": fed, "drawn": drawn_at, "states": states})
         self.recorder.write(self.params, self.params[0].device, meta)
 
 

@@ -17,14 +17,14 @@ HELD_DENSE = 1 << 16
 
 
 class Batched:
-    """Norms, or inner products with ``refs`` (each part its own parameter's), held back until
-    the backward ends, then answered one batched op per shape (norms: Outers of one Gram block
-    by ``rules.ghost.gram_norms``, routed experts' reads by ``rules.routed.routed_norms``,
-    formed gradients by one norm; inner products: Outers by ``Outer.inners`` of their examples
-    stacked, routed reads by ``rules.routed.routed_inners``, formed gradients by one product),
-    while what they hold stays under ``budget`` elements (past it, every part held so far is
-    answered at once; ``Reducer.hold`` sets it for a pass): the host-bound passes, where each call's few small ops cost more to dispatch
-    than to compute."""
+    """Norms, or inner products with ``refs`` (each part its own parameter's), held back until the
+    backward ends, then answered one batched op per shape (norms: Outers of one Gram block by
+    ``rules.ghost.gram_norms``, routed experts' reads by ``rules.routed.routed_norms``, formed
+    gradients by one norm; inner products: Outers by ``Outer.inners`` of their examples stacked,
+    routed reads by ``rules.routed.routed_inners``, formed gradients by one product), while what
+    they hold stays under ``budget`` elements (past it, every part held so far is answered at once;
+    ``Reducer.hold`` sets it for a pass): the host-bound passes, where each call's few small ops
+    cost more to dispatch than to compute."""
 
     def __init__(self, refs: dict[str, Tensor] | None = None):
         self.refs = refs
@@ -45,8 +45,8 @@ class Batched:
         held.append((name, c))
         self._size += _size(c)
         if self._size > self.budget:
-            for held in list(self._held):
-                self._answer(held)
+            for shape in list(self._held):
+                self._answer(shape)
         return True
 
     def _answer(self, key: tuple) -> None:

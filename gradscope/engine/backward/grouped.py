@@ -22,18 +22,18 @@ GROUPED_ELEMENTS = 1 << 16
 
 
 class Grouped:
-    """Small calls held back until the backward ends, or until what they hold passes
-    ``budget`` elements (then those held so far are answered, and holding starts again: the
-    calls of the layers the backward has passed are let go as the plain backward lets their
-    tensors go); the calls of modules their rule treats alike, on inputs and output
-    gradients of one shape, are answered by one run of the rule over their examples stacked, one norm and one product with the references of them all:
-    the host-bound passes, where a call's rule costs more to dispatch than to compute. The first
-    batch of a signature answers its calls so too, each call's sum over its examples for the
-    self-check beside (every batch then rounds alike: a run sharded by FSDP, whose decisions
-    come from a batch of their own, gives the bits one process gives). A call of a module
-    holding a parameter that other calls serve too (merged: a module called twice, a tied
-    weight), or whose rule serves it in another layout of rows or with other arguments, goes
-    its own way at once (``on_grad``)."""
+    """Small calls held back until the backward ends, or until what they hold passes ``budget``
+    elements (then those held so far are answered, and holding starts again: the calls of the layers
+    the backward has passed are let go as the plain backward lets their tensors go); the calls of
+    modules their rule treats alike, on inputs and output gradients of one shape, are answered by
+    one run of the rule over their examples stacked, one norm and one product with the references of
+    them all: the host-bound passes, where a call's rule costs more to dispatch than to compute. The
+    first batch of a signature answers its calls so too, each call's sum over its examples for the
+    self-check beside (every batch then rounds alike: a run sharded by FSDP, whose decisions come
+    from a batch of their own, gives the bits one process gives). A call of a module holding a
+    parameter that other calls serve too (merged: a module called twice, a tied weight), or whose
+    rule serves it in another layout of rows or with other arguments, goes its own way at once
+    (``on_grad``)."""
 
     def __init__(
         self,

@@ -15,10 +15,10 @@ from ...rules.base import accumulation_dtype
 
 
 def laid_out(params: Sequence[Tensor]) -> list[Tensor]:
-    """(1, *shape) zeros in the accumulation dtype for each of ``params``; those of one shape,
-    dtype and device are rows of one tensor, the last parameter first, in the order the
-    backward reaches alike layers, where ``rules.base.stacked`` reads them as one. A parameter of another
-    tensor type (a sharded one) gets a tensor of its own, of its type."""
+    """(1, *shape) zeros in the accumulation dtype for each of ``params``; those of one shape, dtype
+    and device are rows of one tensor, the last parameter first, in the order the backward reaches
+    alike layers, where ``rules.base.stacked`` reads them as one. A parameter of another tensor type
+    (a sharded one) gets a tensor of its own, of its type."""
     out: list[Tensor | None] = [None] * len(params)
     alike: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):

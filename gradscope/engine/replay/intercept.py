@@ -9,10 +9,11 @@ mode the region is otherwise saw each op.
 What the mode's witness saw and this does not: scalars read on the host (none in the calls it
 serves: ``light.intercepts``) and ops on constants (a recipe that reads a tensor made with
 them keeps the mode: ``Recipe.constants``). A tensor made from parameters and numbers alone
-(``exp(logit_scale)``, a slice of a packed weight) is made by ops on them, each seen here. A parameter the model reaches by another way than its
-modules' attributes (a list it keeps) is read unseen: the region finds fewer reads than the
-analysed call, its witness fails and the batch is analysed, and the module's class keeps the
-mode from then on (``Record.moded``): never a read left unserved.
+(``exp(logit_scale)``, a slice of a packed weight) is made by ops on them, each seen here. A
+parameter the model reaches by another way than its modules' attributes (a list it keeps) is
+read unseen: the region finds fewer reads than the analysed call, its witness fails and the
+batch is analysed, and the module's class keeps the mode from then on (``Record.moded``):
+never a read left unserved.
 """
 
 from __future__ import annotations
