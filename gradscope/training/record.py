@@ -31,6 +31,7 @@ from .steps import Update
 FORMAT = 1
 MANIFEST, META, STEPS, FINAL = "manifest.json", "record.json", "steps.pt", "final.pt"
 WATCHED = "watch"  # record.json's source when a watched loop wrote it (``watchrecord.py``)
+START = "start.pt"  # the state dict a watched loop began from
 
 
 def default_segment(total: int) -> int:
@@ -271,7 +272,7 @@ def _check_files(folder: Path) -> None:
     if not (folder / MANIFEST).is_file():
         what = "no run record" if not folder.is_dir() else "an unfinished run record (no manifest)"
         fix = "gradscope train --record or Watch(record=) writes one"
-        if (folder / "start.pt").is_file():  # watched.START: of a loop stopped before its end
+        if (folder / START).is_file():  # a watched loop's, stopped before its end
             fix = ("a watched loop's: resume the loop from a checkpoint of its own, or run it "
                    "again from its first step")  # fmt: skip
         raise DataError(f"{what}: {fix}", str(folder))

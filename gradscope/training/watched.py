@@ -19,11 +19,10 @@ from ..io.model import build_model
 from ..job import resolve_device
 from ..resume import as_json, differences
 from .loop import TrainingRows
-from .record import Record, _load
+from .record import START, Record, _load
 from .steps import Update
 from .watchdata import check_fed
 
-START = "start.pt"  # the state dict the watched loop began from
 FED = "watched.pt"  # each step's digests of the data it fed, and the random states it drew
 
 

@@ -22,10 +22,10 @@ from ..config import LossConfig, TrainConfig
 from ..errors import ConfigError, DataError
 from ..losses import LossFn
 from ..resume import as_json
-from .record import FINAL, MANIFEST, META, STEPS, WATCHED, Recorder, _load, _save, rng
+from .record import FINAL, MANIFEST, META, START, STEPS, WATCHED, Recorder, _load, _save, rng
 from .steps import Tensors, Update
 from .watchdraws import same_state
-from .watched import FED, START
+from .watched import FED
 from .watchoptim import read_recipe, settings
 from .watchresume import Progress, resumed, save_part, trim
 
