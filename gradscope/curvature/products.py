@@ -78,7 +78,8 @@ class Products:
         self.examples = 0  # N, known after the first pass
         self.passes = 0
         self.vmap_error: str | None = None
-        self.activations = 0  # elements every module's outputs held in the last batch's forward
+        # elements every module's outputs hold per example in a forward (None: not counted yet)
+        self.per_example: float | None = None
 
     def _output(self, theta: dict[str, Tensor], inputs: tuple[Tensor, ...]) -> Tensor:
         forward = self.engine.forward
@@ -98,10 +99,11 @@ class Products:
             return loss_fn(out, targets).sum()
 
         if self.kind == HESSIAN:
-            with counted(self):
-                output(self.theta)  # the batch's activations: the chunk's size
+            if self.per_example is None:  # the activations, the chunk's size: counted once
+                with counted(self, targets.shape[0]), torch.no_grad():
+                    output(self.theta)
             return lambda v: jvp(grad(lambda th: total(output(th))), (self.theta,), (v,))[1]
-        with counted(self):  # (B, ...): one forward, pulled back per direction
+        with counted(self, targets.shape[0]):  # (B, ...): one forward, pulled back per direction
             out, pull = vjp(output, self.theta)
         out = out.detach()
 
@@ -117,7 +119,7 @@ class Products:
         directions = next(iter(v.values())).shape[0]
         if self.vmap_error is None:
             # each vmapped direction holds about the batch's activations and a P-vector
-            per = self.activations + self.flat.size
+            per = math.ceil(self.per_example * targets.shape[0]) + self.flat.size
             chunk = max(1, min(directions, CHUNK_ELEMENTS // per))
             try:
                 with warnings.catch_warnings():
@@ -158,16 +160,18 @@ class Products:
 
 
 @contextmanager
-def counted(products: Products):
-    """Set ``products.activations`` to the elements of every module's outputs in the forward
-    run inside."""
-    products.activations = 0
+def counted(products: Products, batch: int):
+    """Set ``products.per_example`` to the elements of every module's outputs in the forward
+    run inside, over its ``batch`` examples."""
+    elements = 0
 
     def count(module, args, output) -> None:
-        products.activations += sum(t.numel() for t in tree_leaves(output) if isinstance(t, Tensor))
+        nonlocal elements
+        elements += sum(t.numel() for t in tree_leaves(output) if isinstance(t, Tensor))
 
     handle = register_module_forward_hook(count)
     try:
         yield
     finally:
         handle.remove()
+    products.per_example = elements / max(batch, 1)

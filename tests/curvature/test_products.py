@@ -66,7 +66,7 @@ def test_the_chunk_is_sized_by_the_forward_s_activations(monkeypatch) -> None:
     with Engine(model, resolve_loss("cross_entropy")) as engine:
         made = Products(engine, lambda: [((x,), y)])
         whole = made(block)
-        assert made.activations == 7 * (4 + 3 + 3)
+        assert made.per_example * 7 == 7 * (4 + 3 + 3)
         monkeypatch.setattr(products, "CHUNK_ELEMENTS", 70 + 39)  # one direction per chunk
         torch.testing.assert_close(made(block), whole, rtol=1e-12, atol=1e-14)
 
