@@ -38,6 +38,7 @@ def _label(run: dict) -> str:
     if o.get("curvature") == "none":
         return "gradscope `--curvature none` (inner product)"
     solver = f" --solver {o['solver']}" if "solver" in o else ""
+    solver += f" --cg-tolerance {o['cg_tolerance']:g}" if "cg_tolerance" in o else ""
     return f"gradscope `--curvature {o['curvature']}{solver} --damping {o['damping']}`"
 
 

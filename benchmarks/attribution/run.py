@@ -86,7 +86,9 @@ def gradscope_runs(
         (tracin, "tracin", ["--curvature", "none"],
          Run("gradscope", "tracin", {"checkpoints": "epochs"}, False)),
         *_dampings(bench, bench.curvatures, config, "influence", {}),
-        *_dampings(bench, ["gn"], config, "influence", {"solver": "cg"}, bench.cg_dampings),
+        *[spec for damping, tolerance in bench.cg for spec in _dampings(
+            bench, ["gn"], config, "influence", {"solver": "cg", "cg_tolerance": tolerance},
+            [damping])],
         (tracin, "ensemble", [], Run("gradscope", "ensemble", epochs, False)),
         *_dampings(bench, ensembled, tracin, "ensemble", epochs),
     ]  # fmt: skip
@@ -103,13 +105,15 @@ def gradscope_runs(
 
 def _dampings(bench: Bench, curvatures, config: Path, scorer: str, options: dict, dampings=None):
     """The specs of ``influence`` of ``config`` under each curvature at each damping
-    (``bench.dampings`` unless given), with ``options``' flags (``solver``)."""
+    (``bench.dampings`` unless given), with ``options``' flags (``solver``, ``cg_tolerance``)."""
     specs = []
     for curvature in curvatures:
         for damping in bench.dampings if dampings is None else dampings:
             chosen = {**options, "curvature": curvature, "damping": damping}
-            flags = [x for k in chosen if k != "checkpoints" for x in (f"--{k}", str(chosen[k]))]
-            name = "-".join([scorer, curvature, *options.get("solver", "").split(), str(damping)])
+            flags = [x for k, v in chosen.items() if k != "checkpoints"
+                     for x in (f"--{k.replace('_', '-')}", str(v))]  # fmt: skip
+            named = [str(options[k]) for k in ("solver", "cg_tolerance") if k in options]
+            name = "-".join([scorer, curvature, *named, str(damping)])
             specs.append((config, name, flags, Run("gradscope", scorer, chosen, False)))
     return specs
 

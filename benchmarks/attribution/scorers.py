@@ -85,7 +85,18 @@ def influence(config: Path, ref: str, out: Path, flags: list[str], run: Run) -> 
     command = [*GRADSCOPE, "influence", str(config), "--ref", ref, "--per-ref", "--out", str(out)]
     run.seconds, run.cpu_s, run.note = timed([*command, *flags])
     run.file, run.status = str(out), "fails" if run.note else "ok"
+    if not run.note:
+        run.note = solved(out)
     return run
+
+
+def solved(path: Path) -> str:
+    """What conjugate gradients took, as the score file's metadata records it ('' where no
+    curvature was solved by them): iterations and the worst relative residual reached."""
+    meta = json.loads(pq.read_schema(path).metadata[METADATA_KEY])
+    fits = [c for c in meta["influence"]["curvatures"] if c.get("solver") == "cg"]
+    return "; ".join(f"conjugate gradients: {c['iterations']} iterations, relative residual "
+                     f"{c['residual']:.1e} (tolerance {c['tolerance']:g})" for c in fits)  # fmt: skip
 
 
 def peer(python: str, job: dict, cfg: Config, ref: str, run: Run) -> Run:

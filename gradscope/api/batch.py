@@ -12,6 +12,7 @@ from ..curvature.adam import adam_denominator
 from ..curvature.fitted import NONE, check_curvature, chosen, fit_exact
 from ..curvature.precondition import check_fits
 from ..curvature.products import KINDS
+from ..defaults import CG_TOLERANCE
 from ..engine import Engine, Forward, Influence, reference_gradients, total
 from ..errors import ConfigError
 from ..losses import LossFn, resolve_loss
@@ -74,6 +75,7 @@ def per_example_influence(
     curvature: str = "none",
     damping: float | None = None,
     solver: str = "auto",
+    cg_tolerance: float = CG_TOLERANCE,
 ) -> Tensor:
     """(B,) float64 ``<grad l_i, g_ref>``, g_ref the gradient of the MEAN loss over the reference.
 
@@ -87,7 +89,7 @@ def per_example_influence(
     its dense matrix fits) scores against
     ``(C + lambda I)^-1 g_ref`` instead, C the Gauss-Newton matrix or the Hessian of the mean
     loss over ``inputs`` (the training rows), fitted here (``solver``: ``dense``, ``cg`` or
-    ``auto``), lambda ``damping`` (default: ``gradscope.defaults.DAMPING``) x C's mean
+    ``auto``; ``cg``'s stopping relative residual ``cg_tolerance``), lambda ``damping`` (default: ``gradscope.defaults.DAMPING``) x C's mean
     eigenvalue. The parameters are selected as ``per_example_norms`` selects them. ``.grad``
     fields, hooks and train/eval mode are left as they were.
 
@@ -106,7 +108,9 @@ def per_example_influence(
     with core:
         refs = reference_gradients(core, [(_as_tuple(ref_inputs), ref_targets)])
         batch = [(_as_tuple(inputs), targets)]
-        refs = _preconditioned(core, refs, batch, precondition, curvature, solver, damping)
+        refs = _preconditioned(
+            core, refs, batch, precondition, curvature, solver, damping, cg_tolerance
+        )
         scores = Influence(core, refs, engine, norms=False)(_as_tuple(inputs), targets)
     return scores.inner[:, 0]
 
@@ -119,10 +123,11 @@ def _preconditioned(
     curvature: str,
     solver: str,
     damping: float | None,
+    cg_tolerance: float,
 ) -> dict[str, Tensor]:
     """``refs`` through the curvature ``curvature`` fits on ``batch``, or through the
     preconditioner ``precondition`` gives; as they are with neither."""
-    check_curvature(curvature, solver, damping, precondition)
+    check_curvature(curvature, solver, damping, precondition, cg_tolerance)
     parameters = sum(p.param.numel() for p in core.plan.included)
     curvature, _ = chosen(curvature, solver, parameters)
     if curvature != NONE:
@@ -132,7 +137,8 @@ def _preconditioned(
                 f"factors file), got {curvature!r}",
                 "curvature",
             )
-        return fit_exact(core, lambda: batch, curvature, solver, damping).refs(refs)
+        fitted = fit_exact(core, lambda: batch, curvature, solver, damping, cg_tolerance)
+        return fitted.refs(refs)
     if isinstance(precondition, str | Path):
         return load_preconditioner(precondition, core).refs(refs)
     if isinstance(precondition, Factors):

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ..config import Config
+from ..defaults import CG_TOLERANCE
 from ..index.query import CANDIDATES, Query, run_query
 from ..index.scorer import IndexScorer, index_output
 from ..run import score_dataset
@@ -73,6 +74,7 @@ def influence(
     curvature: str | None = None,
     damping: float | None = None,
     solver: str = "auto",
+    cg_tolerance: float = CG_TOLERANCE,
     through_training: str | Path | None = None,
     config: Config | str | Path | None = None,
     out: str | Path | None = None,
@@ -85,8 +87,8 @@ def influence(
 
     ``model``, ``data``, ``config`` and ``options`` as ``norms`` takes them; ``ref`` as ``data``.
     ``curvature`` (``none``, ``gn``, ``hessian``, ``kfac``, ``ekfac``; default ``auto``),
-    ``damping``, ``solver``, ``precondition`` (also the factors ``factors`` returned) and
-    ``engine`` as the command's options; ``through_training``, a run record
+    ``damping``, ``solver``, ``cg_tolerance``, ``precondition`` (also the factors ``factors``
+    returned) and ``engine`` as the command's options; ``through_training``, a run record
     (``train(record=True)``), scores by replaying that run backward instead
     (``--through-training``). Returns the command's columns, or with ``matrix`` the
     (references, examples) float64 tensor of ``influence`` (one row without ``per_ref``).
@@ -112,7 +114,7 @@ def influence(
                 call.spec(ref), per_ref=per_ref, engine=engine,
                 precondition=call.precondition(precondition, resume),
                 trust_checkpoint=trust_checkpoint, curvature=curvature, damping=damping,
-                solver=solver,
+                solver=solver, cg_tolerance=cg_tolerance,
             )  # fmt: skip
         scores = _scores(call, cfg, scorer, out, resume, trust_checkpoint)
     return references_by_examples(scores) if matrix else scores

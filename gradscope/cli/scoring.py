@@ -10,7 +10,7 @@ import typer
 
 from .. import terminal
 from ..config import Config, load_config, with_overrides
-from ..defaults import CURVATURE, DAMPING
+from ..defaults import CG_TOLERANCE, CURVATURE, DAMPING
 from ..errors import Interrupted
 from .options import (
     BatchOpt,
@@ -69,6 +69,16 @@ SolverOpt = Annotated[
         metavar="auto|dense|cg",
         help="gn/hessian: dense (the P x P matrix, a Cholesky factor), cg (conjugate "
         "gradients), auto: dense where the matrix fits 2 GiB.",
+    ),
+]
+CGToleranceOpt = Annotated[
+    float,
+    typer.Option(
+        "--cg-tolerance",
+        metavar="X",
+        help="Conjugate gradients stop once each reference's relative residual "
+        "||b - (C + lambda I) x|| / ||b|| is at most X, in (0, 1); the residual reached is in "
+        "the file's metadata.",
     ),
 ]
 ThroughTrainingOpt = Annotated[
@@ -165,6 +175,7 @@ def influence(
     curvature: CurvatureOpt = None,
     damping: DampingOpt = None,
     solver: SolverOpt = "auto",
+    cg_tolerance: CGToleranceOpt = CG_TOLERANCE,
     through_training: ThroughTrainingOpt = None,
     by: ByOpt = None,
     resume: ResumeOpt = False,
@@ -197,6 +208,7 @@ def influence(
         curvature=curvature,
         damping=damping,
         solver=solver,
+        cg_tolerance=cg_tolerance,
     )
     _run(cfg, scorer, by, report, trust_checkpoint, resume)
 

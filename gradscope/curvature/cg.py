@@ -3,8 +3,8 @@ no P x P matrix, one pass over the data per iteration (``products.py``).
 
 The K reference directions are solved together, each its own CG run sharing the passes (a
 vmapped block of products); a direction stops once its relative residual
-``||r_k|| / ||b_k||`` is at most ``tolerance``. A run that does not get there in
-``max_iterations`` is an error, never a silent approximation; so is a direction of zero or
+``||r_k|| / ||b_k||`` is at most ``tolerance`` (``--cg-tolerance``, in (0, 1)). A run that
+does not get there in ``max_iterations`` is an error, never a silent approximation; so is a direction of zero or
 negative curvature (a Hessian damped too little). The damping is ``damping`` x the mean
 eigenvalue as on the dense path, the mean (trace / P) estimated with ``PROBES`` Rademacher
 probes (Hutchinson; one more pass), which only sets the damping: the solve is exact for it.
@@ -17,12 +17,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ..defaults import CG_TOLERANCE
 from ..errors import ConfigError
 from .exact import check_damping
 from .factors import damping
 from .products import Products
 
-TOLERANCE = 1e-6  # relative residual per direction
+TOLERANCE = CG_TOLERANCE  # relative residual per direction
 MAX_ITERATIONS = 1000  # each one pass over the data
 PROBES = 16  # Hutchinson probes for the mean eigenvalue
 
@@ -32,6 +33,11 @@ def mean_eigenvalue(products: Products, probes: int = PROBES, seed: int = 0) -> 
     g = torch.Generator().manual_seed(seed)
     z = torch.randint(0, 2, (products.flat.size, probes), generator=g).double() * 2 - 1  # (P, S)
     return ((z * products(z)).sum(0).mean() / products.flat.size).item()
+
+
+def check_tolerance(tolerance: float) -> None:
+    if not 0 < tolerance < 1:  # NaN too
+        raise ConfigError(f"--cg-tolerance must be in (0, 1), got {tolerance:g}", "--cg-tolerance")
 
 
 def conjugate_gradients(
@@ -70,7 +76,7 @@ def conjugate_gradients(
     worst = (rs.sqrt() / b.norm(dim=0).clamp_min(1e-300)).max().item()
     raise ConfigError(
         f"conjugate gradients did not converge in {max_iterations} iterations (relative "
-        f"residual {worst:.2g}, tolerance {tolerance:g}); raise --damping",
+        f"residual {worst:.2g}, tolerance {tolerance:g}); raise --damping or --cg-tolerance",
         "--damping",
     )
 
@@ -90,6 +96,7 @@ class CGInverse:
         mean: float | None = None,
     ):
         check_damping(factor)
+        check_tolerance(tolerance)
         self.products, self.factor = products, factor
         self.tolerance, self.max_iterations = tolerance, max_iterations
         self.mean = mean_eigenvalue(products) if mean is None else mean

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from ..defaults import CURVATURE, DAMPING
 from ..errors import ConfigError
-from .cg import CGInverse
+from .cg import TOLERANCE, CGInverse, check_tolerance
 from .exact import BUDGET_BYTES, ExactInverse, check_damping
 from .factors import EKFAC, KFAC, redamp
 from .fisher import SAMPLED
@@ -22,7 +22,11 @@ SOLVERS = ("auto", "dense", "cg")
 
 
 def check_curvature(
-    curvature: str, solver: str, damping: float | None, precondition: object
+    curvature: str,
+    solver: str,
+    damping: float | None,
+    precondition: object,
+    tolerance: float = TOLERANCE,
 ) -> None:
     """The options' values, before anything runs."""
     if curvature is None:  # the default, resolved with the precondition
@@ -38,6 +42,7 @@ def check_curvature(
         )
     if damping is not None:
         check_damping(damping)
+    check_tolerance(tolerance)
     if curvature != NONE and precondition is not None:
         raise ConfigError(
             f"--curvature {curvature} fits a curvature in this run and --precondition reads "
@@ -72,15 +77,17 @@ def fit_exact(
     kind: str = GN,
     solver: str = "auto",
     damping: float | None = None,
+    tolerance: float = TOLERANCE,
 ) -> ExactInverse | CGInverse:
     """``(C + lambda I)^-1`` for C the GGN (``gn``) or the Hessian of the mean loss over
     ``batches()``, ``lambda`` = ``damping`` (None: ``defaults.DAMPING``'s) x C's mean
-    eigenvalue; the engine entered."""
+    eigenvalue, by conjugate gradients to ``tolerance`` where the dense matrix does not serve;
+    the engine entered."""
     damping = resolve_damping(kind, damping)
     products = Products(engine, batches, kind)
     if pick_solver(solver, products.flat.size) == "dense":
         return ExactInverse.fit(products, damping)
-    return CGInverse(products, damping)
+    return CGInverse(products, damping, tolerance)
 
 
 class Timed:
@@ -113,9 +120,15 @@ def chosen(curvature: str, solver: str, parameters: int) -> tuple[str, str]:
     return EKFAC, f"auto: {parameters} parameters, too many for the dense Gauss-Newton matrix"
 
 
-def fit_curvature(job, curvature: str, solver: str = "auto", damping: float | None = None) -> Timed:
+def fit_curvature(
+    job,
+    curvature: str,
+    solver: str = "auto",
+    damping: float | None = None,
+    tolerance: float = TOLERANCE,
+) -> Timed:
     """The curvature named by ``--curvature`` (``auto``: ``chosen``'s) over the job's data,
-    timed."""
+    timed; ``tolerance`` the conjugate gradients'."""
     from ..io.data import open_dataset
     from . import compute_factors
 
@@ -136,5 +149,5 @@ def fit_curvature(job, curvature: str, solver: str = "auto", damping: float | No
             for batch in dataset.batches(cfg.data.batch_size, cfg.data.limit):
                 yield job.to_device(batch)
 
-        inner = fit_exact(job.engine, batches, curvature, solver, damping)
+        inner = fit_exact(job.engine, batches, curvature, solver, damping, tolerance)
     return Timed(inner, curvature, damping, time.perf_counter() - start, why)

@@ -18,6 +18,7 @@ from ..curvature.fitted import (
     resolve_curvature,
     resolve_damping,
 )
+from ..defaults import CG_TOLERANCE
 from ..engine import MAX_PER_REF, BatchInfluence, Influence, check_engine, reference_gradients
 from ..errors import ConfigError, DataError, reading
 from ..inputs import data_inputs
@@ -49,12 +50,14 @@ class InfluenceScorer(Scorer):
         curvature: str | None = None,
         damping: float | None = None,
         solver: str = "auto",
+        cg_tolerance: float = CG_TOLERANCE,
     ):
         super().__init__()
-        check_curvature(curvature, solver, damping, precondition)
+        check_curvature(curvature, solver, damping, precondition, cg_tolerance)
         self.curvature_given = curvature is not None
         self.curvature = resolve_curvature(curvature, precondition)
         self.damping, self.solver = resolve_damping(self.curvature, damping), solver
+        self.cg_tolerance = cg_tolerance
         if precondition is not None and not Path(precondition).is_file():
             raise ConfigError("preconditioner file not found", str(precondition))
         ref = str(ref)  # a path relative to the working directory, or file.py:make_dataset
@@ -74,7 +77,8 @@ class InfluenceScorer(Scorer):
         return files + ([("--precondition", self.precondition)] if self.precondition else [])
 
     def resume_key(self) -> dict:
-        curvature = {"curvature": self.curvature, "damping": self.damping, "solver": self.solver}
+        curvature = {"curvature": self.curvature, "damping": self.damping, "solver": self.solver,
+                     "cg_tolerance": self.cg_tolerance}  # fmt: skip
         return {"ref": self.ref, "per_ref": self.per_ref, "engine": self.engine} | curvature
 
     def names(self, cfg: Config) -> list[str]:
@@ -121,7 +125,9 @@ class InfluenceScorer(Scorer):
         with reading(f"--ref {self.ref}"):
             refs = reference_gradients(job.engine, batches, self.per_ref) if main else None
         if main and self.curvature != NONE:  # fitted over the data, once, on rank 0
-            fitted = fit_curvature(job, self.curvature, self.solver, self.damping)
+            fitted = fit_curvature(
+                job, self.curvature, self.solver, self.damping, self.cg_tolerance
+            )
             refs = fitted.refs(refs)
             self._curvatures.append(fitted.describe())
         refs = distributed.broadcast_tensors(refs, job.device)
