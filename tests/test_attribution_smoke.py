@@ -19,6 +19,7 @@ import run  # noqa: E402  benchmarks/attribution/run.py
 from scorers import write_scores  # noqa: E402
 
 from gradscope.config import load_config  # noqa: E402
+from gradscope.io.parquet import read_metadata  # noqa: E402
 
 DATA = run.HERE / "data"
 DESIGNS = [
@@ -41,7 +42,7 @@ def tiny(tmp_path_factory) -> tuple[run.Bench, dict]:
     raw["output"]["path"] = str(tmp / "work" / "scores.parquet")
     raw["train"] |= {"epochs": 2, "batch_size": 20, "save_every": 1}
     (tmp / "tiny.yaml").write_text(yaml.safe_dump(raw))
-    bench = run.Bench(tmp / "tiny.yaml", tmp / "ref.pt", ("gn",), (0.1,))
+    bench = run.Bench(tmp / "tiny.yaml", tmp / "ref.pt", ("gn",), (0.1,), cg=((0.1, 1e-2),))
     return bench, run.measure(bench, DESIGNS, None)
 
 
@@ -51,7 +52,7 @@ def test_the_runner_scores_validates_and_renders_a_tiny_setting(tiny):
     kinds = [(r["scorer"], r["options"].get("curvature")) for r in runs]
     assert kinds == [("through-training", None), ("influence", None), ("influence", "none"),
                      ("cosine", "none"), ("tracin", None), ("influence", "gn"),
-                     ("ensemble", None), ("ensemble", "gn")]  # fmt: skip
+                     ("influence", "gn"), ("ensemble", None), ("ensemble", "gn")]  # fmt: skip
     assert all(r["status"] == "ok" and r["seconds"] > 0 for r in runs), runs
     for name in ("halves", "same-order"):
         assert all(-1 <= r["lds"][name]["lds"] <= 1 for r in runs)
@@ -61,6 +62,14 @@ def test_the_runner_scores_validates_and_renders_a_tiny_setting(tiny):
     settings = {"tiny": measured}
     text = run.markdown({"environment": run.environment(None), "designs": DESIGNS, "settings": settings})  # fmt: skip
     assert "| gradscope `--curvature gn`, best damping |" in text
+    cg = runs[6]  # its note what the solve reached, as the file's metadata says
+    assert cg["options"] == {"solver": "cg", "cg_tolerance": 0.01, "curvature": "gn",
+                             "damping": 0.1}  # fmt: skip
+    (fit,) = read_metadata(cg["file"])["influence"]["curvatures"]
+    assert 0 < fit["residual"] <= 1e-2 and fit["tolerance"] == 1e-2
+    assert cg["note"] == (f"conjugate gradients: {fit['iterations']} iterations, relative "
+                          f"residual {fit['residual']:.1e} (tolerance 0.01)")  # fmt: skip
+    assert "| gradscope `--curvature gn --solver cg --cg-tolerance 0.01 --damping 0.1` |" in text
     assert (
         "| gradscope ensemble over the epoch checkpoints, `--curvature gn`, best damping |" in text
     )
@@ -88,7 +97,9 @@ def test_only_keeps_the_runs_its_patterns_match(tiny):
     _, measured = tiny
     runs = [run.Run(**r) for r in measured["scorers"]]
     keys = [run.key(r) for r in runs if run.chosen(r, ["gradscope:ensemble:*", "*damping=0.1"])]
-    assert keys == ["gradscope:influence:curvature=gn,damping=0.1", "gradscope:ensemble:checkpoints=epochs",
+    assert keys == ["gradscope:influence:curvature=gn,damping=0.1",
+                    "gradscope:influence:solver=cg,cg_tolerance=0.01,curvature=gn,damping=0.1",
+                    "gradscope:ensemble:checkpoints=epochs",
                     "gradscope:ensemble:checkpoints=epochs,curvature=gn,damping=0.1"]  # fmt: skip
     assert all(run.chosen(r, []) for r in runs)
     assert all(r.cpu_s > 0 and r.commit for r in runs)
@@ -101,7 +112,7 @@ def test_a_merge_replaces_the_rows_it_measured_and_keeps_the_rest(tiny):
     again = measured["scorers"][5] | {"seconds": 0.5, "commit": "new"}  # gn at 0.1
     new = measured | {"scorers": [again], "truth_s": None, "train_s": 99.0}
     made = run.merged(old, new, "old")
-    assert [r["commit"] for r in made["scorers"]] == ["old"] * 5 + ["new"] + ["old"] * 2
+    assert [r["commit"] for r in made["scorers"]] == ["old"] * 5 + ["new"] + ["old"] * 3
     assert made["scorers"][5]["seconds"] == 0.5 and made["truth_s"] == measured["truth_s"]
     assert made["train_s"] == measured["train_s"]
     text = run.markdown({"environment": {**run.environment(None), "commit": "new"},

@@ -94,7 +94,8 @@ def solved(path: Path) -> str:
     """What conjugate gradients took, as the score file's metadata records it ('' where no
     curvature was solved by them): iterations and the worst relative residual reached."""
     meta = json.loads(pq.read_schema(path).metadata[METADATA_KEY])
-    fits = [c for c in meta["influence"]["curvatures"] if c.get("solver") == "cg"]
+    fitted = meta.get("influence", {}).get("curvatures", [])  # none in a replay's file
+    fits = [c for c in fitted if c.get("solver") == "cg"]
     return "; ".join(f"conjugate gradients: {c['iterations']} iterations, relative residual "
                      f"{c['residual']:.1e} (tolerance {c['tolerance']:g})" for c in fits)  # fmt: skip
 
