@@ -118,3 +118,26 @@ def test_a_merge_replaces_the_rows_it_measured_and_keeps_the_rest(tiny):
     text = run.markdown({"environment": {**run.environment(None), "commit": "new"},
                          "designs": DESIGNS, "settings": {"tiny": made}})  # fmt: skip
     assert "@old" in text and "| new |" in text
+
+
+def test_the_probe_solves_every_damping_from_one_krylov_space():
+    """``cg_probe.multishift``: each shift's kept iterate at its tolerance, against the solve of
+    its own system: the residual within the tolerance, the error within what it allows."""
+    from cg_probe import multishift
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.linalg.qr(torch.randn(60, 60, generator=g, dtype=torch.float64))[0]
+    c = (q * torch.logspace(-4, 1, 60, dtype=torch.float64)) @ q.T  # (P, P) PSD
+    b = torch.randn(60, 3, generator=g, dtype=torch.float64)  # (P, K)
+    base, found = 0.01, {}
+    multishift(lambda v: c @ v + base * v, b, [0.0, 0.02, 0.09], [1e-2, 1e-8],
+               lambda s, t, it, x: found.setdefault((s, t), (it, x.clone())))  # fmt: skip
+    assert len(found) == 6
+    for (shift, tolerance), (iterations, x) in found.items():
+        lam = base + shift
+        damped = c + lam * torch.eye(60, dtype=torch.float64)
+        residual = (b - damped @ x).norm(dim=0) / b.norm(dim=0)
+        assert (residual <= tolerance * 1.01).all() and iterations > 0
+        error = (x - torch.linalg.solve(damped, b)).norm(dim=0)
+        assert (error <= residual * b.norm(dim=0) / lam * 1.01).all()
+    assert found[0.09, 1e-2][0] < found[0.0, 1e-2][0]  # the larger damping, sooner
