@@ -20,6 +20,7 @@ it (``GivenBack``): the model holds the tensors its own forward would have left 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -72,6 +73,7 @@ class Made(_Stand, Tensor):
 
 
 _STANDS = frozenset({Read, Made})
+_HOLDING = _STANDS | {list, tuple}  # what may be or hold one
 
 
 def _nested(args: tuple) -> list:
@@ -142,12 +144,17 @@ class Intercepting:
                 table[name] = read
 
     def release(self) -> None:
-        """Every module holds again what it held before ``hold``."""
+        """Every module holds again what it held before ``hold``; each ``Made`` left to run its
+        ops alone, as a closed region would, and forgotten: alive after the pass, the model
+        kept it (``GivenBack``)."""
         for table, name, before in reversed(self.swapped):
             table[name] = before
         for read, region in reversed(self.lent):
             read.region = region
-        self.swapped, self.lent = [], []
+        for made in self.wrapped.values():
+            if type(made) is Made:
+                made.region = RELEASED
+        self.swapped, self.lent, self.wrapped = [], [], {}
 
     def intercepted(self, func, args: tuple, kwargs: dict):
         """An op on a ``Read``: the region's, as its mode would see it, with the real tensors;
@@ -176,13 +183,14 @@ class Intercepting:
     def _read_of(self, t: Tensor) -> Read | Made:
         read = self.wrapped.get(id(t))
         if read is None:
-            made = id(t) not in self.by_id
-            read = self.wrapped[id(t)] = (Made if made else Read)(t, self)
-            _MADE[0] += made
+            kind = Read if id(t) in self.by_id else Made
+            read = self.wrapped[id(t)] = kind(t, self)
+            if kind is Made:
+                _MADE.append(weakref.ref(read))
         return read
 
 
-_MADE = [0]  # how many ``Made`` the regions have made
+_MADE: list[weakref.ref] = []  # each ``Made`` the regions made since the last pass's end
 
 
 class GivenBack:
@@ -191,13 +199,16 @@ class GivenBack:
     as the parameter itself would be; a ``Made`` a forward made and kept), the tensor it stands
     for after it (``given_back``), so that the model holds what its forward would have left it,
     its parameters the user's. Looked for only where one may be: a ``Read`` registered, as
-    PyTorch's registration hook tells, or a ``Made`` made."""
+    PyTorch's registration hook tells, or a ``Made`` alive after the pass (its region let it
+    go; autograd keeps the real tensors), which only a reference the model kept holds (or the
+    frames of a forward that raised)."""
 
     def __init__(self, modules: Sequence[nn.Module]):
         self.modules = modules
 
     def __enter__(self) -> None:
-        self.made, self.registered = _MADE[0], False
+        self.registered = False
+        _MADE.clear()
         self.handle = register_module_parameter_registration_hook(self._registering)
 
     def _registering(self, module: nn.Module, name: str, param: Tensor) -> None:
@@ -205,18 +216,25 @@ class GivenBack:
 
     def __exit__(self, *exc) -> None:
         self.handle.remove()
-        if self.registered or _MADE[0] != self.made:
+        kept = any(made() is not None for made in _MADE)
+        _MADE.clear()
+        if self.registered or kept:
             given_back(self.modules)
 
 
 def given_back(modules: Iterable[nn.Module]) -> None:
-    """Each ``Read`` or ``Made`` in the modules' parameters, buffers and attributes, the tensor
-    it stands for."""
+    """Each ``Read`` or ``Made`` in the modules' parameters, buffers and attributes, or in a
+    list (in place) or tuple among those, the tensor it stands for."""
     for m in modules:
         for d in (m._parameters, m._buffers, m.__dict__):
-            if not _STANDS.isdisjoint(map(type, d.values())):
-                for k in [k for k, v in d.items() if type(v) in _STANDS]:
-                    d[k] = d[k].held
+            if _HOLDING.isdisjoint(map(type, d.values())):  # most: at C's speed
+                continue
+            found = [(k, v) for k, v in d.items() if type(v) in _HOLDING and _real(v) is not v]
+            for k, v in found:
+                if type(v) is list:
+                    v[:] = _real(v)
+                else:
+                    d[k] = _real(v)
 
 
 def _aliases(read: Read, param: Tensor) -> bool:

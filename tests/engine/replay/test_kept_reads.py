@@ -1,7 +1,7 @@
 """What a model keeps of a pass whose reads are intercepted (``replay/intercept.py``): the
 parameter it read set as its own attribute (registered as a parameter, as a plain forward
 registers it), a tensor made from one kept for the call and dropped (a cache), or kept after it
-(a value logged, which the user clears). The model holds after the pass what its own forward
+(a value logged, which the user clears; or in a list it keeps). The model holds after the pass what its own forward
 would have left it, never a ``Read`` or ``Made``, its parameters the user's; the batches replay
 (a tensor made from a parameter set as an attribute raised inside the forward, as a parameter
 not a leaf, and every batch was analysed), each parameter's norms the float64 loop's, at the
@@ -25,7 +25,8 @@ LOSS = resolve_loss("cross_entropy")
 
 def _scaled(module: nn.Module, name: str, how: str) -> Tensor:
     """``module``'s parameter ``name`` as the forward reads it: kept as another attribute
-    (``param``), made into a tensor kept for the call (``cache``) or after it (``logged``)."""
+    (``param``), made into a tensor kept for the call (``cache``) or after it (``logged``, or
+    in a list: ``listed``)."""
     if how == "param":
         module.kept = getattr(module, name)
         return module.kept
@@ -36,6 +37,9 @@ def _scaled(module: nn.Module, name: str, how: str) -> Tensor:
     if how == "logged":
         module.logged = getattr(module, name).exp()
         return module.logged
+    if how == "listed":  # in a list the module keeps
+        module.listed.append(getattr(module, name).exp())
+        return module.listed[-1]
     return getattr(module, name)
 
 
@@ -45,6 +49,7 @@ class Scale(nn.Module):
     def __init__(self, how: str | None):
         super().__init__()
         self.fc, self.gamma, self.how = nn.Linear(D, D), nn.Parameter(torch.ones(D)), how
+        self.listed: list[Tensor] = []
 
     def forward(self, h: Tensor) -> Tensor:
         return h + _scaled(self, "gamma", self.how) * self.fc(h)
@@ -59,7 +64,7 @@ class Model(nn.Module):
         self.emb, self.head = nn.Linear(4, D), nn.Linear(D, CLASSES)
         self.block = Scale(how if where == "block" else None)
         self.scale = nn.Parameter(torch.linspace(0.5, 1.5, D))
-        self.how = how if where == "root" else None
+        self.how, self.listed = how if where == "root" else None, []
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, 4)
         return self.head(self.block(self.emb(x)) * _scaled(self, "scale", self.how)).mean(1)
@@ -68,6 +73,7 @@ class Model(nn.Module):
         """What the user does after reading a logged value."""
         for m in (self, self.block):
             m.logged = None
+            m.listed.clear()
 
 
 def _batch(seed: int, n: int = 3) -> tuple[tuple[Tensor, ...], Tensor]:
@@ -85,13 +91,14 @@ def _assert_given_back(model: Model, params: dict[str, nn.Parameter]) -> None:
     for name, p in named.items():
         assert p is params[name.replace("kept", "gamma" if "block" in name else "scale")]
     for m, name in ((model, "scale"), (model.block, "gamma")):
-        logged = vars(m).get("logged")
-        if logged is not None:
-            assert type(logged) is Tensor
-            assert torch.equal(logged, getattr(m, name).exp())
+        for logged in [vars(m).get("logged"), *m.listed]:
+            if logged is not None:
+                assert type(logged) is Tensor
+                assert torch.equal(logged, getattr(m, name).exp())
 
 
-CASES = [(how, where) for how in ("param", "cache", "logged") for where in ("root", "block")]
+HOWS = ("param", "cache", "logged", "listed")
+CASES = [(how, where) for how in HOWS for where in ("root", "block")]
 
 
 @pytest.mark.parametrize(("how", "where"), CASES)
