@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gradscope.curvature.factors import DIAGONAL, KFAC, factored_convs, fit
+from gradscope.curvature.factors import DIAGONAL, FULL, KFAC, factored_convs, fit
 from gradscope.curvature.fisher import SampledLoss
 from gradscope.curvature.precondition import Curvature, Diagonal
 from gradscope.curvature.store import Factors, metadata
@@ -182,10 +182,20 @@ def _positions(m: nn.Module, x: Tensor, g: Tensor) -> list[tuple[Tensor, Tensor]
     return [(x.reshape(b, -1, x.shape[-1]), g.reshape(b, -1, g.shape[-1]))]
 
 
+@pytest.fixture(params=[FULL, DIAGONAL])
+def small(request, monkeypatch) -> str:
+    """The block a small formed parameter (a bias) gets: its whole one, or with no parameter
+    small enough, the diagonal."""
+    if request.param == DIAGONAL:
+        monkeypatch.setattr("gradscope.curvature.factors.FULL_ELEMENTS", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_factors_are_the_definition(kind: str) -> None:
-    """A = (1/N) sum_i sum_t a a^T, S = mean over counted positions of s s^T (per group), the
-    diagonal (1/N) sum_i g_i^2, EK-FAC's (1/N) sum_i (Q_S^T G_i Q_A)^2; over two batches."""
+def test_factors_are_the_definition(kind: str, small: str) -> None:
+    """A = (1/N) sum_i sum_t a a^T, S = mean over counted positions of s s^T (per group), a
+    small formed parameter's whole block (1/N) sum_i g_i g_i^T, the diagonal (1/N) sum_i g_i^2,
+    EK-FAC's (1/N) sum_i (Q_S^T G_i Q_A)^2; over two batches."""
     pb = _problem(kind)
     loss = resolve_loss(pb.loss)
     factors = _factors(pb, loss, ekfac=True)
@@ -209,12 +219,20 @@ def test_factors_are_the_definition(kind: str) -> None:
         if block.kind == DIAGONAL:
             torch.testing.assert_close(block.tensors["diagonal"], g.square().mean(0))
             continue
+        if block.kind == FULL:
+            flat = g.flatten(1)  # (N, D)
+            torch.testing.assert_close(block.tensors["F"], flat.T @ flat / n)
+            q, e = block.tensors["F_eigenvectors"], block.tensors["F_eigenvalues"]
+            torch.testing.assert_close(q @ torch.diag(e) @ q.T, flat.T @ flat / n)
+            assert block.damping["F"] == pytest.approx(0.1 * flat.square().sum() / n / g[0].numel())
+            continue
         q_s, q_a = block.tensors["S_eigenvectors"], block.tensors["A_eigenvectors"]
         groups, o, i = q_s.shape[0], q_s.shape[-1], q_a.shape[-1]
         rotated = q_s.transpose(-1, -2) @ g.reshape(n, groups, o, i) @ q_a
         torch.testing.assert_close(block.tensors["lambda"], rotated.square().mean(0))
-    if kind == "lm":
-        assert factors.blocks["emb.weight"].kind == DIAGONAL  # Rows + Outer of a tied weight
+    assert {b.kind for b in factors.blocks.values()} >= {KFAC, small}  # the biases'
+    if kind == "lm":  # Rows + Outer of a tied weight, formed: 66 numbers
+        assert factors.blocks["emb.weight"].kind == small
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -256,6 +274,8 @@ def _inverse(block, shape: torch.Size, ekfac: bool) -> Tensor:
     t, d = block.tensors, block.damping
     if block.kind == DIAGONAL:
         return torch.diag((t["diagonal"] + d["diagonal"]).flatten())
+    if block.kind == FULL:  # the block itself, damped by its mean eigenvalue's multiple
+        return t["F"] + d["F"] * torch.eye(t["F"].shape[0], dtype=t["F"].dtype)
     mats = []
     for k in range(t["A"].shape[0]):
         if ekfac:
@@ -285,13 +305,14 @@ def _dense_scores(pb: Problem, factors: Factors, ekfac: bool, loss) -> tuple[Ten
 
 @pytest.mark.parametrize("ekfac", [False, True], ids=["kfac", "ekfac"])
 @pytest.mark.parametrize("kind", [*KINDS, "twice"])
-def test_preconditioned_scores_are_the_dense_solve(kind: str, ekfac: bool) -> None:
+def test_preconditioned_scores_are_the_dense_solve(kind: str, ekfac: bool, small: str) -> None:
     """<G_i, P R> on both engines and g_i^T P g_i from the pass equal the built-out solve."""
     pb = _problem(kind)
     loss = resolve_loss(pb.loss)
     factors = _factors(pb, loss, ekfac)
     if kind == "twice":  # both calls' positions in one Kronecker block
         assert factors.blocks["fc.weight"].kind == KFAC
+    assert small in {b.kind for b in factors.blocks.values()}
     pre = Curvature(factors)
     inner, self_ = _dense_scores(pb, factors, ekfac, loss)
     engine = Engine(pb.model, loss)

@@ -53,7 +53,7 @@ def test_kfac_of_one_layer_is_the_dense_ggn() -> None:
     ggn = curvature_matrix(model, loss, names, x, y, "gn")  # (5, 5)
     w = blocks["weight"].tensors
     torch.testing.assert_close(torch.kron(w["S"][0], w["A"][0]), ggn[:4, :4], rtol=1e-12, atol=0)
-    torch.testing.assert_close(blocks["bias"].tensors["diagonal"], ggn[4:, 4].reshape(1))
+    torch.testing.assert_close(blocks["bias"].tensors["F"], ggn[4:, 4:])
 
 
 def _second_moment_and_hessian(name: str, out: torch.Tensor, targets: torch.Tensor, **kwargs):
