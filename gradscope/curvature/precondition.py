@@ -11,7 +11,7 @@ one whose squared norm is ``g_i^T P g_i`` (P's square root applied to G_i):
   examples at a time, ``B T O I`` multiply-adds per layer (one more forward's worth);
 - a diagonal (Adam's ``1 / (sqrt(v_hat) + eps)``, the Fisher's ``1 / (F + d)``): each element
   weighted by the square root; Dense and Rows stay as they are, an Outer is formed in chunks;
-- a full block ``Q (E + d) Q^T`` (a small formed parameter): ``G_i Q (E + d)^-1/2``, rotated.
+- a full block ``Q (E + d) Q^T`` (a small parameter): ``G_i Q (E + d)^-1/2``, formed, rotated.
 """
 
 from __future__ import annotations

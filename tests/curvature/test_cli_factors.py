@@ -21,6 +21,13 @@ from gradscope.losses import resolve_loss
 N = 10
 
 
+@pytest.fixture(autouse=True)
+def whole_biases(monkeypatch) -> None:
+    """The project's biases (8 and 3 numbers) get whole blocks, its weights (40, 24) K-FAC:
+    both kinds in one file."""
+    monkeypatch.setattr("gradscope.curvature.factors.FULL_ELEMENTS", 8)
+
+
 def _invoke(*args) -> str:
     result = CliRunner().invoke(app, [str(a) for a in args])
     assert result.exit_code == 0, result.output
