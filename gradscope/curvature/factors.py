@@ -61,8 +61,8 @@ def damping(values: Tensor, factor: float = KRONFLUENCE) -> float:
 
 @dataclass
 class Block:
-    """One parameter's curvature: K-FAC factors per group (and EK-FAC's eigenvalues), or a
-    diagonal. Tensors in float64."""
+    """One parameter's curvature: K-FAC factors per group (and EK-FAC's eigenvalues), its whole
+    block, or a diagonal. Tensors in float64."""
 
     kind: str  # KFAC, FULL or DIAGONAL
     shape: torch.Size
