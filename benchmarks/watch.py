@@ -6,14 +6,14 @@
 Each workload's model trains (train mode, SGD) on its batch: the plain step is zero_grad,
 the forward, ``losses.mean().backward()`` and ``optimizer.step()``; the watched step is the
 same with ``Watch.step(...).backward()`` in place of the forward and backward (rows written to
-a temporary Parquet file). Each runs in a process of its own (no heap shared between the two,
-nor what one leaves for the other to fault in), ``--warmup`` steps and then ``--rounds`` timed
-ones, each step's CPU time (one thread: other processes' time is not counted) and minor page
-faults kept. ``--pairs`` pairs of processes run one after the other, plain first and watched
-first by turns; a pair's ratio is its watched median over its plain median, and the table gives
-the median ratio over the pairs and their range. ``--against DIR`` also runs the watched step
-of the gradscope in DIR (another worktree: main) in each pair, beside this one's, against the
-same plain step: an A/B in one session.
+a temporary Parquet file). Each runs in a process of its own, so no heap is shared between the
+two, nor what one leaves for the other to fault in; the processes of a pair (plain, watched, and
+with ``--against DIR`` the watched step of the gradscope in DIR, another worktree: main) warm
+up with ``--warmup`` steps, then take ``--rounds`` steps by turns, one step each, in an order
+that alternates, so that each sees the machine's load as the others do. Each step's CPU time
+(one thread: other processes' time is not counted) and minor page faults are kept. A pair's
+ratio is its watched median over its plain median; the table gives the median ratio over the
+``--pairs`` pairs and their range.
 
 ``--heap kept`` (the default) runs each process on a heap that keeps what it was given (glibc:
 no ``mmap``, no trim), so that after warm-up no step faults pages in and a ratio is the two
@@ -44,20 +44,21 @@ HERE = Path(__file__).resolve()
 KEPT = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
 
 
-def _steps(step, warmup: int, rounds: int) -> dict[str, list[float]]:
-    """Each timed step's CPU time (s) and minor page faults, after ``warmup`` untimed ones."""
+def _serve(step, warmup: int) -> None:
+    """After ``warmup`` steps, one timed step for each line read: its CPU time (s) and minor
+    page faults, a JSON line each."""
     for _ in range(warmup):
         step()
-    times, faults = [], []
-    for _ in range(rounds):
+    print("ready", flush=True)
+    for _ in sys.stdin:
         before, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time()
         step()
-        times.append(time.process_time() - start)
-        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    return {"times": times, "faults": faults}
+        seconds = time.process_time() - start
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        print(json.dumps({"time": seconds, "faults": faults}), flush=True)
 
 
-def child(name: str, mode: str, warmup: int, rounds: int, folder: Path) -> dict:
+def child(name: str, mode: str, warmup: int, folder: Path) -> None:
     """One process's steps of ``mode`` (plain or watched) on workload ``name``."""
     from gradscope.losses import resolve_loss
     from gradscope.training.watch import Watch
@@ -74,7 +75,7 @@ def child(name: str, mode: str, warmup: int, rounds: int, folder: Path) -> dict:
             loss(model(*x), y).mean().backward()
             optimizer.step()
 
-        return _steps(plain, warmup, rounds)
+        return _serve(plain, warmup)
     ids = torch.arange(len(y))
     with Watch(model, folder / f"{name}.parquet", problem.loss) as watch:
 
@@ -83,34 +84,62 @@ def child(name: str, mode: str, warmup: int, rounds: int, folder: Path) -> dict:
             watch.step(x, y, ids).backward()
             optimizer.step()
 
-        return _steps(watched, warmup, rounds)
+        return _serve(watched, warmup)
 
 
-def _spawn(name: str, mode: str, package: Path, args: argparse.Namespace) -> dict:
+def _spawn(name: str, mode: str, package: Path, args: argparse.Namespace) -> subprocess.Popen:
     """``child`` in a fresh process importing gradscope from ``package``."""
     env = dict(os.environ, PYTHONPATH=str(package), OMP_NUM_THREADS=str(args.threads))
     env |= KEPT if args.heap == "kept" else {}
     command = [sys.executable, str(HERE), "--child", mode, "--workloads", name,
-               "--warmup", str(args.warmup), "--rounds", str(args.rounds),
-               "--threads", str(args.threads)]  # fmt: skip
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-    lines = done.stdout.strip().splitlines()
-    if done.returncode or not lines:
-        raise RuntimeError(f"{name} {mode} ({package}): {done.stderr.strip()[-2000:]}")
-    return json.loads(lines[-1])
+               "--warmup", str(args.warmup), "--threads", str(args.threads)]  # fmt: skip
+    return subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)  # fmt: skip
+
+
+def _line(process: subprocess.Popen) -> str:
+    line = process.stdout.readline().strip()
+    if not line:
+        raise RuntimeError(f"a benchmark process ended: {process.args}")
+    return line
+
+
+def _pair(name: str, trees: dict[str, Path], args: argparse.Namespace, flip: bool) -> dict:
+    """One process per mode, their steps taken by turns: each mode's times and faults (or
+    why the watch refused the workload)."""
+    processes = {mode: _spawn(name, "plain" if mode == "plain" else "watched", tree, args)
+                 for mode, tree in trees.items()}  # fmt: skip
+    runs: dict = {mode: {"times": [], "faults": []} for mode in trees}
+    try:
+        for process in processes.values():
+            line = _line(process)
+            if line != "ready":
+                return {"refused": json.loads(line)["refused"]}
+        for r in range(args.rounds):
+            order = list(processes) if (r % 2 == 0) != flip else list(processes)[::-1]
+            for mode in order:
+                processes[mode].stdin.write("step\n")
+                processes[mode].stdin.flush()
+                step = json.loads(_line(processes[mode]))
+                runs[mode]["times"].append(step["time"])
+                runs[mode]["faults"].append(step["faults"])
+    finally:
+        for process in processes.values():
+            process.stdin.close()
+            process.wait()
+    return runs
 
 
 def measure(name: str, args: argparse.Namespace) -> dict[str, list[dict]]:
-    """``--pairs`` pairs of processes: each mode's steps, in order (watched: this tree's, and
+    """``--pairs`` pairs of processes: each mode's steps, by pair (watched: this tree's, and
     ``against``: the other's)."""
-    trees = {"watched": HERE.parents[1]} | ({"against": args.against} if args.against else {})
-    runs: dict[str, list[dict]] = {"plain": []} | {mode: [] for mode in trees}
-    for pair in range(args.pairs):
-        order = [("plain", HERE.parents[1]), *trees.items()]
-        for mode, package in order if pair % 2 == 0 else order[::-1]:
-            runs[mode].append(_spawn(name, "plain" if mode == "plain" else "watched", package,
-                                     args))  # fmt: skip
-    return runs
+    trees = {"plain": HERE.parents[1], "watched": HERE.parents[1]}
+    trees |= {"against": args.against} if args.against else {}
+    pairs = [_pair(name, trees, args, flip=k % 2 == 1) for k in range(args.pairs)]
+    refused = [p["refused"] for p in pairs if "refused" in p]
+    if refused:
+        return {"refused": refused[0]}
+    return {mode: [p[mode] for p in pairs] for mode in trees}
 
 
 def _row(name: str, runs: dict[str, list[dict]]) -> str:
@@ -145,10 +174,9 @@ def main() -> None:
 
         with tempfile.TemporaryDirectory() as folder:
             try:
-                result = child(args.workloads, args.child, args.warmup, args.rounds, Path(folder))
+                child(args.workloads, args.child, args.warmup, Path(folder))
             except GradscopeError as e:  # a model or loss the watch refuses
-                result = {"refused": e.what}
-        print(json.dumps(result))
+                print(json.dumps({"refused": e.what}), flush=True)
         return
     head = "| workload | plain step / faults | watched / faults | ratio (range) |"
     if args.against:
@@ -158,9 +186,8 @@ def main() -> None:
         if WORKLOADS[name].missing:
             continue
         runs = measure(name, args)
-        refused = [r["refused"] for rs in runs.values() for r in rs if "refused" in r]
-        row = f"| {name} | | refused: {refused[0]} | |" if refused else _row(name, runs)
-        print(row, flush=True)
+        refused = runs.get("refused")
+        print(f"| {name} | | refused: {refused} | |" if refused else _row(name, runs), flush=True)
 
 
 if __name__ == "__main__":
