@@ -19,8 +19,9 @@ ratio is its watched median over its plain median; the table gives the median ra
 no ``mmap``, no trim), so that after warm-up no step faults pages in and a ratio is the two
 steps' own work. ``--heap system`` keeps glibc's defaults, under which whether a step's large
 tensors are faulted in afresh at every step depends on the heap's history, from process to
-process of the same code (the same watched W3 step: 3 and 7,594 minor faults a step, about 15%
-of its time): the faults column shows it, as the median over the processes and their range.
+process of the same code (the same watched W3 step: a median of 3 minor faults a step in three
+processes, of 7,594 in three others, 7% of its time apart): the faults column shows it, as the
+median over the processes and their range.
 """
 
 from __future__ import annotations
