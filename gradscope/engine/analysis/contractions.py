@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from ...rules.embedding import bag_of
 from ..tensors import tensors_in
-from .owners import combine, compact, reduce
+from .owners import NONE, combine, compact, reduce, segment_combine
 
 if TYPE_CHECKING:
     from .trace import RowTrace
@@ -85,6 +86,29 @@ def _conv(trace: RowTrace, x: Tensor, weight: Tensor, bias: Tensor | None = None
 
 def _embedding(trace: RowTrace, ids: Tensor, weight: Tensor, *_, **__) -> Tensor:
     return combine(trace.owner(ids).unsqueeze(-1), reduce(trace.owner(weight), [0, 1]))
+
+
+_BAG_ARGS = ("offsets", "max_norm", "norm_type", "scale_grad_by_freq", "mode", "sparse")
+_BAG_ARGS += ("per_sample_weights", "include_last_offset", "padding_idx")
+
+
+def _embedding_bag(trace: RowTrace, ids: Tensor, weight: Tensor, *args, **kwargs) -> Tensor:
+    """F.embedding_bag: each bag from its own positions' ids and weights, a (B, L) input's bags
+    its rows, a 1-D input's cut by offsets: positions the batch's values pick, where the offsets
+    are computed from the batch (``lengths.cumsum``)."""
+    bound = {**dict(zip(_BAG_ARGS, args, strict=False)), **kwargs}
+    o, weights = trace.owner(ids), bound.get("per_sample_weights")
+    if isinstance(weights, Tensor):
+        o = combine(o, trace.owner(weights))
+    table = reduce(trace.owner(weight), [0, 1]).reshape(1, 1)
+    offsets = bound.get("offsets")
+    if ids.dim() != 1 or not isinstance(offsets, Tensor):
+        return combine(reduce(o, range(1, ids.dim())).reshape(-1, 1), table)
+    if trace._of_batch(offsets):
+        trace.picked("embedding_bag")
+    bag, starts = bag_of(offsets, ids.shape[0], bool(bound.get("include_last_offset")))
+    base = torch.full(starts.shape, NONE, dtype=torch.long, device=ids.device)
+    return combine(segment_combine(base, bag, o.expand(ids.shape).contiguous()).view(-1, 1), table)
 
 
 def _per_row(trace: RowTrace, x: Tensor, *args, **kwargs) -> Tensor:
@@ -203,6 +227,7 @@ CONTRACTIONS: dict[str, Callable[..., object]] = {
     **dict.fromkeys(("conv1d", "conv2d", "conv3d", "conv_transpose1d"), _conv),
     **dict.fromkeys(("conv_transpose2d", "conv_transpose3d"), _conv),
     "embedding": _embedding,
+    "embedding_bag": _embedding_bag,
     **dict.fromkeys(("grouped_mm", "_grouped_mm", "grouped_mm_fallback"), _grouped),
     **dict.fromkeys(("layer_norm", "rms_norm"), _per_row),
     **dict.fromkeys(("group_norm", "instance_norm", "local_response_norm"), _whole_example),
