@@ -72,14 +72,12 @@ def _check(model: nn.Module, data: list) -> Engine:
     fn = resolve_loss("mse")
     with torch.no_grad():
         data = [(x, torch.randn_like(model(*x))) for x, _ in data]
-    for x, y in data:
-        assert_rel_close(
-            gradscope.per_example_norms(model, x, y, "mse"), reference_norms(model, x, y)[1], 1e-9
-        )
+    expected = [reference_norms(model, x, y)[1] for x, y in data]
+    for (x, y), norms in zip(data, expected, strict=True):
+        assert_rel_close(gradscope.per_example_norms(model, x, y, "mse"), norms, 1e-9)
     with Engine(model, fn) as engine:
-        for x, y in data:
-            got = total(engine.norms(x, y).norm_sq).sqrt()
-            assert_rel_close(got, reference_norms(model, x, y)[1], 1e-9)
+        for (x, y), norms in zip(data, expected, strict=True):
+            assert_rel_close(total(engine.norms(x, y).norm_sq).sqrt(), norms, 1e-9)
     return engine
 
 

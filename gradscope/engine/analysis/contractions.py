@@ -14,6 +14,7 @@ from torch import Tensor
 from ...rules.embedding import bag_of
 from ..tensors import tensors_in
 from .owners import NONE, combine, compact, reduce, segment_combine
+from .packed import PACKED, recurrent
 
 if TYPE_CHECKING:
     from .trace import RowTrace
@@ -169,9 +170,12 @@ def _mha(trace: RowTrace, query: Tensor, key: Tensor, value: Tensor, *args, **kw
 
 def _recurrent(trace: RowTrace, x: Tensor, hx: object, *args, **__) -> tuple | None:
     """_VF.lstm / gru / rnn_tanh / rnn_relu(input, hx, params, ..., batch_first): examples on
-    dimension 0 (batch_first) or 1 of the input and output, on dimension 1 of the states."""
+    dimension 0 (batch_first) or 1 of the input and output, on dimension 1 of the states; or
+    a packed sequence's (``packed.py``)."""
+    if isinstance(hx, Tensor) and hx.dim() == 1 and x.dim() == 2:
+        return recurrent(trace, x, hx, *args)  # (data, batch_sizes, hx, ...)
     if not isinstance(args[-1], bool) or x.dim() != 3:
-        return None  # a packed sequence, or an unbatched call
+        return None  # an unbatched call
     dim = 0 if args[-1] else 1
     states = hx if isinstance(hx, (list, tuple)) else (hx,)
     parts = [reduce(trace.owner(x), [d for d in range(3) if d != dim], keepdim=False)]
@@ -244,4 +248,5 @@ CONTRACTIONS: dict[str, Callable[..., object]] = {
     "einsum": _einsum,
     "im2col": _im2col,  # F.unfold, told apart from Tensor.unfold by the function itself
     **dict.fromkeys(("lstm", "gru", "rnn_tanh", "rnn_relu"), _recurrent),
+    **PACKED,
 }

@@ -99,10 +99,11 @@ def layout_of(call: Call, trace: RowTrace) -> str | None:
 
 
 def _bagged(x: Tensor, owners: Tensor, bag: Tensor, count: int, batch: int) -> str | None:
-    """Why bags of ``x``'s positions (``Rule.bags``) are not the examples, or None: bag i's
-    positions all example i's, a bag of none empty."""
+    """Why bags of ``x``'s positions (``Rule.bags``; the rows of dimension 0) are not the
+    examples, or None: bag i's positions all example i's, a bag of none empty."""
     base = torch.full((count,), NONE, dtype=torch.long, device=x.device)
-    per = segment_combine(base, bag, owners.expand(x.shape).contiguous())  # (bags,)
+    rows = reduce(owners, range(1, x.dim()), keepdim=False).expand(x.shape[:1]).contiguous()
+    per = segment_combine(base, bag, rows)  # (bags,)
     sizes = torch.zeros(count, dtype=torch.long, device=x.device).index_add_(
         0, bag, torch.ones_like(bag)
     )
