@@ -104,7 +104,7 @@ class HookSession(Capture):
             owners = tuple(self.trace.owner(a) for a in tensors[: leading(tensors)])
             if isinstance(out, Tensor) and self._standard(event, tensors, owners, out):
                 # row i is what example i reads: the trace checks where each output row goes
-                owners = (self.trace.standard(args[0].dim()), *owners[1:])
+                owners = (self.trace.standard(tensors[0].dim()), *owners[1:])
                 self.trace.owners[out] = self.trace.standard(out.dim())
             copy = id(module) in self.copy
             event.call = self.record(
