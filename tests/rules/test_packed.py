@@ -100,6 +100,29 @@ def test_sorted_packs_and_initial_states_match_the_loop(name: str) -> None:
         assert {p.rule for p in engine.plan.params} == {"recurrent"}
 
 
+class Learned(Packed):
+    """An initial state made from a parameter alone, the same for every example."""
+
+    def __init__(self, rnn: nn.RNNBase):
+        super().__init__(rnn)
+        self.h0 = nn.Parameter(torch.randn(self.states, 1, H))
+
+    def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
+        hx = self.h0.expand(-1, x.shape[0], -1).contiguous()  # (layers * directions, B, H)
+        packed = pack_padded_sequence(x, lengths, True, enforce_sorted=False)
+        out, _ = pad_packed_sequence(self.rnn(packed, hx)[0], True, total_length=T)
+        return out
+
+
+def test_a_learned_initial_state_leaves_the_rnn_to_its_rule() -> None:
+    """The call is the RNN's (its packed sequence among its tensors), not one on tensors of
+    parameters alone; the state's parameter, which no rule serves, goes to the fallback."""
+    torch.manual_seed(0)
+    engine = check(Learned(RNNS["gru"]()).double(), "ragged", 4)
+    rules = {p.name: p.rule for p in engine.plan.params}
+    assert rules.pop("h0").startswith("fallback") and set(rules.values()) == {"recurrent"}
+
+
 def test_final_state_in_the_loss_goes_to_the_fallback() -> None:
     torch.manual_seed(0)
     engine = check(Packed(RNNS["gru"](), last=True).double(), "ragged", 4)

@@ -78,7 +78,7 @@ class HookSession(Capture):
                 and shared(self.trace, x)
             )
             assumed = self.assume and getattr(x, "shape", ())[:1] == (self.trace.batch,)
-            tensors = [a for a in args if isinstance(a, Tensor)]
+            tensors = [a for a in spread(args) if isinstance(a, Tensor)]  # a packed one's too
             handed = not expand and not assumed and bool(tensors)
             handed = handed and batch_free(self.trace, tensors)
         event = Entered(module, shapes_of(args), handed, expand)
