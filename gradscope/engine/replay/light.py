@@ -91,7 +91,8 @@ class LightRegion(RecipeReads, Intercepting, TorchFunctionMode):
         # the analysed call's scalar reads on the host (None: not witnessed, as at the root),
         # and whom to tell when the batch's differ
         self.hosts, self.branched, self._host_next = hosts, branched, 0
-        self.scalar_reads = scalar_reads()  # as torch's are now: one may have been replaced
+        # as torch's are now (one may have been replaced), where the call's are witnessed
+        self.scalar_reads = scalar_reads() if hosts is not None else frozenset()
         self._next = 0
         self._start = counter()
         self._open = True
@@ -109,7 +110,7 @@ class LightRegion(RecipeReads, Intercepting, TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in self.scalar_reads and self.hosts is not None:
+        if self.hosts is not None and func in self.scalar_reads:
             return self._host(func, args, kwargs)
         hot = self.hot
         for a in args:  # loops, not a generator: this runs on every op

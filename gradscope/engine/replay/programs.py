@@ -124,8 +124,10 @@ class Replayed:
         """The replay session of ``program`` over this batch's forward: its regions, children,
         the buffers a light region may need, and where its regions are made."""
         plan = self.plan
-        regions = [m for m in self.modules if id(m) in program.regions]
-        children = [m for m in self.modules if id(m) in program.children]
+        if "regions" not in program.found:
+            program.found["regions"] = [m for m in self.modules if id(m) in program.regions]
+            program.found["children"] = [m for m in self.modules if id(m) in program.children]
+        regions, children = program.found["regions"], program.found["children"]
         buffers = frozenset()  # ids of the model's buffers, where a light region may need them
         if program.lit:
             buffers = frozenset(id(b) for m in self.modules for b in m._buffers.values())
