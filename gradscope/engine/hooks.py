@@ -8,6 +8,7 @@ backward reaches it. What they hand on to is named here by what they ask of it (
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -38,7 +39,7 @@ class ModuleHooks:
 
     def __init__(self):
         self.session: Session | None = None
-        self._ids: tuple[int, ...] | None = None  # the modules hooked, while open
+        self._modules: tuple[nn.Module, ...] | None = None  # the modules hooked, while open
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._depth = 0  # an Engine may be entered again inside its own ``with``
 
@@ -46,7 +47,7 @@ class ModuleHooks:
         self._depth += 1
         if self._depth > 1:
             return
-        self._ids = tuple(id(m) for m in modules)
+        self._modules = tuple(modules)
         for module in modules:
             self._handles.append(module.register_forward_pre_hook(self._enter))
             self._handles.append(module.register_forward_hook(self._captured, with_kwargs=True))
@@ -58,12 +59,15 @@ class ModuleHooks:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._ids, self.session = None, None
+        self._modules, self.session = None, None
 
     def lend(self, session: Session) -> bool:
         """Hand the hooks to ``session`` where they hook its modules and no session holds
         them; False where it must hook its modules itself (a plan whose modules changed)."""
-        if self.session is not None or self._ids != tuple(id(m) for m in session.modules):
+        mine, theirs = self._modules, session.modules
+        if self.session is not None or mine is None or len(mine) != len(theirs):
+            return False
+        if not all(map(operator.is_, mine, theirs)):  # the same modules, compared in C
             return False
         self.session = session
         return True

@@ -16,9 +16,10 @@ def op_name(func: Callable) -> str:
     short = _NAMES.get(func)
     if short is not None:
         return short
-    name = _replaced(func) or getattr(func, "__name__", str(func))
-    if name == "__get__":  # a new method-wrapper on every read: not kept in _NAMES
+    name = getattr(func, "__name__", None)
+    if name == "__get__":  # a new method-wrapper on every read, none of torch's: not kept
         return getattr(getattr(func, "__self__", None), "__name__", name)
+    name = _replaced(func) or name or str(func)
     short = _NAMES[func] = name.split("::")[-1].split(".")[0]  # torch.ops.lib.name.overload
     return short
 
@@ -29,7 +30,7 @@ def _replaced(func: Callable) -> str | None:
     its calls, under whatever name of its own): a read the analysis must see as that read, or
     a branch on it would go unwitnessed."""
     for name in ESCAPES | SIZED_BY_VALUES:
-        if func is getattr(torch.Tensor, name, None) or func is getattr(torch, name, None):
+        if func is getattr(torch.Tensor, name, None) or func is _TORCH.get(name):
             return name
     return None
 
@@ -40,9 +41,14 @@ def scalar_reads() -> frozenset[Callable]:
     return frozenset(
         f
         for name in SCALAR_READS
-        for f in (getattr(torch.Tensor, name, None), getattr(torch, name, None))
+        for f in (getattr(torch.Tensor, name, None), _TORCH.get(name))
         if f
     )
+
+
+# torch's own names, read without its module ``__getattr__``, which most of these names miss
+# after a search of its lazy submodules and an exception (a region call asks for ten)
+_TORCH = vars(torch)
 
 
 # func -> its name, asked for once per op by the trace and the tap: torch's functions and
@@ -197,10 +203,10 @@ ROW_REDUCTIONS |= {"cumsum", "prod", "norm", "logsumexp", "sort", "argmax", "arg
 
 # -- new tensors, positions
 # the trace's: new tensors shaped like their input, whose values come from no example;
-# arange's tensor arguments are counts (torch.arange(n) for a 0-dim n), through which nothing
-# flows back
+# arange's and zeros' tensor arguments are counts (torch.arange(n) for a 0-dim n; an RNN's
+# initial state sized by a packed sequence's batch_sizes[0]), through which nothing flows back
 CREATIONS = {"new_ones", "new_zeros", "new_full", "new_empty", "new_tensor", "zeros_like"}
-CREATIONS |= {"ones_like", "empty_like", "full_like", "arange"}
+CREATIONS |= {"ones_like", "empty_like", "full_like", "arange", "zeros", "ones", "empty"}
 # the row flow's: ops whose results depend on no example, whatever their arguments
 FILLS = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones"}
 FILLS |= {"new_empty", "new_full", "arange", "zeros", "ones", "empty", "full"}

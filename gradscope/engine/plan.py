@@ -131,6 +131,11 @@ class Plan:
         )
 
     @property
+    def serving(self) -> frozenset[int]:
+        """ids of the modules whose rules serve a parameter: whose calls the backward reads."""
+        return self._kept("serving", lambda: frozenset(module for module, _ in self.served))
+
+    @property
     def rules(self) -> dict[int, Rule]:
         """id of a module whose rule serves a parameter -> that rule: looked up once (a library
         layer's by its structure), asked on every call of the module."""

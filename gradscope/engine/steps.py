@@ -84,6 +84,9 @@ class Program:
     # a training step's requests, which ask for parameters too (``serve.Served.trained``),
     # read off the first replayed step's graph where ``requests`` hold for every batch
     trained: dict = field(default_factory=dict, compare=False, repr=False)
+    # the replay's lookups of it, made on its first replayed batch (``Replayed``): its region
+    # modules and its children's, by the model's modules
+    found: dict = field(default_factory=dict, compare=False, repr=False)
 
     @functools.cached_property
     def lit(self) -> bool:
@@ -93,7 +96,7 @@ class Program:
             isinstance(c, RegionCall) and c.light is not None for c in calls
         )
 
-    @property
+    @functools.cached_property
     def varies(self) -> bool:
         """Whether what a replayed batch calls and reads differs batch to batch: a region that
         is not light runs the trace and the tap again; an open one reads as the batch says."""

@@ -58,6 +58,13 @@ def stats(bn: nn.Module) -> nn.Module:
     return bn
 
 
+def zero_entry(norm: nn.Module) -> nn.Module:
+    """A weight with one entry 0: that entry's output is the bias alone, its gradient not 0."""
+    with torch.no_grad():
+        norm.weight.view(-1)[1] = 0.0
+    return norm
+
+
 class SubLinear(nn.Linear):
     """Keeps nn.Linear's forward, so the Linear rule serves it."""
 
@@ -351,6 +358,14 @@ CASES = [
         randn(2, 3, 4),
         like,
     ),
+    # one example, a sequence of 4, a mean far from 0 (the centring's float32 rounding)
+    Case(
+        "layernorm-2d-shape-batch-1-zero-weight",
+        lambda: net(zero_entry(stats(nn.LayerNorm((2, 3)))), nn.Tanh()),
+        lambda b: (torch.randn(b, 4, 2, 3) * 3 + 20,),
+        like,
+        batch=1,
+    ),
     Case(
         "layernorm-nobias",
         lambda: net(stats(nn.LayerNorm(6, bias=False)), nn.Tanh()),
@@ -451,6 +466,7 @@ FLOAT32 = {
     "embedding-repeated-tokens",
     "embedding-tied-head",
     "layernorm-seq",
+    "layernorm-2d-shape-batch-1-zero-weight",
     "hf-conv1d-seq",
     "llama-rmsnorm",
     "timm-layernorm2d",

@@ -28,7 +28,7 @@ class Batched:
 
     def __init__(self, refs: dict[str, Tensor] | None = None):
         self.refs = refs
-        self._held: dict[tuple, list[tuple[str, Contribution]]] = {}
+        self._held: dict[tuple, list[tuple[str, Contribution, int]]] = {}  # and its size
         self._size = 0
         self.budget = CHUNK_ELEMENTS  # elements held at most: past it, all held are answered
         self.done: dict[str, Tensor] = {}
@@ -41,9 +41,9 @@ class Batched:
         key = _norm_key(c) if self.refs is None else _inner_key(c, len(self.refs[name]))
         if key is None:
             return False
-        held = self._held.setdefault(key, [])
-        held.append((name, c))
-        self._size += _size(c)
+        size = _size(c)
+        self._held.setdefault(key, []).append((name, c, size))
+        self._size += size
         if self._size > self.budget:
             for shape in list(self._held):
                 self._answer(shape)
@@ -51,7 +51,7 @@ class Batched:
 
     def _answer(self, key: tuple) -> None:
         held = self._held.pop(key)
-        names, parts = [name for name, _ in held], [c for _, c in held]
+        names, parts = [name for name, _, _ in held], [c for _, c, _ in held]
         if len(parts) == 1:  # nothing alike came: its own answer, nothing stacked
             c = parts[0]
             answers = [c.norm_sq() if self.refs is None else c.inner(self.refs[names[0]])]
@@ -60,7 +60,7 @@ class Batched:
         else:
             answers = _inners(key[0], parts, [self.refs[n] for n in names])
         self.done.update(zip(names, answers, strict=True))
-        self._size -= sum(_size(c) for c in parts)
+        self._size -= sum(size for _, _, size in held)
 
     def answers(self) -> dict[str, Tensor]:
         for key in list(self._held):
@@ -69,7 +69,7 @@ class Batched:
 
 
 def _norm_key(c: Contribution) -> tuple | None:
-    if isinstance(c, Outer) and c.one_gram:
+    if type(c) is Outer and c.one_gram:  # types, not isinstance: an ABC's costs a call
         return (Outer, c.dims, c.s.dtype, c.s.device)
     if type(c) is Routed and c.one_gram:
         return (Routed, c.a.shape, c.s.shape, c.shape[0], c.batch, c.s.dtype, c.s.device)
@@ -111,6 +111,7 @@ def _inners(kind: type, parts: list, refs: list[Tensor]) -> Tensor:
 
 def _size(c: Contribution) -> int:
     """The elements a held contribution keeps alive."""
-    if isinstance(c, Routed):  # and the Gram of its rows
+    kind = type(c)
+    if kind is Routed:  # and the Gram of its rows
         return c.s.numel() + c.a.numel() + c.a.shape[0] ** 2
-    return c.s.numel() + c.a.numel() if isinstance(c, Outer) else c.grads.numel()
+    return c.s.numel() + c.a.numel() if kind is Outer else c.grads.numel()

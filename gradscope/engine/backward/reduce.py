@@ -225,6 +225,14 @@ class Reducer:
 
     def zeros(self, name: str, batch: int, param: Tensor) -> None:
         """Where no call of ``param`` reached the loss: every example's gradient is zero."""
+        want = self.want
+        if (
+            (not want.norms or name in self.norm_sq)
+            and ((want.refs is None and want.project is None) or name in self.inner)
+            and not want.sums
+            and self.pre is None
+        ):
+            return  # each asked for is there: most parameters of most passes
         # plain tensors on the parameter's device, also for a sharded (DTensor) parameter
         like = {"dtype": accumulation_dtype(param.dtype), "device": param.device}
         if self.pre is not None:

@@ -39,7 +39,7 @@ class Served:
 
 def served_calls(plan: Plan, captured: Captured) -> list[Call]:
     """The captured calls of modules whose rules serve a parameter, in capture order."""
-    modules = {module for module, _ in plan.served}
+    modules = plan.serving
     return [c for c in captured.session.all_calls() if id(c.module) in modules]
 
 
@@ -95,16 +95,15 @@ def serve(
     gradients are also summed over the examples, for the self-check. Returns the reducer and
     the batch gradients of ``done.checked``."""
     merged = [name for name, k in done.count.items() if k > 1]
-    reducer = Reducer(
-        dataclasses.replace(
+    if verify or want.sums or (want.share and not want.norms):
+        want = dataclasses.replace(
             want,
             norms=want.norms or verify,
             share=want.share and want.norms,
             sums=verify,
             summed=frozenset() if verify else want.summed,  # the self-check's are autograd's
-        ),
-        merged,
-    )
+        )
+    reducer = Reducer(want, merged)
     if not done.count and not done.checked and not want.train:  # all on the fallback
         reducer.finish()
         return reducer, []

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
@@ -32,7 +33,7 @@ from ..hooks import ReadHooks
 from ..ops import CASTS, SCALES, SHIFTS, SPREAD, VIEWS, op_name, scalar_reads
 from ..parts import CONVS
 from ..plan import ParamPlan, Plan
-from ..recipes import ARG, OPENED, Recipe, masked_by, metadata, sdpa_math
+from ..recipes import ARG, OPENED, Recipe, lookup, masked_by, metadata, sdpa_math
 from ..steps import Diverged
 from ..tensors import tensors_in
 from ..views import places
@@ -90,7 +91,8 @@ class LightRegion(RecipeReads, Intercepting, TorchFunctionMode):
         # the analysed call's scalar reads on the host (None: not witnessed, as at the root),
         # and whom to tell when the batch's differ
         self.hosts, self.branched, self._host_next = hosts, branched, 0
-        self.scalar_reads = scalar_reads()  # as torch's are now: one may have been replaced
+        # as torch's are now (one may have been replaced), where the call's are witnessed
+        self.scalar_reads = scalar_reads() if hosts is not None else frozenset()
         self._next = 0
         self._start = counter()
         self._open = True
@@ -108,7 +110,7 @@ class LightRegion(RecipeReads, Intercepting, TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in self.scalar_reads and self.hosts is not None:
+        if self.hosts is not None and func in self.scalar_reads:
             return self._host(func, args, kwargs)
         hot = self.hot
         for a in args:  # loops, not a generator: this runs on every op
@@ -135,9 +137,16 @@ class LightRegion(RecipeReads, Intercepting, TorchFunctionMode):
         if name == "scaled_dot_product_attention" and masked_by(args, kwargs, self._source):
             with self:  # its mask added to the scores, as the tap served it
                 return sdpa_math(*args, **kwargs)
+        if name == "__getitem__" and lookup(self._source(args[0]), args):  # as the tap ran it
+            func, args, kwargs, name = F.embedding, (args[1], args[0]), {}, "embedding"
         recipe = self.recipes[self._next] if self._next < len(self.recipes) else None
-        # p.expand(B, ...) reads p; a lookup of shared ids expanded to the batch reads W
-        spread = recipe is not None and name == recipe.op and (name in SPREAD or recipe.expand)
+        # p.expand(B, ...) reads p; a lookup of shared ids expanded to the batch reads W, and
+        # one of B rows taken as the examples' does, whatever made them
+        spread = (
+            recipe is not None
+            and name == recipe.op
+            and (name in SPREAD or recipe.expand or recipe.assumed)
+        )
         if not spread and self._pure(name, args, kwargs):
             return self._compute(func, args, kwargs)
         if recipe is not None and name == recipe.op:

@@ -59,7 +59,6 @@ class ReplaySession(RegionHooks, Capture):
         intercept: Intercept | None = None,
     ):
         super().__init__(modules, hooks)
-        self.hooked = {id(m) for m in self.modules}
         self.regions, self.children = list(regions), list(children)
         self.steps, self.batch, self.copy = program.steps, batch, copy
         self.program, self.make_region = program, region
