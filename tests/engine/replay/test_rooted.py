@@ -3,7 +3,8 @@ scaled by a learned ``alpha``, read by every layer's queries): no call but the m
 reads, so a region chosen there would trace a whole forward of routed experts on every batch.
 Its reads are served at the root instead (``analysis/finder.py``), the experts by a routed
 region; its reads under ``no_grad`` (an indexer's) are none, in the analysis and the replay
-alike. Each batch's norms are the float64 loop's."""
+alike; the reads of one table merge before one VJP forms ``alpha``'s gradient
+(``derived.Pulled``). Each batch's norms are the float64 loop's."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from oracle import assert_rel_close
 from torch import Tensor, nn
 
 from gradscope.engine import Engine, Forward, naive_grads
+from gradscope.engine import derived as derived_module
 from gradscope.engine.steps import RegionCall
 from gradscope.losses import resolve_loss
 
@@ -84,7 +86,12 @@ def _batch(seed: int) -> tuple[tuple[Tensor], Tensor]:
     return (x,), torch.randint(0, CLASSES, (B,), generator=g)
 
 
-def test_a_table_read_across_calls_is_served_at_the_root():
+def test_a_table_read_across_calls_is_served_at_the_root(monkeypatch):
+    backs = []
+    back = derived_module.Computed._back
+    monkeypatch.setattr(
+        derived_module.Computed, "_back", lambda self, g: backs.append(1) or back(self, g)
+    )
     torch.manual_seed(0)
     model = Model().double()
     names = [n for n, _ in model.named_parameters()]
@@ -101,3 +108,5 @@ def test_a_table_read_across_calls_is_served_at_the_root():
     assert len(program.root) == 4  # each layer's q * cos and half * sin
     regions = [s for s in program.steps if isinstance(s, RegionCall)]
     assert regions and all(s.routed for s in regions)  # the experts', none traced
+    # one VJP for cos and one for sin per batch, not one per read of them (four a batch)
+    assert len(backs) == 4 * 2
