@@ -216,6 +216,19 @@ def run_one(name: str) -> dict:
     return rec
 
 
+def faster(results: dict) -> dict[str, str]:
+    """The share of cases whose warm pass beats the loop, over all and at batch 3 or more
+    (issue 49's target: a batch of one pays the pass's fixed cost against one backward)."""
+    ok = [r for r in results.values() if r["status"] == "ok"]
+    out = {}
+    for what, rows in (("all", ok), ("at batch >= 3", [r for r in ok if r["batch"] >= 3])):
+        n = sum(r.get("speedup", 1) >= 1 for r in rows)
+        out[f"faster than the loop, {what}"] = (
+            f"{n}/{len(rows)} ({100 * n / max(len(rows), 1):.1f}%)"
+        )
+    return out
+
+
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
         harness.serve(sys.argv[3:], run_one, Path(sys.argv[2]))
@@ -228,7 +241,7 @@ def main() -> None:
     names = args.only.split(",") if args.only else [c.id for c in cases()]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     results = harness.run_isolated(__file__, names, args.out, args.timeout, 1)
-    text = harness.write(results, args.out, "Opacus/BackPACK layer configurations")
+    text = harness.write(results, args.out, "Opacus/BackPACK layer configurations", faster(results))
     print("\n".join(text.splitlines()[:10]))
 
 

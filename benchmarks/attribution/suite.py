@@ -40,7 +40,16 @@ CLASSIFIER_PEERS = {
 # dattri's explicit IF on the MLP's 9,034 parameters ran over 8 CPU minutes for one
 # regularisation, unfinished (the Hessian alone takes about a minute): the MLP runs TRAK and
 # kronfluence only.
-MLP_PEERS = {k: CLASSIFIER_PEERS[k] for k in ("trak", "kronfluence")}
+# TRAK's best on the MLP sat at the edge of that grid (lambda_reg 10 over epochs): the grid goes
+# on past it, and to a projection of 2048 (its default; ridged, no longer singular).
+MLP_PEERS = {
+    "trak": [
+        *CLASSIFIER_PEERS["trak"],
+        *_grid("lambda_reg", (30.0, 100.0), proj_dim=512, over="epochs"),
+        *_grid("lambda_reg", (30.0, 100.0, 300.0), proj_dim=2048, over="epochs"),
+    ],
+    "kronfluence": CLASSIFIER_PEERS["kronfluence"],
+}
 SETTINGS = {
     "digits_linear": Bench(
         HERE / "configs/digits_linear.yaml", HERE / "data/digits_ref.pt", peers=CLASSIFIER_PEERS

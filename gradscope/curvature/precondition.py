@@ -10,7 +10,8 @@ one whose squared norm is ``g_i^T P g_i`` (P's square root applied to G_i):
   ``Q_S^T G_i Q_A`` from the rotated Outer, weighted by ``(Lambda + d)^-1/2``; formed a few
   examples at a time, ``B T O I`` multiply-adds per layer (one more forward's worth);
 - a diagonal (Adam's ``1 / (sqrt(v_hat) + eps)``, the Fisher's ``1 / (F + d)``): each element
-  weighted by the square root; Dense and Rows stay as they are, an Outer is formed in chunks.
+  weighted by the square root; Dense and Rows stay as they are, an Outer is formed in chunks;
+- a full block ``Q (E + d) Q^T`` (a small parameter): ``G_i Q (E + d)^-1/2``, formed, rotated.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..errors import ModelError
 from ..rules import Contribution, Dense, Outer, Rows
 from ..rules.base import CHUNK_ELEMENTS, accumulation_dtype, rows
 from .adam import adam_denominator
-from .factors import DIAGONAL, Block, times
+from .factors import DIAGONAL, FULL, Block, times
 from .store import Factors, is_factors_file
 
 
@@ -117,6 +118,8 @@ class Curvature:
                 value = (t["lambda"] + block.damping["lambda"]).rsqrt()
             elif what == "diagonal_root":
                 value = (t["diagonal"] + block.damping["diagonal"]).rsqrt()
+            elif what == "full_root":  # (D, D): Q (E + d)^-1/2, columns weighted
+                value = t["F_eigenvectors"] * (t["F_eigenvalues"] + block.damping["F"]).rsqrt()
             else:  # eigenvectors
                 value = t[what]
             self._cache[key] = value.to(like.device, like.dtype)
@@ -129,13 +132,18 @@ class Curvature:
 
     def refs(self, refs: dict[str, Tensor]) -> dict[str, Tensor]:
         """``P R`` per parameter: ``(S+d)^-1 R (A+d)^-1`` (K-FAC), in the eigenbasis divided by
-        ``Lambda + d`` (EK-FAC), or ``R / (F + d)`` (diagonal); once, on the CPU in float64."""
+        ``Lambda + d`` (EK-FAC) or ``E + d`` (a full block), or ``R / (F + d)`` (diagonal);
+        once, on the CPU in float64."""
         out = {}
         for name, r in refs.items():
             block, t = self.factors.blocks[name], self.factors.blocks[name].tensors
             g = r.detach().to("cpu", torch.float64)
             if block.kind == DIAGONAL:
                 g = g / (t["diagonal"] + block.damping["diagonal"])
+            elif block.kind == FULL:
+                q = t["F_eigenvectors"]  # (D, D)
+                rotated = g.flatten(1) @ q / (t["F_eigenvalues"] + block.damping["F"])  # (K, D)
+                g = rotated @ q.T
             elif block.ekfac:
                 q_s, q_a = t["S_eigenvectors"], t["A_eigenvectors"]
                 rotated = q_s.transpose(-1, -2) @ self._grouped(name, g) @ q_a  # (K, G, O, I)
@@ -152,6 +160,9 @@ class Curvature:
         like = c.s if isinstance(c, Outer | Rows) else c.materialize()
         if block.kind == DIAGONAL:
             return _weighted(c, self._cached(name, "diagonal_root", like))
+        if block.kind == FULL:  # linear, so a part at a time; the rotation keeps the norm
+            g = c.materialize()  # (B, *shape)
+            return Dense((g.flatten(1) @ self._cached(name, "full_root", g)).reshape(g.shape))
         q_s, q_a = (self._cached(name, f"{k}_eigenvectors", like) for k in ("S", "A"))
         if block.ekfac and isinstance(c, Outer):
             s, a = times(c.s, q_s), times(c.a, q_a)  # Q_S^T s_t, Q_A^T a_t

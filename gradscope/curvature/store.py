@@ -15,10 +15,10 @@ from torch import Tensor
 
 from .. import __version__
 from ..errors import ModelError, one_line
-from .factors import DIAGONAL, EKFAC, KFAC, Block
+from .factors import DIAGONAL, EKFAC, FULL, KFAC, Block
 
 KEY = "gradscope"  # the safetensors metadata key, as the Parquet files'
-DAMPED = {KFAC: ("A", "S"), EKFAC: ("A", "S", "lambda"), DIAGONAL: ("diagonal",)}
+DAMPED = {KFAC: ("A", "S"), EKFAC: ("A", "S", "lambda"), DIAGONAL: ("diagonal",), FULL: ("F",)}
 
 
 @dataclass
@@ -97,6 +97,9 @@ def _block(name: str, info: Any, tensors: dict[str, Tensor], path: str | Path) -
             raise _damaged(f"block {name}'s damping {key} is not finite", path)
     if kind == DIAGONAL:
         wanted = {"diagonal": tuple(shape)}
+    elif kind == FULL:
+        d = math.prod(shape)
+        wanted = {"F": (d, d), "F_eigenvalues": (d,), "F_eigenvectors": (d, d)}
     else:
         g, o, i = _layout(name, info, shape, tensors, path)
         wanted = {"A": (g, i, i), "A_eigenvalues": (g, i), "A_eigenvectors": (g, i, i),
@@ -117,7 +120,7 @@ def _block(name: str, info: Any, tensors: dict[str, Tensor], path: str | Path) -
             raise _damaged(f"tensor {name}/{key} holds NaN or infinite values", path)
         mine[key] = t.double()
     kept = {k: float(damping[k]) for k in DAMPED[kind]}
-    return Block(DIAGONAL if kind == DIAGONAL else KFAC, torch.Size(shape), mine, kept)
+    return Block(kind if kind in (DIAGONAL, FULL) else KFAC, torch.Size(shape), mine, kept)
 
 
 def _sizes(shape: Any) -> bool:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
+from torch.nn.utils.rnn import PackedSequence
 
 from .rows import Layout
 
@@ -78,7 +79,19 @@ def shapes_of(args: tuple) -> tuple:
     on every hooked call (most take one tensor: no generator for those)."""
     if len(args) == 1 and isinstance(args[0], Tensor):
         return ((args[0].shape, args[0].dtype),)
-    return tuple([(a.shape, a.dtype) if isinstance(a, Tensor) else None for a in args])
+    return tuple([(a.shape, a.dtype) if isinstance(a, Tensor) else None for a in spread(args)])
+
+
+def spread(args: tuple) -> tuple:
+    """A call's arguments with a ``PackedSequence`` first (an RNN's) spread into its four
+    tensors: data, batch sizes, and the sorting's indices (``arange`` where it came sorted),
+    which say the example of each row of data."""
+    if not args or not isinstance(args[0], PackedSequence):
+        return args
+    data, sizes, order, inverse = args[0]
+    if order is None:
+        order = inverse = torch.arange(int(sizes[0]) if len(sizes) else 0, device=data.device)
+    return (data, sizes, order, inverse, *args[1:])
 
 
 def versions(inputs: tuple[Tensor, ...]) -> tuple[int, ...]:
@@ -115,6 +128,8 @@ def first_output(output: object) -> tuple[object, tuple]:
     (MultiheadAttention's attention weights) has its extras watched for a path to the loss."""
     if isinstance(output, tuple) and output and isinstance(output[0], Tensor):
         return output[0], output[1:]
+    if isinstance(output, tuple) and output and isinstance(output[0], PackedSequence):
+        return output[0].data, output[1:]  # an RNN's on a packed sequence: its rows of data
     return output, ()
 
 
@@ -189,7 +204,8 @@ class Capture:
                 detached[id(t)] = t.detach().clone() if copy else t.detach()
             return detached[id(t)]
 
-        named = {}
+        named, whole = {}, spread(args)
+        extra, args = len(whole) - len(args), whole  # a packed sequence's tensors: 3 more
         if len(args) == 1 and not kwargs and not copy and isinstance(args[0], Tensor):
             n, inputs = 1, (args[0].detach(),)  # most calls: one input, nothing else
         else:
@@ -197,7 +213,7 @@ class Capture:
             inputs = tuple(keep(a) for a in args[:n])
         if n < len(args) or kwargs:
             # positional arguments after the leading tensors, named as the forward names them
-            names = positional_names(type(module))[n:]
+            names = positional_names(type(module))[n - extra :]
             named = {**dict(zip(names, args[n:], strict=False)), **kwargs}
             named = {k: keep(v) if isinstance(v, Tensor) else v for k, v in named.items()}
         target, viewed = read_at(output, (*args, *kwargs.values()))

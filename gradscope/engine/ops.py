@@ -197,10 +197,10 @@ ROW_REDUCTIONS |= {"cumsum", "prod", "norm", "logsumexp", "sort", "argmax", "arg
 
 # -- new tensors, positions
 # the trace's: new tensors shaped like their input, whose values come from no example;
-# arange's tensor arguments are counts (torch.arange(n) for a 0-dim n), through which nothing
-# flows back
+# arange's and zeros' tensor arguments are counts (torch.arange(n) for a 0-dim n; an RNN's
+# initial state sized by a packed sequence's batch_sizes[0]), through which nothing flows back
 CREATIONS = {"new_ones", "new_zeros", "new_full", "new_empty", "new_tensor", "zeros_like"}
-CREATIONS |= {"ones_like", "empty_like", "full_like", "arange"}
+CREATIONS |= {"ones_like", "empty_like", "full_like", "arange", "zeros", "ones", "empty"}
 # the row flow's: ops whose results depend on no example, whatever their arguments
 FILLS = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones"}
 FILLS |= {"new_empty", "new_full", "arange", "zeros", "ones", "empty", "full"}

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..rules.placed import Place
 from .derived import Computed, Derived
 from .ops import METADATA, op_name
 from .rows import Lanes
@@ -50,6 +51,10 @@ class Recipe:
     slot: Tensor | None = field(default=None, compare=False)
     equation: str | None = None
     expand: bool = False  # its input, no example's, expanded to the batch (a position table's)
+    # its B rows, some or all of no example, taken as the examples' (the rows policy's): a read
+    # even where its input is made from constants alone (positions by an arange expanded to
+    # the batch), which a light region following constants would take for a computed tensor
+    assumed: bool = False
     # a broadcast each element of whose result one example owns, or none (a CLIP-like (B, B)
     # similarity): which elements some example owns, and the slot of each (``element_parts``)
     elements: tuple[Tensor, Tensor] | None = field(default=None, compare=False)
@@ -85,6 +90,21 @@ def recipe_roles(
         else:
             return None
     return tuple(roles), tuple(computed), constants
+
+
+def lookup(d: object, args: tuple) -> bool:
+    """Whether ``W[ids]``, ``args`` its arguments and ``d`` what ``W`` reads, is
+    ``F.embedding(ids, W)`` (Whisper's decoder positions): a whole 2-D parameter, integer ids.
+    The tap serves it so; a light region runs it so, as the analysed read was run."""
+    ids = args[1] if len(args) == 2 else None
+    return (
+        isinstance(d, Derived)
+        and d.place == Place()
+        and args[0].dim() == 2
+        and isinstance(ids, Tensor)
+        and ids.dim() > 0
+        and not (ids.is_floating_point() or ids.dtype == torch.bool)
+    )
 
 
 def metadata(func) -> bool:

@@ -209,6 +209,10 @@ RowsFn = Callable[[nn.Module], int | None]
 BatchDimFn = Callable[[nn.Module, tuple[Tensor, ...]], int | None]
 # module -> a key: modules of equal keys are alike to the rule (see Rule)
 AlikeFn = Callable[[nn.Module], Hashable]
+# (module, tensor inputs, other arguments by name) -> for a call whose leading input's positions
+# are cut into bags, each the rule's row of examples: the (N,) bag of each position and the
+# bags' count; None for a call of rows
+BagsFn = Callable[[nn.Module, tuple[Tensor, ...], dict], tuple[Tensor, int] | None]
 
 
 @dataclass(frozen=True)
@@ -227,7 +231,9 @@ class Rule:
     never a parameter's values), and each example's contributions come from that example's
     inputs and output gradient alone, so calls of modules with equal keys on inputs of one shape
     may be answered by one run of the rule over their examples stacked (the twelve ``c_attn``
-    calls of a GPT-2 backward).
+    calls of a GPT-2 backward). ``bags`` marks a rule whose examples are bags of its leading
+    input's positions (``nn.EmbeddingBag`` with offsets): the engine checks that bag i's
+    positions are all example i's, whatever the other inputs' owners (offsets are positions).
     """
 
     name: str
@@ -236,6 +242,7 @@ class Rule:
     rows: RowsFn | None = None
     batch_dim: BatchDimFn | None = None
     alike: AlikeFn | None = None
+    bags: BagsFn | None = None
 
 
 RULES: dict[type[nn.Module], Rule] = {}
@@ -261,12 +268,13 @@ def register_rule(
     qualnames: tuple[str, ...] = (),
     match: Callable[[nn.Module], bool] | None = None,
     alike: AlikeFn | None = None,
+    bags: BagsFn | None = None,
 ) -> Callable[[RuleFn], RuleFn]:
     """Register ``fn`` as the rule for modules of exactly these types, of classes with these
     qualified names, and of any module ``match`` accepts (checked after types and names)."""
 
     def register(fn: RuleFn) -> RuleFn:
-        rule = Rule(name, fn, submodules, rows, batch_dim, alike)
+        rule = Rule(name, fn, submodules, rows, batch_dim, alike, bags)
         for t in types:
             RULES[t] = rule
         for qualname in qualnames:

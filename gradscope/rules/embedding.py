@@ -1,4 +1,5 @@
-"""nn.Embedding: rows hit by the same token in one example add up; cost free of vocabulary size."""
+"""nn.Embedding: rows hit by the same token in one example add up; cost free of vocabulary size.
+nn.EmbeddingBag: the same over each bag's positions, weighted; its max, each column from one row."""
 
 from __future__ import annotations
 
@@ -152,7 +153,69 @@ def lookup(
     return Rows(ids, s, num_rows)
 
 
-@register_rule(nn.EmbeddingBag, name="embedding_bag")
+def bag_of(offsets: Tensor, n: int, include_last: bool) -> tuple[Tensor, Tensor]:
+    """(N,) the bag of each of ``n`` positions cut into bags by ``offsets``, and (bags,) each
+    bag's start, as ``F.embedding_bag`` cuts them: bag j from its offset to the next bag's,
+    the last to the end (``include_last_offset``: the last offset only counts the bags)."""
+    starts = offsets[:-1] if include_last else offsets  # (bags,)
+    at = torch.arange(n, device=offsets.device)
+    return torch.searchsorted(starts, at, right=True) - 1, starts
+
+
+def _bags(module: nn.EmbeddingBag, inputs: tuple[Tensor, ...], kwargs: dict):
+    """For the engine: a 1-D input's bags (``bag_of``) and their count; None for a (B, L)."""
+    offsets = inputs[1] if len(inputs) > 1 else kwargs.get("offsets")
+    if inputs[0].dim() != 1 or offsets is None:
+        return None
+    bag, starts = bag_of(offsets, inputs[0].shape[0], module.include_last_offset)
+    return bag, starts.shape[0]
+
+
+def _padded(
+    ids: Tensor, offsets: Tensor, weights: Tensor | None, include_last: bool
+) -> tuple[Tensor, Tensor]:
+    """(B, L) ids and weights of (N,) ids cut into B bags by ``offsets``, L the longest bag's
+    length (read on the host), weight 0 past each bag's end."""
+    n = ids.shape[0]
+    starts = offsets[:-1] if include_last else offsets  # (B,)
+    counts = torch.cat([starts[1:], starts.new_tensor([n])]) - starts  # (B,)
+    width = int(counts.max()) if n else 0
+    steps = torch.arange(width, device=ids.device)
+    inside = steps < counts[:, None]  # (B, L)
+    at = torch.where(inside, starts[:, None] + steps, 0)  # (B, L) positions, 0 past the end
+    w = torch.ones(n, device=ids.device) if weights is None else weights
+    return torch.where(inside, ids[at], 0) if n else at, w[at] * inside if n else inside * 1.0
+
+
+class Picked(Contribution):
+    """G_i[v, d] = s_id where row v is the one ``rows[i, d]`` picks for column d, zero where
+    ``rows`` is -1: an EmbeddingBag's max, which takes each column from one row of the bag."""
+
+    def __init__(self, rows: Tensor, s: Tensor, num_rows: int):
+        self.rows, self.s = rows.clamp_min(0), _acc(s) * (rows >= 0)  # (B, D) each
+        self.shape = torch.Size((num_rows, s.shape[-1]))
+
+    def examples(self, lo: int, hi: int) -> Contribution:
+        return Picked(self.rows[lo:hi], self.s[lo:hi], self.shape[0])
+
+    def norm_sq(self) -> Tensor:
+        return self.s.pow(2).sum(1)  # each column lands on one row
+
+    def inner(self, refs: Tensor) -> Tensor:
+        cols = torch.arange(self.shape[1], device=self.s.device)
+        picked = refs.to(self.s.dtype)[:, self.rows, cols]  # (K, B, D)
+        return (picked * self.s).sum(2).T  # (B, K)
+
+    def materialize(self) -> Tensor:
+        b, d = self.s.shape
+        grads = self.s.new_zeros(b, self.shape[0], d)
+        return grads.scatter_add_(1, self.rows[:, None], self.s[:, None])  # (B, V, D)
+
+    def batch_sum(self) -> Tensor:
+        return self.s.new_zeros(self.shape).scatter_add_(0, self.rows, self.s)
+
+
+@register_rule(nn.EmbeddingBag, name="embedding_bag", bags=_bags)
 def embedding_bag(
     module: nn.EmbeddingBag,
     inputs: tuple[Tensor, ...],
@@ -160,20 +223,40 @@ def embedding_bag(
     offsets: Tensor | None = None,
     per_sample_weights: Tensor | None = None,
 ) -> dict[str, Contribution]:
-    """One bag per example, a (B, L) input: example i's bag adds its rows, weighted (or
-    averaged), so G_i[v] = sum over its positions t with id v of w_t s_i."""
+    """Bag i the example i's (a (B, L) input, or B bags cut by ``offsets``, which the engine
+    checks): a bag adds its rows, weighted (or averaged), so G_i[v] = sum over its positions t
+    with id v of w_t s_i; max takes each column d from one row, G_i[v, d] = s_id there."""
     ids = inputs[0]
-    if len(inputs) > 1:  # offsets passed positionally
-        offsets = inputs[1]
-    if ids.dim() != 2 or offsets is not None or module.mode == "max":
-        # bags from offsets are not the examples, and max picks rows by value
-        raise NotImplementedError(f"mode {module.mode!r} with input of {ids.dim()} dims")
-    weights = torch.ones_like(ids, dtype=grad_output.dtype)
-    if per_sample_weights is not None:
-        weights = per_sample_weights.to(grad_output.dtype)
+    offsets = inputs[1] if len(inputs) > 1 else offsets  # positionally
+    per_sample_weights = inputs[2] if len(inputs) > 2 else per_sample_weights
+    if (ids.dim() == 1) != (offsets is not None) or ids.dim() > 2:
+        raise NotImplementedError(f"input of {ids.dim()} dims with offsets {offsets is not None}")
+    if module.mode == "max":
+        return {"weight": _max(module, ids, offsets, grad_output)}
+    if offsets is not None:
+        ids, weights = _padded(ids, offsets, per_sample_weights, module.include_last_offset)
+    else:
+        weights = torch.ones_like(ids, dtype=grad_output.dtype)
+        weights = weights if per_sample_weights is None else per_sample_weights
+    weights = weights.to(grad_output.dtype)  # (B, L)
     if module.padding_idx is not None:
         weights = weights * (ids != module.padding_idx)  # padding is no member of the bag
     if module.mode == "mean":
         weights = weights / weights.sum(1, keepdim=True).clamp_min(1)
     s = grad_output[:, None, :] * weights[..., None]  # (B, L, D)
     return {"weight": Rows(ids, s, module.num_embeddings)}
+
+
+def _max(module: nn.EmbeddingBag, ids: Tensor, offsets: Tensor | None, grad_output: Tensor):
+    """The row each column of each bag takes its maximum from, as the forward picks it (the
+    first of equal values), none for a bag without a member."""
+    flat = ids.reshape(-1)
+    if offsets is None:
+        offsets = torch.arange(0, flat.shape[0], max(ids.shape[1], 1), device=ids.device)
+    weight = module.weight.detach()
+    _, bag, size, rows = torch.embedding_bag(
+        weight, flat, offsets, False, 2, False, None, module.include_last_offset,
+        module.padding_idx,
+    )  # fmt: skip
+    rows = torch.where(size[:, None] > 0, rows, -1)  # (B, D)
+    return Picked(rows, grad_output, module.num_embeddings)

@@ -7,12 +7,17 @@ pre-activations, ``G_i(W_ih) = Σ_t s_it x_itᵀ`` and ``G_i(W_hh) = Σ_t s'_it 
 ``Outer`` of the Linear rule, over the time steps. The unrolled recurrence reproduces torch's
 kernels (checked against the per-example loop); the layer's second output (the last hidden
 state) reaching the loss sends its parameters to the fallback, as for attention weights.
+
+On a packed sequence (the capture spreads it: data, batch sizes, the sorting's indices) each
+example's rows are padded back into (B, T, I), in example order, and a step past an example's
+length leaves its state as it was, as the packed kernels run it.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from .base import Contribution, Dense, register_rule
 from .outer import Outer
@@ -24,6 +29,43 @@ def _batch_dim(module: _Recurrent, inputs: tuple[Tensor, ...]) -> int | None:
     if inputs[0].dim() != 3:
         return None  # an unbatched (T, I) call
     return 0 if module.batch_first else 1
+
+
+def _packed(inputs: tuple[Tensor, ...]) -> bool:
+    """Whether a call's inputs are a packed sequence's four tensors, then hx (an RNN's forward
+    takes at most two tensors else: input and hx)."""
+    return len(inputs) >= 4
+
+
+def slots(sizes: Tensor, device: torch.device) -> Tensor:
+    """(N,) the slot of each row of a packed sequence's data: row j of its step (the steps'
+    rows one after another, ``sizes[t]`` of step t)."""
+    starts = sizes.cumsum(0) - sizes  # (T,) each step's first row
+    steps = torch.repeat_interleave(torch.arange(len(sizes)), sizes)  # (N,)
+    return (torch.arange(len(steps)) - starts[steps]).to(device)
+
+
+def _slots(module: _Recurrent, inputs: tuple[Tensor, ...], kwargs: dict):
+    """For the engine: the example of each row of a packed sequence's data, by its sorting
+    (``Rule.bags``), and the batch; None for a call on a padded tensor."""
+    if not _packed(inputs):
+        return None
+    _, sizes, order, _ = inputs[:4]
+    return order[slots(sizes, order.device)], order.shape[0]
+
+
+def _unpacked(inputs: tuple[Tensor, ...], grad_output: Tensor):
+    """(B, T, I) input, (B, T, D*H) output gradient and (B, T) steps within each length, of a
+    packed sequence, in example order."""
+    data, sizes, order, inverse = inputs[:4]
+
+    def pad(rows: Tensor) -> tuple[Tensor, Tensor]:
+        return pad_packed_sequence(PackedSequence(rows, sizes, order, inverse), True)
+
+    x, lengths = pad(data)
+    grad, _ = pad(grad_output)
+    steps = torch.arange(x.shape[1], device=x.device)
+    return x, grad, steps < lengths.to(x.device)[:, None]
 
 
 def _cell(module: _Recurrent, gi: Tensor, gh: Tensor, h: Tensor, c: Tensor | None):
@@ -41,6 +83,15 @@ def _cell(module: _Recurrent, gi: Tensor, gh: Tensor, h: Tensor, c: Tensor | Non
     return act(gi + gh), None
 
 
+def _step(module: _Recurrent, gi: Tensor, gh: Tensor, h: Tensor, c, active: Tensor | None):
+    """``_cell``, the state kept where a step is past the example's length (``active`` (B,))."""
+    new_h, new_c = _cell(module, gi, gh, h, c)
+    if active is None:
+        return new_h, new_c
+    keep = active[:, None]
+    return torch.where(keep, new_h, h), None if c is None else torch.where(keep, new_c, c)
+
+
 def _initial(module: _Recurrent, hx: object, b: int, like: Tensor) -> tuple[Tensor, Tensor | None]:
     """(h0, c0) as (layers * directions, B, H), zeros where not given."""
     h0, c0 = (hx if isinstance(hx, tuple) else (hx, None)) if hx is not None else (None, None)
@@ -52,16 +103,20 @@ def _initial(module: _Recurrent, hx: object, b: int, like: Tensor) -> tuple[Tens
     return h0, c0
 
 
-@register_rule(nn.RNN, nn.GRU, nn.LSTM, name="recurrent", batch_dim=_batch_dim)
+@register_rule(nn.RNN, nn.GRU, nn.LSTM, name="recurrent", batch_dim=_batch_dim, bags=_slots)
 def recurrent(
     module: _Recurrent, inputs: tuple[Tensor, ...], grad_output: Tensor, hx: object = None
 ) -> dict[str, Contribution]:
-    if getattr(module, "proj_size", 0) or inputs[0].dim() != 3:
+    packed, active = _packed(inputs), None
+    if getattr(module, "proj_size", 0) or inputs[0].dim() != 3 - packed:
         raise NotImplementedError("proj_size or an unbatched input")
-    if len(inputs) > 1:
-        hx = inputs[1]
-    x = inputs[0] if module.batch_first else inputs[0].transpose(0, 1)  # (B, T, I)
-    grad_output = grad_output if module.batch_first else grad_output.transpose(0, 1)
+    if packed:
+        hx = inputs[4] if len(inputs) > 4 else hx  # in example order, as given
+        x, grad_output, active = _unpacked(inputs, grad_output)  # (B, T, I), (B, T)
+    else:
+        hx = inputs[1] if len(inputs) > 1 else hx
+        x = inputs[0] if module.batch_first else inputs[0].transpose(0, 1)  # (B, T, I)
+        grad_output = grad_output if module.batch_first else grad_output.transpose(0, 1)
     b, t, _ = x.shape
     h0, c0 = _initial(module, hx, b, x)
     directions = ("", "_reverse") if module.bidirectional else ("",)
@@ -84,7 +139,7 @@ def recurrent(
                     gi = nn.functional.linear(layer_in[:, step], w_ih, b_ih).requires_grad_()
                     gh = nn.functional.linear(h, w_hh, b_hh).requires_grad_()
                     prev.append(h)
-                    h, c = _cell(module, gi, gh, h, c)
+                    h, c = _step(module, gi, gh, h, c, None if active is None else active[:, step])
                     gis.append(gi)
                     ghs.append(gh)
                     hs[step] = h

@@ -9,6 +9,9 @@ The dataset carries each row's id in a column (``ids``, default ``example_id``) 
 collator passes along: set ``remove_unused_columns=False``. With ``record``, the run record
 ``influence --through-training`` replays is written there: the optimizer the ``Trainer`` made and
 its ``max_grad_norm`` clip read off it (``watchrecord.py``); the ids are then the rows' positions.
+Resumed (``resume_from_checkpoint``) from a checkpoint after a multiple of ``segment`` steps, the
+run goes on writing that record: the ``Trainer`` restores the weights, the optimizer's state and
+the random state, and skips the batches fed, so the run is the one that never stopped.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class WatchCallback(TrainerCallback):
         **_: Any,
     ):  # fmt: skip
         if self.record is not None:
-            self.recorded = _recorded(args, optimizer, self.record, self.segment)
+            self.recorded = _recorded(args, state, optimizer, self.record, self.segment)
         for name, why in UNSUPPORTED.items():
             if getattr(args, name, None):
                 raise ConfigError(f"the watch cannot serve {why}", f"TrainingArguments.{name}")
@@ -109,15 +112,15 @@ class WatchCallback(TrainerCallback):
         ids, labels = kwargs.pop(self.ids), kwargs.pop("labels")
         items = kwargs.pop("num_items_in_batch", None)
         names = tuple(kwargs)
-        if self.watch is None:  # the first step: the batch's keys are the model's inputs
-            self.watch = Watch(
-                model, self.out, "causal_lm", reduction="tokens", on_step=self.on_step,
-                forward=_Call(original, names), **self.recorded,
-            ).__enter__()  # fmt: skip
         # the step's tokens where the Trainer counts them (it divides the loss by the number
         # of micro-batches it accumulates otherwise), else the batch's
         divisor = float(items) if items is not None else None
         try:
+            if self.watch is None:  # the first step: the batch's keys are the model's inputs
+                self.watch = Watch(
+                    model, self.out, "causal_lm", reduction="tokens", on_step=self.on_step,
+                    forward=_Call(original, names), **self.recorded,
+                ).__enter__()  # fmt: skip
             loss = self.watch.step(tuple(kwargs[k] for k in names), labels, ids,
                                    epoch=self.epoch, divisor=divisor)  # fmt: skip
         except BaseException as e:  # Ctrl-C or an error in the step: the model as it was
@@ -126,13 +129,21 @@ class WatchCallback(TrainerCallback):
         return CausalLMOutput(loss=loss)
 
 
-def _recorded(args: Any, optimizer: Any, folder: str | Path, segment: int) -> dict:
+def _recorded(args: Any, state: Any, optimizer: Any, folder: str | Path, segment: int) -> dict:
     """``Watch``'s record arguments read off the ``Trainer``: its optimizer (inside
-    accelerate's wrapper), its clip."""
+    accelerate's wrapper), its clip. A run resumed mid-epoch must skip the batches the stopped
+    run fed (the ``Trainer`` does, and restores the random state, unless told not to)."""
     if args.gradient_accumulation_steps != 1:
         raise ConfigError(
             "record= replays a step a batch, not accumulated ones",
             "TrainingArguments.gradient_accumulation_steps",
+        )
+    if args.ignore_data_skip and state.global_step and (state.epoch or 0) % 1:
+        raise ConfigError(
+            f"resumed at step {state.global_step}, mid-epoch, with ignore_data_skip the Trainer "
+            "feeds the epoch's first batches again: not the run the record began; resume "
+            "without it",
+            "TrainingArguments.ignore_data_skip",
         )
     clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
     optimizer = getattr(optimizer, "optimizer", optimizer)

@@ -8,7 +8,10 @@ backward, the gradient the step computed to ``.grad`` (times the gradient arrivi
 accumulation's, a scaler's), so clipping, accumulation and the optimizer run as they would.
 What the module's own ``training_step`` does beyond its loss (logging) does not run.
 With ``record``, the run record ``influence --through-training`` replays is written there: the
-optimizer and the clip read off the Trainer (``watchrecord.py``).
+optimizer and the clip read off the Trainer (``watchrecord.py``). Lightning's checkpoints then
+carry the random state the run was in, which the callback restores on a resumed ``fit`` before
+Lightning draws the epoch's order (Lightning restores none): resumed from a checkpoint at an
+epoch's end, the run is the one that never stopped, and its record goes on (``watchresume.py``).
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import CombinedLoader
 from torch import Tensor
 
 from ..errors import ConfigError, DataError
 from ..losses import LossFn
+from .record import rng, set_rng
 from .watch import OnStep, Watch
 from .watchrecord import SEGMENT
 
@@ -59,6 +64,20 @@ class WatchCallback(Callback):
         self.options = watch
         self.record, self.segment = record, segment
         self.watch: Watch | None = None
+        self.restored: dict | None = None  # the random state a resumed fit begins in
+
+    def state_dict(self) -> dict:
+        """What a Lightning checkpoint keeps of the watch: with ``record``, the random state
+        now, after the step that ends where the checkpoint is taken."""
+        return {} if self.record is None else {"rng": rng()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.restored = state_dict.get("rng")
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.restored is not None:  # before the loader's first draw
+            set_rng(self.restored)
+            self.restored = None
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         recorded = {} if self.record is None else _recorded(trainer, self.record, self.segment)
@@ -105,4 +124,21 @@ def _recorded(trainer: Trainer, folder: str | Path, segment: int) -> dict:
             "record= replays clipping by the gradient's norm, not by value",
             "Trainer(gradient_clip_algorithm=)",
         )
+    _resumable(trainer)
     return {"record": folder, "optimizer": trainer.optimizers[0], "clip": clip, "segment": segment}
+
+
+def _resumable(trainer: Trainer) -> None:
+    """A fit resumed mid-epoch is the run the record began only where Lightning can resume
+    its loader there (``state_dict``/``load_state_dict``): else it feeds the epoch from its
+    first batch again."""
+    epoch = trainer.num_training_batches
+    loaders = CombinedLoader(trainer.train_dataloader).flattened
+    stateful = all(hasattr(dl, "state_dict") and hasattr(dl, "load_state_dict") for dl in loaders)
+    if trainer.global_step % epoch and not stateful:
+        raise ConfigError(
+            f"resumed at step {trainer.global_step}, mid-epoch, Lightning feeds the epoch from "
+            "its first batch again (the DataLoader keeps no state): not the run the record "
+            "began; resume from a checkpoint taken at an epoch's end",
+            "ckpt_path",
+        )

@@ -21,6 +21,13 @@ from gradscope.losses import resolve_loss
 N = 10
 
 
+@pytest.fixture(autouse=True)
+def whole_biases(monkeypatch) -> None:
+    """The project's biases (8 and 3 numbers) get whole blocks, its weights (40, 24) K-FAC:
+    both kinds in one file."""
+    monkeypatch.setattr("gradscope.curvature.factors.FULL_ELEMENTS", 8)
+
+
 def _invoke(*args) -> str:
     result = CliRunner().invoke(app, [str(a) for a in args])
     assert result.exit_code == 0, result.output
@@ -35,7 +42,7 @@ def test_factors_then_precondition(tmp_path: Path, ekfac: bool) -> None:
     flags = ["--ekfac"] if ekfac else []
     output = _invoke("factors", cfg, "--out", factors, "--fisher", "empirical", *flags)
     kind = "ekfac" if ekfac else "kfac"
-    assert f"{N} examples, empirical Fisher; 2 {kind}, 2 diagonal" in output
+    assert f"{N} examples, empirical Fisher; 2 {kind}, 2 full" in output
     made = Factors.load(factors)
     assert made.meta["model"]["checkpoint_sha256"] and made.meta["examples"] == N
 
@@ -62,7 +69,7 @@ def test_factors_then_precondition(tmp_path: Path, ekfac: bool) -> None:
     meta = read_metadata(out)["precondition"]
     assert meta["kind"] == kind and meta["fisher"] == "empirical" and meta["sha256"]
     assert meta["parameters"] == {
-        "fc1.weight": kind, "fc1.bias": "diagonal", "fc2.weight": kind, "fc2.bias": "diagonal"
+        "fc1.weight": kind, "fc1.bias": "full", "fc2.weight": kind, "fc2.bias": "full"
     }  # fmt: skip
 
     out = tmp_path / "influence.parquet"
@@ -165,9 +172,10 @@ DAMAGED = [
     ("no-blocks", _blocks(lambda m: {k: v for k, v in m.items() if k != "blocks"}), "its metadata lists no blocks"),
     ("a-tensor-missing", _tensors(lambda t: t.pop("fc1.weight/A_eigenvectors")), "tensor fc1.weight/A_eigenvectors is missing"),
     ("a-factor-of-another-shape", _tensors(lambda t: t.update({"fc1.weight/A": torch.eye(3)[None].double()})), "factors of 1 x 8 x 3 do not cover block fc1.weight's shape (8, 5)"),
-    ("a-diagonal-of-another-shape", _tensors(lambda t: t.update({"fc1.bias/diagonal": torch.ones(5).double()})), "tensor fc1.bias/diagonal is (5,) torch.float64, its block needs (8,) floats"),
+    ("a-full-block-of-another-shape", _tensors(lambda t: t.update({"fc1.bias/F": torch.eye(5).double()})), "tensor fc1.bias/F is (5, 5) torch.float64, its block needs (8, 8) floats"),
+    ("a-diagonal-of-another-shape", lambda p: (_tensors(lambda t: t.update({"fc1.bias/diagonal": torch.ones(5).double()}))(p), _blocks(lambda m: {**m, "blocks": {**m["blocks"], "fc1.bias": {**m["blocks"]["fc1.bias"], "kind": "diagonal", "damping": {"diagonal": 1.0}}}})(p)), "tensor fc1.bias/diagonal is (5,) torch.float64, its block needs (8,) floats"),
     ("eigenvectors-of-another-shape", _tensors(lambda t: t.update({"fc2.weight/S_eigenvectors": torch.eye(2)[None].double()})), "tensor fc2.weight/S_eigenvectors is (1, 2, 2) torch.float64, its block needs (1, 3, 3) floats"),
-    ("a-nan", _tensors(lambda t: t["fc2.bias/diagonal"].__setitem__(1, float("nan"))), "tensor fc2.bias/diagonal holds NaN or infinite values"),
+    ("a-nan", _tensors(lambda t: t["fc2.bias/F_eigenvalues"].__setitem__(1, float("nan"))), "tensor fc2.bias/F_eigenvalues holds NaN or infinite values"),
     ("a-kind-unknown", _blocks(lambda m: {**m, "blocks": {**m["blocks"], "fc1.bias": {**m["blocks"]["fc1.bias"], "kind": "other"}}}), "the metadata of block fc1.bias is not a kind, shape and damping"),
     ("damping-missing", _blocks(lambda m: {**m, "blocks": {**m["blocks"], "fc2.weight": {**m["blocks"]["fc2.weight"], "damping": {"A": 1.0}}}}), "block fc2.weight has no positive damping S"),
 ]  # fmt: skip

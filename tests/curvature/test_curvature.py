@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gradscope.curvature.factors import DIAGONAL, KFAC, factored_convs, fit
+from gradscope.curvature.factors import DIAGONAL, FULL, FULL_ELEMENTS, KFAC, factored_convs, fit
 from gradscope.curvature.fisher import SampledLoss
 from gradscope.curvature.precondition import Curvature, Diagonal
 from gradscope.curvature.store import Factors, metadata
@@ -182,20 +182,39 @@ def _positions(m: nn.Module, x: Tensor, g: Tensor) -> list[tuple[Tensor, Tensor]
     return [(x.reshape(b, -1, x.shape[-1]), g.reshape(b, -1, g.shape[-1]))]
 
 
+@pytest.fixture(params=[FULL_ELEMENTS, 11, 0], ids=["small-full", "biases-full", "none-full"])
+def small(request, monkeypatch) -> int:
+    """The most numbers a parameter given its whole block holds: the default (every parameter
+    of these problems), 11 (their biases, not their weights), 0 (none)."""
+    monkeypatch.setattr("gradscope.curvature.factors.FULL_ELEMENTS", request.param)
+    return request.param
+
+
+def _kinds(pb: Problem, loss, small: int) -> dict[str, str]:
+    """Each parameter's block: whole up to ``small`` numbers, else K-FAC for a Linear or Conv
+    weight of its own, else the diagonal (a tied embedding)."""
+    factored = {f"{m}.weight" for m in _captured(pb, loss) if m != "head"}
+    return {
+        n: FULL if p.numel() <= small else KFAC if n in factored else DIAGONAL
+        for n, p in pb.model.named_parameters()
+    }
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_factors_are_the_definition(kind: str) -> None:
-    """A = (1/N) sum_i sum_t a a^T, S = mean over counted positions of s s^T (per group), the
-    diagonal (1/N) sum_i g_i^2, EK-FAC's (1/N) sum_i (Q_S^T G_i Q_A)^2; over two batches."""
+def test_factors_are_the_definition(kind: str, small: int) -> None:
+    """A = (1/N) sum_i sum_t a a^T, S = mean over counted positions of s s^T (per group), a
+    small parameter's whole block (1/N) sum_i g_i g_i^T, the diagonal (1/N) sum_i g_i^2,
+    EK-FAC's (1/N) sum_i (Q_S^T G_i Q_A)^2; over two batches."""
     pb = _problem(kind)
     loss = resolve_loss(pb.loss)
     factors = _factors(pb, loss, ekfac=True)
+    assert {n: b.kind for n, b in factors.blocks.items()} == _kinds(pb, loss, small)
     n = pb.targets.shape[0]
     modules = dict(pb.model.named_modules())
     for name, (x, g) in _captured(pb, loss).items():
-        if name == "head":
-            continue  # tied to the embedding: a diagonal block
-        block = factors.blocks[f"{name}.weight"]
-        assert block.kind == KFAC
+        block = factors.blocks.get(f"{name}.weight")
+        if name == "head" or block.kind != KFAC:
+            continue  # tied to the embedding, or whole: checked below
         for k, (a, s) in enumerate(_positions(modules[name], x, g)):
             counted = ((a != 0).any(-1) & (s != 0).any(-1)).double()  # (B, T)
             a_def = torch.einsum("bti,btj->ij", a * counted[..., None], a) / n
@@ -209,16 +228,21 @@ def test_factors_are_the_definition(kind: str) -> None:
         if block.kind == DIAGONAL:
             torch.testing.assert_close(block.tensors["diagonal"], g.square().mean(0))
             continue
+        if block.kind == FULL:
+            flat = g.flatten(1)  # (N, D)
+            torch.testing.assert_close(block.tensors["F"], flat.T @ flat / n)
+            q, e = block.tensors["F_eigenvectors"], block.tensors["F_eigenvalues"]
+            torch.testing.assert_close(q @ torch.diag(e) @ q.T, flat.T @ flat / n)
+            assert block.damping["F"] == pytest.approx(0.1 * flat.square().sum() / n / g[0].numel())
+            continue
         q_s, q_a = block.tensors["S_eigenvectors"], block.tensors["A_eigenvectors"]
         groups, o, i = q_s.shape[0], q_s.shape[-1], q_a.shape[-1]
         rotated = q_s.transpose(-1, -2) @ g.reshape(n, groups, o, i) @ q_a
         torch.testing.assert_close(block.tensors["lambda"], rotated.square().mean(0))
-    if kind == "lm":
-        assert factors.blocks["emb.weight"].kind == DIAGONAL  # Rows + Outer of a tied weight
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_an_example_whose_loss_is_nan_adds_nothing(kind: str) -> None:
+def test_an_example_whose_loss_is_nan_adds_nothing(kind: str, small: int) -> None:
     """The factors of 9 examples of which the 5th has a NaN loss and gradient (its loss times
     NaN) are those of the other 8: each kind of part (Outer, Dense, Rows) left out."""
     pb = _problem(kind)
@@ -256,6 +280,8 @@ def _inverse(block, shape: torch.Size, ekfac: bool) -> Tensor:
     t, d = block.tensors, block.damping
     if block.kind == DIAGONAL:
         return torch.diag((t["diagonal"] + d["diagonal"]).flatten())
+    if block.kind == FULL:  # the block itself, damped by its mean eigenvalue's multiple
+        return t["F"] + d["F"] * torch.eye(t["F"].shape[0], dtype=t["F"].dtype)
     mats = []
     for k in range(t["A"].shape[0]):
         if ekfac:
@@ -285,13 +311,12 @@ def _dense_scores(pb: Problem, factors: Factors, ekfac: bool, loss) -> tuple[Ten
 
 @pytest.mark.parametrize("ekfac", [False, True], ids=["kfac", "ekfac"])
 @pytest.mark.parametrize("kind", [*KINDS, "twice"])
-def test_preconditioned_scores_are_the_dense_solve(kind: str, ekfac: bool) -> None:
+def test_preconditioned_scores_are_the_dense_solve(kind: str, ekfac: bool, small: int) -> None:
     """<G_i, P R> on both engines and g_i^T P g_i from the pass equal the built-out solve."""
     pb = _problem(kind)
     loss = resolve_loss(pb.loss)
     factors = _factors(pb, loss, ekfac)
-    if kind == "twice":  # both calls' positions in one Kronecker block
-        assert factors.blocks["fc.weight"].kind == KFAC
+    assert {n: b.kind for n, b in factors.blocks.items()} == _kinds(pb, loss, small)
     pre = Curvature(factors)
     inner, self_ = _dense_scores(pb, factors, ekfac, loss)
     engine = Engine(pb.model, loss)
@@ -306,9 +331,10 @@ def test_preconditioned_scores_are_the_dense_solve(kind: str, ekfac: bool) -> No
     torch.testing.assert_close(total(scores.norm_sq), total(plain.norm_sq))
 
 
-def test_wide_conv_is_served_formed_when_scoring() -> None:
+def test_wide_conv_is_served_formed_when_scoring(monkeypatch) -> None:
     """The factors pass sees the wide conv factored; scoring gets its formed gradients, which
     the K-FAC transform whitens exactly (test_preconditioned_scores_are_the_dense_solve)."""
+    monkeypatch.setattr("gradscope.curvature.factors.FULL_ELEMENTS", 0)  # not a whole block
     pb = _problem("wide_conv")
     engine = Engine(pb.model, resolve_loss(pb.loss))
     with engine:
@@ -319,8 +345,9 @@ def test_wide_conv_is_served_formed_when_scoring() -> None:
     assert RULES[nn.Conv2d].fn is conv  # the registry as it was
 
 
-def test_kfac_norms_stay_factored() -> None:
+def test_kfac_norms_stay_factored(monkeypatch) -> None:
     """K-FAC whitening keeps an Outer an Outer (a ghost norm, no per-example gradient)."""
+    monkeypatch.setattr("gradscope.curvature.factors.FULL_ELEMENTS", 0)  # not a whole block
     pb = _problem("lm")
     loss = resolve_loss(pb.loss)
     pre = Curvature(_factors(pb, loss, ekfac=False))

@@ -41,7 +41,13 @@ def test_sampled_output_gradients_have_the_output_hessian(shape, reduction) -> N
     torch.testing.assert_close(second, torch.eye(d, dtype=torch.float64), atol=0.06, rtol=0)
 
 
-def test_kfac_of_one_layer_is_the_dense_ggn() -> None:
+@pytest.mark.parametrize("whole", [True, False], ids=["whole-blocks", "kfac"])
+def test_kfac_of_one_layer_is_the_dense_ggn(monkeypatch, whole: bool) -> None:
+    """One output: the sampled Fisher is the GGN with no noise, so each parameter's whole block
+    and K-FAC's S (x) A of the weight (its parameters too many for a whole block) equal the
+    GGN's blocks."""
+    if not whole:
+        monkeypatch.setattr("gradscope.curvature.factors.FULL_ELEMENTS", 1)
     torch.manual_seed(0)
     model = nn.Linear(4, 1).double()
     x, y = torch.randn(30, 4, dtype=torch.float64), torch.randn(30, 1, dtype=torch.float64)
@@ -52,8 +58,9 @@ def test_kfac_of_one_layer_is_the_dense_ggn() -> None:
     names = ["weight", "bias"]
     ggn = curvature_matrix(model, loss, names, x, y, "gn")  # (5, 5)
     w = blocks["weight"].tensors
-    torch.testing.assert_close(torch.kron(w["S"][0], w["A"][0]), ggn[:4, :4], rtol=1e-12, atol=0)
-    torch.testing.assert_close(blocks["bias"].tensors["diagonal"], ggn[4:, 4].reshape(1))
+    got = w["F"] if whole else torch.kron(w["S"][0], w["A"][0])
+    torch.testing.assert_close(got, ggn[:4, :4], rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(blocks["bias"].tensors["F"], ggn[4:, 4:])
 
 
 def _second_moment_and_hessian(name: str, out: torch.Tensor, targets: torch.Tensor, **kwargs):

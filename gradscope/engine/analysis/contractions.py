@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from ...rules.embedding import bag_of
 from ..tensors import tensors_in
-from .owners import combine, compact, reduce
+from .owners import NONE, combine, compact, reduce, segment_combine
+from .packed import PACKED, recurrent
 
 if TYPE_CHECKING:
     from .trace import RowTrace
@@ -87,6 +89,29 @@ def _embedding(trace: RowTrace, ids: Tensor, weight: Tensor, *_, **__) -> Tensor
     return combine(trace.owner(ids).unsqueeze(-1), reduce(trace.owner(weight), [0, 1]))
 
 
+_BAG_ARGS = ("offsets", "max_norm", "norm_type", "scale_grad_by_freq", "mode", "sparse")
+_BAG_ARGS += ("per_sample_weights", "include_last_offset", "padding_idx")
+
+
+def _embedding_bag(trace: RowTrace, ids: Tensor, weight: Tensor, *args, **kwargs) -> Tensor:
+    """F.embedding_bag: each bag from its own positions' ids and weights, a (B, L) input's bags
+    its rows, a 1-D input's cut by offsets: positions the batch's values pick, where the offsets
+    are computed from the batch (``lengths.cumsum``)."""
+    bound = {**dict(zip(_BAG_ARGS, args, strict=False)), **kwargs}
+    o, weights = trace.owner(ids), bound.get("per_sample_weights")
+    if isinstance(weights, Tensor):
+        o = combine(o, trace.owner(weights))
+    table = reduce(trace.owner(weight), [0, 1]).reshape(1, 1)
+    offsets = bound.get("offsets")
+    if ids.dim() != 1 or not isinstance(offsets, Tensor):
+        return combine(reduce(o, range(1, ids.dim())).reshape(-1, 1), table)
+    if trace._of_batch(offsets):
+        trace.picked("embedding_bag")
+    bag, starts = bag_of(offsets, ids.shape[0], bool(bound.get("include_last_offset")))
+    base = torch.full(starts.shape, NONE, dtype=torch.long, device=ids.device)
+    return combine(segment_combine(base, bag, o.expand(ids.shape).contiguous()).view(-1, 1), table)
+
+
 def _per_row(trace: RowTrace, x: Tensor, *args, **kwargs) -> Tensor:
     """A norm over the trailing dims (layer_norm, rms_norm) or all but 0 and 1 (instance)."""
     others = [reduce(trace.owner(t), range(t.dim())) for t in tensors_in(args, kwargs)]
@@ -145,9 +170,12 @@ def _mha(trace: RowTrace, query: Tensor, key: Tensor, value: Tensor, *args, **kw
 
 def _recurrent(trace: RowTrace, x: Tensor, hx: object, *args, **__) -> tuple | None:
     """_VF.lstm / gru / rnn_tanh / rnn_relu(input, hx, params, ..., batch_first): examples on
-    dimension 0 (batch_first) or 1 of the input and output, on dimension 1 of the states."""
+    dimension 0 (batch_first) or 1 of the input and output, on dimension 1 of the states; or
+    a packed sequence's (``packed.py``)."""
+    if isinstance(hx, Tensor) and hx.dim() == 1 and x.dim() == 2:
+        return recurrent(trace, x, hx, *args)  # (data, batch_sizes, hx, ...)
     if not isinstance(args[-1], bool) or x.dim() != 3:
-        return None  # a packed sequence, or an unbatched call
+        return None  # an unbatched call
     dim = 0 if args[-1] else 1
     states = hx if isinstance(hx, (list, tuple)) else (hx,)
     parts = [reduce(trace.owner(x), [d for d in range(3) if d != dim], keepdim=False)]
@@ -203,6 +231,7 @@ CONTRACTIONS: dict[str, Callable[..., object]] = {
     **dict.fromkeys(("conv1d", "conv2d", "conv3d", "conv_transpose1d"), _conv),
     **dict.fromkeys(("conv_transpose2d", "conv_transpose3d"), _conv),
     "embedding": _embedding,
+    "embedding_bag": _embedding_bag,
     **dict.fromkeys(("grouped_mm", "_grouped_mm", "grouped_mm_fallback"), _grouped),
     **dict.fromkeys(("layer_norm", "rms_norm"), _per_row),
     **dict.fromkeys(("group_norm", "instance_norm", "local_response_norm"), _whole_example),
@@ -219,4 +248,5 @@ CONTRACTIONS: dict[str, Callable[..., object]] = {
     "einsum": _einsum,
     "im2col": _im2col,  # F.unfold, told apart from Tensor.unfold by the function itself
     **dict.fromkeys(("lstm", "gru", "rnn_tanh", "rnn_relu"), _recurrent),
+    **PACKED,
 }

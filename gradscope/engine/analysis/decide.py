@@ -19,7 +19,7 @@ from torch import Tensor
 from ...rules import find_rule
 from ..plan import BROADCAST, ParamPlan, Plan
 from ..rows import Gather
-from .owners import NONE, is_batch, lane_of, reduce, rows_of
+from .owners import NONE, is_batch, lane_of, reduce, rows_of, segment_combine
 from .selfcheck import Singles, agrees
 
 if TYPE_CHECKING:
@@ -81,6 +81,9 @@ def layout_of(call: Call, trace: RowTrace) -> str | None:
             call.rows = rows_of(rows, batch)
             return None
         return _why(rows)
+    bagged = rule.bags(call.module, call.inputs, call.kwargs) if rule.bags else None
+    if bagged is not None:
+        return _bagged(x, owners, *bagged, batch)
     dim = rule.batch_dim(call.module, call.inputs) if rule.batch_dim else 0
     if dim is None:
         return "an unbatched call: its rows are not the examples"
@@ -93,6 +96,21 @@ def layout_of(call: Call, trace: RowTrace) -> str | None:
         if t.dim() <= dim or not is_batch(per.movedim(dim, 0), batch):
             return _why(per)
     return None
+
+
+def _bagged(x: Tensor, owners: Tensor, bag: Tensor, count: int, batch: int) -> str | None:
+    """Why bags of ``x``'s positions (``Rule.bags``; the rows of dimension 0) are not the
+    examples, or None: bag i's positions all example i's, a bag of none empty."""
+    base = torch.full((count,), NONE, dtype=torch.long, device=x.device)
+    rows = reduce(owners, range(1, x.dim()), keepdim=False).expand(x.shape[:1]).contiguous()
+    per = segment_combine(base, bag, rows)  # (bags,)
+    sizes = torch.zeros(count, dtype=torch.long, device=x.device).index_add_(
+        0, bag, torch.ones_like(bag)
+    )
+    if count != batch:
+        return f"its {count} bags are not the batch's {batch} examples"
+    own = (per == torch.arange(batch, device=x.device)) | (sizes == 0)
+    return None if bool(own.all()) else _why(per)
 
 
 def _why(owners: Tensor) -> str:

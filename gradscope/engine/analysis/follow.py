@@ -250,6 +250,12 @@ class OwnerAlgebra:
         v = self.owner(value) if isinstance(value, Tensor) else torch.tensor(NONE)
         o = self.owner(x).expand(x.shape).clone()
         if name == "masked_fill_":  # masked elements take the fill (a 0-dim value)
+            # owners that a mask of the batch's values places, and no need recorded for them:
+            # an element filled with no example's value carries no example's gradient, and
+            # rows of none are read by position whatever the mask (B rows partly or wholly of
+            # none taken as the examples' while the losses confirm it: ``policy.assumable``;
+            # a layout made only of owners >= 0; else the fallback), so another batch's
+            # mask leaves the program's rows right (``tests/engine/analysis/test_masked_fill``)
             o[args[1].expand(x.shape)] = v.reshape(()).to(o.device)
         else:  # __setitem__
             o[args[1]] = v.expand(o[args[1]].shape) if v.dim() else v.to(o.device)

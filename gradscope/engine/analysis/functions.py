@@ -76,16 +76,17 @@ class FunctionReads:
 
         recipe = None  # a read laid out by shapes alone: a light region's
         spread = expanded and name in ("linear", "embedding")  # its shared rows expanded: the
-        # examples' rows, as assumed (row i example i's) where some are examples' (a decoder's
-        # start token before each example's ids), by that
-        if spread or not (expanded or (assumed_rows and self._batch_free((x,), {}))):
+        # examples' rows, as assumed (row i example i's) where some or all are of no example (a
+        # decoder's start token before each example's ids; positions looked up by an arange
+        # expanded to the batch), by that
+        if spread or not expanded:
             recipe = expert_recipe(name, reads, x) if not (spread or assumed_rows) else None
             roles = recipe_roles(reads, {"weight": weight, "bias": bias})
             if recipe is None and roles and (rows is None or isinstance(rows, Lanes)):
                 shape = tuple(x.shape)
                 recipe = Recipe(
                     name, roles[0], shape, rows, computed=roles[1], constants=roles[2],
-                    expand=spread,
+                    expand=spread, assumed=assumed_rows,
                 )  # fmt: skip
         self._read_output(tuple(p for _, d in reads for p in d.params), out, parts, args, recipe)
         return out

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from ...rules import find_rule
-from ..capture import Call, Capture, counter, first_output, leading, shapes_of
+from ..capture import Call, Capture, counter, first_output, leading, shapes_of, spread
 from ..hooks import ModuleHooks
 from .policy import assumable, batch_free, shared
 from .trace import RowTrace
@@ -78,7 +78,7 @@ class HookSession(Capture):
                 and shared(self.trace, x)
             )
             assumed = self.assume and getattr(x, "shape", ())[:1] == (self.trace.batch,)
-            tensors = [a for a in args if isinstance(a, Tensor)]
+            tensors = [a for a in spread(args) if isinstance(a, Tensor)]  # a packed one's too
             handed = not expand and not assumed and bool(tensors)
             handed = handed and batch_free(self.trace, tensors)
         event = Entered(module, shapes_of(args), handed, expand)
@@ -100,10 +100,11 @@ class HookSession(Capture):
             return
         with torch._C.DisableTorchFunction():
             out, _ = first_output(output)
-            owners = tuple(self.trace.owner(a) for a in args[: leading(args)])
-            if isinstance(out, Tensor) and self._standard(event, args, owners, out):
+            tensors = spread(args)  # a packed sequence's too
+            owners = tuple(self.trace.owner(a) for a in tensors[: leading(tensors)])
+            if isinstance(out, Tensor) and self._standard(event, tensors, owners, out):
                 # row i is what example i reads: the trace checks where each output row goes
-                owners = (self.trace.standard(args[0].dim()), *owners[1:])
+                owners = (self.trace.standard(tensors[0].dim()), *owners[1:])
                 self.trace.owners[out] = self.trace.standard(out.dim())
             copy = id(module) in self.copy
             event.call = self.record(

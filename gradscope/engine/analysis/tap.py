@@ -37,14 +37,13 @@ from torch.autograd.graph import GradientEdge
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from ...rules.placed import Place
 from ..capture import Use
 from ..derived import Constants, Derived, Watched, compute, writes
 from ..hooks import ReadHooks
 from ..ops import CASTS, GROUPED, METADATA, SCALES, SHIFTS, VIEWS, op_name
 from ..parts import CONVS
 from ..plan import ParamPlan
-from ..recipes import OPENED, Recipe, masked_by, sdpa_math
+from ..recipes import OPENED, Recipe, lookup, masked_by, sdpa_math
 from ..tensors import tensors_in, tensors_of
 from ..views import places
 from .broadcasts import WRITTEN, BroadcastReads
@@ -170,7 +169,7 @@ class ParamTap(FunctionReads, ExpertReads, BroadcastReads, TorchFunctionMode):
             return None
         i, d = found[0]
         placed = isinstance(d, Derived)
-        if placed and name == "__getitem__" and i == 0 and _lookup(d, args):
+        if name == "__getitem__" and i == 0 and lookup(d, args):
             return self._function("embedding", F.embedding, (args[1], args[0]), {})
         if placed and i == 0 and (name in CASTS or name in VIEWS):
             return self._derive(name, d, func, args, kwargs)
@@ -272,15 +271,3 @@ def _edge(out: Tensor) -> GradientEdge | None:
 def _unscaled(kwargs: dict) -> bool:
     """Whether a fused ``addmm``'s keywords are ``beta=1, alpha=1`` at most."""
     return set(kwargs) <= {"beta", "alpha"} and all(v == 1 for v in kwargs.values())
-
-
-def _lookup(d: Derived, args: tuple) -> bool:
-    """Whether ``W[ids]`` is ``F.embedding(ids, W)``: a whole 2-D parameter, integer ids."""
-    ids = args[1]
-    return (
-        d.place == Place()
-        and args[0].dim() == 2
-        and isinstance(ids, Tensor)
-        and ids.dim() > 0
-        and not (ids.is_floating_point() or ids.dtype == torch.bool)
-    )

@@ -13,15 +13,19 @@ them keeps the mode: ``Recipe.constants``). A tensor made from parameters and nu
 parameter the model reaches by another way than its modules' attributes (a list it keeps) is
 read unseen: the region finds fewer reads than the analysed call, its witness fails and the
 batch is analysed, and the module's class keeps the mode from then on (``Record.moded``):
-never a read left unserved.
+never a read left unserved. What the model keeps in its modules of a pass (a ``Read`` it sets
+as an attribute, which registers it as a parameter; a ``Made`` it stores) is given back after
+it (``GivenBack``): the model holds the tensors its own forward would have left it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from ..plan import ParamPlan
 from ..recipes import OPENED, metadata
@@ -30,15 +34,14 @@ from ..recipes import OPENED, metadata
 _ASKS: dict = {}
 
 
-class Read(nn.Parameter):
-    """A watched parameter (or a tensor a region made from one) as the model reads it: an
-    alias of ``held`` whose every op goes to ``region.intercepted``, with ``held`` in its
-    place. A ``Parameter``, so that a model asking ``isinstance`` finds what it held."""
+class _Stand:
+    """What a ``Read`` and a ``Made`` share: an alias of the tensor ``held`` whose every op
+    goes to ``region.intercepted``, with ``held`` in its place."""
 
     held: Tensor
     region: Intercepting | _Released
 
-    def __new__(cls, real: Tensor, region: Intercepting | _Released) -> Read:
+    def __new__(cls, real: Tensor, region: Intercepting | _Released):
         with torch._C.DisableTorchFunction():  # setting its attributes asks for its __dict__
             read = Tensor._make_subclass(cls, real.detach(), False)
             read.held, read.region = real, region
@@ -48,12 +51,29 @@ class Read(nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         region = next(
-            t.region for t in (*args, *kwargs.values(), *_nested(args)) if type(t) is Read
+            t.region for t in (*args, *kwargs.values(), *_nested(args)) if type(t) in _STANDS
         )
         return region.intercepted(func, args, kwargs)
 
     def __repr__(self) -> str:
         return repr(self.held)
+
+
+class Read(_Stand, nn.Parameter):
+    """A watched parameter as the model reads it. A ``Parameter``, so that a model asking
+    ``isinstance`` finds what it held (and one setting it as its attribute registers it, as it
+    would the parameter: ``given_back`` puts the parameter there after the pass)."""
+
+
+class Made(_Stand, Tensor):
+    """A tensor a region made from watched parameters, as the model holds it: not a
+    ``Parameter``, as the tensor is not, so that a model setting it as its attribute keeps it
+    among its plain attributes, as its own forward would (``given_back`` puts the tensor
+    there after the pass); a parameter, its registration would raise, the tensor not a leaf."""
+
+
+_STANDS = frozenset({Read, Made})
+_HOLDING = _STANDS | {list, tuple}  # what may be or hold one
 
 
 def _nested(args: tuple) -> list:
@@ -62,11 +82,12 @@ def _nested(args: tuple) -> list:
 
 
 def _real(a: object) -> object:
-    """``a`` with each ``Read`` in it, or in a list or tuple it is, the tensor it holds."""
-    if type(a) is Read:  # not isinstance: Parameter's metaclass asks in Python
+    """``a`` with each ``Read`` or ``Made`` in it, or in a list or tuple it is, the tensor it
+    holds."""
+    if type(a) in _STANDS:  # not isinstance: Parameter's metaclass asks in Python
         return a.held
-    if type(a) in (list, tuple) and any(type(t) is Read for t in a):
-        return type(a)(t.held if type(t) is Read else t for t in a)
+    if type(a) in (list, tuple) and any(type(t) in _STANDS for t in a):
+        return type(a)(t.held if type(t) in _STANDS else t for t in a)
     return a
 
 
@@ -108,7 +129,7 @@ class Intercepting:
         """Each of ``params`` held as a ``Read`` by every module holding it, until ``release``."""
         self.swapped: list[tuple[dict, str, Tensor]] = []
         self.lent: list[tuple[Read, Intercepting]] = []  # each Read, and whose it was
-        self.wrapped: dict[int, Read] = {}
+        self.wrapped: dict[int, Read | Made] = {}
         for p in params:
             read, holders = intercept.holders(p)
             self.lent.append((read, read.region))
@@ -123,12 +144,17 @@ class Intercepting:
                 table[name] = read
 
     def release(self) -> None:
-        """Every module holds again what it held before ``hold``."""
+        """Every module holds again what it held before ``hold``; each ``Made`` left to run its
+        ops alone, as a closed region would, and forgotten: alive after the pass, the model
+        kept it (``GivenBack``)."""
         for table, name, before in reversed(self.swapped):
             table[name] = before
         for read, region in reversed(self.lent):
             read.region = region
-        self.swapped, self.lent = [], []
+        for made in self.wrapped.values():
+            if type(made) is Made:
+                made.region = RELEASED
+        self.swapped, self.lent, self.wrapped = [], [], {}
 
     def intercepted(self, func, args: tuple, kwargs: dict):
         """An op on a ``Read``: the region's, as its mode would see it, with the real tensors;
@@ -149,16 +175,66 @@ class Intercepting:
 
     def _wrapped(self, t: object) -> object:
         """``t`` as the model must hold it: a ``Read`` where the region follows it (a view or
-        tensor made from a watched parameter), else itself."""
+        tensor made from a watched parameter; ``Made``), else itself."""
         if isinstance(t, Tensor) and (id(t) in self.made or id(t) in self.by_id):
             return self._read_of(t)
         return t
 
-    def _read_of(self, t: Tensor) -> Read:
+    def _read_of(self, t: Tensor) -> Read | Made:
         read = self.wrapped.get(id(t))
         if read is None:
-            read = self.wrapped[id(t)] = Read(t, self)
+            kind = Read if id(t) in self.by_id else Made
+            read = self.wrapped[id(t)] = kind(t, self)
+            if kind is Made:
+                _MADE.append(weakref.ref(read))
         return read
+
+
+_MADE: list[weakref.ref] = []  # each ``Made`` the regions made since the last pass's end
+
+
+class GivenBack:
+    """Over a replayed pass: what the model kept of it in its modules' parameters, buffers and
+    attributes as it held it then (a ``Read`` set as an attribute, so registered as a parameter
+    as the parameter itself would be; a ``Made`` a forward made and kept), the tensor it stands
+    for after it (``given_back``), so that the model holds what its forward would have left it,
+    its parameters the user's. Looked for only where one may be: a ``Read`` registered, as
+    PyTorch's registration hook tells, or a ``Made`` alive after the pass (its region let it
+    go; autograd keeps the real tensors), which only a reference the model kept holds (or the
+    frames of a forward that raised)."""
+
+    def __init__(self, modules: Sequence[nn.Module]):
+        self.modules = modules
+
+    def __enter__(self) -> None:
+        self.registered = False
+        _MADE.clear()
+        self.handle = register_module_parameter_registration_hook(self._registering)
+
+    def _registering(self, module: nn.Module, name: str, param: Tensor) -> None:
+        self.registered = self.registered or type(param) is Read
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+        kept = any(made() is not None for made in _MADE)
+        _MADE.clear()
+        if self.registered or kept:
+            given_back(self.modules)
+
+
+def given_back(modules: Iterable[nn.Module]) -> None:
+    """Each ``Read`` or ``Made`` in the modules' parameters, buffers and attributes, or in a
+    list (in place) or tuple among those, the tensor it stands for."""
+    for m in modules:
+        for d in (m._parameters, m._buffers, m.__dict__):
+            if _HOLDING.isdisjoint(map(type, d.values())):  # most: at C's speed
+                continue
+            found = [(k, v) for k, v in d.items() if type(v) in _HOLDING and _real(v) is not v]
+            for k, v in found:
+                if type(v) is list:
+                    v[:] = _real(v)
+                else:
+                    d[k] = _real(v)
 
 
 def _aliases(read: Read, param: Tensor) -> bool:

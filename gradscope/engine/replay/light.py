@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
@@ -32,7 +33,7 @@ from ..hooks import ReadHooks
 from ..ops import CASTS, SCALES, SHIFTS, SPREAD, VIEWS, op_name, scalar_reads
 from ..parts import CONVS
 from ..plan import ParamPlan, Plan
-from ..recipes import ARG, OPENED, Recipe, masked_by, metadata, sdpa_math
+from ..recipes import ARG, OPENED, Recipe, lookup, masked_by, metadata, sdpa_math
 from ..steps import Diverged
 from ..tensors import tensors_in
 from ..views import places
@@ -135,9 +136,16 @@ class LightRegion(RecipeReads, Intercepting, TorchFunctionMode):
         if name == "scaled_dot_product_attention" and masked_by(args, kwargs, self._source):
             with self:  # its mask added to the scores, as the tap served it
                 return sdpa_math(*args, **kwargs)
+        if name == "__getitem__" and lookup(self._source(args[0]), args):  # as the tap ran it
+            func, args, kwargs, name = F.embedding, (args[1], args[0]), {}, "embedding"
         recipe = self.recipes[self._next] if self._next < len(self.recipes) else None
-        # p.expand(B, ...) reads p; a lookup of shared ids expanded to the batch reads W
-        spread = recipe is not None and name == recipe.op and (name in SPREAD or recipe.expand)
+        # p.expand(B, ...) reads p; a lookup of shared ids expanded to the batch reads W, and
+        # one of B rows taken as the examples' does, whatever made them
+        spread = (
+            recipe is not None
+            and name == recipe.op
+            and (name in SPREAD or recipe.expand or recipe.assumed)
+        )
         if not spread and self._pure(name, args, kwargs):
             return self._compute(func, args, kwargs)
         if recipe is not None and name == recipe.op:

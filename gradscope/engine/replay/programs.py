@@ -20,7 +20,7 @@ from ..hooks import ModuleHooks
 from ..plan import Plan
 from ..record import Findings, Lessons, Record
 from ..steps import Program, RegionCall
-from .intercept import Intercept
+from .intercept import GivenBack, Intercept
 from .light import LightRegion
 from .routed import RoutedRegion
 from .session import Diverged, ReplaySession, Taps
@@ -88,7 +88,11 @@ class Replayed:
             return None
         session = self._session(program, batch, findings, lessons)
         try:
-            with torch.set_grad_enabled(bool(program.uses or want.train)), session:
+            with (
+                torch.set_grad_enabled(bool(program.uses or want.train)),
+                GivenBack(self.modules),  # no Read kept in the model, once the regions are done
+                session,
+            ):
                 losses, observed = self.losses(inputs, targets)
             session.finish()
         except (Diverged, ModelError) as e:  # a ModelError's fault: the analysis runs it again

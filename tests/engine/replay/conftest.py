@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from gradscope.engine.replay import light
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "analysis"))  # test_repeated.py: a toy
 
 
 @pytest.fixture

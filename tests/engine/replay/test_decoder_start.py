@@ -4,7 +4,8 @@ its places by the shapes alone, not by values, and the lookup of the shifted ids
 of no example: the start token's, taken as the examples') keeps a recipe: the call is a light
 region, replayed with no trace, exact against the float64 loop (batches of 1 too), waiting for
 the device as often as a plain step. Tiny BART itself, whose encoder also looks its positions
-up on rows of no example at all, stays exact and replays every batch."""
+up on rows of no example at all (``test_free_positions.py``), replays every batch, no region
+traced."""
 
 from __future__ import annotations
 
@@ -116,4 +117,7 @@ def test_bart_replays_exact(n: int, padded: bool):
     torch.manual_seed(0)
     model = families.hf_bart(vocab=64, d=16, layers=1, heads=2, seq=8).double().eval()
     engine = _exact(model, n, make)
-    assert engine.record.at(*make(0, n)).replays == 2
+    findings = engine.record.at(*make(0, n))
+    assert findings.replays == 2, findings.why
+    (program,) = findings.programs
+    assert not program.varies  # every region light: none traced again

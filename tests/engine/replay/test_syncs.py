@@ -69,10 +69,6 @@ SMALL = {
     "W9": lambda: _hf(families.hf_mixtral, layers=2, heads=4, experts=4),
     "W10": _bart,
 }
-# where a replayed pass still syncs more than the floor (issue 49): BART's model call is traced
-# on every batch (its encoder looks positions up on rows of no example), and the trace's own
-# logic (owners, policy) reads values on the host
-KNOWN = {"W10": "BART: its model call traced on every batch, 24 syncs where the floor makes 2"}
 NAMES = [name for name in workloads.WORKLOADS if name != "smoke"]
 
 
@@ -80,11 +76,7 @@ def _problem(name: str) -> workloads.Problem:
     return SMALL[name]() if name in SMALL else workloads.WORKLOADS[name].build()
 
 
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN[n])) if n in KNOWN else n
-     for n in NAMES],
-)  # fmt: skip
+@pytest.mark.parametrize("name", NAMES)
 def test_a_replayed_pass_syncs_no_more_than_a_plain_step(name: str):
     pb = _problem(name)
     model, loss = pb.model, resolve_loss(pb.loss)

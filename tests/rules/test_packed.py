@@ -1,0 +1,129 @@
+"""RNN, GRU and LSTM on packed sequences (``pack_padded_sequence``, sorted or not, batch-first
+or not, an initial state given), through ``gradscope.per_example_norms`` and one Engine over
+several batches, against the float64 per-example loop: each parameter served by the
+``recurrent`` rule, its rows told apart by the packed sequence's sorting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import assert_rel_close, reference_norms
+from torch import Tensor, nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+import gradscope
+from gradscope.engine import Engine, total
+from gradscope.losses import resolve_loss
+
+T, IN, H = 4, 3, 5
+
+
+class Packed(nn.Module):
+    """The RNN over each example's first ``lengths[i]`` steps, padded back (``state``: from
+    an initial state made of each example's first input; ``last``: the final hidden state
+    instead, which no rule serves)."""
+
+    def __init__(self, rnn: nn.RNNBase, sort: bool = False, state: bool = False, last=False):
+        super().__init__()
+        self.rnn, self.sort, self.state, self.last = rnn, sort, state, last
+        self.states = rnn.num_layers * (2 if rnn.bidirectional else 1)
+
+    def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
+        first, b = self.rnn.batch_first, x.shape[0]
+        hx = None
+        if self.state:  # (layers * directions, B, H), example order
+            hx = torch.tanh(x[:, 0, :1]).T.unsqueeze(-1).expand(self.states, b, H).contiguous()
+            hx = (hx, -hx) if isinstance(self.rnn, nn.LSTM) else hx
+        if not first:
+            x = x.transpose(0, 1)  # (T, B, IN)
+        packed = pack_padded_sequence(x, lengths, first, enforce_sorted=self.sort)
+        out, state = self.rnn(packed, hx)
+        if self.last:
+            return (state[0] if isinstance(state, tuple) else state)[-1]  # (B, H)
+        out, _ = pad_packed_sequence(out, first, total_length=T)
+        return out if first else out.transpose(0, 1)  # (B, T, D*H), zeros past each length
+
+
+def lengths_of(kind: str, b: int, g: torch.Generator) -> Tensor:
+    if kind == "equal":
+        return torch.full((b,), T)
+    lengths = torch.randint(1, T + 1, (b,), generator=g)
+    lengths[-1] = 1  # a sequence of one step
+    if kind == "sorted":
+        lengths = lengths.sort(descending=True).values
+    return lengths
+
+
+def check(model: nn.Module, kind: str, b: int, n: int = 3) -> Engine:
+    """n batches by fresh calls and by one Engine, against the loop; the Engine."""
+    g = torch.Generator().manual_seed(b)
+    data = []
+    for _ in range(n):
+        x = torch.randn(b, T, IN, generator=g, dtype=torch.float64)
+        inputs = (x, lengths_of(kind, b, g))
+        with torch.no_grad():
+            data.append((inputs, torch.randn_like(model(*inputs))))
+    expected = [reference_norms(model, x, y)[1] for x, y in data]
+    for (x, y), norms in zip(data, expected, strict=True):
+        assert_rel_close(gradscope.per_example_norms(model, x, y, "mse"), norms, 1e-9)
+    with Engine(model, resolve_loss("mse")) as engine:
+        for (x, y), norms in zip(data, expected, strict=True):
+            assert_rel_close(total(engine.norms(x, y).norm_sq).sqrt(), norms, 1e-9)
+    return engine
+
+
+RNNS = {
+    "rnn-relu": lambda: nn.RNN(IN, H, nonlinearity="relu", batch_first=True),
+    "gru": lambda: nn.GRU(IN, H, batch_first=True),
+    "lstm-seq-first": lambda: nn.LSTM(IN, H),
+    "rnn-2-layers-bidirectional": lambda: nn.RNN(IN, H, 2, bidirectional=True, batch_first=True),
+    "gru-2-layers-bidirectional": lambda: nn.GRU(IN, H, 2, bidirectional=True),
+    "lstm-2-layers-bidirectional": lambda: nn.LSTM(IN, H, 2, bidirectional=True, batch_first=True),
+}
+
+
+@pytest.mark.parametrize(("kind", "b"), [("ragged", 4), ("equal", 3), ("ragged", 1)])
+@pytest.mark.parametrize("name", list(RNNS))
+def test_packed_sequences_match_the_loop(name: str, kind: str, b: int) -> None:
+    torch.manual_seed(0)
+    engine = check(Packed(RNNS[name]()).double(), kind, b)
+    assert {p.rule for p in engine.plan.params} == {"recurrent"}
+
+
+@pytest.mark.parametrize("name", ["gru", "lstm-2-layers-bidirectional"])
+def test_sorted_packs_and_initial_states_match_the_loop(name: str) -> None:
+    """``enforce_sorted`` (no sorting's indices: rows in example order), and each example's
+    own initial state, given in example order and sorted inside the RNN."""
+    torch.manual_seed(0)
+    for sort, kind in ((True, "sorted"), (False, "ragged")):
+        engine = check(Packed(RNNS[name](), sort=sort, state=True).double(), kind, 4)
+        assert {p.rule for p in engine.plan.params} == {"recurrent"}
+
+
+class Learned(Packed):
+    """An initial state made from a parameter alone, the same for every example."""
+
+    def __init__(self, rnn: nn.RNNBase):
+        super().__init__(rnn)
+        self.h0 = nn.Parameter(torch.randn(self.states, 1, H))
+
+    def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
+        hx = self.h0.expand(-1, x.shape[0], -1).contiguous()  # (layers * directions, B, H)
+        packed = pack_padded_sequence(x, lengths, True, enforce_sorted=False)
+        out, _ = pad_packed_sequence(self.rnn(packed, hx)[0], True, total_length=T)
+        return out
+
+
+def test_a_learned_initial_state_leaves_the_rnn_to_its_rule() -> None:
+    """The call is the RNN's (its packed sequence among its tensors), not one on tensors of
+    parameters alone; the state's parameter, which no rule serves, goes to the fallback."""
+    torch.manual_seed(0)
+    engine = check(Learned(RNNS["gru"]()).double(), "ragged", 4)
+    rules = {p.name: p.rule for p in engine.plan.params}
+    assert rules.pop("h0").startswith("fallback") and set(rules.values()) == {"recurrent"}
+
+
+def test_final_state_in_the_loss_goes_to_the_fallback() -> None:
+    torch.manual_seed(0)
+    engine = check(Packed(RNNS["gru"](), last=True).double(), "ragged", 4)
+    assert all(p.is_fallback and "second output" in p.note for p in engine.plan.params)
