@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -66,10 +67,14 @@ class Computed:
 
     def credit(self, part: Contribution) -> dict[str, Contribution]:
         """Each parameter's per-example gradient from ``part``, this tensor's: formed for the
-        batch at once, or where that passes ``CHUNK_ELEMENTS`` (a weight-norm convolution's
+        batch at once (one whole parameter's when asked for, the reads of it merged first:
+        ``Pulled``), or where that passes ``CHUNK_ELEMENTS`` (a weight-norm convolution's
         weight, B times) formed again for each question a few examples at a time."""
         per_example = part.shape.numel() + sum(v.numel() for v in self.values)
         step = max(1, base.CHUNK_ELEMENTS // per_example)
+        if step >= self.batch and len(self.leaves) == 1 and self.leaves[0].place == Place():
+            param = self.leaves[0].param
+            return {param.name: Pulled({self: part.materialize()}, param.param.shape)}
         if step >= self.batch:
             leaves = [Dense(g) for g in self._back(part.materialize())]
         else:
@@ -96,6 +101,42 @@ class Computed:
         except Exception:  # an op without a batching rule (vmap's message varies): one at a time
             per = [vjp(g) for g in grads]
             return tuple(torch.stack(gs) for gs in zip(*per, strict=True))
+
+
+class Pulled(Contribution):
+    """One parameter's per-example gradient through tensors ``Computed`` from it alone, kept as
+    each tensor's (B, *its shape) gradients until asked for: the reads of one tensor (Mistral
+    Large 4's rotary table scaled by a learned ``alpha``, read by each query and key) merge by
+    adding those, and one VJP per tensor then forms the parameter's, where one per read would
+    give the same sum (the VJP is linear in the gradient)."""
+
+    forms = True
+
+    def __init__(self, pending: dict[Computed, Tensor], shape: torch.Size):
+        self.pending = pending  # each tensor computed from the parameter -> its gradients
+        self.shape = shape
+
+    @functools.cached_property
+    def formed(self) -> Dense:
+        grads = [computed._back(g)[0] for computed, g in self.pending.items()]
+        return Dense(functools.reduce(torch.add, grads))
+
+    def norm_sq(self) -> Tensor:
+        return self.formed.norm_sq()
+
+    def inner(self, refs: Tensor) -> Tensor:
+        return self.formed.inner(refs)
+
+    def materialize(self) -> Tensor:
+        return self.formed.grads
+
+    def merge(self, other: Contribution) -> Contribution:
+        if not isinstance(other, Pulled):
+            return self.formed.merge(other)
+        pending = dict(self.pending)
+        for computed, g in other.pending.items():
+            pending[computed] = pending[computed] + g if computed in pending else g
+        return Pulled(pending, self.shape)
 
 
 Watched = Derived | Computed

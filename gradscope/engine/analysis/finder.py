@@ -207,11 +207,27 @@ class Finder:
         """The regions that cover every need, and the reads no call around them can hold that
         the replay serves by recipe (each with the autograd nodes made since ``start``, the
         forward's); or why there are none (a need that no call around it, the model's own
-        call aside unless ``whole``, can hold, and no recipe serves)."""
+        call aside unless ``whole``, can hold, and no recipe serves). Where that traces a
+        region on every batch, the reads whose own call cannot hold them are served at the root
+        instead (Mistral Large 4's rotary table, made from a learned ``alpha`` in one call and
+        read in every layer: no call but the model's holds them), if less is traced then."""
+        regions = self._choice(start, whole, rooted=False)
+        if isinstance(regions, str) or whole or not _traced(regions):
+            return regions
+        rooted = self._choice(start, whole, rooted=True)
+        return regions if isinstance(rooted, str) or _traced(rooted) >= _traced(regions) else rooted
+
+    def _choice(self, start: int, whole: bool, rooted: bool) -> Regions | str:
+        """``choose``'s regions; ``rooted``: a read with a recipe whose own call cannot hold
+        it is served at the root, unless a region chosen for another need holds it."""
         chosen: set[int] = set()
         root: list[Recipe] = []
+        later: list[tuple[Recipe, int, tuple[Visit, ...]]] = []
         for why, stack, recipe, at in self.needs:
             if recipe is WITNESSED:  # compared on every batch: by its region, or the root
+                continue
+            if rooted and _plain(recipe) and stack and not self._holds(stack[-1].module):
+                later.append((recipe, at, stack))
                 continue
             for v in reversed(stack):
                 if (whole or v.parent is not None) and self._holds(v.module):
@@ -221,6 +237,10 @@ class Finder:
                 if not _plain(recipe):
                     return f"{why}, outside any module call a region can hold"
                 root.append(dataclasses.replace(recipe, at=at - start))
+        for recipe, at, stack in later:
+            if not any(id(v.module) in chosen for v in stack):
+                root.append(dataclasses.replace(recipe, at=at - start))
+        root.sort(key=lambda r: r.at)
         outer = [
             v
             for v in self.visits
@@ -275,6 +295,11 @@ class Finder:
         """Whether every call of ``module`` can be a region."""
         calls = [v for v in self.visits if v.module is module]
         return all(v.entry != IRREGULAR and v.exit != IRREGULAR and not v.foreign for v in calls)
+
+
+def _traced(regions: Regions) -> int:
+    """The autograd nodes made in the calls ``regions`` trace on every batch."""
+    return sum(v.at_exit - v.at_entry for v in regions.visits if id(v) not in regions.light)
 
 
 def _plain(recipe: object) -> bool:

@@ -257,9 +257,10 @@ class ParamTap(FunctionReads, ExpertReads, BroadcastReads, TorchFunctionMode):
 
 
 def _edge(out: Tensor) -> GradientEdge | None:
-    """Where ``out``'s gradient arrives, or None where none can: not requiring grad, or a view
-    taken under ``no_grad`` (torch gives it no gradient function)."""
-    if not out.requires_grad:
+    """Where ``out``'s gradient arrives, or None where none can: not requiring grad, or made
+    under ``no_grad`` (a view taken there requires grad, but torch gives it no gradient
+    function, and asking for one makes an autograd node the replay's witness would count)."""
+    if not out.requires_grad or not torch.is_grad_enabled():
         return None
     try:
         return torch.autograd.graph.get_gradient_edge(out)

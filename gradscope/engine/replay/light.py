@@ -128,8 +128,8 @@ class LightRegion(RecipeReads, Intercepting, TorchFunctionMode):
                 return func(*args, **kwargs)
         if self.constants.ids and not any(id(t) in self.watched for t in tensors_in(args, kwargs)):
             return self._constant(func, args, kwargs)  # an op on constants alone
-        if metadata(func) or self._aside(args, kwargs):
-            return func(*args, **kwargs)
+        if metadata(func) or self._aside(args, kwargs) or not torch.is_grad_enabled():
+            return func(*args, **kwargs)  # a read under ``no_grad``: none, as analysed
         if func in OPENED:
             with self:  # its projections come to this mode one by one
                 return OPENED[func](*args, **kwargs)
