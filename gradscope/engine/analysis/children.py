@@ -17,7 +17,8 @@ follows nothing out of it). Every call of its module must be one, and no hooked 
 from __future__ import annotations
 
 from ..recipes import Recipe
-from .finder import Finder, Regions
+from .chosen import Regions
+from .finder import Finder
 from .trace import IRREGULAR
 from .visits import Visit, above
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,6 +28,7 @@ from ..capture import counter, shapes_of
 from ..derived import Constants
 from ..recipes import Recipe
 from ..tensors import tensors_of
+from .chosen import Regions
 from .trace import IRREGULAR, ByTensor
 from .visits import Visit, above
 
@@ -38,36 +38,6 @@ if TYPE_CHECKING:
 PICKED = "picked"  # a need of rows the batch's values pick: a routed region follows them
 ESCAPED = "escaped"  # the batch's values read on the host: an open routed region's, at most
 WITNESSED = "witnessed"  # ... as one scalar, which a light region's witness compares
-
-
-@dataclass
-class Regions:
-    """The visits whose module is a region, per module, in the order they began; and of those
-    that are light (``replay/light.py``: their only needs are reads a recipe serves; the calls
-    of hooked modules inside them replay as the program's steps), the recipes, by id of the
-    visit; of those, the ones whose rows the batch's values pick (``replay/routed.py``, with
-    no hooked module called inside)."""
-
-    modules: frozenset[int] = frozenset()
-    visits: list[Visit] = field(default_factory=list)
-    light: dict[int, tuple[Recipe, ...]] = field(default_factory=dict)
-    routed: frozenset[int] = frozenset()
-    open: frozenset[int] = frozenset()  # routed, their reads differing in number batch to batch
-    root: tuple[Recipe, ...] = ()  # reads outside every region call, served by recipe
-    # of the light ones not routed, by id of the visit: every read of one scalar from tensors'
-    # values on the host, (op, what it read), in order; a replayed call must read the same
-    hosts: dict[int, tuple[tuple[str, object], ...]] = field(default_factory=dict)
-    root_hosts: tuple[tuple[str, object], ...] = ()  # those outside every region call
-    # the calls inside traced regions that replay as the rest of the forward, by id of the
-    # visit: None, or a light child's recipes (``children.py``)
-    children: dict[int, tuple[Recipe, ...] | None] = field(default_factory=dict)
-
-    @property
-    def fixed(self) -> bool:
-        """Whether a replayed batch makes the analysed calls and reads, in the analysed order:
-        no region, or light ones alone, none open (an open one reads as many as its batch's
-        routing makes: which outputs the backward must request is then read each batch)."""
-        return all(id(v) in self.light and id(v) not in self.open for v in self.visits)
 
 
 class Finder:
@@ -212,10 +182,10 @@ class Finder:
         instead (Mistral Large 4's rotary table, made from a learned ``alpha`` in one call and
         read in every layer: no call but the model's holds them), if less is traced then."""
         regions = self._choice(start, whole, rooted=False)
-        if isinstance(regions, str) or whole or not _traced(regions):
+        if isinstance(regions, str) or whole or not regions.traced:
             return regions
         rooted = self._choice(start, whole, rooted=True)
-        return regions if isinstance(rooted, str) or _traced(rooted) >= _traced(regions) else rooted
+        return regions if isinstance(rooted, str) or rooted.traced >= regions.traced else rooted
 
     def _choice(self, start: int, whole: bool, rooted: bool) -> Regions | str:
         """``choose``'s regions; ``rooted``: a read with a recipe whose own call cannot hold
@@ -295,11 +265,6 @@ class Finder:
         """Whether every call of ``module`` can be a region."""
         calls = [v for v in self.visits if v.module is module]
         return all(v.entry != IRREGULAR and v.exit != IRREGULAR and not v.foreign for v in calls)
-
-
-def _traced(regions: Regions) -> int:
-    """The autograd nodes made in the calls ``regions`` trace on every batch."""
-    return sum(v.at_exit - v.at_entry for v in regions.visits if id(v) not in regions.light)
 
 
 def _plain(recipe: object) -> bool:

@@ -16,7 +16,7 @@ from ..backward.backward import Requests
 from ..steps import ChildCall, Program, RegionCall, Step
 from .analyse import Analysed
 from .children import children_of
-from .finder import Regions
+from .chosen import Regions
 from .session import Entered
 from .visits import Visit
 
