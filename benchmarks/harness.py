@@ -198,7 +198,8 @@ def run_isolated(script: str, names: list[str], out: Path, timeout: float, jobs:
                 current[i] = (queues[i][0], time.monotonic())
             if procs[i] is None:
                 continue
-            lines = logs[i].read_text().splitlines() if logs[i].exists() else []
+            text = logs[i].read_text() if logs[i].exists() else ""
+            lines = text[: text.rfind("\n") + 1].splitlines()  # a line still being written waits
             for line in lines[seen[i] :]:
                 rec = json.loads(line)
                 if rec.get("start"):
