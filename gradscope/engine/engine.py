@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..errors import GradscopeError, ModelError, one_line
+from ..errors import GradscopeError, ModelError, one_line, stop_if_signalled
 from ..losses import LossFn
 from ..rules import Contribution
 from .analysis import decide
@@ -279,6 +279,7 @@ class Engine:
         except (GradscopeError, Diverged):
             raise
         except Exception as e:  # whatever the user's forward raises: one line naming it
+            stop_if_signalled()
             shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
             raise ModelError(
                 f"the model cannot take inputs of shape {shapes}: {type(self.model).__name__}'s "
