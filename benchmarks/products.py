@@ -7,6 +7,11 @@ On W1 (an MLP, one position per example) ``norms`` needs the forward and the bac
 layers' inputs alone (||s||^2 ||a||^2 per layer), while hooks ``influence`` needs s^T R a per
 example and layer, a product the size of the layer's weight gradient: the count says whether a
 method runs more than that minimum.
+
+What the counter does not see or overstates: ``grouped_mm`` (transformers' grouped experts) is
+not counted at all, and a grouped convolution's weight gradient is counted as if its groups were
+one (gradscope's conv rule folds a call's examples into the groups: as many times its real
+count as the call has examples).
 """
 
 from __future__ import annotations
