@@ -51,9 +51,12 @@ def fixed(trace: RowTrace, tensors: list[Tensor]) -> bool:
 def _unfix(trace: RowTrace, target: Tensor) -> None:
     """``target`` written by values not fixed: it and every fixed tensor sharing its storage
     are fixed no more (asked with every function mode off: no op of the model's)."""
+    created = trace.created
     with torch._C.DisableTorchFunction():
+        if not (created.get(target) or created.get(target._base)):
+            return  # neither fixed nor a view of one: no fixed tensor shares its storage
         storage = target.untyped_storage().data_ptr()
-        for ref, value in list(trace.created._items.values()):
+        for ref, value in list(created._items.values()):
             t = ref()
             if value and t is not None and t.untyped_storage().data_ptr() == storage:
-                trace.created[t] = False
+                created[t] = False
