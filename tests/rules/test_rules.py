@@ -69,6 +69,14 @@ class SubLinear(nn.Linear):
     """Keeps nn.Linear's forward, so the Linear rule serves it."""
 
 
+class ChannelsFirstLayerNorm(nn.LayerNorm):
+    """SqueezeBERT's LayerNorm: (B, C, L) permuted to put the channels last, normalised, and
+    back."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x.permute(0, 2, 1)).permute(0, 2, 1)
+
+
 class Twice(nn.Module):
     """One Linear applied twice: its two calls' contributions add before the norm."""
 
@@ -477,6 +485,32 @@ CASES = [
     ),
     Case(
         "timm-layernorm2d-batch-1", lambda: stats(fam.LayerNorm2d(3)), randn(3, 2, 2), like, batch=1
+    ),
+    Case(
+        "channels-first-layernorm",
+        lambda: net(nn.Conv1d(3, 4, 1), stats(ChannelsFirstLayerNorm(4)), nn.Tanh()),
+        randn(3, 5),
+        like,
+    ),
+    Case(
+        "squeezebert-layernorm-transformers",
+        lambda: net(
+            nn.Conv1d(3, 4, 1),
+            stats(
+                transformers_layer(
+                    "models.squeezebert.modeling_squeezebert.SqueezeBertLayerNorm", 4
+                )()
+            ),
+            nn.Tanh(),
+        ),
+        randn(3, 5),
+        like,
+    ),
+    Case(
+        "nanogpt-layernorm-nobias",
+        lambda: net(stats(fam.NanoGPTLayerNorm(5, bias=False)), nn.Tanh()),
+        randn(3, 5),
+        like,
     ),
 ]
 
