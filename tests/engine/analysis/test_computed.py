@@ -16,6 +16,7 @@ from computed_models import (
     MaskedBias,
     ReadsAround,
     RelativeBias,
+    RelativeWindow,
     StateSpace,
     T,
     Tables,
@@ -69,6 +70,8 @@ CASES = [
     Case("heads-first-batch-1", HeadsFirst, _sequences, torch.randn_like, batch=1),
     Case("masked-bias", MaskedBias, _sequences, torch.randn_like),
     Case("masked-bias-batch-1", MaskedBias, _sequences, torch.randn_like, batch=1),
+    Case("relative-window", RelativeWindow, _sequences, torch.randn_like),
+    Case("relative-window-batch-1", RelativeWindow, _sequences, torch.randn_like, batch=1),
 ]
 
 
