@@ -34,8 +34,9 @@ _SET = {
     **dict.fromkeys(("max_position_embeddings", "n_positions", "max_target_positions",
                      "max_seq_len"), POSITIONS),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
-    **dict.fromkeys(("num_experts_per_tok", "moe_topk"), 2),
-    **dict.fromkeys(("n_group", "topk_group", "n_shared_experts"), 1),
+    **dict.fromkeys(("num_experts_per_tok", "num_experts_per_token", "moe_topk"), 2),
+    **dict.fromkeys(("n_group", "num_expert_group", "topk_group", "n_shared_experts"), 1),
+    "linear_num_heads": HEADS, "linear_head_dim": HEAD_DIM,
     **dict.fromkeys(("mamba_n_heads", "mamba_d_state", "ssm_state_size", "state_size"), 4),
     "mamba_d_head": 16, "rotary_dim": HEAD_DIM // 2,
     "vocab_size": VOCAB, "max_source_positions": 16, "attention_window": 4, "use_cache": False,
@@ -47,7 +48,19 @@ _DROP = ("transformers_version", "_name_or_path", "model_type", "architectures",
 OVERRIDES: dict[str, dict] = {
     "mamba2": {"head_dim": 16, "n_groups": 1},  # heads x head_dim must fill the expanded width
     "falcon_h1": {"mamba_d_ssm": 64},
-}
+    "squeezebert": {"embedding_size": HIDDEN},  # the embeddings feed the first layer unprojected
+    "xlnet": {"d_head": HIDDEN // HEADS},
+    "bit": {"num_groups": 8},  # its group norms split the 16 channels of the first stage
+    # the HiFi-GAN decoder's 512 channels upsampled 256 times, and the flows' 192: a forward of
+    # minutes in float64; no noise, so two forwards agree
+    "vits": {"upsample_initial_channel": 16, "upsample_rates": [2, 2],
+             "upsample_kernel_sizes": [4, 4], "resblock_kernel_sizes": [3],
+             "resblock_dilation_sizes": [[1, 3]], "flow_size": 16, "spectrogram_bins": 17,
+             "duration_predictor_filter_channels": 16, "duration_predictor_num_flows": 1,
+             "prior_encoder_num_flows": 1, "prior_encoder_num_wavenet_layers": 1,
+             "posterior_encoder_num_wavenet_layers": 1, "noise_scale": 0.0,
+             "noise_scale_duration": 0.0},
+}  # fmt: skip
 
 
 def _shrink(cfg: dict) -> dict:

@@ -273,3 +273,29 @@ class MaskedBias(nn.Module):
         h = scores.softmax(-1).mean(1) @ h
         self.router.to(h.dtype)
         return h.sum(1) * self.router(h).softmax(-1).sum((1, 2))[:, None]
+
+
+class RelativeWindow(nn.Module):
+    """VITS's relative positions: a (1, 2w + 1, d) table padded and sliced to (1, 2T - 1, d),
+    one matrix for every (example, head), multiplied by the queries (``q @ rel.mT``, a matmul
+    of 3-D tensors that is no experts' ``bmm``) and by the weights skewed to relative positions
+    (``w @ rel``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(3, D)
+        self.emb_rel_k = nn.Parameter(torch.randn(1, 5, D // 2))
+        self.emb_rel_v = nn.Parameter(torch.randn(1, 5, D // 2))
+
+    def relative(self, table: Tensor) -> Tensor:
+        pad = max(T - 3, 0)
+        return F.pad(table, [0, 0, pad, pad])[:, max(3 - T, 0) : max(3 - T, 0) + 2 * T - 1]
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, 3)
+        b = x.shape[0]
+        q = self.q(x).view(b, T, 2, D // 2).transpose(1, 2).reshape(b * 2, T, D // 2)
+        logits = q @ self.relative(self.emb_rel_k).mT  # (2B, T, 2T - 1)
+        w = torch.softmax(logits[..., :T], -1)  # (2B, T, T)
+        w = F.pad(F.pad(w, [0, T - 1]).view(b * 2, -1), [T, 0]).view(b * 2, T, 2 * T)[..., 1:]
+        out = torch.matmul(w, self.relative(self.emb_rel_v))  # (2B, T, D/2)
+        return out.reshape(b, 2, T, -1).sum((1, 2))

@@ -14,7 +14,7 @@ from project import run_cli
 from torch import Tensor, nn
 
 import gradscope
-from gradscope.engine import Engine, Forward, Want, naive_grads, select_output, total
+from gradscope.engine import Engine, Forward, Plan, Want, naive_grads, select_output, total
 from gradscope.errors import ModelError
 from gradscope.losses import resolve_loss
 from gradscope.rules.projection import Projection
@@ -32,6 +32,8 @@ class Case:
     loss_kwargs: dict = field(default_factory=dict)
     batch: int = 5
     output: str | int | None = None
+    # the parameters the passes send to the fallback, by design (none where the rules serve all)
+    fallback: tuple[str, ...] = ()
 
     def build(self, dtype: torch.dtype = torch.float64, batch: int | None = None, seed: int = 0):
         torch.manual_seed(seed)
@@ -74,6 +76,44 @@ def reference_norms(
         )
     norm = torch.stack([g.reshape(len(g), -1).pow(2).sum(1) for g in grads.values()]).sum(0).sqrt()
     return losses, norm
+
+
+def alone(module: nn.Module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
+    """{name: (B, *shape)} each example's gradient of ``sum(module(x_i) * g_i)``, the example
+    run alone, in float64: the loop a rule called directly is compared with."""
+    m = copy.deepcopy(module).double()
+    names = [n for n, _ in m.named_parameters()]
+    params = [p for _, p in m.named_parameters()]
+    x = x.double() if x.is_floating_point() else x
+    per = [
+        torch.autograd.grad((m(x[i : i + 1]) * g[i : i + 1].double()).sum(), params)
+        for i in range(x.shape[0])
+    ]
+    return {n: torch.stack([grads[k] for grads in per]) for k, n in enumerate(names)}
+
+
+def on_the_fallback(
+    of: nn.Module | Engine | Plan, include: Sequence[str] | None = None, exclude: Sequence[str] = ()
+) -> dict[str, str]:
+    """{name: why} of the parameters the passes moved to the fallback: in a plan, an Engine's,
+    or for a model what a fresh Engine of the selection adopts from the model's record."""
+    if isinstance(of, nn.Module):
+        of = Engine(of, resolve_loss("mse"), include, exclude)
+    plan = of.plan if isinstance(of, Engine) else of
+    return {p.name: p.note for p in plan.fallback}
+
+
+def assert_fallback(
+    of: nn.Module | Engine | Plan,
+    expected: Sequence[str] = (),
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] = (),
+) -> None:
+    """The parameters on the fallback are ``expected``, none by default. A rule's test must ask
+    this: the self-check moves a wrong rule's parameters to the fallback, whose numbers still
+    match the loop, so norms alone cannot fail on a wrong rule."""
+    fell = on_the_fallback(of, include, exclude)
+    assert set(fell) == set(expected), f"on the fallback: {fell}, expected {sorted(expected)}"
 
 
 def assert_rel_close(actual: Tensor, expected: Tensor, rtol: float) -> None:
@@ -202,7 +242,7 @@ def assert_case_matches_loop(
     """A case as the test strategy asks (docs/development/testing.md): its model built in
     ``dtype``; two batches of one shape with different values, each through a fresh
     ``per_example_norms`` call against the float64 loop, the model left as its own forward
-    leaves it after each; with ``cli`` (an empty folder), both batches again through
+    leaves it after each, and on the fallback only ``case.fallback``; with ``cli`` (an empty folder), both batches again through
     ``gradscope norms``, the model from a file and each batch one batch of the run, its losses
     against the loop's too."""
     model, *first = case.build(dtype)
@@ -222,6 +262,7 @@ def assert_case_matches_loop(
         )
         assert got.shape == (targets.shape[0],)
         assert_rel_close(got, expected[-1][1], rtol)
+    assert_fallback(model, case.fallback)
     if cli is None:
         return
     torch.save(model, cli / "model.pt")
@@ -306,3 +347,4 @@ def assert_projections_match_loop(case: Case, rtol: float = 1e-9) -> None:
                     assert_rel_close(got[name], expected, rtol)
                     if parts[name] is not None:
                         assert_rel_close(parts[name].project(p), expected, rtol)
+    assert_fallback(engine, case.fallback)

@@ -151,7 +151,11 @@ def read_at(
         return out, None
     size, stride = out.size(), out.stride()
     offset = out.storage_offset() - base.storage_offset()
-    return base, lambda grad: grad.contiguous().as_strided(size, stride, offset)
+    # as_strided's offset counts from the storage's start: the gradient may begin past it (a
+    # slice of a concatenation's gradient, ``torch.cat([cls, h], 1)`` at batch 1)
+    return base, lambda grad: (g := grad.contiguous()).as_strided(
+        size, stride, g.storage_offset() + offset
+    )
 
 
 class Capture:

@@ -54,27 +54,42 @@ def _affine_in_weight(module: nn.Module) -> bool:
 # module -> what _probe found (_SCALED: affine, zero at weight 0); weak: forgotten with it
 _AFFINE: weakref.WeakKeyDictionary[nn.Module, object] = weakref.WeakKeyDictionary()
 _SCALED = "scaled"
+_FIRST: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # found channels first by the probe
 
 
 def _probe(module: nn.Module) -> bool | str:
     """``_affine_in_weight`` tried on a small random input at a random weight: a norm that
     scales its input by the weight before normalising it (Muse Spark's input-scaled RMSNorm) is
-    not, and the tap serves its weight. A module the probe cannot run is taken as named (the
-    first batch's self-check still holds)."""
-    w = module.weight
+    not, and the tap serves its weight. A module that cannot run on its features last is tried
+    on (B, C, L) (SqueezeBERT's LayerNorm permutes its channels last and back): where that
+    holds, it is channels first. A module the probe cannot run is taken as named (the first
+    batch's self-check still holds)."""
+    w, first = module.weight, channels_first(module)
     try:
-        g = torch.Generator().manual_seed(0)
-        shape = (2, w.shape[0], 3, 3) if channels_first(module) else (2, 3, *w.shape)
-        x = torch.randn(shape, generator=g).to(w.device, w.dtype)
-        r = (torch.rand(w.shape, generator=g) + 0.5).to(w.device, w.dtype)
-        at_0, at_1, at_r = (_forward_at(module, x, v) for v in (0.0, 1.0, r))
-        scale = r.view(-1, 1, 1) if channels_first(module) else r
-        tol = 1e-2 if w.element_size() < 4 else 1e-4
-        if not torch.allclose(at_r, at_0 + scale * (at_1 - at_0), rtol=tol, atol=tol):
-            return False
-        return _SCALED if not at_0.any() else True  # weight * xhat: one forward finds xhat
+        return _probe_at(module, (2, w.shape[0], 3, 3) if first else (2, 3, *w.shape), first)
     except Exception:  # noqa: BLE001 - any failure of the probe: keep the name's word
+        if first or w.dim() != 1:
+            return True
+    try:
+        found = _probe_at(module, (2, w.shape[0], 3), True)
+    except Exception:  # noqa: BLE001
         return True
+    if found:
+        _FIRST.add(module)
+    return found
+
+
+def _probe_at(module: nn.Module, shape: tuple[int, ...], first: bool) -> bool | str:
+    """The probe on an input of ``shape``, its features on dimension 1 where ``first``."""
+    w, g = module.weight, torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g).to(w.device, w.dtype)
+    r = (torch.rand(w.shape, generator=g) + 0.5).to(w.device, w.dtype)
+    at_0, at_1, at_r = (_forward_at(module, x, v) for v in (0.0, 1.0, r))
+    scale = r.view(-1, *(1,) * (len(shape) - 2)) if first else r
+    tol = 1e-2 if w.element_size() < 4 else 1e-4
+    if not torch.allclose(at_r, at_0 + scale * (at_1 - at_0), rtol=tol, atol=tol):
+        return False
+    return _SCALED if not at_0.any() else True  # weight * xhat: one forward finds xhat
 
 
 @functools.cache
@@ -83,11 +98,13 @@ def _one_input(cls: type[nn.Module]) -> bool:
 
 
 def channels_first(module: nn.Module) -> bool:
-    """timm's ``LayerNorm2d`` and ConvNeXt's ``data_format="channels_first"``: (B, C, *spatial)
-    normalised over C; every other norm normalises the last dims."""
+    """timm's ``LayerNorm2d``, ConvNeXt's ``data_format="channels_first"`` and what the probe
+    found so (SqueezeBERT's): (B, C, *spatial) normalised over C; every other norm normalises
+    the last dims."""
     return (
         type(module).__name__.endswith("2d")
         or getattr(module, "data_format", None) == "channels_first"
+        or module in _FIRST
     )
 
 

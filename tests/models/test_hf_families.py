@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from oracle import assert_rel_close, reference_norms
+from oracle import assert_fallback, assert_rel_close, reference_norms
 from torch import Tensor, nn
 
 import gradscope
@@ -115,7 +115,7 @@ def test_family_is_exact_on_rules(family: str):
             ids, y = batch(seed)
             got = total(engine.norms((ids,), y).norm_sq).sqrt()
             assert_rel_close(got, reference_norms(model, (ids,), y, "cross_entropy")[1], 1e-6)
-    assert not engine.plan.fallback, [(p.name, p.note) for p in engine.plan.fallback]
+    assert_fallback(engine)
     ids, y = batch(5, b=2)  # a fresh call, another batch size
     got = gradscope.per_example_norms(model, ids, y)
     assert_rel_close(got, reference_norms(model, (ids,), y, "cross_entropy")[1], 1e-6)
@@ -134,7 +134,7 @@ def test_scan_family_replays_exactly(family: str):
             got = total(engine.norms((ids,), y).norm_sq).sqrt()
             assert_rel_close(got, reference_norms(model, (ids,), y, "cross_entropy")[1], 1e-6)
         findings = engine.record.at((ids,), y)
-    assert not engine.plan.fallback, [(p.name, p.note) for p in engine.plan.fallback]
+    assert_fallback(engine)
     assert findings.replays == 2, findings.why
 
 
@@ -157,7 +157,7 @@ def test_grouped_experts_float32(family: str):
             expected = [g.reshape(B, -1).double().pow(2).sum(1) for g in grads.values()]
             assert_rel_close(got, torch.stack(expected).sum(0).sqrt(), 1e-5)
         findings = engine.record.at((ids,), y)
-    assert not engine.plan.fallback, [(p.name, p.note) for p in engine.plan.fallback]
+    assert_fallback(engine)
     assert findings.replays == 2 and not findings.programs[-1].varies, findings.why
 
 

@@ -11,6 +11,7 @@ import torch
 from oracle import (
     Case,
     assert_case_matches_loop,
+    assert_fallback,
     assert_rel_close,
     reference_influence,
     reference_norms,
@@ -218,6 +219,7 @@ def test_norms_match_loop(case: Case) -> None:
         scores = engine.norms(inputs, targets)
     got = torch.stack(list(scores.norm_sq.values())).sum(0).sqrt()
     assert_rel_close(got, expected, 1e-5)
+    assert_fallback(engine)
     served = {p.name: p.rule for p in plan.params if _is_mha_param(p.name)}
     # add_bias_kv: the attention rule; else the projections where F.linear reads them
     learned_key = any(n.endswith("bias_k") for n in served)
@@ -237,6 +239,7 @@ def test_each_parameter_matches_loop(case_id: str) -> None:
         _, expected = reference_norms(model, inputs, targets, case.loss, include=[name])
         assert expected.min() > 0, name
         assert_rel_close(scores.norm_sq[name].sqrt(), expected, 1e-5)
+    assert_fallback(engine)
 
 
 @pytest.mark.parametrize("case_id", ["causal-bool", "cross-padded-seq-first", "encoder-pre-norm"])
@@ -254,6 +257,7 @@ def test_influence_matches_loop(case_id: str, engine: str) -> None:
     got = gradscope.per_example_influence(model, *train, *ref, case.loss, engine=engine)
     expected, _, _ = reference_influence(model, *train, ref, case.loss)
     assert_rel_close(got, expected[:, 0], 1e-5)
+    assert_fallback(model)
 
 
 class WeightsInLoss(nn.Module):

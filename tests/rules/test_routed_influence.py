@@ -11,7 +11,7 @@ import pandas as pd
 import torch
 import yaml
 from moe_models import Block, Experts, H, LoopExperts
-from oracle import assert_rel_close, model_state, reference_influence
+from oracle import assert_fallback, assert_rel_close, model_state, reference_influence
 from torch import Tensor, nn
 from typer.testing import CliRunner
 
@@ -78,6 +78,7 @@ def test_two_batches_fresh_calls_equal_the_loop_and_keep_the_model():
         got = gradscope.per_example_influence(model, x, y, ref[0], ref[1], curvature="none")
         state.assert_kept(model)
         assert_rel_close(got, _want(model, x, y, ref), 1e-4)  # float32 against float64
+    assert_fallback(model)
 
 
 def test_the_command_line_equals_the_loop_on_two_batches(tmp_path: Path):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import Case, assert_case_matches_loop, assert_rel_close
+from oracle import Case, alone, assert_case_matches_loop, assert_fallback, assert_rel_close
 from torch import Tensor, nn
 
 import gradscope
@@ -69,6 +69,14 @@ class SubLinear(nn.Linear):
     """Keeps nn.Linear's forward, so the Linear rule serves it."""
 
 
+class ChannelsFirstLayerNorm(nn.LayerNorm):
+    """SqueezeBERT's LayerNorm: (B, C, L) permuted to put the channels last, normalised, and
+    back."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x.permute(0, 2, 1)).permute(0, 2, 1)
+
+
 class Twice(nn.Module):
     """One Linear applied twice: its two calls' contributions add before the norm."""
 
@@ -99,6 +107,28 @@ class Unused(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.used(x)
+
+
+class Concatenated(nn.Module):
+    """Linears on (B, T, 3) whose outputs are concatenated behind another tensor: along the
+    positions behind a token (a ViT's class token), or along the batch behind another Linear's
+    (B, T, 6). Each one's output gradient is a slice of the concatenation's that begins past
+    the start of its memory where it is contiguous: at batch 1, and along the batch at any."""
+
+    def __init__(self, along_batch: bool):
+        super().__init__()
+        self.along_batch = along_batch
+        self.a, self.b, self.head = nn.Linear(3, 6), nn.Linear(3, 6), nn.Linear(6, 2)
+        self.register_buffer("token", torch.randn(1, 1, 6))
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, 3)
+        n = x.shape[0]
+        if self.along_batch:
+            h = torch.cat([self.a(x), self.b(x)], 0)  # (2B, T, 6)
+            h = h[:n] * h[n:]
+        else:
+            h = torch.cat([self.token.expand(n, -1, -1), self.a(x)], 1)[:, 1:] * self.b(x)
+        return self.head(torch.tanh(h).mean(1))
 
 
 class TwoLookups(nn.Module):
@@ -166,6 +196,8 @@ CASES = [
     ),
     Case("linear-called-twice", Twice, randn(3, 6), like),
     Case("linear-unused-module", Unused, randn(4), like),
+    Case("linear-behind-a-token-batch-1", lambda: Concatenated(False), randn(4, 3), like, batch=1),
+    Case("linear-concatenated-along-the-batch", lambda: Concatenated(True), randn(4, 3), like),
     # Conv: every padding_mode, "same"/"valid", stride, dilation, groups, 1-3 spatial dims
     Case(
         "conv1d-reflect-stride-dilation-groups",
@@ -321,6 +353,9 @@ CASES = [
         lambda: net(nn.Embedding(8, 3, scale_grad_by_freq=True, padding_idx=1), nn.Tanh()),
         ids(4, 10),
         like,
+        # a row's count is the batch's in autograd's gradient and the example's alone in each
+        # example's: the self-check cannot hold, so the rule is tested directly (below)
+        fallback=("0.weight",),
     ),
     Case("embedding-called-twice", TwoLookups, lambda b: (*ids(7, 5)(b), *ids(7, 5)(b)), like),
     Case("embedding-tied-head", TiedLM, ids(9, 6), classes, loss="cross_entropy"),
@@ -452,6 +487,26 @@ CASES = [
         "timm-layernorm2d-batch-1", lambda: stats(fam.LayerNorm2d(3)), randn(3, 2, 2), like, batch=1
     ),
     Case(
+        "channels-first-layernorm",
+        lambda: net(nn.Conv1d(3, 4, 1), stats(ChannelsFirstLayerNorm(4)), nn.Tanh()),
+        randn(3, 5),
+        like,
+    ),
+    Case(
+        "squeezebert-layernorm-transformers",
+        lambda: net(
+            nn.Conv1d(3, 4, 1),
+            stats(
+                transformers_layer(
+                    "models.squeezebert.modeling_squeezebert.SqueezeBertLayerNorm", 4
+                )()
+            ),
+            nn.Tanh(),
+        ),
+        randn(3, 5),
+        like,
+    ),
+    Case(
         "nanogpt-layernorm-nobias",
         lambda: net(stats(fam.NanoGPTLayerNorm(5, bias=False)), nn.Tanh()),
         randn(3, 5),
@@ -497,6 +552,7 @@ def test_contributions_match_loop(case: Case) -> None:
     with Engine(model, loss, forward=forward) as engine:
         _, parts = engine.contributions(inputs, targets)
         _, grads = naive_grads(model, inputs, targets, loss, list(parts), forward)
+    assert_fallback(engine, case.fallback)
     for name, part in parts.items():
         expected = grads[name]
         if part is None:  # no call of its module reached the loss
@@ -577,6 +633,7 @@ def test_conv_gradients_formed_a_few_examples_at_a_time(case: Case, step: int, m
     with Engine(model, loss) as engine:
         _, parts = engine.contributions(inputs, targets)
         _, grads = naive_grads(model, inputs, targets, loss, list(parts))
+    assert_fallback(engine)
     assert formed == ([case.batch] if case.batch > 1 else [])
     for name, part in parts.items():
         expected = grads[name].flatten(1)  # (B, P)
@@ -615,6 +672,7 @@ def test_conv_gradients_formed_in_even_chunks_within_its_input_and_output_gradie
     with Engine(model, loss) as engine:
         got = engine.norms((x,), y, refs=refs)
         _, grads = naive_grads(model, (x,), y, loss, list(refs))
+    assert_fallback(engine)
     # per example: 210 + 245 input and output gradient, 378 weight: 2 examples a chunk, in 3
     assert steps == ([(5, 2)] if batch == 5 else [])
     for name, per in grads.items():
@@ -682,6 +740,19 @@ def test_embedding_norms_of_long_sequences_by_sorted_rows(case: Case, monkeypatc
     its positions: the loop's norms either way."""
     monkeypatch.setattr(embedding, "GRAM_POSITIONS", 0)
     assert_case_matches_loop(case, torch.float64, rtol=1e-5)
+
+
+@pytest.mark.parametrize("padding", [None, 1])
+def test_embedding_scaled_by_frequency_is_each_examples_own(padding: int | None) -> None:
+    """``scale_grad_by_freq`` divides a row's gradient by its count in the example alone (the
+    loop's), not in the batch (autograd's): the self-check cannot hold there, so the case
+    above runs on the fallback, and the rule is compared with the loop here."""
+    torch.manual_seed(0)
+    module = nn.Embedding(8, 3, scale_grad_by_freq=True, padding_idx=padding).double()
+    ids = torch.randint(0, 4, (3, 10))
+    g = torch.randn(3, 10, 3, dtype=torch.float64)
+    part = find_rule(module).fn(module, (ids,), g)["weight"]
+    assert_rel_close(part.materialize(), alone(module, ids, g)["weight"], 1e-12)
 
 
 def test_batchnorm_without_running_stats_is_refused() -> None:

@@ -16,13 +16,14 @@ from computed_models import (
     MaskedBias,
     ReadsAround,
     RelativeBias,
+    RelativeWindow,
     StateSpace,
     T,
     Tables,
     WeightNormed,
     Windows,
 )
-from oracle import Case, assert_rel_close, reference_influence, reference_norms
+from oracle import Case, assert_fallback, assert_rel_close, reference_influence, reference_norms
 from torch import Tensor, nn
 
 import gradscope
@@ -69,6 +70,8 @@ CASES = [
     Case("heads-first-batch-1", HeadsFirst, _sequences, torch.randn_like, batch=1),
     Case("masked-bias", MaskedBias, _sequences, torch.randn_like),
     Case("masked-bias-batch-1", MaskedBias, _sequences, torch.randn_like, batch=1),
+    Case("relative-window", RelativeWindow, _sequences, torch.randn_like),
+    Case("relative-window-batch-1", RelativeWindow, _sequences, torch.randn_like, batch=1),
 ]
 
 
@@ -82,8 +85,7 @@ def test_computed_from_parameters_match_loop(case: Case):
         for name, norm_sq in scores.norm_sq.items():
             _, expected = reference_norms(model, inputs, targets, case.loss, include=[name])
             assert_rel_close(norm_sq.sqrt(), expected, 1e-6)
-    fallback = {p.name: p.note for p in engine.plan.params if p.is_fallback}
-    assert not fallback, fallback
+    assert_fallback(engine)
 
 
 class Unbatched(nn.Module):
@@ -134,6 +136,7 @@ def test_computed_through_fresh_api_calls(case: Case):
         got = gradscope.per_example_norms(model, inputs, targets, case.loss)
         _, expected = reference_norms(model, inputs, targets, case.loss)
         assert_rel_close(got, expected, 1e-6)
+    assert_fallback(model)
 
 
 class MixedHeads(nn.Module):
@@ -187,7 +190,7 @@ def test_computed_a_few_examples_at_a_time(case: Case, monkeypatch):
             scores = engine.norms(inputs, targets)
         _, expected = reference_norms(model, inputs, targets, case.loss)
         assert_rel_close(total(scores.norm_sq).sqrt(), expected, 1e-6)
-    assert not [p.name for p in engine.plan.params if p.is_fallback]
+    assert_fallback(engine)
     train, ref = (
         (tuple(t[:3] for t in inputs), targets[:3]),
         (tuple(t[3:] for t in inputs), targets[3:]),

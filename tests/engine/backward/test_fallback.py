@@ -130,13 +130,13 @@ CASES = [
     Case("raw-parameter", lambda: nn.Sequential(nn.Linear(4, 5), Scale(5), nn.Tanh(), nn.Linear(5, 2)),
          lambda b: (torch.randn(b, 4),), torch.randn_like),
     Case("matmul-parameter", lambda: nn.Sequential(nn.Linear(4, 5), DiagScale(5), nn.Tanh(), nn.Linear(5, 2)),
-         lambda b: (torch.randn(b, 4),), torch.randn_like),
+         lambda b: (torch.randn(b, 4),), torch.randn_like, fallback=("1.gain",)),
     Case("top-level-parameter", Positional, lambda b: (torch.randn(b, 5, 4),), labels, "cross_entropy"),
     # T == B: the shapes alone cannot tell the table's rows from the examples
     Case("shared-call-t-equals-b", lambda: SharedTable(5), lambda b: (torch.randn(b, 5, 4),), labels, "cross_entropy"),
     Case("shared-call", lambda: SharedTable(3), lambda b: (torch.randn(b, 3, 4),), labels, "cross_entropy"),
     Case("seq-first-t-equals-b", SeqFirst, lambda b: (torch.randn(b, 5, 4),), labels, "cross_entropy"),
-    Case("vmap-fails", ItemGate, lambda b: (torch.randn(b, 4),), torch.randn_like),
+    Case("vmap-fails", ItemGate, lambda b: (torch.randn(b, 4),), torch.randn_like, fallback=("scale.gain",)),
     Case("lstm-batch-1", lambda: Recurrent(nn.LSTM), lambda b: (torch.randn(b, 5, 4),), labels, "cross_entropy", batch=1),
 ]  # fmt: skip
 
