@@ -27,8 +27,8 @@ def rows_after(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object)
     if name == "index_select":
         dim, index = kwargs.get("dim", args[1] if len(args) > 1 else None), args[-1]
         return _picked(flow, x, index, out) if dim == 0 else _kept(flow, x, out, dim)
-    if name in ("index_add", "index_add_"):
-        return _added(flow, args, kwargs)
+    if name in ("index_add", "index_add_", "index_copy", "index_copy_"):
+        return _added(flow, args, kwargs, copy=name.startswith("index_copy"))
     if name == "__setitem__":
         return NotImplemented if flow.of(x) is not False or flow.of(args[2]) is not False else False
     if name in JOINS:
@@ -170,6 +170,11 @@ def _indexed(flow: RowFlow, x: Tensor, index: object, out: object) -> object:
         return flow.combine(chosen + found) if chosen or found else False
     if any(isinstance(k, Tensor) for k in key):
         return NotImplemented
+    if isinstance(first, slice) and first != slice(None):  # x[a:b]: those rows
+        rows = flow.of(x)
+        return (
+            rows[first] if isinstance(rows, Tensor) else (NotImplemented if rows is None else False)
+        )
     plain = first == slice(None) or (
         first is Ellipsis and sum(k is not None for k in key) <= x.dim()
     )
@@ -192,8 +197,9 @@ def _gathered(flow: RowFlow, rows: Tensor, index: Tensor) -> Tensor:
     return flow.formed(rows[index], None if form is None or maps is None else picked(maps, form))
 
 
-def _added(flow: RowFlow, args: tuple, kwargs: dict) -> object:
-    """``x.index_add(0, index, source)``: row index[j] of x gains source's row j."""
+def _added(flow: RowFlow, args: tuple, kwargs: dict, copy: bool = False) -> object:
+    """``x.index_add(0, index, source)``: row index[j] of x gains source's row j (``copy``:
+    ``index_copy``, takes it: x's row there is gone)."""
     x, dim = args[0], kwargs.get("dim", args[1] if len(args) > 1 else None)
     index = kwargs.get("index", args[2] if len(args) > 2 else None)
     source = kwargs.get("source", args[3] if len(args) > 3 else None)
@@ -205,7 +211,8 @@ def _added(flow: RowFlow, args: tuple, kwargs: dict) -> object:
     start = base if base is not False else index.new_full((x.shape[0],), NO_ONE)
     placed = start.clone().scatter_(0, index, rows)
     flow.flag(placed[index] != rows)  # every row written there is one example's
-    flow.flag((start[index] != NO_ONE) & (start[index] != rows))
+    if not copy:
+        flow.flag((start[index] != NO_ONE) & (start[index] != rows))
     return placed
 
 

@@ -3,12 +3,15 @@ layers, whose router is a Linear called inside the module whose experts' rows th
 values pick, and whose attention's queries are routed experts around ``scaled_dot_product_
 attention`` on keys repeated along the heads. Replayed as routed regions, not traced again on
 every batch, exact against the float64 per-example loop on batches of other values and other
-shapes through one Engine, a batch of one among them."""
+shapes through one Engine, a batch of one among them; and a Linear on the rows the routing
+picked, inside grouped experts that read nothing on the host (a closed routed region)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
+from moe_models import Block, Experts
 from oracle import assert_rel_close
 from torch import Tensor, nn
 
@@ -100,15 +103,60 @@ class Model(nn.Module):
         return self.head((h + self.moe(h)).mean(1))
 
 
-def _batch(seed: int, b: int, t: int) -> tuple[tuple[Tensor], Tensor]:
+def _batch(seed: int, b: int, t: int, dtype=torch.float64) -> tuple[tuple[Tensor], Tensor]:
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(b, t, H, generator=g, dtype=torch.float64)
+    x = torch.randn(b, t, H, generator=g, dtype=dtype)
     return (x,), torch.randint(0, CLASSES, (b,), generator=g)
 
 
-def test_linears_inside_routed_regions_replay_exact():
+class Picked(nn.Module):
+    """Grouped experts whose sorted tokens go through a Linear first, inside their call."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.block = nn.Linear(H, H), Block(Experts(then=nn.Linear(H, H)))
+        self.head = nn.Linear(H, CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.block(self.inp(x)).mean(1))
+
+
+class TwoExperts(nn.Module):
+    """Two experts, each an ``nn.Linear``, on the rows a Linear router sorts to them, cut by
+    slices at a count read on the host and put back by ``index_copy``."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(H, 1)
+        self.experts = nn.ModuleList([nn.Linear(H, H), nn.Linear(H, H)])
+
+    def forward(self, h: Tensor) -> Tensor:
+        flat = h.reshape(-1, H)
+        pick = (self.router(flat)[:, 0] > 0).long()
+        order = torch.argsort(pick, stable=True)
+        rows, n = flat[order], int((pick == 0).sum())
+        out = torch.cat([self.experts[0](rows[:n]), self.experts[1](rows[n:])])
+        return h + torch.empty_like(out).index_copy(0, order, out).view(h.shape)
+
+
+class Sliced(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.block, self.head = nn.Linear(H, H), TwoExperts(), nn.Linear(H, CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.block(self.inp(x)).mean(1))
+
+
+# grouped_mm takes float32 alone: the loop then in float32 too, to its rounding
+@pytest.mark.parametrize(
+    "make, dtype, tol",
+    [(Model, torch.float64, 1e-10), (Picked, torch.float32, 1e-4), (Sliced, torch.float64, 1e-10)],
+    ids=["jetmoe", "picked-rows", "sliced"],
+)
+def test_linears_inside_routed_regions_replay_exact(make, dtype, tol):
     torch.manual_seed(0)
-    model = Model().double().eval()
+    model = make().to(dtype).eval()
     names = [n for n, _ in model.named_parameters()]
     torch.manual_seed(1)
     refs = {n: torch.randn(1, *p.shape, dtype=p.dtype) for n, p in model.named_parameters()}
@@ -116,16 +164,17 @@ def test_linears_inside_routed_regions_replay_exact():
     with Engine(model, LOSS) as engine:
         for b, t in shapes:
             for seed in range(3):
-                x, y = _batch(seed, b, t)
+                x, y = _batch(seed, b, t, dtype)
                 scores = engine.scores(x, y, Want(norms=True, refs=refs))
                 _, grads = naive_grads(model, x, y, LOSS, names, Forward())
                 want = sum(g.flatten(1).pow(2).sum(1) for g in grads.values())
-                assert_rel_close(total(scores.norm_sq), want, 1e-10)
+                assert_rel_close(total(scores.norm_sq), want, tol)
                 for name, ref in refs.items():  # the routers' and kv's Linears among them
                     inner = grads[name].flatten(1) @ ref.flatten()
-                    assert_rel_close(scores.inner[name][:, 0], inner, 1e-10)
-            findings = engine.record.at(*_batch(0, b, t))
+                    assert_rel_close(scores.inner[name][:, 0], inner, tol)
+            findings = engine.record.at(*_batch(0, b, t, dtype))
             assert findings.replays == 2, findings.why
             (program,) = findings.programs
             calls = [s for s in program.steps if isinstance(s, RegionCall)]
-            assert [c.routed for c in calls] == [True, True]  # none traced again
+            assert calls and all(c.routed for c in calls)  # none traced again
+            assert all(c.open for c in calls) == (make is not Picked)  # sizes read on the host
