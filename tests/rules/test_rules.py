@@ -605,6 +605,7 @@ def test_conv_gradients_formed_in_even_chunks_within_its_input_and_output_gradie
         return Formed(form, b, shape, step)
 
     monkeypatch.setattr(conv, "Formed", chunked)
+    monkeypatch.setattr(conv, "FORMED_BESIDE", 0)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(6, 7, 3, padding=1), nn.Flatten(), nn.Linear(7 * 35, 1))
     model = model.double()
@@ -616,6 +617,40 @@ def test_conv_gradients_formed_in_even_chunks_within_its_input_and_output_gradie
         _, grads = naive_grads(model, (x,), y, loss, list(refs))
     # per example: 210 + 245 input and output gradient, 378 weight: 2 examples a chunk, in 3
     assert steps == ([(5, 2)] if batch == 5 else [])
+    for name, per in grads.items():
+        assert_rel_close(got.norm_sq[name], per.flatten(1).pow(2).sum(1), 1e-9)
+        assert_rel_close(got.inner[name], per.flatten(1) @ refs[name].flatten(1).T, 1e-9)
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        nn.Conv2d(6, 7, 3, padding=1),
+        nn.Conv2d(4, 6, 3, stride=(2, 1), padding=(2, 1), dilation=2, groups=2),
+        nn.Conv1d(4, 4, 5, padding=2, groups=4, bias=False),
+    ],
+    ids=["plain", "stride-dilation-groups", "depthwise-1d"],
+)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_conv_gradients_of_a_small_weight_formed_in_one_go(
+    module: nn.Module, batch: int, monkeypatch
+) -> None:
+    """Where the batch's per-example gradients stay within ``FORMED_BESIDE`` beyond the input
+    and output gradient, they are formed in one convolution backward, not in chunks, though
+    they outweigh those two; norms and inner products are the float64 loop's."""
+    formed = []
+    monkeypatch.setattr(conv, "Formed", lambda *a: formed.append(a) or Formed(*a))
+    torch.manual_seed(0)
+    x = torch.randn(batch, module.in_channels, *[7, 5][: len(module.kernel_size)])
+    model = nn.Sequential(module, nn.Tanh(), nn.Flatten(), nn.LazyLinear(1)).double()
+    x, y = x.double(), torch.randn(batch, 1).double()
+    model(x)
+    loss = resolve_loss("mse")
+    refs = {n: torch.randn(2, *p.shape).double() for n, p in model.named_parameters()}
+    with Engine(model, loss) as engine:
+        got = engine.norms((x,), y, refs=refs)
+        _, grads = naive_grads(model, (x,), y, loss, list(refs))
+    assert formed == []
     for name, per in grads.items():
         assert_rel_close(got.norm_sq[name], per.flatten(1).pow(2).sum(1), 1e-9)
         assert_rel_close(got.inner[name], per.flatten(1) @ refs[name].flatten(1).T, 1e-9)

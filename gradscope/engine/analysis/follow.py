@@ -52,8 +52,6 @@ class OwnerAlgebra:
             outs = out if isinstance(out, (tuple, list)) else (out,)  # as_tuple: one per dim
             return self._set(out, tuple(filled(t, NONE) for t in outs), origin)
         if name in CREATIONS:
-            if isinstance(out, Tensor):
-                self.created[out] = True
             return self._set(out, filled(out, NONE), origin)
         if name in SORTS:
             return self._set(out, self._sorted(name, args, kwargs, out), origin)
@@ -165,8 +163,9 @@ class OwnerAlgebra:
         return bool((self.owner(x) == NONE).all())
 
     def _of_batch(self, t: Tensor) -> bool:
-        """Whether ``t``'s values are computed from the batch (not made by a creation op)."""
-        return t in self.owners and t not in self.created
+        """Whether ``t``'s values are computed from the batch (not decided by its shapes alone:
+        ``fixed.py``)."""
+        return t in self.owners and not self.created.get(t)
 
     def _varies(self, x: Tensor, dims) -> bool:
         """Whether ``x``'s owners may differ along any of ``dims``."""

@@ -26,6 +26,8 @@ from torch.overrides import TorchFunctionMode
 
 from ..derived import writes
 from ..ops import ESCAPES, SCALAR_READS, SIZED_BY_VALUES, UNFOLLOWED, op_name
+from ..tensors import tensors_in
+from . import fixed
 from .arguments import filled
 from .follow import OwnerAlgebra
 from .lanes import Lane, after
@@ -102,7 +104,7 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         self.unknown: dict[str, None] = {}  # ops seen on batch tensors whose owners were assumed
         # the first op whose result's owners hold for this batch's values only (follow.py)
         self.picked_by: str | None = None
-        self.created = ByTensor()  # tensors made by CREATIONS: values that depend on no example
+        self.created = ByTensor()  # tensors whose values the batch's shapes decide (fixed.py)
         self.finder: Finder | None = None  # the analysis's (finder.py): told what needs it
         self.own = 0  # above 0 while the tap's own code runs (its host reads are not the model's)
         self.mixed_by = ByTensor()  # tensor -> the op that mixed examples on its way
@@ -198,7 +200,9 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         tracked = self.owners.held(args, kwargs)  # (tensor, its owners)
         if not tracked:
             return
-        if name in SIZED_BY_VALUES or (name == "where" and len(args) == 1):
+        fixed.after(self, name, args, kwargs, out)
+        sized = name in SIZED_BY_VALUES or (name == "where" and len(args) == 1)
+        if sized and not fixed.fixed(self, [t for t, _ in tracked]):
             self._escaped(name)
         if self.finder is not None:
             self.finder.read(t for t, _ in tracked)
@@ -221,8 +225,8 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         out = func(*args, **kwargs)
         if name not in UNFOLLOWED:
             self._record(name, func, args, kwargs, out)
-        if self.finder is None or self.own:
-            return out
+        if self.finder is None or self.own or fixed.fixed(self, tensors_in(args, kwargs)):
+            return out  # the tap's own, or values the batch's shapes decide (``fixed.py``)
         if name in SCALAR_READS:
             self.finder.host(name, out, held)
         elif held:
