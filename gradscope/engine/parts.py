@@ -16,6 +16,7 @@ from ..rules import Contribution, Dense
 from ..rules.conv import weight_part
 from ..rules.embedding import lookup
 from ..rules.linear import affine_parts
+from ..rules.routed import Routed
 from .rows import Lanes, Layout, regroup
 
 
@@ -48,6 +49,16 @@ def read_parts(
         return got
 
     return parts
+
+
+def lane_experts(a: Tensor, grad: Tensor, m: int, batch: int) -> Routed:
+    """W's contribution of ``bmm(a, W)``, a (E, N, in) and W (E, in, out) (Llama 4's experts),
+    row n of every expert example (n // m) % B: expert e's Linear on a[e], as routed rows."""
+    e, n = a.shape[:2]
+    own = (torch.arange(n, device=a.device) // m % batch).repeat(e)  # (E N,)
+    expert = torch.arange(e, device=a.device).repeat_interleave(n)  # (E N,)
+    shape = (e, a.shape[2], grad.shape[2])
+    return Routed(a.reshape(e * n, -1), grad.reshape(e * n, -1), own, expert, shape, batch, True)
 
 
 def broadcast_parts(

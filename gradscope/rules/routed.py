@@ -32,7 +32,9 @@ class Routed(Contribution):
     weight is (E, I, O), ``transposed``). ``a`` (S, I) inputs and ``s`` (S, O) output gradients
     of one or more calls, ``own`` (S,) each row's example of
     ``batch``, ``expert`` (S,) each row's expert (E: none; its output gradient is then zero).
-    Made as it is where each row's expert is known (``F.linear(x, W[e])``, ``x @ W[e]``)."""
+    Made as it is where each row's expert is known (``F.linear(x, W[e])``, ``x @ W[e]``);
+    ``one``: ``shape`` is one Linear's weight's (O, I) or bias's (O,), read whole on rows whose
+    examples the values pick (a Linear called inside a routed region), a stack of one expert."""
 
     def __init__(
         self,
@@ -43,9 +45,12 @@ class Routed(Contribution):
         shape: torch.Size,
         batch: int,
         transposed: bool,
+        one: bool = False,
     ):
         self.a, self.s, self.own, self.expert = _acc(a), _acc(s), own, expert
-        self.shape, self.batch, self.transposed = torch.Size(shape), batch, transposed
+        self.param, self.one = torch.Size(shape), one  # the parameter's shape
+        self.shape = torch.Size((1, *shape)) if one else self.param  # (E, *W[e])
+        self.batch, self.transposed = batch, transposed
         self.key = own * self.shape[0] + expert.clamp(max=self.shape[0] - 1)
 
     @classmethod
@@ -116,19 +121,22 @@ class Routed(Contribution):
         left, right = (self.a, self.s) if self.transposed else (self.s, self.a)
         outer = left[:, :, None] * right[:, None, :]  # (S, *W[e])
         grads = outer.new_zeros(self.batch * self.shape[0], *outer.shape[1:])
-        return grads.index_add_(0, self.key, outer).view(self.batch, *self.shape)
+        return grads.index_add_(0, self.key, outer).view(self.batch, *self.param)
 
     def examples(self, lo: int, hi: int) -> Contribution:
         """Examples lo to hi - 1: the other examples' rows kept with zero output gradients
         (cutting them out would read the batch's values on the host)."""
         mine = (self.own >= lo) & (self.own < hi)
         s, own = torch.where(mine[:, None], self.s, 0), torch.where(mine, self.own - lo, 0)
-        return Routed(self.a, s, own, self.expert, self.shape, hi - lo, self.transposed)
+        return Routed(self.a, s, own, self.expert, self.param, hi - lo, self.transposed, self.one)
 
     def merge(self, other: Contribution) -> Contribution:
         """Two calls' rows together: the Gram's pairs across them are the cross terms."""
-        same = (self.shape, self.batch, self.transposed)
-        if isinstance(other, Routed) and (other.shape, other.batch, other.transposed) == same:
+        same = (self.param, self.batch, self.transposed, self.one)
+        if (
+            isinstance(other, Routed)
+            and (other.param, other.batch, other.transposed, other.one) == same
+        ):
             return Routed(
                 torch.cat([self.a, other.a]),
                 torch.cat([self.s, other.s]),

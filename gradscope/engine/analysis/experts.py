@@ -14,7 +14,7 @@ from ...rules.placed import Place, Placed
 from ..derived import Derived, Watched
 from ..ops import BIASED, EXPERT_READS
 from ..recipes import ARG, Recipe
-from ..rows import regroup
+from ..rows import Lanes, regroup
 from ..views import compose
 from .owners import reduce, rows_of
 from .policy import ASSUMED
@@ -91,7 +91,7 @@ class ExpertReads:
         def parts(grad: Tensor) -> dict[str, Contribution]:
             return self._experts(d, weight, a, grad.reshape(-1, grad.shape[-1]), owner, ends)
 
-        self._read_output(d.params, out, parts, args)
+        self._read_output(d.params, out, parts, args, _lanes_recipe(d, weight, x, o, self.batch))
         return out
 
     def _experts(self, d: Watched, weight: Tensor, a: Tensor, grad: Tensor, owner, ends) -> dict:
@@ -172,6 +172,21 @@ def _whole(k: object, size: int) -> bool:
         and k.step in (1, None)
         and (k.stop is None or k.stop >= size)
     )
+
+
+def _lanes_recipe(d: Watched, weight: Tensor, x: Tensor, owner: Tensor, batch: int):
+    """The recipe of ``bmm(x, W)`` of a whole 3-D parameter W whose (E, N) rows are laid out
+    by shapes alone, row n of every expert example (n // m) % B (Llama 4's: every token through
+    every expert), where the Gram of all E N rows is cheap: a light region serves it again."""
+    if not isinstance(d, Derived) or weight is not d.param.param:
+        return None
+    if not cheap_gram(x.shape[0] * x.shape[1], weight.shape):
+        return None
+    first = owner[:1]  # (1, N): every expert's rows alike, or no recipe
+    rows = rows_of(first, batch) if bool((owner == first).all()) else None
+    if not isinstance(rows, Lanes) or rows.dim != 1:
+        return None
+    return Recipe("bmm", (("weight", d.param.name),), tuple(x.shape), rows, transposed=True)
 
 
 def _routed(d: Derived, weight: Tensor, x: Tensor) -> Recipe | None:

@@ -238,15 +238,21 @@ class Finder:
         if not mine or type(v.module) in self.traced or any(r is None for r, _ in mine):
             return None
         computed = any(isinstance(r, Recipe) and r.computed for r, _ in mine)
-        unfit = v.steps or computed or not _rows_first(v)
-        if self.routed(v) and unfit:  # a routed region follows rows alone: no call inside,
-            return None  # nothing made from parameters
+        unfit = not self._linear_steps(v) or computed or not _rows_first(v)
+        if self.routed(v) and unfit:  # a routed region follows rows alone: no call inside
+            return None  # but a Linear's (``replay/hooked.py``), nothing made from parameters
         unwitnessed = self._escaped(v, witnessed=False)
         expert = any(isinstance(r, Recipe) and r.expert for r, _ in mine)
         if not self.routed(v) and (unwitnessed or expert):
             return None
         reads = [(r, at) for r, at in mine if r not in (PICKED, ESCAPED, WITNESSED)]
         return tuple(dataclasses.replace(recipe, at=at - v.at_entry) for recipe, at in reads)
+
+    def _linear_steps(self, v: Visit) -> bool:
+        """Whether every hooked call inside the region call is an ``nn.Linear``'s, on rows of
+        its own (``replay/hooked.py`` serves them in a routed region)."""
+        inner = self.events[v.first : v.first + v.steps]
+        return all(type(e.module) is nn.Linear and not e.handed and not e.expand for e in inner)
 
     def routed(self, v: Visit) -> bool:
         """Whether a region call's rows are picked by values: a routed region's, if light."""

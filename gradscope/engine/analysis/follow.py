@@ -110,6 +110,8 @@ class OwnerAlgebra:
         pickers = [t for t in tensors_in(*where) if self._of_batch(t)]
         if name in SCATTERS and pickers and self._scatter_holds(name, args, kwargs):
             return False  # a top-k mask: where it writes, nothing's owners change
+        if name in SCATTERS and self._in_rows(name, args, kwargs):
+            return False  # each row's values back into its own row
         if name in PLACES or name in SCATTERS or name == "__setitem__" or not pickers:
             return bool(pickers)  # writes where values say: whatever the owners
         if name == "__getitem__":
@@ -137,6 +139,28 @@ class OwnerAlgebra:
             name.startswith("scatter_reduce") and kwargs.get("include_self", True)
         )
         return keep or bool((self.owner(args[0]) == NONE).all())
+
+    def _in_rows(self, name: str, args: tuple, kwargs: dict) -> bool:
+        """Whether ``x.scatter(dim, index, src)`` writes each row of ``src`` into the same row
+        of ``x``, whole rows (Llama 4's router scores: -inf but at each token's top k): ``x``
+        no example's, ``src``'s owners constant along ``dim``. Each row of the result is then
+        its source row's example's (``_scatter``), whatever the index: its values pick places
+        within the row, which carry no gradient."""
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        index = kwargs.get("index", args[2] if len(args) > 2 else None)
+        src = kwargs.get("src", args[3] if len(args) > 3 else None)
+        if name not in ("scatter", "scatter_") or not isinstance(dim, int):
+            return False
+        x = args[0]
+        if not isinstance(src, Tensor) or not isinstance(index, Tensor) or src.shape != index.shape:
+            return False
+        if index.dim() != x.dim():
+            return False
+        d = dim % x.dim()
+        pairs = enumerate(zip(index.shape, x.shape, strict=True))
+        if any(n != m for k, (n, m) in pairs if k != d) or self._varies(src, [d]):
+            return False
+        return bool((self.owner(x) == NONE).all())
 
     def _of_batch(self, t: Tensor) -> bool:
         """Whether ``t``'s values are computed from the batch (not decided by its shapes alone:
@@ -236,7 +260,10 @@ class OwnerAlgebra:
         keep = name.startswith("scatter_add") or (
             name.startswith("scatter_reduce") and kwargs.get("include_self", True)
         )
-        o = shrink(scatter_combine(base, dim, index, values.contiguous(), keep))
+        if self._in_rows(name, args, kwargs):  # each row its source row's, wherever written
+            o = shrink(combine(base, reduce(values, [dim])))
+        else:
+            o = shrink(scatter_combine(base, dim, index, values.contiguous(), keep))
         self._set(x if name.endswith("_") else out, o, origin)
 
     def _in_place(self, name: str, args: tuple, kwargs: dict, origin: str) -> None:

@@ -23,6 +23,7 @@ from ..parts import (
     einsum_part,
     einsum_read,
     element_parts,
+    lane_experts,
     lane_rows,
     left_part,
     product_part,
@@ -42,6 +43,8 @@ class RecipeReads:
         from them)."""
         if recipe.slot is not None or recipe.equation is not None:
             return self._product(recipe, func, args, kwargs)
+        if recipe.op == "bmm":
+            return self._bmm(recipe, func, args, kwargs)
         call = bind_affine(recipe.op, args, kwargs)
         if recipe.left:  # W @ x
             call = (args[1], args[0], None) if len(args) == 2 and not kwargs else None
@@ -96,6 +99,17 @@ class RecipeReads:
             self._credited(
                 sources, target, parts if viewed is None else viewed_parts(parts, viewed)
             )
+        return out
+
+    def _bmm(self, recipe: Recipe, func, args: tuple, kwargs: dict):
+        """``bmm(x, W)`` of (E, N, in) rows laid out by the recipe's lanes along N and a fused
+        (E, in, out) W: expert e's Linear on x[e] (``parts.lane_experts``)."""
+        x, weight = args if len(args) == 2 and not kwargs else (None, None)
+        sources = self._sources(recipe, x, (weight, None))
+        out = self._run(recipe, sources, func, args, kwargs)
+        if sources is not None and isinstance(out, Tensor) and out.requires_grad:
+            a, m, batch = x.detach(), recipe.rows.m, self.batch
+            self._credited(sources, out, lambda g: {"weight": lane_experts(a, g, m, batch)})
         return out
 
     def _conv(self, recipe: Recipe, func, args: tuple, kwargs: dict):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ...rules.routed import Routed
 from ..capture import Use, counter, edge, read_at
@@ -26,11 +26,12 @@ from ..parts import bind_affine, broadcast_view, viewed_parts
 from ..plan import Plan
 from ..recipes import ARG, Recipe, metadata
 from ..tensors import tensors_in
+from .hooked import HookedLinears
 from .light import LightRegion
 from .rowflow import NO_ONE, RowFlow
 
 
-class RoutedRegion(LightRegion):
+class RoutedRegion(HookedLinears, LightRegion):
     """One routed region call of a replayed batch: its ``tensors`` and their owner specs at
     ``entry`` (None: no example's; (0, m): rows (r // m) % B); ``during`` None for an open one,
     whose reads are matched by kind, as many as the batch makes; ``unfollowed`` is told when a
@@ -51,6 +52,7 @@ class RoutedRegion(LightRegion):
         # views of a watched 3-D W: id -> (view, W, which expert: None for W^T, else W[e]'s e)
         self.views: dict[int, tuple[Tensor, Tensor, object]] = {}
         self.unfollowed = unfollowed
+        self._hooked_init()
         for t, spec in zip(tensors, entry, strict=True):
             if spec is not None:
                 self.flow.keep(t, self.flow.lane(t, spec))
@@ -92,6 +94,8 @@ class RoutedRegion(LightRegion):
         return item if item is not None and item[0] is t else None
 
     def _watched(self, name: str, func, args: tuple, kwargs: dict):
+        if self._in_linear(name, args, kwargs):
+            return self._linear(func, args)
         w = args[0] if args else None
         if id(w) in self.watched and (w.dim() == 3 and name in EXPERT_VIEWS or _row_of(w, name)):
             return self._viewed(name, func, args, kwargs)
@@ -113,13 +117,15 @@ class RoutedRegion(LightRegion):
             recipe = next((r for r in self.recipes if r.op == name and not r.expert), None)
             if recipe is None:
                 return self._other(name, func(*args, **kwargs))
-            out = self._read(recipe, func, args, kwargs)
+            broadcast = recipe.roles[0][0].startswith(ARG)  # x + b: b along x's rows
+            read = self._broadcast if broadcast else self._read
+            out = read(recipe, func, args, kwargs)
         else:
             done = self._next
             out = LightRegion.__torch_function__(self, func, (), args, kwargs)
             recipe = self.recipes[done] if self._next > done else None
         if recipe is not None:  # a recipe's read: its rows as the recipe lays them out
-            self._lanes_hold(recipe, bind_affine(name, args, kwargs)[0])
+            self._lanes_hold(recipe, _input(recipe, name, args, kwargs))
         return out
 
     def _other(self, name: str, out: object) -> object:
@@ -183,10 +189,10 @@ class RoutedRegion(LightRegion):
         if p is None or offs is None or extra or self._recipe(kind, x) is None:
             return self._other("grouped_mm", out)
 
-        def routed(a: Tensor, grad: Tensor, rows: Tensor) -> Routed:
-            return Routed.of(a, grad, rows, offs, param.shape, self.batch, transposed)
+        def routed(a: Tensor, grad: Tensor, rows: Tensor) -> dict:
+            return {p.name: Routed.of(a, grad, rows, offs, param.shape, self.batch, transposed)}
 
-        return self._serve(p, x, weight, out, routed)
+        return self._serve((p,), x, weight, out, routed)
 
     def _expert(self, name: str, func, args: tuple, view: tuple) -> Tensor:
         """``F.linear(x, W[e])`` or ``x @ W[e]``: expert e's matrix on rows a value picked."""
@@ -198,11 +204,11 @@ class RoutedRegion(LightRegion):
         if p is None or (transposed and x.dim() != 2) or self._recipe(kind, x) is None:
             return self._other(name, out)
 
-        def routed(a: Tensor, grad: Tensor, rows: Tensor) -> Routed:
+        def routed(a: Tensor, grad: Tensor, rows: Tensor) -> dict:
             expert = torch.as_tensor(e, device=a.device).expand(a.shape[0])
-            return Routed(a, grad, rows, expert, param.shape, self.batch, transposed)
+            return {p.name: Routed(a, grad, rows, expert, param.shape, self.batch, transposed)}
 
-        return self._serve(p, x, weight, out, routed)
+        return self._serve((p,), x, weight, out, routed)
 
     def _bias(self, name: str, func, args: tuple, view: tuple) -> Tensor:
         """``x + b[e]``: expert e's bias on rows a value picked (a Linear's on inputs of 1),
@@ -214,16 +220,16 @@ class RoutedRegion(LightRegion):
         if p is None or x.dim() != 2 or self._recipe(kind, x) is None:
             return self._other(name, func(*args))
 
-        def routed(a: Tensor, grad: Tensor, rows: Tensor) -> Routed:
+        def routed(a: Tensor, grad: Tensor, rows: Tensor) -> dict:
             expert = torch.as_tensor(e, device=a.device).expand(a.shape[0])
             ones = a.new_ones(a.shape[0], 1)
-            return Routed(ones, grad, rows, expert, param.shape, self.batch, True)
+            return {p.name: Routed(ones, grad, rows, expert, param.shape, self.batch, True)}
 
-        spread = self._serve(p, x, bias, broadcast_view(bias, x.shape), routed)
+        spread = self._serve((p,), x, bias, broadcast_view(bias, x.shape), routed)
         return func(*((x, spread) if i else (spread, x)))
 
-    def _serve(self, p, x: Tensor, weight: Tensor, out: Tensor, routed: Callable) -> Tensor:
-        """A read of ``p`` on ``x``'s followed rows, its gradient at ``out`` to ``routed``."""
+    def _serve(self, ps: tuple, x: Tensor, weight: Tensor, out: Tensor, routed: Callable) -> Tensor:
+        """A read of ``ps`` on ``x``'s followed rows, its gradient at ``out`` to ``routed``."""
         rows = self._rows_at(x)
         if rows is None or not out.requires_grad:
             return out
@@ -232,11 +238,11 @@ class RoutedRegion(LightRegion):
         a = x.detach()
 
         def parts(grad: Tensor) -> dict:
-            return {p.name: routed(a, grad, rows)}
+            return routed(a, grad, rows)
 
         target, viewed = read_at(out, [x, weight])
         with torch._C.DisableTorchFunction():
-            use = Use((p,), edge(target), parts if viewed is None else viewed_parts(parts, viewed))
+            use = Use(ps, edge(target), parts if viewed is None else viewed_parts(parts, viewed))
             self.hooks.add(target, use)
         self.uses.append(use)
         return out
@@ -251,15 +257,6 @@ class RoutedRegion(LightRegion):
         return rows
 
     # -- the end ---------------------------------------------------------------------------
-
-    def enter(self, module: nn.Module, args: tuple) -> None:
-        """A hooked module's call inside the region, which the analysed batch's made none of."""
-        self.why = (
-            self.why or f"other operations than the analysed batch's ({type(module).__name__})"
-        )
-
-    def captured(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-        pass
 
     def finish(self, outputs: Sequence[Tensor], exit: tuple) -> str | None:
         if self.open:  # reads as the batch makes them: no order, no count
@@ -287,6 +284,15 @@ class RoutedRegion(LightRegion):
 
     def pending(self) -> Tensor | None:
         return self.flow.bad
+
+
+def _input(recipe: Recipe, name: str, args: tuple, kwargs: dict) -> object:
+    """The rows a recipe's read is on: a Linear's input; the other operand of ``x + b``."""
+    role = recipe.roles[0][0]
+    if role.startswith(ARG):
+        return args[1 - int(role[len(ARG) :])] if len(args) == 2 else None
+    call = bind_affine(name, args, kwargs)
+    return None if call is None else call[0]
 
 
 def _row_of(w: Tensor, name: str) -> bool:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from .rowflow import RowFlow
 
 NO_ONE = -1  # a row of no example
+ATTENTION = {"scaled_dot_product_attention"}  # q, k, v and a mask, each row its own
 
 
 def rows_after(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object):
@@ -26,8 +27,8 @@ def rows_after(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object)
     if name == "index_select":
         dim, index = kwargs.get("dim", args[1] if len(args) > 1 else None), args[-1]
         return _picked(flow, x, index, out) if dim == 0 else _kept(flow, x, out, dim)
-    if name in ("index_add", "index_add_"):
-        return _added(flow, args, kwargs)
+    if name in ("index_add", "index_add_", "index_copy", "index_copy_"):
+        return _added(flow, args, kwargs, copy=name.startswith("index_copy"))
     if name == "__setitem__":
         return NotImplemented if flow.of(x) is not False or flow.of(args[2]) is not False else False
     if name in JOINS:
@@ -42,11 +43,15 @@ def rows_after(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object)
         return _same_rows(flow, x, out) if flow.of(w) is False else NotImplemented
     if name in MATMULS and len(args) == 2 and _by_matrix(x, args[1]):  # x @ W, W no one's
         return _same_rows(flow, x, out) if flow.of(args[1]) is False else NotImplemented
-    if name in ROW_WISE:
-        return _row_wise(flow, args, kwargs, out)
+    if name in ROW_WISE or name in ATTENTION or (name in MATMULS and _batched(args)):
+        return _row_wise(flow, args, kwargs, out)  # attention: within each example's rows
+    if name == "repeat" and _repeats(args)[:1] == (1,) and len(_repeats(args)) == x.dim():
+        return _same_rows(flow, x, out)  # JetMoE's keys, repeated along the heads
     if name in SPLITS:
         dim = kwargs.get("dim", args[2] if len(args) > 2 and name != "unbind" else 0)
         dim = args[1] if name in ("unbind", "select", "narrow") and len(args) > 1 else dim
+        if dim == 0 and name in ("split", "split_with_sizes", "chunk", "tensor_split"):
+            return _pieces(flow, x, out)
         return _kept(flow, x, out, dim)
     if name in RESHAPES:
         return _reshaped(flow, x, out)
@@ -71,6 +76,17 @@ def rows_after(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object)
     return NotImplemented
 
 
+def _batched(args: tuple) -> bool:
+    """Whether a matrix product of two operands is batched along dimension 0 of both."""
+    return len(args) == 2 and all(isinstance(t, Tensor) and t.dim() >= 3 for t in args)
+
+
+def _repeats(args: tuple) -> tuple:
+    """``x.repeat(*sizes)``'s sizes."""
+    sizes = args[1:] if len(args) != 2 or not isinstance(args[1], (list, tuple)) else args[1]
+    return tuple(sizes)
+
+
 def _by_matrix(x: object, w: object) -> bool:
     """Whether ``x @ w`` multiplies each row of x (rows along dimension 0) by a matrix."""
     return isinstance(x, Tensor) and isinstance(w, Tensor) and x.dim() >= 2 and w.dim() == 2
@@ -87,6 +103,21 @@ def _kept(flow: RowFlow, x: Tensor, out: object, dim) -> object:
     if isinstance(out, (tuple, list)):
         return tuple(rows if isinstance(t, Tensor) else None for t in out)
     return rows
+
+
+def _pieces(flow: RowFlow, x: Tensor, out: object) -> object:
+    """x split along dimension 0 into consecutive pieces (``x.split(sizes)``, JetMoE's tokens
+    per expert): each piece's rows are x's rows at its place."""
+    rows = flow.of(x)
+    if rows is None or not isinstance(out, (tuple, list)) or not x.dim():
+        return NotImplemented
+    if rows is False:
+        return tuple(False for _ in out)
+    pieces, start = [], 0
+    for t in out:
+        pieces.append(rows[start : start + t.shape[0]])
+        start += t.shape[0]
+    return tuple(pieces)
 
 
 def _same_rows(flow: RowFlow, x: Tensor, out: object) -> object:
@@ -139,6 +170,11 @@ def _indexed(flow: RowFlow, x: Tensor, index: object, out: object) -> object:
         return flow.combine(chosen + found) if chosen or found else False
     if any(isinstance(k, Tensor) for k in key):
         return NotImplemented
+    if isinstance(first, slice) and first != slice(None):  # x[a:b]: those rows
+        rows = flow.of(x)
+        return (
+            rows[first] if isinstance(rows, Tensor) else (NotImplemented if rows is None else False)
+        )
     plain = first == slice(None) or (
         first is Ellipsis and sum(k is not None for k in key) <= x.dim()
     )
@@ -161,8 +197,9 @@ def _gathered(flow: RowFlow, rows: Tensor, index: Tensor) -> Tensor:
     return flow.formed(rows[index], None if form is None or maps is None else picked(maps, form))
 
 
-def _added(flow: RowFlow, args: tuple, kwargs: dict) -> object:
-    """``x.index_add(0, index, source)``: row index[j] of x gains source's row j."""
+def _added(flow: RowFlow, args: tuple, kwargs: dict, copy: bool = False) -> object:
+    """``x.index_add(0, index, source)``: row index[j] of x gains source's row j (``copy``:
+    ``index_copy``, takes it: x's row there is gone)."""
     x, dim = args[0], kwargs.get("dim", args[1] if len(args) > 1 else None)
     index = kwargs.get("index", args[2] if len(args) > 2 else None)
     source = kwargs.get("source", args[3] if len(args) > 3 else None)
@@ -174,7 +211,8 @@ def _added(flow: RowFlow, args: tuple, kwargs: dict) -> object:
     start = base if base is not False else index.new_full((x.shape[0],), NO_ONE)
     placed = start.clone().scatter_(0, index, rows)
     flow.flag(placed[index] != rows)  # every row written there is one example's
-    flow.flag((start[index] != NO_ONE) & (start[index] != rows))
+    if not copy:
+        flow.flag((start[index] != NO_ONE) & (start[index] != rows))
     return placed
 
 

@@ -208,7 +208,8 @@ class Padded(nn.Module):
 
 class RoutedBlock(nn.Module):
     """``Routed``'s experts as a block of a larger model: its rows picked by values, its row
-    count read on the host, inside a module call that a replay analyses again (a region)."""
+    count read on the host, inside a module call a replay follows the rows of (an open routed
+    region, its router and experts Linears: ``replay/hooked.py``)."""
 
     def __init__(self):
         super().__init__()
@@ -246,7 +247,8 @@ class TopKMask(nn.Module):
     """Attention over each token's top two keys by score, its mask written by ``scatter`` where
     the batch's values say (DeepSeek's sparse attention): the mask is no example's wherever it
     writes, so no region; it replays. With ``owned`` the scores themselves are written where
-    the values say (their owners there would be the number's): a region, traced again."""
+    the values say (their owners there would be the number's): a routed region, its Linear
+    served on the rows it follows (``replay/hooked.py``)."""
 
     def __init__(self, owned: bool = False):
         super().__init__()
@@ -712,6 +714,7 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
     lights = ("attention-block", "read-block", "op-block", "cast-block", "scale-block")
     lights += ("experts-block", "experts-oss-block", "position-block", "call-block")
     lights += ("tied-block",)  # with steps
+    lights += ("routed-block", "sparse-owned")  # routed, their Linears inside them
     lights += ("computed-block", "computed-odd", "computed-mask", "computed-arange")
     lights += ("conv-block", "computed-passed", "copy-block", "view-block", "left-block")
     lights += ("window-block", "positions-block", "relative-block", "lengths-block")
