@@ -106,14 +106,7 @@ def serve(
     (``Engine._checked`` takes the sums after the check). Returns the reducer and the batch
     gradients of ``done.checked``."""
     merged = [name for name, k in done.count.items() if k > 1]
-    if verify or want.sums or (want.share and not want.norms):
-        want = dataclasses.replace(
-            want,
-            norms=want.norms or verify,
-            share=want.share and want.norms,
-            sums=verify,
-            summed=summed(plan, None, want.train) if verify else want.summed,
-        )
+    want = _kept(plan, want, verify)
     reducer = Reducer(want, merged)
     if not done.count and not done.checked and not want.train:  # all on the fallback
         reducer.finish()
@@ -152,6 +145,20 @@ def serve(
     reducer.trained = [None if id(t) in ruled else next(by_autograd) for t in want.train]
     reducer.summed_at = at
     return reducer, grads[: len(also)]
+
+
+def _kept(plan: Plan, want: Want, verify: bool) -> Want:
+    """What the backward keeps of ``want``: a verified batch's norms and sums too, for the
+    self-check, summed as a later step sums them; a share asked without norms, by norms."""
+    if not (verify or want.sums or (want.share and not want.norms)):
+        return want
+    return dataclasses.replace(
+        want,
+        norms=want.norms or verify,
+        share=want.share and want.norms,
+        sums=verify,
+        summed=summed(plan, None, want.train) if verify else want.summed,
+    )
 
 
 def _trained(

@@ -97,7 +97,9 @@ class RoutedRegion(HookedLinears, LightRegion):
         if self._in_linear(name, args, kwargs):
             return self._linear(func, args)
         w = args[0] if args else None
-        if id(w) in self.watched and (w.dim() == 3 and name in EXPERT_VIEWS or _row_of(w, name)):
+        if id(w) in self.watched and (  # a view of a fused 3-D weight, or an expert's bias
+            name in EXPERT_VIEWS if w.dim() == 3 else w.dim() == 2 and name == "__getitem__"
+        ):  # picked from a 2-D one (``b[e]``)
             return self._viewed(name, func, args, kwargs)
         if name in ("grouped_mm", "_grouped_mm"):
             return self._grouped(func, args, kwargs)
@@ -137,10 +139,11 @@ class RoutedRegion(HookedLinears, LightRegion):
         w, out = args[0], func(*args, **kwargs)
         if name == "__getitem__":
             e = args[1]
-            one = isinstance(e, int) or (
+            one = type(e) is int or (  # an expert's number, not a mask
                 isinstance(e, Tensor) and e.dim() == 0 and not e.is_floating_point()
-            )
-            if one and not _is_bool(e):
+                and e.dtype != torch.bool
+            )  # fmt: skip
+            if one:
                 self.views[id(out)] = (out, w, e)
                 return out
             return self._other(name, out)
@@ -293,13 +296,3 @@ def _input(recipe: Recipe, name: str, args: tuple, kwargs: dict) -> object:
         return args[1 - int(role[len(ARG) :])] if len(args) == 2 else None
     call = bind_affine(name, args, kwargs)
     return None if call is None else call[0]
-
-
-def _row_of(w: Tensor, name: str) -> bool:
-    """Whether the op picks a row of a watched 2-D parameter (an expert's bias: ``b[e]``)."""
-    return w.dim() == 2 and name == "__getitem__"
-
-
-def _is_bool(e: object) -> bool:
-    """Whether an index is a mask, not an expert's number."""
-    return isinstance(e, bool) or (isinstance(e, Tensor) and e.dtype == torch.bool)
