@@ -161,6 +161,45 @@ def sdpa_math(
     return scores.softmax(-1) @ v
 
 
+def group_norm_math(
+    input: Tensor,
+    num_groups: int,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+) -> Tensor:
+    """``F.group_norm`` with its affine written out (BiT's ``BitGroupNormActivation`` calls it
+    on its own weight and bias): the normalisation, its channels moved last, then the weight
+    and the bias themselves, no view of them, broadcast along the rows: reads the tap serves.
+    The result is laid out as the input (an elementwise op keeps its operand's strides) and
+    in its dtype (a bfloat16 input with float32 parameters), as the fused function gives it."""
+    out = F.group_norm(input, num_groups, None, None, eps).movedim(1, -1)  # (B, *spatial, C)
+    if weight is not None:
+        out = out * weight
+    if bias is not None:
+        out = out + bias
+    return out.movedim(-1, 1).to(input.dtype)
+
+
+def normed_by(args: tuple, kwargs: dict, watched: Callable) -> bool:
+    """Whether a ``group_norm`` call takes a watched tensor as its weight or bias."""
+    names = ("input", "num_groups", "weight", "bias")
+    given = dict(zip(names, args, strict=False)) | kwargs
+    return any(watched(given.get(k)) is not None for k in ("weight", "bias"))
+
+
+def written_out(name: str, args: tuple, kwargs: dict, watched: Callable) -> Callable | None:
+    """What the op ``name`` runs as where it reads a watched tensor inside it, so that the tap
+    sees the read as ops it serves (and a light region as the tap did): an attention masked by
+    one (``sdpa_math``), a group norm of a watched weight or bias (``group_norm_math``); None
+    for any other op."""
+    if name == "scaled_dot_product_attention" and masked_by(args, kwargs, watched):
+        return sdpa_math
+    if name == "group_norm" and normed_by(args, kwargs, watched):
+        return group_norm_math
+    return None
+
+
 def masked_by(args: tuple, kwargs: dict, watched: Callable) -> bool:
     """Whether an attention call without dropout takes a watched tensor as its mask."""
     mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)

@@ -18,7 +18,10 @@ LayerScale ``gamma``), and a ruled one read elsewhere (a tied head, ``out_proj``
   by the example that owns that row of the result (row i by example i, or a window's rows by
   their example), so the gradient there, summed over the other dimensions it was broadcast
   along and over the example's rows, is that example's gradient; ``p.expand(B, ...)`` and
-  ``p.repeat(B, 1, ...)`` are such views already (``broadcasts.py``).
+  ``p.repeat(B, 1, ...)`` are such views already (``broadcasts.py``);
+- a function that reads one inside it is run written out (``recipes.written_out``), so that
+  the read is one of the above: an attention masked by it, ``F.group_norm`` of a watched weight
+  and bias (BiT's norms) as the normalisation and the two broadcast along its channels.
 
 Any other use (an op that mixes it with the batch in a way none of these follows, rows that
 mix examples) is recorded, and the parameter goes to the fallback with the op's name.
@@ -43,7 +46,7 @@ from ..hooks import ReadHooks
 from ..ops import CASTS, GROUPED, METADATA, SCALES, SHIFTS, VIEWS, op_name
 from ..parts import CONVS
 from ..plan import ParamPlan
-from ..recipes import OPENED, Recipe, lookup, masked_by, sdpa_math
+from ..recipes import OPENED, Recipe, lookup, written_out
 from ..tensors import tensors_in, tensors_of
 from ..views import places
 from .broadcasts import WRITTEN, BroadcastReads
@@ -150,9 +153,10 @@ class ParamTap(FunctionReads, ExpertReads, BroadcastReads, TorchFunctionMode):
                 out = self._bmm(func, args, kwargs)
                 out = self._product(name, func, args, kwargs) if out is None else out
             return out
-        if name == "scaled_dot_product_attention" and masked_by(args, kwargs, self._watched):
-            with self:  # its mask added to the scores, where the tap sees it
-                return sdpa_math(*args, **kwargs)
+        run_as = written_out(name, args, kwargs, self._watched)
+        if run_as is not None:
+            with self:  # a mask added to the scores, an affine's broadcasts: where the tap sees
+                return run_as(*args, **kwargs)
         if name in GROUPED:
             return self._grouped(func, args, kwargs)
         if name in FUSED and len(args) == 3 and _unscaled(kwargs):

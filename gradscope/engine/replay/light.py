@@ -33,7 +33,7 @@ from ..hooks import ReadHooks
 from ..ops import CASTS, SCALES, SHIFTS, SPREAD, VIEWS, op_name, scalar_reads
 from ..parts import CONVS
 from ..plan import ParamPlan, Plan
-from ..recipes import ARG, OPENED, Recipe, lookup, masked_by, metadata, sdpa_math
+from ..recipes import ARG, OPENED, Recipe, lookup, metadata, written_out
 from ..steps import Diverged
 from ..tensors import tensors_in
 from ..views import places
@@ -134,9 +134,10 @@ class LightRegion(RecipeReads, Intercepting, TorchFunctionMode):
             with self:  # its projections come to this mode one by one
                 return OPENED[func](*args, **kwargs)
         name = op_name(func)
-        if name == "scaled_dot_product_attention" and masked_by(args, kwargs, self._source):
-            with self:  # its mask added to the scores, as the tap served it
-                return sdpa_math(*args, **kwargs)
+        run_as = written_out(name, args, kwargs, self._source)
+        if run_as is not None:
+            with self:  # a mask added to the scores, an affine's broadcasts: as the tap ran it
+                return run_as(*args, **kwargs)
         if name == "__getitem__" and lookup(self._source(args[0]), args):  # as the tap ran it
             func, args, kwargs, name = F.embedding, (args[1], args[0]), {}, "embedding"
         recipe = self.recipes[self._next] if self._next < len(self.recipes) else None
