@@ -18,6 +18,7 @@ import copy
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import layer_hooks
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -168,6 +169,21 @@ def linear_hooks(pb: Problem) -> Step:
             for h in handles:
                 h.remove()
         return torch.stack(norms).sum(0).sqrt()
+
+    return step
+
+
+def all_layer_hooks(pb: Problem) -> Step:
+    """The yardstick for an exact pass: ``layer_hooks``, a hand-written rule per layer type, on
+    every parameter (``linear_hooks`` serves the Linear layers alone)."""
+    model, hooks = layer_hooks.all_layer_hooks(pb.model, pb.targets.shape[0])
+    loss, params = _plain_summed_loss(pb), list(trainable(model).values())
+
+    def step() -> Tensor:
+        hooks.total.clear()
+        clear_grads(params)
+        loss(model(*pb.inputs)).backward()
+        return torch.stack(hooks.total).sum(0).sqrt()
 
     return step
 
@@ -461,6 +477,7 @@ METHODS = {
         Method("floor", "floor", floor),
         Method("linear hooks", "floor", linear_hooks),
         Method("loop", "norms", loop_norms),
+        Method("all-layer hooks", "norms", all_layer_hooks),
         Method("torch.func", "norms", func_norms),
         Method("opacus hooks", "norms", opacus_hooks),
         Method("opacus ghost", "norms", opacus_ghost),

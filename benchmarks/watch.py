@@ -1,13 +1,14 @@
 """Time of a training step with the watch against the same step without it.
 
     python benchmarks/watch.py [--workloads W1,W3] [--pairs 3] [--rounds 15] [--warmup 20]
-                               [--against /work/main] [--heap kept] [--threads 1]
+                               [--against /work/main] [--heap kept] [--threads 1] [--record]
 
 Each workload's model trains (train mode, SGD) on its batch: the plain step is zero_grad,
 the forward, ``losses.mean().backward()`` and ``optimizer.step()``; the watched step is the
 same with ``Watch.step(...).backward()`` in place of the forward and backward (rows written to
-a temporary Parquet file). Each runs in a process of its own, so no heap is shared between the
-two, nor what one leaves for the other to fault in; the processes of a pair (plain, watched, and
+a temporary Parquet file; with ``--record`` its run record too: ``record=``, a checkpoint every
+32 steps). Each runs in a process of its own, so no heap is shared between the two, nor what
+one leaves for the other to fault in; the processes of a pair (plain, watched, and
 with ``--against DIR`` the watched step of the gradscope in DIR, another worktree: main) warm
 up with ``--warmup`` steps, then take ``--rounds`` steps by turns, one step each, in an order
 that alternates, so that each sees the machine's load as the others do. Each step's CPU time
@@ -59,8 +60,9 @@ def _serve(step, warmup: int) -> None:
         print(json.dumps({"time": seconds, "faults": faults}), flush=True)
 
 
-def child(name: str, mode: str, warmup: int, folder: Path) -> None:
-    """One process's steps of ``mode`` (plain or watched) on workload ``name``."""
+def child(name: str, mode: str, warmup: int, folder: Path, record: bool) -> None:
+    """One process's steps of ``mode`` (plain or watched, ``record``: with its run record) on
+    workload ``name``."""
     from gradscope.losses import resolve_loss
     from gradscope.training.watch import Watch
 
@@ -78,7 +80,10 @@ def child(name: str, mode: str, warmup: int, folder: Path) -> None:
 
         return _serve(plain, warmup)
     ids = torch.arange(len(y))
-    with Watch(model, folder / f"{name}.parquet", problem.loss) as watch:
+    run = folder / "run" if record else None
+    with Watch(
+        model, folder / f"{name}.parquet", problem.loss, record=run, optimizer=optimizer
+    ) as watch:
 
         def watched() -> None:
             optimizer.zero_grad()
@@ -94,6 +99,7 @@ def _spawn(name: str, mode: str, package: Path, args: argparse.Namespace) -> sub
     env |= KEPT if args.heap == "kept" else {}
     command = [sys.executable, str(HERE), "--child", mode, "--workloads", name,
                "--warmup", str(args.warmup), "--threads", str(args.threads)]  # fmt: skip
+    command += ["--record"] if args.record else []
     return subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)  # fmt: skip
 
@@ -167,6 +173,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--against", type=Path, help="another tree's gradscope, watched too")
     parser.add_argument("--heap", choices=("kept", "system"), default="kept")
+    parser.add_argument("--record", action="store_true", help="the watch writes a run record")
     parser.add_argument("--child", choices=("plain", "watched"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -175,7 +182,7 @@ def main() -> None:
 
         with tempfile.TemporaryDirectory() as folder:
             try:
-                child(args.workloads, args.child, args.warmup, Path(folder))
+                child(args.workloads, args.child, args.warmup, Path(folder), args.record)
             except GradscopeError as e:  # a model or loss the watch refuses
                 print(json.dumps({"refused": e.what}), flush=True)
         return

@@ -4,15 +4,14 @@ import signal
 import sys
 
 
-def _terminated(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # SIGTERM ends a run as Ctrl-C does: lock released, parts kept
-
-
 def main() -> None:
     """The command line; Ctrl-C (or SIGTERM) while it loads (torch takes seconds) is one line,
-    status 130."""
-    signal.signal(signal.SIGTERM, _terminated)
-    from .errors import Interrupted
+    status 130. SIGTERM ends a run as Ctrl-C does: lock released, parts kept."""
+    from .errors import Interrupted, on_signal
+
+    signal.signal(signal.SIGTERM, on_signal)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where ignored
+        signal.signal(signal.SIGINT, on_signal)
 
     try:
         from .cli import main as cli_main

@@ -43,6 +43,27 @@ class Interrupted(GradscopeError):
     BEFORE_START = "interrupted before any example was saved"
 
 
+_signalled = False  # SIGTERM or Ctrl-C arrived: see ``on_signal``
+
+
+def on_signal(signum: int, frame: object) -> None:
+    """SIGTERM or Ctrl-C: a KeyboardInterrupt now, and remembered. Torch turns one raised
+    inside an op it runs through TorchScript (a decomposition under ``torch.func``, a user's
+    scripted function) into a RuntimeError, which a handler of the model's failures would
+    take for the model's: ``stop_if_signalled`` raises it again there."""
+    global _signalled
+    _signalled = True
+    raise KeyboardInterrupt
+
+
+def stop_if_signalled() -> None:
+    """The KeyboardInterrupt of a signal that torch may have turned into another error."""
+    global _signalled
+    if _signalled:
+        _signalled = False
+        raise KeyboardInterrupt
+
+
 def one_line(e: BaseException) -> str:
     """An exception's message on one line (library errors often span several)."""
     return " ".join(str(e).split())
@@ -59,6 +80,7 @@ def models_backward() -> Iterator[None]:
     except GradscopeError:
         raise
     except Exception as e:
+        stop_if_signalled()
         if _ours(e.__traceback__):
             raise
         raise ModelError(

@@ -138,3 +138,16 @@ def test_the_linear_hooks_are_the_loop_where_every_layer_is_linear(positions: in
     pb = workloads._problem(model, make, 6, "mse")
     got = methods.METHODS["floor:linear hooks"].setup(pb)()
     torch.testing.assert_close(got, methods.METHODS["norms:loop"].setup(pb)(), rtol=1e-5, atol=0)
+
+
+def test_products_counts_each_pass_product():
+    """The smoke MLP 8-16-1 at batch 4: the forward's two addmm, 2 B (8*16 + 16*1) flops; the
+    floor's backward the two weight gradients (as many) and the second layer's input gradient,
+    2 B 16; gradscope's norms no weight gradient, the input gradient alone."""
+    import products
+
+    forward, weights, inputs = 2 * 4 * (8 * 16 + 16), 2 * 4 * (8 * 16 + 16), 2 * 4 * 16
+    floor = products.products("smoke", "floor")
+    assert floor == pytest.approx({"addmm": forward / 1e6, "mm": (weights + inputs) / 1e6})
+    norms = products.products("smoke", "norms:gradscope")
+    assert norms == pytest.approx({"addmm": forward / 1e6, "mm": inputs / 1e6})

@@ -87,6 +87,14 @@ TARGETS = (
         against="floor:linear hooks",
     ),
     Target(
+        "norms ≤ 1.15× the all-layer hooks (norms:all-layer hooks), exact, on H1–H4, T1–T4 "
+        "(issue 49's yardstick)",
+        ("norms:gradscope",),
+        ("H1", "H2", "H3", "H4", "T1", "T2", "T3", "T4"),
+        limit=1.15,
+        against="norms:all-layer hooks",
+    ),
+    Target(
         "influence (hooks, jvp) ≤ 1.1× norms on every workload (issue 49)",
         ("influence:gradscope hooks", "influence:gradscope jvp"),
         (*(f"W{n}" for n in range(1, 11)), "T1", "T2", "T3", "T4", "H1", "H2", "H3", "H4"),

@@ -31,7 +31,7 @@ from torch.nn.modules.module import register_module_forward_hook
 from torch.utils._pytree import tree_leaves
 
 from ..engine import short_reason, substituted
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError, DataError, stop_if_signalled
 from ..rules.base import CHUNK_ELEMENTS
 
 GN, HESSIAN = "gn", "hessian"
@@ -126,6 +126,7 @@ class Products:
                     warnings.filterwarnings("ignore", message=".*performance drop.*")
                     return vmap(one, chunk_size=chunk)(v)
             except Exception as e:  # the model ran eagerly on this batch: vmap's failure
+                stop_if_signalled()
                 self.vmap_error = short_reason(e)
         columns = [one({n: t[j] for n, t in v.items()}) for j in range(directions)]
         return {n: torch.stack([c[n] for c in columns]) for n in self.flat.names}

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..errors import GradscopeError, ModelError, one_line
+from ..errors import GradscopeError, ModelError, one_line, stop_if_signalled
 from ..losses import LossFn
 from ..rules import Contribution
 from .analysis import decide
@@ -20,7 +20,7 @@ from .analysis.selfcheck import Singles, first_apart, mixed
 from .backward.backward import requests
 from .backward.fallback import Fallback
 from .backward.reduce import Reducer, Want
-from .backward.serve import Served, serve, served_calls, summed, uses
+from .backward.serve import Served, serve, served_calls, summed, summed_at, uses
 from .forward import Forward, batched
 from .hooks import ModuleHooks
 from .plan import FALLBACK_LOOP, build_plan, prepared
@@ -204,9 +204,13 @@ class Engine:
         reducer, grads = serve(
             self.plan, captured, want, Served(count, checked, None), reads, verify
         )
+        summing = verify and bool(want.train)  # the checked sums are a later step's (``serve``)
         if verify and not all(g is None or bool(g.isfinite().all()) for g in grads):
             verify = False  # an example's gradient is not finite: no check holds; the next batch
         decide.after_backward(self.plan, captured, reducer, checked, grads, singles, verify)
+        if summing:  # the batch gradients a later step takes from the sums, taken so here too
+            names = summed(self.plan, frozenset(reducer.formed), want.train)
+            reducer.summed_at = summed_at(self.plan, names, want.train)
         return reducer, verify
 
     def _program(self, captured: Analysed, count: dict[str, int]) -> Program | str:
@@ -275,6 +279,7 @@ class Engine:
         except (GradscopeError, Diverged):
             raise
         except Exception as e:  # whatever the user's forward raises: one line naming it
+            stop_if_signalled()
             shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
             raise ModelError(
                 f"the model cannot take inputs of shape {shapes}: {type(self.model).__name__}'s "

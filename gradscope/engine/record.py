@@ -140,7 +140,10 @@ class Record:
     def at(self, inputs: tuple[Tensor, ...], targets: Tensor) -> Findings:
         """The findings for the signature of this batch."""
         key = tuple((t.shape, t.dtype, t.device) for t in (*inputs, targets))
-        return self.signatures.setdefault(key, Findings())
+        found = self.signatures.get(key)  # made once: a pass only looks it up
+        if found is None:
+            found = self.signatures[key] = Findings()
+        return found
 
 
 _RECORDS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Record]] = weakref.WeakKeyDictionary()

@@ -84,9 +84,6 @@ class Program:
     # a training step's requests, which ask for parameters too (``serve.Served.trained``),
     # read off the first replayed step's graph where ``requests`` hold for every batch
     trained: dict = field(default_factory=dict, compare=False, repr=False)
-    # the replay's lookups of it, made on its first replayed batch (``Replayed``): its region
-    # modules and its children's, by the model's modules
-    found: dict = field(default_factory=dict, compare=False, repr=False)
 
     @functools.cached_property
     def lit(self) -> bool:

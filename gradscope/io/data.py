@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..config import DataConfig
-from ..errors import DataError
+from ..errors import DataError, stop_if_signalled
 from .batch import Batch, rebatch, take
 from .files import file_sha256
 from .held import held, is_held
@@ -108,7 +108,7 @@ class Dataset:
         """Batches in row order; ``Batch.index`` counts rows across all sources from 0. The
         columns in ``data.pad`` are padded to the batch's longest row, or with ``pad=False`` kept
         as each row's array as stored."""
-        cut = rebatch(self._chunks(batch_size), batch_size, limit)
+        cut = _checked(rebatch(self._chunks(batch_size), batch_size, limit))
         return (self.columns.padded(batch) for batch in cut) if pad else cut
 
     def rows_at(self, positions: Sequence[int], batch_size: int) -> Iterator[Batch]:
@@ -173,3 +173,11 @@ def open_dataset(
     if dataset.length == 0:
         raise DataError("the dataset is empty", where)
     return dataset
+
+
+def _checked(batches: Iterator[Batch]) -> Iterator[Batch]:
+    """``batches``, stopped before the next one once a signal arrived that torch turned into
+    another error and a fallback took in (``errors.on_signal``)."""
+    for batch in batches:
+        stop_if_signalled()
+        yield batch

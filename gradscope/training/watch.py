@@ -223,8 +223,6 @@ class Watch:
             divisor = float(counts.sum()) if counts is not None else float(len(targets))
         began = self.draws.begin()
         try:
-            if self.recording is not None and self._first(inputs, targets):
-                self.engine.step(inputs, targets, self.params)  # its gradient as the next's
             scores = self.engine.step(inputs, targets, self.params)
         finally:
             after = self.draws.end(keep=self.recording is not None)
@@ -256,16 +254,6 @@ class Watch:
         if self.on_step is not None:
             self.on_step(self.steps, ids)
         self.steps += 1
-
-    def _first(self, inputs: tuple[Tensor, ...], targets: Tensor) -> bool:
-        """Whether no step of this batch's signature ran yet. The engine takes such a step's
-        gradient from autograd, and a later one's, where a rule formed each example's, from
-        their sum: equal to rounding, not bit for bit. A recorded step of a new signature runs
-        twice, the first pass's gradient dropped, so that every recorded step's is a later
-        one's, wherever the loop began: resumed from its checkpoint, it retraces the run that
-        never stopped bit for bit."""
-        findings = self.engine.record.at(inputs, targets)
-        return not (findings.analyses or findings.replays)
 
     def _counts(self, targets: Tensor) -> Tensor | None:
         """(B,) float64 counted next tokens of each example, for a mean over tokens."""

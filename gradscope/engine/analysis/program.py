@@ -135,8 +135,8 @@ def _step(item: _Open) -> Step:
     return Step(id(e.module), e.shapes, e.handed, e.expand, shape, rows, item.before, item.during)
 
 
-# what a program holds of its batch, or the replay found of it, rather than of its structure
-_OF_BATCH = frozenset({"state", "trained", "found"})
+# what a program holds of its batch rather than of its structure
+_OF_BATCH = frozenset({"state", "trained"})
 
 
 def structure(program: Program) -> tuple:

@@ -165,7 +165,7 @@ class Reducer:
                 for h in groups[k + 1 :]:
                     norm_sq = norm_sq + 2 * _cross(g, h)
             self.norm_sq[name] = norm_sq
-        if self.want.sums or (name in self.want.summed and name not in self.sums):
+        if (self.want.sums or name in self.want.summed) and name not in self.sums:
             self.sums[name] = sum(g.batch_sum() for g in groups)
 
     def reduce(self, name: str, c: Contribution) -> None:
@@ -189,7 +189,7 @@ class Reducer:
             self.inner[name] = c.project(self.want.project[name])
         if self.want.keep:
             self.kept[name] = c
-        if self.want.sums or (name in self.want.summed and name not in self.sums):
+        if (self.want.sums or name in self.want.summed) and name not in self.sums:
             self.sums[name] = c.batch_sum()
 
     def gradients(self) -> list[Tensor | None]:

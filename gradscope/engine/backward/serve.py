@@ -68,18 +68,27 @@ def held_budget(calls: Sequence[Call]) -> int:
     return sum(c.shape.numel() + sum(t.numel() for t in c.inputs) for c in calls) // 3
 
 
-def summed(plan: Plan, formed: frozenset[str], train: Sequence[Tensor]) -> frozenset[str]:
+def summed(plan: Plan, formed: frozenset[str] | None, train: Sequence[Tensor]) -> frozenset[str]:
     """The parameters of ``train`` whose batch gradient a training step takes from their
     rules' sums (``Want.summed``): those whose rules ``formed`` each example's gradient on the
     signature's last step (the same shapes form again; where one does not, its sum is one
     product, as autograd's), served by rules or reads still and not sharded (the examples'
-    sum is not a shard's)."""
+    sum is not a shard's). ``formed`` None: every one that may be."""
     trained = {id(t) for t in train}
     return frozenset(
         p.name
         for p in plan.by_rule + plan.raw
-        if p.name in formed and id(p.param) in trained and type(p.param) in (Tensor, Parameter)
+        if (formed is None or p.name in formed)
+        and id(p.param) in trained
+        and type(p.param) in (Tensor, Parameter)
     )
+
+
+def summed_at(plan: Plan, names: frozenset[str], train: Sequence[Tensor]) -> dict[int, str]:
+    """The positions in ``train`` of the parameters ``names``: where a step's batch gradient
+    is the rules' sum (``Reducer.summed_at``)."""
+    ids = {id(plan.find(name).param): name for name in names}
+    return {k: ids[id(t)] for k, t in enumerate(train) if id(t) in ids}
 
 
 def serve(
@@ -92,8 +101,10 @@ def serve(
 ) -> tuple[Reducer, list[Tensor | None]]:
     """One backward; each call's rule runs as its output gradient arrives, and only what
     ``want`` asks for is kept. With ``verify`` (a batch analysed in full) each rule's
-    gradients are also summed over the examples, for the self-check. Returns the reducer and
-    the batch gradients of ``done.checked``."""
+    gradients are also summed over the examples, for the self-check: on a training step, each
+    as a later step sums it (``Want.summed``), while its batch gradient stays autograd's
+    (``Engine._checked`` takes the sums after the check). Returns the reducer and the batch
+    gradients of ``done.checked``."""
     merged = [name for name, k in done.count.items() if k > 1]
     if verify or want.sums or (want.share and not want.norms):
         want = dataclasses.replace(
@@ -101,7 +112,7 @@ def serve(
             norms=want.norms or verify,
             share=want.share and want.norms,
             sums=verify,
-            summed=frozenset() if verify else want.summed,  # the self-check's are autograd's
+            summed=summed(plan, None, want.train) if verify else want.summed,
         )
     reducer = Reducer(want, merged)
     if not done.count and not done.checked and not want.train:  # all on the fallback
@@ -117,7 +128,8 @@ def serve(
     also = [p.param for p in done.checked]
     # a training step's gradients come from the same backward, autograd's but for those the
     # rules sum (``Reducer.gradients``)
-    ruled = {id(plan.find(name).param): name for name in reducer.want.summed}
+    at = {} if verify else summed_at(plan, reducer.want.summed, want.train)
+    ruled = {id(want.train[k]) for k in at}
     auto = [t for t in want.train if id(t) not in ruled]
     asked = done.asked if not want.train else _trained(done, calls, reads, [*also, *auto])
     try:
@@ -138,7 +150,7 @@ def serve(
     reducer.finish()
     by_autograd = iter(grads[len(also) :])
     reducer.trained = [None if id(t) in ruled else next(by_autograd) for t in want.train]
-    reducer.summed_at = {k: ruled[id(t)] for k, t in enumerate(want.train) if id(t) in ruled}
+    reducer.summed_at = at
     return reducer, grads[: len(also)]
 
 

@@ -44,6 +44,8 @@ class Replayed:
         self.kinds = {id(m): type(m) for m in modules}  # a region call's module's class
         self.hooks = hooks  # the Engine's module hooks, lent to each batch's session
         self.holders: dict[int, tuple] = {}  # each parameter's Read, where held (``Intercept``)
+        # the region and child modules of the programs replayed, by their ids' sets
+        self.found: dict[tuple[frozenset[int], frozenset[int]], tuple[list, list]] = {}
 
     def __call__(
         self, inputs: tuple[Tensor, ...], targets: Tensor, want: Want, findings: Findings
@@ -124,10 +126,7 @@ class Replayed:
         """The replay session of ``program`` over this batch's forward: its regions, children,
         the buffers a light region may need, and where its regions are made."""
         plan = self.plan
-        if "regions" not in program.found:
-            program.found["regions"] = [m for m in self.modules if id(m) in program.regions]
-            program.found["children"] = [m for m in self.modules if id(m) in program.children]
-        regions, children = program.found["regions"], program.found["children"]
+        regions, children = self._modules_of(program)
         buffers = frozenset()  # ids of the model's buffers, where a light region may need them
         if program.lit:
             buffers = frozenset(id(b) for m in self.modules for b in m._buffers.values())
@@ -148,6 +147,17 @@ class Replayed:
             call, tensors, findings, lessons, session
         )
         return session
+
+    def _modules_of(self, program: Program) -> tuple[list[nn.Module], list[nn.Module]]:
+        """``program``'s region modules and its children's, looked up among the model's once
+        for each such pair of sets (``found``)."""
+        key = (program.regions, program.children)
+        if key not in self.found:
+            self.found[key] = (
+                [m for m in self.modules if id(m) in program.regions],
+                [m for m in self.modules if id(m) in program.children],
+            )
+        return self.found[key]
 
     def _region(
         self,
