@@ -119,6 +119,15 @@ class Outer(Contribution):
 
     @property
     def forms(self) -> bool:
+        """Whether a training step's ``norm_sq_and_sum`` forms each example's G, all positions
+        of every example, more than one: where ``norm_sq`` does (``_norm_forms``), and where
+        the Gram norm is cheaper alone but not beside the batch gradient's product it leaves
+        to autograd, B * T * O * I (forming: that, and a sum of B * O * I)."""
+        _, _, t, o, i = self.dims
+        return self.lengths is None and t > 1 and o * i < t * t * (i + o)
+
+    @property
+    def _norm_forms(self) -> bool:
         """Whether ``norm_sq`` forms each example's G: all positions of every example, more
         than one, and no Gram cheaper (many positions, as a sequence model's layers)."""
         return self.lengths is None and self.dims[2] > 1 and not self._gram_cheaper
@@ -159,7 +168,7 @@ class Outer(Contribution):
             for index, part in groups:
                 norms[index], inners[index] = part.norm_sq_and_inner(refs)
             return norms, inners
-        if not self.forms and not self._formed_cheaper(len(refs)):
+        if not self._norm_forms and not self._formed_cheaper(len(refs)):
             return self.norm_sq(), self.inner(refs)
         r = rows(refs.to(self.s.dtype))  # (K, P)
         norms, inners = [], []

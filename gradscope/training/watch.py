@@ -117,6 +117,10 @@ class Watch:
     is written (``watchrecord.py``): ``optimizer`` the ``torch.optim`` SGD, Adam or AdamW the
     loop steps, ``clip`` the global norm the loop clips the gradient to (``clip_grad_norm_``),
     a checkpoint every ``segment`` steps; the ids are then the rows' positions in the data.
+
+    ``step`` numbers the loop's first step: a resumed loop's (with ``record``, the record's
+    checkpoint it resumes from numbers it). A resumed loop's ``out`` goes on the stopped
+    loop's file there: its rows before that step are kept, those from it on dropped.
     """
 
     def __init__(
@@ -137,6 +141,7 @@ class Watch:
         optimizer: torch.optim.Optimizer | None = None,
         clip: float | None = None,
         segment: int = SEGMENT,
+        step: int = 0,
     ):
         if reduction not in REDUCTIONS:
             raise ConfigError(f"reduction must be one of {', '.join(REDUCTIONS)}", "reduction")
@@ -169,7 +174,8 @@ class Watch:
         self._modes: list[tuple[nn.Module, bool]] = []
         self.recording = recording(record, model, optimizer, clip, segment, loss, kwargs)
         resumed = self.recording.resumed if self.recording is not None else None
-        self.steps = 0 if resumed is None else resumed.step  # a resumed loop's numbering goes on
+        self.steps = step if resumed is None else resumed.step  # a resumed loop's numbering goes on
+        self.file.carry(self.steps)
 
     def __enter__(self) -> Watch:
         if self.recording is not None:

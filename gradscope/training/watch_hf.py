@@ -27,6 +27,7 @@ from transformers.modeling_outputs import CausalLMOutput
 
 from ..errors import ConfigError, ModelError
 from .watch import OnStep, Watch
+from .watchfile import fed
 from .watchrecord import SEGMENT
 
 _CLASS = object()  # the model had no forward of its own: its class's serves
@@ -54,13 +55,16 @@ class WatchCallback(TrainerCallback):
         self.recorded: dict = {}  # Watch's record arguments, once the Trainer has an optimizer
         self.watch: Watch | None = None
         self.epoch = 0
+        self.first = 0  # the first step's number: a resumed run's goes on
         self._wrapper: Any = None  # the forward set on the model while it trains
         self._before: Any = _CLASS  # the model's own forward attribute, if it had one
 
     def on_train_begin(
         self, args: Any, state: Any, control: Any, model: nn.Module, optimizer: Any = None,
-        **_: Any,
+        train_dataloader: Any = None, **_: Any,
     ):  # fmt: skip
+        batches = len(train_dataloader) if hasattr(train_dataloader, "__len__") else None
+        self.first = fed(state.global_step, batches, args.gradient_accumulation_steps)
         if self.record is not None:
             self.recorded = _recorded(args, state, optimizer, self.record, self.segment)
         for name, why in UNSUPPORTED.items():
@@ -119,7 +123,7 @@ class WatchCallback(TrainerCallback):
             if self.watch is None:  # the first step: the batch's keys are the model's inputs
                 self.watch = Watch(
                     model, self.out, "causal_lm", reduction="tokens", on_step=self.on_step,
-                    forward=_Call(original, names), **self.recorded,
+                    forward=_Call(original, names), step=self.first, **self.recorded,
                 ).__enter__()  # fmt: skip
             loss = self.watch.step(tuple(kwargs[k] for k in names), labels, ids,
                                    epoch=self.epoch, divisor=divisor)  # fmt: skip

@@ -28,6 +28,7 @@ from ..errors import ConfigError, DataError
 from ..losses import LossFn
 from .record import rng, set_rng
 from .watch import OnStep, Watch
+from .watchfile import fed
 from .watchrecord import SEGMENT
 
 Split = Callable[[Any], tuple[Any, Tensor, Any]]  # batch -> (inputs, targets, ids)
@@ -81,8 +82,10 @@ class WatchCallback(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         recorded = {} if self.record is None else _recorded(trainer, self.record, self.segment)
-        self.watch = Watch(pl_module, self.out, self.loss, on_step=self.on_step, **recorded,
-                           **self.options)  # fmt: skip
+        first = fed(trainer.global_step, trainer.num_training_batches,
+                    trainer.accumulate_grad_batches)  # fmt: skip
+        self.watch = Watch(pl_module, self.out, self.loss, on_step=self.on_step, step=first,
+                           **recorded, **self.options)  # fmt: skip
         self.watch.__enter__()
 
         def training_step(batch: Any, *_: Any, **__: Any) -> Tensor:

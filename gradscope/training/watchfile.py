@@ -1,9 +1,11 @@
 """The watch's Parquet file: a row per (step, example), written in row groups as steps finish
-to a temporary name, moved into place when the watch ends."""
+to a temporary name, moved into place when the watch ends. A resumed run's file goes on the
+stopped run's: its rows before the step the run resumes at are copied in first."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 from pathlib import Path
@@ -11,14 +13,27 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from torch import Tensor
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..io.parquet import METADATA_KEY
 
 ROWS_PER_GROUP = 65_536
+SAME = ("command", "loss", "reduction", "params")  # what a continued file's run shares
 OBSERVED = ("margin", "prob", "pred", "correct")  # in this order, where the loss gives them
+
+
+def fed(updates: int, batches: float | None, accumulation: int) -> int:
+    """The batches a framework's run fed before its optimizer step ``updates`` (where it
+    resumes): epochs of ``batches`` batches (None or infinite: an epoch without end), each
+    ending in an update over what is left of an accumulation, as the Hugging Face ``Trainer``
+    and Lightning step."""
+    if batches is None or not math.isfinite(batches):
+        return updates * accumulation
+    per_epoch = max(math.ceil(batches / accumulation), 1)  # updates an epoch
+    return updates // per_epoch * int(batches) + updates % per_epoch * accumulation
 
 
 class WatchFile:
@@ -75,16 +90,46 @@ class WatchFile:
         if self._rows >= ROWS_PER_GROUP:
             self._flush()
 
+    def carry(self, step: int) -> None:
+        """A run resumed at ``step``: the rows of the file already at ``path`` (the stopped
+        run's) before that step, first; those from it on are dropped, the resumed run writes
+        those steps again. No file there: the rows begin at ``step``."""
+        if step == 0 or not self.path.is_file():
+            return
+        try:
+            stopped = pq.ParquetFile(self.path)
+            meta = json.loads((stopped.schema_arrow.metadata or {}).get(METADATA_KEY, b"{}"))
+            steps = stopped.read(["step"]).column(0).to_numpy()
+        except (OSError, pa.ArrowException, ValueError) as e:
+            raise DataError(f"cannot read the stopped run's watch file: {e}", str(self.path)) from e
+        held = np.unique(steps[steps < step])
+        if any(meta.get(k) != self.metadata[k] for k in SAME) or not np.array_equal(
+            held, np.arange(step)
+        ):
+            raise ConfigError(
+                f"the run resumes at step {step}, and out holds a watch file that is not the "
+                f"stopped run's steps 0-{step - 1} (another loss or parameters, or steps "
+                "missing): give another out, or move that file away",
+                str(self.path),
+            )
+        self._open(stopped.schema_arrow)
+        for batch in stopped.iter_batches():
+            self._writer.write_batch(batch.filter(pc.less(batch["step"], step)))
+        self._names = stopped.schema_arrow.names
+
+    def _open(self, schema: pa.Schema) -> None:
+        meta = {METADATA_KEY: json.dumps(self.metadata, default=str)}
+        try:
+            self._writer = pq.ParquetWriter(self.tmp, schema.with_metadata(meta))
+        except OSError as e:
+            raise DataError(f"cannot write the watch file: {e}", str(self.path)) from e
+
     def _flush(self) -> None:
         if not self._pending:
             return
         table = pa.table({name: np.concatenate(parts) for name, parts in self._pending.items()})
         if self._writer is None:
-            meta = {METADATA_KEY: json.dumps(self.metadata, default=str)}
-            try:
-                self._writer = pq.ParquetWriter(self.tmp, table.schema.with_metadata(meta))
-            except OSError as e:
-                raise DataError(f"cannot write the watch file: {e}", str(self.path)) from e
+            self._open(table.schema)
         self._writer.write_table(table.cast(self._writer.schema))
         self._pending, self._rows = {}, 0
 

@@ -109,7 +109,7 @@ def test_formed_inner_products_a_few_calls_at_a_time(monkeypatch):
         [sum(s[e, 0, p, :, None] * a[e, 0, p] for p in range(t)) for e in range(n * b)]
     )
     part = Outer(s, a, torch.Size((o, i)))
-    assert part._formed_cheaper(k) and not part.forms  # the norms alone would take the Gram
+    assert part._formed_cheaper(k) and not part._norm_forms  # the norms alone take the Gram
     want = grads.reshape(n, b, -1) @ refs.reshape(n, k, -1).mT  # (n, B, K)
     torch.testing.assert_close(part.inners(refs, b), want)
     norms, inners = part.examples(0, b).norm_sq_and_inner(refs[0])

@@ -1,14 +1,15 @@
 """A Hugging Face ``Trainer`` run and a Lightning fit, each watched with ``record=`` and dropout
 on, stopped mid-run and resumed from the framework's own checkpoint: the resumed run's weights
 equal those of the run that never stopped, bit for bit, and so does its record (the replay's
-scores to 1e-12, in float64); a resume the record cannot continue is one line saying what to
-do."""
+scores to 1e-12, in float64) and its watch file, the stopped run's continued; a resume the
+record or the file cannot continue is one line saying what to do."""
 
 from __future__ import annotations
 
 import shutil
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
@@ -48,11 +49,43 @@ def _same(model, other) -> None:
         assert torch.equal(p, q)
 
 
+def _same_rows(root, whole, resumed) -> None:
+    """The resumed run's watch file holds the rows of the run that never stopped."""
+    assert pq.read_table(root / resumed).to_pydict() == pq.read_table(root / whole).to_pydict()
+
+
 def _same_replay(root, whole, resumed) -> None:
     cfg = load_config(root / "config.yaml")
     want = through_training(cfg, root / whole, root / "ref.pt", per_ref=True)  # (N, R)
     got = through_training(cfg, root / resumed, root / "ref.pt", per_ref=True)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
+
+
+def test_a_loop_resumed_goes_on_its_file_or_refuses_another(tmp_path):
+    """A loop resumed at step 3 keeps the rows of ``out`` before it, drops the later ones and
+    writes its own; a file without the steps before (or of another loss): one line, and the
+    file as it was."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).double()
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0])
+    out = tmp_path / "w.parquet"
+
+    def run(step, steps, loss="cross_entropy", targets=y):
+        with Watch(model, out, loss, step=step) as watch:
+            for _ in range(steps):
+                watch.step(x, targets, [7, 5, 3, 1]).backward()
+
+    run(0, 5)
+    first = pq.read_table(out).to_pydict()
+    run(3, 1)
+    table = pq.read_table(out).to_pydict()
+    assert table["step"] == [s for s in range(4) for _ in range(4)]
+    assert table["loss"][:12] == first["loss"][:12]
+    assert table["example_id"][12:] == [7, 5, 3, 1]
+    _refused(lambda: run(5, 1), "resumes at step 5, and out holds a watch file that is not the "
+             "stopped run's steps 0-4")  # fmt: skip
+    _refused(lambda: run(2, 1, "mse", torch.zeros(4, 2, dtype=torch.float64)), "steps 0-1")
+    assert pq.read_table(out).to_pydict() == table
 
 
 def _hf_project(root):
@@ -70,9 +103,10 @@ def _hf_project(root):
     return datasets.Dataset.from_dict(rows)
 
 
-def _hf_run(root, data, name, resume=None, save=False):
-    """Two epochs of four steps: the Trainer's AdamW, linear schedule and clip; a checkpoint
-    after every step where ``save``, resumed from ``resume``; the record in NAME.run."""
+def _hf_run(root, data, name, resume=None, save=False, accumulate=1):
+    """Two epochs of four batches: the Trainer's AdamW, linear schedule and clip; a checkpoint
+    after every step where ``save``, resumed from ``resume``; the record in NAME.run, or with
+    ``accumulate`` batches a step none."""
     transformers = pytest.importorskip("transformers")
     from gradscope.training.watch_hf import WatchCallback
 
@@ -83,10 +117,10 @@ def _hf_run(root, data, name, resume=None, save=False):
         str(root / "hf"), per_device_train_batch_size=2, num_train_epochs=2, learning_rate=1e-2,
         max_grad_norm=0.1, remove_unused_columns=False, report_to=[],
         save_strategy="steps" if save else "no", save_steps=1, logging_strategy="no",
-        disable_tqdm=True, use_cpu=True, seed=0,
+        disable_tqdm=True, use_cpu=True, seed=0, gradient_accumulation_steps=accumulate,
     )  # fmt: skip
-    callback = WatchCallback(root / f"{name}.{resume is not None}.parquet",
-                             record=root / f"{name}.run", segment=2)  # fmt: skip
+    record = root / f"{name}.run" if accumulate == 1 else None
+    callback = WatchCallback(root / f"{name}.parquet", record=record, segment=2)
     trainer = transformers.Trainer(model, args, train_dataset=data, callbacks=[callback])
     try:
         trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
@@ -96,13 +130,14 @@ def _hf_run(root, data, name, resume=None, save=False):
 
 
 def test_a_trainer_resumed_from_its_checkpoint_continues_its_record(tmp_path, monkeypatch):
-    """Stopped after 6 of 8 steps (mid-epoch) and resumed from ``checkpoint-6``: the Trainer
-    skips the batches fed and restores the random state, and the watch's record goes on. From
-    ``checkpoint-5`` (off the segments of 2) or without the optimizer's state: one line."""
+    """Stopped after 7 of 8 steps and resumed from ``checkpoint-6`` (mid-epoch): the Trainer
+    skips the batches fed and restores the random state, and the watch's record and its file
+    go on (the stopped run's step 6 dropped, taken again). From ``checkpoint-5`` (off the
+    segments of 2) or without the optimizer's state: one line."""
     data = _hf_project(tmp_path)
     whole = _hf_run(tmp_path, data, "whole")
     with monkeypatch.context() as patch:
-        _stopped(patch, 6, KeyboardInterrupt)
+        _stopped(patch, 7, KeyboardInterrupt)
         with pytest.raises(KeyboardInterrupt):
             _hf_run(tmp_path, data, "w", save=True)
     saved = tmp_path / "hf"
@@ -113,8 +148,30 @@ def test_a_trainer_resumed_from_its_checkpoint_continues_its_record(tmp_path, mo
     (tmp_path / "weights-6" / "optimizer.pt").unlink()
     _refused(lambda: _hf_run(tmp_path, data, "w", tmp_path / "weights-6"),
              "at step 6, and the optimizer not its state there: restore the optimizer")  # fmt: skip
+    assert set(pq.read_table(tmp_path / "w.parquet")["step"].to_pylist()) == set(range(7))
     _same(_hf_run(tmp_path, data, "w", saved / "checkpoint-6"), whole)
+    _same_rows(tmp_path, "whole.parquet", "w.parquet")
     _same_replay(tmp_path, "whole.run", "w.run")
+
+
+def _numbered_on(root) -> None:
+    """The resumed run's file numbers its rows (step, epoch) as the run that never stopped."""
+    whole, resumed = (pq.read_table(root / f"{n}.parquet") for n in ("whole", "w"))
+    for name in ("step", "epoch"):
+        assert resumed[name].to_pylist() == whole[name].to_pylist()
+
+
+def test_a_trainer_resumed_without_a_record_numbers_its_steps_on(tmp_path, monkeypatch):
+    """Three batches a step (an epoch of four: steps of 3 and 1), stopped in the last batch and
+    resumed from ``checkpoint-3``, mid-epoch: the file goes on from the 8th batch."""
+    data = _hf_project(tmp_path)
+    _hf_run(tmp_path, data, "whole", accumulate=3)
+    with monkeypatch.context() as patch:
+        _stopped(patch, 7, KeyboardInterrupt)
+        with pytest.raises(KeyboardInterrupt):
+            _hf_run(tmp_path, data, "w", save=True, accumulate=3)
+    _hf_run(tmp_path, data, "w", tmp_path / "hf/checkpoint-3", accumulate=3)
+    _numbered_on(tmp_path)
 
 
 def test_a_trainer_resumed_without_skipping_the_fed_batches_is_refused(tmp_path, monkeypatch):
@@ -162,11 +219,11 @@ class Module(pl.LightningModule):
 """
 
 
-def _fit(root, name, ckpt=None, every=None, stop=None, weights=None):
-    """Three epochs of 10 rows in shuffled batches of 4 (3 steps: 4, 4 and 2 rows) with
+def _fit(root, name, ckpt=None, every=None, stop=None, weights=None, accumulate=1):
+    """Three epochs of 10 rows in shuffled batches of 4 (3 batches: 4, 4 and 2 rows) with
     dropout and a clip; a checkpoint every ``every`` steps, stopped as step ``stop`` begins,
     resumed from ``ckpt``, or begun from the ``weights`` of a checkpoint; the record in
-    NAME.run, a segment every 2 steps."""
+    NAME.run, a segment every 2 steps, or with ``accumulate`` batches a step none."""
     pl = pytest.importorskip("lightning.pytorch")
     from gradscope.io.model import import_object
     from gradscope.training.watch_lightning import WatchCallback
@@ -176,8 +233,8 @@ def _fit(root, name, ckpt=None, every=None, stop=None, weights=None):
             if trainer.global_step == stop:
                 raise InterruptedError
 
-    callbacks = [WatchCallback(root / f"{name}.{ckpt is not None}.parquet",
-                               record=root / f"{name}.run", segment=2)]  # fmt: skip
+    record = root / f"{name}.run" if accumulate == 1 else None
+    callbacks = [WatchCallback(root / f"{name}.parquet", record=record, segment=2)]
     if every is not None:
         callbacks.append(pl.callbacks.ModelCheckpoint(root / "ckpt", "{step}", save_top_k=-1,
                                                       every_n_train_steps=every))  # fmt: skip
@@ -185,6 +242,7 @@ def _fit(root, name, ckpt=None, every=None, stop=None, weights=None):
         callbacks.append(Stop())
     trainer = pl.Trainer(
         max_epochs=3, gradient_clip_val=0.5, callbacks=callbacks, logger=False,
+        accumulate_grad_batches=accumulate,
         enable_checkpointing=every is not None, enable_progress_bar=False,
         enable_model_summary=False, accelerator="cpu", default_root_dir=root,
     )  # fmt: skip
@@ -223,5 +281,21 @@ def test_a_lightning_fit_resumed_at_an_epoch_end_continues_its_record(tmp_path):
         lambda: _fit(tmp_path, "w", weights=saved / "step=6.ckpt"),
         "at step 6, and the optimizer not its state there",
     )
+    assert set(pq.read_table(tmp_path / "w.parquet")["step"].to_pylist()) == set(range(7))
     _same(_fit(tmp_path, "w", saved / "step=6.ckpt"), whole)
+    _same_rows(tmp_path, "whole.parquet", "w.parquet")
     _same_replay(tmp_path, "whole.run", "w.run")
+
+
+def test_a_lightning_fit_resumed_without_a_record_numbers_its_steps_on(tmp_path):
+    """Two batches a step (an epoch of three: steps of 2 and 1), stopped as step 3 begins (the
+    5th batch) and resumed from the checkpoint after step 2, an epoch's end: the file keeps
+    the stopped run's first 3 batches and goes on from the 4th."""
+    (tmp_path / "lmodule.py").write_text(MODULE)
+    project(tmp_path, {"optimizer": "sgd", "lr": 0.1, "steps": 1}, "lmodule.py:Module")
+    _fit(tmp_path, "whole", accumulate=2)
+    with pytest.raises(InterruptedError):
+        _fit(tmp_path, "w", every=1, stop=3, accumulate=2)
+    assert pq.read_table(tmp_path / "w.parquet")["step"].to_pylist()[-1] == 4
+    _fit(tmp_path, "w", tmp_path / "ckpt" / "step=2.ckpt", accumulate=2)
+    _numbered_on(tmp_path)

@@ -177,8 +177,9 @@ class Reducer:
         if self.want.norms and refs is not None and self.want.share:
             self.norm_sq[name], self.inner[name] = c.norm_sq_and_inner(refs)
         else:
-            batched = self._batched is not None and self._batched.take(name, c)
-            if self.want.norms and not batched and name in self.want.summed:
+            summed = name in self.want.summed  # its norm and sum from G formed, not a Gram
+            batched = not summed and self._batched is not None and self._batched.take(name, c)
+            if self.want.norms and not batched and summed:
                 self.norm_sq[name], self.sums[name] = c.norm_sq_and_sum()
             elif self.want.norms and not batched:
                 self.norm_sq[name] = c.norm_sq()
