@@ -122,3 +122,45 @@ def test_rows_by_their_own_experts_matrix_a_few_rows_at_a_time(monkeypatch: pyte
     together = routed_inners([part for part, _ in cases], refs.float())
     for k, (_, expected) in enumerate(cases):
         _close32(together[k], expected.flatten(1) @ refs[k].flatten(1).T)
+
+
+def _top2(batch: int, tokens: int, seed: int) -> tuple[Routed, torch.Tensor]:
+    """Rows as a top-2 router lays them out for ``grouped_mm`` (each token twice, by two
+    experts, sorted by expert: one example's rows apart, among the others'), expert 0 given
+    no token of example 0 and expert 3 none at all, and float64's squared norms by hand."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(batch * tokens, E, generator=g, dtype=torch.float64)
+    scores[:tokens, 0] = -1  # example 0's tokens: never expert 0
+    scores[:, 3] = -2
+    expert_ids, perm = torch.sort(scores.topk(2).indices.flatten(), stable=True)
+    own = perm // 2 // tokens  # (S,) each row's example
+    a = torch.randn(len(perm), IN, generator=g, dtype=torch.float64)
+    s = torch.randn(len(perm), OUT, generator=g, dtype=torch.float64)
+    offs = torch.bincount(expert_ids, minlength=E).cumsum(0).to(torch.int32)
+    expected = torch.zeros(batch, E, OUT, IN, dtype=torch.float64)
+    for r in range(len(perm)):
+        expected[own[r], expert_ids[r]] += torch.outer(s[r], a[r])
+    part = Routed.of(a, s, own, offs, torch.Size((E, OUT, IN)), batch)
+    return part, expected.flatten(1).square().sum(1)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("chunk", [None, 20], ids=["one Gram", "in chunks"])
+def test_norms_pair_only_one_examples_rows_of_one_expert(
+    batch: int, chunk: int | None, monkeypatch: pytest.MonkeyPatch
+):
+    """Top-2 routing, uneven (an expert given no token of some example, one given none): each
+    example's squared norm has every pair of its rows run by one expert, wherever the rows
+    lie, and no pair across examples or experts, in one Gram, in chunks of rows, and batched
+    with another read."""
+    if chunk is not None:
+        monkeypatch.setattr(
+            routed, "CHUNK_ELEMENTS", chunk
+        )  # 2 rows (batch 1), 1 row (batch 3) at a time
+    part, expected = _top2(batch, 5, seed=batch)
+    other, expected_other = _top2(batch, 5, seed=batch + 10)
+    assert part.one_gram == (chunk is None)
+    torch.testing.assert_close(part.norm_sq(), expected)
+    if chunk is None:
+        together = routed_norms([part, other])
+        torch.testing.assert_close(together, torch.stack([expected, expected_other]))

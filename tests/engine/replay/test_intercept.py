@@ -108,9 +108,9 @@ def _scored(model: nn.Module, batches: list) -> tuple[Engine, list[Tensor]]:
     ("case", "sizes", "replays"),
     [
         ("vit", [3, 3, 3, 3], 3),
-        # batches of one: the first's program (every row the one example's) does not hold the
-        # second's, as before interception; the second's holds the rest
-        ("vit", [1, 1, 1, 1], 2),
+        # batches of one: the class token's gradient is read where its slice of the cat's
+        # begins (capture.read_at), so the first batch's program holds the rest
+        ("vit", [1, 1, 1, 1], 3),
         ("vit-odd", [5, 5, 5], 2),  # 7 patches
         ("sequence-first", [4, 4, 4], 2),
         ("sequence-first", [1, 1, 1], 2),
