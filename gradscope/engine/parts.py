@@ -153,9 +153,11 @@ def einsum_part(
     per_row: str, a: Tensor, rows: Tensor | None, batch: int
 ) -> Callable[[Tensor], Dense]:
     """output gradient -> each example's gradient of W in ``einsum(eq, x, W)`` whose batch
-    ``x``'s first index leads the output and not W: ``einsum(per_row, a, grad)``, one W per row
-    of x, summed over each example's rows (``rows``: the example of each; None where row r is
-    example r's; SAM's and Funnel's relative attention)."""
+    index of ``x`` (at any position: XLNet's sequence-first ``ibh``) is the output's too and
+    not W's: ``einsum(per_row, a, grad)``, the einsum summed over every index but the batch's
+    and W's, one W per row of x along the batch index, summed over each example's rows
+    (``rows``: the example of each; None where row r is example r's; SAM's and Funnel's
+    relative attention)."""
 
     def part(grad: Tensor) -> Dense:
         g = torch.einsum(per_row, a, grad)  # (rows, *W)
@@ -167,9 +169,10 @@ def einsum_part(
 
 
 def einsum_read(equation: object, operands: tuple, watched: Callable) -> tuple | None:
-    """(x, W, the per-row equation of ``einsum_part``) of a two-operand einsum of a batch x and
-    a watched W (``watched(t)``: not None for one), where x's first index leads the output and
-    is not W's; None for any other."""
+    """(x, W, per dimension of x: the per-row equation of ``einsum_part`` with that dimension
+    the batch's, or None where its index is W's or not the output's) of a two-operand einsum of
+    a batch x and a watched W (``watched(t)``: not None for one), W's indices all x's or the
+    output's; None for any other, or where no dimension of x can be the batch's."""
     bound = einsum_terms(equation, operands)
     if bound is None:
         return None
@@ -177,11 +180,10 @@ def einsum_read(equation: object, operands: tuple, watched: Callable) -> tuple |
     if watched(first[0]) is not None:
         first, second = second, first
     (x, xs), (weight, ws) = first, second
-    if watched(weight) is None or watched(x) is not None or xs[0] != out[0] or xs[0] in ws:
+    if watched(weight) is None or watched(x) is not None or not set(ws) <= set(xs) | set(out):
         return None
-    if not set(ws) <= set(xs) | set(out):
-        return None
-    return x, weight, f"{xs},{out}->{xs[0]}{ws}"
+    per_row = tuple(f"{xs},{out}->{i}{ws}" if i in out and i not in ws else None for i in xs)
+    return None if all(e is None for e in per_row) else (x, weight, per_row)
 
 
 def einsum_operands(args: tuple, kwargs: dict) -> tuple:

@@ -42,7 +42,10 @@ class BroadcastReads:
             return None  # the parameters and what no example owns: followed as computed
         rows = self._row_examples(args, shape) if _spread(source, shape) else False
         if rows is not False:
-            lane = None if rows is None else lane_of(rows, self.batch)  # (0, m): Swin's windows
+            # (0, m): Swin's windows; with one example, every row its own (sequence-first)
+            lane = (
+                None if rows is None else (0, 1) if self.batch == 1 else lane_of(rows, self.batch)
+            )
             recipe = None
             if rows is None or lane is not None:
                 lanes = None if lane is None else Lanes(lane[0], lane[1], 1)

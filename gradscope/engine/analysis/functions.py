@@ -28,7 +28,7 @@ from ..parts import (
 from ..recipes import Recipe, recipe_roles
 from ..rows import Lanes
 from .experts import expert_recipe
-from .owners import is_batch, reduce, rows_of, slots
+from .owners import NONE, is_batch, reduce, rows_of, rows_or_none, slots
 from .policy import ASSUMED, assumable, shared
 
 
@@ -157,18 +157,26 @@ class FunctionReads:
         return out
 
     def _einsum(self, func, args: tuple, kwargs: dict) -> Tensor | None:
-        """``einsum(eq, x, W)`` (either order) with the batch ``x``'s first index also the
-        output's first and not W's: example b's gradient of W is ``einsum(x[b], grad[b])``
-        summed over the rest (and over b's rows, where heads are folded into the batch), one
-        einsum for the batch (SAM's and Funnel's relative attention)."""
+        """``einsum(eq, x, W)`` (either order) with an index of the batch ``x`` the batch's,
+        also the output's and not W's, at any position (XLNet's sequence-first
+        ``einsum("ibh,hnd->ibnd", h, q)``): example b's gradient of W is ``einsum(x, grad)``
+        at b's rows summed over every other index but W's (and over b's rows, where heads are
+        folded into the batch), one einsum for the batch (SAM's and Funnel's relative
+        attention); B rows of no example along it (XLNet's position table expanded to the
+        batch) as the rows policy's assumed rows."""
         read = einsum_read(args[0], einsum_operands(args, kwargs), self._watched)
-        if read is None:
+        found = None if read is None else self._einsum_rows(read[0], read[2])
+        if found is None:
             return None
-        x, weight, per_row = read
-        d, rows = self._watched(weight), self._lead_rows(x)
-        if rows is False:
-            return None
+        (x, weight, _), (per_row, rows) = read, found
+        d = self._watched(weight)
         out = func(*args)
+        assumed = rows is ASSUMED
+        if assumed:
+            rows, self.assumed = None, True
+            terms, index = per_row.split("->")
+            dim = terms.split(",")[1].index(index[0])  # the batch's in the output
+            self.trace.owners[out] = self.trace.lane_owners(out.dim(), (dim, 1), self.batch)
         if not out.requires_grad:
             return out
         part = einsum_part(per_row, x.detach(), rows, self.batch)
@@ -180,17 +188,27 @@ class FunctionReads:
         recipe = None  # each row's example, laid out by shapes in a light region
         if roles is not None:
             recipe = Recipe(
-                "einsum",
-                roles[0],
-                tuple(x.shape),
-                None,
-                computed=roles[1],
-                constants=roles[2],
-                slot=rows,
-                equation=per_row,
-            )
+                "einsum", roles[0], tuple(x.shape), None, computed=roles[1],
+                constants=roles[2], slot=rows, equation=per_row, assumed=assumed,
+            )  # fmt: skip
         self._read_output(d.params, out, parts, args, recipe)
         return out
+
+    def _einsum_rows(self, x: Tensor, per_row: tuple) -> tuple | None:
+        """(the per-row equation, ``_lead_rows`` of its batch dimension) of the first dimension
+        of ``x`` whose rows are one example's each, row r example r's first; else of one
+        whose B rows are of their example or of none, ASSUMED (the rows policy's, as for
+        ``F.linear``); else None."""
+        found = [(e, self._lead_rows(x, k)) for k, e in enumerate(per_row) if e is not None]
+        for e, rows in sorted(found, key=lambda f: f[1] is not None):
+            if rows is not False:
+                return e, rows
+        for k, e in enumerate(per_row):
+            if e is not None and self.assume and x.shape[k] == self.batch and x.numel():
+                o = self._owners_along(x, k)
+                if bool((o == NONE).any()) and rows_or_none(o, self.batch):
+                    return e, ASSUMED
+        return None
 
     def _read_output(self, params: tuple, out: Tensor, parts, args: tuple, recipe=None) -> None:
         """``_use`` on a function's output, read where ``graph.read_at`` says."""
@@ -201,19 +219,25 @@ class FunctionReads:
         """Whether ``x[i]`` is example i's alone (B along dimension 0, nothing else mixed in)."""
         return self._lead_rows(x) is None
 
-    def _lead_rows(self, x: Tensor) -> Tensor | None | bool:
-        """Whose ``x[r]`` is, whole: None for example r's, (R,) examples where each ``x[r]`` is
-        one example's (heads folded into the batch: SAM's (B*heads, ...)), False otherwise."""
+    def _lead_rows(self, x: Tensor, dim: int = 0) -> Tensor | None | bool:
+        """Whose ``x[r]`` (along ``dim``) is, whole: None for example r's, (R,) examples where
+        each ``x[r]`` is one example's (heads folded into the batch: SAM's (B*heads, ...)),
+        False otherwise."""
         if x.dim() == 0 or x.numel() == 0:
             return False
         o = self.trace.owner(x)
-        if x.shape[0] == self.batch and self.trace.one_row_each(x, o, x.dim() - 1):
+        if dim == 0 and x.shape[0] == self.batch and self.trace.one_row_each(x, o, x.dim() - 1):
             return None
-        rows = reduce(o, range(1, x.dim()))
-        if x.shape[0] == self.batch and is_batch(rows, self.batch):
+        rows = self._owners_along(x, dim)
+        if x.shape[dim] == self.batch and is_batch(rows, self.batch):
             return None
-        rows = rows.reshape(-1).expand(x.shape[0])
+        rows = rows.reshape(-1).expand(x.shape[dim])
         return rows.contiguous() if bool((rows >= 0).all()) else False
+
+    def _owners_along(self, x: Tensor, dim: int) -> Tensor:
+        """``x``'s owners reduced over every dimension but ``dim``, moved to dimension 0."""
+        others = [k for k in range(x.dim()) if k != dim]
+        return reduce(self.trace.owner(x), others).movedim(dim, 0)
 
     def _rows(self, x: Tensor, features: int) -> Tensor | None | bool | object:
         """None: one row per example on dimension 0; a tensor: each row's example, for the rows

@@ -79,7 +79,7 @@ class RecipeReads:
         pair = None  # (x, W)
         if recipe.equation is not None:
             read = einsum_read(args[0], einsum_operands(args, kwargs), self._source)
-            if read is not None and read[2] == recipe.equation:
+            if read is not None and recipe.equation in read[2]:
                 pair = read[:2]
         elif len(args) == 2 and not kwargs:
             pair = (args[1], args[0]) if recipe.left else (args[0], args[1])
