@@ -15,6 +15,7 @@ divided by its prediction (1 where the step is linear), and the relative error o
 (S, R) block. Also: the full run retrained twice (bitwise the same?), the recorded run's final
 weights against the truth's full-weight retrain (``weights`` all 1: another rounding of the
 batch mean), and the float32 truth against the float64 one at eps = 1 (rounding's share).
+``--first-step`` instead looks at Adam's first step alone (``first_step``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from suite import SETTINGS  # noqa: E402
 
 from gradscope.config import load_config  # noqa: E402
-from gradscope.training.loop import fit  # noqa: E402
+from gradscope.job import config_forward, config_loss  # noqa: E402
+from gradscope.training.loop import TrainingRows, build, fit  # noqa: E402
 from gradscope.training.replay import through_training  # noqa: E402
 from gradscope.training.run import train_model  # noqa: E402
 from gradscope.validation.metrics import spearman  # noqa: E402
@@ -88,6 +90,38 @@ def probe(cfg, ref: str, removed: list[np.ndarray], eps: list[float], n: int) ->
             "replay_cpu_s": replay_s, "retrain_cpu_s": once_s}  # fmt: skip
 
 
+def first_step(cfg, eps: list[float], rows: int = 8) -> None:
+    """Adam's first step, lr g / (|g| + adam eps) of the first batch's gradient g, as each of its
+    first ``rows`` rows' weight goes to 1 - eps: how many weights' steps change sign, and the
+    norm of the step's change over its first order's (the median over the rows)."""
+    training, model = TrainingRows(cfg, None), build(cfg, cfg.train.seed)
+    drawn = torch.get_rng_state()  # the dropout state the run's first step begins in
+    order = torch.randperm(len(training), generator=torch.Generator().manual_seed(cfg.train.seed))
+    x, y = training.batch(order[: cfg.train.batch_size])
+    params = [p for p in model.parameters() if p.requires_grad]
+    forward, loss, lr, tiny = config_forward(cfg), config_loss(cfg), cfg.train.lr, cfg.train.eps
+    model.train()
+
+    def step(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.set_rng_state(drawn)
+        losses = loss(forward(model, x), y)  # (B,)
+        g = torch.cat([t.reshape(-1) for t in torch.autograd.grad((losses * w).mean(), params)])
+        return g.double(), lr * g.double() / (g.double().abs() + tiny)  # (P,) (P,)
+
+    g0, u0 = step(torch.ones(len(y)))
+    for e in eps:
+        flips, ratios = [], []
+        for i in range(rows):
+            w = torch.ones(len(y))
+            w[i] = 1 - e
+            g, u = step(w)
+            linear = lr * tiny / (g0.abs() + tiny) ** 2 * (g - g0)  # (P,) the first order
+            flips.append(int(((u > 0) != (u0 > 0)).sum()))
+            ratios.append(float((u - u0).norm() / linear.norm()))
+        print(f"first step, eps {e:g}: {np.mean(flips):.0f} of {len(g0)} weights change sign; "
+              f"|change| / |first order| {np.median(ratios):.3g}")  # fmt: skip
+
+
 def table(name: str, got: dict) -> None:
     print(f"\n{name}: replay {got['replay_cpu_s']:.0f} s CPU, a retrain "
           f"{got['retrain_cpu_s']:.1f} s CPU; full retrained twice: max |loss gap| "
@@ -109,6 +143,7 @@ def main() -> None:
     parser.add_argument("--subsets", type=int, default=30)
     parser.add_argument("--eps", type=float, nargs="+", default=[1.0, 0.1, 0.01, 0.001])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "float64"])
+    parser.add_argument("--first-step", action="store_true", help="Adam's first step only")
     parser.add_argument(
         "--set", nargs="+", default=[], metavar="KEY=VALUE",
         help="recipe keys replaced (a gentler recipe): lr=1e-4 eps=1e-4 warmup=4",
@@ -122,6 +157,9 @@ def main() -> None:
         cfg = load_config(bench.config)
         changed = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.set)}
         train = dataclasses.replace(cfg.train, **changed)
+        if args.first_step:
+            first_step(dataclasses.replace(cfg, train=train), args.eps)
+            return
         n = task_rows(cfg)
         kept = subsets(train.seed, n, 0.99, args.subsets)  # the same-order truth's
         removed = [np.setdiff1d(np.arange(n), k) for k in kept]
