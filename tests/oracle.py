@@ -163,6 +163,19 @@ def reference_influence(
     return flat @ ref.T, flat.norm(dim=1), ref.norm(dim=1)
 
 
+def assert_norms_through_one_engine(
+    model: nn.Module, batches: Sequence[tuple[tuple[Tensor, ...], Tensor]], loss: str
+) -> Engine:
+    """Each batch's norms through one Engine (the later ones replayed where they may) against
+    the float64 loop, and no parameter on the fallback; the Engine, for its record."""
+    with Engine(model, resolve_loss(loss)) as engine:
+        for inputs, targets in batches:
+            expected = reference_norms(model, inputs, targets, loss)[1].square()
+            assert_rel_close(total(engine.norms(inputs, targets).norm_sq), expected, 1e-9)
+    assert_fallback(engine)
+    return engine
+
+
 def assert_influence_through_one_engine(
     model: nn.Module, batches: Sequence[tuple[tuple[Tensor, ...], Tensor]], loss: str
 ) -> Engine:

@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from tied_seq import TiedSeq
 from torch import nn
 
 from gradscope.errors import ModelError
@@ -177,27 +178,9 @@ def test_tokens_mean_serves_the_token_mean_and_each_examples_own_mean(tmp_path):
         assert table["prob"][i] == pytest.approx(np.exp(-loss.item()), rel=1e-12)
 
 
-class _Seq(nn.Module):
-    """Layers over positions whose rules form each example's gradient for its norm: a tied
-    table and head, attention's packed projection (read, not a module's), a Linear."""
-
-    def __init__(self):
-        super().__init__()
-        self.tok = nn.Embedding(11, 4)
-        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
-        self.norm, self.ff = nn.LayerNorm(4), nn.Linear(4, 4)
-        self.head = nn.Linear(4, 11, bias=False)
-        self.head.weight = self.tok.weight
-
-    def forward(self, ids):
-        h = self.tok(ids)  # (B, T, 4)
-        h = h + self.attn(h, h, h, need_weights=False)[0]
-        return self.head(h + torch.tanh(self.ff(self.norm(h))))  # (B, T, 11)
-
-
 def test_batch_gradients_summed_from_the_formed_examples_are_autograds(tmp_path):
     torch.manual_seed(3)
-    watched = _Seq().double().train()
+    watched = TiedSeq().double().train()
     plain = copy.deepcopy(watched)
     ids = torch.randint(0, 11, (3, 3, 6))  # 3 steps of 3 sequences of 6 tokens
     opts = [torch.optim.SGD(m.parameters(), lr=0.3, momentum=0.9) for m in (watched, plain)]

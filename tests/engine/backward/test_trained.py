@@ -6,35 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tied_seq import TiedSeq
 from torch import nn
 
 from gradscope.engine import Engine
 from gradscope.losses import resolve_loss
 
 
-class _Seq(nn.Module):
-    """Layers over positions whose rules form each example's gradient for its norm (a tied
-    table and head, a Linear over several positions, their biases and a norm's scale), beside
-    attention's packed projection, read rather than a module's."""
-
-    def __init__(self):
-        super().__init__()
-        self.tok = nn.Embedding(11, 4)
-        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
-        self.norm, self.ff = nn.LayerNorm(4), nn.Linear(4, 4)
-        self.head = nn.Linear(4, 11, bias=False)
-        self.head.weight = self.tok.weight
-
-    def forward(self, ids):
-        h = self.tok(ids)  # (B, T, 4)
-        h = h + self.attn(h, h, h, need_weights=False)[0]
-        return self.head(h + torch.tanh(self.ff(self.norm(h))))  # (B, T, 11)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_first_and_later_steps_of_a_signature_give_the_same_bits(dtype):
     torch.manual_seed(5)
-    model = _Seq().to(dtype)
+    model = TiedSeq().to(dtype)
     batch = torch.randint(0, 11, (3, 6))
     params = [p for p in model.parameters() if p.requires_grad]
     engine = Engine(model, resolve_loss("causal_lm", {}, token_reduction="sum"))
