@@ -195,13 +195,26 @@ class Constants:
         alive = {id(a) for a in self.alive}
         with torch._C.DisableTorchFunction():
             base = t._base if isinstance(t, Tensor) and t._base is not None else t
-            if not isinstance(t, Tensor) or any(id(u) in self.ids - alive for u in (t, base)):
+            storage = storage_of(t)
+            held = isinstance(t, Tensor) and not any(id(u) in self.ids - alive for u in (t, base))
+            if storage is None or not held:
                 self.spoiled = True
                 return
-            storage = t.untyped_storage().data_ptr()
-            gone = {id(a) for a in self.alive if a.untyped_storage().data_ptr() == storage}
+            gone = {id(a) for a in self.alive if storage_of(a) in (storage, None)}
         self.ids -= gone | {id(t)}
         self.alive = [a for a in self.alive if id(a) not in gone]
+
+
+def storage_of(t: object) -> int | None:
+    """Where ``t``'s storage begins, or None where it has none to tell: not a tensor, or a
+    tensor ``vmap`` batches (``torch.func`` inside a model, a computed read's VJP), whose
+    storage torch does not give. Asked with function modes off."""
+    if not isinstance(t, Tensor):
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):
+        return None
 
 
 def writes(name: str, kwargs: dict) -> bool:

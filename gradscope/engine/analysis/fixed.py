@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ..derived import writes
+from ..derived import storage_of, writes
 from ..ops import CREATIONS
 from ..tensors import tensors_in
 
@@ -55,8 +55,8 @@ def _unfix(trace: RowTrace, target: Tensor) -> None:
     with torch._C.DisableTorchFunction():
         if not (created.get(target) or created.get(target._base)):
             return  # neither fixed nor a view of one: no fixed tensor shares its storage
-        storage = target.untyped_storage().data_ptr()
+        storage = storage_of(target)  # None: no storage to tell, so none is kept fixed
         for ref, value in list(created._items.values()):
             t = ref()
-            if value and t is not None and t.untyped_storage().data_ptr() == storage:
+            if value and t is not None and (storage is None or storage_of(t) in (storage, None)):
                 created[t] = False

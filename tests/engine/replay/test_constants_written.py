@@ -82,3 +82,30 @@ def test_a_constant_written_elsewhere_through_fresh_calls():
         inputs, targets = _batch(seed, n, t)
         got = gradscope.per_example_norms(model, inputs, targets, "cross_entropy")
         assert_rel_close(got, reference_norms(model, inputs, targets, "cross_entropy")[1], 1e-9)
+
+
+class _Vmapped(nn.Module):
+    """A constant made and written inside the model's own ``vmap``: a batched tensor, whose
+    storage torch does not give (unlimited_ocr's forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, D))
+        self.head = nn.Linear(D, CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        def one(row: Tensor) -> Tensor:  # (T, D)
+            buf = torch.zeros_like(row)
+            buf.add_(row * self.scale)  # written by more than constants
+            return buf.sum(0)
+
+        return self.head(torch.func.vmap(one)(x))
+
+
+def test_a_constant_written_inside_the_models_vmap_is_exact():
+    torch.manual_seed(0)
+    model = _Vmapped().double().eval()
+    for seed, (n, t) in enumerate(SHAPES[:3]):
+        inputs, targets = _batch(seed, n, t)
+        got = gradscope.per_example_norms(model, inputs, targets, "cross_entropy")
+        assert_rel_close(got, reference_norms(model, inputs, targets, "cross_entropy")[1], 1e-9)
