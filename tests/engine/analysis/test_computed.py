@@ -199,28 +199,3 @@ def test_computed_a_few_examples_at_a_time(case: Case, monkeypatch):
     expected, _, _ = reference_influence(model, *train, ref, case.loss)
     assert_rel_close(got, expected[:, 0], 1e-6)
     assert formed, "no computed tensor was read"
-
-
-@pytest.mark.parametrize("batch", [1, 3])
-def test_computed_gradients_carried_back_by_autograd(batch: int, monkeypatch):
-    """A weight-norm convolution's weight (grouped, strided, dilated, padded) is carried back
-    to ``g`` and ``v`` by autograd's batched backward, not torch.func's vjp under vmap (2.5x
-    as long a pass): the float64 loop's norms with torch.func out of reach."""
-
-    def refused(*args, **kwargs):
-        raise AssertionError("torch.func called")
-
-    monkeypatch.setattr(torch.func, "vjp", refused)
-    monkeypatch.setattr(torch.func, "vmap", refused)
-    torch.manual_seed(0)
-    conv = nn.Conv1d(4, 6, 3, stride=2, padding=2, dilation=2, groups=2)
-    model = nn.Sequential(nn.utils.parametrizations.weight_norm(conv, dim=2), nn.Tanh())
-    model = nn.Sequential(*model, nn.Flatten(), nn.LazyLinear(2)).double()
-    x = torch.randn(batch, 4, 9, dtype=torch.float64)
-    y = torch.randn(batch, 2, dtype=torch.float64)
-    model(x)
-    with Engine(model, resolve_loss("mse")) as engine:
-        scores = engine.norms((x,), y)
-    _, expected = reference_norms(model, (x,), y, "mse")
-    assert not [p.name for p in engine.plan.params if p.is_fallback]
-    assert_rel_close(total(scores.norm_sq).sqrt(), expected, 1e-9)
