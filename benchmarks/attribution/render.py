@@ -157,7 +157,8 @@ def setting(name: str, s: dict, designs: list[dict], commit: str) -> list[str]:
         f"`{s['config']}` ({_factory(s['model']['factory'])}, loss {s['loss']}), {s['rows']} training "
         f"rows, references `{s['ref']}`; recipe {recipe['optimizer']} lr {recipe['lr']}, "
         f"{recipe.get('epochs') or recipe.get('steps')} {'epochs' if recipe.get('epochs') else 'steps'}, "
-        f"batch {recipe.get('batch_size')}, weight decay {recipe.get('weight_decay')}; trained in "
+        f"batch {recipe.get('batch_size')}, weight decay {recipe.get('weight_decay')}"
+        + (f", {recipe['warmup']} steps of warm-up" if recipe.get("warmup") else "") + "; trained in "
         f"{s['train_s']:.1f} s to {quality} ({s['record_s']:.1f} s recording the run)"
         + _took(s, designs) + ".",
         "",

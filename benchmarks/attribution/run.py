@@ -25,7 +25,9 @@ Every run is one thread (OMP_NUM_THREADS=1), its wall-clock and CPU seconds reco
 commit it ran at. "Tuned" in the tables is the best of a tool's grid on this truth, for
 gradscope's dampings as for the peers' knobs. ``--only`` runs the scorers whose
 ``tool:scorer:options`` key matches a pattern, ``--keep-truth`` reuses the truth files a
-setting's folder holds, ``--merge`` puts the rows measured into an older results file.
+setting's folder holds, ``--merge`` puts the rows measured into an older results file (a
+setting whose truths were rebuilt replaces its old measurement whole: the old rows were
+measured on other truths).
 """
 
 from __future__ import annotations
@@ -223,7 +225,8 @@ def measure(
     listed = [{"path": str(p), "weight": float(w)} for p, w in trained.epochs]
     tracin = write_config(cfg, work / "tracin.yaml", checkpoint=None, checkpoints=listed)
     runs = gradscope_runs(bench, config, tracin, trained.record, work, list(only))
-    replay_s = replay_cost(config, str(bench.ref), trained.record, work) if not only else None
+    replayed = chosen(Run("gradscope", "through-training", {}, False), list(only))
+    replay_s = replay_cost(config, str(bench.ref), trained.record, work) if replayed else None
     if peers_python:
         epochs = [str(p) for p, _ in trained.epochs]
         runs += peer_runs(bench, cfg, peers_python, epochs, work, list(only))
@@ -265,7 +268,8 @@ def main() -> None:
         nargs="+",
         default=[],
         help="run only the scorers whose tool:scorer:options key matches one of these fnmatch "
-        "patterns (gradscope:influence:curvature=gn,* ; trak:*); no replay's mean",
+        "patterns (gradscope:influence:curvature=gn,* ; trak:*); the replay's mean with "
+        "gradscope:through-training:",
     )
     parser.add_argument(
         "--keep-truth",
@@ -275,7 +279,8 @@ def main() -> None:
     parser.add_argument(
         "--merge",
         type=Path,
-        help="a results JSON these runs replace rows of; its other rows keep their commit",
+        help="a results JSON these runs replace rows of (with --keep-truth; without, a setting "
+        "measured replaces its old one whole); its other rows keep their commit",
     )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
@@ -302,7 +307,7 @@ def main() -> None:
     for name in args.settings:
         print(f"{name} ...", flush=True)
         new = measure(SETTINGS[name], designs, args.peers, args.only, args.keep_truth)
-        if name in report["settings"]:
+        if name in report["settings"] and args.keep_truth:  # rebuilt truths: the old rows go
             new = merged(report["settings"][name], new, old["environment"]["commit"])
         report["settings"][name] = new
         if args.json:  # after each setting: a crash keeps the ones measured
