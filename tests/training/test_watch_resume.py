@@ -86,6 +86,32 @@ def test_a_loop_resumed_goes_on_its_file_or_refuses_another(tmp_path):
              "stopped run's steps 0-4")  # fmt: skip
     _refused(lambda: run(2, 1, "mse", torch.zeros(4, 2, dtype=torch.float64)), "steps 0-1")
     assert pq.read_table(out).to_pydict() == table
+    assert [f.name for f in tmp_path.iterdir()] == ["w.parquet"]  # no temporary file left
+
+
+def test_a_resumed_watch_touches_nothing_until_it_is_entered(tmp_path):
+    """Made at step 2 over a stopped run's file and never entered, or entered with a record
+    that refuses to start: no temporary file, and ``out`` byte for byte as it was."""
+    model = torch.nn.Linear(3, 2)
+    x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    out = tmp_path / "w.parquet"
+    with Watch(model, out) as watch:
+        for _ in range(3):
+            watch.step(x, y, [0, 1, 2, 3]).backward()
+    stopped = out.read_bytes()
+    Watch(model, out, step=2)
+    assert [f.name for f in tmp_path.iterdir()] == ["w.parquet"]
+    record = tmp_path / "run"
+    record.mkdir()
+    (record / "notes.txt").write_text("")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with (
+        pytest.raises(ConfigError, match="no run record's folder"),
+        Watch(model, out, step=2, record=record, optimizer=optimizer),
+    ):
+        pass
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["run", "w.parquet"]
+    assert out.read_bytes() == stopped
 
 
 def _hf_project(root):
