@@ -108,7 +108,7 @@ class WatchFile:
                     kept = batch.filter(pc.less(batch["step"], step))
                     held.update(pc.unique(kept["step"]).to_pylist())
                     self._writer.write_batch(kept)
-        except (OSError, pa.ArrowException, ValueError) as e:
+        except (OSError, pa.ArrowException, ValueError, KeyError) as e:  # no step column
             self.discard()
             raise DataError(f"cannot read the stopped run's watch file: {e}", str(self.path)) from e
         if held != set(range(step)):

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from gradscope.config import load_config
-from gradscope.errors import ConfigError
+from gradscope.errors import ConfigError, DataError
 from gradscope.training.replay import through_training
 from gradscope.training.watch import Watch
 from tests.training.test_through_training import project
@@ -91,7 +91,8 @@ def test_a_loop_resumed_goes_on_its_file_or_refuses_another(tmp_path):
 
 def test_a_resumed_watch_touches_nothing_until_it_is_entered(tmp_path):
     """Made at step 2 over a stopped run's file and never entered, or entered with a record
-    that refuses to start: no temporary file, and ``out`` byte for byte as it was."""
+    that refuses to start, or over a torn file: no temporary file, and ``out`` byte for byte
+    as it was."""
     model = torch.nn.Linear(3, 2)
     x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
     out = tmp_path / "w.parquet"
@@ -112,6 +113,14 @@ def test_a_resumed_watch_touches_nothing_until_it_is_entered(tmp_path):
         pass
     assert sorted(f.name for f in tmp_path.iterdir()) == ["run", "w.parquet"]
     assert out.read_bytes() == stopped
+    torn = tmp_path / "torn.parquet"  # no Parquet file: one line, nothing left either
+    torn.write_bytes(stopped[: len(stopped) // 2])
+    with (
+        pytest.raises(DataError, match="cannot read the stopped run's"),
+        Watch(model, torn, step=2),
+    ):
+        pass
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["run", "torn.parquet", "w.parquet"]
 
 
 def _hf_project(root):
