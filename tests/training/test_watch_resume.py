@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 
 import numpy as np
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -196,16 +197,31 @@ def _numbered_on(root) -> None:
         assert resumed[name].to_pylist() == whole[name].to_pylist()
 
 
+def _refused_over_a_gap(root, resume, last: int) -> None:
+    """``resume`` (the run resumed after step ``last``) over the stopped run's file with its
+    step 1 taken out: one line as the watch is entered, no temporary file left; the file put
+    back."""
+    out = root / "w.parquet"
+    stopped, table = out.read_bytes(), pq.read_table(out)
+    pq.write_table(table.filter(pc.not_equal(table["step"], 1)), out)
+    _refused(resume, f"not the stopped run's steps 0-{last}")
+    assert not list(root.glob(".w.parquet*"))
+    out.write_bytes(stopped)
+
+
 def test_a_trainer_resumed_without_a_record_numbers_its_steps_on(tmp_path, monkeypatch):
     """Three batches a step (an epoch of four: steps of 3 and 1), stopped in the last batch and
-    resumed from ``checkpoint-3``, mid-epoch: the file goes on from the 8th batch."""
+    resumed from ``checkpoint-3``, mid-epoch: the file goes on from the 8th batch; over a file
+    missing a step before, one line."""
     data = _hf_project(tmp_path)
     _hf_run(tmp_path, data, "whole", accumulate=3)
     with monkeypatch.context() as patch:
         _stopped(patch, 7, KeyboardInterrupt)
         with pytest.raises(KeyboardInterrupt):
             _hf_run(tmp_path, data, "w", save=True, accumulate=3)
-    _hf_run(tmp_path, data, "w", tmp_path / "hf/checkpoint-3", accumulate=3)
+    resume = tmp_path / "hf/checkpoint-3"
+    _refused_over_a_gap(tmp_path, lambda: _hf_run(tmp_path, data, "w", resume, accumulate=3), 6)
+    _hf_run(tmp_path, data, "w", resume, accumulate=3)
     _numbered_on(tmp_path)
 
 
@@ -325,12 +341,16 @@ def test_a_lightning_fit_resumed_at_an_epoch_end_continues_its_record(tmp_path):
 def test_a_lightning_fit_resumed_without_a_record_numbers_its_steps_on(tmp_path):
     """Two batches a step (an epoch of three: steps of 2 and 1), stopped as step 3 begins (the
     5th batch) and resumed from the checkpoint after step 2, an epoch's end: the file keeps
-    the stopped run's first 3 batches and goes on from the 4th."""
+    the stopped run's first 3 batches and goes on from the 4th; over a file missing a step
+    before, one line."""
     (tmp_path / "lmodule.py").write_text(MODULE)
     project(tmp_path, {"optimizer": "sgd", "lr": 0.1, "steps": 1}, "lmodule.py:Module")
     _fit(tmp_path, "whole", accumulate=2)
     with pytest.raises(InterruptedError):
         _fit(tmp_path, "w", every=1, stop=3, accumulate=2)
     assert pq.read_table(tmp_path / "w.parquet")["step"].to_pylist()[-1] == 4
+    _refused_over_a_gap(
+        tmp_path, lambda: _fit(tmp_path, "w", tmp_path / "ckpt" / "step=2.ckpt", accumulate=2), 2
+    )
     _fit(tmp_path, "w", tmp_path / "ckpt" / "step=2.ckpt", accumulate=2)
     _numbered_on(tmp_path)
