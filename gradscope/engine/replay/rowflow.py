@@ -168,7 +168,8 @@ class RowFlow:
         target = x if in_place else out
         rows = rows_after(self, name, args, kwargs, out)
         if in_place and isinstance(x, Tensor) and rows is not self.of(x) and self._aliased(x):
-            rows = NotImplemented  # a view's rows, or its base's, would not see the write
+            # a view's rows, or its base's, would not see the write: none of them is followed
+            return self.lose(name, [t for t, *_ in list(self.rows.values()) if _alias(t, x)])
         if rows is NotImplemented:
             return self.lose(name, target)
         if isinstance(rows, tuple) and not isinstance(rows, Along):

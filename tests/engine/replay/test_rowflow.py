@@ -71,6 +71,21 @@ def test_ops_that_mix_rows_or_write_through_views_are_not_followed():
         _after(flow, "__getitem__", torch.Tensor.__getitem__, y, key),
     )
     assert flow.of(view) is None  # its base would not see the rows written
+    assert flow.of(x) is None  # nor the base the view's
+
+
+def test_rows_moved_into_a_view_leave_its_base_unfollowed():
+    flow, (x, y) = _flow([0, 1, 2], [2, 0, 1])
+    view = _after(flow, "__getitem__", torch.Tensor.__getitem__, x, (slice(None), slice(0, 2)))
+    perm, src = torch.tensor([1, 2, 0]), y[:, :2].clone()
+    flow.keep(src, torch.tensor([2, 0, 1]))
+    _after(flow, "index_copy_", torch.Tensor.index_copy_, view, 0, perm, src)
+    # x's first two columns now hold rows of examples 1, 2, 0 under its rows 0, 1, 2
+    assert flow.of(view) is None and flow.of(x) is None
+    flow, (x, y) = _flow([0, 1, 2], [2, 0, 1])
+    view = _after(flow, "__getitem__", torch.Tensor.__getitem__, x, (slice(None), 0))
+    _after(flow, "index_copy_", torch.Tensor.index_copy_, x, 0, perm, y)
+    assert flow.of(x) is None and flow.of(view) is None  # the view of the base written
 
 
 def test_rows_moved_off_dimension_zero_and_back():
