@@ -353,9 +353,6 @@ CASES = [
         lambda: net(nn.Embedding(8, 3, scale_grad_by_freq=True, padding_idx=1), nn.Tanh()),
         ids(4, 10),
         like,
-        # a row's count is the batch's in autograd's gradient and the example's alone in each
-        # example's: the self-check cannot hold, so the rule is tested directly (below)
-        fallback=("0.weight",),
     ),
     Case("embedding-called-twice", TwoLookups, lambda b: (*ids(7, 5)(b), *ids(7, 5)(b)), like),
     Case("embedding-tied-head", TiedLM, ids(9, 6), classes, loss="cross_entropy"),
