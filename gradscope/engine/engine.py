@@ -20,7 +20,7 @@ from .analysis.selfcheck import Singles, first_apart, mixed
 from .backward.backward import requests
 from .backward.fallback import Fallback
 from .backward.reduce import Reducer, Want
-from .backward.serve import Served, serve, served_calls, summed, summed_at, uses
+from .backward.serve import Served, serve, served_calls, summed, uses
 from .forward import Forward, batched
 from .hooks import ModuleHooks
 from .plan import FALLBACK_LOOP, build_plan, prepared
@@ -116,7 +116,8 @@ class Engine:
         self._hooked_gradients()
         findings = self._pinned or self.record.at(inputs, targets)
         if want.train:
-            want = dataclasses.replace(want, summed=summed(self.plan, findings.formed, want.train))
+            names = summed(self.plan, findings.formed, want.train).values()
+            want = dataclasses.replace(want, summed=frozenset(names))
         passed = None if self._pinned else self.replayed(inputs, targets, want, findings)
         captured, reducer = passed or self._analysed(inputs, targets, want, findings)
         self._fallback(reducer, inputs, targets, captured.losses)
@@ -209,8 +210,7 @@ class Engine:
             verify = False  # an example's gradient is not finite: no check holds; the next batch
         decide.after_backward(self.plan, captured, reducer, checked, grads, singles, verify)
         if summing:  # the batch gradients a later step takes from the sums, taken so here too
-            names = summed(self.plan, frozenset(reducer.formed), want.train)
-            reducer.summed_at = summed_at(self.plan, names, want.train)
+            reducer.summed_at = summed(self.plan, frozenset(reducer.formed), want.train)
         return reducer, verify
 
     def _program(self, captured: Analysed, count: dict[str, int]) -> Program | str:

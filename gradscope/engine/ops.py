@@ -148,6 +148,9 @@ MOVES = {
 ZEROING = {"tril", "triu"}
 # reshapes: the rows split or merged as the shapes say
 RESHAPES = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
+# the row flow's: views that move dimensions, the rows' among them (``replay/moved.py``)
+DIM_MOVES = {"permute", "transpose", "swapaxes", "swapdims", "movedim", "moveaxis", "t", "T"}
+DIM_MOVES |= {"mT", "unsqueeze", "squeeze"}
 # views whose place in the parameter is known: the index of a basic view, a 2-D transpose
 VIEWS = {"__getitem__", "select", "narrow", "chunk", "split", "unbind", "t", "T", "mT"}
 VIEWS |= {"transpose"}

@@ -37,15 +37,19 @@ class Rows(Contribution):
     """G_i[v] = sum of s_it over the positions t where example i looks up row v.
 
     ``ids`` is (B, T) row indices and ``s`` (B, T, D) output gradients at those positions; the
-    parameter is the (num_rows, D) table, never formed per example unless asked.
+    parameter is the (num_rows, D) table, never formed per example unless asked. ``share``,
+    (B, T) where a row's gradient is divided by its count (``scale_grad_by_freq``): each
+    position's count in its example over its count in the batch, by which the batch gradient
+    (autograd's, divided by the batch's counts) weighs the examples' gradients.
     """
 
-    def __init__(self, ids: Tensor, s: Tensor, num_rows: int):
-        self.ids, self.s = ids, _acc(s)
+    def __init__(self, ids: Tensor, s: Tensor, num_rows: int, share: Tensor | None = None):
+        self.ids, self.s, self.share = ids, _acc(s), share
         self.shape = torch.Size((num_rows, s.shape[-1]))
 
     def examples(self, lo: int, hi: int) -> Contribution:
-        return Rows(self.ids[lo:hi], self.s[lo:hi], self.shape[0])
+        share = None if self.share is None else self.share[lo:hi]
+        return Rows(self.ids[lo:hi], self.s[lo:hi], self.shape[0], share)
 
     def norm_sq(self) -> Tensor:
         b, t, d = self.s.shape
@@ -91,7 +95,8 @@ class Rows(Contribution):
 
     def batch_sum(self) -> Tensor:
         d = self.s.shape[-1]
-        return self.s.new_zeros(self.shape).index_add_(0, self.ids.flatten(), self.s.reshape(-1, d))
+        s = self.s if self.share is None else self.s * self.share.unsqueeze(-1)
+        return self.s.new_zeros(self.shape).index_add_(0, self.ids.flatten(), s.reshape(-1, d))
 
     def cross(self, other: Contribution) -> Tensor | None:
         """With an output head tied to this table (an ``Outer`` of the same shape):
@@ -113,10 +118,15 @@ class Rows(Contribution):
     def merge(self, other: Contribution) -> Contribution:
         if isinstance(other, Rows) and other.shape == self.shape:
             # a second lookup into the same table: its positions join the first call's
-            return Rows(
-                torch.cat([self.ids, other.ids], 1), torch.cat([self.s, other.s], 1), self.shape[0]
-            )
+            share = None
+            if self.share is not None or other.share is not None:
+                share = torch.cat([self._share(), other._share()], 1)
+            ids, s = torch.cat([self.ids, other.ids], 1), torch.cat([self.s, other.s], 1)
+            return Rows(ids, s, self.shape[0], share)
         return super().merge(other)
+
+    def _share(self) -> Tensor:
+        return torch.ones_like(self.ids, dtype=self.s.dtype) if self.share is None else self.share
 
 
 def _rows(module: nn.Embedding) -> int | None:
@@ -145,12 +155,19 @@ def lookup(
     s = grad_output.reshape(b, -1, grad_output.shape[-1])  # (B, T, D)
     if padding_idx is not None:
         s = s * (ids != padding_idx % num_rows).unsqueeze(-1)  # the padding row gets no gradient
-    if by_freq:
-        # the loop sees one example at a time, so a row is scaled by its count in that example
-        group = _groups(example_keys(ids, num_rows))
-        counts = torch.zeros_like(group).index_add_(0, group, torch.ones_like(group))
-        s = s / counts[group].view(b, -1, 1).to(s.dtype)
-    return Rows(ids, s, num_rows)
+    if not by_freq:
+        return Rows(ids, s, num_rows)
+    # the loop sees one example at a time, so a row is scaled by its count in that example;
+    # autograd's batch gradient by its count in the batch
+    own, batch = _counts(example_keys(ids, num_rows)), _counts(ids.flatten())  # (B*T,) each
+    s = s / own.view(b, -1, 1).to(s.dtype)
+    return Rows(ids, s, num_rows, (own.to(s.dtype) / batch.to(s.dtype)).view(b, -1))
+
+
+def _counts(keys: Tensor) -> Tensor:
+    """(N,) how many of ``keys`` equal each one."""
+    group = _groups(keys)
+    return torch.zeros_like(group).index_add_(0, group, torch.ones_like(group))[group]
 
 
 def bag_of(offsets: Tensor, n: int, include_last: bool) -> tuple[Tensor, Tensor]:

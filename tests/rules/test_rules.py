@@ -353,9 +353,6 @@ CASES = [
         lambda: net(nn.Embedding(8, 3, scale_grad_by_freq=True, padding_idx=1), nn.Tanh()),
         ids(4, 10),
         like,
-        # a row's count is the batch's in autograd's gradient and the example's alone in each
-        # example's: the self-check cannot hold, so the rule is tested directly (below)
-        fallback=("0.weight",),
     ),
     Case("embedding-called-twice", TwoLookups, lambda b: (*ids(7, 5)(b), *ids(7, 5)(b)), like),
     Case("embedding-tied-head", TiedLM, ids(9, 6), classes, loss="cross_entropy"),
@@ -753,6 +750,21 @@ def test_embedding_scaled_by_frequency_is_each_examples_own(padding: int | None)
     g = torch.randn(3, 10, 3, dtype=torch.float64)
     part = find_rule(module).fn(module, (ids,), g)["weight"]
     assert_rel_close(part.materialize(), alone(module, ids, g)["weight"], 1e-12)
+
+
+@pytest.mark.parametrize("padding", [None, 1])
+def test_embedding_scaled_by_frequency_sums_as_autograds_batch(padding: int | None) -> None:
+    """The examples' gradients, each row weighed by its count in the example over its count in
+    the batch, add up to autograd's batch gradient (the self-check's sum); two lookups' each
+    by its own counts."""
+    torch.manual_seed(0)
+    module = nn.Embedding(8, 3, scale_grad_by_freq=True, padding_idx=padding).double()
+    ids = torch.randint(0, 4, (3, 10))
+    g = torch.randn(3, 10, 3, dtype=torch.float64)
+    part = find_rule(module).fn(module, (ids,), g)["weight"]
+    (batch,) = torch.autograd.grad(module(ids), module.weight, g)
+    assert_rel_close(part.batch_sum(), batch, 1e-12)
+    assert_rel_close(part.merge(part.examples(0, 3)).batch_sum(), 2 * batch, 1e-12)
 
 
 def test_batchnorm_without_running_stats_is_refused() -> None:

@@ -14,13 +14,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.modules.conv import _ConvNd
 
 from ...rules import find_rule
 from ..plan import BROADCAST, ParamPlan, Plan
 from ..rows import Gather
 from .owners import NONE, is_batch, lane_of, reduce, rows_of, segment_combine
-from .selfcheck import Singles, agrees
+from .selfcheck import Singles, close, precision
 
 if TYPE_CHECKING:
     from ..backward.reduce import Reducer
@@ -121,6 +122,14 @@ def _why(owners: Tensor) -> str:
     return "rows of its input are not the examples"
 
 
+def counted(p: ParamPlan) -> bool:
+    """Whether ``p`` is an ``nn.Embedding`` table that divides each row's gradient by its
+    count (``scale_grad_by_freq``): autograd's backward of one example in the batch counts the
+    rows of the whole batch, the rule each example's alone, so only the batch sums compare
+    (the rule's counts its examples' gradients as autograd counts the batch's: ``Rows``)."""
+    return any(isinstance(m, nn.Embedding) and m.scale_grad_by_freq for m, _ in p.owners)
+
+
 def after_backward(
     plan: Plan,
     seen: Analysed,
@@ -152,14 +161,29 @@ def after_backward(
             )
             plan.to_fallback(p, f"used {where}")
             continue
-        ours = reducer.sums.get(p.name, torch.zeros_like(p.param))
-        if verify and not agrees(ours, torch.zeros_like(p.param) if g is None else g, total):
-            plan.to_fallback(
-                p, "its rule's gradients do not add up to autograd's (used outside its module?)"
-            )
-        elif verify and not singles.agree(k, reducer.norm_sq.get(p.name), p.param.dtype):
-            plan.to_fallback(p, "its rule's gradient of one example differs from its backward")
-        elif verify and p.rule == BROADCAST:
+        if not verify:
+            continue
+        why = _differs(p, k, reducer, g, total, singles)
+        if why:
+            plan.to_fallback(p, why)
+        elif p.rule == BROADCAST:
             p.note = ""  # served: no longer "no rule for ..."
     for p in plan.fallback:
         reducer.forget(p.name)
+
+
+def _differs(
+    p: ParamPlan, k: int, reducer: Reducer, g: Tensor | None, total: float, singles: Singles
+) -> str | None:
+    """Why ``p``'s rule is not autograd's on this batch (the self-check), or None: its sum
+    over the examples against ``g``, the batch gradient, then its norms against the
+    ``singles``' own backward (``k``: its place among them), at the precision of its products."""
+    ours = reducer.sums.get(p.name, torch.zeros_like(p.param))
+    norm_sq = reducer.norm_sq.get(p.name)  # (B,) the terms' magnitude: their norms, summed
+    scale = 0.0 if norm_sq is None else norm_sq.double().clamp_min(0).sqrt().sum().item()
+    at = precision(p.param, any(isinstance(m, _ConvNd) for m, _ in p.owners))
+    if not close(ours, torch.zeros_like(p.param) if g is None else g, at, scale, total):
+        return "its rule's gradients do not add up to autograd's (used outside its module?)"
+    if not counted(p) and not singles.agree(k, norm_sq, at):
+        return "its rule's gradient of one example differs from its backward"
+    return None

@@ -164,10 +164,11 @@ def lane_of(o: Tensor, batch: int) -> tuple[int, int] | None:
     divides) and vary along no other, whether or not ``o`` is the trace's canonical tensor for
     that lane (reads values: the analysis asks)."""
     o = shrink(o)  # (B, T) owners constant along T: (B, 1)
+    if batch == 1:  # every element the one example's, however many rows: any lane is (0, 1)
+        return (0, 1) if o.dim() and o.numel() and bool((o == 0).all()) else None
     dims = [d for d in range(o.dim()) if o.shape[d] > 1]
     if not dims:
-        one = o.dim() and o.numel() == 1 and batch == 1 and int(o.reshape(())) == 0
-        return (0, 1) if one else None
+        return None
     if len(dims) != 1 or o.shape[dims[0]] % batch:
         return None
     flat = o.reshape(-1)

@@ -68,27 +68,19 @@ def held_budget(calls: Sequence[Call]) -> int:
     return sum(c.shape.numel() + sum(t.numel() for t in c.inputs) for c in calls) // 3
 
 
-def summed(plan: Plan, formed: frozenset[str] | None, train: Sequence[Tensor]) -> frozenset[str]:
+def summed(plan: Plan, formed: frozenset[str] | None, train: Sequence[Tensor]) -> dict[int, str]:
     """The parameters of ``train`` whose batch gradient a training step takes from their
-    rules' sums (``Want.summed``): those whose rules ``formed`` each example's gradient on the
-    signature's last step (the same shapes form again; where one does not, its sum is one
-    product, as autograd's), served by rules or reads still and not sharded (the examples'
-    sum is not a shard's). ``formed`` None: every one that may be."""
-    trained = {id(t) for t in train}
-    return frozenset(
-        p.name
+    rules' sums (``Want.summed``), by their positions in ``train`` (``Reducer.summed_at``):
+    those whose rules ``formed`` each example's gradient on the signature's last step (the same
+    shapes form again; where one does not, its sum is one product, as autograd's), served by
+    rules or reads still and not sharded (the examples' sum is not a shard's). ``formed`` None:
+    every one that may be."""
+    names = {
+        id(p.param): p.name
         for p in plan.by_rule + plan.raw
-        if (formed is None or p.name in formed)
-        and id(p.param) in trained
-        and type(p.param) in (Tensor, Parameter)
-    )
-
-
-def summed_at(plan: Plan, names: frozenset[str], train: Sequence[Tensor]) -> dict[int, str]:
-    """The positions in ``train`` of the parameters ``names``: where a step's batch gradient
-    is the rules' sum (``Reducer.summed_at``)."""
-    ids = {id(plan.find(name).param): name for name in names}
-    return {k: ids[id(t)] for k, t in enumerate(train) if id(t) in ids}
+        if (formed is None or p.name in formed) and type(p.param) in (Tensor, Parameter)
+    }
+    return {k: names[id(t)] for k, t in enumerate(train) if id(t) in names}
 
 
 def serve(
@@ -121,7 +113,7 @@ def serve(
     also = [p.param for p in done.checked]
     # a training step's gradients come from the same backward, autograd's but for those the
     # rules sum (``Reducer.gradients``)
-    at = {} if verify else summed_at(plan, reducer.want.summed, want.train)
+    at = {} if verify else summed(plan, reducer.want.summed, want.train)
     ruled = {id(want.train[k]) for k in at}
     auto = [t for t in want.train if id(t) not in ruled]
     asked = done.asked if not want.train else _trained(done, calls, reads, [*also, *auto])
@@ -157,7 +149,7 @@ def _kept(plan: Plan, want: Want, verify: bool) -> Want:
         norms=want.norms or verify,
         share=want.share and want.norms,
         sums=verify,
-        summed=summed(plan, None, want.train) if verify else want.summed,
+        summed=frozenset(summed(plan, None, want.train).values()) if verify else want.summed,
     )
 
 

@@ -6,7 +6,8 @@ giving the example of each row along dimension 0 (``NO_ONE`` for a row of no exa
   index tensors themselves are positions (sorts', ``arange``'s, as the trace takes them), unless
   computed from an example's values, whose rows then join.
 - Ops that keep rows keep them: elementwise ops, casts, row-by-row products with weights of no
-  example, views and reductions off dimension 0, reshapes that split rows or merge whole ones.
+  example, views and reductions off dimension 0, reshapes that split rows or merge whole ones;
+  views that move dimension 0 elsewhere lay the rows along another (``moved.py``).
 - Rows that meet (two operands, rows merged, rows written to one place) must be one example's,
   or no example's: what the batch's values decide there is a flag on the device, kept until the
   forward's end, when the replay reads them all at once (``bad``).
@@ -26,17 +27,20 @@ from torch import Tensor
 
 from ..ops import FILLS, POSITIONS, WRITES_IN_PLACE
 from ..tensors import tensors_in
-from .forms import INV, PICK, REP, Form, Maps
+from .forms import INV, PICK, REP, Form, Maps, picked
+from .moved import Along
 from .rowops import NO_ONE, rows_after
 
 
 class RowFlow:
     """The rows of one region call's tensors, by id (the tensor kept beside them: an id is
-    only its tensor's while it lives); a tensor not here is no example's."""
+    only its tensor's while it lives), and the dimension they lie along; a tensor not here is
+    no example's."""
 
     def __init__(self, batch: int):
         self.batch = batch
-        self.rows: dict[int, tuple[Tensor, Tensor | None]] = {}
+        self.rows: dict[int, tuple[Tensor, Tensor | None, int]] = {}
+        self.along = False  # whether any tensor's rows lay along another dimension than 0
         self.wrong: list[Tensor] = []  # flags, each (n,) or (): any true fails the batch
         self.lost: str | None = None  # the first op whose results could not be followed
         # by id, kept alive so that no id is another's: the forms of rows tensors, and of the
@@ -79,21 +83,42 @@ class RowFlow:
         """Whether ``rows`` are of ``form`` whatever the batch's values."""
         return self.form(rows) == form
 
-    def keep(self, t: object, rows: Tensor | None | bool) -> None:
+    def keep(self, t: object, rows: Tensor | Along | None | bool) -> None:
         """``t``'s rows (None: unfollowed; False: no example's, as a tensor never seen)."""
         if not isinstance(t, Tensor):
             return
         if rows is False:
             self.rows.pop(id(t), None)
+        elif isinstance(rows, Along):
+            self.rows[id(t)], self.along = (t, rows.rows, rows.dim), True
         else:
-            self.rows[id(t)] = (t, rows)
+            self.rows[id(t)] = (t, rows, 0)
 
     def of(self, t: object) -> Tensor | None | bool:
-        """``t``'s rows; None where unfollowed; False where it is no example's."""
+        """``t``'s rows along dimension 0; None where unfollowed, or along another; False where
+        it is no example's."""
+        at = self.at(t)
+        return at if not isinstance(at, tuple) else None if at[1] else at[0]
+
+    def at(self, t: object) -> tuple[Tensor, int] | None | bool:
+        """``t``'s rows and the dimension they lie along; None where unfollowed; False where
+        it is no example's."""
         item = self.rows.get(id(t)) if isinstance(t, Tensor) else None
         if item is None or item[0] is not t:
             return False
-        return item[1]
+        return None if item[1] is None else item[1:]
+
+    def off(self, t: object) -> bool:
+        """Whether ``t``'s rows lie along another dimension than 0."""
+        at = self.at(t)
+        return isinstance(at, tuple) and at[1] > 0
+
+    def picked(self, rows: Tensor, index: Tensor) -> Tensor:
+        """The rows an index tensor of no example picks, of a form where both have one."""
+        form, maps = self.form(rows), self.maps(index)
+        return self.formed(
+            rows[index], None if form is None or maps is None else picked(maps, form)
+        )
 
     def flag(self, wrong: Tensor) -> None:
         """The batch is not one the replay can serve where any of ``wrong`` holds."""
@@ -128,7 +153,7 @@ class RowFlow:
         """Whether ``x`` is a view, or a followed tensor is a view of it."""
         if x._base is not None:
             return True
-        return any(t is not x and t._base is x for t, _ in self.rows.values())
+        return any(t is not x and t._base is x for t, *_ in self.rows.values())
 
     def follow(self, name: str, args: tuple, kwargs: dict, out: object) -> None:
         """The rows of ``out``, the result of op ``name`` on followed tensors."""
@@ -143,10 +168,11 @@ class RowFlow:
         target = x if in_place else out
         rows = rows_after(self, name, args, kwargs, out)
         if in_place and isinstance(x, Tensor) and rows is not self.of(x) and self._aliased(x):
-            rows = NotImplemented  # a view's rows, or its base's, would not see the write
+            # a view's rows, or its base's, would not see the write: none of them is followed
+            return self.lose(name, [t for t, *_ in list(self.rows.values()) if _alias(t, x)])
         if rows is NotImplemented:
             return self.lose(name, target)
-        if isinstance(rows, tuple):
+        if isinstance(rows, tuple) and not isinstance(rows, Along):
             for t, r in zip(out, rows, strict=True):
                 self.keep(t, r)
             return

@@ -10,7 +10,8 @@ from torch import Tensor
 
 from ..ops import ALONG, JOINS, MATMULS, PRODUCTS, RESHAPES, ROW_REDUCTIONS, ROW_WISE, SPLITS
 from ..tensors import tensors_in
-from .forms import merged, picked, split
+from .forms import merged, split
+from .moved import indexed, moved_after, reduced_dims
 
 if TYPE_CHECKING:
     from .rowflow import RowFlow
@@ -20,7 +21,11 @@ ATTENTION = {"scaled_dot_product_attention"}  # q, k, v and a mask, each row its
 
 
 def rows_after(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object):
-    """The rows of ``out`` (a tuple of them for several outputs), or NotImplemented."""
+    """The rows of ``out`` (a tuple of them for several outputs; ``Along`` another dimension
+    than 0), or NotImplemented."""
+    moved = moved_after(flow, name, args, kwargs, out)
+    if moved is not None:
+        return moved
     x = args[0]
     if name == "__getitem__":
         return _indexed(flow, x, args[1], out)
@@ -59,19 +64,8 @@ def rows_after(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object)
         rows = flow.of(x)  # values moved to the places the indices say; those are positions
         return NotImplemented if rows is None else (rows[out[1]], False)
     if name in ROW_REDUCTIONS:
-        dim = kwargs.get("dim", args[1] if len(args) > 1 and name not in ("topk",) else None)
-        dim = kwargs.get("dim", args[2] if len(args) > 2 else -1) if name == "topk" else dim
-        if name == "sort" and dim is None:
-            dim = -1
-        return _kept(flow, x, out, dim)
-    if name in ("transpose", "swapaxes", "swapdims"):
-        return _kept(flow, x, out, (args[1], args[2]) if len(args) > 2 else None)
-    if name == "mT" and x.dim() < 3:
-        return NotImplemented
-    if name in ("unsqueeze", "squeeze", "expand", "expand_as", "mT", "permute", "one_hot"):
-        if name == "permute":
-            dims = args[1:] if not isinstance(args[1], (list, tuple)) else args[1]
-            return _kept(flow, x, out, 1 if dims[0] % x.dim() == 0 else 0)
+        return _kept(flow, x, out, reduced_dims(name, args, kwargs))
+    if name == "one_hot":
         return _same_rows(flow, x, out)
     return NotImplemented
 
@@ -165,11 +159,11 @@ def _indexed(flow: RowFlow, x: Tensor, index: object, out: object) -> object:
         if rows is None:
             return NotImplemented
         if rows is not False and not found and len(pickers) == 1:
-            return _gathered(flow, rows, first)
+            return flow.picked(rows, first)
         chosen = [rows[first]] if rows is not False else []
         return flow.combine(chosen + found) if chosen or found else False
-    if any(isinstance(k, Tensor) for k in key):
-        return NotImplemented
+    if first is None or any(isinstance(k, Tensor) for k in key):  # x[None, idx], x[:, idx]
+        return indexed(flow, x, key, out)
     if isinstance(first, slice) and first != slice(None):  # x[a:b]: those rows
         rows = flow.of(x)
         return (
@@ -186,15 +180,9 @@ def _picked(flow: RowFlow, x: Tensor, index: Tensor, out: object) -> object:
     if rows is None or own is None or index.dim() != 1:
         return NotImplemented
     if rows is not False and own is False:
-        return _gathered(flow, rows, index)
+        return flow.picked(rows, index)
     found = ([rows[index]] if rows is not False else []) + ([own] if own is not False else [])
     return flow.combine(found) if found else False
-
-
-def _gathered(flow: RowFlow, rows: Tensor, index: Tensor) -> Tensor:
-    """The rows an index tensor of no example picks, of a form where both have one."""
-    form, maps = flow.form(rows), flow.maps(index)
-    return flow.formed(rows[index], None if form is None or maps is None else picked(maps, form))
 
 
 def _added(flow: RowFlow, args: tuple, kwargs: dict, copy: bool = False) -> object:

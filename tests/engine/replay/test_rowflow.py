@@ -3,8 +3,10 @@ raised where rows of two examples meet."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from gradscope.engine.replay.moved import Along
 from gradscope.engine.replay.rowflow import NO_ONE, RowFlow
 
 
@@ -69,3 +71,91 @@ def test_ops_that_mix_rows_or_write_through_views_are_not_followed():
         _after(flow, "__getitem__", torch.Tensor.__getitem__, y, key),
     )
     assert flow.of(view) is None  # its base would not see the rows written
+    assert flow.of(x) is None  # nor the base the view's
+
+
+def test_rows_moved_into_a_view_leave_its_base_unfollowed():
+    flow, (x, y) = _flow([0, 1, 2], [2, 0, 1])
+    view = _after(flow, "__getitem__", torch.Tensor.__getitem__, x, (slice(None), slice(0, 2)))
+    perm, src = torch.tensor([1, 2, 0]), y[:, :2].clone()
+    flow.keep(src, torch.tensor([2, 0, 1]))
+    _after(flow, "index_copy_", torch.Tensor.index_copy_, view, 0, perm, src)
+    # x's first two columns now hold rows of examples 1, 2, 0 under its rows 0, 1, 2
+    assert flow.of(view) is None and flow.of(x) is None
+    flow, (x, y) = _flow([0, 1, 2], [2, 0, 1])
+    view = _after(flow, "__getitem__", torch.Tensor.__getitem__, x, (slice(None), 0))
+    _after(flow, "index_copy_", torch.Tensor.index_copy_, x, 0, perm, y)
+    assert flow.of(x) is None and flow.of(view) is None  # the view of the base written
+
+
+def test_rows_moved_off_dimension_zero_and_back():
+    flow, (x,) = _flow([0, 1, 2, 2])  # (4, 4)
+    mask = _after(flow, "unsqueeze", torch.Tensor.unsqueeze, x, 1)  # (4, 1, 4)
+    mask = _after(flow, "permute", torch.Tensor.permute, mask, 2, 1, 0)  # (4, 1, 4)
+    assert flow.of(mask) is None and flow.at(mask)[1] == 2  # along dimension 2
+    one = _after(flow, "__getitem__", torch.Tensor.__getitem__, mask, torch.tensor([1]))
+    one = _after(flow, "squeeze", torch.Tensor.squeeze, one, 0)  # (1, 4)
+    assert flow.at(one)[0].tolist() == [0, 1, 2, 2] and flow.at(one)[1] == 1
+    picked = _after(flow, "__getitem__", torch.Tensor.__getitem__, x, (None, torch.tensor([3, 0])))
+    back = _after(flow, "reshape", torch.Tensor.reshape, picked, -1, 4)  # (1, 2, 4) -> (2, 4)
+    assert flow.of(back).tolist() == [2, 0]
+    flow, (x,) = _flow([0, 1, 2])  # (3, 4): a sequence-first (T, B, H) read as (T * B, H)
+    seq = _after(flow, "expand", torch.Tensor.expand, x, 2, 3, 4)
+    seq = _after(flow, "sum", torch.sum, seq, 2, keepdim=True)  # along the features
+    assert (
+        flow.of(_after(flow, "reshape", torch.Tensor.reshape, seq, 6, 1)).tolist() == [0, 1, 2] * 2
+    )
+    assert flow.bad is None
+
+
+def test_moves_that_mix_moved_rows_are_not_followed():
+    flow, (x,) = _flow([0, 1, 2])  # (3, 4)
+    t = _after(flow, "transpose", torch.transpose, x, 0, 1)  # (4, 3): rows along dimension 1
+    assert flow.at(_after(flow, "reshape", torch.Tensor.reshape, t, 3, 4)) is None  # mixed
+    assert flow.at(_after(flow, "sum", torch.sum, t, 1)) is None  # over the examples
+    assert flow.at(_after(flow, "matmul", torch.matmul, t, torch.randn(3, 2))) is None
+    assert flow.at(_after(flow, "flip", torch.flip, t, [1])) is None
+    y = torch.randn(4, 3)
+    flow.keep(y, torch.tensor([0, 1, 2, 2]))  # rows along dimension 0 meet rows along 1
+    assert flow.at(_after(flow, "add", torch.add, t, y)) is None
+    assert flow.bad is None
+
+
+T, G = torch.Tensor, torch.Tensor.__getitem__
+# (shape, the rows' dimension, op, its function, its arguments, the same on the owners)
+MOVED = [
+    ((4, 1, 3), 0, "permute", T.permute, (2, 1, 0), None),
+    ((3, 4, 2), 1, "transpose", torch.transpose, (0, 2), None),
+    ((3, 4, 2), 2, "movedim", torch.movedim, ((0, 2), (2, 0)), None),
+    ((3, 4, 2), 1, "mT", T.mT.__get__, (), None),
+    ((3, 4), 0, "unsqueeze", torch.unsqueeze, (1,), None),
+    ((1, 4, 1), 1, "squeeze", torch.squeeze, (), None),
+    ((4, 3), 0, "expand", T.expand, (2, 4, 3), None),
+    ((2, 4, 3), 1, "__getitem__", G, ((0, slice(1, 3), None),), None),
+    ((2, 4, 3), 1, "__getitem__", G, ((None, ..., torch.tensor([2, 0])),), None),
+    ((2, 4, 3), 1, "__getitem__", G, ((1, torch.tensor([3, 0, 3])),), None),
+    ((4, 3), 0, "__getitem__", G, ((slice(None), torch.tensor([2, 0])),), None),
+    ((2, 4, 3), 1, "reshape", T.reshape, (8, 3), None),  # sequence-first: rows twice
+    ((2, 4, 3), 1, "reshape", T.reshape, (2, 12), None),  # each row 3 times
+    ((2, 4, 3), 1, "sum", torch.sum, (2,), lambda o, d: o.amax(d)),
+    ((2, 4, 3), 1, "softmax", torch.softmax, (0,), lambda o, d: o),
+    ((2, 4, 3), 1, "select", torch.select, (0, 1), None),
+    ((2, 4, 3), 1, "unbind", torch.unbind, (2,), None),
+    ((2, 4, 3), 1, "mul", torch.mul, (2.0,), lambda o, c: o),
+]
+
+
+@pytest.mark.parametrize("shape, dim, name, func, args, owned", MOVED, ids=[c[2] for c in MOVED])
+def test_moved_rows_are_the_owners_the_op_moves(shape, dim, name, func, args, owned):
+    """Each row's example where the flow says, against the op run on the owners themselves."""
+    flow, x = RowFlow(batch=3), torch.randn(shape)
+    rows = torch.tensor([2, 0, 1, 1])[: shape[dim]]
+    flow.keep(x, Along(rows, dim) if dim else rows)
+    out = _after(flow, name, func, x, *args)
+    owners = rows.view([-1 if k == dim else 1 for k in range(len(shape))]).expand(shape)
+    moved = (owned or func)(owners, *args)
+    for o, m in zip(out, moved, strict=True) if isinstance(out, tuple) else [(out, moved)]:
+        at = flow.at(o)
+        assert isinstance(at, tuple), name
+        view = [-1 if k == at[1] else 1 for k in range(o.dim())]
+        assert torch.equal(m, at[0].view(view).expand(o.shape))
