@@ -159,6 +159,8 @@ class RowFlow:
         """The rows of ``out``, the result of op ``name`` on followed tensors."""
         if name in FILLS or name in POSITIONS or (name == "where" and len(args) == 1):
             return
+        if name == "unique" and _ids(args, kwargs, out):
+            return
         x = args[0] if args else None
         if name == "sort" and isinstance(out, tuple) and x.dim() == 1:  # a permutation
             self.held.append(out[1])
@@ -220,6 +222,19 @@ class RowFlow:
             return False
         self.indices[id(x)] = (x, ((INV, p[0][1]),))
         return True
+
+
+def _ids(args: tuple, kwargs: dict, out: object) -> bool:
+    """``x.unique()`` of integers alone (the experts a batch routes to, Ergo's loop): ids, as
+    ``nonzero``'s positions are; with inverse indices or counts, each row's, not followed."""
+    x = args[0] if args else None
+    extra = (kwargs.get(k) for k in ("return_inverse", "return_counts", "dim"))
+    alone = (
+        isinstance(out, Tensor)
+        and len(args) <= 2
+        and not any(e is not None and e is not False for e in extra)
+    )
+    return alone and isinstance(x, Tensor) and not x.is_floating_point() and not x.is_complex()
 
 
 def _alias(out: Tensor, t: Tensor) -> bool:

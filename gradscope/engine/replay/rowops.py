@@ -52,6 +52,8 @@ def rows_after(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object)
         return _row_wise(flow, args, kwargs, out)  # attention: within each example's rows
     if name == "repeat" and _repeats(args)[:1] == (1,) and len(_repeats(args)) == x.dim():
         return _same_rows(flow, x, out)  # JetMoE's keys, repeated along the heads
+    if name == "repeat_interleave":
+        return _interleaved(flow, args, kwargs, out)
     if name in SPLITS:
         dim = kwargs.get("dim", args[2] if len(args) > 2 and name != "unbind" else 0)
         dim = args[1] if name in ("unbind", "select", "narrow") and len(args) > 1 else dim
@@ -97,6 +99,27 @@ def _kept(flow: RowFlow, x: Tensor, out: object, dim) -> object:
     if isinstance(out, (tuple, list)):
         return tuple(rows if isinstance(t, Tensor) else None for t in out)
     return rows
+
+
+def _interleaved(flow: RowFlow, args: tuple, kwargs: dict, out: object) -> object:
+    """``x.repeat_interleave(repeats, dim)``: along dimension 0 each row repeated in place
+    (Ergo's tokens, one row per route), repeats an int or counts of no example; along
+    another, rows kept."""
+    x, dim = args[0], kwargs.get("dim", args[2] if len(args) > 2 else None)
+    repeats = kwargs.get("repeats", args[1] if len(args) > 1 else None)
+    rows = flow.of(x)
+    if not isinstance(x, Tensor) or not isinstance(dim, int) or not x.dim() or rows is None:
+        return NotImplemented
+    if dim % x.dim():
+        return _kept(flow, x, out, dim)
+    if rows is False or flow.of(repeats) is not False:
+        return NotImplemented if rows is not False else False
+    if isinstance(repeats, int):
+        form = flow.form(rows)
+        return flow.formed(
+            rows.repeat_interleave(repeats), None if form is None else split(form, repeats)
+        )
+    return rows.repeat_interleave(repeats)
 
 
 def _pieces(flow: RowFlow, x: Tensor, out: object) -> object:
