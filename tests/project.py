@@ -244,17 +244,23 @@ def cli_norms(
         {"x": torch.cat([b[0][0] for b in batches]), "y": torch.cat([b[1] for b in batches])},
         root / "data.pt",
     )
-    torch.save(model.state_dict(), root / "model.pt")
-    module, name = factory.split(":")
-    (root / "models.py").write_text(f"from {module} import {name} as make\n")
     scores = run_cli(
         root,
-        {"factory": "models.py:make", "checkpoint": "model.pt"},
+        saved_model(root, model, factory),
         {"path": "data.pt", "inputs": ["x"], "targets": "y", "batch_size": size},
         "cross_entropy",
     )
     norms = torch.tensor(scores["grad_norm"].to_numpy())
     return list(norms.split(size))
+
+
+def saved_model(root: Path, model: torch.nn.Module, factory: str) -> dict:
+    """The config's model section for ``model``: its state dict saved to model.pt, built by
+    ``factory`` (``module:name``, importable from the tests) through a models.py naming it."""
+    torch.save(model.state_dict(), root / "model.pt")
+    module, name = factory.split(":")
+    (root / "models.py").write_text(f"from {module} import {name} as make\n")
+    return {"factory": "models.py:make", "checkpoint": "model.pt"}
 
 
 def invoke_cli(

@@ -108,7 +108,8 @@ class Pulled(Contribution):
     adding those, and one VJP per tensor then forms the parameter's, where one per read would
     give the same sum (the VJP is linear in the gradient)."""
 
-    forms = True
+    def forms(self, *, train: bool) -> bool:
+        return True
 
     def __init__(self, pending: dict[Computed, Tensor], shape: torch.Size):
         self.pending = pending  # each tensor computed from the parameter -> its gradients

@@ -109,9 +109,13 @@ class Contribution(ABC):
     """One parameter's per-example gradient, (B, *shape), kept in whatever form is cheapest."""
 
     shape: torch.Size
-    # whether each example's gradient is at hand, or formed by ``norm_sq`` (a chunk at a time):
-    # the batch sum from the same, ``norm_sq_and_sum``, then costs a sum, not a matrix product
-    forms = False
+
+    def forms(self, *, train: bool) -> bool:
+        """Whether each example's gradient is at hand, or formed (a chunk at a time) by the
+        answer to the question asked: with ``train`` (``Want.train``) a training step's, the
+        norms and the batch sum, whose sum from the same (``norm_sq_and_sum``) then costs a
+        sum, not a matrix product; else the norms alone (``norm_sq``). Here neither."""
+        return False
 
     @abstractmethod
     def norm_sq(self) -> Tensor:
@@ -168,7 +172,8 @@ class Contribution(ABC):
 class Dense(Contribution):
     """Per-example gradients formed directly: fine for small parameters (biases, norm scales)."""
 
-    forms = True
+    def forms(self, *, train: bool) -> bool:
+        return True
 
     def __init__(self, grads: Tensor):
         self.grads = _acc(grads)  # (B, *shape)

@@ -117,27 +117,24 @@ class Outer(Contribution):
             return self._gram_norm_sq()
         return _cat([_sq_norm(m.flatten(1)) for m in self._materialized_chunks()])
 
-    @property
-    def forms(self) -> bool:
-        """Whether a training step's ``norm_sq_and_sum`` forms each example's G, all positions
-        of every example, more than one: where ``norm_sq`` does (``_norm_forms``), and where
-        the Gram norm is cheaper alone but not beside the batch gradient's product it leaves
-        to autograd, B * T * O * I (forming: that, and a sum of B * O * I)."""
+    def forms(self, *, train: bool) -> bool:
+        """Whether answering forms each example's G, all positions of every example, more than
+        one. ``train`` (``Want.train``) asks a training step's question, its norms and batch sum
+        (``norm_sq_and_sum``): where the norms alone do, and where the Gram norm is cheaper
+        alone but not beside the batch gradient's product it leaves to autograd, B * T * O * I
+        (forming: that, and a sum of B * O * I). Else the norms' alone (``norm_sq``): where no
+        Gram is cheaper (many positions, as a sequence model's layers)."""
         _, _, t, o, i = self.dims
-        return self.lengths is None and t > 1 and o * i < t * t * (i + o)
-
-    @property
-    def _norm_forms(self) -> bool:
-        """Whether ``norm_sq`` forms each example's G: all positions of every example, more
-        than one, and no Gram cheaper (many positions, as a sequence model's layers)."""
-        return self.lengths is None and self.dims[2] > 1 and not self._gram_cheaper
+        if self.lengths is not None or t == 1:
+            return False
+        return o * i < t * t * (i + o) if train else not self._gram_cheaper
 
     def norm_sq_and_sum(self) -> tuple[Tensor, Tensor]:
-        """The squared norms and the batch sum from the same G formed, where ``forms``: the
-        sum over a chunk's examples costs B * O * I beside their forming, not the batch
-        gradient's B * T * O * I again. The chunks are formed one after another into one
-        buffer (``FORMED_ELEMENTS``), read back for the norms and the sum from the cache."""
-        if not self.forms:
+        """The squared norms and the batch sum from the same G formed, where a training step
+        ``forms`` it: the sum over a chunk's examples costs B * O * I beside their forming, not
+        the batch gradient's B * T * O * I again. The chunks are formed one after another into
+        one buffer (``FORMED_ELEMENTS``), read back for the norms and the sum from the cache."""
+        if not self.forms(train=True):
             return super().norm_sq_and_sum()
         b, g, _, o, i = self.dims
         step = max(1, min(b, FORMED_ELEMENTS // (g * o * i)))
@@ -168,7 +165,7 @@ class Outer(Contribution):
             for index, part in groups:
                 norms[index], inners[index] = part.norm_sq_and_inner(refs)
             return norms, inners
-        if not self._norm_forms and not self._formed_cheaper(len(refs)):
+        if not self.forms(train=False) and not self._formed_cheaper(len(refs)):
             return self.norm_sq(), self.inner(refs)
         r = rows(refs.to(self.s.dtype))  # (K, P)
         norms, inners = [], []

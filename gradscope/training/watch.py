@@ -120,7 +120,8 @@ class Watch:
 
     ``step`` numbers the loop's first step: a resumed loop's (with ``record``, the record's
     checkpoint it resumes from numbers it). A resumed loop's ``out`` goes on the stopped
-    loop's file there: its rows before that step are kept, those from it on dropped.
+    loop's file there: its rows before that step are kept, those from it on dropped, as the
+    watch is entered (a watch never entered writes nothing).
     """
 
     def __init__(
@@ -175,13 +176,19 @@ class Watch:
         self.recording = recording(record, model, optimizer, clip, segment, loss, kwargs)
         resumed = self.recording.resumed if self.recording is not None else None
         self.steps = step if resumed is None else resumed.step  # a resumed loop's numbering goes on
-        self.file.carry(self.steps)
 
     def __enter__(self) -> Watch:
-        if self.recording is not None:
-            self.recording.start()
-        self._modes = [(m, m.training) for m in self.model.modules()]
-        self.engine.__enter__()
+        self.file.carry(self.steps)  # a resumed loop's file: the stopped one's rows first
+        try:
+            if self.recording is not None:
+                self.recording.start()
+            self._modes = [(m, m.training) for m in self.model.modules()]
+            self.engine.__enter__()
+        except BaseException:  # never entered: no file left behind, no hook
+            self.file.discard()
+            if self.recording is not None:
+                self.recording.finish(False)
+            raise
         for m, mode in self._modes:  # the engine scores in eval mode; training keeps its own
             m.training = mode
         return self

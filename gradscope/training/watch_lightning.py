@@ -84,9 +84,9 @@ class WatchCallback(Callback):
         recorded = {} if self.record is None else _recorded(trainer, self.record, self.segment)
         first = fed(trainer.global_step, trainer.num_training_batches,
                     trainer.accumulate_grad_batches)  # fmt: skip
-        self.watch = Watch(pl_module, self.out, self.loss, on_step=self.on_step, step=first,
-                           **recorded, **self.options)  # fmt: skip
-        self.watch.__enter__()
+        watch = Watch(pl_module, self.out, self.loss, on_step=self.on_step, step=first,
+                      **recorded, **self.options)  # fmt: skip
+        self.watch = watch.__enter__()  # once entered: one refused as entered has no exit
 
         def training_step(batch: Any, *_: Any, **__: Any) -> Tensor:
             inputs, targets, ids = self.split(batch)

@@ -93,28 +93,32 @@ class WatchFile:
     def carry(self, step: int) -> None:
         """A run resumed at ``step``: the rows of the file already at ``path`` (the stopped
         run's) before that step, first; those from it on are dropped, the resumed run writes
-        those steps again. No file there: the rows begin at ``step``."""
+        those steps again. No file there: the rows begin at ``step``. The stopped file is read
+        once, its batches checked as they are copied: a file that is not the stopped run's
+        leaves no temporary file."""
         if step == 0 or not self.path.is_file():
             return
+        held: set[int] = set()  # the steps before ``step`` the stopped file holds
         try:
             stopped = pq.ParquetFile(self.path)
             meta = json.loads((stopped.schema_arrow.metadata or {}).get(METADATA_KEY, b"{}"))
-            steps = stopped.read(["step"]).column(0).to_numpy()
-        except (OSError, pa.ArrowException, ValueError) as e:
+            if all(meta.get(k) == self.metadata[k] for k in SAME):
+                self._open(stopped.schema_arrow)
+                for batch in stopped.iter_batches():
+                    kept = batch.filter(pc.less(batch["step"], step))
+                    held.update(pc.unique(kept["step"]).to_pylist())
+                    self._writer.write_batch(kept)
+        except (OSError, pa.ArrowException, ValueError, KeyError) as e:  # no step column
+            self.discard()
             raise DataError(f"cannot read the stopped run's watch file: {e}", str(self.path)) from e
-        held = np.unique(steps[steps < step])
-        if any(meta.get(k) != self.metadata[k] for k in SAME) or not np.array_equal(
-            held, np.arange(step)
-        ):
+        if held != set(range(step)):
+            self.discard()
             raise ConfigError(
                 f"the run resumes at step {step}, and out holds a watch file that is not the "
                 f"stopped run's steps 0-{step - 1} (another loss or parameters, or steps "
                 "missing): give another out, or move that file away",
                 str(self.path),
             )
-        self._open(stopped.schema_arrow)
-        for batch in stopped.iter_batches():
-            self._writer.write_batch(batch.filter(pc.less(batch["step"], step)))
         self._names = stopped.schema_arrow.names
 
     def _open(self, schema: pa.Schema) -> None:
@@ -132,6 +136,14 @@ class WatchFile:
             self._open(table.schema)
         self._writer.write_table(table.cast(self._writer.schema))
         self._pending, self._rows = {}, 0
+
+    def discard(self) -> None:
+        """No file: the rows written so far dropped, the temporary file removed."""
+        self._pending, self._rows = {}, 0
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        self.tmp.unlink(missing_ok=True)
 
     def close(self) -> None:
         """Every row written, the file moved into place; no step: no file."""

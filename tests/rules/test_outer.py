@@ -109,7 +109,7 @@ def test_formed_inner_products_a_few_calls_at_a_time(monkeypatch):
         [sum(s[e, 0, p, :, None] * a[e, 0, p] for p in range(t)) for e in range(n * b)]
     )
     part = Outer(s, a, torch.Size((o, i)))
-    assert part._formed_cheaper(k) and not part._norm_forms  # the norms alone take the Gram
+    assert part._formed_cheaper(k) and not part.forms(train=False)  # the norms alone take the Gram
     want = grads.reshape(n, b, -1) @ refs.reshape(n, k, -1).mT  # (n, B, K)
     torch.testing.assert_close(part.inners(refs, b), want)
     norms, inners = part.examples(0, b).norm_sq_and_inner(refs[0])
@@ -170,7 +170,7 @@ def test_norms_and_sum_formed_in_one_buffer_are_the_gradients(monkeypatch, g, o,
         ]
     ).reshape(b, g * o, i)
     part = Outer(s, a, torch.Size((g * o, i)))
-    assert part.forms
+    assert part.forms(train=True)
     norms, total = part.norm_sq_and_sum()
     torch.testing.assert_close(norms, grads.flatten(1).square().sum(1), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(total, grads.sum(0), rtol=1e-12, atol=1e-12)

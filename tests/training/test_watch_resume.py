@@ -9,13 +9,14 @@ from __future__ import annotations
 import shutil
 
 import numpy as np
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
 
 from gradscope.config import load_config
-from gradscope.errors import ConfigError
+from gradscope.errors import ConfigError, DataError
 from gradscope.training.replay import through_training
 from gradscope.training.watch import Watch
 from tests.training.test_through_training import project
@@ -86,6 +87,41 @@ def test_a_loop_resumed_goes_on_its_file_or_refuses_another(tmp_path):
              "stopped run's steps 0-4")  # fmt: skip
     _refused(lambda: run(2, 1, "mse", torch.zeros(4, 2, dtype=torch.float64)), "steps 0-1")
     assert pq.read_table(out).to_pydict() == table
+    assert [f.name for f in tmp_path.iterdir()] == ["w.parquet"]  # no temporary file left
+
+
+def test_a_resumed_watch_touches_nothing_until_it_is_entered(tmp_path):
+    """Made at step 2 over a stopped run's file and never entered, or entered with a record
+    that refuses to start, or over a torn file: no temporary file, and ``out`` byte for byte
+    as it was."""
+    model = torch.nn.Linear(3, 2)
+    x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    out = tmp_path / "w.parquet"
+    with Watch(model, out) as watch:
+        for _ in range(3):
+            watch.step(x, y, [0, 1, 2, 3]).backward()
+    stopped = out.read_bytes()
+    Watch(model, out, step=2)
+    assert [f.name for f in tmp_path.iterdir()] == ["w.parquet"]
+    record = tmp_path / "run"
+    record.mkdir()
+    (record / "notes.txt").write_text("")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with (
+        pytest.raises(ConfigError, match="no run record's folder"),
+        Watch(model, out, step=2, record=record, optimizer=optimizer),
+    ):
+        pass
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["run", "w.parquet"]
+    assert out.read_bytes() == stopped
+    torn = tmp_path / "torn.parquet"  # no Parquet file: one line, nothing left either
+    torn.write_bytes(stopped[: len(stopped) // 2])
+    with (
+        pytest.raises(DataError, match="cannot read the stopped run's"),
+        Watch(model, torn, step=2),
+    ):
+        pass
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["run", "torn.parquet", "w.parquet"]
 
 
 def _hf_project(root):
@@ -161,16 +197,31 @@ def _numbered_on(root) -> None:
         assert resumed[name].to_pylist() == whole[name].to_pylist()
 
 
+def _refused_over_a_gap(root, resume, last: int) -> None:
+    """``resume`` (the run resumed after step ``last``) over the stopped run's file with its
+    step 1 taken out: one line as the watch is entered, no temporary file left; the file put
+    back."""
+    out = root / "w.parquet"
+    stopped, table = out.read_bytes(), pq.read_table(out)
+    pq.write_table(table.filter(pc.not_equal(table["step"], 1)), out)
+    _refused(resume, f"not the stopped run's steps 0-{last}")
+    assert not list(root.glob(".w.parquet*"))
+    out.write_bytes(stopped)
+
+
 def test_a_trainer_resumed_without_a_record_numbers_its_steps_on(tmp_path, monkeypatch):
     """Three batches a step (an epoch of four: steps of 3 and 1), stopped in the last batch and
-    resumed from ``checkpoint-3``, mid-epoch: the file goes on from the 8th batch."""
+    resumed from ``checkpoint-3``, mid-epoch: the file goes on from the 8th batch; over a file
+    missing a step before, one line."""
     data = _hf_project(tmp_path)
     _hf_run(tmp_path, data, "whole", accumulate=3)
     with monkeypatch.context() as patch:
         _stopped(patch, 7, KeyboardInterrupt)
         with pytest.raises(KeyboardInterrupt):
             _hf_run(tmp_path, data, "w", save=True, accumulate=3)
-    _hf_run(tmp_path, data, "w", tmp_path / "hf/checkpoint-3", accumulate=3)
+    resume = tmp_path / "hf/checkpoint-3"
+    _refused_over_a_gap(tmp_path, lambda: _hf_run(tmp_path, data, "w", resume, accumulate=3), 6)
+    _hf_run(tmp_path, data, "w", resume, accumulate=3)
     _numbered_on(tmp_path)
 
 
@@ -290,12 +341,16 @@ def test_a_lightning_fit_resumed_at_an_epoch_end_continues_its_record(tmp_path):
 def test_a_lightning_fit_resumed_without_a_record_numbers_its_steps_on(tmp_path):
     """Two batches a step (an epoch of three: steps of 2 and 1), stopped as step 3 begins (the
     5th batch) and resumed from the checkpoint after step 2, an epoch's end: the file keeps
-    the stopped run's first 3 batches and goes on from the 4th."""
+    the stopped run's first 3 batches and goes on from the 4th; over a file missing a step
+    before, one line."""
     (tmp_path / "lmodule.py").write_text(MODULE)
     project(tmp_path, {"optimizer": "sgd", "lr": 0.1, "steps": 1}, "lmodule.py:Module")
     _fit(tmp_path, "whole", accumulate=2)
     with pytest.raises(InterruptedError):
         _fit(tmp_path, "w", every=1, stop=3, accumulate=2)
     assert pq.read_table(tmp_path / "w.parquet")["step"].to_pylist()[-1] == 4
+    _refused_over_a_gap(
+        tmp_path, lambda: _fit(tmp_path, "w", tmp_path / "ckpt" / "step=2.ckpt", accumulate=2), 2
+    )
     _fit(tmp_path, "w", tmp_path / "ckpt" / "step=2.ckpt", accumulate=2)
     _numbered_on(tmp_path)

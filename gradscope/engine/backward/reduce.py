@@ -57,7 +57,10 @@ def _forms(groups: list[Contribution]) -> bool:
     """Whether the batch sum of a parameter's parts of several kinds costs little beside their
     norms: one forms each example's gradient, and each other does too or is a table's lookups
     (their sum an ``index_add``: a tied embedding and output head)."""
-    return any(g.forms for g in groups) and all(g.forms or isinstance(g, Rows) for g in groups)
+    formed = [g.forms(train=True) for g in groups]
+    return any(formed) and all(
+        f or isinstance(g, Rows) for f, g in zip(formed, groups, strict=True)
+    )
 
 
 def _cross(g: Contribution, h: Contribution) -> Tensor:
@@ -172,7 +175,7 @@ class Reducer:
         if self.pre is not None:
             self.pre.reduce(name, self.want.transform(name, c))
         refs = self.want.refs[name] if self.want.refs is not None else None
-        if self.want.train and c.forms:
+        if self.want.train and c.forms(train=True):
             self.formed.add(name)
         if self.want.norms and refs is not None and self.want.share:
             self.norm_sq[name], self.inner[name] = c.norm_sq_and_inner(refs)
