@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..rules import Contribution, Dense, base
 from ..rules.formed import Formed
 from ..rules.placed import Place, Placed
+from . import vjps
 from .ops import WRITES_IN_PLACE
 from .plan import ParamPlan
 
@@ -60,6 +61,8 @@ class Computed:
     # made from parameters and numbers alone, no other tensor (no buffer, no ``arange``): a
     # region that sees only the ops on parameters (``replay/intercept.py``) tells it too
     alone: bool = False
+    # what makes it (ops, arguments' shapes, leaves): the tensors of one kind go back one way
+    kind: tuple = ()
 
     @property
     def params(self) -> tuple[ParamPlan, ...]:
@@ -93,14 +96,9 @@ class Computed:
         return lambda lo, hi: self._back(part.examples(lo, hi).materialize())[k]
 
     def _back(self, grads: Tensor) -> tuple[Tensor, ...]:
-        """(B, *shape) gradients of this tensor -> (B, *leaf shape) per leaf: one VJP, batched."""
-        value, vjp = torch.func.vjp(self.func, *self.values)
-        grads = grads.to(value.dtype)
-        try:
-            return torch.func.vmap(vjp)(grads)
-        except Exception:  # an op without a batching rule (vmap's message varies): one at a time
-            per = [vjp(g) for g in grads]
-            return tuple(torch.stack(gs) for gs in zip(*per, strict=True))
+        """(B, *shape) gradients of this tensor -> (B, *leaf shape) per leaf: one VJP, batched
+        (``vjps.py``)."""
+        return vjps.back(self.kind, self.func, self.values, grads)
 
 
 class Pulled(Contribution):
@@ -251,6 +249,8 @@ def compute(
     order = list(leaves)
     position = {key: i for i, key in enumerate(order)}
     constant = [t.detach() if isinstance(t, Tensor) else t for t in flat]
+    made = {k: w for k, w, _ in slots}
+    kind = (func, spec, *(_kind(made.get(k), t) for k, t in enumerate(flat)))
 
     def run(*values: Tensor) -> object:
         items = list(constant)
@@ -263,6 +263,21 @@ def compute(
     def output(index: int | None) -> Computed:
         fn = run if index is None else (lambda *values: run(*values)[index])
         derived, values = (tuple(leaves[i][j] for i in order) for j in (0, 1))
-        return Computed(fn, derived, values, batch, pure, pure and alone)
+        return Computed(fn, derived, values, batch, pure, pure and alone, (index, *kind))
 
     return output
+
+
+def _kind(w: Watched | None, item: object) -> object:
+    """An argument of an op as ``Computed.kind`` tells it: a watched tensor by what it is, a
+    tensor by its shape and dtype, a number or string itself, anything else by its type (no
+    id, so that each pass's tensors of one kind are of one kind)."""
+    if isinstance(w, Derived):
+        return w.param.name, repr(w.place), tuple(item.shape)
+    if isinstance(w, Computed):
+        return w.kind
+    if isinstance(item, Tensor):
+        return tuple(item.shape), item.dtype
+    if item is None or isinstance(item, (bool, int, float, str, torch.dtype)):
+        return item
+    return type(item).__name__

@@ -80,19 +80,31 @@ def broadcast_parts(
     return parts
 
 
+def owned(mine: Tensor, slot: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor]:
+    """``element_parts``' elements, found once where the analysis lays them out: of a view's
+    elements flattened (``mine``: whether one example owns each), the indices of those one
+    example owns (None: every one) and of the others (None: none), and ``slot``."""
+    every = bool(mine.all())
+    own = None if every else mine.nonzero().squeeze(1)
+    return own, None if every else (~mine).nonzero().squeeze(1), slot
+
+
 def element_parts(
-    mine: Tensor, slot: Tensor, batch: int, shape: torch.Size
+    own: Tensor | None, others: Tensor | None, slot: Tensor, batch: int, shape: torch.Size
 ) -> Callable[[Tensor], Dense]:
     """output gradient at a view of a tensor of ``shape`` broadcast element by element ->
-    each example's gradient of it: the gradient at the elements it owns (``mine``), each
-    summed into its ``slot`` (example, element of the tensor it broadcasts from). An element
-    of several examples or of none that gets a gradient fails the read (the losses mix)."""
+    each example's gradient of it: the gradient at the elements it owns (``own``, as
+    ``owned`` tells them), each summed into its ``slot`` (example, element of the tensor it
+    broadcasts from). An element of several examples or of none (``others``) that gets a
+    gradient fails the read (the losses mix); where there is none, nothing is read on the
+    host."""
 
     def parts(grad: Tensor) -> Dense:
         g = grad.reshape(-1)
-        if bool(g[~mine].ne(0).any()):
+        if others is not None and bool(g[others].ne(0).any()):
             raise ValueError("an element of several examples or none reaches the loss")
-        per = g.new_zeros(batch * shape.numel()).index_add_(0, slot, g[mine])
+        mine = g if own is None else g[own]
+        per = g.new_zeros(batch * shape.numel()).index_add_(0, slot, mine)
         return Dense(per.view(batch, *shape))
 
     return parts

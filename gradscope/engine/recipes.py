@@ -56,8 +56,11 @@ class Recipe:
     # the batch), which a light region following constants would take for a computed tensor
     assumed: bool = False
     # a broadcast each element of whose result one example owns, or none (a CLIP-like (B, B)
-    # similarity): which elements some example owns, and the slot of each (``element_parts``)
-    elements: tuple[Tensor, Tensor] | None = field(default=None, compare=False)
+    # similarity): which elements one example owns, which not, and the slot of each
+    # (``parts.owned``)
+    elements: tuple[Tensor | None, Tensor | None, Tensor] | None = field(
+        default=None, compare=False
+    )
 
     @property
     def kind(self) -> tuple:

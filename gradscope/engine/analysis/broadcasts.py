@@ -12,7 +12,7 @@ from torch import Tensor
 from ...rules.base import CHUNK_ELEMENTS
 from ..derived import Watched
 from ..ops import BROADCASTING, EXPAND
-from ..parts import broadcast_parts, broadcast_view, element_parts
+from ..parts import broadcast_parts, broadcast_view, element_parts, owned
 from ..recipes import ARG, Recipe, recipe_roles
 from ..rows import Lanes
 from .experts import expert_bias
@@ -85,10 +85,11 @@ class BroadcastReads:
         view = view.expand(shape)
         mine = (owners.expand(shape) >= 0).reshape(-1)
         slot = slots(owners, shape, source.shape)[mine]  # (example, element of source)
-        per_element = element_parts(mine, slot, self.batch, source.shape)
+        elements = owned(mine, slot)
+        per_element = element_parts(*elements, self.batch, source.shape)
         recipe = None if op is None else _recipe(*op, d, source, shape)  # ``op``: (name, i)
         if recipe is not None:  # its owners are laid out by shapes: a light region's again
-            recipe = dataclasses.replace(recipe, elements=(mine, slot))
+            recipe = dataclasses.replace(recipe, elements=elements)
         self._use(d.params, view, lambda grad: d.credit(per_element(grad)), recipe)
         return view
 
