@@ -159,3 +159,26 @@ def test_moved_rows_are_the_owners_the_op_moves(shape, dim, name, func, args, ow
         assert isinstance(at, tuple), name
         view = [-1 if k == at[1] else 1 for k in range(o.dim())]
         assert torch.equal(m, at[0].view(view).expand(o.shape))
+
+
+def test_rows_repeated_in_place_and_the_ids_a_batch_routes_to():
+    flow, (x,) = _flow([0, 1, 2])
+    twice = _after(flow, "repeat_interleave", torch.Tensor.repeat_interleave, x, 2, dim=0)
+    assert flow.of(twice).tolist() == [0, 0, 1, 1, 2, 2]  # Ergo's one row per route
+    counts = torch.tensor([1, 0, 2])  # of no example
+    some = _after(flow, "repeat_interleave", torch.repeat_interleave, x, counts, dim=0)
+    assert flow.of(some).tolist() == [0, 2, 2]
+    wide = _after(flow, "repeat_interleave", torch.Tensor.repeat_interleave, x, 3, dim=1)
+    assert flow.of(wide).tolist() == [0, 1, 2]
+    routes = torch.tensor([[1, 3], [1, 0], [2, 2]])
+    flow.keep(routes, torch.tensor([0, 1, 2]))
+    by_rows = routes[:, 0].clone()
+    flow.keep(by_rows, torch.tensor([0, 1, 2]))
+    per_row = _after(flow, "repeat_interleave", torch.repeat_interleave, x, by_rows, dim=0)
+    assert flow.of(per_row) is None  # counts an example's values decide
+    ids = _after(flow, "unique", torch.unique, routes)
+    assert flow.of(ids) is False  # the experts routed to: ids, no example's rows
+    _, inverse = torch.unique(routes, return_inverse=True)
+    flow.follow("unique", (routes,), {"return_inverse": True}, (ids, inverse))
+    assert flow.of(inverse) is None  # each route's own, not followed
+    assert flow.bad is None
