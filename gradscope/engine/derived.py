@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..rules import Contribution, Dense, base
 from ..rules.formed import Formed
 from ..rules.placed import Place, Placed
+from .backs import back_of
 from .ops import WRITES_IN_PLACE
 from .plan import ParamPlan
 
@@ -60,6 +61,8 @@ class Computed:
     # made from parameters and numbers alone, no other tensor (no buffer, no ``arange``): a
     # region that sees only the ops on parameters (``replay/intercept.py``) tells it too
     alone: bool = False
+    # (B, *its shape) gradients -> (B, *leaf shape) per leaf, written out (``backs.py``)
+    back: Callable[[Tensor], tuple[Tensor, ...]] | None = None
 
     @property
     def params(self) -> tuple[ParamPlan, ...]:
@@ -93,7 +96,10 @@ class Computed:
         return lambda lo, hi: self._back(part.examples(lo, hi).materialize())[k]
 
     def _back(self, grads: Tensor) -> tuple[Tensor, ...]:
-        """(B, *shape) gradients of this tensor -> (B, *leaf shape) per leaf: one VJP, batched."""
+        """(B, *shape) gradients of this tensor -> (B, *leaf shape) per leaf: written out where
+        the ops that made it have their batched VJP in ``backs.py``, else one VJP, batched."""
+        if self.back is not None:
+            return self.back(grads)
         value, vjp = torch.func.vjp(self.func, *self.values)
         grads = grads.to(value.dtype)
         try:
@@ -262,6 +268,37 @@ def compute(
     def output(index: int | None) -> Computed:
         fn = run if index is None else (lambda *values: run(*values)[index])
         derived, values = (tuple(leaves[i][j] for i in order) for j in (0, 1))
-        return Computed(fn, derived, values, batch, pure, pure and alone)
+        written = _written_back(func, args, kwargs, slots) if index is None else None
+        if written is None:
+            return Computed(fn, derived, values, batch, pure, pure and alone)
+        kept, back = written  # the leaves the gradient reaches, and how
+        held = {i: leaves[i][1] for i in order}
+        at = {key: k for k, key in enumerate(kept)}
+
+        def run_kept(*mine: Tensor) -> object:  # the others held at their values
+            return run(*(mine[at[i]] if i in at else held[i] for i in order))
+
+        derived, values = (tuple(leaves[i][j] for i in kept) for j in (0, 1))
+        return Computed(run_kept, derived, values, batch, pure, pure and alone, back)
 
     return output
+
+
+def _written_back(
+    func: Callable, args: tuple, kwargs: dict, slots: list[tuple[int, Watched, list[int]]]
+) -> tuple[list[int], Callable[[Tensor], tuple[Tensor, ...]]] | None:
+    """Where the op's batched VJP is written out (``backs.py``) and its first argument is a
+    watched tensor that is a view of a parameter or was itself carried back so: the ids of the
+    leaves the gradient reaches (the first argument's), and the batched VJP to them."""
+    if not slots or slots[0][0] != 0:
+        return None
+    _, first, ids = slots[0]
+    if isinstance(first, Computed) and first.back is None:
+        return None
+    step = back_of(func, args, kwargs)
+    if step is None:
+        return None
+    dtype = args[0].dtype
+    if isinstance(first, Derived):
+        return ids, lambda grads: (step(grads.to(dtype)),)
+    return ids, lambda grads: first.back(step(grads.to(dtype)))
