@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..rules import Contribution, Dense, base
 from ..rules.formed import Formed
@@ -26,6 +25,7 @@ from ..rules.placed import Place, Placed
 from .backs import back_of
 from .ops import WRITES_IN_PLACE
 from .plan import ParamPlan
+from .tensors import flatten
 
 
 @dataclass(frozen=True)
@@ -235,7 +235,7 @@ def compute(
     or None for a tensor), as a function of the leaves of every watched argument, read by a
     batch of ``batch`` examples; pure where its other tensors are among ``constants``, alone
     where it has none and its watched ones are alone."""
-    flat, spec = tree_flatten((args, kwargs))
+    flat, unflatten = flatten(args, kwargs)
     leaves: dict[int, tuple[Derived, Tensor]] = {}  # by the leaf tensor's id
     slots: list[tuple[int, Watched, list[int]]] = []  # (position in flat, its watch, leaf ids)
     pure = alone = True
@@ -262,7 +262,7 @@ def compute(
         for k, w, ids in slots:
             mine = [values[position[i]] for i in ids]
             items[k] = mine[0] if isinstance(w, Derived) else w.func(*mine)
-        a, kw = tree_unflatten(items, spec)
+        a, kw = unflatten(items)
         return func(*a, **kw)
 
     def output(index: int | None) -> Computed:
