@@ -53,6 +53,7 @@ def test_written_out_matches_torch_func(name, op, shape):
 
     with Seen():
         op(x)
+    assert seen["call"][1][0] is x
     back = back_of(*seen["call"])
     assert back is not None
     assert_rel_close(back(grads), expected, 1e-12)
@@ -63,7 +64,7 @@ def test_written_out_matches_torch_func(name, op, shape):
     [
         lambda x: x.view(torch.int64),  # reinterprets, not reshapes
         lambda x: F.batch_norm(x, None, None, training=False),  # no statistics of its own
-        lambda x: F.batch_norm(x, None, None, torch.ones(6), training=True),  # an affine
+        lambda x, w=torch.ones(6): F.batch_norm(x, None, None, w, training=True),  # an affine
         lambda x: x.exp(),
     ],
 )
@@ -78,6 +79,8 @@ def test_others_have_none(call):
 
     with pytest.raises(StopIteration), Seen():
         call(x)
+    func, args, _ = seen["call"]
+    assert args[0] is x  # the op itself, not one making its other arguments
     assert back_of(*seen["call"]) is None
 
 
