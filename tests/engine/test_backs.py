@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from computed_models import Standardized, T
 from oracle import assert_fallback, assert_rel_close, reference_norms
-from torch import Tensor
+from torch import Tensor, nn
 
 from gradscope.engine import Engine, total
 from gradscope.engine.backs import back_of
@@ -99,6 +99,38 @@ def test_standardized_convolutions_without_torch_func(batch: int, monkeypatch):
     _, expected = reference_norms(model, (x,), y, "mse")
     monkeypatch.setattr(torch.func, "vjp", refused)
     monkeypatch.setattr(torch.func, "vmap", refused)
+    engine = Engine(model, resolve_loss("mse"))
+    for _ in range(3):
+        with engine:
+            scores = engine.norms((x,), y)
+        assert_rel_close(total(scores.norm_sq).sqrt(), expected, 1e-9)
+    assert engine.record.at((x,), y).replays == 2
+    assert_fallback(engine)
+
+
+class ScaledStandardized(nn.Module):
+    """timm's ``ScaledStdConv2d`` in another order: the standardised weight, written out, then
+    scaled by a gain per output channel, which ``torch.func`` carries back through the tensor
+    the written-out ops made, and both parameters read by one convolution."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 3, 3, 3))
+        self.gain = nn.Parameter(torch.rand(4) + 0.5)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, 3, 6, 6)
+        w = _standardize(self.w.reshape(1, 4, -1)).reshape_as(self.w)
+        h = F.conv2d(x, w * self.gain[:, None, None, None], padding=1)  # (B, 4, 6, 6)
+        return self.head(torch.tanh(h).mean((2, 3)))
+
+
+def test_a_standardised_weight_scaled_after():
+    torch.manual_seed(0)
+    model = ScaledStandardized().double()
+    x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
+    y = torch.randn(4, 2, dtype=torch.float64)
+    _, expected = reference_norms(model, (x,), y, "mse")
     engine = Engine(model, resolve_loss("mse"))
     for _ in range(3):
         with engine:
