@@ -89,6 +89,27 @@ class FunctionalConv(nn.Module):
         return F.conv1d(h.flatten(2), self.w1, dilation=2).mean(-1)  # (B, 3)
 
 
+class Standardized(nn.Module):
+    """BiT's and timm's weight-standardised convolutions: each output channel of the weight
+    normalised by ``F.batch_norm`` of its reshape (no running statistics, no affine), reshaped
+    back (``reshape_as`` the parameter itself) and read by a grouped, strided ``F.conv2d``; a
+    conv1d weight flattened, unsqueezed, standardised, squeezed and viewed back."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 4 * 5)
+        self.w = nn.Parameter(torch.randn(6, 2, 3, 3))
+        self.w1 = nn.Parameter(torch.randn(3, 6, 2))
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, 3)
+        h = self.fc(x).view(x.shape[0], T, 4, 5).transpose(1, 2)  # (B, 4, T, 5)
+        w = F.batch_norm(self.w.reshape(1, 6, -1), None, None, training=True, momentum=0.0)
+        h = F.conv2d(h, w.reshape_as(self.w), stride=(1, 2), padding=1, groups=2)  # (B, 6, T, 3)
+        w1 = self.w1.flatten(1).unsqueeze(0)  # (1, 3, 12)
+        w1 = F.batch_norm(w1, None, None, None, None, True, 0.0, 1e-3).squeeze(0).view(3, 6, 2)
+        return F.conv1d(torch.tanh(h).flatten(2), w1, dilation=2).mean(-1)  # (B, 3)
+
+
 class Windows(nn.Module):
     """Swin's attention: each example's tokens folded into windows along dimension 0, a relative
     position bias gathered from a table by an index buffer and added to every window's scores,

@@ -13,19 +13,20 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..rules import Contribution, Dense, base
 from ..rules.formed import Formed
 from ..rules.placed import Place, Placed
 from . import vjps
-from .ops import WRITES_IN_PLACE
+from .backs import back_of
+from .constants import Constants
 from .plan import ParamPlan
+from .tensors import flatten
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ class Computed:
     alone: bool = False
     # what makes it (ops, arguments' shapes, leaves): the tensors of one kind go back one way
     kind: tuple = ()
+    # (B, *its shape) gradients -> (B, *leaf shape) per leaf, written out (``backs.py``)
+    back: Callable[[Tensor], tuple[Tensor, ...]] | None = None
 
     @property
     def params(self) -> tuple[ParamPlan, ...]:
@@ -96,8 +99,11 @@ class Computed:
         return lambda lo, hi: self._back(part.examples(lo, hi).materialize())[k]
 
     def _back(self, grads: Tensor) -> tuple[Tensor, ...]:
-        """(B, *shape) gradients of this tensor -> (B, *leaf shape) per leaf: one VJP, batched
+        """(B, *shape) gradients of this tensor -> (B, *leaf shape) per leaf: written out where
+        the ops that made it have their batched VJP in ``backs.py``, else one VJP, batched
         (``vjps.py``)."""
+        if self.back is not None:
+            return self.back(grads)
         return vjps.back(self.kind, self.func, self.values, grads)
 
 
@@ -140,80 +146,6 @@ class Pulled(Contribution):
 
 Watched = Derived | Computed
 
-# functions whose result is made from numbers alone: shapes, ranges, fills (not ``torch.tensor``,
-# whose numbers may have been read from the batch)
-FACTORIES = {torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torch.eye}
-FACTORIES |= {torch.linspace, torch.logspace, torch.zeros_like, torch.ones_like}
-FACTORIES |= {torch.full_like, torch.empty_like, Tensor.new_zeros, Tensor.new_ones}
-FACTORIES |= {Tensor.new_full, Tensor.new_empty}
-
-
-class Constants:
-    """The tensors of one forward (or one region call) made from numbers and the model's
-    buffers alone: a factory's result, or an op's on such tensors only. Every example reads
-    the same value, by construction, so a tensor made from parameters and these is ``pure``:
-    the analysis and a light region tell them the same way, without the trace. An in-place
-    edit of one of them by anything else ends every one that shares its storage (a view of it,
-    what it is a view of: RWKV's output written step by step leaves its ``max_state`` one), or
-    all of them where that is a buffer's, whose views it does not hold."""
-
-    def __init__(self, buffers: frozenset[int] = frozenset(), made: Sequence[Tensor] = ()):
-        self.ids = set(buffers) | {id(t) for t in made}
-        self.alive: list[Tensor] = list(made)  # held: no other tensor takes an id of theirs
-        self.spoiled = False
-
-    def __contains__(self, t: object) -> bool:
-        return not self.spoiled and id(t) in self.ids
-
-    def after(self, func, name: str, tensors: Sequence[Tensor], kwargs: dict, out) -> None:
-        """Follow an op (``tensors``: its tensor arguments) whose result is ``out``."""
-        made = func in FACTORIES or (tensors and all(id(t) in self.ids for t in tensors))
-        if writes(name, kwargs):
-            target = kwargs.get("out", tensors[0] if tensors else None)
-            if not made and any(id(t) in self.ids for t in tensors):
-                self._written(target)
-            return
-        if made:
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, Tensor):
-                    self.ids.add(id(t))
-                    self.alive.append(t)
-
-    def _written(self, t: object) -> None:
-        """``t`` written in place by an op on more than constants: it, and every constant
-        sharing its storage, are constants no more; where that storage may be a buffer's (``t``
-        one, or a view of a tensor held as no made one), none is. Asked of the tensors with
-        every function mode off: the trace beneath the tap would take it for the model's op."""
-        alive = {id(a) for a in self.alive}
-        with torch._C.DisableTorchFunction():
-            base = t._base if isinstance(t, Tensor) and t._base is not None else t
-            storage = storage_of(t)
-            held = isinstance(t, Tensor) and not any(id(u) in self.ids - alive for u in (t, base))
-            if storage is None or not held:
-                self.spoiled = True
-                return
-            gone = {id(a) for a in self.alive if storage_of(a) in (storage, None)}
-        self.ids -= gone | {id(t)}
-        self.alive = [a for a in self.alive if id(a) not in gone]
-
-
-def storage_of(t: object) -> int | None:
-    """Where ``t``'s storage begins, or None where it has none to tell: not a tensor, or a
-    tensor ``vmap`` batches (``torch.func`` inside a model, a computed read's VJP), whose
-    storage torch does not give. Asked with function modes off."""
-    if not isinstance(t, Tensor):
-        return None
-    try:
-        return t.untyped_storage().data_ptr()
-    except (NotImplementedError, RuntimeError):
-        return None
-
-
-def writes(name: str, kwargs: dict) -> bool:
-    """Whether op ``name`` writes a tensor: an in-place edit, or ``out=``."""
-    inplace = (name.endswith("_") and not name.endswith("__")) or name in WRITES_IN_PLACE
-    return inplace or "out" in kwargs
-
 
 def compute(
     func: Callable,
@@ -228,9 +160,51 @@ def compute(
     or None for a tensor), as a function of the leaves of every watched argument, read by a
     batch of ``batch`` examples; pure where its other tensors are among ``constants``, alone
     where it has none and its watched ones are alone."""
-    flat, spec = tree_flatten((args, kwargs))
-    leaves: dict[int, tuple[Derived, Tensor]] = {}  # by the leaf tensor's id
-    slots: list[tuple[int, Watched, list[int]]] = []  # (position in flat, its watch, leaf ids)
+    flat, unflatten = flatten(args, kwargs)
+    leaves, slots, pure, alone = _sources(flat, watched, constants)
+    order = list(leaves)
+    position = {key: i for i, key in enumerate(order)}
+    constant = [t.detach() if isinstance(t, Tensor) else t for t in flat]
+    made = {k: w for k, w, _ in slots}
+    shape = (len(args), tuple(kwargs), len(flat))  # how the arguments nest, near enough
+    kind = (func, shape, *(_kind(made.get(k), t) for k, t in enumerate(flat)))
+
+    def run(*values: Tensor) -> object:
+        items = list(constant)
+        for k, w, ids in slots:
+            mine = [values[position[i]] for i in ids]
+            items[k] = mine[0] if isinstance(w, Derived) else w.func(*mine)
+        a, kw = unflatten(items)
+        return func(*a, **kw)
+
+    def output(index: int | None) -> Computed:
+        fn = run if index is None else (lambda *values: run(*values)[index])
+        derived, values = (tuple(leaves[i][j] for i in order) for j in (0, 1))
+        written = _written_back(func, args, kwargs, slots) if index is None else None
+        if written is None:
+            return Computed(fn, derived, values, batch, pure, pure and alone, (index, *kind))
+        kept, back = written  # the leaves the gradient reaches, and how
+        held = {i: leaves[i][1] for i in order}
+        at = {key: k for k, key in enumerate(kept)}
+
+        def run_kept(*mine: Tensor) -> object:  # the others held at their values
+            return run(*(mine[at[i]] if i in at else held[i] for i in order))
+
+        derived, values = (tuple(leaves[i][j] for i in kept) for j in (0, 1))
+        return Computed(
+            run_kept, derived, values, batch, pure, pure and alone, (index, *kind), back
+        )
+
+    return output
+
+
+def _sources(
+    flat: list, watched: Callable[[object], Watched | None], constants: Constants | None
+) -> tuple[dict[int, tuple[Derived, Tensor]], list[tuple[int, Watched, list[int]]], bool, bool]:
+    """An op's flattened arguments' leaves (by the leaf tensor's id), its watched slots
+    (position in ``flat``, its watch, its leaves' ids), and whether it is pure and alone."""
+    leaves: dict[int, tuple[Derived, Tensor]] = {}
+    slots: list[tuple[int, Watched, list[int]]] = []
     pure = alone = True
     for k, t in enumerate(flat):
         w = watched(t) if isinstance(t, Tensor) else None
@@ -246,26 +220,7 @@ def compute(
         elif isinstance(t, Tensor):
             pure = pure and constants is not None and t in constants
             alone = False
-    order = list(leaves)
-    position = {key: i for i, key in enumerate(order)}
-    constant = [t.detach() if isinstance(t, Tensor) else t for t in flat]
-    made = {k: w for k, w, _ in slots}
-    kind = (func, spec, *(_kind(made.get(k), t) for k, t in enumerate(flat)))
-
-    def run(*values: Tensor) -> object:
-        items = list(constant)
-        for k, w, ids in slots:
-            mine = [values[position[i]] for i in ids]
-            items[k] = mine[0] if isinstance(w, Derived) else w.func(*mine)
-        a, kw = tree_unflatten(items, spec)
-        return func(*a, **kw)
-
-    def output(index: int | None) -> Computed:
-        fn = run if index is None else (lambda *values: run(*values)[index])
-        derived, values = (tuple(leaves[i][j] for i in order) for j in (0, 1))
-        return Computed(fn, derived, values, batch, pure, pure and alone, (index, *kind))
-
-    return output
+    return leaves, slots, pure, alone
 
 
 def _kind(w: Watched | None, item: object) -> object:
@@ -281,3 +236,23 @@ def _kind(w: Watched | None, item: object) -> object:
     if item is None or isinstance(item, (bool, int, float, str, torch.dtype)):
         return item
     return type(item).__name__
+
+
+def _written_back(
+    func: Callable, args: tuple, kwargs: dict, slots: list[tuple[int, Watched, list[int]]]
+) -> tuple[list[int], Callable[[Tensor], tuple[Tensor, ...]]] | None:
+    """Where the op's batched VJP is written out (``backs.py``) and its first argument is a
+    watched tensor that is a view of a parameter or was itself carried back so: the ids of the
+    leaves the gradient reaches (the first argument's), and the batched VJP to them."""
+    if not slots or slots[0][0] != 0:
+        return None
+    _, first, ids = slots[0]
+    if isinstance(first, Computed) and first.back is None:
+        return None
+    step = back_of(func, args, kwargs)
+    if step is None:
+        return None
+    dtype = args[0].dtype
+    if isinstance(first, Derived):
+        return ids, lambda grads: (step(grads.to(dtype)),)
+    return ids, lambda grads: first.back(step(grads.to(dtype)))

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..rules import find_rule
-from ..rules.base import Rule
+from ..rules.registry import Rule
 from .eager import eager
 
 BROADCAST = (

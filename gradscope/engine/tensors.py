@@ -4,8 +4,10 @@ plain lists, tuples and dicts (these run on every region end and, in a region, o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import Tensor
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_unflatten
 
 _FLAT = (list, tuple)  # exactly: a namedtuple goes to pytree
 
@@ -45,3 +47,19 @@ def tensors_in(args: tuple, kwargs: dict) -> list[Tensor]:
         elif isinstance(a, (list, tuple, dict)):
             found.extend(tensors_of(a))
     return found
+
+
+def flatten(args: tuple, kwargs: dict) -> tuple[list, Callable[[list], tuple[tuple, dict]]]:
+    """``tree_flatten((args, kwargs))``'s leaves, and what makes the arguments again from leaves
+    in their places: without pytree where no argument is a node of its (a tuple or a type it
+    knows: most ops' arguments are tensors and numbers), which costs some thirty Python calls a
+    node, on each op a light region follows (``derived.compute``)."""
+    rest = kwargs.values()
+    if any(isinstance(a, tuple) or type(a) in SUPPORTED_NODES for a in (*args, *rest)):
+        flat, spec = tree_flatten((args, kwargs))
+        return flat, lambda leaves: tree_unflatten(leaves, spec)
+    n, keys = len(args), tuple(kwargs)
+    return [*args, *rest], lambda leaves: (
+        tuple(leaves[:n]),
+        dict(zip(keys, leaves[n:], strict=True)),
+    )

@@ -1,18 +1,10 @@
 """Layer rules, one module per family; importing this package registers them all."""
 
 from . import attention, conv, embedding, hf_conv1d, library_norm, linear, norm, recurrent
-from .base import (
-    MATCHERS,
-    NAMED,
-    RULES,
-    Contribution,
-    Dense,
-    Rule,
-    find_rule,
-    register_rule,
-)
+from .base import Contribution, Dense
 from .embedding import Rows
 from .outer import Outer
+from .registry import MATCHERS, NAMED, RULES, Rule, find_rule, register_rule
 
 __all__ = [
     "MATCHERS",

@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import Contribution, Dense, register_rule
+from .base import Contribution, Dense
 from .outer import Outer
+from .registry import register_rule
 
 
 def _batch_dim(module: nn.MultiheadAttention, inputs: tuple[Tensor, ...]) -> int | None:

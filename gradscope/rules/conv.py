@@ -12,9 +12,10 @@ from torch import Tensor, nn
 
 from ..errors import ModelError
 from . import base
-from .base import Contribution, Dense, _acc, register_rule
+from .base import Contribution, Dense, _acc
 from .formed import Formed
 from .outer import Outer
+from .registry import register_rule
 
 _Conv = nn.Conv1d | nn.Conv2d | nn.Conv3d
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .base import CHUNK_ELEMENTS, Contribution, _acc, register_rule
+from .base import CHUNK_ELEMENTS, Contribution, _acc
 from .outer import Outer
 from .projection import Projection
+from .registry import register_rule
 
 # Up to this many positions an example's squared norm is its Gram of output gradients masked to
 # the pairs of positions that look up one row: four ops against the sort's sixteen, 2-3.5x faster

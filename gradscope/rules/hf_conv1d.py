@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from .base import Contribution, register_rule
+from .base import Contribution
 from .linear import affine_parts, shaped
+from .registry import register_rule
 
 
 def looks_like_conv1d(module: nn.Module) -> bool:

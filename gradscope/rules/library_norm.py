@@ -21,8 +21,9 @@ import weakref
 import torch
 from torch import Tensor, nn
 
-from .base import Contribution, register_rule
+from .base import Contribution
 from .norm import affine, per_channel
+from .registry import register_rule
 
 
 def looks_like_norm(module: nn.Module) -> bool:

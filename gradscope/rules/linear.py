@@ -6,8 +6,9 @@ from collections.abc import Sequence
 
 from torch import Tensor, nn
 
-from .base import Contribution, Dense, register_rule
+from .base import Contribution, Dense
 from .outer import Outer
+from .registry import register_rule
 
 
 def affine_parts(

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import ModelError
-from .base import Contribution, Dense, _acc, register_rule
+from .base import Contribution, Dense, _acc
+from .registry import register_rule
 
 
 def affine(

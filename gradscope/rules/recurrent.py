@@ -19,8 +19,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
-from .base import Contribution, Dense, register_rule
+from .base import Contribution, Dense
 from .outer import Outer
+from .registry import register_rule
 
 _Recurrent = nn.RNN | nn.GRU | nn.LSTM
 

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from ...errors import ModelError
 from ..capture import Captured, counter
-from ..derived import Constants
+from ..constants import Constants
 from ..hooks import ModuleHooks
 from ..plan import BROADCAST, ParamPlan, Plan
 from ..record import Findings, Record

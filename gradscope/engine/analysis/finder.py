@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from ..capture import counter, shapes_of
-from ..derived import Constants
+from ..constants import Constants
 from ..recipes import Recipe
 from ..tensors import tensors_of
 from .chosen import Regions

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ..derived import storage_of, writes
+from ..constants import storage_of, writes
 from ..ops import CREATIONS
 from ..tensors import tensors_in
 

@@ -41,7 +41,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ..capture import Use
-from ..derived import Constants, Derived, Watched, compute, writes
+from ..constants import Constants, writes
+from ..derived import Derived, Watched, compute
 from ..hooks import ReadHooks
 from ..ops import CASTS, GROUPED, METADATA, SCALES, SHIFTS, VIEWS, op_name
 from ..parts import CONVS

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from ..derived import writes
+from ..constants import writes
 from ..ops import ESCAPES, SCALAR_READS, SIZED_BY_VALUES, UNFOLLOWED, op_name
 from ..tensors import tensors_in
 from . import fixed

@@ -27,8 +27,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
+from ..ops import op_name
 from ..plan import ParamPlan
-from ..recipes import OPENED, metadata
+from ..recipes import OPENED, metadata, written_out
 
 # each function met: whether it asks a tensor what it is without reading it (``metadata``)
 _ASKS: dict = {}
@@ -123,7 +124,8 @@ class Intercept:
 
 class Intercepting:
     """A region whose reads are intercepted (``LightRegion`` with ``intercept``): uses its
-    ``params``, ``made``, ``by_id``, ``_open``, ``_aside`` and ``__torch_function__``."""
+    ``params``, ``made``, ``by_id``, ``_open``, ``_aside``, ``_source`` and
+    ``__torch_function__``."""
 
     def hold(self, params: list[ParamPlan], intercept: Intercept) -> None:
         """Each of ``params`` held as a ``Read`` by every module holding it, until ``release``."""
@@ -168,6 +170,13 @@ class Intercepting:
             return func(*real_args, **real_kwargs)
         if func in OPENED and not self._aside(real_args, real_kwargs):
             return OPENED[func](*args, **kwargs)  # its reads come back here one by one
+        run_as = written_out(op_name(func), real_args, real_kwargs, self._source)
+        if (
+            run_as is not None
+            and torch.is_grad_enabled()
+            and not self._aside(real_args, real_kwargs)
+        ):
+            return run_as(*args, **kwargs)  # BiT's group norm: its affine's reads come back here
         out = self.__torch_function__(func, (), real_args, real_kwargs)
         if isinstance(out, (tuple, list)):
             return type(out)(self._wrapped(t) for t in out)

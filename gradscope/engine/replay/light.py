@@ -28,7 +28,8 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from ..capture import Capture, Use, counter
-from ..derived import FACTORIES, Computed, Constants, Derived, compute, writes
+from ..constants import FACTORIES, Constants, writes
+from ..derived import Computed, Derived, compute
 from ..hooks import ReadHooks
 from ..ops import CASTS, SCALES, SHIFTS, SPREAD, VIEWS, op_name, scalar_reads
 from ..parts import CONVS

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from gradscope.engine import Engine, Forward, naive_grads, total
 from gradscope.engine.analysis.experts import ExpertReads
 from gradscope.losses import resolve_loss
-from gradscope.rules.base import RULES
+from gradscope.rules.registry import RULES
 
 B, CLASSES, OFF = 4, 3, 0.999
 
