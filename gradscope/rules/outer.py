@@ -119,12 +119,14 @@ class Outer(Contribution):
 
     @property
     def forms(self) -> bool:
-        """Whether a training step's ``norm_sq_and_sum`` forms each example's G, all positions
-        of every example, more than one: where ``norm_sq`` does (``_norm_forms``), and where
-        the Gram norm is cheaper alone but not beside the batch gradient's product it leaves
-        to autograd, B * T * O * I (forming: that, and a sum of B * O * I)."""
+        """Whether a training step's ``norm_sq_and_sum`` forms each example's G (from its own
+        rows, where ``lengths``): where the Gram norm, sum_i T_i^2 (I + O), costs more than the
+        sum of B * O * I that forming adds to the batch gradient's product it leaves to
+        autograd, sum_i T_i * O * I; where ``norm_sq`` forms G (``_norm_forms``) too."""
         _, _, t, o, i = self.dims
-        return self.lengths is None and t > 1 and o * i < t * t * (i + o)
+        if self.lengths is not None:  # each example's own rows: its Gram, its own length's
+            return o * i * len(self.lengths) < sum(n * n for n in self.lengths) * (i + o)
+        return t > 1 and o * i < t * t * (i + o)
 
     @property
     def _norm_forms(self) -> bool:
@@ -139,6 +141,8 @@ class Outer(Contribution):
         buffer (``FORMED_ELEMENTS``), read back for the norms and the sum from the cache."""
         if not self.forms:
             return super().norm_sq_and_sum()
+        if self.lengths is not None:
+            return self._formed_each()
         b, g, _, o, i = self.dims
         step = max(1, min(b, FORMED_ELEMENTS // (g * o * i)))
         work = self.s.new_empty(step, g, o, i)
@@ -155,6 +159,20 @@ class Outer(Contribution):
         """Whether the (T, T) Gram matrices cost less than forming G."""
         _, _, t, o, i = self.dims
         return t * (i + o) < i * o
+
+    def _formed_each(self) -> tuple[Tensor, Tensor]:
+        """``norm_sq_and_sum`` where examples hold their own numbers of rows (the tokens routed
+        to one expert): each example's G from its rows alone, no padding formed, into one
+        buffer; the products add up to the batch gradient's, B * T * O * I."""
+        b, g, _, o, i = self.dims
+        work, total, norms = self.s.new_empty(g, o, i), self.s.new_zeros(g, o, i), [None] * b
+        for k, n in enumerate(self.lengths):
+            if n:  # (G, O, I) = (G, O, n) @ (G, n, I)
+                torch.matmul(self.s[k, :, :n].mT, self.a[k, :, :n], out=work)
+                norms[k] = _sq_norm(work.view(1, -1))
+                total += work
+        zero = self.s.new_zeros(1)
+        return torch.cat([zero if n is None else n for n in norms]), total.reshape(self.shape)
 
     def norm_sq_and_inner(self, refs: Tensor) -> tuple[Tensor, Tensor]:
         """Where the norm forms G anyway (many positions, as an LM head over a sequence), the

@@ -174,3 +174,36 @@ def test_norms_and_sum_formed_in_one_buffer_are_the_gradients(monkeypatch, g, o,
     norms, total = part.norm_sq_and_sum()
     torch.testing.assert_close(norms, grads.flatten(1).square().sum(1), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(total, grads.sum(0), rtol=1e-12, atol=1e-12)
+
+
+# uneven rows with an example of none, batch 1, rows of one each (no Gram cheaper: not formed)
+@pytest.mark.parametrize(
+    ("lengths", "g", "t", "o", "i", "forms"),
+    [([7, 2, 0, 11, 10, 1], 1, 11, 3, 4, True), ([5], 2, 9, 6, 5, True), ([1, 1, 0], 1, 1, 4, 4, False)],
+)  # fmt: skip
+def test_norms_and_sum_of_examples_of_their_own_lengths_are_the_gradients(
+    lengths, g, t, o, i, forms
+):
+    """A training step forms each example's G from its own rows (an expert's tokens), no
+    padding: the squared norms and batch sum of a loop over each example's rows."""
+    torch.manual_seed(4)
+    s, a = padded(lengths, g, t, o, i)
+    grads = torch.stack(
+        [
+            torch.stack(
+                [
+                    sum(
+                        (torch.outer(s[n, k, p], a[n, k, p]) for p in range(m)),
+                        torch.zeros(o, i, dtype=torch.float64),
+                    )
+                    for k in range(g)
+                ]  # fmt: skip
+            )
+            for n, m in enumerate(lengths)
+        ]
+    ).reshape(len(lengths), g * o, i)
+    part = Outer(s, a, torch.Size((g * o, i)), lengths)
+    assert part.forms == forms
+    norms, total = part.norm_sq_and_sum()
+    torch.testing.assert_close(norms, grads.flatten(1).square().sum(1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(total, grads.sum(0), rtol=1e-12, atol=1e-12)
