@@ -13,11 +13,13 @@ from gradscope.rules.placed import Blocks, Place, Placed
 E, OUT, IN = 3, 4, 5
 
 
+# expert 1 runs no row; expert 2's rows, one per example, take no Gram (its sum is its own)
 @pytest.mark.parametrize(("transposed", "scale"), [(False, 1.0), (True, 0.5)])
-def test_experts_norms_and_sum_are_the_loops(transposed, scale):
+@pytest.mark.parametrize("last", [[1, 5, 2], [1, 1, 0]])
+def test_experts_norms_and_sum_are_the_loops(transposed, scale, last):
     torch.manual_seed(6)
     shape = torch.Size((E, IN, OUT) if transposed else (E, OUT, IN))
-    rows = {0: [4, 0, 6], 2: [1, 5, 2]}  # expert 1 runs no row
+    rows = {0: [4, 0, 6], 2: last}
     grads = torch.zeros(3, *shape, dtype=torch.float64)  # each example's, by a loop
     blocks = []
     for e, lengths in rows.items():
@@ -31,6 +33,7 @@ def test_experts_norms_and_sum_are_the_loops(transposed, scale):
         blocks.append(Placed(part, shape, Place((e,), transposed, scale)))
     merged = blocks[0].merge(blocks[1])
     assert isinstance(merged, Blocks) and merged.forms
+    assert blocks[1].forms == (last != [1, 1, 0])
     norms, total = merged.norm_sq_and_sum()
     torch.testing.assert_close(norms, grads.flatten(1).square().sum(1), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(total, grads.sum(0), rtol=1e-12, atol=1e-12)
