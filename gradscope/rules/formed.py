@@ -1,9 +1,10 @@
-"""Per-example gradients formed a few examples at a time where no factored form exists (a
-convolution's weight, a tensor computed from parameters): ``Formed``."""
+"""Per-example gradients formed a few examples at a time: where no factored form exists (a
+convolution's weight, a tensor computed from parameters: ``Formed``), and where a training step
+takes a Linear's norms and batch sum from the same G formed (``formed_sums``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,6 +14,11 @@ from .base import Contribution, Dense, _acc, _cat, _dots, _sq_norm, rows
 
 if TYPE_CHECKING:
     from .projection import Projection
+
+# Elements of the one buffer a training step forms its examples' G in, a chunk of examples at a
+# time, for their norms and batch sum (``formed_sums``): 4 MiB in float32, which the cache still
+# holds when the reductions read it, and no step's batch of G in memory at once
+FORMED_ELEMENTS = 1 << 20
 
 
 class Formed(Dense):
@@ -64,3 +70,32 @@ class Formed(Dense):
 
     def examples(self, lo: int, hi: int) -> Contribution:
         return Formed(lambda a, b: self.form(lo + a, lo + b), hi - lo, self.shape, self.step)
+
+
+def formed_sums(
+    s: Tensor, a: Tensor, lengths: Sequence[int] | None, shape: torch.Size
+) -> tuple[Tensor, Tensor]:
+    """(B,) squared norms and the batch sum of G_i = s_i^T a_i, s (B, G, T, O) and a (B, G, T,
+    I), from each G formed once: chunks of examples one after another into one buffer
+    (``FORMED_ELEMENTS``), read back for the norms and the sum from the cache; where examples
+    hold their own numbers of rows (``lengths``: the tokens routed to one expert), each from its
+    rows alone, no padding formed, the products adding up to the batch gradient's."""
+    (b, g, _, o), i = s.shape, a.shape[-1]
+    if lengths is not None:
+        work, total, norms = s.new_empty(g, o, i), s.new_zeros(g, o, i), [None] * b
+        for k, n in enumerate(lengths):
+            if n:  # (G, O, I) = (G, O, n) @ (G, n, I)
+                torch.matmul(s[k, :, :n].mT, a[k, :, :n], out=work)
+                norms[k] = _sq_norm(work.view(1, -1))
+                total += work
+        zero = s.new_zeros(1)
+        return torch.cat([zero if n is None else n for n in norms]), total.reshape(shape)
+    step = max(1, min(b, FORMED_ELEMENTS // (g * o * i)))
+    work = s.new_empty(step, g, o, i)
+    norms, total = [], None
+    for lo in range(0, b, step):
+        m = work[: min(step, b - lo)]  # (b, G, O, I) = (b, G, O, T) @ (b, G, T, I)
+        torch.matmul(s[lo : lo + step].mT, a[lo : lo + step], out=m)
+        norms.append(_sq_norm(m.flatten(1)))
+        total = m.sum(0) if total is None else total.add_(m.sum(0))
+    return _cat(norms), total.reshape(shape)

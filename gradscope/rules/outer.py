@@ -8,13 +8,10 @@ import torch
 from torch import Tensor
 
 from .base import CHUNK_ELEMENTS, Contribution, _acc, _cat, _dots, _sq_norm, rows, stacked
+from .formed import formed_sums
 from .ghost import ghost_inner
 from .projection import Projection
 
-# Elements of the one buffer a training step forms its examples' G in, a chunk of examples at a
-# time, for their norms and batch sum (``Outer.norm_sq_and_sum``): 4 MiB in float32, which the
-# cache still holds when the reductions read it, and no step's batch of G in memory at once
-FORMED_ELEMENTS = 1 << 20
 # Examples with at least this share of their group's longest row count share its padded
 # product (``Outer.lengths``): the padding then costs at most a quarter more than their rows.
 SIMILAR = 0.8
@@ -118,34 +115,26 @@ class Outer(Contribution):
         return _cat([_sq_norm(m.flatten(1)) for m in self._materialized_chunks()])
 
     def forms(self, *, train: bool) -> bool:
-        """Whether answering forms each example's G, all positions of every example, more than
-        one. ``train`` (``Want.train``) asks a training step's question, its norms and batch sum
-        (``norm_sq_and_sum``): where the norms alone do, and where the Gram norm is cheaper
-        alone but not beside the batch gradient's product it leaves to autograd, B * T * O * I
-        (forming: that, and a sum of B * O * I). Else the norms' alone (``norm_sq``): where no
-        Gram is cheaper (many positions, as a sequence model's layers)."""
+        """Whether answering forms each example's G. ``train`` (``Want.train``) asks a training
+        step's question, its norms and batch sum (``norm_sq_and_sum``): where the Gram norm,
+        sum_i T_i^2 (I + O), costs more than the sum of B * O * I that forming adds to the
+        batch gradient's product it leaves to autograd (each example's own rows and length,
+        where ``lengths``). Else the norms' alone (``norm_sq``): all positions of every
+        example, more than one, and no Gram cheaper (many positions, a sequence model's)."""
         _, _, t, o, i = self.dims
-        if self.lengths is not None or t == 1:
-            return False
-        return o * i < t * t * (i + o) if train else not self._gram_cheaper
+        if not train:
+            return self.lengths is None and t > 1 and not self._gram_cheaper
+        if self.lengths is not None:
+            return o * i * len(self.lengths) < sum(n * n for n in self.lengths) * (i + o)
+        return t > 1 and o * i < t * t * (i + o)
 
     def norm_sq_and_sum(self) -> tuple[Tensor, Tensor]:
         """The squared norms and the batch sum from the same G formed, where a training step
-        ``forms`` it: the sum over a chunk's examples costs B * O * I beside their forming, not
-        the batch gradient's B * T * O * I again. The chunks are formed one after another into
-        one buffer (``FORMED_ELEMENTS``), read back for the norms and the sum from the cache."""
+        ``forms`` it (``formed.py``): the sum over a chunk's examples costs B * O * I beside
+        their forming, not the batch gradient's B * T * O * I again."""
         if not self.forms(train=True):
             return super().norm_sq_and_sum()
-        b, g, _, o, i = self.dims
-        step = max(1, min(b, FORMED_ELEMENTS // (g * o * i)))
-        work = self.s.new_empty(step, g, o, i)
-        norms, total = [], None
-        for lo in range(0, b, step):
-            m = work[: min(step, b - lo)]  # (b, G, O, I) = (b, G, O, T) @ (b, G, T, I)
-            torch.matmul(self.s[lo : lo + step].mT, self.a[lo : lo + step], out=m)
-            norms.append(_sq_norm(m.flatten(1)))
-            total = m.sum(0) if total is None else total.add_(m.sum(0))
-        return _cat(norms), total.reshape(self.shape)
+        return formed_sums(self.s, self.a, self.lengths, self.shape)
 
     @property
     def _gram_cheaper(self) -> bool:

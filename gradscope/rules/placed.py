@@ -30,6 +30,12 @@ class Place:
         view = t[(slice(None), *self.index)]
         return (view.transpose(-1, -2) if self.transposed else view) * self.scale
 
+    def put(self, out: Tensor, view: Tensor) -> None:
+        """Write ``view`` (the view's own shape, unscaled) where this place sits in ``out``
+        (the parameter's shape)."""
+        view = view * self.scale if self.scale != 1.0 else view
+        out[self.index] = view.transpose(-1, -2) if self.transposed else view
+
     def mask(self, shape: torch.Size) -> Tensor:
         """(*shape) bool: the parameter's elements this place covers."""
         covered = torch.zeros(shape, dtype=torch.bool)
@@ -65,11 +71,19 @@ class Placed(Contribution):
         sub, back = view
         return back(self.part.project(sub)) * self.place.scale
 
-    def batch_sum(self) -> Tensor:
-        view = self.part.batch_sum() * self.place.scale
-        view = view.transpose(-1, -2) if self.place.transposed else view
+    def forms(self, *, train: bool) -> bool:
+        return self.part.forms(train=train)
+
+    def norm_sq_and_sum(self) -> tuple[Tensor, Tensor]:
+        norm_sq, view = self.part.norm_sq_and_sum()
         out = view.new_zeros(self.shape)
-        out[self.place.index] = view
+        self.place.put(out, view)
+        return norm_sq * self.place.scale**2, out
+
+    def batch_sum(self) -> Tensor:
+        view = self.part.batch_sum()
+        out = view.new_zeros(self.shape)
+        self.place.put(out, view)
         return out
 
     def examples(self, lo: int, hi: int) -> Contribution:
@@ -98,6 +112,22 @@ class Blocks(Contribution):
 
     def project(self, p: Projection) -> Tensor:
         return sum(b.project(p) for b in self.blocks)
+
+    def forms(self, *, train: bool) -> bool:
+        """Whether a block forms its examples' gradients: the sum of the others is then their
+        own share of the batch gradient's product (the experts of a training step)."""
+        return any(b.forms(train=train) for b in self.blocks)
+
+    def norm_sq_and_sum(self) -> tuple[Tensor, Tensor]:
+        """Each block's squared norms and batch sum (``Outer.norm_sq_and_sum``), the sums
+        written into one tensor of the parameter's shape: the blocks cover no element twice."""
+        norm_sq, out = 0, None
+        for b in self.blocks:
+            n, view = b.part.norm_sq_and_sum()
+            out = view.new_zeros(self.shape) if out is None else out
+            b.place.put(out, view)
+            norm_sq = norm_sq + n * b.place.scale**2
+        return norm_sq, out
 
     def batch_sum(self) -> Tensor:
         return sum(b.batch_sum() for b in self.blocks)

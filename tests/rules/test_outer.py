@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradscope.rules import Outer, outer
+from gradscope.rules import Outer, formed, outer
 
 
 def padded(lengths: list[int], g: int, t: int, o: int, i: int) -> tuple[torch.Tensor, ...]:
@@ -155,7 +155,7 @@ def test_inner_forms_g_where_positions_times_references_cost_more(t, k):
 @pytest.mark.parametrize(("g", "o", "i"), [(1, 3, 5), (1, 5, 3), (2, 4, 2)])
 @pytest.mark.parametrize("per_chunk", [5, 2, 1])
 def test_norms_and_sum_formed_in_one_buffer_are_the_gradients(monkeypatch, g, o, i, per_chunk):
-    monkeypatch.setattr(outer, "FORMED_ELEMENTS", per_chunk * g * o * i)
+    monkeypatch.setattr(formed, "FORMED_ELEMENTS", per_chunk * g * o * i)
     gen = torch.Generator().manual_seed(3)
     b, t = 5, 4
     s = torch.randn(b, g, t, o, generator=gen, dtype=torch.float64)
@@ -171,6 +171,39 @@ def test_norms_and_sum_formed_in_one_buffer_are_the_gradients(monkeypatch, g, o,
     ).reshape(b, g * o, i)
     part = Outer(s, a, torch.Size((g * o, i)))
     assert part.forms(train=True)
+    norms, total = part.norm_sq_and_sum()
+    torch.testing.assert_close(norms, grads.flatten(1).square().sum(1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(total, grads.sum(0), rtol=1e-12, atol=1e-12)
+
+
+# uneven rows with an example of none, batch 1, rows of one each (no Gram cheaper: not formed)
+@pytest.mark.parametrize(
+    ("lengths", "g", "t", "o", "i", "forms"),
+    [([7, 2, 0, 11, 10, 1], 1, 11, 3, 4, True), ([5], 2, 9, 6, 5, True), ([1, 1, 0], 1, 1, 4, 4, False)],
+)  # fmt: skip
+def test_norms_and_sum_of_examples_of_their_own_lengths_are_the_gradients(
+    lengths, g, t, o, i, forms
+):
+    """A training step forms each example's G from its own rows (an expert's tokens), no
+    padding: the squared norms and batch sum of a loop over each example's rows."""
+    torch.manual_seed(4)
+    s, a = padded(lengths, g, t, o, i)
+    grads = torch.stack(
+        [
+            torch.stack(
+                [
+                    sum(
+                        (torch.outer(s[n, k, p], a[n, k, p]) for p in range(m)),
+                        torch.zeros(o, i, dtype=torch.float64),
+                    )
+                    for k in range(g)
+                ]  # fmt: skip
+            )
+            for n, m in enumerate(lengths)
+        ]
+    ).reshape(len(lengths), g * o, i)
+    part = Outer(s, a, torch.Size((g * o, i)), lengths)
+    assert part.forms(train=True) == forms
     norms, total = part.norm_sq_and_sum()
     torch.testing.assert_close(norms, grads.flatten(1).square().sum(1), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(total, grads.sum(0), rtol=1e-12, atol=1e-12)

@@ -11,7 +11,7 @@ import torch
 from gradscope.engine.backward import batched
 from gradscope.engine.backward.reduce import Reducer, Want
 from gradscope.rules import Dense, Outer, Rows
-from gradscope.rules import outer as outer_module
+from gradscope.rules import formed as formed_module
 from gradscope.rules.formed import Formed
 from gradscope.rules.routed import Routed
 
@@ -85,9 +85,9 @@ def _rows(gen: torch.Generator, t: int) -> tuple[Rows, torch.Tensor]:
     return Rows(ids, s, 4), grads
 
 
-@pytest.mark.parametrize("chunk", [outer_module.FORMED_ELEMENTS, 40], ids=["one", "chunks"])
+@pytest.mark.parametrize("chunk", [formed_module.FORMED_ELEMENTS, 40], ids=["one", "chunks"])
 def test_a_training_steps_sums_are_the_examples_gradients_summed(monkeypatch, chunk: int):
-    monkeypatch.setattr(outer_module, "FORMED_ELEMENTS", chunk)  # G formed a few examples at once
+    monkeypatch.setattr(formed_module, "FORMED_ELEMENTS", chunk)  # G formed a few examples at once
     gen = torch.Generator().manual_seed(1)
     formed = torch.randn(B, 2, 3, generator=gen, dtype=torch.float64)
     parts = {
