@@ -142,6 +142,23 @@ class Plan:
         return self._kept("rules", lambda: {id(m): find_rule(m) for m in self.hooked_modules})
 
     @property
+    def alike(self) -> bool:
+        """Whether two of the modules whose rules serve a parameter are alike to their rule
+        (``Rule.alike``): where none are, no pass has calls to answer together
+        (``backward/grouped.py``). Read once, as the plan was made (where modules change
+        since, their calls are each answered alone, as exact)."""
+        return self._kept("alike", self._alike)
+
+    def _alike(self) -> bool:
+        rules = self.rules
+        keys = [
+            (rule.name, rule.alike(m))
+            for m in self.hooked_modules
+            if (rule := rules.get(id(m))) is not None and rule.alike is not None
+        ]
+        return len(set(keys)) < len(keys)
+
+    @property
     def hooked_modules(self) -> tuple[nn.Module, ...]:
         """Modules whose calls must be captured: every holder of a parameter a rule serves."""
         return self._kept("hooked", self._hooked)
