@@ -174,8 +174,8 @@ class Reducer:
             self.sums[name] = sum(g.batch_sum() for g in groups)
 
     def reduce(self, name: str, c: Contribution) -> None:
-        if self._norms_only:
-            if not self._batched.take(name, c):
+        if self._norms_only:  # after ``finish`` (the fallback's parts): at once
+            if self._batched is None or not self._batched.take(name, c):
                 self.norm_sq[name] = c.norm_sq()
             return
         if self.pre is not None:
