@@ -9,6 +9,7 @@ from .backward.fallback import short_reason
 from .backward.reduce import Want
 from .backward.substitute import substituted
 from .check import CheckReport, compare_with_loop, render_plan, render_report
+from .eager import prepared
 from .engine import Engine, Observe
 from .forward import Forward, select_output
 from .influence import (
@@ -29,7 +30,6 @@ from .plan import (
     ParamPlan,
     Plan,
     build_plan,
-    prepared,
 )
 from .scores import BatchScores, total
 

@@ -1,5 +1,6 @@
-"""torch.compile set aside while any Engine is entered: a compiled model or module runs its
-forward eagerly, op by op, for the hooks and the trace to see (compiled, it fails inside dynamo
+"""The model as a pass needs it (``prepared``: eval mode, the selected parameters requiring
+grad), and torch.compile set aside while any Engine is entered: a compiled model or module runs
+its forward eagerly, op by op, for the hooks and the trace to see (compiled, it fails inside dynamo
 under the trace's torch function mode).
 
 dynamo's stance is one global, and ``set_stance`` puts back on exit the stance it found on
@@ -11,7 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .plan import Plan
 
 
 class _Eager:
@@ -38,3 +46,28 @@ class _Eager:
 
 
 eager = _Eager()
+
+
+@contextlib.contextmanager
+def prepared(
+    model: nn.Module, plan: Plan, modules: Sequence[nn.Module] | None = None
+) -> Iterator[None]:
+    """Eval mode and ``requires_grad`` on the selected parameters, restored on exit; nothing
+    touched where the model is so already (the API enters it on every call). ``modules``: the
+    model's, where the caller keeps them (a walk of a large model costs a pass ~0.5 ms).
+    ``torch.compile`` set aside meanwhile (``eager``)."""
+    training = [(m, m.training) for m in (model.modules() if modules is None else modules)]
+    frozen = [p.param for p in plan.included if not p.param.requires_grad]
+    if any(mode for _, mode in training):
+        model.eval()
+    try:
+        for p in frozen:
+            p.requires_grad_(True)
+        with torch.enable_grad(), eager():
+            yield
+    finally:
+        for m, mode in training:  # parents first: train() sets a module's children
+            if m.training != mode:
+                m.train(mode)
+        for p in frozen:
+            p.requires_grad_(False)

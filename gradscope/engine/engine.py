@@ -21,9 +21,10 @@ from .backward.backward import requests
 from .backward.fallback import Fallback
 from .backward.reduce import Reducer, Want
 from .backward.serve import Served, serve, served_calls, summed, uses
+from .eager import prepared
 from .forward import Forward, batched
 from .hooks import ModuleHooks
-from .plan import FALLBACK_LOOP, build_plan, prepared
+from .plan import FALLBACK_LOOP, build_plan
 from .record import Findings, record_for
 from .replay.programs import Replayed
 from .replay.session import Diverged

@@ -19,18 +19,15 @@ must run on each example's), ``excluded``.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
-import torch
 from torch import nn
 
 from ..errors import ConfigError
 from ..rules import find_rule
 from ..rules.registry import Rule
-from .eager import eager
 
 BROADCAST = (
     "broadcast"  # a raw parameter read in broadcast elementwise ops (analysis/broadcasts.py)
@@ -140,6 +137,23 @@ class Plan:
         """id of a module whose rule serves a parameter -> that rule: looked up once (a library
         layer's by its structure), asked on every call of the module."""
         return self._kept("rules", lambda: {id(m): find_rule(m) for m in self.hooked_modules})
+
+    @property
+    def alike(self) -> bool:
+        """Whether two of the modules whose rules serve a parameter are alike to their rule
+        (``Rule.alike``): where none are, no pass has calls to answer together
+        (``backward/grouped.py``). Read once, as the plan was made (where modules change
+        since, their calls are each answered alone, as exact)."""
+        return self._kept("alike", self._alike)
+
+    def _alike(self) -> bool:
+        rules = self.rules
+        keys = [
+            (rule.name, rule.alike(m))
+            for m in self.hooked_modules
+            if (rule := rules.get(id(m))) is not None and rule.alike is not None
+        ]
+        return len(set(keys)) < len(keys)
 
     @property
     def hooked_modules(self) -> tuple[nn.Module, ...]:
@@ -271,28 +285,3 @@ def build_plan(
             what = "params.exclude leaves none of the parameters that require grad"
         raise ConfigError(what, "params")
     return plan
-
-
-@contextlib.contextmanager
-def prepared(
-    model: nn.Module, plan: Plan, modules: Sequence[nn.Module] | None = None
-) -> Iterator[None]:
-    """Eval mode and ``requires_grad`` on the selected parameters, restored on exit; nothing
-    touched where the model is so already (the API enters it on every call). ``modules``: the
-    model's, where the caller keeps them (a walk of a large model costs a pass ~0.5 ms).
-    ``torch.compile`` set aside meanwhile (``eager.py``)."""
-    training = [(m, m.training) for m in (model.modules() if modules is None else modules)]
-    frozen = [p.param for p in plan.included if not p.param.requires_grad]
-    if any(mode for _, mode in training):
-        model.eval()
-    try:
-        for p in frozen:
-            p.requires_grad_(True)
-        with torch.enable_grad(), eager():
-            yield
-    finally:
-        for m, mode in training:  # parents first: train() sets a module's children
-            if m.training != mode:
-                m.train(mode)
-        for p in frozen:
-            p.requires_grad_(False)

@@ -166,18 +166,37 @@ class Contribution(ABC):
         return None
 
 
+class Once:
+    """(...) the squared norms of ``t`` (..., N) over its last dim, computed once for the parts
+    of one call that each need them: a one-position Linear's output gradient s_i, whose
+    ||s_i||^2 is its bias's norm and a factor of its weight's, ||s_i||^2 ||a_i||^2."""
+
+    __slots__ = ("t", "sq")
+
+    def __init__(self, t: Tensor):
+        self.t, self.sq = t, None
+
+    def __call__(self) -> Tensor:
+        if self.sq is None:
+            self.sq, self.t = _sq_norm(self.t), None
+        return self.sq
+
+
 class Dense(Contribution):
-    """Per-example gradients formed directly: fine for small parameters (biases, norm scales)."""
+    """Per-example gradients formed directly: fine for small parameters (biases, norm scales).
+    ``sq``: their squared norms where another part of the call computes them too (``Once``
+    over the same (B, P) values)."""
 
     def forms(self, *, train: bool) -> bool:
         return True
 
-    def __init__(self, grads: Tensor):
+    def __init__(self, grads: Tensor, sq: Once | None = None):
         self.grads = _acc(grads)  # (B, *shape)
         self.shape = grads.shape[1:]
+        self.sq = sq
 
     def norm_sq(self) -> Tensor:
-        return _sq_norm(rows(self.grads))
+        return _sq_norm(rows(self.grads)) if self.sq is None else self.sq()
 
     def inner(self, refs: Tensor) -> Tensor:
         return _dots(rows(self.grads), rows(refs.to(self.grads.dtype)))

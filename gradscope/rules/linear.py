@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from torch import Tensor, nn
 
-from .base import Contribution, Dense
+from .base import Contribution, Dense, Once, _acc
 from .outer import Outer
 from .registry import register_rule
 
@@ -28,18 +28,17 @@ def affine_parts(
     b = grad_output.shape[0]
     a = x.reshape(b, 1, -1, x.shape[-1])  # (B, 1, T, in)
     s = grad_output.reshape(b, 1, -1, grad_output.shape[-1])  # (B, 1, T, out)
-    out = {
-        "weight": Outer(a, s, weight.shape, lengths)
-        if transposed
-        else Outer(s, a, weight.shape, lengths)
-    }
+    # one position: the output gradient is the bias gradient (summing size-1 dims still
+    # copies, and indexing it out costs two ops more than taking it as it came), and its
+    # squared norm both the bias's and a factor of the weight's: computed once for both
+    one = None
+    if s.shape[2] == 1:
+        one = _acc(grad_output if grad_output.dim() == 2 else s[:, 0, 0])  # (B, out)
+    sq = Once(one) if one is not None and bias is not None and not transposed else None
+    shape = weight.shape
+    out = {"weight": Outer(a, s, shape, lengths) if transposed else Outer(s, a, shape, lengths, sq)}
     if bias is not None:
-        # one position: the output gradient is the bias gradient (summing size-1 dims still
-        # copies, and indexing it out costs two ops more than taking it as it came)
-        if grad_output.dim() == 2:
-            out["bias"] = Dense(grad_output)  # (B, out)
-        else:
-            out["bias"] = Dense(s[:, 0, 0] if s.shape[2] == 1 else s.sum((1, 2)))
+        out["bias"] = Dense(s.sum((1, 2)) if one is None else one, sq)
     return out
 
 

@@ -7,7 +7,17 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from .base import CHUNK_ELEMENTS, Contribution, _acc, _cat, _dots, _sq_norm, rows, stacked
+from .base import (
+    CHUNK_ELEMENTS,
+    Contribution,
+    Once,
+    _acc,
+    _cat,
+    _dots,
+    _sq_norm,
+    rows,
+    stacked,
+)
 from .formed import formed_sums
 from .ghost import ghost_inner
 from .projection import Projection
@@ -31,9 +41,15 @@ class Outer(Contribution):
     """
 
     def __init__(
-        self, s: Tensor, a: Tensor, shape: torch.Size, lengths: Sequence[int] | None = None
+        self,
+        s: Tensor,
+        a: Tensor,
+        shape: torch.Size,
+        lengths: Sequence[int] | None = None,
+        sq: Once | None = None,
     ):
         self.s, self.a, self.shape = _acc(s), _acc(a), torch.Size(shape)
+        self.sq = sq  # (B,) ||s_i||^2 of one position and group, shared with a bias (``Once``)
         full = lengths is None or all(n == self.s.shape[2] for n in lengths)
         self.lengths = None if full else tuple(int(n) for n in lengths)
         self._grouped: list[tuple[Tensor, Outer]] | None = None
@@ -107,6 +123,8 @@ class Outer(Contribution):
         b, g, t, o, i = self.dims
         if self._groups() is not None:
             return self._placed(Outer.norm_sq, ())
+        if t == 1 and self.sq is not None:  # ||s||^2 its bias's too: computed once for both
+            return _sq_norm(self.a).view(b) * self.sq()
         if t == 1:  # ||s a^T||^2 = ||s||^2 ||a||^2; one group's (B, 1, 1) viewed, not summed
             each = _sq_norm(self.s) * _sq_norm(self.a)
             return each.view(b) if g == 1 else each.sum((1, 2))

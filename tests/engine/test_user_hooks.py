@@ -164,12 +164,12 @@ def test_an_error_in_the_models_backward_is_one_line_naming_it():
 def test_an_error_of_gradscopes_own_in_the_backward_goes_on_as_it_is(monkeypatch):
     """An error raised in gradscope's code that runs inside the backward (its hooks hand each
     output gradient to the rules) is gradscope's, not the model's: not relabelled."""
-    from gradscope.engine.backward.grouped import Grouped
+    from gradscope.engine.backward import serve
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug of gradscope's")
 
-    monkeypatch.setattr(Grouped, "take", broken)  # each output gradient's, in the backward
+    monkeypatch.setattr(serve, "_on_grad", broken)  # each call's output gradient's rule
     with pytest.raises(RuntimeError, match="a bug of gradscope's") as raised:
         gradscope.per_example_norms(_model(), *_batch(0), loss="cross_entropy")
     assert not isinstance(raised.value, ModelError)

@@ -36,8 +36,9 @@ class Batched:
     def take(self, name: str, c: Contribution) -> bool:
         """Hold ``c`` back where it is an Outer or a Routed of one Gram block (for inner
         products: an Outer of every position, a Routed of ``sorted_route``), or formed
-        gradients (a bias, a norm's scale; for norms, of at most ``HELD_DENSE`` elements);
-        False where not taken."""
+        gradients (a bias, a norm's scale; for norms, of at most ``HELD_DENSE`` elements, and
+        not a one-position Linear's bias, whose norm its weight's computes); False where not
+        taken."""
         key = _norm_key(c) if self.refs is None else _inner_key(c, len(self.refs[name]))
         if key is None:
             return False
@@ -73,7 +74,8 @@ def _norm_key(c: Contribution) -> tuple | None:
         return (Outer, c.dims, c.s.dtype, c.s.device)
     if type(c) is Routed and c.one_gram:
         return (Routed, c.a.shape, c.s.shape, c.shape[0], c.batch, c.s.dtype, c.s.device)
-    if type(c) is Dense and c.grads.numel() <= HELD_DENSE:
+    # a Dense with ``sq``: its norm is its weight's factor, no op of its own to batch
+    if type(c) is Dense and c.sq is None and c.grads.numel() <= HELD_DENSE:
         return (Dense, c.grads.shape[0], c.shape.numel(), c.grads.dtype, c.grads.device)
     return None
 

@@ -46,6 +46,9 @@ class Want:
     summed: frozenset[str] = frozenset()
 
 
+_NORMS = Want()  # the squared norms alone
+
+
 def _merged(parts: list[Contribution]) -> Contribution:
     merged = parts[0]
     for part in parts[1:]:
@@ -102,6 +105,8 @@ class Reducer:
         # the transformed gradients' squared norms; each part is transformed as it is reduced,
         # which is exact for merged parts too since the transform is linear
         self.pre = None if want.transform is None else Reducer(Want(norms=True), ())
+        # norms and nothing else (most passes): ``reduce`` asks none of the questions below
+        self._norms_only = want == _NORMS
 
     def hold(self, budget: int) -> None:
         """Let the small parts held back to answer together hold ``budget`` elements at most
@@ -172,6 +177,10 @@ class Reducer:
             self.sums[name] = sum(g.batch_sum() for g in groups)
 
     def reduce(self, name: str, c: Contribution) -> None:
+        if self._norms_only:  # after ``finish`` (the fallback's parts): at once
+            if self._batched is None or not self._batched.take(name, c):
+                self.norm_sq[name] = c.norm_sq()
+            return
         if self.pre is not None:
             self.pre.reduce(name, self.want.transform(name, c))
         refs = self.want.refs[name] if self.want.refs is not None else None

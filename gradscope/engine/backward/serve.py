@@ -172,10 +172,10 @@ def _holding(
 ) -> Grouped | None:
     """The pass's budget (``held_budget``) set for ``reducer``'s held parts, and the
     ``Grouped`` that holds its small calls under the same, where the pass asks what a group
-    answers."""
+    answers and the plan has modules alike (``Plan.alike``)."""
     budget = held_budget(calls)
     reducer.hold(budget)
-    if not _groupable(reducer.want):
+    if not _groupable(reducer.want) or not plan.alike:  # nothing to group: no call held
         return None
     return Grouped(plan, merged, on_grad, reducer, batch, budget)
 

@@ -201,3 +201,27 @@ def test_what_a_pass_holds_stays_within_its_budget(monkeypatch):
         engine.norms(inputs, targets)
     assert held and all(0 <= h <= b for h, b in zip(held, budgets, strict=True))
     assert 0 in held[:-1]  # emptied mid-backward
+
+
+def test_a_plan_of_no_modules_alike_holds_no_call(monkeypatch):
+    # Linears of three shapes: no two calls could be answered together, so none is held
+    # back; the Alike model's are
+    made: list[Grouped] = []
+    monkeypatch.setattr(serve, "Grouped", lambda *args: made.append(Grouped(*args)) or made[-1])
+    unalike = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 1))
+    x, y = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    loss = resolve_loss("mse")
+    with Engine(unalike.double(), loss) as engine:
+        assert not engine.plan.alike
+        names = [p.name for p in engine.plan.included]
+        for _ in range(2):  # analysed, then replayed
+            got = engine.norms((x,), y).norm_sq
+            _, grads = naive_grads(unalike, (x,), y, loss, names)
+            for name, g in grads.items():
+                assert_rel_close(got[name], g.flatten(1).pow(2).sum(1), 1e-9)
+    assert not made
+    model, inputs, targets = CASE.build()
+    with Engine(model, loss) as engine:
+        assert engine.plan.alike
+        engine.norms(inputs, targets)
+    assert made

@@ -12,6 +12,7 @@ from gradscope.engine.backward import batched
 from gradscope.engine.backward.reduce import Reducer, Want
 from gradscope.rules import Dense, Outer, Rows
 from gradscope.rules import formed as formed_module
+from gradscope.rules import outer as outer_module
 from gradscope.rules.formed import Formed
 from gradscope.rules.routed import Routed
 
@@ -124,3 +125,28 @@ def test_formed_gradients_norms_stacked_or_at_once(monkeypatch, held: int):
     reducer.finish()
     for name, g in grads.items():
         torch.testing.assert_close(reducer.norm_sq[name], g.square().sum(1), msg=name)
+
+
+@pytest.mark.parametrize("rank", [2, 3], ids=["(B, in)", "(B, 1, in)"])
+def test_one_position_linears_bias_norm_is_its_weights_factor(monkeypatch, rank: int):
+    """||s_i||^2 is the bias's norm and a factor of the weight's: computed once for both."""
+    from gradscope.rules import base
+    from gradscope.rules.linear import affine_parts
+
+    norms = []  # each squared norm the parts compute, by the shape it reduces
+    plain = base._sq_norm
+    counted = lambda t: norms.append(tuple(t.shape)) or plain(t)  # noqa: E731
+    monkeypatch.setattr(base, "_sq_norm", counted)
+    monkeypatch.setattr(outer_module, "_sq_norm", counted)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(B, *([1] * (rank - 2)), 8, generator=gen, dtype=torch.float64)
+    s = torch.randn(B, *([1] * (rank - 2)), 4, generator=gen, dtype=torch.float64)
+    reducer = Reducer(Want(), ())
+    for name, part in affine_parts(x, s, torch.zeros(4, 8), torch.zeros(4)).items():
+        reducer.add(name, part)
+    reducer.finish()
+    x, s = x.reshape(B, 8), s.reshape(B, 4)
+    weight = torch.stack([torch.outer(s[b], x[b]) for b in range(B)])  # the loop's, formed
+    torch.testing.assert_close(reducer.norm_sq["weight"], weight.flatten(1).square().sum(1))
+    torch.testing.assert_close(reducer.norm_sq["bias"], s.square().sum(1))
+    assert sorted(norms) == sorted([(B, 4), (B, 1, 1, 8)])  # s once, a once
