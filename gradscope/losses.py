@@ -19,6 +19,8 @@ NAMES = ("cross_entropy", "nll", "mse", "l1", "bce_with_logits", "causal_lm")
 
 def _reduce_positions(per_position: Tensor, weight: Tensor | None, how: str) -> Tensor:
     """Reduce (B, ...) per-position losses to (B,), counting only positions with weight 1."""
+    if weight is None and per_position.numel() == per_position.shape[0]:
+        return per_position.reshape(-1)  # one position (a (B, 1) regression): its loss itself
     flat = per_position.flatten(1)
     if how == "sum":
         return flat.sum(1)
