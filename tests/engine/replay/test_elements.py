@@ -14,21 +14,9 @@ from torch import Tensor, nn
 
 from gradscope.engine import Engine, total
 from gradscope.losses import resolve_loss
+from tests.engine.analysis.test_broadcast import SequenceFirst
 
 D = 4
-
-
-class SequenceFirst(nn.Module):
-    """(T, B, D) with a (1, 1, D) bias, T == B: every element of the sum is one example's."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(3, D)
-        self.bias = nn.Parameter(torch.randn(1, 1, D))
-
-    def forward(self, x: Tensor) -> Tensor:  # (B, T, 3)
-        h = self.fc(x).transpose(0, 1) + self.bias  # (T, B, D)
-        return torch.tanh(h).transpose(0, 1).sum(1)  # (B, D)
 
 
 class Similarity(nn.Module):
