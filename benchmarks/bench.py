@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 from methods import METHODS, Skip, Step, clear_grads, known_failure, wrong_rel_err
+from provenance import measured_commit
 from torch import Tensor
 from torch._C._profiler import _EventType
 from workloads import SETS, WORKLOADS, Problem, expand
@@ -380,13 +381,7 @@ def _environment(args: argparse.Namespace) -> dict[str, object]:
         "warmup": args.warmup,
         "budget_s": args.budget,
         "clock": args.clock,
-        # the gradscope measured: this checkout's commit (the docs name it)
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=os.path.dirname(__file__),
-        ).stdout.strip(),
+        "commit": measured_commit(),  # the gradscope measured (the docs name it)
     }
 
 

@@ -27,7 +27,6 @@ import argparse
 import copy
 import json
 import platform
-import subprocess
 import sys
 import time
 import warnings
@@ -36,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from provenance import measured_commit
 from torch import Tensor, nn
 from workloads import WORKLOADS, Problem, expand
 
@@ -261,12 +261,7 @@ def _environment(device: torch.device) -> dict[str, object]:
         "torch": torch.__version__,
         "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-        ).stdout.strip(),
+        "commit": measured_commit(),
     }
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 from oracle import reference_norms
+from provenance import measured_commit
 from torch import Tensor, nn
 
 import gradscope
@@ -265,8 +266,7 @@ def environment() -> dict:
             env[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             env[pkg] = None
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    env["commit"] = commit.stdout.strip()
+    env["commit"] = measured_commit()
     env["cpus"], env["threads"] = os.cpu_count(), 1
     env["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return env
