@@ -176,6 +176,21 @@ def assert_norms_through_one_engine(
     return engine
 
 
+def findings_by_shape(
+    engine: Engine,
+    batch: Callable[..., tuple[tuple[Tensor, ...], Tensor]],
+    shapes: Sequence[tuple],
+    replayed: bool = True,
+) -> dict[tuple, object]:
+    """What ``engine``'s record holds of each shape in ``shapes`` (a shape's batch made by
+    ``batch(seed, *shape)``); with ``replayed``, each asserted analysed once and replayed on
+    every later batch of its shape."""
+    found = {shape: engine.record.at(*batch(0, *shape)) for shape in set(shapes)}
+    for shape, findings in found.items() if replayed else ():
+        assert findings.analyses == 1 and findings.replays == shapes.count(shape) - 1, shape
+    return found
+
+
 def assert_influence_through_one_engine(
     model: nn.Module, batches: Sequence[tuple[tuple[Tensor, ...], Tensor]], loss: str
 ) -> Engine:

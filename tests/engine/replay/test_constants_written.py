@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import assert_norms_through_one_engine, assert_rel_close, reference_norms
+from oracle import (
+    assert_norms_through_one_engine,
+    assert_rel_close,
+    findings_by_shape,
+    reference_norms,
+)
 from torch import Tensor, nn
 
 import gradscope
@@ -67,9 +72,7 @@ def test_a_constant_written_elsewhere_replays_light_and_exact(alias: str):
     model = Model(alias).double().eval()
     batches = [_batch(seed, n, t) for seed, (n, t) in enumerate(SHAPES)]
     engine = assert_norms_through_one_engine(model, batches, "cross_entropy")
-    for n, t in set(SHAPES):
-        findings = engine.record.at(*_batch(0, n, t))
-        assert findings.analyses == 1 and findings.replays == SHAPES.count((n, t)) - 1
+    for findings in findings_by_shape(engine, _batch, SHAPES).values():
         regions = [s for s in findings.programs[-1].steps if isinstance(s, RegionCall)]
         if alias == "none":  # every read of the scan's by recipe: none traced
             assert regions and all(s.light is not None for s in regions)

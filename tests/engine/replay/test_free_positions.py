@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import assert_rel_close
+from oracle import assert_rel_close, findings_by_shape
 from torch import Tensor, nn
 
 import gradscope
@@ -141,9 +141,7 @@ def test_positions_of_no_example_replay_exact(pattern: str, gain: bool):
             inputs, targets = _batch(seed, n, t)
             expected = _loop(model, inputs, targets)
             assert_rel_close(total(engine.norms(inputs, targets).norm_sq), expected, 1e-9)
-    for n, t in set(SHAPES):
-        findings = engine.record.at(*_batch(0, n, t))
-        assert findings.analyses == 1 and findings.replays == SHAPES.count((n, t)) - 1
+    for findings in findings_by_shape(engine, _batch, SHAPES).values():
         (program,) = findings.programs
         regions = [s for s in program.steps if isinstance(s, RegionCall)]
         assert regions and all(s.light is not None for s in regions)  # none traced

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
-from oracle import assert_fallback, assert_rel_close
+from oracle import assert_fallback, assert_rel_close, findings_by_shape
 from torch import Tensor, nn
 
 from gradscope.engine import Engine, naive_grads
@@ -83,6 +83,4 @@ def test_sequence_first_einsum_reads_exact_without_fallback():
                 expected = grads[name].flatten(1).pow(2).sum(1)
                 assert_rel_close(got[name], expected, 1e-9)
         assert_fallback(engine)
-    for n, t in set(SHAPES):
-        findings = engine.record.at(*_batch(0, n, t))
-        assert findings.analyses == 1 and findings.replays == SHAPES.count((n, t)) - 1
+    findings_by_shape(engine, _batch, SHAPES)
