@@ -123,8 +123,20 @@ class Pulled(Contribution):
 
     @functools.cached_property
     def formed(self) -> Dense:
-        grads = [computed._back(g)[0] for computed, g in self.pending.items()]
-        return Dense(functools.reduce(torch.add, grads))
+        """The parameter's gradients: each tensor's VJP written out where it has one, and
+        the rest's by one VJP of them all (``vjps.py``: a rotary table's cos and sin, made
+        again in each layer, read by its queries and keys)."""
+        written = [c.back(g)[0] for c, g in self.pending.items() if c.back is not None]
+        rest = [(c, g) for c, g in self.pending.items() if c.back is None]
+        if len(rest) == 1:
+            written.append(rest[0][0]._back(rest[0][1])[0])
+        elif rest:
+            funcs = [c.func for c, _ in rest]
+            kind = ("joint", *(c.kind for c, _ in rest))
+            values = rest[0][0].values  # each the parameter itself, detached at its read
+            grads = tuple(g for _, g in rest)
+            written.append(vjps.back(kind, lambda v: tuple(f(v) for f in funcs), values, grads)[0])
+        return Dense(functools.reduce(torch.add, written))
 
     def norm_sq(self) -> Tensor:
         return self.formed.norm_sq()
