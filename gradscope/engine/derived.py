@@ -127,18 +127,16 @@ class Pulled(Contribution):
     @functools.cached_property
     def formed(self) -> Dense:
         """The parameter's gradients: each tensor's VJP written out where it has one, and
-        the rest's by one VJP of them all (``vjps.py``: a rotary table's cos and sin, made
-        again in each layer, read by its queries and keys)."""
+        the rest's by one VJP for each dtype their leaf has (a cast of the parameter is
+        placed in it as the parameter is), of them all together (``vjps.py``: a rotary
+        table's cos and sin, made again in each layer, read by its queries and keys)."""
         written = [c.back(g)[0] for c, g in self.pending.items() if c.back is not None]
-        rest = [(c, g) for c, g in self.pending.items() if c.back is None]
-        if len(rest) == 1:
-            written.append(rest[0][0]._back(rest[0][1])[0])
-        elif rest:
-            funcs = [c.func for c, _ in rest]
-            kind = ("joint", *(c.kind for c, _ in rest))
-            values = rest[0][0].values  # each the parameter itself, detached at its read
-            grads = tuple(g for _, g in rest)
-            written.append(vjps.back(kind, lambda v: tuple(f(v) for f in funcs), values, grads)[0])
+        by_dtype: dict[torch.dtype, list[tuple[Computed, Tensor]]] = {}
+        for c, g in self.pending.items():
+            if c.back is None:
+                by_dtype.setdefault(c.values[0].dtype, []).append((c, g))
+        for rest in by_dtype.values():
+            written.append(_joint(rest) if len(rest) > 1 else rest[0][0]._back(rest[0][1])[0])
         return Dense(functools.reduce(torch.add, written))
 
     def norm_sq(self) -> Tensor:
@@ -157,6 +155,16 @@ class Pulled(Contribution):
         for computed, g in other.pending.items():
             pending[computed] = pending[computed] + g if computed in pending else g
         return Pulled(pending, self.shape)
+
+
+def _joint(pending: list[tuple[Computed, Tensor]]) -> Tensor:
+    """(B, *parameter's shape): the sum of the VJPs of tensors computed from one parameter
+    alone (one leaf each, of one dtype), each of its gradients, by one VJP of them all."""
+    funcs = [c.func for c, _ in pending]
+    kind = ("joint", *(c.kind for c, _ in pending))
+    values = pending[0][0].values  # each the parameter, detached where read
+    grads = tuple(g for _, g in pending)
+    return vjps.back(kind, lambda v: tuple(f(v) for f in funcs), values, grads)[0]
 
 
 Watched = Derived | Computed
