@@ -3,14 +3,14 @@ projections' biases concatenated for ``F.multi_head_attention_forward``, which c
 three): each piece is one parameter exactly, so its gradient is the read's, written out
 (``derived.Computed.pieces``), with no VJP through the cat and the chunk; a chunk that cuts
 across the parameters goes back by one, as before. Each parameter's norms are the float64
-loop's over batches replayed after the first."""
+loop's over batches replayed after the first, and the model is left as it was."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from oracle import assert_rel_close
+from oracle import assert_rel_close, model_state
 from torch import Tensor, nn
 
 from gradscope.engine import Engine, Forward, naive_grads, vjps
@@ -71,6 +71,7 @@ def test_a_packed_bias_cut_again_goes_back_as_read(layer: type[nn.Module], backs
     torch.manual_seed(0)
     model = Model(layer).double()
     names = [n for n, _ in model.named_parameters()]
+    state = model_state(model)
     with Engine(model, LOSS) as engine:
         for seed in range(4):
             g = torch.Generator().manual_seed(seed)
@@ -86,6 +87,7 @@ def test_a_packed_bias_cut_again_goes_back_as_read(layer: type[nn.Module], backs
                 else:
                     assert_rel_close(got[name], expected, 1e-9)
         findings = engine.record.at((x,), y)
+    state.assert_kept(model)
     assert findings.replays == 3, findings.why
     assert not [p.name for p in engine.plan.params if p.is_fallback]
     assert len(calls) == backs  # the last batch's: none where each piece is a bias
