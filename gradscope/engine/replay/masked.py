@@ -21,12 +21,13 @@ NO_ONE = -1  # a row of no example
 
 def mask_of(x: object, key: object) -> Tensor | None:
     """The boolean mask of ``x[key]`` over x's rows: a 1-D mask of x's length first, every
-    other index a whole slice; None for any other key."""
+    other index a whole slice or an ellipsis; None for any other key."""
     key = key if isinstance(key, tuple) else (key,)
     mask = key[0] if key else None
     if not isinstance(x, Tensor) or not isinstance(mask, Tensor) or mask.dtype != torch.bool:
         return None
-    rest = all(k == slice(None) for k in key[1:]) and len(key) <= x.dim()
+    rest = all(k is Ellipsis or (isinstance(k, slice) and k == slice(None)) for k in key[1:])
+    rest = rest and len(key) <= x.dim() + (Ellipsis in key[1:])
     return mask if rest and mask.dim() == 1 and x.dim() and mask.shape[0] == x.shape[0] else None
 
 

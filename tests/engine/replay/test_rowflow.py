@@ -222,6 +222,9 @@ def test_masks_the_flow_cannot_follow_and_rows_normalised_alone():
     flow, (x,) = _flow([0, 1, 2])
     grid = torch.ones(3, 4, dtype=torch.bool)  # over every element, not the rows
     assert flow.of(_after(flow, "__getitem__", G, x, grid)) is None
+    mask = torch.tensor([True, False, True])
+    assert flow.of(_after(flow, "__getitem__", G, x, (mask, ...))).tolist() == [0, 2]
+    assert flow.of(_after(flow, "__getitem__", G, x, (mask, torch.tensor([1, 3])))) is None
     out = x.clone()
     flow.keep(out, torch.tensor([0, 1, 2]))
     y = torch.randn(4)
