@@ -202,8 +202,7 @@ class RoutedRegion(ByIdReads, HookedLinears, LightRegion):
 
     def _expert(self, name: str, func, args: tuple, view: tuple) -> Tensor:
         """``F.linear(x, W[e])`` or ``x @ W[e]``: expert e's matrix on rows a value picked."""
-        x, weight = args
-        _, param, e = view
+        (x, weight), (_, param, e) = args, view
         p, out = self.owned.get(id(param)), func(*args)
         transposed = name != "linear"  # x @ W[e]: W is (E, in, out)
         kind = (name, (("weight", p.name if p else ""),), transposed, True)
