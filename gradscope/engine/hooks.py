@@ -2,8 +2,9 @@
 the hooked modules' (``ModuleHooks``), registered once while an Engine is entered and lent to
 each pass's session (``capture.Capture``); the tensor hooks on the captured calls' outputs and
 on the outputs of the tap's and the regions' reads (``ReadHooks``), which hand each output
-gradient on as the backward reaches it, all added and removed as ``GradHooks``. What they hand on to is named here by what they ask of it (``Session``,
-``Read``), so that this module imports none of the engine's."""
+gradient on as the backward reaches it, all added and removed as ``GradHooks``. What they hand
+on to is named here by what they ask of it (``Session``, ``Read``), so that this module
+imports none of the engine's."""
 
 from __future__ import annotations
 
