@@ -742,8 +742,8 @@ def test_embedding_norms_of_long_sequences_by_sorted_rows(case: Case, monkeypatc
 @pytest.mark.parametrize("padding", [None, 1])
 def test_embedding_scaled_by_frequency_is_each_examples_own(padding: int | None) -> None:
     """``scale_grad_by_freq`` divides a row's gradient by its count in the example alone (the
-    loop's), not in the batch (autograd's): the self-check cannot hold there, so the case
-    above runs on the fallback, and the rule is compared with the loop here."""
+    loop's), not in the batch (autograd's): the self-check compares batch sums alone there,
+    so the rule is compared with the loop here."""
     torch.manual_seed(0)
     module = nn.Embedding(8, 3, scale_grad_by_freq=True, padding_idx=padding).double()
     ids = torch.randint(0, 4, (3, 10))
