@@ -4,7 +4,7 @@ reads, so a region chosen there would trace a whole forward of routed experts on
 Its reads are served at the root instead (``analysis/finder.py``), the experts by a routed
 region; its reads under ``no_grad`` (an indexer's) are none, in the analysis and the replay
 alike; the reads of one table merge before one VJP forms ``alpha``'s gradient
-(``derived.Pulled``), the cos's and the sin's as one, by each way (``vjps.py``). Each batch's
+(``pulled.Pulled``), the cos's and the sin's as one, by each way (``vjps.py``). Each batch's
 norms are the float64 loop's."""
 
 from __future__ import annotations
