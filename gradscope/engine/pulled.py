@@ -5,7 +5,8 @@ one VJP for them all (``vjps.py``)."""
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -13,8 +14,17 @@ from torch import Tensor
 from ..rules import Contribution, Dense
 from . import vjps
 
-if TYPE_CHECKING:
-    from .derived import Computed
+
+class Computed(Protocol):
+    """What ``Pulled`` asks of ``derived.Computed``: a tensor ``func(*values)``, its ``kind``,
+    its VJP written out (``back``) or its VJP by ``carry``."""
+
+    func: Callable[..., Tensor]
+    values: tuple[Tensor, ...]
+    kind: tuple
+    back: Callable[[Tensor], tuple[Tensor, ...]] | None
+
+    def carry(self, grads: Tensor) -> tuple[Tensor, ...]: ...
 
 
 class Pulled(Contribution):
