@@ -1,6 +1,16 @@
 """Layer rules, one module per family; importing this package registers them all."""
 
-from . import attention, conv, embedding, hf_conv1d, library_norm, linear, norm, recurrent
+from . import (
+    attention,
+    conv,
+    embedding,
+    hf_conv1d,
+    library_norm,
+    linear,
+    norm,
+    recurrent,
+    standardised,
+)
 from .base import Contribution, Dense
 from .embedding import Rows
 from .outer import Outer
@@ -25,4 +35,5 @@ __all__ = [
     "linear",
     "norm",
     "recurrent",
+    "standardised",
 ]

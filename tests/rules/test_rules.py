@@ -835,7 +835,9 @@ def test_registry_lists_every_layer_type() -> None:
     }
     assert {t: r.name for t, r in RULES.items()} == expected
     assert {n: r.name for n, r in NAMED.items()} == {
-        "transformers.pytorch_utils.Conv1D": "hf_conv1d"
+        "transformers.pytorch_utils.Conv1D": "hf_conv1d",
+        "transformers.models.bit.modeling_bit.WeightStandardizedConv2d": "standardised_conv",
+        "transformers.models.bit.modeling_bit.BitGroupNormActivation": "group_norm_activation",
     }
     assert [r.name for _, r in MATCHERS] == ["attention", "hf_conv1d", "library_norm"]
 
