@@ -35,12 +35,12 @@ def standardised_back(x: Tensor, dims: list[int], eps: float) -> Callable[[Tenso
     below = [d + 1 for d in dims]  # the same dimensions of (B, *x's shape)
 
     def back(grads: Tensor) -> Tensor:
-        held = x.detach()
-        rstd = (held.var(dims, unbiased=False, keepdim=True) + eps).rsqrt()
-        xhat = (held - held.mean(dims, keepdim=True)) * rstd  # (*x's shape)
+        var, mean = torch.var_mean(x.detach(), dims, correction=0, keepdim=True)
+        rstd = var.add_(eps).rsqrt_()
+        xhat = (x.detach() - mean).mul_(rstd)  # (*x's shape)
         mean_g = grads.mean(below, keepdim=True)
         mean_gx = (grads * xhat).mean(below, keepdim=True)
-        return (grads - mean_g - xhat * mean_gx) * rstd
+        return (grads - mean_g).sub_(xhat * mean_gx).mul_(rstd)
 
     return back
 
