@@ -154,28 +154,35 @@ def weight_part(module: _Conv | _Adjoint, x: Tensor, grad_output: Tensor) -> Con
     b, g = grad_output.shape[0], module.groups
     t = math.prod(grad_output.shape[2:])
     i, o = module.weight[0].numel(), module.out_channels // g  # in/G * prod(k), out/G
-    if t * (i + o) < i * o or _patches_at_hand(module, b * g * t * i):
-        # few positions: the Gram of the patches, no per-example gradient; or patches that cost
-        # no more than a few ops to lay out: each example's G formed from them by one product,
-        # where the convolution backward's Python and copies cost more than its work
+    if t * (i + o) < i * o:  # few positions: the Gram of the patches, no per-example gradient
         a = unfold(module, x)  # (B, G, T, in/G * prod(k))
         s = grad_output.reshape(b, g, o, t).transpose(-1, -2)  # (B, G, T, out/G)
         return Outer(s, a, module.weight.shape)
-    # forming the gradients costs less, and the convolution backward does it fastest; a few
-    # examples at a time where the batch's gradients, and the copies of its input and output
-    # gradient the backward makes, would pass the bound on one temporary, or what the input
-    # and the output gradient themselves hold (the plain backward's own peak holds those) and
-    # FORMED_BESIDE more: in even chunks, the fewest that keep under it
-    per_example = x[0].numel() + grad_output[0].numel() + module.weight.numel()
+    # forming the gradients costs less: a few examples at a time where the batch's gradients,
+    # and the copies of its input and output gradient the backward makes, would pass the bound
+    # on one temporary, or what the input and the output gradient themselves hold (the plain
+    # backward's own peak holds those) and FORMED_BESIDE more: in even chunks, the fewest that
+    # keep under it
+    per_example = (x.numel() + grad_output.numel()) // b + module.weight.numel()
     bound = min(base.CHUNK_ELEMENTS, x.numel() + grad_output.numel() + FORMED_BESIDE)
     step = max(1, bound // per_example)
     step = -(-b // -(-b // step))  # b examples in ceil(b / step) chunks, as even as they go
+    if _patches_at_hand(module, b * g * t * i):
+        # patches that cost a view or one im2col: each example's G by one product, where the
+        # convolution backward's Python and copies cost more than its work (small layers)
+        a = _acc(unfold(module, x))  # (B, G, T, in/G * prod(k))
+        s = _acc(grad_output).reshape(b, g, o, t)  # (B, G, out/G, T)
+
+        def form(lo: int, hi: int) -> Tensor:  # (b, G, O, T) @ (b, G, T, I) -> (b, *W's shape)
+            return (s[lo:hi] @ a[lo:hi]).view(hi - lo, *module.weight.shape)
+
+    else:  # the convolution backward, which forms them fastest with no patch matrix
+
+        def form(lo: int, hi: int) -> Tensor:
+            return per_example_weight_grads(module, x[lo:hi], grad_output[lo:hi])
+
     if step >= b:
-        return Dense(per_example_weight_grads(module, x, grad_output))
-
-    def form(lo: int, hi: int) -> Tensor:
-        return per_example_weight_grads(module, x[lo:hi], grad_output[lo:hi])
-
+        return Dense(form(0, b))
     return Formed(form, b, module.weight.shape, step)
 
 
