@@ -54,7 +54,9 @@ def standardised_conv(
     x, w, b = inputs[0], module.weight, grad_output.shape[0]
     _batched(module, x)
     if getattr(module, "pad", None) is not None:
-        x = module.pad(x)  # as the forward pads, before its convolution's own padding
+        # as the forward pads, before its convolution's own padding; its forward, not the
+        # call: no module hook (the engine's own) sees a call made in the backward
+        x = module.pad.forward(x)
     at = weight_part(module, x, grad_output)  # at the standardised weight
     back = standardised_back(w.reshape(w.shape[0], -1), [1], module.eps)  # per output channel
 
