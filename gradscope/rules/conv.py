@@ -153,7 +153,7 @@ def weight_part(module: _Conv | _Adjoint, x: Tensor, grad_output: Tensor) -> Con
     """The weight's contribution of a convolution from its input and output gradient."""
     b, g = grad_output.shape[0], module.groups
     t = math.prod(grad_output.shape[2:])
-    i, o = module.weight[0].numel(), module.out_channels // g  # in/G * prod(k), out/G
+    i, o = module.weight.shape[1:].numel(), module.out_channels // g  # in/G * prod(k), out/G
     if t * (i + o) < i * o:  # few positions: the Gram of the patches, no per-example gradient
         a = unfold(module, x)  # (B, G, T, in/G * prod(k))
         s = grad_output.reshape(b, g, o, t).transpose(-1, -2)  # (B, G, T, out/G)
