@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..rules.standardised import standardised_back
 from .ops import op_name
 
 Back = Callable[[Tensor], Tensor]  # (B, *output's shape) -> (B, *first argument's shape)
@@ -45,7 +46,8 @@ def back_of(func: Callable, args: tuple, kwargs: dict) -> Back | None:
 
 def _standardised(x: Tensor, args: tuple, kwargs: dict) -> Back | None:
     """``F.batch_norm`` of ``x`` by its own statistics, with no running ones and no affine:
-    each channel (dimension 1) ``(x - mean) / sqrt(var + eps)`` over every other dimension."""
+    each channel (dimension 1) ``(x - mean) / sqrt(var + eps)`` over every other dimension
+    (``rules/standardised.py``'s math, which a standardised convolution's rule shares)."""
     names = (
         "input",
         "running_mean",
@@ -61,17 +63,4 @@ def _standardised(x: Tensor, args: tuple, kwargs: dict) -> Back | None:
     if not given.get("training", False) or any(given.get(k) is not None for k in unused):
         return None
     eps = given.get("eps", 1e-5)
-    dims = [d for d in range(x.dim()) if d != 1]
-    below = [d + 1 for d in dims]  # the same dimensions of (B, *x's shape)
-
-    def back(grads: Tensor) -> Tensor:
-        # d x = rstd (g - mean(g) - xhat mean(g xhat)), the means per example and channel;
-        # the statistics formed here, in the backward, where no function mode sees them
-        held = x.detach()
-        rstd = (held.var(dims, unbiased=False, keepdim=True) + eps).rsqrt()
-        xhat = (held - held.mean(dims, keepdim=True)) * rstd  # (*x's shape)
-        mean_g = grads.mean(below, keepdim=True)
-        mean_gx = (grads * xhat).mean(below, keepdim=True)
-        return (grads - mean_g - xhat * mean_gx) * rstd
-
-    return back
+    return standardised_back(x, [d for d in range(x.dim()) if d != 1], eps)

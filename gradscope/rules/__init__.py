@@ -10,6 +10,7 @@ from . import (
     linear,
     norm,
     recurrent,
+    standardised,
 )
 from .base import Contribution, Dense
 from .embedding import Rows
@@ -36,4 +37,5 @@ __all__ = [
     "linear",
     "norm",
     "recurrent",
+    "standardised",
 ]

@@ -34,9 +34,16 @@ def unfold(module: _Conv, x: Tensor) -> Tensor:
     does: ``_reversed_padding_repeated_twice`` is what it hands F.pad for non-zero padding modes and
     equals what F.conv's own zero padding (ints, tuples, "same", "valid") amounts to.
     """
-    n = len(module.kernel_size)
+    n, pads = len(module.kernel_size), module._reversed_padding_repeated_twice
+    b, c, g = x.shape[0], x.shape[1], module.groups
+    if n == 2 and (module.padding_mode == "zeros" or not any(pads)) and pads[0::2] == pads[1::2]:
+        if module.kernel_size == (1, 1) and not any(pads):  # the strided input itself: a view
+            cols = x[:, :, :: module.stride[0], :: module.stride[1]].reshape(b, c, -1)
+        else:  # im2col, one op: (B, C * prod(k), T), each channel's kernel positions in turn
+            cols = F.unfold(x, module.kernel_size, module.dilation, pads[0::2][::-1], module.stride)
+        return cols.view(b, g, -1, cols.shape[-1]).transpose(-1, -2)  # (B, G, T, C/G * prod(k))
     mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-    x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)  # (B, C, *padded)
+    x = F.pad(x, pads, mode=mode)  # (B, C, *padded)
     for d, (k, stride, dilation) in enumerate(
         zip(module.kernel_size, module.stride, module.dilation, strict=True)
     ):
@@ -44,7 +51,6 @@ def unfold(module: _Conv, x: Tensor) -> Tensor:
         x = x.unfold(2 + d, dilation * (k - 1) + 1, stride)  # (B, C, ..., L_d, ..., span_d)
     # keep every dilation-th input of each window: the ones the kernel touches
     x = x[(..., *(slice(None, None, dilation) for dilation in module.dilation))]  # (B, C, *L, *k)
-    b, c, g = x.shape[0], x.shape[1], module.groups
     x = x.reshape(b, g, c // g, *x.shape[2:])  # (B, G, C/G, *L, *k)
     x = x.permute(0, 1, *range(3, 3 + n), 2, *range(3 + n, 3 + 2 * n))  # (B, G, *L, C/G, *k)
     return x.reshape(b, g, math.prod(x.shape[2 : 2 + n]), -1)  # (B, G, T, C/G * prod(k))
@@ -74,10 +80,12 @@ def per_example_weight_grads(module: _Conv, x: Tensor, grad_output: Tensor) -> T
     else:  # other modes, or "same" padding uneven on two sides
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
         x, padding = F.pad(x, pads, mode=mode), [0] * n
-    x = _acc(x).reshape(1, -1, *x.shape[2:])  # (1, B*C, *in): example i is groups i*G .. i*G+G-1
-    s = _acc(grad_output).reshape(1, -1, *grad_output.shape[2:])  # (1, B*out, *L)
+    # contiguous first: a channels-last tensor (Swin2SR's, transposed from tokens) reshaped
+    # as it lies makes a copy the convolution backward reads slower than its own
+    x = _acc(x).contiguous().view(1, -1, *x.shape[2:])  # (1, B*C, *in): example i is groups iG..
+    s = _acc(grad_output).contiguous().view(1, -1, *grad_output.shape[2:])  # (1, B*out, *L)
     # the weight's values only reach the input gradient, which is not asked for: a zero will do
-    with _full_float32():
+    with _full_float32() if x.is_cuda else contextlib.nullcontext():
         _, grads, _ = torch.ops.aten.convolution_backward(
             s,
             x,
@@ -145,24 +153,47 @@ def weight_part(module: _Conv | _Adjoint, x: Tensor, grad_output: Tensor) -> Con
     """The weight's contribution of a convolution from its input and output gradient."""
     b, g = grad_output.shape[0], module.groups
     t = math.prod(grad_output.shape[2:])
-    i, o = module.weight[0].numel(), module.out_channels // g  # in/G * prod(k), out/G
+    i, o = module.weight.shape[1:].numel(), module.out_channels // g  # in/G * prod(k), out/G
     if t * (i + o) < i * o:  # few positions: the Gram of the patches, no per-example gradient
         a = unfold(module, x)  # (B, G, T, in/G * prod(k))
         s = grad_output.reshape(b, g, o, t).transpose(-1, -2)  # (B, G, T, out/G)
         return Outer(s, a, module.weight.shape)
-    # forming the gradients costs less, and the convolution backward does it fastest; a few
-    # examples at a time where the batch's gradients, and the copies of its input and output
-    # gradient the backward makes, would pass the bound on one temporary, or what the input
-    # and the output gradient themselves hold (the plain backward's own peak holds those) and
-    # FORMED_BESIDE more: in even chunks, the fewest that keep under it
-    per_example = x[0].numel() + grad_output[0].numel() + module.weight.numel()
+    # forming the gradients costs less: a few examples at a time where the batch's gradients,
+    # and the copies of its input and output gradient the backward makes, would pass the bound
+    # on one temporary, or what the input and the output gradient themselves hold (the plain
+    # backward's own peak holds those) and FORMED_BESIDE more: in even chunks, the fewest that
+    # keep under it
+    per_example = (x.numel() + grad_output.numel()) // b + module.weight.numel()
     bound = min(base.CHUNK_ELEMENTS, x.numel() + grad_output.numel() + FORMED_BESIDE)
     step = max(1, bound // per_example)
     step = -(-b // -(-b // step))  # b examples in ceil(b / step) chunks, as even as they go
+    if _patches_at_hand(module, b * g * t * i):
+        # patches that cost a view or one im2col: each example's G by one product, where the
+        # convolution backward's Python and copies cost more than its work (small layers)
+        a = _acc(unfold(module, x))  # (B, G, T, in/G * prod(k))
+        s = _acc(grad_output).reshape(b, g, o, t)  # (B, G, out/G, T)
+
+        def form(lo: int, hi: int) -> Tensor:  # (b, G, O, T) @ (b, G, T, I) -> (b, *W's shape)
+            return (s[lo:hi] @ a[lo:hi]).view(hi - lo, *module.weight.shape)
+
+    else:  # the convolution backward, which forms them fastest with no patch matrix
+
+        def form(lo: int, hi: int) -> Tensor:
+            return per_example_weight_grads(module, x[lo:hi], grad_output[lo:hi])
+
     if step >= b:
-        return Dense(per_example_weight_grads(module, x, grad_output))
-
-    def form(lo: int, hi: int) -> Tensor:
-        return per_example_weight_grads(module, x[lo:hi], grad_output[lo:hi])
-
+        return Dense(form(0, b))
     return Formed(form, b, module.weight.shape, step)
+
+
+def _patches_at_hand(module: _Conv | _Adjoint, elements: int) -> bool:
+    """Whether a 2-D convolution's patches (``elements`` of them) are its input itself, a
+    1x1 kernel's without padding (strided, a view), or no more than ``FORMED_BESIDE`` elements
+    (nor the bound on one temporary) laid out by one im2col (``unfold``)."""
+    pads = module._reversed_padding_repeated_twice
+    if len(module.kernel_size) != 2 or pads[0::2] != pads[1::2]:
+        return False
+    if module.padding_mode != "zeros" and any(pads):
+        return False
+    bound = min(FORMED_BESIDE, base.CHUNK_ELEMENTS)
+    return module.kernel_size == (1, 1) and not any(pads) or elements <= bound

@@ -239,6 +239,24 @@ CASES = [
         like,
         batch=1,
     ),
+    Case(  # a 1x1 kernel's patches are its strided input, a view
+        "conv2d-1x1-stride-groups",
+        lambda: nn.Conv2d(4, 6, 1, stride=(2, 3), groups=2),
+        randn(4, 7, 8),
+        like,
+    ),
+    Case(  # one im2col of a channels-last input (Swin2SR's, transposed from tokens)
+        "conv2d-channels-last-dilation",
+        lambda: nn.Conv2d(3, 4, 3, padding=2, dilation=2),
+        lambda b: (torch.randn(b, 3, 6, 5).contiguous(memory_format=torch.channels_last),),
+        like,
+    ),
+    Case(
+        "conv-transpose2d-1x1-stride-output-padding",
+        lambda: nn.ConvTranspose2d(4, 2, 1, stride=(2, 3), output_padding=(1, 2)),
+        randn(4, 3, 4),
+        like,
+    ),
     Case(
         "conv2d-zeros-stride-dilation-groups-batch-3",
         lambda: nn.Conv2d(4, 6, 3, stride=(2, 1), padding=(2, 1), dilation=2, groups=2),
@@ -837,7 +855,9 @@ def test_registry_lists_every_layer_type() -> None:
     }
     assert {t: r.name for t, r in RULES.items()} == expected
     assert {n: r.name for n, r in NAMED.items()} == {
-        "transformers.pytorch_utils.Conv1D": "hf_conv1d"
+        "transformers.pytorch_utils.Conv1D": "hf_conv1d",
+        "transformers.models.bit.modeling_bit.WeightStandardizedConv2d": "standardised_conv",
+        "transformers.models.bit.modeling_bit.BitGroupNormActivation": "group_norm_activation",
     }
     assert [r.name for _, r in MATCHERS] == ["attention", "hf_conv1d", "library_norm"]
 
