@@ -237,7 +237,9 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated case ids")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per case")
     parser.add_argument("--out", type=Path, default=OUT)
+    harness.add_clock(parser)
     args = parser.parse_args()
+    harness.use_clock(args.clock)
     names = args.only.split(",") if args.only else [c.id for c in cases()]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     results = harness.run_isolated(__file__, names, args.out, args.timeout, 1)

@@ -3,12 +3,14 @@ three batches of one signature; gradscope against the float64 per-example loop
 (``benchmarks/harness.py``).
 
     PYTHONPATH=$PWD:$PWD/tests:$PWD/benchmarks OMP_NUM_THREADS=1 nice -n 10 \\
-        python benchmarks/sweep.py [--only gpt2,llama] [--jobs 1] [--timeout 180] [--out PATH]
+        python benchmarks/sweep.py [--only gpt2,llama] [--jobs 1] [--timeout 180] \\
+        [--clock cpu] [--out PATH]
 
 Writes ``PATH`` (JSON) and the markdown summary beside it (``.md``). ``--jobs N`` runs N
 workers at once: sooner, but workers timed side by side on a machine of few CPUs disturb each
 other's timings (on 2 CPUs, ``--jobs 2`` read MarkupLM at 0.82x the loop's speed, a run of it
-alone at 1.6x): count the families slower than the loop from a ``--jobs 1`` run.
+alone at 1.6x): count the families slower than the loop from a ``--jobs 1`` run. ``--clock
+cpu`` times by the process's CPU time, which work sharing the cores does not count.
 """
 
 from __future__ import annotations
@@ -45,8 +47,10 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per family")
     parser.add_argument("--out", type=Path, default=OUT)
+    harness.add_clock(parser)
     parser.add_argument("--collect", nargs="*", type=Path, help="worker logs to summarize instead")
     args = parser.parse_args()
+    harness.use_clock(args.clock)
     names = args.only.split(",") if args.only else hf_tiny.model_types()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.collect:
