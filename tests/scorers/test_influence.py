@@ -173,9 +173,18 @@ def test_per_ref_and_norms_match_loop(case: Case, engine: str) -> None:
     torch.testing.assert_close(scorer.ref_norm, r_norm, rtol=1e-10, atol=0)
 
 
+ALIKE = Case(  # layers alike (``Plan.alike``): calls answered together, the inner products held
+    "alike-mlp",
+    lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)),
+    lambda b: (torch.randn(b, 3, 4),),
+    _labels(2),
+    loss="cross_entropy",
+)
+
+
 @pytest.mark.parametrize("held", [batched.HELD_DENSE, 0], ids=["held", "at once"])
 @pytest.mark.parametrize("per_ref", [False, True], ids=["mean", "per-ref"])
-@pytest.mark.parametrize("case", CASES, ids=repr)
+@pytest.mark.parametrize("case", [*CASES, ALIKE], ids=repr)
 def test_later_batches_inner_products_alone_match_loop(
     monkeypatch, case: Case, per_ref: bool, held: int
 ) -> None:

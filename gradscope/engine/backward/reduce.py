@@ -112,9 +112,13 @@ class Reducer:
             norms=False, refs=want.refs, share=want.share
         )
 
-    def hold(self, budget: int) -> None:
+    def hold(self, budget: int, alike: bool = True) -> None:
         """Let the small parts held back to answer together hold ``budget`` elements at most
-        (``Batched.budget``)."""
+        (``Batched.budget``). Where no two of the plan's modules are ``alike`` (``Plan.alike``),
+        inner products are answered at once: no two weights' parts meet under one key, and
+        holding a few biases' costs the host-bound pass more than it saves."""
+        if not alike:
+            self._inners = None
         for held in (self._batched, self._inners):
             if held is not None:
                 held.budget = budget

@@ -176,7 +176,7 @@ def _holding(
     ``Grouped`` that holds its small calls under the same, where the pass asks what a group
     answers and the plan has modules alike (``Plan.alike``)."""
     budget = held_budget(calls)
-    reducer.hold(budget)
+    reducer.hold(budget, plan.alike)
     if not _groupable(reducer.want) or not plan.alike:  # nothing to group: no call held
         return None
     return Grouped(plan, merged, on_grad, reducer, batch, budget)
