@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,7 +24,9 @@ from ..rules.placed import Place, Placed
 from . import vjps
 from .backs import back_of
 from .constants import Constants
+from .ops import op_name
 from .plan import ParamPlan
+from .pulled import Pulled
 from .tensors import flatten
 
 
@@ -66,6 +67,8 @@ class Computed:
     kind: tuple = ()
     # (B, *its shape) gradients -> (B, *leaf shape) per leaf, written out (``backs.py``)
     back: Callable[[Tensor], tuple[Tensor, ...]] | None = None
+    # a ``torch.cat`` of whole parameters alone: its dimension and each one's size along it
+    pieces: tuple[int, tuple[int, ...]] | None = None
 
     @property
     def params(self) -> tuple[ParamPlan, ...]:
@@ -82,7 +85,7 @@ class Computed:
             param = self.leaves[0].param
             return {param.name: Pulled({self: part.materialize()}, param.param.shape)}
         if step >= self.batch:
-            leaves = [Dense(g) for g in self._back(part.materialize())]
+            leaves = [Dense(g) for g in self.carry(part.materialize())]
         else:
             leaves = [
                 Formed(self._formed(part, k), self.batch, v.shape, step)
@@ -96,52 +99,15 @@ class Computed:
 
     def _formed(self, part: Contribution, k: int) -> Callable[[int, int], Tensor]:
         """(lo, hi) -> (hi - lo, *leaf k's shape): examples lo..hi - 1's gradients of leaf k."""
-        return lambda lo, hi: self._back(part.examples(lo, hi).materialize())[k]
+        return lambda lo, hi: self.carry(part.examples(lo, hi).materialize())[k]
 
-    def _back(self, grads: Tensor) -> tuple[Tensor, ...]:
+    def carry(self, grads: Tensor) -> tuple[Tensor, ...]:
         """(B, *shape) gradients of this tensor -> (B, *leaf shape) per leaf: written out where
         the ops that made it have their batched VJP in ``backs.py``, else one VJP, batched
         (``vjps.py``)."""
         if self.back is not None:
             return self.back(grads)
         return vjps.back(self.kind, self.func, self.values, grads)
-
-
-class Pulled(Contribution):
-    """One parameter's per-example gradient through tensors ``Computed`` from it alone, kept as
-    each tensor's (B, *its shape) gradients until asked for: the reads of one tensor (Mistral
-    Large 4's rotary table scaled by a learned ``alpha``, read by each query and key) merge by
-    adding those, and one VJP per tensor then forms the parameter's, where one per read would
-    give the same sum (the VJP is linear in the gradient)."""
-
-    def forms(self, *, train: bool) -> bool:
-        return True
-
-    def __init__(self, pending: dict[Computed, Tensor], shape: torch.Size):
-        self.pending = pending  # each tensor computed from the parameter -> its gradients
-        self.shape = shape
-
-    @functools.cached_property
-    def formed(self) -> Dense:
-        grads = [computed._back(g)[0] for computed, g in self.pending.items()]
-        return Dense(functools.reduce(torch.add, grads))
-
-    def norm_sq(self) -> Tensor:
-        return self.formed.norm_sq()
-
-    def inner(self, refs: Tensor) -> Tensor:
-        return self.formed.inner(refs)
-
-    def materialize(self) -> Tensor:
-        return self.formed.grads
-
-    def merge(self, other: Contribution) -> Contribution:
-        if not isinstance(other, Pulled):
-            return self.formed.merge(other)
-        pending = dict(self.pending)
-        for computed, g in other.pending.items():
-            pending[computed] = pending[computed] + g if computed in pending else g
-        return Pulled(pending, self.shape)
 
 
 Watched = Derived | Computed
@@ -177,18 +143,24 @@ def compute(
         a, kw = unflatten(items)
         return func(*a, **kw)
 
+    pieces = _pieces(func, args, kwargs, slots)
+
     def output(index: int | None) -> Computed:
         fn = run if index is None else (lambda *values: run(*values)[index])
         derived, values = (tuple(leaves[i][j] for i in order) for j in (0, 1))
-        written = _written_back(func, args, kwargs, slots) if index is None else None
+        if index is None:
+            written = _written_back(func, args, kwargs, slots)
+        else:
+            written = _piece(func, args, kwargs, slots, index)
         if written is None:
-            return Computed(fn, derived, values, batch, pure, pure and alone, (index, *kind))
+            kind_of = (index, *kind)
+            return Computed(fn, derived, values, batch, pure, pure and alone, kind_of, None, pieces)
         kept, back = written  # the leaves the gradient reaches, and how
         held = {i: leaves[i][1] for i in order}
         at = {key: k for k, key in enumerate(kept)}
 
         def run_kept(*mine: Tensor) -> object:  # the others held at their values
-            return run(*(mine[at[i]] if i in at else held[i] for i in order))
+            return fn(*(mine[at[i]] if i in at else held[i] for i in order))
 
         derived, values = (tuple(leaves[i][j] for i in kept) for j in (0, 1))
         return Computed(
@@ -236,6 +208,48 @@ def _kind(w: Watched | None, item: object) -> object:
     if item is None or isinstance(item, (bool, int, float, str, torch.dtype)):
         return item
     return type(item).__name__
+
+
+def _pieces(
+    func: Callable, args: tuple, kwargs: dict, slots: list[tuple[int, Watched, list[int]]]
+) -> tuple[int, tuple[int, ...]] | None:
+    """Where the op is ``torch.cat`` of whole parameters alone, each once (WavLM's q, k and v
+    biases packed for ``F.multi_head_attention_forward``): its dimension and each one's size
+    along it (``Computed.pieces``); else None."""
+    if op_name(func) != "cat" or not args or type(args[0]) not in (list, tuple):
+        return None
+    tensors, dim = args[0], kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    whole = all(isinstance(w, Derived) and w.place == Place() for _, w, _ in slots)
+    ids = [i for _, _, found in slots for i in found]
+    if not (whole and isinstance(dim, int) and len(slots) == len(tensors) == len(set(ids))):
+        return None
+    return dim % tensors[0].dim(), tuple(t.shape[dim] for t in tensors)
+
+
+def _piece(
+    func: Callable, args: tuple, kwargs: dict, slots: list[tuple[int, Watched, list[int]]], k: int
+) -> tuple[list[int], Callable[[Tensor], tuple[Tensor, ...]]] | None:
+    """Where the op is ``chunk`` of a cat of whole parameters (``_pieces``) whose piece ``k``
+    is one of them exactly (``F.multi_head_attention_forward``'s ``in_proj_bias.chunk(3)``):
+    that parameter's leaf id, and its VJP, the gradient itself in its dtype; else None."""
+    if op_name(func) != "chunk" or not slots or slots[0][0] != 0:
+        return None
+    _, first, ids = slots[0]
+    if not isinstance(first, Computed) or first.pieces is None:
+        return None
+    x, (dim, sizes) = args[0], first.pieces
+    chunks = kwargs.get("chunks", args[1] if len(args) > 1 else None)
+    at = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+    if not isinstance(chunks, int) or not isinstance(at, int) or at % x.dim() != dim:
+        return None
+    step = -(-x.shape[dim] // chunks)  # each piece's size, as torch.chunk cuts
+    starts = [sum(sizes[:j]) for j in range(len(sizes))]
+    lo = k * step
+    if lo not in starts or sizes[starts.index(lo)] != min(step, x.shape[dim] - lo):
+        return None
+    j = starts.index(lo)
+    dtype = first.values[j].dtype
+    return [ids[j]], lambda grads: (grads.to(dtype),)
 
 
 def _written_back(

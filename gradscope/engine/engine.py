@@ -87,6 +87,10 @@ class Engine:
         return self
 
     def __exit__(self, *exc) -> None:
+        if not self._prepared:  # the hooks' count untouched: the next ``with`` still hooks
+            raise RuntimeError(
+                "Engine.__exit__ without a matching __enter__: use `with Engine(...)`"
+            )
         self._hooks.close()
         self._prepared.pop().__exit__(*exc)
 

@@ -1,6 +1,16 @@
 """Layer rules, one module per family; importing this package registers them all."""
 
-from . import attention, conv, embedding, hf_conv1d, library_norm, linear, norm, recurrent
+from . import (
+    attention,
+    conv,
+    embedding,
+    embedding_bag,
+    hf_conv1d,
+    library_norm,
+    linear,
+    norm,
+    recurrent,
+)
 from .base import Contribution, Dense
 from .embedding import Rows
 from .outer import Outer
@@ -20,6 +30,7 @@ __all__ = [
     "attention",
     "conv",
     "embedding",
+    "embedding_bag",
     "hf_conv1d",
     "library_norm",
     "linear",

@@ -1,5 +1,5 @@
-"""nn.Embedding: rows hit by the same token in one example add up; cost free of vocabulary size.
-nn.EmbeddingBag: the same over each bag's positions, weighted; its max, each column from one row."""
+"""nn.Embedding: rows hit by the same token in one example add up; cost free of vocabulary size
+(``Rows``, which nn.EmbeddingBag's rule shares: ``embedding_bag.py``)."""
 
 from __future__ import annotations
 
@@ -156,11 +156,17 @@ def lookup(
     s = grad_output.reshape(b, -1, grad_output.shape[-1])  # (B, T, D)
     if padding_idx is not None:
         s = s * (ids != padding_idx % num_rows).unsqueeze(-1)  # the padding row gets no gradient
-    if not by_freq:
-        return Rows(ids, s, num_rows)
-    # the loop sees one example at a time, so a row is scaled by its count in that example;
-    # autograd's batch gradient by its count in the batch
-    own, batch = _counts(example_keys(ids, num_rows)), _counts(ids.flatten())  # (B*T,) each
+    return by_count(ids, s, num_rows) if by_freq else Rows(ids, s, num_rows)
+
+
+def by_count(ids: Tensor, s: Tensor, num_rows: int, member: Tensor | None = None) -> Rows:
+    """``scale_grad_by_freq``'s rows: the loop sees one example at a time, so a position's
+    gradient is divided by its row's count in its example; autograd's batch gradient by its
+    count in the batch, by which ``share`` weighs it. A position ``member`` marks False (past
+    a bag's end) counts for no row."""
+    b = ids.shape[0]  # (B, T) ids, (B, T, D) s
+    keys = ids if member is None else torch.where(member, ids, num_rows)  # no row of the table
+    own, batch = _counts(example_keys(keys, num_rows + 1)), _counts(keys.flatten())  # (B*T,)
     s = s / own.view(b, -1, 1).to(s.dtype)
     return Rows(ids, s, num_rows, (own.to(s.dtype) / batch.to(s.dtype)).view(b, -1))
 
@@ -169,112 +175,3 @@ def _counts(keys: Tensor) -> Tensor:
     """(N,) how many of ``keys`` equal each one."""
     group = _groups(keys)
     return torch.zeros_like(group).index_add_(0, group, torch.ones_like(group))[group]
-
-
-def bag_of(offsets: Tensor, n: int, include_last: bool) -> tuple[Tensor, Tensor]:
-    """(N,) the bag of each of ``n`` positions cut into bags by ``offsets``, and (bags,) each
-    bag's start, as ``F.embedding_bag`` cuts them: bag j from its offset to the next bag's,
-    the last to the end (``include_last_offset``: the last offset only counts the bags)."""
-    starts = offsets[:-1] if include_last else offsets  # (bags,)
-    at = torch.arange(n, device=offsets.device)
-    return torch.searchsorted(starts, at, right=True) - 1, starts
-
-
-def _bags(module: nn.EmbeddingBag, inputs: tuple[Tensor, ...], kwargs: dict):
-    """For the engine: a 1-D input's bags (``bag_of``) and their count; None for a (B, L)."""
-    offsets = inputs[1] if len(inputs) > 1 else kwargs.get("offsets")
-    if inputs[0].dim() != 1 or offsets is None:
-        return None
-    bag, starts = bag_of(offsets, inputs[0].shape[0], module.include_last_offset)
-    return bag, starts.shape[0]
-
-
-def _padded(
-    ids: Tensor, offsets: Tensor, weights: Tensor | None, include_last: bool
-) -> tuple[Tensor, Tensor]:
-    """(B, L) ids and weights of (N,) ids cut into B bags by ``offsets``, L the longest bag's
-    length (read on the host), weight 0 past each bag's end."""
-    n = ids.shape[0]
-    starts = offsets[:-1] if include_last else offsets  # (B,)
-    counts = torch.cat([starts[1:], starts.new_tensor([n])]) - starts  # (B,)
-    width = int(counts.max()) if n else 0
-    steps = torch.arange(width, device=ids.device)
-    inside = steps < counts[:, None]  # (B, L)
-    at = torch.where(inside, starts[:, None] + steps, 0)  # (B, L) positions, 0 past the end
-    w = torch.ones(n, device=ids.device) if weights is None else weights
-    return torch.where(inside, ids[at], 0) if n else at, w[at] * inside if n else inside * 1.0
-
-
-class Picked(Contribution):
-    """G_i[v, d] = s_id where row v is the one ``rows[i, d]`` picks for column d, zero where
-    ``rows`` is -1: an EmbeddingBag's max, which takes each column from one row of the bag."""
-
-    def __init__(self, rows: Tensor, s: Tensor, num_rows: int):
-        self.rows, self.s = rows.clamp_min(0), _acc(s) * (rows >= 0)  # (B, D) each
-        self.shape = torch.Size((num_rows, s.shape[-1]))
-
-    def examples(self, lo: int, hi: int) -> Contribution:
-        return Picked(self.rows[lo:hi], self.s[lo:hi], self.shape[0])
-
-    def norm_sq(self) -> Tensor:
-        return self.s.pow(2).sum(1)  # each column lands on one row
-
-    def inner(self, refs: Tensor) -> Tensor:
-        cols = torch.arange(self.shape[1], device=self.s.device)
-        picked = refs.to(self.s.dtype)[:, self.rows, cols]  # (K, B, D)
-        return (picked * self.s).sum(2).T  # (B, K)
-
-    def materialize(self) -> Tensor:
-        b, d = self.s.shape
-        grads = self.s.new_zeros(b, self.shape[0], d)
-        return grads.scatter_add_(1, self.rows[:, None], self.s[:, None])  # (B, V, D)
-
-    def batch_sum(self) -> Tensor:
-        return self.s.new_zeros(self.shape).scatter_add_(0, self.rows, self.s)
-
-
-@register_rule(nn.EmbeddingBag, name="embedding_bag", bags=_bags)
-def embedding_bag(
-    module: nn.EmbeddingBag,
-    inputs: tuple[Tensor, ...],
-    grad_output: Tensor,
-    offsets: Tensor | None = None,
-    per_sample_weights: Tensor | None = None,
-) -> dict[str, Contribution]:
-    """Bag i the example i's (a (B, L) input, or B bags cut by ``offsets``, which the engine
-    checks): a bag adds its rows, weighted (or averaged), so G_i[v] = sum over its positions t
-    with id v of w_t s_i; max takes each column d from one row, G_i[v, d] = s_id there."""
-    ids = inputs[0]
-    offsets = inputs[1] if len(inputs) > 1 else offsets  # positionally
-    per_sample_weights = inputs[2] if len(inputs) > 2 else per_sample_weights
-    if (ids.dim() == 1) != (offsets is not None) or ids.dim() > 2:
-        raise NotImplementedError(f"input of {ids.dim()} dims with offsets {offsets is not None}")
-    if module.mode == "max":
-        return {"weight": _max(module, ids, offsets, grad_output)}
-    if offsets is not None:
-        ids, weights = _padded(ids, offsets, per_sample_weights, module.include_last_offset)
-    else:
-        weights = torch.ones_like(ids, dtype=grad_output.dtype)
-        weights = weights if per_sample_weights is None else per_sample_weights
-    weights = weights.to(grad_output.dtype)  # (B, L)
-    if module.padding_idx is not None:
-        weights = weights * (ids != module.padding_idx)  # padding is no member of the bag
-    if module.mode == "mean":
-        weights = weights / weights.sum(1, keepdim=True).clamp_min(1)
-    s = grad_output[:, None, :] * weights[..., None]  # (B, L, D)
-    return {"weight": Rows(ids, s, module.num_embeddings)}
-
-
-def _max(module: nn.EmbeddingBag, ids: Tensor, offsets: Tensor | None, grad_output: Tensor):
-    """The row each column of each bag takes its maximum from, as the forward picks it (the
-    first of equal values), none for a bag without a member."""
-    flat = ids.reshape(-1)
-    if offsets is None:
-        offsets = torch.arange(0, flat.shape[0], max(ids.shape[1], 1), device=ids.device)
-    weight = module.weight.detach()
-    _, bag, size, rows = torch.embedding_bag(
-        weight, flat, offsets, False, 2, False, None, module.include_last_offset,
-        module.padding_idx,
-    )  # fmt: skip
-    rows = torch.where(size[:, None] > 0, rows, -1)  # (B, D)
-    return Picked(rows, grad_output, module.num_embeddings)

@@ -1,6 +1,6 @@
 """The products of an outer-product layer's ghost (its inputs and output gradients, never each
 example's gradient G_i): inner products with references through R, and the Gram norms of many
-calls of one shape in one batched product."""
+calls of one shape in one batched product, or of one call in blocks."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+from .base import CHUNK_ELEMENTS
 
 if TYPE_CHECKING:
     from .outer import Outer
@@ -50,3 +52,21 @@ def gram_norms(parts: Sequence[Outer]) -> Tensor:
     s = torch.stack([p.s for p in parts]).reshape(-1, t, o)  # (n*B*G, T, O)
     grams = (a @ a.mT) * (s @ s.mT)  # (n*B*G, T, T)
     return grams.sum((1, 2)).reshape(len(parts), b, g).sum(2)
+
+
+def gram_norm_sq(s: Tensor, a: Tensor) -> Tensor:
+    """(B,) sum_{t,t'} (a_t . a_t')(s_t . s_t') of one call, s (B, G, T, O), a (B, G, T, I): in
+    (c, c) blocks so that no (T, T) matrix is needed."""
+    b, g, t, _ = s.shape
+    c = max(1, min(t, int((CHUNK_ELEMENTS / (b * g)) ** 0.5)))
+    if c == t:  # one block: its sum, with no running total
+        gram_a, gram_s = a @ a.mT, s @ s.mT  # (B, G, T, T) each
+        return (gram_a * gram_s).sum((1, 2, 3))
+    total = s.new_zeros(b)
+    for lo in range(0, t, c):
+        a_lo, s_lo = a[:, :, lo : lo + c], s[:, :, lo : lo + c]
+        for hi in range(lo, t, c):
+            a_hi, s_hi = a[:, :, hi : hi + c], s[:, :, hi : hi + c]
+            block = (a_lo @ a_hi.mT) * (s_lo @ s_hi.mT)  # (B, G, c, c)
+            total += block.sum((1, 2, 3)) * (1 if hi == lo else 2)  # off-diagonal blocks twice
+    return total

@@ -1,9 +1,13 @@
 """`gradscope norms` and `gradscope influence --ref` on models whose engine paths the engine's
 own tests check through one Engine: JetMoE's nn.Linear calls inside routed regions, Llama 4's
-experts that run every token (lanes), XLNet's sequence-first einsum reads. Each toy is the
-engine test's own, named by the config's factory; the Parquet's numbers are the float64
-per-example loop's over three batches (the last of one example), and no parameter is on the
-fallback."""
+experts that run every token (lanes), XLNet's sequence-first einsum reads, Switch
+Transformers' rows moved off dimension 0 (``replay/moved.py``), BiT's written-out VJPs
+(``backs.py``, ``torch.func`` refused), LongT5's position bias read element by element, and
+Ergo's rows repeated per route and experts looped over by ``unique`` (the row flow). The
+config's factory hands the CLI the test's own model, in train mode with one child in eval:
+the Parquet's numbers are the float64 per-example loop's over three batches (the last of one
+example), no parameter is on the fallback, and the model's parameters, buffers, modes and
+hooks are as before the call."""
 
 from __future__ import annotations
 
@@ -12,16 +16,24 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from oracle import assert_rel_close, reference_influence, reference_norms
+from oracle import assert_rel_close, model_state, reference_influence, reference_norms
+from path_models import BiT, Ergo, LocalBias
 from project import invoke_cli, saved_model
 from torch import Tensor, nn
 
 from gradscope.io.parquet import read_metadata
 from tests.engine.replay.test_lane_experts import Model as Lanes
+from tests.engine.replay.test_moved_rows import Model as Switch
 from tests.engine.replay.test_routed_linears import Model as Routed
 from tests.engine.replay.test_sequence_first_einsum import SequenceFirst
 
 N, REFS, BATCH, T = 7, 2, 3, 5  # batches of 3, 3 and 1
+HELD: list[nn.Module] = []  # the model the config's factory hands the CLI
+
+
+def held() -> nn.Module:
+    """The config's factory: the test's own model, whose state the test compares after."""
+    return HELD[0]
 
 
 def _rows(make: type[nn.Module], n: int, seed: int) -> tuple[Tensor, Tensor]:
@@ -36,15 +48,31 @@ def _rows(make: type[nn.Module], n: int, seed: int) -> tuple[Tensor, Tensor]:
 
 
 def _project(root: Path, make: type[nn.Module]) -> tuple[nn.Module, dict, dict]:
-    """The model (float64, eval) saved and named by its factory, data.pt and ref.pt written;
-    the model and the config's model and data sections."""
+    """The model (float64, train mode but for its first child) saved and handed to the CLI by
+    ``held``, data.pt and ref.pt written; the model and the config's model and data sections."""
     torch.manual_seed(0)
-    model = make().double().eval()
+    model = make().double().train()
+    next(model.children()).eval()
     for name, (n, seed) in {"data": (N, 1), "ref": (REFS, 2)}.items():
         x, y = _rows(make, n, seed)
         torch.save({"x": x, "y": y}, root / f"{name}.pt")
-    section = saved_model(root, model, f"{make.__module__}:{make.__qualname__}")
+    HELD[:] = [model]
+    section = saved_model(root, model, f"{__name__}:held")
     return model, section, {"path": "data.pt", "inputs": "x", "targets": "y", "batch_size": BATCH}
+
+
+def _run(root: Path, make: type[nn.Module], monkeypatch, *command: str) -> nn.Module:
+    """The CLI's ``command`` on ``make``'s project, the model asserted kept: the model. BiT's
+    weights are carried back by ``backs.py`` alone, ``torch.func`` refused."""
+    model, section, data = _project(root, make)
+    if make is BiT:
+        for name in ("vjp", "vmap"):
+            monkeypatch.setattr(torch.func, name, lambda *a, **k: pytest.fail("torch.func"))
+    before = model_state(model)
+    result = invoke_cli(root, section, data, "cross_entropy", *command)
+    assert result.exit_code == 0, result.output
+    before.assert_kept(model)
+    return model
 
 
 def _served(out: Path) -> None:
@@ -55,15 +83,23 @@ def _served(out: Path) -> None:
 
 
 MODELS = pytest.mark.parametrize(
-    "make", [Routed, Lanes, SequenceFirst], ids=["jetmoe", "llama4-lanes", "xlnet"]
+    "make",
+    [Routed, Lanes, SequenceFirst, Switch, BiT, LocalBias, Ergo],
+    ids=[
+        "jetmoe",
+        "llama4-lanes",
+        "xlnet",
+        "switch-moved",
+        "bit-backs",
+        "longt5-elements",
+        "ergo-rowflow",
+    ],
 )
 
 
 @MODELS
-def test_norms_are_the_loops(tmp_path: Path, make: type[nn.Module]) -> None:
-    model, section, data = _project(tmp_path, make)
-    result = invoke_cli(tmp_path, section, data, "cross_entropy", "norms")
-    assert result.exit_code == 0, result.output
+def test_norms_are_the_loops(tmp_path: Path, make: type[nn.Module], monkeypatch) -> None:
+    model = _run(tmp_path, make, monkeypatch, "norms")
     frame = pd.read_parquet(tmp_path / "scores.parquet")
     x, y = torch.load(tmp_path / "data.pt").values()
     loss, norm = reference_norms(model, (x,), y, "cross_entropy")
@@ -74,12 +110,10 @@ def test_norms_are_the_loops(tmp_path: Path, make: type[nn.Module]) -> None:
 
 
 @MODELS
-def test_influence_is_the_loops(tmp_path: Path, make: type[nn.Module]) -> None:
-    model, section, data = _project(tmp_path, make)
+def test_influence_is_the_loops(tmp_path: Path, make: type[nn.Module], monkeypatch) -> None:
     out = tmp_path / "influence.parquet"
     command = ("influence", "--ref", str(tmp_path / "ref.pt"), "--curvature", "none")
-    result = invoke_cli(tmp_path, section, data, "cross_entropy", *command, "--out", str(out))
-    assert result.exit_code == 0, result.output
+    model = _run(tmp_path, make, monkeypatch, *command, "--out", str(out))
     frame = pd.read_parquet(out)
     x, y = torch.load(tmp_path / "data.pt").values()
     ref = torch.load(tmp_path / "ref.pt")

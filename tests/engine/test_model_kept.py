@@ -73,6 +73,27 @@ def test_an_entered_engine_hooks_the_model_once_and_leaves_no_hook():
     assert engine.record.at((x,), y).replays == 3
 
 
+def test_an_exit_without_its_enter_is_refused_and_the_engine_still_serves():
+    """``__exit__`` unmatched, before any ``with`` and after one, is a RuntimeError naming the
+    ``with``; the Engine's hooks are not thrown out of count by it: the next ``with`` hooks the
+    model, serves exact norms and leaves the model as it was."""
+    torch.manual_seed(0)
+    model = TwoPaths().double()
+    before = model_state(model)
+    engine = Engine(model, resolve_loss("cross_entropy"))
+    with pytest.raises(RuntimeError, match=r"without a matching __enter__.*with Engine\("):
+        engine.__exit__(None, None, None)
+    with engine:
+        pass
+    with pytest.raises(RuntimeError, match="without a matching __enter__"):
+        engine.__exit__(None, None, None)
+    x, y = _batch(0)
+    with engine:
+        got = total(engine.norms((x,), y).norm_sq).sqrt()
+    assert_rel_close(got, reference_norms(model, (x,), y, "cross_entropy")[1], 1e-9)
+    before.assert_kept(model)
+
+
 @pytest.mark.parametrize("engine", ["jvp", "hooks"])
 def test_a_block_at_two_paths_is_kept_and_every_batch_exact(engine: str):
     torch.manual_seed(0)

@@ -1,17 +1,26 @@
 """``nn.EmbeddingBag`` with offsets (bags cut from flat ids, empty ones among them) and in max
 mode, through ``gradscope.per_example_norms`` and one Engine over several batches, against the
-float64 per-example loop; bags that are not the examples go to the fallback, named."""
+float64 per-example loop; bags that are not the examples go to the fallback, named. With
+``scale_grad_by_freq``: the rule against the documented counts, served where torch's backward
+counts each row's own, the fallback's where it does not (pytorch#190063), torch's refusals
+the model's error."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
+import torch.nn.functional as F
 from oracle import assert_rel_close, reference_norms
 from torch import Tensor, nn
 
 import gradscope
 from gradscope.engine import Engine, total
+from gradscope.errors import ModelError
 from gradscope.losses import resolve_loss
+from gradscope.rules import embedding_bag
+from gradscope.rules.registry import find_rule
 
 L, V = 5, 9
 
@@ -114,3 +123,120 @@ def test_bags_of_several_examples_go_to_the_fallback_named() -> None:
     engine = _check(model, batches("equal", 3))
     (p,) = engine.plan.params
     assert p.is_fallback and "its 6 bags are not the batch's 3 examples" in p.note
+
+
+def _by_hand(module: nn.EmbeddingBag, bags: list, g: Tensor) -> tuple[Tensor, Tensor]:
+    """``scale_grad_by_freq`` as documented, a loop: (B, V, D) each bag's gradient and (V, D)
+    the batch's. A member (row r, weight w) of bag i adds w g_i (over the bag's size in mean
+    mode) to row r, divided by r's count in the bag, or in the batch."""
+    pad = module.padding_idx
+    every = Counter(r for bag in bags for r, _ in bag)
+    each = torch.zeros(len(bags), *module.weight.shape, dtype=g.dtype)
+    whole = torch.zeros(module.weight.shape, dtype=g.dtype)
+    for i, bag in enumerate(bags):
+        own = Counter(r for r, _ in bag)
+        size = sum(r != pad for r, _ in bag) if module.mode == "mean" else 1
+        for r, w in bag:
+            if r != pad:
+                each[i, r] += w * g[i] / size / own[r]
+                whole[r] += w * g[i] / size / every[r]
+    return each, whole
+
+
+FREQ = {
+    "sum": dict(mode="sum"),
+    "sum-weighted": dict(mode="sum"),
+    "mean-padding": dict(mode="mean", padding_idx=0),
+    "sum-last-offset": dict(mode="sum", include_last_offset=True),
+    "mean-rows": dict(mode="mean"),
+}
+
+
+@pytest.mark.parametrize("name", list(FREQ))
+def test_rows_scaled_by_frequency_are_the_documented_ones(name: str, monkeypatch) -> None:
+    """The rule's bags (ragged, an empty one; or (B, L) rows) and their sum, rows repeated
+    within and across bags, against the documented counts: each bag's own, and the batch's
+    (torch 2.13's CPU backward divides by other rows' counts: pytorch#190063)."""
+    monkeypatch.setattr(embedding_bag, "counts_own_rows", lambda device: True)
+    torch.manual_seed(0)
+    module = nn.EmbeddingBag(V, 4, scale_grad_by_freq=True, **FREQ[name]).double()
+    lengths = [4, 4, 4] if name == "mean-rows" else [1, 4, 0, 5]
+    flat = torch.randint(0, 4, (sum(lengths),))
+    w = torch.rand(flat.shape[0], dtype=torch.float64)
+    ends = torch.tensor(lengths).cumsum(0)
+    starts = [0, *ends[:-1].tolist()]
+    bags = [
+        [(int(flat[t]), float(w[t]) if name == "sum-weighted" else 1.0) for t in range(a, z)]
+        for a, z in zip(starts, ends.tolist(), strict=True)
+    ]
+    g = torch.randn(len(lengths), 4, dtype=torch.float64)
+    if name == "mean-rows":
+        inputs, kwargs = (flat.view(3, 4),), {}
+    else:
+        offsets = torch.tensor(starts + ([int(ends[-1])] if module.include_last_offset else []))
+        inputs = (flat,)
+        kwargs = {"offsets": offsets, "per_sample_weights": w if name == "sum-weighted" else None}
+    part = find_rule(module).fn(module, inputs, g, **kwargs)["weight"]
+    each, whole = _by_hand(module, bags, g)
+    assert_rel_close(part.materialize(), each, 1e-12)
+    assert_rel_close(part.norm_sq(), each.flatten(1).pow(2).sum(1), 1e-12)
+    assert_rel_close(part.batch_sum(), whole, 1e-12)
+
+
+def _uniform(b: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(B, 6) ids, each example rows 0, 1, 2 twice in its own order: every row's count the same
+    in each example and in the batch, where torch's CPU backward counts rightly too."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack(
+        [torch.tensor([0, 0, 1, 1, 2, 2])[torch.randperm(6, generator=g)] for _ in range(b)]
+    )
+    return ids, torch.full((b,), 6), torch.rand(b, 6, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("b", [1, 3])
+@pytest.mark.parametrize("name", list(FREQ))
+def test_bags_scaled_by_frequency_served_by_the_rule(name: str, b: int, monkeypatch) -> None:
+    """Where torch's backward counts each row's own (the probe says so: the counts here are
+    all alike, where 2.13's CPU one does too), the rule serves ``scale_grad_by_freq``: the
+    self-check holds, every batch the loop's."""
+    monkeypatch.setattr(embedding_bag, "counts_own_rows", lambda device: True)
+    torch.manual_seed(0)
+    bag = nn.EmbeddingBag(V, 4, scale_grad_by_freq=True, **FREQ[name])
+    if name == "mean-rows":
+        model, data = bag.double(), [((_uniform(b, s)[0],), None) for s in range(3)]
+    else:
+        model, data = (
+            Bags(bag, weighted=name == "sum-weighted").double(),
+            [(_uniform(b, s), None) for s in range(3)],
+        )
+    engine = _check(model, data)
+    assert [p.rule for p in engine.plan.params] == ["embedding_bag"]
+
+
+def test_bags_scaled_by_frequency_where_torch_counts_wrongly_are_the_fallbacks() -> None:
+    """On a backward the probe finds counting other rows (torch 2.13's CPU one), the loop's
+    numbers are torch's: the fallback serves them, named; the probe is autograd's word."""
+    w = torch.zeros(4, 1, requires_grad=True)
+    F.embedding_bag(
+        torch.tensor([1, 1, 3]), w, torch.tensor([0]), scale_grad_by_freq=True
+    ).sum().backward()
+    assert embedding_bag.counts_own_rows(torch.device("cpu")) == bool(w.grad[3, 0] == 1)
+    torch.manual_seed(0)
+    model = Bags(nn.EmbeddingBag(V, 4, mode="sum", scale_grad_by_freq=True)).double()
+    engine = _check(model, batches("ragged", 4))
+    (p,) = engine.plan.params
+    if not embedding_bag.counts_own_rows(torch.device("cpu")):
+        assert p.is_fallback and "pytorch#190063" in p.note, p.note
+    else:
+        assert p.rule == "embedding_bag"
+
+
+@pytest.mark.parametrize(
+    ("mode", "weighted", "message"),
+    [("max", False, "max mode does not support scaling"), ("mean", True, "per_sample_weights")],
+)
+def test_bags_torch_refuses_are_the_models_error(mode: str, weighted: bool, message: str) -> None:
+    model = Bags(nn.EmbeddingBag(V, 4, mode=mode, scale_grad_by_freq=True), weighted).double()
+    x, _ = batches("equal", 3)[0]
+    with pytest.raises(ModelError, match=message):
+        gradscope.per_example_norms(model, x, torch.randn(3, 4, dtype=torch.float64), "mse")

@@ -207,3 +207,16 @@ def test_norms_and_sum_of_examples_of_their_own_lengths_are_the_gradients(
     norms, total = part.norm_sq_and_sum()
     torch.testing.assert_close(norms, grads.flatten(1).square().sum(1), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(total, grads.sum(0), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(("o", "gram"), [(4096, True), (512, False)])
+def test_a_large_g_of_few_positions_takes_the_gram(o: int, gram: bool):
+    """40 positions, I 32 (CPM-Ant's feed-forward, O 10240): forming a G of O 4096 makes fewer
+    products than the Gram, yet writes and reads a large matrix, so the norm takes the Gram; one
+    of O 512 (too small for that to matter) is formed, as the products say. Either is exact."""
+    t, i = 40, 32
+    s, a = padded([t, t, t], 1, t, o, i)
+    part = Outer(s, a, torch.Size((o, i)))
+    assert part.forms(train=False) is not gram and part.one_gram is gram
+    expected = torch.stack([(s[e, 0].mT @ a[e, 0]).square().sum() for e in range(3)])
+    torch.testing.assert_close(part.norm_sq(), expected, rtol=1e-12, atol=0)

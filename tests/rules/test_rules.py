@@ -19,10 +19,12 @@ import gradscope.engine.backward.batched as batched_module
 import gradscope.rules.base as base
 import gradscope.rules.conv as conv
 import gradscope.rules.embedding as embedding
+import gradscope.rules.ghost as ghost
+import gradscope.rules.outer as outer
 from gradscope.engine import Engine, Forward, naive_grads
 from gradscope.errors import ModelError
 from gradscope.losses import resolve_loss
-from gradscope.rules import MATCHERS, NAMED, RULES, Outer, find_rule
+from gradscope.rules import MATCHERS, NAMED, RULES, find_rule
 from gradscope.rules.conv import unfold
 from gradscope.rules.formed import Formed
 
@@ -565,11 +567,11 @@ def test_contributions_match_loop(case: Case) -> None:
     ("name", "gram"), [("linear-seq-gram", True), ("linear-seq-materialise", False)]
 )
 def test_outer_norm_sq_takes_the_branch_its_shapes_force(name, gram, monkeypatch) -> None:
-    """The Gram route is taken by one call (``Outer._gram_norm_sq``) or by the backward's batched
+    """The Gram route is taken by one call (``ghost.gram_norm_sq``) or by the backward's batched
     norms (``gram_norms``, when the Gram is one block); the materialising route by neither."""
     calls = []
-    original, batched = Outer._gram_norm_sq, batched_module.gram_norms
-    monkeypatch.setattr(Outer, "_gram_norm_sq", lambda self: calls.append(1) or original(self))
+    original, batched = ghost.gram_norm_sq, batched_module.gram_norms
+    monkeypatch.setattr(outer, "gram_norm_sq", lambda s, a: calls.append(1) or original(s, a))
     monkeypatch.setattr(
         batched_module, "gram_norms", lambda parts: calls.append(1) or batched(parts)
     )
@@ -742,8 +744,8 @@ def test_embedding_norms_of_long_sequences_by_sorted_rows(case: Case, monkeypatc
 @pytest.mark.parametrize("padding", [None, 1])
 def test_embedding_scaled_by_frequency_is_each_examples_own(padding: int | None) -> None:
     """``scale_grad_by_freq`` divides a row's gradient by its count in the example alone (the
-    loop's), not in the batch (autograd's): the self-check cannot hold there, so the case
-    above runs on the fallback, and the rule is compared with the loop here."""
+    loop's), not in the batch (autograd's): the self-check compares batch sums alone there,
+    so the rule is compared with the loop here."""
     torch.manual_seed(0)
     module = nn.Embedding(8, 3, scale_grad_by_freq=True, padding_idx=padding).double()
     ids = torch.randint(0, 4, (3, 10))

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ...rules.embedding import bag_of
+from ...rules.embedding_bag import bag_of
 from ..tensors import tensors_in
 from .owners import NONE, combine, compact, reduce, segment_combine
 from .packed import PACKED, recurrent

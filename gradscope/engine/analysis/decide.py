@@ -123,11 +123,13 @@ def _why(owners: Tensor) -> str:
 
 
 def counted(p: ParamPlan) -> bool:
-    """Whether ``p`` is an ``nn.Embedding`` table that divides each row's gradient by its
-    count (``scale_grad_by_freq``): autograd's backward of one example in the batch counts the
-    rows of the whole batch, the rule each example's alone, so only the batch sums compare
-    (the rule's counts its examples' gradients as autograd counts the batch's: ``Rows``)."""
-    return any(isinstance(m, nn.Embedding) and m.scale_grad_by_freq for m, _ in p.owners)
+    """Whether ``p`` is an ``nn.Embedding`` or ``nn.EmbeddingBag`` table that divides each
+    row's gradient by its count (``scale_grad_by_freq``): autograd's backward of one example in
+    the batch counts the rows of the whole batch, the rule each example's alone, so only the
+    batch sums compare (the rule's counts its examples' gradients as autograd counts the
+    batch's: ``Rows``)."""
+    tables = (nn.Embedding, nn.EmbeddingBag)
+    return any(isinstance(m, tables) and m.scale_grad_by_freq for m, _ in p.owners)
 
 
 def after_backward(

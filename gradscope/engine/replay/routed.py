@@ -26,12 +26,13 @@ from ..parts import bind_affine, broadcast_view, viewed_parts
 from ..plan import Plan
 from ..recipes import ARG, Recipe, metadata
 from ..tensors import tensors_in
+from .byid import ByIdReads, by_id
 from .hooked import HookedLinears
 from .light import LightRegion
 from .rowflow import NO_ONE, RowFlow
 
 
-class RoutedRegion(HookedLinears, LightRegion):
+class RoutedRegion(ByIdReads, HookedLinears, LightRegion):
     """One routed region call of a replayed batch: its ``tensors`` and their owner specs at
     ``entry`` (None: no example's; (0, m): rows (r // m) % B); ``during`` None for an open one,
     whose reads are matched by kind, as many as the batch makes; ``unfollowed`` is told when a
@@ -97,6 +98,8 @@ class RoutedRegion(HookedLinears, LightRegion):
         if self._in_linear(name, args, kwargs):
             return self._linear(func, args)
         w = args[0] if args else None
+        if id(w) in self.watched and by_id(w, name, args, kwargs):  # Ergo's weight[expert_ids]
+            return self._by_id(args)
         if id(w) in self.watched and (  # a view of a fused 3-D weight, or an expert's bias
             name in EXPERT_VIEWS if w.dim() == 3 else w.dim() == 2 and name == "__getitem__"
         ):  # picked from a 2-D one (``b[e]``)
@@ -199,8 +202,7 @@ class RoutedRegion(HookedLinears, LightRegion):
 
     def _expert(self, name: str, func, args: tuple, view: tuple) -> Tensor:
         """``F.linear(x, W[e])`` or ``x @ W[e]``: expert e's matrix on rows a value picked."""
-        x, weight = args
-        _, param, e = view
+        (x, weight), (_, param, e) = args, view
         p, out = self.owned.get(id(param)), func(*args)
         transposed = name != "linear"  # x @ W[e]: W is (E, in, out)
         kind = (name, (("weight", p.name if p else ""),), transposed, True)

@@ -2,9 +2,10 @@
 (``routed.py``): for every tensor made from the region's arguments, an (n,) tensor on the device
 giving the example of each row along dimension 0 (``NO_ONE`` for a row of no example).
 
-- Rows move with the values that pick them (``x[idx]``, ``index_select``, ``index_add``); the
-  index tensors themselves are positions (sorts', ``arange``'s, as the trace takes them), unless
-  computed from an example's values, whose rows then join.
+- Rows move with the values that pick them (``x[idx]``, ``index_select``, ``index_add``, a
+  boolean mask's picks and writes: ``masked.py``); the index tensors themselves are positions
+  (sorts', ``arange``'s, as the trace takes them), unless computed from an example's values,
+  whose rows then join.
 - Ops that keep rows keep them: elementwise ops, casts, row-by-row products with weights of no
   example, views and reductions off dimension 0, reshapes that split rows or merge whole ones;
   views that move dimension 0 elsewhere lay the rows along another (``moved.py``).

@@ -11,13 +11,14 @@ from torch import Tensor
 from ..ops import ALONG, JOINS, MATMULS, PRODUCTS, RESHAPES, ROW_REDUCTIONS, ROW_WISE, SPLITS
 from ..tensors import tensors_in
 from .forms import merged, split
+from .masked import NO_ONE, mask_of, picked, written
 from .moved import indexed, moved_after, reduced_dims
 
 if TYPE_CHECKING:
     from .rowflow import RowFlow
 
-NO_ONE = -1  # a row of no example
 ATTENTION = {"scaled_dot_product_attention"}  # q, k, v and a mask, each row its own
+NORMED = {"rms_norm", "layer_norm"}  # over the trailing dimensions ``normalized_shape`` names
 
 
 def rows_after(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object):
@@ -34,6 +35,8 @@ def rows_after(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object)
         return _picked(flow, x, index, out) if dim == 0 else _kept(flow, x, out, dim)
     if name in ("index_add", "index_add_", "index_copy", "index_copy_"):
         return _added(flow, args, kwargs, copy=name.startswith("index_copy"))
+    if name == "__setitem__" and (mask := mask_of(x, args[1])) is not None:
+        return written(flow, x, mask, args[2])
     if name == "__setitem__":
         return NotImplemented if flow.of(x) is not False or flow.of(args[2]) is not False else False
     if name in JOINS:
@@ -43,6 +46,10 @@ def rows_after(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object)
         if not isinstance(dim, int) or not x.dim() or dim % x.dim() == 0:
             return NotImplemented
         return _row_wise(flow, args, kwargs, out)
+    if name in NORMED:  # Ergo's experts' outputs, each row normalised alone
+        shape = kwargs.get("normalized_shape", args[1] if len(args) > 1 else None)
+        n = 1 if isinstance(shape, int) else len(shape) if isinstance(shape, (tuple, list)) else 0
+        return _row_wise(flow, args, kwargs, out) if 0 < n < x.dim() else NotImplemented
     if name in PRODUCTS:  # row by row, on weights of no example; offsets are positions
         w = args[1] if len(args) > 1 else kwargs.get("weight")
         return _same_rows(flow, x, out) if flow.of(w) is False else NotImplemented
@@ -167,6 +174,8 @@ def _indexed(flow: RowFlow, x: Tensor, index: object, out: object) -> object:
     if not key or not isinstance(out, Tensor) or out.dim() == 0:
         return NotImplemented
     first = key[0]
+    if (mask := mask_of(x, index)) is not None:  # Ergo's tokens of one expert
+        return picked(flow, x, mask, out)
     if isinstance(first, Tensor):
         pickers = [k for k in key if isinstance(k, Tensor)]
         if (

@@ -4,17 +4,18 @@ reads, so a region chosen there would trace a whole forward of routed experts on
 Its reads are served at the root instead (``analysis/finder.py``), the experts by a routed
 region; its reads under ``no_grad`` (an indexer's) are none, in the analysis and the replay
 alike; the reads of one table merge before one VJP forms ``alpha``'s gradient
-(``derived.Pulled``). Each batch's norms are the float64 loop's."""
+(``pulled.Pulled``), the cos's and the sin's as one, by each way (``vjps.py``). Each batch's
+norms are the float64 loop's."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from moe_models import Block, H, LoopExperts
 from oracle import assert_rel_close
 from torch import Tensor, nn
 
-from gradscope.engine import Engine, Forward, naive_grads
-from gradscope.engine import derived as derived_module
+from gradscope.engine import Engine, Forward, naive_grads, vjps
 from gradscope.engine.steps import RegionCall
 from gradscope.losses import resolve_loss
 
@@ -86,11 +87,14 @@ def _batch(seed: int) -> tuple[tuple[Tensor], Tensor]:
     return (x,), torch.randint(0, CLASSES, (B,), generator=g)
 
 
-def test_a_table_read_across_calls_is_served_at_the_root(monkeypatch):
+@pytest.mark.parametrize("way", vjps.WAYS, ids=lambda w: w.__name__)
+def test_a_table_read_across_calls_is_served_at_the_root(way, monkeypatch):
+    monkeypatch.setattr(vjps, "WAYS", (way,))  # the joint VJP exact by each way
+    monkeypatch.setattr(vjps, "_FASTER", {})
     backs = []
-    back = derived_module.Computed._back
+    back = vjps.back
     monkeypatch.setattr(
-        derived_module.Computed, "_back", lambda self, g: backs.append(1) or back(self, g)
+        vjps, "back", lambda kind, *args: backs.append(kind[0]) or back(kind, *args)
     )
     torch.manual_seed(0)
     model = Model().double()
@@ -108,5 +112,5 @@ def test_a_table_read_across_calls_is_served_at_the_root(monkeypatch):
     assert len(program.root) == 4  # each layer's q * cos and half * sin
     regions = [s for s in program.steps if isinstance(s, RegionCall)]
     assert regions and all(s.routed for s in regions)  # the experts', none traced
-    # one VJP for cos and one for sin per batch, not one per read of them (four a batch)
-    assert len(backs) == 4 * 2
+    # one VJP for cos and sin together per batch, not one per read of them (four a batch)
+    assert backs == ["joint"] * 4

@@ -182,3 +182,57 @@ def test_rows_repeated_in_place_and_the_ids_a_batch_routes_to():
     flow.follow("unique", (routes,), {"return_inverse": True}, (ids, inverse))
     assert flow.of(inverse) is None  # each route's own, not followed
     assert flow.bad is None
+
+
+def _set(flow: RowFlow, x: torch.Tensor, key: object, y: object) -> None:
+    x[key] = y
+    flow.follow("__setitem__", (x, key, y), {}, None)
+
+
+def test_rows_picked_and_written_by_a_mask():
+    flow, (x, y) = _flow([0, 0, 1, 2, 2], [2, 0])
+    mask = torch.tensor([False, True, False, True, False])
+    flow.keep(mask, torch.tensor([0, 0, 1, 2, 2]))  # made from each row's own values
+    picked = _after(flow, "__getitem__", G, x, mask)
+    assert flow.of(picked).tolist() == [0, 2]
+    wide = _after(flow, "__getitem__", G, x, (mask, slice(None)))
+    assert flow.of(wide).tolist() == [0, 2]
+    out = torch.zeros(5, 4)  # no example's
+    _set(flow, out, mask, _after(flow, "mul", torch.mul, picked, 2))
+    assert flow.of(out).tolist() == [0, 0, 1, 2, 2]  # each row kept or not by its own mask
+    positions = mask.clone()  # a mask of no example
+    out = torch.zeros(5, 4)
+    _set(flow, out, positions, picked)
+    assert flow.of(out).tolist() == [NO_ONE, 0, NO_ONE, 2, NO_ONE]
+    assert not flow.bad
+    kept = x.clone()
+    flow.keep(kept, torch.tensor([0, 0, 1, 2, 2]))
+    _set(flow, kept, mask, 0.0)  # a constant written: the mask's rows there
+    assert flow.of(kept).tolist() == [0, 0, 1, 2, 2] and not flow.bad
+    _set(flow, kept, mask, y)  # y's rows in the rows of examples 0 and 2
+    assert flow.of(kept).tolist() == [0, 2, 1, 2, 2] and bool(flow.bad)  # 2 meets 0
+    flow, (x,) = _flow([0, 1, 2])
+    other = torch.tensor([True, True, False])
+    flow.keep(other, torch.tensor([1, 1, 2]))  # a mask of another example's values
+    _after(flow, "__getitem__", G, x, other)
+    assert bool(flow.bad)
+
+
+def test_masks_the_flow_cannot_follow_and_rows_normalised_alone():
+    flow, (x,) = _flow([0, 1, 2])
+    grid = torch.ones(3, 4, dtype=torch.bool)  # over every element, not the rows
+    assert flow.of(_after(flow, "__getitem__", G, x, grid)) is None
+    mask = torch.tensor([True, False, True])
+    assert flow.of(_after(flow, "__getitem__", G, x, (mask, ...))).tolist() == [0, 2]
+    assert flow.of(_after(flow, "__getitem__", G, x, (mask, torch.tensor([1, 3])))) is None
+    out = x.clone()
+    flow.keep(out, torch.tensor([0, 1, 2]))
+    y = torch.randn(4)
+    flow.keep(y, torch.tensor([0, 1, 2, 2]))  # an example's, broadcast along x's rows
+    _set(flow, out, torch.tensor([True, False, True]), y)
+    assert flow.of(out) is None
+    flow, (x,) = _flow([0, 1, 2])
+    normed = _after(flow, "rms_norm", torch.nn.functional.rms_norm, x, (4,))
+    assert flow.of(normed).tolist() == [0, 1, 2]
+    assert flow.of(_after(flow, "layer_norm", torch.nn.functional.layer_norm, x, (3, 4))) is None
+    assert flow.bad is None
