@@ -90,6 +90,7 @@ class Influence:
         if method == "auto":
             method = "jvp" if k == 1 and not norms else "hooks"
         self.engine, self.refs, self.method, self.norms = engine, refs, method, norms
+        self._want = Want(norms=norms, refs=refs)  # the hooks' pass, asked of every batch
         self.note: str | None = None
         self._composite = False  # jvp on composite attention, see jvp_inner
 
@@ -116,7 +117,7 @@ class Influence:
             if self.norms:
                 norm_sq = total(self.engine.norms(inputs, targets).norm_sq)
             return BatchInfluence(loss.double(), inner.double(), norm_sq, observed)
-        scores = self.engine.scores(inputs, targets, Want(norms=self.norms, refs=self.refs))
+        scores = self.engine.scores(inputs, targets, self._want)
         norm_sq = total(scores.norm_sq) if self.norms else None
         return BatchInfluence(scores.loss.double(), total(scores.inner), norm_sq, scores.observed)
 

@@ -17,28 +17,30 @@ if TYPE_CHECKING:
 
 
 def ghost_inner(r: Tensor, s: Tensor, a: Tensor) -> Tensor:
-    """(n, B, K) sum_t s_t^T R a_t of n calls' examples, each call's with its own references:
-    r (n, K, G, O, I), s (n, B, G, T, O), a (n, B, G, T, I). The inputs (or the output
+    """(*n, B, K) sum_t s_t^T R a_t of n calls' examples, each call's with its own references:
+    r (*n, K, G, O, I), s (*n, B, G, T, O), a (*n, B, G, T, I), where ``n`` is one leading dim
+    or none (one call: two-dimensional products, no stack of one). The inputs (or the output
     gradients, where fewer) through R by one matrix product where G is 1, never forming G_i;
     the sum over positions and outputs by a cascade, not a matrix product's inner dim
     (``base.BLOCK``): G * T * O terms of one example."""
-    (n, k, g, o, i), (b, t) = r.shape, s.shape[1::2]
-    if g == 1 and t == 1 and o <= i:  # one position: (n, B, I) @ (n, I, K*O) -> (n, B, K, O)
+    *n, k, g, o, i = r.shape
+    b, t = s.shape[-4], s.shape[-2]
+    if g == 1 and t == 1 and o <= i:  # one position: (*n, B, I) @ (*n, I, K*O) -> (*n, B, K, O)
         # reshape, not view: a reference through a preconditioner need not be contiguous
-        ra = (a.reshape(n, b, i) @ r.reshape(n, k * o, i).mT).view(n, b, k, o)
-        return (ra * s.reshape(n, b, 1, o)).sum(3)
-    if g == 1 and o <= i:  # (n, B*T, I) @ (n, I, K*O) -> (n, B, T, K, O)
-        ra = (a.reshape(n, b * t, i) @ r.reshape(n, k * o, i).mT).view(n, b, t, k, o)
-        return (ra * s.reshape(n, b, t, 1, o)).sum((2, 4))
-    if g == 1:  # (n, B*T, O) @ (n, O, K*I) -> (n, B, T, K, I)
-        rt = r.reshape(n, k, o, i).transpose(1, 2).reshape(n, o, k * i)
-        rs = (s.reshape(n, b * t, o) @ rt).view(n, b, t, k, i)
-        return (rs * a.reshape(n, b, t, 1, i)).sum((2, 4))
+        ra = torch.matmul(a.reshape(*n, b, i), r.reshape(*n, k * o, i).mT).view(*n, b, k, o)
+        return (ra * s.reshape(*n, b, 1, o)).sum(-1)
+    if g == 1 and o <= i:  # (*n, B*T, I) @ (*n, I, K*O) -> (*n, B, T, K, O)
+        ra = torch.matmul(a.reshape(*n, b * t, i), r.reshape(*n, k * o, i).mT)
+        return (ra.view(*n, b, t, k, o) * s.reshape(*n, b, t, 1, o)).sum((-3, -1))
+    if g == 1:  # (*n, B*T, O) @ (*n, O, K*I) -> (*n, B, T, K, I)
+        rt = r.reshape(*n, k, o, i).transpose(-3, -2).reshape(*n, o, k * i)
+        rs = torch.matmul(s.reshape(*n, b * t, o), rt).view(*n, b, t, k, i)
+        return (rs * a.reshape(*n, b, t, 1, i)).sum((-3, -1))
     if o <= i:
-        ra = torch.einsum("nkgoi,nbgti->nbkgto", r, a)  # (n, B, K, G, T, O)
-        return (ra * s[:, :, None]).flatten(3).sum(3)
-    rs = torch.einsum("nkgoi,nbgto->nbkgti", r, s)  # (n, B, K, G, T, I)
-    return (rs * a[:, :, None]).flatten(3).sum(3)
+        ra = torch.einsum("...kgoi,...bgti->...bkgto", r, a)  # (*n, B, K, G, T, O)
+        return (ra * s.unsqueeze(-4)).flatten(-3).sum(-1)
+    rs = torch.einsum("...kgoi,...bgto->...bkgti", r, s)  # (*n, B, K, G, T, I)
+    return (rs * a.unsqueeze(-4)).flatten(-3).sum(-1)
 
 
 def gram_norms(parts: Sequence[Outer]) -> Tensor:

@@ -258,7 +258,7 @@ class Outer(Contribution):
         if self._groups() is not None:
             return self._placed(lambda p: p.inner(refs), (refs.shape[0],))
         b, g, t, o, i = self.dims
-        if self._formed_cheaper(len(refs)):  # G formed, a few examples at a time
+        if self._formed_cheaper(refs.shape[0]):  # G formed, a few examples at a time
             r = rows(refs.to(self.s.dtype))  # (K, P)
             return _cat([_dots(m.flatten(1), r) for m in self._materialized_chunks()])
         r = refs.to(self.s.dtype).reshape(-1, g, o, i)  # (K, G, O, I)
@@ -287,4 +287,4 @@ class Outer(Contribution):
         return ghost_inner(r, self.s.reshape(n, batch, g, t, o), self.a.reshape(n, batch, g, t, i))
 
     def _inner(self, r: Tensor) -> Tensor:
-        return ghost_inner(r[None], self.s[None], self.a[None])[0]
+        return ghost_inner(r, self.s, self.a)

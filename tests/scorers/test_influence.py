@@ -12,6 +12,8 @@ from torch import Tensor, nn
 import gradscope
 from gradscope.curvature.adam import adam_denominator
 from gradscope.engine import Engine, Influence, influence_errors, reference_gradients
+from gradscope.engine.backward import batched, serve
+from gradscope.engine.backward.reduce import Reducer
 from gradscope.errors import GradscopeError
 from gradscope.losses import resolve_loss
 
@@ -169,6 +171,49 @@ def test_per_ref_and_norms_match_loop(case: Case, engine: str) -> None:
     assert_cosine_close(scores.inner, expected, g_norm, r_norm)
     torch.testing.assert_close(scores.norm_sq.sqrt(), g_norm, rtol=1e-10, atol=0)
     torch.testing.assert_close(scorer.ref_norm, r_norm, rtol=1e-10, atol=0)
+
+
+ALIKE = Case(  # layers alike (``Plan.alike``): calls answered together, the inner products held
+    "alike-mlp",
+    lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)),
+    lambda b: (torch.randn(b, 3, 4),),
+    _labels(2),
+    loss="cross_entropy",
+)
+
+
+@pytest.mark.parametrize("held", [batched.HELD_DENSE, 0], ids=["held", "at once"])
+@pytest.mark.parametrize("per_ref", [False, True], ids=["mean", "per-ref"])
+@pytest.mark.parametrize("case", [*CASES, ALIKE], ids=repr)
+def test_later_batches_inner_products_alone_match_loop(
+    monkeypatch, case: Case, per_ref: bool, held: int
+) -> None:
+    """Hooks influence without norms over three batches of one scorer: after the first (whose
+    self-check asks for norms too) each pass asks the inner products alone (the reducer's
+    ``_inners_only``), each part held back to answer with its like or answered at once."""
+    monkeypatch.setattr(batched, "HELD_DENSE", held)
+    alone = []  # each pass's reducer: whether it asked the inner products alone
+
+    class Recorded(Reducer):
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            alone.append(self._inners_only)
+
+    monkeypatch.setattr(serve, "Reducer", Recorded)
+    model, _, _, refs = _refs(case, n=3)
+    batches = [case.build(seed=seed)[1:] for seed in (2, 3, 4)]
+    core = Engine(model, resolve_loss(case.loss))
+    with core:
+        directions = reference_gradients(core, [refs], per_ref=per_ref)
+        scorer = Influence(core, directions, "hooks", norms=False)
+        scored = [scorer(inputs, targets) for inputs, targets in batches]
+    assert alone[-2:] == [True, True]
+    for (inputs, targets), scores in zip(batches, scored, strict=True):
+        expected, g_norm, r_norm = reference_influence(
+            model, inputs, targets, refs, case.loss, per_ref=per_ref
+        )
+        assert scores.inner.shape == expected.shape and scores.norm_sq is None
+        assert_cosine_close(scores.inner, expected, g_norm, r_norm)
 
 
 def test_reference_mean_does_not_depend_on_batching() -> None:

@@ -11,8 +11,8 @@ from ...rules.base import CHUNK_ELEMENTS, _sq_norm, rows
 from ...rules.ghost import gram_norms
 from ...rules.routed import Routed, routed_inners, routed_norms
 
-# A formed gradient (a bias's) of more elements is answered at once: stacking it with others
-# would copy more than the dispatch of its own norm costs.
+# A formed gradient (a bias's) of more elements is answered at once, and so is any part's inner
+# products: stacking it with others would copy more than the dispatch of its own answer costs.
 HELD_DENSE = 1 << 16
 
 
@@ -37,12 +37,14 @@ class Batched:
         """Hold ``c`` back where it is an Outer or a Routed of one Gram block (for inner
         products: an Outer of every position, a Routed of ``sorted_route``), or formed
         gradients (a bias, a norm's scale; for norms, of at most ``HELD_DENSE`` elements, and
-        not a one-position Linear's bias, whose norm its weight's computes); False where not
-        taken."""
+        not a one-position Linear's bias, whose norm its weight's computes); for inner products,
+        each part of at most ``HELD_DENSE`` elements; False where not taken."""
         key = _norm_key(c) if self.refs is None else _inner_key(c, len(self.refs[name]))
         if key is None:
             return False
         size = _size(c)
+        if self.refs is not None and size > HELD_DENSE:
+            return False
         self._held.setdefault(key, []).append((name, c, size))
         self._size += size
         if self._size > self.budget:

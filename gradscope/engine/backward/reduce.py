@@ -105,12 +105,20 @@ class Reducer:
         # the transformed gradients' squared norms; each part is transformed as it is reduced,
         # which is exact for merged parts too since the transform is linear
         self.pre = None if want.transform is None else Reducer(Want(norms=True), ())
-        # norms and nothing else (most passes): ``reduce`` asks none of the questions below
+        # norms and nothing else (most passes), or inner products and nothing else (an
+        # influence pass): ``reduce`` asks none of the questions below
         self._norms_only = want == _NORMS
+        self._inners_only = want.refs is not None and want == Want(
+            norms=False, refs=want.refs, share=want.share
+        )
 
-    def hold(self, budget: int) -> None:
+    def hold(self, budget: int, alike: bool = True) -> None:
         """Let the small parts held back to answer together hold ``budget`` elements at most
-        (``Batched.budget``)."""
+        (``Batched.budget``). Where no two of the plan's modules are ``alike`` (``Plan.alike``),
+        inner products are answered at once: no two weights' parts meet under one key, and
+        holding a few biases' costs the host-bound pass more than it saves."""
+        if not alike:
+            self._inners = None
         for held in (self._batched, self._inners):
             if held is not None:
                 held.budget = budget
@@ -180,6 +188,10 @@ class Reducer:
         if self._norms_only:  # after ``finish`` (the fallback's parts): at once
             if self._batched is None or not self._batched.take(name, c):
                 self.norm_sq[name] = c.norm_sq()
+            return
+        if self._inners_only:
+            if self._inners is None or not self._inners.take(name, c):
+                self.inner[name] = c.inner(self.want.refs[name])
             return
         if self.pre is not None:
             self.pre.reduce(name, self.want.transform(name, c))

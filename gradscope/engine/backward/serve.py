@@ -141,8 +141,10 @@ def serve(
 
 def _kept(plan: Plan, want: Want, verify: bool) -> Want:
     """What the backward keeps of ``want``: a verified batch's norms and sums too, for the
-    self-check, summed as a later step sums them; a share asked without norms, by norms."""
-    if not (verify or want.sums or (want.share and not want.norms)):
+    self-check, summed as a later step sums them; its inner products not shared with norms
+    that only the self-check asks, so that they round as on every other batch (a pass without
+    norms shares nothing: ``want`` as it came)."""
+    if not (verify or want.sums):
         return want
     return dataclasses.replace(
         want,
@@ -174,7 +176,7 @@ def _holding(
     ``Grouped`` that holds its small calls under the same, where the pass asks what a group
     answers and the plan has modules alike (``Plan.alike``)."""
     budget = held_budget(calls)
-    reducer.hold(budget)
+    reducer.hold(budget, plan.alike)
     if not _groupable(reducer.want) or not plan.alike:  # nothing to group: no call held
         return None
     return Grouped(plan, merged, on_grad, reducer, batch, budget)

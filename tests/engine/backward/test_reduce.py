@@ -1,7 +1,8 @@
 """The reducer's inner products held back and answered together (parts of one shape stacked,
 each with its own parameter's references) against each example's gradient formed by a loop in
-float64, whether the parts are answered at the end or early, past the held elements' bound; and
-a training step's batch gradients summed from the examples' (``Want.summed``)."""
+float64, whether the parts are answered at the end or early, past the held elements' bound, or
+at once, past a held part's size; and a training step's batch gradients summed from the
+examples' (``Want.summed``)."""
 
 from __future__ import annotations
 
@@ -44,9 +45,11 @@ def _routed(gen: torch.Generator, rows: int) -> tuple[Routed, torch.Tensor]:
     return part, grads
 
 
+@pytest.mark.parametrize("held", [batched.HELD_DENSE, 40], ids=["held", "larger at once"])
 @pytest.mark.parametrize("bound", [batched.CHUNK_ELEMENTS, 100], ids=["at the end", "early"])
-def test_inner_products_held_back_are_each_parameters_own(monkeypatch, bound: int):
+def test_inner_products_held_back_are_each_parameters_own(monkeypatch, bound: int, held: int):
     monkeypatch.setattr(batched, "CHUNK_ELEMENTS", bound)
+    monkeypatch.setattr(batched, "HELD_DENSE", held)  # a part of more elements: not held
     gen = torch.Generator().manual_seed(0)
     parts = {
         "o1": _outer(gen, 3),
