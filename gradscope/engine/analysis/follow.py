@@ -224,6 +224,7 @@ class OwnerAlgebra(Picks, Selectors):
             # a layout made only of owners >= 0; else the fallback), so another batch's
             # mask leaves the program's rows right (``tests/engine/analysis/test_masked_fill``)
             o[args[1].expand(x.shape)] = v.reshape(()).to(o.device)
+            o = self._apart(o, self.selector(args[1]))  # elements kept by another's mask
         else:  # __setitem__
             o[args[1]] = v.expand(o[args[1]].shape) if v.dim() else v.to(o.device)
             o = self._masked(x, args[1], o)

@@ -1,7 +1,8 @@
 """Experts whose rows are picked by ANOTHER example's values: a boolean mask made from the ids
 of other routes (``flat.roll(1) == e``: an example's first route is picked by the previous
 example's last; ``flat.flip(0) == e``; a running sum of the ids over the whole batch), or the
-positions where such a mask holds (``torch.where(mask)``, Mixtral's way). The examples are not
+positions where such a mask holds (``torch.where(mask)``, Mixtral's way); and features
+zeroed in place by another example's mask (``masked_fill_``). The examples are not
 separable through an integer or boolean tensor, not through a gradient, so the batch's sum of
 gradients cannot tell; the trace makes the picked rows MIXED (``analysis/selectors.py``), and
 each batch is refused as mixing the examples, naming the pick, or exact against the float64
@@ -84,3 +85,37 @@ def test_rows_picked_by_another_example_refused_or_exact(crossed: str, by_index:
                 continue
             assert_rel_close(got, expected, 1e-9)
     assert refused  # the examples checked alone differ on some batch
+
+
+class Filled(nn.Module):
+    """Each token's features zeroed in place where the previous token's (the previous
+    example's, for an example's first) largest feature is among the first two."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.head = nn.Linear(F_IN, H), nn.Linear(H, CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inp(x)  # (B, T, H)
+        ids = h.argmax(-1).reshape(-1).roll(1).view(h.shape[:2])  # (B, T)
+        h.masked_fill_((ids < 2).unsqueeze(-1), 0.0)
+        return self.head(torch.tanh(h).mean(1))
+
+
+def test_masked_fill_by_another_example_refused_or_exact():
+    torch.manual_seed(3)
+    model, refused = Filled().double().eval(), 0
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(3, 4, F_IN, generator=g, dtype=torch.float64)
+        y = torch.randint(0, CLASSES, (3,), generator=g)
+        expected = reference_norms(model, (x,), y, "cross_entropy")[1].square()
+        with Engine(model, resolve_loss("cross_entropy")) as engine:
+            try:
+                got = total(engine.norms((x,), y).norm_sq)
+            except ModelError as e:
+                assert "masked_fill_, picked by another example's values" in str(e)
+                refused += 1
+                continue
+        assert_rel_close(got, expected, 1e-9)
+    assert refused
