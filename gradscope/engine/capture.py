@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 from torch.nn.utils.rnn import PackedSequence
 
+from .hooks import GradHooks
 from .rows import Layout
 
 if TYPE_CHECKING:
@@ -170,7 +171,7 @@ class Capture:
         self.on_grad: Callable[[Call, Tensor], Tensor | None] | None = None
         self.hooks = hooks
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._grad_hooks: list[torch.utils.hooks.RemovableHandle] = []  # live until the backward
+        self._grad_hooks = GradHooks()  # live until the backward
 
     def __enter__(self) -> Capture:
         if self.hooks is None or not self.hooks.lend(self):
@@ -201,25 +202,11 @@ class Capture:
         output, rest = first_output(output)
         if not isinstance(output, Tensor) or not output.requires_grad:
             return None
-        detached: dict[int, Tensor] = {}  # one per distinct argument: `query is key` still holds
-
-        def keep(t: Tensor) -> Tensor:
-            if id(t) not in detached:
-                detached[id(t)] = t.detach().clone() if copy else t.detach()
-            return detached[id(t)]
-
-        named, whole = {}, spread(args)
-        extra, args = len(whole) - len(args), whole  # a packed sequence's tensors: 3 more
+        named: dict[str, object] = {}
         if len(args) == 1 and not kwargs and not copy and isinstance(args[0], Tensor):
-            n, inputs = 1, (args[0].detach(),)  # most calls: one input, nothing else
+            inputs = (args[0].detach(),)  # most calls: one input, nothing else
         else:
-            n = leading(args)
-            inputs = tuple(keep(a) for a in args[:n])
-        if n < len(args) or kwargs:
-            # positional arguments after the leading tensors, named as the forward names them
-            names = positional_names(type(module))[n - extra :]
-            named = {**dict(zip(names, args[n:], strict=False)), **kwargs}
-            named = {k: keep(v) if isinstance(v, Tensor) else v for k, v in named.items()}
+            args, inputs, named = _kept(module, args, kwargs, copy)
         target, viewed = read_at(output, (*args, *kwargs.values()))
         call = Call(
             module,
@@ -235,7 +222,7 @@ class Capture:
             **more,
         )
         self.calls[id(module)].append(call)
-        self._grad_hooks.append(target.register_hook(functools.partial(self._read, call)))
+        self._grad_hooks.add(target, functools.partial(self._read, call))
         return call
 
     def _read(self, call: Call, grad: Tensor) -> Tensor | None:
@@ -244,8 +231,6 @@ class Capture:
 
     def release_hooks(self) -> None:
         """Drop the hooks on the captured outputs (the backward is over)."""
-        for handle in self._grad_hooks:
-            handle.remove()
         self._grad_hooks.clear()
 
     def all_calls(self) -> list[Call]:
@@ -254,6 +239,28 @@ class Capture:
     def edited_in_place(self) -> set[int]:
         """Modules whose captured tensors were changed in place after capture."""
         return {id(call.module) for call in self.all_calls() if call.edited}
+
+
+def _kept(module: nn.Module, args: tuple, kwargs: dict, copy: bool) -> tuple[tuple, tuple, dict]:
+    """A call's arguments (a packed sequence spread), its leading tensors detached (cloned
+    where ``copy``), and every other argument by name, its tensors alike."""
+    detached: dict[int, Tensor] = {}  # one per distinct argument: `query is key` still holds
+
+    def keep(t: Tensor) -> Tensor:
+        if id(t) not in detached:
+            detached[id(t)] = t.detach().clone() if copy else t.detach()
+        return detached[id(t)]
+
+    whole = spread(args)
+    extra, args = len(whole) - len(args), whole  # a packed sequence's tensors: 3 more
+    n = leading(args)
+    inputs, named = tuple(keep(a) for a in args[:n]), {}
+    if n < len(args) or kwargs:
+        # positional arguments after the leading tensors, named as the forward names them
+        names = positional_names(type(module))[n - extra :]
+        named = {**dict(zip(names, args[n:], strict=False)), **kwargs}
+        named = {k: keep(v) if isinstance(v, Tensor) else v for k, v in named.items()}
+    return args, inputs, named
 
 
 @dataclass

@@ -110,8 +110,21 @@ def lookup(d: object, args: tuple) -> bool:
     )
 
 
+# each function met: whether it asks a tensor what it is (a property's new ``__get__`` on each
+# read is equal to, and hashes as, the last: one entry)
+_ASKS: dict[Callable, bool] = {}
+
+
 def metadata(func) -> bool:
-    """Whether ``func`` asks a tensor what it is (its shape, dtype, ...) without reading it."""
+    """Whether ``func`` asks a tensor what it is (its shape, dtype, ...) without reading it:
+    asked on every op a region's mode or the row flow sees, so kept once found."""
+    asks = _ASKS.get(func)
+    if asks is None:
+        asks = _ASKS[func] = _metadata(func)
+    return asks
+
+
+def _metadata(func) -> bool:
     if getattr(func, "__name__", "") == "__get__":  # a property, unless a view (W.T)
         return op_name(func) not in ("T", "mT", "H", "mH")
     return op_name(func) in METADATA

@@ -31,9 +31,6 @@ from ..ops import op_name
 from ..plan import ParamPlan
 from ..recipes import OPENED, metadata, written_out
 
-# each function met: whether it asks a tensor what it is without reading it (``metadata``)
-_ASKS: dict = {}
-
 
 class _Stand:
     """What a ``Read`` and a ``Made`` share: an alias of the tensor ``held`` whose every op
@@ -116,10 +113,13 @@ class Intercept:
         """``p``'s ``Read`` and the (module, attribute) pairs whose ``_parameters`` entry holds
         it, each once: both kept for the Engine's later batches while ``p`` holds the same
         tensor (a new one, set by ``p.data = ...``, a new Read)."""
+        param = p.param
         found = self.at.get(id(p))
-        if found is None or not _aliases(found[0], p.param):
-            found = self.at[id(p)] = (Read(p.param, RELEASED), _holders(p))
-        return found
+        # the Read an alias of the parameter as it is now: the same tensor, storage and shape
+        # (the Read's own never change: every op on it runs on the parameter)
+        if found is None or found[0].held is not param or found[2] != _where(param):
+            found = self.at[id(p)] = (Read(param, RELEASED), _holders(p), _where(param))
+        return found[0], found[1]
 
 
 class Intercepting:
@@ -163,10 +163,7 @@ class Intercepting:
         after the region's end (a tensor the model kept), the op alone."""
         real_args = tuple(map(_real, args))
         real_kwargs = {k: _real(v) for k, v in kwargs.items()} if kwargs else kwargs
-        asks = _ASKS.get(func)
-        if asks is None:
-            asks = _ASKS[func] = metadata(func)
-        if asks or not self._open:
+        if metadata(func) or not self._open:
             return func(*real_args, **real_kwargs)
         if func in OPENED and not self._aside(real_args, real_kwargs):
             return OPENED[func](*args, **kwargs)  # its reads come back here one by one
@@ -246,14 +243,9 @@ def given_back(modules: Iterable[nn.Module]) -> None:
                     d[k] = _real(v)
 
 
-def _aliases(read: Read, param: Tensor) -> bool:
-    """Whether ``read`` is still an alias of ``param`` as it is now."""
-    with torch._C.DisableTorchFunction():
-        return (
-            read.held is param
-            and read.data_ptr() == param.data_ptr()
-            and (read.shape == param.shape)
-        )
+def _where(param: Tensor) -> tuple[int, torch.Size]:
+    """Where ``param``'s data begins, and its shape: as its Read was made, while it aliases it."""
+    return param.data_ptr(), param.shape
 
 
 def _holders(p: ParamPlan) -> list[tuple[nn.Module, str]]:

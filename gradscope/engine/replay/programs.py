@@ -5,6 +5,7 @@ analyses the batch in full where it gives None."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 
@@ -92,7 +93,9 @@ class Replayed:
         try:
             with (
                 torch.set_grad_enabled(bool(program.uses or want.train)),
-                GivenBack(self.modules),  # no Read kept in the model, once the regions are done
+                # no Read kept in the model, once the regions are done; none lent where no
+                # read is served by recipe
+                GivenBack(self.modules) if program.lit else contextlib.nullcontext(),
                 session,
             ):
                 losses, observed = self.losses(inputs, targets)
