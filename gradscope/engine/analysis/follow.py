@@ -136,6 +136,8 @@ class OwnerAlgebra(Picks, Selectors):
         result = func(o, *args[1:], **kwargs)
         if name == "__getitem__" and len(args) > 1:
             result = self._indexed(args[0], args[1], result)
+        elif name in ("index_select", "gather", "take_along_dim"):
+            result = self._along(name, args, kwargs, result)
         # shrink narrows the full-shaped result to a view: a copy of its own lets the rest go
         if isinstance(result, (tuple, list)):
             return tuple(shrink(r).clone() for r in result)

@@ -123,6 +123,27 @@ class Selectors:
         sel = sel.reshape(*([1] * place), *sel.shape, *([1] * (o.dim() - place - sel.dim())))
         return self._apart(o, sel)
 
+    def _along(self, name: str, args: tuple, kwargs: dict, o: Tensor) -> Tensor:
+        """``o``, the owners of ``x.index_select(dim, index)``, ``x.gather(dim, index)`` or
+        ``x.take_along_dim(index, dim)``, MIXED where the index that picked an element along a
+        dimension of x's varying owners is another example's."""
+        x, rest = args[0], args[1:]
+        if name == "take_along_dim":
+            index, dim = (*rest, None, None)[:2]
+            index, dim = kwargs.get("indices", index), kwargs.get("dim", dim)
+        else:
+            dim, index = (*rest, None, None)[:2]
+            dim, index = kwargs.get("dim", dim), kwargs.get("index", index)
+        if not isinstance(index, Tensor) or not isinstance(dim, int) or not self._varies(x, [dim]):
+            return o
+        sel = self.selector(index)
+        if bool((sel == NONE).all()):
+            return o
+        if name == "index_select":  # (n,) along dim
+            d = dim % x.dim()
+            sel = sel.reshape(*([1] * d), -1, *([1] * (x.dim() - d - 1)))
+        return self._apart(o, sel)
+
 
 def _span(k: object, n: int, key: tuple) -> int:
     """The dimensions of a result that ``k``, one entry of an index ``key`` into a tensor of

@@ -1,7 +1,8 @@
 """Experts whose rows are picked by ANOTHER example's values: a boolean mask made from the ids
 of other routes (``flat.roll(1) == e``: an example's first route is picked by the previous
 example's last; ``flat.flip(0) == e``; a running sum of the ids over the whole batch), or the
-positions where such a mask holds (``torch.where(mask)``, Mixtral's way); and features
+positions where such a mask holds (``torch.where(mask)``, Mixtral's way, the rows taken by
+key, or by ``index_select`` and put back by ``index_copy_``); and features
 zeroed in place by another example's mask (``masked_fill_``). The examples are not
 separable through an integer or boolean tensor, not through a gradient, so the batch's sum of
 gradients cannot tell; the trace makes the picked rows MIXED (``analysis/selectors.py``), and
@@ -32,7 +33,7 @@ CROSSED = {
 
 
 class Experts(nn.Module):
-    def __init__(self, crossed: str, by_index: bool):
+    def __init__(self, crossed: str, by_index: str | None):
         super().__init__()
         self.up = nn.Parameter(torch.randn(E, H, 2 * H) / H**0.5)
         self.down = nn.Parameter(torch.randn(E, 2 * H, H) / H**0.5)
@@ -45,12 +46,16 @@ class Experts(nn.Module):
         for e in flat.unique():
             mask = self.crossed(flat) == e  # (N,): another route's id picks this row
             at = torch.where(mask)[0] if self.by_index else mask
-            out[at] = torch.relu(rows[at] @ self.up[e]).square() @ self.down[e]
+            if self.by_index == "select":  # out.index_copy_ follows no index's owners
+                y = torch.relu(rows.index_select(0, at) @ self.up[e]).square() @ self.down[e]
+                out.index_copy_(0, at, y)
+            else:
+                out[at] = torch.relu(rows[at] @ self.up[e]).square() @ self.down[e]
         return (out.view(*index.shape, H) * gates.unsqueeze(-1)).sum(1)
 
 
 class Model(nn.Module):
-    def __init__(self, crossed: str, by_index: bool):
+    def __init__(self, crossed: str, by_index: str | None):
         super().__init__()
         self.inp, self.gate = nn.Linear(F_IN, H), nn.Linear(H, E)
         self.experts, self.head = Experts(crossed, by_index), nn.Linear(H, CLASSES)
@@ -63,9 +68,9 @@ class Model(nn.Module):
         return self.head(out.mean(1))
 
 
-@pytest.mark.parametrize("by_index", [False, True], ids=["mask", "where"])
+@pytest.mark.parametrize("by_index", [None, "key", "select"], ids=["mask", "where", "select"])
 @pytest.mark.parametrize("crossed", list(CROSSED))
-def test_rows_picked_by_another_example_refused_or_exact(crossed: str, by_index: bool):
+def test_rows_picked_by_another_example_refused_or_exact(crossed: str, by_index: str | None):
     torch.manual_seed(2)
     model = Model(crossed, by_index).double().eval()
     refused = 0
