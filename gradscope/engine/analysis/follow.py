@@ -39,15 +39,17 @@ from .owners import (
     shrink,
 )
 from .picks import Picks
+from .selectors import Selectors
 
 
-class OwnerAlgebra(Picks):
+class OwnerAlgebra(Picks, Selectors):
     """The trace's owners of one op by the algebra (``RowTrace`` is one): uses its batch,
-    device, ``owners``, ``owner``, ``lane``, ``unknown`` and ``_set``."""
+    device, ``owners``, ``selectors``, ``owner``, ``lane``, ``unknown`` and ``_set``."""
 
     def _follow(self, name: str, func, args: tuple, kwargs: dict, out: object, origin: str):
         if self._picked(name, args, kwargs):
             self.picked(name)
+        self._selects(name, func, args, kwargs, out)
         if name in INDICES and len(args) == 1:  # positions, not values: nothing flows back
             outs = out if isinstance(out, (tuple, list)) else (out,)  # as_tuple: one per dim
             return self._set(out, tuple(filled(t, NONE) for t in outs), origin)
@@ -73,7 +75,8 @@ class OwnerAlgebra(Picks):
         if func is F.unfold:  # im2col, not the window view Tensor.unfold
             return self._set(out, CONTRACTIONS["im2col"](self, *args, **kwargs), origin)
         if name in MOVES:
-            return self._set(out, self._move(func, args, kwargs, name in ZEROING), origin)
+            o = self._move(func, args, kwargs, name in ZEROING)
+            return self._set(out, o, self._crossing(name, origin))
         if name == "as_strided":
             return self._set(out, self._strided(args, kwargs), origin)
         if name in ELEMENTWISE or binary(name, args, kwargs):
@@ -124,7 +127,17 @@ class OwnerAlgebra(Picks):
 
         if zeroing:
             return shrink(func(full(args[0]) - NONE, *args[1:], **kwargs) + NONE)
-        result = func(full(args[0]), *args[1:], **kwargs)
+        o, name = full(args[0]), func.__name__
+        if name == "__getitem__" and len(args) > 1:
+            o = self._masked(args[0], args[1], o)
+        elif name == "masked_select":  # x and the mask broadcast
+            o, mask = torch.broadcast_tensors(o, self.selector(args[1]))
+            o = self._apart(o, mask)
+        result = func(o, *args[1:], **kwargs)
+        if name == "__getitem__" and len(args) > 1:
+            result = self._indexed(args[0], args[1], result)
+        elif name in ("index_select", "gather", "take_along_dim"):
+            result = self._along(name, args, kwargs, result)
         # shrink narrows the full-shaped result to a view: a copy of its own lets the rest go
         if isinstance(result, (tuple, list)):
             return tuple(shrink(r).clone() for r in result)
@@ -213,9 +226,12 @@ class OwnerAlgebra(Picks):
             # a layout made only of owners >= 0; else the fallback), so another batch's
             # mask leaves the program's rows right (``tests/engine/analysis/test_masked_fill``)
             o[args[1].expand(x.shape)] = v.reshape(()).to(o.device)
+            o = self._apart(o, self.selector(args[1]))  # elements kept by another's mask
         else:  # __setitem__
             o[args[1]] = v.expand(o[args[1]].shape) if v.dim() else v.to(o.device)
-        return self._set(x, shrink(o), origin)
+            o = self._masked(x, args[1], o)
+            o[args[1]] = self._indexed(x, args[1], o[args[1]])
+        return self._set(x, shrink(o), self._crossing(name, origin))
 
     def _placed(self, name: str, args: tuple, kwargs: dict) -> Tensor:
         """The owners of ``x`` after ``masked_scatter(mask, source)``, ``index_add(dim, index,

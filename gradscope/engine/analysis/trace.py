@@ -101,6 +101,7 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         super().__init__()
         self.batch = batch
         self.owners = ByTensor()
+        self.selectors = ByTensor()  # owners of values that pick, where not ``owners``'s
         self.unknown: dict[str, None] = {}  # ops seen on batch tensors whose owners were assumed
         # the first op whose result's owners hold for this batch's values only (follow.py)
         self.picked_by: str | None = None

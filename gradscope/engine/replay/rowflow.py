@@ -26,6 +26,7 @@ import functools
 import torch
 from torch import Tensor
 
+from ..analysis.selectors import unique_ids
 from ..ops import FILLS, POSITIONS, WRITES_IN_PLACE
 from ..tensors import tensors_in
 from .forms import INV, PICK, REP, Form, Maps, picked
@@ -160,7 +161,7 @@ class RowFlow:
         """The rows of ``out``, the result of op ``name`` on followed tensors."""
         if name in FILLS or name in POSITIONS or (name == "where" and len(args) == 1):
             return
-        if name == "unique" and _ids(args, kwargs, out):
+        if name == "unique" and unique_ids(args, kwargs, out):
             return
         x = args[0] if args else None
         if name == "sort" and isinstance(out, tuple) and x.dim() == 1:  # a permutation
@@ -223,19 +224,6 @@ class RowFlow:
             return False
         self.indices[id(x)] = (x, ((INV, p[0][1]),))
         return True
-
-
-def _ids(args: tuple, kwargs: dict, out: object) -> bool:
-    """``x.unique()`` of integers alone (the experts a batch routes to, Ergo's loop): ids, as
-    ``nonzero``'s positions are; with inverse indices or counts, each row's, not followed."""
-    x = args[0] if args else None
-    extra = (kwargs.get(k) for k in ("return_inverse", "return_counts", "dim"))
-    alone = (
-        isinstance(out, Tensor)
-        and len(args) <= 2
-        and not any(e is not None and e is not False for e in extra)
-    )
-    return alone and isinstance(x, Tensor) and not x.is_floating_point() and not x.is_complex()
 
 
 def _alias(out: Tensor, t: Tensor) -> bool:

@@ -1,0 +1,183 @@
+"""The owners of the values that pick elements: a boolean mask's (``x[mask]``, ``x[mask] = y``,
+``masked_select``), whose value at an element says whether it goes on, and an integer index's
+(``x[idx]``), whose value at a position says which element lands there. An element of example a
+that example b's values pick depends on both (a mask shifted along the rows, flipped, summed
+over them: examples that are not separable, whatever the batch's sum of gradients says), so
+the trace makes its owner MIXED; a selector of no example's, or of the element's own, keeps it.
+
+The selectors' owners are the owner algebra's, but for two kinds of values that pick without
+being any example's, as the replay's row flow takes them (``replay/rowflow.py``): the ids of
+the experts a batch routes to (``x.unique()`` of integers, Ergo's loop: a mask ``ids == e``
+says which rows' own ids route them to e, and the loop over every id routes every row), and
+the positions where a mask holds (``nonzero``), which are its values' at those positions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..ops import ELEMENTWISE, INDICES, MOVES, RESHAPES, ZEROING
+from ..tensors import tensors_in
+from .arguments import binary, filled
+from .owners import MIXED, NONE, combine, compact, reshaped, shrink
+
+
+def unique_ids(args: tuple, kwargs: dict, out: object) -> bool:
+    """``x.unique()`` of integers alone (the experts a batch routes to, Ergo's loop): ids, as
+    ``nonzero``'s positions are; with inverse indices or counts, each row's, not ids."""
+    x = args[0] if args else None
+    extra = (kwargs.get(k) for k in ("return_inverse", "return_counts", "dim"))
+    alone = (
+        isinstance(out, Tensor)
+        and len(args) <= 2
+        and not any(e is not None and e is not False for e in extra)
+    )
+    return alone and isinstance(x, Tensor) and not x.is_floating_point() and not x.is_complex()
+
+
+class Selectors:
+    """Part of ``OwnerAlgebra``: uses its ``owner``, ``_varies`` and ``selectors`` (tensor ->
+    the owners of its values as a selector, where they differ from ``owner``'s)."""
+
+    crossed = False  # whether the op just followed picked elements by another example's values
+
+    def selector(self, t: Tensor) -> Tensor:
+        """The owners of ``t``'s values as a selector (``owner``'s unless noted otherwise)."""
+        o = self.selectors.get(t)
+        return o if o is not None else self.owner(t)
+
+    def _selects(self, name: str, func, args: tuple, kwargs: dict, out: object) -> None:
+        """Notes the selector owners of ``out`` where they differ from its owners: ids, the
+        positions of a mask's elements, and elementwise ops, moves and reshapes of them."""
+        self.crossed = False
+        if name == "unique" and unique_ids(args, kwargs, out):
+            self.selectors[out] = filled(out, NONE)
+            return
+        if name in INDICES and len(args) == 1 and isinstance(args[0], Tensor):
+            x = args[0]
+            at = self.selector(x).expand(x.shape)[x.bool()]  # (n,) in nonzero's order
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            for t in outs:
+                self.selectors[t] = compact(at.reshape(-1, *([1] * (t.dim() - 1))))
+            return
+        if not any(t in self.selectors for t in tensors_in(args, kwargs)):
+            return
+        x, outs = args[0], out if isinstance(out, (tuple, list)) else (out,)
+        if name in ELEMENTWISE or binary(name, args, kwargs):
+            found = (combine(*(self.selector(t) for t in tensors_in(args, kwargs))),)
+        elif name in RESHAPES and isinstance(x, Tensor):
+            found = (reshaped(self.selector(x), x.shape, out.shape),)
+        elif name in MOVES and name not in ZEROING and x in self.selectors:
+            found = func(self.selector(x).expand(x.shape), *args[1:], **kwargs)
+            found = found if isinstance(found, (tuple, list)) else (found,)
+        else:
+            return
+        for t, o in zip(outs, found, strict=False):
+            if isinstance(t, Tensor) and o is not None and o.dim() == t.dim():
+                self.selectors[t] = shrink(o)
+
+    def _apart(self, o: Tensor, sel: Tensor) -> Tensor:
+        """``o`` MIXED where the selector's owners ``sel`` (broadcast) are another example's;
+        ``crossed`` set where any is."""
+        crossed = (sel != NONE) & (o != NONE) & (sel != o)
+        if not bool(crossed.any()):
+            return o
+        self.crossed = True
+        return torch.where(crossed, MIXED, o)
+
+    def _crossing(self, name: str, origin: str) -> str:
+        """The origin of op ``name``'s MIXED owners: the op itself where it picked elements by
+        another example's values, else ``origin``."""
+        if not self.crossed:
+            return origin
+        self.crossed = False
+        return f"{name}, picked by another example's values"
+
+    def _masked(self, x: Tensor, key: object, o: Tensor) -> Tensor:
+        """``o`` (owners of x's elements, or of what a write leaves there, full-shaped) MIXED
+        where a boolean mask in ``key`` (``x[key]``, ``x[key] = y``) is another example's."""
+        for at, mask in _masks(key, x.dim()):
+            om = self.selector(mask)  # (mask's shape), broadcastable
+            if not bool((om == NONE).all()):
+                om = om.reshape(*([1] * at), *om.shape, *([1] * (x.dim() - at - mask.dim())))
+                o = self._apart(o, om)
+        return o
+
+    def _indexed(self, x: Tensor, key: object, o: Tensor) -> Tensor:
+        """``o``, the owners of ``x[key]``, MIXED where the integer indices in ``key`` that
+        picked an element are another example's (one index tensor, or several side by side)."""
+        key = key if isinstance(key, tuple) else (key,)
+        spots = [i for i, k in enumerate(key) if isinstance(k, Tensor)]
+        if not spots or any(key[i].dtype == torch.bool for i in spots):
+            return o
+        if not self._varies(x, _taken(key, x.dim(), spots)):
+            return o  # a slab along dimensions of one owner (Mixtral's mask[e]): no example's
+        sel = combine(*(self.selector(key[i]) for i in spots))  # (the indices' shape)
+        if bool((sel == NONE).all()):
+            return o
+        if spots != list(range(spots[0], spots[-1] + 1)):
+            place = 0  # apart: torch puts the indexed dimensions first
+        else:
+            place = sum(_span(k, x.dim(), key) for k in key[: spots[0]] if not isinstance(k, int))
+        sel = sel.reshape(*([1] * place), *sel.shape, *([1] * (o.dim() - place - sel.dim())))
+        return self._apart(o, sel)
+
+    def _along(self, name: str, args: tuple, kwargs: dict, o: Tensor) -> Tensor:
+        """``o``, the owners of ``x.index_select(dim, index)``, ``x.gather(dim, index)`` or
+        ``x.take_along_dim(index, dim)``, MIXED where the index that picked an element along a
+        dimension of x's varying owners is another example's."""
+        x, rest = args[0], args[1:]
+        if name == "take_along_dim":
+            index, dim = (*rest, None, None)[:2]
+            index, dim = kwargs.get("indices", index), kwargs.get("dim", dim)
+        else:
+            dim, index = (*rest, None, None)[:2]
+            dim, index = kwargs.get("dim", dim), kwargs.get("index", index)
+        if not isinstance(index, Tensor) or not isinstance(dim, int) or not self._varies(x, [dim]):
+            return o
+        sel = self.selector(index)
+        if bool((sel == NONE).all()):
+            return o
+        if name == "index_select":  # (n,) along dim
+            d = dim % x.dim()
+            sel = sel.reshape(*([1] * d), -1, *([1] * (x.dim() - d - 1)))
+        return self._apart(o, sel)
+
+
+def _span(k: object, n: int, key: tuple) -> int:
+    """The dimensions of a result that ``k``, one entry of an index ``key`` into a tensor of
+    ``n`` dimensions, gives: an ellipsis the ones no other entry takes."""
+    if k is Ellipsis:
+        return n - sum(_takes(j) for j in key)
+    return 1  # None, a slice
+
+
+def _takes(k: object) -> int:
+    """The dimensions of the indexed tensor that ``k`` takes."""
+    if isinstance(k, Tensor) and k.dtype == torch.bool:
+        return k.dim()
+    return 0 if k is None or k is Ellipsis or isinstance(k, bool) else 1
+
+
+def _taken(key: tuple, n: int, spots: list[int]) -> list[int]:
+    """The dimensions of a tensor of ``n`` dimensions that the entries ``spots`` of an index
+    ``key`` take."""
+    dims, at = [], 0
+    for i, k in enumerate(key):
+        if i in spots:
+            dims.append(at)
+        at += n - sum(_takes(j) for j in key) if k is Ellipsis else _takes(k)
+    return dims
+
+
+def _masks(key: object, n: int) -> list[tuple[int, Tensor]]:
+    """The boolean tensors of an index ``key`` into a tensor of ``n`` dimensions, each with the
+    first dimension it covers."""
+    key = key if isinstance(key, tuple) else (key,)
+    found, at = [], 0
+    for k in key:
+        if isinstance(k, Tensor) and k.dtype == torch.bool:
+            found.append((at, k))
+        at += n - sum(_takes(j) for j in key) if k is Ellipsis else _takes(k)
+    return found
