@@ -66,6 +66,10 @@ def test_keyed_norms_and_sums_are_the_rows_added_by_hand(counts, transposed):
     torch.testing.assert_close(total, expected.sum(0), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(part.norm_sq(), flat.square().sum(1), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(part.batch_sum(), expected.sum(0), rtol=1e-12, atol=1e-12)
+    # the rows of no expert zeroed where an answer reads the output gradients whole
+    refs = torch.randn(2, *expected.shape[1:], generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(part.inner(refs.double()), flat @ refs.double().flatten(1).T)
+    torch.testing.assert_close(part.materialize(), expected)
     merged = part.merge(part)  # two calls' rows: each key's pairs across them too
     assert merged.keyed
     torch.testing.assert_close(merged.norm_sq(), 4 * flat.square().sum(1))
