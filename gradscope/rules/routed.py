@@ -7,17 +7,33 @@ of expert e's (O, I) matrix is G_be = sum over its rows s of s_s a_s^T, so
 
     ||G_b||^2 = sum over pairs of rows (s, t) of b run by one expert of (s_s . s_t)(a_s . a_t):
 
-the Gram route over rows, masked to pairs of one key (example, expert), in chunks of rows.
+the Gram route over rows, masked to pairs of one key (example, expert), in chunks of rows,
+where that costs little beside the read (``gram_cheap``). Where it costs more (many rows on wide
+experts: Mixtral's), the rows sorted by key and each key's G_be formed or its own Gram taken,
+the keys' rows found on the host (one sync per read, as the trace's offsets are): a training
+step then takes the batch sum from the same G formed (``norm_sq_and_sum``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
 
-from .base import CHUNK_ELEMENTS, Contribution, Dense, _acc, _cat, stacked
+from .base import CHUNK_ELEMENTS, Contribution, Dense, _acc, _cat, _sq_norm, stacked
+
+# the Gram of S rows over every pair costs S^2 (in + out); the read itself S in out: the Gram
+# where the first is at most this many times the second, or this few multiply-adds in all,
+# else each key's rows apart (``Routed.keyed``)
+ROUTED_COST, ROUTED_FLOPS = 4, 1 << 24
+
+
+def gram_cheap(rows: int, shape: torch.Size) -> bool:
+    """Whether the Gram of ``rows`` rows of a (E, a, b) expert weight costs at most
+    ``ROUTED_COST`` times the rows' product with it, or ``ROUTED_FLOPS``."""
+    a, b = shape[-2], shape[-1]
+    return rows * (a + b) <= ROUTED_COST * a * b or rows * rows * (a + b) <= ROUTED_FLOPS
 
 
 def experts_of(offs: Tensor, rows: int) -> Tensor:
@@ -46,12 +62,15 @@ class Routed(Contribution):
         batch: int,
         transposed: bool,
         one: bool = False,
+        past: bool = False,
     ):
-        self.a, self.s, self.own, self.expert = _acc(a), _acc(s), own, expert
+        self.a, self._s, self.own, self.expert = _acc(a), _acc(s), own, expert
+        self._past = past  # rows of no expert (E) may hold output gradients: ``s`` zeroes them
         self.param, self.one = torch.Size(shape), one  # the parameter's shape
         self.shape = torch.Size((1, *shape)) if one else self.param  # (E, *W[e])
         self.batch, self.transposed = batch, transposed
         self.key = own * self.shape[0] + expert.clamp(max=self.shape[0] - 1)
+        self.keyed = not gram_cheap(self.a.shape[0], self.shape)  # each key's rows apart
 
     @classmethod
     def of(
@@ -64,18 +83,98 @@ class Routed(Contribution):
         batch: int,
         transposed: bool = False,
     ) -> Routed:
-        """One ``grouped_mm(a, W or W^T, offs)`` call's contribution from its output gradient."""
+        """One ``grouped_mm(a, W or W^T, offs)`` call's contribution from its output gradient:
+        rows past the last group (the kernel skips them) in no key, ``s`` zero there."""
         expert = experts_of(offs, a.shape[0])
-        s = torch.where((expert < shape[0])[:, None], _acc(s), 0)  # the kernel skips those rows
-        return cls(a, s, own, expert, shape, batch, transposed)
+        return cls(a, s, own, expert, shape, batch, transposed, past=True)
+
+    @property
+    def s(self) -> Tensor:
+        """(S, O) the rows' output gradients, zero at rows of no expert: zeroed once asked
+        for, as ``keyed`` answers never ask (their keys hold no such row; a copy of W9's
+        output gradients, 2% of its watched step)."""
+        if self._past:
+            live = (self.expert < self.shape[0])[:, None]
+            self._s, self._past = torch.where(live, self._s, 0), False
+        return self._s
 
     @property
     def one_gram(self) -> bool:
         """Whether its norm takes one Gram of its rows, no chunks: ``routed_norms`` answers
         several such together."""
-        return self.a.shape[0] ** 2 <= CHUNK_ELEMENTS
+        return not self.keyed and self.a.shape[0] ** 2 <= CHUNK_ELEMENTS
+
+    def forms(self, *, train: bool) -> bool:
+        """Whether a training step's norms and batch sum form each key's G: where ``keyed``,
+        its sum then costs a sum beside the forming, which replaces autograd's product."""
+        return train and self.keyed
+
+    def _keys(self, experts: bool = False) -> Iterator[tuple[int, Tensor, Tensor]]:
+        """(key, left, right) of each key that holds rows (an expert, where ``experts``), its
+        rows' (n, *) sides such that G = left^T right, rows of no expert in none: the keys'
+        rows found on the host (the one sync), each key's gathered as it comes, into copies
+        the cache holds for its product (gathered at once, through memory: 10% more)."""
+        e = self.shape[0]
+        keys = e if experts else self.batch * e
+        by = self.expert if experts else self.key
+        if self._past and not experts:  # rows of no expert past every key
+            by = torch.where(self.expert < e, by, keys)
+        left, right = (self.a, self._s) if self.transposed else (self._s, self.a)
+        order = torch.argsort(by, stable=True)  # (S,) the rows by key
+        counts = torch.bincount(by, minlength=keys)[:keys].tolist()
+        lo = 0
+        for k, n in enumerate(counts):
+            if n:
+                rows = order[lo : lo + n]
+                yield k, left.index_select(0, rows), right.index_select(0, rows)
+                lo += n
+
+    def _keyed_norms(self) -> Tensor:
+        """(B,) norms from each key's rows: its Gram where that costs less than forming its
+        G (n^2 (in + out) against n in out), else its G formed."""
+        e, (o, i) = self.shape[0], self.shape[1:]
+        at, each = [], []
+        for k, left, right in self._keys():
+            n = left.shape[0]
+            if n * (o + i) < o * i:  # (n, n) Grams of both sides, multiplied and summed
+                each.append(((left @ left.T) * (right @ right.T)).sum().reshape(1))
+            else:
+                each.append(_sq_norm((left.T @ right).view(1, -1)))
+            at.append(k // e)
+        return self._per_example(at, each)
+
+    def _per_example(self, at: list[int], each: list[Tensor]) -> Tensor:
+        """(B,) the keys' squared norms ``each`` (1,) added up at their examples ``at``."""
+        out = self._s.new_zeros(self.batch)
+        if not at:
+            return out
+        return out.index_add_(0, torch.tensor(at, device=out.device), torch.cat(each))
+
+    def norm_sq_and_sum(self) -> tuple[Tensor, Tensor]:
+        """Where ``keyed``: each key's G formed once into one buffer, read back for its norm
+        and added to its expert's sum (``formed.formed_sums``: the cache still holds it)."""
+        if not self.keyed:
+            return super().norm_sq_and_sum()
+        e, tail = self.shape[0], self.shape[1:]
+        work, total = self._s.new_empty(tail), self._s.new_zeros(self.shape)  # (*W[e]), (E, *W[e])
+        at, each = [], []
+        for k, left, right in self._keys():
+            torch.matmul(left.T, right, out=work)  # (*W[e]) = (., n) @ (n, .)
+            each.append(_sq_norm(work.view(1, -1)))
+            total[k % e] += work
+            at.append(k // e)
+        return self._per_example(at, each), total.view(self.param)
+
+    def batch_sum(self) -> Tensor:
+        """Each expert's sum over its rows, left^T right: no example's G formed."""
+        total = self._s.new_zeros(self.shape)  # (E, *W[e])
+        for k, left, right in self._keys(experts=True):
+            total[k] = left.T @ right
+        return total.view(self.param)
 
     def norm_sq(self) -> Tensor:
+        if self.keyed:
+            return self._keyed_norms()
         n = self.a.shape[0]
         out = self.s.new_zeros(self.batch)
         step = max(1, CHUNK_ELEMENTS // max(n, 1))

@@ -11,6 +11,7 @@ from torch import Tensor
 from ...rules import Contribution
 from ...rules.linear import affine_parts
 from ...rules.placed import Place, Placed
+from ...rules.routed import gram_cheap
 from ..derived import Derived, Watched
 from ..ops import BIASED, EXPERT_READS
 from ..recipes import ARG, Recipe
@@ -18,18 +19,6 @@ from ..rows import Lanes, regroup
 from ..views import compose
 from .owners import reduce, rows_of
 from .policy import ASSUMED
-
-# a routed read's Gram over its S rows costs S^2 (in + out); the read itself S in out: routed
-# where the first is at most this many times the second, or this few multiply-adds in all, else
-# traced (a host sync per expert)
-ROUTED_COST, ROUTED_FLOPS = 4, 1 << 24
-
-
-def cheap_gram(rows: int, shape: torch.Size) -> bool:
-    """Whether the Gram of ``rows`` rows of a (E, a, b) expert weight costs at most
-    ``ROUTED_COST`` times the rows' product with it, or ``ROUTED_FLOPS``."""
-    a, b = shape[-2], shape[-1]
-    return rows * (a + b) <= ROUTED_COST * a * b or rows * rows * (a + b) <= ROUTED_FLOPS
 
 
 class ExpertReads:
@@ -146,7 +135,7 @@ def expert_recipe(name: str, reads: list, x: Tensor) -> Recipe | None:
     if name not in EXPERT_READS or (matmul and x.dim() != 2) or not _expert_read(reads):
         return None
     param = reads[0][1].param
-    if not cheap_gram(x.shape[0] * param.param.shape[0], param.param.shape):
+    if not gram_cheap(x.shape[0] * param.param.shape[0], param.param.shape):
         return None
     roles = (("weight", param.name),)
     return Recipe(name, roles, tuple(x.shape), None, transposed=matmul, expert=True)
@@ -159,7 +148,7 @@ def expert_bias(name: str, i: int, d: Watched, args: tuple, shape: torch.Size) -
     if name not in BIASED or len(args) != 2 or len(shape) != 2 or not _one_expert(d, 2):
         return None
     param = d.param.param
-    if not cheap_gram(shape[0] * param.shape[0], param.shape):
+    if not gram_cheap(shape[0] * param.shape[0], param.shape):
         return None
     return Recipe(name, ((f"{ARG}{i}", d.param.name),), tuple(shape), None, expert=True)
 
@@ -180,7 +169,7 @@ def _lanes_recipe(d: Watched, weight: Tensor, x: Tensor, owner: Tensor, batch: i
     every expert), where the Gram of all E N rows is cheap: a light region serves it again."""
     if not isinstance(d, Derived) or weight is not d.param.param:
         return None
-    if not cheap_gram(x.shape[0] * x.shape[1], weight.shape):
+    if not gram_cheap(x.shape[0] * x.shape[1], weight.shape):
         return None
     first = owner[:1]  # (1, N): every expert's rows alike, or no recipe
     rows = rows_of(first, batch) if bool((owner == first).all()) else None
@@ -191,10 +180,12 @@ def _lanes_recipe(d: Watched, weight: Tensor, x: Tensor, owner: Tensor, batch: i
 
 def _routed(d: Derived, weight: Tensor, x: Tensor) -> Recipe | None:
     """A grouped read of a whole 3-D parameter (or its transpose) that a routed region serves
-    again (``replay/routed.py``), where the rows' Gram is cheap (``cheap_gram``): its rows
-    follow the batch's values, so their number alone is fixed."""
-    place, rows = d.place, x.shape[0]
-    if place.index or place.scale != 1.0 or not cheap_gram(rows, d.param.param.shape):
+    again (``replay/routed.py``): its rows follow the batch's values, so their number alone is
+    fixed. Whatever the rows' Gram costs: where more than the read (``gram_cheap``), ``Routed``
+    takes each key's rows apart (a training step forms their G, and autograd's product of the
+    weight's gradient is skipped), where a traced read costs a host sync per expert beside."""
+    place = d.place
+    if place.index or place.scale != 1.0:
         return None
     whole = weight is d.param.param or (place.transposed and weight._base is d.param.param)
     if not whole:

@@ -37,31 +37,37 @@ def test_first_and_later_steps_of_a_signature_give_the_same_bits(dtype):
             torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-14)
 
 
-def test_traced_experts_batch_gradient_is_their_examples_sum(monkeypatch):
-    """Grouped experts whose rows' Gram is not cheap stay traced (``analysis/experts.py``): on
-    a training step each expert forms its examples' gradients from their own rows, and the
-    batch gradient is their sum, not autograd's (W9's); the norms are the loop's, and the
-    gradient autograd's."""
+@pytest.mark.parametrize("transposed", [False, True], ids=["W^T", "W"])
+def test_keyed_experts_batch_gradient_is_their_examples_sum(monkeypatch, transposed):
+    """Grouped experts whose rows' Gram over all rows is not cheap (W9's) are routed all the
+    same, each (example, expert)'s rows apart (``Routed.keyed``): on a training step each key's
+    gradient formed, the batch gradient their sum, not autograd's, on the analysed step (the
+    trace's, by expert) and the replayed ones; the norms are the loop's, the gradient
+    autograd's, on batches of uneven loads, and of one example."""
     from moe_models import Block, Experts, H
 
     from gradscope.engine import Forward, naive_grads, total
-    from gradscope.engine.analysis import experts
+    from gradscope.rules import routed
 
-    monkeypatch.setattr(experts, "ROUTED_FLOPS", 0)  # no read cheap: every one traced
+    monkeypatch.setattr(routed, "ROUTED_COST", 0)  # no Gram over all rows cheap
+    monkeypatch.setattr(routed, "ROUTED_FLOPS", 0)
     torch.manual_seed(2)
-    model = nn.Sequential(nn.Linear(H, H), Block(Experts()), nn.Flatten(), nn.Linear(8 * H, 3))
-    x, y = torch.randn(3, 8, H), torch.tensor([0, 2, 1])
+    model = nn.Sequential(
+        nn.Linear(H, H), Block(Experts(transposed)), nn.Flatten(), nn.Linear(8 * H, 3)
+    )
     loss = resolve_loss("cross_entropy")
     params = list(model.parameters())
-    with Engine(model, loss) as engine:
-        for _ in range(3):
-            scores = engine.step((x,), y, params)
-        findings = engine.record.at((x,), y)
-    assert {"1.experts.gate_up", "1.experts.down"} <= findings.formed
     names = [n for n, _ in model.named_parameters()]
-    _, grads = naive_grads(model, (x,), y, loss, names, Forward())
-    norms = sum(g.flatten(1).double().square().sum(1) for g in grads.values())
-    torch.testing.assert_close(total(scores.norm_sq), norms, rtol=1e-5, atol=0)
-    expected = torch.autograd.grad(loss(model(x), y).sum(), params)
-    for g, e in zip(scores.trained, expected, strict=True):
-        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+    with Engine(model, loss) as engine:
+        for batch in (3, 3, 3, 1, 1):
+            x, y = torch.randn(batch, 8, H), torch.randint(0, 3, (batch,))
+            scores = engine.step((x,), y, params)
+            _, grads = naive_grads(model, (x,), y, loss, names, Forward())
+            norms = sum(g.flatten(1).double().square().sum(1) for g in grads.values())
+            torch.testing.assert_close(total(scores.norm_sq), norms, rtol=1e-5, atol=0)
+            expected = torch.autograd.grad(loss(model(x), y).sum(), params)
+            for g, e in zip(scores.trained, expected, strict=True):
+                torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+        findings = engine.record.at((x,), y)
+        assert findings.replays >= 1
+    assert {"1.experts.gate_up", "1.experts.down"} <= findings.formed

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_models import INNER, Block, E, Experts, H, LoopExperts
+from moe_models import Block, Experts, H, LoopExperts
 from oracle import assert_rel_close
 from syncs import counted
 from torch import Tensor, nn
@@ -257,14 +257,3 @@ def test_a_routed_replay_reads_a_flag_only_where_the_values_decide(shift: int):
             engine.norms(inputs, targets)
         assert engine.record.at(inputs, targets).replays == 2
     assert sorted(ours) == sorted([*plain, *(["__bool__"] if shift else [])]), (ours, plain)
-
-
-def test_routed_only_where_the_rows_gram_is_cheap():
-    """A grouped read of S rows is routed where its Gram (S^2 (in + out)) costs little next to
-    the read (S in out): Mixtral at width 64 and 16 tokens (H4), not at width 256 and 2048
-    routed rows (W9, where it cost 4.7x the floor); those regions stay traced."""
-    from gradscope.engine.analysis.experts import cheap_gram
-
-    assert cheap_gram(128, torch.Size((8, 256, 64)))
-    assert not cheap_gram(4096, torch.Size((8, 1024, 256)))
-    assert cheap_gram(30, torch.Size((E, 2 * INNER, H)))  # tiny: a few multiply-adds in all

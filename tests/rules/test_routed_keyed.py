@@ -1,0 +1,104 @@
+"""``Routed`` where the Gram over all its rows costs more than the read (``keyed``: W9's wide
+experts): each (example, expert) key's rows apart, its own Gram or its G formed; on a training
+step (``norm_sq_and_sum``) the norms and batch sum from each G formed once. Against each row's
+outer product added up by a loop in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradscope.rules import routed
+from gradscope.rules.routed import Routed, gram_cheap
+
+E, IN, OUT = 4, 5, 6
+
+
+@pytest.fixture(autouse=True)
+def keyed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No Gram over all rows cheap: every Routed here is ``keyed``."""
+    monkeypatch.setattr(routed, "ROUTED_COST", 0)
+    monkeypatch.setattr(routed, "ROUTED_FLOPS", 0)
+
+
+def _case(counts: list[list[int]], transposed: bool, seed: int = 0):
+    """Rows laid out as ``grouped_mm`` takes them (sorted by expert; two rows past the last
+    group, of no expert), ``counts[b][e]`` of example b run by expert e, the examples' rows
+    shuffled within each expert; the Routed in float64, and each example's gradient by hand."""
+    g = torch.Generator().manual_seed(seed)
+    batch = len(counts)
+    expert = [e for e in range(E) for b in range(batch) for _ in range(counts[b][e])]
+    own = [b for e in range(E) for b in range(batch) for _ in range(counts[b][e])]
+    own = torch.tensor(own + [0, batch - 1], dtype=torch.long)
+    ends = torch.tensor([sum(c[e] for c in counts) for e in range(E)]).cumsum(0)
+    for lo, hi in zip([0, *ends[:-1].tolist()], ends.tolist(), strict=True):
+        own[lo:hi] = own[lo:hi][torch.randperm(hi - lo, generator=g)]
+    rows = len(own)
+    a = torch.randn(rows, IN, generator=g, dtype=torch.float64)
+    s = torch.randn(rows, OUT, generator=g, dtype=torch.float64)
+    shape = torch.Size((E, IN, OUT) if transposed else (E, OUT, IN))
+    expected = torch.zeros(batch, *shape, dtype=torch.float64)
+    for r, e in enumerate(expert):
+        outer = torch.outer(a[r], s[r]) if transposed else torch.outer(s[r], a[r])
+        expected[own[r], e] += outer
+    part = Routed.of(a, s, own, ends.to(torch.int32), shape, batch, transposed)
+    return part, expected
+
+
+# uneven loads with expert 1 given no row; example 1 given none; a batch of 1; keys of one row
+# (their Gram cheaper) beside keys of many (their G formed)
+CASES = {
+    "uneven": [[3, 0, 1, 7], [0, 0, 0, 0], [5, 0, 2, 1]],
+    "batch 1": [[4, 1, 0, 9]],
+    "one row each": [[1, 1, 1, 1], [1, 1, 1, 1]],
+}
+
+
+@pytest.mark.parametrize("counts", CASES.values(), ids=CASES.keys())
+@pytest.mark.parametrize("transposed", [False, True], ids=["W^T", "W"])
+def test_keyed_norms_and_sums_are_the_rows_added_by_hand(counts, transposed):
+    part, expected = _case(counts, transposed)
+    assert part.keyed and part.forms(train=True) and not part.forms(train=False)
+    assert not part.one_gram  # no read batched into one Gram with others
+    flat = expected.flatten(1)
+    norms, total = part.norm_sq_and_sum()
+    torch.testing.assert_close(norms, flat.square().sum(1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(total, expected.sum(0), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(part.norm_sq(), flat.square().sum(1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(part.batch_sum(), expected.sum(0), rtol=1e-12, atol=1e-12)
+    # the rows of no expert zeroed where an answer reads the output gradients whole
+    refs = torch.randn(2, *expected.shape[1:], generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(part.inner(refs.double()), flat @ refs.double().flatten(1).T)
+    torch.testing.assert_close(part.materialize(), expected)
+    merged = part.merge(part)  # two calls' rows: each key's pairs across them too
+    assert merged.keyed
+    torch.testing.assert_close(merged.norm_sq(), 4 * flat.square().sum(1))
+    some = part.examples(1, len(counts)) if len(counts) > 1 else part.examples(0, 1)
+    lo = 1 if len(counts) > 1 else 0
+    torch.testing.assert_close(some.norm_sq_and_sum()[0], flat[lo:].square().sum(1))
+
+
+def test_one_linears_weight_read_on_rows_a_value_picked():
+    """``one``: an expert's own (O, I) Linear read whole on rows of any example: its batch sum
+    in the Linear's shape."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(9, IN, generator=g, dtype=torch.float64)
+    s = torch.randn(9, OUT, generator=g, dtype=torch.float64)
+    own = torch.tensor([2, 0, 0, 2, 2, 1, 0, 2, 2])
+    part = Routed(a, s, own, torch.zeros(9, dtype=torch.long), (OUT, IN), 3, False, one=True)
+    expected = torch.zeros(3, OUT, IN, dtype=torch.float64).index_add_(
+        0, own, s[:, :, None] * a[:, None]
+    )
+    norms, total = part.norm_sq_and_sum()
+    torch.testing.assert_close(norms, expected.flatten(1).square().sum(1))
+    torch.testing.assert_close(total, expected.sum(0))
+    assert total.shape == (OUT, IN)
+
+
+def test_the_gram_over_all_rows_where_cheap(monkeypatch: pytest.MonkeyPatch):
+    """W9's read (4,096 rows of 8 experts of 1,024 x 256) is keyed; H4's (128 rows of 256 x 64)
+    and a tiny one (a few multiply-adds in all) take the Gram over all rows."""
+    monkeypatch.undo()
+    assert gram_cheap(128, torch.Size((8, 256, 64)))
+    assert not gram_cheap(4096, torch.Size((8, 1024, 256)))
+    assert gram_cheap(30, torch.Size((4, 24, 8)))
