@@ -1,5 +1,5 @@
 """The fused 3-D weight of routed experts, read by ``grouped_mm`` on rows whose examples and
-experts the batch's values pick: every number from tensors on the device, no host sync.
+experts the batch's values pick.
 
 Row s of a call is example ``own[s]``'s token, run by expert ``expert[s]`` (the group of the
 call's ``offs`` it falls in; a row past the last group runs no expert). Example b's gradient
@@ -23,9 +23,8 @@ from torch import Tensor
 
 from .base import CHUNK_ELEMENTS, Contribution, Dense, _acc, _cat, _sq_norm, stacked
 
-# the Gram of S rows over every pair costs S^2 (in + out); the read itself S in out: the Gram
-# where the first is at most this many times the second, or this few multiply-adds in all,
-# else each key's rows apart (``Routed.keyed``)
+# the Gram of S rows over every pair costs S^2 (in + out), the read S in out: the Gram where the
+# first is at most this many times the second, or this few in all, else each key's rows apart
 ROUTED_COST, ROUTED_FLOPS = 4, 1 << 24
 
 
