@@ -118,6 +118,20 @@ def test_max_of_rows_matches_the_loop_and_replays(b: int, padding: int | None) -
     assert findings.replays == 2 * len(data) - 1
 
 
+@pytest.mark.parametrize("name", ["sum", "mean-padding", "max", "sum-weighted"])
+def test_bags_of_other_lengths_replay(name: str) -> None:
+    """The model's own call, whose top-level mask picks the flat ids, is the region: batches
+    of other lengths (an empty bag, a bag of one, all full) replay it, each exact."""
+    torch.manual_seed(0)
+    b = 4
+    model = Bags(CASES[name](), weighted=name.endswith("weighted")).double()
+    data = [*batches("ragged", b, 2), *batches("equal", b, 1)]
+    engine = _check(model, data)
+    # the fresh calls and the Engine share the model's record: each pass after the first
+    findings = engine.record.at(data[0][0], torch.zeros(b, 4, dtype=torch.float64))
+    assert (findings.analyses, findings.replays) == (1, 2 * len(data) - 1)
+
+
 def test_bags_of_several_examples_go_to_the_fallback_named() -> None:
     model = Bags(nn.EmbeddingBag(V, 4, mode="sum"), per=2).double()
     engine = _check(model, batches("equal", 3))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import assert_rel_close, reference_norms
+from oracle import assert_rel_close, findings_by_shape, reference_norms
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
@@ -127,3 +127,33 @@ def test_final_state_in_the_loss_goes_to_the_fallback() -> None:
     torch.manual_seed(0)
     engine = check(Packed(RNNS["gru"](), last=True).double(), "ragged", 4)
     assert all(p.is_fallback and "second output" in p.note for p in engine.plan.params)
+
+
+def mixed(d: int):
+    """Batch ``seed`` of ``b`` examples and (b, T, d) targets: every third one's lengths all
+    equal, the others ragged with a sequence of one step."""
+
+    def batch(seed: int, b: int) -> tuple[tuple[Tensor, Tensor], Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(b, T, IN, generator=g, dtype=torch.float64)
+        lengths = lengths_of("equal" if seed % 3 == 1 else "ragged", b, g)
+        return (x, lengths), torch.randn(b, T, d, generator=g, dtype=torch.float64)
+
+    return batch
+
+
+@pytest.mark.parametrize("name", ["gru", "lstm-seq-first", "lstm-2-layers-bidirectional"])
+def test_packed_batches_of_other_lengths_replay_exact(name: str) -> None:
+    """The model's own call, whose top-level sort picks the packed rows, is the region: every
+    batch after a shape's first replays it, whatever its lengths (all equal, one of one step,
+    a batch of one), its output's padding elsewhere than the analysed batch's; each exact."""
+    torch.manual_seed(0)
+    rnn = RNNS[name]()
+    model, batch = Packed(rnn).double(), mixed(H * (2 if rnn.bidirectional else 1))
+    shapes = [(4,)] * 4 + [(1,)] * 3
+    with Engine(model, resolve_loss("mse")) as engine:
+        for seed, (b,) in enumerate(shapes):
+            inputs, y = batch(seed, b)
+            got = total(engine.norms(inputs, y).norm_sq).sqrt()
+            assert_rel_close(got, reference_norms(model, inputs, y)[1], 1e-9)
+    findings_by_shape(engine, batch, shapes)

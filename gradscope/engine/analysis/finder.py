@@ -29,6 +29,7 @@ from ..constants import Constants
 from ..recipes import Recipe
 from ..tensors import tensors_of
 from .chosen import Regions
+from .owners import padded_rows
 from .trace import IRREGULAR, ByTensor
 from .visits import Visit, above
 
@@ -156,9 +157,21 @@ class Finder:
         with torch._C.DisableTorchFunction():
             v.steps, v.at_exit = len(self.events) - v.first, counter()
             outputs = tensors_of(output)
+            if v.parent is None:
+                self._padded(outputs)
             v.exit, v.out_shapes = self._specs(outputs), shapes_of(outputs)
             v.out_ids, v.done = frozenset(id(t) for t in outputs), True
         self.log.append(("exit", v, v.at_exit))
+
+    def _padded(self, outputs: list[Tensor]) -> None:
+        """The model's outputs whose row i is example i's or none's, element by element (a padded
+        sequence's), taken as the batch along dimension 0: the losses' owners then hold wherever
+        a replayed batch's padding lies (``seeded.py`` checks its end the same way)."""
+        trace = self.trace
+        for t in outputs:
+            o = trace.owners.get(t)
+            if o is not None and trace.spec(t) == IRREGULAR and padded_rows(o, trace.batch):
+                trace.owners[t] = trace.lane_owners(t.dim(), (0, 1), t.shape[0])
 
     def _specs(self, tensors: list[Tensor]) -> tuple | str:
         """Each tensor's owner spec, or IRREGULAR where one is a watched view of a parameter or

@@ -159,6 +159,15 @@ def groups(shape: Sequence[int], new: Sequence[int]) -> list[tuple[int, int, int
     return found
 
 
+def padded_rows(o: Tensor, batch: int) -> bool:
+    """Whether owners ``o`` give row i along dimension 0 to example i or to none, element by
+    element (a padded sequence's: ``pad_packed_sequence``'s zeros past each length)."""
+    if not o.dim() or o.shape[0] != batch:
+        return False
+    rows = torch.arange(batch, device=o.device).view(-1, *(1,) * (o.dim() - 1))  # (B, 1, ...)
+    return bool(((o == rows) | (o == NONE)).all())
+
+
 def lane_of(o: Tensor, batch: int) -> tuple[int, int] | None:
     """(dim, m) where owners ``o`` read (i // m) % B along dimension ``dim`` (of a size that B*m
     divides) and vary along no other, whether or not ``o`` is the trace's canonical tensor for

@@ -33,15 +33,19 @@ class _Open:
 
 def regions_of(captured: Analysed) -> Regions | str:
     """The regions a later batch analyses again, with their children; or why no later batch
-    may replay this one. The model's own call is a region only where it has children (what
-    needs the analysis is in its own code: BART's classifier's pick of its end tokens): one
-    traced whole, with none, would cost a batch what a full analysis does."""
+    may replay this one. Where no other call holds a need, the model's own call is the region
+    (BART's classifier's pick of its end tokens, a packed RNN's sort of its rows): traced on
+    every batch around its children, if any, it still costs less than an analysis, which also
+    decides, writes the program and self-checks a structure it has not seen. A light one
+    (routed: a top-level ``argsort``) is the region only where it has children."""
     finder, hooked = captured.finder, frozenset(id(m) for m in captured.session.modules)
     regions = finder.choose(captured.at_start)
     if isinstance(regions, str):
         whole = finder.choose(captured.at_start, whole=True)
-        children = {} if isinstance(whole, str) else children_of(finder, whole, hooked)
-        return dataclasses.replace(whole, children=children) if children else regions
+        if isinstance(whole, str) or whole.light:  # a light root: only with children, as was
+            children = {} if isinstance(whole, str) else children_of(finder, whole, hooked)
+            return dataclasses.replace(whole, children=children) if children else regions
+        return dataclasses.replace(whole, children=children_of(finder, whole, hooked))
     return dataclasses.replace(regions, children=children_of(finder, regions, hooked))
 
 

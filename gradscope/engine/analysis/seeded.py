@@ -13,16 +13,18 @@ from ..capture import Call
 from ..plan import BROADCAST, ParamPlan, Plan
 from ..record import Findings
 from .decide import layout_of
+from .owners import padded_rows
 from .session import HookSession
 from .tap import ParamTap, Use
-from .trace import RowTrace
+from .trace import IRREGULAR, RowTrace
 
 
 class Seeded:
     """One region call: ``tensors`` its tensor arguments, ``entry`` their owner specs (None: no
     example's; (dim, m): the batch along a dimension). Its trace and tap are pushed at once, and
     ``finish`` (or ``close``) pops them. ``outside(module)`` says whether a call of a module
-    whose rule serves its parameters is under way outside the region."""
+    whose rule serves its parameters is under way outside the region; ``root``: the region is the
+    model's own call, whose outputs end padded or as the batch (``finder.py``'s ``_padded``)."""
 
     def __init__(
         self,
@@ -33,8 +35,9 @@ class Seeded:
         tensors: Sequence[Tensor],
         entry: tuple,
         outside: Callable[[nn.Module], bool],
+        root: bool = False,
     ):
-        self.plan, self.batch = plan, batch
+        self.plan, self.batch, self.root = plan, batch, root
         device = tensors[0].device if tensors else None
         self.trace = RowTrace(batch, (), device)
         self.seed(tensors, entry)
@@ -120,6 +123,8 @@ class Seeded:
 
     def owned(self, t: Tensor, spec: tuple | None) -> bool:
         found = self.trace.spec(t)
+        if found == IRREGULAR and self.root and spec is not None and tuple(spec) == (0, 1):
+            return padded_rows(self.trace.owners.get(t), self.batch)  # padded: as analysed
         return found == (None if spec is None else tuple(spec))
 
     def calls(self) -> list[Call]:

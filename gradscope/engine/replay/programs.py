@@ -193,7 +193,8 @@ class Replayed:
                 self._intercept(kind, lessons),
             )
         copy = self.record.copy
-        return Seeded(self.plan, findings, copy, batch, tensors, call.entry, session.inside)
+        root = call.module == id(self.modules[0])
+        return Seeded(self.plan, findings, copy, batch, tensors, call.entry, session.inside, root)
 
     def _intercept(self, kind: type | None, lessons: Lessons) -> Intercept | None:
         """Where the reads of a light region of ``kind`` (None: the model's top level) are

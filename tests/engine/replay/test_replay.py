@@ -726,8 +726,9 @@ def test_replays_where_the_witness_holds_and_not_elsewhere(case: str, replays: i
 def test_each_way_a_model_takes_replays_its_own_program():
     """Batches whose values, read on the host, send the forward two ways replay the program of
     their own way, the one that held last tried first; a third way makes such reads escapes
-    from then on (the batch analysed in full: at the model's level no program holds them),
-    and the programs kept replay their ways still. Every batch exact against the loop."""
+    from then on (the batch analysed in full: at the model's level only the model's own call,
+    traced on every batch, holds them), and the programs kept replay their ways still. Every
+    batch exact against the loop."""
     model = _build("three-ways")
     engine = Engine(model, resolve_loss("cross_entropy"))
     replayed = []
@@ -740,7 +741,8 @@ def test_each_way_a_model_takes_replays_its_own_program():
             assert_rel_close(norms, reference_norms(model, x, y, "cross_entropy")[1], 1e-9)
             assert engine.record.branches == (seed >= 5)
     assert replayed == [0, 0, 1, 1, 1, 0, 1, 1]
-    assert len(findings.programs) == 2 and "outside any module call" in findings.why
+    assert [p.regions for p in findings.programs].count(frozenset({id(model)})) == 1
+    assert len(findings.programs) == 3
 
 
 def test_a_program_whose_host_read_differs_stops_there():
