@@ -4,9 +4,13 @@ wait for the device (``bool``, ``item``, ``tolist``, ``equal``, ``unique``, ...)
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Iterator
 
 import torch
+
+from gradscope.engine import Engine
+from gradscope.losses import resolve_loss
 
 # each waits for the device: to read a value, or to size its output by the values
 # (``unique``: GPU runs showed the embedding rule's, one a table and batch)
@@ -46,3 +50,23 @@ def counted() -> Iterator[list[str]]:
     finally:
         for owner, name, original in saved:
             setattr(owner, name, original)
+
+
+def step_and_pass(pb) -> tuple[Counter, Counter, int]:
+    """A workload's (``benchmarks/workloads.py`` ``Problem``) synchronising calls in a plain
+    training step and in a replayed ``norms`` pass of one Engine on the same batch, after three
+    passes on other batches (the analyses, then replays), and how many times that batch's
+    shape replayed."""
+    model, loss = pb.model, resolve_loss(pb.loss)
+    params = [p for p in model.parameters() if p.requires_grad]
+    with Engine(model, loss) as engine, counted() as calls:
+        for seed in range(3):  # the analyses (W6: padded and not), then replays
+            engine.norms(*pb.batch(seed))
+        inputs, targets = pb.batch(3)
+        calls.clear()
+        torch.autograd.grad(loss(model(*inputs), targets).sum(), params)
+        plain = Counter(calls)
+        calls.clear()
+        engine.norms(inputs, targets)
+        ours = Counter(calls)
+        return plain, ours, engine.record.at(inputs, targets).replays

@@ -8,12 +8,10 @@ that the analysed batches and the replayed one see the same (counting) functions
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 import workloads
-from syncs import counted
+from syncs import counted, step_and_pass
 
 from gradscope.engine import Engine
 from gradscope.losses import resolve_loss
@@ -78,21 +76,8 @@ def _problem(name: str) -> workloads.Problem:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_a_replayed_pass_syncs_no_more_than_a_plain_step(name: str):
-    pb = _problem(name)
-    model, loss = pb.model, resolve_loss(pb.loss)
-    params = [p for p in model.parameters() if p.requires_grad]
-    engine = Engine(model, loss)
-    with engine, counted() as calls:
-        for seed in range(3):  # the analyses (W6: padded and not), then replays
-            engine.norms(*pb.batch(seed))
-        inputs, targets = pb.batch(3)
-        calls.clear()
-        torch.autograd.grad(loss(model(*inputs), targets).sum(), params)
-        plain = Counter(calls)
-        calls.clear()
-        engine.norms(inputs, targets)
-        ours = Counter(calls)
-        assert engine.record.at(inputs, targets).replays >= 2  # the counted pass replayed
+    plain, ours, replays = step_and_pass(_problem(name))
+    assert replays >= 2  # the counted pass replayed
     assert not ours - plain, (ours, plain)
 
 
