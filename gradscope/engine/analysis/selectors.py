@@ -160,24 +160,26 @@ def _takes(k: object) -> int:
     return 0 if k is None or k is Ellipsis or isinstance(k, bool) else 1
 
 
+def _starts(key: tuple, n: int):
+    """Each entry of an index ``key`` into a tensor of ``n`` dimensions, with its position in
+    the key and the first dimension of the tensor it covers: (i, entry, dimension)."""
+    rest = n - sum(_takes(j) for j in key)  # what an ellipsis covers
+    at = 0
+    for i, k in enumerate(key):
+        yield i, k, at
+        at += rest if k is Ellipsis else _takes(k)
+
+
 def _taken(key: tuple, n: int, spots: list[int]) -> list[int]:
     """The dimensions of a tensor of ``n`` dimensions that the entries ``spots`` of an index
     ``key`` take."""
-    dims, at = [], 0
-    for i, k in enumerate(key):
-        if i in spots:
-            dims.append(at)
-        at += n - sum(_takes(j) for j in key) if k is Ellipsis else _takes(k)
-    return dims
+    return [at for i, _, at in _starts(key, n) if i in spots]
 
 
 def _masks(key: object, n: int) -> list[tuple[int, Tensor]]:
     """The boolean tensors of an index ``key`` into a tensor of ``n`` dimensions, each with the
     first dimension it covers."""
     key = key if isinstance(key, tuple) else (key,)
-    found, at = [], 0
-    for k in key:
-        if isinstance(k, Tensor) and k.dtype == torch.bool:
-            found.append((at, k))
-        at += n - sum(_takes(j) for j in key) if k is Ellipsis else _takes(k)
-    return found
+    return [
+        (at, k) for _, k, at in _starts(key, n) if isinstance(k, Tensor) and k.dtype == torch.bool
+    ]
