@@ -36,7 +36,7 @@ def unfold(module: _Conv, x: Tensor) -> Tensor:
     """
     n, pads = len(module.kernel_size), module._reversed_padding_repeated_twice
     b, c, g = x.shape[0], x.shape[1], module.groups
-    if n == 2 and (module.padding_mode == "zeros" or not any(pads)) and pads[0::2] == pads[1::2]:
+    if _one_unfold(module):
         if module.kernel_size == (1, 1) and not any(pads):  # the strided input itself: a view
             cols = x[:, :, :: module.stride[0], :: module.stride[1]].reshape(b, c, -1)
         else:  # im2col, one op: (B, C * prod(k), T), each channel's kernel positions in turn
@@ -190,10 +190,16 @@ def _patches_at_hand(module: _Conv | _Adjoint, elements: int) -> bool:
     """Whether a 2-D convolution's patches (``elements`` of them) are its input itself, a
     1x1 kernel's without padding (strided, a view), or no more than ``FORMED_BESIDE`` elements
     (nor the bound on one temporary) laid out by one im2col (``unfold``)."""
+    if not _one_unfold(module):
+        return False
     pads = module._reversed_padding_repeated_twice
-    if len(module.kernel_size) != 2 or pads[0::2] != pads[1::2]:
-        return False
-    if module.padding_mode != "zeros" and any(pads):
-        return False
     bound = min(FORMED_BESIDE, base.CHUNK_ELEMENTS)
     return module.kernel_size == (1, 1) and not any(pads) or elements <= bound
+
+
+def _one_unfold(module: _Conv | _Adjoint) -> bool:
+    """Whether a convolution's patches are one ``F.unfold`` (or, 1x1 unpadded, a strided view):
+    2-D, padded with zeros (or not at all), as much on each side."""
+    pads = module._reversed_padding_repeated_twice
+    zeros = module.padding_mode == "zeros" or not any(pads)
+    return len(module.kernel_size) == 2 and zeros and pads[0::2] == pads[1::2]
