@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from .base import Contribution, Dense
 from .conv import _batched, weight_part
 from .formed import Formed
-from .norm import affine, per_channel
+from .norm import group_norm
 from .registry import register_rule
 
 BIT = "transformers.models.bit.modeling_bit"
@@ -82,9 +82,7 @@ def group_norm_activation(
     then the group norm rule's parts."""
     x = inputs[0]
     normed = F.group_norm(x, module.num_groups, module.weight, module.bias, module.eps)
-    s = _through(module.activation, normed.detach(), grad_output)
-    xhat = F.group_norm(x, module.num_groups, None, None, module.eps)
-    return affine(module, xhat, s, per_channel, True)
+    return group_norm(module, inputs, _through(module.activation, normed.detach(), grad_output))
 
 
 def _through(activation: nn.Module, at: Tensor, grad: Tensor) -> Tensor:
