@@ -144,16 +144,18 @@ def mixed(d: int):
     return batch
 
 
+@pytest.mark.parametrize("state", [False, True])
 @pytest.mark.parametrize("name", ["gru", "lstm-seq-first", "lstm-2-layers-bidirectional"])
-def test_packed_batches_of_other_lengths_replay_exact(name: str) -> None:
+def test_packed_batches_of_other_lengths_replay_exact(name: str, state: bool) -> None:
     """The model's own call, whose top-level sort picks the packed rows, is the region: every
     batch after a shape's first replays it, whatever its lengths (all equal, one of one step,
     a batch of one), its output's padding elsewhere than the analysed batch's; each exact.
-    Its rows followed through the sort, the pack, the RNN and the padding (a routed region,
-    open: the packed kernels make as many autograd nodes as the lengths say), not traced."""
+    Its rows followed through the sort, the pack, the RNN (its initial states, each example's,
+    met in their slots) and the padding (a routed region, open: the packed kernels make as many
+    autograd nodes as the lengths say), not traced."""
     torch.manual_seed(0)
     rnn = RNNS[name]()
-    model, batch = Packed(rnn).double(), mixed(H * (2 if rnn.bidirectional else 1))
+    model, batch = Packed(rnn, state=state).double(), mixed(H * (2 if rnn.bidirectional else 1))
     shapes = [(4,)] * 4 + [(1,)] * 3
     with Engine(model, resolve_loss("mse")) as engine:
         for seed, (b,) in enumerate(shapes):

@@ -3,8 +3,8 @@ routed region (``rowops.py``): ``_pack_padded_sequence`` lays slot j's rows (the
 met by its length's) at that slot's place in every step it lasts; a recurrent op on packed data
 (``_VF.lstm(data, batch_sizes, hx, ...)``) and ``_pad_packed_sequence`` keep each slot's rows,
 which must be one example's (or none's: a flag where the values say otherwise, none needed for
-the rows a pack laid out); a bag of ``embedding_bag`` is its positions' rows, met. The packed
-kernels' initial states must be no example's; their final states are left unfollowed."""
+the rows a pack laid out); a bag of ``embedding_bag`` is its positions' rows, met. A packed
+kernel's initial states meet their slots' rows; its final states are left unfollowed."""
 
 from __future__ import annotations
 
@@ -50,10 +50,14 @@ def _pack(flow: RowFlow, out: object, x: Tensor, lengths: Tensor, batch_first: b
     if not found:
         return False, False
     per = flow.combine(found)  # (B,) each slot's example: its row's, met by its length's
-    data, sizes = out
-    rows = per[slots(sizes, per.device)]  # (N,)
+    return _laid(flow, per, out[1]), False
+
+
+def _laid(flow: RowFlow, per: Tensor, sizes: Tensor) -> Tensor:
+    """(N,) the rows of packed data whose slot j is example ``per[j]``'s, kept as laid out."""
+    rows = per[slots(sizes, per.device)]
     flow.slotted[id(rows)] = (rows, sizes, per)
-    return rows, False
+    return rows
 
 
 def _met(flow: RowFlow, rows: Tensor, group: Tensor, count: int) -> Tensor:
@@ -71,26 +75,30 @@ def _per_slot(flow: RowFlow, rows: Tensor, sizes: Tensor) -> tuple[Tensor, Tenso
     held = flow.slotted.get(id(rows))
     if held is not None and held[0] is rows and held[1] is sizes:
         return rows, held[2]
-    slot = slots(sizes, rows.device)  # (N,)
-    per = _met(flow, rows, slot, int(sizes[0]) if len(sizes) else 0)
-    rows = per[slot]
-    flow.slotted[id(rows)] = (rows, sizes, per)
-    return rows, per
+    per = _met(flow, rows, slots(sizes, rows.device), int(sizes[0]) if len(sizes) else 0)
+    return _laid(flow, per, sizes), per
 
 
 def _recurrent(flow: RowFlow, args: tuple, out: object) -> object:
-    """A recurrent op on packed data: the output's rows its slot's; states left unfollowed."""
+    """A recurrent op on packed data: the output's rows its slot's, met by the slot's initial
+    states' (along dimension 1, in slot order: the RNN sorted them); final states unfollowed."""
     data, sizes = args[0], args[1] if len(args) > 1 else None
     packed = isinstance(sizes, Tensor) and sizes.dim() == 1 and not sizes.is_floating_point()
     if not packed or not isinstance(out, tuple) or len(args) < 3:
         return NotImplemented
     states = args[2] if isinstance(args[2], (tuple, list)) else (args[2],)
-    rows = flow.of(data)
-    if rows is None or any(flow.of(h) is not False for h in states):
+    rows, at = flow.of(data), [flow.at(h) for h in states]
+    if rows is None or any(a is None or (a is not False and a[1] != 1) for a in at):
         return NotImplemented
-    if rows is False:
+    found = [a[0] for a in at if a is not False]
+    if rows is False and not found:
         return (False, *(None for _ in out[1:]))
-    return (_per_slot(flow, rows, sizes)[0], *(None for _ in out[1:]))
+    if rows is False:
+        return NotImplemented  # a state's rows through data of no example's: not followed
+    rows, per = _per_slot(flow, rows, sizes)
+    if found:
+        rows = _laid(flow, flow.combine([per, *found]), sizes)
+    return (rows, *(None for _ in out[1:]))
 
 
 def _pad(flow: RowFlow, data: Tensor, sizes: Tensor, batch_first: bool, *_) -> object:

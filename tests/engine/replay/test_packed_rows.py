@@ -1,7 +1,7 @@
 """The rows a routed region follows through a packed sequence's ops and an ``embedding_bag`` cut
 by offsets (``replay/packrows.py``): each slot's rows through the pack, the recurrent kernel and
-the padding, batch-first or sequence-first; a slot or bag where two examples meet flagged; an
-initial state of an example's left unfollowed."""
+the padding, batch-first or sequence-first; a slot or bag where two examples meet flagged; the
+initial states met in their slots."""
 
 from __future__ import annotations
 
@@ -60,12 +60,21 @@ def test_a_slot_whose_length_is_another_examples_is_flagged():
     assert flow.of(data) is not None and bool(flow.bad)
 
 
-def test_an_initial_state_of_an_example_leaves_the_output_unfollowed():
+def test_initial_states_meet_their_slots_rows():
+    """In slot order (the RNN sorts them as it sorts the rows): each slot's own example's, or
+    another's (flagged); along another dimension than 1, unfollowed."""
+    for rows, bad in (([1, 0, 2], False), ([0, 1, 2], True)):
+        flow, data, sizes = _packed(True, [0, 1, 2])
+        hx = torch.zeros(1, 3, 5)
+        flow.keep(hx, Along(torch.tensor(rows), 1))
+        out = _gru(flow, data, sizes, hx)
+        assert bool(flow.bad) == bad
+        if not bad:
+            assert flow.of(out[0]).tolist() == [1, 0, 2, 1, 0, 1, 1]
     flow, data, sizes = _packed(True, [0, 1, 2])
     hx = torch.zeros(1, 3, 5)
-    flow.keep(hx, Along(torch.tensor([0, 1, 2]), 1))
-    out = _gru(flow, data, sizes, hx)
-    assert flow.of(out[0]) is None
+    flow.keep(hx, torch.tensor([0]))  # along dimension 0, the layers'
+    assert flow.of(_gru(flow, data, sizes, hx)[0]) is None
 
 
 def test_bags_cut_by_offsets_and_a_bag_of_two_examples():
