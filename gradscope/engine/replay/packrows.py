@@ -46,7 +46,7 @@ def _pack(flow: RowFlow, out: object, x: Tensor, lengths: Tensor, batch_first: b
         return NotImplemented
     if at is not False and at[1] != (0 if batch_first else 1):
         return NotImplemented
-    found = [r for r in (at[0] if at else False, length) if r is not False]
+    found = [r.to(x.device) for r in (at[0] if at else False, length) if r is not False]
     if not found:
         return False, False
     per = flow.combine(found)  # (B,) each slot's example: its row's, met by its length's
