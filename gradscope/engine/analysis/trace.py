@@ -218,15 +218,6 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         except Exception:  # owners could not follow this op: its results mix examples
             self._set(out, None, origin)
 
-    def _mask_sized(self, name: str, args: tuple) -> bool:
-        """Whether ``x[mask]`` picks by a boolean mask of the batch's values: its result's
-        size is read on the host, as ``nonzero``'s."""
-        key = args[1] if name == "__getitem__" and len(args) > 1 else None
-        keys = key if isinstance(key, tuple) else (key,)
-        return any(
-            isinstance(k, Tensor) and k.dtype == torch.bool and self._of_batch(k) for k in keys
-        )
-
     def _host(self, name: str, func, args: tuple, kwargs: dict) -> object:
         """Values read on the host by ``name``: Python may branch on them. The finder sees each
         read of one scalar with its value (a light region's witness compares them), whatever
