@@ -1,5 +1,5 @@
 """`gradscope norms` and `gradscope influence --ref` on routed experts, each batch after the
-first of its shape replayed (counted, as ``test_cli_replays.py`` counts them), none on the
+first of its shape replayed (counted: ``project.count_passes``), none on the
 fallback, the Parquet's numbers the per-example loop's: experts run by ``grouped_mm`` whose
 Gram over all rows costs more than the read (``Routed.keyed``, forced here on tiny experts:
 each (example, expert) key's rows apart; float32, which ``grouped_mm`` takes alone on the CPU),
@@ -14,11 +14,10 @@ import pytest
 import torch
 from moe_models import Block, Experts, H
 from oracle import assert_rel_close, reference_norms
-from project import invoke_cli, saved_model
+from project import count_passes, invoke_cli, saved_model
 from torch import Tensor, nn
 
 from gradscope.engine import Engine, naive_grads
-from gradscope.engine.replay.programs import Replayed
 from gradscope.io.parquet import read_metadata
 from gradscope.losses import resolve_loss
 from gradscope.rules import routed
@@ -51,20 +50,7 @@ def _run(root: Path, model: nn.Module, features: int, monkeypatch, *command: str
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(n, T, features, generator=g, dtype=dtype)
         torch.save({"x": x, "y": torch.randint(0, CLASSES, (n,), generator=g)}, root / f"{name}.pt")
-    passes = {"analysed": 0, "replayed": 0}
-    analysed, replayed = Engine._analysed, Replayed.__call__
-
-    def counted_analysis(self, *args):
-        passes["analysed"] += 1
-        return analysed(self, *args)
-
-    def counted_replay(self, *args):
-        out = replayed(self, *args)
-        passes["replayed"] += out is not None
-        return out
-
-    monkeypatch.setattr(Engine, "_analysed", counted_analysis)
-    monkeypatch.setattr(Replayed, "__call__", counted_replay)
+    passes = count_passes(monkeypatch)
     HELD[:] = [model]
     section = saved_model(root, model, f"{__name__}:held")
     data = {"path": "data.pt", "inputs": "x", "targets": "y", "batch_size": BATCH}
