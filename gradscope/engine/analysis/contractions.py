@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ...rules.embedding_bag import BAG_ARGS, bag_of
+from ..ops import RECURRENT
 from ..tensors import tensors_in
 from .owners import NONE, combine, compact, reduce, segment_combine
 from .packed import PACKED, recurrent
@@ -247,6 +248,6 @@ CONTRACTIONS: dict[str, Callable[..., object]] = {
     "multi_head_attention_forward": _mha,
     "einsum": _einsum,
     "im2col": _im2col,  # F.unfold, told apart from Tensor.unfold by the function itself
-    **dict.fromkeys(("lstm", "gru", "rnn_tanh", "rnn_relu"), _recurrent),
+    **dict.fromkeys(RECURRENT, _recurrent),
     **PACKED,
 }

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 def packed_after(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object) -> object:
-    """The rows of ``out`` after op ``name`` (of ``ops.PACKED``), or NotImplemented."""
+    """The rows of ``out`` after op ``name`` (of ``ops.SLOTTED``), or NotImplemented."""
     if name == "_pack_padded_sequence":
         return _pack(flow, out, *args, *kwargs.values())
     if name == "_pad_packed_sequence":
