@@ -63,6 +63,8 @@ class OwnerAlgebra(Picks, Selectors):
             return self._set(target, o, self._crossing(name, origin))
         if name in IN_PLACE_MOVES:
             return self._in_place(name, args, kwargs, origin)
+        if name == "take" and isinstance(args[0], Tensor):  # x.reshape(-1)[index]
+            return self._set(out, self._took(args, kwargs), self._crossing(name, origin))
         if name in ("index_put", "index_put_"):  # x[indices] = values, in place or not
             target, o = args[0] if name.endswith("_") else out, self._index_put(args, kwargs)
             return self._set(target, o, self._crossing(name, origin))
@@ -232,6 +234,8 @@ class OwnerAlgebra(Picks, Selectors):
             # mask leaves the program's rows right (``tests/engine/analysis/test_masked_fill``)
             o[args[1].expand(x.shape)] = v.reshape(()).to(o.device)
             o = self._apart(o, self.selector(args[1]))  # elements kept by another's mask
+            if bool((self.owner(x) == NONE).all()):  # no example's: what the mask made it
+                o = combine(o, self.selector(args[1])).expand(x.shape)
         else:  # __setitem__
             o = self._put(x, args[1], v)
         return self._set(x, shrink(o), self._crossing(name, origin))

@@ -157,6 +157,12 @@ class Selectors:
                 o = self._apart(o, om)
         return o
 
+    def _took(self, args: tuple, kwargs: dict) -> Tensor:
+        """The owners of ``x.take(index)``: x's flattened, picked, taken by ``_by_index``."""
+        x, index = args[0], kwargs.get("index", args[1] if len(args) > 1 else None)
+        o = self.owner(x).expand(x.shape).take(index)
+        return shrink(self._by_index(o, self.selector(index)))
+
     def _put(self, x: Tensor, key: object, v: Tensor) -> Tensor:
         """The owners of ``x`` (full-shaped) after ``x[key] = value``, ``v`` the value's."""
         o = self.owner(x).expand(x.shape).clone()

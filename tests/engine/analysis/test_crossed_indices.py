@@ -1,13 +1,15 @@
 """Indices whose VALUES are another example's, where the rows they pick are not the question:
 along the features or positions, which every example has alike (``h.gather(2, idx)``,
-``h[:, :, idx]``, ``index_select``, a table's or a parameter's entries picked by them), and
-writes placed by them (``scatter_`` and its kin, ``x[idx] = y``, ``index_put``, a -inf mask's
-zeros put at another example's top k). Example i's output then depends on example j's inputs:
-no per-example gradient exists, and the float64 loop (each example alone) disagrees with the
-batch. The trace makes the elements MIXED (``analysis/selectors.py``), so each batch is refused
-as mixing the examples, naming the op, or is exact (the examples checked alone agree: every
-parameter on the fallback). The same ops by each example's own values, or a fixed index, stay
-exact with no parameter on the fallback, at batch 3 and batch 1."""
+``h[:, :, idx]``, ``index_select``, ``take``, a table's or a parameter's entries picked by
+them), writes placed by them (``scatter_`` and its kin, ``x[idx] = y``, ``index_put``, a -inf
+mask's zeros put at another example's top k), and zeros filled in place by another example's
+mask. Example i's output then depends on example j's inputs: no per-example gradient exists,
+and the float64 loop (each example alone) disagrees with the batch. The trace makes the
+elements MIXED (``analysis/selectors.py``), so each batch is refused as mixing the examples,
+naming the op, or is exact (the examples checked alone agree: every parameter on the
+fallback); norms and the hooks engine's inner products alike. The same ops by each example's
+own values, or a fixed index, stay exact with no parameter on the fallback, and so does every
+crossed op at batch 1, where another example's values are the example's own."""
 
 from __future__ import annotations
 
@@ -35,6 +37,11 @@ def tokens(h: Tensor, order: Tensor) -> Tensor:
     at = (order + torch.arange(h.shape[0])[:, None] * T).reshape(-1)  # (B*T,)
     flat = h.reshape(-1, H)
     return torch.zeros_like(flat).index_copy_(0, at, flat).view(h.shape)
+
+
+def flat_rows(h: Tensor) -> Tensor:
+    """(B, T, 1): where each (example, token)'s features start in ``h`` flattened."""
+    return torch.arange(h.shape[0] * T).view(-1, T, 1) * H
 
 
 def put(h: Tensor, key: tuple, value: Tensor) -> Tensor:
@@ -86,6 +93,11 @@ CROSSED = {  # silently wrong before: each example's output picked or placed by 
         lambda h, m: torch.zeros_like(h).index_put(lines(h, other(h).argsort(-1)), h),
     ),
     "index_copy_-tokens": ("index_copy_", lambda h, m: tokens(h, other(h)[..., 0].argsort(-1))),
+    "take": ("take", lambda h, m: h.take(other(h).argsort(-1) + flat_rows(h))),
+    "masked_fill_-none": (
+        "add",
+        lambda h, m: h + torch.zeros_like(h).masked_fill_(other(h) > 0, -3.0),
+    ),
 }
 REFUSED = {  # refused before too: kept as proof
     "index_add_": (
@@ -119,20 +131,33 @@ OWN = {  # by each example's own values, or a fixed index
     "setitem": lambda h, m: put(h, lines(h, h.detach().argsort(-1)), h),
     "index_put": lambda h, m: torch.zeros_like(h).index_put(lines(h, h.detach().argsort(-1)), h),
     "index_fill-fixed": lambda h, m: h.index_fill(2, FIXED[:1], 0.0),
+    "take": lambda h, m: h.take(h.detach().argsort(-1) + flat_rows(h)),
+    "masked_fill_-none": lambda h, m: h + torch.zeros_like(h).masked_fill_(h.detach() > 0, -3.0),
 }
+
+
+class Pick(nn.Module):
+    """The op, in a module of its own (a refusal names it), with a parameter and a table."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(H))
+        self.register_buffer("table", torch.randn(H, H))
+        self.op = op
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.op(h, self) * self.w  # (B, T, H)
 
 
 class Model(nn.Module):
     def __init__(self, op):
         super().__init__()
-        self.inp, self.head = nn.Linear(F_IN, H), nn.Linear(H, C)
-        self.w, self.pos = nn.Parameter(torch.randn(H)), nn.Parameter(torch.randn(T, 1))
-        self.register_buffer("table", torch.randn(H, H))
-        self.op = op
+        self.inp, self.pick, self.head = nn.Linear(F_IN, H), Pick(op), nn.Linear(H, C)
+        self.pos = nn.Parameter(torch.randn(T, 1))
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.inp(x)  # (B, T, H)
-        y = self.op(h, self) * self.w * self.pos  # (B, T, H): each feature and position its own
+        y = self.pick(h) * self.pos  # (B, T, H): each feature and position its own
         return self.head(torch.tanh(y).mean(1) + h.mean(1))
 
 
@@ -176,11 +201,22 @@ def test_an_index_of_another_example_refused_or_exact(case: str):
     assert all("mixes the examples of a batch" in why for why in refused), refused
     named = [why for why in refused if "(after" in why]
     assert all(f"(after {op}" in why for why in named), named
+    picked = f"(after {op}, picked by another example's values in pick)"
+    direct = op not in ("mul", "add") and not case.endswith("(proof)")
+    assert not direct or all(picked in why for why in named), named
     assert named or case.endswith("(proof)"), refused  # refused at analysis, naming the op
 
 
 @pytest.mark.parametrize("case", list(OWN))
 def test_an_index_of_the_example_itself_stays_served(case: str):
     engine, refused = scored(OWN[case], (3, 3, 1))
+    assert not refused, refused[0]
+    assert_fallback(engine)
+
+
+@pytest.mark.parametrize("case", list(CROSSED))
+def test_alone_an_example_picks_by_its_own_values(case: str):
+    """At batch 1, another example's values are the example's own: served, exact."""
+    engine, refused = scored(CROSSED[case][1], (1, 1))
     assert not refused, refused[0]
     assert_fallback(engine)
