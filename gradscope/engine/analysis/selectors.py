@@ -119,21 +119,23 @@ class Selectors:
 
     def _slab(self, x: Tensor, dims: list[int], sel: Tensor) -> Tensor:
         """``sel``, an index's selector owners into ``x`` along ``dims``, with MIXED taken as
-        no example's where ``x`` holds integers or booleans of one owner along ``dims``: a slab
-        every example shares, as a loop over every expert id the batch's routing hit takes
-        Mixtral's ``mask[e]``. One example's index there still crosses, and any into values."""
+        no example's where ``x`` is a parameter, or holds integers or booleans of one owner
+        along ``dims``: a slab every example shares, as a loop over every expert id the batch's
+        routing hit takes Mixtral's ``W[e]`` and ``mask[e]``. One example's index there still
+        crosses, and an index of several into values or a table of no example's."""
+        if isinstance(x, torch.nn.Parameter):
+            return torch.where(sel == MIXED, NONE, sel)
         if x.is_floating_point() or x.is_complex() or self._varies(x, dims):
             return sel
         return torch.where(sel == MIXED, NONE, sel)
 
     def _by_index(self, o: Tensor, sel: Tensor) -> Tensor:
         """``_apart`` for an integer index: ``o`` MIXED where the index that picked or placed an
-        element is another example's, and an element of no example's that one example's index
-        picked or placed that example's (a table's row, a -inf mask's zeros, put where its
-        values say). An index of several examples leaves those no example's: Mixtral's
-        ``W[e]``, each expert the batch's routing hit in turn, is every example's alike."""
+        element is another example's, and an element of no example's that an index of the
+        batch's values picked or placed its owners' (a table's row, a -inf mask's zeros, put
+        where one example's values say, that example's; where several's, MIXED)."""
         o = self._apart(o, sel)
-        return torch.where((o == NONE) & (sel >= 0), sel, o)
+        return torch.where((o == NONE) & (sel != NONE), sel, o)
 
     def _crossing(self, name: str, origin: str) -> str:
         """The origin of op ``name``'s MIXED owners: the op itself, and the module whose call
