@@ -122,8 +122,15 @@ class InfluenceScorer(Scorer):
         if job.sharded:
             return self._sharded(job, batches)
         main = distributed.world().main
+        # the plain inner product of one process: a weight's references kept as their factors
+        # where that costs less; a curvature, a preconditioner and the broadcast take them formed
+        factored = (
+            self.curvature == NONE and not self.precondition and distributed.world().size == 1
+        )
         with reading(f"--ref {self.ref}"):
-            refs = reference_gradients(job.engine, batches, self.per_ref) if main else None
+            refs = (
+                reference_gradients(job.engine, batches, self.per_ref, factored) if main else None
+            )
         if main and self.curvature != NONE:  # fitted over the data, once, on rank 0
             fitted = fit_curvature(
                 job, self.curvature, self.solver, self.damping, self.cg_tolerance

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...rules import Contribution, Rows
+from ...rules import Contribution, Rows, factored
 from ...rules.base import accumulation_dtype, rows
+from ...rules.factored import Reference
 from ...rules.projection import Projection
 from .batched import Batched
 
@@ -30,7 +31,7 @@ class Want:
     """
 
     norms: bool = True
-    refs: dict[str, Tensor] | None = None
+    refs: dict[str, Reference] | None = None  # formed, or factored (``rules.factored``)
     keep: bool = False
     sums: bool = False
     transform: Callable[[str, Contribution], Contribution] | None = None
@@ -164,7 +165,7 @@ class Reducer:
         if self.want.train and _forms(groups):
             self.formed.add(name)
         if self.want.norms and refs is not None and self.want.share:
-            both = [g.norm_sq_and_inner(refs) for g in groups]
+            both = [factored.norm_sq_and_inner(g, refs) for g in groups]
             norm_sq, self.inner[name] = sum(n for n, _ in both), sum(i for _, i in both)
         else:
             if self.want.norms and name in self.want.summed:
@@ -173,7 +174,7 @@ class Reducer:
             elif self.want.norms:
                 norm_sq = sum(g.norm_sq() for g in groups)
             if refs is not None:
-                self.inner[name] = sum(g.inner(refs) for g in groups)
+                self.inner[name] = sum(factored.inner(g, refs) for g in groups)
         if self.want.project is not None:  # linear in the gradient: the kinds' answers add
             self.inner[name] = sum(g.project(self.want.project[name]) for g in groups)
         if self.want.norms:
@@ -191,7 +192,7 @@ class Reducer:
             return
         if self._inners_only:
             if self._inners is None or not self._inners.take(name, c):
-                self.inner[name] = c.inner(self.want.refs[name])
+                self.inner[name] = factored.inner(c, self.want.refs[name])
             return
         if self.pre is not None:
             self.pre.reduce(name, self.want.transform(name, c))
@@ -199,7 +200,7 @@ class Reducer:
         if self.want.train and c.forms(train=True):
             self.formed.add(name)
         if self.want.norms and refs is not None and self.want.share:
-            self.norm_sq[name], self.inner[name] = c.norm_sq_and_inner(refs)
+            self.norm_sq[name], self.inner[name] = factored.norm_sq_and_inner(c, refs)
         else:
             summed = name in self.want.summed  # its norm and sum from G formed, not a Gram
             batched = not summed and self._batched is not None and self._batched.take(name, c)
@@ -209,7 +210,7 @@ class Reducer:
                 self.norm_sq[name] = c.norm_sq()
             inners = self._inners is not None and self._inners.take(name, c)
             if refs is not None and not inners:
-                self.inner[name] = c.inner(refs)
+                self.inner[name] = factored.inner(c, refs)
         if self.want.project is not None:
             self.inner[name] = c.project(self.want.project[name])
         if self.want.keep:
@@ -265,7 +266,7 @@ class Reducer:
         if self.want.norms and name not in self.norm_sq:
             self.norm_sq[name] = torch.zeros(batch, **like)
         if self.want.refs is not None and name not in self.inner:
-            k = self.want.refs[name].shape[0]
+            k = len(self.want.refs[name])
             self.inner[name] = torch.zeros(batch, k, **like)
         if self.want.project is not None and name not in self.inner:
             self.inner[name] = torch.zeros(batch, self.want.project[name].dim, **like)
