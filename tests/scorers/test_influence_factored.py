@@ -11,7 +11,9 @@ from oracle import Case, reference_influence
 from test_influence import TiedLM, assert_cosine_close
 from torch import Tensor, nn
 
-from gradscope.engine import Engine, Influence, reference_gradients
+import gradscope
+from gradscope.api import batch
+from gradscope.engine import Engine, Influence, influence, reference_gradients
 from gradscope.losses import resolve_loss
 from gradscope.rules.factored import Factored
 
@@ -135,3 +137,24 @@ def test_the_forward_mode_engine_takes_them_formed():
         scores = scorer(inputs, targets)
     assert scorer.method == "jvp"
     assert_cosine_close(scores.inner, expected, g_norm, r_norm)
+
+
+def test_the_api_hooks_score_factored(monkeypatch):
+    """``per_example_influence(engine="hooks")``: the references factored, the loop's scores."""
+    asked = []
+    real = influence.reference_gradients
+
+    def recorded(*args, **kwargs):
+        refs = real(*args, **kwargs)
+        asked.append({n for n, r in refs.items() if isinstance(r, Factored)})
+        return refs
+
+    monkeypatch.setattr(batch, "reference_gradients", recorded)
+    case = CASES[0]
+    model, inputs, targets, refs = _problem(case, n=3)
+    expected, g_norm, r_norm = reference_influence(model, inputs, targets, refs, case.loss)
+    actual = gradscope.per_example_influence(
+        model, inputs, targets, *refs, loss=case.loss, engine="hooks"
+    )
+    assert asked == [FACTORED[case.id]]
+    assert_cosine_close(actual, expected[:, 0], g_norm, r_norm)
