@@ -15,6 +15,7 @@ import gradscope
 from gradscope.api import batch
 from gradscope.engine import Engine, Influence, influence, reference_gradients
 from gradscope.losses import resolve_loss
+from gradscope.rules import Outer, Rows
 from gradscope.rules.factored import Factored
 
 W = 32  # wide enough that a few positions' factors cost less than R formed (W * W)
@@ -158,3 +159,25 @@ def test_the_api_hooks_score_factored(monkeypatch):
     )
     assert asked == [FACTORED[case.id]]
     assert_cosine_close(actual, expected[:, 0], g_norm, r_norm)
+
+
+@pytest.mark.parametrize("per_ref", [False, True], ids=["mean", "per-ref"])
+def test_a_tied_table_and_head_are_kept_apart(monkeypatch, per_ref: bool):
+    """The contributions a reference pass keeps of a tied table and head (``Kinds``): the mean
+    sums each kind's batch sum, no example's gradient formed, the first (self-checked) batch
+    too; per reference each is formed, and the scores are the loop's."""
+    case = CASES[-1]
+    model, inputs, targets, refs = _problem(case, n=3)
+    expected, g_norm, r_norm = reference_influence(
+        model, inputs, targets, refs, case.loss, per_ref=per_ref
+    )
+    formed = []
+    for kind in (Rows, Outer):
+        real = kind.materialize
+        monkeypatch.setattr(kind, "materialize", lambda c, real=real: formed.append(c) or real(c))
+    core = Engine(model, resolve_loss(case.loss))
+    with core:
+        directions = reference_gradients(core, [refs], per_ref=per_ref, factored=True)
+        assert bool(formed) == per_ref
+        scores = Influence(core, directions, "hooks", norms=True)(inputs, targets)
+    assert_cosine_close(scores.inner, expected, g_norm, r_norm)

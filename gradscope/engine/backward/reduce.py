@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ...rules import Contribution, Rows, factored
-from ...rules.base import accumulation_dtype, rows
+from ...rules.base import Kinds, accumulation_dtype, rows
 from ...rules.factored import Reference
 from ...rules.projection import Projection
 from .batched import Batched
@@ -48,13 +48,6 @@ class Want:
 
 
 _NORMS = Want()  # the squared norms alone
-
-
-def _merged(parts: list[Contribution]) -> Contribution:
-    merged = parts[0]
-    for part in parts[1:]:
-        merged = merged.merge(part)
-    return merged
 
 
 def _forms(groups: list[Contribution]) -> bool:
@@ -136,7 +129,8 @@ class Reducer:
         Parts of one kind merge and stay factored (positions concatenate). Parts of different
         kinds (a tied embedding and head) are reduced apart and joined through their cross
         terms, ||G + H||^2 = ||G||^2 + ||H||^2 + 2<G, H>, formed only where no cheaper
-        form of <G, H> exists; inner products are linear and simply add.
+        form of <G, H> exists; inner products are linear and simply add. A pass that keeps
+        the contributions keeps such parts apart too (``Kinds``), none of them formed.
         """
         for name, parts in self._parts.items():
             kinds: dict[type, Contribution] = {}
@@ -144,10 +138,12 @@ class Reducer:
                 same = kinds.get(type(part))
                 kinds[type(part)] = part if same is None else same.merge(part)
             groups = list(kinds.values())
-            if len(groups) == 1 or (groups and self.want.keep):
-                self.reduce(name, _merged(groups))
+            if len(groups) == 1:
+                self.reduce(name, groups[0])
             elif groups:
                 self._reduce_apart(name, groups)
+                if self.want.keep:  # kept apart too: formed only where asked
+                    self.kept[name] = Kinds(groups)
         self._parts.clear()
         if self._batched is not None:  # what comes later (the fallback's) is answered at once
             self.norm_sq.update(self._batched.answers())
