@@ -35,8 +35,8 @@ def reference_gradients(
 
     ``factored``: the directions of a weight an Outer serves (Linear, Conv) kept as the sums of
     the reference pass's outer products (``rules.factored.Factored``) where the inner products
-    with them cost less so than through R formed (``Factored.cheaper``, for a batch of the
-    reference's positions); the rest formed. The model must be prepared (eval mode, selected
+    with them cost less than through R formed (``rules.factored.cheaper``, for an example of
+    the reference's positions); the rest formed. The model must be prepared (eval mode, selected
     parameters requiring grad).
     """
     if per_ref:
@@ -83,7 +83,7 @@ def _factored_mean(
                 pieces.append(_positions(c))
                 # one example's copy for its layout: the batch's tensors are let go
                 one = first.setdefault(p.name, Outer(c.s[:1].clone(), c.a[:1].clone(), c.shape))
-                if cheaper(one, 1, sum(u.shape[1] for u, _ in pieces)):
+                if cheaper(one, 1, sum(u.shape[1] for u, _ in pieces), each=True):
                     continue
                 total_[0] += _factors(pieces, one.shape).dense()[0]
             else:
@@ -148,7 +148,7 @@ def _joined(parts: list) -> Reference:
         u = torch.cat([F.pad(c.s, p) for c, p in zip(parts, pad, strict=True)])  # (K, G, T, O)
         v = torch.cat([F.pad(c.a, p) for c, p in zip(parts, pad, strict=True)])  # (K, G, T, I)
         kept = Factored(u, v, parts[0].shape)
-        if kept.cheaper(parts[0]):
+        if cheaper(parts[0], len(kept), t, each=True):
             return kept
         return kept.dense()
     return torch.cat([c.materialize() if isinstance(c, Outer) else c for c in parts])

@@ -13,6 +13,13 @@ from torch import Tensor
 from .base import CHUNK_ELEMENTS, Contribution, _cat
 from .outer import Outer
 
+# Multiply-adds the factored inner products must save over a batch: their route runs a few
+# more ops (two products, their product, a sum), whose dispatch a small layer's batch does not
+# earn back: the bench's T3 (MLP 32-64-64-1, batch 64, 8 reference rows; 196k multiply-adds
+# saved a layer) scored 21 us slower over its two layers from the factors than through R, 4%
+# of its norms pass (CPU time, one thread). 2^20 at some 20 G a second: ~50 us.
+DISPATCH = 1 << 20
+
 
 class Factored:
     """K reference directions of a parameter an Outer serves, each R_k (its (G*O, I) matrix)
@@ -59,16 +66,20 @@ class Factored:
         return factored_inner(c.s, c.a, self.u.to(c.s.dtype), self.v.to(c.a.dtype))
 
 
-def cheaper(c: Outer, k: int, n: int, norms: bool = False) -> bool:
+def cheaper(c: Outer, k: int, n: int, norms: bool = False, each: bool = False) -> bool:
     """Whether K directions of N positions each give ``c``'s inner products for less, T * K *
     N * (O + I) products an example, than the Outer's own route through R formed: T * K * O *
     I through R, (T + K) * O * I from each G_i formed where that is less, K * O * I where its
-    norm (``norms``: answered together, ``Outer.norm_sq_and_inner``) forms G_i anyway."""
-    _, _, t, o, i = c.dims
+    norm (``norms``: answered together, ``Outer.norm_sq_and_inner``) forms G_i anyway; and
+    by at least ``DISPATCH`` over the batch, which the factors' few more ops cost more than at
+    a small layer's (``each``: for one example, where the batches are not known yet: a
+    reference kept, which the batches then take formed where it does not pay)."""
+    b, _, t, o, i = c.dims
     formed = min(t * k, t + k) * o * i
     if norms and c.forms(train=False):
         formed = k * o * i
-    return t * k * n * (o + i + 1) < formed
+    saved = formed - t * k * n * (o + i + 1)
+    return saved > 0 and (each or b * saved >= DISPATCH)
 
 
 Reference = Tensor | Factored  # (K, *shape), formed or factored

@@ -12,6 +12,13 @@ from gradscope.rules import Dense, Outer, factored
 from gradscope.rules.factored import Factored
 
 
+@pytest.fixture(autouse=True)
+def no_floor(monkeypatch):
+    """The factors' route wherever it saves work, however little (``DISPATCH``: below it a
+    small layer's batch takes R formed), so that these small shapes take it."""
+    monkeypatch.setattr(factored, "DISPATCH", 0)
+
+
 def _factors(k: int, g: int, n: int, o: int, i: int) -> Factored:
     u, v = torch.randn(k, g, n, o).double(), torch.randn(k, g, n, i).double()
     return Factored(u, v, torch.Size((g * o, i)))
@@ -92,3 +99,18 @@ def test_stacked_calls_each_against_its_own_factors():
     torch.testing.assert_close(
         factored.inners(c, refs, batch), c.inners(formed, batch), rtol=1e-12, atol=1e-12
     )
+
+
+def test_a_small_batch_takes_r_formed(monkeypatch):
+    """Below ``DISPATCH`` multiply-adds saved over the batch, R formed (its few ops dispatch for
+    less); past it, the factors; both exact."""
+    monkeypatch.setattr(factored, "DISPATCH", 1 << 20)
+    torch.manual_seed(4)
+    kept = _factors(1, 1, 2, 20, 30)  # saves 600 - 2 * 51 = 498 multiply-adds an example
+    for b, cheap in ((2000, False), (2200, True)):
+        r = Factored(kept.u, kept.v, kept.param_shape)  # none formed yet
+        c = Outer(torch.randn(b, 1, 1, 20).double(), torch.randn(b, 1, 1, 30).double(), (20, 30))
+        torch.testing.assert_close(
+            factored.inner(c, r), c.inner(_formed(r)), rtol=1e-12, atol=1e-12
+        )
+        assert (r._dense is None) == cheap

@@ -15,8 +15,16 @@ import gradscope
 from gradscope.api import batch
 from gradscope.engine import Engine, Influence, influence, reference_gradients
 from gradscope.losses import resolve_loss
-from gradscope.rules import Outer, Rows
+from gradscope.rules import Outer, Rows, factored
 from gradscope.rules.factored import Factored
+
+
+@pytest.fixture(autouse=True)
+def no_floor(monkeypatch):
+    """The factors' route wherever it saves work, however little (``factored.DISPATCH``), so
+    that these small batches take it."""
+    monkeypatch.setattr(factored, "DISPATCH", 0)
+
 
 W = 32  # wide enough that a few positions' factors cost less than R formed (W * W)
 
@@ -103,9 +111,9 @@ def test_factored_references_score_as_formed_and_loop(case: Case, per_ref: bool,
     held = FACTORED[case.id] | (PER_REF.get(case.id, set()) if per_ref else set())
     assert {n for n, r in kept.items() if isinstance(r, Factored)} == held
     assert all(r._dense is None for r in kept.values() if isinstance(r, Factored))
-    for factored, formed_ in (first, second):
-        assert_cosine_close(factored.inner, expected, g_norm, r_norm)
-        torch.testing.assert_close(factored.inner, formed_.inner, rtol=1e-10, atol=1e-12)
+    for through, formed_ in (first, second):
+        assert_cosine_close(through.inner, expected, g_norm, r_norm)
+        torch.testing.assert_close(through.inner, formed_.inner, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(scores[0].ref_norm, r_norm, rtol=1e-10, atol=0)
 
 
