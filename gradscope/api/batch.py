@@ -85,7 +85,8 @@ def per_example_influence(
     state dict), or the factors ``gradscope.factors`` returned, scores then use ``H^-1 g_ref``
     with its K-FAC / EK-FAC curvature. ``engine`` is
     ``hooks``, ``jvp`` (forward mode, no backward) or ``auto`` (jvp, moving to hooks if an op
-    lacks forward mode). ``curvature`` ``gn``, ``hessian`` or ``auto`` (``gn`` where
+    lacks forward mode; forward mode scores only batches of a shape the hooks have analysed,
+    not a shape's first). ``curvature`` ``gn``, ``hessian`` or ``auto`` (``gn`` where
     its dense matrix fits) scores against
     ``(C + lambda I)^-1 g_ref`` instead, C the Gauss-Newton matrix or the Hessian of the mean
     loss over ``inputs`` (the training rows), fitted here (``solver``: ``dense``, ``cg`` or
@@ -106,7 +107,9 @@ def per_example_influence(
         model, resolve_loss(loss), include, exclude, Forward(output=output, where="output=")
     )
     with core:
-        refs = reference_gradients(core, [(_as_tuple(ref_inputs), ref_targets)])
+        # the hooks' plain inner product reads a weight's reference as its factors where cheaper
+        factored = engine == "hooks" and precondition is None and curvature == NONE
+        refs = reference_gradients(core, [(_as_tuple(ref_inputs), ref_targets)], factored=factored)
         batch = [(_as_tuple(inputs), targets)]
         refs = _preconditioned(
             core, refs, batch, precondition, curvature, solver, damping, cg_tolerance
