@@ -45,8 +45,10 @@ def steps(workload: str) -> dict[str, Callable]:
 
     kfac, ekfac = factors(False)(), factors(True)()
     refs = reference_gradients(engine, [(pb.ref_inputs, pb.ref_targets)])
-    plain = Influence(engine, refs, "hooks", norms=False)
-    by_kfac = Influence(engine, kfac.refs(refs), "hooks", norms=False)
+    # as the command keeps them for the plain inner product and K-FAC's: factored where cheaper
+    kept = reference_gradients(engine, [(pb.ref_inputs, pb.ref_targets)], factored=True)
+    plain = Influence(engine, kept, "hooks", norms=False)
+    by_kfac = Influence(engine, kfac.refs(kept), "hooks", norms=False)
     by_ekfac = Influence(engine, ekfac.refs(refs), "hooks", norms=False)
     return {
         "floor": floor(pb),

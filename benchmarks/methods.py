@@ -409,11 +409,12 @@ def gradscope_norms(pb: Problem) -> Step:
     return lambda: total(core.norms(pb.inputs, pb.targets).norm_sq).sqrt()
 
 
-def _gradscope_refs(pb: Problem) -> dict[str, Tensor]:
-    """{name: (1, *shape)}: gradscope's reference gradient, on a fresh Engine as the API takes it."""
+def _gradscope_refs(pb: Problem, factored: bool = False) -> dict[str, Tensor]:
+    """{name: (1, *shape)}: gradscope's reference gradient, on a fresh Engine as the API takes it;
+    ``factored``: kept as ``gradscope influence --curvature none`` keeps it (``Factored``)."""
     core = Engine(pb.model, resolve_loss(pb.loss))
     with core:
-        return reference_gradients(core, [(pb.ref_inputs, pb.ref_targets)])
+        return reference_gradients(core, [(pb.ref_inputs, pb.ref_targets)], factored=factored)
 
 
 def gradscope_reference(pb: Problem) -> Step:
@@ -427,7 +428,7 @@ def gradscope_influence(engine: str) -> Callable[[Problem], Step]:
     forward mode fails on the model, the first batch alone tries it)."""
 
     def setup(pb: Problem) -> Step:
-        scorer = Influence(held(pb), _gradscope_refs(pb), engine, norms=False)
+        scorer = Influence(held(pb), _gradscope_refs(pb, factored=True), engine, norms=False)
         return lambda: scorer(pb.inputs, pb.targets).inner[:, 0]
 
     return setup
@@ -435,10 +436,13 @@ def gradscope_influence(engine: str) -> Callable[[Problem], Step]:
 
 def gradscope_per_ref(pb: Problem) -> Step:
     """``influence --per-ref``'s scoring pass (its engine ``auto``: the hooks, R > 1), against
-    the 8 reference examples' own gradients, which the setup computes on a fresh Engine."""
+    the 8 reference examples' own gradients, which the setup computes on a fresh Engine (kept
+    factored where that costs less, as the command keeps them)."""
     core = Engine(pb.model, resolve_loss(pb.loss))
     with core:
-        refs = reference_gradients(core, [(pb.ref_inputs, pb.ref_targets)], per_ref=True)
+        refs = reference_gradients(
+            core, [(pb.ref_inputs, pb.ref_targets)], per_ref=True, factored=True
+        )
     scorer = Influence(held(pb), refs, "auto", norms=False)
     return lambda: scorer(pb.inputs, pb.targets).inner
 

@@ -18,6 +18,8 @@ import yaml
 from typer.testing import CliRunner, Result
 
 from gradscope.cli import app, main
+from gradscope.engine import Engine
+from gradscope.engine.replay.programs import Replayed
 from gradscope.io.parquet import partial_path
 from gradscope.scorers import NormsScorer
 
@@ -278,3 +280,23 @@ def invoke_cli(
     }
     config.write_text(yaml.safe_dump(raw, sort_keys=False))
     return CliRunner().invoke(app, [*(command or ["norms"])[:1], str(config), *command[1:]])
+
+
+def count_passes(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """The passes analysed and replayed from now on, counted as they run (the numbers are
+    exact either way: only the counts tell a replay from an analysis)."""
+    passes = {"analysed": 0, "replayed": 0}
+    analysed, replayed = Engine._analysed, Replayed.__call__
+
+    def counted_analysis(self, *args):
+        passes["analysed"] += 1
+        return analysed(self, *args)
+
+    def counted_replay(self, *args):
+        out = replayed(self, *args)
+        passes["replayed"] += out is not None
+        return out
+
+    monkeypatch.setattr(Engine, "_analysed", counted_analysis)
+    monkeypatch.setattr(Replayed, "__call__", counted_replay)
+    return passes

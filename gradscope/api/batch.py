@@ -106,7 +106,9 @@ def per_example_influence(
         model, resolve_loss(loss), include, exclude, Forward(output=output, where="output=")
     )
     with core:
-        refs = reference_gradients(core, [(_as_tuple(ref_inputs), ref_targets)])
+        # the hooks' plain inner product reads a weight's reference as its factors where cheaper
+        factored = engine == "hooks" and precondition is None and curvature == NONE
+        refs = reference_gradients(core, [(_as_tuple(ref_inputs), ref_targets)], factored=factored)
         batch = [(_as_tuple(inputs), targets)]
         refs = _preconditioned(
             core, refs, batch, precondition, curvature, solver, damping, cg_tolerance

@@ -24,6 +24,7 @@ from torch import Tensor
 from ..errors import ModelError
 from ..rules import Contribution, Dense, Outer, Rows
 from ..rules.base import CHUNK_ELEMENTS, accumulation_dtype, rows
+from ..rules.factored import Factored, Reference, dense
 from .adam import adam_denominator
 from .factors import DIAGONAL, FULL, Block, times
 from .store import Factors, is_factors_file
@@ -97,6 +98,23 @@ def _power(block: Block, key: str, power: float) -> Tensor:
     return (vectors * values.pow(power)[:, None, :]) @ vectors.transpose(-1, -2)
 
 
+def _kronecker(block: Block, r: Factored) -> bool:
+    """Whether ``block`` is a K-FAC one (not EK-FAC, whose damping does not factor) of the
+    groups, outputs and inputs ``r``'s factors hold."""
+    if block.kind in (DIAGONAL, FULL) or block.ekfac:
+        return False
+    s, a = block.tensors["S"], block.tensors["A"]  # (G, O, O), (G, I, I)
+    return (s.shape[0], s.shape[-1], a.shape[-1]) == (r.u.shape[1], r.u.shape[-1], r.v.shape[-1])
+
+
+def _factored(block: Block, r: Factored) -> Factored:
+    """``(S+d)^-1 R (A+d)^-1`` of a factored R = sum_n u_n v_n^T: sum_n (S+d)^-1 u_n
+    ((A+d)^-1 v_n)^T, factored still; on the CPU in float64, as ``refs`` forms it."""
+    u = r.u.detach().to("cpu", torch.float64) @ _power(block, "S", -1.0).mT  # (K, G, N, O)
+    v = r.v.detach().to("cpu", torch.float64) @ _power(block, "A", -1.0)  # (K, G, N, I)
+    return Factored(u.to(r.u.device, r.u.dtype), v.to(r.v.device, r.v.dtype), r.param_shape)
+
+
 class Curvature:
     """P = the inverse of each parameter's damped K-FAC / EK-FAC block or diagonal."""
 
@@ -130,13 +148,17 @@ class Curvature:
         t = self.factors.blocks[name].tensors
         return g.reshape(g.shape[0], t["S"].shape[0], t["S"].shape[-1], t["A"].shape[-1])
 
-    def refs(self, refs: dict[str, Tensor]) -> dict[str, Tensor]:
-        """``P R`` per parameter: ``(S+d)^-1 R (A+d)^-1`` (K-FAC), in the eigenbasis divided by
-        ``Lambda + d`` (EK-FAC) or ``E + d`` (a full block), or ``R / (F + d)`` (diagonal);
-        once, on the CPU in float64."""
+    def refs(self, refs: dict[str, Reference]) -> dict[str, Reference]:
+        """``P R`` per parameter: ``(S+d)^-1 R (A+d)^-1`` (K-FAC; a factored R stays factored,
+        ``_factored``), in the eigenbasis divided by ``Lambda + d`` (EK-FAC) or ``E + d`` (a
+        full block), or ``R / (F + d)`` (diagonal); once, on the CPU in float64."""
         out = {}
         for name, r in refs.items():
             block, t = self.factors.blocks[name], self.factors.blocks[name].tensors
+            if isinstance(r, Factored) and _kronecker(block, r):
+                out[name] = _factored(block, r)
+                continue
+            r = dense(r)
             g = r.detach().to("cpu", torch.float64)
             if block.kind == DIAGONAL:
                 g = g / (t["diagonal"] + block.damping["diagonal"])

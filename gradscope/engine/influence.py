@@ -6,10 +6,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import ConfigError, models_backward
+from ..rules import Outer
 from ..rules.base import rows
+from ..rules.factored import Factored, Reference, cheaper, dense
 from .backward.reduce import Want
 from .backward.stacked import laid_out
 from .engine import Engine
@@ -22,25 +25,26 @@ MAX_PER_REF = 1000  # --per-ref holds one gradient per reference example: (K, P)
 
 
 def reference_gradients(
-    engine: Engine, batches: Iterable[tuple[tuple[Tensor, ...], Tensor]], per_ref: bool = False
-) -> dict[str, Tensor]:
+    engine: Engine,
+    batches: Iterable[tuple[tuple[Tensor, ...], Tensor]],
+    per_ref: bool = False,
+    factored: bool = False,
+) -> dict[str, Reference]:
     """{name: (K, *shape)} over the selected parameters: the gradient of the MEAN loss over all
     batches (K = 1), or with ``per_ref`` each reference example's own gradient (K = N).
 
-    The model must be prepared (eval mode, selected parameters requiring grad).
+    ``factored``: the directions of a weight an Outer serves (Linear, Conv) kept as the sums of
+    the reference pass's outer products (``rules.factored.Factored``) where the inner products
+    with them cost less than through R formed (``rules.factored.cheaper``, for an example of
+    the reference's positions); the rest formed. The model must be prepared (eval mode, selected
+    parameters requiring grad).
     """
+    if per_ref:
+        return _per_ref(engine, batches, factored)
+    if factored:
+        return _factored_mean(engine, batches)
     params = [p.param for p in engine.plan.included]
     names = [p.name for p in engine.plan.included]
-    if per_ref:
-        rows: dict[str, list[Tensor]] = {n: [] for n in names}
-        for inputs, targets in batches:
-            _, contributions = engine.contributions(inputs, targets)
-            for n, p in zip(names, params, strict=True):
-                c = contributions[n]
-                rows[n].append(
-                    c.materialize() if c is not None else p.new_zeros(targets.shape[0], *p.shape)
-                )
-        return {n: torch.cat(r) for n, r in rows.items()}
     sums = laid_out(params)  # (1, *shape) each, alike ones stacked for the passes to read
     count = 0
     for inputs, targets in batches:
@@ -55,6 +59,99 @@ def reference_gradients(
     for t in sums:
         t.div_(count)
     return dict(zip(names, sums, strict=True))
+
+
+def _factored_mean(
+    engine: Engine, batches: Iterable[tuple[tuple[Tensor, ...], Tensor]]
+) -> dict[str, Reference]:
+    """The mean-loss gradient from the contributions of each batch's pass: an Outer's positions
+    kept (those whose output gradient is not zero: a padding token's is) while they cost less
+    than R formed (``rules.factored.cheaper``), formed and summed from the batch where they stop
+    or a contribution of another kind comes; the rest summed as formed (``batch_sum``)."""
+    included = engine.plan.included
+    sums = laid_out([p.param for p in included])  # (1, *shape) each, as the formed mean's
+    held: dict[str, list | None] = {p.name: [] for p in included}  # None: formed from now on
+    first: dict[str, Outer] = {}
+    count = 0
+    for inputs, targets in batches:
+        _, contributions = engine.contributions(inputs, targets)
+        for p, total_ in zip(included, sums, strict=True):
+            c, pieces = contributions[p.name], held[p.name]
+            if c is None:
+                continue
+            if pieces is not None and type(c) is Outer and _alike(c, first.get(p.name, c)):
+                pieces.append(_positions(c))
+                # one example's copy for its layout: the batch's tensors are let go
+                one = first.setdefault(p.name, Outer(c.s[:1].clone(), c.a[:1].clone(), c.shape))
+                if cheaper(one, 1, sum(u.shape[1] for u, _ in pieces), each=True):
+                    continue
+                total_[0] += _factors(pieces, one.shape).dense()[0]
+            else:
+                if pieces:
+                    total_[0] += _factors(pieces, first[p.name].shape).dense()[0]
+                total_[0] += c.batch_sum()
+            held[p.name] = None
+        count += targets.shape[0]
+    out: dict[str, Reference] = {}
+    for p, total_ in zip(included, sums, strict=True):
+        if held[p.name]:
+            kept = _factors(held[p.name], first[p.name].shape)
+            out[p.name] = Factored(kept.u / count, kept.v, kept.param_shape)
+        else:
+            out[p.name] = total_.div_(count)
+    return out
+
+
+def _alike(c: Outer, other: Outer) -> bool:
+    """Whether two Outers hold positions of one layout: groups, outputs, inputs."""
+    return c.dims[1:2] + c.dims[3:] == other.dims[1:2] + other.dims[3:]
+
+
+def _positions(c: Outer) -> tuple[Tensor, Tensor]:
+    """(G, M, O) output gradients and (G, M, I) inputs of the batch's positions whose output
+    gradient is not zero in every group (the rest add nothing to its gradient)."""
+    nonzero = c.s.ne(0).any(-1).any(1)  # (B, T)
+    return c.s.transpose(0, 1)[:, nonzero], c.a.transpose(0, 1)[:, nonzero]
+
+
+def _factors(pieces: list[tuple[Tensor, Tensor]], shape: torch.Size) -> Factored:
+    """One direction, the sum over every piece's positions."""
+    u = torch.cat([u for u, _ in pieces], 1)[None]  # (1, G, N, O)
+    return Factored(u, torch.cat([v for _, v in pieces], 1)[None], shape)  # v (1, G, N, I)
+
+
+def _per_ref(
+    engine: Engine, batches: Iterable[tuple[tuple[Tensor, ...], Tensor]], factored: bool
+) -> dict[str, Reference]:
+    """Each reference example's own gradient, from the contributions of its batch's pass: an
+    Outer's kept as its factors (each example's positions, padded to the longest) where
+    ``factored`` and they cost less."""
+    parts: dict[str, list] = {p.name: [] for p in engine.plan.included}
+    for inputs, targets in batches:
+        _, contributions = engine.contributions(inputs, targets)
+        for p in engine.plan.included:
+            c = contributions[p.name]
+            if c is None:
+                c = p.param.new_zeros(targets.shape[0], *p.param.shape)
+            elif not (factored and type(c) is Outer):
+                c = c.materialize()
+            parts[p.name].append(c)
+    return {name: _joined(held) for name, held in parts.items()}
+
+
+def _joined(parts: list) -> Reference:
+    """One parameter's per-reference gradients of every batch, (K, *shape) formed or, where
+    each batch's is an Outer of one layout and that costs less, factored."""
+    if all(type(c) is Outer for c in parts) and len({c.dims[1:2] + c.dims[3:] for c in parts}) == 1:
+        t = max(c.dims[2] for c in parts)
+        pad = [(0, 0, 0, t - c.dims[2]) for c in parts]  # zero positions at the end: no term
+        u = torch.cat([F.pad(c.s, p) for c, p in zip(parts, pad, strict=True)])  # (K, G, T, O)
+        v = torch.cat([F.pad(c.a, p) for c, p in zip(parts, pad, strict=True)])  # (K, G, T, I)
+        kept = Factored(u, v, parts[0].shape)
+        if cheaper(parts[0], len(kept), t, each=True):
+            return kept
+        return kept.dense()
+    return torch.cat([c.materialize() if isinstance(c, Outer) else c for c in parts])
 
 
 @dataclass
@@ -84,9 +181,9 @@ class Influence:
     ``note`` says which and why.
     """
 
-    def __init__(self, engine: Engine, refs: dict[str, Tensor], method: str, norms: bool):
+    def __init__(self, engine: Engine, refs: dict[str, Reference], method: str, norms: bool):
         check_engine(method)
-        k = next(iter(refs.values())).shape[0]
+        k = len(next(iter(refs.values())))
         if method == "auto":
             method = "jvp" if k == 1 and not norms else "hooks"
         self.engine, self.refs, self.method, self.norms = engine, refs, method, norms
@@ -97,15 +194,14 @@ class Influence:
     @property
     def ref_norm(self) -> Tensor:
         """(K,) the L2 norm of each reference direction over the selected parameters."""
-        return (
-            torch.stack([rows(r).double().pow(2).sum(1) for r in self.refs.values()]).sum(0).sqrt()
-        )
+        return torch.stack([_sq_norms(r) for r in self.refs.values()]).sum(0).sqrt()
 
     def __call__(self, inputs: tuple[Tensor, ...], targets: Tensor) -> BatchInfluence:
         while self.method == "jvp":
             try:
+                tangents = {n: dense(r) for n, r in self.refs.items()}  # formed once each
                 loss, inner, observed = jvp_inner(
-                    self.engine, inputs, targets, self.refs, self._composite
+                    self.engine, inputs, targets, tangents, self._composite
                 )
             except JvpUnsupported as e:
                 if self._composite:
@@ -120,6 +216,13 @@ class Influence:
         scores = self.engine.scores(inputs, targets, self._want)
         norm_sq = total(scores.norm_sq) if self.norms else None
         return BatchInfluence(scores.loss.double(), total(scores.inner), norm_sq, scores.observed)
+
+
+def _sq_norms(ref: Reference) -> Tensor:
+    """(K,) ||r_k||^2 in float64: of the factors in float64 where it is factored."""
+    if isinstance(ref, Factored):
+        return Factored(ref.u.double(), ref.v.double(), ref.param_shape).norm_sq()
+    return rows(ref).double().pow(2).sum(1)
 
 
 def influence_errors(

@@ -228,3 +228,9 @@ GROUPED = {"grouped_mm", "_grouped_mm", "grouped_mm_fallback"}  # torch's, trans
 EXPERT_READS = {"linear", "matmul", "__matmul__"}
 # additions of an expert's bias to its rows
 BIASED = {"add", "__add__", "__radd__"}  # and ``x + b[e]``, one row of a 2-D b (GPT-OSS's)
+
+# -- packed sequences and bags
+# the recurrent kernels (``_VF.lstm``: on a packed sequence's data, its batch sizes second)
+RECURRENT = {"lstm", "gru", "rnn_tanh", "rnn_relu"}
+# ops whose rows the row flow follows by slot or bag (``replay/packrows.py``)
+PACKED = RECURRENT | {"_pack_padded_sequence", "_pad_packed_sequence", "embedding_bag"}

@@ -218,3 +218,31 @@ class Dense(Contribution):
 
     def merge(self, other: Contribution) -> Contribution:
         return Dense(self.grads + other.materialize())
+
+
+class Kinds(Contribution):
+    """One parameter's parts of several kinds (a tied table and head) kept apart, as a pass
+    that keeps the contributions holds them: what is linear in the gradient adds up, so a
+    batch sum or an inner product forms no example's gradient; the norm here forms them (the
+    reducer joins the parts' norms through their cross terms instead)."""
+
+    def __init__(self, parts: Sequence[Contribution]):
+        self.parts, self.shape = list(parts), parts[0].shape
+
+    def norm_sq(self) -> Tensor:
+        return _sq_norm(rows(self.materialize()))
+
+    def inner(self, refs: Tensor) -> Tensor:
+        return sum(p.inner(refs) for p in self.parts)
+
+    def materialize(self) -> Tensor:
+        return sum(p.materialize() for p in self.parts)
+
+    def project(self, p: Projection) -> Tensor:
+        return sum(part.project(p) for part in self.parts)
+
+    def batch_sum(self) -> Tensor:
+        return sum(p.batch_sum() for p in self.parts)
+
+    def examples(self, lo: int, hi: int) -> Contribution:
+        return Kinds([p.examples(lo, hi) for p in self.parts])

@@ -15,6 +15,8 @@ length leaves its state as it was, as the packed kernels run it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
@@ -40,13 +42,20 @@ def _packed(inputs: tuple[Tensor, ...]) -> bool:
 
 def slots(sizes: Tensor, device: torch.device) -> Tensor:
     """(N,) the slot of each row of a packed sequence's data: row j of its step (the steps'
-    rows one after another, ``sizes[t]`` of step t)."""
-    starts = sizes.cumsum(0) - sizes  # (T,) each step's first row
-    steps = torch.repeat_interleave(torch.arange(len(sizes)), sizes)  # (N,)
+    rows one after another, ``sizes[t]`` of step t). Made once for each batch sizes (on the
+    host, as a packed sequence keeps them) and device: never write into it."""
+    return _slots(tuple(sizes.tolist()), device)
+
+
+@functools.lru_cache(maxsize=256)
+def _slots(sizes: tuple[int, ...], device: torch.device) -> Tensor:
+    counts = torch.tensor(sizes, dtype=torch.long)
+    starts = counts.cumsum(0) - counts  # (T,) each step's first row
+    steps = torch.repeat_interleave(torch.arange(len(sizes)), counts)  # (N,)
     return (torch.arange(len(steps)) - starts[steps]).to(device)
 
 
-def _slots(module: _Recurrent, inputs: tuple[Tensor, ...], kwargs: dict):
+def _bags(module: _Recurrent, inputs: tuple[Tensor, ...], kwargs: dict):
     """For the engine: the example of each row of a packed sequence's data, by its sorting
     (``Rule.bags``), and the batch; None for a call on a padded tensor."""
     if not _packed(inputs):
@@ -104,7 +113,7 @@ def _initial(module: _Recurrent, hx: object, b: int, like: Tensor) -> tuple[Tens
     return h0, c0
 
 
-@register_rule(nn.RNN, nn.GRU, nn.LSTM, name="recurrent", batch_dim=_batch_dim, bags=_slots)
+@register_rule(nn.RNN, nn.GRU, nn.LSTM, name="recurrent", batch_dim=_batch_dim, bags=_bags)
 def recurrent(
     module: _Recurrent, inputs: tuple[Tensor, ...], grad_output: Tensor, hx: object = None
 ) -> dict[str, Contribution]:

@@ -115,3 +115,13 @@ def find_rule(module: nn.Module) -> Rule | None:
     if (named := NAMED.get(qualified_name(cls))) is not None:
         return named
     return next((rule for match, rule in MATCHERS if match(module)), None)
+
+
+def routable(module: nn.Module) -> bool:
+    """Whether a routed region may hold a hooked call of ``module`` on the rows it follows: an
+    ``nn.Linear`` (its reads served as an expert's), or a module whose rule reads bags
+    (``Rule.bags``: a packed RNN's slots, an EmbeddingBag's offsets), checked row by row."""
+    if type(module) is nn.Linear:
+        return True
+    rule = find_rule(module)
+    return rule is not None and rule.bags is not None

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from .. import distributed
 from ..config import Config
+from ..curvature.factors import KFAC
 from ..curvature.fitted import (
     NONE,
     check_curvature,
@@ -122,8 +123,15 @@ class InfluenceScorer(Scorer):
         if job.sharded:
             return self._sharded(job, batches)
         main = distributed.world().main
+        # the plain inner product, or K-FAC's (``(S+d)^-1 u (A+d)^-1 v`` stays factored), of one
+        # process: a weight's references kept as their factors where that costs less; another
+        # curvature, a preconditioner file and the broadcast take them formed
+        plain = self.curvature in (NONE, KFAC) and not self.precondition
+        factored = plain and distributed.world().size == 1
         with reading(f"--ref {self.ref}"):
-            refs = reference_gradients(job.engine, batches, self.per_ref) if main else None
+            refs = (
+                reference_gradients(job.engine, batches, self.per_ref, factored) if main else None
+            )
         if main and self.curvature != NONE:  # fitted over the data, once, on rank 0
             fitted = fit_curvature(
                 job, self.curvature, self.solver, self.damping, self.cg_tolerance

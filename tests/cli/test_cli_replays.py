@@ -9,11 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from project import count_passes
 from typer.testing import CliRunner
 
 from gradscope.cli import app
-from gradscope.engine import Engine
-from gradscope.engine.replay.programs import Replayed
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = str(ROOT / "configs/digits.yaml")
@@ -40,20 +39,7 @@ BATCHES = 4  # of the digits' 256 examples each, one shape
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_each_batch_after_the_first_replays(command: str, tmp_path: Path, monkeypatch):
-    passes = {"analysed": 0, "replayed": 0}
-    analysed, replayed = Engine._analysed, Replayed.__call__
-
-    def counted_analysis(self, *args):
-        passes["analysed"] += 1
-        return analysed(self, *args)
-
-    def counted_replay(self, *args):
-        out = replayed(self, *args)
-        passes["replayed"] += out is not None
-        return out
-
-    monkeypatch.setattr(Engine, "_analysed", counted_analysis)
-    monkeypatch.setattr(Replayed, "__call__", counted_replay)
+    passes = count_passes(monkeypatch)
     args, engines = COMMANDS[command]
     out = tmp_path / ("digits.index" if command == "index" else "scores.parquet")
     result = CliRunner().invoke(app, [*args, "--limit", str(BATCHES * 256), "--out", str(out)])

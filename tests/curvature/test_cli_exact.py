@@ -14,9 +14,12 @@ from project import edit_config, edit_data, fails, load_net, make_project
 from typer.testing import CliRunner
 
 from gradscope.cli import app
+from gradscope.curvature import precondition
 from gradscope.defaults import DAMPING
+from gradscope.engine import influence
 from gradscope.io.parquet import read_metadata
 from gradscope.losses import resolve_loss
+from gradscope.rules import factored
 
 N = 10
 LOSS_PY = """
@@ -133,6 +136,30 @@ def test_factors_in_the_run_equal_factors_then_precondition(tmp_path, kind) -> N
     np.testing.assert_allclose(b.to_numpy(), a.to_numpy(), rtol=1e-9)
     (fit,) = read_metadata(tmp_path / "b.parquet")["influence"]["curvatures"]
     assert fit["kind"] == kind and fit["damping"] == 0.1 and fit["fisher"] == "true"
+
+
+@pytest.mark.parametrize("per_ref", [False, True], ids=["mean", "per-ref"])
+def test_kfac_in_the_run_keeps_factored_references_factored(tmp_path, monkeypatch, per_ref):
+    """``--curvature kfac`` with every Outer's reference kept as its factors (whatever they
+    cost) and every weight its K-FAC block: preconditioned as factors still, the scores of
+    the factors file's, formed."""
+    monkeypatch.setattr("gradscope.curvature.factors.FULL_ELEMENTS", 0)
+    cfg = project(tmp_path, "cross_entropy")
+    ref, factors = tmp_path / "ref.pt", tmp_path / "f.safetensors"
+    _invoke("factors", cfg, "--out", factors)
+    flags = ["--per-ref"] if per_ref else []
+    _invoke("influence", cfg, "--ref", ref, "--out", tmp_path / "a.parquet", "--precondition",
+            factors, *flags)  # fmt: skip
+    kept = []
+    real = precondition._factored
+    monkeypatch.setattr(influence, "cheaper", lambda *args, **kwargs: True)
+    monkeypatch.setattr(factored, "cheaper", lambda *args, **kwargs: True)
+    monkeypatch.setattr(precondition, "_factored", lambda *a: kept.append(a) or real(*a))
+    _invoke("influence", cfg, "--ref", ref, "--out", tmp_path / "b.parquet", "--curvature",
+            "kfac", *flags)  # fmt: skip
+    a, b = (pd.read_parquet(tmp_path / f"{k}.parquet")["influence"] for k in "ab")
+    np.testing.assert_allclose(b.to_numpy(), a.to_numpy(), rtol=1e-9)
+    assert kept
 
 
 @pytest.mark.parametrize(

@@ -18,10 +18,19 @@ from gradscope.curvature.factors import DIAGONAL, FULL, FULL_ELEMENTS, KFAC, fac
 from gradscope.curvature.fisher import SampledLoss
 from gradscope.curvature.precondition import Curvature, Diagonal
 from gradscope.curvature.store import Factors, metadata
-from gradscope.engine import Engine, Influence, Want, naive_grads, reference_gradients, total
+from gradscope.engine import (
+    Engine,
+    Influence,
+    Want,
+    influence,
+    naive_grads,
+    reference_gradients,
+    total,
+)
 from gradscope.losses import resolve_loss
-from gradscope.rules import RULES, Dense
+from gradscope.rules import RULES, Dense, factored
 from gradscope.rules.conv import conv
+from gradscope.rules.factored import Factored
 
 
 class MLP(nn.Module):
@@ -329,6 +338,30 @@ def test_preconditioned_scores_are_the_dense_solve(kind: str, ekfac: bool, small
         plain = engine.norms(pb.inputs, pb.targets)
     torch.testing.assert_close(total(scores.pre_sq), self_)
     torch.testing.assert_close(total(scores.norm_sq), total(plain.norm_sq))
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "twice"])
+def test_kfac_keeps_factored_references_factored(monkeypatch, kind: str, small: int) -> None:
+    """K-FAC of a reference kept as its factors (every Outer's, whatever it costs) is factored
+    still where the block is K-FAC's, ``(S+d)^-1 u`` and ``(A+d)^-1 v``, and scores as the
+    built-out solve: through the factors, and through P R formed."""
+    monkeypatch.setattr(influence, "cheaper", lambda *args, **kwargs: True)
+    pb = _problem(kind)
+    loss = resolve_loss(pb.loss)
+    factors = _factors(pb, loss, ekfac=False)
+    inner, _ = _dense_scores(pb, factors, False, loss)
+    engine = Engine(pb.model, loss)
+    with engine:
+        refs = reference_gradients(engine, [(pb.ref_inputs, pb.ref_targets)], factored=True)
+        kept = Curvature(factors).refs(refs)
+        held = {n for n, r in refs.items() if isinstance(r, Factored)}
+        kronecker = {n for n, b in factors.blocks.items() if b.kind == KFAC}
+        assert {n for n, r in kept.items() if isinstance(r, Factored)} == held & kronecker
+        assert held & kronecker or small == FULL_ELEMENTS  # every block whole: none K-FAC's
+        for route in (True, False):  # the factors' inner products, then P R formed
+            monkeypatch.setattr(factored, "cheaper", lambda *args, route=route, **kw: route)
+            got = Influence(engine, kept, "hooks", norms=False)(pb.inputs, pb.targets)
+            torch.testing.assert_close(got.inner[:, 0], inner)
 
 
 def test_wide_conv_is_served_formed_when_scoring(monkeypatch) -> None:

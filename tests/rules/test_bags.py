@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 import gradscope
 from gradscope.engine import Engine, total
+from gradscope.engine.steps import RegionCall
 from gradscope.errors import ModelError
 from gradscope.losses import resolve_loss
 from gradscope.rules import embedding_bag
@@ -121,7 +122,8 @@ def test_max_of_rows_matches_the_loop_and_replays(b: int, padding: int | None) -
 @pytest.mark.parametrize("name", ["sum", "mean-padding", "max", "sum-weighted"])
 def test_bags_of_other_lengths_replay(name: str) -> None:
     """The model's own call, whose top-level mask picks the flat ids, is the region: batches
-    of other lengths (an empty bag, a bag of one, all full) replay it, each exact."""
+    of other lengths (an empty bag, a bag of one, all full: its row no example's) replay it,
+    each exact."""
     torch.manual_seed(0)
     b = 4
     model = Bags(CASES[name](), weighted=name.endswith("weighted")).double()
@@ -130,6 +132,10 @@ def test_bags_of_other_lengths_replay(name: str) -> None:
     # the fresh calls and the Engine share the model's record: each pass after the first
     findings = engine.record.at(data[0][0], torch.zeros(b, 4, dtype=torch.float64))
     assert (findings.analyses, findings.replays) == (1, 2 * len(data) - 1)
+    # its rows followed through the mask over (B, L) and the bags (a routed region), not traced
+    (program,) = findings.programs
+    regions = [s for s in program.steps if isinstance(s, RegionCall)]
+    assert [(r.routed, r.open) for r in regions] == [(True, True)]
 
 
 def test_bags_of_several_examples_go_to_the_fallback_named() -> None:

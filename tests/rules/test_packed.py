@@ -13,6 +13,8 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import gradscope
 from gradscope.engine import Engine, total
+from gradscope.engine.steps import RegionCall
+from gradscope.errors import ModelError
 from gradscope.losses import resolve_loss
 
 T, IN, H = 4, 3, 5
@@ -142,18 +144,56 @@ def mixed(d: int):
     return batch
 
 
+@pytest.mark.parametrize("state", [False, True])
 @pytest.mark.parametrize("name", ["gru", "lstm-seq-first", "lstm-2-layers-bidirectional"])
-def test_packed_batches_of_other_lengths_replay_exact(name: str) -> None:
+def test_packed_batches_of_other_lengths_replay_exact(name: str, state: bool) -> None:
     """The model's own call, whose top-level sort picks the packed rows, is the region: every
     batch after a shape's first replays it, whatever its lengths (all equal, one of one step,
-    a batch of one), its output's padding elsewhere than the analysed batch's; each exact."""
+    a batch of one), its output's padding elsewhere than the analysed batch's; each exact.
+    Its rows followed through the sort, the pack, the RNN (its initial states, each example's,
+    met in their slots) and the padding (a routed region, open: the packed kernels make as many
+    autograd nodes as the lengths say), not traced."""
     torch.manual_seed(0)
     rnn = RNNS[name]()
-    model, batch = Packed(rnn).double(), mixed(H * (2 if rnn.bidirectional else 1))
+    model, batch = Packed(rnn, state=state).double(), mixed(H * (2 if rnn.bidirectional else 1))
     shapes = [(4,)] * 4 + [(1,)] * 3
     with Engine(model, resolve_loss("mse")) as engine:
         for seed, (b,) in enumerate(shapes):
             inputs, y = batch(seed, b)
             got = total(engine.norms(inputs, y).norm_sq).sqrt()
             assert_rel_close(got, reference_norms(model, inputs, y)[1], 1e-9)
-    findings_by_shape(engine, batch, shapes)
+    for findings in findings_by_shape(engine, batch, shapes).values():
+        (program,) = findings.programs
+        regions = [s for s in program.steps if isinstance(s, RegionCall)]
+        assert [(r.routed, r.open) for r in regions] == [(True, True)]
+
+
+class Shuffled(Packed):
+    """Rows sorted by their first value before the pack, their lengths not: a batch whose
+    first values are already in order packs each example's own steps, any other mixes them."""
+
+    def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
+        return super().forward(x[x[:, 0, 0].argsort()], lengths)
+
+
+def test_rows_the_values_mix_in_a_later_batch_are_not_replayed() -> None:
+    """The analysed batch's rows in order, and a later one's, replayed exact; a batch whose
+    values put example j's steps in example i's slot meets its lengths' rows there: flagged,
+    not replayed, and the analysis finds the model mixing the examples."""
+    torch.manual_seed(0)
+    model, g = Shuffled(RNNS["gru"]()).double(), torch.Generator().manual_seed(0)
+    with Engine(model, resolve_loss("mse")) as engine:
+        for k in range(3):
+            x = torch.randn(4, T, IN, generator=g, dtype=torch.float64)
+            order = x[:, 0, 0].argsort()
+            x = x[order] if k < 2 else x[order.flip(0)]  # in order, then reversed
+            inputs = (x, torch.tensor([4, 3, 2, 1]))
+            y = torch.randn(4, T, H, generator=g, dtype=torch.float64)
+            if k == 2:
+                with pytest.raises(ModelError, match="mixes the examples"):
+                    engine.norms(inputs, y)
+                break
+            got = total(engine.norms(inputs, y).norm_sq).sqrt()
+            assert_rel_close(got, reference_norms(model, inputs, y)[1], 1e-9)
+        findings = engine.record.at(inputs, y)
+    assert findings.replays == 1 and "rows that the batch's values" in findings.why

@@ -35,8 +35,15 @@ class Regions:
     def fixed(self) -> bool:
         """Whether a replayed batch makes the analysed calls and reads, in the analysed order:
         no region, or light ones alone, none open (an open one reads as many as its batch's
-        routing makes: which outputs the backward must request is then read each batch)."""
-        return all(id(v) in self.light and id(v) not in self.open for v in self.visits)
+        routing makes), none routed around hooked calls (``replay/hooked.py`` serves their
+        Linears as the region's reads, calls in the analysed batch): elsewhere which outputs
+        the backward must request is read each batch."""
+        return all(
+            id(v) in self.light
+            and id(v) not in self.open
+            and not (id(v) in self.routed and v.steps)
+            for v in self.visits
+        )
 
     @property
     def traced(self) -> int:

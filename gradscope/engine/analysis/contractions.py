@@ -96,7 +96,8 @@ _BAG_ARGS += ("per_sample_weights", "include_last_offset", "padding_idx")
 def _embedding_bag(trace: RowTrace, ids: Tensor, weight: Tensor, *args, **kwargs) -> Tensor:
     """F.embedding_bag: each bag from its own positions' ids and weights, a (B, L) input's bags
     its rows, a 1-D input's cut by offsets: positions the batch's values pick, where the offsets
-    are computed from the batch (``lengths.cumsum``)."""
+    are computed from the batch (``lengths.cumsum``), unless the batch is of one example and
+    every position its own: each bag is then its own wherever the offsets cut."""
     bound = {**dict(zip(_BAG_ARGS, args, strict=False)), **kwargs}
     o, weights = trace.owner(ids), bound.get("per_sample_weights")
     if isinstance(weights, Tensor):
@@ -105,9 +106,12 @@ def _embedding_bag(trace: RowTrace, ids: Tensor, weight: Tensor, *args, **kwargs
     offsets = bound.get("offsets")
     if ids.dim() != 1 or not isinstance(offsets, Tensor):
         return combine(reduce(o, range(1, ids.dim())).reshape(-1, 1), table)
+    bag, starts = bag_of(offsets, ids.shape[0], bool(bound.get("include_last_offset")))
+    one = compact(o.expand(ids.shape))[:1]  # (1,)
+    if trace.batch == 1 and one.numel() and bool((o == one).all()):  # an empty bag's too
+        return combine(one.reshape(1, 1).expand(starts.shape[0], 1), table)
     if trace._of_batch(offsets):
         trace.picked("embedding_bag")
-    bag, starts = bag_of(offsets, ids.shape[0], bool(bound.get("include_last_offset")))
     base = torch.full(starts.shape, NONE, dtype=torch.long, device=ids.device)
     return combine(segment_combine(base, bag, o.expand(ids.shape).contiguous()).view(-1, 1), table)
 

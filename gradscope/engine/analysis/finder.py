@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from ...rules.registry import routable
 from ..capture import counter, shapes_of
 from ..constants import Constants
 from ..recipes import Recipe
@@ -251,9 +252,9 @@ class Finder:
         if not mine or type(v.module) in self.traced or any(r is None for r, _ in mine):
             return None
         computed = any(isinstance(r, Recipe) and r.computed for r, _ in mine)
-        unfit = not self._linear_steps(v) or computed or not _rows_first(v)
+        unfit = not self._routable_steps(v) or computed or not _rows_first(v)
         if self.routed(v) and unfit:  # a routed region follows rows alone: no call inside
-            return None  # but a Linear's (``replay/hooked.py``), nothing made from parameters
+            return None  # but those it holds (``replay/hooked.py``), nothing made from parameters
         unwitnessed = self._escaped(v, witnessed=False)
         expert = any(isinstance(r, Recipe) and r.expert for r, _ in mine)
         if not self.routed(v) and (unwitnessed or expert):
@@ -261,11 +262,11 @@ class Finder:
         reads = [(r, at) for r, at in mine if r not in (PICKED, ESCAPED, WITNESSED)]
         return tuple(dataclasses.replace(recipe, at=at - v.at_entry) for recipe, at in reads)
 
-    def _linear_steps(self, v: Visit) -> bool:
-        """Whether every hooked call inside the region call is an ``nn.Linear``'s, on rows of
-        its own (``replay/hooked.py`` serves them in a routed region)."""
+    def _routable_steps(self, v: Visit) -> bool:
+        """Whether every hooked call inside the region call is one a routed region holds, on
+        rows of its own (``rules.registry.routable``; ``replay/hooked.py``)."""
         inner = self.events[v.first : v.first + v.steps]
-        return all(type(e.module) is nn.Linear and not e.handed and not e.expand for e in inner)
+        return all(routable(e.module) and not e.handed and not e.expand for e in inner)
 
     def routed(self, v: Visit) -> bool:
         """Whether a region call's rows are picked by values: a routed region's, if light."""

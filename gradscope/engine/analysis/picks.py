@@ -1,9 +1,10 @@
 """Whether an op moves elements to places the batch's values pick (``OwnerAlgebra._follow``
-asks first): rows picked by computed indices, masks, sorts, scatters; and the scatters whose
-owners no value of their index changes."""
+asks first): rows picked by computed indices, masks, sorts, scatters; the scatters whose
+owners no value of their index changes; and the masks whose picks the host sizes."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from ..ops import PICKED, PLACES, SCATTERS, SORTS
@@ -46,6 +47,16 @@ class Picks:
         dim = kwargs.get("dim", args[1] if len(args) > 1 and isinstance(args[1], int) else None)
         dim = args[2] if name in ("take_along_dim", "repeat_interleave") and len(args) > 2 else dim
         return self._varies(x, range(x.dim()) if dim is None else [dim])
+
+    def _mask_sized(self, name: str, args: tuple) -> bool:
+        """Whether ``x[mask]`` picks by a boolean mask of the batch's values, whether or not
+        the owners vary (a batch of one): its result's size is read on the host, as
+        ``nonzero``'s is."""
+        key = args[1] if name == "__getitem__" and len(args) > 1 else None
+        keys = key if isinstance(key, tuple) else (key,)
+        return any(
+            isinstance(k, Tensor) and k.dtype == torch.bool and self._of_batch(k) for k in keys
+        )
 
     def _scatter_holds(self, name: str, args: tuple, kwargs: dict) -> bool:
         """Whether ``x.scatter(dim, index, src)`` gives owners that no value of ``index``

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ...rules import find_rule
 from ..backward.backward import Requests
 from ..steps import ChildCall, Program, RegionCall, Step
 from .analyse import Analysed
@@ -37,16 +38,35 @@ def regions_of(captured: Analysed) -> Regions | str:
     (BART's classifier's pick of its end tokens, a packed RNN's sort of its rows): traced on
     every batch around its children, if any, it still costs less than an analysis, which also
     decides, writes the program and self-checks a structure it has not seen. A light one
-    (routed: a top-level ``argsort``) is the region only where it has children."""
+    (routed: a top-level ``argsort``) is the region only where it has children, or where it
+    holds a call whose rule reads bags (a packed RNN, an EmbeddingBag on offsets), which the
+    replay follows its rows to (``replay/packrows.py``) instead of tracing the forward."""
     finder, hooked = captured.finder, frozenset(id(m) for m in captured.session.modules)
     regions = finder.choose(captured.at_start)
     if isinstance(regions, str):
         whole = finder.choose(captured.at_start, whole=True)
-        if isinstance(whole, str) or whole.light:  # a light root: only with children, as was
+        if isinstance(whole, str) or (whole.light and not _bagged(captured, whole)):
             children = {} if isinstance(whole, str) else children_of(finder, whole, hooked)
-            return dataclasses.replace(whole, children=children) if children else regions
-        return dataclasses.replace(whole, children=children_of(finder, whole, hooked))
+            if not children:
+                return regions
+        regions = whole
+    regions = dataclasses.replace(regions, open=regions.open | _bagged(captured, regions))
     return dataclasses.replace(regions, children=children_of(finder, regions, hooked))
+
+
+def _bagged(captured: Analysed, regions: Regions) -> frozenset[int]:
+    """The routed region calls among ``regions`` that hold a call whose rule reads bags: open,
+    as a packed RNN's kernels make as many autograd nodes as the batch's lengths say."""
+    events = captured.finder.events
+    return frozenset(
+        id(v)
+        for v in regions.visits
+        if id(v) in regions.routed
+        and any(
+            getattr(find_rule(e.module), "bags", None) is not None
+            for e in events[v.first : v.first + v.steps]
+        )
+    )
 
 
 def program_of(

@@ -123,8 +123,8 @@ class Seeded:
 
     def owned(self, t: Tensor, spec: tuple | None) -> bool:
         found = self.trace.spec(t)
-        if found == IRREGULAR and self.root and spec is not None and tuple(spec) == (0, 1):
-            return padded_rows(self.trace.owners.get(t), self.batch)  # padded: as analysed
+        if found in (IRREGULAR, None) and self.root and spec is not None and tuple(spec) == (0, 1):
+            return padded_rows(self.trace.owner(t), self.batch)  # padded (or all): as analysed
         return found == (None if spec is None else tuple(spec))
 
     def calls(self) -> list[Call]:

@@ -75,6 +75,7 @@ class HookSession(Capture):
                 self.expand
                 and rule is not None
                 and rule.batch_dim is None
+                and not (rule.bags is not None and getattr(x, "ndim", 0) == 1)  # flat ids
                 and shared(self.trace, x)
             )
             assumed = self.assume and getattr(x, "shape", ())[:1] == (self.trace.batch,)

@@ -203,7 +203,7 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
             return
         fixed.after(self, name, args, kwargs, out)
         sized = name in SIZED_BY_VALUES or (name == "where" and len(args) == 1)
-        if sized and not fixed.fixed(self, [t for t, _ in tracked]):
+        if sized and not fixed.fixed(self, [t for t, _ in tracked]) or self._mask_sized(name, args):
             self._escaped(name)
         if self.finder is not None:
             self.finder.read(t for t, _ in tracked)

@@ -8,6 +8,7 @@ from torch import Tensor
 
 from ...rules import Contribution, Dense, Outer
 from ...rules.base import CHUNK_ELEMENTS, _sq_norm, rows
+from ...rules.factored import Factored, Reference
 from ...rules.ghost import gram_norms
 from ...rules.routed import Routed, routed_inners, routed_norms
 
@@ -26,7 +27,7 @@ class Batched:
     ``Reducer.hold`` sets it for a pass): the host-bound passes, where each call's few small ops
     cost more to dispatch than to compute."""
 
-    def __init__(self, refs: dict[str, Tensor] | None = None):
+    def __init__(self, refs: dict[str, Reference] | None = None):
         self.refs = refs
         self._held: dict[tuple, list[tuple[str, Contribution, int]]] = {}  # and its size
         self._size = 0
@@ -38,7 +39,10 @@ class Batched:
         products: an Outer of every position, a Routed of ``sorted_route``), or formed
         gradients (a bias, a norm's scale; for norms, of at most ``HELD_DENSE`` elements, and
         not a one-position Linear's bias, whose norm its weight's computes); for inner products,
-        each part of at most ``HELD_DENSE`` elements; False where not taken."""
+        each part of at most ``HELD_DENSE`` elements whose references are formed (factored
+        ones answer each part alone: ``rules.factored.inner``); False where not taken."""
+        if self.refs is not None and isinstance(self.refs[name], Factored):
+            return False
         key = _norm_key(c) if self.refs is None else _inner_key(c, len(self.refs[name]))
         if key is None:
             return False

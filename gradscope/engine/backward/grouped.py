@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ...errors import GradscopeError
-from ...rules import Contribution
+from ...rules import Contribution, factored
 from ...rules.base import CHUNK_ELEMENTS
 from ..capture import Call, shapes_of
 from ..plan import ParamPlan, Plan
@@ -172,4 +172,4 @@ def _answers(
     norms = part.norm_sq().view(len(params), batch) if want.norms else None
     if want.refs is None:
         return norms, None
-    return norms, part.inners([want.refs[p.name] for p in params], batch)
+    return norms, factored.inners(part, [want.refs[p.name] for p in params], batch)

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...rules import Contribution, Rows
-from ...rules.base import accumulation_dtype, rows
+from ...rules import Contribution, Rows, factored
+from ...rules.base import Kinds, accumulation_dtype, rows
+from ...rules.factored import Reference
 from ...rules.projection import Projection
 from .batched import Batched
 
@@ -30,7 +31,7 @@ class Want:
     """
 
     norms: bool = True
-    refs: dict[str, Tensor] | None = None
+    refs: dict[str, Reference] | None = None  # formed, or factored (``rules.factored``)
     keep: bool = False
     sums: bool = False
     transform: Callable[[str, Contribution], Contribution] | None = None
@@ -47,13 +48,6 @@ class Want:
 
 
 _NORMS = Want()  # the squared norms alone
-
-
-def _merged(parts: list[Contribution]) -> Contribution:
-    merged = parts[0]
-    for part in parts[1:]:
-        merged = merged.merge(part)
-    return merged
 
 
 def _forms(groups: list[Contribution]) -> bool:
@@ -135,7 +129,8 @@ class Reducer:
         Parts of one kind merge and stay factored (positions concatenate). Parts of different
         kinds (a tied embedding and head) are reduced apart and joined through their cross
         terms, ||G + H||^2 = ||G||^2 + ||H||^2 + 2<G, H>, formed only where no cheaper
-        form of <G, H> exists; inner products are linear and simply add.
+        form of <G, H> exists; inner products are linear and simply add. A pass that keeps
+        the contributions keeps such parts apart too (``Kinds``), none of them formed.
         """
         for name, parts in self._parts.items():
             kinds: dict[type, Contribution] = {}
@@ -143,10 +138,12 @@ class Reducer:
                 same = kinds.get(type(part))
                 kinds[type(part)] = part if same is None else same.merge(part)
             groups = list(kinds.values())
-            if len(groups) == 1 or (groups and self.want.keep):
-                self.reduce(name, _merged(groups))
+            if len(groups) == 1:
+                self.reduce(name, groups[0])
             elif groups:
                 self._reduce_apart(name, groups)
+                if self.want.keep:  # kept apart too: formed only where asked
+                    self.kept[name] = Kinds(groups)
         self._parts.clear()
         if self._batched is not None:  # what comes later (the fallback's) is answered at once
             self.norm_sq.update(self._batched.answers())
@@ -164,7 +161,7 @@ class Reducer:
         if self.want.train and _forms(groups):
             self.formed.add(name)
         if self.want.norms and refs is not None and self.want.share:
-            both = [g.norm_sq_and_inner(refs) for g in groups]
+            both = [factored.norm_sq_and_inner(g, refs) for g in groups]
             norm_sq, self.inner[name] = sum(n for n, _ in both), sum(i for _, i in both)
         else:
             if self.want.norms and name in self.want.summed:
@@ -173,7 +170,7 @@ class Reducer:
             elif self.want.norms:
                 norm_sq = sum(g.norm_sq() for g in groups)
             if refs is not None:
-                self.inner[name] = sum(g.inner(refs) for g in groups)
+                self.inner[name] = sum(factored.inner(g, refs) for g in groups)
         if self.want.project is not None:  # linear in the gradient: the kinds' answers add
             self.inner[name] = sum(g.project(self.want.project[name]) for g in groups)
         if self.want.norms:
@@ -191,7 +188,7 @@ class Reducer:
             return
         if self._inners_only:
             if self._inners is None or not self._inners.take(name, c):
-                self.inner[name] = c.inner(self.want.refs[name])
+                self.inner[name] = factored.inner(c, self.want.refs[name])
             return
         if self.pre is not None:
             self.pre.reduce(name, self.want.transform(name, c))
@@ -199,7 +196,7 @@ class Reducer:
         if self.want.train and c.forms(train=True):
             self.formed.add(name)
         if self.want.norms and refs is not None and self.want.share:
-            self.norm_sq[name], self.inner[name] = c.norm_sq_and_inner(refs)
+            self.norm_sq[name], self.inner[name] = factored.norm_sq_and_inner(c, refs)
         else:
             summed = name in self.want.summed  # its norm and sum from G formed, not a Gram
             batched = not summed and self._batched is not None and self._batched.take(name, c)
@@ -209,7 +206,7 @@ class Reducer:
                 self.norm_sq[name] = c.norm_sq()
             inners = self._inners is not None and self._inners.take(name, c)
             if refs is not None and not inners:
-                self.inner[name] = c.inner(refs)
+                self.inner[name] = factored.inner(c, refs)
         if self.want.project is not None:
             self.inner[name] = c.project(self.want.project[name])
         if self.want.keep:
@@ -265,7 +262,7 @@ class Reducer:
         if self.want.norms and name not in self.norm_sq:
             self.norm_sq[name] = torch.zeros(batch, **like)
         if self.want.refs is not None and name not in self.inner:
-            k = self.want.refs[name].shape[0]
+            k = len(self.want.refs[name])
             self.inner[name] = torch.zeros(batch, k, **like)
         if self.want.project is not None and name not in self.inner:
             self.inner[name] = torch.zeros(batch, self.want.project[name].dim, **like)

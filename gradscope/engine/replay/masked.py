@@ -19,27 +19,31 @@ if TYPE_CHECKING:
 NO_ONE = -1  # a row of no example
 
 
-def mask_of(x: object, key: object) -> Tensor | None:
-    """The boolean mask of ``x[key]`` over x's rows: a 1-D mask of x's length first, every
-    other index a whole slice or an ellipsis; None for any other key."""
+def mask_of(x: object, key: object, leading: bool = False) -> Tensor | None:
+    """The boolean mask of ``x[key]`` over x's rows: a 1-D mask of x's length first (where
+    ``leading``, a mask of x's leading dimensions: a padded batch's ``ids[keep]``), every other
+    index a whole slice or an ellipsis; None for any other key."""
     key = key if isinstance(key, tuple) else (key,)
     mask = key[0] if key else None
     if not isinstance(x, Tensor) or not isinstance(mask, Tensor) or mask.dtype != torch.bool:
         return None
+    k = mask.dim() if leading else 1
     rest = all(k is Ellipsis or (isinstance(k, slice) and k == slice(None)) for k in key[1:])
-    rest = rest and len(key) <= x.dim() + (Ellipsis in key[1:])
-    return mask if rest and mask.dim() == 1 and x.dim() and mask.shape[0] == x.shape[0] else None
+    rest = rest and len(key) - 1 + k <= x.dim() + (Ellipsis in key[1:])
+    return mask if rest and mask.dim() == k and mask.shape == x.shape[:k] else None
 
 
 def picked(flow: RowFlow, x: Tensor, mask: Tensor, out: object) -> object:
-    """``x[mask]``'s rows: x's at the positions the mask keeps, met by the mask's there."""
+    """``x[mask]``'s rows: x's at the positions the mask keeps, met by the mask's there (a
+    mask of several dimensions keeps elements of rows: each the row it lies in)."""
     rows, own = flow.of(x), flow.of(mask)
     if rows is None or own is None or not isinstance(out, Tensor) or not out.dim():
         return NotImplemented
     found = [r for r in (rows, own) if r is not False]
     if not found:
         return False
-    return flow.combine(found)[_positions(mask, out.shape[0])]
+    inner = mask[0].numel() if mask.dim() > 1 else 1  # elements of a row the mask spans
+    return flow.combine(found)[_positions(mask.reshape(-1), out.shape[0]) // inner]
 
 
 def written(flow: RowFlow, x: Tensor, mask: Tensor, y: object) -> object:

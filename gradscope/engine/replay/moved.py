@@ -2,10 +2,11 @@
 dimension 0 (``mask.permute(2, 1, 0)``, ``x[None, idx]``) a tensor's rows lie along dimension
 ``d``: slice ``r`` along it is example ``rows[r]``'s, every element of it. Only the ops that
 move or keep whole slices follow them: views that move dimensions, indexing by ints, slices,
-``None`` and one index tensor of no example, reshapes whose every index along one output
-dimension falls in one slice, elementwise ops whose followed tensors lie along one dimension,
-and reductions and splits along another; at dimension 0 again they are rows as ``rowops.py``
-takes them. Any other op on such a tensor leaves its results unfollowed."""
+``None`` and one index tensor of no example (``index_select`` too: a sequence-first batch
+sorted for its pack), reshapes whose every index along one output dimension falls in one
+slice, elementwise ops whose followed tensors lie along one dimension, and reductions and
+splits along another; at dimension 0 again they are rows as ``rowops.py`` takes them. Any
+other op on such a tensor leaves its results unfollowed."""
 
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def moved_after(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object
         return _placed(rows, _moved(name, args, kwargs, x, d), out)
     if name == "__getitem__":
         return indexed(flow, x, args[1] if isinstance(args[1], tuple) else (args[1],), out)
+    if name == "index_select" and len(args) == 3 and type(args[1]) is int:  # x[:, ..., index]
+        return indexed(flow, x, (*(slice(None),) * (args[1] % x.dim()), args[2]), out)
     if name in RESHAPES:
         return _reshaped(rows, d, x, out)
     if name in EXPAND or name == "one_hot":  # new dimensions before, or one after

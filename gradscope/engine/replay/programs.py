@@ -177,7 +177,9 @@ class Replayed:
         traced = functools.partial(lessons.traced.add, kind)  # where its rows do not hold
         if call.routed:
             during = None if call.open else call.during  # None: reads matched by kind
-            return RoutedRegion(self.plan, call.light, during, batch, tensors, call.entry, traced)
+            copy, root = self.record.copy, call.module == id(self.modules[0])
+            args = (self.plan, call.light, during, batch, tensors, call.entry, traced, copy, root)
+            return RoutedRegion(*args)
         if call.light is not None:
             made = [t for t, c in zip(tensors, call.constant, strict=False) if c]
             return LightRegion(

@@ -1,8 +1,8 @@
 """Routed regions: a light region (``light.py``) whose rows the batch's values pick, as routed
 experts' are (tokens sorted by expert, gathered, run by ``grouped_mm`` on a fused 3-D weight, put
-back). A replayed batch runs the call under ``RoutedRegion``: the recipes' reads served as a
-light region serves them, the grouped ones by ``rules/routed.py`` on rows whose examples
-``rowflow.py`` follows from the call's arguments, op by op, on the device.
+back), or a packed RNN's. A replayed batch runs the call under ``RoutedRegion``: the recipes'
+reads served as a light region serves them, the grouped ones by ``rules/routed.py`` on rows
+whose examples ``rowflow.py`` follows from the call's arguments, op by op, on the device.
 
 The witness of a routed call: a light region's (the reads in the analysed order, as many
 autograd nodes), every read's rows some example's, a recipe's lanes where it has them, and the
@@ -27,16 +27,18 @@ from ..plan import Plan
 from ..recipes import ARG, Recipe, metadata
 from ..tensors import tensors_in
 from .byid import ByIdReads, by_id
-from .hooked import HookedLinears
+from .hooked import HookedCalls
 from .light import LightRegion
 from .rowflow import NO_ONE, RowFlow
 
 
-class RoutedRegion(ByIdReads, HookedLinears, LightRegion):
+class RoutedRegion(ByIdReads, HookedCalls, LightRegion):
     """One routed region call of a replayed batch: its ``tensors`` and their owner specs at
     ``entry`` (None: no example's; (0, m): rows (r // m) % B); ``during`` None for an open one,
     whose reads are matched by kind, as many as the batch makes; ``unfollowed`` is told when a
-    tensor the rows cannot be followed to reaches a read or an output."""
+    tensor the rows cannot be followed to reaches a read or an output; ``copy``: the modules
+    whose bag calls' inputs are copied (``hooked.py``); ``root``: the model's own call, whose
+    outputs' rows may be none's (a bag of no ids: as ``seeded.py`` ends a traced root)."""
 
     def __init__(
         self,
@@ -47,13 +49,15 @@ class RoutedRegion(ByIdReads, HookedLinears, LightRegion):
         tensors: Sequence[Tensor],
         entry: tuple,
         unfollowed: Callable[[], None],
+        copy: set[int],
+        root: bool = False,
     ):
         self.flow = RowFlow(batch)
         self.open = during is None
         # views of a watched 3-D W: id -> (view, W, which expert: None for W^T, else W[e]'s e)
         self.views: dict[int, tuple[Tensor, Tensor, object]] = {}
-        self.unfollowed = unfollowed
-        self._hooked_init()
+        self.unfollowed, self.root = unfollowed, root
+        self._hooked_init(copy)
         for t, spec in zip(tensors, entry, strict=True):
             if spec is not None:
                 self.flow.keep(t, self.flow.lane(t, spec))
@@ -95,8 +99,8 @@ class RoutedRegion(ByIdReads, HookedLinears, LightRegion):
         return item if item is not None and item[0] is t else None
 
     def _watched(self, name: str, func, args: tuple, kwargs: dict):
-        if self._in_linear(name, args, kwargs):
-            return self._linear(func, args)
+        if self._in_hooked(name, args, kwargs):
+            return self._hooked(func, args, kwargs)
         w = args[0] if args else None
         if id(w) in self.watched and by_id(w, name, args, kwargs):  # Ergo's weight[expert_ids]
             return self._by_id(args)
@@ -252,15 +256,6 @@ class RoutedRegion(ByIdReads, HookedLinears, LightRegion):
         self.uses.append(use)
         return out
 
-    def _rows_at(self, x: Tensor) -> Tensor | None:
-        """The rows of a read's input; None (and the region unfollowed) where not followed."""
-        rows = self.flow.of(x)
-        if rows is None or rows is False:
-            rows = None
-            self.why = self.why or f"rows the replay cannot follow ({self.flow.lost or 'none'})"
-            self.unfollowed()
-        return rows
-
     # -- the end ---------------------------------------------------------------------------
 
     def finish(self, outputs: Sequence[Tensor], exit: tuple) -> str | None:
@@ -283,7 +278,8 @@ class RoutedRegion(ByIdReads, HookedLinears, LightRegion):
                 self.unfollowed()
                 return "outputs owned otherwise than the analysed batch's"
             elif not self.flow.settled(rows, (spec[1], ())):
-                self.flow.flag(rows != self.flow.lane(t, spec))
+                padded = rows != NO_ONE if self.root and tuple(spec) == (0, 1) else True
+                self.flow.flag((rows != self.flow.lane(t, spec)) & padded)
         self.flow.rows.clear()
         return None
 

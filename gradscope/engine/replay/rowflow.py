@@ -51,6 +51,9 @@ class RowFlow:
         self.indices: dict[int, tuple[Tensor, Maps | None]] = {}
         self.held: list[Tensor] = []
         self.spoiled: set[int] = set()  # permutations written or viewed since: no form names one
+        # rows laid out by a packed sequence's slots (``packrows.py``): rows, its batch sizes,
+        # and each slot's example, by id of the rows
+        self.slotted: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
 
     def lane(self, t: Tensor, spec: tuple) -> Tensor | None:
         """The rows of the batch along dimension 0 of ``t``, (r // m) % B; None along another."""

@@ -8,11 +8,22 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ..ops import ALONG, JOINS, MATMULS, PRODUCTS, RESHAPES, ROW_REDUCTIONS, ROW_WISE, SPLITS
+from ..ops import (
+    ALONG,
+    JOINS,
+    MATMULS,
+    PACKED,
+    PRODUCTS,
+    RESHAPES,
+    ROW_REDUCTIONS,
+    ROW_WISE,
+    SPLITS,
+)
 from ..tensors import tensors_in
 from .forms import merged, split
 from .masked import NO_ONE, mask_of, picked, written
 from .moved import indexed, moved_after, reduced_dims
+from .packrows import packed_after
 
 if TYPE_CHECKING:
     from .rowflow import RowFlow
@@ -24,6 +35,8 @@ NORMED = {"rms_norm", "layer_norm"}  # over the trailing dimensions ``normalized
 def rows_after(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object):
     """The rows of ``out`` (a tuple of them for several outputs; ``Along`` another dimension
     than 0), or NotImplemented."""
+    if name in PACKED:
+        return packed_after(flow, name, args, kwargs, out)
     moved = moved_after(flow, name, args, kwargs, out)
     if moved is not None:
         return moved
@@ -174,7 +187,7 @@ def _indexed(flow: RowFlow, x: Tensor, index: object, out: object) -> object:
     if not key or not isinstance(out, Tensor) or out.dim() == 0:
         return NotImplemented
     first = key[0]
-    if (mask := mask_of(x, index)) is not None:  # Ergo's tokens of one expert
+    if (mask := mask_of(x, index, leading=True)) is not None:  # Ergo's tokens of one expert
         return picked(flow, x, mask, out)
     if isinstance(first, Tensor):
         pickers = [k for k in key if isinstance(k, Tensor)]

@@ -4,7 +4,9 @@ values pick, and whose attention's queries are routed experts around ``scaled_do
 attention`` on keys repeated along the heads. Replayed as routed regions, not traced again on
 every batch, exact against the float64 per-example loop on batches of other values and other
 shapes through one Engine, a batch of one among them; and a Linear on the rows the routing
-picked, inside grouped experts that read nothing on the host (a closed routed region)."""
+picked, inside grouped experts that read nothing on the host (a closed routed region), where it
+is among the calls whose outputs the backward requests: served as a read on a replayed batch, a
+call on the analysed one, so the outputs requested are read off each batch's graph."""
 
 from __future__ import annotations
 
@@ -121,6 +123,25 @@ class Picked(nn.Module):
         return self.head(self.block(self.inp(x)).mean(1))
 
 
+class PickedFirst(nn.Module):
+    """``Picked`` on the inputs themselves: the Linear inside the region is among the first
+    calls, whose outputs the backward requests; with no head, the last call too."""
+
+    def __init__(self, head: bool = True):
+        super().__init__()
+        self.block = Block(Experts(then=nn.Linear(H, H)))
+        self.head = nn.Linear(H, CLASSES) if head else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.block(x).mean(1)
+        return self.head(h) if self.head is not None else h[:, :CLASSES]
+
+
+class PickedAlone(PickedFirst):
+    def __init__(self):
+        super().__init__(head=False)
+
+
 class TwoExperts(nn.Module):
     """Two experts, each an ``nn.Linear``, on the rows a Linear router sorts to them, cut by
     slices at a count read on the host and put back by ``index_copy``."""
@@ -151,8 +172,14 @@ class Sliced(nn.Module):
 # grouped_mm takes float32 alone: the loop then in float32 too, to its rounding
 @pytest.mark.parametrize(
     "make, dtype, tol",
-    [(Model, torch.float64, 1e-10), (Picked, torch.float32, 1e-4), (Sliced, torch.float64, 1e-10)],
-    ids=["jetmoe", "picked-rows", "sliced"],
+    [
+        (Model, torch.float64, 1e-10),
+        (Picked, torch.float32, 1e-4),
+        (PickedFirst, torch.float32, 1e-4),
+        (PickedAlone, torch.float32, 1e-4),
+        (Sliced, torch.float64, 1e-10),
+    ],
+    ids=["jetmoe", "picked-rows", "picked-first", "picked-alone", "sliced"],
 )
 def test_linears_inside_routed_regions_replay_exact(make, dtype, tol):
     torch.manual_seed(0)
@@ -177,4 +204,5 @@ def test_linears_inside_routed_regions_replay_exact(make, dtype, tol):
             (program,) = findings.programs
             calls = [s for s in program.steps if isinstance(s, RegionCall)]
             assert calls and all(c.routed for c in calls)  # none traced again
-            assert all(c.open for c in calls) == (make is not Picked)  # sizes read on the host
+            closed = make in (Picked, PickedFirst, PickedAlone)
+            assert all(c.open for c in calls) != closed  # sizes read on the host

@@ -220,8 +220,9 @@ def test_rows_picked_and_written_by_a_mask():
 
 def test_masks_the_flow_cannot_follow_and_rows_normalised_alone():
     flow, (x,) = _flow([0, 1, 2])
-    grid = torch.ones(3, 4, dtype=torch.bool)  # over every element, not the rows
-    assert flow.of(_after(flow, "__getitem__", G, x, grid)) is None
+    grid = torch.tensor([[True, False, True, True]] * 3)  # over every element: each its row's
+    assert flow.of(_after(flow, "__getitem__", G, x, grid)).tolist() == [0] * 3 + [1] * 3 + [2] * 3
+    assert flow.of(_after(flow, "__getitem__", G, x, (slice(None), grid[0]))) is None
     mask = torch.tensor([True, False, True])
     assert flow.of(_after(flow, "__getitem__", G, x, (mask, ...))).tolist() == [0, 2]
     assert flow.of(_after(flow, "__getitem__", G, x, (mask, torch.tensor([1, 3])))) is None
