@@ -10,8 +10,8 @@ of expert e's (O, I) matrix is G_be = sum over its rows s of s_s a_s^T, so
 the Gram route over rows, masked to pairs of one key (example, expert), in chunks of rows,
 where that costs little beside the read (``gram_cheap``). Where it costs more (many rows on wide
 experts: Mixtral's), the rows sorted by key and each key's G_be formed or its own Gram taken,
-the keys' rows found on the host (one sync per read, for the offsets read by the weight
-gradient's ``grouped_mm``, which the pass skips): a training step then sums the G formed.
+the keys' counts read on the host (one sync for a layer's reads of one offsets, as the weight
+gradient's ``grouped_mm`` that the pass skips reads them): a training step sums the G formed.
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ class Routed(Contribution):
         """(key, left, right) of each key that holds rows (an expert, where ``experts``), its
         rows' (n, *) sides such that G = left^T right, rows of no expert in none: the keys'
         counts read on the host (the one sync, shared: ``keyed.key_counts``), each key's rows
-        gathered as it comes, into copies the cache holds for its product (not all at once)."""
+        gathered as it comes, into copies the cache holds for its product (gathered at once,
+        through memory: 10% more)."""
         e, apart = self.shape[0], self._past and not experts
         keys = e if experts else self.batch * e
         by = self.expert if experts else self.key
