@@ -11,7 +11,8 @@ from torch import Tensor
 
 from ...rules.recurrent import slots
 from ..tensors import tensors_in
-from .owners import NONE, combine, reduce, segment_combine, shrink
+from .arguments import filled
+from .owners import MIXED, NONE, combine, reduce, segment_combine, shrink
 
 if TYPE_CHECKING:
     from .trace import RowTrace
@@ -28,10 +29,18 @@ def _pack(trace: RowTrace, x: Tensor, lengths: Tensor, batch_first: bool) -> tup
         trace.picked("_pack_padded_sequence")
     along = [1] * x.dim()
     along[0 if batch_first else 1] = -1
-    length = trace.owner(lengths).reshape(-1).to(x.device).view(along)  # each slot's length's
+    length = _owners_of(trace, lengths).reshape(-1).to(x.device).view(along)  # each slot's
     owners = combine(trace.owner(x), length).expand(x.shape).contiguous()
     data, sizes = torch._VF._pack_padded_sequence(owners, lengths, batch_first)
     return shrink(data), _none(sizes)
+
+
+def _owners_of(trace: RowTrace, lengths: Tensor) -> Tensor:
+    """Each length's owners; lengths of no example's after the forward read the batch's values
+    on the host, and not given back as a read's (``readback.py``), are MIXED: Python may have
+    made them of those values, another example's (each example then runs alone, checked)."""
+    own = trace.owner(lengths)
+    return filled(own, MIXED) if trace.read_back and bool((own == NONE).all()) else own
 
 
 def _pad(trace: RowTrace, data: Tensor, sizes: Tensor, batch_first: bool, _, length) -> tuple:

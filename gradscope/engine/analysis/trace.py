@@ -6,11 +6,10 @@ views and moves of rows (reshape, transpose, index, gather, masks, cat, split) b
 same op to the owners, elementwise ops by combining them, reductions and contractions (softmax,
 norms, matmul, linear, conv, attention) by reducing them over the dimensions they mix. An op it
 does not know keeps dimension 0's owners (the engine's assumption before this trace, which the
-self-check verifies) and is named in ``unknown``. A rule then reads each call's
-rows through its owners: rows of one example each, in any layout, are exact; a row of several
-examples, or of none, sends the parameter to the fallback with the op that made it. Owners
-known from shapes alone take the lanes' fast path (``lanes/``); the rest the owner algebra
-(``follow.py``).
+self-check verifies) and is named in ``unknown``. A rule then reads each call's rows through
+its owners: rows of one example each, in any layout, are exact; a row of several examples, or of
+none, sends the parameter to the fallback with the op that made it. Owners known from shapes
+alone take the lanes' fast path (``lanes/``); the rest the owner algebra (``follow.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from .arguments import filled
 from .follow import OwnerAlgebra
 from .lanes import Lane, after
 from .owners import MIXED, NONE, compact, is_batch, lane_of
+from .readback import MADE, given_back
 
 if TYPE_CHECKING:
     from .finder import Finder
@@ -108,6 +108,7 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         self.created = ByTensor()  # tensors whose values the batch's shapes decide (fixed.py)
         self.finder: Finder | None = None  # the analysis's (finder.py): told what needs it
         self.own = 0  # above 0 while the tap's own code runs (its host reads are not the model's)
+        self.read_back: list[tuple[Tensor, object]] = []  # (owners, value) of the model's reads
         self.mixed_by = ByTensor()  # tensor -> the op that mixed examples on its way
         self._lanes: dict[object, Tensor] = {}  # (rank, dim, size, m) -> its owners
         self._lane_of: dict[int, tuple[Tensor, Lane]] = {}  # id of those owners -> the lane
@@ -191,13 +192,14 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
             self._record("unbind", torch.unbind, args[:1], {}, rows)
             return iter(rows)
         out = func(*args, **kwargs)
+        if name in MADE and (o := given_back(self, args, out)) is not None:
+            self._set(out, o, f"{name} of values read on the host")
         self._record(name, func, args, kwargs, out)
         return out
 
     def _record(self, name: str, func, args: tuple, kwargs: dict, out: object) -> None:
-        """The owners of ``out``, the result of op ``name``; never an error in the user's
-        forward: owners that cannot be followed are MIXED (the parameters they reach go to the
-        fallback)."""
+        """The owners of ``out``, the result of op ``name``; never an error in the user's forward:
+        owners that cannot be followed are MIXED (the parameters they reach go to the fallback)."""
         tracked = self.owners.held(args, kwargs)  # (tensor, its owners)
         if not tracked:
             return
@@ -226,11 +228,13 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         out = func(*args, **kwargs)
         if name not in UNFOLLOWED:
             self._record(name, func, args, kwargs, out)
-        if self.finder is None or self.own or fixed.fixed(self, tensors_in(args, kwargs)):
+        if self.own or fixed.fixed(self, tensors_in(args, kwargs)):
             return out  # the tap's own, or values the batch's shapes decide (``fixed.py``)
-        if name in SCALAR_READS:
+        if held:  # values of the batch that Python may give back (``readback.py``)
+            self.read_back.append((self.owner(args[0]).expand(args[0].shape), out))
+        if name in SCALAR_READS and self.finder is not None:
             self.finder.host(name, out, held)
-        elif held:
+        elif held and name not in SCALAR_READS:
             self._escaped(name)
         return out
 
