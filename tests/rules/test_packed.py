@@ -231,23 +231,27 @@ def test_lengths_of_other_examples_are_refused(dtype: torch.dtype) -> None:
 class Listed(Packed):
     """Each example packed with the length of the row its first value sorts there, read back
     to the host as a list (``argsort`` over the batch: ``perm``): its own where the batch
-    comes in that order, another example's in any other; ``own``: its own length's list."""
+    comes in that order, another example's in any other; ``own``: its own length's list;
+    ``python``: the list made by Python of each length read alone."""
 
-    def __init__(self, rnn: nn.RNNBase, own: bool = False):
+    def __init__(self, rnn: nn.RNNBase, own: bool = False, python: bool = False):
         super().__init__(rnn)
-        self.own = own
+        self.own, self.python = own, python
 
     def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
         perm = torch.arange(x.shape[0]) if self.own else x[:, 0, 0].argsort()
-        return super().forward(x, lengths[perm].tolist())
+        listed = [int(n) for n in lengths[perm]] if self.python else lengths[perm].tolist()
+        return super().forward(x, listed)
 
 
-def test_lengths_of_other_examples_through_the_host_are_refused() -> None:
+@pytest.mark.parametrize("python", [False, True])
+def test_lengths_of_other_examples_through_the_host_are_refused(python: bool) -> None:
     """Lengths of other examples read back to the host and given to the pack as a list are
-    no example's to the trace; the list is the read's, so its owners are the read's: the
-    batch in order is exact, one out of order refused (on main: 0.72 off the loop)."""
+    no example's to the trace; the list is the read's, so its owners are the read's, or, made
+    by Python of several reads, mixed: the batch in order is exact, one out of order refused
+    (on main: 0.72 off the loop)."""
     torch.manual_seed(0)
-    model = Listed(RNNS["gru"]()).double()
+    model = Listed(RNNS["gru"](), python=python).double()
     _, inputs, y = in_order_then_reversed(model)
     with pytest.raises(ModelError, match="mixes the examples"):
         gradscope.per_example_norms(model, inputs, y, "mse")  # analysed afresh
