@@ -57,6 +57,7 @@ class Selectors:
     the owners of its values as a selector, where they differ from ``owner``'s)."""
 
     crossed = False  # whether the op just followed picked elements by another example's values
+    hits = None  # tensors of ids a mask of the batch hit (``nonzero``'s positions), moved
 
     def selector(self, t: Tensor) -> Tensor:
         """The owners of ``t``'s values as a selector (``owner``'s unless noted otherwise)."""
@@ -78,14 +79,17 @@ class Selectors:
             x = args[0]
             at = self.selector(x).expand(x.shape)[x.bool()]  # (n,) in nonzero's order
             outs = out if isinstance(out, (tuple, list)) else (out,)
+            self.hits = self.hits if self.hits is not None else type(self.selectors)()
             for t in outs:
                 self.selectors[t] = compact(at.reshape(-1, *([1] * (t.dim() - 1))))
+                self.hits[t] = True
             return
         if not any(t in self.selectors for t in tensors_in(args, kwargs)):
             return
         x, outs = args[0], out if isinstance(out, (tuple, list)) else (out,)
+        hit = self.hits is not None and x in self.hits  # ids moved stay ids; computed on, not
         if name in ELEMENTWISE or binary(name, args, kwargs):
-            found = (combine(*(self.selector(t) for t in tensors_in(args, kwargs))),)
+            found, hit = (combine(*(self.selector(t) for t in tensors_in(args, kwargs))),), False
         elif name in RESHAPES and isinstance(x, Tensor):
             found = (reshaped(self.selector(x), x.shape, out.shape),)
         elif name in MOVES and name not in ZEROING and x in self.selectors:
@@ -96,6 +100,8 @@ class Selectors:
         for t, o in zip(outs, found, strict=False):
             if isinstance(t, Tensor) and o is not None and o.dim() == t.dim():
                 self.selectors[t] = shrink(o)
+                if hit:
+                    self.hits[t] = True
 
     def _order(self, args: tuple, kwargs: dict, order: Tensor) -> Tensor:
         """The selector owners of a sort's indices ``order``: along a dimension of one owner,
@@ -117,12 +123,17 @@ class Selectors:
         self.crossed = True
         return torch.where(crossed, MIXED, o)
 
-    def _slab(self, x: Tensor, dims: list[int], sel: Tensor) -> Tensor:
-        """``sel``, an index's selector owners into ``x`` along ``dims``, with MIXED taken as
-        no example's where ``x`` is a parameter, or holds integers or booleans of one owner
-        along ``dims``: a slab every example shares, as a loop over every expert id the batch's
-        routing hit takes Mixtral's ``W[e]`` and ``mask[e]``. One example's index there still
-        crosses, and an index of several into values or a table of no example's."""
+    def _slab(self, x: Tensor, dims: list[int], index: Tensor) -> Tensor:
+        """``index``'s selector owners into ``x`` along ``dims``, with MIXED taken as no
+        example's where the index holds ids a mask of the batch hit (``hits``) and ``x`` is a
+        parameter, or holds integers or booleans of one owner along ``dims``: a slab every
+        example shares, as a loop over every expert id the batch's routing hit takes Mixtral's
+        ``W[e]`` and ``mask[e]``. One example's index there still crosses, and so do an index
+        of values the batch mixed (``W[x.sum(0).argmax()]``: example i's output another's
+        values pick) and an index of several into values or a table of no example's."""
+        sel = self.selector(index)
+        if self.hits is None or index not in self.hits:
+            return sel
         if isinstance(x, torch.nn.Parameter):
             return torch.where(sel == MIXED, NONE, sel)
         if x.is_floating_point() or x.is_complex() or self._varies(x, dims):
@@ -193,8 +204,8 @@ class Selectors:
         spots = [i for i, k in enumerate(key) if isinstance(k, Tensor)]
         if not spots or any(key[i].dtype == torch.bool for i in spots):
             return o
-        sel = combine(*(self.selector(key[i]) for i in spots))  # (the indices' shape)
-        sel = self._slab(x, _taken(key, x.dim(), spots), sel)
+        dims = _taken(key, x.dim(), spots)
+        sel = combine(*(self._slab(x, dims, key[i]) for i in spots))  # (the indices' shape)
         if bool((sel == NONE).all()):
             return o
         if spots != list(range(spots[0], spots[-1] + 1)):
@@ -218,7 +229,7 @@ class Selectors:
             dim, index = kwargs.get("dim", dim), kwargs.get("index", index)
         if not isinstance(index, Tensor) or not isinstance(dim, int):
             return o
-        sel = self._slab(x, [dim], self.selector(index))
+        sel = self._slab(x, [dim], index)
         if bool((sel == NONE).all()):
             return o
         if name == "index_select":  # (n,) along dim

@@ -101,6 +101,9 @@ CROSSED = {  # silently wrong before: each example's output picked or placed by 
         lambda h, m: h + torch.zeros_like(h).masked_fill_(other(h) > 0, -3.0),
     ),
 }
+# a parameter's entry picked by values the whole batch mixed (silently wrong before: taken as an
+# expert id the batch's routing hit, Mixtral's ``W[e]``); at batch 1 on the fallback, exact
+BATCH = {"parameter-batch-sum": ("sum", lambda h, m: h * m.w[h.detach().sum((0, 1)).argmax()])}
 REFUSED = {  # refused before too: kept as proof
     "index_add_": (
         "index_add_",
@@ -195,9 +198,9 @@ def scored(op, sizes: tuple[int, ...]) -> tuple[Engine, list[str]]:
     return engine, refused
 
 
-@pytest.mark.parametrize("case", [*CROSSED, *(f"{k} (proof)" for k in REFUSED)])
+@pytest.mark.parametrize("case", [*CROSSED, *BATCH, *(f"{k} (proof)" for k in REFUSED)])
 def test_an_index_of_another_example_refused_or_exact(case: str):
-    op, f = {**CROSSED, **{f"{k} (proof)": v for k, v in REFUSED.items()}}[case]
+    op, f = {**CROSSED, **BATCH, **{f"{k} (proof)": v for k, v in REFUSED.items()}}[case]
     _, refused = scored(f, (3, 3, 3))
     assert refused  # the examples checked alone differ on some batch
     assert all("mixes the examples of a batch" in why for why in refused), refused
