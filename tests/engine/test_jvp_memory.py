@@ -135,7 +135,9 @@ class NewBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if isinstance(t, Tensor) and t.untyped_storage().data_ptr() not in self.old:
+            if not isinstance(t, Tensor) or t._is_zerotensor():  # autograd's zeros: no storage
+                continue
+            if t.untyped_storage().data_ptr() not in self.old:
                 storage = t.untyped_storage()
                 self.made.setdefault(
                     storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes())
@@ -195,3 +197,21 @@ def test_linear_tangent_needs_no_more_than_its_output() -> None:
                 F.linear(*duals)
             peaks.append(made.peak / out_bytes)
     assert peaks == [5, 2]
+
+
+def test_conv_tangent_needs_no_more_than_its_output() -> None:
+    """A dual convolution holds its value and tangent, and in a layer past the first the
+    second term of the tangent; autograd's rule holds four tensors of the output's size, and
+    in the first layer convolves a zero tangent of the input's size."""
+    x, w, b = torch.randn(8, 3, 12, 12), torch.randn(8, 3, 3, 3), torch.randn(8)
+    out_bytes = 8 * 8 * 12 * 12 * 4
+    peaks = []
+    for mode in (contextlib.nullcontext, Tangents):
+        for first in (True, False):
+            with torch.no_grad(), fwAD.dual_level():
+                tangents = [torch.randn_like(t) for t in (x, w, b)]
+                duals = [fwAD.make_dual(t, d) for t, d in zip((x, w, b), tangents, strict=True)]
+                with mode(), NewBytes([x, w, b, *tangents]) as made:
+                    F.conv2d(x if first else duals[0], *duals[1:], padding=1)
+                peaks.append(made.peak / out_bytes)
+    assert peaks == [4, 4, 2, 3]
