@@ -10,10 +10,9 @@ import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from oracle import reference_influence
+from peaks import NewBytes
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from gradscope.engine import Engine, Influence, jvp, reference_gradients
 from gradscope.engine.jvp import composite_attention
@@ -121,29 +120,6 @@ def test_composite_attention_restores_the_fast_path() -> None:
     with pytest.raises(ValueError), composite_attention():
         raise ValueError
     assert torch.backends.mha.get_fastpath_enabled() == before
-
-
-class NewBytes(TorchDispatchMode):
-    """The most bytes of storage created inside it and alive at once, read after every op."""
-
-    def __init__(self, old: list[Tensor]):
-        super().__init__()
-        self.old = {t.untyped_storage().data_ptr() for t in old}
-        self.made: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if not isinstance(t, Tensor) or t._is_zerotensor():  # autograd's zeros: no storage
-                continue
-            if t.untyped_storage().data_ptr() not in self.old:
-                storage = t.untyped_storage()
-                self.made.setdefault(
-                    storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes())
-                )
-        self.peak = max(self.peak, sum(n for r, n in self.made.values() if not r.expired()))
-        return out
 
 
 # (input shape, weight shape, bias?, which of x, W, b carry a tangent)
