@@ -1,5 +1,6 @@
 """Counting host-device synchronisations: calls of the tensor methods and torch functions that
-wait for the device (``bool``, ``item``, ``tolist``, ``equal``, ``unique``, ...)."""
+wait for the device (``bool``, ``item``, ``tolist``, ``equal``, ``unique``, ...), and the grouped
+products whose kernel reads their group offsets on the host (``OFFSETS``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradscope.engine import Engine
 from gradscope.losses import resolve_loss
@@ -19,12 +21,33 @@ METHODS = (
     "unique", "unique_consecutive", "masked_select",
 )  # fmt: skip
 FUNCTIONS = ("equal", "nonzero", "allclose", "unique", "unique_consecutive", "masked_select")
+# ``_grouped_mm`` given offsets (routed experts, HF Mixtral's: its forward, and autograd's input
+# and weight gradients): torch's kernel reads the offsets on the host (``offs.cpu()``, then each
+# group's product), on CUDA a wait (``rules/routed.py``: in float32), but its bf16 one on sm90/100
+OFFSETS = "grouped_mm offsets"
+
+
+class _Offsets(TorchDispatchMode):
+    """Each ``aten._grouped_mm`` given offsets, forward or backward, as one read in ``calls``."""
+
+    def __init__(self, calls: list[str]):
+        super().__init__()
+        self.calls = calls
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default and (
+            kwargs.get("offs") is not None or (len(args) > 2 and args[2] is not None)
+        ):
+            self.calls.append(OFFSETS)
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
-def counted() -> Iterator[list[str]]:
+def counted(offsets: bool = False) -> Iterator[list[str]]:
     """Every call of a synchronising tensor method or torch function, by name: once where a
-    function mode (the engine's) is handed the replaced method and calls it again."""
+    function mode (the engine's) is handed the replaced method and calls it again; with
+    ``offsets``, every grouped product that reads its offsets on the host (``OFFSETS``)."""
     calls: list[str] = []
     inside = [False]  # a read a function mode handed back to the method it came through: once
     saved = [(torch.Tensor, name, getattr(torch.Tensor, name)) for name in METHODS]
@@ -46,20 +69,21 @@ def counted() -> Iterator[list[str]]:
     try:
         for owner, name, original in saved:
             setattr(owner, name, counting(name, original))
-        yield calls
+        with _Offsets(calls) if offsets else contextlib.nullcontext():
+            yield calls
     finally:
         for owner, name, original in saved:
             setattr(owner, name, original)
 
 
 def step_and_pass(pb) -> tuple[Counter, Counter, int]:
-    """A workload's (``benchmarks/workloads.py`` ``Problem``) synchronising calls in a plain
-    training step and in a replayed ``norms`` pass of one Engine on the same batch, after three
-    passes on other batches (the analyses, then replays), and how many times that batch's
-    shape replayed."""
+    """A workload's (``benchmarks/workloads.py`` ``Problem``) synchronising calls, its grouped
+    products' reads of their offsets among them, in a plain training step and in a replayed
+    ``norms`` pass of one Engine on the same batch, after three passes on other batches (the
+    analyses, then replays), and how many times that batch's shape replayed."""
     model, loss = pb.model, resolve_loss(pb.loss)
     params = [p for p in model.parameters() if p.requires_grad]
-    with Engine(model, loss) as engine, counted() as calls:
+    with Engine(model, loss) as engine, counted(offsets=True) as calls:
         for seed in range(3):  # the analyses (W6: padded and not), then replays
             engine.norms(*pb.batch(seed))
         inputs, targets = pb.batch(3)

@@ -85,7 +85,8 @@ def per_example_influence(
     state dict), or the factors ``gradscope.factors`` returned, scores then use ``H^-1 g_ref``
     with its K-FAC / EK-FAC curvature. ``engine`` is
     ``hooks``, ``jvp`` (forward mode, no backward) or ``auto`` (jvp, moving to hooks if an op
-    lacks forward mode). ``curvature`` ``gn``, ``hessian`` or ``auto`` (``gn`` where
+    lacks forward mode; forward mode scores only batches of a shape the hooks have analysed,
+    not a shape's first). ``curvature`` ``gn``, ``hessian`` or ``auto`` (``gn`` where
     its dense matrix fits) scores against
     ``(C + lambda I)^-1 g_ref`` instead, C the Gauss-Newton matrix or the Hessian of the mean
     loss over ``inputs`` (the training rows), fitted here (``solver``: ``dense``, ``cg`` or

@@ -18,6 +18,7 @@ from .backward.stacked import laid_out
 from .engine import Engine
 from .jvp import JvpUnsupported, jvp_inner
 from .naive import naive_grads
+from .proven import hooks_of, proven
 from .scores import total
 
 ENGINES = ("auto", "hooks", "jvp")
@@ -176,7 +177,9 @@ class Influence:
     ``hooks``: the inner products come from the same factored contributions as the norms, in one
     forward+backward. ``jvp``: one forward-mode pass per direction and no backward; the norms, when
     asked for, still need the hook pass. ``auto`` takes jvp only where it saves work: one direction
-    and no norms. When forward mode fails on an op it is retried once on composite attention
+    and no norms. Forward mode scores only a batch of a signature this scorer's hooks pass
+    proved (``proven``), the model's hooks as they were then: any other batch, a signature's
+    first included, is scored by the hooks. When forward mode fails on an op it is retried once on composite attention
     (fused inference kernels step aside then), and if that fails too scoring moves to hooks;
     ``note`` says which and why.
     """
@@ -190,6 +193,10 @@ class Influence:
         self._want = Want(norms=norms, refs=refs)  # the hooks' pass, asked of every batch
         self.note: str | None = None
         self._composite = False  # jvp on composite attention, see jvp_inner
+        self.forward_mode = False  # whether the last batch was scored by forward mode
+        # by id of a signature's findings: the model's hooks when this scorer's hooks pass
+        # proved it (``proven``); forward mode scores its batches while they are the same
+        self._proven: dict[int, tuple] = {}
 
     @property
     def ref_norm(self) -> Tensor:
@@ -197,7 +204,9 @@ class Influence:
         return torch.stack([_sq_norms(r) for r in self.refs.values()]).sum(0).sqrt()
 
     def __call__(self, inputs: tuple[Tensor, ...], targets: Tensor) -> BatchInfluence:
-        while self.method == "jvp":
+        self.forward_mode = False
+        findings = self.engine.record.at(inputs, targets)
+        while self.method == "jvp" and self._proven.get(id(findings)) == hooks_of(self.engine):
             try:
                 tangents = {n: dense(r) for n, r in self.refs.items()}  # formed once each
                 loss, inner, observed = jvp_inner(
@@ -212,8 +221,11 @@ class Influence:
             norm_sq = None
             if self.norms:
                 norm_sq = total(self.engine.norms(inputs, targets).norm_sq)
+            self.forward_mode = True
             return BatchInfluence(loss.double(), inner.double(), norm_sq, observed)
         scores = self.engine.scores(inputs, targets, self._want)
+        if proven(findings):
+            self._proven[id(findings)] = hooks_of(self.engine)
         norm_sq = total(scores.norm_sq) if self.norms else None
         return BatchInfluence(scores.loss.double(), total(scores.inner), norm_sq, scores.observed)
 
@@ -248,8 +260,9 @@ def influence_errors(
         refs = reference_gradients(engine, [(ref_inputs, ref_targets)])
         hooks = engine.norms(inputs, targets, refs).inner
         forward = Influence(engine, refs, "jvp", norms=False)
+        forward(inputs, targets)  # its hooks' pass proves the signature for forward mode
         jvp = forward(inputs, targets).inner[:, 0]
-        if forward.method != "jvp":
+        if not forward.forward_mode:
             jvp = None
     g_ref = {n: g.double().mean(0).flatten() for n, g in ref_grads.items()}
     exact = {n: rows(g).double() @ g_ref[n] for n, g in grads.items()}  # (B, P) @ (P,)

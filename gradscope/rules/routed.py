@@ -10,8 +10,8 @@ of expert e's (O, I) matrix is G_be = sum over its rows s of s_s a_s^T, so
 the Gram route over rows, masked to pairs of one key (example, expert), in chunks of rows,
 where that costs little beside the read (``gram_cheap``). Where it costs more (many rows on wide
 experts: Mixtral's), the rows sorted by key and each key's G_be formed or its own Gram taken,
-the keys' rows found on the host (one sync per read, as the trace's offsets are): a training
-step then takes the batch sum from the same G formed (``norm_sq_and_sum``).
+the keys' counts read on the host (one sync for a layer's reads of one offsets, as the weight
+gradient's ``grouped_mm`` that the pass skips reads them): a training step sums the G formed.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .base import CHUNK_ELEMENTS, Contribution, Dense, _acc, _cat, _sq_norm, stacked
+from .keyed import experts_of, key_counts
 
 # the Gram of S rows over every pair costs S^2 (in + out), the read S in out: the Gram where the
 # first is at most this many times the second, or this few in all, else each key's rows apart
@@ -33,13 +34,6 @@ def gram_cheap(rows: int, shape: torch.Size) -> bool:
     ``ROUTED_COST`` times the rows' product with it, or ``ROUTED_FLOPS``."""
     a, b = shape[-2], shape[-1]
     return rows * (a + b) <= ROUTED_COST * a * b or rows * rows * (a + b) <= ROUTED_FLOPS
-
-
-def experts_of(offs: Tensor, rows: int) -> Tensor:
-    """(rows,) the group of ``offs`` (cumulative row ends) each row falls in; ``len(offs)`` for
-    a row past the last."""
-    at = torch.arange(rows, device=offs.device, dtype=offs.dtype)
-    return torch.searchsorted(offs, at, right=True)
 
 
 class Routed(Contribution):
@@ -70,6 +64,7 @@ class Routed(Contribution):
         self.batch, self.transposed = batch, transposed
         self.key = own * self.shape[0] + expert.clamp(max=self.shape[0] - 1)
         self.keyed = not gram_cheap(self.a.shape[0], self.shape)  # each key's rows apart
+        self.offs: Tensor | None = None  # the grouped product's (``of``): its keys' counts shared
 
     @classmethod
     def of(
@@ -84,8 +79,9 @@ class Routed(Contribution):
     ) -> Routed:
         """One ``grouped_mm(a, W or W^T, offs)`` call's contribution from its output gradient:
         rows past the last group (the kernel skips them) in no key, ``s`` zero there."""
-        expert = experts_of(offs, a.shape[0])
-        return cls(a, s, own, expert, shape, batch, transposed, past=True)
+        part = cls(a, s, own, experts_of(offs, a.shape[0]), shape, batch, transposed, past=True)
+        part.offs = offs
+        return part
 
     @property
     def s(self) -> Tensor:
@@ -111,16 +107,18 @@ class Routed(Contribution):
     def _keys(self, experts: bool = False) -> Iterator[tuple[int, Tensor, Tensor]]:
         """(key, left, right) of each key that holds rows (an expert, where ``experts``), its
         rows' (n, *) sides such that G = left^T right, rows of no expert in none: the keys'
-        rows found on the host (the one sync), each key's gathered as it comes, into copies
-        the cache holds for its product (gathered at once, through memory: 10% more)."""
-        e = self.shape[0]
+        counts read on the host (the one sync, shared: ``keyed.key_counts``), each key's rows
+        gathered as it comes, into copies the cache holds for its product (gathered at once,
+        through memory: 10% more)."""
+        e, apart = self.shape[0], self._past and not experts
         keys = e if experts else self.batch * e
         by = self.expert if experts else self.key
-        if self._past and not experts:  # rows of no expert past every key
+        if apart:  # rows of no expert past every key
             by = torch.where(self.expert < e, by, keys)
         left, right = (self.a, self._s) if self.transposed else (self._s, self.a)
         order = torch.argsort(by, stable=True)  # (S,) the rows by key
-        counts = torch.bincount(by, minlength=keys)[:keys].tolist()
+        form = (e, self.batch, experts, apart, len(by))
+        counts = key_counts(by, keys, self.offs, self.own, form)
         lo = 0
         for k, n in enumerate(counts):
             if n:

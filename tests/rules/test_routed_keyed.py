@@ -102,3 +102,39 @@ def test_the_gram_over_all_rows_where_cheap(monkeypatch: pytest.MonkeyPatch):
     assert gram_cheap(128, torch.Size((8, 256, 64)))
     assert not gram_cheap(4096, torch.Size((8, 1024, 256)))
     assert gram_cheap(30, torch.Size((4, 24, 8)))
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["W^T", "W"])
+def test_reads_of_one_offsets_read_their_keys_counts_once(transposed):
+    """Two reads of one grouped product's offsets on rows of the same examples (a layer's
+    gate-up and down) key their rows the same: the keys' counts are read on the host once for
+    both, and each read's norms are its own; once the examples are written to, read again."""
+    from syncs import counted
+
+    batch = len(CASES["uneven"])
+    part, expected = _case(CASES["uneven"], transposed)
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(part.a.shape[0], 8, generator=g, dtype=torch.float64)
+    s = torch.randn(part.a.shape[0], 12, generator=g, dtype=torch.float64)
+    shape = torch.Size((E, 8, 12) if transposed else (E, 12, 8))
+
+    def norms(own: torch.Tensor) -> torch.Tensor:  # the second read's, row by row
+        grads = torch.zeros(batch, *shape, dtype=torch.float64)
+        for r, e in enumerate(part.expert.tolist()):
+            if e < E:
+                outer = torch.outer(a[r], s[r]) if transposed else torch.outer(s[r], a[r])
+                grads[own[r], e] += outer
+        return grads.flatten(1).square().sum(1)
+
+    second = Routed.of(a, s, part.own, part.offs, shape, batch, transposed)
+    with counted() as calls:
+        got = [part.norm_sq(), second.norm_sq()]
+    assert calls == ["tolist"]
+    torch.testing.assert_close(got[0], expected.flatten(1).square().sum(1))
+    torch.testing.assert_close(got[1], norms(part.own))
+    part.own[0] = (part.own[0] + 1) % batch  # expert 0's first row given to another example
+    third = Routed.of(a, s, part.own, part.offs, shape, batch, transposed)
+    with counted() as calls:
+        got = third.norm_sq()
+    assert calls == ["tolist"]  # its keys' counts read again
+    torch.testing.assert_close(got, norms(part.own))

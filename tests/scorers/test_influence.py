@@ -146,11 +146,13 @@ def _refs(case: Case, n: int = 4):
 def test_mean_reference_matches_loop(case: Case, engine: str) -> None:
     model, inputs, targets, refs = _refs(case)
     expected, g_norm, r_norm = reference_influence(model, inputs, targets, refs, case.loss)
-    actual = gradscope.per_example_influence(
-        model, inputs, targets, *refs, loss=case.loss, engine=engine
-    )
-    assert actual.shape == (targets.shape[0],)
-    assert_cosine_close(actual, expected[:, 0], g_norm, r_norm)
+    # twice: forward mode scores a signature the hooks' pass has analysed (``proven``)
+    for _ in range(2):
+        actual = gradscope.per_example_influence(
+            model, inputs, targets, *refs, loss=case.loss, engine=engine
+        )
+        assert actual.shape == (targets.shape[0],)
+        assert_cosine_close(actual, expected[:, 0], g_norm, r_norm)
 
 
 @pytest.mark.parametrize("engine", ["hooks", "jvp"])
@@ -165,6 +167,7 @@ def test_per_ref_and_norms_match_loop(case: Case, engine: str) -> None:
         scorer = Influence(
             core, reference_gradients(core, [refs], per_ref=True), engine, norms=True
         )
+        scorer(inputs, targets)  # the signature analysed: forward mode may score the next
         scores = scorer(inputs, targets)
     assert scorer.method == engine
     assert scores.inner.shape == (targets.shape[0], 3)
@@ -291,8 +294,11 @@ def _jvp_scorer(case: Case) -> Influence:
     core = Engine(model, resolve_loss(case.loss))
     with core:
         scorer = Influence(core, reference_gradients(core, [refs]), "jvp", norms=False)
+        first = scorer(inputs, targets)  # the hooks' pass: the signature's analysis
+        assert not scorer.forward_mode
         scores = scorer(inputs, targets)
-    assert_cosine_close(scores.inner, expected, g_norm, r_norm)
+    for s in (first, scores):
+        assert_cosine_close(s.inner, expected, g_norm, r_norm)
     return scorer
 
 
@@ -333,4 +339,4 @@ def test_influence_errors_for_check(case: Case) -> None:
         Engine(model, resolve_loss(case.loss)), inputs, targets, ref_inputs, ref_targets
     )
     assert set(errors) == {"0", "2", "hooks", "jvp"}
-    assert max(errors.values()) < TOL
+    assert all(e < TOL for e in errors.values()), errors  # NaN: forward mode never ran

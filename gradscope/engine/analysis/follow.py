@@ -59,9 +59,15 @@ class OwnerAlgebra(Picks, Selectors):
             return self._set(out, self._sorted(name, args, kwargs, out), origin)
         if name in PLACES:  # in place or not
             target = args[0] if name.endswith("_") else out
-            return self._set(target, self._placed(name, args, kwargs), origin)
+            o = self._placed(name, args, kwargs)
+            return self._set(target, o, self._crossing(name, origin))
         if name in IN_PLACE_MOVES:
             return self._in_place(name, args, kwargs, origin)
+        if name == "take" and isinstance(args[0], Tensor):  # x.reshape(-1)[index]
+            return self._set(out, self._took(args, kwargs), self._crossing(name, origin))
+        if name in ("index_put", "index_put_"):  # x[indices] = values, in place or not
+            target, o = args[0] if name.endswith("_") else out, self._index_put(args, kwargs)
+            return self._set(target, o, self._crossing(name, origin))
         if name in SCATTERS:
             return self._scatter(name, args, kwargs, out, origin)
         if name in ELEMENTWISE_IN_PLACE and isinstance(args[0], Tensor):  # x += y
@@ -204,10 +210,11 @@ class OwnerAlgebra(Picks, Selectors):
             name.startswith("scatter_reduce") and kwargs.get("include_self", True)
         )
         if self._in_rows(name, args, kwargs):  # each row its source row's, wherever written
-            o = shrink(combine(base, reduce(values, [dim])))
+            o = combine(base, reduce(values, [dim])).expand(x.shape)
         else:
-            o = shrink(scatter_combine(base, dim, index, values.contiguous(), keep))
-        self._set(x if name.endswith("_") else out, o, origin)
+            o = scatter_combine(base, dim, index, values.contiguous(), keep)
+        o = shrink(self._scattered(o, dim, index))  # placed by another example's index: MIXED
+        self._set(x if name.endswith("_") else out, o, self._crossing(name, origin))
 
     def _in_place(self, name: str, args: tuple, kwargs: dict, origin: str) -> None:
         x = args[0]
@@ -227,10 +234,10 @@ class OwnerAlgebra(Picks, Selectors):
             # mask leaves the program's rows right (``tests/engine/analysis/test_masked_fill``)
             o[args[1].expand(x.shape)] = v.reshape(()).to(o.device)
             o = self._apart(o, self.selector(args[1]))  # elements kept by another's mask
+            if bool((self.owner(x) == NONE).all()):  # no example's: what the mask made it
+                o = combine(o, self.selector(args[1])).expand(x.shape)
         else:  # __setitem__
-            o[args[1]] = v.expand(o[args[1]].shape) if v.dim() else v.to(o.device)
-            o = self._masked(x, args[1], o)
-            o[args[1]] = self._indexed(x, args[1], o[args[1]])
+            o = self._put(x, args[1], v)
         return self._set(x, shrink(o), self._crossing(name, origin))
 
     def _placed(self, name: str, args: tuple, kwargs: dict) -> Tensor:
@@ -259,4 +266,4 @@ class OwnerAlgebra(Picks, Selectors):
             o = segment_combine(base, index, rows)
         shape = [1] * x.dim()
         shape[dim] = x.shape[dim]
-        return compact(o.view(shape))
+        return compact(self._rows_placed(o.view(shape), dim, index))

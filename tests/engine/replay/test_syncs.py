@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 import workloads
-from syncs import counted, step_and_pass
+from syncs import OFFSETS, counted, step_and_pass
 
 from gradscope.engine import Engine
 from gradscope.losses import resolve_loss
+from gradscope.rules.routed import gram_cheap
 
 transformers = pytest.importorskip("transformers")
 import families  # noqa: E402 - after the skip: its builders import transformers
@@ -79,6 +80,24 @@ def test_a_replayed_pass_syncs_no_more_than_a_plain_step(name: str):
     plain, ours, replays = step_and_pass(_problem(name))
     assert replays >= 2  # the counted pass replayed
     assert not ours - plain, (ours, plain)
+
+
+def test_keyed_experts_wait_no_more_than_a_plain_step():
+    """W9's family where its experts' reads are keyed (``Routed.keyed``: 3 x 50 tokens top-2,
+    300 rows, of 4 experts of 256 x 64 and 64 x 128: no Gram over all rows cheap), as at W9's
+    own size: a layer's two reads take their keys' row counts to the host once (a ``tolist``),
+    and skip autograd's weight gradients, whose grouped products a plain step runs and which
+    read their offsets on the host as the forward's and the input gradients' do: the pass
+    waits less often in all."""
+    torch.manual_seed(0)
+    model = families.hf_mixtral(vocab=64, d=64, seq=50, layers=2, heads=4, experts=4)
+    problem = workloads._problem(model, workloads._next_tokens(64, 50), 3, "cross_entropy")
+    for shape in ((4, 2 * 128, 64), (4, 64, 128)):  # gate-up's and down's reads: keyed
+        assert not gram_cheap(3 * 50 * 2, torch.Size(shape))
+    plain, ours, replays = step_and_pass(problem)
+    assert replays >= 2
+    assert ours["tolist"] == 2 and plain[OFFSETS] == 3 * 2 * 2  # a read a layer; 2 layers
+    assert ours.total() < plain.total(), (ours, plain)
 
 
 def test_every_workload_is_counted():
