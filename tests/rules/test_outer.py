@@ -238,3 +238,20 @@ def test_inner_through_r_weights_its_product_in_place(t, o, i):
     assert made.peak < 2 * b * t * k * min(o, i) * 4
     want = torch.einsum("bgto,kgoi,bgti->bk", s.double(), r.double(), a.double())
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_formed_inner_products_form_no_more_than_the_rows():
+    """At two positions of a 16x16 layer each call's G (B, 256) is as large as every call's
+    rows: four calls' inner products form one call's G at a time, let go before the next."""
+    n, b, t, o, i, k = 4, 3, 2, 16, 16, 3
+    gen = torch.Generator().manual_seed(8)
+    s, a = torch.randn(n * b, 1, t, o, generator=gen), torch.randn(n * b, 1, t, i, generator=gen)
+    refs = list(torch.randn(n, k, o, i, generator=gen))
+    part = Outer(s, a, torch.Size((o, i)))
+    assert part._formed_cheaper(k)
+    with NewBytes([s, a, *refs]) as made:
+        got = part.inners(refs, b)
+    assert made.peak < 2 * b * o * i * 4
+    grads = torch.einsum("bto,bti->boi", s[:, 0].double(), a[:, 0].double()).reshape(n, b, -1)
+    want = grads @ torch.stack(refs).double().reshape(n, k, -1).mT  # (n, B, K)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
