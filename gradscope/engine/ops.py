@@ -233,4 +233,4 @@ BIASED = {"add", "__add__", "__radd__"}  # and ``x + b[e]``, one row of a 2-D b 
 # the recurrent kernels (``_VF.lstm``: on a packed sequence's data, its batch sizes second)
 RECURRENT = {"lstm", "gru", "rnn_tanh", "rnn_relu"}
 # ops whose rows the row flow follows by slot or bag (``replay/packrows.py``)
-PACKED = RECURRENT | {"_pack_padded_sequence", "_pad_packed_sequence", "embedding_bag"}
+SLOTTED = RECURRENT | {"_pack_padded_sequence", "_pad_packed_sequence", "embedding_bag"}

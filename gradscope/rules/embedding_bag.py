@@ -12,6 +12,10 @@ from .base import Contribution, _acc
 from .embedding import Rows, by_count
 from .registry import register_rule
 
+# ``F.embedding_bag``'s arguments, in order: the trace and the replay bind its calls by them
+BAG_ARGS = ("input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq", "mode")
+BAG_ARGS += ("sparse", "per_sample_weights", "include_last_offset", "padding_idx")
+
 
 def bag_of(offsets: Tensor, n: int, include_last: bool) -> tuple[Tensor, Tensor]:
     """(N,) the bag of each of ``n`` positions cut into bags by ``offsets``, and (bags,) each

@@ -117,11 +117,14 @@ def find_rule(module: nn.Module) -> Rule | None:
     return next((rule for match, rule in MATCHERS if match(module)), None)
 
 
-def routable(module: nn.Module) -> bool:
-    """Whether a routed region may hold a hooked call of ``module`` on the rows it follows: an
-    ``nn.Linear`` (its reads served as an expert's), or a module whose rule reads bags
-    (``Rule.bags``: a packed RNN's slots, an EmbeddingBag's offsets), checked row by row."""
-    if type(module) is nn.Linear:
-        return True
+def read_by_bags(module: nn.Module, inputs: tuple, kwargs: dict) -> bool:
+    """Whether ``module``'s rule reads its call on ``inputs`` (its leading tensors, a packed
+    sequence spread) by bags (``Rule.bags``: a packed RNN's slots, an EmbeddingBag's offsets),
+    not by rows: a padded RNN's call and a (B, L) EmbeddingBag's are read by rows."""
     rule = find_rule(module)
-    return rule is not None and rule.bags is not None
+    return (
+        bool(inputs)
+        and rule is not None
+        and rule.bags is not None
+        and (rule.bags(module, inputs, kwargs) is not None)
+    )

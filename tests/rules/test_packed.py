@@ -176,18 +176,15 @@ class Shuffled(Packed):
         return super().forward(x[x[:, 0, 0].argsort()], lengths)
 
 
-def test_rows_the_values_mix_in_a_later_batch_are_not_replayed() -> None:
-    """The analysed batch's rows in order, and a later one's, replayed exact; a batch whose
-    values put example j's steps in example i's slot meets its lengths' rows there: flagged,
-    not replayed, and the analysis finds the model mixing the examples."""
-    torch.manual_seed(0)
-    model, g = Shuffled(RNNS["gru"]()).double(), torch.Generator().manual_seed(0)
+def in_order_then_reversed(model: nn.Module) -> tuple:
+    """Two batches whose first values come in order, each replayed exact, then one in reverse
+    order, refused as mixing the examples; (its findings, its inputs and targets)."""
+    g = torch.Generator().manual_seed(0)
     with Engine(model, resolve_loss("mse")) as engine:
         for k in range(3):
             x = torch.randn(4, T, IN, generator=g, dtype=torch.float64)
-            order = x[:, 0, 0].argsort()
-            x = x[order] if k < 2 else x[order.flip(0)]  # in order, then reversed
-            inputs = (x, torch.tensor([4, 3, 2, 1]))
+            x = x[x[:, 0, 0].argsort()]
+            inputs = (x if k < 2 else x.flip(0), torch.tensor([4, 2, 3, 1]))
             y = torch.randn(4, T, H, generator=g, dtype=torch.float64)
             if k == 2:
                 with pytest.raises(ModelError, match="mixes the examples"):
@@ -195,5 +192,37 @@ def test_rows_the_values_mix_in_a_later_batch_are_not_replayed() -> None:
                 break
             got = total(engine.norms(inputs, y).norm_sq).sqrt()
             assert_rel_close(got, reference_norms(model, inputs, y)[1], 1e-9)
-        findings = engine.record.at(inputs, y)
+        return engine.record.at(inputs, y), inputs, y
+
+
+def test_rows_the_values_mix_in_a_later_batch_are_not_replayed() -> None:
+    """The analysed batch's rows in order, and a later one's, replayed exact; a batch whose
+    values put example j's steps in example i's slot meets its lengths' rows there: flagged,
+    not replayed, and the analysis finds the model mixing the examples."""
+    torch.manual_seed(0)
+    findings, _, _ = in_order_then_reversed(Shuffled(RNNS["gru"]()).double())
     assert findings.replays == 1 and "rows that the batch's values" in findings.why
+
+
+class Relengthed(Packed):
+    """Each example packed with the length of the row its first value sorts there: its own
+    where the batch comes in that order, another example's in any other."""
+
+    def __init__(self, rnn: nn.RNNBase, dtype: torch.dtype):
+        super().__init__(rnn)
+        self.dtype = dtype
+
+    def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
+        return super().forward(x, lengths[x[:, 0, 0].argsort()].to(self.dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_lengths_of_other_examples_are_refused(dtype: torch.dtype) -> None:
+    """A batch in order replays exact; one whose values give example i another's length is
+    flagged, and its analysis finds the pack's slots met by another example's length: refused
+    as mixing the examples (on main the analysis took each slot's rows alone: 0.65 off)."""
+    torch.manual_seed(0)
+    model = Relengthed(RNNS["gru"](), dtype).double()
+    _, inputs, y = in_order_then_reversed(model)
+    with pytest.raises(ModelError, match="mixes the examples"):
+        gradscope.per_example_norms(model, inputs, y, "mse")  # analysed afresh

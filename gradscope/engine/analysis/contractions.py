@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ...rules.embedding_bag import bag_of
+from ...rules.embedding_bag import BAG_ARGS, bag_of
+from ..ops import RECURRENT
 from ..tensors import tensors_in
 from .owners import NONE, combine, compact, reduce, segment_combine
 from .packed import PACKED, recurrent
@@ -89,16 +90,12 @@ def _embedding(trace: RowTrace, ids: Tensor, weight: Tensor, *_, **__) -> Tensor
     return combine(trace.owner(ids).unsqueeze(-1), reduce(trace.owner(weight), [0, 1]))
 
 
-_BAG_ARGS = ("offsets", "max_norm", "norm_type", "scale_grad_by_freq", "mode", "sparse")
-_BAG_ARGS += ("per_sample_weights", "include_last_offset", "padding_idx")
-
-
 def _embedding_bag(trace: RowTrace, ids: Tensor, weight: Tensor, *args, **kwargs) -> Tensor:
     """F.embedding_bag: each bag from its own positions' ids and weights, a (B, L) input's bags
     its rows, a 1-D input's cut by offsets: positions the batch's values pick, where the offsets
     are computed from the batch (``lengths.cumsum``), unless the batch is of one example and
     every position its own: each bag is then its own wherever the offsets cut."""
-    bound = {**dict(zip(_BAG_ARGS, args, strict=False)), **kwargs}
+    bound = {**dict(zip(BAG_ARGS[2:], args, strict=False)), **kwargs}
     o, weights = trace.owner(ids), bound.get("per_sample_weights")
     if isinstance(weights, Tensor):
         o = combine(o, trace.owner(weights))
@@ -251,6 +248,6 @@ CONTRACTIONS: dict[str, Callable[..., object]] = {
     "multi_head_attention_forward": _mha,
     "einsum": _einsum,
     "im2col": _im2col,  # F.unfold, told apart from Tensor.unfold by the function itself
-    **dict.fromkeys(("lstm", "gru", "rnn_tanh", "rnn_relu"), _recurrent),
+    **dict.fromkeys(RECURRENT, _recurrent),
     **PACKED,
 }

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from ...rules.registry import routable
 from ..capture import counter, shapes_of
 from ..constants import Constants
 from ..recipes import Recipe
@@ -264,9 +263,10 @@ class Finder:
 
     def _routable_steps(self, v: Visit) -> bool:
         """Whether every hooked call inside the region call is one a routed region holds, on
-        rows of its own (``rules.registry.routable``; ``replay/hooked.py``)."""
+        rows of its own: an ``nn.Linear``'s, or one its rule reads by bags (``replay/hooked.py``)."""
         inner = self.events[v.first : v.first + v.steps]
-        return all(routable(e.module) and not e.handed and not e.expand for e in inner)
+        held = (type(e.module) is nn.Linear or e.bags for e in inner)
+        return all(held) and not any(e.handed or e.expand for e in inner)
 
     def routed(self, v: Visit) -> bool:
         """Whether a region call's rows are picked by values: a routed region's, if light."""

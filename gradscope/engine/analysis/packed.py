@@ -22,10 +22,14 @@ def _none(t: Tensor) -> Tensor:
 
 
 def _pack(trace: RowTrace, x: Tensor, lengths: Tensor, batch_first: bool) -> tuple:
-    """_pack_padded_sequence(input, lengths, batch_first): rows that the lengths pick."""
+    """_pack_padded_sequence(input, lengths, batch_first): rows that the lengths pick, each
+    slot's met by its length's (the length of another example's row mixes them)."""
     if trace._of_batch(lengths):
         trace.picked("_pack_padded_sequence")
-    owners = trace.owner(x).expand(x.shape).contiguous()
+    along = [1] * x.dim()
+    along[0 if batch_first else 1] = -1
+    length = trace.owner(lengths).reshape(-1).to(x.device).view(along)  # each slot's length's
+    owners = combine(trace.owner(x), length).expand(x.shape).contiguous()
     data, sizes = torch._VF._pack_padded_sequence(owners, lengths, batch_first)
     return shrink(data), _none(sizes)
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...rules import find_rule
 from ..backward.backward import Requests
 from ..steps import ChildCall, Program, RegionCall, Step
 from .analyse import Analysed
@@ -61,11 +60,7 @@ def _bagged(captured: Analysed, regions: Regions) -> frozenset[int]:
     return frozenset(
         id(v)
         for v in regions.visits
-        if id(v) in regions.routed
-        and any(
-            getattr(find_rule(e.module), "bags", None) is not None
-            for e in events[v.first : v.first + v.steps]
-        )
+        if id(v) in regions.routed and any(e.bags for e in events[v.first : v.first + v.steps])
     )
 
 

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from ...rules import find_rule
+from ...rules.registry import read_by_bags
 from ..capture import Call, Capture, counter, first_output, leading, shapes_of, spread
 from ..hooks import ModuleHooks
 from .policy import assumable, batch_free, shared
@@ -27,6 +28,7 @@ class Entered:
     handed: bool  # left to the tap (batch-free: computed from parameters alone)
     expand: bool  # its shared leading rows expanded to the batch
     call: Call | None = None  # its capture; None where no gradient flows back through it
+    bags: bool = False  # its rule reads it by bags (``read_by_bags``), decided as it ends
 
 
 class HookSession(Capture):
@@ -102,7 +104,9 @@ class HookSession(Capture):
         with torch._C.DisableTorchFunction():
             out, _ = first_output(output)
             tensors = spread(args)  # a packed sequence's too
-            owners = tuple(self.trace.owner(a) for a in tensors[: leading(tensors)])
+            lead = tensors[: leading(tensors)]
+            event.bags = read_by_bags(module, lead, kwargs)
+            owners = tuple(self.trace.owner(a) for a in lead)
             if isinstance(out, Tensor) and self._standard(event, tensors, owners, out):
                 # row i is what example i reads: the trace checks where each output row goes
                 owners = (self.trace.standard(tensors[0].dim()), *owners[1:])

@@ -6,7 +6,7 @@ its ``F.linear``, on the device, no host sync. A call whose rule reads bags (``R
 packed RNN, whose rows the pack put in slots, an EmbeddingBag cut by offsets): captured as
 the analysis captures it, its rule reading each bag as an example, and each bag's rows checked
 to be its example's (a flag). The analysis lets such calls into a routed region
-(``analysis/finder.py``; ``rules.registry.routable``)."""
+(``analysis/finder.py``: ``Entered.bags``)."""
 
 from __future__ import annotations
 

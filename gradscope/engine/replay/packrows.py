@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ...rules.embedding_bag import bag_of
+from ...rules.embedding_bag import BAG_ARGS, bag_of
 from ...rules.recurrent import slots
 from ..ops import RECURRENT
 from .masked import NO_ONE
@@ -22,13 +22,9 @@ from .moved import Along
 if TYPE_CHECKING:
     from .rowflow import RowFlow
 
-# ``F.embedding_bag``'s arguments, in order
-_BAG_ARGS = ("input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq", "mode")
-_BAG_ARGS += ("sparse", "per_sample_weights", "include_last_offset", "padding_idx")
-
 
 def packed_after(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object) -> object:
-    """The rows of ``out`` after op ``name`` (of ``ops.PACKED``), or NotImplemented."""
+    """The rows of ``out`` after op ``name`` (of ``ops.SLOTTED``), or NotImplemented."""
     if name == "_pack_padded_sequence":
         return _pack(flow, out, *args, *kwargs.values())
     if name == "_pad_packed_sequence":
@@ -116,7 +112,7 @@ def _pad(flow: RowFlow, data: Tensor, sizes: Tensor, batch_first: bool, *_) -> o
 def _bags(flow: RowFlow, args: tuple, kwargs: dict, out: object) -> object:
     """``F.embedding_bag`` of a 1-D input cut by offsets: each bag's rows its positions' (and
     their weights'), met."""
-    bound = {**dict(zip(_BAG_ARGS, args, strict=False)), **kwargs}
+    bound = {**dict(zip(BAG_ARGS, args, strict=False)), **kwargs}
     ids, offsets = bound.get("input"), bound.get("offsets")
     if not isinstance(ids, Tensor) or ids.dim() != 1 or not isinstance(offsets, Tensor):
         return NotImplemented

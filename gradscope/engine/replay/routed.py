@@ -1,8 +1,9 @@
 """Routed regions: a light region (``light.py``) whose rows the batch's values pick, as routed
 experts' are (tokens sorted by expert, gathered, run by ``grouped_mm`` on a fused 3-D weight, put
-back), or a packed RNN's. A replayed batch runs the call under ``RoutedRegion``: the recipes'
-reads served as a light region serves them, the grouped ones by ``rules/routed.py`` on rows
-whose examples ``rowflow.py`` follows from the call's arguments, op by op, on the device.
+back), a packed RNN's and an EmbeddingBag's cut by offsets. A replayed batch runs the call under
+``RoutedRegion``: the recipes' reads served as a light region serves them, the grouped ones by
+``rules/routed.py`` on rows whose examples ``rowflow.py`` follows from the call's arguments, op
+by op, on the device.
 
 The witness of a routed call: a light region's (the reads in the analysed order, as many
 autograd nodes), every read's rows some example's, a recipe's lanes where it has them, and the

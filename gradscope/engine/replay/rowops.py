@@ -12,11 +12,11 @@ from ..ops import (
     ALONG,
     JOINS,
     MATMULS,
-    PACKED,
     PRODUCTS,
     RESHAPES,
     ROW_REDUCTIONS,
     ROW_WISE,
+    SLOTTED,
     SPLITS,
 )
 from ..tensors import tensors_in
@@ -35,7 +35,7 @@ NORMED = {"rms_norm", "layer_norm"}  # over the trailing dimensions ``normalized
 def rows_after(flow: RowFlow, name: str, args: tuple, kwargs: dict, out: object):
     """The rows of ``out`` (a tuple of them for several outputs; ``Along`` another dimension
     than 0), or NotImplemented."""
-    if name in PACKED:
+    if name in SLOTTED:
         return packed_after(flow, name, args, kwargs, out)
     moved = moved_after(flow, name, args, kwargs, out)
     if moved is not None:

@@ -1,12 +1,16 @@
 """The rows a routed region follows through a packed sequence's ops and an ``embedding_bag`` cut
 by offsets (``replay/packrows.py``): each slot's rows through the pack, the recurrent kernel and
 the padding, batch-first or sequence-first; a slot or bag where two examples meet flagged; the
-initial states met in their slots."""
+initial states met in their slots; a padded RNN's or a (B, L) EmbeddingBag's call in a routed
+root read by rows, replayed."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
+from oracle import assert_norms_through_one_engine
+from torch import Tensor, nn
 
 from gradscope.engine.replay.moved import Along
 from gradscope.engine.replay.rowflow import RowFlow
@@ -86,3 +90,37 @@ def test_bags_cut_by_offsets_and_a_bag_of_two_examples():
         assert bool(flow.bad) == bad
         if not bad:
             assert flow.of(out).tolist() == [0, 1, 2]
+
+
+class Routing(nn.Module):
+    """A top-level sort of the rows for a Linear (the model's own call a routed region), beside
+    a padded GRU's or a (B, L) EmbeddingBag's call: read by rows, not by bags."""
+
+    def __init__(self, rnn: bool):
+        super().__init__()
+        self.lin, self.rnn = nn.Linear(3, 5), nn.GRU(3, 5, batch_first=True) if rnn else None
+        self.bag = nn.EmbeddingBag(7, 5, mode="sum")
+
+    def forward(self, x: Tensor, ids: Tensor) -> Tensor:
+        perm = x[:, 0, 0].argsort()
+        h = self.lin(x[perm])[perm.argsort()].sum(1)
+        return h + (self.bag(ids) if self.rnn is None else self.rnn(x)[0].sum(1))
+
+
+@pytest.mark.parametrize("rnn", [False, True], ids=["bag", "gru"])
+def test_calls_read_by_rows_in_a_routed_root_replay(rnn: bool) -> None:
+    """Each batch exact; every batch after the first replayed (on main each was analysed: the
+    region let the call in as one read by bags, and its replay refused it as bags not the
+    examples)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    model = Routing(rnn).double()
+    batches = [
+        ((torch.randn(4, 4, 3, generator=g, dtype=torch.float64),
+          torch.randint(0, 7, (4, 3), generator=g)),
+         torch.randn(4, 5, generator=g, dtype=torch.float64))
+        for _ in range(4)
+    ]  # fmt: skip
+    engine = assert_norms_through_one_engine(model, batches, "mse")
+    findings = engine.record.at(*batches[0])
+    assert (findings.analyses, findings.replays) == (1, 3), findings.why
