@@ -66,6 +66,28 @@ def _linear(level: int, x: Tensor, weight: Tensor, bias: Tensor | None = None) -
     return _made(out, tangent, level)
 
 
+def _conv(level: int, conv, x: Tensor, weight: Tensor, bias: Tensor | None = None, *rest, **kw):
+    """``conv(x, weight, bias, *rest)`` (a convolution or a transposed one) on dual numbers:
+    autograd's tangent ``conv(x_t, W) + conv(x, W_t, b_t)``, the second added into the first.
+
+    Autograd's rule forms both terms and their sum, and where ``x`` has no tangent (the first
+    layer) it convolves a zero tensor of the input's size: on a small CNN, the engine's peak.
+    """
+    (x, x_t), (weight, w_t), (bias, b_t) = (_unpacked(t, level) for t in (x, weight, bias))
+    out = conv(x, weight, bias, *rest, **kw)  # (B, C_out, *spatial)
+    tangent = None if x_t is None else conv(x_t, weight, None, *rest, **kw)
+    if w_t is not None:
+        by_w = conv(x, w_t, b_t, *rest, **kw)
+        tangent = by_w if tangent is None else tangent.add_(by_w)
+    elif b_t is not None:  # (C_out,) along the channels, before the spatial dims
+        b_t = b_t.view(-1, *[1] * (weight.dim() - 2))
+        tangent = b_t.expand_as(out).clone() if tangent is None else tangent.add_(b_t)
+    return _made(out, tangent, level)
+
+
+_CONV = (F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)
+
+
 def _binary(level: int, op: str, a: object, b: object, alpha: float = 1) -> Tensor:
     """``a op b`` (mul, add, sub, div; ``rsub`` and ``rdiv`` with the operands swapped) where
     exactly one operand is a dual; NotImplemented otherwise (autograd's rule then)."""
@@ -168,9 +190,9 @@ def _attention(
 
 
 class Tangents(TorchFunctionMode):
-    """``F.linear`` (and ``torch.addmm`` of a bias row), routed experts' grouped products,
-    scaled-dot-product attention and the arithmetic of a dual with a plain operand by the rules
-    above; every other op by autograd's own forward-mode rule. ``level``:
+    """``F.linear`` (and ``torch.addmm`` of a bias row), convolutions, routed experts' grouped
+    products, scaled-dot-product attention and the arithmetic of a dual with a plain operand by
+    the rules above; every other op by autograd's own forward-mode rule. ``level``:
     the ``fwAD.dual_level`` whose duals these are."""
 
     def __init__(self, level: int = 0):
@@ -184,6 +206,8 @@ class Tangents(TorchFunctionMode):
             out = _linear(self.level, *args, **kwargs)
         elif func is torch.addmm and len(args) == 3 and not kwargs and args[0].dim() == 1:
             out = _linear(self.level, args[1], args[2].mT, args[0])  # b + x W: GPT-2's Conv1D
+        elif func in _CONV and len(args) >= 2:
+            out = _conv(self.level, func, *args, **kwargs)
         elif func is torch._grouped_mm and len(args) == 2:
             out = _grouped(self.level, *args, **kwargs)
         elif func is F.scaled_dot_product_attention:

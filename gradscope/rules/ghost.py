@@ -28,14 +28,14 @@ def ghost_inner(r: Tensor, s: Tensor, a: Tensor) -> Tensor:
     if g == 1 and t == 1 and o <= i:  # one position: (*n, B, I) @ (*n, I, K*O) -> (*n, B, K, O)
         # reshape, not view: a reference through a preconditioner need not be contiguous
         ra = torch.matmul(a.reshape(*n, b, i), r.reshape(*n, k * o, i).mT).view(*n, b, k, o)
-        return (ra * s.reshape(*n, b, 1, o)).sum(-1)
+        return ra.mul_(s.reshape(*n, b, 1, o)).sum(-1)  # in place: no second (B, K, O)
     if g == 1 and o <= i:  # (*n, B*T, I) @ (*n, I, K*O) -> (*n, B, T, K, O)
         ra = torch.matmul(a.reshape(*n, b * t, i), r.reshape(*n, k * o, i).mT)
-        return (ra.view(*n, b, t, k, o) * s.reshape(*n, b, t, 1, o)).sum((-3, -1))
+        return ra.view(*n, b, t, k, o).mul_(s.reshape(*n, b, t, 1, o)).sum((-3, -1))
     if g == 1:  # (*n, B*T, O) @ (*n, O, K*I) -> (*n, B, T, K, I)
         rt = r.reshape(*n, k, o, i).transpose(-3, -2).reshape(*n, o, k * i)
         rs = torch.matmul(s.reshape(*n, b * t, o), rt).view(*n, b, t, k, i)
-        return (rs * a.reshape(*n, b, t, 1, i)).sum((-3, -1))
+        return rs.mul_(a.reshape(*n, b, t, 1, i)).sum((-3, -1))
     if o <= i:
         ra = torch.einsum("...kgoi,...bgti->...bkgto", r, a)  # (*n, B, K, G, T, O)
         return (ra * s.unsqueeze(-4)).flatten(-3).sum(-1)

@@ -245,13 +245,16 @@ class Outer(Contribution):
         """(n, batch, K) as ``inners``, from each example's G_i formed, a few calls at a time,
         each call's against its own references: (B, P) @ (P, K), no stack of them made."""
         p = self.shape.numel()
-        step = max(1, CHUNK_ELEMENTS // (batch * p))  # calls formed at a time
+        # calls formed at a time: their G no larger than the rows of all (at a few positions G
+        # is the larger: H3's --per-ref, 16 calls' at once, was 1.3x a backward's peak)
+        step = max(1, min(CHUNK_ELEMENTS, self.s.numel() + self.a.numel()) // (batch * p))
         out = []
         for lo in range(0, len(refs), step):
             hi = min(lo + step, len(refs))
             s, a = self.s[lo * batch : hi * batch], self.a[lo * batch : hi * batch]
             g = (s.transpose(-1, -2) @ a).view(hi - lo, batch, p)  # (c*B, G, O, I) as (c, B, P)
             out += [_dots(g[c], rows(r.to(g.dtype))) for c, r in enumerate(refs[lo:hi])]
+            del g  # let go before the next calls' is formed
         return torch.stack(out)
 
     def inner(self, refs: Tensor) -> Tensor:

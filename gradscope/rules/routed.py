@@ -268,11 +268,7 @@ def routed_inners(parts: Sequence[Routed], refs: Sequence[Tensor]) -> Tensor:
     left = _cat([p.a if transposed else p.s for p in parts])  # (n*S, width)
     right = _cat([p.s if transposed else p.a for p in parts])  # (n*S, right)
     width = left.shape[1]
-    # each reference's (n*E, right, width), column-major: a view where K is 1; where more,
-    # whole (E, width, right) blocks copied, not all K at once with K inside them (that
-    # transposed copy, and the stack before it, cost H4's --per-ref pass, R = 8, 27 ms of 86)
     shape = (n * e, width, right.shape[1])
-    rs = [_reference(refs, j).to(left.dtype).reshape(shape).mT for j in range(k)]
     group = _cat([j * e + p.key % e for j, p in enumerate(parts)])  # (n*S,)
     own = _cat([j * b + p.own for j, p in enumerate(parts)])
     order = torch.argsort(group, stable=True)
@@ -280,13 +276,17 @@ def routed_inners(parts: Sequence[Routed], refs: Sequence[Tensor]) -> Tensor:
     ends = torch.bincount(group, minlength=n * e).cumsum(0).to(torch.int32)  # each group's end
     out, rows = left.new_zeros(n * b, k), len(order)
     step = max(1, CHUNK_ELEMENTS // max(width, 1))  # rows at a time: (rows, width) bound
-    for lo in range(0, rows, step):
-        hi = min(lo + step, rows)
-        offs = (ends - lo).clamp(0, hi - lo)  # the groups' ends within rows lo to hi - 1
-        # each reference's (rows, width) products let go once summed against the rows
-        mine = (torch._grouped_mm(right[lo:hi], r, offs=offs) * left[lo:hi] for r in rs)
-        dots = torch.stack([m.sum(-1) for m in mine], 1)  # (rows, K)
-        out.index_add_(0, own[lo:hi], dots)
+    chunks = [(lo, min(lo + step, rows)) for lo in range(0, rows, step)]
+    offs = [(ends - lo).clamp(0, hi - lo) for lo, hi in chunks]  # the groups' ends in each
+    for j in range(k):
+        # reference j's (n*E, right, width), column-major: a view where K is 1, else copied
+        # one reference at a time (all K with K inside them: H4's --per-ref pass, R = 8, 27 ms
+        # of 86; each one's blocks copied, all held at once: 7 MiB there, its peak doubled)
+        r = _reference(refs, j).to(left.dtype).reshape(shape).mT
+        for (lo, hi), off in zip(chunks, offs, strict=True):
+            mine = torch._grouped_mm(right[lo:hi], r, offs=off) * left[lo:hi]  # (rows, width)
+            out[:, j].index_add_(0, own[lo:hi], mine.sum(-1))
+        del r  # let go before the next reference's copy is made
     return out.view(n, b, k)
 
 

@@ -10,10 +10,9 @@ import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from oracle import reference_influence
+from peaks import NewBytes
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from gradscope.engine import Engine, Influence, jvp, reference_gradients
 from gradscope.engine.jvp import composite_attention
@@ -124,27 +123,6 @@ def test_composite_attention_restores_the_fast_path() -> None:
     assert torch.backends.mha.get_fastpath_enabled() == before
 
 
-class NewBytes(TorchDispatchMode):
-    """The most bytes of storage created inside it and alive at once, read after every op."""
-
-    def __init__(self, old: list[Tensor]):
-        super().__init__()
-        self.old = {t.untyped_storage().data_ptr() for t in old}
-        self.made: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, Tensor) and t.untyped_storage().data_ptr() not in self.old:
-                storage = t.untyped_storage()
-                self.made.setdefault(
-                    storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes())
-                )
-        self.peak = max(self.peak, sum(n for r, n in self.made.values() if not r.expired()))
-        return out
-
-
 # (input shape, weight shape, bias?, which of x, W, b carry a tangent)
 LINEAR = [
     ((6, 5), (4, 5), True, (True, True, True)),
@@ -196,3 +174,21 @@ def test_linear_tangent_needs_no_more_than_its_output() -> None:
                 F.linear(*duals)
             peaks.append(made.peak / out_bytes)
     assert peaks == [5, 2]
+
+
+def test_conv_tangent_needs_no_more_than_its_output() -> None:
+    """A dual convolution holds its value and tangent, and in a layer past the first the
+    second term of the tangent; autograd's rule holds four tensors of the output's size, and
+    in the first layer convolves a zero tangent of the input's size."""
+    x, w, b = torch.randn(8, 3, 12, 12), torch.randn(8, 3, 3, 3), torch.randn(8)
+    out_bytes = 8 * 8 * 12 * 12 * 4
+    peaks = []
+    for mode in (contextlib.nullcontext, Tangents):
+        for first in (True, False):
+            with torch.no_grad(), fwAD.dual_level():
+                tangents = [torch.randn_like(t) for t in (x, w, b)]
+                duals = [fwAD.make_dual(t, d) for t, d in zip((x, w, b), tangents, strict=True)]
+                with mode(), NewBytes([x, w, b, *tangents]) as made:
+                    F.conv2d(x if first else duals[0], *duals[1:], padding=1)
+                peaks.append(made.peak / out_bytes)
+    assert peaks == [4, 4, 2, 3]

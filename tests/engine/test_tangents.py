@@ -22,10 +22,10 @@ from gradscope.engine.tangents import Tangents
 from gradscope.losses import resolve_loss
 
 
-def _both(fn, *args: Tensor | float, tangents: tuple[bool, ...]) -> None:
+def _both(fn, *args: Tensor | float, tangents: tuple[bool, ...], tol: float = 1e-12) -> None:
     """``fn`` on ``args`` with a tangent where ``tangents`` says, under Tangents and under
     autograd's rules alone (attention on its math backend, which has them): the same value
-    and tangent."""
+    and tangent (``tol`` 0: bit for bit)."""
     gen = torch.Generator().manual_seed(0)
     got, want = [], []
     for mode, out in ((Tangents, got), (None, want)):
@@ -40,11 +40,11 @@ def _both(fn, *args: Tensor | float, tangents: tuple[bool, ...]) -> None:
                 with mode():
                     out.extend(fwAD.unpack_dual(fn(*duals)))
         gen.manual_seed(0)
-    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got[0], want[0], rtol=tol, atol=tol)
     if want[1] is None:
         assert got[1] is None
     else:
-        torch.testing.assert_close(got[1], want[1], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got[1], want[1], rtol=tol, atol=tol)
 
 
 OPS = [
@@ -101,6 +101,29 @@ def test_addmm_of_a_bias_row_is_autograds(side) -> None:
     """``torch.addmm(b, x, W)``, GPT-2's Conv1D, by the linear rule."""
     b, x, w = (torch.randn(s, dtype=torch.float64) for s in ((3,), (4, 5), (5, 3)))
     _both(torch.addmm, b, x, w, tangents=side)
+
+
+# (convolution, input shape, weight shape, what follows the bias)
+CONVS = [
+    (F.conv2d, (2, 4, 5, 5), (6, 2, 3, 3), {"stride": 2, "padding": 1, "groups": 2}),
+    (F.conv2d, (4, 5, 5), (6, 4, 3, 3), {"padding": "same"}),  # an unbatched image
+    (F.conv1d, (2, 3, 9), (4, 3, 2), {"dilation": 2}),
+    (F.conv3d, (1, 2, 3, 4, 4), (3, 2, 2, 2, 2), {}),
+    (F.conv_transpose2d, (2, 4, 5, 5), (4, 3, 3, 3), {"stride": 2, "output_padding": 1}),
+]
+SIDES = [(True, True, True), (False, True, True), (True, False, False), (False, False, True)]
+
+
+@pytest.mark.parametrize(("conv", "x", "w", "kw"), CONVS, ids=lambda v: getattr(v, "__name__", v))
+@pytest.mark.parametrize("side", [*SIDES, (True, True, None), (False, True, None)], ids=str)
+def test_convolutions_are_autograds_bit_for_bit(conv, x, w, kw, side) -> None:
+    """A convolution with a tangent on any of input, weight and bias (None: no bias), in
+    float32 on the kernels the engine runs: the very numbers of autograd's rule."""
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(x, generator=gen), torch.randn(w, generator=gen)
+    b = torch.randn(w.shape[1] if conv is F.conv_transpose2d else w.shape[0], generator=gen)
+    args, side = ((x, w), side[:2]) if side[2] is None else ((x, w, b), side)
+    _both(lambda *a: conv(*a, **kw), *args, tangents=side, tol=0)
 
 
 def _mask(kind: str, rows: int, cols: int) -> Tensor | None:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from peaks import NewBytes
 
 from gradscope.rules import Outer, formed, outer
+from gradscope.rules.ghost import ghost_inner
 
 
 def padded(lengths: list[int], g: int, t: int, o: int, i: int) -> tuple[torch.Tensor, ...]:
@@ -220,3 +222,36 @@ def test_a_large_g_of_few_positions_takes_the_gram(o: int, gram: bool):
     assert part.forms(train=False) is not gram and part.one_gram is gram
     expected = torch.stack([(s[e, 0].mT @ a[e, 0]).square().sum() for e in range(3)])
     torch.testing.assert_close(part.norm_sq(), expected, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize(("t", "o", "i"), [(1, 6, 9), (5, 6, 9), (5, 9, 6)], ids=str)
+def test_inner_through_r_weights_its_product_in_place(t, o, i):
+    """sum_t s_t^T R a_t through R (one position; many; the outputs the wider side): the
+    (B, T, K, min(O, I)) product weighted in place before its sum, not copied, so that
+    --per-ref's K references hold one such product, not two."""
+    g = torch.Generator().manual_seed(7)
+    b, k = 16, 8
+    s, a = torch.randn(b, 1, t, o, generator=g), torch.randn(b, 1, t, i, generator=g)
+    r = torch.randn(k, 1, o, i, generator=g)
+    with NewBytes([s, a, r]) as made:
+        got = ghost_inner(r, s, a)
+    assert made.peak < 2 * b * t * k * min(o, i) * 4
+    want = torch.einsum("bgto,kgoi,bgti->bk", s.double(), r.double(), a.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_formed_inner_products_form_no_more_than_the_rows():
+    """At two positions of a 16x16 layer each call's G (B, 256) is as large as every call's
+    rows: four calls' inner products form one call's G at a time, let go before the next."""
+    n, b, t, o, i, k = 4, 3, 2, 16, 16, 3
+    gen = torch.Generator().manual_seed(8)
+    s, a = torch.randn(n * b, 1, t, o, generator=gen), torch.randn(n * b, 1, t, i, generator=gen)
+    refs = list(torch.randn(n, k, o, i, generator=gen))
+    part = Outer(s, a, torch.Size((o, i)))
+    assert part._formed_cheaper(k)
+    with NewBytes([s, a, *refs]) as made:
+        got = part.inners(refs, b)
+    assert made.peak < 2 * b * o * i * 4
+    grads = torch.einsum("bto,bti->boi", s[:, 0].double(), a[:, 0].double()).reshape(n, b, -1)
+    want = grads @ torch.stack(refs).double().reshape(n, k, -1).mT  # (n, B, K)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

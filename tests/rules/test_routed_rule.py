@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from peaks import NewBytes
 
 from gradscope.rules import routed
 from gradscope.rules.routed import Routed, routed_inners, routed_norms
@@ -122,6 +123,22 @@ def test_rows_by_their_own_experts_matrix_a_few_rows_at_a_time(monkeypatch: pyte
     together = routed_inners([part for part, _ in cases], refs.float())
     for k, (_, expected) in enumerate(cases):
         _close32(together[k], expected.flatten(1) @ refs[k].flatten(1).T)
+
+
+def test_many_references_are_copied_one_at_a_time():
+    """Six references, each of three reads, as ``Batched`` lists them: each reference's
+    (3 reads x E experts) block, 72 KiB, copied in turn and let go before the next; all six
+    held at once were 432 KiB (the rows themselves: some 54 KiB)."""
+    cases = [_case(False, seed, torch.float32, (32, 48)) for seed in range(3)]
+    parts = [part for part, _ in cases]
+    shape = cases[0][1].shape[1:]
+    refs = list(torch.randn(3, 6, *shape, generator=torch.Generator().manual_seed(105)))
+    block = 3 * shape.numel() * 4
+    with NewBytes([*refs, *(t for p in parts for t in (p.a, p.s, p.own, p.key))]) as made:
+        together = routed_inners(parts, refs)
+    assert made.peak < 2 * block
+    for k, (_, expected) in enumerate(cases):
+        _close32(together[k], expected.flatten(1) @ refs[k].double().flatten(1).T)
 
 
 def _top2(batch: int, tokens: int, seed: int) -> tuple[Routed, torch.Tensor]:
