@@ -102,7 +102,9 @@ def test_fsdp_influence_two_processes_equal_one(tmp_path):
     out = tmp_path / "two.parquet"
     run = torchrun("influence", str(config), "--ref", ref, "--curvature", "none", "--out", str(out))
     assert run.returncode == 0, run.stderr[-3000:]
-    pd.testing.assert_frame_equal(pd.read_parquet(out), one, check_exact=True)
+    # one process keeps the reference as each layer's factors where they cost less
+    # (``rules/factored.py``), two keep it formed: the same sums in another order, 6e-16 apart
+    pd.testing.assert_frame_equal(pd.read_parquet(out), one, check_exact=False, rtol=1e-12)
 
 
 def test_blocks_are_the_models_no_split_modules_or_the_named_classes():
