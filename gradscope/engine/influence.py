@@ -179,9 +179,9 @@ class Influence:
     asked for, still need the hook pass. ``auto`` takes jvp only where it saves work: one direction
     and no norms. Forward mode scores only a batch of a signature this scorer's hooks pass
     proved (``proven``), the model's hooks as they were then: any other batch, a signature's
-    first included, is scored by the hooks. When forward mode fails on an op it is retried once on composite attention
-    (fused inference kernels step aside then), and if that fails too scoring moves to hooks;
-    ``note`` says which and why.
+    first included, is scored by the hooks. When forward mode fails on an op it is retried once
+    on composite attention (fused inference kernels step aside then), and if that fails too
+    scoring moves to hooks; ``note`` says which and why.
     """
 
     def __init__(self, engine: Engine, refs: dict[str, Reference], method: str, norms: bool):
@@ -224,7 +224,7 @@ class Influence:
             self.forward_mode = True
             return BatchInfluence(loss.double(), inner.double(), norm_sq, observed)
         scores = self.engine.scores(inputs, targets, self._want)
-        if proven(findings):
+        if self.method == "jvp" and proven(findings):
             self._proven[id(findings)] = hooks_of(self.engine)
         norm_sq = total(scores.norm_sq) if self.norms else None
         return BatchInfluence(scores.loss.double(), total(scores.inner), norm_sq, scores.observed)
