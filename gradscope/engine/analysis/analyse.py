@@ -24,7 +24,8 @@ from .finder import Finder
 from .selfcheck import agrees, mixed
 from .session import HookSession
 from .tap import ParamTap
-from .trace import ByTensor, RowTrace
+from .bytensor import ByTensor
+from .trace import RowTrace
 
 # (inputs, targets) -> ((B,) losses with their graph, what ``observe`` read)
 Losses = Callable[[tuple[Tensor, ...], Tensor], tuple[Tensor, dict[str, Tensor]]]

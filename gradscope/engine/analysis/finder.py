@@ -28,9 +28,10 @@ from ..capture import counter, shapes_of
 from ..constants import Constants
 from ..recipes import Recipe
 from ..tensors import tensors_of
+from .bytensor import ByTensor
 from .chosen import Regions
 from .owners import padded_rows
-from .trace import IRREGULAR, ByTensor
+from .trace import IRREGULAR
 from .visits import Visit, above
 
 if TYPE_CHECKING:

@@ -26,6 +26,7 @@ from torch import Tensor
 from ..ops import ELEMENTWISE, INDICES, MOVES, RESHAPES, SORTS, ZEROING
 from ..tensors import tensors_in
 from .arguments import binary, filled
+from .keys import masks, span, taken
 from .owners import (
     MIXED,
     NONE,
@@ -163,7 +164,7 @@ class Selectors:
     def _masked(self, x: Tensor, key: object, o: Tensor) -> Tensor:
         """``o`` (owners of x's elements, or of what a write leaves there, full-shaped) MIXED
         where a boolean mask in ``key`` (``x[key]``, ``x[key] = y``) is another example's."""
-        for at, mask in _masks(key, x.dim()):
+        for at, mask in masks(key, x.dim()):
             om = self.selector(mask)  # (mask's shape), broadcastable
             if not bool((om == NONE).all()):
                 om = om.reshape(*([1] * at), *om.shape, *([1] * (x.dim() - at - mask.dim())))
@@ -204,14 +205,14 @@ class Selectors:
         spots = [i for i, k in enumerate(key) if isinstance(k, Tensor)]
         if not spots or any(key[i].dtype == torch.bool for i in spots):
             return o
-        dims = _taken(key, x.dim(), spots)
+        dims = taken(key, x.dim(), spots)
         sel = combine(*(self._slab(x, dims, key[i]) for i in spots))  # (the indices' shape)
         if bool((sel == NONE).all()):
             return o
         if spots != list(range(spots[0], spots[-1] + 1)):
             place = 0  # apart: torch puts the indexed dimensions first
         else:
-            place = sum(_span(k, x.dim(), key) for k in key[: spots[0]] if not isinstance(k, int))
+            place = sum(span(k, x.dim(), key) for k in key[: spots[0]] if not isinstance(k, int))
         sel = sel.reshape(*([1] * place), *sel.shape, *([1] * (o.dim() - place - sel.dim())))
         return self._by_index(o, sel)
 
@@ -257,43 +258,3 @@ class Selectors:
         none = torch.full((o.shape[dim],), NONE, dtype=torch.long, device=o.device)
         at = segment_combine(none, index, sel.expand(index.shape).contiguous())
         return self._by_index(o, at.view(o.shape))
-
-
-def _span(k: object, n: int, key: tuple) -> int:
-    """The dimensions of a result that ``k``, one entry of an index ``key`` into a tensor of
-    ``n`` dimensions, gives: an ellipsis the ones no other entry takes."""
-    if k is Ellipsis:
-        return n - sum(_takes(j) for j in key)
-    return 1  # None, a slice
-
-
-def _takes(k: object) -> int:
-    """The dimensions of the indexed tensor that ``k`` takes."""
-    if isinstance(k, Tensor) and k.dtype == torch.bool:
-        return k.dim()
-    return 0 if k is None or k is Ellipsis or isinstance(k, bool) else 1
-
-
-def _starts(key: tuple, n: int):
-    """Each entry of an index ``key`` into a tensor of ``n`` dimensions, with its position in
-    the key and the first dimension of the tensor it covers: (i, entry, dimension)."""
-    rest = n - sum(_takes(j) for j in key)  # what an ellipsis covers
-    at = 0
-    for i, k in enumerate(key):
-        yield i, k, at
-        at += rest if k is Ellipsis else _takes(k)
-
-
-def _taken(key: tuple, n: int, spots: list[int]) -> list[int]:
-    """The dimensions of a tensor of ``n`` dimensions that the entries ``spots`` of an index
-    ``key`` take."""
-    return [at for i, _, at in _starts(key, n) if i in spots]
-
-
-def _masks(key: object, n: int) -> list[tuple[int, Tensor]]:
-    """The boolean tensors of an index ``key`` into a tensor of ``n`` dimensions, each with the
-    first dimension it covers."""
-    key = key if isinstance(key, tuple) else (key,)
-    return [
-        (at, k) for _, k, at in _starts(key, n) if isinstance(k, Tensor) and k.dtype == torch.bool
-    ]

@@ -51,10 +51,11 @@ from ..recipes import OPENED, Recipe, lookup, written_out
 from ..tensors import tensors_in, tensors_of
 from ..views import places
 from .broadcasts import WRITTEN, BroadcastReads
+from .bytensor import ByTensor
 from .experts import ExpertReads
 from .functions import FunctionReads
 from .policy import batch_free
-from .trace import ByTensor, RowTrace
+from .trace import RowTrace
 
 if TYPE_CHECKING:
     from .finder import Finder
