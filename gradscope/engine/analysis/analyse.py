@@ -20,11 +20,11 @@ from ..plan import BROADCAST, ParamPlan, Plan
 from ..record import Findings, Record
 from ..state import State
 from . import decide
+from .bytensor import ByTensor
 from .finder import Finder
 from .selfcheck import agrees, mixed
 from .session import HookSession
 from .tap import ParamTap
-from .bytensor import ByTensor
 from .trace import RowTrace
 
 # (inputs, targets) -> ((B,) losses with their graph, what ``observe`` read)
@@ -88,7 +88,7 @@ class Analysis:
                 continue
             if all(check(captured, inputs, targets, findings) for check in checks):
                 break
-        if not captured.per_example:
+        if not captured.per_example or captured.trace.slabbed:
             self._examples_alone(inputs, targets, captured)
         decide.before_backward(self.plan, captured)
         return captured
@@ -96,12 +96,16 @@ class Analysis:
     def _examples_alone(self, inputs: tuple[Tensor, ...], targets: Tensor, captured: Analysed):
         """Where the trace finds the losses mixing examples, whether they do: two examples run
         alone must each give their loss in the batch (the trace may only have lost track, and
-        then the fallback is exact). A loss or model that mixes them (``l - l.mean()``) has no
-        per-example gradient: refused, not scored as each example alone."""
+        then the fallback is exact); where a loop over the ids the batch hit picked slabs
+        (``selectors.py``), every example. A loss or model that mixes them (``l - l.mean()``,
+        a sum over every hit id's slab) has no per-example gradient: refused, not scored as
+        each example alone."""
         losses, op = captured.losses, captured.trace.mixed_at(captured.losses)
         after = f" (after {op})" if op else ""
+        every = captured.per_example  # a loop over the ids the batch hit: every example
+        after = " (after a loop over the ids the batch hit)" if every else after
         with torch.no_grad():
-            for i in dict.fromkeys((0, len(targets) - 1)):
+            for i in range(len(targets)) if every else dict.fromkeys((0, len(targets) - 1)):
                 one = tuple(t[i : i + 1] for t in inputs)
                 alone = self.losses(one, targets[i : i + 1])[0].reshape(1)
                 if not agrees(alone, losses[i : i + 1].detach()):

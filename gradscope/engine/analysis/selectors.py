@@ -15,7 +15,8 @@ The selectors' owners are the owner algebra's, but for two kinds of values that 
 being any example's, as the replay's row flow takes them (``replay/rowflow.py``): the ids of
 the experts a batch routes to (``x.unique()`` of integers, Ergo's loop: a mask ``ids == e``
 says which rows' own ids route them to e, and the loop over every id routes every row), and
-the positions where a mask holds (``nonzero``), which are its values' at those positions.
+the positions where a mask holds (``nonzero``), which are its values' at those positions; while
+every one of them is taken (``hits.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch import Tensor
 from ..ops import ELEMENTWISE, INDICES, MOVES, RESHAPES, SORTS, ZEROING
 from ..tensors import tensors_in
 from .arguments import binary, filled
+from .hits import WHOLE, moved
 from .keys import masks, span, taken
 from .owners import (
     MIXED,
@@ -58,7 +60,8 @@ class Selectors:
     the owners of its values as a selector, where they differ from ``owner``'s)."""
 
     crossed = False  # whether the op just followed picked elements by another example's values
-    hits = None  # tensors of ids a mask of the batch hit (``nonzero``'s positions), moved
+    slabbed = False  # whether such ids picked a slab (``analyse.py`` checks every example)
+    hits = None  # ids the batch hit (``nonzero``'s, ``unique``'s) -> ``hits.py``'s WHOLE or ONE
 
     def selector(self, t: Tensor) -> Tensor:
         """The owners of ``t``'s values as a selector (``owner``'s unless noted otherwise)."""
@@ -71,6 +74,7 @@ class Selectors:
         self.crossed = False
         if name == "unique" and unique_ids(args, kwargs, out):
             self.selectors[out] = filled(out, NONE)
+            self._hit(out, WHOLE)
             return
         if name in SORTS and isinstance(args[0], Tensor):
             order = out if name == "argsort" else out[1]
@@ -80,17 +84,16 @@ class Selectors:
             x = args[0]
             at = self.selector(x).expand(x.shape)[x.bool()]  # (n,) in nonzero's order
             outs = out if isinstance(out, (tuple, list)) else (out,)
-            self.hits = self.hits if self.hits is not None else type(self.selectors)()
             for t in outs:
                 self.selectors[t] = compact(at.reshape(-1, *([1] * (t.dim() - 1))))
-                self.hits[t] = True
+                self._hit(t, WHOLE)
             return
         if not any(t in self.selectors for t in tensors_in(args, kwargs)):
             return
         x, outs = args[0], out if isinstance(out, (tuple, list)) else (out,)
-        hit = self.hits is not None and x in self.hits  # ids moved stay ids; computed on, not
+        hit = self.hits.get(x) if self.hits is not None else None  # moved, ids; computed on, not
         if name in ELEMENTWISE or binary(name, args, kwargs):
-            found, hit = (combine(*(self.selector(t) for t in tensors_in(args, kwargs))),), False
+            found, hit = (combine(*(self.selector(t) for t in tensors_in(args, kwargs))),), None
         elif name in RESHAPES and isinstance(x, Tensor):
             found = (reshaped(self.selector(x), x.shape, out.shape),)
         elif name in MOVES and name not in ZEROING and x in self.selectors:
@@ -100,9 +103,17 @@ class Selectors:
             return
         for t, o in zip(outs, found, strict=False):
             if isinstance(t, Tensor) and o is not None and o.dim() == t.dim():
+                kept = hit if hit != WHOLE else moved(name, args, kwargs, x, t)
+                if hit is not None and kept is None:  # some of the hits: the batch's first
+                    o = torch.where(o == NONE, MIXED, o)
                 self.selectors[t] = shrink(o)
-                if hit:
-                    self.hits[t] = True
+                self._hit(t, kept)
+
+    def _hit(self, t: Tensor, state: str | None) -> None:
+        """Notes ``t`` as ids the batch hit (``hits.py``: WHOLE, ONE), where ``state`` is."""
+        if state is not None:
+            self.hits = self.hits if self.hits is not None else type(self.selectors)()
+            self.hits[t] = state
 
     def _order(self, args: tuple, kwargs: dict, order: Tensor) -> Tensor:
         """The selector owners of a sort's indices ``order``: along a dimension of one owner,
@@ -131,14 +142,16 @@ class Selectors:
         example shares, as a loop over every expert id the batch's routing hit takes Mixtral's
         ``W[e]`` and ``mask[e]``. One example's index there still crosses, and so do an index
         of values the batch mixed (``W[x.sum(0).argmax()]``: example i's output another's
-        values pick) and an index of several into values or a table of no example's."""
+        values pick) and an index of several into values or a table of no example's. Which
+        ids a loop visits is the batch's (Python's, not the trace's), so ``slabbed`` asks the
+        analysis to check every example alone (a sum over every hit expert's ``W[e]``)."""
         sel = self.selector(index)
         if self.hits is None or index not in self.hits:
             return sel
-        if isinstance(x, torch.nn.Parameter):
-            return torch.where(sel == MIXED, NONE, sel)
-        if x.is_floating_point() or x.is_complex() or self._varies(x, dims):
+        shared = isinstance(x, torch.nn.Parameter)
+        if not shared and (x.is_floating_point() or x.is_complex() or self._varies(x, dims)):
             return sel
+        self.slabbed = True
         return torch.where(sel == MIXED, NONE, sel)
 
     def _by_index(self, o: Tensor, sel: Tensor) -> Tensor:

@@ -225,3 +225,43 @@ def test_alone_an_example_picks_by_its_own_values(case: str):
     engine, refused = scored(CROSSED[case][1], (1, 1))
     assert not refused, refused[0]
     assert_fallback(engine)
+
+
+def host_int(h: Tensor) -> int:
+    """The feature the whole batch sums highest, read on the host as a Python integer."""
+    return int(h.detach().sum((0, 1)).argmax())
+
+
+# ids a mask of the whole batch hit, or its values read on the host, that pick for every example
+# (silently wrong before: some of the hits taken as every one, a Python integer unseen)
+HIT = {
+    "first-hit": lambda h, m: h * m.w[(h.detach().sum((0, 1)) > 0).nonzero()[0]],
+    "first-hit-sliced": lambda h, m: h * m.w[(h.detach().sum((0, 1)) > 0).nonzero()[:1, 0]],
+    "first-unique-id": lambda h, m: h * m.w[h.detach().argmax(-1).unique()[0]],
+    "host-int": lambda h, m: h * m.w[host_int(h)],
+    "host-int-select": lambda h, m: h * m.w.select(0, host_int(h)),
+    "host-int-feature": lambda h, m: h * h[..., host_int(h), None],
+    "host-int-setitem": lambda h, m: put(h, (..., host_int(h)), h[..., 0]),
+}
+# a sum over every id the batch hit: which ids a loop visits is the batch's, not the trace's
+SUM_OVER_HITS = lambda h, m: h * sum(m.w[e[0]] for e in (h.detach().sum((0, 1)) > 0).nonzero())  # noqa: E731
+
+
+@pytest.mark.parametrize("case", list(HIT))
+def test_ids_the_batch_picked_by_position_or_read_on_the_host_refused(case: str):
+    _, refused = scored(HIT[case], (3, 3, 3))
+    assert refused  # the examples checked alone differ on some batch
+    assert all("mixes the examples of a batch" in why for why in refused), refused
+
+
+@pytest.mark.parametrize("case", ["host-int", "host-int-feature"])
+def test_alone_an_example_reads_its_own_values_on_the_host(case: str):
+    engine, refused = scored(HIT[case], (1, 1))
+    assert not refused, refused[0]
+    assert_fallback(engine)
+
+
+def test_a_sum_over_every_id_the_batch_hit_checks_every_example():
+    """Example 2 of 4 alone differs (the first and last agree): the analysed batch is refused."""
+    _, refused = scored(SUM_OVER_HITS, (4,))
+    assert refused and "(after a loop over the ids the batch hit)" in refused[0], refused
