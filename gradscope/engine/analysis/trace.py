@@ -64,7 +64,7 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         self.finder: Finder | None = None  # the analysis's (finder.py): told what needs it
         self.own = 0  # above 0 while the tap's own code runs (its host reads are not the model's)
         self.read_back: list[tuple[Tensor, object]] = []  # (owners, value) of the model's reads
-        self.read_ints: set[int] = set()  # the integers such reads of several examples' gave
+        self.read_ints: dict[int, set[int]] = {}  # the integers such reads gave: their owners
         self.mixed_by = ByTensor()  # tensor -> the op that mixed examples on its way
         self._lanes: dict[object, Tensor] = {}  # (rank, dim, size, m) -> its owners
         self._lane_of: dict[int, tuple[Tensor, Lane]] = {}  # id of those owners -> the lane
@@ -151,9 +151,9 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         if name in MADE and (o := given_back(self, args, out)) is not None:
             self._set(out, o, f"{name} of values read on the host")
         self._record(name, func, args, kwargs, out)
-        if self.read_ints and name in PICKS and picked(self, name, args):
-            at = args[0] if name == "__setitem__" else out
-            self._set(at, None, f"{name} by a value of the batch read on the host")
+        at = args[0] if name == "__setitem__" and args else out
+        if name in PICKS and (o := picked(self, name, args, at)) is not None:
+            self._set(at, o, f"{name} by a value of the batch read on the host")
         return out
 
     def _record(self, name: str, func, args: tuple, kwargs: dict, out: object) -> None:
@@ -191,7 +191,7 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
             return out  # the tap's own, or values the batch's shapes decide (``fixed.py``)
         if held:  # values of the batch that Python may give back (``readback.py``)
             self.read_back.append((self.owner(args[0]).expand(args[0].shape), out))
-            noted(self, args[0], out)
+            out = noted(self, name, args[0], out)
         if name in SCALAR_READS and self.finder is not None:
             self.finder.host(name, out, held)
         elif held and name not in SCALAR_READS:

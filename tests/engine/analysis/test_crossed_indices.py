@@ -242,7 +242,17 @@ HIT = {
     "host-int-select": lambda h, m: h * m.w.select(0, host_int(h)),
     "host-int-feature": lambda h, m: h * h[..., host_int(h), None],
     "host-int-setitem": lambda h, m: put(h, (..., host_int(h)), h[..., 0]),
+    "host-item": lambda h, m: h * m.w[h.detach().sum((0, 1)).argmax().item()],
+    "host-tolist": lambda h, m: (
+        h * m.w[h.detach().sum((0, 1)).argmax(-1, keepdim=True).tolist()[0]]
+    ),
+    "first-example-item": lambda h, m: h * m.w[h.detach()[0].sum(0).argmax().item()],
+    "first-example-int": lambda h, m: h * m.w[int(h.detach()[0].sum(0).argmax())],
 }
+# each example's own value read on the host, picking for that example alone: its own
+OWN_READ = lambda h, m: torch.stack(  # noqa: E731
+    [h[i] * m.w[h.detach()[i].sum(0).argmax().item()] for i in range(h.shape[0])]
+)
 # a sum over every id the batch hit: which ids a loop visits is the batch's, not the trace's
 SUM_OVER_HITS = lambda h, m: h * sum(m.w[e[0]] for e in (h.detach().sum((0, 1)) > 0).nonzero())  # noqa: E731
 
@@ -265,3 +275,8 @@ def test_a_sum_over_every_id_the_batch_hit_checks_every_example():
     """Example 2 of 4 alone differs (the first and last agree): the analysed batch is refused."""
     _, refused = scored(SUM_OVER_HITS, (4,))
     assert refused and "(after a loop over the ids the batch hit)" in refused[0], refused
+
+
+def test_an_example_s_own_value_read_on_the_host_picks_for_it_exactly():
+    _, refused = scored(OWN_READ, (3, 3, 1))
+    assert not refused, refused[0]
