@@ -37,7 +37,7 @@ class Read(int):
 
     owner: int
 
-    def __new__(cls, value: int, owner: int) -> Read:
+    def __new__(cls, value: int, owner: int = MIXED) -> Read:  # a copy's: of no one known
         read = super().__new__(cls, value)
         read.owner = owner
         return read
