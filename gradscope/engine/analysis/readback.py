@@ -29,6 +29,7 @@ PICKS = {"__getitem__", "__setitem__", "select", "narrow"}
 
 # reads that hand their integers over as they are: tagged with their owners (``Read``)
 TAGGED = {"item", "tolist"}
+HIT = -3  # the owner of an id the batch hit, read (``routes.py``): every example's alike
 
 
 class Read(int):
@@ -48,7 +49,9 @@ def noted(trace: object, name: str, x: Tensor, value: object) -> object:
     where ``name`` hands them over as they are (``TAGGED``); else noted in ``read_ints`` by
     value (``int(t)``: Python makes a plain integer of what the read returns). Not booleans
     (a branch, not a pick), nor the ids a batch hit (a loop over every one is Mixtral's)."""
-    if trace.batch == 1 or (trace.hits is not None and x in trace.hits):
+    if trace.hits is not None and x in trace.hits:  # ids: a loop over each is Mixtral's
+        return _tagged(value, iter(lambda: HIT, None)) if name in TAGGED else value
+    if trace.batch == 1:
         return value
     owners = iter(trace.owner(x).expand(x.shape).reshape(-1).tolist())
     if name in TAGGED:
@@ -94,6 +97,7 @@ def picked(trace: object, name: str, args: tuple, at: Tensor) -> Tensor | None:
     for value, dim in found:
         if not (o.dim() and o.shape[dim % o.dim()] > 1):
             readers |= {value.owner} if isinstance(value, Read) else ints[value]
+    readers.discard(HIT)
     if not readers:
         return None
     mine = trace.owner(at)

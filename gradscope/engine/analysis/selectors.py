@@ -40,6 +40,7 @@ from .owners import (
     segment_combine,
     shrink,
 )
+from .routes import ID
 
 
 def unique_ids(args: tuple, kwargs: dict, out: object) -> bool:
@@ -112,8 +113,9 @@ class Selectors:
     def _hit(self, t: Tensor, state: str | None) -> None:
         """Notes ``t`` as ids the batch hit (``hits.py``: WHOLE, ONE), where ``state`` is."""
         if state is not None:
-            self.hits = self.hits if self.hits is not None else type(self.selectors)()
-            self.hits[t] = state
+            if self.hits is None:
+                self.hits, self.routes = type(self.selectors)(), type(self.selectors)()
+            self.hits[t], self.routes[t] = state, ID  # an id, whose slabs meet (``routes.py``)
 
     def _order(self, args: tuple, kwargs: dict, order: Tensor) -> Tensor:
         """The selector owners of a sort's indices ``order``: along a dimension of one owner,

@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from ..constants import writes
 from ..ops import ESCAPES, SCALAR_READS, SIZED_BY_VALUES, UNFOLLOWED, op_name
 from ..tensors import tensors_in
-from . import fixed
+from . import fixed, routes
 from .arguments import filled
 from .bytensor import ByTensor
 from .follow import OwnerAlgebra
@@ -65,6 +65,7 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         self.own = 0  # above 0 while the tap's own code runs (its host reads are not the model's)
         self.read_back: list[tuple[Tensor, object]] = []  # (owners, value) of the model's reads
         self.read_ints: dict[int, set[int]] = {}  # the integers such reads gave: their owners
+        self.routes: ByTensor | None = None  # ids the batch hit, slabs, rows (``routes.py``)
         self.mixed_by = ByTensor()  # tensor -> the op that mixed examples on its way
         self._lanes: dict[object, Tensor] = {}  # (rank, dim, size, m) -> its owners
         self._lane_of: dict[int, tuple[Tensor, Lane]] = {}  # id of those owners -> the lane
@@ -154,6 +155,8 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         at = args[0] if name == "__setitem__" and args else out
         if name in PICKS and (o := picked(self, name, args, at)) is not None:
             self._set(at, o, f"{name} by a value of the batch read on the host")
+        if self.routes is not None:
+            routes.after(self, name, args, kwargs, out)
         return out
 
     def _record(self, name: str, func, args: tuple, kwargs: dict, out: object) -> None:

@@ -227,6 +227,11 @@ def test_alone_an_example_picks_by_its_own_values(case: str):
     assert_fallback(engine)
 
 
+def hits(h: Tensor) -> Tensor:
+    """The features whose sum over the whole batch is positive (``nonzero``, (n, 1))."""
+    return (h.detach().sum((0, 1)) > 0).nonzero()
+
+
 def host_int(h: Tensor) -> int:
     """The feature the whole batch sums highest, read on the host as a Python integer."""
     return int(h.detach().sum((0, 1)).argmax())
@@ -248,13 +253,15 @@ HIT = {
     ),
     "first-example-item": lambda h, m: h * m.w[h.detach()[0].sum(0).argmax().item()],
     "first-example-int": lambda h, m: h * m.w[int(h.detach()[0].sum(0).argmax())],
+    # a slab of every id the batch hit on every row: which ids a loop visits is the batch's
+    "sum-over-hits": lambda h, m: h * sum(m.w[e[0]] for e in hits(h)),
+    "sum-over-hit-list": lambda h, m: h * sum(m.w[e[0]] for e in hits(h).tolist()),
+    "sum-over-unique": lambda h, m: h * sum(m.w[e] for e in h.detach().argmax(-1).unique()),
 }
 # each example's own value read on the host, picking for that example alone: its own
 OWN_READ = lambda h, m: torch.stack(  # noqa: E731
     [h[i] * m.w[h.detach()[i].sum(0).argmax().item()] for i in range(h.shape[0])]
 )
-# a sum over every id the batch hit: which ids a loop visits is the batch's, not the trace's
-SUM_OVER_HITS = lambda h, m: h * sum(m.w[e[0]] for e in (h.detach().sum((0, 1)) > 0).nonzero())  # noqa: E731
 
 
 @pytest.mark.parametrize("case", list(HIT))
@@ -271,10 +278,12 @@ def test_alone_an_example_reads_its_own_values_on_the_host(case: str):
     assert_fallback(engine)
 
 
-def test_a_sum_over_every_id_the_batch_hit_checks_every_example():
-    """Example 2 of 4 alone differs (the first and last agree): the analysed batch is refused."""
-    _, refused = scored(SUM_OVER_HITS, (4,))
-    assert refused and "(after a loop over the ids the batch hit)" in refused[0], refused
+def test_a_slab_of_a_hit_id_on_rows_not_routed_to_it_is_named():
+    """Refused at the analysis, the op named; every later batch refused or exact (its
+    examples checked alone on the fallback: a slab on every row, whichever ids)."""
+    _, refused = scored(HIT["sum-over-hits"], (4, 3, 3))
+    assert refused, refused
+    assert "(after mul: a slab of an id the batch hit, on rows not routed to it)" in refused[0]
 
 
 def test_an_example_s_own_value_read_on_the_host_picks_for_it_exactly():
