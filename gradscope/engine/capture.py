@@ -8,7 +8,6 @@ lives in the session; on exit, even after an exception, its hooks are removed, o
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -18,12 +17,11 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 from torch.nn.utils.rnn import PackedSequence
 
-from .hooks import GradHooks
+from .hooks import GradHooks, ModuleHooks, positional_names
 from .rows import Layout
 
 if TYPE_CHECKING:
     from ..rules import Contribution
-    from .hooks import ModuleHooks
     from .plan import ParamPlan
 
 
@@ -102,14 +100,6 @@ def versions(inputs: tuple[Tensor, ...]) -> tuple[int, ...]:
     return tuple([t._version for t in inputs])
 
 
-@functools.cache
-def positional_names(cls: type[nn.Module]) -> tuple[str, ...]:
-    """The names of ``cls.forward``'s positional parameters, after ``self``."""
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    params = list(inspect.signature(cls.forward).parameters.values())[1:]
-    return tuple(p.name for p in params if p.kind in kinds)
-
-
 def leading(args: tuple) -> int:
     """How many of a call's positional arguments are its leading tensors."""
     return next((i for i, a in enumerate(args) if not isinstance(a, Tensor)), len(args))
@@ -170,19 +160,23 @@ class Capture:
         self.calls: dict[int, list[Call]] = {id(m): [] for m in self.modules}
         self.on_grad: Callable[[Call, Tensor], Tensor | None] | None = None
         self.hooks = hooks
+        self._own = False  # ``hooks`` made for this capture alone: closed on exit
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._grad_hooks = GradHooks()  # live until the backward
 
     def __enter__(self) -> Capture:
         if self.hooks is None or not self.hooks.lend(self):
-            for module in self.modules:
-                self._handles.append(module.register_forward_pre_hook(self._enter))
-                self._handles.append(module.register_forward_hook(self._captured, with_kwargs=True))
+            self.hooks, self._own = ModuleHooks(), True  # hooked anew, as the Engine's hook
+            self.hooks.open(self.modules)
+            self.hooks.lend(self)
         return self
 
     def __exit__(self, *exc) -> None:
         if self.hooks is not None and self.hooks.session is self:
             self.hooks.session = None
+        if self._own:
+            self.hooks.close()
+            self._own = False
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -9,6 +9,8 @@ imports none of the engine's."""
 from __future__ import annotations
 
 import functools
+import inspect
+import itertools
 import operator
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -37,7 +39,8 @@ class Read(Protocol):
 class ModuleHooks:
     """The hooks of the hooked modules, registered once while an ``Engine`` is entered and lent
     to each pass's session in turn (``Capture``): registering and removing two hooks on each
-    module on every batch costs a pass ~5 us a module. Outside a pass they do nothing."""
+    module on every batch costs a pass ~5 us a module. Outside a pass they do nothing. The
+    session sees a call's input given by keyword in its place (``placed``)."""
 
     def __init__(self):
         self.session: Session | None = None
@@ -51,8 +54,8 @@ class ModuleHooks:
             return
         self._modules = tuple(modules)
         for module in modules:
-            self._handles.append(module.register_forward_pre_hook(self._enter))
-            self._handles.append(module.register_forward_hook(self._captured, with_kwargs=True))
+            pre = module.register_forward_pre_hook(self._enter, with_kwargs=True)
+            self._handles += [pre, module.register_forward_hook(self._captured, with_kwargs=True)]
 
     def close(self) -> None:
         self._depth -= 1
@@ -74,14 +77,45 @@ class ModuleHooks:
         self.session = session
         return True
 
-    def _enter(self, module: nn.Module, args: tuple) -> tuple | None:
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         session = self.session
-        return None if session is None else session._enter(module, args)
+        if session is None:
+            return None
+        if kwargs:
+            args, kwargs = placed(module, args, kwargs)
+        new = session._enter(module, args)
+        return None if new is None else (new, kwargs)  # the call's input replaced: in place
 
     def _captured(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         session = self.session
         if session is not None:
+            if kwargs:
+                args, kwargs = placed(module, args, kwargs)
             session._captured(module, args, kwargs, output)
+
+
+@functools.cache
+def positional_names(cls: type[nn.Module], required: bool = False) -> tuple[str, ...]:
+    """The names of ``cls.forward``'s positional parameters, after ``self`` (``required``:
+    those without a default, which come first)."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    return tuple(
+        p.name for p in params if p.kind in kinds and not (required and p.default is not p.empty)
+    )
+
+
+def placed(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A call's arguments as the sessions read them, the call left as it is: its forward's
+    required positional parameters given by keyword moved into place after the positional
+    ones (``bag(input=ids, offsets=o)`` read as ``bag(ids, offsets=o)``), where the sessions
+    and the rules read a call's leading tensors."""
+    names = positional_names(type(module), required=True)[len(args) :]
+    moved = tuple(itertools.takewhile(kwargs.__contains__, names))
+    if not moved:
+        return args, kwargs
+    rest = {k: v for k, v in kwargs.items() if k not in moved}
+    return (*args, *(kwargs[n] for n in moved)), rest
 
 
 class GradHooks:
