@@ -33,6 +33,7 @@ from .owners import NONE
 from .readback import HIT, Read
 
 ID, SLAB, ROUTED = "id", "slab", "routed"
+CROSSED = "crossed"  # not a mark: a slab met rows not routed to its id
 # comparisons: rows of each example's own values against an id say which rows route to it
 COMPARES = {"eq", "ne", "lt", "gt", "le", "ge", "__eq__", "__ne__", "__lt__", "__gt__"}
 COMPARES |= {"__le__", "__ge__", "isin"}
@@ -59,7 +60,7 @@ def after(trace: object, name: str, args: tuple, kwargs: dict, out: object) -> N
         kind = ROUTED if marks & {ROUTED} else None  # positions of a routed mask
     else:
         kind = _computed(trace, name, ins, marks)
-    if kind == "mixed":
+    if kind == CROSSED:
         trace._set(out, None, f"{name}: a slab of an id the batch hit, on rows not routed to it")
         return
     for t in outs:
@@ -83,7 +84,7 @@ def _computed(trace: object, name: str, ins: list[Tensor], marks: set[str]) -> s
     routes = trace.routes
     rows = [t for t in ins if routes.get(t) is None and not _of_no_example(trace, t)]
     if SLAB in marks and rows:
-        return "mixed"
+        return CROSSED
     if rows:
         return ROUTED if ID in marks and name in COMPARES and ROUTED not in marks else None
     if ROUTED in marks:
