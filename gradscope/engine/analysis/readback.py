@@ -25,8 +25,6 @@ from .owners import MIXED, NONE, compact
 MADE = {"as_tensor", "tensor"}
 # ops that pick elements by Python integers
 PICKS = {"__getitem__", "__setitem__", "select", "narrow"}
-
-
 # reads that hand their integers over as they are: tagged with their owners (``Read``)
 TAGGED = {"item", "tolist"}
 HIT = -3  # the owner of an id the batch hit, read (``routes.py``): every example's alike
@@ -106,7 +104,7 @@ def picked(trace: object, name: str, args: tuple, at: Tensor) -> Tensor | None:
     if len(readers) == 1:
         (one,) = readers
         return torch.where((mine == NONE) | (mine == one), one, MIXED)
-    return torch.where(torch.isin(mine, torch.tensor(sorted(readers))), mine, MIXED)
+    return torch.where(torch.isin(mine, mine.new_tensor(sorted(readers))), mine, MIXED)
 
 
 def _picks(name: str, args: tuple, n: int):

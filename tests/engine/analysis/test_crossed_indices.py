@@ -258,10 +258,16 @@ HIT = {
     "sum-over-hit-list": lambda h, m: h * sum(m.w[e[0]] for e in hits(h).tolist()),
     "sum-over-unique": lambda h, m: h * sum(m.w[e] for e in h.detach().argmax(-1).unique()),
 }
-# each example's own value read on the host, picking for that example alone: its own
-OWN_READ = lambda h, m: torch.stack(  # noqa: E731
-    [h[i] * m.w[h.detach()[i].sum(0).argmax().item()] for i in range(h.shape[0])]
-)
+# each example's own value read on the host, picking for that example alone: its own (by
+# int(), matched by value: where two examples read the same, exact on the fallback)
+OWN_READ = {
+    "item": lambda h, m: torch.stack(
+        [h[i] * m.w[h.detach()[i].sum(0).argmax().item()] for i in range(h.shape[0])]
+    ),
+    "int": lambda h, m: torch.stack(
+        [h[i] * m.w[int(h.detach()[i, 0].argmax() * 0)] for i in range(h.shape[0])]
+    ),
+}
 
 
 @pytest.mark.parametrize("case", list(HIT))
@@ -286,6 +292,7 @@ def test_a_slab_of_a_hit_id_on_rows_not_routed_to_it_is_named():
     assert "(after mul: a slab of an id the batch hit, on rows not routed to it)" in refused[0]
 
 
-def test_an_example_s_own_value_read_on_the_host_picks_for_it_exactly():
-    _, refused = scored(OWN_READ, (3, 3, 1))
+@pytest.mark.parametrize("case", list(OWN_READ))
+def test_an_example_s_own_value_read_on_the_host_picks_for_it_exactly(case: str):
+    _, refused = scored(OWN_READ[case], (3, 3, 1))
     assert not refused, refused[0]
