@@ -11,7 +11,8 @@ the Gram route over rows, masked to pairs of one key (example, expert), in chunk
 where that costs little beside the read (``gram_cheap``). Where it costs more (many rows on wide
 experts: Mixtral's), the rows sorted by key and each key's G_be formed or its own Gram taken,
 the keys' counts read on the host (one sync for a layer's reads of one offsets, as the weight
-gradient's ``grouped_mm`` that the pass skips reads them): a training step sums the G formed.
+gradient's ``grouped_mm`` that the pass skips reads them): a training step sums the G formed,
+and the rows of keys of few rows in one product an expert (``keyed.keyed_sums``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .base import CHUNK_ELEMENTS, Contribution, Dense, _acc, _cat, _sq_norm, stacked
-from .keyed import experts_of, key_counts
+from .keyed import experts_of, gram_sq, key_counts, keyed_sums
 
 # the Gram of S rows over every pair costs S^2 (in + out), the read S in out: the Gram where the
 # first is at most this many times the second, or this few in all, else each key's rows apart
@@ -110,21 +111,26 @@ class Routed(Contribution):
         counts read on the host (the one sync, shared: ``keyed.key_counts``), each key's rows
         gathered as it comes, into copies the cache holds for its product (gathered at once,
         through memory: 10% more)."""
-        e, apart = self.shape[0], self._past and not experts
-        keys = e if experts else self.batch * e
-        by = self.expert if experts else self.key
-        if apart:  # rows of no expert past every key
-            by = torch.where(self.expert < e, by, keys)
+        by, counts = self._counts(experts)
         left, right = (self.a, self._s) if self.transposed else (self._s, self.a)
         order = torch.argsort(by, stable=True)  # (S,) the rows by key
-        form = (e, self.batch, experts, apart, len(by))
-        counts = key_counts(by, keys, self.offs, self.own, form)
         lo = 0
         for k, n in enumerate(counts):
             if n:
                 rows = order[lo : lo + n]
                 yield k, left.index_select(0, rows), right.index_select(0, rows)
                 lo += n
+
+    def _counts(self, experts: bool = False) -> tuple[Tensor, list[int]]:
+        """(S,) each row's key (its expert, where ``experts``; past every key for a row of no
+        expert) and how many rows each key holds, on the host (``keyed.key_counts``)."""
+        e, apart = self.shape[0], self._past and not experts
+        keys = e if experts else self.batch * e
+        by = self.expert if experts else self.key
+        if apart:  # rows of no expert past every key
+            by = torch.where(self.expert < e, by, keys)
+        form = (e, self.batch, experts, apart, len(by))
+        return by, key_counts(by, keys, self.offs, self.own, form)
 
     def _keyed_norms(self) -> Tensor:
         """(B,) norms from each key's rows: its Gram where that costs less than forming its
@@ -134,7 +140,7 @@ class Routed(Contribution):
         for k, left, right in self._keys():
             n = left.shape[0]
             if n * (o + i) < o * i:  # (n, n) Grams of both sides, multiplied and summed
-                each.append(((left @ left.T) * (right @ right.T)).sum().reshape(1))
+                each.append(gram_sq(left, right))
             else:
                 each.append(_sq_norm((left.T @ right).view(1, -1)))
             at.append(k // e)
@@ -148,18 +154,13 @@ class Routed(Contribution):
         return out.index_add_(0, torch.tensor(at, device=out.device), torch.cat(each))
 
     def norm_sq_and_sum(self) -> tuple[Tensor, Tensor]:
-        """Where ``keyed``: each key's G formed once into one buffer, read back for its norm
-        and added to its expert's sum (``formed.formed_sums``: the cache still holds it)."""
+        """Where ``keyed``: each key's G formed once, or its Gram taken where it holds few
+        rows, and each expert's sum (``keyed.keyed_sums``)."""
         if not self.keyed:
             return super().norm_sq_and_sum()
-        e, tail = self.shape[0], self.shape[1:]
-        work, total = self._s.new_empty(tail), self._s.new_zeros(self.shape)  # (*W[e]), (E, *W[e])
-        at, each = [], []
-        for k, left, right in self._keys():
-            torch.matmul(left.T, right, out=work)  # (*W[e]) = (., n) @ (n, .)
-            each.append(_sq_norm(work.view(1, -1)))
-            total[k % e] += work
-            at.append(k // e)
+        by, counts = self._counts()
+        left, right = (self.a, self._s) if self.transposed else (self._s, self.a)
+        at, each, total = keyed_sums(left, right, by, counts, self.batch)
         return self._per_example(at, each), total.view(self.param)
 
     def batch_sum(self) -> Tensor:

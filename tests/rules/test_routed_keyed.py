@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gradscope.rules import keyed as keying
 from gradscope.rules import routed
 from gradscope.rules.routed import Routed, gram_cheap
 
@@ -73,9 +74,32 @@ def test_keyed_norms_and_sums_are_the_rows_added_by_hand(counts, transposed):
     merged = part.merge(part)  # two calls' rows: each key's pairs across them too
     assert merged.keyed
     torch.testing.assert_close(merged.norm_sq(), 4 * flat.square().sum(1))
+    # its rows of no expert in the last expert's keys, their output gradients zero
+    norms, total = merged.norm_sq_and_sum()
+    torch.testing.assert_close(norms, 4 * flat.square().sum(1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(total, 2 * expected.sum(0), rtol=1e-12, atol=1e-12)
     some = part.examples(1, len(counts)) if len(counts) > 1 else part.examples(0, 1)
     lo = 1 if len(counts) > 1 else 0
     torch.testing.assert_close(some.norm_sq_and_sum()[0], flat[lo:].square().sum(1))
+
+
+@pytest.mark.parametrize("cost", [0, keying.GRAM_FORMED, 10**6], ids=["formed", "both", "Grams"])
+@pytest.mark.parametrize("counts", CASES.values(), ids=CASES.keys())
+@pytest.mark.parametrize("transposed", [False, True], ids=["W^T", "W"])
+def test_training_steps_keys_of_few_rows_take_their_gram(monkeypatch, counts, transposed, cost):
+    """On a training step a key of few rows (n^2 (out + in) <= ``GRAM_FORMED`` out in: here 4
+    or fewer of 6 x 5) takes its Gram, its rows in its expert's one product for the sum; the
+    others their G formed: an expert of both, of one or the other, of none, and every key either
+    way give the loop's norms and sum."""
+    monkeypatch.setattr(keying, "GRAM_FORMED", cost)
+    grams, gram_sq = [], keying.gram_sq
+    monkeypatch.setattr(keying, "gram_sq", lambda a, b: grams.append(len(a)) or gram_sq(a, b))
+    part, expected = _case(counts, transposed)
+    few = [n for row in counts for n in row if n > 0 and n * n * (IN + OUT) <= cost * IN * OUT]
+    norms, total = part.norm_sq_and_sum()
+    assert sorted(grams) == sorted(few)  # each read as its Gram alone
+    torch.testing.assert_close(norms, expected.flatten(1).square().sum(1), rtol=1e-12, atol=0)
+    torch.testing.assert_close(total, expected.sum(0), rtol=1e-12, atol=1e-12)
 
 
 def test_one_linears_weight_read_on_rows_a_value_picked():
