@@ -97,5 +97,8 @@ def formed_sums(
         m = work[: min(step, b - lo)]  # (b, G, O, I) = (b, G, O, T) @ (b, G, T, I)
         torch.matmul(s[lo : lo + step].mT, a[lo : lo + step], out=m)
         norms.append(_sq_norm(m.flatten(1)))
-        total = m.sum(0) if total is None else total.add_(m.sum(0))
+        if len(m) == 1:  # one example's G (W9's output layer's): added as it is, no sum made
+            total = m[0].clone() if total is None else total.add_(m[0])
+        else:
+            total = m.sum(0) if total is None else total.add_(m.sum(0))
     return _cat(norms), total.reshape(shape)
