@@ -18,9 +18,9 @@ from .base import _sq_norm
 
 # A training step's key whose Gram costs at most this many times its G's size, n^2 (out + in) <=
 # GRAM_FORMED out in, takes its norm from its Gram, its rows in its expert's one product for the
-# sum: no G of its own written, read and added (W9: 100 of 256 keys a read, the rest of a key's
-# 1 to 256 rows; its routed sums 10% less CPU time than with every key's G formed, the same from 4
-# to 32 here)
+# sum: no G of its own written, read and added (W9: keys of 1 to 256 rows, 22 a read of 40 or
+# fewer; its routed reads of a step, replayed alone, 10% less CPU time than with every key's G
+# formed, the same at 4, 8, 16 and 32)
 GRAM_FORMED = 8
 # offsets -> the rows' examples (a weak reference), and the counts by what else they were of
 _READ = WeakIdKeyDictionary()
