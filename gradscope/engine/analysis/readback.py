@@ -105,8 +105,8 @@ def valued(trace: object, name: str, args: tuple, kwargs: dict, at: Tensor) -> T
     """The owners of ``at``, what op ``name`` made or wrote, where a number read from the
     batch is one of its values: an elementwise op's operand (``h * k``, ``h.clamp(max=k)``),
     what a factory or a fill writes (``VALUES``, ``RANGES``); else None."""
-    if not isinstance(at, Tensor):
-        return None
+    if not (trace.noted.handed or trace.noted.floats) or not isinstance(at, Tensor):
+        return None  # no such number yet: the trace's every op asks
     if name in VALUES:
         pos, key = VALUES[name]
         values = args[pos] if len(args) > pos else kwargs.get(key)

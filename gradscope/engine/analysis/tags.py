@@ -29,6 +29,7 @@ class Noted:
         # no one follows, so each batch's every example is checked alone (``analyse.py``, the
         # replay: ``Program.alone``)
         self.lost = False
+        self.handed = False  # whether a number tagged with an example's owner was handed out
 
     def add(self, value: object, owner: int) -> None:
         """``value``, which a read of ``owner``'s values gave as a plain number; whole floats
@@ -52,6 +53,8 @@ def tagged(value: object, owner: int, noted: Noted | None = None) -> object:
     """``value`` tagged with ``owner`` where it is a number of someone's; else as it is."""
     if isinstance(value, bool) or owner == NONE:
         return value
+    if noted is not None:
+        noted.handed = True
     if isinstance(value, int):
         return Read(value, owner, noted)
     if not isinstance(value, float):
