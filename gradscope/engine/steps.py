@@ -81,6 +81,9 @@ class Program:
     root: tuple[Recipe, ...] = ()  # reads outside every region call, by recipe (``replay/root.py``)
     hosts: tuple[tuple[str, object], ...] = ()  # scalars read on the host outside them
     children: frozenset[int] = frozenset()  # ids of the modules of the regions' children
+    # whether the analysed batch read a number of its values as a plain one (``int(t)``), which
+    # no trace follows through Python: each replayed batch's every example checked alone
+    alone: bool = False
     # a training step's requests, which ask for parameters too (``serve.Served.trained``),
     # read off the first replayed step's graph where ``requests`` hold for every batch
     trained: dict = field(default_factory=dict, compare=False, repr=False)

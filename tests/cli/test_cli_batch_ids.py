@@ -1,6 +1,6 @@
 """`gradscope norms` on models whose batch's values pick for every example, through ids the
-batch's routing hit or integers read on the host (``analysis/hits.py``, ``routes.py``,
-``readback.py``): refused in one ``error:`` line that says the examples mix, no Parquet of
+batch's routing hit or numbers read on the host, and what Python made of them
+(``analysis/hits.py``, ``routes.py``, ``readback.py``, ``tags.py``): refused in one ``error:`` line that says the examples mix, no Parquet of
 numbers that are not any example's. The same model picking by each example's own value read
 on the host scores every example as the per-example loop does."""
 
@@ -16,6 +16,7 @@ from project import invoke_cli, saved_model
 from torch import nn
 
 from tests.engine.analysis.test_crossed_indices import F_IN, HIT, OWN_READ, Model, T
+from tests.engine.analysis.test_host_numbers import DERIVED, OWN
 
 N, C = 9, 3  # three batches of 3, each of its own values
 HELD: list[nn.Module] = []  # the model the config's factory hands the CLI
@@ -36,16 +37,24 @@ def _norms(root: Path, op) -> tuple[object, nn.Module]:
     return invoke_cli(root, section, data, "cross_entropy", "norms"), HELD[0]
 
 
-@pytest.mark.parametrize("case", ["first-hit", "host-int", "host-tolist", "sum-over-hits"])
+FOR_ALL = {**HIT, **{f"derived-{k}": v for k, v in DERIVED.items()}}
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["first-hit", "host-int", "host-tolist", "sum-over-hits"]
+    + ["derived-item-plus-one", "derived-int-plus-one", "derived-float-scale"],
+)
 def test_the_batch_s_ids_or_host_reads_picking_for_all_are_refused(tmp_path: Path, case: str):
-    result, _ = _norms(tmp_path, HIT[case])
+    result, _ = _norms(tmp_path, FOR_ALL[case])
     assert result.exit_code != 0, result.output
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "mixes the examples of a batch" in errors[0], result.output
 
 
-def test_each_example_s_own_read_scores_as_the_loop(tmp_path: Path):
-    result, model = _norms(tmp_path, OWN_READ["item"])
+@pytest.mark.parametrize("op", [OWN_READ["item"], OWN["float-scale"]], ids=["item", "float"])
+def test_each_example_s_own_read_scores_as_the_loop(tmp_path: Path, op):
+    result, model = _norms(tmp_path, op)
     assert result.exit_code == 0, result.output
     before = {k: v.clone() for k, v in model.state_dict().items()}
     got = pd.read_parquet(tmp_path / "scores.parquet")["grad_norm"].to_numpy()

@@ -22,7 +22,7 @@ from ..state import State
 from . import decide
 from .bytensor import ByTensor
 from .finder import Finder
-from .selfcheck import agrees, mixed
+from .selfcheck import PLAIN, agrees, check_alone
 from .session import HookSession
 from .tap import ParamTap
 from .trace import RowTrace
@@ -88,7 +88,7 @@ class Analysis:
                 continue
             if all(check(captured, inputs, targets, findings) for check in checks):
                 break
-        if not captured.per_example or captured.trace.slabbed:
+        if not captured.per_example or captured.trace.slabbed or captured.trace.noted.lost:
             self._examples_alone(inputs, targets, captured)
         decide.before_backward(self.plan, captured)
         return captured
@@ -97,19 +97,17 @@ class Analysis:
         """Where the trace finds the losses mixing examples, whether they do: two examples run
         alone must each give their loss in the batch (the trace may only have lost track, and
         then the fallback is exact); where a loop over the ids the batch hit picked slabs
-        (``selectors.py``), every example. A loss or model that mixes them (``l - l.mean()``,
+        (``selectors.py``), or a number of the batch's left the trace as a plain one
+        (``tags.Noted``), every example. A loss or model that mixes them (``l - l.mean()``,
         a sum over every hit id's slab) has no per-example gradient: refused, not scored as
         each example alone."""
-        losses, op = captured.losses, captured.trace.mixed_at(captured.losses)
+        trace = captured.trace
+        op = trace.mixed_at(captured.losses)
         after = f" (after {op})" if op else ""
-        every = captured.per_example  # a loop over the ids the batch hit: every example
-        after = " (after a loop over the ids the batch hit)" if every else after
-        with torch.no_grad():
-            for i in range(len(targets)) if every else dict.fromkeys((0, len(targets) - 1)):
-                one = tuple(t[i : i + 1] for t in inputs)
-                alone = self.losses(one, targets[i : i + 1])[0].reshape(1)
-                if not agrees(alone, losses[i : i + 1].detach()):
-                    raise mixed(i, alone.item(), losses[i].item(), after)
+        every = captured.per_example  # the trace could not see what mixes: every example
+        if every:
+            after = " (after a loop over the ids the batch hit)" if trace.slabbed else PLAIN
+        check_alone(self.losses, inputs, targets, captured.losses, every, after)
 
     def _recorded(self, inputs: tuple[Tensor, ...], targets: Tensor, findings: Findings):
         expand, assume = findings.expand is not False, findings.assume

@@ -120,6 +120,7 @@ def program_of(
         regions.root,
         regions.root_hosts,
         children,
+        captured.trace.noted.lost,
     )
 
 

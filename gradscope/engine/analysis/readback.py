@@ -1,106 +1,162 @@
 """Values of the batch read on the host and given back to torch: as a tensor, a list from
 ``lengths[perm].tolist()`` handed to ``pack_padded_sequence``, which makes it a tensor again;
-as a Python integer that picks, ``W[int(x.sum(0).argmax())]``. The trace keeps each read's
-owners and value; a tensor made from a sequence of the same values takes the owners of such a
-read (where several match, the one that mixes least: the values, not where they came from,
-decide the computation), and an element picked by such an integer, along a dimension every
-example has alike, takes the owners of the values that gave it, as an index tensor's would
-(``picked``): an integer of several examples' values makes it MIXED, and the batch is refused
-or exact on the fallback. ``.item()`` and ``.tolist()`` integers carry their owners
-(``Read``); ``int(t)``'s are plain, matched by value (a constant ``h[:, 0]`` that meets a
-count of 0 the batch read costs the fallback, never a wrong number). Scalars made into
-tensors are left alone (``torch.tensor(0.0)`` would meet any read of a zero), and so are
-integers derived from a read (``k + 1``): the trace does not see Python."""
+as a Python number that picks, ``W[int(x.sum(0).argmax())]``, scales, ``h * x.max().item()``,
+or fills, ``torch.full_like(h, k)``. The trace keeps each read's owners and value; a tensor
+made from a sequence of the same values takes the owners of such a read (where several match,
+the one that mixes least: the values, not where they came from, decide the computation).
+
+``.item()`` and ``.tolist()`` hand over numbers tagged with their owners, which Python's
+arithmetic keeps (``tags.py``); ``int(t)``'s and ``float(t)``'s are plain, noted by value
+(``Noted``: a constant ``h[:, 0]`` that meets a count of 0 the batch read costs the fallback,
+never a wrong number). Such a number, along a dimension every example has alike, picks as an
+index tensor of its owners would (``picked``); as an operand of an elementwise op, or the
+value a factory fills or makes a tensor of (``valued``), it is one more operand of its owners.
+A number of several examples' values makes what it touches MIXED, and the batch is refused or
+exact on the fallback; one example's, used for another's rows, likewise. Not followed: shapes
+and counts (``h.view(B, k)``: the sizes of a batch's tensors are the batch's to choose), and
+Python's branches on such values (the documented limit)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from ..ops import ELEMENTWISE, ELEMENTWISE_IN_PLACE
 from .arguments import filled
 from .keys import starts
 from .owners import MIXED, NONE, compact
+from .tags import HIT, Read, ReadFloat, joined, owner_of, tagged
 
 # torch's functions that make a tensor of Python values
 MADE = {"as_tensor", "tensor"}
 # ops that pick elements by Python integers
 PICKS = {"__getitem__", "__setitem__", "select", "narrow"}
-# reads that hand their integers over as they are: tagged with their owners (``Read``)
+# reads that hand their numbers over as they are: tagged with their owners (``tags.py``)
 TAGGED = {"item", "tolist"}
-HIT = -3  # the owner of an id the batch hit, read (``routes.py``): every example's alike
-
-
-class Read(int):
-    """An integer that ``.item()`` or ``.tolist()`` read from the batch's values: its
-    ``owner``, that of the value that gave it (an example, or MIXED)."""
-
-    owner: int
-
-    def __new__(cls, value: int, owner: int = MIXED) -> Read:  # a copy's: of no one known
-        read = super().__new__(cls, value)
-        read.owner = owner
-        return read
+ARRAYS = {"numpy", "__array__"}  # reads that hand over an array: its numbers plain
+# factories and fills: where the values they make a tensor of sit, (position, keyword)
+VALUES = {
+    **dict.fromkeys(("tensor", "as_tensor"), (0, "data")),
+    "new_tensor": (1, "data"),
+    "scalar_tensor": (0, "s"),
+    **dict.fromkeys(("full", "full_like", "fill_", "fill"), (1, "fill_value")),
+    "new_full": (2, "fill_value"),
+    "__setitem__": (2, "value"),
+    **dict.fromkeys(("index_fill", "index_fill_"), (3, "value")),
+}
+# ranges: each element from the start, end and step (a count picks as ``h[..., :k]`` does)
+RANGES = {"arange", "linspace", "logspace"}
 
 
 def noted(trace: object, name: str, x: Tensor, value: object) -> object:
-    """``value``, which host read ``name`` of ``x`` gave, its integers tagged with their owners
-    where ``name`` hands them over as they are (``TAGGED``); else noted in ``read_ints`` by
-    value (``int(t)``: Python makes a plain integer of what the read returns). Not booleans
-    (a branch, not a pick), nor the ids a batch hit (a loop over every one is Mixtral's)."""
+    """``value``, which host read ``name`` of ``x`` gave, its numbers tagged with their owners
+    where ``name`` hands them over as they are (``TAGGED``); else noted in ``trace.noted`` by
+    value (``int(t)``: Python makes a plain number of what the read returns). Not booleans
+    (a branch, not a value), nor the ids a batch hit (a loop over every one is Mixtral's)."""
     if trace.hits is not None and x in trace.hits:  # ids: a loop over each is Mixtral's
-        return _tagged(value, iter(lambda: HIT, None)) if name in TAGGED else value
+        return _tagged(value, iter(lambda: HIT, None), None) if name in TAGGED else value
     if trace.batch == 1:
         return value
-    owners = iter(trace.owner(x).expand(x.shape).reshape(-1).tolist())
+    owners = iter(trace.selector(x).expand(x.shape).reshape(-1).tolist())
     if name in TAGGED:
-        return _tagged(value, owners)
+        return _tagged(value, owners, trace.noted)
     for v, o in zip(_flat([value]), owners, strict=False):
-        if o != NONE and not isinstance(v, bool) and (isinstance(v, int) or _whole(v)):
-            trace.read_ints.setdefault(int(v), set()).add(o)
+        trace.noted.add(v, o)
+    if name in ARRAYS and bool((trace.selector(x) != NONE).any()):
+        trace.noted.lost = True  # an array Python may compute anything from
     return value
 
 
-def _tagged(value: object, owners) -> object:
+def _tagged(value: object, owners, noted) -> object:
     if isinstance(value, list):
-        return [_tagged(v, owners) for v in value]
-    o = next(owners, NONE)
-    plain = isinstance(value, int) and not isinstance(value, bool)
-    return Read(value, o) if plain and o != NONE else value
-
-
-def _whole(v: object) -> bool:
-    return isinstance(v, float) and v.is_integer()
+        return [_tagged(v, owners, noted) for v in value]
+    return tagged(value, next(owners, NONE), noted)
 
 
 def _flat(values: list):
     for v in values:
-        yield from _flat(v) if isinstance(v, list) else (v,)
+        yield from _flat(v) if isinstance(v, (list, tuple)) else (v,)
 
 
-def picked(trace: object, name: str, args: tuple, at: Tensor) -> Tensor | None:
-    """The owners of ``at``, what op ``name`` of ``PICKS`` picked or wrote, where it picks
-    along a dimension of ``args[0]`` that every example has alike (a parameter's, the
-    features) by a Python integer of ``read_ints``: as an index tensor of the read's owners
-    would (``selectors.py``), an element of no example's the one example's that read it, of
-    another example's MIXED; else None. (Where several examples read the same value, an
-    element of one of them keeps its owner: with its own value it computes the same.) Rows
-    picked along the batch keep their owners (rows sorted by expert and cut at a count the
-    batch read, as routed experts take theirs): which rows a cut keeps, the sort decided."""
+def picked(trace: object, name: str, args: tuple) -> set[int]:
+    """The readers of the Python integers read from the batch by which op ``name`` of
+    ``PICKS`` picks or writes along a dimension of ``args[0]`` that every example has alike (a
+    parameter's, the features), asked before the op's owners are followed (a write makes the
+    owners of ``args[0]`` vary where it wrote). What it picked or wrote takes them as an index
+    tensor of the read's owners would (``selectors.py``, ``owned``). Rows picked along the
+    batch keep their owners (rows sorted by expert and cut at a count the batch read, as
+    routed experts take theirs): which rows a cut keeps, the sort decided."""
     x = args[0] if args else None
-    if not isinstance(x, Tensor) or not isinstance(at, Tensor):
-        return None
-    ints = trace.read_ints
+    if not isinstance(x, Tensor):
+        return set()
+    ints = trace.noted.ints
     found = [(v, d) for v, d in _picks(name, args, x.dim()) if isinstance(v, Read) or v in ints]
-    o, readers = compact(trace.owner(x)) if found else None, set()
+    o, tags, readers = compact(trace.owner(x)) if found else None, NONE, set()
     for value, dim in found:
         if not (o.dim() and o.shape[dim % o.dim()] > 1):
-            readers |= {value.owner} if isinstance(value, Read) else ints[value]
-    readers.discard(HIT)
+            if isinstance(value, Read):
+                tags = joined(tags, value.owner)
+            else:
+                readers |= ints[value]
+    return readers | {tags} - {NONE, HIT}
+
+
+def valued(trace: object, name: str, args: tuple, kwargs: dict, at: Tensor) -> Tensor | None:
+    """The owners of ``at``, what op ``name`` made or wrote, where a number read from the
+    batch is one of its values: an elementwise op's operand (``h * k``, ``h.clamp(max=k)``),
+    what a factory or a fill writes (``VALUES``, ``RANGES``); else None."""
+    if not (trace.noted.handed or trace.noted.floats) or not isinstance(at, Tensor):
+        return None  # no such number yet: the trace's every op asks
+    if name in VALUES:
+        pos, key = VALUES[name]
+        values = args[pos] if len(args) > pos else kwargs.get(key)
+        if isinstance(values, (list, tuple)) and name not in ("__setitem__", "index_fill"):
+            return _elements(trace, values, at)
+        values = (values,)
+    elif name in RANGES:
+        values = (*args, *(kwargs.get(k) for k in ("start", "end", "step", "steps")))
+    elif _elementwise(name):
+        values = (*args, *kwargs.values())
+    else:
+        return None
+    return owned(trace.owner(at), _readers(trace, values))
+
+
+def _elementwise(name: str) -> bool:
+    in_place = name.endswith("_") and not name.startswith("__") and name[:-1] in ELEMENTWISE
+    return name in ELEMENTWISE or name in ELEMENTWISE_IN_PLACE or in_place
+
+
+def _readers(trace: object, values) -> set[int]:
+    """The owners of the numbers among ``values`` read from the batch: the tagged ones'
+    joined (their values are those examples'), and for each float noted by value every
+    example that read it (with its own value, each computes the same)."""
+    tags, readers = NONE, set()
+    for v in values:
+        if isinstance(v, (Read, ReadFloat)):
+            tags = joined(tags, v.owner)
+        elif isinstance(v, float) and v in trace.noted.floats:
+            readers |= trace.noted.floats[v]
+    return readers | {tags} - {NONE, HIT}
+
+
+def _elements(trace: object, values: list | tuple, at: Tensor) -> Tensor | None:
+    """The owners of a tensor made of ``values``, element by element (``torch.tensor(l)``)."""
+    flat = list(_flat(list(values)))
+    if len(flat) != at.numel() or not any(isinstance(v, (Read, ReadFloat)) for v in flat):
+        return None
+    return torch.tensor([owner_of(v) for v in flat], device=at.device).reshape(at.shape)
+
+
+def owned(mine: Tensor, readers: set[int]) -> Tensor | None:
+    """Owners ``mine``, of elements a number of ``readers``' picked or computed: an element of
+    no example's the reader's, another example's MIXED (where several examples read the same
+    value, an element of one of them keeps its owner: with its own value it computes the
+    same); None where no reader."""
     if not readers:
         return None
-    mine = trace.owner(at)
     if MIXED in readers:
-        return filled(at, MIXED)
+        return filled(mine, MIXED)
     if len(readers) == 1:
         (one,) = readers
         return torch.where((mine == NONE) | (mine == one), one, MIXED)

@@ -9,7 +9,7 @@ meets rows not routed to it (``sum(h * W[e] for e in hits)``) gives each example
 examples' ids decided. So the trace marks (``RowTrace.routes``):
 
 - ID: the ids (``nonzero``'s positions of a mask of the batch, ``unique``'s ids, moved), and
-  ``.tolist()``'s integers of them (``readback.HIT``);
+  ``.tolist()``'s integers of them (``tags.HIT``);
 - SLAB: what an id picks from a tensor of no example's (a parameter, a tensor made from one),
   and what is computed from slabs and values of no example's alone;
 - ROUTED: rows an id's comparison made (``ids == e``), the mask an id picks (``mask[e]``), its
@@ -30,7 +30,7 @@ from torch import Tensor
 from ..ops import INDICES
 from ..tensors import tensors_in
 from .owners import NONE
-from .readback import HIT, Read
+from .tags import HIT, Read
 
 ID, SLAB, ROUTED = "id", "slab", "routed"
 CROSSED = "crossed"  # not a mark: a slab met rows not routed to its id

@@ -101,6 +101,24 @@ def mixed(i: int, alone: float, in_batch: float, after: str = "") -> ModelError:
     )
 
 
+# where a number of the batch's values left the trace as a plain one (``tags.Noted``)
+PLAIN = " (after int() or float() of the batch's values)"
+
+
+def check_alone(
+    run, inputs: tuple[Tensor, ...], targets: Tensor, losses: Tensor, every: bool, after: str = ""
+) -> None:
+    """Each example (``every`` one, else the first and last) run alone by ``run`` (inputs,
+    targets -> (losses, ...)) must give its loss in the batch, ``losses``; else the batch is
+    refused as mixing its examples."""
+    with torch.no_grad():
+        for i in range(len(targets)) if every else dict.fromkeys((0, len(targets) - 1)):
+            one = tuple(t[i : i + 1] for t in inputs)
+            alone = run(one, targets[i : i + 1])[0].reshape(1)
+            if not agrees(alone, losses[i : i + 1].detach()):
+                raise mixed(i, alone.item(), losses[i].item(), after)
+
+
 class Singles:
     """The first and last examples' own gradients of ``params``, each from its own backward
     (graph kept), and the norm of each example's whole gradient, the scale its parameters'

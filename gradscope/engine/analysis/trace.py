@@ -30,7 +30,8 @@ from .bytensor import ByTensor
 from .follow import OwnerAlgebra
 from .lanes import Lane, after
 from .owners import MIXED, NONE, compact, is_batch, lane_of
-from .readback import MADE, PICKS, given_back, noted, picked
+from .readback import MADE, PICKS, given_back, noted, owned, picked, valued
+from .tags import Noted
 
 if TYPE_CHECKING:
     from .finder import Finder
@@ -64,7 +65,7 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         self.finder: Finder | None = None  # the analysis's (finder.py): told what needs it
         self.own = 0  # above 0 while the tap's own code runs (its host reads are not the model's)
         self.read_back: list[tuple[Tensor, object]] = []  # (owners, value) of the model's reads
-        self.read_ints: dict[int, set[int]] = {}  # the integers such reads gave: their owners
+        self.noted = Noted()  # the plain numbers such reads gave: their owners, by value
         self.routes: ByTensor | None = None  # ids the batch hit, slabs, rows (``routes.py``)
         self.mixed_by = ByTensor()  # tensor -> the op that mixed examples on its way
         self._lanes: dict[object, Tensor] = {}  # (rank, dim, size, m) -> its owners
@@ -148,13 +149,17 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
             rows = args[0].unbind(0)  # for row in x: the rows of unbind(0)
             self._record("unbind", torch.unbind, args[:1], {}, rows)
             return iter(rows)
+        readers = picked(self, name, args) if name in PICKS else None
         out = func(*args, **kwargs)
         if name in MADE and (o := given_back(self, args, out)) is not None:
             self._set(out, o, f"{name} of values read on the host")
         self._record(name, func, args, kwargs, out)
         at = args[0] if name == "__setitem__" and args else out
-        if name in PICKS and (o := picked(self, name, args, at)) is not None:
-            self._set(at, o, f"{name} by a value of the batch read on the host")
+        if readers and isinstance(at, Tensor):
+            why = f"{name} by a value of the batch read on the host"
+            self._set(at, owned(self.owner(at), readers), why)
+        if (o := valued(self, name, args, kwargs, at)) is not None:
+            self._set(at, o, f"{name} of a value of the batch read on the host")
         if self.routes is not None:
             routes.after(self, name, args, kwargs, out)
         return out
@@ -193,7 +198,7 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         if self.own or fixed.fixed(self, tensors_in(args, kwargs)):
             return out  # the tap's own, or values the batch's shapes decide (``fixed.py``)
         if held:  # values of the batch that Python may give back (``readback.py``)
-            self.read_back.append((self.owner(args[0]).expand(args[0].shape), out))
+            self.read_back.append((self.selector(args[0]).expand(args[0].shape), out))
             out = noted(self, name, args[0], out)
         if name in SCALAR_READS and self.finder is not None:
             self.finder.host(name, out, held)

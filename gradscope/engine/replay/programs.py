@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from ...errors import ModelError
 from ..analysis.seeded import Seeded
+from ..analysis.selfcheck import PLAIN, check_alone
 from ..backward.reduce import Reducer, Want
 from ..backward.serve import Served, serve, served_calls, uses
 from ..capture import Captured
@@ -121,6 +122,8 @@ class Replayed:
         if any(g is not None for g in grads):  # a gradient where no call reached: analyse
             lessons.why = "a parameter reached the loss where no call or read did"
             return None
+        if program.alone:  # the same plain number read: alone, each example may read another
+            check_alone(self.losses, inputs, targets, losses, True, PLAIN)
         return captured, reducer
 
     def _session(

@@ -1,0 +1,131 @@
+"""Numbers of the batch's values read on the host and given back to torch through Python:
+derived (``k + 1``, ``-k``, ``k % n``), made into tensors (``torch.tensor(k)``,
+``torch.full``, ``new_tensor``, ``arange``), or used as an operand (``h * s``, a float the
+whole batch gave). Every form here scored without a word before (0.05–0.41 off the float64
+loop): the batch's value picks or scales for each example, where alone each example reads its
+own. ``.item()``'s and ``.tolist()``'s numbers carry their owners through Python's arithmetic
+(``analysis/tags.py``), so what they touch is MIXED and the batch is refused or exact on the
+fallback; ``int(t)``'s and ``float(t)``'s are plain, and ``math.sqrt`` makes a float plain, so
+every batch that reads one, or a float, has its every example checked alone. One example's own number, used for its own rows, stays
+served with nothing on the fallback."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from oracle import assert_fallback, assert_rel_close, reference_norms
+from torch import Tensor, nn
+
+from gradscope.engine import Engine, total
+from gradscope.errors import ModelError
+from gradscope.losses import resolve_loss
+from tests.engine.analysis.test_crossed_indices import H, put, scored
+
+
+def item(h: Tensor) -> int:
+    """The feature the whole batch sums highest, read by ``.item()`` (tagged)."""
+    return h.detach().sum((0, 1)).argmax().item()
+
+
+def plain(h: Tensor) -> int:
+    """The same, read by ``int()`` (a plain integer)."""
+    return int(h.detach().sum((0, 1)).argmax())
+
+
+DERIVED = {
+    "item-plus-one": lambda h, m: h * m.w[(item(h) + 1) % H],
+    "item-negated": lambda h, m: h * m.w[-item(h) - 1],
+    "item-feature": lambda h, m: h * h[..., (item(h) + 1) % H, None],
+    "item-setitem": lambda h, m: put(h, (..., (item(h) + 1) % H), h[..., 0]),
+    "tolist-plus-one": lambda h, m: h * m.w[h.detach().sum((0, 1)).argsort().tolist()[0] + 0],
+    "first-example-plus-one": lambda h, m: h * m.w[(h.detach()[0].sum(0).argmax().item() + 1) % H],
+    "tensor-of-item": lambda h, m: h * m.w[torch.tensor(item(h))],
+    "tensor-of-items": lambda h, m: h * m.w[torch.tensor([item(h), 0])].sum(),
+    "full": lambda h, m: h * m.w[torch.full((1,), item(h))],
+    "new_tensor": lambda h, m: h * m.w[h.new_tensor(item(h), dtype=torch.long)],
+    "arange": lambda h, m: h * m.w[torch.arange(item(h), item(h) + 1)],
+    "float-scale": lambda h, m: h * h.detach().abs().sum().item(),
+    "float-scale-derived": lambda h, m: (2.0 * h.detach().abs().max().item() + 1) * h,
+    "float-fill": lambda h, m: h + torch.full_like(h, h.detach().mean().item()),
+    "float-clamp": lambda h, m: h.clamp(max=h.detach().median().item()),
+    "int-of-item": lambda h, m: h * m.w[int(item(h))],
+    "int-plus-one": lambda h, m: h * m.w[(plain(h) + 1) % H],
+    "tensor-of-int": lambda h, m: h * m.w[torch.tensor(plain(h))],
+    "float-of-tensor": lambda h, m: h * float(h.detach().abs().sum()),
+    "math-of-float": lambda h, m: h * math.sqrt(h.detach().abs().sum().item()),
+}
+# each example's own number, read and used for its own rows alone
+OWN = {
+    "item-plus-one": lambda h, m: torch.stack(
+        [h[i] * m.w[(h.detach()[i].sum(0).argmax().item() + 1) % H] for i in range(len(h))]
+    ),
+    "float-scale": lambda h, m: torch.stack(
+        [h[i] * (1 + h.detach()[i].abs().mean().item()) for i in range(len(h))]
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(DERIVED))
+def test_a_number_of_the_batch_s_values_refused_or_exact(case: str):
+    _, refused = scored(DERIVED[case], (3, 3, 3))
+    assert refused  # the examples checked alone differ on some batch
+    assert all("mixes the examples of a batch" in why for why in refused), refused
+
+
+@pytest.mark.parametrize("case", list(OWN))
+def test_an_example_s_own_number_serves_its_rows_exactly(case: str):
+    engine, refused = scored(OWN[case], (3, 3, 1))
+    assert not refused, refused[0]
+    assert_fallback(engine)
+
+
+@pytest.mark.parametrize("case", ["item-plus-one", "int-plus-one", "float-of-tensor"])
+def test_alone_an_example_reads_its_own_number(case: str):
+    engine, refused = scored(DERIVED[case], (1, 1))
+    assert not refused, refused[0]
+
+
+class Reads(nn.Module):
+    """Scales its input by the entry of ``w`` after the feature the whole batch sums highest,
+    read by ``read``."""
+
+    def __init__(self, read):
+        super().__init__()
+        self.lin, self.w, self.read = nn.Linear(4, 3), nn.Parameter(torch.randn(4)), read
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x * self.w[(self.read(x.detach().sum(0).argmax()) + 1) % 4])
+
+
+def agreeing() -> Tensor:
+    """Every example's highest feature is the batch's (0): alone, each reads what the batch
+    reads."""
+    x = torch.randn(3, 4, dtype=torch.float64)
+    x[:, 0] += 10
+    return x
+
+
+def apart() -> Tensor:
+    """The batch's highest feature is still 0, but alone the last two examples read 1."""
+    x = torch.randn(3, 4, dtype=torch.float64) * 0.1
+    x[0, 0], x[1:, 1] = 10, 3
+    return x
+
+
+@pytest.mark.parametrize(
+    "read", [int, lambda t: int(float(t)), lambda t: t.item()], ids=["int", "float", "item"]
+)
+def test_a_later_batch_reading_the_same_number_is_checked_again(read):
+    """The number a later batch reads is the one the analysed batch read: the program that
+    batch left must not serve one whose examples alone read another (silently wrong before
+    for ``int()`` and ``float()``: 6.6 off the loop)."""
+    torch.manual_seed(0)
+    model, loss, y = Reads(read).double(), resolve_loss("cross_entropy"), torch.tensor([0, 1, 2])
+    with Engine(model, loss) as engine:
+        for x in (agreeing(), agreeing()):
+            norms = reference_norms(model, (x,), y, "cross_entropy")[1].square()
+            assert_rel_close(total(engine.norms((x,), y).norm_sq), norms, 1e-9)
+        with pytest.raises(ModelError, match="mixes the examples of a batch"):
+            engine.norms((apart(),), y)
