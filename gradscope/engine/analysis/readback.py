@@ -86,10 +86,9 @@ def picked(trace: object, name: str, args: tuple) -> set[int]:
     tensor of the read's owners would (``selectors.py``, ``owned``). Rows picked along the
     batch keep their owners (rows sorted by expert and cut at a count the batch read, as
     routed experts take theirs): which rows a cut keeps, the sort decided."""
-    x = args[0] if args else None
-    if not isinstance(x, Tensor):
-        return set()
-    ints = trace.noted.ints
+    x, ints = args[0] if args else None, trace.noted.ints
+    if not (trace.noted.handed or ints) or not isinstance(x, Tensor):
+        return set()  # no such number yet (a number another batch's trace tagged is a constant)
     found = [(v, d) for v, d in _picks(name, args, x.dim()) if isinstance(v, Read) or v in ints]
     o, tags, readers = compact(trace.owner(x)) if found else None, NONE, set()
     for value, dim in found:
