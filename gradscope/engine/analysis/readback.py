@@ -46,6 +46,7 @@ VALUES = {
 }
 # ranges: each element from the start, end and step (a count picks as ``h[..., :k]`` does)
 RANGES = {"arange", "linspace", "logspace"}
+SPLITS = {"split", "split_with_sizes", "tensor_split"}  # cuts at sizes (``sized``)
 
 
 def noted(trace: object, name: str, x: Tensor, value: object) -> object:
@@ -119,6 +120,34 @@ def valued(trace: object, name: str, args: tuple, kwargs: dict, at: Tensor) -> T
     else:
         return None
     return owned(trace.owner(at), _readers(trace, values))
+
+
+def sized(trace: object, name: str, args: tuple, kwargs: dict) -> None:
+    """Where a number read from the batch is a size or a count of op ``name``
+    (``h.new_zeros(B, T, k)``, ``expand``, ``repeat``, ``pad``, ``topk``'s k), the shapes of the
+    batch's tensors are its values, which no owner follows: each batch's every example is
+    checked alone (``Noted.lost``). Not a pick (``picked``), a value (``valued``), nor a split
+    along a dimension whose owners vary (rows sorted by expert, split at counts read: each row
+    keeps its own, as a cut's)."""
+    if name in PICKS or name in RANGES or _elementwise(name):
+        return
+    skip = VALUES[name][0] if name in VALUES else None
+    given = (a for i, a in enumerate(args) if i != skip)
+    for a in (*given, *(v for k, v in kwargs.items() if k not in ("value", "fill_value"))):
+        for v in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(v, (Read, ReadFloat)) and v.owner not in (NONE, HIT):
+                if not (name in SPLITS and _along_rows(trace, args, kwargs)):
+                    trace.noted.lost = True
+                return
+
+
+def _along_rows(trace: object, args: tuple, kwargs: dict) -> bool:
+    """Whether a split cuts ``args[0]`` along a dimension its owners vary along."""
+    x, dim = args[0] if args else None, args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    if not isinstance(x, Tensor) or not isinstance(dim, int):
+        return False
+    o = compact(trace.owner(x))
+    return o.dim() > 0 and o.shape[dim % o.dim()] > 1
 
 
 def _elementwise(name: str) -> bool:
