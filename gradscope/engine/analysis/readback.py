@@ -12,9 +12,10 @@ never a wrong number). Such a number, along a dimension every example has alike,
 index tensor of its owners would (``picked``); as an operand of an elementwise op, or the
 value a factory fills or makes a tensor of (``valued``), it is one more operand of its owners.
 A number of several examples' values makes what it touches MIXED, and the batch is refused or
-exact on the fallback; one example's, used for another's rows, likewise. Not followed: shapes
-and counts (``h.view(B, k)``: the sizes of a batch's tensors are the batch's to choose), and
-Python's branches on such values (the documented limit)."""
+exact on the fallback; one example's, used for another's rows, likewise. As a size or a count
+(``h.new_zeros(B, T, k)``: ``sized``) no owner follows it, and each batch's every example is
+checked alone (``tags.Noted.lost``). Not followed: Python's branches on such values (the
+documented limit)."""
 
 from __future__ import annotations
 
