@@ -12,9 +12,10 @@ never a wrong number). Such a number, along a dimension every example has alike,
 index tensor of its owners would (``picked``); as an operand of an elementwise op, or the
 value a factory fills or makes a tensor of (``valued``), it is one more operand of its owners.
 A number of several examples' values makes what it touches MIXED, and the batch is refused or
-exact on the fallback; one example's, used for another's rows, likewise. Not followed: shapes
-and counts (``h.view(B, k)``: the sizes of a batch's tensors are the batch's to choose), and
-Python's branches on such values (the documented limit)."""
+exact on the fallback; one example's, used for another's rows, likewise. As a size or a count
+(``h.new_zeros(B, T, k)``: ``sized``) no owner follows it, and each batch's every example is
+checked alone (``tags.Noted.lost``). Not followed: Python's branches on such values (the
+documented limit)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ VALUES = {
 }
 # ranges: each element from the start, end and step (a count picks as ``h[..., :k]`` does)
 RANGES = {"arange", "linspace", "logspace"}
+SPLITS = {"split", "split_with_sizes", "tensor_split"}  # cuts at sizes (``sized``)
 
 
 def noted(trace: object, name: str, x: Tensor, value: object) -> object:
@@ -86,10 +88,9 @@ def picked(trace: object, name: str, args: tuple) -> set[int]:
     tensor of the read's owners would (``selectors.py``, ``owned``). Rows picked along the
     batch keep their owners (rows sorted by expert and cut at a count the batch read, as
     routed experts take theirs): which rows a cut keeps, the sort decided."""
-    x = args[0] if args else None
-    if not isinstance(x, Tensor):
-        return set()
-    ints = trace.noted.ints
+    x, ints = args[0] if args else None, trace.noted.ints
+    if not (trace.noted.handed or ints) or not isinstance(x, Tensor):
+        return set()  # no such number yet (a number another batch's trace tagged is a constant)
     found = [(v, d) for v, d in _picks(name, args, x.dim()) if isinstance(v, Read) or v in ints]
     o, tags, readers = compact(trace.owner(x)) if found else None, NONE, set()
     for value, dim in found:
@@ -120,6 +121,34 @@ def valued(trace: object, name: str, args: tuple, kwargs: dict, at: Tensor) -> T
     else:
         return None
     return owned(trace.owner(at), _readers(trace, values))
+
+
+def sized(trace: object, name: str, args: tuple, kwargs: dict) -> None:
+    """Where a number read from the batch is a size or a count of op ``name``
+    (``h.new_zeros(B, T, k)``, ``expand``, ``repeat``, ``pad``, ``topk``'s k), the shapes of the
+    batch's tensors are its values, which no owner follows: each batch's every example is
+    checked alone (``Noted.lost``). Not a pick (``picked``), a value (``valued``), nor a split
+    along a dimension whose owners vary (rows sorted by expert, split at counts read: each row
+    keeps its own, as a cut's)."""
+    if name in PICKS or name in RANGES or _elementwise(name):
+        return
+    skip = VALUES[name][0] if name in VALUES else None
+    given = (a for i, a in enumerate(args) if i != skip)
+    for a in (*given, *(v for k, v in kwargs.items() if k not in ("value", "fill_value"))):
+        for v in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(v, (Read, ReadFloat)) and v.owner not in (NONE, HIT):
+                if not (name in SPLITS and _along_rows(trace, args, kwargs)):
+                    trace.noted.lost = True
+                return
+
+
+def _along_rows(trace: object, args: tuple, kwargs: dict) -> bool:
+    """Whether a split cuts ``args[0]`` along a dimension its owners vary along."""
+    x, dim = args[0] if args else None, args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    if not isinstance(x, Tensor) or not isinstance(dim, int):
+        return False
+    o = compact(trace.owner(x))
+    return o.dim() > 0 and o.shape[dim % o.dim()] > 1
 
 
 def _elementwise(name: str) -> bool:

@@ -102,7 +102,7 @@ def mixed(i: int, alone: float, in_batch: float, after: str = "") -> ModelError:
 
 
 # where a number of the batch's values left the trace as a plain one (``tags.Noted``)
-PLAIN = " (after int() or float() of the batch's values)"
+PLAIN = " (after a number of the batch's values read on the host)"
 
 
 def check_alone(

@@ -30,7 +30,7 @@ from .bytensor import ByTensor
 from .follow import OwnerAlgebra
 from .lanes import Lane, after
 from .owners import MIXED, NONE, compact, is_batch, lane_of
-from .readback import MADE, PICKS, given_back, noted, owned, picked, valued
+from .readback import MADE, PICKS, given_back, noted, owned, picked, sized, valued
 from .tags import Noted
 
 if TYPE_CHECKING:
@@ -160,6 +160,8 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
             self._set(at, owned(self.owner(at), readers), why)
         if (o := valued(self, name, args, kwargs, at)) is not None:
             self._set(at, o, f"{name} of a value of the batch read on the host")
+        if self.noted.handed:
+            sized(self, name, args, kwargs)
         if self.routes is not None:
             routes.after(self, name, args, kwargs, out)
         return out

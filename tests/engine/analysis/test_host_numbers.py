@@ -55,6 +55,15 @@ DERIVED = {
     "tensor-of-int": lambda h, m: h * m.w[torch.tensor(plain(h))],
     "float-of-tensor": lambda h, m: h * float(h.detach().abs().sum()),
     "math-of-float": lambda h, m: h * math.sqrt(h.detach().abs().sum().item()),
+    # a size: each example alone pads or repeats by its own count
+    "zeros-sized": lambda h, m: (
+        h * torch.cat([h, h.new_zeros(*h.shape[:2], item(h) + 1)], -1).mean(-1, keepdim=True)
+    ),
+    "expand-sized": lambda h, m: (
+        h * h[..., :1].expand(*h.shape[:2], item(h) + 1).sum(-1)[..., None]
+    ),
+    "repeat-sized": lambda h, m: h * h[..., :1].repeat(1, 1, item(h) + 1).sum(-1, keepdim=True),
+    "pad-sized": lambda h, m: h * nn.functional.pad(h, (0, item(h) + 1)).mean(-1, keepdim=True),
 }
 # each example's own number, read and used for its own rows alone
 OWN = {
@@ -129,3 +138,45 @@ def test_a_later_batch_reading_the_same_number_is_checked_again(read):
             assert_rel_close(total(engine.norms((x,), y).norm_sq), norms, 1e-9)
         with pytest.raises(ModelError, match="mixes the examples of a batch"):
             engine.norms((apart(),), y)
+
+
+class SortedSplit(nn.Module):
+    """Rows sorted by expert (the sign of a router) and split at the counts ``.tolist()`` read,
+    each expert's rows through its own Linear and put back: a cut along the rows, each row its
+    own example's, served with no example run alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(4, 1)
+        self.experts = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, 4)
+        flat = x.reshape(-1, 4)
+        pick = (self.router(flat)[:, 0] > 0).long()
+        order = torch.argsort(pick, stable=True)
+        parts = flat[order].split(torch.bincount(pick, minlength=2).tolist())
+        out = torch.cat([e(p) for e, p in zip(self.experts, parts, strict=True)])
+        return torch.empty_like(out).index_copy(0, order, out).view(x.shape)
+
+
+class Split(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block, self.head = SortedSplit(), nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.block(x)).mean(1))
+
+
+def test_rows_split_at_counts_read_are_served_without_running_examples_alone():
+    torch.manual_seed(0)
+    model, y = Split().double(), torch.tensor([0, 1, 2])
+    with Engine(model, resolve_loss("cross_entropy")) as engine:
+        for seed in range(3):
+            g = torch.Generator().manual_seed(seed)
+            x = torch.randn(3, 5, 4, dtype=torch.float64, generator=g)
+            norms = reference_norms(model, (x,), y, "cross_entropy")[1].square()
+            assert_rel_close(total(engine.norms((x,), y).norm_sq), norms, 1e-9)
+        findings = engine.record.at((x,), y)
+    assert_fallback(engine)
+    assert findings.replays == 2 and not any(p.alone for p in findings.programs)
