@@ -155,13 +155,14 @@ class Routed(Contribution):
 
     def norm_sq_and_sum(self) -> tuple[Tensor, Tensor]:
         """Where ``keyed``: each key's G formed once, or its Gram taken where it holds few
-        rows, and each expert's sum (``keyed.keyed_sums``)."""
+        rows, and each expert's sum (``keyed.keyed_sums``), itself where it has the parameter's
+        shape, no view of it: the watch scales a tensor no other reaches in place."""
         if not self.keyed:
             return super().norm_sq_and_sum()
         by, counts = self._counts()
         left, right = (self.a, self._s) if self.transposed else (self._s, self.a)
         at, each, total = keyed_sums(left, right, by, counts, self.batch)
-        return self._per_example(at, each), total.view(self.param)
+        return self._per_example(at, each), total.view(self.param) if self.one else total
 
     def batch_sum(self) -> Tensor:
         """Each expert's sum over its rows, left^T right: no example's G formed."""

@@ -65,6 +65,7 @@ def test_keyed_norms_and_sums_are_the_rows_added_by_hand(counts, transposed):
     norms, total = part.norm_sq_and_sum()
     torch.testing.assert_close(norms, flat.square().sum(1), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(total, expected.sum(0), rtol=1e-12, atol=1e-12)
+    assert total._base is None  # the sum, not a view: the watch's deposit scales it in place
     torch.testing.assert_close(part.norm_sq(), flat.square().sum(1), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(part.batch_sum(), expected.sum(0), rtol=1e-12, atol=1e-12)
     # the rows of no expert zeroed where an answer reads the output gradients whole
@@ -83,21 +84,29 @@ def test_keyed_norms_and_sums_are_the_rows_added_by_hand(counts, transposed):
     torch.testing.assert_close(some.norm_sq_and_sum()[0], flat[lo:].square().sum(1))
 
 
+@pytest.mark.parametrize("block", [7, 6, 30], ids=["apart", "blocks", "one block"])
 @pytest.mark.parametrize("cost", [0, keying.GRAM_FORMED, 10**6], ids=["formed", "both", "Grams"])
 @pytest.mark.parametrize("counts", CASES.values(), ids=CASES.keys())
 @pytest.mark.parametrize("transposed", [False, True], ids=["W^T", "W"])
-def test_training_steps_keys_of_few_rows_take_their_gram(monkeypatch, counts, transposed, cost):
+def test_training_steps_keys_of_few_rows_take_their_gram(
+    monkeypatch, counts, transposed, cost, block
+):
     """On a training step a key of few rows (n^2 (out + in) <= ``GRAM_FORMED`` out in: here 4
     or fewer of 6 x 5) takes its Gram, its rows in its expert's one product for the sum; the
     others their G formed: an expert of both, of one or the other, of none, and every key either
-    way give the loop's norms and sum."""
+    way give the loop's norms and sum. A formed G whose size ``BLOCK`` divides is reduced by
+    blocks into one buffer for all (none apart), else each apart (``_sq_norm``)."""
     monkeypatch.setattr(keying, "GRAM_FORMED", cost)
-    grams, gram_sq = [], keying.gram_sq
+    monkeypatch.setattr(keying, "BLOCK", block)
+    grams, gram_sq, apart, sq_norm = [], keying.gram_sq, [], keying._sq_norm
     monkeypatch.setattr(keying, "gram_sq", lambda a, b: grams.append(len(a)) or gram_sq(a, b))
+    monkeypatch.setattr(keying, "_sq_norm", lambda t: apart.append(t) or sq_norm(t))
     part, expected = _case(counts, transposed)
     few = [n for row in counts for n in row if n > 0 and n * n * (IN + OUT) <= cost * IN * OUT]
+    formed = [n for row in counts for n in row if n * n * (IN + OUT) > cost * IN * OUT]
     norms, total = part.norm_sq_and_sum()
     assert sorted(grams) == sorted(few)  # each read as its Gram alone
+    assert len(apart) == (len(formed) if IN * OUT % block else 0)
     torch.testing.assert_close(norms, expected.flatten(1).square().sum(1), rtol=1e-12, atol=0)
     torch.testing.assert_close(total, expected.sum(0), rtol=1e-12, atol=1e-12)
 
