@@ -155,14 +155,13 @@ class Routed(Contribution):
 
     def norm_sq_and_sum(self) -> tuple[Tensor, Tensor]:
         """Where ``keyed``: each key's G formed once, or its Gram taken where it holds few
-        rows, and each expert's sum (``keyed.keyed_sums``), itself where it has the parameter's
-        shape, no view of it: the watch scales a tensor no other reaches in place."""
+        rows, and each expert's sum (``keyed.keyed_sums``)."""
         if not self.keyed:
             return super().norm_sq_and_sum()
         by, counts = self._counts()
         left, right = (self.a, self._s) if self.transposed else (self._s, self.a)
         at, each, total = keyed_sums(left, right, by, counts, self.batch)
-        return self._per_example(at, each), total.view(self.param) if self.one else total
+        return self._per_example(at, each), total.view(self.param)
 
     def batch_sum(self) -> Tensor:
         """Each expert's sum over its rows, left^T right: no example's G formed."""
