@@ -50,21 +50,22 @@ RANGES = {"arange", "linspace", "logspace"}
 SPLITS = {"split", "split_with_sizes", "tensor_split"}  # cuts at sizes (``sized``)
 
 
-def noted(trace: object, name: str, x: Tensor, value: object) -> object:
-    """``value``, which host read ``name`` of ``x`` gave, its numbers tagged with their owners
-    where ``name`` hands them over as they are (``TAGGED``); else noted in ``trace.noted`` by
-    value (``int(t)``: Python makes a plain number of what the read returns). Not booleans
-    (a branch, not a value), nor the ids a batch hit (a loop over every one is Mixtral's)."""
+def noted(trace: object, name: str, x: Tensor, owners: Tensor, value: object) -> object:
+    """``value``, which host read ``name`` of ``x`` (its values' ``owners``, expanded) gave,
+    its numbers tagged with their owners where ``name`` hands them over as they are
+    (``TAGGED``); else noted in ``trace.noted`` by value (``int(t)``: Python makes a plain
+    number of what the read returns). Not booleans (a branch, not a value), nor the ids a
+    batch hit (a loop over every one is Mixtral's)."""
     if trace.hits is not None and x in trace.hits:  # ids: a loop over each is Mixtral's
         return _tagged(value, iter(lambda: HIT, None), None) if name in TAGGED else value
     if trace.batch == 1:
         return value
-    owners = iter(trace.selector(x).expand(x.shape).reshape(-1).tolist())
+    each = iter(owners.reshape(-1).tolist())
     if name in TAGGED:
-        return _tagged(value, owners, trace.noted)
-    for v, o in zip(_flat([value]), owners, strict=False):
+        return _tagged(value, each, trace.noted)
+    for v, o in zip(_flat([value]), each, strict=False):
         trace.noted.add(v, o)
-    if name in ARRAYS and bool((trace.selector(x) != NONE).any()):
+    if name in ARRAYS and bool((owners != NONE).any()):
         trace.noted.lost = True  # an array Python may compute anything from
     return value
 
@@ -92,14 +93,7 @@ def picked(trace: object, name: str, args: tuple) -> set[int]:
     if not (trace.noted.handed or ints) or not isinstance(x, Tensor):
         return set()  # no such number yet (a number another batch's trace tagged is a constant)
     found = [(v, d) for v, d in _picks(name, args, x.dim()) if isinstance(v, Read) or v in ints]
-    o, tags, readers = compact(trace.owner(x)) if found else None, NONE, set()
-    for value, dim in found:
-        if not (o.dim() and o.shape[dim % o.dim()] > 1):
-            if isinstance(value, Read):
-                tags = joined(tags, value.owner)
-            else:
-                readers |= ints[value]
-    return readers | {tags} - {NONE, HIT}
+    return _readers([v for v, dim in found if not _varies(trace, x, dim)], ints)
 
 
 def valued(trace: object, name: str, args: tuple, kwargs: dict, at: Tensor) -> Tensor | None:
@@ -120,7 +114,7 @@ def valued(trace: object, name: str, args: tuple, kwargs: dict, at: Tensor) -> T
         values = (*args, *kwargs.values())
     else:
         return None
-    return owned(trace.owner(at), _readers(trace, values))
+    return owned(trace.owner(at), _readers(values, trace.noted.floats))
 
 
 def sized(trace: object, name: str, args: tuple, kwargs: dict) -> None:
@@ -130,11 +124,11 @@ def sized(trace: object, name: str, args: tuple, kwargs: dict) -> None:
     checked alone (``Noted.lost``). Not a pick (``picked``), a value (``valued``), nor a split
     along a dimension whose owners vary (rows sorted by expert, split at counts read: each row
     keeps its own, as a cut's)."""
-    if name in PICKS or name in RANGES or _elementwise(name):
+    if not trace.noted.handed or name in PICKS or name in RANGES or _elementwise(name):
         return
-    skip = VALUES[name][0] if name in VALUES else None
-    given = (a for i, a in enumerate(args) if i != skip)
-    for a in (*given, *(v for k, v in kwargs.items() if k not in ("value", "fill_value"))):
+    pos, key = VALUES.get(name, (None, None))  # the values it writes: ``valued``'s
+    given = (a for i, a in enumerate(args) if i != pos)
+    for a in (*given, *(v for k, v in kwargs.items() if k != key)):
         for v in a if isinstance(a, (list, tuple)) else (a,):
             if isinstance(v, (Read, ReadFloat)) and v.owner not in (NONE, HIT):
                 if not (name in SPLITS and _along_rows(trace, args, kwargs)):
@@ -145,8 +139,11 @@ def sized(trace: object, name: str, args: tuple, kwargs: dict) -> None:
 def _along_rows(trace: object, args: tuple, kwargs: dict) -> bool:
     """Whether a split cuts ``args[0]`` along a dimension its owners vary along."""
     x, dim = args[0] if args else None, args[2] if len(args) > 2 else kwargs.get("dim", 0)
-    if not isinstance(x, Tensor) or not isinstance(dim, int):
-        return False
+    return isinstance(x, Tensor) and isinstance(dim, int) and _varies(trace, x, dim)
+
+
+def _varies(trace: object, x: Tensor, dim: int) -> bool:
+    """Whether the owners of ``x`` vary along ``dim`` (rows of several examples)."""
     o = compact(trace.owner(x))
     return o.dim() > 0 and o.shape[dim % o.dim()] > 1
 
@@ -156,16 +153,16 @@ def _elementwise(name: str) -> bool:
     return name in ELEMENTWISE or name in ELEMENTWISE_IN_PLACE or in_place
 
 
-def _readers(trace: object, values) -> set[int]:
+def _readers(values, by_value: dict) -> set[int]:
     """The owners of the numbers among ``values`` read from the batch: the tagged ones'
-    joined (their values are those examples'), and for each float noted by value every
-    example that read it (with its own value, each computes the same)."""
+    joined (their values are those examples'), and for each plain one ``by_value`` holds
+    every example that read it (with its own value, each computes the same)."""
     tags, readers = NONE, set()
     for v in values:
         if isinstance(v, (Read, ReadFloat)):
             tags = joined(tags, v.owner)
-        elif isinstance(v, float) and v in trace.noted.floats:
-            readers |= trace.noted.floats[v]
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and v in by_value:
+            readers |= by_value[v]
     return readers | {tags} - {NONE, HIT}
 
 

@@ -160,8 +160,7 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
             self._set(at, owned(self.owner(at), readers), why)
         if (o := valued(self, name, args, kwargs, at)) is not None:
             self._set(at, o, f"{name} of a value of the batch read on the host")
-        if self.noted.handed:
-            sized(self, name, args, kwargs)
+        sized(self, name, args, kwargs)
         if self.routes is not None:
             routes.after(self, name, args, kwargs, out)
         return out
@@ -200,8 +199,9 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         if self.own or fixed.fixed(self, tensors_in(args, kwargs)):
             return out  # the tap's own, or values the batch's shapes decide (``fixed.py``)
         if held:  # values of the batch that Python may give back (``readback.py``)
-            self.read_back.append((self.selector(args[0]).expand(args[0].shape), out))
-            out = noted(self, name, args[0], out)
+            owners = self.selector(args[0]).expand(args[0].shape)
+            self.read_back.append((owners, out))
+            out = noted(self, name, args[0], owners, out)
         if name in SCALAR_READS and self.finder is not None:
             self.finder.host(name, out, held)
         elif held and name not in SCALAR_READS:
