@@ -18,10 +18,11 @@ import torch
 from oracle import assert_fallback, assert_rel_close, reference_norms
 from torch import Tensor, nn
 
+import gradscope
 from gradscope.engine import Engine, total
 from gradscope.errors import ModelError
 from gradscope.losses import resolve_loss
-from tests.engine.analysis.test_crossed_indices import H, put, scored
+from tests.engine.analysis.test_crossed_indices import H, Model, batch, put, scored
 
 
 def item(h: Tensor) -> int:
@@ -180,3 +181,28 @@ def test_rows_split_at_counts_read_are_served_without_running_examples_alone():
         findings = engine.record.at((x,), y)
     assert_fallback(engine)
     assert findings.replays == 2 and not any(p.alone for p in findings.programs)
+
+
+@pytest.mark.parametrize(
+    "case", ["own-item-plus-one", "own-float-scale", "item-plus-one", "int-plus-one"]
+)
+def test_fresh_api_calls_on_two_batches_exact_or_refused_the_model_untouched(case: str):
+    """``gradscope.per_example_norms``, a fresh call for each of two batches of one shape and
+    other values: each exact against the float64 loop, or refused as mixing (the batch's own
+    number picking for all); the model's parameters and buffers as they were."""
+    op = OWN[case.removeprefix("own-")] if case.startswith("own-") else DERIVED[case]
+    torch.manual_seed(0)
+    model = Model(op).double().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    refused = 0
+    for seed in (1, 2):
+        (x,), y = batch(seed)
+        try:
+            got = gradscope.per_example_norms(model, x, y, "cross_entropy")
+        except ModelError as e:
+            assert "mixes the examples of a batch" in str(e), e
+            refused += 1
+        else:
+            assert_rel_close(got, reference_norms(model, (x,), y, "cross_entropy")[1], 1e-9)
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert (refused > 0) != case.startswith("own-"), refused
