@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -136,7 +137,7 @@ class Outer(Contribution):
             return each.view(b) if g == 1 else each.sum((1, 2))
         if self._gram_cheaper:
             return gram_norm_sq(self.s, self.a)
-        return _cat([_sq_norm(m.flatten(1)) for m in self._materialized_chunks()])
+        return _cat(self._formed(lambda m: _sq_norm(m.flatten(1))))
 
     def forms(self, *, train: bool) -> bool:
         """Whether answering forms each example's G. ``train`` (``Want.train``) asks a training
@@ -183,12 +184,8 @@ class Outer(Contribution):
         if not self.forms(train=False) and not self._formed_cheaper(len(refs)):
             return self.norm_sq(), self.inner(refs)
         r = rows(refs.to(self.s.dtype))  # (K, P)
-        norms, inners = [], []
-        for m in self._materialized_chunks():
-            flat = m.flatten(1)  # (b, P)
-            norms.append(_sq_norm(flat))
-            inners.append(_dots(flat, r))
-        return _cat(norms), _cat(inners)
+        pairs = self._formed(lambda m: (_sq_norm(m.flatten(1)), _dots(m.flatten(1), r)))
+        return _cat([n for n, _ in pairs]), _cat([d for _, d in pairs])
 
     @property
     def one_gram(self) -> bool:
@@ -202,17 +199,18 @@ class Outer(Contribution):
             and b * g * t * t <= CHUNK_ELEMENTS
         )
 
-    def _materialized_chunks(self):
+    def _formed(self, fn: Callable[[Tensor], Any], limit: int = CHUNK_ELEMENTS) -> list:
+        """``fn`` of each example's G_i, a few examples at a time, (b, G, O, I) of no more than
+        ``limit`` elements, each let go before the next is formed."""
         b, g, _, o, i = self.dims
-        step = max(1, CHUNK_ELEMENTS // (g * o * i))
-        for lo in range(0, b, step):
-            # (b, G, O, T) @ (b, G, T, I) -> (b, G, O, I)
-            yield self.s[lo : lo + step].transpose(-1, -2) @ self.a[lo : lo + step]
+        step = max(1, limit // (g * o * i))
+        # (b, G, O, T) @ (b, G, T, I) -> (b, G, O, I)
+        return [fn(self.s[lo : lo + step].mT @ self.a[lo : lo + step]) for lo in range(0, b, step)]
 
     def materialize(self) -> Tensor:
         if self._groups() is not None:
             return self._placed(Outer.materialize, self.shape)
-        return torch.cat(list(self._materialized_chunks())).reshape(-1, *self.shape)
+        return torch.cat(self._formed(lambda m: m)).reshape(-1, *self.shape)
 
     def project(self, p: Projection) -> Tensor:
         """Both sides projected, then summed over the positions, where the projection reads
@@ -222,7 +220,7 @@ class Outer(Contribution):
         _, g, _, o, i = self.dims
         if (p.rows, p.cols) == (g * o, i):
             return p.factored(self.s, self.a)
-        return _cat([p.dense(m) for m in self._materialized_chunks()])
+        return _cat(self._formed(p.dense))
 
     def batch_sum(self) -> Tensor:
         if self._groups() is not None:
@@ -263,7 +261,10 @@ class Outer(Contribution):
         b, g, t, o, i = self.dims
         if self._formed_cheaper(refs.shape[0]):  # G formed, a few examples at a time
             r = rows(refs.to(self.s.dtype))  # (K, P)
-            return _cat([_dots(m.flatten(1), r) for m in self._materialized_chunks()])
+            # no more of G at once than the rows of all, as ``_formed_inners`` (T1's --per-ref,
+            # every example's at once, was 1.21x a backward's peak)
+            limit = min(CHUNK_ELEMENTS, self.s.numel() + self.a.numel())
+            return _cat(self._formed(lambda m: _dots(m.flatten(1), r), limit))
         r = refs.to(self.s.dtype).reshape(-1, g, o, i)  # (K, G, O, I)
         # sum_t s_t^T R a_t: project the inputs through R, never forming G; a few references at
         # a time, so that --per-ref's K of up to 1000 holds no (B, K, G, T, O) product at once

@@ -255,3 +255,22 @@ def test_formed_inner_products_form_no_more_than_the_rows():
     grads = torch.einsum("bto,bti->boi", s[:, 0].double(), a[:, 0].double()).reshape(n, b, -1)
     want = grads @ torch.stack(refs).double().reshape(n, k, -1).mT  # (n, B, K)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_one_calls_formed_inner_products_form_no_more_than_its_rows():
+    """16 positions of a 128x32 layer against 8 references: G formed (T + K products of the
+    weight's size an example, not T * K), a few examples at a time, each block let go before
+    the next is formed, so that no more of G is held at once than the call's rows (T1's
+    --per-ref held every example's G, 1.21x a backward's peak)."""
+    b, t, o, i, k = 16, 16, 128, 32, 8
+    gen = torch.Generator().manual_seed(9)
+    s, a = torch.randn(b, 1, t, o, generator=gen), torch.randn(b, 1, t, i, generator=gen)
+    refs = torch.randn(k, o, i, generator=gen)
+    part = Outer(s, a, torch.Size((o, i)))
+    assert part._formed_cheaper(k) and b * o * i > s.numel() + a.numel()
+    with NewBytes([s, a, refs]) as made:
+        got = part.inner(refs)
+    assert made.peak <= 1.1 * (s.numel() + a.numel()) * 4
+    grads = torch.einsum("bto,bti->boi", s[:, 0].double(), a[:, 0].double()).reshape(b, -1)
+    want = grads @ refs.double().reshape(k, -1).mT
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
