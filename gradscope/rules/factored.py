@@ -72,14 +72,19 @@ def cheaper(c: Outer, k: int, n: int, norms: bool = False, each: bool = False) -
     I through R, (T + K) * O * I from each G_i formed where that is less, K * O * I where its
     norm (``norms``: answered together, ``Outer.norm_sq_and_inner``) forms G_i anyway; and
     by at least ``DISPATCH`` over the batch, which the factors' few more ops cost more than at
-    a small layer's (``each``: for one example, where the batches are not known yet: a
-    reference kept, which the batches then take formed where it does not pay)."""
+    a small layer's, or where the route through R would hold more than the layer's rows
+    (``each``: for one example, where the batches are not known yet: a reference kept, which
+    the batches then take formed where it does not pay)."""
     b, _, t, o, i = c.dims
     formed = min(t * k, t + k) * o * i
     if norms and c.forms(train=False):
         formed = k * o * i
     saved = formed - t * k * n * (o + i + 1)
-    return saved > 0 and (each or b * saved >= DISPATCH)
+    # through R, each position holds K * min(O, I) products, the factors' K * N: where the first
+    # is more than the position's own inputs and output gradients, the factors keep the peak
+    # (T3's --per-ref through R was 2.4x a backward's, its layers too small to pay by time)
+    held = k * min(o, i) > max(o + i, k * n)
+    return saved > 0 and (each or held or b * saved >= DISPATCH)
 
 
 Reference = Tensor | Factored  # (K, *shape), formed or factored

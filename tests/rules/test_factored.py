@@ -114,3 +114,16 @@ def test_a_small_batch_takes_r_formed(monkeypatch):
             factored.inner(c, r), c.inner(_formed(r)), rtol=1e-12, atol=1e-12
         )
         assert (r._dense is None) == cheap
+
+
+def test_factors_where_r_formed_would_hold_more_than_the_rows(monkeypatch):
+    """A batch too small to pay for the factors' ops by time (T3's first layer against
+    --per-ref's 8 references) still takes them where the route through R would hold 8 *
+    min(O, I) products a position, more than the position's O + I rows; both exact."""
+    monkeypatch.setattr(factored, "DISPATCH", 1 << 20)
+    torch.manual_seed(5)
+    kept = _factors(8, 1, 1, 64, 32)
+    c = Outer(torch.randn(4, 1, 1, 64).double(), torch.randn(4, 1, 1, 32).double(), (64, 32))
+    r = Factored(kept.u, kept.v, kept.param_shape)
+    torch.testing.assert_close(factored.inner(c, r), c.inner(_formed(r)), rtol=1e-12, atol=1e-12)
+    assert r._dense is None  # the factors answered
