@@ -29,7 +29,7 @@ def main() -> None:
     print("| workload | plain step | replayed pass | beyond the step | in all | replays |")
     print("|---|---|---|---|---|---|")
     for name in workloads.expand(args.workloads.split(",")):
-        plain, ours, replays = step_and_pass(workloads.WORKLOADS[name].build())
+        plain, ours, replays, _ = step_and_pass(workloads.WORKLOADS[name].build())
         more = dict(ours - plain) or "none"
         both = f"{plain.total()} / {ours.total()}"
         print(

@@ -62,6 +62,7 @@ def decide(engine: Engine, inputs: tuple[Tensor, ...], targets: Tensor) -> None:
     with prepared(engine.model, engine.plan):
         engine.norms(inputs, targets)
     findings = engine.pin_decisions(inputs, targets)
+    engine.analysis.sharded = True  # no example runs alone from now on: the ranks' passes
     if not findings.verified:
         raise ConfigError(
             "distributed.shard: fsdp checks the rules on the first batch, whose loss is not "

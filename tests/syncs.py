@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradscope.engine import Engine
+from gradscope.engine.replay import programs
 from gradscope.losses import resolve_loss
 
 # each waits for the device: to read a value, or to size its output by the values
@@ -76,11 +77,13 @@ def counted(offsets: bool = False) -> Iterator[list[str]]:
             setattr(owner, name, original)
 
 
-def step_and_pass(pb) -> tuple[Counter, Counter, int]:
+def step_and_pass(pb) -> tuple[Counter, Counter, int, Counter]:
     """A workload's (``benchmarks/workloads.py`` ``Problem``) synchronising calls, its grouped
     products' reads of their offsets among them, in a plain training step and in a replayed
     ``norms`` pass of one Engine on the same batch, after three passes on other batches (the
-    analyses, then replays), and how many times that batch's shape replayed."""
+    analyses, then replays), how many times that batch's shape replayed, and apart from the
+    pass's, those of its check of the branches the batch took on its values (each example
+    run alone: ``analysis/branches.py``)."""
     model, loss = pb.model, resolve_loss(pb.loss)
     params = [p for p in model.parameters() if p.requires_grad]
     with Engine(model, loss) as engine, counted(offsets=True) as calls:
@@ -91,6 +94,27 @@ def step_and_pass(pb) -> tuple[Counter, Counter, int]:
         torch.autograd.grad(loss(model(*inputs), targets).sum(), params)
         plain = Counter(calls)
         calls.clear()
-        engine.norms(inputs, targets)
+        with _apart(calls) as checked:
+            engine.norms(inputs, targets)
         ours = Counter(calls)
-        return plain, ours, engine.record.at(inputs, targets).replays
+        return plain, ours, engine.record.at(inputs, targets).replays, checked
+
+
+@contextlib.contextmanager
+def _apart(calls: list[str]) -> Iterator[Counter]:
+    """The calls a replayed pass's check of its branches makes, moved from ``calls``."""
+    checked, check = Counter(), programs.check_branches
+
+    def counted_apart(*args, **kwargs):
+        before = len(calls)
+        try:
+            return check(*args, **kwargs)
+        finally:
+            checked.update(calls[before:])
+            del calls[before:]
+
+    programs.check_branches = counted_apart
+    try:
+        yield checked
+    finally:
+        programs.check_branches = check

@@ -82,8 +82,12 @@ class Program:
     hosts: tuple[tuple[str, object], ...] = ()  # scalars read on the host outside them
     children: frozenset[int] = frozenset()  # ids of the modules of the regions' children
     # whether the analysed batch read a number of its values as a plain one (``int(t)``), which
-    # no trace follows through Python: each replayed batch's every example checked alone
+    # no trace follows through Python, or a boolean of them where the witness does not compare
+    # it: each replayed batch's every example checked alone
     alone: bool = False
+    # the booleans its forward read on the host up to the last of the batch's values (a branch
+    # Python took for the whole batch), which each replayed example must read alone as well
+    branches: tuple[bool, ...] = ()
     # a training step's requests, which ask for parameters too (``serve.Served.trained``),
     # read off the first replayed step's graph where ``requests`` hold for every batch
     trained: dict = field(default_factory=dict, compare=False, repr=False)

@@ -27,9 +27,9 @@ def _bytes(state: dict) -> list[bytes]:
 class SameDraws:
     """``forward(model, inputs)`` (the engine's call of the model) with every call between
     ``begin`` and ``end`` drawing from the random state at ``begin``. A call on other rows than
-    the step's first (the exact fallback's example run alone) of a forward that drew is refused:
-    it cannot draw the masks the batch drew. A step of one forward (a program's replay) costs
-    one read of the state."""
+    the step's first (an example run alone: the exact fallback's, or a branch's check) of a
+    forward that drew is refused: it cannot draw the masks the batch drew. A step of one
+    forward (a program's replay) costs one read of the state."""
 
     def __init__(self, forward: Any):
         self.forward = forward
@@ -71,9 +71,10 @@ class SameDraws:
             self.after = rng()  # where the first forward left the generators
         if rows != self.rows and not same_state(self.began, self.after):
             raise ModelError(
-                "the model draws random numbers in its forward (dropout), and a parameter no "
-                "rule serves goes to the exact fallback, which runs each example alone and "
-                "cannot draw the masks the batch drew: watch it without that randomness",
+                "the model draws random numbers in its forward (dropout), and the step runs "
+                "each example alone (a parameter no rule serves, on the exact fallback, or a "
+                "branch on the batch's values, which each example may take its own way), "
+                "which cannot draw the masks the batch drew: watch it without that randomness",
                 "model",
             )
         set_rng(self.began)

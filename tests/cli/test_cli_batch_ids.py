@@ -62,3 +62,17 @@ def test_each_example_s_own_read_scores_as_the_loop(tmp_path: Path, op):
     want = reference_norms(model, (data["x"],), data["y"], "cross_entropy")[1]
     assert_rel_close(torch.tensor(got), want, 1e-9)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_a_branch_on_the_batch_s_values_is_refused(tmp_path: Path):
+    """``if h[:, 0, 0].mean() > 0:`` over the whole batch, which an example alone takes the
+    other way (``analysis/branches.py``): one ``error:`` line naming it, no Parquet."""
+
+    def branch(h, m):
+        return h * 2 if bool(h.detach()[:, 0, 0].mean() > 0) else h
+
+    result, _ = _norms(tmp_path, branch)
+    assert result.exit_code != 0, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "branches on a value of the whole batch" in errors[0], errors
+    assert not (tmp_path / "scores.parquet").exists()

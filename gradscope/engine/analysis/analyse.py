@@ -20,6 +20,7 @@ from ..plan import BROADCAST, ParamPlan, Plan
 from ..record import Findings, Record
 from ..state import State
 from . import decide
+from .branches import check_branches
 from .bytensor import ByTensor
 from .finder import Finder
 from .selfcheck import PLAIN, agrees, check_alone
@@ -73,6 +74,9 @@ class Analysis:
         self.model, self.plan, self.record, self.losses = model, plan, record, losses
         self.modules = modules  # the Engine's, whose state a program replays at
         self.hooks = hooks  # the Engine's module hooks, lent to each batch's session
+        # sharded (``fsdp.py``): every rank runs the same passes, so no example runs alone to
+        # check a branch (its forward's collectives would meet another rank's other pass)
+        self.sharded = False
 
     def __call__(self, inputs: tuple[Tensor, ...], targets: Tensor, findings: Findings) -> Analysed:
         """The batch's forward, recorded, once every check holds; then the parameters the rules
@@ -88,8 +92,11 @@ class Analysis:
                 continue
             if all(check(captured, inputs, targets, findings) for check in checks):
                 break
-        if not captured.per_example or captured.trace.slabbed or captured.trace.noted.lost:
+        trace = captured.trace
+        if not captured.per_example or trace.slabbed or trace.noted.lost:
             self._examples_alone(inputs, targets, captured)
+        elif trace.branches.doubted and not self.sharded:  # each example's way: its own?
+            check_branches(self.losses, inputs, targets, captured.losses, trace.branches.asked)
         decide.before_backward(self.plan, captured)
         return captured
 

@@ -107,6 +107,7 @@ def program_of(
     steps = tuple(_step(i) if isinstance(i, _Open) else i for i in items)
     children = frozenset(s.module for s in steps if isinstance(s, ChildCall))
     tail = captured.at_end - last
+    asked, unseen = _branches(captured, regions)
     uses_ = tuple(uses.items())
     return Program(
         steps,
@@ -120,8 +121,24 @@ def program_of(
         regions.root,
         regions.root_hosts,
         children,
-        captured.trace.noted.lost,
+        captured.trace.noted.lost or unseen,
+        asked,
     )
+
+
+def _branches(captured: Analysed, regions: Regions) -> tuple[tuple[bool, ...], bool]:
+    """The booleans each example of a replayed batch must read alone (``branches.py``), and
+    whether one of them is read where the replay's witness does not compare it (inside a
+    region call traced or routed), so that every example is run whole instead."""
+    branches, hosts = captured.trace.branches, captured.finder.hosts
+    traced = {
+        id(v) for v in regions.visits if id(v) not in regions.light or id(v) in regions.routed
+    }
+    unseen = any(
+        h is not None and any(id(v) in traced for v in hosts[h][2])
+        for h in branches.hosts[: branches.doubted]
+    )
+    return ((), True) if unseen else (branches.asked, False)
 
 
 def _region(v: Visit, regions: Regions, before: int) -> RegionCall:

@@ -14,8 +14,8 @@ value a factory fills or makes a tensor of (``valued``), it is one more operand 
 A number of several examples' values makes what it touches MIXED, and the batch is refused or
 exact on the fallback; one example's, used for another's rows, likewise. As a size or a count
 (``h.new_zeros(B, T, k)``: ``sized``) no owner follows it, and each batch's every example is
-checked alone (``tags.Noted.lost``). Not followed: Python's branches on such values (the
-documented limit)."""
+checked alone (``tags.Noted.lost``), as where Python orders one (``if k > 3:``); a boolean
+read is a branch (``branches.py``)."""
 
 from __future__ import annotations
 
@@ -54,14 +54,17 @@ def noted(trace: object, name: str, x: Tensor, owners: Tensor, value: object) ->
     """``value``, which host read ``name`` of ``x`` (its values' ``owners``, expanded) gave,
     its numbers tagged with their owners where ``name`` hands them over as they are
     (``TAGGED``); else noted in ``trace.noted`` by value (``int(t)``: Python makes a plain
-    number of what the read returns). Not booleans (a branch, not a value), nor the ids a
-    batch hit (a loop over every one is Mixtral's)."""
+    number of what the read returns). Not the ids a batch hit (a loop over every one is
+    Mixtral's), nor a boolean ``item()`` reads (a branch: ``branches.py``); booleans
+    ``tolist()`` hands over (a list each example alone reads less of) count as lost."""
     if trace.hits is not None and x in trace.hits:  # ids: a loop over each is Mixtral's
         return _tagged(value, iter(lambda: HIT, None), None) if name in TAGGED else value
     if trace.batch == 1:
         return value
     each = iter(owners.reshape(-1).tolist())
     if name in TAGGED:
+        if name == "tolist" and any(isinstance(v, bool) for v in _flat([value])):
+            trace.noted.lost = True
         return _tagged(value, each, trace.noted)
     for v, o in zip(_flat([value]), each, strict=False):
         trace.noted.add(v, o)

@@ -113,10 +113,18 @@ def check_alone(
     refused as mixing its examples."""
     with torch.no_grad():
         for i in range(len(targets)) if every else dict.fromkeys((0, len(targets) - 1)):
-            one = tuple(t[i : i + 1] for t in inputs)
-            alone = run(one, targets[i : i + 1])[0].reshape(1)
-            if not agrees(alone, losses[i : i + 1].detach()):
-                raise mixed(i, alone.item(), losses[i].item(), after)
+            one_alone(run, inputs, targets, losses, i, lambda *apart: mixed(*apart, after))
+
+
+def one_alone(
+    run, inputs: tuple[Tensor, ...], targets: Tensor, losses: Tensor, i: int, refusal
+) -> None:
+    """Example ``i`` run alone by ``run`` must give its loss in the batch; else ``refusal``
+    (i, its loss alone, in the batch) is raised."""
+    one = tuple(t[i : i + 1] for t in inputs)
+    alone = run(one, targets[i : i + 1])[0].reshape(1)
+    if not agrees(alone, losses[i : i + 1].detach()):
+        raise refusal(i, alone.item(), losses[i].item())
 
 
 class Singles:

@@ -5,8 +5,9 @@ that gave them: ``.item()``'s and ``.tolist()``'s integers (``Read``) and floats
 operands, an example's where each is that example's, MIXED where they are several.
 
 ``int()`` and ``float()`` must return plain numbers: what they return is noted by value in
-the trace's ``Noted``, as ``int(t)`` of a tensor is. Comparisons give plain booleans: a branch
-on the batch's values, not a value (the documented limit). What leaves Python's operators is
+the trace's ``Noted``, as ``int(t)`` of a tensor is. An order or a truth (``k > 3``, ``if k:``)
+is a branch Python may take on the batch's values, which no trace follows: it counts as lost
+(``branches.py`` checks the branches torch's booleans take). What leaves Python's operators is
 plain: ``math.sqrt(k)`` reads an integer by ``float()``, noted, but a float without a word, so
 a float of the batch's counts as lost as soon as it is made (``Noted.lost``)."""
 
@@ -99,6 +100,15 @@ def _converted(plain):
     return op
 
 
+def _compared(plain):
+    def op(self, *rest):
+        if self.noted is not None and self.owner != HIT:
+            self.noted.lost = True  # Python may branch on it: each example checked whole
+        return plain(self, *rest)
+
+    return op
+
+
 _BINARY = ("add", "sub", "mul", "truediv", "floordiv", "mod", "divmod", "pow")
 _BINARY += ("and", "or", "xor", "lshift", "rshift")
 _UNARY = ("neg", "pos", "abs", "invert", "round", "floor", "ceil", "trunc")
@@ -115,6 +125,10 @@ def _arithmetic(base: type) -> dict:
         if hasattr(base, f"__{name}__"):
             ops[f"__{name}__"] = _unary(getattr(base, f"__{name}__"))
     ops |= {"__int__": _converted(base.__int__), "__float__": _converted(base.__float__)}
+    # an order or a truth: a branch (``if k > 3:``), which no trace follows (equality is left
+    # plain: dictionaries look numbers up by it, the analysis's own among them)
+    ops |= {d: _compared(getattr(base, d)) for d in ("__lt__", "__le__", "__gt__", "__ge__")}
+    ops["__bool__"] = _compared(base.__bool__)
     return ops
 
 

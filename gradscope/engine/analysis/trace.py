@@ -26,6 +26,7 @@ from ..ops import ESCAPES, SCALAR_READS, SIZED_BY_VALUES, UNFOLLOWED, op_name
 from ..tensors import tensors_in
 from . import fixed, routes
 from .arguments import filled
+from .branches import IMPLYING, Branches
 from .bytensor import ByTensor
 from .follow import OwnerAlgebra
 from .lanes import Lane, after
@@ -66,6 +67,7 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         self.own = 0  # above 0 while the tap's own code runs (its host reads are not the model's)
         self.read_back: list[tuple[Tensor, object]] = []  # (owners, value) of the model's reads
         self.noted = Noted()  # the plain numbers such reads gave: their owners, by value
+        self.branches = Branches()  # the booleans they gave, Python's branches
         self.routes: ByTensor | None = None  # ids the batch hit, slabs, rows (``routes.py``)
         self.mixed_by = ByTensor()  # tensor -> the op that mixed examples on its way
         self._lanes: dict[object, Tensor] = {}  # (rank, dim, size, m) -> its owners
@@ -154,6 +156,8 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         if name in MADE and (o := given_back(self, args, out)) is not None:
             self._set(out, o, f"{name} of values read on the host")
         self._record(name, func, args, kwargs, out)
+        if name in IMPLYING and args and isinstance(args[0], Tensor):
+            self.branches.after(self.owners.get(args[0]), name, args, kwargs, out)
         at = args[0] if name == "__setitem__" and args else out
         if readers and isinstance(at, Tensor):
             why = f"{name} by a value of the batch read on the host"
@@ -196,8 +200,15 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         out = func(*args, **kwargs)
         if name not in UNFOLLOWED:
             self._record(name, func, args, kwargs, out)
-        if self.own or fixed.fixed(self, tensors_in(args, kwargs)):
-            return out  # the tap's own, or values the batch's shapes decide (``fixed.py``)
+        if self.own:
+            return out  # the tap's own
+        shaped = fixed.fixed(self, tensors_in(args, kwargs))
+        if isinstance(out, bool) and name in SCALAR_READS:  # a branch (``branches.py``)
+            host = None if shaped or self.finder is None else len(self.finder.hosts)
+            doubt = held and not shaped and self.batch > 1
+            self.branches.read(out, doubt and not self.branches.implied(args[0], out), host)
+        if shaped:
+            return out  # values the batch's shapes decide (``fixed.py``)
         if held:  # values of the batch that Python may give back (``readback.py``)
             owners = self.selector(args[0]).expand(args[0].shape)
             self.read_back.append((owners, out))

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ...errors import ModelError
+from ..analysis.branches import check_branches
 from ..analysis.seeded import Seeded
 from ..analysis.selfcheck import PLAIN, check_alone
 from ..backward.reduce import Reducer, Want
@@ -124,6 +125,8 @@ class Replayed:
             return None
         if program.alone:  # the same plain number read: alone, each example may read another
             check_alone(self.losses, inputs, targets, losses, True, PLAIN)
+        elif program.branches:  # the same branches taken: alone, each example may take another
+            check_branches(self.losses, inputs, targets, losses, program.branches)
         return captured, reducer
 
     def _session(

@@ -77,9 +77,21 @@ def _problem(name: str) -> workloads.Problem:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_a_replayed_pass_syncs_no_more_than_a_plain_step(name: str):
-    plain, ours, replays = step_and_pass(_problem(name))
+    """... but for its check of a branch on the batch's values (``analysis/branches.py``):
+    W6's padded batch reads its mask's ``all()`` on the host, false, where each example with
+    nothing padded reads true alone. Each example is run alone up to that read, whose values
+    are read together (one ``tolist``), and those with nothing padded whole, each loss
+    compared with the batch's (an ``allclose``; its forward's own reads besides)."""
+    pb = _problem(name)
+    plain, ours, replays, checked = step_and_pass(pb)
     assert replays >= 2  # the counted pass replayed
     assert not ours - plain, (ours, plain)
+    mask = pb.batch(3)[0][1] if name == "W6" else None
+    if mask is None or bool(mask.all()):
+        assert not checked, checked
+    else:
+        apart = int(mask.all(1).sum())
+        assert apart and (checked["tolist"], checked["allclose"]) == (1, apart), checked
 
 
 def test_keyed_experts_wait_no_more_than_a_plain_step():
@@ -94,7 +106,7 @@ def test_keyed_experts_wait_no_more_than_a_plain_step():
     problem = workloads._problem(model, workloads._next_tokens(64, 50), 3, "cross_entropy")
     for shape in ((4, 2 * 128, 64), (4, 64, 128)):  # gate-up's and down's reads: keyed
         assert not gram_cheap(3 * 50 * 2, torch.Size(shape))
-    plain, ours, replays = step_and_pass(problem)
+    plain, ours, replays, _ = step_and_pass(problem)
     assert replays >= 2
     assert ours["tolist"] == 2 and plain[OFFSETS] == 3 * 2 * 2  # a read a layer; 2 layers
     assert ours.total() < plain.total(), (ours, plain)
