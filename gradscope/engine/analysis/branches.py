@@ -42,8 +42,11 @@ def branched(i: int, alone: float, in_batch: float) -> ModelError:
     )
 
 
-# ops whose result may be a truth each example alone shares (``Branches.after``)
-IMPLYING = frozenset({"all", "any", "sum", "eq", "__eq__"})
+# comparisons: of an id the batch hit with a number, the id's own truth (``Branches.after``)
+COMPARING = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
+COMPARING |= {f"__{name}__" for name in COMPARING}
+# ops whose result may be a truth each example alone shares
+IMPLYING = frozenset({"all", "any", "sum"}) | COMPARING
 
 
 class Branches:
@@ -64,19 +67,22 @@ class Branches:
         if of_batch:
             self.doubted = len(self.values)
 
-    def after(self, owners: Tensor | None, name: str, args: tuple, kwargs: dict, out) -> None:
+    def after(self, owners: Tensor | None, name: str, args: tuple, kwargs: dict, out, hit: bool):
         """Notes the result ``out`` of op ``name`` where its truth for the batch is each
         example's alone: ``all()`` of a tensor whose every element is one example's or none's
-        (``owners``), true, as each example's share of it is; ``any()`` of one, false; and
-        ``x.sum() == x.numel()`` of such a boolean ``x``, transformers' ``fast_all``."""
-        if kwargs or not isinstance(out, Tensor) or out.dim() or not args:
+        (``owners``), true, as each example's share of it is; ``any()`` of one, false;
+        ``x.sum() == x.numel()`` of such a boolean ``x``, transformers' ``fast_all``; and an id
+        the batch hit (``hit``) compared with a number (Mixtral's ``if e == num_experts:``
+        in its loop over them, whose rows each id's own: ``routes.py``)."""
+        if kwargs or not isinstance(out, Tensor) or out.numel() != 1 or not args:
             return
-        x = args[0]
-        if name in ("eq", "__eq__"):
+        x, n = args[0], args[1] if len(args) == 2 else None
+        if name in COMPARING:
             kind = self._kinds.get(id(x))
-            n = args[1] if len(args) == 2 else None
-            if kind and kind[0] is x and type(n) is int and n == kind[1]:
-                self._kinds[id(out)] = (out, "all")
+            if hit and isinstance(n, (int, float)):
+                self._kinds[id(out)] = (out, "hit")
+            elif name in ("eq", "__eq__") and kind and kind[0] is x and kind[1] == n:
+                self._kinds[id(out)] = (out, "all")  # a count of True: n an int, not a bool
             return
         if len(args) != 1 or owners is None or bool((owners == MIXED).any()):
             return
@@ -86,9 +92,12 @@ class Branches:
             self._kinds[id(out)] = (out, x.numel())
 
     def implied(self, x: Tensor, value: bool) -> bool:
-        """Whether ``value``, read from ``x``, is each example's alone (``after``)."""
+        """Whether ``value``, read from ``x``, is each example's alone, or an id's own
+        (``after``)."""
         kind = self._kinds.get(id(x))
-        return kind is not None and kind[0] is x and kind[1] == ("all" if value else "any")
+        if kind is None or kind[0] is not x:
+            return False
+        return kind[1] == "hit" or kind[1] == ("all" if value else "any")
 
     @property
     def asked(self) -> tuple[bool, ...]:

@@ -157,7 +157,8 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
             self._set(out, o, f"{name} of values read on the host")
         self._record(name, func, args, kwargs, out)
         if name in IMPLYING and args and isinstance(args[0], Tensor):
-            self.branches.after(self.owners.get(args[0]), name, args, kwargs, out)
+            hit = self.hits is not None and args[0] in self.hits
+            self.branches.after(self.owners.get(args[0]), name, args, kwargs, out, hit)
         at = args[0] if name == "__setitem__" and args else out
         if readers and isinstance(at, Tensor):
             why = f"{name} by a value of the batch read on the host"
