@@ -46,7 +46,8 @@ def branched(i: int, alone: float, in_batch: float) -> ModelError:
 COMPARING = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
 COMPARING |= {f"__{name}__" for name in COMPARING}
 # ops whose result may be a truth each example alone shares
-IMPLYING = frozenset({"all", "any", "sum"}) | COMPARING
+_BOUNDS = {"max": "max", "amax": "max", "min": "min", "amin": "min"}
+IMPLYING = frozenset({"all", "any", "sum", *_BOUNDS}) | COMPARING
 
 
 class Branches:
@@ -71,7 +72,8 @@ class Branches:
         """Notes the result ``out`` of op ``name`` where its truth for the batch is each
         example's alone: ``all()`` of a tensor whose every element is one example's or none's
         (``owners``), true, as each example's share of it is; ``any()`` of one, false;
-        ``x.sum() == x.numel()`` of such a boolean ``x``, transformers' ``fast_all``; and an id
+        ``x.sum() == x.numel()`` of such a boolean ``x``, transformers' ``fast_all``; its
+        ``max()`` and ``min()``, bounds of each example's (``bound``); and an id
         the batch hit (``hit``) compared with a number (Mixtral's ``if e == num_experts:``
         in its loop over them, whose rows each id's own: ``routes.py``)."""
         if kwargs or not isinstance(out, Tensor) or out.numel() != 1 or not args:
@@ -86,10 +88,17 @@ class Branches:
             return
         if len(args) != 1 or owners is None or bool((owners == MIXED).any()):
             return
-        if name != "sum":
-            self._kinds[id(out)] = (out, name)
-        elif x.dtype == torch.bool:
-            self._kinds[id(out)] = (out, x.numel())
+        if name == "sum":
+            if x.dtype == torch.bool:
+                self._kinds[id(out)] = (out, x.numel())
+        else:  # all, any; a bound: max, min (``bound``)
+            self._kinds[id(out)] = (out, _BOUNDS.get(name, name))
+
+    def bound(self, x: Tensor) -> str | None:
+        """``max`` or ``min`` where ``x`` is that of a tensor whose every element is one
+        example's or none's: each example's own is within it (``tags.Read.bound``)."""
+        kind = self._kinds.get(id(x))
+        return kind[1] if kind and kind[0] is x and kind[1] in ("max", "min") else None
 
     def implied(self, x: Tensor, value: bool) -> bool:
         """Whether ``value``, read from ``x``, is each example's alone, or an id's own

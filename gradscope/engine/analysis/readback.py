@@ -65,7 +65,10 @@ def noted(trace: object, name: str, x: Tensor, owners: Tensor, value: object) ->
     if name in TAGGED:
         if name == "tolist" and any(isinstance(v, bool) for v in _flat([value])):
             trace.noted.lost = True
-        return _tagged(value, each, trace.noted)
+        out = _tagged(value, each, trace.noted)
+        if isinstance(out, Read):  # a maximum or a minimum: bounds each example's own
+            out.bound = trace.branches.bound(x)
+        return out
     for v, o in zip(_flat([value]), each, strict=False):
         trace.noted.add(v, o)
     if name in ARRAYS and bool((owners != NONE).any()):

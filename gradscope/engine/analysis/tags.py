@@ -102,11 +102,20 @@ def _converted(plain):
 
 def _compared(plain):
     def op(self, *rest):
-        if self.noted is not None and self.owner != HIT:
+        out = plain(self, *rest)
+        if self.noted is not None and self.owner != HIT and not _within(self, plain, out, rest):
             self.noted.lost = True  # Python may branch on it: each example checked whole
-        return plain(self, *rest)
+        return out
 
     return op
+
+
+def _within(read: Read, plain, out: object, rest: tuple) -> bool:
+    """Whether ``out``, an order of the batch's bound ``read`` and a plain number, holds for
+    each example's own too: ``k <= n`` true of a maximum (XLM's ``assert lengths.max().item()
+    <= slen``), ``k >= n`` true of a minimum."""
+    wanted = {"max": ("__le__", "__lt__"), "min": ("__ge__", "__gt__")}.get(read.bound, ())
+    return out is True and plain.__name__ in wanted and owner_of(rest[0]) == NONE
 
 
 _BINARY = ("add", "sub", "mul", "truediv", "floordiv", "mod", "divmod", "pow")
@@ -138,6 +147,7 @@ class Read(int):
 
     owner: int
     noted: Noted | None
+    bound: str | None = None  # "max" or "min" of a tensor of the examples' (``branches.py``)
 
     def __new__(cls, value: int, owner: int = MIXED, noted: Noted | None = None) -> Read:
         read = super().__new__(cls, value)  # a copy's owner: of no one known, MIXED

@@ -227,3 +227,23 @@ def test_a_branch_the_witness_does_not_compare_checks_every_example_whole():
         x, y = batch([1, 1, -1, 1], 2)
         with pytest.raises(ModelError, match="example 2's loss"):
             engine.norms((x,), y)
+
+
+def test_a_maximum_within_a_bound_runs_no_example_alone():
+    """XLM's ``assert lengths.max().item() <= slen``: true of the batch's maximum, true of each
+    example's, so no example runs alone; a maximum above a number is not each example's, so
+    every example runs whole (``analysis/tags.py``'s ``Read.bound``)."""
+    gates = {
+        lambda h, x: (x[:, 0] > 0).long().max().item() <= 1: (1, 1),
+        lambda h, x: (x[:, 0] > 0).long().max().item() >= 1: (1 + B, 1 + B),
+    }
+    for gate, runs in gates.items():
+        model = model_of(gate)
+        with Engine(model, resolve_loss("cross_entropy")) as engine:
+            for seed in range(3):
+                x, y = batch([1] * B, seed)
+                want = reference_norms(model, (x,), y, "cross_entropy")[1]
+                RUNS.update(forwards=0, past=0)
+                got = total(engine.norms((x,), y).norm_sq).sqrt()
+                assert_rel_close(got, want, 1e-9)
+            assert (RUNS["forwards"], RUNS["past"]) == runs
