@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 from ...errors import ModelError
 from ..ops import SCALAR_READS, op_name
 from .owners import MIXED
-from .selfcheck import one_alone
+from .selfcheck import example, one_alone
 
 
 def branched(i: int, alone: float, in_batch: float) -> ModelError:
@@ -69,21 +69,20 @@ class Branches:
             self.doubted = len(self.values)
 
     def after(self, owners: Tensor | None, name: str, args: tuple, kwargs: dict, out, hit: bool):
-        """Notes the result ``out`` of op ``name`` where its truth for the batch is each
-        example's alone: ``all()`` of a tensor whose every element is one example's or none's
-        (``owners``), true, as each example's share of it is; ``any()`` of one, false;
-        ``x.sum() == x.numel()`` of such a boolean ``x``, transformers' ``fast_all``; its
-        ``max()`` and ``min()``, bounds of each example's (``bound``); and an id
-        the batch hit (``hit``) compared with a number (Mixtral's ``if e == num_experts:``
-        in its loop over them, whose rows each id's own: ``routes.py``)."""
-        if kwargs or not isinstance(out, Tensor) or out.numel() != 1 or not args:
+        """Notes ``out``, one element that op ``name`` made of the tensor ``args[0]``, where its
+        truth for the batch is each example's alone: ``all()`` of a tensor whose every element
+        is one example's or none's (``owners``), true, as each example's share of it is;
+        ``any()`` of one, false; ``x.sum() == x.numel()`` of such a boolean ``x``,
+        transformers' ``fast_all``; its ``max()`` and ``min()``, bounds of each example's
+        (``bound``); and an id the batch hit (``hit``) compared with a number (Mixtral's ``if
+        e == num_experts:`` in its loop over them, whose rows each id's own: ``routes.py``)."""
+        if kwargs:
             return
         x, n = args[0], args[1] if len(args) == 2 else None
         if name in COMPARING:
-            kind = self._kinds.get(id(x))
             if hit and isinstance(n, (int, float)):
                 self._kinds[id(out)] = (out, "hit")
-            elif name in ("eq", "__eq__") and kind and kind[0] is x and kind[1] == n:
+            elif name in ("eq", "__eq__") and (kind := self._kind(x)) is not None and kind == n:
                 self._kinds[id(out)] = (out, "all")  # a count of True: n an int, not a bool
             return
         if len(args) != 1 or owners is None or bool((owners == MIXED).any()):
@@ -97,16 +96,19 @@ class Branches:
     def bound(self, x: Tensor) -> str | None:
         """``max`` or ``min`` where ``x`` is that of a tensor whose every element is one
         example's or none's: each example's own is within it (``tags.Read.bound``)."""
-        kind = self._kinds.get(id(x))
-        return kind[1] if kind and kind[0] is x and kind[1] in ("max", "min") else None
+        kind = self._kind(x)
+        return kind if kind in ("max", "min") else None
 
     def implied(self, x: Tensor, value: bool) -> bool:
         """Whether ``value``, read from ``x``, is each example's alone, or an id's own
         (``after``)."""
+        kind = self._kind(x)
+        return kind == "hit" or kind == ("all" if value else "any")
+
+    def _kind(self, x: object) -> object:
+        """What ``after`` noted ``x`` is, or None (an id reused by another tensor: None)."""
         kind = self._kinds.get(id(x))
-        if kind is None or kind[0] is not x:
-            return False
-        return kind[1] == "hit" or kind[1] == ("all" if value else "any")
+        return kind[1] if kind is not None and kind[0] is x else None
 
     @property
     def asked(self) -> tuple[bool, ...]:
@@ -175,7 +177,7 @@ def _way(run: Callable, inputs, targets: Tensor, i: int, asked: Sequence[bool]) 
     alone = _Alone(asked)
     try:
         with alone:
-            run(tuple(t[i : i + 1] for t in inputs), targets[i : i + 1])
+            run(*example(inputs, targets, i))
     except _Read:
         return alone.way
     return False  # fewer reads than the batch's

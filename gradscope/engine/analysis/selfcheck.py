@@ -116,13 +116,17 @@ def check_alone(
             one_alone(run, inputs, targets, losses, i, lambda *apart: mixed(*apart, after))
 
 
+def example(inputs: tuple[Tensor, ...], targets: Tensor, i: int) -> tuple[tuple, Tensor]:
+    """Example ``i``'s inputs and targets, a batch of one."""
+    return tuple(t[i : i + 1] for t in inputs), targets[i : i + 1]
+
+
 def one_alone(
     run, inputs: tuple[Tensor, ...], targets: Tensor, losses: Tensor, i: int, refusal
 ) -> None:
     """Example ``i`` run alone by ``run`` must give its loss in the batch; else ``refusal``
     (i, its loss alone, in the batch) is raised."""
-    one = tuple(t[i : i + 1] for t in inputs)
-    alone = run(one, targets[i : i + 1])[0].reshape(1)
+    alone = run(*example(inputs, targets, i))[0].reshape(1)
     if not agrees(alone, losses[i : i + 1].detach()):
         raise refusal(i, alone.item(), losses[i].item())
 

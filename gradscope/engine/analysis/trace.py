@@ -156,9 +156,11 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         if name in MADE and (o := given_back(self, args, out)) is not None:
             self._set(out, o, f"{name} of values read on the host")
         self._record(name, func, args, kwargs, out)
-        if name in IMPLYING and args and isinstance(args[0], Tensor):
-            hit = self.hits is not None and args[0] in self.hits
-            self.branches.after(self.owners.get(args[0]), name, args, kwargs, out, hit)
+        if name in IMPLYING and isinstance(out, Tensor) and out.numel() == 1 and args:
+            x = args[0]  # a truth, or a number, of one element: each example's too? (branches.py)
+            if isinstance(x, Tensor):
+                hit = self.hits is not None and x in self.hits
+                self.branches.after(self.owners.get(x), name, args, kwargs, out, hit)
         at = args[0] if name == "__setitem__" and args else out
         if readers and isinstance(at, Tensor):
             why = f"{name} by a value of the batch read on the host"
