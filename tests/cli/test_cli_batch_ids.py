@@ -52,7 +52,15 @@ def test_the_batch_s_ids_or_host_reads_picking_for_all_are_refused(tmp_path: Pat
     assert len(errors) == 1 and "mixes the examples of a batch" in errors[0], result.output
 
 
-@pytest.mark.parametrize("op", [OWN_READ["item"], OWN["float-scale"]], ids=["item", "float"])
+def _branch_all_take(h, m):
+    """A branch on the whole batch's values that each example alone takes too: its examples
+    run alone up to it (``analysis/branches.py``), then scored."""
+    return h * 2 if bool(h.detach().abs().sum() > 0) else h
+
+
+@pytest.mark.parametrize(
+    "op", [OWN_READ["item"], OWN["float-scale"], _branch_all_take], ids=["item", "float", "branch"]
+)
 def test_each_example_s_own_read_scores_as_the_loop(tmp_path: Path, op):
     result, model = _norms(tmp_path, op)
     assert result.exit_code == 0, result.output

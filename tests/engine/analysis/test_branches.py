@@ -113,13 +113,17 @@ def test_a_number_read_and_compared_in_python_is_checked_whole(gate):
 
 @pytest.mark.parametrize("gate", [positive_sum, all_positive, fast_all])
 def test_a_batch_whose_examples_all_branch_alike_is_exact(gate):
-    """Every example alone takes the batch's way (both ways): scored, exact."""
+    """Every example alone takes the batch's way (both ways, a fresh call each): scored,
+    exact, the model's state as it was."""
     model = model_of(gate)
     for signs in ([1, 1, 1, 1], [-1, -1, -1, -1]):
         x, y = batch(signs, seed=1)
         with torch.no_grad():
             assert alone_ways(model, x) == [gate(model.a(x), x)] * len(x)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
         got = gradscope.per_example_norms(model, x, y)
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+        assert model.training and all(p.grad is None for p in model.parameters())
         assert_rel_close(got, reference_norms(model, (x,), y, "cross_entropy")[1], 1e-9)
 
 
