@@ -31,6 +31,7 @@ from ..tensors import tensors_of
 from .bytensor import ByTensor
 from .chosen import Regions
 from .owners import padded_rows
+from .tags import plain
 from .trace import IRREGULAR
 from .visits import Visit, above
 
@@ -127,7 +128,7 @@ class Finder:
         """One scalar read from tensors' values on the host here by op ``name``; ``escaped``:
         the batch's values. A light region holding it reads the same on every replayed batch,
         or the batch is analysed (Python may have branched otherwise)."""
-        self.hosts.append((name, value, tuple(self.stack)))
+        self.hosts.append((name, plain(value), tuple(self.stack)))
         if escaped:  # where such values differed before: traced again, as any escape
             why = f"the batch's values read on the host ({name})"
             need = WITNESSED if self.witness else ESCAPED

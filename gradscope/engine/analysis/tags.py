@@ -5,11 +5,12 @@ that gave them: ``.item()``'s and ``.tolist()``'s integers (``Read``) and floats
 operands, an example's where each is that example's, MIXED where they are several.
 
 ``int()`` and ``float()`` must return plain numbers: what they return is noted by value in
-the trace's ``Noted``, as ``int(t)`` of a tensor is. An order or a truth (``k > 3``, ``if k:``)
-is a branch Python may take on the batch's values, which no trace follows: it counts as lost
-(``branches.py`` checks the branches torch's booleans take). What leaves Python's operators is
-plain: ``math.sqrt(k)`` reads an integer by ``float()``, noted, but a float without a word, so
-a float of the batch's counts as lost as soon as it is made (``Noted.lost``)."""
+the trace's ``Noted``, as ``int(t)`` of a tensor is. An order, an equality or a truth (``k >
+3``, ``k == n``, ``if k:``, a dictionary looked up by ``k``) is a branch Python may take on the
+batch's values, which no trace follows: it counts as lost (``branches.py`` checks the branches
+torch's booleans take). What leaves Python's operators is plain: ``math.sqrt(k)`` reads an
+integer by ``float()``, noted, but a float without a word, so a float of the batch's counts as
+lost as soon as it is made (``Noted.lost``)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,14 @@ def tagged(value: object, owner: int, noted: Noted | None = None) -> object:
     if noted is not None and owner != HIT:  # ``math.sqrt(s)`` reads it without ``__float__``
         noted.lost = True
     return ReadFloat(value, owner, noted)
+
+
+def plain(value: object) -> object:
+    """A tagged number as the plain one it is, for the analysis's own records: their
+    comparisons are not the model's (``__eq__`` of a tagged one counts as a branch)."""
+    if isinstance(value, Read):
+        return int.__index__(value)
+    return float.__float__(value) if isinstance(value, ReadFloat) else value
 
 
 def owner_of(value: object) -> int:
@@ -134,9 +143,10 @@ def _arithmetic(base: type) -> dict:
         if hasattr(base, f"__{name}__"):
             ops[f"__{name}__"] = _unary(getattr(base, f"__{name}__"))
     ops |= {"__int__": _converted(base.__int__), "__float__": _converted(base.__float__)}
-    # an order or a truth: a branch (``if k > 3:``), which no trace follows (equality is left
-    # plain: dictionaries look numbers up by it, the analysis's own among them)
-    ops |= {d: _compared(getattr(base, d)) for d in ("__lt__", "__le__", "__gt__", "__ge__")}
+    # an order, an equality or a truth: a branch (``if k > 3:``, ``if k == n:``, and a
+    # dictionary looked up by ``k``), which no trace follows; the analysis keeps ``plain`` ones
+    compared = ("__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__")
+    ops |= {d: _compared(getattr(base, d)) for d in compared}
     ops["__bool__"] = _compared(base.__bool__)
     return ops
 

@@ -92,16 +92,21 @@ def test_a_batch_whose_example_branches_otherwise_alone_is_refused():
         gradscope.per_example_norms(model, x, y)
 
 
+def counted_all(h: Tensor, x: Tensor) -> bool:  # Python's equality of the integer read
+    return (x[:, 0] > 0).sum().item() == len(x)
+
+
 def listed_all(h: Tensor, x: Tensor) -> bool:  # a boolean handed over by ``tolist``
     return (x[:, 0] > 0).all().tolist()
 
 
-@pytest.mark.parametrize("gate", [most_positive, listed_all])
+@pytest.mark.parametrize("gate", [most_positive, counted_all, listed_all])
 def test_a_number_read_and_compared_in_python_is_checked_whole(gate):
     """``if (x[:, 0] > 0).sum().item() * 2 > len(x):``, a majority: Python compares the integer
-    read, where torch sees nothing (``analysis/tags.py``); or ``tolist()`` hands a boolean
-    over: every example is run whole, and the batch refused where one's loss differs alone;
-    alike, exact (the first scored without a word before, 0.30 off)."""
+    read, where torch sees nothing (``analysis/tags.py``); or tests it for equality (``==
+    len(x)``); or ``tolist()`` hands a boolean over: every example is run whole, and the batch
+    refused where one's loss differs alone; alike, exact (the first two scored without a word
+    before, 0.30 off)."""
     model = model_of(gate)
     x, y = batch([1, -1, 1, 1, 1, -1] if gate is most_positive else [1, 1, -1, 1], seed=3)
     with pytest.raises(ModelError, match=r"example \d's loss .* \(after a number of the batch's"):
