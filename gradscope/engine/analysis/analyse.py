@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ...errors import ModelError
+from ...errors import ConfigError, ModelError
 from ..capture import Captured, counter
 from ..constants import Constants
 from ..hooks import ModuleHooks
@@ -107,13 +107,21 @@ class Analysis:
         (``selectors.py``), or a number of the batch's left the trace as a plain one
         (``tags.Noted``), every example. A loss or model that mixes them (``l - l.mean()``,
         a sum over every hit id's slab) has no per-example gradient: refused, not scored as
-        each example alone."""
+        each example alone. Sharded, refused: an example run alone on one rank would meet
+        another rank's other pass in the all-gathers."""
         trace = captured.trace
         op = trace.mixed_at(captured.losses)
         after = f" (after {op})" if op else ""
         every = captured.per_example  # the trace could not see what mixes: every example
         if every:
             after = " (after a loop over the ids the batch hit)" if trace.slabbed else PLAIN
+        if self.sharded:
+            raise ConfigError(
+                f"distributed.shard: fsdp: this batch's losses may mix its examples{after}, "
+                "which only its examples run alone can rule out, and a sharded pass runs none "
+                "alone (each rank must run the same passes): run it unsharded",
+                "distributed.shard",
+            )
         check_alone(self.losses, inputs, targets, captured.losses, every, after)
 
     def _recorded(self, inputs: tuple[Tensor, ...], targets: Tensor, findings: Findings):

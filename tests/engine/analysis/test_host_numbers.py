@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 import gradscope
 from gradscope.engine import Engine, total
-from gradscope.errors import ModelError
+from gradscope.errors import ConfigError, ModelError
 from gradscope.losses import resolve_loss
 from tests.engine.analysis.test_crossed_indices import H, Model, batch, put, scored
 
@@ -139,6 +139,22 @@ def test_a_later_batch_reading_the_same_number_is_checked_again(read):
             assert_rel_close(total(engine.norms((x,), y).norm_sq), norms, 1e-9)
         with pytest.raises(ModelError, match="mixes the examples of a batch"):
             engine.norms((apart(),), y)
+
+
+def test_sharded_a_batch_that_needs_its_examples_alone_is_refused():
+    """Under ``distributed.shard: fsdp`` (``fsdp.decide`` marks the analysis sharded) no
+    example runs alone: one run on one rank would meet another rank's other pass in the
+    all-gathers. A batch whose every example must be checked alone (a plain number read) is
+    refused in one line naming the setting, before any example runs alone."""
+    torch.manual_seed(0)
+    model, y = Reads(int).double(), torch.tensor([0, 1, 2])
+    forwards = []
+    model.register_forward_hook(lambda m, args, out: forwards.append(len(args[0])))
+    with Engine(model, resolve_loss("cross_entropy")) as engine:
+        engine.analysis.sharded = True
+        with pytest.raises(ConfigError, match=r"^distributed.shard: fsdp: .* run it unsharded"):
+            engine.norms((agreeing(),), y)
+    assert 1 not in forwards  # no example ran alone
 
 
 class SortedSplit(nn.Module):
