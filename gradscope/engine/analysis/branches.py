@@ -6,9 +6,12 @@ check runs the examples: the trace keeps every boolean the forward read on the h
 (``Branches``), and where one of them came from the batch's values, each example is run alone
 (no gradient) until it has read as many, each compared with the batch's (``check_branches``);
 one that reads another, or fewer, is run whole and must give its loss in the batch, or the
-batch is refused. transformers' ``if mask.all()`` shortcut, read on every batch given an
-attention mask, costs a forward of the model's first ops (its embeddings and masks) per
-example; an example that takes the shortcut alone gives its loss in the batch.
+batch is refused; those that first read another value at the same read run whole together
+where, as a batch of their own, they read just what each reads alone (``_together``).
+transformers' ``if mask.all()`` shortcut, read on every batch given an attention mask, costs
+a forward of the model's first ops (its embeddings and masks) per example, and one whole
+forward of those with nothing padded, who take the shortcut alone to the loss they have in
+the batch.
 
 A replayed batch (``replay/programs.py``) reads the analysed batch's booleans where its witness
 compares them (outside every region call, or in a light one), so it runs the same check
@@ -27,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from ...errors import ModelError
 from ..ops import SCALAR_READS, op_name
 from .owners import MIXED
-from .selfcheck import example, one_alone
+from .selfcheck import agrees, example, one_alone
 
 
 def branched(i: int, alone: float, in_batch: float) -> ModelError:
@@ -128,12 +131,13 @@ _KEPT = frozenset({"__bool__", "is_nonzero"})
 class _Alone(TorchFunctionMode):
     """An example's forward run alone: each boolean read on the host compared with the batch's,
     in order; stopped (``_Read``) at the first that differs, or at the last one asked, whose
-    truth is kept as a tensor (``way``: True, False, or that tensor), so that the examples'
-    are read together, one wait for the device, not one each."""
+    truth is kept as a tensor (``way``: True, the index of the read it differs at, or that
+    tensor), so that the examples' are read together, one wait for the device, not one
+    each."""
 
     def __init__(self, asked: Sequence[bool]):
         super().__init__()
-        self.asked, self.seen, self.way = asked, 0, False
+        self.asked, self.seen, self.way = asked, 0, None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = op_name(func)
@@ -143,10 +147,24 @@ class _Alone(TorchFunctionMode):
             raise _Read
         out = func(*args, **(kwargs or {}))
         if isinstance(out, bool) and name in SCALAR_READS:
-            self.way = out == self.asked[self.seen]
-            self.seen += 1
-            if not self.way or self.seen == len(self.asked):
+            same = out == self.asked[self.seen]
+            self.way, self.seen = True if same else self.seen, self.seen + 1
+            if not same or self.seen == len(self.asked):
                 raise _Read
+        return out
+
+
+class _Reads(TorchFunctionMode):
+    """A forward's booleans read on the host, in order (``read``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.read: list[bool] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, bool) and op_name(func) in SCALAR_READS:
+            self.read.append(out)
         return out
 
 
@@ -159,25 +177,58 @@ def check_branches(
 ) -> None:
     """Each example run alone by ``run`` (inputs, targets -> (losses, ...)) must read the
     booleans ``asked`` as the batch did, or give its loss in the batch, ``losses``, run whole;
-    else the batch is refused as mixing its examples."""
+    else the batch is refused as mixing its examples. Those that first read another value at
+    the same read run whole together (``_together``): many examples with nothing padded, one
+    forward."""
     with torch.no_grad():
         ways = [_way(run, inputs, targets, i, asked) for i in range(len(targets))]
         kept = [i for i, way in enumerate(ways) if isinstance(way, Tensor)]
         if kept:
             read = torch.cat([ways[i] for i in kept]).tolist()
             for i, value in zip(kept, read, strict=True):
-                ways[i] = value == asked[-1]
+                ways[i] = True if value == asked[-1] else len(asked) - 1
+        apart: dict[int | None, list[int]] = {}  # by the read each differs at (None: fewer)
         for i, way in enumerate(ways):
-            if not way:  # another way alone: its loss must hold
+            if way is not True:
+                apart.setdefault(way, []).append(i)
+        for at, examples in apart.items():
+            if at is not None and len(examples) > 1:
+                read = (*asked[:at], not asked[at])
+                examples = _together(run, inputs, targets, losses, examples, read)
+            for i in examples:  # another way alone: its loss must hold
                 one_alone(run, inputs, targets, losses, i, branched)
 
 
-def _way(run: Callable, inputs, targets: Tensor, i: int, asked: Sequence[bool]) -> bool | Tensor:
-    """Whether example ``i`` alone reads ``asked`` (its last read kept as a tensor: ``_Alone``)."""
+def _way(run: Callable, inputs, targets: Tensor, i: int, asked: Sequence[bool]):
+    """True where example ``i`` alone reads ``asked``; else the index of the read it differs
+    at, its last read kept as a tensor (``_Alone``), or None where it reads fewer."""
     alone = _Alone(asked)
     try:
         with alone:
             run(*example(inputs, targets, i))
     except _Read:
         return alone.way
-    return False  # fewer reads than the batch's
+    return None
+
+
+def _together(
+    run: Callable,
+    inputs: tuple[Tensor, ...],
+    targets: Tensor,
+    losses: Tensor,
+    examples: list[int],
+    read: tuple[bool, ...],
+) -> list[int]:
+    """``examples``, which alone each read ``read`` (the batch's booleans up to the one they
+    differ at, then their own), run whole as a batch of their own: where it reads just those
+    and no more, it took the way each takes alone, and each whose loss there is its loss in
+    the batch holds. Those that do not (all, where it reads otherwise) are left to run alone."""
+    index = torch.tensor(examples, device=targets.device)
+    picked = tuple(t.index_select(0, index.to(t.device)) for t in inputs)
+    reads = _Reads()
+    with reads:
+        theirs = run(picked, targets[index])[0]
+    if tuple(reads.read) != read:
+        return examples
+    batch = losses.detach()[index]
+    return [i for k, i in enumerate(examples) if not agrees(theirs[k : k + 1], batch[k : k + 1])]

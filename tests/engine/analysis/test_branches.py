@@ -197,6 +197,60 @@ def test_a_shortcut_some_examples_take_alone_is_exact():
         assert engine.record.at((ids, mask), y).replays == 2
 
 
+def test_examples_that_take_a_shortcut_alone_run_whole_together():
+    """Four of six examples with nothing padded, which alone each skip the mask: they run
+    whole once, as a batch of their own that reads what each reads alone (before, once each),
+    exact on the analysed batch and on the replayed ones."""
+    torch.manual_seed(0)
+    model, sizes = Shortcut().double(), []
+    model.register_forward_hook(lambda m, args, out: sizes.append(len(args[0])))
+    with Engine(model, resolve_loss("cross_entropy")) as engine:
+        for seed in range(3):
+            g = torch.Generator().manual_seed(seed)
+            ids, y = (
+                torch.randint(0, 11, (6, 6), generator=g),
+                torch.randint(0, C, (6,), generator=g),
+            )
+            mask = torch.ones(6, 6, dtype=torch.long)
+            mask[1, 4:] = mask[4, 2:] = 0
+            sizes.clear()
+            got = total(engine.norms((ids, mask), y).norm_sq).sqrt()
+            assert sizes.count(4) == 1 and 1 not in sizes  # the four together; none whole alone
+            want = reference_norms(model, (ids, mask), y, "cross_entropy")[1]
+            assert_rel_close(got, want, 1e-9)
+        assert engine.record.at((ids, mask), y).replays == 2
+
+
+class TwoGates(nn.Module):
+    """A mask skipped where nothing is padded, then a branch on the sign of the sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(F_IN, C)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        h = x if bool(mask.all()) else x * mask[..., None]
+        if bool(h.sum() > 0):
+            h = h * 2
+        return self.head(h.sum(1))
+
+
+def test_examples_apart_together_but_not_alone_are_refused():
+    """Three examples skip the mask alone; together their sum is positive, as the batch's is,
+    but example 2's alone is not: run together they would give the batch's losses, so where
+    the together forward reads more than the shortcut each runs alone, and the batch is
+    refused naming example 2."""
+    torch.manual_seed(0)
+    model = TwoGates().double()
+    x = torch.rand(4, 3, F_IN, dtype=torch.float64)
+    x[2] = -x[2] * 0.1  # its own sum negative, the batch's and the three's positive
+    mask = torch.ones(4, 3, dtype=torch.long)
+    mask[3, 2:] = 0
+    y = torch.tensor([0, 1, 2, 0])
+    with pytest.raises(ModelError, match="example 2's loss .* branches on a value"):
+        gradscope.per_example_norms(model, (x, mask), y)
+
+
 class Sorted(nn.Module):
     """Rows sorted by their values through a Linear and back (a region the replay traces on
     every batch), then a branch on whether any example's first feature is positive."""

@@ -748,8 +748,9 @@ def test_each_way_a_model_takes_replays_its_own_program():
 def test_a_program_whose_host_read_differs_stops_there():
     """Batches padded and not in turn: each tries the other way's program first (the one that
     held last), whose witness fails at the mask's read, before the rest of the forward runs.
-    On a padded batch the examples with nothing padded take the other way alone: each of
-    them is run whole too (``analysis/branches.py``), and gives its loss in the batch."""
+    On a padded batch the examples with nothing padded take the other way alone: they are
+    run whole too, together, as a batch of their own that reads what each reads alone
+    (``analysis/branches.py``), and give their losses in the batch."""
     torch.manual_seed(0)
     model = MaskFirst().double()
     engine = Engine(model, resolve_loss("cross_entropy"))
@@ -763,8 +764,8 @@ def test_a_program_whose_host_read_differs_stops_there():
             engine.norms((ids, mask), y)
             findings = engine.record.at((ids, mask), y)
             if k >= 2:  # replayed by the second program tried, the first stopped at the read
-                alone = 0 if k % 2 else BATCH - 1
-                assert (model.forwards - before, findings.replays) == (1 + alone, k - 1)
+                together = 0 if k % 2 else 1
+                assert (model.forwards - before, findings.replays) == (1 + together, k - 1)
 
 
 @pytest.mark.parametrize(
