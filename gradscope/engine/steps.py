@@ -46,7 +46,9 @@ class RegionCall:
     routed: bool = False  # a light region whose rows it follows (``replay/routed.py``)
     open: bool = False  # routed, its reads matched by kind, as many as the batch makes
     constant: tuple[bool, ...] = ()  # which tensor arguments were made from constants alone
-    hosts: tuple[tuple[str, object], ...] = ()  # a light one's scalar reads on the host
+    # a light one's scalar reads on the host: (op, value, how each example's own value of a
+    # branch on the batch's is computed, ``analysis.branches.Own``)
+    hosts: tuple[tuple[str, object, object], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ class Program:
     regions: frozenset[int]  # ids of the region modules
     state: State  # the model's state as the analysed batch began (``state.py``)
     root: tuple[Recipe, ...] = ()  # reads outside every region call, by recipe (``replay/root.py``)
-    hosts: tuple[tuple[str, object], ...] = ()  # scalars read on the host outside them
+    hosts: tuple[tuple[str, object, object], ...] = ()  # scalars read on the host outside them
     children: frozenset[int] = frozenset()  # ids of the modules of the regions' children
     # whether the analysed batch read a number of its values as a plain one (``int(t)``), which
     # no trace follows through Python, or a boolean of them where the witness does not compare
@@ -88,6 +90,7 @@ class Program:
     # the booleans its forward read on the host up to the last of the batch's values (a branch
     # Python took for the whole batch), which each replayed example must read alone as well
     branches: tuple[bool, ...] = ()
+    doubts: tuple[int, ...] = ()  # which of them are of the batch's values
     # a training step's requests, which ask for parameters too (``serve.Served.trained``),
     # read off the first replayed step's graph where ``requests`` hold for every batch
     trained: dict = field(default_factory=dict, compare=False, repr=False)

@@ -276,8 +276,9 @@ class _DroppedBranch(nn.Module):
 
 
 def test_dropout_with_a_branch_on_the_batch_is_one_line(tmp_path):
-    """Each example must be run alone to check its way, and cannot draw the batch's masks:
-    refused in one line, not scored as the batch's way."""
+    """Examples that take the other way alone must run to check their loss, and cannot draw
+    the batch's masks: refused in one line, not scored as the batch's way. Where each takes the
+    batch's way, read off the tensor ``all()`` reduced, none runs: watched."""
     x, y = _data(4)
     x[:, 0] = torch.tensor([1.0, -1.0, 1.0, 1.0])
     with (
@@ -286,3 +287,7 @@ def test_dropout_with_a_branch_on_the_batch_is_one_line(tmp_path):
     ):
         watch.step(x, y, torch.arange(4))
     assert "\n" not in str(raised.value)
+    x[:, 0] = -1.0
+    with Watch(_DroppedBranch().train(), tmp_path / "kept.parquet") as watch:
+        watch.step(x, y, torch.arange(4)).backward()
+    assert pq.read_table(tmp_path / "kept.parquet").num_rows == 4

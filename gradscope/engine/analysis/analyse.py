@@ -20,13 +20,13 @@ from ..plan import BROADCAST, ParamPlan, Plan
 from ..record import Findings, Record
 from ..state import State
 from . import decide
-from .branches import check_branches
 from .bytensor import ByTensor
 from .finder import Finder
 from .selfcheck import PLAIN, agrees, check_alone
 from .session import HookSession
 from .tap import ParamTap
 from .trace import RowTrace
+from .ways import check_branches
 
 # (inputs, targets) -> ((B,) losses with their graph, what ``observe`` read)
 Losses = Callable[[tuple[Tensor, ...], Tensor], tuple[Tensor, dict[str, Tensor]]]
@@ -96,7 +96,8 @@ class Analysis:
         if not captured.per_example or trace.slabbed or trace.noted.lost:
             self._examples_alone(inputs, targets, captured)
         elif trace.branches.doubted and not self.sharded:  # each example's way: its own?
-            check_branches(self.losses, inputs, targets, captured.losses, trace.branches.asked)
+            asked, owned = trace.branches.asked, trace.branches.owned
+            check_branches(self.losses, inputs, targets, captured.losses, asked, owned)
         decide.before_backward(self.plan, captured)
         return captured
 

@@ -34,7 +34,7 @@ def children_of(
     if not traced:
         return {}
     needy = {id(v) for _, stack, _, _ in finder.needs for v in stack}
-    needy |= {id(v) for _, _, stack in finder.hosts for v in stack}
+    needy |= {id(v) for *_, stack in finder.hosts for v in stack}
     fit: dict[int, Child] = {}
     for v in finder.visits:
         if any(id(u) in traced for u in above(v)) and _ends(v, hooked):

@@ -24,9 +24,10 @@ class Regions:
     open: frozenset[int] = frozenset()  # routed, their reads differing in number batch to batch
     root: tuple[Recipe, ...] = ()  # reads outside every region call, served by recipe
     # of the light ones not routed, by id of the visit: every read of one scalar from tensors'
-    # values on the host, (op, what it read), in order; a replayed call must read the same
-    hosts: dict[int, tuple[tuple[str, object], ...]] = field(default_factory=dict)
-    root_hosts: tuple[tuple[str, object], ...] = ()  # those outside every region call
+    # values on the host, (op, what it read, ``branches.Own``), in order; a replayed call must
+    # read the same
+    hosts: dict[int, tuple[tuple[str, object, object], ...]] = field(default_factory=dict)
+    root_hosts: tuple[tuple[str, object, object], ...] = ()  # those outside every region call
     # the calls inside traced regions that replay as the rest of the forward, by id of the
     # visit: None, or a light child's recipes (``children.py``)
     children: dict[int, tuple[Recipe, ...] | None] = field(default_factory=dict)

@@ -57,7 +57,7 @@ class Finder:
         # (why, the visits under way, the recipe of a read that has one, autograd's counter)
         self.needs: list[tuple[str, tuple[Visit, ...], Recipe | None, int]] = []
         self.log: list[tuple[str, object, int]] = []  # (what, its event or visit, counter)
-        self.hosts: list[tuple[str, object, tuple[Visit, ...]]] = []  # (op, value, visits)
+        self.hosts: list[tuple] = []  # (op, value, ``branches.Own``, the visits under way)
         self._born = ByTensor()  # tensor -> the innermost visit's index when it was made
         self.constants = Constants()  # the tap's: what was made from constants alone
         self._handles: list = []
@@ -124,15 +124,15 @@ class Finder:
         holding this is traced, or, if routed, open (``replay/routed.py``)."""
         self.needs.append((why, tuple(self.stack), ESCAPED, counter()))
 
-    def host(self, name: str, value: object, escaped: bool) -> None:
+    def host(self, name: str, value: object, escaped: bool, own: tuple | None = None) -> None:
         """One scalar read from tensors' values on the host here by op ``name``; ``escaped``:
         the batch's values. A light region holding it reads the same on every replayed batch,
-        or the batch is analysed (Python may have branched otherwise)."""
-        self.hosts.append((name, plain(value), tuple(self.stack)))
+        or the batch is analysed (Python may have branched otherwise); ``own``: a branch's
+        examples' own values, as ``branches.py`` computes them."""
+        self.hosts.append((name, plain(value), own, tuple(self.stack)))
         if escaped:  # where such values differed before: traced again, as any escape
-            why = f"the batch's values read on the host ({name})"
             need = WITNESSED if self.witness else ESCAPED
-            self.needs.append((why, tuple(self.stack), need, counter()))
+            self.need(f"the batch's values read on the host ({name})", need)
 
     # -- the hooks ---------------------------------------------------------------------------
 
@@ -236,12 +236,12 @@ class Finder:
         opened = frozenset(i for i in routed if any(r.expert for r in light[i]))
         opened |= frozenset(id(v) for v in outer if id(v) in routed and self._escaped(v))
         hosts = {
-            i: tuple((name, value) for name, value, stack in self.hosts if v in stack)
+            i: tuple(h[:3] for h in self.hosts if v in h[3])
             for v in outer
             if (i := id(v)) in light and i not in routed
         }
         inside = {id(v) for v in outer}
-        top = tuple((n, x) for n, x, stack in self.hosts if not any(id(v) in inside for v in stack))
+        top = tuple(h[:3] for h in self.hosts if not any(id(v) in inside for v in h[3]))
         return Regions(frozenset(chosen), outer, light, routed, opened, tuple(root), hosts, top)
 
     def light(self, v: Visit) -> tuple[Recipe, ...] | None:

@@ -107,13 +107,12 @@ def program_of(
     steps = tuple(_step(i) if isinstance(i, _Open) else i for i in items)
     children = frozenset(s.module for s in steps if isinstance(s, ChildCall))
     tail = captured.at_end - last
-    asked, unseen = _branches(captured, regions)
-    uses_ = tuple(uses.items())
+    asked, doubts, unseen = _branches(captured, regions)
     return Program(
         steps,
         requests,
         checked,
-        uses_,
+        tuple(uses.items()),
         tail,
         moves,
         regions.modules,
@@ -123,22 +122,24 @@ def program_of(
         children,
         captured.trace.noted.lost or unseen,
         asked,
+        doubts,
     )
 
 
-def _branches(captured: Analysed, regions: Regions) -> tuple[tuple[bool, ...], bool]:
-    """The booleans each example of a replayed batch must read alone (``branches.py``), and
-    whether one of them is read where the replay's witness does not compare it (inside a
-    region call traced or routed), so that every example is run whole instead."""
+def _branches(captured: Analysed, regions: Regions) -> tuple[tuple, tuple[int, ...], bool]:
+    """The booleans each example of a replayed batch must read alone (``branches.py``), which
+    of them are of the batch's values, and whether one of those is read where the replay's
+    witness does not compare it (inside a region call traced or routed), so that every example
+    is run whole instead."""
     branches, hosts = captured.trace.branches, captured.finder.hosts
     traced = {
         id(v) for v in regions.visits if id(v) not in regions.light or id(v) in regions.routed
     }
     unseen = any(
-        h is not None and any(id(v) in traced for v in hosts[h][2])
+        h is not None and any(id(v) in traced for v in hosts[h][3])
         for h in branches.hosts[: branches.doubted]
     )
-    return ((), True) if unseen else (branches.asked, False)
+    return ((), (), True) if unseen else (branches.asked, tuple(branches.doubts), False)
 
 
 def _region(v: Visit, regions: Regions, before: int) -> RegionCall:
@@ -157,7 +158,7 @@ def _child(v: Visit, recipes: tuple | None, captured: Analysed) -> ChildCall:
     """The program's entry for a child: a light one's call as a light region's."""
     during, light = v.at_exit - v.at_entry, None
     if recipes is not None:
-        hosts = tuple((name, value) for name, value, stack in captured.finder.hosts if v in stack)
+        hosts = tuple(h[:3] for h in captured.finder.hosts if v in h[3])
         light = RegionCall(
             id(v.module), v.entry, v.exit, v.steps, 0, recipes, during, constant=v.constant,
             hosts=hosts,

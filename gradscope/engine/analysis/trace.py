@@ -67,7 +67,7 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
         self.own = 0  # above 0 while the tap's own code runs (its host reads are not the model's)
         self.read_back: list[tuple[Tensor, object]] = []  # (owners, value) of the model's reads
         self.noted = Noted()  # the plain numbers such reads gave: their owners, by value
-        self.branches = Branches()  # the booleans they gave, Python's branches
+        self.branches = Branches(batch)  # the booleans they gave, Python's branches
         self.routes: ByTensor | None = None  # ids the batch hit, slabs, rows (``routes.py``)
         self.mixed_by = ByTensor()  # tensor -> the op that mixed examples on its way
         self._lanes: dict[object, Tensor] = {}  # (rank, dim, size, m) -> its owners
@@ -205,11 +205,12 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
             self._record(name, func, args, kwargs, out)
         if self.own:
             return out  # the tap's own
-        shaped = fixed.fixed(self, tensors_in(args, kwargs))
+        shaped, own = fixed.fixed(self, tensors_in(args, kwargs)), None
         if isinstance(out, bool) and name in SCALAR_READS:  # a branch (``branches.py``)
             host = None if shaped or self.finder is None else len(self.finder.hosts)
             doubt = held and not shaped and self.batch > 1
-            self.branches.read(out, doubt and not self.branches.implied(args[0], out), host)
+            doubt = doubt and not self.branches.implied(args[0], out)
+            own = self.branches.read(out, doubt, host, args[0])
         if shaped:
             return out  # values the batch's shapes decide (``fixed.py``)
         if held:  # values of the batch that Python may give back (``readback.py``)
@@ -217,7 +218,7 @@ class RowTrace(OwnerAlgebra, TorchFunctionMode):
             self.read_back.append((owners, out))
             out = noted(self, name, args[0], owners, out)
         if name in SCALAR_READS and self.finder is not None:
-            self.finder.host(name, out, held)
+            self.finder.host(name, out, held, own)
         elif held and name not in SCALAR_READS:
             self._escaped(name)
         return out

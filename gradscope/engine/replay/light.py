@@ -39,6 +39,7 @@ from ..steps import Diverged
 from ..tensors import tensors_in
 from ..views import places
 from .intercept import Intercept, Intercepting
+from .owned import Owned
 from .reads import RecipeReads
 
 _SEQUENCES = (list, tuple)
@@ -59,13 +60,13 @@ class LightRegion(RecipeReads, Intercepting, TorchFunctionMode):
         ruled: Callable[[ParamPlan], bool] = lambda p: False,
         buffers: frozenset[int] = frozenset(),
         constant: Sequence[Tensor] = (),
-        hosts: Sequence[tuple[str, object]] | None = None,
+        hosts: Sequence[tuple[str, object, object]] | None = None,
         branched: Callable[[], None] = lambda: None,
         intercept: Intercept | None = None,
+        owned: list | None = None,
     ):
         super().__init__()
-        self.recipes, self.during, self.batch = tuple(recipes), during, batch
-        self.ruled = ruled
+        self.recipes, self.during, self.batch, self.ruled = tuple(recipes), during, batch, ruled
         self.params = {name: plan.find(name) for r in self.recipes for _, name in r.roles}
         self.intercept = intercept
         self.intercepts = (
@@ -94,9 +95,8 @@ class LightRegion(RecipeReads, Intercepting, TorchFunctionMode):
         self.hosts, self.branched, self._host_next = hosts, branched, 0
         # as torch's are now (one may have been replaced), where the call's are witnessed
         self.scalar_reads = scalar_reads() if hosts is not None else frozenset()
-        self._next = 0
-        self._start = counter()
-        self._open = True
+        self.owned = Owned(hosts, batch, owned)  # its examples' own values of the branches
+        self._next, self._start, self._open = 0, counter(), True
         if self.intercepts:
             self.hold(list(self.params.values()), intercept)
         else:
@@ -126,6 +126,8 @@ class LightRegion(RecipeReads, Intercepting, TorchFunctionMode):
             else:
                 if func in self.factories:
                     return self._constant(func, args, kwargs)
+                if func in self.owned.reducing:
+                    return self.owned.reduce(func, args, kwargs)
                 return func(*args, **kwargs)
         if self.constants.ids and not any(id(t) in self.watched for t in tensors_in(args, kwargs)):
             return self._constant(func, args, kwargs)  # an op on constants alone
@@ -166,12 +168,12 @@ class LightRegion(RecipeReads, Intercepting, TorchFunctionMode):
     def _host(self, func, args: tuple, kwargs: dict) -> object:
         """A scalar read from tensors' values on the host: the analysed call's next one."""
         out = func(*args, **kwargs)
-        k, name = self._host_next, op_name(func)
-        self._host_next += 1
-        if k >= len(self.hosts) or self.hosts[k] != (name, out):
+        k, name, self._host_next = self._host_next, op_name(func), self._host_next + 1
+        if k >= len(self.hosts) or self.hosts[k][:2] != (name, out):
             self.why = self.why or f"other values read on the host ({name}) than analysed"
             self.branched()
             raise Diverged(self.why)  # Python branches otherwise from here: stop at once
+        self.owned.read(k, args[0] if args else None)
         return out
 
     def _aside(self, args: tuple, kwargs: dict) -> bool:

@@ -13,9 +13,9 @@ import torch
 from torch import Tensor, nn
 
 from ...errors import ModelError
-from ..analysis.branches import check_branches
 from ..analysis.seeded import Seeded
 from ..analysis.selfcheck import PLAIN, check_alone
+from ..analysis.ways import check_branches
 from ..backward.reduce import Reducer, Want
 from ..backward.serve import Served, serve, served_calls, uses
 from ..capture import Captured
@@ -126,7 +126,10 @@ class Replayed:
         if program.alone:  # the same plain number read: alone, each example may read another
             check_alone(self.losses, inputs, targets, losses, True, PLAIN)
         elif program.branches:  # the same branches taken: alone, each example may take another
-            check_branches(self.losses, inputs, targets, losses, program.branches)
+            owned = session.owned  # each example's own values, where every read's was seen
+            whole = len(owned) == len(program.doubts) and all(o is not None for o in owned)
+            owned = (program.doubts, owned) if whole else None
+            check_branches(self.losses, inputs, targets, losses, program.branches, owned)
         return captured, reducer
 
     def _session(
@@ -199,6 +202,7 @@ class Replayed:
                 call.hosts,
                 traced,
                 self._intercept(kind, lessons),
+                session.owned,
             )
         copy = self.record.copy
         root = call.module == id(self.modules[0])

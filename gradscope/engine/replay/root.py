@@ -34,9 +34,12 @@ class RootReads(LightRegion):
         outside: Callable[[], bool],
         branched: Callable[[], None],
         intercept: Intercept | None = None,
+        owned: list | None = None,
     ):
         hosts, root = program.hosts, program.root
-        super().__init__(plan, root, None, batch, ruled, buffers, (), hosts, branched, intercept)
+        super().__init__(
+            plan, root, None, batch, ruled, buffers, (), hosts, branched, intercept, owned
+        )
         self.outside = outside  # whether no region call is under way
 
     def _host(self, func, args: tuple, kwargs: dict) -> object:

@@ -62,6 +62,8 @@ class ReplaySession(RegionHooks, Capture):
         self.regions, self.children = list(regions), list(children)
         self.steps, self.batch, self.copy = program.steps, batch, copy
         self.program, self.make_region = program, region
+        # the examples' own values of the branches the witnesses read (``owned.py``)
+        self.owned: list | None = [] if program.branches else None
         self.next = 0
         self.active: dict[int, list[Step]] = {}
         self.region: Region | None = None
@@ -94,6 +96,7 @@ class ReplaySession(RegionHooks, Capture):
                     self._outside,
                     self.branched,
                     self.intercept,
+                    self.owned,
                 )
         except BaseException:  # no with runs __exit__ then: give the hooks back here
             self.__exit__(None, None, None)

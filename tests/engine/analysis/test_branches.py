@@ -149,12 +149,13 @@ def test_a_later_batch_whose_example_branches_otherwise_is_refused():
 
 def test_an_implied_truth_runs_no_example_alone():
     """``all()`` true, and ``fast_all`` true, are each example's too: replayed batches run the
-    model once; false, each example runs alone up to the branch (not past it: ``past``), and
+    model once; false, each example's own value is its own elements' (``Branches.own``,
+    ``replay/owned.py``), so none runs alone up to the branch either (it ran each before), and
     none runs whole, as each takes the batch's way."""
     for gate in (all_positive, fast_all):
         model = model_of(gate)
         with Engine(model, resolve_loss("cross_entropy")) as engine:
-            for signs, runs, replays in (([1] * B, (1, 1), 2), ([-1] * B, (1 + B, 1), 4)):
+            for signs, runs, replays in (([1] * B, (1, 1), 2), ([-1] * B, (1, 1), 4)):
                 for seed in range(3):
                     x, y = batch(signs, seed)
                     RUNS.update(forwards=0, past=0)
@@ -200,10 +201,11 @@ def test_a_shortcut_some_examples_take_alone_is_exact():
 def test_examples_that_take_a_shortcut_alone_run_whole_together():
     """Four of six examples with nothing padded, which alone each skip the mask: they run
     whole once, as a batch of their own that reads what each reads alone (before, once each),
-    exact on the analysed batch and on the replayed ones."""
+    exact on the analysed batch and on the replayed ones; each example's way is read off the
+    mask, none runs alone to the branch."""
     torch.manual_seed(0)
     model, sizes = Shortcut().double(), []
-    model.register_forward_hook(lambda m, args, out: sizes.append(len(args[0])))
+    model.register_forward_pre_hook(lambda m, args: sizes.append(len(args[0])))
     with Engine(model, resolve_loss("cross_entropy")) as engine:
         for seed in range(3):
             g = torch.Generator().manual_seed(seed)
