@@ -25,8 +25,9 @@ class Owned:
     the tensor it reduced was not seen)."""
 
     def __init__(self, hosts: Sequence[tuple] | None, batch: int, values: list | None):
-        self.owns = tuple(h[2] for h in hosts or ())
-        some = values is not None and any(o is not None for o in self.owns)
+        # none kept where the replay checks no branch (its examples all run whole, or none)
+        self.owns = tuple(h[2] for h in hosts or ()) if values is not None else ()
+        some = any(o is not None for o in self.owns)
         self.reducing = REDUCING if some else frozenset()  # the ops to keep the tensor of
         self.batch, self.values = batch, values
         self._last: tuple[Tensor, Tensor] | None = None  # (a reduction's result, what it reduced)

@@ -294,6 +294,32 @@ def test_a_branch_the_witness_does_not_compare_checks_every_example_whole():
             engine.norms((x,), y)
 
 
+class RootAndSorted(SortedModel):
+    """A branch at the top level that each example's own values can say (an ``all()``), then
+    ``Sorted``'s, read where the witness does not compare it."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        if not bool((x[:, 1] > 0).all()):
+            h = h + 0.0  # the same numbers either way
+        return self.b(self.sorted(h, x))
+
+
+def test_examples_run_whole_keep_no_own_values_of_the_branches():
+    """Every replayed example runs whole (``Sorted``'s branch), so the top-level branch's own
+    values are not kept: replayed, exact."""
+    torch.manual_seed(0)
+    model = RootAndSorted().double()
+    with Engine(model, resolve_loss("cross_entropy")) as engine:
+        for seed in range(3):
+            x, y = batch([1] * B, seed)
+            x[:, 1] = torch.tensor([1.0, -1.0, 1.0, 1.0])
+            got = total(engine.norms((x,), y).norm_sq).sqrt()
+            assert_rel_close(got, reference_norms(model, (x,), y, "cross_entropy")[1], 1e-9)
+        findings = engine.record.at((x,), y)
+        assert findings.replays == 2 and findings.programs[-1].alone
+
+
 def test_a_maximum_within_a_bound_runs_no_example_alone():
     """XLM's ``assert lengths.max().item() <= slen``: true of the batch's maximum, true of each
     example's, so no example runs alone; a maximum above a number is not each example's, so
