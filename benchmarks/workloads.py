@@ -248,6 +248,22 @@ def _host_bert() -> Problem:
     return _problem(model, make, 4, "cross_entropy")
 
 
+def _host_truncated() -> Problem:
+    """H3's BERT on 16 sequences, every fourth padded, the rest truncated text that fills all
+    16 positions: each of those takes transformers' mask shortcut alone."""
+    torch.manual_seed(0)
+    model = families.hf_bert(vocab=512, d=64, layers=12, heads=4, seq=16)
+
+    def make(n: int) -> tuple[Inputs, Tensor]:
+        mask = torch.ones(n, 16, dtype=torch.long)
+        padded = torch.arange(n) % 4 == 3
+        lengths = torch.randint(8, 16, (int(padded.sum()), 1))
+        mask[padded] = (torch.arange(16) < lengths).long()
+        return (torch.randint(1, 512, (n, 16)) * mask, mask), torch.randint(0, 3, (n,))
+
+    return _problem(model, make, 16, "cross_entropy")
+
+
 def _hf_bert() -> Problem:
     torch.manual_seed(0)
     model = families.hf_bert(vocab=8000, d=256, layers=4, heads=4, seq=128)
@@ -364,6 +380,12 @@ WORKLOADS = {
             "H4",
             "HF Mixtral d64 8 layers 8 experts top-2 T16, batch 4",
             lambda: _host(families.hf_mixtral, layers=8, heads=4, experts=8),
+            "transformers",
+        ),
+        Workload(
+            "H5",
+            "HF BERT classifier d64 12 layers T16, batch 16, 4 padded",
+            _host_truncated,
             "transformers",
         ),
         Workload("smoke", "MLP 8-16-1, batch 4", lambda: _mlp([8, 16, 1], 4)),
