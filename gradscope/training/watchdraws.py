@@ -10,6 +10,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from ..engine.analysis.undrawn import Drew, Undrawn
 from ..errors import ModelError
 from .record import rng, set_rng
 
@@ -28,8 +29,9 @@ class SameDraws:
     """``forward(model, inputs)`` (the engine's call of the model) with every call between
     ``begin`` and ``end`` drawing from the random state at ``begin``. A call on other rows than
     the step's first (an example run alone: the exact fallback's, or a branch's check) of a
-    forward that drew is refused: it cannot draw the masks the batch drew. A step of one
-    forward (a program's replay) costs one read of the state."""
+    forward that drew is refused (``Drew``): it cannot draw the masks the batch drew. With
+    dropout left out (``Undrawn``: a branch's check made again), a call on any rows must draw
+    nothing. A step of one forward (a program's replay) costs one read of the state."""
 
     def __init__(self, forward: Any):
         self.forward = forward
@@ -69,8 +71,19 @@ class SameDraws:
             return self.forward(model, inputs)
         if self.after is None:
             self.after = rng()  # where the first forward left the generators
+        if Undrawn.active():
+            set_rng(self.began)
+            out = self.forward(model, inputs)
+            if not same_state(self.began, rng()):
+                raise ModelError(
+                    "the model draws random numbers in its forward other than dropout's, and "
+                    "the step runs examples alone to check a branch on the batch's values, "
+                    "which cannot draw what the batch drew: watch it without that randomness",
+                    "model",
+                )
+            return out
         if rows != self.rows and not same_state(self.began, self.after):
-            raise ModelError(
+            raise Drew(
                 "the model draws random numbers in its forward (dropout), and the step runs "
                 "each example alone (a parameter no rule serves, on the exact fallback, or a "
                 "branch on the batch's values, which each example may take its own way), "

@@ -260,34 +260,3 @@ def test_dropout_with_a_parameter_on_the_fallback_is_one_line(tmp_path):
     ):
         watch.step(x, y, torch.arange(4))
     assert "\n" not in str(raised.value)
-
-
-class _DroppedBranch(nn.Module):
-    """Dropout, and a branch on whether every example's first feature is positive, which an
-    example alone may take the other way (``analysis/branches.py``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc, self.drop = nn.Linear(5, 3).double(), nn.Dropout(0.5)
-
-    def forward(self, x):
-        h = self.drop(self.fc(x))
-        return h * 2 if bool((x[:, 0] > 0).all()) else h
-
-
-def test_dropout_with_a_branch_on_the_batch_is_one_line(tmp_path):
-    """Examples that take the other way alone must run to check their loss, and cannot draw
-    the batch's masks: refused in one line, not scored as the batch's way. Where each takes the
-    batch's way, read off the tensor ``all()`` reduced, none runs: watched."""
-    x, y = _data(4)
-    x[:, 0] = torch.tensor([1.0, -1.0, 1.0, 1.0])
-    with (
-        Watch(_DroppedBranch().train(), tmp_path / "w.parquet") as watch,
-        pytest.raises(ModelError, match="a branch on the batch's values") as raised,
-    ):
-        watch.step(x, y, torch.arange(4))
-    assert "\n" not in str(raised.value)
-    x[:, 0] = -1.0
-    with Watch(_DroppedBranch().train(), tmp_path / "kept.parquet") as watch:
-        watch.step(x, y, torch.arange(4)).backward()
-    assert pq.read_table(tmp_path / "kept.parquet").num_rows == 4

@@ -205,3 +205,61 @@ def test_a_trainer_with_dropout_records_a_run_the_replay_retraces(tmp_path):
     assert sorted(open_record(tmp_path / "hf.run", cfg).drawn()) == [2, 4]
     scores = through_training(cfg, tmp_path / "hf.run", tmp_path / "ref.pt")
     assert scores.shape == (8,) and np.isfinite(scores).all() and np.abs(scores).max() > 0
+
+
+def _bert() -> transformers.BertForSequenceClassification:
+    """A BERT classifier with its dropout on (0.1, in its layers and in its attention)."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, max_position_embeddings=8, num_labels=2,
+    )  # fmt: skip
+    return transformers.BertForSequenceClassification(config).double().train()
+
+
+def _padded(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Pads a batch to its longest row, as ``DataCollatorWithPadding`` does: that row has
+    nothing padded, so alone it skips the attention mask the others need."""
+    longest = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros(len(rows), longest, dtype=torch.long)
+    mask = torch.zeros(len(rows), longest, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
+        mask[i, : len(r["input_ids"])] = 1
+    labels = torch.tensor([r["labels"] for r in rows])
+    example_ids = torch.tensor([r["example_id"] for r in rows])
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "example_id": example_ids}
+
+
+def test_dropout_on_dynamically_padded_batches_is_watched_as_each_example_alone(tmp_path):
+    """Each batch's longest row takes transformers' mask shortcut alone, which a step with
+    dropout on checks with it left out: every norm is its loss's under the batch's masks, on
+    the analysed batch and the replayed one."""
+    model, lengths = _bert(), [6, 3, 6, 4]
+    batch = _padded([{"input_ids": list(range(1, n + 1)), "labels": n % 2, "example_id": i}
+                     for i, n in enumerate(lengths)])  # fmt: skip
+    inputs, y = (batch["input_ids"], batch["attention_mask"]), batch["labels"]
+    plain = _bert()
+    keywords = ("input_ids", "attention_mask")
+    torch.manual_seed(3)
+    with Watch(model, tmp_path / "w.parquet", keywords=keywords, output="logits") as watch:
+        for _ in range(2):
+            watch.step(inputs, y, torch.arange(4)).backward()
+    torch.manual_seed(3)
+    norms = []
+    for _ in range(2):
+        began = torch.get_rng_state()
+        for i in range(4):  # example i's loss under the batch's masks, drawn again
+            torch.set_rng_state(began)
+            logits = plain(input_ids=inputs[0], attention_mask=inputs[1]).logits
+            grads = torch.autograd.grad(
+                torch.nn.functional.cross_entropy(logits[i], y[i]), list(plain.parameters()),
+                allow_unused=True,
+            )  # fmt: skip
+            norms.append(sum(g.square().sum() for g in grads if g is not None).sqrt().item())
+        torch.set_rng_state(began)
+        torch.nn.functional.cross_entropy(plain(*inputs).logits, y).backward()
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+    table = pq.read_table(tmp_path / "w.parquet").to_pydict()
+    np.testing.assert_allclose(table["grad_norm"], norms, rtol=1e-8, atol=1e-12)

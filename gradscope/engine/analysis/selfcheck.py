@@ -81,6 +81,15 @@ def agrees(ours: Tensor, theirs: Tensor, total: float = 0.0) -> bool:
     return torch.allclose(ours, theirs, rtol=0, atol=atol, equal_nan=True)
 
 
+def agreeing(ours: Tensor, theirs: Tensor) -> list[bool]:
+    """Whether each element of ``ours`` is ``theirs``', as ``agrees`` compares one: one read
+    for them all."""
+    tol = tolerance(theirs.dtype)
+    a, b = ours.double(), theirs.to(ours.device).double()
+    atol = (10 * tol * torch.maximum(a.nan_to_num(0).abs(), b.nan_to_num(0).abs())).clamp(1e-30)
+    return ((a - b).abs() <= atol).logical_or_(a == b).logical_or_(a.isnan() & b.isnan()).tolist()
+
+
 def first_apart(alone: Tensor, in_batch: Tensor) -> int | None:
     """The first example whose loss run alone is not, up to rounding, its loss in the batch."""
     a, b = alone.double(), in_batch.detach().to(alone.device).double()

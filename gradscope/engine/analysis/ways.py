@@ -17,6 +17,7 @@ or routed region, which the witness does not compare, its every example is run w
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -24,7 +25,8 @@ from torch.overrides import TorchFunctionMode
 
 from ...errors import ModelError
 from ..ops import SCALAR_READS, op_name
-from .selfcheck import agrees, example, one_alone
+from .selfcheck import agreeing, example, one_alone
+from .undrawn import Drew, Undrawn
 
 
 def branched(i: int, alone: float, in_batch: float) -> ModelError:
@@ -99,27 +101,73 @@ def check_branches(
     """Each example run alone by ``run`` (inputs, targets -> (losses, ...)) must read the
     booleans ``asked`` as the batch did, or give its loss in the batch, ``losses``, run whole;
     else the batch is refused as mixing its examples. ``owned``: which reads are of the batch's
-    values, and each example's own value of each ((B,) each), read instead of running it."""
+    values, and each example's own value of each ((B,) each), read instead of running it.
+    Where ``run`` cannot draw the batch's dropout masks on other rows (``Drew``), the check is
+    made again with dropout left out (``undrawn.py``), against those examples' losses the
+    batch's way without it."""
     with torch.no_grad():
-        if owned is not None:
-            ways = _owned(asked, *owned)
-        else:
-            ways = [_way(run, inputs, targets, i, asked) for i in range(len(targets))]
-            kept = [i for i, way in enumerate(ways) if isinstance(way, Tensor)]
-            if kept:
-                read = torch.cat([ways[i] for i in kept]).tolist()
-                for i, value in zip(kept, read, strict=True):
-                    ways[i] = True if value == asked[-1] else len(asked) - 1
-        apart: dict[int | None, list[int]] = {}  # by the read each differs at (None: fewer)
-        for i, way in enumerate(ways):
-            if way is not True:
-                apart.setdefault(way, []).append(i)
-        for at, examples in apart.items():
-            if at is not None and len(examples) > 1:
-                read = (*asked[:at], not asked[at])
-                examples = _together(run, inputs, targets, losses, examples, read)
-            for i in examples:  # another way alone: its loss must hold
-                one_alone(run, inputs, targets, losses, i, branched)
+        apart = None
+        try:
+            apart = _apart(run, inputs, targets, asked, owned)
+            _hold(run, inputs, targets, losses, asked, apart)
+        except Drew as drew:
+            run = partial(_undrawn, run)
+            apart = _apart(run, inputs, targets, asked, owned) if apart is None else apart
+            base = _batch_way(run, inputs, targets, losses, asked, apart, drew)
+            _hold(run, inputs, targets, base, asked, apart)
+
+
+def _apart(run: Callable, inputs, targets: Tensor, asked, owned) -> dict[int | None, list[int]]:
+    """The examples that take another way alone, by the read each first differs at (None:
+    where it reads fewer)."""
+    if owned is not None:
+        ways = _owned(asked, *owned)
+    else:
+        ways = [_way(run, inputs, targets, i, asked) for i in range(len(targets))]
+        kept = [i for i, way in enumerate(ways) if isinstance(way, Tensor)]
+        if kept:
+            read = torch.cat([ways[i] for i in kept]).tolist()
+            for i, value in zip(kept, read, strict=True):
+                ways[i] = True if value == asked[-1] else len(asked) - 1
+    apart: dict[int | None, list[int]] = {}
+    for i, way in enumerate(ways):
+        if way is not True:
+            apart.setdefault(way, []).append(i)
+    return apart
+
+
+def _hold(run: Callable, inputs, targets: Tensor, losses: Tensor, asked, apart: dict) -> None:
+    """Each example ``apart``, run whole its own way, must give its loss in ``losses``."""
+    for at, examples in apart.items():
+        if at is not None and len(examples) > 1:
+            read = (*asked[:at], not asked[at])
+            examples = _together(run, inputs, targets, losses, examples, read)
+        for i in examples:  # another way alone: its loss must hold
+            one_alone(run, inputs, targets, losses, i, branched)
+
+
+def _undrawn(run: Callable, *args):
+    """``run`` with dropout left out (``Undrawn``)."""
+    with Undrawn():
+        return run(*args)
+
+
+def _batch_way(run: Callable, inputs, targets: Tensor, losses: Tensor, asked, apart, drew):
+    """``losses`` with those of the examples ``apart`` as ``run`` gives them the batch's way:
+    run beside one example that takes it, or else in the whole batch, where that reads the
+    batch's booleans ``asked``; else ``drew`` (no check holds without the batch's masks)."""
+    examples = sorted(i for group in apart.values() for i in group)
+    others = [i for i in range(len(targets)) if i not in set(examples)]
+    for rows in ([*examples, others[0]] if others else None, None):
+        picked = torch.arange(len(targets)) if rows is None else torch.tensor(rows)
+        reads = _Reads()
+        with reads:
+            theirs = run(*_rows(inputs, targets, picked.to(targets.device)))[0]
+        if tuple(reads.read[: len(asked)]) == tuple(asked):
+            base = losses.detach().clone()
+            base[examples] = theirs.reshape(-1)[: len(examples)] if rows else theirs[examples]
+            return base
+    raise drew from None
 
 
 def _owned(asked: Sequence[bool], doubts: Sequence[int], own: Sequence[Tensor]) -> list:
@@ -157,11 +205,15 @@ def _together(
     and no more, it took the way each takes alone, and each whose loss there is its loss in
     the batch holds. Those that do not (all, where it reads otherwise) are left to run alone."""
     index = torch.tensor(examples, device=targets.device)
-    picked = tuple(t.index_select(0, index.to(t.device)) for t in inputs)
     reads = _Reads()
     with reads:
-        theirs = run(picked, targets[index])[0]
+        theirs = run(*_rows(inputs, targets, index))[0]
     if tuple(reads.read) != read:
         return examples
-    batch = losses.detach()[index]
-    return [i for k, i in enumerate(examples) if not agrees(theirs[k : k + 1], batch[k : k + 1])]
+    held = agreeing(theirs.reshape(-1), losses.detach()[index])
+    return [i for i, same in zip(examples, held, strict=True) if not same]
+
+
+def _rows(inputs: tuple[Tensor, ...], targets: Tensor, index: Tensor) -> tuple[tuple, Tensor]:
+    """The batch's rows ``index``, a batch of their own."""
+    return tuple(t.index_select(0, index.to(t.device)) for t in inputs), targets[index]
