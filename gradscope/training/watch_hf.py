@@ -1,9 +1,11 @@
-"""The watch as a Hugging Face ``Trainer`` callback, for causal language models.
+"""The watch as a Hugging Face ``Trainer`` callback, for causal language models and single-label
+classifiers.
 
 From the start of training to its end, the model's training calls (in train mode, with
 ``labels``) run through ``Watch.step``: the engine's forward and its one backward, which
-gives the gradient of the loss the ``Trainer`` would have taken (the mean over every counted
-next token of the step, micro-batches of an accumulated step included), and returns that loss,
+gives the gradient of the loss the ``Trainer`` would have taken (a language model's: the mean
+over every counted next token of the step, micro-batches of an accumulated step included; a
+classifier's: the mean over the call's rows, as its own loss is), and returns that loss,
 whose backward, the ``Trainer``'s, adds that gradient to ``.grad`` without running the model.
 The dataset carries each row's id in a column (``ids``, default ``example_id``) that the
 collator passes along: set ``remove_unused_columns=False``. With ``record``, the run record
@@ -23,13 +25,19 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from transformers import TrainerCallback
-from transformers.modeling_outputs import CausalLMOutput
+from transformers.modeling_outputs import CausalLMOutput, SequenceClassifierOutput
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+)
 
 from ..errors import ConfigError, ModelError
 from .watch import OnStep, Watch
 from .watchfile import fed
 from .watchrecord import SEGMENT
 
+CAUSAL_LM = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+CLASSIFIERS = frozenset(MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.values())
 _CLASS = object()  # the model had no forward of its own: its class's serves
 UNSUPPORTED = {
     "fp16": "fp16 training (its loss scaler is untested with the watch)",
@@ -116,21 +124,52 @@ class WatchCallback(TrainerCallback):
         ids, labels = kwargs.pop(self.ids), kwargs.pop("labels")
         items = kwargs.pop("num_items_in_batch", None)
         names = tuple(kwargs)
-        # the step's tokens where the Trainer counts them (it divides the loss by the number
-        # of micro-batches it accumulates otherwise), else the batch's
-        divisor = float(items) if items is not None else None
         try:
             if self.watch is None:  # the first step: the batch's keys are the model's inputs
-                self.watch = Watch(
-                    model, self.out, "causal_lm", reduction="tokens", on_step=self.on_step,
-                    forward=_Call(original, names), step=self.first, **self.recorded,
-                ).__enter__()  # fmt: skip
+                self.watch = self._watch(model, _task(model, labels), _Call(original, names))
+            lm = self.watch.lm
+            # a language model's step's tokens where the Trainer counts them (it divides the
+            # loss by the number of micro-batches it accumulates otherwise), else the batch's;
+            # a classifier's loss is its rows' mean, whatever the Trainer counts
+            divisor = float(items) if items is not None and lm else None
             loss = self.watch.step(tuple(kwargs[k] for k in names), labels, ids,
                                    epoch=self.epoch, divisor=divisor)  # fmt: skip
         except BaseException as e:  # Ctrl-C or an error in the step: the model as it was
             self._release(model, e)
             raise
-        return CausalLMOutput(loss=loss)
+        return CausalLMOutput(loss=loss) if lm else SequenceClassifierOutput(loss=loss)
+
+    def _watch(self, model: nn.Module, loss: str, forward: _Call) -> Watch:
+        reduction = "tokens" if loss == "causal_lm" else "mean"
+        return Watch(
+            model, self.out, loss, reduction=reduction, on_step=self.on_step, forward=forward,
+            step=self.first, **self.recorded,
+        ).__enter__()  # fmt: skip
+
+
+def _task(model: nn.Module, labels: Tensor) -> str:
+    """The loss the model takes of ``labels``, by its kind as the ``Trainer`` tells it (its
+    class among transformers' causal language models, or sequence classifiers): a causal
+    language model's, of a row of tokens each, or a single-label classifier's, of one class
+    each; else refused (a token classifier's labels look like a language model's, unshifted)."""
+    name, config = type(model).__name__, getattr(model, "config", None)
+    problem, classes = getattr(config, "problem_type", None), getattr(config, "num_labels", 0)
+    if _kind(name, CAUSAL_LM, "ForCausalLM", "LMHeadModel") and labels.dim() == 2:
+        return "causal_lm"
+    one_class = labels.dim() == 1 and not labels.is_floating_point() and classes > 1
+    single = problem in (None, "single_label_classification")
+    if _kind(name, CLASSIFIERS, "ForSequenceClassification") and one_class and single:
+        return "cross_entropy"
+    raise ConfigError(
+        "the watch serves causal language models (labels a row of tokens each) and "
+        f"single-label sequence classifiers (one class each): not a {name} with labels "
+        f"{tuple(labels.shape)} {labels.dtype}, problem_type {problem!r}, {classes} labels",
+        "Trainer",
+    )
+
+
+def _kind(name: str, names: frozenset[str], *endings: str) -> bool:
+    return name in names or name.endswith(endings)
 
 
 def _recorded(args: Any, state: Any, optimizer: Any, folder: str | Path, segment: int) -> dict:

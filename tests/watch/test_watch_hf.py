@@ -13,6 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
+from gradscope.errors import ConfigError  # noqa: E402
 from gradscope.training.watch import Watch  # noqa: E402
 from gradscope.training.watch_hf import WatchCallback  # noqa: E402
 
@@ -110,22 +111,37 @@ GPT2 = {"vocab_size": 16, "n_positions": 8, "n_embd": 8, "n_layer": 1, "n_head":
         "attn_implementation": "eager"}  # fmt: skip
 
 
-def test_trainer_records_the_run_gradscope_train_records(tmp_path):
+# eager attention: sdpa's has no double backward on the CPU
+BERT = {"vocab_size": 16, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "intermediate_size": 16, "max_position_embeddings": 8, "num_labels": 3,
+        "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+        "attn_implementation": "eager"}  # fmt: skip
+KINDS = {  # a causal language model, its labels its tokens; a classifier, a class a row
+    "lm": ("GPT2LMHeadModel", GPT2, "causal_lm", lambda tokens: tokens),
+    "classifier": ("BertForSequenceClassification", BERT, "cross_entropy", lambda t: t[:, 0] % 3),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_trainer_records_the_run_gradscope_train_records(tmp_path, kind):
     """The run record written through the callback (the Trainer's AdamW, linear schedule and
-    clip read off it; rows of one length, so its token mean is the mean of the rows' own)
-    replays as ``gradscope train --record``'s of the same recipe, start and order."""
+    clip read off it; rows of one length, so a language model's token mean is the mean of the
+    rows' own) replays as ``gradscope train --record``'s of the same recipe, start and order."""
     import yaml
 
     from gradscope.config import load_config
     from gradscope.training.replay import through_training
     from gradscope.training.run import train_model
 
+    name, model_config, loss, labelled = KINDS[kind]
+    config_class = transformers.GPT2Config if kind == "lm" else transformers.BertConfig
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2)).double()
+    model = getattr(transformers, name)(config_class(**model_config)).double()
     torch.save(model.state_dict(), tmp_path / "init.pt")
-    tokens = torch.randint(0, 16, (8, 6))
-    torch.save({"ids": tokens}, tmp_path / "data.pt")
-    torch.save({"ids": torch.randint(0, 16, (2, 6))}, tmp_path / "ref.pt")
+    tokens = torch.randint(1, 16, (8, 6))
+    torch.save({"ids": tokens, "labels": labelled(tokens)}, tmp_path / "data.pt")
+    ref = torch.randint(1, 16, (2, 6))
+    torch.save({"ids": ref, "labels": labelled(ref)}, tmp_path / "ref.pt")
     train = {
         "optimizer": "adamw",
         "lr": 1e-2,
@@ -138,9 +154,9 @@ def test_trainer_records_the_run_gradscope_train_records(tmp_path):
         "init": "init.pt",
     }
     config = {
-        "model": {"factory": "transformers:GPT2LMHeadModel", "config": GPT2},
-        "data": {"path": "data.pt", "inputs": "ids", "targets": "ids", "batch_size": 4},
-        "loss": {"name": "causal_lm"},
+        "model": {"factory": f"transformers:{name}", "config": model_config},
+        "data": {"path": "data.pt", "inputs": "ids", "targets": "labels", "batch_size": 4},
+        "loss": {"name": loss},
         "dtype": "float64",
         "device": "cpu",
         "train": train,
@@ -150,8 +166,9 @@ def test_trainer_records_the_run_gradscope_train_records(tmp_path):
     want = through_training(cfg, train_model(cfg, tmp_path / "out.pt", record=True).record,
                             tmp_path / "ref.pt", per_ref=True)  # fmt: skip
     data = datasets.Dataset.from_dict(
-        {"input_ids": tokens.tolist(), "labels": tokens.tolist(), "example_id": list(range(8))}
-    )
+        {"input_ids": tokens.tolist(), "labels": labelled(tokens).tolist(),
+         "example_id": list(range(8))}
+    )  # fmt: skip
     args = transformers.TrainingArguments(
         str(tmp_path / "hf"), per_device_train_batch_size=4, num_train_epochs=2,
         learning_rate=1e-2, max_grad_norm=0.1, train_sampling_strategy="sequential",
@@ -159,7 +176,8 @@ def test_trainer_records_the_run_gradscope_train_records(tmp_path):
         disable_tqdm=True, use_cpu=True,
     )  # fmt: skip
     callback = WatchCallback(tmp_path / "w.parquet", record=tmp_path / "hf.run", segment=2)
-    model.loss_type = "ForCausalLM"  # else the Trainer divides by every label, the first too
+    if kind == "lm":  # else the Trainer divides by every label, the first too
+        model.loss_type = "ForCausalLM"
     transformers.Trainer(model, args, train_dataset=data, callbacks=[callback]).train()
     got = through_training(cfg, tmp_path / "hf.run", tmp_path / "ref.pt", per_ref=True)
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10 * np.abs(want).max())
@@ -263,3 +281,53 @@ def test_dropout_on_dynamically_padded_batches_is_watched_as_each_example_alone(
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
     table = pq.read_table(tmp_path / "w.parquet").to_pydict()
     np.testing.assert_allclose(table["grad_norm"], norms, rtol=1e-8, atol=1e-12)
+
+
+def test_a_trainer_with_dropout_on_dynamically_padded_batches_trains_as_without(tmp_path):
+    """The Trainer's fine-tuning of a BERT classifier as most are run: dropout on, batches
+    padded to their longest row."""
+    rows = [{"input_ids": list(range(1, n + 1)), "labels": n % 2, "example_id": i}
+            for i, n in enumerate([6, 3, 5, 4, 2, 6, 3, 5])]  # fmt: skip
+    data = datasets.Dataset.from_list(rows)
+    trained = []
+    for callbacks in ([], [WatchCallback(tmp_path / "w.parquet")]):
+        model = _bert()
+        args = transformers.TrainingArguments(
+            str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=2,
+            learning_rate=1e-2, remove_unused_columns=False, report_to=[], save_strategy="no",
+            logging_strategy="no", disable_tqdm=True, use_cpu=True, seed=0,
+        )  # fmt: skip
+        trainer = transformers.Trainer(
+            model, args, train_dataset=data, data_collator=_padded, callbacks=callbacks
+        )
+        trainer.train()
+        trained.append(model)
+    for p, q in zip(*(m.parameters() for m in trained), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    table = pq.read_table(tmp_path / "w.parquet").to_pydict()
+    assert sorted(table["example_id"]) == sorted(list(range(8)) * 2)
+    assert np.isfinite(table["grad_norm"]).all()
+
+
+def test_a_model_of_another_kind_is_one_line_before_it_trains(tmp_path):
+    """A token classifier's labels look like a language model's (a row each), which the watch
+    would shift: refused at the first step, the model's own forward given back."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, max_position_embeddings=8, num_labels=2,
+    )  # fmt: skip
+    model = transformers.BertForTokenClassification(config).double()
+    rows = [{"input_ids": [1, 2, 3, 4], "labels": [0, 1, 0, 1], "example_id": i} for i in range(4)]
+    args = transformers.TrainingArguments(
+        str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=1,
+        remove_unused_columns=False, report_to=[], save_strategy="no", logging_strategy="no",
+        disable_tqdm=True, use_cpu=True,
+    )  # fmt: skip
+    data = datasets.Dataset.from_list(rows)
+    callback = WatchCallback(tmp_path / "w.parquet")
+    trainer = transformers.Trainer(model, args, train_dataset=data, callbacks=[callback])
+    with pytest.raises(ConfigError, match="not a BertForTokenClassification") as raised:
+        trainer.train()
+    assert "\n" not in str(raised.value) and "forward" not in model.__dict__
+    assert not (tmp_path / "w.parquet").exists()
