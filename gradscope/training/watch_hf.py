@@ -64,6 +64,7 @@ class WatchCallback(TrainerCallback):
         self.watch: Watch | None = None
         self.epoch = 0
         self.first = 0  # the first step's number: a resumed run's goes on
+        self.accumulated = False  # whether the Trainer accumulates micro-batches
         self._wrapper: Any = None  # the forward set on the model while it trains
         self._before: Any = _CLASS  # the model's own forward attribute, if it had one
 
@@ -73,6 +74,7 @@ class WatchCallback(TrainerCallback):
     ):  # fmt: skip
         batches = len(train_dataloader) if hasattr(train_dataloader, "__len__") else None
         self.first = fed(state.global_step, batches, args.gradient_accumulation_steps)
+        self.accumulated = args.gradient_accumulation_steps > 1
         if self.record is not None:
             self.recorded = _recorded(args, state, optimizer, self.record, self.segment)
         for name, why in UNSUPPORTED.items():
@@ -129,15 +131,32 @@ class WatchCallback(TrainerCallback):
                 self.watch = self._watch(model, _task(model, labels), _Call(original, names))
             lm = self.watch.lm
             # a language model's step's tokens where the Trainer counts them (it divides the
-            # loss by the number of micro-batches it accumulates otherwise), else the batch's;
-            # a classifier's loss is its rows' mean, whatever the Trainer counts
-            divisor = float(items) if items is not None and lm else None
+            # loss by the number of micro-batches it accumulates otherwise), else the batch's
+            divisor = float(items) if items is not None else None
+            divisor = divisor if lm else self._rows(labels, items)
             loss = self.watch.step(tuple(kwargs[k] for k in names), labels, ids,
                                    epoch=self.epoch, divisor=divisor)  # fmt: skip
         except BaseException as e:  # Ctrl-C or an error in the step: the model as it was
             self._release(model, e)
             raise
         return CausalLMOutput(loss=loss) if lm else SequenceClassifierOutput(loss=loss)
+
+    def _rows(self, labels: Tensor, items: Any) -> float | None:
+        """A classifier's divisor: its counted rows (a label of -100 is not counted), where the
+        model's own loss is their mean, as every one is without accumulation (``CrossEntropyLoss``
+        or the step's count, ``num_items_in_batch``, one and the same); accumulated, the two
+        differ and which the model takes is its class's: refused."""
+        if self.accumulated and items is not None:
+            raise ConfigError(
+                "a classifier under gradient accumulation: whether its loss is each "
+                "micro-batch's mean or the step's sum over its counted rows depends on the "
+                "model's class; watch it without accumulation",
+                "TrainingArguments.gradient_accumulation_steps",
+            )
+        counted = int((labels != -100).sum())
+        if not counted:
+            raise ModelError("a batch whose every label is -100 has no loss to train on", "labels")
+        return float(counted) if counted < len(labels) else None
 
     def _watch(self, model: nn.Module, loss: str, forward: _Call) -> Watch:
         reduction = "tokens" if loss == "causal_lm" else "mean"

@@ -283,23 +283,33 @@ def test_dropout_on_dynamically_padded_batches_is_watched_as_each_example_alone(
     np.testing.assert_allclose(table["grad_norm"], norms, rtol=1e-8, atol=1e-12)
 
 
-def test_a_trainer_with_dropout_on_dynamically_padded_batches_trains_as_without(tmp_path):
-    """The Trainer's fine-tuning of a BERT classifier as most are run: dropout on, batches
-    padded to their longest row."""
+def _classifier_trainer(tmp_path, callbacks, accumulate=1):
+    """A BERT classifier's Trainer on rows of 2 to 6 tokens padded to each batch's longest, a
+    row's label -100 (not counted)."""
     rows = [{"input_ids": list(range(1, n + 1)), "labels": n % 2, "example_id": i}
             for i, n in enumerate([6, 3, 5, 4, 2, 6, 3, 5])]  # fmt: skip
+    rows[2]["labels"] = -100
+    model = _bert()
+    args = transformers.TrainingArguments(
+        str(tmp_path / "out"), per_device_train_batch_size=4 // accumulate, num_train_epochs=2,
+        gradient_accumulation_steps=accumulate, learning_rate=1e-2, remove_unused_columns=False,
+        report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
+        use_cpu=True, seed=0,
+    )  # fmt: skip
     data = datasets.Dataset.from_list(rows)
+    trainer = transformers.Trainer(
+        model, args, train_dataset=data, data_collator=_padded, callbacks=callbacks
+    )
+    return model, trainer
+
+
+def test_a_trainer_with_dropout_on_dynamically_padded_batches_trains_as_without(tmp_path):
+    """The Trainer's fine-tuning of a BERT classifier as most are run: dropout on, batches
+    padded to their longest row; a row not counted (label -100) left out of the mean, as the
+    model's own loss leaves it."""
     trained = []
     for callbacks in ([], [WatchCallback(tmp_path / "w.parquet")]):
-        model = _bert()
-        args = transformers.TrainingArguments(
-            str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=2,
-            learning_rate=1e-2, remove_unused_columns=False, report_to=[], save_strategy="no",
-            logging_strategy="no", disable_tqdm=True, use_cpu=True, seed=0,
-        )  # fmt: skip
-        trainer = transformers.Trainer(
-            model, args, train_dataset=data, data_collator=_padded, callbacks=callbacks
-        )
+        model, trainer = _classifier_trainer(tmp_path, callbacks)
         trainer.train()
         trained.append(model)
     for p, q in zip(*(m.parameters() for m in trained), strict=True):
@@ -307,6 +317,15 @@ def test_a_trainer_with_dropout_on_dynamically_padded_batches_trains_as_without(
     table = pq.read_table(tmp_path / "w.parquet").to_pydict()
     assert sorted(table["example_id"]) == sorted(list(range(8)) * 2)
     assert np.isfinite(table["grad_norm"]).all()
+
+
+def test_a_classifier_under_accumulation_is_one_line(tmp_path):
+    """Accumulated, a classifier's loss is its micro-batch's mean (BERT's) or the step's sum
+    over its counted rows (a model that takes num_items_in_batch): which, its class says."""
+    model, trainer = _classifier_trainer(tmp_path, [WatchCallback(tmp_path / "w.parquet")], 2)
+    with pytest.raises(ConfigError, match="gradient accumulation") as raised:
+        trainer.train()
+    assert "\n" not in str(raised.value) and "forward" not in model.__dict__
 
 
 def test_a_model_of_another_kind_is_one_line_before_it_trains(tmp_path):
