@@ -158,14 +158,14 @@ def _batch_way(run: Callable, inputs, targets: Tensor, losses: Tensor, asked, ap
     batch's booleans ``asked``; else ``drew`` (no check holds without the batch's masks)."""
     examples = sorted(i for group in apart.values() for i in group)
     others = [i for i in range(len(targets)) if i not in set(examples)]
-    for rows in ([*examples, others[0]] if others else None, None):
-        picked = torch.arange(len(targets)) if rows is None else torch.tensor(rows)
+    tries = [[*examples, others[0]]] if others else []
+    for rows in [*tries, list(range(len(targets)))]:
         reads = _Reads()
         with reads:
-            theirs = run(*_rows(inputs, targets, picked.to(targets.device)))[0]
+            theirs = run(*_rows(inputs, targets, torch.tensor(rows, device=targets.device)))[0]
         if tuple(reads.read[: len(asked)]) == tuple(asked):
             base = losses.detach().clone()
-            base[examples] = theirs.reshape(-1)[: len(examples)] if rows else theirs[examples]
+            base[examples] = theirs.reshape(-1)[[rows.index(i) for i in examples]]
             return base
     raise drew from None
 
