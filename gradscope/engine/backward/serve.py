@@ -59,13 +59,14 @@ def uses(plan: Plan, calls: Sequence[Call], reads: Sequence[Use]) -> dict[str, i
 
 def held_budget(calls: Sequence[Call]) -> int:
     """The elements a pass holds back to answer together at most, ``Grouped``'s calls and the
-    reducer's small parts each: a third of what the served calls' inputs and outputs hold.
+    reducer's small parts each: a quarter of what the served calls' inputs and outputs hold.
     The plain backward's peak is near its start, where it holds most of those (a layer's
-    output is the next op's input); the held calls' inputs are among them, and what the pass
-    adds to its peak is their output gradients and the stacks a group's run makes. A third
-    keeps the host and tiny workloads' peaks within 1.2x the plain backward's at the fewest
-    runs (H3's groups: 12 runs, not 4)."""
-    return sum(c.shape.numel() + sum(t.numel() for t in c.inputs) for c in calls) // 3
+    output is the next op's input) and the parameters' gradients; the held calls' inputs are
+    among them, and what the pass adds to its peak is their output gradients and the stacks
+    a group's run makes. A quarter keeps the host and tiny workloads' peaks within 1.2x the
+    plain backward's at the fewest runs: a third did at a batch of 4, where the parameters'
+    gradients are most of the peak, not at 16 (H5, whose every call is small: 1.23x)."""
+    return sum(c.shape.numel() + sum(t.numel() for t in c.inputs) for c in calls) // 4
 
 
 def summed(plan: Plan, formed: frozenset[str] | None, train: Sequence[Tensor]) -> dict[int, str]:
