@@ -5,6 +5,7 @@ inside it (``backward/``), run by ``Engine`` (``engine.py``); above it, the infl
 model is called (``forward``). ``README.md`` draws it. The rest of gradscope imports it from
 here."""
 
+from .analysis.undrawn import Drew, Undrawn
 from .backward.fallback import short_reason
 from .backward.reduce import Want
 from .backward.substitute import substituted
@@ -43,12 +44,14 @@ __all__ = [
     "BatchInfluence",
     "BatchScores",
     "CheckReport",
+    "Drew",
     "Engine",
     "Forward",
     "Influence",
     "Observe",
     "ParamPlan",
     "Plan",
+    "Undrawn",
     "Want",
     "build_plan",
     "check_engine",

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..engine.analysis.undrawn import Drew, Undrawn
+from ..engine import Drew, Undrawn
 from ..errors import ModelError
 from .record import rng, set_rng
 
