@@ -2,12 +2,15 @@
 
     python benchmarks/watch.py [--workloads W1,W3] [--pairs 3] [--rounds 15] [--warmup 20]
                                [--against /work/main] [--heap kept] [--threads 1] [--record]
+                               [--dropout 0.1]
 
 Each workload's model trains (train mode, SGD) on its batch: the plain step is zero_grad,
 the forward, ``losses.mean().backward()`` and ``optimizer.step()``; the watched step is the
 same with ``Watch.step(...).backward()`` in place of the forward and backward (rows written to
 a temporary Parquet file; with ``--record`` its run record too: ``record=``, a checkpoint every
-32 steps). Each runs in a process of its own, so no heap is shared between the two, nor what
+32 steps). ``--dropout P`` sets every ``nn.Dropout``'s probability, and an attention's held as
+``dropout_prob`` or ``attention_dropout`` (BERT's, LLaMA's), to P: W6's batches, padded to
+their longest rows, then check each unpadded row's way with dropout left out. Each runs in a process of its own, so no heap is shared between the two, nor what
 one leaves for the other to fault in; the processes of a pair (plain, watched, and
 with ``--against DIR`` the watched step of the gradscope in DIR, another worktree: main) warm
 up with ``--warmup`` steps, then take ``--rounds`` steps by turns, one step each, in an order
@@ -60,14 +63,16 @@ def _serve(step, warmup: int) -> None:
         print(json.dumps({"time": seconds, "faults": faults}), flush=True)
 
 
-def child(name: str, mode: str, warmup: int, folder: Path, record: bool) -> None:
+def child(name: str, mode: str, warmup: int, folder: Path, record: bool, dropout: float) -> None:
     """One process's steps of ``mode`` (plain or watched, ``record``: with its run record) on
-    workload ``name``."""
+    workload ``name``, its dropout at ``dropout`` where it is above 0."""
     from gradscope.losses import resolve_loss
     from gradscope.training.watch import Watch
 
     problem = WORKLOADS[name].build()
     model = problem.model.train()
+    if dropout:
+        _dropped(model, dropout)
     x, y = problem.inputs, problem.targets
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     if mode == "plain":
@@ -93,6 +98,16 @@ def child(name: str, mode: str, warmup: int, folder: Path, record: bool) -> None
         return _serve(watched, warmup)
 
 
+def _dropped(model: torch.nn.Module, p: float) -> None:
+    """Every dropout of ``model`` at ``p``: its ``nn.Dropout`` modules', its attentions'."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = p
+        for name in ("dropout_prob", "attention_dropout"):
+            if isinstance(getattr(m, name, None), float):
+                setattr(m, name, p)
+
+
 def _spawn(name: str, mode: str, package: Path, args: argparse.Namespace) -> subprocess.Popen:
     """``child`` in a fresh process importing gradscope from ``package``."""
     env = dict(os.environ, PYTHONPATH=str(package), OMP_NUM_THREADS=str(args.threads))
@@ -100,6 +115,7 @@ def _spawn(name: str, mode: str, package: Path, args: argparse.Namespace) -> sub
     command = [sys.executable, str(HERE), "--child", mode, "--workloads", name,
                "--warmup", str(args.warmup), "--threads", str(args.threads)]  # fmt: skip
     command += ["--record"] if args.record else []
+    command += ["--dropout", str(args.dropout)]
     return subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)  # fmt: skip
 
@@ -174,6 +190,7 @@ def main() -> None:
     parser.add_argument("--against", type=Path, help="another tree's gradscope, watched too")
     parser.add_argument("--heap", choices=("kept", "system"), default="kept")
     parser.add_argument("--record", action="store_true", help="the watch writes a run record")
+    parser.add_argument("--dropout", type=float, default=0.0, help="every dropout at this")
     parser.add_argument("--child", choices=("plain", "watched"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -182,7 +199,8 @@ def main() -> None:
 
         with tempfile.TemporaryDirectory() as folder:
             try:
-                child(args.workloads, args.child, args.warmup, Path(folder), args.record)
+                child(args.workloads, args.child, args.warmup, Path(folder), args.record,
+                      args.dropout)  # fmt: skip
             except GradscopeError as e:  # a model or loss the watch refuses
                 print(json.dumps({"refused": e.what}), flush=True)
         return
