@@ -1,11 +1,11 @@
-"""The watch as a Hugging Face ``Trainer`` callback, for causal language models and single-label
+"""The watch as a Hugging Face ``Trainer`` callback, for causal language models and sequence
 classifiers.
 
 From the start of training to its end, the model's training calls (in train mode, with
 ``labels``) run through ``Watch.step``: the engine's forward and its one backward, which
 gives the gradient of the loss the ``Trainer`` would have taken (a language model's: the mean
 over every counted next token of the step, micro-batches of an accumulated step included; a
-classifier's: the mean over the call's rows, as its own loss is), and returns that loss,
+classifier's: the mean over the call's counted rows, as its own loss is), and returns that loss,
 whose backward, the ``Trainer``'s, adds that gradient to ``.grad`` without running the model.
 The dataset carries each row's id in a column (``ids``, default ``example_id``) that the
 collator passes along: set ``remove_unused_columns=False``. With ``record``, the run record
@@ -62,6 +62,7 @@ class WatchCallback(TrainerCallback):
         self.record, self.segment = record, segment
         self.recorded: dict = {}  # Watch's record arguments, once the Trainer has an optimizer
         self.watch: Watch | None = None
+        self.loss = "causal_lm"  # the loss the first step read off the model and its labels
         self.epoch = 0
         self.first = 0  # the first step's number: a resumed run's goes on
         self.accumulated = False  # whether the Trainer accumulates micro-batches
@@ -128,12 +129,15 @@ class WatchCallback(TrainerCallback):
         names = tuple(kwargs)
         try:
             if self.watch is None:  # the first step: the batch's keys are the model's inputs
-                self.watch = self._watch(model, _task(model, labels), _Call(original, names))
+                self.loss = _task(model, labels)
+                self.watch = self._watch(model, self.loss, _Call(original, names))
             lm = self.watch.lm
             # a language model's step's tokens where the Trainer counts them (it divides the
-            # loss by the number of micro-batches it accumulates otherwise), else the batch's
+            # loss by the number of micro-batches it accumulates otherwise), else the batch's;
+            # a classifier's counted rows; a regression's or a multi-label one's, every row
             divisor = float(items) if items is not None else None
-            divisor = divisor if lm else self._rows(labels, items)
+            if not lm:
+                divisor = self._rows(labels, items) if self.loss == "cross_entropy" else None
             loss = self.watch.step(tuple(kwargs[k] for k in names), labels, ids,
                                    epoch=self.epoch, divisor=divisor)  # fmt: skip
         except BaseException as e:  # Ctrl-C or an error in the step: the model as it was
@@ -169,22 +173,44 @@ class WatchCallback(TrainerCallback):
 def _task(model: nn.Module, labels: Tensor) -> str:
     """The loss the model takes of ``labels``, by its kind as the ``Trainer`` tells it (its
     class among transformers' causal language models, or sequence classifiers): a causal
-    language model's, of a row of tokens each, or a single-label classifier's, of one class
-    each; else refused (a token classifier's labels look like a language model's, unshifted)."""
+    language model's, of a row of tokens each; a sequence classifier's as its own loss picks it
+    (``_problem``); else refused (a token classifier's labels look like a language model's,
+    unshifted)."""
     name, config = type(model).__name__, getattr(model, "config", None)
     problem, classes = getattr(config, "problem_type", None), getattr(config, "num_labels", 0)
     if _kind(name, CAUSAL_LM, "ForCausalLM", "LMHeadModel") and labels.dim() == 2:
         return "causal_lm"
-    one_class = labels.dim() == 1 and not labels.is_floating_point() and classes > 1
-    single = problem in (None, "single_label_classification")
-    if _kind(name, CLASSIFIERS, "ForSequenceClassification") and one_class and single:
-        return "cross_entropy"
+    loss = _problem(problem, classes, labels)
+    if _kind(name, CLASSIFIERS, "ForSequenceClassification") and loss is not None:
+        return loss
     raise ConfigError(
-        "the watch serves causal language models (labels a row of tokens each) and "
-        f"single-label sequence classifiers (one class each): not a {name} with labels "
+        "the watch serves causal language models (labels a row of tokens each) and sequence "
+        f"classifiers (a label or a row of {classes} a row): not a {name} with labels "
         f"{tuple(labels.shape)} {labels.dtype}, problem_type {problem!r}, {classes} labels",
         "Trainer",
     )
+
+
+def _problem(problem: str | None, classes: int, labels: Tensor) -> str | None:
+    """A sequence classifier's loss as transformers' own picks it (``problem_type``, else by
+    its labels: one label a regression, integer classes one each, else several): the mean over
+    the rows of ``cross_entropy``, ``mse`` or ``bce_with_logits``; None where the labels do not
+    fit it."""
+    if problem is None:
+        if classes == 1:
+            problem = "regression"
+        elif classes > 1 and labels.dtype in (torch.long, torch.int):
+            problem = "single_label_classification"
+        else:
+            problem = "multi_label_classification"
+    rows = len(labels)
+    if problem == "single_label_classification" and labels.dim() == 1:
+        return None if labels.is_floating_point() else "cross_entropy"
+    if problem == "regression" and labels.numel() == rows * classes:
+        return "mse"
+    if problem == "multi_label_classification" and labels.shape == (rows, classes):
+        return "bce_with_logits"
+    return None
 
 
 def _kind(name: str, names: frozenset[str], *endings: str) -> bool:

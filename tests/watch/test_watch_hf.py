@@ -225,12 +225,12 @@ def test_a_trainer_with_dropout_records_a_run_the_replay_retraces(tmp_path):
     assert scores.shape == (8,) and np.isfinite(scores).all() and np.abs(scores).max() > 0
 
 
-def _bert() -> transformers.BertForSequenceClassification:
+def _bert(classes: int = 2) -> transformers.BertForSequenceClassification:
     """A BERT classifier with its dropout on (0.1, in its layers and in its attention)."""
     torch.manual_seed(0)
     config = transformers.BertConfig(
         vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=16, max_position_embeddings=8, num_labels=2,
+        intermediate_size=16, max_position_embeddings=8, num_labels=classes,
     )  # fmt: skip
     return transformers.BertForSequenceClassification(config).double().train()
 
@@ -283,13 +283,24 @@ def test_dropout_on_dynamically_padded_batches_is_watched_as_each_example_alone(
     np.testing.assert_allclose(table["grad_norm"], norms, rtol=1e-8, atol=1e-12)
 
 
-def _classifier_trainer(tmp_path, callbacks, accumulate=1):
-    """A BERT classifier's Trainer on rows of 2 to 6 tokens padded to each batch's longest, a
-    row's label -100 (not counted)."""
-    rows = [{"input_ids": list(range(1, n + 1)), "labels": n % 2, "example_id": i}
+# a sequence classifier's kinds, as transformers' own loss tells them by their labels: the
+# number of labels, and each row's label of its length n
+PROBLEMS = {
+    "single": (2, lambda n: n % 2),
+    "regression": (1, lambda n: n / 6),
+    "multi": (3, lambda n: [float(n % 2), float(n // 2 % 2), float(n > 4)]),
+}
+
+
+def _classifier_trainer(tmp_path, callbacks, accumulate=1, problem="single"):
+    """A BERT classifier's Trainer on rows of 2 to 6 tokens padded to each batch's longest;
+    single-label, a row's label -100 (not counted)."""
+    classes, label = PROBLEMS[problem]
+    rows = [{"input_ids": list(range(1, n + 1)), "labels": label(n), "example_id": i}
             for i, n in enumerate([6, 3, 5, 4, 2, 6, 3, 5])]  # fmt: skip
-    rows[2]["labels"] = -100
-    model = _bert()
+    if problem == "single":
+        rows[2]["labels"] = -100
+    model = _bert(classes)
     args = transformers.TrainingArguments(
         str(tmp_path / "out"), per_device_train_batch_size=4 // accumulate, num_train_epochs=2,
         gradient_accumulation_steps=accumulate, learning_rate=1e-2, remove_unused_columns=False,
@@ -303,13 +314,14 @@ def _classifier_trainer(tmp_path, callbacks, accumulate=1):
     return model, trainer
 
 
-def test_a_trainer_with_dropout_on_dynamically_padded_batches_trains_as_without(tmp_path):
+@pytest.mark.parametrize("problem", sorted(PROBLEMS))
+def test_a_trainer_with_dropout_on_dynamically_padded_batches_trains_as_without(tmp_path, problem):
     """The Trainer's fine-tuning of a BERT classifier as most are run: dropout on, batches
-    padded to their longest row; a row not counted (label -100) left out of the mean, as the
-    model's own loss leaves it."""
+    padded to their longest row; single-label, a row not counted (label -100) left out of the
+    mean, as the model's own loss leaves it; a regression and a multi-label one too."""
     trained = []
     for callbacks in ([], [WatchCallback(tmp_path / "w.parquet")]):
-        model, trainer = _classifier_trainer(tmp_path, callbacks)
+        model, trainer = _classifier_trainer(tmp_path, callbacks, problem=problem)
         trainer.train()
         trained.append(model)
     for p, q in zip(*(m.parameters() for m in trained), strict=True):
