@@ -11,6 +11,8 @@ tensor it reduced for the same (``replay/owned.py``)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -114,8 +116,14 @@ class Branches:
     def owned(self) -> tuple[list[int], list[Tensor]] | None:
         """Which reads are of the batch's values, and each example's own value of each, where
         every one has them (``read``); else None (the examples run alone to read them)."""
-        whole = self.own and all(o is not None for o in self.own)
-        return (self.doubts, self.own) if whole else None
+        return owned(self.doubts, self.own)
+
+
+def owned(doubts: Sequence[int], own: Sequence[Tensor | None]) -> tuple | None:
+    """``(doubts, own)`` where each read of the batch's values ``doubts`` has its examples' own
+    values in ``own``; else None (the examples run alone to read them)."""
+    whole = len(own) == len(doubts) and all(o is not None for o in own)
+    return (doubts, own) if whole and own else None
 
 
 # how each example's own value of a read is computed: the owners of the tensor reduced, and

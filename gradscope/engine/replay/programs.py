@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ...errors import ModelError
+from ..analysis.branches import owned
 from ..analysis.seeded import Seeded
 from ..analysis.selfcheck import PLAIN, check_alone
 from ..analysis.ways import check_branches
@@ -126,10 +127,8 @@ class Replayed:
         if program.alone:  # the same plain number read: alone, each example may read another
             check_alone(self.losses, inputs, targets, losses, True, PLAIN)
         elif program.branches:  # the same branches taken: alone, each example may take another
-            owned = session.owned  # each example's own values, where every read's was seen
-            whole = len(owned) == len(program.doubts) and all(o is not None for o in owned)
-            owned = (program.doubts, owned) if whole else None
-            check_branches(self.losses, inputs, targets, losses, program.branches, owned)
+            own = owned(program.doubts, session.owned)  # where every read's own was seen
+            check_branches(self.losses, inputs, targets, losses, program.branches, own)
         return captured, reducer
 
     def _session(
