@@ -376,3 +376,28 @@ def assert_projections_match_loop(case: Case, rtol: float = 1e-9) -> None:
                     if parts[name] is not None:
                         assert_rel_close(parts[name].project(p), expected, rtol)
     assert_fallback(engine, case.fallback)
+
+
+def redrawn_norms(
+    model: nn.Module,
+    rows: int,
+    steps: int,
+    row_loss: Callable[[int], Tensor],
+    batch_loss: Callable[[], Tensor],
+    seed: int = 3,
+) -> list[float]:
+    """Each row's gradient norm over ``steps`` watched steps begun at ``seed``, a forward that
+    draws (dropout) drawing each step's masks again from the state the step began in: row
+    ``i``'s loss ``row_loss(i)``, then the step's ``batch_loss()`` backward into ``.grad``,
+    which leaves the generator where one forward leaves it, as the watched step does."""
+    torch.manual_seed(seed)
+    params, norms = list(model.parameters()), []
+    for _ in range(steps):
+        began = torch.get_rng_state()
+        for i in range(rows):
+            torch.set_rng_state(began)
+            grads = torch.autograd.grad(row_loss(i), params, allow_unused=True)
+            norms.append(sum(g.square().sum() for g in grads if g is not None).sqrt().item())
+        torch.set_rng_state(began)
+        batch_loss().backward()
+    return norms

@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from oracle import redrawn_norms
 from tied_seq import TiedSeq
 from torch import nn
 
@@ -108,17 +109,10 @@ def test_dropout_is_watched_under_the_masks_its_step_drew(tmp_path):
         for _ in range(2):
             watch.step(x, y, torch.arange(6)).backward()
     after = torch.get_rng_state()
-    torch.manual_seed(3)
-    norms = []
-    for _ in range(2):
-        began = torch.get_rng_state()
-        for i in range(6):  # example i's own loss, the batch's masks redrawn
-            torch.set_rng_state(began)
-            loss = nn.functional.cross_entropy(plain(x)[i], y[i])
-            grads = torch.autograd.grad(loss, list(plain.parameters()))
-            norms.append(torch.stack([g.square().sum() for g in grads]).sum().sqrt().item())
-        torch.set_rng_state(began)
-        nn.functional.cross_entropy(plain(x), y).backward()
+    norms = redrawn_norms(  # example i's own loss, the batch's masks redrawn
+        plain, 6, 2, lambda i: nn.functional.cross_entropy(plain(x)[i], y[i]),
+        lambda: nn.functional.cross_entropy(plain(x), y),
+    )  # fmt: skip
     assert torch.equal(torch.get_rng_state(), after)
     for p, q in zip(watched.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)

@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from oracle import redrawn_norms
 from torch import nn
 
 from gradscope.errors import ModelError
@@ -24,20 +25,15 @@ def _data(n: int):
 
 def _own_norms(model: nn.Module, x, y, steps: int, way) -> list[float]:
     """Each example's gradient norm over ``steps`` steps seeded as the watched ones, its loss
-    ``way(h, i)`` of its rows of the batch's dropped-out features ``h``, the masks drawn again;
-    each step's batch gradient added to ``.grad`` as the watched run's."""
-    torch.manual_seed(3)
-    norms = []
-    for _ in range(steps):
-        began = torch.get_rng_state()
-        for i in range(len(y)):
-            torch.set_rng_state(began)
-            loss = nn.functional.cross_entropy(way(model.drop(model.fc(x))[i], i), y[i])
-            grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
-            norms.append(sum(0 if g is None else g.square().sum() for g in grads).sqrt().item())
-        torch.set_rng_state(began)
-        nn.functional.cross_entropy(model(x), y).backward()
-    return norms
+    ``way(h, i)`` of its rows of the batch's dropped-out features ``h``, the masks drawn again
+    (``oracle.redrawn_norms``)."""
+
+    def row(i: int):
+        return nn.functional.cross_entropy(way(model.drop(model.fc(x))[i], i), y[i])
+
+    return redrawn_norms(
+        model, len(y), steps, row, lambda: nn.functional.cross_entropy(model(x), y)
+    )
 
 
 class _DroppedBranch(nn.Module):

@@ -9,6 +9,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from oracle import redrawn_norms
 
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
@@ -263,20 +264,10 @@ def test_dropout_on_dynamically_padded_batches_is_watched_as_each_example_alone(
     with Watch(model, tmp_path / "w.parquet", keywords=keywords, output="logits") as watch:
         for _ in range(2):
             watch.step(inputs, y, torch.arange(4)).backward()
-    torch.manual_seed(3)
-    norms = []
-    for _ in range(2):
-        began = torch.get_rng_state()
-        for i in range(4):  # example i's loss under the batch's masks, drawn again
-            torch.set_rng_state(began)
-            logits = plain(input_ids=inputs[0], attention_mask=inputs[1]).logits
-            grads = torch.autograd.grad(
-                torch.nn.functional.cross_entropy(logits[i], y[i]), list(plain.parameters()),
-                allow_unused=True,
-            )  # fmt: skip
-            norms.append(sum(g.square().sum() for g in grads if g is not None).sqrt().item())
-        torch.set_rng_state(began)
-        torch.nn.functional.cross_entropy(plain(*inputs).logits, y).backward()
+    norms = redrawn_norms(  # example i's loss under the batch's masks, drawn again
+        plain, 4, 2, lambda i: torch.nn.functional.cross_entropy(plain(*inputs).logits[i], y[i]),
+        lambda: torch.nn.functional.cross_entropy(plain(*inputs).logits, y),
+    )  # fmt: skip
     for p, q in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
     table = pq.read_table(tmp_path / "w.parquet").to_pydict()
