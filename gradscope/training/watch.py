@@ -5,8 +5,8 @@ optimizer steps on, and each example's loss, norm and margin go to Parquet by it
 ``Watch.step`` replaces ``loss = loss_fn(model(x), y); loss.backward()`` in a loop: the
 parameters' ``.grad`` receive the gradient of the training loss (the mean of the per-example
 losses, or with ``reduction="tokens"`` the mean over every counted token of the batch, as
-Hugging Face's causal LM loss), from the same backward that serves the rules, so the optimizer
-steps as it would without the watch. ``gradscope report`` on the file draws the data map.
+Hugging Face's causal LM, token classification and masked LM losses), from the same backward
+that serves the rules, so the optimizer steps as it would without the watch. ``gradscope report`` on the file draws the data map.
 """
 
 from __future__ import annotations
@@ -30,19 +30,23 @@ from .watchfile import WatchFile
 from .watchrecord import SEGMENT, recording
 
 REDUCTIONS = ("mean", "tokens")  # the training loss: the mean over examples, or over tokens
+TOKENWISE = ("causal_lm", "cross_entropy", "nll")  # the losses of a class id per token
 OnStep = Callable[[int, np.ndarray], None]  # (0-based step, the batch's ids in order)
 
 
-def _token_view(outputs: Tensor, targets: Tensor, ignore_index: int) -> dict[str, Tensor]:
-    """Next-token logits (B, T, V) and token ids (B, T) -> each example's margin (the mean
-    over its counted tokens of the target's logit minus the best other) and correct (the
-    share of them predicted); NaN where none counts. Its prob, ``exp(-loss)``, the watch
-    adds."""
-    logits, target = outputs[:, :-1], targets[:, 1:].long()  # (B, T-1, V), (B, T-1)
+def _token_view(
+    outputs: Tensor, targets: Tensor, ignore_index: int, shift: bool
+) -> dict[str, Tensor]:
+    """Logits (B, T, V) and class ids (B, T), each token's (``shift``: next-token logits, the
+    targets one on) -> each example's margin (the mean over its counted tokens of the target's
+    logit minus the best other) and correct (the share of them predicted); NaN where none
+    counts. Its prob, ``exp(-loss)``, the watch adds."""
+    logits, target = (outputs[:, :-1], targets[:, 1:]) if shift else (outputs, targets)
+    target = target.long()  # (B, T', V) and (B, T'), T' = T - 1 shifted
     counted = target != ignore_index
-    safe = torch.where(counted, target, 0).unsqueeze(-1)  # (B, T-1, 1)
-    mine = logits.gather(-1, safe).squeeze(-1).double()  # (B, T-1)
-    top, at = logits.topk(2, dim=-1)  # (B, T-1, 2)
+    safe = torch.where(counted, target, 0).unsqueeze(-1)  # (B, T', 1)
+    mine = logits.gather(-1, safe).squeeze(-1).double()  # (B, T')
+    top, at = logits.topk(2, dim=-1)  # (B, T', 2)
     best = top[..., 0].double()
     other = torch.where(at[..., 0] == safe.squeeze(-1), top[..., 1].double(), best)
     n = counted.sum(1).double()  # (B,)
@@ -57,15 +61,18 @@ def _token_view(outputs: Tensor, targets: Tensor, ignore_index: int) -> dict[str
 
 def _observer(name: str | LossFn, kwargs: dict) -> Callable[[Tensor, Tensor], dict] | None:
     """What the watch reads off each step's output: pred, prob, margin and correct for one
-    label per example; margin and correct over the tokens for causal_lm; else nothing."""
+    label per example; margin and correct over the tokens for causal_lm, and for a class id
+    per token (a token classifier's, a masked LM's); else nothing."""
     ignore_index = int(kwargs.get("ignore_index", -100))
     if name == "causal_lm":
-        return lambda outputs, targets: _token_view(outputs, targets, ignore_index)
+        return lambda outputs, targets: _token_view(outputs, targets, ignore_index, True)
     classes = predictions(name, kwargs) if isinstance(name, str) else None
     if classes is None:
         return None
 
     def observe(outputs: Tensor, targets: Tensor) -> dict[str, Tensor]:
+        if name in TOKENWISE and outputs.dim() == 3 and targets.shape == outputs.shape[:2]:
+            return _token_view(outputs, targets, ignore_index, False)
         if name != "bce_with_logits" and (outputs.dim() != 2 or targets.dim() != 1):
             return {}  # a label per position: none per example (and no float64 copy of it)
         seen = classes(outputs, targets)
@@ -146,8 +153,12 @@ class Watch:
     ):
         if reduction not in REDUCTIONS:
             raise ConfigError(f"reduction must be one of {', '.join(REDUCTIONS)}", "reduction")
-        if reduction == "tokens" and loss != "causal_lm":
-            raise ConfigError("reduction='tokens' is causal_lm's: the mean over tokens", "loss")
+        if reduction == "tokens" and loss not in TOKENWISE:
+            raise ConfigError(
+                "reduction='tokens' is the mean over a class id per token: causal_lm's, "
+                "cross_entropy's or nll's",
+                "loss",
+            )
         kwargs = dict(loss_kwargs or {})
         self.tokens = reduction == "tokens"
         self.lm = loss == "causal_lm"
@@ -255,15 +266,17 @@ class Watch:
             loss = torch.where(counts > 0, loss / counts.clamp_min(1), float("nan"))
             norm = torch.where(counts > 0, norm / counts.clamp_min(1), 0.0)
         observed = scores.observed
-        if self.lm:  # the geometric mean of its tokens' probabilities
-            observed = {**observed, "prob": (-loss).exp()}
+        if "margin" in observed and "prob" not in observed:  # a token view's: the geometric
+            observed = {**observed, "prob": (-loss).exp()}  # mean of its tokens' probabilities
         self.file.write(self.steps, epoch, ids, loss, norm, observed, targets)
         if self.on_step is not None:
             self.on_step(self.steps, ids)
         self.steps += 1
 
     def _counts(self, targets: Tensor) -> Tensor | None:
-        """(B,) float64 counted next tokens of each example, for a mean over tokens."""
+        """(B,) float64 counted tokens of each example (causal_lm's next tokens), for a mean
+        over tokens."""
         if not self.tokens:
             return None
-        return (targets[:, 1:] != self.ignore_index).sum(1).double().cpu()
+        counted = (targets[:, 1:] if self.lm else targets) != self.ignore_index
+        return counted.flatten(1).sum(1).double().cpu()

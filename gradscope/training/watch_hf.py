@@ -1,11 +1,12 @@
-"""The watch as a Hugging Face ``Trainer`` callback, for causal language models and sequence
-classifiers.
+"""The watch as a Hugging Face ``Trainer`` callback, for causal language models, sequence and
+token classifiers and masked language models.
 
 From the start of training to its end, the model's training calls (in train mode, with
 ``labels``) run through ``Watch.step``: the engine's forward and its one backward, which
 gives the gradient of the loss the ``Trainer`` would have taken (a language model's: the mean
 over every counted next token of the step, micro-batches of an accumulated step included; a
-classifier's: the mean over the call's counted rows, as its own loss is), and returns that loss,
+sequence classifier's: the mean over the call's counted rows, as its own loss is; a token
+classifier's or a masked language model's: over the call's counted tokens), and returns that loss,
 whose backward, the ``Trainer``'s, adds that gradient to ``.grad`` without running the model.
 The dataset carries each row's id in a column (``ids``, default ``example_id``) that the
 collator passes along: set ``remove_unused_columns=False``. With ``record``, the run record
@@ -25,10 +26,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from transformers import TrainerCallback
-from transformers.modeling_outputs import CausalLMOutput, SequenceClassifierOutput
+from transformers.modeling_outputs import (
+    CausalLMOutput,
+    MaskedLMOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
 )
 
 from ..errors import ConfigError, ModelError
@@ -38,6 +45,13 @@ from .watchrecord import SEGMENT
 
 CAUSAL_LM = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 CLASSIFIERS = frozenset(MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.values())
+TAGGERS = frozenset(MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES.values())
+OUTPUTS = {  # the output the Trainer reads the loss off, by the model's kind
+    "lm": CausalLMOutput,
+    "sequence": SequenceClassifierOutput,
+    "token": TokenClassifierOutput,
+    "masked": MaskedLMOutput,  # by its name only: transformers' masked-LM mapping names
+}  # seq2seq models too, whose labels feed their decoder
 _CLASS = object()  # the model had no forward of its own: its class's serves
 UNSUPPORTED = {
     "fp16": "fp16 training (its loss scaler is untested with the watch)",
@@ -62,7 +76,8 @@ class WatchCallback(TrainerCallback):
         self.record, self.segment = record, segment
         self.recorded: dict = {}  # Watch's record arguments, once the Trainer has an optimizer
         self.watch: Watch | None = None
-        self.loss = "causal_lm"  # the loss the first step read off the model and its labels
+        self.kind = "lm"  # the model's kind, and its loss and reduction: the first step's
+        self.task = ("causal_lm", "tokens")
         self.epoch = 0
         self.first = 0  # the first step's number: a resumed run's goes on
         self.accumulated = False  # whether the Trainer accumulates micro-batches
@@ -129,64 +144,72 @@ class WatchCallback(TrainerCallback):
         names = tuple(kwargs)
         try:
             if self.watch is None:  # the first step: the batch's keys are the model's inputs
-                self.loss = _task(model, labels)
-                self.watch = self._watch(model, self.loss, _Call(original, names))
-            lm = self.watch.lm
-            # a language model's step's tokens where the Trainer counts them (it divides the
-            # loss by the number of micro-batches it accumulates otherwise), else the batch's;
-            # a classifier's counted rows; a regression's or a multi-label one's, every row
-            divisor = float(items) if items is not None else None
-            if not lm:
-                divisor = self._rows(labels, items) if self.loss == "cross_entropy" else None
+                self.kind, self.task = _task(model, labels)
+                self.watch = self._watch(model, _Call(original, names))
             loss = self.watch.step(tuple(kwargs[k] for k in names), labels, ids,
-                                   epoch=self.epoch, divisor=divisor)  # fmt: skip
+                                   epoch=self.epoch, divisor=self._divisor(labels, items))  # fmt: skip
         except BaseException as e:  # Ctrl-C or an error in the step: the model as it was
             self._release(model, e)
             raise
-        return CausalLMOutput(loss=loss) if lm else SequenceClassifierOutput(loss=loss)
+        return OUTPUTS[self.kind](loss=loss)
 
-    def _rows(self, labels: Tensor, items: Any) -> float | None:
-        """A classifier's divisor: its counted rows (a label of -100 is not counted), where the
-        model's own loss is their mean, as every one is without accumulation (``CrossEntropyLoss``
-        or the step's count, ``num_items_in_batch``, one and the same); accumulated, the two
-        differ and which the model takes is its class's: refused."""
+    def _divisor(self, labels: Tensor, items: Any) -> float | None:
+        """What the step's loss is over: a language model's step's tokens where the Trainer
+        counts them (it divides the loss by the number of micro-batches it accumulates
+        otherwise), else the batch's; a classifier's counted rows, or tokens (a label of -100
+        is not counted); a regression's or a multi-label one's, every row."""
+        if self.kind == "lm":
+            return float(items) if items is not None else None
+        return self._counted(labels, items) if self.task[0] == "cross_entropy" else None
+
+    def _counted(self, labels: Tensor, items: Any) -> float | None:
+        """A classifier's divisor: its counted rows or tokens, where the model's own loss is
+        their mean, as every one is without accumulation (``CrossEntropyLoss`` or the step's
+        count, ``num_items_in_batch``, one and the same); accumulated, the two differ and which
+        the model takes is its class's: refused."""
         if self.accumulated and items is not None:
             raise ConfigError(
                 "a classifier under gradient accumulation: whether its loss is each "
-                "micro-batch's mean or the step's sum over its counted rows depends on the "
+                "micro-batch's mean or the step's sum over its counted labels depends on the "
                 "model's class; watch it without accumulation",
                 "TrainingArguments.gradient_accumulation_steps",
             )
         counted = int((labels != -100).sum())
         if not counted:
             raise ModelError("a batch whose every label is -100 has no loss to train on", "labels")
-        return float(counted) if counted < len(labels) else None
+        return float(counted) if counted < labels.numel() else None
 
-    def _watch(self, model: nn.Module, loss: str, forward: _Call) -> Watch:
-        reduction = "tokens" if loss == "causal_lm" else "mean"
+    def _watch(self, model: nn.Module, forward: _Call) -> Watch:
+        loss, reduction = self.task
         return Watch(
             model, self.out, loss, reduction=reduction, on_step=self.on_step, forward=forward,
             step=self.first, **self.recorded,
         ).__enter__()  # fmt: skip
 
 
-def _task(model: nn.Module, labels: Tensor) -> str:
-    """The loss the model takes of ``labels``, by its kind as the ``Trainer`` tells it (its
-    class among transformers' causal language models, or sequence classifiers): a causal
-    language model's, of a row of tokens each; a sequence classifier's as its own loss picks it
-    (``_problem``); else refused (a token classifier's labels look like a language model's,
-    unshifted)."""
+def _task(model: nn.Module, labels: Tensor) -> tuple[str, tuple[str, str]]:
+    """The model's kind as the ``Trainer`` tells it (its class among transformers' causal
+    language models, sequence or token classifiers, or masked language models), and the loss
+    and reduction it takes of ``labels``: a causal language model's, of a row of tokens each,
+    shifted; a sequence classifier's as its own loss picks it (``_problem``); a token
+    classifier's or a masked language model's, a class id per token, unshifted; else refused."""
     name, config = type(model).__name__, getattr(model, "config", None)
     problem, classes = getattr(config, "problem_type", None), getattr(config, "num_labels", 0)
-    if _kind(name, CAUSAL_LM, "ForCausalLM", "LMHeadModel") and labels.dim() == 2:
-        return "causal_lm"
+    ids = labels.dim() == 2 and not labels.is_floating_point()
+    if _kind(name, CAUSAL_LM, "ForCausalLM", "LMHeadModel") and ids:
+        return "lm", ("causal_lm", "tokens")
+    if _kind(name, TAGGERS, "ForTokenClassification") and ids:
+        return "token", ("cross_entropy", "tokens")
+    if name.endswith("ForMaskedLM") and ids:
+        return "masked", ("cross_entropy", "tokens")
     loss = _problem(problem, classes, labels)
     if _kind(name, CLASSIFIERS, "ForSequenceClassification") and loss is not None:
-        return loss
+        return "sequence", (loss, "mean")
     raise ConfigError(
-        "the watch serves causal language models (labels a row of tokens each) and sequence "
-        f"classifiers (a label or a row of {classes} a row): not a {name} with labels "
-        f"{tuple(labels.shape)} {labels.dtype}, problem_type {problem!r}, {classes} labels",
+        "the watch serves causal and masked language models and token classifiers (a row of "
+        f"class ids each) and sequence classifiers (a label or a row of {classes} a row): not "
+        f"a {name} with labels {tuple(labels.shape)} {labels.dtype}, problem_type "
+        f"{problem!r}, {classes} labels",
         "Trainer",
     )
 

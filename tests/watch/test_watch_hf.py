@@ -332,15 +332,16 @@ def test_a_classifier_under_accumulation_is_one_line(tmp_path):
 
 
 def test_a_model_of_another_kind_is_one_line_before_it_trains(tmp_path):
-    """A token classifier's labels look like a language model's (a row each), which the watch
-    would shift: refused at the first step, the model's own forward given back."""
+    """A multiple-choice model's labels look like a sequence classifier's (a class a row),
+    which it is not: refused at the first step, the model's own forward given back."""
     torch.manual_seed(0)
     config = transformers.BertConfig(
         vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
         intermediate_size=16, max_position_embeddings=8, num_labels=2,
     )  # fmt: skip
-    model = transformers.BertForTokenClassification(config).double()
-    rows = [{"input_ids": [1, 2, 3, 4], "labels": [0, 1, 0, 1], "example_id": i} for i in range(4)]
+    model = transformers.BertForMultipleChoice(config).double()
+    rows = [{"input_ids": [[1, 2, 3], [3, 2, 1]], "labels": i % 2, "example_id": i}
+            for i in range(4)]  # fmt: skip
     args = transformers.TrainingArguments(
         str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=1,
         remove_unused_columns=False, report_to=[], save_strategy="no", logging_strategy="no",
@@ -349,7 +350,7 @@ def test_a_model_of_another_kind_is_one_line_before_it_trains(tmp_path):
     data = datasets.Dataset.from_list(rows)
     callback = WatchCallback(tmp_path / "w.parquet")
     trainer = transformers.Trainer(model, args, train_dataset=data, callbacks=[callback])
-    with pytest.raises(ConfigError, match="not a BertForTokenClassification") as raised:
+    with pytest.raises(ConfigError, match="not a BertForMultipleChoice") as raised:
         trainer.train()
     assert "\n" not in str(raised.value) and "forward" not in model.__dict__
     assert not (tmp_path / "w.parquet").exists()

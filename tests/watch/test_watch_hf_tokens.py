@@ -1,0 +1,141 @@
+"""The watch of a class id per token, unshifted: a token classifier's and a masked language
+model's loss, the mean over the batch's counted tokens, under dropout, on batches padded to
+their longest row (labels -100 where padded, as ``DataCollatorForTokenClassification`` pads)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.nn.functional as F
+from oracle import redrawn_norms
+
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+
+from gradscope.errors import ConfigError  # noqa: E402
+from gradscope.training.watch import Watch  # noqa: E402
+from gradscope.training.watch_hf import WatchCallback  # noqa: E402
+
+KINDS = {  # each kind's model class, and its number of classes a token
+    "token": ("BertForTokenClassification", 3),
+    "masked": ("BertForMaskedLM", 32),
+}
+
+
+def _model(kind: str) -> torch.nn.Module:
+    """A one-layer BERT of ``kind`` with its dropout on (0.1, in its layers and attention)."""
+    name, classes = KINDS[kind]
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, max_position_embeddings=8, num_labels=classes,
+    )  # fmt: skip
+    return getattr(transformers, name)(config).double().train()
+
+
+def _rows(kind: str) -> list[dict]:
+    """Rows of 2 to 6 tokens, a label a token (a masked LM's: -100 but where masked), one
+    token of the third row not counted."""
+    classes, rows = KINDS[kind][1], []
+    for i, n in enumerate([6, 3, 5, 4, 2, 6, 3, 5]):
+        labels = [(t * 7 + i) % classes for t in range(n)]
+        if kind == "masked":
+            labels = [y if (t + i) % 3 == 0 else -100 for t, y in enumerate(labels)]
+        rows.append({"input_ids": list(range(1, n + 1)), "labels": labels, "example_id": i})
+    rows[2]["labels"][0] = -100
+    return rows
+
+
+def _padded(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """A batch padded to its longest row, the padding's labels -100."""
+    longest = max(len(r["input_ids"]) for r in rows)
+    batch = {k: torch.full((len(rows), longest), v, dtype=torch.long)
+             for k, v in (("input_ids", 0), ("attention_mask", 0), ("labels", -100))}  # fmt: skip
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        batch["input_ids"][i, :n] = torch.tensor(r["input_ids"])
+        batch["attention_mask"][i, :n] = 1
+        batch["labels"][i, :n] = torch.tensor(r["labels"])
+    batch["example_id"] = torch.tensor([r["example_id"] for r in rows])
+    return batch
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_each_row_is_its_counted_tokens_mean_under_the_batchs_masks(tmp_path, kind):
+    """Each row's loss, norm, margin and correct are those of the mean over its own counted
+    tokens under the batch's dropout masks; ``.grad`` the step's mean over every counted
+    token, on the analysed batch and the replayed one."""
+    model, plain, batch = _model(kind), _model(kind), _padded(_rows(kind)[:4])
+    inputs, y = (batch["input_ids"], batch["attention_mask"]), batch["labels"]
+    torch.manual_seed(3)
+    with Watch(model, tmp_path / "w.parquet", "cross_entropy", reduction="tokens",
+               keywords=("input_ids", "attention_mask"), output="logits") as watch:  # fmt: skip
+        for _ in range(2):
+            watch.step(inputs, y, batch["example_id"]).backward()
+    norms = redrawn_norms(
+        plain, 4, 2, lambda i: F.cross_entropy(plain(*inputs).logits[i], y[i]),
+        lambda: F.cross_entropy(plain(*inputs).logits.flatten(0, 1), y.flatten()),
+    )  # fmt: skip
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+    table = pq.read_table(tmp_path / "w.parquet").to_pydict()
+    np.testing.assert_allclose(table["grad_norm"], norms, rtol=1e-8, atol=1e-12)
+    with torch.no_grad():  # the second step's rows: its masks drawn again from where it began
+        torch.manual_seed(3)
+        plain(*inputs)
+        logits = plain(*inputs).logits
+    counted = y != -100
+    loss = [F.cross_entropy(logits[i], y[i]).item() for i in range(4)]
+    right = [(logits[i].argmax(-1) == y[i])[counted[i]].double().mean().item() for i in range(4)]
+    np.testing.assert_allclose(table["loss"][4:], loss, rtol=1e-10)
+    np.testing.assert_allclose(table["prob"][4:], np.exp(-np.array(loss)), rtol=1e-10)
+    np.testing.assert_allclose(table["correct"][4:], right, rtol=1e-12)
+    assert np.isfinite(table["margin"]).all()
+
+
+def _trainer(tmp_path, kind: str, callbacks: list, accumulate: int = 1):
+    args = transformers.TrainingArguments(
+        str(tmp_path / "out"), per_device_train_batch_size=4 // accumulate, num_train_epochs=2,
+        gradient_accumulation_steps=accumulate, learning_rate=1e-2, remove_unused_columns=False,
+        report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
+        use_cpu=True, seed=0,
+    )  # fmt: skip
+    model, data = _model(kind), datasets.Dataset.from_list(_rows(kind))
+    trainer = transformers.Trainer(
+        model, args, train_dataset=data, data_collator=_padded, callbacks=callbacks
+    )
+    return model, trainer
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_a_trainer_of_a_label_a_token_trains_as_without_the_watch(tmp_path, kind):
+    """A token classifier's and a masked LM's Trainer, dropout on, batches padded to their
+    longest row: the watched run's weights are the plain run's (the loss over the counted
+    tokens, unshifted), and each row is written at each step (a masked LM's row 4 masks none
+    of its tokens: no loss, no share correct, no gradient)."""
+    trained = []
+    for callbacks in ([], [WatchCallback(tmp_path / "w.parquet")]):
+        model, trainer = _trainer(tmp_path, kind, callbacks)
+        trainer.train()
+        trained.append(model)
+    for p, q in zip(*(m.parameters() for m in trained), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    table = pq.read_table(tmp_path / "w.parquet").to_pydict()
+    assert sorted(table["example_id"]) == sorted(list(range(8)) * 2)
+    none = np.array(table["example_id"]) == (4 if kind == "masked" else -1)
+    assert np.isfinite(table["grad_norm"]).all()
+    np.testing.assert_array_equal(np.isnan(table["correct"]), none)
+    np.testing.assert_array_equal(np.isnan(table["loss"]), none)
+    assert (np.array(table["grad_norm"])[none] == 0).all()
+
+
+def test_a_token_classifier_under_accumulation_is_one_line(tmp_path):
+    """Accumulated, which of a micro-batch's mean and the step's sum over its counted tokens a
+    token classifier takes is its class's (BERT's: the micro-batch's)."""
+    callback = WatchCallback(tmp_path / "w.parquet")
+    model, trainer = _trainer(tmp_path, "token", [callback], accumulate=2)
+    with pytest.raises(ConfigError, match="gradient accumulation") as raised:
+        trainer.train()
+    assert "\n" not in str(raised.value) and "forward" not in model.__dict__
