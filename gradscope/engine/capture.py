@@ -163,6 +163,7 @@ class Capture:
         self._own = False  # ``hooks`` made for this capture alone: closed on exit
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._grad_hooks = GradHooks()  # live until the backward
+        self.coarsest: torch.dtype | None = None  # a call's output in bfloat16 or float16
 
     def __enter__(self) -> Capture:
         if self.hooks is None or not self.hooks.lend(self):
@@ -194,6 +195,8 @@ class Capture:
         None where no gradient flows back through it. ``copy``: the inputs are cloned, for a
         model that edits them in place after the call has read them."""
         output, rest = first_output(output)
+        if isinstance(output, Tensor) and output.dtype in (torch.bfloat16, torch.float16):
+            self.coarsest = output.dtype  # autocast's, or the model's own
         if not isinstance(output, Tensor) or not output.requires_grad:
             return None
         named: dict[str, object] = {}

@@ -22,7 +22,7 @@ from ..state import State
 from . import decide
 from .bytensor import ByTensor
 from .finder import Finder
-from .selfcheck import PLAIN, agrees, check_alone
+from .selfcheck import COMPUTED, PLAIN, agrees, check_alone
 from .session import HookSession
 from .tap import ParamTap
 from .trace import RowTrace
@@ -158,6 +158,7 @@ class Analysis:
             start = counter()
             losses, observed = self.losses(inputs, targets)
             end = counter()
+        COMPUTED.set(session.coarsest)  # the checks of this batch compare at its rounding
         return Analysed(session, tap, losses, observed, trace, finder, start, end, state)
 
     # -- the checks: each True where it holds; where not, the finding that makes the next

@@ -12,15 +12,24 @@ is float32's rounding, which a model's own casts (Mamba's scan, in float32) leav
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextvars import ContextVar
 
 import torch
 from torch import Tensor
 
 from ...errors import ModelError, models_backward
 
+# the coarsest dtype the thread's latest forward computed in, where coarser than float32 (a
+# hooked call's output in bfloat16 under autocast, whose float32 results round as it does):
+# each pass notes it after its forward, so every check of the pass compares at its rounding
+COMPUTED: ContextVar[torch.dtype | None] = ContextVar("computed", default=None)
+
 
 def tolerance(dtype: torch.dtype) -> float:
-    """The worst relative error a correct engine stays under, given rounding in ``dtype``."""
+    """The worst relative error a correct engine stays under, given rounding in ``dtype``, or
+    in the dtype the forward computed in where coarser."""
+    if COMPUTED.get() is not None and dtype in (torch.float32, torch.float64):
+        dtype = COMPUTED.get()
     return {torch.float64: 1e-6, torch.float32: 1e-4}.get(dtype, 1e-2)
 
 
@@ -37,9 +46,12 @@ LOW = (1e-1, 1e-2)  # bfloat16, float16
 
 def precision(param: Tensor, conv: bool) -> torch.dtype | str:
     """The precision autograd's and the rules' products of ``param``'s gradient run at (a
-    ``ROUNDING`` key); ``conv`` where a convolution reads it."""
+    ``ROUNDING`` key); ``conv`` where a convolution reads it. Where the forward computed in a
+    coarser dtype (``COMPUTED``: autocast, a ``Trainer`` with ``bf16=True``), that one."""
     if param.dtype != torch.float32:
         return param.dtype
+    if COMPUTED.get() is not None:
+        return COMPUTED.get()
     reduced = torch.get_float32_matmul_precision() != "highest"
     if param.is_cuda:
         reduced |= torch.backends.cuda.matmul.allow_tf32

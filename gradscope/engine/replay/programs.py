@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from ...errors import ModelError
 from ..analysis.branches import owned
 from ..analysis.seeded import Seeded
-from ..analysis.selfcheck import PLAIN, check_alone
+from ..analysis.selfcheck import COMPUTED, PLAIN, check_alone
 from ..analysis.ways import check_branches
 from ..backward.reduce import Reducer, Want
 from ..backward.serve import Served, serve, served_calls, uses
@@ -103,6 +103,7 @@ class Replayed:
             ):
                 losses, observed = self.losses(inputs, targets)
             session.finish()
+            COMPUTED.set(session.coarsest)  # the checks of this batch compare at its rounding
         except (Diverged, ModelError) as e:  # a ModelError's fault: the analysis runs it again
             lessons.why = str(e)
             session.unlink()
