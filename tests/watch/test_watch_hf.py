@@ -305,14 +305,19 @@ def _classifier_trainer(tmp_path, callbacks, accumulate=1, problem="single"):
     return model, trainer
 
 
-@pytest.mark.parametrize("problem", sorted(PROBLEMS))
-def test_a_trainer_with_dropout_on_dynamically_padded_batches_trains_as_without(tmp_path, problem):
+@pytest.mark.parametrize(
+    "problem, accumulate", [*((p, 1) for p in sorted(PROBLEMS)), ("multi", 2), ("regression", 2)]
+)
+def test_a_trainer_with_dropout_on_dynamically_padded_batches_trains_as_without(
+    tmp_path, problem, accumulate
+):
     """The Trainer's fine-tuning of a BERT classifier as most are run: dropout on, batches
     padded to their longest row; single-label, a row not counted (label -100) left out of the
-    mean, as the model's own loss leaves it; a regression and a multi-label one too."""
+    mean, as the model's own loss leaves it; a regression and a multi-label one too, also
+    accumulated (their losses, transformers' MSE and BCE, each micro-batch's mean)."""
     trained = []
     for callbacks in ([], [WatchCallback(tmp_path / "w.parquet")]):
-        model, trainer = _classifier_trainer(tmp_path, callbacks, problem=problem)
+        model, trainer = _classifier_trainer(tmp_path, callbacks, accumulate, problem)
         trainer.train()
         trained.append(model)
     for p, q in zip(*(m.parameters() for m in trained), strict=True):
