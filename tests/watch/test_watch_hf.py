@@ -117,17 +117,20 @@ BERT = {"vocab_size": 16, "hidden_size": 8, "num_hidden_layers": 1, "num_attenti
         "intermediate_size": 16, "max_position_embeddings": 8, "num_labels": 3,
         "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
         "attn_implementation": "eager"}  # fmt: skip
-KINDS = {  # a causal language model, its labels its tokens; a classifier, a class a row
+KINDS = {  # a causal language model, its labels its tokens; a classifier, a class a row; a
+    # token classifier, a class a token
     "lm": ("GPT2LMHeadModel", GPT2, "causal_lm", lambda tokens: tokens),
     "classifier": ("BertForSequenceClassification", BERT, "cross_entropy", lambda t: t[:, 0] % 3),
+    "tagger": ("BertForTokenClassification", BERT, "cross_entropy", lambda t: t % 3),
 }
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_trainer_records_the_run_gradscope_train_records(tmp_path, kind):
     """The run record written through the callback (the Trainer's AdamW, linear schedule and
-    clip read off it; rows of one length, so a language model's token mean is the mean of the
-    rows' own) replays as ``gradscope train --record``'s of the same recipe, start and order."""
+    clip read off it; rows of one length, so a language model's or a tagger's token mean is
+    the mean of the rows' own) replays as ``gradscope train --record``'s of the same recipe,
+    start and order."""
     import yaml
 
     from gradscope.config import load_config
