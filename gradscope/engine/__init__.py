@@ -5,6 +5,7 @@ inside it (``backward/``), run by ``Engine`` (``engine.py``); above it, the infl
 model is called (``forward``). ``README.md`` draws it. The rest of gradscope imports it from
 here."""
 
+from .analysis.selfcheck import computed_in
 from .analysis.undrawn import Drew, Undrawn
 from .backward.fallback import short_reason
 from .backward.reduce import Want
@@ -56,6 +57,7 @@ __all__ = [
     "build_plan",
     "check_engine",
     "compare_with_loop",
+    "computed_in",
     "influence_errors",
     "naive_grads",
     "prepared",

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import LossConfig, TrainConfig
+from ..engine import computed_in
 from ..errors import ConfigError, DataError
 from ..losses import LossFn
 from ..resume import as_json
@@ -136,8 +137,10 @@ class Recording:
                 "them (gradient accumulation, or a loss scaler's skipped step)"
             )
         self._mean(t, len(ids), divisor, counts)
-        device = self.params[0].device.type
-        if torch.is_autocast_enabled(device):
+        device, computed = self.params[0].device.type, computed_in()
+        if torch.is_autocast_enabled(device) or computed not in (None, self.params[0].dtype):
+            # autocast inside the model's call (accelerate's, a Trainer's bf16=True) shows in
+            # the dtype its layers computed in
             self._refuse(f"step {t} ran under autocast: the replay computes in the config's dtype")
         if len(ids) and ids.min() < 0:
             self._refuse(f"step {t}'s ids are not positions in the data (one is negative)")

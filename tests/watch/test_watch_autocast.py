@@ -15,7 +15,7 @@ from oracle import redrawn_norms
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
-from gradscope.engine.analysis.selfcheck import COMPUTED  # noqa: E402
+from gradscope.engine import computed_in  # noqa: E402
 from gradscope.errors import ModelError  # noqa: E402
 from gradscope.training.watch import Watch  # noqa: E402
 from gradscope.training.watch_hf import WatchCallback  # noqa: E402
@@ -65,11 +65,11 @@ def test_under_autocast_each_norm_is_the_bfloat16_loops(tmp_path):
         for _ in range(2):
             with torch.autocast("cpu", torch.bfloat16):
                 watch.step(inputs, y, batch["example_id"]).backward()
-            assert COMPUTED.get() == torch.bfloat16
+            assert computed_in() == torch.bfloat16
         assert not watch.engine.plan.fallback
         model.eval()
         watch.engine.norms(inputs, y)  # float32 throughout
-        assert COMPUTED.get() is None
+        assert computed_in() is None
     norms = redrawn_norms(
         plain, 4, 2, lambda i: F.cross_entropy(_logits(plain, inputs)[i], y[i]),
         lambda: F.cross_entropy(_logits(plain, inputs), y),
@@ -100,6 +100,7 @@ def test_under_autocast_a_loss_that_mixes_the_examples_is_refused(tmp_path):
 
 
 def _trained(tmp_path, bf16: bool, callbacks: list) -> torch.Tensor:
+    """The weights a Trainer's SGD leaves after two epochs of batches of four."""
     args = transformers.TrainingArguments(
         str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=2, optim="sgd",
         learning_rate=0.5, remove_unused_columns=False, report_to=[], save_strategy="no",
@@ -127,3 +128,15 @@ def test_a_bf16_trainer_with_dropout_trains_as_without_the_watch(tmp_path):
 
 def _bert_weights() -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in _bert().parameters()])
+
+
+def test_a_bf16_trainers_record_is_refused_by_the_replay(tmp_path):
+    """Autocast entered inside the model's call (accelerate's wrapper) is not on where the
+    record looks, but its layers' bfloat16 shows: the record names it, not a float32 replay of
+    another run than the one trained."""
+    import json
+
+    record = tmp_path / "bf16.run"
+    _trained(tmp_path, True, [WatchCallback(tmp_path / "w.parquet", record=record)])
+    refused = json.loads((record / "record.json").read_text())["refused"]
+    assert refused == "step 0 ran under autocast: the replay computes in the config's dtype"

@@ -25,6 +25,12 @@ from ...errors import ModelError, models_backward
 COMPUTED: ContextVar[torch.dtype | None] = ContextVar("computed", default=None)
 
 
+def computed_in() -> torch.dtype | None:
+    """The dtype coarser than float32 the thread's latest pass computed in (a hooked call's
+    output in bfloat16 or float16: autocast's, or a half-precision model's), else None."""
+    return COMPUTED.get()
+
+
 def tolerance(dtype: torch.dtype) -> float:
     """The worst relative error a correct engine stays under, given rounding in ``dtype``, or
     in the dtype the forward computed in where coarser."""
