@@ -177,7 +177,7 @@ class Engine:
         where it holds for later batches of the signature."""
         known = [] if self._pinned else findings.checked_at()  # as the batch begins
         hooked = None if self._pinned else State(self.plan.hooked_modules)
-        captured = self.analysis(inputs, targets, findings)
+        captured = self.analysis(inputs, targets, findings, bool(want.train))
         reads = captured.tap.reads() if captured.tap else []
         count = uses(self.plan, served_calls(self.plan, captured), reads)
         moves, program = len(self.record.moves), self._program(captured, count)

@@ -78,13 +78,16 @@ class Analysis:
         # check a branch (its forward's collectives would meet another rank's other pass)
         self.sharded = False
 
-    def __call__(self, inputs: tuple[Tensor, ...], targets: Tensor, findings: Findings) -> Analysed:
+    def __call__(
+        self, inputs: tuple[Tensor, ...], targets: Tensor, findings: Findings, train: bool = False
+    ) -> Analysed:
         """The batch's forward, recorded, once every check holds; then the parameters the rules
-        cannot serve on it moved to the fallback."""
+        cannot serve on it moved to the fallback. ``train``: a training step's, whose batch
+        gradient its backward takes (a graph kept, every parameter on the fallback too)."""
         checks = (self._same_losses, self._expanded_kept, self._assumed_kept, self._not_edited)
         while True:
             try:
-                captured = self._recorded(inputs, targets, findings)
+                captured = self._recorded(inputs, targets, findings, train)
             except ModelError:
                 if findings.expand is False:
                     raise
@@ -125,7 +128,7 @@ class Analysis:
             )
         check_alone(self.losses, inputs, targets, captured.losses, every, after)
 
-    def _recorded(self, inputs: tuple[Tensor, ...], targets: Tensor, findings: Findings):
+    def _recorded(self, inputs: tuple[Tensor, ...], targets: Tensor, findings: Findings, train):
         expand, assume = findings.expand is not False, findings.assume
         watched, batch = self.plan.by_rule + self.plan.raw, targets.shape[0]
         trace = RowTrace(batch, (*inputs, targets))
@@ -147,9 +150,10 @@ class Analysis:
             tap.constants = Constants(frozenset(id(b) for b in self.model.buffers()))
             finder.constants = tap.constants
         state = State(self.modules)  # as the replay takes it: before any pass's hooks
-        # with every parameter on the fallback, this pass only gives the losses: no graph
+        # with every parameter on the fallback, this pass only gives the losses (and a training
+        # step's batch gradient): no graph but for that
         with (
-            torch.set_grad_enabled(bool(watched)),
+            torch.set_grad_enabled(bool(watched) or train),
             session,
             finder,
             trace,
