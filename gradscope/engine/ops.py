@@ -103,6 +103,7 @@ ELEMENTWISE = {
     *("__rtruediv__", "__neg__", "__pow__", "__rpow__", "__and__", "__or__", "__xor__"),
     *("__invert__", "__eq__", "__ne__", "__lt__", "__gt__", "__le__", "__ge__", "__abs__"),
     *("__floordiv__", "__mod__", "floor_divide", "bitwise_and", "bitwise_or", "bitwise_not"),
+    "requires_grad_",  # the tensor itself, flagged (transformers' enable_input_require_grads)
 }
 # the row flow's: each output row from the rows at its position
 ROW_WISE = {"add", "sub", "mul", "div", "true_divide", "neg", "pow", "exp", "log", "sqrt"}
@@ -117,6 +118,7 @@ ROW_WISE |= {"__ne__", "__lt__", "__gt__", "__le__", "__ge__", "logical_and", "l
 ROW_WISE |= {"square", "relu6", "leaky_relu", "elu", "selu", "celu", "mish", "hardswish"}
 ROW_WISE |= {"hardsigmoid", "hardtanh", "log_sigmoid", "softsign", "reciprocal", "sign"}
 ROW_WISE |= {"sin", "cos", "log1p", "expm1", "nan_to_num", "relu_", "silu_", "gelu_"}
+ROW_WISE |= {"requires_grad_"}
 # the tap's: ops whose result broadcasts its tensor arguments elementwise; in-place ones only
 # when the parameter is not the tensor edited
 BROADCASTING = {

@@ -1,0 +1,81 @@
+"""The watch of a model trained with activation (gradient) checkpointing, as transformers
+enables it (``use_reentrant=False``, and the embeddings' output flagged ``requires_grad_``
+for the checkpointed layers, as PEFT's LoRA fine-tuning has it): its layers' forward runs
+again in the backward, and each number is still the loop's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.nn.functional as F
+from oracle import redrawn_norms
+
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+
+from gradscope.training.watch import Watch  # noqa: E402
+from gradscope.training.watch_hf import WatchCallback  # noqa: E402
+
+
+def _gpt2(checkpointed: bool) -> torch.nn.Module:
+    """A two-layer GPT-2 with its dropout on (0.1)."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=2, n_head=2)
+    model = transformers.GPT2LMHeadModel(config).double().train()
+    if checkpointed:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def _lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The mean over the next tokens."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def test_each_norm_of_a_checkpointed_model_is_the_loops(tmp_path):
+    """Analysed and replayed steps: no parameter on the fallback, each row's norm its own
+    loss's under the batch's masks (a loop on the model without checkpointing), ``.grad``
+    the plain step's."""
+    model, plain = _gpt2(True), _gpt2(False)
+    tokens = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(3)
+    with Watch(model, tmp_path / "w.parquet", "causal_lm", reduction="tokens",
+               keywords=("input_ids",), output="logits") as watch:  # fmt: skip
+        for _ in range(2):
+            watch.step((tokens,), tokens, torch.arange(4)).backward()
+        assert not watch.engine.plan.fallback
+    norms = redrawn_norms(
+        plain, 4, 2, lambda i: _lm_loss(plain(tokens).logits[i : i + 1], tokens[i : i + 1]),
+        lambda: _lm_loss(plain(tokens).logits, tokens),
+    )  # fmt: skip
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+    table = pq.read_table(tmp_path / "w.parquet").to_pydict()
+    np.testing.assert_allclose(table["grad_norm"], norms, rtol=1e-8)
+
+
+def test_a_trainer_with_gradient_checkpointing_trains_as_without_the_watch(tmp_path):
+    """``gradient_checkpointing=True`` (the second step failed: every parameter was sent to
+    the fallback at the flag set on the embeddings' output, and the pass then kept no graph
+    for the training step's batch gradient)."""
+    tokens = torch.randint(0, 16, (8, 6), generator=torch.Generator().manual_seed(1))
+    data = datasets.Dataset.from_dict(
+        {"input_ids": tokens.tolist(), "labels": tokens.tolist(), "example_id": list(range(8))}
+    )
+    trained = []
+    for callbacks in ([], [WatchCallback(tmp_path / "w.parquet")]):
+        args = transformers.TrainingArguments(
+            str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=2,
+            learning_rate=1e-2, gradient_checkpointing=True, remove_unused_columns=False,
+            report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
+            use_cpu=True, seed=0,
+        )  # fmt: skip
+        model = _gpt2(False)
+        transformers.Trainer(model, args, train_dataset=data, callbacks=callbacks).train()
+        trained.append(model)
+    for p, q in zip(*(m.parameters() for m in trained), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    table = pq.read_table(tmp_path / "w.parquet").to_pydict()
+    assert sorted(table["example_id"]) == sorted(list(range(8)) * 2)
