@@ -85,6 +85,21 @@ def _observer(name: str | LossFn, kwargs: dict) -> Callable[[Tensor, Tensor], di
     return observe
 
 
+def _unhooked(model: nn.Module) -> None:
+    """Refuses a trained parameter with a hook on its gradient (``register_hook``): autograd
+    runs it in the step's backward, which gives ``.grad`` its gradient, and again as ``.grad``
+    receives it (``_Deposit``): a mask's is the same twice, a scale's is not."""
+    for name, p in model.named_parameters():
+        if p.requires_grad and p._backward_hooks:
+            raise ConfigError(
+                f"parameter {name} has a hook on its gradient (register_hook), which a watched "
+                "step would run twice: in its own backward, and again as .grad receives that "
+                "gradient; remove it while watching (a mask can multiply the weight in the "
+                "forward instead)",
+                "model",
+            )
+
+
 class _Deposit(torch.autograd.Function):
     """The training loss's value, whose backward hands each parameter the gradient the step's
     one backward computed, over ``divisor`` and times the gradient arriving (one product):
@@ -168,6 +183,7 @@ class Watch:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ConfigError("the model has no parameter that requires grad to train", "model")
+        _unhooked(model)
         self.draws = SameDraws(forward or Forward(tuple(keywords), output, "output="))
         self.engine = Engine(
             model, per_example, include, exclude, self.draws, _observer(loss, kwargs)

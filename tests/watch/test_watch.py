@@ -14,7 +14,7 @@ from oracle import redrawn_norms
 from tied_seq import TiedSeq
 from torch import nn
 
-from gradscope.errors import ModelError
+from gradscope.errors import ConfigError, ModelError
 from gradscope.training.watch import Watch
 
 
@@ -254,3 +254,50 @@ def test_dropout_with_a_parameter_on_the_fallback_is_one_line(tmp_path):
     ):
         watch.step(x, y, torch.arange(4))
     assert "\n" not in str(raised.value)
+
+
+class _Unmixed(nn.Module):
+    """A batch statistic taken times zero: the trace sees the losses mix the examples, the
+    check finds they do not, and every parameter goes to the exact fallback."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _model()
+
+    def forward(self, x):
+        out = self.net(x)
+        return out + 0 * out.mean(0)
+
+
+def test_every_parameter_on_the_fallback_trains_step_after_step(tmp_path):
+    """A later step's analysis keeps the graph its batch gradient needs, where every
+    parameter is on the fallback (it kept none, and failed at the second step); the numbers
+    and weights are the plain run's."""
+    x, y = _data()
+    watched, plain = _Unmixed(), _model()
+    expected = []
+
+    def plain_step(rows, epoch):
+        expected.append(_oracle(plain, x[rows], y[rows]))
+        nn.functional.cross_entropy(plain(x[rows]), y[rows]).backward()
+
+    _train(plain, x, y, 4, plain_step)
+    with Watch(watched, tmp_path / "w.parquet") as watch:
+        _train(watched, x, y, 4, lambda r, e: watch.step(x[r], y[r], r, epoch=e).backward())
+        assert all(p.is_fallback for p in watch.engine.plan.included)
+    for p, q in zip(watched.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+    table = pq.read_table(tmp_path / "w.parquet").to_pydict()
+    for name in ("loss", "grad_norm"):
+        want = np.concatenate([e[name] for e in expected])
+        np.testing.assert_allclose(table[name], want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_hook_on_a_parameters_gradient_is_one_line(tmp_path):
+    """A hook on a gradient runs in the step's backward and again as ``.grad`` receives it:
+    a scale of 0.5 gave ``.grad`` 0.25 of the gradient, without a word."""
+    model = _model()
+    model[2].bias.register_hook(lambda g: g * 0.5)
+    with pytest.raises(ConfigError, match="parameter 2.bias has a hook on its gradient") as e:
+        Watch(model, tmp_path / "w.parquet")
+    assert "\n" not in str(e.value) and not (tmp_path / "w.parquet").exists()
