@@ -56,6 +56,7 @@ _CLASS = object()  # the model had no forward of its own: its class's serves
 UNSUPPORTED = {
     "fp16": "fp16 training (its loss scaler is untested with the watch)",
     "label_smoothing_factor": "label smoothing, whose loss is not causal_lm's",
+    "torch_compile": "a compiled model (the watch runs the model's forward op by op)",
 }
 
 

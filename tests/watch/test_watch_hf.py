@@ -25,7 +25,7 @@ def _run(tmp_path, callbacks, accumulate=1):
     return model, trainer
 
 
-def _trainer(tmp_path, callbacks, accumulate=1):
+def _trainer(tmp_path, callbacks, accumulate=1, **more):
     torch.manual_seed(0)
     no_dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
     config = transformers.GPT2Config(
@@ -42,7 +42,7 @@ def _trainer(tmp_path, callbacks, accumulate=1):
         str(tmp_path / "out"), per_device_train_batch_size=4 // accumulate,
         gradient_accumulation_steps=accumulate, num_train_epochs=2, learning_rate=1e-2,
         remove_unused_columns=False, report_to=[], save_strategy="no", logging_strategy="no",
-        disable_tqdm=True, use_cpu=True, seed=0, data_seed=0, eval_strategy="epoch",
+        disable_tqdm=True, use_cpu=True, seed=0, data_seed=0, eval_strategy="epoch", **more,
     )  # fmt: skip
     trainer = transformers.Trainer(
         model, args, train_dataset=data, eval_dataset=data.select(range(4)), callbacks=callbacks
@@ -76,6 +76,20 @@ def test_a_step_that_raises_leaves_the_model_as_it_was(tmp_path, monkeypatch):
 class _Raises(transformers.TrainerCallback):
     def on_step_end(self, *args, **kwargs):
         raise RuntimeError("after the model's call")
+
+
+@pytest.mark.parametrize(
+    "setting", [{"fp16": True}, {"label_smoothing_factor": 0.1}, {"torch_compile": True}]
+)
+def test_a_setting_the_watch_cannot_serve_is_one_line_before_it_trains(tmp_path, setting):
+    """fp16's loss scaler, label smoothing, a compiled model (which failed inside dynamo as
+    the watch set it aside): refused as training begins, the model as it was."""
+    callback = WatchCallback(tmp_path / "w.parquet")
+    model, trainer = _trainer(tmp_path, [callback], **setting)
+    with pytest.raises(ConfigError, match=f"TrainingArguments.{next(iter(setting))}") as raised:
+        trainer.train()
+    assert "\n" not in str(raised.value) and "forward" not in model.__dict__
+    assert not (tmp_path / "w.parquet").exists()
 
 
 def test_a_train_that_raised_elsewhere_is_released_by_the_next(tmp_path):
