@@ -386,12 +386,13 @@ def redrawn_norms(
     batch_loss: Callable[[], Tensor],
     seed: int = 3,
 ) -> list[float]:
-    """Each row's gradient norm over ``steps`` watched steps begun at ``seed``, a forward that
-    draws (dropout) drawing each step's masks again from the state the step began in: row
-    ``i``'s loss ``row_loss(i)``, then the step's ``batch_loss()`` backward into ``.grad``,
-    which leaves the generator where one forward leaves it, as the watched step does."""
+    """Each row's gradient norm (over the parameters that require grad) over ``steps``
+    watched steps begun at ``seed``, a forward that draws (dropout) drawing each step's masks
+    again from the state the step began in: row ``i``'s loss ``row_loss(i)``, then the step's
+    ``batch_loss()`` backward into ``.grad``, which leaves the generator where one forward
+    leaves it, as the watched step does."""
     torch.manual_seed(seed)
-    params, norms = list(model.parameters()), []
+    params, norms = [p for p in model.parameters() if p.requires_grad], []
     for _ in range(steps):
         began = torch.get_rng_state()
         for i in range(rows):

@@ -193,7 +193,10 @@ def _task(model: nn.Module, labels: Tensor) -> tuple[str, tuple[str, str]]:
     language models, sequence or token classifiers, or masked language models), and the loss
     and reduction it takes of ``labels``: a causal language model's, of a row of tokens each,
     shifted; a sequence classifier's as its own loss picks it (``_problem``); a token
-    classifier's or a masked language model's, a class id per token, unshifted; else refused."""
+    classifier's or a masked language model's, a class id per token, unshifted; else refused.
+    A PEFT model's kind is its base model's."""
+    base = getattr(model, "get_base_model", None)
+    model = base() if callable(base) else model
     name, config = type(model).__name__, getattr(model, "config", None)
     problem, classes = getattr(config, "problem_type", None), getattr(config, "num_labels", 0)
     ids = labels.dim() == 2 and not labels.is_floating_point()

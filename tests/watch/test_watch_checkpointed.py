@@ -56,10 +56,12 @@ def test_each_norm_of_a_checkpointed_model_is_the_loops(tmp_path):
     np.testing.assert_allclose(table["grad_norm"], norms, rtol=1e-8)
 
 
-def test_a_trainer_with_gradient_checkpointing_trains_as_without_the_watch(tmp_path):
+@pytest.mark.parametrize("adapted", [False, True], ids=["full", "lora"])
+def test_a_trainer_with_gradient_checkpointing_trains_as_without_the_watch(tmp_path, adapted):
     """``gradient_checkpointing=True`` (the second step failed: every parameter was sent to
     the fallback at the flag set on the embeddings' output, and the pass then kept no graph
-    for the training step's batch gradient)."""
+    for the training step's batch gradient); and a PEFT LoRA model's (its kind was refused:
+    a ``PeftModel`` is its base model's kind)."""
     tokens = torch.randint(0, 16, (8, 6), generator=torch.Generator().manual_seed(1))
     data = datasets.Dataset.from_dict(
         {"input_ids": tokens.tolist(), "labels": tokens.tolist(), "example_id": list(range(8))}
@@ -72,10 +74,43 @@ def test_a_trainer_with_gradient_checkpointing_trains_as_without_the_watch(tmp_p
             report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
             use_cpu=True, seed=0,
         )  # fmt: skip
-        model = _gpt2(False)
+        model = _lora(_gpt2(False)) if adapted else _gpt2(False)
         transformers.Trainer(model, args, train_dataset=data, callbacks=callbacks).train()
         trained.append(model)
     for p, q in zip(*(m.parameters() for m in trained), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     table = pq.read_table(tmp_path / "w.parquet").to_pydict()
     assert sorted(table["example_id"]) == sorted(list(range(8)) * 2)
+
+
+def _lora(model: torch.nn.Module) -> torch.nn.Module:
+    """LoRA adapters of rank 2 on GPT-2's attention and projections, their dropout on."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn", "c_proj"],
+                             lora_dropout=0.1, fan_in_fan_out=True)  # fmt: skip
+    torch.manual_seed(5)
+    return peft.get_peft_model(model, config)
+
+
+def test_a_checkpointed_lora_models_norms_are_the_loops(tmp_path):
+    """The adapters' parameters alone train: each row's norm over them is the loop's, the
+    adapters' dropout and the checkpoints' recomputation included."""
+    model, plain = _lora(_gpt2(True)), _lora(_gpt2(False))
+    tokens = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(3)
+    with Watch(model, tmp_path / "w.parquet", "causal_lm", reduction="tokens",
+               keywords=("input_ids",), output="logits") as watch:  # fmt: skip
+        for _ in range(2):
+            watch.step((tokens,), tokens, torch.arange(4)).backward()
+        assert not watch.engine.plan.fallback
+    norms = redrawn_norms(
+        plain, 4, 2, lambda i: _lm_loss(plain(tokens).logits[i : i + 1], tokens[i : i + 1]),
+        lambda: _lm_loss(plain(tokens).logits, tokens),
+    )  # fmt: skip
+    trained = [(p, q) for p, q in zip(model.parameters(), plain.parameters(), strict=True)
+               if p.requires_grad]  # fmt: skip
+    assert trained and all("lora" in n for n, p in model.named_parameters() if p.requires_grad)
+    for p, q in trained:
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+    table = pq.read_table(tmp_path / "w.parquet").to_pydict()
+    np.testing.assert_allclose(table["grad_norm"], norms, rtol=1e-8)
