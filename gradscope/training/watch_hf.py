@@ -1,14 +1,13 @@
-"""The watch as a Hugging Face ``Trainer`` callback, for causal language models, sequence and
-token classifiers and masked language models.
+"""The watch as a Hugging Face ``Trainer`` callback, for causal, masked and seq2seq language
+models and sequence and token classifiers (``watchkinds.py`` tells them).
 
 From the start of training to its end, the model's training calls (in train mode, with
 ``labels``) run through ``Watch.step``: the engine's forward and its one backward, which
-gives the gradient of the loss the ``Trainer`` would have taken (a language model's: the mean
-over every counted next token of the step, micro-batches of an accumulated step included; a
-sequence classifier's: the mean over the call's counted rows, as its own loss is; a token
-classifier's or a masked language model's: over the call's counted tokens), and returns that loss,
-whose backward, the ``Trainer``'s, adds that gradient to ``.grad`` without running the model.
-The dataset carries each row's id in a column (``ids``, default ``example_id``) that the
+gives the gradient of the loss the ``Trainer`` would have taken (a causal language model's:
+the mean over every counted next token of the step, micro-batches of an accumulated step
+included; a sequence classifier's: the mean over the call's counted rows, as its own loss is;
+a label a token: over the call's counted tokens), and returns that loss, whose backward, the
+``Trainer``'s, adds that gradient to ``.grad`` without running the model. The dataset carries each row's id in a column (``ids``, default ``example_id``) that the
 collator passes along: set ``remove_unused_columns=False``. With ``record``, the run record
 ``influence --through-training`` replays is written there: the optimizer the ``Trainer`` made and
 its ``max_grad_norm`` clip read off it (``watchrecord.py``); the ids are then the rows' positions.
@@ -26,32 +25,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from transformers import TrainerCallback
-from transformers.modeling_outputs import (
-    CausalLMOutput,
-    MaskedLMOutput,
-    SequenceClassifierOutput,
-    TokenClassifierOutput,
-)
-from transformers.models.auto.modeling_auto import (
-    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
-    MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
-)
 
 from ..errors import ConfigError, ModelError
 from .watch import OnStep, Watch
 from .watchfile import fed
+from .watchkinds import OUTPUTS, TITLES, decoder_inputs, task
 from .watchrecord import SEGMENT
 
-CAUSAL_LM = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-CLASSIFIERS = frozenset(MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.values())
-TAGGERS = frozenset(MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES.values())
-OUTPUTS = {  # the output the Trainer reads the loss off, by the model's kind
-    "lm": CausalLMOutput,
-    "sequence": SequenceClassifierOutput,
-    "token": TokenClassifierOutput,
-    "masked": MaskedLMOutput,  # by its name only: transformers' masked-LM mapping names
-}  # seq2seq models too, whose labels feed their decoder
 _CLASS = object()  # the model had no forward of its own: its class's serves
 UNSUPPORTED = {
     "fp16": "fp16 training (its loss scaler is untested with the watch)",
@@ -142,10 +122,14 @@ class WatchCallback(TrainerCallback):
             raise ModelError(f"the batch has no {self.ids!r} column", "WatchCallback(ids=)")
         ids, labels = kwargs.pop(self.ids), kwargs.pop("labels")
         items = kwargs.pop("num_items_in_batch", None)
-        names = tuple(kwargs)
         try:
             if self.watch is None:  # the first step: the batch's keys are the model's inputs
-                self.kind, self.task = _task(model, labels)
+                self.kind, self.task = task(model, labels)
+            if self.kind == "seq2seq" and "decoder_input_ids" not in kwargs:
+                # the model makes them of its labels, which the watch takes from it
+                kwargs["decoder_input_ids"] = decoder_inputs(model, labels)
+            names = tuple(kwargs)
+            if self.watch is None:
                 self.watch = self._watch(model, _Call(original, names))
             loss = self.watch.step(tuple(kwargs[k] for k in names), labels, ids,
                                    epoch=self.epoch, divisor=self._divisor(labels, items))  # fmt: skip
@@ -164,15 +148,15 @@ class WatchCallback(TrainerCallback):
         return self._counted(labels, items) if self.task[0] == "cross_entropy" else None
 
     def _counted(self, labels: Tensor, items: Any) -> float | None:
-        """A classifier's divisor: its counted rows or tokens, where the model's own loss is
-        their mean, as every one is without accumulation (``CrossEntropyLoss`` or the step's
-        count, ``num_items_in_batch``, one and the same); accumulated, the two differ and which
-        the model takes is its class's: refused."""
+        """The divisor of a cross entropy but a causal language model's: its counted rows or
+        tokens, where the model's own loss is their mean, as every one is without accumulation
+        (``CrossEntropyLoss`` or the step's count, ``num_items_in_batch``, one and the same);
+        accumulated, the two differ and which the model takes is its class's: refused."""
         if self.accumulated and items is not None:
             raise ConfigError(
-                "a classifier under gradient accumulation: whether its loss is each "
-                "micro-batch's mean or the step's sum over its counted labels depends on the "
-                "model's class; watch it without accumulation",
+                f"{TITLES[self.kind]}'s cross entropy under gradient accumulation: whether its "
+                "loss is each micro-batch's mean or the step's sum over its counted labels "
+                "depends on the model's class; watch it without accumulation",
                 "TrainingArguments.gradient_accumulation_steps",
             )
         counted = int((labels != -100).sum())
@@ -186,62 +170,6 @@ class WatchCallback(TrainerCallback):
             model, self.out, loss, reduction=reduction, on_step=self.on_step, forward=forward,
             step=self.first, **self.recorded,
         ).__enter__()  # fmt: skip
-
-
-def _task(model: nn.Module, labels: Tensor) -> tuple[str, tuple[str, str]]:
-    """The model's kind as the ``Trainer`` tells it (its class among transformers' causal
-    language models, sequence or token classifiers, or masked language models), and the loss
-    and reduction it takes of ``labels``: a causal language model's, of a row of tokens each,
-    shifted; a sequence classifier's as its own loss picks it (``_problem``); a token
-    classifier's or a masked language model's, a class id per token, unshifted; else refused.
-    A PEFT model's kind is its base model's."""
-    base = getattr(model, "get_base_model", None)
-    model = base() if callable(base) else model
-    name, config = type(model).__name__, getattr(model, "config", None)
-    problem, classes = getattr(config, "problem_type", None), getattr(config, "num_labels", 0)
-    ids = labels.dim() == 2 and not labels.is_floating_point()
-    if _kind(name, CAUSAL_LM, "ForCausalLM", "LMHeadModel") and ids:
-        return "lm", ("causal_lm", "tokens")
-    if _kind(name, TAGGERS, "ForTokenClassification") and ids:
-        return "token", ("cross_entropy", "tokens")
-    if name.endswith("ForMaskedLM") and ids:
-        return "masked", ("cross_entropy", "tokens")
-    loss = _problem(problem, classes, labels)
-    if _kind(name, CLASSIFIERS, "ForSequenceClassification") and loss is not None:
-        return "sequence", (loss, "mean")
-    raise ConfigError(
-        "the watch serves causal and masked language models and token classifiers (a row of "
-        f"class ids each) and sequence classifiers (a label or a row of {classes} a row): not "
-        f"a {name} with labels {tuple(labels.shape)} {labels.dtype}, problem_type "
-        f"{problem!r}, {classes} labels",
-        "Trainer",
-    )
-
-
-def _problem(problem: str | None, classes: int, labels: Tensor) -> str | None:
-    """A sequence classifier's loss as transformers' own picks it (``problem_type``, else by
-    its labels: one label a regression, integer classes one each, else several): the mean over
-    the rows of ``cross_entropy``, ``mse`` or ``bce_with_logits``; None where the labels do not
-    fit it."""
-    if problem is None:
-        if classes == 1:
-            problem = "regression"
-        elif classes > 1 and labels.dtype in (torch.long, torch.int):
-            problem = "single_label_classification"
-        else:
-            problem = "multi_label_classification"
-    rows = len(labels)
-    if problem == "single_label_classification" and labels.dim() == 1:
-        return None if labels.is_floating_point() else "cross_entropy"
-    if problem == "regression" and labels.numel() == rows * classes:
-        return "mse"
-    if problem == "multi_label_classification" and labels.shape == (rows, classes):
-        return "bce_with_logits"
-    return None
-
-
-def _kind(name: str, names: frozenset[str], *endings: str) -> bool:
-    return name in names or name.endswith(endings)
 
 
 def _recorded(args: Any, state: Any, optimizer: Any, folder: str | Path, segment: int) -> dict:

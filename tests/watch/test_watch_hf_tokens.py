@@ -1,6 +1,7 @@
-"""The watch of a class id per token, unshifted: a token classifier's and a masked language
-model's loss, the mean over the batch's counted tokens, under dropout, on batches padded to
-their longest row (labels -100 where padded, as ``DataCollatorForTokenClassification`` pads)."""
+"""The watch of a class id per token, unshifted: a token classifier's, a masked and a seq2seq
+language model's loss, the mean over the batch's counted tokens, under dropout, on batches
+padded to their longest row (labels -100 where padded, as ``DataCollatorForTokenClassification``
+and ``DataCollatorForSeq2Seq`` pad)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from oracle import redrawn_norms
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
-from gradscope.errors import ConfigError  # noqa: E402
+from gradscope.errors import ConfigError, ModelError  # noqa: E402
 from gradscope.training.watch import Watch  # noqa: E402
 from gradscope.training.watch_hf import WatchCallback  # noqa: E402
 
@@ -139,3 +140,100 @@ def test_a_token_classifier_under_accumulation_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match="gradient accumulation") as raised:
         trainer.train()
     assert "\n" not in str(raised.value) and "forward" not in model.__dict__
+
+
+def _seq2seq(name: str, attention: str = "eager") -> torch.nn.Module:
+    """A one-layer BART or T5 with its dropout on (0.1)."""
+    torch.manual_seed(0)
+    if name == "bart":
+        config = transformers.BartConfig(
+            vocab_size=32, d_model=8, encoder_layers=1, decoder_layers=1,
+            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=16,
+            decoder_ffn_dim=16, max_position_embeddings=16, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, decoder_start_token_id=2, attn_implementation=attention,
+        )  # fmt: skip
+        return transformers.BartForConditionalGeneration(config).double().train()
+    config = transformers.T5Config(
+        vocab_size=32, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2,
+        decoder_start_token_id=0, pad_token_id=0, attn_implementation=attention,
+    )  # fmt: skip
+    return transformers.T5ForConditionalGeneration(config).double().train()
+
+
+def _pairs() -> list[dict]:
+    """Sources of 2 to 6 tokens, targets of 2 to 4."""
+    return [{"input_ids": list(range(3, 3 + n)), "labels": list(range(10, 12 + n % 3)),
+             "example_id": i} for i, n in enumerate([6, 3, 5, 4, 2, 6, 3, 5])]  # fmt: skip
+
+
+def _pairs_padded(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Sources padded with 0, targets with -100, each to the batch's longest."""
+    longest = max(len(r["labels"]) for r in rows)
+    labels = torch.full((len(rows), longest), -100)
+    for i, r in enumerate(rows):
+        labels[i, : len(r["labels"])] = torch.tensor(r["labels"])
+    sources = _padded([{**r, "labels": [0] * len(r["input_ids"])} for r in rows])
+    return {**sources, "labels": labels}
+
+
+def test_a_seq2seq_rows_norm_is_its_target_tokens_mean_under_the_batchs_masks(tmp_path):
+    """BART, its decoder inputs its labels shifted right as its forward shifts them: each
+    row's loss and norm those of the mean over its own counted target tokens."""
+    model, plain = _seq2seq("bart"), _seq2seq("bart")
+    batch = _pairs_padded(_pairs()[:4])
+    y = batch["labels"]
+    decoder = model.prepare_decoder_input_ids_from_labels(labels=y)
+    inputs = (batch["input_ids"], batch["attention_mask"], decoder)
+    keywords = ("input_ids", "attention_mask", "decoder_input_ids")
+    torch.manual_seed(3)
+    with Watch(model, tmp_path / "w.parquet", "cross_entropy", reduction="tokens",
+               keywords=keywords, output="logits") as watch:  # fmt: skip
+        for _ in range(2):
+            watch.step(inputs, y, batch["example_id"]).backward()
+        assert not watch.engine.plan.fallback
+    norms = redrawn_norms(
+        plain, 4, 2, lambda i: F.cross_entropy(plain(*inputs).logits[i], y[i]),
+        lambda: F.cross_entropy(plain(*inputs).logits.flatten(0, 1), y.flatten()),
+    )  # fmt: skip
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+    table = pq.read_table(tmp_path / "w.parquet").to_pydict()
+    np.testing.assert_allclose(table["grad_norm"], norms, rtol=1e-8, atol=1e-12)
+
+
+def _seq2seq_trainer(tmp_path, model, callbacks):
+    args = transformers.TrainingArguments(
+        str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=2,
+        learning_rate=1e-2, remove_unused_columns=False, report_to=[], save_strategy="no",
+        logging_strategy="no", disable_tqdm=True, use_cpu=True, seed=0,
+    )  # fmt: skip
+    return transformers.Trainer(
+        model, args, train_dataset=datasets.Dataset.from_list(_pairs()),
+        data_collator=_pairs_padded, callbacks=callbacks,
+    )  # fmt: skip
+
+
+def test_t5s_fused_attention_under_dropout_is_one_line(tmp_path):
+    """T5's position bias read by the fused attention, whose dropout no rule sees: its
+    examples would run alone, which cannot draw the batch's masks."""
+    model = _seq2seq("t5", "sdpa")
+    trainer = _seq2seq_trainer(tmp_path, model, [WatchCallback(tmp_path / "w.parquet")])
+    with pytest.raises(ModelError, match="cannot draw the masks the batch drew") as raised:
+        trainer.train()
+    assert "\n" not in str(raised.value) and "forward" not in model.__dict__
+
+
+@pytest.mark.parametrize("name", ["bart", "t5"])
+def test_a_seq2seq_trainer_trains_as_without_the_watch(tmp_path, name):
+    """BART's and T5's (eager attention) Trainer, dropout on, sources and targets padded: the
+    watched run's weights are the plain run's. A batch without decoder inputs gets them made
+    of its labels, as the model's forward makes them."""
+    trained = []
+    for callbacks in ([], [WatchCallback(tmp_path / "w.parquet")]):
+        model = _seq2seq(name)
+        _seq2seq_trainer(tmp_path, model, callbacks).train()
+        trained.append(model)
+    for p, q in zip(*(m.parameters() for m in trained), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    table = pq.read_table(tmp_path / "w.parquet").to_pydict()
+    assert sorted(table["example_id"]) == sorted(list(range(8)) * 2)

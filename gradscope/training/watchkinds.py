@@ -1,0 +1,119 @@
+"""What a Hugging Face ``Trainer``'s model is, by its class, and the loss the watch takes of its
+labels as the model's own forward would: a causal language model's next tokens; a sequence
+classifier's as its own loss picks it; a token classifier's, a masked or a seq2seq language
+model's class id per token, unshifted (a seq2seq model's decoder inputs made of its labels, as
+its forward makes them). A PEFT model is its base model's kind."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from transformers.modeling_outputs import (
+    CausalLMOutput,
+    MaskedLMOutput,
+    Seq2SeqLMOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
+)
+
+from ..errors import ConfigError
+
+CAUSAL_LM = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+CLASSIFIERS = frozenset(MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.values())
+TAGGERS = frozenset(MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES.values())
+SEQ2SEQ = frozenset(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.values())
+TITLES = {
+    "lm": "a causal language model",
+    "sequence": "a sequence classifier",
+    "token": "a token classifier",
+    "masked": "a masked language model",
+    "seq2seq": "a seq2seq language model",
+}
+OUTPUTS = {  # the output the Trainer reads the loss off, by the model's kind
+    "lm": CausalLMOutput,
+    "sequence": SequenceClassifierOutput,
+    "token": TokenClassifierOutput,
+    "masked": MaskedLMOutput,  # by its name only: transformers' masked-LM mapping names
+    "seq2seq": Seq2SeqLMOutput,  # seq2seq models too, whose labels feed their decoder
+}
+
+
+def task(model: nn.Module, labels: Tensor) -> tuple[str, tuple[str, str]]:
+    """The model's kind as the ``Trainer`` tells it (its class among transformers' causal,
+    masked and seq2seq language models, sequence and token classifiers), and the loss and
+    reduction it takes of ``labels``: a causal language model's, of a row of tokens each,
+    shifted; a sequence classifier's as its own loss picks it (``_problem``); the others', a
+    class id per token, unshifted; else refused."""
+    model = _base(model)
+    name, config = type(model).__name__, getattr(model, "config", None)
+    problem, classes = getattr(config, "problem_type", None), getattr(config, "num_labels", 0)
+    ids = labels.dim() == 2 and not labels.is_floating_point()
+    if _kind(name, CAUSAL_LM, "ForCausalLM", "LMHeadModel") and ids:
+        return "lm", ("causal_lm", "tokens")
+    if _kind(name, TAGGERS, "ForTokenClassification") and ids:
+        return "token", ("cross_entropy", "tokens")
+    if name.endswith("ForMaskedLM") and ids:
+        return "masked", ("cross_entropy", "tokens")
+    if name in SEQ2SEQ and getattr(config, "is_encoder_decoder", False) and ids:
+        return "seq2seq", ("cross_entropy", "tokens")
+    loss = _problem(problem, classes, labels)
+    if _kind(name, CLASSIFIERS, "ForSequenceClassification") and loss is not None:
+        return "sequence", (loss, "mean")
+    raise ConfigError(
+        "the watch serves causal, masked and seq2seq language models and token classifiers (a "
+        f"row of class ids each) and sequence classifiers (a label or a row of {classes} a "
+        f"row): not a {name} with labels {tuple(labels.shape)} {labels.dtype}, problem_type "
+        f"{problem!r}, {classes} labels",
+        "Trainer",
+    )
+
+
+def _problem(problem: str | None, classes: int, labels: Tensor) -> str | None:
+    """A sequence classifier's loss as transformers' own picks it (``problem_type``, else by
+    its labels: one label a regression, integer classes one each, else several): the mean over
+    the rows of ``cross_entropy``, ``mse`` or ``bce_with_logits``; None where the labels do not
+    fit it."""
+    if problem is None:
+        if classes == 1:
+            problem = "regression"
+        elif classes > 1 and labels.dtype in (torch.long, torch.int):
+            problem = "single_label_classification"
+        else:
+            problem = "multi_label_classification"
+    rows = len(labels)
+    if problem == "single_label_classification" and labels.dim() == 1:
+        return None if labels.is_floating_point() else "cross_entropy"
+    if problem == "regression" and labels.numel() == rows * classes:
+        return "mse"
+    if problem == "multi_label_classification" and labels.shape == (rows, classes):
+        return "bce_with_logits"
+    return None
+
+
+def decoder_inputs(model: nn.Module, labels: Tensor) -> Tensor:
+    """A seq2seq model's decoder inputs, its labels shifted right as its own forward shifts
+    them where none are given."""
+    shift = getattr(_base(model), "prepare_decoder_input_ids_from_labels", None)
+    if shift is None:
+        raise ConfigError(
+            f"{type(model).__name__} makes no decoder inputs of its labels: give the batch "
+            "decoder_input_ids (DataCollatorForSeq2Seq(model=...) does)",
+            "Trainer",
+        )
+    return shift(labels=labels)
+
+
+def _kind(name: str, names: frozenset[str], *endings: str) -> bool:
+    return name in names or name.endswith(endings)
+
+
+def _base(model: nn.Module) -> nn.Module:
+    """A PEFT model's base model, whose kind it is; any other model itself."""
+    base = getattr(model, "get_base_model", None)
+    return base() if callable(base) else model
