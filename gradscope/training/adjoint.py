@@ -1,7 +1,9 @@
 """One step of a recorded run, forward and in reverse: the weights and optimizer state it moves
 from and to, and the adjoint it carries back, with each row's share of it.
 
-A step is theta', s' = U(theta, s, clip(g)), g = grad (1/B) sum_i w_i l_i(theta) at w = 1. Given
+A step is theta', s' = U(theta, s, clip(g)), g = grad (1/B) sum_i w_i l_i(theta) at w = 1 (a
+run whose loss was the mean over each step's counted tokens: (1/N) sum_i w_i n_i l_i, row i
+counting n_i of the step's N, l_i the mean over its own). Given
 the adjoints (lambda', sbar') of (theta', s'), one double backward of <(lambda', sbar'), U(...)>
 with respect to (theta, s, w) gives lambda and sbar (through U and clip, and through g as a
 Hessian-vector product) and d/dw_i, each row's inner product of its gradient with the adjoint
@@ -16,7 +18,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from ..job import Forward
-from ..losses import LossFn
+from ..losses import LossFn, counted
 from .loop import TrainingRows
 from .record import set_rng
 from .steps import Tensors, Update, clip
@@ -45,6 +47,7 @@ class Problem:
     loss: LossFn
     update: Update
     max_norm: float | None
+    tokens: tuple[str, int] | None = None  # (loss name, ignore_index): a mean over tokens
 
     def losses(self, params: Tensors, inputs: tuple[Tensor, ...], targets: Tensor) -> Tensor:
         """(B,) the per-example losses of the model at ``params``."""
@@ -52,10 +55,15 @@ class Problem:
         return self.loss(output, targets)
 
     def step_loss(self, params: Tensors, picked: Tensor, weights: Tensor | None) -> Tensor:
-        """The step's training loss, (1/B) sum_i w_i l_i, over the rows at ``picked``."""
-        losses = self.losses(params, *self.rows.batch(picked))  # (B,)
+        """The step's training loss, (1/B) sum_i w_i l_i, over the rows at ``picked``; over
+        the step's counted tokens, (1/N) sum_i w_i n_i l_i, where ``tokens``."""
+        inputs, targets = self.rows.batch(picked)
+        losses = self.losses(params, inputs, targets)  # (B,)
         w = torch.ones_like(losses) if weights is None else weights
-        return (losses * w).sum() / len(losses)
+        if self.tokens is None:
+            return (losses * w).sum() / len(losses)
+        n = counted(self.tokens[0], targets, self.tokens[1]).flatten(1).sum(1).to(losses.dtype)
+        return (losses * w * n).sum() / n.sum()
 
     def forward(
         self, params: Tensors, state: Tensors, picked: Tensor, lr: float, t: int

@@ -62,7 +62,9 @@ def through_training(
         model = record.start_model(cfg)
         called = Called(model, config_forward(cfg))
         names = [f"model.{n}" for n, p in model.named_parameters() if p.requires_grad]
-        problem = Problem(called, names, rows, config_loss(cfg), record.update, record.clip)
+        tokens = (cfg.loss.name, cfg.loss.kwargs.get("ignore_index", -100))
+        problem = Problem(called, names, rows, config_loss(cfg), record.update, record.clip,
+                          tokens if record.meta.get("tokens") else None)  # fmt: skip
         replay = _Replay(problem, record, on_step)
         key = {"record": record.sha256(), "ref": data_sha256(str(ref)), "per_ref": per_ref}
         saved = _resumed(Path(partial), key) if partial else None

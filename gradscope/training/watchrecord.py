@@ -73,6 +73,7 @@ class Recording:
         # step -> the random state it began in, where not the one the step before left
         self.drawn: dict[int, dict] = {}
         self.left: dict | None = None  # the random state the last step's forward left
+        self.tokens = False  # the loss is the mean over each step's counted tokens
         self.why: str | None = None
         self.rows = 0  # one more than the largest id
         self.buffers: list[Tensor] = []
@@ -157,16 +158,12 @@ class Recording:
         self.pending = (ids, _fingerprint(grads, self.params), fed)
 
     def _mean(self, t: int, rows: int, divisor: float, counts: Tensor | None) -> None:
-        """The step's loss must be the mean over its rows of their own losses (a token mean is,
-        where every row counts as many tokens)."""
+        """The step's loss must be the mean over its rows of their own losses, or over its
+        counted tokens (``counts``: each row's), which the replay weighs each row's by."""
+        self.tokens |= counts is not None
         if counts is None and divisor != rows:
             self._refuse(f"step {t}'s loss is the sum over {divisor:g}, not the mean over its "
                          f"{rows} rows")  # fmt: skip
-        elif counts is not None and counts.min() != counts.max():
-            self._refuse(
-                f"step {t}'s loss is the mean over its tokens, and its rows count "
-                "different numbers of them: not the mean of the rows' own losses"
-            )
         elif counts is not None and divisor != counts.sum():
             self._refuse(f"step {t}'s loss is its tokens' losses over {divisor:g}, not over the "
                          f"{counts.sum():g} tokens it counts")  # fmt: skip
@@ -222,7 +219,7 @@ class Recording:
                     for a, b in zip(self.buffers, self.model.buffers(), strict=True))  # fmt: skip
         meta = {"source": WATCHED, "recipe": self.recipe | {"clip": self.clip}, "refused": self.why,
                 "rows": self.rows, "trained": self.names, "dtype": str(self.params[0].dtype),
-                "buffers_change": moved}  # fmt: skip
+                "buffers_change": moved, "tokens": self.tokens}  # fmt: skip
         drawn = sorted(t for t in self.drawn if t < steps)
         fed = torch.cat(self.fed) if self.fed else torch.zeros(0, 1, dtype=torch.float64)
         drawn_at = torch.tensor(drawn, dtype=torch.int64)
@@ -263,7 +260,7 @@ def recording(folder: str | Path | None, model: nn.Module,
               loss: str | LossFn, kwargs: dict) -> Recording | None:  # fmt: skip
     """The watch's ``record=``: None without a folder, else a recording of the loop that
     steps ``optimizer`` on the mean over each batch of the loss ``loss`` names (with
-    ``reduction="tokens"``, a batch's rows must count as many tokens each)."""
+    ``reduction="tokens"``, over each batch's counted tokens)."""
     if folder is None:
         return None
     if optimizer is None:
