@@ -35,7 +35,7 @@ from .watchrecord import SEGMENT
 _CLASS = object()  # the model had no forward of its own: its class's serves
 UNSUPPORTED = {
     "fp16": "fp16 training (its loss scaler is untested with the watch)",
-    "label_smoothing_factor": "label smoothing, whose loss is not causal_lm's",
+    "label_smoothing_factor": "label smoothing, whose loss is not the model's own",
     "torch_compile": "a compiled model (the watch runs the model's forward op by op)",
 }
 
@@ -59,6 +59,7 @@ class WatchCallback(TrainerCallback):
         self.watch: Watch | None = None
         self.kind = "lm"  # the model's kind, and its loss and reduction: the first step's
         self.task = ("causal_lm", "tokens")
+        self.names: tuple[str, ...] = ()  # the model's inputs by name, the first step's order
         self.epoch = 0
         self.first = 0  # the first step's number: a resumed run's goes on
         self.accumulated = False  # whether the Trainer accumulates micro-batches
@@ -128,15 +129,25 @@ class WatchCallback(TrainerCallback):
             if self.kind == "seq2seq" and "decoder_input_ids" not in kwargs:
                 # the model makes them of its labels, which the watch takes from it
                 kwargs["decoder_input_ids"] = decoder_inputs(model, labels)
-            names = tuple(kwargs)
             if self.watch is None:
-                self.watch = self._watch(model, _Call(original, names))
-            loss = self.watch.step(tuple(kwargs[k] for k in names), labels, ids,
-                                   epoch=self.epoch, divisor=self._divisor(labels, items))  # fmt: skip
+                self.names = tuple(kwargs)
+                self.watch = self._watch(model, _Call(original, self.names))
+            loss = self.watch.step(self._inputs(kwargs), labels, ids, epoch=self.epoch,
+                                   divisor=self._divisor(labels, items))  # fmt: skip
         except BaseException as e:  # Ctrl-C or an error in the step: the model as it was
             self._release(model, e)
             raise
         return OUTPUTS[self.kind](loss=loss)
+
+    def _inputs(self, kwargs: dict) -> tuple[Tensor, ...]:
+        """The call's inputs in the order of the first step's, by name: the same names."""
+        if set(kwargs) != set(self.names):
+            raise ModelError(
+                f"a training call's inputs are {sorted(kwargs)}, the first step's "
+                f"{sorted(self.names)}: the watch calls the model with the first step's",
+                "Trainer",
+            )
+        return tuple(kwargs[k] for k in self.names)
 
     def _divisor(self, labels: Tensor, items: Any) -> float | None:
         """What the step's loss is over: a language model's step's tokens where the Trainer

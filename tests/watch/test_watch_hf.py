@@ -14,7 +14,7 @@ from oracle import redrawn_norms
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
-from gradscope.errors import ConfigError  # noqa: E402
+from gradscope.errors import ConfigError, ModelError  # noqa: E402
 from gradscope.training.watch import Watch  # noqa: E402
 from gradscope.training.watch_hf import WatchCallback  # noqa: E402
 
@@ -342,6 +342,40 @@ def test_a_trainer_with_dropout_on_dynamically_padded_batches_trains_as_without(
     table = pq.read_table(tmp_path / "w.parquet").to_pydict()
     assert sorted(table["example_id"]) == sorted(list(range(8)) * 2)
     assert np.isfinite(table["grad_norm"]).all()
+
+
+def _reordered(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """``_padded``'s batch, its keys in the reverse order every other call."""
+    _reordered.calls = getattr(_reordered, "calls", 0) + 1
+    batch = _padded(rows)
+    return dict(reversed(batch.items())) if _reordered.calls % 2 else batch
+
+
+def test_a_batch_of_the_same_inputs_in_another_order_is_called_by_name(tmp_path):
+    """A collator whose keys come in another order (attention_mask before input_ids) is called
+    with each input by its name: the first step's order, as the model would take them (they
+    were passed by position in the batch's order, swapped on every other step)."""
+    trained = []
+    for callbacks in ([], [WatchCallback(tmp_path / "w.parquet")]):
+        model, trainer = _classifier_trainer(tmp_path, callbacks)
+        trainer.data_collator = _reordered
+        trainer.train()
+        trained.append(model)
+    for p, q in zip(*(m.parameters() for m in trained), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_batch_of_other_inputs_than_the_first_steps_is_one_line(tmp_path):
+    def thinned(rows):  # the second batch without its attention mask
+        thinned.calls = getattr(thinned, "calls", 0) + 1
+        batch = _padded(rows)
+        return {k: v for k, v in batch.items() if k != "attention_mask" or thinned.calls < 2}
+
+    model, trainer = _classifier_trainer(tmp_path, [WatchCallback(tmp_path / "w.parquet")])
+    trainer.data_collator = thinned
+    with pytest.raises(ModelError, match="the first step's") as raised:
+        trainer.train()
+    assert "\n" not in str(raised.value) and "forward" not in model.__dict__
 
 
 def test_a_classifier_under_accumulation_is_one_line(tmp_path):
