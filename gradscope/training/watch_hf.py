@@ -37,6 +37,7 @@ UNSUPPORTED = {
     "fp16": "fp16 training (its loss scaler is untested with the watch)",
     "label_smoothing_factor": "label smoothing, whose loss is not the model's own",
     "torch_compile": "a compiled model (the watch runs the model's forward op by op)",
+    "neftune_noise_alpha": "NEFTune's noise on the embeddings, drawn for the whole batch",
 }
 
 

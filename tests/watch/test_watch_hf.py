@@ -79,11 +79,18 @@ class _Raises(transformers.TrainerCallback):
 
 
 @pytest.mark.parametrize(
-    "setting", [{"fp16": True}, {"label_smoothing_factor": 0.1}, {"torch_compile": True}]
+    "setting",
+    [
+        {"fp16": True},
+        {"label_smoothing_factor": 0.1},
+        {"torch_compile": True},
+        {"neftune_noise_alpha": 5.0},
+    ],  # fmt: skip
 )
 def test_a_setting_the_watch_cannot_serve_is_one_line_before_it_trains(tmp_path, setting):
     """fp16's loss scaler, label smoothing, a compiled model (which failed inside dynamo as
-    the watch set it aside): refused as training begins, the model as it was."""
+    the watch set it aside), NEFTune's noise (refused as dropout's would be, where examples run
+    alone): refused as training begins, the model as it was."""
     callback = WatchCallback(tmp_path / "w.parquet")
     model, trainer = _trainer(tmp_path, [callback], **setting)
     with pytest.raises(ConfigError, match=f"TrainingArguments.{next(iter(setting))}") as raised:
