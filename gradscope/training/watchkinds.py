@@ -16,21 +16,37 @@ from transformers.modeling_outputs import (
     TokenClassifierOutput,
 )
 from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES,
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
     MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
     MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
+    MODEL_FOR_VIDEO_CLASSIFICATION_MAPPING_NAMES,
 )
 
 from ..errors import ConfigError
 
 CAUSAL_LM = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-CLASSIFIERS = frozenset(MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.values())
+# a label (or a row of them) an input: a sequence's, an image's, a video's, a sound's, whose
+# loss transformers takes alike (``ForSequenceClassificationLoss``)
+CLASSIFIERS = frozenset(
+    name
+    for mapping in (
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+        MODEL_FOR_VIDEO_CLASSIFICATION_MAPPING_NAMES,
+        MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES,
+    )
+    for names in mapping.values()
+    for name in ((names,) if isinstance(names, str) else names)
+)
+CLASSIFYING = tuple(f"For{kind}Classification" for kind in ("Sequence", "Image", "Video", "Audio"))
 TAGGERS = frozenset(MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES.values())
 SEQ2SEQ = frozenset(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.values())
 TITLES = {
     "lm": "a causal language model",
-    "sequence": "a sequence classifier",
+    "sequence": "a classifier",
     "token": "a token classifier",
     "masked": "a masked language model",
     "seq2seq": "a seq2seq language model",
@@ -46,10 +62,10 @@ OUTPUTS = {  # the output the Trainer reads the loss off, by the model's kind
 
 def task(model: nn.Module, labels: Tensor) -> tuple[str, tuple[str, str]]:
     """The model's kind as the ``Trainer`` tells it (its class among transformers' causal,
-    masked and seq2seq language models, sequence and token classifiers), and the loss and
-    reduction it takes of ``labels``: a causal language model's, of a row of tokens each,
-    shifted; a sequence classifier's as its own loss picks it (``_problem``); the others', a
-    class id per token, unshifted; else refused."""
+    masked and seq2seq language models, sequence, image, video, audio and token classifiers),
+    and the loss and reduction it takes of ``labels``: a causal language model's, of a row of
+    tokens each, shifted; a classifier's of an input as its own loss picks it (``_problem``);
+    the others', a class id per token, unshifted; else refused."""
     model = _base(model)
     name, config = type(model).__name__, getattr(model, "config", None)
     problem, classes = getattr(config, "problem_type", None), getattr(config, "num_labels", 0)
@@ -63,19 +79,19 @@ def task(model: nn.Module, labels: Tensor) -> tuple[str, tuple[str, str]]:
     if name in SEQ2SEQ and getattr(config, "is_encoder_decoder", False) and ids:
         return "seq2seq", ("cross_entropy", "tokens")
     loss = _problem(problem, classes, labels)
-    if _kind(name, CLASSIFIERS, "ForSequenceClassification") and loss is not None:
+    if _kind(name, CLASSIFIERS, *CLASSIFYING) and loss is not None:
         return "sequence", (loss, "mean")
     raise ConfigError(
         "the watch serves causal, masked and seq2seq language models and token classifiers (a "
-        f"row of class ids each) and sequence classifiers (a label or a row of {classes} a "
-        f"row): not a {name} with labels {tuple(labels.shape)} {labels.dtype}, problem_type "
+        "row of class ids each) and sequence, image, video and audio classifiers (a label or a "
+        f"row of {classes} a row): not a {name} with labels {tuple(labels.shape)} {labels.dtype}, problem_type "
         f"{problem!r}, {classes} labels",
         "Trainer",
     )
 
 
 def _problem(problem: str | None, classes: int, labels: Tensor) -> str | None:
-    """A sequence classifier's loss as transformers' own picks it (``problem_type``, else by
+    """A classifier's loss as transformers' own picks it (``problem_type``, else by
     its labels: one label a regression, integer classes one each, else several): the mean over
     the rows of ``cross_entropy``, ``mse`` or ``bce_with_logits``; None where the labels do not
     fit it."""
