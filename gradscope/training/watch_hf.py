@@ -114,31 +114,37 @@ class WatchCallback(TrainerCallback):
         if not model.training or not torch.is_grad_enabled() or args:
             kwargs.pop(self.ids, None)  # an evaluation's batch: the ids are no input
             return original(*args, **kwargs)
+        try:
+            loss = self._step(model, original, kwargs)
+        except BaseException as e:  # Ctrl-C or an error in the step: the model as it was
+            self._release(model, e)
+            raise
+        return OUTPUTS[self.kind](loss=loss)
+
+    def _step(self, model: nn.Module, original: Any, kwargs: dict) -> Tensor:
+        """A training call through the watch: its loss (the first one's kind read off the
+        model, and the watch made)."""
         if "labels" not in kwargs:
             raise ModelError(
-                "a training call without labels: the watch needs the Trainer to pass them "
-                "to the model (no compute_loss_func)",
+                f"a training call without labels (its batch: {', '.join(sorted(kwargs))}): the "
+                "watch needs the Trainer to pass them to the model (no compute_loss_func; no "
+                "question answerer's start and end positions)",
                 "Trainer",
             )
         if self.ids not in kwargs:
             raise ModelError(f"the batch has no {self.ids!r} column", "WatchCallback(ids=)")
         ids, labels = kwargs.pop(self.ids), kwargs.pop("labels")
         items = kwargs.pop("num_items_in_batch", None)
-        try:
-            if self.watch is None:  # the first step: the batch's keys are the model's inputs
-                self.kind, self.task = task(model, labels)
-            if self.kind == "seq2seq" and "decoder_input_ids" not in kwargs:
-                # the model makes them of its labels, which the watch takes from it
-                kwargs["decoder_input_ids"] = decoder_inputs(model, labels)
-            if self.watch is None:
-                self.names = tuple(kwargs)
-                self.watch = self._watch(model, _Call(original, self.names))
-            loss = self.watch.step(self._inputs(kwargs), labels, ids, epoch=self.epoch,
-                                   divisor=self._divisor(labels, items))  # fmt: skip
-        except BaseException as e:  # Ctrl-C or an error in the step: the model as it was
-            self._release(model, e)
-            raise
-        return OUTPUTS[self.kind](loss=loss)
+        if self.watch is None:  # the first step: the batch's keys are the model's inputs
+            self.kind, self.task = task(model, labels)
+        if self.kind == "seq2seq" and "decoder_input_ids" not in kwargs:
+            # the model makes them of its labels, which the watch takes from it
+            kwargs["decoder_input_ids"] = decoder_inputs(model, labels)
+        if self.watch is None:
+            self.names = tuple(kwargs)
+            self.watch = self._watch(model, _Call(original, self.names))
+        return self.watch.step(self._inputs(kwargs), labels, ids, epoch=self.epoch,
+                               divisor=self._divisor(labels, items))  # fmt: skip
 
     def _inputs(self, kwargs: dict) -> tuple[Tensor, ...]:
         """The call's inputs in the order of the first step's, by name: the same names."""
