@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ..config import Config
+from ..config import Config, DataConfig
 from ..errors import ConfigError, DataError, ModelError
 from ..inputs import Inputs
 from ..io.files import file_sha256
@@ -195,8 +195,9 @@ class Record:
 
         return drawn(self)
 
-    def check_rows(self, rows, data: str) -> None:
-        """The rows the replay trains on (of ``data``, a path) are those a watched loop fed."""
+    def check_rows(self, rows, data: DataConfig) -> None:
+        """The rows the replay trains on (of the config's ``data``) are those a watched loop
+        fed."""
         if self.meta.get("source") == WATCHED:
             from .watched import check_rows
 

@@ -58,7 +58,7 @@ def through_training(
     device = resolve_device(cfg.device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         rows = TrainingRows(cfg, None)
-        record.check_rows(rows, cfg.data.path)
+        record.check_rows(rows, cfg.data)
         model = record.start_model(cfg)
         called = Called(model, config_forward(cfg))
         names = [f"model.{n}" for n, p in model.named_parameters() if p.requires_grad]

@@ -201,6 +201,8 @@ class Watch:
         )
         self._modes: list[tuple[nn.Module, bool]] = []
         self.recording = recording(record, model, optimizer, clip, segment, loss, kwargs)
+        if self.recording is not None:  # the inputs' names, where every one is passed by name
+            self.recording.inputs = getattr(forward, "names", None) or tuple(keywords) or None
         resumed = self.recording.resumed if self.recording is not None else None
         self.steps = step if resumed is None else resumed.step  # a resumed loop's numbering goes on
 

@@ -10,9 +10,9 @@ import dataclasses
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from ..config import Config, TrainConfig
+from ..config import Config, DataConfig, TrainConfig
 from ..errors import ConfigError, DataError, ModelError, one_line
 from ..io.data import open_dataset
 from ..io.model import build_model
@@ -88,10 +88,21 @@ def drawn(record: Record) -> dict[int, dict]:
     return dict(zip(saved["drawn"].tolist(), saved["states"], strict=True))
 
 
-def check_rows(record: Record, rows: TrainingRows, data: str) -> None:
-    """Each step's rows, as the replay batches the config's data (``data``, its path), digest
-    as the rows the watched step fed: else one line naming the data. (A record written before
-    the watch kept the digests has none: its segments' check stands alone.)"""
-    if (record.folder / FED).is_file():
-        fed = _load(record.folder / FED)["fed"]
-        check_fed(fed, record.steps()[0], rows.batch, str(record.folder), data)
+def check_rows(record: Record, rows: TrainingRows, data: DataConfig) -> None:
+    """Each step's rows, as the replay batches the config's ``data``, digest as the rows the
+    watched step fed: else one line naming the data. Where the loop named its inputs and the
+    config maps forward arguments of those names, they are compared by name, in the loop's
+    order. (A record written before the watch kept the digests has none: its segments' check
+    stands alone.)"""
+    if not (record.folder / FED).is_file():
+        return
+    fed, batch = _load(record.folder / FED)["fed"], rows.batch
+    named, arguments = record.meta.get("inputs"), data.inputs
+    if named and isinstance(arguments, dict) and sorted(named) == sorted(arguments):
+        order = [list(arguments).index(name) for name in named]
+
+        def batch(picked: Tensor) -> tuple[tuple[Tensor, ...], Tensor]:
+            inputs, targets = rows.batch(picked)
+            return tuple(inputs[k] for k in order), targets
+
+    check_fed(fed, record.steps()[0], batch, str(record.folder), data.path)

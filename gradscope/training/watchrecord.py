@@ -74,6 +74,7 @@ class Recording:
         self.drawn: dict[int, dict] = {}
         self.left: dict | None = None  # the random state the last step's forward left
         self.tokens = False  # the loss is the mean over each step's counted tokens
+        self.inputs: tuple[str, ...] | None = None  # the inputs' names, where all are named
         self.why: str | None = None
         self.rows = 0  # one more than the largest id
         self.buffers: list[Tensor] = []
@@ -146,6 +147,8 @@ class Recording:
         if len(ids) and ids.min() < 0:
             self._refuse(f"step {t}'s ids are not positions in the data (one is negative)")
         self.rows = max(self.rows, int(ids.max()) + 1 if len(ids) else 0)
+        if self.inputs is not None and fed.shape[1] - 1 != len(self.inputs):
+            self.inputs = None  # some passed by position: unnamed
         if self.fed and fed.shape[1] != self.fed[0].shape[1]:
             self._refuse(f"step {t} fed {fed.shape[1] - 1} inputs, step 0 "
                          f"{self.fed[0].shape[1] - 1}: the replay feeds data.inputs")  # fmt: skip
@@ -219,7 +222,8 @@ class Recording:
                     for a, b in zip(self.buffers, self.model.buffers(), strict=True))  # fmt: skip
         meta = {"source": WATCHED, "recipe": self.recipe | {"clip": self.clip}, "refused": self.why,
                 "rows": self.rows, "trained": self.names, "dtype": str(self.params[0].dtype),
-                "buffers_change": moved, "tokens": self.tokens}  # fmt: skip
+                "buffers_change": moved, "tokens": self.tokens,
+                "inputs": None if self.inputs is None else list(self.inputs)}  # fmt: skip
         drawn = sorted(t for t in self.drawn if t < steps)
         fed = torch.cat(self.fed) if self.fed else torch.zeros(0, 1, dtype=torch.float64)
         drawn_at = torch.tensor(drawn, dtype=torch.int64)

@@ -104,3 +104,57 @@ def test_a_token_mean_over_rows_of_unequal_counts_replays_to_finite_differences(
         up, down = (_reference_loss(_train(1 + s * e), ref) for s in (1, -1))
         want.append(-(up - down) / (2 * eps))
     assert close(got, np.array(want))
+
+
+def test_a_trainers_dynamically_padded_run_replays_from_a_ragged_dataset(tmp_path):
+    """A Trainer's language model on rows padded to each batch's longest (labels -100,
+    dropout on), its record replayed from the rows as a ragged dataset that ``data.pad``
+    pads per batch alike, the config naming its inputs in another order than the collator
+    passed them (they are compared by name). The replay's own check holds: every segment
+    recomputed reaches the weights the run reached."""
+    datasets = pytest.importorskip("datasets")
+    from gradscope.training.watch_hf import WatchCallback
+
+    lengths = [6, 3, 5, 4, 2, 6, 3, 5]
+    rows = [{"input_ids": list(range(1, n + 1)), "attention_mask": [1] * n,
+             "labels": list(range(1, n + 1))} for n in lengths]  # fmt: skip
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "data"))
+
+    def padded(batch: list[dict]) -> dict[str, torch.Tensor]:
+        longest = max(len(b["input_ids"]) for b in batch)
+        out = {"input_ids": torch.zeros(len(batch), longest, dtype=torch.long)}
+        out["attention_mask"] = torch.zeros_like(out["input_ids"])
+        out["labels"] = torch.full_like(out["input_ids"], -100)
+        for i, b in enumerate(batch):
+            for key in out:
+                out[key][i, : len(b[key])] = torch.tensor(b[key])
+        return {**out, "example_id": torch.tensor([b["example_id"] for b in batch])}
+
+    config = {**GPT2, "resid_pdrop": 0.1}
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config)).double()
+    model.loss_type = "ForCausalLM"  # the Trainer counts the next tokens it divides by
+    args = transformers.TrainingArguments(
+        str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=2, optim="sgd",
+        learning_rate=0.1, remove_unused_columns=False, report_to=[], save_strategy="no",
+        logging_strategy="no", disable_tqdm=True, use_cpu=True, seed=0,
+    )  # fmt: skip
+    train = datasets.Dataset.from_list([{**r, "example_id": i} for i, r in enumerate(rows)])
+    callback = WatchCallback(tmp_path / "w.parquet", record=tmp_path / "w.run", segment=2)
+    transformers.Trainer(
+        model, args, train_dataset=train, data_collator=padded, callbacks=[callback]
+    ).train()
+    meta = json.loads((tmp_path / "w.run" / "record.json").read_text())
+    assert meta["refused"] is None and meta["tokens"] is True
+    assert meta["inputs"] == ["input_ids", "attention_mask"]
+    torch.save({"input_ids": torch.tensor([[3, 4, 5, 6]]), "attention_mask": torch.ones(1, 4),
+                "labels": torch.tensor([[3, 4, 5, 6]])}, tmp_path / "ref.pt")  # fmt: skip
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({
+        "model": {"factory": "transformers:GPT2LMHeadModel", "config": config},
+        "data": {"path": "data", "targets": "labels", "pad": {"input_ids": 0}, "batch_size": 4,
+                 "inputs": {"attention_mask": "attention_mask", "input_ids": "input_ids"}},
+        "loss": {"name": "causal_lm"}, "dtype": "float64", "device": "cpu",
+    }, sort_keys=False))  # fmt: skip
+    got = through_training(load_config(tmp_path / "config.yaml"), tmp_path / "w.run",
+                           tmp_path / "ref.pt")  # fmt: skip
+    assert got.shape == (8,) and np.isfinite(got).all() and np.abs(got).max() > 0
