@@ -128,7 +128,9 @@ class Analysis:
             )
         check_alone(self.losses, inputs, targets, captured.losses, every, after)
 
-    def _recorded(self, inputs: tuple[Tensor, ...], targets: Tensor, findings: Findings, train):
+    def _recorded(
+        self, inputs: tuple[Tensor, ...], targets: Tensor, findings: Findings, train: bool
+    ):
         expand, assume = findings.expand is not False, findings.assume
         watched, batch = self.plan.by_rule + self.plan.raw, targets.shape[0]
         trace = RowTrace(batch, (*inputs, targets))
