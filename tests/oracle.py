@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from project import run_cli
@@ -402,3 +403,52 @@ def redrawn_norms(
         torch.set_rng_state(began)
         batch_loss().backward()
     return norms
+
+
+def trained_alike(tmp_path: Path, train: Callable[[list], nn.Module]) -> dict[str, list]:
+    """The plain run, a watched ``Trainer``'s oracle: ``train(callbacks)`` trains a fresh model
+    and returns it; with the watch's callback (writing ``w.parquet`` in ``tmp_path``) its
+    weights must be those the run reaches without it (to 1e-5: Adam's first steps move a
+    weight whose gradient is zero but for rounding by its sign). The watch file's columns."""
+    import pyarrow.parquet as pq
+
+    from gradscope.training.watch_hf import WatchCallback
+
+    out = tmp_path / "w.parquet"
+    plain, watched = (train(callbacks) for callbacks in ([], [WatchCallback(out)]))
+    for p, q in zip(plain.parameters(), watched.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    return pq.read_table(out).to_pydict()
+
+
+def watched_as_looped(
+    model: nn.Module,
+    plain: nn.Module,
+    out: Path,
+    batch: tuple[tuple[Tensor, ...], Tensor],
+    losses: tuple[Callable[[int], Tensor], Callable[[], Tensor]],
+    rtol: float = 1e-8,
+    **watch: object,
+) -> dict[str, list]:
+    """Two watched steps of ``model`` on ``batch`` (inputs, targets), an analysed and a
+    replayed one, begun at seed 3: nothing on the fallback, each row's norm the loop's on
+    ``plain`` (``redrawn_norms`` of ``losses``, its rows' and its batch's, under the batch's
+    masks drawn again) to ``rtol``, ``.grad`` of what trains the plain steps'. ``watch``:
+    ``Watch``'s arguments. The watch file's columns."""
+    import pyarrow.parquet as pq
+
+    from gradscope.training.watch import Watch
+
+    (inputs, targets), rows = batch, len(batch[1])
+    torch.manual_seed(3)
+    with Watch(model, out, **watch) as watched:
+        for _ in range(2):
+            watched.step(inputs, targets, torch.arange(rows)).backward()
+        assert not watched.engine.plan.fallback
+    norms = redrawn_norms(plain, rows, 2, *losses)
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+    table = pq.read_table(out).to_pydict()
+    np.testing.assert_allclose(table["grad_norm"], norms, rtol=rtol, atol=1e-12)
+    return table

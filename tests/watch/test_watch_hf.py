@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from oracle import redrawn_norms
+from oracle import trained_alike, watched_as_looped
 
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
@@ -278,24 +278,14 @@ def test_dropout_on_dynamically_padded_batches_is_watched_as_each_example_alone(
     """Each batch's longest row takes transformers' mask shortcut alone, which a step with
     dropout on checks with it left out: every norm is its loss's under the batch's masks, on
     the analysed batch and the replayed one."""
-    model, lengths = _bert(), [6, 3, 6, 4]
+    plain, lengths = _bert(), [6, 3, 6, 4]
     batch = _padded([{"input_ids": list(range(1, n + 1)), "labels": n % 2, "example_id": i}
                      for i, n in enumerate(lengths)])  # fmt: skip
     inputs, y = (batch["input_ids"], batch["attention_mask"]), batch["labels"]
-    plain = _bert()
-    keywords = ("input_ids", "attention_mask")
-    torch.manual_seed(3)
-    with Watch(model, tmp_path / "w.parquet", keywords=keywords, output="logits") as watch:
-        for _ in range(2):
-            watch.step(inputs, y, torch.arange(4)).backward()
-    norms = redrawn_norms(  # example i's loss under the batch's masks, drawn again
-        plain, 4, 2, lambda i: torch.nn.functional.cross_entropy(plain(*inputs).logits[i], y[i]),
-        lambda: torch.nn.functional.cross_entropy(plain(*inputs).logits, y),
-    )  # fmt: skip
-    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
-    table = pq.read_table(tmp_path / "w.parquet").to_pydict()
-    np.testing.assert_allclose(table["grad_norm"], norms, rtol=1e-8, atol=1e-12)
+    losses = (lambda i: torch.nn.functional.cross_entropy(plain(*inputs).logits[i], y[i]),
+              lambda: torch.nn.functional.cross_entropy(plain(*inputs).logits, y))  # fmt: skip
+    watched_as_looped(_bert(), plain, tmp_path / "w.parquet", (inputs, y), losses,
+                      keywords=("input_ids", "attention_mask"), output="logits")  # fmt: skip
 
 
 # a sequence classifier's kinds, as transformers' own loss tells them by their labels: the
@@ -339,14 +329,13 @@ def test_a_trainer_with_dropout_on_dynamically_padded_batches_trains_as_without(
     padded to their longest row; single-label, a row not counted (label -100) left out of the
     mean, as the model's own loss leaves it; a regression and a multi-label one too, also
     accumulated (their losses, transformers' MSE and BCE, each micro-batch's mean)."""
-    trained = []
-    for callbacks in ([], [WatchCallback(tmp_path / "w.parquet")]):
+
+    def train(callbacks: list) -> torch.nn.Module:
         model, trainer = _classifier_trainer(tmp_path, callbacks, accumulate, problem)
         trainer.train()
-        trained.append(model)
-    for p, q in zip(*(m.parameters() for m in trained), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-    table = pq.read_table(tmp_path / "w.parquet").to_pydict()
+        return model
+
+    table = trained_alike(tmp_path, train)
     assert sorted(table["example_id"]) == sorted(list(range(8)) * 2)
     assert np.isfinite(table["grad_norm"]).all()
 
@@ -362,14 +351,14 @@ def test_a_batch_of_the_same_inputs_in_another_order_is_called_by_name(tmp_path)
     """A collator whose keys come in another order (attention_mask before input_ids) is called
     with each input by its name: the first step's order, as the model would take them (they
     were passed by position in the batch's order, swapped on every other step)."""
-    trained = []
-    for callbacks in ([], [WatchCallback(tmp_path / "w.parquet")]):
+
+    def train(callbacks: list) -> torch.nn.Module:
         model, trainer = _classifier_trainer(tmp_path, callbacks)
         trainer.data_collator = _reordered
         trainer.train()
-        trained.append(model)
-    for p, q in zip(*(m.parameters() for m in trained), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        return model
+
+    trained_alike(tmp_path, train)
 
 
 def test_a_batch_of_other_inputs_than_the_first_steps_is_one_line(tmp_path):

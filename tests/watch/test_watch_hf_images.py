@@ -4,17 +4,13 @@ classifier's (transformers takes them alike), its rows' norms the loop's."""
 from __future__ import annotations
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
-from oracle import redrawn_norms
+from oracle import trained_alike, watched_as_looped
 
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
-
-from gradscope.training.watch import Watch  # noqa: E402
-from gradscope.training.watch_hf import WatchCallback  # noqa: E402
 
 
 def _vit() -> torch.nn.Module:
@@ -34,21 +30,12 @@ def _images() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_each_images_norm_is_the_loops_under_the_batchs_masks(tmp_path):
-    model, plain = _vit(), _vit()
+    plain = _vit()
     pixels, y = _images()
-    torch.manual_seed(3)
-    with Watch(model, tmp_path / "w.parquet", output="logits") as watch:
-        for _ in range(2):
-            watch.step(pixels[:4], y[:4], torch.arange(4)).backward()
-        assert not watch.engine.plan.fallback
-    norms = redrawn_norms(
-        plain, 4, 2, lambda i: F.cross_entropy(plain(pixels[:4]).logits[i], y[i]),
-        lambda: F.cross_entropy(plain(pixels[:4]).logits, y[:4]),
-    )  # fmt: skip
-    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
-    table = pq.read_table(tmp_path / "w.parquet").to_pydict()
-    np.testing.assert_allclose(table["grad_norm"], norms, rtol=1e-8)
+    losses = (lambda i: F.cross_entropy(plain(pixels[:4]).logits[i], y[i]),
+              lambda: F.cross_entropy(plain(pixels[:4]).logits, y[:4]))  # fmt: skip
+    watched_as_looped(_vit(), plain, tmp_path / "w.parquet", ((pixels[:4],), y[:4]), losses,
+                      output="logits")  # fmt: skip
 
 
 def test_an_image_classifiers_trainer_trains_as_without_the_watch(tmp_path):
@@ -62,13 +49,12 @@ def test_an_image_classifiers_trainer_trains_as_without_the_watch(tmp_path):
         learning_rate=1e-2, remove_unused_columns=False, report_to=[], save_strategy="no",
         logging_strategy="no", disable_tqdm=True, use_cpu=True, seed=0,
     )  # fmt: skip
-    trained = []
-    for callbacks in ([], [WatchCallback(tmp_path / "w.parquet")]):
+
+    def train(callbacks: list) -> torch.nn.Module:
         model = _vit()
         transformers.Trainer(model, args, train_dataset=data, callbacks=callbacks).train()
-        trained.append(model)
-    for p, q in zip(*(m.parameters() for m in trained), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-    table = pq.read_table(tmp_path / "w.parquet").to_pydict()
+        return model
+
+    table = trained_alike(tmp_path, train)
     assert sorted(table["example_id"]) == sorted(list(range(8)) * 2)
     assert np.isfinite(table["correct"]).all()

@@ -6,19 +6,18 @@ and ``DataCollatorForSeq2Seq`` pad)."""
 from __future__ import annotations
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
-from oracle import redrawn_norms
+from oracle import trained_alike, watched_as_looped
 
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
 from gradscope.errors import ConfigError, ModelError  # noqa: E402
-from gradscope.training.watch import Watch  # noqa: E402
 from gradscope.training.watch_hf import WatchCallback  # noqa: E402
 
+KEYWORDS = ("input_ids", "attention_mask")
 KINDS = {  # each kind's model class, and its number of classes a token
     "token": ("BertForTokenClassification", 3),
     "masked": ("BertForMaskedLM", 32),
@@ -68,21 +67,12 @@ def test_each_row_is_its_counted_tokens_mean_under_the_batchs_masks(tmp_path, ki
     """Each row's loss, norm, margin and correct are those of the mean over its own counted
     tokens under the batch's dropout masks; ``.grad`` the step's mean over every counted
     token, on the analysed batch and the replayed one."""
-    model, plain, batch = _model(kind), _model(kind), _padded(_rows(kind)[:4])
+    plain, batch = _model(kind), _padded(_rows(kind)[:4])
     inputs, y = (batch["input_ids"], batch["attention_mask"]), batch["labels"]
-    torch.manual_seed(3)
-    with Watch(model, tmp_path / "w.parquet", "cross_entropy", reduction="tokens",
-               keywords=("input_ids", "attention_mask"), output="logits") as watch:  # fmt: skip
-        for _ in range(2):
-            watch.step(inputs, y, batch["example_id"]).backward()
-    norms = redrawn_norms(
-        plain, 4, 2, lambda i: F.cross_entropy(plain(*inputs).logits[i], y[i]),
-        lambda: F.cross_entropy(plain(*inputs).logits.flatten(0, 1), y.flatten()),
+    table = watched_as_looped(
+        _model(kind), plain, tmp_path / "w.parquet", (inputs, y), _token_losses(plain, inputs, y),
+        loss="cross_entropy", reduction="tokens", keywords=KEYWORDS, output="logits",
     )  # fmt: skip
-    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
-    table = pq.read_table(tmp_path / "w.parquet").to_pydict()
-    np.testing.assert_allclose(table["grad_norm"], norms, rtol=1e-8, atol=1e-12)
     with torch.no_grad():  # the second step's rows: its masks drawn again from where it began
         torch.manual_seed(3)
         plain(*inputs)
@@ -94,6 +84,12 @@ def test_each_row_is_its_counted_tokens_mean_under_the_batchs_masks(tmp_path, ki
     np.testing.assert_allclose(table["prob"][4:], np.exp(-np.array(loss)), rtol=1e-10)
     np.testing.assert_allclose(table["correct"][4:], right, rtol=1e-12)
     assert np.isfinite(table["margin"]).all()
+
+
+def _token_losses(plain: torch.nn.Module, inputs: tuple, y: torch.Tensor) -> tuple:
+    """Each row's mean over its counted tokens, and the batch's over all of them."""
+    return (lambda i: F.cross_entropy(plain(*inputs).logits[i], y[i]),
+            lambda: F.cross_entropy(plain(*inputs).logits.flatten(0, 1), y.flatten()))  # fmt: skip
 
 
 def _trainer(tmp_path, kind: str, callbacks: list, accumulate: int = 1):
@@ -116,14 +112,13 @@ def test_a_trainer_of_a_label_a_token_trains_as_without_the_watch(tmp_path, kind
     longest row: the watched run's weights are the plain run's (the loss over the counted
     tokens, unshifted), and each row is written at each step (a masked LM's row 4 masks none
     of its tokens: no loss, no share correct, no gradient)."""
-    trained = []
-    for callbacks in ([], [WatchCallback(tmp_path / "w.parquet")]):
+
+    def train(callbacks: list) -> torch.nn.Module:
         model, trainer = _trainer(tmp_path, kind, callbacks)
         trainer.train()
-        trained.append(model)
-    for p, q in zip(*(m.parameters() for m in trained), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-    table = pq.read_table(tmp_path / "w.parquet").to_pydict()
+        return model
+
+    table = trained_alike(tmp_path, train)
     assert sorted(table["example_id"]) == sorted(list(range(8)) * 2)
     none = np.array(table["example_id"]) == (4 if kind == "masked" else -1)
     assert np.isfinite(table["grad_norm"]).all()
@@ -179,26 +174,15 @@ def _pairs_padded(rows: list[dict]) -> dict[str, torch.Tensor]:
 def test_a_seq2seq_rows_norm_is_its_target_tokens_mean_under_the_batchs_masks(tmp_path):
     """BART, its decoder inputs its labels shifted right as its forward shifts them: each
     row's loss and norm those of the mean over its own counted target tokens."""
-    model, plain = _seq2seq("bart"), _seq2seq("bart")
-    batch = _pairs_padded(_pairs()[:4])
+    plain, batch = _seq2seq("bart"), _pairs_padded(_pairs()[:4])
     y = batch["labels"]
-    decoder = model.prepare_decoder_input_ids_from_labels(labels=y)
+    decoder = plain.prepare_decoder_input_ids_from_labels(labels=y)
     inputs = (batch["input_ids"], batch["attention_mask"], decoder)
-    keywords = ("input_ids", "attention_mask", "decoder_input_ids")
-    torch.manual_seed(3)
-    with Watch(model, tmp_path / "w.parquet", "cross_entropy", reduction="tokens",
-               keywords=keywords, output="logits") as watch:  # fmt: skip
-        for _ in range(2):
-            watch.step(inputs, y, batch["example_id"]).backward()
-        assert not watch.engine.plan.fallback
-    norms = redrawn_norms(
-        plain, 4, 2, lambda i: F.cross_entropy(plain(*inputs).logits[i], y[i]),
-        lambda: F.cross_entropy(plain(*inputs).logits.flatten(0, 1), y.flatten()),
+    watched_as_looped(
+        _seq2seq("bart"), plain, tmp_path / "w.parquet", (inputs, y),
+        _token_losses(plain, inputs, y), loss="cross_entropy", reduction="tokens",
+        keywords=(*KEYWORDS, "decoder_input_ids"), output="logits",
     )  # fmt: skip
-    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
-    table = pq.read_table(tmp_path / "w.parquet").to_pydict()
-    np.testing.assert_allclose(table["grad_norm"], norms, rtol=1e-8, atol=1e-12)
 
 
 def _seq2seq_trainer(tmp_path, model, callbacks):
@@ -228,12 +212,11 @@ def test_a_seq2seq_trainer_trains_as_without_the_watch(tmp_path, name):
     """BART's and T5's (eager attention) Trainer, dropout on, sources and targets padded: the
     watched run's weights are the plain run's. A batch without decoder inputs gets them made
     of its labels, as the model's forward makes them."""
-    trained = []
-    for callbacks in ([], [WatchCallback(tmp_path / "w.parquet")]):
+
+    def train(callbacks: list) -> torch.nn.Module:
         model = _seq2seq(name)
         _seq2seq_trainer(tmp_path, model, callbacks).train()
-        trained.append(model)
-    for p, q in zip(*(m.parameters() for m in trained), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-    table = pq.read_table(tmp_path / "w.parquet").to_pydict()
+        return model
+
+    table = trained_alike(tmp_path, train)
     assert sorted(table["example_id"]) == sorted(list(range(8)) * 2)
