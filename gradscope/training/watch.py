@@ -6,7 +6,8 @@ optimizer steps on, and each example's loss, norm and margin go to Parquet by it
 parameters' ``.grad`` receive the gradient of the training loss (the mean of the per-example
 losses, or with ``reduction="tokens"`` the mean over every counted token of the batch, as
 Hugging Face's causal LM, token classification and masked LM losses), from the same backward
-that serves the rules, so the optimizer steps as it would without the watch. ``gradscope report`` on the file draws the data map.
+that serves the rules, so the optimizer steps as it would without the watch. ``gradscope
+report`` on the file draws the data map.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 from .. import __version__
 from ..engine import BatchScores, Engine, Forward, total
 from ..errors import ConfigError, DataError
-from ..losses import LossFn, resolve_loss
+from ..losses import LossFn, counted, resolve_loss
 from ..predictions import predictions
 from .watchdata import digests
 from .watchdraws import SameDraws
@@ -175,9 +176,8 @@ class Watch:
                 "loss",
             )
         kwargs = dict(loss_kwargs or {})
-        self.tokens = reduction == "tokens"
-        self.lm = loss == "causal_lm"
-        self.ignore_index = int(kwargs.get("ignore_index", -100))
+        tokens = (loss, int(kwargs.get("ignore_index", -100)))  # what tells the counted ones
+        self.tokens = tokens if reduction == "tokens" else None  # the loss a mean over them
         per_example = resolve_loss(loss, kwargs, token_reduction="sum" if self.tokens else "mean")
         self.model, self.on_step = model, on_step
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -294,7 +294,6 @@ class Watch:
     def _counts(self, targets: Tensor) -> Tensor | None:
         """(B,) float64 counted tokens of each example (causal_lm's next tokens), for a mean
         over tokens."""
-        if not self.tokens:
+        if self.tokens is None:
             return None
-        counted = (targets[:, 1:] if self.lm else targets) != self.ignore_index
-        return counted.flatten(1).sum(1).double().cpu()
+        return counted(self.tokens[0], targets, self.tokens[1]).flatten(1).sum(1).double().cpu()
