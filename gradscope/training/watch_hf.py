@@ -7,8 +7,9 @@ gives the gradient of the loss the ``Trainer`` would have taken (a causal langua
 the mean over every counted next token of the step, micro-batches of an accumulated step
 included; a sequence classifier's: the mean over the call's counted rows, as its own loss is;
 a label a token: over the call's counted tokens), and returns that loss, whose backward, the
-``Trainer``'s, adds that gradient to ``.grad`` without running the model. The dataset carries each row's id in a column (``ids``, default ``example_id``) that the
-collator passes along: set ``remove_unused_columns=False``. With ``record``, the run record
+``Trainer``'s, adds that gradient to ``.grad`` without running the model. The dataset carries
+each row's id in a column (``ids``, default ``example_id``) that the collator passes along: set
+``remove_unused_columns=False``. With ``record``, the run record
 ``influence --through-training`` replays is written there: the optimizer the ``Trainer`` made and
 its ``max_grad_norm`` clip read off it (``watchrecord.py``); the ids are then the rows' positions.
 Resumed (``resume_from_checkpoint``) from a checkpoint after a multiple of ``segment`` steps, the

@@ -84,8 +84,8 @@ def task(model: nn.Module, labels: Tensor) -> tuple[str, tuple[str, str]]:
     raise ConfigError(
         "the watch serves causal, masked and seq2seq language models and token classifiers (a "
         "row of class ids each) and sequence, image, video and audio classifiers (a label or a "
-        f"row of {classes} a row): not a {name} with labels {tuple(labels.shape)} {labels.dtype}, problem_type "
-        f"{problem!r}, {classes} labels",
+        f"row of {classes} a row): not a {name} with labels {tuple(labels.shape)} "
+        f"{labels.dtype}, problem_type {problem!r}, {classes} labels",
         "Trainer",
     )
 
