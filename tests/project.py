@@ -300,3 +300,16 @@ def count_passes(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     monkeypatch.setattr(Engine, "_analysed", counted_analysis)
     monkeypatch.setattr(Replayed, "__call__", counted_replay)
     return passes
+
+
+# a test Trainer's settings but its own: on the CPU, nothing saved, logged or reported, the
+# batch's every column kept (the watch reads the ids column)
+QUIET = {"remove_unused_columns": False, "report_to": [], "save_strategy": "no",
+         "logging_strategy": "no", "disable_tqdm": True, "use_cpu": True}  # fmt: skip
+
+
+def trainer_args(out: str, **settings: Any) -> Any:
+    """A Hugging Face ``TrainingArguments`` writing to ``out``: ``QUIET`` and ``settings``."""
+    import transformers
+
+    return transformers.TrainingArguments(out, **{**QUIET, **settings})

@@ -17,6 +17,7 @@ from gradscope.config import load_config
 from gradscope.losses import resolve_loss
 from gradscope.training.replay import through_training
 from gradscope.training.watch import Watch
+from tests.project import trainer_args
 from tests.training.test_through_training import close
 
 transformers = pytest.importorskip("transformers")
@@ -134,11 +135,8 @@ def test_a_trainers_dynamically_padded_run_replays_from_a_ragged_dataset(tmp_pat
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config)).double()
     model.loss_type = "ForCausalLM"  # the Trainer counts the next tokens it divides by
-    args = transformers.TrainingArguments(
-        str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=2, optim="sgd",
-        learning_rate=0.1, remove_unused_columns=False, report_to=[], save_strategy="no",
-        logging_strategy="no", disable_tqdm=True, use_cpu=True, seed=0,
-    )  # fmt: skip
+    args = trainer_args(str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=2,
+                        optim="sgd", learning_rate=0.1, seed=0)  # fmt: skip
     train = datasets.Dataset.from_list([{**r, "example_id": i} for i, r in enumerate(rows)])
     callback = WatchCallback(tmp_path / "w.parquet", record=tmp_path / "w.run", segment=2)
     transformers.Trainer(

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from oracle import redrawn_norms
+from project import trainer_args
 
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
@@ -101,10 +102,9 @@ def test_under_autocast_a_loss_that_mixes_the_examples_is_refused(tmp_path):
 
 def _trained(tmp_path, bf16: bool, callbacks: list) -> torch.Tensor:
     """The weights a Trainer's SGD leaves after two epochs of batches of four."""
-    args = transformers.TrainingArguments(
+    args = trainer_args(
         str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=2, optim="sgd",
-        learning_rate=0.5, remove_unused_columns=False, report_to=[], save_strategy="no",
-        logging_strategy="no", disable_tqdm=True, use_cpu=True, seed=0, bf16=bf16,
+        learning_rate=0.5, seed=0, bf16=bf16,
     )  # fmt: skip
     model, data = _bert(), datasets.Dataset.from_list(ROWS)
     transformers.Trainer(

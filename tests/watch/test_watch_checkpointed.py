@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from oracle import trained_alike, watched_as_looped
+from project import trainer_args
 
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
@@ -55,11 +56,9 @@ def test_a_trainer_with_gradient_checkpointing_trains_as_without_the_watch(tmp_p
     data = datasets.Dataset.from_dict(
         {"input_ids": tokens.tolist(), "labels": tokens.tolist(), "example_id": list(range(8))}
     )
-    args = transformers.TrainingArguments(
+    args = trainer_args(
         str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=2,
-        learning_rate=1e-2, gradient_checkpointing=True, remove_unused_columns=False,
-        report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
-        use_cpu=True, seed=0,
+        learning_rate=1e-2, gradient_checkpointing=True, seed=0,
     )  # fmt: skip
 
     def train(callbacks: list) -> torch.nn.Module:

@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from oracle import trained_alike, watched_as_looped
+from project import trainer_args
 
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
@@ -38,11 +39,10 @@ def _trainer(tmp_path, callbacks, accumulate=1, **more):
     data = datasets.Dataset.from_dict(
         {"input_ids": tokens.tolist(), "labels": labels.tolist(), "example_id": list(range(8))}
     )
-    args = transformers.TrainingArguments(
+    args = trainer_args(
         str(tmp_path / "out"), per_device_train_batch_size=4 // accumulate,
-        gradient_accumulation_steps=accumulate, num_train_epochs=2, learning_rate=1e-2,
-        remove_unused_columns=False, report_to=[], save_strategy="no", logging_strategy="no",
-        disable_tqdm=True, use_cpu=True, seed=0, data_seed=0, eval_strategy="epoch", **more,
+        gradient_accumulation_steps=accumulate, num_train_epochs=2, learning_rate=1e-2, seed=0,
+        data_seed=0, eval_strategy="epoch", **more,
     )  # fmt: skip
     trainer = transformers.Trainer(
         model, args, train_dataset=data, eval_dataset=data.select(range(4)), callbacks=callbacks
@@ -194,11 +194,9 @@ def test_trainer_records_the_run_gradscope_train_records(tmp_path, kind):
         {"input_ids": tokens.tolist(), "labels": labelled(tokens).tolist(),
          "example_id": list(range(8))}
     )  # fmt: skip
-    args = transformers.TrainingArguments(
-        str(tmp_path / "hf"), per_device_train_batch_size=4, num_train_epochs=2,
-        learning_rate=1e-2, max_grad_norm=0.1, train_sampling_strategy="sequential",
-        remove_unused_columns=False, report_to=[], save_strategy="no", logging_strategy="no",
-        disable_tqdm=True, use_cpu=True,
+    args = trainer_args(
+        str(tmp_path / "hf"), per_device_train_batch_size=4, num_train_epochs=2, learning_rate=1e-2,
+        max_grad_norm=0.1, train_sampling_strategy="sequential",
     )  # fmt: skip
     callback = WatchCallback(tmp_path / "w.parquet", record=tmp_path / "hf.run", segment=2)
     if kind == "lm":  # else the Trainer divides by every label, the first too
@@ -237,10 +235,8 @@ def test_a_trainer_with_dropout_records_a_run_the_replay_retraces(tmp_path):
     data = datasets.Dataset.from_dict(
         {"input_ids": tokens.tolist(), "labels": tokens.tolist(), "example_id": list(range(8))}
     )
-    args = transformers.TrainingArguments(
-        str(tmp_path / "hf"), per_device_train_batch_size=4, num_train_epochs=3,
-        learning_rate=1e-2, remove_unused_columns=False, report_to=[], save_strategy="no",
-        logging_strategy="no", disable_tqdm=True, use_cpu=True,
+    args = trainer_args(
+        str(tmp_path / "hf"), per_device_train_batch_size=4, num_train_epochs=3, learning_rate=1e-2,
     )  # fmt: skip
     callback = WatchCallback(tmp_path / "w.parquet", record=tmp_path / "hf.run", segment=3)
     transformers.Trainer(model, args, train_dataset=data, callbacks=[callback]).train()
@@ -306,11 +302,9 @@ def _classifier_trainer(tmp_path, callbacks, accumulate=1, problem="single"):
     if problem == "single":
         rows[2]["labels"] = -100
     model = _bert(classes)
-    args = transformers.TrainingArguments(
+    args = trainer_args(
         str(tmp_path / "out"), per_device_train_batch_size=4 // accumulate, num_train_epochs=2,
-        gradient_accumulation_steps=accumulate, learning_rate=1e-2, remove_unused_columns=False,
-        report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
-        use_cpu=True, seed=0,
+        gradient_accumulation_steps=accumulate, learning_rate=1e-2, seed=0,
     )  # fmt: skip
     data = datasets.Dataset.from_list(rows)
     trainer = transformers.Trainer(
@@ -394,11 +388,7 @@ def test_a_question_answerers_batch_without_labels_is_one_line(tmp_path):
     model = transformers.BertForQuestionAnswering(config).double()
     rows = [{"input_ids": [1, 2, 3, 4], "start_positions": 1, "end_positions": 2,
              "example_id": i} for i in range(4)]  # fmt: skip
-    args = transformers.TrainingArguments(
-        str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=1,
-        remove_unused_columns=False, report_to=[], save_strategy="no", logging_strategy="no",
-        disable_tqdm=True, use_cpu=True,
-    )  # fmt: skip
+    args = trainer_args(str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=1)
     callback = WatchCallback(tmp_path / "w.parquet")
     trainer = transformers.Trainer(
         model, args, train_dataset=datasets.Dataset.from_list(rows), callbacks=[callback]
@@ -419,11 +409,7 @@ def test_a_model_of_another_kind_is_one_line_before_it_trains(tmp_path):
     model = transformers.BertForMultipleChoice(config).double()
     rows = [{"input_ids": [[1, 2, 3], [3, 2, 1]], "labels": i % 2, "example_id": i}
             for i in range(4)]  # fmt: skip
-    args = transformers.TrainingArguments(
-        str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=1,
-        remove_unused_columns=False, report_to=[], save_strategy="no", logging_strategy="no",
-        disable_tqdm=True, use_cpu=True,
-    )  # fmt: skip
+    args = trainer_args(str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=1)
     data = datasets.Dataset.from_list(rows)
     callback = WatchCallback(tmp_path / "w.parquet")
     trainer = transformers.Trainer(model, args, train_dataset=data, callbacks=[callback])

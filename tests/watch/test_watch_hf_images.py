@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from oracle import trained_alike, watched_as_looped
+from project import trainer_args
 
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
@@ -44,10 +45,9 @@ def test_an_image_classifiers_trainer_trains_as_without_the_watch(tmp_path):
     data = datasets.Dataset.from_dict(
         {"pixel_values": pixels.tolist(), "labels": y.tolist(), "example_id": list(range(8))}
     ).with_format("torch")
-    args = transformers.TrainingArguments(
+    args = trainer_args(
         str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=2,
-        learning_rate=1e-2, remove_unused_columns=False, report_to=[], save_strategy="no",
-        logging_strategy="no", disable_tqdm=True, use_cpu=True, seed=0,
+        learning_rate=1e-2, seed=0,
     )  # fmt: skip
 
     def train(callbacks: list) -> torch.nn.Module:

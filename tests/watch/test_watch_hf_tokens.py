@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from oracle import trained_alike, watched_as_looped
+from project import trainer_args
 
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
@@ -93,11 +94,9 @@ def _token_losses(plain: torch.nn.Module, inputs: tuple, y: torch.Tensor) -> tup
 
 
 def _trainer(tmp_path, kind: str, callbacks: list, accumulate: int = 1):
-    args = transformers.TrainingArguments(
+    args = trainer_args(
         str(tmp_path / "out"), per_device_train_batch_size=4 // accumulate, num_train_epochs=2,
-        gradient_accumulation_steps=accumulate, learning_rate=1e-2, remove_unused_columns=False,
-        report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
-        use_cpu=True, seed=0,
+        gradient_accumulation_steps=accumulate, learning_rate=1e-2, seed=0,
     )  # fmt: skip
     model, data = _model(kind), datasets.Dataset.from_list(_rows(kind))
     trainer = transformers.Trainer(
@@ -186,10 +185,9 @@ def test_a_seq2seq_rows_norm_is_its_target_tokens_mean_under_the_batchs_masks(tm
 
 
 def _seq2seq_trainer(tmp_path, model, callbacks):
-    args = transformers.TrainingArguments(
+    args = trainer_args(
         str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=2,
-        learning_rate=1e-2, remove_unused_columns=False, report_to=[], save_strategy="no",
-        logging_strategy="no", disable_tqdm=True, use_cpu=True, seed=0,
+        learning_rate=1e-2, seed=0,
     )  # fmt: skip
     return transformers.Trainer(
         model, args, train_dataset=datasets.Dataset.from_list(_pairs()),
