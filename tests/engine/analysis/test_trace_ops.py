@@ -10,7 +10,8 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from oracle import Case, assert_case_matches_loop
+from torch import Tensor, nn
 
 from gradscope.engine.analysis.owners import MIXED, NONE
 from gradscope.engine.analysis.trace import RowTrace
@@ -66,6 +67,8 @@ def _filled(x: Tensor) -> Tensor:
 CASES: dict[str, tuple[tuple[int, ...], Callable[[Tensor], Tensor], bool]] = {
     # tril/triu write zeros: constants, not example 0 (Longformer and LED's masks)
     "tril-of-new-ones": ((B, T, T), lambda x: x + x.new_ones(T, T).tril(), False),
+    # the tensor itself, flagged (transformers' enable_input_require_grads, under checkpoints)
+    "requires-grad-flag": ((B, T, D), lambda x: (2 * x).requires_grad_().tanh(), False),
     "triu-of-new-ones": ((B, T, T), lambda x: x + x.new_ones(T, T).triu(1).flip(0), False),
     "tril-of-a-gram": ((B, D), lambda x: (x @ x.T).tril(-1), True),
     # numpy's axis= names the dimension (I-BERT, ImageGPT)
@@ -181,3 +184,23 @@ def test_positions_and_counts_belong_to_no_example():
         ranged = torch.arange((x > 0).sum(1).max())
     for t in (rows, cols, *where, ranged):
         assert bool((trace.owner(t) == NONE).all()), t
+
+
+class Flagged(nn.Module):
+    """Token embeddings flagged ``requires_grad_`` before the layers that read them, as
+    transformers' ``enable_input_require_grads`` does for checkpointed layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(8, 3), nn.Linear(3, 2)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.embed(ids).requires_grad_(True))).mean(1)
+
+
+def test_a_flagged_tensor_is_its_rows_through_the_api_and_the_cli(tmp_path):
+    """Every parameter was sent to the fallback (the flag read as an op mixing the examples):
+    now served by its rule, two batches of a shape through fresh calls and ``gradscope norms``
+    against the float64 loop, the model left as it was."""
+    case = Case("flagged", Flagged, lambda b: (torch.randint(0, 8, (b, 6)),), torch.randn_like)
+    assert_case_matches_loop(case, torch.float64, 1e-9, cli=tmp_path)
