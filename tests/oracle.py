@@ -379,22 +379,20 @@ def assert_projections_match_loop(case: Case, rtol: float = 1e-9) -> None:
     assert_fallback(engine, case.fallback)
 
 
+Losses = tuple[Callable[[int], Tensor], Callable[[], Tensor]]  # a step's: row i's, the batch's
+
+
 def redrawn_norms(
-    model: nn.Module,
-    rows: int,
-    steps: int,
-    row_loss: Callable[[int], Tensor],
-    batch_loss: Callable[[], Tensor],
-    seed: int = 3,
+    model: nn.Module, rows: int, steps: Sequence[Losses], seed: int = 3
 ) -> list[float]:
-    """Each row's gradient norm (over the parameters that require grad) over ``steps``
-    watched steps begun at ``seed``, a forward that draws (dropout) drawing each step's masks
-    again from the state the step began in: row ``i``'s loss ``row_loss(i)``, then the step's
-    ``batch_loss()`` backward into ``.grad``, which leaves the generator where one forward
-    leaves it, as the watched step does."""
+    """Each row's gradient norm (over the parameters that require grad) over watched steps
+    begun at ``seed``, a forward that draws (dropout) drawing each step's masks again from the
+    state the step began in: each step's ``(row_loss, batch_loss)``, row ``i``'s loss
+    ``row_loss(i)``, then ``batch_loss()`` backward into ``.grad``, which leaves the generator
+    where one forward leaves it, as the watched step does."""
     torch.manual_seed(seed)
     params, norms = [p for p in model.parameters() if p.requires_grad], []
-    for _ in range(steps):
+    for row_loss, batch_loss in steps:
         began = torch.get_rng_state()
         for i in range(rows):
             torch.set_rng_state(began)
@@ -421,31 +419,35 @@ def trained_alike(tmp_path: Path, train: Callable[[list], nn.Module]) -> dict[st
     return pq.read_table(out).to_pydict()
 
 
+Batch = tuple[tuple[Tensor, ...], Tensor]  # inputs, targets
+
+
 def watched_as_looped(
     model: nn.Module,
     plain: nn.Module,
     out: Path,
-    batch: tuple[tuple[Tensor, ...], Tensor],
-    losses: tuple[Callable[[int], Tensor], Callable[[], Tensor]],
+    batches: tuple[Batch, Batch],
+    losses: Callable[[tuple[Tensor, ...], Tensor], Losses],
     rtol: float = 1e-8,
     **watch: object,
 ) -> dict[str, list]:
-    """Two watched steps of ``model`` on ``batch`` (inputs, targets), an analysed and a
-    replayed one, begun at seed 3: nothing on the fallback, each row's norm the loop's on
-    ``plain`` (``redrawn_norms`` of ``losses``, its rows' and its batch's, under the batch's
-    masks drawn again) to ``rtol``, ``.grad`` of what trains the plain steps'. ``watch``:
-    ``Watch``'s arguments. The watch file's columns."""
+    """Two watched steps of ``model`` on ``batches`` of one shape and other values, an
+    analysed and a replayed one, begun at seed 3: nothing on the fallback, each row's norm the
+    loop's on ``plain`` (``redrawn_norms`` of each batch's ``losses(inputs, targets)``, its
+    rows' and its own, under the batch's masks drawn again) to ``rtol``, ``.grad`` of what
+    trains the plain steps'. ``watch``: ``Watch``'s arguments. The watch file's columns."""
     import pyarrow.parquet as pq
 
     from gradscope.training.watch import Watch
 
-    (inputs, targets), rows = batch, len(batch[1])
+    rows = len(batches[0][1])
+    assert all(len(targets) == rows for _, targets in batches)
     torch.manual_seed(3)
     with Watch(model, out, **watch) as watched:
-        for _ in range(2):
+        for inputs, targets in batches:
             watched.step(inputs, targets, torch.arange(rows)).backward()
         assert not watched.engine.plan.fallback
-    norms = redrawn_norms(plain, rows, 2, *losses)
+    norms = redrawn_norms(plain, rows, [losses(*batch) for batch in batches])
     for p, q in zip(model.parameters(), plain.parameters(), strict=True):
         if p.requires_grad:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)

@@ -110,8 +110,8 @@ def test_dropout_is_watched_under_the_masks_its_step_drew(tmp_path):
             watch.step(x, y, torch.arange(6)).backward()
     after = torch.get_rng_state()
     norms = redrawn_norms(  # example i's own loss, the batch's masks redrawn
-        plain, 6, 2, lambda i: nn.functional.cross_entropy(plain(x)[i], y[i]),
-        lambda: nn.functional.cross_entropy(plain(x), y),
+        plain, 6, [(lambda i: nn.functional.cross_entropy(plain(x)[i], y[i]),
+                    lambda: nn.functional.cross_entropy(plain(x), y))] * 2,
     )  # fmt: skip
     assert torch.equal(torch.get_rng_state(), after)
     for p, q in zip(watched.parameters(), plain.parameters(), strict=True):

@@ -59,22 +59,23 @@ def test_under_autocast_each_norm_is_the_bfloat16_loops(tmp_path):
     """Each row's norm is its loss's under the batch's masks, in a loop that computes in
     bfloat16 too, far within bfloat16's rounding; ``.grad`` the plain step's; no parameter on
     the fallback; and the next pass in float32 compares at float32's rounding again."""
-    model, plain, batch = _bert(), _bert(), _padded(ROWS[:4])
-    inputs, y = tuple(batch[k] for k in KEYWORDS), batch["labels"]
+    model, plain = _bert(), _bert()
+    batches = [_padded(ROWS[:4]), _padded(ROWS[4:])]  # one shape, other values
+    steps = [(tuple(b[k] for k in KEYWORDS), b["labels"]) for b in batches]
     torch.manual_seed(3)
     with Watch(model, tmp_path / "w.parquet", keywords=KEYWORDS, output="logits") as watch:
-        for _ in range(2):
+        for inputs, y in steps:
             with torch.autocast("cpu", torch.bfloat16):
-                watch.step(inputs, y, batch["example_id"]).backward()
+                watch.step(inputs, y, torch.arange(4)).backward()
             assert computed_in() == torch.bfloat16
         assert not watch.engine.plan.fallback
         model.eval()
         watch.engine.norms(inputs, y)  # float32 throughout
         assert computed_in() is None
-    norms = redrawn_norms(
-        plain, 4, 2, lambda i: F.cross_entropy(_logits(plain, inputs)[i], y[i]),
-        lambda: F.cross_entropy(_logits(plain, inputs), y),
-    )  # fmt: skip
+    norms = redrawn_norms(plain, 4, [
+        (lambda i, x=x, y=y: F.cross_entropy(_logits(plain, x)[i], y[i]),
+         lambda x=x, y=y: F.cross_entropy(_logits(plain, x), y)) for x, y in steps
+    ])  # fmt: skip
     for p, q in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
     table = pq.read_table(tmp_path / "w.parquet").to_pydict()

@@ -32,7 +32,7 @@ def _own_norms(model: nn.Module, x, y, steps: int, way) -> list[float]:
         return nn.functional.cross_entropy(way(model.drop(model.fc(x))[i], i), y[i])
 
     return redrawn_norms(
-        model, len(y), steps, row, lambda: nn.functional.cross_entropy(model(x), y)
+        model, len(y), [(row, lambda: nn.functional.cross_entropy(model(x), y))] * steps
     )
 
 

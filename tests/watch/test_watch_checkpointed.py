@@ -37,10 +37,16 @@ def test_each_norm_of_a_checkpointed_model_is_the_loops(tmp_path, adapted):
     the plain step's; a LoRA model's over its adapters alone, their dropout included."""
     wrap = _lora if adapted else (lambda model: model)
     model, plain = wrap(_gpt2(True)), wrap(_gpt2(False))
-    tokens = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(1))
-    loss = (lambda i: _lm_loss(plain(tokens).logits[i : i + 1], tokens[i : i + 1]),
-            lambda: _lm_loss(plain(tokens).logits, tokens))  # fmt: skip
-    watched_as_looped(model, plain, tmp_path / "w.parquet", ((tokens,), tokens), loss,
+    batches = []
+    for seed in (1, 2):  # one shape, other values
+        tokens = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(seed))
+        batches.append(((tokens,), tokens))
+
+    def losses(inputs, tokens):
+        return (lambda i: _lm_loss(plain(tokens).logits[i : i + 1], tokens[i : i + 1]),
+                lambda: _lm_loss(plain(tokens).logits, tokens))  # fmt: skip
+
+    watched_as_looped(model, plain, tmp_path / "w.parquet", batches, losses,
                       loss="causal_lm", reduction="tokens", output="logits")  # fmt: skip
     trained = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trained and (not adapted or all("lora" in n for n in trained))

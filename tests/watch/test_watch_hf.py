@@ -274,13 +274,17 @@ def test_dropout_on_dynamically_padded_batches_is_watched_as_each_example_alone(
     """Each batch's longest row takes transformers' mask shortcut alone, which a step with
     dropout on checks with it left out: every norm is its loss's under the batch's masks, on
     the analysed batch and the replayed one."""
-    plain, lengths = _bert(), [6, 3, 6, 4]
-    batch = _padded([{"input_ids": list(range(1, n + 1)), "labels": n % 2, "example_id": i}
-                     for i, n in enumerate(lengths)])  # fmt: skip
-    inputs, y = (batch["input_ids"], batch["attention_mask"]), batch["labels"]
-    losses = (lambda i: torch.nn.functional.cross_entropy(plain(*inputs).logits[i], y[i]),
-              lambda: torch.nn.functional.cross_entropy(plain(*inputs).logits, y))  # fmt: skip
-    watched_as_looped(_bert(), plain, tmp_path / "w.parquet", (inputs, y), losses,
+    plain, batches = _bert(), []
+    for lengths in ([6, 3, 6, 4], [5, 6, 2, 6]):  # one shape, other values
+        batch = _padded([{"input_ids": list(range(1, n + 1)), "labels": n % 2, "example_id": i}
+                         for i, n in enumerate(lengths)])  # fmt: skip
+        batches.append(((batch["input_ids"], batch["attention_mask"]), batch["labels"]))
+
+    def losses(inputs, y):
+        return (lambda i: torch.nn.functional.cross_entropy(plain(*inputs).logits[i], y[i]),
+                lambda: torch.nn.functional.cross_entropy(plain(*inputs).logits, y))  # fmt: skip
+
+    watched_as_looped(_bert(), plain, tmp_path / "w.parquet", batches, losses,
                       keywords=("input_ids", "attention_mask"), output="logits")  # fmt: skip
 
 

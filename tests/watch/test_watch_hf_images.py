@@ -33,10 +33,13 @@ def _images() -> tuple[torch.Tensor, torch.Tensor]:
 def test_each_images_norm_is_the_loops_under_the_batchs_masks(tmp_path):
     plain = _vit()
     pixels, y = _images()
-    losses = (lambda i: F.cross_entropy(plain(pixels[:4]).logits[i], y[i]),
-              lambda: F.cross_entropy(plain(pixels[:4]).logits, y[:4]))  # fmt: skip
-    watched_as_looped(_vit(), plain, tmp_path / "w.parquet", ((pixels[:4],), y[:4]), losses,
-                      output="logits")  # fmt: skip
+
+    def losses(inputs, y):
+        return (lambda i: F.cross_entropy(plain(*inputs).logits[i], y[i]),
+                lambda: F.cross_entropy(plain(*inputs).logits, y))  # fmt: skip
+
+    batches = [((pixels[:4],), y[:4]), ((pixels[4:],), y[4:])]  # one shape, other values
+    watched_as_looped(_vit(), plain, tmp_path / "w.parquet", batches, losses, output="logits")
 
 
 def test_an_image_classifiers_trainer_trains_as_without_the_watch(tmp_path):

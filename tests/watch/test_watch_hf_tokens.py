@@ -68,15 +68,17 @@ def test_each_row_is_its_counted_tokens_mean_under_the_batchs_masks(tmp_path, ki
     """Each row's loss, norm, margin and correct are those of the mean over its own counted
     tokens under the batch's dropout masks; ``.grad`` the step's mean over every counted
     token, on the analysed batch and the replayed one."""
-    plain, batch = _model(kind), _padded(_rows(kind)[:4])
-    inputs, y = (batch["input_ids"], batch["attention_mask"]), batch["labels"]
+    plain, rows = _model(kind), _rows(kind)[:4]
+    moved = [{**r, "input_ids": [t + 10 for t in r["input_ids"]]} for r in rows]  # other values
+    batches = [(tuple(b[k] for k in KEYWORDS), b["labels"]) for b in map(_padded, (rows, moved))]
     table = watched_as_looped(
-        _model(kind), plain, tmp_path / "w.parquet", (inputs, y), _token_losses(plain, inputs, y),
+        _model(kind), plain, tmp_path / "w.parquet", batches, _token_losses(plain),
         loss="cross_entropy", reduction="tokens", keywords=KEYWORDS, output="logits",
     )  # fmt: skip
+    (first, _), (inputs, y) = batches
     with torch.no_grad():  # the second step's rows: its masks drawn again from where it began
         torch.manual_seed(3)
-        plain(*inputs)
+        plain(*first)
         logits = plain(*inputs).logits
     counted = y != -100
     loss = [F.cross_entropy(logits[i], y[i]).item() for i in range(4)]
@@ -87,10 +89,15 @@ def test_each_row_is_its_counted_tokens_mean_under_the_batchs_masks(tmp_path, ki
     assert np.isfinite(table["margin"]).all()
 
 
-def _token_losses(plain: torch.nn.Module, inputs: tuple, y: torch.Tensor) -> tuple:
-    """Each row's mean over its counted tokens, and the batch's over all of them."""
-    return (lambda i: F.cross_entropy(plain(*inputs).logits[i], y[i]),
-            lambda: F.cross_entropy(plain(*inputs).logits.flatten(0, 1), y.flatten()))  # fmt: skip
+def _token_losses(plain: torch.nn.Module):
+    """A batch's losses: each row's mean over its counted tokens, and the batch's over all."""
+
+    def losses(inputs: tuple, y: torch.Tensor) -> tuple:
+        every = y.flatten()
+        return (lambda i: F.cross_entropy(plain(*inputs).logits[i], y[i]),
+                lambda: F.cross_entropy(plain(*inputs).logits.flatten(0, 1), every))  # fmt: skip
+
+    return losses
 
 
 def _trainer(tmp_path, kind: str, callbacks: list, accumulate: int = 1):
@@ -173,14 +180,16 @@ def _pairs_padded(rows: list[dict]) -> dict[str, torch.Tensor]:
 def test_a_seq2seq_rows_norm_is_its_target_tokens_mean_under_the_batchs_masks(tmp_path):
     """BART, its decoder inputs its labels shifted right as its forward shifts them: each
     row's loss and norm those of the mean over its own counted target tokens."""
-    plain, batch = _seq2seq("bart"), _pairs_padded(_pairs()[:4])
-    y = batch["labels"]
-    decoder = plain.prepare_decoder_input_ids_from_labels(labels=y)
-    inputs = (batch["input_ids"], batch["attention_mask"], decoder)
+    plain, batches = _seq2seq("bart"), []
+    for pairs in (_pairs()[:4], _pairs()[4:]):  # one shape, other values
+        batch = _pairs_padded(pairs)
+        decoder = plain.prepare_decoder_input_ids_from_labels(labels=batch["labels"])
+        inputs = (batch["input_ids"], batch["attention_mask"], decoder)
+        batches.append((inputs, batch["labels"]))
     watched_as_looped(
-        _seq2seq("bart"), plain, tmp_path / "w.parquet", (inputs, y),
-        _token_losses(plain, inputs, y), loss="cross_entropy", reduction="tokens",
-        keywords=(*KEYWORDS, "decoder_input_ids"), output="logits",
+        _seq2seq("bart"), plain, tmp_path / "w.parquet", batches, _token_losses(plain),
+        loss="cross_entropy", reduction="tokens", keywords=(*KEYWORDS, "decoder_input_ids"),
+        output="logits",
     )  # fmt: skip
 
 
