@@ -37,12 +37,13 @@ class SameDraws:
         self.forward = forward
         self.began: dict | None = None  # the random state the step began in
         self.after: dict | None = None  # and the one its first forward left, once another runs
-        self.calls = 0
+        self.calls = 0  # the step's forwards that returned
+        self.tried = False  # whether one began: one that raised (the analysis tries again)
         self.rows = 0
 
     def begin(self) -> dict:
         """A step begins: the random state now, which each of its forwards starts from."""
-        self.began, self.after, self.calls = rng(), None, 0
+        self.began, self.after, self.calls, self.tried = rng(), None, 0, False
         return self.began
 
     def end(self, keep: bool = False) -> dict | None:
@@ -66,9 +67,13 @@ class SameDraws:
         if self.began is None:  # outside a step: as it is
             return self.forward(model, inputs)
         rows = inputs[0].shape[0] if inputs else 0
-        if not self.calls:
+        if not self.calls:  # the step's first forward to return: where it leaves the generators
+            if self.tried:  # is where one leaves them, not where one that raised did
+                set_rng(self.began)
+            self.tried = True
+            out = self.forward(model, inputs)
             self.calls, self.rows = 1, rows
-            return self.forward(model, inputs)
+            return out
         if self.after is None:
             self.after = rng()  # where the first forward left the generators
         if Undrawn.active():
