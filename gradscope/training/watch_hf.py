@@ -1,5 +1,6 @@
 """The watch as a Hugging Face ``Trainer`` callback, for causal, masked and seq2seq language
-models and sequence and token classifiers (``watchkinds.py`` tells them).
+models, sequence and token classifiers, multiple-choice models and question answerers
+(``watchkinds.py`` tells them).
 
 From the start of training to its end, the model's training calls (in train mode, with
 ``labels``) run through ``Watch.step``: the engine's forward and its one backward, which
@@ -30,7 +31,7 @@ from transformers import TrainerCallback
 from ..errors import ConfigError, ModelError
 from .watch import OnStep, Watch
 from .watchfile import fed
-from .watchkinds import OUTPUTS, TITLES, decoder_inputs, task
+from .watchkinds import OUTPUTS, POSITIONS, TITLES, decoder_inputs, spans, task
 from .watchrecord import SEGMENT
 
 _CLASS = object()  # the model had no forward of its own: its class's serves
@@ -125,25 +126,32 @@ class WatchCallback(TrainerCallback):
     def _step(self, model: nn.Module, original: Any, kwargs: dict) -> Tensor:
         """A training call through the watch: its loss (the first one's kind read off the
         model, and the watch made)."""
-        if "labels" not in kwargs:
+        if "labels" not in kwargs and not all(k in kwargs for k in POSITIONS):
             raise ModelError(
                 f"a training call without labels (its batch: {', '.join(sorted(kwargs))}): the "
-                "watch needs the Trainer to pass them to the model (no compute_loss_func; no "
-                "question answerer's start and end positions)",
+                "watch needs the Trainer to pass them to the model (labels, or a question "
+                "answerer's start and end positions; no compute_loss_func)",
                 "Trainer",
             )
         if self.ids not in kwargs:
             raise ModelError(f"the batch has no {self.ids!r} column", "WatchCallback(ids=)")
-        ids, labels = kwargs.pop(self.ids), kwargs.pop("labels")
+        ids = kwargs.pop(self.ids)
+        labels = kwargs.pop("labels") if "labels" in kwargs else spans(kwargs, ids)
         items = kwargs.pop("num_items_in_batch", None)
         if self.watch is None:  # the first step: the batch's keys are the model's inputs
             self.kind, self.task = task(model, labels)
+            if self.kind == "qa" and self.record is not None:
+                raise ConfigError(
+                    "record= of a question answerer: its replay's config names one output, "
+                    "the answerer gives two (start and end logits); watch it without record=",
+                    "WatchCallback(record=)",
+                )
         if self.kind == "seq2seq" and "decoder_input_ids" not in kwargs:
             # the model makes them of its labels, which the watch takes from it
             kwargs["decoder_input_ids"] = decoder_inputs(model, labels)
         if self.watch is None:
             self.names = tuple(kwargs)
-            self.watch = self._watch(model, _Call(original, self.names))
+            self.watch = self._watch(model, _Call(original, self.names, self.kind == "qa"))
         return self.watch.step(self._inputs(kwargs), labels, ids, epoch=self.epoch,
                                divisor=self._divisor(labels, items))  # fmt: skip
 
@@ -214,10 +222,11 @@ def _recorded(args: Any, state: Any, optimizer: Any, folder: str | Path, segment
 
 class _Call:
     """The engine's forward of a Hugging Face model: its own forward, the batch's tensors by
-    keyword, its logits."""
+    keyword, its logits (a question answerer's, ``spans``: its start's and end's, (B, 2, T))."""
 
-    def __init__(self, forward: Any, names: tuple[str, ...]):
-        self.forward, self.names = forward, names
+    def __init__(self, forward: Any, names: tuple[str, ...], spans: bool = False):
+        self.forward, self.names, self.spans = forward, names, spans
 
     def __call__(self, model: nn.Module, inputs: tuple[Tensor, ...]) -> Tensor:
-        return self.forward(**dict(zip(self.names, inputs, strict=True))).logits
+        out = self.forward(**dict(zip(self.names, inputs, strict=True)))
+        return torch.stack([out.start_logits, out.end_logits], 1) if self.spans else out.logits

@@ -2,7 +2,8 @@
 labels as the model's own forward would: a causal language model's next tokens; a sequence
 classifier's as its own loss picks it; a token classifier's, a masked or a seq2seq language
 model's class id per token, unshifted (a seq2seq model's decoder inputs made of its labels, as
-its forward makes them). A PEFT model is its base model's kind."""
+its forward makes them); a multiple-choice model's choice; a question answerer's start and end
+positions, the mean of the two (``spans``). A PEFT model is its base model's kind."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from torch import Tensor, nn
 from transformers.modeling_outputs import (
     CausalLMOutput,
     MaskedLMOutput,
+    MultipleChoiceModelOutput,
+    QuestionAnsweringModelOutput,
     Seq2SeqLMOutput,
     SequenceClassifierOutput,
     TokenClassifierOutput,
@@ -19,13 +22,15 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES,
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+    MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES,
+    MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES,
     MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
     MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
     MODEL_FOR_VIDEO_CLASSIFICATION_MAPPING_NAMES,
 )
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ModelError
 
 CAUSAL_LM = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 # a label (or a row of them) an input: a sequence's, an image's, a video's, a sound's, whose
@@ -35,6 +40,8 @@ CLASSIFIERS = frozenset(
     for mapping in (
         MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
         MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+        MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES,
+        MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES,
         MODEL_FOR_VIDEO_CLASSIFICATION_MAPPING_NAMES,
         MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES,
     )
@@ -44,12 +51,17 @@ CLASSIFIERS = frozenset(
 CLASSIFYING = tuple(f"For{kind}Classification" for kind in ("Sequence", "Image", "Video", "Audio"))
 TAGGERS = frozenset(MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES.values())
 SEQ2SEQ = frozenset(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.values())
+CHOOSERS = frozenset(MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES.values())
+ANSWERERS = frozenset(MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES.values())
+POSITIONS = ("start_positions", "end_positions")  # a question answerer's labels
 TITLES = {
     "lm": "a causal language model",
     "sequence": "a classifier",
     "token": "a token classifier",
     "masked": "a masked language model",
     "seq2seq": "a seq2seq language model",
+    "choice": "a multiple-choice model",
+    "qa": "a question answerer",
 }
 OUTPUTS = {  # the output the Trainer reads the loss off, by the model's kind
     "lm": CausalLMOutput,
@@ -57,14 +69,18 @@ OUTPUTS = {  # the output the Trainer reads the loss off, by the model's kind
     "token": TokenClassifierOutput,
     "masked": MaskedLMOutput,  # by its name only: transformers' masked-LM mapping names
     "seq2seq": Seq2SeqLMOutput,  # seq2seq models too, whose labels feed their decoder
+    "choice": MultipleChoiceModelOutput,
+    "qa": QuestionAnsweringModelOutput,
 }
 
 
 def task(model: nn.Module, labels: Tensor) -> tuple[str, tuple[str, str]]:
     """The model's kind as the ``Trainer`` tells it (its class among transformers' causal,
-    masked and seq2seq language models, sequence, image, video, audio and token classifiers),
-    and the loss and reduction it takes of ``labels``: a causal language model's, of a row of
-    tokens each, shifted; a classifier's of an input as its own loss picks it (``_problem``);
+    masked and seq2seq language models, sequence, image, video, audio and token classifiers,
+    multiple-choice models and question answerers), and the loss and reduction it takes of
+    ``labels``: a causal language model's, of a row of tokens each, shifted; a classifier's of
+    an input as its own loss picks it (``_problem``); a multiple-choice model's, its choice's
+    cross entropy; a question answerer's, the mean of its start's and its end's (``spans``);
     the others', a class id per token, unshifted; else refused."""
     model = _base(model)
     name, config = type(model).__name__, getattr(model, "config", None)
@@ -78,16 +94,45 @@ def task(model: nn.Module, labels: Tensor) -> tuple[str, tuple[str, str]]:
         return "masked", ("cross_entropy", "tokens")
     if name in SEQ2SEQ and getattr(config, "is_encoder_decoder", False) and ids:
         return "seq2seq", ("cross_entropy", "tokens")
+    integers = not labels.is_floating_point()
+    if _kind(name, CHOOSERS, "ForMultipleChoice") and labels.dim() == 1 and integers:
+        return "choice", ("cross_entropy", "mean")
+    if _kind(name, ANSWERERS, "ForQuestionAnswering") and labels.shape[1:] == (2,) and integers:
+        return "qa", ("cross_entropy", "mean")  # the start's and the end's mean (``spans``)
     loss = _problem(problem, classes, labels)
     if _kind(name, CLASSIFIERS, *CLASSIFYING) and loss is not None:
         return "sequence", (loss, "mean")
     raise ConfigError(
         "the watch serves causal, masked and seq2seq language models and token classifiers (a "
-        "row of class ids each) and sequence, image, video and audio classifiers (a label or a "
-        f"row of {classes} a row): not a {name} with labels {tuple(labels.shape)} "
-        f"{labels.dtype}, problem_type {problem!r}, {classes} labels",
+        "row of class ids each), sequence, image, video and audio classifiers (a label or a "
+        f"row of {classes} a row), multiple-choice models and question answerers: not a "
+        f"{name} with labels {tuple(labels.shape)} {labels.dtype}, problem_type {problem!r}, "
+        f"{classes} labels",
         "Trainer",
     )
+
+
+def spans(kwargs: dict, ids: Tensor) -> Tensor:
+    """A question answerer's labels, taken out of its call's ``kwargs`` (its rows' ``ids``, to
+    name one in an error): (B, 2), its start and
+    end positions, each a class id among its tokens, whose two cross entropies' mean is its
+    loss (transformers' ``ForQuestionAnsweringLoss``, which takes a position below 0 as 0, and
+    leaves one past the tokens out of the mean of its kind: refused, the mean then not each
+    row's)."""
+    start, end = (kwargs.pop(k).reshape(-1) for k in POSITIONS)
+    labels = torch.stack([start, end], 1).clamp_min(0)
+    tokens = next(t.shape[1] for t in kwargs.values() if isinstance(t, Tensor) and t.dim() > 1)
+    past = (labels >= tokens).any(1).nonzero().flatten().tolist()
+    if past:
+        k = past[0]
+        raise ModelError(
+            f"the answer of the row of id {int(ids[k])} lies past its {tokens} tokens (start "
+            f"and end {labels[k].tolist()}), which the model's loss leaves out: the watch takes "
+            "each row's mean of its start's and end's cross entropy; give positions inside "
+            "the tokens (0, the first token, for no answer)",
+            "start_positions",
+        )
+    return labels
 
 
 def _problem(problem: str | None, classes: int, labels: Tensor) -> str | None:
