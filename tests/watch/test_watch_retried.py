@@ -1,13 +1,17 @@
-"""A watched step's random draws (``SameDraws``) where the analysis's first forward raises and
-is tried again (a model that cannot take the expanded rows, as a multiple-choice model, whose
-examples are several rows each, cannot): the generators left where one forward leaves them,
-and a run on other rows of a forward that drew refused as one that cannot draw the batch's
-masks."""
+"""A watched step's random draws (``SameDraws``) where a forward raises and another is run: a
+replay whose witness fails mid-forward (a batch with nothing padded after padded ones of its
+shape: transformers reads ``mask.all()`` after the embeddings' dropout drew), then analysed;
+the analysis's first try, where the model cannot take the expanded rows (as a multiple-choice
+model, whose examples are several rows each, cannot). The generators are left where one
+forward leaves them, and a run on other rows of a forward that drew refused as one that cannot
+draw the batch's masks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from oracle import trained_alike
+from project import trainer_args
 from torch import nn
 
 from gradscope.engine import Drew
@@ -44,3 +48,32 @@ def test_a_forward_that_raised_first_leaves_the_generators_where_one_forward_doe
     torch.testing.assert_close(draws(model, (x,)), expected)  # again, from where it began
     draws.end()
     assert torch.equal(torch.get_rng_state(), after)
+
+
+def test_a_trainer_whose_replay_fails_mid_forward_trains_as_without_the_watch(tmp_path):
+    """BERT with dropout on rows padded to each batch's longest, some batches padding none: a
+    replay of the padded batches' program fails at the unpadded one's ``mask.all()``, after
+    the embeddings' dropout drew (before the fix, the step left the generators there, and the
+    run ended 0.037 from the plain one)."""
+    transformers = pytest.importorskip("transformers")
+    datasets = pytest.importorskip("datasets")
+    from test_watch_hf import _bert, _padded
+
+    lengths = [6, 6, 6, 6, 6, 6, 3, 5, 6, 6, 6, 6]
+    rows = [{"input_ids": [(i + t) % 31 + 1 for t in range(n)], "labels": i % 2,
+             "example_id": i} for i, n in enumerate(lengths)]  # fmt: skip
+
+    def train(callbacks: list) -> nn.Module:
+        model = _bert(2)
+        args = trainer_args(
+            str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=3,
+            learning_rate=1e-2, seed=0,
+        )  # fmt: skip
+        data = datasets.Dataset.from_list(rows)
+        transformers.Trainer(
+            model, args, train_dataset=data, data_collator=_padded, callbacks=callbacks
+        ).train()
+        return model
+
+    table = trained_alike(tmp_path, train)
+    assert len(table["example_id"]) == 36
