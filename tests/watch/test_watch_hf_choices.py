@@ -153,3 +153,13 @@ def test_a_question_answerers_record_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match="record= of a question answerer"):
         trainer.train()
     assert "forward" not in model.__dict__
+
+
+def test_a_question_answerer_given_labels_is_one_line_of_another_kind(tmp_path):
+    """A label a row is a classifier's: a question answerer given one is not taken for one."""
+    rows = [{k: v for k, v in r.items() if "positions" not in k} | {"labels": i % 2}
+            for i, r in enumerate(_rows("QuestionAnswering"))]  # fmt: skip
+    model, trainer = _trainer(tmp_path, "QuestionAnswering", [WatchCallback(tmp_path / "w")], rows)
+    with pytest.raises(ConfigError, match="not a BertForQuestionAnswering with labels"):
+        trainer.train()
+    assert "forward" not in model.__dict__
