@@ -112,14 +112,17 @@ def task(model: nn.Module, labels: Tensor) -> tuple[str, tuple[str, str]]:
 
 def spans(kwargs: dict, ids: Tensor) -> Tensor:
     """A question answerer's labels, taken out of its call's ``kwargs`` (its rows' ``ids``, to
-    name one in an error): (B, 2), its start and
-    end positions, each a class id among its tokens, whose two cross entropies' mean is its
-    loss (transformers' ``ForQuestionAnsweringLoss``, which takes a position below 0 as 0, and
-    leaves one past the tokens out of the mean of its kind: refused, the mean then not each
-    row's)."""
+    name one in an error): (B, 2), its start and end positions, each a class id among its
+    tokens, whose two cross entropies' mean is its loss (transformers'
+    ``ForQuestionAnsweringLoss``, which takes a position below 0 as 0, and leaves one past the
+    tokens out of the mean of its kind: refused, the mean then not each row's; where no input
+    says the tokens, the loss's own check of its class ids refuses it)."""
     start, end = (kwargs.pop(k).reshape(-1) for k in POSITIONS)
     labels = torch.stack([start, end], 1).clamp_min(0)
-    tokens = next(t.shape[1] for t in kwargs.values() if isinstance(t, Tensor) and t.dim() > 1)
+    shaped = [t.shape[1] for t in kwargs.values() if isinstance(t, Tensor) and t.dim() > 1]
+    if not shaped:
+        return labels
+    tokens = shaped[0]
     past = (labels >= tokens).any(1).nonzero().flatten().tolist()
     if past:
         k = past[0]
