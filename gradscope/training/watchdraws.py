@@ -31,7 +31,9 @@ class SameDraws:
     the step's first (an example run alone: the exact fallback's, or a branch's check) of a
     forward that drew is refused (``Drew``): it cannot draw the masks the batch drew. With
     dropout left out (``Undrawn``: a branch's check made again), a call on any rows must draw
-    nothing. A step of one forward (a program's replay) costs one read of the state."""
+    nothing; a later one on the step's rows must draw as much as the first (a model that
+    changed itself in it drew more, or less: refused). A step of one forward (a program's
+    replay) costs one read of the state."""
 
     def __init__(self, forward: Any):
         self.forward = forward
@@ -96,4 +98,14 @@ class SameDraws:
                 "model",
             )
         set_rng(self.began)
-        return self.forward(model, inputs)
+        out = self.forward(model, inputs)
+        if rows == self.rows and not same_state(self.after, rng()):
+            raise ModelError(
+                "the model drew other random numbers on another forward of the step's batch "
+                "than on its first (a forward that changes the model, as BigBird's switch to "
+                "full attention on short inputs makes a new layer, whose initial weights are "
+                "drawn): the masks the step trained on cannot be drawn again; run the model "
+                "once on a batch before watching it",
+                "model",
+            )
+        return out

@@ -77,3 +77,30 @@ def test_a_trainer_whose_replay_fails_mid_forward_trains_as_without_the_watch(tm
 
     table = trained_alike(tmp_path, train)
     assert len(table["example_id"]) == 36
+
+
+class _SwitchesOnce(nn.Module):
+    """A model that changes itself in its first forward, drawing a new layer's initial weights
+    before its dropout draws (as BigBird's switch to full attention on short inputs does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.drop, self.switched = nn.Linear(4, 3), nn.Dropout(0.5), False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.switched:
+            self.switched = True
+            nn.Linear(4, 4)  # its initial weights drawn from torch's generator
+        return self.lin(self.drop(x))
+
+
+def test_a_model_that_draws_more_in_its_first_forward_is_one_line(tmp_path):
+    """The step's later forwards cannot draw the masks its first drew: refused, naming why."""
+    from gradscope.errors import ModelError
+    from gradscope.training.watch import Watch
+
+    torch.manual_seed(0)
+    model, x, y = _SwitchesOnce().double(), torch.randn(6, 4).double(), torch.arange(6) % 3
+    watch = Watch(model, tmp_path / "w.parquet", "cross_entropy")
+    with watch, pytest.raises(ModelError, match="drew other random numbers on another forward"):
+        watch.step(x, y, torch.arange(6))
