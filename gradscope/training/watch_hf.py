@@ -28,7 +28,9 @@ import torch
 from torch import Tensor, nn
 from transformers import TrainerCallback
 
+from ..engine import computed_in
 from ..errors import ConfigError, ModelError
+from .record import rng, set_rng
 from .watch import OnStep, Watch
 from .watchfile import fed
 from .watchkinds import OUTPUTS, POSITIONS, TITLES, decoder_inputs, spans, task
@@ -149,11 +151,50 @@ class WatchCallback(TrainerCallback):
         if self.kind == "seq2seq" and "decoder_input_ids" not in kwargs:
             # the model makes them of its labels, which the watch takes from it
             kwargs["decoder_input_ids"] = decoder_inputs(model, labels)
-        if self.watch is None:
+        first = self.watch is None
+        if first:
             self.names = tuple(kwargs)
             self.watch = self._watch(model, _Call(original, self.names, self.kind == "qa"))
-        return self.watch.step(self._inputs(kwargs), labels, ids, epoch=self.epoch,
+        began = rng() if first else None
+        loss = self.watch.step(self._inputs(kwargs), labels, ids, epoch=self.epoch,
                                divisor=self._divisor(labels, items))  # fmt: skip
+        if began is not None:
+            self._same_loss(model, original, kwargs, labels, items, loss, began)
+        return loss
+
+    def _same_loss(
+        self, model: nn.Module, original: Any, kwargs: dict, labels: Tensor, items: Any,
+        loss: Tensor, began: dict,
+    ) -> None:  # fmt: skip
+        """The first step's ``loss`` must be the one the model's own forward takes of its
+        labels, under the step's masks (from ``began``, the random state the step began in;
+        one forward more, without a gradient, the generators then left where the step left
+        them): a class whose loss is another (next tokens unshifted, summed, weighted) is
+        refused, not trained on another loss."""
+        given = dict(zip(POSITIONS, labels.T, strict=True)) if self.kind == "qa" else {}
+        given = (given or {"labels": labels}) | (
+            {} if items is None else {"num_items_in_batch": items}
+        )
+        after = rng()
+        set_rng(began)
+        try:
+            with torch.no_grad():
+                out = original(**kwargs, **given)
+        finally:
+            set_rng(after)
+        own, mine = getattr(out, "loss", None), loss.item()
+        rtol = 1e-4 if computed_in() is None else 2e-2  # the step computed in half precision
+        if own is not None and abs(mine - own.item()) <= rtol * max(abs(mine), 1e-6):
+            return
+        name, reduction = self.task
+        raise ConfigError(
+            f"{TITLES[self.kind]}'s loss as the watch takes it ({name}, the mean over its "
+            f"{'tokens' if reduction == 'tokens' else 'rows'}) is {mine:.6g} on the first "
+            f"batch, {type(model).__name__}'s own {'none' if own is None else f'{own:.6g}'}: "
+            "its class takes another loss of its labels, which the watch would not train on; "
+            "watch a loop of your own (Watch) with the loss the model trains on",
+            "Trainer",
+        )
 
     def _inputs(self, kwargs: dict) -> tuple[Tensor, ...]:
         """The call's inputs in the order of the first step's, by name: the same names."""
@@ -228,5 +269,7 @@ class _Call:
         self.forward, self.names, self.spans = forward, names, spans
 
     def __call__(self, model: nn.Module, inputs: tuple[Tensor, ...]) -> Tensor:
-        out = self.forward(**dict(zip(self.names, inputs, strict=True)))
+        return self.select(self.forward(**dict(zip(self.names, inputs, strict=True))))
+
+    def select(self, out: Any) -> Tensor:
         return torch.stack([out.start_logits, out.end_logits], 1) if self.spans else out.logits

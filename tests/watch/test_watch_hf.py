@@ -9,6 +9,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+import torch.nn.functional as F
 from oracle import trained_alike, watched_as_looped
 from project import trainer_args
 
@@ -420,3 +421,49 @@ def test_a_model_of_another_kind_is_one_line_before_it_trains(tmp_path):
         trainer.train()
     assert "\n" not in str(raised.value) and "forward" not in model.__dict__
     assert not (tmp_path / "w.parquet").exists()
+
+
+def test_a_causal_lm_whose_own_loss_is_unshifted_is_one_line(tmp_path):
+    """BART's causal LM takes its labels as the next tokens already (no shift), as transformers'
+    other causal LMs do not: the watch's loss of the first batch is not the model's own, so it
+    is refused, not trained on another loss (before, the run ended 4e-3 from the plain one)."""
+    torch.manual_seed(0)
+    config = transformers.BartConfig(
+        vocab_size=16, d_model=8, decoder_layers=1, decoder_attention_heads=2,
+        decoder_ffn_dim=16, max_position_embeddings=8,
+    )  # fmt: skip
+    model = transformers.BartForCausalLM(config).double()
+    tokens = torch.randint(3, 16, (4, 6)).tolist()
+    data = datasets.Dataset.from_dict(
+        {"input_ids": tokens, "labels": tokens, "example_id": list(range(4))}
+    )
+    args = trainer_args(str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=1)
+    callback = WatchCallback(tmp_path / "w.parquet")
+    trainer = transformers.Trainer(model, args, train_dataset=data, callbacks=[callback])
+    with pytest.raises(ConfigError, match="BartForCausalLM's own .*another loss") as raised:
+        trainer.train()
+    assert "\n" not in str(raised.value) and "forward" not in model.__dict__
+
+
+class SummedBertForSequenceClassification(transformers.BertForSequenceClassification):
+    """A classifier whose loss is its rows' sum: not the mean its kind takes."""
+
+    def forward(self, labels=None, **kwargs):
+        out = super().forward(**kwargs)
+        if labels is not None:
+            out.loss = F.cross_entropy(out.logits, labels, reduction="sum")
+        return out
+
+
+def test_a_classifier_with_a_loss_of_its_own_is_one_line(tmp_path):
+    model = SummedBertForSequenceClassification(_bert(2).config).double().train()
+    rows = [{"input_ids": list(range(1, n + 1)), "labels": n % 2, "example_id": i}
+            for i, n in enumerate([6, 3, 5, 4])]  # fmt: skip
+    args = trainer_args(str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=1)
+    trainer = transformers.Trainer(
+        model, args, train_dataset=datasets.Dataset.from_list(rows), data_collator=_padded,
+        callbacks=[WatchCallback(tmp_path / "w.parquet")],
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="SummedBertForSequenceClassification's own") as e:
+        trainer.train()
+    assert "\n" not in str(e.value) and "forward" not in model.__dict__
