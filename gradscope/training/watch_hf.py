@@ -21,6 +21,7 @@ the random state, and skips the batches fed, so the run is the one that never st
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +187,13 @@ class WatchCallback(TrainerCallback):
         rtol = 1e-4 if computed_in() is None else 2e-2  # the step computed in half precision
         if own is not None and abs(mine - own.item()) <= rtol * max(abs(mine), 1e-6):
             return
+        if not math.isfinite(mine):
+            raise ModelError(
+                f"the first batch's loss is {mine} as the watch takes it and "
+                f"{None if own is None else own.item()} as {type(model).__name__} takes it: "
+                "the model's output is not finite",
+                "model",
+            )
         name, reduction = self.task
         raise ConfigError(
             f"{TITLES[self.kind]}'s loss as the watch takes it ({name}, the mean over its "
