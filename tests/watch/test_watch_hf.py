@@ -455,17 +455,21 @@ class SummedBertForSequenceClassification(transformers.BertForSequenceClassifica
         return out
 
 
-def test_a_classifier_with_a_loss_of_its_own_is_one_line(tmp_path):
-    model = SummedBertForSequenceClassification(_bert(2).config).double().train()
+def _one_batch(tmp_path, model: torch.nn.Module) -> transformers.Trainer:
+    """A watched Trainer of ``model`` on one padded batch of four rows of a label each."""
     rows = [{"input_ids": list(range(1, n + 1)), "labels": n % 2, "example_id": i}
             for i, n in enumerate([6, 3, 5, 4])]  # fmt: skip
     args = trainer_args(str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=1)
-    trainer = transformers.Trainer(
+    return transformers.Trainer(
         model, args, train_dataset=datasets.Dataset.from_list(rows), data_collator=_padded,
         callbacks=[WatchCallback(tmp_path / "w.parquet")],
     )  # fmt: skip
+
+
+def test_a_classifier_with_a_loss_of_its_own_is_one_line(tmp_path):
+    model = SummedBertForSequenceClassification(_bert(2).config).double().train()
     with pytest.raises(ConfigError, match="SummedBertForSequenceClassification's own") as e:
-        trainer.train()
+        _one_batch(tmp_path, model).train()
     assert "\n" not in str(e.value) and "forward" not in model.__dict__
 
 
@@ -480,13 +484,6 @@ class NanBertForSequenceClassification(transformers.BertForSequenceClassificatio
 
 def test_a_first_loss_that_is_not_finite_is_one_line(tmp_path):
     model = NanBertForSequenceClassification(_bert(2).config).double().train()
-    rows = [{"input_ids": list(range(1, n + 1)), "labels": n % 2, "example_id": i}
-            for i, n in enumerate([6, 3, 5, 4])]  # fmt: skip
-    args = trainer_args(str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=1)
-    trainer = transformers.Trainer(
-        model, args, train_dataset=datasets.Dataset.from_list(rows), data_collator=_padded,
-        callbacks=[WatchCallback(tmp_path / "w.parquet")],
-    )  # fmt: skip
     with pytest.raises(ModelError, match="loss is nan as the watch takes it .* not finite"):
-        trainer.train()
+        _one_batch(tmp_path, model).train()
     assert "forward" not in model.__dict__
