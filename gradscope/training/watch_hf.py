@@ -141,7 +141,8 @@ class WatchCallback(TrainerCallback):
         ids = kwargs.pop(self.ids)
         labels = kwargs.pop("labels") if "labels" in kwargs else spans(kwargs, ids)
         items = kwargs.pop("num_items_in_batch", None)
-        if self.watch is None:  # the first step: the batch's keys are the model's inputs
+        first = self.watch is None  # the first step: the batch's keys are the model's inputs
+        if first:
             self.kind, self.task = task(model, labels)
             if self.kind == "qa" and self.record is not None:
                 raise ConfigError(
@@ -152,14 +153,13 @@ class WatchCallback(TrainerCallback):
         if self.kind == "seq2seq" and "decoder_input_ids" not in kwargs:
             # the model makes them of its labels, which the watch takes from it
             kwargs["decoder_input_ids"] = decoder_inputs(model, labels)
-        first = self.watch is None
         if first:
             self.names = tuple(kwargs)
             self.watch = self._watch(model, _Call(original, self.names, self.kind == "qa"))
         began = rng() if first else None
         loss = self.watch.step(self._inputs(kwargs), labels, ids, epoch=self.epoch,
                                divisor=self._divisor(labels, items))  # fmt: skip
-        if began is not None:
+        if first:
             self._same_loss(model, original, kwargs, labels, items, loss, began)
         return loss
 
@@ -173,9 +173,9 @@ class WatchCallback(TrainerCallback):
         them): a class whose loss is another (next tokens unshifted, summed, weighted) is
         refused, not trained on another loss."""
         given = dict(zip(POSITIONS, labels.T, strict=True)) if self.kind == "qa" else {}
-        given = (given or {"labels": labels}) | (
-            {} if items is None else {"num_items_in_batch": items}
-        )
+        given = given or {"labels": labels}
+        if items is not None:
+            given["num_items_in_batch"] = items
         after = rng()
         set_rng(began)
         try:
@@ -277,7 +277,5 @@ class _Call:
         self.forward, self.names, self.spans = forward, names, spans
 
     def __call__(self, model: nn.Module, inputs: tuple[Tensor, ...]) -> Tensor:
-        return self.select(self.forward(**dict(zip(self.names, inputs, strict=True))))
-
-    def select(self, out: Any) -> Tensor:
+        out = self.forward(**dict(zip(self.names, inputs, strict=True)))
         return torch.stack([out.start_logits, out.end_logits], 1) if self.spans else out.logits
