@@ -30,6 +30,7 @@ from pathlib import Path
 
 import hf_tiny
 import torch
+from project import trainer_args  # tests/ is on the path, as for sweep.py's oracle
 
 from gradscope.errors import GradscopeError
 
@@ -82,10 +83,9 @@ def _train(model_type: str, auto: str, out: Path, watched: bool) -> torch.nn.Mod
     model = getattr(transformers, auto).from_config(
         _config(model_type), experts_implementation="eager"
     )
-    args = transformers.TrainingArguments(
+    args = trainer_args(
         str(out / "trainer"), per_device_train_batch_size=4, num_train_epochs=2,
-        learning_rate=1e-2, optim="sgd", seed=0, report_to=[], save_strategy="no",
-        logging_strategy="no", disable_tqdm=True, remove_unused_columns=False,
+        learning_rate=1e-2, optim="sgd", seed=0,
     )  # fmt: skip
     data = datasets.Dataset.from_list(_rows(HEADS[auto]))
     callbacks = [WatchCallback(out / "watch.parquet")] if watched else []
