@@ -25,7 +25,7 @@ from ..engine import BatchScores, Engine, Forward, total
 from ..errors import ConfigError, DataError
 from ..losses import LossFn, counted, resolve_loss
 from .watchdata import digests
-from .watchdraws import SameDraws
+from .watchdraws import SameBuffers, SameDraws
 from .watchfile import WatchFile
 from .watchrecord import SEGMENT, recording
 from .watchview import TOKENWISE, observer
@@ -132,7 +132,8 @@ class Watch:
         if not self.params:
             raise ConfigError("the model has no parameter that requires grad to train", "model")
         _unhooked(model)
-        self.draws = SameDraws(forward or Forward(tuple(keywords), output, "output="))
+        call = forward or Forward(tuple(keywords), output, "output=")
+        self.draws = SameDraws(call, SameBuffers(model))
         self.engine = Engine(
             model, per_example, include, exclude, self.draws, observer(loss, kwargs)
         )

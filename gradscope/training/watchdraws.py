@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from ..engine import Drew, Undrawn
@@ -25,6 +26,101 @@ def _bytes(state: dict) -> list[bytes]:
     return [t.numpy().tobytes() for t in (state["cpu"], *state["cuda"])]
 
 
+Kept = dict[str, tuple[Tensor, tuple[Tensor, int]]]  # name: its value, the buffer, its version
+
+
+class SameBuffers:
+    """The model's buffers as a step began, put back before each of its later forwards (a try
+    that raised included), and as its first forward left them when it ends: a forward that
+    changes them (a counter, spectral norm's power iteration, which a read of the weight
+    outside the forward runs too) changes them once a step, as the loop's does. Which ones
+    change is learnt from their version counters on the first step, which keeps every buffer;
+    a later one keeps those, and refuses one changed for the first time (not kept, it cannot
+    be put back)."""
+
+    def __init__(self, model: nn.Module):
+        self.slots = {  # name: (its module, its name there)
+            f"{prefix}.{local}".lstrip("."): (module, local)
+            for prefix, module in model.named_modules()
+            for local in module._buffers
+        }
+        self.changing: set[str] | None = None  # learnt: None until the first step's end
+        self.moved: set[str] = set()  # those seen changing on the first step
+        self.seen: dict[str, tuple[Tensor | None, int]] = {}  # each buffer, its version
+        self.began: Kept = {}  # the kept ones as the step began
+        self.left: Kept | None = None  # and as its first forward left them
+
+    def begin(self) -> None:
+        self._look()
+        self.began, self.left = self._kept(), None
+
+    def first(self) -> None:
+        """The step's first forward returned: the buffers as it left them, the step's end's
+        (none to keep where none changes: the step's end then only checks)."""
+        if self.changing is None or self.changing:
+            self._note()
+            self.left = self._kept()
+
+    def again(self) -> None:
+        """Before a later forward of the step: the buffers as the step began."""
+        self._put(self.began)
+
+    def end(self) -> None:
+        if self.left is None:
+            self._note()
+        else:
+            self._put(self.left)
+        if self.changing is None:
+            self.changing = self.moved
+        self.began, self.left = {}, None
+
+    def _now(self, name: str) -> Tensor | None:
+        module, local = self.slots[name]
+        return module._buffers[local]
+
+    def _look(self) -> None:
+        self.seen = {n: (t, -1 if t is None else t._version)
+                     for n, t in ((n, self._now(n)) for n in self.slots)}  # fmt: skip
+
+    def _kept(self) -> Kept:
+        return {
+            name: (t.clone(), seen)
+            for name, seen in self.seen.items()
+            if (t := seen[0]) is not None and (self.changing is None or name in self.changing)
+        }
+
+    def _note(self) -> None:
+        """The buffers changed since last looked at: learnt on the first step, refused after
+        it where none was seen changing then."""
+        moved = set()
+        for name, (t, version) in self.seen.items():
+            now = self._now(name)
+            if now is not t or (now is not None and now._version != version):
+                moved.add(name)
+        new = moved - (self.moved if self.changing is None else self.changing)
+        if self.changing is not None and new:
+            raise ModelError(
+                f"the model changed its buffer {min(new)} for the first time on a step after "
+                "its first, where the watch (which runs a step's forward more than once, or "
+                "reads its weights outside it) cannot put it back: it would change otherwise "
+                "than in the loop",
+                "model",
+            )
+        self.moved |= moved
+        self._look()
+
+    def _put(self, kept: Kept) -> None:
+        """The buffers changed since ``kept`` was taken as it holds them (only those: another
+        may be saved for the backward, as a view)."""
+        self._note()
+        with torch.no_grad():
+            for name, (value, (t, version)) in kept.items():
+                now = self._now(name)
+                if now is not None and (now is not t or now._version != version):
+                    now.copy_(value)
+        self._look()
+
+
 class SameDraws:
     """``forward(model, inputs)`` (the engine's call of the model) with every call between
     ``begin`` and ``end`` drawing from the random state at ``begin``. A call on other rows than
@@ -33,10 +129,11 @@ class SameDraws:
     dropout left out (``Undrawn``: a branch's check made again), a call on any rows must draw
     nothing; a later one on the step's rows must draw as much as the first (a model that
     changed itself in it drew more, or less: refused). A step of one forward (a program's
-    replay) costs one read of the state."""
+    replay) costs one read of the state. Each forward after a step's first starts from the
+    model's ``buffers`` as the step began too."""
 
-    def __init__(self, forward: Any):
-        self.forward = forward
+    def __init__(self, forward: Any, buffers: SameBuffers):
+        self.forward, self.buffers = forward, buffers
         self.began: dict | None = None  # the random state the step began in
         self.after: dict | None = None  # and the one its first forward left, once another runs
         self.calls = 0  # the step's forwards that returned
@@ -46,6 +143,7 @@ class SameDraws:
     def begin(self) -> dict:
         """A step begins: the random state now, which each of its forwards starts from."""
         self.began, self.after, self.calls, self.tried = rng(), None, 0, False
+        self.buffers.begin()
         return self.began
 
     def end(self, keep: bool = False) -> dict | None:
@@ -57,6 +155,7 @@ class SameDraws:
         elif keep and self.calls:
             after = rng()  # one forward ran: the generators are where it left them
         self.began = self.after = None
+        self.buffers.end()
         return after if keep else None
 
     def split(self, inputs: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], dict[str, Tensor]]:
@@ -71,15 +170,16 @@ class SameDraws:
         rows = inputs[0].shape[0] if inputs else 0
         if not self.calls:  # the step's first forward to return: where it leaves the generators
             if self.tried:  # is where one leaves them, not where one that raised did
-                set_rng(self.began)
+                self._again()
             self.tried = True
             out = self.forward(model, inputs)
             self.calls, self.rows = 1, rows
+            self.buffers.first()
             return out
         if self.after is None:
             self.after = rng()  # where the first forward left the generators
         if Undrawn.active():
-            set_rng(self.began)
+            self._again()
             out = self.forward(model, inputs)
             if not same_state(self.began, rng()):
                 raise ModelError(
@@ -97,7 +197,7 @@ class SameDraws:
                 "which cannot draw the masks the batch drew: watch it without that randomness",
                 "model",
             )
-        set_rng(self.began)
+        self._again()
         out = self.forward(model, inputs)
         if rows == self.rows and not same_state(self.after, rng()):
             raise ModelError(
@@ -109,3 +209,8 @@ class SameDraws:
                 "model",
             )
         return out
+
+    def _again(self) -> None:
+        """A later forward of the step begins where the step began."""
+        set_rng(self.began)
+        self.buffers.again()

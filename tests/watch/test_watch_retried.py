@@ -15,7 +15,7 @@ from project import trainer_args
 from torch import nn
 
 from gradscope.engine import Drew
-from gradscope.training.watchdraws import SameDraws
+from gradscope.training.watchdraws import SameBuffers, SameDraws
 
 
 class _Once:
@@ -37,7 +37,7 @@ def test_a_forward_that_raised_first_leaves_the_generators_where_one_forward_doe
     torch.manual_seed(0)
     expected = model(x)
     after = torch.get_rng_state()
-    draws = SameDraws(_Once())
+    draws = SameDraws(_Once(), SameBuffers(model))
     torch.manual_seed(0)
     draws.begin()
     with pytest.raises(ValueError):
