@@ -21,7 +21,6 @@ the random state, and skips the batches fed, so the run is the one that never st
 from __future__ import annotations
 
 import functools
-import math
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +28,10 @@ import torch
 from torch import Tensor, nn
 from transformers import TrainerCallback
 
-from ..engine import computed_in
 from ..errors import ConfigError, ModelError
-from .record import rng, set_rng
+from .record import rng
 from .watch import OnStep, Watch
+from .watchcheck import agree, rerun
 from .watchfile import fed
 from .watchkinds import OUTPUTS, POSITIONS, TITLES, decoder_inputs, spans, task
 from .watchrecord import SEGMENT
@@ -168,32 +167,17 @@ class WatchCallback(TrainerCallback):
         loss: Tensor, began: dict,
     ) -> None:  # fmt: skip
         """The first step's ``loss`` must be the one the model's own forward takes of its
-        labels, under the step's masks (from ``began``, the random state the step began in;
-        one forward more, without a gradient, the generators then left where the step left
-        them): a class whose loss is another (next tokens unshifted, summed, weighted) is
+        labels, under the step's masks (``rerun`` from ``began``, the random state the step
+        began in): a class whose loss is another (next tokens unshifted, summed, weighted) is
         refused, not trained on another loss."""
         given = dict(zip(POSITIONS, labels.T, strict=True)) if self.kind == "qa" else {}
         given = given or {"labels": labels}
         if items is not None:
             given["num_items_in_batch"] = items
-        after = rng()
-        set_rng(began)
-        try:
-            with torch.no_grad():
-                out = original(**kwargs, **given)
-        finally:
-            set_rng(after)
+        out = rerun(model, began, lambda: original(**kwargs, **given))
         own, mine = getattr(out, "loss", None), loss.item()
-        rtol = 1e-4 if computed_in() is None else 2e-2  # the step computed in half precision
-        if own is not None and abs(mine - own.item()) <= rtol * max(abs(mine), 1e-6):
+        if agree(mine, None if own is None else own.item(), model):
             return
-        if not math.isfinite(mine):
-            raise ModelError(
-                f"the first batch's loss is {mine} as the watch takes it and "
-                f"{None if own is None else own.item()} as {type(model).__name__} takes it: "
-                "the model's output is not finite",
-                "model",
-            )
         name, reduction = self.task
         raise ConfigError(
             f"{TITLES[self.kind]}'s loss as the watch takes it ({name}, the mean over its "

@@ -6,7 +6,8 @@ named as the watch names it; ``batch`` splits a batch into ``(inputs, targets, i
 (default: a batch ``(x, y, ids)``). The loss it returns to Lightning adds, in Lightning's own
 backward, the gradient the step computed to ``.grad`` (times the gradient arriving: an
 accumulation's, a scaler's), so clipping, accumulation and the optimizer run as they would.
-What the module's own ``training_step`` does beyond its loss (logging) does not run.
+What the module's own ``training_step`` does beyond its loss (logging) does not run; it runs
+once on the first batch, to check that it returns the loss the watch trained (``_same_loss``).
 With ``record``, the run record ``influence --through-training`` replays is written there: the
 optimizer and the clip read off the Trainer (``watchrecord.py``). Lightning's checkpoints then
 carry the random state the run was in, which the callback restores on a resumed ``fit`` before
@@ -16,7 +17,7 @@ epoch's end, the run is the one that never stopped, and its record goes on (``wa
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from ..errors import ConfigError, DataError
 from ..losses import LossFn
 from .record import rng, set_rng
 from .watch import OnStep, Watch
+from .watchcheck import agree, rerun
 from .watchfile import fed
 from .watchrecord import SEGMENT
 
@@ -81,16 +83,30 @@ class WatchCallback(Callback):
             self.restored = None
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not pl_module.automatic_optimization:
+            raise ConfigError(
+                "a module with automatic_optimization=False steps its optimizer in its own "
+                "training_step, which the watch's replaces: the watch serves Lightning's "
+                "automatic optimization",
+                "LightningModule.automatic_optimization",
+            )
         recorded = {} if self.record is None else _recorded(trainer, self.record, self.segment)
         first = fed(trainer.global_step, trainer.num_training_batches,
                     trainer.accumulate_grad_batches)  # fmt: skip
         watch = Watch(pl_module, self.out, self.loss, on_step=self.on_step, step=first,
                       **recorded, **self.options)  # fmt: skip
         self.watch = watch.__enter__()  # once entered: one refused as entered has no exit
+        own, checked = pl_module.training_step, False
 
-        def training_step(batch: Any, *_: Any, **__: Any) -> Tensor:
+        def training_step(batch: Any, *args: Any, **kwargs: Any) -> Tensor:
+            nonlocal checked
             inputs, targets, ids = self.split(batch)
-            return self.watch.step(inputs, targets, ids, epoch=trainer.current_epoch)
+            began = None if checked else rng()
+            loss = self.watch.step(inputs, targets, ids, epoch=trainer.current_epoch)
+            if not checked:
+                _same_loss(pl_module, self.loss, loss, began, lambda: own(batch, *args, **kwargs))
+                checked = True
+            return loss
 
         pl_module.training_step = training_step
 
@@ -107,6 +123,34 @@ class WatchCallback(Callback):
             watch, self.watch = self.watch, None
             kind = None if exception is None else type(exception)
             watch.__exit__(kind, exception, None)
+
+
+def _same_loss(
+    module: LightningModule, loss_fn: str | LossFn, loss: Tensor, began: dict, own: Callable
+) -> None:
+    """The first step's ``loss`` must be the one the module's own ``training_step`` returns
+    for the batch (``own()``, run once more as the step began, its logging muted): a step of
+    another loss, or of inputs it changes (augmented, scaled), is refused, not trained on."""
+    module.log = module.log_dict = lambda *_, **__: None
+    try:
+        out = rerun(module, began, own)
+    finally:
+        del module.log, module.log_dict  # the class's own again
+    out = out.get("loss") if isinstance(out, Mapping) else out
+    theirs = out.item() if isinstance(out, Tensor) else None
+    if agree(loss.item(), theirs, module):
+        return
+    name = loss_fn if isinstance(loss_fn, str) else getattr(loss_fn, "__name__", "loss")
+    raise ConfigError(
+        f"the first batch's loss is {loss.item():.6g} as the watch takes it (the mean over the "
+        f"rows of {name} of the module's output and the targets), "
+        f"{'none' if theirs is None else f'{theirs:.6g}'} as {type(module).__name__}'s "
+        "training_step takes it: the step trains on another loss, or on inputs it changes "
+        "(augments, scales), which the watch would not train on; give the watch that loss "
+        "(loss=, loss_kwargs=) and the inputs the module takes (batch=), or watch a loop of "
+        "your own (Watch)",
+        "training_step",
+    )
 
 
 def _recorded(trainer: Trainer, folder: str | Path, segment: int) -> dict:

@@ -262,8 +262,10 @@ class Module(pl.LightningModule):
     def forward(self, x):
         return self.fc2(self.drop(torch.tanh(self.fc1(x))))
 
-    def training_step(self, batch, _):  # the watch's step runs in its place
-        raise AssertionError
+    def training_step(self, batch, _):  # the watch's step runs in its place, checked by it
+        x, y, _ = batch
+        self.log("loss", loss := nn.functional.cross_entropy(self(x), y))
+        return loss
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=0.05, weight_decay=0.1)

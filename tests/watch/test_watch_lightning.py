@@ -33,17 +33,18 @@ class _Module(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
 
 
-def _fit(callbacks, accumulate):
+def _fit(callbacks, accumulate, module=None, clip=0.5):
     torch.manual_seed(1)
     x, y = torch.randn(8, 5, dtype=torch.float64), torch.randint(0, 3, (8,))
     data = torch.utils.data.TensorDataset(x, y, torch.arange(8))
-    module = _Module()
+    module = _Module() if module is None else module
     trainer = pl.Trainer(
-        max_epochs=2, accumulate_grad_batches=accumulate, gradient_clip_val=0.5,
+        max_epochs=2, accumulate_grad_batches=accumulate, gradient_clip_val=clip,
         callbacks=callbacks, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
     )  # fmt: skip
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    module.logged = dict(trainer.callback_metrics)
     return module
 
 
@@ -57,6 +58,66 @@ def test_lightning_trains_as_without_the_watch_and_writes_each_step(tmp_path, ac
     table = pq.read_table(tmp_path / "w.parquet").to_pydict()
     assert table["example_id"] == list(range(8)) * 2
     assert table["epoch"] == [0] * 8 + [1] * 8
+
+
+class _Stepped(_Module):
+    """A module whose training_step is ``step(module, x, y)``, logged; it counts its forwards."""
+
+    def __init__(self, step, manual=False):
+        super().__init__()
+        self.step, self.automatic_optimization = step, not manual
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+    def training_step(self, batch, _):
+        x, y, _ = batch
+        self.log("logged", 1.0)
+        return self.step(self, x, y)
+
+
+def _as_dict(module, x, y):
+    return {"loss": nn.functional.cross_entropy(module(x), y)}
+
+
+def test_the_first_steps_check_runs_the_modules_step_unlogged(tmp_path):
+    plain = _fit([], 1, _Stepped(_as_dict))
+    watched = _fit([WatchCallback(tmp_path / "w.parquet")], 1, _Stepped(_as_dict))
+    for p, q in zip(watched.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert "logged" in plain.logged and "logged" not in watched.logged  # once, muted
+    assert watched.calls == plain.calls == 4  # the check's forward not counted
+
+
+OTHERS = {  # a training_step of another loss than the watch's, or of inputs it changes
+    "smoothed": lambda m, x, y: nn.functional.cross_entropy(m(x), y, label_smoothing=0.1),
+    "penalised": lambda m, x, y: (nn.functional.cross_entropy(m(x), y)
+                                  + 1e-2 * sum(p.square().sum() for p in m.parameters())),
+    "augmented": lambda m, x, y: nn.functional.cross_entropy(m(x + 0.1 * torch.randn_like(x)), y),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("step", OTHERS.values(), ids=OTHERS)
+def test_a_training_step_of_another_loss_is_refused(tmp_path, step):
+    """Before, each trained on the watch's loss without a word: 0.06 to 0.26 of the largest
+    weight from the plain run after two epochs."""
+    with pytest.raises(ConfigError, match="as _Stepped's training_step takes it"):
+        _fit([WatchCallback(tmp_path / "w.parquet")], 1, _Stepped(step))
+
+
+def _manual(module, x, y):
+    opt = module.optimizers()
+    opt.zero_grad()
+    module.manual_backward(nn.functional.cross_entropy(module(x), y))
+    opt.step()
+
+
+def test_manual_optimization_is_refused(tmp_path):
+    """Before, the watched module never stepped (its training_step, which steps, replaced)."""
+    with pytest.raises(ConfigError, match="automatic_optimization=False"):
+        _fit([WatchCallback(tmp_path / "w.parquet")], 1, _Stepped(_manual, manual=True), None)
 
 
 def test_a_run_that_raises_leaves_the_module_as_it_was(tmp_path, monkeypatch):
@@ -86,8 +147,9 @@ class Module(pl.LightningModule):
     def forward(self, x):
         return self.net(x)
 
-    def training_step(self, batch, _):  # the watch's step runs in its place
-        raise AssertionError
+    def training_step(self, batch, _):  # the watch's step runs in its place, checked by it
+        x, y, _ = batch
+        return nn.functional.cross_entropy(self(x), y)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9, weight_decay=0.01)
