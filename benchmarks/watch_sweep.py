@@ -112,10 +112,13 @@ def run_one(model_type: str) -> dict:
             return {"status": "refused", "note": str(e)[:300], "head": head[0]}
         except Exception as e:
             return {"status": "failed", "note": f"{type(e).__name__}: {e}"[:300], "head": head[0]}
-    pairs = list(zip(plain.parameters(), watched.parameters(), strict=True))
-    apart = max((p - q).abs().max().item() for p, q in pairs)
-    scale = max(p.abs().max().item() for p, _ in pairs)
-    status = "same" if apart <= SAME * scale else "differs"
+    mine = watched.state_dict()  # the weights and the buffers
+    pairs = [(value, mine[name]) for name, value in plain.state_dict().items()]
+    floats = [(p.double(), q.double()) for p, q in pairs if p.is_floating_point()]
+    apart = max((p - q).abs().max().item() for p, q in floats)
+    scale = max(p.abs().max().item() for p, _ in floats)
+    counts = all(torch.equal(p, q) for p, q in pairs if not p.is_floating_point())
+    status = "same" if apart <= SAME * scale and counts else "differs"
     seconds = round(time.perf_counter() - started, 1)
     return {"status": status, "apart": apart, "scale": scale, "head": head[0], "seconds": seconds}
 

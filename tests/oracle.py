@@ -406,16 +406,18 @@ def redrawn_norms(
 def trained_alike(tmp_path: Path, train: Callable[[list], nn.Module]) -> dict[str, list]:
     """The plain run, a watched ``Trainer``'s oracle: ``train(callbacks)`` trains a fresh model
     and returns it; with the watch's callback (writing ``w.parquet`` in ``tmp_path``) its
-    weights must be those the run reaches without it (to 1e-5: Adam's first steps move a
-    weight whose gradient is zero but for rounding by its sign). The watch file's columns."""
+    weights and buffers must be those the run reaches without it (to 1e-5: Adam's first steps
+    move a weight whose gradient is zero but for rounding by its sign). The watch file's
+    columns."""
     import pyarrow.parquet as pq
 
     from gradscope.training.watch_hf import WatchCallback
 
     out = tmp_path / "w.parquet"
     plain, watched = (train(callbacks) for callbacks in ([], [WatchCallback(out)]))
-    for p, q in zip(plain.parameters(), watched.parameters(), strict=True):
-        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    mine = watched.state_dict()
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(mine[name], value, rtol=1e-5, atol=1e-6, msg=name)
     return pq.read_table(out).to_pydict()
 
 
