@@ -1,17 +1,20 @@
 """Sweep the watch under the Hugging Face ``Trainer`` over every text model type of the installed
 ``transformers`` that ``hf_tiny`` builds with a causal LM or a sequence classifier head: tiny
-config, float64, dropout 0.1 wherever the config has a rate, twelve rows of 3 to 8 tokens
-padded to each batch's longest (some batches pad nothing, so a replay meets the branch
-transformers reads on the mask), two epochs of SGD. Each family trains twice, with
-``WatchCallback`` and without; the watched run must end at the plain run's weights.
+config, float64 (``--float32``: float32, mixtures of experts on transformers' ``grouped_mm``
+rather than the loop over experts float64 needs), dropout 0.1 wherever the config has a rate,
+twelve rows of 3 to 8 tokens padded to each batch's longest (some batches pad nothing, so a
+replay meets the branch transformers reads on the mask), two epochs of SGD. Each family trains
+twice, with ``WatchCallback`` and without; the watched run must end at the plain run's weights
+and buffers.
 
     PYTHONPATH=$PWD:$PWD/tests:$PWD/benchmarks OMP_NUM_THREADS=1 \\
-        python benchmarks/watch_sweep.py [--only gpt2,bert] [--timeout 120] [--out PATH]
+        python benchmarks/watch_sweep.py [--only gpt2,bert] [--float32] [--timeout 120] \\
+        [--out PATH]
 
 Writes ``PATH`` (JSON) and a markdown table beside it (``.md``). Statuses: ``same`` (the
-largest weight difference within 1e-6 of the largest weight: a float64 model may compute in
-float32 inside, transformers' loss of a causal LM's logits and OLMo's and Gemma's norms do,
-whose rounding both runs carry, differently ordered), ``differs`` (a watched run that trained
+largest difference within 1e-6 of the largest weight: float32's rounding, both runs', ordered
+differently; a float64 model may compute in float32 inside, as transformers' loss of a causal
+LM's logits and OLMo's and Gemma's norms do), ``differs`` (a watched run that trained
 otherwise: the bug this sweep is for), ``refused`` (a gradscope error, one line), ``failed``
 (another error, the model's or this script's), ``skipped`` (not a text model ``hf_tiny``
 builds with one of the two heads, or one that trains no faster than ``--timeout`` without the
@@ -73,16 +76,17 @@ def _config(model_type: str):
     return config
 
 
-def _train(model_type: str, auto: str, out: Path, watched: bool) -> torch.nn.Module:
+def _train(
+    model_type: str, auto: str, out: Path, watched: bool, dtype: torch.dtype
+) -> torch.nn.Module:
     import datasets
     import transformers
 
     from gradscope.training.watch_hf import WatchCallback
 
-    torch.manual_seed(0)
-    model = getattr(transformers, auto).from_config(
-        _config(model_type), experts_implementation="eager"
-    )
+    torch.manual_seed(0)  # float64's experts run eagerly (grouped_mm takes no float64)
+    experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+    model = getattr(transformers, auto).from_config(_config(model_type), **experts)
     args = trainer_args(
         str(out / "trainer"), per_device_train_batch_size=4, num_train_epochs=2,
         learning_rate=1e-2, optim="sgd", seed=0,
@@ -90,24 +94,24 @@ def _train(model_type: str, auto: str, out: Path, watched: bool) -> torch.nn.Mod
     data = datasets.Dataset.from_list(_rows(HEADS[auto]))
     callbacks = [WatchCallback(out / "watch.parquet")] if watched else []
     trainer = transformers.Trainer(
-        model.double(), args, train_dataset=data, data_collator=_collate, callbacks=callbacks
+        model.to(dtype), args, train_dataset=data, data_collator=_collate, callbacks=callbacks
     )
     trainer.train()
     return model
 
 
-def run_one(model_type: str) -> dict:
+def run_one(model_type: str, dtype: torch.dtype = torch.float64) -> dict:
     head = hf_tiny.head(model_type)
     if head is None or head[0] not in HEADS:
         return {"status": "skipped", "note": "no causal LM or sequence classifier head"}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         try:
-            plain = _train(model_type, head[0], Path(folder), watched=False)
+            plain = _train(model_type, head[0], Path(folder), False, dtype)
         except Exception as e:
             return {"status": "skipped", "note": f"trains not without the watch: {e}"[:300]}
         try:
-            watched = _train(model_type, head[0], Path(folder), watched=True)
+            watched = _train(model_type, head[0], Path(folder), True, dtype)
         except GradscopeError as e:
             return {"status": "refused", "note": str(e)[:300], "head": head[0]}
         except Exception as e:
@@ -131,12 +135,12 @@ def _late(*_: object) -> None:
     raise _Late
 
 
-def _timed(model_type: str, seconds: int) -> dict:
+def _timed(model_type: str, seconds: int, dtype: torch.dtype) -> dict:
     """``run_one`` stopped after ``seconds`` (a config hf_tiny leaves large: Perceiver's)."""
     signal.signal(signal.SIGALRM, _late)
     signal.alarm(seconds)
     try:
-        return run_one(model_type)
+        return run_one(model_type, dtype)
     except _Late:
         return {"status": "skipped", "note": f"not done in {seconds} s"}
     finally:
@@ -164,12 +168,14 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated model types")
     parser.add_argument("--timeout", type=int, default=120, help="seconds per family")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--float32", action="store_true",
+                        help="float32 models, mixtures of experts on transformers' grouped_mm")  # fmt: skip
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     names = args.only.split(",") if args.only else hf_tiny.model_types()
     results = {}
     for name in names:
-        results[name] = _timed(name, args.timeout)
+        results[name] = _timed(name, args.timeout, torch.float32 if args.float32 else torch.float64)
         if results[name]["status"] != "skipped":
             print(name, results[name]["status"], results[name].get("note", ""), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
