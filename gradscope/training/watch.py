@@ -215,7 +215,8 @@ class Watch:
         if self.recording is not None:  # the watched loss's gradient, for the record's check
             grads = [None if g is None else g / divisor for g in scores.trained]
             fed = digests(inputs, targets)
-            self.recording.step(ids, grads, divisor, counts, (began, after), fed)
+            self.recording.step(ids, grads, divisor, counts, (began, after), fed,
+                                hosted=self.draws.hosted)  # fmt: skip
         return _Deposit.apply(scores.loss.sum() / divisor, scores.trained, divisor, *self.params)
 
     def _write(

@@ -29,9 +29,9 @@ from torch import Tensor, nn
 from transformers import TrainerCallback
 
 from ..errors import ConfigError, ModelError
-from .record import rng
 from .watch import OnStep, Watch
 from .watchcheck import agree, rerun
+from .watchdraws import State, state
 from .watchfile import fed
 from .watchkinds import OUTPUTS, POSITIONS, TITLES, decoder_inputs, spans, task
 from .watchrecord import SEGMENT
@@ -155,7 +155,7 @@ class WatchCallback(TrainerCallback):
         if first:
             self.names = tuple(kwargs)
             self.watch = self._watch(model, _Call(original, self.names, self.kind == "qa"))
-        began = rng() if first else None
+        began = state() if first else None
         loss = self.watch.step(self._inputs(kwargs), labels, ids, epoch=self.epoch,
                                divisor=self._divisor(labels, items))  # fmt: skip
         if first:
@@ -164,7 +164,7 @@ class WatchCallback(TrainerCallback):
 
     def _same_loss(
         self, model: nn.Module, original: Any, kwargs: dict, labels: Tensor, items: Any,
-        loss: Tensor, began: dict,
+        loss: Tensor, began: State,
     ) -> None:  # fmt: skip
         """The first step's ``loss`` must be the one the model's own forward takes of its
         labels, under the step's masks (``rerun`` from ``began``, the random state the step

@@ -30,6 +30,7 @@ from ..losses import LossFn
 from .record import rng, set_rng
 from .watch import OnStep, Watch
 from .watchcheck import agree, rerun
+from .watchdraws import State, state
 from .watchfile import fed
 from .watchrecord import SEGMENT
 
@@ -101,7 +102,7 @@ class WatchCallback(Callback):
         def training_step(batch: Any, *args: Any, **kwargs: Any) -> Tensor:
             nonlocal checked
             inputs, targets, ids = self.split(batch)
-            began = None if checked else rng()
+            began = None if checked else state()
             loss = self.watch.step(inputs, targets, ids, epoch=trainer.current_epoch)
             if not checked:
                 _same_loss(pl_module, self.loss, loss, began, lambda: own(batch, *args, **kwargs))
@@ -126,7 +127,7 @@ class WatchCallback(Callback):
 
 
 def _same_loss(
-    module: LightningModule, loss_fn: str | LossFn, loss: Tensor, began: dict, own: Callable
+    module: LightningModule, loss_fn: str | LossFn, loss: Tensor, began: State, own: Callable
 ) -> None:
     """The first step's ``loss`` must be the one the module's own ``training_step`` returns
     for the batch (``own()``, run once more as the step began, its logging muted): a step of

@@ -6,8 +6,10 @@ whether its forward drew at all, the run record keeps (``watchrecord.py``)."""
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -134,35 +136,34 @@ class SameDraws:
 
     def __init__(self, forward: Any, buffers: SameBuffers):
         self.forward, self.buffers = forward, buffers
-        self.began: dict | None = None  # the random state the step began in
-        self.after: dict | None = None  # and the one its first forward left, once another runs
+        self.began: State | None = None  # the random state the step began in
+        self.after: State | None = None  # and the one its first forward left, once another runs
         self.calls = 0  # the step's forwards that returned
         self.tried = False  # whether one began: one that raised (the analysis tries again)
         self.rows = 0
+        self.hosted = False  # whether the last step's forward drew from numpy's or Python's
 
     def begin(self) -> dict:
-        """A step begins: the random state now, which each of its forwards starts from."""
-        self.began, self.after, self.calls, self.tried = rng(), None, 0, False
+        """A step begins: the random state now, which each of its forwards starts from
+        (torch's generators', returned, and the host's)."""
+        self.began, self.after, self.calls, self.tried = state(), None, 0, False
         self.buffers.begin()
-        return self.began
+        return self.began[0]
 
     def end(self, keep: bool = False) -> dict | None:
         """The step ended: the generators left where its first forward left them; with ``keep``,
-        that state (None where no forward ran)."""
+        torch's state then (None where no forward ran), and whether it drew from the host's
+        generators (``hosted``)."""
         after = self.after
         if after is not None:
-            set_rng(after)
+            set_state(after)
         elif keep and self.calls:
-            after = rng()  # one forward ran: the generators are where it left them
+            after = state()  # one forward ran: the generators are where it left them
+        if keep and after is not None and self.began is not None:
+            self.hosted = not _same_host(self.began[1], after[1])
         self.began = self.after = None
         self.buffers.end()
-        return after if keep else None
-
-    def split(self, inputs: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], dict[str, Tensor]]:
-        return self.forward.split(inputs)  # the fallback's vmap calls the model with these
-
-    def select(self, outputs: Any) -> Tensor:
-        return self.forward.select(outputs)
+        return after[0] if keep and after is not None else None
 
     def __call__(self, model: nn.Module, inputs: tuple[Tensor, ...]) -> Tensor:
         if self.began is None:  # outside a step: as it is
@@ -177,11 +178,11 @@ class SameDraws:
             self.buffers.first()
             return out
         if self.after is None:
-            self.after = rng()  # where the first forward left the generators
+            self.after = state()  # where the first forward left the generators
         if Undrawn.active():
             self._again()
             out = self.forward(model, inputs)
-            if not same_state(self.began, rng()):
+            if not _same(self.began, state()):
                 raise ModelError(
                     "the model draws random numbers in its forward other than dropout's, and "
                     "the step runs examples alone to check a branch on the batch's values, "
@@ -189,7 +190,7 @@ class SameDraws:
                     "model",
                 )
             return out
-        if rows != self.rows and not same_state(self.began, self.after):
+        if rows != self.rows and not _same(self.began, self.after):
             raise Drew(
                 "the model draws random numbers in its forward (dropout), and the step runs "
                 "each example alone (a parameter no rule serves, on the exact fallback, or a "
@@ -199,7 +200,7 @@ class SameDraws:
             )
         self._again()
         out = self.forward(model, inputs)
-        if rows == self.rows and not same_state(self.after, rng()):
+        if rows == self.rows and not _same(self.after, state()):
             raise ModelError(
                 "the model drew other random numbers on another forward of the step's batch "
                 "than on its first (a forward that changes the model, as BigBird's switch to "
@@ -212,5 +213,30 @@ class SameDraws:
 
     def _again(self) -> None:
         """A later forward of the step begins where the step began."""
-        set_rng(self.began)
+        set_state(self.began)
         self.buffers.again()
+
+
+State = tuple[dict, tuple]  # torch's generators' (``record.rng``), numpy's and Python's
+
+
+def state() -> State:
+    """The random state now: torch's generators', and numpy's and Python's global ones, which
+    a forward may draw from too (transformers' speech models draw their SpecAugment masks from
+    numpy's)."""
+    return rng(), (np.random.get_state(), random.getstate())
+
+
+def set_state(kept: State) -> None:
+    set_rng(kept[0])
+    np.random.set_state(kept[1][0])
+    random.setstate(kept[1][1])
+
+
+def _same(a: State, b: State) -> bool:
+    return same_state(a[0], b[0]) and _same_host(a[1], b[1])
+
+
+def _same_host(a: tuple, b: tuple) -> bool:
+    (_, keys, *rest), (_, other, *more) = a[0], b[0]  # numpy's: its keys, position, gaussian
+    return rest == more and a[1] == b[1] and np.array_equal(keys, other)

@@ -127,12 +127,17 @@ class Recording:
         counts: Tensor | None,
         states: tuple[dict, dict | None],
         fed: Tensor,
+        hosted: bool = False,
     ) -> None:
         """A watched step: ``grads`` the gradient of its loss (its per-example losses summed over
         ``divisor``) that ``.grad`` receives, ``ids`` its rows, ``counts`` each one's counted
         tokens where the loss is a mean over tokens; ``states`` the random state it began in
-        and the one its forward left, ``fed`` (B, k) the digests of its targets and inputs."""
+        and the one its forward left, ``fed`` (B, k) the digests of its targets and inputs;
+        ``hosted`` whether its forward drew from numpy's or Python's generator."""
         t = len(self.recorder.lrs)
+        if hosted:
+            self._refuse(f"step {t}'s forward drew from numpy's or Python's random generator, "
+                         "whose draws the record does not keep")  # fmt: skip
         if self.pending is not None:
             self._refuse(
                 f"two watched steps at step {t} without an optimizer step between "

@@ -110,6 +110,19 @@ def _autocast(w, inputs, targets, picked):
     loss.backward()
 
 
+def _host_drawn(w, inputs, targets, picked):
+    """A forward that draws from numpy's generator (a mask nothing reads)."""
+
+    def draw(*_):
+        np.random.rand()
+
+    hook = w.model.register_forward_pre_hook(draw)
+    try:
+        w.step(inputs, targets, picked).backward()
+    finally:
+        hook.remove()
+
+
 def _two_rates(train, params) -> torch.optim.Optimizer:
     groups = [{"params": params[:2]}, {"params": params[2:], "lr": train.lr / 2}]
     return torch.optim.SGD(groups, lr=train.lr, momentum=train.momentum)
@@ -135,6 +148,7 @@ LOOPS = {  # a watched step, the optimizer, a config edit after the run; the lin
     "scaled": (lambda w, *batch: (w.step(*batch) * 1024).backward(), optimizer_of, None,
                "another gradient than the watched loss's at step 0"),
     "autocast": (_autocast, optimizer_of, None, "step 0 ran under autocast"),
+    "host draws": (_host_drawn, optimizer_of, None, "step 0's forward drew from numpy's"),
     "two rates": (None, _two_rates, None, "learning rates differ at step 0"),
     "ids not positions": (lambda w, x, y, ids: w.step(x, y, ids + 100).backward(), optimizer_of,
                           None, "the watch's ids reach row 109, the config's data has 10 rows"),

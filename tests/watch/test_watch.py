@@ -121,17 +121,18 @@ def test_dropout_is_watched_under_the_masks_its_step_drew(tmp_path):
 
 
 class _Noisy(nn.Module):
-    """Noise from numpy's generator, which the watch cannot draw again."""
+    """Noise from a generator of its own, which the watch cannot draw again (numpy's and
+    Python's global ones it can: ``test_watch_host_draws.py``)."""
 
     def __init__(self):
         super().__init__()
-        self.fc = nn.Linear(5, 3).double()
+        self.fc, self.noise = nn.Linear(5, 3).double(), np.random.default_rng(0)
 
     def forward(self, x):
-        return self.fc(x + torch.as_tensor(np.random.rand(*x.shape)))
+        return self.fc(x + torch.as_tensor(self.noise.random(x.shape)))
 
 
-def test_randomness_outside_torchs_generator_is_refused(tmp_path):
+def test_randomness_outside_the_global_generators_is_refused(tmp_path):
     x, y = _data(4)
     with (
         Watch(_Noisy(), tmp_path / "w.parquet") as watch,

@@ -76,11 +76,12 @@ class Fallback:
         fixed = {n: p.detach() for n, p in params.items() if n not in chosen}
 
         def one_loss(theta: dict[str, Tensor], x: tuple[Tensor, ...], y: Tensor) -> Tensor:
-            # A batch of one inside vmap: the model and loss see the shapes they always see.
-            args, kwargs = self.forward.split(tuple(t[None] for t in x))
+            # A batch of one inside vmap: the model and loss see the shapes they always see;
+            # through the engine's forward, which may refuse a run of other rows than the
+            # batch's (a watched step's, whose forward drew from a generator)
             with substituted(self.model, {**fixed, **theta}):
-                out = self.model(*args, **kwargs)
-            return self.loss_fn(self.forward.select(out), y[None])[0]
+                out = self.forward(self.model, tuple(t[None] for t in x))
+            return self.loss_fn(out, y[None])[0]
 
         numel = sum(p.numel() for p in chosen.values())
         chunk = max(1, min(targets.shape[0], CHUNK_ELEMENTS // numel))
