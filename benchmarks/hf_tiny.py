@@ -178,16 +178,20 @@ class Unbuildable(Exception):
 
 def _inputs(model: nn.Module, config, g: torch.Generator, both: bool) -> dict[str, Tensor]:
     """The main input; with ``both``, token ids and pixel values (CLIP-like dual encoders)."""
-    x = _input(model.main_input_name, model, config, g)
+    x = main_input(model.main_input_name, model, config, g)
     if both:
-        x |= _input("input_ids", model, getattr(config, "text_config", config), g)
-        x |= _input("pixel_values", model, getattr(config, "vision_config", config), g)
+        x |= main_input("input_ids", model, getattr(config, "text_config", config), g)
+        x |= main_input("pixel_values", model, getattr(config, "vision_config", config), g)
     return x
 
 
-def _input(name: str, model: nn.Module, config, g: torch.Generator) -> dict[str, Tensor]:
+def main_input(
+    name: str, model: nn.Module, config, g: torch.Generator, batch: int = BATCH
+) -> dict[str, Tensor]:
+    """The input ``name`` of ``batch`` rows: token ids, an image's pixels, a sound's samples or
+    its mel bins' frames, as the config sizes them."""
     if name == "input_ids":
-        ids = torch.randint(3, 48, (BATCH, SEQ), generator=g)
+        ids = torch.randint(3, 48, (batch, SEQ), generator=g)
         eos = getattr(config, "eos_token_id", None)
         if isinstance(eos, int) and eos < VOCAB:
             ids[:, -1] = eos  # encoder-decoder classifiers read the last <eos>
@@ -200,13 +204,13 @@ def _input(name: str, model: nn.Module, config, g: torch.Generator) -> dict[str,
         size = getattr(config, "image_size", IMAGE)
         h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
         c = getattr(config, "num_channels", 3)
-        return {name: torch.randn(BATCH, c, h, w, generator=g, dtype=torch.float64)}
+        return {name: torch.randn(batch, c, h, w, generator=g, dtype=torch.float64)}
     if name == "input_values":
-        return {name: torch.randn(BATCH, AUDIO, generator=g, dtype=torch.float64)}
+        return {name: torch.randn(batch, AUDIO, generator=g, dtype=torch.float64)}
     if name == "input_features":
         bins = getattr(config, "num_mel_bins", 16)
         frames = 2 * getattr(config, "max_source_positions", 16)
-        return {name: torch.randn(BATCH, bins, frames, generator=g, dtype=torch.float64)}
+        return {name: torch.randn(batch, bins, frames, generator=g, dtype=torch.float64)}
     raise Unbuildable(f"inputs: main input {name!r} is not generated")
 
 

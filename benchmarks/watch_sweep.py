@@ -1,11 +1,12 @@
-"""Sweep the watch under the Hugging Face ``Trainer`` over every text model type of the installed
-``transformers`` that ``hf_tiny`` builds with a causal LM or a sequence classifier head: tiny
-config, float64 (``--float32``: float32, mixtures of experts on transformers' ``grouped_mm``
-rather than the loop over experts float64 needs), dropout 0.1 wherever the config has a rate,
-twelve rows of 3 to 8 tokens padded to each batch's longest (some batches pad nothing, so a
-replay meets the branch transformers reads on the mask), two epochs of SGD. Each family trains
-twice, with ``WatchCallback`` and without; the watched run must end at the plain run's weights
-and buffers.
+"""Sweep the watch under the Hugging Face ``Trainer`` over every model type of the installed
+``transformers`` that ``hf_tiny`` builds with a causal LM, a sequence, an image or an audio
+classifier head: tiny config, float64 (``--float32``: float32, mixtures of experts on
+transformers' ``grouped_mm`` rather than the loop over experts float64 needs), dropout 0.1
+wherever the config has a rate, SpecAugment's time masks where it has them (spans of 2), twelve
+rows: of 3 to 8 tokens, padded to each batch's longest (some batches pad nothing, so a replay
+meets the branch transformers reads on the mask), or an image's or a sound's main input
+(``hf_tiny.main_input``); two epochs of SGD. Each family trains twice, with ``WatchCallback``
+and without; the watched run must end at the plain run's weights and buffers.
 
     PYTHONPATH=$PWD:$PWD/tests:$PWD/benchmarks OMP_NUM_THREADS=1 \\
         python benchmarks/watch_sweep.py [--only gpt2,bert] [--float32] [--timeout 120] \\
@@ -16,14 +17,15 @@ largest difference within 1e-6 of the largest weight: float32's rounding, both r
 differently; a float64 model may compute in float32 inside, as transformers' loss of a causal
 LM's logits and OLMo's and Gemma's norms do), ``differs`` (a watched run that trained
 otherwise: the bug this sweep is for), ``refused`` (a gradscope error, one line), ``failed``
-(another error, the model's or this script's), ``skipped`` (not a text model ``hf_tiny``
-builds with one of the two heads, or one that trains no faster than ``--timeout`` without the
-watch).
+(another error, the model's or this script's), ``skipped`` (a type ``hf_tiny`` builds with
+none of the four heads, one that does not train without the watch, or not within
+``--timeout``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import signal
 import tempfile
@@ -38,12 +40,23 @@ from project import trainer_args  # tests/ is on the path, as for sweep.py's ora
 from gradscope.errors import GradscopeError
 
 OUT = Path(__file__).parent / "results" / "watch-sweep.json"
-HEADS = {"AutoModelForCausalLM": "lm", "AutoModelForSequenceClassification": "sequence"}
+HEADS = {
+    "AutoModelForCausalLM": "lm",
+    "AutoModelForSequenceClassification": "sequence",
+    "AutoModelForImageClassification": "image",
+    "AutoModelForAudioClassification": "audio",
+}
 LENGTHS = [8, 8, 8, 8, 8, 8, 3, 5, 8, 8, 8, 8]
 SAME = 1e-6  # the largest weight difference, relative to the largest weight, of a run alike
 
 
-def _rows(kind: str) -> list[dict]:
+def _rows(kind: str, model: torch.nn.Module, config) -> list[dict]:
+    """Twelve rows: token ids of 3 to 8 tokens, or an image's or a sound's main input."""
+    if kind in ("image", "audio"):
+        name = model.main_input_name
+        g = torch.Generator().manual_seed(1)
+        values = hf_tiny.main_input(name, model, config, g, len(LENGTHS))[name]
+        return [{name: v.tolist(), "labels": i % 3, "example_id": i} for i, v in enumerate(values)]
     rows = []
     for i, n in enumerate(LENGTHS):
         ids = [(i * 3 + t) % 40 + 5 for t in range(n)]
@@ -51,8 +64,15 @@ def _rows(kind: str) -> list[dict]:
     return rows
 
 
-def _collate(rows: list[dict]) -> dict[str, torch.Tensor]:
-    """Padded to the batch's longest row; a language model's padding labels -100."""
+def _collate(rows: list[dict], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Token ids padded to the batch's longest row, a language model's padding labels -100;
+    another main input stacked, in the model's dtype."""
+    example = torch.tensor([r["example_id"] for r in rows])
+    if "input_ids" not in rows[0]:
+        name = next(k for k in rows[0] if k not in ("labels", "example_id"))
+        values = torch.tensor([r[name] for r in rows], dtype=dtype)
+        return {name: values, "labels": torch.tensor([r["labels"] for r in rows]),
+                "example_id": example}  # fmt: skip
     longest, b = max(len(r["input_ids"]) for r in rows), len(rows)
     ids, mask = torch.zeros(b, longest, dtype=torch.long), torch.zeros(b, longest, dtype=torch.long)
     tokens = isinstance(rows[0]["labels"], list)
@@ -62,7 +82,6 @@ def _collate(rows: list[dict]) -> dict[str, torch.Tensor]:
         ids[i, :n], mask[i, :n] = torch.tensor(r["input_ids"]), 1
         if tokens:
             labels[i, :n] = ids[i, :n]
-    example = torch.tensor([r["example_id"] for r in rows])
     return {"input_ids": ids, "attention_mask": mask, "labels": labels, "example_id": example}
 
 
@@ -73,6 +92,8 @@ def _config(model_type: str):
         if rate and isinstance(value, float) and "layerdrop" not in key:
             setattr(config, key, 0.1)
     config.pad_token_id = 0
+    if getattr(config, "mask_time_length", 0) > 2:  # SpecAugment's spans, within tiny sounds
+        config.mask_time_length = 2
     return config
 
 
@@ -86,15 +107,17 @@ def _train(
 
     torch.manual_seed(0)  # float64's experts run eagerly (grouped_mm takes no float64)
     experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
-    model = getattr(transformers, auto).from_config(_config(model_type), **experts)
+    config = _config(model_type)
+    model = getattr(transformers, auto).from_config(config, **experts)
     args = trainer_args(
         str(out / "trainer"), per_device_train_batch_size=4, num_train_epochs=2,
         learning_rate=1e-2, optim="sgd", seed=0,
     )  # fmt: skip
-    data = datasets.Dataset.from_list(_rows(HEADS[auto]))
+    data = datasets.Dataset.from_list(_rows(HEADS[auto], model, config))
     callbacks = [WatchCallback(out / "watch.parquet")] if watched else []
+    collate = functools.partial(_collate, dtype=dtype)
     trainer = transformers.Trainer(
-        model.to(dtype), args, train_dataset=data, data_collator=_collate, callbacks=callbacks
+        model.to(dtype), args, train_dataset=data, data_collator=collate, callbacks=callbacks
     )
     trainer.train()
     return model
@@ -103,7 +126,7 @@ def _train(
 def run_one(model_type: str, dtype: torch.dtype = torch.float64) -> dict:
     head = hf_tiny.head(model_type)
     if head is None or head[0] not in HEADS:
-        return {"status": "skipped", "note": "no causal LM or sequence classifier head"}
+        return {"status": "skipped", "note": "no causal LM or classifier head"}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         try:
