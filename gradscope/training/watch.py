@@ -171,6 +171,11 @@ class Watch:
             m.training = mode
         return self
 
+    def discard(self) -> None:
+        """No watch file: the rows of the steps taken so far dropped (a run refused on its
+        first step, which trained nothing)."""
+        self.file.discard()
+
     def __exit__(self, *exc: Any) -> None:
         try:
             self.engine.__exit__(*exc)

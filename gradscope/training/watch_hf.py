@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from transformers import TrainerCallback
 
-from ..errors import ConfigError, ModelError
+from ..errors import ConfigError, GradscopeError, ModelError
 from .watch import OnStep, Watch
 from .watchcheck import agree, rerun
 from .watchdraws import State, state
@@ -159,7 +159,11 @@ class WatchCallback(TrainerCallback):
         loss = self.watch.step(self._inputs(kwargs), labels, ids, epoch=self.epoch,
                                divisor=self._divisor(labels, items))  # fmt: skip
         if first:
-            self._same_loss(model, original, kwargs, labels, items, loss, began)
+            try:
+                self._same_loss(model, original, kwargs, labels, items, loss, began)
+            except GradscopeError:
+                self.watch.discard()  # no rows of a loss the run does not train on
+                raise
         return loss
 
     def _same_loss(

@@ -25,7 +25,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import CombinedLoader
 from torch import Tensor
 
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError, DataError, GradscopeError
 from ..losses import LossFn
 from .record import rng, set_rng
 from .watch import OnStep, Watch
@@ -105,7 +105,12 @@ class WatchCallback(Callback):
             began = None if checked else state()
             loss = self.watch.step(inputs, targets, ids, epoch=trainer.current_epoch)
             if not checked:
-                _same_loss(pl_module, self.loss, loss, began, lambda: own(batch, *args, **kwargs))
+                try:
+                    _same_loss(pl_module, self.loss, loss, began,
+                               lambda: own(batch, *args, **kwargs))  # fmt: skip
+                except GradscopeError:
+                    self.watch.discard()  # no rows of a loss the run does not train on
+                    raise
                 checked = True
             return loss
 

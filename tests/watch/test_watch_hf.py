@@ -471,6 +471,7 @@ def test_a_classifier_with_a_loss_of_its_own_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match="SummedBertForSequenceClassification's own") as e:
         _one_batch(tmp_path, model).train()
     assert "\n" not in str(e.value) and "forward" not in model.__dict__
+    assert not (tmp_path / "w.parquet").exists()  # no rows of a loss it did not train on
 
 
 class NanBertForSequenceClassification(transformers.BertForSequenceClassification):

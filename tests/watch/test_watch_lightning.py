@@ -105,6 +105,7 @@ def test_a_training_step_of_another_loss_is_refused(tmp_path, step):
     weight from the plain run after two epochs."""
     with pytest.raises(ConfigError, match="as _Stepped's training_step takes it"):
         _fit([WatchCallback(tmp_path / "w.parquet")], 1, _Stepped(step))
+    assert not (tmp_path / "w.parquet").exists()  # no rows of a loss it did not train on
 
 
 def _manual(module, x, y):
