@@ -153,7 +153,8 @@ def _same_loss(
         f"{'none' if theirs is None else f'{theirs:.6g}'} as {type(module).__name__}'s "
         "training_step takes it: the step trains on another loss, or on inputs it changes "
         "(augments, scales), which the watch would not train on; give the watch that loss "
-        "(loss=, loss_kwargs=) and the inputs the module takes (batch=), or watch a loop of "
+        "(loss=, loss_kwargs=), the inputs the module takes (batch=) and the output its loss "
+        "reads (output=, or forward= where its forward returns another), or watch a loop of "
         "your own (Watch)",
         "training_step",
     )
