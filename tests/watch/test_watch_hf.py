@@ -385,12 +385,7 @@ def test_a_classifier_under_accumulation_is_one_line(tmp_path):
 def test_a_batch_without_labels_or_both_positions_is_one_line(tmp_path):
     """A question answerer's batch with start positions and no end ones, no labels: refused
     at the first step, naming the batch's keys."""
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=16, max_position_embeddings=8,
-    )  # fmt: skip
-    model = transformers.BertForQuestionAnswering(config).double()
+    model = transformers.BertForQuestionAnswering(_bert(2).config).double()
     rows = [{"input_ids": [1, 2, 3, 4], "start_positions": 1, "example_id": i}
             for i in range(4)]  # fmt: skip
     args = trainer_args(str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=1)
@@ -406,12 +401,7 @@ def test_a_batch_without_labels_or_both_positions_is_one_line(tmp_path):
 def test_a_model_of_another_kind_is_one_line_before_it_trains(tmp_path):
     """A next-sentence predictor's labels look like a sequence classifier's (a class a row),
     which it is not: refused at the first step, the model's own forward given back."""
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=16, max_position_embeddings=8, num_labels=2,
-    )  # fmt: skip
-    model = transformers.BertForNextSentencePrediction(config).double()
+    model = transformers.BertForNextSentencePrediction(_bert(2).config).double()
     rows = [{"input_ids": [1, 2, 3, 4], "labels": i % 2, "example_id": i} for i in range(4)]
     args = trainer_args(str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=1)
     data = datasets.Dataset.from_list(rows)
