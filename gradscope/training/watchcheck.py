@@ -15,27 +15,22 @@ from torch import nn
 
 from ..engine import computed_in
 from ..errors import ModelError
-from .watchdraws import State, set_state, state
+from .watchdraws import SameBuffers, State, set_state, state
 
 
 def rerun(model: nn.Module, began: State, call: Callable[[], Any]) -> Any:
     """``call()``, without a gradient, drawing from ``began`` (the random state the step began
     in, ``watchdraws.state``: its dropout masks); then the generators and ``model``'s buffers as
     the step left them, so that the run goes on as it would have without the check."""
-    after = state()
-    kept = [(m, k, t, t._version, t.clone()) for m in model.modules()
-            for k, t in m._buffers.items() if t is not None]  # fmt: skip
+    after, buffers = state(), SameBuffers(model)
+    buffers.begin()  # every buffer kept: the check runs before any is known to change
     set_state(began)
     try:
         with torch.no_grad():
             return call()
     finally:
         set_state(after)
-        with torch.no_grad():
-            for module, name, t, version, value in kept:
-                module._buffers[name] = t  # the buffer itself, where the call set another
-                if t._version != version:
-                    t.copy_(value)
+        buffers.again()  # those the call changed, as they were
 
 
 def agree(mine: float, own: float | None, model: nn.Module) -> bool:
