@@ -36,6 +36,12 @@ class ModelError(GradscopeError):
     """A model factory, checkpoint or forward pass that does not fit."""
 
 
+class RecordWarning(UserWarning):
+    """A watched run's record that ``influence --through-training`` will refuse to replay, told
+    as the run goes on (the watch file is unaffected), so that the training is not redone
+    to learn it."""
+
+
 class Interrupted(GradscopeError):
     """Ctrl-C during a run: the finished batches are kept for ``--resume``."""
 

@@ -12,6 +12,7 @@ autocast, ...), which the replay then refuses in one line."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from torch import Tensor, nn
 
 from ..config import LossConfig, TrainConfig
 from ..engine import computed_in
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError, DataError, RecordWarning
 from ..losses import LossFn
 from ..resume import as_json
 from .record import FINAL, MANIFEST, META, START, STEPS, WATCHED, Recorder, _load, _save, rng
@@ -205,7 +206,16 @@ class Recording:
             self._checkpoint(t + 1)
 
     def _refuse(self, why: str) -> None:
-        self.why = self.why or why
+        """The first reason the run cannot be replayed: kept in the record, and told now."""
+        if self.why is not None:
+            return
+        self.why = why
+        warnings.warn(
+            f"the run record in {self.recorder.folder} will not replay: {why} (the watch goes "
+            "on; influence --through-training refuses this record)",
+            RecordWarning,
+            stacklevel=2,
+        )
 
     def finish(self, finished: bool) -> None:
         """The hook removed; after a run that finished, the record written (a checkpoint of

@@ -6,6 +6,7 @@ differences of retraining, in float64; what it cannot record, refused in one lin
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from typer.testing import CliRunner
 
 from gradscope.cli import app
 from gradscope.config import load_config
-from gradscope.errors import ConfigError
+from gradscope.errors import ConfigError, RecordWarning
 from gradscope.training.loop import TrainingRows, build
 from gradscope.training.recipe import lr_factor, total_steps
 from gradscope.training.replay import through_training
@@ -161,11 +162,31 @@ LOOPS = {  # a watched step, the optimizer, a config edit after the run; the lin
 }  # fmt: skip
 
 
+FOUND_AS_IT_TRAINS = {
+    "clipped without clip=",
+    "accumulated",
+    "a sum, not the mean",
+    "scaled",
+    "autocast",
+    "host draws",
+    "two rates",
+}  # the rest: by the replay alone
+
+
 @pytest.mark.parametrize("case", LOOPS)
 def test_what_the_replay_cannot_trust_is_one_line(tmp_path, case):
+    """Refused by the replay in one line; what the run did otherwise told as it trained too,
+    at the step it happened (a warning), what the replay alone finds not."""
     step, make, edit, message = LOOPS[case]
     config = project(tmp_path, WATCHED["sgd-momentum-decay"])
-    watched_loop(load_config(config), tmp_path / "w.run", step, make)
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always", RecordWarning)
+        watched_loop(load_config(config), tmp_path / "w.run", step, make)
+    told = [str(w.message) for w in told if w.category is RecordWarning]
+    if case in FOUND_AS_IT_TRAINS:
+        assert len(told) == 1 and message in told[0] and "will not replay" in told[0]
+    else:
+        assert not told
     if edit is not None:
         edit_config(tmp_path, edit)
     line = one_error(CliRunner().invoke(app, ["influence", str(config), "--ref",
@@ -236,11 +257,16 @@ def test_a_token_mean_is_recorded_where_it_is_over_the_tokens(tmp_path, masked, 
     if masked:
         tokens[1, 3:] = -100
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with Watch(model, tmp_path / "w.parquet", "causal_lm", reduction="tokens",
-               record=tmp_path / "r", optimizer=optimizer) as watch:  # fmt: skip
+    with (
+        warnings.catch_warnings(record=True) as told,
+        Watch(model, tmp_path / "w.parquet", "causal_lm", reduction="tokens",
+              record=tmp_path / "r", optimizer=optimizer) as watch,
+    ):  # fmt: skip
+        warnings.simplefilter("always", RecordWarning)
         optimizer.zero_grad()
         watch.step(tokens.clamp_min(0), tokens, torch.arange(4), divisor=divisor).backward()
         optimizer.step()
+    assert [refused in str(w.message) for w in told] == ([] if refused is None else [True])
     meta = json.loads((tmp_path / "r" / "record.json").read_text())
     assert meta["refused"] is None if refused is None else refused in meta["refused"]
     assert meta["key"]["loss"]["name"] == "causal_lm" and meta["steps"] == 1 and meta["tokens"]
@@ -276,6 +302,7 @@ def test_a_loss_scaler_that_unscales_is_the_run_a_skipped_step_is_refused(tmp_pa
     want = through_training(cfg, tmp_path / "plain.run", tmp_path / "ref.pt")
     got = through_training(cfg, tmp_path / "scaled.run", tmp_path / "ref.pt")
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
-    _scaled_loop(cfg, tmp_path / "skipped.run", None, skip=3)
+    with pytest.warns(RecordWarning, match="two watched steps at step 3 without an optimizer"):
+        _scaled_loop(cfg, tmp_path / "skipped.run", None, skip=3)
     with pytest.raises(ConfigError, match="two watched steps at step 3 without an optimizer"):
         through_training(cfg, tmp_path / "skipped.run", tmp_path / "ref.pt")

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
 from gradscope.engine import computed_in  # noqa: E402
-from gradscope.errors import ModelError  # noqa: E402
+from gradscope.errors import ModelError, RecordWarning  # noqa: E402
 from gradscope.training.watch import Watch  # noqa: E402
 from gradscope.training.watch_hf import WatchCallback  # noqa: E402
 
@@ -138,6 +138,7 @@ def test_a_bf16_trainers_record_is_refused_by_the_replay(tmp_path):
     import json
 
     record = tmp_path / "bf16.run"
-    _trained(tmp_path, True, [WatchCallback(tmp_path / "w.parquet", record=record)])
+    with pytest.warns(RecordWarning, match="will not replay: step 0 ran under autocast"):
+        _trained(tmp_path, True, [WatchCallback(tmp_path / "w.parquet", record=record)])
     refused = json.loads((record / "record.json").read_text())["refused"]
     assert refused == "step 0 ran under autocast: the replay computes in the config's dtype"
