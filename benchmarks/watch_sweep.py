@@ -2,7 +2,7 @@
 ``transformers`` that ``hf_tiny`` builds with a causal LM, a sequence, an image or an audio
 classifier head: tiny config, float64 (``--float32``: float32, mixtures of experts on
 transformers' ``grouped_mm`` rather than the loop over experts float64 needs), dropout 0.1
-wherever the config has a rate, SpecAugment's time masks where it has them (spans of 2), twelve
+wherever the config has a rate (stochastic depth's, ``drop_path_rate``, included), SpecAugment's time masks where it has them (spans of 2), twelve
 rows: of 3 to 8 tokens, padded to each batch's longest (some batches pad nothing, so a replay
 meets the branch transformers reads on the mask), or an image's or a sound's main input
 (``hf_tiny.main_input``); two epochs of SGD. Each family trains twice, with ``WatchCallback``
@@ -88,7 +88,8 @@ def _collate(rows: list[dict], dtype: torch.dtype) -> dict[str, torch.Tensor]:
 def _config(model_type: str):
     config = hf_tiny.tiny_config(model_type)
     for key, value in config.to_dict().items():
-        rate = "dropout" in key or key.endswith("_pdrop")
+        rate = "dropout" in key or key.endswith("_pdrop") or "drop_path" in key
+        rate = rate or "drop_connect" in key  # stochastic depth's, a layer's output dropped
         if rate and isinstance(value, float) and "layerdrop" not in key:
             setattr(config, key, 0.1)
     config.pad_token_id = 0
