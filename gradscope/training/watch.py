@@ -70,6 +70,15 @@ class _Deposit(torch.autograd.Function):
         return (None, None, None, *(None if g is None else g * scale for g in grads))
 
 
+def deposited(loss: Tensor) -> list[Tensor | None]:
+    """The gradient a watched step's ``loss`` (``Watch.step``'s) hands each parameter its
+    backward reaches, at a gradient of 1 arriving: read off its node before that backward."""
+    node = loss.grad_fn  # a custom Function's node is its ctx
+    if node is None or node.grads is None:
+        raise RuntimeError("not a watched step's loss, or one backpropagated already")
+    return [None if g is None else g / node.divisor for g in node.grads]
+
+
 class Watch:
     """A context manager around a training loop that watches every example at every step.
 

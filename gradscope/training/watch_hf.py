@@ -30,7 +30,7 @@ from transformers import TrainerCallback
 
 from ..errors import ConfigError, GradscopeError, ModelError
 from .watch import OnStep, Watch
-from .watchcheck import agree, rerun
+from .watchcheck import differs, rerun
 from .watchdraws import State, state
 from .watchfile import fed
 from .watchkinds import OUTPUTS, POSITIONS, TITLES, decoder_inputs, spans, task
@@ -172,23 +172,23 @@ class WatchCallback(TrainerCallback):
     ) -> None:  # fmt: skip
         """The first step's ``loss`` must be the one the model's own forward takes of its
         labels, under the step's masks (``rerun`` from ``began``, the random state the step
-        began in): a class whose loss is another (next tokens unshifted, summed, weighted) is
-        refused, not trained on another loss."""
+        began in), in value and gradient (``differs``): a class whose loss is another (next
+        tokens unshifted, summed, weighted) is refused, not trained on another loss."""
         given = dict(zip(POSITIONS, labels.T, strict=True)) if self.kind == "qa" else {}
         given = given or {"labels": labels}
         if items is not None:
             given["num_items_in_batch"] = items
         out = rerun(model, began, lambda: original(**kwargs, **given))
-        own, mine = getattr(out, "loss", None), loss.item()
-        if agree(mine, None if own is None else own.item(), model):
+        own = differs(loss, getattr(out, "loss", None), self.watch.params, model)
+        if own is None:
             return
         name, reduction = self.task
         raise ConfigError(
             f"{TITLES[self.kind]}'s loss as the watch takes it ({name}, the mean over its "
-            f"{'tokens' if reduction == 'tokens' else 'rows'}) is {mine:.6g} on the first "
-            f"batch, {type(model).__name__}'s own {'none' if own is None else f'{own:.6g}'}: "
-            "its class takes another loss of its labels, which the watch would not train on; "
-            "watch a loop of your own (Watch) with the loss the model trains on",
+            f"{'tokens' if reduction == 'tokens' else 'rows'}) is {loss.item():.6g} on the "
+            f"first batch, {type(model).__name__}'s own {own}: its class takes another loss "
+            "of its labels, which the watch would not train on; watch a loop of your own "
+            "(Watch) with the loss the model trains on",
             "Trainer",
         )
 

@@ -29,7 +29,7 @@ from ..errors import ConfigError, DataError, GradscopeError
 from ..losses import LossFn
 from .record import rng, set_rng
 from .watch import OnStep, Watch
-from .watchcheck import agree, rerun
+from .watchcheck import differs, rerun
 from .watchdraws import State, state
 from .watchfile import fed
 from .watchrecord import SEGMENT
@@ -107,7 +107,7 @@ class WatchCallback(Callback):
             if not checked:
                 try:
                     _same_loss(pl_module, self.loss, loss, began,
-                               lambda: own(batch, *args, **kwargs))  # fmt: skip
+                               lambda: own(batch, *args, **kwargs), self.watch.params)  # fmt: skip
                 except GradscopeError:
                     self.watch.discard()  # no rows of a loss the run does not train on
                     raise
@@ -132,26 +132,26 @@ class WatchCallback(Callback):
 
 
 def _same_loss(
-    module: LightningModule, loss_fn: str | LossFn, loss: Tensor, began: State, own: Callable
-) -> None:
+    module: LightningModule, loss_fn: str | LossFn, loss: Tensor, began: State, own: Callable,
+    params: list[Tensor],
+) -> None:  # fmt: skip
     """The first step's ``loss`` must be the one the module's own ``training_step`` returns
-    for the batch (``own()``, run once more as the step began, its logging muted): a step of
-    another loss, or of inputs it changes (augmented, scaled), is refused, not trained on."""
+    for the batch (``own()``, run once more as the step began, its logging muted), in value
+    and gradient: a step of another loss, or of inputs it changes (augmented, scaled), is
+    refused, not trained on."""
     module.log = module.log_dict = lambda *_, **__: None
     try:
         out = rerun(module, began, own)
     finally:
         del module.log, module.log_dict  # the class's own again
-    out = out.get("loss") if isinstance(out, Mapping) else out
-    theirs = out.item() if isinstance(out, Tensor) else None
-    if agree(loss.item(), theirs, module):
+    theirs = differs(loss, out.get("loss") if isinstance(out, Mapping) else out, params, module)
+    if theirs is None:
         return
     name = loss_fn if isinstance(loss_fn, str) else getattr(loss_fn, "__name__", "loss")
     raise ConfigError(
         f"the first batch's loss is {loss.item():.6g} as the watch takes it (the mean over the "
-        f"rows of {name} of the module's output and the targets), "
-        f"{'none' if theirs is None else f'{theirs:.6g}'} as {type(module).__name__}'s "
-        "training_step takes it: the step trains on another loss, or on inputs it changes "
+        f"rows of {name} of the module's output and the targets), {theirs} as "
+        f"{type(module).__name__}'s training_step takes it: the step trains on another loss, or on inputs it changes "
         "(augments, scales), which the watch would not train on; give the watch that loss "
         "(loss=, loss_kwargs=), the inputs the module takes (batch=) and the output its loss "
         "reads (output=, or forward= where its forward returns another), or watch a loop of "

@@ -1,49 +1,81 @@
 """The first step's check of a framework's watched run: the loss the watch trained the first
 batch on must be the one the framework's own step takes of it (a Hugging Face model's own
 forward with its labels, a Lightning module's own ``training_step``), computed once more as the
-step began (``rerun``). A step of another loss, or of inputs the step changes, is refused by
-the framework's callback, not trained on."""
+step began (``rerun``), in value and in gradient (``differs``): class weights or label
+smoothing agree with the plain loss in value where the model predicts at chance (a head
+initialised at zero), not in gradient. A step of another loss, or of inputs the step changes,
+is refused by the framework's callback, not trained on."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from ..engine import computed_in
 from ..errors import ModelError
+from .watch import deposited
 from .watchdraws import SameBuffers, State, set_state, state
 
 
 def rerun(model: nn.Module, began: State, call: Callable[[], Any]) -> Any:
-    """``call()``, without a gradient, drawing from ``began`` (the random state the step began
-    in, ``watchdraws.state``: its dropout masks); then the generators and ``model``'s buffers as
-    the step left them, so that the run goes on as it would have without the check."""
+    """``call()``, drawing from ``began`` (the random state the step began in,
+    ``watchdraws.state``: its dropout masks), its graph kept for its loss's gradient; then the
+    generators and ``model``'s buffers as the step left them, so that the run goes on as it
+    would have without the check."""
     after, buffers = state(), SameBuffers(model)
     buffers.begin()  # every buffer kept: the check runs before any is known to change
     set_state(began)
     try:
-        with torch.no_grad():
+        with torch.enable_grad():
             return call()
     finally:
         set_state(after)
         buffers.again()  # those the call changed, as they were
 
 
-def agree(mine: float, own: float | None, model: nn.Module) -> bool:
-    """Whether the watch's loss of the first batch is the framework's ``own`` (None: it gave
-    none), to 1e-4 (2e-2 where the step computed in half precision); a loss not finite is
-    refused, whichever way it came."""
+def differs(loss: Tensor, own: object, params: Sequence[Tensor], model: nn.Module) -> str | None:
+    """None where the watched step's ``loss`` is the framework's ``own`` (a tensor, else none)
+    in value, to 1e-4 (2e-2 where the step computed in half precision), and in its gradient
+    over ``params`` to the same share of the gradient's largest entry; else ``own`` told for
+    the caller's line (its value, and where that agrees, how far its gradient is). A loss not
+    finite is refused, whichever way it came."""
     rtol = 1e-4 if computed_in() is None else 2e-2
-    if own is not None and abs(mine - own) <= rtol * max(abs(mine), 1e-6):
-        return True
+    mine = loss.item()
+    theirs = own.item() if isinstance(own, Tensor) and own.numel() == 1 else None
+    if theirs is not None and abs(mine - theirs) <= rtol * max(abs(mine), 1e-6):
+        gap = _gradient_gap(deposited(loss), own, params)
+        if gap <= rtol:
+            return None
+        return (
+            f"{theirs:.6g} too, yet of another gradient ({gap:.2g} of its largest entry apart: "
+            "class weights or label smoothing agree in value alone where the model predicts "
+            "at chance)"
+        )
     if not math.isfinite(mine):
         raise ModelError(
-            f"the first batch's loss is {mine} as the watch takes it and {own} as "
+            f"the first batch's loss is {mine} as the watch takes it and {theirs} as "
             f"{type(model).__name__} takes it: the model's output is not finite",
             "model",
         )
-    return False
+    return "none" if theirs is None else f"{theirs:.6g}"
+
+
+def _gradient_gap(mine: list[Tensor | None], own: Tensor, params: Sequence[Tensor]) -> float:
+    """The largest difference between the two gradients over ``params``, as a share of the
+    largest entry of the watch's (inf where ``own`` has none: a loss detached)."""
+    if not own.requires_grad:
+        return math.inf
+    theirs = torch.autograd.grad(own, list(params), allow_unused=True)
+    largest, apart = 0.0, 0.0
+    for a, b in zip(mine, theirs, strict=True):
+        a = torch.zeros_like(b) if a is None and b is not None else a
+        b = torch.zeros_like(a) if b is None and a is not None else b
+        if a is None:
+            continue
+        largest = max(largest, a.abs().max().item() if a.numel() else 0.0)
+        apart = max(apart, (a - b).abs().max().item() if a.numel() else 0.0)
+    return apart / max(largest, 1e-30)

@@ -108,6 +108,36 @@ def test_a_training_step_of_another_loss_is_refused(tmp_path, step):
     assert not (tmp_path / "w.parquet").exists()  # no rows of a loss it did not train on
 
 
+class _AtChance(_Stepped):
+    """Its head initialised at zero: every class 1/3 on the first batch, where class weights
+    and label smoothing give the plain loss's value, not its gradient."""
+
+    def __init__(self, step):
+        super().__init__(step)
+        nn.init.zeros_(self.net[2].weight)
+        nn.init.zeros_(self.net[2].bias)
+
+
+AT_CHANCE = {
+    "smoothed": OTHERS["smoothed"],
+    "weighted": lambda m, x, y: nn.functional.cross_entropy(
+        m(x), y, weight=torch.tensor([1.0, 3.0, 0.5], dtype=torch.float64)
+    ),
+}
+
+
+@pytest.mark.parametrize("step", AT_CHANCE.values(), ids=AT_CHANCE)
+def test_a_loss_of_the_same_value_at_chance_is_refused_by_its_gradient(tmp_path, step):
+    """Before, the values agreed (log 3) and each trained on the watch's loss: 0.08 and 0.61
+    of the largest weight from the plain run (lr 0.5, two epochs)."""
+    with pytest.raises(ConfigError, match=r"1\.09861 too, yet of another gradient"):
+        _fit([WatchCallback(tmp_path / "w.parquet")], 1, _AtChance(step))
+    plain = _fit([], 1, _AtChance(_as_dict))
+    watched = _fit([WatchCallback(tmp_path / "w.parquet")], 1, _AtChance(_as_dict))
+    for p, q in zip(watched.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p, q)  # the plain loss at chance passes
+
+
 def _manual(module, x, y):
     opt = module.optimizers()
     opt.zero_grad()
