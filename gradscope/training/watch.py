@@ -201,6 +201,7 @@ class Watch:
         *,
         epoch: int = 0,
         divisor: float | None = None,
+        check: Callable[[Tensor], None] | None = None,
     ) -> Tensor:
         """One training step's forward and backward of the batch whose rows are the dataset's
         ``ids``, its rows written; returns the training loss, the sum of the per-example
@@ -208,7 +209,8 @@ class Watch:
         ``reduction="tokens"`` the batch's counted tokens; more where the loss a step averages
         spans more, the micro-batches of an accumulated step). Its ``backward()`` runs no
         model: it adds the gradient the step's backward computed to each parameter's
-        ``.grad``, times the gradient arriving (a loss scaler's, an accumulation's)."""
+        ``.grad``, times the gradient arriving (a loss scaler's, an accumulation's).
+        ``check(loss)`` runs before the step's rows are written: where it raises, none are."""
         inputs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
         ids = np.asarray(torch.as_tensor(ids).cpu()).reshape(-1)
         if len(ids) != len(targets) or ids.dtype.kind not in "iu":
@@ -225,13 +227,16 @@ class Watch:
             scores = self.engine.step(inputs, targets, self.params)
         finally:
             after = self.draws.end(keep=self.recording is not None)
+        loss = _Deposit.apply(scores.loss.sum() / divisor, scores.trained, divisor, *self.params)
+        if check is not None:
+            check(loss)
         self._write(scores, counts, epoch, ids, targets)
         if self.recording is not None:  # the watched loss's gradient, for the record's check
             grads = [None if g is None else g / divisor for g in scores.trained]
             fed = digests(inputs, targets)
             self.recording.step(ids, grads, divisor, counts, (began, after), fed,
                                 hosted=self.draws.hosted)  # fmt: skip
-        return _Deposit.apply(scores.loss.sum() / divisor, scores.trained, divisor, *self.params)
+        return loss
 
     def _write(
         self,

@@ -30,7 +30,7 @@ from transformers import TrainerCallback
 
 from ..errors import ConfigError, GradscopeError, ModelError
 from .watch import OnStep, Watch
-from .watchcheck import differs, rerun
+from .watchcheck import Due, differs, rerun
 from .watchdraws import State, state
 from .watchfile import fed
 from .watchkinds import OUTPUTS, POSITIONS, TITLES, decoder_inputs, spans, task
@@ -68,6 +68,7 @@ class WatchCallback(TrainerCallback):
         self.epoch = 0
         self.first = 0  # the first step's number: a resumed run's goes on
         self.accumulated = False  # whether the Trainer accumulates micro-batches
+        self.due = Due()  # the steps checked against the model's own loss
         self._wrapper: Any = None  # the forward set on the model while it trains
         self._before: Any = _CLASS  # the model's own forward attribute, if it had one
 
@@ -89,6 +90,7 @@ class WatchCallback(TrainerCallback):
                 "TrainingArguments.remove_unused_columns",
             )
         self._release(model, None)  # what a train() that raised left
+        self.due = Due()
         self._before = vars(model).get("forward", _CLASS)
         self._wrapper = functools.partial(self._forward, model, model.forward)
         model.forward = self._wrapper
@@ -155,22 +157,31 @@ class WatchCallback(TrainerCallback):
         if first:
             self.names = tuple(kwargs)
             self.watch = self._watch(model, _Call(original, self.names, self.kind == "qa"))
-        began = state() if first else None
+        check = None
+        if self.due(self.epoch):
+            check = functools.partial(self._checked, model, original, kwargs, labels, items,
+                                      state())  # fmt: skip
         loss = self.watch.step(self._inputs(kwargs), labels, ids, epoch=self.epoch,
-                               divisor=self._divisor(labels, items))  # fmt: skip
-        if first:
-            try:
-                self._same_loss(model, original, kwargs, labels, items, loss, began)
-            except GradscopeError:
-                self.watch.discard()  # no rows of a loss the run does not train on
-                raise
+                               divisor=self._divisor(labels, items), check=check)  # fmt: skip
+        self.due.took(self.epoch, check is not None)
         return loss
+
+    def _checked(self, *args: Any) -> None:
+        """``_same_loss`` of a checked step: refused on the first, the watch file dropped (no
+        rows of a loss the run does not train on); on a later one, the file keeps the steps
+        before it."""
+        try:
+            self._same_loss(*args)
+        except GradscopeError:
+            if not self.due.taken:
+                self.watch.discard()
+            raise
 
     def _same_loss(
         self, model: nn.Module, original: Any, kwargs: dict, labels: Tensor, items: Any,
-        loss: Tensor, began: State,
+        began: State, loss: Tensor,
     ) -> None:  # fmt: skip
-        """The first step's ``loss`` must be the one the model's own forward takes of its
+        """A checked step's ``loss`` must be the one the model's own forward takes of its
         labels, under the step's masks (``rerun`` from ``began``, the random state the step
         began in), in value and gradient (``differs``): a class whose loss is another (next
         tokens unshifted, summed, weighted) is refused, not trained on another loss."""
@@ -185,10 +196,10 @@ class WatchCallback(TrainerCallback):
         name, reduction = self.task
         raise ConfigError(
             f"{TITLES[self.kind]}'s loss as the watch takes it ({name}, the mean over its "
-            f"{'tokens' if reduction == 'tokens' else 'rows'}) is {loss.item():.6g} on the "
-            f"first batch, {type(model).__name__}'s own {own}: its class takes another loss "
-            "of its labels, which the watch would not train on; watch a loop of your own "
-            "(Watch) with the loss the model trains on",
+            f"{'tokens' if reduction == 'tokens' else 'rows'}) is {loss.item():.6g} on step "
+            f"{self.watch.steps}'s batch, {type(model).__name__}'s own {own}: its class takes "
+            "another loss of its labels, which the watch would not train on; watch a loop of "
+            "your own (Watch) with the loss the model trains on",
             "Trainer",
         )
 

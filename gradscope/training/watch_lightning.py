@@ -7,7 +7,8 @@ named as the watch names it; ``batch`` splits a batch into ``(inputs, targets, i
 backward, the gradient the step computed to ``.grad`` (times the gradient arriving: an
 accumulation's, a scaler's), so clipping, accumulation and the optimizer run as they would.
 What the module's own ``training_step`` does beyond its loss (logging) does not run; it runs
-once on the first batch, to check that it returns the loss the watch trained (``_same_loss``).
+once more on the steps ``watchcheck.Due`` picks (the first, each epoch's first, the 2nd, 4th,
+8th...), to check that it returns the loss the watch trained (``_same_loss``).
 With ``record``, the run record ``influence --through-training`` replays is written there: the
 optimizer and the clip read off the Trainer (``watchrecord.py``). Lightning's checkpoints then
 carry the random state the run was in, which the callback restores on a resumed ``fit`` before
@@ -17,6 +18,7 @@ epoch's end, the run is the one that never stopped, and its record goes on (``wa
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,7 @@ from ..errors import ConfigError, DataError, GradscopeError
 from ..losses import LossFn
 from .record import rng, set_rng
 from .watch import OnStep, Watch
-from .watchcheck import differs, rerun
+from .watchcheck import Due, differs, rerun
 from .watchdraws import State, state
 from .watchfile import fed
 from .watchrecord import SEGMENT
@@ -97,24 +99,33 @@ class WatchCallback(Callback):
         watch = Watch(pl_module, self.out, self.loss, on_step=self.on_step, step=first,
                       **recorded, **self.options)  # fmt: skip
         self.watch = watch.__enter__()  # once entered: one refused as entered has no exit
-        own, checked = pl_module.training_step, False
+        own, due = pl_module.training_step, Due()
 
         def training_step(batch: Any, *args: Any, **kwargs: Any) -> Tensor:
-            nonlocal checked
             inputs, targets, ids = self.split(batch)
-            began = None if checked else state()
-            loss = self.watch.step(inputs, targets, ids, epoch=trainer.current_epoch)
-            if not checked:
-                try:
-                    _same_loss(pl_module, self.loss, loss, began,
-                               lambda: own(batch, *args, **kwargs), self.watch.params)  # fmt: skip
-                except GradscopeError:
-                    self.watch.discard()  # no rows of a loss the run does not train on
-                    raise
-                checked = True
+            epoch = trainer.current_epoch
+            check = None
+            if due(epoch):
+                check = functools.partial(self._same_loss, pl_module, due.taken, state(),
+                                          lambda: own(batch, *args, **kwargs))  # fmt: skip
+            loss = self.watch.step(inputs, targets, ids, epoch=epoch, check=check)
+            due.took(epoch, check is not None)
             return loss
 
         pl_module.training_step = training_step
+
+    def _same_loss(
+        self, module: LightningModule, taken: int, began: State, own: Callable, loss: Tensor
+    ) -> None:
+        """``_same_loss`` of a checked step: refused on the first, the watch file dropped (no
+        rows of a loss the run does not train on); on a later one, the file keeps the steps
+        before it."""
+        try:
+            _same_loss(module, self.loss, loss, began, own, self.watch.params, self.watch.steps)
+        except GradscopeError:
+            if not taken:
+                self.watch.discard()
+            raise
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._release(pl_module, None)
@@ -133,9 +144,9 @@ class WatchCallback(Callback):
 
 def _same_loss(
     module: LightningModule, loss_fn: str | LossFn, loss: Tensor, began: State, own: Callable,
-    params: list[Tensor],
+    params: list[Tensor], step: int,
 ) -> None:  # fmt: skip
-    """The first step's ``loss`` must be the one the module's own ``training_step`` returns
+    """A checked step's ``loss`` must be the one the module's own ``training_step`` returns
     for the batch (``own()``, run once more as the step began, its logging muted), in value
     and gradient: a step of another loss, or of inputs it changes (augmented, scaled), is
     refused, not trained on."""
@@ -149,7 +160,7 @@ def _same_loss(
         return
     name = loss_fn if isinstance(loss_fn, str) else getattr(loss_fn, "__name__", "loss")
     raise ConfigError(
-        f"the first batch's loss is {loss.item():.6g} as the watch takes it (the mean over the "
+        f"step {step}'s loss is {loss.item():.6g} as the watch takes it (the mean over the "
         f"rows of {name} of the module's output and the targets), {theirs} as "
         f"{type(module).__name__}'s training_step takes it: the step trains on another loss, or on inputs it changes "
         "(augments, scales), which the watch would not train on; give the watch that loss "

@@ -1,10 +1,10 @@
-"""The first step's check of a framework's watched run: the loss the watch trained the first
-batch on must be the one the framework's own step takes of it (a Hugging Face model's own
-forward with its labels, a Lightning module's own ``training_step``), computed once more as the
-step began (``rerun``), in value and in gradient (``differs``): class weights or label
-smoothing agree with the plain loss in value where the model predicts at chance (a head
-initialised at zero), not in gradient. A step of another loss, or of inputs the step changes,
-is refused by the framework's callback, not trained on."""
+"""The check of a framework's watched run: the loss the watch trained a batch on must be the
+one the framework's own step takes of it (a Hugging Face model's own forward with its labels,
+a Lightning module's own ``training_step``), computed once more as the step began (``rerun``),
+in value and in gradient (``differs``): class weights or label smoothing agree with the plain
+loss in value where the model predicts at chance (a head initialised at zero), not in
+gradient. Checked on the steps ``Due`` picks, the first among them. A step of another loss, or
+of inputs the step changes, is refused by the framework's callback, not trained on."""
 
 from __future__ import annotations
 
@@ -19,6 +19,23 @@ from ..engine import computed_in
 from ..errors import ModelError
 from .watch import deposited
 from .watchdraws import SameBuffers, State, set_state, state
+
+
+class Due:
+    """Which watched steps are checked: the run's first, each epoch's first (a loss that
+    changes with the epoch), and the 2nd, 4th, 8th... it takes (one that changes with the
+    step), a forward and backward more each, about log2 of the steps."""
+
+    def __init__(self):
+        self.taken, self.epoch = 0, None
+
+    def __call__(self, epoch: int) -> bool:
+        n = self.taken
+        return (n & (n - 1)) == 0 or epoch != self.epoch  # n is 0 or a power of two
+
+    def took(self, epoch: int, checked: bool) -> None:
+        self.taken += 1
+        self.epoch = epoch if checked else self.epoch
 
 
 def rerun(model: nn.Module, began: State, call: Callable[[], Any]) -> Any:

@@ -108,6 +108,29 @@ def test_a_training_step_of_another_loss_is_refused(tmp_path, step):
     assert not (tmp_path / "w.parquet").exists()  # no rows of a loss it did not train on
 
 
+def _penalised_from(epoch: int = 0, step: int = 0):
+    """The cross entropy, plus a penalty on the weights from ``epoch`` or global ``step`` on."""
+
+    def loss(m, x, y):
+        plain = nn.functional.cross_entropy(m(x), y)
+        late = m.current_epoch >= epoch and m.global_step >= step
+        return plain + 1e-2 * sum(p.square().sum() for p in m.parameters()) if late else plain
+
+    return loss
+
+
+@pytest.mark.parametrize(("changes", "at"), [({"epoch": 1}, 2), ({"step": 1}, 1)])
+def test_a_loss_that_changes_later_is_refused_where_it_is_checked(tmp_path, changes, at):
+    """Checked on each epoch's first step and the 2nd, 4th, 8th... (before, the first alone:
+    the run trained the watch's loss from there on): refused at that step, the watch file
+    keeping the steps trained before it."""
+    with pytest.raises(ConfigError, match=f"step {at}'s loss is"):
+        _fit([WatchCallback(tmp_path / "w.parquet")], 1, _Stepped(_penalised_from(**changes)))
+    assert pq.read_table(tmp_path / "w.parquet").to_pydict()["step"] == [
+        step for step in range(at) for _ in range(4)
+    ]
+
+
 class _AtChance(_Stepped):
     """Its head initialised at zero: every class 1/3 on the first batch, where class weights
     and label smoothing give the plain loss's value, not its gradient."""
