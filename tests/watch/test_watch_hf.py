@@ -478,3 +478,41 @@ def test_a_first_loss_that_is_not_finite_is_one_line(tmp_path):
     with pytest.raises(ModelError, match="loss is nan as the watch takes it .* not finite"):
         _one_batch(tmp_path, model).train()
     assert "forward" not in model.__dict__
+
+
+class LaterGPT2LMHeadModel(transformers.GPT2LMHeadModel):
+    """A causal LM whose own loss gains a penalty on its weights once ``penalised``."""
+
+    penalised = False
+
+    def forward(self, **kwargs):
+        out = super().forward(**kwargs)
+        if self.penalised and out.loss is not None:
+            out.loss = out.loss + 1e-2 * sum(p.square().sum() for p in self.parameters())
+        return out
+
+
+class _PenaliseAfterFirst(transformers.TrainerCallback):
+    def on_step_end(self, args, state, control, model=None, **_):
+        model.penalised = True
+
+
+def test_a_loss_that_changes_after_the_first_step_is_refused_where_checked(tmp_path):
+    """Checked again on the 2nd step (each epoch's first, the 2nd, 4th, 8th...; before, the
+    first alone): refused there in one line, the watch file holding the first step's rows."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2)
+    model = LaterGPT2LMHeadModel(config).double()
+    tokens = torch.randint(0, 16, (8, 6)).tolist()
+    data = datasets.Dataset.from_dict(
+        {"input_ids": tokens, "labels": tokens, "example_id": list(range(8))}
+    )
+    args = trainer_args(str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=1)
+    trainer = transformers.Trainer(
+        model, args, train_dataset=data,
+        callbacks=[WatchCallback(tmp_path / "w.parquet"), _PenaliseAfterFirst()],
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="on step 1's batch, LaterGPT2LMHeadModel's own") as e:
+        trainer.train()
+    assert "\n" not in str(e.value) and "forward" not in model.__dict__
+    assert pq.read_table(tmp_path / "w.parquet").to_pydict()["step"] == [0] * 4
