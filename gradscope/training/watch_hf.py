@@ -190,7 +190,7 @@ class WatchCallback(TrainerCallback):
         if items is not None:
             given["num_items_in_batch"] = items
         out = rerun(model, began, lambda: original(**kwargs, **given))
-        own = differs(loss, getattr(out, "loss", None), self.watch.params, model)
+        own = differs(loss, getattr(out, "loss", None), self.watch.params, model, self.due)
         if own is None:
             return
         name, reduction = self.task

@@ -106,7 +106,7 @@ class WatchCallback(Callback):
             epoch = trainer.current_epoch
             check = None
             if due(epoch):
-                check = functools.partial(self._same_loss, pl_module, due.taken, state(),
+                check = functools.partial(self._same_loss, pl_module, due, state(),
                                           lambda: own(batch, *args, **kwargs))  # fmt: skip
             loss = self.watch.step(inputs, targets, ids, epoch=epoch, check=check)
             due.took(epoch, check is not None)
@@ -115,15 +115,15 @@ class WatchCallback(Callback):
         pl_module.training_step = training_step
 
     def _same_loss(
-        self, module: LightningModule, taken: int, began: State, own: Callable, loss: Tensor
+        self, module: LightningModule, due: Due, began: State, own: Callable, loss: Tensor
     ) -> None:
         """``_same_loss`` of a checked step: refused on the first, the watch file dropped (no
         rows of a loss the run does not train on); on a later one, the file keeps the steps
         before it."""
         try:
-            _same_loss(module, self.loss, loss, began, own, self.watch.params, self.watch.steps)
+            _same_loss(module, self.loss, loss, began, own, self.watch, due)
         except GradscopeError:
-            if not taken:
+            if not due.taken:
                 self.watch.discard()
             raise
 
@@ -144,29 +144,30 @@ class WatchCallback(Callback):
 
 def _same_loss(
     module: LightningModule, loss_fn: str | LossFn, loss: Tensor, began: State, own: Callable,
-    params: list[Tensor], step: int,
+    watch: Watch, due: Due,
 ) -> None:  # fmt: skip
     """A checked step's ``loss`` must be the one the module's own ``training_step`` returns
     for the batch (``own()``, run once more as the step began, its logging muted), in value
-    and gradient: a step of another loss, or of inputs it changes (augmented, scaled), is
-    refused, not trained on."""
+    and gradient (``differs``): a step of another loss, or of inputs it changes (augmented,
+    scaled), is refused, not trained on."""
     module.log = module.log_dict = lambda *_, **__: None
     try:
         out = rerun(module, began, own)
     finally:
         del module.log, module.log_dict  # the class's own again
-    theirs = differs(loss, out.get("loss") if isinstance(out, Mapping) else out, params, module)
+    out = out.get("loss") if isinstance(out, Mapping) else out
+    theirs = differs(loss, out, watch.params, module, due)
     if theirs is None:
         return
     name = loss_fn if isinstance(loss_fn, str) else getattr(loss_fn, "__name__", "loss")
     raise ConfigError(
-        f"step {step}'s loss is {loss.item():.6g} as the watch takes it (the mean over the "
-        f"rows of {name} of the module's output and the targets), {theirs} as "
-        f"{type(module).__name__}'s training_step takes it: the step trains on another loss, or on inputs it changes "
-        "(augments, scales), which the watch would not train on; give the watch that loss "
-        "(loss=, loss_kwargs=), the inputs the module takes (batch=) and the output its loss "
-        "reads (output=, or forward= where its forward returns another), or watch a loop of "
-        "your own (Watch)",
+        f"step {watch.steps}'s loss is {loss.item():.6g} as the watch takes it (the mean over "
+        f"the rows of {name} of the module's output and the targets), {theirs} as "
+        f"{type(module).__name__}'s training_step takes it: the step trains on another loss, "
+        "or on inputs it changes (augments, scales), which the watch would not train on; give "
+        "the watch that loss (loss=, loss_kwargs=), the inputs the module takes (batch=) and "
+        "the output its loss reads (output=, or forward= where its forward returns another), "
+        "or watch a loop of your own (Watch)",
         "training_step",
     )
 

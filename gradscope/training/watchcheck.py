@@ -24,10 +24,13 @@ from .watchdraws import SameBuffers, State, set_state, state
 class Due:
     """Which watched steps are checked: the run's first, each epoch's first (a loss that
     changes with the epoch), and the 2nd, 4th, 8th... it takes (one that changes with the
-    step), a forward and backward more each, about log2 of the steps."""
+    step), a forward and backward more each, about log2 of the steps. ``floor`` keeps the
+    first check's loss and largest gradient entry: float32's rounding does not fall as the
+    loss does, so later ones are compared to no finer than those."""
 
     def __init__(self):
         self.taken, self.epoch = 0, None
+        self.floor: tuple[float, float] | None = None
 
     def __call__(self, epoch: int) -> bool:
         n = self.taken
@@ -54,24 +57,31 @@ def rerun(model: nn.Module, began: State, call: Callable[[], Any]) -> Any:
         buffers.again()  # those the call changed, as they were
 
 
-def differs(loss: Tensor, own: object, params: Sequence[Tensor], model: nn.Module) -> str | None:
+def differs(
+    loss: Tensor, own: object, params: Sequence[Tensor], model: nn.Module, due: Due
+) -> str | None:
     """None where the watched step's ``loss`` is the framework's ``own`` (a tensor, else none)
-    in value, to 1e-4 (2e-2 where the step computed in half precision), and in its gradient
-    over ``params`` to the same share of the gradient's largest entry; else ``own`` told for
-    the caller's line (its value, and where that agrees, how far its gradient is). A loss not
-    finite is refused, whichever way it came."""
+    in value, to 1e-4 of it (2e-2 where the step computed in half precision), and in its
+    gradient over ``params`` to the same share of the gradient's largest entry, each no finer
+    than the first check's (``due.floor``); else ``own`` told for the caller's line (its value,
+    and where that agrees, how far its gradient is). A first loss not finite is refused,
+    whichever way it came; a later one is the run's own to meet (the file's ``finite``)."""
     rtol = 1e-4 if computed_in() is None else 2e-2
     mine = loss.item()
     theirs = own.item() if isinstance(own, Tensor) and own.numel() == 1 else None
-    if theirs is not None and abs(mine - theirs) <= rtol * max(abs(mine), 1e-6):
-        gap = _gradient_gap(deposited(loss), own, params)
-        if gap <= rtol:
+    floor_loss, floor_gradient = due.floor or (1e-6, 1e-30)
+    if theirs is not None and abs(mine - theirs) <= rtol * max(abs(mine), floor_loss):
+        apart, largest = _gradients_apart(deposited(loss), own, params)
+        if apart <= rtol * max(largest, floor_gradient):
+            due.floor = due.floor or (abs(mine), largest)
             return None
         return (
-            f"{theirs:.6g} too, yet of another gradient ({gap:.2g} of its largest entry apart: "
-            "class weights or label smoothing agree in value alone where the model predicts "
-            "at chance)"
+            f"{theirs:.6g} too, yet of another gradient ({apart / max(largest, 1e-30):.2g} of "
+            "its largest entry apart: class weights or label smoothing agree in value alone "
+            "where the model predicts at chance)"
         )
+    if not math.isfinite(mine) and due.taken:
+        return None
     if not math.isfinite(mine):
         raise ModelError(
             f"the first batch's loss is {mine} as the watch takes it and {theirs} as "
@@ -81,18 +91,19 @@ def differs(loss: Tensor, own: object, params: Sequence[Tensor], model: nn.Modul
     return "none" if theirs is None else f"{theirs:.6g}"
 
 
-def _gradient_gap(mine: list[Tensor | None], own: Tensor, params: Sequence[Tensor]) -> float:
-    """The largest difference between the two gradients over ``params``, as a share of the
-    largest entry of the watch's (inf where ``own`` has none: a loss detached)."""
+def _gradients_apart(
+    mine: list[Tensor | None], own: Tensor, params: Sequence[Tensor]
+) -> tuple[float, float]:
+    """The largest difference between the watch's gradient over ``params`` and ``own``'s, and
+    the watch's largest entry (the difference inf where ``own`` has none: a loss detached)."""
+    largest = max((g.abs().max().item() for g in mine if g is not None and g.numel()), default=0)
     if not own.requires_grad:
-        return math.inf
+        return math.inf, largest
     theirs = torch.autograd.grad(own, list(params), allow_unused=True)
-    largest, apart = 0.0, 0.0
+    apart = 0.0
     for a, b in zip(mine, theirs, strict=True):
-        a = torch.zeros_like(b) if a is None and b is not None else a
-        b = torch.zeros_like(a) if b is None and a is not None else b
-        if a is None:
+        if a is None and b is None:
             continue
-        largest = max(largest, a.abs().max().item() if a.numel() else 0.0)
+        a, b = (torch.zeros_like(b) if a is None else a), (torch.zeros_like(a) if b is None else b)
         apart = max(apart, (a - b).abs().max().item() if a.numel() else 0.0)
-    return apart / max(largest, 1e-30)
+    return apart, largest

@@ -131,6 +131,46 @@ def test_a_loss_that_changes_later_is_refused_where_it_is_checked(tmp_path, chan
     ]
 
 
+class _Fitted(pl.LightningModule):
+    """A float32 module that fits its 8 rows to a loss below 1e-5, its step's cross entropy
+    written out (``logsumexp - z_y``: rounded otherwise than the watch's); the losses its
+    checked steps returned in ``checked``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net, self.checked = nn.Sequential(nn.Linear(5, 32), nn.Tanh(), nn.Linear(32, 3)), []
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, _):
+        x, y, _ = batch
+        z = self(x)
+        loss = (torch.logsumexp(z, 1) - z.gather(1, y[:, None])[:, 0]).mean()
+        self.checked.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1.0, momentum=0.9)
+
+
+def test_a_float32_loss_near_zero_is_checked_no_finer_than_the_first(tmp_path):
+    """float32's rounding does not fall as the loss does: checked to 1e-4 of itself, the
+    loss of 9e-7 on step 12 (8.6e-7 as the watch rounds it) was refused."""
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 5) * 3, torch.randint(0, 3, (8,))
+    data = torch.utils.data.TensorDataset(x, y, torch.arange(8))
+    module = _Fitted()
+    trainer = pl.Trainer(
+        max_epochs=10, callbacks=[WatchCallback(tmp_path / "w.parquet")], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+    )  # fmt: skip
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    assert len(module.checked) == 11 and min(module.checked) < 1e-5  # steps 0, 1, 2, 4, 6...
+
+
 class _AtChance(_Stepped):
     """Its head initialised at zero: every class 1/3 on the first batch, where class weights
     and label smoothing give the plain loss's value, not its gradient."""
