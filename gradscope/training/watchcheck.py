@@ -24,9 +24,9 @@ from .watchdraws import SameBuffers, State, set_state, state
 class Due:
     """Which watched steps are checked: the run's first, each epoch's first (a loss that
     changes with the epoch), and the 2nd, 4th, 8th... it takes (one that changes with the
-    step), a forward and backward more each, about log2 of the steps. ``floor`` keeps the
-    first check's loss and largest gradient entry: float32's rounding does not fall as the
-    loss does, so later ones are compared to no finer than those."""
+    step), a forward and backward more each: one an epoch and about log2 of the steps.
+    ``floor`` keeps the first check's loss and largest gradient entry: float32's rounding does
+    not fall as the loss does, so later ones are compared to no finer than those."""
 
     def __init__(self):
         self.taken, self.epoch = 0, None
