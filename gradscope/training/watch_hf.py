@@ -28,9 +28,9 @@ import torch
 from torch import Tensor, nn
 from transformers import TrainerCallback
 
-from ..errors import ConfigError, GradscopeError, ModelError
+from ..errors import ConfigError, ModelError
 from .watch import OnStep, Watch
-from .watchcheck import Due, differs, rerun
+from .watchcheck import Due, checked, differs, rerun
 from .watchdraws import State, state
 from .watchfile import fed
 from .watchkinds import OUTPUTS, POSITIONS, TITLES, decoder_inputs, spans, task
@@ -159,23 +159,13 @@ class WatchCallback(TrainerCallback):
             self.watch = self._watch(model, _Call(original, self.names, self.kind == "qa"))
         check = None
         if self.due(self.epoch):
-            check = functools.partial(self._checked, model, original, kwargs, labels, items,
-                                      state())  # fmt: skip
+            same = functools.partial(self._same_loss, model, original, kwargs, labels, items,
+                                     state())  # fmt: skip
+            check = functools.partial(checked, self.watch, self.due, same)
         loss = self.watch.step(self._inputs(kwargs), labels, ids, epoch=self.epoch,
                                divisor=self._divisor(labels, items), check=check)  # fmt: skip
         self.due.took(self.epoch, check is not None)
         return loss
-
-    def _checked(self, *args: Any) -> None:
-        """``_same_loss`` of a checked step: refused on the first, the watch file dropped (no
-        rows of a loss the run does not train on); on a later one, the file keeps the steps
-        before it."""
-        try:
-            self._same_loss(*args)
-        except GradscopeError:
-            if not self.due.taken:
-                self.watch.discard()
-            raise
 
     def _same_loss(
         self, model: nn.Module, original: Any, kwargs: dict, labels: Tensor, items: Any,

@@ -27,11 +27,11 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import CombinedLoader
 from torch import Tensor
 
-from ..errors import ConfigError, DataError, GradscopeError
+from ..errors import ConfigError, DataError
 from ..losses import LossFn
 from .record import rng, set_rng
 from .watch import OnStep, Watch
-from .watchcheck import Due, differs, rerun
+from .watchcheck import Due, checked, differs, rerun
 from .watchdraws import State, state
 from .watchfile import fed
 from .watchrecord import SEGMENT
@@ -106,26 +106,15 @@ class WatchCallback(Callback):
             epoch = trainer.current_epoch
             check = None
             if due(epoch):
-                check = functools.partial(self._same_loss, pl_module, due, state(),
-                                          lambda: own(batch, *args, **kwargs))  # fmt: skip
+                same = functools.partial(_same_loss, pl_module, self.loss, began=state(),
+                                         own=lambda: own(batch, *args, **kwargs),
+                                         watch=self.watch, due=due)  # fmt: skip
+                check = functools.partial(checked, self.watch, due, same)
             loss = self.watch.step(inputs, targets, ids, epoch=epoch, check=check)
             due.took(epoch, check is not None)
             return loss
 
         pl_module.training_step = training_step
-
-    def _same_loss(
-        self, module: LightningModule, due: Due, began: State, own: Callable, loss: Tensor
-    ) -> None:
-        """``_same_loss`` of a checked step: refused on the first, the watch file dropped (no
-        rows of a loss the run does not train on); on a later one, the file keeps the steps
-        before it."""
-        try:
-            _same_loss(module, self.loss, loss, began, own, self.watch, due)
-        except GradscopeError:
-            if not due.taken:
-                self.watch.discard()
-            raise
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._release(pl_module, None)
@@ -143,7 +132,7 @@ class WatchCallback(Callback):
 
 
 def _same_loss(
-    module: LightningModule, loss_fn: str | LossFn, loss: Tensor, began: State, own: Callable,
+    module: LightningModule, loss_fn: str | LossFn, loss: Tensor, *, began: State, own: Callable,
     watch: Watch, due: Due,
 ) -> None:  # fmt: skip
     """A checked step's ``loss`` must be the one the module's own ``training_step`` returns

@@ -16,8 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from ..engine import computed_in
-from ..errors import ModelError
-from .watch import deposited
+from ..errors import GradscopeError, ModelError
+from .watch import Watch, deposited
 from .watchdraws import SameBuffers, State, set_state, state
 
 
@@ -39,6 +39,18 @@ class Due:
     def took(self, epoch: int, checked: bool) -> None:
         self.taken += 1
         self.epoch = epoch if checked else self.epoch
+
+
+def checked(watch: Watch, due: Due, same: Callable[[Tensor], None], loss: Tensor) -> None:
+    """``same(loss)``, a checked step's comparison (``Watch.step``'s ``check``): refused on the
+    run's first step, the watch file dropped (no rows of a loss the run does not train on); on
+    a later one, the file keeps the steps before it."""
+    try:
+        same(loss)
+    except GradscopeError:
+        if not due.taken:
+            watch.discard()
+        raise
 
 
 def rerun(model: nn.Module, began: State, call: Callable[[], Any]) -> Any:
