@@ -232,9 +232,8 @@ class Watch:
             check(loss)
         self._write(scores, counts, epoch, ids, targets)
         if self.recording is not None:  # the watched loss's gradient, for the record's check
-            grads = [None if g is None else g / divisor for g in scores.trained]
             fed = digests(inputs, targets)
-            self.recording.step(ids, grads, divisor, counts, (began, after), fed,
+            self.recording.step(ids, deposited(loss), divisor, counts, (began, after), fed,
                                 hosted=self.draws.hosted)  # fmt: skip
         return loss
 

@@ -92,9 +92,9 @@ def differs(
             "its largest entry apart: class weights or label smoothing agree in value alone "
             "where the model predicts at chance)"
         )
-    if not math.isfinite(mine) and due.taken:
-        return None
     if not math.isfinite(mine):
+        if due.taken:
+            return None
         raise ModelError(
             f"the first batch's loss is {mine} as the watch takes it and {theirs} as "
             f"{type(model).__name__} takes it: the model's output is not finite",
