@@ -164,7 +164,7 @@ class Engine:
     def rebind(self) -> None:
         """Point the plan at the parameters the model holds now, by name: ``fully_shard``
         replaces each with a sharded one (the modules stay the same objects)."""
-        params = dict(self.model.named_parameters())
+        params, self.analysis.made = dict(self.model.named_parameters()), self.analysis.made_of()
         for p in self.plan.params:
             p.param = params[p.name]
 

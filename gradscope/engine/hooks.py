@@ -20,6 +20,21 @@ import torch
 from torch import Tensor, nn
 
 
+def own_hook(fn: Callable) -> Callable:
+    """Marks ``fn`` as one of gradscope's module hooks (an ``Engine``'s, registered anew on each
+    ``with``): not the model's, which ``theirs`` gives."""
+    fn.gradscope_own = True  # type: ignore[attr-defined]
+    return fn
+
+
+def theirs(hooks: dict) -> tuple:
+    """The hooks of one dict of a module's (or torch's global ones) that are the model's or
+    the user's, not gradscope's own (``own_hook``)."""
+    return tuple(
+        h for h in hooks.values() if not getattr(getattr(h, "__func__", h), "gradscope_own", False)
+    )
+
+
 class Session(Protocol):
     """What the module hooks hand each call to: a pass's session (``capture.Capture``)."""
 
@@ -77,6 +92,7 @@ class ModuleHooks:
         self.session = session
         return True
 
+    @own_hook
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         session = self.session
         if session is None:
@@ -86,6 +102,7 @@ class ModuleHooks:
         new = session._enter(module, args)
         return None if new is None else (new, kwargs)  # the call's input replaced: in place
 
+    @own_hook
     def _captured(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         session = self.session
         if session is not None:

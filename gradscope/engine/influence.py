@@ -18,7 +18,7 @@ from .backward.stacked import laid_out
 from .engine import Engine
 from .jvp import JvpUnsupported, jvp_inner
 from .naive import naive_grads
-from .proven import hooks_of, proven
+from .proven import proven
 from .scores import total
 
 ENGINES = ("auto", "hooks", "jvp")
@@ -178,10 +178,10 @@ class Influence:
     forward+backward. ``jvp``: one forward-mode pass per direction and no backward; the norms, when
     asked for, still need the hook pass. ``auto`` takes jvp only where it saves work: one direction
     and no norms. Forward mode scores only a batch of a signature this scorer's hooks pass
-    proved (``proven``), the model's hooks as they were then: any other batch, a signature's
-    first included, is scored by the hooks. When forward mode fails on an op it is retried once
-    on composite attention (fused inference kernels step aside then), and if that fails too
-    scoring moves to hooks; ``note`` says which and why.
+    proved (``proven``), the model in the state the proof holds at (its hooks included): any
+    other batch, a signature's first included, is scored by the hooks. When forward mode fails
+    on an op it is retried once on composite attention (fused inference kernels step aside
+    then), and if that fails too scoring moves to hooks; ``note`` says which and why.
     """
 
     def __init__(self, engine: Engine, refs: dict[str, Reference], method: str, norms: bool):
@@ -194,9 +194,9 @@ class Influence:
         self.note: str | None = None
         self._composite = False  # jvp on composite attention, see jvp_inner
         self.forward_mode = False  # whether the last batch was scored by forward mode
-        # by id of a signature's findings: the model's hooks when this scorer's hooks pass
-        # proved it (``proven``); forward mode scores its batches while they are the same
-        self._proven: dict[int, tuple] = {}
+        # the ids of the signatures' findings this scorer's hooks pass proved (``proven``):
+        # forward mode scores their batches while the proof holds
+        self._proven: set[int] = set()
 
     @property
     def ref_norm(self) -> Tensor:
@@ -206,7 +206,7 @@ class Influence:
     def __call__(self, inputs: tuple[Tensor, ...], targets: Tensor) -> BatchInfluence:
         self.forward_mode = False
         findings = self.engine.record.at(inputs, targets)
-        while self.method == "jvp" and self._proven.get(id(findings)) == hooks_of(self.engine):
+        while self.method == "jvp" and id(findings) in self._proven and proven(findings):
             try:
                 tangents = {n: dense(r) for n, r in self.refs.items()}  # formed once each
                 loss, inner, observed = jvp_inner(
@@ -225,7 +225,7 @@ class Influence:
             return BatchInfluence(loss.double(), inner.double(), norm_sq, observed)
         scores = self.engine.scores(inputs, targets, self._want)
         if self.method == "jvp" and proven(findings):
-            self._proven[id(findings)] = hooks_of(self.engine)
+            self._proven.add(id(findings))
         norm_sq = total(scores.norm_sq) if self.norms else None
         return BatchInfluence(scores.loss.double(), total(scores.inner), norm_sq, scores.observed)
 

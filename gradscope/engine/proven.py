@@ -1,16 +1,13 @@
 """What lets forward mode score a batch (``influence.Influence``'s jvp engine): the hooks'
-proof that the batch's signature keeps its examples apart, and the model's hooks since."""
+proof that the batch's signature keeps its examples apart, at the model's state now."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
-
 from .steps import RegionCall
 
 if TYPE_CHECKING:
-    from .engine import Engine
     from .record import Findings
 
 
@@ -30,17 +27,3 @@ def proven(findings: Findings) -> bool:
         if isinstance(s, RegionCall)
     )
     return fixed and not program.hosts and program.state.differs() is None
-
-
-def hooks_of(engine: Engine) -> tuple:
-    """The forward hooks on the model's modules and torch's global ones, by identity: a hook
-    added since a proof may mix the examples where no state the program keeps shows it."""
-    hooks = [
-        tuple(map(id, d.values()))
-        for m in engine._modules
-        for d in (m._forward_pre_hooks, m._forward_hooks)
-    ]
-    hooks += [
-        tuple(map(id, d.values())) for d in (_global_forward_pre_hooks, _global_forward_hooks)
-    ]
-    return tuple(hooks)

@@ -5,10 +5,11 @@ of the objects it holds (a config a forward reads ``self.config.dim`` from, its 
 slotted dataclass's slots) and the entries of its tuples, lists and dicts of more than plain
 values (a dict of configs, a list of tensors), ``DEPTH`` levels in, likewise, and the tensors it
 keeps (buffers, tensor attributes, and those of what it holds) by identity and by their version
-(what autograd counts writes in place by). A program was analysed at one state; at another, a
-forward may make other ops at the same calls, shapes and autograd node counts (a mean over the
-batch instead of over the features, rows gathered by a permutation the model keeps), which the
-witness would not see. So a program replays only at the state its batch began with; at another
+(what autograd counts writes in place by); and what runs the modules' calls beside
+(``running.py``). A program was analysed at one state; at
+another, a forward may make other ops at the same calls, shapes and autograd node counts (a mean
+over the batch instead of over the features, rows gathered by a permutation the model keeps),
+which the witness would not see. So a program replays only at the state its batch began with; at another
 the batch is analysed (``replay/programs.py``)."""
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
+
+from .running import Running
 
 # values a branch may read, compared by value (a tensor is not: comparing it costs or syncs; it
 # is kept by identity and version instead)
@@ -184,6 +187,7 @@ class State:
             self.attributes.append(_Attributes(name, vars(m), m._buffers))
             self._hold(vars(m), name, held, DEPTH)
         self._quick = [a.quick for a in self.attributes]
+        self.running = Running(self.modules)
 
     def _keep(self, d: dict, where: str) -> None:
         self.tensors += [
@@ -219,6 +223,9 @@ class State:
         for name, where, k, t, version in self.tensors:
             if where.get(k) is not t or _version(t) != version:
                 return name
+        running = self.running.differs()
+        if running is not None:
+            return running
         try:
             if all(
                 len(d) == n and len(b) == nb and get(d) == got

@@ -173,3 +173,68 @@ def test_an_error_of_gradscopes_own_in_the_backward_goes_on_as_it_is(monkeypatch
     with pytest.raises(RuntimeError, match="a bug of gradscope's") as raised:
         gradscope.per_example_norms(_model(), *_batch(0), loss="cross_entropy")
     assert not isinstance(raised.value, ModelError)
+
+
+def _scaled(module: nn.Module, args: tuple, out: Tensor) -> Tensor:
+    return out * 2
+
+
+def _flipped(module: nn.Module, args: tuple, out: Tensor) -> Tensor:
+    """The rows of the batch reversed: each example's row is another's, in as many autograd
+    nodes as ``_scaled`` makes."""
+    return out.flip(0)
+
+
+def _swap_hook(model: nn.Sequential, handle) -> None:
+    handle.remove()
+    model[1].register_forward_hook(_flipped)
+
+
+def _swap_class(model: nn.Sequential, handle) -> None:
+    class Flipped(nn.Tanh):
+        def forward(self, x: Tensor) -> Tensor:
+            return super().forward(x).flip(0)
+
+    handle.remove()
+    model[1].__class__ = Flipped
+
+
+@pytest.mark.parametrize("swap", [_swap_hook, _swap_class])
+def test_a_hook_or_class_swapped_between_calls_is_seen_as_on_a_fresh_model(swap):
+    """A program replays only the model it was analysed on: a hook swapped for one of as many
+    nodes, or a module's class changed in place, that now mixes the examples is refused as on
+    a model met for the first time, not replayed into numbers."""
+    model = _model()
+    handle = model[1].register_forward_hook(_scaled)
+    for k in range(2):  # analysed, then replayed
+        inputs, targets = _batch(k)
+        norms = gradscope.per_example_norms(model, inputs, targets, loss="cross_entropy")
+        assert_rel_close(norms, _loop_norms(model, inputs, targets), 1e-9)
+    swap(model, handle)
+    inputs, targets = _batch(2)
+    with pytest.raises(ModelError, match="mixes the examples"):
+        gradscope.per_example_norms(model, inputs, targets, loss="cross_entropy")
+
+
+def test_a_hook_swapped_for_one_that_keeps_the_examples_apart_is_exact():
+    model = _model()
+    handle = model[1].register_forward_hook(_scaled)
+    with Engine(model, LOSS) as engine:
+        for k in range(3):
+            if k == 2:
+                handle.remove()
+                model[1].register_forward_hook(lambda module, args, out: out * 3)
+            inputs, targets = _batch(k)
+            norms = total(engine.norms(inputs, targets).norm_sq).sqrt()
+            assert_rel_close(norms, _loop_norms(model, inputs, targets), 1e-9)
+
+
+def test_a_module_replaced_under_a_held_engine_is_refused_in_one_line():
+    """The Engine's plan names the parameters it was made with: a head replaced since would
+    be left out of every norm (its old parameters' zeros), so the batch is refused."""
+    model = _model()
+    with Engine(model, LOSS) as engine:
+        engine.norms(*_batch(0))
+        model[2] = nn.Linear(D, CLASSES).double()
+        with pytest.raises(ModelError, match="make a new Engine"):
+            engine.norms(*_batch(1))

@@ -113,3 +113,34 @@ def test_a_hook_added_since_the_proof_sends_the_batch_to_the_hooks() -> None:
         x, y = _data(2)
         with pytest.raises(GradscopeError, match="mixes the examples"):
             scorer((x,), y)
+
+
+class Centred(nn.Module):
+    """Its hidden rows centred on the batch's mean once ``centred`` is set: a flag its forward
+    reads, as a mode switch of the model's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.centred = nn.Linear(4, 4), nn.Linear(4, 3), False
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x).tanh()
+        return self.b(h - h.mean(0) if self.centred else h)
+
+
+def test_a_state_changed_since_the_proof_sends_the_batch_to_the_hooks() -> None:
+    """The proof holds at the model's state: a flag set between two batches of one scorer that
+    makes the forward mix the examples is refused by the hooks' pass, not scored forward."""
+    torch.manual_seed(0)
+    model = Centred().double()
+    refs = _data(9, batch=2)
+    with Engine(model, resolve_loss("cross_entropy")) as core:
+        scorer = Influence(core, reference_gradients(core, [((refs[0],), refs[1])]), "jvp", False)
+        for seed in (0, 1):
+            x, y = _data(seed)
+            scorer((x,), y)
+        assert scorer.forward_mode
+        model.centred = True
+        x, y = _data(2)
+        with pytest.raises(GradscopeError, match="mixes the examples"):
+            scorer((x,), y)

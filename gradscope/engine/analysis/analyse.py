@@ -18,6 +18,7 @@ from ..constants import Constants
 from ..hooks import ModuleHooks
 from ..plan import BROADCAST, ParamPlan, Plan
 from ..record import Findings, Record
+from ..running import made
 from ..state import State
 from . import decide
 from .bytensor import ByTensor
@@ -73,10 +74,15 @@ class Analysis:
     ):
         self.model, self.plan, self.record, self.losses = model, plan, record, losses
         self.modules = modules  # the Engine's, whose state a program replays at
+        self.made = self.made_of()  # the modules and parameters the plan was made from
         self.hooks = hooks  # the Engine's module hooks, lent to each batch's session
         # sharded (``fsdp.py``): every rank runs the same passes, so no example runs alone to
         # check a branch (its forward's collectives would meet another rank's other pass)
         self.sharded = False
+
+    def made_of(self) -> tuple:
+        """The ids of the model's modules and parameters now (``running.made``)."""
+        return made(self.model)
 
     def __call__(
         self, inputs: tuple[Tensor, ...], targets: Tensor, findings: Findings, train: bool = False
@@ -84,6 +90,12 @@ class Analysis:
         """The batch's forward, recorded, once every check holds; then the parameters the rules
         cannot serve on it moved to the fallback. ``train``: a training step's, whose batch
         gradient its backward takes (a graph kept, every parameter on the fallback too)."""
+        if self.made_of() != self.made:  # a plan's parameters but not the model's
+            raise ModelError(
+                "the model's modules or parameters are not those this Engine was made for (one "
+                "was replaced since): make a new Engine for the model as it is now",
+                "model",
+            )
         checks = (self._same_losses, self._expanded_kept, self._assumed_kept, self._not_edited)
         while True:
             try:
