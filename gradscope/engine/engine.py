@@ -28,7 +28,7 @@ from .plan import FALLBACK_LOOP, build_plan
 from .record import Findings, record_for
 from .replay.programs import Replayed
 from .replay.session import Diverged
-from .scores import BatchScores
+from .scores import BatchScores, empty
 from .state import State
 from .steps import Program
 
@@ -117,7 +117,7 @@ class Engine:
         else analysed in full; the one backward; the fallback."""
         batched(inputs, targets)
         if targets.shape[0] == 0:
-            return self._empty(targets)
+            return empty([p.name for p in self.plan.included], targets, want)
         self._hooked_gradients()
         findings = self._pinned or self.record.at(inputs, targets)
         if want.train:
@@ -264,11 +264,6 @@ class Engine:
             for p in self.plan.fallback:
                 if p.rule != FALLBACK_LOOP:
                     self.plan.to_fallback(p, f"vmap failed: {self.fallback.vmap_error}", loop=True)
-
-    def _empty(self, targets: Tensor) -> BatchScores:
-        """An empty batch: empty scores, no pass."""
-        none = targets.new_zeros(0, dtype=torch.float64)
-        return BatchScores(none, {p.name: none for p in self.plan.included})
 
     def _fill_zeros(self, reducer: Reducer, batch: int) -> None:
         """Zeros for the rule-served parameters that no call of this batch reached."""

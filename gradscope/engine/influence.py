@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..errors import ConfigError, models_backward
+from ..errors import ConfigError, DataError, models_backward
 from ..rules import Outer
 from ..rules.base import rows
 from ..rules.factored import Factored, Reference, cheaper, dense
@@ -58,7 +58,7 @@ def reference_gradients(
                 t[0] += g
         count += targets.shape[0]
     for t in sums:
-        t.div_(count)
+        t.div_(_counted(count))
     return dict(zip(names, sums, strict=True))
 
 
@@ -93,6 +93,7 @@ def _factored_mean(
                 total_[0] += c.batch_sum()
             held[p.name] = None
         count += targets.shape[0]
+    count = _counted(count)
     out: dict[str, Reference] = {}
     for p, total_ in zip(included, sums, strict=True):
         if held[p.name]:
@@ -101,6 +102,13 @@ def _factored_mean(
         else:
             out[p.name] = total_.div_(count)
     return out
+
+
+def _counted(count: int) -> int:
+    """The reference's examples, where it has any: a mean over none is no direction."""
+    if not count:
+        raise DataError("the reference has no examples: no gradient to score against", "ref")
+    return count
 
 
 def _alike(c: Outer, other: Outer) -> bool:

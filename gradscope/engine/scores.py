@@ -3,12 +3,17 @@ inner products, kept factors, preconditioned norms or the batch gradient a train
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from ..rules import Contribution
+
+if TYPE_CHECKING:
+    from .backward.reduce import Want
 
 
 @dataclass
@@ -31,3 +36,13 @@ def total(per_param: dict[str, Tensor]) -> Tensor:
     if any(v.dtype != values[0].dtype for v in values):
         values = [v.double() for v in values]
     return torch.stack(values).double().sum(0)
+
+
+def empty(names: Sequence[str], targets: Tensor, want: Want) -> BatchScores:
+    """The scores of an empty batch, with no pass: (0,) losses and norms, and (0, K) inner
+    products with the references (or the projections) where ``want`` asks for them."""
+    none = targets.new_zeros(0, dtype=torch.float64)
+    width = {n: len(r) for n, r in (want.refs or {}).items()}
+    width |= {n: p.dim for n, p in (want.project or {}).items()}
+    inner = {n: targets.new_zeros(0, k, dtype=torch.float64) for n, k in width.items()}
+    return BatchScores(none, {n: none for n in names}, inner)

@@ -340,3 +340,16 @@ def test_influence_errors_for_check(case: Case) -> None:
     )
     assert set(errors) == {"0", "2", "hooks", "jvp"}
     assert all(e < TOL for e in errors.values()), errors  # NaN: forward mode never ran
+
+
+@pytest.mark.parametrize("engine", ["hooks", "jvp"])
+def test_an_empty_batch_scores_nothing_and_an_empty_reference_is_refused(engine: str) -> None:
+    """An empty batch gives (0,) scores as ``per_example_norms`` does (it raised in the
+    scorer's sum); an empty reference, whose mean gradient is 0 / 0, is one error, not NaN."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    got = gradscope.per_example_influence(model, x[:0], y[:0], x[:2], y[:2], engine=engine)
+    assert got.shape == (0,)
+    with pytest.raises(GradscopeError, match="the reference has no examples"):
+        gradscope.per_example_influence(model, x, y, x[:0], y[:0], engine=engine)
