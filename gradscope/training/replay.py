@@ -11,6 +11,7 @@ adjoints and scores so far are saved, so that a killed replay continues from the
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from torch import Tensor
 from ..config import Config
 from ..engine import MAX_PER_REF
 from ..errors import DataError, Interrupted, ModelError, reading
-from ..io.data import data_sha256, open_dataset
+from ..io.data import open_dataset
 from ..io.parquet import replace_atomically
 from ..job import config_forward, config_loss, resolve_device
 from .adjoint import Called, Problem
@@ -66,11 +67,11 @@ def through_training(
         problem = Problem(called, names, rows, config_loss(cfg), record.update, record.clip,
                           tokens if record.meta.get("tokens") else None)  # fmt: skip
         replay = _Replay(problem, record, on_step)
-        key = {"record": record.sha256(), "ref": data_sha256(str(ref)), "per_ref": per_ref}
-        saved = _resumed(Path(partial), key) if partial else None
-        if saved is None:
-            final = [p.to(rows.device) for p in record.final()]
-            saved = _start(record, _reference_gradients(cfg, problem, final, str(ref), per_ref))
+        final = [p.to(rows.device) for p in record.final()]
+        refs = _reference_gradients(cfg, problem, final, str(ref), per_ref)
+        # the references by their gradients: a .py:fn's data has no hash, and may change
+        key = {"record": record.sha256(), "ref": _digest(refs), "per_ref": per_ref}
+        saved = (_resumed(Path(partial), key) if partial else None) or _start(record, refs)
         if on_start:
             on_start(record.meta["steps"])
         if on_step and saved["next"] < record.segments - 1:
@@ -78,6 +79,14 @@ def through_training(
         scores = replay.walk(saved, Path(partial) if partial else None, key)
     scores = -scores.T.cpu().numpy()  # (N, R): -d f / d w, influence's sign
     return scores if per_ref else scores[:, 0]
+
+
+def _digest(refs: Tensors) -> str:
+    """The sha256 of the references' gradients, bit for bit."""
+    h = hashlib.sha256()
+    for g in refs:
+        h.update(g.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _start(record: Record, refs: Tensors) -> dict:

@@ -182,6 +182,33 @@ def test_a_killed_replay_continues_from_its_last_segment(tmp_path):
     np.testing.assert_allclose(other, whole.mean(1), rtol=1e-10, atol=1e-14)
 
 
+def test_a_killed_replay_of_a_function_reference_continues_only_for_the_same_gradients(tmp_path):
+    """A reference made by a ``file.py:fn`` has no data hash: its saved adjoints are kept for
+    the references' gradients, so another function's references start the replay over (they
+    continued the first's, and scored against it without a word)."""
+    cfg, run = recorded(tmp_path, RECIPES["adamw-cosine-warmup"])
+    for name, rows in (("first", "[:2]"), ("last", "[2:]")):
+        (tmp_path / f"{name}.py").write_text(
+            f"import torch\n\ndef make():\n    d = torch.load({str(tmp_path / 'ref.pt')!r})\n"
+            f"    return {{'x': d['x']{rows}, 'y': d['y']{rows}}}\n"
+        )
+    first, last = f"{tmp_path / 'first.py'}:make", f"{tmp_path / 'last.py'}:make"
+    whole = through_training(cfg, run, last)
+    walked: list[int] = []
+
+    def kill(n: int) -> None:
+        walked.append(n)
+        if len(walked) == 5:  # in the second segment walked back
+            raise KeyboardInterrupt
+
+    with pytest.raises(Interrupted, match="1 of 3 segments replayed"):
+        through_training(cfg, run, first, partial=tmp_path / "p", on_step=kill)
+    walked.clear()
+    again = through_training(cfg, run, last, partial=tmp_path / "p", on_step=walked.append)
+    assert walked == [1] * 8  # started over
+    np.testing.assert_array_equal(again, whole)
+
+
 NUMPY_NOISE = """
 import numpy as np
 import torch
