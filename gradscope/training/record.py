@@ -26,12 +26,20 @@ from ..io.files import file_sha256
 from ..io.parquet import replace_atomically
 from ..resume import as_json, differences
 from .loop import build, recipe
+from .recordfiles import (
+    FINAL,
+    FORMAT,
+    MANIFEST,
+    META,
+    STEPS,
+    check_files,
+    checked_steps,
+    read_meta,
+    refuse_foreign,
+)
 from .steps import Update
 
-FORMAT = 1
-MANIFEST, META, STEPS, FINAL = "manifest.json", "record.json", "steps.pt", "final.pt"
 WATCHED = "watch"  # record.json's source when a watched loop wrote it (``watchrecord.py``)
-START = "start.pt"  # the state dict a watched loop began from
 
 
 def default_segment(total: int) -> int:
@@ -87,6 +95,7 @@ class Recorder:
     def start(self) -> None:
         """A fresh record: whatever an earlier one left in the folder goes."""
         if self.folder.exists():
+            refuse_foreign(self.folder)
             shutil.rmtree(self.folder)
         self.folder.mkdir(parents=True)
 
@@ -181,10 +190,11 @@ class Record:
     def checkpoint(self, k: int) -> dict:
         return _load(self.folder / _segment_name(k))
 
-    def steps(self) -> tuple[list[Tensor], list[float]]:
-        """Each step's (B,) positions among the training rows, and its learning rate."""
-        steps = _load(self.folder / STEPS)
-        return list(steps["picked"].split(steps["sizes"].tolist())), steps["lrs"].tolist()
+    def steps(self, rows: int) -> tuple[list[Tensor], list[float]]:
+        """Each step's (B,) positions among the ``rows`` training rows, and its learning rate;
+        a file not of the record's steps is one line."""
+        picked, sizes, lrs = checked_steps(_load(self.folder / STEPS), self.meta, rows, self.folder)
+        return list(picked.split(sizes.tolist())), lrs.tolist()
 
     def drawn(self) -> dict[int, dict]:
         """Step -> the random state it began in, where the step before did not leave it (a
@@ -224,16 +234,20 @@ def open_record(folder: str | Path, cfg: Config) -> Record:
     replayed exactly: not a finished record, a file changed, another config or data, a loop
     gradscope did not run, an optimizer it does not know, a nondeterministic run."""
     folder = Path(folder).resolve()
-    _check_files(folder)
-    meta = json.loads((folder / META).read_text())
-    if meta.get("format") != FORMAT:
-        raise DataError(f"a run record of format {meta.get('format')}, not {FORMAT}", str(folder))
-    if meta.get("source") == WATCHED:
-        from .watched import opened
+    check_files(folder)
+    meta = read_meta(folder)
+    try:
+        if meta.get("source") == WATCHED:
+            from .watched import opened
 
-        update, clip = opened(meta, cfg, folder)
-    else:
-        update, clip = _trained(meta, cfg, folder)
+            update, clip = opened(meta, cfg, folder)
+        else:
+            update, clip = _trained(meta, cfg, folder)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        raise DataError(
+            f"the run record's {META} is not one gradscope wrote ({type(e).__name__}: {e})",
+            str(folder),
+        ) from e
     if not meta["deterministic"]:
         raise ConfigError(
             f"the run was recorded on {meta['device']} without "
@@ -266,32 +280,3 @@ def _trained(meta: dict, cfg: Config, folder: Path) -> tuple[Update, float | Non
             str(folder),
         )
     return Update(cfg.train), cfg.train.clip
-
-
-def _check_files(folder: Path) -> None:
-    """Every file the manifest lists is there with its sha256, and no other record file."""
-    if not (folder / MANIFEST).is_file():
-        what = "no run record" if not folder.is_dir() else "an unfinished run record (no manifest)"
-        fix = "gradscope train --record or Watch(record=) writes one"
-        if (folder / START).is_file():  # a watched loop's, stopped before its end
-            fix = ("a watched loop's: resume the loop from a checkpoint of its own, or run it "
-                   "again from its first step")  # fmt: skip
-        raise DataError(f"{what}: {fix}", str(folder))
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except ValueError as e:
-        raise DataError("the run record's manifest does not read back", str(folder)) from e
-    for name in sorted(f.name for f in folder.iterdir() if f.name != MANIFEST):
-        if name not in manifest and not name.startswith("."):
-            raise DataError(
-                f"the run record holds {name}, which its manifest does not list", str(folder)
-            )
-    for name, sha in manifest.items():
-        if not (folder / name).is_file():
-            raise DataError(f"the run record lacks {name}", str(folder))
-        if file_sha256(folder / name) != sha:
-            raise DataError(
-                f"the run record's {name} changed after it was written (its sha256 is not the "
-                "manifest's)",
-                str(folder),
-            )

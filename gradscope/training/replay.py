@@ -101,7 +101,7 @@ class _Replay:
 
     def __init__(self, problem: Problem, record: Record, on_step: Callable[[int], None] | None):
         self.problem, self.record, self.on_step = problem, record, on_step
-        self.picked, self.lrs = record.steps()
+        self.picked, self.lrs = record.steps(len(problem.rows))
         self.drawn = record.drawn()  # step -> its random state, where not the last's
         self.device = problem.rows.device
         trained = dict(problem.called.named_parameters())

@@ -22,6 +22,7 @@ from ..resume import fingerprint, resumed_parts
 from .loop import Trainer, TrainingRows, build, recipe
 from .recipe import total_rows
 from .record import Recorder, default_segment, record_key
+from .recordfiles import refuse_foreign
 from .user import run_user_fn
 
 STATE = "state.pt"
@@ -168,8 +169,12 @@ def _refuse(
         raise ConfigError(
             "a run record is there already; pass --overwrite to replace it, or --out", str(folder)
         )
+    if folder is not None and folder.exists():
+        refuse_foreign(folder)
     if segment is not None and segment < 1:
         raise ConfigError("--segment must be a positive number of steps", "--segment")
+    if segment is not None and folder is None:
+        raise ConfigError("--segment sets a run record's segments: pass --record too", "--segment")
     if folder is not None and cfg.train.fn is not None:
         raise ConfigError("train.fn is a loop of your own: gradscope cannot record it", "train.fn")
 

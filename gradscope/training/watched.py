@@ -19,11 +19,10 @@ from ..io.model import build_model
 from ..job import resolve_device
 from ..resume import as_json, differences
 from .loop import TrainingRows
-from .record import START, Record, _load
+from .record import Record, _load
+from .recordfiles import FED, START
 from .steps import Update
 from .watchdata import check_fed
-
-FED = "watched.pt"  # each step's digests of the data it fed, and the random states it drew
 
 
 def opened(meta: dict, cfg: Config, folder: Path) -> tuple[Update, float | None]:
@@ -105,4 +104,4 @@ def check_rows(record: Record, rows: TrainingRows, data: DataConfig) -> None:
             inputs, targets = rows.batch(picked)
             return tuple(inputs[k] for k in order), targets
 
-    check_fed(fed, record.steps()[0], batch, str(record.folder), data.path)
+    check_fed(fed, record.steps(len(rows))[0], batch, str(record.folder), data.path)

@@ -24,10 +24,10 @@ from ..engine import computed_in
 from ..errors import ConfigError, DataError, RecordWarning
 from ..losses import LossFn
 from ..resume import as_json
-from .record import FINAL, MANIFEST, META, START, STEPS, WATCHED, Recorder, _load, _save, rng
+from .record import WATCHED, Recorder, _load, _save, rng
+from .recordfiles import FED, FINAL, MANIFEST, META, START, STEPS
 from .steps import Tensors, Update
 from .watchdraws import same_state
-from .watched import FED
 from .watchoptim import read_recipe, settings
 from .watchresume import Progress, resumed, save_part, trim
 

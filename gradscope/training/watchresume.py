@@ -14,7 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError
-from .record import MANIFEST, START, Recorder, _load, _save
+from .record import Recorder, _load, _save
+from .recordfiles import MANIFEST, START
 from .steps import Tensors, Update
 
 PART = "steps-{:05d}.pt"  # segment k's steps, saved as it ends; gone once the record is written

@@ -128,6 +128,7 @@ def test_refusals_are_one_line(tmp_path, project):
     assert "--segment must be a positive" in one_error(
         run("train", project, "--record", "--segment", "0", "--overwrite")
     )
+    assert "pass --record too" in one_error(run("train", project, "--segment", "2", "--overwrite"))
     (tmp_path / "fn").mkdir()
     fn = make_project(tmp_path / "fn", train={"fn": "loop.py:train"}, model__checkpoint="out.pt")
     (tmp_path / "fn" / "loop.py").write_text("def train(model, rows, seed):\n    pass\n")

@@ -60,6 +60,26 @@ def test_an_existing_checkpoint_is_kept_without_overwrite(tmp_path):
     assert (tmp_path / "net.pt").read_bytes() != before
 
 
+@pytest.mark.parametrize("kind", ["link", "file", "holds the data"])
+def test_overwrite_replaces_a_run_record_alone(tmp_path, kind):
+    """``--record --overwrite`` deletes the record folder there: never one that is a link, a
+    file, or a folder holding what no record writes (the training data, in the last case)."""
+    config = make_project(tmp_path, train={"epochs": 1})
+    run_folder = tmp_path / "net.run"
+    if kind == "link":
+        (tmp_path / "mine").mkdir()
+        run_folder.symlink_to(tmp_path / "mine")
+    elif kind == "file":
+        run_folder.write_text("mine")
+    else:
+        run_folder.mkdir()
+        (tmp_path / "data.pt").rename(run_folder / "data.pt")
+        edit_config(tmp_path, lambda raw: raw["data"].update(path=str(run_folder / "data.pt")))
+    line = one_error(run("train", config, "--record", "--overwrite"))
+    assert ("not a run record's folder" if kind != "holds the data" else "holds data.pt") in line
+    assert run_folder.exists() and (kind != "holds the data" or (run_folder / "data.pt").exists())
+
+
 def test_epoch_checkpoints_and_their_tracin_weights(tmp_path):
     config = make_project(tmp_path, train={"lr": 0.1, "epochs": 4, "save_every": 2,
                                            "schedule": "linear"})  # fmt: skip

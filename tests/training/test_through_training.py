@@ -261,6 +261,35 @@ REFUSALS = {
         "segment-00001.pt changed",
     ),
     "missing": (lambda run, root: (run / "final.pt").unlink(), "lacks final.pt"),
+    # forged: edited, and the manifest's sha256 written anew
+    "record.json a list": (
+        lambda run, root: ((run / "record.json").write_text("[]"), _remanifest(run, "record.json")),
+        "record.json is not one gradscope wrote",
+    ),
+    "no segment": (
+        lambda run, root: (
+            _edit(run, "record.json", lambda b: b.replace(b'"segment": 3', b'"segment": 0')),
+            _remanifest(run, "record.json"),
+        ),
+        "a run of no steps or segments of none",
+    ),
+    "a row outside": (
+        lambda run, root: (
+            torch.save(
+                {**torch.load(run / "steps.pt"), "picked": torch.full((24,), 99)}, run / "steps.pt"
+            ),  # fmt: skip
+            _remanifest(run, "steps.pt"),
+        ),
+        "steps.pt is not its 8 steps' rows of the 10 training rows",
+    ),
+    "manifest not a map": (
+        lambda run, root: (run / "manifest.json").write_text("null"),
+        "manifest is not its files' sha256 by name",
+    ),
+    "manifest outside": (
+        lambda run, root: (run / "manifest.json").write_text('{"../data.pt": "0"}'),
+        "names a file outside its folder",
+    ),
     "extra": (lambda run, root: (run / "segment-00009.pt").write_bytes(b""), "holds segment-00009"),
     "other data": (
         lambda run, root: torch.save(
