@@ -15,8 +15,9 @@ import torch
 from .. import distributed
 from ..config import Config
 from ..errors import ConfigError, DataError
-from ..inputs import data_inputs
+from ..inputs import data_inputs, run_inputs
 from ..io.data import Batch, data_sha256
+from ..io.lock import OutputLock
 from ..job import Job, config_forward, config_loss
 from ..scorers.base import (
     Inputs,
@@ -154,6 +155,8 @@ def replayed(
             "--through-training",
         )
     scorer = ThroughTrainingScorer(ref, run, per_ref=per_ref)
-    with terminal.progress("replay", "steps") as (on_start, on_step):
+    # the output checked and held before the replay, which saves its progress beside it
+    scorer.check_output(cfg.output.path, run_inputs(cfg, scorer.reads()))
+    with OutputLock(cfg.output.path), terminal.progress("replay", "steps") as (on_start, on_step):
         scorer.replay(cfg, on_start, on_step)
     return scorer

@@ -133,3 +133,16 @@ def test_refusals_are_one_line(tmp_path, project):
     fn = make_project(tmp_path / "fn", train={"fn": "loop.py:train"}, model__checkpoint="out.pt")
     (tmp_path / "fn" / "loop.py").write_text("def train(model, rows, seed):\n    pass\n")
     assert "cannot record it" in one_error(run("train", fn, "--record"))
+
+
+def test_an_output_that_is_an_input_is_refused_before_the_replay(tmp_path, project, monkeypatch):
+    """The output is checked before the replay, which saves its progress beside it: refused at
+    once, nothing left beside the input (it was after the whole replay, its progress kept)."""
+    ref, record = tmp_path / "ref.pt", tmp_path / "out.run"
+    assert run("train", project, "--record").exit_code == 0
+    monkeypatch.setattr(attribution, "through_training", None)  # a replay would fail at once
+    for out in (ref, record / "scores.parquet"):
+        line = one_error(run("influence", project, "--ref", ref, "--through-training", record,
+                             "--out", out))  # fmt: skip
+        assert "writing there would" in line
+    assert not list(tmp_path.rglob(".*.replay"))
