@@ -62,7 +62,7 @@ class TrainConfig:
     (a Hugging Face ``Trainer``, Lightning). Called as ``fn(model, rows, seed)`` with the freshly
     built model, the 0-based positions in ``data.path`` of the rows to train on (a sorted int64
     array) and the seed; it trains the model in place (returning None) or returns the trained
-    model. The other keys but ``seed`` and ``init`` are then unused."""
+    model. The recipe's other keys but ``seed`` and ``init`` are then refused: it reads none."""
 
     def check(self, source: str) -> None:
         """A recipe PyTorch's optimizers take, and a run of at least one step."""

@@ -8,6 +8,11 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from .schema import Config
+from .train import TrainConfig
+
+# the recipe's keys, which train.fn (a loop of the user's own) does not read
+RECIPE = ("optimizer", "lr", "momentum", "nesterov", "betas", "eps", "weight_decay", "schedule",
+          "warmup", "epochs", "steps", "batch_size", "shuffle", "clip")  # fmt: skip
 
 
 def validate(cfg: Config) -> None:
@@ -67,3 +72,14 @@ def _agree_train(cfg: Config) -> None:
         raise ConfigError("'train.nesterov' needs optimizer sgd with a momentum > 0", source)
     if train.save_every is not None and train.fn is not None:
         raise ConfigError("'train.save_every' is the recipe's; train.fn saves its own", source)
+    defaults = TrainConfig()
+    unread = [k for k in RECIPE if getattr(train, k) != getattr(defaults, k)]
+    if train.fn is not None and unread:
+        raise ConfigError(f"'train.{unread[0]}' is the recipe's; train.fn does not read it", source)
+    other = {"sgd": ("betas", "eps")}.get(train.optimizer, ("momentum",))
+    unread = [k for k in other if k in unread]
+    if unread:
+        raise ConfigError(
+            f"'train.{unread[0]}' is not optimizer {train.optimizer}'s: it would not be read",
+            source,
+        )

@@ -173,7 +173,10 @@ class Trainer:
         loss.backward()
         if self.train.clip is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.train.clip)
-        self.optimizer.step()
+        try:
+            self.optimizer.step()
+        except RuntimeError as e:  # an lr the parameters' dtype cannot hold (1e300 in float32)
+            raise ModelError(f"step {self.step + 1}'s update failed: {one_line(e)}", "train") from e
         self.step += 1
         self.loss_sum += loss.item()
         if self.on_rows:

@@ -19,7 +19,7 @@ def run_user_fn(spec: str, model: nn.Module, rows: np.ndarray, seed: int) -> nn.
         trained = fn(model, rows.copy(), seed)
     except GradscopeError:
         raise
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # sys.exit() in a loop written as a script's
         raise ModelError(f"train.fn raised {type(e).__name__}: {one_line(e)}", "train.fn") from e
     if trained is None:
         trained = model

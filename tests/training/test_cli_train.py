@@ -155,6 +155,10 @@ def returns_text(model, rows, seed):
 
 def raises(model, rows, seed):
     raise ValueError("no GPU here")
+
+
+def exits(model, rows, seed):
+    raise SystemExit(3)
 """
 
 
@@ -182,6 +186,11 @@ def test_train_fn_trains_in_place(tmp_path):
         ({"fn": "loop.py:returns_text"}, "train.fn returned a str; return the trained model"),
         ({"fn": "loop.py:raises"}, "train.fn raised ValueError: no GPU here"),
         ({"fn": "loop.py:missing"}, "train.fn"),
+        ({"fn": "loop.py:exits"}, "train.fn raised SystemExit: 3"),
+        ({"fn": "loop.py:train", "lr": 5}, "'train.lr' is the recipe's; train.fn does not read it"),
+        ({"optimizer": "adam", "momentum": 0.9}, "'train.momentum' is not optimizer adam's"),
+        ({"betas": [0.8, 0.9]}, "'train.betas' is not optimizer sgd's"),
+        ({"lr": 1e300}, "step 1's update failed: value cannot be converted"),
         (None, "the config has no 'train' section"),
     ],
 )
