@@ -64,7 +64,8 @@ def read_scores(
     per_ref = "ref_id" in names
     keys = ["example_id", *(["ref_id"] if per_ref else [])]
     try:
-        table = pq.read_table(path, columns=keys + [n for n in dict.fromkeys(wanted) if n in names])
+        kept = [n for n in dict.fromkeys(wanted) if n in names and n not in keys]
+        table = pq.read_table(path, columns=keys + kept)
     except (OSError, pa.ArrowException) as e:
         raise DataError(f"not a readable Parquet file: {one_line(e)}", str(path)) from e
     example = table.column("example_id").to_numpy()
@@ -73,12 +74,7 @@ def read_scores(
     _check_rows(path, example, ref, rows, height)
     columns = {}
     for name in table.column_names[len(keys) :]:
-        matrix = np.empty((height, rows))
-        matrix[ref, example] = table.column(name).to_numpy(zero_copy_only=False)
-        bad = int((~np.isfinite(matrix)).sum())
-        if bad:
-            raise DataError(f"{bad} values of column {name!r} are NaN or infinite", str(path))
-        columns[name] = matrix
+        columns[name] = _column(path, name, table.column(name), ref, example, (height, rows))
     seconds = nested(meta, "seconds")
     seconds = float(seconds) if isinstance(seconds, (int, float)) else None
     return ScoreFile(Path(path), per_ref, height, columns, seconds)
@@ -95,12 +91,40 @@ def _check_source(path: Path, meta: dict, ref_sha256: str | None, data_sha256: s
             raise DataError(f"the scores were computed {what} ({'.'.join(key)} differs)", str(path))
 
 
-def _check_rows(path: Path, example: np.ndarray, ref: np.ndarray, rows: int, refs: int) -> None:
-    """Every (reference, training row) pair exactly once, nothing else."""
-    ids = np.unique(example)
-    if len(ids) != rows or ids[0] != 0 or ids[-1] != rows - 1:
+def _column(
+    path: Path, name: str, column: pa.ChunkedArray, ref: np.ndarray, example: np.ndarray, shape
+) -> np.ndarray:
+    """(R, N) one score column, each value finite; refused where it ranks nothing (the same
+    value on every row: a subset's predicted change then differs only by rounding)."""
+    matrix = np.empty(shape)
+    try:
+        matrix[ref, example] = column.to_numpy(zero_copy_only=False)
+    except (TypeError, ValueError) as e:
         raise DataError(
-            f"the scores' example ids ({len(ids)} of them, {ids.min()}..{ids.max()}) are not the "
+            f"column {name!r} is not one number per row ({column.type})", str(path)
+        ) from e
+    bad = int((~np.isfinite(matrix)).sum())
+    if bad:
+        raise DataError(f"{bad} values of column {name!r} are NaN or infinite", str(path))
+    flat = np.flatnonzero(matrix.min(1) == matrix.max(1))
+    if len(flat):
+        against = f" against reference {flat[0]}" if shape[0] > 1 else ""
+        raise DataError(
+            f"column {name!r} is the same for every row{against}: it ranks nothing", str(path)
+        )
+    return matrix
+
+
+def _check_rows(path: Path, example: np.ndarray, ref: np.ndarray, rows: int, refs: int) -> None:
+    """Every (reference, training row) pair exactly once, nothing else; ids are integers."""
+    for name, ids in (("example_id", example), ("ref_id", ref)):
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise DataError(f"the scores' {name} column holds {ids.dtype}, not integers", str(path))
+    ids = np.unique(example)
+    if len(ids) != rows or not len(ids) or ids[0] != 0 or ids[-1] != rows - 1:
+        span = f", {ids.min()}..{ids.max()}" if len(ids) else ""
+        raise DataError(
+            f"the scores' example ids ({len(ids)} of them{span}) are not the "
             f"{rows} training rows 0..{rows - 1} of data.path",
             str(path),
         )

@@ -127,7 +127,10 @@ def _files(
 def _bad(cfg: Config, column: str, rows: int) -> np.ndarray:
     """(N,) the rows the data column ``column`` marks (nonzero, true)."""
     found = open_dataset(cfg.data).values_at(column, "--bad", set(range(rows)))
-    bad = np.array([bool(found[i]) for i in range(rows)])
+    try:
+        bad = np.array([bool(found[i]) for i in range(rows)])
+    except (RuntimeError, ValueError, TypeError) as e:  # a tensor or list of several values
+        raise ConfigError(f"the --bad column {column!r} is not one value per row", "--bad") from e
     if bad.all() or not bad.any():
         raise ConfigError(
             f"the --bad column {column!r} marks {'every' if bad.any() else 'no'} training row; "
@@ -214,6 +217,8 @@ def _check_outputs(cfg: Config, ref: str, scores: list[Path], out: Path, truth: 
     """The truth file, the table and its JSON: none an input, nor one another."""
     inputs = run_inputs(cfg, [("--ref", ref), *(("--scores", str(p)) for p in scores)])
     check_output(truth, inputs)
+    if out.suffix == ".json":  # its table and the JSON beside it would be one file
+        raise ConfigError(f"--out {out} is the JSON beside the table: name the .parquet", "--out")
     for path in (out, out.with_suffix(".json")):
         check_output(path, [*inputs, ("--truth", str(truth))])
 

@@ -69,9 +69,29 @@ def test_mean_file(tmp_path):
                              "ref_id": np.tile([0, 1], ROWS), "influence": np.ones(2 * ROWS)}),
          "each of the 3 references"),
         (lambda p: write(p, {"influence": np.ones(ROWS)}), "no example_id column"),
+        (lambda p: write(p, {"example_id": np.arange(ROWS) * 1.0, "influence": np.arange(ROWS)}),
+         "example_id column holds float64, not integers"),
+        (lambda p: write(p, {"example_id": np.zeros(0, np.int64), "influence": np.zeros(0)}),
+         r"\(0 of them\) are not the 5 training rows"),
+        (lambda p: write(p, {"example_id": np.arange(ROWS), "influence": [[1.0, 2.0]] * ROWS}),
+         "'influence' is not one number per row"),
+        # rounding alone would rank the subsets' sums of a constant (an LDS of 0.7 was read)
+        (lambda p: write(p, {"example_id": np.arange(ROWS), "influence": np.full(ROWS, 0.3)}),
+         "'influence' is the same for every row: it ranks nothing"),
+        (lambda p: write(p, {"example_id": np.repeat(np.arange(ROWS), REFS),
+                             "ref_id": np.tile(np.arange(REFS), ROWS),
+                             "influence": np.tile([0.0, 1.0, 2.0], ROWS)}),
+         "the same for every row against reference 0"),
     ],
 )  # fmt: skip
 def test_refused(tmp_path, change, message):
     path = change(tmp_path / "s.parquet") or tmp_path / "s.parquet"
     with pytest.raises(DataError, match=message):
         read_scores(path, ["influence"], ROWS, REFS, "r", "d")
+
+
+def test_the_key_columns_are_not_score_columns(tmp_path):
+    """``--column example_id`` reads no second copy of the key (a KeyError was raised)."""
+    file = read_scores(per_ref(tmp_path / "s.parquet"), ["example_id", "influence"], ROWS, REFS,
+                       "r", "d")  # fmt: skip
+    assert set(file.columns) == {"influence"}

@@ -230,6 +230,8 @@ def mse(root):
         (mse, ["--target", "margin"], "--target margin needs a classification loss"),
         (None, ["--bad", "nonesuch"], "no column 'nonesuch' for --bad"),
         (None, ["--column", "cosine"], "no 'cosine' column"),
+        (None, ["--bad", "x"], "the --bad column 'x' is not one value per row"),
+        (None, ["--out", "v.json"], "is the JSON beside the table: name the .parquet"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_before_training(tmp_path, monkeypatch, change, more, message):
