@@ -115,6 +115,23 @@ def test_truth_reused_not_for_another_recipe(tmp_path, monkeypatch):
     assert "truth file was made with a different train.lr" in line
 
 
+def test_truth_not_reused_once_a_module_the_factory_imports_changed(tmp_path, monkeypatch):
+    """The factory's file unchanged, a module it imports from beside it edited: the models
+    retrained would differ, so the truth is refused (it was reused without a word)."""
+    make_problem(tmp_path)
+    (tmp_path / "truth_sizes.py").write_text("CLASSES = 3\n")
+    (tmp_path / "model.py").write_text(
+        "from torch import nn\n\nimport truth_sizes\n\n\nclass Logistic(nn.Linear):\n"
+        "    def __init__(self):\n        super().__init__(2, truth_sizes.CLASSES)\n"
+    )
+    scores(tmp_path)
+    assert invoke(tmp_path).exit_code == 0
+    counting_fit(monkeypatch, stop=0)  # any retrain fails the test
+    (tmp_path / "truth_sizes.py").write_text("CLASSES = 3  # the same, or not\n")
+    line = one_error(invoke(tmp_path))
+    assert "truth file was made with a different code.truth_sizes.py" in line
+
+
 def test_truth_extended_by_the_models_a_run_adds(tmp_path, monkeypatch):
     """A truth without removal models, then --removal: only those are trained, added to the
     truth beside its subsets, and the table is the one a run from scratch gives."""
