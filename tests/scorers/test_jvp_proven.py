@@ -97,24 +97,6 @@ def test_a_forward_that_reads_values_on_the_host_stays_on_the_hooks() -> None:
     assert _scored(Branches().double(), [_data(0), _data(1), _data(2)]) == [False] * 3
 
 
-def test_a_hook_added_since_the_proof_sends_the_batch_to_the_hooks() -> None:
-    """A hook that mixes the examples, added between two batches of one scorer: forward mode
-    would score it silently; the hooks' pass refuses it."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
-    refs = _data(9, batch=2)
-    with Engine(model, resolve_loss("cross_entropy")) as core:
-        scorer = Influence(core, reference_gradients(core, [((refs[0],), refs[1])]), "jvp", False)
-        for seed in (0, 1):
-            x, y = _data(seed)
-            scorer((x,), y)
-        assert scorer.forward_mode
-        model[1].register_forward_hook(lambda module, args, out: out.roll(1, 0))
-        x, y = _data(2)
-        with pytest.raises(GradscopeError, match="mixes the examples"):
-            scorer((x,), y)
-
-
 class Centred(nn.Module):
     """Its hidden rows centred on the batch's mean once ``centred`` is set: a flag its forward
     reads, as a mode switch of the model's own."""
@@ -128,9 +110,19 @@ class Centred(nn.Module):
         return self.b(h - h.mean(0) if self.centred else h)
 
 
-def test_a_state_changed_since_the_proof_sends_the_batch_to_the_hooks() -> None:
-    """The proof holds at the model's state: a flag set between two batches of one scorer that
-    makes the forward mix the examples is refused by the hooks' pass, not scored forward."""
+def _rolled(model: Centred) -> None:
+    model.a.register_forward_hook(lambda module, args, out: out.roll(1, 0))
+
+
+def _centred(model: Centred) -> None:
+    model.centred = True
+
+
+@pytest.mark.parametrize("change", [_rolled, _centred], ids=["a hook added", "a flag set"])
+def test_a_model_changed_since_the_proof_sends_the_batch_to_the_hooks(change) -> None:
+    """Between two batches of one scorer, a hook added or a flag of the model's own set, either
+    making the forward mix the examples: forward mode would score it silently (the flag's
+    was, its proof kept while the hooks were the same); the hooks' pass refuses it."""
     torch.manual_seed(0)
     model = Centred().double()
     refs = _data(9, batch=2)
@@ -140,7 +132,7 @@ def test_a_state_changed_since_the_proof_sends_the_batch_to_the_hooks() -> None:
             x, y = _data(seed)
             scorer((x,), y)
         assert scorer.forward_mode
-        model.centred = True
+        change(model)
         x, y = _data(2)
         with pytest.raises(GradscopeError, match="mixes the examples"):
             scorer((x,), y)
