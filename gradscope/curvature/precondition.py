@@ -247,15 +247,20 @@ def load_preconditioner(path: str | Path, engine, model: dict | None = None) -> 
 
 
 def check_made(factors: Factors, model: dict, where: str) -> None:
-    """The factors must come from this checkpoint (where both know it) and this adapter (where
-    the factors record theirs: none is an adapter too)."""
+    """The factors must come from this checkpoint, where ``model`` says which (none: the
+    factory's initial weights, which factors of a checkpoint do not fit, nor the reverse), and
+    this adapter (where the factors record theirs: none is an adapter too)."""
     made = factors.meta.get("model")
     made = made if isinstance(made, dict) else {}
     ours, theirs = model.get("checkpoint_sha256"), made.get("checkpoint_sha256")
-    if ours and theirs and ours != theirs:
+    if "checkpoint_sha256" in model and ours != theirs:
+        at = (
+            "another checkpoint (its sha256 differs)"
+            if ours and theirs
+            else ("a checkpoint; this config names none" if theirs else "no checkpoint they record")
+        )
         raise ModelError(
-            "the factors were computed at another checkpoint (its sha256 differs); run "
-            "gradscope factors on this config again",
+            f"the factors were computed at {at}; run gradscope factors on this config again",
             where,
         )
     if "adapter_sha256" in model and "adapter_sha256" in made:

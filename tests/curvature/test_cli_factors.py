@@ -127,6 +127,15 @@ def test_user_errors_exit_2(tmp_path: Path, monkeypatch, capsys) -> None:
     cfg = make_project(tmp_path, n=N, model__checkpoint="net2.pt")
     err = fails(monkeypatch, capsys, "norms", cfg, "--precondition", factors)
     assert "computed at another checkpoint" in err
+    # factors at the factory's initial weights (no checkpoint) fit no checkpoint's model, nor
+    # the reverse: both were taken for unknown before (scores off by far more than they are)
+    cfg = make_project(tmp_path, n=N, model__checkpoint=None)
+    _invoke("factors", cfg, "--out", tmp_path / "init.safetensors")
+    err = fails(monkeypatch, capsys, "norms", cfg, "--precondition", factors)
+    assert "computed at a checkpoint; this config names none" in err
+    cfg = make_project(tmp_path, n=N)
+    err = fails(monkeypatch, capsys, "norms", cfg, "--precondition", tmp_path / "init.safetensors")
+    assert "computed at no checkpoint they record" in err
 
 
 def _header(path: Path) -> tuple[dict, bytes]:
