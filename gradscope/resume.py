@@ -16,6 +16,7 @@ from .config import Config
 from .distributed import World
 from .errors import ConfigError
 from .inputs import Inputs
+from .io.code import config_code
 from .io.files import file_sha256
 from .io.parquet import PartialRun
 
@@ -37,7 +38,8 @@ def fingerprint(
 ) -> dict:
     """What a partial run must share with the run that resumes it, as JSON reads it back: the
     command, the config, gradscope's and torch's versions, the kind of ``device`` (cpu, cuda),
-    and the state of every data and code file and checkpoint it reads."""
+    the state of every data and code file and checkpoint it reads, and of the Python files its
+    code loads from beside it (``io.code.config_code``)."""
     config = cfg.to_dict()
     for key in ("summary", "report", "source", "device"):  # display; file name; ranks differ
         config.pop(key)
@@ -52,6 +54,7 @@ def fingerprint(
         "command": command,
         "config": config,
         "files": files,
+        "code": config_code(cfg),  # what the factory imports from beside it, file by file
         "version": __version__,
         "torch": torch.__version__,
         "device": device,

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from .. import __version__
 from ..config import Config
 from ..errors import ConfigError, DataError, one_line
-from ..io.code import loaded_code
+from ..io.code import config_code
 from ..io.data import code_file, data_sha256
 from ..io.files import file_sha256
 from ..io.parquet import read_metadata
@@ -134,15 +134,10 @@ def identity(cfg: Config, ref: str, rows: int, same_order: bool = False) -> dict
     }
     # the code the factory (and data, loss, loop) load from beside them, file by file: a
     # module a factory imports, changed, makes other models as its own file does
-    specs = [cfg.model.factory, cfg.loss.name, cfg.train.fn, *_list(cfg.data.path)]
-    found["code"] = loaded_code(specs)
+    found["code"] = config_code(cfg)
     if same_order:  # absent, each subset trained alone: the truth files made before it
         found["order"] = "same"
     return as_json(_portable(found))
-
-
-def _list(path: str | list[str]) -> list[str]:
-    return [path] if isinstance(path, str) else list(path)
 
 
 def _portable(value: Any) -> Any:

@@ -281,6 +281,19 @@ def test_resume_after_data_or_code_changed_is_refused(tmp_path, monkeypatch, set
     assert runner.invoke(app, ["norms", str(config)]).exit_code == 0  # starting over works
 
 
+def test_resume_after_a_module_the_factory_imports_changed_is_refused(tmp_path, monkeypatch):
+    """The factory's file unchanged, the module it imports from beside it edited: the parts
+    saved were scored by other code (they were resumed into one file without a word)."""
+    config = project(tmp_path, model__factory="beside.py:StopNet")
+    (tmp_path / "stop_net_for_resume.py").write_text(HELD_MODEL)  # a name no other test imports
+    (tmp_path / "beside.py").write_text("from stop_net_for_resume import StopNet  # noqa: F401\n")
+    interrupted(config, monkeypatch)
+    with (tmp_path / "stop_net_for_resume.py").open("a") as f:
+        f.write("\n# edited\n")
+    line = one_error(runner.invoke(app, ["norms", str(config), "--resume"]))
+    assert "cannot resume: the interrupted run had a different code.stop_net_for_resume" in line
+
+
 def test_resume_with_nothing_to_resume_says_so(tmp_path):
     config = project(tmp_path)
     line = one_error(runner.invoke(app, ["norms", str(config), "--resume"]))
