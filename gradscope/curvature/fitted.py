@@ -49,6 +49,12 @@ def check_curvature(
             "one from a file: give one of them",
             "--precondition",
         )
+    given = {"--damping": damping is not None, "--solver": solver != AUTO,
+             "--cg-tolerance": tolerance != TOLERANCE}  # fmt: skip
+    unread = [name for name, set_ in given.items() if set_]
+    if curvature == NONE and unread:
+        why = "--precondition reads a fitted one" if precondition else "--curvature none fits none"
+        raise ConfigError(f"{unread[0]} sets the curvature fitted in this run; {why}", unread[0])
 
 
 def resolve_curvature(curvature: str | None, precondition: object) -> str:

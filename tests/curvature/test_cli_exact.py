@@ -173,8 +173,11 @@ def test_kfac_in_the_run_keeps_factored_references_factored(tmp_path, monkeypatc
         (["--curvature", "gn", "--solver", "lu"], "--solver must be one of auto, dense, cg"),
         (["--curvature", "gn", "--precondition", "PRE"], "give one of them (--precondition)"),
         (["--curvature", "gn", "--solver", "dense"], "over the 0 GiB budget); use --solver cg"),
+        # read by no curvature: the run went on as without them (its metadata said damping 0.5)
+        (["--precondition", "PRE", "--damping", "0.5"], "--precondition reads a fitted one"),
+        (["--curvature", "none", "--solver", "cg"], "--curvature none fits none (--solver)"),
     ],
-    ids=["unknown", "negative", "solver", "both", "too-large"],
+    ids=["unknown", "negative", "solver", "both", "too-large", "damping-unread", "solver-unread"],
 )
 def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys, flags, message) -> None:
     cfg = project(tmp_path, "cross_entropy")
