@@ -61,6 +61,12 @@ def adam_denominator(state: Any, engine, where: str) -> dict[str, Tensor]:
                 "values: every score would be NaN",
                 where,
             )
+        if not (denominator > 0).all():  # eps 0 and entries never updated: g / 0
+            raise ModelError(
+                f"Adam's sqrt(v_hat) + eps is 0 for {int((denominator <= 0).sum())} entries of "
+                f"parameter {p.name} (eps {eps:g}): every score would be NaN",
+                where,
+            )
         denominators[p.name] = denominator.to(p.param.dtype)
     return denominators
 

@@ -143,6 +143,8 @@ def fit_curvature(
     damping = resolve_damping(curvature, damping)
     start = time.perf_counter()
     if curvature in (KFAC, EKFAC):
+        if not damping > 0:  # an unused input's factor has zero eigenvalues: 1 / 0
+            raise ConfigError(f"--curvature {curvature} needs a --damping above 0", "--damping")
         fisher = "true" if job.cfg.loss.name in SAMPLED else "empirical"
         factors = compute_factors(job, ekfac=curvature == EKFAC, fisher=fisher)
         redamp(factors.blocks, damping)

@@ -141,6 +141,20 @@ def test_a_nan_in_the_state_is_named(tmp_path, value):
     ), line
 
 
+def test_a_zero_denominator_is_named(tmp_path):
+    """eps 0 and a second moment of 0 (an entry never updated): g / 0, every score NaN, which
+    the run wrote with exit 0 before."""
+    config, net = square_net(tmp_path)
+    stepped(net, [{"params": list(net.named_parameters())}], tmp_path)
+    state = torch.load(tmp_path / "adam.pt")
+    state["state"][1]["exp_avg_sq"][2] = 0.0  # fc1.bias
+    state["param_groups"][0]["eps"] = 0.0
+    torch.save(state, tmp_path / "adam.pt")
+    args = ["norms", str(config), "--precondition", str(tmp_path / "adam.pt")]
+    line = one_error(runner.invoke(app, args))
+    assert "Adam's sqrt(v_hat) + eps is 0 for 1 entries of parameter fc1.bias (eps 0)" in line
+
+
 def _spoil(state: dict, how: str) -> None:
     if how == "step-0":
         state["state"][1]["step"] = torch.tensor(0.0)

@@ -176,8 +176,18 @@ def test_kfac_in_the_run_keeps_factored_references_factored(tmp_path, monkeypatc
         # read by no curvature: the run went on as without them (its metadata said damping 0.5)
         (["--precondition", "PRE", "--damping", "0.5"], "--precondition reads a fitted one"),
         (["--curvature", "none", "--solver", "cg"], "--curvature none fits none (--solver)"),
+        (["--curvature", "ekfac", "--damping", "0"], "--curvature ekfac needs a --damping above 0"),
     ],
-    ids=["unknown", "negative", "solver", "both", "too-large", "damping-unread", "solver-unread"],
+    ids=[
+        "unknown",
+        "negative",
+        "solver",
+        "both",
+        "too-large",
+        "damping-unread",
+        "solver-unread",
+        "ekfac-undamped",
+    ],  # fmt: skip
 )
 def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys, flags, message) -> None:
     cfg = project(tmp_path, "cross_entropy")
