@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,8 +54,20 @@ def _cell(found: Outliers, name: str, value: object) -> Cell:
     return Cell(cell(found, name, value), repr(float(value)) if number else fmt(value))
 
 
-def _sections(found: Outliers, cfg: Config | None) -> list[Section]:
-    ids = [int(i) for end in found.ends for i in end.rows.get("example_id", ())]
+def _ids(found: Outliers, scores: Path) -> list[int]:
+    """The example ids of the rows shown: row numbers, else one line (text, a NaN)."""
+    ids = [i for end in found.ends for i in end.rows.get("example_id", ())]
+    try:
+        return [operator.index(i) for i in ids]
+    except TypeError:
+        bad = next(i for i in ids if not isinstance(i, (int, np.integer)))
+        bad = bad.item() if isinstance(bad, np.generic) else bad  # 195.0, not np.float64(...)
+        raise DataError(
+            f"the scores' example_id holds {bad!r}, not a row number", str(scores)
+        ) from None
+
+
+def _sections(found: Outliers, cfg: Config | None, ids: list[int]) -> list[Section]:
     shown = show_examples(cfg, ids) if cfg and ids else {}  # no example_id: nothing to look up
     sections = []
     for end in found.ends:
@@ -110,7 +123,7 @@ def render(scores: Path, cfg: Config | None, by: str | None, top_k: int) -> str:
     found = rank(scores, by, top_k, cfg.data.classes if cfg else None)
     if not len(found.values):
         raise DataError("the scores file has no rows: nothing to report", str(scores))
-    sections = _sections(found, cfg)
+    sections = _sections(found, cfg, _ids(found, scores))
     meta = read_metadata(scores)
     env = jinja2.Environment(
         loader=jinja2.PackageLoader("gradscope", "report"),

@@ -108,6 +108,21 @@ def test_report_with_config_refuses_a_file_without_example_id(tmp_path):
     assert not (tmp_path / "noid.html").exists()
 
 
+@pytest.mark.parametrize("ids", [["a", "b", "c"], [0.0, float("nan"), 2.0]], ids=["text", "nan"])
+def test_an_example_id_that_is_no_row_number_is_one_line(tmp_path, ids):
+    """Another tool wrote the ids as text, or with a NaN: the report named no row (it raised)."""
+    from project import make_project
+
+    config = make_project(tmp_path, n=3)
+    assert runner.invoke(app, ["norms", str(config)]).exit_code == 0
+    table = pq.read_table(tmp_path / "scores.parquet")
+    table = table.set_column(table.column_names.index("example_id"), "example_id", [ids])
+    pq.write_table(table, tmp_path / "odd.parquet")
+    result = runner.invoke(app, ["report", str(tmp_path / "odd.parquet")])
+    assert result.exit_code == 2 and "example_id holds" in result.stderr, result.output
+    assert "not a row number" in result.stderr
+
+
 def _chromium() -> str:
     found = shutil.which("chromium") or shutil.which("chromium-browser")
     if found is None:
