@@ -29,6 +29,7 @@ from ..errors import DataError, one_line
 METADATA_KEY = b"gradscope"
 MANIFEST = "manifest.json"
 RUN_KEY = b"gradscope_run"  # in each part: the sha256 of its run's fingerprint
+PART_KEY = b"gradscope_part"  # and its batch number: a part copied to another name is not it
 # what a run writes in its partial folder: the manifest, the parts (or a training run's state),
 # their temporary names
 RUN_FILE = re.compile(r"\.?(manifest\.json|part-\d+\.parquet|state\.pt)(.*\.tmp)?")
@@ -148,22 +149,25 @@ class PartialRun:
         text = json.dumps({"fingerprint": self.fingerprint}, default=str).encode()
         replace_atomically(self.dir / MANIFEST, lambda f: f.write(text))
 
-    def _ours(self, part: Path) -> bool:
+    def _ours(self, part: Path, number: int) -> bool:
         """Whether a part's footer reads back (a 0-byte or truncated file does not) and carries
-        this run's stamp."""
+        this run's stamp and its own batch number."""
         try:
             meta = pq.read_metadata(part)
         except (OSError, pa.ArrowException):
             return False
-        return meta.num_rows > 0 and (meta.metadata or {}).get(RUN_KEY) == self.stamp[RUN_KEY]
+        stamp = meta.metadata or {}
+        mine = stamp.get(RUN_KEY) == self.stamp[RUN_KEY]
+        return meta.num_rows > 0 and mine and stamp.get(PART_KEY) == str(number).encode()
 
     def done(self) -> set[int]:
         """The batch numbers whose parts are complete and ours; any other part (a power loss
         before its data reached the disk, another run's) is removed, to be scored again."""
         numbers = set()
         for part in self.dir.glob("part-*.parquet"):
-            if self._ours(part) and part.name[5:-8].isdigit():
-                numbers.add(int(part.name[5:-8]))
+            number = part.name[5:-8]
+            if number.isdigit() and self._ours(part, int(number)):
+                numbers.add(int(number))
             else:
                 part.unlink()
         return numbers
@@ -177,7 +181,7 @@ class PartialRun:
         table = pa.table(
             {name: v if isinstance(v, pa.Array) else _array(v) for name, v in columns.items()}
         )
-        table = table.replace_schema_metadata(self.stamp)
+        table = table.replace_schema_metadata({**self.stamp, PART_KEY: str(number).encode()})
         replace_atomically(self._part(number), lambda f: pq.write_table(table, f))
 
     def names(self) -> list[str]:

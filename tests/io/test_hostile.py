@@ -7,6 +7,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import stat
@@ -474,12 +475,18 @@ def test_sigterm_is_handled_as_ctrl_c(tmp_path):
     pd.testing.assert_frame_equal(pd.read_parquet(out), pd.read_parquet(whole), check_exact=True)
 
 
-def test_a_part_copied_in_from_another_run_is_scored_again(tmp_path, monkeypatch):
+@pytest.mark.parametrize("copied", ["another run's", "another batch's"])
+def test_a_part_copied_in_is_scored_again(tmp_path, monkeypatch, copied):
+    """A part not stamped by this run, or this run's part of another batch copied to this
+    batch's name (whose rows, example ids and all, were kept in its place)."""
     config = held_project(tmp_path, model__factory="held.py:StopNet")
     interrupted(config, monkeypatch)  # batches 0 and 1 saved
     ours = partial_path(tmp_path / "scores.parquet")
-    foreign = pd.read_parquet(ours / "part-000000000.parquet").assign(grad_norm=999.0)
-    foreign.to_parquet(ours / "part-000000002.parquet")  # another run's rows, not stamped ours
+    if copied == "another run's":
+        foreign = pd.read_parquet(ours / "part-000000000.parquet").assign(grad_norm=999.0)
+        foreign.to_parquet(ours / "part-000000002.parquet")  # not stamped ours
+    else:
+        shutil.copy(ours / "part-000000000.parquet", ours / "part-000000002.parquet")
     assert runner.invoke(app, ["norms", str(config), "--resume"]).exit_code == 0
     frame = pd.read_parquet(tmp_path / "scores.parquet")
     assert 999.0 not in frame["grad_norm"].tolist()
