@@ -5,12 +5,12 @@ of the objects it holds (a config a forward reads ``self.config.dim`` from, its 
 slotted dataclass's slots) and the entries of its tuples, lists and dicts of more than plain
 values (a dict of configs, a list of tensors), ``DEPTH`` levels in, likewise, and the tensors it
 keeps (buffers, tensor attributes, and those of what it holds) by identity and by their version
-(what autograd counts writes in place by); and what runs the modules' calls beside
-(``running.py``). A program was analysed at one state; at
-another, a forward may make other ops at the same calls, shapes and autograd node counts (a mean
-over the batch instead of over the features, rows gathered by a permutation the model keeps),
-which the witness would not see. So a program replays only at the state its batch began with; at another
-the batch is analysed (``replay/programs.py``)."""
+(what autograd counts writes in place by); and beside, what runs the modules' calls (their
+classes, children, parameters and hooks: ``running.py``). A program was analysed at one state;
+at another, a forward may make other ops at the same calls, shapes and autograd node counts (a
+mean over the batch instead of over the features, rows gathered by a permutation the model
+keeps), which the witness would not see. So a program replays only at the state its batch began
+with; at another the batch is analysed (``replay/programs.py``)."""
 
 from __future__ import annotations
 
