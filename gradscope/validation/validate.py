@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from .. import __version__, distributed
 from ..config import Config
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError, DataError, Interrupted
 from ..inputs import check_output, run_inputs
 from ..io.data import data_sha256, open_dataset
 from ..io.lock import OutputLock
@@ -186,9 +186,16 @@ def validate(
                              same_order=options.same_order, resume=options.resume, on_start=on_start, on_model=on_model)  # fmt: skip
         if held is None:
             return None
-        datamodel = Datamodel.of(held, lds, rows, options.target)
-        table = _table(files, wanted, datamodel, held, removals, bad, options)
-        _write(table, out, truth, design.describe(rows), options)
+        try:
+            datamodel = Datamodel.of(held, lds, rows, options.target)
+            table = _table(files, wanted, datamodel, held, removals, bad, options)
+            _write(table, out, truth, design.describe(rows), options)
+        except KeyboardInterrupt:  # not "before any example was saved": every model is
+            raise Interrupted(
+                "interrupted after the truth file was written, every model in it; run the same "
+                "command again to measure from it",
+                str(truth),
+            ) from None
     return table
 
 

@@ -84,6 +84,27 @@ def test_interrupt_and_crash_lose_no_model(tmp_path, monkeypatch):
     assert not partial_path(cut / "v.truth.parquet").exists()
 
 
+def test_an_interrupt_after_the_truth_is_written_says_so(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM) as the table is measured: the truth file is whole, and the line says
+    so (it said "interrupted before any example was saved"); the next run trains nothing."""
+    import importlib
+
+    module = importlib.import_module("gradscope.validation.validate")
+
+    make_problem(tmp_path)
+    scores(tmp_path)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, "_table", interrupted)
+    result = invoke(tmp_path)
+    assert result.exit_code == 130 and "after the truth file was written" in result.output
+    monkeypatch.undo()
+    counting_fit(monkeypatch, stop=0)  # any retrain fails the test
+    assert invoke(tmp_path).exit_code == 0
+
+
 def test_resume_refuses_another_recipe(tmp_path, monkeypatch):
     make_problem(tmp_path)
     scores(tmp_path)
