@@ -19,7 +19,7 @@ from torch import nn
 from .. import distributed, training
 from ..config import Config
 from ..distributed import World
-from ..errors import Interrupted, reading
+from ..errors import DataError, Interrupted, reading
 from ..inputs import run_inputs
 from ..io.data import open_dataset
 from ..io.files import file_sha256
@@ -55,10 +55,18 @@ def evaluate(cfg: Config, model: nn.Module, ref: str) -> tuple[np.ndarray, np.nd
 
 
 def check_ref(cfg: Config, ref: str) -> None:
-    """REF through the model as training begins it: a REF the model cannot take, or a loss that
-    cannot read its targets, is one line before anything trains."""
+    """REF through the model as training begins it: a REF the model cannot take, a loss that
+    cannot read its targets, or one not finite (a NaN in REF: every model's target there would
+    be, and its LDS none), is one line before anything trains."""
     with torch.random.fork_rng(devices=[]), reading(f"--ref {ref}"):
-        evaluate(cfg, build(cfg, cfg.train.seed), ref)
+        loss, _ = evaluate(cfg, build(cfg, cfg.train.seed), ref)
+    bad = np.flatnonzero(~np.isfinite(loss))
+    if len(bad):
+        raise DataError(
+            f"REF example {bad[0]}'s loss is {loss[bad[0]]} under the model as training begins "
+            f"it ({len(bad)} of {len(loss)} not finite): no retrained model can be measured on it",
+            f"--ref {ref}",
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -241,6 +241,12 @@ def wide_ref(root):
                root / "ref.pt")  # fmt: skip
 
 
+def nan_ref(root):
+    ref = torch.load(root / "ref.pt")
+    ref["x"][2, 0] = float("nan")
+    torch.save(ref, root / "ref.pt")
+
+
 def no_train(root):
     raw = yaml.safe_load((root / "config.yaml").read_text())
     del raw["train"]
@@ -265,6 +271,8 @@ def mse(root):
         (no_train, [], "no 'train' section"),
         (other_ref, [], "against another REF"),
         (wide_ref, [], "the model's forward raised RuntimeError on REF"),
+        # every model's loss there NaN: its LDS was "-" with no reason given
+        (nan_ref, [], "REF example 2's loss is nan under the model as training begins it"),
         (mse, ["--target", "margin"], "--target margin needs a classification loss"),
         (None, ["--bad", "nonesuch"], "no column 'nonesuch' for --bad"),
         (None, ["--column", "cosine"], "no 'cosine' column"),
