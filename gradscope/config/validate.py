@@ -4,15 +4,20 @@ its key path."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from ..errors import ConfigError
 from .schema import Config
 from .train import TrainConfig
 
-# the recipe's keys, which train.fn (a loop of the user's own) does not read
-RECIPE = ("optimizer", "lr", "momentum", "nesterov", "betas", "eps", "weight_decay", "schedule",
-          "warmup", "epochs", "steps", "batch_size", "shuffle", "clip")  # fmt: skip
+# the recipe's keys, which train.fn (a loop of the user's own) does not read: all but its seed,
+# the weights it starts from, and save_every (refused with train.fn on its own)
+RECIPE = tuple(
+    f.name
+    for f in dataclasses.fields(TrainConfig)
+    if f.name not in ("seed", "init", "save_every", "fn")
+)
 
 
 def validate(cfg: Config) -> None:

@@ -22,13 +22,19 @@ WRITTEN = (MANIFEST, META, STEPS, FINAL, START, FED)
 _STEPS = ("picked", "sizes", "lrs")  # what steps.pt holds
 
 
+def foreign(folder: Path) -> list[str]:
+    """The names in the folder ``folder`` of what no run record writes (its own files, its
+    segments and a stopped watched loop's steps, a dot file a write in progress leaves)."""
+    names = [f.name for f in folder.iterdir() if f.name not in WRITTEN]
+    return [n for n in names if not n.startswith(("segment-", "steps-", "."))]
+
+
 def refuse_foreign(folder: Path) -> None:
     """Refuse to replace ``folder`` unless it is a run record's: a folder (not a link) holding
     only what a record writes, so that no file of the user's (an input) goes with it."""
     if folder.is_symlink() or not folder.is_dir():
         raise ConfigError("not a run record's folder (a link or a file): give another", str(folder))
-    other = [f.name for f in folder.iterdir() if f.name not in WRITTEN]
-    other = [n for n in other if not n.startswith(("segment-", "steps-", "."))]
+    other = foreign(folder)
     if other:
         raise ConfigError(
             f"the folder holds {other[0]}, which no run record writes: not replaced", str(folder)

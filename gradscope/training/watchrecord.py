@@ -25,7 +25,7 @@ from ..errors import ConfigError, DataError, RecordWarning
 from ..losses import LossFn
 from ..resume import as_json
 from .record import WATCHED, Recorder, _load, _save, rng
-from .recordfiles import FED, FINAL, MANIFEST, META, START, STEPS
+from .recordfiles import FED, START, foreign
 from .steps import Tensors, Update
 from .watchdraws import same_state
 from .watchoptim import read_recipe, settings
@@ -87,11 +87,8 @@ class Recording:
         folder = self.recorder.folder
         if not folder.parent.is_dir():
             raise DataError("the folder to write the run record in does not exist", str(folder))
-        names = {MANIFEST, META, STEPS, FINAL, START, FED}
-        parts = ("segment-", "steps-")  # a stopped loop's, which a resumed one continues
-        listed = folder.iterdir() if folder.is_dir() else ()
-        foreign = [f.name for f in listed if f.name not in names and not f.name.startswith(parts)]
-        if foreign or (folder.exists() and not folder.is_dir()):
+        # a stopped loop's segments and steps, which a resumed one continues, are the record's
+        if (folder.is_dir() and foreign(folder)) or (folder.exists() and not folder.is_dir()):
             raise ConfigError("that is no run record's folder: name another", str(folder))
         if self.resumed is not None:
             self._resume(self.resumed)
