@@ -42,7 +42,8 @@ import pyarrow.parquet as pq
 
 from ..errors import ConfigError, DataError
 from ..inputs import Inputs, check_folder, check_not_input
-from ..io.parquet import RUN_FILE, PartialRun, replace_atomically
+from ..io.files import replace_atomically
+from ..io.parquet import RUN_FILE, PartialRun
 from .manifest import FORMAT, HEADER, IDS, MANIFEST, SEAL, VERSION, ends_sha256, read_manifest, seal
 
 STAGING = "index"  # the folder inside the partial one where the index is assembled

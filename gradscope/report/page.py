@@ -15,7 +15,8 @@ from ..config import Config
 from ..errors import DataError
 from ..inputs import check_not_recorded, check_output, metadata_inputs, run_inputs
 from ..io.data import data_sha256
-from ..io.parquet import read_metadata, replace_atomically
+from ..io.files import replace_atomically
+from ..io.parquet import read_metadata
 from ..io.scorefile import column
 from ..outliers import Outliers, is_labels, rank
 from ..summary import cell

@@ -22,8 +22,7 @@ from torch import Tensor, nn
 from ..config import Config, DataConfig
 from ..errors import ConfigError, DataError, ModelError
 from ..inputs import Inputs
-from ..io.files import file_sha256
-from ..io.parquet import replace_atomically
+from ..io.files import file_sha256, replace_atomically
 from ..resume import as_json, differences
 from .loop import build, recipe
 from .recordfiles import (

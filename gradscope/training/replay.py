@@ -23,7 +23,7 @@ from ..config import Config
 from ..engine import MAX_PER_REF
 from ..errors import DataError, Interrupted, ModelError, reading
 from ..io.data import open_dataset
-from ..io.parquet import replace_atomically
+from ..io.files import replace_atomically
 from ..job import config_forward, config_loss, resolve_device
 from .adjoint import Called, Problem
 from .loop import TrainingRows

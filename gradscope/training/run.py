@@ -15,8 +15,9 @@ from ..config import Config
 from ..errors import ConfigError, DataError, Interrupted
 from ..inputs import Inputs, check_output, run_inputs
 from ..io.data import code_file
+from ..io.files import replace_atomically
 from ..io.lock import OutputLock
-from ..io.parquet import PartialRun, replace_atomically
+from ..io.parquet import PartialRun
 from ..job import resolve_device
 from ..resume import fingerprint, resumed_parts
 from .loop import Trainer, TrainingRows, build, recipe

@@ -20,8 +20,9 @@ from ..config import Config
 from ..errors import ConfigError, DataError, Interrupted
 from ..inputs import check_output, run_inputs
 from ..io.data import data_sha256, open_dataset
+from ..io.files import replace_atomically
 from ..io.lock import OutputLock
-from ..io.parquet import METADATA_KEY, replace_atomically
+from ..io.parquet import METADATA_KEY
 from ..predictions import predictions
 from ..training import recipe
 from .plan import FRACTION, SEEDS, SUBSETS, Design, removal_tasks, subset_tasks
