@@ -16,6 +16,7 @@ from .config import Config
 from .distributed import World
 from .errors import ConfigError
 from .inputs import Inputs
+from .io.batch import Batch, batch_sha256
 from .io.code import config_code
 from .io.files import file_sha256
 from .io.parquet import PartialRun
@@ -119,13 +120,26 @@ class Parts:
     key: dict
     done: set[int] | None  # the parts an interrupted run left; None when starting afresh
     begun: bool = False
+    hashed: bool = False  # each part stamped with its batch's sha256: no file's hash holds them
 
     def wanted(self, number: int) -> bool:
         return self.world.owns(number) and number not in (self.done or ())
 
-    def write(self, number: int, columns: dict) -> None:
+    def write(self, number: int, columns: dict, batch: Batch | None = None) -> None:
+        """Part ``number``, stamped where ``hashed`` with the sha256 of the ``batch`` it scored."""
         self.begin()
-        self.run.write(number, columns)
+        hashed = self.hashed and batch is not None
+        self.run.write(number, columns, batch_sha256(batch) if hashed else None)
+
+    def check(self, number: int, batch: Batch) -> None:
+        """A batch a part holds: where the data is made by code (``file.py:fn``), whose inputs
+        no fingerprint sees, its rows must be the ones the part was scored from."""
+        if self.hashed and self.run.data(number) != batch_sha256(batch):
+            raise ConfigError(
+                f"cannot resume: batch {number}'s rows differ from those the interrupted run "
+                "scored (data.path's code made other rows); run without --resume to start over",
+                str(self.run.dir),
+            )
 
     def begin(self) -> None:
         """Once every rank's first batch has run: begin the partial folder, or keep it."""

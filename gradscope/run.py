@@ -15,7 +15,7 @@ from . import distributed
 from .config import Config
 from .errors import Interrupted
 from .inputs import minimal, run_inputs
-from .io.data import Batch, open_dataset
+from .io.data import Batch, data_sha256, open_dataset
 from .io.lock import OutputLock
 from .io.parquet import PartialRun, partial_path
 from .job import Job, resolve_device
@@ -87,6 +87,7 @@ def score_dataset(
             run = scorer.partial(cfg.output.path, key)
             run.refuse_foreign()  # before the model is built
             parts = Parts(run, world, key, resumed_parts(run, key) if resume else None)
+            parts.hashed = data_sha256(cfg.data.path) is None  # made by code: hash the rows
             job = Job.from_config(dataclasses.replace(cfg, device=device), trust_checkpoint)
             dataset = open_dataset(cfg.data)
             if on_start:
@@ -143,9 +144,11 @@ def _score(
             if not parts.world.owns(number):
                 continue
             if parts.wanted(number):
-                parts.write(number, scorer.columns(job, batch))
-            elif job.sharded:
-                scorer.columns(job, batch)
+                parts.write(number, scorer.columns(job, batch), batch)
+            else:
+                parts.check(number, batch)
+                if job.sharded:
+                    scorer.columns(job, batch)
             passes += 1
             rows += len(batch)
             if on_batch:

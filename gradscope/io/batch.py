@@ -3,6 +3,7 @@ rows until padded; ``convert.py`` makes columns tensors)."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -31,6 +32,19 @@ class Batch:
 
     def __len__(self) -> int:
         return len(self.index)
+
+
+def batch_sha256(batch: Batch) -> str:
+    """The sha256 of a batch's rows: their positions, inputs, targets and ids, bit for bit with
+    their dtypes and shapes (what a resume compares where no file's hash holds the data)."""
+    h = hashlib.sha256()
+    for value in (batch.index, *batch.inputs, batch.targets):
+        t = value.detach().cpu().contiguous()
+        h.update(f"{t.dtype} {tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    if batch.ids is not None:
+        h.update("\0".join(map(str, batch.ids.tolist())).encode())
+    return h.hexdigest()
 
 
 def _join(parts: list[Any]) -> Any:

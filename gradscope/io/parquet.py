@@ -28,6 +28,7 @@ METADATA_KEY = b"gradscope"
 MANIFEST = "manifest.json"
 RUN_KEY = b"gradscope_run"  # in each part: the sha256 of its run's fingerprint
 PART_KEY = b"gradscope_part"  # and its batch number: a part copied to another name is not it
+DATA_KEY = b"gradscope_data"  # where no file's hash holds the data: its batch's sha256
 # what a run writes in its partial folder: the manifest, the parts (or a training run's state),
 # their temporary names
 RUN_FILE = re.compile(r"\.?(manifest\.json|part-\d+\.parquet|state\.pt)(.*\.tmp)?")
@@ -135,14 +136,20 @@ class PartialRun:
     def _part(self, number: int) -> Path:
         return self.dir / f"part-{number:09d}.parquet"
 
-    def write(self, number: int, columns: dict[str, Any]) -> None:
-        """Batch ``number``'s rows as one complete part file, stamped as this run's; a column
-        may be an Arrow array already."""
+    def write(self, number: int, columns: dict[str, Any], data: str | None = None) -> None:
+        """Batch ``number``'s rows as one complete part file, stamped as this run's (and with
+        ``data``, the sha256 of the batch's rows); a column may be an Arrow array already."""
         table = pa.table(
             {name: v if isinstance(v, pa.Array) else _array(v) for name, v in columns.items()}
         )
-        table = table.replace_schema_metadata({**self.stamp, PART_KEY: str(number).encode()})
+        stamp = {**self.stamp, PART_KEY: str(number).encode()}
+        table = table.replace_schema_metadata(stamp | ({DATA_KEY: data.encode()} if data else {}))
         replace_atomically(self._part(number), lambda f: pq.write_table(table, f))
+
+    def data(self, number: int) -> str | None:
+        """The sha256 of the rows part ``number`` was scored from, where the run stamped it."""
+        stamp = pq.read_metadata(self._part(number)).metadata or {}
+        return stamp[DATA_KEY].decode() if DATA_KEY in stamp else None
 
     def names(self) -> list[str]:
         """The columns of the parts."""

@@ -119,3 +119,35 @@ def test_influence_resume_equals_uninterrupted_and_needs_the_same_ref(tmp_path):
     )
     pd.testing.assert_frame_equal(pd.read_parquet(out), pd.read_parquet(whole), check_exact=True)
     assert read_metadata(out)["influence"] == read_metadata(whole)["influence"]
+
+
+def test_resume_over_data_made_by_code_checks_the_rows_it_kept(tmp_path):
+    """``file.py:fn`` data: no file's hash holds the rows the code makes (here from a file it
+    reads), so each part holds its batch's sha256, and a resume over other rows is refused."""
+    config = make_project(tmp_path, n=23, data__ids="name")
+    (tmp_path / "rows.py").write_text(
+        "import pathlib, torch\n"
+        "def make():\n"
+        "    return torch.load(pathlib.Path(__file__).with_name('rows.pt'))\n"
+    )
+    rows = torch.load(tmp_path / "data.pt")
+    torch.save(rows, tmp_path / "rows.pt")
+    cfg = load_config(config)
+    cfg = dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, path=f"{tmp_path}/rows.py:make")
+    )
+    with pytest.raises(Interrupted):
+        score_dataset(cfg, CountingNorms(stop=3))
+    changed = {**rows, "x": rows["x"].clone()}
+    changed["x"][5] += 1  # a row of batch 1, which a part holds
+    torch.save(changed, tmp_path / "rows.pt")
+    with pytest.raises(ConfigError, match="batch 1's rows differ from those the interrupted run"):
+        score_dataset(cfg, resume=True)
+    torch.save(rows, tmp_path / "rows.pt")
+    out = score_dataset(cfg, resume=True)
+    whole = score_dataset(
+        dataclasses.replace(
+            cfg, output=dataclasses.replace(cfg.output, path=str(tmp_path / "w.parquet"))
+        )
+    )
+    pd.testing.assert_frame_equal(pd.read_parquet(out), pd.read_parquet(whole), check_exact=True)
