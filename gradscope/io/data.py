@@ -13,7 +13,7 @@ import torch
 
 from ..config import DataConfig
 from ..errors import DataError, stop_if_signalled
-from .batch import Batch, rebatch, take
+from .batch import Batch, batch_sha256, rebatch, take
 from .files import file_sha256
 from .held import held, is_held
 from .selection import Selection, is_glob
@@ -72,6 +72,20 @@ def data_sha256(path: str | Sequence[str]) -> str | None:
         return file_sha256(path) if Path(path).is_file() else None
     listing = "\n".join(f"{f} {file_sha256(f)}" for f in files)
     return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def rows_sha256(cfg: DataConfig, path: str | Sequence[str] | None = None) -> str:
+    """The sha256 of the data at ``path`` (default: ``data.path``): its files' (``data_sha256``);
+    where code makes it (``file.py:fn``), of its rows as ``cfg``'s batches read them (one pass
+    over them), since the files that code reads are named nowhere."""
+    path = path or cfg.path
+    found = data_sha256(path)
+    if found is not None:
+        return found
+    h = hashlib.sha256()
+    for batch in open_dataset(cfg, path).batches(cfg.batch_size, cfg.limit):
+        h.update(batch_sha256(batch).encode())
+    return f"rows:{h.hexdigest()}"
 
 
 class Dataset:

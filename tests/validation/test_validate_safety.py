@@ -153,6 +153,31 @@ def test_truth_not_reused_once_a_module_the_factory_imports_changed(tmp_path, mo
     assert "truth file was made with a different code.truth_sizes.py" in line
 
 
+def test_truth_not_reused_once_code_made_data_makes_other_rows(tmp_path, monkeypatch):
+    """``data.path: rows.py:make`` reading a file the config does not name, which then
+    changes: no file's hash holds the rows, so the truth keeps their sha256 and is refused (it
+    was reused, every model trained on the old rows)."""
+    make_problem(tmp_path)
+    (tmp_path / "rows.py").write_text(
+        "import pathlib, torch\n\n\ndef make():\n"
+        "    return torch.load(pathlib.Path(__file__).with_name('data.pt'))\n"
+    )
+    config = tmp_path / "config.yaml"
+    raw = yaml.safe_load(config.read_text())
+    raw["data"]["path"] = "rows.py:make"
+    config.write_text(yaml.safe_dump(raw))
+    scores(tmp_path)
+    assert invoke(tmp_path).exit_code == 0
+    counting_fit(monkeypatch, stop=0)  # any retrain fails the test
+    (tmp_path / "v.parquet").unlink()
+    assert invoke(tmp_path).exit_code == 0  # the same rows: reused
+    data = torch.load(tmp_path / "data.pt")
+    data["x"][3] += 1
+    torch.save(data, tmp_path / "data.pt")
+    line = one_error(invoke(tmp_path))
+    assert "truth file was made with a different data.sha256" in line
+
+
 def test_truth_extended_by_the_models_a_run_adds(tmp_path, monkeypatch):
     """A truth without removal models, then --removal: only those are trained, added to the
     truth beside its subsets, and the table is the one a run from scratch gives."""
