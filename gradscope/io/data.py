@@ -74,17 +74,18 @@ def data_sha256(path: str | Sequence[str]) -> str | None:
     return hashlib.sha256(listing.encode()).hexdigest()
 
 
-def rows_sha256(cfg: DataConfig, path: str | Sequence[str] | None = None) -> str:
-    """The sha256 of the data at ``path`` (default: ``data.path``): its files' (``data_sha256``);
-    where code makes it (``file.py:fn``), of its rows as ``cfg``'s batches read them (one pass
-    over them), since the files that code reads are named nowhere."""
+def code_rows_sha256(cfg: DataConfig, path: str | Sequence[str] | None = None) -> str | None:
+    """Where code makes the data at ``path`` (default: ``data.path``; a ``file.py:fn``, rows
+    held in Python): the sha256 of its rows as ``cfg``'s batches read them, one pass over them,
+    since the files that code reads are named nowhere. None where files hold the data: their
+    sha256 (``data_sha256``) is the data's."""
     path = path or cfg.path
-    found = data_sha256(path)
-    if found is not None:
-        return found
+    if data_sha256(path) is not None:
+        return None
     h = hashlib.sha256()
-    for batch in open_dataset(cfg, path).batches(cfg.batch_size, cfg.limit):
-        h.update(batch_sha256(batch).encode())
+    with torch.random.fork_rng(devices=[]):  # what the code draws is not the caller's to lose
+        for batch in open_dataset(cfg, path).batches(cfg.batch_size, cfg.limit):
+            h.update(batch_sha256(batch).encode())
     return f"rows:{h.hexdigest()}"
 
 

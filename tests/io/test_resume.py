@@ -8,7 +8,16 @@ import signal
 import pandas as pd
 import pytest
 import torch
-from project import CountingNorms, launch, make_project, slow_project, wait_for_parts
+from project import (
+    CountingNorms,
+    edit_config,
+    edit_data,
+    launch,
+    made_by_code,
+    make_project,
+    slow_project,
+    wait_for_parts,
+)
 
 from gradscope.config import load_config
 from gradscope.errors import ConfigError, Interrupted
@@ -125,29 +134,15 @@ def test_resume_over_data_made_by_code_checks_the_rows_it_kept(tmp_path):
     """``file.py:fn`` data: no file's hash holds the rows the code makes (here from a file it
     reads), so each part holds its batch's sha256, and a resume over other rows is refused."""
     config = make_project(tmp_path, n=23, data__ids="name")
-    (tmp_path / "rows.py").write_text(
-        "import pathlib, torch\n"
-        "def make():\n"
-        "    return torch.load(pathlib.Path(__file__).with_name('rows.pt'))\n"
-    )
-    rows = torch.load(tmp_path / "data.pt")
-    torch.save(rows, tmp_path / "rows.pt")
+    edit_config(tmp_path, lambda c: c["data"].update(path=made_by_code(tmp_path)))
     cfg = load_config(config)
-    cfg = dataclasses.replace(
-        cfg, data=dataclasses.replace(cfg.data, path=f"{tmp_path}/rows.py:make")
-    )
     with pytest.raises(Interrupted):
         score_dataset(cfg, CountingNorms(stop=3))
-    changed = {**rows, "x": rows["x"].clone()}
-    changed["x"][5] += 1  # a row of batch 1, which a part holds
-    torch.save(changed, tmp_path / "rows.pt")
+    rows = torch.load(tmp_path / "data.pt")
+    edit_data(tmp_path, lambda d: d["x"][5].add_(1))  # a row of batch 1, which a part holds
     with pytest.raises(ConfigError, match="batch 1's rows differ from those the interrupted run"):
         score_dataset(cfg, resume=True)
-    torch.save(rows, tmp_path / "rows.pt")
+    torch.save(rows, tmp_path / "data.pt")
     out = score_dataset(cfg, resume=True)
-    whole = score_dataset(
-        dataclasses.replace(
-            cfg, output=dataclasses.replace(cfg.output, path=str(tmp_path / "w.parquet"))
-        )
-    )
+    whole = finished(config, tmp_path / "w.parquet")
     pd.testing.assert_frame_equal(pd.read_parquet(out), pd.read_parquet(whole), check_exact=True)

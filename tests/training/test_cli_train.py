@@ -12,7 +12,7 @@ from gradscope.cli import app
 from gradscope.config import load_config
 from gradscope.training import fit
 from gradscope.training.loop import Trainer
-from tests.project import edit_config, edit_data, make_project, one_error
+from tests.project import edit_config, edit_data, made_by_code, make_project, one_error
 
 DROPOUT_PY = """
 import torch
@@ -117,6 +117,29 @@ def test_ctrl_c_then_resume_is_the_uninterrupted_run(tmp_path, monkeypatch, drop
     monkeypatch.setattr(Trainer, "_step", step)
     result = run("train", config, "--resume")
     assert result.exit_code == 0, result.output
+    assert same(torch.load(tmp_path / "out.pt"), fit(load_config(config)).state_dict())
+
+
+def test_resume_over_data_made_by_code_needs_its_rows(tmp_path, monkeypatch):
+    """``data.path: rows.py:make`` reads data.pt, which no config names: changed between the
+    interrupt and --resume, the rest of the run would train on other rows."""
+    config = make_project(tmp_path, model__checkpoint="out.pt", train={"epochs": 3})
+    edit_config(tmp_path, lambda c: c["data"].update(path=made_by_code(tmp_path)))
+    step = Trainer._step
+
+    def interrupted(self, picked):
+        if self.step == 7:
+            raise KeyboardInterrupt
+        step(self, picked)
+
+    monkeypatch.setattr(Trainer, "_step", interrupted)
+    assert run("train", config).exit_code == 130
+    monkeypatch.setattr(Trainer, "_step", step)
+    rows = torch.load(tmp_path / "data.pt")
+    edit_data(tmp_path, lambda d: d["x"][0].add_(1))
+    assert "a different data made by code" in one_error(run("train", config, "--resume"))
+    torch.save(rows, tmp_path / "data.pt")
+    assert run("train", config, "--resume").exit_code == 0
     assert same(torch.load(tmp_path / "out.pt"), fit(load_config(config)).state_dict())
 
 

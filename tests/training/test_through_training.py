@@ -18,7 +18,7 @@ from gradscope.training.recipe import make_optimizer
 from gradscope.training.replay import through_training
 from gradscope.training.run import train_model
 from gradscope.training.steps import Update, clip
-from tests.project import make_project
+from tests.project import edit_config, edit_data, made_by_code, make_project
 
 RECIPES = {
     "sgd": {"optimizer": "sgd", "lr": 0.3, "epochs": 3},
@@ -334,6 +334,19 @@ def test_a_record_of_another_config_is_refused(tmp_path, change, message):
     other = load_config(make_project(tmp_path, n=N, dtype="float64", **change))
     with pytest.raises(ConfigError, match=message):
         through_training(other, run, tmp_path / "ref.pt")
+
+
+def test_a_record_over_data_made_by_code_is_refused_once_its_rows_change(tmp_path):
+    """``rows.py:make`` reads data.pt, which no config names: the record keeps the rows'
+    sha256, so a replay over other rows is refused, not scored against the run."""
+    project(tmp_path, RECIPES["sgd-momentum-decay"])
+    edit_config(tmp_path, lambda c: c["data"].update(path=made_by_code(tmp_path)))
+    cfg = load_config(tmp_path / "config.yaml")
+    run = train_model(cfg, tmp_path / "out.pt", record=True, segment=3).record
+    assert np.isfinite(through_training(cfg, run, tmp_path / "ref.pt")).all()
+    edit_data(tmp_path, lambda d: d["x"][0].add_(1))
+    with pytest.raises(ConfigError, match="made with a different data made by code"):
+        through_training(cfg, run, tmp_path / "ref.pt")
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 from problem import ROWS, make_problem
-from project import one_error
+from project import edit_config, edit_data, made_by_code, one_error
 from typer.testing import CliRunner
 
 from gradscope import training
@@ -158,22 +158,13 @@ def test_truth_not_reused_once_code_made_data_makes_other_rows(tmp_path, monkeyp
     changes: no file's hash holds the rows, so the truth keeps their sha256 and is refused (it
     was reused, every model trained on the old rows)."""
     make_problem(tmp_path)
-    (tmp_path / "rows.py").write_text(
-        "import pathlib, torch\n\n\ndef make():\n"
-        "    return torch.load(pathlib.Path(__file__).with_name('data.pt'))\n"
-    )
-    config = tmp_path / "config.yaml"
-    raw = yaml.safe_load(config.read_text())
-    raw["data"]["path"] = "rows.py:make"
-    config.write_text(yaml.safe_dump(raw))
+    edit_config(tmp_path, lambda c: c["data"].update(path=made_by_code(tmp_path)))
     scores(tmp_path)
     assert invoke(tmp_path).exit_code == 0
     counting_fit(monkeypatch, stop=0)  # any retrain fails the test
     (tmp_path / "v.parquet").unlink()
     assert invoke(tmp_path).exit_code == 0  # the same rows: reused
-    data = torch.load(tmp_path / "data.pt")
-    data["x"][3] += 1
-    torch.save(data, tmp_path / "data.pt")
+    edit_data(tmp_path, lambda d: d["x"][3].add_(1))
     line = one_error(invoke(tmp_path))
     assert "truth file was made with a different data.sha256" in line
 
