@@ -39,7 +39,7 @@ class Factors:
         """One safetensors file; the metadata (JSON under ``gradscope``) holds the fingerprint."""
         from safetensors.torch import save
 
-        from ..io.files import replace_atomically
+        from ..io.atomic import replace_atomically
 
         tensors = {
             f"{name}/{key}": t.contiguous()

@@ -42,7 +42,7 @@ import pyarrow.parquet as pq
 
 from ..errors import ConfigError, DataError
 from ..inputs import Inputs, check_folder, check_not_input
-from ..io.files import replace_atomically
+from ..io.atomic import replace_atomically
 from ..io.parquet import RUN_FILE, PartialRun
 from .manifest import FORMAT, HEADER, IDS, MANIFEST, SEAL, VERSION, ends_sha256, read_manifest, seal
 

@@ -22,8 +22,8 @@ from .. import __version__
 from ..config import Config, load_config, output_path, with_overrides
 from ..errors import ConfigError, DataError
 from ..inputs import check_output, data_inputs, minimal, run_inputs
+from ..io.atomic import replace_atomically
 from ..io.data import data_sha256
-from ..io.files import replace_atomically
 from ..io.lock import OutputLock
 from ..io.parquet import METADATA_KEY
 from ..job import Job

@@ -1,22 +1,18 @@
 """The files a run reads, as it reads them: each hashed once per version (the run's fingerprint),
-a Git LFS pointer named for what it is, a state dict loaded without running its pickle; and
-what a run writes, whole or not at all (``replace_atomically``)."""
+a Git LFS pointer named for what it is, a state dict loaded without running its pickle."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import os
 import pickle
-import secrets
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..errors import DataError, ModelError, one_line
+from ..errors import ModelError, one_line
 
 
 def file_sha256(path: str | Path) -> str:
@@ -88,41 +84,3 @@ def load_state_dict(
         ) from e
     except (RuntimeError, EOFError, OSError) as e:
         raise ModelError(f"cannot read {what}: {one_line(e)}", str(path)) from e
-
-
-def _sync_folder(folder: Path) -> None:
-    """Make the renames inside ``folder`` durable (a power loss keeps them)."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def replace_atomically(path: Path, write: Callable[[Any], None], what: str = "the scores") -> None:
-    """``write(file)`` to a new temporary name of this process's own (created with ``O_EXCL`` and
-    ``O_NOFOLLOW``: nothing planted in a shared folder is followed or reused), fsync, rename over
-    ``path``: readers see the old file or the whole new one. A failed write (a full disk, an
-    interrupt) leaves nothing."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-    try:
-        with os.fdopen(os.open(tmp, flags, 0o644), "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _sync_folder(path.parent)
-    except OSError as e:  # pyarrow's IO errors are OSErrors too
-        _discard(tmp)
-        raise DataError(f"cannot write {what}: {e.strerror or e}", str(path)) from e
-    except BaseException:
-        _discard(tmp)
-        raise
-
-
-def _discard(tmp: Path) -> None:
-    """Remove a temporary file, if there is one: a folder that refuses (read-only, or made so
-    meanwhile) must not turn the error being reported into another one."""
-    with contextlib.suppress(OSError):
-        tmp.unlink(missing_ok=True)

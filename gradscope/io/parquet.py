@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import DataError, one_line
-from .files import replace_atomically
+from .atomic import replace_atomically
 
 METADATA_KEY = b"gradscope"
 MANIFEST = "manifest.json"

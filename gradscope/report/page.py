@@ -14,8 +14,8 @@ from .. import __version__
 from ..config import Config
 from ..errors import DataError
 from ..inputs import check_not_recorded, check_output, metadata_inputs, run_inputs
+from ..io.atomic import replace_atomically
 from ..io.data import data_sha256
-from ..io.files import replace_atomically
 from ..io.parquet import read_metadata
 from ..io.scorefile import column
 from ..outliers import Outliers, is_labels, rank

@@ -22,8 +22,9 @@ from torch import Tensor, nn
 from ..config import Config, DataConfig
 from ..errors import ConfigError, DataError, ModelError
 from ..inputs import Inputs
+from ..io.atomic import replace_atomically
 from ..io.data import code_rows_sha256
-from ..io.files import file_sha256, replace_atomically
+from ..io.files import file_sha256
 from ..resume import as_json, differences
 from .loop import build, recipe
 from .recordfiles import (

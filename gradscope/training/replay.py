@@ -22,8 +22,8 @@ from torch import Tensor
 from ..config import Config
 from ..engine import MAX_PER_REF
 from ..errors import DataError, Interrupted, ModelError, reading
+from ..io.atomic import replace_atomically
 from ..io.data import open_dataset
-from ..io.files import replace_atomically
 from ..job import config_forward, config_loss, resolve_device
 from .adjoint import Called, Problem
 from .loop import TrainingRows

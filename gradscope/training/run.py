@@ -14,8 +14,8 @@ from .. import distributed
 from ..config import Config
 from ..errors import ConfigError, DataError, Interrupted
 from ..inputs import Inputs, check_output, run_inputs
+from ..io.atomic import replace_atomically
 from ..io.data import code_file, code_rows_sha256
-from ..io.files import replace_atomically
 from ..io.lock import OutputLock
 from ..io.parquet import PartialRun
 from ..job import resolve_device

@@ -19,8 +19,8 @@ from .. import __version__, distributed
 from ..config import Config
 from ..errors import ConfigError, DataError, Interrupted
 from ..inputs import check_output, run_inputs
+from ..io.atomic import replace_atomically
 from ..io.data import data_sha256, open_dataset
-from ..io.files import replace_atomically
 from ..io.lock import OutputLock
 from ..io.parquet import METADATA_KEY
 from ..predictions import predictions
