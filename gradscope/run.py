@@ -15,7 +15,7 @@ from . import distributed
 from .config import Config
 from .errors import Interrupted
 from .inputs import minimal, run_inputs
-from .io.data import Batch, data_sha256, open_dataset
+from .io.data import Batch, made_by_code, open_dataset
 from .io.lock import OutputLock
 from .io.parquet import PartialRun, partial_path
 from .job import Job, resolve_device
@@ -83,11 +83,11 @@ def score_dataset(
         try:
             device = world.device(cfg.device)
             kind = resolve_device(device).type
-            key = fingerprint(cfg, scorer.command, inputs, scorer.resume_key(), kind)
+            key = fingerprint(cfg, scorer.command, inputs, scorer.resume_key(cfg), kind)
             run = scorer.partial(cfg.output.path, key)
             run.refuse_foreign()  # before the model is built
             parts = Parts(run, world, key, resumed_parts(run, key) if resume else None)
-            parts.hashed = data_sha256(cfg.data.path) is None  # made by code: hash the rows
+            parts.hashed = made_by_code(cfg.data.path)  # no file's hash holds the rows
             job = Job.from_config(dataclasses.replace(cfg, device=device), trust_checkpoint)
             dataset = open_dataset(cfg.data)
             if on_start:

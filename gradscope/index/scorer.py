@@ -116,7 +116,7 @@ class IndexScorer(Scorer):
         self._gradients: dict[str, str] = {}
         self._rows: torch.Tensor | None = None  # a batch's rows, the buffer kept (see reused)
 
-    def resume_key(self) -> dict:
+    def resume_key(self, cfg: Config) -> dict:
         return {"dim": self.dim, "seed": self.seed, "storage": self.storage}
 
     def check_output(self, path: str, inputs: Inputs) -> None:

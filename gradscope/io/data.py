@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import glob
 import hashlib
 from collections.abc import Iterator, Sequence
@@ -74,19 +75,31 @@ def data_sha256(path: str | Sequence[str]) -> str | None:
     return hashlib.sha256(listing.encode()).hexdigest()
 
 
+def made_by_code(path: str | Sequence[str]) -> bool:
+    """Whether code makes any of the data at ``path`` (a ``file.py:fn``, rows held in Python):
+    rows that no file's sha256 holds."""
+    specs = [path] if isinstance(path, str) else list(path)
+    return any(code_file(spec) or is_held(spec) for spec in specs)
+
+
 def code_rows_sha256(cfg: DataConfig, path: str | Sequence[str] | None = None) -> str | None:
     """Where code makes the data at ``path`` (default: ``data.path``; a ``file.py:fn``, rows
     held in Python): the sha256 of its rows as ``cfg``'s batches read them, one pass over them,
     since the files that code reads are named nowhere. None where files hold the data: their
     sha256 (``data_sha256``) is the data's."""
     path = path or cfg.path
-    if data_sha256(path) is not None:
+    if not made_by_code(path):
         return None
     h = hashlib.sha256()
     with torch.random.fork_rng(devices=[]):  # what the code draws is not the caller's to lose
         for batch in open_dataset(cfg, path).batches(cfg.batch_size, cfg.limit):
             h.update(batch_sha256(batch).encode())
     return f"rows:{h.hexdigest()}"
+
+
+def code_ref_sha256(cfg: DataConfig, ref: str) -> str | None:
+    """``code_rows_sha256`` of REF, its rows read as REF's are: without ids, or a limit."""
+    return code_rows_sha256(dataclasses.replace(cfg, ids=None, limit=None), ref)
 
 
 class Dataset:

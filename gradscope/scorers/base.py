@@ -52,7 +52,7 @@ class Scorer:
     def reads(self) -> Inputs:
         return []
 
-    def resume_key(self) -> dict:
+    def resume_key(self, cfg: Config) -> dict:
         return {}
 
     def names(self, cfg: Config) -> list[str]:

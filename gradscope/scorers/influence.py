@@ -23,7 +23,7 @@ from ..defaults import CG_TOLERANCE
 from ..engine import MAX_PER_REF, BatchInfluence, Influence, check_engine, reference_gradients
 from ..errors import ConfigError, DataError, reading
 from ..inputs import data_inputs
-from ..io.data import Batch, Dataset, data_sha256, open_dataset
+from ..io.data import Batch, Dataset, code_ref_sha256, data_sha256, open_dataset
 from ..io.files import file_sha256
 from ..io.held import is_held
 from ..job import Job
@@ -77,10 +77,11 @@ class InfluenceScorer(Scorer):
         files = data_inputs("--ref", self.ref)
         return files + ([("--precondition", self.precondition)] if self.precondition else [])
 
-    def resume_key(self) -> dict:
+    def resume_key(self, cfg: Config) -> dict:
         curvature = {"curvature": self.curvature, "damping": self.damping, "solver": self.solver,
                      "cg_tolerance": self.cg_tolerance}  # fmt: skip
-        return {"ref": self.ref, "per_ref": self.per_ref, "engine": self.engine} | curvature
+        ref = {"ref": self.ref, "ref made by code": code_ref_sha256(cfg.data, self.ref)}
+        return ref | {"per_ref": self.per_ref, "engine": self.engine} | curvature
 
     def names(self, cfg: Config) -> list[str]:
         names = [*leading_names(cfg), *(["ref_id"] if self.per_ref else []), "loss", "grad_norm"]

@@ -16,7 +16,7 @@ from .. import distributed
 from ..config import Config
 from ..errors import ConfigError, DataError
 from ..inputs import data_inputs, run_inputs
-from ..io.data import Batch, data_sha256
+from ..io.data import Batch, code_ref_sha256, data_sha256
 from ..io.lock import OutputLock
 from ..job import Job, config_forward, config_loss
 from ..scorers.base import (
@@ -84,8 +84,9 @@ class ThroughTrainingScorer(Scorer):
     def reads(self) -> Inputs:
         return data_inputs("--ref", self.ref) + [("--through-training", self.run)]
 
-    def resume_key(self) -> dict:
-        return {"ref": self.ref, "per_ref": self.per_ref, "through_training": self.run}
+    def resume_key(self, cfg: Config) -> dict:
+        ref = {"ref": self.ref, "ref made by code": code_ref_sha256(cfg.data, self.ref)}
+        return ref | {"per_ref": self.per_ref, "through_training": self.run}
 
     def names(self, cfg: Config) -> list[str]:
         ref_id = ["ref_id"] if self.per_ref else []

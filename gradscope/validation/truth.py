@@ -27,7 +27,7 @@ from .. import __version__
 from ..config import Config
 from ..errors import ConfigError, DataError, one_line
 from ..io.code import config_code
-from ..io.data import code_file, code_rows_sha256, data_sha256
+from ..io.data import code_file, code_ref_sha256, code_rows_sha256, data_sha256
 from ..io.files import file_sha256
 from ..io.parquet import read_metadata
 from ..resume import as_json, differences
@@ -114,9 +114,9 @@ def identity(cfg: Config, ref: str, rows: int, same_order: bool = False) -> dict
     model = dataclasses.asdict(cfg.model)
     for key in ("checkpoint", "checkpoints"):
         model.pop(key)
-    unnamed = dataclasses.replace(cfg.data, ids=None)  # the rows, not what names them
     data = {
-        "sha256": data_sha256(cfg.data.path) or code_rows_sha256(unnamed),
+        "sha256": data_sha256(cfg.data.path)
+        or code_rows_sha256(dataclasses.replace(cfg.data, ids=None)),  # the rows, not their ids
         "rows": rows,
         "inputs": cfg.data.inputs,
         "targets": cfg.data.targets,
@@ -132,10 +132,7 @@ def identity(cfg: Config, ref: str, rows: int, same_order: bool = False) -> dict
         "loss": dataclasses.asdict(cfg.loss),
         "dtype": cfg.dtype,
         "data": data,
-        "ref": {
-            "sha256": data_sha256(ref)
-            or code_rows_sha256(dataclasses.replace(unnamed, limit=None), ref)
-        },
+        "ref": {"sha256": data_sha256(ref) or code_ref_sha256(cfg.data, ref)},
     }
     # the code the factory (and data, loss, loop) load from beside them, file by file: a
     # module a factory imports, changed, makes other models as its own file does

@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 import torch
 from project import (
+    ROWS_PY,
     CountingNorms,
     edit_config,
     edit_data,
@@ -146,3 +147,19 @@ def test_resume_over_data_made_by_code_checks_the_rows_it_kept(tmp_path):
     out = score_dataset(cfg, resume=True)
     whole = finished(config, tmp_path / "w.parquet")
     pd.testing.assert_frame_equal(pd.read_parquet(out), pd.read_parquet(whole), check_exact=True)
+
+
+def test_influence_resume_needs_the_rows_a_reference_made_by_code_makes(tmp_path):
+    """``--ref ref.py:make`` reading a file no config names: the rows it makes are part of the
+    fingerprint, or a resume would score the rest against other references."""
+    config = make_project(tmp_path, n=23)
+    (tmp_path / "ref.py").write_text(ROWS_PY.replace("data.pt", "refrows.pt"))
+    g = torch.Generator().manual_seed(3)
+    torch.save({"x": torch.randn(3, 5, generator=g), "y": torch.arange(3)}, tmp_path / "refrows.pt")
+    cfg = load_config(config)
+    ref = f"{tmp_path}/ref.py:make"
+    with pytest.raises(Interrupted):
+        score_dataset(cfg, InfluenceScorer(ref, curvature="none"), on_batch=stop_after(2))
+    torch.save({"x": torch.randn(3, 5, generator=g), "y": torch.arange(3)}, tmp_path / "refrows.pt")
+    with pytest.raises(ConfigError, match="had a different ref made by code"):
+        score_dataset(cfg, InfluenceScorer(ref, curvature="none"), resume=True)
