@@ -31,7 +31,7 @@ from torch.nn.modules.module import register_module_forward_hook
 from torch.utils._pytree import tree_leaves
 
 from ..engine import short_reason, substituted
-from ..errors import ConfigError, DataError, stop_if_signalled
+from ..errors import ConfigError, DataError, ModelError, stop_if_signalled
 from ..rules.base import CHUNK_ELEMENTS
 
 GN, HESSIAN = "gn", "hessian"
@@ -138,7 +138,16 @@ class Products:
         for inputs, targets in self.batches():
             like = next(iter(self.theta.values()))
             v = self.flat.unflatten(block.T.to(like.device, like.dtype))  # {name: (K, *shape)}
-            out += self.flat.flatten(self._batch(v, inputs, targets))
+            try:
+                out += self.flat.flatten(self._batch(v, inputs, targets))
+            except (RuntimeError, NotImplementedError) as e:  # torch.func through the model
+                stop_if_signalled()
+                raise ModelError(
+                    f"the exact curvature ({self.kind}) differentiates the model with torch.func, "
+                    f"which cannot run it: {short_reason(e)}; --curvature kfac, ekfac or none "
+                    "scores without it",
+                    "--curvature",
+                ) from e
             examples += targets.shape[0]
         if not examples:
             raise DataError("no examples: no curvature to fit", "data")

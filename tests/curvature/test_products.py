@@ -15,6 +15,7 @@ from gradscope.curvature import products
 from gradscope.curvature.exact import dense_matrix, largest_eigenvalue
 from gradscope.curvature.products import Products
 from gradscope.engine import Engine
+from gradscope.errors import ModelError
 from gradscope.losses import resolve_loss
 
 
@@ -78,3 +79,16 @@ def test_the_power_iteration_stops_once_settled() -> None:
     matrix = q @ torch.diag(values) @ q.T
     assert largest_eigenvalue(matrix) == pytest.approx(3.0, rel=1e-5)
     assert largest_eigenvalue(matrix, steps=2) < 3.0 * (1 - 1e-5)  # it did not stop early
+
+
+@pytest.mark.parametrize("kind", ["gn", "hessian"])
+def test_a_model_torch_func_cannot_run_is_one_line_naming_the_other_curvatures(kind) -> None:
+    """weight_norm's kernel has no forward-mode derivative: a traceback from inside torch.func
+    before, the default curvature included."""
+    torch.manual_seed(0)
+    model, (x, y) = MLP().double(), data((7, 5), 3)
+    nn.utils.parametrizations.weight_norm(model.fc1)
+    with Engine(model, resolve_loss("cross_entropy")) as engine:
+        made = Products(engine, lambda: [((x,), y)], kind)
+        with pytest.raises(ModelError, match=r"torch\.func, which cannot run it: .*kfac, ekfac"):
+            made(torch.randn(made.flat.size, 2, dtype=torch.float64))
