@@ -125,6 +125,8 @@ def _classification(name: str, kwargs: dict, class_dim: int, token_reduction: st
             per_position = flat.view(targets.shape)  # (B, ...)
         else:
             logits = outputs.movedim(class_dim, 1)  # (B, C, ...) as F.cross_entropy wants
+            if targets.is_floating_point():  # class probabilities: their classes moved too
+                targets = targets.movedim(class_dim, 1)
             per_position = fn(logits, targets, reduction="none", **kwargs)  # (B, ...)
         counts = None if targets.is_floating_point() else (targets != ignore_index)
         return _reduce_positions(per_position, counts, token_reduction)

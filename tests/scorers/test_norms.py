@@ -98,6 +98,38 @@ def test_token_reduction_and_ignore_index():
         assert got[1] == 0
 
 
+@pytest.mark.parametrize("class_dim", [-1, 1])
+def test_class_probabilities_over_positions(class_dim):
+    """Soft targets of a sequence's logits, classes last or at dim 1: each position's cross
+    entropy against its distribution (with classes last, the targets were not moved with the
+    logits: the batch was refused)."""
+    torch.manual_seed(0)
+    model = mlp().double()
+    x = torch.randn(4, 5, 6, dtype=torch.float64)
+    y = torch.softmax(torch.randn(4, 5, 3, dtype=torch.float64), -1)
+    loss = gradscope.losses.resolve_loss("cross_entropy", class_dim=class_dim)
+
+    def moved(out):
+        return out if class_dim == -1 else out.movedim(-1, 1)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x):
+            return moved(self.inner(x))
+
+    targets = moved(y)
+    got = gradscope.per_example_norms(Model(), x, targets, loss)
+
+    def by_hand(out, t):  # each position's cross entropy, then their mean
+        return -(t * out.log_softmax(class_dim)).sum(class_dim).mean(-1)
+
+    _, expected = reference_norms(Model(), (x,), targets, by_hand)
+    assert_rel_close(got, expected, 1e-10)
+
+
 def test_callable_loss():
     model, inputs, targets = CASES[2].build()
 
