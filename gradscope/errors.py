@@ -89,9 +89,20 @@ def models_backward() -> Iterator[None]:
         stop_if_signalled()
         if _ours(e.__traceback__):
             raise
-        raise ModelError(
-            f"the model's backward raised {type(e).__name__}: {one_line(e)}", "model"
-        ) from e
+        raise ModelError(_backward_reason(e), "model") from e
+
+
+def _backward_reason(e: Exception) -> str:
+    """What the model's backward raised, on one line; a checkpoint's recompute that saw other
+    tensors (torch's tips after it left out) with the likely cause."""
+    if type(e).__name__ != "CheckpointError" or "different metadata" not in str(e):
+        return f"the model's backward raised {type(e).__name__}: {one_line(e)}"
+    return (
+        f"the model's backward raised CheckpointError: {one_line(str(e).split('Tip:')[0])} A "
+        "parameter read directly inside a non-reentrant torch.utils.checkpoint block (as in "
+        "x * self.scale) is read per example in gradscope's forward, not in the block's "
+        "recompute: read it outside the block, or checkpoint with use_reentrant=True"
+    )
 
 
 def _ours(tb: TracebackType | None) -> bool:

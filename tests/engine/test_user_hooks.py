@@ -161,6 +161,30 @@ def test_an_error_in_the_models_backward_is_one_line_naming_it():
     before.assert_kept(model)
 
 
+class CheckpointedScale(nn.Module):
+    """A parameter read directly inside a non-reentrant checkpoint block."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.head = nn.Linear(5, 5), nn.Linear(5, 3)
+        self.scale = nn.Parameter(torch.randn(5))
+
+    def block(self, h: Tensor) -> Tensor:
+        return torch.tanh(self.inner(h)) * self.scale
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False))
+
+
+def test_a_checkpoints_recompute_of_a_read_parameter_is_one_line_with_its_cause():
+    """torch's CheckpointError spans twenty lines of tips about torch.compile; the line says
+    what gradscope's forward does that the recompute does not, and the ways around it."""
+    x, y = torch.randn(6, 4, 5), torch.randint(0, 3, (6, 4))
+    with pytest.raises(ModelError, match="read directly inside a non-reentrant") as raised:
+        gradscope.per_example_norms(CheckpointedScale(), x, y, loss="cross_entropy")
+    assert "torch.compile" not in str(raised.value) and "\n" not in str(raised.value)
+
+
 def test_an_error_of_gradscopes_own_in_the_backward_goes_on_as_it_is(monkeypatch):
     """An error raised in gradscope's code that runs inside the backward (its hooks hand each
     output gradient to the rules) is gradscope's, not the model's: not relabelled."""
