@@ -86,8 +86,8 @@ def score_dataset(
             key = fingerprint(cfg, scorer.command, inputs, scorer.resume_key(cfg), kind)
             run = scorer.partial(cfg.output.path, key)
             run.refuse_foreign()  # before the model is built
-            parts = Parts(run, world, key, resumed_parts(run, key) if resume else None)
-            parts.hashed = made_by_code(cfg.data.path)  # no file's hash holds the rows
+            done = resumed_parts(run, key) if resume else None
+            parts = Parts(run, world, key, done, hashed=made_by_code(cfg.data.path))
             job = Job.from_config(dataclasses.replace(cfg, device=device), trust_checkpoint)
             dataset = open_dataset(cfg.data)
             if on_start:
