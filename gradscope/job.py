@@ -14,7 +14,7 @@ from . import __version__, distributed
 from .config import Config, ModelConfig
 from .engine import CheckReport, Engine, Forward, Plan, compare_with_loop, influence_errors
 from .errors import ConfigError, DataError, ModelError, reading
-from .io.data import Batch, data_sha256, open_dataset
+from .io.data import Batch, data_identity, open_dataset
 from .io.files import file_sha256
 from .io.held import held, is_held
 from .io.model import build_model, import_object
@@ -146,7 +146,7 @@ class Job:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "checkpoint_sha256": file_sha256(ckpt) if ckpt else None,
-            "data_sha256": data_sha256(self.cfg.data.path),  # the report checks it is unchanged
+            "data_sha256": data_identity(self.cfg.data),  # the report checks it is unchanged
             "adapter_sha256": file_sha256(model.adapter) if model.adapter else None,
             "params": self.plan.describe_selection(),
             "sharded": self.sharded,

@@ -23,7 +23,7 @@ from ..config import Config, load_config, output_path, with_overrides
 from ..errors import ConfigError, DataError
 from ..inputs import check_output, data_inputs, minimal, run_inputs
 from ..io.atomic import replace_atomically
-from ..io.data import data_sha256
+from ..io.data import data_identity
 from ..io.lock import OutputLock
 from ..io.parquet import METADATA_KEY
 from ..job import Job
@@ -91,7 +91,7 @@ def check_model(shards: Shards, cfg: Config, exact: bool) -> None:
                 "query with the config the index was built from, or build the index again",
                 cfg.source or "--config",
             )
-    if exact and indexed.get("data_sha256") != data_sha256(cfg.data.path):
+    if exact and indexed.get("data_sha256") != data_identity(cfg.data):
         raise DataError(
             "--exact reads the indexed examples again, but data.path has changed since the index "
             "was built (its sha256 differs)",
@@ -217,7 +217,7 @@ def _metadata(job: Job, shards: Shards, query: Query, count: int, found: dict) -
         "torch": torch.__version__,
         "device": str(job.device),
         "query": dataclasses.asdict(query) | {"references": count},
-        "ref_sha256": data_sha256(query.ref),
+        "ref_sha256": data_identity(job.cfg.data, query.ref),
         "exact": found,
     }
 

@@ -82,24 +82,29 @@ def made_by_code(path: str | Sequence[str]) -> bool:
     return any(code_file(spec) or is_held(spec) for spec in specs)
 
 
+HASHED_ROWS = 4096  # rows hashed at once: a fixed batching, whatever data.batch_size is
+
+
 def code_rows_sha256(cfg: DataConfig, path: str | Sequence[str] | None = None) -> str | None:
     """Where code makes the data at ``path`` (default: ``data.path``; a ``file.py:fn``, rows
-    held in Python): the sha256 of its rows as ``cfg``'s batches read them, one pass over them,
-    since the files that code reads are named nowhere. None where files hold the data: their
-    sha256 (``data_sha256``) is the data's."""
+    held in Python): the sha256 of all its rows, as a file's covers all of it (``data.limit``
+    and the ids left out), one pass over them, since the files that code reads are named
+    nowhere. None where files hold the data: their sha256 (``data_sha256``) is the data's."""
     path = path or cfg.path
     if not made_by_code(path):
         return None
     h = hashlib.sha256()
+    rows = open_dataset(dataclasses.replace(cfg, ids=None, limit=None), path)
     with torch.random.fork_rng(devices=[]):  # what the code draws is not the caller's to lose
-        for batch in open_dataset(cfg, path).batches(cfg.batch_size, cfg.limit):
+        for batch in rows.batches(HASHED_ROWS):
             h.update(batch_sha256(batch).encode())
     return f"rows:{h.hexdigest()}"
 
 
-def code_ref_sha256(cfg: DataConfig, ref: str) -> str | None:
-    """``code_rows_sha256`` of REF, its rows read as REF's are: without ids, or a limit."""
-    return code_rows_sha256(dataclasses.replace(cfg, ids=None, limit=None), ref)
+def data_identity(cfg: DataConfig, path: str | Sequence[str] | None = None) -> str | None:
+    """The sha256 that stands for the data at ``path`` (default: ``data.path``; REF's too):
+    its files' (``data_sha256``), or where code makes it, its rows' (``code_rows_sha256``)."""
+    return data_sha256(path or cfg.path) or code_rows_sha256(cfg, path)
 
 
 class Dataset:

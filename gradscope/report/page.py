@@ -15,7 +15,7 @@ from ..config import Config
 from ..errors import DataError
 from ..inputs import check_not_recorded, check_output, metadata_inputs, run_inputs
 from ..io.atomic import replace_atomically
-from ..io.data import data_sha256
+from ..io.data import data_identity
 from ..io.parquet import read_metadata
 from ..io.scorefile import column
 from ..outliers import Outliers, is_labels, rank
@@ -167,7 +167,7 @@ def write_report(
     check_output(target, inputs + (run_inputs(cfg) if cfg else []))
     check_not_recorded(target, meta)
     scored = meta.get("data_sha256")
-    if cfg and isinstance(scored, str) and scored != data_sha256(cfg.data.path):
+    if cfg and isinstance(scored, str) and scored != data_identity(cfg.data):
         raise DataError(
             "the data changed since it was scored (its sha256 differs from the one the scores "
             "file records): the examples shown would not be the ones scored; score it again",

@@ -23,7 +23,7 @@ from ..defaults import CG_TOLERANCE
 from ..engine import MAX_PER_REF, BatchInfluence, Influence, check_engine, reference_gradients
 from ..errors import ConfigError, DataError, reading
 from ..inputs import data_inputs
-from ..io.data import Batch, Dataset, code_ref_sha256, data_sha256, open_dataset
+from ..io.data import Batch, Dataset, code_rows_sha256, data_identity, open_dataset
 from ..io.files import file_sha256
 from ..io.held import is_held
 from ..job import Job
@@ -80,7 +80,7 @@ class InfluenceScorer(Scorer):
     def resume_key(self, cfg: Config) -> dict:
         curvature = {"curvature": self.curvature, "damping": self.damping, "solver": self.solver,
                      "cg_tolerance": self.cg_tolerance}  # fmt: skip
-        ref = {"ref": self.ref, "ref made by code": code_ref_sha256(cfg.data, self.ref)}
+        ref = {"ref": self.ref, "ref made by code": code_rows_sha256(cfg.data, self.ref)}
         return ref | {"per_ref": self.per_ref, "engine": self.engine} | curvature
 
     def names(self, cfg: Config) -> list[str]:
@@ -115,7 +115,7 @@ class InfluenceScorer(Scorer):
         self._ref_sq = sum(
             w * s.ref_norm.pow(2) for w, s in zip(weights, self._scorers, strict=True)
         ).cpu()
-        self._describe(ref_data, paths, weights)
+        self._describe(data_identity(job.cfg.data, self.ref), len(ref_data), paths, weights)
 
     def _at_checkpoint(self, job: Job, ref_data: Dataset, last: bool) -> Influence:
         """The reference gradients at one checkpoint, and the engine scoring against them.
@@ -170,12 +170,12 @@ class InfluenceScorer(Scorer):
                 raise ConfigError(f"{option} is not supported with distributed.shard", option)
         return Influence(job.engine, fsdp.reference_gradients(job.engine, batches), "hooks", True)
 
-    def _describe(self, ref_data: Dataset, paths: list, weights: list[float]) -> None:
+    def _describe(self, ref_sha256: str | None, refs: int, paths: list, weights: list) -> None:
         precondition = self.precondition
         self._described = {
             "ref": self.ref,
-            "ref_sha256": data_sha256(self.ref),  # REF may be a folder or a glob
-            "ref_examples": len(ref_data),
+            "ref_sha256": ref_sha256,  # REF may be a folder, a glob, or made by code
+            "ref_examples": refs,
             "per_ref": self.per_ref,
             "precondition": precondition
             and {"path": precondition, "sha256": file_sha256(precondition)}

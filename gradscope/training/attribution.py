@@ -16,7 +16,7 @@ from .. import distributed
 from ..config import Config
 from ..errors import ConfigError, DataError
 from ..inputs import data_inputs, run_inputs
-from ..io.data import Batch, code_ref_sha256, data_sha256
+from ..io.data import Batch, code_rows_sha256, data_identity
 from ..io.lock import OutputLock
 from ..job import Job, config_forward, config_loss
 from ..scorers.base import (
@@ -85,7 +85,7 @@ class ThroughTrainingScorer(Scorer):
         return data_inputs("--ref", self.ref) + [("--through-training", self.run)]
 
     def resume_key(self, cfg: Config) -> dict:
-        ref = {"ref": self.ref, "ref made by code": code_ref_sha256(cfg.data, self.ref)}
+        ref = {"ref": self.ref, "ref made by code": code_rows_sha256(cfg.data, self.ref)}
         return ref | {"per_ref": self.per_ref, "through_training": self.run}
 
     def names(self, cfg: Config) -> list[str]:
@@ -136,7 +136,7 @@ class ThroughTrainingScorer(Scorer):
                 "steps": meta["steps"],
                 "segment": meta["segment"],
                 "ref": self.ref,
-                "ref_sha256": data_sha256(self.ref),
+                "ref_sha256": data_identity(self.trained.data, self.ref),
                 "per_ref": self.per_ref,
             }
         }

@@ -27,7 +27,7 @@ from .. import __version__
 from ..config import Config
 from ..errors import ConfigError, DataError, one_line
 from ..io.code import config_code
-from ..io.data import code_file, code_ref_sha256, code_rows_sha256, data_sha256
+from ..io.data import code_file, data_identity
 from ..io.files import file_sha256
 from ..io.parquet import read_metadata
 from ..resume import as_json, differences
@@ -107,7 +107,7 @@ def random_removal(seed: int, rows: int, k: int, ref: int) -> np.ndarray:
 def identity(cfg: Config, ref: str, rows: int, same_order: bool = False) -> dict[str, Any]:
     """What every retrained model depends on, portable between machines: the recipe, the model
     factory and its kwargs, the loss, the dtype, the data's columns, padding and sha256 (where
-    code makes the rows, theirs: ``io.data.code_rows_sha256``), REF's
+    code makes the rows, theirs: ``io.data.data_identity``), REF's
     sha256; each file the config names by its sha256 (never its path). ``model.checkpoint`` is
     not in it: a retrain starts afresh. ``order: same`` when every model trains on every
     row in the full run's batches, the rows it leaves out weighted 0."""
@@ -115,8 +115,7 @@ def identity(cfg: Config, ref: str, rows: int, same_order: bool = False) -> dict
     for key in ("checkpoint", "checkpoints"):
         model.pop(key)
     data = {
-        "sha256": data_sha256(cfg.data.path)
-        or code_rows_sha256(dataclasses.replace(cfg.data, ids=None)),  # the rows, not their ids
+        "sha256": data_identity(cfg.data),  # where code makes the rows, theirs
         "rows": rows,
         "inputs": cfg.data.inputs,
         "targets": cfg.data.targets,
@@ -132,7 +131,7 @@ def identity(cfg: Config, ref: str, rows: int, same_order: bool = False) -> dict
         "loss": dataclasses.asdict(cfg.loss),
         "dtype": cfg.dtype,
         "data": data,
-        "ref": {"sha256": data_sha256(ref) or code_ref_sha256(cfg.data, ref)},
+        "ref": {"sha256": data_identity(cfg.data, ref)},
     }
     # the code the factory (and data, loss, loop) load from beside them, file by file: a
     # module a factory imports, changed, makes other models as its own file does

@@ -20,7 +20,7 @@ from ..config import Config
 from ..errors import ConfigError, DataError, Interrupted
 from ..inputs import check_output, run_inputs
 from ..io.atomic import replace_atomically
-from ..io.data import data_sha256, open_dataset
+from ..io.data import data_identity, open_dataset
 from ..io.lock import OutputLock
 from ..io.parquet import METADATA_KEY
 from ..predictions import predictions
@@ -113,7 +113,7 @@ def _files(
             raise DataError("scores file not found", str(path))
     wanted = list(options.columns) or ["influence"]
     reading = wanted + (list(RANKED) if options.bad else [])
-    ref_sha, data_sha = data_sha256(ref), data_sha256(cfg.data.path)
+    ref_sha, data_sha = data_identity(cfg.data, ref), data_identity(cfg.data)
     files = [read_scores(p, reading, rows, refs, ref_sha, data_sha) for p in paths]
     for file in files:
         missing = [c for c in wanted if c not in file.columns]

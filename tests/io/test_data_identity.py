@@ -1,0 +1,49 @@
+"""What stands for the data in fingerprints, truth files and metadata: its files' sha256, or
+where code makes the rows (``file.py:fn``), theirs, however the run batches them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pandas as pd
+import pytest
+from project import edit_config, edit_data, made_by_code, make_project
+
+from gradscope.config import load_config
+from gradscope.errors import DataError
+from gradscope.io.data import data_identity, data_sha256
+from gradscope.report import write_report
+from gradscope.run import score_dataset
+
+
+def code_made(tmp_path):
+    config = make_project(tmp_path, n=23, data__ids="name")
+    edit_config(tmp_path, lambda c: c["data"].update(path=made_by_code(tmp_path)))
+    return load_config(config)
+
+
+def test_the_rows_code_makes_stand_for_it_whatever_the_batches(tmp_path):
+    cfg = code_made(tmp_path)
+    first = data_identity(cfg.data)
+    assert first.startswith("rows:") and data_sha256(cfg.data.path) is None
+    for other in ({"batch_size": 5}, {"ids": None}, {"limit": 20}):  # how a run reads them
+        assert data_identity(dataclasses.replace(cfg.data, **other)) == first
+    edit_data(tmp_path, lambda d: d["x"][22].add_(1))
+    assert data_identity(cfg.data) != first
+
+
+def test_files_stand_for_themselves(tmp_path):
+    cfg = load_config(make_project(tmp_path, n=23))
+    assert data_identity(cfg.data) == data_sha256(cfg.data.path) is not None
+
+
+def test_a_report_over_code_made_rows_changed_since_is_refused(tmp_path):
+    """The scores keep the rows' sha256: the report of rows changed since would show other
+    examples' text beside the scores."""
+    cfg = code_made(tmp_path)
+    out = score_dataset(cfg)
+    assert pd.read_parquet(out).shape[0] == 23
+    write_report(out, cfg=cfg)
+    edit_data(tmp_path, lambda d: d["x"][0].add_(1))
+    with pytest.raises(DataError, match="the data changed since it was scored"):
+        write_report(out, cfg=cfg)
