@@ -235,9 +235,11 @@ def _load_checkpoint(model: nn.Module, cfg: ModelConfig, trust_checkpoint: bool)
         raise ModelError(
             f"checkpoint does not fit the model: {'; '.join(unfit[:5])}{more}", cfg.checkpoint
         )
-    model.load_state_dict(state)
     floats = {v.dtype for v in state.values() if v.is_floating_point()}
-    return model.to(floats.pop()) if len(floats) == 1 else model  # dtype: null keeps the file's
+    if len(floats) == 1:  # dtype: null keeps the file's; cast first, so no value is rounded
+        model = model.to(floats.pop())  # through the factory's dtype (float64 weights to float32)
+    model.load_state_dict(state)
+    return model
 
 
 def _fitting_prefix(state: dict[str, Any], expected: dict[str, Any]) -> str | None:

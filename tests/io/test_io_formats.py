@@ -94,6 +94,22 @@ def test_state_dict_key_and_strip_prefix(tmp_path, suffix):
     check_against_loop(run(config), tmp_path)
 
 
+@pytest.mark.parametrize("dtype", [None, "float64"])
+def test_a_float64_checkpoint_is_loaded_unrounded(tmp_path, dtype):
+    """The factory builds float32 weights: a float64 checkpoint was copied into them (rounded
+    to float32) and only then cast, 1e-8 off a float64 model's losses."""
+    config = make_project(tmp_path, dtype=dtype)
+    g = torch.Generator().manual_seed(4)
+    state = {k: torch.randn(v.shape, generator=g, dtype=torch.float64)
+             for k, v in torch.load(tmp_path / "net.pt").items()}  # fmt: skip
+    torch.save(state, tmp_path / "net.pt")
+    from gradscope.io.model import build_model
+
+    model = build_model(load_config(config).model)
+    for name, value in model.state_dict().items():
+        assert value.dtype == torch.float64 and torch.equal(value, state[name]), name
+
+
 def test_tuple_output(tmp_path):
     frame = run(make_project(tmp_path, model__factory="model.py:TupleNet", model__output=0))
     check_against_loop(frame, tmp_path)
