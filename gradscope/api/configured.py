@@ -5,7 +5,6 @@ top; the command line runs on the same config, read from its file."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from ..config import Config, config_from_dict, default_pad, load_config, output_path
+from ..config import Config, config_from_dict, load_config, output_path, padded_by_default
 from ..config.load import resolve
 from ..errors import ConfigError
 from ..io.held import holding
@@ -138,11 +137,7 @@ def configured(
         (raw.setdefault(section, {}) if section else raw)[name] = value
     if not raw["data"].get("path"):
         raise ConfigError("no data: pass the rows to score, or a config naming them", "data")
-    cfg = config_from_dict(raw, raw.get("source") or "the API's arguments")
-    pad = dict(cfg.data.pad)
-    for column, value in default_pad(cfg).items():
-        pad.setdefault(column, value)
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pad=pad))
+    return padded_by_default(config_from_dict(raw, raw.get("source") or "the API's arguments"))
 
 
 def _base(config: Config | str | Path | None) -> dict[str, Any]:

@@ -290,7 +290,11 @@ def _padding(cfg: Config) -> str:
     from ..config import default_pad
 
     defaults = default_pad(cfg)
-    return "padding: " + ", ".join(
+    shown = [
         f"{name} {value:g}" + (" (default)" if defaults.get(name) == value else "")
         for name, value in cfg.data.pad.items()
+    ]
+    targets = cfg.data.pad_targets
+    return "padding: " + ", ".join(
+        shown + ([f"targets {targets:g}"] if targets is not None else [])
     )

@@ -2,7 +2,14 @@
 the keys, each section with the check of its own values (``schema.py``, ``train.py``), built by
 type (``typed.py``), checked together (``validate.py``), read and resolved (``load.py``)."""
 
-from .load import config_from_dict, default_pad, load_config, output_path, with_overrides
+from .load import (
+    config_from_dict,
+    default_pad,
+    load_config,
+    output_path,
+    padded_by_default,
+    with_overrides,
+)
 from .schema import (
     DEVICES,
     DTYPES,
@@ -37,6 +44,7 @@ __all__ = [
     "TrainConfig",
     "config_from_dict",
     "default_pad",
+    "padded_by_default",
     "load_config",
     "output_path",
     "with_overrides",

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..yamlfile import read_yaml
-from .schema import Config
+from .schema import Config, DataConfig
 from .typed import build
 from .validate import validate
 
@@ -77,10 +77,7 @@ def load_config(path: str | Path) -> Config:
         ),
     )
     validate(cfg)
-    pad = dict(cfg.data.pad)
-    for column, value in default_pad(cfg).items():
-        pad.setdefault(column, value)
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pad=pad))
+    return padded_by_default(cfg)
 
 
 def config_from_dict(raw: dict, where: str) -> Config:
@@ -92,18 +89,36 @@ def config_from_dict(raw: dict, where: str) -> Config:
     return cfg
 
 
+def _named(data: DataConfig) -> dict[str, str]:
+    """{forward argument: column} of the inputs that are one column each (a stack is none)."""
+    given = data.inputs.items() if isinstance(data.inputs, dict) else [(c, c) for c in data.inputs]
+    return {a: c for a, c in given if isinstance(c, str)}
+
+
 def default_pad(cfg: Config) -> dict[str, int]:
     """Pad values no config needs to spell out: ``attention_mask`` pads with 0 and, under
     causal_lm, the targets with -100 (the positions the loss skips); ``data.pad`` overrides them.
     The resolved config in the output's metadata holds the values used; ``check`` prints them."""
-    data = cfg.data
-    given = data.inputs.items() if isinstance(data.inputs, dict) else [(c, c) for c in data.inputs]
-    named = {a: c for a, c in given if isinstance(c, str)}  # a stack of columns is no mask
+    named = _named(cfg.data)
     pad = {column: 0 for argument, column in named.items()
            if "attention_mask" in (argument, column)}  # fmt: skip
-    if cfg.loss.name == "causal_lm" and data.targets not in named.values():
-        pad[data.targets] = -100
+    if cfg.loss.name == "causal_lm" and cfg.data.targets not in named.values():
+        pad[cfg.data.targets] = cfg.loss.kwargs.get("ignore_index", -100)
     return pad
+
+
+def padded_by_default(cfg: Config) -> Config:
+    """``cfg`` with ``default_pad``'s values where ``data.pad`` sets none; and under causal_lm,
+    where the targets are an input's column (``targets: input_ids``, which pads as an input),
+    ``data.pad_targets`` -100 unless set: a padded position is no token to predict."""
+    data = cfg.data
+    pad = dict(data.pad)
+    for column, value in default_pad(cfg).items():
+        pad.setdefault(column, value)
+    targets = data.pad_targets
+    if targets is None and cfg.loss.name == "causal_lm" and data.targets in _named(data).values():
+        targets = cfg.loss.kwargs.get("ignore_index", -100)
+    return dataclasses.replace(cfg, data=dataclasses.replace(data, pad=pad, pad_targets=targets))
 
 
 def with_overrides(cfg: Config, **overrides: Any) -> Config:

@@ -102,6 +102,10 @@ class DataConfig:
     """``{column: value}``: list columns of uneven length, padded per batch to the batch's
     longest. Unset, ``attention_mask`` pads with 0 and, under ``causal_lm``, the targets with
     -100 (positions the loss skips)."""
+    pad_targets: float | None = None
+    """What the targets pad with where their column pads: unset, its ``data.pad`` value; under
+    causal_lm, where the targets are an input's column (``targets: input_ids``, which pads as
+    an input), -100 (``loss.kwargs.ignore_index``): the positions the loss skips."""
     show: str | None = None
     """A text column the report shows for each example."""
     classes: list[str] | None = None
@@ -122,11 +126,10 @@ class DataConfig:
                     f"'data.inputs' keys are forward arguments; {name!r} is not a Python name",
                     source,
                 )
-        for column, value in self.pad.items():
+        pads = {f"pad.{column}": value for column, value in self.pad.items()}
+        for key, value in (pads | {"pad_targets": self.pad_targets or 0}).items():
             if not math.isfinite(value):
-                raise ConfigError(
-                    f"'data.pad.{column}' must be a finite number, got {value}", source
-                )
+                raise ConfigError(f"'data.{key}' must be a finite number, got {value}", source)
         at_least(1, {"data.batch_size": self.batch_size, "data.limit": self.limit}, source)
 
 

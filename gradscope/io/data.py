@@ -185,7 +185,7 @@ def open_dataset(
     path = path or cfg.path
     what = "data file" if key == "data.path" else f"{key} file"
     where = path if isinstance(path, str) else ", ".join(path)
-    columns = Selection(cfg.inputs, cfg.targets, cfg.ids, cfg.pad)
+    columns = Selection(cfg.inputs, cfg.targets, cfg.ids, cfg.pad, cfg.pad_targets)
     sources = []
     for spec in shard_paths(path, what):
         if is_held(spec):  # the rows a Python caller passed in

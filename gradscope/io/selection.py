@@ -62,10 +62,12 @@ class Selection:
         targets: str,
         ids: str | None,
         pad: dict[str, float] | None = None,
+        pad_targets: float | None = None,
     ):
         specs = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
         self.specs: list[Spec] = [s if isinstance(s, str) else tuple(s) for s in specs]
         self.targets, self.ids, self.pad = targets, ids, dict(pad or {})
+        self.pad_targets = pad_targets  # None: the targets' column's own value
         self.n_inputs, self.has_ids = len(self.specs), ids is not None
         self.matched: dict[Spec, list[str]] = {}  # stacked spec -> its columns in the first file
         self.patterns: dict[str, bool] = {}  # name -> whether it is a glob, decided once
@@ -190,8 +192,11 @@ class Selection:
     def padded(self, batch: Batch) -> Batch:
         """The batch with each column to pad padded to its longest row."""
 
-        def pad(values: Any, name: str) -> Tensor:
-            return pad_rows(values, self.pad[name], name) if isinstance(values, list) else values
+        def pad(values: Any, name: str, value: float | None = None) -> Tensor:
+            if not isinstance(values, list):
+                return values
+            return pad_rows(values, self.pad[name] if value is None else value, name)
 
         inputs = tuple(pad(t, s) for t, s in zip(batch.inputs, self.specs, strict=True))
-        return replace(batch, inputs=inputs, targets=pad(batch.targets, self.targets))
+        targets = pad(batch.targets, self.targets, self.pad_targets)
+        return replace(batch, inputs=inputs, targets=targets)

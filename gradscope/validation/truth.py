@@ -121,6 +121,8 @@ def identity(cfg: Config, ref: str, rows: int, same_order: bool = False) -> dict
         "targets": cfg.data.targets,
         "pad": cfg.data.pad,
     }
+    if cfg.data.pad_targets is not None:  # absent before it was a key: those truths stand
+        data["pad_targets"] = cfg.data.pad_targets
     if cfg.train.batch_size is None:  # the recipe's batches are data.batch_size's
         data["batch_size"] = cfg.data.batch_size
     train = dataclasses.asdict(cfg.train)

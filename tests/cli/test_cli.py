@@ -6,6 +6,7 @@ import copy
 import math
 
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -279,6 +280,37 @@ def test_rows_that_count_no_target_have_no_loss_and_rank_nowhere(tmp_path, reduc
     assert "2 non-finite. 2 of them count no target (every target ignore_index)" in text
     lowest = text.split("lowest first")[1].split("robust_z = ")[0]  # the table's rows
     assert "│" in lowest and all(f" {i} │" not in lowest for i in (2, 4))
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_causal_lm_targets_of_the_inputs_column_pad_as_no_token(tmp_path, batch_size):
+    """``targets: ids`` with ``data.pad: {ids: 0}`` (labels = input_ids): the targets pad with
+    -100, not the input's 0, so a short row's loss counts its own tokens at any batch size
+    (padded positions were scored as token 0: 6 of 8 rows off at batch 4)."""
+    (tmp_path / "lm.py").write_text(LM)
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(1, 7, (n,), generator=g) for n in (3, 6, 2, 5, 6, 4, 2, 3)]
+    pq.write_table(pa.table({"ids": [r.tolist() for r in rows]}), tmp_path / "lm.parquet")
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "model: {factory: lm.py:LM}\n"
+        f"data: {{path: lm.parquet, inputs: ids, targets: ids, pad: {{ids: 0}}, "
+        f"batch_size: {batch_size}}}\n"
+        "loss: {name: causal_lm}\ndevice: cpu\ndtype: float64\noutput: {path: scores.parquet}\n"
+    )
+    result = runner.invoke(app, ["norms", str(config)])
+    assert result.exit_code == 0, result.output
+    assert read_metadata(tmp_path / "scores.parquet")["config"]["data"]["pad_targets"] == -100
+    torch.manual_seed(0)  # the weights a run without checkpoint builds
+    model = import_object(f"{tmp_path / 'lm.py'}:LM", "test")().double()
+    loss = resolve_loss("causal_lm")
+    expected = [reference_norms(model, (r[None],), r[None], loss) for r in rows]
+    frame = pd.read_parquet(tmp_path / "scores.parquet")
+    assert_rel_close(
+        torch.tensor(frame["loss"].to_numpy()), torch.cat([e[0] for e in expected]), 1e-10
+    )
+    norms = torch.cat([e[1] for e in expected])
+    assert_rel_close(torch.tensor(frame["grad_norm"].to_numpy()), norms, 1e-10)
 
 
 def test_a_class_label_that_is_ignore_index_has_no_loss(tmp_path):
