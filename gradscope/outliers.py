@@ -222,7 +222,10 @@ def _finite(file: pq.ParquetFile, path: str | Path) -> np.ndarray | bool:
     kind = file.schema_arrow.field("finite").type
     if not (pa.types.is_boolean(kind) or pa.types.is_integer(kind)):
         raise DataError(f"column 'finite' holds {kind}, not true or false", str(path))
-    return column(file, "finite").astype(bool)
+    flags = column(file, "finite")
+    if flags.dtype.kind == "f":  # integer flags with one missing are read as floats, it NaN
+        flags = np.nan_to_num(flags, nan=0.0)
+    return flags.astype(bool)
 
 
 def _classes(file: pq.ParquetFile) -> list[str] | None:

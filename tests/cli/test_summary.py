@@ -106,6 +106,19 @@ def test_summarize_reads_rows_across_row_groups(tmp_path):
         summarize(tmp_path / "s.parquet", "cosine")
 
 
+@pytest.mark.parametrize("kind", [pa.bool_(), pa.int8()])
+def test_a_missing_finite_flag_is_false_as_bools_or_integers(tmp_path, kind):
+    """Another tool's 0/1 flags with one missing: read as floats, its NaN was true, and the
+    row of loss 9 topped the table, in the median and the MAD."""
+    flags = pa.array([1, 1, 1, 1, 1, None], pa.int8()).cast(kind)
+    table = pa.table({
+        "example_id": np.arange(6), "loss": [0.2, 0.3, 0.3, 0.4, 0.5, 9.0], "finite": flags,
+    })  # fmt: skip
+    pq.write_table(table, tmp_path / "s.parquet")
+    out = " ".join(text(summarize(tmp_path / "s.parquet", "loss", k=3)).split())
+    assert "median 0.3" in out and "max 0.5" in out and "1 non-finite" in out
+
+
 def test_sparkline_draws_the_histogram_and_marks_the_top_bins(tmp_path):
     values = np.concatenate([np.linspace(0.0, 1.0, 200), [20.0]])  # 41 bins of width 0.5
     table = pa.table({"example_id": np.arange(len(values)), "grad_norm": values})
