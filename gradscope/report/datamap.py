@@ -47,11 +47,13 @@ def _per_epoch(ids: np.ndarray, epochs: np.ndarray, values: np.ndarray) -> np.nd
 
 
 def _percentiles(table: np.ndarray) -> np.ndarray:
-    """Each column's values as their percentile (0..100) within the column; NaN stays."""
+    """Each column's values as their percentile (0..100) within the column, tied values at
+    their ranks' mean (not by their examples' order); NaN stays."""
     out = np.full_like(table, np.nan)
     for j in range(table.shape[1]):
         ok = np.isfinite(table[:, j])
-        ranks = table[ok, j].argsort().argsort()
+        _, at, counts = np.unique(table[ok, j], return_inverse=True, return_counts=True)
+        ranks = (np.cumsum(counts) - (counts + 1) / 2)[at]  # 0-based, ties averaged
         out[ok, j] = 100.0 * ranks / max(ok.sum() - 1, 1)
     return out
 
@@ -63,11 +65,14 @@ def data_map(path: Path) -> DataMap:
     missing = [n for n in NEEDED if n not in names]
     if missing:
         raise DataError(f"the watch file lacks {', '.join(missing)}: no data map", str(path))
-    wanted = [*NEEDED, *(["correct"] if "correct" in names else [])]
+    wanted = [*NEEDED, *(n for n in ("correct", "finite") if n in names)]
     table = {n: c.to_numpy() for n, c in zip(wanted, file.read(wanted).columns, strict=True)}
     ids, epochs = table["example_id"], table["epoch"]
     prob = _per_epoch(ids, epochs, table["prob"].astype(np.float64))
-    norm = _per_epoch(ids, epochs, table["grad_norm"].astype(np.float64))
+    norms = table["grad_norm"].astype(np.float64)
+    if "finite" in table:  # a row of no counted target (its grad_norm 0) ranks under no column
+        norms = np.where(table["finite"].astype(bool), norms, np.nan)
+    norm = _per_epoch(ids, epochs, norms)
     correct = (
         _per_epoch(ids, epochs, table["correct"].astype(np.float64))
         if "correct" in table

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from .. import __version__
 from ..engine import BatchScores, Engine, Forward, total
 from ..errors import ConfigError, DataError
-from ..losses import LossFn, counted, resolve_loss
+from ..losses import LossFn, counted, nothing_counted, resolve_loss
 from .watchdata import digests
 from .watchdraws import SameBuffers, SameDraws
 from .watchfile import WatchFile
@@ -135,6 +135,7 @@ class Watch:
         kwargs = dict(loss_kwargs or {})
         tokens = (loss, int(kwargs.get("ignore_index", -100)))  # what tells the counted ones
         self.tokens = tokens if reduction == "tokens" else None  # the loss a mean over them
+        self.loss_spec = (loss, kwargs)  # which rows count no target: their loss is none
         per_example = resolve_loss(loss, kwargs, token_reduction="sum" if self.tokens else "mean")
         self.model, self.on_step = model, on_step
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -251,6 +252,8 @@ class Watch:
         if counts is not None:  # a token sum: each example's own loss is its tokens' mean
             loss = torch.where(counts > 0, loss / counts.clamp_min(1), float("nan"))
             norm = torch.where(counts > 0, norm / counts.clamp_min(1), 0.0)
+        elif (empty := nothing_counted(*self.loss_spec, targets)) is not None:
+            loss = loss.masked_fill(empty.cpu(), float("nan"))  # a mean over nothing, not 0
         observed = scores.observed
         if "margin" in observed and "prob" not in observed:  # a token view's: the geometric
             observed = {**observed, "prob": (-loss).exp()}  # mean of its tokens' probabilities

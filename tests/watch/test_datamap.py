@@ -44,6 +44,19 @@ def test_data_map_is_each_examples_epochs_reduced(tmp_path):
     assert int(top["example_id"]) == max(lowest, key=lowest.get)
 
 
+def test_tied_norms_share_a_percentile_and_rows_of_no_target_rank_nowhere(tmp_path):
+    """Six examples alike at every epoch took 0, 20, ... 100 by their order; a row of no
+    counted target (finite false, grad_norm 0) sat in each epoch's pool."""
+    rows = [{"step": e, "epoch": e, "example_id": i, "grad_norm": 1.0 if i < 6 else 2.0 + i,
+             "prob": 0.5, "finite": i != 9}
+            for e in range(2) for i in range(10)]  # fmt: skip
+    _watch_file(tmp_path / "w.parquet", rows)
+    found = data_map(tmp_path / "w.parquet")
+    ranks = dict(zip(found.ids.tolist(), found.lowest_rank.tolist(), strict=True))
+    assert [ranks[i] for i in range(6)] == [100 * 2.5 / 8] * 6  # ranks 0..5 of 9 averaged
+    assert ranks[6] == 100 * 6 / 8 and ranks[8] == 100.0 and np.isnan(ranks[9])
+
+
 def test_report_of_a_watch_file_draws_the_data_map(tmp_path):
     rows = [{"step": e, "epoch": e, "example_id": i, "grad_norm": 1.0 + i, "prob": 0.2 * i}
             for e in range(2) for i in range(4)]  # fmt: skip

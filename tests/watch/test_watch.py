@@ -173,6 +173,24 @@ def test_tokens_mean_serves_the_token_mean_and_each_examples_own_mean(tmp_path):
         assert table["prob"][i] == pytest.approx(np.exp(-loss.item()), rel=1e-12)
 
 
+@pytest.mark.parametrize("loss", ["cross_entropy", "causal_lm"])
+def test_a_row_of_no_counted_target_has_no_loss(tmp_path, loss):
+    """Every target ignore_index: a mean over nothing is no loss of 0 (it was written 0 and
+    finite, and led ``summary --by loss:low`` as the best-fitted); its gradient is 0."""
+    if loss == "causal_lm":
+        model, inputs = _LM().double(), torch.randint(0, 7, (3, 5))
+        targets = inputs.clone()
+        targets[1, 1:] = -100
+    else:
+        model, (inputs, targets) = _model(), _data(3)
+        targets[1] = -100
+    with Watch(model, tmp_path / "w.parquet", loss) as watch:
+        watch.step(inputs, targets, torch.arange(3)).backward()
+    table = pq.read_table(tmp_path / "w.parquet").to_pydict()
+    assert np.isnan(table["loss"][1]) and table["grad_norm"][1] == 0
+    assert table["finite"] == [True, False, True] and np.isfinite(table["loss"][::2]).all()
+
+
 def test_batch_gradients_summed_from_the_formed_examples_are_autograds(tmp_path):
     torch.manual_seed(3)
     watched = TiedSeq().double().train()
