@@ -193,7 +193,7 @@ def open_dataset(
         elif ".py:" in spec:
             sources.append(function_source(spec, columns, key))
         else:
-            sources.append(file_source(spec, what))
+            sources.append(file_source(spec, what, cfg.ids))
     if len(sources) == 1 and sources[0].whole:
         # a single table read whole anyway: read it now, so its size and columns are known
         only = sources[0]

@@ -68,8 +68,9 @@ class Source:
     whole: bool = False  # read in one piece (.pt, .npz): its size is known only once read
 
 
-def file_source(path: str, what: str = "data file") -> Source:
-    """The file at ``path`` as a Source, by its suffix (FORMATS); ``what`` names it in errors."""
+def file_source(path: str, what: str = "data file", ids: str | None = None) -> Source:
+    """The file at ``path`` as a Source, by its suffix (FORMATS); ``what`` names it in errors.
+    A CSV's ``ids`` column is read as the text it holds (no number guessed from it)."""
     file = Path(path)
     if not file.is_file():
         raise DataError(f"{what} not found", str(file))
@@ -84,7 +85,7 @@ def file_source(path: str, what: str = "data file") -> Source:
             "file.py:fn",
             str(file),
         )
-    return readers[suffix](file)
+    return _csv(file, ids) if suffix == ".csv" else readers[suffix](file)
 
 
 def _pt(file: Path) -> Source:
@@ -141,14 +142,19 @@ def _parquet(file: Path) -> Source:
     return Source(str(file), n_rows, read_parquet, names)
 
 
-def _csv(file: Path) -> Source:
+def _csv(file: Path, ids: str | None = None) -> Source:
+    import pyarrow as pa
     from pyarrow import csv
 
     from .arrow import record_columns
 
+    # ids as written: "007" and "7" are two ids, 20-digit ones are not rounded into one float
+    text = csv.ConvertOptions(column_types={ids: pa.string()} if ids else {})
+
     def read_csv(rows: int) -> Iterator[Columns]:
         # blocks of about 1 MiB: memory stays flat however long the file is
-        reader = csv.open_csv(file, read_options=csv.ReadOptions(block_size=1 << 20))
+        options = csv.ReadOptions(block_size=1 << 20)
+        reader = csv.open_csv(file, read_options=options, convert_options=text)
         for record in reader:
             yield record_columns(record)
 
