@@ -214,14 +214,8 @@ def object_source(made: Any, columns: Selection, where: str, what: str = "got") 
 
 def _loader_source(loader: torch.utils.data.DataLoader, columns: Selection, where: str) -> Source:
     """A DataLoader's batches as runs of rows: a dict of columns each, or a tuple (*inputs,
-    target) as its dataset's items are. A shuffled one would give each row another example_id
-    on every pass, and is refused."""
-    if isinstance(loader.sampler, torch.utils.data.RandomSampler):
-        raise DataError(
-            "the DataLoader shuffles: each pass would give its rows other example_ids; pass one "
-            "made with shuffle=False",
-            where,
-        )
+    target) as its dataset's items are; one that reads its dataset in order (``_in_order``)."""
+    _in_order(loader, where)
 
     def read_loader(_: int) -> Iterator[Columns]:
         for batch in loader:
@@ -237,6 +231,37 @@ def _loader_source(loader: torch.utils.data.DataLoader, columns: Selection, wher
             yield batch
 
     return Source(where, None, read_loader)
+
+
+def _in_order(loader: torch.utils.data.DataLoader, where: str) -> None:
+    """Refuse a loader that would not give each row of its dataset once, in order: any sampler
+    but a sequential one (a shuffle, a random subset, weighted draws: other example_ids each
+    pass, rows repeated or left out), the last batch dropped, or no batches at all. An
+    IterableDataset's order is its own."""
+    data = torch.utils.data
+    if isinstance(loader.dataset, data.IterableDataset):
+        return
+    batches = loader.batch_sampler
+    if batches is None:
+        raise DataError(
+            "the DataLoader has batch_size=None: its items are rows, not batches; pass one that "
+            "batches them",
+            where,
+        )
+    drawn = getattr(batches, "sampler", batches)
+    if not isinstance(batches, data.BatchSampler) or not isinstance(drawn, data.SequentialSampler):
+        raise DataError(
+            f"the DataLoader draws its rows by a {type(drawn).__name__}: each pass could give "
+            "them other example_ids, repeat some or leave some out; pass one that reads its "
+            "dataset in order (shuffle=False, no sampler)",
+            where,
+        )
+    if batches.drop_last:
+        raise DataError(
+            "the DataLoader drops its last batch (drop_last=True): those rows would go "
+            "unscored; pass one with drop_last=False",
+            where,
+        )
 
 
 def _arrow_rows(made: Any, where: str) -> Source:

@@ -12,7 +12,14 @@ import pytest
 import torch
 from project import load_net
 from running import N, cli
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    RandomSampler,
+    SubsetRandomSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
 
 import gradscope
 from gradscope.errors import ConfigError, DataError
@@ -75,9 +82,17 @@ def test_config_keys_as_keywords(project: Path) -> None:
 
 def test_refused(project: Path) -> None:
     net, x, y = load_net(project)
-    shuffled = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)
-    with pytest.raises(DataError, match="shuffles"):
-        gradscope.norms(net, shuffled)
+    rows = TensorDataset(x, y)
+    for loader, message in [
+        (DataLoader(rows, batch_size=4, shuffle=True), "by a RandomSampler"),
+        (DataLoader(rows, batch_size=4, sampler=SubsetRandomSampler(range(N))), "SubsetRandom"),
+        (DataLoader(rows, batch_sampler=BatchSampler(RandomSampler(rows), 4, False)), "Random"),
+        (DataLoader(rows, batch_size=4, sampler=WeightedRandomSampler([1.0] * N, N)), "Weight"),
+        (DataLoader(rows, batch_size=5, drop_last=True), "drops its last batch"),
+        (DataLoader(rows, batch_size=None), "batch_size=None"),
+    ]:  # rows drawn out of order, repeated or left out: each to another example_id
+        with pytest.raises(DataError, match=message):
+            gradscope.norms(net, loader)
     with pytest.raises(TypeError, match="'batchsize'"):
         gradscope.norms(net, {"x": x, "y": y}, batchsize=3)
     with pytest.raises(ConfigError, match="data.batch_size"):
