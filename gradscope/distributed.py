@@ -52,6 +52,13 @@ class World:
         return "cpu"
 
 
+def one_process(what: str, where: str) -> None:
+    """Refuse ``what`` under torchrun: it runs in one process (every rank would do all of it,
+    and write the same output at once)."""
+    if world().size > 1:
+        raise ConfigError(f"{what} runs in one process; run it without torchrun", where)
+
+
 def world() -> World:
     """This process's place, from the variables torchrun sets for it. Variables it inherited
     from an outer job (gradscope started inside a torchrun worker) do not make it a rank: it

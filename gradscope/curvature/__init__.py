@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from .. import distributed
 from ..config import Config
 from ..engine import Engine
 from .factors import EKFAC, KFAC, factored_convs, fit
@@ -40,6 +41,7 @@ def fit_factors(
     from ..io.data import open_dataset
     from ..job import Job
 
+    distributed.one_process("gradscope factors", "factors")
     check_fisher(fisher, cfg.loss.name)
     check_output(out, run_inputs(cfg))
     job = Job.from_config(cfg, trust_checkpoint)

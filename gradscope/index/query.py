@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from .. import __version__
+from .. import __version__, distributed
 from ..config import Config, load_config, output_path, with_overrides
 from ..errors import ConfigError, DataError
 from ..inputs import check_output, data_inputs, minimal, run_inputs
@@ -114,6 +114,7 @@ def run_query(
     trust_checkpoint: bool = False,
 ) -> Path:
     """Score the index at ``index`` against ``query.ref`` and write the Parquet file ``out``."""
+    distributed.one_process("gradscope query", "query")
     index = Path(index).resolve()  # (``.``: the index folder one is in)
     with Shards(index) as shards:
         return _query(shards, query, out, config, device, batch_size, trust_checkpoint)

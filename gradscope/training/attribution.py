@@ -58,8 +58,7 @@ class ThroughTrainingScorer(Scorer):
         """The reverse replay of the run for REF (refused under torchrun: one process). ``cfg``
         is the config the run trained by: a scoring run's ``--limit`` and ``--batch-size`` only
         choose which of its rows the file shows, and how they are batched."""
-        if distributed.world().size > 1:
-            raise ConfigError("--through-training runs in one process", "--through-training")
+        distributed.one_process("--through-training", "--through-training")
         out = Path(cfg.output.path)
         self.folder = out.with_name(f".{out.name}.replay")
         started = time.perf_counter()

@@ -161,8 +161,7 @@ def _refuse(
     """What ``train_model`` refuses before anything trains: torchrun, an output that is an
     input, a checkpoint or run record there already (without --overwrite or --resume), a
     segment of no steps, a record of a loop of the user's own."""
-    if distributed.world().size > 1:
-        raise ConfigError("gradscope train runs in one process; run it without torchrun", "train")
+    distributed.one_process("gradscope train", "train")
     check_output(path, inputs)
     if path.exists() and not replacing:
         raise ConfigError(

@@ -153,3 +153,22 @@ def test_a_rank_whose_peers_never_come_says_so_and_gives_up(tmp_path, rank):
         "distributed.join_timeout (environment)"
     )
     assert not (tmp_path / "scores.parquet").exists()
+
+
+@pytest.mark.parametrize("command", ["train", "factors", "query"])
+def test_a_command_of_one_process_under_torchrun_is_one_line(tmp_path, monkeypatch, command):
+    """Each rank would do all of it: a query's ranks fought over the output's lock (the first
+    refused, the second wrote), the factors were fitted and written by every rank."""
+    from typer.testing import CliRunner
+
+    from gradscope.cli import app
+
+    config = make_project(tmp_path, n=8, train={"epochs": 1})
+    monkeypatch.setenv("WORLD_SIZE", "2")  # this process's own, as torchrun sets a rank's
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # no peer: refused before it is met
+    args = {"train": [config], "factors": [config], "query": [tmp_path, "--ref", config]}
+    result = CliRunner().invoke(app, [command, *map(str, args[command])])
+    assert result.exit_code == 2, result.output
+    assert "runs in one process; run it without torchrun" in result.output
