@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 
 from .config import DistributedConfig
-from .errors import ConfigError, one_line
+from .errors import ConfigError, DataError, one_line
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,14 @@ def session(join_timeout: float = DistributedConfig.join_timeout) -> Iterator[Wo
     _join(here, backend, join_timeout)
     try:
         yield here
+    except RuntimeError as e:  # gloo's plain RuntimeError, NCCL's DistBackendError
+        if not (isinstance(e, dist.DistError) or "/gloo/" in str(e)):
+            raise
+        raise DataError(
+            f"rank {here.rank} of {here.size}: another process of the run stopped (its own "
+            f"error is on its stderr), so this one stops too: {one_line(e)[:200]}",
+            "distributed",
+        ) from e
     finally:
         dist.destroy_process_group()
 

@@ -129,6 +129,12 @@ def _construct(cfg: ModelConfig) -> nn.Module:
                 f"cannot call the model factory with model.kwargs: {one_line(e)}{hint}",
                 "model.kwargs",
             ) from e
+        except Exception as e:  # the factory's own code: its error, on one line
+            raise ModelError(
+                f"the model factory raised {type(e).__name__}: {one_line(e)} (GRADSCOPE_DEBUG=1 "
+                "shows where)",
+                "model.factory",
+            ) from e
     if not isinstance(model, nn.Module):
         raise ConfigError(
             f"the factory returned a {type(model).__name__}, not an nn.Module", "model.factory"

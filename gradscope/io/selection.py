@@ -23,6 +23,10 @@ def _ids(values: Any, name: str, start: int, where: str) -> np.ndarray:
     """The ids of a run of rows; a missing one (a null, read as NaN or None) is an error here,
     not a column of another type at assembly."""
     ids = np.asarray(values)
+    if ids.ndim != 1:
+        raise DataError(
+            f"column {name!r} for data.ids holds {ids.shape[1:]} values a row, not one", where
+        )
     if ids.dtype.kind == "f":
         missing = np.isnan(ids)
     elif ids.dtype == object:

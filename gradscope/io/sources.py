@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import DataError
+from ..errors import DataError, GradscopeError, one_line
 from .batch import Columns
 from .files import LFS_POINTER, lfs_pointer
 from .model import import_object
@@ -167,7 +167,17 @@ def _csv(file: Path, ids: str | None = None) -> Source:
 
 def function_source(spec: str, columns: Selection, key: str = "data.path") -> Source:
     """``file.py:fn`` returning a dict of columns, a map-style Dataset or an IterableDataset."""
-    return object_source(import_object(spec, key)(), columns, spec, f"{spec} returned")
+    try:
+        made = import_object(spec, key)()
+    except GradscopeError:
+        raise
+    except Exception as e:  # the function's own code: its error, on one line
+        raise DataError(
+            f"the data function raised {type(e).__name__}: {one_line(e)} (GRADSCOPE_DEBUG=1 "
+            "shows where)",
+            key,
+        ) from e
+    return object_source(made, columns, spec, f"{spec} returned")
 
 
 def object_source(made: Any, columns: Selection, where: str, what: str = "got") -> Source:
@@ -175,6 +185,13 @@ def object_source(made: Any, columns: Selection, where: str, what: str = "got") 
     Face ``datasets.Dataset`` (its Arrow rows), a map-style Dataset or an IterableDataset.
     ``what`` begins the error that refuses anything else."""
     if isinstance(made, dict):
+        odd = next((k for k, v in made.items() if not hasattr(v, "__len__")), None)
+        if odd is not None:
+            raise DataError(
+                f"{what} a dict whose {odd!r} is not a column (a tensor, an array or a list "
+                f"of rows) but of type {type(made[odd]).__name__}",
+                where,
+            )
         return Source(where, len(next(iter(made.values()), [])), lambda _: iter([made]))
     if isinstance(made, torch.utils.data.DataLoader):
         return _loader_source(made, columns, where)

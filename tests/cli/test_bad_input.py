@@ -66,6 +66,24 @@ class OwnBackward(Net):
         return Refusing.apply(super().forward(x))
 
 
+class Broken(Net):
+    def __init__(self):
+        raise ValueError("no weights here")
+
+
+def raising():
+    raise FileNotFoundError("rows.csv")
+
+
+def scalar_first():
+    return {"n": 5, "x": torch.zeros(4, 5), "y": torch.zeros(4, dtype=torch.long)}
+
+
+def wide_ids():
+    return {"x": torch.zeros(4, 5), "y": torch.zeros(4, dtype=torch.long),
+            "i": torch.zeros(4, 2)}  # fmt: skip
+
+
 class Seg(nn.Module):
     '''(B, 3, 2, 3) logits: 3 classes at 2 x 3 pixels, as many classes as columns.'''
 
@@ -338,6 +356,34 @@ CASES = [
         "cross_entropy with loss.class_dim -1 takes targets of shape (4, 3, 2) for outputs of "
         "shape (4, 3, 2, 3), got (4, 2, 3); the classes are along dim 1: set loss.class_dim: 1",
         "(loss.class_dim)",
+    ),
+    (
+        "factory-raises",
+        _factory("Broken"),
+        [],
+        "the model factory raised ValueError: no weights here",
+        "(model.factory)",
+    ),
+    (
+        "data-function-raises",
+        lambda r: edit_config(r, lambda c: c["data"].update(path="model.py:raising")),
+        [],
+        "the data function raised FileNotFoundError: rows.csv",
+        "(data.path)",
+    ),
+    (
+        "data-function-scalar",
+        lambda r: edit_config(r, lambda c: c["data"].update(path="model.py:scalar_first")),
+        [],
+        "",
+        "a dict whose 'n' is not a column",
+    ),
+    (
+        "ids-of-two-values",
+        lambda r: edit_config(r, lambda c: c["data"].update(path="model.py:wide_ids", ids="i")),
+        [],
+        "column 'i' for data.ids holds (2,) values a row, not one",
+        "wide_ids",
     ),
     (
         "cuda-without-cuda",
