@@ -56,8 +56,8 @@ def check_rows(indexed: Tensor, loss: Tensor, dtype: torch.dtype, where: str) ->
     """The candidates' losses read again (``loss``) must be the indexed ones, within the model's
     precision (relative, ``sqrt(eps)`` of float64; 2% or ``sqrt(eps)`` below it, where two passes
     may differ by more than rounding: cuDNN's TF32 convolutions, a device other than the
-    build's): a row that changed since the index was built (data made by a function has no
-    sha256) is refused, not scored as another."""
+    build's): a row that changed since the index was built (where no sha256 tells: an index of
+    data made by code built before its rows had one) is refused, not scored as another."""
     tol = math.sqrt(torch.finfo(dtype).eps)
     if dtype != torch.float64:
         tol = max(tol, 0.02)

@@ -14,6 +14,7 @@ import yaml
 from project import edit_data, fails, load_net
 from runs import N, close, index, loop, query, refused, run
 
+from gradscope import job
 from gradscope.curvature import load_preconditioner
 from gradscope.engine import Engine
 from gradscope.losses import resolve_loss
@@ -63,8 +64,9 @@ def test_query_config_agrees_with_the_index_on_every_gradient_key(project, monke
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_exact_refuses_rows_a_data_function_changed(project, monkeypatch, capsys, dtype):
-    """data.path is a function (no sha256 to compare): the re-read rows' losses tell (in float32
-    within 2%: example 3's loss moves by far more)."""
+    """data.path is a function: its rows' sha256 tells; where an index has none (built before
+    it kept one), the re-read rows' losses tell (in float32 within 2%: example 3's loss moves by
+    far more)."""
     (project / "gen.py").write_text(
         "import pathlib, torch\n\ndef make_dataset():\n"
         "    d = torch.load(pathlib.Path(__file__).with_name('data.pt'))\n"
@@ -74,10 +76,18 @@ def test_exact_refuses_rows_a_data_function_changed(project, monkeypatch, capsys
         project, lambda c: c.update(dtype=dtype, data={**c["data"], "path": "gen.py:make_dataset"})
     )
     ix = index(project, "--dim", 4)
+    with monkeypatch.context() as before:  # an index built before the rows had a sha256
+        before.setattr(job, "data_identity", lambda data: None)
+        old = index(project, "--dim", 4, name="old")
     assert len(query(project, ix, "--exact", "--top-k", 3, "--candidates", 4)) == 3
     edit_data(project, lambda d: d["x"][3].mul_(2))
-    err = refused(monkeypatch, capsys, project, ix, "--exact", "--top-k", 3, "--candidates", 4)
-    assert "their losses are not the indexed ones: the data has changed" in err
+    for built, message in [
+        (ix, "data.path has changed since the index was built (its sha256 differs)"),
+        (old, "their losses are not the indexed ones: the data has changed"),
+    ]:
+        err = refused(monkeypatch, capsys, project, built, "--exact", "--top-k", 3,
+                      "--candidates", 4)  # fmt: skip
+        assert message in err
 
 
 def test_the_cosine_of_a_zero_gradient_is_nan_and_ranked_last(project):
