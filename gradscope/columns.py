@@ -123,7 +123,9 @@ COLUMNS = (
         "always",
         "Robust z, `(x − median) / (1.4826 · MAD)`, of the file's ranked score (`influence`, "
         "else `self_influence`, else `loss`) over the file's finite rows; NaN where the "
-        "row is not finite. The tables show the same for the column they rank by.",
+        "row is not finite; where over half the values are equal (MAD 0), `1.2533 · the mean "
+        "absolute deviation` divides instead (the modified z-score's). The tables show the "
+        "same for the column they rank by.",
     ),
     Column(
         "class_z",

@@ -20,6 +20,7 @@ from .io.scorefile import Columns, column, rows_at
 from .tables import fmt
 
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
+MEAN_AD_TO_SIGMA = 1.2533  # and its mean absolute deviation times this (sqrt(pi / 2))
 MAX_CLASSES = 100  # above this many distinct targets, the targets are not class labels
 SHOWN = (
     "example_id", "ref_id", "id", "loss", "grad_norm", "self_influence", "influence", "cosine",
@@ -34,15 +35,21 @@ class Spread:
 
     median: float
     mad: float
+    mean_ad: float = 0.0  # the mean absolute deviation from the median
 
     @classmethod
     def of(cls, values: np.ndarray) -> Spread:
-        median = float(np.median(values)) if len(values) else float("nan")
-        return cls(median, float(np.median(np.abs(values - median))) if len(values) else 0.0)
+        if not len(values):
+            return cls(float("nan"), 0.0)
+        median = float(np.median(values))
+        deviations = np.abs(values - median)
+        return cls(median, float(np.median(deviations)), float(np.mean(deviations)))
 
     def z(self, values: np.ndarray) -> np.ndarray:
-        """(x - median) / (1.4826 MAD); with MAD 0 (most values equal), x - median itself."""
-        scale = MAD_TO_SIGMA * self.mad
+        """(x - median) / (1.4826 MAD); with MAD 0 (over half the values equal), the modified
+        z-score's (x - median) / (1.2533 mean absolute deviation), still in units of spread,
+        not of the score; with every value equal, x - median (0 at each of them)."""
+        scale = MAD_TO_SIGMA * self.mad or MEAN_AD_TO_SIGMA * self.mean_ad
         return (values - self.median) / (scale if scale > 0 else 1.0)
 
 

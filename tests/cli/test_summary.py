@@ -25,7 +25,9 @@ def test_spread_and_z():
     spread = Spread.of(values)
     assert (spread.median, spread.mad) == (3.0, 1.0)
     np.testing.assert_allclose(spread.z(values), (values - 3.0) / 1.4826)
-    assert Spread.of(np.ones(4)).z(np.array([1.0, 3.0])).tolist() == [0.0, 2.0]  # MAD 0
+    assert Spread.of(np.ones(4)).z(np.array([1.0, 3.0])).tolist() == [0.0, 2.0]  # all equal
+    mostly = np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.01, 7.0])  # MAD 0: the mean deviation's scale
+    np.testing.assert_allclose(Spread.of(mostly).z(mostly), mostly / (1.2533 * 7.01 / 7))
 
 
 def test_top_positions_at_either_end_and_the_ends_shown():
