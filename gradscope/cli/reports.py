@@ -30,13 +30,17 @@ def write_html(
 
 
 def summary(scores: ScoresArg, by: ByOpt = None, top_k: TopKOpt = None) -> None:
-    """Print the outlier tables of an existing scores file (20 rows unless --top-k)."""
+    """Print the outlier tables of an existing scores file (--top-k rows, else the scoring
+    run's summary.top_k, else 20)."""
     from ..errors import DataError
+    from ..io.parquet import nested, read_metadata
 
     if not scores.is_file():
         raise DataError("scores file not found", str(scores))
     check_top_k(top_k)
-    print_tables(scores, by, top_k or SummaryConfig.top_k)
+    kept = nested(read_metadata(scores), "config", "summary", "top_k")  # full metadata only
+    kept = kept if isinstance(kept, int) and not isinstance(kept, bool) and kept >= 1 else None
+    print_tables(scores, by, top_k or kept or SummaryConfig.top_k)
 
 
 def report(

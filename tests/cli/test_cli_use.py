@@ -116,14 +116,15 @@ def test_by_on_norms_influence_summary_and_report(tmp_path):
     assert result.exit_code == 0 and "by loss, lowest first" in out.read_text()
 
 
-def test_classes_are_named_and_report_takes_the_configs_top_k(tmp_path):
+def test_classes_are_named_and_summary_and_report_take_the_configs_top_k(tmp_path):
     config = make_project(tmp_path, n=23, data__classes=["cat", "dog", "emu"], summary={"top_k": 4})
     result = runner.invoke(app, ["norms", str(config)])
     assert result.exit_code == 0, result.output
     table = result.output[result.output.index("per class") :]
     assert all(f" {name} " in table for name in ("cat", "dog", "emu"))
     scores = str(tmp_path / "scores.parquet")
-    assert " emu " in runner.invoke(app, ["summary", scores]).output  # from the file's metadata
+    shown = runner.invoke(app, ["summary", scores]).output  # from the file's metadata
+    assert " emu " in shown and "top 4 outliers" in shown
     result = runner.invoke(app, ["report", scores, "--config", str(config)])
     page = (tmp_path / "scores.html").read_text()
     assert result.exit_code == 0 and page.count('<tr class="row">') == 4
