@@ -90,7 +90,7 @@ COLUMNS = (
         "float64",
         "`influence`",
         "`influence / (grad_norm · ‖g_ref‖)`, over all checkpoints' weighted gradients; against "
-        "the preconditioned reference with `--precondition`.",
+        "the preconditioned reference with `--precondition` or `--curvature` (`P g_ref`).",
     ),
     Column(
         "target",

@@ -58,8 +58,10 @@ DampingOpt = Annotated[
     typer.Option(
         "--damping",
         metavar="X",
-        help="lambda = X times the curvature's mean eigenvalue (K-FAC: of each factor's); "
-        "default " + ", ".join(f"{v:g} for {k}" for k, v in DAMPING.items()) + ".",
+        help="lambda = X times the curvature's mean eigenvalue (K-FAC: of each factor's; "
+        "--solver cg: its estimate from random probes; a negative one is refused); default "
+        + ", ".join(f"{v:g} for {k}" for k, v in DAMPING.items())
+        + ".",
     ),
 ]
 SolverOpt = Annotated[

@@ -19,8 +19,7 @@ from torch import Tensor
 
 from ..defaults import CG_TOLERANCE
 from ..errors import ConfigError
-from .exact import check_damping
-from .factors import damping
+from .exact import check_damping, scaled_damping
 from .products import Products
 
 TOLERANCE = CG_TOLERANCE  # relative residual per direction
@@ -100,7 +99,7 @@ class CGInverse:
         self.products, self.factor = products, factor
         self.tolerance, self.max_iterations = tolerance, max_iterations
         self.mean = mean_eigenvalue(products) if mean is None else mean
-        self.damping = damping(torch.tensor([self.mean]), factor)
+        self.damping = scaled_damping(self.mean, factor, estimated=True)
         self.iterations: int | None = None
         self.residual: float | None = None
 

@@ -39,6 +39,21 @@ def check_damping(factor: float) -> None:
         raise ConfigError(f"--damping must be 0 or more, got {factor:g}", "--damping")
 
 
+def scaled_damping(mean: float, factor: float, estimated: bool = False) -> float:
+    """lambda = ``factor`` x the curvature's ``mean`` eigenvalue (in float64); 1 where the
+    curvature is all zero. A negative mean (a Hessian whose negative curvature outweighs its
+    positive) scales no damping: refused, not replaced by another lambda."""
+    if mean < 0:
+        what = "estimated mean eigenvalue (--solver cg)" if estimated else "mean eigenvalue"
+        raise ConfigError(
+            f"the curvature's {what} is {mean:.3g}: its negative curvature outweighs its "
+            "positive, so --damping (a multiple of it) gives no damping; use --curvature gn "
+            "(never negative)",
+            "--damping",
+        )
+    return damping(torch.tensor([mean], dtype=torch.float64), factor)
+
+
 def dense_matrix(products: Products) -> Tensor:
     """(P, P) float64 on the CPU: C times the identity, in blocks of columns (a data pass each),
     symmetrised (the products' round-off)."""
@@ -85,7 +100,7 @@ class ExactInverse:
         self.flat, self.matrix = flat, matrix  # (P, P)
         self.factor, self.info = factor, dict(info or {})
         self.mean = (torch.trace(matrix) / matrix.shape[0]).item()  # the mean eigenvalue
-        self.damping = damping(torch.tensor([self.mean]), factor)
+        self.damping = scaled_damping(self.mean, factor)
         shifted = matrix + self.damping * torch.eye(matrix.shape[0], dtype=matrix.dtype)
         self.cholesky, failed = torch.linalg.cholesky_ex(shifted)  # (P, P) lower
         if failed:

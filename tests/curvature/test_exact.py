@@ -166,6 +166,21 @@ def test_indefinite_damped_hessian_is_refused() -> None:
         dense.damped(0.0)
 
 
+def test_a_negative_mean_eigenvalue_is_refused_and_lambda_kept_in_float64() -> None:
+    """A Hessian whose negative curvature outweighs its positive: --damping scaled a negative
+    mean, and lambda became 1 whatever it asked (30, 1e6: the same scores). And lambda was the
+    mean rounded to float32 times the factor."""
+    engine, batches, _ = fitted(CASES["mlp-ce-gn"])
+    with engine:
+        dense = ExactInverse.fit(Products(engine, batches, "gn"), 0.1)
+    flipped = ExactInverse(dense.flat, dense.matrix, 1.0)
+    assert flipped.damping == dense.mean  # not float32's nearest
+    negative = dense.matrix - 2 * dense.mean * torch.eye(dense.matrix.shape[0], dtype=torch.float64)
+    for factor in (30.0, 1e6):
+        with pytest.raises(ConfigError, match=r"mean eigenvalue is -.*outweighs its positive"):
+            ExactInverse(dense.flat, negative, factor)
+
+
 def refuse(*args, **kwargs):
     raise RuntimeError("vmap refuses")
 
