@@ -170,7 +170,8 @@ class Outliers:
 
 def _ends(score: str, values: np.ndarray, ok: np.ndarray, direction: str | None) -> list[tuple]:
     """(direction, label) of each end to show: the one asked for; unasked, the high end of a
-    never-negative score, both ends of a signed one (influence: helpful, then harmful)."""
+    score with no negative value, both ends of one with any (influence: helpful, then
+    harmful)."""
     helpful = score in ("influence", "cosine")
     labels = {
         "high": "highest first" + (" (helpful)" if helpful else ""),
@@ -195,10 +196,14 @@ def rank(
     except Exception as e:  # pyarrow's own error types: not Parquet, or cut short
         raise DataError(f"not a readable Parquet file: {e}", str(path)) from e
     names = file.schema_arrow.names
-    score, direction = parse_by(by)
-    score = score or default_score(names)
+    given, direction = parse_by(by)
+    score = given or default_score(names)
     if score not in names:
-        raise DataError(f"no column {score!r} to rank by (columns: {', '.join(names)})", "--by")
+        asked = "--by" if given else "no --by: the default (influence, self_influence, loss)"
+        raise DataError(
+            f"no column {score!r} to rank by (columns: {', '.join(names)}); name one with --by",
+            asked,
+        )
     kind = file.schema_arrow.field(score).type
     if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
         raise DataError(f"column {score!r} holds {kind}, not numbers to rank by", "--by")

@@ -121,6 +121,14 @@ def test_a_missing_finite_flag_is_false_as_bools_or_integers(tmp_path, kind):
     assert "median 0.3" in out and "max 0.5" in out and "1 non-finite" in out
 
 
+def test_a_file_without_the_default_column_names_what_to_give(tmp_path):
+    """A query's file has no grad_norm: the error blamed --by, which nobody gave."""
+    pq.write_table(pa.table({"example_id": [0, 1], "score": [0.5, 0.2]}), tmp_path / "q.parquet")
+    with pytest.raises(DataError, match="name one with --by") as raised:
+        summarize(tmp_path / "q.parquet", None)
+    assert raised.value.where.startswith("no --by")
+
+
 def test_sparkline_draws_the_histogram_and_marks_the_top_bins(tmp_path):
     values = np.concatenate([np.linspace(0.0, 1.0, 200), [20.0]])  # 41 bins of width 0.5
     table = pa.table({"example_id": np.arange(len(values)), "grad_norm": values})
