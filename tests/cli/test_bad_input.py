@@ -107,6 +107,11 @@ def _factory(name: str, **more):
     return lambda r: edit_config(r, lambda c: c["model"].update(factory=f"model.py:{name}", **more))
 
 
+def _data(**more):
+    """A spoiler that sets keys of the config's ``data``."""
+    return lambda r: edit_config(r, lambda c: c["data"].update(**more))
+
+
 def _prefixed(prefix: str):
     def change(state: dict) -> None:
         renamed = {prefix + k: v for k, v in state.items()}
@@ -139,14 +144,14 @@ CASES = [
     ),
     (
         "unknown-key",
-        lambda r: edit_config(r, lambda c: c["data"].update(batchsize=3)),
+        _data(batchsize=3),
         [],
         "unknown key 'data.batchsize'",
         "config.yaml",
     ),
     (
         "wrong-type",
-        lambda r: edit_config(r, lambda c: c["data"].update(batch_size="big")),
+        _data(batch_size="big"),
         [],
         "'data.batch_size' must be an integer",
         "config.yaml",
@@ -207,14 +212,14 @@ CASES = [
     ),
     (
         "no-inputs-column",
-        lambda r: edit_config(r, lambda c: c["data"].update(inputs="features")),
+        _data(inputs="features"),
         [],
         "no column 'features' for data.inputs (columns: x, y, name)",
         "data.pt",
     ),
     (
         "no-targets-column",
-        lambda r: edit_config(r, lambda c: c["data"].update(targets="label")),
+        _data(targets="label"),
         [],
         "no column 'label' for data.targets",
         "data.pt",
@@ -242,7 +247,7 @@ CASES = [
     ),
     (
         "empty-iterable-dataset",  # its emptiness shows only once it has been read
-        lambda r: edit_config(r, lambda c: c["data"].update(path="model.py:nothing")),
+        _data(path="model.py:nothing"),
         [],
         "the dataset is empty",
         "model.py:nothing",
@@ -305,7 +310,7 @@ CASES = [
     ),
     (
         "limit-0",
-        lambda r: edit_config(r, lambda c: c["data"].update(limit=0)),
+        _data(limit=0),
         [],
         "'data.limit' must be at least 1, got 0",
         "config.yaml",
@@ -366,21 +371,21 @@ CASES = [
     ),
     (
         "data-function-raises",
-        lambda r: edit_config(r, lambda c: c["data"].update(path="model.py:raising")),
+        _data(path="model.py:raising"),
         [],
         "the data function raised FileNotFoundError: rows.csv",
         "(data.path)",
     ),
     (
         "data-function-scalar",
-        lambda r: edit_config(r, lambda c: c["data"].update(path="model.py:scalar_first")),
+        _data(path="model.py:scalar_first"),
         [],
         "",
         "a dict whose 'n' is not a column",
     ),
     (
         "ids-of-two-values",
-        lambda r: edit_config(r, lambda c: c["data"].update(path="model.py:wide_ids", ids="i")),
+        _data(path="model.py:wide_ids", ids="i"),
         [],
         "column 'i' for data.ids holds (2,) values a row, not one",
         "wide_ids",
