@@ -4,9 +4,10 @@
 import sys
 
 from .app import Logged, app
+from .checking import check
 from .indexing import index, query
 from .reports import report, summary
-from .scoring import check, factors, influence, norms
+from .scoring import factors, influence, norms
 from .training import train
 from .validation import validate
 

@@ -17,8 +17,9 @@ from ..errors import DataError, stop_if_signalled
 from .batch import Batch, batch_sha256, rebatch, take
 from .files import file_sha256
 from .held import held, is_held
+from .objects import function_source, object_source
 from .selection import Selection, is_glob
-from .sources import Source, file_source, function_source, object_source, read_source
+from .sources import Source, file_source, read_source
 
 
 def shard_paths(path: str | Sequence[str], what: str = "data file") -> list[str]:

@@ -1,0 +1,183 @@
+"""Rows held in Python as a ``Source``: what a ``file.py:fn`` returns or a caller passes, a dict
+of columns, a DataLoader (read only where it reads its rows once, in order), a Hugging Face
+``datasets.Dataset``, a map-style Dataset or an IterableDataset."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..errors import DataError, GradscopeError, one_line
+from .batch import Columns
+from .model import import_object
+from .selection import Selection
+from .sources import Source
+
+
+def collate(items: list[Any], wanted: Selection, where: str) -> Columns:
+    """Items of a torch Dataset -> columns: a dict per item, or a tuple (*inputs, target)."""
+    first, n_inputs = items[0], wanted.n_inputs
+    if isinstance(first, dict):
+        names = wanted.names(list(first))
+        missing = [n for n in names if n not in first]
+        if missing:
+            raise DataError(
+                f"dataset items have no key {missing[0]!r} (keys: {', '.join(map(str, first))})",
+                where,
+            )
+        keys: list[Any] = names
+    elif isinstance(first, (tuple, list)):
+        if len(first) != n_inputs + 1:
+            raise DataError(
+                f"dataset items are tuples of {len(first)}; expected {n_inputs + 1} "
+                "(the data.inputs in order, then the target) or dicts keyed by column name",
+                where,
+            )
+        keys = list(range(n_inputs + 1))
+        names = [*wanted.specs, wanted.targets]  # ids come only from dict items
+    else:
+        raise DataError(
+            f"dataset items are {type(first).__name__}; expected dicts or tuples of tensors", where
+        )
+    columns: Columns = {}
+    for name, key in zip(names, keys, strict=True):
+        values = [item[key] for item in items]
+        if all(isinstance(v, (Tensor, int, float, bool)) for v in values):
+            columns[name] = torch.stack([torch.as_tensor(v) for v in values])
+        else:
+            columns[name] = values
+    return columns
+
+
+def function_source(spec: str, columns: Selection, key: str = "data.path") -> Source:
+    """``file.py:fn`` returning a dict of columns, a map-style Dataset or an IterableDataset."""
+    try:
+        made = import_object(spec, key)()
+    except GradscopeError:
+        raise
+    except Exception as e:  # the function's own code: its error, on one line
+        raise DataError(
+            f"the data function raised {type(e).__name__}: {one_line(e)} (GRADSCOPE_DEBUG=1 "
+            "shows where)",
+            key,
+        ) from e
+    return object_source(made, columns, spec, f"{spec} returned")
+
+
+def object_source(made: Any, columns: Selection, where: str, what: str = "got") -> Source:
+    """Rows held in Python: a dict of columns, a DataLoader (its batches, in order), a Hugging
+    Face ``datasets.Dataset`` (its Arrow rows), a map-style Dataset or an IterableDataset.
+    ``what`` begins the error that refuses anything else."""
+    if isinstance(made, dict):
+        odd = next((k for k, v in made.items() if not hasattr(v, "__len__")), None)
+        if odd is not None:
+            raise DataError(
+                f"{what} a dict whose {odd!r} is not a column (a tensor, an array or a list "
+                f"of rows) but of type {type(made[odd]).__name__}",
+                where,
+            )
+        return Source(where, len(next(iter(made.values()), [])), lambda _: iter([made]))
+    if isinstance(made, torch.utils.data.DataLoader):
+        return _loader_source(made, columns, where)
+    if hasattr(made, "with_format") and hasattr(made, "column_names") and hasattr(made, "__len__"):
+        # a datasets.Dataset (its IterableDataset has no length: read as an iterable)
+        return _arrow_rows(made, where)
+    if isinstance(made, torch.utils.data.IterableDataset) or (
+        hasattr(made, "__iter__") and not hasattr(made, "__getitem__")
+    ):
+
+        def read_iterable(rows: int) -> Iterator[Columns]:
+            items: list[Any] = []
+            for item in made:
+                items.append(item)
+                if len(items) == rows:
+                    yield collate(items, columns, where)
+                    items = []
+            if items:
+                yield collate(items, columns, where)
+
+        return Source(where, None, read_iterable)  # an iterable's len() is only a hint
+    if hasattr(made, "__getitem__") and hasattr(made, "__len__"):
+        n = len(made)
+
+        def read_map(rows: int) -> Iterator[Columns]:
+            for lo in range(0, n, rows):
+                items = [made[i] for i in range(lo, min(lo + rows, n))]
+                yield collate(items, columns, where)
+
+        return Source(where, n, read_map)
+    raise DataError(
+        f"{what} a {type(made).__name__}; expected a dict of columns, a DataLoader, "
+        "a torch Dataset or an IterableDataset",
+        "data.path",
+    )
+
+
+def _loader_source(loader: torch.utils.data.DataLoader, columns: Selection, where: str) -> Source:
+    """A DataLoader's batches as runs of rows: a dict of columns each, or a tuple (*inputs,
+    target) as its dataset's items are; one that reads its dataset in order (``_in_order``)."""
+    _in_order(loader, where)
+
+    def read_loader(_: int) -> Iterator[Columns]:
+        for batch in loader:
+            if isinstance(batch, (tuple, list)):  # collated items: one tensor per position
+                keys = [*columns.specs, columns.targets]
+                if len(batch) != len(keys):
+                    raise DataError(
+                        f"the DataLoader's batches are tuples of {len(batch)}; expected "
+                        f"{len(keys)} (the data.inputs in order, then the target) or dicts",
+                        where,
+                    )
+                batch = dict(zip(keys, batch, strict=True))
+            yield batch
+
+    return Source(where, None, read_loader)
+
+
+def _in_order(loader: torch.utils.data.DataLoader, where: str) -> None:
+    """Refuse a loader that would not give each row of its dataset once, in order: any sampler
+    but a sequential one (a shuffle, a random subset, weighted draws: other example_ids each
+    pass, rows repeated or left out), the last batch dropped, or no batches at all. An
+    IterableDataset's order is its own."""
+    data = torch.utils.data
+    if isinstance(loader.dataset, data.IterableDataset):
+        return
+    batches = loader.batch_sampler
+    if batches is None:
+        raise DataError(
+            "the DataLoader has batch_size=None: its items are rows, not batches; pass one that "
+            "batches them",
+            where,
+        )
+    drawn = getattr(batches, "sampler", batches)
+    if not isinstance(batches, data.BatchSampler) or not isinstance(drawn, data.SequentialSampler):
+        raise DataError(
+            f"the DataLoader draws its rows by a {type(drawn).__name__}: each pass could give "
+            "them other example_ids, repeat some or leave some out; pass one that reads its "
+            "dataset in order (shuffle=False, no sampler)",
+            where,
+        )
+    if batches.drop_last:
+        raise DataError(
+            "the DataLoader drops its last batch (drop_last=True): those rows would go "
+            "unscored; pass one with drop_last=False",
+            where,
+        )
+
+
+def _arrow_rows(made: Any, where: str) -> Source:
+    """A ``datasets.Dataset``'s rows in runs, read as its Arrow table (list columns as row
+    arrays, as a ``save_to_disk`` folder reads)."""
+    from .arrow import record_columns
+
+    arrow, n = made.with_format("arrow"), len(made)
+
+    def read_rows(rows: int) -> Iterator[Columns]:
+        for lo in range(0, n, rows):
+            for record in arrow[lo : min(lo + rows, n)].to_batches():
+                yield record_columns(record)
+
+    return Source(where, n, read_rows, list(made.column_names))
