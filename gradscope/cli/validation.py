@@ -3,6 +3,7 @@ detection AUROC), the table printed and written."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -158,6 +159,13 @@ def render(table: pd.DataFrame, design: dict) -> RenderableType:
         f"{design['seeds']} seed(s) each, averaged over references; lds_low, lds_high: "
         "95% bootstrap interval of the mean"
     )
+    chance = 2 / math.factorial(design["subsets"])  # a random ranking's, of either sign
+    if chance > 1e-3:  # the references share the subsets: the interval cannot show it
+        caption += (
+            f". Over {design['subsets']} subsets a score of no merit reaches an lds of +-1 "
+            f"with probability {chance:.2g}, and the interval resamples references, not "
+            "subsets: use more (--subsets)"
+        )
     # under the table, not its caption: a caption as wide as the table would widen its columns
     return Group(FittedTable(cells, title="validation", keep=2), Text(caption))
 

@@ -121,7 +121,10 @@ def test_resume_refuses_another_recipe(tmp_path, monkeypatch):
 def test_truth_reused_not_for_another_recipe(tmp_path, monkeypatch):
     make_problem(tmp_path)
     scores(tmp_path)
-    assert invoke(tmp_path).exit_code == 0
+    result = invoke(tmp_path)
+    assert result.exit_code == 0
+    # four subsets: a random ranking reaches +-1 with probability 2/4! = 0.083, said so
+    assert "with probability 0.083" in " ".join(result.output.split())
     first = pd.read_parquet(tmp_path / "v.parquet")
     counting_fit(monkeypatch, stop=0)  # any retrain fails the test
     (tmp_path / "v.parquet").unlink()
