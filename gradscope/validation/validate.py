@@ -278,6 +278,7 @@ def _write(table: pd.DataFrame, out: Path, truth: Path, design: dict, options: O
     arrow = pa.Table.from_pandas(table, preserve_index=False)
     arrow = arrow.replace_schema_metadata({METADATA_KEY: json.dumps(meta, default=str)})
     replace_atomically(out, lambda f: pq.write_table(arrow, f), "the validation")
-    records = json.loads(table.to_json(orient="records"))
+    records = arrow.to_pylist()  # every digit (pandas' JSON keeps 10, at most 15)
+    records = [{k: None if v != v else v for k, v in row.items()} for row in records]  # NaN
     text = json.dumps({**meta, "results": records}, indent=2, default=str).encode()
     replace_atomically(out.with_suffix(".json"), lambda f: f.write(text), "the validation")
