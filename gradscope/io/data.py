@@ -88,23 +88,27 @@ HASHED_ROWS = 4096  # rows hashed at once: a fixed batching, whatever data.batch
 
 def code_rows_sha256(cfg: DataConfig, path: str | Sequence[str] | None = None) -> str | None:
     """Where code makes the data at ``path`` (default: ``data.path``; a ``file.py:fn``, rows
-    held in Python): the sha256 of all its rows, as a file's covers all of it (``data.limit``
-    and the ids left out), one pass over them, since the files that code reads are named
-    nowhere. None where files hold the data: their sha256 (``data_sha256``) is the data's."""
+    held in Python): the sha256 of its rows up to ``data.limit`` (a stream may have no end),
+    their ids left out, one pass over them, since the files that code reads are named nowhere;
+    a ``path`` given (REF) is read whole. None where files hold the data: their sha256
+    (``data_sha256``) is the data's."""
+    if path is not None:  # REF: no limit
+        cfg = dataclasses.replace(cfg, limit=None)
     path = path or cfg.path
     if not made_by_code(path):
         return None
     h = hashlib.sha256()
-    rows = open_dataset(dataclasses.replace(cfg, ids=None, limit=None), path)
+    rows = open_dataset(dataclasses.replace(cfg, ids=None), path)
     with torch.random.fork_rng(devices=[]):  # what the code draws is not the caller's to lose
-        for batch in rows.batches(HASHED_ROWS):
+        for batch in rows.batches(HASHED_ROWS, cfg.limit):
             h.update(batch_sha256(batch).encode())
     return f"rows:{h.hexdigest()}"
 
 
 def data_identity(cfg: DataConfig, path: str | Sequence[str] | None = None) -> str | None:
-    """The sha256 that stands for the data at ``path`` (default: ``data.path``; REF's too):
-    its files' (``data_sha256``), or where code makes it, its rows' (``code_rows_sha256``)."""
+    """The sha256 that stands for the data at ``path`` (default: ``data.path``; REF's, read
+    whole): its files' (``data_sha256``), or where code makes it, its rows' up to
+    ``data.limit`` (``code_rows_sha256``)."""
     return data_sha256(path or cfg.path) or code_rows_sha256(cfg, path)
 
 

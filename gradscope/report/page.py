@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import jinja2
@@ -16,7 +16,7 @@ from ..errors import DataError
 from ..inputs import check_not_recorded, check_output, metadata_inputs, run_inputs
 from ..io.atomic import replace_atomically
 from ..io.data import data_identity
-from ..io.parquet import read_metadata
+from ..io.parquet import nested, read_metadata
 from ..io.scorefile import column
 from ..outliers import Outliers, is_labels, rank
 from ..summary import cell
@@ -167,7 +167,9 @@ def write_report(
     check_output(target, inputs + (run_inputs(cfg) if cfg else []))
     check_not_recorded(target, meta)
     scored = meta.get("data_sha256")
-    if cfg and isinstance(scored, str) and scored != data_identity(cfg.data):
+    limit = nested(meta, "config", "data", "limit")  # the rows scored (data made by code)
+    limit = limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+    if cfg and isinstance(scored, str) and scored != data_identity(replace(cfg.data, limit=limit)):
         raise DataError(
             "the data changed since it was scored (its sha256 differs from the one the scores "
             "file records): the examples shown would not be the ones scored; score it again",

@@ -26,10 +26,35 @@ def test_the_rows_code_makes_stand_for_it_whatever_the_batches(tmp_path):
     cfg = code_made(tmp_path)
     first = data_identity(cfg.data)
     assert first.startswith("rows:") and data_sha256(cfg.data.path) is None
-    for other in ({"batch_size": 5}, {"ids": None}, {"limit": 20}):  # how a run reads them
+    for other in ({"batch_size": 5}, {"ids": None}):  # how a run reads them, not which
         assert data_identity(dataclasses.replace(cfg.data, **other)) == first
+    assert data_identity(dataclasses.replace(cfg.data, limit=20)) != first
+    assert data_identity(dataclasses.replace(cfg.data, limit=20), cfg.data.path) == first  # REF
     edit_data(tmp_path, lambda d: d["x"][22].add_(1))
     assert data_identity(cfg.data) != first
+
+
+ENDLESS = """
+import itertools
+
+import torch
+
+
+class Endless(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        for i in itertools.count():
+            yield {"x": torch.full((5,), float(i)), "y": torch.tensor(i % 3)}
+
+
+def make():
+    return Endless()
+"""
+
+
+def test_a_stream_without_end_is_hashed_up_to_its_limit(tmp_path):
+    (tmp_path / "stream.py").write_text(ENDLESS)
+    cfg = load_config(make_project(tmp_path, data__path="stream.py:make", data__limit=9))
+    assert data_identity(cfg.data).startswith("rows:")  # returns: 9 rows, not all of them
 
 
 def test_files_stand_for_themselves(tmp_path):
@@ -44,6 +69,8 @@ def test_a_report_over_code_made_rows_changed_since_is_refused(tmp_path):
     out = score_dataset(cfg)
     assert pd.read_parquet(out).shape[0] == 23
     write_report(out, cfg=cfg)
+    limited = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, limit=10))
+    write_report(score_dataset(limited), cfg=cfg)  # the rows scored, by the file's limit
     edit_data(tmp_path, lambda d: d["x"][0].add_(1))
     with pytest.raises(DataError, match="the data changed since it was scored"):
         write_report(out, cfg=cfg)
