@@ -92,12 +92,18 @@ def check_model(shards: Shards, cfg: Config, exact: bool) -> None:
                 cfg.source or "--config",
             )
     built = indexed.get("data_sha256")  # None: data made by code, indexed before its rows had
-    if exact and built is not None and built != data_identity(cfg.data):  # one (their losses)
+    if exact and built is not None and built != _indexed_rows(cfg, shards):  # one: the losses
         raise DataError(
             "--exact reads the indexed examples again, but data.path has changed since the index "
             "was built (its sha256 differs)",
             str(shards.path),
         )
+
+
+def _indexed_rows(cfg: Config, shards: Shards) -> str | None:
+    """``data_identity`` of the rows the index holds: where code makes them, the first
+    ``shards.rows`` (an index built with --limit), not the query's data.limit."""
+    return data_identity(dataclasses.replace(cfg.data, limit=shards.rows))
 
 
 def default_out(index: Path) -> str:

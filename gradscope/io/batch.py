@@ -36,9 +36,15 @@ class Batch:
 
 def batch_sha256(batch: Batch) -> str:
     """The sha256 of a batch's rows: their positions, inputs, targets and ids, bit for bit with
-    their dtypes and shapes (what a resume compares where no file's hash holds the data)."""
+    their dtypes and shapes (what a resume compares where no file's hash holds the data); a
+    column not yet padded, row by row as stored."""
     h = hashlib.sha256()
     for value in (batch.index, *batch.inputs, batch.targets):
+        if isinstance(value, list):  # rows of a column to pad
+            h.update(f"{len(value)} rows;".encode())
+            for row in map(np.ascontiguousarray, value):
+                h.update(f"{row.dtype} {row.shape};".encode() + row.tobytes())
+            continue
         t = value.detach().cpu().contiguous()
         h.update(f"{t.dtype} {tuple(t.shape)};".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())

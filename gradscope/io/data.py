@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import fnmatch
 import glob
 import hashlib
 from collections.abc import Iterator, Sequence
@@ -83,7 +84,7 @@ def made_by_code(path: str | Sequence[str]) -> bool:
     return any(code_file(spec) or is_held(spec) for spec in specs)
 
 
-HASHED_ROWS = 4096  # rows hashed at once: a fixed batching, whatever data.batch_size is
+HASHED_ROWS = 4096  # rows a source reads at once for a hash, whatever data.batch_size is
 
 
 def code_rows_sha256(cfg: DataConfig, path: str | Sequence[str] | None = None) -> str | None:
@@ -100,8 +101,8 @@ def code_rows_sha256(cfg: DataConfig, path: str | Sequence[str] | None = None) -
     h = hashlib.sha256()
     rows = open_dataset(dataclasses.replace(cfg, ids=None), path)
     with torch.random.fork_rng(devices=[]):  # what the code draws is not the caller's to lose
-        for batch in rows.batches(HASHED_ROWS, cfg.limit):
-            h.update(batch_sha256(batch).encode())
+        for run in rows.runs(cfg.limit):
+            h.update(batch_sha256(run).encode())
     return f"rows:{h.hexdigest()}"
 
 
@@ -139,6 +140,17 @@ class Dataset:
                 yield chunk
         if start == 0:
             raise DataError("the dataset is empty", self.where)
+
+    def runs(self, limit: int | None = None) -> Iterator[Batch]:
+        """The rows up to ``limit`` in the runs their sources give (a DataLoader's batches as
+        it collates them, of any width), unpadded: what ``code_rows_sha256`` hashes."""
+        seen = 0
+        for chunk in self._chunks(HASHED_ROWS):
+            if limit is not None and seen + len(chunk) >= limit:
+                yield take(chunk, torch.arange(limit - seen))
+                return
+            seen += len(chunk)
+            yield chunk
 
     def batches(
         self, batch_size: int, limit: int | None = None, pad: bool = True
@@ -182,6 +194,14 @@ class Dataset:
         return found
 
 
+def _text_ids(cfg: DataConfig) -> str | None:
+    """``data.ids``, where only the ids read it: a CSV's is read as text then, not where it is
+    the targets or an input too (numbers there)."""
+    specs = cfg.inputs.values() if isinstance(cfg.inputs, dict) else cfg.inputs
+    names = [cfg.targets, *(n for s in specs for n in ([s] if isinstance(s, str) else s))]
+    return None if any(fnmatch.fnmatchcase(cfg.ids or "", n) for n in names) else cfg.ids
+
+
 def open_dataset(
     cfg: DataConfig, path: str | Sequence[str] | None = None, key: str = "data.path"
 ) -> Dataset:
@@ -198,7 +218,7 @@ def open_dataset(
         elif ".py:" in spec:
             sources.append(function_source(spec, columns, key))
         else:
-            sources.append(file_source(spec, what, cfg.ids))
+            sources.append(file_source(spec, what, _text_ids(cfg)))
     if len(sources) == 1 and sources[0].whole:
         # a single table read whole anyway: read it now, so its size and columns are known
         only = sources[0]

@@ -80,6 +80,8 @@ def test_exact_refuses_rows_a_data_function_changed(project, monkeypatch, capsys
         before.setattr(job, "data_identity", lambda data: None)
         old = index(project, "--dim", 4, name="old")
     assert len(query(project, ix, "--exact", "--top-k", 3, "--candidates", 4)) == 3
+    limited = index(project, "--dim", 4, "--limit", 6, name="limited")  # the rows it holds
+    assert len(query(project, limited, "--exact", "--top-k", 3, "--candidates", 2)) == 3
     edit_data(project, lambda d: d["x"][3].mul_(2))
     for built, message in [
         (ix, "data.path has changed since the index was built (its sha256 differs)"),

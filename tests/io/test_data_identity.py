@@ -57,6 +57,31 @@ def test_a_stream_without_end_is_hashed_up_to_its_limit(tmp_path):
     assert data_identity(cfg.data).startswith("rows:")  # returns: 9 rows, not all of them
 
 
+PADDED = """
+import torch
+
+
+def make():
+    rows = [{"x": torch.arange(1.0, n + 1), "y": torch.tensor(n % 3)} for n in (2, 5, 3, 4, 6)]
+
+    def padded(batch):  # each batch to its own longest row, as DataCollatorWithPadding does
+        width = max(len(r["x"]) for r in batch)
+        x = torch.stack([torch.nn.functional.pad(r["x"], (0, width - len(r["x"]))) for r in batch])
+        return {"x": x, "y": torch.stack([r["y"] for r in batch])}
+
+    return torch.utils.data.DataLoader(rows, batch_size=2, collate_fn=padded)
+"""
+
+
+def test_a_loader_padding_each_batch_to_its_own_width_is_hashed_as_it_collates(tmp_path):
+    """Its batches cannot be joined into one run (they differ in width): the hash read them
+    as runs of 4096 rows, and every run over such a loader was refused."""
+    (tmp_path / "padded.py").write_text(PADDED)
+    cfg = load_config(make_project(tmp_path, data__path="padded.py:make"))
+    first = data_identity(cfg.data)
+    assert first.startswith("rows:") and data_identity(cfg.data) == first
+
+
 def test_files_stand_for_themselves(tmp_path):
     cfg = load_config(make_project(tmp_path, n=23))
     assert data_identity(cfg.data) == data_sha256(cfg.data.path) is not None
