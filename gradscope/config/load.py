@@ -109,14 +109,16 @@ def default_pad(cfg: Config) -> dict[str, int]:
 
 def padded_by_default(cfg: Config) -> Config:
     """``cfg`` with ``default_pad``'s values where ``data.pad`` sets none; and under causal_lm,
-    where the targets are an input's column (``targets: input_ids``, which pads as an input),
-    ``data.pad_targets`` -100 unless set: a padded position is no token to predict."""
+    where the targets are an input's column that pads (``targets: input_ids``, which pads as
+    an input), ``data.pad_targets`` -100 unless set: a padded position is no token to predict.
+    A column that does not pad keeps it unset (the truths made before it was a key stand)."""
     data = cfg.data
     pad = dict(data.pad)
     for column, value in default_pad(cfg).items():
         pad.setdefault(column, value)
     targets = data.pad_targets
-    if targets is None and cfg.loss.name == "causal_lm" and data.targets in _named(data).values():
+    shared = data.targets in _named(data).values() and data.targets in pad  # padded, as an input
+    if targets is None and cfg.loss.name == "causal_lm" and shared:
         targets = cfg.loss.kwargs.get("ignore_index", -100)
     return dataclasses.replace(cfg, data=dataclasses.replace(data, pad=pad, pad_targets=targets))
 

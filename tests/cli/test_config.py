@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from gradscope.config import load_config, with_overrides
 from gradscope.errors import ConfigError
@@ -105,3 +106,14 @@ def test_bad_values_name_their_key(tmp_path, text, message):
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_causal_lm_targets_of_an_input_pad_with_no_token_only_where_they_pad(tmp_path):
+    """pad_targets -100 where the targets' column pads as an input; unset where it does not,
+    so the truths and records of unpadded LMs made before the key stand."""
+    lm = {"loss": {"name": "causal_lm"}}
+    for pad, expected in (({"ids": 0}, -100), ({}, None)):
+        data = {"path": "d.pt", "inputs": "ids", "targets": "ids", "pad": pad}
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump({"model": {"factory": "m.py:M"},
+                                                         "data": data, **lm}))  # fmt: skip
+        assert load_config(tmp_path / "c.yaml").data.pad_targets == expected

@@ -71,14 +71,18 @@ def test_csv_columns_as_inputs(tmp_path):
         ["007", "7", "0100", "100"],
         ["18446744073709551612", "18446744073709551613", "18446744073709551614", "1"],
         ["true", "TRUE", "false", "False"],
+        "y",  # the ids are the targets: numbers, as the loss reads them
     ],
 )
 def test_csv_ids_are_copied_as_written(tmp_path, names):
     """pyarrow guesses a CSV column's type: ids 007 and 7 both became 7, twenty-digit ones one
-    float, true and TRUE one bool. The ids column is read as its text."""
+    float, true and TRUE one bool. The ids column is read as its text, but where it is the
+    targets (or an input) too: numbers there."""
+    ids = "y" if names == "y" else "name"
     config = make_project(tmp_path, n=4, data__path="data.csv", data__inputs=["x_*"],
-                          data__ids="name", model__factory="model.py:Net")  # fmt: skip
+                          data__ids=ids, model__factory="model.py:Net")  # fmt: skip
     data = torch.load(tmp_path / "data.pt")
+    names = data["y"].tolist() if names == "y" else names
     frame = pd.DataFrame(data["x"].numpy(), columns=[f"x_{i}" for i in range(5)])
     frame.assign(y=data["y"].numpy(), name=names).to_csv(tmp_path / "data.csv", index=False)
     out = run(config)
