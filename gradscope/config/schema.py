@@ -102,8 +102,7 @@ class DataConfig:
     """``{column: value}``: list columns of uneven length, padded per batch to the batch's
     longest. Unset, ``attention_mask`` pads with 0 and, under ``causal_lm``, the targets with
     -100 (positions the loss skips). A model given no mask sees the padding (a BERT fed
-    ``input_ids`` alone attends to it: its rows' numbers then move with the batch); name the
-    mask among ``data.inputs``."""
+    ``input_ids`` alone: its rows' numbers move with the batch); name the mask as an input."""
     pad_targets: float | None = None
     """What the targets pad with where their column pads: unset, its ``data.pad`` value; under
     causal_lm, where the targets are an input's column (``targets: input_ids``, which pads as
