@@ -97,7 +97,7 @@ class DataConfig:
     list of columns (``[age, blood pressure, "lab_*"]``), stacks those columns, in file or list
     order, into one (B, K) tensor."""
     ids: str | None = None
-    """A column copied to the output as ``id`` (a CSV's as the text it holds: ``007``)."""
+    """A column copied to the output as ``id`` (a CSV's as text, ``007``, if no input reads it)."""
     pad: dict[str, float] = field(default_factory=dict)
     """``{column: value}``: list columns of uneven length, padded per batch to the batch's
     longest. Unset, ``attention_mask`` pads with 0 and, under ``causal_lm``, the targets with
