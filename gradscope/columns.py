@@ -114,8 +114,9 @@ COLUMNS = (
         "margin",
         "float64",
         "classification losses, one label per example",
-        "The target's logit minus the largest other logit (`bce_with_logits`: z for a target of 1, −z for 0, (2y − 1) z for a soft one); negative: "
-        "the model predicts another class. NaN where the target is `ignore_index`.",
+        "The target's logit minus the largest other logit (`bce_with_logits`: z for a target "
+        "of 1, −z for 0, (2y − 1) z for a soft one); negative: the model predicts another "
+        "class. NaN where the target is `ignore_index`.",
     ),
     Column(
         "robust_z",

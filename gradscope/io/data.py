@@ -106,6 +106,13 @@ def code_rows_sha256(cfg: DataConfig, path: str | Sequence[str] | None = None) -
     return f"rows:{h.hexdigest()}"
 
 
+def code_rows_key(cfg: DataConfig) -> dict[str, str]:
+    """What a run's key adds for data made by code (``code_rows_sha256``); nothing for files,
+    so keys over files stay as they were."""
+    made = code_rows_sha256(cfg)
+    return {"data made by code": made} if made else {}
+
+
 def data_identity(cfg: DataConfig, path: str | Sequence[str] | None = None) -> str | None:
     """The sha256 that stands for the data at ``path`` (default: ``data.path``; REF's, read
     whole): its files' (``data_sha256``), or where code makes it, its rows' up to

@@ -23,7 +23,7 @@ from ..config import Config, DataConfig
 from ..errors import ConfigError, DataError, ModelError
 from ..inputs import Inputs
 from ..io.atomic import replace_atomically
-from ..io.data import code_rows_sha256
+from ..io.data import code_rows_key
 from ..io.files import file_sha256
 from ..resume import as_json, differences
 from .loop import build, recipe
@@ -52,7 +52,8 @@ def default_segment(total: int) -> int:
 def record_key(cfg: Config, inputs: Inputs) -> dict:
     """What a replay must share with the run it replays: the model, data, loss, dtype and recipe
     (with the batch size resolved), the sha256 of every file training read (and of the rows,
-    where code makes them), and torch's version. Not where the model was written, nor how a later command batches its scoring."""
+    where code makes them), and torch's version. Not where the model was written, nor how a
+    later command batches its scoring."""
     config = cfg.to_dict()
     train = dict(config["train"] or {}, batch_size=cfg.train.batch_size or cfg.data.batch_size)
     model = {k: v for k, v in config["model"].items() if k not in ("checkpoint", "checkpoints")}
@@ -64,8 +65,7 @@ def record_key(cfg: Config, inputs: Inputs) -> dict:
     }
     result = {"model": model, "data": data, "loss": config["loss"], "dtype": config["dtype"]}
     result |= {"train": train, "files": files, "torch": torch.__version__}
-    made = code_rows_sha256(cfg.data)  # data made by code: no file above holds its rows
-    return as_json(result | ({"data made by code": made} if made else {}))
+    return as_json(result | code_rows_key(cfg.data))  # no file above holds rows made by code
 
 
 def rng() -> dict:

@@ -15,7 +15,7 @@ from ..config import Config
 from ..errors import ConfigError, DataError, Interrupted
 from ..inputs import Inputs, check_output, run_inputs
 from ..io.atomic import replace_atomically
-from ..io.data import code_file, code_rows_sha256
+from ..io.data import code_file, code_rows_key
 from ..io.lock import OutputLock
 from ..io.parquet import PartialRun
 from ..job import resolve_device
@@ -107,8 +107,7 @@ def train_model(
     _refuse(cfg, path, folder, inputs, overwrite or resume, segment)
     with OutputLock(path):
         extra = {"out": str(path), "record": segment if record else None}
-        made = code_rows_sha256(cfg.data)  # data made by code: no file holds its rows
-        extra |= {"data made by code": made} if made else {}
+        extra |= code_rows_key(cfg.data)  # no file holds rows made by code
         key = fingerprint(cfg, "train", inputs, extra, resolve_device(cfg.device).type)
         run = PartialRun(path, key)
         run.refuse_foreign()
