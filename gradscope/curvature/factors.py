@@ -189,9 +189,9 @@ class Accumulator:
         """EK-FAC's pass: each example's gradient in the Kronecker eigenbasis, squared."""
         self.examples += batch
         for name, c in parts.items():
-            block = blocks[name]
-            if c is None or block.kind != KFAC:
+            if c is None or blocks[name].kind != KFAC:
                 continue
+            block = blocks[name]
             q_s, q_a = block.tensors["S_eigenvectors"], block.tensors["A_eigenvectors"]
             if isinstance(c, Outer):
                 s = times(c.s, q_s.to(c.s.device, c.s.dtype))  # Q_S^T s_t

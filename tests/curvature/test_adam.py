@@ -162,6 +162,8 @@ def _spoil(state: dict, how: str) -> None:
         state["state"][1]["exp_avg_sq"] = [1.0]
     elif how == "no-betas":
         del state["param_groups"][0]["betas"]
+    elif how == "never-stepped":  # no gradient reached it: torch keeps no entry
+        del state["state"][1]
     else:  # entries not a mapping
         state["state"] = [1, 2]
 
@@ -174,6 +176,8 @@ def _spoil(state: dict, how: str) -> None:
         ("moment-not-a-tensor", "the optimizer state's entry for parameter fc1.bias is not an "
          "Adam second moment after a step"),
         ("no-betas", "the optimizer state's parameter group has no Adam betas and eps"),
+        ("never-stepped", "the optimizer state holds nothing for parameter fc1.bias: the "
+         "optimizer never stepped it"),
         ("entries-a-list", "not an optimizer state_dict ('state' is a mapping of entries)"),
     ],
 )  # fmt: skip
