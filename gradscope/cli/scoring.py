@@ -59,7 +59,7 @@ DampingOpt = Annotated[
         "--damping",
         metavar="X",
         help="lambda = X times the curvature's mean eigenvalue (K-FAC: of each factor's; "
-        "--solver cg: its estimate from random probes; a negative one is refused); default "
+        "--solver cg: its estimate from random probes; one of 0 or below is refused); default "
         + ", ".join(f"{v:g} for {k}" for k, v in DAMPING.items())
         + ".",
     ),

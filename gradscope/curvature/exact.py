@@ -14,7 +14,6 @@ import torch
 from torch import Tensor
 
 from ..errors import ConfigError
-from .factors import damping
 from .products import Flat, Products
 
 BUDGET_BYTES = 2 << 30  # the P x P float64 matrix: P up to 16384
@@ -40,18 +39,27 @@ def check_damping(factor: float) -> None:
 
 
 def scaled_damping(mean: float, factor: float, estimated: bool = False) -> float:
-    """lambda = ``factor`` x the curvature's ``mean`` eigenvalue (in float64); 1 where the
-    curvature is all zero. A negative mean (a Hessian whose negative curvature outweighs its
-    positive) scales no damping: refused, not replaced by another lambda."""
+    """lambda = ``factor`` x the curvature's ``mean`` eigenvalue (in float64). A mean of 0 (a
+    loss linear in the model's outputs: its Gauss-Newton matrix is 0) or below (a Hessian whose
+    negative curvature outweighs its positive) scales no damping: refused, not replaced by
+    another lambda (which scored the plain inner product under the curvature's name)."""
+    what = "estimated mean eigenvalue (--solver cg)" if estimated else "mean eigenvalue"
+    if mean == 0:
+        raise ConfigError(
+            f"the curvature's {what} is 0: it is zero on these rows (a loss linear in the "
+            "model's outputs, as nll and l1 are, has a Gauss-Newton matrix of 0), so --damping "
+            "(a multiple of it) gives no damping; use --curvature ekfac or kfac (their Fisher), "
+            "or none",
+            "--curvature",
+        )
     if mean < 0:
-        what = "estimated mean eigenvalue (--solver cg)" if estimated else "mean eigenvalue"
         raise ConfigError(
             f"the curvature's {what} is {mean:.3g}: its negative curvature outweighs its "
             "positive, so --damping (a multiple of it) gives no damping; use --curvature gn "
-            "(never negative)",
+            "(never negative for a convex loss)",
             "--damping",
         )
-    return damping(torch.tensor([mean], dtype=torch.float64), factor)
+    return factor * mean
 
 
 def dense_matrix(products: Products) -> Tensor:
@@ -106,8 +114,8 @@ class ExactInverse:
         if failed:
             raise ConfigError(
                 f"the damped curvature is not positive definite (damping {self.damping:.3g}, "
-                f"{factor:g} x the mean eigenvalue {self.mean:.3g}); raise --damping, or use "
-                "--curvature gn (never negative)",
+                f"{factor:g} x the mean eigenvalue {self.mean:.3g}); raise --damping"
+                + ("" if self.info.get("kind") == "gn" else ", or use --curvature gn"),
                 "--damping",
             )
 

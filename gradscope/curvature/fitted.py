@@ -17,6 +17,7 @@ from .precondition import Curvature
 from .products import GN, HESSIAN, Batches, Products
 
 NONE, AUTO = "none", "auto"
+LINEAR_IN_OUTPUTS = ("nll", "l1")  # losses whose Hessian in the outputs is 0
 CURVATURES = (AUTO, NONE, GN, HESSIAN, KFAC, EKFAC)
 SOLVERS = ("auto", "dense", "cg")
 
@@ -114,13 +115,19 @@ class Timed:
         return described | {"curvature": self.curvature, "why": self.why, "seconds": self.seconds}
 
 
-def chosen(curvature: str, solver: str, parameters: int) -> tuple[str, str]:
-    """What ``auto`` fits for a selection of ``parameters`` numbers, and why: the exact
-    Gauss-Newton inverse where its dense matrix fits the budget (or ``--solver cg`` asks for
-    it), else EK-FAC, the scalable curvature (its LDS on the benchmarks: the docs' curvature
-    guide); any other name as it is."""
+def chosen(curvature: str, solver: str, parameters: int, loss: str = "") -> tuple[str, str]:
+    """What ``auto`` fits for a selection of ``parameters`` numbers under ``loss``, and why:
+    the exact Gauss-Newton inverse where its dense matrix fits the budget (or ``--solver cg``
+    asks for it), else EK-FAC, the scalable curvature (its LDS on the benchmarks: the docs'
+    curvature guide), which also serves a loss linear in the outputs (Gauss-Newton matrix 0);
+    any other name as it is."""
     if curvature != AUTO:
         return curvature, "asked for"
+    if loss in LINEAR_IN_OUTPUTS:
+        return (
+            EKFAC,
+            f"auto: {loss} is linear in the model's outputs (its Gauss-Newton matrix is 0)",
+        )
     if solver == "cg" or parameters * parameters * 8 <= BUDGET_BYTES:
         return GN, f"auto: {parameters} parameters, the dense Gauss-Newton matrix fits"
     return EKFAC, f"auto: {parameters} parameters, too many for the dense Gauss-Newton matrix"
@@ -139,7 +146,7 @@ def fit_curvature(
     from . import compute_factors
 
     parameters = sum(p.param.numel() for p in job.engine.plan.included)
-    curvature, why = chosen(curvature, solver, parameters)
+    curvature, why = chosen(curvature, solver, parameters, job.cfg.loss.name)
     damping = resolve_damping(curvature, damping)
     start = time.perf_counter()
     if curvature in (KFAC, EKFAC):

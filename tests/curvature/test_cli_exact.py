@@ -258,6 +258,19 @@ def test_auto_fits_the_exact_gauss_newton_where_it_fits(tmp_path) -> None:
     assert_columns_close(api.numpy()[:, None], expected)
 
 
+def test_a_loss_linear_in_the_outputs_has_no_gauss_newton_matrix(tmp_path, monkeypatch, capsys):
+    """l1 (as nll) has a Gauss-Newton matrix of 0: lambda was then 1, and the "exact" scores
+    the plain inner product under gn's name. Refused now; auto fits EK-FAC's Fisher."""
+    cfg = project(tmp_path, "l1")
+    out = tmp_path / "s.parquet"
+    _invoke("influence", cfg, "--ref", tmp_path / "ref.pt", "--out", out)
+    (fit,) = read_metadata(out)["influence"]["curvatures"]
+    assert fit["curvature"] == "ekfac" and "l1 is linear in the model's outputs" in fit["why"]
+    for flags in (["--curvature", "gn"], ["--curvature", "gn", "--solver", "cg"]):
+        err = fails(monkeypatch, capsys, "influence", cfg, "--ref", tmp_path / "ref.pt", *flags)
+        assert "mean eigenvalue" in err and "is 0: it is zero on these rows" in err, err
+
+
 def test_auto_takes_ekfac_where_the_dense_matrix_does_not_fit() -> None:
     from gradscope.curvature.fitted import chosen
 
