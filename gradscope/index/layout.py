@@ -208,7 +208,9 @@ def _is_index(path: Path) -> bool:
         manifest = json.loads((path / MANIFEST).read_bytes())
     except (OSError, ValueError):
         return False
-    ours = all(INDEX_FILE.fullmatch(p.name) for p in path.iterdir())
+    ours = all(  # files of an index's names, not a folder or link that holds others
+        INDEX_FILE.fullmatch(p.name) and p.is_file() and not p.is_symlink() for p in path.iterdir()
+    )
     return ours and isinstance(manifest, dict) and manifest.get("format") == FORMAT
 
 

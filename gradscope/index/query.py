@@ -32,7 +32,7 @@ from .exact import check_rows, exact_scores, rerank
 from .projection import Projector
 from .reader import Shards
 from .references import References
-from .scorer import gradient_keys, model_files
+from .scorer import gradient_keys, model_files, one_checkpoint
 from .stream import Scores
 
 CANDIDATES = 30  # --exact re-scores the top k * CANDIDATES of the projected ranking
@@ -75,6 +75,7 @@ def index_config(config: Path | Config | None, **overrides) -> Config:
 def check_model(shards: Shards, cfg: Config, exact: bool) -> None:
     """The model files, every other key that changes the gradients and, for ``exact``, the data
     must be the ones the index was built with."""
+    one_checkpoint(cfg)
     indexed = shards.manifest["gradscope"]
     now = model_files(cfg)
     for key in sorted(set(indexed.get("model_files", {})) | set(now)):

@@ -47,6 +47,7 @@ GRADIENT_KEYS = (
     "params.include",
     "params.exclude",
     "data.pad",
+    "data.pad_targets",
 )
 
 
@@ -58,6 +59,17 @@ def index_output(cfg: Config, out: str | None) -> Config:
     else:
         path = output_path(out.rstrip("/") or out, Path.cwd(), "--out")
     return dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, path=path))
+
+
+def one_checkpoint(cfg: Config) -> None:
+    """An index holds the gradients at one checkpoint: ``model.checkpoints`` is refused, in
+    ``index`` and in a ``query`` (whose references would be taken at others)."""
+    if cfg.model.checkpoints:
+        raise ConfigError(
+            "an index holds the gradients at one checkpoint; model.checkpoints lists "
+            f"{len(cfg.model.checkpoints)}: index (and query) each with model.checkpoint",
+            "model.checkpoints",
+        )
 
 
 def model_files(cfg: Config) -> dict[str, str]:
@@ -126,12 +138,7 @@ class IndexScorer(Scorer):
         return layout.IndexRun(path, fingerprint)
 
     def setup(self, job: Job) -> None:
-        if job.cfg.model.checkpoints:
-            raise ConfigError(
-                "an index holds the gradients at one checkpoint; model.checkpoints lists "
-                f"{len(job.cfg.model.checkpoints)}: index each with model.checkpoint",
-                "model.checkpoints",
-            )
+        one_checkpoint(job.cfg)
         made = blocks(job.plan, self.dim)
         self.projector = Projector(made, self.seed, job.device, accumulation_dtype(job.dtype))
         self._want = Want(norms=False, project=self.projector.projections)

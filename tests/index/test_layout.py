@@ -225,3 +225,23 @@ def test_a_run_killed_between_the_renames_leaves_the_former_index_aside(
     (project / ".ix.old" / "photo.png").write_bytes(b"\x89PNG")
     err = fails(monkeypatch, capsys, "index", project / "config.yaml", "--out", ix)
     assert "not a gradscope index folder" in err and (project / ".ix.old" / "photo.png").exists()
+
+
+@pytest.mark.parametrize("kind", ["folder", "link"])
+def test_an_index_name_that_is_not_a_file_keeps_the_folder(project, monkeypatch, capsys, kind):
+    """A folder (or link) of a user's under a shard's name beside a manifest of the index's
+    format: the folder was taken for an index and replaced, the user's files with it."""
+    ix = project / "ix"
+    ix.mkdir()
+    (ix / "manifest.json").write_text(json.dumps({"format": "gradscope-index"}))
+    (project / "mine").mkdir()
+    (project / "mine" / "precious.txt").write_text("keep")
+    shard = ix / "shard-000001.npy"
+    if kind == "folder":
+        shard.mkdir()
+        (shard / "precious.txt").write_text("keep")
+    else:
+        shard.symlink_to(project / "mine")
+    err = fails(monkeypatch, capsys, "index", project / "config.yaml", "--out", ix)
+    assert "not a gradscope index folder" in err
+    assert (shard / "precious.txt").read_text() == "keep"

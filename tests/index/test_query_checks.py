@@ -44,6 +44,7 @@ CHANGES = {
     "model.kwargs": lambda c: c["model"].update(kwargs={"hidden": 8}),
     "model.factory": lambda c: c["model"].update(factory="model.py:TupleNet", output=0),
     "loss.token_reduction": lambda c: c.setdefault("loss", {}).update(token_reduction="sum"),
+    "data.pad_targets": lambda c: c["data"].update(pad_targets=-1),
 }
 
 
@@ -55,6 +56,13 @@ def test_query_config_agrees_with_the_index_on_every_gradient_key(project, monke
         err = refused(monkeypatch, capsys, project, ix)
         assert f"error: {key} is not what the index was built with" in err
         (project / "config.yaml").write_text(original)
+    # the references at the checkpoints listed, the rows at the index's: refused as index does
+    other_config(
+        project, lambda c: c["model"].update(checkpoints=[{"path": c["model"].pop("checkpoint")}])
+    )
+    err = refused(monkeypatch, capsys, project, ix)
+    assert "error: an index holds the gradients at one checkpoint" in err
+    (project / "config.yaml").write_text(original)
     moved = project / "elsewhere"  # the same model from another folder: the same gradients
     moved.mkdir()
     for name in ("model.py", "net.pt", "data.pt", "config.yaml"):
