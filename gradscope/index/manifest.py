@@ -64,7 +64,7 @@ def parse(text: bytes, where: str) -> dict[str, Any]:
     query trusts is there, of its type, the shards contiguous and adding up to ``rows``."""
     try:
         m = json.loads(text)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested past Python's stack
         raise DataError(f"not a gradscope index folder (no readable {MANIFEST})", where) from e
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise DataError("not a gradscope index folder", where)
@@ -124,7 +124,10 @@ def _check_shards(m: dict[str, Any], where: str) -> None:
 def _projection(p: dict, width: int) -> bool:
     """Whether ``p`` is a seed and blocks side by side filling ``width`` columns."""
     keys, start = {"name", "shape", "split", "k_out", "k_in", "start"}, 0
-    if not isinstance(p.get("seed"), int) or not isinstance(p.get("blocks"), list):
+    seed = p.get("seed")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not _whole(p.get("dim"), 1):
+        return False
+    if not isinstance(p.get("blocks"), list):
         return False
     for b in p["blocks"]:
         if not isinstance(b, dict) or set(b) != keys or b["start"] != start:

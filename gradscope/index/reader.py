@@ -25,7 +25,11 @@ import pyarrow.parquet as pq
 from ..errors import DataError
 from .manifest import HEADER, IDS_COLUMNS, MANIFEST, SEAL, ends_sha256, parse, seal
 
+# no link followed; a FIFO (or device) opened without waiting for a writer, then refused
 FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+FLAGS |= getattr(os, "O_NONBLOCK", 0)
+# IDS_COLUMNS' types: example_id, loss, norm, finite
+IDS_KINDS = (pa.types.is_integer, pa.types.is_floating, pa.types.is_floating, pa.types.is_boolean)
 
 
 class Shards:
@@ -87,11 +91,10 @@ class Shards:
                 else f"cannot be read: {e.strerror or e}"
             )
             raise DataError(f"{name} {why}", self._where(name)) from e
-        f = os.fdopen(fd, "rb")
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            f.close()
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a folder, a FIFO: before reading it
+            os.close(fd)
             raise DataError(f"{name} is not a plain file", self._where(name))
-        return f
+        return os.fdopen(fd, "rb")
 
     def _replaced(self) -> bool:
         """Whether the folder at ``path`` is no longer the one this query opened."""
@@ -114,6 +117,13 @@ class Shards:
         if ids.metadata.num_rows != self.rows or missing:
             got = f"lacks column {missing[0]}" if missing else f"holds {ids.metadata.num_rows} rows"
             raise DataError(f"{name} {got}; the manifest has {self.rows}", self._where(name))
+        types = {c: ids.schema_arrow.field(c).type for c in IDS_COLUMNS}
+        for column, kind in zip(IDS_COLUMNS, IDS_KINDS, strict=True):
+            if not kind(types[column]):
+                raise DataError(
+                    f"{name}'s column {column} holds {types[column]}, not what an index writes",
+                    self._where(name),
+                )
         if (ids.metadata.metadata or {}).get(SEAL) != sealed:
             raise DataError(
                 f"{MANIFEST} is not the one this index was built with ({name} records another "

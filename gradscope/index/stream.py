@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..errors import DataError
 from .reader import Shards
 
 CHUNK_ELEMENTS = 1 << 24  # floats in one chunk of rows, and in its (rows, references) scores
@@ -22,9 +23,15 @@ class Scores:
     def __init__(self, shards: Shards, psi: Tensor, normalize: bool = False):
         self.shards, self.normalize = shards, normalize
         ids = shards.ids(["norm", "finite"])
-        norm = ids["norm"].to_numpy()
+        norm, finite = ids["norm"].to_numpy(), ids["finite"].to_numpy()
+        if not (norm[finite] >= 0).all():  # NaN too: a row the index marks finite
+            name = shards.manifest["ids"]
+            raise DataError(
+                f"{name} holds a negative or NaN norm for a finite row: not what an index writes",
+                str(shards.path / name),
+            )
         scale = np.where(norm > 0, 1.0, np.nan) if normalize else norm
-        scale = np.where(ids["finite"].to_numpy(), scale, np.nan)
+        scale = np.where(finite, scale, np.nan)
         self.scale = torch.from_numpy(scale).to(psi.device, torch.float32)  # (N,)
         psi = psi.float()
         if normalize:  # unit rows against unit references: the cosine (0 / 0 for a zero one)

@@ -9,6 +9,7 @@ import pickle
 import shutil
 
 import numpy as np
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from project import Marker
@@ -181,7 +182,51 @@ DAMAGE = {
         "shard-000001.npy",
         "bytes, its rows and header take",
     ),
+    "shard-a-folder": (  # IsADirectoryError before
+        lambda ix: [(ix / "shard-000001.npy").unlink(), (ix / "shard-000001.npy").mkdir()],
+        "shard-000001.npy",
+        "shard-000001.npy is not a plain file",
+    ),
+    "manifest-a-fifo": (  # the query waited for a writer, for good
+        lambda ix: [(ix / "manifest.json").unlink(), os.mkfifo(ix / "manifest.json")],
+        "manifest.json",
+        "manifest.json is not a plain file",
+    ),
+    "manifest-nested": (  # RecursionError before
+        lambda ix: (ix / "manifest.json").write_text("[" * 100_000 + "]" * 100_000),
+        "manifest.json",
+        "not a gradscope index folder (no readable manifest.json)",
+    ),
+    "no-dim": (  # KeyError before
+        lambda ix: rewrite(ix, lambda m: m["projection"].pop("dim")),
+        "manifest.json",
+        "the manifest's projection or model record",
+    ),
+    "seed-a-bool": (
+        lambda ix: rewrite(ix, lambda m: m["projection"].update(seed=True)),
+        "manifest.json",
+        "the manifest's projection or model record",
+    ),
+    "norm-text": (  # a pyarrow error before
+        lambda ix: retyped(ix, "norm", lambda c: c.cast("string")),
+        "ids.parquet",
+        "ids.parquet's column norm holds string",
+    ),
+    "norm-negative": (  # scored with the sign flipped before
+        lambda ix: retyped(ix, "norm", lambda c: pc.negate(c)),
+        "ids.parquet",
+        "holds a negative or NaN norm for a finite row",
+    ),
 }
+
+
+def retyped(ix, column: str, change) -> None:
+    """``ids.parquet`` with ``column`` changed, its seal kept."""
+    ids = pq.read_table(ix / "ids.parquet")
+    at = ids.schema.get_field_index(column)
+    sealed = {SEAL: pq.ParquetFile(ix / "ids.parquet").metadata.metadata[SEAL]}
+    changed = ids.set_column(at, column, change(ids[column]))
+    pq.write_table(changed.replace_schema_metadata(sealed), ix / "ids.parquet")
 
 
 @pytest.mark.parametrize("case", DAMAGE)
