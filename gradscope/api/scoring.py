@@ -106,9 +106,11 @@ def influence(
 
             trained = {k: v for k, v in options.items() if k not in ("limit", "batch_size")}
             trained = configured(call, model, data, config, **trained)  # as the run trained
+            curved = precondition or curvature
             scorer = replayed(
-                trained, call.spec(ref), Path(through_training), per_ref, precondition or curvature
+                trained, call.spec(ref), Path(through_training), per_ref, curved, resume
             )
+            resume = False  # the replay continued its own; the rows' file is written afresh
         else:
             scorer = InfluenceScorer(
                 call.spec(ref), per_ref=per_ref, engine=engine,

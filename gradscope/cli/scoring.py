@@ -199,8 +199,9 @@ def influence(
         from ..training.attribution import replayed
 
         trained = with_overrides(load_config(config), out=out, device=device)
-        scorer = replayed(trained, ref, through_training, per_ref, precondition or curvature)
-        return _run(cfg, scorer, by, report, trust_checkpoint, resume)
+        curved = precondition or curvature
+        scorer = replayed(trained, ref, through_training, per_ref, curved, resume)
+        return _run(cfg, scorer, by, report, trust_checkpoint, resume=False)
     scorer = InfluenceScorer(
         ref,
         per_ref=per_ref,

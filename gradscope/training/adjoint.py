@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from ..errors import ModelError
 from ..job import Forward
 from ..losses import LossFn, counted
 from .loop import TrainingRows
@@ -71,20 +72,36 @@ class Problem:
         """Step ``t`` as the run took it, on the rows at ``picked``, from the random state
         the caller set."""
         params = [p.detach().requires_grad_() for p in params]
-        grads = torch.autograd.grad(self.step_loss(params, picked, None), params)
+        loss = self.step_loss(params, picked, None)
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        self._reached(grads, t)
         with torch.no_grad():
             return self.update(
                 [p.detach() for p in params], state, clip(list(grads), self.max_norm), lr, t
             )
 
+    def _reached(self, grads: Tensors, t: int) -> None:
+        """Every trained weight's gradient at step ``t``: one the step's loss does not reach
+        is skipped by torch's optimizers that step (no decay, no momentum), which the recipe's
+        update does not retrace."""
+        for name, g in zip(self.names, grads, strict=True):
+            if g is None:
+                raise ModelError(
+                    f"parameter {name.removeprefix('model.')} gets no gradient at step {t} (the "
+                    "forward does not use it): torch's optimizers skip it there, which a replay "
+                    "does not retrace; freeze it (requires_grad=False) or leave it out of the model",
+                    "model.factory",
+                )
+
     def reverse(
         self, at: tuple[Tensors, Tensors, dict], picked: Tensor, lr: float, t: int,
         adjoints: Tensors, batched: bool = True,
-    ) -> tuple[Tensors, Tensor]:  # fmt: skip
+    ) -> tuple[Tensors, Tensor, Tensors]:  # fmt: skip
         """Step ``t`` from ``at`` (its weights, state and random state) in reverse: ``adjoints``,
         (R, ...) per weight then per state tensor after the step, to the same before it, and
-        (R, B) d/dw_i of the step's rows. The R adjoints share the step's forward and first
-        backward; the double backward is one vmapped call (``batched``) or one call each."""
+        (R, B) d/dw_i of the step's rows; and the weights the step moved to, which the caller
+        checks are the run's. The R adjoints share the step's forward and first backward; the
+        double backward is one vmapped call (``batched``) or one call each."""
         params = [p.detach().requires_grad_() for p in at[0]]
         state = [s.detach().requires_grad_() for s in at[1]]
         set_rng(at[2])  # the dropout masks of the run's step
@@ -103,7 +120,7 @@ class Problem:
                 for k in range(r)
             ]
             back = [torch.stack(b) for b in zip(*each, strict=True)]
-        return back[:-1], back[-1]  # (R, ...) per leaf; (R, B)
+        return back[:-1], back[-1], [m.detach() for m in moved]  # (R, ...) per leaf; (R, B)
 
 
 def _backward(

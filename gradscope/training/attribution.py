@@ -60,7 +60,7 @@ class ThroughTrainingScorer(Scorer):
         choose which of its rows the file shows, and how they are batched."""
         distributed.one_process("--through-training", "--through-training")
         out = Path(cfg.output.path)
-        self.folder = out.with_name(f".{out.name}.replay")
+        self.folder = replay_folder(out)
         started = time.perf_counter()
         scores = through_training(
             cfg,
@@ -141,18 +141,32 @@ class ThroughTrainingScorer(Scorer):
         }
 
 
+def replay_folder(out: Path) -> Path:
+    """Where the replay for the output ``out`` saves its progress: ``.NAME.replay`` beside it."""
+    return out.with_name(f".{out.name}.replay")
+
+
 def replayed(
-    cfg: Config, ref: str, run: Path, per_ref: bool, curvature: object
+    cfg: Config, ref: str, run: Path, per_ref: bool, curvature: object, resume: bool = False
 ) -> ThroughTrainingScorer:
     """``influence --through-training RUN``'s scorer, its replay run under a progress bar in
     steps; ``curvature`` (``--curvature`` or ``--precondition``) is refused: the replay is the
-    exact answer for the run, no curvature stands in for it."""
+    exact answer for the run, no curvature stands in for it. A killed replay continues from its
+    folder whether or not ``resume`` asks it to; ``resume`` with none there is refused before
+    the replay, not after it. (The rows' file after it is written afresh: its scoring run is
+    not resumed.)"""
     from .. import terminal
 
     if curvature is not None:
         raise ConfigError(
             "--through-training replays the run itself: it takes no --curvature or --precondition",
             "--through-training",
+        )
+    out = Path(cfg.output.path)
+    if resume and not replay_folder(out).is_dir():
+        raise ConfigError(
+            "nothing to resume: no interrupted replay of this output; run without --resume",
+            str(out),
         )
     scorer = ThroughTrainingScorer(ref, run, per_ref=per_ref)
     # the output checked and held before the replay, which saves its progress beside it

@@ -136,25 +136,28 @@ class _Replay:
     def _segment(self, k: int, adjoints: Tensors, scores: Tensor) -> Tensors:
         """Segment ``k``: recomputed from its checkpoint, then walked back; ``scores`` (R, N)
         gains each of its steps' d f / d w."""
-        trail = self._forward(k)
+        trail, end = self._forward(k)
         first, last = self.record.bounds(k)
         for t in range(last - 1, first - 1, -1):
             at = trail[t - first]
-            adjoints, dw = self._reverse(at, t, adjoints)
+            adjoints, dw, moved = self._reverse(at, t, adjoints)
+            then = trail[t - first + 1][0] if t + 1 < last else end
+            _check_end(moved, then, t + 1, self.record, "the step recomputed on the walk back")
             scores.index_add_(1, self.picked[t], dw.detach().double().cpu())  # (R, B) into (R, N)
             if self.on_step:
                 self.on_step(1)
         return adjoints
 
-    def _reverse(self, at: tuple, t: int, adjoints: Tensors) -> tuple[Tensors, Tensor]:
+    def _reverse(self, at: tuple, t: int, adjoints: Tensors) -> tuple[Tensors, Tensor, Tensors]:
         """Step ``t`` in reverse, R references' double backward vmapped or one at a time as
         ``VMAP_WEIGHTS`` says, the same way every run: the scores' last bits never depend on
         the machine's load."""
         return self.problem.reverse(at, self.picked[t], self.lrs[t], t, adjoints, self.batched)
 
-    def _forward(self, k: int) -> list[tuple[Tensors, Tensors, dict]]:
+    def _forward(self, k: int) -> tuple[list[tuple[Tensors, Tensors, dict]], Tensors]:
         """The weights, optimizer state and random state at each step of segment ``k``,
-        recomputed from its checkpoint, its end checked against where the run went."""
+        recomputed from its checkpoint, and the weights after its last step, checked against
+        where the run went."""
         checkpoint = self.record.checkpoint(k)
         params = [p.to(self.device) for p in checkpoint["params"]]
         state = [s.to(self.device) for s in checkpoint["state"]]
@@ -170,20 +173,27 @@ class _Replay:
         end = self.record.final() if k == self.record.segments - 1 else None
         end = self.record.checkpoint(k + 1)["params"] if end is None else end
         _check_end(params, end, last, self.record)
-        return trail
+        return trail, params
 
 
-def _check_end(params: Tensors, recorded: Tensors, step: int, record: Record) -> None:
+def _check_end(
+    params: Tensors,
+    recorded: Tensors,
+    step: int,
+    record: Record,
+    how: str = "replaying the run from its checkpoint",
+) -> None:
     """The recomputed weights after ``step`` must be the run's, to rounding: else the run drew
-    randomness the record does not hold, or its steps are not the recipe's."""
+    randomness the record does not hold (a generator of the model's own, which the walk back
+    finds moved on where one segment's replay did not), or its steps are not the recipe's."""
     eps = torch.finfo(params[0].dtype).eps
     scale = max(1.0, max(p.abs().max().item() for p in recorded))
-    off = max((p.cpu() - q).abs().max().item() for p, q in zip(params, recorded, strict=True))
+    off = max((p.cpu() - q.cpu()).abs().max().item() for p, q in zip(params, recorded, strict=True))
     if not off <= eps**0.5 * scale:
         raise ModelError(
-            f"replaying the run from its checkpoint does not reach its weights after step {step} "
-            f"(off by {off:.3g}): the model draws randomness the record does not hold, or was "
-            "trained otherwise than its recipe says",
+            f"{how} does not reach its weights after step {step} (off by {off:.3g}): the model "
+            "draws randomness the record does not hold, or was trained otherwise than its "
+            "recipe says",
             str(record.folder),
         )
 
@@ -208,12 +218,22 @@ def _reference_gradients(
             count += len(losses)
             if per_ref:
                 eye = torch.eye(len(losses), dtype=losses.dtype, device=losses.device)
-                parts.append(torch.autograd.grad(losses, params, eye, is_grads_batched=True))
+                grads = torch.autograd.grad(
+                    losses, params, eye, is_grads_batched=True, allow_unused=True
+                )
+                parts.append(_zeros(grads, params, (len(losses),)))
             else:
-                parts.append([g[None] for g in torch.autograd.grad(losses.sum(), params)])
+                grads = torch.autograd.grad(losses.sum(), params, allow_unused=True)
+                parts.append([g[None] for g in _zeros(grads, params, ())])
     if per_ref:
         return [torch.cat(gs) for gs in zip(*parts, strict=True)]
     return [sum(gs) / count for gs in zip(*parts, strict=True)]
+
+
+def _zeros(grads: Tensors, params: Tensors, lead: tuple[int, ...]) -> Tensors:
+    """``grads``, zeros of ``lead`` + the weight's shape where the references do not reach it."""
+    pairs = zip(grads, params, strict=True)
+    return [p.new_zeros(*lead, *p.shape) if g is None else g for g, p in pairs]
 
 
 def _resumed(folder: Path, key: dict) -> dict | None:

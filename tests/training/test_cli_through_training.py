@@ -146,3 +146,36 @@ def test_an_output_that_is_an_input_is_refused_before_the_replay(tmp_path, proje
                              "--out", out))  # fmt: skip
         assert "writing there would" in line
     assert not list(tmp_path.rglob(".*.replay"))
+
+
+def test_a_killed_replay_continues_with_or_without_resume(tmp_path, project, monkeypatch):
+    """The replay's message says: run the same command again; with --resume it was refused
+    ("nothing to resume", the scoring run's partial folder being none), now it continues too.
+    --resume with no replay to continue is refused before a replay runs."""
+    ref, record = tmp_path / "ref.pt", tmp_path / "out.run"
+    assert run("train", project, "--record", "--segment", "4").exit_code == 0
+    args = ["influence", project, "--ref", ref, "--through-training", record]
+    line = one_error(run(*args, "--resume"))
+    assert "nothing to resume: no interrupted replay of this output" in line
+    assert run(*args, "--out", tmp_path / "whole.parquet").exit_code == 0
+    replay, walked = attribution.through_training, []
+
+    def killed(*a, on_step, **kw):
+        def step(n: int) -> None:
+            walked.append(n)
+            if len(walked) == 6:  # in the second segment of three walked back
+                raise KeyboardInterrupt
+            on_step(n)
+
+        return replay(*a, on_step=step, **kw)
+
+    monkeypatch.setattr(attribution, "through_training", killed)
+    assert run(*args).exit_code == 130
+    monkeypatch.setattr(attribution, "through_training", replay)
+    assert len(list(tmp_path.glob(".*.replay"))) == 1
+    assert run(*args, "--resume").exit_code == 0
+    got, want = (
+        pq.read_table(tmp_path / f).to_pandas() for f in ("scores.parquet", "whole.parquet")
+    )
+    np.testing.assert_array_equal(got["influence"], want["influence"])
+    assert not list(tmp_path.glob(".*.replay"))

@@ -224,6 +224,33 @@ class Net(nn.Module):
         noise = torch.as_tensor(np.random.rand(*x.shape)) if self.training else 0
         return self.fc(x + noise)
 """
+UNUSED = """
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(5, 3), nn.Linear(5, 2)  # head: never called
+
+    def forward(self, x):
+        return self.fc(x)
+"""
+OWN_GENERATOR = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.g = nn.Linear(5, 3), torch.Generator().manual_seed(0)
+
+    def forward(self, x):
+        if self.training:  # dropout of its own generator's: fresh at the start of the run
+            x = x * (torch.rand(x.shape, generator=self.g, dtype=x.dtype) > 0.3) / 0.7
+        return self.fc(x)
+"""
 BATCHNORM = """
 from torch import nn
 
@@ -354,12 +381,23 @@ def test_a_record_over_data_made_by_code_is_refused_once_its_rows_change(tmp_pat
     [
         (NUMPY_NOISE, ModelError, "does not reach its weights after step 8"),
         (BATCHNORM, ModelError, "buffers change as it trains"),
+        # torch's optimizers skip a weight of no gradient: a traceback before
+        (UNUSED, ModelError, "parameter head.weight gets no gradient at step"),
     ],
 )
 def test_a_run_gradscope_cannot_retrace_is_refused(tmp_path, code, error, message):
     (tmp_path / "other.py").write_text(code)
     cfg, run = recorded(tmp_path, RECIPES["sgd-momentum-decay"], "other.py:Net")
     with pytest.raises(error, match=message):
+        through_training(cfg, run, tmp_path / "ref.pt")
+
+
+def test_a_generator_of_the_models_own_is_refused_in_one_segment(tmp_path):
+    """A fresh model's own generator replays one segment's masks (its end checks out), then
+    has moved on when the walk back recomputes each step: the scores were 24% off."""
+    (tmp_path / "other.py").write_text(OWN_GENERATOR)
+    cfg, run = recorded(tmp_path, RECIPES["sgd-momentum-decay"], "other.py:Net", segment=100)
+    with pytest.raises(ModelError, match="the step recomputed on the walk back does not reach"):
         through_training(cfg, run, tmp_path / "ref.pt")
 
 
