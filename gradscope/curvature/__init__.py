@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from .. import distributed
 from ..config import Config
@@ -71,33 +72,40 @@ def compute_factors(
     from ..job import config_loss
 
     cfg = job.cfg
-    loss = config_loss(cfg)
+    loss, forward = config_loss(cfg), job.engine.forward
     sampled = None
     if fisher == "true":
-        loss = sampled = SampledLoss(
+        sampled = SampledLoss(
             cfg.loss.name,
             loss,
             cfg.loss.kwargs,
             cfg.loss.class_dim,
             token_reduction=cfg.loss.token_reduction,
         )
-    engine = Engine(job.model, loss, cfg.params.include, cfg.params.exclude, job.engine.forward)
+    engine = Engine(
+        job.model, sampled.scaled if sampled else loss, cfg.params.include, cfg.params.exclude,
+        forward,
+    )  # fmt: skip
     dataset = open_dataset(cfg.data)
 
     def batches():
         for batch in dataset.batches(cfg.data.batch_size, cfg.data.limit):
             yield job.to_device(batch)
 
-    def reseed(k: int) -> None:
-        if sampled is not None:
-            sampled.seed = k
+    def draw(seed: int, inputs: tuple, targets: Tensor) -> Tensor:
+        """The true Fisher's labels for a batch, from a forward of their own (eval mode)."""
+        args, kwargs = forward.split(inputs)
+        with torch.no_grad():
+            output = forward.select(job.model(*args, **kwargs))
+        sampled.seed = seed
+        return sampled.sample(output, targets)
 
     with engine, factored_convs():
         blocks, examples, left_out = fit(
             engine.contributions,
             batches,
             ekfac=ekfac,
-            reseed=reseed,
+            draw=draw if sampled else None,
             on_batch=on_batch,
         )
     for p in engine.plan.included:  # no row's gradient reached it: its curvature is zero,

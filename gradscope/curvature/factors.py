@@ -252,20 +252,21 @@ def fit(
     batches: Callable[[], Batches],
     *,
     ekfac: bool = False,
-    reseed: Callable[[int], None] | None = None,
+    draw: Callable[[int, tuple[Tensor, ...], Tensor], Tensor] | None = None,
     on_batch: Callable[[int], None] | None = None,
 ) -> tuple[dict[str, Block], int, int]:
     """The blocks from one pass over ``batches()`` (two with ``ekfac``), the examples they hold,
     and how many were left out for a NaN or infinite loss or gradient.
 
     ``contributions(inputs, targets)`` gives the per-example losses and each parameter's
-    factored per-example gradients; ``reseed(k)`` is called before batch k of each pass (the
-    true Fisher's label draws: the eigenvalue pass draws afresh, as kronfluence's does).
+    factored per-example gradients; ``draw(seed, inputs, targets)``, the targets it takes
+    instead of batch k's (the true Fisher's labels, drawn with seed k: the eigenvalue pass
+    draws afresh, as kronfluence's does).
     """
     acc, left = Accumulator(), 0
     for k, (inputs, targets) in enumerate(batches()):
-        if reseed:
-            reseed(k)
+        if draw:
+            targets = draw(k, inputs, targets)
         parts, bad = finite_parts(*contributions(inputs, targets))
         acc.covariances(parts, targets.shape[0] - bad)
         left += bad
@@ -278,8 +279,8 @@ def fit(
     if ekfac:
         second = Accumulator()
         for k, (inputs, targets) in enumerate(batches()):
-            if reseed:
-                reseed(1_000_003 + k)
+            if draw:
+                targets = draw(1_000_003 + k, inputs, targets)
             parts, bad = finite_parts(*contributions(inputs, targets))
             second.eigenvalues(parts, targets.shape[0] - bad, blocks)
             if on_batch:

@@ -1,9 +1,11 @@
 """The true Fisher's labels: targets drawn from the model's own predictive distribution.
 
 The Fisher F = E_x E_{y ~ p(y|x)} [g g^T] needs output gradients of losses whose targets are
-sampled from the model; the empirical Fisher takes the data's targets instead. A sampled loss
-draws its targets from a generator seeded per batch (``seed``), so the engine's repeated calls on
-one batch (its first-batch checks) see the same labels.
+sampled from the model; the empirical Fisher takes the data's targets instead. The targets are
+drawn (``SampledLoss.sample``) from a generator seeded per batch, from a forward of their own
+before the engine's pass, which then takes them as the batch's targets (``SampledLoss.scaled``):
+the engine's checks that run an example alone see the labels drawn for it in the batch, where a
+loss drawing them itself drew others for a batch of one.
 """
 
 from __future__ import annotations
@@ -67,7 +69,13 @@ class SampledLoss:
         self.token_reduction = token_reduction
 
     def __call__(self, output: Tensor, targets: Tensor) -> Tensor:
-        drawn = self.sample(output.detach(), targets)
+        """The loss at targets drawn from ``output`` itself (a batch's draws, not each
+        example's alone: ``sample`` before the pass, then ``scaled``, for the engine)."""
+        return self.scaled(output, self.sample(output.detach(), targets))
+
+    def scaled(self, output: Tensor, drawn: Tensor) -> Tensor:
+        """(B,) the loss at the ``drawn`` targets, each example's mean over positions scaled
+        as ``_positions`` says."""
         loss = self.loss(output, drawn)  # (B,)
         if self.token_reduction == "sum" or self.name == "mse":
             return loss

@@ -99,3 +99,35 @@ def test_sampled_fisher_of_a_mean_over_positions_is_the_gauss_newton(name, shape
     scale = h.abs().max()  # Monte Carlo error over 40000 draws: about 1% of it
     torch.testing.assert_close(moment, h, atol=0.05 * scale, rtol=0)
     assert (moment / 2 - h).abs().max() > 0.2 * scale  # T >= 2: 1/T of it would fail
+
+
+class Shortcut(nn.Module):
+    """A causal LM over embeddings that skips its mask where nothing is padded, as
+    transformers' ``if mask.all()`` does: an example with nothing padded, alone, takes the
+    other way, and the engine runs it alone to check its loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 5)
+
+    def forward(self, x, mask):
+        return self.fc(x if mask.all() else x * mask[..., None])
+
+
+def test_true_fisher_labels_hold_for_an_example_run_alone(tmp_path) -> None:
+    """The labels were drawn inside the loss, per call: the example run alone drew others than
+    in its batch, and the true-Fisher factors of the bundled LM (configs/lm.yaml) were refused
+    as a model that branches on the batch. They are drawn for the batch before its pass now."""
+    import gradscope
+
+    torch.manual_seed(0)
+    n, t = 6, 5
+    mask = torch.ones(n, t)
+    mask[::2, 3:] = 0  # examples 0, 2, 4 padded; 1, 3, 5 not: alone they skip the mask
+    data = {"x": torch.randn(n, t, 4), "mask": mask,
+            "y": torch.where(mask.bool(), torch.randint(0, 5, (n, t)), -100)}  # fmt: skip
+    made = gradscope.factors(
+        Shortcut().double(), data, out=tmp_path / "f.safetensors", ekfac=True,
+        inputs={"x": "x", "mask": "mask"}, targets="y", loss="causal_lm", batch_size=n,
+    )  # fmt: skip
+    assert made.meta["examples"] == n
