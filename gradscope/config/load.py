@@ -15,14 +15,16 @@ from .typed import build
 from .validate import validate
 
 
-def resolve(spec: str | None, base: Path) -> str | None:
-    """Make a path, or the file of a 'file.py:Name' spec, absolute relative to ``base``."""
+def resolve(spec: str | None, base: Path, importable: bool = False) -> str | None:
+    """Make a path, or the file of a 'file.py:Name' spec, absolute relative to ``base``; an
+    ``importable`` key's "package.module:Name" (``model.factory``, ``train.fn``) as it is.
+    Elsewhere a ':' is a path's (a folder named ``run-10:00``), read beside the config."""
     if spec is None:
         return None
     if ".py:" in spec:
         file, name = spec.rsplit(":", 1)
         return f"{(base / Path(file).expanduser()).resolve()}:{name}"
-    if ":" in spec:
+    if importable and ":" in spec:
         return spec  # "package.module:Name" is imported, not read from a path
     return str((base / Path(spec).expanduser()).resolve())
 
@@ -52,7 +54,7 @@ def load_config(path: str | Path) -> Config:
         source=str(path),
         model=dataclasses.replace(
             cfg.model,
-            factory=resolve(cfg.model.factory, base),
+            factory=resolve(cfg.model.factory, base, importable=True),
             pretrained=resolve(cfg.model.pretrained, base),
             adapter=resolve(cfg.model.adapter, base),
             checkpoint=resolve(cfg.model.checkpoint, base),
@@ -73,7 +75,7 @@ def load_config(path: str | Path) -> Config:
         report=dataclasses.replace(cfg.report, tokenizer=resolve(cfg.report.tokenizer, base)),
         train=cfg.train
         and dataclasses.replace(
-            cfg.train, init=resolve(cfg.train.init, base), fn=resolve(cfg.train.fn, base)
+            cfg.train, init=resolve(cfg.train.init, base), fn=resolve(cfg.train.fn, base, True)
         ),
     )
     validate(cfg)

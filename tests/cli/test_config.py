@@ -47,6 +47,15 @@ def test_module_specs_are_not_paths(tmp_path):
     assert cfg.model.factory == "torch.nn:Linear"
 
 
+def test_a_colon_in_a_path_is_the_paths(tmp_path):
+    """A file under a folder named with a ':' (a run folder stamped 10:00) is read beside the
+    config like any other: it was taken for a module spec and read from the working folder."""
+    text = BASE.replace("ckpt/net.pt", "run-10:00/net.pt").replace("data.pt", "v:1/data.pt")
+    cfg = load_config(write(tmp_path, text))
+    assert cfg.model.checkpoint == f"{tmp_path}/run-10:00/net.pt"
+    assert cfg.data.path == f"{tmp_path}/v:1/data.pt"
+
+
 def test_overrides(tmp_path):
     cfg = with_overrides(
         load_config(write(tmp_path, BASE)),
