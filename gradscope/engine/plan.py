@@ -218,6 +218,16 @@ def _selected(names: Sequence[str], include: Sequence[str], exclude: Sequence[st
     return hit(include) and not hit(exclude)
 
 
+def _check_patterns(names: list[str], include: Sequence[str], exclude: Sequence[str]) -> None:
+    """Each pattern of ``params.include`` and ``params.exclude`` names a parameter: one that
+    matches none (a typo) selects, or leaves out, nothing it was written for."""
+    for key, pattern in [("include", p) for p in include] + [("exclude", p) for p in exclude]:
+        if not any(fnmatchcase(n, pattern) for n in names):
+            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+            what = f"params.{key} pattern {pattern!r} matches no parameter of the model"
+            raise ConfigError(f"{what} (its names: {shown})", "params")
+
+
 def trainable(model: nn.Module) -> set[int]:
     """The ids of the parameters that require grad; all of them when none does.
 
@@ -278,6 +288,7 @@ def build_plan(
                 type(m).__name__ for (m, _), r in zip(plan.owners, rules, strict=True) if r is None
             )
             plan.note = "no rule for " + ", ".join(dict.fromkeys(missing))
+    _check_patterns([n for ns in names.values() for n in ns], include or (), exclude)
     plan = Plan(list(plans.values()), selection=selection)
     if not plan.included:
         what = "params.include/exclude select no parameter of the model"

@@ -83,6 +83,16 @@ def test_exclude_that_leaves_no_trainable_parameter_is_named():
         Engine(model, resolve_loss("cross_entropy"), exclude=["2.*"])
 
 
+@pytest.mark.parametrize("key", ["include", "exclude"])
+def test_a_pattern_that_matches_no_parameter_is_named(key):
+    """A typo in one of two patterns ('nett.2.*' for '2.*'): that layer was left out, or kept,
+    silently; only a selection of nothing at all was refused."""
+    model, _, _ = frozen_mlp()
+    patterns = {"include": ["0.*", "20.*"]} if key == "include" else {"exclude": ["20.*"]}
+    with pytest.raises(ConfigError, match=rf"params.{key} pattern '20.\*' matches no parameter"):
+        Engine(model, resolve_loss("cross_entropy"), **patterns)
+
+
 # -- model.adapter: a peft adapter folder on a save_pretrained base ---------------------------
 
 transformers = pytest.importorskip("transformers")
