@@ -74,7 +74,7 @@ def adam_denominator(state: Any, engine, where: str) -> dict[str, Tensor]:
 def _moment(entry: Any, group: dict, name: str, where: str) -> tuple[Tensor, float, str]:
     """(second moment, step, its key) of one entry of the state."""
     moment = "max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq"
-    if not entry:  # torch keeps no state for a parameter no gradient reached
+    if not entry and "betas" in group:  # torch keeps no state for a parameter no gradient reached
         raise ModelError(
             f"the optimizer state holds nothing for parameter {name}: the optimizer never "
             "stepped it (no gradient reached it); leave it out with params.exclude",
