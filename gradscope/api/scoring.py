@@ -106,10 +106,16 @@ def influence(
 
             trained = {k: v for k, v in options.items() if k not in ("limit", "batch_size")}
             trained = configured(call, model, data, config, **trained)  # as the run trained
-            curved = precondition or curvature
-            scorer = replayed(
-                trained, call.spec(ref), Path(through_training), per_ref, curved, resume
-            )
+            given = {
+                "curvature": curvature is not None,
+                "precondition": precondition is not None,
+                "damping": damping is not None,
+                "solver": solver != "auto",
+                "cg_tolerance": cg_tolerance != CG_TOLERANCE,
+                "engine": engine != "auto",
+            }
+            spec = call.spec(ref)
+            scorer = replayed(trained, spec, Path(through_training), per_ref, given, resume)
             resume = False  # the replay continued its own; the rows' file is written afresh
         else:
             scorer = InfluenceScorer(

@@ -199,8 +199,15 @@ def influence(
         from ..training.attribution import replayed
 
         trained = with_overrides(load_config(config), out=out, device=device)
-        curved = precondition or curvature
-        scorer = replayed(trained, ref, through_training, per_ref, curved, resume)
+        given = {
+            "--curvature": curvature is not None,
+            "--precondition": precondition is not None,
+            "--damping": damping is not None,
+            "--solver": solver != "auto",
+            "--cg-tolerance": cg_tolerance != CG_TOLERANCE,
+            "--engine": engine != "auto",
+        }
+        scorer = replayed(trained, ref, through_training, per_ref, given, resume)
         return _run(cfg, scorer, by, report, trust_checkpoint, resume=False)
     scorer = InfluenceScorer(
         ref,

@@ -34,8 +34,8 @@ def check_dense(size: int) -> None:
 
 
 def check_damping(factor: float) -> None:
-    if not factor >= 0:  # NaN too
-        raise ConfigError(f"--damping must be 0 or more, got {factor:g}", "--damping")
+    if not 0 <= factor < float("inf"):  # NaN too; inf damps every score to 0
+        raise ConfigError(f"--damping must be a finite 0 or more, got {factor:g}", "--damping")
 
 
 def scaled_damping(mean: float, factor: float, estimated: bool = False) -> float:

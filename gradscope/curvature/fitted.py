@@ -56,6 +56,15 @@ def check_curvature(
     if curvature == NONE and unread:
         why = "--precondition reads a fitted one" if precondition else "--curvature none fits none"
         raise ConfigError(f"{unread[0]} sets the curvature fitted in this run; {why}", unread[0])
+    solving = [name for name in ("--solver", "--cg-tolerance") if given[name]]
+    if curvature in (KFAC, EKFAC) and solving:  # its metadata said solver cg, and none ran
+        raise ConfigError(
+            f"{solving[0]} sets how gn and hessian are solved; --curvature {curvature} inverts "
+            "its factors as they are",
+            solving[0],
+        )
+    if solver == "dense" and given["--cg-tolerance"]:
+        raise ConfigError("--cg-tolerance stops --solver cg; --solver dense reads none", "--solver")
 
 
 def resolve_curvature(curvature: str | None, precondition: object) -> str:
@@ -117,18 +126,20 @@ class Timed:
 
 def chosen(curvature: str, solver: str, parameters: int, loss: str = "") -> tuple[str, str]:
     """What ``auto`` fits for a selection of ``parameters`` numbers under ``loss``, and why:
-    the exact Gauss-Newton inverse where its dense matrix fits the budget (or ``--solver cg``
+    the exact Gauss-Newton inverse where its dense matrix fits the budget (or ``--solver``
     asks for it), else EK-FAC, the scalable curvature (its LDS on the benchmarks: the docs'
     curvature guide), which also serves a loss linear in the outputs (Gauss-Newton matrix 0);
     any other name as it is."""
     if curvature != AUTO:
         return curvature, "asked for"
+    if solver != AUTO:  # the matrix dense or cg solves (a dense one past the budget: refused)
+        return GN, f"auto: --solver {solver} solves the Gauss-Newton matrix"
     if loss in LINEAR_IN_OUTPUTS:
         return (
             EKFAC,
             f"auto: {loss} is linear in the model's outputs (its Gauss-Newton matrix is 0)",
         )
-    if solver == "cg" or parameters * parameters * 8 <= BUDGET_BYTES:
+    if parameters * parameters * 8 <= BUDGET_BYTES:
         return GN, f"auto: {parameters} parameters, the dense Gauss-Newton matrix fits"
     return EKFAC, f"auto: {parameters} parameters, too many for the dense Gauss-Newton matrix"
 

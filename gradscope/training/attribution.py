@@ -147,20 +147,23 @@ def replay_folder(out: Path) -> Path:
 
 
 def replayed(
-    cfg: Config, ref: str, run: Path, per_ref: bool, curvature: object, resume: bool = False
+    cfg: Config, ref: str, run: Path, per_ref: bool, given: dict[str, bool], resume: bool = False
 ) -> ThroughTrainingScorer:
     """``influence --through-training RUN``'s scorer, its replay run under a progress bar in
-    steps; ``curvature`` (``--curvature`` or ``--precondition``) is refused: the replay is the
-    exact answer for the run, no curvature stands in for it. A killed replay continues from its
-    folder whether or not ``resume`` asks it to; ``resume`` with none there is refused before
-    the replay, not after it. (The rows' file after it is written afresh: its scoring run is
-    not resumed.)"""
+    steps; ``given`` says which of influence's other options were set (``--curvature``,
+    ``--precondition``, ``--damping``, ...): each is refused, the replay is the exact answer for
+    the run, no curvature stands in for it and no engine runs it. A killed replay continues from
+    its folder whether or not ``resume`` asks it to; ``resume`` with none there is refused
+    before the replay, not after it. (The rows' file after it is written afresh: its scoring
+    run is not resumed.)"""
     from .. import terminal
 
-    if curvature is not None:
+    unread = [name for name, set_ in given.items() if set_]
+    if unread:
         raise ConfigError(
-            "--through-training replays the run itself: it takes no --curvature or --precondition",
-            "--through-training",
+            f"--through-training replays the run itself: it reads no {unread[0]} (no curvature "
+            "stands in for the run, and no engine option applies)",
+            unread[0],
         )
     out = Path(cfg.output.path)
     if resume and not replay_folder(out).is_dir():

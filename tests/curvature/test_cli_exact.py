@@ -169,7 +169,7 @@ def test_kfac_in_the_run_keeps_factored_references_factored(tmp_path, monkeypatc
             ["--curvature", "newton"],
             "--curvature must be one of auto, none, gn, hessian, kfac, ekfac",
         ),
-        (["--curvature", "gn", "--damping", "-1"], "--damping must be 0 or more, got -1"),
+        (["--curvature", "gn", "--damping", "-1"], "--damping must be a finite 0 or more, got -1"),
         (["--curvature", "gn", "--solver", "lu"], "--solver must be one of auto, dense, cg"),
         (["--curvature", "gn", "--precondition", "PRE"], "give one of them (--precondition)"),
         (["--curvature", "gn", "--solver", "dense"], "over the 0 GiB budget); use --solver cg"),
@@ -177,6 +177,11 @@ def test_kfac_in_the_run_keeps_factored_references_factored(tmp_path, monkeypatc
         (["--precondition", "PRE", "--damping", "0.5"], "--precondition reads a fitted one"),
         (["--curvature", "none", "--solver", "cg"], "--curvature none fits none (--solver)"),
         (["--curvature", "ekfac", "--damping", "0"], "--curvature ekfac needs a --damping above 0"),
+        # read by nothing: the metadata said solver cg, damping inf scored every row 0
+        (["--curvature", "kfac", "--solver", "cg"], "--curvature kfac inverts its factors"),
+        (["--curvature", "ekfac", "--cg-tolerance", "0.5"], "--cg-tolerance sets how gn"),
+        (["--solver", "dense", "--cg-tolerance", "0.5"], "--solver dense reads none"),
+        (["--curvature", "kfac", "--damping", "inf"], "--damping must be a finite 0 or more"),
     ],
     ids=[
         "unknown",
@@ -187,6 +192,10 @@ def test_kfac_in_the_run_keeps_factored_references_factored(tmp_path, monkeypatc
         "damping-unread",
         "solver-unread",
         "ekfac-undamped",
+        "kfac-solver",
+        "ekfac-tolerance",
+        "dense-tolerance",
+        "infinite-damping",
     ],  # fmt: skip
 )
 def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys, flags, message) -> None:
@@ -278,4 +287,5 @@ def test_auto_takes_ekfac_where_the_dense_matrix_does_not_fit() -> None:
                                             "Gauss-Newton matrix fits")  # fmt: skip
     assert chosen("auto", "auto", 16385)[0] == "ekfac"
     assert chosen("auto", "cg", 10**6)[0] == "gn"  # CG asked for: the exact inverse, solved
+    assert chosen("auto", "dense", 16385)[0] == "gn"  # refused as past the budget, not ekfac
     assert chosen("hessian", "auto", 10**6) == ("hessian", "asked for")

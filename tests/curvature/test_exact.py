@@ -153,7 +153,7 @@ def test_dampings_share_one_eigendecomposition() -> None:
         passes = products.passes
         other = dense.damped(1.0)
     assert products.passes == passes and other.damping == pytest.approx(10 * dense.damping)
-    with pytest.raises(ConfigError, match="--damping must be 0 or more"):
+    with pytest.raises(ConfigError, match="--damping must be a finite 0 or more"):
         dense.damped(-1.0)
 
 

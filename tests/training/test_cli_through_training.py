@@ -121,7 +121,12 @@ def test_refusals_are_one_line(tmp_path, project):
     line = one_error(
         run("influence", project, "--ref", ref, "--through-training", record, "--curvature", "gn")
     )
-    assert "takes no --curvature or --precondition" in line
+    assert "it reads no --curvature" in line
+    for flags in (["--damping", "3"], ["--solver", "cg"], ["--cg-tolerance", "0.5"],
+                  ["--engine", "jvp"]):  # fmt: skip
+        line = one_error(run("influence", project, "--ref", ref, "--through-training", record,
+                             *flags))  # fmt: skip
+        assert f"it reads no {flags[0]}" in line, line
     (record / "steps.pt").write_bytes((record / "steps.pt").read_bytes()[:-1])
     line = one_error(run("influence", project, "--ref", ref, "--through-training", record))
     assert "the run record's steps.pt changed after it was written" in line
