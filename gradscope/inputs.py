@@ -14,6 +14,7 @@ from .config import Config
 from .errors import ConfigError
 from .io.data import code_file, data_files
 from .io.files import file_sha256
+from .io.owned import KINDS, written_by_gradscope
 from .io.selection import is_glob
 
 Inputs = list[tuple[str, str]]  # (what names it, path): files and folders a run reads
@@ -144,16 +145,35 @@ def _inside(path: Path, folder: str) -> bool:
     return os.path.isdir(top) and os.path.commonpath([os.path.realpath(path), top]) == top
 
 
-def check_output(path: str | Path, inputs: Inputs) -> None:
+def check_output(
+    path: str | Path, inputs: Inputs, kind: str | None = None, recorded: dict | None = None
+) -> None:
     """Refuse, before anything runs, an output that is one of the inputs or lies inside an input
-    folder, or that is not a regular file (or a new name) in an existing folder."""
+    folder (or holds one a scores file's metadata, ``recorded``, names by its sha256), or that
+    is not a regular file (or a new name) in an existing folder; a file there that is
+    read-only, or (``kind``: ``io.owned.KINDS``) not an output of that kind gradscope wrote,
+    which the run would replace."""
     path = Path(path)
     check_not_input(path, inputs)
+    if recorded is not None:
+        check_not_recorded(path, recorded)
     if path.is_dir():
         raise ConfigError("the output path is a folder; give a file name", str(path))
     if path.exists() and not path.is_file():
         raise ConfigError(
             "the output path is not a regular file (a device, pipe or socket); give a file name",
+            str(path),
+        )
+    if path.is_file() and kind is not None and not written_by_gradscope(path, kind):
+        raise ConfigError(
+            f"the output path holds a file that is not a {KINDS[kind]}; writing there would "
+            "replace it: choose another --out, or remove the file first",
+            str(path),
+        )
+    if path.is_file() and not os.access(path, os.W_OK):
+        raise ConfigError(
+            "the output file is read-only; writing there would replace it: choose another "
+            "--out, or make it writable",
             str(path),
         )
     check_folder(path)

@@ -46,7 +46,7 @@ def fit_factors(
 
     distributed.one_process("gradscope factors", "factors")
     check_fisher(fisher, cfg.loss.name)
-    check_output(out, run_inputs(cfg))
+    check_output(out, run_inputs(cfg), "factors")
     job = Job.from_config(cfg, trust_checkpoint)
     if on_start:
         total = open_dataset(cfg.data).length

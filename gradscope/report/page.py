@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 from .. import __version__
 from ..config import Config
 from ..errors import DataError
-from ..inputs import check_not_recorded, check_output, metadata_inputs, run_inputs
+from ..inputs import check_output, metadata_inputs, run_inputs
 from ..io.atomic import replace_atomically
 from ..io.data import data_identity
 from ..io.parquet import nested, read_metadata
@@ -164,8 +164,7 @@ def write_report(
     target = Path(out) if out is not None else scores.with_suffix(".html")
     meta = read_metadata(scores)
     inputs = [("scores file", str(scores)), *metadata_inputs(meta)]
-    check_output(target, inputs + (run_inputs(cfg) if cfg else []))
-    check_not_recorded(target, meta)
+    check_output(target, inputs + (run_inputs(cfg) if cfg else []), "html", recorded=meta)
     scored = meta.get("data_sha256")
     limit = nested(meta, "config", "data", "limit")  # the rows scored (data made by code)
     limit = limit if isinstance(limit, int) and not isinstance(limit, bool) else None

@@ -178,6 +178,51 @@ def test_output_that_is_an_input_is_refused_before_anything_runs(tmp_path, setup
     assert files(tmp_path) == before  # nothing written, nothing replaced
 
 
+FOREIGN = {  # a file of the user's at the output path, and the command that would replace it
+    "norms-onto-notes": ("notes.txt", b"my notes\n", ["norms", "{c}"], "gradscope Parquet file"),
+    "influence-onto-parquet": (
+        "other.parquet",
+        None,
+        ["influence", "{c}", "--ref", "{r}/ref.pt"],
+        "gradscope Parquet",
+    ),
+    "factors-onto-notes": ("notes.txt", b"my notes\n", ["factors", "{c}"], "gradscope factors"),
+    "report-onto-a-page": (
+        "page.html",
+        b"<!DOCTYPE html><title>mine</title>",
+        ["report", "{r}/scores.parquet"],
+        "gradscope report",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FOREIGN)
+def test_a_file_gradscope_did_not_write_is_not_replaced(tmp_path, case):
+    """norms --out notes.txt replaced the notes; a Parquet file of another tool, a page of the
+    user's, likewise. A file of the same kind gradscope wrote is replaced as before; one made
+    read-only is not."""
+    config = project(tmp_path)
+    name, text, args, what = FOREIGN[case]
+    assert runner.invoke(app, ["norms", str(config)]).exit_code == 0  # scores.parquet
+    target = tmp_path / name
+    if text is None:
+        pd.DataFrame({"a": [1, 2]}).to_parquet(target)
+    else:
+        target.write_bytes(text)
+    before = target.read_bytes()
+    argv = [a.format(c=config, r=tmp_path) for a in args] + ["--out", str(target)]
+    line = one_error(runner.invoke(app, argv))
+    assert f"the output path holds a file that is not a {what}" in line, line
+    assert target.read_bytes() == before
+    target.unlink()
+    assert runner.invoke(app, argv).exit_code == 0  # a new file, then its own replaced
+    assert runner.invoke(app, argv).exit_code == 0
+    target.chmod(0o444)
+    if os.access(target, os.W_OK):  # root writes anyway: the check follows the access
+        return
+    assert "the output file is read-only" in one_error(runner.invoke(app, argv))
+
+
 def test_a_second_run_on_the_same_output_exits_2_naming_the_first(tmp_path):
     config = project(tmp_path, n=12, model__factory="held.py:HeldNet")
     hold = tmp_path / "hold"
