@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
 from ..yamlfile import read_yaml
-from .schema import Config, DataConfig
+from .schema import DEVICE, DEVICES, Config, DataConfig
 from .typed import build
 from .validate import validate
 
@@ -132,6 +133,11 @@ def with_overrides(cfg: Config, **overrides: Any) -> Config:
         if name in o and o[name] < 1:
             option = "--" + name.replace("_", "-")
             raise ConfigError(f"{option} must be at least 1, got {o[name]}", option)
+    if "device" in o and not re.fullmatch(DEVICE, o["device"]):  # named as the option, not the file
+        devices = ", ".join(DEVICES)
+        raise ConfigError(
+            f"--device must be one of {devices} or cuda:N, got {o['device']!r}", "--device"
+        )
     data = dataclasses.replace(cfg.data, **{k: o[k] for k in ("batch_size", "limit") if k in o})
     output = cfg.output
     if "out" in o:

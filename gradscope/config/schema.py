@@ -16,14 +16,13 @@ from ..io.held import is_held  # a loss the API's caller passed
 from .train import TrainConfig
 from .typed import at_least
 
-DEVICES = ("auto", "cpu", "cuda", "mps")
+DEVICES, DEVICE = ("auto", "cpu", "cuda", "mps"), r"auto|cpu|(cuda|mps)(:\d+)?"  # cuda:N
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """One checkpoint of a TracIn sum: its state dict (or peft adapter folder) and the weight of
-    its scores."""
+    """One checkpoint of a TracIn sum: its state dict (or peft adapter folder) and weight."""
 
     path: str
     """A state dict, as ``model.checkpoint`` takes."""
@@ -119,8 +118,9 @@ class DataConfig:
     def check(self, source: str) -> None:
         if self.path == []:
             raise ConfigError("'data.path' must name at least one file", source)
-        if not self.inputs:
-            raise ConfigError("'data.inputs' must name at least one input", source)
+        specs = self.inputs.values() if isinstance(self.inputs, dict) else self.inputs
+        if not self.inputs or [] in specs:  # an input of no column: nothing to stack
+            raise ConfigError("'data.inputs' must name at least one input, each a column", source)
         for name in self.inputs if isinstance(self.inputs, dict) else ():
             if not name.isidentifier():
                 raise ConfigError(
@@ -286,7 +286,7 @@ class Config:
 
     def check(self, source: str) -> None:
         """The top-level keys; each section checks its own."""
-        if not re.fullmatch(r"auto|(cpu|cuda|mps)(:\d+)?", self.device):
+        if not re.fullmatch(DEVICE, self.device):
             raise ConfigError(
                 f"'device' must be one of {', '.join(DEVICES)} or cuda:N, got {self.device!r}",
                 source,

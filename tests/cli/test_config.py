@@ -89,6 +89,8 @@ def test_overrides(tmp_path):
             BASE.replace("targets: y", "targets: y, batch_size: 0"),
             "'data.batch_size' must be at least 1",
         ),
+        (BASE.replace("inputs: x", "inputs: [[]]"), "each a column"),  # a TypeError before
+        (BASE.replace("inputs: x", "inputs: {x: []}"), "each a column"),
         (BASE + "device: tpu\n", "'device' must be one of"),
         (BASE + "dtype: float8\n", "'dtype' must be one of"),
         (BASE + "params: {include: 3}\n", "'params.include' must be a list of strings"),

@@ -358,7 +358,8 @@ CASES = [
         "config.yaml",
     ),
     ("yaml-alias-bomb", bomb, [], "the config expands to more than 100000 values", "config.yaml"),
-    ("device-cpu-abc", None, ["--device", "cpu:abc"], "'device' must be one of", "'cpu:abc'"),
+    ("device-cpu-abc", None, ["--device", "cpu:abc"], "--device must be one of", "'cpu:abc'"),
+    ("device-gpu", None, ["--device", "gpu"], "--device must be one of", "'gpu' (--device)"),
     ("shards-of-different-widths", widths, [], "row 10 and the rows before it do not fit one batch", "data.path"),
     ("corrupt-state-json", state_json("{"), [], "state.json does not list the dataset's files", "state.json"),
     (
