@@ -9,6 +9,7 @@ import typer
 
 from .. import terminal
 from ..config import SummaryConfig, load_config, with_overrides
+from ..errors import ConfigError
 from .options import (
     BatchOpt,
     ConfigArg,
@@ -131,6 +132,10 @@ def query(
     from ..index.query import CANDIDATES, Query, run_query, shown
 
     check_top_k(top_k)
+    if candidates is not None and not exact:  # it ran as without it
+        raise ConfigError(
+            "--candidates sets how many --exact re-scores; pass --exact", "--candidates"
+        )
     asked = Query(
         ref if ".py:" in ref else str(Path(ref).resolve()), per_ref, top_k, exact,
         CANDIDATES if candidates is None else candidates, normalize,

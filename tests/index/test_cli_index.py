@@ -9,7 +9,7 @@ import pytest
 import torch
 from oracle import reference_influence
 from project import load_net
-from runs import N, close, index, loop, manifest, projected_loop, query, run
+from runs import N, close, index, loop, manifest, projected_loop, query, refused, run
 
 from gradscope.io.parquet import read_metadata
 
@@ -65,6 +65,13 @@ def test_exact_rescores_candidates_with_the_loops_scores(project):
     for r, rows in every.groupby("ref_id"):
         assert rows["example_id"].tolist() == truth[:, r].argsort(descending=True)[:3].tolist()
     assert read_metadata(project / "q.parquet")["exact"]["candidates"] == N
+
+
+def test_candidates_without_exact_is_refused(project, monkeypatch, capsys):
+    """--candidates sets what --exact re-scores: without it the query ran as if not given."""
+    ix = index(project, "--dim", 4)
+    err = refused(monkeypatch, capsys, project, ix, "--candidates", 5)
+    assert "--candidates sets how many --exact re-scores; pass --exact" in err
 
 
 def test_exact_cosine_of_the_mean_reference(project):
