@@ -114,6 +114,10 @@ def _run(
     from ..outliers import check_by
 
     check_by(by, scorer.names(cfg))  # a bad --by fails before the run, not after it
+    if report:  # and a report that could not be written (it was: after the scores)
+        from ..report import check_report
+
+        check_report(cfg)
     path = scored(cfg, scorer, trust_checkpoint, resume)
     if path is None:  # on the ranks other than 0 under torchrun
         return

@@ -1,5 +1,5 @@
 """The HTML report: one self-contained page of charts and the top-k examples shown."""
 
-from .page import write_report
+from .page import check_report, write_report
 
-__all__ = ["write_report"]
+__all__ = ["check_report", "write_report"]

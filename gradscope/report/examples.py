@@ -18,6 +18,7 @@ from matplotlib.image import imsave
 from ..config import Config
 from ..errors import ConfigError
 from ..io.data import open_dataset
+from ..io.sources import read_source
 
 MAX_VALUES = 24  # a tabular row or a token list shows at most this many values
 READ_ROWS = 4096
@@ -114,6 +115,19 @@ def _tokenizer(folder: str) -> Any:
         return AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except Exception as e:  # transformers raises OSError, ValueError, ... for a bad folder
         raise ConfigError(f"cannot load a tokenizer from the folder: {e}", folder) from e
+
+
+def check_shown(cfg: Config) -> None:
+    """What the page reads back from the data, before a run whose report needs it: the
+    tokenizer loads, and ``data.show`` is a column of the data's first source."""
+    if cfg.report.tokenizer:
+        _tokenizer(cfg.report.tokenizer)
+    if cfg.data.show is None:
+        return
+    first = open_dataset(cfg.data).sources[0]
+    names = first.names if first.names is not None else list(next(read_source(first, 1), {}))
+    if cfg.data.show not in names:
+        raise ConfigError(f"no column {cfg.data.show!r} for data.show", first.where)
 
 
 def show_examples(cfg: Config, example_ids: list[int]) -> dict[int, list[Shown]]:

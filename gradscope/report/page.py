@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 
 from .. import __version__
 from ..config import Config
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..inputs import check_output, metadata_inputs, run_inputs
 from ..io.atomic import replace_atomically
 from ..io.data import data_identity
@@ -22,7 +22,7 @@ from ..outliers import Outliers, is_labels, rank
 from ..summary import cell
 from ..tables import fmt
 from . import charts, datamap
-from .examples import Shown, show_examples
+from .examples import Shown, check_shown, show_examples
 
 TEMPLATE = "report.html.j2"
 
@@ -144,6 +144,21 @@ def render(scores: Path, cfg: Config | None, by: str | None, top_k: int) -> str:
         sections=sections,
         shown=cfg is not None,
     )
+
+
+def check_report(cfg: Config) -> None:
+    """What ``--report`` needs, checked before the run makes the scores: its page (the scores'
+    path with ``.html``) another file than the scores, one it may write, and what the page
+    reads back from the data (``examples.check_shown``)."""
+    scores = Path(cfg.output.path)
+    if scores.suffix == ".html":
+        raise ConfigError(
+            "--report writes its page beside the scores, as .html: give the scores' output "
+            "another suffix (.parquet)",
+            str(scores),
+        )
+    check_output(scores.with_suffix(".html"), run_inputs(cfg), "html")
+    check_shown(cfg)
 
 
 def write_report(

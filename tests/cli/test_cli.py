@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from oracle import assert_rel_close, reference_norms
-from project import load_net, make_project
+from project import edit_config, load_net, make_project
 from typer.testing import CliRunner
 
 from gradscope.cli import app
@@ -180,6 +180,27 @@ def test_report_command_and_flag(tmp_path):
     result = runner.invoke(app, [*args, str(tmp_path / "data.pt")])
     assert result.exit_code == 2 and "the output path is the run's data.path" in result.stderr
     assert torch.load(tmp_path / "data.pt")["x"].shape == (23, 5)  # untouched
+
+
+@pytest.mark.parametrize(
+    ("args", "edit", "message"),
+    [
+        (["--out", "{r}/res.html"], None, "--report writes its page beside the scores, as .html"),
+        ([], {"data": {"show": "nope"}}, "no column 'nope' for data.show"),
+        ([], {"report": {"tokenizer": "nowhere"}}, "cannot load a tokenizer from the folder"),
+    ],
+    ids=["scores-as-html", "show-column", "tokenizer"],
+)
+def test_what_report_needs_is_checked_before_the_scores(tmp_path, args, edit, message):
+    """The scores were written, then the report failed (the scores at res.html, refused as the
+    report's own path): exit 2 with the run's output replaced."""
+    config = make_project(tmp_path)
+    if edit:
+        edit_config(tmp_path, lambda c: [c.setdefault(k, {}).update(v) for k, v in edit.items()])
+    argv = ["norms", str(config), "--report", *(a.format(r=tmp_path) for a in args)]
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 2 and message in result.stderr, result.output
+    assert not list(tmp_path.glob("*.parquet")) and not list(tmp_path.glob("res.*"))
 
 
 def test_user_errors_exit_2_with_one_line(tmp_path):
