@@ -102,18 +102,13 @@ def influence(
     with called() as call:
         cfg = configured(call, model, data, config, **options)
         if through_training is not None:
-            from ..training.attribution import replayed
+            from ..training.attribution import replayed, unread
 
             trained = {k: v for k, v in options.items() if k not in ("limit", "batch_size")}
             trained = configured(call, model, data, config, **trained)  # as the run trained
-            given = {
-                "curvature": curvature is not None,
-                "precondition": precondition is not None,
-                "damping": damping is not None,
-                "solver": solver != "auto",
-                "cg_tolerance": cg_tolerance != CG_TOLERANCE,
-                "engine": engine != "auto",
-            }
+            given = unread(
+                curvature, precondition, damping, solver, cg_tolerance, engine, cli=False
+            )
             spec = call.spec(ref)
             scorer = replayed(trained, spec, Path(through_training), per_ref, given, resume)
             resume = False  # the replay continued its own; the rows' file is written afresh

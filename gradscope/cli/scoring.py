@@ -200,17 +200,10 @@ def influence(
         top_k=top_k,
     )
     if through_training is not None:  # the replay trains by the config, as the run did
-        from ..training.attribution import replayed
+        from ..training.attribution import replayed, unread
 
         trained = with_overrides(load_config(config), out=out, device=device)
-        given = {
-            "--curvature": curvature is not None,
-            "--precondition": precondition is not None,
-            "--damping": damping is not None,
-            "--solver": solver != "auto",
-            "--cg-tolerance": cg_tolerance != CG_TOLERANCE,
-            "--engine": engine != "auto",
-        }
+        given = unread(curvature, precondition, damping, solver, cg_tolerance, engine)
         scorer = replayed(trained, ref, through_training, per_ref, given, resume)
         return _run(cfg, scorer, by, report, trust_checkpoint, resume=False)
     scorer = InfluenceScorer(

@@ -14,6 +14,7 @@ import torch
 
 from .. import distributed
 from ..config import Config
+from ..defaults import CG_TOLERANCE
 from ..errors import ConfigError, DataError
 from ..inputs import data_inputs, run_inputs
 from ..io.data import Batch, code_rows_sha256, data_identity
@@ -139,6 +140,18 @@ class ThroughTrainingScorer(Scorer):
                 "per_ref": self.per_ref,
             }
         }
+
+
+def unread(
+    curvature: object, precondition: object, damping: object, solver: str, tolerance: float,
+    engine: str, cli: bool = True,
+) -> dict[str, bool]:  # fmt: skip
+    """Which of influence's options beside ``--through-training`` were set, by the command's
+    names (``cli``) or the API's: ``replayed`` refuses them."""
+    given = {"curvature": curvature is not None, "precondition": precondition is not None,
+             "damping": damping is not None, "solver": solver != "auto",
+             "cg-tolerance": tolerance != CG_TOLERANCE, "engine": engine != "auto"}  # fmt: skip
+    return {(f"--{k}" if cli else k.replace("-", "_")): v for k, v in given.items()}
 
 
 def replay_folder(out: Path) -> Path:
