@@ -104,6 +104,8 @@ class Watch:
     watch is entered (a watch never entered writes nothing).
     """
 
+    _entered = False  # inside its ``with``: a step outside it would write nothing
+
     def __init__(
         self,
         model: nn.Module,
@@ -179,6 +181,7 @@ class Watch:
             raise
         for m, mode in self._modes:  # the engine scores in eval mode; training keeps its own
             m.training = mode
+        self._entered = True
         return self
 
     def discard(self) -> None:
@@ -187,6 +190,7 @@ class Watch:
         self.file.discard()
 
     def __exit__(self, *exc: Any) -> None:
+        self._entered = False
         try:
             self.engine.__exit__(*exc)
         finally:
@@ -212,6 +216,12 @@ class Watch:
         model: it adds the gradient the step's backward computed to each parameter's
         ``.grad``, times the gradient arriving (a loss scaler's, an accumulation's).
         ``check(loss)`` runs before the step's rows are written: where it raises, none are."""
+        if not self._entered:  # it trained, and wrote nothing
+            raise ConfigError(
+                "the watch is not entered, so it writes no file: step inside `with Watch(...) "
+                "as watch:`",
+                "Watch",
+            )
         inputs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
         ids = np.asarray(torch.as_tensor(ids).cpu()).reshape(-1)
         if len(ids) != len(targets) or ids.dtype.kind not in "iu":

@@ -33,7 +33,7 @@ from .watch import OnStep, Watch
 from .watchcheck import Due, checked, differs, rerun
 from .watchdraws import State, state
 from .watchfile import fed
-from .watchkinds import OUTPUTS, POSITIONS, TITLES, decoder_inputs, spans, task
+from .watchkinds import OUTPUTS, POSITIONS, TITLES, NotKept, decoder_inputs, spans, task
 from .watchrecord import SEGMENT
 
 _CLASS = object()  # the model had no forward of its own: its class's serves
@@ -125,7 +125,9 @@ class WatchCallback(TrainerCallback):
         except BaseException as e:  # Ctrl-C or an error in the step: the model as it was
             self._release(model, e)
             raise
-        return OUTPUTS[self.kind](loss=loss)
+        kept = ("start_logits", "end_logits") if self.kind == "qa" else ("logits",)
+        release = functools.partial(self._release, model)
+        return OUTPUTS[self.kind](loss=loss, **{name: NotKept(name, release) for name in kept})
 
     def _step(self, model: nn.Module, original: Any, kwargs: dict) -> Tensor:
         """A training call through the watch: its loss (the first one's kind read off the

@@ -7,6 +7,9 @@ positions, the mean of the two (``spans``). A PEFT model is its base model's kin
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 from transformers.modeling_outputs import (
@@ -179,3 +182,34 @@ def _base(model: nn.Module) -> nn.Module:
     """A PEFT model's base model, whose kind it is; any other model itself."""
     base = getattr(model, "get_base_model", None)
     return base() if callable(base) else model
+
+
+class NotKept:
+    """What the watched step's output holds in place of the model's logits, which the step does
+    not keep: a ``compute_loss`` of the user's that reads them (a loss of its own, which the
+    watch does not measure) is refused in one line, where None raised in the user's code; the
+    model released first (``release``), as a step that raises in the model's call is."""
+
+    def __init__(self, name: str, release: Callable[[BaseException], None]):
+        self.name, self.release = name, release
+
+    def refused(self, *_: Any) -> Any:
+        error = ModelError(
+            f"the watched step's output holds the loss alone, not the model's {self.name}: a "
+            "Trainer whose compute_loss reads them trains on a loss of its own, which the watch "
+            "does not measure; train on the model's own loss (the labels in the batch)",
+            "Trainer.compute_loss",
+        )
+        self.release(error)
+        raise error
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # copy's and pickle's probes: not a use
+            raise AttributeError(name)
+        return self.refused()
+
+    __getitem__ = __iter__ = __len__ = __bool__ = __array__ = refused
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        return next(a for a in args if isinstance(a, NotKept)).refused()

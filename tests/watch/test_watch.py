@@ -96,6 +96,19 @@ def test_the_model_is_left_as_it_was(tmp_path):
     assert not any(m._backward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
+def test_a_watch_never_entered_refuses_its_steps(tmp_path):
+    """Without ``with``, the steps trained and the watch wrote nothing, without a word."""
+    model, (x, y) = _model(), _data(4)
+    watch = Watch(model, tmp_path / "w.parquet")
+    with pytest.raises(ConfigError, match="the watch is not entered, so it writes no file"):
+        watch.step(x, y, torch.arange(4))
+    with watch:
+        watch.step(x, y, torch.arange(4)).backward()
+    with pytest.raises(ConfigError, match="the watch is not entered"):  # after its exit too
+        watch.step(x, y, torch.arange(4))
+    assert len(pq.read_table(tmp_path / "w.parquet")) == 4
+
+
 def test_dropout_is_watched_under_the_masks_its_step_drew(tmp_path):
     """Every forward of a step draws the masks its first drew: each example's norm is of its
     loss under the batch's masks, ``.grad`` is the plain step's, and the generator is left

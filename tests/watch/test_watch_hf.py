@@ -464,6 +464,26 @@ def test_a_classifier_with_a_loss_of_its_own_is_one_line(tmp_path):
     assert not (tmp_path / "w.parquet").exists()  # no rows of a loss it did not train on
 
 
+class WeightedTrainer(transformers.Trainer):
+    """A class-weighted loss of its own, from the model's logits: a common subclass."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = model(**inputs)
+        loss = F.cross_entropy(out.logits, inputs["labels"], weight=out.logits.new_ones(2))
+        return (loss, out) if return_outputs else loss
+
+
+def test_a_trainer_whose_compute_loss_reads_the_logits_is_one_line(tmp_path):
+    """The watched output held the loss alone and logits None: an AttributeError in the
+    user's compute_loss ('NoneType' object has no attribute ...)."""
+    model = _bert(2).double().train()
+    trainer = _one_batch(tmp_path, model)
+    trainer.__class__ = WeightedTrainer
+    with pytest.raises(ModelError, match="holds the loss alone, not the model's logits") as e:
+        trainer.train()
+    assert "\n" not in str(e.value) and "forward" not in model.__dict__
+
+
 class NanBertForSequenceClassification(transformers.BertForSequenceClassification):
     """A classifier whose output is not finite."""
 
