@@ -90,6 +90,9 @@ class WatchCallback(TrainerCallback):
                 "TrainingArguments.remove_unused_columns",
             )
         self._release(model, None)  # what a train() that raised left
+        stale = getattr(vars(model).get("forward"), "func", None)  # another callback's, left so
+        if isinstance(getattr(stale, "__self__", None), WatchCallback):
+            stale.__self__._release(model, None)
         self.due = Due()
         self._before = vars(model).get("forward", _CLASS)
         self._wrapper = functools.partial(self._forward, model, model.forward)

@@ -111,6 +111,20 @@ def test_a_train_that_raised_elsewhere_is_released_by_the_next(tmp_path):
     assert len(pq.read_table(tmp_path / "w.parquet")) == 16
 
 
+def test_a_new_callback_releases_the_wrapper_another_left(tmp_path):
+    """A train() that raised outside the model's call left the first callback's wrapper: a new
+    WatchCallback wrapped it again, and its first step was refused as a call without labels."""
+    model, trainer = _trainer(tmp_path, [WatchCallback(tmp_path / "a.parquet"), _Raises])
+    with pytest.raises(RuntimeError, match="after the model's call"):
+        trainer.train()
+    args = trainer_args(str(tmp_path / "out2"), per_device_train_batch_size=4, num_train_epochs=1)
+    again = transformers.Trainer(model, args, train_dataset=trainer.train_dataset,
+                                 callbacks=[WatchCallback(tmp_path / "b.parquet")])  # fmt: skip
+    again.train()
+    assert "forward" not in model.__dict__
+    assert len(pq.read_table(tmp_path / "b.parquet")) == 8
+
+
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_trainer_trains_as_without_the_watch_and_writes_each_step(tmp_path, accumulate):
     plain, _ = _run(tmp_path, [], accumulate)
