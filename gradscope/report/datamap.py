@@ -16,7 +16,7 @@ from ..errors import DataError
 from ..tables import fmt
 from .charts import STYLE, _svg
 
-NEEDED = ("epoch", "example_id", "grad_norm", "prob")
+NEEDED = ("epoch", "example_id", "grad_norm")  # and prob for the map (a classifier's, an LM's)
 
 
 @dataclass(frozen=True)
@@ -59,17 +59,19 @@ def _percentiles(table: np.ndarray) -> np.ndarray:
 
 
 def data_map(path: Path) -> DataMap:
-    """The data map of a watch file."""
+    """The data map of a watch file; without ``prob`` (a regression's, a loss of the user's:
+    no probability of a target), its confidence and variability NaN."""
     file = pq.ParquetFile(path)
     names = file.schema_arrow.names
     missing = [n for n in NEEDED if n not in names]
     if missing:
-        raise DataError(f"the watch file lacks {', '.join(missing)}: no data map", str(path))
-    wanted = [*NEEDED, *(n for n in ("correct", "finite") if n in names)]
+        raise DataError(f"the watch file lacks {', '.join(missing)}: no report", str(path))
+    wanted = [*NEEDED, *(n for n in ("prob", "correct", "finite") if n in names)]
     table = {n: c.to_numpy() for n, c in zip(wanted, file.read(wanted).columns, strict=True)}
     ids, epochs = table["example_id"], table["epoch"]
-    prob = _per_epoch(ids, epochs, table["prob"].astype(np.float64))
     norms = table["grad_norm"].astype(np.float64)
+    probs = table["prob"].astype(np.float64) if "prob" in table else np.full_like(norms, np.nan)
+    prob = _per_epoch(ids, epochs, probs)
     if "finite" in table:  # a row of no counted target (its grad_norm 0) ranks under no column
         norms = np.where(table["finite"].astype(bool), norms, np.nan)
     norm = _per_epoch(ids, epochs, norms)
@@ -110,18 +112,19 @@ def chart(found: DataMap) -> str:
 
 def stays_high(found: DataMap, k: int) -> list[dict[str, str]]:
     """The k examples whose gradient norm ranks highest in their epoch at every epoch: the
-    largest lowest percentile first."""
+    largest lowest percentile first; the map's columns where the file has them."""
     ok = np.flatnonzero(np.isfinite(found.lowest_rank))
     top = ok[np.argsort(-found.lowest_rank[ok], kind="stable")[:k]]
+    mapped = {"confidence": found.confidence, "variability": found.variability,
+              "correctness": found.correctness}  # fmt: skip
+    shown = {k: v for k, v in mapped.items() if np.isfinite(v).any()}
     return [
         {
             "example_id": str(int(found.ids[i])),
             "lowest grad_norm percentile": fmt(found.lowest_rank[i]),
             "mean grad_norm": fmt(found.grad_norm[i]),
-            "confidence": fmt(found.confidence[i]),
-            "variability": fmt(found.variability[i]),
-            "correctness": fmt(found.correctness[i]),
         }
+        | {name: fmt(values[i]) for name, values in shown.items()}
         for i in top
     ]
 
@@ -145,7 +148,7 @@ def render(path: Path, meta: dict, version: str, k: int) -> str:
         version=version,
         n=len(found.ids),
         epochs=found.epochs,
-        chart=chart(found),
+        chart=chart(found) if np.isfinite(found.confidence).any() else None,
         header=list(rows[0]) if rows else [],
         rows=rows,
     )

@@ -64,3 +64,13 @@ def test_report_of_a_watch_file_draws_the_data_map(tmp_path):
     page = write_report(tmp_path / "w.parquet").read_text()
     assert "Data map" in page and "<svg" in page
     assert page.index("<td>3</td>") < page.index("<td>2</td>")  # the largest norm first
+
+
+def test_report_of_a_regression_watch_file_lists_the_norms_without_a_map(tmp_path):
+    """A watch file of mse (no prob) was refused whole ('lacks prob: no data map'), though its
+    gradient norms make the table the guide promises."""
+    rows = [{"step": 0, "epoch": 0, "example_id": i, "grad_norm": 1.0 + i} for i in range(4)]
+    _watch_file(tmp_path / "w.parquet", rows)
+    page = write_report(tmp_path / "w.parquet").read_text()
+    assert "No data map" in page and "<svg" not in page and "<th>confidence</th>" not in page
+    assert page.index("<td>3</td>") < page.index("<td>2</td>") and "over 1 epoch ·" in page
