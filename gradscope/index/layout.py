@@ -2,7 +2,8 @@
 
     INDEX/
       manifest.json      format, rows, width, dtype, the shards in order (each with the sha256
-                         of its first and last rows), the projection (seed, one block of
+                         of its first and last rows and the CRC-32 of all of them, which a
+                         query checks as it streams them), the projection (seed, one block of
                          columns per parameter) and the run's metadata
       ids.parquet        one row per indexed example, in index order: example_id, id (with
                          data.ids), loss, norm (= ||phi_i||, float64), finite; its metadata
@@ -32,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -75,7 +77,7 @@ class ShardWriter:
         self.folder, self.width, self.dtype = folder, width, np.dtype(dtype)
         self.limit = max(1, SHARD_BYTES // max(1, width * self.dtype.itemsize))
         self.shards: list[dict[str, Any]] = []
-        self._file, self._rows, self._first = None, 0, 0
+        self._file, self._rows, self._first, self._crc = None, 0, 0, 0
 
     def add(self, data: memoryview | bytes, rows: int) -> None:
         """``rows`` rows' bytes, in order."""
@@ -86,8 +88,11 @@ class ShardWriter:
                 self._file = open(self.folder / name, "w+b")  # noqa: SIM115 (closed in _close)
                 self._file.write(npy_header(0, self.width, self.dtype))
                 self.shards.append({"file": name, "rows": 0, "first": self._first})
+                self._crc = 0
             n = min(rows - done, self.limit - self._rows)
-            self._file.write(data[done * size : (done + n) * size])
+            block = data[done * size : (done + n) * size]
+            self._file.write(block)
+            self._crc = zlib.crc32(block, self._crc)
             done, self._rows = done + n, self._rows + n
             if self._rows == self.limit:
                 self._close()
@@ -99,6 +104,7 @@ class ShardWriter:
         self._file.write(npy_header(self._rows, self.width, self.dtype))
         size = self._rows * self.width * self.dtype.itemsize
         self.shards[-1]["ends_sha256"] = ends_sha256(self._file, size)
+        self.shards[-1]["crc32"] = self._crc  # of all its rows: checked as a query reads them
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()

@@ -16,7 +16,7 @@ from typing import Any, BinaryIO
 
 from ..errors import DataError
 
-FORMAT, VERSION = "gradscope-index", 2
+FORMAT, VERSION = "gradscope-index", 3  # 3: each shard's crc32
 MANIFEST, IDS, HEADER = "manifest.json", "ids.parquet", 128
 SEAL = b"gradscope_manifest_sha256"  # ids.parquet's metadata key holding the seal
 DTYPES = ("float16", "float32")
@@ -107,7 +107,7 @@ def _check_shards(m: dict[str, Any], where: str) -> None:
     for n, shard in enumerate(m["shards"]):
         if not isinstance(shard, dict) or not _whole(shard.get("rows"), 0):
             raise DataError(f"the manifest's shard {n} is not a file and its rows", where)
-        if not isinstance(shard.get("ends_sha256"), str):
+        if not isinstance(shard.get("ends_sha256"), str) or not _whole(shard.get("crc32"), 0):
             raise DataError(f"the manifest's shard {n} records no sha256 of its rows", where)
         plain_name(shard.get("file"), where)
         if shard.get("first") != first:

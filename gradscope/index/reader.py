@@ -14,6 +14,7 @@ import contextlib
 import errno
 import os
 import stat
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -180,9 +181,17 @@ class Shards:
         next, so read it before asking for the next."""
         buffer = np.empty((min(rows, max(1, self.rows)), self.width), self.dtype)
         for shard in self.manifest["shards"]:
+            name, crc = shard["file"], 0
             with self._shard(shard) as f:
                 for lo in range(0, shard["rows"], len(buffer)):
                     chunk = buffer[: min(len(buffer), shard["rows"] - lo)]
                     if f.readinto(memoryview(chunk).cast("B")) != chunk.nbytes:
-                        raise DataError(f"{shard['file']} ended early", self._where(shard["file"]))
+                        raise DataError(f"{name} ended early", self._where(name))
+                    crc = zlib.crc32(memoryview(chunk).cast("B"), crc)
+                    if lo + len(chunk) == shard["rows"] and crc != shard["crc32"]:
+                        raise DataError(  # before its last chunk is scored: no output written
+                            f"{name} is damaged: its rows are not the ones written (their CRC-32 "
+                            "differs from the manifest's); build the index again",
+                            self._where(name),
+                        )
                     yield shard["first"] + lo, chunk

@@ -267,3 +267,18 @@ def test_a_rebuild_under_a_query_is_never_mixed_into_it(project, monkeypatch, ca
     assert rebuilt == [ix] and manifest(ix)["projection"]["seed"] == 7
     assert "the index was rebuilt or removed while this query read it" in err
     assert not (project / "q.parquet").exists()
+
+
+def test_rows_damaged_between_a_shards_ends_are_named(project, monkeypatch, capsys):
+    """The manifest's sha256 holds a shard's first and last 4 KiB: damage between them (a disk's,
+    a copy's) scored zeros, the top k changed, exit 0. Each shard's CRC-32 is checked as the
+    query streams it now, before anything is written."""
+    monkeypatch.setattr("gradscope.index.manifest.ENDS", 8)  # ends of 8 bytes: a middle to damage
+    ix = index(project, "--dim", 4)
+    shard = ix / "shard-000000.npy"
+    data = bytearray(shard.read_bytes())
+    data[128 + 40 : 128 + 60] = bytes(20)  # rows 1 and 2 of 12 float16s, past the ends
+    shard.write_bytes(bytes(data))
+    err = refused(monkeypatch, capsys, project, ix)
+    assert "shard-000000.npy is damaged: its rows are not the ones written" in err
+    assert not (project / "q.parquet").exists()
