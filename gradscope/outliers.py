@@ -199,11 +199,10 @@ def rank(
     given, direction = parse_by(by)
     score = given or default_score(names)
     if score not in names:
-        asked = "--by" if given else "no --by: the default (influence, self_influence, loss)"
-        raise DataError(
-            f"no column {score!r} to rank by (columns: {', '.join(names)}); name one with --by",
-            asked,
-        )
+        what = f"no column {score!r} to rank by" if given else (
+            "none of the default columns to rank by (influence, self_influence, loss, grad_norm)"
+        )  # fmt: skip
+        raise DataError(f"{what} (columns: {', '.join(names)}); name one with --by", str(path))
     kind = file.schema_arrow.field(score).type
     if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
         raise DataError(f"column {score!r} holds {kind}, not numbers to rank by", "--by")
