@@ -222,7 +222,25 @@ def rank(
         if z_class is not None:
             rows["class_z"] = z_class[top]
         ends.append(End(d, label, top, rows))
-    return Outliers(file, score, values, ok, target, spread, ends, classes or _classes(file))
+    named = classes or _classes(file)
+    _check_classes(named, file, path)
+    return Outliers(file, score, values, ok, target, spread, ends, named)
+
+
+def _check_classes(classes: list[str] | None, file: pq.ParquetFile, path: str | Path) -> None:
+    """``data.classes`` names every class id the file's targets and predictions hold: a list
+    too short showed some rows by name and the rest by number, without a word."""
+    for name in ("target", "pred") if classes else ():
+        if name in file.schema_arrow.names and pa.types.is_integer(
+            file.schema_arrow.field(name).type
+        ):
+            ids = column(file, name)
+            if len(ids) and ids.max() >= len(classes):
+                raise DataError(
+                    f"data.classes names {len(classes)} classes; column {name} holds class "
+                    f"{int(ids.max())}: give a name to every class",
+                    str(path),
+                )
 
 
 def _finite(file: pq.ParquetFile, path: str | Path) -> np.ndarray | bool:

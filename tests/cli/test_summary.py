@@ -195,3 +195,15 @@ def test_columns_read_numbers_at_any_offset_from_the_data_buffer(kind):
         chunked = pa.chunked_array([pa.array(values, kind).slice(start, 7)])
         got = numbers(chunked)
         assert got.dtype == values.dtype and got.tolist() == values[start : start + 7].tolist()
+
+
+def test_class_names_too_few_for_the_files_classes_are_named(tmp_path):
+    """data.classes [a, b] over three classes showed 'a', 'b' and '2' side by side."""
+    table = pa.table({"example_id": [0, 1, 2], "loss": [0.1, 0.2, 0.3], "target": [0, 1, 2],
+                      "pred": [0, 1, 1]})  # fmt: skip
+    pq.write_table(table, tmp_path / "s.parquet")
+    with pytest.raises(
+        DataError, match="data.classes names 2 classes; column target holds class 2"
+    ):
+        summarize(tmp_path / "s.parquet", None, classes=["a", "b"])
+    summarize(tmp_path / "s.parquet", None, classes=["a", "b", "c"])
