@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..config import TrainConfig
+from ..errors import ConfigError
 
 
 def make_optimizer(train: TrainConfig, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -44,9 +45,14 @@ def lr_factor(train: TrainConfig, step: int, total: int) -> float:
 
 def total_steps(train: TrainConfig, rows: int, batch_size: int) -> int:
     """Optimizer steps in the run: ``train.steps``, or every batch of ``train.epochs`` passes."""
-    if train.steps is not None:
-        return train.steps
-    return (train.epochs or 1) * -(-rows // batch_size)
+    total = train.steps if train.steps is not None else (train.epochs or 1) * -(-rows // batch_size)
+    if train.warmup > total:  # its learning rate never reached train.lr, without a word
+        raise ConfigError(
+            f"train.warmup is {train.warmup} steps and the run takes {total}: its learning rate "
+            "would never reach train.lr",
+            "train.warmup",
+        )
+    return total
 
 
 def total_rows(train: TrainConfig, rows: int, batch_size: int) -> int:

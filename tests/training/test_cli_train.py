@@ -199,6 +199,7 @@ def test_train_fn_trains_in_place(tmp_path):
         ({"optimizer": "rmsprop"}, "'train.optimizer' must be one of sgd, adam, adamw"),
         ({"schedule": "step"}, "'train.schedule' must be one of constant, linear, cosine"),
         ({"epochs": 2, "steps": 5}, "set train.epochs or train.steps, not both"),
+        ({"steps": 5, "warmup": 6}, "train.warmup is 6 steps and the run takes 5"),
         ({"lr": -0.1}, "'train.lr' must be a finite number >= 0"),
         ({"betas": [0.9]}, "'train.betas' must be two numbers in [0, 1)"),
         ({"nesterov": True}, "'train.nesterov' needs optimizer sgd with a momentum > 0"),
