@@ -66,7 +66,9 @@ def row_arrays(values: Any, name: str, where: str) -> list[np.ndarray]:
     for row in rows:
         if row.dtype.kind not in "biuf" or row.ndim == 0:
             raise DataError(
-                f"column {name!r} is in data.pad but does not hold lists of numbers", where
+                f"column {name!r} is padded per batch (data.pad; under causal_lm, the targets "
+                "by default) but does not hold a row of numbers per example",
+                where,
             )
     return rows
 
