@@ -16,7 +16,7 @@ from ..io.held import is_held  # a loss the API's caller passed
 from .train import TrainConfig
 from .typed import at_least
 
-DEVICES, DEVICE = ("auto", "cpu", "cuda", "mps"), r"auto|cpu|(cuda|mps)(:\d+)?"  # cuda:N
+DEVICES, DEVICE = ("auto", "cpu", "cuda", "mps"), r"auto|(cpu|cuda|mps)(:\d+)?"  # cuda:N
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 

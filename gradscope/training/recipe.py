@@ -45,14 +45,21 @@ def lr_factor(train: TrainConfig, step: int, total: int) -> float:
 
 def total_steps(train: TrainConfig, rows: int, batch_size: int) -> int:
     """Optimizer steps in the run: ``train.steps``, or every batch of ``train.epochs`` passes."""
-    total = train.steps if train.steps is not None else (train.epochs or 1) * -(-rows // batch_size)
-    if train.warmup > total:  # its learning rate never reached train.lr, without a word
+    if train.steps is not None:
+        return train.steps
+    return (train.epochs or 1) * -(-rows // batch_size)
+
+
+def check_warmup(train: TrainConfig, rows: int, batch_size: int) -> None:
+    """``gradscope train``'s run must outlast its warm-up: its learning rate never reached
+    ``train.lr`` otherwise, without a word (validate's shorter runs on subsets keep it)."""
+    total = total_steps(train, rows, batch_size)
+    if train.warmup > total:
         raise ConfigError(
             f"train.warmup is {train.warmup} steps and the run takes {total}: its learning rate "
             "would never reach train.lr",
             "train.warmup",
         )
-    return total
 
 
 def total_rows(train: TrainConfig, rows: int, batch_size: int) -> int:

@@ -21,7 +21,7 @@ from ..io.parquet import PartialRun
 from ..job import resolve_device
 from ..resume import fingerprint, resumed_parts
 from .loop import Trainer, TrainingRows, build, recipe
-from .recipe import total_rows
+from .recipe import check_warmup, total_rows
 from .record import Recorder, default_segment, record_key
 from .recordfiles import refuse_foreign
 from .user import run_user_fn
@@ -119,6 +119,8 @@ def train_model(
                 save(run_user_fn(train.fn, model, rows.positions, train.seed), path)
                 return Trained(path, [], len(rows), 0, float("nan"))
             trainer = Trainer(cfg, model, rows, train.seed, on_batch)
+            check_warmup(train, len(rows), trainer.batch_size)
+            _refuse_epochs(trainer, path, inputs, overwrite or resume)
             recorder = _recorder(cfg, trainer, folder, segment, inputs)
             _begin(run, trainer, recorder, state)
             if on_start:
@@ -178,6 +180,21 @@ def _refuse(
         raise ConfigError("--segment sets a run record's segments: pass --record too", "--segment")
     if folder is not None and cfg.train.fn is not None:
         raise ConfigError("train.fn is a loop of your own: gradscope cannot record it", "train.fn")
+
+
+def _refuse_epochs(trainer: Trainer, path: Path, inputs: Inputs, replacing: bool) -> None:
+    """The epoch checkpoints ``train.save_every`` will write, as the checkpoint is: none an
+    input (the data, the factory, ``train.init``), none there already unless ``replacing``
+    (they were written over whatever lay there, the data file too)."""
+    every, per_pass = trainer.train.save_every, -(-len(trainer.rows) // trainer.batch_size)
+    for epoch in range(every, -(-trainer.total // per_pass), every) if every else ():
+        at = epoch_path(path, epoch)
+        check_output(at, inputs)
+        if at.exists() and not replacing:
+            raise ConfigError(
+                "an epoch checkpoint is there already; pass --overwrite to replace it, or --out",
+                str(at),
+            )
 
 
 def _done_rows(trainer: Trainer) -> int:

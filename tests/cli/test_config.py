@@ -72,6 +72,7 @@ def test_overrides(tmp_path):
         cfg.summary.top_k,
         cfg.device,
     ) == (7, 3, True, 5, "cpu")
+    assert with_overrides(load_config(write(tmp_path, BASE)), device="cpu:0").device == "cpu:0"
 
 
 @pytest.mark.parametrize(

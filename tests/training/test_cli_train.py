@@ -92,6 +92,21 @@ def test_epoch_checkpoints_and_their_tracin_weights(tmp_path):
     assert "{path: m.pt, weight:" in result.output
 
 
+def test_epoch_checkpoints_replace_no_input_and_nothing_unasked(tmp_path):
+    """save_every wrote m.epoch2.pt over whatever lay there: the run's data file named so, or
+    a file of the user's, without --overwrite."""
+    train = {"lr": 0.1, "epochs": 4, "save_every": 2, "warmup": 20}
+    config = make_project(tmp_path, train=train)
+    (tmp_path / "m.epoch2.pt").write_bytes((tmp_path / "data.pt").read_bytes())
+    edit_config(tmp_path, lambda c: c["data"].update(path="m.epoch2.pt"))
+    line = one_error(run("train", config, "--out", tmp_path / "m.pt", "--overwrite"))
+    assert "the output path is the run's data.path" in line, line
+    edit_config(tmp_path, lambda c: c["data"].update(path="data.pt"))
+    line = one_error(run("train", config, "--out", tmp_path / "m.pt"))
+    assert "an epoch checkpoint is there already; pass --overwrite" in line, line
+    assert run("train", config, "--out", tmp_path / "m.pt", "--overwrite").exit_code == 0
+
+
 @pytest.mark.parametrize("dropout", [False, True])
 def test_ctrl_c_then_resume_is_the_uninterrupted_run(tmp_path, monkeypatch, dropout):
     """Interrupted in its third pass, resumed: the weights of a run never interrupted, also
