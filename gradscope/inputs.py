@@ -170,7 +170,7 @@ def check_output(
             "replace it: choose another --out, or remove the file first",
             str(path),
         )
-    if path.is_file() and not os.access(path, os.W_OK):
+    if path.is_file() and not path.stat().st_mode & 0o222:  # root too: os.access says yes
         raise ConfigError(
             "the output file is read-only; writing there would replace it: choose another "
             "--out, or make it writable",

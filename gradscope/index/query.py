@@ -137,7 +137,7 @@ def _query(
     reads = [("INDEX", str(shards.path)), *data_inputs("--ref", query.ref)]
     if query.precondition:
         reads.append(("--precondition", query.precondition))
-    check_output(out, run_inputs(cfg, reads), "parquet")
+    check_output(out, run_inputs(cfg, reads), "query")
     if query.candidates < 1:
         raise ConfigError(
             f"--candidates must be at least 1, got {query.candidates}", "--candidates"

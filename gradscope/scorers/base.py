@@ -62,7 +62,7 @@ class Scorer:
         raise NotImplementedError
 
     def check_output(self, path: str, inputs: Inputs) -> None:
-        check_output(path, inputs, "parquet")
+        check_output(path, inputs, "scores")
 
     def partial(self, path: str, fingerprint: dict) -> PartialRun:
         return PartialRun(path, fingerprint)

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 from torch import Tensor
 
 from ..errors import ConfigError, DataError
+from ..inputs import check_output
 from ..io.parquet import METADATA_KEY
 
 ROWS_PER_GROUP = 65_536
@@ -43,6 +44,7 @@ class WatchFile:
     def __init__(self, path: Path, metadata: dict[str, Any]):
         if not path.parent.is_dir():
             raise DataError("the folder to write the watch file in does not exist", str(path))
+        check_output(path, [], "watch")  # a file there of the user's, or another command's
         self.path, self.metadata = path, metadata
         self.tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
         self._writer: pq.ParquetWriter | None = None

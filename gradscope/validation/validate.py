@@ -227,7 +227,7 @@ def _check_outputs(cfg: Config, ref: str, scores: list[Path], out: Path, truth: 
     check_output(truth, inputs)
     if out.suffix == ".json":  # its table and the JSON beside it would be one file
         raise ConfigError(f"--out {out} is the JSON beside the table: name the .parquet", "--out")
-    for path, kind in ((out, "parquet"), (out.with_suffix(".json"), "json")):
+    for path, kind in ((out, "validate"), (out.with_suffix(".json"), "json")):
         check_output(path, [*inputs, ("--truth", str(truth))], kind)
 
 

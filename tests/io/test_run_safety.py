@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from oracle import assert_rel_close, reference_norms
@@ -179,13 +181,14 @@ def test_output_that_is_an_input_is_refused_before_anything_runs(tmp_path, setup
 
 
 FOREIGN = {  # a file of the user's at the output path, and the command that would replace it
-    "norms-onto-notes": ("notes.txt", b"my notes\n", ["norms", "{c}"], "gradscope Parquet file"),
+    "norms-onto-notes": ("notes.txt", b"my notes\n", ["norms", "{c}"], "gradscope scores file"),
     "influence-onto-parquet": (
         "other.parquet",
         None,
         ["influence", "{c}", "--ref", "{r}/ref.pt"],
-        "gradscope Parquet",
+        "gradscope scores file",
     ),
+    "norms-onto-a-truth": ("t.parquet", "truth", ["norms", "{c}"], "gradscope scores file"),
     "factors-onto-notes": ("notes.txt", b"my notes\n", ["factors", "{c}"], "gradscope factors"),
     "report-onto-a-page": (
         "page.html",
@@ -205,8 +208,9 @@ def test_a_file_gradscope_did_not_write_is_not_replaced(tmp_path, case):
     name, text, args, what = FOREIGN[case]
     assert runner.invoke(app, ["norms", str(config)]).exit_code == 0  # scores.parquet
     target = tmp_path / name
-    if text is None:
-        pd.DataFrame({"a": [1, 2]}).to_parquet(target)
+    if text in (None, "truth"):  # another tool's Parquet; a validate truth file (its models)
+        meta = {b"gradscope": b'{"command": "validate", "identity": {}}'} if text else None
+        pq.write_table(pa.table({"a": [1, 2]}).replace_schema_metadata(meta), target)
     else:
         target.write_bytes(text)
     before = target.read_bytes()
@@ -217,10 +221,11 @@ def test_a_file_gradscope_did_not_write_is_not_replaced(tmp_path, case):
     target.unlink()
     assert runner.invoke(app, argv).exit_code == 0  # a new file, then its own replaced
     assert runner.invoke(app, argv).exit_code == 0
-    target.chmod(0o444)
-    if os.access(target, os.W_OK):  # root writes anyway: the check follows the access
-        return
+    target.chmod(0o444)  # refused by its mode, also where root could write it
     assert "the output file is read-only" in one_error(runner.invoke(app, argv))
+    target.chmod(0o644)
+    target.write_bytes(b"")  # an empty file (mktemp's) holds nothing to lose
+    assert runner.invoke(app, argv).exit_code == 0
 
 
 def test_a_second_run_on_the_same_output_exits_2_naming_the_first(tmp_path):

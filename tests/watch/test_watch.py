@@ -109,6 +109,14 @@ def test_a_watch_never_entered_refuses_its_steps(tmp_path):
     assert len(pq.read_table(tmp_path / "w.parquet")) == 4
 
 
+def test_a_file_of_the_users_at_the_watch_files_path_is_not_replaced(tmp_path):
+    """The watch moved its file over notes.txt, or a validate table, at its end."""
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="not a gradscope watch file"):
+        Watch(_model(), tmp_path / "notes.txt")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 def test_dropout_is_watched_under_the_masks_its_step_drew(tmp_path):
     """Every forward of a step draws the masks its first drew: each example's norm is of its
     loss under the batch's masks, ``.grad`` is the plain step's, and the generator is left
