@@ -88,6 +88,13 @@ class Job:
         if first is None:
             raise ModelError("the model has no parameters: no gradient to score", "model.factory")
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else first.dtype
+        kinds = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point()})
+        if is_held(model_cfg.factory) and not cfg.dtype and len(kinds) > 1:  # cast, said nowhere
+            raise ModelError(
+                f"the model's parameters are of several dtypes ({', '.join(kinds)}): pass dtype= "
+                "to score it in one (its own weights are left as they are)",
+                "dtype",
+            )
         # a model to shard stays on the CPU, whole, until shard() moves each rank's part
         sharded = cfg.distributed.shard and distributed.world().size > 1
         model.to(device=None if sharded else device, dtype=dtype)

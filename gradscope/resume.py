@@ -19,6 +19,7 @@ from .inputs import Inputs
 from .io.batch import Batch, batch_sha256
 from .io.code import config_code
 from .io.files import file_sha256
+from .io.held import unaddressed
 from .io.parquet import PartialRun
 
 
@@ -61,7 +62,7 @@ def fingerprint(
         "device": device,
         **(resume_key or {}),
     }
-    return as_json(result)
+    return as_json(unaddressed(result))  # a model held in Python by its weights, not its address
 
 
 def as_json(value: dict) -> dict:

@@ -16,6 +16,7 @@ from ..errors import ConfigError
 from ..inputs import Inputs, config_inputs
 from ..io.data import Batch
 from ..io.files import file_sha256
+from ..io.held import held, identity, is_held
 from ..job import Job
 from ..rules.base import accumulation_dtype
 from ..scorers.base import Scorer, leading
@@ -73,10 +74,15 @@ def one_checkpoint(cfg: Config) -> None:
 
 
 def model_files(cfg: Config) -> dict[str, str]:
-    """{config key: sha256} of the files that make ``cfg``'s model and loss."""
-    return {
+    """{config key: sha256} of the files that make ``cfg``'s model and loss; of a model held in
+    Python (the API's), its weights' (``io.held.identity``)."""
+    files = {
         key: file_sha256(path) for key, path in config_inputs(cfg.to_dict()) if key in MODEL_FILES
     }
+    held_model = (
+        {"model.factory": identity(cfg.model.factory)} if is_held(cfg.model.factory) else {}
+    )
+    return files | held_model
 
 
 def gradient_keys(cfg: Config) -> dict[str, str]:
@@ -88,6 +94,8 @@ def gradient_keys(cfg: Config) -> dict[str, str]:
         value = raw[section][name] if section else raw[name]
         if isinstance(value, str) and ".py:" in value:
             value = value.rpartition(":")[2]
+        elif is_held(value):  # by its type: its weights are model_files', not its address
+            value = type(held(value)).__name__
         text = json.dumps(value, sort_keys=True, default=str)
         out[key] = hashlib.sha256(text.encode()).hexdigest()
     return out

@@ -5,6 +5,7 @@ by a spec of their own so that a run reads them where it would read a file: ``da
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,12 +23,75 @@ def held(spec: str) -> Any:
 
 @contextlib.contextmanager
 def holding(obj: Any) -> Iterator[str]:
-    """``obj``'s spec, which names it for as long as the block runs."""
+    """``obj``'s spec, which names it for as long as the block runs; a module's weights and
+    buffers as they were when it ends (a run that scored it in another dtype or on another
+    device converted them: the caller's model is left as it was)."""
     spec = f"<{type(obj).__name__} at {id(obj):#x}>"
     mine = spec not in _HELD
     _HELD[spec] = obj
+    kept = _tensors(obj) if mine else []
     try:
         yield spec
     finally:
         if mine:
             del _HELD[spec]
+            _restore(kept)
+
+
+def _tensors(obj: Any) -> list[tuple[Any, str, Any, Any, Any]]:
+    """(module, name, the object held there, its tensor, its gradient) of every parameter and
+    buffer of a module; none for anything else."""
+    import torch
+
+    if not isinstance(obj, torch.nn.Module):
+        return []
+    kept = []
+    for module in obj.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                kept.append((module, name, p, p.data, p.grad))
+        for name, b in module._buffers.items():
+            if b is not None:
+                kept.append((module, name, b, b, None))
+    return kept
+
+
+def _restore(kept: list[tuple[Any, str, Any, Any, Any]]) -> None:
+    """Each parameter's tensor and gradient, each buffer, as ``_tensors`` kept them, where a
+    conversion (``Module.to``) replaced them."""
+    import torch
+
+    for module, name, held_there, tensor, grad in kept:
+        if isinstance(held_there, torch.nn.Parameter):
+            if held_there.data.data_ptr() != tensor.data_ptr() or held_there.dtype != tensor.dtype:
+                held_there.data, held_there.grad = tensor, grad
+        elif module._buffers.get(name) is not held_there:
+            module._buffers[name] = held_there
+
+
+def identity(spec: str) -> str:
+    """What stands for a held object in a run's key instead of its address (which a new object
+    may take, and the same object keeps while its weights change): a module by its class and
+    the sha256 of its parameters and buffers; anything else by its type (rows held in Python
+    are keyed by their own sha256, ``io.data.code_rows_sha256``)."""
+    import torch
+
+    obj = _HELD[spec]
+    if not isinstance(obj, torch.nn.Module):
+        return f"<{type(obj).__name__}>"
+    h = hashlib.sha256()
+    for name, t in obj.state_dict(keep_vars=True).items():
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name} {t.dtype} {tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return f"<{type(obj).__name__} {h.hexdigest()}>"
+
+
+def unaddressed(value: Any) -> Any:
+    """``value`` (a run's key: JSON's dicts, lists and strings) with every held object's spec
+    replaced by its ``identity``."""
+    if isinstance(value, dict):
+        return {k: unaddressed(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [unaddressed(v) for v in value]
+    return identity(value) if is_held(value) else value

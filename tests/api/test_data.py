@@ -22,7 +22,7 @@ from torch.utils.data import (
 )
 
 import gradscope
-from gradscope.errors import ConfigError, DataError
+from gradscope.errors import ConfigError, DataError, ModelError
 
 
 def held_data(project: Path) -> dict[str, object]:
@@ -125,3 +125,65 @@ def test_index_of_a_module_and_its_loader(project: Path) -> None:
     pd.testing.assert_frame_equal(scores, pd.read_parquet(project / "q.parquet"))
     with pytest.raises(DataError, match="model.checkpoint is not what the index was built from"):
         gradscope.query(built, config, ref=ref)
+
+
+class _Interrupting(TensorDataset):
+    """Rows that raise KeyboardInterrupt at row ``at`` (None: never)."""
+
+    at: int | None = 6
+
+    def __getitem__(self, i):
+        if i == self.at:
+            raise KeyboardInterrupt
+        return super().__getitem__(i)
+
+
+def test_a_held_model_resumes_by_its_weights_not_its_address(project: Path) -> None:
+    """A held model was named by its address alone: a resume after its weights changed mixed
+    rows of both weights; new objects of the same weights and rows resumed or not by where
+    memory put them."""
+    net, x, y = load_net(project)
+    net = net.double()
+    rows = _Interrupting(x, y)
+    out = project / "r.parquet"
+    with pytest.raises(BaseException, match="interrupted|saved"):
+        gradscope.norms(net, DataLoader(rows, batch_size=4), out=out)
+    rows.at = None
+    with torch.no_grad():
+        changed = type(net)().double()
+        changed.load_state_dict({k: v * 3 for k, v in net.state_dict().items()})
+    with pytest.raises(ConfigError, match="cannot resume: .*config.model.factory"):
+        gradscope.norms(changed, DataLoader(rows, batch_size=4), out=out, resume=True)
+    again = type(net)().double()
+    again.load_state_dict(net.state_dict())  # another object, the same weights and rows
+    resumed = gradscope.norms(again, DataLoader(TensorDataset(x, y), batch_size=4), out=out,
+                              resume=True)  # fmt: skip
+    whole = gradscope.norms(net, {"x": x, "y": y})
+    np.testing.assert_allclose(resumed["grad_norm"], whole["grad_norm"], rtol=1e-12)
+
+
+def test_a_query_of_a_held_model_whose_weights_changed_is_refused(project: Path) -> None:
+    net, x, y = load_net(project)
+    net, ref = net.double(), torch.load(project / "ref.pt")
+    built = gradscope.build_index(net, {"x": x, "y": y}, dim=16, out=project / "a.index")
+    copy = type(net)().double()
+    copy.load_state_dict(net.state_dict())  # another object, the same weights: as the index
+    gradscope.query(built, copy, {"x": x, "y": y}, ref=ref)
+    with torch.no_grad():
+        next(net.parameters()).add_(1)  # trained on: the indexed gradients are not its own
+    with pytest.raises(DataError, match="model.factory is not what the index was built from"):
+        gradscope.query(built, net, {"x": x, "y": y}, ref=ref)
+
+
+def test_a_held_model_scored_in_another_dtype_is_left_as_it_was(project: Path) -> None:
+    """dtype= converted the caller's model in place and left it so (float32 weights lost to
+    bfloat16); a model of two dtypes was cast to its first's and left broken."""
+    net, x, y = load_net(project)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    gradscope.norms(net, {"x": x, "y": y}, dtype="float64")
+    assert all(torch.equal(before[k], v) and v.dtype == before[k].dtype
+               for k, v in net.state_dict().items())  # fmt: skip
+    mixed = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3).double())
+    with pytest.raises(ModelError, match="the model's parameters are of several dtypes"):
+        gradscope.norms(mixed, {"x": x, "y": y})
+    assert mixed[1].weight.dtype == torch.float64 and mixed[0].weight.dtype == torch.float32
