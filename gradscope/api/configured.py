@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from ..config import Config, config_from_dict, load_config, output_path, padded_by_default
@@ -98,7 +99,10 @@ class Call:
 
 @contextlib.contextmanager
 def called() -> Iterator[Call]:
+    """An API call's scope; the caller's random state is left as it was (a DataLoader draws
+    its base seed from it each time it is read, and a run reads the rows more than once)."""
     with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=[]))
         yield Call(stack)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 from transformers.modeling_outputs import (
     CausalLMOutput,
     MaskedLMOutput,
@@ -212,4 +213,5 @@ class NotKept:
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
-        return next(a for a in args if isinstance(a, NotKept)).refused()
+        leaves = tree_leaves((args, kwargs or {}))  # torch.cat([it, t]), input=it: nested
+        return next(a for a in leaves if isinstance(a, NotKept)).refused()

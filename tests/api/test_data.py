@@ -187,3 +187,12 @@ def test_a_held_model_scored_in_another_dtype_is_left_as_it_was(project: Path) -
     with pytest.raises(ModelError, match="the model's parameters are of several dtypes"):
         gradscope.norms(mixed, {"x": x, "y": y})
     assert mixed[1].weight.dtype == torch.float64 and mixed[0].weight.dtype == torch.float32
+
+
+def test_a_call_leaves_the_callers_random_state(project: Path) -> None:
+    """A DataLoader draws its base seed from torch's generator each time it is read, and a run
+    reads it more than once: the caller's next draws moved."""
+    net, x, y = load_net(project)
+    state = torch.random.get_rng_state()
+    gradscope.norms(net.double(), DataLoader(TensorDataset(x, y), batch_size=4))
+    assert torch.equal(torch.random.get_rng_state(), state)
