@@ -550,3 +550,18 @@ def test_a_loss_that_changes_after_the_first_step_is_refused_where_checked(tmp_p
         trainer.train()
     assert "\n" not in str(e.value) and "forward" not in model.__dict__
     assert pq.read_table(tmp_path / "w.parquet").to_pydict()["step"] == [0] * 4
+
+
+def test_the_logits_stand_in_refuses_every_use_and_releases_once_each():
+    """torch.cat([it, t]) raised StopIteration: it was looked for among the top arguments."""
+    from gradscope.training.watchkinds import NotKept
+
+    released = []
+    stand_in = NotKept("logits", released.append)
+    uses = [lambda: torch.cat([stand_in, torch.ones(1)]), lambda: stand_in.dtype,
+            lambda: F.cross_entropy(input=stand_in, target=torch.tensor([0])),
+            lambda: stand_in[:, -1]]  # fmt: skip
+    for use in uses:
+        with pytest.raises(ModelError, match="holds the loss alone, not the model's logits"):
+            use()
+    assert len(released) == len(uses)
