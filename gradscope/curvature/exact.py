@@ -48,8 +48,8 @@ def scaled_damping(mean: float, factor: float, estimated: bool = False) -> float
         raise ConfigError(
             f"the curvature's {what} is 0: it is zero on these rows (a loss linear in the "
             "model's outputs, as nll and l1 are, has a Gauss-Newton matrix of 0), so --damping "
-            "(a multiple of it) gives no damping; use --curvature ekfac or kfac (their Fisher), "
-            "or none",
+            "(a multiple of it) gives no damping; fit K-FAC or EK-FAC instead (their Fisher: "
+            "curvature kfac or ekfac, or a factors file), or score with none",
             "--curvature",
         )
     if mean < 0:

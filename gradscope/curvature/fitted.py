@@ -102,6 +102,12 @@ def fit_exact(
     damping = resolve_damping(kind, damping)
     products = Products(engine, batches, kind)
     if pick_solver(solver, products.flat.size) == "dense":
+        if tolerance != TOLERANCE:  # ran as without it, the metadata saying solver dense
+            raise ConfigError(
+                f"--cg-tolerance stops --solver cg; {products.flat.size} parameters are solved "
+                "dense here: pass --solver cg",
+                "--cg-tolerance",
+            )
         return ExactInverse.fit(products, damping)
     return CGInverse(products, damping, tolerance)
 
@@ -161,6 +167,8 @@ def fit_curvature(
     damping = resolve_damping(curvature, damping)
     start = time.perf_counter()
     if curvature in (KFAC, EKFAC):
+        if tolerance != TOLERANCE:  # auto chose it (a loss linear in the outputs, or too many)
+            raise ConfigError(f"--cg-tolerance stops --solver cg; {why}: ekfac", "--cg-tolerance")
         if not damping > 0:  # an unused input's factor has zero eigenvalues: 1 / 0
             raise ConfigError(f"--curvature {curvature} needs a --damping above 0", "--damping")
         fisher = "true" if job.cfg.loss.name in SAMPLED else "empirical"

@@ -280,6 +280,14 @@ def test_a_loss_linear_in_the_outputs_has_no_gauss_newton_matrix(tmp_path, monke
         assert "mean eigenvalue" in err and "is 0: it is zero on these rows" in err, err
 
 
+def test_a_tolerance_beside_a_dense_solve_is_refused(tmp_path, monkeypatch, capsys) -> None:
+    """--cg-tolerance where auto solves dense ran as without it, the metadata saying dense."""
+    cfg = project(tmp_path, "cross_entropy")
+    err = fails(monkeypatch, capsys, "influence", cfg, "--ref", tmp_path / "ref.pt",
+                "--cg-tolerance", "0.5")  # fmt: skip
+    assert "75 parameters are solved dense here: pass --solver cg" in err
+
+
 def test_auto_takes_ekfac_where_the_dense_matrix_does_not_fit() -> None:
     from gradscope.curvature.fitted import chosen
 
