@@ -105,7 +105,7 @@ def write_report(
     from ..report import write_report as written
 
     cfg = load_config(config) if isinstance(config, str | Path) else config
-    top_k = top_k or (cfg.summary if cfg else SummaryConfig).top_k
+    top_k = (cfg.summary if cfg else SummaryConfig).top_k if top_k is None else top_k
     if top_k < 1:
         raise ConfigError(f"top_k must be at least 1, got {top_k}", "top_k")
     with called() as call:

@@ -116,6 +116,9 @@ class Engine:
         """One pass over a batch: the forward replayed where a program of its signature holds,
         else analysed in full; the one backward; the fallback."""
         batched(inputs, targets)
+        if torch.is_inference_mode_enabled():  # no graph to take a gradient of
+            what = "called inside torch.inference_mode(), where autograd records nothing"
+            raise ModelError(f"{what}: call it outside", "torch.inference_mode")
         if targets.shape[0] == 0:
             return empty([p.name for p in self.plan.included], targets, want)
         self._hooked_gradients()

@@ -246,6 +246,7 @@ def build_plan(
     adapters is left out), or all of them when none does; names given select explicitly,
     frozen or not. ``exclude`` applies to both.
     """
+    include, exclude = ([p] if isinstance(p, str) else p for p in (include, exclude))  # a glob
     selection = INCLUDE
     if include is None:
         chosen = trainable(model)

@@ -101,6 +101,19 @@ def test_refused(project: Path) -> None:
         gradscope.train(net)
     with pytest.raises(ConfigError, match="no data"):
         gradscope.norms(net)
+    with torch.inference_mode(), pytest.raises(ModelError, match="inside torch.inference_mode"):
+        gradscope.per_example_norms(net.double(), x.double(), y)  # an AttributeError before
+    with pytest.raises(ConfigError, match="top_k must be at least 1, got 0"):  # 20, unsaid
+        gradscope.write_report(project / "scores.parquet", top_k=0)
+
+
+def test_one_glob_as_a_string_is_that_glob(project: Path) -> None:
+    """include="2.*" was read letter by letter: "pattern '2' matches no parameter"."""
+    net, x, y = load_net(project)
+    net, x = net.double(), x.double()
+    one = gradscope.per_example_norms(net, x, y, include="fc2.*")
+    listed = gradscope.per_example_norms(net, x, y, include=["fc2.*"])
+    torch.testing.assert_close(one, listed, rtol=0, atol=0)
 
 
 def test_index_of_a_module_and_its_loader(project: Path) -> None:
