@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 from torch import nn
 
 from ..errors import GradscopeError, ModelError, one_line
@@ -28,4 +29,7 @@ def run_user_fn(spec: str, model: nn.Module, rows: np.ndarray, seed: int) -> nn.
             f"train.fn returned a {type(trained).__name__}; return the trained model or None",
             "train.fn",
         )
+    bad = next((n for n, p in trained.named_parameters() if not torch.isfinite(p).all()), None)
+    if bad is not None:  # saved, and validate's losses all NaN, without a word
+        raise ModelError(f"train.fn left weight {bad} NaN or infinite: nothing to save", "train.fn")
     return trained.eval()

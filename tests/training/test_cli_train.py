@@ -197,6 +197,11 @@ def raises(model, rows, seed):
 
 def exits(model, rows, seed):
     raise SystemExit(3)
+
+
+def nan(model, rows, seed):
+    with torch.no_grad():
+        model.fc1.weight.fill_(float("nan"))
 """
 
 
@@ -226,6 +231,7 @@ def test_train_fn_trains_in_place(tmp_path):
         ({"fn": "loop.py:raises"}, "train.fn raised ValueError: no GPU here"),
         ({"fn": "loop.py:missing"}, "train.fn"),
         ({"fn": "loop.py:exits"}, "train.fn raised SystemExit: 3"),
+        ({"fn": "loop.py:nan"}, "train.fn left weight fc1.weight NaN or infinite"),  # saved
         ({"fn": "loop.py:train", "lr": 5}, "'train.lr' is the recipe's; train.fn does not read it"),
         ({"optimizer": "adam", "momentum": 0.9}, "'train.momentum' is not optimizer adam's"),
         ({"betas": [0.8, 0.9]}, "'train.betas' is not optimizer sgd's"),
