@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..config import Config
 from ..defaults import CG_TOLERANCE
-from ..index.query import CANDIDATES, Query, run_query
+from ..index.query import Query, run_query
 from ..index.scorer import IndexScorer, index_output
 from ..run import score_dataset
 from ..scorers import InfluenceScorer, NormsScorer, Scorer
@@ -178,7 +178,7 @@ def query(
     per_ref: bool = False,
     top_k: int | None = None,
     exact: bool = False,
-    candidates: int = CANDIDATES,
+    candidates: int | None = None,
     normalize: bool = False,
     precondition: str | Path | Factors | None = None,
     config: Config | str | Path | None = None,

@@ -9,7 +9,6 @@ import typer
 
 from .. import terminal
 from ..config import SummaryConfig, load_config, with_overrides
-from ..errors import ConfigError
 from .options import (
     BatchOpt,
     ConfigArg,
@@ -129,16 +128,12 @@ def query(
     trust_checkpoint: TrustOpt = False,
 ) -> None:
     """Score every indexed example against the gradients of REF (their mean, or each row)."""
-    from ..index.query import CANDIDATES, Query, run_query, shown
+    from ..index.query import Query, run_query, shown
 
     check_top_k(top_k)
-    if candidates is not None and not exact:  # it ran as without it
-        raise ConfigError(
-            "--candidates sets how many --exact re-scores; pass --exact", "--candidates"
-        )
     asked = Query(
         ref if ".py:" in ref else str(Path(ref).resolve()), per_ref, top_k, exact,
-        CANDIDATES if candidates is None else candidates, normalize,
+        candidates, normalize,
         str(precondition.resolve()) if precondition else None,
     )  # fmt: skip
     path = run_query(

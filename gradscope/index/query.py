@@ -47,7 +47,7 @@ class Query:
     per_ref: bool = False
     top_k: int | None = None  # None: every example (one reference), else summary.top_k
     exact: bool = False
-    candidates: int = CANDIDATES
+    candidates: int | None = None  # of --exact: None, CANDIDATES
     normalize: bool = False
     precondition: str | None = None
 
@@ -138,6 +138,12 @@ def _query(
     if query.precondition:
         reads.append(("--precondition", query.precondition))
     check_output(out, run_inputs(cfg, reads), "query")
+    if query.candidates is not None and not query.exact:  # it ran as without it
+        raise ConfigError(
+            "--candidates sets how many --exact re-scores; pass --exact", "--candidates"
+        )
+    depth = CANDIDATES if query.candidates is None else query.candidates
+    query = dataclasses.replace(query, candidates=depth)
     if query.candidates < 1:
         raise ConfigError(
             f"--candidates must be at least 1, got {query.candidates}", "--candidates"
