@@ -72,18 +72,25 @@ class Call:
             return [self.spec(v) for v in value]
         return self.spec(value)
 
-    def precondition(self, value: str | Path | Factors | None, resume: bool) -> str | None:
-        """A preconditioner's file: a path as given, or the factors ``factors`` returned (held
-        in memory) written to the call's folder, for a run that reads files."""
+    def precondition(self, value: str | Path | Factors | dict | None, resume: bool) -> str | None:
+        """A preconditioner's file: a path as given, or what is held in memory (the factors
+        ``factors`` returned, an optimizer's ``state_dict()``) written to the call's folder,
+        for a run that reads files."""
+        import torch
+
         from ..curvature import Factors
 
-        if not isinstance(value, Factors):
+        if not isinstance(value, Factors | dict):
             return None if value is None else str(value)
         if resume:  # a file of this call's own: the run it resumes read another one
             raise ConfigError(
                 "resume needs precondition= as a file: the one factors(out=...) wrote",
                 "precondition",
             )
+        if isinstance(value, dict):  # an Adam state_dict(), as per_example_influence takes it
+            path = self.out(None, "adam.pt")
+            torch.save(value, path)
+            return path
         path = self.out(None, "precondition.safetensors")
         value.save(path)
         return path

@@ -211,3 +211,18 @@ def test_a_call_leaves_the_callers_random_state(project: Path) -> None:
     state = torch.random.get_rng_state()
     gradscope.norms(net.double(), DataLoader(TensorDataset(x, y), batch_size=4))
     assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_an_adam_state_held_in_python_preconditions_influence(project: Path) -> None:
+    """per_example_influence took optimizer.state_dict() as precondition=; influence() read its
+    str() as a path (OSError: file name too long)."""
+    net, x, y = load_net(project)
+    net, x, ref = net.double(), x.double(), torch.load(project / "ref.pt")
+    optimizer = torch.optim.Adam(net.parameters())
+    torch.nn.functional.cross_entropy(net(x), y).backward()
+    optimizer.step()
+    state = optimizer.state_dict()
+    want = gradscope.per_example_influence(net, x, y, ref["x"].double(), ref["y"],
+                                           precondition=state)  # fmt: skip
+    got = gradscope.influence(net, {"x": x, "y": y}, ref=ref, precondition=state)
+    np.testing.assert_allclose(got["influence"], want.numpy(), rtol=1e-10)
