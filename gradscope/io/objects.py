@@ -68,8 +68,9 @@ def function_source(spec: str, columns: Selection, key: str = "data.path") -> So
 
 
 def object_source(made: Any, columns: Selection, where: str, what: str = "got") -> Source:
-    """Rows held in Python: a dict of columns, a DataLoader (its batches, in order), a Hugging
-    Face ``datasets.Dataset`` (its Arrow rows), a map-style Dataset or an IterableDataset.
+    """Rows held in Python: a dict of columns, a DataLoader (its batches, in order), a pandas
+    DataFrame or a Hugging Face ``datasets.Dataset`` (their Arrow rows), a map-style Dataset
+    or an IterableDataset.
     ``what`` begins the error that refuses anything else."""
     if isinstance(made, dict):
         odd = next((k for k, v in made.items() if not hasattr(v, "__len__")), None)
@@ -82,9 +83,17 @@ def object_source(made: Any, columns: Selection, where: str, what: str = "got") 
         return Source(where, len(next(iter(made.values()), [])), lambda _: iter([made]))
     if isinstance(made, torch.utils.data.DataLoader):
         return _loader_source(made, columns, where)
+    if type(made).__name__ == "DataFrame" and hasattr(made, "to_records"):  # pandas': a table
+        return _table_rows(made, where)
     if hasattr(made, "with_format") and hasattr(made, "column_names") and hasattr(made, "__len__"):
         # a datasets.Dataset (its IterableDataset has no length: read as an iterable)
         return _arrow_rows(made, where)
+    if hasattr(made, "__next__") and iter(made) is made:  # "the dataset is empty" at its 2nd read
+        raise DataError(
+            f"{what} an iterator (a generator), which reads its rows once; a run reads them "
+            "more than once (their sha256, their scores): pass a list, a Dataset, or a function",
+            where,
+        )
     if isinstance(made, torch.utils.data.IterableDataset) or (
         hasattr(made, "__iter__") and not hasattr(made, "__getitem__")
     ):
@@ -166,6 +175,22 @@ def _in_order(loader: torch.utils.data.DataLoader, where: str) -> None:
             "unscored; pass one with drop_last=False",
             where,
         )
+
+
+def _table_rows(frame: Any, where: str) -> Source:
+    """A pandas DataFrame's rows, as its Arrow table (list columns as row arrays), as a
+    Parquet file of it reads (its index left out); read as a Dataset, row i was column i."""
+    import pyarrow as pa
+
+    from .arrow import record_columns
+
+    table = pa.Table.from_pandas(frame, preserve_index=False)
+
+    def read_rows(rows: int) -> Iterator[Columns]:
+        for record in table.to_batches(max_chunksize=max(1, rows)):
+            yield record_columns(record)
+
+    return Source(where, table.num_rows, read_rows, list(table.column_names))
 
 
 def _arrow_rows(made: Any, where: str) -> Source:

@@ -226,3 +226,15 @@ def test_an_adam_state_held_in_python_preconditions_influence(project: Path) -> 
                                            precondition=state)  # fmt: skip
     got = gradscope.influence(net, {"x": x, "y": y}, ref=ref, precondition=state)
     np.testing.assert_allclose(got["influence"], want.numpy(), rtol=1e-10)
+
+
+def test_a_dataframe_is_rows_and_a_generator_is_refused(project: Path) -> None:
+    """A DataFrame was read as a map-style Dataset ('cannot read data: 0'); a generator read
+    once, then 'the dataset is empty' for its rows."""
+    net, x, y = load_net(project)
+    frame = pd.DataFrame({"x": list(x.numpy()), "y": y.numpy()})
+    got = gradscope.norms(net, frame)
+    want = gradscope.norms(net, {"x": x, "y": y})
+    np.testing.assert_allclose(got["grad_norm"], want["grad_norm"], rtol=1e-12)
+    with pytest.raises(DataError, match="got an iterator .a generator., which reads its rows once"):
+        gradscope.norms(net, ({"x": x[i], "y": y[i]} for i in range(N)))
