@@ -49,7 +49,7 @@ KEYS = {
 MODEL_OBJECT_KEYS = ("output",)
 
 Model = nn.Module | Config | str | Path
-Data = Any  # a path, a dict of tensors, a Dataset, a DataLoader, a datasets.Dataset
+Data = Any  # a path, a dict of tensors, a Dataset, a DataLoader, a DataFrame, a datasets.Dataset
 
 
 class Call:

@@ -38,9 +38,10 @@ def norms(
 
     ``model`` is an ``nn.Module`` (scored as it is, where it is) or a config naming one (a
     ``Config`` or a YAML file's path); ``data`` the rows, as a path, a dict of tensors, a torch
-    ``Dataset``, a ``DataLoader`` (in its order, its ``batch_size``: no sampler, no drop_last) or a
-    ``datasets.Dataset``, by default the config's ``data.path``. ``config`` gives a module the
-    rest of a config (loss, columns, parameters). ``options`` are the config's keys by name
+    ``Dataset``, a ``DataLoader`` (in its order, its ``batch_size``: no sampler, no drop_last), a
+    pandas ``DataFrame`` or a ``datasets.Dataset``, by default the config's ``data.path``.
+    ``config`` gives a module the rest of a config (loss, columns, parameters). ``options`` are
+    the config's keys by name
     (all are listed on the Python API page): ``batch_size``, ``limit``, ``inputs``,
     ``targets``, ``ids``, ``loss``, ``include``, ``exclude``, ``per_layer``, ``device``,
     ``dtype``... Without a config, the input is column ``x`` (a tuple's first item), the target
