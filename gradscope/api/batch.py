@@ -36,7 +36,8 @@ def per_example_norms(
 
     ``inputs`` is a tensor or a tuple of tensors passed to ``model(*inputs)``, each with the
     batch's examples along its first dimension, as ``targets``; ``loss`` is a name
-    (cross_entropy, nll, mse, l1, bce_with_logits) or a callable ``(outputs, targets) -> Tensor[B]``.
+    (cross_entropy, nll, mse, l1, bce_with_logits, causal_lm) or a callable
+    ``(outputs, targets) -> Tensor[B]``.
     ``include``/``exclude`` are globs over ``model.named_parameters()`` names; without
     ``include``, the parameters that require grad are scored (all of them if none does), so a
     frozen base under LoRA adapters is left out.

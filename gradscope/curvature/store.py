@@ -32,6 +32,12 @@ class Factors:
     def method(self) -> str:
         return self.meta["method"]
 
+    def __repr__(self) -> str:  # a notebook's cell: not pages of tensors
+        return (
+            f"Factors({self.method}, {len(self.blocks)} parameters, "
+            f"{self.meta.get('examples', '?')} examples)"
+        )
+
     def describe(self) -> dict:
         return {n: b.describe() for n, b in self.blocks.items()}
 
