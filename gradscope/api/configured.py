@@ -15,7 +15,7 @@ from torch import nn
 
 from ..config import Config, config_from_dict, load_config, output_path, padded_by_default
 from ..config.load import resolve
-from ..errors import ConfigError
+from ..errors import ConfigError, Interrupted
 from ..io.held import holding
 
 if TYPE_CHECKING:
@@ -110,7 +110,16 @@ def called() -> Iterator[Call]:
     its base seed from it each time it is read, and a run reads the rows more than once)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.random.fork_rng(devices=[]))
-        yield Call(stack)
+        call = Call(stack)
+        try:
+            yield call
+        except Interrupted as e:  # Ctrl-C stays a KeyboardInterrupt: no `except Exception` eats it
+            text = str(e).replace("with --resume", "with resume=True").replace("command", "call")
+            if call._folder is not None:  # the saved rows go with the call's temporary folder
+                text += (
+                    "; the rows saved went with out=None's temporary folder: give out= to keep them"
+                )
+            raise KeyboardInterrupt(text) from e
 
 
 def configured(

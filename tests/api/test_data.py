@@ -238,3 +238,15 @@ def test_a_dataframe_is_rows_and_a_generator_is_refused(project: Path) -> None:
     np.testing.assert_allclose(got["grad_norm"], want["grad_norm"], rtol=1e-12)
     with pytest.raises(DataError, match="got an iterator .a generator., which reads its rows once"):
         gradscope.norms(net, ({"x": x[i], "y": y[i]} for i in range(N)))
+
+
+def test_ctrl_c_in_a_call_is_a_keyboard_interrupt_in_the_apis_words(project: Path) -> None:
+    """It was an Exception (a user's `except Exception` ate Ctrl-C) saying 'run the same command
+    with --resume', also where out=None's temporary folder took the saved rows with it."""
+    net, x, y = load_net(project)
+    with pytest.raises(KeyboardInterrupt, match="resume=True.*give out= to keep them"):
+        gradscope.norms(net, DataLoader(_Interrupting(x, y), batch_size=4))
+    with pytest.raises(KeyboardInterrupt, match="the same call with resume=True") as e:
+        gradscope.norms(net, DataLoader(_Interrupting(x, y), batch_size=4),
+                        out=project / "k.parquet")  # fmt: skip
+    assert "out=" not in str(e.value)
