@@ -150,16 +150,9 @@ class Watch:
             model, per_example, include, exclude, self.draws, observer(loss, kwargs)
         )
         name = loss if isinstance(loss, str) else getattr(loss, "__name__", "custom")
-        self.file = WatchFile(
-            Path(out),
-            {
-                "command": "watch",
-                "version": __version__,
-                "loss": name,
-                "reduction": reduction,
-                "params": [p.name for p in self.engine.plan.included],
-            },
-        )
+        included = [p.name for p in self.engine.plan.included]
+        meta = {"command": "watch", "version": __version__, "loss": name, "reduction": reduction}
+        self.file = WatchFile(Path(out), meta | {"params": included}, fresh=step == 0)
         self._modes: list[tuple[nn.Module, bool]] = []
         self.recording = recording(record, model, optimizer, clip, segment, loss, kwargs)
         if self.recording is not None:  # the inputs' names, where every one is passed by name

@@ -41,10 +41,11 @@ class WatchFile:
     """Rows of ``step, epoch, example_id, loss, grad_norm[, margin, prob, pred, correct,
     target], finite``; the schema is the first step's (which columns the loss gives)."""
 
-    def __init__(self, path: Path, metadata: dict[str, Any]):
+    def __init__(self, path: Path, metadata: dict[str, Any], fresh: bool = True):
         if not path.parent.is_dir():
             raise DataError("the folder to write the watch file in does not exist", str(path))
-        check_output(path, [], "watch")  # a file there of the user's, or another command's
+        if fresh:  # a file there of the user's, or another command's (a resume reads its own)
+            check_output(path, [], "watch")
         self.path, self.metadata = path, metadata
         self.tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
         self._writer: pq.ParquetWriter | None = None
