@@ -94,7 +94,7 @@ def gradient_keys(cfg: Config) -> dict[str, str]:
         value = raw[section][name] if section else raw[name]
         if isinstance(value, str) and ".py:" in value:
             value = value.rpartition(":")[2]
-        elif is_held(value):  # by its type: its weights are model_files', not its address
+        elif is_held(value) and isinstance(held(value), torch.nn.Module):  # weights: model_files'
             value = type(held(value)).__name__
         text = json.dumps(value, sort_keys=True, default=str)
         out[key] = hashlib.sha256(text.encode()).hexdigest()

@@ -48,8 +48,8 @@ def _tensors(obj: Any) -> list[tuple[Any, str, Any, Any, Any]]:
     kept = []
     for module in obj.modules():
         for name, p in module._parameters.items():
-            if p is not None:
-                kept.append((module, name, p, p.data, p.grad))
+            if p is not None:  # a conversion changes a gradient in place (grad.data = ...)
+                kept.append((module, name, p, p.data, None if p.grad is None else p.grad.data))
         for name, b in module._buffers.items():
             if b is not None:
                 kept.append((module, name, b, b, None))
@@ -61,26 +61,37 @@ def _restore(kept: list[tuple[Any, str, Any, Any, Any]]) -> None:
     conversion (``Module.to``) replaced them."""
     import torch
 
-    for module, name, held_there, tensor, grad in kept:
-        if isinstance(held_there, torch.nn.Parameter):
-            if held_there.data.data_ptr() != tensor.data_ptr() or held_there.dtype != tensor.dtype:
-                held_there.data, held_there.grad = tensor, grad
-        elif module._buffers.get(name) is not held_there:
-            module._buffers[name] = held_there
+    with torch.no_grad():
+        for module, name, held_there, tensor, grad in kept:
+            if not isinstance(held_there, torch.nn.Parameter):
+                if module._buffers.get(name) is not held_there:
+                    module._buffers[name] = held_there
+            elif (
+                held_there.data.data_ptr() != tensor.data_ptr() or held_there.dtype != tensor.dtype
+            ):
+                held_there.grad = None  # of the converted dtype: it would not fit the weight
+                held_there.data = tensor
+                if grad is not None:
+                    held_there.grad = grad
 
 
 def identity(spec: str) -> str:
     """What stands for a held object in a run's key instead of its address (which a new object
     may take, and the same object keeps while its weights change): a module by its class and
-    the sha256 of its parameters and buffers; anything else by its type (rows held in Python
-    are keyed by their own sha256, ``io.data.code_rows_sha256``)."""
+    the sha256 of its parameters and buffers; rows by their type (they are keyed by their own
+    sha256, ``io.data.code_rows_sha256``); a function (a loss) by its spec, its address."""
     import torch
 
     obj = _HELD[spec]
+    if callable(obj) and not isinstance(obj, torch.nn.Module):
+        return spec  # a loss or output function: by its address, as before (two lambdas alike)
     if not isinstance(obj, torch.nn.Module):
         return f"<{type(obj).__name__}>"
     h = hashlib.sha256()
     for name, t in obj.state_dict(keep_vars=True).items():
+        if not isinstance(t, torch.Tensor):  # a module's get_extra_state()
+            h.update(f"{name} {type(t).__name__};".encode())
+            continue
         t = t.detach().cpu().contiguous()
         h.update(f"{name} {t.dtype} {tuple(t.shape)};".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())

@@ -88,7 +88,7 @@ def object_source(made: Any, columns: Selection, where: str, what: str = "got") 
     if hasattr(made, "with_format") and hasattr(made, "column_names") and hasattr(made, "__len__"):
         # a datasets.Dataset (its IterableDataset has no length: read as an iterable)
         return _arrow_rows(made, where)
-    if hasattr(made, "__next__") and iter(made) is made:  # "the dataset is empty" at its 2nd read
+    if _one_shot(made):  # "the dataset is empty" at its second read
         raise DataError(
             f"{what} an iterator (a generator), which reads its rows once; a run reads them "
             "more than once (their sha256, their scores): pass a list, a Dataset, or a function",
@@ -177,6 +177,14 @@ def _in_order(loader: torch.utils.data.DataLoader, where: str) -> None:
         )
 
 
+def _one_shot(made: Any) -> bool:
+    """Whether ``made`` is an iterator that reads its rows once (a generator, ``iter(rows)``):
+    not a Dataset, which may be its own iterator and begin again at each ``iter()``."""
+    if isinstance(made, torch.utils.data.Dataset) or hasattr(made, "__getitem__"):
+        return False
+    return hasattr(made, "__next__") and iter(made) is made
+
+
 def _table_rows(frame: Any, where: str) -> Source:
     """A pandas DataFrame's rows, as its Arrow table (list columns as row arrays), as a
     Parquet file of it reads (its index left out); read as a Dataset, row i was column i."""
@@ -184,7 +192,10 @@ def _table_rows(frame: Any, where: str) -> Source:
 
     from .arrow import record_columns
 
-    table = pa.Table.from_pandas(frame, preserve_index=False)
+    try:
+        table = pa.Table.from_pandas(frame, preserve_index=False)
+    except (pa.ArrowException, TypeError, ValueError) as e:  # a column of tensors, of objects
+        raise DataError(f"the DataFrame's columns are not Arrow's: {one_line(e)}", where) from e
 
     def read_rows(rows: int) -> Iterator[Columns]:
         for record in table.to_batches(max_chunksize=max(1, rows)):

@@ -250,3 +250,62 @@ def test_ctrl_c_in_a_call_is_a_keyboard_interrupt_in_the_apis_words(project: Pat
         gradscope.norms(net, DataLoader(_Interrupting(x, y), batch_size=4),
                         out=project / "k.parquet")  # fmt: skip
     assert "out=" not in str(e.value)
+
+
+class _ExtraState(torch.nn.Linear):
+    def get_extra_state(self):
+        return {"note": "kept"}
+
+    def set_extra_state(self, state):
+        pass
+
+
+class _SelfIterating(torch.utils.data.IterableDataset):
+    """Its own iterator, begun again at each iter(): rows, not a generator."""
+
+    def __init__(self, x, y):
+        self.x, self.y, self.i = x, y, 0
+
+    def __iter__(self):
+        self.i = 0
+        return self
+
+    def __next__(self):
+        if self.i == len(self.y):
+            raise StopIteration
+        self.i += 1
+        return {"x": self.x[self.i - 1], "y": self.y[self.i - 1]}
+
+
+def test_what_the_held_identity_met_in_review(project: Path) -> None:
+    """A model with gradients scored in another dtype (its restore raised and left it half
+    converted); a loss callable changed under a resume or an index (both accepted); a module
+    with extra state (AttributeError); a Dataset that is its own iterator (refused as a
+    generator)."""
+    net, x, y = load_net(project)
+    torch.nn.functional.cross_entropy(net(x), y).backward()
+    grads = [p.grad.clone() for p in net.parameters()]
+    gradscope.norms(net, {"x": x, "y": y}, dtype="float64")
+    assert all(p.dtype == torch.float32 and torch.equal(p.grad, g)
+               for p, g in zip(net.parameters(), grads, strict=True))  # fmt: skip
+
+    def mean(outputs, targets):
+        return torch.nn.functional.cross_entropy(outputs, targets, reduction="none")
+
+    def hundred(outputs, targets):
+        return 100 * mean(outputs, targets)
+
+    rows = _Interrupting(x, y)
+    out = project / "l.parquet"
+    with pytest.raises(KeyboardInterrupt):
+        gradscope.norms(net, DataLoader(rows, batch_size=4), out=out, loss=mean)
+    rows.at = None
+    with pytest.raises(ConfigError, match="different config.loss.name"):
+        gradscope.norms(net, DataLoader(rows, batch_size=4), out=out, loss=hundred, resume=True)
+    built = gradscope.build_index(net, {"x": x, "y": y}, dim=8, loss=mean, out=project / "l.index")
+    with pytest.raises(ConfigError, match="loss.name is not what the index was built with"):
+        gradscope.query(built, net, {"x": x, "y": y}, ref=torch.load(project / "ref.pt"),
+                        loss=hundred)  # fmt: skip
+    extra = torch.nn.Sequential(_ExtraState(5, 3))
+    assert len(gradscope.norms(extra, {"x": x, "y": y})) == N
+    assert len(gradscope.norms(net, _SelfIterating(x, y))) == N
