@@ -5,6 +5,7 @@ top; the command line runs on the same config, read from its file."""
 from __future__ import annotations
 
 import contextlib
+import re
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ from torch import nn
 
 from ..config import Config, config_from_dict, load_config, output_path, padded_by_default
 from ..config.load import resolve
-from ..errors import ConfigError, Interrupted
+from ..errors import ConfigError, GradscopeError, Interrupted
 from ..io.held import holding
 
 if TYPE_CHECKING:
@@ -114,12 +115,27 @@ def called() -> Iterator[Call]:
         try:
             yield call
         except Interrupted as e:  # Ctrl-C stays a KeyboardInterrupt: no `except Exception` eats it
-            text = str(e).replace("with --resume", "with resume=True").replace("command", "call")
+            text = api_words(str(e)).replace("command", "call")
             if call._folder is not None:  # the saved rows go with the call's temporary folder
                 text += (
                     "; the rows saved went with out=None's temporary folder: give out= to keep them"
                 )
             raise KeyboardInterrupt(text) from e
+        except GradscopeError as e:  # what to pass, as the API takes it
+            e.what = api_words(e.what)
+            e.where = e.where and api_words(e.where)
+            raise
+
+
+# the command line's options in an error, as an API call takes them
+API_WORDS = (("--resume", "resume=True"), ("--overwrite", "overwrite=True"), ("--out", "out="))
+
+
+def api_words(text: str) -> str:
+    """``text`` with the options of ``API_WORDS`` as the API's keywords."""
+    for option, keyword in API_WORDS:
+        text = re.sub(rf"{option}\b(?!-)", keyword, text)
+    return text
 
 
 def configured(

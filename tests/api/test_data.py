@@ -300,7 +300,7 @@ def test_what_the_held_identity_met_in_review(project: Path) -> None:
     with pytest.raises(KeyboardInterrupt):
         gradscope.norms(net, DataLoader(rows, batch_size=4), out=out, loss=mean)
     rows.at = None
-    with pytest.raises(ConfigError, match="different config.loss.name"):
+    with pytest.raises(ConfigError, match="different config.loss.name; run without resume=True"):
         gradscope.norms(net, DataLoader(rows, batch_size=4), out=out, loss=hundred, resume=True)
     built = gradscope.build_index(net, {"x": x, "y": y}, dim=8, loss=mean, out=project / "l.index")
     with pytest.raises(ConfigError, match="loss.name is not what the index was built with"):
