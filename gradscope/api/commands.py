@@ -104,6 +104,8 @@ def write_report(
     """
     from ..report import write_report as written
 
+    if not isinstance(scores, str | Path):  # a DataFrame the API returned: its file is needed
+        raise ConfigError("write_report takes a scores file's path (out= of the call)", "scores")
     cfg = load_config(config) if isinstance(config, str | Path) else config
     top_k = (cfg.summary if cfg else SummaryConfig).top_k if top_k is None else top_k
     if top_k < 1:

@@ -89,8 +89,8 @@ def identity(spec: str) -> str:
         return f"<{type(obj).__name__}>"
     h = hashlib.sha256()
     for name, t in obj.state_dict(keep_vars=True).items():
-        if not isinstance(t, torch.Tensor):  # a module's get_extra_state()
-            h.update(f"{name} {type(t).__name__};".encode())
+        if not isinstance(t, torch.Tensor) or torch.nn.parameter.is_lazy(t):  # extra state
+            h.update(f"{name} {type(t).__name__};".encode())  # or a lazy module's, unmade
             continue
         t = t.detach().cpu().contiguous()
         h.update(f"{name} {t.dtype} {tuple(t.shape)};".encode())

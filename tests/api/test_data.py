@@ -105,6 +105,10 @@ def test_refused(project: Path) -> None:
         gradscope.per_example_norms(net.double(), x.double(), y)  # an AttributeError before
     with pytest.raises(ConfigError, match="top_k must be at least 1, got 0"):  # 20, unsaid
         gradscope.write_report(project / "scores.parquet", top_k=0)
+    with pytest.raises(ConfigError, match="write_report takes a scores file's path"):
+        gradscope.write_report(pd.DataFrame())  # a TypeError before
+    with pytest.raises(ModelError, match="uninitialized parameter"):  # the weights' hash raised
+        gradscope.norms(torch.nn.Sequential(torch.nn.LazyLinear(3)), {"x": x, "y": y})
 
 
 def test_one_glob_as_a_string_is_that_glob(project: Path) -> None:
