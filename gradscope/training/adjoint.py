@@ -87,9 +87,10 @@ class Problem:
         for name, g in zip(self.names, grads, strict=True):
             if g is None:
                 raise ModelError(
-                    f"parameter {name.removeprefix('model.')} gets no gradient at step {t} (the "
-                    "forward does not use it): torch's optimizers skip it there, which a replay "
-                    "does not retrace; freeze it (requires_grad=False) or leave it out of the model",
+                    f"parameter {name.removeprefix('model.')} gets no gradient at step {t}, the "
+                    "first the replay recomputes (the forward does not use it): torch's "
+                    "optimizers skip it there, which a replay does not retrace; freeze it "
+                    "(requires_grad=False) or leave it out of the model",
                     "model.factory",
                 )
 
