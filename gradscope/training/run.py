@@ -182,12 +182,18 @@ def _refuse(
         raise ConfigError("train.fn is a loop of your own: gradscope cannot record it", "train.fn")
 
 
+def _saved_epochs(trainer: Trainer) -> list[int]:
+    """The passes after which ``train.save_every`` writes an epoch checkpoint: every
+    ``save_every``-th but the last (whose weights are the checkpoint itself)."""
+    every, per_pass = trainer.train.save_every, -(-len(trainer.rows) // trainer.batch_size)
+    return list(range(every, -(-trainer.total // per_pass), every)) if every else []
+
+
 def _refuse_epochs(trainer: Trainer, path: Path, inputs: Inputs, replacing: bool) -> None:
     """The epoch checkpoints ``train.save_every`` will write, as the checkpoint is: none an
     input (the data, the factory, ``train.init``), none there already unless ``replacing``
     (they were written over whatever lay there, the data file too)."""
-    every, per_pass = trainer.train.save_every, -(-len(trainer.rows) // trainer.batch_size)
-    for epoch in range(every, -(-trainer.total // per_pass), every) if every else ():
+    for epoch in _saved_epochs(trainer):
         at = epoch_path(path, epoch)
         check_output(at, inputs)
         if at.exists() and not replacing:
@@ -245,10 +251,10 @@ def _train(
     the epoch checkpoint written. Ctrl-C keeps what the last whole pass saved. Returns the
     checkpoints of a TracIn sum (the epoch ones, then the final one), each with the mean
     learning rate of the steps since the one before (its TracIn weight)."""
-    every = trainer.train.save_every
+    saved = _saved_epochs(trainer)
     try:
         for epoch in trainer.epochs():
-            if every and epoch % every == 0 and trainer.step < trainer.total:
+            if epoch in saved:
                 save(trainer.model, epoch_path(path, epoch))
             state = trainer.state()
             _save_state(state | {"record": recorder.state()} if recorder else state, run)
@@ -260,11 +266,10 @@ def _train(
             "continue from there",
             str(run.dir),
         ) from None
-    if not every:
+    if not trainer.train.save_every:
         return []
     per_pass = -(-len(trainer.rows) // trainer.batch_size)
-    ends = [(epoch_path(path, e), e * per_pass) for e in range(every, trainer.epoch, every)]
-    ends.append((path, trainer.total))
+    ends = [(epoch_path(path, e), e * per_pass) for e in saved] + [(path, trainer.total)]
     starts = [0] + [end for _, end in ends[:-1]]
     return [(file, sum(map(trainer.lr_at, range(lo, hi))) / (hi - lo))
             for (file, hi), lo in zip(ends, starts, strict=True)]  # fmt: skip
