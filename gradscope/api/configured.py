@@ -77,8 +77,6 @@ class Call:
         """A preconditioner's file: a path as given, or what is held in memory (the factors
         ``factors`` returned, an optimizer's ``state_dict()``) written to the call's folder,
         for a run that reads files."""
-        import torch
-
         from ..curvature import Factors
 
         if not isinstance(value, Factors | dict):

@@ -12,7 +12,7 @@ from torch import Tensor
 from .. import distributed
 from ..config import Config
 from ..engine import Engine
-from .factors import DIAGONAL, EKFAC, KFAC, Block, factored_convs, fit
+from .factors import DIAGONAL, EKFAC, KFAC, Block, damping, factored_convs, fit
 from .fisher import SampledLoss, check_fisher
 from .precondition import Curvature, Diagonal, Preconditioner, load_preconditioner
 from .store import Factors, is_factors_file, metadata
@@ -109,10 +109,11 @@ def compute_factors(
             on_batch=on_batch,
         )
     for p in engine.plan.included:  # no row's gradient reached it: its curvature is zero,
-        # damped by 1 (``factors.damping``); every gradient of it on these rows scores 0
+        # damped as ``factors.damping`` damps zeros; every gradient of it on these rows scores 0
         if p.name not in blocks:
             zero = torch.zeros(p.param.shape, dtype=torch.float64)
-            blocks[p.name] = Block(DIAGONAL, p.param.shape, {"diagonal": zero}, {"diagonal": 1.0})
+            damped = {"diagonal": damping(zero)}
+            blocks[p.name] = Block(DIAGONAL, p.param.shape, {"diagonal": zero}, damped)
     model = job.metadata("factors")
     model["plan"] = engine.plan.describe()
     meta = metadata(EKFAC if ekfac else KFAC, fisher, examples, model) | {"left_out": left_out}
