@@ -1,5 +1,5 @@
 """What ``--resume`` keeps and what it refuses, for every command that writes parts: a run's
-fingerprint (the config, the command, the files it reads by size and time, the device kind),
+fingerprint (the config, the command, the files it reads by size and sha256, the device kind),
 the keys in which two fingerprints differ, and a rank's side of the partial folder."""
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ from .io.parquet import PartialRun
 
 
 def _file_state(path: str) -> dict:
-    """Size, mtime and sha256 of a file (each file inside a folder): what a resume must find."""
+    """Size and sha256 of a file (each file inside a folder): what a resume must find. Not its
+    mtime: a file restored to the same bytes is the same file."""
     if os.path.isdir(path):
         return {
             str(f.relative_to(path)): _file_state(str(f))
             for f in sorted(Path(path).rglob("*"))
             if f.is_file()
         }
-    stat = os.stat(path)
-    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": file_sha256(path)}
+    return {"size": os.stat(path).st_size, "sha256": file_sha256(path)}
 
 
 def fingerprint(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 
 import pandas as pd
@@ -70,6 +71,20 @@ def test_resume_with_another_config_or_checkpoint_is_refused(tmp_path, change):
         score_dataset(cfg, resume=True)
     score_dataset(cfg)  # without --resume: starts over
     assert len(pd.read_parquet(tmp_path / "scores.parquet")) == 23
+
+
+def test_a_file_restored_to_the_same_bytes_resumes(tmp_path):
+    """A checkpoint copied back (another mtime, the same bytes) is the same file."""
+    config = make_project(tmp_path, n=23)
+    cfg = load_config(config)
+    with pytest.raises(Interrupted):
+        score_dataset(cfg, CountingNorms(stop=2))
+    kept = (tmp_path / "net.pt").read_bytes()
+    (tmp_path / "net.pt").write_bytes(kept)
+    os.utime(tmp_path / "net.pt", ns=(1, 1))
+    rescoring = CountingNorms()
+    score_dataset(cfg, rescoring, resume=True)
+    assert len(rescoring.scored) == 4  # batches 2 to 5 of 6
 
 
 def test_ctrl_c_then_kill_9_then_resume(tmp_path):
