@@ -1,9 +1,12 @@
 """The factors file: safetensors tensors (``<parameter>/<tensor>``) and a JSON header under the
 ``gradscope`` key, written atomically and read back whole and checked, or refused with one line.
+The header holds the sha256 of the rest (``digest``): a file edited by hand or cut short is
+refused, never scored; only a forger who recomputes it gets through (no secret is kept).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -53,6 +56,7 @@ class Factors:
             for key, t in b.tensors.items()
         }
         meta = self.meta | {"blocks": self.describe()}
+        meta["sha256"] = digest(tensors, meta)
         data = save(tensors, metadata={KEY: json.dumps(meta)})
         # a new temporary name of its own, never a link planted in a shared folder
         replace_atomically(Path(path), lambda f: f.write(data), "the factors")
@@ -77,10 +81,25 @@ class Factors:
             raise _damaged("its metadata names no method (kfac or ekfac)", path)
         if not isinstance(meta.get("blocks"), dict):
             raise _damaged("its metadata lists no blocks", path)
-        blocks = {
-            name: _block(name, info, tensors, path) for name, info in meta.pop("blocks").items()
-        }
+        written = meta.pop("sha256", None)
+        blocks = {name: _block(name, info, tensors, path) for name, info in meta["blocks"].items()}
+        if written is None:
+            raise _damaged("it holds no sha256 (written by an older gradscope)", path)
+        if written != digest(tensors, meta):
+            raise _damaged("its tensors or metadata are not what gradscope wrote (sha256)", path)
+        del meta["blocks"]
         return cls(blocks, meta)
+
+
+def digest(tensors: dict[str, Tensor], meta: dict) -> str:
+    """The sha256 of a factors file's tensors (names, dtypes, shapes, bytes) and its metadata
+    (without its own sha256)."""
+    h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
+    for key in sorted(tensors):
+        t = tensors[key].detach().cpu().contiguous()
+        h.update(f"{key} {t.dtype} {tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
 
 
 def _damaged(what: str, path: str | Path) -> ModelError:
@@ -137,7 +156,8 @@ def _layout(
     name: str, info: dict, shape: list[int], tensors: dict[str, Tensor], path: str | Path
 ) -> tuple[int, int, int]:
     """(groups, outputs, inputs) of a K-FAC block, read from its factors and checked against
-    the parameter's size: G * O * I elements."""
+    the parameter's shape: G * O * I elements, G * O of them its leading dimensions (a
+    gradient is laid out (G, O, I) row by row)."""
     a, s = tensors.get(f"{name}/A"), tensors.get(f"{name}/S")
     if a is None or s is None:
         raise _damaged(f"tensor {name}/{'S' if a is not None else 'A'} is missing", path)
@@ -148,7 +168,8 @@ def _layout(
             path,
         )
     g, o, i = a.shape[0], s.shape[-1], a.shape[-1]
-    if g * o * i != math.prod(shape):
+    leading = {math.prod(shape[:k]) for k in range(len(shape) + 1)}
+    if g * o * i != math.prod(shape) or g * o not in leading:
         raise _damaged(
             f"factors of {g} x {o} x {i} do not cover block {name}'s shape {tuple(shape)}", path
         )
