@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from ..curvature import Curvature, Diagonal, Factors, load_preconditioner
 from ..curvature.adam import adam_denominator
 from ..curvature.fitted import NONE, check_curvature, chosen, fit_exact
+from ..curvature.made import check_made
 from ..curvature.precondition import check_fits
 from ..curvature.products import KINDS
 from ..defaults import CG_TOLERANCE
@@ -146,9 +147,10 @@ def _preconditioned(
         fitted = fit_exact(core, lambda: batch, curvature, solver, damping, cg_tolerance)
         return fitted.refs(refs)
     if isinstance(precondition, str | Path):
-        return load_preconditioner(precondition, core).refs(refs)
+        return load_preconditioner(precondition, core, {}).refs(refs)  # {}: this model's
     if isinstance(precondition, Factors):
         check_fits(precondition, core, "precondition")
+        check_made(precondition, {}, core, "precondition")
         return Curvature(precondition).refs(refs)
     if precondition is not None:
         return Diagonal(adam_denominator(precondition, core, "precondition"), "adam").refs(refs)

@@ -14,6 +14,7 @@ from ..config import Config
 from ..engine import Engine
 from .factors import DIAGONAL, EKFAC, KFAC, Block, damping, factored_convs, fit
 from .fisher import SampledLoss, check_fisher
+from .made import weights_sha256
 from .precondition import Curvature, Diagonal, Preconditioner, load_preconditioner
 from .store import Factors, is_factors_file, metadata
 
@@ -116,5 +117,6 @@ def compute_factors(
             blocks[p.name] = Block(DIAGONAL, p.param.shape, {"diagonal": zero}, damped)
     model = job.metadata("factors")
     model["plan"] = engine.plan.describe()
+    model["weights_sha256"] = weights_sha256(engine.plan)
     meta = metadata(EKFAC if ekfac else KFAC, fisher, examples, model) | {"left_out": left_out}
     return Factors(blocks, meta)

@@ -27,6 +27,7 @@ from ..rules.base import CHUNK_ELEMENTS, accumulation_dtype, rows
 from ..rules.factored import Factored, Reference, dense
 from .adam import adam_denominator
 from .factors import DIAGONAL, FULL, Block, times
+from .made import check_made
 from .store import Factors, is_factors_file
 
 
@@ -230,49 +231,17 @@ def check_fits(factors: Factors, engine, where: str) -> None:
 
 def load_preconditioner(path: str | Path, engine, model: dict | None = None) -> Preconditioner:
     """A factors file (``gradscope factors``) or an Adam/AdamW ``state_dict()``, told apart by
-    their content. Factors must fit the engine's selected parameters, and come from the model
-    that ``model`` describes: each of its ``checkpoint_sha256`` and ``adapter_sha256`` that is
-    given is compared with the factors' own."""
+    their content. Factors must fit the engine's selected parameters, and, unless ``model`` is
+    None, come from the model that ``model`` (a run's metadata, or {}) describes (``made.py``)."""
     from ..io.files import load_state_dict
 
     where = str(path)
     if is_factors_file(path):
         factors = Factors.load(path)
         check_fits(factors, engine, where)
-        check_made(factors, model or {}, where)
+        if model is not None:
+            check_made(factors, model, engine, where)
         return Curvature(factors)
     hint = "; save optimizer.state_dict() itself, which holds only tensors and numbers"
     state = load_state_dict(path, hint=hint, what="--precondition file")
     return Diagonal(adam_denominator(state, engine, where), "adam")
-
-
-def check_made(factors: Factors, model: dict, where: str) -> None:
-    """The factors must come from this checkpoint, where ``model`` says which (none: the
-    factory's initial weights, which factors of a checkpoint do not fit, nor the reverse), and
-    this adapter (where the factors record theirs: none is an adapter too)."""
-    made = factors.meta.get("model")
-    made = made if isinstance(made, dict) else {}
-    ours, theirs = model.get("checkpoint_sha256"), made.get("checkpoint_sha256")
-    if "checkpoint_sha256" in model and ours != theirs:
-        at = (
-            "another checkpoint (its sha256 differs)"
-            if ours and theirs
-            else ("a checkpoint; this config names none" if theirs else "no checkpoint they record")
-        )
-        raise ModelError(
-            f"the factors were computed at {at}; run gradscope factors on this config again",
-            where,
-        )
-    if "adapter_sha256" in model and "adapter_sha256" in made:
-        ours, theirs = model["adapter_sha256"], made["adapter_sha256"]
-        if ours != theirs:
-            raise ModelError(
-                f"the factors were computed with another model.adapter (sha256 "
-                f"{_short(theirs)}, this config's {_short(ours)}); run gradscope factors on "
-                "this config again",
-                where,
-            )
-
-
-def _short(sha: object) -> str:
-    return f"{sha[:12]}..." if isinstance(sha, str) else "none"

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ..config import Config, output_path
+from ..curvature.made import SETTINGS
 from ..engine import Want
 from ..errors import ConfigError
 from ..inputs import Inputs, config_inputs
@@ -34,16 +35,7 @@ MODEL_FILES = (
 )
 # the other keys that change the gradients: a query's --config must agree with the index on each
 GRADIENT_KEYS = (
-    "model.factory",
-    "model.kwargs",
-    "model.state_dict_key",
-    "model.strip_prefix",
-    "model.output",
-    "model.config",
-    "loss.name",
-    "loss.kwargs",
-    "loss.class_dim",
-    "loss.token_reduction",
+    *SETTINGS,  # the model's and the loss's, as a factors file's
     "dtype",
     "params.include",
     "params.exclude",

@@ -15,6 +15,7 @@ import gradscope
 from gradscope.cli import app
 from gradscope.curvature import Factors, load_preconditioner
 from gradscope.engine import Engine, naive_grads
+from gradscope.errors import ModelError
 from gradscope.io.parquet import read_metadata
 from gradscope.losses import resolve_loss
 
@@ -186,6 +187,10 @@ DAMAGED = [
     ("eigenvectors-of-another-shape", _tensors(lambda t: t.update({"fc2.weight/S_eigenvectors": torch.eye(2)[None].double()})), "tensor fc2.weight/S_eigenvectors is (1, 2, 2) torch.float64, its block needs (1, 3, 3) floats"),
     ("a-nan", _tensors(lambda t: t["fc2.bias/F_eigenvalues"].__setitem__(1, float("nan"))), "tensor fc2.bias/F_eigenvalues holds NaN or infinite values"),
     ("a-kind-unknown", _blocks(lambda m: {**m, "blocks": {**m["blocks"], "fc1.bias": {**m["blocks"]["fc1.bias"], "kind": "other"}}}), "the metadata of block fc1.bias is not a kind, shape and damping"),
+    ("a-factor-rescaled", _tensors(lambda t: t["fc1.weight/A"].mul_(10)), "its tensors or metadata are not what gradscope wrote (sha256)"),
+    ("a-damping-edited", _blocks(lambda m: {**m, "blocks": {**m["blocks"], "fc2.weight": {**m["blocks"]["fc2.weight"], "damping": {"A": 100.0, "S": 1.0}}}}), "its tensors or metadata are not what gradscope wrote (sha256)"),
+    ("a-factor-swapped", _tensors(lambda t: t.update({k + s: t[k.replace("A", "S") + s] if "A" in k else t[k.replace("S", "A") + s] for k in ("fc1.weight/A", "fc1.weight/S") for s in ("", "_eigenvalues", "_eigenvectors")})), "factors of 1 x 5 x 8 do not cover block fc1.weight's shape (8, 5)"),
+    ("no-sha256", _blocks(lambda m: {k: v for k, v in m.items() if k != "sha256"}), "it holds no sha256 (written by an older gradscope)"),
     ("damping-missing", _blocks(lambda m: {**m, "blocks": {**m["blocks"], "fc2.weight": {**m["blocks"]["fc2.weight"], "damping": {"A": 1.0}}}}), "block fc2.weight has no positive damping S"),
 ]  # fmt: skip
 
@@ -228,3 +233,36 @@ def test_examples_with_a_nan_loss_are_left_out_and_said(tmp_path: Path, fisher, 
                 if "eigenvectors" not in key:  # their signs are eigh's to choose
                     got = made.blocks[name].tensors[key]  # the model runs in float32
                     torch.testing.assert_close(got, t, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_factors_of_other_weights_or_settings_are_refused(tmp_path: Path, monkeypatch, capsys):
+    """The same checkpoint file read under another key, the factory or loss set otherwise, and
+    the API's model at other weights: each scored with the wrong curvature before."""
+    state = torch.load(make_project(tmp_path, n=N).parent / "net.pt")
+    torch.save({"ema": state, "model": {k: v + 1 for k, v in state.items()}}, tmp_path / "two.pt")
+    made = make_project(tmp_path, n=N, model__checkpoint="two.pt", model__state_dict_key="ema")
+    factors = tmp_path / "f.safetensors"
+    _invoke("factors", made, "--out", factors)
+    other = make_project(tmp_path, n=N, model__checkpoint="two.pt", model__state_dict_key="model")
+    err = fails(monkeypatch, capsys, "norms", other, "--precondition", factors)
+    assert "computed with another model.state_dict_key" in err
+    factors = tmp_path / "g.safetensors"
+    _invoke("factors", make_project(tmp_path, n=N), "--out", factors)
+    for key, value in (("loss", {"name": "cross_entropy", "kwargs": {"label_smoothing": 0.5}}),
+                       ("model", {"factory": "other.py:Other", "checkpoint": "net.pt"})):  # fmt: skip
+        changed = make_project(tmp_path, n=N, **{key: value})
+        text = (tmp_path / "model.py").read_text()
+        (tmp_path / "other.py").write_text(text.replace("Net", "Other"))
+        err = fails(monkeypatch, capsys, "norms", changed, "--precondition", factors)
+        assert f"computed with another {key}." in err, err
+    net, x, y = load_net(tmp_path)
+    kept = net.fc1.weight.detach().clone()
+    with torch.no_grad():
+        net.fc1.weight += 1
+    with pytest.raises(ModelError, match="computed at other weights"):
+        gradscope.per_example_influence(net, x, y, x[:2], y[:2], precondition=factors)
+    with pytest.raises(ModelError, match="computed at other weights"):
+        gradscope.per_example_influence(net, x, y, x[:2], y[:2], precondition=Factors.load(factors))
+    with torch.no_grad():
+        net.fc1.weight.copy_(kept)
+    gradscope.per_example_influence(net, x, y, x[:2], y[:2], precondition=factors)

@@ -219,7 +219,7 @@ def test_factors_of_one_adapter_are_refused_for_another(tmp_path):
         assert result.exit_code == 2, result.output
         (line,) = result.stderr.strip().splitlines()
         assert line.startswith("error: the factors were computed with another model.adapter")
-        assert line.endswith(f"; run gradscope factors on this config again ({factors})")
+        assert line.endswith(f"; run gradscope factors on this model again ({factors})")
     # TracIn over the run's adapter folders: the factors of the last one serve every one
     for order, status in ((["lora2", "lora"], 0), (["lora", "lora2"], 2)):
         checkpoints = [{"path": folder, "weight": 1.0} for folder in order]
