@@ -268,8 +268,8 @@ class Config:
     device: str = "auto"
     """``auto`` (cuda, then mps, then cpu), ``cpu``, ``cuda``, ``cuda:N`` or ``mps``."""
     dtype: str | None = None
-    """``float32``, ``float64``, ``bfloat16`` or ``float16``; unset keeps the checkpoint's. Norms
-    and inner products accumulate in float32 under half precision."""
+    """``float32``, ``float64``, ``bfloat16`` or ``float16``; unset keeps the checkpoint's (of
+    several, one that holds them all). Half precision: norms and products accumulate in float32."""
     params: ParamsConfig = field(default_factory=ParamsConfig)
     """Which parameters the gradient is taken over."""
     distributed: DistributedConfig = field(default_factory=DistributedConfig)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import pickle
@@ -242,8 +243,9 @@ def _load_checkpoint(model: nn.Module, cfg: ModelConfig, trust_checkpoint: bool)
             f"checkpoint does not fit the model: {'; '.join(unfit[:5])}{more}", cfg.checkpoint
         )
     floats = {v.dtype for v in state.values() if v.is_floating_point()}
-    if len(floats) == 1:  # dtype: null keeps the file's; cast first, so no value is rounded
-        model = model.to(floats.pop())  # through the factory's dtype (float64 weights to float32)
+    if floats:  # dtype: null keeps the file's (of several, one that holds them all: float64 for
+        # float32 beside float64); cast first, so no value is rounded through the factory's
+        model = model.to(functools.reduce(torch.promote_types, floats))
     model.load_state_dict(state)
     return model
 

@@ -135,6 +135,22 @@ def test_a_float64_checkpoint_is_loaded_unrounded(tmp_path, dtype):
         assert value.dtype == torch.float64 and torch.equal(value, state[name]), name
 
 
+@pytest.mark.parametrize(("kinds", "held"), [((torch.float64, torch.float32), torch.float64),
+                                            ((torch.bfloat16, torch.float16), torch.float32)])  # fmt: skip
+def test_a_checkpoint_of_several_dtypes_is_loaded_in_one_that_holds_them(tmp_path, kinds, held):
+    """float64 weights beside float32 ones were rounded to the factory's float32 unsaid."""
+    config = make_project(tmp_path)
+    g = torch.Generator().manual_seed(4)
+    state = {k: torch.randn(v.shape, generator=g).to(kinds[i % 2])
+             for i, (k, v) in enumerate(torch.load(tmp_path / "net.pt").items())}  # fmt: skip
+    torch.save(state, tmp_path / "net.pt")
+    from gradscope.io.model import build_model
+
+    model = build_model(load_config(config).model)
+    for name, value in model.state_dict().items():
+        assert value.dtype == held and torch.equal(value, state[name].to(held)), name
+
+
 def test_tuple_output(tmp_path):
     frame = run(make_project(tmp_path, model__factory="model.py:TupleNet", model__output=0))
     check_against_loop(frame, tmp_path)
