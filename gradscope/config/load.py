@@ -32,13 +32,17 @@ def resolve(spec: str | None, base: Path, importable: bool = False) -> str | Non
 
 def output_path(spec: str | Path, base: Path, where: str) -> str:
     """An output file's absolute path, relative to ``base``; a name that ends with a separator
-    names a folder and is refused."""
+    names a folder and is refused. Its folder is resolved, not the name: a link planted there is
+    replaced by the output, its target left as it is."""
     if str(spec).endswith(("/", os.sep)):
         raise ConfigError(
             f"the output path {str(spec)!r} ends with '/', which names a folder; give a file name",
             where,
         )
-    return str((base / Path(spec).expanduser()).resolve())
+    path = base / Path(spec).expanduser()
+    if path.name in ("", ".", ".."):  # a folder: the checks after refuse it by its resolved name
+        return str(path.resolve())
+    return str(path.parent.resolve() / path.name)
 
 
 def load_config(path: str | Path) -> Config:

@@ -243,6 +243,27 @@ def test_a_symlink_planted_at_a_temporary_name_is_not_followed(tmp_path, monkeyp
     assert target.read_text() == "precious\n"
 
 
+def test_an_output_named_by_a_link_replaces_the_link_not_its_target(tmp_path, monkeypatch):
+    """`--out` was resolved through a link: a page or scores file elsewhere was replaced, and a
+    dangling link made a file where it pointed."""
+    config = make_project(tmp_path)
+    far = tmp_path / "far"
+    far.mkdir()
+    assert (
+        runner.invoke(app, ["norms", str(config), "--out", str(far / "kept.parquet")]).exit_code
+        == 0
+    )
+    kept = (far / "kept.parquet").read_bytes()
+    monkeypatch.chdir(tmp_path)
+    Path("out.parquet").symlink_to(far / "kept.parquet")
+    Path("new.parquet").symlink_to(far / "new.parquet")  # dangling
+    for name in ("out.parquet", "new.parquet"):
+        result = runner.invoke(app, ["norms", str(config), "--out", name])
+        assert result.exit_code == 0, result.output
+        assert Path(name).is_file() and not Path(name).is_symlink()
+    assert (far / "kept.parquet").read_bytes() == kept and not (far / "new.parquet").exists()
+
+
 def test_report_temporary_and_partial_folder_links_are_not_followed(tmp_path):
     config = make_project(tmp_path)
     target = victim(tmp_path)
