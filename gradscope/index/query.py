@@ -229,6 +229,8 @@ def _metadata(job: Job, shards: Shards, query: Query, count: int, found: dict) -
         "projection": {k: manifest["projection"][k] for k in ("dim", "seed", "width")},
         "config": job.cfg.to_dict(),
         "checkpoint_sha256": manifest["gradscope"].get("checkpoint_sha256"),
+        "data_sha256": manifest["gradscope"].get("data_sha256"),  # the rows: a report's check
+        "dtype": manifest["gradscope"].get("dtype"),
         "torch": torch.__version__,
         "device": str(job.device),
         "query": dataclasses.asdict(query) | {"references": count},

@@ -183,7 +183,13 @@ def write_report(
     scored = meta.get("data_sha256")
     limit = nested(meta, "config", "data", "limit")  # the rows scored (data made by code)
     limit = limit if isinstance(limit, int) and not isinstance(limit, bool) else None
-    if cfg and isinstance(scored, str) and scored != data_identity(replace(cfg.data, limit=limit)):
+    if cfg and not isinstance(scored, str):
+        raise DataError(
+            "the scores file records no data_sha256 (another tool's file?): the examples shown "
+            "could be other rows than the ones scored; leave --config out",
+            str(scores),
+        )
+    if cfg and scored != data_identity(replace(cfg.data, limit=limit)):
         raise DataError(
             "the data changed since it was scored (its sha256 differs from the one the scores "
             "file records): the examples shown would not be the ones scored; score it again",

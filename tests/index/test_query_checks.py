@@ -148,3 +148,14 @@ def test_factors_from_the_indexed_checkpoint_precondition_the_query(project, mon
     other_config(project, lambda c: c["model"].update(checkpoint="net.pt"))
     err = refused(monkeypatch, capsys, project, small, "--precondition", elsewhere)
     assert "the factors were computed at another checkpoint" in err and str(elsewhere) in err
+
+
+def test_a_report_of_a_query_shows_only_the_indexed_rows(project, monkeypatch, capsys):
+    """A query's file recorded no data_sha256: `report --config` showed any data's rows."""
+    ix = index(project)
+    query(project, ix)
+    run("report", project / "q.parquet", "--by", "score", "--config", project / "config.yaml")
+    edit_data(project, lambda d: d["x"].mul_(2))
+    err = fails(monkeypatch, capsys, "report", project / "q.parquet", "--by", "score",
+                "--config", project / "config.yaml")  # fmt: skip
+    assert "the data changed since it was scored" in err
