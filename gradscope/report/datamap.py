@@ -29,7 +29,8 @@ class DataMap:
     variability: np.ndarray  # standard deviation over epochs of it
     correctness: np.ndarray  # mean over epochs of `correct` (NaN without the column)
     grad_norm: np.ndarray  # mean over epochs of grad_norm
-    lowest_rank: np.ndarray  # lowest over epochs of the grad_norm's percentile in its epoch
+    lowest_rank: np.ndarray  # lowest over epochs of the grad_norm's percentile in its epoch;
+    # NaN where an epoch saw no finite grad_norm of it (not ranked: not high at every epoch)
 
 
 def _per_epoch(ids: np.ndarray, epochs: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -89,7 +90,7 @@ def data_map(path: Path) -> DataMap:
             np.nanstd(prob, 1),
             np.nanmean(correct, 1),
             np.nanmean(norm, 1),
-            np.nanmin(_percentiles(norm), 1),
+            _percentiles(norm).min(1),  # NaN: an epoch without it, or without a finite norm
         )
 
 
@@ -151,4 +152,5 @@ def render(path: Path, meta: dict, version: str, k: int) -> str:
         chart=chart(found) if np.isfinite(found.confidence).any() else None,
         header=list(rows[0]) if rows else [],
         rows=rows,
+        unranked=int((~np.isfinite(found.lowest_rank)).sum()),
     )

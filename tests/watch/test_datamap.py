@@ -74,3 +74,17 @@ def test_report_of_a_regression_watch_file_lists_the_norms_without_a_map(tmp_pat
     page = write_report(tmp_path / "w.parquet").read_text()
     assert "No data map" in page and "<svg" not in page and "<th>confidence</th>" not in page
     assert page.index("<td>3</td>") < page.index("<td>2</td>") and "over 1 epoch ·" in page
+
+
+def test_an_example_missing_from_an_epoch_is_not_ranked_as_high_at_every_epoch(tmp_path):
+    """Example 9, seen in epoch 0 alone with the largest norm, led the table at percentile 100
+    (the lowest over the epochs it was in)."""
+    rows = [{"step": e, "epoch": e, "example_id": i, "grad_norm": 1.0 + i, "prob": 0.5}
+            for e in range(3) for i in range(4)]  # fmt: skip
+    rows.append({"step": 0, "epoch": 0, "example_id": 9, "grad_norm": 1e3, "prob": 0.5})
+    _watch_file(tmp_path / "w.parquet", rows)
+    found = data_map(tmp_path / "w.parquet")
+    assert np.isnan(found.lowest_rank[found.ids.tolist().index(9)])
+    assert [r["example_id"] for r in stays_high(found, 2)] == ["3", "2"]
+    page = write_report(tmp_path / "w.parquet").read_text()
+    assert "1 example not ranked: missing from an epoch" in " ".join(page.split())
