@@ -153,6 +153,8 @@ class Recorder:
             "deterministic": device.type == "cpu" or torch.are_deterministic_algorithms_enabled(),
         } | meta
         (self.folder / META).write_text(json.dumps(meta, indent=1))
+        for stale in self.folder.glob(".*.tmp"):  # a write a kill cut short, before a resume
+            stale.unlink()
         files = sorted(f.name for f in self.folder.iterdir() if f.name != MANIFEST)
         manifest = {name: file_sha256(self.folder / name) for name in files}
         (self.folder / MANIFEST).write_text(json.dumps(manifest, indent=1))

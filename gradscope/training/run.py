@@ -106,7 +106,8 @@ def train_model(
     folder = record_path(path) if record else None
     _refuse(cfg, path, folder, inputs, overwrite or resume, segment)
     with OutputLock(path):
-        extra = {"out": str(path), "record": segment if record else None}
+        # a record's segment by name: None (its default) is not "no record"
+        extra = {"out": str(path), "record": {"segment": segment} if record else None}
         extra |= code_rows_key(cfg.data)  # no file holds rows made by code
         key = fingerprint(cfg, "train", inputs, extra, resolve_device(cfg.device).type)
         run = PartialRun(path, key)

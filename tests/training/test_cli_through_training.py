@@ -105,7 +105,11 @@ def test_a_record_kept_across_ctrl_c_and_resume_is_the_uninterrupted_ones(
     monkeypatch.setattr(Trainer, "_step", interrupted)
     assert run("train", project, "--record", "--segment", "2").exit_code == 130
     monkeypatch.setattr(Trainer, "_step", step)
+    torn = tmp_path / "out.run" / ".segment-00003.pt.123-abcd.tmp"  # a kill cut its write short
+    torn.write_bytes(b"torn")
     assert run("train", project, "--record", "--segment", "2", "--resume").exit_code == 0
+    manifest = json.loads((tmp_path / "out.run" / "manifest.json").read_text())
+    assert not torn.exists() and not any(name.endswith(".tmp") for name in manifest)
     cfg = load_config(project)
     a = through_training(cfg, tmp_path / "a.run", tmp_path / "ref.pt")
     b = through_training(cfg, tmp_path / "out.run", tmp_path / "ref.pt")

@@ -172,6 +172,9 @@ def test_resume_refuses_another_recipe_and_no_run(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Trainer, "_step", interrupted)
     assert run("train", config).exit_code == 130
+    # a run with --record after one without (its default segment was the key's None): the
+    # resume raised KeyError 'record'; the reverse left a record that could never be finished
+    assert "a different record" in one_error(run("train", config, "--record", "--resume"))
     edit_config(tmp_path, lambda c: c["train"].update(lr=0.5))
     assert "a different config.train.lr" in one_error(run("train", config, "--resume"))
 
