@@ -265,3 +265,14 @@ def _classes(file: pq.ParquetFile) -> list[str] | None:
     return (
         classes if isinstance(classes, list) and all(isinstance(c, str) for c in classes) else None
     )
+
+
+def bin_edges(values: np.ndarray, bins: int) -> np.ndarray | int:
+    """``bins`` equal bins over the finite ``values``' range: the count itself, or the edges
+    where numpy's own would overflow (a range past the largest float, ``-1e308`` to ``1e308``:
+    "Too many bins for data range")."""
+    lo, hi = (float(values.min()), float(values.max())) if len(values) else (0.0, 0.0)
+    if np.isfinite(hi - lo):
+        return bins
+    t = np.linspace(0.0, 1.0, bins + 1)
+    return lo * (1 - t) + hi * t

@@ -11,7 +11,7 @@ from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.text import Text
 
 from .io.scorefile import column
-from .outliers import End, Outliers, is_labels, per_class, rank
+from .outliers import End, Outliers, bin_edges, is_labels, per_class, rank
 from .tables import FittedTable, fmt
 
 BARS = "▁▂▃▄▅▆▇█"
@@ -24,7 +24,7 @@ def sparkline(found: Outliers, plain: bool = False) -> Text:
     finite = found.values[found.ok]
     if not len(finite):
         return Text(f"{found.score}: no finite values")
-    counts, edges = np.histogram(finite, bins=SPARK_BINS)
+    counts, edges = np.histogram(finite, bins=bin_edges(finite, SPARK_BINS))
     marked = set(np.clip(np.searchsorted(edges, found.values[found.top], "right") - 1, 0,
                          SPARK_BINS - 1).tolist())  # fmt: skip
     line = Text(f"{found.score} {fmt(edges[0])} ")

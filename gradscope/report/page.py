@@ -124,6 +124,13 @@ def render(scores: Path, cfg: Config | None, by: str | None, top_k: int) -> str:
     found = rank(scores, by, top_k, cfg.data.classes if cfg else None)
     if not len(found.values):
         raise DataError("the scores file has no rows: nothing to report", str(scores))
+    finite = found.values[found.ok]
+    if len(finite) and not np.isfinite(float(finite.max()) - float(finite.min())):
+        raise DataError(
+            f"the {found.score} values span more than the largest float ({finite.min():.3g} to "
+            f"{finite.max():.3g}): no chart can draw them; report --by another column",
+            str(scores),
+        )
     sections = _sections(found, cfg, _ids(found, scores))
     meta = read_metadata(scores)
     env = jinja2.Environment(

@@ -178,3 +178,15 @@ def test_histogram_counts_are_plain_text_on_the_log_axis(tmp_path):
     ticks = re.findall(r">([^<>]+)</text>", charts.histogram(found))
     assert "1" in ticks and "10" in ticks, ticks
     assert not [t for t in ticks if "$" in t or "\\" in t], ticks  # no TeX left as text
+
+
+def test_scores_spanning_more_than_the_largest_float(tmp_path):
+    """-1.7e308 to 1.7e308: numpy's bins overflowed, summary and report ended in a traceback."""
+    loss = np.concatenate([[-1.7e308, 1.7e308], np.linspace(0, 1, 8)])
+    pq.write_table(pa.table({"example_id": np.arange(10), "loss": loss,
+                             "grad_norm": np.linspace(1, 2, 10)}), tmp_path / "s.parquet")  # fmt: skip
+    result = CliRunner().invoke(app, ["summary", str(tmp_path / "s.parquet"), "--by", "loss"])
+    assert result.exit_code == 0 and "max 1.7e+308" in result.output, result.output
+    with pytest.raises(DataError, match="loss values span more than the largest float"):
+        write_report(tmp_path / "s.parquet", by="loss")
+    write_report(tmp_path / "s.parquet", by="grad_norm")
