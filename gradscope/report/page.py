@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -52,7 +53,17 @@ def _cell(found: Outliers, name: str, value: object) -> Cell:
     number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
         value, (bool, np.bool_)
     )
-    return Cell(cell(found, name, value), repr(float(value)) if number else fmt(value))
+    return Cell(
+        cell(found, name, value),
+        _sort_key(float(value)) if number else fmt(value) if value is not None else "",
+    )
+
+
+def _sort_key(value: float) -> str:
+    """A number as the page's script reads it back: ``Infinity`` (not ``inf``), NaN empty."""
+    if math.isnan(value):
+        return ""
+    return ("Infinity" if value > 0 else "-Infinity") if math.isinf(value) else repr(value)
 
 
 def _ids(found: Outliers, scores: Path) -> list[int]:

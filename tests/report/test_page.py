@@ -190,3 +190,21 @@ def test_scores_spanning_more_than_the_largest_float(tmp_path):
     with pytest.raises(DataError, match="loss values span more than the largest float"):
         write_report(tmp_path / "s.parquet", by="loss")
     write_report(tmp_path / "s.parquet", by="grad_norm")
+
+
+def test_cells_of_infinity_and_nan_sort_in_a_real_browser(tmp_path):
+    """'inf' read back as NaN, so a column holding infinities sorted as text: -6.3 ... -inf,
+    inf; a missing value shown 'None' sorted among them."""
+    _chromium()
+    margin = [-6.3, -np.inf, np.inf, np.nan, 1.0, None, 2.0, -1.0]
+    table = pa.table({"example_id": np.arange(8), "loss": np.linspace(1, 2, 8),
+                      "margin": pa.array(margin, pa.float64())})  # fmt: skip
+    pq.write_table(table, tmp_path / "s.parquet")
+    write_report(tmp_path / "s.parquet", top_k=8)
+    for fragment, expected in (("#sort=margin", [-np.inf, -6.3, -1.0, 1.0, 2.0, np.inf]),
+                               ("#sort=-margin", [np.inf, 2.0, 1.0, -1.0, -6.3, -np.inf])):  # fmt: skip
+        dom = dump_dom(tmp_path / "s.html", fragment, tmp_path / "profile")
+        header = re.findall(r'<th data-column="([^"]+)"', dom)
+        cells = [r[header.index("margin")] for r in body_rows(dom)]
+        numbers = [float(c) for c in cells[:6]]
+        assert numbers == expected and len(cells) == 8, cells  # the two missing ones last
