@@ -86,10 +86,12 @@ def check_by(by: str | None, names: list[str]) -> None:
 
 def default_score(names: list[str]) -> str:
     """What a file ranks by unless told: influence, else self_influence (several checkpoints,
-    or a preconditioner), else the loss, else grad_norm. Of a norms file's columns, the loss
-    finds the most planted faults (benchmarks/detection.py: flipped labels, noise inputs,
-    contradicting duplicates), and a file without one (another tool's) still ranks."""
-    return next((n for n in ("influence", "self_influence", "loss") if n in names), "grad_norm")
+    or a preconditioner), else a query's score, else the loss, else grad_norm. Of a norms
+    file's columns, the loss finds the most planted faults (benchmarks/detection.py: flipped
+    labels, noise inputs, contradicting duplicates), and a file without one (another tool's)
+    still ranks."""
+    kinds = ("influence", "self_influence", "score", "loss")
+    return next((n for n in kinds if n in names), "grad_norm")
 
 
 def top_positions(values: np.ndarray, ok: np.ndarray, direction: str, k: int) -> np.ndarray:
@@ -200,7 +202,8 @@ def rank(
     score = given or default_score(names)
     if score not in names:
         what = f"no column {score!r} to rank by" if given else (
-            "none of the default columns to rank by (influence, self_influence, loss, grad_norm)"
+            "none of the default columns to rank by (influence, self_influence, score, loss, "
+            "grad_norm)"
         )  # fmt: skip
         raise DataError(f"{what} (columns: {', '.join(names)}); name one with --by", str(path))
     kind = file.schema_arrow.field(score).type

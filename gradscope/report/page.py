@@ -198,6 +198,10 @@ def write_report(
     meta = read_metadata(scores)
     inputs = [("scores file", str(scores)), *metadata_inputs(meta)]
     check_output(target, inputs + (run_inputs(cfg) if cfg else []), "html", recorded=meta)
+    watched = meta.get("command") == "watch"  # a training run watched: its data map
+    if watched and (by is not None or cfg is not None):
+        option = "--by" if by is not None else "--config"
+        raise ConfigError(f"a watch file's page is its data map, which reads no {option}", option)
     scored = meta.get("data_sha256")
     limit = nested(meta, "config", "data", "limit")  # the rows scored (data made by code)
     limit = limit if isinstance(limit, int) and not isinstance(limit, bool) else None
@@ -219,7 +223,7 @@ def write_report(
             "cannot find the examples to show; restore it, or leave --config out",
             str(scores),
         )
-    if meta.get("command") == "watch":  # a training run watched: its data map
+    if watched:
         page = datamap.render(scores, meta, __version__, top_k).encode("utf-8")
     else:
         page = render(scores, cfg, by, top_k).encode("utf-8")

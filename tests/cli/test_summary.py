@@ -122,13 +122,16 @@ def test_a_missing_finite_flag_is_false_as_bools_or_integers(tmp_path, kind):
 
 
 def test_a_file_without_the_default_column_names_what_to_give(tmp_path):
-    """A query's file has no grad_norm: the error blamed --by, which nobody gave, then named
-    grad_norm alone of the four it looks for, and not the file."""
-    pq.write_table(pa.table({"example_id": [0, 1], "score": [0.5, 0.2]}), tmp_path / "q.parquet")
+    """Another tool's file with none of the columns: the error blamed --by, which nobody gave,
+    then named grad_norm alone of those it looks for, and not the file. (A query's file, which
+    needed --by score, ranks by its score.)"""
+    pq.write_table(pa.table({"example_id": [0, 1], "other": [0.5, 0.2]}), tmp_path / "o.parquet")
     with pytest.raises(DataError, match="none of the default columns to rank by .influence, "
-                       "self_influence, loss, grad_norm.*name one with --by") as raised:  # fmt: skip
-        summarize(tmp_path / "q.parquet", None)
-    assert raised.value.where == str(tmp_path / "q.parquet")
+                       "self_influence, score, loss, grad_norm.*name one with --by") as raised:  # fmt: skip
+        summarize(tmp_path / "o.parquet", None)
+    assert raised.value.where == str(tmp_path / "o.parquet")
+    pq.write_table(pa.table({"example_id": [0, 1], "score": [0.5, 0.2]}), tmp_path / "q.parquet")
+    summarize(tmp_path / "q.parquet", None)
 
 
 def test_sparkline_draws_the_histogram_and_marks_the_top_bins(tmp_path):

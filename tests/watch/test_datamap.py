@@ -7,7 +7,9 @@ import json
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
+from gradscope.errors import ConfigError
 from gradscope.report import write_report
 from gradscope.report.datamap import data_map, stays_high
 
@@ -88,3 +90,12 @@ def test_an_example_missing_from_an_epoch_is_not_ranked_as_high_at_every_epoch(t
     assert [r["example_id"] for r in stays_high(found, 2)] == ["3", "2"]
     page = write_report(tmp_path / "w.parquet").read_text()
     assert "1 example not ranked: missing from an epoch" in " ".join(page.split())
+
+
+def test_a_watch_page_refuses_the_options_it_reads_nothing_of(tmp_path):
+    rows = [{"step": e, "epoch": e, "example_id": i, "grad_norm": 1.0 + i, "prob": 0.5}
+            for e in range(2) for i in range(3)]  # fmt: skip
+    _watch_file(tmp_path / "w.parquet", rows)
+    with pytest.raises(ConfigError, match="reads no --by"):
+        write_report(tmp_path / "w.parquet", by="nonexistent:low")
+    assert not (tmp_path / "w.html").exists()
