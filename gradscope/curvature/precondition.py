@@ -201,10 +201,13 @@ class Curvature:
         return Dense((w_s @ self._grouped(name, like) @ w_a).reshape(-1, *c.shape))
 
     def describe(self) -> dict:
-        """The method, the Fisher, and per parameter its block: kfac, ekfac or diagonal."""
+        """The method, the Fisher, the dtype the factors were fitted in, and per parameter its
+        block: kfac, ekfac or diagonal."""
+        made = self.factors.meta.get("model")
         return {
             "kind": self.kind,
             "fisher": self.factors.meta.get("fisher"),
+            "fitted_in": made.get("dtype") if isinstance(made, dict) else None,
             "parameters": {n: b["kind"] for n, b in self.factors.describe().items()},
         }
 
