@@ -109,14 +109,20 @@ def compute_factors(
             draw=draw if sampled else None,
             on_batch=on_batch,
         )
-    for p in engine.plan.included:  # no row's gradient reached it: its curvature is zero,
-        # damped as ``factors.damping`` damps zeros; every gradient of it on these rows scores 0
+    _unreached(engine, blocks)
+    model = job.metadata("factors") | {
+        "plan": engine.plan.describe(),
+        "weights_sha256": weights_sha256(engine.plan),
+    }
+    meta = metadata(EKFAC if ekfac else KFAC, fisher, examples, model) | {"left_out": left_out}
+    return Factors(blocks, meta)
+
+
+def _unreached(engine: Engine, blocks: dict[str, Block]) -> None:
+    """A zero diagonal block for each parameter no row's gradient reached: its curvature is
+    zero, damped as ``factors.damping`` damps zeros; every gradient of it on these rows scores 0."""
+    for p in engine.plan.included:
         if p.name not in blocks:
             zero = torch.zeros(p.param.shape, dtype=torch.float64)
             damped = {"diagonal": damping(zero)}
             blocks[p.name] = Block(DIAGONAL, p.param.shape, {"diagonal": zero}, damped)
-    model = job.metadata("factors")
-    model["plan"] = engine.plan.describe()
-    model["weights_sha256"] = weights_sha256(engine.plan)
-    meta = metadata(EKFAC if ekfac else KFAC, fisher, examples, model) | {"left_out": left_out}
-    return Factors(blocks, meta)

@@ -14,7 +14,8 @@ import torch
 from ..errors import ModelError
 from .store import Factors
 
-# the config keys that make the model and its loss, each compared where the factors record it
+# the config keys that make the model and its loss, each compared where the factors record it;
+# the index's GRADIENT_KEYS start from these (a key added here refuses every older index)
 SETTINGS = (
     "model.factory",
     "model.kwargs",
@@ -27,30 +28,40 @@ SETTINGS = (
     "loss.class_dim",
     "loss.token_reduction",
 )
-_HELD = re.compile(r"<(\w+) at 0x[0-9a-f]+>")  # a model held in Python, by its class
+_HELD = re.compile(r"<(\w+) at 0x[0-9a-f]+>")  # a model held in Python (io.held's spec)
+
+
+def plain(key: str, value: object) -> object:
+    """A config value as a factors file or an index compares it: a ``file.py:Name`` by its name
+    (the file may lie elsewhere: its sha256 is compared where it must be), a model held in
+    Python by its class (its weights are compared by their sha256)."""
+    if isinstance(value, str) and ".py:" in value:
+        return value.rpartition(":")[2]
+    if key == "model.factory" and isinstance(value, str) and (held := _HELD.fullmatch(value)):
+        return held.group(1)
+    return value
 
 
 def settings(raw: dict) -> dict[str, object]:
-    """``SETTINGS`` of a config as a dict; a ``file.py:Name`` by its name (the file may lie
-    elsewhere: its sha256 is the checkpoint's concern), a held model by its class."""
+    """``SETTINGS`` of a config (as ``Config.to_dict`` gives it, or JSON read it back)."""
     out = {}
     for key in SETTINGS:
         section, name = key.split(".")
         value = raw.get(section, {}).get(name) if isinstance(raw.get(section), dict) else None
-        if isinstance(value, str) and ".py:" in value:
-            value = value.rpartition(":")[2]
-        elif isinstance(value, str) and (held := _HELD.fullmatch(value)):
-            value = held.group(1)
-        out[key] = json.loads(json.dumps(value, default=str))
+        out[key] = json.loads(json.dumps(plain(key, value), default=str))
     return out
 
 
-def weights_sha256(plan) -> str:
-    """The sha256 of the selected parameters (names, dtypes, shapes, values) of ``plan``."""
+def weights_sha256(plan) -> str | None:
+    """The sha256 of the selected parameters (names, dtypes, shapes, values) of ``plan``; None
+    where a rank holds a shard of them (FSDP's DTensors: no rank sees the whole)."""
+    tensors = [(p.name, p.param.detach()) for p in sorted(plan.included, key=lambda p: p.name)]
+    if any(type(t) is not torch.Tensor for _, t in tensors):
+        return None
     h = hashlib.sha256()
-    for p in sorted(plan.included, key=lambda p: p.name):
-        t = p.param.detach().cpu().contiguous()
-        h.update(f"{p.name} {t.dtype} {tuple(t.shape)}".encode())
+    for name, t in tensors:
+        t = t.cpu().contiguous()
+        h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()
 
@@ -85,11 +96,11 @@ def check_made(factors: Factors, model: dict, engine, where: str) -> None:
             _refuse(f"the factors were computed with another {', '.join(differ)}", where)
     params = engine.plan.included
     dtype = str(params[0].param.dtype).removeprefix("torch.") if params else None
-    if made.get("dtype") == dtype and made.get("weights_sha256") not in (
-        None,
-        weights_sha256(engine.plan),
-    ):
-        _refuse("the factors were computed at other weights (their sha256 differs)", where)
+    theirs = made.get("weights_sha256")
+    if made.get("dtype") == dtype and theirs is not None:
+        ours = weights_sha256(engine.plan)
+        if ours is not None and ours != theirs:
+            _refuse("the factors were computed at other weights (their sha256 differs)", where)
 
 
 def _refuse(what: str, where: str) -> None:

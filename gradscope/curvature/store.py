@@ -94,7 +94,8 @@ class Factors:
 def digest(tensors: dict[str, Tensor], meta: dict) -> str:
     """The sha256 of a factors file's tensors (names, dtypes, shapes, bytes) and its metadata
     (without its own sha256)."""
-    h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
+    canonical = json.loads(json.dumps(meta))  # as the file holds it: int keys are strings
+    h = hashlib.sha256(json.dumps(canonical, sort_keys=True).encode())
     for key in sorted(tensors):
         t = tensors[key].detach().cpu().contiguous()
         h.update(f"{key} {t.dtype} {tuple(t.shape)}".encode())

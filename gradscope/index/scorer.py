@@ -11,13 +11,13 @@ import numpy as np
 import torch
 
 from ..config import Config, output_path
-from ..curvature.made import SETTINGS
+from ..curvature.made import SETTINGS, plain
 from ..engine import Want
 from ..errors import ConfigError
 from ..inputs import Inputs, config_inputs
 from ..io.data import Batch
 from ..io.files import file_sha256
-from ..io.held import held, identity, is_held
+from ..io.held import identity, is_held
 from ..job import Job
 from ..rules.base import accumulation_dtype
 from ..scorers.base import Scorer, leading
@@ -83,11 +83,7 @@ def gradient_keys(cfg: Config) -> dict[str, str]:
     raw, out = cfg.to_dict(), {}
     for key in GRADIENT_KEYS:
         section, _, name = key.rpartition(".")
-        value = raw[section][name] if section else raw[name]
-        if isinstance(value, str) and ".py:" in value:
-            value = value.rpartition(":")[2]
-        elif is_held(value) and isinstance(held(value), torch.nn.Module):  # weights: model_files'
-            value = type(held(value)).__name__
+        value = plain(key, raw[section][name] if section else raw[name])  # weights: model_files'
         text = json.dumps(value, sort_keys=True, default=str)
         out[key] = hashlib.sha256(text.encode()).hexdigest()
     return out

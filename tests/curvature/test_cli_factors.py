@@ -266,3 +266,16 @@ def test_factors_of_other_weights_or_settings_are_refused(tmp_path: Path, monkey
     with torch.no_grad():
         net.fc1.weight.copy_(kept)
     gradscope.per_example_influence(net, x, y, x[:2], y[:2], precondition=factors)
+
+
+def test_metadata_with_int_keys_reads_back(tmp_path: Path) -> None:
+    """A model.config with int keys (a Hugging Face config's id2label, from the API): the
+    sha256 was taken over int keys at save and string keys at load, refusing gradscope's own
+    file, and mixed keys could not be saved at all."""
+    _invoke("factors", make_project(tmp_path, n=N), "--out", tmp_path / "f.safetensors")
+    factors = Factors.load(tmp_path / "f.safetensors")
+    factors.meta["labels"] = {2: "two", 10: "ten", "other": 1}
+    factors.save(tmp_path / "g.safetensors")
+    assert Factors.load(tmp_path / "g.safetensors").meta["labels"] == {
+        "2": "two", "10": "ten", "other": 1
+    }  # fmt: skip
