@@ -230,7 +230,7 @@ def _metadata(job: Job, shards: Shards, query: Query, count: int, found: dict) -
         "config": job.cfg.to_dict(),
         "checkpoint_sha256": manifest["gradscope"].get("checkpoint_sha256"),
         "data_sha256": manifest["gradscope"].get("data_sha256"),  # the rows: a report's check
-        "dtype": manifest["gradscope"].get("dtype"),
+        "dtype": str(job.dtype).removeprefix("torch."),
         "torch": torch.__version__,
         "device": str(job.device),
         "query": dataclasses.asdict(query) | {"references": count},

@@ -242,9 +242,11 @@ def _load_checkpoint(model: nn.Module, cfg: ModelConfig, trust_checkpoint: bool)
         raise ModelError(
             f"checkpoint does not fit the model: {'; '.join(unfit[:5])}{more}", cfg.checkpoint
         )
-    floats = {v.dtype for v in state.values() if v.is_floating_point()}
-    if floats:  # dtype: null keeps the file's (of several, one that holds them all: float64 for
-        # float32 beside float64); cast first, so no value is rounded through the factory's
+    # dtype: null keeps the weights' (of several, one that holds them all: float64 for float32
+    # beside float64; buffers follow); cast first, so no weight is rounded through the factory's
+    weights = {n for n, _ in model.named_parameters()}
+    floats = {v.dtype for k, v in state.items() if k in weights and v.is_floating_point()}
+    if floats:
         model = model.to(functools.reduce(torch.promote_types, floats))
     model.load_state_dict(state)
     return model

@@ -12,7 +12,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
-from ..outliers import Outliers, bin_edges, per_class
+from ..outliers import Outliers, per_class
 
 BINS = 60
 MAX_POINTS = 20_000  # a scatter draws at most this many of the ordinary rows, as a raster
@@ -42,9 +42,7 @@ def histogram(found: Outliers) -> str:
     """The score's histogram, with each top-k row marked by a red tick under the bars."""
     with _figure(7, 2.2) as (figure, (ax,)):
         finite = found.values[found.ok]
-        ax.hist(
-            finite, bins=bin_edges(finite, BINS), color=REST, log=len(finite) > 0
-        )  # no log axis with no bars
+        ax.hist(finite, bins=BINS, color=REST, log=len(finite) > 0)  # no log axis with no bars
         top = found.values[found.top]
         ax.plot(top, np.zeros_like(top), "|", color=TOP, markersize=14, mew=1.5, clip_on=False,
                 transform=ax.get_xaxis_transform(), label=f"top {len(top)} rows")  # fmt: skip

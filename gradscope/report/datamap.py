@@ -29,8 +29,8 @@ class DataMap:
     variability: np.ndarray  # standard deviation over epochs of it
     correctness: np.ndarray  # mean over epochs of `correct` (NaN without the column)
     grad_norm: np.ndarray  # mean over epochs of grad_norm
-    lowest_rank: np.ndarray  # lowest over epochs of the grad_norm's percentile in its epoch;
-    # NaN where an epoch saw no finite grad_norm of it (not ranked: not high at every epoch)
+    lowest_rank: np.ndarray  # lowest over the epochs that saw it of the grad_norm's percentile
+    # in its epoch; NaN where fewer than half the epochs saw a finite grad_norm of it
 
 
 def _per_epoch(ids: np.ndarray, epochs: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -57,6 +57,15 @@ def _percentiles(table: np.ndarray) -> np.ndarray:
         ranks = (np.cumsum(counts) - (counts + 1) / 2)[at]  # 0-based, ties averaged
         out[ok, j] = 100.0 * ranks / max(ok.sum() - 1, 1)
     return out
+
+
+def _lowest(percentiles: np.ndarray) -> np.ndarray:
+    """(examples,) each row's lowest percentile over the epochs that saw it, NaN where fewer than
+    half did: one epoch's high norm is no norm that stays high (a partial last epoch, or
+    drop_last's few rows an epoch, leave an example out of one or two)."""
+    seen = np.isfinite(percentiles).sum(1)
+    lowest = np.nanmin(np.where(seen[:, None] > 0, percentiles, 0.0), 1)
+    return np.where(2 * seen >= percentiles.shape[1], lowest, np.nan)
 
 
 def data_map(path: Path) -> DataMap:
@@ -90,7 +99,7 @@ def data_map(path: Path) -> DataMap:
             np.nanstd(prob, 1),
             np.nanmean(correct, 1),
             np.nanmean(norm, 1),
-            _percentiles(norm).min(1),  # NaN: an epoch without it, or without a finite norm
+            _lowest(_percentiles(norm)),
         )
 
 

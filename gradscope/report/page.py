@@ -203,12 +203,15 @@ def write_report(
         option = "--by" if by is not None else "--config"
         raise ConfigError(f"a watch file's page is its data map, which reads no {option}", option)
     scored = meta.get("data_sha256")
-    limit = nested(meta, "config", "data", "limit")  # the rows scored (data made by code)
+    limit = nested(meta, "config", "data", "limit")  # the rows scored (data made by code); a
+    if meta.get("command") == "query":  # query's are its index's (built with its own --limit)
+        limit = meta.get("index_rows")
     limit = limit if isinstance(limit, int) and not isinstance(limit, bool) else None
     if cfg and not isinstance(scored, str):
         raise DataError(
-            "the scores file records no data_sha256 (another tool's file?): the examples shown "
-            "could be other rows than the ones scored; leave --config out",
+            "the scores file records no data_sha256 (written by another tool, or by an older "
+            "gradscope): the examples shown could be other rows than the ones scored; leave "
+            "--config out",
             str(scores),
         )
     if cfg and scored != data_identity(replace(cfg.data, limit=limit)):

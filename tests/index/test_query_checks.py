@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from project import edit_data, fails, load_net
+from project import edit_config, edit_data, fails, load_net, made_by_code
 from runs import N, close, index, loop, query, refused, run
 
 from gradscope import job
@@ -159,3 +159,8 @@ def test_a_report_of_a_query_shows_only_the_indexed_rows(project, monkeypatch, c
     err = fails(monkeypatch, capsys, "report", project / "q.parquet", "--by", "score",
                 "--config", project / "config.yaml")  # fmt: skip
     assert "the data changed since it was scored" in err
+    # rows made by code, indexed with --limit: the query's file records the index's rows
+    edit_config(project, lambda c: c["data"].update(path=made_by_code(project)))
+    ix = index(project, "--limit", 6, name="six")
+    query(project, ix)
+    run("report", project / "q.parquet", "--by", "score", "--config", project / "config.yaml")
