@@ -130,8 +130,12 @@ def _whole_example(trace: RowTrace, x: Tensor, *args, **kwargs) -> Tensor:
 
 
 def _batch_norm(trace: RowTrace, x: Tensor, *args, **kwargs) -> Tensor:
-    """Per channel, on running statistics. On the batch's own statistics every example mixes;
-    the batch-norm rule refuses that case with its own message, so the owners stay as they are."""
+    """Per channel, on running statistics. On the batch's own statistics (``training``, the
+    fifth argument of F.batch_norm and torch.batch_norm alike: a module in training mode, or
+    without running statistics) every example mixes, also where no parameter of the norm is
+    scored (a frozen backbone's)."""
+    if kwargs.get("training", args[4] if len(args) > 4 else False):
+        return reduce(trace.owner(x), range(x.dim()))
     return compact(trace.owner(x))
 
 

@@ -120,10 +120,18 @@ def first_apart(alone: Tensor, in_batch: Tensor) -> int | None:
 
 def mixed(i: int, alone: float, in_batch: float, after: str = "") -> ModelError:
     """The refusal of a batch whose example ``i`` has another loss alone than in it."""
+    apart = f"example {i}'s loss is {alone:.6g} alone and {in_batch:.6g} in its batch"
+    if after == " (after batch_norm)":  # the model's, not the loss's
+        return ModelError(
+            f"{apart}: a batch norm on the batch's own statistics (track_running_stats=False, "
+            "or F.batch_norm with training=True) mixes its examples, so an example has no "
+            "gradient of its own; score a model whose batch norms keep running statistics",
+            "model",
+        )
     return ModelError(
-        f"example {i}'s loss is {alone:.6g} alone and {in_batch:.6g} in its batch: the loss "
-        f"(or the model) mixes the examples of a batch{after}, as l - l.mean() does, so an "
-        "example has no gradient of its own; reduce each example's loss alone",
+        f"{apart}: the loss (or the model) mixes the examples of a batch{after}, as "
+        "l - l.mean() does, so an example has no gradient of its own; reduce each example's "
+        "loss alone",
         "loss",
     )
 
@@ -140,7 +148,17 @@ def check_alone(
     refused as mixing its examples."""
     with torch.no_grad():
         for i in range(len(targets)) if every else dict.fromkeys((0, len(targets) - 1)):
-            one_alone(run, inputs, targets, losses, i, lambda *apart: mixed(*apart, after))
+            try:
+                one_alone(run, inputs, targets, losses, i, lambda *apart: mixed(*apart, after))
+            except ModelError as e:
+                if e.where == "data.inputs" and len(targets) > 1:  # alone it fails: it mixes
+                    raise ModelError(
+                        f"example {i} alone fails where its batch runs ({e.what}): the model "
+                        f"needs the batch's other examples{after}, so an example has no "
+                        "gradient of its own",
+                        "model",
+                    ) from e
+                raise
 
 
 def example(inputs: tuple[Tensor, ...], targets: Tensor, i: int) -> tuple[tuple, Tensor]:

@@ -65,3 +65,45 @@ def test_losses_the_trace_cannot_follow_are_still_exact(tmp_path):
     norms = gradscope.per_example_norms(net, x, y, loss=per_example)
     expected = reference_norms(net, (x,), y, per_example)[1]
     assert_rel_close(norms, expected, 1e-9)
+
+
+class _BatchStats(torch.nn.Module):
+    """A conv, a batch norm on the batch's own statistics, a head; or F.batch_norm(training=True)
+    on (B, C) rows, which an example alone cannot run."""
+
+    def __init__(self, functional: bool = False):
+        super().__init__()
+        self.functional = functional
+        self.conv = torch.nn.Conv2d(3, 5, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(5, track_running_stats=False)
+        self.head = torch.nn.Linear(5, 4)
+
+    def forward(self, x):
+        if self.functional:
+            h = self.conv(x).mean((2, 3))
+            return self.head(torch.nn.functional.batch_norm(h, None, None, training=True))
+        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def test_batch_statistics_no_scored_parameter_owns_are_refused():
+    """The batch norm's own rule refused it only where its parameters were scored: a frozen
+    backbone's (or include= the head) scored every batch 10-12% off the loop, unsaid."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3, 4, 4, dtype=torch.float64), torch.randint(0, 4, (8,))
+    frozen = _BatchStats().double()
+    for p in [*frozen.conv.parameters(), *frozen.bn.parameters()]:
+        p.requires_grad_(False)
+    for model, kwargs in ((frozen, {}), (_BatchStats().double(), {"include": ["head.*"]})):
+        try:
+            gradscope.per_example_norms(model, x, y, **kwargs)
+        except ModelError as e:
+            assert "a batch norm on the batch's own statistics" in str(e), e
+        else:
+            raise AssertionError("batch statistics were scored")
+    try:
+        gradscope.per_example_norms(_BatchStats(functional=True).double(), x, y)
+    except ModelError as e:
+        assert "example 0 alone fails where its batch runs" in str(e), e
+        assert "needs the batch's other examples (after batch_norm)" in str(e), e
+    else:
+        raise AssertionError("batch statistics were scored")

@@ -64,10 +64,19 @@ def _norm(args, kwargs, lanes, out, batch) -> Lane | None:
 
 
 def _per_example(args, kwargs, lanes, out, batch) -> Lane | None:
-    """Convolutions, pooling, group and batch norms: examples on dimension 0, kept there."""
+    """Convolutions, pooling, group norms: examples on dimension 0, kept there."""
     lane = only(args, kwargs, lanes)
     ok = lane is not None and lane[0] == 0 and out.dim() and out.shape[0] == args[0].shape[0]
     return lane if ok else None
+
+
+def _batch_norm(args, kwargs, lanes, out, batch) -> Lane | None:
+    """A batch norm on running statistics, per example; on the batch's own (``training``, the
+    sixth argument of F.batch_norm and torch.batch_norm alike) every example mixes: followed
+    as a contraction (``analysis/contractions.py``)."""
+    if kwargs.get("training", args[5] if len(args) > 5 else False):
+        return None
+    return _per_example(args, kwargs, lanes, out, batch)
 
 
 def _unreduced(args: tuple, kwargs: dict) -> bool:
@@ -127,7 +136,7 @@ _PER_EXAMPLE = (
     *("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"),
     *("max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d"),
     *("adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "interpolate"),
-    *("adaptive_max_pool1d", "adaptive_max_pool2d", "pixel_shuffle", "pad", "batch_norm"),
+    *("adaptive_max_pool1d", "adaptive_max_pool2d", "pixel_shuffle", "pad"),
     *("max_pool2d_with_indices", "group_norm", "instance_norm", "local_response_norm"),
 )
 _POINTWISE_LOSSES = (
@@ -141,6 +150,7 @@ COMPUTED: dict[str, Callable[..., Lane | None]] = {
     "scaled_dot_product_attention": _attention,
     **dict.fromkeys(("layer_norm", "rms_norm"), _norm),
     **dict.fromkeys(_PER_EXAMPLE, _per_example),
+    "batch_norm": _batch_norm,
     "embedding": _embedding,
     **dict.fromkeys(("cross_entropy", "nll_loss"), _classes),
     **dict.fromkeys(_POINTWISE_LOSSES, _pointwise_loss),
