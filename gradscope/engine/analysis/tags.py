@@ -170,6 +170,7 @@ class ReadFloat(float):
 
     owner: int
     noted: Noted | None
+    bound: str | None = None  # as Read's: ``if x.max().item() > 0.9:`` asks it
 
     def __new__(cls, value: float, owner: int = MIXED, noted: Noted | None = None) -> ReadFloat:
         read = super().__new__(cls, value)

@@ -222,3 +222,28 @@ def test_fresh_api_calls_on_two_batches_exact_or_refused_the_model_untouched(cas
             assert_rel_close(got, reference_norms(model, (x,), y, "cross_entropy")[1], 1e-9)
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert (refused > 0) != case.startswith("own-"), refused
+
+
+class _FloatBranch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 5), torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h * 2 if h.max().item() > 0.9 else h)
+
+
+def test_a_float_read_compared_with_a_number_runs_each_example_whole():
+    """``if h.max().item() > 0.9:`` raised AttributeError ('ReadFloat' has no 'bound'), as the
+    model's fault, on every batch."""
+    torch.manual_seed(0)
+    model = _FloatBranch().double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
+    got = gradscope.per_example_norms(model, x, y)
+    want = []
+    for i in range(8):
+        loss = torch.nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1])
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        want.append(torch.sqrt(sum(g.square().sum() for g in grads)))
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-12, atol=0)
