@@ -719,7 +719,13 @@ def test_summary_and_report_read_metadata_another_tool_edited(tmp_path):
         pq.write_table(table.replace_schema_metadata({b"gradscope": text.encode()}), edited)
         for args in (["summary"], ["report"], ["report", "--config", str(config)]):
             result = runner.invoke(app, [args[0], str(edited), *args[1:]])
-            assert result.exit_code == 0, (name, args, result.output)
+            # with --config, the rows must be told the data's: no data_sha256 left, refused
+            kept = isinstance(meta, dict) and isinstance(meta.get("data_sha256"), str)
+            if "--config" in args and not kept:
+                assert result.exit_code == 2, (name, args, result.output)
+                assert "records no data_sha256" in one_error(result), (name, result.output)
+            else:
+                assert result.exit_code == 0, (name, args, result.output)
 
 
 def test_summary_and_report_of_columns_another_tool_rewrote(tmp_path):

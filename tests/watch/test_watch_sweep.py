@@ -21,7 +21,7 @@ def test_a_family_served_trains_alike_and_one_of_another_loss_is_refused():
     assert big_bird["status"] == "refused" and "another forward" in big_bird["note"]
     assert watch_sweep.run_one("clip_vision_model")["status"] == "skipped"
     resnet = watch_sweep.run_one("resnet")  # an image classifier of batch statistics
-    assert resnet["status"] == "refused" and "BatchNorm2d" in resnet["note"]
+    assert resnet["status"] == "refused" and "a batch norm on the batch's own" in resnet["note"]
     assert watch_sweep.run_one("wav2vec2")["status"] == "same"  # SpecAugment's numpy masks
     table = watch_sweep._table({"gpt2": gpt2, "bart": bart})
     assert "refused 1, same 1" in table and "| gpt2 | AutoModelForCausalLM | same |" in table

@@ -122,12 +122,7 @@ def mixed(i: int, alone: float, in_batch: float, after: str = "") -> ModelError:
     """The refusal of a batch whose example ``i`` has another loss alone than in it."""
     apart = f"example {i}'s loss is {alone:.6g} alone and {in_batch:.6g} in its batch"
     if after == " (after batch_norm)":  # the model's, not the loss's
-        return ModelError(
-            f"{apart}: a batch norm on the batch's own statistics (track_running_stats=False, "
-            "or F.batch_norm with training=True) mixes its examples, so an example has no "
-            "gradient of its own; score a model whose batch norms keep running statistics",
-            "model",
-        )
+        return ModelError(f"{apart}: {BATCH_STATISTICS}", "model")
     return ModelError(
         f"{apart}: the loss (or the model) mixes the examples of a batch{after}, as "
         "l - l.mean() does, so an example has no gradient of its own; reduce each example's "
@@ -135,6 +130,13 @@ def mixed(i: int, alone: float, in_batch: float, after: str = "") -> ModelError:
         "loss",
     )
 
+
+# the refusal's words where a batch norm mixed the examples
+BATCH_STATISTICS = (
+    "a batch norm on the batch's own statistics (in training mode, with "
+    "track_running_stats=False, or F.batch_norm(training=True)) mixes its examples, so an "
+    "example has no gradient of its own; score a model whose batch norms keep running statistics"
+)
 
 # where a number of the batch's values left the trace as a plain one (``tags.Noted``)
 PLAIN = " (after a number of the batch's values read on the host)"
@@ -152,11 +154,14 @@ def check_alone(
                 one_alone(run, inputs, targets, losses, i, lambda *apart: mixed(*apart, after))
             except ModelError as e:
                 if e.where == "data.inputs" and len(targets) > 1:  # alone it fails: it mixes
+                    why = (
+                        BATCH_STATISTICS
+                        if after == " (after batch_norm)"
+                        else f"the model needs the batch's other examples{after}, so an "
+                        "example has no gradient of its own"
+                    )
                     raise ModelError(
-                        f"example {i} alone fails where its batch runs ({e.what}): the model "
-                        f"needs the batch's other examples{after}, so an example has no "
-                        "gradient of its own",
-                        "model",
+                        f"example {i} alone fails where its batch runs ({e.what}): {why}", "model"
                     ) from e
                 raise
 
