@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .errors import ConfigError, ModelError
 
@@ -199,7 +199,7 @@ def resolve_loss(
         )
     if token_reduction not in ("mean", "sum"):
         raise ConfigError(f"token_reduction must be 'mean' or 'sum', not {token_reduction!r}")
-    return _checked(fn)
+    return _checked(fn, alone=callable(spec))
 
 
 def _tracked(outputs: Any) -> bool:
@@ -207,7 +207,11 @@ def _tracked(outputs: Any) -> bool:
     return any(isinstance(t, Tensor) and t.requires_grad for t in tree_leaves(outputs))
 
 
-def _checked(fn: LossFn) -> LossFn:
+def _checked(fn: LossFn, alone: bool = False) -> LossFn:
+    """``fn`` with its value checked: one loss per example, attached to the outputs; a loss of
+    the user's (``alone``) also once per shape against its first and last examples alone."""
+    seen: set = set()
+
     def loss(outputs: Any, targets: Tensor) -> Tensor:
         try:
             value = fn(outputs, targets)
@@ -228,6 +232,44 @@ def _checked(fn: LossFn) -> LossFn:
                 "no gradient reaches the model",
                 "loss",
             )
+        shapes = (tuple(targets.shape), *(tuple(t.shape) for t in _tensors(outputs)))
+        if alone and batch > 1 and shapes not in seen:
+            _check_alone(fn, outputs, targets, value)
+            seen.add(shapes)  # once it holds: a refusal is raised again on the next call
         return value
 
     return loss
+
+
+def _tensors(outputs: Any) -> list[Tensor]:
+    return [t for t in tree_leaves(outputs) if isinstance(t, Tensor)]
+
+
+def _check_alone(fn: LossFn, outputs: Any, targets: Tensor, value: Tensor) -> None:
+    """A loss of the user's must give an example, its outputs and targets alone, its loss in the
+    batch: one scaled by the batch's size, or averaged over the batch's tokens, gives each
+    example a gradient that changes with the batch it came in, which no trace of the model
+    sees. Outputs not batch-first (every tensor's dimension 0 the batch's) are not cut."""
+    from .engine.analysis.selfcheck import agrees
+
+    batch = targets.shape[0]
+    if any(t.dim() == 0 or t.shape[0] != batch for t in _tensors(outputs)):
+        return
+    with torch.no_grad():
+        for i in dict.fromkeys((0, batch - 1)):
+            one = slice(i, i + 1)
+            rows = tree_map(lambda t, one=one: t[one] if isinstance(t, Tensor) else t, outputs)
+            try:
+                got = fn(rows, targets[i : i + 1])
+            except Exception:  # noqa: BLE001 - a structure this cut does not fit: unchecked
+                return
+            if isinstance(got, Tensor) and got.shape == (1,) and agrees(got, value[i : i + 1]):
+                continue
+            shown = f"{got.item():.6g}" if isinstance(got, Tensor) and got.numel() == 1 else "other"
+            raise ModelError(
+                f"example {i}'s loss is {shown} alone and {value[i].item():.6g} in its batch: "
+                "the loss mixes the examples of a batch (as l - l.mean() does, or a scale by "
+                "the batch's size or tokens), so an example has no gradient of its own; return "
+                "each example's own loss",
+                "loss",
+            )

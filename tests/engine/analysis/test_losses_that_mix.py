@@ -107,3 +107,25 @@ def test_batch_statistics_no_scored_parameter_owns_are_refused():
         assert "a batch norm on the batch's own statistics" in str(e), e
     else:
         raise AssertionError("batch statistics were scored")
+
+
+def test_a_loss_scaled_by_the_batch_s_size_is_refused(tmp_path):
+    """``ce * len(y)``: each example's gradient changed with the size of its batch (7.0 at 8,
+    4.0 at 5 times the loop's), which no trace of the model sees."""
+    make_project(tmp_path)
+    net, x, y = load_net(tmp_path)
+
+    def scaled(outputs, targets):
+        return torch.nn.functional.cross_entropy(outputs, targets, reduction="none") * len(targets)
+
+    def doubled(outputs, targets):
+        return torch.nn.functional.cross_entropy(outputs, targets, reduction="none") * 2.0
+
+    try:
+        gradscope.per_example_norms(net, x, y, loss=scaled)
+    except ModelError as e:
+        assert "or a scale by the batch's size" in str(e), e
+    else:
+        raise AssertionError("a loss scaled by the batch's size was scored")
+    assert_rel_close(gradscope.per_example_norms(net, x, y, loss=doubled),
+                     2 * gradscope.per_example_norms(net, x, y), 1e-6)  # fmt: skip
