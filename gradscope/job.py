@@ -44,11 +44,14 @@ def at_checkpoint(model: ModelConfig, path: str) -> ModelConfig:
     return dataclasses.replace(model, checkpoints=[], **{key: path})
 
 
-def config_loss(cfg: Config) -> LossFn:
+def config_loss(cfg: Config, alone: bool = True) -> LossFn:
+    """The config's loss; ``alone``: a loss of the user's checked against examples alone (not
+    where it only trains: ``losses.resolve_loss``)."""
     name = cfg.loss.name
     spec = held(name) if is_held(name) else name
     spec = import_object(name, "loss.name") if ".py:" in name else spec
-    return resolve_loss(spec, cfg.loss.kwargs, cfg.loss.class_dim, cfg.loss.token_reduction)
+    loss = cfg.loss
+    return resolve_loss(spec, loss.kwargs, loss.class_dim, loss.token_reduction, alone=alone)
 
 
 def config_forward(cfg: Config) -> Forward:

@@ -178,11 +178,13 @@ def resolve_loss(
     kwargs: dict | None = None,
     class_dim: int = -1,
     token_reduction: str = "mean",
+    alone: bool = True,
 ) -> LossFn:
     """Turn a loss name or a callable into ``(outputs, targets) -> Tensor[B]``.
 
     Names: cross_entropy, nll, mse, l1, bce_with_logits, causal_lm. A callable is used as it is and must
-    return one loss per example.
+    return one loss per example, each example's alone (checked once per shape, ``alone``: not
+    where the loss only trains, which needs no example's gradient of its own).
     """
     kwargs = dict(kwargs or {})
     if callable(spec):
@@ -199,7 +201,7 @@ def resolve_loss(
         )
     if token_reduction not in ("mean", "sum"):
         raise ConfigError(f"token_reduction must be 'mean' or 'sum', not {token_reduction!r}")
-    return _checked(fn, alone=callable(spec))
+    return _checked(fn, alone=alone and callable(spec))
 
 
 def _tracked(outputs: Any) -> bool:
@@ -235,6 +237,8 @@ def _checked(fn: LossFn, alone: bool = False) -> LossFn:
         shapes = (tuple(targets.shape), *(tuple(t.shape) for t in _tensors(outputs)))
         if alone and batch > 1 and shapes not in seen:
             _check_alone(fn, outputs, targets, value)
+            if len(seen) > 1000:  # every batch a shape of its own (padded to its longest row)
+                seen.clear()
             seen.add(shapes)  # once it holds: a refusal is raised again on the next call
         return value
 
@@ -249,27 +253,44 @@ def _check_alone(fn: LossFn, outputs: Any, targets: Tensor, value: Tensor) -> No
     """A loss of the user's must give an example, its outputs and targets alone, its loss in the
     batch: one scaled by the batch's size, or averaged over the batch's tokens, gives each
     example a gradient that changes with the batch it came in, which no trace of the model
-    sees. Outputs not batch-first (every tensor's dimension 0 the batch's) are not cut."""
-    from .engine.analysis.selfcheck import agrees
-
+    sees. Outputs not batch-first (every tensor's dimension 0 the batch's) are not cut, nor is
+    a result other than one number checked; the calls draw from a forked random state, and no
+    torch function mode (the analysis's trace) sees them."""
     batch = targets.shape[0]
     if any(t.dim() == 0 or t.shape[0] != batch for t in _tensors(outputs)):
         return
-    with torch.no_grad():
+    devices = sorted({t.device.index for t in _tensors(outputs) if t.device.type == "cuda"})
+    # outside any trace of the pass that called the loss (its modes would see these calls)
+    with torch.no_grad(), torch.random.fork_rng(devices=devices), torch._C.DisableTorchFunction():
         for i in dict.fromkeys((0, batch - 1)):
             one = slice(i, i + 1)
             rows = tree_map(lambda t, one=one: t[one] if isinstance(t, Tensor) else t, outputs)
             try:
-                got = fn(rows, targets[i : i + 1])
+                got = fn(rows, targets[one])
             except Exception:  # noqa: BLE001 - a structure this cut does not fit: unchecked
                 return
-            if isinstance(got, Tensor) and got.shape == (1,) and agrees(got, value[i : i + 1]):
+            if not isinstance(got, Tensor) or got.numel() != 1:
+                return  # (1,) or a squeezed (); anything else: outputs cut along another dim
+            if _close(got.reshape(()), value[i]):
                 continue
-            shown = f"{got.item():.6g}" if isinstance(got, Tensor) and got.numel() == 1 else "other"
+            again = fn(outputs, targets)[i]  # a loss that draws: not the batch's fault
+            why = (
+                "the loss gives another value on a second call (it draws random numbers?), so "
+                "an example's gradient is not defined; make the loss deterministic"
+                if not _close(again, value[i])
+                else "the loss mixes the examples of a batch (as l - l.mean() does, or a scale "
+                "by the batch's size or tokens), so an example has no gradient of its own; "
+                "return each example's own loss"
+            )
             raise ModelError(
-                f"example {i}'s loss is {shown} alone and {value[i].item():.6g} in its batch: "
-                "the loss mixes the examples of a batch (as l - l.mean() does, or a scale by "
-                "the batch's size or tokens), so an example has no gradient of its own; return "
-                "each example's own loss",
+                f"example {i}'s loss is {got.item():.6g} alone and {value[i].item():.6g} in its "
+                f"batch: {why}",
                 "loss",
             )
+
+
+def _close(a: Tensor, b: Tensor) -> bool:
+    """Equal up to the rounding of ``b``'s dtype (the same row's loss, computed alone)."""
+    tol = 1e-2 if b.dtype in (torch.float16, torch.bfloat16) else 1e-5
+    a, b = a.detach().double(), b.detach().double()
+    return bool((a - b).abs() <= tol * max(a.abs().item(), b.abs().item(), 1e-12))

@@ -100,7 +100,7 @@ class Trainer:
         self.last_loss = float("nan")  # the mean training loss of the last whole pass
         self.order = torch.Generator().manual_seed(self.seed)  # the rows' order, pass by pass
         self.forward = config_forward(self.cfg)
-        self.loss = config_loss(self.cfg)
+        self.loss = config_loss(self.cfg, alone=False)  # training needs no example's own
 
     def state(self) -> dict:
         """What a resumed run needs to go on exactly as this one would."""

@@ -132,10 +132,12 @@ def _whole_example(trace: RowTrace, x: Tensor, *args, **kwargs) -> Tensor:
 def _batch_norm(trace: RowTrace, x: Tensor, *args, **kwargs) -> Tensor:
     """Per channel, on running statistics. On the batch's own statistics (``training``, the
     fifth argument of F.batch_norm and torch.batch_norm alike: a module in training mode, or
-    without running statistics) every example mixes, also where no parameter of the norm is
-    scored (a frozen backbone's)."""
-    if kwargs.get("training", args[4] if len(args) > 4 else False):
-        return reduce(trace.owner(x), range(x.dim()))
+    without running statistics) each channel's values mix over every dimension but 1: every
+    example, where the batch is dimension 0, also where no parameter of the norm is scored (a
+    frozen backbone's); none, where each channel is one example's (an instance norm written
+    as a batch norm over ``x.view(1, B * C, H, W)``)."""
+    if kwargs.get("training", args[4] if len(args) > 4 else False) and x.dim() > 1:
+        return reduce(trace.owner(x), [d for d in range(x.dim()) if d != 1])
     return compact(trace.owner(x))
 
 

@@ -135,7 +135,8 @@ def mixed(i: int, alone: float, in_batch: float, after: str = "") -> ModelError:
 BATCH_STATISTICS = (
     "a batch norm on the batch's own statistics (in training mode, with "
     "track_running_stats=False, or F.batch_norm(training=True)) mixes its examples, so an "
-    "example has no gradient of its own; score a model whose batch norms keep running statistics"
+    "example has no gradient of its own; only a batch norm on running statistics (eval mode, "
+    "track_running_stats=True) can be scored or watched"
 )
 
 # where a number of the batch's values left the trace as a plain one (``tags.Noted``)
@@ -157,8 +158,8 @@ def check_alone(
                     why = (
                         BATCH_STATISTICS
                         if after == " (after batch_norm)"
-                        else f"the model needs the batch's other examples{after}, so an "
-                        "example has no gradient of its own"
+                        else f"the model needs the batch's other examples{after}, or cannot "
+                        "take a batch of one, so an example has no gradient of its own"
                     )
                     raise ModelError(
                         f"example {i} alone fails where its batch runs ({e.what}): {why}", "model"

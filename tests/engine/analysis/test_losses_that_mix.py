@@ -129,3 +129,57 @@ def test_a_loss_scaled_by_the_batch_s_size_is_refused(tmp_path):
         raise AssertionError("a loss scaled by the batch's size was scored")
     assert_rel_close(gradscope.per_example_norms(net, x, y, loss=doubled),
                      2 * gradscope.per_example_norms(net, x, y), 1e-6)  # fmt: skip
+
+
+def test_losses_of_the_user_s_that_the_alone_check_must_let_be(tmp_path):
+    """A squeezed (B, 1) loss (a () alone), outputs cut along another dimension than the batch
+    (time-first, T == B), and a loss that draws: scored, scored, refused for what it is."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    net = net.double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 1, dtype=torch.float64)
+    mse = torch.nn.functional.mse_loss
+    plain = gradscope.per_example_norms(net, x, y, lambda o, t: mse(o, t, reduction="none")[:, 0])
+    squeezed = gradscope.per_example_norms(
+        net, x, y, lambda o, t: mse(o, t, reduction="none").squeeze()
+    )
+    assert torch.equal(plain, squeezed)
+
+    def noisy(o, t):
+        return mse(o + 0.1 * torch.randn_like(o), t, reduction="none")[:, 0]
+
+    try:
+        gradscope.per_example_norms(net, x, y, noisy)
+    except ModelError as e:
+        assert "another value on a second call (it draws random numbers?)" in str(e), e
+    else:
+        raise AssertionError("a loss that draws was scored")
+
+
+def test_an_instance_norm_written_as_a_batch_norm_stays_per_example():
+    """AdaIN's F.batch_norm(x.view(1, B * C, H, W), training=True): each channel one example's."""
+
+    class AdaIN(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.head = torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            h = self.conv(x)
+            b, c = h.shape[:2]
+            h = torch.nn.functional.batch_norm(h.reshape(1, b * c, *h.shape[2:]), None, None,
+                                               training=True).reshape(h.shape)  # fmt: skip
+            return self.head(h.mean((2, 3)))
+
+    torch.manual_seed(0)
+    model = AdaIN().double()
+    x, y = torch.randn(6, 3, 5, 5, dtype=torch.float64), torch.randint(0, 3, (6,))
+    want = []
+    for i in range(6):
+        loss = torch.nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1])
+        want.append(
+            torch.cat(
+                [g.flatten() for g in torch.autograd.grad(loss, list(model.parameters()))]
+            ).norm()
+        )
+    assert_rel_close(gradscope.per_example_norms(model, x, y), torch.stack(want), 1e-10)
