@@ -234,12 +234,13 @@ def _checked(fn: LossFn, alone: bool = False) -> LossFn:
                 "no gradient reaches the model",
                 "loss",
             )
-        shapes = (tuple(targets.shape), *(tuple(t.shape) for t in _tensors(outputs)))
-        if alone and batch > 1 and shapes not in seen:
-            _check_alone(fn, outputs, targets, value)
-            if len(seen) > 1000:  # every batch a shape of its own (padded to its longest row)
-                seen.clear()
-            seen.add(shapes)  # once it holds: a refusal is raised again on the next call
+        if alone and batch > 1:  # a loss of the user's: each shape's first batch
+            shapes = (tuple(targets.shape), *(tuple(t.shape) for t in _tensors(outputs)))
+            if shapes not in seen:
+                _check_alone(fn, outputs, targets, value)
+                if len(seen) > 1000:  # every batch a shape of its own (padded to its longest)
+                    seen.clear()
+                seen.add(shapes)  # once it holds: a refusal is raised again on the next call
         return value
 
     return loss
