@@ -257,10 +257,10 @@ def _check_alone(fn: LossFn, outputs: Any, targets: Tensor, value: Tensor) -> No
     sees. Outputs not batch-first (every tensor's dimension 0 the batch's) are not cut, nor is
     a result other than one number checked; the calls draw from a forked random state, and no
     torch function mode (the analysis's trace) sees them."""
-    batch = targets.shape[0]
-    if any(t.dim() == 0 or t.shape[0] != batch for t in _tensors(outputs)):
+    batch, leaves = targets.shape[0], _tensors(outputs)
+    if any(t.dim() == 0 or t.shape[0] != batch for t in leaves):
         return
-    devices = sorted({t.device.index for t in _tensors(outputs) if t.device.type == "cuda"})
+    devices = sorted({t.device.index for t in leaves if t.device.type == "cuda"})
     # outside any trace of the pass that called the loss (its modes would see these calls)
     with torch.no_grad(), torch.random.fork_rng(devices=devices), torch._C.DisableTorchFunction():
         for i in dict.fromkeys((0, batch - 1)):

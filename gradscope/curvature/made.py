@@ -12,6 +12,7 @@ import re
 import torch
 
 from ..errors import ModelError
+from ..io.files import hash_tensor
 from .store import Factors
 
 # the config keys that make the model and its loss, each compared where the factors record it;
@@ -60,9 +61,7 @@ def weights_sha256(plan) -> str | None:
         return None
     h = hashlib.sha256()
     for name, t in tensors:
-        t = t.cpu().contiguous()
-        h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy())
+        hash_tensor(h, name, t)
     return h.hexdigest()
 
 

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from .. import __version__
 from ..errors import ModelError, one_line
+from ..io.files import hash_tensor
 from .factors import DIAGONAL, EKFAC, FULL, KFAC, Block
 
 KEY = "gradscope"  # the safetensors metadata key, as the Parquet files'
@@ -97,9 +98,7 @@ def digest(tensors: dict[str, Tensor], meta: dict) -> str:
     canonical = json.loads(json.dumps(meta))  # as the file holds it: int keys are strings
     h = hashlib.sha256(json.dumps(canonical, sort_keys=True).encode())
     for key in sorted(tensors):
-        t = tensors[key].detach().cpu().contiguous()
-        h.update(f"{key} {t.dtype} {tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy())
+        hash_tensor(h, key, tensors[key])
     return h.hexdigest()
 
 

@@ -26,6 +26,14 @@ def file_sha256(path: str | Path) -> str:
     return _sha256(str(path), stat.st_size, stat.st_mtime_ns)
 
 
+def hash_tensor(h: Any, name: str, t: torch.Tensor, end: str = "") -> None:
+    """Feed the sha256 ``h`` one named tensor: its name, dtype and shape (then ``end``), then its
+    bytes (a factors file's digest, the selected weights', a held model's identity)."""
+    t = t.detach().cpu().contiguous()
+    h.update(f"{name} {t.dtype} {tuple(t.shape)}{end}".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy())
+
+
 @functools.lru_cache(maxsize=1 << 16)  # every shard of a large dataset, hashed once
 def _sha256(path: str, size: int, mtime_ns: int) -> str:
     digest = hashlib.sha256()

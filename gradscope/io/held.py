@@ -82,6 +82,8 @@ def identity(spec: str) -> str:
     sha256, ``io.data.code_rows_sha256``); a function (a loss) by its spec, its address."""
     import torch
 
+    from .files import hash_tensor
+
     obj = _HELD[spec]
     if callable(obj) and not isinstance(obj, torch.nn.Module):
         return spec  # a loss or output function: by its address, as before (two lambdas alike)
@@ -92,9 +94,7 @@ def identity(spec: str) -> str:
         if not isinstance(t, torch.Tensor) or torch.nn.parameter.is_lazy(t):  # extra state
             h.update(f"{name} {type(t).__name__};".encode())  # or a lazy module's, unmade
             continue
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name} {t.dtype} {tuple(t.shape)};".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        hash_tensor(h, name, t, end=";")
     return f"<{type(obj).__name__} {h.hexdigest()}>"
 
 

@@ -121,7 +121,7 @@ def first_apart(alone: Tensor, in_batch: Tensor) -> int | None:
 def mixed(i: int, alone: float, in_batch: float, after: str = "") -> ModelError:
     """The refusal of a batch whose example ``i`` has another loss alone than in it."""
     apart = f"example {i}'s loss is {alone:.6g} alone and {in_batch:.6g} in its batch"
-    if after == " (after batch_norm)":  # the model's, not the loss's
+    if after == AFTER_BATCH_NORM:  # the model's, not the loss's
         return ModelError(f"{apart}: {BATCH_STATISTICS}", "model")
     return ModelError(
         f"{apart}: the loss (or the model) mixes the examples of a batch{after}, as "
@@ -131,7 +131,8 @@ def mixed(i: int, alone: float, in_batch: float, after: str = "") -> ModelError:
     )
 
 
-# the refusal's words where a batch norm mixed the examples
+# the refusal's words where a batch norm mixed the examples (``after`` names it so)
+AFTER_BATCH_NORM = " (after batch_norm)"
 BATCH_STATISTICS = (
     "a batch norm on the batch's own statistics (in training mode, with "
     "track_running_stats=False, or F.batch_norm(training=True)) mixes its examples, so an "
@@ -157,7 +158,7 @@ def check_alone(
                 if e.where == "data.inputs" and len(targets) > 1:  # alone it fails: it mixes
                     why = (
                         BATCH_STATISTICS
-                        if after == " (after batch_norm)"
+                        if after == AFTER_BATCH_NORM
                         else f"the model needs the batch's other examples{after}, or cannot "
                         "take a batch of one, so an example has no gradient of its own"
                     )
