@@ -239,11 +239,14 @@ def test_a_float_read_compared_with_a_number_runs_each_example_whole():
     model's fault, on every batch."""
     torch.manual_seed(0)
     model = _FloatBranch().double()
-    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
-    got = gradscope.per_example_norms(model, x, y)
-    want = []
-    for i in range(8):
-        loss = torch.nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1])
-        grads = torch.autograd.grad(loss, list(model.parameters()))
-        want.append(torch.sqrt(sum(g.square().sum() for g in grads)))
-    torch.testing.assert_close(got, torch.stack(want), rtol=1e-12, atol=0)
+    kept = {k: v.clone() for k, v in model.state_dict().items()}
+    for _ in range(2):  # two batches of one shape, other values: a fresh call each
+        x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
+        got = gradscope.per_example_norms(model, x, y)
+        want = []
+        for i in range(8):
+            loss = torch.nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1])
+            grads = torch.autograd.grad(loss, list(model.parameters()))
+            want.append(torch.sqrt(sum(g.square().sum() for g in grads)))
+        torch.testing.assert_close(got, torch.stack(want), rtol=1e-12, atol=0)
+        assert all(torch.equal(v, kept[k]) for k, v in model.state_dict().items())

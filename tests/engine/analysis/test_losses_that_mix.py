@@ -173,13 +173,13 @@ def test_an_instance_norm_written_as_a_batch_norm_stays_per_example():
 
     torch.manual_seed(0)
     model = AdaIN().double()
-    x, y = torch.randn(6, 3, 5, 5, dtype=torch.float64), torch.randint(0, 3, (6,))
-    want = []
-    for i in range(6):
-        loss = torch.nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1])
-        want.append(
-            torch.cat(
-                [g.flatten() for g in torch.autograd.grad(loss, list(model.parameters()))]
-            ).norm()
-        )
-    assert_rel_close(gradscope.per_example_norms(model, x, y), torch.stack(want), 1e-10)
+    kept = {k: v.clone() for k, v in model.state_dict().items()}
+    for _ in range(2):  # two batches of one shape, other values: a fresh call each
+        x, y = torch.randn(6, 3, 5, 5, dtype=torch.float64), torch.randint(0, 3, (6,))
+        want = []
+        for i in range(6):
+            loss = torch.nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1])
+            grads = torch.autograd.grad(loss, list(model.parameters()))
+            want.append(torch.cat([g.flatten() for g in grads]).norm())
+        assert_rel_close(gradscope.per_example_norms(model, x, y), torch.stack(want), 1e-10)
+        assert all(torch.equal(v, kept[k]) for k, v in model.state_dict().items())
