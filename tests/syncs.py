@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gradscope.engine import Engine
 from gradscope.engine.replay import programs
 from gradscope.losses import resolve_loss
+from gradscope.rules import trailing
 
 # each waits for the device: to read a value, or to size its output by the values
 # (``unique``: GPU runs showed the embedding rule's, one a table and batch)
@@ -48,7 +49,8 @@ class _Offsets(TorchDispatchMode):
 def counted(offsets: bool = False) -> Iterator[list[str]]:
     """Every call of a synchronising tensor method or torch function, by name: once where a
     function mode (the engine's) is handed the replaced method and calls it again; with
-    ``offsets``, every grouped product that reads its offsets on the host (``OFFSETS``)."""
+    ``offsets``, every grouped product that reads its offsets on the host (``OFFSETS``). The
+    pass counted is a device's: no rows of zeros cut (``rules/trailing.py``, the CPU's)."""
     calls: list[str] = []
     inside = [False]  # a read a function mode handed back to the method it came through: once
     saved = [(torch.Tensor, name, getattr(torch.Tensor, name)) for name in METHODS]
@@ -67,12 +69,15 @@ def counted(offsets: bool = False) -> Iterator[list[str]]:
 
         return call
 
+    free = trailing.FREE
     try:
+        trailing.FREE = frozenset()
         for owner, name, original in saved:
             setattr(owner, name, counting(name, original))
         with _Offsets(calls) if offsets else contextlib.nullcontext():
             yield calls
     finally:
+        trailing.FREE = free
         for owner, name, original in saved:
             setattr(owner, name, original)
 

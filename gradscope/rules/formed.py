@@ -1,6 +1,7 @@
 """Per-example gradients formed a few examples at a time: where no factored form exists (a
 convolution's weight, a tensor computed from parameters: ``Formed``), and where a training step
-takes a Linear's norms and batch sum from the same G formed (``formed_sums``)."""
+takes a Linear's norms and batch sum from the same G formed (``formed_sums``), and where several
+calls' examples are each scored against their own references (``formed_inners``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .base import Contribution, Dense, _acc, _cat, _dots, _sq_norm, rows
+from .base import CHUNK_ELEMENTS, Contribution, Dense, _acc, _cat, _dots, _sq_norm, rows
 
 if TYPE_CHECKING:
     from .projection import Projection
@@ -78,32 +79,37 @@ def formed_sums(
     """(B,) squared norms and the batch sum of G_i = s_i^T a_i, s (B, G, T, O) and a (B, G, T,
     I), from each G formed once: chunks of examples one after another into one buffer
     (``FORMED_ELEMENTS``), read back for the norms and the sum from the cache; where examples
-    hold their own numbers of rows (``lengths``: the tokens routed to one expert), each from its
-    rows alone, no padding formed, the products adding up to the batch gradient's."""
+    hold their own numbers of rows (``lengths``: the tokens routed to one expert, a sequence's
+    padding cut), each formed from its rows alone into its place in the chunk, no padding
+    formed, the products adding up to the batch gradient's."""
     (b, g, _, o), i = s.shape, a.shape[-1]
-    if lengths is not None:
-        work, total, norms = s.new_empty(g, o, i), s.new_zeros(shape), [None] * b
-        for k, n in enumerate(lengths):
-            if n:  # (G, O, I) = (G, O, n) @ (G, n, I)
-                torch.matmul(s[k, :, :n].mT, a[k, :, :n], out=work)
-                norms[k] = _sq_norm(work.view(1, -1))
-                total.view(g, o, i).add_(work)
-        zero = s.new_zeros(1)
-        return torch.cat([zero if n is None else n for n in norms]), total
     step = max(1, min(b, FORMED_ELEMENTS // (g * o * i)))
-    if step == 1:
+    if step == 1 and lengths is None:
         return _one_by_one(s, a, shape)
     work, total = s.new_empty(step, g, o, i), s.new_empty(shape)
     norms, acc = [], total.view(g, o, i)
     for lo in range(0, b, step):
         m = work[: min(step, b - lo)]  # (b, G, O, I) = (b, G, O, T) @ (b, G, T, I)
-        torch.matmul(s[lo : lo + step].mT, a[lo : lo + step], out=m)
+        if lengths is None:
+            torch.matmul(s[lo : lo + step].mT, a[lo : lo + step], out=m)
+        else:
+            _each(s, a, lengths, lo, m)
         norms.append(_sq_norm(m.flatten(1)))
         if lo:
             acc.add_(m.sum(0))
         else:
             torch.sum(m, 0, out=acc)
     return _cat(norms), total
+
+
+def _each(s: Tensor, a: Tensor, lengths: Sequence[int], lo: int, m: Tensor) -> None:
+    """Examples ``lo`` on, each G formed from its first ``lengths`` rows into ``m``'s place,
+    (G, O, I) = (G, O, n) @ (G, n, I); zeros where it holds none."""
+    for k, n in enumerate(lengths[lo : lo + len(m)], lo):
+        if n:
+            torch.matmul(s[k, :, :n].mT, a[k, :, :n], out=m[k - lo])
+        else:
+            m[k - lo].zero_()
 
 
 def _one_by_one(s: Tensor, a: Tensor, shape: torch.Size) -> tuple[Tensor, Tensor]:
@@ -122,3 +128,23 @@ def _one_by_one(s: Tensor, a: Tensor, shape: torch.Size) -> tuple[Tensor, Tensor
         if k:
             acc.add_(m)
     return _cat(norms), total
+
+
+def formed_inners(
+    s: Tensor, a: Tensor, shape: torch.Size, refs: Sequence[Tensor], batch: int
+) -> Tensor:
+    """(n, batch, K) as ``Outer.inners``, s (n * batch, G, T, O) and a (n * batch, G, T, I),
+    from each example's G_i formed, a few calls at a time, each call's against its own
+    references: (B, P) @ (P, K), no stack of them made."""
+    p = shape.numel()
+    # calls formed at a time: their G no larger than the rows of all (at a few positions G
+    # is the larger: H3's --per-ref, 16 calls' at once, was 1.3x a backward's peak)
+    step = max(1, min(CHUNK_ELEMENTS, s.numel() + a.numel()) // (batch * p))
+    out = []
+    for lo in range(0, len(refs), step):
+        hi = min(lo + step, len(refs))
+        part, side = s[lo * batch : hi * batch], a[lo * batch : hi * batch]
+        g = (part.transpose(-1, -2) @ side).view(hi - lo, batch, p)  # (c*B, G, O, I): (c, B, P)
+        out += [_dots(g[c], rows(r.to(g.dtype))) for c, r in enumerate(refs[lo:hi])]
+        del g  # let go before the next calls' is formed
+    return torch.stack(out)

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from .base import Contribution, Dense, Once, _acc
 from .outer import Outer
 from .registry import register_rule
+from .trailing import trailing
 
 
 def affine_parts(
@@ -23,7 +24,9 @@ def affine_parts(
 
     ``x`` is (B, ..., in) and ``grad_output`` (B, ..., out); the weight is (out, in), or (in, out)
     when transposed: the same outer products with the roles of inputs and output gradients swapped.
-    ``lengths``: example i's rows are its first ``lengths[i]`` of (B, T, ...), the rest zeros.
+    ``lengths``: example i's rows are its first ``lengths[i]`` of (B, T, ...), the rest zeros;
+    where none are given, the rows of zero output gradients at each example's end are cut
+    (``trailing.py``).
     """
     b = grad_output.shape[0]
     a = x.reshape(b, 1, -1, x.shape[-1])  # (B, 1, T, in)
@@ -35,8 +38,10 @@ def affine_parts(
     if s.shape[2] == 1:
         one = _acc(grad_output if grad_output.dim() == 2 else s[:, 0, 0])  # (B, out)
     sq = Once(one) if one is not None and bias is not None and not transposed else None
-    shape = weight.shape
-    out = {"weight": Outer(a, s, shape, lengths) if transposed else Outer(s, a, shape, lengths, sq)}
+    shape, trimmed = weight.shape, lengths is None
+    lengths = trailing(s, a) if trimmed else lengths
+    weights = (a, s) if transposed else (s, a)
+    out = {"weight": Outer(*weights, shape, lengths, sq, trimmed)}
     if bias is not None:
         out["bias"] = Dense(s.sum((1, 2)) if one is None else one, sq)
     return out

@@ -19,7 +19,7 @@ from .base import (
     rows,
     stacked,
 )
-from .formed import formed_sums
+from .formed import formed_inners, formed_sums
 from .ghost import ghost_inner, gram_norm_sq
 from .projection import Projection
 
@@ -44,7 +44,9 @@ class Outer(Contribution):
     longest (the tokens routed to one expert, gathered per example), that example i's positions
     from ``lengths[i]`` on are zeros. Examples of similar length are then answered together, cut
     to their group's longest, each group by its cheaper route: padding every example to the
-    longest would cost the longest's work for each.
+    longest would cost the longest's work for each. ``trimmed``: those zeros are rows of a
+    product autograd takes whole, cut off (``trailing.py``), so that a training step's batch
+    sum over the rows left costs less than autograd's over them all.
     """
 
     def __init__(
@@ -54,11 +56,13 @@ class Outer(Contribution):
         shape: torch.Size,
         lengths: Sequence[int] | None = None,
         sq: Once | None = None,
+        trimmed: bool = False,
     ):
         self.s, self.a, self.shape = _acc(s), _acc(a), torch.Size(shape)
         self.sq = sq  # (B,) ||s_i||^2 of one position and group, shared with a bias (``Once``)
         full = lengths is None or all(n == self.s.shape[2] for n in lengths)
         self.lengths = None if full else tuple(int(n) for n in lengths)
+        self.trimmed = trimmed and not full
         self._grouped: list[tuple[Tensor, Outer]] | None = None
 
     @property
@@ -75,6 +79,7 @@ class Outer(Contribution):
                 torch.cat([self.a, other.a], 2),
                 self.shape,
                 self._merged_lengths(other),
+                trimmed=self.trimmed or other.trimmed,
             )
         return super().merge(other)
 
@@ -124,7 +129,7 @@ class Outer(Contribution):
 
     def examples(self, lo: int, hi: int) -> Contribution:
         lengths = None if self.lengths is None else self.lengths[lo:hi]
-        return Outer(self.s[lo:hi], self.a[lo:hi], self.shape, lengths)
+        return Outer(self.s[lo:hi], self.a[lo:hi], self.shape, lengths, trimmed=self.trimmed)
 
     def norm_sq(self) -> Tensor:
         b, g, t, o, i = self.dims
@@ -145,7 +150,11 @@ class Outer(Contribution):
         sum_i T_i^2 (I + O), costs more than the sum of B * O * I that forming adds to the
         batch gradient's product it leaves to autograd (each example's own rows and length,
         where ``lengths``). Else the norms' alone (``norm_sq``): all positions of every
-        example, more than one, and no Gram cheaper (many positions, a sequence model's)."""
+        example, more than one, and no Gram cheaper (many positions, a sequence model's).
+        ``trimmed``: a training step's sum is the rule's either way, over the rows left."""
+        return (train and self.trimmed) or self._forming(train)
+
+    def _forming(self, train: bool) -> bool:
         _, _, t, o, i = self.dims
         if not train:
             return self.lengths is None and t > 1 and not self._gram_cheaper
@@ -155,9 +164,9 @@ class Outer(Contribution):
 
     def norm_sq_and_sum(self) -> tuple[Tensor, Tensor]:
         """The squared norms and the batch sum from the same G formed, where a training step
-        ``forms`` it (``formed.py``): the sum over a chunk's examples costs B * O * I beside
+        forms it (``formed.py``): the sum over a chunk's examples costs B * O * I beside
         their forming, not the batch gradient's B * T * O * I again."""
-        if not self.forms(train=True):
+        if not self._forming(train=True):
             return super().norm_sq_and_sum()
         return formed_sums(self.s, self.a, self.lengths, self.shape)
 
@@ -239,29 +248,13 @@ class Outer(Contribution):
         t = self.dims[2]
         return t * k > t + k
 
-    def _formed_inners(self, refs: Sequence[Tensor], batch: int) -> Tensor:
-        """(n, batch, K) as ``inners``, from each example's G_i formed, a few calls at a time,
-        each call's against its own references: (B, P) @ (P, K), no stack of them made."""
-        p = self.shape.numel()
-        # calls formed at a time: their G no larger than the rows of all (at a few positions G
-        # is the larger: H3's --per-ref, 16 calls' at once, was 1.3x a backward's peak)
-        step = max(1, min(CHUNK_ELEMENTS, self.s.numel() + self.a.numel()) // (batch * p))
-        out = []
-        for lo in range(0, len(refs), step):
-            hi = min(lo + step, len(refs))
-            s, a = self.s[lo * batch : hi * batch], self.a[lo * batch : hi * batch]
-            g = (s.transpose(-1, -2) @ a).view(hi - lo, batch, p)  # (c*B, G, O, I) as (c, B, P)
-            out += [_dots(g[c], rows(r.to(g.dtype))) for c, r in enumerate(refs[lo:hi])]
-            del g  # let go before the next calls' is formed
-        return torch.stack(out)
-
     def inner(self, refs: Tensor) -> Tensor:
         if self._groups() is not None:
             return self._placed(lambda p: p.inner(refs), (refs.shape[0],))
         b, g, t, o, i = self.dims
         if self._formed_cheaper(refs.shape[0]):  # G formed, a few examples at a time
             r = rows(refs.to(self.s.dtype))  # (K, P)
-            # no more of G at once than the rows of all, as ``_formed_inners`` (T1's --per-ref,
+            # no more of G at once than the rows of all, as ``formed_inners`` (T1's --per-ref,
             # every example's at once, was 1.21x a backward's peak)
             limit = min(CHUNK_ELEMENTS, self.s.numel() + self.a.numel())
             return _cat(self._formed(lambda m: _dots(m.flatten(1), r), limit))
@@ -277,7 +270,7 @@ class Outer(Contribution):
         if self.lengths is not None:
             return super().inners(refs, batch)
         if self._formed_cheaper(refs[0].shape[0]):
-            return self._formed_inners(refs, batch)
+            return formed_inners(self.s, self.a, self.shape, refs, batch)
         refs = stacked(refs)
         n, k = refs.shape[:2]
         _, g, t, o, i = self.dims
