@@ -46,6 +46,12 @@ def _model() -> nn.Module:
     return Padded().double()
 
 
+@pytest.fixture(autouse=True)
+def small(monkeypatch):
+    """These tests' products, small, cut as large ones are."""
+    monkeypatch.setattr(trailing, "SMALL", 0)
+
+
 @pytest.fixture
 def cuts(monkeypatch) -> list:
     """The lengths each cut Outer of the pass took."""
@@ -134,6 +140,14 @@ def test_nothing_cut_where_an_input_cut_is_not_finite():
 def test_nothing_cut_where_few_rows_are(lengths):
     s, a = _sides(lengths)
     assert trailing.trailing(s, a) is None
+
+
+def test_nothing_read_for_a_small_product(monkeypatch):
+    s, a = _sides([6, 2, 3])
+    monkeypatch.setattr(trailing, "SMALL", s.shape[0] * s.shape[2] * 4 * 3 + 1)
+    assert trailing.trailing(s, a) is None
+    monkeypatch.setattr(trailing, "SMALL", s.shape[0] * s.shape[2] * 4 * 3)
+    assert trailing.trailing(s, a) == [6, 2, 3]
 
 
 def test_nothing_cut_where_the_read_would_wait_for_a_device(monkeypatch):
