@@ -12,12 +12,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .base import accumulation_dtype
+
 # The devices where reading the lengths on the host waits for nothing
 FREE = frozenset({"cpu"})
 # Rows are cut where no more than this share of the batch's rows is left: above it, cutting
 # saves less than the per-example products it costs
 WORTH = 0.9
-# Nothing is read for products of fewer multiply-adds over the batch: they cost less than the
+# Nothing is read for products of no more multiply-adds over the batch: they cost less than the
 # reads that would cut them (24 us a call where no example ends in zeros, on the CPU of
 # 2026-12-07: a twentieth of T3's whole pass)
 SMALL = 1 << 24
@@ -29,7 +31,7 @@ def trailing(s: Tensor, a: Tensor) -> list[int] | None:
     holds one, too few rows are cut, the host read would wait for a device, or an input is not
     finite (a term of a zero gradient and an infinite input is not zero: the loop's NaN)."""
     b, g, t, o = s.shape
-    if t < 2 or s.device.type not in FREE or b * g * t * o * a.shape[-1] < SMALL:
+    if t < 2 or s.device.type not in FREE or b * g * t * o * a.shape[-1] <= SMALL:
         return None
     if bool(s[:, :, -1].ne(0).any((1, 2)).all()):  # read first: no padding, at little cost
         return None
@@ -38,6 +40,7 @@ def trailing(s: Tensor, a: Tensor) -> list[int] | None:
     lengths = ends.tolist()
     if sum(lengths) > WORTH * b * t:
         return None
-    if not bool(a.sum().isfinite()):  # a finite sum: every input finite (or else none cut)
+    # a finite sum (float16's in float32: 65504 is its largest) says every input is finite
+    if not bool(a.sum(dtype=accumulation_dtype(a.dtype)).isfinite()):
         return None
     return lengths

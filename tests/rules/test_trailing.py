@@ -136,6 +136,13 @@ def test_nothing_cut_where_an_input_cut_is_not_finite():
     assert grads[1].isnan().any()  # the answer the loop gives, from every row
 
 
+def test_half_inputs_whose_sum_overflows_half_are_cut():
+    """float16's largest is 65504: the inputs' sum, in float32, is finite."""
+    s, a = _sides([6, 2, 3], i=4096)
+    a = a.abs().half() + 1
+    assert bool(a.sum().isinf()) and trailing.trailing(s.half(), a) == [6, 2, 3]
+
+
 @pytest.mark.parametrize("lengths", [[6, 6, 5], [6, 6, 6]])
 def test_nothing_cut_where_few_rows_are(lengths):
     s, a = _sides(lengths)
@@ -144,10 +151,11 @@ def test_nothing_cut_where_few_rows_are(lengths):
 
 def test_nothing_read_for_a_small_product(monkeypatch):
     s, a = _sides([6, 2, 3])
-    monkeypatch.setattr(trailing, "SMALL", s.shape[0] * s.shape[2] * 4 * 3 + 1)
-    assert trailing.trailing(s, a) is None
     monkeypatch.setattr(trailing, "SMALL", s.shape[0] * s.shape[2] * 4 * 3)
+    assert trailing.trailing(s, a) is None
+    monkeypatch.setattr(trailing, "SMALL", s.shape[0] * s.shape[2] * 4 * 3 - 1)
     assert trailing.trailing(s, a) == [6, 2, 3]
+    assert trailing.trailing(s[:, :, :, :0], a) is None  # no product at all
 
 
 def test_nothing_cut_where_the_read_would_wait_for_a_device(monkeypatch):
