@@ -173,6 +173,28 @@ def test_box_plots_draw_the_outliers_and_classes_by_name(tmp_path):
     assert all(f">{name}<" in svg for name in "abcd")  # ticks as text (svg.fonttype none)
 
 
+def test_a_box_plot_of_many_rows_draws_its_outliers_as_one_raster(tmp_path):
+    """30k rows of a heavy tail: 0.46 MB of vector markers before; the box plot's outliers
+    are one image now, and a small file's stay markers (the test above)."""
+    n = 30_000
+    tail = np.abs(np.random.default_rng(0).standard_cauchy(n))
+    found = rank(scores_file(tmp_path / "s.parquet", n=n, grad_norm=tail), "grad_norm", 3, None)
+    svg = charts.classes(found)
+    assert svg.count("<image") == 4 and len(svg) < 60_000, len(svg)  # one for each class
+
+
+def test_two_reports_of_one_file_are_the_same_page(tmp_path):
+    """matplotlib salts a clip path's id at random unless told otherwise."""
+    scores = scores_file(tmp_path / "s.parquet")
+    pages = [write_report(scores, tmp_path / f"{k}.html").read_bytes() for k in range(2)]
+    assert pages[0] == pages[1] and b"clipPath" in pages[0]
+
+
+def test_one_top_row_is_a_row(tmp_path):
+    svg = charts.histogram(rank(scores_file(tmp_path / "s.parquet"), "grad_norm", 1, None))
+    assert ">top 1 row<" in svg
+
+
 def test_histogram_counts_are_plain_text_on_the_log_axis(tmp_path):
     found = rank(scores_file(tmp_path / "s.parquet", n=400), None, 3, None)
     ticks = re.findall(r">([^<>]+)</text>", charts.histogram(found))
