@@ -197,9 +197,11 @@ class Analysis:
             findings.expand = True  # tried: it held, or nothing was expanded
         if not same:
             raise ModelError(
-                "the model gives other losses for the same batch on a second forward (random "
-                "masking or noise in eval mode?): per-example gradients of a random function "
-                "are not defined; make its forward deterministic",
+                "the model gives other losses for the same batch on a second forward: its "
+                "forward is random (masking or noise in eval mode?), or writes its own weights "
+                "or buffers (`w.data.mul_`), as these two forwards then did: reload the model; "
+                "per-example gradients of such a forward are not defined: make it deterministic "
+                "and leave the model as it is",
                 "model",
             )
         findings.deterministic = True

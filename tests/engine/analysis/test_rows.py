@@ -343,6 +343,31 @@ def test_a_random_forward_is_refused_not_scored():
         gradscope.per_example_norms(RandomMask(), x, y)
 
 
+class Shrinking(nn.Module):
+    """A forward that writes its own weight, unseen by autograd's version counter."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.fc.weight.data.mul_(0.9)
+        return self.fc(x)
+
+
+def test_a_forward_that_writes_its_weights_is_refused_saying_the_model_changed():
+    """The refusal said only "random"; the caller's model is left as the two forwards that
+    found it made it (0.81 of its weight): the line says so."""
+    from gradscope.errors import ModelError
+
+    torch.manual_seed(0)
+    model, x, y = Shrinking(), torch.randn(4, D), torch.randint(0, 3, (4,))
+    before = model.fc.weight.detach().clone()
+    with pytest.raises(ModelError, match="writes its own weights .* reload the model"):
+        gradscope.per_example_norms(model, x, y)
+    torch.testing.assert_close(model.fc.weight.detach(), before * 0.81)
+
+
 class SortedTokens(nn.Module):
     """JetMoE's dispatch: tokens sorted by a key across the batch, a Linear on the sorted rows,
     then put back; a mask made by new_ones (Longformer, LED) on the way."""
