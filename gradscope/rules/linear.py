@@ -38,8 +38,9 @@ def affine_parts(
     if s.shape[2] == 1:
         one = _acc(grad_output if grad_output.dim() == 2 else s[:, 0, 0])  # (B, out)
     sq = Once(one) if one is not None and bias is not None and not transposed else None
-    shape, trimmed = weight.shape, lengths is None
-    lengths = trailing(s, a) if trimmed else lengths
+    shape, trimmed = weight.shape, False
+    if lengths is None and (cut := trailing(s, a)) is not None:
+        lengths, trimmed = cut, True
     weights = (a, s) if transposed else (s, a)
     out = {"weight": Outer(*weights, shape, lengths, sq, trimmed)}
     if bias is not None:
