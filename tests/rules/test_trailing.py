@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import assert_fallback, assert_rel_close, reference_influence, reference_norms
+from oracle import (
+    Case,
+    assert_case_matches_loop,
+    assert_fallback,
+    assert_rel_close,
+    reference_influence,
+    reference_norms,
+)
 from torch import nn
 
 import gradscope
@@ -78,6 +85,20 @@ def test_norms_with_rows_cut_are_the_loops(cuts, lengths):
     assert_fallback(engine)
     assert tuple(lengths) in cuts or min(lengths) == max(lengths)  # the padding cut
     assert tuple([1] * len(lengths)) in cuts  # ``first``: the head reads row 0 alone
+
+
+def test_two_batches_through_the_api_and_the_cli_with_rows_cut(tmp_path, cuts):
+    """Each batch a fresh ``per_example_norms`` call and one run of ``gradscope norms``, the
+    model left as it was (``assert_case_matches_loop``)."""
+    lengths = torch.tensor([7, 3, 5, 2, 4])
+
+    def inputs(n: int):
+        mask = (torch.arange(7) < lengths[:n, None]).double()
+        return torch.randn(n, 7, 6), mask
+
+    case = Case("padded", Padded, inputs, lambda out: out.argmax(-1), "cross_entropy")
+    assert_case_matches_loop(case, rtol=1e-10, cli=tmp_path)
+    assert (7, 3, 5, 2, 4) in cuts and (1,) * 5 in cuts
 
 
 def test_influence_with_rows_cut_is_the_loops(cuts):
