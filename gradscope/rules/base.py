@@ -25,6 +25,10 @@ CHUNK_ELEMENTS = 1 << 24
 # over 200k elements and 2e-4 over 2M, where the loop's gradients are within 1e-7; a block's sum
 # stays at float32's rounding, and the blocks' add by a cascade.
 BLOCK = 1024
+# A row set of at most this many elements takes its squared norms as one product-sum
+# (``vecdot``), one call where the fused norm and its square are two: the host-bound passes'
+# small layers; its temporary, the size of the rows, is then no matter.
+FUSED = 1 << 16
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -38,14 +42,18 @@ def _acc(t: Tensor) -> Tensor:
 
 
 def rows(t: Tensor) -> Tensor:
-    """(B, *shape) -> (B, P): one row per example, also for a parameter of shape ()."""
-    return t.reshape(t.shape[0], -1)
+    """(B, *shape) -> (B, P): one row per example, also for a parameter of shape (); ``t``
+    itself where it is (B, P) already (no call for a view of it)."""
+    return t if t.dim() == 2 else t.reshape(t.shape[0], -1)
 
 
 def _sq_norm(t: Tensor) -> Tensor:
-    """Squared L2 norm over the last dim: fused reductions, no squared copy of ``t`` in memory,
-    in ``BLOCK``s where the dim is longer."""
+    """Squared L2 norm over the last dim: one ``vecdot`` where ``t`` is small (``FUSED``), else
+    fused reductions, no squared copy of ``t`` in memory, in ``BLOCK``s where the dim is
+    longer."""
     n = t.shape[-1]
+    if n <= BLOCK and t.numel() <= FUSED:
+        return torch.linalg.vecdot(t, t)
     if n <= BLOCK:
         return torch.linalg.vector_norm(t, dim=-1).square()
     k = n // BLOCK
@@ -60,8 +68,8 @@ def _dots(x: Tensor, r: Tensor) -> Tensor:
     """(..., B, K) inner products of the rows of ``x`` (..., B, P) with those of ``r``
     (..., K, P), in ``BLOCK``s of P where it is longer."""
     p = x.shape[-1]
-    if p <= BLOCK:
-        return x @ r.mT  # (..., B, P) @ (..., P, K)
+    if p <= BLOCK:  # one reference set for all: ``linear``'s x r^T, with no call for r^T
+        return torch.nn.functional.linear(x, r) if r.dim() == 2 else x @ r.mT
     k = p // BLOCK
     xb = x[..., : k * BLOCK].unflatten(-1, (k, BLOCK)).movedim(-2, 0)  # (k, ..., B, BLOCK)
     rb = r[..., : k * BLOCK].unflatten(-1, (k, BLOCK)).movedim(-2, 0)  # (k, ..., K, BLOCK)
