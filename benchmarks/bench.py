@@ -6,7 +6,9 @@
 Every method (``methods.py``) runs on the same model, batch and loss (``workloads.py``) as the
 floor: one forward and one backward of the batch's summed loss with all parameters requiring grad.
 Each workload runs in its own subprocess, where the methods take turns round-robin (the starting
-method rotates every round) after warm-up, and the median of the repeats is reported. Peak memory
+method rotates every round) after warm-up, and the median of the repeats is reported; a sample
+runs a method's call as many times as fill ``--sample-ms`` (one call of the large workloads, a
+few dozen of the tiny ones), and counts the time of one. Peak memory
 is measured in a second subprocess per workload (see ``measure_memory``). Every answer is checked
 against its task's loop before it is timed, so a fast wrong answer shows up as "wrong", not as a
 win. Peers (torch.func, Opacus, BackPACK) are optional: one that is not installed is "missing".
@@ -18,6 +20,7 @@ import argparse
 import gc
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import statistics
@@ -25,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -51,7 +54,8 @@ class Result:
     rel_err: float | None = None
     time_ratio: float | None = None
     mem_ratio: float | None = None
-    times_s: list[float] = field(default_factory=list)
+    times_s: list[float] = field(default_factory=list)  # each sample's time of one call
+    calls: int = 1  # calls a sample (``calls``)
 
 
 def _sync(device: torch.device) -> None:
@@ -121,10 +125,12 @@ def time_workload(
     budget_s: float = float("inf"),
     clock: str = "wall",
     dtype: torch.dtype | None = None,
+    sample_s: float = 0.0,
 ) -> list[Result]:
     """Check every method against the loop, then time them round-robin; medians in ``time_s``.
 
-    A method stops being timed once its samples add up to ``budget_s`` (it keeps at least one).
+    A sample is ``calls`` of a method's calls (``sample_s``), its time divided by them. A
+    method stops being timed once its samples add up to ``budget_s`` (it keeps at least one).
     ``clock="cpu"`` times the process's CPU time instead of the wall clock: on a machine shared
     with other work, with one thread, what each call computed rather than how long it waited.
     On CUDA, each method's peak memory is measured in the same process after the timing
@@ -134,19 +140,23 @@ def time_workload(
     pb = WORKLOADS[workload].build().to(device, dtype)
     steps, results = _setup(pb, workload, keys)
     _check(steps, results, dtype)
+    for key, step in steps.items():
+        results[key].calls = calls(step, now, device, sample_s)
     order = list(steps)
     for r in range(warmup - 1 + repeats):
         # rotate the starting method so none always runs right after the same neighbour
         for key in order[r % len(order) :] + order[: r % len(order)]:
-            if sum(results[key].times_s) > budget_s:
+            result = results[key]
+            if sum(result.times_s) * result.calls > budget_s:
                 continue  # a slow baseline: one or two samples place it well enough
             gc.collect()
             _sync(device)
             start = now()
-            steps[key]()
+            for _ in range(result.calls):
+                steps[key]()
             _sync(device)
             if r >= warmup - 1:
-                results[key].times_s.append(now() - start)
+                result.times_s.append((now() - start) / result.calls)
     for key in steps:
         results[key].time_s = statistics.median(results[key].times_s)
     if device.type == "cuda":
@@ -155,6 +165,17 @@ def time_workload(
             results[key].mem_bytes = _peak_bytes(step, device)
         clear_grads(pb.model.parameters())
     return list(results.values())
+
+
+def calls(step: Step, now: Callable[[], float], device: torch.device, sample_s: float) -> int:
+    """How many calls of ``step`` fill one sample of ``sample_s`` (one where a call takes longer),
+    from the time of one: a tiny workload's call of a millisecond or two is near the grain of the
+    clock and of the scheduler, and one call alone, after ``gc.collect``, runs on cold caches."""
+    _sync(device)
+    start = now()
+    step()
+    _sync(device)
+    return max(1, math.ceil(sample_s / max(now() - start, 1e-6)))
 
 
 def _allocated_peak(prof: torch.profiler.profile) -> int:
@@ -227,7 +248,15 @@ def _worker(args: argparse.Namespace) -> None:
     keys, device, dtype = args.methods.split(","), torch.device(args.device), _dtype(args)
     if args.mode == "time":
         results = time_workload(
-            args.worker, keys, args.repeats, args.warmup, device, args.budget, args.clock, dtype
+            args.worker,
+            keys,
+            args.repeats,
+            args.warmup,
+            device,
+            args.budget,
+            args.clock,
+            dtype,
+            args.sample_ms / 1000,
         )
     else:
         results = measure_memory(args.worker, keys, device, dtype)
@@ -243,7 +272,7 @@ def _spawn(workload: str, mode: str, keys: Sequence[str], args: argparse.Namespa
             "--methods", ",".join(keys), "--repeats", str(args.repeats),
             "--warmup", str(args.warmup), "--budget", str(args.budget), "--device", args.device,
             "--threads", str(args.threads), "--clock", args.clock, "--dtype", args.dtype,
-            "--out", str(out),
+            "--sample-ms", str(args.sample_ms), "--out", str(out),
         ]  # fmt: skip
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not out.exists():
@@ -380,6 +409,7 @@ def _environment(args: argparse.Namespace) -> dict[str, object]:
         "repeats": args.repeats,
         "warmup": args.warmup,
         "budget_s": args.budget,
+        "sample_ms": args.sample_ms,
         "clock": args.clock,
         "commit": measured_commit(),  # the gradscope measured (the docs name it)
     }
@@ -414,6 +444,12 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="seconds of samples per method (default 20, quick 4)",
+    )
+    parser.add_argument(
+        "--sample-ms",
+        type=float,
+        default=50.0,
+        help="a sample runs a method's call as many times as fill this many ms (at least once)",
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument(

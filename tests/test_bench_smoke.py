@@ -30,6 +30,27 @@ def test_timing_checks_gradscope_against_the_loop():
     assert all(len(r.times_s) == 2 and r.time_s > 0 for r in results.values())
 
 
+def test_a_sample_runs_as_many_calls_as_fill_it():
+    clock = [0.0]
+
+    def step(took: float):
+        return lambda: clock.__setitem__(0, clock[0] + took)
+
+    def now():
+        return clock[0]
+
+    assert bench.calls(step(0.002), now, CPU, 0.05) == 25
+    assert bench.calls(step(0.2), now, CPU, 0.05) == 1  # a slow call: one a sample
+    assert bench.calls(step(0.002), now, CPU, 0.0) == 1
+
+
+def test_a_timed_sample_counts_one_call_of_its_many():
+    results = bench.time_workload("smoke", ["floor"], 2, 1, CPU, sample_s=0.2)
+    (floor,) = results
+    assert floor.calls > 1 and len(floor.times_s) == 2
+    assert max(floor.times_s) < 0.2  # each sample's time divided by its calls
+
+
 def test_reference_and_scoring_are_checked_against_their_loops():
     results = {r.method: r for r in bench.time_workload("smoke", ["floor", *INFLUENCE], 1, 1, CPU)}
     assert all(r.status == "ok" for r in results.values())

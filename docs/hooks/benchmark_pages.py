@@ -155,6 +155,7 @@ def _environment(env: dict) -> str:
         f"{env.get('device')}{gpu}; up to {env.get('repeats')} timed rounds after "
         f"{env.get('warmup')} "
         f"warm-up, {env.get('budget_s')} s of samples per method"
+        + (f", a sample the calls that fill {env['sample_ms']:g} ms" if "sample_ms" in env else "")
         + ("; each call's CPU time (`--clock cpu`)." if env.get("clock") == "cpu" else ".")
     )
 
