@@ -3,6 +3,8 @@ in-process, each answer checked against its task's loop."""
 
 from __future__ import annotations
 
+import types
+
 import bench  # benchmarks/ is on sys.path (conftest.py), as it is for the script
 import methods
 import pytest
@@ -30,25 +32,40 @@ def test_timing_checks_gradscope_against_the_loop():
     assert all(len(r.times_s) == 2 and r.time_s > 0 for r in results.values())
 
 
+class FakeClock:
+    """A clock that only a step moves: each call of ``step`` takes ``took`` seconds."""
+
+    def __init__(self, took: float):
+        self.t, self.took, self.steps = 0.0, took, 0
+
+    def now(self) -> float:
+        return self.t
+
+    def step(self) -> None:
+        self.t += self.took
+        self.steps += 1
+
+
 def test_a_sample_runs_as_many_calls_as_fill_it():
-    clock = [0.0]
-
-    def step(took: float):
-        return lambda: clock.__setitem__(0, clock[0] + took)
-
-    def now():
-        return clock[0]
-
-    assert bench.calls(step(0.002), now, CPU, 0.05) == 25
-    assert bench.calls(step(0.2), now, CPU, 0.05) == 1  # a slow call: one a sample
-    assert bench.calls(step(0.002), now, CPU, 0.0) == 1
+    fast, slow = FakeClock(0.002), FakeClock(0.2)
+    assert bench.calls(fast.step, fast.now, CPU, 0.05) == 25
+    assert fast.steps == 2  # sized from the faster of two calls
+    assert bench.calls(slow.step, slow.now, CPU, 0.05) == 1  # a slow call: one a sample
+    assert slow.steps == 1
+    assert bench.calls(fast.step, fast.now, CPU, 0.0) == 1 and fast.steps == 2  # none asked
+    assert bench.calls(FakeClock(0.0).step, fast.now, CPU, 0.05) == bench.MAX_CALLS
 
 
-def test_a_timed_sample_counts_one_call_of_its_many():
-    results = bench.time_workload("smoke", ["floor"], 2, 1, CPU, sample_s=0.2)
-    (floor,) = results
-    assert floor.calls > 1 and len(floor.times_s) == 2
-    assert max(floor.times_s) < 0.2  # each sample's time divided by its calls
+def test_a_timed_sample_counts_one_call_of_its_many(monkeypatch):
+    clock = FakeClock(1 / 16)  # binary fractions: the clock's sums exact
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=clock.now))
+    fake = methods.Method("floor", "floor", lambda pb: clock.step)
+    monkeypatch.setitem(bench.METHODS, "floor", fake)
+    (floor,) = bench.time_workload("smoke", ["floor"], 3, 2, CPU, sample_s=1 / 4)
+    assert floor.calls == 4
+    # the checking call, two that size a sample, a warm-up round and three samples, 4 calls each
+    assert clock.steps == 1 + 2 + 4 * 4
+    assert floor.times_s == [1 / 16] * 3 and floor.time_s == 1 / 16
 
 
 def test_reference_and_scoring_are_checked_against_their_loops():
