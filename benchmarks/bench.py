@@ -152,13 +152,9 @@ def time_workload(
             if sum(result.times_s) * result.calls > budget_s:
                 continue  # a slow baseline: one or two samples place it well enough
             gc.collect()
-            _sync(device)
-            start = now()
-            for _ in range(result.calls):
-                steps[key]()
-                _sync(device)  # on a GPU each call's own time, as a sample of one measured
+            took = _timed(steps[key], now, device, result.calls)
             if r >= warmup - 1:
-                result.times_s.append((now() - start) / result.calls)
+                result.times_s.append(took / result.calls)
     for key in steps:
         results[key].time_s = statistics.median(results[key].times_s)
     if device.type == "cuda":
@@ -176,14 +172,21 @@ def calls(step: Step, now: Callable[[], float], device: torch.device, sample_s: 
     scheduler, and one call alone, after ``gc.collect``, runs on cold caches."""
     took = math.inf
     for _ in range(2 if sample_s > 0 else 0):
-        _sync(device)
-        start = now()
-        step()
-        _sync(device)
-        took = min(took, now() - start)
+        took = min(took, _timed(step, now, device))
         if took >= sample_s:
             break
     return min(MAX_CALLS, max(1, math.ceil(sample_s / max(took, 1e-9))))
+
+
+def _timed(step: Step, now: Callable[[], float], device: torch.device, n: int = 1) -> float:
+    """Seconds of ``n`` calls of ``step``; on a GPU each call synchronised, so that they are
+    calls one at a time, as a sample of one call measures."""
+    _sync(device)
+    start = now()
+    for _ in range(n):
+        step()
+        _sync(device)
+    return now() - start
 
 
 def _allocated_peak(prof: torch.profiler.profile) -> int:
