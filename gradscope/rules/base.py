@@ -86,21 +86,21 @@ def stacked(refs: Sequence[Tensor]) -> Tensor:
     if isinstance(refs, Tensor):
         return refs
     first, n = refs[0], len(refs)
-    step = first.numel()
-    if (
+    base, at, step = first._base, first.storage_offset(), first.numel()
+    shape, dtype = first.shape, first.dtype
+    if (  # views of one tensor, each contiguous where the one before ends: the view reads them
         n > 1
-        and first.is_contiguous()
+        and base is not None
         and all(
-            t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-            and t.storage_offset() == first.storage_offset() + j * step
-            and t.shape == first.shape
-            and t.dtype == first.dtype
+            t._base is base
+            and t.storage_offset() == at + j * step
+            and t.shape == shape
+            and t.dtype == dtype
             and t.is_contiguous()
             for j, t in enumerate(refs)
         )
-        and first.storage_offset() + n * step <= first.untyped_storage().nbytes() // first.itemsize
     ):
-        return first.as_strided((n, *first.shape), (step, *first.stride()))
+        return first.as_strided((n, *shape), (step, *first.stride()))
     return torch.stack(list(refs))
 
 

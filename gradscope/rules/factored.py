@@ -150,9 +150,15 @@ def norm_sq_and_inner(c: Contribution, ref: Reference) -> tuple[Tensor, Tensor]:
 
 def inners(part: Contribution, refs: Sequence[Reference], batch: int) -> Tensor:
     """``part.inners``: (n, batch, K) of n calls' examples stacked in ``part``, each against its
-    own reference; call by call where a reference is factored."""
-    if not any(isinstance(r, Factored) for r in refs):
-        return part.inners(refs, batch)
-    return torch.stack(
-        [inner(part.examples(k * batch, (k + 1) * batch), r) for k, r in enumerate(refs)]
-    )
+    own reference; call by call where a factored reference pays its factors on a call's
+    examples (``inner``), else with those references formed, stacked with the others (a BERT
+    classifier's 12 alike query layers, the last one's reference factored, its 8 [CLS] rows all
+    that reach it: one product, not 12)."""
+    if any(isinstance(r, Factored) for r in refs):
+        one = part.examples(0, batch)  # a call's examples: every call's shapes alike
+        if any(isinstance(r, Factored) and r.fits(one) and r.cheaper(one) for r in refs):
+            return torch.stack(
+                [inner(part.examples(k * batch, (k + 1) * batch), r) for k, r in enumerate(refs)]
+            )
+        refs = [dense(r) for r in refs]
+    return part.inners(refs, batch)

@@ -101,6 +101,25 @@ def test_stacked_calls_each_against_its_own_factors():
     )
 
 
+def test_stacked_calls_whose_factors_do_not_pay_take_one_product(monkeypatch):
+    """``inners`` where no factored reference pays on a call's examples (more positions than
+    O * I / (O + I)): those formed and stacked with the others, one product for all the
+    calls, none call by call; exact."""
+    torch.manual_seed(6)
+    batch, n = 3, 3
+    c = Outer(
+        torch.randn(n * batch, 1, 2, 8).double(), torch.randn(n * batch, 1, 2, 9).double(), (8, 9)
+    )
+    refs = [_factors(2, 1, 40, 8, 9), torch.randn(2, 8, 9).double(), _factors(2, 1, 40, 8, 9)]
+    formed = [r if isinstance(r, torch.Tensor) else _formed(r) for r in refs]
+    expected = torch.stack(
+        [c.examples(k * batch, (k + 1) * batch).inner(f) for k, f in enumerate(formed)]
+    )
+    monkeypatch.setattr(factored, "inner", None)  # call by call would call it
+    torch.testing.assert_close(factored.inners(c, refs, batch), expected, rtol=1e-12, atol=1e-12)
+    assert all(r._dense is not None for r in refs if isinstance(r, Factored))
+
+
 def test_a_small_batch_takes_r_formed(monkeypatch):
     """Below ``DISPATCH`` multiply-adds saved over the batch, R formed (its few ops dispatch for
     less); past it, the factors; both exact."""

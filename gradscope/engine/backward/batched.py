@@ -8,7 +8,7 @@ from torch import Tensor
 
 from ...rules import Contribution, Dense, Outer
 from ...rules.base import CHUNK_ELEMENTS, _sq_norm, rows
-from ...rules.factored import Factored, Reference
+from ...rules.factored import Factored, Reference, dense
 from ...rules.ghost import gram_norms
 from ...rules.routed import Routed, routed_inners, routed_norms
 
@@ -39,10 +39,13 @@ class Batched:
         products: an Outer of every position, a Routed of ``sorted_route``), or formed
         gradients (a bias, a norm's scale; for norms, of at most ``HELD_DENSE`` elements, and
         not a one-position Linear's bias, whose norm its weight's computes); for inner products,
-        each part of at most ``HELD_DENSE`` elements whose references are formed (factored
-        ones answer each part alone: ``rules.factored.inner``); False where not taken."""
-        if self.refs is not None and isinstance(self.refs[name], Factored):
-            return False
+        each part of at most ``HELD_DENSE`` elements, its references formed where factored ones
+        do not pay on it (where they do, it is answered alone: ``rules.factored.inner``); False
+        where not taken."""
+        if self.refs is not None:
+            ref = self.refs[name]
+            if isinstance(ref, Factored) and ref.fits(c) and ref.cheaper(c):
+                return False
         key = _norm_key(c) if self.refs is None else _inner_key(c, len(self.refs[name]))
         if key is None:
             return False
@@ -61,11 +64,11 @@ class Batched:
         names, parts = [name for name, _, _ in held], [c for _, c, _ in held]
         if len(parts) == 1:  # nothing alike came: its own answer, nothing stacked
             c = parts[0]
-            answers = [c.norm_sq() if self.refs is None else c.inner(self.refs[names[0]])]
+            answers = [c.norm_sq() if self.refs is None else c.inner(dense(self.refs[names[0]]))]
         elif self.refs is None:
             answers = _norms(key[0], parts)
         else:
-            answers = _inners(key[0], parts, [self.refs[n] for n in names])
+            answers = _inners(key[0], parts, [dense(self.refs[n]) for n in names])
         self.done.update(zip(names, answers, strict=True))
         self._size -= sum(size for _, _, size in held)
 

@@ -11,9 +11,10 @@ import torch
 
 from gradscope.engine.backward import batched
 from gradscope.engine.backward.reduce import Reducer, Want
-from gradscope.rules import Dense, Outer, Rows
+from gradscope.rules import Dense, Outer, Rows, factored
 from gradscope.rules import formed as formed_module
 from gradscope.rules import outer as outer_module
+from gradscope.rules.factored import Factored
 from gradscope.rules.formed import Formed
 from gradscope.rules.routed import Routed
 
@@ -76,6 +77,34 @@ def test_inner_products_held_back_are_each_parameters_own(monkeypatch, bound: in
         torch.testing.assert_close(
             reducer.inner[name].double(), expected, rtol=1e-5, atol=1e-5, msg=name
         )
+
+
+def test_factored_references_held_formed_where_their_factors_do_not_pay(monkeypatch):
+    """A part whose factored reference pays on it (few positions) answered alone from the
+    factors; one whose reference does not (more positions than O * I / (O + I)) held and
+    answered with the alike parts, its reference formed; each exact."""
+    monkeypatch.setattr(factored, "DISPATCH", 0)
+    gen = torch.Generator().manual_seed(1)
+    parts = {name: _outer(gen, 3) for name in ("formed", "many", "few")}
+    refs = {"formed": torch.randn(K, 4, 8, generator=gen, dtype=torch.float64)}
+    for name, n in (("many", 40), ("few", 1)):
+        u = torch.randn(K, 1, n, 4, generator=gen, dtype=torch.float64)
+        v = torch.randn(K, 1, n, 8, generator=gen, dtype=torch.float64)
+        refs[name] = Factored(u, v, torch.Size((4, 8)))
+    alone = []
+    answer = factored.inner
+    monkeypatch.setattr(factored, "inner", lambda c, ref: alone.append(ref) or answer(c, ref))
+    reducer = Reducer(Want(norms=False, refs=refs), ())
+    for name, (part, _) in parts.items():
+        reducer.add(name, part)
+    reducer.finish()
+    assert alone == [refs["few"]]
+    for name, (_, grads) in parts.items():
+        ref = refs[name]
+        if isinstance(ref, Factored):
+            ref = torch.einsum("kgno,kgni->kgoi", ref.u, ref.v).reshape(K, 4, 8)
+        expected = grads.flatten(1) @ ref.flatten(1).T
+        torch.testing.assert_close(reducer.inner[name], expected, rtol=1e-12, atol=1e-12)
 
 
 def _rows(gen: torch.Generator, t: int) -> tuple[Rows, torch.Tensor]:
