@@ -25,11 +25,13 @@ def ghost_inner(r: Tensor, s: Tensor, a: Tensor) -> Tensor:
     (``base.BLOCK``): G * T * O terms of one example."""
     *n, k, g, o, i = r.shape
     b, t = s.shape[-4], s.shape[-2]
+    if g == 1 and t == 1 and not n and k == 1:  # one call, one reference, one position: the
+        # (B, 1, 1, .) rows through R as they lie (no call for R^T or a view), the narrower side
+        # out, then its product with the other summed over its dims (B, 1)
+        if o <= i:  # s^T (R a)
+            return torch.nn.functional.linear(a, r.reshape(o, i)).mul_(s).sum((2, 3))
+        return torch.matmul(s, r.reshape(o, i)).mul_(a).sum((2, 3))  # (s^T R) a
     if g == 1 and t == 1 and o <= i:  # one position: (*n, B, I) @ (*n, I, K*O) -> (*n, B, K, O)
-        if not n and k == 1:  # one call, one reference: a (B, 1, 1, I) through R as they lie,
-            # by ``linear`` (no call for R^T or a view), then s^T (R a) over its dims (B, 1)
-            ra = torch.nn.functional.linear(a, r.reshape(o, i))  # (B, 1, 1, O)
-            return ra.mul_(s).sum((2, 3))
         # reshape, not view: a reference through a preconditioner need not be contiguous
         ra = torch.matmul(a.reshape(*n, b, i), r.reshape(*n, k * o, i).mT).view(*n, b, k, o)
         return ra.mul_(s.reshape(*n, b, 1, o)).sum(-1)  # in place: no second (B, K, O)
