@@ -8,7 +8,7 @@ floor: one forward and one backward of the batch's summed loss with all paramete
 Each workload runs in its own subprocess, where the methods take turns round-robin (the starting
 method rotates every round) after warm-up, and the median of the repeats is reported; a sample
 runs a method's call as many times as fill ``--sample-ms`` (on a 2-core CPU one or two calls of
-W1-W10, a few dozen of the tiny workloads'), and counts the time of one. Peak memory
+W1-W10, a few dozen of the tiny workloads'), after one untimed call, and counts the time of one. Peak memory
 is measured in a second subprocess per workload (see ``measure_memory``). Every answer is checked
 against its task's loop before it is timed, so a fast wrong answer shows up as "wrong", not as a
 win. Peers (torch.func, Opacus, BackPACK) are optional: one that is not installed is "missing".
@@ -131,8 +131,11 @@ def time_workload(
 ) -> list[Result]:
     """Check every method against the loop, then time them round-robin; medians in ``time_s``.
 
-    A sample is ``calls`` of a method's calls (``sample_s``), its time divided by them. A
-    method stops being timed once its samples add up to ``budget_s`` (it keeps at least one).
+    A sample is ``calls`` of a method's calls (``sample_s``), its time divided by them, after
+    ``gc.collect`` and one untimed call: the collection walks the heap and leaves the caches
+    cold, and a cold call among a sample's one or two (a host workload's) weighs on a method
+    whose call fills the sample alone more than on one whose sample holds two. A method stops
+    being timed once its samples add up to ``budget_s`` (it keeps at least one).
     ``clock="cpu"`` times the process's CPU time instead of the wall clock: on a machine shared
     with other work, with one thread, what each call computed rather than how long it waited.
     On CUDA, each method's peak memory is measured in the same process after the timing
@@ -152,6 +155,7 @@ def time_workload(
             if sum(result.times_s) * result.calls > budget_s:
                 continue  # a slow baseline: one or two samples place it well enough
             gc.collect()
+            _timed(steps[key], now, device)  # untimed: the caches warm again
             took = _timed(steps[key], now, device, result.calls)
             if r >= warmup - 1:
                 result.times_s.append(took / result.calls)

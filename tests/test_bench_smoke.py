@@ -33,17 +33,23 @@ def test_timing_checks_gradscope_against_the_loop():
 
 
 class FakeClock:
-    """A clock that only a step moves: each call of ``step`` takes ``took`` seconds."""
+    """A clock that only a step moves: each call of ``step`` takes ``took`` seconds, the first
+    after ``collect`` (a fake ``gc.collect``) ``cold`` more."""
 
-    def __init__(self, took: float):
-        self.t, self.took, self.steps = 0.0, took, 0
+    def __init__(self, took: float, cold: float = 0.0):
+        self.t, self.took, self.cold, self.steps = 0.0, took, cold, 0
+        self._cold = False
 
     def now(self) -> float:
         return self.t
 
     def step(self) -> None:
-        self.t += self.took
+        self.t += self.took + (self.cold if self._cold else 0.0)
+        self._cold = False
         self.steps += 1
+
+    def collect(self) -> None:
+        self._cold = True
 
 
 def test_a_sample_runs_as_many_calls_as_fill_it():
@@ -56,16 +62,18 @@ def test_a_sample_runs_as_many_calls_as_fill_it():
     assert bench.calls(FakeClock(0.0).step, fast.now, CPU, 0.05) == bench.MAX_CALLS
 
 
-def test_a_timed_sample_counts_one_call_of_its_many(monkeypatch):
-    clock = FakeClock(1 / 16)  # binary fractions: the clock's sums exact
+def test_a_timed_sample_counts_one_warm_call_of_its_many(monkeypatch):
+    clock = FakeClock(1 / 16, cold=1 / 2)  # binary fractions: the clock's sums exact
     monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=clock.now))
+    monkeypatch.setattr(bench, "gc", types.SimpleNamespace(collect=clock.collect))
     fake = methods.Method("floor", "floor", lambda pb: clock.step)
     monkeypatch.setitem(bench.METHODS, "floor", fake)
     (floor,) = bench.time_workload("smoke", ["floor"], 3, 2, CPU, sample_s=1 / 4)
     assert floor.calls == 4
-    # the checking call, two that size a sample, a warm-up round and three samples, 4 calls each
-    assert clock.steps == 1 + 2 + 4 * 4
-    assert floor.times_s == [1 / 16] * 3 and floor.time_s == 1 / 16
+    # the checking call, two that size a sample, then a warm-up round and three samples, each
+    # an untimed call after the collection and 4 timed calls
+    assert clock.steps == 1 + 2 + 4 * (1 + 4)
+    assert floor.times_s == [1 / 16] * 3 and floor.time_s == 1 / 16  # the cold call untimed
 
 
 def test_reference_and_scoring_are_checked_against_their_loops():
