@@ -86,19 +86,23 @@ def stacked(refs: Sequence[Tensor]) -> Tensor:
     if isinstance(refs, Tensor):
         return refs
     first, n = refs[0], len(refs)
-    base, at, step = first._base, first.storage_offset(), first.numel()
-    shape, dtype = first.shape, first.dtype
-    if (  # views of one tensor, each contiguous where the one before ends: the view reads them
+    base, at, step = first._base, first.data_ptr(), first.numel()
+    shape, dtype, size = first.shape, first.dtype, step * first.element_size()
+    if (  # views of one tensor, each contiguous at the address where the one before ends, all
+        # within the first's storage: the view reads them (addresses, not storage offsets: views
+        # taken before and after ``base.data = ...`` share the base, not the storage)
         n > 1
         and base is not None
         and all(
             t._base is base
-            and t.storage_offset() == at + j * step
+            and t.data_ptr() == at + j * size
             and t.shape == shape
             and t.dtype == dtype
             and t.is_contiguous()
             for j, t in enumerate(refs)
         )
+        and first.storage_offset() + n * step
+        <= first.untyped_storage().nbytes() // first.element_size()
     ):
         return first.as_strided((n, *shape), (step, *first.stride()))
     return torch.stack(list(refs))

@@ -49,20 +49,20 @@ class Factored:
         """(K,) ||R_k||^2, from the factors' Grams (or R formed, where the Outer forms it)."""
         return self.as_outer.norm_sq()
 
-    def fits(self, c: Contribution) -> bool:
-        """Whether ``c`` is an Outer of this parameter's groups, outputs and inputs."""
+    def pays(self, c: Contribution, norms: bool = False) -> bool:
+        """Whether ``c``'s inner products come from these factors: an Outer of this parameter's
+        groups, outputs and inputs, whose products cost less from them (``cheaper``)."""
         if type(c) is not Outer or c.shape != self.param_shape:
             return False
         _, g, _, o, i = c.dims
-        return self.u.shape[1] == g and self.u.shape[3] == o and self.v.shape[3] == i
-
-    def cheaper(self, c: Outer, norms: bool = False) -> bool:
-        """Whether ``c``'s inner products cost less from these factors (``cheaper``)."""
+        if self.u.shape[1] != g or self.u.shape[3] != o or self.v.shape[3] != i:
+            return False
         return cheaper(c, self.u.shape[0], self.u.shape[2], norms)
 
     def inner(self, c: Outer) -> Tensor:
-        """(B, K) <G_i, R_k> of an Outer that ``fits``; zero positions (``Outer.lengths``'
-        padding) add nothing."""
+        """(B, K) <G_i, R_k> of an Outer that the factors fit (``pays``: an Outer of this
+        parameter's groups, outputs and inputs); zero positions (``Outer.lengths``' padding) add
+        nothing."""
         return factored_inner(c.s, c.a, self.u.to(c.s.dtype), self.v.to(c.a.dtype))
 
 
@@ -130,9 +130,9 @@ def dense(ref: Reference) -> Tensor:
 
 def inner(c: Contribution, ref: Reference, norms: bool = False) -> Tensor:
     """(B, K) ``c``'s inner products with ``ref``: from the factors where ``c`` is an Outer
-    they fit and cost less (``Factored.cheaper``), else through R formed."""
+    they fit and cost less (``Factored.pays``), else through R formed."""
     if isinstance(ref, Factored):
-        if ref.fits(c) and ref.cheaper(c, norms):
+        if ref.pays(c, norms):
             return ref.inner(c)
         ref = ref.dense()
     return c.inner(ref)
@@ -142,7 +142,7 @@ def norm_sq_and_inner(c: Contribution, ref: Reference) -> tuple[Tensor, Tensor]:
     """``c.norm_sq_and_inner`` with ``ref`` formed or, where it pays, the squared norms and the
     factored inner products apart."""
     if isinstance(ref, Factored):
-        if ref.fits(c) and ref.cheaper(c, norms=True):
+        if ref.pays(c, norms=True):
             return c.norm_sq(), ref.inner(c)
         ref = ref.dense()
     return c.norm_sq_and_inner(ref)
@@ -155,8 +155,8 @@ def inners(part: Contribution, refs: Sequence[Reference], batch: int) -> Tensor:
     classifier's 12 alike query layers, the last one's reference factored, its 8 [CLS] rows all
     that reach it: one product, not 12)."""
     if any(isinstance(r, Factored) for r in refs):
-        one = part.examples(0, batch)  # a call's examples: every call's shapes alike
-        if any(isinstance(r, Factored) and r.fits(one) and r.cheaper(one) for r in refs):
+        one = part.examples(0, batch) if type(part) is Outer else None  # every call's alike
+        if one is not None and any(isinstance(r, Factored) and r.pays(one) for r in refs):
             return torch.stack(
                 [inner(part.examples(k * batch, (k + 1) * batch), r) for k, r in enumerate(refs)]
             )

@@ -21,8 +21,8 @@ def ghost_inner(r: Tensor, s: Tensor, a: Tensor) -> Tensor:
     r (*n, K, G, O, I), s (*n, B, G, T, O), a (*n, B, G, T, I), where ``n`` is one leading dim
     or none (one call: two-dimensional products, no stack of one). The inputs (or the output
     gradients, where fewer) through R by one matrix product where G is 1, never forming G_i;
-    the sum over positions and outputs by a cascade, not a matrix product's inner dim
-    (``base.BLOCK``): G * T * O terms of one example."""
+    the sum over positions and the narrower side by a cascade, not a matrix product's inner dim
+    (``base.BLOCK``): G * T * min(O, I) terms of one example."""
     *n, k, g, o, i = r.shape
     b, t = s.shape[-4], s.shape[-2]
     if g == 1 and t == 1 and not n and k == 1:  # one call, one reference, one position: the

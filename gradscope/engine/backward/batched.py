@@ -44,7 +44,7 @@ class Batched:
         where not taken."""
         if self.refs is not None:
             ref = self.refs[name]
-            if isinstance(ref, Factored) and ref.fits(c) and ref.cheaper(c):
+            if isinstance(ref, Factored) and ref.pays(c):
                 return False
         key = _norm_key(c) if self.refs is None else _inner_key(c, len(self.refs[name]))
         if key is None:

@@ -25,9 +25,19 @@ def test_alike_parameters_are_laid_out_as_rows_of_one_tensor_last_first():
     view = stacked(float32)
     assert view.data_ptr() == out[4].data_ptr() and torch.equal(view, torch.stack(float32))
     twin = laid_out(params)[2].fill_(1)  # where out[2] lies, in another tensor
-    cases = ([out[0], out[2], out[4]], [out[4], out[0]], [out[3], out[2]], [out[1]], [out[4], twin])
-    for others in cases:  # another order, a gap, another dtype, one tensor, another tensor
-        copy = stacked(others)  # stacked anew
+    block = torch.zeros(2, 1, 3, 2)
+    before = block[0]
+    block.data = torch.ones(2, 1, 3, 2)  # one base, another storage: before's rows stay zeros
+    cases = (
+        [out[0], out[2], out[4]],
+        [out[4], out[0]],
+        [out[3], out[2]],
+        [out[1]],
+        [out[4], twin],
+        [before, block[1]],
+    )
+    for others in cases:  # another order, a gap, another dtype, one tensor, another tensor or
+        copy = stacked(others)  # storage: stacked anew
         assert torch.equal(copy, torch.stack(others))
         assert all(copy.data_ptr() != t.data_ptr() for t in others) or len(others) == 1
 
