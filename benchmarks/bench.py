@@ -8,10 +8,11 @@ floor: one forward and one backward of the batch's summed loss with all paramete
 Each workload runs in its own subprocess, where the methods take turns round-robin (the starting
 method rotates every round) after warm-up, and the median of the repeats is reported; a sample
 runs a method's call as many times as fill ``--sample-ms`` (on a 2-core CPU one or two calls of
-W1-W10, a few dozen of the tiny workloads'), after one untimed call, and counts the time of one. Peak memory
-is measured in a second subprocess per workload (see ``measure_memory``). Every answer is checked
-against its task's loop before it is timed, so a fast wrong answer shows up as "wrong", not as a
-win. Peers (torch.func, Opacus, BackPACK) are optional: one that is not installed is "missing".
+W1-W10, a few dozen of the tiny workloads'), after one untimed call, and counts the time of one.
+Peak memory is measured in a second subprocess per workload (see ``measure_memory``). Every
+answer is checked against its task's loop before it is timed, so a fast wrong answer shows up as
+"wrong", not as a win. Peers (torch.func, Opacus, BackPACK) are optional: one that is not
+installed is "missing".
 """
 
 from __future__ import annotations
@@ -131,11 +132,8 @@ def time_workload(
 ) -> list[Result]:
     """Check every method against the loop, then time them round-robin; medians in ``time_s``.
 
-    A sample is ``calls`` of a method's calls (``sample_s``), its time divided by them, after
-    ``gc.collect`` and one untimed call: the collection walks the heap and leaves the caches
-    cold, and a cold call among a sample's one or two (a host workload's) weighs on a method
-    whose call fills the sample alone more than on one whose sample holds two. A method stops
-    being timed once its samples add up to ``budget_s`` (it keeps at least one).
+    A sample is ``calls`` of a method's calls (``sample_s``, ``_sample``). A method stops being
+    timed once its samples add up to ``budget_s`` (it keeps at least one).
     ``clock="cpu"`` times the process's CPU time instead of the wall clock: on a machine shared
     with other work, with one thread, what each call computed rather than how long it waited.
     On CUDA, each method's peak memory is measured in the same process after the timing
@@ -154,11 +152,9 @@ def time_workload(
             result = results[key]
             if sum(result.times_s) * result.calls > budget_s:
                 continue  # a slow baseline: one or two samples place it well enough
-            gc.collect()
-            _timed(steps[key], now, device)  # untimed: the caches warm again
-            took = _timed(steps[key], now, device, result.calls)
+            took = _sample(steps[key], now, device, result.calls)
             if r >= warmup - 1:
-                result.times_s.append(took / result.calls)
+                result.times_s.append(took)
     for key in steps:
         results[key].time_s = statistics.median(results[key].times_s)
     if device.type == "cuda":
@@ -169,11 +165,21 @@ def time_workload(
     return list(results.values())
 
 
+def _sample(step: Step, now: Callable[[], float], device: torch.device, n: int) -> float:
+    """Seconds of one of ``n`` calls of ``step``, timed together after ``gc.collect`` and one
+    untimed call: the collection walks the heap and leaves the caches cold, and a cold call
+    among a sample's one or two (a host workload's) weighs on a method whose call fills the
+    sample alone more than on one whose sample holds two."""
+    gc.collect()
+    _timed(step, now, device)
+    return _timed(step, now, device, n) / n
+
+
 def calls(step: Step, now: Callable[[], float], device: torch.device, sample_s: float) -> int:
     """How many calls of ``step`` fill one sample of ``sample_s`` (one where a call takes longer;
     at most ``MAX_CALLS``), from the faster of two calls (one, where it fills a sample alone): a
     tiny workload's call of a millisecond or two is near the grain of the clock and of the
-    scheduler, and one call alone, after ``gc.collect``, runs on cold caches."""
+    scheduler."""
     took = math.inf
     for _ in range(2 if sample_s > 0 else 0):
         took = min(took, _timed(step, now, device))
