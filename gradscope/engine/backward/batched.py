@@ -42,11 +42,10 @@ class Batched:
         each part of at most ``HELD_DENSE`` elements, its references formed where factored ones
         do not pay on it (where they do, it is answered alone: ``rules.factored.inner``); False
         where not taken."""
-        if self.refs is not None:
-            ref = self.refs[name]
-            if isinstance(ref, Factored) and ref.pays(c):
-                return False
-        key = _norm_key(c) if self.refs is None else _inner_key(c, len(self.refs[name]))
+        ref = None if self.refs is None else self.refs[name]
+        if isinstance(ref, Factored) and ref.pays(c):
+            return False
+        key = _norm_key(c) if ref is None else _inner_key(c, len(ref))
         if key is None:
             return False
         size = _size(c)
