@@ -86,38 +86,27 @@ def test_the_cheaper_route_is_taken_and_both_are_exact(norms: bool):
     )
 
 
-def test_stacked_calls_each_against_its_own_factors():
+@pytest.mark.parametrize(("positions", "pays"), [((1, 3), True), ((40, 40), False)])
+def test_stacked_calls_each_against_its_own_reference(monkeypatch, positions, pays: bool):
     """``inners``: n calls' examples stacked in one Outer, each against its own reference,
-    factored or formed."""
+    factored or formed: call by call from the factors where they pay on a call's examples;
+    where none does (more positions than O * I / (O + I)), those formed and stacked with the
+    others, one product for all the calls, none call by call; exact."""
     torch.manual_seed(3)
     batch, n = 4, 3
     c = Outer(
         torch.randn(n * batch, 1, 2, 8).double(), torch.randn(n * batch, 1, 2, 9).double(), (8, 9)
     )
-    refs = [_factors(2, 1, 1, 8, 9), torch.randn(2, 8, 9).double(), _factors(2, 1, 3, 8, 9)]
-    formed = [r if isinstance(r, torch.Tensor) else _formed(r) for r in refs]
-    torch.testing.assert_close(
-        factored.inners(c, refs, batch), c.inners(formed, batch), rtol=1e-12, atol=1e-12
-    )
-
-
-def test_stacked_calls_whose_factors_do_not_pay_take_one_product(monkeypatch):
-    """``inners`` where no factored reference pays on a call's examples (more positions than
-    O * I / (O + I)): those formed and stacked with the others, one product for all the
-    calls, none call by call; exact."""
-    torch.manual_seed(6)
-    batch, n = 3, 3
-    c = Outer(
-        torch.randn(n * batch, 1, 2, 8).double(), torch.randn(n * batch, 1, 2, 9).double(), (8, 9)
-    )
-    refs = [_factors(2, 1, 40, 8, 9), torch.randn(2, 8, 9).double(), _factors(2, 1, 40, 8, 9)]
+    first, last = positions
+    refs = [_factors(2, 1, first, 8, 9), torch.randn(2, 8, 9).double(), _factors(2, 1, last, 8, 9)]
     formed = [r if isinstance(r, torch.Tensor) else _formed(r) for r in refs]
     expected = torch.stack(
         [c.examples(k * batch, (k + 1) * batch).inner(f) for k, f in enumerate(formed)]
     )
-    monkeypatch.setattr(factored, "inner", None)  # call by call would call it
+    if not pays:
+        monkeypatch.setattr(factored, "inner", None)  # call by call would call it
     torch.testing.assert_close(factored.inners(c, refs, batch), expected, rtol=1e-12, atol=1e-12)
-    assert all(r._dense is not None for r in refs if isinstance(r, Factored))
+    assert all((r._dense is None) == pays for r in refs if isinstance(r, Factored))
 
 
 def test_a_small_batch_takes_r_formed(monkeypatch):
