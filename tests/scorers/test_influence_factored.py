@@ -14,6 +14,7 @@ from torch import Tensor, nn
 import gradscope
 from gradscope.api import batch
 from gradscope.engine import Engine, Influence, influence, reference_gradients
+from gradscope.engine.backward import serve
 from gradscope.losses import resolve_loss
 from gradscope.rules import Outer, Rows, factored
 from gradscope.rules.factored import Factored
@@ -189,3 +190,62 @@ def test_a_tied_table_and_head_are_kept_apart(monkeypatch, per_ref: bool):
         assert bool(formed) == per_ref
         scores = Influence(core, directions, "hooks", norms=True)(inputs, targets)
     assert_cosine_close(scores.inner, expected, g_norm, r_norm)
+
+
+class Cls(nn.Module):
+    """Alike Linears over 8 positions, mixed between layers, the head reading the first position
+    alone (a BERT classifier's [CLS]): the last layer's reference is reached through one position
+    an example, the others' through all eight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(W, W) for _ in range(3))
+        self.head = nn.Linear(W, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.layers[:-1]:
+            x = torch.tanh(layer(x))
+            x = x + x.mean(1, keepdim=True)  # positions mixed, as attention mixes them
+        return self.head(torch.tanh(self.layers[-1](x))[:, 0])
+
+
+def test_alike_calls_whose_factors_do_not_pay_score_as_the_loop(monkeypatch):
+    """Alike calls answered together (``Grouped``, however small), the last one's reference
+    factored: where its factors do not pay on a small batch (``DISPATCH``), it is formed and
+    stacked with the others' (one product for the group), the scores the float64 loop's and those of the references formed,
+    on two batches of one shape, the model's parameters as they were."""
+    monkeypatch.setattr(factored, "DISPATCH", 1 << 20)
+    monkeypatch.setattr(serve, "held_budget", lambda calls: 1 << 40)  # every alike call held
+    mixed, alone = [], []
+    inners, inner = factored.inners, factored.inner
+
+    def spy_inners(part, refs, batch):
+        mixed.append({type(r) for r in refs})
+        return inners(part, refs, batch)
+
+    def spy_inner(c, ref, norms=False):
+        alone.append(isinstance(ref, Factored))
+        return inner(c, ref, norms)
+
+    monkeypatch.setattr(factored, "inners", spy_inners)
+    monkeypatch.setattr(factored, "inner", spy_inner)
+    case = Case("cls", Cls, lambda b: (torch.randn(b, 8, W),), _labels(2), "cross_entropy")
+    model, _, _ = case.build()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _, ref_inputs, ref_targets = case.build(batch=3, seed=1)
+    core = Engine(model, resolve_loss(case.loss))
+    with core:
+        kept = reference_gradients(core, [(ref_inputs, ref_targets)], factored=True)
+        formed = reference_gradients(core, [(ref_inputs, ref_targets)])
+        scorers = [Influence(core, r, "hooks", norms=False) for r in (kept, formed)]
+        for seed in (2, 3):  # two batches of one shape, different values
+            _, inputs, targets = case.build(seed=seed)
+            expected, g_norm, r_norm = reference_influence(
+                model, inputs, targets, (ref_inputs, ref_targets), case.loss
+            )
+            through, as_formed = (s(inputs, targets) for s in scorers)
+            assert_cosine_close(through.inner, expected, g_norm, r_norm)
+            torch.testing.assert_close(through.inner, as_formed.inner, rtol=1e-10, atol=1e-12)
+    assert {n for n, r in kept.items() if isinstance(r, Factored)} == {"layers.2.weight"}
+    assert {Factored, torch.Tensor} in mixed and not any(alone)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
