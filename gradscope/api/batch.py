@@ -17,12 +17,14 @@ from ..defaults import CG_TOLERANCE
 from ..engine import Engine, Forward, Influence, reference_gradients, total
 from ..errors import ConfigError
 from ..losses import LossFn, resolve_loss
+from .configured import in_api_words_of
 
 
 def _as_tuple(inputs: Tensor | Sequence[Tensor]) -> tuple[Tensor, ...]:
     return (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
 
 
+@in_api_words_of
 def per_example_norms(
     model: nn.Module,
     inputs: Tensor | Sequence[Tensor],
@@ -61,6 +63,7 @@ def per_example_norms(
     return total(scores.norm_sq).sqrt()
 
 
+@in_api_words_of
 def per_example_influence(
     model: nn.Module,
     inputs: Tensor | Sequence[Tensor],

@@ -48,7 +48,7 @@ def factors(
     """
     from ..curvature import fit_factors
 
-    with called() as call:
+    with called(factors) as call:
         cfg = configured(call, model, data, config, **options)
         target = call.out(out, "factors.safetensors")
         return fit_factors(
@@ -78,7 +78,7 @@ def check(
     """
     from ..job import check_config
 
-    with called() as call:
+    with called(check) as call:
         cfg = configured(call, model, data, config, **options)
         spec = None if ref is None else call.spec(ref)
         return check_config(cfg, examples, ref=spec, trust_checkpoint=trust_checkpoint)
@@ -110,7 +110,7 @@ def write_report(
     top_k = (cfg.summary if cfg else SummaryConfig).top_k if top_k is None else top_k
     if top_k < 1:
         raise ConfigError(f"top_k must be at least 1, got {top_k}", "top_k")
-    with called() as call:
+    with called(write_report) as call:
         target = None if out is None else call.out(out, "report.html")
         return written(scores, target, cfg, by, top_k)
 
@@ -140,7 +140,7 @@ def train(
     """
     from ..training.run import train_model
 
-    with called() as call:
+    with called(train) as call:
         cfg = configured(call, _config_only(config, "train"), data, **options)
         target = None if out is None else call.out(out, "model.pt")
         return train_model(
@@ -181,7 +181,7 @@ def validate(
     names = {f.name for f in dataclasses.fields(Options)}
     measures = {k: options.pop(k) for k in list(options) if k in names}
     measures["columns"] = tuple(measures.get("columns", ()))
-    with called() as call:
+    with called(validate, Options) as call:
         cfg = configured(call, _config_only(config, "validate"), data, **options)
         table = Path(call.out(out, "validation.parquet"))
         kept = None if truth is None else Path(call.out(truth, "truth.parquet"))

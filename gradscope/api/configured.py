@@ -5,11 +5,14 @@ top; the command line runs on the same config, read from its file."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import inspect
 import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -50,6 +53,7 @@ KEYS = {
 MODEL_OBJECT_KEYS = ("output",)
 
 Model = nn.Module | Config | str | Path
+F = TypeVar("F", bound=Callable)
 Data = Any  # a path, a dict of tensors, a Dataset, a DataLoader, a DataFrame, a datasets.Dataset
 
 
@@ -104,36 +108,79 @@ class Call:
 
 
 @contextlib.contextmanager
-def called() -> Iterator[Call]:
-    """An API call's scope; the caller's random state is left as it was (a DataLoader draws
-    its base seed from it each time it is read, and a run reads the rows more than once)."""
+def called(fn: Callable, options: type | None = None) -> Iterator[Call]:
+    """The scope of a call of the API function ``fn`` (``options``: ``keywords``'s); the
+    caller's random state is left as it was (a DataLoader draws its base seed from it each time
+    it is read, and a run reads the rows more than once)."""
+    words = keywords(fn, options)
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.random.fork_rng(devices=[]))
         call = Call(stack)
         try:
-            yield call
+            with in_api_words(words):
+                yield call
         except Interrupted as e:  # Ctrl-C stays a KeyboardInterrupt: no `except Exception` eats it
-            text = api_words(str(e)).replace("command", "call")
+            text = api_words(str(e), words).replace("command", "call")
             if call._folder is not None:  # the saved rows go with the call's temporary folder
                 text += (
                     "; the rows saved went with out=None's temporary folder: give out= to keep them"
                 )
             raise KeyboardInterrupt(text) from e
-        except GradscopeError as e:  # what to pass, as the API takes it
-            e.what = api_words(e.what)
-            e.where = e.where and api_words(e.where)
-            raise
 
 
-# the command line's options in an error, as an API call takes them
-API_WORDS = (("--resume", "resume=True"), ("--overwrite", "overwrite=True"), ("--out", "out="))
+@contextlib.contextmanager
+def in_api_words(words: dict[str, str]) -> Iterator[None]:
+    """Errors raised inside, with the command line's options as the API's keywords (``words``,
+    ``keywords``'s): what to pass, as the API takes it."""
+    try:
+        yield
+    except GradscopeError as e:
+        e.what = api_words(e.what, words)
+        e.where = e.where and api_words(e.where, words)
+        raise
 
 
-def api_words(text: str) -> str:
-    """``text`` with the options of ``API_WORDS`` as the API's keywords."""
-    for option, keyword in API_WORDS:
-        text = re.sub(rf"{option}\b(?!-)", keyword, text)
-    return text
+def in_api_words_of(fn: F) -> F:
+    """The API function ``fn``, which runs in no ``called`` scope, with its errors in the
+    API's words (``in_api_words``)."""
+    words = keywords(fn)
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with in_api_words(words):
+            return fn(*args, **kwargs)
+
+    return cast(F, wrapped)
+
+
+# the config's keys that the command line sets by a flag
+KEY_FLAGS = ("per_layer",)
+
+
+def keywords(fn: Callable, options: type | None = None) -> dict[str, str]:
+    """The command-line options that the API function ``fn`` takes as keywords, each as an
+    error should name it: ``--per-ref`` as ``per_ref=True`` (a flag: its default False),
+    ``--ref`` as ``ref=``. Its parameters; the config's keys (``KEYS``) where it takes
+    ``**options``, and the fields of the dataclass ``options`` (``validate``'s measures)."""
+    params = inspect.signature(fn).parameters.values()
+    defaults = {p.name: p.default for p in params if p.kind is not p.VAR_KEYWORD}
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        defaults |= {key: False if key in KEY_FLAGS else None for key in KEYS}
+    if options is not None:
+        defaults |= {f.name: f.default for f in dataclasses.fields(options)}
+    words = {
+        f"--{name.replace('_', '-')}": f"{name}=True" if default is False else f"{name}="
+        for name, default in defaults.items()
+    }
+    if "columns" in defaults:  # validate's, a list where the command line repeats --column
+        words["--column"] = "columns="
+    return words
+
+
+def api_words(text: str, words: dict[str, str]) -> str:
+    """``text`` with each command-line option of ``words`` as the API's keyword; an option
+    the API function does not take stays as it is."""
+    return re.sub(r"--[a-z][a-z-]*[a-z]", lambda m: words.get(m.group(0), m.group(0)), text)
 
 
 def configured(

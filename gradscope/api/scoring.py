@@ -57,7 +57,7 @@ def norms(
         >>> len(scores), scores.columns[:3].tolist()
         (64, ['example_id', 'loss', 'grad_norm'])
     """
-    with called() as call:
+    with called(norms) as call:
         cfg = configured(call, model, data, config, **options)
         scorer = NormsScorer(trust_checkpoint, call.precondition(precondition, resume))
         return _scores(call, cfg, scorer, out, resume, trust_checkpoint)
@@ -100,7 +100,7 @@ def influence(
         >>> gradscope.influence("configs/digits.yaml", ref=ref, limit=64, curvature="none").shape
         (64, 12)
     """
-    with called() as call:
+    with called(influence) as call:
         cfg = configured(call, model, data, config, **options)
         if through_training is not None:
             from ..training.attribution import replayed, unread
@@ -164,7 +164,7 @@ def build_index(
         >>> gradscope.build_index("configs/digits.yaml", limit=64, out="digits.index").name
         'digits.index'
     """
-    with called() as call:
+    with called(build_index) as call:
         cfg = index_output(configured(call, model, data, config, **options), str(out))
         scorer = IndexScorer(dim, seed, storage)
         return score_dataset(cfg, scorer, trust_checkpoint=trust_checkpoint, resume=resume)
@@ -201,7 +201,7 @@ def query(
         ...                 per_ref=True, top_k=3).shape
         (891, 4)
     """
-    with called() as call:
+    with called(query) as call:
         cfg = configured(call, model, data, config, **options)
         spec = call.spec(ref)
         file = call.precondition(precondition, resume=False)

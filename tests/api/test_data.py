@@ -140,7 +140,7 @@ def test_index_of_a_module_and_its_loader(project: Path) -> None:
     built = gradscope.build_index(net.double(), loader, dim=16, out=project / "api.index")
     scores = gradscope.query(built, net, loader, ref=torch.load(ref))
     pd.testing.assert_frame_equal(scores, pd.read_parquet(project / "q.parquet"))
-    with pytest.raises(ConfigError, match="--candidates sets how many --exact re-scores"):
+    with pytest.raises(ConfigError, match="candidates= sets how many exact=True re-scores"):
         gradscope.query(built, net, loader, ref=torch.load(ref), candidates=3)  # unread before
     with pytest.raises(DataError, match="model.checkpoint is not what the index was built from"):
         gradscope.query(built, config, ref=ref)

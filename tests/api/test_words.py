@@ -1,0 +1,50 @@
+"""An API call's error names what to pass as the call takes it: each command-line option the
+function takes as its keyword (a flag as ``=True``); an option it does not take stays as it is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from project import load_net
+
+import gradscope
+from gradscope.api.configured import api_words, keywords
+from gradscope.errors import ConfigError, ModelError
+from gradscope.validation import Options
+
+
+@pytest.mark.parametrize(
+    ("fn", "options", "text", "said"),
+    [
+        (gradscope.validate, Options, "--removal-refs and --removal", "removal_refs= and removal="),
+        (
+            gradscope.validate,
+            Options,
+            "with --resume, one --column",
+            "with resume=True, one columns=",
+        ),
+        (gradscope.validate, Options, "no --through-training here", "no --through-training here"),
+        (gradscope.norms, None, "--per-layer over --limit rows", "per_layer=True over limit= rows"),
+        (gradscope.norms, None, "--ref's file (--ref)", "--ref's file (--ref)"),
+        (gradscope.influence, None, "--per-ref, --cg-tolerance", "per_ref=True, cg_tolerance="),
+        (gradscope.query, None, "pass --exact", "pass exact=True"),
+        (gradscope.per_example_norms, None, "--include, --limit", "include=, --limit"),
+    ],
+)
+def test_options_become_the_functions_keywords(fn, options, text, said) -> None:
+    assert api_words(text, keywords(fn, options)) == said
+
+
+def test_errors_of_each_kind_of_call_name_its_keywords(project: Path) -> None:
+    """A batch function (no command behind it) and a command's function alike; the message and
+    where it points both."""
+    net, x, y = load_net(project)
+    net, x = net.double(), x.double()
+    with pytest.raises(ConfigError, match=r"^curvature= must be one of .*'bogus' \(curvature=\)$"):
+        gradscope.per_example_influence(net, x, y, x[:2], y[:2], curvature="bogus")
+    with pytest.raises(ModelError, match=r"^precondition= file not found"):
+        gradscope.per_example_influence(net, x, y, x[:2], y[:2], precondition="none.pt")
+    with pytest.raises(ConfigError, match=r"^cg_tolerance= must be in \(0, 1\), got 2"):
+        gradscope.influence(net, {"x": x, "y": y}, ref={"x": x, "y": y}, curvature="gn",
+                            cg_tolerance=2)  # fmt: skip
