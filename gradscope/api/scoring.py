@@ -103,7 +103,7 @@ def influence(
     with called(influence) as call:
         cfg = configured(call, model, data, config, **options)
         if through_training is not None:
-            from ..training.attribution import replayed, unread
+            from ..training.attribution import at_record, replayed, unread
 
             trained = {k: v for k, v in options.items() if k not in ("limit", "batch_size")}
             trained = configured(call, model, data, config, **trained)  # as the run trained
@@ -113,6 +113,7 @@ def influence(
             spec = call.spec(ref)
             scorer = replayed(trained, spec, Path(through_training), per_ref, given, resume)
             resume = False  # the replay continued its own; the rows' file is written afresh
+            cfg = at_record(cfg)
         else:
             scorer = InfluenceScorer(
                 call.spec(ref), per_ref=per_ref, engine=engine,

@@ -200,12 +200,12 @@ def influence(
         top_k=top_k,
     )
     if through_training is not None:  # the replay trains by the config, as the run did
-        from ..training.attribution import replayed, unread
+        from ..training.attribution import at_record, replayed, unread
 
         trained = with_overrides(load_config(config), out=out, device=device)
         given = unread(curvature, precondition, damping, solver, cg_tolerance, engine)
         scorer = replayed(trained, ref, through_training, per_ref, given, resume)
-        return _run(cfg, scorer, by, report, trust_checkpoint, resume=False)
+        return _run(at_record(cfg), scorer, by, report, trust_checkpoint, resume=False)
     scorer = InfluenceScorer(
         ref,
         per_ref=per_ref,

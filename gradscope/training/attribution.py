@@ -4,6 +4,7 @@ the run's trained weights."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from collections.abc import Callable
@@ -152,6 +153,14 @@ def unread(
              "damping": damping is not None, "solver": solver != "auto",
              "cg-tolerance": tolerance != CG_TOLERANCE, "engine": engine != "auto"}  # fmt: skip
     return {(f"--{k}" if cli else k.replace("-", "_")): v for k, v in given.items()}
+
+
+def at_record(cfg: Config) -> Config:
+    """The config of a through-training scoring run: its rows are scored at the record's last
+    weights (``ThroughTrainingScorer.setup``), so neither ``model.checkpoint`` nor
+    ``model.checkpoints`` is read, checked or named in the file."""
+    model = dataclasses.replace(cfg.model, checkpoint=None, checkpoints=[])
+    return dataclasses.replace(cfg, model=model)
 
 
 def replay_folder(out: Path) -> Path:

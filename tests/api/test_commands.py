@@ -159,5 +159,6 @@ def test_train_record_and_influence_through_training(tmp_path: Path) -> None:
     ref = tmp_path / "ref.pt"
     cli("influence", config, "--ref", ref, "--through-training", tmp_path / "cli.run",
         "--per-ref", "--out", tmp_path / "cli.parquet")  # fmt: skip
+    (tmp_path / "out.pt").unlink()  # the record's weights are scored: no checkpoint is read
     api = gradscope.influence(config, ref=ref, through_training=trained.record, per_ref=True)
     pd.testing.assert_frame_equal(api, pd.read_parquet(tmp_path / "cli.parquet"))

@@ -63,6 +63,22 @@ def test_influence_through_training_writes_the_replays_scores(tmp_path, project,
     assert np.isfinite(rows["loss"]).all()
 
 
+def test_the_scores_read_no_checkpoint_of_the_config(tmp_path, project):
+    """The rows are scored at the record's last weights: the config's model.checkpoint, which
+    this run wrote elsewhere, is neither read nor named in the file (a missing one failed the
+    scoring run after the whole replay, and an existing one's sha256 was written as the
+    scores' checkpoint)."""
+    assert run("train", project, "--record", "--out", tmp_path / "there.pt").exit_code == 0
+    assert not (tmp_path / "out.pt").exists()
+    result = run("influence", project, "--ref", tmp_path / "ref.pt", "--through-training",
+                 tmp_path / "there.run")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    whole = json.loads(pq.read_table(tmp_path / "scores.parquet").schema.metadata[b"gradscope"])
+    assert whole["checkpoint_sha256"] is None
+    assert whole["config"]["model"]["checkpoint"] is None
+    assert not list(tmp_path.glob(".*.replay"))
+
+
 def test_limit_and_batch_size_choose_the_rows_shown_not_the_run(tmp_path, project):
     ref, record = tmp_path / "ref.pt", tmp_path / "out.run"
     assert run("train", project, "--record").exit_code == 0
