@@ -12,7 +12,15 @@ from torch import Tensor, nn
 
 from . import __version__, distributed
 from .config import Config, ModelConfig
-from .engine import CheckReport, Engine, Forward, Plan, compare_with_loop, influence_errors
+from .engine import (
+    CheckReport,
+    Engine,
+    Forward,
+    Plan,
+    compare_with_loop,
+    computed_in,
+    influence_errors,
+)
 from .errors import ConfigError, DataError, ModelError, reading
 from .io.data import Batch, data_identity, open_dataset
 from .io.files import file_sha256
@@ -155,6 +163,9 @@ class Job:
             "torch": torch.__version__,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
+            # the coarsest the last pass's layers computed in: autocast's bfloat16 under
+            # float32 weights, whose rounding the numbers carry
+            "computed_in": str(computed_in() or self.dtype).removeprefix("torch."),
             "checkpoint_sha256": file_sha256(ckpt) if ckpt else None,
             "data_sha256": data_identity(self.cfg.data),  # the report checks it is unchanged
             "adapter_sha256": file_sha256(model.adapter) if model.adapter else None,
