@@ -80,9 +80,7 @@ class Renderer:
     """Turns one example's input tensors into ``Shown`` parts, by their shape and dtype."""
 
     def __init__(self, cfg: Config):
-        inputs = cfg.data.inputs  # forward arguments, or columns (a stack by its columns)
-        names = list(inputs) if isinstance(inputs, dict) else inputs
-        self.names = [n if isinstance(n, str) else ", ".join(n) for n in names]
+        self.names = _input_names(cfg)
         self.shape = cfg.report.image_shape
         self.tokenizer = _tokenizer(cfg.report.tokenizer) if cfg.report.tokenizer else None
 
@@ -103,6 +101,14 @@ class Renderer:
         return Shown(name, text=_values(x))
 
 
+def _input_names(cfg: Config) -> list[str]:
+    """The data's inputs, as the page names them: forward arguments, or columns (a stack by
+    its columns)."""
+    inputs = cfg.data.inputs
+    names = list(inputs) if isinstance(inputs, dict) else inputs
+    return [n if isinstance(n, str) else ", ".join(n) for n in names]
+
+
 def _tokenizer(folder: str) -> Any:
     try:
         from transformers import AutoTokenizer
@@ -119,15 +125,40 @@ def _tokenizer(folder: str) -> Any:
 
 def check_shown(cfg: Config) -> None:
     """What the page reads back from the data, before a run whose report needs it: the
-    tokenizer loads, and ``data.show`` is a column of the data's first source."""
+    tokenizer loads, ``report.image_shape`` fits an input, and ``data.show`` is a column of the
+    data's first source."""
     if cfg.report.tokenizer:
         _tokenizer(cfg.report.tokenizer)
+    check_image_shape(cfg)
     if cfg.data.show is None:
         return
     first = open_dataset(cfg.data).sources[0]
     names = first.names if first.names is not None else list(next(read_source(first, 1), {}))
     if cfg.data.show not in names:
         raise ConfigError(f"no column {cfg.data.show!r} for data.show", first.where)
+
+
+def check_image_shape(cfg: Config) -> None:
+    """``report.image_shape``, where set, fits a flat input of the data's first row: where it
+    fits none, every example would be shown as its values, the shape read by nothing."""
+    shape = cfg.report.image_shape
+    if shape is None:
+        return
+    first = next(iter(open_dataset(cfg.data).batches(1, pad=False)), None)
+    if first is None:  # no rows: nothing to draw
+        return
+    rows = [np.asarray(x[0]) for x in first.inputs]
+    size = int(np.prod(shape))
+    if any(x.ndim == 1 and x.size == size for x in rows):
+        return
+    held = ", ".join(
+        f"{name} {list(x.shape)}" for name, x in zip(_input_names(cfg), rows, strict=True)
+    )
+    raise ConfigError(
+        f"report.image_shape {shape} fits no input: it draws a flat input of {size} values, "
+        f"and a row's inputs are {held}",
+        "report.image_shape",
+    )
 
 
 def show_examples(cfg: Config, example_ids: list[int]) -> dict[int, list[Shown]]:

@@ -23,7 +23,7 @@ from ..outliers import Outliers, is_labels, rank
 from ..summary import cell
 from ..tables import fmt
 from . import charts, datamap
-from .examples import Shown, check_shown, show_examples
+from .examples import Shown, check_image_shape, check_shown, show_examples
 
 TEMPLATE = "report.html.j2"
 
@@ -226,6 +226,8 @@ def write_report(
             "cannot find the examples to show; restore it, or leave --config out",
             str(scores),
         )
+    if cfg:  # (the tokenizer and data.show fail as the examples are read)
+        check_image_shape(cfg)
     if watched:
         page = datamap.render(scores, meta, __version__, top_k).encode("utf-8")
     else:

@@ -188,8 +188,9 @@ def test_report_command_and_flag(tmp_path):
         (["--out", "{r}/res.html"], None, "--report writes its page beside the scores, as .html"),
         ([], {"data": {"show": "nope"}}, "no column 'nope' for data.show"),
         ([], {"report": {"tokenizer": "nowhere"}}, "cannot load a tokenizer from the folder"),
+        ([], {"report": {"image_shape": [2, 3]}}, "report.image_shape [2, 3] fits no input"),
     ],
-    ids=["scores-as-html", "show-column", "tokenizer"],
+    ids=["scores-as-html", "show-column", "tokenizer", "image-shape"],
 )
 def test_what_report_needs_is_checked_before_the_scores(tmp_path, args, edit, message):
     """The scores were written, then the report failed (the scores at res.html, refused as the
@@ -201,6 +202,23 @@ def test_what_report_needs_is_checked_before_the_scores(tmp_path, args, edit, me
     result = runner.invoke(app, argv)
     assert result.exit_code == 2 and message in result.stderr, result.output
     assert not list(tmp_path.glob("*.parquet")) and not list(tmp_path.glob("res.*"))
+
+
+def test_report_refuses_an_image_shape_that_fits_no_input(tmp_path):
+    """``report --config``: each example was shown as its values, the shape read by nothing."""
+    config = make_project(tmp_path)
+    assert runner.invoke(app, ["norms", str(config)]).exit_code == 0
+    edit_config(tmp_path, lambda c: c.setdefault("report", {}).update(image_shape=[2, 3]))
+    result = runner.invoke(
+        app, ["report", str(tmp_path / "scores.parquet"), "--config", str(config)]
+    )
+    assert result.exit_code == 2 and "report.image_shape [2, 3] fits no input" in result.stderr
+    assert not list(tmp_path.glob("*.html"))
+    edit_config(tmp_path, lambda c: c["report"].update(image_shape=[1, 5]))  # x: 5 values
+    result = runner.invoke(
+        app, ["report", str(tmp_path / "scores.parquet"), "--config", str(config)]
+    )
+    assert result.exit_code == 0, result.output
 
 
 def test_user_errors_exit_2_with_one_line(tmp_path):

@@ -14,7 +14,8 @@ import torch
 from matplotlib.image import imread
 
 from gradscope.config import Config, DataConfig, ModelConfig, ReportConfig
-from gradscope.report.examples import Renderer, show_examples
+from gradscope.errors import ConfigError
+from gradscope.report.examples import Renderer, check_shown, show_examples
 
 
 def config(data: DataConfig, **report) -> Config:
@@ -76,8 +77,6 @@ def test_token_ids_decoded_with_a_local_tokenizer(tmp_path):
 
 
 def test_bad_tokenizer_folder_is_a_config_error(tmp_path):
-    from gradscope.errors import ConfigError
-
     with pytest.raises(ConfigError, match="cannot load a tokenizer"):
         render(torch.tensor([1]), tokenizer=str(tmp_path))
 
@@ -96,3 +95,17 @@ def test_examples_read_back_by_position_with_their_show_column(tmp_path):
     assert [s.name for s in shown[2]] == ["x", "caption"]
     with pytest.raises(Exception, match="no column 'nope' for data.show"):
         show_examples(config(dataclasses.replace(data, show="nope")), [1])
+
+
+def test_image_shape_must_fit_one_flat_input(tmp_path):
+    """One input of a row it draws is enough (a model's other flat inputs stay values); one it
+    fits none of is refused, naming the row's inputs: every example was shown as its values."""
+    torch.save({"x": torch.zeros(3, 4), "m": torch.zeros(3, 6), "y": torch.zeros(3)},
+               tmp_path / "d.pt")  # fmt: skip
+    data = DataConfig(path=str(tmp_path / "d.pt"), inputs=["x", "m"], targets="y")
+    for fits in ([2, 2], [2, 3], [1, 2, 3]):
+        check_shown(config(data, image_shape=fits))
+    with pytest.raises(
+        ConfigError, match=r"image_shape \[3, 3\] fits no input: .* x \[4\], m \[6\]"
+    ):
+        check_shown(config(data, image_shape=[3, 3]))
