@@ -2,8 +2,9 @@
 file and never edits prose.
 
 - ``bench.py --json`` files (every file whose results are per workload and method): the tables
-  of ratios to the floor, rendered by bench.py's own ``markdown``, and the targets below, the
-  CPU's on one page and the GPU's on another;
+  of ratios to the floor, rendered by bench.py's own ``markdown``, and the targets below, of the
+  newest file of each set of workloads, and a line for each earlier one; the CPU's on one page
+  and the GPU's on another;
 - ``cuda_check.py --json`` files (``*-check.json``): its table of errors and syncs;
 - ``*-hf-sweep.md``, ``*-layers.md`` and ``*-check-bf16.md``: summaries written beside a JSON,
   or in place of one;
@@ -208,21 +209,50 @@ def targets(results: list[dict]) -> str:
 
 
 def bench_results(device: str = "cpu") -> str:
-    """Each bench.py results file of ``device``: its environment, its tables and the targets
-    against it."""
-    bench, out = _bench(), []
+    """The bench.py results files of ``device``: the newest of each set of workloads in full
+    (its environment, its tables and the targets against it), then every earlier one in a
+    line (its commit, workloads and the targets it missed), so that the page grows by a line
+    a run, not by its tables."""
+    bench, newest, earlier = _bench(), [], []
+    seen: set[frozenset[str]] = set()
     for path in bench_files(device):
         report = json.loads(path.read_text())
-        results = [bench.Result(**r) for r in report["results"]]
-        workloads = list(dict.fromkeys(r.workload for r in results))
-        out += [f"### `{path.name}`", "", _environment(report["environment"]), ""]
-        out += ["Time / peak memory, as multiples of the floor:", ""]
-        for start in range(0, len(workloads), COLUMNS_PER_TABLE):
-            chunk = workloads[start : start + COLUMNS_PER_TABLE]
-            table = bench.markdown([r for r in results if r.workload in chunk], chunk)
-            out += [table, ""]
-        out += ["Against the targets:", "", targets(report["results"]), ""]
-    return "\n".join(out)
+        workloads = frozenset(r["workload"] for r in report["results"])
+        if workloads in seen:
+            earlier.append(_one_line(path.name, report))
+        else:
+            seen.add(workloads)
+            newest += _in_full(bench, path.name, report)
+    if earlier:
+        newest += ["#### Earlier runs", "", "| file | commit | workloads | targets missed |"]
+        newest += ["|---|---|---|---|", *earlier, ""]
+    return "\n".join(newest)
+
+
+def _in_full(bench, name: str, report: dict) -> list[str]:
+    """One results file's environment, tables (``COLUMNS_PER_TABLE`` workloads side by side)
+    and the targets against it, as lines of markdown."""
+    results = [bench.Result(**r) for r in report["results"]]
+    workloads = list(dict.fromkeys(r.workload for r in results))
+    out = [f"### `{name}`", "", _environment(report["environment"]), ""]
+    out += ["Time / peak memory, as multiples of the floor:", ""]
+    for start in range(0, len(workloads), COLUMNS_PER_TABLE):
+        chunk = workloads[start : start + COLUMNS_PER_TABLE]
+        out += [bench.markdown([r for r in results if r.workload in chunk], chunk), ""]
+    return out + ["Against the targets:", "", targets(report["results"]), ""]
+
+
+def _one_line(name: str, report: dict) -> str:
+    """An earlier results file as a row: where each target it measured was missed."""
+    by = {(r["workload"], r["method"]): r for r in report["results"]}
+    missed = []
+    for target in TARGETS:
+        cell, where = _measured(by, target)
+        if cell and where:
+            missed.append(f"{target.goal}: {', '.join(where)}")
+    workloads = ", ".join(dict.fromkeys(r["workload"] for r in report["results"]))
+    commit = report["environment"].get("commit", "?")
+    return f"| `{name}` | `{commit}` | {workloads} | {'; '.join(missed) or 'none'} |"
 
 
 def cuda_checks() -> str:

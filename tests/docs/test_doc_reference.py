@@ -187,3 +187,17 @@ def test_a_target_against_another_method_divides_by_its_time():
     assert "gradscope hooks: H1 1.00; gradscope jvp: H1 1.20 | missed on H1 (gradscope jvp) |" in (
         influence
     )
+
+
+def test_earlier_runs_of_a_set_are_one_line_each(tmp_path, monkeypatch):
+    """The newest file of a set of workloads is shown in full, an earlier one of the same set as
+    a row naming its commit and the targets it missed: the page grew by two tables a run."""
+    names = ["cpu-2core-2026-12-07b-host-tiny.json", "cpu-2core-2026-12-07c-host-tiny.json"]
+    for name in names:
+        (tmp_path / name).write_text((benchmark_pages.RESULTS / name).read_text())
+    monkeypatch.setattr(benchmark_pages, "RESULTS", tmp_path)
+    text = benchmark_pages.bench_results()
+    assert text.count("### `") == 1 and f"### `{names[1]}`" in text
+    (row,) = [line for line in text.splitlines() if line.startswith(f"| `{names[0]}`")]
+    assert row.startswith(f"| `{names[0]}` | `ece1b4c` | T1, T2, T3, T4, H1, H2, H3, H4 | ")
+    assert "(issue 49): H1, H4, T1, T2, T3, T4;" in row
