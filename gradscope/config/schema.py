@@ -243,9 +243,8 @@ class ReportConfig:
     tokenizer: str | None = None
     """A local tokenizer folder: the report decodes token ids with it (needs ``transformers``)."""
     image_shape: list[int] | None = None
-    """E.g. ``[8, 8]`` or ``[3, 32, 32]``: the report draws flat inputs as images of this shape;
-    (B, H, W) and (B, C, H, W) inputs need none. A shape that fits no input of the data's first
-    row is refused."""
+    """E.g. ``[8, 8]`` or ``[3, 32, 32]``: the report draws flat inputs of its size as images of
+    this shape (one must fit); (B, H, W) and (B, C, H, W) inputs need none."""
 
     def check(self, source: str) -> None:
         shape = self.image_shape
