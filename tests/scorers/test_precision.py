@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 from oracle import assert_rel_close, reference_norms
-from project import load_net, make_project
+from project import MODEL_PY, load_net, make_project
 
 from gradscope.config import load_config
 from gradscope.io.parquet import read_metadata
@@ -30,20 +30,16 @@ def test_half_precision_against_float64_loop(tmp_path, dtype, rtol):
     assert frame["finite"].all()
 
 
-AUTOCAST_PY = """
-import torch
-from torch import nn
+AUTOCAST_PY = (
+    MODEL_PY
+    + """
 
-
-class Autocast(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(5, 8), nn.Linear(8, 3)
-
+class Autocast(Net):
     def forward(self, x):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            return self.fc2(torch.tanh(self.fc1(x))).float()
+            return super().forward(x).float()
 """
+)
 
 
 def test_metadata_names_the_dtype_an_autocast_forward_computed_in(tmp_path):
