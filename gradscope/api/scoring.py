@@ -4,6 +4,7 @@ checked against every input, written in parts) and returns the Parquet file's ro
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,7 @@ from ..config import Config
 from ..defaults import CG_TOLERANCE
 from ..index.query import Query, run_query
 from ..index.scorer import IndexScorer, index_output
+from ..io.held import unresumed
 from ..run import score_dataset
 from ..scorers import InfluenceScorer, NormsScorer, Scorer
 from .configured import Data, Model, called, configured
@@ -48,8 +50,9 @@ def norms(
     ``y``, the loss cross-entropy.
 
     Returns the columns the command writes (``reference/columns.md``); ``out`` also keeps the
-    Parquet file (``resume`` continues an interrupted one). ``precondition`` (a factors file,
-    the factors ``factors`` returned, or an Adam state dict's file) adds ``self_influence``.
+    Parquet file (``resume`` continues an interrupted one: of a module, one of the same weights,
+    which only a call with ``out`` hashes). ``precondition`` (a factors file, the factors
+    ``factors`` returned, or an Adam state dict's file) adds ``self_influence``.
 
     Example:
         >>> import gradscope
@@ -223,4 +226,5 @@ def _scores(
 
     path = call.out(out, "scores.parquet")
     cfg = dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, path=path))
-    return pd.read_parquet(score_dataset(cfg, scorer, trust_checkpoint=trust, resume=resume))
+    with unresumed() if out is None else contextlib.nullcontext():  # no model hashed for it
+        return pd.read_parquet(score_dataset(cfg, scorer, trust_checkpoint=trust, resume=resume))

@@ -7,9 +7,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 _HELD: dict[str, Any] = {}
+# whether a held module stands in a run's key by its weights: not in a run no other resumes
+_BY_WEIGHTS: ContextVar[bool] = ContextVar("by_weights", default=True)
 
 
 def is_held(spec: object) -> bool:
@@ -75,11 +78,24 @@ def _restore(kept: list[tuple[Any, str, Any, Any, Any]]) -> None:
                     held_there.grad = grad
 
 
+@contextlib.contextmanager
+def unresumed() -> Iterator[None]:
+    """Runs inside key a held module by its spec, not its weights' sha256 (seconds for a
+    model of billions of parameters): for a run written to a call's temporary folder, which
+    no run resumes and nothing reads after the call."""
+    token = _BY_WEIGHTS.set(False)
+    try:
+        yield
+    finally:
+        _BY_WEIGHTS.reset(token)
+
+
 def identity(spec: str) -> str:
     """What stands for a held object in a run's key instead of its address (which a new object
     may take, and the same object keeps while its weights change): a module by its class and
-    the sha256 of its parameters and buffers; rows by their type (they are keyed by their own
-    sha256, ``io.data.code_rows_sha256``); a function (a loss) by its spec, its address."""
+    the sha256 of its parameters and buffers (by its spec inside ``unresumed``); rows by their
+    type (they are keyed by their own sha256, ``io.data.code_rows_sha256``); a function (a
+    loss) by its spec, its address."""
     import torch
 
     from .files import hash_tensor
@@ -89,6 +105,8 @@ def identity(spec: str) -> str:
         return spec  # a loss or output function: by its address, as before (two lambdas alike)
     if not isinstance(obj, torch.nn.Module):
         return f"<{type(obj).__name__}>"
+    if not _BY_WEIGHTS.get():
+        return spec
     h = hashlib.sha256()
     for name, t in obj.state_dict(keep_vars=True).items():
         if not isinstance(t, torch.Tensor) or torch.nn.parameter.is_lazy(t):  # extra state

@@ -181,6 +181,26 @@ def test_a_held_model_resumes_by_its_weights_not_its_address(project: Path) -> N
     np.testing.assert_allclose(resumed["grad_norm"], whole["grad_norm"], rtol=1e-12)
 
 
+def test_a_held_model_is_hashed_only_for_a_run_that_can_resume(
+    project: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every call hashed the held model's weights for the run's key (seconds for a billion
+    parameters), also with out=None, whose temporary file no run resumes."""
+    import gradscope.io.files as files
+
+    net, x, y = load_net(project)
+    hashed: list[str] = []
+    hash_tensor = files.hash_tensor
+    monkeypatch.setattr(files, "hash_tensor", lambda h, name, *a, **k: (
+        hashed.append(name), hash_tensor(h, name, *a, **k)))  # fmt: skip
+    ref = torch.load(project / "ref.pt")
+    gradscope.norms(net, {"x": x, "y": y})
+    gradscope.influence(net, {"x": x, "y": y}, ref=ref)
+    assert hashed == []
+    gradscope.norms(net, {"x": x, "y": y}, out=project / "kept.parquet")
+    assert sorted(hashed) == sorted(net.state_dict())
+
+
 def test_a_query_of_a_held_model_whose_weights_changed_is_refused(project: Path) -> None:
     net, x, y = load_net(project)
     net, ref = net.double(), torch.load(project / "ref.pt")
