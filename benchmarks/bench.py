@@ -74,6 +74,7 @@ def _setup(
     for key in keys:
         try:
             steps[key] = METHODS[key].setup(pb)
+            results[key].note = getattr(steps[key], "note", "")  # what the step leaves out
         except Exception as e:  # noqa: BLE001 - a peer that breaks is a result, not a crash
             _fail(results[key], e)
     return steps, results

@@ -133,8 +133,8 @@ def linear_hooks(pb: Problem) -> Step:
     of the ``nn.Linear`` layers (and transformers' ``Conv1D``, GPT-2's) alone (a forward hook
     keeps each input, a hook on its output takes the output gradient; ||s||^2 ||a||^2 on one
     position, the Gram route on several), no other layer, no check. Its answer leaves every
-    other parameter out, so it is not checked against the loop: a replayed gradscope pass near
-    it costs little beyond its hooks."""
+    other parameter out (the result's note says how much), so it is not checked against the
+    loop: a replayed gradscope pass near it costs little beyond its hooks."""
     loss, params = _plain_summed_loss(pb), list(trainable(pb.model).values())
     kinds: tuple[type, ...] = (nn.Linear,)
     with contextlib.suppress(ImportError):
@@ -170,7 +170,22 @@ def linear_hooks(pb: Problem) -> Step:
                 h.remove()
         return torch.stack(norms).sum(0).sqrt()
 
+    step.note = left_out(pb.model, linears)  # the result's note: what it leaves out
     return step
+
+
+def left_out(model: nn.Module, hooked: list[nn.Module]) -> str:
+    """What hooks on the ``hooked`` modules' own parameters leave out of the trainable weights:
+    their share of the elements, and the classes of the modules holding them ("" for none)."""
+    mine = {id(p) for m in hooked for p in m.parameters(recurse=False)}
+    owner = {id(p): type(m).__name__ for m in model.modules() for p in m.parameters(False)}
+    params = list(trainable(model).values())
+    rest = [p for p in params if id(p) not in mine]
+    if not rest:
+        return ""
+    share = sum(p.numel() for p in rest) / sum(p.numel() for p in params)
+    kinds = ", ".join(sorted({owner[id(p)] for p in rest}))
+    return f"leaves out {share:.0%} of the weights ({len(rest)} of {len(params)} tensors: {kinds})"
 
 
 def all_layer_hooks(pb: Problem) -> Step:

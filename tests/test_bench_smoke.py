@@ -182,8 +182,18 @@ def test_the_linear_hooks_are_the_loop_where_every_layer_is_linear(positions: in
         return torch.randn(n, *shape, 4), torch.randn(n, *shape, 3)
 
     pb = workloads._problem(model, make, 6, "mse")
-    got = methods.METHODS["floor:linear hooks"].setup(pb)()
-    torch.testing.assert_close(got, methods.METHODS["norms:loop"].setup(pb)(), rtol=1e-5, atol=0)
+    step = methods.METHODS["floor:linear hooks"].setup(pb)
+    torch.testing.assert_close(step(), methods.METHODS["norms:loop"].setup(pb)(), rtol=1e-5, atol=0)
+    assert step.note == ""
+
+
+def test_the_linear_hooks_say_what_they_leave_out():
+    """Beside a layer of another kind the Linear-only hooks compute less than an exact pass
+    must: the result says how much, and which modules hold it (a cell's note on the page)."""
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 3, bias=False))
+    pb = workloads._problem(model, lambda n: (torch.randint(10, (n,)), torch.randn(n, 3)), 4, "mse")
+    result = bench._setup(pb, "smoke", ["floor:linear hooks"])[1]["floor:linear hooks"]
+    assert result.note == "leaves out 77% of the weights (1 of 2 tensors: Embedding)"
 
 
 def test_products_counts_each_pass_product():
