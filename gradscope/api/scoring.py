@@ -94,7 +94,8 @@ def influence(
     ``damping``, ``solver``, ``cg_tolerance``, ``precondition`` (also the factors ``factors``
     returned) and ``engine`` as the command's options; ``through_training``, a run record
     (``train(record=True)``), scores by replaying that run backward instead
-    (``--through-training``). Returns the command's columns, or with ``matrix`` the
+    (``--through-training``; ``limit`` and ``batch_size`` choose the rows scored, the replay
+    trains on the run's). Returns the command's columns, or with ``matrix`` the
     (references, examples) float64 tensor of ``influence`` (one row without ``per_ref``).
 
     Example:
@@ -106,10 +107,12 @@ def influence(
     with called(influence) as call:
         cfg = configured(call, model, data, config, **options)
         if through_training is not None:
-            from ..training.attribution import at_record, replayed, unread
+            from ..training.attribution import as_recorded, at_record, replayed, unread
 
-            trained = {k: v for k, v in options.items() if k not in ("limit", "batch_size")}
+            scored = {"limit", "batch_size"} & set(options)  # the rows scored, not trained
+            trained = {k: v for k, v in options.items() if k not in scored}
             trained = configured(call, model, data, config, **trained)  # as the run trained
+            trained = as_recorded(trained, Path(through_training), scored)
             given = unread(
                 curvature, precondition, damping, solver, cg_tolerance, engine, cli=False
             )

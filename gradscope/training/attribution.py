@@ -16,7 +16,7 @@ import torch
 from .. import distributed
 from ..config import Config
 from ..defaults import CG_TOLERANCE
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError, DataError, GradscopeError
 from ..inputs import data_inputs, run_inputs
 from ..io.data import Batch, code_rows_sha256, data_identity
 from ..io.lock import OutputLock
@@ -31,6 +31,7 @@ from ..scorers.base import (
     trailing_names,
 )
 from .record import Record, open_record
+from .recordfiles import read_meta
 from .replay import through_training
 
 METHOD = "through-training"
@@ -161,6 +162,29 @@ def at_record(cfg: Config) -> Config:
     ``model.checkpoints`` is read, checked or named in the file."""
     model = dataclasses.replace(cfg.model, checkpoint=None, checkpoints=[])
     return dataclasses.replace(cfg, model=model)
+
+
+def as_recorded(cfg: Config, run: Path, keys: set[str]) -> Config:
+    """``cfg`` with the API's ``limit`` and ``batch_size`` among ``keys`` as the ``gradscope
+    train`` run recorded at ``run`` had them (its ``data.limit``; its batch, where
+    ``train.batch_size`` leaves it to ``data.batch_size``): in an influence call they choose
+    the rows scored, and a replay trains on the rows the run did. ``cfg`` as it is where the
+    record gives neither (a watched run's, or one that does not read back: the replay says)."""
+    try:
+        key = read_meta(Path(run).resolve())["key"]
+        limit, batch = key["data"]["limit"], key["train"]["batch_size"]
+    except (GradscopeError, OSError, KeyError, TypeError):
+        return cfg
+    data = cfg.data
+    if "limit" in keys and (limit is None or type(limit) is int):
+        data = dataclasses.replace(data, limit=limit)
+    if (
+        "batch_size" in keys
+        and type(batch) is int
+        and (cfg.train is None or not cfg.train.batch_size)
+    ):
+        data = dataclasses.replace(data, batch_size=batch)
+    return dataclasses.replace(cfg, data=data)
 
 
 def replay_folder(out: Path) -> Path:

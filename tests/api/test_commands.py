@@ -162,3 +162,25 @@ def test_train_record_and_influence_through_training(tmp_path: Path) -> None:
     (tmp_path / "out.pt").unlink()  # the record's weights are scored: no checkpoint is read
     api = gradscope.influence(config, ref=ref, through_training=trained.record, per_ref=True)
     pd.testing.assert_frame_equal(api, pd.read_parquet(tmp_path / "cli.parquet"))
+
+
+def test_through_training_of_a_run_trained_on_the_api_s_limit(tmp_path: Path) -> None:
+    """train(limit=N) then influence(limit=N, through_training=...) was refused ("made with a
+    different data.limit"): the call's limit= chose the rows scored and the replay took the
+    config's, so no keyword could match the run. The replay trains as the record says; limit=
+    and batch_size= choose the rows scored and how they are batched."""
+    train = {"optimizer": "sgd", "lr": 0.1, "epochs": 2}
+    config = make_project(tmp_path, n=8, train=train, dtype="float64")
+    ref = tmp_path / "ref.pt"
+    torch.save({"x": torch.randn(2, 5), "y": torch.tensor([0, 2])}, ref)
+    six = gradscope.train(config, limit=6, batch_size=3, record=True, out=tmp_path / "six.pt")
+    scored = gradscope.influence(config, ref=ref, limit=6, batch_size=3,
+                                 through_training=six.record)  # fmt: skip
+    assert len(scored) == 6 and np.isfinite(scored["influence"]).all()
+    first = gradscope.influence(config, ref=ref, limit=4, batch_size=2,
+                                through_training=six.record)  # fmt: skip
+    np.testing.assert_allclose(first["influence"], scored["influence"][:4], rtol=1e-12)
+    every = gradscope.train(config, record=True, out=tmp_path / "every.pt")  # the config's rows
+    some = gradscope.influence(config, ref=ref, limit=4, through_training=every.record)
+    whole = gradscope.influence(config, ref=ref, through_training=every.record)
+    np.testing.assert_allclose(some["influence"], whole["influence"][:4], rtol=1e-12)
