@@ -153,15 +153,16 @@ def validate(
     data: Data = None,
     *,
     ref: Data,
-    scores: list[str | Path],
+    scores: str | Path | list[str | Path],
     out: str | Path | None = None,
     truth: str | Path | None = None,
     **options: Any,
 ) -> pd.DataFrame:
-    """Measure score files against retraining by the config's ``train:`` recipe: LDS, the
-    removal test, detection AUROC: ``gradscope validate``. Its options are keywords by name
-    (``subsets``, ``fraction``, ``seeds``, ``target``, ``removal``, ``removal_refs``, ``bad``,
-    ``columns``: ``--column`` repeated, ``jobs``, ``resume``, ``same_order``), beside the
+    """Measure the score files ``scores`` (a path, or a list) against retraining by the
+    config's ``train:`` recipe: LDS, the removal test, detection AUROC: ``gradscope validate``.
+    Its options are keywords by name (``subsets``, ``fraction``, ``seeds``, ``target``,
+    ``removal``, ``removal_refs``, ``bad``, ``columns``: ``--column`` repeated, a name or a
+    list, ``jobs``, ``resume``, ``same_order``), beside the
     config's keys. Returns the table the command writes to ``out``; the retrained models are
     kept in ``truth`` (default beside ``out``), which later calls reuse.
 
@@ -180,14 +181,23 @@ def validate(
 
     names = {f.name for f in dataclasses.fields(Options)}
     measures = {k: options.pop(k) for k in list(options) if k in names}
-    measures["columns"] = tuple(measures.get("columns", ()))
+    measures["columns"] = tuple(_listed(measures.get("columns", ())))
     with called(validate, Options) as call:
         cfg = configured(call, _config_only(config, "validate"), data, **options)
-        table = Path(call.out(out, "validation.parquet"))
+        table = Path(call.out(out, "validation.parquet", bool(measures.get("resume"))))
         kept = None if truth is None else Path(call.out(truth, "truth.parquet"))
-        files = [Path(call.spec(s)) for s in scores]
+        listed = _listed(scores)
+        if not all(isinstance(s, str | Path) for s in listed):  # a DataFrame the API returned
+            raise ConfigError("validate takes score files' paths (out= of the calls)", "scores")
+        files = [Path(call.spec(s)) for s in listed]
         measured(cfg, call.spec(ref), files, options=Options(**measures), out=table, truth=kept)
         return pd.read_parquet(table)
+
+
+def _listed(value: object) -> list:
+    """A list of names given as one (``scores="influence.parquet"``, ``columns="influence"``)
+    as a list of it, not of its characters."""
+    return [value] if isinstance(value, str | Path) else list(value)
 
 
 def _config_only(config: Config | str | Path, command: str) -> Config | str | Path:

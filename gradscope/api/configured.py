@@ -60,9 +60,10 @@ Data = Any  # a path, a dict of tensors, a Dataset, a DataLoader, a DataFrame, a
 class Call:
     """The objects one API call holds, named while it runs; its temporary folder."""
 
-    def __init__(self, stack: contextlib.ExitStack):
-        self.stack = stack
+    def __init__(self, stack: contextlib.ExitStack, more: tuple[str, ...] = ()):
+        self.stack, self.more = stack, more  # ``more``: its keywords beside the config's keys
         self._folder: Path | None = None
+        self.unkept = False  # whether an output of the call is in its temporary folder
 
     def spec(self, value: Any) -> str:
         """A path or ``file.py:fn`` as the config writes it (relative to the working folder), or
@@ -91,17 +92,31 @@ class Call:
                 "precondition",
             )
         if isinstance(value, dict):  # an Adam state_dict(), as per_example_influence takes it
-            path = self.out(None, "adam.pt")
+            path = self._temporary("adam.pt")
             torch.save(value, path)
             return path
-        path = self.out(None, "precondition.safetensors")
+        path = self._temporary("precondition.safetensors")
         value.save(path)
         return path
 
-    def out(self, out: str | Path | None, name: str) -> str:
-        """``out`` made absolute, or ``name`` in a folder removed when the call returns."""
+    def out(self, out: str | Path | None, name: str, resume: bool = False) -> str:
+        """``out`` made absolute, or ``name`` in a folder removed when the call returns (where
+        ``resume`` asks for none: it continues the run an earlier call wrote to its ``out``)."""
         if out is not None:
+            if not isinstance(out, str | Path):
+                raise TypeError(f"out= must be a path (str or Path), got {type(out).__name__}")
             return output_path(out, Path.cwd(), "out")
+        if resume:
+            raise ConfigError(
+                "resume=True continues the run an interrupted call wrote to its out=: give "
+                "that out= (a call without one keeps no rows to resume)",
+                "resume",
+            )
+        self.unkept = True
+        return self._temporary(name)
+
+    def _temporary(self, name: str) -> str:
+        """``name`` in the call's folder, removed when the call returns."""
         if self._folder is None:
             self._folder = Path(self.stack.enter_context(tempfile.TemporaryDirectory()))
         return str(self._folder / name)
@@ -113,17 +128,19 @@ def called(fn: Callable, options: type | None = None) -> Iterator[Call]:
     caller's random state is left as it was (a DataLoader draws its base seed from it each time
     it is read, and a run reads the rows more than once)."""
     words = keywords(fn, options)
+    more = tuple(f.name for f in dataclasses.fields(options)) if options else ()
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.random.fork_rng(devices=[]))
-        call = Call(stack)
+        call = Call(stack, more)
         try:
             with in_api_words(words):
                 yield call
         except Interrupted as e:  # Ctrl-C stays a KeyboardInterrupt: no `except Exception` eats it
             text = api_words(str(e), words).replace("command", "call")
-            if call._folder is not None:  # the saved rows go with the call's temporary folder
-                text += (
-                    "; the rows saved went with out=None's temporary folder: give out= to keep them"
+            if call.unkept:  # the saved rows went with the call's temporary folder
+                text = (
+                    f"{e.what.split(';')[0]} to out=None's temporary folder, which went with "
+                    "the call: give out= to keep them for resume=True"
                 )
             raise KeyboardInterrupt(text) from e
 
@@ -210,8 +227,10 @@ def configured(
             raw["data"]["batch_size"] = batch_size
     for key, value in options.items():
         if key not in KEYS:
-            known = ", ".join(KEYS)
-            raise TypeError(f"unexpected keyword argument {key!r}; the config's keys: {known}")
+            known = ", ".join(call.more + tuple(KEYS))
+            raise TypeError(
+                f"unexpected keyword argument {key!r}; besides its named ones it takes: {known}"
+            )
         section, name = KEYS[key]
         if key == "loss" and callable(value):
             value = call.spec(value)

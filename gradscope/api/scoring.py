@@ -227,7 +227,7 @@ def _scores(
     """``scorer``'s run of ``cfg`` written to ``out`` (or a file of the call's), read back."""
     import dataclasses
 
-    path = call.out(out, "scores.parquet")
+    path = call.out(out, "scores.parquet", resume)
     cfg = dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, path=path))
     with unresumed() if out is None else contextlib.nullcontext():  # no model hashed for it
         return pd.read_parquet(score_dataset(cfg, scorer, trust_checkpoint=trust, resume=resume))

@@ -19,7 +19,6 @@ from .options import (
     precondition_option,
     ref_option,
 )
-from .reports import check_top_k
 from .scoring import scored
 
 
@@ -130,7 +129,6 @@ def query(
     """Score every indexed example against the gradients of REF (their mean, or each row)."""
     from ..index.query import Query, run_query, shown
 
-    check_top_k(top_k)
     asked = Query(
         ref if ".py:" in ref else str(Path(ref).resolve()), per_ref, top_k, exact,
         candidates, normalize,

@@ -138,6 +138,8 @@ def _query(
     if query.precondition:
         reads.append(("--precondition", query.precondition))
     check_output(out, run_inputs(cfg, reads), "query")
+    if query.top_k is not None and query.top_k < 1:
+        raise ConfigError(f"--top-k must be at least 1, got {query.top_k}", "--top-k")
     if query.candidates is not None and not query.exact:  # it ran as without it
         raise ConfigError(
             "--candidates sets how many --exact re-scores; pass --exact", "--candidates"

@@ -45,7 +45,7 @@ def check_files(folder: Path) -> None:
     """Every file the manifest lists is there with its sha256, and no other record file."""
     if not (folder / MANIFEST).is_file():
         what = "no run record" if not folder.is_dir() else "an unfinished run record (no manifest)"
-        fix = "gradscope train --record or Watch(record=) writes one"
+        fix = "gradscope train --record (train(record=True)) or Watch(record=) writes one"
         if (folder / START).is_file():  # a watched loop's, stopped before its end
             fix = ("a watched loop's: resume the loop from a checkpoint of its own, or run it "
                    "again from its first step")  # fmt: skip

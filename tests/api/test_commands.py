@@ -147,6 +147,17 @@ def test_train_and_validate(tmp_path: Path) -> None:
         table.drop(columns=timed), pd.read_parquet(tmp_path / "cli.parquet").drop(columns=timed)
     )
     assert np.isfinite(table["lds"]).all()
+    # one file and one column as a string each (they were read as lists of their characters),
+    # the retrained models the call above kept reused
+    one = gradscope.validate(config, ref=ref, scores=scores, subsets=3, columns="influence",
+                             out=tmp_path / "one.parquet", truth=tmp_path / "api.truth.parquet")  # fmt: skip
+    pd.testing.assert_frame_equal(one.drop(columns=timed), table.drop(columns=timed))
+    with pytest.raises(ConfigError, match="validate takes score files' paths"):
+        gradscope.validate(config, ref=ref, scores=[table])
+    with pytest.raises(TypeError, match="'subset'; besides its named ones it takes: subsets, "):
+        gradscope.validate(config, ref=ref, scores=scores, subset=3)
+    with pytest.raises(ConfigError, match="resume=True continues the run an interrupted call"):
+        gradscope.validate(config, ref=ref, scores=scores, resume=True)
 
 
 def test_train_record_and_influence_through_training(tmp_path: Path) -> None:

@@ -107,6 +107,8 @@ def test_refused(project: Path) -> None:
         gradscope.write_report(project / "scores.parquet", top_k=0)
     with pytest.raises(ConfigError, match="write_report takes a scores file's path"):
         gradscope.write_report(pd.DataFrame())  # a TypeError before
+    with pytest.raises(TypeError, match=r"out= must be a path \(str or Path\), got int"):
+        gradscope.norms(net, {"x": x, "y": y}, out=5)  # pathlib's TypeError before
     with pytest.raises(ModelError, match="uninitialized parameter"):  # the weights' hash raised
         gradscope.norms(torch.nn.Sequential(torch.nn.LazyLinear(3)), {"x": x, "y": y})
 
@@ -208,6 +210,8 @@ def test_a_query_of_a_held_model_whose_weights_changed_is_refused(project: Path)
     copy = type(net)().double()
     copy.load_state_dict(net.state_dict())  # another object, the same weights: as the index
     gradscope.query(built, copy, {"x": x, "y": y}, ref=ref)
+    with pytest.raises(ConfigError, match="top_k= must be at least 1, got 0"):  # as top_k=None
+        gradscope.query(built, copy, {"x": x, "y": y}, ref=ref, top_k=0)
     with torch.no_grad():
         next(net.parameters()).add_(1)  # trained on: the indexed gradients are not its own
     with pytest.raises(DataError, match="model.factory is not what the index was built from"):
@@ -266,10 +270,17 @@ def test_a_dataframe_is_rows_and_a_generator_is_refused(project: Path) -> None:
 
 def test_ctrl_c_in_a_call_is_a_keyboard_interrupt_in_the_apis_words(project: Path) -> None:
     """It was an Exception (a user's `except Exception` ate Ctrl-C) saying 'run the same command
-    with --resume', also where out=None's temporary folder took the saved rows with it."""
+    with --resume', also where out=None's temporary folder took the saved rows with it (then
+    'run the same call with resume=True to continue', and that call 'nothing to resume')."""
     net, x, y = load_net(project)
-    with pytest.raises(KeyboardInterrupt, match="resume=True.*give out= to keep them"):
+    with pytest.raises(KeyboardInterrupt) as e:
         gradscope.norms(net, DataLoader(_Interrupting(x, y), batch_size=4))
+    assert str(e.value) == (
+        "interrupted with 4 examples saved to out=None's temporary folder, which went with the "
+        "call: give out= to keep them for resume=True"
+    )
+    with pytest.raises(ConfigError, match=r"resume=True continues .* give that out= \(a call"):
+        gradscope.norms(net, {"x": x, "y": y}, resume=True)
     with pytest.raises(KeyboardInterrupt, match="the same call with resume=True") as e:
         gradscope.norms(net, DataLoader(_Interrupting(x, y), batch_size=4),
                         out=project / "k.parquet")  # fmt: skip
