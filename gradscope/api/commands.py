@@ -80,7 +80,7 @@ def check(
 
     with called(check) as call:
         cfg = configured(call, model, data, config, **options)
-        spec = None if ref is None else call.spec(ref)
+        spec = None if ref is None else call.spec(ref, "ref")
         return check_config(cfg, examples, ref=spec, trust_checkpoint=trust_checkpoint)
 
 
@@ -190,7 +190,9 @@ def validate(
         if not all(isinstance(s, str | Path) for s in listed):  # a DataFrame the API returned
             raise ConfigError("validate takes score files' paths (out= of the calls)", "scores")
         files = [Path(call.spec(s)) for s in listed]
-        measured(cfg, call.spec(ref), files, options=Options(**measures), out=table, truth=kept)
+        measured(
+            cfg, call.spec(ref, "ref"), files, options=Options(**measures), out=table, truth=kept
+        )
         return pd.read_parquet(table)
 
 

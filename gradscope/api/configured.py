@@ -49,6 +49,12 @@ KEYS = {
     "device": (None, "device"),
     "dtype": (None, "dtype"),
 }
+# the config keys an API function's keywords set, by keyword: those of a section, and the two
+# its model and data arguments name
+NAMED = {k: v for k, v in KEYS.items() if v[0]} | {
+    "model": ("model", "factory"),
+    "data": ("data", "path"),
+}
 # what a model passed as an object leaves of the config's model: how its output is read
 MODEL_OBJECT_KEYS = ("output",)
 
@@ -60,23 +66,29 @@ Data = Any  # a path, a dict of tensors, a Dataset, a DataLoader, a DataFrame, a
 class Call:
     """The objects one API call holds, named while it runs; its temporary folder."""
 
-    def __init__(self, stack: contextlib.ExitStack, more: tuple[str, ...] = ()):
+    def __init__(
+        self, stack: contextlib.ExitStack, words: dict[str, str], more: tuple[str, ...] = ()
+    ):
         self.stack, self.more = stack, more  # ``more``: its keywords beside the config's keys
+        self.words = words  # ``keywords``'s, and each held object's spec as its keyword
         self._folder: Path | None = None
         self.unkept = False  # whether an output of the call is in its temporary folder
 
-    def spec(self, value: Any) -> str:
+    def spec(self, value: Any, keyword: str | None = None) -> str:
         """A path or ``file.py:fn`` as the config writes it (relative to the working folder), or
-        the spec naming an object held for the call."""
+        the spec naming an object held for the call (an error says where by ``keyword``)."""
         if isinstance(value, str | Path):
             return resolve(str(value), Path.cwd())
-        return self.stack.enter_context(holding(value))
+        spec = self.stack.enter_context(holding(value))
+        if keyword is not None:
+            self.words[spec] = f"{keyword}="
+        return spec
 
-    def data(self, value: Any) -> str | list[str]:
+    def data(self, value: Any, keyword: str = "data") -> str | list[str]:
         """``spec`` of rows: a list of paths is a list of shards, as ``data.path`` takes it."""
         if isinstance(value, list | tuple) and all(isinstance(v, str | Path) for v in value):
             return [self.spec(v) for v in value]
-        return self.spec(value)
+        return self.spec(value, keyword)
 
     def precondition(self, value: str | Path | Factors | dict | None, resume: bool) -> str | None:
         """A preconditioner's file: a path as given, or what is held in memory (the factors
@@ -131,7 +143,7 @@ def called(fn: Callable, options: type | None = None) -> Iterator[Call]:
     more = tuple(f.name for f in dataclasses.fields(options)) if options else ()
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.random.fork_rng(devices=[]))
-        call = Call(stack, more)
+        call = Call(stack, words, more)
         try:
             with in_api_words(words):
                 yield call
@@ -153,7 +165,7 @@ def in_api_words(words: dict[str, str]) -> Iterator[None]:
         yield
     except GradscopeError as e:
         e.what = api_words(e.what, words)
-        e.where = e.where and api_words(e.where, words)
+        e.where = e.where and (words.get(e.where) or api_words(e.where, words))
         raise
 
 
@@ -175,10 +187,12 @@ KEY_FLAGS = ("per_layer",)
 
 
 def keywords(fn: Callable, options: type | None = None) -> dict[str, str]:
-    """The command-line options that the API function ``fn`` takes as keywords, each as an
-    error should name it: ``--per-ref`` as ``per_ref=True`` (a flag: its default False),
-    ``--ref`` as ``ref=``. Its parameters; the config's keys (``KEYS``) where it takes
-    ``**options``, and the fields of the dataclass ``options`` (``validate``'s measures)."""
+    """The command-line options and config keys that the API function ``fn`` takes as
+    keywords, each as an error should name it: ``--per-ref`` as ``per_ref=True`` (a flag: its
+    default False), ``--ref`` as ``ref=``, ``data.batch_size`` as ``batch_size=``. Its
+    parameters (``model`` and ``data`` for ``model.factory`` and ``data.path``); the config's
+    keys (``KEYS``) where it takes ``**options``; the fields of the dataclass ``options``
+    (``validate``'s measures)."""
     params = inspect.signature(fn).parameters.values()
     defaults = {p.name: p.default for p in params if p.kind is not p.VAR_KEYWORD}
     if any(p.kind is p.VAR_KEYWORD for p in params):
@@ -191,13 +205,30 @@ def keywords(fn: Callable, options: type | None = None) -> dict[str, str]:
     }
     if "columns" in defaults:  # validate's, a list where the command line repeats --column
         words["--column"] = "columns="
+    words |= {f"{s}.{n}": f"{k}=" for k, (s, n) in NAMED.items() if k in defaults}
     return words
 
 
+# a config key in an error: ``data.batch_size``, ``'loss.name'``, ``config.data.path`` (a
+# resume's difference), ``data.pad.x`` (an entry of a dict the key holds)
+_KEY = re.compile(
+    r"'?(?:config\.)?\b((?:data|loss|params|model|output|summary)\.[a-z_]+)\b'?(\.\w+)?"
+)
+
+
 def api_words(text: str, words: dict[str, str]) -> str:
-    """``text`` with each command-line option of ``words`` as the API's keyword; an option
-    the API function does not take stays as it is."""
-    return re.sub(r"--[a-z][a-z-]*[a-z]", lambda m: words.get(m.group(0), m.group(0)), text)
+    """``text`` with each command-line option and config key of ``words`` as the API's
+    keyword (``data.pad.x`` as ``pad={'x': ...}``); one the API function does not take stays
+    as it is."""
+    text = re.sub(r"--[a-z][a-z-]*[a-z]", lambda m: words.get(m.group(0), m.group(0)), text)
+
+    def keyword(m: re.Match) -> str:
+        word = words.get(m.group(1))
+        if word is None:
+            return m.group(0)
+        return f"{word}{{{m.group(2)[1:]!r}: ...}}" if m.group(2) else word
+
+    return _KEY.sub(keyword, text)
 
 
 def configured(
@@ -213,10 +244,15 @@ def configured(
         if config is not None:
             raise ConfigError("give the config once: as the model, or as config=", "config")
         model, config = None, model
+    if config is not None:  # what the config set, an error names as the config does
+        given = {k for k, v in (("model", model), ("data", data)) if v is not None} | set(options)
+        for key, (section, name) in NAMED.items():
+            if key not in given:
+                call.words.pop(f"{section}.{name}", None)
     raw = _base(config)
     if model is not None:
         raw["model"] = {k: v for k, v in raw.get("model", {}).items() if k in MODEL_OBJECT_KEYS}
-        raw["model"]["factory"] = call.spec(model)
+        raw["model"]["factory"] = call.spec(model, "model")
         first = next(model.parameters(), None)  # scored as it is, unless device=, dtype= say
         raw["device"] = str(first.device) if first is not None else "cpu"
         raw["dtype"] = None
@@ -233,7 +269,7 @@ def configured(
             )
         section, name = KEYS[key]
         if key == "loss" and callable(value):
-            value = call.spec(value)
+            value = call.spec(value, "loss")
         (raw.setdefault(section, {}) if section else raw)[name] = value
     if not raw["data"].get("path"):
         raise ConfigError("no data: pass the rows to score, or a config naming them", "data")

@@ -116,13 +116,13 @@ def influence(
             given = unread(
                 curvature, precondition, damping, solver, cg_tolerance, engine, cli=False
             )
-            spec = call.spec(ref)
+            spec = call.spec(ref, "ref")
             scorer = replayed(trained, spec, Path(through_training), per_ref, given, resume)
             resume = False  # the replay continued its own; the rows' file is written afresh
             cfg = at_record(cfg)
         else:
             scorer = InfluenceScorer(
-                call.spec(ref), per_ref=per_ref, engine=engine,
+                call.spec(ref, "ref"), per_ref=per_ref, engine=engine,
                 precondition=call.precondition(precondition, resume),
                 trust_checkpoint=trust_checkpoint, curvature=curvature, damping=damping,
                 solver=solver, cg_tolerance=cg_tolerance,
@@ -210,7 +210,7 @@ def query(
     """
     with called(query) as call:
         cfg = configured(call, model, data, config, **options)
-        spec = call.spec(ref)
+        spec = call.spec(ref, "ref")
         file = call.precondition(precondition, resume=False)
         asked = Query(
             spec, per_ref, top_k, exact, candidates, normalize,

@@ -95,7 +95,7 @@ def test_refused(project: Path) -> None:
             gradscope.norms(net, loader)
     with pytest.raises(TypeError, match="'batchsize'"):
         gradscope.norms(net, {"x": x, "y": y}, batchsize=3)
-    with pytest.raises(ConfigError, match="data.batch_size"):
+    with pytest.raises(ConfigError, match="^batch_size= must be at least 1"):
         gradscope.norms(project / "config.yaml", batch_size=0)
     with pytest.raises(ConfigError, match="pass a config"):
         gradscope.train(net)
@@ -173,7 +173,9 @@ def test_a_held_model_resumes_by_its_weights_not_its_address(project: Path) -> N
     with torch.no_grad():
         changed = type(net)().double()
         changed.load_state_dict({k: v * 3 for k, v in net.state_dict().items()})
-    with pytest.raises(ConfigError, match="cannot resume: .*config.model.factory"):
+    with pytest.raises(
+        ConfigError, match="cannot resume: the interrupted run had a different model=;"
+    ):
         gradscope.norms(changed, DataLoader(rows, batch_size=4), out=out, resume=True)
     again = type(net)().double()
     again.load_state_dict(net.state_dict())  # another object, the same weights and rows
@@ -214,7 +216,7 @@ def test_a_query_of_a_held_model_whose_weights_changed_is_refused(project: Path)
         gradscope.query(built, copy, {"x": x, "y": y}, ref=ref, top_k=0)
     with torch.no_grad():
         next(net.parameters()).add_(1)  # trained on: the indexed gradients are not its own
-    with pytest.raises(DataError, match="model.factory is not what the index was built from"):
+    with pytest.raises(DataError, match="model= is not what the index was built from"):
         gradscope.query(built, net, {"x": x, "y": y}, ref=ref)
 
 
@@ -335,10 +337,10 @@ def test_what_the_held_identity_met_in_review(project: Path) -> None:
     with pytest.raises(KeyboardInterrupt):
         gradscope.norms(net, DataLoader(rows, batch_size=4), out=out, loss=mean)
     rows.at = None
-    with pytest.raises(ConfigError, match="different config.loss.name; run without resume=True"):
+    with pytest.raises(ConfigError, match="different loss=; run without resume=True"):
         gradscope.norms(net, DataLoader(rows, batch_size=4), out=out, loss=hundred, resume=True)
     built = gradscope.build_index(net, {"x": x, "y": y}, dim=8, loss=mean, out=project / "l.index")
-    with pytest.raises(ConfigError, match="loss.name is not what the index was built with"):
+    with pytest.raises(ConfigError, match="loss= is not what the index was built with"):
         gradscope.query(built, net, {"x": x, "y": y}, ref=torch.load(project / "ref.pt"),
                         loss=hundred)  # fmt: skip
     extra = torch.nn.Sequential(_ExtraState(5, 3))
