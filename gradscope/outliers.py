@@ -86,11 +86,12 @@ def check_by(by: str | None, names: list[str]) -> None:
 
 def default_score(names: list[str]) -> str:
     """What a file ranks by unless told: influence, else self_influence (several checkpoints,
-    or a preconditioner), else a query's score, else the loss, else grad_norm. Of a norms
+    or a preconditioner), else a query's exact score (``--exact``), else its score, else the
+    loss, else grad_norm. Of a norms
     file's columns, the loss finds the most planted faults (benchmarks/detection.py: flipped
     labels, noise inputs, contradicting duplicates), and a file without one (another tool's)
     still ranks."""
-    kinds = ("influence", "self_influence", "score", "loss")
+    kinds = ("influence", "self_influence", "exact", "score", "loss")
     return next((n for n in kinds if n in names), "grad_norm")
 
 

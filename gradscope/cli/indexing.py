@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from .. import terminal
-from ..config import SummaryConfig, load_config, with_overrides
+from ..config import load_config, with_overrides
 from .options import (
     BatchOpt,
     ConfigArg,
@@ -138,5 +138,5 @@ def query(
         index, asked, out, config=config, device=device, batch_size=batch_size,
         trust_checkpoint=trust_checkpoint,
     )  # fmt: skip
-    terminal.console.print(shown(path, top_k or SummaryConfig.top_k))
+    terminal.console.print(shown(path))
     terminal.wrote(path)

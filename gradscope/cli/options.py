@@ -40,8 +40,8 @@ ByOpt = Annotated[
         "--by",
         metavar="COLUMN[:low|high]",
         help="Column to rank by, :low most negative first, :high largest first (default: "
-        "influence with both ends, else self_influence, else a query's score, else loss, else "
-        "grad_norm).",
+        "influence with both ends, else self_influence, else a query's exact score, else its "
+        "score, else loss, else grad_norm).",
     ),
 ]
 ResumeOpt = Annotated[

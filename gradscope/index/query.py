@@ -241,35 +241,39 @@ def _metadata(job: Job, shards: Shards, query: Query, count: int, found: dict) -
     }
 
 
-def shown(path: Path, k: int, references: int = 3) -> object:
+def shown(path: Path, references: int = 3) -> object:
     """What the terminal shows of a query's file: the outlier tables of its one score per
-    example, or the top ``k`` rows of its first ``references`` references."""
+    example (its config's ``summary.top_k`` rows, else 20), or the rows of its first
+    ``references`` references (each one's top k)."""
     from rich.console import Group
     from rich.table import Table
 
+    from ..config import SummaryConfig
+    from ..io.parquet import nested
     from ..summary import summarize
     from ..tables import fmt
 
     table = pq.read_table(path)
+    meta = json.loads(table.schema.metadata[METADATA_KEY])
     if "ref_id" not in table.schema.names:
-        return summarize(path, "score", k)
+        k = nested(meta, "config", "summary", "top_k")  # none where the metadata is minimal
+        return summarize(path, "score", k if isinstance(k, int) else SummaryConfig.top_k)
     parts, refs = [], table.column("ref_id").to_numpy()
     names = [n for n in table.schema.names if n != "ref_id"]
     for r in np.unique(refs)[:references]:
-        rows = table.filter(pa.compute.equal(table["ref_id"], r)).slice(0, k).to_pydict()
+        rows = table.filter(pa.compute.equal(table["ref_id"], r)).to_pydict()
         view = Table(title=f"reference {r}: top {len(rows['rank'])}")
         for name in names:
             view.add_column(name, justify="right")
         for i in range(len(rows["rank"])):
             view.add_row(*(fmt(rows[n][i]) for n in names))
         parts.append(view)
-    meta = json.loads(table.schema.metadata[METADATA_KEY])
     found, count = meta["exact"], meta["query"]["references"]
     each = table.num_rows // max(count, 1)  # top k, or every example where there are fewer
     line = f"{count} reference{'s' if count != 1 else ''}, top {each} each"
     if found:
         line += (
-            f"; exact top-{k} drawn from projected ranks up to {found['deepest_max']} of "
+            f"; exact top-{each} drawn from projected ranks up to {found['deepest_max']} of "
             f"{found['candidates']} candidates (median deepest {found['deepest_median']:g}); "
             f"within the first half for {found['within_half']:.0%} of references"
         )

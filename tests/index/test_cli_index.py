@@ -67,6 +67,23 @@ def test_exact_rescores_candidates_with_the_loops_scores(project):
     assert read_metadata(project / "q.parquet")["exact"]["candidates"] == N
 
 
+def test_an_exact_query_is_shown_and_summarised_by_its_exact_score(project):
+    """The query's table took 20 rows where its config says summary.top_k, and said "exact
+    top-20" of a file of three; `summary` and `report` of an --exact file ranked by the
+    projected score and left the exact one out."""
+    config = project / "config.yaml"
+    config.write_text(config.read_text() + "summary:\n  top_k: 3\n")
+    ix = index(project, "--dim", 2, "--storage", "float32")
+    shown = run("query", ix, "--ref", project / "ref.pt", "--config", config, "--exact",
+                "--candidates", 3, "--out", project / "q.parquet")  # fmt: skip
+    assert "1 reference, top 3 each; exact top-3 drawn from" in " ".join(shown.split())
+    summary = run("summary", project / "q.parquet")
+    assert "outliers by exact" in summary and "outliers by score" not in summary
+    mean = run("query", ix, "--ref", project / "ref.pt", "--config", config, "--out",
+               project / "m.parquet")  # fmt: skip
+    assert "top 3 outliers by score" in mean
+
+
 def test_candidates_without_exact_is_refused(project, monkeypatch, capsys):
     """--candidates sets what --exact re-scores: without it the query ran as if not given."""
     ix = index(project, "--dim", 4)
