@@ -33,10 +33,10 @@ def summary(scores: ScoresArg, by: ByOpt = None, top_k: TopKOpt = None) -> None:
     """Print the outlier tables of an existing scores file (--top-k rows, else the scoring
     run's summary.top_k, else 20)."""
     from ..errors import DataError
+    from ..io.files import INDEX_FOLDER, check_file
     from ..io.parquet import nested, read_metadata
 
-    if not scores.is_file():
-        raise DataError("scores file not found", str(scores))
+    check_file(scores, "scores file", DataError, INDEX_FOLDER)
     check_top_k(top_k)
     kept = nested(read_metadata(scores), "config", "summary", "top_k")  # full metadata only
     kept = kept if isinstance(kept, int) and not isinstance(kept, bool) and kept >= 1 else None

@@ -17,6 +17,7 @@ from ..errors import ConfigError, DataError
 from ..inputs import check_output, metadata_inputs, run_inputs
 from ..io.atomic import replace_atomically
 from ..io.data import data_identity
+from ..io.files import INDEX_FOLDER, check_file
 from ..io.parquet import nested, read_metadata
 from ..io.scorefile import column
 from ..outliers import Outliers, is_labels, rank
@@ -192,8 +193,7 @@ def write_report(
     data and shown.
     """
     scores = Path(scores)
-    if not scores.is_file():
-        raise DataError("scores file not found", str(scores))
+    check_file(scores, "scores file", DataError, INDEX_FOLDER)
     target = Path(out) if out is not None else scores.with_suffix(".html")
     meta = read_metadata(scores)
     inputs = [("scores file", str(scores)), *metadata_inputs(meta)]

@@ -24,7 +24,7 @@ from ..engine import MAX_PER_REF, BatchInfluence, Influence, check_engine, refer
 from ..errors import ConfigError, DataError, reading
 from ..inputs import data_inputs
 from ..io.data import Batch, Dataset, code_rows_sha256, data_identity, open_dataset
-from ..io.files import file_sha256
+from ..io.files import check_file, file_sha256
 from ..io.held import is_held
 from ..job import Job
 from .base import Inputs, Scorer, all_finite, counted, leading, leading_names, trailing_names
@@ -59,8 +59,8 @@ class InfluenceScorer(Scorer):
         self.curvature = resolve_curvature(curvature, precondition)
         self.damping, self.solver = resolve_damping(self.curvature, damping), solver
         self.cg_tolerance = cg_tolerance
-        if precondition is not None and not Path(precondition).is_file():
-            raise ConfigError("preconditioner file not found", str(precondition))
+        if precondition is not None:
+            check_file(precondition, "preconditioner file", ConfigError)
         ref = str(ref)  # a path relative to the working directory, or file.py:make_dataset
         self.ref = ref if ".py:" in ref or is_held(ref) else str(Path(ref).resolve())
         self.precondition = str(Path(precondition).resolve()) if precondition else None

@@ -12,7 +12,7 @@ from ..config import CheckpointConfig, Config
 from ..engine import BatchScores, Want, total
 from ..errors import ConfigError
 from ..io.data import Batch
-from ..io.files import file_sha256
+from ..io.files import check_file, file_sha256
 from ..job import Job
 from .base import Inputs, Scorer, all_finite, counted, leading, leading_names, trailing_names
 
@@ -34,8 +34,8 @@ class NormsScorer(Scorer):
 
     def __init__(self, trust_checkpoint: bool = False, precondition: str | Path | None = None):
         super().__init__()
-        if precondition is not None and not Path(precondition).is_file():
-            raise ConfigError("preconditioner file not found", str(precondition))
+        if precondition is not None:
+            check_file(precondition, "preconditioner file", ConfigError)
         self.trust_checkpoint = trust_checkpoint
         self.precondition = str(Path(precondition).resolve()) if precondition else None
         self._earlier: list[Job] = []

@@ -21,6 +21,7 @@ from ..errors import ConfigError, DataError, Interrupted
 from ..inputs import check_output, run_inputs
 from ..io.atomic import replace_atomically
 from ..io.data import data_identity, open_dataset
+from ..io.files import INDEX_FOLDER, check_file
 from ..io.lock import OutputLock
 from ..io.parquet import METADATA_KEY
 from ..predictions import predictions
@@ -109,8 +110,7 @@ def _files(
 ) -> tuple[list[ScoreFile], list[str]]:
     """The score files, each read and checked, and the columns whose LDS is measured."""
     for path in paths:
-        if not Path(path).is_file():
-            raise DataError("scores file not found", str(path))
+        check_file(path, "scores file", DataError, INDEX_FOLDER)
     wanted = list(options.columns) or ["influence"]
     reading = wanted + (list(RANKED) if options.bad else [])
     ref_sha, data_sha = data_identity(cfg.data, ref), data_identity(cfg.data)

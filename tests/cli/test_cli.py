@@ -230,6 +230,12 @@ def test_user_errors_exit_2_with_one_line(tmp_path):
         ),
         (["summary", str(tmp_path / "none.parquet")], "error: scores file not found"),
         (["report", str(tmp_path / "none.parquet")], "error: scores file not found"),
+        # a folder where a file is read was "not found" (an index folder for a scores file)
+        (["summary", str(tmp_path)], "error: scores file is a folder, not a file (an index"),
+        (
+            ["norms", str(tmp_path / "config.yaml"), "--precondition", str(tmp_path)],
+            "error: preconditioner file is a folder, not a file",
+        ),
     ]
     for args, message in cases:
         result = runner.invoke(app, args)
