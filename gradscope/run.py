@@ -17,7 +17,7 @@ from .errors import Interrupted
 from .inputs import minimal, run_inputs
 from .io.data import Batch, made_by_code, open_dataset
 from .io.lock import OutputLock
-from .io.parquet import PartialRun, partial_path
+from .io.parquet import PartialRun, partial_path, saved_rows
 from .job import Job, resolve_device
 from .outliers import Spread, class_z, default_score, is_labels
 from .resume import Parts, fingerprint, resumed_parts
@@ -41,10 +41,10 @@ def _metadata(cfg: Config, job: Job, scorer: Scorer, seconds: float) -> dict:
 def _interrupted(path: str) -> None:
     """Ctrl-C outside a batch: ``Interrupted`` when batches are saved for ``--resume``."""
     partial = partial_path(path)
-    saved = len(list(partial.glob("part-*.parquet")))
+    saved = saved_rows(partial)
     if saved:
         raise Interrupted(
-            f"interrupted with {saved} batches saved; run the same command with --resume to "
+            f"interrupted with {saved} examples saved; run the same command with --resume to "
             "continue",
             str(partial),
         ) from None

@@ -9,6 +9,7 @@ row group each, into ``NAME``; a file at ``NAME`` is always a finished run.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -32,6 +33,15 @@ DATA_KEY = b"gradscope_data"  # where no file's hash holds the data: its batch's
 # what a run writes in its partial folder: the manifest, the parts (or a training run's state),
 # their temporary names
 RUN_FILE = re.compile(r"\.?(manifest\.json|part-\d+\.parquet|state\.pt)(.*\.tmp)?")
+
+
+def saved_rows(folder: Path) -> int:
+    """The rows of the part files in a partial folder whose footers read back."""
+    rows = 0
+    for part in folder.glob("part-*.parquet"):
+        with contextlib.suppress(OSError, pa.ArrowException):
+            rows += pq.read_metadata(part).num_rows
+    return rows
 
 
 def partial_path(path: str | Path) -> Path:

@@ -450,7 +450,7 @@ def test_ctrl_c_while_assembling_says_every_batch_is_saved(tmp_path, monkeypatch
     assert result.exit_code == 130, result.output
     partial = partial_path(tmp_path / "scores.parquet")
     assert result.stderr.strip().splitlines() == [
-        f"error: interrupted with 6 batches saved; run the same command with --resume to "
+        f"error: interrupted with 23 examples saved; run the same command with --resume to "
         f"continue ({partial})"
     ]
     assert not (tmp_path / "scores.parquet").exists() and not list(tmp_path.glob(".*.tmp"))
