@@ -107,17 +107,14 @@ def influence(
     with called(influence) as call:
         cfg = configured(call, model, data, config, **options)
         if through_training is not None:
-            from ..training.attribution import as_recorded, at_record, replayed, unread
+            from ..training.attribution import at_record, replayed, unread
 
-            scored = {"limit", "batch_size"} & set(options)  # the rows scored, not trained
-            trained = {k: v for k, v in options.items() if k not in scored}
-            trained = configured(call, model, data, config, **trained)  # as the run trained
-            trained = as_recorded(trained, Path(through_training), scored)
+            run = Path(through_training)
+            trained = _as_trained(call, model, data, config, options, run)
             given = unread(
                 curvature, precondition, damping, solver, cg_tolerance, engine, cli=False
             )
-            spec = call.spec(ref, "ref")
-            scorer = replayed(trained, spec, Path(through_training), per_ref, given, resume)
+            scorer = replayed(trained, call.spec(ref, "ref"), run, per_ref, given, resume)
             resume = False  # the replay continued its own; the rows' file is written afresh
             cfg = at_record(cfg)
         else:
@@ -129,6 +126,18 @@ def influence(
             )  # fmt: skip
         scores = _scores(call, cfg, scorer, out, resume, trust_checkpoint)
     return references_by_examples(scores) if matrix else scores
+
+
+def _as_trained(
+    call, model: Model, data: Data, config: Config | str | Path | None, options: dict, run: Path
+) -> Config:
+    """The config a through-training replay trains by: as the run trained, the rows that
+    ``limit`` and ``batch_size`` choose to score aside (``as_recorded``)."""
+    from ..training.attribution import as_recorded
+
+    scored = {"limit", "batch_size"} & set(options)
+    trained = {k: v for k, v in options.items() if k not in scored}
+    return as_recorded(configured(call, model, data, config, **trained), run, scored)
 
 
 def references_by_examples(scores: pd.DataFrame) -> Tensor:
