@@ -95,7 +95,8 @@ def per_example_influence(
     its dense matrix fits) scores against
     ``(C + lambda I)^-1 g_ref`` instead, C the Gauss-Newton matrix or the Hessian of the mean
     loss over ``inputs`` (the training rows), fitted here (``solver``: ``dense``, ``cg`` or
-    ``auto``; ``cg``'s stopping relative residual ``cg_tolerance``), lambda ``damping`` (default: ``gradscope.defaults.DAMPING``) x C's mean
+    ``auto``; ``cg``'s stopping relative residual ``cg_tolerance``), lambda ``damping``
+    (default: the curvature's entry of the dict ``gradscope.defaults.DAMPING``) x C's mean
     eigenvalue (``cg`` estimates it, by Hutchinson's trace, where ``dense`` computes it: their
     damping, and so their scores, differ by that estimate's error). The parameters are
     selected as ``per_example_norms`` selects them. ``.grad``
