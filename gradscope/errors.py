@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from types import TracebackType
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -68,6 +69,20 @@ def stop_if_signalled() -> None:
     if _signalled:
         _signalled = False
         raise KeyboardInterrupt
+
+
+# what a folder given for a scores file may be
+INDEX_FOLDER = " (an index folder is read by gradscope query, which writes a scores file)"
+
+
+def check_file(path: str | Path, what: str, error: type[GradscopeError], folder: str = "") -> None:
+    """``path`` must be a file: one line saying ``what`` is missing, or is a folder (then
+    ``folder``, what such a folder may be, follows)."""
+    if Path(path).is_file():
+        return
+    if Path(path).is_dir():
+        raise error(f"{what} is a folder, not a file{folder}", str(path))
+    raise error(f"{what} not found", str(path))
 
 
 def one_line(e: BaseException) -> str:

@@ -32,8 +32,7 @@ def write_html(
 def summary(scores: ScoresArg, by: ByOpt = None, top_k: TopKOpt = None) -> None:
     """Print the outlier tables of an existing scores file (--top-k rows, else the scoring
     run's summary.top_k, else 20)."""
-    from ..errors import DataError
-    from ..io.files import INDEX_FOLDER, check_file
+    from ..errors import INDEX_FOLDER, DataError, check_file
     from ..io.parquet import nested, read_metadata
 
     check_file(scores, "scores file", DataError, INDEX_FOLDER)

@@ -12,20 +12,7 @@ from typing import Any
 
 import torch
 
-from ..errors import GradscopeError, ModelError, one_line
-
-# what a folder given for a scores file may be
-INDEX_FOLDER = " (an index folder is read by gradscope query, which writes a scores file)"
-
-
-def check_file(path: str | Path, what: str, error: type[GradscopeError], folder: str = "") -> None:
-    """``path`` must be a file: one line saying ``what`` is missing, or is a folder (then
-    ``folder``, what such a folder may be, follows)."""
-    if Path(path).is_file():
-        return
-    if Path(path).is_dir():
-        raise error(f"{what} is a folder, not a file{folder}", str(path))
-    raise error(f"{what} not found", str(path))
+from ..errors import ModelError, one_line
 
 
 def file_sha256(path: str | Path) -> str:

@@ -13,11 +13,10 @@ import pyarrow.parquet as pq
 
 from .. import __version__
 from ..config import Config
-from ..errors import ConfigError, DataError
+from ..errors import INDEX_FOLDER, ConfigError, DataError, check_file
 from ..inputs import check_output, metadata_inputs, run_inputs
 from ..io.atomic import replace_atomically
 from ..io.data import data_identity
-from ..io.files import INDEX_FOLDER, check_file
 from ..io.parquet import nested, read_metadata
 from ..io.scorefile import column
 from ..outliers import Outliers, is_labels, rank

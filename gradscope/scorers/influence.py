@@ -21,10 +21,10 @@ from ..curvature.fitted import (
 )
 from ..defaults import CG_TOLERANCE
 from ..engine import MAX_PER_REF, BatchInfluence, Influence, check_engine, reference_gradients
-from ..errors import ConfigError, DataError, reading
+from ..errors import ConfigError, DataError, check_file, reading
 from ..inputs import data_inputs
 from ..io.data import Batch, Dataset, code_rows_sha256, data_identity, open_dataset
-from ..io.files import check_file, file_sha256
+from ..io.files import file_sha256
 from ..io.held import is_held
 from ..job import Job
 from .base import Inputs, Scorer, all_finite, counted, leading, leading_names, trailing_names

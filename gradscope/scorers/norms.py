@@ -10,9 +10,9 @@ from torch import Tensor
 
 from ..config import CheckpointConfig, Config
 from ..engine import BatchScores, Want, total
-from ..errors import ConfigError
+from ..errors import ConfigError, check_file
 from ..io.data import Batch
-from ..io.files import check_file, file_sha256
+from ..io.files import file_sha256
 from ..job import Job
 from .base import Inputs, Scorer, all_finite, counted, leading, leading_names, trailing_names
 

@@ -17,11 +17,10 @@ import pyarrow.parquet as pq
 
 from .. import __version__, distributed
 from ..config import Config
-from ..errors import ConfigError, DataError, Interrupted
+from ..errors import INDEX_FOLDER, ConfigError, DataError, Interrupted, check_file
 from ..inputs import check_output, run_inputs
 from ..io.atomic import replace_atomically
 from ..io.data import data_identity, open_dataset
-from ..io.files import INDEX_FOLDER, check_file
 from ..io.lock import OutputLock
 from ..io.parquet import METADATA_KEY
 from ..predictions import predictions
