@@ -10,7 +10,13 @@ from .analysis.undrawn import Drew, Undrawn
 from .backward.fallback import short_reason
 from .backward.reduce import Want
 from .backward.substitute import substituted
-from .check import CheckReport, compare_with_loop, render_plan, render_report
+from .check import (
+    CheckReport,
+    compare_with_loop,
+    influence_errors,
+    render_plan,
+    render_report,
+)
 from .eager import prepared
 from .engine import Engine, Observe
 from .forward import Forward, select_output
@@ -20,7 +26,6 @@ from .influence import (
     BatchInfluence,
     Influence,
     check_engine,
-    influence_errors,
     reference_gradients,
 )
 from .naive import naive_grads

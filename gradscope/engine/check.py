@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
 from rich.console import Group
 from rich.table import Table
 from torch import Tensor
@@ -12,6 +13,7 @@ from torch import Tensor
 from ..rules.base import rows
 from .analysis.selfcheck import tolerance
 from .engine import Engine
+from .influence import Influence, reference_gradients
 from .naive import naive_grads
 from .plan import Plan
 
@@ -24,7 +26,7 @@ class CheckReport:
     errors: dict[str, float]  # module (and TOTAL) -> max|fast - loop| / max|loop| over examples
     examples: int
     tolerance: float
-    # module, "hooks", "jvp" -> influence error in cosine units (engine/influence.influence_errors)
+    # module, "hooks", "jvp" -> influence error in cosine units (``influence_errors``)
     influence: dict[str, float] = field(default_factory=dict)
     non_finite: int = 0  # examples left out: their loss is NaN or inf, no error to measure
 
@@ -109,3 +111,51 @@ def render_report(report: CheckReport) -> Group:
         f"worst error {report.worst:.2e} (tolerance {report.tolerance:g}): {verdict}",
     ]
     return Group(*parts)
+
+
+def influence_errors(
+    engine: Engine,
+    inputs: tuple[Tensor, ...],
+    targets: Tensor,
+    ref_inputs: tuple[Tensor, ...],
+    ref_targets: Tensor,
+) -> dict[str, float]:
+    """Worst error of both engines against the naive loop, for ``gradscope check``.
+
+    Errors are in cosine units, max_i |fast_i - exact_i| / (||g_i|| ||g_ref||), with g_ref the
+    mean-loss gradient over the reference examples: one entry per module for the hook engine
+    (its share of the inner product), then ``hooks`` and ``jvp`` overall (NaN where forward mode
+    fails on the model).
+    """
+    names = [p.name for p in engine.plan.included]
+    with engine:
+        _, ref_grads = naive_grads(
+            engine.model, ref_inputs, ref_targets, engine.loss_fn, names, engine.forward
+        )
+        _, grads = naive_grads(engine.model, inputs, targets, engine.loss_fn, names, engine.forward)
+        refs = reference_gradients(engine, [(ref_inputs, ref_targets)])
+        hooks = engine.norms(inputs, targets, refs).inner
+        forward = Influence(engine, refs, "jvp", norms=False)
+        forward(inputs, targets)  # its hooks' pass proves the signature for forward mode
+        jvp = forward(inputs, targets).inner[:, 0]
+        if not forward.forward_mode:
+            jvp = None
+    g_ref = {n: g.double().mean(0).flatten() for n, g in ref_grads.items()}
+    exact = {n: rows(g).double() @ g_ref[n] for n, g in grads.items()}  # (B, P) @ (P,)
+    g_norm = torch.stack([rows(g).double().pow(2).sum(1) for g in grads.values()]).sum(0)
+    ref_norm = torch.stack([r.pow(2).sum() for r in g_ref.values()]).sum()
+    scale = (g_norm * ref_norm).sqrt().clamp_min(torch.finfo(torch.float64).tiny)
+
+    def worst(fast: Tensor, exact_: Tensor) -> float:
+        return ((fast - exact_).abs() / scale).max().item()
+
+    errors: dict[str, float] = {}
+    for module in engine.plan.modules:
+        members = [p.name for p in engine.plan.included if p.module == module]
+        errors[module] = worst(
+            sum(hooks[n][:, 0].double() for n in members), sum(exact[n] for n in members)
+        )
+    exact_total = sum(exact.values())
+    errors["hooks"] = worst(sum(hooks[n][:, 0].double() for n in names), exact_total)
+    errors["jvp"] = float("nan") if jvp is None else worst(jvp, exact_total)
+    return errors

@@ -17,7 +17,6 @@ from .backward.reduce import Want
 from .backward.stacked import laid_out
 from .engine import Engine
 from .jvp import JvpUnsupported, jvp_inner
-from .naive import naive_grads
 from .proven import proven
 from .scores import total
 
@@ -50,9 +49,10 @@ def reference_gradients(
     count = 0
     for inputs, targets in batches:
         # the sum of per-batch sum-gradients over N is the mean-loss gradient, batch size aside
-        losses = engine.losses(inputs, targets).sum()
+        losses = engine.losses(inputs, targets)
+        _finite_rows(losses, count)
         with models_backward():
-            grads = torch.autograd.grad(losses, params, allow_unused=True)
+            grads = torch.autograd.grad(losses.sum(), params, allow_unused=True)
         for t, g in zip(sums, grads, strict=True):
             if g is not None:
                 t[0] += g
@@ -75,7 +75,8 @@ def _factored_mean(
     first: dict[str, Outer] = {}
     count = 0
     for inputs, targets in batches:
-        _, contributions = engine.contributions(inputs, targets)
+        losses, contributions = engine.contributions(inputs, targets)
+        _finite_rows(losses, count)
         for p, total_ in zip(included, sums, strict=True):
             c, pieces = contributions[p.name], held[p.name]
             if c is None:
@@ -102,6 +103,21 @@ def _factored_mean(
         else:
             out[p.name] = total_.div_(count)
     return out
+
+
+def _finite_rows(losses: Tensor, first: int) -> None:
+    """Each row of a mean reference's batch (its rows from ``first`` on) has a finite loss: one
+    that has not (a NaN or inf in its inputs or target) makes the mean gradient NaN, and with
+    it every example's score."""
+    bad = (~losses.detach().isfinite()).nonzero().flatten().tolist()
+    if bad:
+        rows = ", ".join(str(first + i) for i in bad[:5]) + (", ..." if len(bad) > 5 else "")
+        raise DataError(
+            f"the reference's row {rows}: its loss is not finite (a NaN or inf in its inputs or "
+            "target?), so the mean gradient over the reference, and every example's score "
+            "against it, would be NaN; leave it out, or score each row with --per-ref",
+            "ref",
+        )
 
 
 def _counted(count: int) -> int:
@@ -243,51 +259,3 @@ def _sq_norms(ref: Reference) -> Tensor:
     if isinstance(ref, Factored):
         return Factored(ref.u.double(), ref.v.double(), ref.param_shape).norm_sq()
     return rows(ref).double().pow(2).sum(1)
-
-
-def influence_errors(
-    engine: Engine,
-    inputs: tuple[Tensor, ...],
-    targets: Tensor,
-    ref_inputs: tuple[Tensor, ...],
-    ref_targets: Tensor,
-) -> dict[str, float]:
-    """Worst error of both engines against the naive loop, for ``gradscope check``.
-
-    Errors are in cosine units, max_i |fast_i - exact_i| / (||g_i|| ||g_ref||), with g_ref the
-    mean-loss gradient over the reference examples: one entry per module for the hook engine
-    (its share of the inner product), then ``hooks`` and ``jvp`` overall (NaN where forward mode
-    fails on the model).
-    """
-    names = [p.name for p in engine.plan.included]
-    with engine:
-        _, ref_grads = naive_grads(
-            engine.model, ref_inputs, ref_targets, engine.loss_fn, names, engine.forward
-        )
-        _, grads = naive_grads(engine.model, inputs, targets, engine.loss_fn, names, engine.forward)
-        refs = reference_gradients(engine, [(ref_inputs, ref_targets)])
-        hooks = engine.norms(inputs, targets, refs).inner
-        forward = Influence(engine, refs, "jvp", norms=False)
-        forward(inputs, targets)  # its hooks' pass proves the signature for forward mode
-        jvp = forward(inputs, targets).inner[:, 0]
-        if not forward.forward_mode:
-            jvp = None
-    g_ref = {n: g.double().mean(0).flatten() for n, g in ref_grads.items()}
-    exact = {n: rows(g).double() @ g_ref[n] for n, g in grads.items()}  # (B, P) @ (P,)
-    g_norm = torch.stack([rows(g).double().pow(2).sum(1) for g in grads.values()]).sum(0)
-    ref_norm = torch.stack([r.pow(2).sum() for r in g_ref.values()]).sum()
-    scale = (g_norm * ref_norm).sqrt().clamp_min(torch.finfo(torch.float64).tiny)
-
-    def worst(fast: Tensor, exact_: Tensor) -> float:
-        return ((fast - exact_).abs() / scale).max().item()
-
-    errors: dict[str, float] = {}
-    for module in engine.plan.modules:
-        members = [p.name for p in engine.plan.included if p.module == module]
-        errors[module] = worst(
-            sum(hooks[n][:, 0].double() for n in members), sum(exact[n] for n in members)
-        )
-    exact_total = sum(exact.values())
-    errors["hooks"] = worst(sum(hooks[n][:, 0].double() for n in names), exact_total)
-    errors["jvp"] = float("nan") if jvp is None else worst(jvp, exact_total)
-    return errors

@@ -16,6 +16,7 @@ from gradscope.engine.backward import batched, serve
 from gradscope.engine.backward.reduce import Reducer
 from gradscope.errors import GradscopeError
 from gradscope.losses import resolve_loss
+from gradscope.rules.factored import dense
 
 TOL = 1e-6  # |delta influence| / (||g_i|| ||g_ref||), in float64
 
@@ -353,3 +354,22 @@ def test_an_empty_batch_scores_nothing_and_an_empty_reference_is_refused(engine:
     assert got.shape == (0,)
     with pytest.raises(GradscopeError, match="the reference has no examples"):
         gradscope.per_example_influence(model, x, y, x[:0], y[:0], engine=engine)
+
+
+@pytest.mark.parametrize("factored", [False, True])
+def test_a_reference_row_of_no_finite_loss_is_refused_by_the_mean(factored: bool) -> None:
+    """A NaN in one REF row made the mean reference gradient NaN and every example's influence
+    with it, and the run ended well, naming nothing. The mean refuses it by its row; each row's
+    own gradient (``--per-ref``) keeps it to its own column."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    x[4, 1] = float("nan")
+    batches = [((x[:3],), y[:3]), ((x[3:],), y[3:])]
+    with Engine(model, resolve_loss("cross_entropy")) as engine:
+        with pytest.raises(GradscopeError, match=r"^the reference's row 4: its loss is not"):
+            reference_gradients(engine, batches, factored=factored)
+        each = reference_gradients(engine, batches, per_ref=True, factored=factored)
+    for r in each.values():
+        r = dense(r)  # (K, *shape), from its factors where factored
+        assert not r[4].isfinite().any() and r[:4].isfinite().all()
