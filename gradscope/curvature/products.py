@@ -30,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.modules.module import register_module_forward_hook
 from torch.utils._pytree import tree_leaves
 
-from ..engine import short_reason, substituted
+from ..engine import short_reason, substituted, total
 from ..errors import ConfigError, DataError, ModelError, stop_if_signalled
 from ..rules.base import CHUNK_ELEMENTS
 
@@ -80,6 +80,8 @@ class Products:
         self.vmap_error: str | None = None
         # elements every module's outputs hold per example in a forward (None: not counted yet)
         self.per_example: float | None = None
+        self.left_out = 0  # examples whose loss is not finite, out of C (``_finite``)
+        self._kept: list[Tensor | None] = []  # each batch's finite rows (None: every one)
 
     def _output(self, theta: dict[str, Tensor], inputs: tuple[Tensor, ...]) -> Tensor:
         forward = self.engine.forward
@@ -135,7 +137,10 @@ class Products:
         """(P, K) float64 -> (P, K) float64 on the CPU: C times each column, one data pass."""
         out = torch.zeros(block.shape[1], self.flat.size, dtype=torch.float64)  # (K, P)
         examples = 0
-        for inputs, targets in self.batches():
+        for number, batch in enumerate(self.batches()):
+            inputs, targets = self._finite(number, *batch)
+            if not len(targets):
+                continue
             like = next(iter(self.theta.values()))
             v = self.flat.unflatten(block.T.to(like.device, like.dtype))  # {name: (K, *shape)}
             try:
@@ -159,11 +164,29 @@ class Products:
         self.examples, self.passes = examples, self.passes + 1
         return (out / examples).T
 
+    def _finite(
+        self, number: int, inputs: tuple[Tensor, ...], targets: Tensor
+    ) -> tuple[tuple[Tensor, ...], Tensor]:
+        """Batch ``number`` without its examples whose loss or gradient is not finite (a NaN
+        or inf in their inputs or target), which would make every entry of C NaN: left out and
+        not counted, as the factors leave them out (``finite.py``), the scores' ``finite``
+        false. Found on the first pass, by a norms pass of each batch."""
+        if number == len(self._kept):
+            scores = self.engine.norms(inputs, targets)
+            finite = torch.isfinite(scores.loss) & torch.isfinite(total(scores.norm_sq))
+            self._kept.append(None if bool(finite.all()) else finite)
+            self.left_out += int((~finite).sum())
+        keep = self._kept[number]
+        if keep is None:
+            return inputs, targets
+        return tuple(t[keep] for t in inputs), targets[keep]
+
     def describe(self) -> dict:
         return {
             "kind": self.kind,
             "parameters": self.flat.size,
             "examples": self.examples,
+            "left_out": self.left_out,
             "passes": self.passes,
             "vmap": self.vmap_error or "ok",
         }

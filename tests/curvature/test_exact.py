@@ -197,3 +197,25 @@ def test_one_direction_at_a_time_where_vmap_cannot_run(monkeypatch, kind: str) -
         looped = products(block)
     torch.testing.assert_close(looped, vmapped, rtol=1e-12, atol=1e-14)
     assert products.describe()["vmap"] == "RuntimeError: vmap refuses"
+
+
+@pytest.mark.parametrize("kind", ["gn", "hessian"])
+def test_an_example_of_no_finite_gradient_is_left_out_of_the_curvature(kind: str) -> None:
+    """The default influence (the exact GGN) refused the whole run for one row with a NaN or
+    inf input ("the curvature is not finite"), where the columns promise that row `finite`
+    false and the others unaffected: it is left out of C, as the factors leave it out, and
+    every other row scores as on the data without it. An inf input whose loss is finite
+    (tanh saturates) and a NaN one."""
+    model, x, y, xr, yr, _ = setup(CASES[f"mlp-ce-{kind}"])
+    bad = x.clone()
+    bad[3, 0], bad[7, 2] = float("inf"), float("nan")
+    keep = [i for i in range(len(x)) if i not in (3, 7)]
+    ref = {"x": xr, "y": yr}
+    options = {"curvature": kind, "solver": "dense", "batch_size": 5}
+    got = gradscope.influence(model, {"x": bad, "y": y}, ref=ref, **options)
+    want = gradscope.influence(model, {"x": x[keep], "y": y[keep]}, ref=ref, **options)
+    assert got["finite"].tolist() == [i in keep for i in range(len(x))]
+    torch.testing.assert_close(
+        torch.tensor(got["influence"].to_numpy()[keep]), torch.tensor(want["influence"].to_numpy()),
+        rtol=1e-10, atol=0,
+    )  # fmt: skip
