@@ -72,10 +72,18 @@ def parse_by(by: str | None) -> tuple[str | None, str | None]:
     return column, direction
 
 
+# the columns a run writes that hold no score, by what they hold
+UNRANKED = {"finite": "booleans", "id": "the data's ids"}
+
+
 def check_by(by: str | None, names: list[str]) -> None:
     """A ``--by`` that names none of the columns a run may write (``Scorer.names``) fails before
     the run: a typo must not cost it."""
     column, _ = parse_by(by)
+    if column in UNRANKED:
+        raise ConfigError(
+            f"column {column!r} holds {UNRANKED[column]}, not scores to rank by", "--by"
+        )
     per_module = column is not None and column.startswith("grad_norm/")
     if column is None or column in names or (per_module and "grad_norm/<module>" in names):
         return
@@ -234,17 +242,25 @@ def rank(
 def _check_classes(classes: list[str] | None, file: pq.ParquetFile, path: str | Path) -> None:
     """``data.classes`` names every class id the file's targets and predictions hold: a list
     too short showed some rows by name and the rest by number, without a word."""
-    for name in ("target", "pred") if classes else ():
-        if name in file.schema_arrow.names and pa.types.is_integer(
-            file.schema_arrow.field(name).type
-        ):
-            ids = column(file, name)
-            if len(ids) and ids.max() >= len(classes):
-                raise DataError(
-                    f"data.classes names {len(classes)} classes; column {name} holds class "
-                    f"{int(ids.max())}: give a name to every class",
-                    str(path),
-                )
+    kinds = file.schema_arrow
+    ids = {
+        n: column(file, n)
+        for n in ("target", "pred")
+        if classes and n in kinds.names and pa.types.is_integer(kinds.field(n).type)
+    }
+    check_named(classes, ids, str(path))
+
+
+def check_named(classes: list[str] | None, ids: dict[str, np.ndarray], where: str) -> None:
+    """Every class id of ``ids`` ({column: ids}: a file's, or a batch's as it is scored) is
+    one that ``data.classes`` names, where it names any."""
+    for name, values in ids.items() if classes else ():
+        if len(values) and values.max() >= len(classes):
+            raise DataError(
+                f"data.classes names {len(classes)} classes; column {name} holds class "
+                f"{int(values.max())}: give a name to every class",
+                where,
+            )
 
 
 def _finite(file: pq.ParquetFile, path: str | Path) -> np.ndarray | bool:

@@ -46,6 +46,7 @@ def fingerprint(
     for key in ("summary", "report", "source", "device"):  # display; file name; ranks differ
         config.pop(key)
     config["distributed"].pop("join_timeout")  # how long ranks wait to start, not what they do
+    config["data"].pop("classes")  # the names the tables show, not what is scored
     files = {  # a missing file is reported by the code that reads it; the report's tokenizer
         # does not change the scores
         file: _file_state(file)

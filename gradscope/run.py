@@ -19,7 +19,7 @@ from .io.data import Batch, made_by_code, open_dataset
 from .io.lock import OutputLock
 from .io.parquet import PartialRun, partial_path, saved_rows
 from .job import Job, resolve_device
-from .outliers import Spread, class_z, default_score, is_labels
+from .outliers import Spread, check_named, class_z, default_score, is_labels
 from .resume import Parts, fingerprint, resumed_parts
 from .scorers import NormsScorer, Scorer
 
@@ -123,6 +123,15 @@ def _standardised(run: PartialRun, parts: int) -> dict[str, np.ndarray]:
     return {"robust_z": robust, "class_z": class_z(values, ok, target)}
 
 
+def _class_ids(columns: dict) -> dict[str, np.ndarray]:
+    """A batch's columns of class ids (``target``, ``pred``), where they hold integers."""
+    return {
+        n: np.asarray(columns[n])
+        for n in ("target", "pred")
+        if n in columns and np.asarray(columns[n]).dtype.kind in "iu"
+    }
+
+
 def _score(
     parts: Parts,
     job: Job,
@@ -144,7 +153,9 @@ def _score(
             if not parts.world.owns(number):
                 continue
             if parts.wanted(number):
-                parts.write(number, scorer.columns(job, batch), batch)
+                columns = scorer.columns(job, batch)
+                check_named(job.cfg.data.classes, _class_ids(columns), "data.classes")
+                parts.write(number, columns, batch)
             else:
                 parts.check(number, batch)
                 if job.sharded:

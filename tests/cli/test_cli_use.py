@@ -19,7 +19,9 @@ from typer.testing import CliRunner
 
 from gradscope import terminal as terminal_module
 from gradscope.cli import app
+from gradscope.config import load_config
 from gradscope.io.parquet import read_metadata
+from gradscope.resume import fingerprint
 from gradscope.tables import fmt
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -129,6 +131,24 @@ def test_classes_are_named_and_summary_and_report_take_the_configs_top_k(tmp_pat
     page = (tmp_path / "scores.html").read_text()
     assert result.exit_code == 0 and page.count('<tr class="row">') == 4
     assert any(f">{name}<" in page for name in ("cat", "dog", "emu"))
+
+
+def test_classes_too_few_and_by_a_column_of_no_scores_are_refused_before_the_run(tmp_path):
+    """`data.classes` naming fewer classes than the targets hold, and `--by finite` or `--by
+    id`, were refused after the run had written its file (and, with --report, no page); the
+    classes are checked on each batch as it is scored, the columns before the run. The names
+    are not the run's key: a run resumes under names mended."""
+    config = make_project(tmp_path, n=23, data__classes=["cat", "dog"])
+    result = runner.invoke(app, ["norms", str(config)])
+    assert result.exit_code == 2 and "data.classes names 2 classes" in result.stderr
+    assert not list(tmp_path.glob("*.parquet")) and not list(tmp_path.glob(".*partial"))
+    for by in ("finite", "id"):
+        result = runner.invoke(app, ["norms", str(config), "--by", by])
+        assert result.exit_code == 2 and f"column '{by}' holds " in result.stderr
+        assert "wrote" not in result.output and not list(tmp_path.glob("*.parquet"))
+    key = fingerprint(load_config(config), "norms", [], None)
+    edit_config(tmp_path, lambda c: c["data"].update(classes=["cat", "dog", "emu"]))
+    assert fingerprint(load_config(config), "norms", [], None) == key
 
 
 TOKENS_PY = """
