@@ -10,11 +10,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._pytree import tree_leaves, tree_map
 
-from .errors import ConfigError, ModelError
+from .errors import ConfigError, DataError, ModelError
 
 LossFn = Callable[[Any, Tensor], Tensor]
 
 NAMES = ("cross_entropy", "nll", "mse", "l1", "bce_with_logits", "causal_lm")
+FLOAT_IDS = "floats (an integer column with a null reads back as floats, NaN there)"
 
 
 def _reduce_positions(per_position: Tensor, weight: Tensor | None, how: str) -> Tensor:
@@ -110,6 +111,8 @@ def _classification(name: str, kwargs: dict, class_dim: int, token_reduction: st
     ignore_index = kwargs.get("ignore_index", -100)
 
     def loss(outputs: Tensor, targets: Tensor) -> Tensor:
+        if targets.is_floating_point() and targets.dim() < outputs.dim():  # not probabilities
+            raise DataError(f"{name} takes class ids as integers, got {FLOAT_IDS}", "data.targets")
         if not targets.is_floating_point():
             targets = targets.long()  # class indices stored as int32 (Arrow, Parquet)
             if not transformed():

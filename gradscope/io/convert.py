@@ -20,6 +20,7 @@ def as_tensor(values: Any, name: str, where: str) -> Tensor:
         return values
     array = np.asarray(values)
     if array.dtype == object:
+        _no_text(array, name, where)
         try:  # a column of equal-length lists (Parquet list<...>)
             array = np.stack([np.asarray(v) for v in array])
         except ValueError as e:
@@ -28,6 +29,8 @@ def as_tensor(values: Any, name: str, where: str) -> Tensor:
                 "them per batch",
                 where,
             ) from e
+    if array.dtype.kind in "US":
+        _no_text(array.astype(object), name, where)
     if array.dtype.kind not in "biuf":
         raise DataError(f"column {name!r} is {array.dtype}, not numbers", where)
     if not array.flags.writeable:  # Arrow's zero-copy buffers; torch wants memory it may write
@@ -35,10 +38,32 @@ def as_tensor(values: Any, name: str, where: str) -> Tensor:
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
+def _no_text(array: np.ndarray, name: str, where: str) -> None:
+    """A column of objects holds no text and no null (a CSV's number column with a word in it,
+    a Parquet list column with a missing row): either named, not taken for ragged lists."""
+    values = list(array.flat)
+    if any(v is None for v in values):
+        raise DataError(f"column {name!r} holds a null (a missing value), not numbers", where)
+    texts = [v for v in values if isinstance(v, str | bytes)]
+    if texts:  # the first that reads as no number: the one that made the column text
+        bad = next((v for v in texts if not _number(v)), texts[0])
+        raise DataError(f"column {name!r} holds text ({bad!r}), not numbers", where)
+
+
+def _number(text: str | bytes) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _is_ragged(values: Any) -> bool:
     """Whether a column holds lists of different lengths (an object array or a Python list)."""
     if isinstance(values, Tensor) or (isinstance(values, np.ndarray) and values.dtype != object):
         return False
+    if any(v is None or isinstance(v, str | bytes) for v in values):
+        return False  # not lists: ``as_tensor`` names what it holds
     try:
         return len({len(v) for v in values}) > 1
     except TypeError:  # scalars: not lists

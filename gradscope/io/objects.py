@@ -17,8 +17,9 @@ from .selection import Selection
 from .sources import Source
 
 
-def collate(items: list[Any], wanted: Selection, where: str) -> Columns:
-    """Items of a torch Dataset -> columns: a dict per item, or a tuple (*inputs, target)."""
+def collate(items: list[Any], wanted: Selection, where: str, first_row: int = 0) -> Columns:
+    """Items of a torch Dataset -> columns: a dict per item, or a tuple (*inputs, target);
+    ``first_row`` the first item's row, for an item that lacks a key to be named by it."""
     first, n_inputs = items[0], wanted.n_inputs
     if isinstance(first, dict):
         names = wanted.names(list(first))
@@ -44,7 +45,7 @@ def collate(items: list[Any], wanted: Selection, where: str) -> Columns:
         )
     columns: Columns = {}
     for name, key in zip(names, keys, strict=True):
-        values = [item[key] for item in items]
+        values = _values(items, key, first_row, where)
         if all(isinstance(v, (Tensor, int, float, bool)) for v in values):
             columns[name] = torch.stack([torch.as_tensor(v) for v in values])
         else:
@@ -100,13 +101,14 @@ def object_source(made: Any, columns: Selection, where: str, what: str = "got") 
 
         def read_iterable(rows: int) -> Iterator[Columns]:
             items: list[Any] = []
+            done = 0  # rows before this batch's
             for item in made:
                 items.append(item)
                 if len(items) == rows:
-                    yield collate(items, columns, where)
-                    items = []
+                    yield collate(items, columns, where, done)
+                    items, done = [], done + rows
             if items:
-                yield collate(items, columns, where)
+                yield collate(items, columns, where, done)
 
         return Source(where, None, read_iterable)  # an iterable's len() is only a hint
     if hasattr(made, "__getitem__") and hasattr(made, "__len__"):
@@ -114,8 +116,8 @@ def object_source(made: Any, columns: Selection, where: str, what: str = "got") 
 
         def read_map(rows: int) -> Iterator[Columns]:
             for lo in range(0, n, rows):
-                items = [made[i] for i in range(lo, min(lo + rows, n))]
-                yield collate(items, columns, where)
+                items = [_item(made, i, where) for i in range(lo, min(lo + rows, n))]
+                yield collate(items, columns, where, lo)
 
         return Source(where, n, read_map)
     raise DataError(
@@ -123,6 +125,35 @@ def object_source(made: Any, columns: Selection, where: str, what: str = "got") 
         "a torch Dataset or an IterableDataset",
         "data.path",
     )
+
+
+def _values(items: list[Any], key: Any, first_row: int, where: str) -> list[Any]:
+    """Each item's value at ``key`` (a column name, or a position in a tuple)."""
+    values = []
+    for row, item in enumerate(items, first_row):
+        try:
+            values.append(item[key])
+        except (KeyError, IndexError, TypeError) as e:
+            raise DataError(
+                f"dataset item {row} has no {key!r}, as the first item of its batch has "
+                f"({type(item).__name__}: {one_line(e) or type(e).__name__})",
+                where,
+            ) from e
+    return values
+
+
+def _item(made: Any, row: int, where: str) -> Any:
+    """The dataset's item at ``row``; what its ``__getitem__`` raised, named with the row."""
+    try:
+        return made[row]
+    except GradscopeError:
+        raise
+    except Exception as e:  # the user's code: any error type
+        text = one_line(e)
+        raise DataError(
+            f"the dataset's item {row} raised {type(e).__name__}{': ' + text if text else ''}",
+            where,
+        ) from e
 
 
 def _loader_source(loader: torch.utils.data.DataLoader, columns: Selection, where: str) -> Source:

@@ -3,6 +3,7 @@ Python, a ``file.py:fn``'s among them: ``objects.py``), each read in runs of row
 
 from __future__ import annotations
 
+import os
 import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import DataError
+from ..errors import DataError, one_line
 from .batch import Columns
 from .files import LFS_POINTER, lfs_pointer
 
@@ -129,7 +130,13 @@ def _csv(file: Path, ids: str | None = None) -> Source:
 def read_source(source: Source, rows: int) -> Iterator[Columns]:
     try:
         yield from source.read(rows)
-    except DataError:
+    except DataError as e:
+        e.where = e.where or source.where
         raise
     except Exception as e:  # every reader (and user dataset) has its own error types
-        raise DataError(f"cannot read data: {e}", source.where) from e
+        if os.path.isfile(source.where) and not os.path.getsize(source.where):
+            raise DataError("the data file is empty (0 bytes)", source.where) from e
+        text = one_line(e)
+        raise DataError(
+            f"cannot read data: {type(e).__name__}{': ' + text if text else ''}", source.where
+        ) from e

@@ -126,8 +126,98 @@ def segmentation(root: Path) -> None:
     edit_data(root, lambda d: d.update(y=torch.randint(0, 3, (len(d["y"]), 2, 3))))
 
 
+def _csv_with_text(root: Path) -> None:
+    """The data as CSV, one value of a number column a word: the column reads as text."""
+    data = torch.load(root / "data.pt")
+    lines = ["x0,x1,x2,x3,x4,y"] + [
+        ",".join([*map(str, x.tolist()), str(int(y))])
+        for x, y in zip(data["x"], data["y"], strict=True)
+    ]
+    lines[3] = "abc," + lines[3].split(",", 1)[1]
+    (root / "data.csv").write_text("\n".join(lines) + "\n")
+    _data(path="data.csv", inputs="x*")(root)
+
+
+def _parquet_with_nulls(root: Path, column: str) -> None:
+    """The data as Parquet, one row of ``column`` null (``y``: an integer column)."""
+    data = torch.load(root / "data.pt")
+    x, y = data["x"].tolist(), data["y"].tolist()
+    (x if column == "x" else y)[2] = None
+    (root / "rows").mkdir()  # not beside the scores: nothing may be written there
+    pq.write_table(pa.table({"x": x, "y": pa.array(y, pa.int64())}), root / "rows/data.parquet")
+    _data(path="rows/data.parquet")(root)
+
+
+ITEMS = """
+from pathlib import Path
+class Items(torch.utils.data.Dataset):
+    def __init__(self, fail):
+        self.data, self.fail = torch.load(Path(__file__).parent / "data.pt"), fail
+    def __len__(self):
+        return len(self.data["y"])
+    def __getitem__(self, i):
+        if i == 2 and self.fail == "raise":
+            raise KeyError(f"bad row {i}")
+        item = {"x": self.data["x"][i], "y": self.data["y"][i]}
+        return {"x": item["x"]} if i == 2 else item
+def raising():
+    return Items("raise")
+def keyless():
+    return Items("key")
+"""
+
+
+def _items(fn: str):
+    """The data a ``Dataset`` of ``model.py`` makes, its item 2 raising or lacking ``y``."""
+
+    def spoil(root: Path) -> None:
+        with (root / "model.py").open("a") as f:
+            f.write(ITEMS)
+        _data(path=f"model.py:{fn}")(root)
+
+    return spoil
+
+
 # (id, how to spoil the project, extra arguments, start of the error line, text it must name)
 CASES = [
+    # data whose values were misread: named for what they are (a probe's)
+    (
+        "empty-data-file",
+        lambda r: (r / "data.pt").write_bytes(b""),
+        [],
+        "the data file is empty (0 bytes)",
+        "data.pt",
+    ),
+    ("csv-text", _csv_with_text, [], "column 'x0' holds text ('abc'), not numbers", "data.csv"),
+    (
+        "parquet-null-list",
+        lambda r: _parquet_with_nulls(r, "x"),
+        [],
+        "column 'x' holds a null (a missing value)",
+        "data.parquet",
+    ),
+    (
+        "parquet-null-integer",
+        lambda r: _parquet_with_nulls(r, "y"),
+        [],
+        "cross_entropy takes class ids as integers, got floats (an integer column with a null",
+        "data.targets",
+    ),
+    (
+        "float-class-ids",
+        lambda r: edit_data(r, lambda d: d.update(y=d["y"].double())),
+        [],
+        "cross_entropy takes class ids as integers, got floats",
+        "data.targets",
+    ),
+    (
+        "item-raises",
+        _items("raising"),
+        [],
+        "the dataset's item 2 raised KeyError: 'bad row 2'",
+        "model.py:raising",
+    ),
+    ("item-keyless", _items("keyless"), [], "dataset item 2 has no 'y'", "model.py:keyless"),
     (
         "missing-config",
         lambda r: (r / "config.yaml").unlink(),

@@ -195,7 +195,7 @@ BAD_REFS = [
     ("inputs-too-wide", {"x": torch.randn(K, 6), "y": torch.tensor([0, 1, 2])},
      "the model cannot take inputs of shape (3, 6)", "data.inputs"),
     ("targets-not-class-ids", {"x": torch.randn(K, 5), "y": torch.tensor([0.5, 1, 2])},
-     "the loss cannot take the model's outputs", "loss"),
+     "cross_entropy takes class ids as integers, got floats", "data.targets"),
 ]  # fmt: skip
 
 
