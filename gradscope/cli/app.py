@@ -26,6 +26,16 @@ if not os.environ.get("GRADSCOPE_DEBUG"):  # torch's C++ log lines (c10d's retri
 LOGGED = ("norms", "influence", "factors", "check", "train", "index", "query", "validate")
 
 
+def _subcommands(ctx: typer.Context | None) -> list[str]:
+    """The command's names after the program's, however it was run (``gradscope``, ``python -m
+    gradscope``, whose program name is ``-m gradscope``)."""
+    names = []
+    while ctx is not None and ctx.parent is not None:
+        names.append(ctx.info_name or "")
+        ctx = ctx.parent
+    return names[::-1]
+
+
 class _ErrorBoundary(TyperGroup):
     """The one place errors become exit codes: a user-fixable error, a bad command line
     included, is one line and status 2."""
@@ -47,8 +57,7 @@ class _ErrorBoundary(TyperGroup):
                 if getattr(e, "exit_code", None) != 2 or not hasattr(e, "format_message"):
                     raise
                 what = e.format_message().rstrip(".")
-                ctx = getattr(e, "ctx", None)  # the program's name as it is installed
-                command = " ".join(["gradscope", *(ctx.command_path.split()[1:] if ctx else [])])
+                command = " ".join(["gradscope", *_subcommands(getattr(e, "ctx", None))])
                 raise GradscopeError(what[:1].lower() + what[1:], f"{command} --help") from None
         except GradscopeError as e:
             if os.environ.get("GRADSCOPE_DEBUG"):

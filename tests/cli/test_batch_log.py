@@ -251,6 +251,14 @@ def test_a_bad_command_line_is_one_error_line_and_no_log(tmp_path, args, error):
     assert line.startswith(error), line
 
 
+def test_a_bad_option_under_python_m_points_to_gradscope_s_help(tmp_path):
+    """Under `python -m gradscope` the hint read "(gradscope -m gradscope norms --help)"."""
+    config = make_project(tmp_path)
+    args = ["norms", str(config), "--batch-size", "x"]
+    result = runner.invoke(app, args, prog_name="python -m gradscope")
+    assert result.exit_code == 2 and result.stderr.strip().endswith("(gradscope norms --help)")
+
+
 def test_help_starts_no_log(tmp_path):
     result = runner.invoke(app, ["influence", "--help"])
     assert result.exit_code == 0 and result.stdout.startswith("Usage: root influence")
