@@ -79,8 +79,8 @@ CGToleranceOpt = Annotated[
         "--cg-tolerance",
         metavar="X",
         help="Conjugate gradients stop once each reference's relative residual "
-        "||b - (C + lambda I) x|| / ||b|| is at most X, in (0, 1); the residual reached is in "
-        "the file's metadata.",
+        "||b - (C + lambda I) x|| / ||b|| is at most X, in (0, 1), the true one checked after "
+        "(an error where it stays over); the residual reached is in the file's metadata.",
     ),
 ]
 ThroughTrainingOpt = Annotated[

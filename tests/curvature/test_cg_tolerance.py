@@ -109,3 +109,32 @@ def test_a_tolerance_outside_zero_one_is_one_line(tmp_path, monkeypatch, capsys,
     assert not (tmp_path / "scores.parquet").exists()
     with pytest.raises(ConfigError, match=r"must be in \(0, 1\)"):
         gradscope.influence(cfg, ref=tmp_path / "ref.pt", curvature="gn", cg_tolerance=float(tolerance))  # fmt: skip
+
+
+class _Rounding:
+    """Products of a fixed positive definite C that round to ``noise`` of their size, as a
+    float32 model's do: a floor under the true residual that no restart goes below."""
+
+    def __init__(self, noise: float):
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(6, 6, generator=g, dtype=torch.float64)
+        self.c, self.noise, self.g = a @ a.T, noise, g
+
+    def __call__(self, block: torch.Tensor) -> torch.Tensor:
+        exact = self.c @ block
+        return exact * (1 + self.noise * torch.randn(exact.shape, generator=self.g))
+
+
+def test_a_true_residual_over_the_tolerance_is_refused_not_recorded():
+    """CG stopped on its recurrence's residual and recorded the true one, 7e-6 against a
+    tolerance of 1e-6 on a probe's float32 CNN at damping 0.01, without a word. The true
+    residual is solved for again from where it is, and where it stays over: an error."""
+    from gradscope.curvature.cg import CGInverse
+
+    b = torch.randn(2, 6, dtype=torch.float64)
+    exact = CGInverse(_Rounding(0.0), 0.1, tolerance=1e-8, mean=1.0)
+    x = exact.solve(b)
+    assert exact.residual <= 1e-8
+    torch.testing.assert_close(x.T, torch.linalg.solve(_Rounding(0.0).c + 0.1 * torch.eye(6), b.T))
+    with pytest.raises(ConfigError, match=r"true relative residual stays at .* over --cg-tol"):
+        CGInverse(_Rounding(1e-4), 0.1, tolerance=1e-8, mean=1.0).solve(b)
