@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from .. import terminal
-from ..config import Config, SummaryConfig, load_config, output_path
+from ..config import Config, SummaryConfig, check_counts, load_config, output_path
 from .options import ByOpt, ScoresArg, TopKOpt
 
 
@@ -36,7 +36,7 @@ def summary(scores: ScoresArg, by: ByOpt = None, top_k: TopKOpt = None) -> None:
     from ..io.parquet import nested, read_metadata
 
     check_file(scores, "scores file", DataError, INDEX_FOLDER)
-    check_top_k(top_k)
+    check_counts(top_k=top_k)
     kept = nested(read_metadata(scores), "config", "summary", "top_k")  # full metadata only
     kept = kept if isinstance(kept, int) and not isinstance(kept, bool) and kept >= 1 else None
     print_tables(scores, by, top_k or kept or SummaryConfig.top_k)
@@ -61,15 +61,7 @@ def report(
 ) -> None:
     """Write one self-contained HTML page: charts of the scores, the top-k examples shown
     (--top-k, else the config's summary.top_k, else 20)."""
-    check_top_k(top_k)
+    check_counts(top_k=top_k)
     cfg = load_config(config) if config else None
     target = Path(output_path(out, Path.cwd(), "--out")) if out is not None else None
     write_html(scores, target, cfg, by, top_k or (cfg.summary if cfg else SummaryConfig).top_k)
-
-
-def check_top_k(top_k: int | None) -> None:
-    """--top-k, where given, at least 1: before any work."""
-    from ..errors import ConfigError
-
-    if top_k is not None and top_k < 1:
-        raise ConfigError(f"--top-k must be at least 1, got {top_k}", "--top-k")

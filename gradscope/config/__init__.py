@@ -3,6 +3,7 @@ the keys, each section with the check of its own values (``schema.py``, ``train.
 type (``typed.py``), checked together (``validate.py``), read and resolved (``load.py``)."""
 
 from .load import (
+    check_counts,
     config_from_dict,
     default_pad,
     load_config,
@@ -42,6 +43,7 @@ __all__ = [
     "ReportConfig",
     "SummaryConfig",
     "TrainConfig",
+    "check_counts",
     "config_from_dict",
     "default_pad",
     "padded_by_default",

@@ -130,13 +130,19 @@ def padded_by_default(cfg: Config) -> Config:
     return dataclasses.replace(cfg, data=dataclasses.replace(data, pad=pad, pad_targets=targets))
 
 
+def check_counts(**given: int | None) -> None:
+    """Each count option given (``batch_size``, ``limit``, ``top_k``; None: not given) at least
+    1, named as the command line names it: before any work."""
+    for name, value in given.items():
+        if value is not None and value < 1:
+            option = "--" + name.replace("_", "-")
+            raise ConfigError(f"{option} must be at least 1, got {value}", option)
+
+
 def with_overrides(cfg: Config, **overrides: Any) -> Config:
     """Apply command-line options (None means "not given") on top of the config file."""
     o = {k: v for k, v in overrides.items() if v is not None}
-    for name in ("batch_size", "limit", "top_k"):
-        if name in o and o[name] < 1:
-            option = "--" + name.replace("_", "-")
-            raise ConfigError(f"{option} must be at least 1, got {o[name]}", option)
+    check_counts(**{name: o.get(name) for name in ("batch_size", "limit", "top_k")})
     if "device" in o and not re.fullmatch(DEVICE, o["device"]):  # named as the option, not the file
         devices = ", ".join(DEVICES)
         raise ConfigError(

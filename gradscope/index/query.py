@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import torch
 
 from .. import __version__, distributed
-from ..config import Config, load_config, output_path, with_overrides
+from ..config import Config, check_counts, load_config, output_path, with_overrides
 from ..errors import ConfigError, DataError
 from ..inputs import check_output, data_inputs, minimal, run_inputs
 from ..io.atomic import replace_atomically
@@ -138,8 +138,7 @@ def _query(
     if query.precondition:
         reads.append(("--precondition", query.precondition))
     check_output(out, run_inputs(cfg, reads), "query")
-    if query.top_k is not None and query.top_k < 1:
-        raise ConfigError(f"--top-k must be at least 1, got {query.top_k}", "--top-k")
+    check_counts(top_k=query.top_k)
     if query.candidates is not None and not query.exact:  # it ran as without it
         raise ConfigError(
             "--candidates sets how many --exact re-scores; pass --exact", "--candidates"
