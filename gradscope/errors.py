@@ -90,6 +90,13 @@ def one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
 
 
+def raised(e: BaseException) -> str:
+    """What an exception of the user's code or a library said: its type, then its message on
+    one line where it has one (``KeyError: 'y'``; an ``EOFError`` of none, its type alone)."""
+    text = one_line(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 @contextlib.contextmanager
 def models_backward() -> Iterator[None]:
     """A backward through the model: an error that the model's own code or torch raises in it
@@ -111,7 +118,7 @@ def _backward_reason(e: Exception) -> str:
     """What the model's backward raised, on one line; a checkpoint's recompute that saw other
     tensors (torch's tips after it left out) with the likely cause."""
     if type(e).__name__ != "CheckpointError" or "different metadata" not in str(e):
-        return f"the model's backward raised {type(e).__name__}: {one_line(e)}"
+        return f"the model's backward raised {raised(e)}"
     return (
         f"the model's backward raised CheckpointError: {one_line(str(e).split('Tip:')[0])} A "
         "parameter read directly inside a non-reentrant torch.utils.checkpoint block (as in "

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..errors import GradscopeError, ModelError, one_line, stop_if_signalled
+from ..errors import GradscopeError, ModelError, raised, stop_if_signalled
 from ..losses import LossFn
 from ..rules import Contribution
 from .analysis import decide
@@ -286,7 +286,7 @@ class Engine:
             shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
             raise ModelError(
                 f"the model cannot take inputs of shape {shapes}: {type(self.model).__name__}'s "
-                f"forward raised {type(e).__name__}: {one_line(e)}",
+                f"forward raised {raised(e)}",
                 "data.inputs",
             ) from e
         observed = {}

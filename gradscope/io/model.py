@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..errors import ConfigError, ModelError, one_line
+from ..errors import ConfigError, ModelError, one_line, raised
 from .files import LFS_POINTER, lfs_pointer, load_state_dict
 
 
@@ -132,8 +132,7 @@ def _construct(cfg: ModelConfig) -> nn.Module:
             ) from e
         except Exception as e:  # the factory's own code: its error, on one line
             raise ModelError(
-                f"the model factory raised {type(e).__name__}: {one_line(e)} (GRADSCOPE_DEBUG=1 "
-                "shows where)",
+                f"the model factory raised {raised(e)} (GRADSCOPE_DEBUG=1 shows where)",
                 "model.factory",
             ) from e
     if not isinstance(model, nn.Module):

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..errors import DataError, GradscopeError, one_line
+from ..errors import DataError, GradscopeError, one_line, raised
 from .batch import Columns
 from .model import import_object
 from .selection import Selection
@@ -61,8 +61,7 @@ def function_source(spec: str, columns: Selection, key: str = "data.path") -> So
         raise
     except Exception as e:  # the function's own code: its error, on one line
         raise DataError(
-            f"the data function raised {type(e).__name__}: {one_line(e)} (GRADSCOPE_DEBUG=1 "
-            "shows where)",
+            f"the data function raised {raised(e)} (GRADSCOPE_DEBUG=1 shows where)",
             key,
         ) from e
     return object_source(made, columns, spec, f"{spec} returned")
@@ -136,7 +135,7 @@ def _values(items: list[Any], key: Any, first_row: int, where: str) -> list[Any]
         except (KeyError, IndexError, TypeError) as e:
             raise DataError(
                 f"dataset item {row} has no {key!r}, as the first item of its batch has "
-                f"({type(item).__name__}: {one_line(e) or type(e).__name__})",
+                f"({raised(e)})",
                 where,
             ) from e
     return values
@@ -149,11 +148,7 @@ def _item(made: Any, row: int, where: str) -> Any:
     except GradscopeError:
         raise
     except Exception as e:  # the user's code: any error type
-        text = one_line(e)
-        raise DataError(
-            f"the dataset's item {row} raised {type(e).__name__}{': ' + text if text else ''}",
-            where,
-        ) from e
+        raise DataError(f"the dataset's item {row} raised {raised(e)}", where) from e
 
 
 def _loader_source(loader: torch.utils.data.DataLoader, columns: Selection, where: str) -> Source:

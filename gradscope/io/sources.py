@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import DataError, one_line
+from ..errors import DataError, raised
 from .batch import Columns
 from .files import LFS_POINTER, lfs_pointer
 
@@ -130,13 +130,9 @@ def _csv(file: Path, ids: str | None = None) -> Source:
 def read_source(source: Source, rows: int) -> Iterator[Columns]:
     try:
         yield from source.read(rows)
-    except DataError as e:
-        e.where = e.where or source.where
+    except DataError:
         raise
     except Exception as e:  # every reader (and user dataset) has its own error types
         if os.path.isfile(source.where) and not os.path.getsize(source.where):
             raise DataError("the data file is empty (0 bytes)", source.where) from e
-        text = one_line(e)
-        raise DataError(
-            f"cannot read data: {type(e).__name__}{': ' + text if text else ''}", source.where
-        ) from e
+        raise DataError(f"cannot read data: {raised(e)}", source.where) from e

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import GradscopeError, ModelError, one_line
+from ..errors import GradscopeError, ModelError, raised
 from ..io.model import import_object
 
 
@@ -21,7 +21,7 @@ def run_user_fn(spec: str, model: nn.Module, rows: np.ndarray, seed: int) -> nn.
     except GradscopeError:
         raise
     except (Exception, SystemExit) as e:  # sys.exit() in a loop written as a script's
-        raise ModelError(f"train.fn raised {type(e).__name__}: {one_line(e)}", "train.fn") from e
+        raise ModelError(f"train.fn raised {raised(e)}", "train.fn") from e
     if trained is None:
         trained = model
     if not isinstance(trained, nn.Module):
