@@ -297,3 +297,25 @@ def test_auto_takes_ekfac_where_the_dense_matrix_does_not_fit() -> None:
     assert chosen("auto", "cg", 10**6)[0] == "gn"  # CG asked for: the exact inverse, solved
     assert chosen("auto", "dense", 16385)[0] == "gn"  # refused as past the budget, not ekfac
     assert chosen("hessian", "auto", 10**6) == ("hessian", "asked for")
+
+
+def test_a_row_of_no_finite_gradient_through_the_command(tmp_path: Path) -> None:
+    """The command as the API (tests/curvature/test_exact.py): a NaN row's `finite` false, the
+    curvature fitted without it (`left_out` 1), every other row's influence that of the data
+    without it. Two runs of batches of 4: the NaN in the second batch, then in the first."""
+    cfg = project(tmp_path, "cross_entropy")
+    data = torch.load(tmp_path / "data.pt")
+    args = ["--ref", tmp_path / "ref.pt", "--curvature", "gn", "--solver", "dense"]
+    for row in (5, 1):
+        keep = [i for i in range(N) if i != row]
+        torch.save({k: v[keep] for k, v in data.items()}, tmp_path / "data.pt")
+        _invoke("influence", cfg, *args, "--out", tmp_path / "clean.parquet")
+        bad = {k: v.clone() for k, v in data.items()}
+        bad["x"][row, 0] = float("nan")
+        torch.save(bad, tmp_path / "data.pt")
+        _invoke("influence", cfg, *args, "--out", tmp_path / "nan.parquet")
+        got, want = (pd.read_parquet(tmp_path / f) for f in ("nan.parquet", "clean.parquet"))
+        assert got["finite"].tolist() == [i != row for i in range(N)]
+        np.testing.assert_allclose(got["influence"][keep], want["influence"], rtol=1e-10)
+        (fit,) = read_metadata(tmp_path / "nan.parquet")["influence"]["curvatures"]
+        assert fit["left_out"] == 1 and fit["examples"] == N - 1

@@ -212,8 +212,10 @@ def test_an_example_of_no_finite_gradient_is_left_out_of_the_curvature(kind: str
     keep = [i for i in range(len(x)) if i not in (3, 7)]
     ref = {"x": xr, "y": yr}
     options = {"curvature": kind, "solver": "dense", "batch_size": 5}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     got = gradscope.influence(model, {"x": bad, "y": y}, ref=ref, **options)
     want = gradscope.influence(model, {"x": x[keep], "y": y[keep]}, ref=ref, **options)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert got["finite"].tolist() == [i in keep for i in range(len(x))]
     torch.testing.assert_close(
         torch.tensor(got["influence"].to_numpy()[keep]), torch.tensor(want["influence"].to_numpy()),
