@@ -155,6 +155,7 @@ def check_output(
     which the run would replace."""
     path = Path(path)
     check_not_input(path, inputs)
+    check_suffix(path, kind)
     if recorded is not None:
         check_not_recorded(path, recorded)
     if path.is_dir():
@@ -177,6 +178,22 @@ def check_output(
             str(path),
         )
     check_folder(path)
+
+
+PARQUET = ("scores", "query", "validate", "watch")  # the kinds written as Parquet
+# suffixes of other formats: a Parquet file under one would be read as that by the next tool
+OTHER_FORMATS = (".csv", ".tsv", ".txt", ".json", ".jsonl", ".html", ".pt", ".pth", ".npz",
+                 ".npy", ".arrow", ".feather", ".xlsx", ".pkl", ".safetensors")  # fmt: skip
+
+
+def check_suffix(path: Path, kind: str | None) -> None:
+    """Refuse a Parquet output (``kind`` in PARQUET) named as another format's file."""
+    if kind in PARQUET and path.suffix.lower() in OTHER_FORMATS:
+        raise ConfigError(
+            f"the output is written as Parquet, not {path.suffix}: name it .parquet "
+            "(pandas.read_parquet reads it; df.to_csv makes a CSV of it)",
+            str(path),
+        )
 
 
 def check_not_input(path: Path, inputs: Inputs) -> None:
