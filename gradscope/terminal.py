@@ -190,6 +190,14 @@ def progress(command: str, unit: str = "rows") -> Iterator[tuple[Callable, Calla
         )
 
 
+def note(text: str) -> None:
+    """``note: TEXT`` on stderr (rank 0 only under torchrun): what a run that goes on means."""
+    from .distributed import world
+
+    if world().main:
+        Console(stderr=True).print(f"note: {text}", markup=False, highlight=False, soft_wrap=True)
+
+
 def wrote(path: Path) -> None:
     """``wrote PATH``: relative to the working folder when inside it, else absolute."""
     path = Path(path).resolve()

@@ -19,7 +19,7 @@ from .options import (
     precondition_option,
     ref_option,
 )
-from .scoring import scored
+from .scoring import note_weights, scored
 
 
 def index(
@@ -62,6 +62,7 @@ def index(
     if path is not None:  # rank 0 under torchrun
         terminal.console.print(described(path))
         terminal.wrote(path)
+        note_weights(cfg)
 
 
 QueryPerRefOpt = Annotated[

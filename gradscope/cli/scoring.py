@@ -94,6 +94,17 @@ ThroughTrainingOpt = Annotated[
 ]
 
 
+def note_weights(cfg: Config) -> None:
+    """After a run, a note where no file gave the model its weights: they were the factory's."""
+    model = cfg.model
+    if model.checkpoint is None and not model.checkpoints and model.pretrained is None:
+        terminal.note(
+            "the config names no checkpoint (model.checkpoint, model.checkpoints or "
+            "model.pretrained): the model was scored with the weights model.factory gives it "
+            "(initialised under seed 0)"
+        )
+
+
 def scored(cfg: Config, scorer: Scorer, trust_checkpoint: bool, resume: bool) -> Path | None:
     """A scoring run under a progress bar: the file it wrote (None on the ranks other than 0
     under torchrun)."""
@@ -163,6 +174,7 @@ def norms(
         top_k=top_k,
     )
     _run(cfg, NormsScorer(trust_checkpoint, precondition), by, report, trust_checkpoint, resume)
+    note_weights(cfg)
 
 
 def influence(
@@ -218,6 +230,7 @@ def influence(
         cg_tolerance=cg_tolerance,
     )
     _run(cfg, scorer, by, report, trust_checkpoint, resume)
+    note_weights(cfg)
 
 
 def factors(
@@ -263,3 +276,4 @@ def factors(
         f"{made.meta['examples']} examples{left}, {made.meta['fisher']} Fisher; {counts}"
     )
     terminal.wrote(out)
+    note_weights(cfg)

@@ -254,3 +254,18 @@ def test_help_version_and_summary_import_neither_torch_nor_pandas(tmp_path):
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "[]"
+
+
+def test_a_config_without_checkpoint_says_whose_weights_were_scored(tmp_path):
+    """A model no file gives weights to is scored as its factory makes it: said after the run,
+    once, on stderr; nothing said where a checkpoint is named."""
+    config = make_project(tmp_path, n=6, model={"factory": "model.py:Net"})
+    result = runner.invoke(app, ["norms", str(config)])
+    assert result.exit_code == 0, result.output
+    (note,) = [line for line in result.stderr.splitlines() if line.startswith("note: ")]
+    assert "names no checkpoint" in note and "model.factory" in note
+    assert "note:" not in result.stdout
+    (tmp_path / "named").mkdir()
+    named = make_project(tmp_path / "named", n=6)
+    result = runner.invoke(app, ["norms", str(named)])
+    assert result.exit_code == 0 and "note:" not in result.output
