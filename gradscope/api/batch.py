@@ -15,13 +15,27 @@ from ..curvature.precondition import check_fits
 from ..curvature.products import KINDS
 from ..defaults import CG_TOLERANCE
 from ..engine import Engine, Forward, Influence, reference_gradients, total
-from ..errors import ConfigError
+from ..engine.forward import batched
+from ..errors import ConfigError, ModelError
 from ..losses import LossFn, resolve_loss
 from .configured import in_api_words_of
 
 
 def _as_tuple(inputs: Tensor | Sequence[Tensor]) -> tuple[Tensor, ...]:
     return (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+
+
+def _reference(
+    inputs: Tensor | Sequence[Tensor], targets: Tensor
+) -> tuple[tuple[Tensor, ...], Tensor]:
+    """The reference batch, its inputs' and targets' examples counted alike (as a scored
+    batch's are), its errors named by its own keywords."""
+    inputs = _as_tuple(inputs)
+    try:
+        batched(inputs, targets)
+    except ModelError as e:
+        raise ModelError(e.what, "ref_inputs=, ref_targets=") from None
+    return inputs, targets
 
 
 @in_api_words_of
@@ -117,7 +131,7 @@ def per_example_influence(
     with core:
         # the hooks' plain inner product reads a weight's reference as its factors where cheaper
         factored = engine == "hooks" and precondition is None and curvature == NONE
-        refs = reference_gradients(core, [(_as_tuple(ref_inputs), ref_targets)], factored=factored)
+        refs = reference_gradients(core, [_reference(ref_inputs, ref_targets)], factored=factored)
         batch = [(_as_tuple(inputs), targets)]
         refs = _preconditioned(
             core, refs, batch, precondition, curvature, solver, damping, cg_tolerance

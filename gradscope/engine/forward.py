@@ -85,7 +85,7 @@ def batched(inputs: tuple[Tensor, ...], targets: Tensor) -> None:
         if not isinstance(t, Tensor) or t.dim() == 0 or t.shape[0] != b:
             what = f"of shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
             raise ModelError(
-                f"input {k} is {what}: each input must be a tensor whose first dimension is "
-                f"the batch's {b} examples, as the targets'",
-                "data.inputs",
+                f"input {k} is {what} where the targets hold {b} examples: each input must be "
+                "a tensor whose first dimension is the batch's examples, as the targets'",
+                "data.inputs, data.targets",
             )

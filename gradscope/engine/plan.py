@@ -225,7 +225,7 @@ def _check_patterns(names: list[str], include: Sequence[str], exclude: Sequence[
         if not any(fnmatchcase(n, pattern) for n in names):
             shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
             what = f"params.{key} pattern {pattern!r} matches no parameter of the model"
-            raise ConfigError(f"{what} (its names: {shown})", "params")
+            raise ConfigError(f"{what} (its names: {shown})", f"params.{key}")
 
 
 def trainable(model: nn.Module) -> set[int]:

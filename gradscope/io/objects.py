@@ -115,7 +115,7 @@ def object_source(made: Any, columns: Selection, where: str, what: str = "got") 
 
         def read_map(rows: int) -> Iterator[Columns]:
             for lo in range(0, n, rows):
-                items = [_item(made, i, where) for i in range(lo, min(lo + rows, n))]
+                items = [_item(made, i, n, where) for i in range(lo, min(lo + rows, n))]
                 yield collate(items, columns, where, lo)
 
         return Source(where, n, read_map)
@@ -141,14 +141,16 @@ def _values(items: list[Any], key: Any, first_row: int, where: str) -> list[Any]
     return values
 
 
-def _item(made: Any, row: int, where: str) -> Any:
-    """The dataset's item at ``row``; what its ``__getitem__`` raised, named with the row."""
+def _item(made: Any, row: int, length: int, where: str) -> Any:
+    """The dataset's item at ``row``; what its ``__getitem__`` raised, named with the row (and
+    with the ``len()`` it gave, where an index past its items is the likely cause)."""
     try:
         return made[row]
     except GradscopeError:
         raise
     except Exception as e:  # the user's code: any error type
-        raise DataError(f"the dataset's item {row} raised {raised(e)}", where) from e
+        said = f" (its len() is {length})" if isinstance(e, IndexError) else ""
+        raise DataError(f"the dataset's item {row} raised {raised(e)}{said}", where) from e
 
 
 def _loader_source(loader: torch.utils.data.DataLoader, columns: Selection, where: str) -> Source:

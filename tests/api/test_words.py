@@ -51,6 +51,12 @@ def test_errors_of_each_kind_of_call_name_its_keywords(project: Path) -> None:
         gradscope.per_example_influence(net, x, y, x[:2], y[:2], curvature="bogus")
     with pytest.raises(ModelError, match=r"^precondition= file not found"):
         gradscope.per_example_influence(net, x, y, x[:2], y[:2], precondition="none.pt")
+    with pytest.raises(ConfigError, match=r"^include= pattern 'fc9\*' matches no .*\(include=\)$"):
+        gradscope.per_example_norms(net, x, y, include=["fc9*"])
+    with pytest.raises(ModelError, match=r"targets hold 9 examples.*\(inputs=, targets=\)$"):
+        gradscope.per_example_norms(net, x, y[:-1])
+    with pytest.raises(ModelError, match=r"targets hold 3 .*\(ref_inputs=, ref_targets=\)$"):
+        gradscope.per_example_influence(net, x, y, x[:2], y[:3])
     with pytest.raises(ConfigError, match=r"^cg_tolerance= must be in \(0, 1\), got 2"):
         gradscope.influence(net, {"x": x, "y": y}, ref={"x": x, "y": y}, curvature="gn",
                             cg_tolerance=2)  # fmt: skip
