@@ -159,16 +159,27 @@ class Items(torch.utils.data.Dataset):
         if i == 2 and self.fail == "raise":
             raise KeyError(f"bad row {i}")
         item = {"x": self.data["x"][i], "y": self.data["y"][i]}
-        return {"x": item["x"]} if i == 2 else item
+        return {"x": item["x"]} if i == 2 and self.fail == "key" else item
 def raising():
     return Items("raise")
 def keyless():
     return Items("key")
+class Long(Items):  # its len() one past its rows
+    def __init__(self):
+        super().__init__(None)
+        self.rows = [super(Long, self).__getitem__(i) for i in range(3)]
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        return self.rows[i]
+def long():
+    return Long()
 """
 
 
 def _items(fn: str):
-    """The data a ``Dataset`` of ``model.py`` makes, its item 2 raising or lacking ``y``."""
+    """The data a ``Dataset`` of ``model.py`` makes, its item 2 raising or lacking ``y``, or
+    its ``len()`` one past its items."""
 
     def spoil(root: Path) -> None:
         with (root / "model.py").open("a") as f:
@@ -218,6 +229,13 @@ CASES = [
         "model.py:raising",
     ),
     ("item-keyless", _items("keyless"), [], "dataset item 2 has no 'y'", "model.py:keyless"),
+    (
+        "len-past-the-items",
+        _items("long"),
+        [],
+        "the dataset's item 3 raised IndexError: list index out of range (its len() is 4)",
+        "model.py:long",
+    ),
     (
         "missing-config",
         lambda r: (r / "config.yaml").unlink(),
@@ -479,6 +497,13 @@ CASES = [
         [],
         "column 'i' for data.ids holds (2,) values a row, not one",
         "wide_ids",
+    ),
+    (
+        "out-named-as-a-csv",
+        lambda r: None,
+        ["--out", "{root}/scores.csv"],
+        "the output is written as Parquet, not .csv: name it .parquet",
+        "scores.csv",
     ),
     (
         "cuda-without-cuda",
