@@ -146,15 +146,19 @@ def _inside(path: Path, folder: str) -> bool:
 
 
 def check_output(
-    path: str | Path, inputs: Inputs, kind: str | None = None, recorded: dict | None = None
+    path: str | Path,
+    inputs: Inputs,
+    kind: str | None = None,
+    recorded: dict | None = None,
+    option: str = "--out or output.path",
 ) -> None:
     """Refuse, before anything runs, an output that is one of the inputs or lies inside an input
     folder (or holds one a scores file's metadata, ``recorded``, names by its sha256), or that
     is not a regular file (or a new name) in an existing folder; a file there that is
     read-only, or (``kind``: ``io.owned.KINDS``) not an output of that kind gradscope wrote,
-    which the run would replace."""
+    which the run would replace. ``option``: what sets the path, as the errors name it."""
     path = Path(path)
-    check_not_input(path, inputs)
+    check_not_input(path, inputs, option)
     check_suffix(path, kind)
     if recorded is not None:
         check_not_recorded(path, recorded)
@@ -196,26 +200,26 @@ def check_suffix(path: Path, kind: str | None) -> None:
         )
 
 
-def check_not_input(path: Path, inputs: Inputs) -> None:
+def check_not_input(path: Path, inputs: Inputs, option: str = "--out or output.path") -> None:
     """Refuse an output that is one of the inputs, that a glob among them would match, or that
-    lies inside an input folder."""
+    lies inside an input folder (``option``: what sets the path)."""
     for key, file in inputs:
         if _same(path, file):
             raise ConfigError(
                 f"the output path is the run's {key} ({file}); writing there would destroy it, "
-                "choose another --out or output.path",
+                f"choose another {option}",
                 str(path),
             )
         if _matches(path, file):
             raise ConfigError(
                 f"the output path matches the run's {key} pattern ({file}); the next run would "
-                "read it as data, choose another --out or output.path",
+                f"read it as data, choose another {option}",
                 str(path),
             )
         if _inside(path, file):
             raise ConfigError(
                 f"the output path is inside the run's {key} folder ({file}); writing there would "
-                "change what the run reads, choose another --out or output.path",
+                f"change what the run reads, choose another {option}",
                 str(path),
             )
 

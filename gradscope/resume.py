@@ -113,6 +113,22 @@ def resumed_parts(run: PartialRun, key: dict) -> set[int]:
     return run.done()
 
 
+def refuse_unresumed(
+    run: PartialRun, key: dict, saved: str | None, afresh: str = "remove the folder"
+) -> None:
+    """Without ``--resume``, an interrupted run of the same fingerprint that saved work
+    (``saved`` says what; None: nothing yet) is refused, not thrown away: its models took
+    long to train, and the same command with ``--resume`` continues it (``afresh``: how to
+    start over instead)."""
+    manifest = run.manifest() if saved else None
+    if manifest is not None and manifest["fingerprint"] == key:
+        raise ConfigError(
+            f"an interrupted run of this same command saved {saved}: run it with --resume to "
+            f"continue, or {afresh} to start over",
+            str(run.dir),
+        )
+
+
 @dataclass
 class Parts:
     """This rank's side of the partial folder, begun (unless resumed) after its first batch."""

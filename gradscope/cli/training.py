@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -21,7 +23,11 @@ TrainResumeOpt = Annotated[
     ),
 ]
 OverwriteOpt = Annotated[
-    bool, typer.Option("--overwrite", help="Replace a checkpoint that is there already.")
+    bool,
+    typer.Option(
+        "--overwrite",
+        help="Replace a checkpoint that is there already, or an interrupted run's saved state.",
+    ),
 ]
 RecordOpt = Annotated[
     bool,
@@ -68,7 +74,11 @@ def train(
     if trained.record:
         terminal.wrote(trained.record)
     if trained.epochs:  # influence's sum over checkpoints, each weighted by its learning rate
-        listed = ", ".join(f"{{path: {p.name}, weight: {lr:.4g}}}" for p, lr in trained.epochs)
+        base = Path(config).resolve().parent  # the list's paths: relative to the config's
+        listed = ", ".join(
+            f"{{path: {os.path.relpath(Path(p).resolve(), base)}, weight: {lr:.4g}}}"
+            for p, lr in trained.epochs
+        )
         terminal.console.print(
             f"for an ensemble (TracIn with --curvature none): model.checkpoints: [{listed}]",
             soft_wrap=True,

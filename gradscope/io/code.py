@@ -25,10 +25,16 @@ _INSTALLED = tuple(
 
 
 def config_code(cfg: Config) -> dict[str, str]:
-    """The sha256 of each Python file the config's code (its factory, a ``file.py`` data loader
-    or loss, ``train.fn``) imports from beside it, transitively, by its path under the folder it
-    was found from; not the ``file.py`` files the config names itself (its inputs hold those),
-    a ``package.module``'s own file too."""
+    """The sha256 of each file of ``code_files``, by its path under the folder it was found
+    from."""
+    return {name: file_sha256(path) for name, path in code_files(cfg).items()}
+
+
+def code_files(cfg: Config) -> dict[str, str]:
+    """Each Python file the config's code (its factory, a ``file.py`` data loader or loss,
+    ``train.fn``) imports from beside it, transitively, by its path under the folder it was
+    found from: its real path; not the ``file.py`` files the config names itself (its inputs
+    hold those), a ``package.module``'s own file too."""
     paths = cfg.data.path if isinstance(cfg.data.path, list) else [cfg.data.path]
     specs = [cfg.model.factory, cfg.loss.name, cfg.train.fn if cfg.train is not None else None]
     specs += [p for p in paths if isinstance(p, str) and ".py:" in p]
@@ -41,7 +47,7 @@ def config_code(cfg: Config) -> dict[str, str]:
         _imports(start, root, seen)
         named = {start} if ".py:" in spec else set()  # a package module's: no input holds it
         for file in seen - named:
-            found[os.path.relpath(file, root)] = file_sha256(file)
+            found[os.path.relpath(file, root)] = file
     return dict(sorted(found.items()))
 
 

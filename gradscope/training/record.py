@@ -51,13 +51,16 @@ def default_segment(total: int) -> int:
 
 def record_key(cfg: Config, inputs: Inputs) -> dict:
     """What a replay must share with the run it replays: the model, data, loss, dtype and recipe
-    (with the batch size resolved), the sha256 of every file training read (and of the rows,
-    where code makes them), and torch's version. Not where the model was written, nor how a
-    later command batches its scoring."""
+    (with the batch size resolved), the sha256 of every file training read (the code its
+    factory imports from beside it too; and of the rows, where code makes them), and torch's
+    version. Not where the model was written, nor how a later command batches its scoring,
+    nor what does not change a step: the classes' names, the epoch checkpoints kept."""
     config = cfg.to_dict()
     train = dict(config["train"] or {}, batch_size=cfg.train.batch_size or cfg.data.batch_size)
+    train.pop("save_every", None)  # epoch checkpoints written beside it: not the run's steps
     model = {k: v for k, v in config["model"].items() if k not in ("checkpoint", "checkpoints")}
-    data = {k: v for k, v in config["data"].items() if k != "batch_size"}
+    # the classes' names are the tables', not what is trained
+    data = {k: v for k, v in config["data"].items() if k not in ("batch_size", "classes")}
     files = {
         file: file_sha256(file)
         for key, file in inputs

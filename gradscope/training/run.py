@@ -15,11 +15,12 @@ from ..config import Config
 from ..errors import ConfigError, DataError, Interrupted
 from ..inputs import Inputs, check_output, run_inputs
 from ..io.atomic import replace_atomically
+from ..io.code import code_files
 from ..io.data import code_file, code_rows_key
 from ..io.lock import OutputLock
 from ..io.parquet import PartialRun
 from ..job import resolve_device
-from ..resume import fingerprint, resumed_parts
+from ..resume import fingerprint, refuse_unresumed, resumed_parts
 from .loop import Trainer, TrainingRows, build, recipe
 from .recipe import check_warmup, total_rows
 from .record import Recorder, default_segment, record_key
@@ -56,13 +57,15 @@ def epoch_path(path: Path, epoch: int) -> Path:
 
 
 def training_inputs(cfg: Config) -> Inputs:
-    """What training reads: the config's files but ``model.checkpoint`` (what it writes), and
-    ``train.init`` and ``train.fn``'s file."""
+    """What training reads: the config's files but ``model.checkpoint`` (what it writes),
+    ``train.init``, ``train.fn``'s file, and the Python files its code imports from beside it
+    (a record of the run replays only while they are as they were)."""
     train = recipe(cfg)
     model = dataclasses.replace(cfg.model, checkpoint=None, checkpoints=[])
     more = [("train.init", train.init)] if train.init else []
     if train.fn and code_file(train.fn):
         more.append(("train.fn", code_file(train.fn)))
+    more += [(f"code {name}", path) for name, path in code_files(cfg).items()]
     return run_inputs(dataclasses.replace(cfg, model=model), more)
 
 
@@ -112,7 +115,7 @@ def train_model(
         key = fingerprint(cfg, "train", inputs, extra, resolve_device(cfg.device).type)
         run = PartialRun(path, key)
         run.refuse_foreign()
-        state = _resumed(run, key) if resume else None
+        state = _resumed(run, key) if resume else _unresumed(run, key, overwrite)
         with torch.random.fork_rng(devices=[]):
             rows = TrainingRows(cfg, None)
             model = build(cfg, train.seed)
@@ -161,10 +164,16 @@ def _refuse(
     segment: int | None,
 ) -> None:
     """What ``train_model`` refuses before anything trains: torchrun, an output that is an
-    input, a checkpoint or run record there already (without --overwrite or --resume), a
-    segment of no steps, a record of a loop of the user's own."""
+    input or its own run record's folder, a checkpoint or run record there already (without
+    --overwrite or --resume), a segment of no steps, a record of a loop of the user's own."""
     distributed.one_process("gradscope train", "train")
-    check_output(path, inputs)
+    check_output(path, inputs, option="--out or model.checkpoint")
+    if folder is not None and folder == path:
+        raise ConfigError(
+            "the checkpoint would be its own run record's folder (--record writes NAME.run "
+            "beside NAME.pt): name the checkpoint .pt or .safetensors",
+            str(path),
+        )
     if path.exists() and not replacing:
         raise ConfigError(
             "a checkpoint is there already; pass --overwrite to replace it, or --out", str(path)
@@ -196,7 +205,7 @@ def _refuse_epochs(trainer: Trainer, path: Path, inputs: Inputs, replacing: bool
     (they were written over whatever lay there, the data file too)."""
     for epoch in _saved_epochs(trainer):
         at = epoch_path(path, epoch)
-        check_output(at, inputs)
+        check_output(at, inputs, option="--out or model.checkpoint")
         if at.exists() and not replacing:
             raise ConfigError(
                 "an epoch checkpoint is there already; pass --overwrite to replace it, or --out",
@@ -227,6 +236,14 @@ def _resumed(run: PartialRun, key: dict) -> dict | None:
             "without --resume to start over",
             str(file),
         ) from e
+
+
+def _unresumed(run: PartialRun, key: dict, overwrite: bool) -> None:
+    """No state to start from: an interrupted run of the same fingerprint that saved its state
+    is refused, not thrown away, unless ``overwrite`` says to start over."""
+    if not overwrite:  # hours of training, kept unless told
+        saved = "its training state" if (run.dir / STATE).is_file() else None
+        refuse_unresumed(run, key, saved, "pass --overwrite")
 
 
 def record_path(path: Path) -> Path:
@@ -260,8 +277,8 @@ def _train(
             state = trainer.state()
             _save_state(state | {"record": recorder.state()} if recorder else state, run)
     except KeyboardInterrupt:
-        if trainer.epoch == 0:
-            raise
+        if trainer.epoch == 0:  # not "before any example was saved": training saves no example
+            raise Interrupted("interrupted in the first epoch, nothing saved", str(path)) from None
         raise Interrupted(
             f"interrupted after epoch {trainer.epoch}; run the same command with --resume to "
             "continue from there",

@@ -223,11 +223,11 @@ def _removals(
 def _check_outputs(cfg: Config, ref: str, scores: list[Path], out: Path, truth: Path) -> None:
     """The truth file, the table and its JSON: none an input, nor one another."""
     inputs = run_inputs(cfg, [("--ref", ref), *(("--scores", str(p)) for p in scores)])
-    check_output(truth, inputs)
+    check_output(truth, inputs, option="--truth")
     if out.suffix == ".json":  # its table and the JSON beside it would be one file
         raise ConfigError(f"--out {out} is the JSON beside the table: name the .parquet", "--out")
     for path, kind in ((out, "validate"), (out.with_suffix(".json"), "json")):
-        check_output(path, [*inputs, ("--truth", str(truth))], kind)
+        check_output(path, [*inputs, ("--truth", str(truth))], kind, option="--out")
 
 
 def _table(

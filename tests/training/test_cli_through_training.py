@@ -18,7 +18,7 @@ from gradscope.config import load_config
 from gradscope.training import attribution
 from gradscope.training.loop import Trainer
 from gradscope.training.replay import through_training
-from tests.project import make_project, one_error
+from tests.project import edit_config, make_project, one_error
 
 TRAIN = {"optimizer": "adamw", "lr": 0.05, "epochs": 3, "warmup": 2, "schedule": "cosine",
          "weight_decay": 0.1, "clip": 1.0}  # fmt: skip
@@ -204,3 +204,34 @@ def test_a_killed_replay_continues_with_or_without_resume(tmp_path, project, mon
     )
     np.testing.assert_array_equal(got["influence"], want["influence"])
     assert not list(tmp_path.glob(".*.replay"))
+
+
+ACT_PY = "import torch\n\ndef act(x):\n    return torch.{}(x)\n"
+ACTED_PY = """
+from act import act
+from model import Net
+
+
+class Acted(Net):
+    def forward(self, x):
+        return self.fc2(act(self.fc1(x)))
+"""
+
+
+def test_a_record_replays_only_with_the_code_that_trained_it(tmp_path, project):
+    """The record keyed the files the config names, not the modules its factory imports: one
+    edited after training replayed another model without a word. What changes no step (the
+    classes' names, epoch checkpoints) no longer refuses a record."""
+    (tmp_path / "act.py").write_text(ACT_PY.format("tanh"))
+    (tmp_path / "acted.py").write_text(ACTED_PY)
+    edit_config(tmp_path, lambda c: c["model"].update(factory="acted.py:Acted"))
+    ref, record = tmp_path / "ref.pt", tmp_path / "out.run"
+    assert run("train", project, "--record").exit_code == 0
+    edit_config(tmp_path, lambda c: (c["data"].update(classes=["a", "b", "c"]),
+                                     c["train"].update(save_every=1)))  # fmt: skip
+    result = run("influence", project, "--ref", ref, "--through-training", record)
+    assert result.exit_code == 0, result.output
+    (tmp_path / "act.py").write_text(ACT_PY.format("relu"))
+    line = one_error(run("influence", project, "--ref", ref, "--through-training", record,
+                         "--out", tmp_path / "b.parquet"))  # fmt: skip
+    assert "the run record was made with a different file" in line and "act.py" in line

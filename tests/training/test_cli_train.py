@@ -266,3 +266,64 @@ def test_a_nan_in_the_rows_is_one_line(tmp_path):
     line = one_error(run("train", config))
     assert "training diverged: the loss is nan at step" in line
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_an_interrupted_run_is_kept_unless_told(tmp_path, monkeypatch):
+    """Run again without --resume, an interrupted run's saved state was thrown away and the run
+    started over: refused now, the state kept; --overwrite starts over."""
+    config = make_project(tmp_path, model__checkpoint="out.pt", train={"epochs": 3})
+    step = Trainer._step
+
+    def interrupted(self, picked):
+        if self.step == 7:
+            raise KeyboardInterrupt
+        step(self, picked)
+
+    monkeypatch.setattr(Trainer, "_step", interrupted)
+    assert run("train", config).exit_code == 130
+    monkeypatch.setattr(Trainer, "_step", step)
+    state = tmp_path / ".out.pt.partial" / "state.pt"
+    saved = state.read_bytes()
+    line = one_error(run("train", config))
+    assert "an interrupted run of this same command saved its training state" in line
+    assert "run it with --resume to continue, or pass --overwrite to start over" in line
+    assert state.read_bytes() == saved
+    assert run("train", config, "--overwrite").exit_code == 0
+    assert same(torch.load(tmp_path / "out.pt"), fit(load_config(config)).state_dict())
+
+
+ACT_PY = "import torch\n\ndef act(x):\n    return torch.tanh(x)\n"
+ACTED_PY = """
+from act import act
+from model import Net
+
+
+class Acted(Net):
+    def forward(self, x):
+        return self.fc2(act(self.fc1(x)))
+"""
+
+
+def test_no_output_over_the_code_or_the_record_it_makes(tmp_path):
+    """A module the factory imports was overwritten by --overwrite; --record with an output
+    named .run trained the whole run, then could not write the checkpoint over its record."""
+    (tmp_path / "act.py").write_text(ACT_PY)
+    (tmp_path / "acted.py").write_text(ACTED_PY)
+    config = make_project(tmp_path, model__factory="acted.py:Acted", train={"epochs": 1})
+    line = one_error(run("train", config, "--out", tmp_path / "act.py", "--overwrite"))
+    assert "the output path is the run's code act.py" in line
+    assert (tmp_path / "act.py").read_text() == ACT_PY
+    line = one_error(run("train", config, "--record", "--out", tmp_path / "x.run"))
+    assert "its own run record's folder" in line
+    assert not (tmp_path / "x.run").exists()
+
+
+def test_epoch_checkpoints_listed_as_the_config_reads_them(tmp_path):
+    """The list printed for model.checkpoints named bare file names: relative to the config's
+    folder, as the config reads them."""
+    config = make_project(tmp_path, train={"epochs": 2, "save_every": 1})
+    (tmp_path / "sub").mkdir()
+    result = run("train", config, "--out", tmp_path / "sub" / "m.pt")
+    assert result.exit_code == 0, result.output
+    assert "{path: sub/m.epoch1.pt, weight:" in result.output
+    assert "{path: sub/m.pt, weight:" in result.output
