@@ -131,6 +131,11 @@ class PartialRun:
         mine = stamp.get(RUN_KEY) == self.stamp[RUN_KEY]
         return meta.num_rows > 0 and mine and stamp.get(PART_KEY) == str(number).encode()
 
+    def saved(self) -> int:
+        """How many complete parts of this run the folder holds (nothing removed)."""
+        found = [p for p in self.dir.glob("part-*.parquet") if p.name[5:-8].isdigit()]
+        return sum(self._ours(p, int(p.name[5:-8])) for p in found)
+
     def done(self) -> set[int]:
         """The batch numbers whose parts are complete and ours; any other part (a power loss
         before its data reached the disk, another run's) is removed, to be scored again."""

@@ -19,14 +19,14 @@ from torch import nn
 from .. import distributed, training
 from ..config import Config
 from ..distributed import World
-from ..errors import DataError, Interrupted, reading
+from ..errors import DataError, Interrupted, ModelError, reading
 from ..inputs import run_inputs
 from ..io.data import open_dataset
 from ..io.files import file_sha256
 from ..io.parquet import PartialRun
 from ..job import config_forward, config_loss, resolve_device
 from ..predictions import predictions
-from ..resume import Parts, fingerprint, resumed_parts
+from ..resume import Parts, fingerprint, refuse_unresumed, resumed_parts
 from ..training.loop import TrainingRows, build, forward_or_error
 from .truth import Model, Task, Truth, read_truth
 
@@ -39,14 +39,19 @@ def evaluate(cfg: Config, model: nn.Module, ref: str) -> tuple[np.ndarray, np.nd
     config's loss has no single label), in REF's order; REF's rows read and moved to the
     model's device as the training rows are."""
     data = dataclasses.replace(cfg.data, path=ref, ids=None, limit=None)
-    rows = TrainingRows(dataclasses.replace(cfg, data=data), None)
+    return _through(dataclasses.replace(cfg, data=data), model, "on REF", f"--ref {ref}")
+
+
+def _through(cfg: Config, model: nn.Module, what: str, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """(N,) loss and (N,) margin of each row of ``cfg``'s data under ``model``."""
+    rows = TrainingRows(cfg, None)
     forward = config_forward(cfg)
     loss_fn, observe = config_loss(cfg), predictions(cfg.loss.name, cfg.loss.kwargs)
     losses, margins = [], []
     with torch.no_grad():
         for picked in torch.arange(len(rows)).split(cfg.data.batch_size):
             x, y = rows.batch(picked)
-            outputs = forward_or_error(forward, model, x, "on REF", f"--ref {ref}")
+            outputs = forward_or_error(forward, model, x, what, where)
             losses.append(loss_fn(outputs, y).double().cpu())  # (B,)
             seen = observe(outputs, y) if observe else {}
             nan = torch.full((len(picked),), np.nan, dtype=torch.float64)
@@ -55,17 +60,26 @@ def evaluate(cfg: Config, model: nn.Module, ref: str) -> tuple[np.ndarray, np.nd
 
 
 def check_ref(cfg: Config, ref: str) -> None:
-    """REF through the model as training begins it: a REF the model cannot take, a loss that
-    cannot read its targets, or one not finite (a NaN in REF: every model's target there would
-    be, and its LDS none), is one line before anything trains."""
-    with torch.random.fork_rng(devices=[]), reading(f"--ref {ref}"):
-        loss, _ = evaluate(cfg, build(cfg, cfg.train.seed), ref)
+    """REF and the training rows through the model as training begins it: a REF the model
+    cannot take, a loss that cannot read its targets, or one not finite (a NaN in REF: every
+    model's target there would be, and its LDS none; in a training row: every retrain keeping
+    it diverges), is one line before anything trains."""
+    with torch.random.fork_rng(devices=[]):
+        model = build(cfg, cfg.train.seed)
+        with reading(f"--ref {ref}"):
+            loss, _ = evaluate(cfg, model, ref)
+        _finite(loss, "REF example", "no retrained model can be measured on it", f"--ref {ref}")
+        loss, _ = _through(cfg, model, "on the training rows", "data.path")
+        _finite(loss, "training row", "every retrain that keeps it diverges", "data.path")
+
+
+def _finite(loss: np.ndarray, row: str, so: str, where: str) -> None:
     bad = np.flatnonzero(~np.isfinite(loss))
     if len(bad):
         raise DataError(
-            f"REF example {bad[0]}'s loss is {loss[bad[0]]} under the model as training begins "
-            f"it ({len(bad)} of {len(loss)} not finite): no retrained model can be measured on it",
-            f"--ref {ref}",
+            f"{row} {bad[0]}'s loss is {loss[bad[0]]} under the model as training begins it "
+            f"({len(bad)} of {len(loss)} not finite): {so}",
+            where,
         )
 
 
@@ -82,14 +96,24 @@ class Retrain:
 
     def __call__(self, task: Task) -> Model:
         start = time.perf_counter()
-        if self.weighed is not None:
-            weights = np.zeros(self.weighed)
-            weights[task.rows] = 1.0
-            model = training.fit(self.cfg, seed=task.seed, weights=weights)
-        else:
-            model = training.fit(self.cfg, task.rows, seed=task.seed)
+        try:
+            if self.weighed is not None:
+                weights = np.zeros(self.weighed)
+                weights[task.rows] = 1.0
+                model = training.fit(self.cfg, seed=task.seed, weights=weights)
+            else:
+                model = training.fit(self.cfg, task.rows, seed=task.seed)
+        except ModelError as e:  # training diverged: which of the many models
+            raise ModelError(f"{e.what}; in {_named(task)}", e.where) from e
         seconds = time.perf_counter() - start
         return Model(task, *evaluate(self.cfg, model, self.ref), seconds)
+
+
+def _named(task: Task) -> str:
+    """The model ``task`` trains, as an error names it."""
+    which = {"subset": f"subset {task.subset}", "full": "the full data"}.get(task.kind)
+    which = which or f"{task.kind} rows of REF example {task.ref}"
+    return f"the retrain on {which} ({len(task.rows)} rows, seed {task.seed})"
 
 
 def task_rows(cfg: Config) -> int:
@@ -194,6 +218,11 @@ def train_missing(
     key = fingerprint(cfg, "validate", run_inputs(cfg, [("--ref", ref)]), extra, kind)
     run = PartialRun(path, key)
     run.refuse_foreign()
+    if not resume:
+        saved = run.saved()
+        refuse_unresumed(
+            run, key, f"{saved} retrained model{'s' * (saved != 1)}" if saved else None
+        )
     parts = Parts(run, world, key, resumed_parts(run, key) if resume else None)
     todo = [(earlier + n, t) for n, t in enumerate(missing) if parts.wanted(earlier + n)]
     if on_start:

@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 from gradscope import training
 from gradscope.cli import app
 from gradscope.config import load_config
-from gradscope.errors import Interrupted
+from gradscope.errors import Interrupted, ModelError
 from gradscope.io.parquet import partial_path
 from gradscope.validation import Options, validate
 
@@ -74,6 +74,11 @@ def test_interrupt_and_crash_lose_no_model(tmp_path, monkeypatch):
     counting_fit(monkeypatch, stop=3, error=KeyboardInterrupt)
     result = invoke(cut)
     assert result.exit_code == 130 and "3 retrained models saved" in result.output
+    assert len(list(partial_path(cut / "v.truth.parquet").glob("part-*"))) == 3
+    # without --resume, the same command threw the three models away and started over
+    line = one_error(invoke(cut))
+    assert "an interrupted run of this same command saved 3 retrained models" in line
+    assert "run it with --resume to continue, or remove the folder to start over" in line
     assert len(list(partial_path(cut / "v.truth.parquet").glob("part-*"))) == 3
     counting_fit(monkeypatch, stop=2)  # a crash: the exception as it is
     assert isinstance(invoke(cut, "--resume").exception, RuntimeError)
@@ -266,6 +271,10 @@ def nan_ref(root):
     torch.save(ref, root / "ref.pt")
 
 
+def nan_row(root):
+    edit_data(root, lambda d: d["x"].__setitem__((5, 1), float("nan")))
+
+
 def no_train(root):
     raw = yaml.safe_load((root / "config.yaml").read_text())
     del raw["train"]
@@ -292,6 +301,8 @@ def mse(root):
         (wide_ref, [], "the model's forward raised RuntimeError on REF"),
         # every model's loss there NaN: its LDS was "-" with no reason given
         (nan_ref, [], "REF example 2's loss is nan under the model as training begins it"),
+        # a retrain keeping it diverged mid-run, naming neither the row nor the model
+        (nan_row, [], "training row 5's loss is nan under the model as training begins it"),
         (mse, ["--target", "margin"], "--target margin needs a classification loss"),
         (None, ["--bad", "nonesuch"], "no column 'nonesuch' for --bad"),
         (None, ["--column", "cosine"], "no 'cosine' column"),
@@ -326,3 +337,12 @@ def test_interrupt_while_the_truth_is_written_keeps_every_model(tmp_path, monkey
     calls = counting_fit(monkeypatch)
     assert invoke(tmp_path, "--resume").exit_code == 0
     assert calls == [] and len(truth(tmp_path)) == TASKS
+
+
+def test_a_retrain_that_diverges_is_named(tmp_path, monkeypatch):
+    """A retrain that diverged mid-run stopped the validation naming neither model nor seed."""
+    make_problem(tmp_path)
+    scores(tmp_path)
+    counting_fit(monkeypatch, stop=2, error=ModelError)
+    line = one_error(invoke(tmp_path))
+    assert "stopped by the test; in the retrain on subset " in line and ", seed " in line
