@@ -53,13 +53,16 @@ def opened(meta: dict, cfg: Config, folder: Path) -> tuple[Update, float | None]
 
 def watched_model(record: Record, cfg: Config) -> nn.Module:
     """``model.factory``'s model with the weights the watched loop began from, training the
-    parameters it trained, on the config's device and dtype."""
+    parameters it trained, on the config's device and dtype; the watched module's names less
+    ``model.strip_prefix`` (a Lightning module holding the model as ``net``: ``net.``)."""
     model = build_model(dataclasses.replace(cfg.model, checkpoint=None, checkpoints=[]))
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
     model = model.to(device=resolve_device(cfg.device), dtype=dtype)
-    trained = record.meta["trained"]
+    prefix = cfg.model.strip_prefix or ""
+    trained = [name.removeprefix(prefix) for name in record.meta["trained"]]
+    start = {name.removeprefix(prefix): w for name, w in _load(record.folder / START).items()}
     try:  # strict: every weight of the watched model, of its shape, and no other
-        model.load_state_dict(_load(record.folder / START))
+        model.load_state_dict(start)
     except RuntimeError as e:
         raise ModelError(
             f"the watched model's weights do not fit model.factory's model: {one_line(e)}",

@@ -3,6 +3,8 @@ row per example and step."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -247,6 +249,10 @@ class Module(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9, weight_decay=0.01)
+
+
+def plain():  # the model the module holds as ``net``, alone
+    return Module().net
 """
 
 
@@ -276,6 +282,13 @@ def test_lightning_records_the_run_gradscope_train_records(tmp_path):
     trainer.fit(module, torch.utils.data.DataLoader(rows, batch_size=4))
     got = through_training(cfg, tmp_path / "l.run", tmp_path / "ref.pt", per_ref=True)
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10 * np.abs(want).max())
+    # the model alone, its names the module's less ``net.``: the start's weights were loaded
+    # as they were, and refused
+    model = dataclasses.replace(cfg.model, factory=f"{tmp_path / 'lmodule.py'}:plain",
+                                strip_prefix="net.")  # fmt: skip
+    alone = through_training(dataclasses.replace(cfg, model=model), tmp_path / "l.run",
+                             tmp_path / "ref.pt", per_ref=True)  # fmt: skip
+    np.testing.assert_array_equal(alone, got)
 
 
 def test_lightning_accumulation_is_refused_before_training(tmp_path):
