@@ -205,6 +205,14 @@ def exits(model, rows, seed):
 def nan(model, rows, seed):
     with torch.no_grad():
         model.fc1.weight.fill_(float("nan"))
+
+
+def another(model, rows, seed):
+    return torch.nn.Linear(5, 3)
+
+
+def halved(model, rows, seed):
+    return model.half()
 """
 
 
@@ -235,6 +243,12 @@ def test_train_fn_trains_in_place(tmp_path):
         ({"fn": "loop.py:missing"}, "train.fn"),
         ({"fn": "loop.py:exits"}, "train.fn raised SystemExit: 3"),
         ({"fn": "loop.py:nan"}, "train.fn left weight fc1.weight NaN or infinite"),  # saved
+        # saved, and read by validate as REF's error
+        ({"fn": "loop.py:another"}, "weights do not fit model.factory's (no fc1.bias)"),
+        (
+            {"fn": "loop.py:halved"},
+            "(fc1.weight is [8, 5] float16, model.factory's [8, 5] float32)",
+        ),
         ({"fn": "loop.py:train", "lr": 5}, "'train.lr' is the recipe's; train.fn does not read it"),
         ({"optimizer": "adam", "momentum": 0.9}, "'train.momentum' is not optimizer adam's"),
         ({"betas": [0.8, 0.9]}, "'train.betas' is not optimizer sgd's"),
