@@ -172,13 +172,13 @@ def check_output(
     if path.is_file() and kind is not None and not written_by_gradscope(path, kind):
         raise ConfigError(
             f"the output path holds a file that is not a {KINDS[kind]}; writing there would "
-            "replace it: choose another --out, or remove the file first",
+            f"replace it: choose another {option}, or remove the file first",
             str(path),
         )
     if path.is_file() and not path.stat().st_mode & 0o222:  # root too: os.access says yes
         raise ConfigError(
             "the output file is read-only; writing there would replace it: choose another "
-            "--out, or make it writable",
+            f"{option}, or make it writable",
             str(path),
         )
     check_folder(path)

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import __version__
+from ..api.configured import in_api_words_of
 from ..engine import BatchScores, Engine, Forward, total
 from ..errors import ConfigError, DataError
 from ..losses import LossFn, counted, nothing_counted, resolve_loss
@@ -191,6 +192,7 @@ class Watch:
             if self.recording is not None:
                 self.recording.finish(exc[0] is None)
 
+    @in_api_words_of  # its errors name inputs=, targets=, not the config's data.inputs
     def step(
         self,
         inputs: Tensor | Sequence[Tensor],

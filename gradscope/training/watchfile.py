@@ -45,7 +45,7 @@ class WatchFile:
         if not path.parent.is_dir():
             raise DataError("the folder to write the watch file in does not exist", str(path))
         if fresh:  # a file there of the user's, or another command's (a resume reads its own)
-            check_output(path, [], "watch")
+            check_output(path, [], "watch", option="out=")
         self.path, self.metadata = path, metadata
         self.tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
         self._writer: pq.ParquetWriter | None = None

@@ -111,10 +111,21 @@ def test_a_watch_never_entered_refuses_its_steps(tmp_path):
 
 def test_a_file_of_the_users_at_the_watch_files_path_is_not_replaced(tmp_path):
     """The watch moved its file over notes.txt, or a validate table, at its end."""
-    (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(ConfigError, match="not a gradscope watch file"):
-        Watch(_model(), tmp_path / "notes.txt")
-    assert (tmp_path / "notes.txt").read_text() == "mine"
+    for name, said in (("notes.txt", "written as Parquet, not .txt"),
+                       ("notes.parquet", "not a gradscope watch file; .* another out=")):  # fmt: skip
+        (tmp_path / name).write_text("mine")
+        with pytest.raises(ConfigError, match=said):
+            Watch(_model(), tmp_path / name)
+        assert (tmp_path / name).read_text() == "mine"
+
+
+def test_a_steps_errors_name_its_arguments(tmp_path):
+    """A step's inputs and targets of other counts were named as the config's data.inputs."""
+    with Watch(_model(), tmp_path / "w.parquet") as watch:
+        x = torch.randn(5, 5, dtype=torch.float64)
+        with pytest.raises(ModelError, match=r"targets hold 4 examples.*\(inputs=, targets=\)$"):
+            watch.step(x, torch.zeros(4, dtype=torch.long), torch.arange(4))
+        watch.discard()
 
 
 def test_dropout_is_watched_under_the_masks_its_step_drew(tmp_path):
