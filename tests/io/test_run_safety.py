@@ -181,7 +181,8 @@ def test_output_that_is_an_input_is_refused_before_anything_runs(tmp_path, setup
 
 
 FOREIGN = {  # a file of the user's at the output path, and the command that would replace it
-    "norms-onto-notes": ("notes.txt", b"my notes\n", ["norms", "{c}"], "gradscope scores file"),
+    # (notes.txt: refused by its suffix first, as no Parquet file's name)
+    "norms-onto-notes": ("notes", b"my notes\n", ["norms", "{c}"], "gradscope scores file"),
     "influence-onto-parquet": (
         "other.parquet",
         None,

@@ -181,7 +181,7 @@ def test_an_input_not_batched_is_refused_naming_it(second, named: str):
     """An input that is not a tensor of the batch's examples (a setting passed as an input, a
     tensor shared by the examples) is named, before any example is cut from it wrongly."""
     model, (x,), y = CASES[0].build()
-    with pytest.raises(gradscope.errors.ModelError, match=f"input 1 is {named}: each input"):
+    with pytest.raises(gradscope.errors.ModelError, match=f"input 1 is {named} where the targets"):
         gradscope.per_example_norms(model, (x, second), y)
     with pytest.raises(gradscope.errors.ModelError, match="the targets must be a tensor"):
         gradscope.per_example_norms(model, x, y[0])
