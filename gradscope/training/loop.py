@@ -163,13 +163,16 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.step)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._loss(inputs, targets, None if self.weights is None else self.weights[picked])
+        losses = self._losses(inputs, targets)
+        # their mean, each times its row's weight when the run has weights (a weight of 0 keeps
+        # the row's place in the order, not its pull)
+        weights = None if self.weights is None else self.weights[picked]
+        if weights is None:
+            loss = losses.mean()
+        else:
+            loss = (losses * weights.to(losses.device, losses.dtype)).sum() / len(losses)
         if not torch.isfinite(loss):
-            raise ModelError(
-                f"training diverged: the loss is {loss.item()} at step {self.step + 1} of "
-                f"{self.total} (a NaN or infinite value in the rows, or train.lr too high)",
-                "train",
-            )
+            raise ModelError(self._diverged(loss, losses, picked), "train")
         loss.backward()
         if self.train.clip is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.train.clip)
@@ -182,15 +185,21 @@ class Trainer:
         if self.on_rows:
             self.on_rows(len(picked))
 
-    def _loss(self, inputs: tuple[Tensor, ...], targets: Tensor, weights: Tensor | None) -> Tensor:
-        """The mean over the batch of the per-example losses, each times its row's weight when
-        the run has weights (a weight of 0 keeps the row's place in the order, not its pull);
-        the model's errors one line."""
+    def _losses(self, inputs: tuple[Tensor, ...], targets: Tensor) -> Tensor:
+        """(B,) the per-example losses; the model's errors one line."""
         output = forward_or_error(self.forward, self.model, inputs, "while training", "data.inputs")
-        losses = self.loss(output, targets)  # (B,)
-        if weights is None:
-            return losses.mean()
-        return (losses * weights.to(losses.device, losses.dtype)).sum() / len(losses)
+        return self.loss(output, targets)
+
+    def _diverged(self, loss: Tensor, losses: Tensor, picked: Tensor) -> str:
+        """What a step whose loss is not finite says: the first row whose own loss is not."""
+        said = (
+            f"training diverged: the loss is {loss.item()} at step {self.step + 1} of {self.total}"
+        )
+        bad = torch.nonzero(~torch.isfinite(losses.detach())).flatten()
+        if len(bad) == 0:
+            return f"{said} (train.lr too high?)"
+        row, value = int(self.rows.positions[int(picked[bad[0]])]), losses[bad[0]].item()
+        return f"{said}, row {row}'s own being {value} (a NaN or infinite value in it?)"
 
 
 def forward_or_error(

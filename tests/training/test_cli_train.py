@@ -279,6 +279,7 @@ def test_a_nan_in_the_rows_is_one_line(tmp_path):
     edit_data(tmp_path, lambda d: d["x"].__setitem__((19, 2), float("nan")))
     line = one_error(run("train", config))
     assert "training diverged: the loss is nan at step" in line
+    assert "row 19's own being nan (a NaN or infinite value in it?)" in line
     assert not (tmp_path / "out.pt").exists()
 
 
