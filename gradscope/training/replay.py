@@ -10,7 +10,6 @@ adjoints and scores so far are saved, so that a killed replay continues from the
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from collections.abc import Callable
 from pathlib import Path
@@ -20,14 +19,13 @@ import torch
 from torch import Tensor
 
 from ..config import Config
-from ..engine import MAX_PER_REF
-from ..errors import DataError, Interrupted, ModelError, reading
+from ..errors import DataError, Interrupted, ModelError
 from ..io.atomic import replace_atomically
-from ..io.data import open_dataset
 from ..job import config_forward, config_loss, resolve_device
 from .adjoint import Called, Problem
 from .loop import TrainingRows
 from .record import Record, open_record, rng, set_rng
+from .references import reference_gradients
 from .steps import Tensors
 
 ADJOINTS = "adjoints.pt"
@@ -71,7 +69,7 @@ def through_training(
                           tokens if record.meta.get("tokens") else None)  # fmt: skip
         replay = _Replay(problem, record, on_step)
         final = [p.to(rows.device) for p in record.final()]
-        refs = _reference_gradients(cfg, problem, final, str(ref), per_ref)
+        refs = reference_gradients(cfg, problem, final, str(ref), per_ref)
         # the references by their gradients: a .py:fn's data has no hash, and may change
         key = {"record": record.sha256(), "ref": _digest(refs), "per_ref": per_ref}
         saved = (_resumed(Path(partial), key) if partial else None) or _start(record, refs)
@@ -223,44 +221,6 @@ def _check_end(
 def _largest(a: Tensors, b: Tensors) -> float:
     """max |a - b| over every element of every tensor."""
     return max((p.cpu() - q.cpu()).abs().max().item() for p, q in zip(a, b, strict=True))
-
-
-def _reference_gradients(
-    cfg: Config, problem: Problem, final: Tensors, ref: str, per_ref: bool
-) -> Tensors:
-    """(R, ...) per weight: the gradient at the run's last weights of the mean loss over REF
-    (R = 1), or of each reference's loss; the model in eval mode, as influence scores."""
-    data = open_dataset(dataclasses.replace(cfg.data, ids=None, limit=None), ref, "--ref")
-    if per_ref and len(data) > MAX_PER_REF:
-        raise DataError(
-            f"--per-ref takes at most {MAX_PER_REF} reference examples; REF has {len(data)}", ref
-        )
-    params = [p.detach().requires_grad_() for p in final]
-    problem.called.eval()
-    parts, count = [], 0
-    with reading(f"--ref {ref}"):
-        for batch in data.batches(cfg.data.batch_size):
-            inputs = tuple(problem.rows.move(t) for t in batch.inputs)
-            losses = problem.losses(params, inputs, batch.targets.to(problem.rows.device))  # (B,)
-            count += len(losses)
-            if per_ref:
-                eye = torch.eye(len(losses), dtype=losses.dtype, device=losses.device)
-                grads = torch.autograd.grad(
-                    losses, params, eye, is_grads_batched=True, allow_unused=True
-                )
-                parts.append(_zeros(grads, params, (len(losses),)))
-            else:
-                grads = torch.autograd.grad(losses.sum(), params, allow_unused=True)
-                parts.append([g[None] for g in _zeros(grads, params, ())])
-    if per_ref:
-        return [torch.cat(gs) for gs in zip(*parts, strict=True)]
-    return [sum(gs) / count for gs in zip(*parts, strict=True)]
-
-
-def _zeros(grads: Tensors, params: Tensors, lead: tuple[int, ...]) -> Tensors:
-    """``grads``, zeros of ``lead`` + the weight's shape where the references do not reach it."""
-    pairs = zip(grads, params, strict=True)
-    return [p.new_zeros(*lead, *p.shape) if g is None else g for g, p in pairs]
 
 
 def _resumed(folder: Path, key: dict) -> dict | None:
