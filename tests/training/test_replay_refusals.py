@@ -1,6 +1,6 @@
 """What the replay of a recorded run refuses in one line rather than score wrongly: a replay
 that is not the run at a small learning rate in float32, where the weights move by less than a
-bound of their size."""
+bound of their size; a reference of non-finite loss or one the model cannot take."""
 
 from __future__ import annotations
 
@@ -10,13 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from gradscope.cli import app
 from gradscope.config import load_config
 from gradscope.errors import ModelError
 from gradscope.training.replay import through_training
 from gradscope.training.run import train_model
 from gradscope.training.watch import Watch
-from tests.project import edit_config, make_project
+from tests.project import edit_config, make_project, one_error
 
 SMALL_LR = {"optimizer": "sgd", "lr": 1e-4, "epochs": 2, "batch_size": 4}
 MODELS = """
@@ -89,3 +91,47 @@ def test_a_watched_loop_replayed_with_another_model_is_refused(tmp_path):
     other = load_config(tmp_path / "config.yaml")
     with pytest.raises(ModelError, match="is not the model that trained"):
         through_training(other, tmp_path / "r.run", tmp_path / "ref.pt")
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> Path:
+    """A float64 project trained with --record (run.run), and refs: ref.pt, three rows."""
+    root = tmp_path_factory.mktemp("recorded")
+    config = make_project(root, n=8, dtype="float64", train={**SMALL_LR, "lr": 0.1})
+    g = torch.Generator().manual_seed(5)
+    ref = {"x": torch.randn(3, 5, generator=g), "y": torch.randint(0, 3, (3,), generator=g)}
+    torch.save(ref, root / "ref.pt")
+    result = CliRunner().invoke(
+        app, ["train", str(config), "--record", "--out", str(root / "run.pt")]
+    )
+    assert result.exit_code == 0, result.output
+    return root
+
+
+def replayed(root: Path, ref: Path, *flags: str):
+    """``influence --through-training`` of ``root``'s run against ``ref``, the scores beside it."""
+    out = ref.with_suffix(".parquet")
+    args = ["influence", root / "config.yaml", "--ref", ref, "--through-training", root / "run.run"]
+    return CliRunner().invoke(app, [str(a) for a in [*args, *flags, "--out", out]])
+
+
+@pytest.mark.parametrize("flags", [(), ("--per-ref",)], ids=["mean", "per-ref"])
+def test_a_reference_row_of_non_finite_loss_is_refused_naming_it(recorded, tmp_path, flags):
+    """A NaN in REF's row 5 (of its second batch of 4) made the mean's scores NaN, and with
+    --per-ref those of every reference of its batch (0 x NaN in the batched backward), written
+    with exit status 0."""
+    ref = {k: torch.cat([v, v]) for k, v in torch.load(recorded / "ref.pt").items()}
+    ref["x"][5, 2] = float("nan")
+    torch.save(ref, tmp_path / "nan.pt")
+    line = one_error(replayed(recorded, tmp_path / "nan.pt", *flags))
+    assert "the reference's row 5: its loss is not finite" in line
+    assert line.endswith(f"(--ref {tmp_path / 'nan.pt'})")
+    assert not (tmp_path / "nan.parquet").exists()
+
+
+def test_a_reference_the_model_cannot_take_is_one_line(recorded, tmp_path):
+    """REF of 4 features for a model of 5: a traceback ending in torch's shape error."""
+    torch.save({"x": torch.randn(3, 4), "y": torch.tensor([0, 1, 2])}, tmp_path / "bad.pt")
+    line = one_error(replayed(recorded, tmp_path / "bad.pt"))
+    assert "the model's forward raised RuntimeError on REF: mat1 and mat2" in line
+    assert line.endswith(f"(--ref {tmp_path / 'bad.pt'})")
