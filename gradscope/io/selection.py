@@ -30,6 +30,10 @@ def _ids(values: Any, name: str, start: int, where: str) -> np.ndarray:
     if ids.dtype.kind == "f":
         missing = np.isnan(ids)
     elif ids.dtype == object:
+        if any(isinstance(v, (list, tuple, np.ndarray)) for v in ids):  # a list column
+            raise DataError(
+                f"column {name!r} for data.ids holds a list a row, not one value", where
+            )
         missing = np.array([v is None for v in ids], dtype=bool)
     else:
         return ids

@@ -189,6 +189,16 @@ def _items(fn: str):
     return spoil
 
 
+def _ids_of_lists(root: Path) -> None:
+    """The data as Parquet with a list column of ragged rows named as data.ids."""
+    data = torch.load(root / "data.pt")
+    tokens = [list(range(1 + i % 3)) for i in range(len(data["y"]))]
+    (root / "rows").mkdir()
+    pq.write_table(pa.table({"x": data["x"].tolist(), "y": data["y"].tolist(), "t": tokens}),
+                   root / "rows/data.parquet")  # fmt: skip
+    _data(path="rows/data.parquet", ids="t")(root)
+
+
 # (id, how to spoil the project, extra arguments, start of the error line, text it must name)
 CASES = [
     # data whose values were misread: named for what they are (a probe's)
@@ -490,6 +500,13 @@ CASES = [
         [],
         "",
         "a dict whose 'n' is not a column",
+    ),
+    (  # numpy's "setting an array element with a sequence", as a traceback
+        "ids-a-list-column",
+        _ids_of_lists,
+        [],
+        "column 't' for data.ids holds a list a row, not one value",
+        "data.parquet",
     ),
     (
         "ids-of-two-values",
