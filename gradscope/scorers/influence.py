@@ -27,6 +27,7 @@ from ..io.data import Batch, Dataset, code_rows_sha256, data_identity, open_data
 from ..io.files import file_sha256
 from ..io.held import is_held
 from ..job import Job
+from ..losses import nothing_counted
 from .base import Inputs, Scorer, all_finite, counted, leading, leading_names, trailing_names
 
 
@@ -120,7 +121,7 @@ class InfluenceScorer(Scorer):
     def _at_checkpoint(self, job: Job, ref_data: Dataset, last: bool) -> Influence:
         """The reference gradients at one checkpoint, and the engine scoring against them.
         A factors file must come from the last checkpoint's weights; every checkpoint uses it."""
-        batches = (job.to_device(b) for b in ref_data.batches(job.cfg.data.batch_size))
+        batches = _each_counts(job, ref_data.batches(job.cfg.data.batch_size), self.ref)
         if job.sharded:
             return self._sharded(job, batches)
         main = distributed.world().main
@@ -241,3 +242,23 @@ class InfluenceScorer(Scorer):
         finite = all_finite(*(v for r in results for v in (r.loss, r.norm_sq)))  # (B,)
         columns["finite"] = (finite[:, None] & torch.isfinite(influence)).flatten().numpy()
         return columns
+
+
+def _each_counts(job: Job, batches, ref: str):
+    """Each REF batch on the device, every row of it counting a target: a row of none (every
+    target ``ignore_index``, a one-token row under causal_lm) has no loss, which counted in the
+    mean's denominator scaled every score by what it left out, and gave its --per-ref pairs 0."""
+    first, loss = 0, job.cfg.loss
+    for batch in batches:
+        inputs, targets = job.to_device(batch)
+        empty = nothing_counted(loss.name, loss.kwargs, targets)
+        if empty is not None and bool(empty.any()):
+            row = first + int(empty.nonzero()[0])
+            raise DataError(
+                f"the reference's row {row} has no target to predict (each is ignore_index): it "
+                "has no loss, where the mean over REF would count it (and --per-ref score its "
+                "pairs 0); leave it out",
+                f"--ref {ref}",
+            )
+        first += len(targets)
+        yield inputs, targets

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from oracle import assert_rel_close, reference_norms
-from project import edit_config, load_net, make_project
+from project import edit_config, load_net, make_project, one_error
 from typer.testing import CliRunner
 
 from gradscope.cli import app
@@ -325,6 +325,28 @@ def test_rows_that_count_no_target_have_no_loss_and_rank_nowhere(tmp_path, reduc
     assert "2 non-finite. 2 of them count no target (every target ignore_index)" in text
     lowest = text.split("lowest first")[1].split("robust_z = ")[0]  # the table's rows
     assert "│" in lowest and all(f" {i} │" not in lowest for i in (2, 4))
+
+
+@pytest.mark.parametrize("per_ref", [False, True])
+def test_a_reference_row_that_counts_no_target_is_refused(tmp_path, per_ref):
+    """A REF row of no counted target has no loss: the mean over REF counted it, scaling every
+    influence by the share it left out (3/4 in a probe), and --per-ref gave its pairs 0."""
+    (tmp_path / "lm.py").write_text(LM)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 7, (6, 5), generator=g)
+    ref = {"ids": ids[:4].clone(), "labels": ids[:4].clone()}
+    ref["labels"][3, 1:] = -100  # a first token alone: nothing to predict
+    torch.save({"ids": ids, "labels": ids.clone()}, tmp_path / "data.pt")
+    torch.save(ref, tmp_path / "ref.pt")
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "model: {factory: lm.py:LM}\n"
+        "data: {path: data.pt, inputs: ids, targets: labels, batch_size: 2}\n"
+        "loss: {name: causal_lm}\ndevice: cpu\noutput: {path: scores.parquet}\n"
+    )
+    args = ["influence", str(config), "--ref", str(tmp_path / "ref.pt"), "--curvature", "none"]
+    line = one_error(runner.invoke(app, args + ["--per-ref"] * per_ref))
+    assert "the reference's row 3 has no target to predict" in line and "ref.pt" in line
 
 
 @pytest.mark.parametrize("batch_size", [1, 4])
