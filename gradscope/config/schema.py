@@ -51,7 +51,7 @@ class ModelConfig:
     """Drop this prefix from every key of the state dict, e.g. ``module.`` or ``model.``."""
     output: str | int | None = None
     """The forward returns a tuple, dict or object: which item, key or attribute is the output
-    the loss reads. Unset: a result with ``logits`` (a Hugging Face ``ModelOutput``) gives them."""
+    the loss reads (a ``ModelOutput``'s item by position too). Unset: its ``logits``, if any."""
     config: dict | None = None
     """Hugging Face class only: a mapping for its config class (an ``Auto*`` class needs
     ``model_type``); the model is randomly initialised, ``checkpoint`` may then load weights."""

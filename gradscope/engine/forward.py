@@ -17,6 +17,8 @@ def select_output(outputs: Any, spec: str | int | None, where: str = "model.outp
 
     ``where`` is how errors name the setting: the config key, or the API's keyword argument.
     """
+    if isinstance(spec, int) and hasattr(outputs, "to_tuple"):  # a ModelOutput: by position
+        outputs = outputs.to_tuple()
     if spec is None:
         selected = outputs
         if isinstance(outputs, dict) and "logits" in outputs:  # ModelOutput is a dict too

@@ -275,6 +275,9 @@ def test_api_takes_logits_by_default_and_names_output_in_errors():
         ModelError, match=re.escape(f"without key 'scores' (keys: {keys}) (output=)")
     ):
         gradscope.per_example_norms(model, ids, ids, loss="causal_lm", output="scores")
+    # an integer picks by position, as ModelOutput's [0] does (it was read as a dict's key 0)
+    by_position = gradscope.per_example_norms(model, ids, ids, loss="causal_lm", output=0)
+    assert_rel_close(by_position, expected, 1e-9)
 
 
 @pytest.mark.parametrize(
