@@ -47,7 +47,11 @@ def collate(items: list[Any], wanted: Selection, where: str, first_row: int = 0)
     for name, key in zip(names, keys, strict=True):
         values = _values(items, key, first_row, where)
         if all(isinstance(v, (Tensor, int, float, bool)) for v in values):
-            columns[name] = torch.stack([torch.as_tensor(v) for v in values])
+            tensors = [torch.as_tensor(v) for v in values]
+            if len({t.shape for t in tensors}) == 1:
+                columns[name] = torch.stack(tensors)
+            else:  # ragged rows (token ids): padded as a list column's are
+                columns[name] = [t.numpy() for t in tensors]
         else:
             columns[name] = values
     return columns

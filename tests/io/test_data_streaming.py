@@ -159,3 +159,37 @@ def test_tuple_items_of_the_wrong_length(project):
     root, config = project
     with pytest.raises(DataError, match=r"items are tuples of 2; expected 3"):
         scores(config, path=f"{root}/model.py:tuples", inputs=["x", "x2"])
+
+
+RAGGED = """
+
+ROWS = [[3, 1, 4], [1], [5, 9, 2, 6]]
+
+
+def ragged_items():  # a map-style dataset of tensors of each row's length
+    return [{"t": torch.tensor(r), "y": torch.tensor(r)} for r in ROWS]
+
+
+def ragged_lists():
+    return {"t": ROWS, "y": ROWS}
+"""
+
+
+def test_dataset_items_of_ragged_tensors_pad_as_lists_do(project):
+    """Items holding a row's token ids as tensors of its own length were stacked before any
+    padding ('stack expects each tensor to be equal size'), where the same rows as lists pad."""
+    import dataclasses
+
+    root, config = project
+    with (root / "model.py").open("a") as f:
+        f.write(RAGGED)
+    data = load_config(config).data
+    got = []
+    for fn in ("ragged_items", "ragged_lists"):
+        spec = dataclasses.replace(data, path=f"{root}/model.py:{fn}", inputs="t", targets="y",
+                                   pad={"t": 0, "y": -100}, ids=None)  # fmt: skip
+        (batch,) = open_dataset(spec).batches(3)
+        got.append((batch.inputs[0], batch.targets))
+    assert torch.equal(got[0][0], torch.tensor([[3, 1, 4, 0], [1, 0, 0, 0], [5, 9, 2, 6]]))
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    assert got[0][1][1].tolist() == [1, -100, -100, -100]
