@@ -82,6 +82,7 @@ def _from_hf(factory: Any, cfg: ModelConfig) -> nn.Module:
             key,
         )
     if cfg.pretrained is not None:
+        _folder(cfg.pretrained, "model.pretrained")
         if not (Path(cfg.pretrained) / "config.json").is_file():
             raise ModelError("not a save_pretrained folder: it has no config.json", cfg.pretrained)
         try:
@@ -178,10 +179,20 @@ def build_model(cfg: ModelConfig, trust_checkpoint: bool = False) -> nn.Module:
     return model if cfg.adapter is None else load_adapter(model, cfg.adapter)
 
 
+def _folder(path: str, what: str) -> None:
+    """``path`` a folder: one not there, or a file, said as such (not as a folder lacking a
+    file of its kind)."""
+    if not Path(path).exists():
+        raise ModelError(f"{what} folder not found", path)
+    if not Path(path).is_dir():
+        raise ModelError(f"{what} is a file, not a folder (a save_pretrained or peft one)", path)
+
+
 def load_adapter(model: nn.Module, folder: str) -> nn.Module:
     """``model`` with the peft adapter saved in ``folder`` (``adapter_config.json`` and its
     weights) loaded onto it: a ``PeftModel`` whose adapter weights require grad and whose base
     does not, so that by default only the adapters are scored. Nothing is downloaded."""
+    _folder(folder, "the adapter")
     if not (Path(folder) / "adapter_config.json").is_file():
         raise ModelError("not a peft adapter folder: it has no adapter_config.json", folder)
     weights = [f for f in ADAPTER_WEIGHTS if (Path(folder) / f).is_file()]

@@ -4,6 +4,8 @@ per-example loop."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import yaml
@@ -250,6 +252,9 @@ def test_a_folder_without_adapter_config_is_named(tmp_path):
     )
     with pytest.raises(ModelError, match="not a peft adapter folder"):
         build_model(cfg)
+    # one not there was read as one lacking adapter_config.json
+    with pytest.raises(ModelError, match="the adapter folder not found"):
+        build_model(dataclasses.replace(cfg, adapter=str(tmp_path / "nosuchdir")))
 
 
 def no_weights(folder) -> None:

@@ -298,6 +298,11 @@ def test_api_takes_logits_by_default_and_names_output_in_errors():
             ModelError,
             "not a save_pretrained folder: it has no config.json",
         ),
+        (  # a folder not there read as one lacking config.json
+            {"factory": "transformers:AutoModel", "pretrained": "nosuchdir"},
+            ModelError,
+            "model.pretrained folder not found",
+        ),
         (
             {"factory": "transformers:GPT2LMHeadModel"},
             ConfigError,
