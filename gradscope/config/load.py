@@ -116,16 +116,18 @@ def default_pad(cfg: Config) -> dict[str, int]:
 
 def padded_by_default(cfg: Config) -> Config:
     """``cfg`` with ``default_pad``'s values where ``data.pad`` sets none; and under causal_lm,
-    where the targets are an input's column that pads (``targets: input_ids``, which pads as
-    an input), ``data.pad_targets`` -100 unless set: a padded position is no token to predict.
-    A column that does not pad keeps it unset (the truths made before it was a key stand)."""
+    cross_entropy or nll, where the targets are an input's column that pads (``targets:
+    input_ids``, which pads as an input), ``data.pad_targets`` the loss's ignore_index (-100)
+    unless set: a padded position is no token to predict (the input's pad value, 0, was class 0
+    to cross_entropy). A column that does not pad keeps it unset (the truths made before it was
+    a key stand)."""
     data = cfg.data
     pad = dict(data.pad)
     for column, value in default_pad(cfg).items():
         pad.setdefault(column, value)
     targets = data.pad_targets
     shared = data.targets in _named(data).values() and data.targets in pad  # padded, as an input
-    if targets is None and cfg.loss.name == "causal_lm" and shared:
+    if targets is None and cfg.loss.name in ("causal_lm", "cross_entropy", "nll") and shared:
         targets = cfg.loss.kwargs.get("ignore_index", -100)
     return dataclasses.replace(cfg, data=dataclasses.replace(data, pad=pad, pad_targets=targets))
 

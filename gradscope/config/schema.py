@@ -104,8 +104,8 @@ class DataConfig:
     ``input_ids`` alone: its rows' numbers move with the batch); name the mask as an input."""
     pad_targets: float | None = None
     """What the targets pad with where their column pads: unset, its ``data.pad`` value; under
-    causal_lm, where the targets are an input's column (``targets: input_ids``, which pads as
-    an input), -100 (``loss.kwargs.ignore_index``): the positions the loss skips."""
+    causal_lm, cross_entropy or nll, where they are an input's column (``targets: input_ids``),
+    -100 (``loss.kwargs.ignore_index``): the positions the loss skips, not class 0."""
     show: str | None = None
     """A text column the report shows for each example."""
     classes: list[str] | None = None

@@ -123,9 +123,11 @@ def test_missing_file(tmp_path):
 def test_causal_lm_targets_of_an_input_pad_with_no_token_only_where_they_pad(tmp_path):
     """pad_targets -100 where the targets' column pads as an input; unset where it does not,
     so the truths and records of unpadded LMs made before the key stand."""
-    lm = {"loss": {"name": "causal_lm"}}
-    for pad, expected in (({"ids": 0}, -100), ({}, None)):
+    # token-level cross_entropy and nll too: a padded position was class 0 to them, counted
+    for loss, pad, expected in (("causal_lm", {"ids": 0}, -100), ("causal_lm", {}, None),
+                                ("cross_entropy", {"ids": 0}, -100), ("nll", {"ids": 0}, -100),
+                                ("mse", {"ids": 0}, None)):  # fmt: skip
         data = {"path": "d.pt", "inputs": "ids", "targets": "ids", "pad": pad}
         (tmp_path / "c.yaml").write_text(yaml.safe_dump({"model": {"factory": "m.py:M"},
-                                                         "data": data, **lm}))  # fmt: skip
-        assert load_config(tmp_path / "c.yaml").data.pad_targets == expected
+                                                         "data": data, "loss": {"name": loss}}))  # fmt: skip
+        assert load_config(tmp_path / "c.yaml").data.pad_targets == expected, loss
