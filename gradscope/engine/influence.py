@@ -109,15 +109,23 @@ def _finite_rows(losses: Tensor, first: int) -> None:
     """Each row of a mean reference's batch (its rows from ``first`` on) has a finite loss: one
     that has not (a NaN or inf in its inputs or target) makes the mean gradient NaN, and with
     it every example's score."""
-    bad = (~losses.detach().isfinite()).nonzero().flatten().tolist()
-    if bad:
-        rows = ", ".join(str(first + i) for i in bad[:5]) + (", ..." if len(bad) > 5 else "")
+    rows = non_finite_rows(losses, first)
+    if rows:
         raise DataError(
             f"the reference's row {rows}: its loss is not finite (a NaN or inf in its inputs or "
             "target?), so the mean gradient over the reference, and every example's score "
             "against it, would be NaN; leave it out, or score each row with --per-ref",
             "ref",
         )
+
+
+def non_finite_rows(losses: Tensor, first: int) -> str | None:
+    """The rows (counted from ``first``) whose loss is not finite, as an error lists them (five
+    at most); None where every one is."""
+    bad = (~losses.detach().isfinite()).nonzero().flatten().tolist()
+    if not bad:
+        return None
+    return ", ".join(str(first + i) for i in bad[:5]) + (", ..." if len(bad) > 5 else "")
 
 
 def _counted(count: int) -> int:

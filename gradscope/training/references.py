@@ -11,6 +11,7 @@ from torch.func import functional_call
 
 from ..config import Config
 from ..engine import MAX_PER_REF
+from ..engine.influence import non_finite_rows
 from ..errors import DataError, models_backward, reading
 from ..io.batch import Batch
 from ..io.data import open_dataset
@@ -54,9 +55,8 @@ def _losses(problem: Problem, params: Tensors, batch: Batch, ref: str, first: in
         problem.called, inputs, "on REF", f"--ref {ref}",
     )  # fmt: skip
     losses = problem.loss(output, batch.targets.to(problem.rows.device))
-    bad = (~losses.detach().isfinite()).nonzero().flatten().tolist()
-    if bad:
-        rows = ", ".join(str(first + i) for i in bad[:5]) + (", ..." if len(bad) > 5 else "")
+    rows = non_finite_rows(losses, first)
+    if rows:
         raise DataError(
             f"the reference's row {rows}: its loss is not finite (a NaN or inf in its inputs or "
             "target?), so the references' gradient (the mean's, or with --per-ref that of every "
