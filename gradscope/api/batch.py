@@ -14,8 +14,7 @@ from ..curvature.made import check_made
 from ..curvature.precondition import check_fits
 from ..curvature.products import KINDS
 from ..defaults import CG_TOLERANCE
-from ..engine import Engine, Forward, Influence, reference_gradients, total
-from ..engine.forward import batched
+from ..engine import Engine, Forward, Influence, batched, reference_gradients, total
 from ..errors import ConfigError, ModelError
 from ..losses import LossFn, resolve_loss
 from .configured import in_api_words_of

@@ -19,13 +19,14 @@ from .check import (
 )
 from .eager import prepared
 from .engine import Engine, Observe
-from .forward import Forward, select_output
+from .forward import Forward, batched, select_output
 from .influence import (
     ENGINES,
     MAX_PER_REF,
     BatchInfluence,
     Influence,
     check_engine,
+    non_finite_rows,
     reference_gradients,
 )
 from .naive import naive_grads
@@ -59,12 +60,14 @@ __all__ = [
     "Plan",
     "Undrawn",
     "Want",
+    "batched",
     "build_plan",
     "check_engine",
     "compare_with_loop",
     "computed_in",
     "influence_errors",
     "naive_grads",
+    "non_finite_rows",
     "prepared",
     "reference_gradients",
     "render_plan",

@@ -10,8 +10,7 @@ from torch import Tensor
 from torch.func import functional_call
 
 from ..config import Config
-from ..engine import MAX_PER_REF
-from ..engine.influence import non_finite_rows
+from ..engine import MAX_PER_REF, non_finite_rows
 from ..errors import DataError, models_backward, reading
 from ..io.batch import Batch
 from ..io.data import open_dataset
