@@ -14,7 +14,7 @@ import hashlib
 import json
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -133,20 +133,25 @@ class PartialRun:
 
     def saved(self) -> int:
         """How many complete parts of this run the folder holds (nothing removed)."""
-        found = [p for p in self.dir.glob("part-*.parquet") if p.name[5:-8].isdigit()]
-        return sum(self._ours(p, int(p.name[5:-8])) for p in found)
+        return sum(number is not None for _, number in self._found())
 
     def done(self) -> set[int]:
         """The batch numbers whose parts are complete and ours; any other part (a power loss
         before its data reached the disk, another run's) is removed, to be scored again."""
         numbers = set()
+        for part, number in self._found():
+            if number is None:
+                part.unlink()
+            else:
+                numbers.add(number)
+        return numbers
+
+    def _found(self) -> Iterator[tuple[Path, int | None]]:
+        """Each part file, with its batch number where it is complete and ours, else None."""
         for part in self.dir.glob("part-*.parquet"):
             number = part.name[5:-8]
-            if number.isdigit() and self._ours(part, int(number)):
-                numbers.add(int(number))
-            else:
-                part.unlink()
-        return numbers
+            ours = number.isdigit() and self._ours(part, int(number))
+            yield part, int(number) if ours else None
 
     def _part(self, number: int) -> Path:
         return self.dir / f"part-{number:09d}.parquet"
