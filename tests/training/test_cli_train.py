@@ -135,11 +135,8 @@ def test_ctrl_c_then_resume_is_the_uninterrupted_run(tmp_path, monkeypatch, drop
     assert same(torch.load(tmp_path / "out.pt"), fit(load_config(config)).state_dict())
 
 
-def test_resume_over_data_made_by_code_needs_its_rows(tmp_path, monkeypatch):
-    """``data.path: rows.py:make`` reads data.pt, which no config names: changed between the
-    interrupt and --resume, the rest of the run would train on other rows."""
-    config = make_project(tmp_path, model__checkpoint="out.pt", train={"epochs": 3})
-    edit_config(tmp_path, lambda c: c["data"].update(path=made_by_code(tmp_path)))
+def interrupted_at_step_7(monkeypatch, config) -> None:
+    """``gradscope train config`` stopped by Ctrl-C at step 7 (in its second pass of 6)."""
     step = Trainer._step
 
     def interrupted(self, picked):
@@ -150,6 +147,14 @@ def test_resume_over_data_made_by_code_needs_its_rows(tmp_path, monkeypatch):
     monkeypatch.setattr(Trainer, "_step", interrupted)
     assert run("train", config).exit_code == 130
     monkeypatch.setattr(Trainer, "_step", step)
+
+
+def test_resume_over_data_made_by_code_needs_its_rows(tmp_path, monkeypatch):
+    """``data.path: rows.py:make`` reads data.pt, which no config names: changed between the
+    interrupt and --resume, the rest of the run would train on other rows."""
+    config = make_project(tmp_path, model__checkpoint="out.pt", train={"epochs": 3})
+    edit_config(tmp_path, lambda c: c["data"].update(path=made_by_code(tmp_path)))
+    interrupted_at_step_7(monkeypatch, config)
     rows = torch.load(tmp_path / "data.pt")
     edit_data(tmp_path, lambda d: d["x"][0].add_(1))
     assert "a different data made by code" in one_error(run("train", config, "--resume"))
@@ -287,16 +292,7 @@ def test_an_interrupted_run_is_kept_unless_told(tmp_path, monkeypatch):
     """Run again without --resume, an interrupted run's saved state was thrown away and the run
     started over: refused now, the state kept; --overwrite starts over."""
     config = make_project(tmp_path, model__checkpoint="out.pt", train={"epochs": 3})
-    step = Trainer._step
-
-    def interrupted(self, picked):
-        if self.step == 7:
-            raise KeyboardInterrupt
-        step(self, picked)
-
-    monkeypatch.setattr(Trainer, "_step", interrupted)
-    assert run("train", config).exit_code == 130
-    monkeypatch.setattr(Trainer, "_step", step)
+    interrupted_at_step_7(monkeypatch, config)
     state = tmp_path / ".out.pt.partial" / "state.pt"
     saved = state.read_bytes()
     line = one_error(run("train", config))
